@@ -1,0 +1,74 @@
+"""Speaker -> client assignment for federated (non-IID) HuBERT targets.
+
+Speakers are never split across clients. Assignment balances trimmed hours with a
+largest-first greedy rule and is stable under fresh data: a speaker that already has a client
+keeps it, and only new speakers are placed (largest first, each onto the currently lightest
+client). Ties break on ids, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeakerLoad:
+    speaker_id: str
+    hours: float
+    utterances: int
+
+
+@dataclass(frozen=True)
+class ClientAssignment:
+    speaker_id: str
+    client_id: str
+    hours: float
+    utterances: int
+
+
+def client_ids(num_clients: int) -> list[str]:
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    return [f"client_{index:02d}" for index in range(num_clients)]
+
+
+def assign_clients(
+    speakers: list[SpeakerLoad],
+    num_clients: int,
+    previous: Mapping[str, str] | None = None,
+) -> list[ClientAssignment]:
+    """Assign every speaker in ``speakers`` to one of ``num_clients`` clients.
+
+    ``previous`` maps speaker_id -> client_id from the last assignment; those speakers keep their
+    client when it still exists. Speakers absent from ``speakers`` are dropped.
+    """
+    clients = client_ids(num_clients)
+    valid = set(clients)
+    load = {client: 0.0 for client in clients}
+    chosen: dict[str, str] = {}
+    for speaker in speakers:
+        client = (previous or {}).get(speaker.speaker_id)
+        if client in valid:
+            chosen[speaker.speaker_id] = client
+            load[client] += speaker.hours
+    newcomers = sorted(
+        (s for s in speakers if s.speaker_id not in chosen), key=lambda s: (-s.hours, s.speaker_id)
+    )
+    for speaker in newcomers:
+        lightest = min(clients, key=lambda c: (load[c], c))
+        chosen[speaker.speaker_id] = lightest
+        load[lightest] += speaker.hours
+    return [
+        ClientAssignment(s.speaker_id, chosen[s.speaker_id], s.hours, s.utterances)
+        for s in sorted(speakers, key=lambda s: s.speaker_id)
+    ]
+
+
+def imbalance(assignments: list[ClientAssignment], num_clients: int) -> float:
+    """Heaviest client's hours over the mean client's hours (1.0 is perfect balance)."""
+    totals = {client: 0.0 for client in client_ids(num_clients)}
+    for item in assignments:
+        totals[item.client_id] += item.hours
+    mean = sum(totals.values()) / num_clients
+    return max(totals.values()) / mean if mean > 0 else 1.0

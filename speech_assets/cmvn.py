@@ -1,0 +1,141 @@
+"""Cepstral mean and variance normalisation statistics from mergeable partial sums.
+
+Each feature shard stores its own partial sums (per speaker: frame count, sum, sum of squares,
+in float64), so global, per-speaker or per-client statistics combine from small sidecar files
+without re-reading any feature matrix; one changed shard changes only its own sidecar.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from speech_assets.utils import atomic_path
+
+FEATURE_NAMES = ("logmel", "mfcc")
+_MIN_VAR = 1e-8
+
+
+@dataclass
+class PartialSums:
+    """Sufficient statistics of a set of frames: ``count``, ``sum`` ``(D,)``, ``sumsq`` ``(D,)``."""
+
+    count: int
+    sum: np.ndarray
+    sumsq: np.ndarray
+
+    @classmethod
+    def zeros(cls, dim: int) -> PartialSums:
+        return cls(0, np.zeros(dim, np.float64), np.zeros(dim, np.float64))
+
+    @classmethod
+    def of(cls, frames: np.ndarray) -> PartialSums:
+        """Statistics of ``frames`` ``(T, D)``."""
+        as64 = np.asarray(frames, dtype=np.float64)
+        return cls(int(as64.shape[0]), as64.sum(axis=0), np.einsum("td,td->d", as64, as64))
+
+    def __add__(self, other: PartialSums) -> PartialSums:
+        return PartialSums(self.count + other.count, self.sum + other.sum, self.sumsq + other.sumsq)
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.sum / max(self.count, 1)
+
+    @property
+    def var(self) -> np.ndarray:
+        return np.maximum(self.sumsq / max(self.count, 1) - self.mean**2, _MIN_VAR)
+
+
+@dataclass
+class ShardStats:
+    """Per-speaker partial sums of both features for one shard."""
+
+    speakers: dict[str, dict[str, PartialSums]] = field(default_factory=dict)
+
+    def add(self, speaker_id: str, feature: str, frames: np.ndarray) -> None:
+        per_feature = self.speakers.setdefault(speaker_id, {})
+        stats = PartialSums.of(frames)
+        per_feature[feature] = per_feature[feature] + stats if feature in per_feature else stats
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        arrays: dict[str, np.ndarray] = {}
+        for speaker, per_feature in sorted(self.speakers.items()):
+            for feature, stats in sorted(per_feature.items()):
+                key = f"{speaker}/{feature}"
+                arrays[f"{key}/count"] = np.array(stats.count, np.int64)
+                arrays[f"{key}/sum"] = stats.sum
+                arrays[f"{key}/sumsq"] = stats.sumsq
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as handle:
+                np.savez(handle, **arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ShardStats:
+        result = cls()
+        with np.load(path) as data:
+            keys = sorted({name.rsplit("/", 1)[0] for name in data.files})
+            for key in keys:
+                speaker, feature = key.rsplit("/", 1)
+                result.speakers.setdefault(speaker, {})[feature] = PartialSums(
+                    int(data[f"{key}/count"]), data[f"{key}/sum"], data[f"{key}/sumsq"]
+                )
+        return result
+
+
+def combine(parts: Iterable[ShardStats], speakers: Iterable[str] | None = None) -> dict[str, PartialSums]:
+    """Sum partial statistics per feature over all shards (optionally only ``speakers``)."""
+    wanted = set(speakers) if speakers is not None else None
+    totals: dict[str, PartialSums] = {}
+    for part in parts:
+        for speaker, per_feature in part.speakers.items():
+            if wanted is not None and speaker not in wanted:
+                continue
+            for feature, stats in per_feature.items():
+                totals[feature] = totals[feature] + stats if feature in totals else stats
+    return totals
+
+
+@dataclass(frozen=True)
+class Cmvn:
+    """Mean and standard deviation per feature kind, each ``(D,)`` float32."""
+
+    mean: Mapping[str, np.ndarray]
+    std: Mapping[str, np.ndarray]
+    frames: int
+
+    @classmethod
+    def from_sums(cls, totals: Mapping[str, PartialSums]) -> Cmvn:
+        if not totals:
+            raise ValueError("no frames to compute CMVN statistics from")
+        return cls(
+            mean={k: v.mean.astype(np.float32) for k, v in totals.items()},
+            std={k: np.sqrt(v.var).astype(np.float32) for k, v in totals.items()},
+            frames=min(v.count for v in totals.values()),
+        )
+
+    def apply(self, frames: np.ndarray, feature: str) -> np.ndarray:
+        """Normalise ``frames`` ``(T, D)`` of ``feature`` to zero mean, unit variance (float32)."""
+        return ((frames - self.mean[feature]) / self.std[feature]).astype(np.float32, copy=False)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        arrays = {"frames": np.array(self.frames, np.int64)}
+        for feature in self.mean:
+            arrays[f"{feature}_mean"] = self.mean[feature]
+            arrays[f"{feature}_std"] = self.std[feature]
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as handle:
+                np.savez(handle, **arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cmvn:
+        with np.load(Path(path)) as data:
+            features = [name[: -len("_mean")] for name in data.files if name.endswith("_mean")]
+            return cls(
+                mean={f: data[f"{f}_mean"].astype(np.float32) for f in features},
+                std={f: data[f"{f}_std"].astype(np.float32) for f in features},
+                frames=int(data["frames"]),
+            )

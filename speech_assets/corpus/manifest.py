@@ -1,0 +1,533 @@
+"""Scan a corpus and validate every audio file into manifest rows and reject rows.
+
+Two input forms are accepted:
+
+* a folder in LibriSpeech layout: ``<spk>/<chap>/<spk>-<chap>-<utt>.flac`` beside
+  ``<spk>-<chap>.trans.txt`` (``<utt_id> TEXT`` per line);
+* a ``.csv`` or ``.jsonl`` file with columns ``path, transcript, speaker_id`` and optional
+  ``utt_id, chapter_id``; relative paths resolve against the manifest file's folder, which is
+  then the corpus root.
+
+Every file is decoded once, fully, so that truncated or corrupt audio is caught here rather than
+in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
+corpus is re-validated without decoding anything. No path that resolves outside the corpus root
+is ever opened. A bad file never raises: it becomes a :class:`RejectRow` with a reason from
+:class:`RejectReason` and a human-readable detail.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import soundfile as sf
+
+from speech_assets.utils import atomic_path, sha256_strings
+
+AUDIO_SUFFIXES = (".flac", ".wav")
+MANIFEST_SUFFIXES = (".csv", ".jsonl")
+
+
+class RejectReason(StrEnum):
+    """Reject reasons, exactly as CONTRACT.md spells them."""
+
+    UNREADABLE = "unreadable"
+    MISSING_FILE = "missing_file"
+    NO_TRANSCRIPT = "no_transcript"
+    DUPLICATE_ID = "duplicate_id"
+    TOO_SHORT = "too_short"
+    TOO_LONG = "too_long"
+    OUTSIDE_ROOT = "outside_root"
+    NO_SPEECH = "no_speech"
+
+
+class CorpusError(ValueError):
+    """The corpus as a whole cannot be read (missing, empty, malformed manifest file)."""
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One valid utterance. ``path`` is absolute and resolved inside the corpus root."""
+
+    utt_id: str
+    speaker_id: str
+    chapter_id: str
+    path: str
+    transcript: str
+    sample_rate: int
+    channels: int
+    num_samples: int
+    duration_s: float
+    file_sha256: str
+
+
+@dataclass(frozen=True)
+class RejectRow:
+    utt_id: str
+    path: str
+    stage: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    min_duration_s: float = 0.5
+    max_duration_s: float = 35.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_duration_s < self.max_duration_s:
+            raise ValueError(
+                f"need 0 <= min_duration_s < max_duration_s, got {self.min_duration_s}, {self.max_duration_s}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An utterance the corpus declares, before its audio is looked at."""
+
+    utt_id: str
+    speaker_id: str
+    chapter_id: str
+    transcript: str
+    path: Path  # as written (joined to its folder), not yet resolved
+
+
+@dataclass(frozen=True)
+class AudioProbe:
+    """What decoding one file found: either the audio facts or an error detail."""
+
+    size: int
+    mtime_ns: int
+    sample_rate: int = 0
+    channels: int = 0
+    num_samples: int = 0
+    file_sha256: str = ""
+    error: str = ""
+
+
+@dataclass
+class ScanResult:
+    rows: list[ManifestRow]
+    rejects: list[RejectRow]
+    decoded_files: int  # files actually decoded (not served from the cache)
+    cache: dict[str, AudioProbe]
+
+    @property
+    def reject_ratio(self) -> float:
+        total = len(self.rows) + len(self.rejects)
+        return len(self.rejects) / total if total else 0.0
+
+
+_PUNCTUATION = re.compile(r"[^\w\s']|_")
+_SPACES = re.compile(r"\s+")
+
+
+def normalise_transcript(text: str) -> str:
+    """Upper case, punctuation stripped (apostrophes kept), whitespace collapsed."""
+    return _SPACES.sub(" ", _PUNCTUATION.sub(" ", text.upper())).strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovering candidates
+
+
+def corpus_root_of(location: Path) -> Path:
+    """The folder every audio path must stay inside."""
+    return location.parent if location.suffix.lower() in MANIFEST_SUFFIXES else location
+
+
+def check_corpus_location(location: Path) -> None:
+    """Raise :class:`CorpusError` naming ``location`` if it is missing or holds no corpus."""
+    if not location.exists():
+        raise CorpusError(f"corpus not found: {location} does not exist")
+    if location.is_file():
+        if location.suffix.lower() not in MANIFEST_SUFFIXES:
+            raise CorpusError(f"corpus {location} is a file but not a .csv or .jsonl manifest")
+        if location.stat().st_size == 0:
+            raise CorpusError(f"corpus manifest {location} is empty")
+        return
+    if not any(_walk_corpus_files(location)):
+        raise CorpusError(f"corpus {location} is empty: no audio files and no *.trans.txt transcripts")
+
+
+def _walk_corpus_files(root: Path) -> Iterator[Path]:
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
+                yield Path(folder) / name
+
+
+def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
+    """Candidates declared by the corpus and rejects that need no audio (e.g. no transcript)."""
+    if location.is_file():
+        return _discover_manifest_file(location)
+    return _discover_librispeech(location)
+
+
+def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]:
+    candidates: list[Candidate] = []
+    rejects: list[RejectRow] = []
+    transcripts: dict[Path, dict[str, str]] = {}
+    audio: dict[Path, dict[str, Path]] = {}
+    for path in sorted(_walk_corpus_files(root)):
+        if path.name.endswith(".trans.txt"):
+            transcripts.setdefault(path.parent, {}).update(_read_trans_file(path))
+        else:
+            audio.setdefault(path.parent, {})[path.stem] = path
+    for folder in sorted(set(transcripts) | set(audio)):
+        texts = transcripts.get(folder, {})
+        files = audio.get(folder, {})
+        speaker_id, chapter_id = _speaker_chapter(root, folder)
+        for utt_id in sorted(set(texts) | set(files)):
+            if utt_id not in files:
+                rejects.append(
+                    RejectRow(
+                        utt_id, str(folder / f"{utt_id}.flac"), "manifest", RejectReason.MISSING_FILE,
+                        f"transcript line for {utt_id} in {folder} has no audio file",
+                    )
+                )
+                continue
+            text = normalise_transcript(texts.get(utt_id, ""))
+            if not text:
+                detail = "transcript is empty" if utt_id in texts else f"no line for {utt_id} in any *.trans.txt of {folder}"
+                rejects.append(RejectRow(utt_id, str(files[utt_id]), "manifest", RejectReason.NO_TRANSCRIPT, detail))
+                continue
+            parts = utt_id.split("-")
+            candidates.append(
+                Candidate(
+                    utt_id=utt_id,
+                    speaker_id=parts[0] if len(parts) == 3 else speaker_id,
+                    chapter_id=parts[1] if len(parts) == 3 else chapter_id,
+                    transcript=text,
+                    path=files[utt_id],
+                )
+            )
+    return candidates, rejects
+
+
+def _speaker_chapter(root: Path, folder: Path) -> tuple[str, str]:
+    parts = folder.relative_to(root).parts
+    speaker = parts[-2] if len(parts) >= 2 else (parts[-1] if parts else "unknown")
+    chapter = parts[-1] if len(parts) >= 2 else "0"
+    return speaker, chapter
+
+
+def _read_trans_file(path: Path) -> dict[str, str]:
+    lines: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        utt_id, _, text = line.strip().partition(" ")
+        if utt_id:
+            lines[utt_id] = text
+    return lines
+
+
+def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[RejectRow]]:
+    records = list(_read_manifest_records(manifest))
+    candidates: list[Candidate] = []
+    rejects: list[RejectRow] = []
+    for number, record in enumerate(records, start=1):
+        raw_path = str(record.get("path") or "").strip()
+        utt_id = str(record.get("utt_id") or "").strip() or (Path(raw_path).stem if raw_path else f"line-{number}")
+        if not raw_path:
+            rejects.append(RejectRow(utt_id, "", "manifest", RejectReason.MISSING_FILE, f"{manifest.name} record {number} has no path"))
+            continue
+        path = Path(raw_path) if os.path.isabs(raw_path) else manifest.parent / raw_path
+        text = normalise_transcript(str(record.get("transcript") or ""))
+        if not text:
+            rejects.append(RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"{manifest.name} record {number} has an empty transcript"))
+            continue
+        speaker = str(record.get("speaker_id") or "").strip()
+        if not speaker:
+            raise CorpusError(f"{manifest}: record {number} has no speaker_id")
+        chapter = str(record.get("chapter_id") or "").strip() or "0"
+        candidates.append(Candidate(utt_id, speaker, chapter, text, path))
+    return candidates, rejects
+
+
+def _read_manifest_records(manifest: Path) -> Iterator[dict[str, object]]:
+    if manifest.suffix.lower() == ".csv":
+        with open(manifest, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            missing = {"path", "transcript", "speaker_id"} - set(reader.fieldnames or [])
+            if missing:
+                raise CorpusError(f"{manifest}: missing columns {sorted(missing)}")
+            yield from reader
+        return
+    with open(manifest, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CorpusError(f"{manifest}: line {number} is not JSON ({err.msg})") from err
+            if not isinstance(record, dict):
+                raise CorpusError(f"{manifest}: line {number} is not a JSON object")
+            yield record
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def probe_audio(path: str) -> AudioProbe:
+    """Read and fully decode ``path``; never raises for bad audio (the error goes in ``error``)."""
+    stat = os.stat(path)
+    base = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if stat.st_size == 0:
+        return AudioProbe(**base, error="file is empty (0 bytes)")
+    with open(path, "rb") as handle:
+        data = handle.read()
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as audio:
+            declared = audio.frames
+            sample_rate, channels = audio.samplerate, audio.channels
+            decoded = 0
+            for block in audio.blocks(blocksize=1 << 16, dtype="int16", always_2d=True):
+                decoded += block.shape[0]
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
+        reason = getattr(err, "error_string", None) or str(err)
+        return AudioProbe(**base, file_sha256=digest, error=f"cannot decode as audio: {reason}")
+    if decoded == 0:
+        return AudioProbe(**base, file_sha256=digest, error="decodes to zero samples")
+    if declared != decoded:
+        return AudioProbe(
+            **base, file_sha256=digest,
+            error=f"header declares {declared} samples but {decoded} decoded (truncated or corrupt)",
+        )
+    return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, file_sha256=digest)
+
+
+def _cache_key(path: str, stat: os.stat_result) -> str:
+    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def probe_all(
+    paths: Sequence[str], cache: dict[str, AudioProbe], workers: int = 1
+) -> tuple[dict[str, AudioProbe], int]:
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns)."""
+    results: dict[str, AudioProbe] = {}
+    todo: list[str] = []
+    for path in paths:
+        stat = os.stat(path)
+        hit = cache.get(_cache_key(path, stat))
+        if hit is not None:
+            results[path] = hit
+        else:
+            todo.append(path)
+    if workers > 1 and len(todo) > 32:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            probes = list(pool.map(probe_audio, todo, chunksize=16))
+    else:
+        probes = [probe_audio(path) for path in todo]
+    results.update(zip(todo, probes, strict=True))
+    return results, len(todo)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole scan
+
+
+def scan_corpus(
+    location: Path,
+    config: ValidationConfig = ValidationConfig(),
+    cache: dict[str, AudioProbe] | None = None,
+    workers: int = 1,
+) -> ScanResult:
+    """Validate every utterance of the corpus at ``location``.
+
+    Raises :class:`CorpusError` only when the corpus itself is missing, empty or malformed.
+    """
+    location = Path(location).absolute()
+    check_corpus_location(location)
+    root = corpus_root_of(location).resolve()
+    candidates, rejects = discover(location)
+
+    inside: list[tuple[Candidate, str]] = []
+    for candidate in candidates:
+        resolved = candidate.path.resolve()
+        if not resolved.is_relative_to(root):
+            rejects.append(
+                RejectRow(
+                    candidate.utt_id, str(candidate.path), "manifest", RejectReason.OUTSIDE_ROOT,
+                    f"resolves to {resolved}, outside the corpus root {root}",
+                )
+            )
+        elif not resolved.is_file():
+            rejects.append(
+                RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}")
+            )
+        else:
+            inside.append((candidate, str(resolved)))
+
+    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers)
+    rows: list[ManifestRow] = []
+    kept_at: dict[str, str] = {}
+    for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
+        probe = probes[path]
+        reject = _judge(candidate, path, probe, config, kept_at)
+        if reject is not None:
+            rejects.append(reject)
+            continue
+        kept_at[candidate.utt_id] = path
+        rows.append(
+            ManifestRow(
+                utt_id=candidate.utt_id,
+                speaker_id=candidate.speaker_id,
+                chapter_id=candidate.chapter_id,
+                path=path,
+                transcript=candidate.transcript,
+                sample_rate=probe.sample_rate,
+                channels=probe.channels,
+                num_samples=probe.num_samples,
+                duration_s=probe.num_samples / probe.sample_rate,
+                file_sha256=probe.file_sha256,
+            )
+        )
+    new_cache = {_cache_key(path, os.stat(path)): probe for path, probe in probes.items()}
+    rejects.sort(key=lambda r: (r.utt_id, r.path, r.reason))
+    return ScanResult(rows=rows, rejects=rejects, decoded_files=decoded, cache=new_cache)
+
+
+def _judge(
+    candidate: Candidate, path: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str]
+) -> RejectRow | None:
+    def reject(reason: RejectReason, detail: str) -> RejectRow:
+        return RejectRow(candidate.utt_id, path, "manifest", reason, detail)
+
+    if probe.error:
+        return reject(RejectReason.UNREADABLE, probe.error)
+    if candidate.utt_id in kept_at:
+        return reject(RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}")
+    duration = probe.num_samples / probe.sample_rate
+    if duration < config.min_duration_s:
+        return reject(RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}")
+    if duration > config.max_duration_s:
+        return reject(RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashes and files
+
+
+def manifest_hash(rows: Iterable[ManifestRow]) -> str:
+    """sha256 over the sorted ``(utt_id, file_sha256, transcript)`` of kept rows."""
+    triples = sorted((r.utt_id, r.file_sha256, r.transcript) for r in rows)
+    return sha256_strings(part for triple in triples for part in triple)
+
+
+def speaker_hashes(rows: Iterable[ManifestRow]) -> dict[str, str]:
+    """Per-speaker manifest hash: what a speaker's feature shard depends on."""
+    by_speaker: dict[str, list[ManifestRow]] = {}
+    for row in rows:
+        by_speaker.setdefault(row.speaker_id, []).append(row)
+    return {speaker: manifest_hash(group) for speaker, group in sorted(by_speaker.items())}
+
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("utt_id", pa.string()), ("speaker_id", pa.string()), ("chapter_id", pa.string()),
+        ("path", pa.string()), ("transcript", pa.string()), ("sample_rate", pa.int32()),
+        ("channels", pa.int16()), ("num_samples", pa.int64()), ("duration_s", pa.float64()),
+        ("file_sha256", pa.string()),
+    ]
+)
+REJECTS_SCHEMA = pa.schema(
+    [("utt_id", pa.string()), ("path", pa.string()), ("stage", pa.string()), ("reason", pa.string()), ("detail", pa.string())]
+)
+_CACHE_SCHEMA = pa.schema(
+    [("key", pa.string())] + [(f.name, pa.string() if f.type in ("str", str) else pa.int64()) for f in fields(AudioProbe)]
+)
+
+
+def _write_table(path: Path, rows: Sequence[object], schema: pa.Schema) -> None:
+    table = pa.Table.from_pylist([asdict(row) for row in rows], schema=schema)  # type: ignore[call-overload]
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def write_manifest(path: Path, rows: Sequence[ManifestRow]) -> None:
+    _write_table(path, rows, MANIFEST_SCHEMA)
+
+
+def write_rejects(path: Path, rejects: Sequence[RejectRow]) -> None:
+    _write_table(path, rejects, REJECTS_SCHEMA)
+
+
+def read_manifest(path: Path) -> list[ManifestRow]:
+    return [ManifestRow(**record) for record in pq.read_table(path).to_pylist()]
+
+
+def read_rejects(path: Path) -> list[RejectRow]:
+    return [RejectRow(**record) for record in pq.read_table(path).to_pylist()]
+
+
+def load_cache(path: Path) -> dict[str, AudioProbe]:
+    if not path.exists():
+        return {}
+    try:
+        records = pq.read_table(path).to_pylist()
+    except (OSError, pa.ArrowInvalid):
+        return {}  # a damaged cache only costs a re-decode
+    return {record.pop("key"): AudioProbe(**record) for record in records}
+
+
+def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
+    records = [{"key": key, **asdict(probe)} for key, probe in sorted(cache.items())]
+    table = pa.Table.from_pylist(records, schema=_CACHE_SCHEMA)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for reject in rejects:
+        counts[reject.reason] = counts.get(reject.reason, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+
+def corpus_fingerprint(location: Path) -> str:
+    """A cheap change detector: sha256 over (relative path, size, mtime) of every corpus file.
+
+    Stats only, no reads, so a sensor can call it every tick; the manifest records it so the
+    sensor knows whether the last manifest saw the corpus as it is now.
+    """
+    location = Path(location).absolute()
+    if not location.exists():
+        return ""
+    if location.is_file():
+        paths = [location]
+        try:
+            paths += [
+                Path(str(c.path)) for c in discover(location)[0]
+            ]
+        except CorpusError:
+            pass
+        root = location.parent
+    else:
+        root = location
+        paths = sorted(_walk_corpus_files(location))
+    parts: list[str] = []
+    for path in paths:
+        try:
+            stat = path.stat()
+        except OSError:
+            parts.append(f"{path}|missing")
+            continue
+        parts.append(f"{os.path.relpath(path, root)}|{stat.st_size}|{stat.st_mtime_ns}")
+    return sha256_strings(parts)

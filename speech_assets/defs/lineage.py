@@ -1,0 +1,66 @@
+"""Read the data versions that upstream assets recorded, to stamp them into our metadata."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterable
+
+import dagster as dg
+
+from speech_assets import settings
+
+DATA_VERSION_TAG = "dagster/data_version"
+
+
+def latest_data_version(
+    instance: dg.DagsterInstance, asset: str, partition: str | None = None
+) -> str | None:
+    """Data version of the latest materialization of ``asset`` (or one of its partitions)."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition is not None else None
+        ),
+        limit=1,
+    ).records
+    if not records:
+        return None
+    materialization = records[0].asset_materialization
+    return materialization.tags.get(DATA_VERSION_TAG) if materialization and materialization.tags else None
+
+
+def latest_metadata(
+    instance: dg.DagsterInstance, asset: str, partition: str | None = None
+) -> dict[str, object]:
+    """Raw metadata values of the latest materialization (empty when never materialized)."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition is not None else None
+        ),
+        limit=1,
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return {}
+    return {key: value.value for key, value in records[0].asset_materialization.metadata.items()}
+
+
+def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, str]:
+    """Latest data version per partition (partitions never materialized are left out)."""
+    versions = {key: latest_data_version(instance, asset, key) for key in partitions}
+    return {key: value for key, value in sorted(versions.items()) if value is not None}
+
+
+def git_commit() -> str | None:
+    """The repository's HEAD commit, or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=settings.repo_root(), capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""Where things live: repository root, corpus, data dir, Dagster home and MLflow store.
+
+Every location comes from an (optional) environment variable; relative values resolve against
+the repository root so that `make demo`, `dagster dev` and tests agree on one layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def repo_root() -> Path:
+    """The checkout this package runs from (falls back to the working directory when installed)."""
+    explicit = os.environ.get("SPEECH_ASSETS_REPO_ROOT")
+    if explicit:
+        return Path(explicit).resolve()
+    candidate = PACKAGE_DIR.parent
+    if (candidate / "pyproject.toml").is_file():
+        return candidate
+    return Path.cwd().resolve()
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """Absolute form of ``path``; relative paths are taken from the repository root."""
+    path = Path(os.path.expanduser(os.fspath(path)))
+    return path if path.is_absolute() else (repo_root() / path)
+
+
+def sample_corpus() -> Path:
+    return repo_root() / "data" / "sample"
+
+
+def corpus_location() -> Path:
+    """``$SPEECH_ASSETS_CORPUS``: a LibriSpeech-layout folder or a .csv/.jsonl manifest file."""
+    return resolve(os.environ.get("SPEECH_ASSETS_CORPUS") or sample_corpus())
+
+
+def data_dir() -> Path:
+    return resolve(os.environ.get("SPEECH_ASSETS_DATA_DIR") or "data/out")
+
+
+def dagster_home() -> Path:
+    return resolve(os.environ.get("DAGSTER_HOME") or "data/dagster_home")
+
+
+def mlflow_tracking_uri(data: Path | None = None) -> str:
+    explicit = os.environ.get("MLFLOW_TRACKING_URI")
+    if explicit:
+        return explicit
+    return f"sqlite:///{(data or data_dir()) / 'mlflow.db'}"

@@ -1,0 +1,85 @@
+"""Small shared helpers: atomic writes and content hashes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+_CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; on success fsync it and rename it into place.
+
+    The temp file lives in the same folder (so the rename is atomic on POSIX) and carries a
+    ``.tmp`` suffix that no reader trusts. On any exception it is removed and ``target`` is
+    left untouched: a reader sees the old file or the new one, never half of one.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(target: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_strings(parts: Iterable[str]) -> str:
+    """Hash an ordered sequence of strings unambiguously (each part is length-prefixed)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        encoded = part.encode("utf-8")
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    return digest.hexdigest()
+
+
+def remove_stale_temp_files(folder: str | os.PathLike[str]) -> int:
+    """Delete leftovers of writers that died mid-write (``.<name>.*.tmp``); returns how many."""
+    removed = 0
+    for leftover in Path(folder).glob(".*.tmp"):
+        leftover.unlink(missing_ok=True)
+        removed += 1
+    return removed
