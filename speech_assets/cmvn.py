@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speech_assets.utils import atomic_path
+from speech_assets.utils import save_npz
 
 FEATURE_NAMES = ("logmel", "mfcc")
 _MIN_VAR = 1e-8
@@ -69,9 +69,7 @@ class ShardStats:
                 arrays[f"{key}/count"] = np.array(stats.count, np.int64)
                 arrays[f"{key}/sum"] = stats.sum
                 arrays[f"{key}/sumsq"] = stats.sumsq
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as handle:
-                np.savez(handle, **arrays)
+        save_npz(path, arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ShardStats:
@@ -126,9 +124,7 @@ class Cmvn:
         for feature in self.mean:
             arrays[f"{feature}_mean"] = self.mean[feature]
             arrays[f"{feature}_std"] = self.std[feature]
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as handle:
-                np.savez(handle, **arrays)
+        save_npz(path, arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Cmvn:

@@ -2,10 +2,23 @@
 
 import dagster as dg
 
-from speech_assets.defs import manifest
+from speech_assets.defs import automation, clients, features, manifest, stats, training
 from speech_assets.defs.resources import StoragePaths
 
 defs = dg.Definitions(
-    assets=[manifest.manifest],
-    resources={"paths": StoragePaths.from_environment()},
+    assets=[
+        manifest.manifest,
+        features.vad_features,
+        features.cmvn_stats,
+        clients.client_partitions,
+        clients.kmeans_targets,
+        training.pretrained_checkpoint,
+        stats.dataset_stats,
+    ],
+    sensors=[automation.corpus_sensor, automation.automation_sensor],
+    schedules=[automation.revalidate_corpus],
+    resources={
+        "paths": StoragePaths.from_environment(),
+        "pipes_subprocess_client": dg.PipesSubprocessClient(),
+    },
 )

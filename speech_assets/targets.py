@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from speech_assets.cmvn import Cmvn
 from speech_assets.utils import atomic_path
 
 LABELS_SCHEMA = pa.schema(
@@ -61,3 +62,105 @@ def iter_labels(path: str | os.PathLike[str]) -> Iterator[UtteranceLabels]:
 def read_labels(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Map ``utt_id`` -> ``(L,)`` int16 labels."""
     return {item.utt_id: item.labels for item in iter_labels(path)}
+
+
+@dataclass
+class ClientTargetSet:
+    """What one client's k-means stage produced (all paths under ``out_dir``)."""
+
+    client_id: str
+    k: int
+    k_requested: int
+    frames_fit: int
+    frames_labelled: int
+    utterances: int
+    inertia_per_frame: float
+    perplexity: float
+    empty_clusters: int
+    mean_segment_length: float
+    shards_read: list[str]
+    codebook_path: Path
+    labels_path: Path
+
+
+def build_client_targets(
+    client_id: str,
+    shard_paths: list[Path],
+    client_cmvn: Cmvn,
+    out_dir: Path,
+    k: int = 100,
+    max_fit_frames: int = 2_000_000,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ClientTargetSet:
+    """Fit one client's k-means on its own shards only, then label every frame of them.
+
+    Memory is bounded: the fit sees at most ``max_fit_frames`` frames, drawn as whole
+    utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
+    model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
+    """
+    from speech_assets import kmeans
+    from speech_assets.features import iter_shard, read_shard_table
+
+    frame_counts: list[int] = []
+    index: list[tuple[int, str]] = []
+    for shard_number, path in enumerate(shard_paths):
+        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
+            index.append((shard_number, utt_id))
+            frame_counts.append(frames)
+    total_frames = int(sum(frame_counts))
+    if total_frames == 0:
+        raise ValueError(f"client {client_id} has no feature frames to cluster")
+
+    chosen = kmeans.sample_utterances(frame_counts, max_fit_frames, seed)
+    wanted: dict[int, set[str]] = {}
+    for position in chosen:
+        shard_number, utt_id = index[position]
+        wanted.setdefault(shard_number, set()).add(utt_id)
+    fit_frames = [
+        client_cmvn.apply(record.mfcc, "mfcc")
+        for shard_number, utt_ids in sorted(wanted.items())
+        for record in iter_shard(shard_paths[shard_number], features=("mfcc",))
+        if record.utt_id in utt_ids
+    ]
+    frames = np.concatenate(fit_frames, axis=0)
+    k_used = kmeans.effective_k(frames.shape[0], k)
+    if k_used < k:
+        log(f"client {client_id}: only {frames.shape[0]} frames, K shrinks from {k} to {k_used}")
+    fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
+    del frames, fit_frames
+
+    counts = np.zeros(k_used, dtype=np.int64)
+    segments = kmeans.SegmentStats()
+    labelled = 0
+    items: list[UtteranceLabels] = []
+    for path in shard_paths:
+        for record in iter_shard(path, features=("mfcc",)):
+            labels = kmeans.assign_labels(client_cmvn.apply(record.mfcc, "mfcc"), fit.codebook)
+            counts += np.bincount(labels, minlength=k_used)
+            segments.add(labels)
+            labelled += labels.shape[0]
+            items.append(UtteranceLabels(record.utt_id, record.speaker_id, kmeans.to_model_rate(labels)))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    codebook_path = out_dir / "codebook.npy"
+    with atomic_path(codebook_path) as tmp:
+        with open(tmp, "wb") as handle:
+            np.save(handle, fit.codebook.astype(np.float32), allow_pickle=False)
+    labels_path = write_labels(out_dir / "labels.parquet", items)
+    return ClientTargetSet(
+        client_id=client_id,
+        k=k_used,
+        k_requested=k,
+        frames_fit=fit.frames_fit,
+        frames_labelled=labelled,
+        utterances=len(items),
+        inertia_per_frame=float(fit.inertia_per_frame),
+        perplexity=float(kmeans.cluster_perplexity(counts)),
+        empty_clusters=int(kmeans.empty_clusters(counts)),
+        mean_segment_length=float(segments.mean),
+        shards_read=[str(p) for p in shard_paths],
+        codebook_path=codebook_path,
+        labels_path=labels_path,
+    )

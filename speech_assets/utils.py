@@ -83,3 +83,22 @@ def remove_stale_temp_files(folder: str | os.PathLike[str]) -> int:
         leftover.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def save_npz(target: str | os.PathLike[str], arrays: dict[str, "np.ndarray"]) -> None:
+    """Write ``arrays`` as an .npz atomically and byte-deterministically.
+
+    ``np.savez`` stamps the current time into each zip entry, so the same arrays would hash
+    differently on every run; here entries are sorted and dated 1980-01-01.
+    """
+    import io
+    import zipfile
+
+    import numpy as np
+
+    with atomic_path(target) as tmp:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
+            for name in sorted(arrays):
+                buffer = io.BytesIO()
+                np.lib.format.write_array(buffer, np.asarray(arrays[name]), allow_pickle=False)
+                archive.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), buffer.getvalue())

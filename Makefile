@@ -1,0 +1,43 @@
+# speech_assets: `make demo`, `make test`, `make ui` work on a fresh machine (they create .venv).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export DAGSTER_HOME ?= $(CURDIR)/data/dagster_home
+export SPEECH_ASSETS_DATA_DIR ?= $(CURDIR)/data/out
+
+.PHONY: install demo test ui bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# plain pip, not uv: torch 2.14.1 comes from the local wheel store on this kind of machine
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# Materializes the whole asset graph with the documented `dagster asset materialize` commands.
+demo: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/materialize_all.sh
+
+test: install
+	$(BIN)/python -m pytest
+
+# The web UI, on loopback only unless you pass UI_HOST=0.0.0.0 deliberately.
+UI_HOST ?= 127.0.0.1
+UI_PORT ?= 3000
+ui: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/ensure_dagster_home.sh
+	$(BIN)/dagster dev -h $(UI_HOST) -p $(UI_PORT) -m speech_assets.definitions
+
+bench: install
+	$(BIN)/python bench/features.py
+	$(BIN)/python bench/kmeans.py
+	$(BIN)/python bench/train.py
+
+clean:
+	rm -rf data/out data/dagster_home

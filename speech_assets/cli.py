@@ -1,0 +1,118 @@
+"""`speech-assets`: corpus synthesis, dataset statistics, SQL, lineage and partition helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import duckdb
+
+from speech_assets import settings, stats_db
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    print(stats_db.summary(_db(args)))
+    return 0
+
+
+def _cmd_sql(args: argparse.Namespace) -> int:
+    con = stats_db.connect_read_only(_db(args))
+    try:
+        relation = con.sql(args.query)
+        if relation is None:
+            return 0
+        relation.show(max_rows=args.max_rows, max_width=10_000)
+    except duckdb.Error as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        con.close()
+    return 0
+
+
+def _cmd_lineage(args: argparse.Namespace) -> int:
+    from speech_assets.lineage import checkpoint_lineage
+
+    report = checkpoint_lineage(Path(args.checkpoint))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"checkpoint        {report['checkpoint']}")
+    print(f"weights sha256    {report['weights_sha256']}")
+    print(f"step              {report['step']}")
+    print(f"git commit        {report.get('git_sha') or '(none recorded)'}")
+    print(f"mlflow run        {report.get('mlflow_run_id') or '(none)'}")
+    print("inputs (data versions):")
+    for key, value in sorted(report["data_versions"].items()):
+        print(f"  {key:32s} {value}")
+    print("config:")
+    for key, value in sorted(report["config"].items()):
+        if key not in ("data_versions", "shards", "clients"):
+            print(f"  {key:32s} {value}")
+    return 0
+
+
+def _cmd_partitions(args: argparse.Namespace) -> int:
+    """Print a partition set's keys, or the `first...last` range `dagster asset materialize` takes."""
+    import dagster as dg
+
+    instance = dg.DagsterInstance.get()
+    keys = list(instance.get_dynamic_partitions(args.name))
+    if not keys:
+        print(f"no partitions registered for {args.name!r} in {settings.dagster_home()}", file=sys.stderr)
+        return 1
+    print(f"{keys[0]}...{keys[-1]}" if args.range else "\n".join(keys))
+    return 0
+
+
+def _db(args: argparse.Namespace) -> Path:
+    return Path(args.db) if args.db else settings.data_dir() / "stats.duckdb"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speech-assets", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    corpus = commands.add_parser("corpus", help="corpus tools").add_subparsers(dest="corpus_command", required=True)
+    synth = corpus.add_parser("synth", help="build a LibriSpeech-layout corpus offline from local TTS voices")
+    from speech_assets.corpus import synth as synth_module
+
+    synth_module.add_arguments(synth)
+    synth.set_defaults(func=synth_module.run_from_args)
+
+    db_help = "DuckDB file (default: $SPEECH_ASSETS_DATA_DIR/stats.duckdb)"
+    stats = commands.add_parser("stats", help="summary of the dataset from the DuckDB database")
+    stats.add_argument("--db", help=db_help)
+    stats.set_defaults(func=_cmd_stats)
+
+    sql = commands.add_parser("sql", help="run a read-only SQL query against the DuckDB database")
+    sql.add_argument("query")
+    sql.add_argument("--db", help=db_help)
+    sql.add_argument("--max-rows", type=int, default=200)
+    sql.set_defaults(func=_cmd_sql)
+
+    lineage = commands.add_parser("lineage", help="what a checkpoint was trained from")
+    lineage.add_argument("checkpoint")
+    lineage.add_argument("--json", action="store_true")
+    lineage.set_defaults(func=_cmd_lineage)
+
+    partitions = commands.add_parser("partitions", help="registered dynamic partitions (speakers, clients)")
+    partitions.add_argument("name", choices=["speakers", "clients"])
+    partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
+    partitions.set_defaults(func=_cmd_partitions)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Fresh-data automation: a corpus sensor, a re-validation schedule, and declarative automation.
+
+Everything here starts STOPPED, as Dagster does by default; turn it on in the UI
+(Automation tab) or with `dagster sensor start` / `dagster schedule start` (see README).
+
+Flow on fresh audio:
+1. ``corpus_sensor`` sees the corpus fingerprint (paths, sizes, mtimes) differ from the one the
+   latest manifest recorded, and requests a ``manifest`` run.
+2. Once the manifest is current, it compares every speaker's manifest hash with the hash its
+   shard was built from, registers new speaker partitions, and requests ``vad_features`` runs
+   for exactly the new or changed speakers — unchanged shards are never re-executed.
+3. Downstream assets follow through ``AutomationCondition``s evaluated by the
+   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails; retraining
+   happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON`` interval.
+"""
+
+import json
+import os
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.corpus.manifest import corpus_fingerprint
+from speech_assets.defs.features import ShardFiles
+from speech_assets.defs.lineage import latest_metadata
+from speech_assets.defs.partitions import speakers_partitions
+from speech_assets.defs.resources import StoragePaths
+
+REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
+REJECT_RATIO_CHECK = dg.AssetCheckKey(dg.AssetKey("manifest"), "reject_ratio")
+
+
+def _manifest_check_failed(instance: dg.DagsterInstance) -> bool:
+    records = instance.event_log_storage.get_latest_asset_check_execution_by_key([REJECT_RATIO_CHECK])
+    record = records.get(REJECT_RATIO_CHECK)
+    return record is not None and record.status.value == "FAILED"
+
+
+def stale_speakers(paths: StoragePaths) -> dict[str, str]:
+    """Speakers whose shard is missing or was built from other manifest rows -> current hash."""
+    if not paths.speakers_file.exists():
+        return {}
+    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash"]).to_pylist()
+    result = {}
+    for row in speakers:
+        meta = ShardFiles.of(paths, row["speaker_id"]).read_meta()
+        if meta is None or meta.get("speaker_manifest_hash") != row["manifest_hash"]:
+            result[row["speaker_id"]] = row["manifest_hash"]
+    return result
+
+
+@dg.sensor(
+    name="corpus_sensor",
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.STOPPED,
+    target=["manifest", "vad_features"],
+    description="Watches the corpus for new or changed audio and requests only the work it implies.",
+)
+def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> dg.SensorResult | dg.SkipReason:
+    fingerprint = corpus_fingerprint(paths.corpus_path)
+    if not fingerprint:
+        return dg.SkipReason(f"corpus {paths.corpus_path} does not exist")
+    cursor = json.dumps({"fingerprint": fingerprint})
+    seen = latest_metadata(context.instance, "manifest").get("corpus_fingerprint")
+    if seen != fingerprint:
+        return dg.SensorResult(
+            run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")])],
+            cursor=cursor,
+        )
+    if _manifest_check_failed(context.instance):
+        return dg.SkipReason("manifest reject_ratio check failed: fix the corpus or raise max_reject_ratio")
+    stale = stale_speakers(paths)
+    if not stale:
+        return dg.SensorResult(skip_reason="every shard is up to date", cursor=cursor)
+    known = set(context.instance.get_dynamic_partitions(speakers_partitions.name))
+    new = sorted(set(stale) - known)
+    return dg.SensorResult(
+        dynamic_partitions_requests=[speakers_partitions.build_add_request(new)] if new else [],
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"shard:{speaker}:{speaker_hash}",
+                asset_selection=[dg.AssetKey("vad_features")],
+                partition_key=speaker,
+            )
+            for speaker, speaker_hash in sorted(stale.items())
+        ],
+        cursor=cursor,
+    )
+
+
+revalidate_corpus = dg.ScheduleDefinition(
+    name="revalidate_corpus",
+    cron_schedule=REVALIDATE_CRON,
+    target=["manifest"],
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    description="Re-validates the whole corpus (decode cache makes unchanged files free).",
+)
+
+automation_sensor = dg.AutomationConditionSensorDefinition(
+    "speech_assets_automation",
+    target=dg.AssetSelection.all(),
+    default_status=dg.DefaultSensorStatus.STOPPED,
+    minimum_interval_seconds=60,
+)

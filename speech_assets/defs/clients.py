@@ -1,0 +1,221 @@
+"""Stage 3: speakers partitioned into non-IID clients, and per-client k-means targets."""
+
+import json
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from speech_assets import cmvn
+from speech_assets import clients as assignment
+from speech_assets import targets
+from speech_assets.defs.conditions import follow_upstream
+from speech_assets.defs.features import ShardFiles
+from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.partitions import clients_partitions, register_new
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+
+CLIENTS_CODE_VERSION = "clients-v1"
+KMEANS_CODE_VERSION = "kmeans-v1"
+
+CLIENTS_SCHEMA = pa.schema(
+    [("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64())]
+)
+
+
+class ClientsConfig(dg.Config):
+    num_clients: int = 4
+
+
+@dg.asset(
+    group_name="clients",
+    deps=["cmvn_stats"],
+    code_version=CLIENTS_CODE_VERSION,
+    automation_condition=follow_upstream(),
+    kinds={"parquet"},
+    description=(
+        "Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours; "
+        "speakers already assigned keep their client."
+    ),
+)
+def client_partitions(context: dg.AssetExecutionContext, config: ClientsConfig, paths: StoragePaths) -> dg.MaterializeResult:
+    speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
+    loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
+    previous = {}
+    if paths.clients_file.exists():
+        previous = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
+    result = assignment.assign_clients(loads, config.num_clients, previous)
+    table = pa.Table.from_pylist(
+        [{"speaker_id": a.speaker_id, "client_id": a.client_id, "hours": a.hours, "utterances": a.utterances} for a in result],
+        schema=CLIENTS_SCHEMA,
+    )
+    with atomic_path(paths.clients_file) as tmp:
+        pq.write_table(table, tmp)
+    ids = assignment.client_ids(config.num_clients)
+    added = register_new(context, clients_partitions, ids)
+    summary = {c: {"speakers": 0, "hours": 0.0, "utterances": 0} for c in ids}
+    for item in result:
+        summary[item.client_id]["speakers"] += 1
+        summary[item.client_id]["hours"] += item.hours
+        summary[item.client_id]["utterances"] += item.utterances
+    moved = sorted(s for s, c in previous.items() if any(a.speaker_id == s and a.client_id != c for a in result))
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(sha256_file(paths.clients_file)),
+        metadata={
+            "clients": config.num_clients,
+            "speakers": len(result),
+            "new_speakers": len([a for a in result if a.speaker_id not in previous]),
+            "moved_speakers": dg.MetadataValue.json(moved),
+            "imbalance": round(assignment.imbalance(result, config.num_clients), 4),
+            "summary": dg.MetadataValue.md(
+                markdown_table(
+                    ("client", "speakers", "hours", "utterances"),
+                    ((c, v["speakers"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
+                )
+            ),
+            "registered_partitions": dg.MetadataValue.json(added),
+            "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
+            "path": dg.MetadataValue.path(str(paths.clients_file)),
+        },
+    )
+
+
+class KMeansTargetsConfig(dg.Config):
+    k: int = 100
+    max_fit_frames: int = 2_000_000
+    seed: int = 0
+    force: bool = False  # refit even when this client's inputs are unchanged
+
+
+@dg.asset(
+    group_name="clients",
+    partitions_def=clients_partitions,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    deps=[
+        "client_partitions",
+        "cmvn_stats",
+        dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping()),
+    ],
+    code_version=KMEANS_CODE_VERSION,
+    automation_condition=follow_upstream(),
+    kinds={"faiss"},
+    description=(
+        "Per client: k-means on that client's own CMVN-normalised MFCC frames (federated HuBERT), "
+        "codebook and int16 labels per utterance at 50 Hz."
+    ),
+)
+def kmeans_targets(context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths) -> dg.MaterializeResult:
+    assignments = pq.read_table(paths.clients_file).to_pylist()
+    speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
+    versions: dict[str, str] = {}
+    for client_id in context.partition_keys:
+        speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
+        versions[client_id] = _materialize_client(context, config, paths, client_id, speakers, speaker_sums)
+    keys = list(context.partition_keys)
+    version = versions[keys[0]] if len(keys) == 1 else sha256_strings(f"{c}:{versions[c]}" for c in keys)
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(version),
+        metadata={
+            "clients": len(keys),
+            "client_versions": dg.MetadataValue.json(versions),
+            "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
+            "clients_version": latest_data_version(context.instance, "client_partitions") or "",
+        },
+    )
+
+
+def _materialize_client(
+    context: dg.AssetExecutionContext,
+    config: KMeansTargetsConfig,
+    paths: StoragePaths,
+    client_id: str,
+    speakers: list[str],
+    speaker_sums: cmvn.ShardStats,
+) -> str:
+    """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version."""
+    out_dir = paths.kmeans_dir(client_id)
+    if not speakers:
+        raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
+    shard_versions = {}
+    for speaker in speakers:
+        meta = ShardFiles.of(paths, speaker).read_meta()
+        if meta is None:
+            raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
+        shard_versions[speaker] = meta["shard_sha256"]
+    # Client-level CMVN from this client's own speakers only: no statistics cross clients.
+    client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
+    inputs_key = sha256_strings(
+        [json.dumps(shard_versions, sort_keys=True), config.model_dump_json(exclude={"force"}), KMEANS_CODE_VERSION]
+    )
+    quality_file = out_dir / "quality.json"
+    previous = _read_json(quality_file)
+    if not config.force and previous.get("inputs_key") == inputs_key and _outputs_intact(previous, out_dir):
+        context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
+        quality = previous
+    else:
+        result = targets.build_client_targets(
+            client_id,
+            [paths.shard_file(s) for s in speakers],
+            client_cmvn,
+            out_dir,
+            k=config.k,
+            max_fit_frames=config.max_fit_frames,
+            seed=config.seed,
+            log=context.log.warning,
+        )
+        quality = {
+            "client_id": client_id,
+            "k": result.k,
+            "k_requested": result.k_requested,
+            "frames_fit": result.frames_fit,
+            "frames_labelled": result.frames_labelled,
+            "utterances": result.utterances,
+            "inertia_per_frame": result.inertia_per_frame,
+            "perplexity": result.perplexity,
+            "empty_clusters": result.empty_clusters,
+            "mean_segment_length": result.mean_segment_length,
+            "speakers": speakers,
+            "shards_read": result.shards_read,
+            "shard_versions": shard_versions,
+            "inputs_key": inputs_key,
+            "codebook_sha256": sha256_file(result.codebook_path),
+            "labels_sha256": sha256_file(result.labels_path),
+        }
+        quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
+        atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
+    context.add_asset_metadata(
+        {
+            "k": quality["k"],
+            "frames_fit": quality["frames_fit"],
+            "frames_labelled": quality["frames_labelled"],
+            "inertia_per_frame": round(quality["inertia_per_frame"], 4),
+            "perplexity": round(quality["perplexity"], 2),
+            "empty_clusters": quality["empty_clusters"],
+            "mean_segment_length": round(quality["mean_segment_length"], 3),
+            "speakers": dg.MetadataValue.json(speakers),
+            "shards_read": dg.MetadataValue.json(quality["shards_read"]),
+            "shard_versions": dg.MetadataValue.json(quality["shard_versions"]),
+            "data_version": quality["data_version"],
+            "label_rate_hz": 50,
+            "path": dg.MetadataValue.path(str(out_dir)),
+        },
+        partition_key=client_id,
+    )
+    return quality["data_version"]
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _outputs_intact(quality: dict, out_dir) -> bool:
+    try:
+        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
+            out_dir / "labels.parquet"
+        ) == quality.get("labels_sha256")
+    except OSError:
+        return False

@@ -1,0 +1,251 @@
+"""Stage 2: VAD-trimmed feature shards (one per speaker) and CMVN statistics."""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from speech_assets import cmvn
+from speech_assets.corpus import manifest as corpus
+from speech_assets.defs.conditions import follow_upstream
+from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.partitions import speakers_partitions
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.extract import UtteranceInput, build_shards_parallel
+from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file, sha256_strings
+from speech_assets.vad import VadConfig
+
+FEATURES_CODE_VERSION = "vad-features-v1"
+CMVN_CODE_VERSION = "cmvn-v1"
+
+
+class FeatureConfig(dg.Config):
+    vad_aggressiveness: int = 2
+    vad_frame_ms: int = 30
+    vad_padding_ms: int = 300
+    min_speech_s: float = 0.5
+    min_speech_ratio: float = 0.1
+    workers: int = 0  # 0: one worker per core
+    force: bool = False  # rebuild shards even when their inputs are unchanged
+
+    def vad(self) -> VadConfig:
+        return VadConfig(
+            aggressiveness=self.vad_aggressiveness,
+            frame_ms=self.vad_frame_ms,
+            padding_ms=self.vad_padding_ms,
+            min_speech_s=self.min_speech_s,
+            min_speech_ratio=self.min_speech_ratio,
+        )
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """The files one shard consists of; ``meta`` is written last and vouches for the others."""
+
+    shard: Path
+    rejects: Path
+    stats: Path
+    meta: Path
+
+    @classmethod
+    def of(cls, paths: StoragePaths, speaker_id: str) -> "ShardFiles":
+        base = paths.shard_file(speaker_id)
+        stem = base.with_suffix("")
+        return cls(base, Path(f"{stem}.rejects.parquet"), Path(f"{stem}.stats.npz"), Path(f"{stem}.meta.json"))
+
+    def read_meta(self) -> dict | None:
+        """The shard's metadata if every file it vouches for is present and intact, else None."""
+        try:
+            meta = json.loads(self.meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if not (self.shard.is_file() and self.rejects.is_file() and self.stats.is_file()):
+            return None
+        if sha256_file(self.shard) != meta.get("shard_sha256"):
+            return None
+        return meta
+
+
+def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
+    """What a shard's content depends on: its speaker's manifest rows, the config, the code."""
+    return sha256_strings([speaker_hash, json.dumps(vad.as_dict(), sort_keys=True), FEATURES_CODE_VERSION])
+
+
+REJECTS_SCHEMA = corpus.REJECTS_SCHEMA
+
+
+@dg.asset(
+    group_name="features",
+    partitions_def=speakers_partitions,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    deps=["manifest"],
+    code_version=FEATURES_CODE_VERSION,
+    kinds={"parquet", "torch"},
+    description=(
+        "One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, "
+        "plus no_speech rejects and CMVN partial sums beside it."
+    ),
+)
+def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths) -> dg.MaterializeResult:
+    vad_cfg = config.vad()
+    speakers = list(context.partition_keys)
+    rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in set(speakers)]
+    speaker_hashes = corpus.speaker_hashes(rows)
+    manifest_version = latest_data_version(context.instance, "manifest")
+    paths.shards_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(paths.shards_dir)
+
+    by_speaker: dict[str, list[UtteranceInput]] = {s: [] for s in speakers}
+    for row in rows:
+        by_speaker[row.speaker_id].append(
+            UtteranceInput(row.utt_id, row.speaker_id, row.chapter_id, row.path, row.duration_s)
+        )
+    todo, reused = [], {}
+    for speaker in speakers:
+        files = ShardFiles.of(paths, speaker)
+        key = shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg)
+        meta = None if config.force else files.read_meta()
+        if meta is not None and meta.get("inputs_key") == key:
+            reused[speaker] = meta
+        else:
+            todo.append((speaker, by_speaker[speaker], files.shard))
+    workers = config.workers or os.cpu_count() or 1
+    context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(reused)} unchanged")
+    built = build_shards_parallel(todo, vad_cfg, workers=workers)
+
+    metas: dict[str, dict] = dict(reused)
+    for speaker, result in built.items():
+        files = ShardFiles.of(paths, speaker)
+        reject_table = pa.Table.from_pylist(result.rejects, schema=REJECTS_SCHEMA)
+        with atomic_path(files.rejects) as tmp:
+            pq.write_table(reject_table, tmp, compression="zstd")
+        result.stats.save(files.stats)
+        meta = {
+            "speaker_id": speaker,
+            "inputs_key": shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg),
+            "speaker_manifest_hash": speaker_hashes.get(speaker, ""),
+            "manifest_version": manifest_version,
+            "shard_sha256": sha256_file(files.shard),
+            "stats_sha256": sha256_file(files.stats),
+            "utterances": result.num_records,
+            "rejects": len(result.rejects),
+            "audio_seconds": result.audio_seconds,
+            "trimmed_seconds": result.trimmed_seconds,
+            "vad": vad_cfg.as_dict(),
+            "code_version": FEATURES_CODE_VERSION,
+        }
+        atomic_write_text(files.meta, json.dumps(meta, indent=1, sort_keys=True))
+        metas[speaker] = meta
+
+    for speaker in speakers:
+        meta = metas[speaker]
+        context.add_asset_metadata(
+            {
+                "shard_sha256": meta["shard_sha256"],
+                "utterances": meta["utterances"],
+                "no_speech_rejects": meta["rejects"],
+                "audio_hours": round(meta["audio_seconds"] / 3600, 4),
+                "trimmed_hours": round(meta["trimmed_seconds"] / 3600, 4),
+                "speech_ratio": round(meta["trimmed_seconds"] / max(meta["audio_seconds"], 1e-9), 4),
+                "speaker_manifest_hash": meta["speaker_manifest_hash"],
+                "manifest_version": meta["manifest_version"] or "",
+                "rebuilt": speaker in built,
+                "path": dg.MetadataValue.path(str(ShardFiles.of(paths, speaker).shard)),
+            },
+            partition_key=speaker,
+        )
+    audio = sum(m["audio_seconds"] for m in metas.values())
+    trimmed = sum(m["trimmed_seconds"] for m in metas.values())
+    # Dagster stamps one DataVersion on every partition of a run: with one shard it is that
+    # shard's sha256; with several it is a hash of theirs (each partition's own is in metadata).
+    version = (
+        metas[speakers[0]]["shard_sha256"]
+        if len(speakers) == 1
+        else sha256_strings(f"{s}:{metas[s]['shard_sha256']}" for s in speakers)
+    )
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(version),
+        metadata={
+            "shards": len(speakers),
+            "shards_rebuilt": len(built),
+            "utterances": sum(m["utterances"] for m in metas.values()),
+            "no_speech_rejects": sum(m["rejects"] for m in metas.values()),
+            "audio_hours": round(audio / 3600, 4),
+            "trimmed_hours": round(trimmed / 3600, 4),
+            "manifest_version": manifest_version or "",
+            "vad": dg.MetadataValue.json(vad_cfg.as_dict()),
+        },
+    )
+
+
+@dg.asset(
+    group_name="features",
+    deps=[dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping())],
+    code_version=CMVN_CODE_VERSION,
+    automation_condition=follow_upstream(),
+    kinds={"numpy"},
+    description="Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums.",
+)
+def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
+    speakers = sorted(pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist())
+    metas, parts = {}, []
+    missing = []
+    for speaker in speakers:
+        files = ShardFiles.of(paths, speaker)
+        meta = files.read_meta()
+        if meta is None:
+            missing.append(speaker)
+            continue
+        metas[speaker] = meta
+        parts.append(cmvn.ShardStats.load(files.stats))
+    if missing:
+        raise dg.Failure(
+            description=f"{len(missing)} speaker shard(s) missing or incomplete ({', '.join(missing[:10])}): "
+            "materialize vad_features for them first"
+        )
+    totals = cmvn.combine(parts)
+    global_cmvn = cmvn.Cmvn.from_sums(totals)
+    per_speaker = cmvn.ShardStats()
+    for part in parts:
+        per_speaker.speakers.update(part.speakers)
+    paths.cmvn_dir.mkdir(parents=True, exist_ok=True)
+    global_cmvn.save(paths.cmvn_dir / "cmvn.npz")
+    per_speaker.save(paths.cmvn_dir / "speaker_sums.npz")
+    table = pa.table(
+        {
+            "speaker_id": speakers,
+            "utterances": [metas[s]["utterances"] for s in speakers],
+            "frames": [per_speaker.speakers[s]["mfcc"].count if s in per_speaker.speakers else 0 for s in speakers],
+            "audio_hours": [metas[s]["audio_seconds"] / 3600 for s in speakers],
+            "trimmed_hours": [metas[s]["trimmed_seconds"] / 3600 for s in speakers],
+            "shard_sha256": [metas[s]["shard_sha256"] for s in speakers],
+        }
+    )
+    with atomic_path(paths.cmvn_dir / "speakers.parquet") as tmp:
+        pq.write_table(table, tmp)
+    version = sha256_strings(
+        [sha256_file(paths.cmvn_dir / name) for name in ("cmvn.npz", "speaker_sums.npz", "speakers.parquet")]
+    )
+    shard_versions = {s: metas[s]["shard_sha256"] for s in speakers}
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(version),
+        metadata={
+            "frames": global_cmvn.frames,
+            "speakers": len(speakers),
+            "logmel_mean_of_means": round(float(global_cmvn.mean["logmel"].mean()), 4),
+            "mfcc_c0_mean": round(float(global_cmvn.mean["mfcc"][0]), 4),
+            "manifest_version": latest_data_version(context.instance, "manifest") or "",
+            "shard_versions": dg.MetadataValue.json(shard_versions),
+            "speakers_table": dg.MetadataValue.md(
+                markdown_table(
+                    ("speaker", "utterances", "trimmed h"),
+                    ((s, metas[s]["utterances"], round(metas[s]["trimmed_seconds"] / 3600, 4)) for s in speakers[:50]),
+                )
+            ),
+            "path": dg.MetadataValue.path(str(paths.cmvn_dir / "cmvn.npz")),
+        },
+    )

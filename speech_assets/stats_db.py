@@ -1,0 +1,208 @@
+"""The DuckDB database of dataset statistics: views over the Parquet outputs plus summary tables.
+
+Views read the Parquet files in place (feature matrices are never copied). The database is
+built in a temp file and renamed into place under an exclusive lock, so there is one writer at a
+time and readers, who open it read-only, never see a half-built database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from speech_assets.utils import atomic_path
+
+HELDOUT_FRACTION = 0.05
+
+
+@dataclass
+class StatsInputs:
+    """Where the graph's outputs are; missing ones give empty tables rather than errors."""
+
+    manifest: Path
+    manifest_rejects: Path
+    shards: list[Path]
+    shard_rejects: list[Path]
+    clients: Path
+    kmeans_quality: list[Path]
+    training_results: list[Path] = field(default_factory=list)
+    heldout_fraction: float = HELDOUT_FRACTION
+
+
+def _sql_str(value: str | os.PathLike[str]) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _sql_list(paths: Sequence[Path]) -> str:
+    return "[" + ", ".join(_sql_str(p) for p in paths) + "]"
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
+    con.execute(f"CREATE VIEW manifest AS SELECT * FROM read_parquet({_sql_str(inputs.manifest)})")
+    reject_files = [inputs.manifest_rejects, *[p for p in inputs.shard_rejects if p.exists()]]
+    con.execute(
+        "CREATE VIEW rejects AS SELECT utt_id, path, stage, reason, detail "
+        f"FROM read_parquet({_sql_list(reject_files)}, union_by_name = true)"
+    )
+    if inputs.shards:
+        con.execute(
+            "CREATE VIEW utterances AS SELECT utt_id, speaker_id, "
+            "regexp_extract(filename, '([^/]+)\\.parquet$', 1) AS shard, num_frames, "
+            "CAST(duration_s AS DOUBLE) AS duration_s, CAST(trimmed_duration_s AS DOUBLE) AS trimmed_duration_s, "
+            "CAST(speech_ratio AS DOUBLE) AS speech_ratio "
+            f"FROM read_parquet({_sql_list(inputs.shards)}, filename = true)"
+        )
+    else:
+        con.execute(
+            "CREATE VIEW utterances AS SELECT NULL::VARCHAR AS utt_id, NULL::VARCHAR AS speaker_id, "
+            "NULL::VARCHAR AS shard, NULL::INTEGER AS num_frames, NULL::DOUBLE AS duration_s, "
+            "NULL::DOUBLE AS trimmed_duration_s, NULL::DOUBLE AS speech_ratio WHERE false"
+        )
+    if inputs.clients.exists():
+        con.execute(f"CREATE VIEW clients AS SELECT * FROM read_parquet({_sql_str(inputs.clients)})")
+    else:
+        con.execute(
+            "CREATE VIEW clients AS SELECT NULL::VARCHAR AS speaker_id, NULL::VARCHAR AS client_id, "
+            "NULL::DOUBLE AS hours, NULL::BIGINT AS utterances WHERE false"
+        )
+
+
+def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
+    con.execute(
+        "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
+        "perplexity DOUBLE, empty_clusters INTEGER, mean_segment_length DOUBLE, frames_labelled BIGINT)"
+    )
+    for path in sorted(inputs.kmeans_quality):
+        q = json.loads(path.read_text())
+        con.execute(
+            "INSERT INTO kmeans_quality VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [q["client_id"], q["k"], q["frames_fit"], q["inertia_per_frame"], q["perplexity"],
+             q["empty_clusters"], q["mean_segment_length"], q["frames_labelled"]],
+        )
+    con.execute(
+        "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
+        "manifest_hash VARCHAR, run_dir VARCHAR)"
+    )
+    con.execute(
+        "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
+        "heldout_masked_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
+        "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR)"
+    )
+    for path in sorted(inputs.training_results):
+        r = json.loads(path.read_text())
+        manifest_hash = (r.get("data_versions") or {}).get("manifest")
+        con.execute(
+            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+            [r.get("checkpoint"), r.get("step"), r.get("weights_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
+        )
+        con.execute(
+            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
+             r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
+             r.get("mlflow_run_id"), r.get("checkpoint")],
+        )
+    # Summaries are materialised: they are small and the CLI should answer instantly.
+    con.execute(
+        "CREATE TABLE hours_per_speaker AS SELECT speaker_id, count(*) AS utterances, "
+        "sum(duration_s) / 3600 AS hours, sum(trimmed_duration_s) / 3600 AS trimmed_hours "
+        "FROM utterances GROUP BY ALL ORDER BY speaker_id"
+    )
+    con.execute(
+        "CREATE TABLE hours_per_client AS SELECT c.client_id, count(DISTINCT u.speaker_id) AS speakers, "
+        "count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
+        "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
+    )
+    # The trainer's held-out split: hash of utt_id, the same rule `speech_assets.train` uses.
+    con.execute(
+        "CREATE TABLE hours_per_split AS SELECT CASE WHEN (hash(utt_id) % 1000000) / 1000000.0 < "
+        f"{float(inputs.heldout_fraction)} THEN 'heldout' ELSE 'train' END AS split, count(*) AS utterances, "
+        "sum(trimmed_duration_s) / 3600 AS trimmed_hours FROM utterances GROUP BY ALL ORDER BY split"
+    )
+    con.execute(
+        "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, "
+        "floor(duration_s) + 1 AS bucket_end_s, count(*) AS utterances "
+        "FROM manifest GROUP BY ALL ORDER BY bucket_start_s"
+    )
+    con.execute(
+        "CREATE TABLE speech_ratio_distribution AS SELECT floor(speech_ratio * 10) / 10 AS bucket_start, "
+        "count(*) AS utterances FROM utterances GROUP BY ALL ORDER BY bucket_start"
+    )
+    con.execute(
+        "CREATE TABLE rejects_by_reason AS SELECT stage, reason, count(*) AS rejects "
+        "FROM rejects GROUP BY ALL ORDER BY stage, reason"
+    )
+
+
+@contextlib.contextmanager
+def _writer_lock(db_path: Path) -> Iterator[None]:
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(db_path.with_name(db_path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
+    """(Re)build the database at ``db_path``; returns row counts of every view and table."""
+    with _writer_lock(db_path), atomic_path(db_path) as tmp:
+        tmp.unlink()  # DuckDB wants to create the file itself
+        con = duckdb.connect(str(tmp))
+        try:
+            _create_views(con, inputs)
+            _create_tables(con, inputs)
+            names = [row[0] for row in con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
+            ).fetchall()]
+            counts = {name: con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0] for name in names}
+            con.execute("CHECKPOINT")
+        finally:
+            con.close()
+    return counts
+
+
+def connect_read_only(db_path: Path) -> duckdb.DuckDBPyConnection:
+    if not db_path.exists():
+        raise FileNotFoundError(f"{db_path} does not exist: materialize the dataset_stats asset first")
+    return duckdb.connect(str(db_path), read_only=True)
+
+
+def summary(db_path: Path) -> str:
+    """A short human-readable report of the dataset, for `speech-assets stats` and `make demo`."""
+    con = connect_read_only(db_path)
+    try:
+        lines = []
+        kept, hours = con.execute("SELECT count(*), coalesce(sum(duration_s), 0) / 3600 FROM manifest").fetchone()
+        utts, trimmed = con.execute("SELECT count(*), coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances").fetchone()
+        lines.append(f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech")
+        rejects = con.execute("SELECT stage, reason, rejects FROM rejects_by_reason").fetchall()
+        lines.append("rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"))
+        for client, speakers, n, h in con.execute("SELECT * FROM hours_per_client").fetchall():
+            lines.append(f"  {client}: {speakers} speakers, {n} utterances, {h:.3f} h")
+        for row in con.execute(
+            "SELECT client_id, k, frames_fit, inertia_per_frame, perplexity, empty_clusters, mean_segment_length "
+            "FROM kmeans_quality ORDER BY client_id"
+        ).fetchall():
+            lines.append(
+                f"  k-means {row[0]}: K={row[1]} frames={row[2]} inertia/frame={row[3]:.3f} "
+                f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
+            )
+        for row in con.execute(
+            "SELECT steps, final_loss, heldout_masked_accuracy, chance_accuracy, checkpoint, mlflow_run_id "
+            "FROM training_runs ORDER BY run_dir"
+        ).fetchall():
+            lines.append(
+                f"training: {row[0]} steps, loss {row[1]:.3f}, held-out masked accuracy {row[2]:.3f} "
+                f"(chance {row[3]:.3f}), checkpoint {row[4]}, MLflow run {row[5]}"
+            )
+        return "\n".join(lines)
+    finally:
+        con.close()

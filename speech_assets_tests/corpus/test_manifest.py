@@ -1,0 +1,184 @@
+"""Manifest scanning and validation: every reject reason, both input forms, hashing, caching."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from speech_assets.corpus import manifest as m
+from speech_assets_tests.conftest import LibriCorpus, write_flac
+
+
+def reasons(result: m.ScanResult) -> dict[str, str]:
+    return {r.utt_id: r.reason for r in result.rejects}
+
+
+def test_good_corpus_keeps_everything_with_contract_columns(libri: LibriCorpus) -> None:
+    libri.add("1", "10", 0, "Hello, world!  It's   fine.")
+    libri.add("1", "10", 1)
+    result = m.scan_corpus(libri.root)
+    assert [r.utt_id for r in result.rows] == ["1-10-0000", "1-10-0001"]
+    assert result.rejects == []
+    row = result.rows[0]
+    assert row.transcript == "HELLO WORLD IT'S FINE"
+    assert (row.speaker_id, row.chapter_id, row.sample_rate, row.channels) == ("1", "10", 16000, 1)
+    assert row.num_samples == 16000 and row.duration_s == pytest.approx(1.0)
+    assert len(row.file_sha256) == 64 and Path(row.path).is_absolute()
+
+
+@pytest.mark.parametrize(
+    ("sample_rate", "channels", "subtype"),
+    [(8000, 1, "PCM_16"), (44100, 2, "PCM_24"), (22050, 1, "PCM_24")],
+)
+def test_other_rates_and_stereo_24_bit_are_kept(libri: LibriCorpus, sample_rate: int, channels: int, subtype: str) -> None:
+    libri.add("2", "20", 0, sample_rate=sample_rate, channels=channels, subtype=subtype)
+    result = m.scan_corpus(libri.root)
+    assert result.rejects == []
+    assert (result.rows[0].sample_rate, result.rows[0].channels) == (sample_rate, channels)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _text(path: Path) -> None:
+    path.write_text("this is not audio at all\n" * 20)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _empty, _text], ids=["truncated", "empty", "text"])
+def test_unreadable_files_are_rejected_not_raised(libri: LibriCorpus, damage) -> None:
+    libri.add("3", "30", 0)
+    damage(libri.add("3", "30", 1))
+    result = m.scan_corpus(libri.root)
+    assert [r.utt_id for r in result.rows] == ["3-30-0000"]
+    (reject,) = result.rejects
+    assert (reject.utt_id, reject.reason, reject.stage) == ("3-30-0001", "unreadable", "manifest")
+    assert reject.detail
+
+
+def test_symlink_out_of_root_is_rejected(libri: LibriCorpus, tmp_path: Path) -> None:
+    libri.add("4", "40", 0)
+    outside = write_flac(tmp_path / "elsewhere" / "secret.flac")
+    (libri.chapter_dir("4", "40") / "4-40-0001.flac").symlink_to(outside)
+    libri.add_line("4", "40", "4-40-0001", "OUTSIDE")
+    result = m.scan_corpus(libri.root)
+    assert reasons(result) == {"4-40-0001": "outside_root"}
+    assert str(outside) in result.rejects[0].detail
+
+
+def test_duplicate_id_across_chapters_keeps_one(libri: LibriCorpus) -> None:
+    libri.add("5", "50", 0)
+    # the same utterance id, filed under a second chapter folder
+    folder = libri.chapter_dir("5", "51")
+    write_flac(folder / "5-50-0000.flac", seed=9)
+    (folder / "5-51.trans.txt").write_text("5-50-0000 ANOTHER COPY\n")
+    result = m.scan_corpus(libri.root)
+    assert [r.utt_id for r in result.rows] == ["5-50-0000"]
+    assert reasons(result) == {"5-50-0000": "duplicate_id"}
+
+
+def test_transcript_line_without_audio_is_missing_file(libri: LibriCorpus) -> None:
+    libri.add("6", "60", 0)
+    libri.add_line("6", "60", "6-60-0007", "NO AUDIO FOR ME")
+    assert reasons(m.scan_corpus(libri.root)) == {"6-60-0007": "missing_file"}
+
+
+def test_audio_without_transcript_is_no_transcript(libri: LibriCorpus) -> None:
+    libri.add("7", "70", 0)
+    write_flac(libri.chapter_dir("7", "70") / "7-70-0001.flac")
+    assert reasons(m.scan_corpus(libri.root)) == {"7-70-0001": "no_transcript"}
+
+
+@pytest.mark.parametrize(("seconds", "reason"), [(0.2, "too_short"), (3.0, "too_long")])
+def test_duration_bounds(libri: LibriCorpus, seconds: float, reason: str) -> None:
+    libri.add("8", "80", 0)
+    libri.add("8", "80", 1, seconds=seconds)
+    config = m.ValidationConfig(min_duration_s=0.5, max_duration_s=2.0)
+    assert reasons(m.scan_corpus(libri.root, config)) == {"8-80-0001": reason}
+
+
+def _write_csv(path: Path, records: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["path", "transcript", "speaker_id", "utt_id", "chapter_id"])
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if v}) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("writer, suffix", [(_write_csv, ".csv"), (_write_jsonl, ".jsonl")], ids=["csv", "jsonl"])
+def test_manifest_file_input(tmp_path: Path, writer, suffix: str) -> None:
+    root = tmp_path / "audio"
+    write_flac(root / "a.flac")
+    write_flac(root / "sub" / "b.flac", seconds=1.5)
+    outside = write_flac(tmp_path / "outside.flac")
+    records = [
+        {"path": "a.flac", "transcript": "first one", "speaker_id": "s1", "utt_id": "", "chapter_id": ""},
+        {"path": "sub/b.flac", "transcript": "Second!", "speaker_id": "s2", "utt_id": "b-id", "chapter_id": "c9"},
+        {"path": "../outside.flac", "transcript": "escape", "speaker_id": "s1", "utt_id": "esc", "chapter_id": ""},
+        {"path": str(outside), "transcript": "absolute escape", "speaker_id": "s1", "utt_id": "abs", "chapter_id": ""},
+        {"path": "missing.flac", "transcript": "gone", "speaker_id": "s1", "utt_id": "gone", "chapter_id": ""},
+        {"path": "a.flac", "transcript": "", "speaker_id": "s1", "utt_id": "quiet", "chapter_id": ""},
+    ]
+    manifest_file = root / f"corpus{suffix}"
+    writer(manifest_file, records)
+    result = m.scan_corpus(manifest_file)
+    assert [(r.utt_id, r.speaker_id, r.chapter_id, r.transcript) for r in result.rows] == [
+        ("a", "s1", "0", "FIRST ONE"),
+        ("b-id", "s2", "c9", "SECOND"),
+    ]
+    assert reasons(result) == {"esc": "outside_root", "abs": "outside_root", "gone": "missing_file", "quiet": "no_transcript"}
+
+
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "wrong_suffix"])
+def test_missing_or_empty_corpus_is_a_clear_error(tmp_path: Path, make: str) -> None:
+    target = tmp_path / "corpus"
+    if make == "empty_dir":
+        target.mkdir()
+    elif make == "wrong_suffix":
+        target = tmp_path / "corpus.txt"
+        target.write_text("x")
+    with pytest.raises(m.CorpusError, match=str(target)):
+        m.scan_corpus(target)
+
+
+def test_hash_is_deterministic_and_content_sensitive(libri: LibriCorpus) -> None:
+    libri.add("9", "90", 0)
+    libri.add("9", "90", 1)
+    first = m.manifest_hash(m.scan_corpus(libri.root).rows)
+    assert first == m.manifest_hash(list(reversed(m.scan_corpus(libri.root).rows)))
+    write_flac(libri.chapter_dir("9", "90") / "9-90-0001.flac", seed=42)  # new audio, same id
+    assert m.manifest_hash(m.scan_corpus(libri.root).rows) != first
+
+
+def test_unchanged_corpus_is_not_decoded_again(libri: LibriCorpus) -> None:
+    for utt in range(4):
+        libri.add("10", "100", utt)
+    first = m.scan_corpus(libri.root)
+    assert first.decoded_files == 4
+    again = m.scan_corpus(libri.root, cache=first.cache)
+    assert again.decoded_files == 0 and again.rows == first.rows
+    path = libri.add("10", "100", 2, seconds=1.2)  # rewritten file: new size/mtime
+    os.utime(path, ns=(1, 1))
+    assert m.scan_corpus(libri.root, cache=first.cache).decoded_files == 1
+
+
+def test_cache_round_trip(tmp_path: Path, libri: LibriCorpus) -> None:
+    libri.add("11", "110", 0)
+    result = m.scan_corpus(libri.root)
+    m.save_cache(tmp_path / "cache.parquet", result.cache)
+    assert m.load_cache(tmp_path / "cache.parquet") == result.cache
+    (tmp_path / "broken.parquet").write_text("garbage")
+    assert m.load_cache(tmp_path / "broken.parquet") == {}
