@@ -5,20 +5,28 @@ import dagster as dg
 from speech_assets.defs import automation, clients, features, manifest, stats, training
 from speech_assets.defs.resources import StoragePaths
 
-defs = dg.Definitions(
-    assets=[
-        manifest.manifest,
-        features.vad_features,
-        features.cmvn_stats,
-        clients.client_partitions,
-        clients.kmeans_targets,
-        training.pretrained_checkpoint,
-        stats.dataset_stats,
-    ],
-    sensors=[automation.corpus_sensor, automation.automation_sensor],
-    schedules=[automation.revalidate_corpus],
-    resources={
-        "paths": StoragePaths.from_environment(),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    },
-)
+ASSETS = [
+    manifest.manifest,
+    features.vad_features,
+    features.cmvn_stats,
+    clients.client_partitions,
+    clients.kmeans_targets,
+    training.pretrained_checkpoint,
+    stats.dataset_stats,
+]
+
+
+def build_definitions(paths: StoragePaths | None = None) -> dg.Definitions:
+    """The code location; ``paths`` defaults to the environment (CONTRACT.md variables)."""
+    return dg.Definitions(
+        assets=ASSETS,
+        sensors=[automation.corpus_sensor, automation.automation_sensor],
+        schedules=[automation.revalidate_corpus],
+        resources={
+            "paths": paths or StoragePaths.from_environment(),
+            "pipes_subprocess_client": dg.PipesSubprocessClient(),
+        },
+    )
+
+
+defs = build_definitions()

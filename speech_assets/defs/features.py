@@ -15,7 +15,7 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import speakers_partitions
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.extract import UtteranceInput, build_shards_parallel
+from speech_assets.extract import UtteranceInput, build_shards_parallel, sidecar_paths, write_sidecars
 from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file, sha256_strings
 from speech_assets.vad import VadConfig
 
@@ -53,9 +53,9 @@ class ShardFiles:
 
     @classmethod
     def of(cls, paths: StoragePaths, speaker_id: str) -> "ShardFiles":
-        base = paths.shard_file(speaker_id)
-        stem = base.with_suffix("")
-        return cls(base, Path(f"{stem}.rejects.parquet"), Path(f"{stem}.stats.npz"), Path(f"{stem}.meta.json"))
+        shard = paths.shard_file(speaker_id)
+        rejects, stats = sidecar_paths(shard)
+        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"))
 
     def read_meta(self) -> dict | None:
         """The shard's metadata if every file it vouches for is present and intact, else None."""
@@ -74,8 +74,6 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
     """What a shard's content depends on: its speaker's manifest rows, the config, the code."""
     return sha256_strings([speaker_hash, json.dumps(vad.as_dict(), sort_keys=True), FEATURES_CODE_VERSION])
 
-
-REJECTS_SCHEMA = corpus.REJECTS_SCHEMA
 
 
 @dg.asset(
@@ -120,10 +118,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
     metas: dict[str, dict] = dict(reused)
     for speaker, result in built.items():
         files = ShardFiles.of(paths, speaker)
-        reject_table = pa.Table.from_pylist(result.rejects, schema=REJECTS_SCHEMA)
-        with atomic_path(files.rejects) as tmp:
-            pq.write_table(reject_table, tmp, compression="zstd")
-        result.stats.save(files.stats)
+        write_sidecars(result)
         meta = {
             "speaker_id": speaker,
             "inputs_key": shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg),
@@ -131,7 +126,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
             "manifest_version": manifest_version,
             "shard_sha256": sha256_file(files.shard),
             "stats_sha256": sha256_file(files.stats),
-            "utterances": result.num_records,
+            "utterances": result.records,
             "rejects": len(result.rejects),
             "audio_seconds": result.audio_seconds,
             "trimmed_seconds": result.trimmed_seconds,

@@ -1,0 +1,32 @@
+"""What a checkpoint was trained from: inputs' data versions, config, git commit, MLflow run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
+
+
+def checkpoint_lineage(path: Path) -> dict[str, Any]:
+    """Read a checkpoint (``weights_only=True``) and report the chain back to the manifest.
+
+    ``data_versions`` holds the manifest hash, the CMVN and client-assignment versions, every
+    feature shard (``vad_features/<speaker>``) and every client's targets
+    (``kmeans_targets/<client>``) the training run consumed, exactly as the Dagster asset passed
+    them in; the same values appear on the ``pretrained_checkpoint`` materialization in the UI.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    state = load_checkpoint(path)
+    config = dict(state.get("config") or {})
+    weights = state.get("model")
+    return {
+        "checkpoint": str(path.resolve()),
+        "step": state.get("step"),
+        "weights_sha256": state.get("weights_sha256") or (weights_sha256(weights) if weights else None),
+        "data_versions": dict(state.get("data_versions") or config.get("data_versions") or {}),
+        "git_sha": config.get("git_sha"),
+        "mlflow_run_id": state.get("mlflow_run_id"),
+        "config": config,
+    }

@@ -1,0 +1,207 @@
+"""End to end on the committed sample: the documented commands, every output, lineage, SQL, the UI.
+
+One session-scoped build runs `scripts/materialize_all.sh` (the exact `dagster asset materialize`
+commands the README documents, which `make demo` runs) on a fresh DAGSTER_HOME and data dir;
+the tests below inspect what it left behind through files, the Dagster instance, DuckDB, the
+CLI and the real dagster-webserver's GraphQL endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+BIN = Path(sys.executable).parent
+ASSETS = ["manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "pretrained_checkpoint", "dataset_stats"]
+TRAIN_STEPS = 120
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e")
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "DAGSTER_HOME": str(root / "dagster_home"),
+        "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
+        "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
+        "TRAIN_CONFIG_JSON": json.dumps(
+            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 60}}}}
+        ),
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "materialize_all.sh")], env=env, cwd=REPO, capture_output=True, text=True, timeout=1500
+    )
+    (root / "build.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"materialize_all.sh failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return {"root": root, "home": root / "dagster_home", "out": root / "out", "env": env, "stdout": proc.stdout}  # type: ignore[dict-item]
+
+
+def _instance(home: Path):
+    import dagster as dg
+
+    os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.get()
+
+
+def test_every_output_exists_with_contract_columns(built) -> None:
+    out = built["out"]
+    manifest = pq.read_table(out / "manifest" / "manifest.parquet")
+    for column in ["utt_id", "speaker_id", "chapter_id", "path", "transcript", "sample_rate", "channels", "num_samples", "duration_s", "file_sha256"]:
+        assert column in manifest.column_names
+    assert manifest.num_rows == 64
+    assert pq.read_table(out / "manifest" / "rejects.parquet").column_names == ["utt_id", "path", "stage", "reason", "detail"]
+    assert len(list((out / "features" / "shards").glob("*.meta.json"))) == 8
+    clients = pq.read_table(out / "clients" / "clients.parquet").to_pylist()
+    assert {c["client_id"] for c in clients} == {"client_00", "client_01", "client_02", "client_03"}
+    for client in {c["client_id"] for c in clients}:
+        assert (out / "kmeans" / client / "codebook.npy").is_file()
+        assert (out / "kmeans" / client / "labels.parquet").is_file()
+    assert (out / "stats.duckdb").is_file() and (out / "mlflow.db").is_file()
+
+
+def test_every_asset_has_code_and_data_version_and_input_versions(built) -> None:
+    import dagster as dg
+
+    instance = _instance(built["home"])
+    for key in ASSETS:
+        records = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
+        assert records, f"{key} was never materialized"
+        event = records[0].asset_materialization
+        assert event.tags.get("dagster/data_version"), key
+        assert event.tags.get("dagster/code_version", "").startswith(key.split("_")[0][:3]) or event.tags.get("dagster/code_version")
+    manifest_event = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
+    assert manifest_event.tags["dagster/data_version"] == manifest_event.metadata["manifest_hash"].value
+    # every shard partition carries its own shard hash
+    shard_events = instance.fetch_materializations(dg.AssetKey("vad_features"), limit=100).records
+    assert len({r.asset_materialization.partition for r in shard_events}) == 8
+    for record in shard_events:
+        assert len(record.asset_materialization.metadata["shard_sha256"].value) == 64
+    train_event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0].asset_materialization
+    inputs = train_event.metadata["input_versions"].value
+    assert inputs["manifest"] == manifest_event.tags["dagster/data_version"]
+    assert any(k.startswith("vad_features/") for k in inputs) and any(k.startswith("kmeans_targets/") for k in inputs)
+
+
+def test_training_learned_something_and_checkpoint_is_safe(built) -> None:
+    results = list((built["out"] / "training").glob("*/result.json"))
+    assert len(results) == 1
+    result = json.loads(results[0].read_text())
+    assert result["step"] == TRAIN_STEPS
+    assert result["heldout_masked_accuracy"] > 2 * result["chance_accuracy"]
+    state = torch.load(result["checkpoint"], map_location="cpu", weights_only=True)
+    assert "model" in state
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{built['out'] / 'mlflow.db'}")
+    run = mlflow.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params and run.data.metrics
+
+
+def test_duckdb_views_and_tables(built) -> None:
+    con = duckdb.connect(str(built["out"] / "stats.duckdb"), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 64
+        kept = con.execute("SELECT count(*) FROM utterances").fetchone()[0]
+        no_speech = con.execute("SELECT count(*) FROM rejects WHERE stage = 'vad'").fetchone()[0]
+        assert kept + no_speech == 64
+        cols = [r[0] for r in con.execute("DESCRIBE utterances").fetchall()]
+        assert cols == ["utt_id", "speaker_id", "shard", "num_frames", "duration_s", "trimmed_duration_s", "speech_ratio"]
+        assert con.execute("SELECT count(DISTINCT client_id) FROM clients").fetchone()[0] == 4
+        assert con.execute("SELECT count(*) FROM kmeans_quality WHERE perplexity > 1").fetchone()[0] == 4
+        (path, step, sha, run_id, manifest_hash) = con.execute(
+            "SELECT path, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints"
+        ).fetchone()
+        assert step == TRAIN_STEPS and len(sha) == 64 and run_id and len(manifest_hash) == 64
+        with pytest.raises(duckdb.Error):
+            con.execute("CREATE TABLE nope (x INT)")
+    finally:
+        con.close()
+
+
+def _cli(built, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "speech-assets"), *args], env=built["env"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_stats_and_sql_cli(built) -> None:
+    stats = _cli(built, "stats")
+    assert stats.returncode == 0 and "client_00" in stats.stdout and "held-out masked accuracy" in stats.stdout
+    query = _cli(built, "sql", "SELECT client_id, count(*) AS speakers FROM clients GROUP BY ALL ORDER BY 1")
+    assert query.returncode == 0 and "client_03" in query.stdout
+    bad = _cli(built, "sql", "SELECT * FROM no_such_table")
+    assert bad.returncode == 1 and "no_such_table" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_lineage_cli_traces_checkpoint_to_inputs(built) -> None:
+    import dagster as dg
+
+    result = json.loads(next((built["out"] / "training").glob("*/result.json")).read_text())
+    proc = _cli(built, "lineage", result["checkpoint"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    instance = _instance(built["home"])
+    manifest_version = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization.tags["dagster/data_version"]
+    assert report["data_versions"]["manifest"] == manifest_version
+    assert report["weights_sha256"] == result["weights_sha256"]
+    assert report["config"]["preset"] == "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(BIN / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-m", "speech_assets.definitions"],
+        env=built["env"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/graphql"
+    query = """{ assetNodes { assetKey { path } dependencyKeys { path } }
+                 assetsOrError { ... on AssetConnection { nodes { key { path }
+                   assetMaterializations(limit: 1) { runId partition } } } } }"""
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                request = urllib.request.Request(url, data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    payload = json.loads(response.read())
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    nodes = {tuple(n["assetKey"]["path"]): [tuple(d["path"]) for d in n["dependencyKeys"]] for n in payload["data"]["assetNodes"]}
+    assert set(ASSETS) <= {k[0] for k in nodes}
+    assert ("manifest",) in nodes[("vad_features",)]
+    assert ("kmeans_targets",) in nodes[("pretrained_checkpoint",)]
+    materialized = {n["key"]["path"][0] for n in payload["data"]["assetsOrError"]["nodes"] if n["assetMaterializations"]}
+    assert set(ASSETS) <= materialized
+
+
+def test_demo_prints_summary(built) -> None:
+    out = built["stdout"]
+    assert "speech_assets summary" in out and "rejects:" in out and "k-means" in out and "training:" in out

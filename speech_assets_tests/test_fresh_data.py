@@ -1,0 +1,132 @@
+"""Fresh data on a real instance: sensor -> only the new shard -> automation -> fresh again.
+
+Runs on a real SQLite Dagster instance in a temp DAGSTER_HOME, with the real sensor and the
+real declarative-automation evaluator; runs are executed in process against that instance.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+
+from speech_assets.defs.automation import corpus_sensor
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.definitions import build_definitions
+from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+NEW_SPEAKER = "1008"
+CHEAP_ASSETS = {"manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats"}
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    corpus = tmp_path / "corpus"
+    shutil.copytree(SAMPLE_CORPUS, corpus, ignore=shutil.ignore_patterns(NEW_SPEAKER))
+    paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    instance = dg.DagsterInstance.get()
+    yield build_definitions(paths), instance, paths, corpus
+    instance.dispose()
+
+
+def run(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partitions: list[str] | None = None,
+        run_config: dict | None = None) -> dg.ExecuteInProcessResult:
+    job = defs.get_implicit_global_asset_job_def()
+    tags = {}
+    if partitions and len(partitions) > 1:
+        tags = {"dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}
+    result = job.execute_in_process(
+        instance=instance,
+        asset_selection=[dg.AssetKey(asset)],
+        partition_key=partitions[0] if partitions and len(partitions) == 1 else None,
+        tags=tags,
+        run_config=run_config or {},
+    )
+    assert result.success
+    return result
+
+
+def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> StaleStatus:
+    resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph())
+    return resolver.get_status(dg.AssetKey(asset), partition)
+
+
+def shard_partitions_materialized(instance: dg.DagsterInstance, after_storage_id: int) -> list[str]:
+    records = instance.fetch_materializations(dg.AssetKey("vad_features"), limit=1000).records
+    return sorted(r.asset_materialization.partition for r in records if r.storage_id > after_storage_id)
+
+
+def latest_storage_id(instance: dg.DagsterInstance) -> int:
+    records = instance.fetch_materializations(dg.AssetKey("vad_features"), limit=1).records
+    return records[0].storage_id if records else 0
+
+
+def test_new_speaker_flows_through_only_what_changed(world) -> None:
+    defs, instance, paths, corpus = world
+    small_k = {"ops": {"kmeans_targets": {"config": {"k": 20}}}}
+
+    # -- a full build of the corpus without the new speaker
+    run(defs, instance, "manifest")
+    speakers = list(instance.get_dynamic_partitions("speakers"))
+    assert NEW_SPEAKER not in speakers and len(speakers) == 7
+    run(defs, instance, "vad_features", speakers)
+    run(defs, instance, "cmvn_stats")
+    run(defs, instance, "client_partitions")
+    run(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")), small_k)
+    before_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
+    assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.FRESH
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        assert isinstance(corpus_sensor(context), dg.SkipReason) or not corpus_sensor(context).run_requests
+
+    # -- a new speaker folder arrives
+    shutil.copytree(SAMPLE_CORPUS / NEW_SPEAKER, corpus / NEW_SPEAKER)
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        first = corpus_sensor(context)
+    assert [r.asset_selection for r in first.run_requests] == [[dg.AssetKey("manifest")]]
+    run(defs, instance, "manifest")
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        second = corpus_sensor(context)
+    assert [(r.asset_selection, r.partition_key) for r in second.run_requests] == [([dg.AssetKey("vad_features")], NEW_SPEAKER)]
+    for request in second.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+
+    mark = latest_storage_id(instance)
+    run(defs, instance, "vad_features", [NEW_SPEAKER])
+    assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]  # no other shard re-executed
+    assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.STALE
+    assert stale_status(defs, instance, "vad_features", "1001") == StaleStatus.FRESH
+
+    # -- downstream follows declarative automation until nothing more is requested
+    cursor = None
+    executed: list[str] = []
+    for _ in range(8):
+        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        cursor = result.cursor
+        requested = [k for k in ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats") if result.get_num_requested(dg.AssetKey(k))]
+        if not requested:
+            break
+        for key in requested:
+            partitions = result.get_requested_partitions(dg.AssetKey(key))
+            keys = sorted(p for p in partitions if p is not None) or None
+            run(defs, instance, key, keys, small_k if key == "kmeans_targets" else None)
+            executed.append(key)
+    assert {"cmvn_stats", "client_partitions", "kmeans_targets"} <= set(executed)
+    assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]
+
+    after_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
+    assert {s: after_clients[s] for s in before_clients} == before_clients
+    assert NEW_SPEAKER in after_clients
+    for key in ("cmvn_stats", "client_partitions"):
+        assert stale_status(defs, instance, key) == StaleStatus.FRESH
+    assert stale_status(defs, instance, "kmeans_targets", after_clients[NEW_SPEAKER]) == StaleStatus.FRESH
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        done = corpus_sensor(context)
+    assert isinstance(done, dg.SkipReason) or not done.run_requests
