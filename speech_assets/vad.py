@@ -1,0 +1,250 @@
+"""WebRTC VAD with the py-webrtcvad example's ring-buffer collector, reduced to one speech span.
+
+The waveform (16 kHz mono float32, peak-normalised) is quantised to int16 PCM once, cut into
+``frame_ms`` frames (a trailing partial frame is not classified) and each frame is classified by
+``webrtcvad.Vad(aggressiveness)``. The collector then walks the decisions exactly as in
+py-webrtcvad's ``example.py``:
+
+* not triggered: append the decision to a ring buffer of ``padding_ms // frame_ms`` frames; when
+  more than 90 % of the buffer's capacity is voiced, trigger. The segment starts at the oldest
+  frame in the buffer (so up to ``padding_ms`` of lead-in is kept);
+* triggered: append to the buffer; when more than 90 % of its capacity is unvoiced, un-trigger.
+  The segment ends after the current frame (so up to ``padding_ms`` of trailing audio is kept).
+
+The speech span runs from the start of the first segment to the end of the last one (to the end
+of the waveform if still triggered): leading and trailing non-speech are trimmed, interior pauses
+are kept. ``speech_frames`` counts voiced frames inside the span; ``speech_ratio`` is
+``speech_frames / total_frames`` over the whole utterance.
+
+The VAD adapts its noise model as it runs, so a fresh ``webrtcvad.Vad`` is made per utterance:
+the result depends only on the utterance itself and the config (determinism across shardings).
+
+An utterance is ``no_speech`` when the collector never triggers, when the voiced time in the span
+is below ``min_speech_s``, or when ``speech_ratio`` is below ``min_speech_ratio``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import webrtcvad
+
+try:  # the C extension behind webrtcvad.Vad.is_speech; calling it directly skips a Python wrapper
+    from _webrtcvad import process as _vad_process
+except ImportError:  # pragma: no cover - other webrtcvad builds
+    _vad_process = None
+
+VAD_SAMPLE_RATE = 16_000
+FRAME_MS_CHOICES = (10, 20, 30)
+_TRIGGER_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    """WebRTC VAD settings (all exposed as Dagster config).
+
+    ``aggressiveness``: 0 (least aggressive about filtering out non-speech) to 3 (most).
+    ``frame_ms``: 10, 20 or 30. ``padding_ms``: ring-buffer length, at least one frame, at most 10 s.
+    ``min_speech_s``: minimum voiced time inside the span. ``min_speech_ratio``: minimum
+    fraction of the utterance's frames that are voiced (inside the span).
+    """
+
+    aggressiveness: int = 2
+    frame_ms: int = 30
+    padding_ms: int = 300
+    min_speech_s: float = 0.5
+    min_speech_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        def is_int(value: Any) -> bool:
+            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+        def is_number(value: Any) -> bool:
+            return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+        if not is_int(self.aggressiveness) or not 0 <= self.aggressiveness <= 3:
+            raise ValueError(f"VadConfig.aggressiveness must be an integer 0..3, got {self.aggressiveness!r}")
+        if not is_int(self.frame_ms) or self.frame_ms not in FRAME_MS_CHOICES:
+            raise ValueError(f"VadConfig.frame_ms must be one of {FRAME_MS_CHOICES}, got {self.frame_ms!r}")
+        if not is_int(self.padding_ms) or not self.frame_ms <= self.padding_ms <= 10_000:
+            raise ValueError(
+                f"VadConfig.padding_ms must be an integer between frame_ms ({self.frame_ms}) and 10000, "
+                f"got {self.padding_ms!r}"
+            )
+        if not is_number(self.min_speech_s) or not math.isfinite(self.min_speech_s) or self.min_speech_s < 0:
+            raise ValueError(f"VadConfig.min_speech_s must be a finite number >= 0, got {self.min_speech_s!r}")
+        if not is_number(self.min_speech_ratio) or not 0.0 <= self.min_speech_ratio <= 1.0:
+            raise ValueError(f"VadConfig.min_speech_ratio must be between 0 and 1, got {self.min_speech_ratio!r}")
+
+    @property
+    def padding_frames(self) -> int:
+        """Ring-buffer capacity in frames (``padding_ms // frame_ms``)."""
+        return self.padding_ms // self.frame_ms
+
+    def frame_samples(self, sample_rate: int = VAD_SAMPLE_RATE) -> int:
+        return sample_rate * self.frame_ms // 1000
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SpeechSpan:
+    """The trimmed speech region ``[start_sample, end_sample)`` of a 16 kHz waveform."""
+
+    start_sample: int
+    end_sample: int
+    speech_frames: int
+    total_frames: int
+    frame_ms: int
+    sample_rate: int = VAD_SAMPLE_RATE
+
+    @property
+    def num_samples(self) -> int:
+        return self.end_sample - self.start_sample
+
+    @property
+    def start_s(self) -> float:
+        return self.start_sample / self.sample_rate
+
+    @property
+    def end_s(self) -> float:
+        return self.end_sample / self.sample_rate
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_samples / self.sample_rate
+
+    @property
+    def speech_s(self) -> float:
+        return self.speech_frames * self.frame_ms / 1000.0
+
+    @property
+    def speech_ratio(self) -> float:
+        return self.speech_frames / self.total_frames if self.total_frames else 0.0
+
+
+@dataclass(frozen=True)
+class NoSpeech:
+    """Too little speech. ``detail`` is human-readable; ``span`` is the collector's span, if any."""
+
+    detail: str
+    speech_frames: int
+    total_frames: int
+    span: SpeechSpan | None = None
+
+
+def to_pcm16(wave: np.ndarray) -> np.ndarray:
+    """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated)."""
+    scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32)
+    np.clip(scaled, -32768.0, 32767.0, out=scaled)
+    return scaled.astype(np.int16)
+
+
+def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:
+    """WebRTC VAD decision for each complete ``cfg.frame_ms`` frame of int16 PCM ``(N,)``."""
+    frame_samples = cfg.frame_samples(sample_rate)
+    frame_bytes = 2 * frame_samples
+    data = memoryview(np.ascontiguousarray(pcm16, dtype="<i2").tobytes())
+    usable = (len(data) // frame_bytes) * frame_bytes
+    vad = webrtcvad.Vad(cfg.aggressiveness)
+    if _vad_process is None:  # pragma: no cover
+        is_speech = vad.is_speech
+        return [is_speech(data[i : i + frame_bytes], sample_rate) for i in range(0, usable, frame_bytes)]
+    handle = vad._vad
+    process = _vad_process
+    return [
+        process(handle, sample_rate, data[i : i + frame_bytes], frame_samples) for i in range(0, usable, frame_bytes)
+    ]
+
+
+def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tuple[int, int] | None:
+    """Ring-buffer collector over per-frame decisions -> ``(first_frame, end_frame)`` or None.
+
+    Exactly py-webrtcvad's ``vad_collector`` state machine (ring buffer of ``padding_frames``
+    decisions, cleared at every trigger / un-trigger), but each state's exit is found with one
+    vectorised prefix-sum search instead of a Python step per frame. ``end_frame`` is exclusive
+    and equals ``len(flags)`` when speech runs to the end.
+    """
+    voiced = np.asarray(flags, dtype=bool)
+    total = int(voiced.shape[0])
+    maxlen = max(1, int(padding_frames))
+    threshold = _TRIGGER_FRACTION * maxlen
+    prefix = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(voiced, out=prefix[1:])
+    first: int | None = None
+    end = 0
+    cleared = 0  # first frame in the ring buffer since it was last cleared
+    triggered = False
+    while cleared < total:
+        index = np.arange(cleared, total)
+        window_start = np.maximum(cleared, index - (maxlen - 1))
+        in_ring = prefix[index + 1] - prefix[window_start]  # voiced frames in the ring at each frame
+        if not triggered:
+            hits = np.flatnonzero(in_ring > threshold)
+        else:
+            hits = np.flatnonzero((index + 1 - window_start) - in_ring > threshold)
+        if hits.size == 0:
+            break
+        hit = int(hits[0])
+        if not triggered and first is None:
+            first = int(window_start[hit])
+        elif triggered:
+            end = cleared + hit + 1
+        triggered = not triggered
+        cleared = cleared + hit + 1
+    if first is None:
+        return None
+    if triggered:
+        end = total
+    return first, end
+
+
+def detect_speech(
+    wave16k: np.ndarray, cfg: VadConfig = VadConfig(), sample_rate: int = VAD_SAMPLE_RATE
+) -> SpeechSpan | NoSpeech:
+    """Find the speech span of a mono float32 waveform (``NoSpeech`` when there is too little)."""
+    if sample_rate not in (8000, 16000, 32000, 48000):
+        raise ValueError(f"WebRTC VAD needs 8/16/32/48 kHz audio, got {sample_rate} Hz")
+    wave = np.asarray(wave16k)
+    if wave.ndim != 1:
+        raise ValueError(f"detect_speech expects mono (N,) audio, got shape {wave.shape}")
+    flags = classify_frames(to_pcm16(wave), cfg, sample_rate)
+    total = len(flags)
+    seconds = wave.shape[0] / sample_rate
+    if total == 0:
+        return NoSpeech(f"audio is {seconds:.3f} s, shorter than one {cfg.frame_ms} ms VAD frame", 0, 0)
+    frames = collect_span(flags, cfg.padding_frames)
+    if frames is None:
+        voiced = sum(flags)
+        return NoSpeech(
+            f"VAD (aggressiveness {cfg.aggressiveness}) never triggered: {voiced}/{total} frames voiced "
+            f"in {seconds:.2f} s, no {cfg.padding_ms} ms window more than 90% voiced",
+            voiced,
+            total,
+        )
+    first, end = frames
+    frame_samples = cfg.frame_samples(sample_rate)
+    end_sample = wave.shape[0] if end == total else end * frame_samples
+    span = SpeechSpan(first * frame_samples, end_sample, sum(flags[first:end]), total, cfg.frame_ms, sample_rate)
+    if span.speech_s < cfg.min_speech_s:
+        return NoSpeech(
+            f"only {span.speech_s:.2f} s of voiced frames (< min_speech_s {cfg.min_speech_s:g} s) "
+            f"in {seconds:.2f} s of audio",
+            span.speech_frames,
+            total,
+            span,
+        )
+    if span.speech_ratio < cfg.min_speech_ratio:
+        return NoSpeech(
+            f"speech ratio {span.speech_ratio:.3f} (< min_speech_ratio {cfg.min_speech_ratio:g}): "
+            f"{span.speech_frames}/{total} frames voiced in {seconds:.2f} s of audio",
+            span.speech_frames,
+            total,
+            span,
+        )
+    return span
