@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 
@@ -358,7 +358,7 @@ def scan_corpus(
 
     inside: list[tuple[Candidate, str]] = []
     for candidate in candidates:
-        resolved = candidate.path.resolve()
+        resolved = Path(os.path.realpath(candidate.path))
         if not resolved.is_relative_to(root):
             rejects.append(
                 RejectRow(
@@ -455,7 +455,8 @@ _CACHE_SCHEMA = pa.schema(
 
 
 def _write_table(path: Path, rows: Sequence[object], schema: pa.Schema) -> None:
-    table = pa.Table.from_pylist([asdict(row) for row in rows], schema=schema)  # type: ignore[call-overload]
+    columns = {name: [getattr(row, name) for row in rows] for name in schema.names}
+    table = pa.Table.from_pydict(columns, schema=schema)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 
@@ -487,8 +488,9 @@ def load_cache(path: Path) -> dict[str, AudioProbe]:
 
 
 def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
-    records = [{"key": key, **asdict(probe)} for key, probe in sorted(cache.items())]
-    table = pa.Table.from_pylist(records, schema=_CACHE_SCHEMA)
+    keys = sorted(cache)
+    columns = {"key": keys, **{name: [getattr(cache[k], name) for k in keys] for name in _CACHE_SCHEMA.names[1:]}}
+    table = pa.Table.from_pydict(columns, schema=_CACHE_SCHEMA)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 

@@ -52,7 +52,8 @@ def manifest(context: dg.AssetExecutionContext, config: ManifestConfig, paths: S
 
     corpus.write_manifest(paths.manifest_file, result.rows)
     corpus.write_rejects(paths.rejects_file, result.rejects)
-    corpus.save_cache(paths.decode_cache_file, result.cache)
+    if result.cache != cache:
+        corpus.save_cache(paths.decode_cache_file, result.cache)
     per_speaker = _write_speakers(paths, result.rows)
     added = register_new(context, speakers_partitions, sorted(per_speaker))
 
