@@ -74,7 +74,8 @@ class ClientTargetSet:
     frames_fit: int
     frames_labelled: int
     utterances: int
-    inertia_per_frame: float
+    inertia_per_frame: float  # on the fitted frames
+    labelled_inertia_per_frame: float  # exact, over every labelled frame
     perplexity: float
     empty_clusters: int
     mean_segment_length: float
@@ -131,17 +132,17 @@ def build_client_targets(
     fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
     del frames, fit_frames
 
-    counts = np.zeros(k_used, dtype=np.int64)
-    segments = kmeans.SegmentStats()
-    labelled = 0
+    index = kmeans.CodebookIndex(fit.codebook)
+    quality = kmeans.QualityAccumulator(k_used)
     items: list[UtteranceLabels] = []
-    for path in shard_paths:
-        for record in iter_shard(path, features=("mfcc",)):
-            labels = kmeans.assign_labels(client_cmvn.apply(record.mfcc, "mfcc"), fit.codebook)
-            counts += np.bincount(labels, minlength=k_used)
-            segments.add(labels)
-            labelled += labels.shape[0]
+    for path in shard_paths:  # one shard in memory at a time, labelled in one search
+        records = list(iter_shard(path, features=("mfcc",)))
+        frames_per_utt = [client_cmvn.apply(record.mfcc, "mfcc") for record in records]
+        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(frames_per_utt, index)
+        for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
+            quality.add(labels, sqdist)
             items.append(UtteranceLabels(record.utt_id, record.speaker_id, kmeans.to_model_rate(labels)))
+    summary = quality.result(client_id, fit)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = out_dir / "codebook.npy"
@@ -154,12 +155,13 @@ def build_client_targets(
         k=k_used,
         k_requested=k,
         frames_fit=fit.frames_fit,
-        frames_labelled=labelled,
+        frames_labelled=summary.frames_labelled,
         utterances=len(items),
         inertia_per_frame=float(fit.inertia_per_frame),
-        perplexity=float(kmeans.cluster_perplexity(counts)),
-        empty_clusters=int(kmeans.empty_clusters(counts)),
-        mean_segment_length=float(segments.mean),
+        labelled_inertia_per_frame=float(summary.labelled_inertia_per_frame or 0.0),
+        perplexity=float(summary.perplexity),
+        empty_clusters=int(summary.empty_clusters),
+        mean_segment_length=float(summary.mean_segment_length),
         shards_read=[str(p) for p in shard_paths],
         codebook_path=codebook_path,
         labels_path=labels_path,

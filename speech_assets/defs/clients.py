@@ -172,6 +172,7 @@ def _materialize_client(
             "frames_labelled": result.frames_labelled,
             "utterances": result.utterances,
             "inertia_per_frame": result.inertia_per_frame,
+            "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
             "perplexity": result.perplexity,
             "empty_clusters": result.empty_clusters,
             "mean_segment_length": result.mean_segment_length,

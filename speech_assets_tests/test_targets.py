@@ -1,0 +1,91 @@
+"""Per-client k-means targets: isolation between clients, label rate, determinism, K shrink."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speech_assets import cmvn
+from speech_assets.features import FeatureRecord, write_shard
+from speech_assets.targets import build_client_targets, read_labels
+from speech_assets.utils import sha256_file
+
+
+def make_shard(path: Path, speaker: str, utterances: int, seed: int) -> list[FeatureRecord]:
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, 4, (8, 39))
+    records = []
+    for index in range(utterances):
+        frames = int(rng.integers(40, 120))
+        mfcc = (centres[rng.integers(0, 8, frames)] + rng.normal(0, 0.3, (frames, 39))).astype(np.float32)
+        records.append(
+            FeatureRecord(f"{speaker}-1-{index:04d}", speaker, "1", frames, frames / 100, 0, frames / 100, frames / 100, 1.0,
+                          np.zeros((frames, 80), np.float32), mfcc)
+        )
+    write_shard(path, records)
+    return records
+
+
+def client_cmvn(paths: list[Path]) -> cmvn.Cmvn:
+    from speech_assets.features import iter_shard
+
+    stats = cmvn.ShardStats()
+    for path in paths:
+        for record in iter_shard(path, features=("mfcc",)):
+            stats.add(record.speaker_id, "mfcc", record.mfcc)
+    return cmvn.Cmvn.from_sums(cmvn.combine([stats]))
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> dict[str, Path]:
+    out = {}
+    for seed, speaker in enumerate(["a1", "a2", "b1"]):
+        out[speaker] = tmp_path / f"{speaker}.parquet"
+        make_shard(out[speaker], speaker, 12, seed)
+    return out
+
+
+def test_client_reads_only_its_own_shards(shards: dict[str, Path], tmp_path: Path) -> None:
+    mine = [shards["a1"], shards["a2"]]
+    stats = client_cmvn(mine)
+    shards["b1"].write_bytes(b"another client's data: must never be opened")
+    shards["b1"].chmod(0)
+    result = build_client_targets("client_a", mine, stats, tmp_path / "client_a", k=8, seed=0)
+    assert result.shards_read == [str(p) for p in mine]
+    labels = read_labels(result.labels_path)
+    assert {utt.split("-")[0] for utt in labels} == {"a1", "a2"}
+
+
+def test_labels_at_50hz_and_deterministic(shards: dict[str, Path], tmp_path: Path) -> None:
+    from speech_assets.features import iter_shard
+
+    mine = [shards["a1"]]
+    stats = client_cmvn(mine)
+    first = build_client_targets("c", mine, stats, tmp_path / "one", k=8, seed=3)
+    second = build_client_targets("c", mine, stats, tmp_path / "two", k=8, seed=3)
+    assert sha256_file(first.codebook_path) == sha256_file(second.codebook_path)
+    assert sha256_file(first.labels_path) == sha256_file(second.labels_path)
+    labels = read_labels(first.labels_path)
+    for record in iter_shard(shards["a1"], features=()):
+        assert labels[record.utt_id].dtype == np.int16
+        assert labels[record.utt_id].shape == ((record.num_frames + 1) // 2,)
+    assert first.empty_clusters == 0 and 1 < first.perplexity <= 8
+    assert first.frames_labelled == sum(r.num_frames for r in iter_shard(shards["a1"], features=()))
+
+
+def test_k_shrinks_with_a_warning_when_frames_are_scarce(shards: dict[str, Path], tmp_path: Path) -> None:
+    warnings: list[str] = []
+    mine = [shards["a1"]]
+    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", k=500, seed=0, log=warnings.append)
+    assert result.k < 500 and result.k_requested == 500
+    assert warnings and "500" in warnings[0]
+    assert np.load(result.codebook_path).shape == (result.k, 39)
+
+
+def test_fit_budget_samples_whole_utterances(shards: dict[str, Path], tmp_path: Path) -> None:
+    mine = [shards["a1"], shards["a2"]]
+    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", k=4, max_fit_frames=300, seed=0)
+    assert 0 < result.frames_fit <= 300
+    assert result.frames_labelled > result.frames_fit  # labelling still covers every frame
