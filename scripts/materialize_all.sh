@@ -10,7 +10,7 @@ export DAGSTER_HOME="${DAGSTER_HOME:-$repo/data/dagster_home}"
 scripts/ensure_dagster_home.sh
 
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
-default_train_config='{"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": 300}}}}'
+default_train_config='{"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": 300, "heldout_fraction": 0.1}}}}'
 train_config="${TRAIN_CONFIG_JSON:-$default_train_config}"
 
 materialize --select manifest

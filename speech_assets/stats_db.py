@@ -119,9 +119,11 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
-    # The trainer's held-out split: hash of utt_id, the same rule `speech_assets.train` uses.
+    # The trainer's held-out split (speech_assets.train.data.heldout_split): the first 8 bytes
+    # of sha256(utt_id) as a fraction of 2^64, below heldout_fraction -> held out.
     con.execute(
-        "CREATE TABLE hours_per_split AS SELECT CASE WHEN (hash(utt_id) % 1000000) / 1000000.0 < "
+        "CREATE TABLE hours_per_split AS SELECT CASE WHEN "
+        "CAST(('0x' || substr(sha256(utt_id), 1, 16)) AS UBIGINT) / 18446744073709551616.0 < "
         f"{float(inputs.heldout_fraction)} THEN 'heldout' ELSE 'train' END AS split, count(*) AS utterances, "
         "sum(trimmed_duration_s) / 3600 AS trimmed_hours FROM utterances GROUP BY ALL ORDER BY split"
     )

@@ -39,7 +39,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
         "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
         "TRAIN_CONFIG_JSON": json.dumps(
-            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 60}}}}
+            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 60, "heldout_fraction": 0.1}}}}
         ),
     }
     env.pop("MLFLOW_TRACKING_URI", None)

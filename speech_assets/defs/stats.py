@@ -1,5 +1,7 @@
 """Stage 5: the DuckDB database of dataset statistics that anyone can query in SQL."""
 
+import json
+
 import dagster as dg
 import duckdb
 
@@ -15,6 +17,7 @@ CODE_VERSION = "stats-v1"
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
     shards = sorted(p for p in paths.shards_dir.glob("*.parquet") if p.name.count(".") == 1)
+    results = sorted(paths.training_dir.glob("*/result.json"))
     return stats_db.StatsInputs(
         manifest=paths.manifest_file,
         manifest_rejects=paths.rejects_file,
@@ -22,8 +25,20 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         shard_rejects=sorted(paths.shards_dir.glob("*.rejects.parquet")),
         clients=paths.clients_file,
         kmeans_quality=sorted((paths.root / "kmeans").glob("*/quality.json")),
-        training_results=sorted(paths.training_dir.glob("*/result.json")),
+        training_results=results,
+        heldout_fraction=_heldout_fraction(results),
     )
+
+
+def _heldout_fraction(results: list) -> float:
+    """The held-out fraction the newest training run used (the default when none ran)."""
+    if not results:
+        return stats_db.HELDOUT_FRACTION
+    newest = max(results, key=lambda p: p.stat().st_mtime)
+    try:
+        return float(json.loads((newest.parent / "config.json").read_text())["heldout_fraction"])
+    except (OSError, KeyError, ValueError):
+        return stats_db.HELDOUT_FRACTION
 
 
 def _content_hash(db_path, inputs: stats_db.StatsInputs) -> str:

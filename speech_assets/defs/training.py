@@ -1,8 +1,8 @@
 """Stage 4: HuBERT-style pretraining launched as a torchrun DDP job through Dagster Pipes."""
 
 import json
-import os
 import sys
+from dataclasses import replace
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -12,7 +12,7 @@ from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import git_commit, latest_data_version
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.train import autoconfig, launch
+from speech_assets.train import launch
 from speech_assets.train.config import ClientTargets, TrainConfig
 from speech_assets.utils import atomic_write_text, sha256_strings
 
@@ -97,63 +97,54 @@ def pretrained_checkpoint(
     run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), config.model_dump_json(), CODE_VERSION])[:16]
     run_dir = paths.training_dir / run_name
 
-    plan = autoconfig.decide(
-        autoconfig.profile_hardware(),
-        autoconfig.profile_dataset(shards),
-        autoconfig.profile_model(config.preset, len(client_targets), [t.k for t in client_targets.values()]),
+    train_config = TrainConfig(
+        run_dir=str(run_dir),
+        shards=shards,
+        cmvn=str(paths.cmvn_dir / "cmvn.npz"),
+        clients=client_targets,
+        preset=config.preset,
+        max_steps=config.max_steps,
+        batch_seconds=config.batch_seconds or None,
         target_batch_seconds=config.target_batch_seconds,
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        seed=config.seed,
+        checkpoint_every=config.checkpoint_every,
+        log_every=config.log_every,
+        precision=config.precision,
+        heldout_fraction=config.heldout_fraction,
+        max_frames=config.max_frames,
+        data_versions=data_versions,
+        git_sha=git_commit(),
+        mlflow_tracking_uri=paths.mlflow_tracking_uri,
+        mlflow_artifact_location=str(paths.root / "mlartifacts"),
+        mlflow_run_name=f"pretrain-{run_name}",
+        max_restarts=config.max_restarts,
+        nproc=config.nproc or "auto",
     )
-    nproc = config.nproc or plan.nproc
-    batch_seconds = config.batch_seconds or plan.batch_seconds
-    grad_accum = plan.grad_accum if not config.batch_seconds else max(1, round(config.target_batch_seconds / (batch_seconds * nproc)))
-    context.log.info(f"auto-configuration: {plan.reason}; launching nproc={nproc}, batch={batch_seconds:.1f}s, accum={grad_accum}")
+    plan = launch.plan_for(train_config)
+    context.log.info(f"auto-configuration: {plan.reason}")
+    train_config = launch.resolve(train_config, plan)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.json"
 
     for attempt in range(MAX_OOM_RETRIES + 1):
-        train_config = TrainConfig(
-            run_dir=str(run_dir),
-            shards=shards,
-            cmvn=str(paths.cmvn_dir / "cmvn.npz"),
-            clients=client_targets,
-            preset=config.preset,
-            max_steps=config.max_steps,
-            batch_seconds=batch_seconds,
-            target_batch_seconds=config.target_batch_seconds,
-            grad_accum=grad_accum,
-            lr=config.lr,
-            warmup_steps=config.warmup_steps,
-            seed=config.seed,
-            checkpoint_every=config.checkpoint_every,
-            log_every=config.log_every,
-            precision=config.precision if config.precision != "auto" else plan.precision,
-            heldout_fraction=config.heldout_fraction,
-            max_frames=config.max_frames,
-            data_versions=data_versions,
-            git_sha=git_commit(),
-            mlflow_tracking_uri=paths.mlflow_tracking_uri,
-            mlflow_artifact_location=str(paths.root / "mlartifacts"),
-            mlflow_run_name=f"pretrain-{run_name}",
-            max_restarts=config.max_restarts,
-            nproc=nproc,
-        )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / "config.json"
+        launch.clear_oom(run_dir)
         atomic_write_text(config_path, train_config.to_json())
         command = launch.build_torchrun_command(
-            config_path, nproc=nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
+            config_path, nproc=train_config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
             rdzv_endpoint=config.rdzv_endpoint or None, python=sys.executable,
         )
         context.log.info("launching: " + " ".join(command))
         try:
             invocation = pipes_subprocess_client.run(
-                context=context,
-                command=command,
-                cwd=str(settings.repo_root()),
-                env={**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))},
+                context=context, command=command, cwd=str(settings.repo_root()), env=launch.torchrun_env()
             )
         except dg.DagsterPipesExecutionError:
             if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
-                batch_seconds, grad_accum = launch.next_attempt_after_oom(batch_seconds, grad_accum)
-                context.log.warning(f"CUDA out of memory: retrying with batch={batch_seconds:.1f}s, accum={grad_accum}")
+                batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)
+                train_config = replace(train_config, batch_seconds=batch, grad_accum=accum)
+                context.log.warning(f"CUDA out of memory: retrying with batch={batch:.1f}s, accum={accum}")
                 continue
             raise
         result = invocation.get_materialize_result()
@@ -163,7 +154,6 @@ def pretrained_checkpoint(
                 **(result.metadata or {}),
                 "run_dir": dg.MetadataValue.path(str(run_dir)),
                 "input_versions": dg.MetadataValue.json(data_versions),
-                "autoconfig": plan.reason,
                 "oom_retries": attempt,
             },
         )

@@ -1,0 +1,175 @@
+"""HuBERT-style masked-prediction model over log-mel features.
+
+Pipeline (shapes for a batch of ``B`` utterances, ``T`` input frames at 100 Hz):
+
+``feats (B, T, 80)`` -> :class:`ConvSubsampler` -> ``(B, L, D)`` with ``L = (T + 1) // 2`` (50 Hz)
+-> masked frames replaced by a learned embedding -> + :class:`ConvPositionalEmbedding`
+-> pre-LN Transformer encoder -> ``hidden (B, L, D)`` -> one linear head per client
+-> ``logits (B_c, L, K_c)`` for the rows of each client ``c``.
+
+The encoder is shared; every client has its own head because its k-means codebook (and so the
+meaning of its cluster ids) is its own. Padded positions are zeroed before every convolution
+and excluded from attention, so an utterance's outputs do not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from speech_assets.model.presets import ModelPreset
+
+
+def output_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """50 Hz output lengths ``(B,)`` for 100 Hz input lengths ``(B,)``: ``(T + 1) // 2``."""
+    return torch.div(lengths + 1, 2, rounding_mode="floor")
+
+
+def padding_mask(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """``(B, max_length)`` bool, ``True`` on padding (positions ``>= lengths[b]``)."""
+    positions = torch.arange(max_length, device=lengths.device)
+    return positions[None, :] >= lengths[:, None]
+
+
+class ConvSubsampler(nn.Module):
+    """Two 1-D convolutions over time (stride 2 then 1, kernel 3) and a projection to ``dim``.
+
+    ``(B, T, F)`` at 100 Hz -> ``(B, (T + 1) // 2, dim)`` at 50 Hz.
+    """
+
+    def __init__(self, input_dim: int, channels: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(input_dim, channels, kernel_size=3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3, stride=1, padding=1)
+        self.activation = nn.GELU()
+        self.norm = nn.LayerNorm(channels)
+        self.projection = nn.Linear(channels, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feats (B, T, F)``, ``lengths (B,)`` -> ``(B, L, dim)``, ``out_lengths (B,)``."""
+        feats = feats.masked_fill(padding_mask(lengths, feats.shape[1])[..., None], 0.0)
+        out_lengths = output_lengths(lengths)
+        x = self.activation(self.conv1(feats.transpose(1, 2)))
+        pad = padding_mask(out_lengths, x.shape[2])
+        x = x.masked_fill(pad[:, None, :], 0.0)
+        x = self.activation(self.conv2(x)).transpose(1, 2)
+        return self.dropout(self.projection(self.norm(x))), out_lengths
+
+
+class ConvPositionalEmbedding(nn.Module):
+    """Grouped convolution over time used as a relative positional embedding (wav2vec 2.0).
+
+    ``(B, L, D)`` -> ``(B, L, D)``; for even kernels the extra last frame is dropped.
+    """
+
+    def __init__(self, dim: int, kernel_size: int, groups: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, kernel_size=kernel_size, padding=kernel_size // 2, groups=groups)
+        self.activation = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        y = self.conv(x.transpose(1, 2))[:, :, :length]
+        return self.activation(y).transpose(1, 2)
+
+
+@dataclass
+class EncoderOutput:
+    """``hidden (B, L, D)``, ``lengths (B,)`` (50 Hz), ``padding (B, L)`` bool (``True`` = pad)."""
+
+    hidden: torch.Tensor
+    lengths: torch.Tensor
+    padding: torch.Tensor
+
+
+@dataclass
+class ClientLogits:
+    """Predictions of one client's head for the batch rows that belong to it.
+
+    ``client``: index into :attr:`HubertPretrainModel.clients`; ``rows (B_c,)``: batch rows;
+    ``logits (B_c, L, K_c)``.
+    """
+
+    client: int
+    rows: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass
+class PretrainOutput:
+    encoder: EncoderOutput
+    logits: list[ClientLogits]
+
+
+class HubertPretrainModel(nn.Module):
+    """Shared encoder plus one prediction head per client (codebook sizes ``client_ks``).
+
+    Clients are ordered by name; ``clients[i]`` is the client whose samples carry index ``i``.
+    """
+
+    def __init__(self, preset: ModelPreset, client_ks: Mapping[str, int]) -> None:
+        super().__init__()
+        if not client_ks:
+            raise ValueError("need at least one client codebook")
+        if preset.dim % preset.heads:
+            raise ValueError(f"dim {preset.dim} is not divisible by heads {preset.heads}")
+        self.preset = preset
+        self.clients: list[str] = sorted(client_ks)
+        self.frontend = ConvSubsampler(preset.input_dim, preset.conv_channels, preset.dim, preset.dropout)
+        self.mask_embedding = nn.Parameter(torch.empty(preset.dim).uniform_())
+        self.position = ConvPositionalEmbedding(preset.dim, preset.pos_kernel, preset.pos_groups)
+        self.dropout = nn.Dropout(preset.dropout)
+        layer = nn.TransformerEncoderLayer(
+            preset.dim,
+            preset.heads,
+            preset.ffn_dim,
+            dropout=preset.dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(
+            layer, preset.layers, norm=nn.LayerNorm(preset.dim), enable_nested_tensor=False
+        )
+        self.heads = nn.ModuleList(nn.Linear(preset.dim, client_ks[name]) for name in self.clients)
+
+    def encode(self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> EncoderOutput:
+        """Encode ``feats (B, T, 80)`` (CMVN-normalised, 100 Hz) with valid ``lengths (B,)``.
+
+        ``mask (B, L)`` bool marks 50 Hz frames to replace by the learned mask embedding
+        (``L = (max T + 1) // 2``); ``None`` masks nothing.
+        """
+        x, out_lengths = self.frontend(feats, lengths)
+        padding = padding_mask(out_lengths, x.shape[1])
+        if mask is not None:
+            if mask.shape != padding.shape:
+                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(padding.shape)}")
+            x = torch.where(mask[..., None], self.mask_embedding.to(x.dtype), x)
+        x = x.masked_fill(padding[..., None], 0.0)
+        x = self.dropout(x + self.position(x))
+        hidden = self.encoder(x, src_key_padding_mask=padding)
+        return EncoderOutput(hidden=hidden, lengths=out_lengths, padding=padding)
+
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, clients: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> PretrainOutput:
+        """Encode and predict: ``clients (B,)`` long selects each row's head.
+
+        Returns the encoder output and, for every client present in the batch, its head's
+        ``logits (B_c, L, K_c)`` over that client's rows only (other heads are not used, so they
+        receive no gradient from this batch).
+        """
+        encoded = self.encode(feats, lengths, mask)
+        outputs = []
+        for client in torch.unique(clients).tolist():
+            rows = torch.nonzero(clients == client).squeeze(1)
+            outputs.append(ClientLogits(client, rows, self.heads[client](encoded.hidden[rows])))
+        return PretrainOutput(encoder=encoded, logits=outputs)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

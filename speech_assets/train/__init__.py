@@ -1,0 +1,9 @@
+"""HuBERT-style pretraining: config, data, autoconfig, checkpoints, trainer, launch, tracking.
+
+Entry points: ``python -m speech_assets.train --config CONFIG.json`` (see ``__main__``),
+:func:`speech_assets.train.trainer.train`, :func:`speech_assets.train.launch.build_torchrun_command`.
+"""
+
+from speech_assets.train.config import ClientTargets, TrainConfig
+
+__all__ = ["ClientTargets", "TrainConfig"]

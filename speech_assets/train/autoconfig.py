@@ -1,0 +1,269 @@
+"""Auto-configuration: profile hardware, dataset and model, then choose processes, per-device
+batch (seconds of audio), gradient accumulation and precision.
+
+``decide`` is a pure function of three small dataclasses, so its policy is unit-tested with fake
+profiles; ``profile_*`` gather the real ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from speech_assets.features import FRAME_RATE_HZ, read_shard_table
+from speech_assets.model.hubert import HubertPretrainModel, count_parameters
+from speech_assets.model.presets import get_preset
+
+GIB = 1 << 30
+# Fraction of GPU memory the plan may use, and what CUDA context/allocator/workspaces take besides.
+GPU_MEMORY_FRACTION = 0.85
+GPU_RESERVED_BYTES = 2 * GIB
+# Activation estimates are rough: plan for twice as much.
+ACTIVATION_SAFETY = 2.0
+# On CPU, larger micro-batches stop improving throughput and only make steps slower.
+CPU_MAX_BATCH_SECONDS = 32.0
+# CPU training runs one single-threaded process per core (up to CPU_MAX_PROCESSES, the rest of
+# the cores become intra-op threads): the small GEMMs of CPU-sized models scale better across
+# processes than across threads, and threads stall when cores are shared (bench/train.py, tiny,
+# 2 cores: 1 process x 1 thread ~85 s of audio/s, x 2 threads ~95 (5-37 on busy shared cores),
+# 2 processes x 1 thread ~135).
+CPU_MAX_PROCESSES = 8
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    cpu_cores: int
+    ram_bytes: int
+    gpu_count: int = 0
+    gpu_name: str | None = None
+    gpu_memory_bytes: int = 0
+    bf16_supported: bool = False
+
+
+@dataclass(frozen=True)
+class DatasetProfile:
+    """Durations (seconds, from ``num_frames`` at 100 Hz) of the utterances in the shards."""
+
+    utterances: int
+    total_seconds: float
+    mean_seconds: float
+    p50_seconds: float
+    p95_seconds: float
+    max_seconds: float
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Parameter count and memory of one training replica.
+
+    ``weight_bytes``/``grad_bytes``/``adam_bytes`` are fp32 (AdamW keeps two moments);
+    ``activation_bytes_per_second_*``: activations kept for backward per second of audio.
+    """
+
+    preset: str
+    parameters: int
+    weight_bytes: int
+    grad_bytes: int
+    adam_bytes: int
+    activation_bytes_per_second_fp32: float
+    activation_bytes_per_second_16bit: float
+    train_flops_per_second: float
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.adam_bytes
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    nproc: int
+    batch_seconds: float
+    grad_accum: int
+    precision: str
+    device: str
+    threads_per_process: int
+    reason: str
+
+    @property
+    def effective_batch_seconds(self) -> float:
+        return self.batch_seconds * self.nproc * self.grad_accum
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "effective_batch_seconds": self.effective_batch_seconds}
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def profile_hardware() -> HardwareProfile:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not torch.cuda.is_available():
+        return HardwareProfile(cpu_cores=available_cores(), ram_bytes=ram)
+    props = torch.cuda.get_device_properties(0)
+    return HardwareProfile(
+        cpu_cores=available_cores(),
+        ram_bytes=ram,
+        gpu_count=torch.cuda.device_count(),
+        gpu_name=props.name,
+        gpu_memory_bytes=props.total_memory,
+        bf16_supported=torch.cuda.is_bf16_supported(),
+    )
+
+
+def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
+    """Duration statistics from the shards' ``num_frames`` column (no feature matrix is read)."""
+    frames = [read_shard_table(path, columns=["num_frames"]).column("num_frames").to_numpy() for path in shards]
+    seconds = np.concatenate(frames).astype(np.float64) / FRAME_RATE_HZ if frames else np.zeros(0)
+    if seconds.size == 0:
+        raise ValueError("the shards hold no utterances")
+    return DatasetProfile(
+        utterances=int(seconds.size),
+        total_seconds=float(seconds.sum()),
+        mean_seconds=float(seconds.mean()),
+        p50_seconds=float(np.percentile(seconds, 50)),
+        p95_seconds=float(np.percentile(seconds, 95)),
+        max_seconds=float(seconds.max()),
+    )
+
+
+def profile_model(preset: str, num_clients: int, ks: int | Sequence[int], mean_seconds: float = 10.0) -> ModelProfile:
+    """Exact parameter count (model built on the meta device) and analytic memory/FLOPs.
+
+    ``ks``: one codebook size for all clients, or one per client. ``mean_seconds`` sets the
+    sequence length used for the attention FLOPs.
+    """
+    sizes = [int(ks)] * num_clients if isinstance(ks, int) else [int(k) for k in ks]
+    if len(sizes) != num_clients:
+        raise ValueError(f"{len(sizes)} codebook sizes for {num_clients} clients")
+    spec = get_preset(preset)
+    with torch.device("meta"):
+        parameters = count_parameters(HubertPretrainModel(spec, {f"c{i}": k for i, k in enumerate(sizes)}))
+    frames_per_second = FRAME_RATE_HZ / 2
+    return ModelProfile(
+        preset=preset,
+        parameters=parameters,
+        weight_bytes=4 * parameters,
+        grad_bytes=4 * parameters,
+        adam_bytes=8 * parameters,
+        activation_bytes_per_second_fp32=spec.activation_bytes_per_frame(4) * frames_per_second,
+        activation_bytes_per_second_16bit=spec.activation_bytes_per_frame(2) * frames_per_second,
+        train_flops_per_second=spec.train_flops_per_frame(mean_seconds * frames_per_second, sizes) * frames_per_second,
+    )
+
+
+def decide(
+    hw: HardwareProfile,
+    data: DatasetProfile,
+    model: ModelProfile,
+    target_batch_seconds: float,
+    *,
+    nproc: int | str = "auto",
+    batch_seconds: float | None = None,
+    grad_accum: int | str = "auto",
+    precision: str = "auto",
+    device: str = "auto",
+    max_utterance_seconds: float = 15.0,
+) -> LaunchPlan:
+    """Choose the launch: explicit arguments win, ``"auto"``/``None`` are decided here.
+
+    Policy: all GPUs of the node, one process each, bf16 where supported (fp16 otherwise);
+    on CPU fp32 and one process per core (at most :data:`CPU_MAX_PROCESSES`). The per-device
+    batch is the largest that fits the memory budget (and, on CPU, at most
+    :data:`CPU_MAX_BATCH_SECONDS`) without exceeding the target; accumulation makes up the rest
+    and the batch is then evened out so ``batch * nproc * accum`` is close to the target.
+    """
+    notes: list[str] = []
+    if device == "auto":
+        device = "cuda" if hw.gpu_count > 0 else "cpu"
+    if device == "cuda" and hw.gpu_count == 0:
+        raise ValueError("device 'cuda' requested but no GPU was found")
+    notes.append(
+        f"hardware: {hw.cpu_cores} cores, {hw.ram_bytes / GIB:.1f} GiB RAM"
+        + (f", {hw.gpu_count}x {hw.gpu_name} ({hw.gpu_memory_bytes / GIB:.1f} GiB)" if hw.gpu_count else ", no GPU")
+    )
+
+    if precision == "auto":
+        if device == "cpu":
+            precision = "fp32"
+            notes.append("precision fp32: CPU")
+        else:
+            precision = "bf16" if hw.bf16_supported else "fp16"
+            notes.append(
+                f"precision {precision}: "
+                + ("GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler")
+            )
+    elif device == "cpu" and precision == "fp16":
+        raise ValueError("fp16 training needs CUDA (use fp32 or bf16 on CPU)")
+
+    if nproc == "auto":
+        if device == "cuda":
+            nproc = hw.gpu_count
+            notes.append(f"nproc {nproc}: one process per GPU")
+        else:
+            nproc = max(1, min(hw.cpu_cores, CPU_MAX_PROCESSES))
+            notes.append(
+                f"nproc {nproc}: one process per core (up to {CPU_MAX_PROCESSES}); "
+                "processes scale better than threads on CPU"
+            )
+    elif device == "cuda" and int(nproc) > hw.gpu_count:
+        raise ValueError(f"nproc {nproc} exceeds the {hw.gpu_count} GPUs")
+    nproc = int(nproc)
+    threads = max(1, hw.cpu_cores // nproc) if device == "cpu" else max(1, min(4, hw.cpu_cores // nproc))
+
+    longest = min(data.max_seconds, max_utterance_seconds)
+    per_second = ACTIVATION_SAFETY * (
+        model.activation_bytes_per_second_16bit
+        if precision in ("bf16", "fp16")
+        else model.activation_bytes_per_second_fp32
+    )
+    if device == "cuda":
+        budget = GPU_MEMORY_FRACTION * hw.gpu_memory_bytes - GPU_RESERVED_BYTES - model.state_bytes
+    else:
+        budget = 0.5 * hw.ram_bytes / nproc - model.state_bytes
+    memory_cap = budget / per_second
+    notes.append(
+        f"model {model.preset}: {model.parameters / 1e6:.2f}M params, weights+grads+Adam "
+        f"{model.state_bytes / 2**20:.0f} MiB, ~{per_second / 2**20:.1f} MiB activations per second of audio "
+        f"(x{ACTIVATION_SAFETY:g} margin) -> memory fits {memory_cap:.0f} s per device"
+    )
+    if memory_cap < longest:
+        raise ValueError(
+            f"a {longest:.1f} s utterance needs more memory than the {budget / GIB:.1f} GiB budget per device"
+        )
+
+    target_per_device = target_batch_seconds / nproc
+    if batch_seconds is None:
+        cap = memory_cap if device == "cuda" else min(memory_cap, CPU_MAX_BATCH_SECONDS)
+        batch_seconds = max(min(target_per_device, cap), longest)
+        accum = int(grad_accum) if grad_accum != "auto" else math.ceil(target_batch_seconds / (nproc * batch_seconds))
+        if grad_accum == "auto":
+            batch_seconds = max(target_batch_seconds / (nproc * accum), longest)
+        batch_seconds = math.floor(batch_seconds * 10) / 10
+        notes.append(f"batch {batch_seconds:g} s per device (target {target_per_device:.1f}, cap {cap:.0f})")
+    else:
+        accum = (
+            int(grad_accum) if grad_accum != "auto" else max(1, round(target_batch_seconds / (nproc * batch_seconds)))
+        )
+        notes.append(f"batch {batch_seconds:g} s per device (given)")
+    effective = batch_seconds * nproc * accum
+    notes.append(f"grad_accum {accum}: effective {effective:.1f} s per step (target {target_batch_seconds:g} s)")
+    if data.total_seconds < effective:
+        notes.append(f"note: one step covers more than the {data.total_seconds:.0f} s of training audio")
+    return LaunchPlan(
+        nproc=nproc,
+        batch_seconds=float(batch_seconds),
+        grad_accum=accum,
+        precision=precision,
+        device=device,
+        threads_per_process=threads,
+        reason="; ".join(notes),
+    )

@@ -1,0 +1,132 @@
+"""Training configuration: one JSON file fully describes a run (inputs, model, optimisation, tracking)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from speech_assets.model.presets import get_preset
+from speech_assets.utils import atomic_write_text
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ClientTargets:
+    """One client's k-means targets: ``labels`` parquet (``speech_assets.targets``) and codebook size ``k``."""
+
+    labels: str
+    k: int
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. ``"auto"``/``None`` values are resolved by autoconfig.
+
+    Batch sizes are in seconds of audio (sum of unpadded utterance durations): ``batch_seconds``
+    per device and micro-batch, ``target_batch_seconds`` per optimizer step over all devices
+    (``batch_seconds * nproc * grad_accum`` reaches it). ``threads``: intra-op threads per
+    process (default: the cores divided among this node's processes).
+    """
+
+    run_dir: str
+    shards: list[str]
+    cmvn: str
+    clients: dict[str, ClientTargets]
+    preset: str = "tiny"
+    max_steps: int = 1000
+    batch_seconds: float | None = None
+    target_batch_seconds: float = 120.0
+    grad_accum: int | str = "auto"
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    clip_norm: float = 10.0
+    seed: int = 0
+    heldout_fraction: float = 0.05
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    precision: str = "auto"
+    device: str = "auto"
+    unmasked_weight: float = 0.0
+    mask_prob: float = 0.08
+    mask_length: int = 10
+    max_frames: int = 1500
+    num_workers: int = 0
+    threads: int | None = None
+    data_versions: dict[str, str] = field(default_factory=dict)
+    git_sha: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "speech_assets"
+    mlflow_artifact_location: str | None = None
+    mlflow_run_name: str | None = None
+    max_restarts: int = 2
+    nproc: int | str = "auto"
+
+    def __post_init__(self) -> None:
+        self.shards = [str(s) for s in self.shards]
+        self.clients = {
+            str(name): value if isinstance(value, ClientTargets) else ClientTargets(**value)
+            for name, value in sorted(self.clients.items())
+        }
+        self.validate()
+
+    def validate(self) -> None:
+        get_preset(self.preset)
+        problems = []
+        if not self.shards:
+            problems.append("shards is empty")
+        if not self.clients:
+            problems.append("clients is empty")
+        problems += [f"client {name}: k must be >= 2" for name, c in self.clients.items() if c.k < 2]
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision must be one of {PRECISIONS}")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {DEVICES}")
+        if not (self.grad_accum == "auto" or (isinstance(self.grad_accum, int) and self.grad_accum >= 1)):
+            problems.append("grad_accum must be 'auto' or an int >= 1")
+        if not (self.nproc == "auto" or (isinstance(self.nproc, int) and self.nproc >= 1)):
+            problems.append("nproc must be 'auto' or an int >= 1")
+        if self.threads is not None and self.threads < 1:
+            problems.append("threads must be >= 1")
+        if self.batch_seconds is not None and self.batch_seconds <= 0:
+            problems.append("batch_seconds must be > 0")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            problems.append("heldout_fraction must be in [0, 1)")
+        for name in ("max_steps", "checkpoint_every", "log_every", "keep_checkpoints", "mask_length", "max_frames"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if problems:
+            raise ValueError("invalid TrainConfig: " + "; ".join(problems))
+
+    @property
+    def chance_accuracy(self) -> float:
+        """Mean over clients of ``1 / K``: accuracy of guessing uniformly."""
+        return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The config as JSON text; also written atomically to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> TrainConfig:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))

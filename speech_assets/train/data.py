@@ -1,0 +1,305 @@
+"""Training data: an index of (shard, row) per labelled utterance, lazy row-group reads, a
+deterministic held-out split and a distributed sampler that buckets utterances by duration.
+
+Only scalar columns are read up front (``utt_id``, ``num_frames`` and the labels files), so the
+index of a large corpus stays small; feature matrices are read one Parquet row group at a time
+through a small per-process LRU cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+from speech_assets.cmvn import Cmvn
+from speech_assets.features import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
+from speech_assets.model.loss import IGNORE_INDEX
+from speech_assets.targets import read_labels
+
+
+@dataclass(frozen=True)
+class UtteranceRef:
+    """Where an utterance lives: ``shard`` index, Parquet ``row_group`` and ``row`` in it.
+
+    ``num_frames`` is the 100 Hz length the model sees (after cropping to ``max_frames``);
+    ``client`` indexes the sorted client names.
+    """
+
+    utt_id: str
+    shard: int
+    row_group: int
+    row: int
+    num_frames: int
+    client: int
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / FRAME_RATE_HZ
+
+
+@dataclass
+class CorpusIndex:
+    """Labelled utterances of all shards (shard/row order) and each client's labels."""
+
+    shards: list[str]
+    clients: list[str]
+    utterances: list[UtteranceRef]
+    labels: list[dict[str, np.ndarray]]
+    unlabelled: int
+
+
+def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_frames: int) -> CorpusIndex:
+    """Index every utterance of ``shards`` that has labels in exactly one client's file.
+
+    ``client_labels`` maps client id -> labels parquet. Utterances without labels are skipped
+    and counted (``unlabelled``); an utterance labelled by two clients, or present in two
+    shards, is an error.
+    """
+    clients = sorted(client_labels)
+    labels = [read_labels(client_labels[name]) for name in clients]
+    owner: dict[str, int] = {}
+    for client, per_utt in enumerate(labels):
+        for utt_id in per_utt:
+            if utt_id in owner:
+                raise ValueError(f"{utt_id} has labels for clients {clients[owner[utt_id]]} and {clients[client]}")
+            owner[utt_id] = client
+    utterances: list[UtteranceRef] = []
+    seen: set[str] = set()
+    unlabelled = 0
+    for shard, path in enumerate(shards):
+        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        utt_ids = table.column("utt_id").to_pylist()
+        frames = table.column("num_frames").to_pylist()
+        row_groups = _row_group_of_rows(path)
+        for row, (utt_id, num_frames) in enumerate(zip(utt_ids, frames, strict=True)):
+            if utt_id in seen:
+                raise ValueError(f"{utt_id} appears in more than one shard (second: {path})")
+            seen.add(utt_id)
+            if utt_id not in owner:
+                unlabelled += 1
+                continue
+            group, row_in_group = row_groups[row]
+            utterances.append(
+                UtteranceRef(utt_id, shard, group, row_in_group, min(int(num_frames), max_frames), owner[utt_id])
+            )
+    return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
+
+
+def _row_group_of_rows(path: str) -> list[tuple[int, int]]:
+    metadata = pq.ParquetFile(path).metadata
+    return [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
+
+
+def _unit_hash(text: str) -> float:
+    """Deterministic hash of ``text`` in ``[0, 1)`` (sha256, independent of PYTHONHASHSEED)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def heldout_split(utterances: Sequence[UtteranceRef], fraction: float) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
+    """Split by hashing ``utt_id`` (stable across runs, machines and corpus growth): an
+    utterance is held out when its hash is below ``fraction``. With ``fraction > 0`` and at
+    least two utterances, at least one is held out (the one with the smallest hash)."""
+    heldout = [u for u in utterances if _unit_hash(u.utt_id) < fraction]
+    if fraction > 0 and not heldout and len(utterances) >= 2:
+        heldout = [min(utterances, key=lambda u: _unit_hash(u.utt_id))]
+    held = {u.utt_id for u in heldout}
+    return [u for u in utterances if u.utt_id not in held], heldout
+
+
+@dataclass
+class Example:
+    """One utterance: ``feats (T, 80)`` float32 (CMVN applied), ``labels (L,)`` long, ``L = (T+1)//2``."""
+
+    utt_id: str
+    client: int
+    feats: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class Batch:
+    """Padded batch: ``feats (B, T, 80)``, ``lengths (B,)``, ``targets (B, L)`` (``IGNORE_INDEX``
+    on padding), ``clients (B,)``; ``seconds`` is the unpadded audio duration."""
+
+    feats: torch.Tensor
+    lengths: torch.Tensor
+    targets: torch.Tensor
+    clients: torch.Tensor
+    seconds: float
+
+    def to(self, device: torch.device) -> Batch:
+        non_blocking = device.type == "cuda"
+        return Batch(
+            self.feats.to(device, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+            self.targets.to(device, non_blocking=non_blocking),
+            self.clients.to(device, non_blocking=non_blocking),
+            self.seconds,
+        )
+
+
+def collate(examples: Sequence[Example]) -> Batch:
+    lengths = torch.tensor([e.feats.shape[0] for e in examples], dtype=torch.long)
+    max_frames = int(lengths.max())
+    feats = torch.zeros(len(examples), max_frames, N_MELS, dtype=torch.float32)
+    targets = torch.full((len(examples), (max_frames + 1) // 2), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        feats[row, : example.feats.shape[0]] = example.feats
+        targets[row, : example.labels.shape[0]] = example.labels
+    clients = torch.tensor([e.client for e in examples], dtype=torch.long)
+    return Batch(feats, lengths, targets, clients, float(lengths.sum()) / FRAME_RATE_HZ)
+
+
+def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray:
+    """Fit 50 Hz ``labels`` to ``(num_frames + 1) // 2``: a 1-frame difference is cropped or
+    padded with :data:`IGNORE_INDEX`; a larger one means features and targets disagree."""
+    expected = (num_frames + 1) // 2
+    if abs(labels.shape[0] - expected) > 1:
+        raise ValueError(f"{utt_id}: {labels.shape[0]} labels for {num_frames} frames (expected {expected})")
+    aligned = np.full(expected, IGNORE_INDEX, dtype=np.int64)
+    keep = min(expected, labels.shape[0])
+    aligned[:keep] = labels[:keep]
+    return aligned
+
+
+def crop_start(utt_id: str, num_frames: int, max_frames: int) -> int:
+    """Deterministic, even start frame of the ``max_frames`` window kept from a long utterance
+    (even so that 50 Hz labels stay aligned: label ``j`` belongs to frame ``2j``)."""
+    if num_frames <= max_frames:
+        return 0
+    return 2 * int(_unit_hash("crop:" + utt_id) * ((num_frames - max_frames) // 2 + 1))
+
+
+class UtteranceDataset(Dataset[Example]):
+    """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group."""
+
+    def __init__(
+        self,
+        index: CorpusIndex,
+        utterances: Sequence[UtteranceRef],
+        cmvn: Cmvn,
+        max_frames: int,
+        cached_row_groups: int = 8,
+    ) -> None:
+        self.index = index
+        self.utterances = list(utterances)
+        self.cmvn = cmvn
+        self.max_frames = max_frames
+        self.cached_row_groups = cached_row_groups
+        self._cache: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.utterances)
+
+    @property
+    def seconds(self) -> list[float]:
+        """Duration the model sees of each utterance (after cropping), in dataset order."""
+        return [u.seconds for u in self.utterances]
+
+    def __getitem__(self, item: int) -> Example:
+        ref = self.utterances[item]
+        logmel = blob_to_matrix(self._row_group(ref.shard, ref.row_group)[ref.row], N_MELS)
+        labels = align_labels(self.index.labels[ref.client][ref.utt_id], logmel.shape[0], ref.utt_id)
+        start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames)
+        feats = self.cmvn.apply(logmel[start : start + self.max_frames], "logmel")
+        labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
+        return Example(ref.utt_id, ref.client, torch.from_numpy(feats), torch.from_numpy(labels))
+
+    def _row_group(self, shard: int, group: int) -> pa.Array:
+        key = (shard, group)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        table = pq.ParquetFile(self.index.shards[shard]).read_row_group(group, columns=["logmel"])
+        column = table.column("logmel").combine_chunks()
+        self._cache[key] = column
+        while len(self._cache) > self.cached_row_groups:
+            self._cache.popitem(last=False)
+        return column
+
+    def __getstate__(self) -> dict[str, object]:
+        # DataLoader workers start with an empty cache instead of pickling Arrow buffers.
+        return {**self.__dict__, "_cache": OrderedDict()}
+
+
+class DurationBucketSampler:
+    """Deterministic distributed batching by duration.
+
+    Per epoch: shuffle (seeded by ``seed`` and epoch), sort each pool of about ``pool_batches``
+    batches by duration, cut into batches whose padded size (``len * longest``) stays within
+    ``batch_seconds`` (an utterance longer than that gets a batch of its own), shuffle the batch
+    order, and deal batches round-robin to ``num_replicas`` ranks. Every rank gets the same
+    number of batches (the remainder is dropped, or batches repeat when there are fewer than
+    ranks), so ranks stay in lock-step. The batch list is a pure function of (seed, epoch), so
+    a position in it (see the trainer's checkpoint) resumes exactly.
+    """
+
+    def __init__(
+        self,
+        seconds: Sequence[float],
+        batch_seconds: float,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        pool_batches: int = 100,
+    ) -> None:
+        if not seconds:
+            raise ValueError("no utterances to sample from")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+        self.batch_seconds = float(batch_seconds)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
+        self.pool_size = pool_batches * per_batch
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """All ranks' batches of ``epoch`` (dataset indices), before dealing."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.seconds))
+        batches: list[list[int]] = []
+        for start in range(0, len(order), self.pool_size):
+            batches += cut_batches(order[start : start + self.pool_size], self.seconds, self.batch_seconds)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch``; the same count on every rank."""
+        batches = self.global_batches(epoch)
+        if len(batches) < self.num_replicas:
+            batches = [batches[i % len(batches)] for i in range(self.num_replicas)]
+        usable = len(batches) - len(batches) % self.num_replicas
+        return batches[self.rank : usable : self.num_replicas]
+
+
+def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_seconds: float) -> list[list[int]]:
+    """Sort ``indices`` by duration and cut them greedily into batches whose padded size
+    ``len(batch) * longest`` stays within ``batch_seconds`` (a longer utterance is a batch alone)."""
+    ordered = np.asarray(indices, dtype=np.int64)
+    ordered = ordered[np.argsort(seconds[ordered], kind="stable")]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in ordered.tolist():
+        if current and (len(current) + 1) * seconds[index] > batch_seconds:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def eval_batches(seconds: Sequence[float], batch_seconds: float, num_replicas: int, rank: int) -> list[list[int]]:
+    """Every utterance exactly once, duration-sorted batches dealt round-robin (counts may differ by one)."""
+    durations = np.asarray(seconds, dtype=np.float64)
+    return cut_batches(np.arange(len(durations)), durations, batch_seconds)[rank::num_replicas]

@@ -1,0 +1,171 @@
+"""Launching: auto-configure on this machine, build the torchrun command, and the CUDA
+out-of-memory retry policy (halve the per-device batch, double accumulation, up to 3 times).
+
+A rank that hits ``torch.cuda.OutOfMemoryError`` writes ``run_dir/oom.json`` and exits with
+:data:`OOM_EXIT_CODE`; the launcher (``python -m speech_assets.train --launch`` or the Dagster
+asset) sees the marker via :func:`detect_oom`, adjusts the config and launches again. Each
+attempt resumes from the run's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from speech_assets.features import FRAME_RATE_HZ
+from speech_assets.train.autoconfig import (
+    LaunchPlan,
+    decide,
+    profile_dataset,
+    profile_hardware,
+    profile_model,
+)
+from speech_assets.train.config import TrainConfig
+from speech_assets.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+OOM_EXIT_CODE = 75
+OOM_MARKER = "oom.json"
+MAX_OOM_RETRIES = 3
+# Environment for the torchrun process. By default torchrun's workers share the rendezvous
+# TCPStore across restarts, and a restarted worker group can read the previous attempt's
+# addresses and fail or hang in init_process_group (pytorch/pytorch#135712); a store per
+# attempt makes --max-restarts reliable.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def plan_for(config: TrainConfig, nproc: int | str | None = None) -> LaunchPlan:
+    """Profile this machine, the shards and the model, and decide (``nproc`` overrides the config's)."""
+    dataset = profile_dataset(config.shards)
+    return decide(
+        profile_hardware(),
+        dataset,
+        profile_model(config.preset, len(config.clients), [c.k for c in config.clients.values()], dataset.mean_seconds),
+        config.target_batch_seconds,
+        nproc=config.nproc if nproc is None else nproc,
+        batch_seconds=config.batch_seconds,
+        grad_accum=config.grad_accum,
+        precision=config.precision,
+        device=config.device,
+        max_utterance_seconds=config.max_frames / FRAME_RATE_HZ,
+    )
+
+
+def resolve(config: TrainConfig, plan: LaunchPlan) -> TrainConfig:
+    """``config`` with the plan's concrete nproc, batch, accumulation, precision and device."""
+    return replace(
+        config,
+        nproc=plan.nproc,
+        batch_seconds=plan.batch_seconds,
+        grad_accum=plan.grad_accum,
+        precision=plan.precision,
+        device=plan.device,
+    )
+
+
+def build_torchrun_command(
+    config_path: str | os.PathLike[str],
+    nproc: int,
+    max_restarts: int,
+    nnodes: str = "1",
+    rdzv_endpoint: str | None = None,
+    python: str = sys.executable,
+    rdzv_id: str = "speech_assets",
+) -> list[str]:
+    """``python -m torch.distributed.run ... -m speech_assets.train --config PATH``.
+
+    One node uses ``--standalone`` (local rendezvous on a free port); several nodes (``nnodes``
+    like ``"2"`` or ``"1:4"``) rendezvous with c10d at ``rdzv_endpoint`` (``host:port``).
+    Run it with :func:`torchrun_env` so that restarts work.
+    """
+    command = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+    ]
+    if nnodes == "1" and rdzv_endpoint is None:
+        command.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("multi-node launch needs rdzv_endpoint")
+        command += [
+            "--nnodes",
+            nnodes,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id,
+        ]
+    return [*command, "-m", "speech_assets.train", "--config", str(config_path)]
+
+
+def torchrun_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`."""
+    return {**(os.environ if base is None else base), **TORCHRUN_ENV}
+
+
+def next_attempt_after_oom(batch_seconds: float, grad_accum: int) -> tuple[float, int]:
+    """Same effective batch with half the memory: ``(batch / 2, accum * 2)``."""
+    return batch_seconds / 2, grad_accum * 2
+
+
+def write_oom_marker(
+    run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: str
+) -> None:
+    payload = {"rank": rank, "batch_seconds": batch_seconds, "grad_accum": grad_accum, "error": error[:2000]}
+    atomic_write_text(Path(run_dir) / OOM_MARKER, json.dumps(payload, indent=2) + "\n")
+
+
+def read_oom_marker(run_dir: str | os.PathLike[str]) -> dict[str, object] | None:
+    path = Path(run_dir) / OOM_MARKER
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def detect_oom(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether a rank of the last attempt ran out of CUDA memory."""
+    return (Path(run_dir) / OOM_MARKER).is_file()
+
+
+def clear_oom(run_dir: str | os.PathLike[str]) -> None:
+    (Path(run_dir) / OOM_MARKER).unlink(missing_ok=True)
+
+
+def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None) -> int:
+    """Auto-configure, then train here (one process) or under torchrun, retrying CUDA OOM.
+
+    Writes the resolved config of each attempt to ``<run_dir>/launch_config.json`` (or under
+    ``config_dir``) and returns the exit code of the last attempt.
+    """
+    plan = plan_for(config)
+    log.info("autoconfig: %s", plan.reason)
+    attempt_config = resolve(config, plan)
+    config_path = Path(config_dir or config.run_dir) / "launch_config.json"
+    attempt = 0
+    while True:
+        clear_oom(config.run_dir)
+        attempt_config.to_json(config_path)
+        if plan.nproc == 1:
+            command = [sys.executable, "-m", "speech_assets.train", "--config", str(config_path)]
+        else:
+            command = build_torchrun_command(config_path, plan.nproc, config.max_restarts)
+        log.info("attempt %d: %s", attempt + 1, " ".join(command))
+        code = subprocess.call(command, env=torchrun_env())
+        if code == 0 or not detect_oom(config.run_dir) or attempt == MAX_OOM_RETRIES:
+            return code
+        batch, accum = next_attempt_after_oom(float(attempt_config.batch_seconds or 0), int(attempt_config.grad_accum))
+        log.warning("CUDA out of memory: retrying with batch %.1f s and grad_accum %d", batch, accum)
+        attempt_config = replace(attempt_config, batch_seconds=batch, grad_accum=accum)
+        attempt += 1

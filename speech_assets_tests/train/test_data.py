@@ -1,0 +1,121 @@
+import numpy as np
+import pytest
+import torch
+
+from speech_assets.cmvn import Cmvn
+from speech_assets.model import IGNORE_INDEX
+from speech_assets.train.data import (
+    DurationBucketSampler,
+    UtteranceDataset,
+    align_labels,
+    build_index,
+    collate,
+    crop_start,
+    eval_batches,
+    heldout_split,
+)
+from speech_assets_tests.train.synthetic import SyntheticCorpus
+
+
+def _index(corpus: SyntheticCorpus, max_frames: int = 1500):
+    return build_index(corpus.shards, {n: c.labels for n, c in corpus.clients.items()}, max_frames)
+
+
+def test_index_keeps_labelled_utterances_of_their_client(corpus: SyntheticCorpus) -> None:
+    index = _index(corpus)
+    assert index.clients == ["client_a", "client_b"]
+    assert len(index.utterances) == 48
+    assert index.unlabelled == corpus.unlabelled == 4
+    for ref in index.utterances:
+        assert ref.utt_id.startswith(index.clients[ref.client])
+        assert ref.utt_id in index.labels[ref.client]
+
+
+def test_heldout_split_is_deterministic_and_disjoint(corpus: SyntheticCorpus) -> None:
+    utterances = _index(corpus).utterances
+    train, heldout = heldout_split(utterances, 0.15)
+    _, again_heldout = heldout_split(list(reversed(utterances)), 0.15)
+    assert {u.utt_id for u in heldout} == {u.utt_id for u in again_heldout}
+    assert {u.utt_id for u in train}.isdisjoint(u.utt_id for u in heldout)
+    assert len(train) + len(heldout) == len(utterances)
+    assert 0 < len(heldout) < len(utterances) // 2
+    # Membership depends only on the utterance id, not on the rest of the corpus.
+    _, fewer = heldout_split(utterances[:20], 0.15)
+    assert {u.utt_id for u in fewer} <= {u.utt_id for u in heldout} or len(fewer) == 1
+    assert heldout_split(utterances, 0.0)[1] == []
+
+
+def test_dataset_items_are_normalised_and_aligned(corpus: SyntheticCorpus) -> None:
+    index = _index(corpus, max_frames=200)
+    dataset = UtteranceDataset(index, index.utterances, Cmvn.load(corpus.cmvn), max_frames=200)
+    lengths = []
+    for i in range(len(dataset)):
+        example = dataset[i]
+        frames = example.feats.shape[0]
+        lengths.append(frames)
+        assert example.feats.shape == (frames, 80) and frames <= 200
+        assert example.labels.shape == ((frames + 1) // 2,)
+        assert example.labels.dtype == torch.long
+        assert int(example.labels.min()) >= 0 and int(example.labels.max()) < 12
+    assert max(lengths) == 200  # long utterances were cropped
+    feats = torch.cat([dataset[i].feats for i in range(len(dataset))])
+    assert abs(float(feats.mean())) < 0.3 and 0.7 < float(feats.std()) < 1.3
+    batch = collate([dataset[0], dataset[1], dataset[2]])
+    assert batch.feats.shape[0] == 3 and batch.targets.shape[1] == (batch.feats.shape[1] + 1) // 2
+    assert batch.seconds == pytest.approx(sum(lengths[:3]) / 100)
+    short = int(batch.lengths.argmin())
+    assert torch.all(batch.targets[short, (int(batch.lengths[short]) + 1) // 2 :] == IGNORE_INDEX)
+
+
+def test_align_labels_tolerates_one_frame_only() -> None:
+    labels = np.arange(50, dtype=np.int16)
+    assert align_labels(labels, 100, "u").tolist() == list(range(50))  # (100 + 1) // 2 = 50
+    assert align_labels(labels, 101, "u")[-1] == IGNORE_INDEX  # 51 expected: padded
+    assert len(align_labels(labels, 97, "u")) == 49  # cropped
+    with pytest.raises(ValueError, match="labels for"):
+        align_labels(labels, 120, "u")
+
+
+def test_crop_start_is_even_deterministic_and_in_range() -> None:
+    assert crop_start("u", 100, 200) == 0
+    starts = {crop_start(f"utt{i}", 2501, 1500) for i in range(50)}
+    assert all(s % 2 == 0 and 0 <= s <= 1001 for s in starts)
+    assert len(starts) > 10
+    assert crop_start("utt1", 2501, 1500) == crop_start("utt1", 2501, 1500)
+
+
+def test_sampler_buckets_by_duration_and_splits_evenly_across_ranks() -> None:
+    rng = np.random.default_rng(0)
+    seconds = rng.uniform(1.0, 15.0, size=500).tolist()
+    samplers = [DurationBucketSampler(seconds, 60.0, num_replicas=3, rank=r, seed=5) for r in range(3)]
+    for epoch in (0, 1):
+        per_rank = [s.batches(epoch) for s in samplers]
+        assert len({len(b) for b in per_rank}) == 1
+        flat = [i for batches in per_rank for batch in batches for i in batch]
+        assert len(flat) == len(set(flat))  # no utterance twice in an epoch
+        assert len(flat) > 0.95 * len(seconds)  # only the remainder batches are dropped
+        padded = useful = 0.0
+        for batches in per_rank:
+            for batch in batches:
+                longest = max(seconds[i] for i in batch)
+                assert len(batch) * longest <= 60.0
+                padded += len(batch) * longest
+                useful += sum(seconds[i] for i in batch)
+        assert useful / padded > 0.9  # little padding
+    assert samplers[0].batches(0) == DurationBucketSampler(seconds, 60.0, num_replicas=3, rank=0, seed=5).batches(0)
+    assert samplers[0].batches(0) != samplers[0].batches(1)
+
+
+def test_sampler_edge_cases() -> None:
+    # An utterance longer than the cap gets a batch of its own; fewer batches than ranks repeat.
+    sampler = DurationBucketSampler([20.0, 1.0], 10.0, num_replicas=4, rank=3)
+    assert sorted(map(len, sampler.global_batches(0))) == [1, 1]
+    assert len(sampler.batches(0)) == 1
+    with pytest.raises(ValueError):
+        DurationBucketSampler([], 10.0)
+
+
+def test_eval_batches_cover_everything_once() -> None:
+    seconds = [3.0, 1.0, 2.0, 9.0, 4.0]
+    batches = [eval_batches(seconds, 6.0, 2, rank) for rank in range(2)]
+    assert sorted(i for rank in batches for batch in rank for i in batch) == [0, 1, 2, 3, 4]

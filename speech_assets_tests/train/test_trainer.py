@@ -1,0 +1,171 @@
+"""End-to-end training on the synthetic corpus (CPU): learning, MLflow, resume, torchrun restarts, Pipes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint, weights_sha256
+from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
+from speech_assets.train.trainer import FAULT_ENV, train
+from speech_assets_tests.train.synthetic import SyntheticCorpus
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", "SPEECH_ASSETS_TRAIN"))}
+    return env | {"PYTHONPATH": str(REPO)} | extra
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = corpus.config(
+        tmp_path / "run",
+        max_steps=30,
+        batch_seconds=16.0,
+        lr=3e-3,
+        checkpoint_every=10,
+        keep_checkpoints=2,
+        mlflow_tracking_uri=store,
+        mlflow_run_name="tiny-test",
+        git_sha="0123abcd",
+        data_versions={"manifest": "m1", "shards": "s1", "targets": "t1"},
+    )
+    result = train(config)
+    assert result is not None
+
+    # Learning: loss falls and held-out masked accuracy ends well above chance (1/K).
+    losses = [m["loss"] for m in _metrics(tmp_path / "run")]
+    assert len(losses) == 6
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3
+    assert result["step"] == 30 and result["heldout_utterances"] > 0
+    assert result["heldout_masked_accuracy"] > 2 * result["chance_accuracy"]
+    assert result["chance_accuracy"] == pytest.approx((1 / 8 + 1 / 12) / 2)
+    assert result["audio_seconds_per_second"] > 0 and result["unlabelled_utterances"] == 4
+
+    # Outputs: final weights + hash, kept checkpoints, result.json.
+    final = torch.load(result["checkpoint"], weights_only=True)
+    assert final["step"] == 30 and final["data_versions"]["manifest"] == "m1"
+    assert weights_sha256(final["model"]) == result["checkpoint_sha256"] == final["weights_sha256"]
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [20, 30]
+    assert json.loads((tmp_path / "run" / "result.json").read_text()) == result
+
+    # MLflow: params, lineage, per-step metrics, checkpoint and environment artifacts.
+    client = MlflowClient(store)
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny-test"
+    assert run.data.params["preset"] == "tiny" and run.data.params["k.client_b"] == "12"
+    assert run.data.params["data_version.targets"] == "t1" and run.data.tags["git_sha"] == "0123abcd"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.json", "autoconfig.json", "environment.txt", "result.json", "checkpoint"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
+    assert result["mlflow_run_url"].endswith(f"/runs/{run.info.run_id}")
+
+
+def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    settings = {"max_steps": 6, "grad_accum": 2, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0}
+    straight = train(small_corpus.config(tmp_path / "straight", **settings))
+    interrupted = small_corpus.config(tmp_path / "resumed", **settings)
+    assert train(interrupted, stop_after_step=3) is None
+    assert not (tmp_path / "resumed" / "final.pt").exists()
+    resumed = train(interrupted)
+    assert straight is not None and resumed is not None
+    assert resumed["resumed_from_step"] == 3 and straight["resumed_from_step"] is None
+    # Batches of 6 steps x 2 micro-batches cross an epoch boundary of the small corpus.
+    assert load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000006.pt")["sampler"]["epoch"] >= 1
+    a = load_checkpoint(tmp_path / "straight" / "final.pt")["model"]
+    b = load_checkpoint(tmp_path / "resumed" / "final.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["checkpoint_sha256"] == resumed["checkpoint_sha256"]
+    assert straight["heldout_masked_accuracy"] == resumed["heldout_masked_accuracy"]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_crashed_worker_from_the_checkpoint(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = small_corpus.config(run_dir, max_steps=5, checkpoint_every=2, log_every=1, nproc=2, max_restarts=1)
+    config_path = tmp_path / "config.json"
+    config.to_json(config_path)
+    marker = tmp_path / "fault.marker"
+    command = build_torchrun_command(config_path, nproc=2, max_restarts=config.max_restarts)
+    process = subprocess.Popen(
+        command, env=_env(**TORCHRUN_ENV, **{FAULT_ENV: f"1:3:{marker}"}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # torchrun stops its workers (each in its own session) on SIGTERM
+        _, stderr = process.communicate(timeout=60)
+        pytest.fail(f"torchrun timed out:\n{stderr[-4000:]}")
+    assert process.returncode == 0, stderr[-4000:]
+    assert marker.read_text().startswith("rank 1 exited at step 3")
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["step"] == 5 and result["world_size"] == 2
+    assert result["resumed_from_step"] == 2  # the restarted group continued from step_00000002.pt
+    assert "resumed from" in (run_dir / "train.log").read_text()
+
+
+def test_cli_reports_to_dagster_pipes(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, DAGSTER_PIPES_MESSAGES_ENV_VAR, encode_env_var
+
+    config = small_corpus.config(tmp_path / "run", max_steps=2, log_every=1, data_versions={"manifest": "m1"})
+    config.to_json(tmp_path / "config.json")
+    messages = tmp_path / "messages.jsonl"
+    context = {
+        "asset_keys": ["pretrained_checkpoint"],
+        "code_version_by_asset_key": None,
+        "provenance_by_asset_key": None,
+        "partition_key": None,
+        "partition_key_range": None,
+        "partition_time_window": None,
+        "run_id": "test-run",
+        "job_name": None,
+        "retry_number": 0,
+        "extras": {},
+    }
+    env = _env(
+        **{
+            DAGSTER_PIPES_CONTEXT_ENV_VAR: encode_env_var({"data": context}),
+            DAGSTER_PIPES_MESSAGES_ENV_VAR: encode_env_var({"path": str(messages)}),
+        }
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "speech_assets.train", "--config", str(tmp_path / "config.json")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    sent = [json.loads(line) for line in messages.read_text().splitlines()]
+    methods = [m["method"] for m in sent]
+    assert methods[0] == "opened" and methods[-1] == "closed" and methods.count("report_asset_materialization") == 1
+    logs = [m["params"]["message"] for m in sent if m["method"] == "log"]
+    assert any(line.startswith("autoconfig:") for line in logs)
+    assert sum(line.startswith("step ") for line in logs) == 2
+    report = next(m["params"] for m in sent if m["method"] == "report_asset_materialization")
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert report["data_version"] == result["checkpoint_sha256"]
+    metadata = {key: value["raw_value"] for key, value in report["metadata"].items()}
+    assert metadata["steps"] == 2 and metadata["checkpoint"] == result["checkpoint"]
+    assert metadata["data_versions"] == {"manifest": "m1"}
+    assert {
+        "final_loss",
+        "heldout_masked_accuracy",
+        "heldout_loss",
+        "chance_accuracy",
+        "audio_seconds_per_second",
+        "autoconfig",
+    } <= set(metadata)
