@@ -97,10 +97,12 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
     for path in sorted(inputs.training_results):
         r = json.loads(path.read_text())
+        config_file = path.parent / "config.json"
+        r.setdefault("preset", json.loads(config_file.read_text()).get("preset") if config_file.exists() else None)
         manifest_hash = (r.get("data_versions") or {}).get("manifest")
         con.execute(
             "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
-            [r.get("checkpoint"), r.get("step"), r.get("weights_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
+            [r.get("checkpoint"), r.get("step"), r.get("checkpoint_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
         )
         con.execute(
             "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -26,7 +26,7 @@ from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 BIN = Path(sys.executable).parent
 ASSETS = ["manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "pretrained_checkpoint", "dataset_stats"]
-TRAIN_STEPS = 120
+TRAIN_STEPS = 300
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
         "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
         "TRAIN_CONFIG_JSON": json.dumps(
-            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 60, "heldout_fraction": 0.1}}}}
+            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 100, "heldout_fraction": 0.1}}}}
         ),
     }
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -159,7 +159,7 @@ def test_lineage_cli_traces_checkpoint_to_inputs(built) -> None:
     instance = _instance(built["home"])
     manifest_version = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization.tags["dagster/data_version"]
     assert report["data_versions"]["manifest"] == manifest_version
-    assert report["weights_sha256"] == result["weights_sha256"]
+    assert report["weights_sha256"] == result["checkpoint_sha256"]
     assert report["config"]["preset"] == "tiny"
 
 

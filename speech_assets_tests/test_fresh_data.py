@@ -13,14 +13,16 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.defs.automation import corpus_sensor
+from speech_assets.defs.local_runs import follow_automation, materialize_in_process
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.definitions import build_definitions
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 NEW_SPEAKER = "1008"
-CHEAP_ASSETS = {"manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats"}
+DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
 
 
 @pytest.fixture
@@ -38,24 +40,12 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def run(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partitions: list[str] | None = None,
-        run_config: dict | None = None) -> dg.ExecuteInProcessResult:
-    job = defs.get_implicit_global_asset_job_def()
-    tags = {}
-    if partitions and len(partitions) > 1:
-        tags = {"dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}
-    result = job.execute_in_process(
-        instance=instance,
-        asset_selection=[dg.AssetKey(asset)],
-        partition_key=partitions[0] if partitions and len(partitions) == 1 else None,
-        tags=tags,
-        run_config=run_config or {},
-    )
-    assert result.success
-    return result
+        run_config: dict | None = None) -> None:
+    materialize_in_process(defs, instance, asset, partitions, run_config)
 
 
 def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> StaleStatus:
-    resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph())
+    resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph(), LoadingContextForTest(instance))
     return resolver.get_status(dg.AssetKey(asset), partition)
 
 
@@ -81,6 +71,8 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "cmvn_stats")
     run(defs, instance, "client_partitions")
     run(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")), small_k)
+    cursor, nothing = follow_automation(defs, instance, None, DOWNSTREAM, small_k)  # records the built state
+    assert nothing == []
     before_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
     assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.FRESH
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
@@ -102,22 +94,10 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "vad_features", [NEW_SPEAKER])
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]  # no other shard re-executed
     assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.STALE
-    assert stale_status(defs, instance, "vad_features", "1001") == StaleStatus.FRESH
+    assert stale_status(defs, instance, "vad_features", NEW_SPEAKER) == StaleStatus.FRESH
 
     # -- downstream follows declarative automation until nothing more is requested
-    cursor = None
-    executed: list[str] = []
-    for _ in range(8):
-        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        cursor = result.cursor
-        requested = [k for k in ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats") if result.get_num_requested(dg.AssetKey(k))]
-        if not requested:
-            break
-        for key in requested:
-            partitions = result.get_requested_partitions(dg.AssetKey(key))
-            keys = sorted(p for p in partitions if p is not None) or None
-            run(defs, instance, key, keys, small_k if key == "kmeans_targets" else None)
-            executed.append(key)
+    cursor, executed = follow_automation(defs, instance, cursor, DOWNSTREAM, small_k)
     assert {"cmvn_stats", "client_partitions", "kmeans_targets"} <= set(executed)
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]
 

@@ -1,0 +1,58 @@
+"""Execute asset runs in this process against a real instance (tests, benchmarks, notebooks)."""
+
+import dagster as dg
+
+PARTITION_RANGE_START = "dagster/asset_partition_range_start"
+PARTITION_RANGE_END = "dagster/asset_partition_range_end"
+
+
+def materialize_in_process(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    asset: str,
+    partitions: list[str] | None = None,
+    run_config: dict | None = None,
+) -> dg.ExecuteInProcessResult:
+    """Materialize ``asset`` (for ``partitions``: one key, or a first..last range in one run)."""
+    tags = {}
+    if partitions and len(partitions) > 1:
+        tags = {PARTITION_RANGE_START: partitions[0], PARTITION_RANGE_END: partitions[-1]}
+    result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance,
+        asset_selection=[dg.AssetKey(asset)],
+        partition_key=partitions[0] if partitions and len(partitions) == 1 else None,
+        tags=tags,
+        run_config=run_config or {},
+    )
+    if not result.success:
+        raise RuntimeError(f"materializing {asset} {partitions or ''} failed")
+    return result
+
+
+def follow_automation(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    cursor: object | None,
+    assets: tuple[str, ...],
+    run_config: dict | None = None,
+    max_ticks: int = 8,
+) -> tuple[object, list[str]]:
+    """Tick declarative automation and run what it requests among ``assets`` until it is quiet.
+
+    What the ``speech_assets_automation`` sensor and a run launcher do, in this process. Pass the
+    returned cursor to the next call: the first tick on a ``None`` cursor only records the
+    current state (automation reacts to updates after it).
+    """
+    executed: list[str] = []
+    for _ in range(max_ticks):
+        evaluation = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        cursor = evaluation.cursor
+        requested = [key for key in assets if evaluation.get_num_requested(dg.AssetKey(key))]
+        if not requested:
+            break
+        for key in requested:
+            partitions = sorted(p for p in evaluation.get_requested_partitions(dg.AssetKey(key)) if p is not None)
+            config = {"ops": {key: run_config["ops"][key]}} if run_config and key in run_config.get("ops", {}) else None
+            materialize_in_process(defs, instance, key, partitions or None, config)
+            executed.append(key)
+    return cursor, executed
