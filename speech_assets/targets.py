@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.cmvn import Cmvn
-from speech_assets.utils import atomic_path
+
+if TYPE_CHECKING:
+    from speech_assets.kmeans import CodebookIndex, QualityAccumulator
+from speech_assets.utils import atomic_path, save_npz
 
 LABELS_SCHEMA = pa.schema(
     [
@@ -132,37 +136,108 @@ def build_client_targets(
     fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
     del frames, fit_frames
 
-    index = kmeans.CodebookIndex(fit.codebook)
     quality = kmeans.QualityAccumulator(k_used)
+    items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook), quality)
+    state = ClientState(fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit,
+                        fit.inertia_per_frame, quality)
+    return _write_outputs(client_id, k, out_dir, state, items, shard_paths)
+
+
+def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: Path) -> ClientTargetSet:
+    """Label new speakers' shards with the client's existing codebook, keeping every old label.
+
+    For fresh data that grows a client a little: the codebook and the CMVN it was fitted in are
+    reused (read from ``state.npz``), so the cost is proportional to the new audio, and old
+    utterances keep byte-identical labels. Quality statistics accumulate over old and new frames.
+    """
+    from speech_assets import kmeans
+
+    state = ClientState.load(out_dir / STATE_FILE)
+    stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
+    old = list(iter_labels(out_dir / "labels.parquet"))
+    new = _label_shards(new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook), state.quality)
+    return _write_outputs(client_id, int(state.codebook.shape[0]), out_dir, state, old + new, new_shard_paths)
+
+
+STATE_FILE = "state.npz"
+
+
+@dataclass
+class ClientState:
+    """What labelling more data later needs: codebook ``(K, 39)``, the CMVN it lives in, and the
+    running quality statistics."""
+
+    codebook: np.ndarray
+    cmvn_mean: np.ndarray
+    cmvn_std: np.ndarray
+    frames_fit: int
+    inertia_per_frame: float
+    quality: "QualityAccumulator"
+
+    def save(self, path: Path) -> None:
+        save_npz(path, {
+            "codebook": self.codebook, "cmvn_mean": self.cmvn_mean, "cmvn_std": self.cmvn_std,
+            "frames_fit": np.array(self.frames_fit), "inertia_per_frame": np.array(self.inertia_per_frame),
+            "counts": self.quality.counts, "segment_frames": np.array(self.quality.segments.frames),
+            "segment_runs": np.array(self.quality.segments.runs), "sqdist_sum": np.array(self.quality.sqdist_sum),
+            "sqdist_frames": np.array(self.quality.sqdist_frames),
+        })
+
+    @classmethod
+    def load(cls, path: Path) -> "ClientState":
+        from speech_assets import kmeans
+
+        with np.load(path) as data:
+            quality = kmeans.QualityAccumulator(int(data["codebook"].shape[0]))
+            quality.counts = data["counts"].astype(np.int64)
+            quality.segments = kmeans.SegmentStats(int(data["segment_frames"]), int(data["segment_runs"]))
+            quality.sqdist_sum, quality.sqdist_frames = float(data["sqdist_sum"]), int(data["sqdist_frames"])
+            return cls(data["codebook"], data["cmvn_mean"], data["cmvn_std"], int(data["frames_fit"]),
+                       float(data["inertia_per_frame"]), quality)
+
+
+def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: "CodebookIndex",
+                  quality: "QualityAccumulator") -> list[UtteranceLabels]:
+    """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
+    from speech_assets import kmeans
+    from speech_assets.features import iter_shard
+
     items: list[UtteranceLabels] = []
-    for path in shard_paths:  # one shard in memory at a time, labelled in one search
+    for path in shard_paths:
         records = list(iter_shard(path, features=("mfcc",)))
         frames_per_utt = [client_cmvn.apply(record.mfcc, "mfcc") for record in records]
         labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(frames_per_utt, index)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
             quality.add(labels, sqdist)
             items.append(UtteranceLabels(record.utt_id, record.speaker_id, kmeans.to_model_rate(labels)))
-    summary = quality.result(client_id, fit)
+    return items
+
+
+def _write_outputs(client_id: str, k_requested: int, out_dir: Path, state: ClientState,
+                   items: list[UtteranceLabels], shards_read: list[Path]) -> ClientTargetSet:
+    from speech_assets import kmeans
 
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = out_dir / "codebook.npy"
     with atomic_path(codebook_path) as tmp:
         with open(tmp, "wb") as handle:
-            np.save(handle, fit.codebook.astype(np.float32), allow_pickle=False)
+            np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
     labels_path = write_labels(out_dir / "labels.parquet", items)
+    state.save(out_dir / STATE_FILE)
+    quality = state.quality
     return ClientTargetSet(
         client_id=client_id,
-        k=k_used,
-        k_requested=k,
-        frames_fit=fit.frames_fit,
-        frames_labelled=summary.frames_labelled,
+        k=int(state.codebook.shape[0]),
+        k_requested=k_requested,
+        frames_fit=state.frames_fit,
+        frames_labelled=quality.frames_labelled,
         utterances=len(items),
-        inertia_per_frame=float(fit.inertia_per_frame),
-        labelled_inertia_per_frame=float(summary.labelled_inertia_per_frame or 0.0),
-        perplexity=float(summary.perplexity),
-        empty_clusters=int(summary.empty_clusters),
-        mean_segment_length=float(summary.mean_segment_length),
-        shards_read=[str(p) for p in shard_paths],
+        inertia_per_frame=state.inertia_per_frame,
+        labelled_inertia_per_frame=quality.sqdist_sum / quality.sqdist_frames if quality.sqdist_frames else 0.0,
+        perplexity=float(kmeans.cluster_perplexity(quality.counts)),
+        empty_clusters=int(kmeans.empty_clusters(quality.counts)),
+        mean_segment_length=float(quality.segments.mean),
+        shards_read=[str(p) for p in shards_read],
         codebook_path=codebook_path,
         labels_path=labels_path,
     )

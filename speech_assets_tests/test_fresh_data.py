@@ -16,7 +16,13 @@ from dagster._core.definitions.data_version import CachingStaleStatusResolver, S
 from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.defs.automation import corpus_sensor
-from speech_assets.defs.local_runs import follow_automation, materialize_in_process
+from speech_assets.defs.local_runs import (
+    PARTITION_RANGE_END,
+    PARTITION_RANGE_START,
+    follow_automation,
+    materialize_in_process,
+    run_requested,
+)
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.definitions import build_definitions
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
@@ -86,12 +92,14 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "manifest")
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         second = corpus_sensor(context)
-    assert [(r.asset_selection, r.partition_key) for r in second.run_requests] == [([dg.AssetKey("vad_features")], NEW_SPEAKER)]
-    for request in second.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    (request,) = second.run_requests
+    assert request.asset_selection == [dg.AssetKey("vad_features")]
+    assert (request.tags[PARTITION_RANGE_START], request.tags[PARTITION_RANGE_END]) == (NEW_SPEAKER, NEW_SPEAKER)
+    for add in second.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
 
     mark = latest_storage_id(instance)
-    run(defs, instance, "vad_features", [NEW_SPEAKER])
+    assert run_requested(defs, instance, request) == f"vad_features[{NEW_SPEAKER}]"
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]  # no other shard re-executed
     assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.STALE
     assert stale_status(defs, instance, "vad_features", NEW_SPEAKER) == StaleStatus.FRESH
@@ -110,3 +118,18 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         done = corpus_sensor(context)
     assert isinstance(done, dg.SkipReason) or not done.run_requests
+
+
+@pytest.mark.parametrize(
+    ("wanted", "ranges"),
+    [
+        ({"b", "c", "e"}, [("b", "c"), ("e", "e")]),
+        ({"a", "b", "c", "d", "e"}, [("a", "e")]),
+        (set(), []),
+        ({"a", "e"}, [("a", "a"), ("e", "e")]),
+    ],
+)
+def test_stale_speakers_are_grouped_into_contiguous_runs(wanted: set[str], ranges: list[tuple[str, str]]) -> None:
+    from speech_assets.defs.automation import contiguous_ranges
+
+    assert [(first, last) for first, last, _ in contiguous_ranges(list("abcde"), wanted)] == ranges

@@ -89,3 +89,20 @@ def test_fit_budget_samples_whole_utterances(shards: dict[str, Path], tmp_path: 
     result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", k=4, max_fit_frames=300, seed=0)
     assert 0 < result.frames_fit <= 300
     assert result.frames_labelled > result.frames_fit  # labelling still covers every frame
+
+
+def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path], tmp_path: Path) -> None:
+    from speech_assets.targets import extend_client_targets
+
+    out = tmp_path / "client"
+    first = build_client_targets("c", [shards["a1"]], client_cmvn([shards["a1"]]), out, k=8, seed=0)
+    codebook = np.load(first.codebook_path)
+    old_labels = read_labels(first.labels_path)
+    grown = extend_client_targets("c", [shards["a2"]], out)
+    assert grown.shards_read == [str(shards["a2"])]  # the old shard is not read again
+    np.testing.assert_array_equal(np.load(grown.codebook_path), codebook)
+    labels = read_labels(grown.labels_path)
+    assert {u.split("-")[0] for u in labels} == {"a1", "a2"}
+    for utt_id, old in old_labels.items():
+        np.testing.assert_array_equal(labels[utt_id], old)
+    assert grown.frames_labelled > first.frames_labelled and grown.utterances == 24

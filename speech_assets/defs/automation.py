@@ -8,7 +8,8 @@ Flow on fresh audio:
    latest manifest recorded, and requests a ``manifest`` run.
 2. Once the manifest is current, it compares every speaker's manifest hash with the hash its
    shard was built from, registers new speaker partitions, and requests ``vad_features`` runs
-   for exactly the new or changed speakers — unchanged shards are never re-executed.
+   for exactly the new or changed speakers (one run per contiguous range of them) — unchanged
+   shards are never re-executed.
 3. Downstream assets follow through ``AutomationCondition``s evaluated by the
    ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails; retraining
    happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON`` interval.
@@ -23,8 +24,10 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.manifest import corpus_fingerprint
 from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_metadata
+from speech_assets.defs.local_runs import PARTITION_RANGE_END, PARTITION_RANGE_START
 from speech_assets.defs.partitions import speakers_partitions
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
 REJECT_RATIO_CHECK = dg.AssetCheckKey(dg.AssetKey("manifest"), "reject_ratio")
@@ -72,20 +75,40 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
     stale = stale_speakers(paths)
     if not stale:
         return dg.SensorResult(skip_reason="every shard is up to date", cursor=cursor)
-    known = set(context.instance.get_dynamic_partitions(speakers_partitions.name))
-    new = sorted(set(stale) - known)
+    registered = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
+    new = sorted(set(stale) - set(registered))
+    order = registered + new  # new partitions are appended in this order
     return dg.SensorResult(
         dynamic_partitions_requests=[speakers_partitions.build_add_request(new)] if new else [],
         run_requests=[
             dg.RunRequest(
-                run_key=f"shard:{speaker}:{speaker_hash}",
+                run_key=f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys),
                 asset_selection=[dg.AssetKey("vad_features")],
-                partition_key=speaker,
+                tags={PARTITION_RANGE_START: first, PARTITION_RANGE_END: last},
             )
-            for speaker, speaker_hash in sorted(stale.items())
+            for first, last, keys in contiguous_ranges(order, set(stale))
         ],
         cursor=cursor,
     )
+
+
+def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:
+    """Group ``wanted`` keys into runs of neighbours in partition order: one run per range.
+
+    ``vad_features`` has a single-run backfill policy, so each range is one run that builds its
+    shards in parallel; unchanged shards never fall inside a range.
+    """
+    ranges: list[list[str]] = []
+    previous = None
+    for index, key in enumerate(order):
+        if key not in wanted:
+            continue
+        if previous is not None and previous == index - 1:
+            ranges[-1].append(key)
+        else:
+            ranges.append([key])
+        previous = index
+    return [(keys[0], keys[-1], keys) for keys in ranges]
 
 
 revalidate_corpus = dg.ScheduleDefinition(

@@ -86,6 +86,9 @@ class KMeansTargetsConfig(dg.Config):
     max_fit_frames: int = 2_000_000
     seed: int = 0
     force: bool = False  # refit even when this client's inputs are unchanged
+    # New speakers adding at most this share of a client's frames are labelled with its existing
+    # codebook (cost proportional to the new audio); more growth, or any change, refits.
+    refit_growth: float = 0.2
 
 
 @dg.asset(
@@ -146,28 +149,41 @@ def _materialize_client(
     # Client-level CMVN from this client's own speakers only: no statistics cross clients.
     client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
     inputs_key = sha256_strings(
-        [json.dumps(shard_versions, sort_keys=True), config.model_dump_json(exclude={"force"}), KMEANS_CODE_VERSION]
+        [json.dumps(shard_versions, sort_keys=True), config.model_dump_json(exclude={"force", "refit_growth"}), KMEANS_CODE_VERSION]
     )
     quality_file = out_dir / "quality.json"
     previous = _read_json(quality_file)
-    if not config.force and previous.get("inputs_key") == inputs_key and _outputs_intact(previous, out_dir):
+    fit_key = sha256_strings([config.model_dump_json(exclude={"force", "refit_growth"}), KMEANS_CODE_VERSION])
+    intact = not config.force and previous.get("fit_key") == fit_key and _outputs_intact(previous, out_dir)
+    if intact and previous.get("inputs_key") == inputs_key:
         context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
         quality = previous
     else:
-        result = targets.build_client_targets(
-            client_id,
-            [paths.shard_file(s) for s in speakers],
-            client_cmvn,
-            out_dir,
-            k=config.k,
-            max_fit_frames=config.max_fit_frames,
-            seed=config.seed,
-            log=context.log.warning,
-        )
+        newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
+        new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
+        if newcomers and new_frames <= config.refit_growth * previous["frames_labelled"]:
+            context.log.info(
+                f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames "
+                f"(<= {config.refit_growth:.0%} growth): labelling them with the existing codebook"
+            )
+            result = targets.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
+            mode, codebook_speakers = "extended", previous["codebook_speakers"]
+        else:
+            result = targets.build_client_targets(
+                client_id,
+                [paths.shard_file(s) for s in speakers],
+                client_cmvn,
+                out_dir,
+                k=config.k,
+                max_fit_frames=config.max_fit_frames,
+                seed=config.seed,
+                log=context.log.warning,
+            )
+            mode, codebook_speakers = "refit", speakers
         quality = {
             "client_id": client_id,
             "k": result.k,
-            "k_requested": result.k_requested,
+            "k_requested": config.k,
             "frames_fit": result.frames_fit,
             "frames_labelled": result.frames_labelled,
             "utterances": result.utterances,
@@ -177,9 +193,12 @@ def _materialize_client(
             "empty_clusters": result.empty_clusters,
             "mean_segment_length": result.mean_segment_length,
             "speakers": speakers,
+            "codebook_speakers": codebook_speakers,
+            "mode": mode,
             "shards_read": result.shards_read,
             "shard_versions": shard_versions,
             "inputs_key": inputs_key,
+            "fit_key": fit_key,
             "codebook_sha256": sha256_file(result.codebook_path),
             "labels_sha256": sha256_file(result.labels_path),
         }
@@ -198,12 +217,22 @@ def _materialize_client(
             "shards_read": dg.MetadataValue.json(quality["shards_read"]),
             "shard_versions": dg.MetadataValue.json(quality["shard_versions"]),
             "data_version": quality["data_version"],
+            "mode": quality.get("mode", "refit"),
+            "codebook_speakers": dg.MetadataValue.json(quality.get("codebook_speakers", speakers)),
             "label_rate_hz": 50,
             "path": dg.MetadataValue.path(str(out_dir)),
         },
         partition_key=client_id,
     )
     return quality["data_version"]
+
+
+def _newcomers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:
+    """New speakers when the client only grew (every old speaker present with the same shard)."""
+    old = previous.get("shard_versions", {})
+    if not old or any(shard_versions.get(s) != version for s, version in old.items()):
+        return None
+    return sorted(set(speakers) - set(old)) or None
 
 
 def _read_json(path) -> dict:

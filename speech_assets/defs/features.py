@@ -29,7 +29,7 @@ class FeatureConfig(dg.Config):
     vad_padding_ms: int = 300
     min_speech_s: float = 0.5
     min_speech_ratio: float = 0.1
-    workers: int = 0  # 0: one worker per core
+    workers: int = 0  # 0: automatic (one per core for large jobs, in-process for small ones)
     force: bool = False  # rebuild shards even when their inputs are unchanged
 
     def vad(self) -> VadConfig:
@@ -40,6 +40,15 @@ class FeatureConfig(dg.Config):
             min_speech_s=self.min_speech_s,
             min_speech_ratio=self.min_speech_ratio,
         )
+
+
+AUDIO_SECONDS_PER_EXTRA_WORKER = 3600.0
+
+
+def worker_count(audio_seconds: float) -> int:
+    """Processes for a shard job: starting a worker (a fresh interpreter importing torch) costs
+    seconds, worth it only with about an hour of audio per extra worker; smaller jobs run here."""
+    return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
             reused[speaker] = meta
         else:
             todo.append((speaker, by_speaker[speaker], files.shard))
-    workers = config.workers or os.cpu_count() or 1
+    workers = config.workers or worker_count(sum(u.duration_s for _, utts, _ in todo for u in utts))
     context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(reused)} unchanged")
     built = build_shards_parallel(todo, vad_cfg, workers=workers)
 

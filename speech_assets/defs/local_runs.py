@@ -29,6 +29,20 @@ def materialize_in_process(
     return result
 
 
+def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> str:
+    """Execute a sensor's ``RunRequest`` (one asset, a partition or a partition-range tag)."""
+    (asset,) = request.asset_selection or []
+    tags = request.tags or {}
+    if PARTITION_RANGE_START in tags:
+        keys = list(instance.get_dynamic_partitions("speakers")) if asset.to_user_string() == "vad_features" else []
+        start, end = keys.index(tags[PARTITION_RANGE_START]), keys.index(tags[PARTITION_RANGE_END])
+        partitions = keys[start : end + 1]
+    else:
+        partitions = [request.partition_key] if request.partition_key else None
+    materialize_in_process(defs, instance, asset.to_user_string(), partitions)
+    return f"{asset.to_user_string()}[{', '.join(partitions)}]" if partitions else asset.to_user_string()
+
+
 def follow_automation(
     defs: dg.Definitions,
     instance: dg.DagsterInstance,
