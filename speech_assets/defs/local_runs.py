@@ -40,7 +40,10 @@ def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: d
     else:
         partitions = [request.partition_key] if request.partition_key else None
     materialize_in_process(defs, instance, asset.to_user_string(), partitions)
-    return f"{asset.to_user_string()}[{', '.join(partitions)}]" if partitions else asset.to_user_string()
+    name = asset.to_user_string()
+    if not partitions:
+        return name
+    return f"{name}[{', '.join(partitions)}]" if len(partitions) <= 3 else f"{name}[{partitions[0]}...{partitions[-1]}: {len(partitions)}]"
 
 
 def follow_automation(
