@@ -35,9 +35,11 @@ ui: install
 	$(BIN)/dagster dev -h $(UI_HOST) -p $(UI_PORT) -m speech_assets.definitions
 
 bench: install
+	$(BIN)/python bench/manifest.py
 	$(BIN)/python bench/features.py
 	$(BIN)/python bench/kmeans.py
 	$(BIN)/python bench/train.py
+	$(BIN)/python bench/fresh_data.py
 
 clean:
 	rm -rf data/out data/dagster_home

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 _CHUNK = 1 << 20
 
@@ -85,17 +89,12 @@ def remove_stale_temp_files(folder: str | os.PathLike[str]) -> int:
     return removed
 
 
-def save_npz(target: str | os.PathLike[str], arrays: dict[str, "np.ndarray"]) -> None:
+def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` as an .npz atomically and byte-deterministically.
 
     ``np.savez`` stamps the current time into each zip entry, so the same arrays would hash
     differently on every run; here entries are sorted and dated 1980-01-01.
     """
-    import io
-    import zipfile
-
-    import numpy as np
-
     with atomic_path(target) as tmp:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
             for name in sorted(arrays):

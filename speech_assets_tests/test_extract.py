@@ -326,7 +326,7 @@ def test_shards_are_byte_identical_across_processes(tmp_path, corpus):
         assert local[key].path.read_bytes() == pooled[key].path.read_bytes()
         assert local[key].rejects == pooled[key].rejects
     script = textwrap.dedent(
-        f"""
+        """
         import json, sys
         from speech_assets.extract import UtteranceInput, build_shard
         from speech_assets.vad import VadConfig

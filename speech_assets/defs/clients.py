@@ -12,7 +12,7 @@ from speech_assets import targets
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_data_version, markdown_table
-from speech_assets.defs.partitions import clients_partitions, register_new
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 
@@ -98,7 +98,7 @@ class KMeansTargetsConfig(dg.Config):
     deps=[
         "client_partitions",
         "cmvn_stats",
-        dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping()),
+        ALL_SHARDS,
     ],
     code_version=KMEANS_CODE_VERSION,
     automation_condition=follow_upstream(),

@@ -13,7 +13,7 @@ from speech_assets import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
-from speech_assets.defs.partitions import speakers_partitions
+from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.extract import UtteranceInput, build_shards_parallel, sidecar_paths, write_sidecars
 from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file, sha256_strings
@@ -188,7 +188,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
 
 @dg.asset(
     group_name="features",
-    deps=[dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping())],
+    deps=[ALL_SHARDS],
     code_version=CMVN_CODE_VERSION,
     automation_condition=follow_upstream(),
     kinds={"numpy"},

@@ -14,3 +14,8 @@ def register_new(context: dg.AssetExecutionContext, partitions: dg.DynamicPartit
     if new:
         context.instance.add_dynamic_partitions(partitions.name, new)
     return new
+
+
+# Dependencies on every partition of a partitioned asset (a speaker shard or a client's targets).
+ALL_SHARDS = dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping())
+ALL_TARGETS = dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMapping())

@@ -8,7 +8,7 @@ import duckdb
 from speech_assets import stats_db
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
-from speech_assets.defs.partitions import clients_partitions, speakers_partitions
+from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS, clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_file, sha256_strings
 
@@ -64,8 +64,8 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs) -> str:
         "manifest",
         "cmvn_stats",
         "client_partitions",
-        dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping()),
-        dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMapping()),
+        ALL_SHARDS,
+        ALL_TARGETS,
         "pretrained_checkpoint",
     ],
     code_version=CODE_VERSION,

@@ -11,6 +11,7 @@ from speech_assets import settings
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import git_commit, latest_data_version
+from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.train import launch
 from speech_assets.train.config import ClientTargets, TrainConfig
@@ -62,8 +63,8 @@ def _input_versions(context: dg.AssetExecutionContext, paths: StoragePaths, clie
         "manifest",
         "cmvn_stats",
         "client_partitions",
-        dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping()),
-        dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMapping()),
+        ALL_SHARDS,
+        ALL_TARGETS,
     ],
     code_version=CODE_VERSION,
     pool="training",
