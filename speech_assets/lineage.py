@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,23 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
     state = load_checkpoint(path)
     config = dict(state.get("config") or {})
     weights = state.get("model")
+    result = _run_result(path)
     return {
         "checkpoint": str(path.resolve()),
         "step": state.get("step"),
         "weights_sha256": state.get("weights_sha256") or (weights_sha256(weights) if weights else None),
         "data_versions": dict(state.get("data_versions") or config.get("data_versions") or {}),
         "git_sha": config.get("git_sha"),
-        "mlflow_run_id": state.get("mlflow_run_id"),
+        "mlflow_run_id": state.get("mlflow_run_id") or result.get("mlflow_run_id"),
+        "mlflow_run_url": result.get("mlflow_run_url"),
         "config": config,
     }
+
+
+def _run_result(checkpoint: Path) -> dict[str, Any]:
+    """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        candidate = folder / "result.json"
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    return {}

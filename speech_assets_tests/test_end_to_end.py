@@ -161,6 +161,7 @@ def test_lineage_cli_traces_checkpoint_to_inputs(built) -> None:
     assert report["data_versions"]["manifest"] == manifest_version
     assert report["weights_sha256"] == result["checkpoint_sha256"]
     assert report["config"]["preset"] == "tiny"
+    assert report["mlflow_run_id"] == result["mlflow_run_id"] and report["git_sha"]
 
 
 def _free_port() -> int:

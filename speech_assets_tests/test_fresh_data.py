@@ -106,7 +106,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
 
     # -- downstream follows declarative automation until nothing more is requested
     cursor, executed = follow_automation(defs, instance, cursor, DOWNSTREAM, small_k)
-    assert {"cmvn_stats", "client_partitions", "kmeans_targets"} <= set(executed)
+    assert {"cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats"} <= set(executed)
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]
 
     after_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}

@@ -10,11 +10,14 @@ RETRAIN_CRON = os.environ.get("SPEECH_ASSETS_RETRAIN_CRON", "0 3 * * *")
 def follow_upstream(require_all_deps: bool = True) -> dg.AutomationCondition:
     """Materialize after any dependency updates, once none is running and blocking checks pass.
 
-    With ``require_all_deps`` it also waits until no dependency (partition) is missing, e.g. a
-    speaker registered by the sensor whose shard is still being built.
+    ``eager`` also waits until no dependency (partition) is missing, e.g. a speaker registered by
+    the sensor whose shard is still being built; ``require_all_deps=False`` drops that clause
+    for assets that are useful before every input exists (the stats database before training).
     """
-    condition = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
-    return condition & ~dg.AutomationCondition.any_deps_missing() if require_all_deps else condition
+    eager = dg.AutomationCondition.eager()
+    if not require_all_deps:
+        eager = eager.without(~dg.AutomationCondition.any_deps_missing())
+    return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
 
 
 def retrain_on_cron() -> dg.AutomationCondition:
