@@ -53,6 +53,7 @@ import torchaudio.functional as AF
 
 from speech_assets import audio
 from speech_assets.cmvn import PartialSums, ShardStats
+from speech_assets.corpus.manifest import REJECTS_SCHEMA
 from speech_assets.features import (
     HOP_LENGTH,
     MFCC_DIM,
@@ -73,15 +74,6 @@ MFCC_MELS = 23
 CEPSTRAL_LIFTER = 22.0
 F_MIN = 20.0
 
-REJECT_SCHEMA = pa.schema(
-    [
-        pa.field("utt_id", pa.string(), nullable=False),
-        pa.field("path", pa.string(), nullable=False),
-        pa.field("stage", pa.string(), nullable=False),
-        pa.field("reason", pa.string(), nullable=False),
-        pa.field("detail", pa.string(), nullable=False),
-    ]
-)
 
 
 def povey_window(length: int = WIN_LENGTH) -> torch.Tensor:
@@ -410,10 +402,10 @@ def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 def write_rejects(path: str | os.PathLike[str], rejects: Sequence[Mapping[str, str]]) -> Path:
-    """Write reject rows (sorted by utt_id) atomically as Parquet with ``REJECT_SCHEMA``."""
+    """Write reject rows (sorted by utt_id) atomically as Parquet with ``REJECTS_SCHEMA``."""
     rows = sorted(rejects, key=lambda r: (r["utt_id"], r["reason"]))
-    columns = {f.name: [str(r[f.name]) for r in rows] for f in REJECT_SCHEMA}
-    table = pa.Table.from_pydict(columns, schema=REJECT_SCHEMA)
+    columns = {f.name: [str(r[f.name]) for r in rows] for f in REJECTS_SCHEMA}
+    table = pa.Table.from_pydict(columns, schema=REJECTS_SCHEMA)
     path = Path(path)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")

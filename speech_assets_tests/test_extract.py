@@ -19,7 +19,7 @@ import torchaudio.functional as AF
 from speech_assets import audio, features
 from speech_assets.cmvn import PartialSums, ShardStats
 from speech_assets.extract import (
-    REJECT_SCHEMA,
+    REJECTS_SCHEMA,
     FeatureExtractor,
     ShardResult,
     UtteranceInput,
@@ -382,7 +382,7 @@ def test_write_sidecars(tmp_path, corpus, extractor):
     assert (rejects_path, stats_path) == sidecar_paths(tmp_path / "s1.parquet")
     assert rejects_path.name == "s1.rejects.parquet" and stats_path.name == "s1.stats.npz"
     rejects = pq.read_table(rejects_path)
-    assert rejects.schema.equals(REJECT_SCHEMA) and rejects.column("utt_id").to_pylist() == ["s1-c-0001"]
+    assert rejects.schema.equals(REJECTS_SCHEMA) and rejects.column("utt_id").to_pylist() == ["s1-c-0001"]
     loaded = ShardStats.load(stats_path)
     assert loaded.speakers["s1"]["logmel"].count == result.frames
 

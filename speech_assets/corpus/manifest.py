@@ -447,7 +447,7 @@ MANIFEST_SCHEMA = pa.schema(
     ]
 )
 REJECTS_SCHEMA = pa.schema(
-    [("utt_id", pa.string()), ("path", pa.string()), ("stage", pa.string()), ("reason", pa.string()), ("detail", pa.string())]
+    [pa.field(name, pa.string(), nullable=False) for name in ("utt_id", "path", "stage", "reason", "detail")]
 )
 _CACHE_SCHEMA = pa.schema(
     [("key", pa.string())] + [(f.name, pa.string() if f.type in ("str", str) else pa.int64()) for f in fields(AudioProbe)]
