@@ -7,6 +7,7 @@ import duckdb
 
 from speech_assets import stats_db
 from speech_assets.defs.conditions import follow_upstream
+from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS, clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
@@ -41,7 +42,7 @@ def _heldout_fraction(results: list) -> float:
         return stats_db.HELDOUT_FRACTION
 
 
-def _content_hash(db_path, inputs: stats_db.StatsInputs) -> str:
+def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:
     """Hash of what the database holds: its tables' rows and the files its views read."""
     con = duckdb.connect(str(db_path), read_only=True)
     try:
@@ -51,10 +52,14 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs) -> str:
         parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
     finally:
         con.close()
-    sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shards, *inputs.shard_rejects]
+    sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shard_rejects]
     if inputs.clients.exists():
         sources.append(inputs.clients)
     parts += [f"{p}:{sha256_file(p)}" for p in sources]
+    # shards are large: use the sha256 their meta recorded (verified by size and mtime)
+    for shard in inputs.shards:
+        meta = ShardFiles.of(paths, shard.stem).read_meta()
+        parts.append(f"{shard}:{meta['shard_sha256'] if meta else sha256_file(shard)}")
     return sha256_strings(parts)
 
 
@@ -84,7 +89,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
     input_versions["vad_features"] = partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name))
     input_versions["kmeans_targets"] = partition_versions(instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name))
     return dg.MaterializeResult(
-        data_version=dg.DataVersion(_content_hash(paths.stats_db, inputs)),
+        data_version=dg.DataVersion(_content_hash(paths.stats_db, inputs, paths)),
         metadata={
             "tables": dg.MetadataValue.md(markdown_table(("view / table", "rows"), sorted(counts.items()))),
             "input_versions": dg.MetadataValue.json(input_versions),
