@@ -179,7 +179,7 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
     url = f"http://127.0.0.1:{port}/graphql"
     query = """{ assetNodes { assetKey { path } dependencyKeys { path } }
                  assetsOrError { ... on AssetConnection { nodes { key { path }
-                   assetMaterializations(limit: 1) { runId partition } } } } }"""
+                   assetMaterializations(limit: 1) { runId partition metadataEntries { label } } } } } }"""
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -199,8 +199,10 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
     assert set(ASSETS) <= {k[0] for k in nodes}
     assert ("manifest",) in nodes[("vad_features",)]
     assert ("kmeans_targets",) in nodes[("pretrained_checkpoint",)]
-    materialized = {n["key"]["path"][0] for n in payload["data"]["assetsOrError"]["nodes"] if n["assetMaterializations"]}
-    assert set(ASSETS) <= materialized
+    latest = {n["key"]["path"][0]: n["assetMaterializations"] for n in payload["data"]["assetsOrError"]["nodes"]}
+    assert all(latest.get(asset) for asset in ASSETS)
+    manifest_labels = {entry["label"] for entry in latest["manifest"][0]["metadataEntries"]}
+    assert {"rows", "hours", "speakers", "rejects_by_reason", "manifest_hash"} <= manifest_labels
 
 
 def test_demo_prints_summary(built) -> None:
