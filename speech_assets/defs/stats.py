@@ -9,8 +9,9 @@ from speech_assets import stats_db
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
-from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS, clients_partitions, speakers_partitions
+from speech_assets.defs.partitions import clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.training import TRAINING_INPUTS
 from speech_assets.utils import sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v1"
@@ -66,14 +67,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 
 @dg.asset(
     group_name="stats",
-    deps=[
-        "manifest",
-        "cmvn_stats",
-        "client_partitions",
-        ALL_SHARDS,
-        ALL_TARGETS,
-        "pretrained_checkpoint",
-    ],
+    deps=[*TRAINING_INPUTS, "pretrained_checkpoint"],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     automation_condition=follow_upstream(require_all_deps=False),

@@ -57,15 +57,13 @@ def _input_versions(context: dg.AssetExecutionContext, paths: StoragePaths, clie
     return versions
 
 
+# Everything a training run reads (and the stats database summarises).
+TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS]
+
+
 @dg.asset(
     group_name="training",
-    deps=[
-        "manifest",
-        "cmvn_stats",
-        "client_partitions",
-        ALL_SHARDS,
-        ALL_TARGETS,
-    ],
+    deps=TRAINING_INPUTS,
     code_version=CODE_VERSION,
     pool="training",
     kinds={"pytorch", "mlflow"},
