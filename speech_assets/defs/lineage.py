@@ -44,9 +44,11 @@ def latest_metadata(
 
 
 def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, str]:
-    """Latest data version per partition (partitions never materialized are left out)."""
-    versions = {key: latest_data_version(instance, asset, key) for key in partitions}
-    return {key: value for key, value in sorted(versions.items()) if value is not None}
+    """Latest data version per partition (partitions never materialized are left out), in one query."""
+    tags = instance.event_log_storage.get_latest_tags_by_partition(
+        dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION, [DATA_VERSION_TAG], asset_partitions=list(partitions)
+    )
+    return {key: value[DATA_VERSION_TAG] for key, value in sorted(tags.items()) if DATA_VERSION_TAG in value}
 
 
 def git_commit() -> str | None:
