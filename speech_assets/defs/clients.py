@@ -59,7 +59,8 @@ def client_partitions(context: dg.AssetExecutionContext, config: ClientsConfig, 
         summary[item.client_id]["speakers"] += 1
         summary[item.client_id]["hours"] += item.hours
         summary[item.client_id]["utterances"] += item.utterances
-    moved = sorted(s for s, c in previous.items() if any(a.speaker_id == s and a.client_id != c for a in result))
+    now = {a.speaker_id: a.client_id for a in result}
+    moved = sorted(s for s, c in previous.items() if s in now and now[s] != c)
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(paths.clients_file)),
         metadata={

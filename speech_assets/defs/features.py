@@ -103,7 +103,8 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
 def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths) -> dg.MaterializeResult:
     vad_cfg = config.vad()
     speakers = list(context.partition_keys)
-    rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in set(speakers)]
+    wanted = set(speakers)
+    rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
     speaker_hashes = corpus.speaker_hashes(rows)
     manifest_version = latest_data_version(context.instance, "manifest")
     paths.shards_dir.mkdir(parents=True, exist_ok=True)
