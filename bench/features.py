@@ -46,17 +46,18 @@ import pyarrow.parquet as pq  # noqa: E402
 import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
-from speech_assets import audio, features  # noqa: E402
-from speech_assets.extract import (  # noqa: E402
-    FeatureExtractor,
+from speech_assets.features import audio  # noqa: E402
+from speech_assets.features import shards as features  # noqa: E402
+from speech_assets.features.featurize import FeatureExtractor  # noqa: E402
+from speech_assets.features.build import (  # noqa: E402
     UtteranceInput,
     build_shard,
     build_shards_parallel,
     default_workers,
     make_pool,
 )
-from speech_assets.extract import _partial_sums  # noqa: E402
-from speech_assets.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
+from speech_assets.features.build import _partial_sums  # noqa: E402
+from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
 
 TARGET_RTF = 1000.0
 TARGET_RATIO = 0.6

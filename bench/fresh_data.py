@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from manifest import build_corpus  # noqa: E402  (the manifest benchmark's corpus builder)
 
 from speech_assets.defs.automation import corpus_sensor  # noqa: E402
-from speech_assets.defs.local_runs import follow_automation, materialize_in_process, run_requested  # noqa: E402
+from speech_assets.testing.local_runs import follow_automation, materialize_in_process, run_requested  # noqa: E402
 from speech_assets.defs.resources import StoragePaths  # noqa: E402
 from speech_assets.definitions import build_definitions  # noqa: E402
 

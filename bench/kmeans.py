@@ -14,7 +14,7 @@ For every K, on the same frames:
 * ``fairseq recipe``: ``MiniBatchKMeans`` exactly as in fairseq
   ``examples/hubert/simple_kmeans/learn_kmeans.py`` (k-means++, batch_size 10000, n_init 20,
   max_iter 100, max_no_improvement 100, tol 0, reassignment_ratio 0, init_size None);
-* ``project fit``: ``speech_assets.kmeans.fit_kmeans`` with the ``KMeansConfig`` defaults (its
+* ``project fit``: ``speech_assets.targets.kmeans.fit_kmeans`` with the ``KMeansConfig`` defaults (its
   time includes its own inertia estimate, which it returns);
 * unless ``--no-compare``: the same Lloyd's iterations (same subsample, same initial centroids,
   same iteration count as the project fit) in scikit-learn ``KMeans`` and in a batched torch
@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 import sklearn  # noqa: E402
 from sklearn.cluster import KMeans, MiniBatchKMeans  # noqa: E402
 
-from speech_assets import kmeans  # noqa: E402
+from speech_assets.targets import kmeans  # noqa: E402
 
 SPEED_TARGET = 10.0
 INERTIA_TARGET = 1.02

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Materialize the whole asset graph with `dagster asset materialize`, stage by stage, then print
 # a summary. This is what `make demo` runs and what the README documents; the end-to-end test
-# runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (CONTRACT.md);
+# runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
 # TRAIN_CONFIG_JSON overrides the training asset's run config.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"

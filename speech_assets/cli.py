@@ -9,7 +9,8 @@ from pathlib import Path
 
 import duckdb
 
-from speech_assets import settings, stats_db
+from speech_assets import settings
+from speech_assets.stats import database as stats_db
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
-    from speech_assets.lineage import checkpoint_lineage
+    from speech_assets.stats.lineage import checkpoint_lineage
 
     report = checkpoint_lineage(Path(args.checkpoint))
     if args.json:

@@ -2,22 +2,22 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, clients, features, manifest, stats, training
+from speech_assets.defs import automation, features, manifest, stats, targets, training
 from speech_assets.defs.resources import StoragePaths
 
 ASSETS = [
     manifest.manifest,
     features.vad_features,
     features.cmvn_stats,
-    clients.client_partitions,
-    clients.kmeans_targets,
+    targets.client_partitions,
+    targets.kmeans_targets,
     training.pretrained_checkpoint,
     stats.dataset_stats,
 ]
 
 
 def build_definitions(paths: StoragePaths | None = None) -> dg.Definitions:
-    """The code location; ``paths`` defaults to the environment (CONTRACT.md variables)."""
+    """The code location; ``paths`` defaults to the environment (variables in docs/REFERENCE.md)."""
     return dg.Definitions(
         assets=ASSETS,
         sensors=[automation.corpus_sensor, automation.automation_sensor],

@@ -40,7 +40,7 @@ MANIFEST_SUFFIXES = (".csv", ".jsonl")
 
 
 class RejectReason(StrEnum):
-    """Reject reasons, exactly as CONTRACT.md spells them."""
+    """Reject reasons, exactly as docs/REFERENCE.md spells them (users and CI rely on these strings)."""
 
     UNREADABLE = "unreadable"
     MISSING_FILE = "missing_file"

@@ -22,9 +22,8 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.manifest import corpus_fingerprint
-from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_metadata
-from speech_assets.defs.local_runs import PARTITION_RANGE_END, PARTITION_RANGE_START
+from speech_assets.testing.local_runs import PARTITION_RANGE_END, PARTITION_RANGE_START
 from speech_assets.defs.partitions import speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_strings
@@ -46,7 +45,7 @@ def stale_speakers(paths: StoragePaths) -> dict[str, str]:
     speakers = pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash"]).to_pylist()
     result = {}
     for row in speakers:
-        meta = ShardFiles.of(paths, row["speaker_id"]).read_meta()
+        meta = paths.shard_files(row["speaker_id"]).read_meta()
         if meta is None or meta.get("speaker_manifest_hash") != row["manifest_hash"]:
             result[row["speaker_id"]] = row["manifest_hash"]
     return result

@@ -2,22 +2,20 @@
 
 import json
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets import cmvn
+from speech_assets.features import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.extract import UtteranceInput, build_shards_parallel, sidecar_paths, write_sidecars
+from speech_assets.features.build import UtteranceInput, build_shards_parallel, write_sidecars
 from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file, sha256_strings
-from speech_assets.vad import VadConfig
+from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v1"
 CMVN_CODE_VERSION = "cmvn-v1"
@@ -49,37 +47,6 @@ def worker_count(audio_seconds: float) -> int:
     """Processes for a shard job: starting a worker (a fresh interpreter importing torch) costs
     seconds, worth it only with about an hour of audio per extra worker; smaller jobs run here."""
     return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
-
-
-@dataclass(frozen=True)
-class ShardFiles:
-    """The files one shard consists of; ``meta`` is written last and vouches for the others."""
-
-    shard: Path
-    rejects: Path
-    stats: Path
-    meta: Path
-
-    @classmethod
-    def of(cls, paths: StoragePaths, speaker_id: str) -> "ShardFiles":
-        shard = paths.shard_file(speaker_id)
-        rejects, stats = sidecar_paths(shard)
-        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"))
-
-    def read_meta(self) -> dict | None:
-        """The shard's metadata if every file it vouches for is present and intact, else None."""
-        try:
-            meta = json.loads(self.meta.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        if not (self.shard.is_file() and self.rejects.is_file() and self.stats.is_file()):
-            return None
-        # The meta recorded the shard's size and mtime when it hashed it: a stat is enough to
-        # know the file is the one it vouches for (sensors call this every tick for every shard).
-        stat = self.shard.stat()
-        if (meta.get("shard_size"), meta.get("shard_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-            return None
-        return meta
 
 
 def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
@@ -117,7 +84,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
         )
     todo, reused = [], {}
     for speaker in speakers:
-        files = ShardFiles.of(paths, speaker)
+        files = paths.shard_files(speaker)
         key = shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg)
         meta = None if config.force else files.read_meta()
         if meta is not None and meta.get("inputs_key") == key:
@@ -130,7 +97,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
 
     metas: dict[str, dict] = dict(reused)
     for speaker, result in built.items():
-        files = ShardFiles.of(paths, speaker)
+        files = paths.shard_files(speaker)
         write_sidecars(result)
         meta = {
             "speaker_id": speaker,
@@ -164,7 +131,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
                 "speaker_manifest_hash": meta["speaker_manifest_hash"],
                 "manifest_version": meta["manifest_version"] or "",
                 "rebuilt": speaker in built,
-                "path": dg.MetadataValue.path(str(ShardFiles.of(paths, speaker).shard)),
+                "path": dg.MetadataValue.path(str(paths.shard_files(speaker).shard)),
             },
             partition_key=speaker,
         )
@@ -205,7 +172,7 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
     metas, parts = {}, []
     missing = []
     for speaker in speakers:
-        files = ShardFiles.of(paths, speaker)
+        files = paths.shard_files(speaker)
         meta = files.read_meta()
         if meta is None:
             missing.append(speaker)

@@ -31,7 +31,7 @@ class ManifestConfig(dg.Config):
     kinds={"parquet"},
     description="One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a reason.",
     check_specs=[
-        dg.AssetCheckSpec("schema", asset="manifest", description="Every CONTRACT.md column, with its type."),
+        dg.AssetCheckSpec("schema", asset="manifest", description="Every documented column, with its type."),
         dg.AssetCheckSpec("no_nulls", asset="manifest", description="No null in any column."),
         dg.AssetCheckSpec("unique_ids", asset="manifest", description="utt_id is unique."),
         dg.AssetCheckSpec(

@@ -6,13 +6,14 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets import settings
+from speech_assets.features.shards import ShardFiles
 
 
 class StoragePaths(dg.ConfigurableResource):
     """The corpus location and the data dir; every asset writes under ``data_dir`` only.
 
     Defaults come from ``$SPEECH_ASSETS_CORPUS`` and ``$SPEECH_ASSETS_DATA_DIR`` (see
-    CONTRACT.md); relative paths resolve against the repository root.
+    docs/REFERENCE.md); relative paths resolve against the repository root.
     """
 
     corpus: str
@@ -62,7 +63,10 @@ class StoragePaths(dg.ConfigurableResource):
         return self.root / "features" / "shards"
 
     def shard_file(self, speaker_id: str) -> Path:
-        return self.shards_dir / f"{speaker_id}.parquet"
+        return self.shard_files(speaker_id).shard
+
+    def shard_files(self, speaker_id: str) -> ShardFiles:
+        return ShardFiles.of(self.shards_dir, speaker_id)
 
     @property
     def cmvn_dir(self) -> Path:

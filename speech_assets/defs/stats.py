@@ -5,9 +5,8 @@ import json
 import dagster as dg
 import duckdb
 
-from speech_assets import stats_db
+from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
@@ -60,7 +59,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     parts += [f"{p}:{sha256_file(p)}" for p in sources]
     # shards are large: use the sha256 their meta recorded (verified by size and mtime)
     for shard in inputs.shards:
-        meta = ShardFiles.of(paths, shard.stem).read_meta()
+        meta = paths.shard_files(shard.stem).read_meta()
         parts.append(f"{shard}:{meta['shard_sha256'] if meta else sha256_file(shard)}")
     return sha256_strings(parts)
 

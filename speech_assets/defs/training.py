@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 
 from speech_assets import settings
 from speech_assets.defs.conditions import retrain_on_cron
-from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import git_commit, latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import StoragePaths
@@ -50,7 +49,7 @@ def _input_versions(context: dg.AssetExecutionContext, paths: StoragePaths, clie
         quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
         versions[f"kmeans_targets/{client}"] = quality["data_version"]
         for speaker in speakers:
-            meta = ShardFiles.of(paths, speaker).read_meta()
+            meta = paths.shard_files(speaker).read_meta()
             if meta is None:
                 raise dg.Failure(description=f"shard for speaker {speaker} is missing: materialize vad_features")
             versions[f"vad_features/{speaker}"] = meta["shard_sha256"]

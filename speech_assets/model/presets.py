@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from speech_assets.features import N_MELS
+from speech_assets.features.shards import N_MELS
 
 
 @dataclass(frozen=True)

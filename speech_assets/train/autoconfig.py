@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from speech_assets.features import FRAME_RATE_HZ, read_shard_table
+from speech_assets.features.shards import FRAME_RATE_HZ, read_shard_table
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import get_preset
 

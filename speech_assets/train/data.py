@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from speech_assets.cmvn import Cmvn
-from speech_assets.features import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
+from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
 from speech_assets.model.loss import IGNORE_INDEX
-from speech_assets.targets import read_labels
+from speech_assets.targets.labels import read_labels
 
 
 @dataclass(frozen=True)

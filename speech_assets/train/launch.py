@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from speech_assets.features import FRAME_RATE_HZ
+from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.train.autoconfig import (
     LaunchPlan,
     decide,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from speech_assets.cmvn import Cmvn
+from speech_assets.features.cmvn import Cmvn
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths
 from speech_assets.model.loss import masked_prediction_loss, summarize
 from speech_assets.model.masking import span_mask

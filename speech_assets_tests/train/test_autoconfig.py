@@ -8,7 +8,7 @@ from speech_assets.train.autoconfig import (
     profile_dataset,
     profile_model,
 )
-from speech_assets_tests.train.synthetic import SyntheticCorpus
+from speech_assets.testing.training_data import SyntheticCorpus
 
 LIBRISPEECH_LIKE = DatasetProfile(
     utterances=281_241,

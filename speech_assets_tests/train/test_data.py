@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from speech_assets.cmvn import Cmvn
+from speech_assets.features.cmvn import Cmvn
 from speech_assets.model import IGNORE_INDEX
 from speech_assets.train.data import (
     DurationBucketSampler,
@@ -14,7 +14,7 @@ from speech_assets.train.data import (
     eval_batches,
     heldout_split,
 )
-from speech_assets_tests.train.synthetic import SyntheticCorpus
+from speech_assets.testing.training_data import SyntheticCorpus
 
 
 def _index(corpus: SyntheticCorpus, max_frames: int = 1500):

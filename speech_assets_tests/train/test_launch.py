@@ -15,7 +15,7 @@ from speech_assets.train.launch import (
     read_oom_marker,
     write_oom_marker,
 )
-from speech_assets_tests.train.synthetic import SyntheticCorpus
+from speech_assets.testing.training_data import SyntheticCorpus
 
 
 def test_single_node_command() -> None:

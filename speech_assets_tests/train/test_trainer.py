@@ -12,7 +12,7 @@ import torch
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint, weights_sha256
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
 from speech_assets.train.trainer import FAULT_ENV, train
-from speech_assets_tests.train.synthetic import SyntheticCorpus
+from speech_assets.testing.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,24 +16,23 @@ import torch
 import torchaudio
 import torchaudio.functional as AF
 
-from speech_assets import audio, features
-from speech_assets.cmvn import PartialSums, ShardStats
-from speech_assets.extract import (
-    REJECTS_SCHEMA,
-    FeatureExtractor,
+from speech_assets.features import audio
+from speech_assets.features import shards as features
+from speech_assets.features.cmvn import PartialSums, ShardStats
+from speech_assets.corpus.manifest import REJECTS_SCHEMA
+from speech_assets.features.featurize import FeatureExtractor, compute_deltas
+from speech_assets.features.build import (
     ShardResult,
     UtteranceInput,
     VadReject,
     build_shard,
     build_shards_parallel,
-    compute_deltas,
     process_utterance,
-    sidecar_paths,
     write_sidecars,
 )
-from speech_assets.features import FeatureRecord, num_frames_for
-from speech_assets.vad import VadConfig
-from speech_assets_tests.test_vad import vowel, with_silence
+from speech_assets.features.shards import FeatureRecord, num_frames_for, sidecar_paths
+from speech_assets.features.vad import VadConfig
+from speech_assets.testing.corpora import vowel, with_silence
 
 SR = 16_000
 
@@ -328,8 +327,8 @@ def test_shards_are_byte_identical_across_processes(tmp_path, corpus):
     script = textwrap.dedent(
         """
         import json, sys
-        from speech_assets.extract import UtteranceInput, build_shard
-        from speech_assets.vad import VadConfig
+        from speech_assets.features.build import UtteranceInput, build_shard
+        from speech_assets.features.vad import VadConfig
         utts = [UtteranceInput(**u) for u in json.loads(sys.argv[1])]
         build_shard(utts, sys.argv[2], VadConfig())
         """

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speech_assets import cmvn
-from speech_assets.features import FeatureRecord, iter_shard, num_frames_for, write_shard
+from speech_assets.features import cmvn
+from speech_assets.features.shards import FeatureRecord, iter_shard, num_frames_for, write_shard
 from speech_assets.utils import atomic_path, sha256_file
 
 

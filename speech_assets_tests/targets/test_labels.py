@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speech_assets import cmvn
-from speech_assets.features import FeatureRecord, write_shard
-from speech_assets.targets import build_client_targets, read_labels
+from speech_assets.features import cmvn
+from speech_assets.features.shards import FeatureRecord, write_shard
+from speech_assets.targets.labels import build_client_targets, read_labels
 from speech_assets.utils import sha256_file
 
 
@@ -29,7 +29,7 @@ def make_shard(path: Path, speaker: str, utterances: int, seed: int) -> list[Fea
 
 
 def client_cmvn(paths: list[Path]) -> cmvn.Cmvn:
-    from speech_assets.features import iter_shard
+    from speech_assets.features.shards import iter_shard
 
     stats = cmvn.ShardStats()
     for path in paths:
@@ -59,7 +59,7 @@ def test_client_reads_only_its_own_shards(shards: dict[str, Path], tmp_path: Pat
 
 
 def test_labels_at_50hz_and_deterministic(shards: dict[str, Path], tmp_path: Path) -> None:
-    from speech_assets.features import iter_shard
+    from speech_assets.features.shards import iter_shard
 
     mine = [shards["a1"]]
     stats = client_cmvn(mine)
@@ -92,7 +92,7 @@ def test_fit_budget_samples_whole_utterances(shards: dict[str, Path], tmp_path: 
 
 
 def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path], tmp_path: Path) -> None:
-    from speech_assets.targets import extend_client_targets
+    from speech_assets.targets.labels import extend_client_targets
 
     out = tmp_path / "client"
     first = build_client_targets("c", [shards["a1"]], client_cmvn([shards["a1"]]), out, k=8, seed=0)

@@ -8,8 +8,9 @@ from collections import deque
 import numpy as np
 import pytest
 
-from speech_assets import audio
-from speech_assets.vad import (
+from speech_assets.features import audio
+from speech_assets.testing.corpora import vowel, with_silence
+from speech_assets.features.vad import (
     NoSpeech,
     SpeechSpan,
     VadConfig,
@@ -24,30 +25,6 @@ SR = 16_000
 # (vad_core.c kOverHangMax2*: up to 14 / 7 / 5 frames at 10 / 20 / 30 ms, i.e. <= 150 ms, in
 # modes 0-1; less in 2-3). The collector's padding comes on top of that.
 VAD_HANGOVER_S = 0.15
-
-
-def vowel(seconds: float, sample_rate: int = SR, f0: float = 140.0, fmax: float = 7000.0) -> np.ndarray:
-    """A sustained, vowel-like voiced sound (formants at 700/1200/2600 Hz, vibrato, 4 Hz
-    amplitude modulation) that WebRTC VAD classifies as speech. Harmonics stay below ``fmax``.
-    The phase is analytic, so the same signal can be sampled at any rate."""
-    t = np.arange(int(round(seconds * sample_rate))) / sample_rate
-    phase = 2 * np.pi * (f0 * t - f0 * 0.1 * np.cos(2 * np.pi * 3 * t) / (2 * np.pi * 3))
-    x = np.zeros_like(t)
-    for k in range(1, 80):
-        if k * f0 * 1.1 > fmax:
-            break
-        amp = sum(math.exp(-(((k * f0) - formant) / 200.0) ** 2) for formant in (700, 1200, 2600)) + 0.05
-        x += amp * np.sin(k * phase)
-    x *= 0.6 + 0.4 * np.sin(2 * np.pi * 4 * t) ** 2
-    return (0.5 * x / np.abs(x).max()).astype(np.float32)
-
-
-def with_silence(lead_s: float, speech_s: float, trail_s: float, noise: float = 1e-3, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = np.concatenate(
-        [np.zeros(int(lead_s * SR), np.float32), vowel(speech_s), np.zeros(int(trail_s * SR), np.float32)]
-    )
-    return (x + noise * rng.standard_normal(x.shape[0])).astype(np.float32)
 
 
 def reference_collector(flags: list[bool], padding_frames: int) -> tuple[int, int] | None:

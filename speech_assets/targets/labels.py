@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.cmvn import Cmvn
+from speech_assets.features.cmvn import Cmvn
 
 if TYPE_CHECKING:
-    from speech_assets.kmeans import CodebookIndex, QualityAccumulator
+    from speech_assets.targets.kmeans import CodebookIndex, QualityAccumulator
 from speech_assets.utils import atomic_path, save_npz
 
 LABELS_SCHEMA = pa.schema(
@@ -104,8 +104,8 @@ def build_client_targets(
     utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
     model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
     """
-    from speech_assets import kmeans
-    from speech_assets.features import iter_shard, read_shard_table
+    from speech_assets.targets import kmeans
+    from speech_assets.features.shards import iter_shard, read_shard_table
 
     frame_counts: list[int] = []
     index: list[tuple[int, str]] = []
@@ -150,7 +150,7 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     reused (read from ``state.npz``), so the cost is proportional to the new audio, and old
     utterances keep byte-identical labels. Quality statistics accumulate over old and new frames.
     """
-    from speech_assets import kmeans
+    from speech_assets.targets import kmeans
 
     state = ClientState.load(out_dir / STATE_FILE)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
@@ -185,7 +185,7 @@ class ClientState:
 
     @classmethod
     def load(cls, path: Path) -> "ClientState":
-        from speech_assets import kmeans
+        from speech_assets.targets import kmeans
 
         with np.load(path) as data:
             quality = kmeans.QualityAccumulator(int(data["codebook"].shape[0]))
@@ -199,8 +199,8 @@ class ClientState:
 def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: "CodebookIndex",
                   quality: "QualityAccumulator") -> list[UtteranceLabels]:
     """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
-    from speech_assets import kmeans
-    from speech_assets.features import iter_shard
+    from speech_assets.targets import kmeans
+    from speech_assets.features.shards import iter_shard
 
     items: list[UtteranceLabels] = []
     for path in shard_paths:
@@ -215,7 +215,7 @@ def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: "CodebookIn
 
 def _write_outputs(client_id: str, k_requested: int, out_dir: Path, state: ClientState,
                    items: list[UtteranceLabels], shards_read: list[Path]) -> ClientTargetSet:
-    from speech_assets import kmeans
+    from speech_assets.targets import kmeans
 
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = out_dir / "codebook.npy"

@@ -1,11 +1,11 @@
-"""Tests for speech_assets.kmeans (small sizes, no wall-clock asserts)."""
+"""Tests for speech_assets.targets.kmeans (small sizes, no wall-clock asserts)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from speech_assets import kmeans as km
+from speech_assets.targets import kmeans as km
 
 
 def _blobs(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from speech_assets import audio
+from speech_assets.features import audio
 
 
 def tone(freq: float, seconds: float, sample_rate: int, amplitude: float = 0.5) -> np.ndarray:

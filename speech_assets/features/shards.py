@@ -12,6 +12,7 @@ centring (Kaldi ``snip_edges``), so ``num_frames = 1 + (num_samples - 400) // 16
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -143,3 +144,41 @@ def iter_shard(
         for row in range(table.num_rows):
             matrices = {name: blob_to_matrix(blobs[name][row], dims[name]) for name in features}
             yield FeatureRecord(**{name: scalars[name][row] for name in SCALAR_COLUMNS}, **matrices)
+
+
+def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``<dir>/<stem>.rejects.parquet`` and ``<dir>/<stem>.stats.npz`` beside ``<dir>/<stem>.parquet``."""
+    shard_path = Path(shard_path)
+    stem = shard_path.name.removesuffix(".parquet")
+    return shard_path.with_name(f"{stem}.rejects.parquet"), shard_path.with_name(f"{stem}.stats.npz")
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """The files one shard consists of; ``meta`` is written last and vouches for the others."""
+
+    shard: Path
+    rejects: Path
+    stats: Path
+    meta: Path
+
+    @classmethod
+    def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> ShardFiles:
+        shard = Path(shards_dir) / f"{speaker_id}.parquet"
+        rejects, stats = sidecar_paths(shard)
+        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"))
+
+    def read_meta(self) -> dict | None:
+        """The shard's metadata if every file it vouches for is present and intact, else None."""
+        try:
+            meta = json.loads(self.meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if not (self.shard.is_file() and self.rejects.is_file() and self.stats.is_file()):
+            return None
+        # The meta recorded the shard's size and mtime when it hashed it: a stat is enough to
+        # know the file is the one it vouches for (sensors call this every tick for every shard).
+        stat = self.shard.stat()
+        if (meta.get("shard_size"), meta.get("shard_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+            return None
+        return meta

@@ -6,11 +6,10 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets import cmvn
-from speech_assets import clients as assignment
-from speech_assets import targets
+from speech_assets.features import cmvn
+from speech_assets.targets import clients as assignment
+from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.features import ShardFiles
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
 from speech_assets.defs.resources import StoragePaths
@@ -143,7 +142,7 @@ def _materialize_client(
         raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
     shard_versions = {}
     for speaker in speakers:
-        meta = ShardFiles.of(paths, speaker).read_meta()
+        meta = paths.shard_files(speaker).read_meta()
         if meta is None:
             raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
         shard_versions[speaker] = meta["shard_sha256"]
@@ -167,10 +166,10 @@ def _materialize_client(
                 f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames "
                 f"(<= {config.refit_growth:.0%} growth): labelling them with the existing codebook"
             )
-            result = targets.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
+            result = labels.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
             mode, codebook_speakers = "extended", previous["codebook_speakers"]
         else:
-            result = targets.build_client_targets(
+            result = labels.build_client_targets(
                 client_id,
                 [paths.shard_file(s) for s in speakers],
                 client_cmvn,

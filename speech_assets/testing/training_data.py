@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from speech_assets.cmvn import Cmvn, PartialSums
-from speech_assets.features import FRAME_RATE_HZ, MFCC_DIM, N_MELS, FeatureRecord, write_shard
-from speech_assets.targets import UtteranceLabels, write_labels
+from speech_assets.features.cmvn import Cmvn, PartialSums
+from speech_assets.features.shards import FRAME_RATE_HZ, MFCC_DIM, N_MELS, FeatureRecord, write_shard
+from speech_assets.targets.labels import UtteranceLabels, write_labels
 from speech_assets.train.config import ClientTargets, TrainConfig
 
 

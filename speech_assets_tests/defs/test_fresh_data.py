@@ -16,7 +16,7 @@ from dagster._core.definitions.data_version import CachingStaleStatusResolver, S
 from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.defs.automation import corpus_sensor
-from speech_assets.defs.local_runs import (
+from speech_assets.testing.local_runs import (
     PARTITION_RANGE_END,
     PARTITION_RANGE_START,
     follow_automation,
@@ -138,10 +138,9 @@ def test_stale_speakers_are_grouped_into_contiguous_runs(wanted: set[str], range
 def test_a_shard_rewritten_behind_its_meta_is_not_trusted(tmp_path: Path) -> None:
     import json
 
-    from speech_assets.defs.features import ShardFiles
-
+    
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
-    files = ShardFiles.of(paths, "spk")
+    files = paths.shard_files("spk")
     files.shard.parent.mkdir(parents=True)
     for path in (files.shard, files.rejects, files.stats):
         path.write_bytes(b"content")

@@ -1,0 +1,288 @@
+"""The per-utterance feature pipeline and the shard builder (pure: no Dagster imports).
+
+Per utterance: decode -> mono -> 16 kHz -> peak normalisation (``audio``) -> WebRTC VAD span
+(``vad``) -> trim -> features (``featurize.FeatureExtractor``) -> one ``FeatureRecord`` or a
+``VadReject``. A shard is the sorted records of a group of utterances (one speaker in the asset
+graph), written atomically by ``shards.write_shard``; its CMVN partial sums and rejects come
+back in a ``ShardResult``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from speech_assets.corpus.manifest import REJECTS_SCHEMA
+from speech_assets.features import audio
+from speech_assets.features.cmvn import PartialSums, ShardStats
+from speech_assets.features.featurize import FeatureExtractor
+from speech_assets.features.shards import FeatureRecord, num_frames_for, sidecar_paths, write_shard
+from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
+from speech_assets.utils import atomic_path
+
+
+@dataclass(frozen=True)
+class UtteranceInput:
+    """One manifest row as the shard builder needs it (``path`` absolute)."""
+
+    utt_id: str
+    speaker_id: str
+    chapter_id: str
+    path: str
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class VadReject:
+    """An utterance dropped at the feature stage (``no_speech``, or ``unreadable`` if decoding fails)."""
+
+    utt_id: str
+    path: str
+    detail: str
+    reason: str = "no_speech"
+    stage: str = "vad"
+
+    def as_row(self) -> dict[str, str]:
+        return {
+            "utt_id": self.utt_id,
+            "path": self.path,
+            "stage": self.stage,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class ShardResult:
+    """What ``build_shard`` wrote and measured. ``rejects`` rows: utt_id, path, stage, reason, detail."""
+
+    path: Path
+    records: int
+    rejects: list[dict[str, str]]
+    stats: ShardStats
+    audio_seconds: float
+    trimmed_seconds: float
+    frames: int = 0
+    wall_seconds: float = 0.0
+
+
+def process_utterance(
+    path: str | os.PathLike[str],
+    utt_id: str,
+    speaker_id: str,
+    chapter_id: str,
+    vad_cfg: VadConfig,
+    extractor: FeatureExtractor,
+) -> FeatureRecord | VadReject:
+    """Decode, VAD-trim and featurise one utterance."""
+    try:
+        decoded, sample_rate = audio.decode(path)
+    except audio.DecodeError as exc:
+        return VadReject(utt_id, os.fspath(path), str(exc), reason="unreadable")
+    duration_s = decoded.shape[1] / sample_rate
+    try:
+        wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate))
+    except ValueError as exc:  # NaN / inf samples
+        return VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")
+    span = detect_speech(wave, vad_cfg)
+    if isinstance(span, NoSpeech):
+        return VadReject(utt_id, os.fspath(path), span.detail)
+    num_frames = num_frames_for(span.num_samples)
+    if num_frames == 0:
+        return VadReject(
+            utt_id, os.fspath(path), f"speech span {span.duration_s:.3f} s is shorter than one 25 ms feature frame"
+        )
+    logmel, mfcc = extractor(wave[span.start_sample : span.end_sample])
+    return FeatureRecord(
+        utt_id=utt_id,
+        speaker_id=speaker_id,
+        chapter_id=chapter_id,
+        num_frames=num_frames,
+        duration_s=duration_s,
+        speech_start_s=span.start_s,
+        speech_end_s=span.end_s,
+        trimmed_duration_s=span.duration_s,
+        speech_ratio=span.speech_ratio,
+        logmel=logmel,
+        mfcc=mfcc,
+    )
+
+
+def _partial_sums(frames: np.ndarray) -> PartialSums:
+    """Same numbers as ``PartialSums.of`` (float64 accumulation) without a float64 copy of ``frames``."""
+    return PartialSums(
+        int(frames.shape[0]),
+        frames.sum(axis=0, dtype=np.float64),
+        np.einsum("td,td->d", frames, frames, dtype=np.float64),
+    )
+
+
+def build_shard(
+    utterances: Sequence[UtteranceInput],
+    out_path: str | os.PathLike[str],
+    vad_cfg: VadConfig = VadConfig(),
+    extractor: FeatureExtractor | None = None,
+) -> ShardResult:
+    """Featurise ``utterances`` and write one shard atomically at ``out_path``.
+
+    Always writes a shard, an empty one (schema only) when every utterance is rejected, so each
+    partition is materialised the same way. Output bytes depend only on inputs and config.
+    """
+    started = time.perf_counter()
+    ids = [u.utt_id for u in utterances]
+    if len(set(ids)) != len(ids):
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"duplicate utt_id in one shard: {duplicates[:5]}")
+    extractor = extractor if extractor is not None else FeatureExtractor()
+    records: list[FeatureRecord] = []
+    rejects: list[dict[str, str]] = []
+    sums: dict[tuple[str, str], PartialSums] = {}
+    audio_seconds = 0.0
+    for utt in sorted(utterances, key=lambda u: u.utt_id):
+        result = process_utterance(utt.path, utt.utt_id, utt.speaker_id, utt.chapter_id, vad_cfg, extractor)
+        if isinstance(result, VadReject):
+            rejects.append(result.as_row())
+            audio_seconds += utt.duration_s
+            continue
+        audio_seconds += result.duration_s
+        records.append(result)
+        for name in ("logmel", "mfcc"):
+            part = _partial_sums(getattr(result, name))
+            key = (result.speaker_id, name)
+            sums[key] = sums[key] + part if key in sums else part
+    path = write_shard(out_path, records)
+    stats = ShardStats()
+    for (speaker, name), part in sorted(sums.items()):
+        stats.speakers.setdefault(speaker, {})[name] = part
+    return ShardResult(
+        path=Path(path),
+        records=len(records),
+        rejects=rejects,
+        stats=stats,
+        audio_seconds=audio_seconds,
+        trimmed_seconds=float(sum(r.trimmed_duration_s for r in records)),
+        frames=int(sum(r.num_frames for r in records)),
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+def write_rejects(path: str | os.PathLike[str], rejects: Sequence[Mapping[str, str]]) -> Path:
+    """Write reject rows (sorted by utt_id) atomically as Parquet with ``REJECTS_SCHEMA``."""
+    rows = sorted(rejects, key=lambda r: (r["utt_id"], r["reason"]))
+    columns = {f.name: [str(r[f.name]) for r in rows] for f in REJECTS_SCHEMA}
+    table = pa.Table.from_pydict(columns, schema=REJECTS_SCHEMA)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return path
+
+
+def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
+    """Write a shard's rejects and CMVN partial sums beside it (see ``sidecar_paths``)."""
+    rejects_path, stats_path = sidecar_paths(result.path)
+    write_rejects(rejects_path, result.rejects)
+    result.stats.save(stats_path)
+    return rejects_path, stats_path
+
+
+# --- parallel shards -------------------------------------------------------------------------
+
+_WORKER_EXTRACTOR: FeatureExtractor | None = None
+
+
+def _init_worker() -> None:
+    """Process-pool initializer: one torch thread per worker, one extractor per worker."""
+    global _WORKER_EXTRACTOR
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set / parallel work already started
+        pass
+    _WORKER_EXTRACTOR = FeatureExtractor()
+
+
+def _run_job(
+    key: Hashable, utterances: Sequence[UtteranceInput], out_path: str, vad_cfg: VadConfig
+) -> tuple[Hashable, ShardResult]:
+    global _WORKER_EXTRACTOR
+    if _WORKER_EXTRACTOR is None:
+        _WORKER_EXTRACTOR = FeatureExtractor()
+    return key, build_shard(utterances, out_path, vad_cfg, _WORKER_EXTRACTOR)
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def make_pool(workers: int | None = None) -> ProcessPoolExecutor:
+    """A process pool for ``build_shards_parallel``: ``spawn`` context (safe with torch's thread
+    pools), one torch thread and one ``FeatureExtractor`` per worker. Reuse it across calls to
+    pay the worker start-up (a fresh interpreter importing torch: seconds) once."""
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker)
+
+
+def build_shards_parallel(
+    jobs: Sequence[tuple[Hashable, Sequence[UtteranceInput], str | os.PathLike[str]]],
+    vad_cfg: VadConfig = VadConfig(),
+    workers: int | None = None,
+    executor: Executor | None = None,
+) -> dict[Hashable, ShardResult]:
+    """Build many shards, largest (by total ``duration_s``) first, over ``workers`` processes.
+
+    ``jobs`` are ``(key, utterances, out_path)``; returns ``{key: ShardResult}`` in ``jobs`` order.
+    ``workers=None`` uses every core this process may run on; ``workers=1`` runs in-process with
+    torch limited to one thread for the duration (same bytes as the pool). Otherwise a
+    ``make_pool(workers)`` pool is started and shut down, unless ``executor`` (e.g. a reused
+    ``make_pool``) is given. A shard that raises fails the call (after the others finish).
+    """
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    keys = [key for key, _, _ in jobs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("shard keys must be unique")
+    ordered = sorted(jobs, key=lambda job: (-sum(u.duration_s for u in job[1]), str(job[0])))
+    results: dict[Hashable, ShardResult] = {}
+    if executor is None and (workers == 1 or len(ordered) <= 1):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            extractor = FeatureExtractor()
+            for key, utterances, out_path in ordered:
+                results[key] = build_shard(utterances, out_path, vad_cfg, extractor)
+        finally:
+            torch.set_num_threads(previous)
+        return {key: results[key] for key in keys}
+    pool = executor if executor is not None else make_pool(min(workers, len(ordered)))
+    try:
+        futures = [pool.submit(_run_job, key, list(utts), os.fspath(out), vad_cfg) for key, utts, out in ordered]
+        errors = []
+        for future in as_completed(futures):
+            try:
+                key, result = future.result()
+            except Exception as exc:  # noqa: BLE001 - re-raised below with the others' results kept
+                errors.append(exc)
+                continue
+            results[key] = result
+        if errors:
+            raise errors[0]
+    finally:
+        if executor is None:
+            pool.shutdown()
+    return {key: results[key] for key in keys}

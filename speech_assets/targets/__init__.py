@@ -1,0 +1,1 @@
+"""Stage 3 (pure code): speakers -> clients, per-client k-means, and the label files."""
