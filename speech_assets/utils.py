@@ -1,8 +1,9 @@
-"""Small shared helpers: atomic writes and content hashes."""
+"""Small shared helpers: atomic writes, per-path locks and content hashes."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import os
@@ -80,13 +81,36 @@ def sha256_strings(parts: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
-def remove_stale_temp_files(folder: str | os.PathLike[str]) -> int:
-    """Delete leftovers of writers that died mid-write (``.<name>.*.tmp``); returns how many."""
+def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
+    """Delete leftovers of writers of ``target`` that died mid-write (``.<name>.*.tmp``).
+
+    Only temp files of this one target: call it while holding the target's lock
+    (:func:`exclusive_lock`), so that no live writer's temp file can be among them.
+    """
+    target = Path(target)
     removed = 0
-    for leftover in Path(folder).glob(".*.tmp"):
+    for leftover in target.parent.glob(f".{target.name}.*.tmp"):
         leftover.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` (created if missing), waiting for it if taken.
+
+    The kernel releases the lock when its holder exits, also on ``kill -9``, so a dead writer
+    never leaves a stale lock behind. Writers of one shard or one client folder in different
+    runs (or processes) take turns through it.
+    """
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:

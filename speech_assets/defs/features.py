@@ -13,8 +13,9 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.features.build import UtteranceInput, build_shards_parallel, write_sidecars
-from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file, sha256_strings
+from speech_assets.defs.progress import ProgressLog
+from speech_assets.features.build import ShardJob, UtteranceInput, publish_shards
+from speech_assets.utils import atomic_path, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v1"
@@ -75,49 +76,46 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
     speaker_hashes = corpus.speaker_hashes(rows)
     manifest_version = latest_data_version(context.instance, "manifest")
     paths.shards_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(paths.shards_dir)
 
     by_speaker: dict[str, list[UtteranceInput]] = {s: [] for s in speakers}
     for row in rows:
         by_speaker[row.speaker_id].append(
             UtteranceInput(row.utt_id, row.speaker_id, row.chapter_id, row.path, row.duration_s)
         )
-    todo, reused = [], {}
-    for speaker in speakers:
-        files = paths.shard_files(speaker)
-        key = shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg)
-        meta = None if config.force else files.read_meta()
-        if meta is not None and meta.get("inputs_key") == key:
-            reused[speaker] = meta
-        else:
-            todo.append((speaker, by_speaker[speaker], files.shard))
-    workers = config.workers or worker_count(sum(u.duration_s for _, utts, _ in todo for u in utts))
-    context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(reused)} unchanged")
-    built = build_shards_parallel(todo, vad_cfg, workers=workers)
+    jobs = [
+        ShardJob(
+            speaker_id=speaker,
+            utterances=tuple(by_speaker[speaker]),
+            files=paths.shard_files(speaker),
+            inputs_key=shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg),
+            meta_extra={
+                "speaker_manifest_hash": speaker_hashes.get(speaker, ""),
+                "manifest_version": manifest_version,
+                "code_version": FEATURES_CODE_VERSION,
+            },
+            force=config.force,
+        )
+        for speaker in speakers
+    ]
+    # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
+    todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
+    workers = config.workers or worker_count(sum(job.audio_seconds for job in todo))
+    context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(jobs) - len(todo)} unchanged")
+    outcomes = publish_shards(jobs, vad_cfg, workers=workers, progress=ProgressLog(context.log, "shards"))
 
-    metas: dict[str, dict] = dict(reused)
-    for speaker, result in built.items():
-        files = paths.shard_files(speaker)
-        write_sidecars(result)
-        meta = {
-            "speaker_id": speaker,
-            "inputs_key": shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg),
-            "speaker_manifest_hash": speaker_hashes.get(speaker, ""),
-            "manifest_version": manifest_version,
-            "shard_sha256": sha256_file(files.shard),
-            "shard_size": files.shard.stat().st_size,
-            "shard_mtime_ns": files.shard.stat().st_mtime_ns,
-            "stats_sha256": sha256_file(files.stats),
-            "utterances": result.records,
-            "rejects": len(result.rejects),
-            "audio_seconds": result.audio_seconds,
-            "trimmed_seconds": result.trimmed_seconds,
-            "vad": vad_cfg.as_dict(),
-            "code_version": FEATURES_CODE_VERSION,
-        }
-        atomic_write_text(files.meta, json.dumps(meta, indent=1, sort_keys=True))
-        metas[speaker] = meta
-
+    failed = {s: o.error for s, o in outcomes.items() if o.error is not None}
+    if failed:
+        for speaker, error in failed.items():
+            context.log.error(f"shard {speaker} failed:\n{error}")
+        kept = len(outcomes) - len(failed)
+        raise dg.Failure(
+            description=(
+                f"{len(failed)} of {len(outcomes)} shard(s) failed ({', '.join(sorted(failed)[:10])}); "
+                f"the other {kept} are published and a re-run rebuilds only the failed ones"
+            ),
+            metadata={"failed_speakers": dg.MetadataValue.json(sorted(failed))},
+        )
+    metas = {s: o.meta for s, o in outcomes.items() if o.meta is not None}
     for speaker in speakers:
         meta = metas[speaker]
         context.add_asset_metadata(
@@ -130,8 +128,8 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
                 "speech_ratio": round(meta["trimmed_seconds"] / max(meta["audio_seconds"], 1e-9), 4),
                 "speaker_manifest_hash": meta["speaker_manifest_hash"],
                 "manifest_version": meta["manifest_version"] or "",
-                "rebuilt": speaker in built,
-                "path": dg.MetadataValue.path(str(paths.shard_files(speaker).shard)),
+                "rebuilt": outcomes[speaker].rebuilt,
+                "path": dg.MetadataValue.path(str(paths.shard_file(speaker))),
             },
             partition_key=speaker,
         )
@@ -148,7 +146,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
         data_version=dg.DataVersion(version),
         metadata={
             "shards": len(speakers),
-            "shards_rebuilt": len(built),
+            "shards_rebuilt": sum(o.rebuilt for o in outcomes.values()),
             "utterances": sum(m["utterances"] for m in metas.values()),
             "no_speech_rejects": sum(m["rejects"] for m in metas.values()),
             "audio_hours": round(audio / 3600, 4),

@@ -13,7 +13,7 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, exclusive_lock, sha256_file, sha256_strings
 
 CLIENTS_CODE_VERSION = "clients-v1"
 KMEANS_CODE_VERSION = "kmeans-v1"
@@ -136,8 +136,25 @@ def _materialize_client(
     speakers: list[str],
     speaker_sums: cmvn.ShardStats,
 ) -> str:
-    """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version."""
+    """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version.
+
+    Holds the client's lock throughout, so two runs never write one client's folder at once; the
+    second one then finds the first one's result and reuses it.
+    """
     out_dir = paths.kmeans_dir(client_id)
+    with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
+        return _materialize_client_locked(context, config, paths, client_id, speakers, speaker_sums, out_dir)
+
+
+def _materialize_client_locked(
+    context: dg.AssetExecutionContext,
+    config: KMeansTargetsConfig,
+    paths: StoragePaths,
+    client_id: str,
+    speakers: list[str],
+    speaker_sums: cmvn.ShardStats,
+    out_dir,
+) -> str:
     if not speakers:
         raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
     shard_versions = {}
@@ -161,10 +178,12 @@ def _materialize_client(
     else:
         newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
-        if newcomers and new_frames <= config.refit_growth * previous["frames_labelled"]:
+        at_refit = frames_at_last_refit(previous)
+        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, config.refit_growth):
             context.log.info(
-                f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames "
-                f"(<= {config.refit_growth:.0%} growth): labelling them with the existing codebook"
+                f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
+                f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
+                f"(<= {config.refit_growth:.0%}): labelling them with the existing codebook"
             )
             result = labels.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
             mode, codebook_speakers = "extended", previous["codebook_speakers"]
@@ -195,6 +214,7 @@ def _materialize_client(
             "speakers": speakers,
             "codebook_speakers": codebook_speakers,
             "mode": mode,
+            "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
             "shards_read": result.shards_read,
             "shard_versions": shard_versions,
             "inputs_key": inputs_key,
@@ -225,6 +245,20 @@ def _materialize_client(
         partition_key=client_id,
     )
     return quality["data_version"]
+
+
+def frames_at_last_refit(quality: dict) -> int | None:
+    """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
+    if "frames_at_refit" in quality:
+        return int(quality["frames_at_refit"])
+    return int(quality["frames_labelled"]) if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality else None
+
+
+def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
+    """Whether a client that grew to ``frames_now`` since its codebook was fitted on
+    ``frames_at_refit`` frames may keep that codebook: growth is measured against the refit, not
+    the last extension, so repeated small extensions cannot compound past ``refit_growth``."""
+    return frames_now - frames_at_refit <= refit_growth * frames_at_refit
 
 
 def _newcomers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:

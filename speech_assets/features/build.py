@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -26,9 +27,9 @@ from speech_assets.corpus.manifest import REJECTS_SCHEMA
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
-from speech_assets.features.shards import FeatureRecord, num_frames_for, sidecar_paths, write_shard
+from speech_assets.features.shards import FeatureRecord, ShardFiles, num_frames_for, sidecar_paths, write_shard
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
-from speech_assets.utils import atomic_path
+from speech_assets.utils import atomic_path, exclusive_lock
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,79 @@ def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
     return rejects_path, stats_path
 
 
+# --- building and publishing one speaker's shard ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One speaker's shard to build unless its meta already vouches for the same inputs.
+
+    ``inputs_key`` is what the shard's content depends on (manifest rows, VAD config, code
+    version); ``meta_extra`` is recorded in the meta beside the measurements.
+    """
+
+    speaker_id: str
+    utterances: tuple[UtteranceInput, ...]
+    files: ShardFiles
+    inputs_key: str
+    meta_extra: Mapping[str, object] = field(default_factory=dict)
+    force: bool = False
+
+    @property
+    def audio_seconds(self) -> float:
+        return sum(u.duration_s for u in self.utterances)
+
+
+@dataclass
+class ShardOutcome:
+    """What happened to one job: its published ``meta`` (None on error), whether this call
+    rebuilt it, and the error (with traceback) if it failed."""
+
+    speaker_id: str
+    meta: dict | None
+    rebuilt: bool
+    error: str | None = None
+
+
+def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:
+    """Build ``job``'s shard and publish it (sidecars, then meta), under the shard's lock.
+
+    Another run building the same shard holds the lock; once it is released the meta is read
+    again, so a shard that run just built for the same inputs is reused, not rebuilt. The meta is
+    removed before the files it vouches for are rewritten and written again last, so a crash at
+    any point leaves either a valid meta or none (and the next run rebuilds only this shard).
+    """
+    with exclusive_lock(job.files.lock):
+        meta = None if job.force else job.files.read_meta()
+        if meta is not None and meta.get("inputs_key") == job.inputs_key:
+            return ShardOutcome(job.speaker_id, meta, rebuilt=False)
+        job.files.remove_temp_files()
+        job.files.meta.unlink(missing_ok=True)
+        result = build_shard(job.utterances, job.files.shard, vad_cfg, extractor)
+        write_sidecars(result)
+        meta = job.files.write_meta(
+            {
+                **job.meta_extra,
+                "speaker_id": job.speaker_id,
+                "inputs_key": job.inputs_key,
+                "utterances": result.records,
+                "rejects": len(result.rejects),
+                "frames": result.frames,
+                "audio_seconds": result.audio_seconds,
+                "trimmed_seconds": result.trimmed_seconds,
+                "vad": vad_cfg.as_dict(),
+            }
+        )
+        return ShardOutcome(job.speaker_id, meta, rebuilt=True)
+
+
+def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:
+    try:
+        return build_and_publish(job, vad_cfg, extractor)
+    except Exception:  # noqa: BLE001 - one bad shard must not lose the others; reported per shard
+        return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
+
+
 # --- parallel shards -------------------------------------------------------------------------
 
 _WORKER_EXTRACTOR: FeatureExtractor | None = None
@@ -218,6 +292,61 @@ def _run_job(
     if _WORKER_EXTRACTOR is None:
         _WORKER_EXTRACTOR = FeatureExtractor()
     return key, build_shard(utterances, out_path, vad_cfg, _WORKER_EXTRACTOR)
+
+
+def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
+    global _WORKER_EXTRACTOR
+    if _WORKER_EXTRACTOR is None:
+        _WORKER_EXTRACTOR = FeatureExtractor()
+    return _publish_or_report(job, vad_cfg, _WORKER_EXTRACTOR)
+
+
+def publish_shards(
+    jobs: Sequence[ShardJob],
+    vad_cfg: VadConfig = VadConfig(),
+    workers: int | None = None,
+    progress: Callable[[ShardOutcome, int, int], None] | None = None,
+) -> dict[str, ShardOutcome]:
+    """Build and publish many speakers' shards, largest first, over ``workers`` processes.
+
+    Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
+    (an exception, or a worker killed for memory) keeps every other one; failures come back as
+    outcomes with ``error`` set instead of raising. ``progress(outcome, done, total)`` is called
+    after each shard. Returns ``{speaker_id: outcome}`` in ``jobs`` order.
+    """
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    speakers = [job.speaker_id for job in jobs]
+    if len(set(speakers)) != len(speakers):
+        raise ValueError("one job per speaker")
+    ordered = sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id))
+    outcomes: dict[str, ShardOutcome] = {}
+
+    def record(outcome: ShardOutcome) -> None:
+        outcomes[outcome.speaker_id] = outcome
+        if progress is not None:
+            progress(outcome, len(outcomes), len(ordered))
+
+    if workers == 1 or len(ordered) <= 1:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            extractor = FeatureExtractor()
+            for job in ordered:
+                record(_publish_or_report(job, vad_cfg, extractor))
+        finally:
+            torch.set_num_threads(previous)
+    else:
+        with make_pool(min(workers, len(ordered))) as pool:
+            futures = {pool.submit(_publish_job, job, vad_cfg): job for job in ordered}
+            for future in as_completed(futures):
+                try:
+                    record(future.result())
+                except Exception:  # noqa: BLE001 - the worker process itself died (e.g. OOM kill)
+                    job = futures[future]
+                    record(ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4)))
+    return {speaker: outcomes[speaker] for speaker in speakers}
 
 
 def default_workers() -> int:

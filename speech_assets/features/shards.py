@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.utils import atomic_path
+from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file
 
 SAMPLE_RATE = 16_000
 WIN_LENGTH = 400
@@ -155,30 +155,57 @@ def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 @dataclass(frozen=True)
 class ShardFiles:
-    """The files one shard consists of; ``meta`` is written last and vouches for the others."""
+    """The files one speaker's shard consists of.
+
+    ``meta`` is written last and vouches for the other three: it records each one's size and
+    mtime (and the shard's sha256), so a stat tells whether the files on disk are the ones it
+    describes. ``lock`` serialises writers of this shard across runs and processes.
+    """
 
     shard: Path
     rejects: Path
     stats: Path
     meta: Path
+    lock: Path
 
     @classmethod
     def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> ShardFiles:
         shard = Path(shards_dir) / f"{speaker_id}.parquet"
         rejects, stats = sidecar_paths(shard)
-        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"))
+        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"), shard.with_name(f".{speaker_id}.lock"))
+
+    @property
+    def vouched(self) -> dict[str, Path]:
+        return {"shard": self.shard, "rejects": self.rejects, "stats": self.stats}
 
     def read_meta(self) -> dict | None:
-        """The shard's metadata if every file it vouches for is present and intact, else None."""
+        """The shard's metadata if every file it vouches for is present and unchanged, else None."""
         try:
             meta = json.loads(self.meta.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if not (self.shard.is_file() and self.rejects.is_file() and self.stats.is_file()):
-            return None
-        # The meta recorded the shard's size and mtime when it hashed it: a stat is enough to
-        # know the file is the one it vouches for (sensors call this every tick for every shard).
-        stat = self.shard.stat()
-        if (meta.get("shard_size"), meta.get("shard_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-            return None
+        # A stat per file is enough (sensors call this every tick for every shard); the sizes
+        # and mtimes were recorded when the files were hashed.
+        for name, path in self.vouched.items():
+            try:
+                stat = path.stat()
+            except OSError:
+                return None
+            if (meta.get(f"{name}_size"), meta.get(f"{name}_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
+                return None
         return meta
+
+    def write_meta(self, meta: dict) -> dict:
+        """Record ``meta`` plus the size, mtime (and the shard's sha256) of the vouched files."""
+        full = dict(meta)
+        for name, path in self.vouched.items():
+            stat = path.stat()
+            full[f"{name}_size"], full[f"{name}_mtime_ns"] = stat.st_size, stat.st_mtime_ns
+        full["shard_sha256"] = sha256_file(self.shard)
+        full["stats_sha256"] = sha256_file(self.stats)
+        atomic_write_text(self.meta, json.dumps(full, indent=1, sort_keys=True))
+        return full
+
+    def remove_temp_files(self) -> int:
+        """Leftovers of this shard's writers that died mid-write (call while holding ``lock``)."""
+        return sum(remove_stale_temp_files(path) for path in (*self.vouched.values(), self.meta))

@@ -133,21 +133,3 @@ def test_stale_speakers_are_grouped_into_contiguous_runs(wanted: set[str], range
     from speech_assets.defs.automation import contiguous_ranges
 
     assert [(first, last) for first, last, _ in contiguous_ranges(list("abcde"), wanted)] == ranges
-
-
-def test_a_shard_rewritten_behind_its_meta_is_not_trusted(tmp_path: Path) -> None:
-    import json
-
-    
-    paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
-    files = paths.shard_files("spk")
-    files.shard.parent.mkdir(parents=True)
-    for path in (files.shard, files.rejects, files.stats):
-        path.write_bytes(b"content")
-    stat = files.shard.stat()
-    files.meta.write_text(json.dumps({"shard_sha256": "x", "shard_size": stat.st_size, "shard_mtime_ns": stat.st_mtime_ns}))
-    assert files.read_meta() is not None
-    files.shard.write_bytes(b"other content, half written by a killed process")
-    assert files.read_meta() is None
-    files.shard.unlink()
-    assert files.read_meta() is None

@@ -80,3 +80,32 @@ def test_npz_is_byte_deterministic(tmp_path: Path) -> None:
     first = sha256_file(tmp_path / "x.npz")
     part.save(tmp_path / "x.npz")
     assert sha256_file(tmp_path / "x.npz") == first
+
+
+@pytest.mark.parametrize("rewritten", ["shard", "rejects", "stats"])
+def test_a_file_rewritten_behind_its_meta_is_not_trusted(tmp_path: Path, rewritten: str) -> None:
+    from speech_assets.features.shards import ShardFiles
+
+    files = ShardFiles.of(tmp_path / "shards", "spk")
+    files.shard.parent.mkdir(parents=True)
+    for path in files.vouched.values():
+        path.write_bytes(b"content")
+    meta = files.write_meta({"inputs_key": "k"})
+    assert files.read_meta() == meta and len(meta["shard_sha256"]) == 64
+    getattr(files, rewritten).write_bytes(b"other content, half written by a killed process")
+    assert files.read_meta() is None
+    getattr(files, rewritten).unlink()
+    assert files.read_meta() is None
+
+
+def test_temp_files_of_one_shard_only_are_removed(tmp_path: Path) -> None:
+    from speech_assets.features.shards import ShardFiles
+
+    mine, other = ShardFiles.of(tmp_path, "a"), ShardFiles.of(tmp_path, "a-b")
+    leftovers = [tmp_path / ".a.parquet.x1.tmp", tmp_path / ".a.meta.json.x2.tmp", tmp_path / ".a.stats.npz.x3.tmp"]
+    theirs = [tmp_path / ".a-b.parquet.y1.tmp", tmp_path / ".b.parquet.y2.tmp"]
+    for path in leftovers + theirs:
+        path.write_bytes(b"partial")
+    assert mine.remove_temp_files() == 3
+    assert not any(p.exists() for p in leftovers) and all(p.exists() for p in theirs)
+    assert other.remove_temp_files() == 1
