@@ -14,7 +14,6 @@ from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.features.build import ShardJob, UtteranceInput, publish_shards
 from speech_assets.utils import atomic_path, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
@@ -69,6 +68,8 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
     ),
 )
 def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths) -> dg.MaterializeResult:
+    from speech_assets.features.build import ShardJob, UtteranceInput, publish_shards  # torch: lazily
+
     vad_cfg = config.vad()
     speakers = list(context.partition_keys)
     wanted = set(speakers)

@@ -95,7 +95,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
-        "heldout_masked_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
+        "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR)"
     )
     for path in sorted(inputs.training_results):
@@ -108,9 +108,9 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             [r.get("checkpoint"), r.get("step"), r.get("checkpoint_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
         )
         con.execute(
-            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
-             r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
+             r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
              r.get("mlflow_run_id"), r.get("checkpoint")],
         )
     # Summaries are materialised: they are small and the CLI should answer instantly.
@@ -203,12 +203,13 @@ def summary(db_path: Path) -> str:
                 f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
             )
         for row in con.execute(
-            "SELECT steps, final_loss, heldout_masked_accuracy, chance_accuracy, checkpoint, mlflow_run_id "
-            "FROM training_runs ORDER BY run_dir"
+            "SELECT steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy, chance_accuracy, "
+            "checkpoint, mlflow_run_id FROM training_runs ORDER BY run_dir"
         ).fetchall():
+            majority = "n/a" if row[3] is None else f"{row[3]:.3f}"
             lines.append(
                 f"training: {row[0]} steps, loss {row[1]:.3f}, held-out masked accuracy {row[2]:.3f} "
-                f"(chance {row[3]:.3f}), checkpoint {row[4]}, MLflow run {row[5]}"
+                f"(majority class {majority}, chance {row[4]:.3f}), checkpoint {row[5]}, MLflow run {row[6]}"
             )
         return "\n".join(lines)
     finally:

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths
-from speech_assets.model.loss import masked_prediction_loss, summarize
+from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
 from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import get_preset
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
@@ -52,6 +52,8 @@ from speech_assets.train.checkpoint import (
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import (
     Batch,
+    CorpusIndex,
+    UtteranceRef,
     DurationBucketSampler,
     UtteranceDataset,
     build_index,
@@ -222,6 +224,7 @@ class Trainer:
             index.unlabelled,
         )
         self.unlabelled = index.unlabelled
+        self.majority_labels = majority_labels(index, train_refs)
         cmvn = Cmvn.load(config.cmvn)
         self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames)
         self.heldout_set = UtteranceDataset(index, heldout_refs, cmvn, config.max_frames)
@@ -455,8 +458,13 @@ class Trainer:
 
     # --------------------------------------------------------------------------- finish
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float] | None:
-        """Masked prediction on the held-out utterances (fixed masks), summed over ranks."""
+    def evaluate(self) -> dict[str, Any] | None:
+        """Masked prediction on the held-out utterances (fixed masks), summed over ranks.
+
+        Besides loss and accuracy, reports what a predictor that knows only each client's label
+        frequencies would score on the same masked frames (``majority_accuracy``: always
+        predicting the client's most frequent training label), overall and per client.
+        """
         if len(self.heldout_set) == 0:
             return None
         self.model.eval()
@@ -466,6 +474,10 @@ class Trainer:
             self.heldout_set, batch_sampler=batches, collate_fn=collate, num_workers=self.config.num_workers
         )
         totals = torch.zeros(6, dtype=torch.float64, device=self.job.device)
+        clients = len(self.model.clients)
+        # per client: masked frames, correct predictions, majority-label hits
+        per_client = torch.zeros(clients, 3, dtype=torch.float64, device=self.job.device)
+        majority = torch.tensor(self.majority_labels, dtype=torch.long, device=self.job.device)
         for local_index, batch in enumerate(loader):
             generator = mask_generator(self.config.seed, "heldout", local_index * world + rank)
             mask = span_mask(output_lengths(batch.lengths), self.config.mask_prob, self.config.mask_length, generator)
@@ -473,9 +485,26 @@ class Trainer:
             with self._autocast():
                 output = self.model(batch.feats, batch.lengths, batch.clients, mask)
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
+            for group in output.logits:
+                targets = batch.targets[group.rows]
+                scored = mask[group.rows] & (targets != IGNORE_INDEX)
+                correct = (group.logits.argmax(dim=-1) == targets) & scored
+                hits = (targets == majority[group.client]) & scored
+                per_client[group.client] += torch.stack([scored.sum(), correct.sum(), hits.sum()]).double()
         self.model.train()
-        summary = summarize(self._all_reduce(totals).cpu())
+        summary: dict[str, Any] = summarize(self._all_reduce(totals).cpu())
         summary["loss"] = summary["masked_loss"] + self.config.unmasked_weight * summary["unmasked_loss"]
+        per_client = self._all_reduce(per_client).cpu()
+        frames = float(per_client[:, 0].sum())
+        summary["majority_accuracy"] = float(per_client[:, 2].sum()) / frames if frames else 0.0
+        summary["per_client"] = {
+            name: {
+                "masked_frames": int(row[0]),
+                "masked_accuracy": float(row[1] / row[0]) if row[0] else None,
+                "majority_accuracy": float(row[2] / row[0]) if row[0] else None,
+            }
+            for name, row in zip(self.model.clients, per_client.tolist(), strict=True)
+        }
         return summary
 
     def _finish(self, tracker: MlflowTracker | None, reporter: PipesReporter | None) -> dict[str, Any] | None:
@@ -507,6 +536,8 @@ class Trainer:
             "final_masked_accuracy": self.last_metrics.get("masked_accuracy"),
             "heldout_masked_accuracy": heldout["masked_accuracy"] if heldout else None,
             "heldout_loss": heldout["loss"] if heldout else None,
+            "heldout_majority_accuracy": heldout["majority_accuracy"] if heldout else None,
+            "heldout_per_client": heldout["per_client"] if heldout else None,
             "heldout_utterances": len(self.heldout_set),
             "chance_accuracy": self.config.chance_accuracy,
             "audio_seconds_per_second": progress["audio_seconds"] / progress["train_seconds"]
@@ -528,16 +559,17 @@ class Trainer:
         atomic_write_text(self.run_dir / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
         clear_oom(self.run_dir)
         log.info(
-            "done: step %d, final loss %s, held-out masked accuracy %s (chance %.3f), %s s of audio per second",
+            "done: step %d, final loss %s, held-out masked accuracy %s (majority class %s, chance %.3f), %s s of audio per second",
             self.step,
             _fmt(result["final_loss"]),
             _fmt(result["heldout_masked_accuracy"]),
+            _fmt(result["heldout_majority_accuracy"]),
             result["chance_accuracy"],
             _fmt(result["audio_seconds_per_second"]),
         )
         if reporter is not None:
             metadata_keys = (
-                "step", "final_loss", "heldout_masked_accuracy", "heldout_loss", "chance_accuracy",
+                "step", "final_loss", "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
                 "audio_seconds_per_second", "checkpoint", "checkpoint_sha256", "mlflow_run_id",
                 "mlflow_run_url", "autoconfig", "data_versions",
             )  # fmt: skip
@@ -545,6 +577,18 @@ class Trainer:
             reporter.report(metadata, data_version=sha, paths=("checkpoint",))
         self._barrier()
         return result
+
+
+def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[int]:
+    """Each client's most frequent label over its training utterances (index order of clients)."""
+    counts: list[np.ndarray] = [np.zeros(1, np.int64) for _ in index.clients]
+    for ref in train_refs:
+        labels = index.labels[ref.client][ref.utt_id]
+        found = np.bincount(labels[labels >= 0].astype(np.int64))
+        if found.shape[0] > counts[ref.client].shape[0]:
+            found, counts[ref.client] = counts[ref.client], found
+        counts[ref.client][: found.shape[0]] += found
+    return [int(c.argmax()) for c in counts]
 
 
 def _fmt(value: float | None) -> str:

@@ -77,13 +77,17 @@ def test_every_output_exists_with_contract_columns(built) -> None:
 def test_every_asset_has_code_and_data_version_and_input_versions(built) -> None:
     import dagster as dg
 
+    from speech_assets.definitions import defs
+
     instance = _instance(built["home"])
+    graph = defs.resolve_asset_graph()
     for key in ASSETS:
         records = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
         assert records, f"{key} was never materialized"
         event = records[0].asset_materialization
-        assert event.tags.get("dagster/data_version"), key
-        assert event.tags.get("dagster/code_version", "").startswith(key.split("_")[0][:3]) or event.tags.get("dagster/code_version")
+        assert len(event.tags.get("dagster/data_version", "")) == 64, key  # a sha256, not a run id
+        declared = graph.get(dg.AssetKey(key)).code_version
+        assert declared and event.tags.get("dagster/code_version") == declared, key
     manifest_event = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
     assert manifest_event.tags["dagster/data_version"] == manifest_event.metadata["manifest_hash"].value
     # every shard partition carries its own shard hash
@@ -102,7 +106,8 @@ def test_training_learned_something_and_checkpoint_is_safe(built) -> None:
     assert len(results) == 1
     result = json.loads(results[0].read_text())
     assert result["step"] == TRAIN_STEPS
-    assert result["heldout_masked_accuracy"] > 2 * result["chance_accuracy"]
+    # better than a predictor that knows only each client's label frequencies
+    assert result["heldout_masked_accuracy"] > result["heldout_majority_accuracy"] > 0
     state = torch.load(result["checkpoint"], map_location="cpu", weights_only=True)
     assert "model" in state
     import mlflow

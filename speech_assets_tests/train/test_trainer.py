@@ -51,7 +51,8 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
     assert len(losses) == 6
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3
     assert result["step"] == 30 and result["heldout_utterances"] > 0
-    assert result["heldout_masked_accuracy"] > 2 * result["chance_accuracy"]
+    # better than a predictor that knows only each client's label frequencies
+    assert result["heldout_masked_accuracy"] > result["heldout_majority_accuracy"] > 0
     assert result["chance_accuracy"] == pytest.approx((1 / 8 + 1 / 12) / 2)
     assert result["audio_seconds_per_second"] > 0 and result["unlabelled_utterances"] == 4
 
