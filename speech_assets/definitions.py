@@ -3,7 +3,7 @@
 import dagster as dg
 
 from speech_assets.defs import automation, features, manifest, stats, targets, training
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import PipelineSettings, StoragePaths
 
 ASSETS = [
     manifest.manifest,
@@ -16,14 +16,16 @@ ASSETS = [
 ]
 
 
-def build_definitions(paths: StoragePaths | None = None) -> dg.Definitions:
-    """The code location; ``paths`` defaults to the environment (variables in docs/REFERENCE.md)."""
+def build_definitions(paths: StoragePaths | None = None, settings: PipelineSettings | None = None) -> dg.Definitions:
+    """The code location; ``paths`` defaults to the environment (variables in docs/REFERENCE.md),
+    ``settings`` to `pipeline.toml` (or ``$SPEECH_ASSETS_SETTINGS``)."""
     return dg.Definitions(
         assets=ASSETS,
         sensors=[automation.corpus_sensor, automation.automation_sensor],
         schedules=[automation.revalidate_corpus],
         resources={
             "paths": paths or StoragePaths.from_environment(),
+            "settings": settings or PipelineSettings.load(),
             "pipes_subprocess_client": dg.PipesSubprocessClient(),
         },
     )

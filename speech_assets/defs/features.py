@@ -12,7 +12,7 @@ from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.utils import atomic_path, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
@@ -21,23 +21,20 @@ FEATURES_CODE_VERSION = "vad-features-v1"
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
-class FeatureConfig(dg.Config):
-    vad_aggressiveness: int = 2
-    vad_frame_ms: int = 30
-    vad_padding_ms: int = 300
-    min_speech_s: float = 0.5
-    min_speech_ratio: float = 0.1
-    workers: int = 0  # 0: automatic (one per core for large jobs, in-process for small ones)
+class FeatureConfig(overrides_of(FeatureSettings)):
+    """Run-config overrides of the `[features]` settings for one manual run."""
+
     force: bool = False  # rebuild shards even when their inputs are unchanged
 
-    def vad(self) -> VadConfig:
-        return VadConfig(
-            aggressiveness=self.vad_aggressiveness,
-            frame_ms=self.vad_frame_ms,
-            padding_ms=self.vad_padding_ms,
-            min_speech_s=self.min_speech_s,
-            min_speech_ratio=self.min_speech_ratio,
-        )
+
+def vad_config(features: FeatureSettings) -> VadConfig:
+    return VadConfig(
+        aggressiveness=features.vad_aggressiveness,
+        frame_ms=features.vad_frame_ms,
+        padding_ms=features.vad_padding_ms,
+        min_speech_s=features.min_speech_s,
+        min_speech_ratio=features.min_speech_ratio,
+    )
 
 
 AUDIO_SECONDS_PER_EXTRA_WORKER = 3600.0
@@ -67,10 +64,13 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
         "plus no_speech rejects and CMVN partial sums beside it."
     ),
 )
-def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths) -> dg.MaterializeResult:
+def vad_features(
+    context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
     from speech_assets.features.build import ShardJob, UtteranceInput, publish_shards  # torch: lazily
 
-    vad_cfg = config.vad()
+    features = effective(settings.features, config)
+    vad_cfg = vad_config(features)
     speakers = list(context.partition_keys)
     wanted = set(speakers)
     rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
@@ -100,7 +100,7 @@ def vad_features(context: dg.AssetExecutionContext, config: FeatureConfig, paths
     ]
     # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
     todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
-    workers = config.workers or worker_count(sum(job.audio_seconds for job in todo))
+    workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
     context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(jobs) - len(todo)} unchanged")
     outcomes = publish_shards(jobs, vad_cfg, workers=workers, progress=ProgressLog(context.log, "shards"))
 

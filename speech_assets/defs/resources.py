@@ -1,9 +1,14 @@
-"""Resources: where the corpus and every output live."""
+"""Resources: where the corpus and every output live, and the pipeline settings users set once."""
 
+from __future__ import annotations
 
+import os
+import tomllib
 from pathlib import Path
+from typing import Any, Optional
 
 import dagster as dg
+from pydantic import create_model
 
 from speech_assets import settings
 from speech_assets.features.shards import ShardFiles
@@ -86,3 +91,111 @@ class StoragePaths(dg.ConfigurableResource):
     @property
     def stats_db(self) -> Path:
         return self.root / "stats.duckdb"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline settings: one file (`pipeline.toml`, or $SPEECH_ASSETS_SETTINGS) sets every stage's
+# knobs for every run: manual, scheduled, sensor-driven and automated alike. A manual run may
+# override any of them through run config (Launchpad / --config-json).
+
+SETTINGS_ENV = "SPEECH_ASSETS_SETTINGS"
+SETTINGS_FILE = "pipeline.toml"
+
+
+class ManifestSettings(dg.Config):
+    min_duration_s: float = 0.5
+    max_duration_s: float = 35.0
+    max_reject_ratio: float = 0.2
+    workers: int = 0  # 0: one decoder per core
+
+
+class FeatureSettings(dg.Config):
+    vad_aggressiveness: int = 2  # WebRTC VAD mode 0..3
+    vad_frame_ms: int = 30  # 10, 20 or 30
+    vad_padding_ms: int = 300
+    min_speech_s: float = 0.5
+    min_speech_ratio: float = 0.1
+    workers: int = 0  # 0: automatic (one per core for large jobs, in-process for small ones)
+
+
+class ClientSettings(dg.Config):
+    num_clients: int = 4
+
+
+class KMeansSettings(dg.Config):
+    k: int = 100
+    max_fit_frames: int = 2_000_000
+    seed: int = 0
+    # New speakers adding at most this share of a client's frames since its last refit are
+    # labelled with its existing codebook; more growth, or any change, refits.
+    refit_growth: float = 0.2
+
+
+class TrainingSettings(dg.Config):
+    preset: str = "tiny"
+    max_steps: int = 300
+    batch_seconds: float = 0.0  # per device; 0 = chosen by the auto-configuration
+    target_batch_seconds: float = 60.0  # effective batch, reached with gradient accumulation
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    seed: int = 0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    precision: str = "auto"
+    nproc: int = 0  # 0 = auto
+    nnodes: str = "1"
+    rdzv_endpoint: str = ""  # host:port for multi-node runs
+    max_restarts: int = 2
+    heldout_fraction: float = 0.05
+    max_frames: int = 1500
+
+
+class PipelineSettings(dg.ConfigurableResource):
+    """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
+    by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
+
+    Shown in the UI under Deployment -> Resources; ``source`` says which file was read.
+    """
+
+    source: str = ""
+    manifest: ManifestSettings = ManifestSettings()
+    features: FeatureSettings = FeatureSettings()
+    clients: ClientSettings = ClientSettings()
+    kmeans: KMeansSettings = KMeansSettings()
+    training: TrainingSettings = TrainingSettings()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:
+        """Read ``path`` (default: ``$SPEECH_ASSETS_SETTINGS``, else ``pipeline.toml`` in the repo)."""
+        explicit = path or os.environ.get(SETTINGS_ENV)
+        file = settings.resolve(explicit or SETTINGS_FILE)
+        if not file.is_file():
+            if explicit:
+                raise FileNotFoundError(f"settings file {file} (from ${SETTINGS_ENV}) does not exist")
+            return cls()
+        with open(file, "rb") as handle:
+            data = tomllib.load(handle)
+        sections = {name for name, field in cls.model_fields.items() if name != "source"}
+        unknown = sorted(set(data) - sections)
+        if unknown:
+            raise ValueError(f"{file}: unknown section(s) {unknown}; known: {sorted(sections)}")
+        parsed: dict[str, Any] = {}
+        for name, values in data.items():
+            section_cls = cls.model_fields[name].annotation
+            extra = sorted(set(values) - set(section_cls.model_fields))
+            if extra:
+                raise ValueError(f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}")
+            parsed[name] = section_cls(**values)
+        return cls(source=str(file), **parsed)
+
+
+def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
+    """A run-config class with every field of ``section`` optional (unset: use the settings)."""
+    fields = {name: (Optional[field.annotation], None) for name, field in section.model_fields.items()}
+    return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
+
+
+def effective(section: dg.Config, overrides: dg.Config) -> Any:
+    """``section`` with the fields a manual run set in ``overrides`` replaced."""
+    changed = {k: v for k, v in overrides.model_dump().items() if v is not None and k in type(section).model_fields}
+    return section.model_copy(update=changed)

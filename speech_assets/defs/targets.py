@@ -12,7 +12,14 @@ from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import (
+    ClientSettings,
+    KMeansSettings,
+    PipelineSettings,
+    StoragePaths,
+    effective,
+    overrides_of,
+)
 from speech_assets.utils import atomic_path, atomic_write_text, exclusive_lock, sha256_file, sha256_strings
 
 CLIENTS_CODE_VERSION = "clients-v1"
@@ -23,8 +30,8 @@ CLIENTS_SCHEMA = pa.schema(
 )
 
 
-class ClientsConfig(dg.Config):
-    num_clients: int = 4
+class ClientsConfig(overrides_of(ClientSettings)):
+    """Run-config overrides of the `[clients]` settings for one manual run."""
 
 
 @dg.asset(
@@ -38,7 +45,10 @@ class ClientsConfig(dg.Config):
         "speakers already assigned keep their client."
     ),
 )
-def client_partitions(context: dg.AssetExecutionContext, config: ClientsConfig, paths: StoragePaths) -> dg.MaterializeResult:
+def client_partitions(
+    context: dg.AssetExecutionContext, config: ClientsConfig, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
+    config = effective(settings.clients, config)
     speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
     previous = {}
@@ -81,14 +91,10 @@ def client_partitions(context: dg.AssetExecutionContext, config: ClientsConfig, 
     )
 
 
-class KMeansTargetsConfig(dg.Config):
-    k: int = 100
-    max_fit_frames: int = 2_000_000
-    seed: int = 0
+class KMeansTargetsConfig(overrides_of(KMeansSettings)):
+    """Run-config overrides of the `[kmeans]` settings for one manual run."""
+
     force: bool = False  # refit even when this client's inputs are unchanged
-    # New speakers adding at most this share of a client's frames are labelled with its existing
-    # codebook (cost proportional to the new audio); more growth, or any change, refits.
-    refit_growth: float = 0.2
 
 
 @dg.asset(
@@ -108,13 +114,16 @@ class KMeansTargetsConfig(dg.Config):
         "codebook and int16 labels per utterance at 50 Hz."
     ),
 )
-def kmeans_targets(context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths) -> dg.MaterializeResult:
+def kmeans_targets(
+    context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
+    kmeans = effective(settings.kmeans, config)
     assignments = pq.read_table(paths.clients_file).to_pylist()
     speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
     versions: dict[str, str] = {}
     for client_id in context.partition_keys:
         speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
-        versions[client_id] = _materialize_client(context, config, paths, client_id, speakers, speaker_sums)
+        versions[client_id] = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
     keys = list(context.partition_keys)
     version = versions[keys[0]] if len(keys) == 1 else sha256_strings(f"{c}:{versions[c]}" for c in keys)
     return dg.MaterializeResult(
@@ -130,7 +139,8 @@ def kmeans_targets(context: dg.AssetExecutionContext, config: KMeansTargetsConfi
 
 def _materialize_client(
     context: dg.AssetExecutionContext,
-    config: KMeansTargetsConfig,
+    kmeans: KMeansSettings,
+    force: bool,
     paths: StoragePaths,
     client_id: str,
     speakers: list[str],
@@ -143,12 +153,13 @@ def _materialize_client(
     """
     out_dir = paths.kmeans_dir(client_id)
     with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-        return _materialize_client_locked(context, config, paths, client_id, speakers, speaker_sums, out_dir)
+        return _materialize_client_locked(context, kmeans, force, paths, client_id, speakers, speaker_sums, out_dir)
 
 
 def _materialize_client_locked(
     context: dg.AssetExecutionContext,
-    config: KMeansTargetsConfig,
+    kmeans: KMeansSettings,
+    force: bool,
     paths: StoragePaths,
     client_id: str,
     speakers: list[str],
@@ -166,12 +177,12 @@ def _materialize_client_locked(
     # Client-level CMVN from this client's own speakers only: no statistics cross clients.
     client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
     inputs_key = sha256_strings(
-        [json.dumps(shard_versions, sort_keys=True), config.model_dump_json(exclude={"force", "refit_growth"}), KMEANS_CODE_VERSION]
+        [json.dumps(shard_versions, sort_keys=True), kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION]
     )
     quality_file = out_dir / "quality.json"
     previous = _read_json(quality_file)
-    fit_key = sha256_strings([config.model_dump_json(exclude={"force", "refit_growth"}), KMEANS_CODE_VERSION])
-    intact = not config.force and previous.get("fit_key") == fit_key and _outputs_intact(previous, out_dir)
+    fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
+    intact = not force and previous.get("fit_key") == fit_key and _outputs_intact(previous, out_dir)
     if intact and previous.get("inputs_key") == inputs_key:
         context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
         quality = previous
@@ -179,11 +190,11 @@ def _materialize_client_locked(
         newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
         at_refit = frames_at_last_refit(previous)
-        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, config.refit_growth):
+        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
             context.log.info(
                 f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
                 f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
-                f"(<= {config.refit_growth:.0%}): labelling them with the existing codebook"
+                f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
             )
             result = labels.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
             mode, codebook_speakers = "extended", previous["codebook_speakers"]
@@ -193,16 +204,16 @@ def _materialize_client_locked(
                 [paths.shard_file(s) for s in speakers],
                 client_cmvn,
                 out_dir,
-                k=config.k,
-                max_fit_frames=config.max_fit_frames,
-                seed=config.seed,
+                k=kmeans.k,
+                max_fit_frames=kmeans.max_fit_frames,
+                seed=kmeans.seed,
                 log=context.log.warning,
             )
             mode, codebook_speakers = "refit", speakers
         quality = {
             "client_id": client_id,
             "k": result.k,
-            "k_requested": config.k,
+            "k_requested": kmeans.k,
             "frames_fit": result.frames_fit,
             "frames_labelled": result.frames_labelled,
             "utterances": result.utterances,

@@ -51,14 +51,14 @@ def follow_automation(
     instance: dg.DagsterInstance,
     cursor: object | None,
     assets: tuple[str, ...],
-    run_config: dict | None = None,
     max_ticks: int = 8,
 ) -> tuple[object, list[str]]:
     """Tick declarative automation and run what it requests among ``assets`` until it is quiet.
 
-    What the ``speech_assets_automation`` sensor and a run launcher do, in this process. Pass the
-    returned cursor to the next call: the first tick on a ``None`` cursor only records the
-    current state (automation reacts to updates after it).
+    What the ``speech_assets_automation`` sensor and a run launcher do, in this process, and
+    like them with no run config: the assets read their settings from the ``settings`` resource.
+    Pass the returned cursor to the next call: the first tick on a ``None`` cursor only records
+    the current state (automation reacts to updates after it).
     """
     executed: list[str] = []
     for _ in range(max_ticks):
@@ -69,7 +69,6 @@ def follow_automation(
             break
         for key in requested:
             partitions = sorted(p for p in evaluation.get_requested_partitions(dg.AssetKey(key)) if p is not None)
-            config = {"ops": {key: run_config["ops"][key]}} if run_config and key in run_config.get("ops", {}) else None
-            materialize_in_process(defs, instance, key, partitions or None, config)
+            materialize_in_process(defs, instance, key, partitions or None)
             executed.append(key)
     return cursor, executed

@@ -6,6 +6,7 @@ real declarative-automation evaluator; runs are executed in process against that
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from speech_assets.testing.local_runs import (
     materialize_in_process,
     run_requested,
 )
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.definitions import build_definitions
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
@@ -41,13 +42,15 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     shutil.copytree(SAMPLE_CORPUS, corpus, ignore=shutil.ignore_patterns(NEW_SPEAKER))
     paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     instance = dg.DagsterInstance.get()
-    yield build_definitions(paths), instance, paths, corpus
+    # The user's settings, as pipeline.toml would set them: every run below, the sensor's and
+    # automation's included, must use them (none of them passes run config).
+    settings = PipelineSettings(kmeans=KMeansSettings(k=20), clients=ClientSettings(num_clients=3))
+    yield build_definitions(paths, settings), instance, paths, corpus
     instance.dispose()
 
 
-def run(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partitions: list[str] | None = None,
-        run_config: dict | None = None) -> None:
-    materialize_in_process(defs, instance, asset, partitions, run_config)
+def run(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partitions: list[str] | None = None) -> None:
+    materialize_in_process(defs, instance, asset, partitions)
 
 
 def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> StaleStatus:
@@ -67,7 +70,6 @@ def latest_storage_id(instance: dg.DagsterInstance) -> int:
 
 def test_new_speaker_flows_through_only_what_changed(world) -> None:
     defs, instance, paths, corpus = world
-    small_k = {"ops": {"kmeans_targets": {"config": {"k": 20}}}}
 
     # -- a full build of the corpus without the new speaker
     run(defs, instance, "manifest")
@@ -76,8 +78,9 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "vad_features", speakers)
     run(defs, instance, "cmvn_stats")
     run(defs, instance, "client_partitions")
-    run(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")), small_k)
-    cursor, nothing = follow_automation(defs, instance, None, DOWNSTREAM, small_k)  # records the built state
+    assert list(instance.get_dynamic_partitions("clients")) == ["client_00", "client_01", "client_02"]
+    run(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
+    cursor, nothing = follow_automation(defs, instance, None, DOWNSTREAM)  # records the built state
     assert nothing == []
     before_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
     assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.FRESH
@@ -105,7 +108,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     assert stale_status(defs, instance, "vad_features", NEW_SPEAKER) == StaleStatus.FRESH
 
     # -- downstream follows declarative automation until nothing more is requested
-    cursor, executed = follow_automation(defs, instance, cursor, DOWNSTREAM, small_k)
+    cursor, executed = follow_automation(defs, instance, cursor, DOWNSTREAM)
     assert {"cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats"} <= set(executed)
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]
 
@@ -115,6 +118,11 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     for key in ("cmvn_stats", "client_partitions"):
         assert stale_status(defs, instance, key) == StaleStatus.FRESH
     assert stale_status(defs, instance, "kmeans_targets", after_clients[NEW_SPEAKER]) == StaleStatus.FRESH
+    # the automated runs used the user's settings, not the code defaults (4 clients, K=100)
+    assert set(after_clients.values()) == {"client_00", "client_01", "client_02"}
+    for client in set(after_clients.values()):
+        quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
+        assert quality["k_requested"] == 20 and quality["k"] <= 20
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         done = corpus_sensor(context)
     assert isinstance(done, dg.SkipReason) or not done.run_requests
