@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Iterator
 
 import dagster as dg
 import pyarrow as pa
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 from speech_assets.features import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.progress import ProgressLog
@@ -59,6 +60,7 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
     deps=["manifest"],
     code_version=FEATURES_CODE_VERSION,
     kinds={"parquet", "torch"},
+    output_required=False,  # one materialization per shard, each with its own content hash
     description=(
         "One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, "
         "plus no_speech rejects and CMVN partial sums beside it."
@@ -66,8 +68,8 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
 )
 def vad_features(
     context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths, settings: PipelineSettings
-) -> dg.MaterializeResult:
-    from speech_assets.features.build import ShardJob, UtteranceInput, publish_shards  # torch: lazily
+) -> Iterator[dg.AssetMaterialization]:
+    from speech_assets.features.build import ShardJob, UtteranceInput, iter_publish_shards  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)
@@ -76,6 +78,7 @@ def vad_features(
     rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
     speaker_hashes = corpus.speaker_hashes(rows)
     manifest_version = latest_data_version(context.instance, "manifest")
+    provenance = input_provenance(context)
     paths.shards_dir.mkdir(parents=True, exist_ok=True)
 
     by_speaker: dict[str, list[UtteranceInput]] = {s: [] for s in speakers}
@@ -102,60 +105,49 @@ def vad_features(
     todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
     workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
     context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(jobs) - len(todo)} unchanged")
-    outcomes = publish_shards(jobs, vad_cfg, workers=workers, progress=ProgressLog(context.log, "shards"))
-
-    failed = {s: o.error for s, o in outcomes.items() if o.error is not None}
+    progress = ProgressLog(context.log, "shards")
+    failed: dict[str, str] = {}
+    totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
+    for done, outcome in enumerate(iter_publish_shards(jobs, vad_cfg, workers=workers), start=1):
+        progress(outcome, done, len(jobs))
+        if outcome.error is not None or outcome.meta is None:
+            failed[outcome.speaker_id] = outcome.error or "no meta"
+            context.log.error(f"shard {outcome.speaker_id} failed:\n{outcome.error}")
+            continue
+        meta = outcome.meta
+        totals["rebuilt"] += outcome.rebuilt
+        for key in ("utterances", "audio_seconds", "trimmed_seconds"):
+            totals[key] += meta[key]
+        yield partition_materialization(context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt), provenance)
+    context.log.info(
+        f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} utterances, "
+        f"{totals['audio_seconds'] / 3600:.3f} h of audio, {totals['trimmed_seconds'] / 3600:.3f} h after VAD"
+    )
     if failed:
-        for speaker, error in failed.items():
-            context.log.error(f"shard {speaker} failed:\n{error}")
-        kept = len(outcomes) - len(failed)
         raise dg.Failure(
             description=(
-                f"{len(failed)} of {len(outcomes)} shard(s) failed ({', '.join(sorted(failed)[:10])}); "
-                f"the other {kept} are published and a re-run rebuilds only the failed ones"
+                f"{len(failed)} of {len(jobs)} shard(s) failed ({', '.join(sorted(failed)[:10])}); "
+                f"the other {len(jobs) - len(failed)} are published and a re-run rebuilds only the failed ones"
             ),
-            metadata={"failed_speakers": dg.MetadataValue.json(sorted(failed))},
+            metadata={"failed_speakers": dg.MetadataValue.json(sorted(failed)[:50]), "failed": len(failed)},
         )
-    metas = {s: o.meta for s, o in outcomes.items() if o.meta is not None}
-    for speaker in speakers:
-        meta = metas[speaker]
-        context.add_asset_metadata(
-            {
-                "shard_sha256": meta["shard_sha256"],
-                "utterances": meta["utterances"],
-                "no_speech_rejects": meta["rejects"],
-                "audio_hours": round(meta["audio_seconds"] / 3600, 4),
-                "trimmed_hours": round(meta["trimmed_seconds"] / 3600, 4),
-                "speech_ratio": round(meta["trimmed_seconds"] / max(meta["audio_seconds"], 1e-9), 4),
-                "speaker_manifest_hash": meta["speaker_manifest_hash"],
-                "manifest_version": meta["manifest_version"] or "",
-                "rebuilt": outcomes[speaker].rebuilt,
-                "path": dg.MetadataValue.path(str(paths.shard_file(speaker))),
-            },
-            partition_key=speaker,
-        )
-    audio = sum(m["audio_seconds"] for m in metas.values())
-    trimmed = sum(m["trimmed_seconds"] for m in metas.values())
-    # Dagster stamps one DataVersion on every partition of a run: with one shard it is that
-    # shard's sha256; with several it is a hash of theirs (each partition's own is in metadata).
-    version = (
-        metas[speakers[0]]["shard_sha256"]
-        if len(speakers) == 1
-        else sha256_strings(f"{s}:{metas[s]['shard_sha256']}" for s in speakers)
-    )
-    return dg.MaterializeResult(
-        data_version=dg.DataVersion(version),
-        metadata={
-            "shards": len(speakers),
-            "shards_rebuilt": sum(o.rebuilt for o in outcomes.values()),
-            "utterances": sum(m["utterances"] for m in metas.values()),
-            "no_speech_rejects": sum(m["rejects"] for m in metas.values()),
-            "audio_hours": round(audio / 3600, 4),
-            "trimmed_hours": round(trimmed / 3600, 4),
-            "manifest_version": manifest_version or "",
-            "vad": dg.MetadataValue.json(vad_cfg.as_dict()),
-        },
-    )
+
+
+def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, object]:
+    """One shard's page: its own numbers (plotted across partitions by Dagster) and paths."""
+    audio_h, trimmed_h = meta["audio_seconds"] / 3600, meta["trimmed_seconds"] / 3600
+    return {
+        "utterances": meta["utterances"],
+        "no_speech_rejects": meta["rejects"],
+        "audio_hours": round(audio_h, 4),
+        "trimmed_hours": round(trimmed_h, 4),
+        "speech_ratio": round(trimmed_h / max(audio_h, 1e-12), 3),
+        "frames": meta.get("frames", 0),
+        "rebuilt": rebuilt,
+        "shard_sha256": meta["shard_sha256"],
+        "speaker_manifest_hash": meta["speaker_manifest_hash"],
+        "path": dg.MetadataValue.path(str(paths.shard_file(meta["speaker_id"]))),
+    }
 
 
 @dg.asset(

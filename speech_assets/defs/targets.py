@@ -1,6 +1,7 @@
 """Stage 3: speakers partitioned into non-IID clients, and per-client k-means targets."""
 
 import json
+from collections.abc import Iterator
 
 import dagster as dg
 import pyarrow as pa
@@ -10,7 +11,8 @@ from speech_assets.features import cmvn
 from speech_assets.targets import clients as assignment
 from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization
+from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
 from speech_assets.defs.resources import (
     ClientSettings,
@@ -109,6 +111,7 @@ class KMeansTargetsConfig(overrides_of(KMeansSettings)):
     code_version=KMEANS_CODE_VERSION,
     automation_condition=follow_upstream(),
     kinds={"faiss"},
+    output_required=False,  # one materialization per client, each with its own content hash
     description=(
         "Per client: k-means on that client's own CMVN-normalised MFCC frames (federated HuBERT), "
         "codebook and int16 labels per utterance at 50 Hz."
@@ -116,25 +119,46 @@ class KMeansTargetsConfig(overrides_of(KMeansSettings)):
 )
 def kmeans_targets(
     context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths, settings: PipelineSettings
-) -> dg.MaterializeResult:
+) -> Iterator[dg.AssetMaterialization]:
     kmeans = effective(settings.kmeans, config)
     assignments = pq.read_table(paths.clients_file).to_pylist()
     speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
-    versions: dict[str, str] = {}
-    for client_id in context.partition_keys:
+    provenance = input_provenance(context)
+    clients = list(context.partition_keys)
+    progress = ProgressLog(context.log, "clients")
+    for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
-        versions[client_id] = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
-    keys = list(context.partition_keys)
-    version = versions[keys[0]] if len(keys) == 1 else sha256_strings(f"{c}:{versions[c]}" for c in keys)
-    return dg.MaterializeResult(
-        data_version=dg.DataVersion(version),
-        metadata={
-            "clients": len(keys),
-            "client_versions": dg.MetadataValue.json(versions),
-            "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
-            "clients_version": latest_data_version(context.instance, "client_partitions") or "",
-        },
-    )
+        quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
+        yield partition_materialization(
+            context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
+        )
+        progress(client_id, done, len(clients))
+
+
+def client_metadata(quality: dict, out_dir) -> dict[str, object]:
+    """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
+    speakers = quality["speakers"]
+    shown = speakers[:MAX_LISTED]
+    listing = ", ".join(shown) + (f" ... and {len(speakers) - len(shown)} more" if len(speakers) > len(shown) else "")
+    return {
+        "k": quality["k"],
+        "frames_fit": quality["frames_fit"],
+        "frames_labelled": quality["frames_labelled"],
+        "inertia_per_frame": round(quality["inertia_per_frame"], 3),
+        "perplexity": round(quality["perplexity"], 1),
+        "perplexity_share_of_k": round(quality["perplexity"] / max(quality["k"], 1), 3),
+        "empty_clusters": quality["empty_clusters"],
+        "mean_segment_length": round(quality["mean_segment_length"], 2),
+        "mode": quality.get("mode", "refit"),
+        "speakers": len(speakers),
+        "speaker_ids": dg.MetadataValue.md(listing),
+        "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
+        "label_rate_hz": 50,
+        "path": dg.MetadataValue.path(str(out_dir)),
+    }
+
+
+MAX_LISTED = 50
 
 
 def _materialize_client(
@@ -145,7 +169,7 @@ def _materialize_client(
     client_id: str,
     speakers: list[str],
     speaker_sums: cmvn.ShardStats,
-) -> str:
+) -> dict:
     """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version.
 
     Holds the client's lock throughout, so two runs never write one client's folder at once; the
@@ -165,7 +189,7 @@ def _materialize_client_locked(
     speakers: list[str],
     speaker_sums: cmvn.ShardStats,
     out_dir,
-) -> str:
+) -> dict:
     if not speakers:
         raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
     shard_versions = {}
@@ -235,27 +259,7 @@ def _materialize_client_locked(
         }
         quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
         atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
-    context.add_asset_metadata(
-        {
-            "k": quality["k"],
-            "frames_fit": quality["frames_fit"],
-            "frames_labelled": quality["frames_labelled"],
-            "inertia_per_frame": round(quality["inertia_per_frame"], 4),
-            "perplexity": round(quality["perplexity"], 2),
-            "empty_clusters": quality["empty_clusters"],
-            "mean_segment_length": round(quality["mean_segment_length"], 3),
-            "speakers": dg.MetadataValue.json(speakers),
-            "shards_read": dg.MetadataValue.json(quality["shards_read"]),
-            "shard_versions": dg.MetadataValue.json(quality["shard_versions"]),
-            "data_version": quality["data_version"],
-            "mode": quality.get("mode", "refit"),
-            "codebook_speakers": dg.MetadataValue.json(quality.get("codebook_speakers", speakers)),
-            "label_rate_hz": 50,
-            "path": dg.MetadataValue.path(str(out_dir)),
-        },
-        partition_key=client_id,
-    )
-    return quality["data_version"]
+    return quality
 
 
 def frames_at_last_refit(quality: dict) -> int | None:

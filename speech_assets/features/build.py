@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -301,18 +301,15 @@ def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
     return _publish_or_report(job, vad_cfg, _WORKER_EXTRACTOR)
 
 
-def publish_shards(
-    jobs: Sequence[ShardJob],
-    vad_cfg: VadConfig = VadConfig(),
-    workers: int | None = None,
-    progress: Callable[[ShardOutcome, int, int], None] | None = None,
-) -> dict[str, ShardOutcome]:
-    """Build and publish many speakers' shards, largest first, over ``workers`` processes.
+def iter_publish_shards(
+    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
+) -> Iterator[ShardOutcome]:
+    """Build and publish many speakers' shards, largest first, over ``workers`` processes,
+    yielding each outcome as soon as its shard is published (or has failed).
 
     Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
     (an exception, or a worker killed for memory) keeps every other one; failures come back as
-    outcomes with ``error`` set instead of raising. ``progress(outcome, done, total)`` is called
-    after each shard. Returns ``{speaker_id: outcome}`` in ``jobs`` order.
+    outcomes with ``error`` set instead of raising.
     """
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:
@@ -321,32 +318,32 @@ def publish_shards(
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
     ordered = sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id))
-    outcomes: dict[str, ShardOutcome] = {}
-
-    def record(outcome: ShardOutcome) -> None:
-        outcomes[outcome.speaker_id] = outcome
-        if progress is not None:
-            progress(outcome, len(outcomes), len(ordered))
-
     if workers == 1 or len(ordered) <= 1:
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             extractor = FeatureExtractor()
             for job in ordered:
-                record(_publish_or_report(job, vad_cfg, extractor))
+                yield _publish_or_report(job, vad_cfg, extractor)
         finally:
             torch.set_num_threads(previous)
-    else:
-        with make_pool(min(workers, len(ordered))) as pool:
-            futures = {pool.submit(_publish_job, job, vad_cfg): job for job in ordered}
-            for future in as_completed(futures):
-                try:
-                    record(future.result())
-                except Exception:  # noqa: BLE001 - the worker process itself died (e.g. OOM kill)
-                    job = futures[future]
-                    record(ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4)))
-    return {speaker: outcomes[speaker] for speaker in speakers}
+        return
+    with make_pool(min(workers, len(ordered))) as pool:
+        futures = {pool.submit(_publish_job, job, vad_cfg): job for job in ordered}
+        for future in as_completed(futures):
+            try:
+                yield future.result()
+            except Exception:  # noqa: BLE001 - the worker process itself died (e.g. OOM kill)
+                job = futures[future]
+                yield ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
+
+
+def publish_shards(
+    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
+) -> dict[str, ShardOutcome]:
+    """:func:`iter_publish_shards`, collected: ``{speaker_id: outcome}`` in ``jobs`` order."""
+    outcomes = {outcome.speaker_id: outcome for outcome in iter_publish_shards(jobs, vad_cfg, workers)}
+    return {job.speaker_id: outcomes[job.speaker_id] for job in jobs}
 
 
 def default_workers() -> int:
