@@ -15,7 +15,7 @@ train_config="${TRAIN_CONFIG_JSON:-$default_train_config}"
 
 materialize --select manifest
 # one shard per speaker: the manifest registered the speaker partitions; one run covers them all
-materialize --select vad_features --partition-range "$(speech-assets partitions speakers --range)"
+materialize --select speaker_manifest,vad_features --partition-range "$(speech-assets partitions speakers --range)"
 materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
 materialize --select pretrained_checkpoint --config-json "$train_config"

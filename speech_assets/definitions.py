@@ -7,6 +7,7 @@ from speech_assets.defs.resources import PipelineSettings, StoragePaths
 
 ASSETS = [
     manifest.manifest,
+    manifest.speaker_manifest,
     features.vad_features,
     features.cmvn_stats,
     targets.client_partitions,

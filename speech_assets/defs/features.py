@@ -11,7 +11,13 @@ import pyarrow.parquet as pq
 from speech_assets.features import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization
+from speech_assets.defs.lineage import (
+    input_provenance,
+    latest_data_version,
+    markdown_table,
+    partition_materialization,
+    step_events,
+)
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.progress import ProgressLog
@@ -57,7 +63,7 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
     group_name="features",
     partitions_def=speakers_partitions,
     backfill_policy=dg.BackfillPolicy.single_run(),
-    deps=["manifest"],
+    deps=["speaker_manifest"],  # the same speaker's rows: other speakers' changes leave a shard in sync
     code_version=FEATURES_CODE_VERSION,
     kinds={"parquet", "torch"},
     output_required=False,  # one materialization per shard, each with its own content hash
@@ -68,7 +74,7 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
 )
 def vad_features(
     context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths, settings: PipelineSettings
-) -> Iterator[dg.AssetMaterialization]:
+) -> Iterator[object]:
     from speech_assets.features.build import ShardJob, UtteranceInput, iter_publish_shards  # torch: lazily
 
     features = effective(settings.features, config)
@@ -107,6 +113,7 @@ def vad_features(
     context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(jobs) - len(todo)} unchanged")
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}
+    published: list[dg.AssetMaterialization] = []
     totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
     for done, outcome in enumerate(iter_publish_shards(jobs, vad_cfg, workers=workers), start=1):
         progress(outcome, done, len(jobs))
@@ -118,11 +125,17 @@ def vad_features(
         totals["rebuilt"] += outcome.rebuilt
         for key in ("utterances", "audio_seconds", "trimmed_seconds"):
             totals[key] += meta[key]
-        yield partition_materialization(context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt), provenance)
+        published.append(
+            partition_materialization(context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt), provenance)
+        )
     context.log.info(
         f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} utterances, "
         f"{totals['audio_seconds'] / 3600:.3f} h of audio, {totals['trimmed_seconds'] / 3600:.3f} h after VAD"
     )
+    if not failed:
+        yield from step_events(context, published)
+        return
+    yield from published  # the finished shards are recorded even though the run fails
     if failed:
         raise dg.Failure(
             description=(

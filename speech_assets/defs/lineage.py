@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import dagster as dg
 
@@ -120,3 +120,18 @@ def partition_materialization(
             DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
         },
     )
+
+
+def step_events(context: dg.AssetExecutionContext, materializations: list[dg.AssetMaterialization]) -> Iterator[object]:
+    """What a per-partition asset's step yields once its work succeeded.
+
+    A step that yields no output makes Dagster skip every downstream step of the same run, so
+    when the run also selects a child asset (e.g. "Materialize all") a bare ``MaterializeResult``
+    comes first. Dagster turns it into one materialization per partition with one shared
+    version; the per-partition ones, yielded after it, are the latest and carry the content hashes.
+    """
+    selection = context.run.asset_selection
+    children = context.job_def.asset_layer.asset_graph.get(context.asset_key).child_keys
+    if selection is None or children & set(selection):
+        yield dg.MaterializeResult()
+    yield from materializations

@@ -1,17 +1,17 @@
-"""Stage 1: the validated manifest of the corpus."""
-
+"""Stage 1: the validated manifest of the corpus, and its rows per speaker."""
 
 import os
+from collections.abc import Iterator
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
-from speech_assets.defs.lineage import markdown_table
+from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
 from speech_assets.defs.partitions import register_new, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.utils import atomic_path
+from speech_assets.utils import atomic_path, sha256_strings
 
 CODE_VERSION = "manifest-v1"
 
@@ -131,3 +131,44 @@ def _checks(paths: StoragePaths, result: corpus.ScanResult, max_ratio: float) ->
             metadata={"reject_ratio": round(result.reject_ratio, 4), "max_reject_ratio": max_ratio},
         ),
     ]
+
+
+SPEAKER_MANIFEST_CODE_VERSION = "speaker-manifest-v1"
+
+
+@dg.asset(
+    group_name="corpus",
+    partitions_def=speakers_partitions,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    deps=["manifest"],
+    code_version=SPEAKER_MANIFEST_CODE_VERSION,
+    kinds={"parquet"},
+    output_required=False,  # one materialization per speaker, each with its own content hash
+    description=(
+        "One speaker's rows of the manifest (a view of manifest/speakers.parquet). Its data version "
+        "is the hash of those rows, so when one speaker's audio changes only that speaker's feature "
+        "shard turns stale; the others stay in sync."
+    ),
+)
+def speaker_manifest(context: dg.AssetExecutionContext, paths: StoragePaths) -> Iterator[object]:
+    rows = {r["speaker_id"]: r for r in pq.read_table(paths.speakers_file).to_pylist()}
+    provenance = input_provenance(context)
+    published = []
+    for speaker in context.partition_keys:
+        row = rows.get(speaker)
+        # A registered speaker with no rows left (all its files deleted or rejected) is a real
+        # state too: its shard must become empty, so it gets a version of its own.
+        version = row["manifest_hash"] if row else sha256_strings(["no manifest rows", speaker])
+        published.append(partition_materialization(
+            context,
+            speaker,
+            version,
+            {
+                "utterances": row["utterances"] if row else 0,
+                "hours": round(row["hours"], 4) if row else 0.0,
+                "speaker_manifest_hash": version,
+                "path": dg.MetadataValue.path(str(paths.speakers_file)),
+            },
+            provenance,
+        ))
+    yield from step_events(context, published)

@@ -11,7 +11,7 @@ from speech_assets.features import cmvn
 from speech_assets.targets import clients as assignment
 from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization
+from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization, step_events
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
 from speech_assets.defs.resources import (
@@ -119,20 +119,24 @@ class KMeansTargetsConfig(overrides_of(KMeansSettings)):
 )
 def kmeans_targets(
     context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths, settings: PipelineSettings
-) -> Iterator[dg.AssetMaterialization]:
+) -> Iterator[object]:
     kmeans = effective(settings.kmeans, config)
     assignments = pq.read_table(paths.clients_file).to_pylist()
     speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
     provenance = input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
+    published = []
     for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
         quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
-        yield partition_materialization(
-            context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
+        published.append(
+            partition_materialization(
+                context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
+            )
         )
         progress(client_id, done, len(clients))
+    yield from step_events(context, published)
 
 
 def client_metadata(quality: dict, out_dir) -> dict[str, object]:

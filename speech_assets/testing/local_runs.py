@@ -34,7 +34,8 @@ def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: d
     (asset,) = request.asset_selection or []
     tags = request.tags or {}
     if PARTITION_RANGE_START in tags:
-        keys = list(instance.get_dynamic_partitions("speakers")) if asset.to_user_string() == "vad_features" else []
+        partitions_def = defs.resolve_asset_graph().get(asset).partitions_def
+        keys = list(instance.get_dynamic_partitions(partitions_def.name)) if partitions_def is not None else []
         start, end = keys.index(tags[PARTITION_RANGE_START]), keys.index(tags[PARTITION_RANGE_END])
         partitions = keys[start : end + 1]
     else:

@@ -25,7 +25,7 @@ import torch
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 BIN = Path(sys.executable).parent
-ASSETS = ["manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "pretrained_checkpoint", "dataset_stats"]
+ASSETS = ["manifest", "speaker_manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "pretrained_checkpoint", "dataset_stats"]
 TRAIN_STEPS = 300
 
 

@@ -75,6 +75,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "manifest")
     speakers = list(instance.get_dynamic_partitions("speakers"))
     assert NEW_SPEAKER not in speakers and len(speakers) == 7
+    run(defs, instance, "speaker_manifest", speakers)
     run(defs, instance, "vad_features", speakers)
     run(defs, instance, "cmvn_stats")
     run(defs, instance, "client_partitions")
@@ -93,13 +94,22 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
         first = corpus_sensor(context)
     assert [r.asset_selection for r in first.run_requests] == [[dg.AssetKey("manifest")]]
     run(defs, instance, "manifest")
+    # every speaker's rows view follows the new manifest (one cheap run) ...
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         second = corpus_sensor(context)
-    (request,) = second.run_requests
+    (views,) = second.run_requests
+    assert views.asset_selection == [dg.AssetKey("speaker_manifest")]
+    assert (views.tags[PARTITION_RANGE_START], views.tags[PARTITION_RANGE_END]) == (speakers[0], NEW_SPEAKER)
+    run_requested(defs, instance, views)
+    # ... and the existing speakers' shards stay in sync: their rows did not change
+    for speaker in speakers:
+        assert stale_status(defs, instance, "vad_features", speaker) == StaleStatus.FRESH, speaker
+    assert stale_status(defs, instance, "vad_features", NEW_SPEAKER) == StaleStatus.MISSING
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        third = corpus_sensor(context)
+    (request,) = third.run_requests
     assert request.asset_selection == [dg.AssetKey("vad_features")]
     assert (request.tags[PARTITION_RANGE_START], request.tags[PARTITION_RANGE_END]) == (NEW_SPEAKER, NEW_SPEAKER)
-    for add in second.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
 
     mark = latest_storage_id(instance)
     assert run_requested(defs, instance, request) == f"vad_features[{NEW_SPEAKER}]"
