@@ -202,7 +202,7 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
         server.wait(timeout=30)
     nodes = {tuple(n["assetKey"]["path"]): [tuple(d["path"]) for d in n["dependencyKeys"]] for n in payload["data"]["assetNodes"]}
     assert set(ASSETS) <= {k[0] for k in nodes}
-    assert ("manifest",) in nodes[("vad_features",)]
+    assert ("speaker_manifest",) in nodes[("vad_features",)] and ("manifest",) in nodes[("speaker_manifest",)]
     assert ("kmeans_targets",) in nodes[("pretrained_checkpoint",)]
     latest = {n["key"]["path"][0]: n["assetMaterializations"] for n in payload["data"]["assetsOrError"]["nodes"]}
     assert all(latest.get(asset) for asset in ASSETS)
