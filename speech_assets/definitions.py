@@ -5,6 +5,16 @@ import dagster as dg
 from speech_assets.defs import automation, features, manifest, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 
+CHECKS = [
+    features.shards_are_consistent,
+    features.no_speech_share,
+    features.cmvn_is_not_degenerate,
+    targets.every_speaker_in_one_client,
+    targets.labels_match_shards,
+    targets.clusters_are_used,
+    stats.row_counts_match_sources,
+]
+
 ASSETS = [
     manifest.manifest,
     manifest.speaker_manifest,
@@ -22,6 +32,7 @@ def build_definitions(paths: StoragePaths | None = None, settings: PipelineSetti
     ``settings`` to `pipeline.toml` (or ``$SPEECH_ASSETS_SETTINGS``)."""
     return dg.Definitions(
         assets=ASSETS,
+        asset_checks=CHECKS,
         sensors=[automation.corpus_sensor, automation.automation_sensor],
         schedules=[automation.revalidate_corpus],
         resources={

@@ -211,22 +211,102 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
     version = sha256_strings(
         [sha256_file(paths.cmvn_dir / name) for name in ("cmvn.npz", "speaker_sums.npz", "speakers.parquet")]
     )
-    shard_versions = {s: metas[s]["shard_sha256"] for s in speakers}
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={
             "frames": global_cmvn.frames,
             "speakers": len(speakers),
-            "logmel_mean_of_means": round(float(global_cmvn.mean["logmel"].mean()), 4),
-            "mfcc_c0_mean": round(float(global_cmvn.mean["mfcc"][0]), 4),
+            "logmel_mean_of_means": round(float(global_cmvn.mean["logmel"].mean()), 3),
+            "mfcc_c0_mean": round(float(global_cmvn.mean["mfcc"][0]), 3),
             "manifest_version": latest_data_version(context.instance, "manifest") or "",
-            "shard_versions": dg.MetadataValue.json(shard_versions),
             "speakers_table": dg.MetadataValue.md(
                 markdown_table(
                     ("speaker", "utterances", "trimmed h"),
-                    ((s, metas[s]["utterances"], round(metas[s]["trimmed_seconds"] / 3600, 4)) for s in speakers[:50]),
+                    ((s, metas[s]["utterances"], round(metas[s]["trimmed_seconds"] / 3600, 3)) for s in speakers[:50]),
                 )
+                + (f"\n\n... and {len(speakers) - 50} more speakers: see speakers_path" if len(speakers) > 50 else "")
             ),
+            "speakers_path": dg.MetadataValue.path(str(paths.cmvn_dir / "speakers.parquet")),
             "path": dg.MetadataValue.path(str(paths.cmvn_dir / "cmvn.npz")),
         },
+    )
+
+
+# --- checks: each reads the published files, independently of how they were written -------------
+
+MAX_NO_SPEECH_SHARE = 0.2
+ROWS_SCANNED_PER_SHARD = 256  # the first row group: NaN/inf scan stays bounded at any corpus size
+
+
+def _published_shards(paths: StoragePaths) -> dict[str, dict]:
+    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
+
+
+@dg.asset_check(asset="vad_features", blocking=True, description=(
+    "Every published shard: finite log-mel and MFCC (first row group scanned), feature sizes and frame "
+    "counts equal 1 + (trimmed samples - 400) // 160, row and reject counts equal what its meta vouches for."
+))
+def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
+    import numpy as np
+
+    from speech_assets.features.shards import MFCC_DIM, N_MELS, SAMPLE_RATE, num_frames_for
+
+    problems: list[str] = []
+    shards = _published_shards(paths)
+    for speaker, meta in sorted(shards.items()):
+        files = paths.shard_files(speaker)
+        table = pq.read_table(files.shard, columns=["utt_id", "num_frames", "trimmed_duration_s"])
+        if table.num_rows != meta["utterances"] or pq.read_metadata(files.rejects).num_rows != meta["rejects"]:
+            problems.append(f"{speaker}: {table.num_rows} rows / meta says {meta['utterances']}")
+        for utt, frames, trimmed in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+            if frames != num_frames_for(round(trimmed * SAMPLE_RATE)):
+                problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
+        first = pq.ParquetFile(files.shard)
+        if first.num_row_groups:
+            group = first.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(0, ROWS_SCANNED_PER_SHARD)
+            for utt, frames, logmel, mfcc in zip(*(group.column(c).to_pylist() for c in group.column_names), strict=True):
+                if len(logmel) != frames * N_MELS * 4 or len(mfcc) != frames * MFCC_DIM * 4:
+                    problems.append(f"{utt}: feature bytes do not match {frames} frames")
+                elif not (np.isfinite(np.frombuffer(logmel, "<f4")).all() and np.isfinite(np.frombuffer(mfcc, "<f4")).all()):
+                    problems.append(f"{utt}: NaN or inf in its features")
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=f"{len(problems)} problem(s) in {len(shards)} shard(s)" if problems else f"{len(shards)} shard(s) consistent",
+        metadata={"shards": len(shards), "problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+    )
+
+
+@dg.asset_check(asset="vad_features", description=f"VAD found too little speech in at most {MAX_NO_SPEECH_SHARE:.0%} of the utterances.")
+def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
+    shards = _published_shards(paths)
+    kept = sum(m["utterances"] for m in shards.values())
+    rejected = sum(pq.read_metadata(paths.shard_files(s).rejects).num_rows for s in shards)
+    share = rejected / max(kept + rejected, 1)
+    return dg.AssetCheckResult(
+        passed=share <= MAX_NO_SPEECH_SHARE,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{rejected} of {kept + rejected} utterances rejected as no_speech",
+        metadata={"no_speech_share": round(share, 4), "max_share": MAX_NO_SPEECH_SHARE},
+    )
+
+
+@dg.asset_check(asset="cmvn_stats", blocking=True, description=(
+    "Every dimension of the global CMVN is finite with a standard deviation well above the variance "
+    "floor (a floored or constant dimension means silent, clipped or broken features)."
+))
+def cmvn_is_not_degenerate(paths: StoragePaths) -> dg.AssetCheckResult:
+    import numpy as np
+
+    stats = cmvn.Cmvn.load(paths.cmvn_dir / "cmvn.npz")
+    bad = {
+        feature: [int(d) for d in np.flatnonzero(~np.isfinite(stats.mean[feature]) | ~np.isfinite(std) | (std < 1e-3))]
+        for feature, std in stats.std.items()
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    return dg.AssetCheckResult(
+        passed=not bad and stats.frames > 0,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"frames": stats.frames, "degenerate_dimensions": dg.MetadataValue.json(bad)},
     )

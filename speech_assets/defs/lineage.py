@@ -125,13 +125,10 @@ def partition_materialization(
 def step_events(context: dg.AssetExecutionContext, materializations: list[dg.AssetMaterialization]) -> Iterator[object]:
     """What a per-partition asset's step yields once its work succeeded.
 
-    A step that yields no output makes Dagster skip every downstream step of the same run, so
-    when the run also selects a child asset (e.g. "Materialize all") a bare ``MaterializeResult``
-    comes first. Dagster turns it into one materialization per partition with one shared
-    version; the per-partition ones, yielded after it, are the latest and carry the content hashes.
+    A step that yields no output makes Dagster skip every later step that waits on it (its asset
+    checks, child assets in the same run), so a bare ``MaterializeResult`` comes first. Dagster
+    turns it into one materialization per partition with one shared version; the per-partition
+    ones, yielded after it, are the latest and carry each partition's content hash.
     """
-    selection = context.run.asset_selection
-    children = context.job_def.asset_layer.asset_graph.get(context.asset_key).child_keys
-    if selection is None or children & set(selection):
-        yield dg.MaterializeResult()
+    yield dg.MaterializeResult()
     yield from materializations

@@ -92,3 +92,30 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
             "example": 'speech-assets sql "SELECT reason, count(*) FROM rejects GROUP BY reason"',
         },
     )
+
+
+@dg.asset_check(asset="dataset_stats", blocking=True, description=(
+    "The database agrees with the files it describes: manifest, rejects (every stage), utterances "
+    "(every shard's rows) and clients have exactly the row counts of their Parquet sources."
+))
+def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
+    import pyarrow.parquet as pq
+
+    inputs = _inputs(paths)
+    rows = lambda files: sum(pq.read_metadata(f).num_rows for f in files if f.exists())  # noqa: E731
+    expected = {
+        "manifest": rows([inputs.manifest]),
+        "rejects": rows([inputs.manifest_rejects, *inputs.shard_rejects]),
+        "utterances": rows(inputs.shards),
+        "clients": rows([inputs.clients]),
+    }
+    con = stats_db.connect_read_only(paths.stats_db)
+    try:
+        found = {table: con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in expected}
+    finally:
+        con.close()
+    return dg.AssetCheckResult(
+        passed=found == expected,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"rows": dg.MetadataValue.md(markdown_table(("table", "in database", "in files"), ((t, found[t], expected[t]) for t in expected)))},
+    )

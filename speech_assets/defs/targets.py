@@ -302,3 +302,88 @@ def _outputs_intact(quality: dict, out_dir) -> bool:
         ) == quality.get("labels_sha256")
     except OSError:
         return False
+
+
+# --- checks: each reads the published files, independently of how they were written -------------
+
+MIN_PERPLEXITY_SHARE = 0.2
+MAX_EMPTY_CLUSTER_SHARE = 0.1
+
+
+@dg.asset_check(asset="client_partitions", blocking=True, description=(
+    "Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."
+))
+def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
+    speakers = set(pq.read_table(paths.cmvn_dir / "speakers.parquet", columns=["speaker_id"]).column(0).to_pylist())
+    rows = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist()
+    assigned = [r["speaker_id"] for r in rows]
+    clients = {r["client_id"] for r in rows}
+    empty = sorted(set(context.instance.get_dynamic_partitions(clients_partitions.name)) - clients)
+    missing, extra = sorted(speakers - set(assigned)), sorted(set(assigned) - speakers)
+    twice = sorted({s for s in assigned if assigned.count(s) > 1}) if len(assigned) != len(set(assigned)) else []
+    return dg.AssetCheckResult(
+        passed=not (missing or extra or twice or empty) and len(clients) > 0,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "speakers": len(speakers),
+            "clients": len(clients),
+            "unassigned": dg.MetadataValue.json(missing[:50]),
+            "unknown": dg.MetadataValue.json(extra[:50]),
+            "assigned_twice": dg.MetadataValue.json(twice[:50]),
+            "empty_clients": dg.MetadataValue.json(empty),
+        },
+    )
+
+
+def _registered_clients(paths: StoragePaths) -> list[str]:
+    return sorted({r["client_id"] for r in pq.read_table(paths.clients_file, columns=["client_id"]).to_pylist()})
+
+
+@dg.asset_check(asset="kmeans_targets", blocking=True, description=(
+    "Every client's labels cover exactly its speakers' utterances, one label per 50 Hz frame "
+    "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
+))
+def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
+    import numpy as np
+
+    assignments = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist()
+    problems: list[str] = []
+    for client in _registered_clients(paths):
+        out = paths.kmeans_dir(client)
+        k = int(np.load(out / "codebook.npy", mmap_mode="r").shape[0])
+        found = {item.utt_id: item.labels for item in labels.iter_labels(out / "labels.parquet")}
+        expected: dict[str, int] = {}
+        for speaker in (a["speaker_id"] for a in assignments if a["client_id"] == client):
+            table = pq.read_table(paths.shard_file(speaker), columns=["utt_id", "num_frames"])
+            expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
+        if set(found) != set(expected):
+            problems.append(f"{client}: {len(set(expected) - set(found))} utterance(s) unlabelled, {len(set(found) - set(expected))} foreign")
+        for utt, frames in expected.items():
+            values = found.get(utt)
+            if values is None:
+                continue
+            if len(values) != (frames + 1) // 2 or (len(values) and (values.min() < 0 or values.max() >= k)):
+                problems.append(f"{client}/{utt}: {len(values)} labels for {frames} frames or ids outside [0, {k})")
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+    )
+
+
+@dg.asset_check(asset="kmeans_targets", description=(
+    f"Cluster use: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K and at most "
+    f"{MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
+))
+def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
+    rows = []
+    for client in _registered_clients(paths):
+        quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
+        share = quality["perplexity"] / max(quality["k"], 1)
+        empty = quality["empty_clusters"] / max(quality["k"], 1)
+        rows.append((client, quality["k"], round(share, 3), quality["empty_clusters"], share >= MIN_PERPLEXITY_SHARE and empty <= MAX_EMPTY_CLUSTER_SHARE))
+    return dg.AssetCheckResult(
+        passed=all(row[-1] for row in rows),
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={"clients": dg.MetadataValue.md(markdown_table(("client", "K", "perplexity / K", "empty", "ok"), rows[:50]))},
+    )

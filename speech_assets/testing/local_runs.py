@@ -17,9 +17,12 @@ def materialize_in_process(
     tags = {}
     if partitions and len(partitions) > 1:
         tags = {PARTITION_RANGE_START: partitions[0], PARTITION_RANGE_END: partitions[-1]}
-    result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+    key = dg.AssetKey(asset)
+    # the asset and its checks, as `dagster asset materialize --select` and the UI run them
+    checks = {check for check in defs.resolve_asset_graph().asset_check_keys if check.asset_key == key}
+    job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection={key}, asset_check_selection=checks)
+    result = job.execute_in_process(
         instance=instance,
-        asset_selection=[dg.AssetKey(asset)],
         partition_key=partitions[0] if partitions and len(partitions) == 1 else None,
         tags=tags,
         run_config=run_config or {},

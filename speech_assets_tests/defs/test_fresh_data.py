@@ -60,7 +60,7 @@ def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str,
 
 def shard_partitions_materialized(instance: dg.DagsterInstance, after_storage_id: int) -> list[str]:
     records = instance.fetch_materializations(dg.AssetKey("vad_features"), limit=1000).records
-    return sorted(r.asset_materialization.partition for r in records if r.storage_id > after_storage_id)
+    return sorted({r.asset_materialization.partition for r in records if r.storage_id > after_storage_id})
 
 
 def latest_storage_id(instance: dg.DagsterInstance) -> int:
