@@ -25,6 +25,7 @@ demo: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/materialize_all.sh
 
 test: install
+	scripts/ensure_test_tools.sh
 	$(BIN)/python -m pytest
 
 # The web UI, on loopback only unless you pass UI_HOST=0.0.0.0 deliberately.

@@ -92,6 +92,10 @@ class StoragePaths(dg.ConfigurableResource):
     def stats_db(self) -> Path:
         return self.root / "stats.duckdb"
 
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
+
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline settings: one file (`pipeline.toml`, or $SPEECH_ASSETS_SETTINGS) sets every stage's

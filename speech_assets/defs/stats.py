@@ -11,7 +11,7 @@ from speech_assets.defs.lineage import latest_data_version, markdown_table, part
 from speech_assets.defs.partitions import clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.training import TRAINING_INPUTS
-from speech_assets.utils import sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v1"
 
@@ -73,25 +73,67 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     description="stats.duckdb: views over every Parquet output plus summary tables; query with `speech-assets sql`.",
 )
 def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
+    from speech_assets.stats import plots, report
+
     inputs = _inputs(paths)
     counts = stats_db.build_database(paths.stats_db, inputs)
     instance = context.instance
-    input_versions = {
+    input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
         for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint")
     }
-    input_versions["vad_features"] = partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name))
-    input_versions["kmeans_targets"] = partition_versions(instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name))
+    partitioned = {
+        "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),
+        "kmeans_targets": partition_versions(instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)),
+    }
+    lineage_file = paths.report_dir / "input_versions.json"
+    atomic_write_text(lineage_file, json.dumps({**input_versions, **partitioned}, indent=1, sort_keys=True))
+    for key, versions in partitioned.items():  # bounded in the UI: a count and a hash; all of them in the file
+        input_versions[key] = f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
+
+    report_file = report.write_report(paths.stats_db, paths.report_dir / "index.html", _report_inputs(paths))
+    con = stats_db.connect_read_only(paths.stats_db)
+    try:
+        durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
+        per_client = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY 1").fetchall()
+    finally:
+        con.close()
+    pictures = []
+    if durations:
+        pictures.append(plots.markdown_image(plots.histogram(durations, "utterance durations", "seconds"), "durations"))
+    if per_client:
+        pictures.append(plots.markdown_image(plots.bars([c for c, _ in per_client], [h for _, h in per_client], "hours per client", "hours"), "hours per client"))
     return dg.MaterializeResult(
         data_version=dg.DataVersion(_content_hash(paths.stats_db, inputs, paths)),
         metadata={
             "tables": dg.MetadataValue.md(markdown_table(("view / table", "rows"), sorted(counts.items()))),
             "input_versions": dg.MetadataValue.json(input_versions),
+            "input_versions_path": dg.MetadataValue.path(str(lineage_file)),
             "summary": dg.MetadataValue.md("```\n" + stats_db.summary(paths.stats_db) + "\n```"),
+            "plots": dg.MetadataValue.md("\n\n".join(pictures) or "no data yet"),
+            "report": dg.MetadataValue.url(report_file.resolve().as_uri()),
+            "report_path": dg.MetadataValue.path(str(report_file)),
             "path": dg.MetadataValue.path(str(paths.stats_db)),
             "example": 'speech-assets sql "SELECT reason, count(*) FROM rejects GROUP BY reason"',
         },
     )
+
+
+def _report_inputs(paths: StoragePaths):
+    """Cluster sizes per client and each training run's metrics, for the report's plots."""
+    import numpy as np
+
+    from speech_assets.stats.report import ReportInputs
+
+    counts = {}
+    for state in sorted((paths.root / "kmeans").glob("*/state.npz")):
+        with np.load(state) as data:
+            counts[state.parent.name] = data["counts"]
+    metrics = {}
+    for log in sorted(paths.training_dir.glob("*/metrics.jsonl")):
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        metrics[log.parent.name] = rows
+    return ReportInputs(cluster_counts=counts, training_metrics=metrics)
 
 
 @dg.asset_check(asset="dataset_stats", blocking=True, description=(

@@ -158,8 +158,19 @@ def client_metadata(quality: dict, out_dir) -> dict[str, object]:
         "speaker_ids": dg.MetadataValue.md(listing),
         "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
         "label_rate_hz": 50,
+        "cluster_sizes": dg.MetadataValue.md(_cluster_size_plot(out_dir, quality["client_id"])),
         "path": dg.MetadataValue.path(str(out_dir)),
     }
+
+
+def _cluster_size_plot(out_dir, client_id: str) -> str:
+    import numpy as np
+
+    from speech_assets.stats import plots
+
+    with np.load(out_dir / labels.STATE_FILE) as state:
+        counts = state["counts"]
+    return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
 
 
 MAX_LISTED = 50

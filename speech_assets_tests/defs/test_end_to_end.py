@@ -72,6 +72,8 @@ def test_every_output_exists_with_contract_columns(built) -> None:
         assert (out / "kmeans" / client / "codebook.npy").is_file()
         assert (out / "kmeans" / client / "labels.parquet").is_file()
     assert (out / "stats.duckdb").is_file() and (out / "mlflow.db").is_file()
+    report = (out / "report" / "index.html").read_text()
+    assert report.count("<img ") >= 6 and "Training curve" in report and "Cluster sizes" in report
 
 
 def test_every_asset_has_code_and_data_version_and_input_versions(built) -> None:
