@@ -68,6 +68,19 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_runs_reap(args: argparse.Namespace) -> int:
+    """Fail runs whose processes are gone and free the concurrency slots they hold."""
+    import dagster as dg
+
+    from speech_assets.runtime.reaper import reap_dead_runs
+
+    instance = dg.DagsterInstance.get()
+    reaped = reap_dead_runs(instance, say=print)
+    if not reaped:
+        print("no concurrency slot is held by a dead or finished run")
+    return 0
+
+
 def _db(args: argparse.Namespace) -> Path:
     return Path(args.db) if args.db else settings.data_dir() / "stats.duckdb"
 
@@ -103,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     partitions.add_argument("name", choices=["speakers", "clients"])
     partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
     partitions.set_defaults(func=_cmd_partitions)
+
+    runs = commands.add_parser("runs", help="Dagster runs").add_subparsers(dest="runs_command", required=True)
+    reap = runs.add_parser("reap", help="fail runs whose processes are gone and free their concurrency slots")
+    reap.set_defaults(func=_cmd_runs_reap)
     return parser
 
 

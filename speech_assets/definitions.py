@@ -4,6 +4,7 @@ import dagster as dg
 
 from speech_assets.defs import automation, features, manifest, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
+from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
 CHECKS = [
     features.shards_are_consistent,
@@ -33,6 +34,7 @@ def build_definitions(paths: StoragePaths | None = None, settings: PipelineSetti
     return dg.Definitions(
         assets=ASSETS,
         asset_checks=CHECKS,
+        executor=reaping_multiprocess_executor,
         sensors=[automation.corpus_sensor, automation.automation_sensor],
         schedules=[automation.revalidate_corpus],
         resources={

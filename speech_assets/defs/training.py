@@ -7,36 +7,20 @@ from dataclasses import replace
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets import settings
+from speech_assets import settings as settings_module
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
-from speech_assets.defs.resources import StoragePaths
-from speech_assets.train import launch
-from speech_assets.train.config import ClientTargets, TrainConfig
+from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
+from speech_assets.runtime.reaper import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 CODE_VERSION = "train-v1"
 MAX_OOM_RETRIES = 3
 
 
-class TrainingConfig(dg.Config):
-    preset: str = "tiny"
-    max_steps: int = 300
-    batch_seconds: float = 0.0  # per device; 0 = chosen by the auto-configuration
-    target_batch_seconds: float = 60.0  # effective batch, reached with gradient accumulation
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    seed: int = 0
-    checkpoint_every: int = 100
-    log_every: int = 10
-    precision: str = "auto"
-    nproc: int = 0  # 0 = auto
-    nnodes: str = "1"
-    rdzv_endpoint: str = ""  # host:port for multi-node runs
-    max_restarts: int = 2
-    heldout_fraction: float = 0.05
-    max_frames: int = 1500
+class TrainingConfig(overrides_of(TrainingSettings)):
+    """Run-config overrides of the `[training]` settings for one manual run."""
 
 
 def _input_versions(context: dg.AssetExecutionContext, paths: StoragePaths, clients: dict[str, list[str]]) -> dict[str, str]:
@@ -76,8 +60,14 @@ def pretrained_checkpoint(
     context: dg.AssetExecutionContext,
     config: TrainingConfig,
     paths: StoragePaths,
+    settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    from speech_assets.train import launch  # torch: lazily, the code location stays light
+    from speech_assets.train.config import ClientTargets, TrainConfig
+
+    options = effective(settings.training, config)
+    record_run_process(context)
     assignments = pq.read_table(paths.clients_file).to_pylist()
     clients: dict[str, list[str]] = {}
     for row in assignments:
@@ -91,8 +81,8 @@ def pretrained_checkpoint(
         for client in sorted(clients)
     }
     shards = [str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)]
-    # Same inputs and config -> same run folder, so a re-run resumes instead of starting over.
-    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), config.model_dump_json(), CODE_VERSION])[:16]
+    # Same inputs and settings -> same run folder, so a re-run resumes instead of starting over.
+    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), CODE_VERSION])[:16]
     run_dir = paths.training_dir / run_name
 
     train_config = TrainConfig(
@@ -100,25 +90,25 @@ def pretrained_checkpoint(
         shards=shards,
         cmvn=str(paths.cmvn_dir / "cmvn.npz"),
         clients=client_targets,
-        preset=config.preset,
-        max_steps=config.max_steps,
-        batch_seconds=config.batch_seconds or None,
-        target_batch_seconds=config.target_batch_seconds,
-        lr=config.lr,
-        warmup_steps=config.warmup_steps,
-        seed=config.seed,
-        checkpoint_every=config.checkpoint_every,
-        log_every=config.log_every,
-        precision=config.precision,
-        heldout_fraction=config.heldout_fraction,
-        max_frames=config.max_frames,
+        preset=options.preset,
+        max_steps=options.max_steps,
+        batch_seconds=options.batch_seconds or None,
+        target_batch_seconds=options.target_batch_seconds,
+        lr=options.lr,
+        warmup_steps=options.warmup_steps,
+        seed=options.seed,
+        checkpoint_every=options.checkpoint_every,
+        log_every=options.log_every,
+        precision=options.precision,
+        heldout_fraction=options.heldout_fraction,
+        max_frames=options.max_frames,
         data_versions=data_versions,
         git_sha=git_commit(),
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
         mlflow_artifact_location=str(paths.root / "mlartifacts"),
         mlflow_run_name=f"pretrain-{run_name}",
-        max_restarts=config.max_restarts,
-        nproc=config.nproc or "auto",
+        max_restarts=options.max_restarts,
+        nproc=options.nproc or "auto",
     )
     plan = launch.plan_for(train_config)
     context.log.info(f"auto-configuration: {plan.reason}")
@@ -126,33 +116,55 @@ def pretrained_checkpoint(
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
 
-    for attempt in range(MAX_OOM_RETRIES + 1):
-        launch.clear_oom(run_dir)
-        atomic_write_text(config_path, train_config.to_json())
-        command = launch.build_torchrun_command(
-            config_path, nproc=train_config.nproc, max_restarts=config.max_restarts, nnodes=config.nnodes,
-            rdzv_endpoint=config.rdzv_endpoint or None, python=sys.executable,
-        )
-        context.log.info("launching: " + " ".join(command))
-        try:
-            invocation = pipes_subprocess_client.run(
-                context=context, command=command, cwd=str(settings.repo_root()), env=launch.torchrun_env()
+    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command="dagster asset pretrained_checkpoint"):
+        for attempt in range(MAX_OOM_RETRIES + 1):
+            launch.clear_oom(run_dir)
+            atomic_write_text(config_path, train_config.to_json())
+            command = launch.build_torchrun_command(
+                config_path, nproc=train_config.nproc, max_restarts=options.max_restarts, nnodes=options.nnodes,
+                rdzv_endpoint=options.rdzv_endpoint or None, python=sys.executable,
             )
-        except dg.DagsterPipesExecutionError:
-            if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
-                batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)
-                train_config = replace(train_config, batch_seconds=batch, grad_accum=accum)
-                context.log.warning(f"CUDA out of memory: retrying with batch={batch:.1f}s, accum={accum}")
-                continue
-            raise
-        result = invocation.get_materialize_result()
-        return dg.MaterializeResult(
-            data_version=result.data_version,
-            metadata={
-                **(result.metadata or {}),
-                "run_dir": dg.MetadataValue.path(str(run_dir)),
-                "input_versions": dg.MetadataValue.json(data_versions),
-                "oom_retries": attempt,
-            },
-        )
+            context.log.info("launching: " + " ".join(command))
+            try:
+                invocation = pipes_subprocess_client.run(
+                    context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=launch.torchrun_env()
+                )
+            except dg.DagsterPipesExecutionError:
+                if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
+                    batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)
+                    train_config = replace(train_config, batch_seconds=batch, grad_accum=accum)
+                    context.log.warning(f"CUDA out of memory: retrying with batch={batch:.1f}s, accum={accum}")
+                    continue
+                raise
+            result = invocation.get_materialize_result()
+            return dg.MaterializeResult(
+                data_version=result.data_version,
+                metadata={
+                    **(result.metadata or {}),
+                    **training_curve_metadata(run_dir),
+                    "run_dir": dg.MetadataValue.path(str(run_dir)),
+                    "input_versions": dg.MetadataValue.json(_bounded_versions(data_versions)),
+                    "oom_retries": attempt,
+                },
+            )
     raise dg.Failure(description="training ran out of memory on every retry")
+
+
+def _bounded_versions(versions: dict[str, str]) -> dict[str, str]:
+    """Input versions for the UI: the unpartitioned ones, and per partitioned asset a count and a
+    hash (every one of them is in the checkpoint: `speech-assets lineage <checkpoint>`)."""
+    shown = {k: v for k, v in versions.items() if "/" not in k}
+    for asset in sorted({k.split("/", 1)[0] for k in versions if "/" in k}):
+        parts = sorted((k, v) for k, v in versions.items() if k.startswith(asset + "/"))
+        shown[asset] = f"{len(parts)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in parts)[:16]}"
+    return shown
+
+
+def training_curve_metadata(run_dir) -> dict[str, object]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return {}
+    from speech_assets.stats import plots
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve"))} if rows else {}

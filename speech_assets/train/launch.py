@@ -9,12 +9,13 @@ attempt resumes from the run's latest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,10 +28,13 @@ from speech_assets.train.autoconfig import (
     profile_model,
 )
 from speech_assets.train.config import TrainConfig
+from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
+from speech_assets.runtime.processes import launcher_env
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
+RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
 OOM_EXIT_CODE = 75
 OOM_MARKER = "oom.json"
 MAX_OOM_RETRIES = 3
@@ -113,8 +117,23 @@ def build_torchrun_command(
 
 
 def torchrun_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`."""
-    return {**(os.environ if base is None else base), **TORCHRUN_ENV}
+    """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`, naming this
+    process as the launcher whose death ends the job, and saying it holds the run folder's lock."""
+    return {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
+
+
+def guarded(command: list[str], python: str = sys.executable) -> list[str]:
+    """``command`` started through the orphan guard: it dies with the process that starts it."""
+    return [python, "-m", "speech_assets.runtime.orphan_guard", "--", *command]
+
+
+@contextlib.contextmanager
+def launching(run_dir: str | os.PathLike[str], **holder: object) -> Iterator[RunFolderLock]:
+    """Hold the run folder for a launch: fail at once if another trainer has it, then wait
+    (bounded) until workers left by an earlier, killed launch are gone."""
+    with RunFolderLock(run_dir).acquire(**holder) as lock:
+        wait_for_old_workers(run_dir)
+        yield lock
 
 
 def next_attempt_after_oom(batch_seconds: float, grad_accum: int) -> tuple[float, int]:
@@ -153,6 +172,11 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
     log.info("autoconfig: %s", plan.reason)
     attempt_config = resolve(config, plan)
     config_path = Path(config_dir or config.run_dir) / "launch_config.json"
+    with launching(config.run_dir, command="python -m speech_assets.train --launch"):
+        return _launch_attempts(config, plan, attempt_config, config_path)
+
+
+def _launch_attempts(config: TrainConfig, plan: LaunchPlan, attempt_config: TrainConfig, config_path: Path) -> int:
     attempt = 0
     while True:
         clear_oom(config.run_dir)
@@ -162,7 +186,7 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
         else:
             command = build_torchrun_command(config_path, plan.nproc, config.max_restarts)
         log.info("attempt %d: %s", attempt + 1, " ".join(command))
-        code = subprocess.call(command, env=torchrun_env())
+        code = subprocess.call(guarded(command), env=torchrun_env())
         if code == 0 or not detect_oom(config.run_dir) or attempt == MAX_OOM_RETRIES:
             return code
         batch, accum = next_attempt_after_oom(float(attempt_config.batch_seconds or 0), int(attempt_config.grad_accum))

@@ -61,7 +61,16 @@ from speech_assets.train.data import (
     eval_batches,
     heldout_split,
 )
-from speech_assets.train.launch import OOM_EXIT_CODE, clear_oom, plan_for, read_oom_marker, write_oom_marker
+from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
+from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
+from speech_assets.train.launch import (
+    OOM_EXIT_CODE,
+    RUN_LOCK_HELD_ENV,
+    clear_oom,
+    plan_for,
+    read_oom_marker,
+    write_oom_marker,
+)
 from speech_assets.train.tracking import MlflowTracker, PipesReporter
 from speech_assets.utils import atomic_write_text
 
@@ -649,7 +658,9 @@ def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[st
     handlers = _setup_logging(Path(config.run_dir), int(os.environ.get("RANK", "0")))
     job: Distributed | None = None
     plan: LaunchPlan | None = None
+    folder = contextlib.ExitStack()
     try:
+        folder.enter_context(_hold_run_folder(config.run_dir))
         job = init_distributed(config.device)
         reporter = PipesReporter(log) if job.is_main else None
         plan = plan_for_job(config, job)
@@ -666,3 +677,23 @@ def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[st
             handler.close()
         if job is not None and job.enabled and dist.is_initialized():
             dist.destroy_process_group()
+        folder.close()
+
+
+@contextlib.contextmanager
+def _hold_run_folder(run_dir: str) -> Iterator[None]:
+    """This worker's claim on the run folder, and its tie to the launcher's life.
+
+    Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
+    named in the environment. Every worker holds the workers' lock shared; the run lock is the
+    launcher's, or, when nobody launched this process, rank 0's own.
+    """
+    launched = LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if launched:
+        die_with_parent()
+        watch_launcher()
+    with contextlib.ExitStack() as stack:
+        stack.callback(hold_as_worker(run_dir).close)
+        if not os.environ.get(RUN_LOCK_HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:
+            stack.enter_context(RunFolderLock(run_dir).acquire(command="python -m speech_assets.train"))
+        yield

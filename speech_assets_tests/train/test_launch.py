@@ -85,7 +85,8 @@ def test_launch_gives_up_after_three_retries_and_on_other_failures(
 
     monkeypatch.setattr(launch_module.subprocess, "call", always_oom)
     assert launch(config) == OOM_EXIT_CODE
-    assert len(calls) == 4 and calls[0][1:3] == ["-m", "speech_assets.train"]  # one process: no torchrun
+    # one process (no torchrun), started through the orphan guard
+    assert len(calls) == 4 and calls[0][calls[0].index("--") + 2 : calls[0].index("--") + 4] == ["-m", "speech_assets.train"]
     monkeypatch.setattr(launch_module.subprocess, "call", lambda command, env: calls.append(command) or 1)
     calls.clear()
     assert launch(config) == 1 and len(calls) == 1

@@ -1,0 +1,147 @@
+"""Runs whose processes are gone give back their concurrency slots.
+
+A run killed with ``kill -9`` never reports its end, so Dagster keeps it STARTED and its pool slot
+(``training``: one at a time) claimed, and the next training run waits forever. Three ways out:
+
+* with a daemon: ``LocalProcessRunLauncher`` lets Dagster's run monitoring see that a run worker
+  process is gone (the stock ``DefaultRunLauncher`` cannot tell); monitoring fails the run and
+  ``free_slots_after_run_end_seconds`` frees its slots (see ``dagster.yaml``);
+* without one (``dagster asset materialize``): the Definitions' default executor reaps dead runs
+  before it claims any slot, so the next materialization frees what the dead one held;
+* by hand: ``speech-assets runs reap``.
+
+A run is dead only when every process it is known to have run in has exited on this host: the
+step process recorded by ``record_run_process`` (pid, kernel start time, host) or, for runs
+that never got that far, the pids its events carry, once it has been silent for a minute on an
+instance whose storage is local (SQLite).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import dagster as dg
+
+from speech_assets.runtime.processes import ProcessIdentity
+
+PROCESS_TAG = "speech_assets/process"
+SILENT_FOR_S = 60.0
+REAP_COMMAND = "speech-assets runs reap"
+log = logging.getLogger(__name__)
+
+
+def record_run_process(context: dg.AssetExecutionContext) -> None:
+    """Tag the run with this (step) process, so a reaper can later tell whether it is gone."""
+    context.instance.add_run_tags(context.run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode()})
+
+
+def _is_local_storage(instance: dg.DagsterInstance) -> bool:
+    from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
+
+    return isinstance(instance.event_log_storage, SqliteEventLogStorage)
+
+
+def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None = None) -> str | None:
+    """Why ``run`` (not finished) has no live process left, or None if it may still be running."""
+    tagged = run.tags.get(PROCESS_TAG)
+    if tagged:
+        process = ProcessIdentity.decode(tagged)
+        if process.host != socket.gethostname():
+            return None
+        return None if process.alive() else f"its step process {process.pid} on {process.host} is gone"
+    if not _is_local_storage(instance):
+        return None
+    records = instance.get_records_for_run(run.run_id, ascending=False, limit=1).records
+    if not records:
+        return None
+    if (now or time.time()) - records[0].event_log_entry.timestamp < SILENT_FOR_S:
+        return None
+    pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.pid}
+    if not pids or any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        return None
+    return f"none of its processes ({', '.join(map(str, sorted(pids)))}) is running and it has been silent for {SILENT_FOR_S:.0f} s"
+
+
+def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = log.warning) -> list[str]:
+    """Fail runs holding concurrency slots whose processes are gone, and free their slots."""
+    reaped = []
+    for run_id in sorted(instance.event_log_storage.get_concurrency_run_ids()):
+        run = instance.get_run_by_id(run_id)
+        if run is not None and not run.is_finished:
+            reason = why_dead(instance, run)
+            if reason is None:
+                continue
+            instance.report_run_failed(run, f"run worker died without reporting ({reason}); freeing its concurrency slots")
+        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+        say(f"freed the concurrency slots of run {run_id} ({'finished' if run is None or run.is_finished else reason})")
+        reaped.append(run_id)
+    return reaped
+
+
+# --- without a daemon: the default executor reaps before it claims slots ---------------------
+
+
+def _reaping_executor_class():
+    from dagster._core.executor.multiprocess import MultiprocessExecutor
+
+    class ReapingMultiprocessExecutor(MultiprocessExecutor):
+        """Dagster's multiprocess executor, which first frees slots held by dead local runs."""
+
+        def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
+            reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
+            yield from super().execute(plan_context, execution_plan)
+
+    return ReapingMultiprocessExecutor
+
+
+def _build_executor(init_context: dg.InitExecutorContext):
+    from dagster._core.definitions.executor_definition import _core_multiprocess_executor_creation
+
+    executor = _core_multiprocess_executor_creation(init_context.executor_config)
+    executor.__class__ = _reaping_executor_class()  # same state, one extra step before executing
+    return executor
+
+
+def _make_executor_def() -> dg.ExecutorDefinition:
+    from dagster._core.definitions.executor_definition import MULTI_PROC_CONFIG, multiple_process_executor_requirements
+
+    return dg.ExecutorDefinition(
+        name="multiprocess",
+        config_schema=MULTI_PROC_CONFIG,
+        requirements=multiple_process_executor_requirements(),
+        executor_creation_fn=_build_executor,
+        description="Dagster's multiprocess executor; first frees concurrency slots of runs whose processes are gone.",
+    )
+
+
+reaping_multiprocess_executor = _make_executor_def()
+
+
+# --- with a daemon: run monitoring learns that a local run worker is gone ---------------------
+
+
+def _local_launcher_class():
+    from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
+    from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
+
+    class LocalProcessRunLauncher(DefaultRunLauncher):
+        """The default (local) run launcher, plus a run-worker health check for run monitoring."""
+
+        @property
+        def supports_check_run_worker_health(self) -> bool:
+            return True
+
+        def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
+            reason = why_dead(self._instance, run)
+            if reason is None:
+                return CheckRunHealthResult(WorkerStatus.RUNNING)
+            return CheckRunHealthResult(WorkerStatus.FAILED, f"{reason} (or free its slots with `{REAP_COMMAND}`)")
+
+    return LocalProcessRunLauncher
+
+
+LocalProcessRunLauncher = _local_launcher_class()
