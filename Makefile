@@ -33,7 +33,7 @@ UI_HOST ?= 127.0.0.1
 UI_PORT ?= 3000
 ui: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/ensure_dagster_home.sh
-	$(BIN)/dagster dev -h $(UI_HOST) -p $(UI_PORT) -m speech_assets.definitions
+	$(BIN)/dagster dev -w workspace.yaml -h $(UI_HOST) -p $(UI_PORT)
 
 bench: install
 	$(BIN)/python bench/manifest.py
