@@ -2,7 +2,8 @@
 # Materialize the whole asset graph with `dagster asset materialize`, stage by stage, then print
 # a summary. This is what `make demo` runs and what the README documents; the end-to-end test
 # runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
-# TRAIN_CONFIG_JSON overrides the training asset's run config.
+# every stage's knobs come from pipeline.toml (or $SPEECH_ASSETS_SETTINGS); TRAIN_CONFIG_JSON, if
+# set, overrides the training asset's settings for this run only (run config).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -10,15 +11,15 @@ export DAGSTER_HOME="${DAGSTER_HOME:-$repo/data/dagster_home}"
 scripts/ensure_dagster_home.sh
 
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
-default_train_config='{"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": 300, "heldout_fraction": 0.1}}}}'
-train_config="${TRAIN_CONFIG_JSON:-$default_train_config}"
+train_overrides=()
+[ -n "${TRAIN_CONFIG_JSON:-}" ] && train_overrides=(--config-json "$TRAIN_CONFIG_JSON")
 
 materialize --select manifest
 # one shard per speaker: the manifest registered the speaker partitions; one run covers them all
 materialize --select speaker_manifest,vad_features --partition-range "$(speech-assets partitions speakers --range)"
 materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
-materialize --select pretrained_checkpoint --config-json "$train_config"
+materialize --select pretrained_checkpoint "${train_overrides[@]}"
 materialize --select dataset_stats
 
 echo
