@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DAGSTER_HOME ?= $(CURDIR)/data/dagster_home
 export SPEECH_ASSETS_DATA_DIR ?= $(CURDIR)/data/out
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo test ui mlflow bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ UI_PORT ?= 3000
 ui: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/ensure_dagster_home.sh
 	$(BIN)/dagster dev -w workspace.yaml -h $(UI_HOST) -p $(UI_PORT)
+
+# The MLflow UI over the local store (runs, metrics, checkpoints), on loopback only.
+MLFLOW_PORT ?= 5000
+mlflow: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db \
+		--default-artifact-root $(SPEECH_ASSETS_DATA_DIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 bench: install
 	$(BIN)/python bench/manifest.py

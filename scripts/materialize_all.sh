@@ -10,6 +10,9 @@ cd "$repo"
 export DAGSTER_HOME="${DAGSTER_HOME:-$repo/data/dagster_home}"
 scripts/ensure_dagster_home.sh
 
+# Dagster 1.13 calls `dagster asset materialize` superseded by `dg launch --assets`; it is still
+# supported and is the documented command here, so its notice is not repeated for every step.
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Function \`asset_materialize_command\` is superseded"
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
 train_overrides=()
 [ -n "${TRAIN_CONFIG_JSON:-}" ] && train_overrides=(--config-json "$TRAIN_CONFIG_JSON")

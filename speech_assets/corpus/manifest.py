@@ -17,13 +17,14 @@ is ever opened. A bad file never raises: it becomes a :class:`RejectRow` with a 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from enum import StrEnum
@@ -338,7 +339,11 @@ def _cache_key(path: str, stat: os.stat_result) -> str:
 
 
 def probe_all(
-    paths: Sequence[str], cache: dict[str, AudioProbe], workers: int = 1, config: ValidationConfig | None = None
+    paths: Sequence[str],
+    cache: dict[str, AudioProbe],
+    workers: int = 1,
+    config: ValidationConfig | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
     """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
 
@@ -355,13 +360,23 @@ def probe_all(
         else:
             todo.append(path)
     probe = functools.partial(probe_audio, config=config)
-    if workers > 1 and len(todo) > 32:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            probes = list(pool.map(probe, todo, chunksize=16))
-    else:
-        probes = [probe(path) for path in todo]
-    results.update(zip(todo, probes, strict=True))
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and len(todo) > 32:
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_init_probe_worker))
+            probes: Iterable[AudioProbe] = pool.map(probe, todo, chunksize=16)
+        else:
+            probes = map(probe, todo)
+        for done, (path, result) in enumerate(zip(todo, probes, strict=True), start=1):
+            results[path] = result
+            if progress is not None:
+                progress(path, done, len(todo))
     return results, len(todo)
+
+
+def _init_probe_worker() -> None:
+    from speech_assets.runtime.processes import die_with_parent
+
+    die_with_parent()  # a killed validation run leaves no decoder behind
 
 
 def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:
@@ -378,6 +393,7 @@ def scan_corpus(
     config: ValidationConfig = ValidationConfig(),
     cache: dict[str, AudioProbe] | None = None,
     workers: int = 1,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> ScanResult:
     """Validate every utterance of the corpus at ``location``.
 
@@ -409,7 +425,7 @@ def scan_corpus(
         else:
             inside.append((candidate, str(resolved)))
 
-    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config)
+    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):

@@ -13,6 +13,7 @@ from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
 from speech_assets.defs.partitions import register_new, speakers_partitions
+from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_path, sha256_strings
 
@@ -53,7 +54,10 @@ def manifest(
         validation = corpus.ValidationConfig(options.min_duration_s, options.max_duration_s)
         fingerprint = corpus.corpus_fingerprint(location)
         cache = corpus.load_cache(paths.decode_cache_file)
-        result = corpus.scan_corpus(location, validation, cache, workers=options.workers or os.cpu_count() or 1)
+        result = corpus.scan_corpus(
+            location, validation, cache, workers=options.workers or os.cpu_count() or 1,
+            progress=ProgressLog(context.log, "audio files validated"),
+        )
     except (corpus.CorpusError, ValueError) as err:
         raise dg.Failure(description=str(err)) from err
     if result.cache != cache:

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import warnings
 from dataclasses import replace
 
 import dagster as dg
@@ -126,9 +127,14 @@ def pretrained_checkpoint(
             )
             context.log.info("launching: " + " ".join(command))
             try:
-                invocation = pipes_subprocess_client.run(
-                    context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=launch.torchrun_env()
-                )
+                with warnings.catch_warnings():  # Pipes' own preview API, used as documented
+                    warnings.simplefilter("ignore", dg.PreviewWarning)
+                    invocation = pipes_subprocess_client.run(
+                        context=context,
+                        command=launch.guarded(command),
+                        cwd=str(settings_module.repo_root()),
+                        env=launch.torchrun_env(nproc=int(train_config.nproc)),
+                    )
             except dg.DagsterPipesExecutionError:
                 if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
                     batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)

@@ -116,10 +116,16 @@ def build_torchrun_command(
     return [*command, "-m", "speech_assets.train", "--config", str(config_path)]
 
 
-def torchrun_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
     """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`, naming this
-    process as the launcher whose death ends the job, and saying it holds the run folder's lock."""
-    return {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
+    process as the launcher whose death ends the job, and saying it holds the run folder's lock.
+
+    ``OMP_NUM_THREADS`` is set (unless given) to this node's cores shared among ``nproc``
+    processes, which each worker also sets for torch: torchrun then has no default to announce.
+    """
+    env = {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+    return env
 
 
 def guarded(command: list[str], python: str = sys.executable) -> list[str]:
@@ -186,7 +192,7 @@ def _launch_attempts(config: TrainConfig, plan: LaunchPlan, attempt_config: Trai
         else:
             command = build_torchrun_command(config_path, plan.nproc, config.max_restarts)
         log.info("attempt %d: %s", attempt + 1, " ".join(command))
-        code = subprocess.call(guarded(command), env=torchrun_env())
+        code = subprocess.call(guarded(command), env=torchrun_env(nproc=plan.nproc))
         if code == 0 or not detect_oom(config.run_dir) or attempt == MAX_OOM_RETRIES:
             return code
         batch, accum = next_attempt_after_oom(float(attempt_config.batch_seconds or 0), int(attempt_config.grad_accum))

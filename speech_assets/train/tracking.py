@@ -34,9 +34,32 @@ def default_artifact_location(tracking_uri: str) -> str | None:
     return None
 
 
-def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """Link to the run in the MLflow UI (for a local store: the store URI plus the UI route)."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    """A clickable link to the run when the tracking URI is a server; None for local stores."""
+    if urlparse(tracking_uri).scheme in ("http", "https"):
+        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return None
+
+
+def ui_command(tracking_uri: str) -> str:
+    """The command that serves a local store's UI on loopback (where the run can be opened)."""
+    artifacts = default_artifact_location(tracking_uri)
+    serve = f" --default-artifact-root {artifacts}" if artifacts else ""
+    return f"mlflow ui --backend-store-uri {tracking_uri}{serve} --host 127.0.0.1 --port 5000"
+
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # the UI's model-training view, not its GenAI view
+SHORT_INPUTS = ("manifest", "cmvn_stats", "client_partitions")
+
+
+def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
+    """Short, readable tags of the inputs: unpartitioned ones by version, partitioned ones by count
+    (every version is in the ``inputs.json`` artifact and in the checkpoint)."""
+    tags = {f"input.{name}": data_versions[name][:16] for name in SHORT_INPUTS if data_versions.get(name)}
+    for asset in sorted({key.split("/", 1)[0] for key in data_versions if "/" in key}):
+        tags[f"input.{asset}"] = f"{sum(k.startswith(asset + '/') for k in data_versions)} partitions"
+    return tags
 
 
 def installed_packages() -> str:
@@ -61,8 +84,12 @@ class MlflowTracker:
         self.experiment_id = ""
 
     @property
-    def url(self) -> str:
+    def url(self) -> str | None:
         return run_url(self.tracking_uri, self.experiment_id, self.run_id)
+
+    @property
+    def ui_command(self) -> str:
+        return ui_command(self.tracking_uri)
 
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
@@ -72,9 +99,13 @@ class MlflowTracker:
         experiment = self.client.get_experiment_by_name(cfg.mlflow_experiment)
         if experiment is None:
             location = cfg.mlflow_artifact_location or default_artifact_location(self.tracking_uri)
-            self.experiment_id = self.client.create_experiment(cfg.mlflow_experiment, artifact_location=location)
+            self.experiment_id = self.client.create_experiment(
+                cfg.mlflow_experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         else:
             self.experiment_id = experiment.experiment_id
+            if EXPERIMENT_KIND_TAG not in experiment.tags:
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         if resume_run_id:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
@@ -83,14 +114,13 @@ class MlflowTracker:
             tags = {"run_dir": cfg.run_dir, "preset": cfg.preset}
             if cfg.git_sha:
                 tags |= {"git_sha": cfg.git_sha, "mlflow.source.git.commit": cfg.git_sha}
-            tags |= {f"data_version.{name}": version for name, version in cfg.data_versions.items()}
+            tags |= input_tags(cfg.data_versions)
             run = self.client.create_run(self.experiment_id, run_name=cfg.mlflow_run_name, tags=tags)
             self.run_id = run.info.run_id
             params = {k: v for k, v in cfg.to_dict().items() if k not in ("shards", "clients", "data_versions")}
             params |= {"num_shards": len(cfg.shards), "num_clients": len(cfg.clients)}
             params |= {f"k.{name}": c.k for name, c in cfg.clients.items()}
             params |= {f"plan.{k}": v for k, v in plan.items() if k != "reason"}
-            params |= {f"data_version.{name}": version for name, version in cfg.data_versions.items()}
             self.client.log_batch(
                 self.run_id,
                 params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
@@ -99,6 +129,7 @@ class MlflowTracker:
         self._log_text("config.json", cfg.to_json())
         self._log_text("autoconfig.json", json.dumps(dict(plan), indent=2, sort_keys=True))
         self._log_text("environment.txt", installed_packages())
+        self._log_text("inputs.json", json.dumps(cfg.data_versions, indent=1, sort_keys=True))
         return self.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -161,11 +192,13 @@ class PipesReporter:
         metadata, the rest is inferred) and close the session."""
         if self.context is None:
             return
+        def kind(key: str, value: Any) -> str:
+            if isinstance(value, Mapping):
+                return "json"
+            return "path" if key in paths else "url" if key.endswith("_url") else "__infer__"
+
         typed = {
-            key: {
-                "raw_value": value,
-                "type": "json" if isinstance(value, Mapping) else "path" if key in paths else "__infer__",
-            }
+            key: {"raw_value": float(f"{value:.4g}") if isinstance(value, float) else value, "type": kind(key, value)}
             for key, value in metadata.items()
         }
         self.context.report_asset_materialization(metadata=typed, data_version=data_version)

@@ -260,8 +260,9 @@ class Trainer:
             DistributedDataParallel(
                 self.model,
                 device_ids=[job.local_rank] if job.device.type == "cuda" else None,
-                # a head gets no gradient on ranks whose batch has none of its client's samples
-                find_unused_parameters=len(config.clients) > 1,
+                # every head takes part in every step (see idle_heads_term), so DDP needs no
+                # search for unused parameters after each backward pass
+                find_unused_parameters=False,
             )
             if job.enabled
             else None
@@ -370,7 +371,7 @@ class Trainer:
             with accumulate, self._autocast():
                 output = model(batch.feats, batch.lengths, batch.clients, mask)
                 loss = masked_prediction_loss(output.logits, batch.targets, mask, self.config.unmasked_weight)
-            self.scaler.scale(loss.loss / accum).backward()
+            self.scaler.scale((loss.loss + idle_heads_term(self.model, output.logits)) / accum).backward()
             stats += loss.stats
             seconds += batch.seconds
         self.scaler.unscale_(self.optimizer)
@@ -562,6 +563,7 @@ class Trainer:
             "data_versions": dict(self.config.data_versions),
             "mlflow_run_id": tracker.run_id if tracker else None,
             "mlflow_run_url": tracker.url if tracker else None,
+            "mlflow_ui": tracker.ui_command if tracker and not tracker.url else None,
         }
         if tracker is not None:
             tracker.finish(result, final_path)
@@ -580,12 +582,26 @@ class Trainer:
             metadata_keys = (
                 "step", "final_loss", "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
                 "audio_seconds_per_second", "checkpoint", "checkpoint_sha256", "mlflow_run_id",
-                "mlflow_run_url", "autoconfig", "data_versions",
+                "mlflow_run_url", "mlflow_ui", "autoconfig",
             )  # fmt: skip
             metadata = {("steps" if k == "step" else k): result[k] for k in metadata_keys if result[k] is not None}
             reporter.report(metadata, data_version=sha, paths=("checkpoint",))
         self._barrier()
         return result
+
+
+def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
+    """Zero, but connected to the heads of clients absent from this micro-batch.
+
+    A head whose client has no sample in a batch would get no gradient on that rank, and DDP would
+    then have to search the graph for unused parameters after every backward pass (and warn on
+    every rank when there are none). With this term every head gets a gradient, exactly zero.
+    """
+    present = {group.client for group in logits}
+    idle = [head for index, head in enumerate(model.heads) if index not in present]
+    if not idle:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return sum(param.sum() for head in idle for param in head.parameters()) * 0.0
 
 
 def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[int]:
@@ -633,11 +649,19 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
 
 
 def _setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
-    """Rank 0 logs INFO to stderr and ``run_dir/train.log``; other ranks only warnings."""
+    """Rank 0 logs INFO to ``run_dir/train.log`` and to stderr, other ranks only warnings.
+
+    Under Dagster Pipes rank 0's records reach the run through the Pipes session already, so
+    stderr gets only warnings there: each line appears once in the run's log.
+    """
+    from dagster_pipes import PipesEnvVarParamsLoader
+
     handlers: list[logging.Handler] = []
     formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     stream = logging.StreamHandler(sys.stderr)
+    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        stream.setLevel(logging.WARNING)
     handlers.append(stream)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -68,13 +68,18 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
     run = client.get_run(result["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny-test"
     assert run.data.params["preset"] == "tiny" and run.data.params["k.client_b"] == "12"
-    assert run.data.params["data_version.targets"] == "t1" and run.data.tags["git_sha"] == "0123abcd"
+    assert run.data.tags["input.manifest"] == "m1" and run.data.tags["git_sha"] == "0123abcd"
+    assert not any(k.startswith("data_version") for k in run.data.params)  # lineage stored once, as tags
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the training view, not GenAI
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.json", "autoconfig.json", "environment.txt", "result.json", "checkpoint"} <= artifacts
+    assert {"config.json", "autoconfig.json", "environment.txt", "inputs.json", "result.json", "checkpoint"} <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
-    assert result["mlflow_run_url"].endswith(f"/runs/{run.info.run_id}")
+    # a sqlite store has no URL to click: the run id and the command that serves its UI instead
+    assert result["mlflow_run_url"] is None
+    assert result["mlflow_ui"].startswith(f"mlflow ui --backend-store-uri {store}") and "--host 127.0.0.1" in result["mlflow_ui"]
 
 
 def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
@@ -161,10 +166,12 @@ def test_cli_reports_to_dagster_pipes(small_corpus: SyntheticCorpus, tmp_path: P
     assert report["data_version"] == result["checkpoint_sha256"]
     metadata = {key: value["raw_value"] for key, value in report["metadata"].items()}
     assert metadata["steps"] == 2 and metadata["checkpoint"] == result["checkpoint"]
-    assert metadata["data_versions"] == {"manifest": "m1"}
+    assert "data_versions" not in metadata  # the asset records them, bounded, as input_versions
+    assert all(isinstance(v, str) or len(repr(v)) < 12 for v in metadata.values() if not isinstance(v, dict))  # rounded
     assert {
         "final_loss",
         "heldout_masked_accuracy",
+        "heldout_majority_accuracy",
         "heldout_loss",
         "chance_accuracy",
         "audio_seconds_per_second",
