@@ -68,6 +68,34 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
+def progress_bar(total: int, unit: str):
+    """A tqdm bar when attached to a terminal, else None (logs and CI stay clean)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, dynamic_ncols=True)
+
+
+def _cmd_replicate(args: argparse.Namespace) -> int:
+    from speech_assets.corpus.replicate import replicate_corpus
+
+    bar = progress_bar(args.speakers, "speaker")
+    try:
+        report = replicate_corpus(
+            args.source, args.out, scale=args.scale, speakers=args.speakers, seed=args.seed,
+            workers=args.workers or None, progress=(lambda done, total: bar.update(1)) if bar else None,
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to {report.out_dir}")
+    return 0
+
+
 def _cmd_runs_reap(args: argparse.Namespace) -> int:
     """Fail runs whose processes are gone and free the concurrency slots they hold."""
     import dagster as dg
@@ -95,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     synth_module.add_arguments(synth)
     synth.set_defaults(func=synth_module.run_from_args)
+
+    replicate = corpus.add_parser(
+        "replicate", help="a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one"
+    )
+    replicate.add_argument("--from", dest="source", type=Path, default=settings.sample_corpus(), help="source corpus (default: the sample)")
+    replicate.add_argument("--out", type=Path, required=True, help="output directory (must be empty or absent)")
+    replicate.add_argument("--scale", type=float, default=0.25, help="share of train-clean-100's ~113 utterances per speaker (1.0 = ~100 h)")
+    replicate.add_argument("--speakers", type=int, default=251)
+    replicate.add_argument("--seed", type=int, default=0)
+    replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
+    replicate.set_defaults(func=_cmd_replicate)
 
     db_help = "DuckDB file (default: $SPEECH_ASSETS_DATA_DIR/stats.duckdb)"
     stats = commands.add_parser("stats", help="summary of the dataset from the DuckDB database")

@@ -57,7 +57,7 @@ class TrainConfig:
     mask_prob: float = 0.08
     mask_length: int = 10
     max_frames: int = 1500
-    num_workers: int = 0
+    num_workers: int = -1  # DataLoader workers per process; -1: auto (see trainer.loader_workers)
     threads: int | None = None
     data_versions: dict[str, str] = field(default_factory=dict)
     git_sha: str | None = None
@@ -92,6 +92,8 @@ class TrainConfig:
             problems.append("grad_accum must be 'auto' or an int >= 1")
         if not (self.nproc == "auto" or (isinstance(self.nproc, int) and self.nproc >= 1)):
             problems.append("nproc must be 'auto' or an int >= 1")
+        if self.num_workers < -1:
+            problems.append("num_workers must be >= 0, or -1 for auto")
         if self.threads is not None and self.threads < 1:
             problems.append("threads must be >= 1")
         if self.batch_seconds is not None and self.batch_seconds <= 0:

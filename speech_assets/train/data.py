@@ -195,6 +195,9 @@ class UtteranceDataset(Dataset[Example]):
         self.max_frames = max_frames
         self.cached_row_groups = cached_row_groups
         self._cache: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
+        # read amplification = bytes_decompressed / bytes_delivered (log-mel bytes, per process)
+        self.bytes_decompressed = 0
+        self.bytes_delivered = 0
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -210,6 +213,7 @@ class UtteranceDataset(Dataset[Example]):
         labels = align_labels(self.index.labels[ref.client][ref.utt_id], logmel.shape[0], ref.utt_id)
         start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames)
         feats = self.cmvn.apply(logmel[start : start + self.max_frames], "logmel")
+        self.bytes_delivered += feats.nbytes
         labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
         return Example(ref.utt_id, ref.client, torch.from_numpy(feats), torch.from_numpy(labels))
 
@@ -220,6 +224,7 @@ class UtteranceDataset(Dataset[Example]):
             return self._cache[key]
         table = pq.ParquetFile(self.index.shards[shard]).read_row_group(group, columns=["logmel"])
         column = table.column("logmel").combine_chunks()
+        self.bytes_decompressed += column.nbytes
         self._cache[key] = column
         while len(self._cache) > self.cached_row_groups:
             self._cache.popitem(last=False)
@@ -227,7 +232,7 @@ class UtteranceDataset(Dataset[Example]):
 
     def __getstate__(self) -> dict[str, object]:
         # DataLoader workers start with an empty cache instead of pickling Arrow buffers.
-        return {**self.__dict__, "_cache": OrderedDict()}
+        return {**self.__dict__, "_cache": OrderedDict(), "bytes_decompressed": 0, "bytes_delivered": 0}
 
 
 class DurationBucketSampler:

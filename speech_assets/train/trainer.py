@@ -54,7 +54,6 @@ from speech_assets.train.data import (
     Batch,
     CorpusIndex,
     UtteranceRef,
-    DurationBucketSampler,
     UtteranceDataset,
     build_index,
     collate,
@@ -71,6 +70,7 @@ from speech_assets.train.launch import (
     read_oom_marker,
     write_oom_marker,
 )
+from speech_assets.train.sampling import BlockShuffleSampler
 from speech_assets.train.tracking import MlflowTracker, PipesReporter
 from speech_assets.utils import atomic_write_text
 
@@ -166,14 +166,14 @@ class BatchStream:
     def __init__(
         self,
         dataset: UtteranceDataset,
-        sampler: DurationBucketSampler,
+        sampler: BlockShuffleSampler,
         epoch: int,
         position: int,
         config: TrainConfig,
         pin_memory: bool,
     ) -> None:
         self.dataset, self.sampler, self.epoch, self.position = dataset, sampler, epoch, position
-        self.num_workers, self.seed, self.pin_memory = config.num_workers, config.seed, pin_memory
+        self.num_workers, self.seed, self.pin_memory = sampler.num_workers, config.seed, pin_memory
         self._batches_in_epoch = 0
         self._iterator: Iterator[Batch] | None = None
 
@@ -235,10 +235,18 @@ class Trainer:
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
         cmvn = Cmvn.load(config.cmvn)
-        self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames)
+        self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames, cached_row_groups=WINDOW_BLOCKS + 1)
         self.heldout_set = UtteranceDataset(index, heldout_refs, cmvn, config.max_frames)
-        self.sampler = DurationBucketSampler(
-            self.train_set.seconds, plan.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+        self.num_workers = loader_workers(config, job)
+        self.sampler = BlockShuffleSampler(
+            [(u.shard, u.row_group) for u in train_refs],
+            self.train_set.seconds,
+            plan.batch_seconds,
+            num_replicas=job.world_size,
+            rank=job.rank,
+            seed=config.seed,
+            window_blocks=WINDOW_BLOCKS,
+            num_workers=self.num_workers,
         )
 
         seed_everything(config.seed)
@@ -481,7 +489,7 @@ class Trainer:
         world, rank = self.job.world_size, self.job.rank
         batches = eval_batches(self.heldout_set.seconds, self.plan.batch_seconds, world, rank)
         loader = DataLoader(
-            self.heldout_set, batch_sampler=batches, collate_fn=collate, num_workers=self.config.num_workers
+            self.heldout_set, batch_sampler=batches, collate_fn=collate, num_workers=0
         )
         totals = torch.zeros(6, dtype=torch.float64, device=self.job.device)
         clients = len(self.model.clients)
@@ -588,6 +596,20 @@ class Trainer:
             reporter.report(metadata, data_version=sha, paths=("checkpoint",))
         self._barrier()
         return result
+
+
+WINDOW_BLOCKS = 16  # blocks (shard row groups) mixed at a time; the dataset caches one window
+
+
+def loader_workers(config: TrainConfig, job: Distributed) -> int:
+    """DataLoader worker processes: ``config.num_workers``, or, when it is negative (auto), none
+    on CPU (the cores train; one process reads well over 2,000 s of audio per second) and up to 4
+    per GPU process from the cores this node leaves it."""
+    if config.num_workers >= 0:
+        return config.num_workers
+    if job.device.type != "cuda":
+        return 0
+    return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
 
 
 def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:

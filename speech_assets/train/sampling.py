@@ -1,0 +1,89 @@
+"""The training reading order: each decompressed block of a shard is used for whole batches.
+
+A shard is Parquet row groups ("blocks") of a few dozen utterances; reading one utterance means
+decompressing its whole block. Shuffling the whole corpus (``data.DurationBucketSampler``) then
+decompresses a block for nearly every utterance and uses a sliver of it. Here, per epoch:
+
+1. the blocks are shuffled (seeded by ``seed`` and the epoch) and dealt round-robin to ranks;
+2. each rank walks its blocks in windows of ``window_blocks``; within a window the utterances are
+   shuffled and cut into duration-bucketed batches (padded size ``len * longest`` within
+   ``batch_seconds``), whose order is shuffled;
+3. with ``num_workers`` DataLoader workers, whole windows go to one worker each and the batch list
+   is interleaved so that DataLoader's round-robin hands every batch to the worker holding its
+   window.
+
+A block is thus decompressed once per epoch per rank (the dataset caches a window's blocks), and
+mixing still spans ``window_blocks`` random blocks from many speakers. Every rank gets the same
+number of batches (the longest lists are cut), so ranks stay in lock-step, and the batch list
+is a pure function of (seed, epoch, rank, world size, workers): a position in it resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from speech_assets.train.data import cut_batches
+
+
+class BlockShuffleSampler:
+    """Deterministic, block-local batching for one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        seconds: Sequence[float],
+        batch_seconds: float,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        window_blocks: int = 16,
+        num_workers: int = 0,
+    ) -> None:
+        """``blocks[i]`` is utterance ``i``'s (shard, row group); ``seconds[i]`` its duration."""
+        if not seconds or len(blocks) != len(seconds):
+            raise ValueError("need one block and one duration per utterance, and at least one utterance")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+        self.batch_seconds = float(batch_seconds)
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.window_blocks, self.num_workers = max(1, window_blocks), max(0, num_workers)
+        keys = sorted(set(blocks))
+        index = {key: n for n, key in enumerate(keys)}
+        self.members: list[list[int]] = [[] for _ in keys]
+        for utterance, key in enumerate(blocks):
+            self.members[index[key]].append(utterance)
+
+    def _rank_windows(self, epoch: int, rank: int) -> list[list[list[int]]]:
+        rng = np.random.default_rng([self.seed, epoch, 7919])
+        order = rng.permutation(len(self.members))
+        mine = order[rank :: self.num_replicas] if len(order) >= self.num_replicas else order[[rank % len(order)]]
+        windows = []
+        for start in range(0, len(mine), self.window_blocks):
+            utterances = np.array([u for block in mine[start : start + self.window_blocks] for u in self.members[block]])
+            window_rng = np.random.default_rng([self.seed, epoch, rank, start])
+            batches = cut_batches(window_rng.permutation(utterances), self.seconds, self.batch_seconds)
+            windows.append([batches[i] for i in window_rng.permutation(len(batches))])
+        return windows
+
+    def _arrange(self, windows: list[list[list[int]]]) -> list[list[int]]:
+        if self.num_workers <= 1:
+            return [batch for window in windows for batch in window]
+        lanes: list[list[list[int]]] = [[] for _ in range(self.num_workers)]
+        for number, window in enumerate(windows):
+            lanes[number % self.num_workers].extend(window)
+        arranged, position = [], [0] * self.num_workers
+        while any(position[w] < len(lanes[w]) for w in range(self.num_workers)):
+            for worker in range(self.num_workers):  # index k goes to worker k % num_workers
+                if position[worker] < len(lanes[worker]):
+                    arranged.append(lanes[worker][position[worker]])
+                    position[worker] += 1
+        return arranged
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch``; the same count on every rank."""
+        count = min(sum(len(w) for w in self._rank_windows(epoch, r)) for r in range(self.num_replicas))
+        return self._arrange(self._rank_windows(epoch, self.rank))[:count]
