@@ -34,11 +34,28 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        # mkstemp creates 0600; the published file gets what a plain open() would give it
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only be read by setting it,
+    which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(target: str | os.PathLike[str], data: bytes) -> None:
