@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
+from speech_assets.corpus.ids import why_unsafe
 from speech_assets.utils import atomic_path, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
@@ -49,6 +50,7 @@ class RejectReason(StrEnum):
     TOO_SHORT = "too_short"
     TOO_LONG = "too_long"
     OUTSIDE_ROOT = "outside_root"
+    INVALID_ID = "invalid_id"
     NO_SPEECH = "no_speech"
 
 
@@ -248,9 +250,7 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
         if not text:
             rejects.append(RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"{manifest.name} record {number} has an empty transcript"))
             continue
-        speaker = str(record.get("speaker_id") or "").strip()
-        if not speaker:
-            raise CorpusError(f"{manifest}: record {number} has no speaker_id")
+        speaker = str(record.get("speaker_id") or "").strip()  # empty: an invalid_id reject, not a failed run
         chapter = str(record.get("chapter_id") or "").strip() or "0"
         candidates.append(Candidate(utt_id, speaker, chapter, text, path))
     return candidates, rejects
@@ -358,6 +358,10 @@ def scan_corpus(
 
     inside: list[tuple[Candidate, str]] = []
     for candidate in candidates:
+        bad_id = invalid_id_detail(candidate)
+        if bad_id is not None:
+            rejects.append(RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.INVALID_ID, bad_id))
+            continue
         resolved = Path(os.path.realpath(candidate.path))
         if not resolved.is_relative_to(root):
             rejects.append(
@@ -400,6 +404,15 @@ def scan_corpus(
     new_cache = {_cache_key(path, os.stat(path)): probe for path, probe in probes.items()}
     rejects.sort(key=lambda r: (r.utt_id, r.path, r.reason))
     return ScanResult(rows=rows, rejects=rejects, decoded_files=decoded, cache=new_cache)
+
+
+def invalid_id_detail(candidate: Candidate) -> str | None:
+    """Why one of the candidate's ids cannot become a file name or partition key (None: all safe)."""
+    for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id)):
+        reason = why_unsafe(value)
+        if reason is not None:
+            return f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''} {reason}"
+    return None
 
 
 def _judge(

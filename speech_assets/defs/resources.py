@@ -11,6 +11,7 @@ import dagster as dg
 from pydantic import create_model
 
 from speech_assets import settings
+from speech_assets.corpus.ids import check_safe_id
 from speech_assets.features.shards import ShardFiles
 
 
@@ -71,7 +72,7 @@ class StoragePaths(dg.ConfigurableResource):
         return self.shard_files(speaker_id).shard
 
     def shard_files(self, speaker_id: str) -> ShardFiles:
-        return ShardFiles.of(self.shards_dir, speaker_id)
+        return ShardFiles.of(self.shards_dir, check_safe_id(speaker_id, "speaker_id"))
 
     @property
     def cmvn_dir(self) -> Path:
@@ -82,7 +83,7 @@ class StoragePaths(dg.ConfigurableResource):
         return self.root / "clients" / "clients.parquet"
 
     def kmeans_dir(self, client_id: str) -> Path:
-        return self.root / "kmeans" / client_id
+        return self.root / "kmeans" / check_safe_id(client_id, "client_id")
 
     @property
     def training_dir(self) -> Path:

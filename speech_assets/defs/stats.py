@@ -4,6 +4,7 @@ import json
 
 import dagster as dg
 import duckdb
+import pyarrow.parquet as pq
 
 from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import follow_upstream
@@ -17,13 +18,18 @@ CODE_VERSION = "stats-v1"
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
-    shards = sorted(p for p in paths.shards_dir.glob("*.parquet") if p.name.count(".") == 1)
+    # the shards of the speakers the manifest lists whose meta vouches for them (never inferred
+    # from file names: a speaker id could look like another file's suffix)
+    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist() if paths.speakers_file.exists() else []
+    published = [paths.shard_files(s) for s in sorted(speakers)]
+    published = [files for files in published if files.read_meta() is not None]
+    shards = [files.shard for files in published]
     results = sorted(paths.training_dir.glob("*/result.json"))
     return stats_db.StatsInputs(
         manifest=paths.manifest_file,
         manifest_rejects=paths.rejects_file,
         shards=shards,
-        shard_rejects=sorted(paths.shards_dir.glob("*.rejects.parquet")),
+        shard_rejects=[files.rejects for files in published],
         clients=paths.clients_file,
         kmeans_quality=sorted((paths.root / "kmeans").glob("*/quality.json")),
         training_results=results,

@@ -182,3 +182,63 @@ def test_cache_round_trip(tmp_path: Path, libri: LibriCorpus) -> None:
     assert m.load_cache(tmp_path / "cache.parquet") == result.cache
     (tmp_path / "broken.parquet").write_text("garbage")
     assert m.load_cache(tmp_path / "broken.parquet") == {}
+
+
+BAD_IDS = ["../../x", "a.rejects", "spk.1", "", "s" * 300, "spk_é"]
+BAD_ID_NAMES = ["parent-path", "sidecar-name", "dot", "empty", "300-chars", "non-ascii"]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=BAD_ID_NAMES)
+@pytest.mark.parametrize("field", ["speaker_id", "chapter_id", "utt_id"])
+@pytest.mark.parametrize("writer, suffix", [(_write_csv, ".csv"), (_write_jsonl, ".jsonl")], ids=["csv", "jsonl"])
+def test_unsafe_ids_in_a_manifest_file_are_rejected(tmp_path: Path, writer, suffix: str, field: str, bad: str) -> None:
+    root = tmp_path / "audio"
+    write_flac(root / "good.flac")
+    write_flac(root / "bad.flac", seed=1)
+    good = {"path": "good.flac", "transcript": "fine", "speaker_id": "s1", "utt_id": "good", "chapter_id": "c1"}
+    record = {"path": "bad.flac", "transcript": "not fine", "speaker_id": "s2", "utt_id": "bad", "chapter_id": "c1", field: bad}
+    if field == "utt_id" and bad == "":
+        record["path"] = "bad.flac"  # an empty utt_id falls back to the file name: use one that is unsafe too
+        (root / "bad.flac").rename(root / "b.a.d.flac")
+        record["path"] = "b.a.d.flac"
+    writer(root / f"corpus{suffix}", [good, record])
+    result = m.scan_corpus(root / f"corpus{suffix}")
+    if field == "chapter_id" and bad == "":  # chapter_id is optional: empty means the default chapter "0"
+        assert [(r.utt_id, r.chapter_id) for r in result.rows] == [("bad", "0"), ("good", "c1")]
+        return
+    assert [r.utt_id for r in result.rows] == ["good"]
+    (reject,) = result.rejects
+    assert reject.reason == "invalid_id" and reject.stage == "manifest"
+    assert field in reject.detail or "utt_id" in reject.detail
+
+
+@pytest.mark.parametrize("bad", ["spk.1", "spk_é", "s" * 70], ids=["dot", "non-ascii", "too-long"])
+def test_unsafe_speaker_folder_in_librispeech_layout_is_rejected(libri: LibriCorpus, bad: str) -> None:
+    libri.add("1", "10", 0)
+    libri.add(bad, "10", 1)
+    result = m.scan_corpus(libri.root)
+    assert [r.speaker_id for r in result.rows] == ["1"]
+    assert {r.reason for r in result.rejects} == {"invalid_id"}
+    assert "speaker_id" in result.rejects[0].detail
+
+
+@pytest.mark.parametrize(("value", "ok"), [("1034", True), ("client_00", True), ("a-b_C9", True), ("x" * 64, True),
+                                           ("x" * 65, False), ("", False), ("..", False), ("a/b", False), ("é", False), ("a b", False)])
+def test_safe_id_rule(value: str, ok: bool) -> None:
+    from speech_assets.corpus.ids import check_safe_id, is_safe_id
+
+    assert is_safe_id(value) is ok
+    if not ok:
+        with pytest.raises(ValueError):
+            check_safe_id(value, "speaker_id")
+
+
+def test_storage_paths_refuse_unsafe_ids(tmp_path: Path) -> None:
+    from speech_assets.defs.resources import StoragePaths
+
+    paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
+    for bad in ("../../x", "a.rejects", ""):
+        with pytest.raises(ValueError, match="speaker_id"):
+            paths.shard_files(bad)
+        with pytest.raises(ValueError, match="client_id"):
+            paths.kmeans_dir(bad)
