@@ -18,8 +18,8 @@ is ever opened. A bad file never raises: it becomes a :class:`RejectRow` with a 
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -117,6 +117,9 @@ class AudioProbe:
     num_samples: int = 0
     file_sha256: str = ""
     error: str = ""
+    # False when the header alone showed the duration out of bounds, so the file was never read:
+    # such a probe is trusted only while the bounds still exclude it.
+    decoded: bool = True
 
 
 @dataclass
@@ -282,28 +285,47 @@ def _read_manifest_records(manifest: Path) -> Iterator[dict[str, object]]:
 # Decoding
 
 
-def probe_audio(path: str) -> AudioProbe:
-    """Read and fully decode ``path``; never raises for bad audio (the error goes in ``error``)."""
+_BLOCK_FRAMES = 1 << 16
+_HASH_CHUNK = 1 << 20
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe:
+    """Validate ``path``; never raises for bad audio (the error goes in ``error``).
+
+    The header is read first: a file whose declared duration is outside ``config``'s bounds is
+    judged from it and never read (``decoded=False``). Otherwise the file is hashed in chunks
+    and decoded block by block from disk, so memory does not grow with the file's length.
+    """
     stat = os.stat(path)
     base = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     if stat.st_size == 0:
         return AudioProbe(**base, error="file is empty (0 bytes)")
-    with open(path, "rb") as handle:
-        data = handle.read()
-    digest = hashlib.sha256(data).hexdigest()
     try:
-        with sf.SoundFile(io.BytesIO(data)) as audio:
-            declared = audio.frames
-            sample_rate, channels = audio.samplerate, audio.channels
+        with sf.SoundFile(path) as audio:
+            declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+            if config is not None and declared > 0 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s:
+                return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False)
+            limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             decoded = 0
-            for block in audio.blocks(blocksize=1 << 16, dtype="int16", always_2d=True):
+            for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype="int16", always_2d=True):
                 decoded += block.shape[0]
+                if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
+                    return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
-        return AudioProbe(**base, file_sha256=digest, error=f"cannot decode as audio: {reason}")
+        return AudioProbe(**base, file_sha256=_file_sha256(path), error=f"cannot decode as audio: {reason}")
+    digest = _file_sha256(path)
     if decoded == 0:
         return AudioProbe(**base, file_sha256=digest, error="decodes to zero samples")
-    if declared != decoded:
+    if declared > 0 and declared != decoded:
         return AudioProbe(
             **base, file_sha256=digest,
             error=f"header declares {declared} samples but {decoded} decoded (truncated or corrupt)",
@@ -316,25 +338,35 @@ def _cache_key(path: str, stat: os.stat_result) -> str:
 
 
 def probe_all(
-    paths: Sequence[str], cache: dict[str, AudioProbe], workers: int = 1
+    paths: Sequence[str], cache: dict[str, AudioProbe], workers: int = 1, config: ValidationConfig | None = None
 ) -> tuple[dict[str, AudioProbe], int]:
-    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns)."""
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
+
+    A cached probe that was judged from its header alone is reused only while ``config``'s
+    bounds still exclude it; otherwise the file is read and decoded now.
+    """
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
     for path in paths:
         stat = os.stat(path)
         hit = cache.get(_cache_key(path, stat))
-        if hit is not None:
+        if hit is not None and (hit.decoded or (config is not None and _out_of_bounds(hit, config))):
             results[path] = hit
         else:
             todo.append(path)
+    probe = functools.partial(probe_audio, config=config)
     if workers > 1 and len(todo) > 32:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            probes = list(pool.map(probe_audio, todo, chunksize=16))
+            probes = list(pool.map(probe, todo, chunksize=16))
     else:
-        probes = [probe_audio(path) for path in todo]
+        probes = [probe(path) for path in todo]
     results.update(zip(todo, probes, strict=True))
     return results, len(todo)
+
+
+def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:
+    duration = probe.num_samples / probe.sample_rate if probe.sample_rate else 0.0
+    return not config.min_duration_s <= duration <= config.max_duration_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +409,7 @@ def scan_corpus(
         else:
             inside.append((candidate, str(resolved)))
 
-    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers)
+    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
@@ -463,7 +495,8 @@ REJECTS_SCHEMA = pa.schema(
     [pa.field(name, pa.string(), nullable=False) for name in ("utt_id", "path", "stage", "reason", "detail")]
 )
 _CACHE_SCHEMA = pa.schema(
-    [("key", pa.string())] + [(f.name, pa.string() if f.type in ("str", str) else pa.int64()) for f in fields(AudioProbe)]
+    [("key", pa.string())]
+    + [(f.name, {"str": pa.string(), "bool": pa.bool_()}.get(str(f.type), pa.int64())) for f in fields(AudioProbe)]
 )
 
 

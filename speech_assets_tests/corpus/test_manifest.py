@@ -242,3 +242,60 @@ def test_storage_paths_refuse_unsafe_ids(tmp_path: Path) -> None:
             paths.shard_files(bad)
         with pytest.raises(ValueError, match="client_id"):
             paths.kmeans_dir(bad)
+
+
+RSS_PROBE = """
+import resource, sys
+from speech_assets.corpus import manifest as m
+probe = m.probe_audio(sys.argv[1], m.ValidationConfig(max_duration_s=float(sys.argv[2])))
+print(probe.decoded, probe.num_samples, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _peak_rss_kib(path: Path, max_duration_s: float) -> tuple[bool, int, int]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path), str(max_duration_s)], check=True, capture_output=True, text=True)
+    decoded, samples, rss = out.stdout.split()
+    return decoded == "True", int(samples), int(rss)
+
+
+def _long_flac(path: Path, seconds: int) -> Path:
+    """A long, quiet, low-entropy FLAC written block by block (small on disk, quick to write)."""
+    import numpy as np
+    import soundfile as sf
+
+    block = (0.01 * np.sin(np.arange(16_000) * 2 * np.pi * 200 / 16_000)).astype(np.float32)
+    with sf.SoundFile(path, "w", samplerate=16_000, channels=1, format="FLAC", subtype="PCM_16") as out:
+        for _ in range(seconds):
+            out.write(block)
+    return path
+
+
+def test_a_two_hour_file_is_judged_from_its_header_in_bounded_memory(tmp_path: Path) -> None:
+    long_file = _long_flac(tmp_path / "two_hours.flac", 2 * 3600)
+    short_file = write_flac(tmp_path / "short.flac", seconds=1.0)
+    decoded, samples, long_rss = _peak_rss_kib(long_file, 35.0)
+    assert (decoded, samples) == (False, 2 * 3600 * 16_000)  # too long: never read
+    _, _, short_rss = _peak_rss_kib(short_file, 35.0)
+    # KiB. Reading the file whole costs its size (31 MB here); decoding it whole ~230 MB.
+    assert long_rss - short_rss < 10 * 1024
+    # within bounds it is decoded in full, still block by block
+    decoded, samples, full_rss = _peak_rss_kib(long_file, 3 * 3600.0)
+    assert (decoded, samples) == (True, 2 * 3600 * 16_000)
+    assert full_rss - short_rss < 10 * 1024
+
+
+def test_a_header_only_probe_is_decoded_once_the_bounds_admit_it(tmp_path: Path) -> None:
+    _long_flac(tmp_path / "long.flac", 40)
+    strict = m.ValidationConfig(max_duration_s=35.0)
+    probes, decoded = m.probe_all([str(tmp_path / "long.flac")], {}, config=strict)
+    (probe,) = probes.values()
+    assert decoded == 1 and not probe.decoded and probe.file_sha256 == ""
+    cache = {m._cache_key(str(tmp_path / "long.flac"), os.stat(tmp_path / "long.flac")): probe}
+    _, again = m.probe_all([str(tmp_path / "long.flac")], cache, config=strict)
+    assert again == 0  # still out of bounds: the header verdict stands
+    probes, again = m.probe_all([str(tmp_path / "long.flac")], cache, config=m.ValidationConfig(max_duration_s=60.0))
+    (probe,) = probes.values()
+    assert again == 1 and probe.decoded and len(probe.file_sha256) == 64 and probe.num_samples == 40 * 16_000
