@@ -23,6 +23,7 @@ import os
 import dagster as dg
 import pyarrow.parquet as pq
 
+from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import corpus_fingerprint
 from speech_assets.defs.lineage import latest_metadata
 from speech_assets.testing.local_runs import PARTITION_RANGE_END, PARTITION_RANGE_START
@@ -31,13 +32,12 @@ from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
-REJECT_RATIO_CHECK = dg.AssetCheckKey(dg.AssetKey("manifest"), "reject_ratio")
+MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
 
 
-def _manifest_check_failed(instance: dg.DagsterInstance) -> bool:
-    records = instance.event_log_storage.get_latest_asset_check_execution_by_key([REJECT_RATIO_CHECK])
-    record = records.get(REJECT_RATIO_CHECK)
-    return record is not None and record.status.value == "FAILED"
+def _failed_manifest_checks(instance: dg.DagsterInstance) -> list[str]:
+    records = instance.event_log_storage.get_latest_asset_check_execution_by_key(MANIFEST_CHECKS)
+    return [key.name for key, record in records.items() if record is not None and record.status.value == "FAILED"]
 
 
 def stale_speakers(paths: StoragePaths) -> dict[str, str]:
@@ -71,8 +71,12 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")])],
             cursor=cursor,
         )
-    if _manifest_check_failed(context.instance):
-        return dg.SkipReason("manifest reject_ratio check failed: fix the corpus or raise max_reject_ratio")
+    failed = _failed_manifest_checks(context.instance)
+    if failed:
+        return dg.SkipReason(
+            f"the last manifest was not published: check(s) {', '.join(failed)} failed; fix the corpus "
+            "(or the [manifest] settings) and the next corpus change re-validates it"
+        )
     registered = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
     listed = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist() if paths.speakers_file.exists() else []
     new = sorted(set(listed) - set(registered))

@@ -108,7 +108,7 @@ def partition_materialization(
     """The materialization of one partition, with ``data_version`` (a content hash) as its own."""
     from dagster._core.definitions.data_version import CODE_VERSION_TAG, DATA_VERSION_IS_USER_PROVIDED_TAG
 
-    code_version = context.assets_def.code_versions_by_key[context.asset_key] or context.run_id
+    code_version = context.assets_def.code_versions_by_key[context.asset_key] or context.run.run_id
     return dg.AssetMaterialization(
         asset_key=context.asset_key,
         partition=partition,

@@ -1,60 +1,92 @@
 """Stage 1: the validated manifest of the corpus, and its rows per speaker."""
 
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
 from speech_assets.defs.partitions import register_new, speakers_partitions
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_path, sha256_strings
 
-CODE_VERSION = "manifest-v1"
-
-REQUIRED_COLUMNS = tuple(corpus.MANIFEST_SCHEMA.names)
+CODE_VERSION = "manifest-v2"
 
 
-class ManifestConfig(dg.Config):
-    min_duration_s: float = 0.5
-    max_duration_s: float = 35.0
-    max_reject_ratio: float = 0.2
-    workers: int = 0  # 0: one decoder per core
+class ManifestConfig(overrides_of(ManifestSettings)):
+    """Run-config overrides of the `[manifest]` settings for one manual run."""
 
 
 @dg.asset(
     group_name="corpus",
     code_version=CODE_VERSION,
     kinds={"parquet"},
-    description="One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a reason.",
+    description=(
+        "One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a reason. "
+        "Written to a staging folder, audited by reading it back, and published only if every check passes."
+    ),
     check_specs=[
-        dg.AssetCheckSpec("schema", asset="manifest", description="Every documented column, with its type."),
-        dg.AssetCheckSpec("no_nulls", asset="manifest", description="No null in any column."),
-        dg.AssetCheckSpec("unique_ids", asset="manifest", description="utt_id is unique."),
-        dg.AssetCheckSpec(
-            "reject_ratio", asset="manifest", blocking=True,
-            description="Rejected / (kept + rejected) stays within max_reject_ratio; blocks downstream assets.",
-        ),
+        dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=description)
+        for name, description in (
+            ("schema", "Every documented column, with its type."),
+            ("no_nulls", "No null in any column."),
+            ("unique_ids", "utt_id is unique."),
+            ("safe_ids", "Speaker, chapter and utterance ids are 1-64 ASCII letters, digits, _ or -."),
+            ("paths_inside_root", "Every path is an existing file inside the corpus root."),
+            ("durations", "duration_s equals num_samples / sample_rate and lies within the configured bounds."),
+            ("reject_ratio", "Rejected / (kept + rejected) stays within max_reject_ratio."),
+        )
     ],
 )
-def manifest(context: dg.AssetExecutionContext, config: ManifestConfig, paths: StoragePaths) -> dg.MaterializeResult:
+def manifest(
+    context: dg.AssetExecutionContext, config: ManifestConfig, paths: StoragePaths, settings: PipelineSettings
+) -> Iterator[object]:
+    options = effective(settings.manifest, config)
     location = paths.corpus_path
     try:
-        validation = corpus.ValidationConfig(config.min_duration_s, config.max_duration_s)
+        validation = corpus.ValidationConfig(options.min_duration_s, options.max_duration_s)
         fingerprint = corpus.corpus_fingerprint(location)
         cache = corpus.load_cache(paths.decode_cache_file)
-        result = corpus.scan_corpus(location, validation, cache, workers=config.workers or os.cpu_count() or 1)
+        result = corpus.scan_corpus(location, validation, cache, workers=options.workers or os.cpu_count() or 1)
     except (corpus.CorpusError, ValueError) as err:
         raise dg.Failure(description=str(err)) from err
-
-    corpus.write_manifest(paths.manifest_file, result.rows)
-    corpus.write_rejects(paths.rejects_file, result.rejects)
     if result.cache != cache:
-        corpus.save_cache(paths.decode_cache_file, result.cache)
-    per_speaker = _write_speakers(paths, result.rows)
+        corpus.save_cache(paths.decode_cache_file, result.cache)  # a cache, not an output: safe either way
+
+    # Write, audit, publish: nothing later stages read changes unless every audit passes.
+    staging = paths.manifest_dir / ".staging" / context.run.run_id
+    try:
+        staged = {name: staging / target.name for name, target in _published_files(paths).items()}
+        corpus.write_manifest(staged["manifest"], result.rows)
+        corpus.write_rejects(staged["rejects"], result.rejects)
+        per_speaker = _write_speakers(staged["speakers"], result.rows)
+        audits = audit.audit_manifest(staged["manifest"], staged["rejects"], corpus.corpus_root_of(location), validation, options.max_reject_ratio)
+        for outcome in audits:
+            yield dg.AssetCheckResult(
+                check_name=outcome.name,
+                passed=outcome.passed,
+                severity=dg.AssetCheckSeverity.ERROR,
+                description=outcome.description,
+                metadata={k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v) for k, v in outcome.metadata.items()},
+            )
+        failed = [outcome for outcome in audits if not outcome.passed]
+        if failed:
+            raise dg.Failure(
+                description="manifest not published, the previous one stays: "
+                + "; ".join(f"{o.name} failed ({o.description}: {o.metadata})" for o in failed),
+            )
+        for name, target in _published_files(paths).items():  # rows last: their readers find new sidecars
+            if name != "manifest":
+                os.replace(staged[name], target)
+        os.replace(staged["manifest"], paths.manifest_file)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     added = register_new(context, speakers_partitions, sorted(per_speaker))
 
     data_hash = corpus.manifest_hash(result.rows)
@@ -64,13 +96,13 @@ def manifest(context: dg.AssetExecutionContext, config: ManifestConfig, paths: S
         f"manifest: {len(result.rows)} kept ({hours:.3f} h), {len(result.rejects)} rejected, "
         f"{result.decoded_files} files decoded, {len(per_speaker)} speakers ({len(added)} new)"
     )
-    return dg.MaterializeResult(
+    yield dg.MaterializeResult(
         data_version=dg.DataVersion(data_hash),
         metadata={
             "rows": len(result.rows),
             "hours": round(hours, 4),
             "speakers": len(per_speaker),
-            "new_speakers": dg.MetadataValue.json(added),
+            "new_speakers": len(added),
             "rejects": len(result.rejects),
             "rejects_by_reason": dg.MetadataValue.md(markdown_table(("reason", "count"), by_reason.items())),
             "reject_ratio": round(result.reject_ratio, 4),
@@ -81,11 +113,15 @@ def manifest(context: dg.AssetExecutionContext, config: ManifestConfig, paths: S
             "path": dg.MetadataValue.path(str(paths.manifest_file)),
             "rejects_path": dg.MetadataValue.path(str(paths.rejects_file)),
         },
-        check_results=_checks(paths, result, config.max_reject_ratio),
     )
 
 
-def _write_speakers(paths: StoragePaths, rows: list[corpus.ManifestRow]) -> dict[str, str]:
+def _published_files(paths: StoragePaths) -> dict[str, Path]:
+    return {"rejects": paths.rejects_file, "speakers": paths.speakers_file, "manifest": paths.manifest_file}
+
+
+def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, str]:
+    """Per-speaker manifest hashes (what each shard depends on), utterances and hours."""
     hashes = corpus.speaker_hashes(rows)
     counts: dict[str, int] = {}
     seconds: dict[str, float] = {}
@@ -100,37 +136,9 @@ def _write_speakers(paths: StoragePaths, rows: list[corpus.ManifestRow]) -> dict
             "manifest_hash": list(hashes.values()),
         }
     )
-    with atomic_path(paths.speakers_file) as tmp:
+    with atomic_path(target) as tmp:
         pq.write_table(table, tmp)
     return hashes
-
-
-def _checks(paths: StoragePaths, result: corpus.ScanResult, max_ratio: float) -> list[dg.AssetCheckResult]:
-    table = pq.read_table(paths.manifest_file)
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    wrong = [
-        f"{c}: {table.schema.field(c).type} != {corpus.MANIFEST_SCHEMA.field(c).type}"
-        for c in REQUIRED_COLUMNS
-        if c not in missing and table.schema.field(c).type != corpus.MANIFEST_SCHEMA.field(c).type
-    ]
-    nulls = {c: table.column(c).null_count for c in table.column_names if table.column(c).null_count}
-    ids = table.column("utt_id").to_pylist() if "utt_id" in table.column_names else []
-    duplicates = len(ids) - len(set(ids))
-    return [
-        dg.AssetCheckResult(
-            check_name="schema", passed=not missing and not wrong,
-            metadata={"missing": dg.MetadataValue.json(missing), "wrong_types": dg.MetadataValue.json(wrong)},
-        ),
-        dg.AssetCheckResult(check_name="no_nulls", passed=not nulls, metadata={"nulls": dg.MetadataValue.json(nulls)}),
-        dg.AssetCheckResult(check_name="unique_ids", passed=duplicates == 0, metadata={"duplicates": duplicates}),
-        dg.AssetCheckResult(
-            check_name="reject_ratio",
-            passed=result.reject_ratio <= max_ratio,
-            severity=dg.AssetCheckSeverity.ERROR,
-            description=f"{len(result.rejects)} of {len(result.rows) + len(result.rejects)} utterances rejected",
-            metadata={"reject_ratio": round(result.reject_ratio, 4), "max_reject_ratio": max_ratio},
-        ),
-    ]
 
 
 SPEAKER_MANIFEST_CODE_VERSION = "speaker-manifest-v1"

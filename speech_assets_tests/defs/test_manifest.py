@@ -1,0 +1,84 @@
+"""The manifest asset on a real instance: write, audit, publish; unsafe ids never reach the data dir."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from speech_assets.definitions import build_definitions
+from speech_assets.defs.resources import PipelineSettings, StoragePaths
+from speech_assets.testing.corpora import LibriCorpus, write_flac
+from speech_assets.testing.local_runs import materialize_in_process
+from speech_assets_tests.conftest import REPO
+
+
+@pytest.fixture
+def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    instance = dg.DagsterInstance.get()
+    yield instance
+    instance.dispose()
+
+
+def defs_for(corpus: Path, out: Path) -> dg.Definitions:
+    paths = StoragePaths(corpus=str(corpus), data_dir=str(out), mlflow_tracking_uri="sqlite://")
+    return build_definitions(paths, PipelineSettings())
+
+
+def check_statuses(instance: dg.DagsterInstance) -> dict[str, str]:
+    from speech_assets.corpus.audit import AUDITS
+
+    keys = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
+    records = instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
+    return {key.name: record.status.value for key, record in records.items()}
+
+
+def test_a_corpus_that_fails_the_audit_leaves_the_published_manifest_untouched(tmp_path: Path, instance) -> None:
+    good = LibriCorpus(tmp_path / "good")
+    for speaker in ("1", "2"):
+        for utt in range(3):
+            good.add(speaker, "10", utt)
+    out = tmp_path / "out"
+    materialize_in_process(defs_for(good.root, out), instance, "manifest")
+    outputs = ("manifest.parquet", "rejects.parquet", "speakers.parquet")  # (the decode cache is only a cache)
+    published = {name: (out / "manifest" / name).read_bytes() for name in outputs}
+    partitions = list(instance.get_dynamic_partitions("speakers"))
+
+    bad = LibriCorpus(tmp_path / "bad")  # one good file, two unreadable: reject ratio 2/3
+    bad.add("3", "30", 0)
+    for utt in (1, 2):
+        bad.add("4", "30", utt).write_text("not audio")
+    with pytest.raises(Exception, match="reject_ratio failed"):
+        materialize_in_process(defs_for(bad.root, out), instance, "manifest")
+    assert {name: (out / "manifest" / name).read_bytes() for name in outputs} == published
+    assert list(instance.get_dynamic_partitions("speakers")) == partitions == ["1", "2"]
+    assert not list((out / "manifest").glob(".staging/*"))
+    assert check_statuses(instance)["reject_ratio"] == "FAILED"
+    assert len(instance.fetch_materializations(dg.AssetKey("manifest"), limit=10).records) == 1
+
+
+def test_unsafe_ids_from_a_csv_never_become_paths_or_partitions(tmp_path: Path, instance) -> None:
+    root = tmp_path / "corpus"
+    rows = ["path,transcript,speaker_id,utt_id"]
+    for index, speaker in enumerate(["ok1", "../../x", "a.rejects", "ok2"]):
+        write_flac(root / f"f{index}.flac", seed=index)
+        rows.append(f"f{index}.flac,hello,{speaker},u{index}")
+    (root / "corpus.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "data" / "out"
+    defs = build_definitions(
+        StoragePaths(corpus=str(root / "corpus.csv"), data_dir=str(out), mlflow_tracking_uri="sqlite://"),
+        PipelineSettings.model_validate({"manifest": {"max_reject_ratio": 0.6}}),
+    )
+    materialize_in_process(defs, instance, "manifest")
+    assert list(instance.get_dynamic_partitions("speakers")) == ["ok1", "ok2"]
+    materialize_in_process(defs, instance, "vad_features", ["ok1", "ok2"])
+    written = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()}
+    assert all(str(p).startswith(("data/out/", "corpus/", "dagster_home/")) for p in written), written
+    shards = sorted(p.name for p in (out / "features" / "shards").glob("*.parquet"))
+    assert shards == ["ok1.parquet", "ok1.rejects.parquet", "ok2.parquet", "ok2.rejects.parquet"]
