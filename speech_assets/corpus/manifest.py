@@ -471,8 +471,12 @@ def _judge(
 
 def manifest_hash(rows: Iterable[ManifestRow]) -> str:
     """sha256 over the sorted ``(utt_id, file_sha256, transcript)`` of kept rows."""
-    triples = sorted((r.utt_id, r.file_sha256, r.transcript) for r in rows)
-    return sha256_strings(part for triple in triples for part in triple)
+    return hash_triples((r.utt_id, r.file_sha256, r.transcript) for r in rows)
+
+
+def hash_triples(triples: Iterable[tuple[str, str, str]]) -> str:
+    """The manifest hash of ``(utt_id, file_sha256, transcript)`` triples, in any order."""
+    return sha256_strings(part for triple in sorted(triples) for part in triple)
 
 
 def speaker_hashes(rows: Iterable[ManifestRow]) -> dict[str, str]:
