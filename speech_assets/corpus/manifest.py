@@ -197,6 +197,9 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
         speaker_id, chapter_id = _speaker_chapter(root, folder)
         for utt_id in sorted(set(texts) | set(files)):
             if utt_id not in files:
+                if (reason := why_unsafe(utt_id)) is not None:  # never joined to a folder, not even in a reject
+                    rejects.append(RejectRow(utt_id, str(folder), "manifest", RejectReason.INVALID_ID, _id_detail("utt_id", utt_id, reason)))
+                    continue
                 rejects.append(
                     RejectRow(
                         utt_id, str(folder / f"{utt_id}.flac"), "manifest", RejectReason.MISSING_FILE,
@@ -439,12 +442,17 @@ def scan_corpus(
 
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
-    """Why one of the candidate's ids cannot become a file name or partition key (None: all safe)."""
-    for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id)):
-        reason = why_unsafe(value)
-        if reason is not None:
-            return f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''} {reason}"
-    return None
+    """Which of the candidate's ids cannot become a file name or partition key, and why (None: all safe)."""
+    problems = [
+        _id_detail(what, value, reason)
+        for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id))
+        if (reason := why_unsafe(value)) is not None
+    ]
+    return "; ".join(problems) or None
+
+
+def _id_detail(what: str, value: str, reason: str) -> str:
+    return f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''} {reason}"
 
 
 def _judge(
