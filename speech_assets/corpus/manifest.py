@@ -8,11 +8,14 @@ Two input forms are accepted:
   ``utt_id, chapter_id``; relative paths resolve against the manifest file's folder, which is
   then the corpus root.
 
-Every file is decoded once, fully, so that truncated or corrupt audio is caught here rather than
-in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
+A file whose header declares a duration outside the configured bounds is rejected without being
+read. Every other file is hashed in chunks and decoded once, fully, block by block from disk
+(memory does not grow with its length), so that truncated or corrupt audio is caught here rather
+than in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
 corpus is re-validated without decoding anything. No path that resolves outside the corpus root
-is ever opened. A bad file never raises: it becomes a :class:`RejectRow` with a reason from
-:class:`RejectReason` and a human-readable detail.
+is ever opened, and no speaker, chapter or utterance id that is not a safe id
+(:mod:`speech_assets.corpus.ids`) goes further than a reject row. A bad file never raises: it
+becomes a :class:`RejectRow` with a reason from :class:`RejectReason` and a human-readable detail.
 """
 
 from __future__ import annotations
@@ -289,6 +292,7 @@ def _read_manifest_records(manifest: Path) -> Iterator[dict[str, object]]:
 
 
 _BLOCK_FRAMES = 1 << 16
+_UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC with no total in its header
 _HASH_CHUNK = 1 << 20
 
 
@@ -314,6 +318,13 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
     try:
         with sf.SoundFile(path) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+            if declared >= _UNKNOWN_LENGTH:
+                # libsndfile can neither seek nor read such a file through soundfile; rejecting
+                # it as too long from a made-up duration would misreport it
+                return AudioProbe(
+                    **base, file_sha256=_file_sha256(path),
+                    error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
+                )
             if config is not None and declared > 0 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s:
                 return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False)
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
