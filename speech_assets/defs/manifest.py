@@ -85,7 +85,7 @@ def manifest(
                 os.replace(source, target)
             fsync_dir(paths.manifest_dir)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
         added = register_new(context, speakers_partitions, sorted(per_speaker))
 
     data_hash = corpus.manifest_hash(result.rows)
