@@ -37,7 +37,7 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         # mkstemp creates 0600; the published file gets what a plain open() would give it
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -67,7 +67,7 @@ def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
         try:

@@ -1,12 +1,16 @@
 """Audits of a written manifest: each reads the Parquet files back and tests what later stages
 rely on, independently of the code that produced them (write, audit, then publish).
 
-Every audit returns an :class:`Audit`; a manifest is published only if all of them pass.
+Every audit returns an :class:`Audit`; a manifest is published only if all of them pass. An
+audit that cannot evaluate (a column it needs is missing, a value has the wrong type, a file
+does not read) fails: it never passes by default.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +18,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.ids import is_safe_id
-from speech_assets.corpus.manifest import MANIFEST_SCHEMA, REJECTS_SCHEMA, ValidationConfig
+from speech_assets.corpus.manifest import MANIFEST_SCHEMA, REJECTS_SCHEMA, RejectReason, ValidationConfig, hash_triples
 
 MAX_LISTED = 10
+
+# name -> what it guarantees (the asset check's description)
+AUDITS: dict[str, str] = {
+    "schema": "manifest.parquet and rejects.parquet have every documented column with its type; reasons are documented ones.",
+    "no_nulls": "No null in any column of manifest.parquet or rejects.parquet.",
+    "unique_ids": "utt_id is unique in manifest.parquet.",
+    "safe_ids": "Speaker, chapter and utterance ids are 1-64 ASCII letters, digits, _ or -.",
+    "paths_inside_root": "Every path is an existing file inside the corpus root.",
+    "durations": "sample_rate > 0, channels >= 1, num_samples > 0, duration_s = num_samples / sample_rate, within the configured bounds.",
+    "speakers": "speakers.parquet lists exactly the manifest's speakers with their utterance counts and row hashes.",
+    "reject_ratio": "Rejected / (kept + rejected) stays within max_reject_ratio.",
+}
 
 
 @dataclass(frozen=True)
@@ -27,90 +43,152 @@ class Audit:
     metadata: dict[str, object] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ManifestFiles:
+    """The files a manifest run publishes together."""
+
+    manifest: Path
+    rejects: Path
+    speakers: Path
+
+
 def _examples(values: list[str]) -> list[str]:
     return [str(v)[:120] for v in values[:MAX_LISTED]]
 
 
-def schema(table: pa.Table) -> Audit:
-    missing = [f.name for f in MANIFEST_SCHEMA if f.name not in table.column_names]
-    wrong = [
-        f"{f.name}: {table.schema.field(f.name).type} (expected {f.type})"
-        for f in MANIFEST_SCHEMA
-        if f.name in table.column_names and table.schema.field(f.name).type != f.type
-    ]
-    return Audit("schema", not missing and not wrong, "every documented column, with its type",
-                 {"missing": missing, "wrong_types": wrong})
+def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = "manifest.parquet") -> Audit | None:
+    absent = [c for c in columns if c not in table.column_names]
+    if absent:
+        return Audit(name, False, f"cannot check: {file} lacks column(s) {', '.join(absent)}", {"missing": absent})
+    return None
 
 
-def no_nulls(table: pa.Table) -> Audit:
-    nulls = {name: table.column(name).null_count for name in table.column_names if table.column(name).null_count}
-    return Audit("no_nulls", not nulls, "no null in any column", {"nulls": nulls})
+def schema(table: pa.Table, rejects: pa.Table) -> Audit:
+    problems = []
+    for file, expected, actual in (("manifest.parquet", MANIFEST_SCHEMA, table), ("rejects.parquet", REJECTS_SCHEMA, rejects)):
+        problems += [f"{file}: no column {f.name}" for f in expected if f.name not in actual.column_names]
+        problems += [
+            f"{file}: {f.name} is {actual.schema.field(f.name).type} (expected {f.type})"
+            for f in expected
+            if f.name in actual.column_names and actual.schema.field(f.name).type != f.type
+        ]
+    known = {str(reason) for reason in RejectReason}
+    if "reason" in rejects.column_names:
+        problems += [f"rejects.parquet: unknown reason {r!r}" for r in sorted(set(rejects.column("reason").to_pylist()) - known, key=str)]
+    description = "every documented column, with its type" if not problems else f"{len(problems)} schema problem(s): {problems[0]}"
+    return Audit("schema", not problems, description, {"problems": _examples(problems)})
+
+
+def no_nulls(table: pa.Table, rejects: pa.Table) -> Audit:
+    nulls = {
+        f"{file}:{name}": t.column(name).null_count
+        for file, t in (("manifest", table), ("rejects", rejects))
+        for name in t.column_names
+        if t.column(name).null_count
+    }
+    description = "no null in any column" if not nulls else f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}"
+    return Audit("no_nulls", not nulls, description, {"nulls": nulls})
 
 
 def unique_ids(table: pa.Table) -> Audit:
-    ids = table.column("utt_id").to_pylist() if "utt_id" in table.column_names else []
-    seen: set[str] = set()
-    duplicates = [i for i in ids if i in seen or seen.add(i)]
-    return Audit("unique_ids", not duplicates, "utt_id is unique", {"duplicates": len(duplicates), "examples": _examples(duplicates)})
+    if (missing := _missing("unique_ids", table, ("utt_id",))) is not None:
+        return missing
+    seen: set[object] = set()
+    duplicates = [i for i in table.column("utt_id").to_pylist() if i in seen or seen.add(i)]
+    return Audit("unique_ids", not duplicates, f"{len(duplicates)} duplicate utt_id(s) among {table.num_rows} rows",
+                 {"duplicates": len(duplicates), "examples": _examples(duplicates)})
 
 
 def safe_ids(table: pa.Table) -> Audit:
-    bad = [
-        f"{column}={value!r}"
-        for column in ("speaker_id", "chapter_id", "utt_id")
-        if column in table.column_names
-        for value in table.column(column).to_pylist()
-        if not is_safe_id(value)
-    ]
-    return Audit("safe_ids", not bad, "speaker, chapter and utterance ids are 1-64 of [A-Za-z0-9_-]",
+    columns = ("speaker_id", "chapter_id", "utt_id")
+    if (missing := _missing("safe_ids", table, columns)) is not None:
+        return missing
+    bad = [f"{c}={v!r}" for c in columns for v in table.column(c).to_pylist() if not is_safe_id(v)]
+    return Audit("safe_ids", not bad, f"{len(bad)} unsafe id(s) among {table.num_rows} rows",
                  {"bad_ids": len(bad), "examples": _examples(bad)})
 
 
 def paths_inside_root(table: pa.Table, root: Path) -> Audit:
+    if (missing := _missing("paths_inside_root", table, ("path",))) is not None:
+        return missing
     root = Path(os.path.realpath(root))
     bad = [
-        path
-        for path in (table.column("path").to_pylist() if "path" in table.column_names else [])
-        if path is None or not Path(os.path.realpath(path)).is_relative_to(root) or not os.path.isfile(path)
+        str(path)
+        for path in table.column("path").to_pylist()
+        if not isinstance(path, str) or not Path(os.path.realpath(path)).is_relative_to(root) or not os.path.isfile(path)
     ]
-    return Audit("paths_inside_root", not bad, f"every path is an existing file inside {root}",
+    return Audit("paths_inside_root", not bad, f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
                  {"bad_paths": len(bad), "examples": _examples(bad)})
 
 
 def durations(table: pa.Table, config: ValidationConfig) -> Audit:
-    bad = []
     needed = ("utt_id", "duration_s", "num_samples", "sample_rate", "channels")
-    if all(c in table.column_names for c in needed):
-        for utt, duration, samples, rate, channels in zip(*(table.column(c).to_pylist() for c in needed), strict=True):
-            if not rate or rate <= 0 or not channels or channels < 1:
-                bad.append(f"{utt}: sample_rate {rate}, channels {channels}")
-            elif abs(duration - samples / rate) > 1e-6 or not config.min_duration_s <= duration <= config.max_duration_s:
-                bad.append(f"{utt}: {duration} s for {samples} samples at {rate} Hz")
-    return Audit("durations", not bad, f"durations equal num_samples / sample_rate and lie in [{config.min_duration_s}, {config.max_duration_s}] s",
+    if (missing := _missing("durations", table, needed)) is not None:
+        return missing
+    bad = []
+    for utt, duration, samples, rate, channels in zip(*(table.column(c).to_pylist() for c in needed), strict=True):
+        if not all(isinstance(v, int | float) for v in (duration, samples, rate, channels)):
+            bad.append(f"{utt}: missing audio facts")
+        elif rate <= 0 or channels < 1 or samples <= 0:
+            bad.append(f"{utt}: sample_rate {rate}, channels {channels}, num_samples {samples}")
+        elif not math.isclose(duration, samples / rate, rel_tol=1e-9, abs_tol=1e-9):
+            bad.append(f"{utt}: duration_s {duration} but {samples} samples at {rate} Hz is {samples / rate}")
+        elif not config.min_duration_s <= duration <= config.max_duration_s:
+            bad.append(f"{utt}: {duration} s outside [{config.min_duration_s}, {config.max_duration_s}]")
+    return Audit("durations", not bad,
+                 f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, {config.max_duration_s}] s",
                  {"bad_rows": len(bad), "examples": _examples(bad)})
 
 
+def speakers(table: pa.Table, listed: pa.Table) -> Audit:
+    if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
+        return missing
+    if (missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), "speakers.parquet")) is not None:
+        return missing
+    triples: dict[str, list[tuple[str, str, str]]] = {}
+    for utt, speaker, sha, text in zip(*(table.column(c).to_pylist() for c in ("utt_id", "speaker_id", "file_sha256", "transcript")), strict=True):
+        triples.setdefault(speaker, []).append((utt, sha, text))
+    expected = {s: (len(t), hash_triples(t)) for s, t in triples.items()}
+    rows = listed.select(["speaker_id", "utterances", "manifest_hash"]).to_pylist()
+    actual = {r["speaker_id"]: (r["utterances"], r["manifest_hash"]) for r in rows}
+    problems = [f"{s}: not listed" for s in sorted(set(expected) - set(actual), key=str)]
+    problems += [f"{s}: listed but has no manifest rows" for s in sorted(set(actual) - set(expected), key=str)]
+    problems += [f"{s}: {actual[s]} != {expected[s]}" for s in sorted(set(actual) & set(expected), key=str) if actual[s] != expected[s]]
+    if len(rows) != len(actual):
+        problems.append(f"{len(rows) - len(actual)} speaker(s) listed twice")
+    return Audit("speakers", not problems, f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers",
+                 {"problems": _examples(problems)})
+
+
 def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:
-    if rejects.schema != REJECTS_SCHEMA:
-        return Audit("reject_ratio", False, "rejects.parquet has the wrong columns", {"columns": rejects.column_names})
     total = kept + rejects.num_rows
     ratio = rejects.num_rows / total if total else 0.0
-    return Audit("reject_ratio", ratio <= max_ratio, f"{rejects.num_rows} of {total} utterances rejected",
-                 {"reject_ratio": round(ratio, 4), "max_reject_ratio": max_ratio})
+    passed = ratio <= max_ratio
+    return Audit("reject_ratio", passed,
+                 f"{rejects.num_rows} of {total} utterances rejected ({ratio:.4f} {'<=' if passed else '>'} max_reject_ratio {max_ratio})",
+                 {"rejects": rejects.num_rows, "total": total, "reject_ratio": round(ratio, 4), "max_reject_ratio": max_ratio})
 
 
-def audit_manifest(manifest_file: Path, rejects_file: Path, corpus_root: Path, config: ValidationConfig, max_ratio: float) -> list[Audit]:
-    """Every audit of a manifest and its rejects, read back from the files."""
-    table = pq.read_table(manifest_file)
-    return [
-        schema(table),
-        no_nulls(table),
-        unique_ids(table),
-        safe_ids(table),
-        paths_inside_root(table, corpus_root),
-        durations(table, config),
-        reject_ratio(table.num_rows, pq.read_table(rejects_file), max_ratio),
-    ]
-
-
-AUDITS = ("schema", "no_nulls", "unique_ids", "safe_ids", "paths_inside_root", "durations", "reject_ratio")
+def audit_manifest(files: ManifestFiles, corpus_root: Path, config: ValidationConfig, max_ratio: float) -> list[Audit]:
+    """Every audit of a manifest, its rejects and its speaker list, read back from the files."""
+    try:
+        table, rejects, listed = (pq.read_table(path) for path in (files.manifest, files.rejects, files.speakers))
+    except (OSError, pa.ArrowException) as err:
+        return [Audit(name, False, f"cannot read the written files: {err}") for name in AUDITS]
+    checks: dict[str, Callable[[], Audit]] = {
+        "schema": lambda: schema(table, rejects),
+        "no_nulls": lambda: no_nulls(table, rejects),
+        "unique_ids": lambda: unique_ids(table),
+        "safe_ids": lambda: safe_ids(table),
+        "paths_inside_root": lambda: paths_inside_root(table, corpus_root),
+        "durations": lambda: durations(table, config),
+        "speakers": lambda: speakers(table, listed),
+        "reject_ratio": lambda: reject_ratio(table.num_rows, rejects, max_ratio),
+    }
+    results = []
+    for name, check in checks.items():
+        try:
+            results.append(check())
+        except Exception as err:  # noqa: BLE001 - an audit that cannot run must fail, not pass or crash the run
+            results.append(Audit(name, False, f"could not evaluate: {type(err).__name__}: {err}"))
+    return results

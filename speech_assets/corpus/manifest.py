@@ -8,11 +8,14 @@ Two input forms are accepted:
   ``utt_id, chapter_id``; relative paths resolve against the manifest file's folder, which is
   then the corpus root.
 
-Every file is decoded once, fully, so that truncated or corrupt audio is caught here rather than
-in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
+A file whose header declares a duration outside the configured bounds is rejected without being
+read. Every other file is hashed in chunks and decoded once, fully, block by block from disk
+(memory does not grow with its length), so that truncated or corrupt audio is caught here rather
+than in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
 corpus is re-validated without decoding anything. No path that resolves outside the corpus root
-is ever opened. A bad file never raises: it becomes a :class:`RejectRow` with a reason from
-:class:`RejectReason` and a human-readable detail.
+is ever opened, and no speaker, chapter or utterance id that is not a safe id
+(:mod:`speech_assets.corpus.ids`) goes further than a reject row. A bad file never raises: it
+becomes a :class:`RejectRow` with a reason from :class:`RejectReason` and a human-readable detail.
 """
 
 from __future__ import annotations
@@ -198,6 +201,9 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
         speaker_id, chapter_id = _speaker_chapter(root, folder)
         for utt_id in sorted(set(texts) | set(files)):
             if utt_id not in files:
+                if (reason := why_unsafe(utt_id)) is not None:  # never joined to a folder, not even in a reject
+                    rejects.append(RejectRow(utt_id, str(folder), "manifest", RejectReason.INVALID_ID, _id_detail("utt_id", utt_id, reason)))
+                    continue
                 rejects.append(
                     RejectRow(
                         utt_id, str(folder / f"{utt_id}.flac"), "manifest", RejectReason.MISSING_FILE,
@@ -287,6 +293,7 @@ def _read_manifest_records(manifest: Path) -> Iterator[dict[str, object]]:
 
 
 _BLOCK_FRAMES = 1 << 16
+_UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC with no total in its header
 _HASH_CHUNK = 1 << 20
 
 
@@ -312,6 +319,13 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
     try:
         with sf.SoundFile(path) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+            if declared >= _UNKNOWN_LENGTH:
+                # libsndfile can neither seek nor read such a file through soundfile; rejecting
+                # it as too long from a made-up duration would misreport it
+                return AudioProbe(
+                    **base, file_sha256=_file_sha256(path),
+                    error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
+                )
             if config is not None and declared > 0 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s:
                 return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False)
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
@@ -455,12 +469,17 @@ def scan_corpus(
 
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
-    """Why one of the candidate's ids cannot become a file name or partition key (None: all safe)."""
-    for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id)):
-        reason = why_unsafe(value)
-        if reason is not None:
-            return f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''} {reason}"
-    return None
+    """Which of the candidate's ids cannot become a file name or partition key, and why (None: all safe)."""
+    problems = [
+        _id_detail(what, value, reason)
+        for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id))
+        if (reason := why_unsafe(value)) is not None
+    ]
+    return "; ".join(problems) or None
+
+
+def _id_detail(what: str, value: str, reason: str) -> str:
+    return f"{what} {value[:80]!r}{'...' if len(value) > 80 else ''} {reason}"
 
 
 def _judge(
@@ -487,8 +506,12 @@ def _judge(
 
 def manifest_hash(rows: Iterable[ManifestRow]) -> str:
     """sha256 over the sorted ``(utt_id, file_sha256, transcript)`` of kept rows."""
-    triples = sorted((r.utt_id, r.file_sha256, r.transcript) for r in rows)
-    return sha256_strings(part for triple in triples for part in triple)
+    return hash_triples((r.utt_id, r.file_sha256, r.transcript) for r in rows)
+
+
+def hash_triples(triples: Iterable[tuple[str, str, str]]) -> str:
+    """The manifest hash of ``(utt_id, file_sha256, transcript)`` triples, in any order."""
+    return sha256_strings(part for triple in sorted(triples) for part in triple)
 
 
 def speaker_hashes(rows: Iterable[ManifestRow]) -> dict[str, str]:

@@ -15,9 +15,10 @@ from speech_assets.defs.lineage import input_provenance, markdown_table, partiti
 from speech_assets.defs.partitions import register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import atomic_path, sha256_strings
+from speech_assets.utils import atomic_path, exclusive_lock, fsync_dir, sha256_strings
 
 CODE_VERSION = "manifest-v2"
+STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
 
 
 class ManifestConfig(overrides_of(ManifestSettings)):
@@ -32,18 +33,7 @@ class ManifestConfig(overrides_of(ManifestSettings)):
         "One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a reason. "
         "Written to a staging folder, audited by reading it back, and published only if every check passes."
     ),
-    check_specs=[
-        dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=description)
-        for name, description in (
-            ("schema", "Every documented column, with its type."),
-            ("no_nulls", "No null in any column."),
-            ("unique_ids", "utt_id is unique."),
-            ("safe_ids", "Speaker, chapter and utterance ids are 1-64 ASCII letters, digits, _ or -."),
-            ("paths_inside_root", "Every path is an existing file inside the corpus root."),
-            ("durations", "duration_s equals num_samples / sample_rate and lies within the configured bounds."),
-            ("reject_ratio", "Rejected / (kept + rejected) stays within max_reject_ratio."),
-        )
-    ],
+    check_specs=[dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=text) for name, text in audit.AUDITS.items()],
 )
 def manifest(
     context: dg.AssetExecutionContext, config: ManifestConfig, paths: StoragePaths, settings: PipelineSettings
@@ -63,35 +53,44 @@ def manifest(
     if result.cache != cache:
         corpus.save_cache(paths.decode_cache_file, result.cache)  # a cache, not an output: safe either way
 
-    # Write, audit, publish: nothing later stages read changes unless every audit passes.
-    staging = paths.manifest_dir / ".staging" / context.run.run_id
-    try:
-        staged = {name: staging / target.name for name, target in _published_files(paths).items()}
-        corpus.write_manifest(staged["manifest"], result.rows)
-        corpus.write_rejects(staged["rejects"], result.rejects)
-        per_speaker = _write_speakers(staged["speakers"], result.rows)
-        audits = audit.audit_manifest(staged["manifest"], staged["rejects"], corpus.corpus_root_of(location), validation, options.max_reject_ratio)
-        for outcome in audits:
-            yield dg.AssetCheckResult(
-                check_name=outcome.name,
-                passed=outcome.passed,
-                severity=dg.AssetCheckSeverity.ERROR,
-                description=outcome.description,
-                metadata={k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v) for k, v in outcome.metadata.items()},
-            )
-        failed = [outcome for outcome in audits if not outcome.passed]
-        if failed:
-            raise dg.Failure(
-                description="manifest not published, the previous one stays: "
-                + "; ".join(f"{o.name} failed ({o.description}: {o.metadata})" for o in failed),
-            )
-        for name, target in _published_files(paths).items():  # rows last: their readers find new sidecars
-            if name != "manifest":
-                os.replace(staged[name], target)
-        os.replace(staged["manifest"], paths.manifest_file)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    added = register_new(context, speakers_partitions, sorted(per_speaker))
+    # Write, audit, publish: nothing later stages read changes unless every audit passes. The
+    # lock keeps two overlapping runs from interleaving their renames (rejects of one, rows of
+    # the other); holding it, leftovers of runs killed mid-way can be removed safely.
+    with exclusive_lock(paths.manifest_dir / ".publish.lock"):
+        shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
+        staging = paths.manifest_dir / STAGING / context.run.run_id
+        try:
+            staged = audit.ManifestFiles(*(staging / target.name for target in _published(paths)))
+            corpus.write_manifest(staged.manifest, result.rows)
+            corpus.write_rejects(staged.rejects, result.rejects)
+            per_speaker = _write_speakers(staged.speakers, result.rows)
+            audits = audit.audit_manifest(staged, corpus.corpus_root_of(location), validation, options.max_reject_ratio)
+            for outcome in audits:
+                yield dg.AssetCheckResult(
+                    check_name=outcome.name,
+                    passed=outcome.passed,
+                    severity=dg.AssetCheckSeverity.ERROR,
+                    description=outcome.description,
+                    metadata={k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v) for k, v in outcome.metadata.items()},
+                )
+            failed = [outcome for outcome in audits if not outcome.passed]
+            if failed:
+                raise dg.Failure(
+                    description="manifest not published, the previous one stays: "
+                    + "; ".join(f"{o.name} failed: {o.description}" for o in failed),
+                    metadata={o.name: o.description for o in failed},
+                )
+            # sidecars first, rows last: a reader of the new rows finds the new sidecars
+            for source, target in zip(
+                (staged.rejects, staged.speakers, staged.manifest),
+                (paths.rejects_file, paths.speakers_file, paths.manifest_file),
+                strict=True,
+            ):
+                os.replace(source, target)
+            fsync_dir(paths.manifest_dir)
+        finally:
+            shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
+        added = register_new(context, speakers_partitions, sorted(per_speaker))
 
     data_hash = corpus.manifest_hash(result.rows)
     hours = sum(r.duration_s for r in result.rows) / 3600
@@ -120,8 +119,9 @@ def manifest(
     )
 
 
-def _published_files(paths: StoragePaths) -> dict[str, Path]:
-    return {"rejects": paths.rejects_file, "speakers": paths.speakers_file, "manifest": paths.manifest_file}
+def _published(paths: StoragePaths) -> tuple[Path, Path, Path]:
+    """The files a manifest run publishes, in :class:`audit.ManifestFiles` order."""
+    return paths.manifest_file, paths.rejects_file, paths.speakers_file
 
 
 def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, str]:
