@@ -36,6 +36,12 @@ class StoragePaths(dg.ConfigurableResource):
         )
 
     @property
+    def mlflow_artifact_location(self) -> str | None:
+        """A new MLflow experiment's artifact location: the tracking server's default when
+        ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``."""
+        return settings.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
+
+    @property
     def corpus_path(self) -> Path:
         return settings.resolve(self.corpus)
 

@@ -106,7 +106,7 @@ def pretrained_checkpoint(
         data_versions=data_versions,
         git_sha=git_commit(),
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
-        mlflow_artifact_location=str(paths.root / "mlartifacts"),
+        mlflow_artifact_location=paths.mlflow_artifact_location,
         mlflow_run_name=f"pretrain-{run_name}",
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
