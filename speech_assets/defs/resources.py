@@ -159,6 +159,9 @@ class TrainingSettings(dg.Config):
     max_restarts: int = 2
     heldout_fraction: float = 0.05
     max_frames: int = 1500
+    # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
+    # read when the code location loads (speech_assets/defs/cluster.py), not per run.
+    gpus_per_node: int = 0
 
 
 class PipelineSettings(dg.ConfigurableResource):
