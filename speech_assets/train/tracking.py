@@ -120,6 +120,13 @@ class MlflowTracker:
             self.experiment_id = experiment.experiment_id
             if EXPERIMENT_KIND_TAG not in experiment.tags:
                 self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            if is_server(self.tracking_uri) and urlparse(experiment.artifact_location).scheme in ("", "file"):
+                log.warning(
+                    "MLflow experiment %r keeps its artifacts at %s, a path on the machine that logs them, "
+                    "not on the server (it was created that way). Rename it (mlflow experiments rename "
+                    "--experiment-id %s --new-name ...) and the next run creates one whose artifacts go "
+                    "through the server.", cfg.mlflow_experiment, experiment.artifact_location, experiment.experiment_id,
+                )
         if resume_run_id:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
