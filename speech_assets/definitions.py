@@ -28,13 +28,18 @@ ASSETS = [
 ]
 
 
-def build_definitions(paths: StoragePaths | None = None, settings: PipelineSettings | None = None) -> dg.Definitions:
+def build_definitions(
+    paths: StoragePaths | None = None,
+    settings: PipelineSettings | None = None,
+    executor: dg.ExecutorDefinition | None = None,
+) -> dg.Definitions:
     """The code location; ``paths`` defaults to the environment (variables in docs/REFERENCE.md),
-    ``settings`` to `pipeline.toml` (or ``$SPEECH_ASSETS_SETTINGS``)."""
+    ``settings`` to `pipeline.toml` (or ``$SPEECH_ASSETS_SETTINGS``), ``executor`` to the local
+    multiprocess one (a cluster's code location passes its own: `speech_assets/deploy/`)."""
     return dg.Definitions(
         assets=ASSETS,
         asset_checks=CHECKS,
-        executor=reaping_multiprocess_executor,
+        executor=executor or reaping_multiprocess_executor,
         sensors=[automation.corpus_sensor, automation.automation_sensor],
         schedules=[automation.revalidate_corpus],
         resources={

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -51,3 +52,29 @@ def mlflow_tracking_uri(data: Path | None = None) -> str:
     if explicit:
         return explicit
     return f"sqlite:///{(data or data_dir()) / 'mlflow.db'}"
+
+
+MLFLOW_SERVER_SCHEMES = ("http", "https")
+
+
+def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str | None:
+    """Where a new MLflow experiment keeps its artifacts.
+
+    * a tracking *server* (``http``/``https``): ``None``, the server's default artifact location,
+      so artifacts go through the server (``mlflow server --serve-artifacts``) to its
+      ``--artifacts-destination`` and every client on the team sees the same files;
+    * any store the client writes itself (``sqlite:``, ``file:`` or a path, and database URIs such
+      as ``postgresql+psycopg2://`` used without a server): the local folder ``<data>/mlartifacts``
+      when ``data`` is given, else beside a SQLite/file store, never the working directory
+      (MLflow's own fallback, ``./mlruns``).
+    """
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme in MLFLOW_SERVER_SCHEMES:
+        return None
+    if data is not None:
+        return str(data / "mlartifacts")
+    if parsed.scheme == "sqlite":
+        return str(Path(tracking_uri[len("sqlite:///") :]).parent / "mlartifacts")
+    if parsed.scheme in ("", "file"):
+        return str(Path(parsed.path or tracking_uri) / "mlartifacts")
+    return None

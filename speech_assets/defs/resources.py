@@ -36,6 +36,12 @@ class StoragePaths(dg.ConfigurableResource):
         )
 
     @property
+    def mlflow_artifact_location(self) -> str | None:
+        """A new MLflow experiment's artifact location: the tracking server's default when
+        ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``."""
+        return settings.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
+
+    @property
     def corpus_path(self) -> Path:
         return settings.resolve(self.corpus)
 
@@ -153,6 +159,9 @@ class TrainingSettings(dg.Config):
     max_restarts: int = 2
     heldout_fraction: float = 0.05
     max_frames: int = 1500
+    # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
+    # read when the code location loads (speech_assets/defs/cluster.py), not per run.
+    gpus_per_node: int = 0
 
 
 class PipelineSettings(dg.ConfigurableResource):

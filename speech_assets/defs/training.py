@@ -9,6 +9,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets import settings as settings_module
+from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
@@ -50,6 +51,7 @@ TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, AL
     deps=TRAINING_INPUTS,
     code_version=CODE_VERSION,
     pool="training",
+    op_tags=training_op_tags(PipelineSettings.load().training),  # GPUs for a pod per step ([training] gpus_per_node)
     kinds={"pytorch", "mlflow"},
     automation_condition=retrain_on_cron(),
     description=(
@@ -106,7 +108,7 @@ def pretrained_checkpoint(
         data_versions=data_versions,
         git_sha=git_commit(),
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
-        mlflow_artifact_location=str(paths.root / "mlartifacts"),
+        mlflow_artifact_location=paths.mlflow_artifact_location,
         mlflow_run_name=f"pretrain-{run_name}",
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",

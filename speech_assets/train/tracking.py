@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import tempfile
 import time
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from speech_assets import settings
 from speech_assets.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -25,27 +27,39 @@ log = logging.getLogger(__name__)
 
 def default_artifact_location(tracking_uri: str) -> str | None:
     """``<dir>/mlartifacts`` beside a local ``sqlite:///<dir>/mlflow.db`` (or file) store, so
-    artifacts never land in the working directory; ``None`` (server default) otherwise."""
-    parsed = urlparse(tracking_uri)
-    if parsed.scheme == "sqlite":
-        return str(Path(tracking_uri[len("sqlite:///") :]).parent / "mlartifacts")
-    if parsed.scheme in ("", "file"):
-        return str(Path(parsed.path or tracking_uri) / "mlartifacts")
-    return None
+    artifacts never land in the working directory; ``None`` (the server's default, artifacts go
+    through the server) for an http(s) tracking server. See :func:`settings.mlflow_artifact_location`."""
+    return settings.mlflow_artifact_location(tracking_uri)
+
+
+def is_server(tracking_uri: str) -> bool:
+    return urlparse(tracking_uri).scheme in settings.MLFLOW_SERVER_SCHEMES
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     """A clickable link to the run when the tracking URI is a server; None for local stores."""
-    if urlparse(tracking_uri).scheme in ("http", "https"):
+    if is_server(tracking_uri):
         return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return None
 
 
-def ui_command(tracking_uri: str) -> str:
-    """The command that serves a local store's UI on loopback (where the run can be opened)."""
-    artifacts = default_artifact_location(tracking_uri)
-    serve = f" --default-artifact-root {artifacts}" if artifacts else ""
-    return f"mlflow ui --backend-store-uri {tracking_uri}{serve} --host 127.0.0.1 --port 5000"
+def without_password(uri: str) -> str:
+    """``uri`` with the password of its user info left out (libpq then reads ``$PGPASSWORD``)."""
+    parsed = urlparse(uri)
+    if parsed.password is None:
+        return uri
+    host = parsed.hostname or ""
+    netloc = f"{parsed.username}@{host}" + (f":{parsed.port}" if parsed.port else "")
+    return parsed._replace(netloc=netloc).geturl()
+
+
+def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
+    """The exact command that serves a local store's UI on loopback, where the run can be opened
+    (a store's password is left out of it: it is recorded in run metadata)."""
+    artifacts = artifact_location or default_artifact_location(tracking_uri)
+    serve = f" --default-artifact-root {shlex.quote(artifacts)}" if artifacts else ""
+    store = shlex.quote(without_password(tracking_uri))
+    return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --port 5000"
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -89,7 +103,7 @@ class MlflowTracker:
 
     @property
     def ui_command(self) -> str:
-        return ui_command(self.tracking_uri)
+        return ui_command(self.tracking_uri, self.config.mlflow_artifact_location)
 
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
@@ -106,6 +120,13 @@ class MlflowTracker:
             self.experiment_id = experiment.experiment_id
             if EXPERIMENT_KIND_TAG not in experiment.tags:
                 self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            if is_server(self.tracking_uri) and urlparse(experiment.artifact_location).scheme in ("", "file"):
+                log.warning(
+                    "MLflow experiment %r keeps its artifacts at %s, a path on the machine that logs them, "
+                    "not on the server (it was created that way). Rename it (mlflow experiments rename "
+                    "--experiment-id %s --new-name ...) and the next run creates one whose artifacts go "
+                    "through the server.", cfg.mlflow_experiment, experiment.artifact_location, experiment.experiment_id,
+                )
         if resume_run_id:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")

@@ -1,0 +1,169 @@
+"""A team's instance: the documented commands (scripts/materialize_all.sh) against a DAGSTER_HOME
+whose dagster.yaml is deploy/postgres/dagster.yaml (the repository's dagster.yaml plus Postgres
+storage), on a real PostgreSQL server, with MLflow on a real tracking server whose backend store
+is the same PostgreSQL. What the run left is checked with SQL against the server itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from speech_assets.testing.mlflow_server import MlflowServer
+from speech_assets.testing.postgres import PostgresServer
+from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+BIN = Path(sys.executable).parent
+ASSETS = ["manifest", "speaker_manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "pretrained_checkpoint", "dataset_stats"]
+RUNS = 6  # one per `dagster asset materialize` in scripts/materialize_all.sh
+SPEAKERS = ["1001", "1002", "1003", "1004"]  # half of the committed sample: the same stages, less waiting
+SETTINGS = """
+[clients]
+num_clients = 2
+[kmeans]
+k = 16
+[training]
+max_steps = 20
+checkpoint_every = 10
+log_every = 5
+warmup_steps = 5
+heldout_fraction = 0.1
+"""
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``command`` in its own process group; the whole group goes if it overruns or we fail."""
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def built(postgres: PostgresServer, mlflow_server: MlflowServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("postgres_e2e")
+    postgres.create_database("dagster")
+    home = root / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "deploy" / "postgres" / "dagster.yaml", home / "dagster.yaml")
+    (root / "settings.toml").write_text(SETTINGS)
+    corpus = root / "corpus"
+    for speaker in SPEAKERS:
+        shutil.copytree(SAMPLE_CORPUS / speaker, corpus / speaker)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", "TRAIN_CONFIG_JSON"))},
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "DAGSTER_HOME": str(home),
+        "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
+        "SPEECH_ASSETS_CORPUS": str(corpus),
+        "SPEECH_ASSETS_SETTINGS": str(root / "settings.toml"),
+        "MLFLOW_TRACKING_URI": mlflow_server.url,
+        **postgres.env(),
+    }
+    proc = _run([str(REPO / "scripts" / "materialize_all.sh")], env, timeout=1500)
+    (root / "build.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"materialize_all.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # schedule state lives in the same database
+    started = _run([str(BIN / "dagster"), "schedule", "start", "-m", "speech_assets.definitions", "revalidate_corpus"], env, timeout=300)
+    assert started.returncode == 0, started.stdout + started.stderr
+    return {"home": home, "out": root / "out", "env": env}
+
+
+def _materializations(postgres: PostgresServer) -> list[tuple[str, str | None, str, str]]:
+    """(asset, partition, data version, event JSON) of every materialization, from SQL alone."""
+    rows = postgres.query(
+        "dagster",
+        "SELECT e.asset_key, e.partition, t.value, e.event FROM event_logs e "
+        "JOIN asset_event_tags t ON t.event_id = e.id AND t.key = 'dagster/data_version' "
+        "WHERE e.dagster_event_type = 'ASSET_MATERIALIZATION' ORDER BY e.id",
+    )
+    return [(json.loads(key)[0], partition, version, event) for key, partition, version, event in rows]
+
+
+def _metadata(event: str) -> dict[str, dict]:
+    materialization = json.loads(event)["dagster_event"]["event_specific_data"]["materialization"]
+    return {entry["label"]: entry["entry_data"] for entry in materialization["metadata_entries"]}
+
+
+def test_the_shipped_postgres_yaml_is_the_repository_instance_plus_storage() -> None:
+    shipped = yaml.safe_load((REPO / "deploy" / "postgres" / "dagster.yaml").read_text())
+    local = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    storage = shipped.pop("storage")
+    assert shipped == local, "deploy/postgres/dagster.yaml must keep everything ./dagster.yaml has"
+    assert set(storage) == {"postgres"} and storage["postgres"]["postgres_db"]["password"] == {"env": "DAGSTER_PG_PASSWORD"}
+
+
+def test_runs_are_in_postgres_and_nothing_in_sqlite(built: dict, postgres: PostgresServer) -> None:
+    assert postgres.query("dagster", "SELECT status, count(*) FROM runs GROUP BY status") == [("SUCCESS", RUNS)]
+    assert not list(built["home"].rglob("*.db")), "a SQLite storage file appeared in DAGSTER_HOME"
+    # the pool limit of the repository's dagster.yaml applies to the shared instance
+    assert ("training", 1) in postgres.query("dagster", 'SELECT concurrency_key, "limit" FROM concurrency_limits')
+    # the schedule's state is in the same database
+    assert postgres.query("dagster", "SELECT job_type, status FROM jobs WHERE job_body LIKE '%%revalidate_corpus%%'") == [("SCHEDULE", "RUNNING")]
+
+
+def test_every_materialization_has_its_content_hash_in_postgres(built: dict, postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dagster as dg
+
+    found = _materializations(postgres)
+    assert {asset for asset, *_ in found} == set(ASSETS)
+    assert all(SHA256.fullmatch(version) for _, _, version, _ in found)
+    # one materialization per shard, whose data version is that shard's own hash (on disk)
+    shards = {partition: version for asset, partition, version, _ in found if asset == "vad_features"}
+    assert sorted(shards) == SPEAKERS
+    for speaker, version in shards.items():
+        meta = json.loads((built["out"] / "features" / "shards" / f"{speaker}.meta.json").read_text())
+        assert version == meta["shard_sha256"], speaker
+    # Dagster reads the same rows through its own API
+    for name, value in postgres.env().items():
+        monkeypatch.setenv(name, value)
+    with dg.DagsterInstance.from_config(str(built["home"])) as instance:
+        assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+        latest = instance.get_latest_materialization_event(dg.AssetKey("manifest"))
+        assert latest is not None
+        assert latest.asset_materialization.tags["dagster/data_version"] == next(v for a, _, v, _ in reversed(found) if a == "manifest")
+
+
+def test_dynamic_partitions_are_in_postgres(built: dict, postgres: PostgresServer) -> None:
+    rows = postgres.query("dagster", "SELECT partitions_def_name, partition FROM dynamic_partitions")
+    speakers = {p for name, p in rows if name == "speakers"}
+    clients = {p for name, p in rows if name == "clients"}
+    assert speakers == set(pq.read_table(built["out"] / "manifest" / "manifest.parquet")["speaker_id"].to_pylist()) == set(SPEAKERS)
+    assert clients == set(pq.read_table(built["out"] / "clients" / "clients.parquet")["client_id"].to_pylist()) == {"client_00", "client_01"}
+
+
+def test_training_is_tracked_by_the_server_on_postgres(built: dict, postgres: PostgresServer, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    (_, _, version, event), = [m for m in _materializations(postgres) if m[0] == "pretrained_checkpoint"]
+    metadata = _metadata(event)
+    run_id = metadata["mlflow_run_id"]["text"]
+    url = metadata["mlflow_run_url"]["url"]
+    assert url.startswith(f"{mlflow_server.url}/#/experiments/") and url.endswith(f"/runs/{run_id}")
+    assert "mlflow_ui" not in metadata  # a server has a URL; the `mlflow ui` command is for local stores
+    assert postgres.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", (run_id,)) == [("FINISHED",)]
+    (location,) = postgres.query(
+        "mlflow", "SELECT e.artifact_location FROM experiments e JOIN runs r ON r.experiment_id = e.experiment_id WHERE r.run_uuid = %s", (run_id,)
+    )[0]
+    assert location.startswith("mlflow-artifacts:/")  # the server's default, not the data dir
+    assert not (built["out"] / "mlartifacts").exists()
+    checkpoint = Path(metadata["checkpoint"]["path"])
+    downloaded = Path(MlflowClient(mlflow_server.url).download_artifacts(run_id, f"checkpoint/{checkpoint.name}", str(tmp_path)))
+    assert hashlib.sha256(downloaded.read_bytes()).digest() == hashlib.sha256(checkpoint.read_bytes()).digest()
+    assert version == metadata["checkpoint_sha256"]["text"]
