@@ -24,7 +24,7 @@ from speech_assets.defs.progress import ProgressLog
 from speech_assets.utils import atomic_path, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
-FEATURES_CODE_VERSION = "vad-features-v1"
+FEATURES_CODE_VERSION = "vad-features-v2"  # v2: 32-row row groups
 CMVN_CODE_VERSION = "cmvn-v1"
 
 

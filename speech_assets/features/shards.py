@@ -95,7 +95,13 @@ def _to_blob(matrix: np.ndarray | None, utt_id: str, name: str) -> bytes:
     return np.ascontiguousarray(matrix, dtype="<f4").tobytes()
 
 
-def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord]) -> Path:
+ROW_GROUP_ROWS = 32
+"""Utterances per Parquet row group: the unit a reader decompresses. Small enough that the
+training loader caches a window of many blocks (~13 MB each at LibriSpeech lengths) and each
+block is used for whole batches (see train/sampling.py); large enough to compress well."""
+
+
+def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord], row_group_rows: int = ROW_GROUP_ROWS) -> Path:
     """Write ``records`` atomically as a shard at ``path``. Byte-identical for identical input."""
     table = records_to_table(records)
     path = Path(path)
@@ -107,7 +113,7 @@ def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord]) 
             compression_level=1,  # same size as level 3 on features, ~40% less write CPU
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
-            row_group_size=256,
+            row_group_size=row_group_rows,
         )
     return path
 
