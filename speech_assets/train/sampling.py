@@ -73,14 +73,17 @@ class BlockShuffleSampler:
         if self.num_workers <= 1:
             return [batch for window in windows for batch in window]
         lanes: list[list[list[int]]] = [[] for _ in range(self.num_workers)]
-        for number, window in enumerate(windows):
-            lanes[number % self.num_workers].extend(window)
-        arranged, position = [], [0] * self.num_workers
-        while any(position[w] < len(lanes[w]) for w in range(self.num_workers)):
+        for window in windows:  # each window whole to the lane with the fewest batches so far
+            min(lanes, key=len).extend(window)
+        queues = [list(reversed(lane)) for lane in lanes]
+        arranged = []
+        while any(queues):
             for worker in range(self.num_workers):  # index k goes to worker k % num_workers
-                if position[worker] < len(lanes[worker]):
-                    arranged.append(lanes[worker][position[worker]])
-                    position[worker] += 1
+                # a lane that ran dry borrows from the fullest one, so every later index still
+                # lands on the worker of its own lane (only borrowed batches are off-lane)
+                queue = queues[worker] or max(queues, key=len)
+                if queue:
+                    arranged.append(queue.pop())
         return arranged
 
     def batches(self, epoch: int) -> list[list[int]]:
