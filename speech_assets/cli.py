@@ -36,6 +36,16 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from speech_assets.stats.lineage import checkpoint_lineage
 
+    if args.stale:
+        from speech_assets.defs.resources import StoragePaths
+        from speech_assets.defs.staleness import format_report, stale_report
+
+        report = stale_report(StoragePaths.from_environment())
+        print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
+        return 3 if report else 0
+    if not args.checkpoint:
+        print("error: give a checkpoint, or --stale", file=sys.stderr)
+        return 2
     report = checkpoint_lineage(Path(args.checkpoint))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -146,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("--max-rows", type=int, default=200)
     sql.set_defaults(func=_cmd_sql)
 
-    lineage = commands.add_parser("lineage", help="what a checkpoint was trained from")
-    lineage.add_argument("checkpoint")
+    lineage = commands.add_parser("lineage", help="what a checkpoint was trained from; --stale: what no longer matches its inputs")
+    lineage.add_argument("checkpoint", nargs="?")
+    lineage.add_argument("--stale", action="store_true", help="list outputs built from other shards/targets than those published now (exit 3 if any)")
     lineage.add_argument("--json", action="store_true")
     lineage.set_defaults(func=_cmd_lineage)
 

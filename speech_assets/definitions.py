@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, features, manifest, stats, targets, training
+from speech_assets.defs import automation, features, manifest, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
@@ -14,6 +14,7 @@ CHECKS = [
     targets.labels_match_shards,
     targets.clusters_are_used,
     stats.row_counts_match_sources,
+    *staleness.CHECKS,
 ]
 
 ASSETS = [

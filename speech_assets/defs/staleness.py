@@ -1,0 +1,165 @@
+"""The project's own staleness, from what each output recorded about its inputs.
+
+Dagster stops comparing per-partition data versions through an all-partitions dependency once the
+upstream has 100 or more partitions (``SKIP_PARTITION_DATA_VERSION_DEPENDENCY_THRESHOLD``): past a
+LibriSpeech-sized speaker count its UI no longer marks ``cmvn_stats``, ``kmeans_targets``, the
+checkpoint or ``dataset_stats`` stale when one speaker's shard changes. Every one of those outputs
+records the exact shard (and target) versions it was built from, so comparing them with what is
+published now answers the question at any size:
+
+* as warn-level asset checks (``inputs_are_current``) on those assets, in the UI;
+* as ``speech-assets lineage --stale`` on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.defs.resources import StoragePaths
+
+MAX_SHOWN = 10
+
+
+def current_shards(paths: StoragePaths) -> dict[str, str]:
+    """speaker -> sha256 of the published shard, for every speaker the manifest lists."""
+    if not paths.speakers_file.exists():
+        return {}
+    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    return {s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]}
+
+
+def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[str]:
+    changed = sorted(k for k in recorded.keys() & current.keys() if recorded[k] != current[k])
+    added, removed = sorted(current.keys() - recorded.keys()), sorted(recorded.keys() - current.keys())
+    reasons = []
+    for label, keys in (("changed", changed), ("new", added), ("gone", removed)):
+        if keys:
+            shown = ", ".join(keys[:MAX_SHOWN]) + (f" (+{len(keys) - MAX_SHOWN})" if len(keys) > MAX_SHOWN else "")
+            reasons.append(f"{len(keys)} {label} {what}: {shown}")
+    return reasons
+
+
+def _client_versions(paths: StoragePaths) -> dict[str, str]:
+    versions = {}
+    for quality in sorted((paths.root / "kmeans").glob("*/quality.json")):
+        versions[quality.parent.name] = json.loads(quality.read_text())["data_version"]
+    return versions
+
+
+def cmvn_staleness(paths: StoragePaths) -> list[str]:
+    file = paths.cmvn_dir / "speakers.parquet"
+    if not file.exists():
+        return ["never built"]
+    table = pq.read_table(file, columns=["speaker_id", "shard_sha256"]).to_pylist()
+    return _diff("shard(s)", {r["speaker_id"]: r["shard_sha256"] for r in table}, current_shards(paths))
+
+
+def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
+    """Per client: shards of its speakers that changed since its targets were built."""
+    if not paths.clients_file.exists():
+        return {}
+    shards = current_shards(paths)
+    members: dict[str, dict[str, str]] = {}
+    for row in pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist():
+        members.setdefault(row["client_id"], {})[row["speaker_id"]] = shards.get(row["speaker_id"], "missing")
+    report = {}
+    for client, current in sorted(members.items()):
+        quality_file = paths.kmeans_dir(client) / "quality.json"
+        if not quality_file.exists():
+            report[client] = ["never built"]
+            continue
+        reasons = _diff("shard(s)", json.loads(quality_file.read_text()).get("shard_versions", {}), current)
+        if reasons:
+            report[client] = reasons
+    return report
+
+
+def _recorded_partitions(versions: dict[str, str], asset: str) -> dict[str, str]:
+    return {k.split("/", 1)[1]: v for k, v in versions.items() if k.startswith(asset + "/")}
+
+
+def checkpoint_staleness(paths: StoragePaths) -> list[str]:
+    results = sorted(paths.training_dir.glob("*/result.json"), key=lambda p: p.stat().st_mtime)
+    if not results:
+        return ["never built"]
+    recorded = json.loads(results[-1].read_text()).get("data_versions", {})
+    return _diff("shard(s)", _recorded_partitions(recorded, "vad_features"), current_shards(paths)) + _diff(
+        "client target set(s)", _recorded_partitions(recorded, "kmeans_targets"), _client_versions(paths)
+    )
+
+
+def stats_staleness(paths: StoragePaths) -> list[str]:
+    file = paths.report_dir / "input_versions.json"
+    if not file.exists():
+        return ["never built"]
+    recorded = json.loads(file.read_text())
+    return _diff("shard(s)", recorded.get("vad_features", {}), current_shards(paths)) + _diff(
+        "client target set(s)", recorded.get("kmeans_targets", {}), _client_versions(paths)
+    )
+
+
+def stale_report(paths: StoragePaths) -> dict[str, list[str]]:
+    """Asset (or asset[partition]) -> why it no longer matches its inputs on disk; in sync: absent."""
+    report: dict[str, list[str]] = {}
+    for name, reasons in (("cmvn_stats", cmvn_staleness(paths)), ("pretrained_checkpoint", checkpoint_staleness(paths)),
+                          ("dataset_stats", stats_staleness(paths))):
+        if reasons:
+            report[name] = reasons
+    report |= {f"kmeans_targets[{client}]": reasons for client, reasons in kmeans_staleness(paths).items()}
+    return dict(sorted(report.items()))
+
+
+def _check(reasons: list[str], what: str) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        passed=not reasons,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{what} was built from other inputs than those published now" if reasons else f"{what} matches its inputs on disk",
+        metadata={"reasons": dg.MetadataValue.md("\n".join(f"- {r}" for r in reasons) or "none")},
+    )
+
+
+DESCRIPTION = (
+    "The {} recorded the exact shard versions it was built from; they still match the published shards "
+    "(the project's own staleness, which keeps working past Dagster's 100-partition limit)."
+)
+
+
+@dg.asset_check(asset="cmvn_stats", description=DESCRIPTION.format("CMVN statistics"))
+def cmvn_inputs_are_current(paths: StoragePaths) -> dg.AssetCheckResult:
+    return _check(cmvn_staleness(paths), "cmvn_stats")
+
+
+@dg.asset_check(asset="kmeans_targets", description=DESCRIPTION.format("targets of every client"))
+def targets_inputs_are_current(paths: StoragePaths) -> dg.AssetCheckResult:
+    report = kmeans_staleness(paths)
+    return _check([f"{client}: {'; '.join(reasons)}" for client, reasons in report.items()], "kmeans_targets")
+
+
+@dg.asset_check(asset="pretrained_checkpoint", description=DESCRIPTION.format("latest checkpoint"))
+def checkpoint_inputs_are_current(paths: StoragePaths) -> dg.AssetCheckResult:
+    return _check(checkpoint_staleness(paths), "the latest checkpoint")
+
+
+@dg.asset_check(asset="dataset_stats", description=DESCRIPTION.format("database"))
+def stats_inputs_are_current(paths: StoragePaths) -> dg.AssetCheckResult:
+    return _check(stats_staleness(paths), "dataset_stats")
+
+
+CHECKS = [cmvn_inputs_are_current, targets_inputs_are_current, checkpoint_inputs_are_current, stats_inputs_are_current]
+
+
+def format_report(report: dict[str, list[str]]) -> str:
+    if not report:
+        return "everything is in sync with the published shards and targets"
+    return "\n".join(f"{asset}: stale\n" + "\n".join(f"  - {r}" for r in reasons) for asset, reasons in report.items())
+
+
+def shards_of_checkpoint(checkpoint: Path) -> dict[str, str]:
+    """speaker -> shard sha256 a checkpoint was trained on (from the checkpoint itself)."""
+    from speech_assets.stats.lineage import checkpoint_lineage
+
+    return _recorded_partitions(checkpoint_lineage(checkpoint)["data_versions"], "vad_features")
