@@ -155,7 +155,11 @@ class TrainingSettings(dg.Config):
     precision: str = "auto"
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
-    rdzv_endpoint: str = ""  # host:port for multi-node runs
+    rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
+    # how nodes 1..nnodes-1 start: {command} is their torchrun command, {host} node_hosts[rank-1]
+    node_command: str = "ssh {host} 'cd /srv/speech_assets && {command}'"
+    node_hosts: list[str] = []
+    threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
     max_restarts: int = 2
     heldout_fraction: float = 0.05
     max_frames: int = 1500

@@ -1,8 +1,11 @@
 """Stage 4: HuBERT-style pretraining launched as a torchrun DDP job through Dagster Pipes."""
 
+import contextlib
 import json
+import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 
 import dagster as dg
@@ -112,10 +115,19 @@ def pretrained_checkpoint(
         mlflow_run_name=f"pretrain-{run_name}",
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
+        threads=options.threads or None,
     )
-    plan = launch.plan_for(train_config)
+    nnodes = _fixed_node_count(options)
+    if nnodes > 1:
+        if not options.nproc or not options.rdzv_endpoint:
+            raise dg.Failure(description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint")
+        # batch and accumulation are decided for every process of every node
+        plan = launch.plan_for(train_config, nproc=options.nproc * nnodes)
+        train_config = replace(launch.resolve(train_config, plan), nproc=options.nproc)
+    else:
+        plan = launch.plan_for(train_config)
+        train_config = launch.resolve(train_config, plan)
     context.log.info(f"auto-configuration: {plan.reason}")
-    train_config = launch.resolve(train_config, plan)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
 
@@ -123,20 +135,23 @@ def pretrained_checkpoint(
         for attempt in range(MAX_OOM_RETRIES + 1):
             launch.clear_oom(run_dir)
             atomic_write_text(config_path, train_config.to_json())
-            command = launch.build_torchrun_command(
-                config_path, nproc=train_config.nproc, max_restarts=options.max_restarts, nnodes=options.nnodes,
-                rdzv_endpoint=options.rdzv_endpoint or None, python=sys.executable,
-            )
+            def torchrun(node_rank: int | None) -> list[str]:
+                return launch.build_torchrun_command(
+                    config_path, nproc=train_config.nproc, max_restarts=options.max_restarts, nnodes=options.nnodes,
+                    rdzv_endpoint=options.rdzv_endpoint or None, python=sys.executable,
+                    node_rank=node_rank if nnodes > 1 else None,
+                )
+
+            command = torchrun(0)
             context.log.info("launching: " + " ".join(command))
+            env = launch.torchrun_env(nproc=int(train_config.nproc))
             try:
-                with warnings.catch_warnings():  # Pipes' own preview API, used as documented
-                    warnings.simplefilter("ignore", dg.PreviewWarning)
-                    invocation = pipes_subprocess_client.run(
-                        context=context,
-                        command=launch.guarded(command),
-                        cwd=str(settings_module.repo_root()),
-                        env=launch.torchrun_env(nproc=int(train_config.nproc)),
-                    )
+                with other_nodes(context, run_dir, nnodes, options, torchrun, env):
+                    with warnings.catch_warnings():  # Pipes' own preview API, used as documented
+                        warnings.simplefilter("ignore", dg.PreviewWarning)
+                        invocation = pipes_subprocess_client.run(
+                            context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=env
+                        )
             except dg.DagsterPipesExecutionError:
                 if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
                     batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)
@@ -156,6 +171,37 @@ def pretrained_checkpoint(
                 },
             )
     raise dg.Failure(description="training ran out of memory on every retry")
+
+
+def _fixed_node_count(options: TrainingSettings) -> int:
+    """Nodes this asset starts itself; an elastic range ("1:4") means the user starts them."""
+    return 1 if ":" in options.nnodes else int(options.nnodes)
+
+
+@contextlib.contextmanager
+def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchrun, env: dict) -> Iterator[None]:
+    """Start nodes 1..nnodes-1 with the configured command for the length of node 0's run; stop
+    whatever is left of them afterwards (their torchrun dies with the shell that started it)."""
+    from speech_assets.train import launch
+
+    processes, finished = [], False
+    try:
+        for rank, command in enumerate(
+            launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts), start=1
+        ):
+            log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
+            context.log.info(f"starting node {rank}: {command[-1]}")
+            processes.append((subprocess.Popen(command, env=env, cwd=settings_module.repo_root(), stdout=log, stderr=subprocess.STDOUT), log))
+        yield
+        finished = True
+    finally:
+        for process, log in processes:
+            try:
+                process.wait(timeout=120 if finished else 0.1)  # node 0 failed: no reason to wait
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
 
 
 def _bounded_versions(versions: dict[str, str]) -> dict[str, str]:

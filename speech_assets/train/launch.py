@@ -13,9 +13,10 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,12 +83,15 @@ def build_torchrun_command(
     rdzv_endpoint: str | None = None,
     python: str = sys.executable,
     rdzv_id: str = "speech_assets",
+    node_rank: int | None = None,
 ) -> list[str]:
     """``python -m torch.distributed.run ... -m speech_assets.train --config PATH``.
 
-    One node uses ``--standalone`` (local rendezvous on a free port); several nodes (``nnodes``
-    like ``"2"`` or ``"1:4"``) rendezvous with c10d at ``rdzv_endpoint`` (``host:port``).
-    Run it with :func:`torchrun_env` so that restarts work.
+    One node uses ``--standalone`` (local rendezvous on a free port). Several nodes with a
+    ``node_rank`` use the static rendezvous at ``rdzv_endpoint`` (``host:port`` of node 0), so
+    global rank 0, the one that reports to Dagster, is always on node 0: the Dagster host. Without
+    a ``node_rank`` they rendezvous elastically with c10d (``nnodes`` like ``"1:4"``), ranks in
+    order of arrival. Run it with :func:`torchrun_env` so that restarts work.
     """
     command = [
         python,
@@ -100,20 +104,38 @@ def build_torchrun_command(
     ]
     if nnodes == "1" and rdzv_endpoint is None:
         command.append("--standalone")
+    elif rdzv_endpoint is None:
+        raise ValueError("multi-node launch needs rdzv_endpoint")
+    elif node_rank is not None:
+        host, _, port = rdzv_endpoint.rpartition(":")
+        command += ["--nnodes", nnodes, "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
     else:
-        if rdzv_endpoint is None:
-            raise ValueError("multi-node launch needs rdzv_endpoint")
-        command += [
-            "--nnodes",
-            nnodes,
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id,
-        ]
+        command += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return [*command, "-m", "speech_assets.train", "--config", str(config_path)]
+
+
+def other_node_commands(
+    torchrun: Callable[[int], list[str]], nnodes: int, node_command: str, node_hosts: Sequence[str], python: str = sys.executable
+) -> list[list[str]]:
+    """The shell commands that start nodes 1..nnodes-1 (node 0 is this host).
+
+    ``node_command`` is a template with ``{command}`` (that node's guarded torchrun command, shell
+    quoted), ``{host}`` (``node_hosts[rank - 1]``) and ``{node_rank}``: e.g.
+    ``ssh {host} 'cd /srv/speech_assets && {command}'``, or ``{command}`` to run the nodes here.
+    """
+    if nnodes > 1 and "{command}" not in node_command:
+        raise ValueError("node_command must contain {command}")
+    if "{host}" in node_command and len(node_hosts) < nnodes - 1:
+        raise ValueError(f"node_command uses {{host}}: need {nnodes - 1} node_hosts, got {len(node_hosts)}")
+    commands = []
+    for rank in range(1, nnodes):
+        text = node_command.format(
+            command=shlex.join(guarded(torchrun(rank), python)),
+            host=node_hosts[rank - 1] if len(node_hosts) >= rank else "",
+            node_rank=rank,
+        )
+        commands.append(["/bin/sh", "-c", text])
+    return commands
 
 
 def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
