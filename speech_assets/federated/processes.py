@@ -38,6 +38,7 @@ from speech_assets import settings
 from speech_assets.federated.config import NodeSettings
 
 CONNECTION_NAME = "speech_assets"
+SUPERVISOR = "speech_assets.federated.supervise"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -67,7 +68,7 @@ def spawn(
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if supervised:
-        command = [sys.executable, "-m", "speech_assets.federated.supervise", "--", *command]
+        command = [sys.executable, "-m", SUPERVISOR, "--", *command]
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(  # noqa: S603
             list(command),
@@ -203,8 +204,9 @@ def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> Non
 
 
 def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
-    """Running Flower processes (optionally only those whose command line mentions ``root``):
-    ``(pid, command line)``. Used by the tests to prove nothing was left behind."""
+    """Running Flower processes and our supervisors (optionally only those whose command line or
+    environment mentions ``root``): ``(pid, command line)``. The tests use it to prove nothing was
+    left behind."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -217,8 +219,8 @@ def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[i
         if not alive(int(entry)):
             continue
         argv = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-        names = {Path(part).name for part in argv[:3]}
-        if not names & set(FLOWER_NAMES):
+        names = {Path(part).name for part in argv[:6]}
+        if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3]:
             continue
         if root is not None and str(root).encode() not in raw + environ:
             continue
