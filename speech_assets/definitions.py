@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, features, manifest, stats, targets, training
+from speech_assets.defs import automation, features, federated, manifest, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 
 ASSETS = [
@@ -13,6 +13,7 @@ ASSETS = [
     targets.client_partitions,
     targets.kmeans_targets,
     training.pretrained_checkpoint,
+    federated.federated_checkpoint,
     stats.dataset_stats,
 ]
 

@@ -7,57 +7,36 @@ round, the strategy's state: FedAdam's first and second moments ``m_t``/``v_t`` 
 tensor, same shapes) *and* ``rounds/round_r.json`` (its rows, missing clients, hashes) exist; the
 ``.pt`` is written first, so a kill between the two leaves round ``r`` incomplete and the run
 resumes from ``r - 1``. ``rounds.parquet`` and ``evaluation.parquet`` are rebuilt from the
-records of complete rounds after each round.
+records of complete rounds after each round (:mod:`speech_assets.federated.history`, which
+reads all of this back without torch).
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.history import (  # noqa: F401 (re-exported)
+    EVALUATION_SCHEMA,
+    ROUND_FILE,
+    ROUNDS_COLUMNS,
+    ROUNDS_SCHEMA,
+    complete_rounds,
+    read_records,
+    summarize_rounds,
+    write_tables,
+)
 from speech_assets.model.presets import get_preset
 from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint, weights_sha256
-from speech_assets.utils import atomic_path, atomic_write_text
+from speech_assets.utils import atomic_write_text
 
 ROUND_FORMAT = 1
-_ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
-
-# rounds.parquet: one row per (round, client) that trained in the round
-ROUNDS_SCHEMA = pa.schema(
-    [
-        ("round", pa.int64()),
-        ("client_id", pa.string()),
-        ("num_examples", pa.int64()),
-        ("train_loss", pa.float64()),
-        ("masked_accuracy", pa.float64()),
-        ("bytes_up", pa.int64()),
-        ("bytes_down", pa.int64()),
-        ("seconds", pa.float64()),
-    ]
-)
-ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
-# evaluation.parquet: the global encoder after the round, on each client's held-out utterances
-# with that client's own head (kept on the client), beside the client's majority-class rate
-EVALUATION_SCHEMA = pa.schema(
-    [
-        ("round", pa.int64()),
-        ("client_id", pa.string()),
-        ("utterances", pa.int64()),
-        ("masked_frames", pa.int64()),
-        ("heldout_loss", pa.float64()),
-        ("heldout_masked_accuracy", pa.float64()),
-        ("majority_accuracy", pa.float64()),
-    ]
-)
 
 NDArrays = dict[str, np.ndarray]
 
@@ -87,26 +66,6 @@ class RoundState:
     records: list[dict[str, Any]]
 
 
-def complete_rounds(paths: FederatedPaths) -> list[int]:
-    """Rounds whose checkpoint and record both exist (only the last ``keep_rounds`` keep a checkpoint)."""
-    if not paths.rounds_dir.is_dir():
-        return []
-    found: dict[int, set[str]] = {}
-    for path in paths.rounds_dir.iterdir():
-        if match := _ROUND_FILE.match(path.name):
-            found.setdefault(int(match.group(1)), set()).add(match.group(2))
-    return sorted(r for r, kinds in found.items() if kinds == {"pt", "json"})
-
-
-def read_records(paths: FederatedPaths, up_to: int) -> list[dict[str, Any]]:
-    records = []
-    for round_number in range(1, up_to + 1):
-        path = paths.round_record(round_number)
-        if path.is_file():
-            records.append(json.loads(path.read_text()))
-    return records
-
-
 def load_latest(paths: FederatedPaths, config: FederatedConfig) -> RoundState | None:
     """The newest complete round, or ``None`` for a fresh run. Leftovers of a round that did not
     complete (a checkpoint without its record, records after the newest checkpoint) are removed."""
@@ -134,7 +93,7 @@ def _remove_after(paths: FederatedPaths, round_number: int) -> None:
     if not paths.rounds_dir.is_dir():
         return
     for path in paths.rounds_dir.iterdir():
-        if (match := _ROUND_FILE.match(path.name)) and int(match.group(1)) > round_number:
+        if (match := ROUND_FILE.match(path.name)) and int(match.group(1)) > round_number:
             path.unlink(missing_ok=True)
 
 
@@ -171,18 +130,6 @@ def save_round(
     return records
 
 
-def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) -> None:
-    rows = [row for record in records for row in record["rows"]]
-    evaluation = [row for record in records for row in record["evaluation"]]
-    for target, schema, data in (
-        (paths.rounds_table, ROUNDS_SCHEMA, rows),
-        (paths.evaluation_table, EVALUATION_SCHEMA, evaluation),
-    ):
-        table = pa.Table.from_pylist([{name: row[name] for name in schema.names} for row in data], schema=schema)
-        with atomic_path(target) as tmp:
-            pq.write_table(table, tmp)
-
-
 def save_final(
     paths: FederatedPaths, config: FederatedConfig, round_number: int, encoder: NDArrays
 ) -> str:
@@ -202,31 +149,3 @@ def save_final(
         },
     )
     return sha
-
-
-def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One line per round: clients, missing, mean train loss, held-out accuracy (weighted by
-    masked frames) beside the majority-class rate, bytes, wall time."""
-    lines = []
-    for record in records:
-        rows, evaluation = record["rows"], record["evaluation"]
-        frames = sum(e["masked_frames"] for e in evaluation)
-        examples = sum(r["num_examples"] for r in rows)
-        lines.append(
-            {
-                "round": record["round"],
-                "clients": len(rows),
-                "missing": list(record.get("missing", [])),
-                "train_loss": sum(r["train_loss"] * r["num_examples"] for r in rows) / max(examples, 1),
-                "heldout_masked_accuracy": (
-                    sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
-                ),
-                "majority_accuracy": (
-                    sum(e["majority_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
-                ),
-                "bytes_up": sum(r["bytes_up"] for r in rows),
-                "bytes_down": sum(r["bytes_down"] for r in rows),
-                "round_seconds": record["round_seconds"],
-            }
-        )
-    return lines

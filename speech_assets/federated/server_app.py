@@ -35,7 +35,7 @@ from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.federated.server")
 
-POLL_SECONDS = 1.0
+POLL_SECONDS = 0.25
 TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
 EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy")
 CLIENT_RECORD = "client"
@@ -117,6 +117,9 @@ class Server:
                      config.run_name, config.rounds, config.local_steps, config.strategy, ",".join(config.clients))  # fmt: skip
         else:
             encoder, start, history = state.encoder, state.round, state.records
+            if start > config.rounds:
+                self.fail(start, f"{paths.root} already holds {start} completed rounds, more than the {config.rounds} "
+                          f"asked for: ask for at least {start} rounds, or use another run folder", [], [])  # fmt: skip
             restore_strategy(strategy, state.strategy)
             log.info("resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12])
         self.expected_keys = {name: (array.dtype, array.shape) for name, array in encoder.items()}
