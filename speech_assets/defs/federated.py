@@ -19,8 +19,7 @@ from speech_assets.utils import sha256_strings
 
 CODE_VERSION = "federated-v1"
 # Settings that do not change what a run computes: a different value resumes the same run folder.
-# `rounds` is one of them: asking for more rounds continues a finished run where it stopped.
-OPERATIONAL = ("rounds", "superlink", "superlink_root_certificates", "round_timeout_s", "connect_timeout_s", "device")
+OPERATIONAL = ("superlink", "superlink_root_certificates", "round_timeout_s", "connect_timeout_s", "device")
 
 
 class FederatedOverrides(overrides_of(FederatedSettings)):
