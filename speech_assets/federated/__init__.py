@@ -11,6 +11,7 @@ Modules (torch and flwr are imported only by the ones that need them, never by `
 - ``client_data`` which files a client reads: only its own labels, shards and partial sums
 - ``local``       local training and held-out evaluation on one client (torch)
 - ``rounds``      the server's round records: checkpoints, rounds.parquet, final.pt (torch)
+- ``history``     the same records read back without torch (tables, summaries: the launcher's view)
 - ``server_app``  the Flower ServerApp; ``client_app`` the Flower ClientApp
 - ``processes``   SuperLink / SuperNode processes on loopback and ``flwr run``
 - ``launch``      one federated run end to end (``python -m speech_assets.federated``)
