@@ -4,6 +4,7 @@
 # runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
 # every stage's knobs come from pipeline.toml (or $SPEECH_ASSETS_SETTINGS); TRAIN_CONFIG_JSON, if
 # set, overrides the training asset's settings for this run only (run config).
+# FEDERATED_CONFIG_JSON overrides the federated asset's (default: fewer local steps, for the demo).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -16,6 +17,10 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Function \`asse
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
 train_overrides=()
 [ -n "${TRAIN_CONFIG_JSON:-}" ] && train_overrides=(--config-json "$TRAIN_CONFIG_JSON")
+# federated pretraining: a SuperLink and one SuperNode per client on loopback, the [federated]
+# settings of pipeline.toml with fewer local steps so that the demo stays near 2 minutes on 2 cores
+default_federated_config='{"ops": {"federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}}}}'
+federated_config="${FEDERATED_CONFIG_JSON:-$default_federated_config}"
 
 materialize --select manifest
 # one shard per speaker: the manifest registered the speaker partitions; one run covers them all
@@ -23,6 +28,7 @@ materialize --select speaker_manifest,vad_features --partition-range "$(speech-a
 materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
 materialize --select pretrained_checkpoint "${train_overrides[@]}"
+materialize --select federated_checkpoint --config-json "$federated_config"
 materialize --select dataset_stats
 
 echo

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, features, manifest, staleness, stats, targets, training
+from speech_assets.defs import automation, features, federated, manifest, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
@@ -25,6 +25,7 @@ ASSETS = [
     targets.client_partitions,
     targets.kmeans_targets,
     training.pretrained_checkpoint,
+    federated.federated_checkpoint,
     stats.dataset_stats,
 ]
 

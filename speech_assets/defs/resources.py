@@ -168,6 +168,33 @@ class TrainingSettings(dg.Config):
     gpus_per_node: int = 0
 
 
+class FederatedSettings(dg.Config):
+    """Federated pretraining (`federated_checkpoint`): Flower rounds of local training on each
+    client and server-side aggregation of the shared encoder (see speech_assets/federated/)."""
+
+    rounds: int = 3
+    local_steps: int = 50  # optimizer steps per client per round
+    strategy: str = "fedadam"  # fedadam or fedavg (flwr.serverapp.strategy)
+    eta: float = 1e-2  # FedAdam server learning rate
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    tau: float = 1e-3
+    min_train_nodes: int = 0  # clients that must reply for a round to count; 0 = all
+    preset: str = "tiny"
+    client_lr: float = 2e-3  # sent to the clients with every round
+    batch_seconds: float = 16.0  # padded audio per local step
+    seed: int = 0
+    heldout_fraction: float = 0.1
+    max_frames: int = 1500
+    precision: str = "auto"
+    superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
+    superlink_root_certificates: str = ""  # CA file for a TLS SuperLink; empty = insecure
+    threads_per_client: int = 0  # local SuperNodes: torch threads each; 0 = cores / clients
+    device: str = "auto"  # local SuperNodes: auto, cpu or cuda
+    round_timeout_s: float = 3600.0  # a client silent this long is counted missing for the round
+    connect_timeout_s: float = 300.0  # how long round 1 waits for every client to connect
+
+
 class PipelineSettings(dg.ConfigurableResource):
     """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
     by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
@@ -181,6 +208,7 @@ class PipelineSettings(dg.ConfigurableResource):
     clients: ClientSettings = ClientSettings()
     kmeans: KMeansSettings = KMeansSettings()
     training: TrainingSettings = TrainingSettings()
+    federated: FederatedSettings = FederatedSettings()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:

@@ -34,7 +34,15 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         kmeans_quality=sorted((paths.root / "kmeans").glob("*/quality.json")),
         training_results=results,
         heldout_fraction=_heldout_fraction(results),
+        federated_rounds=_newest_federated_rounds(paths),
     )
+
+
+def _newest_federated_rounds(paths: StoragePaths):
+    """rounds.parquet of the federated run that finished last (``None`` before any)."""
+    finished = [p.parent / "rounds.parquet" for p in (paths.root / "federated").glob("*/result.json")]
+    found = [p for p in finished if p.is_file()] or sorted((paths.root / "federated").glob("*/rounds.parquet"))
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def _heldout_fraction(results: list) -> float:
@@ -72,7 +80,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 
 @dg.asset(
     group_name="stats",
-    deps=[*TRAINING_INPUTS, "pretrained_checkpoint"],
+    deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint"],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     automation_condition=follow_upstream(require_all_deps=False),
@@ -86,7 +94,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
     instance = context.instance
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
-        for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint")
+        for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint")
     }
     partitioned = {
         "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),

@@ -35,6 +35,8 @@ class StatsInputs:
     kmeans_quality: list[Path]
     training_results: list[Path] = field(default_factory=list)
     heldout_fraction: float = HELDOUT_FRACTION
+    # the rounds.parquet of the federated run to show (speech_assets.federated), if any
+    federated_rounds: Path | None = None
 
 
 def _sql_str(value: str | os.PathLike[str]) -> str:
@@ -112,6 +114,16 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
              r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
              r.get("mlflow_run_id"), r.get("checkpoint")],
+        )
+    # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
+    con.execute(
+        "CREATE TABLE federated_rounds (round BIGINT, client_id VARCHAR, num_examples BIGINT, train_loss DOUBLE, "
+        "masked_accuracy DOUBLE, bytes_up BIGINT, bytes_down BIGINT, seconds DOUBLE)"
+    )
+    if inputs.federated_rounds is not None and inputs.federated_rounds.is_file():
+        con.execute(
+            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, masked_accuracy, bytes_up, "
+            f"bytes_down, seconds FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
         )
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(

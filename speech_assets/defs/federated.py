@@ -1,0 +1,160 @@
+"""Stage 4b: federated HuBERT-style pretraining with Flower (`federated_checkpoint`).
+
+Data and prediction heads never leave a client: one Flower SuperNode per client trains the shared
+encoder locally from the current global encoder, and a ServerApp aggregates only the encoder with
+FedAdam (or FedAvg), round after round. The centralised `pretrained_checkpoint` is the baseline.
+torch, flwr and mlflow are imported inside the asset, never when the code location loads.
+"""
+
+import json
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.defs.conditions import retrain_on_cron
+from speech_assets.defs.lineage import git_commit
+from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.training import TRAINING_INPUTS, _input_versions
+from speech_assets.utils import sha256_strings
+
+CODE_VERSION = "federated-v1"
+# Settings that do not change what a run computes: a different value resumes the same run folder.
+OPERATIONAL = ("superlink", "superlink_root_certificates", "round_timeout_s", "connect_timeout_s", "device")
+
+
+class FederatedOverrides(overrides_of(FederatedSettings)):
+    """Run-config overrides of the `[federated]` settings for one manual run."""
+
+
+def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> str:
+    """Same inputs and the same (non-operational) settings -> the same run folder, which resumes."""
+    knobs = settings.model_dump(exclude=set(OPERATIONAL))
+    return sha256_strings([json.dumps(data_versions, sort_keys=True), json.dumps(knobs, sort_keys=True), CODE_VERSION])[:16]
+
+
+@dg.asset(
+    group_name="training",
+    deps=TRAINING_INPUTS,
+    code_version=CODE_VERSION,
+    pool="training",
+    kinds={"pytorch", "mlflow"},
+    automation_condition=retrain_on_cron(),
+    description=(
+        "Federated HuBERT-style pretraining with Flower: a SuperLink and one SuperNode per client "
+        "(or an existing SuperLink), local rounds on each client's own data with its own head, "
+        "FedAdam/FedAvg on the shared encoder only; resumes from its last completed round; MLflow."
+    ),
+)
+def federated_checkpoint(
+    context: dg.AssetExecutionContext, config: FederatedOverrides, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
+    from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.history import summarize_rounds
+    from speech_assets.federated.launch import FederatedRunFailed, run_federation
+    from speech_assets.federated.report import markdown_image, markdown_rounds, round_curve_png
+    from speech_assets.federated.tracking import FederatedTracker
+
+    fed = effective(settings.federated, config)
+    clients: dict[str, list[str]] = {}
+    for row in pq.read_table(paths.clients_file).to_pylist():
+        clients.setdefault(row["client_id"], []).append(row["speaker_id"])
+    data_versions = _input_versions(context, paths, clients)
+    run_name = run_name_for(data_versions, fed)
+    run_dir = paths.root / "federated" / run_name
+    federated = FederatedConfig(
+        run_dir=str(run_dir),
+        run_name=run_name,
+        clients=sorted(clients),
+        rounds=fed.rounds,
+        local_steps=fed.local_steps,
+        strategy=fed.strategy,
+        eta=fed.eta,
+        beta_1=fed.beta_1,
+        beta_2=fed.beta_2,
+        tau=fed.tau,
+        min_train_nodes=fed.min_train_nodes,
+        preset=fed.preset,
+        client_lr=fed.client_lr,
+        batch_seconds=fed.batch_seconds,
+        seed=fed.seed,
+        heldout_fraction=fed.heldout_fraction,
+        max_frames=fed.max_frames,
+        precision=fed.precision,
+        round_timeout_s=fed.round_timeout_s,
+        connect_timeout_s=fed.connect_timeout_s,
+        data_versions=data_versions,
+    )
+    tracker = FederatedTracker(
+        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()
+    )
+
+    def on_round(record: dict) -> None:
+        line = summarize_rounds([record])[0]
+        missing = f", missing {', '.join(line['missing'])}" if line["missing"] else ""
+        accuracy = line["heldout_masked_accuracy"]
+        context.log.info(
+            f"round {line['round']}/{federated.rounds}: {line['clients']} clients{missing}, train loss "
+            f"{line['train_loss']:.4f}, held-out masked accuracy "
+            f"{'n/a' if accuracy is None else f'{accuracy:.3f}'} (majority class "
+            f"{'n/a' if line['majority_accuracy'] is None else format(line['majority_accuracy'], '.3f')}), "
+            f"{line['round_seconds']:.0f} s"
+        )
+
+    where = f"the SuperLink at {fed.superlink}" if fed.superlink else "a local SuperLink and one SuperNode per client"
+    context.log.info(f"federated run {run_name} in {run_dir}: {len(clients)} clients on {where}")
+    try:
+        result = run_federation(
+            federated,
+            paths.root,
+            superlink=fed.superlink,
+            insecure=not fed.superlink_root_certificates,
+            root_certificates=fed.superlink_root_certificates,
+            threads_per_client=fed.threads_per_client,
+            device=fed.device,
+            log=context.log.info,
+            on_round=on_round,
+            tracker=tracker,
+        )
+    except FederatedRunFailed as error:
+        raise dg.Failure(
+            description=f"federated run {run_name} stopped: {error}",
+            metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "failure": dg.MetadataValue.json(error.failure)},
+        ) from error
+
+    sha = _verify_checkpoint(result["checkpoint"], result["checkpoint_sha256"])
+    lines = result["round_summaries"]
+    metadata = {
+        "rounds": result["rounds"],
+        "strategy": result["strategy"],
+        "local_steps": result["local_steps"],
+        "clients": len(result["clients"]),
+        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
+        "heldout_majority_accuracy": result["heldout_majority_accuracy"],
+        "final_train_loss": result["final_train_loss"],
+        "mean_round_seconds": result["mean_round_seconds"],
+        "bytes_up_per_round": result["bytes_up_per_round"],
+        "bytes_down_per_round": result["bytes_down_per_round"],
+        "round_curve": dg.MetadataValue.md(markdown_rounds(lines)),
+        "round_plot": dg.MetadataValue.md(markdown_image(round_curve_png(lines), "round curve")),
+        "heldout_per_client": dg.MetadataValue.json(result["heldout_per_client"]),
+        "missing_by_round": dg.MetadataValue.json(result["missing_by_round"]),
+        "resumed_from_round": result["resumed_from_round"] or 0,
+        "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
+        "checkpoint_sha256": sha,
+        "rounds_table": dg.MetadataValue.path(str(run_dir / "rounds.parquet")),
+        "run_dir": dg.MetadataValue.path(str(run_dir)),
+        "mlflow_run_id": tracker.run_id,
+        "input_versions": dg.MetadataValue.json(data_versions),
+    }
+    return dg.MaterializeResult(data_version=dg.DataVersion(sha), metadata=metadata)
+
+
+def _verify_checkpoint(path: str, expected: str) -> str:
+    """Re-hash the final encoder from ``final.pt`` (``weights_only`` load); it is the data version."""
+    from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
+
+    state = load_checkpoint(path)
+    sha = weights_sha256(state["encoder"])
+    if sha != expected:
+        raise dg.Failure(description=f"{path}: encoder sha256 {sha} differs from the server's record {expected}")
+    return sha

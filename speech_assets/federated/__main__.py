@@ -1,0 +1,65 @@
+"""``python -m speech_assets.federated --data-dir D --run-dir R [options]``: one federated run on
+the pipeline's outputs under ``D`` (client targets, shards), written to ``R``.
+
+Without ``--superlink`` it starts a SuperLink and one SuperNode per client on 127.0.0.1 and stops
+them at the end (also on SIGTERM/SIGINT; on SIGKILL the kernel stops them). Exit codes: 0 done,
+2 the server stopped the run for lack of clients (completed rounds saved), 1 other errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from speech_assets.federated.config import FederatedConfig
+from speech_assets.federated.launch import FederatedRunFailed, client_ids, run_federation
+
+SKIPPED = {"run_dir", "run_name", "clients", "data_versions"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m speech_assets.federated", description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", required=True, help="the pipeline's data dir (kmeans/, features/, clients/)")
+    parser.add_argument("--run-dir", required=True, help="the run folder (resumed if it exists)")
+    parser.add_argument("--clients", default="", help="comma-separated client ids (default: clients/clients.parquet)")
+    parser.add_argument("--superlink", default="", help="host:port of an existing SuperLink (default: start one)")
+    parser.add_argument("--threads-per-client", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    for item in fields(FederatedConfig):
+        if item.name in SKIPPED:
+            continue
+        kind = {"int": int, "float": float}.get(str(item.type), str)
+        parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run_dir = Path(args.run_dir).resolve()
+    values = {item.name: getattr(args, item.name) for item in fields(FederatedConfig) if item.name not in SKIPPED}
+    clients = [c for c in args.clients.split(",") if c] or client_ids(args.data_dir)
+    config = FederatedConfig(run_dir=str(run_dir), run_name=run_dir.name, clients=clients, **values)
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        result = run_federation(
+            config, Path(args.data_dir).resolve(), superlink=args.superlink,
+            threads_per_client=args.threads_per_client, device=args.device,
+            log=lambda line: print(line, flush=True),
+        )  # fmt: skip
+    except FederatedRunFailed as error:
+        print(f"federated run failed: {error}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps({k: result[k] for k in ("checkpoint", "checkpoint_sha256", "heldout_masked_accuracy")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

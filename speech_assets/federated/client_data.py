@@ -1,0 +1,74 @@
+"""Which files one client reads: its own k-means targets, its own speakers' shards, and its own
+speakers' CMVN partial sums. Nothing else: not ``clients/clients.parquet``, not the global
+``cmvn/``, not another client's folder (``test_client_data.py`` runs a client on a folder that
+holds only its own files).
+
+The client's speakers are those its own labels file names; its CMVN is computed from those
+speakers' partial sums (``<speaker>.stats.npz`` beside each shard), as ``kmeans_targets`` does for
+the client's k-means, so no statistic crosses clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from speech_assets.features import cmvn
+from speech_assets.features.shards import ShardFiles
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's inputs under ``data_dir`` (the pipeline's layout).
+
+    ``k``: its codebook size (the width of its head); ``shards``: one per speaker, sorted;
+    ``stats``: each shard's partial sums; ``labels``: ``kmeans/<client>/labels.parquet``.
+    """
+
+    client_id: str
+    data_dir: Path
+    k: int
+    speakers: list[str]
+    shards: list[Path]
+    stats: list[Path]
+    labels: Path
+
+    @classmethod
+    def resolve(cls, data_dir: str | os.PathLike[str], client_id: str) -> ClientData:
+        root = Path(data_dir)
+        kmeans_dir = root / "kmeans" / client_id
+        labels = kmeans_dir / "labels.parquet"
+        quality_file = kmeans_dir / "quality.json"
+        if not labels.is_file() or not quality_file.is_file():
+            raise FileNotFoundError(
+                f"client {client_id}: no k-means targets under {kmeans_dir} (materialize kmeans_targets)"
+            )
+        k = int(json.loads(quality_file.read_text())["k"])
+        speakers = sorted(set(pq.read_table(labels, columns=["speaker_id"]).column("speaker_id").to_pylist()))
+        if not speakers:
+            raise ValueError(f"client {client_id}: its labels file {labels} is empty")
+        shards_dir = root / "features" / "shards"
+        files = [ShardFiles.of(shards_dir, speaker) for speaker in speakers]
+        missing = [str(f.shard) for f in files if not f.shard.is_file() or not f.stats.is_file()]
+        if missing:
+            raise FileNotFoundError(f"client {client_id}: shards or their partial sums are missing: {missing}")
+        return cls(client_id, root, k, speakers, [f.shard for f in files], [f.stats for f in files], labels)
+
+    @property
+    def files(self) -> list[Path]:
+        """Every file this client reads."""
+        return [self.labels, self.labels.parent / "quality.json", *self.shards, *self.stats]
+
+    def cmvn(self) -> cmvn.Cmvn:
+        """Client-level CMVN from this client's own speakers' partial sums."""
+        parts = [cmvn.ShardStats.load(path) for path in self.stats]
+        return cmvn.Cmvn.from_sums(cmvn.combine(parts, speakers=self.speakers))
+
+    def write_cmvn(self, path: str | os.PathLike[str]) -> Path:
+        """Save :meth:`cmvn` (atomically) to ``path`` in the client's own state folder."""
+        self.cmvn().save(path)
+        return Path(path)

@@ -1,0 +1,117 @@
+"""The server's round records on disk, without torch: which rounds are complete, their records,
+the round tables (``rounds.parquet``, ``evaluation.parquet``) and one summary line per round.
+
+A round ``r`` is complete when ``rounds/round_r.pt`` and ``rounds/round_r.json`` both exist (see
+:mod:`speech_assets.federated.rounds`, which writes them); only the last ``keep_rounds`` keep
+their checkpoint, every round keeps its record.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from speech_assets.federated.config import FederatedPaths
+from speech_assets.utils import atomic_path
+
+ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
+
+# rounds.parquet: one row per (round, client) that trained in the round
+ROUNDS_SCHEMA = pa.schema(
+    [
+        ("round", pa.int64()),
+        ("client_id", pa.string()),
+        ("num_examples", pa.int64()),
+        ("train_loss", pa.float64()),
+        ("masked_accuracy", pa.float64()),
+        ("bytes_up", pa.int64()),
+        ("bytes_down", pa.int64()),
+        ("seconds", pa.float64()),
+    ]
+)
+ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
+# evaluation.parquet: the global encoder after the round, on each client's held-out utterances
+# with that client's own head (kept on the client), beside the client's majority-class rate
+EVALUATION_SCHEMA = pa.schema(
+    [
+        ("round", pa.int64()),
+        ("client_id", pa.string()),
+        ("utterances", pa.int64()),
+        ("masked_frames", pa.int64()),
+        ("heldout_loss", pa.float64()),
+        ("heldout_masked_accuracy", pa.float64()),
+        ("majority_accuracy", pa.float64()),
+    ]
+)
+
+
+def record_rounds(paths: FederatedPaths) -> list[int]:
+    """Rounds that have a record (``round_r.json``), whether or not their checkpoint is kept."""
+    if not paths.rounds_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in paths.rounds_dir.iterdir() if (m := ROUND_FILE.match(p.name)) and m.group(2) == "json")
+
+
+def complete_rounds(paths: FederatedPaths) -> list[int]:
+    """Rounds whose checkpoint and record both exist (only the last ``keep_rounds`` keep a checkpoint)."""
+    if not paths.rounds_dir.is_dir():
+        return []
+    found: dict[int, set[str]] = {}
+    for path in paths.rounds_dir.iterdir():
+        if match := ROUND_FILE.match(path.name):
+            found.setdefault(int(match.group(1)), set()).add(match.group(2))
+    return sorted(r for r, kinds in found.items() if kinds == {"pt", "json"})
+
+
+def read_records(paths: FederatedPaths, up_to: int) -> list[dict[str, Any]]:
+    records = []
+    for round_number in range(1, up_to + 1):
+        path = paths.round_record(round_number)
+        if path.is_file():
+            records.append(json.loads(path.read_text()))
+    return records
+
+
+def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) -> None:
+    rows = [row for record in records for row in record["rows"]]
+    evaluation = [row for record in records for row in record["evaluation"]]
+    for target, schema, data in (
+        (paths.rounds_table, ROUNDS_SCHEMA, rows),
+        (paths.evaluation_table, EVALUATION_SCHEMA, evaluation),
+    ):
+        table = pa.Table.from_pylist([{name: row[name] for name in schema.names} for row in data], schema=schema)
+        with atomic_path(target) as tmp:
+            pq.write_table(table, tmp)
+
+
+def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One line per round: clients, missing, mean train loss, held-out accuracy (weighted by
+    masked frames) beside the majority-class rate, bytes, wall time."""
+    lines = []
+    for record in records:
+        rows, evaluation = record["rows"], record["evaluation"]
+        frames = sum(e["masked_frames"] for e in evaluation)
+        examples = sum(r["num_examples"] for r in rows)
+        lines.append(
+            {
+                "round": record["round"],
+                "clients": len(rows),
+                "missing": list(record.get("missing", [])),
+                "train_loss": sum(r["train_loss"] * r["num_examples"] for r in rows) / max(examples, 1),
+                "heldout_masked_accuracy": (
+                    sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
+                ),
+                "majority_accuracy": (
+                    sum(e["majority_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
+                ),
+                "bytes_up": sum(r["bytes_up"] for r in rows),
+                "bytes_down": sum(r["bytes_down"] for r in rows),
+                "round_seconds": record["round_seconds"],
+            }
+        )
+    return lines

@@ -1,0 +1,249 @@
+"""One federated run end to end: start the local federation (or use an existing SuperLink), submit
+the Flower App with ``flwr run``, follow it, stop every process, and read what the server wrote.
+
+Local mode (the default): a SuperLink and one SuperNode per client on 127.0.0.1; SuperNode ``c``
+gets ``--node-config 'client-id="c" data-dir="<data>" state-dir="<run>/clients/c"'``.
+
+Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
+SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)
+serve the clients. The ServerApp runs on the SuperLink's machine and writes ``run_dir`` there, so
+``run_dir`` must be a path that machine shares with this one.
+
+``python -m speech_assets.federated --help`` runs the same from the command line (the bench and
+the tests use it; SIGTERM and SIGINT stop the federation cleanly, SIGKILL through the kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeSettings
+from speech_assets.federated.history import read_records, record_rounds
+from speech_assets.federated.processes import LocalFederation, flwr_run, write_connection
+from speech_assets.utils import atomic_write_text
+
+APP_DIR = Path(__file__).resolve().parent / "app"
+
+
+class FederatedRunFailed(RuntimeError):
+    """The ServerApp stopped the run (too few clients); ``failure`` is its ``failure.json``."""
+
+    def __init__(self, failure: dict[str, Any]) -> None:
+        super().__init__(failure["message"] + f" (rounds completed and saved: {failure['completed_rounds']})")
+        self.failure = failure
+
+
+def write_run_config(config: FederatedConfig, path: Path) -> Path:
+    """The TOML file passed to ``flwr run --run-config`` (every key of the app's config)."""
+    lines = []
+    for key, value in config.to_run_config().items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = json.dumps(value)
+        lines.append(f"{key} = {text}")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
+    """The run's ``result.json`` if this run already finished every round (else ``None``)."""
+    paths = FederatedPaths(config.run_dir)
+    try:
+        result = json.loads(paths.result.read_text())
+    except (OSError, ValueError):
+        return None
+    if result.get("rounds") != config.rounds or not paths.final.is_file():
+        return None
+    return result
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process is running this federated run (the run folder's lock is held)."""
+
+
+@contextlib.contextmanager
+def run_folder_lock(paths: FederatedPaths) -> Iterator[None]:
+    """Hold ``<run>/run.lock`` (``flock``, released by the kernel even on ``kill -9``) or fail
+    at once naming the holder: two launchers must never drive the same run folder."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with open(paths.root / "run.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunFolderBusy(f"{paths.root} is in use by another federated run ({handle.read().strip()})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class RoundFollower:
+    """Calls ``on_round(record)`` once for every round record that appears in the run folder
+    (those of earlier attempts first), as the ServerApp writes them."""
+
+    def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None] | None) -> None:
+        self.paths, self.on_round, self.seen = paths, on_round, 0
+
+    def poll(self) -> None:
+        if self.on_round is None:
+            return
+        new = [r for r in record_rounds(self.paths) if r > self.seen]
+        if not new:
+            return
+        for record in read_records(self.paths, new[-1]):
+            if int(record["round"]) > self.seen:
+                self.on_round(record)
+                self.seen = int(record["round"])
+
+
+def client_ids(data_dir: str | os.PathLike[str]) -> list[str]:
+    """The clients of ``clients/clients.parquet`` (written by ``client_partitions``)."""
+    table = pq.read_table(Path(data_dir) / "clients" / "clients.parquet", columns=["client_id"])
+    return sorted(set(table.column("client_id").to_pylist()))
+
+
+def run_federation(
+    config: FederatedConfig,
+    data_dir: str | os.PathLike[str],
+    *,
+    superlink: str = "",
+    insecure: bool = True,
+    root_certificates: str = "",
+    threads_per_client: int = 0,
+    device: str = "auto",
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] = print,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    tracker: Any = None,
+) -> dict[str, Any]:
+    """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``.
+
+    ``on_round(record)`` is called once per completed round (its ``rounds/round_r.json``) while
+    the run goes on; ``tracker`` (a :class:`~speech_assets.federated.tracking.FederatedTracker`)
+    gets every round's metrics, then the final checkpoint or the failure.
+
+    Raises :class:`FederatedRunFailed` when the server stopped the run for lack of clients
+    (completed rounds stay saved; the next call resumes after them).
+    """
+    with run_folder_lock(FederatedPaths(config.run_dir)):
+        return _tracked_run(config, data_dir, superlink=superlink, insecure=insecure, root_certificates=root_certificates,
+                            threads_per_client=threads_per_client, device=device, env=env, log=log, on_round=on_round,
+                            tracker=tracker)  # fmt: skip
+
+
+def _tracked_run(
+    config: FederatedConfig,
+    data_dir: str | os.PathLike[str],
+    *,
+    on_round: Callable[[dict[str, Any]], None] | None,
+    tracker: Any,
+    **options: Any,
+) -> dict[str, Any]:
+    if tracker is not None:
+        tracker.start()
+
+    def each_round(record: dict[str, Any]) -> None:
+        if tracker is not None:
+            tracker.log_round(record)
+        if on_round is not None:
+            on_round(record)
+
+    try:
+        result = _run_federation(config, data_dir, on_round=each_round, **options)
+    except BaseException as error:
+        if tracker is not None:
+            tracker.fail(str(error) or type(error).__name__)
+        raise
+    if tracker is not None:
+        tracker.finish(result)
+    return result
+
+
+def _run_federation(
+    config: FederatedConfig,
+    data_dir: str | os.PathLike[str],
+    *,
+    superlink: str,
+    insecure: bool,
+    root_certificates: str,
+    threads_per_client: int,
+    device: str,
+    env: Mapping[str, str] | None,
+    log: Callable[[str], None],
+    on_round: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    paths = FederatedPaths(config.run_dir)
+    follower = RoundFollower(paths, on_round)
+    done = completed_result(config)
+    if done is not None:
+        log(f"federated run {config.run_name} already finished all {config.rounds} rounds: reusing it")
+        follower.poll()
+        return done
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.result.unlink(missing_ok=True)
+    paths.failure.unlink(missing_ok=True)
+    write_run_config(config, paths.run_config)
+    cli_home = paths.flower_dir / "cli"
+    started = time.monotonic()
+
+    def forward(line: str) -> None:
+        if " server INFO round " in line and on_round is not None:
+            return  # on_round reports it
+        if " server " in line or "ERROR" in line or "Error" in line or "Traceback" in line:
+            log(line)
+
+    if superlink:
+        write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
+        log(f"submitting {config.run_name} to the SuperLink at {superlink}")
+        outcome = flwr_run(
+            APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env,
+            lambda: follower.poll(),  # type: ignore[func-returns-value]
+        )  # fmt: skip
+    else:
+        threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
+        nodes = [
+            NodeSettings(client_id=c, data_dir=str(Path(data_dir)), state_dir=str(paths.client_dir(c)),
+                         threads=threads, device=device)
+            for c in config.clients
+        ]  # fmt: skip
+        with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
+            write_connection(cli_home, federation.address)
+
+            def should_stop() -> str | None:
+                follower.poll()
+                if federation.superlink is not None and federation.superlink.process.poll() is not None:
+                    return f"the SuperLink exited with code {federation.superlink.process.returncode}"
+                return None
+
+            outcome = flwr_run(
+                APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, should_stop
+            )
+    follower.poll()
+    if paths.failure.is_file():
+        raise FederatedRunFailed(json.loads(paths.failure.read_text()))
+    if not paths.result.is_file():
+        raise RuntimeError(
+            f"flwr run (exit code {outcome.returncode}, run id {outcome.run_id}) ended without a result; "
+            f"see {paths.server_log} and {paths.flower_dir}"
+        )
+    result = json.loads(paths.result.read_text())
+    log(f"federated run {config.run_name} finished in {time.monotonic() - started:.0f} s (flwr run id {outcome.run_id})")
+    return result

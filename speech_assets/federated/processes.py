@@ -1,0 +1,416 @@
+"""Flower's processes on loopback: a SuperLink, one SuperNode per client, ``flwr run``; and the
+guarantee that every process started here is stopped, on success, on failure and on kill.
+
+- Every process started here is told by the kernel to die with the thread that started it
+  (``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of the asset's (or the CLI's) process takes the
+  federation with it. Start them from the thread that lives as long as they should (the asset's
+  main thread).
+- Each Flower daemon runs under :mod:`speech_assets.federated.supervise`, a child subreaper that
+  gets SIGTERM when we die and then stops the daemon and every helper it started (the SuperExec,
+  ``flwr-serverapp``, ``flwr-clientapp``), even those re-parented after their parent was killed.
+  Flower's helpers alone only watch their parent's pid, which a zombie parent still answers to.
+- :meth:`LocalFederation.stop` (called in a ``finally``) walks each daemon's process tree through
+  ``/proc`` (the SuperLink starts its SuperExec in a session of its own, so a process group is not
+  enough), sends SIGTERM, waits, then SIGKILLs whatever is left, and reaps.
+
+Everything binds to 127.0.0.1 on free ports; each process gets its own ``FLWR_HOME`` under the
+run's ``flower/`` folder, where its log is written too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from speech_assets import settings
+from speech_assets.federated.config import NodeSettings
+
+CONNECTION_NAME = "speech_assets"
+SUPERVISOR = "speech_assets.federated.supervise"
+FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
+def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """``preexec_fn``: send ``sig`` to this child when the thread that forked it dies."""
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def spawn(
+    command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, **kwargs: object
+) -> subprocess.Popen:
+    """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us.
+
+    ``supervised``: run it under :mod:`speech_assets.federated.supervise`, which gets SIGTERM when
+    we die and then stops ``command`` and everything it started (for Flower's daemons, whose
+    helpers outlive a SIGKILLed parent otherwise); else ``command`` itself gets SIGKILL.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if supervised:
+        command = [sys.executable, "-m", SUPERVISOR, "--", *command]
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(  # noqa: S603
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=kwargs.pop("stdout", log_file),  # type: ignore[arg-type]
+            stderr=kwargs.pop("stderr", subprocess.STDOUT),  # type: ignore[arg-type]
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid(), signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+
+def flower_bin(name: str) -> str:
+    """A Flower console script of this interpreter's environment."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Flower process: ``FLWR_HOME`` of its own, no telemetry or update
+    check, this interpreter's scripts first on ``PATH`` and this checkout first on
+    ``PYTHONPATH`` (the apps import ``speech_assets``)."""
+    env = dict(os.environ if base is None else base)
+    home.mkdir(parents=True, exist_ok=True)
+    paths = [str(settings.repo_root()), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    # Flower starts its own helpers (flower-superexec, flwr-serverapp, ...) by name
+    binaries = [str(Path(sys.executable).parent), *filter(None, env.get("PATH", "").split(os.pathsep))]
+    env.update(
+        PATH=os.pathsep.join(dict.fromkeys(binaries)),
+        FLWR_HOME=str(home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        # the SuperExec of each daemon looks for new tasks this often (Flower's default: 1 s)
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL=env.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2"),
+        PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
+        PYTHONUNBUFFERED="1",
+    )
+    # a Dagster Pipes session belongs to the asset's process, not to Flower's
+    return {k: v for k, v in env.items() if not k.startswith("DAGSTER_PIPES")}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_listening(port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f} s:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------ process trees
+def _parents() -> dict[int, tuple[int, str]]:
+    """``pid -> (ppid, state)`` of every process (from ``/proc/<pid>/stat``)."""
+    found: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                stat = handle.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        found[int(entry)] = (int(fields[1]), fields[0])
+    return found
+
+
+def descendants(roots: Iterable[int]) -> set[int]:
+    """Live processes under ``roots`` (not the roots themselves)."""
+    table = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, state) in table.items():
+        if state != "Z":
+            children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read().decode(errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
+
+
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """Stop ``processes`` and everything they started: SIGTERM to the whole trees, up to
+    ``grace`` seconds for a clean exit, SIGKILL for the rest, then reap our own children."""
+    roots = [p.pid for p in processes if p.poll() is None]
+    tree = descendants(roots) | set(roots)
+    _signal(tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        tree |= descendants(roots)
+        if not any(alive(pid) for pid in tree):
+            break
+        time.sleep(0.2)
+    tree |= descendants(roots)
+    _signal((pid for pid in tree if alive(pid)), signal.SIGKILL)
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+
+
+def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
+    """Running Flower processes and our supervisors (optionally only those whose command line or
+    environment mentions ``root``): ``(pid, command line)``. The tests use it to prove nothing was
+    left behind."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes() if root is not None else b""
+        except OSError:
+            continue
+        if not alive(int(entry)):
+            continue
+        argv = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+        names = {Path(part).name for part in argv[:6]}
+        if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3]:
+            continue
+        if root is not None and str(root).encode() not in raw + environ:
+            continue
+        found.append((int(entry), " ".join(argv)))
+    return found
+
+
+# --------------------------------------------------------------------------- the federation
+@dataclass
+class Daemon:
+    name: str
+    process: subprocess.Popen
+    log: Path
+    port: int
+
+
+class LocalFederation:
+    """A SuperLink and one SuperNode per client on 127.0.0.1, for the duration of a ``with``.
+
+    ``folder`` receives one sub-folder per process (its ``FLWR_HOME`` and ``<name>.log``) and
+    ``pids.json``. Each SuperNode gets ``--node-config`` from its :class:`NodeSettings`.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        nodes: Sequence[NodeSettings],
+        *,
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 120.0,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.folder, self.nodes, self.base_env = folder, list(nodes), env
+        self.startup_timeout, self.log = startup_timeout, log
+        self.superlink: Daemon | None = None
+        self.supernodes: dict[str, Daemon] = {}
+
+    @property
+    def address(self) -> str:
+        assert self.superlink is not None, "the federation is not started"
+        return f"127.0.0.1:{self.superlink.port}"
+
+    @property
+    def daemons(self) -> list[Daemon]:
+        return ([self.superlink] if self.superlink else []) + list(self.supernodes.values())
+
+    def start(self) -> LocalFederation:
+        try:
+            port = free_port()
+            log_path = self.folder / "superlink" / "superlink.log"
+            command = [
+                flower_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                "--disable-runtime-dependency-installation",
+            ]  # fmt: skip
+            env = flower_env(self.folder / "superlink" / "home", self.base_env)
+            self.superlink = Daemon("superlink", spawn(command, log_path, env, supervised=True), log_path, port)
+            wait_listening(port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path)
+            for node in self.nodes:
+                node_port = free_port()
+                node_dir = self.folder / f"supernode-{node.client_id}"
+                command = [
+                    flower_bin("flower-supernode"), "--insecure", "--superlink", self.address,
+                    "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node.to_node_config(),
+                ]  # fmt: skip
+                log_path = node_dir / "supernode.log"
+                process = spawn(command, log_path, flower_env(node_dir / "home", self.base_env), supervised=True)
+                self.supernodes[node.client_id] = Daemon(f"supernode {node.client_id}", process, log_path, node_port)
+            self._write_pids()
+            self.log(
+                f"Flower federation on {self.address}: SuperLink pid {self.superlink.process.pid}, "
+                + ", ".join(f"{c} pid {d.process.pid}" for c, d in self.supernodes.items())
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _write_pids(self) -> None:
+        """``pids.json``: each daemon's supervisor pid and the Flower process it runs."""
+        pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "pids.json").write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
+
+    @staticmethod
+    def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
+        """The pid of the Flower process itself (the supervisor's child)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and daemon.process.poll() is None:
+            children = [pid for pid, (ppid, state) in _parents().items() if ppid == daemon.process.pid and state != "Z"]
+            if children:
+                return min(children)
+            time.sleep(0.05)
+        return None
+
+    def check_alive(self) -> list[str]:
+        """Names of daemons that have exited (a SuperNode may die; the SuperLink must not)."""
+        return [d.name for d in self.daemons if d.process.poll() is not None]
+
+    def stop(self, grace: float = 10.0) -> None:
+        daemons = self.daemons
+        if daemons:
+            terminate([d.process for d in daemons], grace)
+        self.superlink, self.supernodes = None, {}
+
+    def __enter__(self) -> LocalFederation:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------- flwr CLI
+def write_connection(home: Path, address: str, insecure: bool = True, root_certificates: str = "") -> None:
+    """``$FLWR_HOME/config.toml`` with one SuperLink connection named :data:`CONNECTION_NAME`."""
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{CONNECTION_NAME}"', "", f"[superlink.{CONNECTION_NAME}]", f'address = "{address}"']
+    if insecure:
+        lines.append("insecure = true")
+    elif root_certificates:
+        lines.append(f'root-certificates = "{root_certificates}"')
+    (home / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@dataclass
+class FlwrRun:
+    """A finished ``flwr run --stream``: exit code and the run id the SuperLink gave it."""
+
+    returncode: int
+    run_id: int | None
+
+
+def flwr_run(
+    app_dir: Path,
+    run_config: Path,
+    home: Path,
+    log_path: Path,
+    on_line: Callable[[str], None],
+    env: Mapping[str, str] | None = None,
+    should_stop: Callable[[], str | None] = lambda: None,
+) -> FlwrRun:
+    """``flwr run <app_dir> speech_assets --run-config <file> --stream``: submit the app to the
+    SuperLink of the connection in ``home`` and follow its logs until the run ends.
+
+    ``should_stop`` is polled while waiting; a non-empty answer (why) stops the run
+    (``flwr stop``) and raises. The run's own success is judged by the caller from what the
+    ServerApp wrote (``result.json`` / ``failure.json``).
+    """
+    command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
+    process_env = flower_env(home, env)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process = spawn(command, log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run_id: int | None = None
+    reason: str | None = None
+    try:
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        with open(log_path, "a", encoding="utf-8") as log_file:
+            buffer = b""
+            while True:
+                ready, _, _ = select.select([fd], [], [], 0.5)
+                chunk = os.read(fd, 1 << 16) if ready else b""
+                if chunk:
+                    buffer += chunk
+                    *complete, buffer = buffer.split(b"\n")
+                    for raw in complete:
+                        line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+                        log_file.write(line + "\n")
+                        if run_id is None and (match := _RUN_ID.search(line)):
+                            run_id = int(match.group(1))
+                        on_line(line)
+                    log_file.flush()
+                elif ready or process.poll() is not None:  # end of output
+                    process.wait()
+                    break
+                if (reason := should_stop()) is not None:
+                    break
+        if reason is not None:
+            if run_id is not None:
+                flwr_stop(run_id, home, env)
+            raise RuntimeError(f"federated run stopped: {reason}")
+        return FlwrRun(process.wait(), run_id)
+    finally:
+        if process.poll() is None:
+            terminate([process], grace=5)
+
+
+def flwr_stop(run_id: int, home: Path, env: Mapping[str, str] | None = None) -> None:
+    """Ask the SuperLink to stop run ``run_id`` (best effort)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(  # noqa: S603
+            [flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME], env=flower_env(home, env),
+            capture_output=True, timeout=60, preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+        )  # fmt: skip

@@ -1,0 +1,151 @@
+"""The server's records: one checkpoint and one record per completed round, the round tables,
+and the final checkpoint. Everything is written atomically (``speech_assets.utils.atomic_path``)
+and every ``.pt`` loads with ``torch.load(weights_only=True)``.
+
+A round ``r`` is complete when ``rounds/round_r.pt`` (global encoder ``{name: tensor}`` after the
+round, the strategy's state: FedAdam's first and second moments ``m_t``/``v_t`` per encoder
+tensor, same shapes) *and* ``rounds/round_r.json`` (its rows, missing clients, hashes) exist; the
+``.pt`` is written first, so a kill between the two leaves round ``r`` incomplete and the run
+resumes from ``r - 1``. ``rounds.parquet`` and ``evaluation.parquet`` are rebuilt from the
+records of complete rounds after each round (:mod:`speech_assets.federated.history`, which
+reads all of this back without torch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.history import (  # noqa: F401 (re-exported)
+    EVALUATION_SCHEMA,
+    ROUND_FILE,
+    ROUNDS_COLUMNS,
+    ROUNDS_SCHEMA,
+    complete_rounds,
+    read_records,
+    summarize_rounds,
+    write_tables,
+)
+from speech_assets.model.presets import get_preset
+from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint, weights_sha256
+from speech_assets.utils import atomic_write_text
+
+ROUND_FORMAT = 1
+
+NDArrays = dict[str, np.ndarray]
+
+
+def to_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.array(value, copy=True)) for name, value in arrays.items()}
+
+
+def to_numpy(tensors: Mapping[str, torch.Tensor]) -> NDArrays:
+    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in tensors.items()}
+
+
+def encoder_sha256(encoder: Mapping[str, np.ndarray]) -> str:
+    """:func:`~speech_assets.train.checkpoint.weights_sha256` of the encoder (the data version)."""
+    return weights_sha256(to_tensors(encoder))
+
+
+@dataclass
+class RoundState:
+    """Where a (resumed) run stands after round ``round``: the global encoder and the strategy's
+    state (``{"m_t": {...}, "v_t": {...}}`` for FedAdam, empty for FedAvg), plus every complete
+    round's record (oldest first)."""
+
+    round: int
+    encoder: NDArrays
+    strategy: dict[str, NDArrays]
+    records: list[dict[str, Any]]
+
+
+def load_latest(paths: FederatedPaths, config: FederatedConfig) -> RoundState | None:
+    """The newest complete round, or ``None`` for a fresh run. Leftovers of a round that did not
+    complete (a checkpoint without its record, records after the newest checkpoint) are removed."""
+    complete = complete_rounds(paths)
+    if not complete:
+        _remove_after(paths, 0)
+        return None
+    latest = complete[-1]
+    _remove_after(paths, latest)
+    state = load_checkpoint(paths.round_checkpoint(latest))
+    if state["strategy_name"] != config.strategy or state["preset"] != config.preset:
+        raise ValueError(
+            f"{paths.round_checkpoint(latest)} was written by a {state['strategy_name']}/{state['preset']} run, "
+            f"not {config.strategy}/{config.preset}: use another run folder"
+        )
+    return RoundState(
+        round=latest,
+        encoder=to_numpy(state["encoder"]),
+        strategy={name: to_numpy(moments) for name, moments in state["strategy"].items()},
+        records=read_records(paths, latest),
+    )
+
+
+def _remove_after(paths: FederatedPaths, round_number: int) -> None:
+    if not paths.rounds_dir.is_dir():
+        return
+    for path in paths.rounds_dir.iterdir():
+        if (match := ROUND_FILE.match(path.name)) and int(match.group(1)) > round_number:
+            path.unlink(missing_ok=True)
+
+
+def save_round(
+    paths: FederatedPaths,
+    config: FederatedConfig,
+    round_number: int,
+    encoder: NDArrays,
+    strategy_state: Mapping[str, NDArrays],
+    record: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Write round ``round_number`` (checkpoint, then record), prune old checkpoints and rebuild
+    the tables; returns every complete round's record."""
+    sha = encoder_sha256(encoder)
+    save_checkpoint(
+        paths.round_checkpoint(round_number),
+        {
+            "format": ROUND_FORMAT,
+            "round": round_number,
+            "encoder": to_tensors(encoder),
+            "strategy_name": config.strategy,
+            "strategy": {name: to_tensors(moments) for name, moments in strategy_state.items()},
+            "preset": config.preset,
+            "weights_sha256": sha,
+        },
+    )
+    record = {**record, "round": round_number, "weights_sha256": sha}
+    atomic_write_text(paths.round_record(round_number), json.dumps(record, indent=1, sort_keys=True) + "\n")
+    kept = complete_rounds(paths)
+    for old in kept[: max(len(kept) - config.keep_rounds, 0)]:
+        paths.round_checkpoint(old).unlink(missing_ok=True)
+    records = read_records(paths, round_number)
+    write_tables(paths, records)
+    return records
+
+
+def save_final(
+    paths: FederatedPaths, config: FederatedConfig, round_number: int, encoder: NDArrays
+) -> str:
+    """``final.pt``: the global encoder only (no head: those stay on the clients); returns its sha256."""
+    sha = encoder_sha256(encoder)
+    save_checkpoint(
+        paths.final,
+        {
+            "format": ROUND_FORMAT,
+            "round": round_number,
+            "encoder": to_tensors(encoder),
+            "preset": get_preset(config.preset).to_dict(),
+            "strategy_name": config.strategy,
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "weights_sha256": sha,
+        },
+    )
+    return sha

@@ -1,0 +1,155 @@
+"""MLflow for a federated run, in the centralised trainer's ``MlflowTracker`` style: one MLflow
+run per run folder (its id kept in ``<run>/mlflow_run_id``, so a resumed or re-materialized run
+continues the same MLflow run), the config as params, lineage as tags, every round's metrics as
+it completes (step = round; aggregate and per client) and, at the end, the final checkpoint,
+the round tables and the result as artifacts.
+
+A round already logged (a resumed run replays the records of earlier attempts) is not logged
+twice: the rounds present in the ``train_loss`` history are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.train.tracking import default_artifact_location, installed_packages, run_url
+from speech_assets.utils import atomic_write_text
+
+EXPERIMENT = "speech_assets_federated"
+
+
+class FederatedTracker:
+    """``start()``, then ``log_round(record)`` per completed round, then ``finish(result)`` or
+    ``fail(reason)``; ``run_id``/``url`` once started."""
+
+    def __init__(
+        self,
+        config: FederatedConfig,
+        tracking_uri: str,
+        *,
+        artifact_location: str | None = None,
+        git_sha: str | None = None,
+        experiment: str = EXPERIMENT,
+    ) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.config, self.tracking_uri = config, tracking_uri
+        self.paths = FederatedPaths(config.run_dir)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.artifact_location, self.git_sha, self.experiment = artifact_location, git_sha, experiment
+        self.run_id = ""
+        self.experiment_id = ""
+        self.logged: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return run_url(self.tracking_uri, self.experiment_id, self.run_id)
+
+    def start(self) -> str:
+        """Create the MLflow run (params, tags, environment) or continue the run folder's one."""
+        from mlflow.entities import Param
+
+        config = self.config
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is None:
+            location = self.artifact_location or default_artifact_location(self.tracking_uri)
+            self.experiment_id = self.client.create_experiment(self.experiment, artifact_location=location)
+        else:
+            self.experiment_id = found.experiment_id
+        id_file = self.paths.root / "mlflow_run_id"
+        previous = id_file.read_text().strip() if id_file.is_file() else ""
+        if previous:
+            self.run_id = previous
+            self.logged = {int(m.step) for m in self.client.get_metric_history(previous, "train_loss")}
+            if self.client.get_run(previous).info.status != "FINISHED":
+                self.client.update_run(previous, status="RUNNING")
+            return previous
+        tags = {"run_dir": str(self.paths.root), "preset": config.preset, "strategy": config.strategy, "mode": "federated"}
+        if self.git_sha:
+            tags |= {"git_sha": self.git_sha, "mlflow.source.git.commit": self.git_sha}
+        tags |= {f"data_version.{name}": version for name, version in config.data_versions.items()}
+        run = self.client.create_run(self.experiment_id, run_name=f"federated-{config.run_name}", tags=tags)
+        self.run_id = run.info.run_id
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(id_file, self.run_id + "\n")
+        params = {k: v for k, v in config.to_dict().items() if k not in ("clients", "data_versions", "run_dir")}
+        params |= {"num_clients": len(config.clients), "clients": ",".join(config.clients)}
+        params |= {f"data_version.{name}": version for name, version in config.data_versions.items()}
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
+        self._log_text("environment.txt", installed_packages())
+        return self.run_id
+
+    def log_round(self, record: Mapping[str, Any]) -> None:
+        """Aggregate metrics (train loss, held-out accuracy beside the majority-class rate,
+        bytes, seconds, clients) and per-client ones, at step = round."""
+        from mlflow.entities import Metric
+
+        from speech_assets.federated.history import summarize_rounds
+
+        step = int(record["round"])
+        if not self.run_id or step in self.logged:
+            return
+        line = summarize_rounds([record])[0]
+        values = {
+            "train_loss": line["train_loss"],
+            "heldout_masked_accuracy": line["heldout_masked_accuracy"],
+            "heldout_majority_accuracy": line["majority_accuracy"],
+            "round_seconds": line["round_seconds"],
+            "bytes_up": line["bytes_up"],
+            "bytes_down": line["bytes_down"],
+            "clients": line["clients"],
+            "missing_clients": len(line["missing"]),
+        }
+        for row in record["rows"]:
+            values[f"{row['client_id']}.train_loss"] = row["train_loss"]
+            values[f"{row['client_id']}.masked_accuracy"] = row["masked_accuracy"]
+        for row in record["evaluation"]:
+            values[f"{row['client_id']}.heldout_masked_accuracy"] = row["heldout_masked_accuracy"]
+            values[f"{row['client_id']}.majority_accuracy"] = row["majority_accuracy"]
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in values.items() if v is not None]
+        self.client.log_batch(self.run_id, metrics=metrics)
+        self.logged.add(step)
+
+    def finish(self, result: Mapping[str, Any]) -> None:
+        """The final checkpoint, tables and result as artifacts; the run FINISHED (once per checkpoint)."""
+        if not self.run_id:
+            return
+        run = self.client.get_run(self.run_id)
+        if run.info.status == "FINISHED" and run.data.tags.get("checkpoint_sha256") == result["checkpoint_sha256"]:
+            return
+        numeric = {k: float(v) for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        self.log_metrics({f"final.{k}": v for k, v in numeric.items()}, step=int(result.get("rounds", 0)))
+        self.client.set_tag(self.run_id, "checkpoint_sha256", str(result["checkpoint_sha256"]))
+        self.client.log_artifact(self.run_id, str(self.paths.final), artifact_path="checkpoint")
+        for path in (self.paths.rounds_table, self.paths.evaluation_table, self.paths.run_config):
+            if path.is_file():
+                self.client.log_artifact(self.run_id, str(path))
+        self._log_text("result.json", json.dumps(dict(result), indent=2, sort_keys=True, default=str))
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
+    def fail(self, reason: str) -> None:
+        if not self.run_id:
+            return
+        self.client.set_tag(self.run_id, "failure", reason[:5000])
+        self.client.set_terminated(self.run_id, status="FAILED")
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def _log_text(self, name: str, text: str) -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / name
+            path.write_text(text, encoding="utf-8")
+            self.client.log_artifact(self.run_id, str(path))

@@ -1,0 +1,219 @@
+"""Federated pretraining with real Flower processes on loopback (a SuperLink, one SuperNode per
+client, `flwr run`), a real Dagster instance, a real MLflow store and the sample corpus.
+
+- `dagster asset materialize --select federated_checkpoint`: 2 rounds, 4 SuperNodes; its outputs
+  are checked (rounds.parquet, weights_only checkpoint, data version, MLflow, no process left),
+  and so is the privacy boundary: nothing but the encoder reaches or is stored by the server.
+- a run killed (SIGKILL) after round 1 and restarted ends with exactly the weights of the
+  uninterrupted Dagster run.
+- a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients stops
+  the run with a clear message after saving the completed rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from speech_assets.federated.history import ROUNDS_COLUMNS
+from speech_assets.train.checkpoint import weights_sha256
+from speech_assets_tests.conftest import REPO
+from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
+
+BIN = Path(sys.executable).parent
+ROUNDS, LOCAL_STEPS = 2, 2
+FAST = {"rounds": ROUNDS, "local_steps": LOCAL_STEPS, "batch_seconds": 8.0}
+ALLOWED_TRAIN_METRICS = {"num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps"}
+ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dagster_run(sample_pipeline: SamplePipeline) -> dict:
+    """`dagster asset materialize --select federated_checkpoint` on the built sample, as a user runs it."""
+    config = {"ops": {"federated_checkpoint": {"config": FAST}}}
+    command = [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions",
+               "--select", "federated_checkpoint", "--config-json", json.dumps(config)]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(command, env=sample_pipeline.env(), cwd=REPO, capture_output=True, text=True, timeout=1200)
+    (sample_pipeline.root / "federated_checkpoint.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"materialize failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = list((sample_pipeline.out / "federated").glob("*/result.json"))
+    assert len(results) == 1
+    return {
+        "run_dir": results[0].parent,
+        "result": json.loads(results[0].read_text()),
+        "seconds": time.monotonic() - started,
+        "log": proc.stdout + proc.stderr,
+    }
+
+
+def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: dict | None = None, **overrides) -> subprocess.Popen:
+    """`python -m speech_assets.federated` with exactly the run config of the run folder ``like``."""
+    values = tomllib.loads((like / "run_config.toml").read_text())
+    values.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    args = []
+    for key, value in values.items():
+        if key not in ("run-dir", "run-name", "data-versions"):
+            args += [f"--{key}", str(value)]
+    command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir), *args]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(command, env=sample_pipeline.env() | (extra_env or {}), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"the run exited ({process.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def test_materialize_runs_two_rounds_on_four_supernodes(
+    dagster_run: dict, sample_pipeline: SamplePipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dagster as dg
+    import mlflow
+
+    run_dir, result = dagster_run["run_dir"], dagster_run["result"]
+    # rounds.parquet: one row per (round, client), exactly the documented columns
+    table = pq.read_table(run_dir / "rounds.parquet")
+    assert tuple(table.column_names) == ROUNDS_COLUMNS
+    rows = table.to_pylist()
+    assert sorted((r["round"], r["client_id"]) for r in rows) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
+    assert all(r["num_examples"] > 0 and r["bytes_up"] > 0 and r["bytes_up"] == r["bytes_down"] for r in rows)
+    # the held-out evaluation of every round's global encoder, beside each client's majority-class rate
+    evaluation = pq.read_table(run_dir / "evaluation.parquet").to_pylist()
+    assert sorted((e["round"], e["client_id"]) for e in evaluation) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
+    assert all(e["masked_frames"] > 0 and 0 <= e["majority_accuracy"] <= 1 for e in evaluation)
+    # the final checkpoint: weights_only, encoder only, its hash is the data version
+    state = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)
+    assert state["round"] == ROUNDS and weights_sha256(state["encoder"]) == result["checkpoint_sha256"]
+    monkeypatch.setenv("DAGSTER_HOME", str(sample_pipeline.home))
+    with dg.DagsterInstance.get() as instance:
+        event = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0].asset_materialization
+        assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
+        assert event.tags["dagster/code_version"] == "federated-v1"
+        inputs = event.metadata["input_versions"].value
+        manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
+        assert inputs["manifest"] == manifest.tags["dagster/data_version"]
+        assert any(k.startswith("kmeans_targets/") for k in inputs) and any(k.startswith("vad_features/") for k in inputs)
+        assert "| round |" in event.metadata["round_curve"].value
+    # MLflow: every round's metrics and the final checkpoint
+    mlflow.set_tracking_uri(sample_pipeline.mlflow_uri)
+    run = mlflow.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FINISHED"
+    client = mlflow.tracking.MlflowClient(sample_pipeline.mlflow_uri)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "heldout_masked_accuracy")] == [1, 2]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
+    # every process the asset started is gone
+    assert wait_until_gone(sample_pipeline.out) == []
+
+
+def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline: SamplePipeline) -> None:
+    """Every record the server received, and everything it stored, is the encoder, metrics or
+    the client's id; heads (K x D, one K per client), codebooks and statistics stay on the clients."""
+    run_dir = dagster_run["run_dir"]
+    encoder = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)["encoder"]
+    encoder_shapes = {name: list(t.shape) for name, t in encoder.items()}
+    assert not any(name.startswith("heads.") for name in encoder)
+    received = [json.loads(line) for line in (run_dir / "received.jsonl").read_text().splitlines()]
+    assert len(received) == 2 * ROUNDS * len(sample_pipeline.clients)  # train + evaluate replies
+    for entry in received:
+        records = entry["records"]
+        if entry["phase"] == "train":
+            assert set(records) == {"arrays", "metrics", "client"}
+            assert {k: shape for k, (_dtype, shape) in records["arrays"]["keys"].items()} == encoder_shapes
+            assert set(records["metrics"]["keys"]) == ALLOWED_TRAIN_METRICS
+        else:
+            assert set(records) == {"metrics", "client"}
+            assert set(records["metrics"]["keys"]) == ALLOWED_EVAL_METRICS
+        assert records["client"] == {"type": "ConfigRecord", "keys": ["client-id"]}
+    # what the server stores: the encoder and FedAdam's moments of the encoder, nothing else
+    for path in [run_dir / "final.pt", *sorted((run_dir / "rounds").glob("*.pt"))]:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert set(state["encoder"]) == set(encoder)
+        for moments in state.get("strategy", {}).values():
+            assert {k: list(v.shape) for k, v in moments.items()} == encoder_shapes
+    heads = {}
+    for client_id in sample_pipeline.clients:
+        k = json.loads((sample_pipeline.out / "kmeans" / client_id / "quality.json").read_text())["k"]
+        head = torch.load(run_dir / "clients" / client_id / "heads" / f"round_{ROUNDS:05d}.pt", weights_only=True)
+        assert list(head["head"]["weight"].shape) == [k, 128]
+        heads[client_id] = head["head"]["weight"]
+    server_files = [p for p in run_dir.rglob("*") if p.is_file() and "clients" not in p.relative_to(run_dir).parts]
+    assert not any("head" in p.name or "codebook" in p.name or "cmvn" in p.name for p in server_files)
+    # no head's values hide in what the server stored under another name
+    stored = torch.cat([t.flatten() for t in encoder.values()])
+    for weight in heads.values():
+        assert not torch.isin(weight.flatten()[:64], stored).all()
+
+
+def test_a_killed_run_resumes_to_the_same_weights(dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path) -> None:
+    """1 round, SIGKILL of the launcher, restart, 1 more round == 2 uninterrupted rounds, bit for bit."""
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    first = _cli(sample_pipeline, run_dir, dagster_run["run_dir"])
+    try:
+        _wait_for(run_dir / "rounds" / "round_00001.json", first)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert wait_until_gone(run_dir) == []  # the kernel and the supervisors took the federation down
+    assert not (run_dir / "final.pt").exists()
+    second = _cli(sample_pipeline, run_dir, dagster_run["run_dir"])
+    assert second.wait(timeout=900) == 0
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["resumed_from_round"] == 1
+    assert result["checkpoint_sha256"] == dagster_run["result"]["checkpoint_sha256"]
+    assert pq.read_table(run_dir / "rounds.parquet").num_rows == ROUNDS * len(sample_pipeline.clients)
+    assert wait_until_gone(run_dir) == []
+
+
+def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
+    dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path
+) -> None:
+    """3 rounds, at least 3 clients per round. Round 2: client_03's SuperNode is SIGKILLed while it
+    trains; the round completes with the other 3, logged with who was missing. Round 3: client_02's
+    ClientApp crashes, 2 replies < 3: the run stops with a clear message, rounds 1-2 saved."""
+    run_dir = tmp_path / "faults"
+    run_dir.mkdir()
+    markers = tmp_path / "markers"
+    fault = f"client_03:2:hold:{markers},client_02:3:raise"
+    run = _cli(sample_pipeline, run_dir, dagster_run["run_dir"], {"SPEECH_ASSETS_FEDERATED_FAULT": fault},
+               rounds=3, min_train_nodes=3)  # fmt: skip
+    try:
+        _wait_for(markers / "client_03-2.started", run)
+        supernode = json.loads((run_dir / "flower" / "pids.json").read_text())["supernode client_03"]["pid"]
+        os.kill(supernode, signal.SIGKILL)
+        assert run.wait(timeout=900) == 2  # stopped by the server for lack of clients
+    finally:
+        if run.poll() is None:
+            run.kill()
+    round_2 = json.loads((run_dir / "rounds" / "round_00002.json").read_text())
+    assert round_2["missing"] == ["client_03"]
+    assert [f["client_id"] for f in round_2["failures"]] == ["client_03"]
+    assert "Node Unavailable" in round_2["failures"][0]["reason"]
+    assert [r["client_id"] for r in round_2["rows"]] == ["client_00", "client_01", "client_02"]
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["round"] == 3 and failure["completed_rounds"] == 2
+    assert failure["missing"] == ["client_02", "client_03"]
+    assert "fewer than min_train_nodes=3" in failure["message"]
+    assert any("injected fault" in f["reason"] for f in failure["failures"])
+    rows = pq.read_table(run_dir / "rounds.parquet").to_pylist()
+    assert sorted({r["round"] for r in rows}) == [1, 2] and len(rows) == 4 + 3
+    assert (run_dir / "rounds" / "round_00002.pt").is_file() and not (run_dir / "final.pt").exists()
+    assert wait_until_gone(run_dir) == []
