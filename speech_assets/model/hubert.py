@@ -2,7 +2,8 @@
 
 Pipeline (shapes for a batch of ``B`` utterances, ``T`` input frames at 100 Hz):
 
-``feats (B, T, 80)`` -> :class:`ConvSubsampler` -> ``(B, L, D)`` with ``L = (T + 1) // 2`` (50 Hz)
+``feats (B, T, 80)`` -> :class:`ConvSubsampler` -> ``(B, L, D)`` with ``L = (T + 1) // 2`` (50 Hz,
+non-overlapping pairs of input frames)
 -> masked frames replaced by a learned embedding -> + :class:`ConvPositionalEmbedding`
 -> pre-LN Transformer encoder -> ``hidden (B, L, D)`` -> one linear head per client
 -> ``logits (B_c, L, K_c)`` for the rows of each client ``c``.
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from speech_assets.model.presets import ModelPreset
@@ -35,29 +37,34 @@ def padding_mask(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
 
 
 class ConvSubsampler(nn.Module):
-    """Two 1-D convolutions over time (stride 2 then 1, kernel 3) and a projection to ``dim``.
+    """Non-overlapping pairs of 100 Hz frames -> one 50 Hz frame, then a projection to ``dim``.
 
-    ``(B, T, F)`` at 100 Hz -> ``(B, (T + 1) // 2, dim)`` at 50 Hz.
+    ``(B, T, F)`` at 100 Hz -> ``(B, (T + 1) // 2, dim)`` at 50 Hz: a convolution with kernel 2 and
+    stride 2 (an odd ``T`` gets one zero frame appended), a kernel-1 convolution, LayerNorm and a
+    linear projection. Output ``j`` sees input frames ``2j`` and ``2j + 1`` and nothing else, so
+    masking output ``j`` hides frame ``2j``, the frame its 50 Hz label was computed from, from
+    every other output too (overlapping kernels let the unmasked neighbours see it; see
+    docs/ARCHITECTURE.md).
     """
 
     def __init__(self, input_dim: int, channels: int, dim: int, dropout: float) -> None:
         super().__init__()
-        self.conv1 = nn.Conv1d(input_dim, channels, kernel_size=3, stride=2, padding=1)
-        self.conv2 = nn.Conv1d(channels, channels, kernel_size=3, stride=1, padding=1)
+        self.conv1 = nn.Conv1d(input_dim, channels, kernel_size=2, stride=2)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=1)
         self.activation = nn.GELU()
         self.norm = nn.LayerNorm(channels)
         self.projection = nn.Linear(channels, dim)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``feats (B, T, F)``, ``lengths (B,)`` -> ``(B, L, dim)``, ``out_lengths (B,)``."""
+        """``feats (B, T, F)``, ``lengths (B,)`` -> ``(B, (T + 1) // 2, dim)``, ``out_lengths (B,)``."""
         feats = feats.masked_fill(padding_mask(lengths, feats.shape[1])[..., None], 0.0)
-        out_lengths = output_lengths(lengths)
-        x = self.activation(self.conv1(feats.transpose(1, 2)))
-        pad = padding_mask(out_lengths, x.shape[2])
-        x = x.masked_fill(pad[:, None, :], 0.0)
+        # One zero frame always appended: T + 1 frames give exactly (T + 1) // 2 pairs for any T,
+        # with no shape-dependent branch (the ONNX export has a dynamic time axis).
+        x = F.pad(feats.transpose(1, 2), (0, 1))
+        x = self.activation(self.conv1(x))
         x = self.activation(self.conv2(x)).transpose(1, 2)
-        return self.dropout(self.projection(self.norm(x))), out_lengths
+        return self.dropout(self.projection(self.norm(x))), output_lengths(lengths)
 
 
 class ConvPositionalEmbedding(nn.Module):
@@ -137,12 +144,10 @@ class HubertPretrainModel(nn.Module):
         )
         self.heads = nn.ModuleList(nn.Linear(preset.dim, client_ks[name]) for name in self.clients)
 
-    def encode(self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> EncoderOutput:
-        """Encode ``feats (B, T, 80)`` (CMVN-normalised, 100 Hz) with valid ``lengths (B,)``.
-
-        ``mask (B, L)`` bool marks 50 Hz frames to replace by the learned mask embedding
-        (``L = (max T + 1) // 2``); ``None`` masks nothing.
-        """
+    def _embed(
+        self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Transformer's input ``(B, L, D)``, 50 Hz ``lengths (B,)`` and ``padding (B, L)``."""
         x, out_lengths = self.frontend(feats, lengths)
         padding = padding_mask(out_lengths, x.shape[1])
         if mask is not None:
@@ -150,9 +155,34 @@ class HubertPretrainModel(nn.Module):
                 raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(padding.shape)}")
             x = torch.where(mask[..., None], self.mask_embedding.to(x.dtype), x)
         x = x.masked_fill(padding[..., None], 0.0)
-        x = self.dropout(x + self.position(x))
+        return self.dropout(x + self.position(x)), out_lengths, padding
+
+    def encode(self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> EncoderOutput:
+        """Encode ``feats (B, T, 80)`` (CMVN-normalised, 100 Hz) with valid ``lengths (B,)``.
+
+        ``mask (B, L)`` bool marks 50 Hz frames to replace by the learned mask embedding
+        (``L = (max T + 1) // 2``); ``None`` masks nothing.
+        """
+        x, out_lengths, padding = self._embed(feats, lengths, mask)
         hidden = self.encoder(x, src_key_padding_mask=padding)
         return EncoderOutput(hidden=hidden, lengths=out_lengths, padding=padding)
+
+    def hidden_states(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[list[torch.Tensor], EncoderOutput]:
+        """Every layer's output for unmasked ``feats (B, T, 80)``: ``layers + 1`` tensors ``(B, L, D)``.
+
+        Entry 0 is the Transformer's input (subsampled features plus positional embedding),
+        entry ``i`` the residual stream after layer ``i``; the last one is, like :meth:`encode`'s
+        ``hidden``, after the final LayerNorm (pre-LN layers leave the residual stream
+        unnormalised: normalise before comparing layers). Also returns :meth:`encode`'s output.
+        """
+        x, out_lengths, padding = self._embed(feats, lengths, None)
+        states = [x]
+        for layer in self.encoder.layers:
+            x = layer(x, src_key_padding_mask=padding)
+            states.append(x)
+        if self.encoder.norm is not None:
+            states[-1] = self.encoder.norm(states[-1])
+        return states, EncoderOutput(hidden=states[-1], lengths=out_lengths, padding=padding)
 
     def forward(
         self, feats: torch.Tensor, lengths: torch.Tensor, clients: torch.Tensor, mask: torch.Tensor | None = None

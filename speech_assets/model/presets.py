@@ -38,7 +38,7 @@ class ModelPreset:
         Counts multiply-adds as 2 FLOPs; ignores norms, activations and softmax.
         """
         d, c = self.dim, self.conv_channels
-        frontend = 2 * (self.input_dim * 3 * c) + 2 * (c * c * 3) + 2 * (c * d)
+        frontend = 2 * (self.input_dim * 2 * c) + 2 * (c * c) + 2 * (c * d)  # kernel 2, then kernel 1
         position = 2 * d * (d // self.pos_groups) * self.pos_kernel
         per_layer = 2 * (4 * d * d + 2 * d * self.ffn_dim) + 2 * 2 * mean_frames * d
         head = 2 * d * (sum(ks) / max(len(ks), 1))

@@ -37,6 +37,7 @@ class StatsInputs:
     heldout_fraction: float = HELDOUT_FRACTION
     # the rounds.parquet of the federated run to show (speech_assets.federated), if any
     federated_rounds: Path | None = None
+    probe_results: Path | None = None  # downstream_probe's results.parquet
 
 
 def _sql_str(value: str | os.PathLike[str]) -> str:
@@ -45,6 +46,43 @@ def _sql_str(value: str | os.PathLike[str]) -> str:
 
 def _sql_list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(_sql_str(p) for p in paths) + "]"
+
+
+def speaker_split_sql(heldout_fraction: float) -> str:
+    """``SELECT speaker_id, client_id, split`` over the ``clients`` relation: the trainer's
+    speaker-level held-out split (``speech_assets.train.data.heldout_speakers``) in SQL.
+
+    A speaker is held out when the first 8 bytes of ``sha256(speaker_id)``, as a fraction of
+    2^64, are below the fraction; a client whose speakers would all be held out keeps its
+    largest-hash speaker; if none is held out, the smallest-hash speaker among clients of two
+    or more speakers is (tests check it against the Python function).
+    """
+    f = float(heldout_fraction)
+    return f"""
+        WITH hashed AS (
+            SELECT speaker_id, client_id,
+                   CAST(('0x' || substr(sha256(speaker_id), 1, 16)) AS UBIGINT) / 18446744073709551616.0 AS h
+            FROM clients),
+        ranked AS (
+            SELECT *, count(*) OVER (PARTITION BY client_id) AS members,
+                   bool_and(h < {f}) OVER (PARTITION BY client_id) AS all_below,
+                   row_number() OVER (PARTITION BY client_id ORDER BY h DESC, speaker_id DESC) AS from_top
+            FROM hashed),
+        thresholded AS (
+            SELECT *, {f} > 0 AND h < {f} AND NOT (all_below AND from_top = 1) AS held FROM ranked),
+        fallback AS (
+            SELECT speaker_id FROM thresholded
+            WHERE {f} > 0 AND members >= 2 AND NOT coalesce((SELECT bool_or(held) FROM thresholded), false)
+            ORDER BY h, speaker_id LIMIT 1)
+        SELECT speaker_id, client_id,
+               CASE WHEN held OR speaker_id IN (SELECT speaker_id FROM fallback) THEN 'heldout' ELSE 'train' END AS split
+        FROM thresholded ORDER BY speaker_id"""
+
+
+PROBE_COLUMNS = (
+    "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
+    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT"
+)
 
 
 def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
@@ -98,7 +136,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
         "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
-        "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR)"
+        "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
+        "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE)"
     )
     for path in sorted(inputs.training_results):
         r = json.loads(path.read_text())
@@ -110,10 +149,17 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             [r.get("checkpoint"), r.get("step"), r.get("checkpoint_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
         )
         con.execute(
-            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
              r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
-             r.get("mlflow_run_id"), r.get("checkpoint")],
+             r.get("mlflow_run_id"), r.get("checkpoint"), r.get("heldout_interior_masked_accuracy"),
+             r.get("heldout_interior_majority_accuracy")],
+        )
+    con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
+    if inputs.probe_results is not None and inputs.probe_results.exists():
+        con.execute(
+            f"INSERT INTO probe_results SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
+            "ORDER BY model, split"
         )
     # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
     con.execute(
@@ -136,13 +182,13 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
-    # The trainer's held-out split (speech_assets.train.data.heldout_split): the first 8 bytes
-    # of sha256(utt_id) as a fraction of 2^64, below heldout_fraction -> held out.
+    # The trainer's speaker-level held-out split; speakers not yet in a client are 'unassigned'.
+    con.execute(f"CREATE TABLE speaker_split AS {speaker_split_sql(inputs.heldout_fraction)}")
     con.execute(
-        "CREATE TABLE hours_per_split AS SELECT CASE WHEN "
-        "CAST(('0x' || substr(sha256(utt_id), 1, 16)) AS UBIGINT) / 18446744073709551616.0 < "
-        f"{float(inputs.heldout_fraction)} THEN 'heldout' ELSE 'train' END AS split, count(*) AS utterances, "
-        "sum(trimmed_duration_s) / 3600 AS trimmed_hours FROM utterances GROUP BY ALL ORDER BY split"
+        "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, "
+        "count(DISTINCT u.speaker_id) AS speakers, count(*) AS utterances, "
+        "sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
+        "FROM utterances u LEFT JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY split"
     )
     con.execute(
         "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, "

@@ -1,5 +1,6 @@
 """Training data: an index of (shard, row) per labelled utterance, lazy row-group reads, a
-deterministic held-out split and a distributed sampler that buckets utterances by duration.
+deterministic speaker-level held-out split and a distributed sampler that buckets utterances by
+duration.
 
 Only scalar columns are read up front (``utt_id``, ``num_frames`` and the labels files), so the
 index of a large corpus stays small; feature matrices are read one Parquet row group at a time
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,7 @@ class UtteranceRef:
     row: int
     num_frames: int
     client: int
+    speaker_id: str
 
     @property
     def seconds(self) -> float:
@@ -75,11 +77,12 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
     seen: set[str] = set()
     unlabelled = 0
     for shard, path in enumerate(shards):
-        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
         utt_ids = table.column("utt_id").to_pylist()
+        speakers = table.column("speaker_id").to_pylist()
         frames = table.column("num_frames").to_pylist()
         row_groups = _row_group_of_rows(path)
-        for row, (utt_id, num_frames) in enumerate(zip(utt_ids, frames, strict=True)):
+        for row, (utt_id, speaker, num_frames) in enumerate(zip(utt_ids, speakers, frames, strict=True)):
             if utt_id in seen:
                 raise ValueError(f"{utt_id} appears in more than one shard (second: {path})")
             seen.add(utt_id)
@@ -88,7 +91,9 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
                 continue
             group, row_in_group = row_groups[row]
             utterances.append(
-                UtteranceRef(utt_id, shard, group, row_in_group, min(int(num_frames), max_frames), owner[utt_id])
+                UtteranceRef(
+                    utt_id, shard, group, row_in_group, min(int(num_frames), max_frames), owner[utt_id], speaker
+                )
             )
     return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
 
@@ -103,15 +108,42 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
+def heldout_speakers(speaker_clients: Mapping[str, Hashable], fraction: float) -> set[str]:
+    """Speakers held out of training, given each speaker's client.
+
+    A speaker is held out when its hash (:func:`_unit_hash` of ``speaker_id``) is below
+    ``fraction``: ``heldout_fraction`` is the expected share of *speakers* held out (not of
+    utterances or hours), and a speaker's membership depends only on its id, stable across runs,
+    machines and corpus growth, with two exceptions that keep the split usable:
+
+    * a client whose speakers would all be held out keeps the one with the largest hash in
+      training (every client's head trains on someone);
+    * with ``fraction > 0`` and no speaker held out, the speaker with the smallest hash among
+      clients of two or more speakers is held out (there is something to evaluate).
+
+    ``speech_assets/stats/database.py`` computes the same split in SQL (``hours_per_split``).
+    """
+    if fraction <= 0:
+        return set()
+    by_client: dict[Hashable, list[str]] = {}
+    for speaker, client in speaker_clients.items():
+        by_client.setdefault(client, []).append(speaker)
+    held = {s for s in speaker_clients if _unit_hash(s) < fraction}
+    for members in by_client.values():
+        if all(s in held for s in members):
+            held.discard(max(members, key=lambda s: (_unit_hash(s), s)))
+    if not held:
+        candidates = [s for members in by_client.values() if len(members) >= 2 for s in members]
+        if candidates:
+            held.add(min(candidates, key=lambda s: (_unit_hash(s), s)))
+    return held
+
+
 def heldout_split(utterances: Sequence[UtteranceRef], fraction: float) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
-    """Split by hashing ``utt_id`` (stable across runs, machines and corpus growth): an
-    utterance is held out when its hash is below ``fraction``. With ``fraction > 0`` and at
-    least two utterances, at least one is held out (the one with the smallest hash)."""
-    heldout = [u for u in utterances if _unit_hash(u.utt_id) < fraction]
-    if fraction > 0 and not heldout and len(utterances) >= 2:
-        heldout = [min(utterances, key=lambda u: _unit_hash(u.utt_id))]
-    held = {u.utt_id for u in heldout}
-    return [u for u in utterances if u.utt_id not in held], heldout
+    """Split by speaker (:func:`heldout_speakers`): every utterance of a held-out speaker is held
+    out, so held-out figures measure generalisation to unseen speakers."""
+    held = heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
+    return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
 
 
 @dataclass
@@ -170,16 +202,24 @@ def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray
     return aligned
 
 
-def crop_start(utt_id: str, num_frames: int, max_frames: int) -> int:
-    """Deterministic, even start frame of the ``max_frames`` window kept from a long utterance
-    (even so that 50 Hz labels stay aligned: label ``j`` belongs to frame ``2j``)."""
+def crop_start(utt_id: str, num_frames: int, max_frames: int, seed: int = 0, epoch: int = 0) -> int:
+    """Even start frame of the ``max_frames`` window kept from a long utterance in ``epoch``.
+
+    A pure function of ``(seed, epoch, utt_id)``: each epoch sees another window of a long
+    utterance, and a resumed run sees the same ones. Even so that 50 Hz labels stay aligned
+    (label ``j`` belongs to frame ``2j``).
+    """
     if num_frames <= max_frames:
         return 0
-    return 2 * int(_unit_hash("crop:" + utt_id) * ((num_frames - max_frames) // 2 + 1))
+    return 2 * int(_unit_hash(f"crop:{seed}:{epoch}:{utt_id}") * ((num_frames - max_frames) // 2 + 1))
 
 
 class UtteranceDataset(Dataset[Example]):
-    """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group."""
+    """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group.
+
+    Long utterances are cropped to ``max_frames`` at :func:`crop_start` of ``(seed, epoch)``:
+    call :meth:`set_epoch` before iterating over an epoch (before a DataLoader starts its workers).
+    """
 
     def __init__(
         self,
@@ -188,16 +228,22 @@ class UtteranceDataset(Dataset[Example]):
         cmvn: Cmvn,
         max_frames: int,
         cached_row_groups: int = 8,
+        seed: int = 0,
     ) -> None:
         self.index = index
         self.utterances = list(utterances)
         self.cmvn = cmvn
         self.max_frames = max_frames
         self.cached_row_groups = cached_row_groups
+        self.seed = seed
+        self.epoch = 0
         self._cache: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
         # read amplification = bytes_decompressed / bytes_delivered (log-mel bytes, per process)
         self.bytes_decompressed = 0
         self.bytes_delivered = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -211,7 +257,7 @@ class UtteranceDataset(Dataset[Example]):
         ref = self.utterances[item]
         logmel = blob_to_matrix(self._row_group(ref.shard, ref.row_group)[ref.row], N_MELS)
         labels = align_labels(self.index.labels[ref.client][ref.utt_id], logmel.shape[0], ref.utt_id)
-        start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames)
+        start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames, self.seed, self.epoch)
         feats = self.cmvn.apply(logmel[start : start + self.max_frames], "logmel")
         self.bytes_delivered += feats.nbytes
         labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
@@ -245,7 +291,12 @@ class DurationBucketSampler:
     number of batches (the remainder is dropped, or batches repeat when there are fewer than
     ranks), so ranks stay in lock-step. The batch list is a pure function of (seed, epoch), so
     a position in it (see the trainer's checkpoint) resumes exactly.
+
+    Batches are not laid out in per-worker lanes (``num_workers`` is 0): its users (a federated
+    client's few local steps, distillation) read small per-client data in the main process.
     """
+
+    num_workers = 0
 
     def __init__(
         self,

@@ -84,6 +84,7 @@ def build_torchrun_command(
     python: str = sys.executable,
     rdzv_id: str = "speech_assets",
     node_rank: int | None = None,
+    module: str = "speech_assets.train",
 ) -> list[str]:
     """``python -m torch.distributed.run ... -m speech_assets.train --config PATH``.
 
@@ -91,7 +92,8 @@ def build_torchrun_command(
     ``node_rank`` use the static rendezvous at ``rdzv_endpoint`` (``host:port`` of node 0), so
     global rank 0, the one that reports to Dagster, is always on node 0: the Dagster host. Without
     a ``node_rank`` they rendezvous elastically with c10d (``nnodes`` like ``"1:4"``), ranks in
-    order of arrival. Run it with :func:`torchrun_env` so that restarts work.
+    order of arrival. ``module`` is the entry point each worker runs (the distillation job reuses
+    this launcher). Run it with :func:`torchrun_env` so that restarts work.
     """
     command = [
         python,
@@ -111,7 +113,7 @@ def build_torchrun_command(
         command += ["--nnodes", nnodes, "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
     else:
         command += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-    return [*command, "-m", "speech_assets.train", "--config", str(config_path)]
+    return [*command, "-m", module, "--config", str(config_path)]
 
 
 def other_node_commands(

@@ -183,6 +183,7 @@ class BatchStream:
     def __next__(self) -> Batch:
         while True:
             if self._iterator is None:
+                self.dataset.set_epoch(self.epoch)  # crops of long utterances move with the epoch
                 batches = self.sampler.batches(self.epoch)
                 self._batches_in_epoch = len(batches)
                 loader = DataLoader(
@@ -224,10 +225,13 @@ class Trainer:
         train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
+        self.heldout_speakers = sorted({u.speaker_id for u in heldout_refs})
         log.info(
-            "data: %d training and %d held-out utterances (%.0f s / %.0f s), %d without labels skipped",
+            "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
+            "%d without labels skipped",
             len(train_refs),
             len(heldout_refs),
+            ", ".join(self.heldout_speakers[:10]) + (" ..." if len(self.heldout_speakers) > 10 else "") or "none",
             sum(u.seconds for u in train_refs),
             sum(u.seconds for u in heldout_refs),
             index.unlabelled,
@@ -235,7 +239,7 @@ class Trainer:
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
         cmvn = Cmvn.load(config.cmvn)
-        self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames, cached_row_groups=WINDOW_BLOCKS + 1)
+        self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed, cached_row_groups=WINDOW_BLOCKS + 1)
         self.heldout_set = UtteranceDataset(index, heldout_refs, cmvn, config.max_frames)
         self.num_workers = loader_workers(config, job)
         self.sampler = BlockShuffleSampler(
@@ -481,7 +485,9 @@ class Trainer:
 
         Besides loss and accuracy, reports what a predictor that knows only each client's label
         frequencies would score on the same masked frames (``majority_accuracy``: always
-        predicting the client's most frequent training label), overall and per client.
+        predicting the client's most frequent training label), overall and per client, and both
+        again on span-interior frames only (``interior_*``: masked frames whose two neighbours
+        are masked too, the frames furthest from any visible context).
         """
         if len(self.heldout_set) == 0:
             return None
@@ -493,8 +499,8 @@ class Trainer:
         )
         totals = torch.zeros(6, dtype=torch.float64, device=self.job.device)
         clients = len(self.model.clients)
-        # per client: masked frames, correct predictions, majority-label hits
-        per_client = torch.zeros(clients, 3, dtype=torch.float64, device=self.job.device)
+        # per client: masked frames, correct predictions, majority-label hits; the same on interior frames
+        per_client = torch.zeros(clients, 6, dtype=torch.float64, device=self.job.device)
         majority = torch.tensor(self.majority_labels, dtype=torch.long, device=self.job.device)
         for local_index, batch in enumerate(loader):
             generator = mask_generator(self.config.seed, "heldout", local_index * world + rank)
@@ -503,23 +509,33 @@ class Trainer:
             with self._autocast():
                 output = self.model(batch.feats, batch.lengths, batch.clients, mask)
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
+            interior = torch.zeros_like(mask)
+            interior[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
             for group in output.logits:
                 targets = batch.targets[group.rows]
                 scored = mask[group.rows] & (targets != IGNORE_INDEX)
                 correct = (group.logits.argmax(dim=-1) == targets) & scored
                 hits = (targets == majority[group.client]) & scored
-                per_client[group.client] += torch.stack([scored.sum(), correct.sum(), hits.sum()]).double()
+                inner = interior[group.rows]
+                counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
+                per_client[group.client] += torch.stack([c.sum() for c in counts]).double()
         self.model.train()
         summary: dict[str, Any] = summarize(self._all_reduce(totals).cpu())
         summary["loss"] = summary["masked_loss"] + self.config.unmasked_weight * summary["unmasked_loss"]
         per_client = self._all_reduce(per_client).cpu()
-        frames = float(per_client[:, 0].sum())
+        frames, inner = float(per_client[:, 0].sum()), float(per_client[:, 3].sum())
         summary["majority_accuracy"] = float(per_client[:, 2].sum()) / frames if frames else 0.0
+        summary["interior_frames"] = inner
+        summary["interior_masked_accuracy"] = float(per_client[:, 4].sum()) / inner if inner else None
+        summary["interior_majority_accuracy"] = float(per_client[:, 5].sum()) / inner if inner else None
         summary["per_client"] = {
             name: {
                 "masked_frames": int(row[0]),
                 "masked_accuracy": float(row[1] / row[0]) if row[0] else None,
                 "majority_accuracy": float(row[2] / row[0]) if row[0] else None,
+                "interior_frames": int(row[3]),
+                "interior_masked_accuracy": float(row[4] / row[3]) if row[3] else None,
+                "interior_majority_accuracy": float(row[5] / row[3]) if row[3] else None,
             }
             for name, row in zip(self.model.clients, per_client.tolist(), strict=True)
         }
@@ -555,8 +571,11 @@ class Trainer:
             "heldout_masked_accuracy": heldout["masked_accuracy"] if heldout else None,
             "heldout_loss": heldout["loss"] if heldout else None,
             "heldout_majority_accuracy": heldout["majority_accuracy"] if heldout else None,
+            "heldout_interior_masked_accuracy": heldout["interior_masked_accuracy"] if heldout else None,
+            "heldout_interior_majority_accuracy": heldout["interior_majority_accuracy"] if heldout else None,
             "heldout_per_client": heldout["per_client"] if heldout else None,
             "heldout_utterances": len(self.heldout_set),
+            "heldout_speakers": self.heldout_speakers,
             "chance_accuracy": self.config.chance_accuracy,
             "audio_seconds_per_second": progress["audio_seconds"] / progress["train_seconds"]
             if progress["train_seconds"] > 0
@@ -578,17 +597,21 @@ class Trainer:
         atomic_write_text(self.run_dir / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
         clear_oom(self.run_dir)
         log.info(
-            "done: step %d, final loss %s, held-out masked accuracy %s (majority class %s, chance %.3f), %s s of audio per second",
+            "done: step %d, final loss %s, held-out masked accuracy %s (majority class %s; span interior %s, "
+            "majority %s; chance %.3f), %s s of audio per second",
             self.step,
             _fmt(result["final_loss"]),
             _fmt(result["heldout_masked_accuracy"]),
             _fmt(result["heldout_majority_accuracy"]),
+            _fmt(result["heldout_interior_masked_accuracy"]),
+            _fmt(result["heldout_interior_majority_accuracy"]),
             result["chance_accuracy"],
             _fmt(result["audio_seconds_per_second"]),
         )
         if reporter is not None:
             metadata_keys = (
                 "step", "final_loss", "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
+                "heldout_interior_masked_accuracy", "heldout_interior_majority_accuracy",
                 "audio_seconds_per_second", "checkpoint", "checkpoint_sha256", "mlflow_run_id",
                 "mlflow_run_url", "mlflow_ui", "autoconfig",
             )  # fmt: skip

@@ -52,9 +52,9 @@ def test_masked_frames_are_replaced_by_the_mask_embedding(model: HubertPretrainM
     mask = torch.zeros(1, 30, dtype=torch.bool)
     mask[0, 10:20] = True
     changed = feats.clone()
-    # 50 Hz output i sees 100 Hz frames 2i-3..2i+3 through the two convolutions, so frames
-    # 22..36 reach only the masked outputs 10..19: with the mask, the change is invisible.
-    changed[0, 22:37] += 5 * torch.randn(15, 80)
+    # 50 Hz output i sees 100 Hz frames 2i and 2i+1 only, so frames 20..39 reach only the
+    # masked outputs 10..19: with the mask, the change is invisible.
+    changed[0, 20:40] += 5 * torch.randn(20, 80)
     torch.testing.assert_close(model.encode(feats, lengths, mask).hidden, model.encode(changed, lengths, mask).hidden)
     assert not torch.allclose(model.encode(feats, lengths).hidden, model.encode(changed, lengths).hidden)
 
@@ -97,3 +97,15 @@ def test_presets() -> None:
     assert (PRESETS["base"].dim, PRESETS["base"].layers, PRESETS["base"].heads) == (768, 12, 12)
     with pytest.raises(ValueError, match="unknown model preset"):
         get_preset("huge")
+
+
+def test_hidden_states_end_with_the_encoder_output(model: HubertPretrainModel) -> None:
+    feats, lengths = torch.randn(2, 90, 80), torch.tensor([90, 61])
+    with torch.no_grad():
+        states, encoded = model.hidden_states(feats, lengths)
+        reference = model.encode(feats, lengths)
+    assert len(states) == get_preset("tiny").layers + 1
+    assert all(state.shape == (2, 45, get_preset("tiny").dim) for state in states)
+    valid = ~reference.padding
+    torch.testing.assert_close(states[-1][valid], reference.hidden[valid], rtol=1e-4, atol=1e-5)
+    assert torch.equal(encoded.lengths, reference.lengths)

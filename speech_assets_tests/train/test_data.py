@@ -11,7 +11,9 @@ from speech_assets.train.data import (
     build_index,
     collate,
     crop_start,
+    _unit_hash,
     eval_batches,
+    heldout_speakers,
     heldout_split,
 )
 from speech_assets.testing.training_data import SyntheticCorpus
@@ -31,18 +33,40 @@ def test_index_keeps_labelled_utterances_of_their_client(corpus: SyntheticCorpus
         assert ref.utt_id in index.labels[ref.client]
 
 
-def test_heldout_split_is_deterministic_and_disjoint(corpus: SyntheticCorpus) -> None:
+def test_heldout_split_holds_out_whole_speakers(corpus: SyntheticCorpus) -> None:
     utterances = _index(corpus).utterances
     train, heldout = heldout_split(utterances, 0.15)
     _, again_heldout = heldout_split(list(reversed(utterances)), 0.15)
     assert {u.utt_id for u in heldout} == {u.utt_id for u in again_heldout}
-    assert {u.utt_id for u in train}.isdisjoint(u.utt_id for u in heldout)
-    assert len(train) + len(heldout) == len(utterances)
-    assert 0 < len(heldout) < len(utterances) // 2
-    # Membership depends only on the utterance id, not on the rest of the corpus.
-    _, fewer = heldout_split(utterances[:20], 0.15)
-    assert {u.utt_id for u in fewer} <= {u.utt_id for u in heldout} or len(fewer) == 1
+    assert len(train) + len(heldout) == len(utterances) and heldout
+    train_speakers, heldout_speakers = {u.speaker_id for u in train}, {u.speaker_id for u in heldout}
+    assert train_speakers.isdisjoint(heldout_speakers)
+    # every client keeps a training speaker, so every head trains
+    assert {u.client for u in train} == {u.client for u in utterances}
     assert heldout_split(utterances, 0.0)[1] == []
+
+
+def test_heldout_speakers_follow_the_hash_with_two_fixups() -> None:
+    speakers = {f"spk{i:03d}": f"client_{i % 4}" for i in range(400)}
+    held = heldout_speakers(speakers, 0.1)
+    # membership is the hash threshold (no client is wholly held out at this size)
+    assert held == {s for s in speakers if _unit_hash(s) < 0.1}
+    assert 0.06 < len(held) / len(speakers) < 0.14
+    # ... and does not depend on the rest of the corpus
+    fewer = {s: c for s, c in speakers.items() if s < "spk200"}
+    assert heldout_speakers(fewer, 0.1) == {s for s in held if s < "spk200"}
+    # a client whose speakers would all be held out keeps its largest-hash speaker in training
+    everyone = heldout_speakers(speakers, 1.0)
+    kept = set(speakers) - everyone
+    assert len(kept) == 4 and {speakers[s] for s in kept} == {f"client_{i}" for i in range(4)}
+    for s in kept:
+        assert _unit_hash(s) == max(_unit_hash(t) for t, c in speakers.items() if c == speakers[s])
+    # nothing below the threshold: the smallest hash among clients of >= 2 speakers is held out
+    tiny = {"a": "c1", "b": "c1", "z": "c2"}
+    smallest = min(("a", "b"), key=_unit_hash)
+    assert heldout_speakers(tiny, 1e-12) == {smallest}
+    assert heldout_speakers({"a": "c1", "z": "c2"}, 1e-12) == set()  # every client has one speaker
+    assert heldout_speakers(tiny, 0.0) == set()
 
 
 def test_dataset_items_are_normalised_and_aligned(corpus: SyntheticCorpus) -> None:
@@ -76,12 +100,31 @@ def test_align_labels_tolerates_one_frame_only() -> None:
         align_labels(labels, 120, "u")
 
 
-def test_crop_start_is_even_deterministic_and_in_range() -> None:
-    assert crop_start("u", 100, 200) == 0
+def test_crop_start_is_even_deterministic_and_moves_with_the_epoch() -> None:
+    assert crop_start("u", 100, 200) == 0 and crop_start("u", 100, 200, seed=3, epoch=9) == 0
     starts = {crop_start(f"utt{i}", 2501, 1500) for i in range(50)}
     assert all(s % 2 == 0 and 0 <= s <= 1001 for s in starts)
     assert len(starts) > 10
-    assert crop_start("utt1", 2501, 1500) == crop_start("utt1", 2501, 1500)
+    assert crop_start("utt1", 2501, 1500, seed=1, epoch=4) == crop_start("utt1", 2501, 1500, seed=1, epoch=4)
+    by_epoch = {crop_start("utt1", 2501, 1500, epoch=e) for e in range(20)}
+    assert len(by_epoch) > 10 and all(s % 2 == 0 for s in by_epoch)
+    assert [crop_start("utt1", 2501, 1500, seed=0, epoch=e) for e in range(5)] != [
+        crop_start("utt1", 2501, 1500, seed=1, epoch=e) for e in range(5)
+    ]
+
+
+def test_dataset_crops_follow_set_epoch(corpus: SyntheticCorpus) -> None:
+    index = _index(corpus, max_frames=100)
+    dataset = UtteranceDataset(index, index.utterances, Cmvn.load(corpus.cmvn), max_frames=100, seed=0)
+    longest = 0  # every synthetic utterance is >= 150 frames: all are cropped
+    first = dataset[longest]
+    dataset.set_epoch(1)
+    second = dataset[longest]
+    dataset.set_epoch(0)
+    assert torch.equal(dataset[longest].feats, first.feats)
+    assert first.feats.shape == second.feats.shape == (100, 80)
+    assert not torch.equal(first.feats, second.feats)
+    assert second.labels.shape == (50,)
 
 
 def test_sampler_buckets_by_duration_and_splits_evenly_across_ranks() -> None:

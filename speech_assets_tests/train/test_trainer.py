@@ -53,6 +53,13 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
     assert result["step"] == 30 and result["heldout_utterances"] > 0
     # better than a predictor that knows only each client's label frequencies
     assert result["heldout_masked_accuracy"] > result["heldout_majority_accuracy"] > 0
+    # ... also far from any visible frame, and per client
+    assert result["heldout_interior_masked_accuracy"] > result["heldout_interior_majority_accuracy"]
+    for client in result["heldout_per_client"].values():
+        if client["masked_frames"]:
+            assert {"majority_accuracy", "interior_masked_accuracy", "interior_frames"} <= set(client)
+    # held out: whole speakers, none of whom trained
+    assert result["heldout_speakers"] and all(s.startswith("client_") for s in result["heldout_speakers"])
     assert result["chance_accuracy"] == pytest.approx((1 / 8 + 1 / 12) / 2)
     assert result["audio_seconds_per_second"] > 0 and result["unlabelled_utterances"] == 4
 
@@ -83,7 +90,8 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
 
 
 def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
-    settings = {"max_steps": 6, "grad_accum": 2, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0}
+    # max_frames below the utterances' length: crops differ between the epochs the run crosses
+    settings = {"max_steps": 6, "grad_accum": 2, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0, "max_frames": 200}
     straight = train(small_corpus.config(tmp_path / "straight", **settings))
     interrupted = small_corpus.config(tmp_path / "resumed", **settings)
     assert train(interrupted, stop_after_step=3) is None

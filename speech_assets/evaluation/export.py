@@ -1,0 +1,186 @@
+"""The encoder without its heads, exported to TorchScript and ONNX, with a parity check.
+
+:class:`ExportableEncoder` maps ``feats (B, T, 80)`` float32 (log-mel at 100 Hz, CMVN applied)
+and ``lengths (B,)`` int64 to ``hidden (B, (T + 1) // 2, D)`` float32 of one layer at 50 Hz
+(padded frames are zero) and ``hidden_lengths (B,)`` int64; batch and time are dynamic axes in
+both exports. ONNX goes through ``torch.onnx.export(dynamo=True)`` (``torch.export``; the
+TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from speech_assets.evaluation.encoders import pad
+from speech_assets.model.hubert import HubertPretrainModel
+
+if TYPE_CHECKING:
+    from speech_assets.evaluation.encoders import LoadedEncoder
+    from speech_assets.features.cmvn import Cmvn
+
+INPUT_NAMES = ("feats", "lengths")
+OUTPUT_NAMES = ("hidden", "hidden_lengths")
+
+
+class ExportableEncoder(nn.Module):
+    """``feats (B, T, 80)``, ``lengths (B,)`` -> ``hidden (B, L, D)`` of ``layer``, ``hidden_lengths (B,)``.
+
+    ``layer`` counts like :meth:`HubertPretrainModel.hidden_states`: 0 is the Transformer's
+    input, ``i`` the output of layer ``i``; the last layer (``-1``) includes the final LayerNorm.
+    """
+
+    def __init__(self, model: HubertPretrainModel, layer: int = -1) -> None:
+        super().__init__()
+        depth = len(model.encoder.layers)
+        self.layer = depth if layer < 0 else layer
+        if not 0 <= self.layer <= depth:
+            raise ValueError(f"layer must be in [0, {depth}] or -1, got {layer}")
+        self.model = model
+        self.eval()
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, out_lengths, padding = self.model.embed(feats, lengths, None)
+        for layer in self.model.encoder.layers[: self.layer]:
+            x = layer(x, src_key_padding_mask=padding)
+        if self.layer == len(self.model.encoder.layers) and self.model.encoder.norm is not None:
+            x = self.model.encoder.norm(x)
+        return x.masked_fill(padding[..., None], 0.0), out_lengths
+
+
+def example_inputs(batch: int = 2, frames: int = 157, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs for tracing: batch and time above 1 (torch.export specialises sizes 0 and 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    feats = torch.randn(batch, frames, 80, generator=generator)
+    lengths = torch.tensor([frames - 17 * i for i in range(batch)], dtype=torch.long)
+    return feats, lengths
+
+
+def export_onnx(encoder: ExportableEncoder, path: str | os.PathLike[str], opset: int | None = None) -> None:
+    """Write ``encoder`` as one self-contained ONNX file (weights inside) with dynamic batch/time."""
+    batch, time = torch.export.Dim("batch"), torch.export.Dim("time", min=2)
+    # grad mode on: nn.TransformerEncoderLayer's inference fast path is a fused op the
+    # exporter cannot translate; the regular path is the same computation.
+    with torch.enable_grad():
+        program = torch.onnx.export(
+            encoder,
+            example_inputs(),
+            dynamo=True,
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=({0: batch, 1: time}, {0: batch}),
+            opset_version=opset,
+            external_data=False,
+            verbose=False,
+        )
+    assert program is not None
+    program.save(str(path), external_data=False)
+
+
+def export_torchscript(encoder: ExportableEncoder, path: str | os.PathLike[str]) -> None:
+    """Write ``encoder`` traced to TorchScript (checked on a second batch and length)."""
+    # torch 2.14 marks torch.jit as deprecated (FutureWarning) but still supports it; the
+    # TorchScript file is for runtimes that load it (LibTorch, older deployments).
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        traced = torch.jit.trace(encoder, example_inputs(), check_inputs=[example_inputs(3, 64, seed=1)])
+        torch.jit.save(traced, str(path))
+
+
+def load_torchscript(path: str | os.PathLike[str]) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.load(str(path))
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Largest absolute difference from eager PyTorch over the valid frames of real utterances."""
+
+    onnx_max_abs_diff: float
+    torchscript_max_abs_diff: float
+    utterances: int
+    frames: int
+
+
+def check_parity(
+    encoder: ExportableEncoder, onnx_path: str | os.PathLike[str], torchscript_path: str | os.PathLike[str],
+    feats: Sequence[np.ndarray],
+) -> Parity:
+    """Run the ONNX file (onnxruntime, CPU) and the TorchScript file on ``feats`` (``(T_i, 80)``
+    each, one padded batch) and compare with eager PyTorch, valid frames only."""
+    import onnxruntime
+
+    batch, lengths = pad(feats)
+    with torch.no_grad():
+        expected, expected_lengths = encoder(batch, lengths)
+        ts_hidden, ts_lengths = load_torchscript(torchscript_path)(batch, lengths)
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    onnx_hidden, onnx_lengths = session.run(list(OUTPUT_NAMES), {"feats": batch.numpy(), "lengths": lengths.numpy()})
+    if not (np.array_equal(onnx_lengths, expected_lengths.numpy()) and torch.equal(ts_lengths, expected_lengths)):
+        raise AssertionError("exported encoders disagree on output lengths")
+    valid = (torch.arange(expected.shape[1])[None] < expected_lengths[:, None]).numpy()
+    reference = expected.numpy()[valid]
+    return Parity(
+        onnx_max_abs_diff=float(np.abs(onnx_hidden[valid] - reference).max()),
+        torchscript_max_abs_diff=float(np.abs(ts_hidden.numpy()[valid] - reference).max()),
+        utterances=len(feats),
+        frames=int(valid.sum()),
+    )
+
+
+def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequence[np.ndarray], opset: int | None = None) -> Parity:
+    """``folder/encoder.onnx`` and ``folder/encoder.pt`` (TorchScript) of ``model``'s ``layer``, and
+    their parity on ``feats``. Writes into ``folder`` directly: pass a temporary folder and
+    rename it into place (the asset does)."""
+    encoder = ExportableEncoder(model, layer)
+    export_onnx(encoder, folder / "encoder.onnx", opset)
+    export_torchscript(encoder, folder / "encoder.pt")
+    return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
+
+
+def input_description(encoder: LoadedEncoder, cmvn: Cmvn, layer: int, parity: Parity, checkpoint: str) -> dict[str, Any]:
+    """``encoder.json``: everything a user needs to feed the exported encoder and read its output."""
+    from speech_assets.features.featurize import FeatureExtractor
+
+    exportable = ExportableEncoder(encoder.model, layer)
+    return {
+        "inputs": {
+            "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised), "
+            "CMVN applied: (logmel - cmvn.mean) / cmvn.std",
+            "lengths": "int64 (batch,): valid frames per row",
+        },
+        "featurisation": {"feature": "logmel", **FeatureExtractor().describe()},
+        "cmvn": {
+            "file": "cmvn.npz",
+            "mean": [round(float(v), 6) for v in cmvn.mean["logmel"]],
+            "std": [round(float(v), 6) for v in cmvn.std["logmel"]],
+        },
+        "output": {
+            "hidden": f"float32 (batch, (time + 1) // 2, {encoder.model.preset.dim}), padded frames zero",
+            "hidden_lengths": "int64 (batch,)",
+            "layer": exportable.layer,
+            "layers": len(encoder.model.encoder.layers),
+            "frame_rate_hz": 50,
+            "input_frame_rate_hz": 100,
+        },
+        "files": {"onnx": "encoder.onnx", "torchscript": "encoder.pt"},
+        "checkpoint": checkpoint,
+        "checkpoint_sha256": encoder.sha256,
+        "preset": encoder.model.preset.to_dict(),
+        "parity": {
+            "max_abs_diff": parity.onnx_max_abs_diff,
+            "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
+            "utterances": parity.utterances,
+            "frames": parity.frames,
+            "runtime": "onnxruntime CPUExecutionProvider, fp32",
+        },
+    }

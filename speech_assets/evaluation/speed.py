@@ -1,0 +1,46 @@
+"""Forward speed of encoders, measured against each other in one process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from speech_assets.evaluation.encoders import batches_by_length, pad
+from speech_assets.model.hubert import HubertPretrainModel
+
+
+@torch.no_grad()
+def forward_speed(
+    encoders: Mapping[str, HubertPretrainModel],
+    feats: Sequence[np.ndarray],
+    repeats: int = 3,
+    threads: int = 1,
+    max_frames: int = 4000,
+) -> dict[str, float]:
+    """Seconds of audio encoded per second by each encoder (eval mode, no gradient, CPU).
+
+    ``feats``: ``(T_i, 80)`` log-mel at 100 Hz, batched by length (``max_frames`` padded frames
+    per batch). The encoders take turns on the same batches, ``repeats`` rounds, with
+    ``threads`` intra-op threads; each one's best round counts (the least disturbed by
+    other work on the machine), so ratios between encoders are what to read.
+    """
+    batches = [pad([feats[i] for i in batch]) for batch in batches_by_length([f.shape[0] for f in feats], max_frames)]
+    audio = sum(f.shape[0] for f in feats) / 100.0
+    best = {name: float("inf") for name in encoders}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for model in encoders.values():
+            model.eval().encode(*batches[0])  # warm-up: first calls allocate
+        for _ in range(repeats):
+            for name, model in encoders.items():
+                started = time.perf_counter()
+                for batch, lengths in batches:
+                    model.encode(batch, lengths)
+                best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return {name: audio / seconds for name, seconds in best.items()}
