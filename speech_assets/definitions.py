@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, features, federated, manifest, staleness, stats, targets, training
+from speech_assets.defs import automation, evaluation, features, federated, iteration2, manifest, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
@@ -15,6 +15,7 @@ CHECKS = [
     targets.clusters_are_used,
     stats.row_counts_match_sources,
     *staleness.CHECKS,
+    *evaluation.CHECKS,
 ]
 
 ASSETS = [
@@ -26,6 +27,8 @@ ASSETS = [
     targets.kmeans_targets,
     training.pretrained_checkpoint,
     federated.federated_checkpoint,
+    *iteration2.ASSETS,
+    *evaluation.ASSETS,
     stats.dataset_stats,
 ]
 

@@ -12,6 +12,12 @@ from speech_assets import settings
 DATA_VERSION_TAG = "dagster/data_version"
 
 
+def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
+    """The latest materialization event of an unpartitioned ``asset`` (its metadata), if any."""
+    records = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records
+    return records[0].asset_materialization if records else None
+
+
 def latest_data_version(
     instance: dg.DagsterInstance, asset: str, partition: str | None = None
 ) -> str | None:

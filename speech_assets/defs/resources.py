@@ -195,6 +195,59 @@ class FederatedSettings(dg.Config):
     connect_timeout_s: float = 300.0  # how long round 1 waits for every client to connect
 
 
+class ProbeSettings(dg.Config):
+    """The downstream CTC probe (`downstream_probe`, speech_assets/evaluation/probe.py)."""
+
+    probe: str = "linear"  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
+    steps: int = 400  # AdamW steps per model
+    batch_size: int = 8
+    lr: float = 2e-3
+    hidden: int = 128
+    seed: int = 0
+    max_train_utterances: int = 400  # a seeded subsample of the training speakers' utterances; 0 = all
+    max_eval_utterances: int = 200  # of the held-out speakers' utterances; 0 = all
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+class ExportSettings(dg.Config):
+    """The exported encoder (`encoder_export`)."""
+
+    layer: int = -1  # hidden states of this layer (0 = the Transformer's input); -1 = the last
+    opset: int = 0  # ONNX opset; 0 = the exporter's default
+    parity_utterances: int = 8  # real shard utterances the parity check runs on
+
+
+class DistillSettings(dg.Config):
+    """The distilled student (`distilled_checkpoint`): 0 for dim/layers/heads/ffn_dim means half
+    the teacher's (384 wide, 6 layers, 6 heads, 1536 for a `base` teacher)."""
+
+    dim: int = 0
+    layers: int = 0
+    heads: int = 0
+    ffn_dim: int = 0
+    teacher_layers: list[int] = []  # 1-based teacher layers to predict; empty = three evenly spaced, ending at the last
+    cosine_weight: float = 1.0
+    max_steps: int = 200
+    batch_seconds: float = 16.0
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    seed: int = 0
+    max_frames: int = 1500
+    nproc: int = 1  # torchrun processes
+    threads: int = 0  # intra-op threads per process; 0 = cores / processes
+
+
+class Iteration2Settings(dg.Config):
+    """HuBERT iteration 2 (`kmeans_targets_iter2`, `pretrained_checkpoint_iter2`): targets are
+    k-means clusters of one layer of the iteration-1 encoder; training uses `[training]`."""
+
+    encoder: str = "pretrained"  # pretrained (centralised) or federated
+    layer: int = 0  # 1-based encoder layer; 0 = the middle one (6 of 12 for base)
+    k: int = 500  # clusters per client (shrinks with a warning for small clients)
+    max_fit_frames: int = 500_000  # 50 Hz frames sampled (as whole utterances) for the fit
+    seed: int = 0
+
+
 class PipelineSettings(dg.ConfigurableResource):
     """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
     by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
@@ -209,6 +262,10 @@ class PipelineSettings(dg.ConfigurableResource):
     kmeans: KMeansSettings = KMeansSettings()
     training: TrainingSettings = TrainingSettings()
     federated: FederatedSettings = FederatedSettings()
+    probe: ProbeSettings = ProbeSettings()
+    export: ExportSettings = ExportSettings()
+    distill: DistillSettings = DistillSettings()
+    iteration2: Iteration2Settings = Iteration2Settings()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:

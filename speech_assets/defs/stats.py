@@ -35,6 +35,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         training_results=results,
         heldout_fraction=_heldout_fraction(results),
         federated_rounds=_newest_federated_rounds(paths),
+        probe_results=paths.root / "probe" / "results.parquet",
     )
 
 
@@ -80,7 +81,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 
 @dg.asset(
     group_name="stats",
-    deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint"],
+    deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "downstream_probe"],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     automation_condition=follow_upstream(require_all_deps=False),
@@ -94,7 +95,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
     instance = context.instance
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
-        for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint")
+        for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint", "downstream_probe")
     }
     partitioned = {
         "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),

@@ -5,8 +5,9 @@ import json
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -28,15 +29,22 @@ class TrainingConfig(overrides_of(TrainingSettings)):
     """Run-config overrides of the `[training]` settings for one manual run."""
 
 
-def _input_versions(context: dg.AssetExecutionContext, paths: StoragePaths, clients: dict[str, list[str]]) -> dict[str, str]:
+def _input_versions(
+    context: dg.AssetExecutionContext,
+    paths: StoragePaths,
+    clients: dict[str, list[str]],
+    targets_dir: Callable[[str], Path] | None = None,
+    targets_asset: str = "kmeans_targets",
+) -> dict[str, str]:
+    targets_dir = targets_dir or paths.kmeans_dir
     versions = {
         "manifest": latest_data_version(context.instance, "manifest") or "",
         "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or "",
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
     }
     for client, speakers in sorted(clients.items()):
-        quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
-        versions[f"kmeans_targets/{client}"] = quality["data_version"]
+        quality = json.loads((targets_dir(client) / "quality.json").read_text())
+        versions[f"{targets_asset}/{client}"] = quality["data_version"]
         for speaker in speakers:
             meta = paths.shard_files(speaker).read_meta()
             if meta is None:
@@ -69,27 +77,49 @@ def pretrained_checkpoint(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    record_run_process(context)
+    return run_training(
+        context, effective(settings.training, config), paths, pipes_subprocess_client,
+        targets_dir=paths.kmeans_dir, targets_asset="kmeans_targets", run_root=paths.training_dir,
+        code_version=CODE_VERSION, asset_name="pretrained_checkpoint", run_label="pretrain",
+    )  # fmt: skip
+
+
+def run_training(
+    context: dg.AssetExecutionContext,
+    options: TrainingSettings,
+    paths: StoragePaths,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    *,
+    targets_dir: Callable[[str], Path],
+    targets_asset: str,
+    run_root: Path,
+    code_version: str,
+    asset_name: str,
+    run_label: str,
+    extra_versions: dict[str, str] | None = None,
+) -> dg.MaterializeResult:
+    """Launch the torchrun trainer on the shards and one client's targets per client (read from
+    ``targets_dir(client)``), in a run folder under ``run_root`` named by inputs and settings."""
     from speech_assets.train import launch  # torch: lazily, the code location stays light
     from speech_assets.train.config import ClientTargets, TrainConfig
 
-    options = effective(settings.training, config)
-    record_run_process(context)
     assignments = pq.read_table(paths.clients_file).to_pylist()
     clients: dict[str, list[str]] = {}
     for row in assignments:
         clients.setdefault(row["client_id"], []).append(row["speaker_id"])
-    data_versions = _input_versions(context, paths, clients)
+    data_versions = {**(extra_versions or {}), **_input_versions(context, paths, clients, targets_dir, targets_asset)}
     client_targets = {
         client: ClientTargets(
-            labels=str(paths.kmeans_dir(client) / "labels.parquet"),
-            k=json.loads((paths.kmeans_dir(client) / "quality.json").read_text())["k"],
+            labels=str(targets_dir(client) / "labels.parquet"),
+            k=json.loads((targets_dir(client) / "quality.json").read_text())["k"],
         )
         for client in sorted(clients)
     }
     shards = [str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)]
     # Same inputs and settings -> same run folder, so a re-run resumes instead of starting over.
-    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), CODE_VERSION])[:16]
-    run_dir = paths.training_dir / run_name
+    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
+    run_dir = run_root / run_name
 
     train_config = TrainConfig(
         run_dir=str(run_dir),
@@ -112,7 +142,7 @@ def pretrained_checkpoint(
         git_sha=git_commit(),
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
         mlflow_artifact_location=paths.mlflow_artifact_location,
-        mlflow_run_name=f"pretrain-{run_name}",
+        mlflow_run_name=f"{run_label}-{run_name}",
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
         threads=options.threads or None,
@@ -131,7 +161,7 @@ def pretrained_checkpoint(
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
 
-    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command="dagster asset pretrained_checkpoint"):
+    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
         for attempt in range(MAX_OOM_RETRIES + 1):
             launch.clear_oom(run_dir)
             atomic_write_text(config_path, train_config.to_json())

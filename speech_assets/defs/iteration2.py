@@ -1,0 +1,176 @@
+"""Stage 4c: HuBERT iteration 2 — targets from the iteration-1 encoder's own features
+(`kmeans_targets_iter2`, per client) and a checkpoint trained on them (`pretrained_checkpoint_iter2`).
+"""
+
+import json
+from collections.abc import Iterator
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.defs.evaluation import checkpoint_of
+from speech_assets.defs.lineage import input_provenance, partition_materialization, step_events
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
+from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.resources import (
+    Iteration2Settings,
+    PipelineSettings,
+    StoragePaths,
+    TrainingSettings,
+    effective,
+    overrides_of,
+)
+from speech_assets.defs.targets import client_metadata
+from speech_assets.defs.training import run_training
+from speech_assets.runtime.reaper import record_run_process
+from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
+
+KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v1"
+TRAIN_ITER2_CODE_VERSION = "train-iter2-v1"
+ENCODER_ASSETS = {"pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint"}
+
+
+class Iteration2Overrides(overrides_of(Iteration2Settings)):
+    """Run-config overrides of the `[iteration2]` settings for one manual run."""
+
+
+ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())
+
+
+@dg.asset(
+    group_name="iteration2",
+    partitions_def=clients_partitions,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    deps=["pretrained_checkpoint", "federated_checkpoint", "client_partitions", "cmvn_stats", ALL_SHARDS],
+    code_version=KMEANS_ITER2_CODE_VERSION,
+    kinds={"faiss", "pytorch"},
+    output_required=False,  # one materialization per client, each with its own content hash
+    description=(
+        "HuBERT iteration 2, per client: k-means (K=500 by default) on that client's own frames in the "
+        "feature space of one layer of the iteration-1 encoder (pretrained, or federated when "
+        "[iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."
+    ),
+)
+def kmeans_targets_iter2(
+    context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
+) -> Iterator[object]:
+    import torch
+
+    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.targets.iteration2 import build_iter2_targets, default_layer
+
+    options = effective(settings.iteration2, config)
+    asset = ENCODER_ASSETS.get(options.encoder)
+    if asset is None:
+        raise dg.Failure(description=f"[iteration2] encoder must be one of {sorted(ENCODER_ASSETS)}, got {options.encoder!r}")
+    found = checkpoint_of(context, asset)
+    if found is None:
+        raise dg.Failure(description=f"no {asset} checkpoint: materialize {asset} first")
+    checkpoint, checkpoint_version = found
+    encoder = load_encoder(checkpoint)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = encoder.model.to(device)
+    layer = options.layer or default_layer(model)
+    if not 1 <= layer <= len(model.encoder.layers):
+        raise dg.Failure(description=f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
+    global_cmvn = Cmvn.load(paths.cmvn_dir / "cmvn.npz")
+    assignments = pq.read_table(paths.clients_file).to_pylist()
+    provenance = input_provenance(context)
+    progress = ProgressLog(context.log, "clients")
+    published = []
+    for done, client_id in enumerate(context.partition_keys, start=1):
+        speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
+        if not speakers:
+            raise dg.Failure(description=f"{client_id} has no speakers")
+        shard_versions = {}
+        for speaker in speakers:
+            meta = paths.shard_files(speaker).read_meta()
+            if meta is None:
+                raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
+            shard_versions[speaker] = meta["shard_sha256"]
+        out_dir = paths.root / "kmeans_iter2" / client_id
+        inputs_key = sha256_strings([
+            json.dumps(shard_versions, sort_keys=True), encoder.sha256, str(layer),
+            options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
+        ])  # fmt: skip
+        with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
+            previous = _read_json(out_dir / "quality.json")
+            if previous.get("inputs_key") == inputs_key and _intact(previous, out_dir):
+                context.log.info(f"{client_id}: inputs unchanged, keeping iteration-2 targets {previous['data_version'][:12]}")
+                quality = previous
+            else:
+                result = build_iter2_targets(
+                    client_id, [paths.shard_file(s) for s in speakers], global_cmvn, model, layer, out_dir,
+                    k=options.k, max_fit_frames=options.max_fit_frames, seed=options.seed, log=context.log.warning,
+                )  # fmt: skip
+                quality = {
+                    "client_id": client_id, "k": result.k, "k_requested": options.k, "frames_fit": result.frames_fit,
+                    "frames_labelled": result.frames_labelled, "utterances": result.utterances,
+                    "inertia_per_frame": result.inertia_per_frame, "perplexity": result.perplexity,
+                    "empty_clusters": result.empty_clusters, "mean_segment_length": result.mean_segment_length,
+                    "label_rate_hz": 50, "speakers": speakers, "shard_versions": shard_versions,
+                    "encoder_asset": asset, "checkpoint": checkpoint, "checkpoint_sha256": encoder.sha256,
+                    "checkpoint_data_version": checkpoint_version, "layer": layer, "inputs_key": inputs_key,
+                    "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),
+                }  # fmt: skip
+                quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
+                atomic_write_text(out_dir / "quality.json", json.dumps(quality, indent=1, sort_keys=True))
+        metadata = {
+            **client_metadata(quality, out_dir),
+            "encoder": asset, "layer": layer, "checkpoint_sha256": encoder.sha256,
+            "mean_segment_length_hz": 50,
+        }  # fmt: skip
+        published.append(partition_materialization(context, client_id, quality["data_version"], metadata, provenance))
+        progress(client_id, done, len(context.partition_keys))
+    yield from step_events(context, published)
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _intact(quality: dict, out_dir) -> bool:
+    try:
+        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
+            out_dir / "labels.parquet"
+        ) == quality.get("labels_sha256")
+    except OSError:
+        return False
+
+
+class TrainingIter2Config(overrides_of(TrainingSettings)):
+    """Run-config overrides of the `[training]` settings for one iteration-2 run."""
+
+
+@dg.asset(
+    group_name="iteration2",
+    deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],
+    code_version=TRAIN_ITER2_CODE_VERSION,
+    pool="training",
+    kinds={"pytorch", "mlflow"},
+    description=(
+        "HuBERT iteration 2: the same trainer and [training] settings as pretrained_checkpoint, "
+        "on kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."
+    ),
+)
+def pretrained_checkpoint_iter2(
+    context: dg.AssetExecutionContext,
+    config: TrainingIter2Config,
+    paths: StoragePaths,
+    settings: PipelineSettings,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    record_run_process(context)
+    iter2_dir = lambda client: paths.root / "kmeans_iter2" / client  # noqa: E731
+    return run_training(
+        context, effective(settings.training, config), paths, pipes_subprocess_client,
+        targets_dir=iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.root / "training_iter2",
+        code_version=TRAIN_ITER2_CODE_VERSION, asset_name="pretrained_checkpoint_iter2", run_label="pretrain-iter2",
+    )  # fmt: skip
+
+
+ASSETS = [kmeans_targets_iter2, pretrained_checkpoint_iter2]

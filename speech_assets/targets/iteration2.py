@@ -1,0 +1,119 @@
+"""HuBERT iteration 2: one client's k-means targets in the feature space of a trained encoder.
+
+Iteration 1 clusters MFCC frames; iteration 2 clusters the hidden states of one layer of the
+iteration-1 encoder (HuBERT: layer 6 of 12 for Base; here the middle layer by default). Each
+client clusters only its own utterances (the federated rule of iteration 1 still holds); the
+encoder is frozen, in eval mode, fp32 on CPU or bf16 autocast on CUDA.
+
+Features are never all in memory: the fit sample (whole utterances, at most ``max_fit_frames``
+50 Hz frames) is computed shard by shard, and the labelling pass computes, labels and drops one
+shard's features at a time. Labels come out at the model's 50 Hz rate directly (the encoder's
+output rate), ``len = (num_frames + 1) // 2``, the layout of iteration 1's ``labels.parquet``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.shards import iter_shard, read_shard_table
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.targets.labels import ClientState, ClientTargetSet, UtteranceLabels, _write_outputs
+
+
+def default_layer(model: HubertPretrainModel) -> int:
+    """HuBERT's choice scaled to depth: layer 6 of 12 for Base, the middle layer otherwise."""
+    return max(1, len(model.encoder.layers) // 2)
+
+
+@torch.no_grad()
+def layer_frames(
+    model: HubertPretrainModel, feats: Sequence[np.ndarray], layer: int, max_frames: int = 8000
+) -> list[np.ndarray]:
+    """``layer``'s hidden states ``(L_i, D)`` float32 (``L_i = (T_i + 1) // 2``) of log-mel ``(T_i, 80)`` inputs.
+
+    Batches by length (padded size at most ``max_frames`` input frames); ``layer`` counts like
+    :meth:`HubertPretrainModel.hidden_states` (0 = the Transformer's input).
+    """
+    from speech_assets.evaluation.encoders import batches_by_length, pad
+
+    device = next(model.parameters()).device
+    out: list[np.ndarray | None] = [None] * len(feats)
+    for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
+        padded, lengths = pad([feats[i] for i in batch])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            states, encoded = model.hidden_states(padded.to(device), lengths.to(device))
+        hidden = states[layer].float().cpu()
+        for row, index in enumerate(batch):
+            out[index] = hidden[row, : int(encoded.lengths[row])].numpy().copy()
+    return [x for x in out if x is not None]
+
+
+def build_iter2_targets(
+    client_id: str,
+    shard_paths: list[Path],
+    global_cmvn: Cmvn,
+    model: HubertPretrainModel,
+    layer: int,
+    out_dir: Path,
+    k: int = 500,
+    max_fit_frames: int = 500_000,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ClientTargetSet:
+    """Fit one client's codebook on ``layer`` features of its own shards, then label all of them.
+
+    ``global_cmvn`` normalises the log-mel input exactly as in training. Writes ``codebook.npy``
+    ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
+    """
+    from speech_assets.targets import kmeans
+
+    model.eval()
+    counts: list[int] = []
+    index: list[tuple[int, str]] = []
+    for shard_number, path in enumerate(shard_paths):
+        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
+            index.append((shard_number, utt_id))
+            counts.append((int(frames) + 1) // 2)
+    if sum(counts) == 0:
+        raise ValueError(f"client {client_id} has no feature frames to cluster")
+    wanted: dict[int, set[str]] = {}
+    for position in kmeans.sample_utterances(counts, max_fit_frames, seed):
+        shard_number, utt_id = index[position]
+        wanted.setdefault(shard_number, set()).add(utt_id)
+    fit_parts: list[np.ndarray] = []
+    for shard_number, utt_ids in sorted(wanted.items()):
+        feats = [
+            global_cmvn.apply(r.logmel, "logmel")
+            for r in iter_shard(shard_paths[shard_number], features=("logmel",))
+            if r.utt_id in utt_ids
+        ]
+        fit_parts += layer_frames(model, feats, layer)
+    frames = np.concatenate(fit_parts, axis=0)
+    del fit_parts
+    k_used = kmeans.effective_k(frames.shape[0], k)
+    if k_used < k:
+        log(f"client {client_id}: only {frames.shape[0]} frames, K shrinks from {k} to {k_used}")
+    fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
+    del frames
+
+    codebook = kmeans.CodebookIndex(fit.codebook)
+    quality = kmeans.QualityAccumulator(k_used)
+    items: list[UtteranceLabels] = []
+    for path in shard_paths:
+        records = list(iter_shard(path, features=("logmel",)))
+        hidden = layer_frames(model, [global_cmvn.apply(r.logmel, "logmel") for r in records], layer)
+        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(hidden, codebook)
+        for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
+            quality.add(labels, sqdist)
+            items.append(UtteranceLabels(record.utt_id, record.speaker_id, labels))
+    dim = fit.codebook.shape[1]
+    # the state keeps the same fields as iteration 1's; the "CMVN" of encoder features is the identity
+    state = ClientState(fit.codebook, np.zeros(dim, np.float32), np.ones(dim, np.float32), fit.frames_fit,
+                        fit.inertia_per_frame, quality)  # fmt: skip
+    return _write_outputs(client_id, k, out_dir, state, items, shard_paths)
