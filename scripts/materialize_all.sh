@@ -4,8 +4,7 @@
 # runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
 # every stage's knobs come from pipeline.toml (or $SPEECH_ASSETS_SETTINGS); TRAIN_CONFIG_JSON, if
 # set, overrides the training asset's settings for this run only (run config).
-# FEDERATED_CONFIG_JSON overrides the federated asset's (default: fewer local steps, for the demo),
-# DISTILL_CONFIG_JSON the distillation's (default: 40 steps).
+# FEDERATED_CONFIG_JSON overrides the federated asset's (default: fewer local steps, for the demo).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -30,16 +29,10 @@ materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
 materialize --select pretrained_checkpoint "${train_overrides[@]}"
 materialize --select federated_checkpoint --config-json "$federated_config"
-# evaluation: a short distillation for the demo ([distill] max_steps in pipeline.toml for real runs),
-# the exported encoder, then the probe over every checkpoint and the fbank/random baselines
-default_distill_config='{"ops": {"distilled_checkpoint": {"config": {"max_steps": 40}}}}'
-materialize --select distilled_checkpoint --config-json "${DISTILL_CONFIG_JSON:-$default_distill_config}"
-materialize --select encoder_export
-materialize --select downstream_probe
 materialize --select dataset_stats
 
 echo
 echo "== speech_assets summary =="
 speech-assets stats
-echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, report/)"
+echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, report/)"
 echo "Dagster instance: $DAGSTER_HOME    UI: make ui    SQL: speech-assets sql \"SELECT * FROM clients\""
