@@ -27,7 +27,7 @@ from speech_assets.defs.resources import (
 )
 from speech_assets.defs.training import TRAINING_INPUTS, _bounded_versions, _input_versions, training_curve_metadata
 from speech_assets.runtime.reaper import record_run_process
-from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, current_umask, sha256_file, sha256_strings
 
 PROBE_CODE_VERSION = "probe-v1"
 EXPORT_CODE_VERSION = "export-v1"
@@ -228,8 +228,8 @@ def encoder_export(
         atomic_write_text(staging / "encoder.json", json.dumps(description, indent=2, sort_keys=True) + "\n")
         shutil.copyfile(cmvn_path, staging / "cmvn.npz")
         for file in staging.iterdir():
-            file.chmod(0o666 & ~_umask())
-        staging.chmod(0o777 & ~_umask())
+            file.chmod(0o666 & ~current_umask())
+        staging.chmod(0o777 & ~current_umask())
         if folder.exists():
             shutil.rmtree(folder)
         staging.rename(folder)
@@ -258,12 +258,6 @@ def encoder_export(
             ),
         },
     )
-
-
-def _umask() -> int:
-    from speech_assets.utils import current_umask
-
-    return current_umask()
 
 
 @dg.asset_check(asset=encoder_export, blocking=True, description=f"Fails when the ONNX encoder differs from PyTorch by more than {ONNX_PARITY_ATOL:g} (fp32) on real shard features.")

@@ -20,7 +20,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.defs.targets import client_metadata
+from speech_assets.defs.targets import _outputs_intact, _read_json, client_metadata
 from speech_assets.defs.training import run_training
 from speech_assets.runtime.reaper import record_run_process
 from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
@@ -96,7 +96,7 @@ def kmeans_targets_iter2(
         ])  # fmt: skip
         with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
             previous = _read_json(out_dir / "quality.json")
-            if previous.get("inputs_key") == inputs_key and _intact(previous, out_dir):
+            if previous.get("inputs_key") == inputs_key and _outputs_intact(previous, out_dir):
                 context.log.info(f"{client_id}: inputs unchanged, keeping iteration-2 targets {previous['data_version'][:12]}")
                 quality = previous
             else:
@@ -124,22 +124,6 @@ def kmeans_targets_iter2(
         published.append(partition_materialization(context, client_id, quality["data_version"], metadata, provenance))
         progress(client_id, done, len(context.partition_keys))
     yield from step_events(context, published)
-
-
-def _read_json(path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _intact(quality: dict, out_dir) -> bool:
-    try:
-        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
-            out_dir / "labels.parquet"
-        ) == quality.get("labels_sha256")
-    except OSError:
-        return False
 
 
 class TrainingIter2Config(overrides_of(TrainingSettings)):
