@@ -144,7 +144,7 @@ class HubertPretrainModel(nn.Module):
         )
         self.heads = nn.ModuleList(nn.Linear(preset.dim, client_ks[name]) for name in self.clients)
 
-    def _embed(
+    def embed(
         self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Transformer's input ``(B, L, D)``, 50 Hz ``lengths (B,)`` and ``padding (B, L)``."""
@@ -163,7 +163,7 @@ class HubertPretrainModel(nn.Module):
         ``mask (B, L)`` bool marks 50 Hz frames to replace by the learned mask embedding
         (``L = (max T + 1) // 2``); ``None`` masks nothing.
         """
-        x, out_lengths, padding = self._embed(feats, lengths, mask)
+        x, out_lengths, padding = self.embed(feats, lengths, mask)
         hidden = self.encoder(x, src_key_padding_mask=padding)
         return EncoderOutput(hidden=hidden, lengths=out_lengths, padding=padding)
 
@@ -175,7 +175,7 @@ class HubertPretrainModel(nn.Module):
         ``hidden``, after the final LayerNorm (pre-LN layers leave the residual stream
         unnormalised: normalise before comparing layers). Also returns :meth:`encode`'s output.
         """
-        x, out_lengths, padding = self._embed(feats, lengths, None)
+        x, out_lengths, padding = self.embed(feats, lengths, None)
         states = [x]
         for layer in self.encoder.layers:
             x = layer(x, src_key_padding_mask=padding)
