@@ -18,6 +18,7 @@ checkpoint's layout, so the probe, the export and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -200,13 +201,19 @@ def distill(config: DistillConfig) -> dict[str, Any] | None:
     from speech_assets.train.checkpoint import CHECKPOINT_FORMAT, save_checkpoint, weights_sha256
     from speech_assets.train.data import DurationBucketSampler, UtteranceDataset, build_index, heldout_split
     from speech_assets.train.tracking import MlflowTracker, PipesReporter
-    from speech_assets.train.trainer import BatchStream, build_optimizer, init_distributed, seed_everything, warmup_linear_decay
+    from speech_assets.train.trainer import (
+        BatchStream, build_optimizer, hold_run_folder, init_distributed, seed_everything, warmup_linear_decay,
+    )  # fmt: skip
 
     run_dir = Path(config.run_dir)
-    job = init_distributed(config.device)
-    handler = _setup_logging(run_dir, job.rank)
+    handler = _setup_logging(run_dir, int(os.environ.get("RANK", "0")))
+    folder = contextlib.ExitStack()
     tracker: MlflowTracker | None = None
+    job = None
     try:
+        # like a training worker: dies with its launcher, holds the run folder (no orphan after kill -9)
+        folder.enter_context(hold_run_folder(config.run_dir))
+        job = init_distributed(config.device)
         torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // job.local_world_size))
         reporter = PipesReporter(log) if job.is_main else None
         teacher_loaded = load_encoder(config.teacher)
@@ -306,8 +313,9 @@ def distill(config: DistillConfig) -> dict[str, Any] | None:
     finally:
         log.removeHandler(handler)
         handler.close()
-        if job.enabled and dist.is_initialized():
+        if job is not None and job.enabled and dist.is_initialized():
             dist.destroy_process_group()
+        folder.close()
 
 
 def _setup_logging(run_dir: Path, rank: int) -> logging.Handler:

@@ -729,7 +729,7 @@ def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[st
     plan: LaunchPlan | None = None
     folder = contextlib.ExitStack()
     try:
-        folder.enter_context(_hold_run_folder(config.run_dir))
+        folder.enter_context(hold_run_folder(config.run_dir))
         job = init_distributed(config.device)
         reporter = PipesReporter(log) if job.is_main else None
         plan = plan_for_job(config, job)
@@ -750,7 +750,7 @@ def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[st
 
 
 @contextlib.contextmanager
-def _hold_run_folder(run_dir: str) -> Iterator[None]:
+def hold_run_folder(run_dir: str) -> Iterator[None]:
     """This worker's claim on the run folder, and its tie to the launcher's life.
 
     Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
