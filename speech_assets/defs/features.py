@@ -53,9 +53,12 @@ def worker_count(audio_seconds: float) -> int:
     return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 
-def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
+def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[float, ...] = ()) -> str:
     """What a shard's content depends on: its speaker's manifest rows, the config, the code."""
-    return sha256_strings([speaker_hash, json.dumps(vad.as_dict(), sort_keys=True), FEATURES_CODE_VERSION])
+    parts = [speaker_hash, json.dumps(vad.as_dict(), sort_keys=True), FEATURES_CODE_VERSION]
+    if speed_factors:  # absent when off, so that shards built without it stay valid
+        parts.append(json.dumps({"speed_factors": list(speed_factors)}))
+    return sha256_strings(parts)
 
 
 
@@ -75,10 +78,11 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig) -> str:
 def vad_features(
     context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
-    from speech_assets.features.build import ShardJob, UtteranceInput, iter_publish_shards  # torch: lazily
+    from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, iter_publish_shards  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)
+    speed_factors = check_speed_factors(features.speed_perturb)
     speakers = list(context.partition_keys)
     wanted = set(speakers)
     rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
@@ -97,13 +101,14 @@ def vad_features(
             speaker_id=speaker,
             utterances=tuple(by_speaker[speaker]),
             files=paths.shard_files(speaker),
-            inputs_key=shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg),
+            inputs_key=shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg, speed_factors),
             meta_extra={
                 "speaker_manifest_hash": speaker_hashes.get(speaker, ""),
                 "manifest_version": manifest_version,
                 "code_version": FEATURES_CODE_VERSION,
             },
             force=config.force,
+            speed_factors=speed_factors,
         )
         for speaker in speakers
     ]

@@ -127,6 +127,8 @@ class FeatureSettings(dg.Config):
     min_speech_s: float = 0.5
     min_speech_ratio: float = 0.1
     workers: int = 0  # 0: automatic (one per core for large jobs, in-process for small ones)
+    # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]
+    speed_perturb: list[float] = []
 
 
 class ClientSettings(dg.Config):
@@ -163,6 +165,11 @@ class TrainingSettings(dg.Config):
     max_restarts: int = 2
     heldout_fraction: float = 0.05
     max_frames: int = 1500
+    # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
+    noise: str = ""  # "", "coloured", "babble" (same client only) or a folder of noise audio (MUSAN)
+    noise_prob: float = 0.5
+    noise_snr_db: list[float] = [5.0, 20.0]
+    specaugment: bool = False
     # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0

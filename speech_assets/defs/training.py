@@ -146,6 +146,10 @@ def run_training(
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
         threads=options.threads or None,
+        noise=options.noise,
+        noise_prob=options.noise_prob,
+        noise_snr_db=list(options.noise_snr_db),
+        specaugment=options.specaugment,
     )
     nnodes = _fixed_node_count(options)
     if nnodes > 1:

@@ -77,6 +77,19 @@ class ShardResult:
     wall_seconds: float = 0.0
 
 
+def speed_perturbed_id(utt_id: str, factor: float) -> str:
+    """``<utt_id>-sp0_9`` for factor 0.9 (letters, digits, ``_`` and ``-`` only, like every id)."""
+    return f"{utt_id}-sp{format(factor, 'g').replace('.', '_')}"
+
+
+def check_speed_factors(factors: Sequence[float]) -> tuple[float, ...]:
+    """Sorted, distinct factors in (0.5, 2], none equal to 1 (the original is always kept)."""
+    out = tuple(sorted({float(f) for f in factors}))
+    if any(not 0.5 < f <= 2.0 or f == 1.0 for f in out):
+        raise ValueError(f"speed factors must be in (0.5, 2] and not 1, got {list(factors)}")
+    return out
+
+
 def process_utterance(
     path: str | os.PathLike[str],
     utt_id: str,
@@ -84,17 +97,52 @@ def process_utterance(
     chapter_id: str,
     vad_cfg: VadConfig,
     extractor: FeatureExtractor,
+    speed_factors: Sequence[float] = (),
 ) -> FeatureRecord | VadReject:
-    """Decode, VAD-trim and featurise one utterance."""
+    """Decode, VAD-trim and featurise one utterance (the original; see :func:`process_variants`)."""
+    return process_variants(path, utt_id, speaker_id, chapter_id, vad_cfg, extractor, speed_factors)[0]
+
+
+def process_variants(
+    path: str | os.PathLike[str],
+    utt_id: str,
+    speaker_id: str,
+    chapter_id: str,
+    vad_cfg: VadConfig,
+    extractor: FeatureExtractor,
+    speed_factors: Sequence[float] = (),
+) -> list[FeatureRecord | VadReject]:
+    """The utterance decoded once, then itself and one speed-perturbed copy per factor
+    (``torchaudio.functional.speed``: resampling, so pitch and tempo change together, as in
+    Kaldi's 3-way perturbation), each VAD-trimmed and featurised on its own audio so that its
+    frames (and the targets later computed from them) match it. An unreadable file yields only
+    the original's reject."""
     try:
         decoded, sample_rate = audio.decode(path)
     except audio.DecodeError as exc:
-        return VadReject(utt_id, os.fspath(path), str(exc), reason="unreadable")
+        return [VadReject(utt_id, os.fspath(path), str(exc), reason="unreadable")]
     duration_s = decoded.shape[1] / sample_rate
     try:
         wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate))
     except ValueError as exc:  # NaN / inf samples
-        return VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")
+        return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
+    results = [_trim_and_featurise(wave, duration_s, path, utt_id, speaker_id, chapter_id, vad_cfg, extractor)]
+    if speed_factors and isinstance(results[0], FeatureRecord):
+        import torchaudio.functional as AF
+
+        for factor in check_speed_factors(speed_factors):
+            faster, _ = AF.speed(torch.from_numpy(wave), audio.TARGET_SAMPLE_RATE, factor)
+            results.append(_trim_and_featurise(
+                audio.normalise_peak(faster.numpy()), duration_s / factor, path, speed_perturbed_id(utt_id, factor),
+                speaker_id, chapter_id, vad_cfg, extractor,
+            ))  # fmt: skip
+    return results
+
+
+def _trim_and_featurise(
+    wave: np.ndarray, duration_s: float, path: str | os.PathLike[str], utt_id: str, speaker_id: str,
+    chapter_id: str, vad_cfg: VadConfig, extractor: FeatureExtractor,
+) -> FeatureRecord | VadReject:  # fmt: skip
     span = detect_speech(wave, vad_cfg)
     if isinstance(span, NoSpeech):
         return VadReject(utt_id, os.fspath(path), span.detail)
@@ -133,8 +181,10 @@ def build_shard(
     out_path: str | os.PathLike[str],
     vad_cfg: VadConfig = VadConfig(),
     extractor: FeatureExtractor | None = None,
+    speed_factors: Sequence[float] = (),
 ) -> ShardResult:
-    """Featurise ``utterances`` and write one shard atomically at ``out_path``.
+    """Featurise ``utterances`` (and their ``speed_factors`` copies) and write one shard
+    atomically at ``out_path``.
 
     Always writes a shard, an empty one (schema only) when every utterance is rejected, so each
     partition is materialised the same way. Output bytes depend only on inputs and config.
@@ -150,17 +200,19 @@ def build_shard(
     sums: dict[tuple[str, str], PartialSums] = {}
     audio_seconds = 0.0
     for utt in sorted(utterances, key=lambda u: u.utt_id):
-        result = process_utterance(utt.path, utt.utt_id, utt.speaker_id, utt.chapter_id, vad_cfg, extractor)
-        if isinstance(result, VadReject):
-            rejects.append(result.as_row())
-            audio_seconds += utt.duration_s
-            continue
-        audio_seconds += result.duration_s
-        records.append(result)
-        for name in ("logmel", "mfcc"):
-            part = _partial_sums(getattr(result, name))
-            key = (result.speaker_id, name)
-            sums[key] = sums[key] + part if key in sums else part
+        variants = process_variants(utt.path, utt.utt_id, utt.speaker_id, utt.chapter_id, vad_cfg, extractor, speed_factors)
+        for result in variants:
+            if isinstance(result, VadReject):
+                rejects.append(result.as_row())
+                audio_seconds += utt.duration_s if result.utt_id == utt.utt_id else 0.0
+                continue
+            audio_seconds += result.duration_s
+            records.append(result)
+            for name in ("logmel", "mfcc"):
+                part = _partial_sums(getattr(result, name))
+                key = (result.speaker_id, name)
+                sums[key] = sums[key] + part if key in sums else part
+    records.sort(key=lambda r: r.utt_id)
     path = write_shard(out_path, records)
     stats = ShardStats()
     for (speaker, name), part in sorted(sums.items()):
@@ -213,6 +265,7 @@ class ShardJob:
     inputs_key: str
     meta_extra: Mapping[str, object] = field(default_factory=dict)
     force: bool = False
+    speed_factors: tuple[float, ...] = ()  # speed-perturbed copies of every utterance (part of inputs_key)
 
     @property
     def audio_seconds(self) -> float:
@@ -244,7 +297,7 @@ def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtra
             return ShardOutcome(job.speaker_id, meta, rebuilt=False)
         job.files.remove_temp_files()
         job.files.meta.unlink(missing_ok=True)
-        result = build_shard(job.utterances, job.files.shard, vad_cfg, extractor)
+        result = build_shard(job.utterances, job.files.shard, vad_cfg, extractor, job.speed_factors)
         write_sidecars(result)
         meta = job.files.write_meta(
             {
@@ -257,6 +310,7 @@ def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtra
                 "audio_seconds": result.audio_seconds,
                 "trimmed_seconds": result.trimmed_seconds,
                 "vad": vad_cfg.as_dict(),
+                **({"speed_factors": list(job.speed_factors)} if job.speed_factors else {}),
             }
         )
         return ShardOutcome(job.speaker_id, meta, rebuilt=True)

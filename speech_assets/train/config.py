@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.model.presets import get_preset
+from speech_assets.train.augment import Augmentation
 from speech_assets.utils import atomic_write_text
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -67,6 +68,11 @@ class TrainConfig:
     mlflow_run_name: str | None = None
     max_restarts: int = 2
     nproc: int | str = "auto"
+    # online augmentation of the training utterances (speech_assets/train/augment.py); off by default
+    noise: str = ""  # "", "coloured", "babble" or a folder of noise audio (MUSAN)
+    noise_prob: float = 0.5
+    noise_snr_db: list[float] = field(default_factory=lambda: [5.0, 20.0])
+    specaugment: bool = False
 
     def __post_init__(self) -> None:
         self.shards = [str(s) for s in self.shards]
@@ -103,8 +109,17 @@ class TrainConfig:
         for name in ("max_steps", "checkpoint_every", "log_every", "keep_checkpoints", "mask_length", "max_frames"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        try:
+            self.augmentation()
+        except (TypeError, ValueError) as error:
+            problems.append(f"augmentation: {error}")
         if problems:
             raise ValueError("invalid TrainConfig: " + "; ".join(problems))
+
+    def augmentation(self) -> Augmentation:
+        """What training adds to each training utterance (nothing by default)."""
+        low, high = self.noise_snr_db
+        return Augmentation(noise=self.noise, noise_prob=self.noise_prob, snr_db=(float(low), float(high)), specaugment=self.specaugment)
 
     @property
     def chance_accuracy(self) -> float:

@@ -24,6 +24,7 @@ from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.targets.labels import read_labels
+from speech_assets.train.augment import Augmenter
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ class UtteranceDataset(Dataset[Example]):
         max_frames: int,
         cached_row_groups: int = 8,
         seed: int = 0,
+        augment: Augmenter | None = None,
     ) -> None:
         self.index = index
         self.utterances = list(utterances)
@@ -237,6 +239,8 @@ class UtteranceDataset(Dataset[Example]):
         self.cached_row_groups = cached_row_groups
         self.seed = seed
         self.epoch = 0
+        self.augment = augment if augment is not None and augment.options.enabled else None
+        self._by_client: dict[int, list[int]] | None = None
         self._cache: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
         # read amplification = bytes_decompressed / bytes_delivered (log-mel bytes, per process)
         self.bytes_decompressed = 0
@@ -258,10 +262,29 @@ class UtteranceDataset(Dataset[Example]):
         logmel = blob_to_matrix(self._row_group(ref.shard, ref.row_group)[ref.row], N_MELS)
         labels = align_labels(self.index.labels[ref.client][ref.utt_id], logmel.shape[0], ref.utt_id)
         start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames, self.seed, self.epoch)
-        feats = self.cmvn.apply(logmel[start : start + self.max_frames], "logmel")
+        logmel = logmel[start : start + self.max_frames]
+        if self.augment is not None:  # noise on the raw log-mel, SpecAugment after CMVN: same frames
+            logmel = self.augment.noise(logmel, ref.utt_id, self.epoch, lambda _, rng, count: self._babble(item, rng, count))
+        feats = self.cmvn.apply(logmel, "logmel")
         self.bytes_delivered += feats.nbytes
         labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
-        return Example(ref.utt_id, ref.client, torch.from_numpy(feats), torch.from_numpy(labels))
+        tensor = torch.from_numpy(feats)
+        if self.augment is not None:
+            tensor = self.augment.specaugment(tensor, ref.utt_id, self.epoch)
+        return Example(ref.utt_id, ref.client, tensor, torch.from_numpy(labels))
+
+    def _babble(self, item: int, rng: np.random.Generator, count: int) -> list[np.ndarray]:
+        """Raw log-mel of up to ``count`` other utterances of item's client in this dataset."""
+        if self._by_client is None:
+            self._by_client = {}
+            for i, ref in enumerate(self.utterances):
+                self._by_client.setdefault(ref.client, []).append(i)
+        others = [i for i in self._by_client[self.utterances[item].client] if i != item]
+        chosen = rng.choice(len(others), size=min(count, len(others)), replace=False) if others else []
+        return [
+            blob_to_matrix(self._row_group(o.shard, o.row_group)[o.row], N_MELS)
+            for o in (self.utterances[others[int(i)]] for i in chosen)
+        ]
 
     def _row_group(self, shard: int, group: int) -> pa.Array:
         key = (shard, group)

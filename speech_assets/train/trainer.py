@@ -37,6 +37,7 @@ from speech_assets.model.hubert import HubertPretrainModel, output_lengths
 from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
 from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import get_preset
+from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -239,7 +240,12 @@ class Trainer:
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
         cmvn = Cmvn.load(config.cmvn)
-        self.train_set = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed, cached_row_groups=WINDOW_BLOCKS + 1)
+        augment = Augmenter(config.augmentation(), seed=config.seed)
+        self.train_set = UtteranceDataset(
+            index, train_refs, cmvn, config.max_frames, seed=config.seed, cached_row_groups=WINDOW_BLOCKS + 1, augment=augment
+        )
+        if augment.options.enabled:
+            log.info("augmenting training utterances: %s", augment.options.describe())
         self.heldout_set = UtteranceDataset(index, heldout_refs, cmvn, config.max_frames)
         self.num_workers = loader_workers(config, job)
         self.sampler = BlockShuffleSampler(
