@@ -1,22 +1,30 @@
 """Run a command the way the tests run documented commands: in its own process group, so that a
 timeout or a failing test takes the whole tree down (a `dagster asset materialize` under a shell
-script, its step processes, torchrun and Flower), never leaving an orphan behind."""
+script, its step processes, torchrun and Flower), never leaving an orphan behind.
+
+The group is led by the subreaper supervisor (``speech_assets.federated.supervise``), which gets
+SIGTERM when the test process dies (``PR_SET_PDEATHSIG``, even on kill -9 of pytest) and then
+terminates every descendant, including those that left the group or were re-parented."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from speech_assets.runtime.processes import die_with_parent
 
 
 def run_group(
     command: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str], timeout: float
 ) -> subprocess.CompletedProcess:
+    supervised = [sys.executable, "-m", "speech_assets.federated.supervise", "--", *command]
     process = subprocess.Popen(
-        list(command), env=dict(env), cwd=Path(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        supervised, env=dict(env), cwd=Path(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
     )  # fmt: skip
     try:
         stdout, stderr = process.communicate(timeout=timeout)

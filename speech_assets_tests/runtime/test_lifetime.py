@@ -175,3 +175,40 @@ def test_a_worker_whose_launcher_dies_exits_even_without_a_parent_death_signal(t
         for process in (launcher, worker):
             if process.poll() is None:
                 process.kill()
+
+
+def test_a_killed_test_process_takes_its_documented_command_with_it(tmp_path: Path) -> None:
+    """run_group (how the end-to-end tests run scripts/materialize_all.sh): kill -9 of the process
+    that called it still ends the command and everything it started, also a double-forked child."""
+    pids = tmp_path / "pids"
+    script = (
+        f"sleep 300 & echo $! >> {pids}; "
+        f"(setsid sleep 301 & echo $! >> {pids}); "
+        "sleep 302"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys; from speech_assets.testing.commands import run_group; "
+            f"run_group(['bash', '-c', {script!r}], dict(__import__('os').environ), '.', 600)"
+        )],
+        cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline and caller.poll() is None
+        time.sleep(0.2)
+    children = [int(p) for p in pids.read_text().split()]
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in children if _alive(p)]}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
