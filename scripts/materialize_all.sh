@@ -3,8 +3,8 @@
 # a summary. This is what `make demo` runs and what the README documents; the end-to-end test
 # runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
 # every stage's knobs come from pipeline.toml (or $SPEECH_ASSETS_SETTINGS); TRAIN_CONFIG_JSON, if
-# set, overrides the training asset's settings for this run only (run config).
-# FEDERATED_CONFIG_JSON overrides the federated asset's (default: fewer local steps, for the demo).
+# set, overrides the training asset's settings for this run only (run config); see the last run
+# below for the others.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -15,24 +15,36 @@ scripts/ensure_dagster_home.sh
 # supported and is the documented command here, so its notice is not repeated for every step.
 export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Function \`asset_materialize_command\` is superseded"
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
-train_overrides=()
-[ -n "${TRAIN_CONFIG_JSON:-}" ] && train_overrides=(--config-json "$TRAIN_CONFIG_JSON")
-# federated pretraining: a SuperLink and one SuperNode per client on loopback, the [federated]
-# settings of pipeline.toml with fewer local steps so that the demo stays near 2 minutes on 2 cores
-default_federated_config='{"ops": {"federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}}}}'
-federated_config="${FEDERATED_CONFIG_JSON:-$default_federated_config}"
+# The last run trains and evaluates: pretrained_checkpoint (torchrun), federated_checkpoint (a
+# SuperLink and one SuperNode per client on loopback), distilled_checkpoint, encoder_export,
+# downstream_probe, then dataset_stats; Dagster orders the steps by their dependencies and the
+# `training` pool runs one trainer at a time. Its run config: the demo's shorter budgets (fewer
+# federated local steps, a 40-step distillation: the demo stays near 6 minutes on 2 cores), each
+# asset's part replaced by TRAIN_CONFIG_JSON / FEDERATED_CONFIG_JSON / DISTILL_CONFIG_JSON /
+# PROBE_CONFIG_JSON where set. MODEL_ASSETS narrows the run's selection.
+model_assets="${MODEL_ASSETS:-pretrained_checkpoint,federated_checkpoint,distilled_checkpoint,encoder_export,downstream_probe,dataset_stats}"
+model_config="$(python - "$model_assets" <<'PY'
+import json, os, sys
+ops = {
+    "federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}},
+    "distilled_checkpoint": {"config": {"max_steps": 40}},
+}
+for variable in ("TRAIN_CONFIG_JSON", "FEDERATED_CONFIG_JSON", "DISTILL_CONFIG_JSON", "PROBE_CONFIG_JSON"):
+    ops.update(json.loads(os.environ.get(variable) or "{}").get("ops", {}))
+selected = set(sys.argv[1].split(","))
+print(json.dumps({"ops": {name: value for name, value in ops.items() if name in selected}}))
+PY
+)"
 
 materialize --select manifest
 # one shard per speaker: the manifest registered the speaker partitions; one run covers them all
 materialize --select speaker_manifest,vad_features --partition-range "$(speech-assets partitions speakers --range)"
 materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
-materialize --select pretrained_checkpoint "${train_overrides[@]}"
-materialize --select federated_checkpoint --config-json "$federated_config"
-materialize --select dataset_stats
+materialize --select "$model_assets" --config-json "$model_config"
 
 echo
 echo "== speech_assets summary =="
 speech-assets stats
-echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, report/)"
+echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, report/)"
 echo "Dagster instance: $DAGSTER_HOME    UI: make ui    SQL: speech-assets sql \"SELECT * FROM clients\""

@@ -28,9 +28,12 @@ from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 BIN = Path(sys.executable).parent
 ASSETS = [
     "manifest", "speaker_manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets",
-    "pretrained_checkpoint", "federated_checkpoint", "dataset_stats",
+    "pretrained_checkpoint", "dataset_stats",
 ]  # fmt: skip
-RUNS = 7  # one per `dagster asset materialize` in scripts/materialize_all.sh
+RUNS = 5  # one per `dagster asset materialize` in scripts/materialize_all.sh
+# The last run trains (tracked on the MLflow server) and writes the stats; federated pretraining
+# and evaluation use the instance no differently and are covered by the SQLite end-to-end test.
+MODEL_ASSETS = "pretrained_checkpoint,dataset_stats"
 SPEAKERS = ["1001", "1002", "1003", "1004"]  # half of the committed sample: the same stages, less waiting
 SETTINGS = """
 [clients]
@@ -63,14 +66,14 @@ def built(postgres: PostgresServer, mlflow_server: MlflowServer, tmp_path_factor
     for speaker in SPEAKERS:
         shutil.copytree(SAMPLE_CORPUS / speaker, corpus / speaker)
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", "TRAIN_CONFIG_JSON"))},
+        **{k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES") and not k.endswith("_CONFIG_JSON")},
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         "DAGSTER_HOME": str(home),
         "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
         "SPEECH_ASSETS_CORPUS": str(corpus),
         "SPEECH_ASSETS_SETTINGS": str(root / "settings.toml"),
         "MLFLOW_TRACKING_URI": mlflow_server.url,
-        "FEDERATED_CONFIG_JSON": json.dumps({"ops": {"federated_checkpoint": {"config": {"rounds": 1, "local_steps": 2}}}}),
+        "MODEL_ASSETS": MODEL_ASSETS,
         **postgres.env(),
     }
     proc = _run([str(REPO / "scripts" / "materialize_all.sh")], env, timeout=1500)
