@@ -290,3 +290,39 @@ def test_distilled_student_is_smaller_and_faster(built) -> None:
     state = torch.load(meta["checkpoint"], map_location="cpu", weights_only=True)
     assert state["kind"] == "distilled" and state["teacher_sha256"]
 
+
+def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(built) -> None:
+    """Last in this module: it adds materializations to the shared build. In this process (the
+    documented commands are the README's; two more CLI start-ups would only add minutes)."""
+    import dagster as dg
+
+    from speech_assets.definitions import build_definitions
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.targets.labels import read_labels
+    from speech_assets.testing.local_runs import materialize_in_process
+
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(built["out"]), mlflow_tracking_uri=f"sqlite:///{built['out'] / 'mlflow.db'}")
+    defs = build_definitions(paths, PipelineSettings.load())
+    instance = _instance(built["home"])
+    clients = list(instance.get_dynamic_partitions("clients"))  # a range runs in registration order
+    materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
+    materialize_in_process(
+        defs, instance, "pretrained_checkpoint_iter2",
+        run_config={"ops": {"pretrained_checkpoint_iter2": {"config": {"max_steps": 40, "checkpoint_every": 20}}}},
+    )  # fmt: skip
+    out = built["out"]
+    teacher = json.loads(next((out / "training").glob("*/result.json")).read_text())
+    for client_dir in sorted((out / "kmeans_iter2").glob("client_*")):
+        quality = json.loads((client_dir / "quality.json").read_text())
+        # lineage: which encoder and layer made the targets; K=500 shrank for these small clients
+        assert quality["checkpoint_sha256"] == teacher["checkpoint_sha256"] and quality["layer"] == 2
+        assert 1 < quality["k"] <= 500 and quality["perplexity"] > 1
+        labels = read_labels(client_dir / "labels.parquet")
+        for speaker in quality["speakers"]:
+            shard = pq.read_table(out / "features" / "shards" / f"{speaker}.parquet", columns=["utt_id", "num_frames"]).to_pylist()
+            for row in shard:  # one label per 50 Hz encoder frame
+                assert len(labels[row["utt_id"]]) == (row["num_frames"] + 1) // 2
+    (result,) = [json.loads(p.read_text()) for p in (out / "training_iter2").glob("*/result.json")]
+    assert result["step"] == 40
+    event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint_iter2"), limit=1).records[0].asset_materialization
+    assert event.metadata["input_versions"].value["kmeans_targets_iter2"].startswith("4 partitions")
