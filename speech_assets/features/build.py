@@ -97,10 +97,9 @@ def process_utterance(
     chapter_id: str,
     vad_cfg: VadConfig,
     extractor: FeatureExtractor,
-    speed_factors: Sequence[float] = (),
 ) -> FeatureRecord | VadReject:
-    """Decode, VAD-trim and featurise one utterance (the original; see :func:`process_variants`)."""
-    return process_variants(path, utt_id, speaker_id, chapter_id, vad_cfg, extractor, speed_factors)[0]
+    """Decode, VAD-trim and featurise one utterance (no speed-perturbed copies: :func:`process_variants`)."""
+    return process_variants(path, utt_id, speaker_id, chapter_id, vad_cfg, extractor)[0]
 
 
 def process_variants(
