@@ -98,10 +98,20 @@ def _reaping_executor_class():
     return ReapingMultiprocessExecutor
 
 
+# Steps fork from a server that has already imported these, instead of each spawned step
+# importing dagster, the code location and torch again: on a 2-core machine that is most of a
+# short step's time (measured in docs/BENCHMARKS.md). Nothing here starts a thread on import, so
+# forking after it is safe; a run config `start_method` still wins.
+FORKSERVER_PRELOAD = ["speech_assets.definitions", "torch", "pyarrow.parquet", "numpy"]
+
+
 def _build_executor(init_context: dg.InitExecutorContext):
     from dagster._core.definitions.executor_definition import _core_multiprocess_executor_creation
 
-    executor = _core_multiprocess_executor_creation(init_context.executor_config)
+    config = dict(init_context.executor_config)
+    if not config.get("start_method"):
+        config["start_method"] = {"forkserver": {"preload_modules": FORKSERVER_PRELOAD}}
+    executor = _core_multiprocess_executor_creation(config)
     executor.__class__ = _reaping_executor_class()  # same state, one extra step before executing
     return executor
 
@@ -114,7 +124,10 @@ def _make_executor_def() -> dg.ExecutorDefinition:
         config_schema=MULTI_PROC_CONFIG,
         requirements=multiple_process_executor_requirements(),
         executor_creation_fn=_build_executor,
-        description="Dagster's multiprocess executor; first frees concurrency slots of runs whose processes are gone.",
+        description=(
+            "Dagster's multiprocess executor (steps fork from a preloaded forkserver unless start_method says "
+            "otherwise); first frees concurrency slots of runs whose processes are gone."
+        ),
     )
 
 
