@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# plain pip, not uv: torch 2.14.1 comes from the local wheel store on this kind of machine
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# --no-compile: Python compiles what is imported on first use; pip would compile all ~20k files
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 # Materializes the whole asset graph with the documented `dagster asset materialize` commands.
