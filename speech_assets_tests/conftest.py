@@ -1,7 +1,11 @@
-"""Shared fixtures: tiny corpora generated in tmp_path, and the committed sample corpus."""
+"""Shared fixtures: tiny corpora generated in tmp_path, the committed sample corpus, and the
+demo build (`scripts/materialize_all.sh` on the sample, once per session)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,3 +26,36 @@ def sample_corpus() -> Path:
     if not SAMPLE_CORPUS.is_dir():
         pytest.fail(f"the committed sample corpus is missing at {SAMPLE_CORPUS}")
     return SAMPLE_CORPUS
+
+
+# The demo's trainers at test budgets: 300 tiny centralised steps; 2 federated rounds of 2 local
+# steps (the federated tests resume and fault-inject runs with exactly this run config).
+DEMO_TRAIN_STEPS = 300
+DEMO_FEDERATED = {"rounds": 2, "local_steps": 2, "batch_seconds": 8.0}
+
+
+@pytest.fixture(scope="session")
+def demo_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`scripts/materialize_all.sh` (exactly what `make demo` runs and the README documents) on the
+    sample corpus with a fresh DAGSTER_HOME and data dir. The end-to-end and federated tests
+    inspect what it left; building the graph once is most of the suite's time on a small machine."""
+    from speech_assets.testing.commands import run_group
+
+    root = tmp_path_factory.mktemp("e2e")
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", "SPEECH_ASSETS_FEDERATED"))},
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "DAGSTER_HOME": str(root / "dagster_home"),
+        "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
+        "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
+        "TRAIN_CONFIG_JSON": json.dumps(
+            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": DEMO_TRAIN_STEPS, "checkpoint_every": 100, "heldout_fraction": 0.1}}}}
+        ),
+        "FEDERATED_CONFIG_JSON": json.dumps({"ops": {"federated_checkpoint": {"config": DEMO_FEDERATED}}}),
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = run_group([str(REPO / "scripts" / "materialize_all.sh")], env, REPO, timeout=3600)
+    (root / "build.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"materialize_all.sh failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return {"root": root, "home": root / "dagster_home", "out": root / "out", "env": env, "stdout": proc.stdout}

@@ -1,6 +1,6 @@
 """End to end on the committed sample: the documented commands, every output, lineage, SQL, the UI.
 
-One session-scoped build runs `scripts/materialize_all.sh` (the exact `dagster asset materialize`
+One session-scoped build (`demo_build`, shared with the federated tests) runs `scripts/materialize_all.sh` (the exact `dagster asset materialize`
 commands the README documents, which `make demo` runs) on a fresh DAGSTER_HOME and data dir;
 the tests below inspect what it left behind through files, the Dagster instance, DuckDB, the
 CLI and the real dagster-webserver's GraphQL endpoint.
@@ -22,38 +22,22 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.testing.commands import run_group
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import DEMO_TRAIN_STEPS, REPO, SAMPLE_CORPUS
 
 BIN = Path(sys.executable).parent
 # the first test also builds the whole graph (the fixture): a longer limit than the suite's
-pytestmark = pytest.mark.timeout(2700)
+pytestmark = pytest.mark.timeout(3600)
 ASSETS = [
     "manifest", "speaker_manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets",
     "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "encoder_export", "downstream_probe",
     "dataset_stats",
 ]  # fmt: skip
-TRAIN_STEPS = 300
+TRAIN_STEPS = DEMO_TRAIN_STEPS
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("e2e")
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "DAGSTER_HOME": str(root / "dagster_home"),
-        "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
-        "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
-        "TRAIN_CONFIG_JSON": json.dumps(
-            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": TRAIN_STEPS, "checkpoint_every": 100, "heldout_fraction": 0.1}}}}
-        ),
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = run_group([str(REPO / "scripts" / "materialize_all.sh")], env, REPO, timeout=3000)
-    (root / "build.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"materialize_all.sh failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return {"root": root, "home": root / "dagster_home", "out": root / "out", "env": env, "stdout": proc.stdout}  # type: ignore[dict-item]
+@pytest.fixture
+def built(demo_build: dict) -> dict:
+    return demo_build
 
 
 def _instance(home: Path):

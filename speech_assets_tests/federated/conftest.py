@@ -1,11 +1,10 @@
-"""The federated tests' inputs: the committed sample corpus (8 speakers x 8 utterances) built
-through the real pipeline (manifest -> shards -> CMVN -> 4 clients -> per-client k-means) on a
-real Dagster instance in a temp DAGSTER_HOME, once per session."""
+"""The federated tests' inputs: the demo build of the committed sample corpus (8 speakers x 8
+utterances: manifest -> shards -> CMVN -> 4 clients -> per-client k-means -> federated_checkpoint)
+on a real Dagster instance in a temp DAGSTER_HOME, once per session (speech_assets_tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -46,37 +45,22 @@ class SamplePipeline:
 
 
 @pytest.fixture(scope="session")
-def sample_pipeline(tmp_path_factory: pytest.TempPathFactory) -> SamplePipeline:
+def sample_pipeline(demo_build: dict) -> SamplePipeline:
+    """The demo build's outputs (the shared session fixture): its federated_checkpoint ran with
+    DEMO_FEDERATED through `dagster asset materialize`, SuperLink, 4 SuperNodes and `flwr run`."""
     import dagster as dg
 
-    from speech_assets.definitions import build_definitions
-    from speech_assets.defs.resources import StoragePaths
-    from speech_assets.testing.local_runs import materialize_in_process
-
-    root = tmp_path_factory.mktemp("federated")
-    home, out = root / "dagster_home", root / "out"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     previous = os.environ.get("DAGSTER_HOME")
-    os.environ["DAGSTER_HOME"] = str(home)
+    os.environ["DAGSTER_HOME"] = str(demo_build["home"])
     try:
-        paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-        defs = build_definitions(paths)
         with dg.DagsterInstance.get() as instance:
-            materialize_in_process(defs, instance, "manifest")
-            speakers = list(instance.get_dynamic_partitions("speakers"))
-            materialize_in_process(defs, instance, "speaker_manifest", speakers)
-            materialize_in_process(defs, instance, "vad_features", speakers)
-            materialize_in_process(defs, instance, "cmvn_stats")
-            materialize_in_process(defs, instance, "client_partitions")
             clients = list(instance.get_dynamic_partitions("clients"))
-            materialize_in_process(defs, instance, "kmeans_targets", clients)
     finally:
         if previous is None:
             os.environ.pop("DAGSTER_HOME", None)
         else:
             os.environ["DAGSTER_HOME"] = previous
-    return SamplePipeline(root=root, home=home, out=out, clients=sorted(clients))
+    return SamplePipeline(root=demo_build["root"], home=demo_build["home"], out=demo_build["out"], clients=sorted(clients))
 
 
 def wait_until_gone(root: Path, timeout: float = 60.0) -> list[tuple[int, str]]:
