@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export DAGSTER_HOME ?= $(CURDIR)/data/dagster_home
 export SPEECH_ASSETS_DATA_DIR ?= $(CURDIR)/data/out
 
-.PHONY: install demo test ui mlflow bench clean
+.PHONY: install demo test test-all ui mlflow bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,14 @@ $(STAMP): pyproject.toml
 demo: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/materialize_all.sh
 
+# What CI runs: every test not marked `slow` (real Dagster instances, torchrun, Flower, Postgres and
+# MLflow, on small data, with few interpreter start-ups).
 test: install
+	$(BIN)/python -m pytest -m "not slow"
+
+# Everything, the `slow` tests too: the documented demo commands end to end through the CLI, the
+# webserver and daemon, kill -9 of CLI runs, multi-node torchrun, the browser test (Debian chromium).
+test-all: install
 	scripts/ensure_test_tools.sh
 	$(BIN)/python -m pytest
 

@@ -2,8 +2,11 @@
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -215,10 +218,14 @@ def _fixed_node_count(options: TrainingSettings) -> int:
 @contextlib.contextmanager
 def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchrun, env: dict) -> Iterator[None]:
     """Start nodes 1..nnodes-1 with the configured command for the length of node 0's run; stop
-    whatever is left of them afterwards (their torchrun dies with the shell that started it)."""
+    whatever is left of them afterwards (their torchrun dies with the shell that started it).
+
+    A node that ends while node 0 still runs (killed, failed to start, lost its host) would leave
+    node 0 waiting at the rendezvous or in a collective until a timeout: node 0 is stopped then,
+    so the run fails at once and says which node ended."""
     from speech_assets.train import launch
 
-    processes, finished = [], False
+    processes, finished = [], threading.Event()
     try:
         for rank, command in enumerate(
             launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts), start=1
@@ -226,16 +233,50 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
             log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {command[-1]}")
             processes.append((subprocess.Popen(command, env=env, cwd=settings_module.repo_root(), stdout=log, stderr=subprocess.STDOUT), log))
+        if processes:
+            threading.Thread(target=_stop_node_0_when_a_node_ends, args=(context, run_dir, processes, finished), daemon=True).start()
         yield
-        finished = True
     finally:
+        clean = not sys.exc_info()[0]
+        finished.set()
         for process, log in processes:
             try:
-                process.wait(timeout=120 if finished else 0.1)  # node 0 failed: no reason to wait
+                process.wait(timeout=120 if clean else 0.1)  # node 0 failed: no reason to wait
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
             log.close()
+
+
+def _stop_node_0_when_a_node_ends(context, run_dir: Path, processes: list, finished: threading.Event) -> None:
+    while not finished.wait(0.5):
+        for rank, (process, _) in enumerate(processes, start=1):
+            if process.poll() is None:
+                continue
+            if finished.is_set():
+                return
+            context.log.error(f"node {rank} ended (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)")
+            for pid in _node_0_agents(run_dir / "config.json"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # torchrun's agent stops its workers and exits non-zero
+            return
+
+
+def _node_0_agents(config_path: Path) -> list[int]:
+    """The torchrun agents of this run's node 0 on this host (their command names the config file)."""
+    agents = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [word.decode(errors="replace") for word in argv]
+        if "torch.distributed.run" in words and str(config_path) in words and "--node-rank" in words:
+            if words[words.index("--node-rank") + 1] == "0":
+                agents.append(int(entry.name))
+    return agents
 
 
 def _bounded_versions(versions: dict[str, str]) -> dict[str, str]:

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
@@ -48,6 +49,7 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: Path, monkeypatch) -> None:
     home = tmp_path / "dagster_home"
     home.mkdir()

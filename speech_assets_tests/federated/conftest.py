@@ -1,6 +1,7 @@
-"""The federated tests' inputs: the demo build of the committed sample corpus (8 speakers x 8
-utterances: manifest -> shards -> CMVN -> 4 clients -> per-client k-means -> federated_checkpoint)
-on a real Dagster instance in a temp DAGSTER_HOME, once per session (speech_assets_tests/conftest.py)."""
+"""The federated tests' inputs, built once per session (speech_assets_tests/conftest.py) from the
+committed sample corpus (8 speakers x 8 utterances) on a real Dagster instance in a temp
+DAGSTER_HOME: manifest -> shards -> CMVN -> 4 clients -> per-client k-means, each a Dagster run executed in
+this process (`sample_build`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,6 @@ from pathlib import Path
 import pytest
 
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: end-to-end training (tens of seconds); still part of `make test`")
 
 
 @dataclass(frozen=True)
@@ -45,22 +42,9 @@ class SamplePipeline:
 
 
 @pytest.fixture(scope="session")
-def sample_pipeline(demo_build: dict) -> SamplePipeline:
-    """The demo build's outputs (the shared session fixture): its federated_checkpoint ran with
-    DEMO_FEDERATED through `dagster asset materialize`, SuperLink, 4 SuperNodes and `flwr run`."""
-    import dagster as dg
-
-    previous = os.environ.get("DAGSTER_HOME")
-    os.environ["DAGSTER_HOME"] = str(demo_build["home"])
-    try:
-        with dg.DagsterInstance.get() as instance:
-            clients = list(instance.get_dynamic_partitions("clients"))
-    finally:
-        if previous is None:
-            os.environ.pop("DAGSTER_HOME", None)
-        else:
-            os.environ["DAGSTER_HOME"] = previous
-    return SamplePipeline(root=demo_build["root"], home=demo_build["home"], out=demo_build["out"], clients=sorted(clients))
+def sample_pipeline(sample_build: dict) -> SamplePipeline:
+    """The sample's data stages up to kmeans_targets, built in process (4 clients)."""
+    return SamplePipeline(root=sample_build["root"], home=sample_build["home"], out=sample_build["out"], clients=sample_build["clients"])
 
 
 def wait_until_gone(root: Path, timeout: float = 60.0) -> list[tuple[int, str]]:

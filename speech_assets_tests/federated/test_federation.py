@@ -1,14 +1,15 @@
 """Federated pretraining with real Flower processes on loopback (a SuperLink, one SuperNode per
 client, `flwr run`), a real Dagster instance, a real MLflow store and the sample corpus.
 
-- `dagster asset materialize` of federated_checkpoint in the demo build (2 rounds, 4 SuperNodes; the
-  shared session fixture, so the federation runs once for the end-to-end and these tests); its outputs
-  are checked (rounds.parquet, weights_only checkpoint, data version, MLflow, no process left),
-  and so is the privacy boundary: nothing but the encoder reaches or is stored by the server.
-- a run killed (SIGKILL) after round 1 and restarted ends with exactly the weights of the
+- a Dagster run of federated_checkpoint (executed in this process against the sample build's
+  instance; 2 rounds, 4 SuperNodes); its outputs are checked (rounds.parquet, weights_only
+  checkpoint, data version, MLflow, no process left), and so is the privacy boundary: nothing but
+  the encoder reaches or is stored by the server. The demo build runs the same asset through
+  `dagster asset materialize` (defs/test_end_to_end.py).
+- slow: a run killed (SIGKILL) after round 1 and restarted ends with exactly the weights of the
   uninterrupted Dagster run.
-- a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients stops
-  the run with a clear message after saving the completed rounds.
+- slow: a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients
+  stops the run with a clear message after saving the completed rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.train.checkpoint import weights_sha256
-from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
+from speech_assets_tests.conftest import DEMO_FEDERATED, REPO, SAMPLE_CORPUS
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
 BIN = Path(sys.executable).parent
@@ -37,14 +38,21 @@ ROUNDS = FAST["rounds"]
 ALLOWED_TRAIN_METRICS = {"num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps"}
 ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy"}
 
-# the first test here may build the demo (the shared fixture): a longer limit than the suite's
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="module")
 def dagster_run(sample_pipeline: SamplePipeline) -> dict:
-    """The demo build's `dagster asset materialize` of federated_checkpoint (2 rounds, 4 SuperNodes),
-    as a user runs it (scripts/materialize_all.sh)."""
+    """One Dagster run of federated_checkpoint (2 rounds, 4 SuperNodes) on the sample build's instance."""
+    import dagster as dg
+
+    from speech_assets.definitions import build_definitions
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.testing.local_runs import materialize_in_process
+
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri)
+    defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
+    with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
+        materialize_in_process(defs, instance, "federated_checkpoint", run_config={"ops": {"federated_checkpoint": {"config": FAST}}})
     results = list((sample_pipeline.out / "federated").glob("*/result.json"))
     assert len(results) == 1
     return {"run_dir": results[0].parent, "result": json.loads(results[0].read_text())}
@@ -151,6 +159,7 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
         assert not torch.isin(weight.flatten()[:64], stored).all()
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_weights(dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path) -> None:
     """1 round, SIGKILL of the launcher, restart, 1 more round == 2 uninterrupted rounds, bit for bit."""
     run_dir = tmp_path / "resumed"
@@ -174,6 +183,7 @@ def test_a_killed_run_resumes_to_the_same_weights(dagster_run: dict, sample_pipe
     assert wait_until_gone(run_dir) == []
 
 
+@pytest.mark.slow
 def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path
 ) -> None:

@@ -100,6 +100,7 @@ def materialize_training(env: dict, started: list) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_training_run_leaves_no_process_and_no_stuck_pool(built) -> None:
     paths, env, started, instance = built
     first = materialize_training(env, started)

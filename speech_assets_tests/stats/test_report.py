@@ -77,6 +77,7 @@ def test_report_is_self_contained_and_shows_its_sql(page: Path) -> None:
     assert "FROM rejects_by_reason" in text and "unreadable" in text and "client_01" in text
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None:
     if CHROMIUM is None:
         pytest.skip("LOUD SKIP: Debian's chromium is not installed (make test installs it with apt-get when run as root)")

@@ -23,6 +23,9 @@ from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 from speech_assets_tests.runtime.test_lifetime import processes_mentioning
 
 
+pytestmark = pytest.mark.slow  # four torchrun jobs, two of them with two agents
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -74,20 +77,21 @@ def test_killing_a_node_ends_in_a_clean_failure(inputs) -> None:
     paths, instance = inputs
     endpoint = f"127.0.0.1:{free_port()}"
     killed: list[int] = []
+    earlier_runs = set(paths.training_dir.iterdir()) if paths.training_dir.is_dir() else set()
 
     def kill_node_one() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
             for pid in processes_mentioning("--node-rank 1"):
                 if "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    if list(paths.training_dir.glob("*/checkpoints/step_*.pt")):  # training is under way
+                    this_run = [p for p in paths.training_dir.glob("*/checkpoints/step_*.pt") if p.parents[1] not in earlier_runs]
+                    if this_run:  # training is under way (checkpoints of the earlier tests' runs do not count)
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
             time.sleep(0.5)
 
     killer = threading.Thread(target=kill_node_one)
     killer.start()
-    started = time.monotonic()
     with pytest.raises(Exception):
         train(paths, instance, nnodes="2", nproc=1, rdzv_endpoint=endpoint, node_command="{command}", max_steps=100000,
               checkpoint_every=2, seed=7)
