@@ -44,12 +44,15 @@ def vad_config(features: FeatureSettings) -> VadConfig:
     )
 
 
-AUDIO_SECONDS_PER_EXTRA_WORKER = 3600.0
+# A worker is a fresh interpreter importing torch (~5 s on 2 cores, ~7 s for two at once) and
+# one process featurises ~1,200x real time, so a second worker pays for itself from about 2 x 1,200
+# x 7 s = 4.7 h of audio. Fresh data (a few speakers) therefore runs in the step's own process.
+AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
 
 
 def worker_count(audio_seconds: float) -> int:
     """Processes for a shard job: starting a worker (a fresh interpreter importing torch) costs
-    seconds, worth it only with about an hour of audio per extra worker; smaller jobs run here."""
+    seconds, worth it only with about four hours of audio per extra worker; smaller jobs run here."""
     return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 

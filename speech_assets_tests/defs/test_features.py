@@ -115,3 +115,17 @@ def test_overlapping_runs_never_corrupt_each_others_shards(world) -> None:
     for run, output in zip(runs, outputs, strict=True):
         assert run.returncode == 0, output[-4000:]
     assert_every_shard_matches_its_meta(paths, speakers)
+
+
+@pytest.mark.parametrize(
+    ("hours", "cores", "workers"),
+    [(0.0, 2, 1), (1.3, 2, 1), (3.9, 2, 1), (4.0, 2, 2), (25.0, 2, 2), (25.0, 16, 7), (100.0, 16, 16), (100.0, 1, 1)],
+)
+def test_small_jobs_run_in_the_step_process_and_large_ones_use_every_core(
+    hours: float, cores: int, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fresh data (a few speakers: a 5 % update of a 25 h corpus is 1.3 h) pays no worker start-up."""
+    from speech_assets.defs.features import worker_count
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert worker_count(hours * 3600) == workers
