@@ -1,0 +1,130 @@
+"""The model assets in real Dagster runs on the sample build (executed in this process against its
+instance; the demo build runs the same assets through `dagster asset materialize`, a slow test):
+
+- pretrained_checkpoint (iteration 1, torchrun, 40 steps), then HuBERT iteration 2:
+  kmeans_targets_iter2 (each client clusters its own frames in a layer of that encoder) and
+  pretrained_checkpoint_iter2; lineage, K, 50 Hz alignment and input versions.
+- distilled_checkpoint, encoder_export (ONNX parity check, the README's example), downstream_probe
+  (fbank and random baselines, results in DuckDB through dataset_stats).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import dagster as dg
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from speech_assets.definitions import build_definitions
+from speech_assets.defs.resources import PipelineSettings, StoragePaths
+from speech_assets.targets.labels import read_labels
+from speech_assets.testing.local_runs import materialize_in_process
+from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+SHORT = {"preset": "tiny", "max_steps": 40, "checkpoint_every": 20, "heldout_fraction": 0.1}
+
+
+@pytest.fixture(scope="module")
+def trained(sample_build: dict):
+    """The sample build with a 40-step iteration-1 checkpoint; yields (out, defs, instance)."""
+    out = sample_build["out"]
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
+    with dg.DagsterInstance.from_config(str(sample_build["home"])) as instance:
+        materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": SHORT}}})
+        yield out, defs, instance
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained):
+    out, defs, instance = trained
+    materialize_in_process(defs, instance, "distilled_checkpoint", run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}})
+    materialize_in_process(defs, instance, "encoder_export")
+    materialize_in_process(defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": {"steps": 60}}}})
+    materialize_in_process(defs, instance, "dataset_stats")
+    return trained
+
+
+def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained) -> None:
+    out, defs, instance = trained
+    clients = list(instance.get_dynamic_partitions("clients"))  # a range runs in registration order
+    materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
+    materialize_in_process(
+        defs, instance, "pretrained_checkpoint_iter2",
+        run_config={"ops": {"pretrained_checkpoint_iter2": {"config": {"max_steps": 40, "checkpoint_every": 20}}}},
+    )  # fmt: skip
+    event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint_iter2"), limit=1).records[0].asset_materialization
+    (teacher,) = [json.loads(p.read_text()) for p in (out / "training").glob("*/result.json")]
+    for client_dir in sorted((out / "kmeans_iter2").glob("client_*")):
+        quality = json.loads((client_dir / "quality.json").read_text())
+        # lineage: which encoder and layer made the targets; K=500 shrank for these small clients
+        assert quality["checkpoint_sha256"] == teacher["checkpoint_sha256"] and quality["layer"] == 2
+        assert 1 < quality["k"] <= 500 and quality["perplexity"] > 1
+        labels = read_labels(client_dir / "labels.parquet")
+        for speaker in quality["speakers"]:
+            shard = pq.read_table(out / "features" / "shards" / f"{speaker}.parquet", columns=["utt_id", "num_frames"]).to_pylist()
+            for row in shard:  # one label per 50 Hz encoder frame
+                assert len(labels[row["utt_id"]]) == (row["num_frames"] + 1) // 2
+    (result,) = [json.loads(p.read_text()) for p in (out / "training_iter2").glob("*/result.json")]
+    assert result["step"] == 40
+    assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
+    assert event.metadata["input_versions"].value["kmeans_targets_iter2"].startswith("4 partitions")
+
+
+def test_probe_compares_encoders_with_baselines(evaluated) -> None:
+    out = evaluated[0]
+    table = pq.read_table(out / "probe" / "results.parquet")
+    assert table.column_names == ["model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps"]
+    rows = table.to_pylist()
+    heldout = {r["model"]: r for r in rows if r["split"] == "heldout"}
+    # every checkpoint asset that exists: iteration 2 when its test ran first, federated when built
+    assert {"fbank", "random", "pretrained", "distilled"} <= set(heldout) <= {"fbank", "random", "pretrained", "distilled", "iteration2", "federated"}
+    for model, row in heldout.items():
+        assert 0 <= row["cer"] <= 2 and row["utterances"] > 0, model
+        assert abs(sum(row["layer_weights"]) - 1) < 1e-3, model
+    pretrained = json.loads(next((out / "training").glob("*/result.json")).read_text())
+    assert heldout["pretrained"]["checkpoint_sha256"] == pretrained["checkpoint_sha256"]
+    assert len(heldout["fbank"]["layer_weights"]) == 1 and len(heldout["pretrained"]["layer_weights"]) == 5
+    con = duckdb.connect(str(out / "stats.duckdb"), read_only=True)
+    try:
+        in_db = con.execute("SELECT model, cer FROM probe_results WHERE split = 'heldout' ORDER BY model").fetchall()
+    finally:
+        con.close()
+    assert in_db == sorted((m, r["cer"]) for m, r in heldout.items())
+
+
+def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
+    out, _, instance = evaluated
+    (folder,) = (out / "export").iterdir()
+    spec = json.loads((folder / "encoder.json").read_text())
+    assert spec["parity"]["max_abs_diff"] <= 1e-4 and spec["output"]["frame_rate_hz"] == 50
+    check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
+    )[dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
+    assert check.status.value == "SUCCEEDED" and check.event.dagster_event.event_specific_data.passed
+    # the README's example, as written, on a FLAC file of the corpus
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"<!-- onnx-example -->\n```python\n(.*?)```", readme, re.S).group(1)
+    assert len(example.splitlines()) <= 20
+    script = tmp_path / "embed.py"
+    script.write_text(example)
+    flac = next(SAMPLE_CORPUS.rglob("*.flac"))
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(flac)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f", {spec['preset']['dim']})" in proc.stdout
+
+
+def test_distilled_student_is_smaller_and_faster(evaluated) -> None:
+    _, _, instance = evaluated
+    event = instance.fetch_materializations(dg.AssetKey("distilled_checkpoint"), limit=1).records[0].asset_materialization
+    meta = {k: v.value for k, v in event.metadata.items()}
+    assert meta["student_parameters"] < meta["teacher_parameters"]
+    assert meta["student_audio_s_per_s"] > 0 and meta["teacher_audio_s_per_s"] > 0
+    state = torch.load(meta["checkpoint"], map_location="cpu", weights_only=True)
+    assert state["kind"] == "distilled" and state["teacher_sha256"]
