@@ -220,7 +220,7 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
     """Start nodes 1..nnodes-1 with the configured command for the length of node 0's run; stop
     whatever is left of them afterwards (their torchrun dies with the shell that started it).
 
-    A node that ends while node 0 still runs (killed, failed to start, lost its host) would leave
+    A node that fails while node 0 still runs (killed, failed to start, lost its host) would leave
     node 0 waiting at the rendezvous or in a collective until a timeout: node 0 is stopped then,
     so the run fails at once and says which node ended."""
     from speech_assets.train import launch
@@ -234,7 +234,7 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
             context.log.info(f"starting node {rank}: {command[-1]}")
             processes.append((subprocess.Popen(command, env=env, cwd=settings_module.repo_root(), stdout=log, stderr=subprocess.STDOUT), log))
         if processes:
-            threading.Thread(target=_stop_node_0_when_a_node_ends, args=(context, run_dir, processes, finished), daemon=True).start()
+            threading.Thread(target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True).start()
         yield
     finally:
         clean = not sys.exc_info()[0]
@@ -248,14 +248,14 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
             log.close()
 
 
-def _stop_node_0_when_a_node_ends(context, run_dir: Path, processes: list, finished: threading.Event) -> None:
+def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, finished: threading.Event) -> None:
     while not finished.wait(0.5):
         for rank, (process, _) in enumerate(processes, start=1):
-            if process.poll() is None:
-                continue
+            if process.poll() is None or process.returncode == 0:
+                continue  # a node that finished its part may exit while node 0 still writes the outputs
             if finished.is_set():
                 return
-            context.log.error(f"node {rank} ended (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)")
+            context.log.error(f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)")
             for pid in _node_0_agents(run_dir / "config.json"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # torchrun's agent stops its workers and exits non-zero
