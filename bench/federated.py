@@ -40,7 +40,7 @@ def build_inputs(root: Path) -> Path:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import StoragePaths
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets.testing.local_runs import materialize_data_stages
 
     home, out = root / "dagster_home", root / "out"
     home.mkdir(parents=True)
@@ -49,13 +49,7 @@ def build_inputs(root: Path) -> Path:
     paths = StoragePaths(corpus=str(REPO / "data" / "sample"), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db")
     defs = build_definitions(paths)
     with dg.DagsterInstance.get() as instance:
-        materialize_in_process(defs, instance, "manifest")
-        speakers = list(instance.get_dynamic_partitions("speakers"))
-        materialize_in_process(defs, instance, "speaker_manifest", speakers)
-        materialize_in_process(defs, instance, "vad_features", speakers)
-        materialize_in_process(defs, instance, "cmvn_stats")
-        materialize_in_process(defs, instance, "client_partitions")
-        materialize_in_process(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
+        materialize_data_stages(defs, instance)
     return out
 
 

@@ -40,6 +40,7 @@ from speech_assets.features.cmvn import Cmvn  # noqa: E402
 from speech_assets.features.shards import MFCC_DIM, N_MELS, ROW_GROUP_ROWS, blob_to_matrix  # noqa: E402
 from speech_assets.targets.kmeans import fit_kmeans  # noqa: E402
 from speech_assets.train.config import TrainConfig  # noqa: E402
+from built_data import newest_training_config  # noqa: E402  (bench/)
 
 DIMS = {"logmel": N_MELS, "mfcc": MFCC_DIM}
 
@@ -100,10 +101,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=100)
     args = parser.parse_args()
 
-    configs = sorted(args.data.glob("training/*/config.json"), key=lambda p: p.stat().st_mtime)
-    if not configs:
-        raise SystemExit(f"no training run in {args.data}: materialize pretrained_checkpoint first")
-    config = TrainConfig.from_json(configs[-1])
+    config = newest_training_config(args.data)
     shards = sorted(Path(s) for s in config.shards)[: args.speakers]
     cmvn = Cmvn.load(config.cmvn)
     print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; {len(shards)} shards of {args.data}")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from manifest import build_corpus  # noqa: E402  (the manifest benchmark's corpus builder)
 
 from speech_assets.defs.automation import corpus_sensor  # noqa: E402
-from speech_assets.testing.local_runs import follow_automation, materialize_in_process, run_requested  # noqa: E402
+from speech_assets.testing.local_runs import follow_automation, materialize_data_stages, materialize_in_process, run_requested  # noqa: E402
 from speech_assets.defs.resources import StoragePaths  # noqa: E402
 from speech_assets.definitions import build_definitions  # noqa: E402
 
@@ -37,13 +37,7 @@ DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stat
 
 
 def full_build(defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
-    materialize_in_process(defs, instance, "manifest")
-    speakers = list(instance.get_dynamic_partitions("speakers"))
-    materialize_in_process(defs, instance, "speaker_manifest", speakers)
-    materialize_in_process(defs, instance, "vad_features", speakers)
-    materialize_in_process(defs, instance, "cmvn_stats")
-    materialize_in_process(defs, instance, "client_partitions")
-    materialize_in_process(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
+    materialize_data_stages(defs, instance)
     materialize_in_process(defs, instance, "dataset_stats")
 
 

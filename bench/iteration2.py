@@ -38,7 +38,7 @@ def main() -> int:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets.testing.local_runs import materialize_data_stages, materialize_in_process
 
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; corpus {args.corpus}")
     with tempfile.TemporaryDirectory(prefix="bench_iter2_") as folder:
@@ -52,14 +52,7 @@ def main() -> int:
         train = {"preset": "tiny", "max_steps": args.steps, "checkpoint_every": args.steps}
         with dg.DagsterInstance.from_config(str(home)) as instance:
             started = time.perf_counter()
-            materialize_in_process(defs, instance, "manifest")
-            speakers = list(instance.get_dynamic_partitions("speakers"))
-            for asset in ("speaker_manifest", "vad_features"):
-                materialize_in_process(defs, instance, asset, speakers)
-            materialize_in_process(defs, instance, "cmvn_stats")
-            materialize_in_process(defs, instance, "client_partitions")
-            clients = list(instance.get_dynamic_partitions("clients"))
-            materialize_in_process(defs, instance, "kmeans_targets", clients)
+            clients = materialize_data_stages(defs, instance)
             materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": train}}})
             materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
             iter2 = {k: v for k, v in train.items() if k != "preset"}

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from speech_assets.train.checkpoint import load_checkpoint  # noqa: E402
 from speech_assets.train.config import TrainConfig  # noqa: E402
+from built_data import newest_training_config  # noqa: E402  (bench/)
 from speech_assets.train.launch import build_torchrun_command, torchrun_env  # noqa: E402
 
 
@@ -54,10 +55,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
 
-    configs = sorted(args.data.glob("training/*/config.json"), key=lambda p: p.stat().st_mtime)
-    if not configs:
-        raise SystemExit(f"no training run in {args.data}: materialize pretrained_checkpoint first")
-    base = TrainConfig.from_json(configs[-1])
+    base = newest_training_config(args.data)
     with tempfile.TemporaryDirectory(dir=args.data, prefix="learning_curve_") as folder:
         root = Path(folder)
         config = replace(

@@ -34,12 +34,13 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """manifest -> speaker_manifest -> vad_features -> cmvn_stats -> client_partitions ->
     kmeans_targets on the committed sample (the repository's pipeline.toml: 4 clients), one real
     Dagster run each, executed in this process against a real SQLite instance in a fresh
-    DAGSTER_HOME. What the federated and lifetime tests start from; no CLI start-up."""
+    DAGSTER_HOME. What the federated and model-run tests start from (``defs`` runs more assets on
+    it); no CLI start-up."""
     import dagster as dg
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets.testing.local_runs import materialize_data_stages
 
     root = tmp_path_factory.mktemp("sample_build")
     home = root / "dagster_home"
@@ -48,15 +49,8 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root / 'out' / 'mlflow.db'}")
     defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        materialize_in_process(defs, instance, "manifest")
-        speakers = list(instance.get_dynamic_partitions("speakers"))
-        materialize_in_process(defs, instance, "speaker_manifest", speakers)
-        materialize_in_process(defs, instance, "vad_features", speakers)
-        materialize_in_process(defs, instance, "cmvn_stats")
-        materialize_in_process(defs, instance, "client_partitions")
-        clients = list(instance.get_dynamic_partitions("clients"))
-        materialize_in_process(defs, instance, "kmeans_targets", clients)
-    return {"root": root, "home": home, "out": root / "out", "clients": sorted(clients)}
+        clients = materialize_data_stages(defs, instance)
+    return {"root": root, "home": home, "out": root / "out", "clients": sorted(clients), "defs": defs}
 
 
 # The demo's trainers at test budgets: 300 tiny centralised steps; 2 federated rounds of 2 local

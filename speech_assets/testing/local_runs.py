@@ -32,6 +32,21 @@ def materialize_in_process(
     return result
 
 
+def materialize_data_stages(defs: dg.Definitions, instance: dg.DagsterInstance) -> list[str]:
+    """manifest -> speaker_manifest -> vad_features -> cmvn_stats -> client_partitions ->
+    kmeans_targets, one run each (the partitioned ones over every registered partition, as the
+    demo's partition ranges do); returns the client partitions."""
+    materialize_in_process(defs, instance, "manifest")
+    speakers = list(instance.get_dynamic_partitions("speakers"))
+    materialize_in_process(defs, instance, "speaker_manifest", speakers)
+    materialize_in_process(defs, instance, "vad_features", speakers)
+    materialize_in_process(defs, instance, "cmvn_stats")
+    materialize_in_process(defs, instance, "client_partitions")
+    clients = list(instance.get_dynamic_partitions("clients"))
+    materialize_in_process(defs, instance, "kmeans_targets", clients)
+    return clients
+
+
 def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> str:
     """Execute a sensor's ``RunRequest`` (one asset, a partition or a partition-range tag)."""
     (asset,) = request.asset_selection or []

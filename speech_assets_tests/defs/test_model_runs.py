@@ -21,8 +21,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.definitions import build_definitions
-from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.targets.labels import read_labels
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
@@ -33,9 +31,7 @@ SHORT = {"preset": "tiny", "max_steps": 40, "checkpoint_every": 20, "heldout_fra
 @pytest.fixture(scope="module")
 def trained(sample_build: dict):
     """The sample build with a 40-step iteration-1 checkpoint; yields (out, defs, instance)."""
-    out = sample_build["out"]
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
+    out, defs = sample_build["out"], sample_build["defs"]
     with dg.DagsterInstance.from_config(str(sample_build["home"])) as instance:
         materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": SHORT}}})
         yield out, defs, instance

@@ -29,7 +29,7 @@ import torch
 
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.train.checkpoint import weights_sha256
-from speech_assets_tests.conftest import DEMO_FEDERATED, REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
 BIN = Path(sys.executable).parent
@@ -41,18 +41,15 @@ ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-m
 
 
 @pytest.fixture(scope="module")
-def dagster_run(sample_pipeline: SamplePipeline) -> dict:
+def dagster_run(sample_build: dict, sample_pipeline: SamplePipeline) -> dict:
     """One Dagster run of federated_checkpoint (2 rounds, 4 SuperNodes) on the sample build's instance."""
     import dagster as dg
 
-    from speech_assets.definitions import build_definitions
-    from speech_assets.defs.resources import PipelineSettings, StoragePaths
     from speech_assets.testing.local_runs import materialize_in_process
 
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri)
-    defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
-        materialize_in_process(defs, instance, "federated_checkpoint", run_config={"ops": {"federated_checkpoint": {"config": FAST}}})
+        run_config = {"ops": {"federated_checkpoint": {"config": FAST}}}
+        materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
     results = list((sample_pipeline.out / "federated").glob("*/result.json"))
     assert len(results) == 1
     return {"run_dir": results[0].parent, "result": json.loads(results[0].read_text())}
