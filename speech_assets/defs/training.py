@@ -21,6 +21,7 @@ from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
+from speech_assets.runtime.processes import command_lines
 from speech_assets.runtime.reaper import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
 
@@ -265,17 +266,10 @@ def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, fini
 def _node_0_agents(config_path: Path) -> list[int]:
     """The torchrun agents of this run's node 0 on this host (their command names the config file)."""
     agents = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        words = [word.decode(errors="replace") for word in argv]
+    for pid, words in command_lines():
         if "torch.distributed.run" in words and str(config_path) in words and "--node-rank" in words:
             if words[words.index("--node-rank") + 1] == "0":
-                agents.append(int(entry.name))
+                agents.append(pid)
     return agents
 
 

@@ -1,5 +1,8 @@
 """``python -m speech_assets.runtime.orphan_guard -- COMMAND...``: run COMMAND so that it is
-killed when the process that started this one dies (``PR_SET_PDEATHSIG`` survives ``execve``)."""
+killed when the process that started this one dies (``PR_SET_PDEATHSIG`` survives ``execve``).
+
+Linux only has that signal: elsewhere (macOS) COMMAND runs as is, and the training workers'
+launcher watchdog (:mod:`speech_assets.runtime.processes`) is what ends them with their launcher."""
 
 from __future__ import annotations
 

@@ -1,15 +1,23 @@
 """Who is alive: process identities that survive pid reuse, parent-death signals, a watchdog.
 
+Where it runs: Linux and macOS. Identity, liveness and process listing go through psutil (Linux's
+``/proc``, macOS's ``sysctl``); the parent-death signal exists only on Linux.
+
 A process started for a run must not outlive the process that launched it. Two mechanisms, because
 neither covers every case alone:
 
-* ``die_with_parent``: ``prctl(PR_SET_PDEATHSIG)``. The kernel signals the child when the *thread*
-  that forked it exits, which is the launcher dying in the common case; it survives ``execve``,
-  so a tiny wrapper can arm it before exec'ing ``torchrun``.
+* ``die_with_parent``: ``prctl(PR_SET_PDEATHSIG)``, Linux only. The kernel signals the child when
+  the *thread* that forked it exits, which is the launcher dying in the common case; it survives
+  ``execve``, so a tiny wrapper can arm it before exec'ing ``torchrun``. Elsewhere it does nothing.
 * ``LauncherWatchdog``: a daemon thread that polls, every second, whether the launcher named in
-  ``$SPEECH_ASSETS_LAUNCHER`` (pid and kernel start time, so a reused pid cannot fool it) still
-  exists, and ends this process if not: it covers launchers whose forking thread outlives them
-  or that are not this process's parent at all (torchrun workers are grandchildren).
+  ``$SPEECH_ASSETS_LAUNCHER`` (pid and start time, so a reused pid cannot fool it) still exists,
+  and ends this process if not: it covers launchers whose forking thread outlives them, launchers
+  that are not this process's parent at all (torchrun workers are grandchildren), and macOS.
+
+The watchdog ends a worker only when it can tell for sure that the launcher is gone: its pid is
+free (``kill(pid, 0)``, which needs no ``/proc``), it is a zombie, or the pid now belongs to a
+process that started at another time. Where the process table cannot be read (a container
+without ``/proc``) the launcher counts as alive while its pid is taken.
 """
 
 from __future__ import annotations
@@ -19,27 +27,55 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import psutil
 
 LAUNCHER_ENV = "SPEECH_ASSETS_LAUNCHER"
 PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it does not exist."""
+def on_linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether some process (a zombie included) has ``pid``: ``kill(pid, 0)``, no ``/proc`` needed."""
+    if pid <= 0:
+        return False
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            stat = handle.read()
-    except OSError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _start_of(process: psutil.Process) -> int:
+    created = process.create_time()
+    if on_linux():
+        # clock ticks since boot, as the kernel records them: unlike the epoch time psutil derives
+        # from them (boot time + ticks), they do not move when the wall clock is stepped
+        return round((created - psutil.boot_time()) * os.sysconf("SC_CLK_TCK"))
+    return round(created * 1_000_000)  # macOS records the creation time itself (microseconds)
+
+
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started (Linux: clock ticks since boot; elsewhere: microseconds since the epoch),
+    or None if it does not run, has exited (a zombie), or its start cannot be read."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return _start_of(process)
+    except (psutil.Error, OSError):
         return None
-    # the command name (field 2) may contain spaces and parentheses: split after its last ')'
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if fields and fields[0] == "Z":  # a zombie has exited: only its exit status is left
-        return None
-    return int(fields[19]) if len(fields) > 19 else None
 
 
 @dataclass(frozen=True)
@@ -47,7 +83,7 @@ class ProcessIdentity:
     """A process on a host, identified beyond its pid (pids are reused)."""
 
     pid: int
-    start_time: int
+    start_time: int  # 0: unknown (the process table could not be read when it was recorded)
     host: str
 
     @classmethod
@@ -63,22 +99,58 @@ class ProcessIdentity:
         pid, start, host = text.split(":", 2)
         return cls(int(pid), int(start), host)
 
-    def alive(self) -> bool:
-        """Whether this very process still runs (only answerable on its own host: elsewhere True)."""
+    def gone(self) -> bool:
+        """Whether this process has certainly ended: its pid is free, it is a zombie, or its pid
+        belongs to a process that started at another time. False whenever that cannot be told:
+        on another host, or when the process table cannot be read."""
         if self.host != socket.gethostname():
+            return False
+        if not pid_exists(self.pid):
             return True
-        return process_start_time(self.pid) == self.start_time
+        try:
+            process = psutil.Process(self.pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return True
+            started = _start_of(process)
+        except psutil.ZombieProcess:
+            return True
+        except psutil.NoSuchProcess:
+            # kill() saw the pid, the process table did not: it exited just now, or the table
+            # cannot be read (no /proc); only the former is an answer
+            return not pid_exists(self.pid)
+        except (psutil.Error, OSError):
+            return False
+        return bool(self.start_time) and started != self.start_time
+
+    def alive(self) -> bool:
+        """Whether this process may still run (True unless :meth:`gone` can tell it ended)."""
+        return not self.gone()
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits."""
+def command_lines() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, argv)`` of every process whose command line this user may read; nothing when the
+    process table cannot be read."""
+    try:
+        for process in psutil.process_iter(["cmdline"]):
+            if process.info["cmdline"]:
+                yield process.pid, process.info["cmdline"]
+    except (psutil.Error, OSError, IndexError) as error:  # IndexError: psutil on an empty /proc
+        log.warning("cannot list processes (%s: %s)", type(error).__name__, error)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits; whether it
+    is armed. Only Linux has such a signal: elsewhere this does nothing and returns False."""
+    if not on_linux():
+        return False
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): relying on the watchdog", ctypes.get_errno())
-        return
+        return False
     if os.getppid() != parent:  # the parent died before the prctl took effect
         os.kill(os.getpid(), sig)
+    return True
 
 
 def launcher_env() -> dict[str, str]:
@@ -87,14 +159,19 @@ def launcher_env() -> dict[str, str]:
 
 
 class LauncherWatchdog(threading.Thread):
-    """Ends this process (exit code 137, like SIGKILL) once the launcher is gone."""
+    """Ends this process (exit code 137, like SIGKILL) once the launcher is certainly gone."""
 
     def __init__(self, launcher: ProcessIdentity, interval_s: float = 1.0) -> None:
         super().__init__(name="launcher-watchdog", daemon=True)
         self.launcher, self.interval_s = launcher, interval_s
+        # a parent that is the launcher is gone once this process is re-parented: no /proc needed
+        self.parent = launcher.pid if os.getppid() == launcher.pid else None
+
+    def launcher_gone(self) -> bool:
+        return (self.parent is not None and os.getppid() != self.parent) or self.launcher.gone()
 
     def run(self) -> None:
-        while self.launcher.alive():
+        while not self.launcher_gone():
             time.sleep(self.interval_s)
         log.error("launcher %s is gone: stopping this process", self.launcher.encode())
         logging.shutdown()
@@ -106,6 +183,12 @@ def watch_launcher() -> LauncherWatchdog | None:
     value = os.environ.get(LAUNCHER_ENV)
     if not value:
         return None
-    watchdog = LauncherWatchdog(ProcessIdentity.decode(value))
+    launcher = ProcessIdentity.decode(value)
+    if process_start_time(os.getpid()) is None:
+        log.warning(
+            "cannot read the process table: the launcher watchdog notices launcher %s's end only "
+            "once its pid is free", launcher.encode(),
+        )
+    watchdog = LauncherWatchdog(launcher)
     watchdog.start()
     return watchdog

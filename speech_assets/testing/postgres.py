@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speech_assets.runtime.processes import die_with_parent
+from speech_assets.runtime.processes import die_with_parent, pid_exists
 
 BIN_ENV = "SPEECH_ASSETS_PG_BIN"
 USER = "dagster"
@@ -62,7 +62,7 @@ def sweep_stale_roots() -> None:
             pid_file = root / "data" / "postmaster.pid"
             if pid_file.is_file():
                 pid = int(pid_file.read_text().split()[0])
-                if Path(f"/proc/{pid}").exists():
+                if pid_exists(pid):
                     continue
             shutil.rmtree(root, ignore_errors=True)
         except (OSError, ValueError, IndexError):
