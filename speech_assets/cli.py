@@ -19,7 +19,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
-    con = stats_db.connect_read_only(_db(args))
+    con = stats_db.connect_read_only(_db(args), allow_external_access=args.allow_external_access)
     try:
         relation = con.sql(args.query)
         if relation is None:
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--db", help=db_help)
     sql.add_argument("--max-rows", type=int, default=200)
+    sql.add_argument(
+        "--allow-external-access", action="store_true",
+        help="let the query read files outside the data dir, URLs and extensions (DuckDB's enable_external_access)",
+    )
     sql.set_defaults(func=_cmd_sql)
 
     lineage = commands.add_parser("lineage", help="what a checkpoint was trained from; --stale: what no longer matches its inputs")

@@ -234,10 +234,18 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
     return counts
 
 
-def connect_read_only(db_path: Path) -> duckdb.DuckDBPyConnection:
+def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duckdb.DuckDBPyConnection:
+    """The database, read-only. Unless ``allow_external_access``, DuckDB's external access is off:
+    no file outside the database's folder (whose parquet files its views read), no URL, no
+    extension, no ATTACH or COPY, and a query cannot turn it back on."""
     if not db_path.exists():
         raise FileNotFoundError(f"{db_path} does not exist: materialize the dataset_stats asset first")
-    return duckdb.connect(str(db_path), read_only=True)
+    con = duckdb.connect(str(db_path), read_only=True)
+    if not allow_external_access:
+        folders = {str(folder).rstrip(os.sep) + os.sep for folder in (db_path.absolute().parent, db_path.resolve().parent)}
+        con.execute(f"SET allowed_directories = [{', '.join(_sql_str(folder) for folder in sorted(folders))}]")
+        con.execute("SET enable_external_access = false")
+    return con
 
 
 def summary(db_path: Path) -> str:

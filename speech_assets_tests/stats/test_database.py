@@ -85,3 +85,32 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     # no probe yet: the table exists with its columns, empty
     inputs.probe_results = tmp_path / "missing.parquet"
     assert build_database(db, inputs)["probe_results"] == 0
+
+
+def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from speech_assets.cli import main
+
+    data = tmp_path / "out"
+    data.mkdir()
+    pq.write_table(pa.table({"utt_id": ["u1"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}), data / "manifest.parquet")
+    pq.write_table(pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), data / "rejects.parquet")
+    inputs = StatsInputs(
+        manifest=data / "manifest.parquet", manifest_rejects=data / "rejects.parquet", shards=[], shard_rejects=[],
+        clients=data / "clients.parquet", kmeans_quality=[], heldout_fraction=0.5,
+    )  # fmt: skip
+    build_database(data / "stats.duckdb", inputs)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not for queries\n")
+    db = ["--db", str(data / "stats.duckdb")]
+
+    for path in ("/etc/passwd", str(outside), str(data / ".." / "secret.txt")):
+        assert main(["sql", f"SELECT * FROM read_text('{path}')", *db]) == 1
+        assert "Permission Error" in capsys.readouterr().err
+    for escape in ("SET enable_external_access = true", "SET allowed_directories = ['/']", "INSTALL httpfs"):
+        assert main(["sql", escape, *db]) == 1
+        capsys.readouterr()
+    # the views over the data dir's parquet files still answer
+    assert main(["sql", "SELECT count(*) AS n FROM manifest", *db]) == 0
+    assert "n" in capsys.readouterr().out
+    assert main(["sql", f"SELECT content FROM read_text('{outside}')", "--allow-external-access", *db]) == 0
+    assert "not for queries" in capsys.readouterr().out
