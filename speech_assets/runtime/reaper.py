@@ -10,10 +10,13 @@ A run killed with ``kill -9`` never reports its end, so Dagster keeps it STARTED
   before it claims any slot, so the next materialization frees what the dead one held;
 * by hand: ``speech-assets runs reap``.
 
-A run is dead only when every process it is known to have run in has exited on this host: the
-step process recorded by ``record_run_process`` (pid, kernel start time, host) or, for runs
-that never got that far, the pids its events carry, once it has been silent for a minute on an
-instance whose storage is local (SQLite).
+A run is alive while any process it is known to run in is alive. Those are recorded as run tags
+(pid, kernel start time, host): the run worker once per run (the ``dagster asset materialize``
+process, or the worker a launcher started: where the executor runs, before any step), plus each
+step process that takes a pool slot (``record_run_process``), which a ``kill -9`` of the worker
+alone may leave running. A run is dead only when every recorded process has exited on this host
+or, for runs that never got as far as the executor, when none of the pids its events carry runs
+and it has been silent for a minute on an instance whose storage is local (SQLite).
 """
 
 from __future__ import annotations
@@ -28,15 +31,38 @@ import dagster as dg
 
 from speech_assets.runtime.processes import ProcessIdentity
 
-PROCESS_TAG = "speech_assets/process"
+PROCESS_TAG = "speech_assets/process"  # the run worker
+STEP_PROCESS_TAG_PREFIX = "speech_assets/step_process."  # + step key: one tag per slot-taking step
 SILENT_FOR_S = 60.0
 REAP_COMMAND = "speech-assets runs reap"
 log = logging.getLogger(__name__)
 
 
+def record_run_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
+    """Tag ``run`` with this process as its worker, once per run (a re-executed or resumed run
+    gets its new worker): a run stays alive while its worker lives, whatever its steps do."""
+    instance.add_run_tags(run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode()})
+
+
 def record_run_process(context: dg.AssetExecutionContext) -> None:
-    """Tag the run with this (step) process, so a reaper can later tell whether it is gone."""
-    context.instance.add_run_tags(context.run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode()})
+    """Tag the run with this step process, beside its worker. In an in-process run the step
+    process *is* the run worker: then it is recorded as the worker too, if nothing was yet."""
+    me = ProcessIdentity.current().encode()
+    step = context.get_step_execution_context().step.key
+    tags = {STEP_PROCESS_TAG_PREFIX + step: me}
+    current = context.instance.get_run_by_id(context.run.run_id)
+    if current is None or PROCESS_TAG not in current.tags:
+        tags[PROCESS_TAG] = me
+    context.instance.add_run_tags(context.run.run_id, tags)
+
+
+def recorded_processes(run: dg.DagsterRun) -> list[ProcessIdentity]:
+    """Every process ``run`` is known to run in: its worker and its slot-taking steps."""
+    return [
+        ProcessIdentity.decode(value)
+        for key, value in sorted(run.tags.items())
+        if key == PROCESS_TAG or key.startswith(STEP_PROCESS_TAG_PREFIX)
+    ]
 
 
 def _is_local_storage(instance: dg.DagsterInstance) -> bool:
@@ -47,12 +73,12 @@ def _is_local_storage(instance: dg.DagsterInstance) -> bool:
 
 def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None = None) -> str | None:
     """Why ``run`` (not finished) has no live process left, or None if it may still be running."""
-    tagged = run.tags.get(PROCESS_TAG)
-    if tagged:
-        process = ProcessIdentity.decode(tagged)
-        if process.host != socket.gethostname():
+    recorded = recorded_processes(run)
+    if recorded:
+        if any(process.host != socket.gethostname() or process.alive() for process in recorded):
             return None
-        return None if process.alive() else f"its step process {process.pid} on {process.host} is gone"
+        pids = ", ".join(str(process.pid) for process in recorded)
+        return f"every process it ran in ({pids} on {recorded[0].host}: its worker and steps) is gone"
     if not _is_local_storage(instance):
         return None
     records = instance.get_records_for_run(run.run_id, ascending=False, limit=1).records
@@ -92,6 +118,7 @@ def _reaping_executor_class():
         """Dagster's multiprocess executor, which first frees slots held by dead local runs."""
 
         def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
+            record_run_worker(plan_context.instance, plan_context.dagster_run)
             reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
             try:
                 yield from super().execute(plan_context, execution_plan)

@@ -199,3 +199,59 @@ def test_the_documented_commands_use_the_postgres_instance(built: dict, postgres
     assert len(manifests) == 2 and manifests[0] == manifests[1]  # the same corpus, the same content hash
     assert postgres.query("dagster", "SELECT job_type, status FROM jobs WHERE job_body LIKE '%%revalidate_corpus%%'") == [("SCHEDULE", "RUNNING")]
     assert not list(built["home"].rglob("*.db")), "a SQLite storage file appeared in DAGSTER_HOME"
+
+
+def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """federated_checkpoint records its run's processes like every slot-taking asset: on Postgres
+    (no event-log heuristics there) a kill -9'd federated run is known dead and its slot freed."""
+    import signal
+    import time
+
+    import dagster as dg
+
+    from speech_assets.runtime.reaper import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, reap_dead_runs, why_dead
+
+    for name, value in built["env"].items():
+        if name.startswith(("DAGSTER_PG", "PG")):
+            monkeypatch.setenv(name, value)
+    command = [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", "--select", "federated_checkpoint"]
+    process = subprocess.Popen(command, env=built["env"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with dg.DagsterInstance.from_config(str(built["home"])) as instance:
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                held = instance.event_log_storage.get_concurrency_run_ids()
+                runs = [instance.get_run_by_id(run_id) for run_id in held]
+                if runs and STEP_PROCESS_TAG_PREFIX + "federated_checkpoint" in runs[0].tags:
+                    break
+                assert process.poll() is None, "the federated run ended before it was killed"
+                assert time.monotonic() < deadline, "the federated run never took the training slot"
+                time.sleep(0.5)
+            (run,) = runs
+            assert PROCESS_TAG in run.tags  # its worker: the CLI process
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        deadline = time.monotonic() + 60  # the group's last processes may take a moment to be reaped
+        while not (reaped := reap_dead_runs(instance, say=lambda _: None)):
+            assert time.monotonic() < deadline, f"the run still counts as alive: {why_dead(instance, instance.get_run_by_id(run.run_id))}"
+            time.sleep(0.5)
+        assert reaped == [run.run_id]
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert not instance.event_log_storage.get_concurrency_run_ids()
+    # and nothing of the federation outlives the run (SuperLink, SuperNodes, supervisors)
+    deadline = time.monotonic() + 60
+    while left := _processes_mentioning(str(built["out"])):
+        assert time.monotonic() < deadline, f"left running: {left}"
+        time.sleep(0.5)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or ())
+        if text in command and process.pid != os.getpid():
+            found.append(f"{process.pid}: {command[:200]}")
+    return found

@@ -1,0 +1,142 @@
+"""A run is alive while any of its processes is: a real ``dagster-daemon`` with run monitoring
+watches a real multi-step ``dagster asset materialize`` run whose training step ends long before
+the run does, and a second training run started meanwhile; then a ``kill -9``'d run is failed by
+the daemon and its slot freed. (Before, the run was tagged with its training step's process only:
+once that step ended, the daemon failed the live run and the next run's executor freed its slot.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from speech_assets.runtime.reaper import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes
+from speech_assets_tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+LOCATION = "speech_assets_tests.runtime.liveness_location"
+POLL_S = 2  # run monitoring checks every run this often: many checks during the slow step
+
+
+def wait_until(predicate, timeout_s: float, what: str, services: list[subprocess.Popen] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        for service in services:
+            assert service.poll() is None, f"{service.args[:3]} exited with {service.returncode} while waiting for {what}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def span(found: list[dict], step: str) -> tuple[float, float]:
+    times = {e["event"]: e["t"] for e in found if e["step"] == step}
+    return times["start"], times["end"]
+
+
+@pytest.fixture(scope="module")
+def instance_with_daemon(tmp_path_factory: pytest.TempPathFactory):
+    tmp_path = tmp_path_factory.mktemp("liveness")
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    config = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    config["run_monitoring"].update(poll_interval_seconds=POLL_S, free_slots_after_run_end_seconds=POLL_S)
+    (home / "dagster.yaml").write_text(yaml.safe_dump(config))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")},
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "DAGSTER_HOME": str(home),
+        "LIVENESS_EVENTS": str(tmp_path / "events.jsonl"),
+        "LIVENESS_SLOW_S": "32",
+    }
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [str(BIN / args[0]), *args[1:]], env=env, cwd=REPO, start_new_session=True,
+            stdout=open(tmp_path / f"{args[0]}-{len(started)}.log", "w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        started.append(process)
+        return process
+
+    instance = dg.DagsterInstance.from_config(str(home))
+    daemon = start("dagster-daemon", "run", "-m", LOCATION)
+    try:
+        wait_until(lambda: "MONITORING" in instance.get_daemon_heartbeats(), 120, "the daemon's run monitoring", [daemon])
+        yield instance, start, daemon, tmp_path / "events.jsonl"
+    finally:
+        for process in started:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        instance.dispose()
+
+
+def materialize(start, *assets: str) -> subprocess.Popen:
+    return start("dagster", "asset", "materialize", "-m", LOCATION, "--select", ",".join(assets))
+
+
+def run_of(instance: dg.DagsterInstance, asset: str) -> dg.DagsterRun:
+    records = instance.get_run_records(dg.RunsFilter(tags={}), limit=50)
+    (run,) = [r.dagster_run for r in records if dg.AssetKey(asset) in (r.dagster_run.asset_selection or ())]
+    return run
+
+
+def test_the_daemon_leaves_a_live_multi_step_run_alone_and_its_slot_serialises_trainers(instance_with_daemon) -> None:
+    instance, start, daemon, log = instance_with_daemon
+    first = materialize(start, "short_training", "slow_evaluation", "second_training")
+    wait_until(lambda: any(e["step"] == "short_training" for e in events(log)), 180, "the first training step", [daemon])
+    second = materialize(start, "other_training")  # a second trainer, while the first holds the slot
+    assert first.wait(timeout=300) == 0
+    assert second.wait(timeout=300) == 0
+
+    found = events(log)
+    run = run_of(instance, "short_training")
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS
+    assert not instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+    # the daemon was checking the run while only its slow, slot-less step was left ...
+    slow_start, slow_end = span(found, "slow_evaluation")
+    assert slow_end - slow_start >= 30
+    assert daemon.poll() is None and instance.get_daemon_heartbeats()["MONITORING"].timestamp > slow_start
+    # ... and the run was known by its worker (this CLI process's run), beside its training steps
+    tags = instance.get_run_by_id(run.run_id).tags
+    worker = [p for p in recorded_processes(instance.get_run_by_id(run.run_id)) if p.encode() == tags[PROCESS_TAG]]
+    assert worker and worker[0].pid not in {e["pid"] for e in found}
+    assert {k for k in tags if k.startswith(STEP_PROCESS_TAG_PREFIX)} == {
+        STEP_PROCESS_TAG_PREFIX + "short_training", STEP_PROCESS_TAG_PREFIX + "second_training"
+    }
+    # one trainer at a time: the second run's training waited for the first's slot
+    trainers = sorted(span(found, step) for step in ("short_training", "other_training", "second_training"))
+    assert all(earlier[1] <= later[0] for earlier, later in zip(trainers, trainers[1:])), trainers
+    assert span(found, "other_training")[0] >= span(found, "short_training")[1]
+    wait_until(lambda: not instance.event_log_storage.get_concurrency_run_ids(), 60, "every slot to be given back")
+
+
+def test_the_daemon_fails_a_kill_9d_run_and_frees_its_slot(instance_with_daemon) -> None:
+    instance, start, daemon, log = instance_with_daemon
+    doomed = materialize(start, "endless_training")
+    wait_until(lambda: any(e["step"] == "endless_training" for e in events(log)), 180, "the training step", [daemon])
+    run = run_of(instance, "endless_training")
+    assert instance.event_log_storage.get_concurrency_run_ids() == {run.run_id}
+    os.killpg(doomed.pid, signal.SIGKILL)  # the CLI (run worker), its forkserver and the step
+    doomed.wait()
+    wait_until(
+        lambda: instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE, 120, "the daemon to fail the run", [daemon]
+    )
+    wait_until(lambda: not instance.event_log_storage.get_concurrency_run_ids(), 120, "its slot to be freed", [daemon])
+    (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+    assert "is gone" in (failure.message or "") or "gone" in str(failure.dagster_event.event_specific_data)
