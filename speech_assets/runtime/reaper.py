@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import dagster as dg
 
-from speech_assets.runtime.processes import ProcessIdentity
+from speech_assets.runtime.processes import ProcessIdentity, pid_exists
 
 PROCESS_TAG = "speech_assets/process"  # the run worker
 STEP_PROCESS_TAG_PREFIX = "speech_assets/step_process."  # + step key: one tag per slot-taking step
@@ -87,7 +87,7 @@ def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None
     if (now or time.time()) - records[0].event_log_entry.timestamp < SILENT_FOR_S:
         return None
     pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.pid}
-    if not pids or any(os.path.exists(f"/proc/{pid}") for pid in pids):
+    if not pids or any(pid_exists(pid) for pid in pids):
         return None
     return f"none of its processes ({', '.join(map(str, sorted(pids)))}) is running and it has been silent for {SILENT_FOR_S:.0f} s"
 

@@ -31,7 +31,11 @@ def short_training(context: dg.AssetExecutionContext) -> None:
 
 
 @dg.asset(deps=[short_training])
-def slow_evaluation() -> None:
+def slow_evaluation(context: dg.AssetExecutionContext) -> None:
+    # the daemon starts beside the run: its slow part begins once run monitoring is up
+    deadline = time.monotonic() + 180
+    while "MONITORING" not in context.instance.get_daemon_heartbeats() and time.monotonic() < deadline:
+        time.sleep(0.5)
     _work("slow_evaluation", float(os.environ.get("LIVENESS_SLOW_S", "35")))
 
 
