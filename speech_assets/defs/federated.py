@@ -19,7 +19,8 @@ from speech_assets.utils import sha256_strings
 
 CODE_VERSION = "federated-v1"
 # Settings that do not change what a run computes: a different value resumes the same run folder.
-OPERATIONAL = ("superlink", "superlink_root_certificates", "round_timeout_s", "connect_timeout_s", "device")
+OPERATIONAL = ("superlink", "superlink_root_certificates", "insecure", "client_state_root", "round_timeout_s",
+               "connect_timeout_s", "device")  # fmt: skip
 
 
 class FederatedOverrides(overrides_of(FederatedSettings)):
@@ -49,8 +50,8 @@ def federated_checkpoint(
     context: dg.AssetExecutionContext, config: FederatedOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     from speech_assets.federated.config import FederatedConfig
-    from speech_assets.federated.history import summarize_rounds
-    from speech_assets.federated.launch import FederatedRunFailed, run_federation
+    from speech_assets.federated.history import SettingsChanged, summarize_rounds
+    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
     from speech_assets.federated.report import markdown_image, markdown_rounds, round_curve_png
     from speech_assets.federated.tracking import FederatedTracker
 
@@ -84,6 +85,8 @@ def federated_checkpoint(
         connect_timeout_s=fed.connect_timeout_s,
         data_versions=data_versions,
     )
+        max_update_norm=fed.max_update_norm,
+        client_weights=client_weights(paths.root, sorted(clients)),
     tracker = FederatedTracker(
         federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()
     )
@@ -107,16 +110,19 @@ def federated_checkpoint(
             federated,
             paths.root,
             superlink=fed.superlink,
-            insecure=not fed.superlink_root_certificates,
+            insecure=fed.insecure,
             root_certificates=fed.superlink_root_certificates,
             threads_per_client=fed.threads_per_client,
             device=fed.device,
+            client_state_root=fed.client_state_root or None,
             log=context.log.info,
             on_round=on_round,
             tracker=tracker,
         )
     except FederatedRunFailed as error:
         raise dg.Failure(
+    except (SettingsChanged, InsecureRefused) as error:
+        raise dg.Failure(description=f"federated run {run_name} refused: {error}") from error
             description=f"federated run {run_name} stopped: {error}",
             metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "failure": dg.MetadataValue.json(error.failure)},
         ) from error

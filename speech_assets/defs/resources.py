@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import dagster as dg
 from pydantic import create_model
@@ -195,11 +195,18 @@ class FederatedSettings(dg.Config):
     max_frames: int = 1500
     precision: str = "auto"
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
-    superlink_root_certificates: str = ""  # CA file for a TLS SuperLink; empty = insecure
+    superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
     threads_per_client: int = 0  # local SuperNodes: torch threads each; 0 = cores / clients
     device: str = "auto"  # local SuperNodes: auto, cpu or cuda
     round_timeout_s: float = 3600.0  # a client silent this long is counted missing for the round
-    connect_timeout_s: float = 300.0  # how long round 1 waits for every client to connect
+    connect_timeout_s: float = 300.0  # how long a round waits for its clients to connect (training and evaluation)
+    max_update_norm: float = 0.0  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
+    # local SuperNodes keep their heads and CMVN under <this>/<client>; "" = <data>/federated_clients
+    client_state_root: str = ""
+    insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
+
+    # where the SuperNodes write, and giving up TLS: set in the settings file, never by run config
+    settings_only: ClassVar[frozenset[str]] = frozenset({"client_state_root", "insecure"})
 
 
 class ProbeSettings(dg.Config):

@@ -3,7 +3,8 @@ the pipeline's outputs under ``D`` (client targets, shards), written to ``R``.
 
 Without ``--superlink`` it starts a SuperLink and one SuperNode per client on 127.0.0.1 and stops
 them at the end (also on SIGTERM/SIGINT; on SIGKILL the kernel stops them). Exit codes: 0 done,
-2 the server stopped the run for lack of clients (completed rounds saved), 1 other errors.
+2 the server stopped the run for lack of clients (completed rounds saved), 1 other errors (among
+them: the run folder was started with other settings, or a remote SuperLink without TLS).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from speech_assets.federated.config import FederatedConfig
-from speech_assets.federated.launch import FederatedRunFailed, client_ids, run_federation
+from speech_assets.federated.history import SettingsChanged
+from speech_assets.federated.launch import (
+    FederatedRunFailed,
+    InsecureRefused,
+    client_ids,
+    client_weights,
+    run_federation,
+)
 
-SKIPPED = {"run_dir", "run_name", "clients", "data_versions"}
+SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True, help="the run folder (resumed if it exists)")
     parser.add_argument("--clients", default="", help="comma-separated client ids (default: clients/clients.parquet)")
     parser.add_argument("--superlink", default="", help="host:port of an existing SuperLink (default: start one)")
+    parser.add_argument("--superlink-root-certificates", default="", help="CA certificate of that SuperLink's TLS")
+    parser.add_argument("--insecure", action="store_true", help="reach that SuperLink without TLS (clear text)")
+    parser.add_argument("--client-state-root", default="",
+                        help="local SuperNodes keep their state under <this>/<client> (default: DATA_DIR/federated_clients)")
     parser.add_argument("--threads-per-client", type=int, default=0)
     parser.add_argument("--device", default="auto")
     for item in fields(FederatedConfig):
@@ -42,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir).resolve()
     values = {item.name: getattr(args, item.name) for item in fields(FederatedConfig) if item.name not in SKIPPED}
     clients = [c for c in args.clients.split(",") if c] or client_ids(args.data_dir)
-    config = FederatedConfig(run_dir=str(run_dir), run_name=run_dir.name, clients=clients, **values)
+    weights = client_weights(args.data_dir, clients)
+    try:
+        config = FederatedConfig(run_dir=str(run_dir), run_name=run_dir.name, clients=clients, client_weights=weights, **values)
+    except ValueError as error:  # the run folder's name is the run name: a safe id
+        _parser().error(str(error))
 
     def stop(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -50,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         result = run_federation(
-            config, Path(args.data_dir).resolve(), superlink=args.superlink,
+            config, Path(args.data_dir).resolve(), superlink=args.superlink, insecure=args.insecure,
+            root_certificates=args.superlink_root_certificates, client_state_root=args.client_state_root or None,
             threads_per_client=args.threads_per_client, device=args.device,
             log=lambda line: print(line, flush=True),
         )  # fmt: skip
     except FederatedRunFailed as error:
         print(f"federated run failed: {error}", file=sys.stderr, flush=True)
         return 2
+    except (SettingsChanged, InsecureRefused) as error:
+        print(f"federated run refused: {error}", file=sys.stderr, flush=True)
+        return 1
     print(json.dumps({k: result[k] for k in ("checkpoint", "checkpoint_sha256", "heldout_masked_accuracy")}), flush=True)
     return 0
 

@@ -7,19 +7,27 @@ The SuperNode's ``--node-config`` says who this client is and where its data is
 encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg weight;
 ``train-loss``, ``masked-accuracy``, ``seconds``, ``audio-seconds``, ``steps``) and the client id;
 an evaluate reply only the metrics (``num-examples`` = masked held-out frames) and the client id.
-The head, the codebook, the CMVN statistics and the data stay here.
+The head, the codebook, the CMVN statistics and the data stay here: every reply is checked
+before it leaves (:func:`~speech_assets.federated.messages.check_outgoing`), and the run name the
+server sends must be a safe id before it names this client's state folder (under the state root
+its SuperNode owns).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeSettings
+from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing
+
+if TYPE_CHECKING:
+    from speech_assets.federated.local import EvalResult, TrainResult
 
 log = logging.getLogger("speech_assets.federated")
 
@@ -42,10 +50,8 @@ def _client(message: Message, context: Context) -> tuple[object, int, NodeSettin
     return client, int(config["server-round"]), node
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
-    client, round_number, node = _client(message, context)
-    result = client.train_round(round_number, message.content["arrays"].to_torch_state_dict())  # type: ignore[attr-defined]
+def train_reply(received: ArrayRecord, result: TrainResult, client_id: str) -> RecordDict:
+    """A local round's reply, checked against the encoder ``received`` from the server."""
     metrics = MetricRecord(
         {
             "num-examples": result.num_examples,
@@ -57,15 +63,14 @@ def train(message: Message, context: Context) -> Message:
         }
     )
     content = RecordDict(
-        {"arrays": ArrayRecord(result.encoder), "metrics": metrics, "client": ConfigRecord({"client-id": node.client_id})}
+        {"arrays": ArrayRecord(result.encoder), "metrics": metrics,  # type: ignore[arg-type]
+         CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
     )
-    return Message(content, reply_to=message)
+    return check_outgoing(content, "train", array_spec(received), client_id)
 
 
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
-    client, round_number, node = _client(message, context)
-    result = client.evaluate(round_number, message.content["arrays"].to_torch_state_dict())  # type: ignore[attr-defined]
+def evaluate_reply(received: ArrayRecord, result: EvalResult, client_id: str) -> RecordDict:
+    """An evaluation's reply, checked."""
     metrics = MetricRecord(
         {
             "num-examples": result.masked_frames,
@@ -75,5 +80,21 @@ def evaluate(message: Message, context: Context) -> Message:
             "majority-accuracy": result.majority_accuracy,
         }
     )
-    content = RecordDict({"metrics": metrics, "client": ConfigRecord({"client-id": node.client_id})})
-    return Message(content, reply_to=message)
+    content = RecordDict({"metrics": metrics, CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})})
+    return check_outgoing(content, "evaluate", array_spec(received), client_id)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    client, round_number, node = _client(message, context)
+    received = message.content["arrays"]
+    result = client.train_round(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
+    return Message(train_reply(received, result, node.client_id), reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    client, round_number, node = _client(message, context)
+    received = message.content["arrays"]
+    result = client.evaluate(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
+    return Message(evaluate_reply(received, result, node.client_id), reply_to=message)

@@ -11,8 +11,11 @@ Three kinds of settings, kept apart on purpose:
   model preset, masking, precision. The server sends it in every train/evaluate message's
   ``ConfigRecord``; Flower's own ``eta_l`` is not used (Flower's strategies do not apply it either).
 - :class:`NodeSettings` (each SuperNode's own, never sent anywhere): its client id, where its data
-  lives, where it keeps its head between rounds, its threads and device. Set with
-  ``flower-supernode --node-config 'client-id="client_00" data-dir="/data/out"'``.
+  lives, the state root it owns (its heads and CMVN between rounds), its threads and device. Set
+  with ``flower-supernode --node-config 'client-id="client_00" data-dir="/data/out"'``.
+
+Names that reach a client from the server (the run name) become paths there only after passing
+the project's safe-id rule (:mod:`speech_assets.corpus.ids`); so do client ids.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from speech_assets.corpus.ids import check_safe_id, why_unsafe
 
 STRATEGIES = ("fedadam", "fedavg")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -44,6 +49,12 @@ class FederatedConfig:
     ``min_train_nodes`` clients reply within ``round_timeout_s``; the others are logged as missing.
     ``keep_rounds`` bounds the round checkpoints kept (each holds the encoder and the server
     optimiser's moments); every round's record (rows, missing clients, hashes) is always kept.
+
+    ``client_weights`` are the aggregation weights the server knows (the utterances of each
+    client's speakers in the clients table), never a client's self-reported count.
+    ``max_update_norm`` bounds the L2 norm of a client's update (its encoder minus the global
+    one); 0 = automatic, :func:`update_norm_bound`. A reply beyond it, or with a non-finite value,
+    is refused.
     """
 
     run_dir: str
@@ -72,6 +83,8 @@ class FederatedConfig:
     round_timeout_s: float = 3600.0
     connect_timeout_s: float = 300.0
     keep_rounds: int = 2
+    max_update_norm: float = 0.0
+    client_weights: dict[str, float] = field(default_factory=dict)
     data_versions: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,8 +107,7 @@ class FederatedConfig:
             problems.append("clients is empty")
         if len(set(self.clients)) != len(self.clients):
             problems.append("clients has duplicates")
-        if any("," in c or not c for c in self.clients):
-            problems.append("client ids must be non-empty and contain no comma")
+        problems += [f"client id {c!r} {why}" for c in self.clients if (why := why_unsafe(c))]
         if self.strategy not in STRATEGIES:
             problems.append(f"strategy must be one of {STRATEGIES}")
         if self.precision not in PRECISIONS:
@@ -114,21 +126,32 @@ class FederatedConfig:
                 problems.append(f"{name} must be in [0, 1)")
         if not 0.0 <= self.heldout_fraction < 1.0:
             problems.append("heldout_fraction must be in [0, 1)")
-        if not self.run_name or "/" in self.run_name:
-            problems.append("run_name must be a non-empty folder name")
+        if why := why_unsafe(self.run_name):
+            problems.append(f"run_name {self.run_name!r} {why}")
+        if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
+            problems.append("max_update_norm must be >= 0 (0 = automatic)")
+        if self.client_weights:
+            if set(self.client_weights) != set(self.clients):
+                problems.append("client_weights must name exactly the clients")
+            if not all(w > 0 and math.isfinite(w) for w in self.client_weights.values()):
+                problems.append("client_weights must be > 0")
         if problems:
             raise ValueError("invalid FederatedConfig: " + "; ".join(problems))
 
+    def weight_of(self, client_id: str) -> float:
+        """The aggregation weight of ``client_id`` (1.0 each when no clients table was given)."""
+        return float(self.client_weights.get(client_id, 1.0))
+
     # -- Flower run config: flat, hyphenated, scalar values --------------------------------
     def to_run_config(self) -> dict[str, Scalar]:
-        """The run config for ``flwr run --run-config`` (``data_versions`` as a JSON string)."""
+        """The run config for ``flwr run --run-config`` (mappings as JSON strings)."""
         values: dict[str, Scalar] = {}
         for item in fields(self):
             value = getattr(self, item.name)
             if item.name == "clients":
                 values["clients"] = ",".join(value)
-            elif item.name == "data_versions":
-                values["data-versions"] = json.dumps(value, sort_keys=True)
+            elif item.name in JSON_FIELDS:
+                values[_key(item.name)] = json.dumps(value, sort_keys=True)
             else:
                 values[_key(item.name)] = value
         return values
@@ -136,13 +159,19 @@ class FederatedConfig:
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
         """Parse a Flower run config (unknown keys are ignored: the app's defaults may hold more)."""
-        known = {_key(item.name): item for item in fields(cls) if item.name != "data_versions"}
+        known = {_key(item.name): item for item in fields(cls) if item.name not in JSON_FIELDS}
         values: dict[str, Any] = {}
         for key, item in known.items():
             if key in run_config:
                 values[item.name] = _coerce(run_config[key], item.type)
-        values["data_versions"] = json.loads(str(run_config.get("data-versions") or "{}"))
+        for name in JSON_FIELDS:
+            values[name] = json.loads(str(run_config.get(_key(name)) or "{}"))
         return cls(**values)
+
+    def settings(self) -> dict[str, Any]:
+        """What a run computes depends on: every field but where it is written and how long the
+        server waits (a run folder may resume with other timeouts; see :func:`settings_changes`)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_SETTINGS}
 
     def local(self) -> LocalConfig:
         """What every client is told in a round's ConfigRecord."""
@@ -165,6 +194,40 @@ class FederatedConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+JSON_FIELDS = ("client_weights", "data_versions")
+# Not compared when a run folder is resumed: where it lives, and how long the server waits.
+NOT_SETTINGS = ("run_dir", "run_name", "round_timeout_s", "connect_timeout_s")
+
+
+def settings_changes(before: Mapping[str, Any], now: Mapping[str, Any], *, resuming: bool) -> list[str]:
+    """What differs between the settings a run folder was started with and these, as
+    ``"name: old -> new"`` lines; empty when they match. When ``resuming``, the number of rounds
+    may differ (a run may be extended; the server refuses fewer rounds than it completed); a
+    finished result is reused only when nothing, rounds included, differs."""
+    changes = []
+    for name in sorted(set(before) | set(now)):
+        old, new = before.get(name, "<unset>"), now.get(name, "<unset>")
+        if name == "rounds" and resuming:
+            continue
+        if old != new:
+            changes.append(f"{name}: {_short(old)} -> {_short(new)}")
+    return changes
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
+    """The largest update norm the server accepts: ``max_update_norm``, or when that is 0,
+    ``2 * client_lr * local_steps * sqrt(encoder_values)``: AdamW (betas 0.9/0.98) moves each
+    value by at most about ``client_lr`` per step, so an honest client stays within half of it."""
+    if config.max_update_norm > 0:
+        return config.max_update_norm
+    return 2.0 * config.client_lr * config.local_steps * math.sqrt(max(encoder_values, 1))
 
 
 def _coerce(value: Any, annotation: Any) -> Any:
@@ -206,11 +269,14 @@ class LocalConfig:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:
+        """Parse a round's instructions as a client receives them; the run name becomes a
+        folder there, so it must be a safe id (``..`` or ``a/b`` are refused)."""
         values = {}
         for item in fields(cls):
             if _key(item.name) not in record:
                 raise ValueError(f"the round's config lacks {_key(item.name)!r}")
             values[item.name] = _coerce(record[_key(item.name)], item.type)
+        check_safe_id(values["run_name"], "the run name sent by the server")
         return cls(**values)
 
 
@@ -219,16 +285,21 @@ class NodeSettings:
     """A SuperNode's own settings (``--node-config``); they never leave the client.
 
     ``data-dir`` is the client's data folder in the pipeline's layout (``kmeans/<client-id>/``,
-    ``features/shards/``); only this client's own files in it are read. ``state-dir`` is where it
-    keeps its prediction head between rounds (default: ``<data-dir>/federated/<run>/clients/<id>``).
-    ``threads``: intra-op threads (0 = all cores); ``device``: auto, cpu or cuda.
+    ``features/shards/``); only this client's own files in it are read. ``state-root`` is the
+    folder this SuperNode owns for its state: ``<state-root>/<run>/`` holds its prediction heads
+    between rounds and its CMVN (default: ``<data-dir>/federated_clients/<client-id>``; never
+    inside a server's run folder). ``threads``: intra-op threads (0 = all cores); ``device``:
+    auto, cpu or cuda.
     """
 
     client_id: str
     data_dir: str
-    state_dir: str = ""
+    state_root: str = ""
     threads: int = 0
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_safe_id(self.client_id, "this SuperNode's client-id")
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
@@ -238,13 +309,15 @@ class NodeSettings:
                 f"this SuperNode has no {missing} in its --node-config: start it with "
                 "--node-config 'client-id=\"client_00\" data-dir=\"/path/to/data\"'"
             )
+        if "state-dir" in node_config:
+            raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
         device = str(node_config.get("device", "auto"))
         if device not in DEVICES:
             raise ValueError(f"node config device must be one of {DEVICES}")
         return cls(
             client_id=str(node_config["client-id"]),
             data_dir=str(node_config["data-dir"]),
-            state_dir=str(node_config.get("state-dir", "")),
+            state_root=str(node_config.get("state-root", "")),
             threads=int(node_config.get("threads", 0)),
             device=device,
         )
@@ -252,19 +325,30 @@ class NodeSettings:
     def to_node_config(self) -> str:
         """The ``--node-config`` argument of ``flower-supernode``."""
         parts = [f'client-id="{self.client_id}"', f'data-dir="{self.data_dir}"']
-        if self.state_dir:
-            parts.append(f'state-dir="{self.state_dir}"')
+        if self.state_root:
+            parts.append(f'state-root="{self.state_root}"')
         if self.threads:
             parts.append(f"threads={self.threads}")
         if self.device != "auto":
             parts.append(f'device="{self.device}"')
         return " ".join(parts)
 
+    @property
+    def root(self) -> Path:
+        """The state root this SuperNode owns."""
+        if self.state_root:
+            return Path(self.state_root)
+        return Path(self.data_dir) / CLIENT_STATE_FOLDER / self.client_id
+
     def client_dir(self, run_name: str) -> Path:
-        """Where this client keeps its state for run ``run_name``."""
-        if self.state_dir:
-            return Path(self.state_dir)
-        return Path(self.data_dir) / "federated" / run_name / "clients" / self.client_id
+        """Where this client keeps its state for run ``run_name`` (a name from the server: it
+        must be a safe id before it becomes a path)."""
+        return self.root / check_safe_id(run_name, "the run name sent by the server")
+
+
+# <data>/federated_clients/<client>/: the local SuperNodes' state roots (beside <data>/federated/)
+CLIENT_STATE_FOLDER = "federated_clients"
+NODES_FILE = "nodes.json"
 
 
 @dataclass(frozen=True)
@@ -275,8 +359,9 @@ class FederatedPaths:
     and ``rounds/round_NNNNN.json`` (that round's rows, missing clients, hashes; all kept),
     ``rounds.parquet``, ``evaluation.parquet``, ``final.pt``, ``result.json``, ``received.jsonl``
     (what the server received: record names, keys and shapes), ``failure.json``,
-    ``clients/<id>/`` (each local client's state: heads, its CMVN), ``flower/`` (Flower homes,
-    logs and the run config of the local federation), ``run_config.toml``.
+    ``settings.json`` (the settings the run folder was started with; a resume must match them),
+    ``flower/`` (Flower homes, logs, TLS files and the node registrations of the local
+    federation), ``run_config.toml``. No client state: that lives under each SuperNode's root.
     """
 
     root: Path
@@ -327,8 +412,15 @@ class FederatedPaths:
         return self.root / "run_config.toml"
 
     @property
+    def settings(self) -> Path:
+        return self.root / "settings.json"
+
+    @property
     def flower_dir(self) -> Path:
         return self.root / "flower"
 
-    def client_dir(self, client_id: str) -> Path:
-        return self.root / "clients" / client_id
+    @property
+    def nodes(self) -> Path:
+        """``{node id: client id}`` of the SuperNodes registered with the local SuperLink (node
+        authentication); absent for a remote SuperLink, where the server binds on first reply."""
+        return self.flower_dir / NODES_FILE

@@ -16,8 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.federated.config import FederatedPaths
-from speech_assets.utils import atomic_path
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, settings_changes
+from speech_assets.utils import atomic_path, atomic_write_text
 
 ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
 
@@ -68,6 +68,44 @@ def complete_rounds(paths: FederatedPaths) -> list[int]:
     return sorted(r for r, kinds in found.items() if kinds == {"pt", "json"})
 
 
+class SettingsChanged(ValueError):
+    """A run folder asked to resume with settings other than those it was started with."""
+
+
+def check_settings(paths: FederatedPaths, config: FederatedConfig) -> None:
+    """Refuse to resume ``paths`` with settings other than those in its ``settings.json``
+    (naming each change); record them in a fresh run folder (and the rounds asked for, which
+    may grow). A folder that holds rounds but no settings is refused too: nothing says what
+    they were trained with."""
+    now = config.settings()
+    try:
+        before = json.loads(paths.settings.read_text())
+    except FileNotFoundError:
+        if record_rounds(paths) or paths.result.is_file():
+            raise SettingsChanged(
+                f"{paths.root} holds rounds but no settings.json: its settings are unknown, use another run folder"
+            ) from None
+        before = None
+    if before is not None:
+        changes = settings_changes(before, now, resuming=True)
+        if changes:
+            raise SettingsChanged(
+                f"{paths.root} was started with other settings ({'; '.join(changes)}): resume it with the same "
+                "settings, or use another run folder"
+            )
+    if before != now:
+        atomic_write_text(paths.settings, json.dumps(now, indent=1, sort_keys=True) + "\n")
+
+
+def settings_match(paths: FederatedPaths, config: FederatedConfig) -> bool:
+    """Whether the run folder's ``settings.json`` equals ``config``'s settings, rounds included."""
+    try:
+        before = json.loads(paths.settings.read_text())
+    except (OSError, ValueError):
+        return False
+    return not settings_changes(before, config.settings(), resuming=False)
+
+
 def read_records(paths: FederatedPaths, up_to: int) -> list[dict[str, Any]]:
     records = []
     for round_number in range(1, up_to + 1):
@@ -90,19 +128,20 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 
 
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One line per round: clients, missing, mean train loss, held-out accuracy (weighted by
-    masked frames) beside the majority-class rate, bytes, wall time."""
+    """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
+    by the server's weight of each client), held-out accuracy (weighted by masked frames) beside
+    the majority-class rate, bytes, wall time."""
     lines = []
     for record in records:
         rows, evaluation = record["rows"], record["evaluation"]
         frames = sum(e["masked_frames"] for e in evaluation)
-        examples = sum(r["num_examples"] for r in rows)
+        weights = [r.get("weight", r["num_examples"]) for r in rows]
         lines.append(
             {
                 "round": record["round"],
                 "clients": len(rows),
                 "missing": list(record.get("missing", [])),
-                "train_loss": sum(r["train_loss"] * r["num_examples"] for r in rows) / max(examples, 1),
+                "train_loss": sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
                 "heldout_masked_accuracy": (
                     sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
                 ),

@@ -1,13 +1,21 @@
 """One federated run end to end: start the local federation (or use an existing SuperLink), submit
 the Flower App with ``flwr run``, follow it, stop every process, and read what the server wrote.
 
-Local mode (the default): a SuperLink and one SuperNode per client on 127.0.0.1; SuperNode ``c``
-gets ``--node-config 'client-id="c" data-dir="<data>" state-dir="<run>/clients/c"'``.
+Local mode (the default): a SuperLink (TLS, SuperNode authentication) and one SuperNode per client
+on 127.0.0.1; SuperNode ``c`` gets ``--node-config 'client-id="c" data-dir="<data>"
+state-root="<client state root>/c"'`` (default root ``<data>/federated_clients``: never inside the
+server's run folder).
 
 Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
 SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)
 serve the clients. The ServerApp runs on the SuperLink's machine and writes ``run_dir`` there, so
-``run_dir`` must be a path that machine shares with this one.
+``run_dir`` must be a path that machine shares with this one. Without TLS
+(``root_certificates``) it refuses to start unless ``insecure`` says so.
+
+A run folder remembers the settings it was started with (``settings.json``): resuming it with
+other settings is refused, naming what changed, and a finished result is reused only when every
+setting matches. The launcher gives up on a run that completes no round within
+:func:`stall_limit` seconds (``flwr stop``), so no wait is unbounded.
 
 ``python -m speech_assets.federated --help`` runs the same from the command line (the bench and
 the tests use it; SIGTERM and SIGINT stop the federation cleanly, SIGKILL through the kernel).
@@ -27,8 +35,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeSettings
-from speech_assets.federated.history import read_records, record_rounds
+from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeSettings
+from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, write_connection
 from speech_assets.utils import atomic_write_text
 
@@ -59,15 +67,85 @@ def write_run_config(config: FederatedConfig, path: Path) -> Path:
 
 
 def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
-    """The run's ``result.json`` if this run already finished every round (else ``None``)."""
+    """The run's ``result.json`` if this run already finished every round with exactly these
+    settings (else ``None``)."""
     paths = FederatedPaths(config.run_dir)
     try:
         result = json.loads(paths.result.read_text())
     except (OSError, ValueError):
         return None
-    if result.get("rounds") != config.rounds or not paths.final.is_file():
+    if result.get("rounds") != config.rounds or not paths.final.is_file() or not settings_match(paths, config):
         return None
     return result
+
+
+class InsecureRefused(ValueError):
+    """A remote SuperLink without TLS, and the settings do not say ``insecure = true``."""
+
+
+def check_transport(superlink: str, root_certificates: str, insecure: bool) -> None:
+    """Remote mode talks TLS (verified against ``root_certificates``) unless ``insecure`` says
+    otherwise; local mode always does (its own CA)."""
+    if superlink and not root_certificates and not insecure:
+        raise InsecureRefused(
+            f"the SuperLink at {superlink} would be reached without TLS: set superlink_root_certificates to its CA "
+            "certificate, or insecure = true to send the encoder and the run config in clear text and accept "
+            "any server at that address"
+        )
+
+
+def client_state_roots(
+    clients: list[str], data_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None, run_dir: Path
+) -> dict[str, Path]:
+    """Each local SuperNode's state root: ``<root>/<client>`` (default root
+    ``<data>/federated_clients``); refused if it lies inside the server's run folder."""
+    base = Path(root) if root else Path(data_dir) / CLIENT_STATE_FOLDER
+    roots = {c: (base / c).resolve() for c in clients}
+    server = run_dir.resolve()
+    inside = [str(p) for p in roots.values() if p == server or server in p.parents]
+    if inside:
+        raise ValueError(f"client state roots {inside} lie inside the server's run folder {server}")
+    return roots
+
+
+def client_weights(data_dir: str | os.PathLike[str], clients: list[str]) -> dict[str, float]:
+    """The aggregation weight of each client from ``clients/clients.parquet``: the utterances of
+    its speakers (what the server knows, not what a client reports)."""
+    table = pq.read_table(Path(data_dir) / "clients" / "clients.parquet", columns=["client_id", "utterances"])
+    weights: dict[str, float] = {}
+    for row in table.to_pylist():
+        weights[row["client_id"]] = weights.get(row["client_id"], 0.0) + float(row["utterances"])
+    missing = [c for c in clients if weights.get(c, 0) <= 0]
+    if missing:
+        raise ValueError(f"the clients table has no utterances for {missing}")
+    return {c: weights[c] for c in clients}
+
+
+def stall_limit(config: FederatedConfig) -> float:
+    """Seconds a round may take at most: waits for connections before training and before
+    evaluation, for train and evaluate replies, and a margin for the rest."""
+    return 2 * config.connect_timeout_s + 2 * config.round_timeout_s + STALL_MARGIN_S
+
+
+STALL_MARGIN_S = 600.0
+
+
+class ProgressDeadline:
+    """Why to give up (``check``) once ``limit`` seconds passed since the start or the last
+    round that completed."""
+
+    def __init__(self, limit: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.clock = limit, clock
+        self.since = clock()
+
+    def progressed(self) -> None:
+        self.since = self.clock()
+
+    def check(self) -> str | None:
+        idle = self.clock() - self.since
+        if idle > self.limit:
+            return f"no round completed for {idle:.0f} s (more than {self.limit:.0f} s)"
+        return None
 
 
 class RunFolderBusy(RuntimeError):
@@ -102,16 +180,17 @@ class RoundFollower:
     def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None] | None) -> None:
         self.paths, self.on_round, self.seen = paths, on_round, 0
 
-    def poll(self) -> None:
-        if self.on_round is None:
-            return
+    def poll(self) -> bool:
+        """Report new round records; whether there were any."""
         new = [r for r in record_rounds(self.paths) if r > self.seen]
         if not new:
-            return
+            return False
         for record in read_records(self.paths, new[-1]):
             if int(record["round"]) > self.seen:
-                self.on_round(record)
+                if self.on_round is not None:
+                    self.on_round(record)
                 self.seen = int(record["round"])
+        return True
 
 
 def client_ids(data_dir: str | os.PathLike[str]) -> list[str]:
@@ -125,8 +204,9 @@ def run_federation(
     data_dir: str | os.PathLike[str],
     *,
     superlink: str = "",
-    insecure: bool = True,
+    insecure: bool = False,
     root_certificates: str = "",
+    client_state_root: str | os.PathLike[str] | None = None,
     threads_per_client: int = 0,
     device: str = "auto",
     env: Mapping[str, str] | None = None,
@@ -141,12 +221,18 @@ def run_federation(
     gets every round's metrics, then the final checkpoint or the failure.
 
     Raises :class:`FederatedRunFailed` when the server stopped the run for lack of clients
-    (completed rounds stay saved; the next call resumes after them).
+    (completed rounds stay saved; the next call resumes after them),
+    :class:`~speech_assets.federated.history.SettingsChanged` when the run folder was started
+    with other settings, :class:`InsecureRefused` for a remote SuperLink without TLS.
     """
-    with run_folder_lock(FederatedPaths(config.run_dir)):
+    check_transport(superlink, root_certificates, insecure)
+    paths = FederatedPaths(config.run_dir)
+    roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
+    with run_folder_lock(paths):
+        check_settings(paths, config)
         return _tracked_run(config, data_dir, superlink=superlink, insecure=insecure, root_certificates=root_certificates,
-                            threads_per_client=threads_per_client, device=device, env=env, log=log, on_round=on_round,
-                            tracker=tracker)  # fmt: skip
+                            roots=roots, threads_per_client=threads_per_client, device=device, env=env, log=log,
+                            on_round=on_round, tracker=tracker)  # fmt: skip
 
 
 def _tracked_run(
@@ -184,6 +270,7 @@ def _run_federation(
     superlink: str,
     insecure: bool,
     root_certificates: str,
+    roots: Mapping[str, Path],
     threads_per_client: int,
     device: str,
     env: Mapping[str, str] | None,
@@ -201,8 +288,8 @@ def _run_federation(
     paths.result.unlink(missing_ok=True)
     paths.failure.unlink(missing_ok=True)
     write_run_config(config, paths.run_config)
-    cli_home = paths.flower_dir / "cli"
     started = time.monotonic()
+    deadline = ProgressDeadline(stall_limit(config))
 
     def forward(line: str) -> None:
         if " server INFO round " in line and on_round is not None:
@@ -210,32 +297,33 @@ def _run_federation(
         if " server " in line or "ERROR" in line or "Error" in line or "Traceback" in line:
             log(line)
 
+    def progress() -> str | None:
+        if follower.poll():
+            deadline.progressed()
+        return deadline.check()
+
     if superlink:
+        cli_home = paths.flower_dir / "cli"
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
-        log(f"submitting {config.run_name} to the SuperLink at {superlink}")
-        outcome = flwr_run(
-            APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env,
-            lambda: follower.poll(),  # type: ignore[func-returns-value]
-        )  # fmt: skip
+        log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
+        outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, progress)
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [
-            NodeSettings(client_id=c, data_dir=str(Path(data_dir)), state_dir=str(paths.client_dir(c)),
-                         threads=threads, device=device)
+            NodeSettings(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
             for c in config.clients
-        ]  # fmt: skip
+        ]
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
-            write_connection(cli_home, federation.address)
 
             def should_stop() -> str | None:
-                follower.poll()
                 if federation.superlink is not None and federation.superlink.process.poll() is not None:
                     return f"the SuperLink exited with code {federation.superlink.process.returncode}"
-                return None
+                return progress()
 
             outcome = flwr_run(
-                APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, should_stop
-            )
+                APP_DIR, paths.run_config, federation.cli_home, paths.flower_dir / "flwr-run.log", forward, env,
+                should_stop,
+            )  # fmt: skip
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

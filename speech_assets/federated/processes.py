@@ -14,7 +14,10 @@ guarantee that every process started here is stopped, on success, on failure and
   enough), sends SIGTERM, waits, then SIGKILLs whatever is left, and reaps.
 
 Everything binds to 127.0.0.1 on free ports; each process gets its own ``FLWR_HOME`` under the
-run's ``flower/`` folder, where its log is written too.
+run's ``flower/`` folder, where its log is written too. The SuperLink serves TLS with a
+certificate of a CA made for this federation, and authenticates SuperNodes (Flower's node
+authentication, :mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it
+starts, and ``nodes.json`` tells the ServerApp which node id is which client.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speech_assets import settings
-from speech_assets.federated.config import NodeSettings
+from speech_assets.federated.config import NODES_FILE, NodeSettings
 
 CONNECTION_NAME = "speech_assets"
 SUPERVISOR = "speech_assets.federated.supervise"
+AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -240,8 +244,11 @@ class Daemon:
 class LocalFederation:
     """A SuperLink and one SuperNode per client on 127.0.0.1, for the duration of a ``with``.
 
-    ``folder`` receives one sub-folder per process (its ``FLWR_HOME`` and ``<name>.log``) and
-    ``pids.json``. Each SuperNode gets ``--node-config`` from its :class:`NodeSettings`.
+    ``folder`` receives one sub-folder per process (its ``FLWR_HOME`` and ``<name>.log``),
+    ``pids.json``, ``tls/`` (the CA and the SuperLink's certificate), ``auth/`` (the SuperNodes'
+    keys, deleted on stop), ``cli/`` (the ``flwr`` connection, :attr:`cli_home`) and
+    ``nodes.json`` (``{node id: client id}``, deleted on stop). Each SuperNode gets
+    ``--node-config`` from its :class:`NodeSettings`.
     """
 
     def __init__(
@@ -257,6 +264,12 @@ class LocalFederation:
         self.startup_timeout, self.log = startup_timeout, log
         self.superlink: Daemon | None = None
         self.supernodes: dict[str, Daemon] = {}
+        self.node_ids: dict[str, int] = {}
+
+    @property
+    def cli_home(self) -> Path:
+        """The ``FLWR_HOME`` of ``flwr`` commands against this federation (its connection)."""
+        return self.folder / "cli"
 
     @property
     def address(self) -> str:
@@ -268,21 +281,29 @@ class LocalFederation:
         return ([self.superlink] if self.superlink else []) + list(self.supernodes.values())
 
     def start(self) -> LocalFederation:
+        from speech_assets.federated.auth import make_node_key, make_tls
+
         try:
             port = free_port()
+            tls = make_tls(self.folder / "tls")
             log_path = self.folder / "superlink" / "superlink.log"
             command = [
-                flower_bin("flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                flower_bin("flower-superlink"), "--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert),
+                "--ssl-keyfile", str(tls.key), "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
                 "--disable-runtime-dependency-installation",
             ]  # fmt: skip
             env = flower_env(self.folder / "superlink" / "home", self.base_env)
             self.superlink = Daemon("superlink", spawn(command, log_path, env, supervised=True), log_path, port)
             wait_listening(port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path)
+            write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
+            keys = {node.client_id: make_node_key(self.folder / "auth", node.client_id) for node in self.nodes}
+            self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for node in self.nodes:
                 node_port = free_port()
                 node_dir = self.folder / f"supernode-{node.client_id}"
                 command = [
-                    flower_bin("flower-supernode"), "--insecure", "--superlink", self.address,
+                    flower_bin("flower-supernode"), "--root-certificates", str(tls.ca), "--superlink", self.address,
+                    "--auth-supernode-private-key", str(keys[node.client_id].private),
                     "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node.to_node_config(),
                 ]  # fmt: skip
                 log_path = node_dir / "supernode.log"
@@ -297,6 +318,22 @@ class LocalFederation:
             self.stop()
             raise
         return self
+
+    def register(self, public_keys: Mapping[str, Path]) -> dict[str, int]:
+        """Register each client's SuperNode key with the SuperLink (one interpreter for all);
+        write ``nodes.json``; ``{client id: node id}``."""
+        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME,
+                   *(str(p) for p in public_keys.values())]  # fmt: skip
+        done = subprocess.run(  # noqa: S603
+            command, env=flower_env(self.cli_home, self.base_env), capture_output=True, text=True,
+            timeout=self.startup_timeout, preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"registering the SuperNodes' keys failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+        by_key = json.loads(done.stdout.strip().splitlines()[-1])
+        node_ids = {client: int(by_key[str(path)]) for client, path in public_keys.items()}
+        (self.folder / NODES_FILE).write_text(json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n")
+        return node_ids
 
     def _write_pids(self) -> None:
         """``pids.json``: each daemon's supervisor pid and the Flower process it runs."""
@@ -324,6 +361,10 @@ class LocalFederation:
         if daemons:
             terminate([d.process for d in daemons], grace)
         self.superlink, self.supernodes = None, {}
+        # the registrations died with the SuperLink; the keys and the node ids mean nothing now
+        (self.folder / NODES_FILE).unlink(missing_ok=True)
+        for path in (self.folder / "auth").glob("*.key"):
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalFederation:
         return self.start()
@@ -333,14 +374,16 @@ class LocalFederation:
 
 
 # ---------------------------------------------------------------------------------- flwr CLI
-def write_connection(home: Path, address: str, insecure: bool = True, root_certificates: str = "") -> None:
-    """``$FLWR_HOME/config.toml`` with one SuperLink connection named :data:`CONNECTION_NAME`."""
+def write_connection(home: Path, address: str, insecure: bool = False, root_certificates: str = "") -> None:
+    """``$FLWR_HOME/config.toml`` with one SuperLink connection named :data:`CONNECTION_NAME`
+    (TLS verified against ``root_certificates``, or the system's CAs; plain HTTP if ``insecure``)."""
     home.mkdir(parents=True, exist_ok=True)
-    lines = ["[superlink]", f'default = "{CONNECTION_NAME}"', "", f"[superlink.{CONNECTION_NAME}]", f'address = "{address}"']
+    lines = ["[superlink]", f'default = "{CONNECTION_NAME}"', "", f"[superlink.{CONNECTION_NAME}]",
+             f"address = {json.dumps(address)}"]  # fmt: skip
     if insecure:
         lines.append("insecure = true")
     elif root_certificates:
-        lines.append(f'root-certificates = "{root_certificates}"')
+        lines.append(f"root-certificates = {json.dumps(root_certificates)}")
     (home / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

@@ -9,19 +9,29 @@ not reply. Sampling (``configure_train``/``configure_evaluate``) and aggregation
 (``aggregate_train``/``aggregate_evaluate``) are the strategy's own; replies are aggregated in
 client-id order so that a run is reproducible.
 
-What the server accepts from a client is checked: exactly the encoder's tensors (names, shapes,
-dtype float32), a MetricRecord and the client's id. A reply carrying anything else (a head, a
-codebook, statistics) is refused and the client counted as failed; ``received.jsonl`` lists the
-names and shapes of every record the server received.
+What the server accepts from a client is checked (:mod:`speech_assets.federated.messages`): a
+reply must come from the node the message went to and name the client that node is (registered
+through node authentication, or bound by its first reply); it must hold exactly the encoder's
+tensors (names, shapes, dtype float32), the agreed metrics (finite, in range) and the client's
+id; the update must be finite and within ``max_update_norm`` of the global encoder. A reply that
+fails any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists
+the names and shapes of every record the server received. Aggregation weighs each client by what
+the server knows (``client_weights``, from the clients table), never by its own count.
+
+Every wait on clients has a deadline: for enough of them to be connected (``connect_timeout_s``,
+before training and before evaluation; Flower's own sampling would wait for ever, so the
+strategy samples from the nodes connected then) and for their replies (``round_timeout_s``).
+Clients that miss it count as missing for the round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,15 +40,23 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg
 
 from speech_assets.federated import rounds as records
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, update_norm_bound
+from speech_assets.federated.history import check_settings
+from speech_assets.federated.messages import (
+    ARRAYS,
+    METRICS,
+    SERVER_WEIGHT,
+    ArraySpec,
+    NodeBinding,
+    claimed_client,
+    content_problem,
+    update_problem,
+)
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.federated.server")
 
 POLL_SECONDS = 0.25
-TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
-EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy")
-CLIENT_RECORD = "client"
 
 
 class FederatedRunError(RuntimeError):
@@ -52,6 +70,7 @@ def make_strategy(config: FederatedConfig) -> FedAvg:
         "min_train_nodes": config.required_clients,
         "min_evaluate_nodes": 1,
         "min_available_nodes": config.required_clients,
+        "weighted_by_key": SERVER_WEIGHT,
     }
     if config.strategy == "fedadam":
         # eta_l is Flower's bookkeeping only: clients get their learning rate in the ConfigRecord.
@@ -93,19 +112,62 @@ def describe(message: Message) -> dict[str, Any]:
     return {"records": described}
 
 
+class NodeSnapshot:
+    """The nodes connected at one moment, as the strategy's sampling sees them: Flower's
+    ``sample_nodes`` polls ``get_node_ids()`` until enough are connected, for ever; handed this
+    (with no more required than it holds) it samples at once."""
+
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        self.node_ids = sorted(node_ids)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+
+@contextlib.contextmanager
+def sampling_at_most(strategy: FedAvg, available: int) -> Iterator[None]:
+    """Let the strategy sample from ``available`` nodes when fewer than it asks for are there."""
+    saved = strategy.min_available_nodes
+    strategy.min_available_nodes = min(saved, available)
+    try:
+        yield
+    finally:
+        strategy.min_available_nodes = saved
+
+
+def registered_nodes(paths: FederatedPaths) -> dict[int, str]:
+    """``{node id: client id}`` of the local federation's registered SuperNodes (none if remote)."""
+    try:
+        return {int(node): str(client) for node, client in json.loads(paths.nodes.read_text()).items()}
+    except FileNotFoundError:
+        return {}
+
+
 class Server:
     """One run of the loop described in the module docstring, on ``grid``."""
 
     def __init__(self, grid: Grid, config: FederatedConfig) -> None:
         self.grid, self.config = grid, config
         self.paths = FederatedPaths(config.run_dir)
-        self.node_clients: dict[int, str] = {}
+        self.binding = NodeBinding(config.clients, registered_nodes(self.paths))
+        self.expected: ArraySpec = {}
+        self.encoder_values = 0
+
+    @property
+    def node_clients(self) -> dict[int, str]:
+        return self.binding.node_client
+
+    def expect(self, encoder: records.NDArrays) -> None:
+        """The spec every train reply's arrays must match (the global encoder's)."""
+        self.expected = {name: (str(np.dtype(a.dtype)), tuple(int(d) for d in a.shape)) for name, a in encoder.items()}
+        self.encoder_values = sum(int(a.size) for a in encoder.values())
 
     # ------------------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
         config, paths = self.config, self.paths
         paths.root.mkdir(parents=True, exist_ok=True)
         paths.failure.unlink(missing_ok=True)
+        check_settings(paths, config)  # the launcher checked already; a hand-made `flwr run` did not
         strategy = make_strategy(config)
         state = records.load_latest(paths, config)
         if state is None:
@@ -122,9 +184,8 @@ class Server:
                           f"asked for: ask for at least {start} rounds, or use another run folder", [], [])  # fmt: skip
             restore_strategy(strategy, state.strategy)
             log.info("resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12])
-        self.expected_keys = {name: (array.dtype, array.shape) for name, array in encoder.items()}
+        self.expect(encoder)
         for round_number in range(start + 1, config.rounds + 1):
-            self.wait_for_clients(round_number)
             encoder, history = self.round(strategy, round_number, encoder)
         sha = records.save_final(paths, config, config.rounds, encoder)
         result = self.result(history, sha, resumed_from=start or None)
@@ -132,31 +193,37 @@ class Server:
         log.info("done: %d rounds, final encoder %s, written to %s", config.rounds, sha[:12], paths.final)
         return result
 
-    def wait_for_clients(self, round_number: int) -> None:
-        """Before round 1 wait for every expected client to connect (up to ``connect_timeout_s``);
-        before any round, fail if fewer than ``min_train_nodes`` are connected by then (Flower's
-        sampling would otherwise wait for them forever)."""
+    def connected(self, wanted: int, timeout: float) -> list[int]:
+        """The connected nodes once at least ``wanted`` are, or when ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while len(nodes := list(self.grid.get_node_ids())) < wanted and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        return nodes
+
+    def wait_for_clients(self, round_number: int) -> list[int]:
+        """Before round 1 wait for every expected client to connect (up to ``connect_timeout_s``),
+        before a later round for ``min_train_nodes``; fail if fewer are connected by then."""
         config = self.config
         wanted = len(config.clients) if round_number == 1 or not self.node_clients else config.required_clients
-        deadline = time.monotonic() + config.connect_timeout_s
-        while (connected := len(list(self.grid.get_node_ids()))) < wanted:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(POLL_SECONDS)
-        if connected < config.required_clients:
-            self.fail(round_number, f"only {connected} of {len(config.clients)} clients are connected after "
-                      f"{config.connect_timeout_s:.0f} s; a round needs {config.required_clients}", [], [])  # fmt: skip
+        nodes = self.connected(wanted, config.connect_timeout_s)
+        if len(nodes) < config.required_clients:
+            missing = sorted(set(config.clients) - {c for n in nodes if (c := self.binding.client_of(n))})
+            self.fail(round_number, f"only {len(nodes)} of {len(config.clients)} clients are connected after "
+                      f"{config.connect_timeout_s:.0f} s; a round needs {config.required_clients}", missing, [])  # fmt: skip
+        return nodes
 
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
     ) -> tuple[records.NDArrays, list[dict[str, Any]]]:
         config = self.config
+        nodes = self.wait_for_clients(round_number)
         started = time.monotonic()
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         bytes_down = array_bytes(arrays)
-        messages = strategy.configure_train(round_number, arrays, ConfigRecord(config.local().to_record()), self.grid)
+        local = ConfigRecord(config.local().to_record())
+        messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(nodes))  # type: ignore[arg-type]
         good, failures = self.exchange(messages, round_number, "train")
-        good = self.accept_train(good, failures)
+        good, norms = self.accept_train(good, encoder, failures)
         replied = [self.client_of(reply) for reply in good]
         missing = sorted(set(config.clients) - set(replied))
         if len(good) < config.required_clients:
@@ -167,34 +234,39 @@ class Server:
                 missing,
                 failures,
             )
+        rows = [
+            {
+                "round": round_number,
+                "client_id": self.client_of(reply),
+                "num_examples": int(reply.content[METRICS]["num-examples"]),
+                "train_loss": float(reply.content[METRICS]["train-loss"]),
+                "masked_accuracy": float(reply.content[METRICS]["masked-accuracy"]),
+                "bytes_up": array_bytes(reply.content[ARRAYS]),
+                "bytes_down": bytes_down,
+                "seconds": float(reply.content[METRICS]["seconds"]),
+                "weight": config.weight_of(self.client_of(reply)),
+                "update_norm": norms[self.client_of(reply)],
+            }
+            for reply in good
+        ]
+        self.weigh(good)
         aggregated, train_metrics = strategy.aggregate_train(round_number, good)
         if aggregated is None:
             self.fail(round_number, f"round {round_number}: the strategy returned no aggregate", missing, failures)
         new_encoder = {name: np.asarray(aggregated[name].numpy(), dtype=np.float32) for name in encoder}
         train_seconds = time.monotonic() - started
-        rows = [
-            {
-                "round": round_number,
-                "client_id": self.client_of(reply),
-                "num_examples": int(reply.content["metrics"]["num-examples"]),
-                "train_loss": float(reply.content["metrics"]["train-loss"]),
-                "masked_accuracy": float(reply.content["metrics"]["masked-accuracy"]),
-                "bytes_up": array_bytes(reply.content["arrays"]),
-                "bytes_down": bytes_down,
-                "seconds": float(reply.content["metrics"]["seconds"]),
-            }
-            for reply in good
-        ]
-        evaluation, eval_metrics = self.evaluate(strategy, round_number, new_encoder, failures)
+        evaluation, eval_metrics = self.evaluate(strategy, round_number, new_encoder, replied, failures)
         record = {
             "rows": rows,
             "evaluation": evaluation,
             "missing": missing,
+            "evaluation_missing": sorted(set(config.clients) - {e["client_id"] for e in evaluation}),
             "failures": failures,
             "round_seconds": time.monotonic() - started,
             "train_seconds": train_seconds,
             "aggregated_train": dict(train_metrics or {}),
             "aggregated_evaluation": eval_metrics,
+            "update_norm_bound": update_norm_bound(config, self.encoder_values),
         }
         history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
         line = records.summarize_rounds(history[-1:])[0]
@@ -206,18 +278,42 @@ class Server:
         )  # fmt: skip
         return new_encoder, history
 
+    def weigh(self, replies: Iterable[Message]) -> None:
+        """Give each accepted reply the weight the server knows for its client, for Flower's
+        aggregation (``weighted_by_key``); the client's own ``num-examples`` plays no part."""
+        for reply in replies:
+            reply.content[METRICS][SERVER_WEIGHT] = self.config.weight_of(self.client_of(reply))
+
     def evaluate(
-        self, strategy: FedAvg, round_number: int, encoder: records.NDArrays, failures: list[dict[str, Any]]
+        self,
+        strategy: FedAvg,
+        round_number: int,
+        encoder: records.NDArrays,
+        trained: Collection[str],
+        failures: list[dict[str, Any]],
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """The new global encoder on every client's held-out utterances (with its own head)."""
+        """The new global encoder on every connected client's held-out utterances (with its own
+        head); waits up to ``connect_timeout_s`` for the clients that trained to be connected,
+        then up to ``round_timeout_s`` for replies. Clients that miss either are not scored."""
+        config = self.config
+        nodes = self.connected(len(trained), config.connect_timeout_s)
+        if not nodes:
+            log.warning("round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s)
+            failures.append({"phase": "evaluate", "client_id": None, "node_id": None,
+                             "reason": f"no client connected within {config.connect_timeout_s:.0f} s"})  # fmt: skip
+            return [], {}
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
-        messages = strategy.configure_evaluate(round_number, arrays, ConfigRecord(self.config.local().to_record()), self.grid)
+        with sampling_at_most(strategy, len(nodes)):
+            messages = strategy.configure_evaluate(
+                round_number, arrays, ConfigRecord(config.local().to_record()), NodeSnapshot(nodes)  # type: ignore[arg-type]
+            )
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
         accepted = []
         for reply in good:
-            problem = self.check_reply(reply, arrays_expected=False, metrics=EVAL_METRICS)
+            problem = content_problem(reply.content, "evaluate", self.expected, config.clients)
             if problem:
                 eval_failures.append(self.failure(reply, "evaluate", problem))
+                log.warning("refusing the evaluate reply of %s: %s", self.client_of(reply), problem)
             else:
                 accepted.append(reply)
         failures.extend(eval_failures)
@@ -225,15 +321,16 @@ class Server:
             {
                 "round": round_number,
                 "client_id": self.client_of(reply),
-                "utterances": int(reply.content["metrics"]["utterances"]),
-                "masked_frames": int(reply.content["metrics"]["num-examples"]),
-                "heldout_loss": float(reply.content["metrics"]["heldout-loss"]),
-                "heldout_masked_accuracy": float(reply.content["metrics"]["heldout-masked-accuracy"]),
-                "majority_accuracy": float(reply.content["metrics"]["majority-accuracy"]),
+                "utterances": int(reply.content[METRICS]["utterances"]),
+                "masked_frames": int(reply.content[METRICS]["num-examples"]),
+                "heldout_loss": float(reply.content[METRICS]["heldout-loss"]),
+                "heldout_masked_accuracy": float(reply.content[METRICS]["heldout-masked-accuracy"]),
+                "majority_accuracy": float(reply.content[METRICS]["majority-accuracy"]),
             }
             for reply in accepted
         ]
-        weighted = [reply for reply in accepted if int(reply.content["metrics"]["num-examples"]) > 0]
+        weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
+        self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
         return rows, dict(metrics or {})
 
@@ -243,100 +340,89 @@ class Server:
     ) -> tuple[list[Message], list[dict[str, Any]]]:
         """Push ``messages``, pull replies until all arrived or ``round_timeout_s`` passed.
 
-        Returns the replies without error, sorted by client id, and a failure entry for every
-        error reply (a ClientApp that raised or exited, a node that went offline) and every
-        node that did not reply in time. Every reply is described in ``received.jsonl``.
+        Returns the replies bound to their node (:class:`NodeBinding`), sorted by client id, and
+        a failure entry for every error reply (a ClientApp that raised or exited, a node that went
+        offline), every reply refused by the binding and every node that did not reply in time.
+        Every reply is described in ``received.jsonl``.
         """
         messages = list(messages)
         destinations = [m.metadata.dst_node_id for m in messages]
         ids = list(self.grid.push_messages(messages))
         pending = {mid: node for mid, node in zip(ids, destinations, strict=True) if mid}
         failures = [
-            {"phase": phase, "client_id": self.node_clients.get(node), "node_id": node, "reason": "could not be sent"}
+            {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node, "reason": "could not be sent"}
             for mid, node in zip(ids, destinations, strict=True)
             if not mid
         ]
-        good: list[Message] = []
+        replies: list[tuple[int, Message]] = []
         deadline = time.monotonic() + self.config.round_timeout_s
         while pending and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(pending)):
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
                 if node is None:
                     continue
-                if not reply.has_error():
-                    self.learn_client(node, reply)
                 self.audit(round_number, phase, node, reply)
                 if reply.has_error():
                     failures.append(
-                        {"phase": phase, "client_id": self.node_clients.get(node), "node_id": node,
+                        {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node,
                          "reason": f"error {reply.error.code}: {reply.error.reason}"}
                     )  # fmt: skip
                 else:
-                    good.append(reply)
+                    replies.append((node, reply))
             if pending:
                 time.sleep(POLL_SECONDS)
         for node in pending.values():
             failures.append(
-                {"phase": phase, "client_id": self.node_clients.get(node), "node_id": node,
+                {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node,
                  "reason": f"no reply within {self.config.round_timeout_s:.0f} s"}
             )  # fmt: skip
+        good, refused = self.binding.bind(replies, phase, connected=set(self.grid.get_node_ids()))
+        failures.extend(refused)
         for failure in failures:
             log.warning("round %d %s: %s (node %s) failed: %s", round_number, phase,
                         failure["client_id"] or "unknown client", failure["node_id"], failure["reason"])  # fmt: skip
         return sorted(good, key=self.client_of), failures
 
-    def learn_client(self, node: int, reply: Message) -> None:
-        record = reply.content.config_records.get(CLIENT_RECORD)
-        if record is not None and isinstance(record.get("client-id"), str):
-            self.node_clients[node] = str(record["client-id"])
-
     def client_of(self, reply: Message) -> str:
-        return str(reply.content[CLIENT_RECORD]["client-id"])
+        """The client of an accepted reply (bound to its node)."""
+        return str(self.binding.client_of(reply.metadata.src_node_id))
 
     def audit(self, round_number: int, phase: str, node: int, reply: Message) -> None:
-        entry = {"round": round_number, "phase": phase, "node_id": node, "client_id": self.node_clients.get(node)}
+        entry = {"round": round_number, "phase": phase, "node_id": node, "client_id": self.binding.client_of(node)}
         entry.update(describe(reply))
         self.paths.received.parent.mkdir(parents=True, exist_ok=True)
         with open(self.paths.received, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry, sort_keys=True) + "\n")
 
-    def accept_train(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
-        accepted = []
+    def accept_train(
+        self, good: list[Message], encoder: records.NDArrays, failures: list[dict[str, Any]]
+    ) -> tuple[list[Message], dict[str, float]]:
+        """The train replies that pass :meth:`check_reply` and :func:`update_problem` against the
+        global ``encoder``; ``{client: update norm}`` of those accepted."""
+        bound = update_norm_bound(self.config, self.encoder_values)
+        accepted, norms = [], {}
         for reply in good:
-            problem = self.check_reply(reply, arrays_expected=True, metrics=TRAIN_METRICS)
+            problem = self.check_reply(reply, "train")
+            norm = None
+            if problem is None:
+                update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
+                norm, problem = update_problem(update, encoder, bound)
             if problem:
                 failures.append(self.failure(reply, "train", problem))
-                log.warning("refusing the reply of %s: %s", self.node_clients.get(reply.metadata.src_node_id), problem)
+                log.warning("refusing the train reply of %s: %s", self.client_of(reply), problem)
             else:
                 accepted.append(reply)
-        return accepted
+                norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
+        return accepted, norms
 
-    def check_reply(self, reply: Message, arrays_expected: bool, metrics: Sequence[str]) -> str | None:
+    def check_reply(self, reply: Message, phase: str) -> str | None:
         """Why a reply is refused (``None`` if it is acceptable): the privacy boundary, enforced."""
-        content = reply.content
-        allowed = {"arrays", "metrics", CLIENT_RECORD} if arrays_expected else {"metrics", CLIENT_RECORD}
-        extra = sorted(set(content.keys()) - allowed)
-        if extra:
-            return f"unexpected records {extra}"
-        client = content.config_records.get(CLIENT_RECORD)
-        if client is None or set(client) != {"client-id"} or client["client-id"] not in self.config.clients:
-            return "no valid client-id"
-        if set(content.metric_records.get("metrics", {})) != set(metrics):
-            return f"metrics must be exactly {sorted(metrics)}"
-        if arrays_expected:
-            arrays = content.array_records.get("arrays")
-            if arrays is None:
-                return "no encoder"
-            shapes = {name: (np.dtype(a.dtype), tuple(a.shape)) for name, a in arrays.items()}
-            if shapes != self.expected_keys:
-                unexpected = sorted(set(shapes) - set(self.expected_keys))
-                return f"arrays are not exactly the encoder's (unexpected: {unexpected[:5]})"
-        return None
+        return content_problem(reply.content, phase, self.expected, self.config.clients)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
-        client = reply.content.config_records.get(CLIENT_RECORD)
-        return {"phase": phase, "client_id": client.get("client-id") if client else None,
-                "node_id": reply.metadata.src_node_id, "reason": reason}  # fmt: skip
+        return {"phase": phase, "client_id": self.binding.client_of(reply.metadata.src_node_id),
+                "claimed_client_id": claimed_client(reply.content), "node_id": reply.metadata.src_node_id,
+                "reason": reason}  # fmt: skip
 
     # ---------------------------------------------------------------------- end of run
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> None:

@@ -3,6 +3,7 @@ description, light imports, and the supervisor that leaves no process behind (no
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.federated.config import FederatedConfig, LocalConfig, NodeSettings
-from speech_assets.federated.launch import APP_DIR, write_run_config
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeSettings, settings_changes
+from speech_assets.federated.history import SettingsChanged, check_settings
+from speech_assets.federated.launch import (
+    APP_DIR,
+    STALL_MARGIN_S,
+    InsecureRefused,
+    ProgressDeadline,
+    check_transport,
+    client_state_roots,
+    completed_result,
+    stall_limit,
+    write_run_config,
+)
 from speech_assets.federated.processes import alive, descendants
 from speech_assets_tests.conftest import REPO
 
@@ -88,13 +100,120 @@ def test_round_instructions_round_trip() -> None:
 def test_node_config_is_parsed_by_flower_as_written() -> None:
     from flwr.common.config import parse_config_args
 
-    node = NodeSettings(client_id="client_02", data_dir="/data/out", state_dir="/runs/x/clients/client_02", threads=2)
+    node = NodeSettings(client_id="client_02", data_dir="/data/out", state_root="/clients/client_02", threads=2)
     parsed = parse_config_args([node.to_node_config()])
     assert NodeSettings.from_node_config(parsed) == node
-    assert node.client_dir("run") == Path("/runs/x/clients/client_02")
-    assert NodeSettings("c", "/d").client_dir("run") == Path("/d/federated/run/clients/c")
+    assert node.client_dir("run") == Path("/clients/client_02/run")
+    # without a state root: a folder of the client's own beside the data, not the server's run folder
+    assert NodeSettings("c", "/d").client_dir("run") == Path("/d/federated_clients/c/run")
     with pytest.raises(ValueError, match="client-id"):
         NodeSettings.from_node_config({"data-dir": "/d"})
+    with pytest.raises(ValueError, match="state-root"):
+        NodeSettings.from_node_config({"client-id": "c", "data-dir": "/d", "state-dir": "/x"})
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../other", "a/b", "", "run name", "x" * 65])
+def test_a_run_name_from_the_server_becomes_a_path_only_when_it_is_a_safe_id(name: str) -> None:
+    """The run name in a round's ConfigRecord comes from the server: `..` or `a/b` must never
+    become the client's state folder (the old check forbade only `/`, on the server)."""
+    record = _config().local().to_record() | {"run-name": name}
+    with pytest.raises(ValueError, match="run name sent by the server"):
+        LocalConfig.from_record(record)
+    with pytest.raises(ValueError, match="run name sent by the server"):
+        NodeSettings("client_00", "/data").client_dir(name)
+    with pytest.raises(ValueError, match="run_name"):
+        _config(run_name=name)
+    with pytest.raises(ValueError, match="client-id"):
+        NodeSettings(name or "..", "/data")
+
+
+def test_client_state_lives_under_roots_the_supernodes_own(tmp_path: Path) -> None:
+    """Local SuperNodes keep their heads and CMVN under <data>/federated_clients/<client>, never
+    under the server's run folder (it was <run>/clients/<client>)."""
+    data, run_dir = tmp_path / "out", tmp_path / "out" / "federated" / "abc"
+    roots = client_state_roots(["client_00", "client_01"], data, None, run_dir)
+    assert roots == {c: (data / "federated_clients" / c).resolve() for c in ("client_00", "client_01")}
+    assert roots == client_state_roots(["client_00", "client_01"], data, data / "federated_clients", run_dir)
+    with pytest.raises(ValueError, match="inside the server's run folder"):
+        client_state_roots(["client_00"], data, run_dir / "clients", run_dir)
+    assert not hasattr(FederatedPaths, "client_dir")  # the server's layout has no client folder
+
+
+def test_settings_changes_name_what_changed() -> None:
+    before = _config(eta=0.01, rounds=2, data_versions={"manifest": "a"}).settings()
+    assert settings_changes(before, _config(eta=0.01, rounds=2, data_versions={"manifest": "a"}).settings(), resuming=False) == []
+    # more rounds (or other timeouts) may resume a run; a result is reused only for the same rounds
+    longer = _config(eta=0.01, rounds=3, round_timeout_s=5.0, data_versions={"manifest": "a"}).settings()
+    assert settings_changes(before, longer, resuming=True) == []
+    assert settings_changes(before, longer, resuming=False) == ["rounds: 2 -> 3"]
+    other = _config(eta=0.05, strategy="fedavg", rounds=2, data_versions={"manifest": "b"}).settings()
+    assert settings_changes(before, other, resuming=True) == [
+        'data_versions: {"manifest": "a"} -> {"manifest": "b"}', "eta: 0.01 -> 0.05", "strategy: 'fedadam' -> 'fedavg'"
+    ]
+
+
+def test_resuming_a_run_folder_with_other_settings_is_refused(tmp_path: Path) -> None:
+    config = _config(run_dir=str(tmp_path / "abc"), eta=0.01)
+    paths = FederatedPaths(config.run_dir)
+    check_settings(paths, config)  # a fresh folder records its settings
+    assert json.loads(paths.settings.read_text())["eta"] == 0.01
+    check_settings(paths, _config(run_dir=str(tmp_path / "abc"), eta=0.01, rounds=5))  # more rounds: fine
+    with pytest.raises(SettingsChanged, match=r"eta: 0\.01 -> 0\.02.*tau: 0\.001 -> 0\.1"):
+        check_settings(paths, _config(run_dir=str(tmp_path / "abc"), eta=0.02, tau=0.1))
+    # a finished result is reused only when every setting, rounds included, matches
+    paths.result.write_text(json.dumps({"rounds": 5}))
+    paths.final.write_bytes(b"final")
+    assert completed_result(_config(run_dir=str(tmp_path / "abc"), eta=0.01, rounds=5)) == {"rounds": 5}
+    assert completed_result(_config(run_dir=str(tmp_path / "abc"), eta=0.01, rounds=5, max_update_norm=3.0)) is None
+    # rounds without settings: nothing says what they were trained with
+    legacy = FederatedPaths(tmp_path / "legacy")
+    legacy.rounds_dir.mkdir(parents=True)
+    legacy.round_record(1).write_text("{}")
+    with pytest.raises(SettingsChanged, match="no settings.json"):
+        check_settings(legacy, _config(run_dir=str(legacy.root)))
+
+
+def test_the_cli_refuses_to_resume_with_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m speech_assets.federated` on a run folder started with other settings stops
+    before it starts anything, naming the change."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from speech_assets.federated.__main__ import main
+
+    data = tmp_path / "out"
+    (data / "clients").mkdir(parents=True)
+    pq.write_table(pa.table({"speaker_id": ["s1", "s2"], "client_id": ["client_00", "client_01"],
+                             "hours": [0.1, 0.2], "utterances": [3, 5]}), data / "clients" / "clients.parquet")  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = FederatedConfig(run_dir=str(run_dir), run_name="run", clients=["client_00", "client_01"],
+                            client_weights={"client_00": 3.0, "client_01": 5.0}, local_steps=7)  # fmt: skip
+    check_settings(FederatedPaths(run_dir), first)
+    code = main(["--data-dir", str(data), "--run-dir", str(run_dir), "--local-steps", "8", "--connect-timeout-s", "5"])
+    assert code == 1
+    assert "local_steps: 7 -> 8" in capsys.readouterr().err
+    assert not (run_dir / "flower").exists()  # nothing was started
+
+
+def test_a_remote_superlink_without_tls_is_refused_unless_insecure() -> None:
+    check_transport("", "", insecure=False)  # local: the launcher's own CA and node authentication
+    check_transport("fl.example.org:9093", "/etc/ca.pem", insecure=False)
+    check_transport("fl.example.org:9093", "", insecure=True)
+    with pytest.raises(InsecureRefused, match="insecure = true"):
+        check_transport("fl.example.org:9093", "", insecure=False)
+
+
+def test_the_launcher_gives_up_on_a_run_without_progress() -> None:
+    """flwr run is followed with a deadline: no round completed within stall_limit -> stop."""
+    now = [0.0]
+    config = _config(connect_timeout_s=10.0, round_timeout_s=20.0)
+    deadline = ProgressDeadline(stall_limit(config), clock=lambda: now[0])
+    assert stall_limit(config) == 2 * 10.0 + 2 * 20.0 + STALL_MARGIN_S
+    now[0] = stall_limit(config)
+    assert deadline.check() is None
+    deadline.progressed()  # a round completed
+    now[0] += stall_limit(config) + 1
+    assert "no round completed" in str(deadline.check())
 
 
 def test_settings_and_launcher_import_neither_torch_nor_flower() -> None:
@@ -175,3 +294,22 @@ def test_supervisor_reports_the_command_exit_code_and_reaps_what_it_left(tmp_pat
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert done.returncode == 7
     assert _pids_of("sleep 303") == []
+
+
+@pytest.mark.parametrize("override", [{"insecure": True}, {"client_state_root": "/"}])
+def test_run_config_cannot_give_up_tls_or_move_the_client_state(override: dict, tmp_path: Path) -> None:
+    """`insecure` and `client_state_root` come from the settings file only: run config naming them
+    is rejected by Dagster before a run exists."""
+    import dagster as dg
+
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.definitions import build_definitions
+    from speech_assets_tests.conftest import SAMPLE_CORPUS
+
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    job = build_definitions(paths, PipelineSettings()).resolve_implicit_global_asset_job_def().get_subset(
+        asset_selection={dg.AssetKey("federated_checkpoint")})  # fmt: skip
+    with dg.DagsterInstance.ephemeral() as instance:
+        with pytest.raises(dg.DagsterInvalidConfigError, match=f'unexpected config entry "{next(iter(override))}"'):
+            job.execute_in_process(instance=instance, run_config={"ops": {"federated_checkpoint": {"config": override}}})
+        assert not instance.get_runs()

@@ -10,6 +10,7 @@ client, `flwr run`), a real Dagster instance, a real MLflow store and the sample
   uninterrupted Dagster run.
 - slow: a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients
   stops the run with a clear message after saving the completed rounds.
+- slow: only SuperNodes whose key the launcher registered join the local SuperLink.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: 
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
     args = []
     for key, value in values.items():
-        if key not in ("run-dir", "run-name", "data-versions"):
+        if key not in ("run-dir", "run-name", "data-versions", "client-weights"):  # the CLI reads the weights itself
             args += [f"--{key}", str(value)]
     command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir), *args]
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (closed with the process)
@@ -113,6 +114,11 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     client = mlflow.tracking.MlflowClient(sample_pipeline.mlflow_uri)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "heldout_masked_accuracy")] == [1, 2]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
+    # the SuperLink authenticated its SuperNodes (TLS, node authentication): each registered key activated
+    superlink_log = (run_dir / "flower" / "superlink" / "superlink.log").read_text()
+    assert superlink_log.count("[Fleet.ActivateNode] Activated node_id=") == len(sample_pipeline.clients)
+    assert "SuperNode authentication is disabled" not in superlink_log
+    assert not (run_dir / "flower" / "nodes.json").exists() and not list((run_dir / "flower" / "auth").glob("*.key"))
     # every process the asset started is gone
     assert wait_until_gone(sample_pipeline.out) == []
 
@@ -145,15 +151,42 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
     heads = {}
     for client_id in sample_pipeline.clients:
         k = json.loads((sample_pipeline.out / "kmeans" / client_id / "quality.json").read_text())["k"]
-        head = torch.load(run_dir / "clients" / client_id / "heads" / f"round_{ROUNDS:05d}.pt", weights_only=True)
-        assert list(head["head"]["weight"].shape) == [k, 128]
+        # each client's state lives under the root its SuperNode owns, not in the server's run folder
+        state = sample_pipeline.out / "federated_clients" / client_id / run_dir.name
+        head = torch.load(state / "heads" / f"round_{ROUNDS:05d}.pt", weights_only=True)
+        assert list(head["head"]["weight"].shape) == [k, 128] and (state / "cmvn.npz").is_file()
         heads[client_id] = head["head"]["weight"]
-    server_files = [p for p in run_dir.rglob("*") if p.is_file() and "clients" not in p.relative_to(run_dir).parts]
+    assert not (run_dir / "clients").exists()
+    server_files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert not any("head" in p.name or "codebook" in p.name or "cmvn" in p.name for p in server_files)
     # no head's values hide in what the server stored under another name
     stored = torch.cat([t.flatten() for t in encoder.values()])
     for weight in heads.values():
         assert not torch.isin(weight.flatten()[:64], stored).all()
+
+
+def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(dagster_run: dict, sample_build: dict,
+                                                                    sample_pipeline: SamplePipeline) -> None:
+    """The run folder remembers the settings it was started with (settings.json). A
+    re-materialization whose settings differ from them is refused, naming the change, before
+    any process starts; the finished result is not reused (before: it was, whatever the
+    settings)."""
+    import dagster as dg
+
+    from speech_assets.testing.local_runs import materialize_in_process
+
+    settings_file = dagster_run["run_dir"] / "settings.json"
+    original = settings_file.read_text()
+    assert json.loads(original)["eta"] == 0.01
+    settings_file.write_text(json.dumps(json.loads(original) | {"eta": 0.5}))
+    try:
+        with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
+            run_config = {"ops": {"federated_checkpoint": {"config": FAST}}}
+            with pytest.raises(dg.Failure, match=r"refused: .*started with other settings \(eta: 0\.5 -> 0\.01\)"):
+                materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
+    finally:
+        settings_file.write_text(original)
+    assert wait_until_gone(sample_pipeline.out) == []
 
 
 @pytest.mark.slow
@@ -215,3 +248,53 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     assert sorted({r["round"] for r in rows}) == [1, 2] and len(rows) == 4 + 3
     assert (run_dir / "rounds" / "round_00002.pt").is_file() and not (run_dir / "final.pt").exists()
     assert wait_until_gone(run_dir) == []
+
+
+@pytest.mark.slow
+def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) -> None:
+    """The local SuperLink serves TLS and authenticates SuperNodes (Flower's node authentication):
+    the launcher's SuperNode, whose key it registered, joins; a SuperNode without a key, or with a
+    key nobody registered, is refused even under a client id taking part. Its keys and node ids
+    are deleted when the federation stops."""
+    from speech_assets.federated.auth import make_node_key
+    from speech_assets.federated.config import NodeSettings
+    from speech_assets.federated.processes import LocalFederation, flower_bin, flower_env, spawn, terminate
+
+    folder = tmp_path / "flower"
+    node = NodeSettings("client_00", str(tmp_path / "data"))
+    impostors = []
+    try:
+        with LocalFederation(folder, [node], log=lambda line: None) as federation:
+            node_id = federation.node_ids["client_00"]
+            assert json.loads((folder / "nodes.json").read_text()) == {str(node_id): "client_00"}
+            command = [flower_bin("flower-supernode"), "--root-certificates", str(folder / "tls" / "ca.crt"),
+                       "--superlink", federation.address, "--host", "127.0.0.1"]  # fmt: skip
+            stranger = make_node_key(tmp_path / "stranger", "client_01")
+            for name, extra in (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])):
+                argv = [*command, "--port", str(_free_port()), *extra, "--node-config", node.to_node_config()]
+                log = tmp_path / name / "supernode.log"
+                impostors.append((spawn(argv, log, flower_env(tmp_path / name / "home"), supervised=True), log))
+            for process, log in impostors:
+                assert process.wait(timeout=300) != 0, log.read_text()
+                assert "Failed to" in log.read_text()  # activate (unregistered key) / register (no key)
+            own = federation.supernodes["client_00"]
+            _wait_for_text(own.log, f"SuperNode ID: {node_id}", own.process)
+            assert own.process.poll() is None
+    finally:
+        terminate([p for p, _ in impostors])
+    assert not (folder / "nodes.json").exists() and not list((folder / "auth").glob("*.key"))
+    assert wait_until_gone(tmp_path) == []
+
+
+def _free_port() -> int:
+    from speech_assets.federated.processes import free_port
+
+    return free_port()
+
+
+def _wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text(errors="replace") if path.exists() else ""):
+        assert process.poll() is None, f"{path} ended without {text!r}:\n{path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{text!r} did not appear in {path} within {timeout:.0f} s"
+        time.sleep(0.5)

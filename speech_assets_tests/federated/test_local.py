@@ -52,12 +52,12 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
     everything_else = [p for p in isolated.rglob("*") if p.is_file()]
     assert not any("client_01" in str(p) or "cmvn" in p.parts or "clients" in p.parts for p in everything_else)
     data = ClientData.resolve(isolated, CLIENT)
-    node = NodeSettings(client_id=CLIENT, data_dir=str(isolated), state_dir=str(tmp_path / "state"), threads=1)
+    node = NodeSettings(client_id=CLIENT, data_dir=str(isolated), state_root=str(tmp_path / "state"), threads=1)
     client = LocalClient(data, _local(), node)
 
     # client-level CMVN: its own speakers' partial sums, not the global statistics
     own = cmvn.Cmvn.from_sums(cmvn.combine([cmvn.ShardStats.load(p) for p in data.stats], speakers=data.speakers))
-    saved = cmvn.Cmvn.load(tmp_path / "state" / "cmvn.npz")
+    saved = cmvn.Cmvn.load(tmp_path / "state" / "unit" / "cmvn.npz")
     np.testing.assert_array_equal(saved.mean["logmel"], own.mean["logmel"])
     global_cmvn = cmvn.Cmvn.load(sample_pipeline.out / "cmvn" / "cmvn.npz")
     assert not np.allclose(saved.mean["logmel"], global_cmvn.mean["logmel"])
@@ -70,7 +70,7 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
     assert any(not torch.equal(result.encoder[k], start[k]) for k in start)
     assert result.num_examples > 0 and result.steps == 2 and np.isfinite(result.train_loss)
     # the head stays here: (K, D) for this client's own K
-    head = torch.load(tmp_path / "state" / "heads" / "round_00001.pt", weights_only=True)
+    head = torch.load(tmp_path / "state" / "unit" / "heads" / "round_00001.pt", weights_only=True)
     assert head["client_id"] == CLIENT and head["k"] == data.k
     assert tuple(head["head"]["weight"].shape) == (data.k, get_preset("tiny").dim)
     evaluation = client.evaluate(1, result.encoder)
@@ -81,7 +81,7 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
 def test_a_local_round_repeats_exactly(sample_pipeline, tmp_path: Path) -> None:
     """Round r starts from the newest head saved before r, so a re-run round (after a kill)
     computes the same encoder whatever the first attempt left behind."""
-    node = NodeSettings(client_id=CLIENT, data_dir=str(sample_pipeline.out), state_dir=str(tmp_path / "state"), threads=1)
+    node = NodeSettings(client_id=CLIENT, data_dir=str(sample_pipeline.out), state_root=str(tmp_path / "state"), threads=1)
     start = initial_encoder("tiny", seed=0)
 
     def train(round_number: int, encoder: dict) -> dict:

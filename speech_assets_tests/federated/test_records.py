@@ -16,7 +16,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord,
 from speech_assets.federated import history, rounds
 from speech_assets.federated.config import FederatedConfig, FederatedPaths
 from speech_assets.federated.report import markdown_rounds, round_curve_png
-from speech_assets.federated.server_app import EVAL_METRICS, TRAIN_METRICS, Server
+from speech_assets.federated.messages import EVAL_METRICS, TRAIN_METRICS
+from speech_assets.federated.server_app import Server
 from speech_assets.stats import database as stats_db
 
 CLIENTS = ["client_00", "client_01"]
@@ -122,10 +123,10 @@ def test_the_server_accepts_only_the_encoder_and_scalar_metrics(tmp_path: Path) 
     statistics (as extra arrays, an extra record or extra metrics) is refused."""
     server = Server(grid=None, config=_config(tmp_path / "run"))  # type: ignore[arg-type]
     encoder = _encoder(0)
-    server.expected_keys = {name: (value.dtype, value.shape) for name, value in encoder.items()}
+    server.expect(encoder)
     train = {name: 1.0 for name in TRAIN_METRICS}
-    assert server.check_reply(_reply(encoder, train), arrays_expected=True, metrics=TRAIN_METRICS) is None
-    assert server.check_reply(_reply(None, {n: 1.0 for n in EVAL_METRICS}), arrays_expected=False, metrics=EVAL_METRICS) is None
+    assert server.check_reply(_reply(encoder, train), "train") is None
+    assert server.check_reply(_reply(None, {n: 1.0 for n in EVAL_METRICS}), "evaluate") is None
 
     head = {"heads.0.weight": np.zeros((100, 3), np.float32), "heads.0.bias": np.zeros(100, np.float32)}
     refused = [
@@ -137,7 +138,7 @@ def test_the_server_accepts_only_the_encoder_and_scalar_metrics(tmp_path: Path) 
         _reply({"frontend.w": encoder["frontend.w"]}, train),  # not the whole encoder
     ]
     for reply in refused:
-        assert server.check_reply(reply, arrays_expected=True, metrics=TRAIN_METRICS) is not None
+        assert server.check_reply(reply, "train") is not None
 
 
 def test_stats_database_has_the_rounds_table(tmp_path: Path, sample_pipeline) -> None:

@@ -1,0 +1,135 @@
+"""Credentials of the local federation: a throw-away CA and a TLS certificate for the SuperLink on
+127.0.0.1, one EC key pair per SuperNode (Flower's node authentication), and their registration.
+
+Flower 1.42 authenticates SuperNodes only over TLS: the SuperLink runs with
+``--enable-supernode-auth`` and TLS files, every SuperNode's public key is registered through the
+Control API (``flwr supernode register``) before it starts, and a SuperNode signs its requests
+with ``--auth-supernode-private-key``. A process that holds no registered key cannot join, not
+even as a client id that is not taking part. Private keys are written owner-only (0600) and the
+launcher deletes them when the federation stops (the registrations die with the SuperLink).
+
+``python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...`` registers keys
+with the SuperLink of that ``flwr`` connection in one interpreter (each ``flwr`` CLI start costs
+seconds) and prints ``{public key file: node id}`` as JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+HOST = "127.0.0.1"
+VALID_FOR = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The SuperLink's TLS files: ``ca`` (what clients verify against), ``cert`` and ``key``."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """A SuperNode's key pair (OpenSSH format, NIST P-384), as Flower reads them."""
+
+    private: Path
+    public: Path
+
+
+def _write_private(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+def make_tls(folder: Path) -> TlsFiles:
+    """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "speech_assets local federation CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP384R1())
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(ca=folder / "ca.crt", cert=folder / "superlink.crt", key=folder / "superlink.key")
+    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption()))  # fmt: skip
+    return files
+
+
+def make_node_key(folder: Path, name: str) -> NodeKey:
+    """A SuperNode's key pair ``<folder>/<name>.key`` (0600) and ``<name>.pub``."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = _write_private(
+        folder / f"{name}.key",
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()),
+    )
+    public = folder / f"{name}.pub"
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    return NodeKey(private=private, public=public)
+
+
+def register(connection: str, public_keys: list[Path]) -> dict[str, int]:
+    """Register ``public_keys`` with the SuperLink of ``flwr`` connection ``connection`` (in
+    ``$FLWR_HOME/config.toml``), as ``flwr supernode register`` does; ``{key file: node id}``."""
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.cli.utils import init_http_client_from_connection
+    from flwr.proto.control_pb2 import RegisterNodeRequest  # pylint: disable=E0611
+
+    client = init_http_client_from_connection(read_superlink_connection(connection))
+    try:
+        found = {}
+        for path in public_keys:
+            response = client.RegisterNode(request=RegisterNodeRequest(public_key=try_load_public_key(path)))
+            if not response.node_id:
+                raise RuntimeError(f"the SuperLink did not register {path}")
+            found[str(path)] = int(response.node_id)
+        return found
+    finally:
+        client.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] != "register":
+        print("usage: python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...", file=sys.stderr)
+        return 2
+    os.environ["FLWR_HOME"] = argv[1]
+    print(json.dumps(register(argv[2], [Path(p) for p in argv[3:]])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,205 @@
+"""What may travel from a client to the server, checked on both sides, and which client a reply is.
+
+A train reply is exactly: ``ArrayRecord "arrays"`` with the shared encoder's tensors (the names,
+dtypes and shapes of the global encoder the server sent), ``MetricRecord "metrics"`` with exactly
+:data:`TRAIN_METRICS`, and ``ConfigRecord "client"`` with only ``client-id``; an evaluate reply
+the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number in its
+range. The client checks its own reply before sending it (:func:`check_outgoing`: a bug that
+would attach a head, a codebook or statistics stops there, with a clear error); the server checks
+it again (:func:`content_problem`), then checks the update's values (:func:`update_problem`).
+
+:class:`NodeBinding` ties each reply to the SuperNode that sent it (Flower's
+``metadata.src_node_id``, which the SuperLink authenticates), so a node cannot answer as another
+client, and a client id claimed twice counts once at most (never towards ``min_train_nodes``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
+
+ARRAYS, METRICS, CLIENT_RECORD, CLIENT_ID = "arrays", "metrics", "client", "client-id"
+TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
+EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy")
+METRICS_OF = {"train": TRAIN_METRICS, "evaluate": EVAL_METRICS}
+COUNTS = ("num-examples", "utterances", "steps")
+FRACTIONS = ("masked-accuracy", "heldout-masked-accuracy", "majority-accuracy")
+# the weight the server adds to each accepted reply for Flower's aggregation (weighted_by_key)
+SERVER_WEIGHT = "server-weight"
+
+ArraySpec = dict[str, tuple[str, tuple[int, ...]]]
+
+
+class OutgoingRefused(ValueError):
+    """The client will not send this reply: it carries more (or other) than it may."""
+
+
+def array_spec(record: ArrayRecord) -> ArraySpec:
+    """``{name: (dtype, shape)}`` of an ArrayRecord's arrays."""
+    return {name: (str(np.dtype(array.dtype)), tuple(int(d) for d in array.shape)) for name, array in record.items()}
+
+
+def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """Why a metrics record is refused: other keys than ``names``, a value that is not a finite
+    number, a negative value, a count that is not whole, or a fraction outside [0, 1]."""
+    if set(metrics) != set(names):
+        return f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
+    for name in names:
+        value = metrics[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"metric {name} is not a finite number ({value!r:.40})"
+        if value < 0:
+            return f"metric {name} is negative ({value})"
+        if name in COUNTS and value != int(value):
+            return f"metric {name} is not a whole number ({value})"
+        if name in FRACTIONS and value > 1:
+            return f"metric {name} is above 1 ({value})"
+    return None
+
+
+def content_problem(
+    content: RecordDict, phase: str, encoder: ArraySpec, clients: Collection[str] | None = None
+) -> str | None:
+    """Why the content of a ``phase`` ("train" or "evaluate") reply may not cross to the server
+    (``None`` if it may): the privacy boundary. ``encoder`` is the spec of the global encoder
+    sent down; ``clients``, when given, the client ids taking part."""
+    allowed = {ARRAYS, METRICS, CLIENT_RECORD} if phase == "train" else {METRICS, CLIENT_RECORD}
+    extra = sorted(set(content.keys()) - allowed)
+    if extra:
+        return f"unexpected records {extra}"
+    client = content.config_records.get(CLIENT_RECORD)
+    if client is None or set(client) != {CLIENT_ID} or not isinstance(client[CLIENT_ID], str):
+        return f"no {CLIENT_RECORD!r} record holding only a {CLIENT_ID!r}"
+    if clients is not None and client[CLIENT_ID] not in clients:
+        return f"client id {client[CLIENT_ID]!r:.80} is not taking part"
+    metrics = content.metric_records.get(METRICS)
+    if metrics is None:
+        return f"no {METRICS!r} record"
+    if problem := metrics_problem(metrics, METRICS_OF[phase]):
+        return problem
+    if phase == "train":
+        arrays = content.array_records.get(ARRAYS)
+        if arrays is None:
+            return "no encoder"
+        spec = array_spec(arrays)
+        if spec != encoder:
+            unexpected = sorted(set(spec) - set(encoder))
+            missing = sorted(set(encoder) - set(spec))
+            changed = sorted(n for n in set(spec) & set(encoder) if spec[n] != encoder[n])
+            return (f"arrays are not exactly the encoder's (unexpected: {unexpected[:5]}, missing: {missing[:5]}, "
+                    f"other dtype or shape: {changed[:5]})")  # fmt: skip
+    elif content.array_records:
+        return "an evaluate reply carries arrays"
+    return None
+
+
+def check_outgoing(content: RecordDict, phase: str, encoder: ArraySpec, client_id: str) -> RecordDict:
+    """The client's own check of its reply, before it leaves; raises :class:`OutgoingRefused`."""
+    problem = content_problem(content, phase, encoder, clients=[client_id])
+    if problem:
+        raise OutgoingRefused(f"client {client_id} refuses to send its {phase} reply: {problem}")
+    return content
+
+
+def update_problem(
+    update: Mapping[str, np.ndarray], current: Mapping[str, np.ndarray], bound: float
+) -> tuple[float | None, str | None]:
+    """``(norm, why refused)`` of a client's encoder against the global one it started from:
+    refused if any value is not finite or ``||update - current||_2 > bound``."""
+    total = 0.0
+    for name, base in current.items():
+        value = np.asarray(update[name])
+        if not np.isfinite(value).all():
+            return None, f"{name} holds non-finite values"
+        diff = value.astype(np.float64) - np.asarray(base, dtype=np.float64)
+        total += float(np.dot(diff.ravel(), diff.ravel()))
+    norm = math.sqrt(total)
+    if not math.isfinite(norm) or norm > bound:
+        return norm, f"update norm {norm:.4g} is beyond the bound {bound:.4g} (max_update_norm)"
+    return norm, None
+
+
+def claimed_client(content: RecordDict) -> str | None:
+    """The client id a reply claims, or ``None`` if it carries no well-formed claim."""
+    record = content.config_records.get(CLIENT_RECORD)
+    if record is None or not isinstance(record.get(CLIENT_ID), str):
+        return None
+    return str(record[CLIENT_ID])
+
+
+class NodeBinding:
+    """Which client each SuperNode is.
+
+    ``registered`` (``{node id: client id}``, from node authentication) fixes it in advance; else
+    a node is bound to the client its first accepted reply names (a remote SuperLink whose
+    registrations the server does not know). Either way a reply is refused when it comes from
+    another node than the one the message went to, names no client, a client not taking part,
+    another client than its node is bound to, a client bound to another node that is still
+    connected, or a client that another reply of the same batch names too.
+    """
+
+    def __init__(self, clients: Collection[str], registered: Mapping[int, str] | None = None) -> None:
+        self.clients = set(clients)
+        self.registered = dict(registered or {})
+        self.node_client: dict[int, str] = dict(self.registered)
+
+    def client_of(self, node: int) -> str | None:
+        return self.node_client.get(node)
+
+    def node_of(self, client: str) -> int | None:
+        return next((n for n, c in self.node_client.items() if c == client), None)
+
+    def problem(self, sent_to: int, reply: Message, connected: Collection[int]) -> tuple[str | None, str | None]:
+        """``(claimed client, why refused)`` for one reply to a message sent to node ``sent_to``."""
+        source = reply.metadata.src_node_id
+        claimed = claimed_client(reply.content)
+        if source != sent_to:
+            return claimed, f"reply from node {source} to a message sent to node {sent_to}"
+        if claimed is None:
+            return None, f"no {CLIENT_RECORD!r} record with a {CLIENT_ID!r}"
+        if claimed not in self.clients:
+            return claimed, f"claims client id {claimed!r:.80}, which is not taking part"
+        if self.registered and source not in self.registered:
+            return claimed, f"node {source} is not a registered SuperNode"
+        bound = self.node_client.get(source)
+        if bound is not None and bound != claimed:
+            return claimed, f"node {source} is client {bound} but claims to be {claimed}"
+        owner = self.node_of(claimed)
+        if owner is not None and owner != source and (self.registered or owner in connected):
+            return claimed, f"claims to be {claimed}, which is node {owner}"
+        return claimed, None
+
+    def bind(
+        self, replies: Sequence[tuple[int, Message]], phase: str, connected: Collection[int]
+    ) -> tuple[list[Message], list[dict[str, Any]]]:
+        """Accept the replies (``(node sent to, reply)``, none an error reply) that are bound to
+        their node; returns them and a failure entry for every other."""
+        failures: list[dict[str, Any]] = []
+        claims: list[tuple[int, str, Message]] = []
+        for sent_to, reply in replies:
+            claimed, problem = self.problem(sent_to, reply, connected)
+            if problem:
+                failures.append(self.failure(phase, sent_to, claimed, problem))
+            else:
+                claims.append((reply.metadata.src_node_id, str(claimed), reply))
+        counts = Counter(client for _, client, _ in claims)
+        accepted = []
+        for node, client, reply in claims:
+            if counts[client] > 1:
+                failures.append(self.failure(phase, node, client, f"{counts[client]} replies claim to be {client}"))
+                continue
+            previous = self.node_of(client)
+            if previous is not None and previous != node:
+                del self.node_client[previous]  # that node is gone: the client came back as a new one
+            self.node_client[node] = client
+            accepted.append(reply)
+        return accepted, failures
+
+    def failure(self, phase: str, node: int, claimed: str | None, reason: str) -> dict[str, Any]:
+        return {"phase": phase, "client_id": self.client_of(node), "claimed_client_id": claimed, "node_id": node,
+                "reason": reason}  # fmt: skip
