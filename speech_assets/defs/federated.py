@@ -83,10 +83,10 @@ def federated_checkpoint(
         precision=fed.precision,
         round_timeout_s=fed.round_timeout_s,
         connect_timeout_s=fed.connect_timeout_s,
-        data_versions=data_versions,
-    )
         max_update_norm=fed.max_update_norm,
         client_weights=client_weights(paths.root, sorted(clients)),
+        data_versions=data_versions,
+    )
     tracker = FederatedTracker(
         federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()
     )
@@ -112,17 +112,17 @@ def federated_checkpoint(
             superlink=fed.superlink,
             insecure=fed.insecure,
             root_certificates=fed.superlink_root_certificates,
+            client_state_root=fed.client_state_root or None,
             threads_per_client=fed.threads_per_client,
             device=fed.device,
-            client_state_root=fed.client_state_root or None,
             log=context.log.info,
             on_round=on_round,
             tracker=tracker,
         )
-    except FederatedRunFailed as error:
-        raise dg.Failure(
     except (SettingsChanged, InsecureRefused) as error:
         raise dg.Failure(description=f"federated run {run_name} refused: {error}") from error
+    except FederatedRunFailed as error:
+        raise dg.Failure(
             description=f"federated run {run_name} stopped: {error}",
             metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "failure": dg.MetadataValue.json(error.failure)},
         ) from error
