@@ -7,8 +7,9 @@ the repository root so that `make demo`, `dagster dev` and tests agree on one la
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlencode, urlparse
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -47,14 +48,48 @@ def dagster_home() -> Path:
     return resolve(os.environ.get("DAGSTER_HOME") or "data/dagster_home")
 
 
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+
+
 def mlflow_tracking_uri(data: Path | None = None) -> str:
-    explicit = os.environ.get("MLFLOW_TRACKING_URI")
+    explicit = os.environ.get(TRACKING_URI_ENV)
     if explicit:
         return explicit
     return f"sqlite:///{(data or data_dir()) / 'mlflow.db'}"
 
 
 MLFLOW_SERVER_SCHEMES = ("http", "https")
+# query parameters that carry a credential (?token=..., ?access_token=..., ?X-Amz-Signature=...)
+SECRET_PARAMETER = re.compile(r"token|secret|passw|pwd|key|sig|auth|credential|session", re.IGNORECASE)
+REDACTED = "REDACTED"
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` fit to store, log or show: without the user info of a server's address, without
+    a database password, and with the value of every credential-like query parameter replaced.
+
+    A database user keeps its name (libpq then reads the password from ``$PGPASSWORD``)."""
+    parsed = urlparse(uri)
+    changed = parsed
+    if "@" in parsed.netloc:
+        user, _, host = parsed.netloc.rpartition("@")
+        keep = parsed.scheme not in MLFLOW_SERVER_SCHEMES  # a database role, not a token
+        changed = changed._replace(netloc=f"{user.split(':', 1)[0]}@{host}" if keep else host)
+    if parsed.query:
+        pairs = parse_qsl(parsed.query, keep_blank_values=True)
+        if any(SECRET_PARAMETER.search(name) for name, _ in pairs):
+            query = urlencode([(name, REDACTED if SECRET_PARAMETER.search(name) else value) for name, value in pairs])
+            changed = changed._replace(query=query)
+    return uri if changed is parsed else changed.geturl()
+
+
+def with_credentials(uri: str) -> str:
+    """The tracking URI to connect with: ``$MLFLOW_TRACKING_URI`` where ``uri`` is its redacted
+    form (credentials travel in the environment, never in a config file), else ``uri``."""
+    explicit = os.environ.get(TRACKING_URI_ENV)
+    if explicit and explicit != uri and redact_uri(explicit) == uri:
+        return explicit
+    return uri
 
 
 def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str | None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import dagster as dg
-from pydantic import create_model
+from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import settings
 from speech_assets.corpus.ids import check_safe_id
+from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
 
 
@@ -144,6 +146,9 @@ class KMeansSettings(dg.Config):
     refit_growth: float = 0.2
 
 
+NOISE_SOURCES = ("", "coloured", "babble", "folder")
+
+
 class TrainingSettings(dg.Config):
     preset: str = "tiny"
     max_steps: int = 300
@@ -158,7 +163,8 @@ class TrainingSettings(dg.Config):
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
     rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
-    # how nodes 1..nnodes-1 start: {command} is their torchrun command, {host} node_hosts[rank-1]
+    # how nodes 1..nnodes-1 start (settings file only): an argument list, no shell; {command} is
+    # their torchrun command, {host} node_hosts[rank-1] (host names or IP addresses)
     node_command: str = "ssh {host} 'cd /srv/speech_assets && {command}'"
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
@@ -166,13 +172,50 @@ class TrainingSettings(dg.Config):
     heldout_fraction: float = 0.05
     max_frames: int = 1500
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
-    noise: str = ""  # "", "coloured", "babble" (same client only) or a folder of noise audio (MUSAN)
+    noise: str = ""  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
+    noise_dir: str = ""  # a folder of noise audio (MUSAN's noise/); settings file only
     noise_prob: float = 0.5
     noise_snr_db: list[float] = [5.0, 20.0]
     specaugment: bool = False
     # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0
+
+    # what runs commands or reads files anywhere: set in the settings file, never by run config
+    settings_only: ClassVar[frozenset[str]] = frozenset({"node_command", "node_hosts", "noise_dir"})
+
+    @field_validator("node_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        return [check_host(host, "[training] node_hosts entry") for host in hosts]
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str) -> str:
+        if endpoint:
+            check_endpoint(endpoint, "[training] rdzv_endpoint")
+        return endpoint
+
+    @field_validator("node_command")
+    @classmethod
+    def _node_command(cls, command: str) -> str:
+        if "{command}" not in " ".join(shlex.split(command)):
+            raise ValueError(f"[training] node_command must contain {{command}}, got {command!r}")
+        return command
+
+    @field_validator("noise")
+    @classmethod
+    def _noise(cls, noise: str) -> str:
+        if noise not in NOISE_SOURCES:
+            hint = f' (a folder: noise_dir = "{noise}" and noise = "folder" in the settings file)' if "/" in noise else ""
+            raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {noise!r}{hint}")
+        return noise
+
+    @model_validator(mode="after")
+    def _noise_dir(self) -> "TrainingSettings":
+        if self.noise == "folder" and not self.noise_dir:
+            raise ValueError('[training] noise = "folder" needs noise_dir, the folder of noise audio')
+        return self
 
 
 class FederatedSettings(dg.Config):
@@ -307,12 +350,17 @@ class PipelineSettings(dg.ConfigurableResource):
 
 
 def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
-    """A run-config class with every field of ``section`` optional (unset: use the settings)."""
-    fields = {name: (Optional[field.annotation], None) for name, field in section.model_fields.items()}
+    """A run-config class with every field of ``section`` optional (unset: use the settings),
+    except the section's ``settings_only`` ones: run config naming them is rejected before the
+    run starts (Dagster: 'Received unexpected config entry')."""
+    excluded = getattr(section, "settings_only", frozenset())
+    fields = {name: (Optional[field.annotation], None) for name, field in section.model_fields.items() if name not in excluded}
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:
-    """``section`` with the fields a manual run set in ``overrides`` replaced."""
+    """``section`` with the fields a manual run set in ``overrides`` replaced (and checked as the
+    settings file's values are)."""
     changed = {k: v for k, v in overrides.model_dump().items() if v is not None and k in type(section).model_fields}
-    return section.model_copy(update=changed)
+    changed = {k: v for k, v in changed.items() if k not in getattr(section, "settings_only", frozenset())}
+    return type(section).model_validate({**section.model_dump(), **changed}) if changed else section

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,7 +27,6 @@ from speech_assets.runtime.reaper import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 CODE_VERSION = "train-v1"
-MAX_OOM_RETRIES = 3
 
 
 class TrainingConfig(overrides_of(TrainingSettings)):
@@ -150,7 +150,7 @@ def run_training(
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
         threads=options.threads or None,
-        noise=options.noise,
+        noise=str(settings_module.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
         noise_prob=options.noise_prob,
         noise_snr_db=list(options.noise_snr_db),
         specaugment=options.specaugment,
@@ -169,46 +169,54 @@ def run_training(
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
 
-    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
-        for attempt in range(MAX_OOM_RETRIES + 1):
-            launch.clear_oom(run_dir)
-            atomic_write_text(config_path, train_config.to_json())
-            def torchrun(node_rank: int | None) -> list[str]:
-                return launch.build_torchrun_command(
-                    config_path, nproc=train_config.nproc, max_restarts=options.max_restarts, nnodes=options.nnodes,
-                    rdzv_endpoint=options.rdzv_endpoint or None, python=sys.executable,
-                    node_rank=node_rank if nnodes > 1 else None,
+    def attempt(attempt_config, retry: int) -> dg.PipesClientCompletedInvocation:
+        atomic_write_text(config_path, attempt_config.to_json())
+
+        def torchrun(node_rank: int | None) -> list[str]:
+            return launch.build_torchrun_command(
+                config_path, nproc=attempt_config.nproc, max_restarts=options.max_restarts, nnodes=options.nnodes,
+                rdzv_endpoint=options.rdzv_endpoint or None, python=sys.executable,
+                node_rank=node_rank if nnodes > 1 else None,
+            )
+
+        command = torchrun(0)
+        context.log.info("launching: " + " ".join(command))
+        env = launch.torchrun_env(nproc=int(attempt_config.nproc), tracking_uri=paths.mlflow_tracking_uri)
+        with other_nodes(context, run_dir, nnodes, options, torchrun, env):
+            with warnings.catch_warnings():  # Pipes' own preview API, used as documented
+                warnings.simplefilter("ignore", dg.PreviewWarning)
+                return pipes_subprocess_client.run(
+                    context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=env
                 )
 
-            command = torchrun(0)
-            context.log.info("launching: " + " ".join(command))
-            env = launch.torchrun_env(nproc=int(train_config.nproc))
-            try:
-                with other_nodes(context, run_dir, nnodes, options, torchrun, env):
-                    with warnings.catch_warnings():  # Pipes' own preview API, used as documented
-                        warnings.simplefilter("ignore", dg.PreviewWarning)
-                        invocation = pipes_subprocess_client.run(
-                            context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=env
-                        )
-            except dg.DagsterPipesExecutionError:
-                if attempt < MAX_OOM_RETRIES and launch.detect_oom(run_dir):
-                    batch, accum = launch.next_attempt_after_oom(train_config.batch_seconds, train_config.grad_accum)
-                    train_config = replace(train_config, batch_seconds=batch, grad_accum=accum)
-                    context.log.warning(f"CUDA out of memory: retrying with batch={batch:.1f}s, accum={accum}")
-                    continue
-                raise
-            result = invocation.get_materialize_result()
-            return dg.MaterializeResult(
-                data_version=result.data_version,
-                metadata={
-                    **(result.metadata or {}),
-                    **training_curve_metadata(run_dir),
-                    "run_dir": dg.MetadataValue.path(str(run_dir)),
-                    "input_versions": dg.MetadataValue.json(_bounded_versions(data_versions)),
-                    "oom_retries": attempt,
-                },
-            )
-    raise dg.Failure(description="training ran out of memory on every retry")
+    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
+        try:
+            invocation, retries = launch.retrying_oom(run_dir, train_config, attempt, warn=context.log.warning)
+        except Exception as error:
+            raise training_failure(error, run_dir) from error
+        result = invocation.get_materialize_result()
+        return dg.MaterializeResult(
+            data_version=result.data_version,
+            metadata={
+                **(result.metadata or {}),
+                **training_curve_metadata(run_dir),
+                "run_dir": dg.MetadataValue.path(str(run_dir)),
+                "input_versions": dg.MetadataValue.json(_bounded_versions(data_versions)),
+                "oom_retries": retries,
+            },
+        )
+
+
+def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Failure:
+    """The failure of a torchrun job as the run shows it: torchrun's own error and the end of
+    rank 0's log (the workers' tracebacks are in the step's stderr)."""
+    log = run_dir / "train.log"
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:] if log.is_file() else []
+    out_of_memory = " (CUDA out of memory on every retry)" if (run_dir / "oom.json").is_file() else ""
+    return dg.Failure(
+        description=f"training failed{out_of_memory}: {type(error).__name__}: {error}",
+        metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "train_log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},
+    )
 
 
 def _fixed_node_count(options: TrainingSettings) -> int:
@@ -218,8 +226,12 @@ def _fixed_node_count(options: TrainingSettings) -> int:
 
 @contextlib.contextmanager
 def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchrun, env: dict) -> Iterator[None]:
-    """Start nodes 1..nnodes-1 with the configured command for the length of node 0's run; stop
-    whatever is left of them afterwards (their torchrun dies with the shell that started it).
+    """Start nodes 1..nnodes-1 with the configured command (an argument list, no shell) for the
+    length of node 0's run; stop whatever is left of them afterwards.
+
+    Each node's torchrun runs under :mod:`speech_assets.runtime.tether`, whose input is a pipe
+    this process holds open: when this process ends or is killed, the pipe closes (through ssh
+    too) and the node stops its torchrun, on whatever host it runs.
 
     A node that fails while node 0 still runs (killed, failed to start, lost its host) would leave
     node 0 waiting at the rendezvous or in a collective until a timeout: node 0 is stopped then,
@@ -232,8 +244,8 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
             launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts), start=1
         ):
             log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
-            context.log.info(f"starting node {rank}: {command[-1]}")
-            processes.append((subprocess.Popen(command, env=env, cwd=settings_module.repo_root(), stdout=log, stderr=subprocess.STDOUT), log))
+            context.log.info(f"starting node {rank}: {shlex.join(command)}")
+            processes.append((launch.start_node(command, log, env=env, cwd=settings_module.repo_root()), log))
         if processes:
             threading.Thread(target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True).start()
         yield
@@ -244,8 +256,14 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
             try:
                 process.wait(timeout=120 if clean else 0.1)  # node 0 failed: no reason to wait
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                process.stdin.close()  # the node's tether stops its torchrun
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if process.stdin and not process.stdin.closed:
+                process.stdin.close()
             log.close()
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
+from speech_assets.settings import redact_uri
 from speech_assets.train.config import ClientTargets
 from speech_assets.utils import atomic_write_text
 
@@ -95,7 +96,12 @@ class DistillConfig:
         return f"student-{self.dim}x{self.layers}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
+        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
+        data = asdict(self)
+        if data["mlflow_tracking_uri"]:
+            data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
+        return data
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from speech_assets.settings import redact_uri
 from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
 
 
@@ -23,6 +24,9 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
     config = dict(state.get("config") or {})
     weights = state.get("model")
     result = _run_result(path)
+    url = result.get("mlflow_run_url")
+    if config.get("mlflow_tracking_uri"):  # checkpoints written before credentials were left out
+        config["mlflow_tracking_uri"] = redact_uri(config["mlflow_tracking_uri"])
     return {
         "checkpoint": str(path.resolve()),
         "step": state.get("step"),
@@ -30,7 +34,7 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
         "data_versions": dict(state.get("data_versions") or config.get("data_versions") or {}),
         "git_sha": config.get("git_sha"),
         "mlflow_run_id": state.get("mlflow_run_id") or result.get("mlflow_run_id"),
-        "mlflow_run_url": result.get("mlflow_run_url"),
+        "mlflow_run_url": redact_uri(url) if url else url,
         "config": config,
     }
 

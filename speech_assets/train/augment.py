@@ -14,13 +14,19 @@ mixture up to that expectation (no waveform is decoded again). Noise sources:
 * ``"coloured"``: white, pink or brown noise (power ~ f^0, f^-1, f^-2) generated from the seed and
   featurised by the pipeline's own :class:`~speech_assets.features.featurize.FeatureExtractor`;
 * ``"babble"``: the sum of 3 other utterances of the *same client* (no audio crosses clients);
-* a folder: every ``.flac``/``.wav`` under it (MUSAN's ``noise/`` for instance), decoded with
-  soundfile, resampled to 16 kHz mono and featurised once, then cropped at random.
+* a folder: the ``.flac``/``.wav`` files under it (MUSAN's ``noise/`` for instance; symbolic
+  links are not followed), at most :data:`MAX_NOISE_FILES` files of :data:`MAX_NOISE_FILE_BYTES`
+  each and :data:`MAX_NOISE_BYTES` in all, listed when noise is first drawn; a file is decoded,
+  resampled to 16 kHz mono and featurised when it is first drawn, kept while the process's noise
+  cache (:data:`NOISE_CACHE_BYTES`) has room, then cropped at random.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +39,46 @@ BABBLE_TALKERS = 3
 COLOUR_EXPONENTS = (0.0, 1.0, 2.0)  # white, pink, brown
 HOP = 160  # samples per 100 Hz frame at 16 kHz
 WINDOW = 400
+NOISE_SUFFIXES = (".flac", ".wav")
+MAX_NOISE_FILES = 10_000  # MUSAN's noise/ has 930
+MAX_NOISE_ENTRIES = 100_000  # files and folders looked at while listing (a folder like / is refused)
+MAX_NOISE_FILE_BYTES = 512 * 2**20
+MAX_NOISE_BYTES = 16 * 2**30
+NOISE_CACHE_BYTES = 256 * 2**20  # featurised noise kept per process (~2 h of log-mel)
+
+
+def noise_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """The ``.flac``/``.wav`` files under ``folder`` and its subfolders (symbolic links are not
+    followed), sorted; ``ValueError`` if there are none, or more files, bytes or entries than the
+    limits above allow."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"noise folder {root} does not exist")
+    found: list[Path] = []
+    total = entries = 0
+    for directory, folders, names in os.walk(root):
+        folders.sort()
+        entries += len(folders) + len(names)
+        if entries > MAX_NOISE_ENTRIES:
+            raise ValueError(f"noise folder {root} holds more than {MAX_NOISE_ENTRIES} files and folders: name a folder of noise audio")
+        for name in names:
+            path = Path(directory) / name
+            if path.suffix.lower() not in NOISE_SUFFIXES:
+                continue
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            if info.st_size > MAX_NOISE_FILE_BYTES:
+                raise ValueError(f"noise file {path} has {info.st_size} bytes (at most {MAX_NOISE_FILE_BYTES})")
+            found.append(path)
+            total += info.st_size
+            if len(found) > MAX_NOISE_FILES or total > MAX_NOISE_BYTES:
+                raise ValueError(
+                    f"noise folder {root} holds more than {MAX_NOISE_FILES} audio files or {MAX_NOISE_BYTES} bytes"
+                )
+    if not found:
+        raise ValueError(f"no .flac or .wav noise under {root}")
+    return sorted(found)
 
 
 @dataclass(frozen=True)
@@ -142,7 +188,8 @@ class Augmenter:
     def __init__(self, options: Augmentation, seed: int = 0) -> None:
         self.options = options
         self.seed = seed
-        self._bank: list[np.ndarray] | None = None
+        self._files: list[Path] | None = None
+        self._cache: OrderedDict[Path, np.ndarray] = OrderedDict()
         self._extractor = None
 
     def noise(
@@ -169,8 +216,8 @@ class Augmenter:
             power = sum(np.exp(crop(t, frames, rng).astype(np.float64)) for t in talkers)
             noise = np.log(power).astype(np.float32)
         else:
-            bank = self._noise_bank()
-            noise = crop(bank[int(rng.integers(len(bank)))], frames, rng)
+            files = self._noise_files()
+            noise = crop(self._noise_features(files[int(rng.integers(len(files)))]), frames, rng)
         return mix_at_snr(logmel, noise, snr)
 
     def specaugment(self, feats: torch.Tensor, utt_id: str, epoch: int) -> torch.Tensor:
@@ -186,18 +233,33 @@ class Augmenter:
         logmel, _ = self._extractor(wave)
         return logmel
 
-    def _noise_bank(self) -> list[np.ndarray]:
-        """Log-mel of every noise file under the folder, featurised once per process."""
-        if self._bank is None:
-            from speech_assets.features.audio import load_16k_mono
+    def _noise_files(self) -> list[Path]:
+        if self._files is None:
+            self._files = noise_files(self.options.noise)
+        return self._files
 
-            files = sorted(p for p in Path(self.options.noise).rglob("*") if p.suffix.lower() in (".flac", ".wav"))
-            bank = [self._featurise(wave) for wave in (load_16k_mono(str(p)) for p in files) if len(wave) >= WINDOW]
-            if not bank:
-                raise ValueError(f"no .flac or .wav noise of at least {WINDOW} samples under {self.options.noise}")
-            self._bank = bank
-        return self._bank
+    def _noise_features(self, path: Path) -> np.ndarray:
+        """Log-mel of one noise file: featurised when first drawn, kept while the cache has room."""
+        features = self._cache.get(path)
+        if features is not None:
+            self._cache.move_to_end(path)
+            return features
+        from speech_assets.features.audio import load_16k_mono
+
+        try:
+            wave = load_16k_mono(str(path))
+        except Exception as error:
+            raise ValueError(f"noise file {path} cannot be decoded: {error}") from error
+        if len(wave) == 0:
+            raise ValueError(f"noise file {path} holds no audio")
+        if len(wave) < WINDOW:
+            wave = np.resize(wave, WINDOW)  # tiled up to one analysis window
+        features = self._featurise(wave)
+        self._cache[path] = features
+        while sum(f.nbytes for f in self._cache.values()) > NOISE_CACHE_BYTES and len(self._cache) > 1:
+            self._cache.popitem(last=False)
+        return features
 
     def __getstate__(self) -> dict[str, object]:
-        # DataLoader workers featurise their own bank instead of receiving it pickled
-        return {**self.__dict__, "_bank": None, "_extractor": None}
+        # DataLoader workers featurise the noise they draw themselves instead of receiving it pickled
+        return {**self.__dict__, "_cache": OrderedDict(), "_extractor": None}

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.model.presets import get_preset
+from speech_assets.settings import redact_uri
 from speech_assets.train.augment import Augmentation
 from speech_assets.utils import atomic_write_text
 
@@ -127,7 +128,12 @@ class TrainConfig:
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
+        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
+        data = asdict(self)
+        if data["mlflow_tracking_uri"]:
+            data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

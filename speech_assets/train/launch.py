@@ -13,14 +13,19 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import IO, Any, TypeVar
 
 from speech_assets.features.shards import FRAME_RATE_HZ
+from speech_assets.hosts import check_endpoint, check_host
+from speech_assets.settings import TRACKING_URI_ENV, redact_uri
+from speech_assets.train import local_torchrun
 from speech_assets.train.autoconfig import (
     LaunchPlan,
     decide,
@@ -34,6 +39,8 @@ from speech_assets.runtime.processes import launcher_env
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
+Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
+Outcome = TypeVar("Outcome")
 
 RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
 OOM_EXIT_CODE = 75
@@ -86,69 +93,103 @@ def build_torchrun_command(
     node_rank: int | None = None,
     module: str = "speech_assets.train",
 ) -> list[str]:
-    """``python -m torch.distributed.run ... -m speech_assets.train --config PATH``.
+    """torchrun's command line: ``python -m ... -m speech_assets.train --config PATH``.
 
-    One node uses ``--standalone`` (local rendezvous on a free port). Several nodes with a
-    ``node_rank`` use the static rendezvous at ``rdzv_endpoint`` (``host:port`` of node 0), so
-    global rank 0, the one that reports to Dagster, is always on node 0: the Dagster host. Without
-    a ``node_rank`` they rendezvous elastically with c10d (``nnodes`` like ``"1:4"``), ranks in
-    order of arrival. ``module`` is the entry point each worker runs (the distillation job reuses
-    this launcher). Run it with :func:`torchrun_env` so that restarts work.
+    One node runs :mod:`speech_assets.train.local_torchrun`, torchrun with a rendezvous that
+    listens on 127.0.0.1 only. Several nodes with a ``node_rank`` use the static rendezvous at
+    ``rdzv_endpoint`` (``host:port`` of node 0), so global rank 0, the one that reports to
+    Dagster, is always on node 0: the Dagster host. Without a ``node_rank`` they rendezvous
+    elastically with c10d (``nnodes`` like ``"1:4"``), ranks in order of arrival. ``module`` is
+    the entry point each worker runs (the distillation job reuses this launcher). Run it with
+    :func:`torchrun_env` so that restarts work.
     """
-    command = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-    ]
+    options = ["--nproc-per-node", str(int(nproc)), "--max-restarts", str(int(max_restarts))]
     if nnodes == "1" and rdzv_endpoint is None:
-        command.append("--standalone")
-    elif rdzv_endpoint is None:
+        endpoint = f"{local_torchrun.LOOPBACK}:0"  # the port is the one the store's socket gets
+        command = [python, "-m", local_torchrun.__name__, *options, "--nnodes", "1"]
+        command += ["--rdzv-backend", local_torchrun.BACKEND, "--rdzv-endpoint", endpoint]
+        return [*command, "-m", module, "--config", str(config_path)]
+    if rdzv_endpoint is None:
         raise ValueError("multi-node launch needs rdzv_endpoint")
-    elif node_rank is not None:
-        host, _, port = rdzv_endpoint.rpartition(":")
-        command += ["--nnodes", nnodes, "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port]
+    host, port = check_endpoint(rdzv_endpoint, "rdzv_endpoint")
+    command = [python, "-m", "torch.distributed.run", *options]
+    if node_rank is not None:
+        command += ["--nnodes", str(int(nnodes)), "--node-rank", str(int(node_rank)), "--master-addr", host, "--master-port", str(port)]
     else:
+        if not re.fullmatch(r"\d+(:\d+)?", nnodes) or not re.fullmatch(r"[A-Za-z0-9_-]+", rdzv_id):
+            raise ValueError(f"nnodes {nnodes!r} must be N or MIN:MAX, and rdzv_id letters, digits, '_' or '-'")
         command += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return [*command, "-m", module, "--config", str(config_path)]
+
+
+PLACEHOLDER = re.compile(r"\{(command|host|node_rank)\}")
 
 
 def other_node_commands(
     torchrun: Callable[[int], list[str]], nnodes: int, node_command: str, node_hosts: Sequence[str], python: str = sys.executable
 ) -> list[list[str]]:
-    """The shell commands that start nodes 1..nnodes-1 (node 0 is this host).
+    """The argument lists that start nodes 1..nnodes-1 (node 0 is this host); no shell runs them.
 
-    ``node_command`` is a template with ``{command}`` (that node's guarded torchrun command, shell
-    quoted), ``{host}`` (``node_hosts[rank - 1]``) and ``{node_rank}``: e.g.
-    ``ssh {host} 'cd /srv/speech_assets && {command}'``, or ``{command}`` to run the nodes here.
+    ``node_command`` is split into words as a shell would (``shlex``), then ``{command}``,
+    ``{host}`` (``node_hosts[rank - 1]``) and ``{node_rank}`` are filled in word by word. A word
+    that is exactly ``{command}`` becomes that node's torchrun command, run through
+    :mod:`speech_assets.runtime.tether` (it stops when its input closes: when this launcher
+    ends); inside a longer word, the command line of a remote shell as in
+    ``ssh {host} 'cd /srv/speech_assets && {command}'``, every value is shell-quoted. Hosts must
+    be host names or IP addresses.
     """
-    if nnodes > 1 and "{command}" not in node_command:
+    words = shlex.split(node_command)
+    if nnodes > 1 and not any("{command}" in word for word in words):
         raise ValueError("node_command must contain {command}")
-    if "{host}" in node_command and len(node_hosts) < nnodes - 1:
+    uses_host = any("{host}" in word for word in words)
+    if uses_host and len(node_hosts) < nnodes - 1:
         raise ValueError(f"node_command uses {{host}}: need {nnodes - 1} node_hosts, got {len(node_hosts)}")
     commands = []
     for rank in range(1, nnodes):
-        text = node_command.format(
-            command=shlex.join(guarded(torchrun(rank), python)),
-            host=node_hosts[rank - 1] if len(node_hosts) >= rank else "",
-            node_rank=rank,
-        )
-        commands.append(["/bin/sh", "-c", text])
+        values = {
+            "command": tethered(torchrun(rank), python),
+            "host": [check_host(node_hosts[rank - 1], "node_hosts entry")] if uses_host else [""],
+            "node_rank": [str(rank)],
+        }
+        argv: list[str] = []
+        for word in words:
+            whole = PLACEHOLDER.fullmatch(word)
+            if whole:
+                argv += values[whole.group(1)]
+            else:
+                argv.append(PLACEHOLDER.sub(lambda match: shlex.join(values[match.group(1)]), word))
+        commands.append(argv)
     return commands
 
 
-def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1) -> dict[str, str]:
+def tethered(command: list[str], python: str = sys.executable) -> list[str]:
+    """``command`` started through :mod:`speech_assets.runtime.tether`: it stops when its
+    standard input closes (:func:`start_node` gives it a pipe that lives as long as this process)."""
+    return [python, "-m", "speech_assets.runtime.tether", "--", *command]
+
+
+def start_node(
+    command: list[str], log: IO[bytes], env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
+) -> subprocess.Popen:
+    """Start one of :func:`other_node_commands` (no shell), its output to ``log``, its standard
+    input a pipe that this process holds: it closes, and the node stops, when this process ends
+    or is killed, or when the caller closes ``process.stdin``."""
+    return subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+
+
+def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1, tracking_uri: str | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`, naming this
     process as the launcher whose death ends the job, and saying it holds the run folder's lock.
 
     ``OMP_NUM_THREADS`` is set (unless given) to this node's cores shared among ``nproc``
     processes, which each worker also sets for torch: torchrun then has no default to announce.
+    A ``tracking_uri`` with credentials travels as ``$MLFLOW_TRACKING_URI``: config files hold it
+    without them (:func:`speech_assets.settings.with_credentials`).
     """
     env = {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+    if tracking_uri and redact_uri(tracking_uri) != tracking_uri:
+        env[TRACKING_URI_ENV] = tracking_uri
     return env
 
 
@@ -192,6 +233,35 @@ def clear_oom(run_dir: str | os.PathLike[str]) -> None:
     (Path(run_dir) / OOM_MARKER).unlink(missing_ok=True)
 
 
+def retrying_oom(
+    run_dir: str | os.PathLike[str],
+    config: Config,
+    attempt: Callable[[Config, int], Outcome],
+    failed: Callable[[Outcome], bool] = lambda _: False,
+    warn: Callable[[str], None] = log.warning,
+) -> tuple[Outcome, int]:
+    """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
+    rank left :data:`OOM_MARKER`) up to :data:`MAX_OOM_RETRIES` times, each with half the
+    per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
+    that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
+    Returns the outcome and the number of retries.
+    """
+    for retry in range(MAX_OOM_RETRIES + 1):
+        clear_oom(run_dir)
+        try:
+            outcome = attempt(config, retry)
+        except Exception:
+            if retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
+                raise
+        else:
+            if not failed(outcome) or retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
+                return outcome, retry
+        batch, accum = next_attempt_after_oom(float(config.batch_seconds or 0), int(config.grad_accum))
+        warn(f"CUDA out of memory: retrying with batch {batch:.1f} s and grad_accum {accum}")
+        config = replace(config, batch_seconds=batch, grad_accum=accum)
+    raise AssertionError("unreachable")
+
+
 def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None) -> int:
     """Auto-configure, then train here (one process) or under torchrun, retrying CUDA OOM.
 
@@ -200,26 +270,17 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
     """
     plan = plan_for(config)
     log.info("autoconfig: %s", plan.reason)
-    attempt_config = resolve(config, plan)
     config_path = Path(config_dir or config.run_dir) / "launch_config.json"
-    with launching(config.run_dir, command="python -m speech_assets.train --launch"):
-        return _launch_attempts(config, plan, attempt_config, config_path)
 
-
-def _launch_attempts(config: TrainConfig, plan: LaunchPlan, attempt_config: TrainConfig, config_path: Path) -> int:
-    attempt = 0
-    while True:
-        clear_oom(config.run_dir)
+    def attempt(attempt_config: TrainConfig, retry: int) -> int:
         attempt_config.to_json(config_path)
         if plan.nproc == 1:
             command = [sys.executable, "-m", "speech_assets.train", "--config", str(config_path)]
         else:
             command = build_torchrun_command(config_path, plan.nproc, config.max_restarts)
-        log.info("attempt %d: %s", attempt + 1, " ".join(command))
-        code = subprocess.call(guarded(command), env=torchrun_env(nproc=plan.nproc))
-        if code == 0 or not detect_oom(config.run_dir) or attempt == MAX_OOM_RETRIES:
-            return code
-        batch, accum = next_attempt_after_oom(float(attempt_config.batch_seconds or 0), int(attempt_config.grad_accum))
-        log.warning("CUDA out of memory: retrying with batch %.1f s and grad_accum %d", batch, accum)
-        attempt_config = replace(attempt_config, batch_seconds=batch, grad_accum=accum)
-        attempt += 1
+        log.info("attempt %d: %s", retry + 1, " ".join(command))
+        env = torchrun_env(nproc=plan.nproc, tracking_uri=config.mlflow_tracking_uri)
+        return subprocess.call(guarded(command), env=env)
+
+    with launching(config.run_dir, command="python -m speech_assets.train --launch"):
+        return retrying_oom(config.run_dir, resolve(config, plan), attempt, failed=lambda code: code != 0)[0]

@@ -37,28 +37,20 @@ def is_server(tracking_uri: str) -> bool:
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
-    """A clickable link to the run when the tracking URI is a server; None for local stores."""
+    """A clickable link to the run when the tracking URI is a server (without its credentials);
+    None for local stores."""
     if is_server(tracking_uri):
-        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+        base = urlparse(settings.redact_uri(tracking_uri))._replace(query="", fragment="").geturl()
+        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return None
-
-
-def without_password(uri: str) -> str:
-    """``uri`` with the password of its user info left out (libpq then reads ``$PGPASSWORD``)."""
-    parsed = urlparse(uri)
-    if parsed.password is None:
-        return uri
-    host = parsed.hostname or ""
-    netloc = f"{parsed.username}@{host}" + (f":{parsed.port}" if parsed.port else "")
-    return parsed._replace(netloc=netloc).geturl()
 
 
 def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
     """The exact command that serves a local store's UI on loopback, where the run can be opened
-    (a store's password is left out of it: it is recorded in run metadata)."""
+    (a store's credentials are left out of it: it is recorded in run metadata)."""
     artifacts = artifact_location or default_artifact_location(tracking_uri)
     serve = f" --default-artifact-root {shlex.quote(artifacts)}" if artifacts else ""
-    store = shlex.quote(without_password(tracking_uri))
+    store = shlex.quote(settings.redact_uri(tracking_uri))
     return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --port 5000"
 
 
@@ -92,8 +84,8 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.config = config
-        self.tracking_uri = config.mlflow_tracking_uri
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.tracking_uri = settings.redact_uri(config.mlflow_tracking_uri)  # what is shown
+        self.client = MlflowClient(tracking_uri=settings.with_credentials(config.mlflow_tracking_uri))
         self.run_id = ""
         self.experiment_id = ""
 

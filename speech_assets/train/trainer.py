@@ -79,7 +79,9 @@ log = logging.getLogger("speech_assets.train")
 
 # Test hook: "<rank>:<step>:<marker path>" makes that rank exit abruptly (os._exit(1)) right
 # after finishing that step, once: the marker file records that the fault already happened.
+# "oom:<rank>:<step>:<marker path>" raises torch's out-of-memory error there instead (on CPU too).
 FAULT_ENV = "SPEECH_ASSETS_TRAIN_FAULT"
+OOM_FAULT = "oom:"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -675,8 +677,12 @@ def _maybe_inject_fault(step: int, rank: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    fault_rank, fault_step, marker = spec.split(":", 2)
+    out_of_memory = spec.startswith(OOM_FAULT)
+    fault_rank, fault_step, marker = spec.removeprefix(OOM_FAULT).split(":", 2)
     if int(fault_rank) == rank and int(fault_step) == step and not os.path.exists(marker):
+        if out_of_memory:
+            Path(marker).write_text(f"rank {rank} ran out of memory at step {step}\n", encoding="utf-8")
+            raise torch.OutOfMemoryError(f"fault injection: rank {rank} out of memory at step {step}")
         Path(marker).write_text(f"rank {rank} exited at step {step}\n", encoding="utf-8")
         log.error("fault injection: rank %d exits at step %d", rank, step)
         os._exit(1)

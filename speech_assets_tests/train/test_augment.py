@@ -68,6 +68,49 @@ def test_noise_folder_like_musan(tmp_path) -> None:
         Augmenter(Augmentation(noise=str(tmp_path / "empty"), noise_prob=1.0)).noise(speech, "u1", 0)
 
 
+def test_noise_folder_is_bounded_and_read_lazily(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from speech_assets.train import augment
+
+    folder = tmp_path / "noise"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        sf.write(folder / f"n{i}.wav", (0.1 * rng.standard_normal(16000)).astype(np.float32), 16000)
+    (folder / "broken.flac").write_bytes(b"not audio")
+    (folder / "link.wav").symlink_to("/etc/passwd")  # not followed
+    from speech_assets.features import audio
+
+    decoded: list[str] = []
+    load = audio.load_16k_mono
+    monkeypatch.setattr(audio, "load_16k_mono", lambda path: decoded.append(path) or load(path))
+    augmenter = Augmenter(Augmentation(noise=str(folder), noise_prob=1.0))
+    (folder / "n3.wav").write_bytes((folder / "n0.wav").read_bytes())  # listed when noise is first drawn
+    assert [p.name for p in augment.noise_files(folder)] == ["broken.flac", "n0.wav", "n1.wav", "n2.wav", "n3.wav"]
+    assert not decoded  # nothing decoded before noise is drawn
+    drawn = 0
+    for index in range(12):
+        try:
+            augmenter.noise(_logmel(frames=120), f"u{index}", epoch=0)
+            drawn += 1
+        except ValueError as error:  # the broken file, when drawn, names itself
+            assert "broken.flac cannot be decoded" in str(error)
+        if index == 0:
+            assert len(decoded) == 1  # the one file drawn
+    good = [path for path in decoded if not path.endswith("broken.flac")]
+    assert drawn and len(good) == len(set(good))  # decoded once each, then from the cache
+    # bounds: files, bytes per file and in all, and entries looked at (a folder like / is refused)
+    for limit, value, error in [
+        ("MAX_NOISE_FILES", 2, "more than 2 audio files"),
+        ("MAX_NOISE_BYTES", 40_000, "or 40000 bytes"),
+        ("MAX_NOISE_FILE_BYTES", 1_000, "at most 1000"),
+        ("MAX_NOISE_ENTRIES", 3, "more than 3 files and folders"),
+    ]:
+        with monkeypatch.context() as patch:
+            patch.setattr(augment, limit, value)
+            with pytest.raises(ValueError, match=error):
+                augment.noise_files(folder)
+
+
 def test_specaugment_masks_bands_and_frames_with_the_mean() -> None:
     options = Augmentation(specaugment=True, freq_masks=2, freq_mask_width=27, time_masks=2, time_mask_width=40)
     augmenter = Augmenter(options, seed=3)

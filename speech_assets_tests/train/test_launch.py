@@ -1,6 +1,12 @@
+import json
+import os
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from speech_assets.train import TrainConfig
@@ -12,17 +18,21 @@ from speech_assets.train.launch import (
     detect_oom,
     launch,
     next_attempt_after_oom,
+    other_node_commands,
     read_oom_marker,
+    start_node,
     write_oom_marker,
 )
 from speech_assets.testing.training_data import SyntheticCorpus
+from speech_assets_tests.conftest import REPO
 
 
 def test_single_node_command() -> None:
     command = build_torchrun_command("/r/config.json", nproc=4, max_restarts=2)
     assert command == [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "2",
-        "--standalone", "-m", "speech_assets.train", "--config", "/r/config.json",
+        sys.executable, "-m", "speech_assets.train.local_torchrun", "--nproc-per-node", "4", "--max-restarts", "2",
+        "--nnodes", "1", "--rdzv-backend", "loopback", "--rdzv-endpoint", "127.0.0.1:0",
+        "-m", "speech_assets.train", "--config", "/r/config.json",
     ]  # fmt: skip
 
 
@@ -68,7 +78,7 @@ def test_launch_retries_out_of_memory_with_half_the_batch(
     monkeypatch.setattr(launch_module.subprocess, "call", fake_call)
     assert launch(config) == 0
     assert [(a.batch_seconds, a.grad_accum) for _, a in attempts] == [(16.0, 1), (8.0, 2), (4.0, 4)]
-    assert all("torch.distributed.run" in command and "--nproc-per-node" in command for command, _ in attempts)
+    assert all("speech_assets.train.local_torchrun" in command and "--nproc-per-node" in command for command, _ in attempts)
     assert not detect_oom(config.run_dir)
 
 
@@ -90,3 +100,72 @@ def test_launch_gives_up_after_three_retries_and_on_other_failures(
     monkeypatch.setattr(launch_module.subprocess, "call", lambda command, env: calls.append(command) or 1)
     calls.clear()
     assert launch(config) == 1 and len(calls) == 1
+
+
+def _recorder(record: Path, value: str) -> Callable[[int], list[str]]:
+    """A stand-in for a node's torchrun command: writes its arguments to ``record``."""
+    script = "import json, sys; json.dump(sys.argv[1:], open(sys.argv[1], 'w'))"
+    return lambda rank: [sys.executable, "-c", script, str(record), value, str(rank)]
+
+
+@pytest.mark.parametrize("template", ["{{command}}", "sh -c 'cd {folder} && {{command}}'", "env NODE={{node_rank}} {{command}}"])
+def test_node_commands_run_without_a_shell_and_quote_every_value(template: str, tmp_path: Path) -> None:
+    """No value reaches a shell unquoted: not locally (no shell at all), not in the command line a
+    remote shell runs (a local `sh -c` stands in for ssh's)."""
+    pwned, record = tmp_path / "pwned", tmp_path / "argv.json"
+    value = f"x$(touch {pwned}); touch {pwned} #'\""
+    (command,) = other_node_commands(_recorder(record, value), 2, template.format(folder=tmp_path), [], python=sys.executable)
+    with open(tmp_path / "node.log", "wb") as log:
+        process = start_node(command, log)
+        assert process.wait(timeout=120) == 0, (tmp_path / "node.log").read_text()
+    assert json.loads(record.read_text()) == [str(record), value, "1"]
+    assert not pwned.exists()
+
+
+def test_hosts_and_endpoints_are_checked() -> None:
+    torchrun = lambda rank: build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="head:29400", node_rank=rank)  # noqa: E731
+    for host in ("-oProxyCommand=touch x", "a b", "x$(id)", "", "h;id"):
+        with pytest.raises(ValueError, match="not a host name or IP address"):
+            other_node_commands(torchrun, 2, "ssh {host} {command}", [host])
+    (command,) = other_node_commands(torchrun, 2, "ssh {host} 'cd /srv && {command}'", ["node-1.example.com"])
+    assert command[:2] == ["ssh", "node-1.example.com"] and "--master-addr head --master-port 29400" in command[2]
+    for endpoint in ("x$(id):1", "head", "head:0", "head:port", "[::1]:", "a b:1"):
+        with pytest.raises(ValueError, match="not host:port"):
+            build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint=endpoint, node_rank=0)
+    assert "[::1]:29400" not in build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="[::1]:29400", node_rank=0)
+
+
+LAUNCHER = """
+import sys, time
+from speech_assets.train.launch import other_node_commands, start_node
+fake_ssh, pid_file = sys.argv[1], sys.argv[2]
+node = [sys.executable, "-c", f"import os, time; open({pid_file!r}, 'w').write(str(os.getpid())); time.sleep(600)"]
+(command,) = other_node_commands(lambda rank: node, 2, fake_ssh + " {host} 'cd / && {command}'", ["node-1"])
+process = start_node(command, open(pid_file + ".log", "ab"))  # its pipe lives as long as this process
+time.sleep(600)
+"""
+
+# ssh as far as the processes it leaves are concerned: the remote command line runs in a shell in
+# a session of its own (the kernel's parent-death signal cannot reach it), with ssh's input
+FAKE_SSH = """#!{python}
+import subprocess, sys
+sys.exit(subprocess.call(["sh", "-c", sys.argv[2]], start_new_session=True))
+"""
+
+
+def test_a_killed_launcher_stops_its_other_nodes_wherever_they_run(tmp_path: Path) -> None:
+    fake_ssh, pid_file = tmp_path / "ssh", tmp_path / "node.pid"
+    fake_ssh.write_text(FAKE_SSH.format(python=sys.executable))
+    fake_ssh.chmod(0o755)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(fake_ssh), str(pid_file)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        node = psutil.Process(int(pid_file.read_text()))
+        assert node.is_running() and os.getsid(node.pid) != os.getsid(launcher.pid)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    node.wait(timeout=60)  # psutil.TimeoutExpired if the node outlived its launcher
+    assert "standard input closed" in Path(str(pid_file) + ".log").read_text()
