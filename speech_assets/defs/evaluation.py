@@ -340,7 +340,7 @@ def distilled_checkpoint(
             warnings.simplefilter("ignore", dg.PreviewWarning)
             invocation = pipes_subprocess_client.run(
                 context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()),
-                env=launch.torchrun_env(nproc=nproc),
+                env=launch.torchrun_env(nproc=nproc, tracking_uri=paths.mlflow_tracking_uri),
             )  # fmt: skip
         result = invocation.get_materialize_result()
     speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
