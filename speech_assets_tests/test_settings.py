@@ -31,3 +31,19 @@ def test_the_environment_supplies_the_credentials(monkeypatch: pytest.MonkeyPatc
     assert with_credentials(secret) == secret
     monkeypatch.delenv(TRACKING_URI_ENV)
     assert with_credentials("http://mlflow.internal:5000") == "http://mlflow.internal:5000"
+
+
+def test_the_ui_shows_the_tracking_variable_not_its_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dagster as dg
+
+    from speech_assets.definitions import build_definitions
+
+    secret = "http://user:s3cret@mlflow.internal:5000"
+    monkeypatch.setenv(TRACKING_URI_ENV, secret)
+    paths = build_definitions().resources["paths"]
+    shown = paths.get_resource_definition().config_schema.default_value_as_json_str  # Deployment -> Resources
+    assert "s3cret" not in shown and TRACKING_URI_ENV in shown
+    with dg.build_resources({"paths": paths}) as resources:  # what a run gets
+        assert resources.paths.mlflow_tracking_uri == secret
+    monkeypatch.setenv(TRACKING_URI_ENV, "http://mlflow.internal:5000")
+    assert build_definitions().resources["paths"].mlflow_tracking_uri == "http://mlflow.internal:5000"

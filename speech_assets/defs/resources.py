@@ -31,10 +31,12 @@ class StoragePaths(dg.ConfigurableResource):
     @classmethod
     def from_environment(cls) -> "StoragePaths":
         data = settings.data_dir()
+        uri = settings.mlflow_tracking_uri(data)
         return cls(
             corpus=str(settings.corpus_location()),
             data_dir=str(data),
-            mlflow_tracking_uri=settings.mlflow_tracking_uri(data),
+            # a URI with credentials by its variable's name, which the UI shows instead of the value
+            mlflow_tracking_uri=dg.EnvVar(settings.TRACKING_URI_ENV) if settings.redact_uri(uri) != uri else uri,
         )
 
     @property
