@@ -2,11 +2,12 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, evaluation, features, federated, iteration2, manifest, staleness, stats, targets, training
+from speech_assets.defs import automation, evaluation, features, federated, iteration2, manifest, model_checks, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
 CHECKS = [
+    manifest.rows_match_manifest,
     features.shards_are_consistent,
     features.no_speech_share,
     features.cmvn_is_not_degenerate,
@@ -16,6 +17,7 @@ CHECKS = [
     stats.row_counts_match_sources,
     *staleness.CHECKS,
     *evaluation.CHECKS,
+    *model_checks.CHECKS,
 ]
 
 ASSETS = [

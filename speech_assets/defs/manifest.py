@@ -184,3 +184,36 @@ def speaker_manifest(context: dg.AssetExecutionContext, paths: StoragePaths) -> 
             provenance,
         ))
     yield from step_events(context, published)
+
+
+@dg.asset_check(asset=speaker_manifest, blocking=True, description=(
+    "The rows every speaker's partition is a view of (manifest/speakers.parquet) match the manifest: "
+    "exactly its speakers, each with its utterance count, hours and row hash."
+))
+def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
+    problems = speaker_rows_problems(paths.manifest_file, paths.speakers_file)
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=f"{len(problems)} mismatch(es) between speakers.parquet and manifest.parquet" if problems else None,
+        metadata={"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+    )
+
+
+def speaker_rows_problems(manifest_file: Path, speakers_file: Path) -> list[str]:
+    """How ``speakers_file`` differs from the per-speaker summary of ``manifest_file`` (e.g. after a
+    publish interrupted between the two renames, or either file replaced by hand)."""
+    table = pq.read_table(manifest_file, columns=["utt_id", "speaker_id", "file_sha256", "transcript", "duration_s"])
+    listed = pq.read_table(speakers_file)
+    outcome = audit.speakers(table, listed)  # the manifest's own audit of the same file, at publish time
+    problems = [] if outcome.passed else [str(p) for p in outcome.metadata.get("problems", [])] or [outcome.description]
+    seconds: dict[str, float] = {}
+    for speaker, duration in zip(table.column("speaker_id").to_pylist(), table.column("duration_s").to_pylist(), strict=True):
+        seconds[speaker] = seconds.get(speaker, 0.0) + duration
+    if "hours" not in listed.column_names:
+        return [*problems, "speakers.parquet has no hours column"]
+    for row in listed.select(["speaker_id", "hours"]).to_pylist():
+        expected = seconds.get(row["speaker_id"], 0.0) / 3600
+        if row["hours"] is None or abs(row["hours"] - expected) > 1e-9 + 1e-6 * expected:
+            problems.append(f"{row['speaker_id']}: {row['hours']} hours listed, the manifest's rows make {expected:.6f}")
+    return problems

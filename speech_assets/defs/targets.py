@@ -1,7 +1,8 @@
 """Stage 3: speakers partitioned into non-IID clients, and per-client k-means targets."""
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
@@ -355,12 +356,22 @@ def _registered_clients(paths: StoragePaths) -> list[str]:
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
 ))
 def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
+    return labels_check_result(label_problems(paths, paths.kmeans_dir))
+
+
+def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> list[str]:
+    """What is wrong with every registered client's ``targets_dir(client)/labels.parquet`` against
+    the shards of its speakers: utterances missing or foreign, label counts other than one per
+    50 Hz frame, ids outside the client's codebook (``codebook.npy``)."""
     import numpy as np
 
     assignments = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist()
     problems: list[str] = []
     for client in _registered_clients(paths):
-        out = paths.kmeans_dir(client)
+        out = targets_dir(client)
+        if not (out / "codebook.npy").is_file() or not (out / "labels.parquet").is_file():
+            problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
+            continue
         k = int(np.load(out / "codebook.npy", mmap_mode="r").shape[0])
         found = {item.utt_id: item.labels for item in labels.iter_labels(out / "labels.parquet")}
         expected: dict[str, int] = {}
@@ -375,6 +386,10 @@ def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
                 continue
             if len(values) != (frames + 1) // 2 or (len(values) and (values.min() < 0 or values.max() >= k)):
                 problems.append(f"{client}/{utt}: {len(values)} labels for {frames} frames or ids outside [0, {k})")
+    return problems
+
+
+def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
@@ -383,18 +398,29 @@ def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
 
 
 @dg.asset_check(asset="kmeans_targets", description=(
-    f"Cluster use: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K and at most "
-    f"{MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
+    f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K "
+    f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
 ))
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = []
-    for client in _registered_clients(paths):
-        quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
-        share = quality["perplexity"] / max(quality["k"], 1)
-        empty = quality["empty_clusters"] / max(quality["k"], 1)
-        rows.append((client, quality["k"], round(share, 3), quality["empty_clusters"], share >= MIN_PERPLEXITY_SHARE and empty <= MAX_EMPTY_CLUSTER_SHARE))
+    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in _registered_clients(paths)]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,
         metadata={"clients": dg.MetadataValue.md(markdown_table(("client", "K", "perplexity / K", "empty", "ok"), rows[:50]))},
     )
+
+
+def cluster_use(out_dir: Path) -> tuple[int, float, int, bool]:
+    """K (codebook rows), perplexity / K and empty clusters of the labels in ``out_dir``, and
+    whether they are within the bounds."""
+    import numpy as np
+
+    from speech_assets.targets.kmeans import cluster_perplexity, empty_clusters
+
+    k = int(np.load(out_dir / "codebook.npy", mmap_mode="r").shape[0])
+    counts = np.zeros(max(k, 1), dtype=np.int64)
+    for item in labels.iter_labels(out_dir / "labels.parquet"):
+        counts += np.bincount(item.labels[(item.labels >= 0) & (item.labels < k)], minlength=len(counts))
+    share = cluster_perplexity(counts) / max(k, 1)
+    empty = empty_clusters(counts)
+    return k, round(share, 3), empty, share >= MIN_PERPLEXITY_SHARE and empty / max(k, 1) <= MAX_EMPTY_CLUSTER_SHARE

@@ -9,6 +9,7 @@ TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -145,6 +146,42 @@ def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequ
     export_onnx(encoder, folder / "encoder.onnx", opset)
     export_torchscript(encoder, folder / "encoder.pt")
     return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
+
+
+def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn_path: str | os.PathLike[str], count: int) -> list[np.ndarray]:
+    """The first ``count`` utterances of ``shards`` (in order) as the exported encoder takes them:
+    log-mel ``(T, 80)`` with the CMVN of ``cmvn_path`` applied."""
+    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.features.shards import iter_shard
+
+    cmvn, found = Cmvn.load(cmvn_path), []
+    for shard in shards:
+        for record in iter_shard(shard, features=("logmel",)):
+            if record.logmel is not None and record.num_frames >= 2:  # the export's time axis starts at 2
+                found.append(cmvn.apply(record.logmel, "logmel"))
+            if len(found) == count:
+                return found
+    return found
+
+
+def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity | None, list[str]]:
+    """Run ``folder``'s exported files again (ONNX through onnxruntime, TorchScript) against eager
+    PyTorch on the checkpoint ``encoder.json`` names, on ``feats``; and what stands in the way of
+    a comparison (the checkpoint gone or changed since the export, outputs of other lengths)."""
+    from speech_assets.evaluation.encoders import load_encoder
+
+    spec = json.loads((folder / "encoder.json").read_text())
+    checkpoint = Path(spec["checkpoint"])
+    if not checkpoint.is_file():
+        return None, [f"the exported checkpoint {checkpoint} is gone: nothing to compare with"]
+    loaded = load_encoder(checkpoint)
+    if loaded.sha256 != spec["checkpoint_sha256"]:
+        return None, [f"{checkpoint} holds other weights ({loaded.sha256[:12]}) than were exported ({spec['checkpoint_sha256'][:12]})"]
+    encoder = ExportableEncoder(loaded.model, int(spec["output"]["layer"]))
+    try:
+        return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats), []
+    except AssertionError as error:
+        return None, [str(error)]
 
 
 def input_description(encoder: LoadedEncoder, cmvn: Cmvn, layer: int, parity: Parity, checkpoint: str) -> dict[str, Any]:

@@ -105,12 +105,35 @@ def add_a_reject_behind_the_database(paths: StoragePaths) -> None:
     pq.write_table(pa.concat_tables([table, extra]), file)
 
 
+def vad_rejects_most_utterances(paths: StoragePaths) -> None:
+    """As a VAD threshold set far too high would: more rejected as no_speech than kept."""
+    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    kept = sum(meta["utterances"] for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None)
+    files = paths.shard_files(first_speaker(paths))
+    meta = files.read_meta()
+    table = pq.read_table(files.rejects)
+    extra = pa.table({name: [f"x{i}" for i in range(kept)] for name in table.column_names}, schema=table.schema)
+    pq.write_table(pa.concat_tables([table, extra]), files.rejects)
+    meta["rejects"] = table.num_rows + kept  # the writer vouches for what it rejected
+    files.write_meta({k: v for k, v in meta.items() if not k.endswith(("_size", "_mtime_ns", "_sha256"))})
+
+
+def collapse_a_codebook(paths: StoragePaths) -> None:
+    """Every frame of a client labelled with one cluster (its quality.json still says otherwise)."""
+    file = paths.kmeans_dir("client_00") / "labels.parquet"
+    table = pq.read_table(file)
+    blobs = [np.zeros(len(b) // 2, "<i2").tobytes() for b in table.column("labels").to_pylist()]
+    pq.write_table(table.set_column(table.column_names.index("labels"), "labels", pa.array(blobs, pa.binary())), file)
+
+
 CASES = [
     ("shards_are_consistent", lambda p: rewrite_shard(p, off_by_one_frame)),
     ("shards_are_consistent", lambda p: rewrite_shard(p, nan_in_features)),
+    ("no_speech_share", vad_rejects_most_utterances),
     ("cmvn_is_not_degenerate", constant_dimension),
     ("every_speaker_in_one_client", drop_a_speaker),
     ("labels_match_shards", truncate_labels),
+    ("clusters_are_used", collapse_a_codebook),
     ("row_counts_match_sources", add_a_reject_behind_the_database),
 ]
 CHECKS = {

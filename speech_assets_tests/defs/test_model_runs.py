@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
 import dagster as dg
 import duckdb
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -114,6 +116,52 @@ def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
     proc = subprocess.run([sys.executable, str(script), str(folder), str(flac)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f", {spec['preset']['dim']})" in proc.stdout
+
+
+def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_path) -> None:
+    """onnx_matches_pytorch runs both exported files again on shard utterances: an ONNX or
+    TorchScript file that no longer computes what the checkpoint does fails it, whatever
+    number the exporter recorded."""
+    import onnx
+    from onnx import numpy_helper
+
+    from speech_assets.defs.evaluation import export_parity, onnx_matches_pytorch
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.evaluation.export import load_torchscript
+
+    out = evaluated[0]
+    (exported,) = (out / "export").iterdir()
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri="sqlite://")
+    shards = [paths.shard_file(s) for s in sorted(pq.read_table(paths.clients_file).column("speaker_id").to_pylist())]
+    folder = tmp_path / "export"
+    shutil.copytree(exported, folder)
+    sound = export_parity(folder, shards, 4)
+    assert sound.passed, sound.description
+    assert sound.metadata["utterances"].value == 4 and sound.metadata["torchscript_max_abs_diff"].value <= 1e-4
+
+    model = onnx.load(str(folder / "encoder.onnx"))
+    weight = max((t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT), key=lambda t: np.prod(t.dims))
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + np.float32(0.05), weight.name))
+    onnx.save(model, str(folder / "encoder.onnx"))
+    drifted = export_parity(folder, shards, 4)
+    assert not drifted.passed and "ONNX differs" in drifted.description and "TorchScript" not in drifted.description
+
+    shutil.copyfile(exported / "encoder.onnx", folder / "encoder.onnx")
+    traced = load_torchscript(folder / "encoder.pt")
+    with torch.no_grad():
+        for parameter in traced.parameters():
+            parameter.add_(0.05)
+    torch.jit.save(traced, str(folder / "encoder.pt"))
+    drifted = export_parity(folder, shards, 4)
+    assert not drifted.passed and "TorchScript differs" in drifted.description
+
+    # as Dagster runs it: the latest materialization names the folder (and its recorded diff, 0)
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization("encoder_export", metadata={
+            "description": dg.MetadataValue.path(str(folder / "encoder.json")), "max_abs_diff": 0.0,
+        }))  # fmt: skip
+        result = onnx_matches_pytorch(dg.build_asset_check_context(instance=instance), paths=paths, settings=PipelineSettings())
+    assert not result.passed and "TorchScript differs" in result.description
 
 
 def test_distilled_student_is_smaller_and_faster(evaluated) -> None:

@@ -1,0 +1,182 @@
+"""Checks on the trained models and iteration 2's targets, read from the files they wrote.
+
+A checkpoint asset's latest materialization names its run folder (``run_dir``); what the run
+recorded there is checked: every loss finite (``metrics.jsonl``, ``result.json`` and, for a
+federation, its round tables), the held-out masked accuracy above the majority-class rate where
+the run measured both, and a distilled student's loss falling from its first logged window to
+its last. Each check is a pure function of the run folder and a thin Dagster wrapper.
+"""
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.defs.lineage import latest_materialization
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.targets import label_problems, labels_check_result
+
+TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
+WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")
+# distillation losses: the total and its per-layer L1 and cosine parts
+LOSS_PREFIXES = ("l1_", "cosine_")
+
+
+def _is_loss(key: str) -> bool:
+    return key == "loss" or key.endswith("_loss") or key.startswith(LOSS_PREFIXES)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _metrics_rows(run_dir: Path) -> Iterator[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)  # json reads the NaN and Infinity that json.dumps writes
+
+
+def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
+    """Every loss ``run_dir`` records, by where it is recorded (None values: not measured)."""
+    from speech_assets.federated.config import FederatedPaths
+
+    found: dict[str, list[float]] = {}
+    for row in _metrics_rows(run_dir):
+        for key, value in row.items():
+            if _is_loss(key) and value is not None:
+                found.setdefault(f"metrics.jsonl {key}", []).append(float(value))
+    for key, value in _read_json(run_dir / "result.json").items():
+        if _is_loss(key) and isinstance(value, int | float):
+            found[f"result.json {key}"] = [float(value)]
+    federation = FederatedPaths(run_dir)
+    for table, column in ((federation.rounds_table, "train_loss"), (federation.evaluation_table, "heldout_loss")):
+        if table.is_file():
+            values = pq.read_table(table, columns=[column]).column(0).to_pylist()
+            found[f"{table.name} {column}"] = [float(v) for v in values if v is not None]
+    return found
+
+
+def loss_problems(run_dir: Path) -> list[str]:
+    """Non-finite losses in ``run_dir``, or that it records none at all."""
+    losses = recorded_losses(run_dir)
+    if not any(losses.values()):
+        return [f"no loss recorded in {run_dir}"]
+    return [
+        f"{where}: {bad} of {len(values)} not finite"
+        for where, values in sorted(losses.items())
+        if (bad := sum(not math.isfinite(v) for v in values))
+    ]
+
+
+def accuracy_against_majority(run_dir: Path) -> tuple[float, float] | None:
+    """(held-out masked accuracy, majority-class rate on the same frames) from ``result.json``,
+    or None where the run did not measure them (no held-out speakers)."""
+    result = _read_json(run_dir / "result.json")
+    accuracy, majority = result.get("heldout_masked_accuracy"), result.get("heldout_majority_accuracy")
+    return None if accuracy is None or majority is None else (float(accuracy), float(majority))
+
+
+def loss_trend(run_dir: Path) -> tuple[float, float, int] | None:
+    """(first logged loss, last logged loss, logged steps) of ``metrics.jsonl``; a step logged
+    twice (a run re-started in the same folder) counts once, with its last value. None with fewer
+    than two logged steps."""
+    by_step = {int(row["step"]): float(row["loss"]) for row in _metrics_rows(run_dir) if row.get("loss") is not None}
+    if len(by_step) < 2:
+        return None
+    steps = sorted(by_step)
+    return by_step[steps[0]], by_step[steps[-1]], len(steps)
+
+
+def run_dir_of(instance: dg.DagsterInstance, asset: str) -> Path | None:
+    """The run folder ``asset``'s latest materialization names, if any."""
+    materialization = latest_materialization(instance, asset)
+    value = (materialization.metadata or {}).get("run_dir") if materialization else None
+    return Path(str(value.value)) if value is not None else None
+
+
+def _no_run(asset: str) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=False, description=f"no run folder recorded: materialize {asset} first")
+
+
+def losses_are_finite(asset: str) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=asset, name="losses_are_finite", blocking=True, description=(
+        "Every loss the run recorded is finite: each logged step's (metrics.jsonl), the final and held-out "
+        "ones (result.json) and, for a federation, each client's per round (rounds.parquet, evaluation.parquet)."
+    ))  # fmt: skip
+    def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        run_dir = run_dir_of(context.instance, asset)
+        if run_dir is None:
+            return _no_run(asset)
+        problems = loss_problems(run_dir)
+        return dg.AssetCheckResult(
+            passed=not problems,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description="; ".join(problems) if problems else None,
+            metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "problems": dg.MetadataValue.json(problems)},
+        )
+
+    return check
+
+
+def beats_majority_class(asset: str) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=asset, name="beats_majority_class", description=(
+        "Held-out masked accuracy above the majority-class rate (always predicting each client's most "
+        "frequent training label) on the same frames, where the run measured both."
+    ))  # fmt: skip
+    def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        run_dir = run_dir_of(context.instance, asset)
+        if run_dir is None:
+            return _no_run(asset)
+        measured = accuracy_against_majority(run_dir)
+        if measured is None:
+            return dg.AssetCheckResult(passed=True, description="no held-out accuracy recorded (no held-out speakers)")
+        accuracy, majority = measured
+        return dg.AssetCheckResult(
+            passed=accuracy > majority,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=None if accuracy > majority else (
+                "the encoder predicts masked frames no better than the majority class: train longer or check the targets"
+            ),
+            metadata={"heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4)},
+        )
+
+    return check
+
+
+@dg.asset_check(asset="distilled_checkpoint", description=(
+    "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."
+))
+def student_loss_falls(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    run_dir = run_dir_of(context.instance, "distilled_checkpoint")
+    if run_dir is None:
+        return _no_run("distilled_checkpoint")
+    trend = loss_trend(run_dir)
+    if trend is None:
+        return dg.AssetCheckResult(passed=True, description="fewer than two logged steps: nothing to compare")
+    first, last, steps = trend
+    return dg.AssetCheckResult(
+        passed=last < first,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"first_loss": first, "last_loss": last, "logged_steps": steps},
+    )
+
+
+@dg.asset_check(asset="kmeans_targets_iter2", name="labels_match_shards", blocking=True, description=(
+    "Every client's iteration-2 labels cover exactly its speakers' utterances, one label per 50 Hz frame "
+    "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
+))
+def iteration2_labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
+    return labels_check_result(label_problems(paths, lambda client: paths.root / "kmeans_iter2" / client))
+
+
+CHECKS = [
+    *(losses_are_finite(asset) for asset in TRAINED),
+    *(beats_majority_class(asset) for asset in WITH_HELDOUT_ACCURACY),
+    student_loss_falls,
+    iteration2_labels_match_shards,
+]
