@@ -152,10 +152,7 @@ class Server:
         self.binding = NodeBinding(config.clients, registered_nodes(self.paths))
         self.expected: ArraySpec = {}
         self.encoder_values = 0
-
-    @property
-    def node_clients(self) -> dict[int, str]:
-        return self.binding.node_client
+        self.rounds_run = 0
 
     def expect(self, encoder: records.NDArrays) -> None:
         """The spec every train reply's arrays must match (the global encoder's)."""
@@ -201,10 +198,11 @@ class Server:
         return nodes
 
     def wait_for_clients(self, round_number: int) -> list[int]:
-        """Before round 1 wait for every expected client to connect (up to ``connect_timeout_s``),
-        before a later round for ``min_train_nodes``; fail if fewer are connected by then."""
+        """Before the first round this server runs (a new or a resumed run) wait for every
+        expected client to connect (up to ``connect_timeout_s``), before a later one for
+        ``min_train_nodes``; fail if fewer are connected by then."""
         config = self.config
-        wanted = len(config.clients) if round_number == 1 or not self.node_clients else config.required_clients
+        wanted = len(config.clients) if not self.rounds_run else config.required_clients
         nodes = self.connected(wanted, config.connect_timeout_s)
         if len(nodes) < config.required_clients:
             missing = sorted(set(config.clients) - {c for n in nodes if (c := self.binding.client_of(n))})
@@ -269,6 +267,7 @@ class Server:
             "update_norm_bound": update_norm_bound(config, self.encoder_values),
         }
         history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
+        self.rounds_run += 1
         line = records.summarize_rounds(history[-1:])[0]
         log.info(
             "round %d/%d: %d clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), %.1f s",
