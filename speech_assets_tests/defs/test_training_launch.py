@@ -5,8 +5,10 @@ collectives listen on loopback only, and whose tracking URI's credentials are st
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -21,6 +23,7 @@ from speech_assets.testing.mlflow_server import MlflowServer
 from speech_assets.train.trainer import FAULT_ENV, OOM_FAULT
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
+log = logging.getLogger(__name__)
 SECRET = "s3cr3t-pa55"
 TRAINING = {
     "preset": "tiny", "max_steps": 4, "checkpoint_every": 4, "log_every": 2, "heldout_fraction": 0.1, "nproc": 2,
@@ -88,13 +91,36 @@ def _torchrun_trees() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def oom_run(sample_build: dict, tmp_path_factory: pytest.TempPathFactory):
+def built_copy(sample_build: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample build's data stages, copied: training runs here leave the shared build alone."""
+    out = tmp_path_factory.mktemp("training_launch") / "out"
+    shutil.copytree(sample_build["out"], out, ignore=shutil.ignore_patterns("training*", "mlflow.db", "mlartifacts", "distill", "export", "probe"))
+    return out
+
+
+@pytest.mark.slow  # a third torchrun job, with its own MLflow store
+def test_a_failed_torchrun_fails_the_step_with_its_own_error(built_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = built_copy.parent / "exit.marker"
+    monkeypatch.setenv(FAULT_ENV, f"0:1:{marker}")  # rank 0 exits with status 1 after step 1
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(built_copy), mlflow_tracking_uri=f"sqlite:///{built_copy.parent}/failed.db")
+    config = {**TRAINING, "nproc": 1, "seed": 11}
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = _job(build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))).execute_in_process(
+            instance=instance, run_config={"ops": {"pretrained_checkpoint": {"config": config}}}, raise_on_error=False
+        )
+    assert not result.success and marker.is_file()
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error
+    assert "training failed: DagsterPipesExecutionError: External execution process failed with code" in error.message
+    assert "AttributeError" not in error.to_string() and "out of memory" not in error.message
+
+
+@pytest.fixture(scope="module")
+def oom_run(built_copy: Path):
     """pretrained_checkpoint on a copy of the sample build, tracked on a real MLflow server through
     a URI with credentials, rank 1 out of memory at step 2 of the first attempt; the listening
     sockets of the torchrun process tree are sampled while it runs."""
-    root = tmp_path_factory.mktemp("oom_run")
-    out = root / "out"
-    shutil.copytree(sample_build["out"], out, ignore=shutil.ignore_patterns("training*", "mlflow.db", "mlartifacts", "distill", "export", "probe"))
+    root, out = built_copy.parent, built_copy
     marker = root / "oom.marker"
     seen: list[tuple[int, set[str]]] = []  # (processes in the torchrun tree, their listening addresses)
     done = threading.Event()
@@ -106,6 +132,8 @@ def oom_run(sample_build: dict, tmp_path_factory: pytest.TempPathFactory):
                 seen.append((len(tree), set().union(*(_listening(p) for p in tree))))
 
     with MlflowServer(root / "mlflow.log", backend_store_uri=f"sqlite:///{root}/mlflow.db", artifacts_destination=root / "artifacts") as server:
+        log.warning("mlflow server started in %.1f s", server.start_seconds)
+        began = time.monotonic()
         uri = server.url.replace("http://", f"http://speech:{SECRET}@")
         paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=uri)
         defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
@@ -116,6 +144,7 @@ def oom_run(sample_build: dict, tmp_path_factory: pytest.TempPathFactory):
                 patch.setenv(FAULT_ENV, f"{OOM_FAULT}1:2:{marker}")
                 result = materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": TRAINING}}})
                 logs = [entry.user_message for entry in instance.all_logs(result.run_id)]
+            log.warning("pretrained_checkpoint with one out-of-memory retry took %.1f s", time.monotonic() - began)
         finally:
             done.set()
             sampler.join()

@@ -132,7 +132,8 @@ def test_hosts_and_endpoints_are_checked() -> None:
     for endpoint in ("x$(id):1", "head", "head:0", "head:port", "[::1]:", "a b:1"):
         with pytest.raises(ValueError, match="not host:port"):
             build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint=endpoint, node_rank=0)
-    assert "[::1]:29400" not in build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="[::1]:29400", node_rank=0)
+    command = build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="[::1]:29400", node_rank=0)
+    assert command[command.index("--master-addr") + 1 : command.index("--master-port") + 2] == ["::1", "--master-port", "29400"]
 
 
 LAUNCHER = """
