@@ -15,6 +15,7 @@ from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.training import TRAINING_INPUTS, _input_versions
+from speech_assets.runtime.reaper import record_run_process
 from speech_assets.utils import sha256_strings
 
 CODE_VERSION = "federated-v1"
@@ -55,6 +56,7 @@ def federated_checkpoint(
     from speech_assets.federated.report import markdown_image, markdown_rounds, round_curve_png
     from speech_assets.federated.tracking import FederatedTracker
 
+    record_run_process(context)
     fed = effective(settings.federated, config)
     clients: dict[str, list[str]] = {}
     for row in pq.read_table(paths.clients_file).to_pylist():
