@@ -52,7 +52,7 @@ def federated_checkpoint(
 ) -> dg.MaterializeResult:
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
-    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
+    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, NeedsLinux, client_weights, run_federation
     from speech_assets.federated.report import markdown_image, markdown_rounds, round_curve_png
     from speech_assets.federated.tracking import FederatedTracker
 
@@ -121,7 +121,7 @@ def federated_checkpoint(
             on_round=on_round,
             tracker=tracker,
         )
-    except (SettingsChanged, InsecureRefused) as error:
+    except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
         raise dg.Failure(description=f"federated run {run_name} refused: {error}") from error
     except FederatedRunFailed as error:
         raise dg.Failure(

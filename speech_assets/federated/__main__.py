@@ -21,6 +21,7 @@ from speech_assets.federated.history import SettingsChanged
 from speech_assets.federated.launch import (
     FederatedRunFailed,
     InsecureRefused,
+    NeedsLinux,
     client_ids,
     client_weights,
     run_federation,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except FederatedRunFailed as error:
         print(f"federated run failed: {error}", file=sys.stderr, flush=True)
         return 2
-    except (SettingsChanged, InsecureRefused) as error:
+    except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
         print(f"federated run refused: {error}", file=sys.stderr, flush=True)
         return 1
     print(json.dumps({k: result[k] for k in ("checkpoint", "checkpoint_sha256", "heldout_masked_accuracy")}), flush=True)

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeSettings
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
-from speech_assets.federated.processes import LocalFederation, flwr_run, write_connection
+from speech_assets.federated.processes import LocalFederation, NeedsLinux, flwr_run, require_linux, write_connection
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
@@ -223,9 +223,12 @@ def run_federation(
     Raises :class:`FederatedRunFailed` when the server stopped the run for lack of clients
     (completed rounds stay saved; the next call resumes after them),
     :class:`~speech_assets.federated.history.SettingsChanged` when the run folder was started
-    with other settings, :class:`InsecureRefused` for a remote SuperLink without TLS.
+    with other settings, :class:`InsecureRefused` for a remote SuperLink without TLS,
+    :class:`~speech_assets.federated.processes.NeedsLinux` for a local federation off Linux.
     """
     check_transport(superlink, root_certificates, insecure)
+    if not superlink:
+        require_linux()
     paths = FederatedPaths(config.run_dir)
     roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
     with run_folder_lock(paths):

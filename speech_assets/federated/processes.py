@@ -2,7 +2,7 @@
 guarantee that every process started here is stopped, on success, on failure and on kill.
 
 - Every process started here is told by the kernel to die with the thread that started it
-  (``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of the asset's (or the CLI's) process takes the
+  (``prctl(PR_SET_PDEATHSIG)``, Linux only: the local federation refuses to start elsewhere), so a ``kill -9`` of the asset's (or the CLI's) process takes the
   federation with it. Start them from the thread that lives as long as they should (the asset's
   main thread).
 - Each Flower daemon runs under :mod:`speech_assets.federated.supervise`, a child subreaper that
@@ -10,7 +10,7 @@ guarantee that every process started here is stopped, on success, on failure and
   ``flwr-serverapp``, ``flwr-clientapp``), even those re-parented after their parent was killed.
   Flower's helpers alone only watch their parent's pid, which a zombie parent still answers to.
 - :meth:`LocalFederation.stop` (called in a ``finally``) walks each daemon's process tree through
-  ``/proc`` (the SuperLink starts its SuperExec in a session of its own, so a process group is not
+  psutil (the SuperLink starts its SuperExec in a session of its own, so a process group is not
   enough), sends SIGTERM, waits, then SIGKILLs whatever is left, and reaps.
 
 Everything binds to 127.0.0.1 on free ports; each process gets its own ``FLWR_HOME`` under the
@@ -23,7 +23,6 @@ starts, and ``nodes.json`` tells the ServerApp which node id is which client.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -37,28 +36,35 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from speech_assets import settings
 from speech_assets.federated.config import NODES_FILE, NodeSettings
+from speech_assets.runtime.processes import die_with_parent, on_linux
 
 CONNECTION_NAME = "speech_assets"
 SUPERVISOR = "speech_assets.federated.supervise"
 AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
-def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+class NeedsLinux(RuntimeError):
+    """The local federation's guarantees (parent-death signals, a child subreaper) are Linux's."""
+
+
+def require_linux() -> None:
+    if not on_linux():
+        raise NeedsLinux(
+            f"the local Flower federation needs Linux (parent-death signal and child subreaper), not {sys.platform}: "
+            "point `superlink` at a SuperLink that runs elsewhere"
+        )
+
+
+def _die_with_parent(sig: int) -> Callable[[], None]:
     """``preexec_fn``: send ``sig`` to this child when the thread that forked it dies."""
-
-    def preexec() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return preexec
+    return lambda: die_with_parent(sig)
 
 
 def spawn(
@@ -81,7 +87,7 @@ def spawn(
             stderr=kwargs.pop("stderr", subprocess.STDOUT),  # type: ignore[arg-type]
             env=dict(env),
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid(), signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
+            preexec_fn=_die_with_parent(signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -141,18 +147,11 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 # ------------------------------------------------------------------------------ process trees
 def _parents() -> dict[int, tuple[int, str]]:
-    """``pid -> (ppid, state)`` of every process (from ``/proc/<pid>/stat``)."""
+    """``pid -> (ppid, status)`` of every process this user can see."""
     found: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                stat = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        found[int(entry)] = (int(fields[1]), fields[0])
+    with contextlib.suppress(psutil.Error, OSError, IndexError):  # no process table: nothing known
+        for process in psutil.process_iter(["ppid", "status"]):
+            found[process.pid] = (process.info["ppid"] or 0, process.info["status"] or "")
     return found
 
 
@@ -161,7 +160,7 @@ def descendants(roots: Iterable[int]) -> set[int]:
     table = _parents()
     children: dict[int, list[int]] = {}
     for pid, (ppid, state) in table.items():
-        if state != "Z":
+        if state != psutil.STATUS_ZOMBIE:
             children.setdefault(ppid, []).append(pid)
     found: set[int] = set()
     stack = list(roots)
@@ -175,11 +174,9 @@ def descendants(roots: Iterable[int]) -> set[int]:
 
 def alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read().decode(errors="replace")
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
         return False
-    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
 
 
 def _signal(pids: Iterable[int], sig: int) -> None:
@@ -212,23 +209,23 @@ def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[i
     environment mentions ``root``): ``(pid, command line)``. The tests use it to prove nothing was
     left behind."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes() if root is not None else b""
-        except OSError:
-            continue
-        if not alive(int(entry)):
-            continue
-        argv = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-        names = {Path(part).name for part in argv[:6]}
-        if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3]:
-            continue
-        if root is not None and str(root).encode() not in raw + environ:
-            continue
-        found.append((int(entry), " ".join(argv)))
+    with contextlib.suppress(psutil.Error, OSError, IndexError):
+        for process in psutil.process_iter(["cmdline", "status"]):
+            if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            argv = process.info["cmdline"] or []
+            names = {Path(part).name for part in argv[:6]}
+            if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3]:
+                continue
+            if root is not None:
+                try:
+                    environ = process.environ()
+                except (psutil.Error, OSError):
+                    environ = {}
+                text = " ".join(argv) + " " + " ".join(f"{k}={v}" for k, v in environ.items())
+                if str(root) not in text:
+                    continue
+            found.append((process.pid, " ".join(argv)))
     return found
 
 

@@ -13,7 +13,8 @@ that does not reap) never notices. This supervisor closes the gap:
   ``--grace`` seconds, SIGKILLs the rest and reaps them all;
 - when COMMAND exits on its own, the same happens to whatever it left behind.
 
-Its exit code is COMMAND's (or 128 + the signal that stopped it).
+Its exit code is COMMAND's (or 128 + the signal that stopped it). Both ``prctl`` calls are
+Linux's: on any other OS it refuses at once with one line (exit code 2).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main(argv: list[str]) -> int:
         argv = argv[1:]
     if not argv:
         print("usage: python -m speech_assets.federated.supervise [--grace S] -- COMMAND...", file=sys.stderr)
+        return 2
+    if not sys.platform.startswith("linux"):
+        print(f"speech_assets.federated.supervise needs Linux (a child subreaper), not {sys.platform}", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)

@@ -313,3 +313,39 @@ def test_run_config_cannot_give_up_tls_or_move_the_client_state(override: dict, 
         with pytest.raises(dg.DagsterInvalidConfigError, match=f'unexpected config entry "{next(iter(override))}"'):
             job.execute_in_process(instance=instance, run_config={"ops": {"federated_checkpoint": {"config": override}}})
         assert not instance.get_runs()
+
+
+def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from speech_assets.federated.launch import run_federation
+    from speech_assets.federated.processes import NeedsLinux
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(NeedsLinux) as refused:
+        run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path)
+    assert "needs Linux" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code = f"import sys; sys.platform = 'darwin'; from speech_assets.federated import supervise; sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2 and "needs Linux" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+def test_process_trees_are_walked_through_psutil_and_survive_a_missing_process_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := descendants([parent.pid])) < 2:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        assert all(alive(pid) for pid in found)
+        monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path / "absent"))
+        assert descendants([parent.pid]) == set()  # unknown, not a crash
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
