@@ -15,9 +15,14 @@ def follow_upstream(require_all_deps: bool = True) -> dg.AutomationCondition:
     for assets that are useful before every input exists (the stats database before training).
     """
     eager = dg.AutomationCondition.eager()
-    if not require_all_deps:
-        eager = eager.without(~dg.AutomationCondition.any_deps_missing())
-    return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
+    if require_all_deps:
+        return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
+    # a dependency that was never materialized has no check to pass (no checkpoint yet)
+    checks_passed = dg.AutomationCondition.all_checks_match(
+        dg.AutomationCondition.check_passed() | dg.AutomationCondition.will_be_requested(), blocking_only=True
+    )
+    deps_ok = dg.AutomationCondition.all_deps_match(checks_passed | dg.AutomationCondition.missing())
+    return eager.without(~dg.AutomationCondition.any_deps_missing()) & deps_ok.with_label("all_present_deps_blocking_checks_passed")
 
 
 def retrain_on_cron() -> dg.AutomationCondition:
