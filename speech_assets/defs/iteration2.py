@@ -89,7 +89,7 @@ def kmeans_targets_iter2(
             if meta is None:
                 raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
             shard_versions[speaker] = meta["shard_sha256"]
-        out_dir = paths.root / "kmeans_iter2" / client_id
+        out_dir = paths.kmeans_iter2_dir(client_id)
         inputs_key = sha256_strings([
             json.dumps(shard_versions, sort_keys=True), encoder.sha256, str(layer),
             options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
@@ -149,10 +149,9 @@ def pretrained_checkpoint_iter2(
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     record_run_process(context)
-    iter2_dir = lambda client: paths.root / "kmeans_iter2" / client  # noqa: E731
     return run_training(
         context, effective(settings.training, config), paths, pipes_subprocess_client,
-        targets_dir=iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.root / "training_iter2",
+        targets_dir=paths.kmeans_iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.root / "training_iter2",
         code_version=TRAIN_ITER2_CODE_VERSION, asset_name="pretrained_checkpoint_iter2", run_label="pretrain-iter2",
     )  # fmt: skip
 

@@ -171,7 +171,7 @@ def student_loss_falls(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckR
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
 ))
 def iteration2_labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(label_problems(paths, lambda client: paths.root / "kmeans_iter2" / client))
+    return labels_check_result(label_problems(paths, paths.kmeans_iter2_dir))
 
 
 CHECKS = [

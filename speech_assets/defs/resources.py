@@ -95,6 +95,10 @@ class StoragePaths(dg.ConfigurableResource):
     def kmeans_dir(self, client_id: str) -> Path:
         return self.root / "kmeans" / check_safe_id(client_id, "client_id")
 
+    def kmeans_iter2_dir(self, client_id: str) -> Path:
+        """A client's HuBERT iteration-2 targets (labels from an encoder layer)."""
+        return self.root / "kmeans_iter2" / check_safe_id(client_id, "client_id")
+
     @property
     def training_dir(self) -> Path:
         return self.root / "training"
