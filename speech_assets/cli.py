@@ -9,7 +9,7 @@ from pathlib import Path
 
 import duckdb
 
-from speech_assets import settings
+from speech_assets import locations
 from speech_assets.stats import database as stats_db
 
 
@@ -72,7 +72,7 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     instance = dg.DagsterInstance.get()
     keys = list(instance.get_dynamic_partitions(args.name))
     if not keys:
-        print(f"no partitions registered for {args.name!r} in {settings.dagster_home()}", file=sys.stderr)
+        print(f"no partitions registered for {args.name!r} in {locations.dagster_home()}", file=sys.stderr)
         return 1
     print(f"{keys[0]}...{keys[-1]}" if args.range else "\n".join(keys))
     return 0
@@ -120,7 +120,7 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> Path:
-    return Path(args.db) if args.db else settings.data_dir() / "stats.duckdb"
+    return Path(args.db) if args.db else locations.data_dir() / "stats.duckdb"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     replicate = corpus.add_parser(
         "replicate", help="a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one"
     )
-    replicate.add_argument("--from", dest="source", type=Path, default=settings.sample_corpus(), help="source corpus (default: the sample)")
+    replicate.add_argument("--from", dest="source", type=Path, default=locations.sample_corpus(), help="source corpus (default: the sample)")
     replicate.add_argument("--out", type=Path, required=True, help="output directory (must be empty or absent)")
     replicate.add_argument("--scale", type=float, default=0.25, help="share of train-clean-100's ~113 utterances per speaker (1.0 = ~100 h)")
     replicate.add_argument("--speakers", type=int, default=251)

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets import settings as settings_module
+from speech_assets import locations
 from speech_assets.defs.lineage import git_commit, latest_data_version, latest_materialization
 from speech_assets.defs.resources import (
     DistillSettings,
@@ -369,7 +369,7 @@ def distilled_checkpoint(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", dg.PreviewWarning)
             invocation = pipes_subprocess_client.run(
-                context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()),
+                context=context, command=launch.guarded(command), cwd=str(locations.repo_root()),
                 env=launch.torchrun_env(nproc=nproc, tracking_uri=paths.mlflow_tracking_uri),
             )  # fmt: skip
         result = invocation.get_materialize_result()

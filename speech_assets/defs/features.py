@@ -28,7 +28,7 @@ FEATURES_CODE_VERSION = "vad-features-v2"  # v2: 32-row row groups
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
-class FeatureConfig(overrides_of(FeatureSettings)):
+class FeatureOverrides(overrides_of(FeatureSettings)):
     """Run-config overrides of the `[features]` settings for one manual run."""
 
     force: bool = False  # rebuild shards even when their inputs are unchanged
@@ -79,7 +79,7 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[flo
     ),
 )
 def vad_features(
-    context: dg.AssetExecutionContext, config: FeatureConfig, paths: StoragePaths, settings: PipelineSettings
+    context: dg.AssetExecutionContext, config: FeatureOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
     from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, iter_publish_shards  # torch: lazily
 

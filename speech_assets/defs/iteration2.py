@@ -126,7 +126,7 @@ def kmeans_targets_iter2(
     yield from step_events(context, published)
 
 
-class TrainingIter2Config(overrides_of(TrainingSettings)):
+class Iteration2TrainingOverrides(overrides_of(TrainingSettings)):
     """Run-config overrides of the `[training]` settings for one iteration-2 run."""
 
 
@@ -143,7 +143,7 @@ class TrainingIter2Config(overrides_of(TrainingSettings)):
 )
 def pretrained_checkpoint_iter2(
     context: dg.AssetExecutionContext,
-    config: TrainingIter2Config,
+    config: Iteration2TrainingOverrides,
     paths: StoragePaths,
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,

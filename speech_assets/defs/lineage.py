@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import dagster as dg
 
-from speech_assets import settings
+from speech_assets import locations
 
 DATA_VERSION_TAG = "dagster/data_version"
 
@@ -61,7 +61,7 @@ def git_commit() -> str | None:
     """The repository's HEAD commit, or None outside a git checkout."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=settings.repo_root(), capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "HEAD"], cwd=locations.repo_root(), capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

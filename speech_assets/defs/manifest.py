@@ -21,7 +21,7 @@ CODE_VERSION = "manifest-v2"
 STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
 
 
-class ManifestConfig(overrides_of(ManifestSettings)):
+class ManifestOverrides(overrides_of(ManifestSettings)):
     """Run-config overrides of the `[manifest]` settings for one manual run."""
 
 
@@ -36,7 +36,7 @@ class ManifestConfig(overrides_of(ManifestSettings)):
     check_specs=[dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=text) for name, text in audit.AUDITS.items()],
 )
 def manifest(
-    context: dg.AssetExecutionContext, config: ManifestConfig, paths: StoragePaths, settings: PipelineSettings
+    context: dg.AssetExecutionContext, config: ManifestOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
     options = effective(settings.manifest, config)
     location = paths.corpus_path

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Optional
 import dagster as dg
 from pydantic import create_model, field_validator, model_validator
 
-from speech_assets import settings
+from speech_assets import locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
@@ -30,28 +30,28 @@ class StoragePaths(dg.ConfigurableResource):
 
     @classmethod
     def from_environment(cls) -> "StoragePaths":
-        data = settings.data_dir()
-        uri = settings.mlflow_tracking_uri(data)
+        data = locations.data_dir()
+        uri = locations.mlflow_tracking_uri(data)
         return cls(
-            corpus=str(settings.corpus_location()),
+            corpus=str(locations.corpus_location()),
             data_dir=str(data),
             # a URI with credentials by its variable's name, which the UI shows instead of the value
-            mlflow_tracking_uri=dg.EnvVar(settings.TRACKING_URI_ENV) if settings.redact_uri(uri) != uri else uri,
+            mlflow_tracking_uri=dg.EnvVar(locations.TRACKING_URI_ENV) if locations.redact_uri(uri) != uri else uri,
         )
 
     @property
     def mlflow_artifact_location(self) -> str | None:
         """A new MLflow experiment's artifact location: the tracking server's default when
         ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``."""
-        return settings.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
+        return locations.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
 
     @property
     def corpus_path(self) -> Path:
-        return settings.resolve(self.corpus)
+        return locations.resolve(self.corpus)
 
     @property
     def root(self) -> Path:
-        return settings.resolve(self.data_dir)
+        return locations.resolve(self.data_dir)
 
     @property
     def manifest_dir(self) -> Path:
@@ -334,7 +334,7 @@ class PipelineSettings(dg.ConfigurableResource):
     def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:
         """Read ``path`` (default: ``$SPEECH_ASSETS_SETTINGS``, else ``pipeline.toml`` in the repo)."""
         explicit = path or os.environ.get(SETTINGS_ENV)
-        file = settings.resolve(explicit or SETTINGS_FILE)
+        file = locations.resolve(explicit or SETTINGS_FILE)
         if not file.is_file():
             if explicit:
                 raise FileNotFoundError(f"settings file {file} (from ${SETTINGS_ENV}) does not exist")

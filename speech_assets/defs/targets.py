@@ -33,7 +33,7 @@ CLIENTS_SCHEMA = pa.schema(
 )
 
 
-class ClientsConfig(overrides_of(ClientSettings)):
+class ClientOverrides(overrides_of(ClientSettings)):
     """Run-config overrides of the `[clients]` settings for one manual run."""
 
 
@@ -49,7 +49,7 @@ class ClientsConfig(overrides_of(ClientSettings)):
     ),
 )
 def client_partitions(
-    context: dg.AssetExecutionContext, config: ClientsConfig, paths: StoragePaths, settings: PipelineSettings
+    context: dg.AssetExecutionContext, config: ClientOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     config = effective(settings.clients, config)
     speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
@@ -94,7 +94,7 @@ def client_partitions(
     )
 
 
-class KMeansTargetsConfig(overrides_of(KMeansSettings)):
+class KMeansOverrides(overrides_of(KMeansSettings)):
     """Run-config overrides of the `[kmeans]` settings for one manual run."""
 
     force: bool = False  # refit even when this client's inputs are unchanged
@@ -119,7 +119,7 @@ class KMeansTargetsConfig(overrides_of(KMeansSettings)):
     ),
 )
 def kmeans_targets(
-    context: dg.AssetExecutionContext, config: KMeansTargetsConfig, paths: StoragePaths, settings: PipelineSettings
+    context: dg.AssetExecutionContext, config: KMeansOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
     kmeans = effective(settings.kmeans, config)
     assignments = pq.read_table(paths.clients_file).to_pylist()

@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets import settings as settings_module
+from speech_assets import locations
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, latest_data_version
@@ -29,7 +29,7 @@ from speech_assets.utils import atomic_write_text, sha256_strings
 CODE_VERSION = "train-v1"
 
 
-class TrainingConfig(overrides_of(TrainingSettings)):
+class TrainingOverrides(overrides_of(TrainingSettings)):
     """Run-config overrides of the `[training]` settings for one manual run."""
 
 
@@ -76,7 +76,7 @@ TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, AL
 )
 def pretrained_checkpoint(
     context: dg.AssetExecutionContext,
-    config: TrainingConfig,
+    config: TrainingOverrides,
     paths: StoragePaths,
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
@@ -150,7 +150,7 @@ def run_training(
         max_restarts=options.max_restarts,
         nproc=options.nproc or "auto",
         threads=options.threads or None,
-        noise=str(settings_module.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
+        noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
         noise_prob=options.noise_prob,
         noise_snr_db=list(options.noise_snr_db),
         specaugment=options.specaugment,
@@ -186,7 +186,7 @@ def run_training(
             with warnings.catch_warnings():  # Pipes' own preview API, used as documented
                 warnings.simplefilter("ignore", dg.PreviewWarning)
                 return pipes_subprocess_client.run(
-                    context=context, command=launch.guarded(command), cwd=str(settings_module.repo_root()), env=env
+                    context=context, command=launch.guarded(command), cwd=str(locations.repo_root()), env=env
                 )
 
     with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
@@ -245,7 +245,7 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
         ):
             log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {shlex.join(command)}")
-            processes.append((launch.start_node(command, log, env=env, cwd=settings_module.repo_root()), log))
+            processes.append((launch.start_node(command, log, env=env, cwd=locations.repo_root()), log))
         if processes:
             threading.Thread(target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True).start()
         yield

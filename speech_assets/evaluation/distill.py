@@ -35,7 +35,7 @@ from torch import nn
 
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
-from speech_assets.settings import redact_uri
+from speech_assets.locations import redact_uri
 from speech_assets.train.config import ClientTargets
 from speech_assets.utils import atomic_write_text
 

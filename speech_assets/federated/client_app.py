@@ -1,7 +1,7 @@
 """The Flower ClientApp: one client's local round and held-out evaluation.
 
 The SuperNode's ``--node-config`` says who this client is and where its data is
-(:class:`~speech_assets.federated.config.NodeSettings`); the message brings the global encoder
+(:class:`~speech_assets.federated.config.NodeConfig`); the message brings the global encoder
 (an ``ArrayRecord`` of the encoder's tensors) and the round's instructions (a ``ConfigRecord``,
 :class:`~speech_assets.federated.config.LocalConfig`). A train reply carries the locally trained
 encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg weight;
@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from speech_assets.federated.client_data import ClientData
-from speech_assets.federated.config import LocalConfig, NodeSettings
+from speech_assets.federated.config import LocalConfig, NodeConfig
 from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ log = logging.getLogger("speech_assets.federated")
 app = ClientApp()
 
 
-def _client(message: Message, context: Context) -> tuple[object, int, NodeSettings]:
+def _client(message: Message, context: Context) -> tuple[object, int, NodeConfig]:
     from speech_assets.federated.local import LocalClient
 
     if not log.handlers:
@@ -43,7 +43,7 @@ def _client(message: Message, context: Context) -> tuple[object, int, NodeSettin
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    node = NodeSettings.from_node_config(context.node_config)
+    node = NodeConfig.from_node_config(context.node_config)
     config = message.content["config"]
     local = LocalConfig.from_record(config)
     client = LocalClient(ClientData.resolve(node.data_dir, node.client_id), local, node)

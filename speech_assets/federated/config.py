@@ -10,7 +10,7 @@ Three kinds of settings, kept apart on purpose:
 - :class:`LocalConfig` (a round's instructions to the clients): local steps, client learning rate,
   model preset, masking, precision. The server sends it in every train/evaluate message's
   ``ConfigRecord``; Flower's own ``eta_l`` is not used (Flower's strategies do not apply it either).
-- :class:`NodeSettings` (each SuperNode's own, never sent anywhere): its client id, where its data
+- :class:`NodeConfig` (each SuperNode's own, never sent anywhere): its client id, where its data
   lives, the state root it owns (its heads and CMVN between rounds), its threads and device. Set
   with ``flower-supernode --node-config 'client-id="client_00" data-dir="/data/out"'``.
 
@@ -281,7 +281,7 @@ class LocalConfig:
 
 
 @dataclass(frozen=True)
-class NodeSettings:
+class NodeConfig:
     """A SuperNode's own settings (``--node-config``); they never leave the client.
 
     ``data-dir`` is the client's data folder in the pipeline's layout (``kmeans/<client-id>/``,
@@ -302,7 +302,7 @@ class NodeSettings:
         check_safe_id(self.client_id, "this SuperNode's client-id")
 
     @classmethod
-    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeConfig:
         missing = [k for k in ("client-id", "data-dir") if k not in node_config]
         if missing:
             raise ValueError(

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeSettings
+from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, NeedsLinux, flwr_run, require_linux, write_connection
 from speech_assets.utils import atomic_write_text
@@ -313,7 +313,7 @@ def _run_federation(
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [
-            NodeSettings(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
+            NodeConfig(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
             for c in config.clients
         ]
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from speech_assets.federated.client_data import ClientData
-from speech_assets.federated.config import LocalConfig, NodeSettings
+from speech_assets.federated.config import LocalConfig, NodeConfig
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths
 from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
 from speech_assets.model.masking import span_mask
@@ -168,7 +168,7 @@ class EvalResult:
 class LocalClient:
     """One client's data, model factory, local round and evaluation (see the module docstring)."""
 
-    def __init__(self, data: ClientData, local: LocalConfig, node: NodeSettings) -> None:
+    def __init__(self, data: ClientData, local: LocalConfig, node: NodeConfig) -> None:
         self.data, self.local, self.node = data, local, node
         self.client_dir = node.client_dir(local.run_name)
         self.client_dir.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import psutil
 
-from speech_assets import settings
-from speech_assets.federated.config import NODES_FILE, NodeSettings
+from speech_assets import locations
+from speech_assets.federated.config import NODES_FILE, NodeConfig
 from speech_assets.runtime.processes import die_with_parent, on_linux
 
 CONNECTION_NAME = "speech_assets"
@@ -104,7 +104,7 @@ def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, s
     ``PYTHONPATH`` (the apps import ``speech_assets``)."""
     env = dict(os.environ if base is None else base)
     home.mkdir(parents=True, exist_ok=True)
-    paths = [str(settings.repo_root()), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [str(locations.repo_root()), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     # Flower starts its own helpers (flower-superexec, flwr-serverapp, ...) by name
     binaries = [str(Path(sys.executable).parent), *filter(None, env.get("PATH", "").split(os.pathsep))]
     env.update(
@@ -245,13 +245,13 @@ class LocalFederation:
     ``pids.json``, ``tls/`` (the CA and the SuperLink's certificate), ``auth/`` (the SuperNodes'
     keys, deleted on stop), ``cli/`` (the ``flwr`` connection, :attr:`cli_home`) and
     ``nodes.json`` (``{node id: client id}``, deleted on stop). Each SuperNode gets
-    ``--node-config`` from its :class:`NodeSettings`.
+    ``--node-config`` from its :class:`NodeConfig`.
     """
 
     def __init__(
         self,
         folder: Path,
-        nodes: Sequence[NodeSettings],
+        nodes: Sequence[NodeConfig],
         *,
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 120.0,

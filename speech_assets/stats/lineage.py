@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from speech_assets.settings import redact_uri
+from speech_assets.locations import redact_uri
 from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.model.presets import get_preset
-from speech_assets.settings import redact_uri
+from speech_assets.locations import redact_uri
 from speech_assets.train.augment import Augmentation
 from speech_assets.utils import atomic_write_text
 

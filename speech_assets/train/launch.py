@@ -24,7 +24,7 @@ from typing import IO, Any, TypeVar
 
 from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.hosts import check_endpoint, check_host
-from speech_assets.settings import TRACKING_URI_ENV, redact_uri
+from speech_assets.locations import TRACKING_URI_ENV, redact_uri
 from speech_assets.train import local_torchrun
 from speech_assets.train.autoconfig import (
     LaunchPlan,
@@ -184,7 +184,7 @@ def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1, tracking
     ``OMP_NUM_THREADS`` is set (unless given) to this node's cores shared among ``nproc``
     processes, which each worker also sets for torch: torchrun then has no default to announce.
     A ``tracking_uri`` with credentials travels as ``$MLFLOW_TRACKING_URI``: config files hold it
-    without them (:func:`speech_assets.settings.with_credentials`).
+    without them (:func:`speech_assets.locations.with_credentials`).
     """
     env = {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from speech_assets import settings
+from speech_assets import locations
 from speech_assets.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -28,19 +28,19 @@ log = logging.getLogger(__name__)
 def default_artifact_location(tracking_uri: str) -> str | None:
     """``<dir>/mlartifacts`` beside a local ``sqlite:///<dir>/mlflow.db`` (or file) store, so
     artifacts never land in the working directory; ``None`` (the server's default, artifacts go
-    through the server) for an http(s) tracking server. See :func:`settings.mlflow_artifact_location`."""
-    return settings.mlflow_artifact_location(tracking_uri)
+    through the server) for an http(s) tracking server. See :func:`locations.mlflow_artifact_location`."""
+    return locations.mlflow_artifact_location(tracking_uri)
 
 
 def is_server(tracking_uri: str) -> bool:
-    return urlparse(tracking_uri).scheme in settings.MLFLOW_SERVER_SCHEMES
+    return urlparse(tracking_uri).scheme in locations.MLFLOW_SERVER_SCHEMES
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     """A clickable link to the run when the tracking URI is a server (without its credentials);
     None for local stores."""
     if is_server(tracking_uri):
-        base = urlparse(settings.redact_uri(tracking_uri))._replace(query="", fragment="").geturl()
+        base = urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl()
         return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return None
 
@@ -50,7 +50,7 @@ def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
     (a store's credentials are left out of it: it is recorded in run metadata)."""
     artifacts = artifact_location or default_artifact_location(tracking_uri)
     serve = f" --default-artifact-root {shlex.quote(artifacts)}" if artifacts else ""
-    store = shlex.quote(settings.redact_uri(tracking_uri))
+    store = shlex.quote(locations.redact_uri(tracking_uri))
     return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --port 5000"
 
 
@@ -84,8 +84,8 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.config = config
-        self.tracking_uri = settings.redact_uri(config.mlflow_tracking_uri)  # what is shown
-        self.client = MlflowClient(tracking_uri=settings.with_credentials(config.mlflow_tracking_uri))
+        self.tracking_uri = locations.redact_uri(config.mlflow_tracking_uri)  # what is shown
+        self.client = MlflowClient(tracking_uri=locations.with_credentials(config.mlflow_tracking_uri))
         self.run_id = ""
         self.experiment_id = ""
 

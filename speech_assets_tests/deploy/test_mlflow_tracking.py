@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets import settings
+from speech_assets import locations
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.testing.mlflow_server import MLFLOW, MlflowServer
 from speech_assets.testing.postgres import PostgresServer
@@ -43,14 +43,14 @@ def test_artifact_location_and_run_link_follow_the_kind_of_store(tmp_path: Path)
     data = tmp_path / "out"
     # a server keeps its own default: artifacts go through it
     for uri in ("http://mlflow.internal:5000", "https://mlflow.example.com"):
-        assert settings.mlflow_artifact_location(uri, data) is None
+        assert locations.mlflow_artifact_location(uri, data) is None
         assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location is None
         assert run_url(uri, "3", "abc") == f"{uri}/#/experiments/3/runs/abc"
     # stores the client writes itself: the data dir's mlartifacts folder, and no URL to click
     for uri in (f"sqlite:///{tmp_path}/elsewhere/mlflow.db", f"file://{tmp_path}/mlruns", "postgresql+psycopg2://u:secret@db:5432/mlflow"):
         assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location == str(data / "mlartifacts")
         assert run_url(uri, "3", "abc") is None
-    assert settings.mlflow_artifact_location(f"sqlite:///{tmp_path}/mlflow.db") == str(tmp_path / "mlartifacts")
+    assert locations.mlflow_artifact_location(f"sqlite:///{tmp_path}/mlflow.db") == str(tmp_path / "mlartifacts")
     # the recorded command never carries a database password
     command = ui_command("postgresql+psycopg2://u:secret@db:5432/mlflow", str(data / "mlartifacts"))
     assert "secret" not in command and "postgresql+psycopg2://u@db:5432/mlflow" in command

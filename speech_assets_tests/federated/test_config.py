@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeSettings, settings_changes
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
     APP_DIR,
@@ -100,16 +100,16 @@ def test_round_instructions_round_trip() -> None:
 def test_node_config_is_parsed_by_flower_as_written() -> None:
     from flwr.common.config import parse_config_args
 
-    node = NodeSettings(client_id="client_02", data_dir="/data/out", state_root="/clients/client_02", threads=2)
+    node = NodeConfig(client_id="client_02", data_dir="/data/out", state_root="/clients/client_02", threads=2)
     parsed = parse_config_args([node.to_node_config()])
-    assert NodeSettings.from_node_config(parsed) == node
+    assert NodeConfig.from_node_config(parsed) == node
     assert node.client_dir("run") == Path("/clients/client_02/run")
     # without a state root: a folder of the client's own beside the data, not the server's run folder
-    assert NodeSettings("c", "/d").client_dir("run") == Path("/d/federated_clients/c/run")
+    assert NodeConfig("c", "/d").client_dir("run") == Path("/d/federated_clients/c/run")
     with pytest.raises(ValueError, match="client-id"):
-        NodeSettings.from_node_config({"data-dir": "/d"})
+        NodeConfig.from_node_config({"data-dir": "/d"})
     with pytest.raises(ValueError, match="state-root"):
-        NodeSettings.from_node_config({"client-id": "c", "data-dir": "/d", "state-dir": "/x"})
+        NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d", "state-dir": "/x"})
 
 
 @pytest.mark.parametrize("name", ["..", ".", "../other", "a/b", "", "run name", "x" * 65])
@@ -120,11 +120,11 @@ def test_a_run_name_from_the_server_becomes_a_path_only_when_it_is_a_safe_id(nam
     with pytest.raises(ValueError, match="run name sent by the server"):
         LocalConfig.from_record(record)
     with pytest.raises(ValueError, match="run name sent by the server"):
-        NodeSettings("client_00", "/data").client_dir(name)
+        NodeConfig("client_00", "/data").client_dir(name)
     with pytest.raises(ValueError, match="run_name"):
         _config(run_name=name)
     with pytest.raises(ValueError, match="client-id"):
-        NodeSettings(name or "..", "/data")
+        NodeConfig(name or "..", "/data")
 
 
 def test_client_state_lives_under_roots_the_supernodes_own(tmp_path: Path) -> None:

@@ -257,11 +257,11 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
     key nobody registered, is refused even under a client id taking part. Its keys and node ids
     are deleted when the federation stops."""
     from speech_assets.federated.auth import make_node_key
-    from speech_assets.federated.config import NodeSettings
+    from speech_assets.federated.config import NodeConfig
     from speech_assets.federated.processes import LocalFederation, flower_bin, flower_env, spawn, terminate
 
     folder = tmp_path / "flower"
-    node = NodeSettings("client_00", str(tmp_path / "data"))
+    node = NodeConfig("client_00", str(tmp_path / "data"))
     impostors = []
     try:
         with LocalFederation(folder, [node], log=lambda line: None) as federation:

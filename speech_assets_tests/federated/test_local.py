@@ -14,7 +14,7 @@ import torch
 
 from speech_assets.features import cmvn
 from speech_assets.federated.client_data import ClientData
-from speech_assets.federated.config import FederatedConfig, NodeSettings
+from speech_assets.federated.config import FederatedConfig, NodeConfig
 from speech_assets.federated.local import HEAD_PREFIX, LocalClient, initial_encoder
 from speech_assets.model.presets import get_preset
 
@@ -52,7 +52,7 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
     everything_else = [p for p in isolated.rglob("*") if p.is_file()]
     assert not any("client_01" in str(p) or "cmvn" in p.parts or "clients" in p.parts for p in everything_else)
     data = ClientData.resolve(isolated, CLIENT)
-    node = NodeSettings(client_id=CLIENT, data_dir=str(isolated), state_root=str(tmp_path / "state"), threads=1)
+    node = NodeConfig(client_id=CLIENT, data_dir=str(isolated), state_root=str(tmp_path / "state"), threads=1)
     client = LocalClient(data, _local(), node)
 
     # client-level CMVN: its own speakers' partial sums, not the global statistics
@@ -81,7 +81,7 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
 def test_a_local_round_repeats_exactly(sample_pipeline, tmp_path: Path) -> None:
     """Round r starts from the newest head saved before r, so a re-run round (after a kill)
     computes the same encoder whatever the first attempt left behind."""
-    node = NodeSettings(client_id=CLIENT, data_dir=str(sample_pipeline.out), state_root=str(tmp_path / "state"), threads=1)
+    node = NodeConfig(client_id=CLIENT, data_dir=str(sample_pipeline.out), state_root=str(tmp_path / "state"), threads=1)
     start = initial_encoder("tiny", seed=0)
 
     def train(round_number: int, encoder: dict) -> dict:

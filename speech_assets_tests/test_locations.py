@@ -2,7 +2,7 @@
 
 import pytest
 
-from speech_assets.settings import TRACKING_URI_ENV, redact_uri, with_credentials
+from speech_assets.locations import TRACKING_URI_ENV, redact_uri, with_credentials
 from speech_assets.train.tracking import run_url, ui_command
 
 
