@@ -5,10 +5,6 @@ import pytest
 from speech_assets.testing.training_data import SyntheticCorpus, write_corpus
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: end-to-end training (tens of seconds); still part of `make test`")
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
     """2 clients (k = 8, 12) x 2 speakers x 12 labelled utterances of 1.5-4 s (+1 unlabelled each)."""

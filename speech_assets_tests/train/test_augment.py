@@ -115,6 +115,7 @@ def test_specaugment_masks_bands_and_frames_with_the_mean() -> None:
     options = Augmentation(specaugment=True, freq_masks=2, freq_mask_width=27, time_masks=2, time_mask_width=40)
     augmenter = Augmenter(options, seed=3)
     feats = torch.from_numpy(np.random.default_rng(0).normal(size=(400, 80)).astype(np.float32))
+    original = feats.clone()
     found = []
     for utt in ("a", "b", "c", "d", "e", "f"):
         masked = augmenter.specaugment(feats, utt, epoch=0)
@@ -130,7 +131,7 @@ def test_specaugment_masks_bands_and_frames_with_the_mean() -> None:
     # time masks are at most time_mask_ratio of a short utterance
     short = augmenter.specaugment(feats[:50], "a", epoch=0)
     assert int((short == 0).all(dim=1).sum()) <= 2 * int(0.2 * 50)
-    assert torch.equal(feats, feats.clone())  # the input was not modified in place
+    assert torch.equal(feats, original)  # the input was not modified in place
 
 
 def _dataset(corpus: SyntheticCorpus, options: Augmentation | None) -> UtteranceDataset:
