@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, evaluation, features, federated, iteration2, manifest, model_checks, staleness, stats, targets, training
+from speech_assets.defs import automation, clients, evaluation, features, federated, iteration2, manifest, model_checks, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.reaper import reaping_multiprocess_executor
 
@@ -11,7 +11,7 @@ CHECKS = [
     features.shards_are_consistent,
     features.no_speech_share,
     features.cmvn_is_not_degenerate,
-    targets.every_speaker_in_one_client,
+    clients.every_speaker_in_one_client,
     targets.labels_match_shards,
     targets.clusters_are_used,
     stats.row_counts_match_sources,
@@ -25,7 +25,7 @@ ASSETS = [
     manifest.speaker_manifest,
     features.vad_features,
     features.cmvn_stats,
-    targets.client_partitions,
+    clients.client_partitions,
     targets.kmeans_targets,
     training.pretrained_checkpoint,
     federated.federated_checkpoint,
