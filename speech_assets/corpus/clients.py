@@ -4,12 +4,25 @@ Speakers are never split across clients. Assignment balances trimmed hours with 
 largest-first greedy rule and is stable under fresh data: a speaker that already has a client
 keeps it, and only new speakers are placed (largest first, each onto the currently lightest
 client). Ties break on ids, so the result is deterministic.
+
+The clients table (``clients/clients.parquet``, written by the ``client_partitions`` asset) has
+one row per speaker, ``CLIENTS_SCHEMA``; ``read_clients`` is its one reader.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from speech_assets.utils import atomic_path
+
+CLIENTS_SCHEMA = pa.schema(
+    [("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64())]
+)
 
 
 @dataclass(frozen=True)
@@ -72,3 +85,14 @@ def imbalance(assignments: list[ClientAssignment], num_clients: int) -> float:
         totals[item.client_id] += item.hours
     mean = sum(totals.values()) / num_clients
     return max(totals.values()) / mean if mean > 0 else 1.0
+
+
+def write_clients(path: str | os.PathLike[str], assignments: list[ClientAssignment]) -> None:
+    """Publish the clients table atomically."""
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist([asdict(a) for a in assignments], schema=CLIENTS_SCHEMA), tmp)
+
+
+def read_clients(path: str | os.PathLike[str]) -> list[ClientAssignment]:
+    """The rows of the clients table, one per speaker."""
+    return [ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist()]

@@ -19,6 +19,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.resources import StoragePaths
 
 MAX_SHOWN = 10
@@ -64,8 +65,8 @@ def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
         return {}
     shards = current_shards(paths)
     members: dict[str, dict[str, str]] = {}
-    for row in pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist():
-        members.setdefault(row["client_id"], {})[row["speaker_id"]] = shards.get(row["speaker_id"], "missing")
+    for row in read_clients(paths.clients_file):
+        members.setdefault(row.client_id, {})[row.speaker_id] = shards.get(row.speaker_id, "missing")
     report = {}
     for client, current in sorted(members.items()):
         quality_file = paths.kmeans_dir(client) / "quality.json"

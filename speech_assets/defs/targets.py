@@ -1,97 +1,29 @@
-"""Stage 3: speakers partitioned into non-IID clients, and per-client k-means targets."""
+"""Stage 3: per-client k-means targets (the clients themselves: defs/clients.py)."""
 
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dagster as dg
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.features import cmvn
-from speech_assets.targets import clients as assignment
+from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, latest_data_version, markdown_table, partition_materialization, step_events
+from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions, register_new
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
-    ClientSettings,
     KMeansSettings,
     PipelineSettings,
     StoragePaths,
     effective,
     overrides_of,
 )
-from speech_assets.utils import atomic_path, atomic_write_text, exclusive_lock, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
 
-CLIENTS_CODE_VERSION = "clients-v1"
 KMEANS_CODE_VERSION = "kmeans-v1"
-
-CLIENTS_SCHEMA = pa.schema(
-    [("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64())]
-)
-
-
-class ClientOverrides(overrides_of(ClientSettings)):
-    """Run-config overrides of the `[clients]` settings for one manual run."""
-
-
-@dg.asset(
-    group_name="clients",
-    deps=["cmvn_stats"],
-    code_version=CLIENTS_CODE_VERSION,
-    automation_condition=follow_upstream(),
-    kinds={"parquet"},
-    description=(
-        "Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours; "
-        "speakers already assigned keep their client."
-    ),
-)
-def client_partitions(
-    context: dg.AssetExecutionContext, config: ClientOverrides, paths: StoragePaths, settings: PipelineSettings
-) -> dg.MaterializeResult:
-    config = effective(settings.clients, config)
-    speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
-    loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
-    previous = {}
-    if paths.clients_file.exists():
-        previous = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
-    result = assignment.assign_clients(loads, config.num_clients, previous)
-    table = pa.Table.from_pylist(
-        [{"speaker_id": a.speaker_id, "client_id": a.client_id, "hours": a.hours, "utterances": a.utterances} for a in result],
-        schema=CLIENTS_SCHEMA,
-    )
-    with atomic_path(paths.clients_file) as tmp:
-        pq.write_table(table, tmp)
-    ids = assignment.client_ids(config.num_clients)
-    added = register_new(context, clients_partitions, ids)
-    summary = {c: {"speakers": 0, "hours": 0.0, "utterances": 0} for c in ids}
-    for item in result:
-        summary[item.client_id]["speakers"] += 1
-        summary[item.client_id]["hours"] += item.hours
-        summary[item.client_id]["utterances"] += item.utterances
-    now = {a.speaker_id: a.client_id for a in result}
-    moved = sorted(s for s, c in previous.items() if s in now and now[s] != c)
-    return dg.MaterializeResult(
-        data_version=dg.DataVersion(sha256_file(paths.clients_file)),
-        metadata={
-            "clients": config.num_clients,
-            "speakers": len(result),
-            "new_speakers": len([a for a in result if a.speaker_id not in previous]),
-            "moved_speakers": dg.MetadataValue.json(moved),
-            "imbalance": round(assignment.imbalance(result, config.num_clients), 4),
-            "summary": dg.MetadataValue.md(
-                markdown_table(
-                    ("client", "speakers", "hours", "utterances"),
-                    ((c, v["speakers"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
-                )
-            ),
-            "registered_partitions": dg.MetadataValue.json(added),
-            "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
-            "path": dg.MetadataValue.path(str(paths.clients_file)),
-        },
-    )
 
 
 class KMeansOverrides(overrides_of(KMeansSettings)):
@@ -122,14 +54,14 @@ def kmeans_targets(
     context: dg.AssetExecutionContext, config: KMeansOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
     kmeans = effective(settings.kmeans, config)
-    assignments = pq.read_table(paths.clients_file).to_pylist()
+    assignments = read_clients(paths.clients_file)
     speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
     provenance = input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(clients, start=1):
-        speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
+        speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
         published.append(
             partition_materialization(
@@ -322,33 +254,8 @@ MIN_PERPLEXITY_SHARE = 0.2
 MAX_EMPTY_CLUSTER_SHARE = 0.1
 
 
-@dg.asset_check(asset="client_partitions", blocking=True, description=(
-    "Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."
-))
-def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
-    speakers = set(pq.read_table(paths.cmvn_dir / "speakers.parquet", columns=["speaker_id"]).column(0).to_pylist())
-    rows = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist()
-    assigned = [r["speaker_id"] for r in rows]
-    clients = {r["client_id"] for r in rows}
-    empty = sorted(set(context.instance.get_dynamic_partitions(clients_partitions.name)) - clients)
-    missing, extra = sorted(speakers - set(assigned)), sorted(set(assigned) - speakers)
-    twice = sorted({s for s in assigned if assigned.count(s) > 1}) if len(assigned) != len(set(assigned)) else []
-    return dg.AssetCheckResult(
-        passed=not (missing or extra or twice or empty) and len(clients) > 0,
-        severity=dg.AssetCheckSeverity.ERROR,
-        metadata={
-            "speakers": len(speakers),
-            "clients": len(clients),
-            "unassigned": dg.MetadataValue.json(missing[:50]),
-            "unknown": dg.MetadataValue.json(extra[:50]),
-            "assigned_twice": dg.MetadataValue.json(twice[:50]),
-            "empty_clients": dg.MetadataValue.json(empty),
-        },
-    )
-
-
-def _registered_clients(paths: StoragePaths) -> list[str]:
-    return sorted({r["client_id"] for r in pq.read_table(paths.clients_file, columns=["client_id"]).to_pylist()})
+def registered_clients(paths: StoragePaths) -> list[str]:
+    return sorted({a.client_id for a in read_clients(paths.clients_file)})
 
 
 @dg.asset_check(asset="kmeans_targets", blocking=True, description=(
@@ -365,9 +272,9 @@ def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> l
     50 Hz frame, ids outside the client's codebook (``codebook.npy``)."""
     import numpy as np
 
-    assignments = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"]).to_pylist()
+    assignments = read_clients(paths.clients_file)
     problems: list[str] = []
-    for client in _registered_clients(paths):
+    for client in registered_clients(paths):
         out = targets_dir(client)
         if not (out / "codebook.npy").is_file() or not (out / "labels.parquet").is_file():
             problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
@@ -375,7 +282,7 @@ def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> l
         k = int(np.load(out / "codebook.npy", mmap_mode="r").shape[0])
         found = {item.utt_id: item.labels for item in labels.iter_labels(out / "labels.parquet")}
         expected: dict[str, int] = {}
-        for speaker in (a["speaker_id"] for a in assignments if a["client_id"] == client):
+        for speaker in (a.speaker_id for a in assignments if a.client_id == client):
             table = pq.read_table(paths.shard_file(speaker), columns=["utt_id", "num_frames"])
             expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
         if set(found) != set(expected):
@@ -402,7 +309,7 @@ def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
     f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
 ))
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in _registered_clients(paths)]
+    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in registered_clients(paths)]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from speech_assets.targets.clients import SpeakerLoad, assign_clients, client_ids, imbalance
+from speech_assets.corpus.clients import SpeakerLoad, assign_clients, client_ids, imbalance
 
 
 def speakers(n: int, seed: int = 0) -> list[SpeakerLoad]:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from speech_assets.definitions import build_definitions
-from speech_assets.defs import features, stats, targets
+from speech_assets.defs import clients, features, stats, targets
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.testing.local_runs import materialize_in_process
@@ -140,7 +140,7 @@ CHECKS = {
     "shards_are_consistent": features.shards_are_consistent,
     "no_speech_share": features.no_speech_share,
     "cmvn_is_not_degenerate": features.cmvn_is_not_degenerate,
-    "every_speaker_in_one_client": targets.every_speaker_in_one_client,
+    "every_speaker_in_one_client": clients.every_speaker_in_one_client,
     "labels_match_shards": targets.labels_match_shards,
     "clusters_are_used": targets.clusters_are_used,
     "row_counts_match_sources": stats.row_counts_match_sources,

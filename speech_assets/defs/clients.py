@@ -1,0 +1,94 @@
+"""Stage 3a: speakers partitioned into non-IID clients (`client_partitions`) and its check."""
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.corpus import clients as assignment
+from speech_assets.defs.conditions import follow_upstream
+from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.partitions import clients_partitions, register_new
+from speech_assets.defs.resources import ClientSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.utils import sha256_file
+
+CLIENTS_CODE_VERSION = "clients-v1"
+
+
+class ClientOverrides(overrides_of(ClientSettings)):
+    """Run-config overrides of the `[clients]` settings for one manual run."""
+
+
+@dg.asset(
+    group_name="clients",
+    deps=["cmvn_stats"],
+    code_version=CLIENTS_CODE_VERSION,
+    automation_condition=follow_upstream(),
+    kinds={"parquet"},
+    description=(
+        "Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours; "
+        "speakers already assigned keep their client."
+    ),
+)
+def client_partitions(
+    context: dg.AssetExecutionContext, config: ClientOverrides, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
+    config = effective(settings.clients, config)
+    speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
+    loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
+    previous = {}
+    if paths.clients_file.exists():
+        previous = {a.speaker_id: a.client_id for a in assignment.read_clients(paths.clients_file)}
+    result = assignment.assign_clients(loads, config.num_clients, previous)
+    assignment.write_clients(paths.clients_file, result)
+    ids = assignment.client_ids(config.num_clients)
+    added = register_new(context, clients_partitions, ids)
+    summary = {c: {"speakers": 0, "hours": 0.0, "utterances": 0} for c in ids}
+    for item in result:
+        summary[item.client_id]["speakers"] += 1
+        summary[item.client_id]["hours"] += item.hours
+        summary[item.client_id]["utterances"] += item.utterances
+    now = {a.speaker_id: a.client_id for a in result}
+    moved = sorted(s for s, c in previous.items() if s in now and now[s] != c)
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(sha256_file(paths.clients_file)),
+        metadata={
+            "clients": config.num_clients,
+            "speakers": len(result),
+            "new_speakers": len([a for a in result if a.speaker_id not in previous]),
+            "moved_speakers": dg.MetadataValue.json(moved),
+            "imbalance": round(assignment.imbalance(result, config.num_clients), 4),
+            "summary": dg.MetadataValue.md(
+                markdown_table(
+                    ("client", "speakers", "hours", "utterances"),
+                    ((c, v["speakers"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
+                )
+            ),
+            "registered_partitions": dg.MetadataValue.json(added),
+            "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
+            "path": dg.MetadataValue.path(str(paths.clients_file)),
+        },
+    )
+
+
+@dg.asset_check(asset="client_partitions", blocking=True, description=(
+    "Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."
+))
+def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
+    speakers = set(pq.read_table(paths.cmvn_dir / "speakers.parquet", columns=["speaker_id"]).column(0).to_pylist())
+    rows = assignment.read_clients(paths.clients_file)
+    assigned = [r.speaker_id for r in rows]
+    clients = {r.client_id for r in rows}
+    empty = sorted(set(context.instance.get_dynamic_partitions(clients_partitions.name)) - clients)
+    missing, extra = sorted(speakers - set(assigned)), sorted(set(assigned) - speakers)
+    twice = sorted({s for s in assigned if assigned.count(s) > 1}) if len(assigned) != len(set(assigned)) else []
+    return dg.AssetCheckResult(
+        passed=not (missing or extra or twice or empty) and len(clients) > 0,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={
+            "speakers": len(speakers),
+            "clients": len(clients),
+            "unassigned": dg.MetadataValue.json(missing[:50]),
+            "unknown": dg.MetadataValue.json(extra[:50]),
+            "assigned_twice": dg.MetadataValue.json(twice[:50]),
+            "empty_clients": dg.MetadataValue.json(empty),
+        },
+    )
