@@ -15,6 +15,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets import locations
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import git_commit, latest_data_version, latest_materialization
 from speech_assets.defs.resources import (
     DistillSettings,
@@ -73,7 +74,7 @@ def _transcripts(paths: StoragePaths) -> dict[str, str]:
 
 
 def _speaker_clients(paths: StoragePaths) -> dict[str, str]:
-    return {row["speaker_id"]: row["client_id"] for row in pq.read_table(paths.clients_file).to_pylist()}
+    return {row.speaker_id: row.client_id for row in read_clients(paths.clients_file)}
 
 
 def _threads(requested: int):
