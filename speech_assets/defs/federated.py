@@ -11,6 +11,7 @@ import json
 import dagster as dg
 import pyarrow.parquet as pq
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
@@ -59,8 +60,8 @@ def federated_checkpoint(
     record_run_process(context)
     fed = effective(settings.federated, config)
     clients: dict[str, list[str]] = {}
-    for row in pq.read_table(paths.clients_file).to_pylist():
-        clients.setdefault(row["client_id"], []).append(row["speaker_id"])
+    for row in read_clients(paths.clients_file):
+        clients.setdefault(row.client_id, []).append(row.speaker_id)
     data_versions = _input_versions(context, paths, clients)
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.root / "federated" / run_name
