@@ -9,7 +9,6 @@ torch, flwr and mlflow are imported inside the asset, never when the code locati
 import json
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import retrain_on_cron
