@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets import locations
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, latest_data_version
@@ -108,10 +108,9 @@ def run_training(
     from speech_assets.train import launch  # torch: lazily, the code location stays light
     from speech_assets.train.config import ClientTargets, TrainConfig
 
-    assignments = pq.read_table(paths.clients_file).to_pylist()
     clients: dict[str, list[str]] = {}
-    for row in assignments:
-        clients.setdefault(row["client_id"], []).append(row["speaker_id"])
+    for row in read_clients(paths.clients_file):
+        clients.setdefault(row.client_id, []).append(row.speaker_id)
     data_versions = {**(extra_versions or {}), **_input_versions(context, paths, clients, targets_dir, targets_asset)}
     client_targets = {
         client: ClientTargets(
