@@ -6,8 +6,8 @@ import json
 from collections.abc import Iterator
 
 import dagster as dg
-import pyarrow.parquet as pq
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.evaluation import checkpoint_of
 from speech_assets.defs.lineage import input_provenance, partition_materialization, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
@@ -75,12 +75,12 @@ def kmeans_targets_iter2(
     if not 1 <= layer <= len(model.encoder.layers):
         raise dg.Failure(description=f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
     global_cmvn = Cmvn.load(paths.cmvn_dir / "cmvn.npz")
-    assignments = pq.read_table(paths.clients_file).to_pylist()
+    assignments = read_clients(paths.clients_file)
     provenance = input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        speakers = sorted(a["speaker_id"] for a in assignments if a["client_id"] == client_id)
+        speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers")
         shard_versions = {}
