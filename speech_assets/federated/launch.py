@@ -33,11 +33,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
-from speech_assets.federated.processes import LocalFederation, NeedsLinux, flwr_run, require_linux, write_connection
+from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, write_connection
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
@@ -111,10 +111,9 @@ def client_state_roots(
 def client_weights(data_dir: str | os.PathLike[str], clients: list[str]) -> dict[str, float]:
     """The aggregation weight of each client from ``clients/clients.parquet``: the utterances of
     its speakers (what the server knows, not what a client reports)."""
-    table = pq.read_table(Path(data_dir) / "clients" / "clients.parquet", columns=["client_id", "utterances"])
     weights: dict[str, float] = {}
-    for row in table.to_pylist():
-        weights[row["client_id"]] = weights.get(row["client_id"], 0.0) + float(row["utterances"])
+    for row in read_clients(Path(data_dir) / "clients" / "clients.parquet"):
+        weights[row.client_id] = weights.get(row.client_id, 0.0) + float(row.utterances)
     missing = [c for c in clients if weights.get(c, 0) <= 0]
     if missing:
         raise ValueError(f"the clients table has no utterances for {missing}")
@@ -195,8 +194,7 @@ class RoundFollower:
 
 def client_ids(data_dir: str | os.PathLike[str]) -> list[str]:
     """The clients of ``clients/clients.parquet`` (written by ``client_partitions``)."""
-    table = pq.read_table(Path(data_dir) / "clients" / "clients.parquet", columns=["client_id"])
-    return sorted(set(table.column("client_id").to_pylist()))
+    return sorted({row.client_id for row in read_clients(Path(data_dir) / "clients" / "clients.parquet")})
 
 
 def run_federation(
