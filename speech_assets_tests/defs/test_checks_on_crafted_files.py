@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from speech_assets import definitions
+from speech_assets.corpus.clients import ClientAssignment, write_clients
 from speech_assets.corpus.manifest import ManifestRow, speaker_hashes, write_manifest
 from speech_assets.defs import evaluation, manifest, model_checks
 from speech_assets.defs.resources import StoragePaths
@@ -243,9 +244,7 @@ def iteration2_build(paths: StoragePaths) -> None:
     """Shards of two clients' speakers and iteration-2 targets in their folders (kmeans_iter2/)."""
     corpus = write_corpus(paths.root / "features", clients={"client_00": 6, "client_01": 6}, speakers_per_client=1,
                           utterances_per_speaker=3, unlabelled_per_shard=0)  # fmt: skip
-    paths.clients_file.parent.mkdir(parents=True)
-    clients = sorted(corpus.clients)
-    pq.write_table(pa.table({"speaker_id": [f"{c}-spk0" for c in clients], "client_id": clients}), paths.clients_file)
+    write_clients(paths.clients_file, [ClientAssignment(f"{c}-spk0", c, 0.0, 3) for c in sorted(corpus.clients)])
     for client, targets in corpus.clients.items():
         out = paths.root / "kmeans_iter2" / client
         out.mkdir(parents=True)
