@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import dagster as dg
 
 from speech_assets import locations
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.utils import sha256_file, sha256_strings
 
 DATA_VERSION_TAG = "dagster/data_version"
 
@@ -66,6 +70,63 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def input_versions(
+    context: dg.AssetExecutionContext,
+    paths: StoragePaths,
+    clients: dict[str, list[str]],
+    targets_dir: Callable[[str], Path] | None = None,
+    targets_asset: str = "kmeans_targets",
+) -> dict[str, str]:
+    """The data versions a training run reads: the manifest, CMVN and clients table, each
+    client's targets (from ``targets_dir(client)/quality.json``) and each speaker's shard."""
+    targets_dir = targets_dir or paths.kmeans_dir
+    versions = {
+        "manifest": latest_data_version(context.instance, "manifest") or "",
+        "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or "",
+        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
+    }
+    for client, speakers in sorted(clients.items()):
+        versions[f"{targets_asset}/{client}"] = json.loads((targets_dir(client) / "quality.json").read_text())["data_version"]
+        for speaker in speakers:
+            meta = paths.shard_files(speaker).read_meta()
+            if meta is None:
+                raise dg.Failure(description=f"shard for speaker {speaker} is missing: materialize vad_features")
+            versions[f"vad_features/{speaker}"] = meta["shard_sha256"]
+    return versions
+
+
+def bounded_versions(versions: dict[str, str]) -> dict[str, str]:
+    """Input versions for the UI: the unpartitioned ones, and per partitioned asset a count and a
+    hash (every one of them is in the checkpoint: `speech-assets lineage <checkpoint>`)."""
+    shown = {k: v for k, v in versions.items() if "/" not in k}
+    for asset in sorted({k.split("/", 1)[0] for k in versions if "/" in k}):
+        parts = sorted((k, v) for k, v in versions.items() if k.startswith(asset + "/"))
+        shown[asset] = f"{len(parts)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in parts)[:16]}"
+    return shown
+
+
+def read_json(path: Path, *, strict: bool = False) -> dict:
+    """The JSON object a step recorded in ``path``; ``{}`` when there is none. An unreadable or
+    corrupt file reads as ``{}`` too (the step rebuilds it), unless ``strict``: a check, or a
+    reader that needs the file, fails on it instead."""
+    if strict:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def outputs_intact(quality: dict, out_dir: Path) -> bool:
+    """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
+    try:
+        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
+            out_dir / "labels.parquet"
+        ) == quality.get("labels_sha256")
+    except OSError:
+        return False
 
 
 def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
