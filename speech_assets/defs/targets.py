@@ -11,7 +11,7 @@ from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
+from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, step_events
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
@@ -152,9 +152,9 @@ def _materialize_client_locked(
         [json.dumps(shard_versions, sort_keys=True), kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION]
     )
     quality_file = out_dir / "quality.json"
-    previous = _read_json(quality_file)
+    previous = read_json(quality_file)
     fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
-    intact = not force and previous.get("fit_key") == fit_key and _outputs_intact(previous, out_dir)
+    intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
     if intact and previous.get("inputs_key") == inputs_key:
         context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
         quality = previous
@@ -230,22 +230,6 @@ def _newcomers(previous: dict, speakers: list[str], shard_versions: dict[str, st
     if not old or any(shard_versions.get(s) != version for s, version in old.items()):
         return None
     return sorted(set(speakers) - set(old)) or None
-
-
-def _read_json(path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _outputs_intact(quality: dict, out_dir) -> bool:
-    try:
-        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
-            out_dir / "labels.parquet"
-        ) == quality.get("labels_sha256")
-    except OSError:
-        return False
 
 
 # --- checks: each reads the published files, independently of how they were written -------------
