@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from speech_assets import locations
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import git_commit, latest_data_version, latest_materialization
+from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, latest_data_version, latest_materialization
 from speech_assets.defs.resources import (
     DistillSettings,
     ExportSettings,
@@ -26,8 +26,8 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.defs.training import TRAINING_INPUTS, _bounded_versions, _input_versions, training_curve_metadata
-from speech_assets.runtime.reaper import record_run_process
+from speech_assets.defs.training import TRAINING_INPUTS, training_curve_metadata
+from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_path, atomic_write_text, current_umask, sha256_file, sha256_strings
 
 PROBE_CODE_VERSION = "probe-v1"
@@ -328,7 +328,7 @@ def distilled_checkpoint(
     clients: dict[str, list[str]] = {}
     for speaker, client in _speaker_clients(paths).items():
         clients.setdefault(client, []).append(speaker)
-    data_versions = {"pretrained_checkpoint": teacher_version, **_input_versions(context, paths, clients)}
+    data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
     run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), DISTILL_CODE_VERSION])[:16]
     run_dir = paths.root / "distill" / run_name
     from speech_assets.evaluation.encoders import load_encoder
@@ -387,7 +387,7 @@ def distilled_checkpoint(
             **speed,
             **training_curve_metadata(run_dir),
             "run_dir": dg.MetadataValue.path(str(run_dir)),
-            "input_versions": dg.MetadataValue.json(_bounded_versions(data_versions)),
+            "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
         },
     )
 

@@ -9,7 +9,7 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.evaluation import checkpoint_of
-from speech_assets.defs.lineage import input_provenance, partition_materialization, step_events
+from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import (
@@ -20,9 +20,9 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.defs.targets import _outputs_intact, _read_json, client_metadata
+from speech_assets.defs.targets import client_metadata
 from speech_assets.defs.training import run_training
-from speech_assets.runtime.reaper import record_run_process
+from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v1"
@@ -95,8 +95,8 @@ def kmeans_targets_iter2(
             options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
         ])  # fmt: skip
         with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-            previous = _read_json(out_dir / "quality.json")
-            if previous.get("inputs_key") == inputs_key and _outputs_intact(previous, out_dir):
+            previous = read_json(out_dir / "quality.json")
+            if previous.get("inputs_key") == inputs_key and outputs_intact(previous, out_dir):
                 context.log.info(f"{client_id}: inputs unchanged, keeping iteration-2 targets {previous['data_version'][:12]}")
                 quality = previous
             else:

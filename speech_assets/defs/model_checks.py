@@ -15,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import latest_materialization
+from speech_assets.defs.lineage import latest_materialization, read_json
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.targets import label_problems, labels_check_result
 
@@ -27,10 +27,6 @@ LOSS_PREFIXES = ("l1_", "cosine_")
 
 def _is_loss(key: str) -> bool:
     return key == "loss" or key.endswith("_loss") or key.startswith(LOSS_PREFIXES)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _metrics_rows(run_dir: Path) -> Iterator[dict]:
@@ -50,7 +46,7 @@ def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
         for key, value in row.items():
             if _is_loss(key) and value is not None:
                 found.setdefault(f"metrics.jsonl {key}", []).append(float(value))
-    for key, value in _read_json(run_dir / "result.json").items():
+    for key, value in read_json(run_dir / "result.json", strict=True).items():
         if _is_loss(key) and isinstance(value, int | float):
             found[f"result.json {key}"] = [float(value)]
     federation = FederatedPaths(run_dir)
@@ -76,7 +72,7 @@ def loss_problems(run_dir: Path) -> list[str]:
 def accuracy_against_majority(run_dir: Path) -> tuple[float, float] | None:
     """(held-out masked accuracy, majority-class rate on the same frames) from ``result.json``,
     or None where the run did not measure them (no held-out speakers)."""
-    result = _read_json(run_dir / "result.json")
+    result = read_json(run_dir / "result.json", strict=True)
     accuracy, majority = result.get("heldout_masked_accuracy"), result.get("heldout_majority_accuracy")
     return None if accuracy is None or majority is None else (float(accuracy), float(majority))
 

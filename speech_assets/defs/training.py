@@ -19,11 +19,11 @@ from speech_assets import locations
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
-from speech_assets.defs.lineage import git_commit, latest_data_version
+from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.runtime.processes import command_lines
-from speech_assets.runtime.reaper import record_run_process
+from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 CODE_VERSION = "train-v1"
@@ -31,30 +31,6 @@ CODE_VERSION = "train-v1"
 
 class TrainingOverrides(overrides_of(TrainingSettings)):
     """Run-config overrides of the `[training]` settings for one manual run."""
-
-
-def _input_versions(
-    context: dg.AssetExecutionContext,
-    paths: StoragePaths,
-    clients: dict[str, list[str]],
-    targets_dir: Callable[[str], Path] | None = None,
-    targets_asset: str = "kmeans_targets",
-) -> dict[str, str]:
-    targets_dir = targets_dir or paths.kmeans_dir
-    versions = {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-    }
-    for client, speakers in sorted(clients.items()):
-        quality = json.loads((targets_dir(client) / "quality.json").read_text())
-        versions[f"{targets_asset}/{client}"] = quality["data_version"]
-        for speaker in speakers:
-            meta = paths.shard_files(speaker).read_meta()
-            if meta is None:
-                raise dg.Failure(description=f"shard for speaker {speaker} is missing: materialize vad_features")
-            versions[f"vad_features/{speaker}"] = meta["shard_sha256"]
-    return versions
 
 
 # Everything a training run reads (and the stats database summarises).
@@ -111,7 +87,7 @@ def run_training(
     clients: dict[str, list[str]] = {}
     for row in read_clients(paths.clients_file):
         clients.setdefault(row.client_id, []).append(row.speaker_id)
-    data_versions = {**(extra_versions or {}), **_input_versions(context, paths, clients, targets_dir, targets_asset)}
+    data_versions = {**(extra_versions or {}), **input_versions(context, paths, clients, targets_dir, targets_asset)}
     client_targets = {
         client: ClientTargets(
             labels=str(targets_dir(client) / "labels.parquet"),
@@ -200,7 +176,7 @@ def run_training(
                 **(result.metadata or {}),
                 **training_curve_metadata(run_dir),
                 "run_dir": dg.MetadataValue.path(str(run_dir)),
-                "input_versions": dg.MetadataValue.json(_bounded_versions(data_versions)),
+                "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
                 "oom_retries": retries,
             },
         )
@@ -288,16 +264,6 @@ def _node_0_agents(config_path: Path) -> list[int]:
             if words[words.index("--node-rank") + 1] == "0":
                 agents.append(pid)
     return agents
-
-
-def _bounded_versions(versions: dict[str, str]) -> dict[str, str]:
-    """Input versions for the UI: the unpartitioned ones, and per partitioned asset a count and a
-    hash (every one of them is in the checkpoint: `speech-assets lineage <checkpoint>`)."""
-    shown = {k: v for k, v in versions.items() if "/" not in k}
-    for asset in sorted({k.split("/", 1)[0] for k in versions if "/" in k}):
-        parts = sorted((k, v) for k, v in versions.items() if k.startswith(asset + "/"))
-        shown[asset] = f"{len(parts)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in parts)[:16]}"
-    return shown
 
 
 def training_curve_metadata(run_dir) -> dict[str, object]:
