@@ -110,7 +110,7 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
     """Fail runs whose processes are gone and free the concurrency slots they hold."""
     import dagster as dg
 
-    from speech_assets.runtime.reaper import reap_dead_runs
+    from speech_assets.defs.runs import reap_dead_runs
 
     instance = dg.DagsterInstance.get()
     reaped = reap_dead_runs(instance, say=print)

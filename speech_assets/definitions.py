@@ -4,7 +4,7 @@ import dagster as dg
 
 from speech_assets.defs import automation, clients, evaluation, features, federated, iteration2, manifest, model_checks, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.runtime.reaper import reaping_multiprocess_executor
+from speech_assets.defs.runs import reaping_multiprocess_executor
 
 CHECKS = [
     manifest.rows_match_manifest,

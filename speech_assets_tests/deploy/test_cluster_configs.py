@@ -29,7 +29,7 @@ from speech_assets_tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
 INSTANCE_YAMLS = {
-    "postgres": (DEPLOY / "postgres" / "dagster.yaml", "speech_assets.runtime.reaper.LocalProcessRunLauncher"),
+    "postgres": (DEPLOY / "postgres" / "dagster.yaml", "speech_assets.defs.runs.LocalProcessRunLauncher"),
     "k8s": (DEPLOY / "k8s" / "dagster.yaml", "dagster_k8s.K8sRunLauncher"),
     "celery-k8s": (DEPLOY / "celery-k8s" / "dagster.yaml", "dagster_celery_k8s.CeleryK8sRunLauncher"),
 }

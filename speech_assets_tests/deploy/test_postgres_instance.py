@@ -209,7 +209,7 @@ def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, mo
 
     import dagster as dg
 
-    from speech_assets.runtime.reaper import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, reap_dead_runs, why_dead
+    from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, reap_dead_runs, why_dead
 
     for name, value in built["env"].items():
         if name.startswith(("DAGSTER_PG", "PG")):

@@ -213,26 +213,3 @@ def _alive(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def test_the_executor_ends_its_forkserver_when_the_run_ends() -> None:
-    """The local executor's steps fork from a forkserver; once the run is done it is killed and
-    reaped at once (left to exit on its own it tore down torch for minutes), and the next run
-    in the same process starts a new one."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    from speech_assets.runtime.reaper import stop_forkserver
-
-    context = multiprocessing.get_context("forkserver")
-    for _ in range(2):
-        step = context.Process(target=os.getpid)
-        step.start()
-        step.join(timeout=120)
-        assert step.exitcode == 0
-        server = forkserver._forkserver._forkserver_pid
-        assert server is not None and process_start_time(server) is not None
-        stop_forkserver()
-        assert not os.path.exists(f"/proc/{server}")  # gone and reaped, not a zombie
-        assert forkserver._forkserver._forkserver_pid is None
-    stop_forkserver()  # nothing to stop: a no-op

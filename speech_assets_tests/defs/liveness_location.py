@@ -10,7 +10,7 @@ import time
 
 import dagster as dg
 
-from speech_assets.runtime.reaper import reaping_multiprocess_executor, record_run_process
+from speech_assets.defs.runs import reaping_multiprocess_executor, record_run_process
 
 
 def _event(step: str, event: str) -> None:

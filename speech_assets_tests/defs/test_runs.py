@@ -18,11 +18,12 @@ import dagster as dg
 import pytest
 import yaml
 
-from speech_assets.runtime.reaper import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes
+from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes, stop_forkserver
+from speech_assets.runtime.processes import process_start_time
 from speech_assets_tests.conftest import REPO
 
 BIN = Path(sys.executable).parent
-LOCATION = "speech_assets_tests.runtime.liveness_location"
+LOCATION = "speech_assets_tests.defs.liveness_location"
 POLL_S = 2  # run monitoring checks every run this often: many checks during the slow step
 
 
@@ -140,3 +141,24 @@ def test_the_daemon_fails_a_kill_9d_run_and_frees_its_slot(instance_with_daemon)
     wait_until(lambda: not instance.event_log_storage.get_concurrency_run_ids(), 120, "its slot to be freed", [daemon])
     (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
     assert "is gone" in (failure.message or "") or "gone" in str(failure.dagster_event.event_specific_data)
+
+
+def test_the_executor_ends_its_forkserver_when_the_run_ends() -> None:
+    """The local executor's steps fork from a forkserver; once the run is done it is killed and
+    reaped at once (left to exit on its own it tore down torch for minutes), and the next run
+    in the same process starts a new one."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    for _ in range(2):
+        step = context.Process(target=os.getpid)
+        step.start()
+        step.join(timeout=120)
+        assert step.exitcode == 0
+        server = forkserver._forkserver._forkserver_pid
+        assert server is not None and process_start_time(server) is not None
+        stop_forkserver()
+        assert not os.path.exists(f"/proc/{server}")  # gone and reaped, not a zombie
+        assert forkserver._forkserver._forkserver_pid is None
+    stop_forkserver()  # nothing to stop: a no-op
