@@ -22,6 +22,7 @@ from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
+from speech_assets.defs.runs import record_run_process
 from speech_assets.runtime.processes import command_lines
 from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
