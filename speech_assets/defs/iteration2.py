@@ -20,6 +20,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
+from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.targets import client_metadata
 from speech_assets.defs.training import run_training
 from speech_assets.defs.runs import record_run_process
