@@ -24,7 +24,6 @@ from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.runtime.processes import command_lines
-from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 CODE_VERSION = "train-v1"
