@@ -28,7 +28,6 @@ from speech_assets.defs.resources import (
 )
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, training_curve_metadata
-from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import atomic_path, atomic_write_text, current_umask, sha256_file, sha256_strings
 
 PROBE_CODE_VERSION = "probe-v1"
