@@ -16,7 +16,6 @@ from speech_assets.defs.lineage import git_commit, input_versions
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS
-from speech_assets.defs.runs import record_run_process
 from speech_assets.utils import sha256_strings
 
 CODE_VERSION = "federated-v1"
