@@ -4,17 +4,52 @@ data stages built once per session in this process (`sample_build`), and the dem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import dagster as dg
 
 from speech_assets.testing.corpora import LibriCorpus, tone, write_flac  # noqa: F401 (re-exported for tests)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO / "data" / "sample"
+
+
+@contextlib.contextmanager
+def fresh_dagster_home(root: Path) -> Iterator[Path]:
+    """A new DAGSTER_HOME under ``root`` with the repository's dagster.yaml, set in this process's
+    environment (and so in the CLI processes a test starts) until the block ends."""
+    home = root / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DAGSTER_HOME", str(home))
+        yield home
+
+
+@contextlib.contextmanager
+def fresh_instance(root: Path) -> Iterator[dg.DagsterInstance]:
+    """A real SQLite Dagster instance in a :func:`fresh_dagster_home` under ``root``."""
+    import dagster as dg
+
+    with fresh_dagster_home(root), dg.DagsterInstance.get() as instance:
+        yield instance
+
+
+@pytest.fixture
+def instance(tmp_path: Path) -> Iterator[dg.DagsterInstance]:
+    """A fresh real Dagster instance for one test (DAGSTER_HOME under tmp_path)."""
+    with fresh_instance(tmp_path) as instance:
+        yield instance
 
 
 @pytest.fixture
@@ -36,21 +71,16 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     Dagster run each, executed in this process against a real SQLite instance in a fresh
     DAGSTER_HOME. What the federated and model-run tests start from (``defs`` runs more assets on
     it); no CLI start-up."""
-    import dagster as dg
-
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
     from speech_assets.testing.local_runs import materialize_data_stages
 
     root = tmp_path_factory.mktemp("sample_build")
-    home = root / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root / 'out' / 'mlflow.db'}")
     defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with fresh_instance(root) as instance:
         clients = materialize_data_stages(defs, instance)
-    return {"root": root, "home": home, "out": root / "out", "clients": sorted(clients), "defs": defs}
+    return {"root": root, "home": root / "dagster_home", "out": root / "out", "clients": sorted(clients), "defs": defs}
 
 
 # The demo's trainers at test budgets: 300 tiny centralised steps; 2 federated rounds of 2 local

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +28,10 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+def world(tmp_path: Path, instance: dg.DagsterInstance):
     paths = StoragePaths(
         corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"
     )
-    instance = dg.DagsterInstance.get()
     defs = build_definitions(paths)
     materialize_in_process(defs, instance, "manifest")
     yield defs, instance, paths, list(instance.get_dynamic_partitions("speakers"))

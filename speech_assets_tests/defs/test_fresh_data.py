@@ -26,22 +26,17 @@ from speech_assets.testing.local_runs import (
 )
 from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.definitions import build_definitions
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import SAMPLE_CORPUS
 
 NEW_SPEAKER = "1008"
 DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
 
 
 @pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+def world(tmp_path: Path, instance: dg.DagsterInstance):
     corpus = tmp_path / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus, ignore=shutil.ignore_patterns(NEW_SPEAKER))
     paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    instance = dg.DagsterInstance.get()
     # The user's settings, as pipeline.toml would set them: every run below, the sensor's and
     # automation's included, must use them (none of them passes run config).
     settings = PipelineSettings(kmeans=KMeansSettings(k=20), clients=ClientSettings(num_clients=3))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -13,18 +12,6 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.testing.corpora import LibriCorpus, write_flac
 from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets_tests.conftest import REPO
-
-
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    instance = dg.DagsterInstance.get()
-    yield instance
-    instance.dispose()
 
 
 def defs_for(corpus: Path, out: Path) -> dg.Definitions:

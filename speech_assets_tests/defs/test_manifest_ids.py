@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
-import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
@@ -17,7 +15,6 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths
 from speech_assets.testing.corpora import LibriCorpus, write_flac
 from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets_tests.conftest import REPO
 
 BAD = {"parent": "../../x", "sidecar": "a.rejects", "dot": "spk.1", "empty": "", "300-chars": "s" * 300, "non-ascii": "spk_é"}
 GOOD_SPEAKERS = ["g1", "g2"]
@@ -63,17 +60,6 @@ def librispeech_corpus(root: Path) -> tuple[Path, int]:
     for utt_id in ("../../x", "u" * 300):  # possible only as transcript lines (no such file name)
         libri.add_line("7", "10", utt_id, "BAD")
     return root, len(bad_files) + 2
-
-
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    instance = dg.DagsterInstance.get()
-    yield instance
-    instance.dispose()
 
 
 @pytest.mark.parametrize("form", ["csv", "jsonl", "librispeech"])

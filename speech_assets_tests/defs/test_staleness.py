@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import dagster as dg
-import pytest
 import soundfile as sf
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.loader import LoadingContextForTest
@@ -34,17 +32,13 @@ def speak(corpus: LibriCorpus, speaker: str, seed: int, line: bool = True) -> No
     sf.write(corpus.chapter_dir(speaker, "c1") / f"{utt_id}.flac", with_silence(0.2, 0.8 + seed % 5 * 0.05, 0.2, seed=seed), 16_000)
 
 
-def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     corpus = LibriCorpus(tmp_path / "corpus")
     for index in range(SPEAKERS):
         speak(corpus, f"s{index:03d}", seed=index)
     paths = StoragePaths(corpus=str(corpus.root), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     settings = PipelineSettings(clients=ClientSettings(num_clients=3), kmeans=KMeansSettings(k=8))
-    defs, instance = build_definitions(paths, settings), dg.DagsterInstance.get()
+    defs = build_definitions(paths, settings)
 
     def build(asset: str, partitions: list[str] | None = None) -> None:
         materialize_in_process(defs, instance, asset, partitions)

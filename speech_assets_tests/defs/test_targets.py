@@ -14,7 +14,7 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.features.cmvn import ShardStats
 from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import SAMPLE_CORPUS
 
 ONE_CLIENT = {"ops": {"client_partitions": {"config": {"num_clients": 1}}}}
 
@@ -24,15 +24,10 @@ def kmeans_config(refit_growth: float) -> dict:
 
 
 @pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+def world(tmp_path: Path, instance: dg.DagsterInstance):
     corpus = tmp_path / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus)
     paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
-    instance = dg.DagsterInstance.get()
     yield build_definitions(paths), instance, paths, corpus
     instance.dispose()
 
