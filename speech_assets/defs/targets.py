@@ -21,7 +21,8 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
+from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 KMEANS_CODE_VERSION = "kmeans-v1"
 
