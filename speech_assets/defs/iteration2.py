@@ -23,7 +23,8 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.targets import client_metadata
 from speech_assets.defs.training import run_training
-from speech_assets.utils import atomic_write_text, exclusive_lock, sha256_file, sha256_strings
+from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v1"
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v1"
