@@ -15,7 +15,8 @@ from speech_assets.defs.lineage import input_provenance, markdown_table, partiti
 from speech_assets.defs.partitions import register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import atomic_path, exclusive_lock, fsync_dir, sha256_strings
+from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.utils import atomic_path, fsync_dir, sha256_strings
 
 CODE_VERSION = "manifest-v2"
 STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
