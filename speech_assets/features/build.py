@@ -29,7 +29,8 @@ from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
 from speech_assets.features.shards import FeatureRecord, ShardFiles, num_frames_for, sidecar_paths, write_shard
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
-from speech_assets.utils import atomic_path, exclusive_lock
+from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.utils import atomic_path
 
 
 @dataclass(frozen=True)
