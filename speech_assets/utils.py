@@ -1,9 +1,8 @@
-"""Small shared helpers: atomic writes, per-path locks and content hashes."""
+"""Small shared helpers: atomic writes and content hashes."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
@@ -102,7 +101,7 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
     """Delete leftovers of writers of ``target`` that died mid-write (``.<name>.*.tmp``).
 
     Only temp files of this one target: call it while holding the target's lock
-    (:func:`exclusive_lock`), so that no live writer's temp file can be among them.
+    (:func:`speech_assets.runtime.locks.exclusive_lock`), so that no live writer's temp file can be among them.
     """
     target = Path(target)
     removed = 0
@@ -110,24 +109,6 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
         leftover.unlink(missing_ok=True)
         removed += 1
     return removed
-
-
-@contextlib.contextmanager
-def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_file`` (created if missing), waiting for it if taken.
-
-    The kernel releases the lock when its holder exits, also on ``kill -9``, so a dead writer
-    never leaves a stale lock behind. Writers of one shard or one client folder in different
-    runs (or processes) take turns through it.
-    """
-    lock_file = Path(lock_file)
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:

@@ -23,21 +23,18 @@ the tests use it; SIGTERM and SIGINT stop the federation cleanly, SIGKILL throug
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, NeedsLinux, flwr_run, require_linux, write_connection
+from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
@@ -147,31 +144,6 @@ class ProgressDeadline:
         return None
 
 
-class RunFolderBusy(RuntimeError):
-    """Another process is running this federated run (the run folder's lock is held)."""
-
-
-@contextlib.contextmanager
-def run_folder_lock(paths: FederatedPaths) -> Iterator[None]:
-    """Hold ``<run>/run.lock`` (``flock``, released by the kernel even on ``kill -9``) or fail
-    at once naming the holder: two launchers must never drive the same run folder."""
-    paths.root.mkdir(parents=True, exist_ok=True)
-    with open(paths.root / "run.lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            raise RunFolderBusy(f"{paths.root} is in use by another federated run ({handle.read().strip()})") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 class RoundFollower:
     """Calls ``on_round(record)`` once for every round record that appears in the run folder
     (those of earlier attempts first), as the ServerApp writes them."""
@@ -229,7 +201,7 @@ def run_federation(
         require_linux()
     paths = FederatedPaths(config.run_dir)
     roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
-    with run_folder_lock(paths):
+    with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
         return _tracked_run(config, data_dir, superlink=superlink, insecure=insecure, root_certificates=root_certificates,
                             roots=roots, threads_per_client=threads_per_client, device=device, env=env, log=log,

@@ -1,8 +1,12 @@
-"""The training run folder's locks: one trainer per folder, and no new workers while old ones live.
+"""File locks (``flock``): :func:`flock` is the one place a lock is taken; :func:`exclusive_lock`
+holds one for a ``with`` block (writers of one shard, client folder or database take turns).
 
-* ``.run.lock``: held exclusively (``flock``) by whoever trains in the folder: the launcher (the
-  Dagster asset, ``python -m speech_assets.train --launch``) or, without one, rank 0 itself. A
-  second trainer fails at once with the holder's record (pid, host, Dagster run, start time).
+A run folder's locks: one run per folder, and no new workers while old ones live.
+
+* ``.run.lock``: held exclusively by whoever runs in the folder: a training launcher (the Dagster
+  asset, ``python -m speech_assets.train --launch``) or, without one, rank 0 itself; a federated
+  run's launcher. A second one fails at once with the holder's record (pid, host, Dagster run,
+  start time).
 * ``.workers.lock``: every worker holds it shared for its whole life. A launcher that just took
   the run lock waits (bounded) for an exclusive hold on it, i.e. until workers left behind by a
   launcher that died are gone, before it starts new ones.
@@ -13,21 +17,55 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
-import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
+
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 RUN_LOCK = ".run.lock"
 WORKERS_LOCK = ".workers.lock"
 
 
+def flock(path: str | os.PathLike[str], *, shared: bool = False, wait: bool = True) -> IO[str]:
+    """Open ``path`` (created, with its folder) and lock it, shared or exclusive, waiting for the
+    lock or not (``BlockingIOError`` at once when it is taken). The lock lasts until :func:`unlock`
+    or until this process ends: the kernel drops it then, also on ``kill -9``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until unlock()
+    try:
+        fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def unlock(handle: IO[str]) -> None:
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    handle.close()
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[IO[str]]:
+    """Hold an exclusive lock on ``lock_file`` for a ``with`` block, waiting for it if taken: writers
+    of one shard, one client folder or one database, in different runs or processes, take turns."""
+    handle = flock(lock_file)
+    try:
+        yield handle
+    finally:
+        unlock(handle)
+
+
 class RunFolderBusy(RuntimeError):
-    """Another trainer holds the run folder."""
+    """Another run holds the run folder."""
 
 
 class RunFolderLock:
@@ -38,15 +76,11 @@ class RunFolderLock:
         self._handle: IO[str] | None = None
 
     def acquire(self, **holder: Any) -> RunFolderLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle = flock(self.path, wait=False)
         except BlockingIOError:
-            handle.seek(0)
-            record = handle.read().strip()
-            handle.close()
-            raise RunFolderBusy(f"run folder {self.path.parent} is in use by another trainer: {describe_holder(record)}") from None
+            record = self.path.read_text(encoding="utf-8").strip()
+            raise RunFolderBusy(f"run folder {self.path.parent} is in use by another run: {describe_holder(record)}") from None
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds"), **holder}
         handle.seek(0)
         handle.truncate()
@@ -57,8 +91,7 @@ class RunFolderLock:
 
     def release(self) -> None:
         if self._handle is not None:
-            fcntl.flock(self._handle, fcntl.LOCK_UN)
-            self._handle.close()
+            unlock(self._handle)
             self._handle = None
 
     def __enter__(self) -> RunFolderLock:
@@ -83,28 +116,23 @@ def describe_holder(record: str) -> str:
 
 def hold_as_worker(run_dir: str | os.PathLike[str]) -> IO[str]:
     """Take the workers' shared lock for the life of this process (keep the returned file open)."""
-    path = Path(run_dir) / WORKERS_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until the process exits
-    fcntl.flock(handle, fcntl.LOCK_SH)
-    return handle
+    return flock(Path(run_dir) / WORKERS_LOCK, shared=True)
 
 
 def wait_for_old_workers(run_dir: str | os.PathLike[str], timeout_s: float = 60.0) -> None:
     """Return once no worker of an earlier launch holds the folder (raise after ``timeout_s``)."""
     path = Path(run_dir) / WORKERS_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with open(path, "a+", encoding="utf-8") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RunFolderBusy(
-                        f"workers of an earlier launch still run in {Path(run_dir)} after {timeout_s:.0f} s "
-                        f"(find them with: fuser -v {path})"
-                    ) from None
-                time.sleep(0.5)
+
+    def workers_gone() -> bool:
+        try:
+            unlock(flock(path, wait=False))
+        except BlockingIOError:
+            return False
+        return True
+
+    try:
+        wait_until(workers_gone, timeout_s, f"the workers of an earlier launch in {Path(run_dir)}", interval=0.5)
+    except WaitTimeout:
+        raise RunFolderBusy(
+            f"workers of an earlier launch still run in {Path(run_dir)} after {timeout_s:.0f} s (find them with: fuser -v {path})"
+        ) from None

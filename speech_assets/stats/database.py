@@ -8,16 +8,15 @@ time and readers, who open it read-only, never see a half-built database.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 
+from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path
 
 HELDOUT_FRACTION = 0.05
@@ -205,20 +204,9 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
 
 
-@contextlib.contextmanager
-def _writer_lock(db_path: Path) -> Iterator[None]:
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(db_path.with_name(db_path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
     """(Re)build the database at ``db_path``; returns row counts of every view and table."""
-    with _writer_lock(db_path), atomic_path(db_path) as tmp:
+    with exclusive_lock(db_path.with_name(db_path.name + ".lock")), atomic_path(db_path) as tmp:
         tmp.unlink()  # DuckDB wants to create the file itself
         con = duckdb.connect(str(tmp))
         try:
