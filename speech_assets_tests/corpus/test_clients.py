@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from speech_assets.corpus.clients import SpeakerLoad, assign_clients, client_ids, imbalance
+from speech_assets.corpus.clients import SpeakerLoad, assign_clients, client_ids, imbalance, read_clients, write_clients
 
 
 def speakers(n: int, seed: int = 0) -> list[SpeakerLoad]:
@@ -43,3 +43,9 @@ def test_existing_speakers_keep_their_client_when_new_ones_arrive() -> None:
 def test_invalid_client_count(bad: int) -> None:
     with pytest.raises(ValueError):
         assign_clients(speakers(3), bad)
+
+
+def test_the_clients_table_reads_back_as_written(tmp_path) -> None:
+    written = assign_clients(speakers(6), 2)
+    write_clients(tmp_path / "clients.parquet", written)
+    assert read_clients(tmp_path / "clients.parquet") == written

@@ -1,0 +1,310 @@
+"""The layers of the package and its import rule (docs/ARCHITECTURE.md), read from the source.
+
+Pure AST: nothing is imported, so the whole tree is checked in well under a second. Every import
+counts, the ones inside functions and under ``TYPE_CHECKING`` too: a lazy import is still an
+import. The checker is tested on tiny fake trees first, so a rule that stopped catching its case
+fails here instead of passing quietly on the real tree.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from speech_assets_tests.conftest import REPO
+
+PACKAGE = "speech_assets"
+# lowest first: a module may import its own part of the package and any part on a lower floor
+FLOORS: list[set[str]] = [
+    {"", "runtime", "utils", "hosts", "locations"},  # "": the package's own __init__
+    {"corpus"},
+    {"features"},
+    {"model"},
+    {"targets"},
+    {"train"},
+    {"federated", "evaluation"},
+    {"stats"},
+    {"defs"},
+    {"definitions", "cli", "deploy"},
+]
+APART = [{"federated", "evaluation"}]  # parts of one floor that must not import each other
+TESTING = "testing"  # test scaffolding: it may import the product, the product never imports it
+DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", TESTING}  # the only parts importing dagster
+LIGHT_DAGSTER = {"dagster_pipes"}  # the worker-side library, fine anywhere
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    line: int
+    module: str
+    imported: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.module} imports {self.imported}: {self.why}"
+
+
+@dataclass(frozen=True)
+class Import:
+    line: int
+    target: str  # the module imported from (absolute)
+    names: tuple[str, ...]  # names taken from it (empty for `import x`)
+
+
+def modules_of(root: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of ``package`` under ``root``."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def part_of(module: str) -> str:
+    """The top-level part of the package a module belongs to ("" for the package itself)."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else ""
+
+
+def floor_of(part: str) -> int | None:
+    return next((index for index, parts in enumerate(FLOORS) if part in parts), None)
+
+
+def imports_of(module: str, path: Path, tree: ast.Module, modules: dict[str, Path]) -> list[Import]:
+    """Every import of a module, relative ones resolved against its package; ``from p import m``
+    of a submodule ``m`` counts as an import of ``p.m``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if submodule in modules:
+                    found.append(Import(node.lineno, submodule, ()))
+                else:
+                    found.append(Import(node.lineno, base, (alias.name,)))
+    return found
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_attributes(tree: ast.Module, module_aliases: set[str]) -> list[tuple[int, str, str]]:
+    """``alias._name`` where ``alias`` is a module of the package bound by an import."""
+    return [
+        (node.lineno, node.value.id, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in module_aliases and private(node.attr)
+    ]  # fmt: skip
+
+
+def module_aliases(tree: ast.Module, imports: list[Import], modules: dict[str, Path]) -> dict[str, str]:
+    """Local name -> module of the package, for names an import binds to one of its modules."""
+    bound = {}
+    resolved = {(i.line, i.target) for i in imports}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    bound[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                for line, target in resolved:
+                    if line == node.lineno and target.endswith(f".{alias.name}") and target in modules:
+                        bound[alias.asname or alias.name] = target
+    return bound
+
+
+def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
+    """Every breach of the import rule in ``root/package`` (production modules: all but testing/)."""
+    modules = modules_of(root, package)
+    violations: list[Violation] = []
+    edges: dict[tuple[str, str], tuple[str, int, str]] = {}  # (from part, to part) -> one example
+    for module, path in modules.items():
+        part = part_of(module)
+        if part == TESTING:
+            continue
+        where = str(path.relative_to(root))
+        floor = floor_of(part)
+        if floor is None:
+            if module == f"{package}.{part}":
+                violations.append(Violation(where, 1, module, "-", f"{module} is on no floor: add it to FLOORS and docs/ARCHITECTURE.md"))
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imports = imports_of(module, path, tree, modules)
+        seen = set()
+        for item in imports:
+            if (item.line, item.target, item.names) in seen:
+                continue
+            seen.add((item.line, item.target, item.names))
+            top = item.target.split(".")[0]
+            if top == "dagster" or (top.startswith("dagster_") and top not in LIGHT_DAGSTER):
+                if part not in DAGSTER_PARTS:
+                    violations.append(Violation(where, item.line, module, item.target,
+                                                f"only {sorted(DAGSTER_PARTS)} import Dagster; pure code stays runnable without it"))  # fmt: skip
+                continue
+            if top != package:
+                continue
+            for name in item.names:
+                if private(name):
+                    violations.append(Violation(where, item.line, module, f"{item.target}.{name}",
+                                                "a private name of another module: make it public or move it"))  # fmt: skip
+            if (item.line, item.target) in seen:
+                continue
+            seen.add((item.line, item.target))
+            target_part = part_of(item.target)
+            if target_part == TESTING:
+                violations.append(Violation(where, item.line, module, item.target,
+                                            "test scaffolding: the product never imports testing/"))  # fmt: skip
+                continue
+            target_floor = floor_of(target_part)
+            if target_part == part or target_floor is None:
+                continue
+            edges.setdefault((part, target_part), (where, item.line, item.target))
+            if target_floor > floor:
+                violations.append(Violation(where, item.line, module, item.target,
+                                            f"imports up: {target_part or package} is on floor {target_floor}, above {part or package} (floor {floor})"))  # fmt: skip
+            elif target_floor == floor and any({part, target_part} <= apart for apart in APART):
+                violations.append(Violation(where, item.line, module, item.target,
+                                            f"{part} and {target_part} share a floor and must not import each other"))  # fmt: skip
+        aliases = module_aliases(tree, imports, modules)
+        for line, alias, attr in private_attributes(tree, set(aliases)):
+            violations.append(Violation(where, line, module, f"{aliases[alias]}.{attr}",
+                                        "a private name of another module (as an attribute): make it public or move it"))  # fmt: skip
+    violations += cycle_violations(edges, package)
+    return violations
+
+
+def cycle_violations(edges: dict[tuple[str, str], tuple[str, int, str]], package: str) -> list[Violation]:
+    """One violation per import cycle between parts of the package (strongly connected parts)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    violations = []
+    for group in groups:
+        inside = sorted((a, b) for a, b in edges if a in group and b in group)
+        where, line, target = edges[inside[0]]
+        examples = "; ".join(f"{a or package} -> {b or package} ({edges[a, b][0]}:{edges[a, b][1]})" for a, b in inside)
+        violations.append(Violation(where, line, f"{package}.{inside[0][0]}".rstrip("."), target,
+                                    f"an import cycle between {sorted(g or package for g in group)}: {examples}"))  # fmt: skip
+    return violations
+
+
+# --- the checker on fake trees: each rule catches its case, and allowed imports pass -----------
+
+
+def tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name in ["__init__.py", *files]:
+        path = tmp_path / PACKAGE / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or name in files:
+            path.write_text(files.get(name, ""))
+        for parent in path.relative_to(tmp_path / PACKAGE).parents:
+            init = tmp_path / PACKAGE / parent / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+    return tmp_path
+
+
+ALLOWED = {
+    "down": {"features/build.py": "from speech_assets.corpus import manifest\n", "corpus/manifest.py": ""},
+    "within a part, relative": {"features/build.py": "from . import audio\nfrom .audio import decode\n", "features/audio.py": ""},
+    "floor 0 parts": {"runtime/locks.py": "from speech_assets.utils import atomic_path\n", "utils.py": ""},
+    "lazy and down": {"defs/stats.py": "def f():\n    from speech_assets.stats import plots\n", "stats/plots.py": ""},
+    "testing imports anything": {"testing/runs.py": "import dagster\nfrom speech_assets.defs import x\nfrom speech_assets.defs.x import _y\n", "defs/x.py": ""},
+    "dagster in defs": {"defs/x.py": "import dagster as dg\nfrom dagster import asset\n"},
+    "dagster_pipes in a worker": {"train/tracking.py": "from dagster_pipes import open_dagster_pipes\n"},
+    "a dunder name": {"cli.py": "from speech_assets import __version__\n"},
+    "a public attribute": {"defs/x.py": "from speech_assets.targets import labels\nlabels.read_labels\n", "targets/labels.py": ""},
+}
+
+FORBIDDEN = {
+    "up": ({"corpus/replicate.py": "from speech_assets.features.audio import to_mono\n", "features/audio.py": ""},
+           "corpus/replicate.py:1: speech_assets.corpus.replicate imports speech_assets.features.audio: imports up"),
+    "up, relative": ({"corpus/replicate.py": "from ..features import audio\n", "features/audio.py": ""},
+                     "imports speech_assets.features.audio: imports up: features is on floor 2, above corpus (floor 1)"),
+    "up, lazily": ({"targets/iteration2.py": "def f():\n    from speech_assets.evaluation.encoders import pad\n", "evaluation/encoders.py": ""},
+                   "targets/iteration2.py:2: speech_assets.targets.iteration2 imports speech_assets.evaluation.encoders: imports up"),
+    "up, under TYPE_CHECKING": ({"train/data.py": "if TYPE_CHECKING:\n    import speech_assets.defs.x\n", "defs/x.py": ""},
+                                "imports speech_assets.defs.x: imports up"),
+    "sideways": ({"federated/local.py": "from speech_assets.evaluation import distill\n", "evaluation/distill.py": ""},
+                 "federated and evaluation share a floor and must not import each other"),
+    "testing": ({"defs/automation.py": "from speech_assets.testing.local_runs import START\n", "testing/local_runs.py": ""},
+                "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test scaffolding"),
+    "a private name": ({"targets/iteration2.py": "from speech_assets.targets.labels import _write_outputs\n", "targets/labels.py": ""},
+                       "imports speech_assets.targets.labels._write_outputs: a private name of another module"),
+    "a private attribute": ({"defs/x.py": "from speech_assets.defs import targets\ntargets._read_json(1)\n", "defs/targets.py": ""},
+                            "defs/x.py:2: speech_assets.defs.x imports speech_assets.defs.targets._read_json: a private name"),
+    "dagster in pure code": ({"runtime/reaper.py": "from dagster._core.executor import Executor\n"},
+                             "runtime/reaper.py:1: speech_assets.runtime.reaper imports dagster._core.executor: only"),
+    "a dagster library in pure code": ({"train/x.py": "import dagster_k8s\n"}, "imports dagster_k8s: only"),
+    "a cycle on one floor": ({"runtime/locks.py": "from speech_assets import utils\n", "utils.py": "from speech_assets.runtime import locks\n"},
+                             "an import cycle between ['runtime', 'utils']"),
+    "a part on no floor": ({"extras/x.py": ""}, "speech_assets.extras is on no floor"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("files", ALLOWED.values(), ids=list(ALLOWED))
+def test_allowed_imports_pass(tmp_path: Path, files: dict[str, str]) -> None:
+    assert check_tree(tree(tmp_path, files)) == []
+
+
+@pytest.mark.parametrize(("files", "message"), FORBIDDEN.values(), ids=list(FORBIDDEN))
+def test_each_forbidden_import_is_caught_and_said(tmp_path: Path, files: dict[str, str], message: str) -> None:
+    found = [str(v) for v in check_tree(tree(tmp_path, files))]
+    assert len(found) == 1 and message in found[0], found
+
+
+# --- the real tree --------------------------------------------------------------------------------
+
+
+def test_the_package_keeps_its_layers() -> None:
+    violations = check_tree(REPO)
+    assert not violations, "imports that break the layers (docs/ARCHITECTURE.md):\n" + "\n".join(map(str, violations))
+
+
+def test_every_part_of_the_package_is_on_a_floor() -> None:
+    parts = {part_of(module) for module in modules_of(REPO)} - {TESTING}
+    assert parts == set().union(*FLOORS)
