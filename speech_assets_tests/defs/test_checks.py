@@ -20,19 +20,14 @@ from speech_assets.defs import clients, features, stats, targets
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("checks")
-    home = root / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DAGSTER_HOME", str(home))
-        instance = dg.DagsterInstance.get()
+    with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
         materialize_in_process(defs, instance, "manifest")
         materialize_in_process(defs, instance, "vad_features", list(instance.get_dynamic_partitions("speakers")))
@@ -40,7 +35,6 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
         materialize_in_process(defs, instance, "client_partitions")
         materialize_in_process(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
         materialize_in_process(defs, instance, "dataset_stats")
-        instance.dispose()
     return root / "out"
 
 

@@ -8,7 +8,6 @@ speaker's audio makes exactly that speaker's shard and what depends on it stale.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import dagster as dg
 import numpy as np
@@ -21,7 +20,7 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.utils import sha256_file
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 
 DOWNSTREAM_OF_SHARDS = ("cmvn_stats", "client_partitions", "dataset_stats")
 
@@ -29,15 +28,10 @@ DOWNSTREAM_OF_SHARDS = ("cmvn_stats", "client_partitions", "dataset_stats")
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lineage")
-    home = root / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     corpus = root / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus)
     paths = StoragePaths(corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DAGSTER_HOME", str(home))
-        instance = dg.DagsterInstance.get()
+    with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
         materialize_in_process(defs, instance, "manifest")
         speakers = list(instance.get_dynamic_partitions("speakers"))
@@ -48,7 +42,6 @@ def built(tmp_path_factory: pytest.TempPathFactory):
         materialize_in_process(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
         materialize_in_process(defs, instance, "dataset_stats")
         yield defs, instance, paths, corpus, speakers
-        instance.dispose()
 
 
 def status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> StaleStatus:

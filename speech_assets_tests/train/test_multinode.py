@@ -5,7 +5,6 @@ processes, and a killed node ends in a clean failure, not a hang."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -19,7 +18,7 @@ import torch
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, TrainingSettings
 from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 from speech_assets_tests.runtime.test_lifetime import processes_mentioning
 
 
@@ -35,13 +34,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("multinode")
-    home = root / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DAGSTER_HOME", str(home))
-        instance = dg.DagsterInstance.get()
+    with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=8)))
         materialize_in_process(defs, instance, "manifest")
         materialize_in_process(defs, instance, "vad_features", list(instance.get_dynamic_partitions("speakers")))
@@ -49,7 +43,6 @@ def inputs(tmp_path_factory: pytest.TempPathFactory):
         materialize_in_process(defs, instance, "client_partitions")
         materialize_in_process(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
         yield paths, instance
-        instance.dispose()
 
 
 def train(paths: StoragePaths, instance: dg.DagsterInstance, **training: object) -> dict:
