@@ -49,8 +49,10 @@ class SourceUtterance:
 
 def load_sources(root: Path) -> list[SourceUtterance]:
     """Every utterance of a LibriSpeech-layout corpus, decoded to 16 kHz mono float32."""
+    import torch
+    from torchaudio.transforms import Resample
+
     from speech_assets.corpus.manifest import scan_corpus
-    from speech_assets.features.audio import resample_to_16k, to_mono
 
     result = scan_corpus(root)
     if not result.rows:
@@ -58,7 +60,10 @@ def load_sources(root: Path) -> list[SourceUtterance]:
     sources = []
     for row in result.rows:
         audio, rate = sf.read(row.path, dtype="float32", always_2d=True)
-        sources.append(SourceUtterance(resample_to_16k(to_mono(audio.T), rate).astype(np.float32), row.transcript))
+        mono = audio.mean(axis=1, dtype=np.float32)  # the features stage's decoding: channels averaged, sinc resampling
+        if rate != SAMPLE_RATE:
+            mono = Resample(rate, SAMPLE_RATE, resampling_method="sinc_interp_hann")(torch.from_numpy(mono)).numpy()
+        sources.append(SourceUtterance(mono, row.transcript))
     return sources
 
 
