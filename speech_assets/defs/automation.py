@@ -26,8 +26,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import corpus_fingerprint
 from speech_assets.defs.lineage import latest_metadata
-from speech_assets.testing.local_runs import PARTITION_RANGE_END, PARTITION_RANGE_START
-from speech_assets.defs.partitions import speakers_partitions
+from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_strings
 

@@ -5,6 +5,11 @@ import dagster as dg
 speakers_partitions = dg.DynamicPartitionsDefinition(name="speakers")
 clients_partitions = dg.DynamicPartitionsDefinition(name="clients")
 
+# The run tags that make one run cover a first..last range of partition keys (what a backfill and
+# `dagster asset materialize --partition-range` set); the automation's requests set them too.
+PARTITION_RANGE_START = "dagster/asset_partition_range_start"
+PARTITION_RANGE_END = "dagster/asset_partition_range_end"
+
 
 def register_new(context: dg.AssetExecutionContext, partitions: dg.DynamicPartitionsDefinition, keys: list[str]) -> list[str]:
     """Add the keys the instance does not know yet; returns those added."""

@@ -2,8 +2,7 @@
 
 import dagster as dg
 
-PARTITION_RANGE_START = "dagster/asset_partition_range_start"
-PARTITION_RANGE_END = "dagster/asset_partition_range_end"
+from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START
 
 
 def materialize_in_process(
