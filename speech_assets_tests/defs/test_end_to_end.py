@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from speech_assets.hosts import free_port
 from speech_assets_tests.conftest import DEMO_TRAIN_STEPS, REPO
 
 BIN = Path(sys.executable).parent
@@ -171,14 +171,8 @@ def test_lineage_cli_traces_checkpoint_to_inputs(built) -> None:
     assert report["mlflow_run_id"] == result["mlflow_run_id"] and report["git_sha"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [str(BIN / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-m", "speech_assets.definitions"],
         env=built["env"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

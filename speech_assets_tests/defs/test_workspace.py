@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import pytest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
+from speech_assets.hosts import free_port
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
@@ -36,12 +35,6 @@ mutation Launch($params: ExecutionParams!) {
 STATUS = "query Status($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def graphql(url: str, query: str, variables: dict | None = None) -> dict:
     request = urllib.request.Request(url, data=json.dumps({"query": query, "variables": variables or {}}).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -50,18 +43,12 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
 
 
 @pytest.mark.slow
-def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: Path, monkeypatch) -> None:
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
+def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     out = tmp_path / "out"
-    instance = dg.DagsterInstance.get()
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
     materialize_in_process(build_definitions(paths, PipelineSettings()), instance, "manifest")
 
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DAGSTER_HOME": str(home),
-           "SPEECH_ASSETS_DATA_DIR": str(out), "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS)}
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "SPEECH_ASSETS_DATA_DIR": str(out), "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS)}
     port = free_port()
     services = [
         subprocess.Popen([str(BIN / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from speech_assets.federated.history import ROUNDS_COLUMNS
+from speech_assets.hosts import free_port
 from speech_assets.train.checkpoint import weights_sha256
 from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
@@ -271,7 +272,7 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
                        "--superlink", federation.address, "--host", "127.0.0.1"]  # fmt: skip
             stranger = make_node_key(tmp_path / "stranger", "client_01")
             for name, extra in (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])):
-                argv = [*command, "--port", str(_free_port()), *extra, "--node-config", node.to_node_config()]
+                argv = [*command, "--port", str(free_port()), *extra, "--node-config", node.to_node_config()]
                 log = tmp_path / name / "supernode.log"
                 impostors.append((spawn(argv, log, flower_env(tmp_path / name / "home"), supervised=True), log))
             for process, log in impostors:
@@ -284,12 +285,6 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
         terminate([p for p, _ in impostors])
     assert not (folder / "nodes.json").exists() and not list((folder / "auth").glob("*.key"))
     assert wait_until_gone(tmp_path) == []
-
-
-def _free_port() -> int:
-    from speech_assets.federated.processes import free_port
-
-    return free_port()
 
 
 def _wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:

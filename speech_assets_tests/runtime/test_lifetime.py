@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -56,16 +55,11 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 @pytest.fixture
-def built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def built(tmp_path: Path, instance: dg.DagsterInstance):
     """The inputs of pretrained_checkpoint, built in process on a real instance; env for the CLI."""
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     settings_file = tmp_path / "settings.toml"
     settings_file.write_text(SETTINGS)
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    instance = dg.DagsterInstance.get()
     defs = build_definitions(paths, PipelineSettings.load(settings_file))
     materialize_in_process(defs, instance, "manifest")
     materialize_in_process(defs, instance, "vad_features", list(instance.get_dynamic_partitions("speakers")))
@@ -75,7 +69,6 @@ def built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "DAGSTER_HOME": str(home),
         "SPEECH_ASSETS_DATA_DIR": paths.data_dir,
         "SPEECH_ASSETS_CORPUS": paths.corpus,
         "SPEECH_ASSETS_SETTINGS": str(settings_file),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,18 +16,12 @@ import torch
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, TrainingSettings
+from speech_assets.hosts import free_port
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 from speech_assets_tests.runtime.test_lifetime import processes_mentioning
 
-
 pytestmark = pytest.mark.slow  # four torchrun jobs, two of them with two agents
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
