@@ -8,11 +8,11 @@ CLI and the real dagster-webserver's GraphQL endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from speech_assets.hosts import free_port
+from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import DEMO_TRAIN_STEPS, REPO
 
 BIN = Path(sys.executable).parent
@@ -182,17 +183,14 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
                  assetsOrError { ... on AssetConnection { nodes { key { path }
                    assetMaterializations(limit: 1) { runId partition metadataEntries { label } } } } } }"""
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                request = urllib.request.Request(url, data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=10) as response:
-                    payload = json.loads(response.read())
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(1)
+        def answer() -> dict | None:
+            assert server.poll() is None, "the webserver exited"
+            request = urllib.request.Request(url, data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"})
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+            return None
+
+        payload = wait_until(answer, 120, "the webserver to answer", interval=1)
     finally:
         server.terminate()
         server.wait(timeout=30)

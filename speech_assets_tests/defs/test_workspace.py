@@ -3,12 +3,12 @@ launched through the webserver's GraphQL API is dequeued and executed under the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import pytest
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.hosts import free_port
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
@@ -58,27 +59,24 @@ def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: P
     ]
     url = f"http://127.0.0.1:{port}/graphql"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                graphql(url, "{ version }")
-                break
-            except OSError:
-                assert all(s.poll() is None for s in services), "a service exited"
-                assert time.monotonic() < deadline, "webserver never answered"
-                time.sleep(1)
+        def answers() -> dict | None:
+            assert all(s.poll() is None for s in services), "a service exited"
+            with contextlib.suppress(OSError):
+                return graphql(url, "{ version }")
+            return None
+
+        wait_until(answers, 180, "the webserver to answer", interval=1)
         params = {"selector": {"repositoryLocationName": "speech_assets", "repositoryName": "__repository__",
                                "jobName": "__ASSET_JOB", "assetSelection": [{"path": ["dataset_stats"]}]},
                   "runConfigData": {}}
         launched = graphql(url, LAUNCH, {"params": params})["data"]["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         run_id = launched["run"]["runId"]
-        status = None
-        deadline = time.monotonic() + 300
-        while status not in ("SUCCESS", "FAILURE", "CANCELED"):
-            assert time.monotonic() < deadline, f"run stuck in {status}"
-            time.sleep(2)
+        def finished() -> str | None:
             status = graphql(url, STATUS, {"id": run_id})["data"]["runOrError"]["status"]
+            return status if status in ("SUCCESS", "FAILURE", "CANCELED") else None
+
+        status = wait_until(finished, 300, "the launched run to finish", interval=2)
         assert status == "SUCCESS"
         assert (out / "stats.duckdb").is_file() and (out / "report" / "index.html").is_file()
     finally:
