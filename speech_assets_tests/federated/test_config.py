@@ -28,7 +28,7 @@ from speech_assets.federated.launch import (
     stall_limit,
     write_run_config,
 )
-from speech_assets.federated.processes import alive, descendants
+from speech_assets.runtime.processes import alive, descendants
 from speech_assets_tests.conftest import REPO
 
 
@@ -289,7 +289,7 @@ def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_supervisor_reports_the_command_exit_code_and_reaps_what_it_left(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "speech_assets.federated.supervise", "--grace", "1", "--",
+    command = [sys.executable, "-m", "speech_assets.runtime.supervise", "--grace", "1", "--",
                "bash", "-c", "setsid sleep 303 & exit 7"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert done.returncode == 7
@@ -328,7 +328,7 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
 
 def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    code = f"import sys; sys.platform = 'darwin'; from speech_assets.federated import supervise; sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
+    code = f"import sys; sys.platform = 'darwin'; from speech_assets.runtime import supervise; sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2 and "needs Linux" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not marker.exists()
