@@ -5,13 +5,13 @@ guarantee that every process started here is stopped, on success, on failure and
   (``prctl(PR_SET_PDEATHSIG)``, Linux only: the local federation refuses to start elsewhere), so a ``kill -9`` of the asset's (or the CLI's) process takes the
   federation with it. Start them from the thread that lives as long as they should (the asset's
   main thread).
-- Each Flower daemon runs under :mod:`speech_assets.federated.supervise`, a child subreaper that
+- Each Flower daemon runs under :mod:`speech_assets.runtime.supervise`, a child subreaper that
   gets SIGTERM when we die and then stops the daemon and every helper it started (the SuperExec,
   ``flwr-serverapp``, ``flwr-clientapp``), even those re-parented after their parent was killed.
   Flower's helpers alone only watch their parent's pid, which a zombie parent still answers to.
-- :meth:`LocalFederation.stop` (called in a ``finally``) walks each daemon's process tree through
-  psutil (the SuperLink starts its SuperExec in a session of its own, so a process group is not
-  enough), sends SIGTERM, waits, then SIGKILLs whatever is left, and reaps.
+- :meth:`LocalFederation.stop` (called in a ``finally``) stops each daemon's process tree
+  (:func:`speech_assets.runtime.processes.terminate`: the SuperLink starts its SuperExec in a
+  session of its own, so a process group is not enough).
 
 Everything binds to 127.0.0.1 on free ports; each process gets its own ``FLWR_HOME`` under the
 run's ``flower/`` folder, where its log is written too. The SuperLink serves TLS with a
@@ -23,6 +23,7 @@ starts, and ``nodes.json`` tells the ServerApp which node id is which client.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -31,8 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +40,12 @@ import psutil
 
 from speech_assets import locations
 from speech_assets.federated.config import NODES_FILE, NodeConfig
-from speech_assets.runtime.processes import die_with_parent, on_linux
+from speech_assets.hosts import free_port
+from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 CONNECTION_NAME = "speech_assets"
-SUPERVISOR = "speech_assets.federated.supervise"
+SUPERVISOR = "speech_assets.runtime.supervise"
 AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -62,17 +64,12 @@ def require_linux() -> None:
         )
 
 
-def _die_with_parent(sig: int) -> Callable[[], None]:
-    """``preexec_fn``: send ``sig`` to this child when the thread that forked it dies."""
-    return lambda: die_with_parent(sig)
-
-
 def spawn(
     command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, **kwargs: object
 ) -> subprocess.Popen:
     """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us.
 
-    ``supervised``: run it under :mod:`speech_assets.federated.supervise`, which gets SIGTERM when
+    ``supervised``: run it under :mod:`speech_assets.runtime.supervise`, which gets SIGTERM when
     we die and then stops ``command`` and everything it started (for Flower's daemons, whose
     helpers outlive a SIGKILLed parent otherwise); else ``command`` itself gets SIGKILL.
     """
@@ -87,7 +84,7 @@ def spawn(
             stderr=kwargs.pop("stderr", subprocess.STDOUT),  # type: ignore[arg-type]
             env=dict(env),
             start_new_session=True,
-            preexec_fn=_die_with_parent(signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -121,21 +118,18 @@ def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, s
     return {k: v for k, v in env.items() if not k.startswith("DAGSTER_PIPES")}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_listening(port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {process.returncode}:\n{_tail(log_path)}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f} s:\n{_tail(log_path)}")
+            return True
+        return False
+
+    try:
+        wait_until(listening, timeout, f"{name} to listen on 127.0.0.1:{port}", interval=0.2)
+    except WaitTimeout as error:
+        raise WaitTimeout(f"{error}:\n{_tail(log_path)}") from None
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -143,65 +137,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-# ------------------------------------------------------------------------------ process trees
-def _parents() -> dict[int, tuple[int, str]]:
-    """``pid -> (ppid, status)`` of every process this user can see."""
-    found: dict[int, tuple[int, str]] = {}
-    with contextlib.suppress(psutil.Error, OSError, IndexError):  # no process table: nothing known
-        for process in psutil.process_iter(["ppid", "status"]):
-            found[process.pid] = (process.info["ppid"] or 0, process.info["status"] or "")
-    return found
-
-
-def descendants(roots: Iterable[int]) -> set[int]:
-    """Live processes under ``roots`` (not the roots themselves)."""
-    table = _parents()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, state) in table.items():
-        if state != psutil.STATUS_ZOMBIE:
-            children.setdefault(ppid, []).append(pid)
-    found: set[int] = set()
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, OSError):
-        return False
-
-
-def _signal(pids: Iterable[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
-    """Stop ``processes`` and everything they started: SIGTERM to the whole trees, up to
-    ``grace`` seconds for a clean exit, SIGKILL for the rest, then reap our own children."""
-    roots = [p.pid for p in processes if p.poll() is None]
-    tree = descendants(roots) | set(roots)
-    _signal(tree, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        tree |= descendants(roots)
-        if not any(alive(pid) for pid in tree):
-            break
-        time.sleep(0.2)
-    tree |= descendants(roots)
-    _signal((pid for pid in tree if alive(pid)), signal.SIGKILL)
-    for process in processes:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
 
 
 def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
@@ -323,7 +258,7 @@ class LocalFederation:
                    *(str(p) for p in public_keys.values())]  # fmt: skip
         done = subprocess.run(  # noqa: S603
             command, env=flower_env(self.cli_home, self.base_env), capture_output=True, text=True,
-            timeout=self.startup_timeout, preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+            timeout=self.startup_timeout, preexec_fn=die_with_parent,  # noqa: PLW1509
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"registering the SuperNodes' keys failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
@@ -341,13 +276,16 @@ class LocalFederation:
     @staticmethod
     def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
         """The pid of the Flower process itself (the supervisor's child)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and daemon.process.poll() is None:
-            children = [pid for pid, (ppid, state) in _parents().items() if ppid == daemon.process.pid and state != "Z"]
-            if children:
-                return min(children)
-            time.sleep(0.05)
-        return None
+
+        def child() -> int:
+            if daemon.process.poll() is not None:
+                raise ChildProcessError(daemon.name)
+            return min(children_by_parent().get(daemon.process.pid, [0]))
+
+        try:
+            return wait_until(child, timeout, f"{daemon.name}'s process", interval=0.05)
+        except (WaitTimeout, ChildProcessError):
+            return None
 
     def check_alive(self) -> list[str]:
         """Names of daemons that have exited (a SuperNode may die; the SuperLink must not)."""
@@ -452,5 +390,5 @@ def flwr_stop(run_id: int, home: Path, env: Mapping[str, str] | None = None) -> 
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(  # noqa: S603
             [flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME], env=flower_env(home, env),
-            capture_output=True, timeout=60, preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+            capture_output=True, timeout=60, preexec_fn=die_with_parent,  # noqa: PLW1509
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Who is alive: process identities that survive pid reuse, parent-death signals, a watchdog.
+"""Who is alive: process identities that survive pid reuse, process trees, parent-death signals,
+a watchdog.
 
 Where it runs: Linux and macOS. Identity, liveness and process listing go through psutil (Linux's
 ``/proc``, macOS's ``sysctl``); the parent-death signal exists only on Linux.
@@ -22,18 +23,22 @@ without ``/proc``) the launcher counts as alive while its pid is taken.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psutil
+
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 LAUNCHER_ENV = "SPEECH_ASSETS_LAUNCHER"
 PR_SET_PDEATHSIG = 1
@@ -136,6 +141,65 @@ def command_lines() -> Iterator[tuple[int, list[str]]]:
                 yield process.pid, process.info["cmdline"]
     except (psutil.Error, OSError, IndexError) as error:  # IndexError: psutil on an empty /proc
         log.warning("cannot list processes (%s: %s)", type(error).__name__, error)
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """``{ppid: [live children]}`` of every process this user can see (zombies left out); empty
+    when the process table cannot be read."""
+    found: dict[int, list[int]] = {}
+    with contextlib.suppress(psutil.Error, OSError, IndexError):  # no process table: nothing known
+        for process in psutil.process_iter(["ppid", "status"]):
+            if process.info["status"] != psutil.STATUS_ZOMBIE:
+                found.setdefault(process.info["ppid"] or 0, []).append(process.pid)
+    return found
+
+
+def descendants(roots: Iterable[int]) -> set[int]:
+    """Live processes under ``roots`` (not the roots themselves), by their parent links."""
+    children = children_by_parent()
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
+        return False
+
+
+def send(pids: Iterable[int], sig: int) -> None:
+    """``sig`` to each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """Stop ``processes`` and everything they started: SIGTERM to the whole trees, up to
+    ``grace`` seconds for a clean exit, SIGKILL for the rest, then reap our own children."""
+    roots = [p.pid for p in processes if p.poll() is None]
+    tree = descendants(roots) | set(roots)
+    send(tree, signal.SIGTERM)
+
+    def all_gone() -> bool:
+        tree.update(descendants(roots))
+        return not any(alive(pid) for pid in tree)
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(all_gone, grace, "the processes to exit", interval=0.2)
+    tree.update(descendants(roots))
+    send((pid for pid in tree if alive(pid)), signal.SIGKILL)
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

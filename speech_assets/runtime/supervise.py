@@ -1,16 +1,18 @@
-"""``python -m speech_assets.federated.supervise -- COMMAND...``: run COMMAND and take every
-process it starts down with it (standard library only, so it starts in milliseconds).
+"""``python -m speech_assets.runtime.supervise -- COMMAND...``: run COMMAND and take every process
+it starts down with it.
 
 Flower's daemons start helpers of their own (the SuperLink's SuperExec in a session of its own,
 the ServerApp and ClientApp processes), and those only watch their parent's pid: when a daemon is
 SIGKILLed, a helper whose parent lingers as a zombie (or whose parent is re-parented to an init
-that does not reap) never notices. This supervisor closes the gap:
+that does not reap) never notices. The tests' documented commands leave such trees too. This
+supervisor closes the gap:
 
 - it is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): whatever COMMAND starts stays
   in its care when its parent dies, instead of going to init;
-- it dies with its own parent (``PR_SET_PDEATHSIG`` set by :func:`~speech_assets.federated.processes.spawn`)
-  by catching the SIGTERM that brings: it then SIGTERMs COMMAND and every descendant, waits up to
-  ``--grace`` seconds, SIGKILLs the rest and reaps them all;
+- it dies with its own parent (its starter arms :func:`~speech_assets.runtime.processes.die_with_parent`
+  with SIGTERM) by catching that SIGTERM: it then SIGTERMs COMMAND and every descendant, waits up
+  to ``--grace`` seconds, SIGKILLs the rest and reaps them all; COMMAND itself gets SIGKILL should
+  this supervisor be SIGKILLed;
 - when COMMAND exits on its own, the same happens to whatever it left behind.
 
 Its exit code is COMMAND's (or 128 + the signal that stopped it). Both ``prctl`` calls are
@@ -19,85 +21,58 @@ Linux's: on any other OS it refuses at once with one line (exit code 2).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
 import sys
-import time
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+from speech_assets.runtime.processes import descendants, die_with_parent, on_linux, send
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 class _Stop(Exception):
     pass
 
 
-def _descendants() -> set[int]:
-    """Live processes below this one (by walking /proc parent links)."""
-    me = os.getpid()
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                stat = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: set[int] = set()
-    stack = [me]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
+def _below_me() -> set[int]:
+    return descendants([os.getpid()])
 
 
-def _reap() -> None:
+def _reap() -> bool:
+    """Reap every child that has exited; whether none is left at all."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return True
         if pid == 0:
-            return
-
-
-def _signal(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            return False
 
 
 def shutdown(grace: float) -> None:
     """SIGTERM every descendant, wait up to ``grace`` s, SIGKILL the rest, reap everything."""
-    _signal(_descendants(), signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while _descendants() and time.monotonic() < deadline:
+    send(_below_me(), signal.SIGTERM)
+
+    def gone() -> bool:
         _reap()
-        time.sleep(0.1)
-    deadline = time.monotonic() + 5.0
-    while (remaining := _descendants()) and time.monotonic() < deadline:
-        _signal(remaining, signal.SIGKILL)
-        time.sleep(0.05)
-        _reap()
+        return not _below_me()
+
+    def killed() -> bool:
+        send(_below_me(), signal.SIGKILL)
+        return gone()
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(gone, grace, "the supervised processes to exit")
+    with contextlib.suppress(WaitTimeout):
+        wait_until(killed, 5.0, "the supervised processes to die", interval=0.05)
     # reap every child left (zombies included): an init that does not reap would keep them
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            time.sleep(0.02)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(_reap, 2.0, "the supervised processes to be reaped", interval=0.02)
 
 
 def main(argv: list[str]) -> int:
@@ -107,13 +82,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m speech_assets.federated.supervise [--grace S] -- COMMAND...", file=sys.stderr)
+        print("usage: python -m speech_assets.runtime.supervise [--grace S] -- COMMAND...", file=sys.stderr)
         return 2
-    if not sys.platform.startswith("linux"):
-        print(f"speech_assets.federated.supervise needs Linux (a child subreaper), not {sys.platform}", file=sys.stderr)
+    if not on_linux():
+        print(f"speech_assets.runtime.supervise needs Linux (a child subreaper), not {sys.platform}", file=sys.stderr)
         return 2
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -122,16 +96,10 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    parent = os.getpid()
-
-    def child_setup() -> None:  # the command dies if this supervisor is SIGKILLed
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
     code: int | None = None
     try:
-        child = subprocess.Popen(argv, preexec_fn=child_setup)  # noqa: S603, PLW1509
+        # the command dies if this supervisor is SIGKILLed
+        child = subprocess.Popen(argv, preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))  # noqa: S603, PLW1509
         while code is None and not stopping:
             try:
                 pid, status = os.waitpid(-1, 0)

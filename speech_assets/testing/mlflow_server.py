@@ -11,17 +11,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
+from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent
-from speech_assets.testing.postgres import free_port
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
+from speech_assets.testing.commands import LocalServer
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 
-class MlflowServer:
+class MlflowServer(LocalServer):
     """``mlflow server --backend-store-uri STORE --artifacts-destination DIR --serve-artifacts``,
     or any ``mlflow`` command line given as ``command`` (``--port`` is appended)."""
 
@@ -46,17 +47,9 @@ class MlflowServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
         self.startup_timeout_s = startup_timeout_s
-        self.start_seconds = 0.0
         self.process: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> MlflowServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> MlflowServer:
-        began = time.monotonic()
+    def launch(self) -> None:
         env = {
             **os.environ,
             "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -67,23 +60,23 @@ class MlflowServer:
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM),
             )
+        process = self.process
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return True
+            except OSError:
+                pass
+            if process.poll() is not None:
+                raise RuntimeError(f"{' '.join(self.command)} exited with code {process.returncode}: {self.log_tail()}")
+            return False
+
         try:
-            deadline = time.monotonic() + self.startup_timeout_s
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{' '.join(self.command)} did not come up: {self.log_tail()}")
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_seconds = time.monotonic() - began
-        return self
+            wait_until(healthy, self.startup_timeout_s, f"{' '.join(self.command)} to come up", interval=0.5)
+        except WaitTimeout as error:
+            raise RuntimeError(f"{error}: {self.log_tail()}") from None
 
     def get_json(self, path: str) -> dict:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as response:

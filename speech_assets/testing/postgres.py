@@ -20,14 +20,16 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent, pid_exists
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
+from speech_assets.testing.commands import LocalServer
 
 BIN_ENV = "SPEECH_ASSETS_PG_BIN"
 USER = "dagster"
@@ -44,12 +46,6 @@ def server_bin_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"no PostgreSQL server binaries: pip install pgserver (a dev dependency) or set ${BIN_ENV}")
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def sweep_stale_roots() -> None:
@@ -69,7 +65,7 @@ def sweep_stale_roots() -> None:
             continue
 
 
-class PostgresServer:
+class PostgresServer(LocalServer):
     """One PostgreSQL server on 127.0.0.1; see the module docstring."""
 
     def __init__(self, bin_dir: Path | None = None, startup_timeout_s: float = 60.0) -> None:
@@ -79,47 +75,32 @@ class PostgresServer:
         self.host = "127.0.0.1"
         self.port = 0
         self.startup_timeout_s = startup_timeout_s
-        self.start_seconds = 0.0
         self.root: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
         # PostgreSQL will not run as root: run it as `nobody` then.
         self._run_as: pwd.struct_passwd | None = pwd.getpwnam("nobody") if os.geteuid() == 0 else None
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> PostgresServer:
-        began = time.monotonic()
+    def launch(self) -> None:
         sweep_stale_roots()
         # A folder of its own in the system temp dir (pytest's tmp_path is private to root).
         self.root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
-        try:
-            data = self.root / "data"
-            password_file = self.root / "pwfile"
-            password_file.write_text(self.password + "\n")
-            if self._run_as is not None:
-                os.chown(self.root, self._run_as.pw_uid, self._run_as.pw_gid)
-                os.chown(password_file, self._run_as.pw_uid, self._run_as.pw_gid)
-            self._run(
-                [str(self.bin_dir / "initdb"), "-D", str(data), "-U", self.user, f"--pwfile={password_file}",
-                 "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C", "--no-sync"],
-            )
-            password_file.unlink()
-            for _ in range(5):  # the free port may be taken between our probe and the server's bind
-                self.port = free_port()
-                if self._start_server(data):
-                    break
-            else:
-                raise RuntimeError(f"PostgreSQL did not start: {self.log_tail()}")
-        except BaseException:
-            self.stop()
-            raise
-        self.start_seconds = time.monotonic() - began
-        return self
+        data = self.root / "data"
+        password_file = self.root / "pwfile"
+        password_file.write_text(self.password + "\n")
+        if self._run_as is not None:
+            os.chown(self.root, self._run_as.pw_uid, self._run_as.pw_gid)
+            os.chown(password_file, self._run_as.pw_uid, self._run_as.pw_gid)
+        self._run(
+            [str(self.bin_dir / "initdb"), "-D", str(data), "-U", self.user, f"--pwfile={password_file}",
+             "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C", "--no-sync"],
+        )
+        password_file.unlink()
+        for _ in range(5):  # the free port may be taken between our probe and the server's bind
+            self.port = free_port()
+            if self._start_server(data):
+                return
+        raise RuntimeError(f"PostgreSQL did not start: {self.log_tail()}")
 
     def _run(self, command: list[str]) -> None:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120, **self._as_server_user())
@@ -147,17 +128,24 @@ class PostgresServer:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.process = None
-                return False
+        process = self.process
+
+        def answer() -> str:
+            if process.poll() is not None:
+                return "exited"
             try:
                 self.connect("postgres").close()
-                return True
             except Exception:  # noqa: BLE001 - not accepting connections yet
-                time.sleep(0.1)
-        raise RuntimeError(f"PostgreSQL did not accept connections within {self.startup_timeout_s:.0f} s: {self.log_tail()}")
+                return ""
+            return "accepting connections"
+
+        try:
+            if wait_until(answer, self.startup_timeout_s, "PostgreSQL to accept connections") == "exited":
+                self.process = None
+                return False
+        except WaitTimeout as error:
+            raise RuntimeError(f"{error}: {self.log_tail()}") from None
+        return True
 
     def stop(self) -> None:
         """Fast shutdown (SIGINT), SIGKILL after 30 s; then remove the data directory."""
