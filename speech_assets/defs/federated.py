@@ -10,12 +10,11 @@ import json
 
 import dagster as dg
 
-from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.training import TRAINING_INPUTS
+from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
 from speech_assets.utils import sha256_strings
 
 CODE_VERSION = "federated-v1"
@@ -58,9 +57,7 @@ def federated_checkpoint(
 
     record_run_process(context)
     fed = effective(settings.federated, config)
-    clients: dict[str, list[str]] = {}
-    for row in read_clients(paths.clients_file):
-        clients.setdefault(row.client_id, []).append(row.speaker_id)
+    clients = speakers_by_client(paths)
     data_versions = input_versions(context, paths, clients)
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.root / "federated" / run_name

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.evaluation import checkpoint_of
-from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, step_events
+from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import (
@@ -65,10 +64,7 @@ def kmeans_targets_iter2(
     asset = ENCODER_ASSETS.get(options.encoder)
     if asset is None:
         raise dg.Failure(description=f"[iteration2] encoder must be one of {sorted(ENCODER_ASSETS)}, got {options.encoder!r}")
-    found = checkpoint_of(context, asset)
-    if found is None:
-        raise dg.Failure(description=f"no {asset} checkpoint: materialize {asset} first")
-    checkpoint, checkpoint_version = found
+    checkpoint, checkpoint_version = required_checkpoint(context, asset)
     encoder = load_encoder(checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = encoder.model.to(device)

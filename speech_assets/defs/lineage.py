@@ -61,6 +61,26 @@ def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Ite
     return {key: value[DATA_VERSION_TAG] for key, value in sorted(tags.items()) if DATA_VERSION_TAG in value}
 
 
+def checkpoint_of(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str] | None:
+    """(``final.pt`` path, data version) of ``asset``'s latest materialization, if it exists on disk."""
+    materialization = latest_materialization(context.instance, asset)
+    if materialization is None or "checkpoint" not in (materialization.metadata or {}):
+        return None
+    path = str(materialization.metadata["checkpoint"].value)
+    if not Path(path).is_file():
+        context.log.warning(f"{asset}'s checkpoint {path} is gone: materialize {asset} again")
+        return None
+    return path, latest_data_version(context.instance, asset) or ""
+
+
+def required_checkpoint(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str]:
+    """:func:`checkpoint_of`, or the step fails saying which asset to materialize first."""
+    found = checkpoint_of(context, asset)
+    if found is None:
+        raise dg.Failure(description=f"no {asset} checkpoint: materialize {asset} first")
+    return found
+
+
 def git_commit() -> str | None:
     """The repository's HEAD commit, or None outside a git checkout."""
     try:

@@ -125,7 +125,7 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
     import onnx
     from onnx import numpy_helper
 
-    from speech_assets.defs.evaluation import export_parity, onnx_matches_pytorch
+    from speech_assets.defs.export import export_parity, onnx_matches_pytorch
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
     from speech_assets.evaluation.export import load_torchscript
 

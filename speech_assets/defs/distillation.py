@@ -1,0 +1,119 @@
+"""Stage 5: a small student distilled from the pretrained encoder: `distilled_checkpoint`,
+a training loop launched like pretraining (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`).
+
+The distillation worker lives in speech_assets/evaluation/distill.py; torch is imported inside the asset.
+"""
+
+import json
+
+import dagster as dg
+
+from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, required_checkpoint
+from speech_assets.defs.probe import shard_utterances, speaker_clients
+from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.runs import record_run_process
+from speech_assets.defs.torchrun import run_torchrun
+from speech_assets.defs.training import TRAINING_INPUTS, client_targets, speakers_by_client, training_curve_metadata
+from speech_assets.utils import sha256_strings
+
+DISTILL_CODE_VERSION = "distill-v1"
+
+
+class DistillOverrides(overrides_of(DistillSettings)):
+    """Run-config overrides of the `[distill]` settings for one manual run."""
+
+
+@dg.asset(
+    group_name="evaluation",
+    deps=["pretrained_checkpoint", *TRAINING_INPUTS],
+    code_version=DISTILL_CODE_VERSION,
+    pool="training",
+    kinds={"pytorch", "mlflow"},
+    description=(
+        "A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained "
+        "encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like "
+        "training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."
+    ),
+)
+def distilled_checkpoint(
+    context: dg.AssetExecutionContext,
+    config: DistillOverrides,
+    paths: StoragePaths,
+    settings: PipelineSettings,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    from speech_assets.evaluation.distill import DistillConfig
+    from speech_assets.evaluation.encoders import load_encoder
+
+    options = effective(settings.distill, config)
+    record_run_process(context)
+    teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
+    clients = speakers_by_client(paths)
+    data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
+    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), DISTILL_CODE_VERSION])[:16]
+    run_dir = paths.root / "distill" / run_name
+    teacher_model = load_encoder(teacher)
+    teacher_config = teacher_model.checkpoint.get("config") or {}
+    distill_config = DistillConfig(
+        run_dir=str(run_dir),
+        teacher=teacher,
+        shards=[str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)],
+        cmvn=str(paths.cmvn_dir / "cmvn.npz"),
+        clients=client_targets(clients, paths.kmeans_dir),
+        heldout_fraction=teacher_config.get("heldout_fraction", settings.training.heldout_fraction),
+        **student_shape(teacher_model.model.preset, options),
+        teacher_layers=list(options.teacher_layers), cosine_weight=options.cosine_weight,
+        max_steps=options.max_steps, batch_seconds=options.batch_seconds, lr=options.lr,
+        warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), seed=options.seed,
+        max_frames=options.max_frames, threads=options.threads or None,
+        data_versions=data_versions, git_sha=git_commit(),
+        mlflow_tracking_uri=paths.mlflow_tracking_uri, mlflow_artifact_location=paths.mlflow_artifact_location,
+        mlflow_run_name=f"distill-{run_name}",
+    )  # fmt: skip
+    result, _ = run_torchrun(
+        context, pipes_subprocess_client, paths, run_dir, distill_config, asset_name="distilled_checkpoint",
+        nproc=options.nproc or 1, module="speech_assets.evaluation.distill",
+    )  # fmt: skip
+    speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
+    context.log.info(
+        f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
+        f"CPU forward {speed['student_audio_s_per_s']:.0f} vs {speed['teacher_audio_s_per_s']:.0f} audio s/s "
+        f"({speed['speedup']:.2f}x)"
+    )
+    return dg.MaterializeResult(
+        data_version=result.data_version,
+        metadata={
+            **(result.metadata or {}),
+            **speed,
+            **training_curve_metadata(run_dir),
+            "run_dir": dg.MetadataValue.path(str(run_dir)),
+            "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
+        },
+    )
+
+
+def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
+    """The student's width, depth, heads and FFN: the settings', or half the teacher's where 0."""
+    dim = options.dim or max(8, teacher.dim // 2)
+    heads = options.heads or max(1, teacher.heads // 2)
+    while dim % heads:
+        heads -= 1
+    return {"dim": dim, "layers": options.layers or max(1, teacher.layers // 2), "heads": heads, "ffn_dim": options.ffn_dim or 4 * dim}
+
+
+def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths) -> dict[str, float]:
+    """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances."""
+    from speech_assets.evaluation.distill import encoder_parameters
+    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.evaluation.speed import forward_speed
+
+    teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
+    feats = [u.feats for u in shard_utterances(paths, sorted(speaker_clients(paths))[:2])][:16]
+    speed = forward_speed({"teacher": teacher, "student": student}, feats, repeats=2, threads=1)
+    return {
+        "student_parameters": encoder_parameters(student),
+        "teacher_parameters": encoder_parameters(teacher),
+        "student_audio_s_per_s": round(speed["student"], 1),
+        "teacher_audio_s_per_s": round(speed["teacher"], 1),
+        "speedup": round(speed["student"] / speed["teacher"], 3),
+    }

@@ -1,0 +1,135 @@
+"""Stage 5: the encoder for deployment: `encoder_export` (ONNX and TorchScript) and its parity check.
+
+The exporter lives in speech_assets/evaluation/export.py; torch and onnx are imported inside the asset.
+"""
+
+import json
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import dagster as dg
+
+from speech_assets.defs.lineage import latest_data_version, latest_materialization, required_checkpoint
+from speech_assets.defs.probe import shard_utterances, speaker_clients
+from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.utils import atomic_write_text, current_umask, sha256_file, sha256_strings
+
+EXPORT_CODE_VERSION = "export-v1"
+# an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
+ONNX_PARITY_ATOL = 1e-4
+
+
+class ExportOverrides(overrides_of(ExportSettings)):
+    """Run-config overrides of the `[export]` settings for one manual run."""
+
+
+@dg.asset(
+    group_name="evaluation",
+    deps=["pretrained_checkpoint", "cmvn_stats"],
+    code_version=EXPORT_CODE_VERSION,
+    kinds={"pytorch", "onnx"},
+    description=(
+        "The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript, "
+        "dynamic batch and time, with encoder.json (featurisation, CMVN, frame rates, layer, parity "
+        "against PyTorch on real shard features through onnxruntime): <data>/export/<checkpoint>/."
+    ),
+)
+def encoder_export(
+    context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
+    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.evaluation.export import export_all, input_description
+    from speech_assets.evaluation.probe import subsample
+    from speech_assets.features.cmvn import Cmvn
+
+    options = effective(settings.export, config)
+    checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
+    encoder = load_encoder(checkpoint)
+    cmvn_path = paths.cmvn_dir / "cmvn.npz"
+    cmvn = Cmvn.load(cmvn_path)
+    utterances = shard_utterances(paths, sorted(speaker_clients(paths))[:4])
+    sample = [utterances[i].feats for i in subsample(len(utterances), options.parity_utterances, seed=0)]
+    if not sample:
+        raise dg.Failure(description="no shard features to check the export's parity on")
+    folder = paths.root / "export" / f"{encoder.sha256[:16]}-layer{options.layer}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # written in a sibling temporary folder, then renamed into place: never half an export
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        context.log.info(f"exporting {checkpoint} (layer {options.layer}) to ONNX and TorchScript")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
+            parity = export_all(encoder.model, staging, options.layer, sample, options.opset or None)
+        description = input_description(encoder, cmvn, options.layer, parity, checkpoint)
+        atomic_write_text(staging / "encoder.json", json.dumps(description, indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(cmvn_path, staging / "cmvn.npz")
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~current_umask())
+        staging.chmod(0o777 & ~current_umask())
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    files = {name: sha256_file(folder / name) for name in ("encoder.onnx", "encoder.pt", "encoder.json", "cmvn.npz")}
+    context.log.info(
+        f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
+        f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
+    )
+    return dg.MaterializeResult(
+        data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
+        metadata={
+            "onnx": dg.MetadataValue.path(str(folder / "encoder.onnx")),
+            "torchscript": dg.MetadataValue.path(str(folder / "encoder.pt")),
+            "description": dg.MetadataValue.path(str(folder / "encoder.json")),
+            "max_abs_diff": parity.onnx_max_abs_diff,
+            "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
+            "parity_utterances": parity.utterances,
+            "parity_frames": parity.frames,
+            "layer": description["output"]["layer"],
+            "onnx_mb": round((folder / "encoder.onnx").stat().st_size / 2**20, 2),
+            "checkpoint_sha256": encoder.sha256,
+            "input_versions": dg.MetadataValue.json(
+                {"pretrained_checkpoint": checkpoint_version, "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or ""}
+            ),
+        },
+    )
+
+
+@dg.asset_check(asset=encoder_export, blocking=True, description=(
+    "Runs the exported ONNX (onnxruntime, CPU) and TorchScript encoders again on real shard utterances and "
+    f"fails when either differs from the PyTorch checkpoint by more than {ONNX_PARITY_ATOL:g} (fp32), or when "
+    "that checkpoint is not the one exported."
+))
+def onnx_matches_pytorch(context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings) -> dg.AssetCheckResult:
+    materialization = latest_materialization(context.instance, "encoder_export")
+    description = (materialization.metadata or {}).get("description") if materialization else None
+    if description is None:
+        return dg.AssetCheckResult(passed=False, description="no export recorded: materialize encoder_export first")
+    # the last speakers first: other utterances than the exporter compared on (its first four speakers)
+    shards = [paths.shard_file(s) for s in sorted(speaker_clients(paths), reverse=True)]
+    return export_parity(Path(str(description.value)).parent, shards, settings.export.parity_utterances)
+
+
+def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.AssetCheckResult:
+    """The parity check of the export in ``folder`` on the first ``utterances`` of ``shards``."""
+    from speech_assets.evaluation.export import parity_features, reverify_export
+
+    feats = parity_features(shards, folder / "cmvn.npz", utterances)
+    if not feats:
+        return dg.AssetCheckResult(passed=False, description="no shard utterances to run the export on")
+    parity, problems = reverify_export(folder, feats)
+    metadata: dict[str, object] = {"atol": ONNX_PARITY_ATOL, "folder": dg.MetadataValue.path(str(folder))}
+    if parity is not None:
+        metadata |= {
+            "max_abs_diff": parity.onnx_max_abs_diff, "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
+            "utterances": parity.utterances, "frames": parity.frames,
+        }  # fmt: skip
+        problems += [
+            f"{runtime} differs from PyTorch by up to {diff:.2e}"
+            for runtime, diff in (("ONNX", parity.onnx_max_abs_diff), ("TorchScript", parity.torchscript_max_abs_diff))
+            if not diff <= ONNX_PARITY_ATOL  # NaN fails too
+        ]
+    return dg.AssetCheckResult(passed=not problems, description="; ".join(problems) or None, metadata=metadata)

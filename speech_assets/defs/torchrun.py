@@ -1,0 +1,161 @@
+"""Running a torchrun job through Dagster Pipes: the one launcher of every training loop
+(`pretrained_checkpoint`, `pretrained_checkpoint_iter2`, `distilled_checkpoint`).
+
+It holds the run folder, writes each attempt's config, starts torchrun (and, for a fixed number
+of nodes, nodes 1..N-1), reports through Pipes, and retries a CUDA out-of-memory failure with half
+the batch (:func:`speech_assets.train.launch.retrying_oom`). torch is imported when a job starts.
+"""
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from speech_assets import locations
+from speech_assets.defs.resources import StoragePaths, TrainingSettings
+from speech_assets.runtime.processes import command_lines
+from speech_assets.utils import atomic_write_text
+
+
+def run_torchrun(
+    context: dg.AssetExecutionContext,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    paths: StoragePaths,
+    run_dir: Path,
+    config: Any,
+    *,
+    asset_name: str,
+    nproc: int,
+    module: str = "speech_assets.train",
+    max_restarts: int = 0,
+    nodes: TrainingSettings | None = None,
+) -> tuple[dg.MaterializeResult, int]:
+    """Run ``module`` under torchrun with ``nproc`` processes per node on ``config`` (a dataclass
+    with ``to_json``, ``batch_seconds`` and ``grad_accum``), written to ``run_dir/config.json``;
+    ``nodes`` (the `[training]` settings) says how many nodes and how the others start.
+    Returns rank 0's reported result and the number of out-of-memory retries; a failed job fails
+    the step with torchrun's error and the end of rank 0's log."""
+    from speech_assets.train import launch  # torch: lazily, the code location stays light
+
+    nnodes = fixed_node_count(nodes) if nodes else 1
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.json"
+
+    def attempt(attempt_config: Any, retry: int) -> dg.PipesClientCompletedInvocation:
+        atomic_write_text(config_path, attempt_config.to_json())
+
+        def torchrun(node_rank: int | None) -> list[str]:
+            return launch.build_torchrun_command(
+                config_path, nproc=nproc, max_restarts=max_restarts, nnodes=nodes.nnodes if nodes else "1",
+                rdzv_endpoint=(nodes.rdzv_endpoint or None) if nodes else None, python=sys.executable,
+                node_rank=node_rank if nnodes > 1 else None, module=module,
+            )  # fmt: skip
+
+        command = torchrun(0)
+        context.log.info("launching: " + " ".join(command))
+        env = launch.torchrun_env(nproc=nproc, tracking_uri=paths.mlflow_tracking_uri)
+        with other_nodes(context, run_dir, nnodes, nodes, torchrun, env):
+            with warnings.catch_warnings():  # Pipes' own preview API, used as documented
+                warnings.simplefilter("ignore", dg.PreviewWarning)
+                return pipes_subprocess_client.run(
+                    context=context, command=launch.guarded(command), cwd=str(locations.repo_root()), env=env
+                )
+
+    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
+        try:
+            invocation, retries = launch.retrying_oom(run_dir, config, attempt, warn=context.log.warning)
+        except Exception as error:
+            raise training_failure(error, run_dir) from error
+        return invocation.get_materialize_result(), retries
+
+
+def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Failure:
+    """The failure of a torchrun job as the run shows it: torchrun's own error and the end of
+    rank 0's log (the workers' tracebacks are in the step's stderr)."""
+    log = run_dir / "train.log"
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:] if log.is_file() else []
+    out_of_memory = " (CUDA out of memory on every retry)" if (run_dir / "oom.json").is_file() else ""
+    return dg.Failure(
+        description=f"training failed{out_of_memory}: {type(error).__name__}: {error}",
+        metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "train_log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},
+    )
+
+
+def fixed_node_count(options: TrainingSettings) -> int:
+    """Nodes this asset starts itself; an elastic range ("1:4") means the user starts them."""
+    return 1 if ":" in options.nnodes else int(options.nnodes)
+
+
+@contextlib.contextmanager
+def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None, torchrun, env: dict) -> Iterator[None]:
+    """Start nodes 1..nnodes-1 with the configured command (an argument list, no shell) for the
+    length of node 0's run; stop whatever is left of them afterwards.
+
+    Each node's torchrun runs under :mod:`speech_assets.runtime.tether`, whose input is a pipe
+    this process holds open: when this process ends or is killed, the pipe closes (through ssh
+    too) and the node stops its torchrun, on whatever host it runs.
+
+    A node that fails while node 0 still runs (killed, failed to start, lost its host) would leave
+    node 0 waiting at the rendezvous or in a collective until a timeout: node 0 is stopped then,
+    so the run fails at once and says which node ended."""
+    from speech_assets.train import launch
+
+    processes, finished = [], threading.Event()
+    try:
+        commands = launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
+        for rank, command in enumerate(commands, start=1):
+            log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
+            context.log.info(f"starting node {rank}: {shlex.join(command)}")
+            processes.append((launch.start_node(command, log, env=env, cwd=locations.repo_root()), log))
+        if processes:
+            threading.Thread(target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True).start()
+        yield
+    finally:
+        clean = not sys.exc_info()[0]
+        finished.set()
+        for process, log in processes:
+            try:
+                process.wait(timeout=120 if clean else 0.1)  # node 0 failed: no reason to wait
+            except subprocess.TimeoutExpired:
+                process.stdin.close()  # the node's tether stops its torchrun
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if process.stdin and not process.stdin.closed:
+                process.stdin.close()
+            log.close()
+
+
+def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, finished: threading.Event) -> None:
+    while not finished.wait(0.5):
+        for rank, (process, _) in enumerate(processes, start=1):
+            if process.poll() is None or process.returncode == 0:
+                continue  # a node that finished its part may exit while node 0 still writes the outputs
+            if finished.is_set():
+                return
+            context.log.error(f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)")
+            for pid in _node_0_agents(run_dir / "config.json"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # torchrun's agent stops its workers and exits non-zero
+            return
+
+
+def _node_0_agents(config_path: Path) -> list[int]:
+    """The torchrun agents of this run's node 0 on this host (their command names the config file)."""
+    agents = []
+    for pid, words in command_lines():
+        if "torch.distributed.run" in words and str(config_path) in words and "--node-rank" in words:
+            if words[words.index("--node-rank") + 1] == "0":
+                agents.append(pid)
+    return agents
