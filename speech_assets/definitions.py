@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, clients, evaluation, features, federated, iteration2, manifest, model_checks, staleness, stats, targets, training
+from speech_assets.defs import automation, clients, distillation, export, features, federated, iteration2, manifest, model_checks, probe, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.runs import reaping_multiprocess_executor
 
@@ -16,7 +16,8 @@ CHECKS = [
     targets.clusters_are_used,
     stats.row_counts_match_sources,
     *staleness.CHECKS,
-    *evaluation.CHECKS,
+    probe.pretrained_beats_fbank,
+    export.onnx_matches_pytorch,
     *model_checks.CHECKS,
 ]
 
@@ -30,7 +31,9 @@ ASSETS = [
     training.pretrained_checkpoint,
     federated.federated_checkpoint,
     *iteration2.ASSETS,
-    *evaluation.ASSETS,
+    probe.downstream_probe,
+    export.encoder_export,
+    distillation.distilled_checkpoint,
     stats.dataset_stats,
 ]
 
