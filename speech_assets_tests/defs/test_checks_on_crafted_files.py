@@ -23,7 +23,7 @@ import pytest
 from speech_assets import definitions
 from speech_assets.corpus.clients import ClientAssignment, write_clients
 from speech_assets.corpus.manifest import ManifestRow, speaker_hashes, write_manifest
-from speech_assets.defs import evaluation, manifest, model_checks
+from speech_assets.defs import manifest, model_checks, probe
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.federated.history import EVALUATION_SCHEMA, ROUNDS_SCHEMA
 from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
@@ -283,4 +283,4 @@ def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretraine
     (paths.root / "probe").mkdir(parents=True)
     rows = [("fbank", "heldout", 0.7), ("pretrained", "heldout", pretrained_cer), ("pretrained", "train", 0.1), ("random", "heldout", 0.95)]
     pq.write_table(pa.table({k: list(v) for k, v in zip(("model", "split", "cer"), zip(*rows), strict=True)}), paths.root / "probe" / "results.parquet")
-    assert evaluation.pretrained_beats_fbank(paths=paths).passed is passed
+    assert probe.pretrained_beats_fbank(paths=paths).passed is passed
