@@ -3,5 +3,5 @@
 ``text`` (characters for CTC), ``encoders`` (loading checkpoints, frozen layer features),
 ``probe`` (the SUPERB-style CTC probe), ``export`` (TorchScript/ONNX with parity),
 ``distill`` (DistilHuBERT-style student training under torchrun), ``speed``. Pure ML code:
-nothing here imports Dagster (the assets are in ``speech_assets/defs/evaluation.py``).
+nothing here imports Dagster (the assets: ``speech_assets/defs/{probe,export,distillation}.py``).
 """
