@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from speech_assets.evaluation.encoders import pad
+from speech_assets.model.batches import pad
 from speech_assets.model.hubert import HubertPretrainModel
 
 if TYPE_CHECKING:
