@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
-from speech_assets.targets import labels
+from speech_assets.targets import build, labels
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, step_events
 from speech_assets.defs.progress import ProgressLog
@@ -102,7 +102,7 @@ def _cluster_size_plot(out_dir, client_id: str) -> str:
 
     from speech_assets.stats import plots
 
-    with np.load(out_dir / labels.STATE_FILE) as state:
+    with np.load(out_dir / build.STATE_FILE) as state:
         counts = state["counts"]
     return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
 
@@ -169,10 +169,10 @@ def _materialize_client_locked(
                 f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
                 f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
             )
-            result = labels.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
+            result = build.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
             mode, codebook_speakers = "extended", previous["codebook_speakers"]
         else:
-            result = labels.build_client_targets(
+            result = build.build_client_targets(
                 client_id,
                 [paths.shard_file(s) for s in speakers],
                 client_cmvn,

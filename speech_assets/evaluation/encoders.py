@@ -21,6 +21,7 @@ import torch
 from speech_assets.evaluation.text import normalise
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard
+from speech_assets.model.batches import batches_by_length, pad
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
@@ -86,27 +87,6 @@ def random_encoder(preset: ModelPreset, seed: int = 0) -> LoadedEncoder:
         torch.manual_seed(seed)
         model = HubertPretrainModel(preset, {"none": 2})
     return LoadedEncoder(model.eval(), weights_sha256(model.state_dict()), {})
-
-
-def batches_by_length(lengths: Sequence[int], max_frames: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size stays within ``max_frames``."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    for index in order:
-        if batches and (len(batches[-1]) + 1) * lengths[index] <= max_frames:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
-    return batches
-
-
-def pad(feats: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, T_max, F)`` zero-padded float32 batch and ``lengths (B,)`` of ``(T_i, F)`` arrays."""
-    lengths = torch.tensor([f.shape[0] for f in feats], dtype=torch.long)
-    batch = torch.zeros(len(feats), int(lengths.max()), feats[0].shape[1])
-    for row, f in enumerate(feats):
-        batch[row, : f.shape[0]] = torch.from_numpy(np.ascontiguousarray(f))
-    return batch, lengths
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from speech_assets.evaluation.encoders import batches_by_length, pad
+from speech_assets.model.batches import batches_by_length, pad
 from speech_assets.model.hubert import HubertPretrainModel
 
 

@@ -22,7 +22,10 @@ import torch
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard, read_shard_table
 from speech_assets.model.hubert import HubertPretrainModel
-from speech_assets.targets.labels import ClientState, ClientTargetSet, UtteranceLabels, _write_outputs
+from speech_assets.model.batches import batches_by_length, pad
+from speech_assets.targets import kmeans
+from speech_assets.targets.build import ClientState, ClientTargetSet, write_client_targets
+from speech_assets.targets.labels import UtteranceLabels
 
 
 def default_layer(model: HubertPretrainModel) -> int:
@@ -39,8 +42,6 @@ def layer_frames(
     Batches by length (padded size at most ``max_frames`` input frames); ``layer`` counts like
     :meth:`HubertPretrainModel.hidden_states` (0 = the Transformer's input).
     """
-    from speech_assets.evaluation.encoders import batches_by_length, pad
-
     device = next(model.parameters()).device
     out: list[np.ndarray | None] = [None] * len(feats)
     for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
@@ -70,8 +71,6 @@ def build_iter2_targets(
     ``global_cmvn`` normalises the log-mel input exactly as in training. Writes ``codebook.npy``
     ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
     """
-    from speech_assets.targets import kmeans
-
     model.eval()
     counts: list[int] = []
     index: list[tuple[int, str]] = []
@@ -116,4 +115,4 @@ def build_iter2_targets(
     # the state keeps the same fields as iteration 1's; the "CMVN" of encoder features is the identity
     state = ClientState(fit.codebook, np.zeros(dim, np.float32), np.ones(dim, np.float32), fit.frames_fit,
                         fit.inertia_per_frame, quality)  # fmt: skip
-    return _write_outputs(client_id, k, out_dir, state, items, shard_paths)
+    return write_client_targets(client_id, k, out_dir, state, items, shard_paths)

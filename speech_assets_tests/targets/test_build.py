@@ -9,7 +9,8 @@ import pytest
 
 from speech_assets.features import cmvn
 from speech_assets.features.shards import FeatureRecord, write_shard
-from speech_assets.targets.labels import build_client_targets, read_labels
+from speech_assets.targets.build import build_client_targets
+from speech_assets.targets.labels import read_labels
 from speech_assets.utils import sha256_file
 
 
@@ -92,7 +93,7 @@ def test_fit_budget_samples_whole_utterances(shards: dict[str, Path], tmp_path: 
 
 
 def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path], tmp_path: Path) -> None:
-    from speech_assets.targets.labels import extend_client_targets
+    from speech_assets.targets.build import extend_client_targets
 
     out = tmp_path / "client"
     first = build_client_targets("c", [shards["a1"]], client_cmvn([shards["a1"]]), out, k=8, seed=0)

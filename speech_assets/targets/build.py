@@ -1,0 +1,181 @@
+"""One client's target set: k-means fitted on its own shards and every frame labelled
+(``build_client_targets``), or new speakers labelled with the codebook it has
+(``extend_client_targets``); ``codebook.npy``, ``labels.parquet`` (format: labels.py) and
+``state.npz`` under the client's folder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.shards import iter_shard, read_shard_table
+from speech_assets.targets import kmeans
+from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
+from speech_assets.utils import atomic_path, save_npz
+
+
+@dataclass
+class ClientTargetSet:
+    """What one client's k-means stage produced (all paths under ``out_dir``)."""
+
+    client_id: str
+    k: int
+    k_requested: int
+    frames_fit: int
+    frames_labelled: int
+    utterances: int
+    inertia_per_frame: float  # on the fitted frames
+    labelled_inertia_per_frame: float  # exact, over every labelled frame
+    perplexity: float
+    empty_clusters: int
+    mean_segment_length: float
+    shards_read: list[str]
+    codebook_path: Path
+    labels_path: Path
+
+
+def build_client_targets(
+    client_id: str,
+    shard_paths: list[Path],
+    client_cmvn: Cmvn,
+    out_dir: Path,
+    k: int = 100,
+    max_fit_frames: int = 2_000_000,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ClientTargetSet:
+    """Fit one client's k-means on its own shards only, then label every frame of them.
+
+    Memory is bounded: the fit sees at most ``max_fit_frames`` frames, drawn as whole
+    utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
+    model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
+    """
+    frame_counts: list[int] = []
+    index: list[tuple[int, str]] = []
+    for shard_number, path in enumerate(shard_paths):
+        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
+            index.append((shard_number, utt_id))
+            frame_counts.append(frames)
+    total_frames = int(sum(frame_counts))
+    if total_frames == 0:
+        raise ValueError(f"client {client_id} has no feature frames to cluster")
+
+    chosen = kmeans.sample_utterances(frame_counts, max_fit_frames, seed)
+    wanted: dict[int, set[str]] = {}
+    for position in chosen:
+        shard_number, utt_id = index[position]
+        wanted.setdefault(shard_number, set()).add(utt_id)
+    fit_frames = [
+        client_cmvn.apply(record.mfcc, "mfcc")
+        for shard_number, utt_ids in sorted(wanted.items())
+        for record in iter_shard(shard_paths[shard_number], features=("mfcc",))
+        if record.utt_id in utt_ids
+    ]
+    frames = np.concatenate(fit_frames, axis=0)
+    k_used = kmeans.effective_k(frames.shape[0], k)
+    if k_used < k:
+        log(f"client {client_id}: only {frames.shape[0]} frames, K shrinks from {k} to {k_used}")
+    fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
+    del frames, fit_frames
+
+    quality = kmeans.QualityAccumulator(k_used)
+    items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook), quality)
+    state = ClientState(fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit,
+                        fit.inertia_per_frame, quality)
+    return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
+
+
+def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: Path) -> ClientTargetSet:
+    """Label new speakers' shards with the client's existing codebook, keeping every old label.
+
+    For fresh data that grows a client a little: the codebook and the CMVN it was fitted in are
+    reused (read from ``state.npz``), so the cost is proportional to the new audio, and old
+    utterances keep byte-identical labels. Quality statistics accumulate over old and new frames.
+    """
+    state = ClientState.load(out_dir / STATE_FILE)
+    stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
+    old = list(iter_labels(out_dir / "labels.parquet"))
+    new = _label_shards(new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook), state.quality)
+    return write_client_targets(client_id, int(state.codebook.shape[0]), out_dir, state, old + new, new_shard_paths)
+
+
+STATE_FILE = "state.npz"
+
+
+@dataclass
+class ClientState:
+    """What labelling more data later needs: codebook ``(K, 39)``, the CMVN it lives in, and the
+    running quality statistics."""
+
+    codebook: np.ndarray
+    cmvn_mean: np.ndarray
+    cmvn_std: np.ndarray
+    frames_fit: int
+    inertia_per_frame: float
+    quality: kmeans.QualityAccumulator
+
+    def save(self, path: Path) -> None:
+        save_npz(path, {
+            "codebook": self.codebook, "cmvn_mean": self.cmvn_mean, "cmvn_std": self.cmvn_std,
+            "frames_fit": np.array(self.frames_fit), "inertia_per_frame": np.array(self.inertia_per_frame),
+            "counts": self.quality.counts, "segment_frames": np.array(self.quality.segments.frames),
+            "segment_runs": np.array(self.quality.segments.runs), "sqdist_sum": np.array(self.quality.sqdist_sum),
+            "sqdist_frames": np.array(self.quality.sqdist_frames),
+        })
+
+    @classmethod
+    def load(cls, path: Path) -> "ClientState":
+        with np.load(path) as data:
+            quality = kmeans.QualityAccumulator(int(data["codebook"].shape[0]))
+            quality.counts = data["counts"].astype(np.int64)
+            quality.segments = kmeans.SegmentStats(int(data["segment_frames"]), int(data["segment_runs"]))
+            quality.sqdist_sum, quality.sqdist_frames = float(data["sqdist_sum"]), int(data["sqdist_frames"])
+            return cls(data["codebook"], data["cmvn_mean"], data["cmvn_std"], int(data["frames_fit"]),
+                       float(data["inertia_per_frame"]), quality)
+
+
+def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.CodebookIndex,
+                  quality: kmeans.QualityAccumulator) -> list[UtteranceLabels]:
+    """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
+    items: list[UtteranceLabels] = []
+    for path in shard_paths:
+        records = list(iter_shard(path, features=("mfcc",)))
+        frames_per_utt = [client_cmvn.apply(record.mfcc, "mfcc") for record in records]
+        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(frames_per_utt, index)
+        for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
+            quality.add(labels, sqdist)
+            items.append(UtteranceLabels(record.utt_id, record.speaker_id, kmeans.to_model_rate(labels)))
+    return items
+
+
+def write_client_targets(client_id: str, k_requested: int, out_dir: Path, state: ClientState,
+                   items: list[UtteranceLabels], shards_read: list[Path]) -> ClientTargetSet:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    codebook_path = out_dir / "codebook.npy"
+    with atomic_path(codebook_path) as tmp:
+        with open(tmp, "wb") as handle:
+            np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
+    labels_path = write_labels(out_dir / "labels.parquet", items)
+    state.save(out_dir / STATE_FILE)
+    quality = state.quality
+    return ClientTargetSet(
+        client_id=client_id,
+        k=int(state.codebook.shape[0]),
+        k_requested=k_requested,
+        frames_fit=state.frames_fit,
+        frames_labelled=quality.frames_labelled,
+        utterances=len(items),
+        inertia_per_frame=state.inertia_per_frame,
+        labelled_inertia_per_frame=quality.sqdist_sum / quality.sqdist_frames if quality.sqdist_frames else 0.0,
+        perplexity=float(kmeans.cluster_perplexity(quality.counts)),
+        empty_clusters=int(kmeans.empty_clusters(quality.counts)),
+        mean_segment_length=float(quality.segments.mean),
+        shards_read=[str(p) for p in shards_read],
+        codebook_path=codebook_path,
+        labels_path=labels_path,
+    )
