@@ -35,7 +35,8 @@ from speech_assets.train.launch import build_torchrun_command, torchrun_env  # n
 
 def evaluate(config: TrainConfig, checkpoint: Path, scratch: Path) -> dict:
     """``Trainer.evaluate`` of ``checkpoint`` (a run folder holding only it, so the trainer resumes it)."""
-    from speech_assets.train.trainer import Trainer, init_distributed, plan_for_job
+    from speech_assets.train.engine import init_distributed
+    from speech_assets.train.trainer import Trainer, plan_for_job
 
     run_dir = scratch / checkpoint.stem
     (run_dir / "checkpoints").mkdir(parents=True)

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from speech_assets.model.presets import get_preset
 from speech_assets.locations import redact_uri
@@ -25,8 +25,54 @@ class ClientTargets:
     k: int
 
 
+class RunConfig:
+    """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``): the fields
+    the engine and the tracker read, and the stored form: one JSON file fully describes a run."""
+
+    run_dir: str
+    preset: str
+    shards: list[str]
+    clients: dict[str, ClientTargets]
+    max_steps: int
+    log_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    data_versions: dict[str, str]
+    git_sha: str | None
+    mlflow_tracking_uri: str | None
+    mlflow_experiment: str
+    mlflow_artifact_location: str | None
+    mlflow_run_name: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
+        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
+        data = asdict(self)  # type: ignore[call-overload]
+        if data["mlflow_tracking_uri"]:
+            data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The config as JSON text; also written atomically to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Self:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(RunConfig):
     """Everything a training run needs. ``"auto"``/``None`` values are resolved by autoconfig.
 
     Batch sizes are in seconds of audio (sum of unpadded utterance durations): ``batch_seconds``
@@ -126,30 +172,3 @@ class TrainConfig:
     def chance_accuracy(self) -> float:
         """Mean over clients of ``1 / K``: accuracy of guessing uniformly."""
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
-        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
-        data = asdict(self)
-        if data["mlflow_tracking_uri"]:
-            data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields: {unknown}")
-        return cls(**data)
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The config as JSON text; also written atomically to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> TrainConfig:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))

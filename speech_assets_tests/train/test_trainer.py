@@ -11,7 +11,8 @@ import torch
 
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint, weights_sha256
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
-from speech_assets.train.trainer import FAULT_ENV, train
+from speech_assets.runtime.faults import FAULTS_ENV, fault
+from speech_assets.train.trainer import train
 from speech_assets.testing.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", "SPEECH_ASSETS_TRAIN"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_PIPES", FAULTS_ENV))}
     return env | {"PYTHONPATH": str(REPO)} | extra
 
 
@@ -117,7 +118,7 @@ def test_torchrun_restarts_a_crashed_worker_from_the_checkpoint(small_corpus: Sy
     marker = tmp_path / "fault.marker"
     command = build_torchrun_command(config_path, nproc=2, max_restarts=config.max_restarts)
     process = subprocess.Popen(
-        command, env=_env(**TORCHRUN_ENV, **{FAULT_ENV: f"1:3:{marker}"}), stdout=subprocess.PIPE,
+        command, env=_env(**TORCHRUN_ENV, **{FAULTS_ENV: fault("train.step", "exit", rank=1, step=3, once=marker)}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     try:
@@ -127,7 +128,7 @@ def test_torchrun_restarts_a_crashed_worker_from_the_checkpoint(small_corpus: Sy
         _, stderr = process.communicate(timeout=60)
         pytest.fail(f"torchrun timed out:\n{stderr[-4000:]}")
     assert process.returncode == 0, stderr[-4000:]
-    assert marker.read_text().startswith("rank 1 exited at step 3")
+    assert marker.read_text().startswith("fault injection: exit at train.step rank=1 step=3")
     result = json.loads((run_dir / "result.json").read_text())
     assert result["step"] == 5 and result["world_size"] == 2
     assert result["resumed_from_step"] == 2  # the restarted group continued from step_00000002.pt

@@ -1,0 +1,515 @@
+"""The training engine: every training loop of the package takes its steps here.
+
+An objective says what a kind of training minimises (:class:`Objective`: the loss and summable
+statistics of a batch, and the metrics of summed statistics); it holds no optimizer and writes
+nothing. The :class:`Engine` owns the rest of a step and of a run:
+
+- forward and backward under autocast (``bf16``; ``fp16`` with a GradScaler), accumulation of
+  ``grad_accum`` micro-batches (DDP all-reduces on the last only), clipping, AdamW and the LR
+  schedule;
+- checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
+  stream's position and every rank's RNG states); a new attempt resumes from the latest;
+- the metrics window: every ``log_every`` steps ``metrics.jsonl``, the log line and MLflow;
+- the worker's life (:func:`worker`): logging, the run-folder hold, the process group, and the
+  CUDA out-of-memory marker that the launcher backs off on.
+
+Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.trainer`, HuBERT
+masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
+teacher layers as targets) and a federated client's local round
+(:mod:`speech_assets.federated.local`: only the encoder travels, the head stays with the client).
+Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from speech_assets.runtime.faults import inject
+from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
+from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
+from speech_assets.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    capture_rng_state,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    restore_rng_state,
+    save_checkpoint,
+    weights_sha256,
+)
+from speech_assets.train.config import RunConfig
+from speech_assets.train.data import Batch, UtteranceDataset, collate
+from speech_assets.train.launch import OOM_EXIT_CODE, RUN_LOCK_HELD_ENV, write_oom_marker
+from speech_assets.train.tracking import MlflowTracker, PipesReporter
+from speech_assets.utils import atomic_write_text
+
+log = logging.getLogger("speech_assets.train")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOGGED = ("loss", "masked_accuracy", "lr", "grad_norm", "audio_seconds_per_second")  # in the step's log line
+
+
+class Objective(Protocol):
+    """What one kind of training minimises. Pure: no optimizer, no I/O, no global RNG."""
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model`` (DDP-wrapped under torchrun) on ``batch`` (on the CPU, as the loader gives it)
+        at optimizer step ``step`` (0-based) and micro-batch ``micro``: the scalar loss ``()`` to
+        minimise and detached statistics ``(S,)`` float64 that add up over micro-batches and ranks."""
+        ...
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """The metrics of statistics ``(S,)`` summed over a window of steps and every rank."""
+        ...
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job (from torchrun's environment; defaults: one process), and
+    the batch it trains with (``(batch_seconds, grad_accum)``, for the out-of-memory marker)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    batch: tuple[float, int] | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when there is a GPU, else the CPU."""
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def init_distributed(device: str) -> Distributed:
+    """Read ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and join the process group (NCCL on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    target = resolve_device(device)
+    if target.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        target = torch.device("cuda", local_rank)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        log.warning(
+            "restarted by torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+            "the rendezvous may fail (see speech_assets.train.launch.TORCHRUN_ENV)"
+        )
+    if world > 1 and not dist.is_initialized():
+        cuda = target.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=target if cuda else None)
+    return Distributed(rank, local_rank, world, local_world, target)
+
+
+def all_reduce(values: torch.Tensor, job: Distributed) -> torch.Tensor:
+    """``values`` summed over the ranks (in place)."""
+    if job.enabled:
+        dist.all_reduce(values)
+    return values
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python ``random``, numpy's global RNG and torch (CPU and CUDA) with one seed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to ``bf16``/``fp16`` on ``device``; nothing for ``fp32``."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def warmup_linear_decay(warmup_steps: int, max_steps: int) -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1 over ``warmup_steps``, then linear decay to 0 at ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
+
+    return factor
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (HuBERT betas/eps) over the trainable parameters; no weight decay on biases, norms and
+    the mask embedding."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6)
+
+
+class BatchStream:
+    """Endless stream of this rank's batches from ``sampler`` (anything with ``batches(epoch)``,
+    ``batch_seconds``, ``num_replicas`` and ``num_workers``) starting at ``(epoch, position)``;
+    :meth:`state` is the position to resume from (batches already yielded)."""
+
+    def __init__(
+        self, dataset: UtteranceDataset, sampler: Any, seed: int, pin_memory: bool = False, epoch: int = 0, position: int = 0
+    ) -> None:
+        self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
+        self.epoch, self.position = epoch, position
+        self._batches_in_epoch = 0
+        self._iterator: Iterator[Batch] | None = None
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Batch:
+        while True:
+            if self._iterator is None:
+                self.dataset.set_epoch(self.epoch)  # crops of long utterances move with the epoch
+                batches = self.sampler.batches(self.epoch)
+                self._batches_in_epoch = len(batches)
+                loader = DataLoader(
+                    self.dataset,
+                    batch_sampler=batches[self.position :],
+                    collate_fn=collate,
+                    num_workers=self.sampler.num_workers,
+                    pin_memory=self.pin_memory,
+                    # Own generator: creating a loader must not consume the global RNG.
+                    generator=torch.Generator().manual_seed(self.seed),
+                )
+                self._iterator = iter(loader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self.epoch, self.position, self._iterator = self.epoch + 1, 0, None
+                continue
+            self.position += 1
+            return batch
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches_in_epoch": self._batches_in_epoch or len(self.sampler.batches(self.epoch)),
+            "batch_seconds": self.sampler.batch_seconds,
+            "world_size": self.sampler.num_replicas,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue where ``state`` was taken; with other batching (batch size or world size), at
+        the same fraction of the epoch."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if (state["batch_seconds"], state["world_size"]) != (self.sampler.batch_seconds, self.sampler.num_replicas):
+            position = round(position * len(self.sampler.batches(epoch)) / max(int(state["batches_in_epoch"]), 1))
+            log.warning("batching changed since the checkpoint; continuing epoch %d at batch %d", epoch, position)
+        self.epoch, self.position, self._iterator = epoch, position, None
+
+
+class Engine:
+    """Optimizer steps of ``model`` on this rank; see the module docstring.
+
+    ``model`` is what is optimised, clipped and checkpointed; ``forward`` (default: ``model``) is the
+    module an objective calls, wrapped in DDP when the job has several ranks. ``schedule`` is the LR
+    multiplier by step (default: constant). ``extra`` goes into every checkpoint besides the
+    engine's own state.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        job: Distributed,
+        *,
+        precision: str,
+        lr: float,
+        weight_decay: float,
+        clip_norm: float,
+        grad_accum: int = 1,
+        schedule: Callable[[int], float] | None = None,
+        forward: nn.Module | None = None,
+    ) -> None:
+        self.model, self.job, self.precision = model, job, precision
+        self.grad_accum, self.clip_norm = grad_accum, clip_norm if clip_norm > 0 else math.inf
+        self.optimizer = build_optimizer(model, lr, weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule or (lambda step: 1.0))
+        self.scaler = torch.amp.GradScaler(job.device.type, enabled=precision == "fp16")
+        self._forward, self._wrapped = forward or model, None
+        self.step = 0
+        self.progress = {"audio_seconds": 0.0, "train_seconds": 0.0}
+        self.metrics: dict[str, float] = {}
+        self.resumed_from: int | None = None
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def forward(self) -> nn.Module:
+        """What objectives call: ``forward``, in DDP (built on first use) when there are several ranks."""
+        if self._wrapped is None:
+            cuda = self.job.device.type == "cuda"
+            self._wrapped = DistributedDataParallel(self._forward, device_ids=[self.job.local_rank] if cuda else None) if self.job.enabled else self._forward
+        return self._wrapped
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return autocast(self.precision, self.job.device)
+
+    # ---------------------------------------------------------------------------- steps
+    def train_step(self, objective: Objective, batches: Iterator[Batch]) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """One optimizer step over ``grad_accum`` micro-batches: the objective's statistics ``(S,)``
+        summed over them, this rank's seconds of audio, and the gradient norm before clipping."""
+        forward, accum = self.forward, self.grad_accum
+        stats: torch.Tensor | None = None
+        seconds = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            batch = next(batches)
+            last = micro == accum - 1
+            sync = forward.no_sync() if isinstance(forward, DistributedDataParallel) and not last else contextlib.nullcontext()
+            with sync, self.autocast():
+                loss, micro_stats = objective(forward, batch, self.step, micro)
+            self.scaler.scale(loss / accum).backward()
+            stats = micro_stats if stats is None else stats + micro_stats
+            seconds += batch.seconds
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.step += 1
+        assert stats is not None
+        return stats, seconds, grad_norm
+
+    def run(
+        self,
+        objective: Objective,
+        stream: BatchStream,
+        config: RunConfig,
+        *,
+        stop_after_step: int | None = None,
+        tracker: MlflowTracker | None = None,
+    ) -> bool:
+        """Steps up to ``config.max_steps`` with the metrics window every ``log_every`` steps and a
+        checkpoint every ``checkpoint_every`` steps, at the last and at ``stop_after_step`` (then it
+        returns ``False``: a simulated preemption)."""
+        window: torch.Tensor | None = None  # statistics, audio seconds, audio seconds of timed steps
+        window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
+        while self.step < config.max_steps:
+            started = time.perf_counter()
+            stats, seconds, grad_norm = self.train_step(objective, stream)
+            if window is None:
+                window = torch.zeros(stats.numel() + 2, dtype=torch.float64, device=stats.device)
+            window[:-2] += stats
+            window[-2] += seconds
+            if self.step > first_step:  # the first step of an attempt pays for warm-up
+                window[-1] += seconds
+                timed_seconds += time.perf_counter() - started
+            inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
+            checkpoint = self.step in (config.max_steps, stop_after_step) or self.step % config.checkpoint_every == 0
+            if checkpoint or self.step % config.log_every == 0:
+                totals = all_reduce(window.clone(), self.job).tolist()
+                self.progress["audio_seconds"] += totals[-1]
+                self.progress["train_seconds"] += timed_seconds
+                self.metrics = objective.metrics(torch.tensor(totals[:-2], dtype=torch.float64)) | {
+                    "lr": float(self.scheduler.get_last_lr()[0]),
+                    "grad_norm": float(grad_norm),
+                    "audio_seconds_per_second": totals[-2] / max(time.perf_counter() - window_start, 1e-9),
+                    "epoch": float(stream.epoch),
+                }
+                if self.job.is_main:
+                    self._report(Path(config.run_dir), config.max_steps, tracker)
+                if checkpoint:
+                    self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
+                window.zero_()
+                window_start, timed_seconds = time.perf_counter(), 0.0
+            if self.step == stop_after_step:
+                return False
+        return True
+
+    def _report(self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None) -> None:
+        shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
+        log.info("step %d/%d %s", self.step, max_steps, shown)
+        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": self.step, **self.metrics}) + "\n")
+        if tracker is not None:
+            tracker.log_metrics(self.metrics, self.step)
+
+    # ---------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:
+        """Collective: gathers every rank's RNG state; rank 0 writes ``checkpoints/step_N.pt`` and prunes."""
+        rng = capture_rng_state(self.job.device)
+        states: list[Any] = [None] * self.job.world_size
+        if self.job.enabled:
+            dist.all_gather_object(states, rng)
+        else:
+            states = [rng]
+        if self.job.is_main:
+            model_state = self.model.state_dict()
+            state = {
+                "format": CHECKPOINT_FORMAT, "step": self.step, "model": model_state,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "sampler": stream.state(), "rng": states,
+                "weights_sha256": weights_sha256(model_state), "progress": dict(self.progress),
+                "metrics": dict(self.metrics), **self.extra,
+            }  # fmt: skip
+            path = save_checkpoint(checkpoint_path(run_dir, self.step), state)
+            prune_checkpoints(run_dir, keep)
+            log.info("checkpoint %s", path)
+        self.barrier()
+
+    def resume(self, run_dir: str, stream: BatchStream, identity: Callable[[Mapping[str, Any]], object]) -> None:
+        """Continue from the run's latest checkpoint, if any. ``identity`` of a config dict says
+        which model it trains: a checkpoint of another model is refused."""
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path)
+        if identity(state["config"]) != identity(self.extra["config"]):
+            raise ValueError(f"{path} was trained with another model: {identity(state['config'])}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = self.resumed_from = int(state["step"])
+        self.progress, self.metrics = dict(state["progress"]), dict(state["metrics"])
+        stream.load_state(state["sampler"])
+        rng = state["rng"]
+        if len(rng) == self.job.world_size:
+            restore_rng_state(rng[self.job.rank], self.job.device)
+        else:
+            log.warning("world size changed (%d -> %d): RNG streams restart", len(rng), self.job.world_size)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    def save_final(self, run_dir: Path, **contents: Any) -> tuple[Path, str]:
+        """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""
+        model_state = self.model.state_dict()
+        sha = weights_sha256(model_state)
+        state = {"format": CHECKPOINT_FORMAT, "step": self.step, "model": model_state, "weights_sha256": sha, **contents}
+        return save_checkpoint(run_dir / "final.pt", state), sha
+
+    def barrier(self) -> None:
+        if self.job.enabled:
+            dist.barrier()
+
+
+def publish(
+    run_dir: Path, result: dict[str, Any], tracker: MlflowTracker | None, reporter: PipesReporter | None, metadata: dict[str, Any]
+) -> None:
+    """Rank 0 at the end of a run: ``result`` to MLflow (with the checkpoint) and ``result.json``,
+    ``metadata`` (``None`` values left out) as the Dagster materialization."""
+    if tracker is not None:
+        tracker.finish(result, Path(result["checkpoint"]))
+    atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
+    if reporter is not None:
+        present = {key: value for key, value in metadata.items() if value is not None}
+        reporter.report(present, data_version=result["checkpoint_sha256"], paths=("checkpoint",))
+
+
+@contextlib.contextmanager
+def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> Iterator[MlflowTracker | None]:
+    """Rank 0's MLflow run when the config names a tracking URI (a resumed attempt continues the run
+    named in ``run_dir/mlflow_run_id``); marked failed if the body raises."""
+    if not (job.is_main and config.mlflow_tracking_uri):
+        yield None
+        return
+    tracker = MlflowTracker(config)
+    id_file = Path(config.run_dir) / "mlflow_run_id"
+    previous = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else None
+    tracker.start(previous or None, plan)
+    atomic_write_text(id_file, tracker.run_id + "\n")
+    try:
+        yield tracker
+    except BaseException:
+        with contextlib.suppress(Exception):
+            tracker.fail()
+        raise
+
+
+# ---------------------------------------------------------------------------- a worker's life
+@contextlib.contextmanager
+def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
+    """This process as a training worker, alone or one rank of a torchrun job: logging, its hold on
+    the run folder (:func:`hold_run_folder`), the process group; a CUDA out-of-memory error with a
+    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`."""
+    handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
+    job: Distributed | None = None
+    folder = contextlib.ExitStack()
+    try:
+        folder.enter_context(hold_run_folder(run_dir, command))
+        job = init_distributed(device)
+        yield job
+    except torch.cuda.OutOfMemoryError as error:
+        if job is None or job.batch is None:
+            raise
+        write_oom_marker(run_dir, job.rank, *job.batch, str(error))
+        log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", *job.batch, error)
+        raise SystemExit(OOM_EXIT_CODE) from error
+    finally:
+        for handler in handlers:
+            log.removeHandler(handler)
+            handler.close()
+        if job is not None and job.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+        folder.close()
+
+
+def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
+    """Rank 0 logs INFO to ``run_dir/train.log`` and to stderr, other ranks only warnings.
+
+    Under Dagster Pipes rank 0's records reach the run through the Pipes session already, so
+    stderr gets only warnings there: each line appears once in the run's log.
+    """
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    handlers: list[logging.Handler] = []
+    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    stream = logging.StreamHandler(sys.stderr)
+    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        stream.setLevel(logging.WARNING)
+    handlers.append(stream)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+    return handlers
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: str, command: str) -> Iterator[None]:
+    """This worker's claim on the run folder, and its tie to the launcher's life.
+
+    Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
+    named in the environment. Every worker holds the workers' lock shared; the run lock is the
+    launcher's, or, when nobody launched this process, rank 0's own.
+    """
+    if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        watch_launcher()
+    with contextlib.ExitStack() as stack:
+        stack.callback(hold_as_worker(run_dir).close)
+        if not os.environ.get(RUN_LOCK_HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:
+            stack.enter_context(RunFolderLock(run_dir).acquire(command=command))
+        yield

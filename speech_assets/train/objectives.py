@@ -1,0 +1,150 @@
+"""HuBERT's masked prediction as an engine objective, and its held-out evaluation.
+
+Shared by the centralised trainer (one head per client, every client in one model) and a
+federated client's local round (one model with its own head). Inputs: log-mel ``feats (B, T, 80)``
+at 100 Hz, ``lengths (B,)``, ``clients (B,)`` (each sample's head) and ``targets (B, L)`` at 50 Hz
+(``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from speech_assets.model.hubert import HubertPretrainModel, output_lengths
+from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
+from speech_assets.model.masking import span_mask
+from speech_assets.train.data import Batch, CorpusIndex, UtteranceDataset, UtteranceRef, collate, eval_batches
+from speech_assets.train.engine import Distributed, all_reduce, autocast
+
+
+def mask_generator(seed: int, *parts: int | str) -> torch.Generator:
+    """CPU generator seeded from ``seed`` and ``parts`` (step, rank, micro-batch): masks are a
+    pure function of where they are drawn, independent of the global RNG."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+class MaskedPrediction:
+    """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times
+    the unmasked ones). Masks are drawn from ``(seed, *key, step, rank, micro)``.
+
+    Call: ``model`` (a :class:`HubertPretrainModel`, or DDP of it), a CPU ``batch`` -> the loss
+    ``()`` and statistics ``(6,)`` float64 (:data:`speech_assets.model.loss.STAT_FIELDS`).
+    """
+
+    def __init__(
+        self, model: HubertPretrainModel, device: torch.device, *, seed: int, mask_prob: float, mask_length: int,
+        unmasked_weight: float, rank: int = 0, key: tuple[int | str, ...] = (),
+    ) -> None:  # fmt: skip
+        self.model, self.device, self.rank, self.key = model, device, rank, key
+        self.seed, self.mask_prob, self.mask_length, self.unmasked_weight = seed, mask_prob, mask_length, unmasked_weight
+
+    def mask(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
+        """``(B, L)`` bool span mask for feature ``lengths (B,)``, drawn at ``parts``."""
+        return span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, mask_generator(self.seed, *parts))
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = self.mask(batch.lengths, *self.key, step, self.rank, micro).to(self.device)
+        batch = batch.to(self.device)
+        output = model(batch.feats, batch.lengths, batch.clients, mask)
+        loss = masked_prediction_loss(output.logits, batch.targets, mask, self.unmasked_weight)
+        return loss.loss + idle_heads_term(self.model, output.logits), loss.stats
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        summary = summarize(totals)
+        return {
+            "loss": summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"],
+            "masked_loss": summary["masked_loss"],
+            "masked_accuracy": summary["masked_accuracy"],
+            "unmasked_accuracy": summary["unmasked_accuracy"],
+        }
+
+    @torch.no_grad()
+    def evaluate(
+        self, dataset: UtteranceDataset, majority: list[int], batch_seconds: float, job: Distributed, precision: str
+    ) -> dict[str, Any]:
+        """Masked prediction on held-out ``dataset`` (fixed masks), summed over ranks.
+
+        Besides loss and accuracy, reports what a predictor that knows only each client's label
+        frequencies would score on the same masked frames (``majority_accuracy``: always
+        predicting the client's most frequent training label ``majority[client]``), overall and
+        per client, and both again on span-interior frames only (``interior_*``: masked frames
+        whose two neighbours are masked too, the frames furthest from any visible context).
+        """
+        self.model.eval()
+        world, rank = job.world_size, job.rank
+        batches = eval_batches(dataset.seconds, batch_seconds, world, rank)
+        loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=0)
+        totals = torch.zeros(6, dtype=torch.float64, device=job.device)
+        # per client: masked frames, correct predictions, majority-label hits; the same on interior frames
+        per_client = torch.zeros(len(self.model.clients), 6, dtype=torch.float64, device=job.device)
+        majority_labels = torch.tensor(majority, dtype=torch.long, device=job.device)
+        for local_index, batch in enumerate(loader):
+            mask = self.mask(batch.lengths, "heldout", local_index * world + rank).to(job.device)
+            batch = batch.to(job.device)
+            with autocast(precision, job.device):
+                output = self.model(batch.feats, batch.lengths, batch.clients, mask)
+                totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
+            interior = torch.zeros_like(mask)
+            interior[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
+            for group in output.logits:
+                targets = batch.targets[group.rows]
+                scored = mask[group.rows] & (targets != IGNORE_INDEX)
+                correct = (group.logits.argmax(dim=-1) == targets) & scored
+                hits = (targets == majority_labels[group.client]) & scored
+                inner = interior[group.rows]
+                counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
+                per_client[group.client] += torch.stack([c.sum() for c in counts]).double()
+        self.model.train()
+        summary: dict[str, Any] = summarize(all_reduce(totals, job).cpu())
+        summary["loss"] = summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"]
+        rows = all_reduce(per_client, job).cpu()
+        frames, inner = float(rows[:, 0].sum()), float(rows[:, 3].sum())
+        summary["majority_accuracy"] = float(rows[:, 2].sum()) / frames if frames else 0.0
+        summary["interior_frames"] = inner
+        summary["interior_masked_accuracy"] = float(rows[:, 4].sum()) / inner if inner else None
+        summary["interior_majority_accuracy"] = float(rows[:, 5].sum()) / inner if inner else None
+        summary["per_client"] = {
+            name: {
+                "masked_frames": int(row[0]),
+                "masked_accuracy": float(row[1] / row[0]) if row[0] else None,
+                "majority_accuracy": float(row[2] / row[0]) if row[0] else None,
+                "interior_frames": int(row[3]),
+                "interior_masked_accuracy": float(row[4] / row[3]) if row[3] else None,
+                "interior_majority_accuracy": float(row[5] / row[3]) if row[3] else None,
+            }
+            for name, row in zip(self.model.clients, rows.tolist(), strict=True)
+        }
+        return summary
+
+
+def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
+    """Zero, but connected to the heads of clients absent from this micro-batch.
+
+    A head whose client has no sample in a batch would get no gradient on that rank, and DDP would
+    then have to search the graph for unused parameters after every backward pass (and warn on
+    every rank when there are none). With this term every head gets a gradient, exactly zero.
+    """
+    present = {group.client for group in logits}
+    idle = [head for index, head in enumerate(model.heads) if index not in present]
+    if not idle:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return sum(param.sum() for head in idle for param in head.parameters()) * 0.0
+
+
+def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[int]:
+    """Each client's most frequent label over its training utterances (index order of clients)."""
+    counts: list[np.ndarray] = [np.zeros(1, np.int64) for _ in index.clients]
+    for ref in train_refs:
+        labels = index.labels[ref.client][ref.utt_id]
+        found = np.bincount(labels[labels >= 0].astype(np.int64))
+        if found.shape[0] > counts[ref.client].shape[0]:
+            found, counts[ref.client] = counts[ref.client], found
+        counts[ref.client][: found.shape[0]] += found
+    return [int(c.argmax()) for c in counts]
