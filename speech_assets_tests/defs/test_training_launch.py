@@ -19,8 +19,8 @@ import torch
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.testing.local_runs import materialize_in_process
+from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.testing.mlflow_server import MlflowServer
-from speech_assets.train.trainer import FAULT_ENV, OOM_FAULT
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def built_copy(sample_build: dict, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.mark.slow  # a third torchrun job, with its own MLflow store
 def test_a_failed_torchrun_fails_the_step_with_its_own_error(built_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = built_copy.parent / "exit.marker"
-    monkeypatch.setenv(FAULT_ENV, f"0:1:{marker}")  # rank 0 exits with status 1 after step 1
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "exit", rank=0, step=1, once=marker))  # rank 0 exits with status 1 after step 1
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(built_copy), mlflow_tracking_uri=f"sqlite:///{built_copy.parent}/failed.db")
     config = {**TRAINING, "nproc": 1, "seed": 11}
     with dg.DagsterInstance.ephemeral() as instance:
@@ -141,7 +141,7 @@ def oom_run(built_copy: Path):
         sampler.start()
         try:
             with pytest.MonkeyPatch.context() as patch, dg.DagsterInstance.ephemeral() as instance:
-                patch.setenv(FAULT_ENV, f"{OOM_FAULT}1:2:{marker}")
+                patch.setenv(FAULTS_ENV, fault("train.step", "raise", rank=1, step=2, once=marker))
                 result = materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": TRAINING}}})
                 logs = [entry.user_message for entry in instance.all_logs(result.run_id)]
             log.warning("pretrained_checkpoint with one out-of-memory retry took %.1f s", time.monotonic() - began)
@@ -154,7 +154,7 @@ def oom_run(built_copy: Path):
 
 def test_out_of_memory_is_retried_with_half_the_batch(oom_run) -> None:
     meta = {key: value.value for key, value in oom_run["event"].metadata.items()}
-    assert oom_run["marker"].read_text().startswith("rank 1 ran out of memory at step 2")
+    assert oom_run["marker"].read_text().startswith("fault injection: raise at train.step rank=1 step=2")
     assert meta["oom_retries"] == 1
     assert any("CUDA out of memory: retrying with batch 8.0 s and grad_accum 2" in line for line in oom_run["logs"])
     config = json.loads((Path(meta["run_dir"]) / "config.json").read_text())
