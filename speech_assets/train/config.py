@@ -6,12 +6,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from speech_assets.model.presets import get_preset
 from speech_assets.locations import redact_uri
-from speech_assets.train.augment import Augmentation
 from speech_assets.utils import atomic_write_text
+
+if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resources.py) without it
+    from speech_assets.train.augment import Augmentation
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -78,7 +80,8 @@ class TrainConfig(RunConfig):
     Batch sizes are in seconds of audio (sum of unpadded utterance durations): ``batch_seconds``
     per device and micro-batch, ``target_batch_seconds`` per optimizer step over all devices
     (``batch_seconds * nproc * grad_accum`` reaches it). ``threads``: intra-op threads per
-    process (default: the cores divided among this node's processes).
+    process (default: the cores divided among this node's processes). These defaults are the
+    `[training]` settings' too (speech_assets/defs/resources.py takes them from here).
     """
 
     run_dir: str
@@ -86,17 +89,17 @@ class TrainConfig(RunConfig):
     cmvn: str
     clients: dict[str, ClientTargets]
     preset: str = "tiny"
-    max_steps: int = 1000
+    max_steps: int = 300
     batch_seconds: float | None = None
-    target_batch_seconds: float = 120.0
+    target_batch_seconds: float = 60.0
     grad_accum: int | str = "auto"
-    lr: float = 5e-4
-    warmup_steps: int = 100
+    lr: float = 2e-3
+    warmup_steps: int = 30
     weight_decay: float = 0.01
     clip_norm: float = 10.0
     seed: int = 0
     heldout_fraction: float = 0.05
-    checkpoint_every: int = 500
+    checkpoint_every: int = 100
     keep_checkpoints: int = 3
     log_every: int = 10
     precision: str = "auto"
@@ -165,6 +168,8 @@ class TrainConfig(RunConfig):
 
     def augmentation(self) -> Augmentation:
         """What training adds to each training utterance (nothing by default)."""
+        from speech_assets.train.augment import Augmentation
+
         low, high = self.noise_snr_db
         return Augmentation(noise=self.noise, noise_prob=self.noise_prob, snr_db=(float(low), float(high)), specaugment=self.specaugment)
 
