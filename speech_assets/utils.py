@@ -1,8 +1,9 @@
-"""Small shared helpers: atomic writes and content hashes."""
+"""Small shared helpers: atomic writes, content hashes, configs filled from one another."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -10,10 +11,12 @@ import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
 _CHUNK = 1 << 20
+Config = TypeVar("Config")
 
 
 @contextlib.contextmanager
@@ -123,3 +126,11 @@ def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> N
                 buffer = io.BytesIO()
                 np.lib.format.write_array(buffer, np.asarray(arrays[name]), allow_pickle=False)
                 archive.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), buffer.getvalue())
+
+
+def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
+    """A ``cls`` dataclass filled from ``source`` (a dataclass or pydantic model): the ``given``
+    values, else ``source``'s same-named fields, else ``cls``'s defaults; never copied by hand."""
+    names = getattr(type(source), "model_fields", None) or {f.name for f in dataclasses.fields(source)}
+    shared = {f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if f.name in names and f.name not in given}
+    return cls(**shared, **given)
