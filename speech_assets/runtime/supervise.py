@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 
-from speech_assets.runtime.processes import descendants, die_with_parent, on_linux, send
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -37,10 +36,6 @@ PR_SET_CHILD_SUBREAPER = 36
 
 class _Stop(Exception):
     pass
-
-
-def _below_me() -> set[int]:
-    return descendants([os.getpid()])
 
 
 def _reap() -> bool:
@@ -56,14 +51,19 @@ def _reap() -> bool:
 
 def shutdown(grace: float) -> None:
     """SIGTERM every descendant, wait up to ``grace`` s, SIGKILL the rest, reap everything."""
-    send(_below_me(), signal.SIGTERM)
+    from speech_assets.runtime.processes import descendants, send  # psutil: once main() found Linux
+
+    def below_me() -> set[int]:
+        return descendants([os.getpid()])
+
+    send(below_me(), signal.SIGTERM)
 
     def gone() -> bool:
         _reap()
-        return not _below_me()
+        return not below_me()
 
     def killed() -> bool:
-        send(_below_me(), signal.SIGKILL)
+        send(below_me(), signal.SIGKILL)
         return gone()
 
     with contextlib.suppress(WaitTimeout):
@@ -84,9 +84,11 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m speech_assets.runtime.supervise [--grace S] -- COMMAND...", file=sys.stderr)
         return 2
-    if not on_linux():
+    if not sys.platform.startswith("linux"):  # before psutil is imported: the subreaper needs Linux
         print(f"speech_assets.runtime.supervise needs Linux (a child subreaper), not {sys.platform}", file=sys.stderr)
         return 2
+    from speech_assets.runtime.processes import die_with_parent
+
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     stopping: list[int] = []
 
