@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from speech_assets.federated.history import ROUNDS_COLUMNS
+from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.hosts import free_port
 from speech_assets.train.checkpoint import weights_sha256
 from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
@@ -224,8 +225,8 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     run_dir = tmp_path / "faults"
     run_dir.mkdir()
     markers = tmp_path / "markers"
-    fault = f"client_03:2:hold:{markers},client_02:3:raise"
-    run = _cli(sample_pipeline, run_dir, dagster_run["run_dir"], {"SPEECH_ASSETS_FEDERATED_FAULT": fault},
+    faults = f"{fault('federated.round', 'hold', client='client_03', round=2, marker=markers / 'client_03-2.started')};{fault('federated.round', 'raise', client='client_02', round=3)}"
+    run = _cli(sample_pipeline, run_dir, dagster_run["run_dir"], {FAULTS_ENV: faults},
                rounds=3, min_train_nodes=3)  # fmt: skip
     try:
         _wait_for(markers / "client_03-2.started", run)
@@ -244,7 +245,7 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     assert failure["round"] == 3 and failure["completed_rounds"] == 2
     assert failure["missing"] == ["client_02", "client_03"]
     assert "fewer than min_train_nodes=3" in failure["message"]
-    assert any("injected fault" in f["reason"] for f in failure["failures"])
+    assert any("fault injection: raise at federated.round client=client_02 round=3" in f["reason"] for f in failure["failures"])
     rows = pq.read_table(run_dir / "rounds.parquet").to_pylist()
     assert sorted({r["round"] for r in rows}) == [1, 2] and len(rows) == 4 + 3
     assert (run_dir / "rounds" / "round_00002.pt").is_file() and not (run_dir / "final.pt").exists()
