@@ -1,14 +1,12 @@
-"""One client's local round and held-out evaluation, with the centralised trainer's own parts.
+"""One client's local round and held-out evaluation, on the training engine.
 
 The model is :class:`~speech_assets.model.HubertPretrainModel` with a single head (this client's
-codebook of ``K`` clusters); masking (:func:`~speech_assets.model.span_mask` with the trainer's
-:func:`~speech_assets.train.trainer.mask_generator`), the loss
-(:func:`~speech_assets.model.masked_prediction_loss`), the optimizer
-(:func:`~speech_assets.train.trainer.build_optimizer`), batching
-(:class:`~speech_assets.train.data.DurationBucketSampler` through the trainer's ``BatchStream``)
-and autocast precision are the centralised trainer's. Inputs are log-mel ``(B, T, 80)`` at 100 Hz
-normalised with the client's own CMVN; the encoder gives ``(B, (T + 1) // 2, D)`` at 50 Hz and the
-head ``(B, L, K)`` logits against the client's 50 Hz labels.
+codebook of ``K`` clusters); the step (:class:`~speech_assets.train.engine.Engine`: autocast
+precision, clipping, AdamW), the objective and the held-out evaluation
+(:class:`~speech_assets.train.objectives.MaskedPrediction`) and the batch stream are the
+centralised trainer's. Inputs are log-mel ``(B, T, 80)`` at 100 Hz normalised with the client's
+own CMVN; the encoder gives ``(B, (T + 1) // 2, D)`` at 50 Hz and the head ``(B, L, K)`` logits
+against the client's 50 Hz labels.
 
 What travels: only :func:`encoder_state` (every parameter except ``heads.*``). The head stays here,
 saved after every local round as ``<client dir>/heads/round_NNNNN.pt`` (FedPer-style). A round
@@ -27,37 +25,26 @@ process per client trains on ``cuda`` or the CPU.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig
-from speech_assets.model.hubert import HubertPretrainModel, output_lengths
-from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
-from speech_assets.model.masking import span_mask
+from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
+from speech_assets.runtime.faults import inject
+from speech_assets.train.autoconfig import resolve_precision
 from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint
-from speech_assets.train.config import ClientTargets, TrainConfig
-from speech_assets.train.data import UtteranceDataset, build_index, collate, eval_batches, heldout_split
-from speech_assets.train.trainer import (
-    AUTOCAST_DTYPES,
-    BatchStream,
-    build_optimizer,
-    majority_labels,
-    mask_generator,
-    seed_everything,
-)
+from speech_assets.train.data import DurationBucketSampler, UtteranceDataset, build_index, heldout_split
+from speech_assets.train.engine import BatchStream, Distributed, Engine, resolve_device, seed_everything
+from speech_assets.train.objectives import MaskedPrediction, majority_labels
 
 log = logging.getLogger("speech_assets.federated")
 
@@ -65,10 +52,6 @@ HEAD_PREFIX = "heads."
 HEAD_FORMAT = 1
 KEEP_HEADS = 3
 _HEAD_FILE = re.compile(r"^round_(\d{5})\.pt$")
-# Test hook: "<client>:<round>:<action>[:<marker dir>]" makes that client's local round fail:
-# "raise" raises, "hold" writes <marker dir>/<client>-<round>.started and waits (for a test to
-# kill its SuperNode), "exit" ends the ClientApp process abruptly.
-FAULT_ENV = "SPEECH_ASSETS_FEDERATED_FAULT"
 
 
 def derive_seed(seed: int, *parts: object) -> int:
@@ -87,21 +70,6 @@ def initial_encoder(preset: str, seed: int) -> dict[str, torch.Tensor]:
     """The round-0 global encoder: a fresh model's encoder, seeded by ``seed`` alone."""
     seed_everything(seed)
     return encoder_state(HubertPretrainModel(get_preset(preset), {"init": 2}))
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto``: fp32 on CPU, bf16 on GPUs that support it, else fp16 (as the trainer's autoconfig)."""
-    if precision != "auto":
-        return "fp32" if device.type == "cpu" and precision == "fp16" else precision
-    if device.type == "cpu":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
 class HeadStore:
@@ -173,39 +141,18 @@ class LocalClient:
         self.client_dir = node.client_dir(local.run_name)
         self.client_dir.mkdir(parents=True, exist_ok=True)
         self.heads = HeadStore(self.client_dir, data.client_id)
-        self.device = resolve_device(node.device)
-        self.precision = resolve_precision(local.precision, self.device)
+        device = resolve_device(node.device)
+        self.job = Distributed(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
+        self.precision = resolve_precision(local.precision, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported())
         if node.threads > 0:
             torch.set_num_threads(node.threads)
-        cmvn_path = data.write_cmvn(self.client_dir / "cmvn.npz")
-        self.train_config = TrainConfig(
-            run_dir=str(self.client_dir),
-            shards=[str(p) for p in data.shards],
-            cmvn=str(cmvn_path),
-            clients={data.client_id: ClientTargets(labels=str(data.labels), k=data.k)},
-            preset=local.preset,
-            max_steps=local.local_steps,
-            batch_seconds=local.batch_seconds,
-            grad_accum=1,
-            lr=local.lr,
-            weight_decay=local.weight_decay,
-            clip_norm=local.clip_norm,
-            seed=local.seed,
-            heldout_fraction=local.heldout_fraction,
-            precision=self.precision,
-            device=self.device.type,
-            unmasked_weight=local.unmasked_weight,
-            mask_prob=local.mask_prob,
-            mask_length=local.mask_length,
-            max_frames=local.max_frames,
-            num_workers=0,
-        )
-        index = build_index(self.train_config.shards, {data.client_id: str(data.labels)}, local.max_frames)
+        data.write_cmvn(self.client_dir / "cmvn.npz")
+        index = build_index([str(p) for p in data.shards], {data.client_id: str(data.labels)}, local.max_frames)
         train_refs, heldout_refs = heldout_split(index.utterances, local.heldout_fraction)
         if not train_refs:
             raise ValueError(f"client {data.client_id} has no labelled training utterances")
         self.num_examples = len(train_refs)
-        self.majority_label = majority_labels(index, train_refs)[0]
+        self.majority_labels = majority_labels(index, train_refs)
         client_cmvn = data.cmvn()
         self.train_set = UtteranceDataset(index, train_refs, client_cmvn, local.max_frames)
         self.heldout_set = UtteranceDataset(index, heldout_refs, client_cmvn, local.max_frames)
@@ -222,17 +169,19 @@ class LocalClient:
         saved = self.heads.load_latest(head_up_to, self.data.k)
         if saved is not None:
             model.heads[0].load_state_dict(saved[1])
-        return model.to(self.device), saved[0] if saved else None
+        return model.to(self.job.device), saved[0] if saved else None
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = AUTOCAST_DTYPES.get(self.precision)
-        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+    def objective(self, model: HubertPretrainModel, round_number: int) -> MaskedPrediction:
+        """Masked prediction with masks drawn from (seed, client, round, step)."""
+        local = self.local
+        return MaskedPrediction(
+            model, self.job.device, seed=local.seed, mask_prob=local.mask_prob, mask_length=local.mask_length,
+            unmasked_weight=local.unmasked_weight, key=("federated", self.data.client_id, round_number),
+        )  # fmt: skip
 
     def _stream(self, round_number: int) -> BatchStream:
         """The batches of round ``round_number``: the client's endless epoch stream from batch
         ``(round - 1) * local_steps`` (a pure function of seed, client and round)."""
-        from speech_assets.train.data import DurationBucketSampler
-
         sampler = DurationBucketSampler(
             self.train_set.seconds,
             self.local.batch_seconds,
@@ -241,100 +190,52 @@ class LocalClient:
         skip, epoch = (round_number - 1) * self.local.local_steps, 0
         while skip >= (count := len(sampler.batches(epoch))):
             skip, epoch = skip - count, epoch + 1
-        return BatchStream(self.train_set, sampler, epoch, skip, self.train_config, pin_memory=False)
+        return BatchStream(self.train_set, sampler, self.local.seed, epoch=epoch, position=skip)
 
     # ------------------------------------------------------------------------ local round
     def train_round(self, round_number: int, encoder: Mapping[str, torch.Tensor]) -> TrainResult:
         """``local_steps`` steps from the global ``encoder`` and the newest head saved before
         ``round_number``; saves the new head and returns the new encoder."""
-        _maybe_fault(self.data.client_id, round_number)
+        inject("federated.round", client=self.data.client_id, round=round_number)
         started = time.perf_counter()
         model, head_round = self.model(encoder, round_number - 1)
         model.train()
-        optimizer = build_optimizer(model, self.train_config)
-        scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        stream = self._stream(round_number)
-        seed_everything(derive_seed(self.local.seed, "dropout", self.data.client_id, round_number))
-        stats = torch.zeros(6, dtype=torch.float64, device=self.device)
-        audio = 0.0
-        clip = self.local.clip_norm if self.local.clip_norm > 0 else float("inf")
-        for step in range(self.local.local_steps):
-            batch = next(stream)
-            generator = mask_generator(self.local.seed, "federated", self.data.client_id, round_number, step)
-            mask = span_mask(output_lengths(batch.lengths), self.local.mask_prob, self.local.mask_length, generator)
-            batch, mask = batch.to(self.device), mask.to(self.device)
-            optimizer.zero_grad(set_to_none=True)
-            with self._autocast():
-                output = model(batch.feats, batch.lengths, batch.clients, mask)
-                loss = masked_prediction_loss(output.logits, batch.targets, mask, self.local.unmasked_weight)
-            scaler.scale(loss.loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            scaler.step(optimizer)
-            scaler.update()
-            stats += loss.stats
-            audio += batch.seconds
-        summary = summarize(stats.cpu())
+        local = self.local
+        engine = Engine(model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm)
+        objective, stream = self.objective(model, round_number), self._stream(round_number)
+        seed_everything(derive_seed(local.seed, "dropout", self.data.client_id, round_number))
+        totals, audio = torch.zeros(6, dtype=torch.float64, device=self.job.device), 0.0
+        for _ in range(local.local_steps):
+            stats, seconds, _ = engine.train_step(objective, stream)
+            totals, audio = totals + stats, audio + seconds
+        metrics = objective.metrics(totals.cpu())
         self.heads.save(round_number, model.heads[0].state_dict(), self.data.k)
         log.info(
             "%s round %d: %d steps from head of round %s, loss %.4f, masked accuracy %.3f",
-            self.data.client_id, round_number, self.local.local_steps, head_round,
-            summary["masked_loss"], summary["masked_accuracy"],
+            self.data.client_id, round_number, local.local_steps, head_round, metrics["masked_loss"], metrics["masked_accuracy"],
         )  # fmt: skip
         return TrainResult(
             encoder=encoder_state(model),
             num_examples=self.num_examples,
-            train_loss=summary["masked_loss"] + self.local.unmasked_weight * summary["unmasked_loss"],
-            masked_accuracy=summary["masked_accuracy"],
+            train_loss=metrics["loss"],
+            masked_accuracy=metrics["masked_accuracy"],
             seconds=time.perf_counter() - started,
             audio_seconds=audio,
-            steps=self.local.local_steps,
+            steps=local.local_steps,
         )
 
     # ------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self, round_number: int, encoder: Mapping[str, torch.Tensor]) -> EvalResult:
         """Masked prediction on this client's held-out utterances (fixed masks) with the global
         ``encoder`` and this client's newest head saved at a round ``<= round_number``."""
         model, _ = self.model(encoder, round_number)
-        model.eval()
-        batches = eval_batches(self.heldout_set.seconds, self.local.batch_seconds, 1, 0)
-        loader = DataLoader(self.heldout_set, batch_sampler=batches, collate_fn=collate, num_workers=0)
-        totals = torch.zeros(6, dtype=torch.float64)
-        majority_hits = 0
-        for index, batch in enumerate(loader):
-            generator = mask_generator(self.local.seed, "heldout", index)
-            mask = span_mask(output_lengths(batch.lengths), self.local.mask_prob, self.local.mask_length, generator)
-            targets = batch.targets
-            batch, device_mask = batch.to(self.device), mask.to(self.device)
-            with self._autocast():
-                output = model(batch.feats, batch.lengths, batch.clients, device_mask)
-                totals += masked_prediction_loss(output.logits, batch.targets, device_mask).stats.cpu()
-            majority_hits += int(((targets == self.majority_label) & mask & (targets != IGNORE_INDEX)).sum())
-        summary = summarize(totals)
-        frames = int(summary["masked_frames"])
+        summary = self.objective(model, round_number).evaluate(
+            self.heldout_set, self.majority_labels, self.local.batch_seconds, self.job, self.precision
+        )
         return EvalResult(
             utterances=len(self.heldout_set),
-            masked_frames=frames,
-            masked_accuracy=summary["masked_accuracy"] if frames else 0.0,
-            majority_accuracy=majority_hits / frames if frames else 0.0,
-            loss=summary["masked_loss"] + self.local.unmasked_weight * summary["unmasked_loss"],
+            masked_frames=int(summary["masked_frames"]),
+            masked_accuracy=summary["masked_accuracy"],
+            majority_accuracy=summary["majority_accuracy"],
+            loss=summary["loss"],
         )
-
-
-def _maybe_fault(client_id: str, round_number: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    for item in filter(None, spec.split(",")):
-        client, fault_round, action, *rest = item.split(":", 3)
-        if client != client_id or int(fault_round) != round_number:
-            continue
-        log.error("fault injection: %s %s in round %d", client_id, action, round_number)
-        if action == "raise":
-            raise RuntimeError(f"injected fault: {client_id} fails in round {round_number}")
-        if action == "exit":
-            os._exit(3)
-        if action == "hold":
-            marker = Path(rest[0]) / f"{client_id}-{round_number}.started"
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(str(os.getpid()))
-            time.sleep(3600)

@@ -104,6 +104,14 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def resolve_precision(precision: str, device: str, bf16_supported: bool) -> str:
+    """``auto``: fp32 on CPU, bf16 on GPUs that support it, else fp16 (with a GradScaler); fp16
+    asked for on a CPU (a federation's setting reaching a client without GPU) falls back to fp32."""
+    if precision == "auto":
+        return "fp32" if device == "cpu" else "bf16" if bf16_supported else "fp16"
+    return "fp32" if device == "cpu" and precision == "fp16" else precision
+
+
 def profile_hardware() -> HardwareProfile:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if not torch.cuda.is_available():
@@ -191,18 +199,12 @@ def decide(
         + (f", {hw.gpu_count}x {hw.gpu_name} ({hw.gpu_memory_bytes / GIB:.1f} GiB)" if hw.gpu_count else ", no GPU")
     )
 
-    if precision == "auto":
-        if device == "cpu":
-            precision = "fp32"
-            notes.append("precision fp32: CPU")
-        else:
-            precision = "bf16" if hw.bf16_supported else "fp16"
-            notes.append(
-                f"precision {precision}: "
-                + ("GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler")
-            )
-    elif device == "cpu" and precision == "fp16":
+    if device == "cpu" and precision == "fp16":
         raise ValueError("fp16 training needs CUDA (use fp32 or bf16 on CPU)")
+    if precision == "auto":
+        precision = resolve_precision(precision, device, hw.bf16_supported)
+        why = "CPU" if device == "cpu" else "GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler"
+        notes.append(f"precision {precision}: {why}")
 
     if nproc == "auto":
         if device == "cuda":
