@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.ids import is_safe_id
-from speech_assets.corpus.manifest import MANIFEST_SCHEMA, REJECTS_SCHEMA, RejectReason, ValidationConfig, hash_triples
+from speech_assets.corpus.manifest import MANIFEST_SCHEMA, ValidationConfig, hash_triples
+from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectReason
 
 MAX_LISTED = 10
 

@@ -30,7 +30,6 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
-from enum import StrEnum
 from pathlib import Path
 
 import pyarrow as pa
@@ -38,24 +37,11 @@ import pyarrow.parquet as pq
 import soundfile as sf
 
 from speech_assets.corpus.ids import why_unsafe
+from speech_assets.corpus.rejects import RejectReason, RejectRow
 from speech_assets.utils import atomic_path, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
 MANIFEST_SUFFIXES = (".csv", ".jsonl")
-
-
-class RejectReason(StrEnum):
-    """Reject reasons, exactly as docs/REFERENCE.md spells them (users and CI rely on these strings)."""
-
-    UNREADABLE = "unreadable"
-    MISSING_FILE = "missing_file"
-    NO_TRANSCRIPT = "no_transcript"
-    DUPLICATE_ID = "duplicate_id"
-    TOO_SHORT = "too_short"
-    TOO_LONG = "too_long"
-    OUTSIDE_ROOT = "outside_root"
-    INVALID_ID = "invalid_id"
-    NO_SPEECH = "no_speech"
 
 
 class CorpusError(ValueError):
@@ -76,15 +62,6 @@ class ManifestRow:
     num_samples: int
     duration_s: float
     file_sha256: str
-
-
-@dataclass(frozen=True)
-class RejectRow:
-    utt_id: str
-    path: str
-    stage: str
-    reason: str
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -530,9 +507,6 @@ MANIFEST_SCHEMA = pa.schema(
         ("file_sha256", pa.string()),
     ]
 )
-REJECTS_SCHEMA = pa.schema(
-    [pa.field(name, pa.string(), nullable=False) for name in ("utt_id", "path", "stage", "reason", "detail")]
-)
 _CACHE_SCHEMA = pa.schema(
     [("key", pa.string())]
     + [(f.name, {"str": pa.string(), "bool": pa.bool_()}.get(str(f.type), pa.int64())) for f in fields(AudioProbe)]
@@ -550,16 +524,8 @@ def write_manifest(path: Path, rows: Sequence[ManifestRow]) -> None:
     _write_table(path, rows, MANIFEST_SCHEMA)
 
 
-def write_rejects(path: Path, rejects: Sequence[RejectRow]) -> None:
-    _write_table(path, rejects, REJECTS_SCHEMA)
-
-
 def read_manifest(path: Path) -> list[ManifestRow]:
     return [ManifestRow(**record) for record in pq.read_table(path).to_pylist()]
-
-
-def read_rejects(path: Path) -> list[RejectRow]:
-    return [RejectRow(**record) for record in pq.read_table(path).to_pylist()]
 
 
 def load_cache(path: Path) -> dict[str, AudioProbe]:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
+from speech_assets.corpus.rejects import write_rejects
 from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
 from speech_assets.defs.partitions import register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
@@ -63,7 +64,7 @@ def manifest(
         try:
             staged = audit.ManifestFiles(*(staging / target.name for target in _published(paths)))
             corpus.write_manifest(staged.manifest, result.rows)
-            corpus.write_rejects(staged.rejects, result.rejects)
+            write_rejects(staged.rejects, result.rejects)
             per_speaker = _write_speakers(staged.speakers, result.rows)
             audits = audit.audit_manifest(staged, corpus.corpus_root_of(location), validation, options.max_reject_ratio)
             for outcome in audits:

@@ -19,18 +19,15 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from speech_assets.corpus.manifest import REJECTS_SCHEMA
+from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow, write_rejects
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
 from speech_assets.features.shards import FeatureRecord, ShardFiles, num_frames_for, sidecar_paths, write_shard
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_path
 
 
 @dataclass(frozen=True)
@@ -229,21 +226,11 @@ def build_shard(
     )
 
 
-def write_rejects(path: str | os.PathLike[str], rejects: Sequence[Mapping[str, str]]) -> Path:
-    """Write reject rows (sorted by utt_id) atomically as Parquet with ``REJECTS_SCHEMA``."""
-    rows = sorted(rejects, key=lambda r: (r["utt_id"], r["reason"]))
-    columns = {f.name: [str(r[f.name]) for r in rows] for f in REJECTS_SCHEMA}
-    table = pa.Table.from_pydict(columns, schema=REJECTS_SCHEMA)
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
-    return path
-
-
 def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
     """Write a shard's rejects and CMVN partial sums beside it (see ``sidecar_paths``)."""
     rejects_path, stats_path = sidecar_paths(result.path)
-    write_rejects(rejects_path, result.rejects)
+    rows = sorted(result.rejects, key=lambda r: (r["utt_id"], r["reason"]))
+    write_rejects(rejects_path, [RejectRow(*(str(r[name]) for name in REJECTS_SCHEMA.names)) for r in rows])
     result.stats.save(stats_path)
     return rejects_path, stats_path
 

@@ -12,10 +12,11 @@ import pytest
 
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as m
+from speech_assets.corpus.rejects import REJECTS_SCHEMA
 from speech_assets.testing.corpora import write_flac
 
 CONFIG = m.ValidationConfig(min_duration_s=0.5, max_duration_s=35.0)
-NULLABLE_REJECTS = pa.schema([pa.field(f.name, f.type) for f in m.REJECTS_SCHEMA])
+NULLABLE_REJECTS = pa.schema([pa.field(f.name, f.type) for f in REJECTS_SCHEMA])
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def speakers_of(rows: list[dict]) -> list[dict]:
 
 def run(
     tmp_path: Path, root: Path, rows: list[dict], *, rejects: list[dict] | None = None, speakers: list[dict] | None = None,
-    table: pa.Table | None = None, rejects_schema: pa.Schema = m.REJECTS_SCHEMA, max_ratio: float = 0.5,
+    table: pa.Table | None = None, rejects_schema: pa.Schema = REJECTS_SCHEMA, max_ratio: float = 0.5,
 ) -> dict[str, audit.Audit]:
     files = audit.ManifestFiles(tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet")
     pq.write_table(table if table is not None else pa.Table.from_pylist(rows, schema=m.MANIFEST_SCHEMA), files.manifest)

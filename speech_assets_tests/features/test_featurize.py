@@ -19,7 +19,7 @@ import torchaudio.functional as AF
 from speech_assets.features import audio
 from speech_assets.features import shards as features
 from speech_assets.features.cmvn import PartialSums, ShardStats
-from speech_assets.corpus.manifest import REJECTS_SCHEMA
+from speech_assets.corpus.rejects import REJECTS_SCHEMA
 from speech_assets.features.featurize import FeatureExtractor, compute_deltas
 from speech_assets.features.build import (
     ShardResult,

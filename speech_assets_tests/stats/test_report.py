@@ -28,7 +28,7 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from speech_assets.corpus.manifest import REJECTS_SCHEMA
+    from speech_assets.corpus.rejects import REJECTS_SCHEMA
     from speech_assets.features.shards import FeatureRecord, write_shard
     from speech_assets.stats import database as stats_db
 
