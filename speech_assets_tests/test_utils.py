@@ -25,7 +25,7 @@ pq.write_table(pa.table({"utt_id": ["u"], "duration_s": [1.0]}), manifest)
 import torch
 from speech_assets.train.checkpoint import save_checkpoint
 save_checkpoint(out / "d.pt", {"w": torch.zeros(2)})
-from speech_assets.corpus.manifest import REJECTS_SCHEMA
+from speech_assets.corpus.rejects import REJECTS_SCHEMA
 rejects = out / "r.parquet"
 pq.write_table(REJECTS_SCHEMA.empty_table(), rejects)
 database.build_database(out / "e.duckdb", database.StatsInputs(manifest=manifest, manifest_rejects=rejects,
