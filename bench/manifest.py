@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from speech_assets.corpus import manifest as m
+from speech_assets.corpus.rejects import write_rejects
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample"
 
@@ -47,7 +48,7 @@ def run_once(corpus: Path, out: Path, workers: int) -> tuple[float, m.ScanResult
     cache = m.load_cache(out / "decode_cache.parquet")
     result = m.scan_corpus(corpus, cache=cache, workers=workers)
     m.write_manifest(out / "manifest.parquet", result.rows)
-    m.write_rejects(out / "rejects.parquet", result.rejects)
+    write_rejects(out / "rejects.parquet", result.rejects)
     if result.cache != cache:
         m.save_cache(out / "decode_cache.parquet", result.cache)
     return time.perf_counter() - started, result
