@@ -21,32 +21,23 @@ from speech_assets.utils import atomic_path, atomic_write_text
 
 ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
 
+
+def _per_client(**columns: pa.DataType) -> pa.Schema:
+    """A table with one row per (round, client): those two columns, then ``columns``."""
+    return pa.schema([("round", pa.int64()), ("client_id", pa.string()), *columns.items()])
+
+
 # rounds.parquet: one row per (round, client) that trained in the round
-ROUNDS_SCHEMA = pa.schema(
-    [
-        ("round", pa.int64()),
-        ("client_id", pa.string()),
-        ("num_examples", pa.int64()),
-        ("train_loss", pa.float64()),
-        ("masked_accuracy", pa.float64()),
-        ("bytes_up", pa.int64()),
-        ("bytes_down", pa.int64()),
-        ("seconds", pa.float64()),
-    ]
+ROUNDS_SCHEMA = _per_client(
+    num_examples=pa.int64(), train_loss=pa.float64(), masked_accuracy=pa.float64(), bytes_up=pa.int64(),
+    bytes_down=pa.int64(), seconds=pa.float64(),
 )
 ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
 # evaluation.parquet: the global encoder after the round, on each client's held-out utterances
 # with that client's own head (kept on the client), beside the client's majority-class rate
-EVALUATION_SCHEMA = pa.schema(
-    [
-        ("round", pa.int64()),
-        ("client_id", pa.string()),
-        ("utterances", pa.int64()),
-        ("masked_frames", pa.int64()),
-        ("heldout_loss", pa.float64()),
-        ("heldout_masked_accuracy", pa.float64()),
-        ("majority_accuracy", pa.float64()),
-    ]
+EVALUATION_SCHEMA = _per_client(
+    utterances=pa.int64(), masked_frames=pa.int64(), heldout_loss=pa.float64(), heldout_masked_accuracy=pa.float64(),
+    majority_accuracy=pa.float64(),
 )
 
 

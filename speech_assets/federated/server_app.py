@@ -35,7 +35,7 @@ from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg
 
@@ -52,11 +52,18 @@ from speech_assets.federated.messages import (
     content_problem,
     update_problem,
 )
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.federated.server")
 
 POLL_SECONDS = 0.25
+# the columns of a round's table rows read from each reply's metrics: {column: (metric, type)}
+TRAIN_COLUMNS = {"num_examples": ("num-examples", int), "train_loss": ("train-loss", float),
+                 "masked_accuracy": ("masked-accuracy", float), "seconds": ("seconds", float)}  # fmt: skip
+EVALUATE_COLUMNS = {"utterances": ("utterances", int), "masked_frames": ("num-examples", int),
+                    "heldout_loss": ("heldout-loss", float), "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
+                    "majority_accuracy": ("majority-accuracy", float)}  # fmt: skip
 
 
 class FederatedRunError(RuntimeError):
@@ -192,9 +199,14 @@ class Server:
 
     def connected(self, wanted: int, timeout: float) -> list[int]:
         """The connected nodes once at least ``wanted`` are, or when ``timeout`` seconds passed."""
-        deadline = time.monotonic() + timeout
-        while len(nodes := list(self.grid.get_node_ids())) < wanted and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS)
+        nodes: list[int] = []
+
+        def enough() -> bool:
+            nodes[:] = self.grid.get_node_ids()
+            return len(nodes) >= wanted
+
+        with contextlib.suppress(WaitTimeout):
+            wait_until(enough, timeout, f"{wanted} connected clients", interval=POLL_SECONDS)
         return nodes
 
     def wait_for_clients(self, round_number: int) -> list[int]:
@@ -233,15 +245,10 @@ class Server:
                 failures,
             )
         rows = [
-            {
-                "round": round_number,
-                "client_id": self.client_of(reply),
-                "num_examples": int(reply.content[METRICS]["num-examples"]),
-                "train_loss": float(reply.content[METRICS]["train-loss"]),
-                "masked_accuracy": float(reply.content[METRICS]["masked-accuracy"]),
+            self.row(round_number, reply, TRAIN_COLUMNS)
+            | {
                 "bytes_up": array_bytes(reply.content[ARRAYS]),
                 "bytes_down": bytes_down,
-                "seconds": float(reply.content[METRICS]["seconds"]),
                 "weight": config.weight_of(self.client_of(reply)),
                 "update_norm": norms[self.client_of(reply)],
             }
@@ -316,18 +323,7 @@ class Server:
             else:
                 accepted.append(reply)
         failures.extend(eval_failures)
-        rows = [
-            {
-                "round": round_number,
-                "client_id": self.client_of(reply),
-                "utterances": int(reply.content[METRICS]["utterances"]),
-                "masked_frames": int(reply.content[METRICS]["num-examples"]),
-                "heldout_loss": float(reply.content[METRICS]["heldout-loss"]),
-                "heldout_masked_accuracy": float(reply.content[METRICS]["heldout-masked-accuracy"]),
-                "majority_accuracy": float(reply.content[METRICS]["majority-accuracy"]),
-            }
-            for reply in accepted
-        ]
+        rows = [self.row(round_number, reply, EVALUATE_COLUMNS) for reply in accepted]
         weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
         self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
@@ -354,9 +350,9 @@ class Server:
             if not mid
         ]
         replies: list[tuple[int, Message]] = []
-        deadline = time.monotonic() + self.config.round_timeout_s
-        while pending and time.monotonic() < deadline:
-            for reply in self.grid.pull_messages(list(pending)):
+
+        def all_replied() -> bool:
+            for reply in self.grid.pull_messages(list(pending)) if pending else ():
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
                 if node is None:
                     continue
@@ -368,8 +364,10 @@ class Server:
                     )  # fmt: skip
                 else:
                     replies.append((node, reply))
-            if pending:
-                time.sleep(POLL_SECONDS)
+            return not pending
+
+        with contextlib.suppress(WaitTimeout):
+            wait_until(all_replied, self.config.round_timeout_s, f"{phase} replies", interval=POLL_SECONDS)
         for node in pending.values():
             failures.append(
                 {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node,
@@ -381,6 +379,14 @@ class Server:
             log.warning("round %d %s: %s (node %s) failed: %s", round_number, phase,
                         failure["client_id"] or "unknown client", failure["node_id"], failure["reason"])  # fmt: skip
         return sorted(good, key=self.client_of), failures
+
+    def row(self, round_number: int, reply: Message, columns: dict[str, tuple[str, type]]) -> dict[str, Any]:
+        """A table row of an accepted reply: its round, its client, and ``{column: (metric, type)}``
+        read from its metrics."""
+        metrics = reply.content[METRICS]
+        return {"round": round_number, "client_id": self.client_of(reply)} | {
+            column: kind(metrics[metric]) for column, (metric, kind) in columns.items()
+        }
 
     def client_of(self, reply: Message) -> str:
         """The client of an accepted reply (bound to its node)."""
