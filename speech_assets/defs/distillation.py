@@ -14,7 +14,7 @@ from speech_assets.defs.resources import DistillSettings, PipelineSettings, Stor
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_torchrun
 from speech_assets.defs.training import TRAINING_INPUTS, client_targets, speakers_by_client, training_curve_metadata
-from speech_assets.utils import sha256_strings
+from speech_assets.utils import from_fields, sha256_strings
 
 DISTILL_CODE_VERSION = "distill-v1"
 
@@ -54,21 +54,15 @@ def distilled_checkpoint(
     run_dir = paths.root / "distill" / run_name
     teacher_model = load_encoder(teacher)
     teacher_config = teacher_model.checkpoint.get("config") or {}
-    distill_config = DistillConfig(
-        run_dir=str(run_dir),
-        teacher=teacher,
+    distill_config = from_fields(
+        DistillConfig, options, run_dir=str(run_dir), teacher=teacher,
         shards=[str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)],
-        cmvn=str(paths.cmvn_dir / "cmvn.npz"),
-        clients=client_targets(clients, paths.kmeans_dir),
+        cmvn=str(paths.cmvn_dir / "cmvn.npz"), clients=client_targets(clients, paths.kmeans_dir),
         heldout_fraction=teacher_config.get("heldout_fraction", settings.training.heldout_fraction),
         **student_shape(teacher_model.model.preset, options),
-        teacher_layers=list(options.teacher_layers), cosine_weight=options.cosine_weight,
-        max_steps=options.max_steps, batch_seconds=options.batch_seconds, lr=options.lr,
-        warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), seed=options.seed,
-        max_frames=options.max_frames, threads=options.threads or None,
-        data_versions=data_versions, git_sha=git_commit(),
-        mlflow_tracking_uri=paths.mlflow_tracking_uri, mlflow_artifact_location=paths.mlflow_artifact_location,
-        mlflow_run_name=f"distill-{run_name}",
+        warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), threads=options.threads or None,
+        data_versions=data_versions, git_sha=git_commit(), mlflow_tracking_uri=paths.mlflow_tracking_uri,
+        mlflow_artifact_location=paths.mlflow_artifact_location, mlflow_run_name=f"distill-{run_name}",
     )  # fmt: skip
     result, _ = run_torchrun(
         context, pipes_subprocess_client, paths, run_dir, distill_config, asset_name="distilled_checkpoint",

@@ -21,7 +21,7 @@ from speech_assets.defs.lineage import (
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.utils import atomic_path, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, from_fields, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v2"  # v2: 32-row row groups
@@ -35,13 +35,9 @@ class FeatureOverrides(overrides_of(FeatureSettings)):
 
 
 def vad_config(features: FeatureSettings) -> VadConfig:
-    return VadConfig(
-        aggressiveness=features.vad_aggressiveness,
-        frame_ms=features.vad_frame_ms,
-        padding_ms=features.vad_padding_ms,
-        min_speech_s=features.min_speech_s,
-        min_speech_ratio=features.min_speech_ratio,
-    )
+    """The VAD's config: the settings' ``vad_*`` fields without their prefix, and the others by name."""
+    renamed = {name: getattr(features, f"vad_{name}") for name in ("aggressiveness", "frame_ms", "padding_ms")}
+    return from_fields(VadConfig, features, **renamed)
 
 
 # A worker is a fresh interpreter importing torch (~5 s on 2 cores, ~7 s for two at once) and

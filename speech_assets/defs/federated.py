@@ -15,7 +15,7 @@ from speech_assets.defs.lineage import git_commit, input_versions
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
-from speech_assets.utils import sha256_strings
+from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "federated-v1"
 # Settings that do not change what a run computes: a different value resumes the same run folder.
@@ -61,31 +61,10 @@ def federated_checkpoint(
     data_versions = input_versions(context, paths, clients)
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.root / "federated" / run_name
-    federated = FederatedConfig(
-        run_dir=str(run_dir),
-        run_name=run_name,
-        clients=sorted(clients),
-        rounds=fed.rounds,
-        local_steps=fed.local_steps,
-        strategy=fed.strategy,
-        eta=fed.eta,
-        beta_1=fed.beta_1,
-        beta_2=fed.beta_2,
-        tau=fed.tau,
-        min_train_nodes=fed.min_train_nodes,
-        preset=fed.preset,
-        client_lr=fed.client_lr,
-        batch_seconds=fed.batch_seconds,
-        seed=fed.seed,
-        heldout_fraction=fed.heldout_fraction,
-        max_frames=fed.max_frames,
-        precision=fed.precision,
-        round_timeout_s=fed.round_timeout_s,
-        connect_timeout_s=fed.connect_timeout_s,
-        max_update_norm=fed.max_update_norm,
-        client_weights=client_weights(paths.root, sorted(clients)),
-        data_versions=data_versions,
-    )
+    federated = from_fields(
+        FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=sorted(clients),
+        client_weights=client_weights(paths.root, sorted(clients)), data_versions=data_versions,
+    )  # fmt: skip
     tracker = FederatedTracker(
         federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()
     )

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import atomic_path, sha256_file
+from speech_assets.utils import atomic_path, from_fields, sha256_file
 
 PROBE_CODE_VERSION = "probe-v1"
 
@@ -80,12 +80,8 @@ def downstream_probe(
         f"probing {', '.join(['fbank', *encoders])}: {len(train)} training utterances, {len(test)} held-out "
         f"utterances of {len(held)} held-out speakers ({', '.join(sorted(held)[:10])})"
     )
-    probe_options = ProbeOptions(
-        probe=options.probe, steps=options.steps, batch_size=options.batch_size, lr=options.lr,
-        hidden=options.hidden, seed=options.seed,
-    )  # fmt: skip
     results = compare_encoders(
-        train, test, encoders, probe_options,
+        train, test, encoders, from_fields(ProbeOptions, options),
         on_model=lambda r: context.log.info(f"{r.model}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
     )  # fmt: skip
     table = pa.Table.from_pylist([r.row() for r in results]).select(list(RESULT_COLUMNS))

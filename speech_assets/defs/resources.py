@@ -15,6 +15,8 @@ from speech_assets import locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
+from speech_assets.federated.config import FederatedConfig
+from speech_assets.train.config import TrainConfig
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -156,16 +158,19 @@ NOISE_SOURCES = ("", "coloured", "babble", "folder")
 
 
 class TrainingSettings(dg.Config):
-    preset: str = "tiny"
-    max_steps: int = 300
+    """The trainer's settings (its config, TrainConfig, is filled from them by field name and
+    holds the defaults they share) and how its torchrun job is launched."""
+
+    preset: str = TrainConfig.preset
+    max_steps: int = TrainConfig.max_steps
     batch_seconds: float = 0.0  # per device; 0 = chosen by the auto-configuration
-    target_batch_seconds: float = 60.0  # effective batch, reached with gradient accumulation
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    seed: int = 0
-    checkpoint_every: int = 100
-    log_every: int = 10
-    precision: str = "auto"
+    target_batch_seconds: float = TrainConfig.target_batch_seconds  # effective batch, reached with gradient accumulation
+    lr: float = TrainConfig.lr
+    warmup_steps: int = TrainConfig.warmup_steps
+    seed: int = TrainConfig.seed
+    checkpoint_every: int = TrainConfig.checkpoint_every
+    log_every: int = TrainConfig.log_every
+    precision: str = TrainConfig.precision
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
     rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
@@ -174,15 +179,15 @@ class TrainingSettings(dg.Config):
     node_command: str = "ssh {host} 'cd /srv/speech_assets && {command}'"
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
-    max_restarts: int = 2
-    heldout_fraction: float = 0.05
-    max_frames: int = 1500
+    max_restarts: int = TrainConfig.max_restarts
+    heldout_fraction: float = TrainConfig.heldout_fraction
+    max_frames: int = TrainConfig.max_frames
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
     noise: str = ""  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
     noise_dir: str = ""  # a folder of noise audio (MUSAN's noise/); settings file only
-    noise_prob: float = 0.5
+    noise_prob: float = TrainConfig.noise_prob
     noise_snr_db: list[float] = [5.0, 20.0]
-    specaugment: bool = False
+    specaugment: bool = TrainConfig.specaugment
     # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0
@@ -226,30 +231,31 @@ class TrainingSettings(dg.Config):
 
 class FederatedSettings(dg.Config):
     """Federated pretraining (`federated_checkpoint`): Flower rounds of local training on each
-    client and server-side aggregation of the shared encoder (see speech_assets/federated/)."""
+    client and server-side aggregation of the shared encoder (see speech_assets/federated/). The
+    server's config, FederatedConfig, is filled from these by field name and holds their defaults."""
 
-    rounds: int = 3
-    local_steps: int = 50  # optimizer steps per client per round
-    strategy: str = "fedadam"  # fedadam or fedavg (flwr.serverapp.strategy)
-    eta: float = 1e-2  # FedAdam server learning rate
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    tau: float = 1e-3
-    min_train_nodes: int = 0  # clients that must reply for a round to count; 0 = all
-    preset: str = "tiny"
-    client_lr: float = 2e-3  # sent to the clients with every round
-    batch_seconds: float = 16.0  # padded audio per local step
-    seed: int = 0
-    heldout_fraction: float = 0.1
-    max_frames: int = 1500
-    precision: str = "auto"
+    rounds: int = FederatedConfig.rounds
+    local_steps: int = FederatedConfig.local_steps  # optimizer steps per client per round
+    strategy: str = FederatedConfig.strategy  # fedadam or fedavg (flwr.serverapp.strategy)
+    eta: float = FederatedConfig.eta  # FedAdam server learning rate
+    beta_1: float = FederatedConfig.beta_1
+    beta_2: float = FederatedConfig.beta_2
+    tau: float = FederatedConfig.tau
+    min_train_nodes: int = FederatedConfig.min_train_nodes  # clients that must reply for a round to count; 0 = all
+    preset: str = FederatedConfig.preset
+    client_lr: float = FederatedConfig.client_lr  # sent to the clients with every round
+    batch_seconds: float = FederatedConfig.batch_seconds  # padded audio per local step
+    seed: int = FederatedConfig.seed
+    heldout_fraction: float = FederatedConfig.heldout_fraction
+    max_frames: int = FederatedConfig.max_frames
+    precision: str = FederatedConfig.precision
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
     superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
     threads_per_client: int = 0  # local SuperNodes: torch threads each; 0 = cores / clients
     device: str = "auto"  # local SuperNodes: auto, cpu or cuda
-    round_timeout_s: float = 3600.0  # a client silent this long is counted missing for the round
-    connect_timeout_s: float = 300.0  # how long a round waits for its clients to connect (training and evaluation)
-    max_update_norm: float = 0.0  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
+    round_timeout_s: float = FederatedConfig.round_timeout_s  # a client silent this long is counted missing for the round
+    connect_timeout_s: float = FederatedConfig.connect_timeout_s  # how long a round waits for its clients (training and evaluation)
+    max_update_norm: float = FederatedConfig.max_update_norm  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
     # local SuperNodes keep their heads and CMVN under <this>/<client>; "" = <data>/federated_clients
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)

@@ -16,7 +16,7 @@ from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import fixed_node_count, run_torchrun
-from speech_assets.utils import sha256_strings
+from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "train-v1"
 
@@ -83,36 +83,14 @@ def run_training(
     run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
     run_dir = run_root / run_name
 
-    train_config = TrainConfig(
-        run_dir=str(run_dir),
-        shards=shards,
-        cmvn=str(paths.cmvn_dir / "cmvn.npz"),
-        clients=client_targets(clients, targets_dir),
-        preset=options.preset,
-        max_steps=options.max_steps,
-        batch_seconds=options.batch_seconds or None,
-        target_batch_seconds=options.target_batch_seconds,
-        lr=options.lr,
-        warmup_steps=options.warmup_steps,
-        seed=options.seed,
-        checkpoint_every=options.checkpoint_every,
-        log_every=options.log_every,
-        precision=options.precision,
-        heldout_fraction=options.heldout_fraction,
-        max_frames=options.max_frames,
-        data_versions=data_versions,
-        git_sha=git_commit(),
-        mlflow_tracking_uri=paths.mlflow_tracking_uri,
-        mlflow_artifact_location=paths.mlflow_artifact_location,
-        mlflow_run_name=f"{run_label}-{run_name}",
-        max_restarts=options.max_restarts,
-        nproc=options.nproc or "auto",
-        threads=options.threads or None,
+    train_config = from_fields(
+        TrainConfig, options, run_dir=str(run_dir), shards=shards, cmvn=str(paths.cmvn_dir / "cmvn.npz"),
+        clients=client_targets(clients, targets_dir), batch_seconds=options.batch_seconds or None,
+        nproc=options.nproc or "auto", threads=options.threads or None,
         noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
-        noise_prob=options.noise_prob,
-        noise_snr_db=list(options.noise_snr_db),
-        specaugment=options.specaugment,
-    )
+        data_versions=data_versions, git_sha=git_commit(), mlflow_tracking_uri=paths.mlflow_tracking_uri,
+        mlflow_artifact_location=paths.mlflow_artifact_location, mlflow_run_name=f"{run_label}-{run_name}",
+    )  # fmt: skip
     nnodes = fixed_node_count(options)
     if nnodes > 1:
         if not options.nproc or not options.rdzv_endpoint:

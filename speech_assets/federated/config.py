@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
+from speech_assets.utils import from_fields
 
 STRATEGIES = ("fedadam", "fedavg")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -175,22 +176,7 @@ class FederatedConfig:
 
     def local(self) -> LocalConfig:
         """What every client is told in a round's ConfigRecord."""
-        return LocalConfig(
-            run_name=self.run_name,
-            local_steps=self.local_steps,
-            lr=self.client_lr,
-            preset=self.preset,
-            batch_seconds=self.batch_seconds,
-            weight_decay=self.weight_decay,
-            clip_norm=self.clip_norm,
-            seed=self.seed,
-            heldout_fraction=self.heldout_fraction,
-            max_frames=self.max_frames,
-            mask_prob=self.mask_prob,
-            mask_length=self.mask_length,
-            unmasked_weight=self.unmasked_weight,
-            precision=self.precision,
-        )
+        return from_fields(LocalConfig, self, lr=self.client_lr)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
