@@ -1,7 +1,7 @@
 """Stage 5: a small student distilled from the pretrained encoder: `distilled_checkpoint`,
 a training loop launched like pretraining (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`).
 
-The distillation worker lives in speech_assets/evaluation/distill.py; torch is imported inside the asset.
+The distillation worker lives in speech_assets/train/distill.py; torch is imported inside the asset.
 """
 
 import json
@@ -42,7 +42,7 @@ def distilled_checkpoint(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
-    from speech_assets.evaluation.distill import DistillConfig
+    from speech_assets.train.distill import DistillConfig
     from speech_assets.evaluation.encoders import load_encoder
 
     options = effective(settings.distill, config)
@@ -66,7 +66,7 @@ def distilled_checkpoint(
     )  # fmt: skip
     result, _ = run_torchrun(
         context, pipes_subprocess_client, paths, run_dir, distill_config, asset_name="distilled_checkpoint",
-        nproc=options.nproc or 1, module="speech_assets.evaluation.distill",
+        nproc=options.nproc or 1, module="speech_assets.train.distill",
     )  # fmt: skip
     speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
     context.log.info(
@@ -97,7 +97,7 @@ def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
 
 def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths) -> dict[str, float]:
     """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances."""
-    from speech_assets.evaluation.distill import encoder_parameters
+    from speech_assets.train.distill import encoder_parameters
     from speech_assets.evaluation.encoders import load_encoder
     from speech_assets.evaluation.speed import forward_speed
 
