@@ -54,25 +54,9 @@ def build_client_targets(
     utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
     model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
     """
-    frame_counts: list[int] = []
-    index: list[tuple[int, str]] = []
-    for shard_number, path in enumerate(shard_paths):
-        table = read_shard_table(path, columns=["utt_id", "num_frames"])
-        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
-            index.append((shard_number, utt_id))
-            frame_counts.append(frames)
-    total_frames = int(sum(frame_counts))
-    if total_frames == 0:
-        raise ValueError(f"client {client_id} has no feature frames to cluster")
-
-    chosen = kmeans.sample_utterances(frame_counts, max_fit_frames, seed)
-    wanted: dict[int, set[str]] = {}
-    for position in chosen:
-        shard_number, utt_id = index[position]
-        wanted.setdefault(shard_number, set()).add(utt_id)
     fit_frames = [
         client_cmvn.apply(record.mfcc, "mfcc")
-        for shard_number, utt_ids in sorted(wanted.items())
+        for shard_number, utt_ids in sorted(fit_sample(client_id, shard_paths, max_fit_frames, seed).items())
         for record in iter_shard(shard_paths[shard_number], features=("mfcc",))
         if record.utt_id in utt_ids
     ]
@@ -88,6 +72,27 @@ def build_client_targets(
     state = ClientState(fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit,
                         fit.inertia_per_frame, quality)
     return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
+
+
+def fit_sample(client_id: str, shard_paths: list[Path], max_fit_frames: int, seed: int,
+               model_rate: bool = False) -> dict[int, set[str]]:
+    """The utterances of a client's fit sample, per shard number: whole utterances drawn with
+    ``seed`` up to ``max_fit_frames`` frames, counted at 100 Hz (or at the model's 50 Hz rate,
+    ``(num_frames + 1) // 2``, with ``model_rate``)."""
+    frame_counts: list[int] = []
+    index: list[tuple[int, str]] = []
+    for shard_number, path in enumerate(shard_paths):
+        table = read_shard_table(path, columns=["utt_id", "num_frames"])
+        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
+            index.append((shard_number, utt_id))
+            frame_counts.append((int(frames) + 1) // 2 if model_rate else frames)
+    if sum(frame_counts) == 0:
+        raise ValueError(f"client {client_id} has no feature frames to cluster")
+    wanted: dict[int, set[str]] = {}
+    for position in kmeans.sample_utterances(frame_counts, max_fit_frames, seed):
+        shard_number, utt_id = index[position]
+        wanted.setdefault(shard_number, set()).add(utt_id)
+    return wanted
 
 
 def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: Path) -> ClientTargetSet:

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.features.shards import iter_shard, read_shard_table
+from speech_assets.features.shards import iter_shard
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.batches import batches_by_length, pad
 from speech_assets.targets import kmeans
-from speech_assets.targets.build import ClientState, ClientTargetSet, write_client_targets
+from speech_assets.targets.build import ClientState, ClientTargetSet, fit_sample, write_client_targets
 from speech_assets.targets.labels import UtteranceLabels
 
 
@@ -72,21 +72,8 @@ def build_iter2_targets(
     ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
     """
     model.eval()
-    counts: list[int] = []
-    index: list[tuple[int, str]] = []
-    for shard_number, path in enumerate(shard_paths):
-        table = read_shard_table(path, columns=["utt_id", "num_frames"])
-        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
-            index.append((shard_number, utt_id))
-            counts.append((int(frames) + 1) // 2)
-    if sum(counts) == 0:
-        raise ValueError(f"client {client_id} has no feature frames to cluster")
-    wanted: dict[int, set[str]] = {}
-    for position in kmeans.sample_utterances(counts, max_fit_frames, seed):
-        shard_number, utt_id = index[position]
-        wanted.setdefault(shard_number, set()).add(utt_id)
     fit_parts: list[np.ndarray] = []
-    for shard_number, utt_ids in sorted(wanted.items()):
+    for shard_number, utt_ids in sorted(fit_sample(client_id, shard_paths, max_fit_frames, seed, model_rate=True).items()):
         feats = [
             global_cmvn.apply(r.logmel, "logmel")
             for r in iter_shard(shard_paths[shard_number], features=("logmel",))
