@@ -260,7 +260,8 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
     are deleted when the federation stops."""
     from speech_assets.federated.auth import make_node_key
     from speech_assets.federated.config import NodeConfig
-    from speech_assets.federated.processes import LocalFederation, flower_bin, flower_env, spawn, terminate
+    from speech_assets.federated.processes import LocalFederation, flower_bin, flower_env, spawn
+    from speech_assets.runtime.processes import terminate
 
     folder = tmp_path / "flower"
     node = NodeConfig("client_00", str(tmp_path / "data"))
