@@ -126,89 +126,76 @@ def _materialize_client(
     """
     out_dir = paths.kmeans_dir(client_id)
     with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-        return _materialize_client_locked(context, kmeans, force, paths, client_id, speakers, speaker_sums, out_dir)
-
-
-def _materialize_client_locked(
-    context: dg.AssetExecutionContext,
-    kmeans: KMeansSettings,
-    force: bool,
-    paths: StoragePaths,
-    client_id: str,
-    speakers: list[str],
-    speaker_sums: cmvn.ShardStats,
-    out_dir,
-) -> dict:
-    if not speakers:
-        raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-    shard_versions = {}
-    for speaker in speakers:
-        meta = paths.shard_files(speaker).read_meta()
-        if meta is None:
-            raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
-        shard_versions[speaker] = meta["shard_sha256"]
-    # Client-level CMVN from this client's own speakers only: no statistics cross clients.
-    client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
-    inputs_key = sha256_strings(
-        [json.dumps(shard_versions, sort_keys=True), kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION]
-    )
-    quality_file = out_dir / "quality.json"
-    previous = read_json(quality_file)
-    fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
-    intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
-    if intact and previous.get("inputs_key") == inputs_key:
-        context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
-        quality = previous
-    else:
-        newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
-        new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
-        at_refit = frames_at_last_refit(previous)
-        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
-            context.log.info(
-                f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
-                f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
-                f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
-            )
-            result = build.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
-            mode, codebook_speakers = "extended", previous["codebook_speakers"]
+        if not speakers:
+            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
+        shard_versions = {}
+        for speaker in speakers:
+            meta = paths.shard_files(speaker).read_meta()
+            if meta is None:
+                raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
+            shard_versions[speaker] = meta["shard_sha256"]
+        # Client-level CMVN from this client's own speakers only: no statistics cross clients.
+        client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
+        inputs_key = sha256_strings(
+            [json.dumps(shard_versions, sort_keys=True), kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION]
+        )
+        quality_file = out_dir / "quality.json"
+        previous = read_json(quality_file)
+        fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
+        intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
+        if intact and previous.get("inputs_key") == inputs_key:
+            context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
+            quality = previous
         else:
-            result = build.build_client_targets(
-                client_id,
-                [paths.shard_file(s) for s in speakers],
-                client_cmvn,
-                out_dir,
-                k=kmeans.k,
-                max_fit_frames=kmeans.max_fit_frames,
-                seed=kmeans.seed,
-                log=context.log.warning,
-            )
-            mode, codebook_speakers = "refit", speakers
-        quality = {
-            "client_id": client_id,
-            "k": result.k,
-            "k_requested": kmeans.k,
-            "frames_fit": result.frames_fit,
-            "frames_labelled": result.frames_labelled,
-            "utterances": result.utterances,
-            "inertia_per_frame": result.inertia_per_frame,
-            "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
-            "perplexity": result.perplexity,
-            "empty_clusters": result.empty_clusters,
-            "mean_segment_length": result.mean_segment_length,
-            "speakers": speakers,
-            "codebook_speakers": codebook_speakers,
-            "mode": mode,
-            "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
-            "shards_read": result.shards_read,
-            "shard_versions": shard_versions,
-            "inputs_key": inputs_key,
-            "fit_key": fit_key,
-            "codebook_sha256": sha256_file(result.codebook_path),
-            "labels_sha256": sha256_file(result.labels_path),
-        }
-        quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
-        atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
-    return quality
+            newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
+            new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
+            at_refit = frames_at_last_refit(previous)
+            if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
+                context.log.info(
+                    f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
+                    f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
+                    f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
+                )
+                result = build.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
+                mode, codebook_speakers = "extended", previous["codebook_speakers"]
+            else:
+                result = build.build_client_targets(
+                    client_id,
+                    [paths.shard_file(s) for s in speakers],
+                    client_cmvn,
+                    out_dir,
+                    k=kmeans.k,
+                    max_fit_frames=kmeans.max_fit_frames,
+                    seed=kmeans.seed,
+                    log=context.log.warning,
+                )
+                mode, codebook_speakers = "refit", speakers
+            quality = {
+                "client_id": client_id,
+                "k": result.k,
+                "k_requested": kmeans.k,
+                "frames_fit": result.frames_fit,
+                "frames_labelled": result.frames_labelled,
+                "utterances": result.utterances,
+                "inertia_per_frame": result.inertia_per_frame,
+                "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
+                "perplexity": result.perplexity,
+                "empty_clusters": result.empty_clusters,
+                "mean_segment_length": result.mean_segment_length,
+                "speakers": speakers,
+                "codebook_speakers": codebook_speakers,
+                "mode": mode,
+                "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
+                "shards_read": result.shards_read,
+                "shard_versions": shard_versions,
+                "inputs_key": inputs_key,
+                "fit_key": fit_key,
+                "codebook_sha256": sha256_file(result.codebook_path),
+                "labels_sha256": sha256_file(result.labels_path),
+            }
+            quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
+            atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
+        return quality
 
 
 def frames_at_last_refit(quality: dict) -> int | None:
