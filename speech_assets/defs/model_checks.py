@@ -9,7 +9,7 @@ its last. Each check is a pure function of the run folder and a thin Dagster wra
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -95,62 +95,48 @@ def run_dir_of(instance: dg.DagsterInstance, asset: str) -> Path | None:
     return Path(str(value.value)) if value is not None else None
 
 
-def _no_run(asset: str) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(passed=False, description=f"no run folder recorded: materialize {asset} first")
+def run_folder_check(
+    asset: str, name: str, description: str, judge: Callable[[Path], dg.AssetCheckResult], blocking: bool = False
+) -> dg.AssetChecksDefinition:
+    """A check of what ``asset``'s latest run recorded: ``judge(run folder)``; it fails when no
+    run folder is recorded."""
 
-
-def losses_are_finite(asset: str) -> dg.AssetChecksDefinition:
-    @dg.asset_check(asset=asset, name="losses_are_finite", blocking=True, description=(
-        "Every loss the run recorded is finite: each logged step's (metrics.jsonl), the final and held-out "
-        "ones (result.json) and, for a federation, each client's per round (rounds.parquet, evaluation.parquet)."
-    ))  # fmt: skip
+    @dg.asset_check(asset=asset, name=name, blocking=blocking, description=description)
     def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         run_dir = run_dir_of(context.instance, asset)
         if run_dir is None:
-            return _no_run(asset)
-        problems = loss_problems(run_dir)
-        return dg.AssetCheckResult(
-            passed=not problems,
-            severity=dg.AssetCheckSeverity.ERROR,
-            description="; ".join(problems) if problems else None,
-            metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "problems": dg.MetadataValue.json(problems)},
-        )
+            return dg.AssetCheckResult(passed=False, description=f"no run folder recorded: materialize {asset} first")
+        return judge(run_dir)
 
     return check
 
 
-def beats_majority_class(asset: str) -> dg.AssetChecksDefinition:
-    @dg.asset_check(asset=asset, name="beats_majority_class", description=(
-        "Held-out masked accuracy above the majority-class rate (always predicting each client's most "
-        "frequent training label) on the same frames, where the run measured both."
-    ))  # fmt: skip
-    def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        run_dir = run_dir_of(context.instance, asset)
-        if run_dir is None:
-            return _no_run(asset)
-        measured = accuracy_against_majority(run_dir)
-        if measured is None:
-            return dg.AssetCheckResult(passed=True, description="no held-out accuracy recorded (no held-out speakers)")
-        accuracy, majority = measured
-        return dg.AssetCheckResult(
-            passed=accuracy > majority,
-            severity=dg.AssetCheckSeverity.WARN,
-            description=None if accuracy > majority else (
-                "the encoder predicts masked frames no better than the majority class: train longer or check the targets"
-            ),
-            metadata={"heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4)},
-        )
-
-    return check
+def finite_losses(run_dir: Path) -> dg.AssetCheckResult:
+    problems = loss_problems(run_dir)
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description="; ".join(problems) if problems else None,
+        metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "problems": dg.MetadataValue.json(problems)},
+    )
 
 
-@dg.asset_check(asset="distilled_checkpoint", description=(
-    "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."
-))
-def student_loss_falls(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-    run_dir = run_dir_of(context.instance, "distilled_checkpoint")
-    if run_dir is None:
-        return _no_run("distilled_checkpoint")
+def above_majority_class(run_dir: Path) -> dg.AssetCheckResult:
+    measured = accuracy_against_majority(run_dir)
+    if measured is None:
+        return dg.AssetCheckResult(passed=True, description="no held-out accuracy recorded (no held-out speakers)")
+    accuracy, majority = measured
+    return dg.AssetCheckResult(
+        passed=accuracy > majority,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=None if accuracy > majority else (
+            "the encoder predicts masked frames no better than the majority class: train longer or check the targets"
+        ),
+        metadata={"heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4)},
+    )
+
+
+def falling_loss(run_dir: Path) -> dg.AssetCheckResult:
     trend = loss_trend(run_dir)
     if trend is None:
         return dg.AssetCheckResult(passed=True, description="fewer than two logged steps: nothing to compare")
@@ -162,6 +148,19 @@ def student_loss_falls(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckR
     )
 
 
+LOSSES_ARE_FINITE = (
+    "Every loss the run recorded is finite: each logged step's (metrics.jsonl), the final and held-out "
+    "ones (result.json) and, for a federation, each client's per round (rounds.parquet, evaluation.parquet)."
+)
+BEATS_MAJORITY_CLASS = (
+    "Held-out masked accuracy above the majority-class rate (always predicting each client's most "
+    "frequent training label) on the same frames, where the run measured both."
+)
+student_loss_falls = run_folder_check("distilled_checkpoint", "student_loss_falls", (
+    "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."
+), falling_loss)  # fmt: skip
+
+
 @dg.asset_check(asset="kmeans_targets_iter2", name="labels_match_shards", blocking=True, description=(
     "Every client's iteration-2 labels cover exactly its speakers' utterances, one label per 50 Hz frame "
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
@@ -171,8 +170,8 @@ def iteration2_labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
 
 
 CHECKS = [
-    *(losses_are_finite(asset) for asset in TRAINED),
-    *(beats_majority_class(asset) for asset in WITH_HELDOUT_ACCURACY),
+    *(run_folder_check(asset, "losses_are_finite", LOSSES_ARE_FINITE, finite_losses, blocking=True) for asset in TRAINED),
+    *(run_folder_check(asset, "beats_majority_class", BEATS_MAJORITY_CLASS, above_majority_class) for asset in WITH_HELDOUT_ACCURACY),
     student_loss_falls,
     iteration2_labels_match_shards,
 ]
