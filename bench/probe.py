@@ -43,7 +43,7 @@ def main() -> int:
     import torch
 
     from speech_assets.evaluation.compare import RANDOM, compare_encoders, markdown_table, split_utterances
-    from speech_assets.evaluation.distill import encoder_parameters
+    from speech_assets.train.distill import encoder_parameters
     from speech_assets.evaluation.encoders import load_encoder, load_utterances, random_encoder
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.evaluation.speed import forward_speed

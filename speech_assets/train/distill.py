@@ -1,11 +1,12 @@
 """DistilHuBERT-style distillation: a small student encoder predicts chosen layers of a frozen teacher.
 
-``python -m speech_assets.evaluation.distill --config CONFIG.json`` trains alone or as one rank
-under torchrun (launched with :func:`speech_assets.train.launch.build_torchrun_command`, like
-pretraining). Per step: the teacher encodes the batch (no masking, no gradient); its layers
-``teacher_layers`` (1-based, layer-normalised) are the targets; the student's encoder plus one
-linear head per target layer predicts them; loss per head = L1 - ``cosine_weight`` * log
-sigmoid(cosine similarity) (Chang et al., 2022). Data: the training speakers' utterances
+``python -m speech_assets.train.distill --config CONFIG.json`` trains alone or as one rank under
+torchrun, on the training engine (:mod:`speech_assets.train.engine`: precision, accumulation,
+checkpoints every ``checkpoint_every`` steps and exact resume, like pretraining). Per step: the
+teacher encodes the batch (no masking, no gradient); its layers ``teacher_layers`` (1-based,
+layer-normalised) are the targets; the student's encoder plus one linear head per target layer
+predicts them; loss per head = L1 - ``cosine_weight`` * log sigmoid(cosine similarity) (Chang et
+al., 2022). Data: the training speakers' utterances
 (:func:`speech_assets.train.data.heldout_split`), so held-out speakers stay unseen for the probe.
 
 The student is a :class:`HubertPretrainModel` whose "heads" are the layer predictors
@@ -18,14 +19,10 @@ checkpoint's layout, so the probe, the export and
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import math
-import os
 import sys
-import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speech_assets.features.cmvn import Cmvn
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
-from speech_assets.locations import redact_uri
-from speech_assets.train.config import ClientTargets
-from speech_assets.utils import atomic_write_text
+from speech_assets.train.autoconfig import available_cores, resolve_precision
+from speech_assets.train.config import PRECISIONS, ClientTargets, RunConfig
+from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split
+from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay, worker
+from speech_assets.train.tracking import PipesReporter
 
-log = logging.getLogger("speech_assets.distill")
+log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "distilled"
+STUDENT_FIELDS = ("teacher", "dim", "layers", "heads", "ffn_dim", "teacher_layers")  # a checkpoint continues only these
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(RunConfig):
     """One distillation run. ``teacher``: a training ``final.pt``; ``shards``/``cmvn``/``clients``
     as in :class:`~speech_assets.train.config.TrainConfig` (clients' labels only index the
     utterances); ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
@@ -63,6 +64,8 @@ class DistillConfig:
     cosine_weight: float = 1.0
     max_steps: int = 200
     batch_seconds: float = 16.0
+    grad_accum: int = 1
+    precision: str = "auto"
     lr: float = 5e-4
     warmup_steps: int = 20
     weight_decay: float = 0.01
@@ -70,6 +73,8 @@ class DistillConfig:
     seed: int = 0
     max_frames: int = 1500
     log_every: int = 10
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
     num_workers: int = 0
     threads: int | None = None
     device: str = "auto"
@@ -87,35 +92,15 @@ class DistillConfig:
         }
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if min(self.layers, self.max_steps, self.log_every) < 1 or self.batch_seconds <= 0:
-            raise ValueError("layers, max_steps and log_every must be >= 1 and batch_seconds > 0")
+        if min(self.layers, self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum) < 1:
+            raise ValueError("layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1")
+        if self.batch_seconds <= 0 or self.precision not in PRECISIONS:
+            raise ValueError(f"batch_seconds must be > 0 and precision one of {PRECISIONS}")
 
     @property
     def preset(self) -> str:
         """The student's name (MLflow tags runs by it, as it does training presets)."""
         return f"student-{self.dim}x{self.layers}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
-        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
-        data = asdict(self)
-        if data["mlflow_tracking_uri"]:
-            data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
-        return data
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> DistillConfig:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown DistillConfig fields: {unknown}")
-        return cls(**data)
 
 
 def default_teacher_layers(depth: int, count: int = 3) -> list[int]:
@@ -196,31 +181,43 @@ def encoder_parameters(model: HubertPretrainModel) -> int:
     return count_parameters(model) - count_parameters(model.heads)
 
 
-def distill(config: DistillConfig) -> dict[str, Any] | None:
-    """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
-    content on rank 0, ``None`` elsewhere."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+class LayerPrediction:
+    """The distillation objective. Call: a :class:`LayerPredictor` (or DDP of it) and a CPU batch ->
+    the loss ``()`` and statistics ``(2 + 2H,)`` float64: a count of 1, the loss, then the per-head
+    L1 ``(H,)`` and cosine ``(H,)`` (summed over steps and ranks, :meth:`metrics` divides by the count)."""
 
+    def __init__(self, teacher: HubertPretrainModel, layers: list[int], cosine_weight: float, device: torch.device) -> None:
+        self.teacher, self.layers, self.cosine_weight, self.device = teacher, layers, cosine_weight, device
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.device)
+        targets = teacher_targets(self.teacher, batch.feats, batch.lengths, self.layers)
+        predictions, padding = model(batch.feats, batch.lengths)
+        loss, parts = layer_prediction_loss(predictions.float(), targets.float(), padding, self.cosine_weight)
+        one = torch.ones(1, dtype=torch.float64, device=self.device)
+        return loss, torch.cat([one, loss.detach().double()[None], parts["l1"].double(), parts["cosine"].double()])
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        means = (totals[1:] / totals[0].clamp(min=1)).tolist()
+        metrics = {"loss": means[0]}
+        for i, layer in enumerate(self.layers):
+            metrics[f"l1_layer_{layer:02d}"] = means[1 + i]
+            metrics[f"cosine_layer_{layer:02d}"] = means[1 + len(self.layers) + i]
+        return metrics
+
+
+def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dict[str, Any] | None:
+    """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
+    content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
+    its latest checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
     from speech_assets.evaluation.encoders import load_encoder
-    from speech_assets.features.cmvn import Cmvn
-    from speech_assets.train.checkpoint import CHECKPOINT_FORMAT, save_checkpoint, weights_sha256
-    from speech_assets.train.data import DurationBucketSampler, UtteranceDataset, build_index, heldout_split
-    from speech_assets.train.tracking import MlflowTracker, PipesReporter
-    from speech_assets.train.trainer import (
-        BatchStream, build_optimizer, hold_run_folder, init_distributed, seed_everything, warmup_linear_decay,
-    )  # fmt: skip
 
     run_dir = Path(config.run_dir)
-    handler = _setup_logging(run_dir, int(os.environ.get("RANK", "0")))
-    folder = contextlib.ExitStack()
-    tracker: MlflowTracker | None = None
-    job = None
-    try:
-        # like a training worker: dies with its launcher, holds the run folder (no orphan after kill -9)
-        folder.enter_context(hold_run_folder(config.run_dir))
-        job = init_distributed(config.device)
-        torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // job.local_world_size))
+    with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
+        torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
+        cuda = job.device.type == "cuda"
+        precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
+        job.batch = (config.batch_seconds, config.grad_accum)
         reporter = PipesReporter(log) if job.is_main else None
         teacher_loaded = load_encoder(config.teacher)
         teacher = teacher_loaded.model.to(job.device).requires_grad_(False)
@@ -233,108 +230,55 @@ def distill(config: DistillConfig) -> dict[str, Any] | None:
         sampler = DurationBucketSampler(
             dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
-        # BatchStream, build_optimizer and MlflowTracker read only fields DistillConfig shares with TrainConfig
-        stream = BatchStream(dataset, sampler, 0, 0, config, pin_memory=job.device.type == "cuda")  # type: ignore[arg-type]
+        stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
         seed_everything(config.seed)
         student = build_student(config, teacher, layers).to(job.device)
-        predictor: nn.Module = LayerPredictor(student)
-        if job.enabled:
-            predictor = DistributedDataParallel(predictor, device_ids=[job.local_rank] if job.device.type == "cuda" else None)
-        optimizer = build_optimizer(student, config)  # type: ignore[arg-type]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(config.warmup_steps, config.max_steps))
-        if job.is_main and config.mlflow_tracking_uri:
-            tracker = MlflowTracker(config)  # type: ignore[arg-type]
-            tracker.start(None, {"nproc": job.world_size, "batch_seconds": config.batch_seconds})
-        log.info(
-            "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "
-            "speakers (%d held-out utterances left out)",
-            config.teacher, encoder_parameters(teacher), layers, config.preset, encoder_parameters(student),
-            len(train_refs), len(heldout_refs),
+        engine = Engine(
+            student, job, precision=precision, lr=config.lr, weight_decay=config.weight_decay, clip_norm=config.clip_norm,
+            grad_accum=config.grad_accum, schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
+            forward=LayerPredictor(student),
         )  # fmt: skip
-        window = torch.zeros(1 + 2 * len(layers), dtype=torch.float64)  # loss, then per-head L1 and cosine sums
-        started, audio_seconds, metrics = time.perf_counter(), 0.0, {}
-        for step in range(1, config.max_steps + 1):
-            batch = next(stream).to(job.device)
-            targets = teacher_targets(teacher, batch.feats, batch.lengths, layers)
-            predictions, padding = predictor(batch.feats, batch.lengths)
-            loss, parts = layer_prediction_loss(predictions, targets, padding, config.cosine_weight)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(student.parameters(), config.clip_norm)
-            optimizer.step()
-            scheduler.step()
-            window += torch.cat([loss.detach().double().cpu()[None], parts["l1"].double().cpu(), parts["cosine"].double().cpu()])
-            audio_seconds += batch.seconds
-            if step % config.log_every == 0 or step == config.max_steps:
-                totals = window.clone()
-                if job.enabled:
-                    dist.all_reduce(totals)
-                totals /= (step - 1) % config.log_every + 1
-                totals /= job.world_size
-                metrics = {"loss": float(totals[0]), "lr": float(scheduler.get_last_lr()[0])}
-                for i, layer in enumerate(layers):
-                    metrics[f"l1_layer_{layer:02d}"] = float(totals[1 + i])
-                    metrics[f"cosine_layer_{layer:02d}"] = float(totals[1 + len(layers) + i])
-                window.zero_()
-                if job.is_main:
-                    log.info("step %d/%d loss %.4f", step, config.max_steps, metrics["loss"])
-                    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                        handle.write(json.dumps({"step": step, **metrics}) + "\n")
-                    if tracker is not None:
-                        tracker.log_metrics(metrics, step)
-        if not job.is_main:
-            return None
-        state = student.state_dict()
-        sha = weights_sha256(state)
-        final = run_dir / "final.pt"
-        save_checkpoint(final, {
-            "format": CHECKPOINT_FORMAT, "kind": CHECKPOINT_KIND, "step": config.max_steps, "model": state,
-            "preset": student.preset.to_dict(), "clients": {name: teacher.preset.dim for name in student.clients},
-            "teacher": config.teacher, "teacher_sha256": teacher_loaded.sha256, "teacher_layers": list(layers),
-            "config": config.to_dict(), "data_versions": dict(config.data_versions), "weights_sha256": sha,
-        })  # fmt: skip
-        result = {
-            "step": config.max_steps, "final_loss": metrics["loss"], "checkpoint": str(final), "checkpoint_sha256": sha,
-            "teacher": config.teacher, "teacher_sha256": teacher_loaded.sha256, "teacher_layers": list(layers),
-            "student": config.preset, "student_parameters": encoder_parameters(student),
-            "teacher_parameters": encoder_parameters(teacher), "train_utterances": len(train_refs),
-            "train_audio_seconds": audio_seconds * job.world_size, "train_seconds": time.perf_counter() - started,
-            "world_size": job.world_size, "data_versions": dict(config.data_versions),
-            "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_run_url": tracker.url if tracker else None,
-            **{k: v for k, v in metrics.items() if k.startswith(("l1_", "cosine_"))},
-        }  # fmt: skip
-        if tracker is not None:
-            tracker.finish(result, final)
-        atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
-        log.info("done: %d steps, loss %.4f, student %s", config.max_steps, metrics["loss"], final)
-        if reporter is not None:
+        engine.extra = {"kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions)}
+        engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
+        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum, "precision": precision}
+        with tracking(config, job, plan) as tracker:
+            engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
+            log.info(
+                "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "
+                "speakers (%d held-out utterances left out), %s",
+                config.teacher, encoder_parameters(teacher), layers, config.preset, encoder_parameters(student),
+                len(train_refs), len(heldout_refs), precision,
+            )  # fmt: skip
+            objective = LayerPrediction(teacher, layers, config.cosine_weight, job.device)
+            if not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker) or not job.is_main:
+                return None
+            final, sha = engine.save_final(
+                run_dir, kind=CHECKPOINT_KIND, preset=student.preset.to_dict(),
+                clients={name: teacher.preset.dim for name in student.clients}, teacher=config.teacher,
+                teacher_sha256=teacher_loaded.sha256, teacher_layers=list(layers), config=config.to_dict(),
+                data_versions=dict(config.data_versions),
+            )  # fmt: skip
+            metrics, progress = engine.metrics, engine.progress
+            result = {
+                "step": engine.step, "final_loss": metrics["loss"], "checkpoint": str(final), "checkpoint_sha256": sha,
+                "teacher": config.teacher, "teacher_sha256": teacher_loaded.sha256, "teacher_layers": list(layers),
+                "student": config.preset, "student_parameters": encoder_parameters(student),
+                "teacher_parameters": encoder_parameters(teacher), "train_utterances": len(train_refs),
+                "train_audio_seconds": progress["audio_seconds"], "train_seconds": progress["train_seconds"],
+                "world_size": job.world_size, "data_versions": dict(config.data_versions), "precision": precision,
+                "resumed_from_step": engine.resumed_from,
+                "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_run_url": tracker.url if tracker else None,
+                **{k: v for k, v in metrics.items() if k.startswith(("l1_", "cosine_"))},
+            }  # fmt: skip
+            log.info("done: %d steps, loss %.4f, student %s", engine.step, metrics["loss"], final)
             keys = ("step", "final_loss", "checkpoint", "checkpoint_sha256", "student", "student_parameters",
                     "teacher_parameters", "mlflow_run_id", "mlflow_run_url")  # fmt: skip
-            reporter.report({k: result[k] for k in keys if result[k] is not None}, data_version=sha, paths=("checkpoint",))
-        return result
-    except BaseException:
-        if tracker is not None:
-            tracker.fail()
-        raise
-    finally:
-        log.removeHandler(handler)
-        handler.close()
-        if job is not None and job.enabled and dist.is_initialized():
-            dist.destroy_process_group()
-        folder.close()
-
-
-def _setup_logging(run_dir: Path, rank: int) -> logging.Handler:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s distill rank{rank} %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    return handler
+            publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
+            return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speech_assets.evaluation.distill", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m speech_assets.train.distill", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="DistillConfig JSON file")
     distill(DistillConfig.from_json(parser.parse_args(argv).config))
     return 0

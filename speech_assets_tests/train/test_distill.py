@@ -1,14 +1,18 @@
-"""Distillation pieces: the layer-prediction loss (a pure function), the student's shape, speed."""
+"""Distillation: the layer-prediction loss (a pure function), the student's shape, speed, and runs on
+the training engine (exact resume, bf16 autocast on the CPU)."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.evaluation.distill import (
+from speech_assets.train.distill import (
     DistillConfig,
     LayerPredictor,
     build_student,
+    distill,
     default_teacher_layers,
     encoder_parameters,
     layer_prediction_loss,
@@ -17,6 +21,9 @@ from speech_assets.evaluation.distill import (
 from speech_assets.evaluation.speed import forward_speed
 from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.hubert import padding_mask
+from speech_assets.testing.training_data import SyntheticCorpus
+from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
+from speech_assets.train.trainer import train
 
 
 def test_loss_is_l1_minus_log_sigmoid_cosine_over_valid_frames() -> None:
@@ -80,3 +87,44 @@ def test_student_predicts_every_chosen_teacher_layer() -> None:
     feats_np = [np.random.default_rng(0).random((120, 80), dtype=np.float32)] * 2
     speeds = forward_speed({"teacher": teacher, "student": student}, feats_np, repeats=1)
     assert set(speeds) == {"teacher", "student"} and min(speeds.values()) > 0
+
+
+@pytest.fixture(scope="module")
+def teacher(small_corpus: SyntheticCorpus, tmp_path_factory: pytest.TempPathFactory) -> str:
+    result = train(small_corpus.config(tmp_path_factory.mktemp("teacher") / "run", max_steps=2, log_every=1))
+    assert result is not None
+    return result["checkpoint"]
+
+
+def _config(corpus: SyntheticCorpus, teacher: str, run_dir: Path, **overrides: object) -> DistillConfig:
+    values = {"max_steps": 6, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0, "grad_accum": 2, "warmup_steps": 2,
+              "precision": "fp32", "device": "cpu", "threads": 1, "dim": 32, "layers": 1, "heads": 2, "ffn_dim": 64, "max_frames": 200}  # fmt: skip
+    values.update(overrides)
+    return DistillConfig(run_dir=str(run_dir), teacher=teacher, shards=corpus.shards, cmvn=corpus.cmvn, clients=corpus.clients, **values)  # type: ignore[arg-type]
+
+
+def test_a_stopped_distillation_resumes_to_the_same_weights(small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path) -> None:
+    straight = distill(_config(small_corpus, teacher, tmp_path / "straight"))
+    interrupted = _config(small_corpus, teacher, tmp_path / "resumed")
+    assert distill(interrupted, stop_after_step=3) is None
+    assert not (tmp_path / "resumed" / "final.pt").exists()
+    assert [step for step, _ in list_checkpoints(tmp_path / "resumed")] == [3]
+    resumed = distill(interrupted)
+    assert straight is not None and resumed is not None
+    assert resumed["resumed_from_step"] == 3 and straight["resumed_from_step"] is None
+    assert resumed["step"] == straight["step"] == 6
+    a = load_checkpoint(tmp_path / "straight" / "final.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "final.pt")
+    assert a["kind"] == "distilled" and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert straight["checkpoint_sha256"] == resumed["checkpoint_sha256"] and straight["final_loss"] == resumed["final_loss"]
+    # another student cannot continue this run
+    with pytest.raises(ValueError, match="another model"):
+        distill(_config(small_corpus, teacher, tmp_path / "resumed", dim=16, max_steps=8))
+
+
+def test_distillation_trains_in_bf16_on_the_cpu(small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path) -> None:
+    result = distill(_config(small_corpus, teacher, tmp_path / "bf16", precision="bf16", max_steps=2, grad_accum=1))
+    assert result is not None and result["precision"] == "bf16" and np.isfinite(result["final_loss"])
+    weights = load_checkpoint(result["checkpoint"])["model"]
+    assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())  # fp32 master weights
