@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, step_events
+from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, shard_hashes, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import (
@@ -80,12 +80,7 @@ def kmeans_targets_iter2(
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers")
-        shard_versions = {}
-        for speaker in speakers:
-            meta = paths.shard_files(speaker).read_meta()
-            if meta is None:
-                raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
-            shard_versions[speaker] = meta["shard_sha256"]
+        shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
         out_dir = paths.kmeans_iter2_dir(client_id)
         inputs_key = sha256_strings([
             json.dumps(shard_versions, sort_keys=True), encoder.sha256, str(layer),

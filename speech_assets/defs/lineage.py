@@ -109,11 +109,18 @@ def input_versions(
     }
     for client, speakers in sorted(clients.items()):
         versions[f"{targets_asset}/{client}"] = json.loads((targets_dir(client) / "quality.json").read_text())["data_version"]
-        for speaker in speakers:
-            meta = paths.shard_files(speaker).read_meta()
-            if meta is None:
-                raise dg.Failure(description=f"shard for speaker {speaker} is missing: materialize vad_features")
-            versions[f"vad_features/{speaker}"] = meta["shard_sha256"]
+        versions |= {f"vad_features/{speaker}": sha for speaker, sha in shard_hashes(paths, speakers).items()}
+    return versions
+
+
+def shard_hashes(paths: StoragePaths, speakers: Iterable[str], whose: str = "") -> dict[str, str]:
+    """``{speaker: content hash}`` of the speakers' published shards; a missing one fails the step."""
+    versions = {}
+    for speaker in speakers:
+        meta = paths.shard_files(speaker).read_meta()
+        if meta is None:
+            raise dg.Failure(description=f"shard for speaker {speaker}{whose} is missing: materialize vad_features")
+        versions[speaker] = meta["shard_sha256"]
     return versions
 
 
