@@ -11,7 +11,7 @@ from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import build, labels
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, step_events
+from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
@@ -128,12 +128,7 @@ def _materialize_client(
     with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-        shard_versions = {}
-        for speaker in speakers:
-            meta = paths.shard_files(speaker).read_meta()
-            if meta is None:
-                raise dg.Failure(description=f"shard for speaker {speaker} of {client_id} is missing: materialize vad_features")
-            shard_versions[speaker] = meta["shard_sha256"]
+        shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
         # Client-level CMVN from this client's own speakers only: no statistics cross clients.
         client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
         inputs_key = sha256_strings(
