@@ -88,18 +88,6 @@ def check_speed_factors(factors: Sequence[float]) -> tuple[float, ...]:
     return out
 
 
-def process_utterance(
-    path: str | os.PathLike[str],
-    utt_id: str,
-    speaker_id: str,
-    chapter_id: str,
-    vad_cfg: VadConfig,
-    extractor: FeatureExtractor,
-) -> FeatureRecord | VadReject:
-    """Decode, VAD-trim and featurise one utterance (no speed-perturbed copies: :func:`process_variants`)."""
-    return process_variants(path, utt_id, speaker_id, chapter_id, vad_cfg, extractor)[0]
-
-
 def process_variants(
     path: str | os.PathLike[str],
     utt_id: str,

@@ -27,7 +27,7 @@ from speech_assets.features.build import (
     VadReject,
     build_shard,
     build_shards_parallel,
-    process_utterance,
+    process_variants,
     write_sidecars,
 )
 from speech_assets.features.shards import FeatureRecord, num_frames_for, sidecar_paths
@@ -208,7 +208,7 @@ def test_extractor_reuse_gives_identical_results(extractor):
     np.testing.assert_array_equal(logmel, first[0])
 
 
-# --- process_utterance ---------------------------------------------------------------------------
+# --- process_variants, one utterance -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -225,11 +225,11 @@ def test_resampled_inputs_give_16k_features(tmp_path, extractor, sample_rate, ch
     cfg = VadConfig()
     fmax = 3600 if sample_rate < SR else 7600  # what the input rate can carry
     reference = write_flac(tmp_path / "ref.flac", vowel(2.0, SR, fmax=fmax), SR, "PCM_24")
-    ref = process_utterance(reference, "ref", "s", "c", cfg, extractor)
+    ref = process_variants(reference, "ref", "s", "c", cfg, extractor)[0]
     mono = vowel(2.0, sample_rate, fmax=fmax)
     data = np.stack([mono, 0.8 * mono], axis=1) if channels == 2 else mono
     other = write_flac(tmp_path / f"other{suffix}", data, sample_rate, subtype)
-    rec = process_utterance(other, "other", "s", "c", cfg, extractor)
+    rec = process_variants(other, "other", "s", "c", cfg, extractor)[0]
     assert isinstance(ref, FeatureRecord) and isinstance(rec, FeatureRecord)
     assert rec.duration_s == pytest.approx(2.0)
     assert rec.num_frames == ref.num_frames == num_frames_for(32000)
@@ -249,16 +249,16 @@ def test_resampled_frame_count_for_odd_lengths(tmp_path, extractor):
     num_samples = 44100 * 2 + 37
     wave = vowel(num_samples / 44100, 44100)[:num_samples]
     path = write_flac(tmp_path / "odd.flac", np.stack([wave, wave], axis=1), 44100, "PCM_24")
-    rec = process_utterance(path, "odd", "s", "c", VadConfig(), extractor)
+    rec = process_variants(path, "odd", "s", "c", VadConfig(), extractor)[0]
     assert isinstance(rec, FeatureRecord)
     resampled = audio.resampled_length(num_samples, 44100)
     assert rec.speech_end_s == pytest.approx(resampled / SR)
     assert rec.num_frames == num_frames_for(resampled) == rec.logmel.shape[0]
 
 
-def test_process_utterance_trims_and_reports(tmp_path, extractor):
+def test_one_utterance_is_trimmed_and_reported(tmp_path, extractor):
     path = write_flac(tmp_path / "u.flac", with_silence(1.0, 2.0, 1.0))
-    rec = process_utterance(path, "u1", "spk", "ch", VadConfig(), extractor)
+    rec = process_variants(path, "u1", "spk", "ch", VadConfig(), extractor)[0]
     assert isinstance(rec, FeatureRecord)
     assert rec.duration_s == pytest.approx(4.0)
     assert 0.6 <= rec.speech_start_s <= 1.03 and 3.0 <= rec.speech_end_s <= 3.5
@@ -275,7 +275,7 @@ def test_process_utterance_trims_and_reports(tmp_path, extractor):
 )
 def test_silence_only_file_is_no_speech_reject(tmp_path, extractor, wave):
     path = write_flac(tmp_path / "silence.flac", wave)
-    result = process_utterance(path, "sil", "s", "c", VadConfig(), extractor)
+    result = process_variants(path, "sil", "s", "c", VadConfig(), extractor)[0]
     assert isinstance(result, VadReject)
     row = result.as_row()
     assert row["stage"] == "vad" and row["reason"] == "no_speech" and row["utt_id"] == "sil"
@@ -285,7 +285,7 @@ def test_silence_only_file_is_no_speech_reject(tmp_path, extractor, wave):
 def test_unreadable_file_is_a_reject_not_a_crash(tmp_path, extractor):
     path = tmp_path / "broken.flac"
     path.write_bytes(b"fLaC garbage")
-    result = process_utterance(path, "bad", "s", "c", VadConfig(), extractor)
+    result = process_variants(path, "bad", "s", "c", VadConfig(), extractor)[0]
     assert isinstance(result, VadReject) and result.reason == "unreadable" and result.stage == "vad"
 
 
@@ -325,9 +325,9 @@ def test_build_shard_writes_sorted_records_rejects_and_stats(tmp_path, corpus, e
     assert table.schema.equals(features.SHARD_SCHEMA)
     assert pq.ParquetFile(out).metadata.row_group(0).column(0).compression == "ZSTD"
     for record in records:  # stored features equal a fresh computation
-        again = process_utterance(
+        again = process_variants(
             next(u.path for u in corpus if u.utt_id == record.utt_id), record.utt_id, "s1", "c", VadConfig(), extractor
-        )
+        )[0]
         np.testing.assert_array_equal(record.logmel, again.logmel)
         np.testing.assert_array_equal(record.mfcc, again.mfcc)
     stats = result.stats.speakers["s1"]
