@@ -171,7 +171,7 @@ def full_path(shards: dict[str, list[UtteranceInput]], out: Path, cfg: VadConfig
 def stage_breakdown(
     shards: dict[str, list[UtteranceInput]], out: Path, cfg: VadConfig, extractor: FeatureExtractor
 ) -> dict[str, float]:
-    """CPU seconds per stage of the full path (the steps of ``process_utterance`` + ``build_shard``)."""
+    """CPU seconds per stage of the full path (the steps of ``process_variants`` + ``build_shard``)."""
     spent = dict.fromkeys(["decode", "mono+resample+normalise", "VAD", "features", "CMVN sums", "Parquet write"], 0.0)
     clock = time.thread_time
     for key, utterances in shards.items():
