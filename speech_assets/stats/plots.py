@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,13 +18,13 @@ SIZE = (7.0, 3.0)
 MAX_BARS = 40
 
 
-def _render(draw) -> bytes:
+def _render(draw, size: tuple[float, float] = SIZE) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    figure = plt.figure(figsize=SIZE, dpi=DPI)
+    figure = plt.figure(figsize=size, dpi=DPI)
     try:
         draw(figure)
         figure.tight_layout()
@@ -112,6 +113,32 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
         axis.legend(fontsize=6)
 
     return _render(draw)
+
+
+def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
+    """A federated run's train loss, and held-out masked accuracy against the majority-class
+    rate, per round (lines of :func:`speech_assets.federated.history.summarize_rounds`)."""
+    rounds = [line["round"] for line in lines]
+    nan = float("nan")
+
+    def draw(figure) -> None:
+        loss = figure.add_subplot(1, 2, 1)
+        loss.plot(rounds, [line["train_loss"] for line in lines], marker="o", linewidth=1)
+        loss.set_title("local train loss (mean over clients)", fontsize=9)
+        accuracy = figure.add_subplot(1, 2, 2)
+        accuracy.plot(rounds, [line["heldout_masked_accuracy"] or nan for line in lines], marker="o", linewidth=1,
+                      label="global encoder + own head")  # fmt: skip
+        accuracy.plot(rounds, [line["majority_accuracy"] or nan for line in lines], linestyle="--", linewidth=1,
+                      label="majority class")  # fmt: skip
+        accuracy.set_title("held-out masked accuracy", fontsize=9)
+        accuracy.legend(fontsize=7)
+        for axis in (loss, accuracy):
+            axis.set_xlabel("round", fontsize=8)
+            axis.tick_params(labelsize=7)
+            axis.grid(alpha=0.3)
+            axis.set_xticks(rounds)
+
+    return _render(draw, size=(7.5, 2.8))
 
 
 def data_uri(png: bytes) -> str:
