@@ -52,7 +52,8 @@ def federated_checkpoint(
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, NeedsLinux, client_weights, run_federation
-    from speech_assets.federated.report import markdown_image, markdown_rounds, round_curve_png
+    from speech_assets.federated.report import markdown_rounds
+    from speech_assets.stats.plots import markdown_image, round_curve
     from speech_assets.federated.tracking import FederatedTracker
 
     record_run_process(context)
@@ -119,7 +120,7 @@ def federated_checkpoint(
         "bytes_up_per_round": result["bytes_up_per_round"],
         "bytes_down_per_round": result["bytes_down_per_round"],
         "round_curve": dg.MetadataValue.md(markdown_rounds(lines)),
-        "round_plot": dg.MetadataValue.md(markdown_image(round_curve_png(lines), "round curve")),
+        "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
         "heldout_per_client": dg.MetadataValue.json(result["heldout_per_client"]),
         "missing_by_round": dg.MetadataValue.json(result["missing_by_round"]),
         "resumed_from_round": result["resumed_from_round"] or 0,
