@@ -15,7 +15,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord,
 
 from speech_assets.federated import history, rounds
 from speech_assets.federated.config import FederatedConfig, FederatedPaths
-from speech_assets.federated.report import markdown_rounds, round_curve_png
+from speech_assets.federated.report import markdown_rounds
+from speech_assets.stats.plots import round_curve
 from speech_assets.federated.messages import EVAL_METRICS, TRAIN_METRICS
 from speech_assets.federated.server_app import Server
 from speech_assets.stats import database as stats_db
@@ -102,7 +103,7 @@ def test_round_summaries_and_report() -> None:
     assert lines[0]["heldout_masked_accuracy"] == pytest.approx(0.2) and lines[0]["majority_accuracy"] == pytest.approx(0.05)
     table = markdown_rounds(lines)
     assert table.count("\n") == 3 and "| 2 | 1 | client_01 |" in table
-    png = round_curve_png(lines)
+    png = round_curve(lines)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
 
 
