@@ -50,51 +50,44 @@ def _client(message: Message, context: Context) -> tuple[object, int, NodeConfig
     return client, int(config["server-round"]), node
 
 
+TRAIN_METRICS = {"num-examples": "num_examples", "train-loss": "train_loss", "masked-accuracy": "masked_accuracy",
+                 "seconds": "seconds", "audio-seconds": "audio_seconds", "steps": "steps"}  # fmt: skip
+EVALUATE_METRICS = {"num-examples": "masked_frames", "utterances": "utterances", "heldout-loss": "loss",
+                    "heldout-masked-accuracy": "masked_accuracy", "majority-accuracy": "majority_accuracy"}  # fmt: skip
+
+
+def reply(kind: str, received: ArrayRecord, result: TrainResult | EvalResult, client_id: str) -> RecordDict:
+    """A ``train`` or ``evaluate`` reply: the result's metrics, the client id and, after a local
+    round, its encoder; checked against the encoder ``received`` from the server."""
+    names = TRAIN_METRICS if kind == "train" else EVALUATE_METRICS
+    content = {"metrics": MetricRecord({name: getattr(result, field) for name, field in names.items()}),
+               CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
+    if kind == "train":
+        content["arrays"] = ArrayRecord(result.encoder)  # type: ignore[union-attr,arg-type]
+    return check_outgoing(RecordDict(content), kind, array_spec(received), client_id)  # type: ignore[arg-type]
+
+
 def train_reply(received: ArrayRecord, result: TrainResult, client_id: str) -> RecordDict:
-    """A local round's reply, checked against the encoder ``received`` from the server."""
-    metrics = MetricRecord(
-        {
-            "num-examples": result.num_examples,
-            "train-loss": result.train_loss,
-            "masked-accuracy": result.masked_accuracy,
-            "seconds": result.seconds,
-            "audio-seconds": result.audio_seconds,
-            "steps": result.steps,
-        }
-    )
-    content = RecordDict(
-        {"arrays": ArrayRecord(result.encoder), "metrics": metrics,  # type: ignore[arg-type]
-         CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
-    )
-    return check_outgoing(content, "train", array_spec(received), client_id)
+    return reply("train", received, result, client_id)
 
 
 def evaluate_reply(received: ArrayRecord, result: EvalResult, client_id: str) -> RecordDict:
-    """An evaluation's reply, checked."""
-    metrics = MetricRecord(
-        {
-            "num-examples": result.masked_frames,
-            "utterances": result.utterances,
-            "heldout-loss": result.loss,
-            "heldout-masked-accuracy": result.masked_accuracy,
-            "majority-accuracy": result.majority_accuracy,
-        }
-    )
-    content = RecordDict({"metrics": metrics, CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})})
-    return check_outgoing(content, "evaluate", array_spec(received), client_id)
+    return reply("evaluate", received, result, client_id)
+
+
+def _answer(message: Message, context: Context, kind: str) -> Message:
+    client, round_number, node = _client(message, context)
+    received = message.content["arrays"]
+    run = client.train_round if kind == "train" else client.evaluate  # type: ignore[attr-defined]
+    result = run(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
+    return Message(reply(kind, received, result, node.client_id), reply_to=message)
 
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    client, round_number, node = _client(message, context)
-    received = message.content["arrays"]
-    result = client.train_round(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
-    return Message(train_reply(received, result, node.client_id), reply_to=message)
+    return _answer(message, context, "train")
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    client, round_number, node = _client(message, context)
-    received = message.content["arrays"]
-    result = client.evaluate(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
-    return Message(evaluate_reply(received, result, node.client_id), reply_to=message)
+    return _answer(message, context, "evaluate")

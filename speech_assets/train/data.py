@@ -304,7 +304,26 @@ class UtteranceDataset(Dataset[Example]):
         return {**self.__dict__, "_cache": OrderedDict(), "bytes_decompressed": 0, "bytes_delivered": 0}
 
 
-class DurationBucketSampler:
+class RankSampler:
+    """One rank's batches (dataset indices) of each epoch, a pure function of (seed, epoch, rank):
+    what :class:`~speech_assets.train.engine.BatchStream` reads, and where it stands in them."""
+
+    num_workers = 0  # DataLoader workers the batch order is laid out for
+
+    def __init__(self, seconds: Sequence[float], batch_seconds: float, *, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+        if not len(seconds):
+            raise ValueError("no utterances to sample from")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+        self.batch_seconds = float(batch_seconds)
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        raise NotImplementedError
+
+
+class DurationBucketSampler(RankSampler):
     """Deterministic distributed batching by duration.
 
     Per epoch: shuffle (seeded by ``seed`` and epoch), sort each pool of about ``pool_batches``
@@ -319,27 +338,11 @@ class DurationBucketSampler:
     client's few local steps, distillation) read small per-client data in the main process.
     """
 
-    num_workers = 0
-
     def __init__(
-        self,
-        seconds: Sequence[float],
-        batch_seconds: float,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-        seed: int = 0,
+        self, seconds: Sequence[float], batch_seconds: float, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
         pool_batches: int = 100,
-    ) -> None:
-        if not seconds:
-            raise ValueError("no utterances to sample from")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
-        self.seconds = np.asarray(seconds, dtype=np.float64)
-        self.batch_seconds = float(batch_seconds)
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.seed = seed
+    ) -> None:  # fmt: skip
+        super().__init__(seconds, batch_seconds, num_replicas=num_replicas, rank=rank, seed=seed)
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch
 

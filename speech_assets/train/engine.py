@@ -57,7 +57,7 @@ from speech_assets.train.checkpoint import (
     weights_sha256,
 )
 from speech_assets.train.config import RunConfig
-from speech_assets.train.data import Batch, UtteranceDataset, collate
+from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
 from speech_assets.train.launch import OOM_EXIT_CODE, RUN_LOCK_HELD_ENV, write_oom_marker
 from speech_assets.train.tracking import MlflowTracker, PipesReporter
 from speech_assets.utils import atomic_write_text
@@ -171,12 +171,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
 
 
 class BatchStream:
-    """Endless stream of this rank's batches from ``sampler`` (anything with ``batches(epoch)``,
-    ``batch_seconds``, ``num_replicas`` and ``num_workers``) starting at ``(epoch, position)``;
+    """Endless stream of this rank's batches from ``sampler`` starting at ``(epoch, position)``;
     :meth:`state` is the position to resume from (batches already yielded)."""
 
     def __init__(
-        self, dataset: UtteranceDataset, sampler: Any, seed: int, pin_memory: bool = False, epoch: int = 0, position: int = 0
+        self, dataset: UtteranceDataset, sampler: RankSampler, seed: int, pin_memory: bool = False, epoch: int = 0, position: int = 0
     ) -> None:
         self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
         self.epoch, self.position = epoch, position

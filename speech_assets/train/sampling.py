@@ -24,10 +24,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from speech_assets.train.data import cut_batches
+from speech_assets.train.data import RankSampler, cut_batches
 
 
-class BlockShuffleSampler:
+class BlockShuffleSampler(RankSampler):
     """Deterministic, block-local batching for one rank (see the module docstring)."""
 
     def __init__(
@@ -43,13 +43,9 @@ class BlockShuffleSampler:
         num_workers: int = 0,
     ) -> None:
         """``blocks[i]`` is utterance ``i``'s (shard, row group); ``seconds[i]`` its duration."""
-        if not seconds or len(blocks) != len(seconds):
-            raise ValueError("need one block and one duration per utterance, and at least one utterance")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
-        self.seconds = np.asarray(seconds, dtype=np.float64)
-        self.batch_seconds = float(batch_seconds)
-        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        if len(blocks) != len(seconds):
+            raise ValueError("need one block and one duration per utterance")
+        super().__init__(seconds, batch_seconds, num_replicas=num_replicas, rank=rank, seed=seed)
         self.window_blocks, self.num_workers = max(1, window_blocks), max(0, num_workers)
         keys = sorted(set(blocks))
         index = {key: n for n, key in enumerate(keys)}

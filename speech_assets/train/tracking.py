@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from speech_assets import locations
-from speech_assets.train.config import TrainConfig
+from speech_assets.train.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def installed_packages() -> str:
 class MlflowTracker:
     """One MLflow run per training run directory; a resumed attempt continues the same run."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: RunConfig) -> None:
         if config.mlflow_tracking_uri is None:
             raise ValueError("MlflowTracker needs config.mlflow_tracking_uri")
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
