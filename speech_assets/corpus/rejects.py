@@ -50,6 +50,3 @@ def write_rejects(path: str | os.PathLike[str], rejects: Sequence[RejectRow]) ->
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 
-
-def read_rejects(path: str | os.PathLike[str]) -> list[RejectRow]:
-    return [RejectRow(**record) for record in pq.read_table(path).to_pylist()]

@@ -14,7 +14,6 @@ published now answers the question at any size:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -158,9 +157,3 @@ def format_report(report: dict[str, list[str]]) -> str:
         return "everything is in sync with the published shards and targets"
     return "\n".join(f"{asset}: stale\n" + "\n".join(f"  - {r}" for r in reasons) for asset, reasons in report.items())
 
-
-def shards_of_checkpoint(checkpoint: Path) -> dict[str, str]:
-    """speaker -> shard sha256 a checkpoint was trained on (from the checkpoint itself)."""
-    from speech_assets.stats.lineage import checkpoint_lineage
-
-    return _recorded_partitions(checkpoint_lineage(checkpoint)["data_versions"], "vad_features")

@@ -370,14 +370,6 @@ def iter_publish_shards(
                 yield ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
 
 
-def publish_shards(
-    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
-) -> dict[str, ShardOutcome]:
-    """:func:`iter_publish_shards`, collected: ``{speaker_id: outcome}`` in ``jobs`` order."""
-    outcomes = {outcome.speaker_id: outcome for outcome in iter_publish_shards(jobs, vad_cfg, workers)}
-    return {job.speaker_id: outcomes[job.speaker_id] for job in jobs}
-
-
 def default_workers() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
