@@ -17,9 +17,10 @@ from pathlib import Path
 import duckdb
 
 from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.train.config import RunConfig
 from speech_assets.utils import atomic_path
 
-HELDOUT_FRACTION = 0.05
+HELDOUT_FRACTION = RunConfig.heldout_fraction  # the trainer's, defined there once
 
 
 @dataclass
