@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from speech_assets.evaluation.encoders import LoadedEncoder, Utterance, layer_features
+from speech_assets.evaluation.encoders import Utterance, layer_features
+from speech_assets.model.encoders import LoadedEncoder
 from speech_assets.evaluation.probe import ProbeOptions, evaluate_probe, subsample, train_probe
 
 log = logging.getLogger(__name__)

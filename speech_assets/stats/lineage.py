@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.locations import redact_uri
-from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
+from speech_assets.model.encoders import weights_sha256
+from speech_assets.train.checkpoint import load_checkpoint
 
 
 def checkpoint_lineage(path: Path) -> dict[str, Any]:
