@@ -1,5 +1,5 @@
 """Checkpoint files: atomic writes, ``torch.load(weights_only=True)``-safe contents, retention,
-RNG state capture and a deterministic hash of model weights.
+RNG state capture (the hash of model weights: model/encoders.weights_sha256).
 
 A training checkpoint is a dict of tensors and plain Python values only (no pickled classes):
 ``format, step, model, optimizer, scheduler, scaler, sampler, rng (one entry per rank), config,
@@ -8,7 +8,6 @@ data_versions, weights_sha256, progress, mlflow_run_id, plan``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
@@ -67,19 +66,6 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
-
-
-def weights_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over tensors in sorted key order (name, dtype, shape, raw bytes), independent of
-    pickling, file layout and device."""
-    digest = hashlib.sha256()
-    for key in sorted(state_dict):
-        tensor = state_dict[key].detach().to("cpu").contiguous()
-        header = f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode()
-        digest.update(len(header).to_bytes(8, "little"))
-        digest.update(header)
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
