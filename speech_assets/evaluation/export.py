@@ -25,7 +25,7 @@ from speech_assets.model.batches import pad
 from speech_assets.model.hubert import HubertPretrainModel
 
 if TYPE_CHECKING:
-    from speech_assets.evaluation.encoders import LoadedEncoder
+    from speech_assets.model.encoders import LoadedEncoder
     from speech_assets.features.cmvn import Cmvn
 
 INPUT_NAMES = ("feats", "lengths")
@@ -168,7 +168,7 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
     """Run ``folder``'s exported files again (ONNX through onnxruntime, TorchScript) against eager
     PyTorch on the checkpoint ``encoder.json`` names, on ``feats``; and what stands in the way of
     a comparison (the checkpoint gone or changed since the export, outputs of other lengths)."""
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
 
     spec = json.loads((folder / "encoder.json").read_text())
     checkpoint = Path(spec["checkpoint"])
