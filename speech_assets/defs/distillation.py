@@ -43,7 +43,7 @@ def distilled_checkpoint(
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     from speech_assets.train.distill import DistillConfig
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
 
     options = effective(settings.distill, config)
     record_run_process(context)
@@ -98,7 +98,7 @@ def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
 def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths) -> dict[str, float]:
     """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances."""
     from speech_assets.train.distill import encoder_parameters
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
     from speech_assets.evaluation.speed import forward_speed
 
     teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
