@@ -39,7 +39,7 @@ class ExportOverrides(overrides_of(ExportSettings)):
 def encoder_export(
     context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
     from speech_assets.evaluation.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import Cmvn
