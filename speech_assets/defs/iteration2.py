@@ -56,7 +56,7 @@ def kmeans_targets_iter2(
 ) -> Iterator[object]:
     import torch
 
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
     from speech_assets.features.cmvn import Cmvn
     from speech_assets.targets.iteration2 import build_iter2_targets, default_layer
 
