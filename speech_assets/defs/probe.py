@@ -56,7 +56,7 @@ def downstream_probe(
     from speech_assets.evaluation.compare import RANDOM, RESULT_COLUMNS, compare_encoders, markdown_table, split_utterances
     import torch
 
-    from speech_assets.evaluation.encoders import load_encoder, random_encoder
+    from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.model.presets import ModelPreset
     from speech_assets.train.data import heldout_speakers
