@@ -136,7 +136,8 @@ def federated_checkpoint(
 
 def _verify_checkpoint(path: str, expected: str) -> str:
     """Re-hash the final encoder from ``final.pt`` (``weights_only`` load); it is the data version."""
-    from speech_assets.train.checkpoint import load_checkpoint, weights_sha256
+    from speech_assets.model.encoders import weights_sha256
+    from speech_assets.train.checkpoint import load_checkpoint
 
     state = load_checkpoint(path)
     sha = weights_sha256(state["encoder"])
