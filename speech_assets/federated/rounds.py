@@ -33,7 +33,8 @@ from speech_assets.federated.history import (  # noqa: F401 (re-exported)
     write_tables,
 )
 from speech_assets.model.presets import get_preset
-from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint, weights_sha256
+from speech_assets.model.encoders import weights_sha256
+from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint
 from speech_assets.utils import atomic_write_text
 
 ROUND_FORMAT = 1
