@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint, weights_sha256
+from speech_assets.model.encoders import weights_sha256
+from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.trainer import train
