@@ -31,7 +31,7 @@ import torch
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.hosts import free_port
-from speech_assets.train.checkpoint import weights_sha256
+from speech_assets.model.encoders import weights_sha256
 from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
