@@ -44,7 +44,8 @@ def main() -> int:
 
     from speech_assets.evaluation.compare import RANDOM, compare_encoders, markdown_table, split_utterances
     from speech_assets.train.distill import encoder_parameters
-    from speech_assets.evaluation.encoders import load_encoder, load_utterances, random_encoder
+    from speech_assets.evaluation.encoders import load_utterances
+    from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.evaluation.speed import forward_speed
     from speech_assets.features.cmvn import Cmvn
