@@ -12,7 +12,7 @@ al., 2022). Data: the training speakers' utterances
 The student is a :class:`HubertPretrainModel` whose "heads" are the layer predictors
 (``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` has the training
 checkpoint's layout, so the probe, the export and
-:func:`~speech_assets.evaluation.encoders.load_encoder` read it unchanged. Rank 0 writes
+:func:`~speech_assets.model.encoders.load_encoder` read it unchanged. Rank 0 writes
 ``final.pt`` and ``result.json``, logs to MLflow and reports through Dagster Pipes.
 """
 
@@ -210,7 +210,7 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
     """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
     content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
     its latest checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
-    from speech_assets.evaluation.encoders import load_encoder
+    from speech_assets.model.encoders import load_encoder
 
     run_dir = Path(config.run_dir)
     with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
