@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
+from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
 from speech_assets.utils import from_fields
 
 STRATEGIES = ("fedadam", "fedavg")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
 Scalar = int | float | str | bool
 
 
@@ -69,18 +68,19 @@ class FederatedConfig:
     beta_2: float = 0.99
     tau: float = 1e-3
     min_train_nodes: int = 0
-    preset: str = "tiny"
+    preset: str = TrainConfig.preset
     client_lr: float = 2e-3
     batch_seconds: float = 16.0
-    weight_decay: float = 0.01
-    clip_norm: float = 10.0
-    seed: int = 0
+    # a local round trains as the centralised trainer does: its defaults
+    weight_decay: float = TrainConfig.weight_decay
+    clip_norm: float = TrainConfig.clip_norm
+    seed: int = TrainConfig.seed
     heldout_fraction: float = 0.1
-    max_frames: int = 1500
-    mask_prob: float = 0.08
-    mask_length: int = 10
-    unmasked_weight: float = 0.0
-    precision: str = "auto"
+    max_frames: int = TrainConfig.max_frames
+    mask_prob: float = TrainConfig.mask_prob
+    mask_length: int = TrainConfig.mask_length
+    unmasked_weight: float = TrainConfig.unmasked_weight
+    precision: str = TrainConfig.precision
     round_timeout_s: float = 3600.0
     connect_timeout_s: float = 300.0
     keep_rounds: int = 2
