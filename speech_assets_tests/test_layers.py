@@ -146,26 +146,25 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         imports = imports_of(module, path, tree, modules)
-        seen = set()
+        checked = set()  # (line, module): `from m import a, b` is one import of m
         for item in imports:
-            if (item.line, item.target, item.names) in seen:
-                continue
-            seen.add((item.line, item.target, item.names))
             top = item.target.split(".")[0]
+            for name in item.names if top == package else ():
+                if private(name):
+                    violations.append(Violation(where, item.line, module, f"{item.target}.{name}",
+                                                "a private name of another module: make it public or move it"))  # fmt: skip
+            if (item.line, item.target) in checked:
+                continue
+            checked.add((item.line, item.target))
             if top == "dagster" or (top.startswith("dagster_") and top not in LIGHT_DAGSTER):
                 if part not in DAGSTER_PARTS:
                     violations.append(Violation(where, item.line, module, item.target,
                                                 f"only {sorted(DAGSTER_PARTS)} import Dagster; pure code stays runnable without it"))  # fmt: skip
                 continue
+            if top == f"{package}_tests":
+                violations.append(Violation(where, item.line, module, item.target, "the tests: the product never imports them"))
             if top != package:
                 continue
-            for name in item.names:
-                if private(name):
-                    violations.append(Violation(where, item.line, module, f"{item.target}.{name}",
-                                                "a private name of another module: make it public or move it"))  # fmt: skip
-            if (item.line, item.target) in seen:
-                continue
-            seen.add((item.line, item.target))
             target_part = part_of(item.target)
             if target_part == TESTING:
                 violations.append(Violation(where, item.line, module, item.target,
@@ -277,9 +276,11 @@ FORBIDDEN = {
                        "imports speech_assets.targets.labels._write_outputs: a private name of another module"),
     "a private attribute": ({"defs/x.py": "from speech_assets.defs import targets\ntargets._read_json(1)\n", "defs/targets.py": ""},
                             "defs/x.py:2: speech_assets.defs.x imports speech_assets.defs.targets._read_json: a private name"),
-    "dagster in pure code": ({"runtime/reaper.py": "from dagster._core.executor import Executor\n"},
+    "dagster in pure code": ({"runtime/reaper.py": "from dagster._core.executor import Executor, InProcessExecutor\n"},
                              "runtime/reaper.py:1: speech_assets.runtime.reaper imports dagster._core.executor: only"),
     "a dagster library in pure code": ({"train/x.py": "import dagster_k8s\n"}, "imports dagster_k8s: only"),
+    "the tests": ({"defs/x.py": "from speech_assets_tests.conftest import REPO\n"},
+                  "defs/x.py:1: speech_assets.defs.x imports speech_assets_tests.conftest: the tests"),
     "a cycle on one floor": ({"runtime/locks.py": "from speech_assets import utils\n", "utils.py": "from speech_assets.runtime import locks\n"},
                              "an import cycle between ['runtime', 'utils']"),
     "a part on no floor": ({"extras/x.py": ""}, "speech_assets.extras is on no floor"),
