@@ -27,36 +27,50 @@ class ClientTargets:
     k: int
 
 
+@dataclass(kw_only=True)
 class RunConfig:
-    """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``): the fields
-    the engine and the tracker read, and the stored form: one JSON file fully describes a run."""
+    """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``; keyword-only
+    fields): its inputs, what the engine and the tracker read besides each run's own fields
+    (``preset``, ``max_steps``, ``checkpoint_every``, ``keep_checkpoints``), and the stored form:
+    one JSON file fully describes a run."""
 
     run_dir: str
-    preset: str
     shards: list[str]
+    cmvn: str
     clients: dict[str, ClientTargets]
-    max_steps: int
-    log_every: int
-    checkpoint_every: int
-    keep_checkpoints: int
-    data_versions: dict[str, str]
-    git_sha: str | None
-    mlflow_tracking_uri: str | None
-    mlflow_experiment: str
-    mlflow_artifact_location: str | None
-    mlflow_run_name: str | None
+    heldout_fraction: float = 0.05
+    weight_decay: float = 0.01
+    clip_norm: float = 10.0
+    seed: int = 0
+    max_frames: int = 1500
+    log_every: int = 10
+    device: str = "auto"
+    threads: int | None = None
+    data_versions: dict[str, str] = field(default_factory=dict)
+    git_sha: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "speech_assets"
+    mlflow_artifact_location: str | None = None
+    mlflow_run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.shards = [str(s) for s in self.shards]
+        self.clients = {
+            str(name): value if isinstance(value, ClientTargets) else ClientTargets(**value)
+            for name, value in sorted(self.clients.items())
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The config as stored (config files, checkpoints, MLflow): the tracking URI without
         credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
-        data = asdict(self)  # type: ignore[call-overload]
+        data = asdict(self)
         if data["mlflow_tracking_uri"]:
             data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
         return cls(**data)
@@ -84,10 +98,6 @@ class TrainConfig(RunConfig):
     `[training]` settings' too (speech_assets/defs/resources.py takes them from here).
     """
 
-    run_dir: str
-    shards: list[str]
-    cmvn: str
-    clients: dict[str, ClientTargets]
     preset: str = "tiny"
     max_steps: int = 300
     batch_seconds: float | None = None
@@ -95,27 +105,13 @@ class TrainConfig(RunConfig):
     grad_accum: int | str = "auto"
     lr: float = 2e-3
     warmup_steps: int = 30
-    weight_decay: float = 0.01
-    clip_norm: float = 10.0
-    seed: int = 0
-    heldout_fraction: float = 0.05
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
-    log_every: int = 10
     precision: str = "auto"
-    device: str = "auto"
     unmasked_weight: float = 0.0
     mask_prob: float = 0.08
     mask_length: int = 10
-    max_frames: int = 1500
     num_workers: int = -1  # DataLoader workers per process; -1: auto (see trainer.loader_workers)
-    threads: int | None = None
-    data_versions: dict[str, str] = field(default_factory=dict)
-    git_sha: str | None = None
-    mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "speech_assets"
-    mlflow_artifact_location: str | None = None
-    mlflow_run_name: str | None = None
     max_restarts: int = 2
     nproc: int | str = "auto"
     # online augmentation of the training utterances (speech_assets/train/augment.py); off by default
@@ -125,11 +121,7 @@ class TrainConfig(RunConfig):
     specaugment: bool = False
 
     def __post_init__(self) -> None:
-        self.shards = [str(s) for s in self.shards]
-        self.clients = {
-            str(name): value if isinstance(value, ClientTargets) else ClientTargets(**value)
-            for name, value in sorted(self.clients.items())
-        }
+        super().__post_init__()
         self.validate()
 
     def validate(self) -> None:

@@ -34,7 +34,7 @@ from speech_assets.features.cmvn import Cmvn
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
-from speech_assets.train.config import PRECISIONS, ClientTargets, RunConfig
+from speech_assets.train.config import PRECISIONS, RunConfig
 from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split
 from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay, worker
 from speech_assets.train.tracking import PipesReporter
@@ -46,16 +46,11 @@ STUDENT_FIELDS = ("teacher", "dim", "layers", "heads", "ffn_dim", "teacher_layer
 
 @dataclass
 class DistillConfig(RunConfig):
-    """One distillation run. ``teacher``: a training ``final.pt``; ``shards``/``cmvn``/``clients``
-    as in :class:`~speech_assets.train.config.TrainConfig` (clients' labels only index the
-    utterances); ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
+    """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
+    :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
+    ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
 
-    run_dir: str
     teacher: str
-    shards: list[str]
-    cmvn: str
-    clients: dict[str, ClientTargets]
-    heldout_fraction: float = 0.05
     dim: int = 384
     layers: int = 6
     heads: int = 6
@@ -68,28 +63,12 @@ class DistillConfig(RunConfig):
     precision: str = "auto"
     lr: float = 5e-4
     warmup_steps: int = 20
-    weight_decay: float = 0.01
-    clip_norm: float = 10.0
-    seed: int = 0
-    max_frames: int = 1500
-    log_every: int = 10
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     num_workers: int = 0
-    threads: int | None = None
-    device: str = "auto"
-    data_versions: dict[str, str] = field(default_factory=dict)
-    git_sha: str | None = None
-    mlflow_tracking_uri: str | None = None
-    mlflow_experiment: str = "speech_assets"
-    mlflow_artifact_location: str | None = None
-    mlflow_run_name: str | None = None
 
     def __post_init__(self) -> None:
-        self.shards = [str(s) for s in self.shards]
-        self.clients = {
-            str(n): c if isinstance(c, ClientTargets) else ClientTargets(**c) for n, c in sorted(self.clients.items())
-        }
+        super().__post_init__()
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         if min(self.layers, self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum) < 1:
