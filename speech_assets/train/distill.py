@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speech_assets.features.cmvn import Cmvn
+from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
@@ -189,8 +190,6 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
     """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
     content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
     its latest checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
-    from speech_assets.model.encoders import load_encoder
-
     run_dir = Path(config.run_dir)
     with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
         torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))

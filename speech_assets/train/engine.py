@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
 from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
 from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
@@ -54,7 +55,6 @@ from speech_assets.train.checkpoint import (
     prune_checkpoints,
     restore_rng_state,
     save_checkpoint,
-    weights_sha256,
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
