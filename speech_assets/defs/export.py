@@ -1,6 +1,6 @@
 """Stage 5: the encoder for deployment: `encoder_export` (ONNX and TorchScript) and its parity check.
 
-The exporter lives in speech_assets/evaluation/export.py; torch and onnx are imported inside the asset.
+The exporter lives in speech_assets/model/export.py; torch and onnx are imported inside the asset.
 """
 
 import json
@@ -40,7 +40,7 @@ def encoder_export(
     context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     from speech_assets.model.encoders import load_encoder
-    from speech_assets.evaluation.export import export_all, input_description
+    from speech_assets.model.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import Cmvn
 
@@ -115,7 +115,7 @@ def onnx_matches_pytorch(context: dg.AssetCheckExecutionContext, paths: StorageP
 
 def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.AssetCheckResult:
     """The parity check of the export in ``folder`` on the first ``utterances`` of ``shards``."""
-    from speech_assets.evaluation.export import parity_features, reverify_export
+    from speech_assets.model.export import parity_features, reverify_export
 
     feats = parity_features(shards, folder / "cmvn.npz", utterances)
     if not feats:

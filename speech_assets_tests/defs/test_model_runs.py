@@ -127,7 +127,7 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
 
     from speech_assets.defs.export import export_parity, onnx_matches_pytorch
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.evaluation.export import load_torchscript
+    from speech_assets.model.export import load_torchscript
 
     out = evaluated[0]
     (exported,) = (out / "export").iterdir()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from speech_assets.evaluation.export import ExportableEncoder, export_all
+from speech_assets.model.export import ExportableEncoder, export_all
 from speech_assets.model import HubertPretrainModel, get_preset
 
 
