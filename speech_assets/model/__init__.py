@@ -1,4 +1,4 @@
-"""HuBERT-style masked-prediction model: presets, span masking, per-client heads, loss.
+"""HuBERT-style masked-prediction model: presets, span masking, per-client heads, loss, export.
 
 The torch-based names are loaded on first use, so that reading a preset (``presets`` has no torch
 dependency) does not import torch: the Dagster code location imports presets for its config
