@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.model.encoders import weights_sha256
 from speech_assets.train.checkpoint import (
     capture_rng_state,
     checkpoint_path,
@@ -14,7 +15,6 @@ from speech_assets.train.checkpoint import (
     prune_checkpoints,
     restore_rng_state,
     save_checkpoint,
-    weights_sha256,
 )
 
 
