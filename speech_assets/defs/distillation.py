@@ -4,17 +4,15 @@ a training loop launched like pretraining (torchrun through Pipes, :mod:`speech_
 The distillation worker lives in speech_assets/train/distill.py; torch is imported inside the asset.
 """
 
-import json
-
 import dagster as dg
 
-from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, required_checkpoint
+from speech_assets.defs.lineage import input_versions, required_checkpoint
 from speech_assets.defs.probe import shard_utterances, speaker_clients
 from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_torchrun
-from speech_assets.defs.training import TRAINING_INPUTS, client_targets, speakers_by_client, training_curve_metadata
-from speech_assets.utils import from_fields, sha256_strings
+from speech_assets.defs.training import TRAINING_INPUTS, run_folder, run_inputs, speakers_by_client
+from speech_assets.utils import from_fields
 
 DISTILL_CODE_VERSION = "distill-v1"
 
@@ -50,22 +48,17 @@ def distilled_checkpoint(
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
     clients = speakers_by_client(paths)
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
-    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), DISTILL_CODE_VERSION])[:16]
-    run_dir = paths.root / "distill" / run_name
+    run_dir = run_folder(paths.root / "distill", data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
     teacher_config = teacher_model.checkpoint.get("config") or {}
     distill_config = from_fields(
-        DistillConfig, options, run_dir=str(run_dir), teacher=teacher,
-        shards=[str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)],
-        cmvn=str(paths.cmvn_dir / "cmvn.npz"), clients=client_targets(clients, paths.kmeans_dir),
+        DistillConfig, options, **run_inputs(paths, clients, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
         heldout_fraction=teacher_config.get("heldout_fraction", settings.training.heldout_fraction),
         **student_shape(teacher_model.model.preset, options),
         warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), threads=options.threads or None,
-        data_versions=data_versions, git_sha=git_commit(), mlflow_tracking_uri=paths.mlflow_tracking_uri,
-        mlflow_artifact_location=paths.mlflow_artifact_location, mlflow_run_name=f"distill-{run_name}",
     )  # fmt: skip
-    result, _ = run_torchrun(
-        context, pipes_subprocess_client, paths, run_dir, distill_config, asset_name="distilled_checkpoint",
+    result = run_torchrun(
+        context, pipes_subprocess_client, paths, run_dir, distill_config, data_versions, asset_name="distilled_checkpoint",
         nproc=options.nproc or 1, module="speech_assets.train.distill",
     )  # fmt: skip
     speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
@@ -74,16 +67,7 @@ def distilled_checkpoint(
         f"CPU forward {speed['student_audio_s_per_s']:.0f} vs {speed['teacher_audio_s_per_s']:.0f} audio s/s "
         f"({speed['speedup']:.2f}x)"
     )
-    return dg.MaterializeResult(
-        data_version=result.data_version,
-        metadata={
-            **(result.metadata or {}),
-            **speed,
-            **training_curve_metadata(run_dir),
-            "run_dir": dg.MetadataValue.path(str(run_dir)),
-            "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
-        },
-    )
+    return dg.MaterializeResult(data_version=result.data_version, metadata={**result.metadata, **speed})
 
 
 def student_shape(teacher, options: DistillSettings) -> dict[str, int]:

@@ -7,6 +7,7 @@ the batch (:func:`speech_assets.train.launch.retrying_oom`). torch is imported w
 """
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 import dagster as dg
 
 from speech_assets import locations
+from speech_assets.defs.lineage import bounded_versions
 from speech_assets.defs.resources import StoragePaths, TrainingSettings
 from speech_assets.runtime.processes import command_lines
 from speech_assets.utils import atomic_write_text
@@ -32,18 +34,20 @@ def run_torchrun(
     paths: StoragePaths,
     run_dir: Path,
     config: Any,
+    data_versions: dict[str, str],
     *,
     asset_name: str,
     nproc: int,
     module: str = "speech_assets.train",
     max_restarts: int = 0,
     nodes: TrainingSettings | None = None,
-) -> tuple[dg.MaterializeResult, int]:
+) -> dg.MaterializeResult:
     """Run ``module`` under torchrun with ``nproc`` processes per node on ``config`` (a dataclass
     with ``to_json``, ``batch_seconds`` and ``grad_accum``), written to ``run_dir/config.json``;
     ``nodes`` (the `[training]` settings) says how many nodes and how the others start.
-    Returns rank 0's reported result and the number of out-of-memory retries; a failed job fails
-    the step with torchrun's error and the end of rank 0's log."""
+    Returns rank 0's reported result with the training curve, run folder, input versions (read
+    from ``data_versions``) and out-of-memory retries; a failed job fails the step with
+    torchrun's error and the end of rank 0's log."""
     from speech_assets.train import launch  # torch: lazily, the code location stays light
 
     nnodes = fixed_node_count(nodes) if nodes else 1
@@ -75,7 +79,21 @@ def run_torchrun(
             invocation, retries = launch.retrying_oom(run_dir, config, attempt, warn=context.log.warning)
         except Exception as error:
             raise training_failure(error, run_dir) from error
-        return invocation.get_materialize_result(), retries
+        result = invocation.get_materialize_result()
+    return dg.MaterializeResult(data_version=result.data_version, metadata={
+        **(result.metadata or {}), **training_curve_metadata(run_dir), "run_dir": dg.MetadataValue.path(str(run_dir)),
+        "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)), "oom_retries": retries,
+    })  # fmt: skip
+
+
+def training_curve_metadata(run_dir) -> dict[str, object]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return {}
+    from speech_assets.stats import plots
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve"))} if rows else {}
 
 
 def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Failure:

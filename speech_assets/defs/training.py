@@ -11,7 +11,7 @@ from speech_assets import locations
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
-from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions
+from speech_assets.defs.lineage import git_commit, input_versions
 from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
@@ -78,18 +78,11 @@ def run_training(
 
     clients = speakers_by_client(paths)
     data_versions = {**(extra_versions or {}), **input_versions(context, paths, clients, targets_dir, targets_asset)}
-    shards = [str(paths.shard_file(s)) for s in sorted(s for speakers in clients.values() for s in speakers)]
-    # Same inputs and settings -> same run folder, so a re-run resumes instead of starting over.
-    run_name = sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
-    run_dir = run_root / run_name
-
+    run_dir = run_folder(run_root, data_versions, options, code_version)
     train_config = from_fields(
-        TrainConfig, options, run_dir=str(run_dir), shards=shards, cmvn=str(paths.cmvn_dir / "cmvn.npz"),
-        clients=client_targets(clients, targets_dir), batch_seconds=options.batch_seconds or None,
-        nproc=options.nproc or "auto", threads=options.threads or None,
+        TrainConfig, options, **run_inputs(paths, clients, targets_dir, data_versions, run_dir, run_label),
+        batch_seconds=options.batch_seconds or None, nproc=options.nproc or "auto", threads=options.threads or None,
         noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
-        data_versions=data_versions, git_sha=git_commit(), mlflow_tracking_uri=paths.mlflow_tracking_uri,
-        mlflow_artifact_location=paths.mlflow_artifact_location, mlflow_run_name=f"{run_label}-{run_name}",
     )  # fmt: skip
     nnodes = fixed_node_count(options)
     if nnodes > 1:
@@ -102,20 +95,15 @@ def run_training(
         plan = launch.plan_for(train_config)
         train_config = launch.resolve(train_config, plan)
     context.log.info(f"auto-configuration: {plan.reason}")
-    result, retries = run_torchrun(
-        context, pipes_subprocess_client, paths, run_dir, train_config, asset_name=asset_name,
+    return run_torchrun(
+        context, pipes_subprocess_client, paths, run_dir, train_config, data_versions, asset_name=asset_name,
         nproc=int(train_config.nproc), max_restarts=options.max_restarts, nodes=options,
     )  # fmt: skip
-    return dg.MaterializeResult(
-        data_version=result.data_version,
-        metadata={
-            **(result.metadata or {}),
-            **training_curve_metadata(run_dir),
-            "run_dir": dg.MetadataValue.path(str(run_dir)),
-            "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
-            "oom_retries": retries,
-        },
-    )
+
+
+def run_folder(root: Path, data_versions: dict[str, str], options: dg.Config, code_version: str) -> Path:
+    """Same inputs and settings -> same run folder, so a re-run resumes instead of starting over."""
+    return root / sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
 
 
 def speakers_by_client(paths: StoragePaths) -> dict[str, list[str]]:
@@ -126,21 +114,18 @@ def speakers_by_client(paths: StoragePaths) -> dict[str, list[str]]:
     return clients
 
 
-def client_targets(clients: dict[str, list[str]], targets_dir: Callable[[str], Path]) -> dict:
-    """Each client's targets for the trainer: its labels and codebook size in ``targets_dir(client)``."""
+def run_inputs(
+    paths: StoragePaths, clients: dict[str, list[str]], targets_dir: Callable[[str], Path], data_versions: dict[str, str],
+    run_dir: Path, label: str,
+) -> dict[str, object]:
+    """What a training run's config says of its inputs and tracking (RunConfig's fields): every
+    client's shards and targets (``targets_dir(client)``), CMVN, lineage and the MLflow run."""
     from speech_assets.train.config import ClientTargets
 
     return {
-        client: ClientTargets(str(targets_dir(client) / "labels.parquet"), json.loads((targets_dir(client) / "quality.json").read_text())["k"])
-        for client in sorted(clients)
-    }
-
-
-def training_curve_metadata(run_dir) -> dict[str, object]:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return {}
-    from speech_assets.stats import plots
-
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve"))} if rows else {}
+        "run_dir": str(run_dir), "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
+        "cmvn": str(paths.cmvn_dir / "cmvn.npz"), "data_versions": data_versions, "git_sha": git_commit(),
+        "clients": {c: ClientTargets(str(targets_dir(c) / "labels.parquet"), json.loads((targets_dir(c) / "quality.json").read_text())["k"]) for c in sorted(clients)},
+        "mlflow_tracking_uri": paths.mlflow_tracking_uri, "mlflow_artifact_location": paths.mlflow_artifact_location,
+        "mlflow_run_name": f"{label}-{run_dir.name}",
+    }  # fmt: skip
