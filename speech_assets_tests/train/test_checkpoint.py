@@ -23,20 +23,6 @@ def _model(seed: int) -> HubertPretrainModel:
     return HubertPretrainModel(get_preset("tiny"), {"a": 8, "b": 12})
 
 
-def test_weights_sha256_depends_on_values_only() -> None:
-    state = _model(0).state_dict()
-    digest = weights_sha256(state)
-    reordered = dict(reversed(list(state.items())))
-    assert weights_sha256(reordered) == digest
-    assert weights_sha256({k: v.clone() for k, v in state.items()}) == digest
-    assert weights_sha256(_model(1).state_dict()) != digest
-    changed = dict(state)
-    key = next(iter(changed))
-    changed[key] = changed[key].clone()
-    changed[key].view(-1)[0] += 1e-6
-    assert weights_sha256(changed) != digest
-
-
 def test_checkpoint_round_trip_is_weights_only_safe(tmp_path: Path) -> None:
     model = _model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
