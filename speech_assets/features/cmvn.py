@@ -16,7 +16,6 @@ import numpy as np
 
 from speech_assets.utils import save_npz
 
-FEATURE_NAMES = ("logmel", "mfcc")
 _MIN_VAR = 1e-8
 
 

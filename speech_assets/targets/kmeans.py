@@ -38,9 +38,6 @@ from typing import Any
 import faiss
 import numpy as np
 
-FEATURE_DIM = 39
-"""MFCC 13 + Δ + ΔΔ."""
-
 MAX_K = int(np.iinfo(np.int16).max) + 1
 """Labels are stored as int16, so at most 32768 clusters."""
 
