@@ -52,13 +52,7 @@ class VadReject:
     stage: str = "vad"
 
     def as_row(self) -> dict[str, str]:
-        return {
-            "utt_id": self.utt_id,
-            "path": self.path,
-            "stage": self.stage,
-            "reason": self.reason,
-            "detail": self.detail,
-        }
+        return {name: getattr(self, name) for name in REJECTS_SCHEMA.names}
 
 
 @dataclass
