@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
-from speech_assets.targets import build, labels
+from speech_assets.targets import labels
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
@@ -101,8 +101,9 @@ def _cluster_size_plot(out_dir, client_id: str) -> str:
     import numpy as np
 
     from speech_assets.stats import plots
+    from speech_assets.targets.build import STATE_FILE
 
-    with np.load(out_dir / build.STATE_FILE) as state:
+    with np.load(out_dir / STATE_FILE) as state:
         counts = state["counts"]
     return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
 
@@ -124,6 +125,8 @@ def _materialize_client(
     Holds the client's lock throughout, so two runs never write one client's folder at once; the
     second one then finds the first one's result and reuses it.
     """
+    from speech_assets.targets import build  # k-means and faiss: lazily, the code location stays light
+
     out_dir = paths.kmeans_dir(client_id)
     with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
         if not speakers:
