@@ -11,17 +11,10 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, shard_hashes, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.resources import (
-    Iteration2Settings,
-    PipelineSettings,
-    StoragePaths,
-    TrainingSettings,
-    effective,
-    overrides_of,
-)
+from speech_assets.defs.resources import Iteration2Settings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.targets import client_metadata
-from speech_assets.defs.training import run_training
+from speech_assets.defs.training import TrainingOverrides, run_training
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
@@ -118,10 +111,6 @@ def kmeans_targets_iter2(
     yield from step_events(context, published)
 
 
-class Iteration2TrainingOverrides(overrides_of(TrainingSettings)):
-    """Run-config overrides of the `[training]` settings for one iteration-2 run."""
-
-
 @dg.asset(
     group_name="iteration2",
     deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],
@@ -135,7 +124,7 @@ class Iteration2TrainingOverrides(overrides_of(TrainingSettings)):
 )
 def pretrained_checkpoint_iter2(
     context: dg.AssetExecutionContext,
-    config: Iteration2TrainingOverrides,
+    config: TrainingOverrides,
     paths: StoragePaths,
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
