@@ -23,14 +23,12 @@ class ClientOverrides(overrides_of(ClientSettings)):
     code_version=CLIENTS_CODE_VERSION,
     automation_condition=follow_upstream(),
     kinds={"parquet"},
-    description=(
-        "Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours; "
-        "speakers already assigned keep their client."
-    ),
 )
 def client_partitions(
     context: dg.AssetExecutionContext, config: ClientOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
+    """Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours;
+    speakers already assigned keep their client."""
     config = effective(settings.clients, config)
     speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]

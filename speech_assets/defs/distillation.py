@@ -27,11 +27,6 @@ class DistillOverrides(overrides_of(DistillSettings)):
     code_version=DISTILL_CODE_VERSION,
     pool="training",
     kinds={"pytorch", "mlflow"},
-    description=(
-        "A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained "
-        "encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like "
-        "training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."
-    ),
 )
 def distilled_checkpoint(
     context: dg.AssetExecutionContext,
@@ -40,6 +35,9 @@ def distilled_checkpoint(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    """A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained
+    encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like
+    training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."""
     from speech_assets.train.distill import DistillConfig
     from speech_assets.model.encoders import load_encoder
 

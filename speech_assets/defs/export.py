@@ -30,15 +30,13 @@ class ExportOverrides(overrides_of(ExportSettings)):
     deps=["pretrained_checkpoint", "cmvn_stats"],
     code_version=EXPORT_CODE_VERSION,
     kinds={"pytorch", "onnx"},
-    description=(
-        "The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript, "
-        "dynamic batch and time, with encoder.json (featurisation, CMVN, frame rates, layer, parity "
-        "against PyTorch on real shard features through onnxruntime): <data>/export/<checkpoint>/."
-    ),
 )
 def encoder_export(
     context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
+    """The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript,
+    dynamic batch and time, with encoder.json (featurisation, CMVN, frame rates, layer, parity
+    against PyTorch on real shard features through onnxruntime): <data>/export/<checkpoint>/."""
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample

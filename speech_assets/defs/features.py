@@ -69,14 +69,12 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[flo
     code_version=FEATURES_CODE_VERSION,
     kinds={"parquet", "torch"},
     output_required=False,  # one materialization per shard, each with its own content hash
-    description=(
-        "One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, "
-        "plus no_speech rejects and CMVN partial sums beside it."
-    ),
 )
 def vad_features(
     context: dg.AssetExecutionContext, config: FeatureOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
+    """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
+    no_speech rejects and CMVN partial sums beside it."""
     from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, iter_publish_shards  # torch: lazily
 
     features = effective(settings.features, config)
@@ -173,9 +171,9 @@ def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, 
     code_version=CMVN_CODE_VERSION,
     automation_condition=follow_upstream(),
     kinds={"numpy"},
-    description="Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums.",
 )
 def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
+    """Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums."""
     speakers = sorted(pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist())
     metas, parts = {}, []
     missing = []

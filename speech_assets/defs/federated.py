@@ -40,15 +40,13 @@ def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> 
     pool="training",
     kinds={"pytorch", "mlflow"},
     automation_condition=retrain_on_cron(),
-    description=(
-        "Federated HuBERT-style pretraining with Flower: a SuperLink and one SuperNode per client "
-        "(or an existing SuperLink), local rounds on each client's own data with its own head, "
-        "FedAdam/FedAvg on the shared encoder only; resumes from its last completed round; MLflow."
-    ),
 )
 def federated_checkpoint(
     context: dg.AssetExecutionContext, config: FederatedOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
+    """Federated HuBERT-style pretraining with Flower: a SuperLink and one SuperNode per client (or an
+    existing SuperLink), local rounds on each client's own data with its own head,
+    FedAdam/FedAvg on the shared encoder only; resumes from its last completed round; MLflow."""
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, NeedsLinux, client_weights, run_federation

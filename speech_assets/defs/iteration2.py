@@ -38,15 +38,13 @@ ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.All
     code_version=KMEANS_ITER2_CODE_VERSION,
     kinds={"faiss", "pytorch"},
     output_required=False,  # one materialization per client, each with its own content hash
-    description=(
-        "HuBERT iteration 2, per client: k-means (K=500 by default) on that client's own frames in the "
-        "feature space of one layer of the iteration-1 encoder (pretrained, or federated when "
-        "[iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."
-    ),
 )
 def kmeans_targets_iter2(
     context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
+    """HuBERT iteration 2, per client: k-means (K=500 by default) on that client's own frames in the
+    feature space of one layer of the iteration-1 encoder (pretrained, or federated when
+    [iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
     import torch
 
     from speech_assets.model.encoders import load_encoder
@@ -117,10 +115,6 @@ def kmeans_targets_iter2(
     code_version=TRAIN_ITER2_CODE_VERSION,
     pool="training",
     kinds={"pytorch", "mlflow"},
-    description=(
-        "HuBERT iteration 2: the same trainer and [training] settings as pretrained_checkpoint, "
-        "on kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."
-    ),
 )
 def pretrained_checkpoint_iter2(
     context: dg.AssetExecutionContext,
@@ -129,6 +123,8 @@ def pretrained_checkpoint_iter2(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    """HuBERT iteration 2: the same trainer and [training] settings as pretrained_checkpoint, on
+    kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."""
     record_run_process(context)
     return run_training(
         context, effective(settings.training, config), paths, pipes_subprocess_client,

@@ -31,15 +31,14 @@ class ManifestOverrides(overrides_of(ManifestSettings)):
     group_name="corpus",
     code_version=CODE_VERSION,
     kinds={"parquet"},
-    description=(
-        "One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a reason. "
-        "Written to a staging folder, audited by reading it back, and published only if every check passes."
-    ),
     check_specs=[dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=text) for name, text in audit.AUDITS.items()],
 )
 def manifest(
     context: dg.AssetExecutionContext, config: ManifestOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
+    """One row per valid utterance of the corpus; bad files quarantined in rejects.parquet with a
+    reason. Written to a staging folder, audited by reading it back, and published only if every
+    check passes."""
     options = effective(settings.manifest, config)
     location = paths.corpus_path
     try:
@@ -158,13 +157,11 @@ SPEAKER_MANIFEST_CODE_VERSION = "speaker-manifest-v1"
     code_version=SPEAKER_MANIFEST_CODE_VERSION,
     kinds={"parquet"},
     output_required=False,  # one materialization per speaker, each with its own content hash
-    description=(
-        "One speaker's rows of the manifest (a view of manifest/speakers.parquet). Its data version "
-        "is the hash of those rows, so when one speaker's audio changes only that speaker's feature "
-        "shard turns stale; the others stay in sync."
-    ),
 )
 def speaker_manifest(context: dg.AssetExecutionContext, paths: StoragePaths) -> Iterator[object]:
+    """One speaker's rows of the manifest (a view of manifest/speakers.parquet). Its data version is
+    the hash of those rows, so when one speaker's audio changes only that speaker's feature
+    shard turns stale; the others stay in sync."""
     rows = {r["speaker_id"]: r for r in pq.read_table(paths.speakers_file).to_pylist()}
     provenance = input_provenance(context)
     published = []

@@ -41,16 +41,14 @@ def shard_utterances(paths: StoragePaths, speakers: list[str]) -> list:
     ],  # fmt: skip
     code_version=PROBE_CODE_VERSION,
     kinds={"pytorch"},
-    description=(
-        "A character CTC probe (SUPERB-style weighted sum of frozen layers, then linear or BiLSTM) "
-        "trained on the training speakers and scored (greedy CER/WER, jiwer) on held-out speakers, "
-        "for every checkpoint that exists and for the log-mel (fbank) and randomly initialised "
-        "baselines: <data>/probe/results.parquet."
-    ),
 )
 def downstream_probe(
     context: dg.AssetExecutionContext, config: ProbeOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
+    """A character CTC probe (SUPERB-style weighted sum of frozen layers, then linear or BiLSTM)
+    trained on the training speakers and scored (greedy CER/WER, jiwer) on held-out speakers,
+    for every checkpoint that exists and for the log-mel (fbank) and randomly initialised
+    baselines: <data>/probe/results.parquet."""
     import pyarrow as pa
 
     from speech_assets.evaluation.compare import RANDOM, RESULT_COLUMNS, compare_encoders, markdown_table, split_utterances

@@ -85,9 +85,10 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     automation_condition=follow_upstream(require_all_deps=False),
-    description="stats.duckdb: views over every Parquet output plus summary tables; query with `speech-assets sql`.",
 )
 def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
+    """stats.duckdb: views over every Parquet output plus summary tables; query with
+    `speech-assets sql`."""
     from speech_assets.stats import plots, report
 
     inputs = _inputs(paths)

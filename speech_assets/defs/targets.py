@@ -46,14 +46,12 @@ class KMeansOverrides(overrides_of(KMeansSettings)):
     automation_condition=follow_upstream(),
     kinds={"faiss"},
     output_required=False,  # one materialization per client, each with its own content hash
-    description=(
-        "Per client: k-means on that client's own CMVN-normalised MFCC frames (federated HuBERT), "
-        "codebook and int16 labels per utterance at 50 Hz."
-    ),
 )
 def kmeans_targets(
     context: dg.AssetExecutionContext, config: KMeansOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
+    """Per client: k-means on that client's own CMVN-normalised MFCC frames (federated HuBERT),
+    codebook and int16 labels per utterance at 50 Hz."""
     kmeans = effective(settings.kmeans, config)
     assignments = read_clients(paths.clients_file)
     speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")

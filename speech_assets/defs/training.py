@@ -37,10 +37,6 @@ TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, AL
     op_tags=training_op_tags(PipelineSettings.load().training),  # GPUs for a pod per step ([training] gpus_per_node)
     kinds={"pytorch", "mlflow"},
     automation_condition=retrain_on_cron(),
-    description=(
-        "HuBERT-style masked prediction (shared encoder, one head per client) trained by a torchrun "
-        "DDP job; resumes from its last checkpoint; tracked in MLflow."
-    ),
 )
 def pretrained_checkpoint(
     context: dg.AssetExecutionContext,
@@ -49,6 +45,8 @@ def pretrained_checkpoint(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    """HuBERT-style masked prediction (shared encoder, one head per client) trained by a torchrun DDP
+    job; resumes from its last checkpoint; tracked in MLflow."""
     record_run_process(context)
     return run_training(
         context, effective(settings.training, config), paths, pipes_subprocess_client,
