@@ -201,7 +201,9 @@ class LocalClient:
         model, head_round = self.model(encoder, round_number - 1)
         model.train()
         local = self.local
-        engine = Engine(model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm)
+        engine = Engine(
+            model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm
+        )
         objective, stream = self.objective(model, round_number), self._stream(round_number)
         seed_everything(derive_seed(local.seed, "dropout", self.data.client_id, round_number))
         totals, audio = torch.zeros(6, dtype=torch.float64, device=self.job.device), 0.0

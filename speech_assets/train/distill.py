@@ -218,7 +218,8 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
         )  # fmt: skip
         engine.extra = {"kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions)}
         engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
-        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum, "precision": precision}
+        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum}
+        plan["precision"] = precision
         with tracking(config, job, plan) as tracker:
             engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
             log.info(

@@ -175,8 +175,9 @@ class BatchStream:
     :meth:`state` is the position to resume from (batches already yielded)."""
 
     def __init__(
-        self, dataset: UtteranceDataset, sampler: RankSampler, seed: int, pin_memory: bool = False, epoch: int = 0, position: int = 0
-    ) -> None:
+        self, dataset: UtteranceDataset, sampler: RankSampler, seed: int, pin_memory: bool = False,
+        epoch: int = 0, position: int = 0,
+    ) -> None:  # fmt: skip
         self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
         self.epoch, self.position = epoch, position
         self._batches_in_epoch = 0
@@ -233,23 +234,14 @@ class Engine:
 
     ``model`` is what is optimised, clipped and checkpointed; ``forward`` (default: ``model``) is the
     module an objective calls, wrapped in DDP when the job has several ranks. ``schedule`` is the LR
-    multiplier by step (default: constant). ``extra`` goes into every checkpoint besides the
-    engine's own state.
+    multiplier by step (default: constant). Its attribute ``extra`` goes into every checkpoint
+    besides the engine's own state (the config: :meth:`resume` compares it with the checkpoint's).
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        job: Distributed,
-        *,
-        precision: str,
-        lr: float,
-        weight_decay: float,
-        clip_norm: float,
-        grad_accum: int = 1,
-        schedule: Callable[[int], float] | None = None,
-        forward: nn.Module | None = None,
-    ) -> None:
+        self, model: nn.Module, job: Distributed, *, precision: str, lr: float, weight_decay: float, clip_norm: float,
+        grad_accum: int = 1, schedule: Callable[[int], float] | None = None, forward: nn.Module | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.job, self.precision = model, job, precision
         self.grad_accum, self.clip_norm = grad_accum, clip_norm if clip_norm > 0 else math.inf
         self.optimizer = build_optimizer(model, lr, weight_decay)
@@ -265,10 +257,10 @@ class Engine:
     @property
     def forward(self) -> nn.Module:
         """What objectives call: ``forward``, in DDP (built on first use) when there are several ranks."""
-        if self._wrapped is None:
+        if self._wrapped is None and self.job.enabled:
             cuda = self.job.device.type == "cuda"
-            self._wrapped = DistributedDataParallel(self._forward, device_ids=[self.job.local_rank] if cuda else None) if self.job.enabled else self._forward
-        return self._wrapped
+            self._wrapped = DistributedDataParallel(self._forward, device_ids=[self.job.local_rank] if cuda else None)
+        return self._wrapped or self._forward
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return autocast(self.precision, self.job.device)

@@ -107,7 +107,8 @@ class Trainer:
         """Held-out masked prediction (see :meth:`MaskedPrediction.evaluate`); ``None`` without held-out utterances."""
         if len(self.heldout_set) == 0:
             return None
-        return self.objective.evaluate(self.heldout_set, self.majority_labels, self.plan.batch_seconds, self.job, self.plan.precision)
+        plan = self.plan
+        return self.objective.evaluate(self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision)
 
     def run(self, reporter: PipesReporter | None = None, stop_after_step: int | None = None) -> dict[str, Any] | None:
         """Train to ``max_steps``, evaluate, write ``final.pt``/``result.json`` (rank 0) and return
