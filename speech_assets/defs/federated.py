@@ -49,7 +49,8 @@ def federated_checkpoint(
     FedAdam/FedAvg on the shared encoder only; resumes from its last completed round; MLflow."""
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
-    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, NeedsLinux, client_weights, run_federation
+    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
+    from speech_assets.federated.processes import NeedsLinux
     from speech_assets.federated.report import markdown_rounds
     from speech_assets.stats.plots import markdown_image, round_curve
     from speech_assets.federated.tracking import FederatedTracker
