@@ -18,14 +18,8 @@ from pathlib import Path
 
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
-from speech_assets.federated.launch import (
-    FederatedRunFailed,
-    InsecureRefused,
-    NeedsLinux,
-    client_ids,
-    client_weights,
-    run_federation,
-)
+from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
+from speech_assets.federated.processes import NeedsLinux
 
 SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions"}
 

@@ -4,12 +4,14 @@ by the project's reaping executor and launcher against a real instance and daemo
 appends ``{"step", "event", "t"}`` lines to ``$LIVENESS_EVENTS``; ``$LIVENESS_SLOW_S`` sets how
 long the middle step works."""
 
+import contextlib
 import json
 import os
 import time
 
 import dagster as dg
 
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.defs.runs import reaping_multiprocess_executor, record_run_process
 
 
@@ -33,9 +35,8 @@ def short_training(context: dg.AssetExecutionContext) -> None:
 @dg.asset(deps=[short_training])
 def slow_evaluation(context: dg.AssetExecutionContext) -> None:
     # the daemon starts beside the run: its slow part begins once run monitoring is up
-    deadline = time.monotonic() + 180
-    while "MONITORING" not in context.instance.get_daemon_heartbeats() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(lambda: "MONITORING" in context.instance.get_daemon_heartbeats(), 180, "run monitoring", interval=0.5)
     _work("slow_evaluation", float(os.environ.get("LIVENESS_SLOW_S", "35")))
 
 

@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
 
+from speech_assets.runtime import waiting
 from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes, stop_forkserver
 from speech_assets.runtime.processes import process_start_time
 from speech_assets_tests.conftest import REPO
@@ -28,13 +28,14 @@ POLL_S = 2  # run monitoring checks every run this often: many checks during the
 
 
 def wait_until(predicate, timeout_s: float, what: str, services: list[subprocess.Popen] = ()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
+    """:func:`speech_assets.runtime.waiting.wait_until`, failing at once if a service exits."""
+
+    def check() -> bool:
         for service in services:
             assert service.poll() is None, f"{service.args[:3]} exited with {service.returncode} while waiting for {what}"
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.5)
+        return predicate()
+
+    waiting.wait_until(check, timeout_s, what, interval=0.5)
 
 
 def events(path: Path) -> list[dict]:

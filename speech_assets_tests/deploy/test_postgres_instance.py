@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.testing.mlflow_server import MlflowServer
 from speech_assets.testing.postgres import PostgresServer
 from speech_assets.testing.commands import run_group
@@ -209,7 +210,7 @@ def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, mo
 
     import dagster as dg
 
-    from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, reap_dead_runs, why_dead
+    from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, reap_dead_runs
 
     for name, value in built["env"].items():
         if name.startswith(("DAGSTER_PG", "PG")):
@@ -232,18 +233,13 @@ def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, mo
         finally:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        deadline = time.monotonic() + 60  # the group's last processes may take a moment to be reaped
-        while not (reaped := reap_dead_runs(instance, say=lambda _: None)):
-            assert time.monotonic() < deadline, f"the run still counts as alive: {why_dead(instance, instance.get_run_by_id(run.run_id))}"
-            time.sleep(0.5)
+        # the group's last processes may take a moment to be reaped
+        reaped = wait_until(lambda: reap_dead_runs(instance, say=lambda _: None), 60, "the killed run to count as dead", interval=0.5)
         assert reaped == [run.run_id]
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
         assert not instance.event_log_storage.get_concurrency_run_ids()
     # and nothing of the federation outlives the run (SuperLink, SuperNodes, supervisors)
-    deadline = time.monotonic() + 60
-    while left := _processes_mentioning(str(built["out"])):
-        assert time.monotonic() < deadline, f"left running: {left}"
-        time.sleep(0.5)
+    wait_until(lambda: not _processes_mentioning(str(built["out"])), 60, "every process of the federation to exit", interval=0.5)
 
 
 def _processes_mentioning(text: str) -> list[str]:

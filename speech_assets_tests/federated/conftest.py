@@ -5,14 +5,15 @@ this process (`sample_build`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 
@@ -52,7 +53,6 @@ def wait_until_gone(root: Path, timeout: float = 60.0) -> list[tuple[int, str]]:
     ``timeout`` s for them to exit: a test asserts the list is empty (a stop takes seconds)."""
     from speech_assets.federated.processes import flower_processes
 
-    deadline = time.monotonic() + timeout
-    while (left := flower_processes(root)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
+    with contextlib.suppress(WaitTimeout):
+        wait_until(lambda: not flower_processes(root), timeout, "Flower's processes to exit", interval=0.5)
+    return flower_processes(root)

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
@@ -268,19 +268,13 @@ def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         assert launcher.stdout is not None and launcher.stdout.readline().strip() == "started"
-        deadline = time.monotonic() + 30
-        while not pidfile.is_file() or not pidfile.read_text().strip():
-            assert time.monotonic() < deadline, "the daemon never started its helper"
-            time.sleep(0.1)
+        wait_until(lambda: pidfile.is_file() and pidfile.read_text().strip(), 30, "the daemon to start its helper")
         helper = int(pidfile.read_text())
         tree = descendants([launcher.pid])
         assert helper in _pids_of("sleep 301") and len(tree) >= 2  # supervisor + daemon (+ helper elsewhere)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while (left := _pids_of("sleep 301") + _pids_of("sleep 302") + [p for p in tree if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert left == []
+        wait_until(lambda: not (_pids_of("sleep 301") + _pids_of("sleep 302") + [p for p in tree if alive(p)]), 30, "the whole tree to die")
     finally:
         for pid in _pids_of("sleep 301") + _pids_of("sleep 302"):
             os.kill(pid, signal.SIGKILL)
@@ -339,10 +333,7 @@ def test_process_trees_are_walked_through_psutil_and_survive_a_missing_process_t
 
     parent = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while len(found := descendants([parent.pid])) < 2:
-            assert time.monotonic() < deadline, found
-            time.sleep(0.05)
+        found = wait_until(lambda: tree if len(tree := descendants([parent.pid])) >= 2 else None, 10, "both children", interval=0.05)
         assert all(alive(pid) for pid in found)
         monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path / "absent"))
         assert descendants([parent.pid]) == set()  # unknown, not a crash

@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.hosts import free_port
@@ -72,11 +72,11 @@ def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: 
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
+    def appeared() -> bool:
         assert process.poll() is None, f"the run exited ({process.returncode}) before {path} appeared"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:.0f} s"
-        time.sleep(0.5)
+        return path.exists()
+
+    wait_until(appeared, timeout, f"{path} to appear", interval=0.5)
 
 
 def test_materialize_runs_two_rounds_on_four_supernodes(
@@ -290,8 +290,8 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
 
 
 def _wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in (path.read_text(errors="replace") if path.exists() else ""):
+    def written() -> bool:
         assert process.poll() is None, f"{path} ended without {text!r}:\n{path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{text!r} did not appear in {path} within {timeout:.0f} s"
-        time.sleep(0.5)
+        return text in (path.read_text(errors="replace") if path.exists() else "")
+
+    wait_until(written, timeout, f"{text!r} in {path}", interval=0.5)

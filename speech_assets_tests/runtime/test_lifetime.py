@@ -13,6 +13,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.locks import RunFolderBusy, RunFolderLock
@@ -44,14 +45,6 @@ def processes_mentioning(text: str) -> list[int]:
             if text in cmdline and process_start_time(int(entry.name)) is not None:
                 found.append(int(entry.name))
     return found
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 @pytest.fixture
@@ -187,17 +180,15 @@ def test_a_killed_test_process_takes_its_documented_command_with_it(tmp_path: Pa
         )],
         cwd=REPO,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (pids.exists() and len(pids.read_text().split()) == 2):
-        assert time.monotonic() < deadline and caller.poll() is None
-        time.sleep(0.2)
+    def both_started() -> bool:
+        assert caller.poll() is None
+        return pids.exists() and len(pids.read_text().split()) == 2
+
+    wait_until(both_started, 120, "both children to start")
     children = [int(p) for p in pids.read_text().split()]
     caller.kill()
     caller.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in children):
-        assert time.monotonic() < deadline, f"left behind: {[p for p in children if _alive(p)]}"
-        time.sleep(0.2)
+    wait_until(lambda: not any(_alive(pid) for pid in children), 30, "the children to die with their caller")
 
 
 def _alive(pid: int) -> bool:

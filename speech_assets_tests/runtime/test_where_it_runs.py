@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.runtime import processes
 from speech_assets.runtime.processes import ProcessIdentity, command_lines, die_with_parent, process_start_time
 from speech_assets_tests.conftest import REPO
@@ -86,10 +87,7 @@ def test_identity_tells_gone_only_when_it_can(tmp_path: Path, monkeypatch: pytes
         assert process_start_time(child.pid) is None
         monkeypatch.undo()
         child.kill()
-        deadline = time.monotonic() + 30
-        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child to exit, not yet reaped")
         assert ProcessIdentity(child.pid, start, host).gone()
     finally:
         child.kill()

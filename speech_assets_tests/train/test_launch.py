@@ -2,13 +2,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train.launch import (
@@ -160,9 +160,7 @@ def test_a_killed_launcher_stops_its_other_nodes_wherever_they_run(tmp_path: Pat
     fake_ssh.chmod(0o755)
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(fake_ssh), str(pid_file)], cwd=REPO)
     try:
-        deadline = time.monotonic() + 120
-        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: pid_file.is_file() and pid_file.read_text(), 120, "the remote node to start")
         node = psutil.Process(int(pid_file.read_text()))
         assert node.is_running() and os.getsid(node.pid) != os.getsid(launcher.pid)
     finally:

@@ -14,6 +14,7 @@ import dagster as dg
 import pytest
 import torch
 
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, TrainingSettings
 from speech_assets.hosts import free_port
@@ -83,7 +84,4 @@ def test_killing_a_node_ends_in_a_clean_failure(inputs) -> None:
               checkpoint_every=2, seed=7)
     killer.join()
     assert killed, "node 1 never started training"
-    deadline = time.monotonic() + 30
-    while processes_mentioning(endpoint.split(":")[1]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not processes_mentioning(endpoint.split(":")[1])
+    wait_until(lambda: not processes_mentioning(endpoint.split(":")[1]), 30, "every node's processes to exit", interval=0.5)
