@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
@@ -28,7 +26,6 @@ from speech_assets.federated.launch import (
     stall_limit,
     write_run_config,
 )
-from speech_assets.runtime.processes import alive, descendants
 from speech_assets_tests.conftest import REPO
 
 
@@ -232,64 +229,6 @@ def test_settings_and_launcher_import_neither_torch_nor_flower() -> None:
     assert out.stdout.split("\n")[0] == "[] False"
 
 
-# ------------------------------------------------------------------------------------- supervisor
-LAUNCHER = """
-import os, sys, time
-from pathlib import Path
-from speech_assets.federated.processes import spawn
-# a "daemon" that starts a helper in a session of its own and then idles, like flower-superlink
-daemon = ["bash", "-c", "setsid sleep 301 & echo $! > {pidfile}; exec sleep 302"]
-spawn(daemon, Path("{log}"), dict(os.environ), supervised=True)
-print("started", flush=True)
-time.sleep(600)
-"""
-
-
-def _pids_of(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in raw.replace(b"\0", b" ") and alive(int(entry)):
-                found.append(int(entry))
-    return found
-
-
-def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
-    """The supervisor is told by the kernel when its parent dies and takes down the daemon and
-    the helper the daemon started in another session (which a process group would miss)."""
-    pidfile = tmp_path / "helper.pid"
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER.format(pidfile=pidfile, log=tmp_path / "daemon.log")],
-        stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    try:
-        assert launcher.stdout is not None and launcher.stdout.readline().strip() == "started"
-        wait_until(lambda: pidfile.is_file() and pidfile.read_text().strip(), 30, "the daemon to start its helper")
-        helper = int(pidfile.read_text())
-        tree = descendants([launcher.pid])
-        assert helper in _pids_of("sleep 301") and len(tree) >= 2  # supervisor + daemon (+ helper elsewhere)
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=30)
-        wait_until(lambda: not (_pids_of("sleep 301") + _pids_of("sleep 302") + [p for p in tree if alive(p)]), 30, "the whole tree to die")
-    finally:
-        for pid in _pids_of("sleep 301") + _pids_of("sleep 302"):
-            os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-
-
-def test_supervisor_reports_the_command_exit_code_and_reaps_what_it_left(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "speech_assets.runtime.supervise", "--grace", "1", "--",
-               "bash", "-c", "setsid sleep 303 & exit 7"]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
-    assert done.returncode == 7
-    assert _pids_of("sleep 303") == []
-
-
 @pytest.mark.parametrize("override", [{"insecure": True}, {"client_state_root": "/"}])
 def test_run_config_cannot_give_up_tls_or_move_the_client_state(override: dict, tmp_path: Path) -> None:
     """`insecure` and `client_state_root` come from the settings file only: run config naming them
@@ -318,25 +257,3 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
         run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path)
     assert "needs Linux" in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists()  # refused before anything was written
-
-
-def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-    code = f"import sys; sys.platform = 'darwin'; from speech_assets.runtime import supervise; sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert done.returncode == 2 and "needs Linux" in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert not marker.exists()
-
-
-def test_process_trees_are_walked_through_psutil_and_survive_a_missing_process_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import psutil
-
-    parent = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
-    try:
-        found = wait_until(lambda: tree if len(tree := descendants([parent.pid])) >= 2 else None, 10, "both children", interval=0.05)
-        assert all(alive(pid) for pid in found)
-        monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path / "absent"))
-        assert descendants([parent.pid]) == set()  # unknown, not a crash
-    finally:
-        os.killpg(parent.pid, signal.SIGKILL)
-        parent.wait()
