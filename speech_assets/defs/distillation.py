@@ -12,6 +12,7 @@ from speech_assets.defs.resources import DistillSettings, PipelineSettings, Stor
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_torchrun
 from speech_assets.defs.training import TRAINING_INPUTS, run_folder, run_inputs, speakers_by_client
+from speech_assets.train.config import DistillConfig
 from speech_assets.utils import from_fields
 
 DISTILL_CODE_VERSION = "distill-v1"
@@ -38,7 +39,6 @@ def distilled_checkpoint(
     """A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained
     encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like
     training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."""
-    from speech_assets.train.distill import DistillConfig
     from speech_assets.model.encoders import load_encoder
 
     options = effective(settings.distill, config)

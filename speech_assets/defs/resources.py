@@ -16,7 +16,7 @@ from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
 from speech_assets.federated.config import FederatedConfig
-from speech_assets.train.config import TrainConfig
+from speech_assets.train.config import DistillConfig, TrainConfig
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -295,13 +295,13 @@ class DistillSettings(dg.Config):
     heads: int = 0
     ffn_dim: int = 0
     teacher_layers: list[int] = []  # 1-based teacher layers to predict; empty = three evenly spaced, ending at the last
-    cosine_weight: float = 1.0
-    max_steps: int = 200
-    batch_seconds: float = 16.0
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    seed: int = 0
-    max_frames: int = 1500
+    cosine_weight: float = DistillConfig.cosine_weight
+    max_steps: int = DistillConfig.max_steps
+    batch_seconds: float = DistillConfig.batch_seconds
+    lr: float = DistillConfig.lr
+    warmup_steps: int = DistillConfig.warmup_steps
+    seed: int = DistillConfig.seed
+    max_frames: int = DistillConfig.max_frames
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
 

@@ -169,3 +169,41 @@ class TrainConfig(RunConfig):
     def chance_accuracy(self) -> float:
         """Mean over clients of ``1 / K``: accuracy of guessing uniformly."""
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
+
+
+@dataclass
+class DistillConfig(RunConfig):
+    """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
+    :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
+    ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
+
+    teacher: str
+    dim: int = 384
+    layers: int = 6
+    heads: int = 6
+    ffn_dim: int = 1536
+    teacher_layers: list[int] = field(default_factory=list)
+    cosine_weight: float = 1.0
+    max_steps: int = 200
+    batch_seconds: float = 16.0
+    grad_accum: int = 1
+    precision: str = "auto"
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dim % self.heads:
+            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
+        if min(self.layers, self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum) < 1:
+            raise ValueError("layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1")
+        if self.batch_seconds <= 0 or self.precision not in PRECISIONS:
+            raise ValueError(f"batch_seconds must be > 0 and precision one of {PRECISIONS}")
+
+    @property
+    def preset(self) -> str:
+        """The student's name (MLflow tags runs by it, as it does training presets)."""
+        return f"student-{self.dim}x{self.layers}"

@@ -22,7 +22,6 @@ import argparse
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
-from speech_assets.train.config import PRECISIONS, RunConfig
+from speech_assets.train.config import DistillConfig
 from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split
 from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay, worker
 from speech_assets.train.tracking import PipesReporter
@@ -43,44 +42,6 @@ from speech_assets.train.tracking import PipesReporter
 log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "distilled"
 STUDENT_FIELDS = ("teacher", "dim", "layers", "heads", "ffn_dim", "teacher_layers")  # a checkpoint continues only these
-
-
-@dataclass
-class DistillConfig(RunConfig):
-    """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
-    :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
-    ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
-
-    teacher: str
-    dim: int = 384
-    layers: int = 6
-    heads: int = 6
-    ffn_dim: int = 1536
-    teacher_layers: list[int] = field(default_factory=list)
-    cosine_weight: float = 1.0
-    max_steps: int = 200
-    batch_seconds: float = 16.0
-    grad_accum: int = 1
-    precision: str = "auto"
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    num_workers: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.dim % self.heads:
-            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if min(self.layers, self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum) < 1:
-            raise ValueError("layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1")
-        if self.batch_seconds <= 0 or self.precision not in PRECISIONS:
-            raise ValueError(f"batch_seconds must be > 0 and precision one of {PRECISIONS}")
-
-    @property
-    def preset(self) -> str:
-        """The student's name (MLflow tags runs by it, as it does training presets)."""
-        return f"student-{self.dim}x{self.layers}"
 
 
 def default_teacher_layers(depth: int, count: int = 3) -> list[int]:
