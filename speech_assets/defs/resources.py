@@ -16,6 +16,7 @@ from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
 from speech_assets.federated.config import FederatedConfig
+from speech_assets.features.vad import VadConfig
 from speech_assets.train.config import DistillConfig, TrainConfig
 
 
@@ -131,11 +132,11 @@ class ManifestSettings(dg.Config):
 
 
 class FeatureSettings(dg.Config):
-    vad_aggressiveness: int = 2  # WebRTC VAD mode 0..3
-    vad_frame_ms: int = 30  # 10, 20 or 30
-    vad_padding_ms: int = 300
-    min_speech_s: float = 0.5
-    min_speech_ratio: float = 0.1
+    vad_aggressiveness: int = VadConfig.aggressiveness  # WebRTC VAD mode 0..3
+    vad_frame_ms: int = VadConfig.frame_ms  # 10, 20 or 30
+    vad_padding_ms: int = VadConfig.padding_ms
+    min_speech_s: float = VadConfig.min_speech_s
+    min_speech_ratio: float = VadConfig.min_speech_ratio
     workers: int = 0  # 0: automatic (one per core for large jobs, in-process for small ones)
     # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]
     speed_perturb: list[float] = []
