@@ -2,11 +2,19 @@
 
 With start probability ``p`` and span length ``l`` each frame of a long sequence is masked with
 probability close to ``1 - (1 - p) ** l`` (about 0.57 for HuBERT's ``p = 0.08``, ``l = 10``).
+
+Also which masked frames are *leak-free* (:func:`leak_free`): frames whose label's whole
+receptive field in the audio is hidden from the model, at the radius :func:`label_radius`
+derives from the feature recipe and the model's frontend.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def span_mask(
@@ -48,3 +56,100 @@ def span_mask(
         starts = torch.randperm(candidates, generator=generator)[:num_spans]
         mask[row, (starts[:, None] + torch.arange(span)).reshape(-1)] = True
     return mask
+
+
+def leak_free(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """Masked frames whose whole window ``[j - radius, j + radius]`` is masked.
+
+    Args:
+        mask: ``(B, L)`` bool, ``True`` where the 50 Hz frame is masked (``False`` on padding).
+        radius: ``R >= 0`` in 50 Hz frames (:func:`label_radius`; ``R = 0`` returns ``mask``).
+
+    Returns:
+        ``(B, L)`` bool, ``True`` at ``j`` iff ``mask[b, j - R : j + R + 1]`` are all ``True``.
+        Positions outside ``[0, L)`` count as unmasked, so the first and last ``R`` frames are
+        never leak-free; padding is unmasked, so neither are the last ``R`` valid frames.
+    """
+    if mask.ndim != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be (B, L) bool, got {tuple(mask.shape)} {mask.dtype}")
+    if radius < 0:
+        raise ValueError(f"radius must be >= 0, got {radius}")
+    # Masked frames in each window from a running count: counts[:, i] = masked among the first i
+    # padded positions, so window j (padded positions j .. j + 2R) holds counts[j + 2R + 1] - counts[j].
+    counts = F.pad(F.pad(mask.to(torch.int32), (radius, radius)).cumsum(dim=-1), (1, 0))
+    width = 2 * radius + 1
+    return (counts[:, width:] - counts[:, : mask.shape[1]]) == width
+
+
+def conv_geometry(frontend: nn.Module) -> tuple[int, int, int]:
+    """``(kernel, stride, padding)`` in input frames of the ``Conv1d`` layers of ``frontend``
+    composed in registration order: output ``m`` sees input frames
+    ``[stride * m - padding, stride * m - padding + kernel - 1]``.
+
+    Assumes the layers run one after another in that order and nothing else mixes frames (true of
+    :class:`speech_assets.model.hubert.ConvSubsampler`: linear, norm and activations act per frame).
+    """
+    kernel, stride, padding = 1, 1, 0
+    for layer in frontend.modules():
+        if isinstance(layer, nn.Conv1d):
+            if layer.dilation[0] != 1 or not isinstance(layer.padding, tuple):
+                raise ValueError(f"unsupported convolution {layer}")
+            kernel += (layer.kernel_size[0] - 1) * stride
+            padding += layer.padding[0] * stride
+            stride *= layer.stride[0]
+    return kernel, stride, padding
+
+
+def label_radius(
+    *, win_length: int, hop_length: int, delta_window: int, delta_orders: int, kernel: int, stride: int, padding: int = 0
+) -> int:
+    """Radius ``R`` in 50 Hz frames such that label ``j``'s receptive field lies inside masked model
+    frames iff ``mask[j - R .. j + R]`` are all masked (:func:`leak_free`).
+
+    The chain, at 100 Hz frame ``c = stride * j`` (labels are at the model rate, one per output
+    frame, taken from every ``stride``-th 100 Hz frame: ``targets.kmeans.to_model_rate``):
+
+    1. label ``j`` is the k-means cluster of MFCC frame ``c``, whose ``delta_orders`` chained
+       deltas (Δ, ΔΔ) each reach ``n = (delta_window - 1) // 2`` frames either side: it depends on
+       the cepstra of frames ``c - n * delta_orders .. c + n * delta_orders``;
+    2. frame ``t`` is computed from samples ``[hop * t, hop * t + win)`` (DC removal, pre-emphasis
+       and window all frame-local), so frames ``t`` and ``t'`` share samples iff
+       ``|t - t'| * hop < win``, i.e. ``|t - t'| <= (win - 1) // hop``: the log-mel frames that
+       carry any of the label's audio are ``|t - c| <= K`` with
+       ``K = n * delta_orders + (win - 1) // hop``;
+    3. model frame ``m`` sees log-mel frames ``[stride * m - padding, stride * m - padding + kernel - 1]``
+       (:func:`conv_geometry`), which meet ``[c - K, c + K]`` iff
+       ``j - (K + kernel - 1 - padding) // stride <= m <= j + (K + padding) // stride``.
+
+    ``R`` is the larger of the two reaches. The pipeline's numbers (:func:`pipeline_label_radius`):
+    window 400, hop 160, delta window 5 applied twice, frontend kernel 2 / stride 2 / padding 0:
+    ``K = 2 * 2 + 399 // 160 = 6`` log-mel frames, ``R = max(7 // 2, 6 // 2) = 3``. Only the
+    per-utterance-independent CMVN statistics and edge replication of the deltas (which shrinks
+    the field at the ends) are not local; edges are never leak-free anyway.
+    """
+    if min(win_length, hop_length, kernel, stride) < 1 or delta_window < 3 or delta_orders < 0 or padding < 0:
+        raise ValueError("window, hop, kernel and stride must be >= 1, delta window >= 3, orders and padding >= 0")
+    reach = (delta_window - 1) // 2 * delta_orders + (win_length - 1) // hop_length
+    return max((reach + kernel - 1 - padding) // stride, (reach + padding) // stride)
+
+
+def pipeline_label_radius(frontend: nn.Module | None = None) -> int:
+    """:func:`label_radius` of this package's features and of ``frontend`` (default: a
+    :class:`~speech_assets.model.hubert.ConvSubsampler`, the model's frontend): 3."""
+    from speech_assets.features.featurize import compute_deltas
+    from speech_assets.features.shards import HOP_LENGTH, MFCC_DIM, N_MFCC, WIN_LENGTH
+    from speech_assets.model.hubert import ConvSubsampler
+
+    if frontend is None:
+        frontend = ConvSubsampler(1, 1, 1, 0.0)
+    kernel, stride, padding = conv_geometry(frontend)
+    return label_radius(
+        win_length=WIN_LENGTH,
+        hop_length=HOP_LENGTH,
+        # the extractor calls compute_deltas with its default window; MFCC rows are [c, Δc, ΔΔc]
+        delta_window=inspect.signature(compute_deltas).parameters["win_length"].default,
+        delta_orders=MFCC_DIM // N_MFCC - 1,
+        kernel=kernel,
+        stride=stride,
+        padding=padding,
+    )
