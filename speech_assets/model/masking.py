@@ -123,9 +123,9 @@ def label_radius(
 
     ``R`` is the larger of the two reaches. The pipeline's numbers (:func:`pipeline_label_radius`):
     window 400, hop 160, delta window 5 applied twice, frontend kernel 2 / stride 2 / padding 0:
-    ``K = 2 * 2 + 399 // 160 = 6`` log-mel frames, ``R = max(7 // 2, 6 // 2) = 3``. Only the
-    per-utterance-independent CMVN statistics and edge replication of the deltas (which shrinks
-    the field at the ends) are not local; edges are never leak-free anyway.
+    ``K = 2 * 2 + 399 // 160 = 6`` log-mel frames, ``R = max(7 // 2, 6 // 2) = 3``. Not counted:
+    the CMVN statistics (corpus- or speaker-level sums, not local) and the deltas' edge
+    replication (which only shrinks the field at the ends; edges are never leak-free anyway).
     """
     if min(win_length, hop_length, kernel, stride) < 1 or delta_window < 3 or delta_orders < 0 or padding < 0:
         raise ValueError("window, hop, kernel and stride must be >= 1, delta window >= 3, orders and padding >= 0")
