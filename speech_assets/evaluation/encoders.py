@@ -1,7 +1,7 @@
 """What probes read from the encoders under evaluation (loading them: model/encoders.py).
 
-* :func:`load_utterances`: CMVN-normalised log-mel ``(T, 80)`` and the transcript of every kept
-  utterance of some shards;
+* :func:`load_utterances`: the raw log-mel ``(T, 80)`` and the transcript of every kept utterance
+  of some shards (each model under probe normalises it its own way: evaluation/compare.py);
 * :func:`layer_features`: every layer's frozen output per utterance.
 """
 
@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from speech_assets.evaluation.text import normalise
-from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard
 from speech_assets.model.batches import batches_by_length, pad
 from speech_assets.model.hubert import HubertPretrainModel
@@ -23,7 +22,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 
 @dataclass
 class Utterance:
-    """One utterance: ``feats (T, 80)`` float32 log-mel at 100 Hz (CMVN applied), its normalised transcript."""
+    """One utterance: ``feats (T, 80)`` float32 raw log-mel at 100 Hz (no CMVN), its normalised transcript."""
 
     utt_id: str
     speaker_id: str
@@ -35,14 +34,14 @@ class Utterance:
         return self.feats.shape[0] / 100.0
 
 
-def load_utterances(shards: Sequence[str | os.PathLike[str]], cmvn: Cmvn, transcripts: Mapping[str, str]) -> list[Utterance]:
+def load_utterances(shards: Sequence[str | os.PathLike[str]], transcripts: Mapping[str, str]) -> list[Utterance]:
     """Every utterance of ``shards`` that has a non-empty transcript, in shard then ``utt_id`` order."""
     found = []
     for shard in shards:
         for record in iter_shard(shard, features=("logmel",)):
             text = normalise(transcripts.get(record.utt_id) or "")
             if text and record.logmel is not None:
-                found.append(Utterance(record.utt_id, record.speaker_id, cmvn.apply(record.logmel, "logmel"), text))
+                found.append(Utterance(record.utt_id, record.speaker_id, record.logmel.copy(), text))  # a copy: not a view into Arrow's buffers
     return found
 
 

@@ -28,16 +28,21 @@ PROBES = ("linear", "bilstm")
 @dataclass(frozen=True)
 class ProbeOptions:
     """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
-    10 %, then cosine decay); ``hidden``: BiLSTM width per direction."""
+    10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
+    (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
+    initialisation and the order it reads the utterances in."""
 
     probe: str = "linear"
     steps: int = 400
     batch_size: int = 8
     lr: float = 2e-3
     hidden: int = 128
-    seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))  # settings give a list
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -83,18 +88,18 @@ def _schedule(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_probe(features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions) -> CtcProbe:
+def train_probe(features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0) -> CtcProbe:
     """Train a probe on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``.
 
-    Deterministic for a given ``options.seed`` and thread count: utterances are drawn epoch by
-    epoch in a seeded order.
+    Deterministic for a given ``seed`` and thread count: ``seed`` initialises the probe, and
+    utterances are drawn epoch by epoch in an order ``seed`` shuffles.
     """
     if not features:
         raise ValueError("no training utterances for the probe")
     targets = [torch.tensor(encode(text), dtype=torch.long) for text in texts]
-    generator = torch.Generator().manual_seed(options.seed)
+    generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
-        torch.manual_seed(options.seed)
+        torch.manual_seed(seed)
         probe = CtcProbe(features[0].shape[0], features[0].shape[2], options.probe, options.hidden)
     optimizer = torch.optim.AdamW(probe.parameters(), lr=options.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, options.steps))

@@ -53,9 +53,11 @@ def test_probe_learns_a_synthetic_task_and_weights_the_informative_layer() -> No
     assert after.cer < 0.15 and after.wer < 0.5, hypotheses[:3]
     weights = probe.layer_weights
     assert pytest.approx(sum(weights)) == 1.0 and max(weights) == weights[1]
-    # same seed, same data -> the same probe
+    # same seed, same data -> the same probe; another seed -> another one
     again = train_probe(train_feats, train_texts, options)
     assert all(torch.equal(a, b) for a, b in zip(probe.state_dict().values(), again.state_dict().values(), strict=True))
+    other = train_probe(train_feats, train_texts, options, seed=1)
+    assert not torch.equal(probe.output.weight, other.output.weight)
 
 
 def test_bilstm_probe_shapes_and_padding() -> None:
@@ -70,6 +72,15 @@ def test_bilstm_probe_shapes_and_padding() -> None:
     torch.testing.assert_close(batched[1, :5], alone[0], rtol=1e-5, atol=1e-6)  # padding does not leak
     with pytest.raises(ValueError, match="probe must be"):
         ProbeOptions(probe="transformer")
+
+
+@pytest.mark.parametrize(("seeds", "ok"), [([0, 1, 2], (0, 1, 2)), ((7,), (7,)), ((), None), ((1, 1), None)])
+def test_probe_options_seeds(seeds, ok) -> None:
+    if ok is None:
+        with pytest.raises(ValueError, match="seeds must be distinct"):
+            ProbeOptions(seeds=seeds)
+    else:
+        assert ProbeOptions(seeds=seeds).seeds == ok  # a settings list becomes a tuple
 
 
 def test_scores_are_corpus_level_edit_rates() -> None:
