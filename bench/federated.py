@@ -55,13 +55,14 @@ def build_inputs(root: Path) -> Path:
 
 def run_federated(data: Path, root: Path, strategy: str, args: argparse.Namespace) -> dict:
     from speech_assets.federated.config import FederatedConfig
+    from speech_assets.corpus.clients import heldout_of, read_clients
     from speech_assets.federated.launch import client_ids, run_federation
 
     run_dir = root / f"federated-{strategy}"
     config = FederatedConfig(
         run_dir=str(run_dir), run_name=run_dir.name, clients=client_ids(data), rounds=args.rounds,
         local_steps=args.local_steps, strategy=strategy, client_lr=args.lr, batch_seconds=args.batch_seconds,
-        heldout_fraction=args.heldout_fraction, seed=args.seed,
+        heldout_speakers=heldout_of(read_clients(data / "clients" / "clients.parquet")), seed=args.seed,
     )  # fmt: skip
     started = time.monotonic()
     result = run_federation(config, data, log=lambda line: print(f"  [{strategy}] {line}", flush=True))
@@ -80,6 +81,7 @@ def run_federated(data: Path, root: Path, strategy: str, args: argparse.Namespac
 def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: list[str]) -> dict:
     import pyarrow.parquet as pq
 
+    from speech_assets.corpus.clients import heldout_of, read_clients
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     speakers = sorted(pq.read_table(data / "clients" / "clients.parquet").column("speaker_id").to_pylist())
@@ -92,7 +94,8 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
         clients={c: ClientTargets(str(data / "kmeans" / c / "labels.parquet"),
                                   json.loads((data / "kmeans" / c / "quality.json").read_text())["k"]) for c in clients},
         preset="tiny", max_steps=steps, batch_seconds=args.batch_seconds, grad_accum=1, lr=args.lr,
-        warmup_steps=max(1, steps // 10), seed=args.seed, heldout_fraction=args.heldout_fraction,
+        warmup_steps=max(1, steps // 10), seed=args.seed,
+        heldout_speakers=heldout_of(read_clients(data / "clients" / "clients.parquet")),
         checkpoint_every=steps, log_every=max(1, steps // 10), precision="fp32", device="cpu", nproc=1,
     )  # fmt: skip
     config_path = root / "centralised.json"

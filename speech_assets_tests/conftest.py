@@ -105,7 +105,7 @@ def demo_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
         "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
         "TRAIN_CONFIG_JSON": json.dumps(
-            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": DEMO_TRAIN_STEPS, "checkpoint_every": 100, "heldout_fraction": 0.1}}}}
+            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": DEMO_TRAIN_STEPS, "checkpoint_every": 100}}}}
         ),
         "FEDERATED_CONFIG_JSON": json.dumps({"ops": {"federated_checkpoint": {"config": DEMO_FEDERATED}}}),
     }

@@ -21,8 +21,11 @@ import pyarrow.parquet as pq
 from speech_assets.utils import atomic_path
 
 CLIENTS_SCHEMA = pa.schema(
-    [("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64())]
-)
+    [
+        ("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64()),
+        ("heldout", pa.bool_()),
+    ]
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,14 @@ class SpeakerLoad:
 
 @dataclass(frozen=True)
 class ClientAssignment:
+    """One speaker's client; ``heldout``: the speaker is one of the pipeline's held-out speakers
+    (chosen once over the whole corpus; no model or statistic a model trains on sees them)."""
+
     speaker_id: str
     client_id: str
     hours: float
     utterances: int
+    heldout: bool = False
 
 
 def client_ids(num_clients: int) -> list[str]:
@@ -94,5 +101,14 @@ def write_clients(path: str | os.PathLike[str], assignments: list[ClientAssignme
 
 
 def read_clients(path: str | os.PathLike[str]) -> list[ClientAssignment]:
-    """The rows of the clients table, one per speaker."""
+    """The rows of the clients table, one per speaker. A table written before the held-out split
+    was recorded in it is refused: re-materialise ``client_partitions``."""
+    names = pq.read_schema(path).names
+    if "heldout" not in names:
+        raise ValueError(f"{path} has no heldout column (written by an older version): re-materialise client_partitions")
     return [ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist()]
+
+
+def heldout_of(assignments: list[ClientAssignment]) -> list[str]:
+    """The held-out speakers of a clients table, sorted."""
+    return sorted(a.speaker_id for a in assignments if a.heldout)

@@ -1,5 +1,7 @@
 """Stage 3a: speakers partitioned into non-IID clients (`client_partitions`) and its check."""
 
+import dataclasses
+
 import dagster as dg
 import pyarrow.parquet as pq
 
@@ -8,9 +10,10 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import clients_partitions, register_new
 from speech_assets.defs.resources import ClientSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.train.data import heldout_speakers
 from speech_assets.utils import sha256_file
 
-CLIENTS_CODE_VERSION = "clients-v1"
+CLIENTS_CODE_VERSION = "clients-v2"  # v2: the held-out speakers are chosen here, once
 
 
 class ClientOverrides(overrides_of(ClientSettings)):
@@ -28,20 +31,26 @@ def client_partitions(
     context: dg.AssetExecutionContext, config: ClientOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     """Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours;
-    speakers already assigned keep their client."""
+    speakers already assigned keep their client. The held-out speakers are chosen here, once,
+    over the whole corpus (``heldout`` column): every encoder, CMVN and k-means codebook leaves
+    them out, and the probe tests on them."""
     config = effective(settings.clients, config)
     speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
     previous = {}
-    if paths.clients_file.exists():
-        previous = {a.speaker_id: a.client_id for a in assignment.read_clients(paths.clients_file)}
-    result = assignment.assign_clients(loads, config.num_clients, previous)
+    if paths.clients_file.exists():  # (only these two columns: a table of an older version keeps its clients)
+        table = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"])
+        previous = dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
+    assigned = assignment.assign_clients(loads, config.num_clients, previous)
+    held = heldout_speakers({a.speaker_id: a.client_id for a in assigned}, config.heldout_fraction)
+    result = [dataclasses.replace(a, heldout=a.speaker_id in held) for a in assigned]
     assignment.write_clients(paths.clients_file, result)
     ids = assignment.client_ids(config.num_clients)
     added = register_new(context, clients_partitions, ids)
-    summary = {c: {"speakers": 0, "hours": 0.0, "utterances": 0} for c in ids}
+    summary = {c: {"speakers": 0, "heldout": 0, "hours": 0.0, "utterances": 0} for c in ids}
     for item in result:
         summary[item.client_id]["speakers"] += 1
+        summary[item.client_id]["heldout"] += item.heldout
         summary[item.client_id]["hours"] += item.hours
         summary[item.client_id]["utterances"] += item.utterances
     now = {a.speaker_id: a.client_id for a in result}
@@ -53,11 +62,14 @@ def client_partitions(
             "speakers": len(result),
             "new_speakers": len([a for a in result if a.speaker_id not in previous]),
             "moved_speakers": dg.MetadataValue.json(moved),
+            "heldout_fraction": config.heldout_fraction,
+            "heldout_speakers": dg.MetadataValue.json(sorted(held)[:50]),
+            "heldout_count": len(held),
             "imbalance": round(assignment.imbalance(result, config.num_clients), 4),
             "summary": dg.MetadataValue.md(
                 markdown_table(
-                    ("client", "speakers", "hours", "utterances"),
-                    ((c, v["speakers"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
+                    ("client", "speakers", "held out", "hours", "utterances"),
+                    ((c, v["speakers"], v["heldout"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
                 )
             ),
             "registered_partitions": dg.MetadataValue.json(added),

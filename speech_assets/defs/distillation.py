@@ -48,10 +48,8 @@ def distilled_checkpoint(
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
     run_dir = run_folder(paths.root / "distill", data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
-    teacher_config = teacher_model.checkpoint.get("config") or {}
     distill_config = from_fields(
         DistillConfig, options, **run_inputs(paths, clients, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
-        heldout_fraction=teacher_config.get("heldout_fraction", settings.training.heldout_fraction),
         **student_shape(teacher_model.model.preset, options),
         warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), threads=options.threads or None,
     )  # fmt: skip

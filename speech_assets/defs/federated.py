@@ -10,6 +10,7 @@ import json
 
 import dagster as dg
 
+from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
@@ -61,9 +62,11 @@ def federated_checkpoint(
     data_versions = input_versions(context, paths, clients)
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.root / "federated" / run_name
+    table = read_clients(paths.clients_file)
     federated = from_fields(
         FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=sorted(clients),
         client_weights=client_weights(paths.root, sorted(clients)), data_versions=data_versions,
+        heldout_speakers=heldout_of(table), train_speakers=sorted(a.speaker_id for a in table if not a.heldout),
     )  # fmt: skip
     tracker = FederatedTracker(
         federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()

@@ -70,10 +70,13 @@ def loss_problems(run_dir: Path) -> list[str]:
 
 
 def accuracy_against_majority(run_dir: Path) -> tuple[float, float] | None:
-    """(held-out masked accuracy, majority-class rate on the same frames) from ``result.json``,
-    or None where the run did not measure them (no held-out speakers)."""
+    """(held-out masked accuracy, majority-class rate on the same frames) from ``result.json``, on
+    leak-free frames where the run measured them (else on all masked frames), or None where the
+    run did not measure them (no held-out speakers)."""
     result = read_json(run_dir / "result.json", strict=True)
-    accuracy, majority = result.get("heldout_masked_accuracy"), result.get("heldout_majority_accuracy")
+    accuracy, majority = result.get("heldout_leak_free_masked_accuracy"), result.get("heldout_leak_free_majority_accuracy")
+    if accuracy is None or majority is None:
+        accuracy, majority = result.get("heldout_masked_accuracy"), result.get("heldout_majority_accuracy")
     return None if accuracy is None or majority is None else (float(accuracy), float(majority))
 
 

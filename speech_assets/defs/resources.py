@@ -144,6 +144,9 @@ class FeatureSettings(dg.Config):
 
 class ClientSettings(dg.Config):
     num_clients: int = 4
+    # the share of speakers held out of everything a model trains on (CMVN, k-means, every
+    # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
+    heldout_fraction: float = TrainConfig.heldout_fraction
 
 
 class KMeansSettings(dg.Config):
@@ -181,7 +184,7 @@ class TrainingSettings(dg.Config):
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
     max_restarts: int = TrainConfig.max_restarts
-    heldout_fraction: float = TrainConfig.heldout_fraction
+    normalisation: str = TrainConfig.normalisation  # "utterance" or "global" (the training speakers' CMVN)
     max_frames: int = TrainConfig.max_frames
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
     noise: str = ""  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
@@ -247,7 +250,6 @@ class FederatedSettings(dg.Config):
     client_lr: float = FederatedConfig.client_lr  # sent to the clients with every round
     batch_seconds: float = FederatedConfig.batch_seconds  # padded audio per local step
     seed: int = FederatedConfig.seed
-    heldout_fraction: float = FederatedConfig.heldout_fraction
     max_frames: int = FederatedConfig.max_frames
     precision: str = FederatedConfig.precision
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here

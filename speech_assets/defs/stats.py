@@ -33,7 +33,6 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         clients=paths.clients_file,
         kmeans_quality=sorted((paths.root / "kmeans").glob("*/quality.json")),
         training_results=results,
-        heldout_fraction=_heldout_fraction(results),
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.root / "probe" / "results.parquet",
     )
@@ -44,17 +43,6 @@ def _newest_federated_rounds(paths: StoragePaths):
     finished = [p.parent / "rounds.parquet" for p in (paths.root / "federated").glob("*/result.json")]
     found = [p for p in finished if p.is_file()] or sorted((paths.root / "federated").glob("*/rounds.parquet"))
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def _heldout_fraction(results: list) -> float:
-    """The held-out fraction the newest training run used (the default when none ran)."""
-    if not results:
-        return stats_db.HELDOUT_FRACTION
-    newest = max(results, key=lambda p: p.stat().st_mtime)
-    try:
-        return float(json.loads((newest.parent / "config.json").read_text())["heldout_fraction"])
-    except (OSError, KeyError, ValueError):
-        return stats_db.HELDOUT_FRACTION
 
 
 def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:

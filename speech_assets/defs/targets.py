@@ -24,7 +24,7 @@ from speech_assets.defs.resources import (
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-KMEANS_CODE_VERSION = "kmeans-v1"
+KMEANS_CODE_VERSION = "kmeans-v2"  # v2: held-out speakers are labelled, never fitted
 
 
 class KMeansOverrides(overrides_of(KMeansSettings)):
@@ -61,7 +61,8 @@ def kmeans_targets(
     published = []
     for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
-        quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, speaker_sums)
+        heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
+        quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, heldout, speaker_sums)
         published.append(
             partition_materialization(
                 context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
@@ -116,6 +117,7 @@ def _materialize_client(
     paths: StoragePaths,
     client_id: str,
     speakers: list[str],
+    heldout: list[str],
     speaker_sums: cmvn.ShardStats,
 ) -> dict:
     """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version.
@@ -130,11 +132,13 @@ def _materialize_client(
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
         shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
-        # Client-level CMVN from this client's own speakers only: no statistics cross clients.
-        client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=speakers))
-        inputs_key = sha256_strings(
-            [json.dumps(shard_versions, sort_keys=True), kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION]
-        )
+        # Client-level CMVN from this client's own training speakers only: no statistics cross
+        # clients, and none includes a held-out speaker (they are labelled, never fitted)
+        client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=set(speakers) - set(heldout)))
+        inputs_key = sha256_strings([
+            json.dumps(shard_versions, sort_keys=True), json.dumps(heldout),
+            kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION,
+        ])  # fmt: skip
         quality_file = out_dir / "quality.json"
         previous = read_json(quality_file)
         fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
@@ -143,7 +147,9 @@ def _materialize_client(
             context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
             quality = previous
         else:
-            newcomers = _newcomers(previous, speakers, shard_versions) if intact else None
+            # the codebook is kept only while no speaker it was fitted on has since been held out
+            fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
+            newcomers = _newcomers(previous, speakers, shard_versions) if intact and not fitted_on_heldout else None
             new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
             at_refit = frames_at_last_refit(previous)
             if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
@@ -164,8 +170,9 @@ def _materialize_client(
                     max_fit_frames=kmeans.max_fit_frames,
                     seed=kmeans.seed,
                     log=context.log.warning,
+                    label_only=[paths.shard_file(s) for s in heldout],
                 )
-                mode, codebook_speakers = "refit", speakers
+                mode, codebook_speakers = "refit", sorted(set(speakers) - set(heldout))
             quality = {
                 "client_id": client_id,
                 "k": result.k,
@@ -180,6 +187,7 @@ def _materialize_client(
                 "mean_segment_length": result.mean_segment_length,
                 "speakers": speakers,
                 "codebook_speakers": codebook_speakers,
+                "heldout_speakers": heldout,
                 "mode": mode,
                 "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
                 "shards_read": result.shards_read,

@@ -134,3 +134,61 @@ class Cmvn:
                 std={f: data[f"{f}_std"].astype(np.float32) for f in features},
                 frames=int(data["frames"]),
             )
+
+
+class UtteranceCmvn:
+    """Per-utterance CMVN: each ``(T, D)`` matrix is normalised by its own mean and standard
+    deviation over time. It needs no statistic of any other utterance, so it is what a federation
+    (which has no global statistics) trains with, and it can never carry a held-out speaker's
+    statistics into training."""
+
+    kind = "utterance"
+
+    def apply(self, frames: np.ndarray, feature: str) -> np.ndarray:
+        """``frames (T, D)`` -> ``(T, D)`` float32, zero mean and unit variance per dimension."""
+        as64 = np.asarray(frames, dtype=np.float64)
+        if as64.shape[0] == 0:
+            return as64.astype(np.float32)
+        std = np.sqrt(np.maximum(as64.var(axis=0), _MIN_VAR))
+        return ((as64 - as64.mean(axis=0)) / std).astype(np.float32)
+
+
+NORMALISATIONS = ("utterance", "global")
+Normaliser = Cmvn | UtteranceCmvn
+
+
+def training_cmvn(kind: str, speaker_sums: str | os.PathLike[str], speakers: Iterable[str]) -> Normaliser:
+    """The input normalisation a model trains with: ``utterance`` (:class:`UtteranceCmvn`) or
+    ``global``, the CMVN of the training ``speakers`` only, from the per-speaker sums that
+    ``cmvn_stats`` writes (``speaker_sums.npz``): a held-out speaker's frames never enter it."""
+    if kind == "utterance":
+        return UtteranceCmvn()
+    if kind != "global":
+        raise ValueError(f"normalisation must be one of {NORMALISATIONS}, got {kind!r}")
+    return Cmvn.from_sums(combine([ShardStats.load(speaker_sums)], speakers=speakers))
+
+
+def describe(normaliser: Normaliser) -> dict[str, object]:
+    """What a checkpoint records of its normalisation, so that evaluation and export apply
+    exactly it (:func:`from_record`): ``{"kind": "utterance"}`` or the global log-mel statistics."""
+    if isinstance(normaliser, UtteranceCmvn):
+        return {"kind": "utterance"}
+    return {
+        "kind": "global",
+        "frames": normaliser.frames,
+        "mean": [float(v) for v in normaliser.mean["logmel"]],
+        "std": [float(v) for v in normaliser.std["logmel"]],
+    }
+
+
+def from_record(record: Mapping[str, object] | None) -> Normaliser | None:
+    """The normaliser :func:`describe` recorded; ``None`` for a checkpoint that recorded none."""
+    if not record:
+        return None
+    if record.get("kind") == "utterance":
+        return UtteranceCmvn()
+    if record.get("kind") == "global":
+        mean = np.asarray(record["mean"], dtype=np.float32)
+        std = np.asarray(record["std"], dtype=np.float32)
+        return Cmvn(mean={"logmel": mean}, std={"logmel": std}, frames=int(record.get("frames", 0)))  # type: ignore[arg-type]
+    raise ValueError(f"unknown normalisation record {record!r}")

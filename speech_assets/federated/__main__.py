@@ -16,12 +16,13 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
 from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
 from speech_assets.federated.processes import NeedsLinux
 
-SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions"}
+SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions", "heldout_speakers", "train_speakers"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     values = {item.name: getattr(args, item.name) for item in fields(FederatedConfig) if item.name not in SKIPPED}
     clients = [c for c in args.clients.split(",") if c] or client_ids(args.data_dir)
     weights = client_weights(args.data_dir, clients)
+    table = read_clients(Path(args.data_dir) / "clients" / "clients.parquet")  # the pipeline's one held-out split
+    speakers = {
+        "heldout_speakers": heldout_of(table),
+        "train_speakers": sorted(a.speaker_id for a in table if a.client_id in clients and not a.heldout),
+    }
     try:
-        config = FederatedConfig(run_dir=str(run_dir), run_name=run_dir.name, clients=clients, client_weights=weights, **values)
+        config = FederatedConfig(
+            run_dir=str(run_dir), run_name=run_dir.name, clients=clients, client_weights=weights, **speakers, **values
+        )
     except ValueError as error:  # the run folder's name is the run name: a safe id
         _parser().error(str(error))
 

@@ -3,9 +3,10 @@ speakers' CMVN partial sums. Nothing else: not ``clients/clients.parquet``, not 
 ``cmvn/``, not another client's folder (``test_client_data.py`` runs a client on a folder that
 holds only its own files).
 
-The client's speakers are those its own labels file names; its CMVN is computed from those
-speakers' partial sums (``<speaker>.stats.npz`` beside each shard), as ``kmeans_targets`` does for
-the client's k-means, so no statistic crosses clients.
+The client's speakers are those its own labels file names. Its training normalises each
+utterance on its own (per-utterance CMVN: a federation has no global statistics), so no statistic
+crosses speakers, let alone clients; the partial sums (``<speaker>.stats.npz`` beside each shard)
+belong to the shard's files and are checked to be there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from speech_assets.features import cmvn
 from speech_assets.features.shards import ShardFiles
 
 
@@ -62,13 +62,3 @@ class ClientData:
     def files(self) -> list[Path]:
         """Every file this client reads."""
         return [self.labels, self.labels.parent / "quality.json", *self.shards, *self.stats]
-
-    def cmvn(self) -> cmvn.Cmvn:
-        """Client-level CMVN from this client's own speakers' partial sums."""
-        parts = [cmvn.ShardStats.load(path) for path in self.stats]
-        return cmvn.Cmvn.from_sums(cmvn.combine(parts, speakers=self.speakers))
-
-    def write_cmvn(self, path: str | os.PathLike[str]) -> Path:
-        """Save :meth:`cmvn` (atomically) to ``path`` in the client's own state folder."""
-        self.cmvn().save(path)
-        return Path(path)

@@ -75,7 +75,10 @@ class FederatedConfig:
     weight_decay: float = TrainConfig.weight_decay
     clip_norm: float = TrainConfig.clip_norm
     seed: int = TrainConfig.seed
-    heldout_fraction: float = 0.1
+    # the pipeline's held-out speakers (chosen once over the whole corpus): every client leaves
+    # its own among them out of training; train_speakers is what the run trains on, recorded
+    heldout_speakers: list[str] = field(default_factory=list)
+    train_speakers: list[str] = field(default_factory=list)
     max_frames: int = TrainConfig.max_frames
     mask_prob: float = TrainConfig.mask_prob
     mask_length: int = TrainConfig.mask_length
@@ -125,8 +128,7 @@ class FederatedConfig:
         for name in ("beta_1", "beta_2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 problems.append(f"{name} must be in [0, 1)")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            problems.append("heldout_fraction must be in [0, 1)")
+        problems += [f"speaker id {s!r} {why}" for s in self.heldout_speakers if (why := why_unsafe(s))]
         if why := why_unsafe(self.run_name):
             problems.append(f"run_name {self.run_name!r} {why}")
         if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
@@ -149,8 +151,8 @@ class FederatedConfig:
         values: dict[str, Scalar] = {}
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name == "clients":
-                values["clients"] = ",".join(value)
+            if isinstance(value, list):
+                values[_key(item.name)] = ",".join(value)
             elif item.name in JSON_FIELDS:
                 values[_key(item.name)] = json.dumps(value, sort_keys=True)
             else:
@@ -243,7 +245,7 @@ class LocalConfig:
     weight_decay: float
     clip_norm: float
     seed: int
-    heldout_fraction: float
+    heldout_speakers: list[str]
     max_frames: int
     mask_prob: float
     mask_length: int
@@ -251,7 +253,7 @@ class LocalConfig:
     precision: str
 
     def to_record(self) -> dict[str, Scalar]:
-        return {_key(k): v for k, v in asdict(self).items()}
+        return {_key(k): ",".join(v) if isinstance(v, list) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:

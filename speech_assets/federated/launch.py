@@ -107,10 +107,10 @@ def client_state_roots(
 
 def client_weights(data_dir: str | os.PathLike[str], clients: list[str]) -> dict[str, float]:
     """The aggregation weight of each client from ``clients/clients.parquet``: the utterances of
-    its speakers (what the server knows, not what a client reports)."""
+    its training (not held-out) speakers (what the server knows, not what a client reports)."""
     weights: dict[str, float] = {}
     for row in read_clients(Path(data_dir) / "clients" / "clients.parquet"):
-        weights[row.client_id] = weights.get(row.client_id, 0.0) + float(row.utterances)
+        weights[row.client_id] = weights.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
     missing = [c for c in clients if weights.get(c, 0) <= 0]
     if missing:
         raise ValueError(f"the clients table has no utterances for {missing}")

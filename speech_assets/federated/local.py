@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from speech_assets.features.cmvn import UtteranceCmvn
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig
 from speech_assets.model.hubert import HubertPretrainModel
@@ -146,16 +147,15 @@ class LocalClient:
         self.precision = resolve_precision(local.precision, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported())
         if node.threads > 0:
             torch.set_num_threads(node.threads)
-        data.write_cmvn(self.client_dir / "cmvn.npz")
         index = build_index([str(p) for p in data.shards], {data.client_id: str(data.labels)}, local.max_frames)
-        train_refs, heldout_refs = heldout_split(index.utterances, local.heldout_fraction)
+        train_refs, heldout_refs = heldout_split(index.utterances, 0.0, local.heldout_speakers)
         if not train_refs:
             raise ValueError(f"client {data.client_id} has no labelled training utterances")
         self.num_examples = len(train_refs)
         self.majority_labels = majority_labels(index, train_refs)
-        client_cmvn = data.cmvn()
-        self.train_set = UtteranceDataset(index, train_refs, client_cmvn, local.max_frames)
-        self.heldout_set = UtteranceDataset(index, heldout_refs, client_cmvn, local.max_frames)
+        # a federation has no corpus statistics: every utterance is normalised on its own
+        self.train_set = UtteranceDataset(index, train_refs, UtteranceCmvn(), local.max_frames)
+        self.heldout_set = UtteranceDataset(index, heldout_refs, UtteranceCmvn(), local.max_frames)
 
     # ------------------------------------------------------------------------------ model
     def model(self, encoder: Mapping[str, torch.Tensor], head_up_to: int) -> tuple[HubertPretrainModel, int | None]:

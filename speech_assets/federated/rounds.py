@@ -147,6 +147,8 @@ def save_final(
             "config": config.to_dict(),
             "data_versions": dict(config.data_versions),
             "weights_sha256": sha,
+            "speakers": {"train": sorted(config.train_speakers), "heldout": sorted(config.heldout_speakers)},
+            "normalisation": {"kind": "utterance"},
         },
     )
     return sha

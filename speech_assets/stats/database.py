@@ -17,10 +17,8 @@ from pathlib import Path
 import duckdb
 
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.train.config import RunConfig
 from speech_assets.utils import atomic_path
 
-HELDOUT_FRACTION = RunConfig.heldout_fraction  # the trainer's, defined there once
 
 
 @dataclass
@@ -34,7 +32,6 @@ class StatsInputs:
     clients: Path
     kmeans_quality: list[Path]
     training_results: list[Path] = field(default_factory=list)
-    heldout_fraction: float = HELDOUT_FRACTION
     # the rounds.parquet of the federated run to show (speech_assets.federated), if any
     federated_rounds: Path | None = None
     probe_results: Path | None = None  # downstream_probe's results.parquet
@@ -48,40 +45,15 @@ def _sql_list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(_sql_str(p) for p in paths) + "]"
 
 
-def speaker_split_sql(heldout_fraction: float) -> str:
-    """``SELECT speaker_id, client_id, split`` over the ``clients`` relation: the trainer's
-    speaker-level held-out split (``speech_assets.train.data.heldout_speakers``) in SQL.
+SPEAKER_SPLIT_SQL = (
+    "SELECT speaker_id, client_id, CASE WHEN heldout THEN 'heldout' ELSE 'train' END AS split FROM clients"
+)  # the split client_partitions chose (and recorded) once; speakers not in a client are 'unassigned'
 
-    A speaker is held out when the first 8 bytes of ``sha256(speaker_id)``, as a fraction of
-    2^64, are below the fraction; a client whose speakers would all be held out keeps its
-    largest-hash speaker; if none is held out, the smallest-hash speaker among clients of two
-    or more speakers is (tests check it against the Python function).
-    """
-    f = float(heldout_fraction)
-    return f"""
-        WITH hashed AS (
-            SELECT speaker_id, client_id,
-                   CAST(('0x' || substr(sha256(speaker_id), 1, 16)) AS UBIGINT) / 18446744073709551616.0 AS h
-            FROM clients),
-        ranked AS (
-            SELECT *, count(*) OVER (PARTITION BY client_id) AS members,
-                   bool_and(h < {f}) OVER (PARTITION BY client_id) AS all_below,
-                   row_number() OVER (PARTITION BY client_id ORDER BY h DESC, speaker_id DESC) AS from_top
-            FROM hashed),
-        thresholded AS (
-            SELECT *, {f} > 0 AND h < {f} AND NOT (all_below AND from_top = 1) AS held FROM ranked),
-        fallback AS (
-            SELECT speaker_id FROM thresholded
-            WHERE {f} > 0 AND members >= 2 AND NOT coalesce((SELECT bool_or(held) FROM thresholded), false)
-            ORDER BY h, speaker_id LIMIT 1)
-        SELECT speaker_id, client_id,
-               CASE WHEN held OR speaker_id IN (SELECT speaker_id FROM fallback) THEN 'heldout' ELSE 'train' END AS split
-        FROM thresholded ORDER BY speaker_id"""
 
 
 PROBE_COLUMNS = (
     "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
-    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT"
+    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT"
 )
 
 
@@ -113,7 +85,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     else:
         con.execute(
             "CREATE VIEW clients AS SELECT NULL::VARCHAR AS speaker_id, NULL::VARCHAR AS client_id, "
-            "NULL::DOUBLE AS hours, NULL::BIGINT AS utterances WHERE false"
+            "NULL::DOUBLE AS hours, NULL::BIGINT AS utterances, NULL::BOOLEAN AS heldout WHERE false"
         )
 
 
@@ -137,7 +109,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
         "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
-        "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE)"
+        "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
+        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE)"
     )
     for path in sorted(inputs.training_results):
         r = json.loads(path.read_text())
@@ -149,16 +122,18 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             [r.get("checkpoint"), r.get("step"), r.get("checkpoint_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
         )
         con.execute(
-            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
              r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
              r.get("mlflow_run_id"), r.get("checkpoint"), r.get("heldout_interior_masked_accuracy"),
-             r.get("heldout_interior_majority_accuracy")],
+             r.get("heldout_interior_majority_accuracy"), r.get("heldout_leak_free_masked_accuracy"),
+             r.get("heldout_leak_free_majority_accuracy")],
         )
     con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
     if inputs.probe_results is not None and inputs.probe_results.exists():
         con.execute(
-            f"INSERT INTO probe_results SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
+            # by name, older files (without seed, normalisation, speakers) give NULLs there
+            f"INSERT INTO probe_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
             "ORDER BY model, split"
         )
     # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
@@ -182,8 +157,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
-    # The trainer's speaker-level held-out split; speakers not yet in a client are 'unassigned'.
-    con.execute(f"CREATE TABLE speaker_split AS {speaker_split_sql(inputs.heldout_fraction)}")
+    con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
         "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, "
         "count(DISTINCT u.speaker_id) AS speakers, count(*) AS utterances, "

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,17 +47,22 @@ def build_client_targets(
     max_fit_frames: int = 2_000_000,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
     """Fit one client's k-means on its own shards only, then label every frame of them.
+
+    ``label_only`` shards (the held-out speakers') are labelled but never part of the fit, so
+    no codebook a model trains on has seen them; ``client_cmvn`` must exclude them too.
 
     Memory is bounded: the fit sees at most ``max_fit_frames`` frames, drawn as whole
     utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
     model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
     """
+    fit_paths = [path for path in shard_paths if path not in set(label_only)]
     fit_frames = [
         client_cmvn.apply(record.mfcc, "mfcc")
-        for shard_number, utt_ids in sorted(fit_sample(client_id, shard_paths, max_fit_frames, seed).items())
-        for record in iter_shard(shard_paths[shard_number], features=("mfcc",))
+        for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed).items())
+        for record in iter_shard(fit_paths[shard_number], features=("mfcc",))
         if record.utt_id in utt_ids
     ]
     frames = np.concatenate(fit_frames, axis=0)

@@ -38,7 +38,11 @@ class RunConfig:
     shards: list[str]
     cmvn: str
     clients: dict[str, ClientTargets]
-    heldout_fraction: float = 0.05
+    heldout_fraction: float = 0.1
+    # the held-out speakers, when the caller chose them (the pipeline: over the whole corpus, in
+    # client_partitions); None: heldout_speakers() of the indexed speakers at heldout_fraction
+    heldout_speakers: list[str] | None = None
+    normalisation: str = "utterance"  # or "global": the CMVN of the training speakers only
     weight_decay: float = 0.01
     clip_norm: float = 10.0
     seed: int = 0
@@ -148,6 +152,8 @@ class TrainConfig(RunConfig):
             problems.append("batch_seconds must be > 0")
         if not 0.0 <= self.heldout_fraction < 1.0:
             problems.append("heldout_fraction must be in [0, 1)")
+        if self.normalisation not in ("utterance", "global"):
+            problems.append("normalisation must be 'utterance' or 'global'")
         for name in ("max_steps", "checkpoint_every", "log_every", "keep_checkpoints", "mask_length", "max_frames"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")

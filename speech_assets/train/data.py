@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.cmvn import Normaliser
 from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.targets.labels import read_labels
@@ -140,11 +140,21 @@ def heldout_speakers(speaker_clients: Mapping[str, Hashable], fraction: float) -
     return held
 
 
-def heldout_split(utterances: Sequence[UtteranceRef], fraction: float) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
-    """Split by speaker (:func:`heldout_speakers`): every utterance of a held-out speaker is held
-    out, so held-out figures measure generalisation to unseen speakers."""
-    held = heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
+def heldout_split(
+    utterances: Sequence[UtteranceRef], fraction: float, heldout: Collection[str] | None = None
+) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
+    """Split by speaker: every utterance of a held-out speaker is held out, so held-out figures
+    measure generalisation to unseen speakers. The held-out speakers are ``heldout`` when given
+    (the pipeline's one split, chosen over the whole corpus by ``client_partitions``), else
+    :func:`heldout_speakers` of these utterances' speakers at ``fraction``."""
+    held = set(heldout) if heldout is not None else heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
     return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
+
+
+def speaker_record(train: Sequence[UtteranceRef], heldout: Collection[str]) -> dict[str, list[str]]:
+    """What a checkpoint records of its split: the speakers it trained on and the held-out ones
+    (the probe tests on held-out speakers only and checks that no encoder trained on them)."""
+    return {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(heldout)}
 
 
 @dataclass
@@ -226,7 +236,7 @@ class UtteranceDataset(Dataset[Example]):
         self,
         index: CorpusIndex,
         utterances: Sequence[UtteranceRef],
-        cmvn: Cmvn,
+        cmvn: Normaliser,
         max_frames: int,
         cached_row_groups: int = 8,
         seed: int = 0,

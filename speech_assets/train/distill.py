@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.cmvn import Cmvn, describe, from_record
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import DistillConfig
-from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split
+from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split, speaker_record
 from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay, worker
 from speech_assets.train.tracking import PipesReporter
 
@@ -164,8 +164,13 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
         if not all(1 <= layer <= teacher.preset.layers for layer in layers):
             raise ValueError(f"teacher_layers {layers} outside 1..{teacher.preset.layers}")
         index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
-        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction)
-        dataset = UtteranceDataset(index, train_refs, Cmvn.load(config.cmvn), config.max_frames, seed=config.seed)
+        # the student learns on the teacher's training speakers, with the teacher's input normalisation
+        recorded = teacher_loaded.checkpoint.get("speakers") or {}
+        heldout = config.heldout_speakers if config.heldout_speakers is not None else recorded.get("heldout")
+        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, heldout)
+        speakers = speaker_record(train_refs, heldout if heldout is not None else {u.speaker_id for u in heldout_refs})
+        cmvn = from_record(teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
+        dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
         sampler = DurationBucketSampler(
             dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
@@ -177,7 +182,10 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
             grad_accum=config.grad_accum, schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
             forward=LayerPredictor(student),
         )  # fmt: skip
-        engine.extra = {"kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions)}
+        engine.extra = {
+            "kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions),
+            "speakers": speakers, "normalisation": describe(cmvn),
+        }  # fmt: skip
         engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
         plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum}
         plan["precision"] = precision

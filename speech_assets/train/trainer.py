@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.cmvn import describe, training_cmvn
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.config import TrainConfig
-from speech_assets.train.data import UtteranceDataset, build_index, heldout_split
+from speech_assets.train.data import UtteranceDataset, build_index, heldout_split, speaker_record
 from speech_assets.train.engine import (
     BatchStream,
     Distributed,
@@ -56,10 +56,13 @@ class Trainer:
         self.config, self.job, self.plan = config, job, plan
         self.run_dir = Path(config.run_dir)
         index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
-        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction)
+        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
-        self.heldout_speakers = sorted({u.speaker_id for u in heldout_refs})
+        self.speakers = speaker_record(
+            train_refs, config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs}
+        )
+        self.heldout_speakers = self.speakers["heldout"]
         log.info(
             "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
             "%d without labels skipped",
@@ -69,7 +72,7 @@ class Trainer:
         )  # fmt: skip
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
-        cmvn = Cmvn.load(config.cmvn)
+        cmvn = training_cmvn(config.normalisation, Path(config.cmvn).with_name("speaker_sums.npz"), self.speakers["train"])
         augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
             index, train_refs, cmvn, config.max_frames, seed=config.seed, cached_row_groups=WINDOW_BLOCKS + 1, augment=augment
@@ -90,7 +93,10 @@ class Trainer:
             clip_norm=config.clip_norm, grad_accum=plan.grad_accum,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
         )  # fmt: skip
-        self.engine.extra = {"config": config.to_dict(), "data_versions": dict(config.data_versions), "plan": plan.to_dict()}
+        self.engine.extra = {
+            "config": config.to_dict(), "data_versions": dict(config.data_versions), "plan": plan.to_dict(),
+            "speakers": self.speakers, "normalisation": describe(cmvn),
+        }  # fmt: skip
         self.objective = MaskedPrediction(
             self.model, job.device, seed=config.seed, mask_prob=config.mask_prob, mask_length=config.mask_length,
             unmasked_weight=config.unmasked_weight, rank=job.rank,
@@ -153,10 +159,10 @@ class Trainer:
             }
             clear_oom(self.run_dir)
             log.info(
-                "done: step %d, final loss %s, held-out masked accuracy %s (majority class %s; span interior %s, "
-                "majority %s; chance %.3f), %s s of audio per second",
-                self.step, *(_fmt(result[k]) for k in ("final_loss", "heldout_masked_accuracy", "heldout_majority_accuracy",
-                "heldout_interior_masked_accuracy", "heldout_interior_majority_accuracy")), result["chance_accuracy"],
+                "done: step %d, final loss %s, held-out masked accuracy on leak-free frames %s (majority class %s; "
+                "all masked frames %s, majority %s; chance %.3f), %s s of audio per second",
+                self.step, *(_fmt(result[k]) for k in ("final_loss", "heldout_leak_free_masked_accuracy",
+                "heldout_leak_free_majority_accuracy", "heldout_masked_accuracy", "heldout_majority_accuracy")), result["chance_accuracy"],
                 _fmt(result["audio_seconds_per_second"]),
             )  # fmt: skip
             publish(self.run_dir, result, tracker, reporter, {("steps" if k == "step" else k): result[k] for k in METADATA_KEYS})
@@ -164,9 +170,13 @@ class Trainer:
         return result
 
 
-HELDOUT_KEYS = ("masked_accuracy", "loss", "majority_accuracy", "interior_masked_accuracy", "interior_majority_accuracy")
+HELDOUT_KEYS = (
+    "masked_accuracy", "loss", "majority_accuracy", "interior_masked_accuracy", "interior_majority_accuracy",
+    "leak_free_masked_accuracy", "leak_free_majority_accuracy", "leak_free_frames",
+)  # fmt: skip
 METADATA_KEYS = (
-    "step", "final_loss", "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
+    "step", "final_loss", "heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy",
+    "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
     "heldout_interior_masked_accuracy", "heldout_interior_majority_accuracy",
     "audio_seconds_per_second", "checkpoint", "checkpoint_sha256", "mlflow_run_id",
     "mlflow_run_url", "mlflow_ui", "autoconfig",

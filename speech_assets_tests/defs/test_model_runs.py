@@ -27,7 +27,7 @@ from speech_assets.targets.labels import read_labels
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
-SHORT = {"preset": "tiny", "max_steps": 40, "checkpoint_every": 20, "heldout_fraction": 0.1}
+SHORT = {"preset": "tiny", "max_steps": 40, "checkpoint_every": 20}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 log = logging.getLogger(__name__)
 SECRET = "s3cr3t-pa55"
 TRAINING = {
-    "preset": "tiny", "max_steps": 4, "checkpoint_every": 4, "log_every": 2, "heldout_fraction": 0.1, "nproc": 2,
+    "preset": "tiny", "max_steps": 4, "checkpoint_every": 4, "log_every": 2, "nproc": 2,
     "threads": 1, "max_restarts": 0, "batch_seconds": 16.0, "target_batch_seconds": 32.0, "precision": "fp32",
 }  # fmt: skip
 

@@ -40,6 +40,7 @@ SPEAKERS = ["1001", "1002", "1003", "1004"]  # half of the committed sample: the
 SETTINGS = """
 [clients]
 num_clients = 2
+heldout_fraction = 0.1
 [kmeans]
 k = 16
 [training]
@@ -47,7 +48,6 @@ max_steps = 20
 checkpoint_every = 10
 log_every = 5
 warmup_steps = 5
-heldout_fraction = 0.1
 """
 SHA256 = re.compile(r"[0-9a-f]{64}")
 

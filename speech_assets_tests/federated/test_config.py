@@ -181,7 +181,7 @@ def test_the_cli_refuses_to_resume_with_other_settings(tmp_path: Path, capsys: p
     data = tmp_path / "out"
     (data / "clients").mkdir(parents=True)
     pq.write_table(pa.table({"speaker_id": ["s1", "s2"], "client_id": ["client_00", "client_01"],
-                             "hours": [0.1, 0.2], "utterances": [3, 5]}), data / "clients" / "clients.parquet")  # fmt: skip
+                             "hours": [0.1, 0.2], "utterances": [3, 5], "heldout": [False, False]}), data / "clients" / "clients.parquet")  # fmt: skip
     run_dir = tmp_path / "run"
     first = FederatedConfig(run_dir=str(run_dir), run_name="run", clients=["client_00", "client_01"],
                             client_weights={"client_00": 3.0, "client_01": 5.0}, local_steps=7)  # fmt: skip

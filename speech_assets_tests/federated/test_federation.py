@@ -156,7 +156,7 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
         # each client's state lives under the root its SuperNode owns, not in the server's run folder
         state = sample_pipeline.out / "federated_clients" / client_id / run_dir.name
         head = torch.load(state / "heads" / f"round_{ROUNDS:05d}.pt", weights_only=True)
-        assert list(head["head"]["weight"].shape) == [k, 128] and (state / "cmvn.npz").is_file()
+        assert list(head["head"]["weight"].shape) == [k, 128]
         heads[client_id] = head["head"]["weight"]
     assert not (run_dir / "clients").exists()
     server_files = [p for p in run_dir.rglob("*") if p.is_file()]

@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.features import cmvn
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import FederatedConfig, NodeConfig
 from speech_assets.federated.local import HEAD_PREFIX, LocalClient, initial_encoder
@@ -21,8 +20,11 @@ from speech_assets.model.presets import get_preset
 CLIENT = "client_00"
 
 
-def _local(run_name: str = "unit") -> object:
-    config = FederatedConfig(run_dir=f"/unused/{run_name}", run_name=run_name, clients=[CLIENT], local_steps=2, batch_seconds=8.0)
+def _local(run_name: str = "unit", heldout: tuple[str, ...] = ()) -> object:
+    config = FederatedConfig(
+        run_dir=f"/unused/{run_name}", run_name=run_name, clients=[CLIENT], local_steps=2, batch_seconds=8.0,
+        heldout_speakers=list(heldout),
+    )  # fmt: skip
     return config.local()
 
 
@@ -53,14 +55,16 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
     assert not any("client_01" in str(p) or "cmvn" in p.parts or "clients" in p.parts for p in everything_else)
     data = ClientData.resolve(isolated, CLIENT)
     node = NodeConfig(client_id=CLIENT, data_dir=str(isolated), state_root=str(tmp_path / "state"), threads=1)
-    client = LocalClient(data, _local(), node)
+    held = data.speakers[0]
+    client = LocalClient(data, _local(heldout=(held, "someone-elsewhere")), node)
 
-    # client-level CMVN: its own speakers' partial sums, not the global statistics
-    own = cmvn.Cmvn.from_sums(cmvn.combine([cmvn.ShardStats.load(p) for p in data.stats], speakers=data.speakers))
-    saved = cmvn.Cmvn.load(tmp_path / "state" / "unit" / "cmvn.npz")
-    np.testing.assert_array_equal(saved.mean["logmel"], own.mean["logmel"])
-    global_cmvn = cmvn.Cmvn.load(sample_pipeline.out / "cmvn" / "cmvn.npz")
-    assert not np.allclose(saved.mean["logmel"], global_cmvn.mean["logmel"])
+    # the pipeline's held-out speakers stay out of training; the rest of the list is not here
+    assert {u.speaker_id for u in client.heldout_set.utterances} == {held}
+    assert held not in {u.speaker_id for u in client.train_set.utterances} and len(client.train_set) > 0
+    # per-utterance CMVN: no statistic beyond the utterance itself (a federation has no global one)
+    feats = client.train_set[0].feats
+    assert feats.mean(dim=0).abs().max() < 1e-4 and (feats.std(dim=0, unbiased=False) - 1).abs().max() < 1e-3
+    assert not (tmp_path / "state" / "unit" / "cmvn.npz").exists()
 
     start = initial_encoder("tiny", seed=0)
     result = client.train_round(1, start)

@@ -1,4 +1,4 @@
-"""The stats database replicates the trainer's speaker split in SQL, and holds the probe results."""
+"""The stats database shows the split client_partitions recorded, and holds the probe results."""
 
 from pathlib import Path
 
@@ -7,32 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.stats.database import StatsInputs, build_database, speaker_split_sql
-from speech_assets.train.data import heldout_speakers
-
-SPEAKERS = {f"{1000 + i}": f"client_{i % 5:02d}" for i in range(60)}
-
-
-@pytest.mark.parametrize(
-    ("speakers", "fraction"),
-    [
-        (SPEAKERS, 0.1),
-        (SPEAKERS, 0.5),
-        (SPEAKERS, 1.0),  # every client keeps its largest-hash speaker
-        (SPEAKERS, 0.0),
-        ({"a": "c1", "b": "c1", "z": "c2"}, 1e-12),  # nothing below the threshold: the fallback
-        ({"a": "c1", "z": "c2"}, 1e-12),  # no client with two speakers: nothing held out
-        ({f"s{i}": "c" for i in range(8)}, 0.3),
-    ],
-)
-def test_sql_split_matches_the_trainer(speakers: dict[str, str], fraction: float) -> None:
-    con = duckdb.connect()
-    con.execute("CREATE TABLE clients (speaker_id VARCHAR, client_id VARCHAR)")
-    con.executemany("INSERT INTO clients VALUES (?, ?)", sorted(speakers.items()))
-    rows = con.execute(speaker_split_sql(fraction)).fetchall()
-    assert {s for s, _, split in rows if split == "heldout"} == heldout_speakers(speakers, fraction)
-    assert len(rows) == len(speakers)
-
+from speech_assets.stats.database import StatsInputs, build_database
 
 def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     from speech_assets.features.shards import write_shard
@@ -46,7 +21,10 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
         shards.append(write_shard(tmp_path / "shards" / f"{speaker}.parquet", records))
     extra = write_shard(tmp_path / "shards" / "1005.parquet", [_record("1005-1-0000", "1005", np.zeros((50, 80), np.float32))])
     pq.write_table(
-        pa.table({"speaker_id": list(speakers), "client_id": list(speakers.values()), "hours": [0.1] * 4, "utterances": [3] * 4}),
+        pa.table({
+            "speaker_id": list(speakers), "client_id": list(speakers.values()), "hours": [0.1] * 4, "utterances": [3] * 4,
+            "heldout": [False, True, False, False],
+        }),  # fmt: skip
         tmp_path / "clients.parquet",
     )
     pq.write_table(pa.table({"utt_id": ["1001-1-0000"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}), tmp_path / "manifest.parquet")
@@ -70,7 +48,7 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     db = tmp_path / "stats.duckdb"
     inputs = StatsInputs(
         manifest=tmp_path / "manifest.parquet", manifest_rejects=tmp_path / "rejects.parquet", shards=[*shards, extra],
-        shard_rejects=[], clients=tmp_path / "clients.parquet", kmeans_quality=[], heldout_fraction=0.5,
+        shard_rejects=[], clients=tmp_path / "clients.parquet", kmeans_quality=[],
         probe_results=tmp_path / "results.parquet",
     )  # fmt: skip
     counts = build_database(db, inputs)
@@ -79,8 +57,7 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     row = con.execute("SELECT model, layer_weights, cer FROM probe_results WHERE model = 'pretrained'").fetchone()
     assert row == ("pretrained", [0.2, 0.3, 0.5], 0.7)
     split = dict(con.execute("SELECT split, speakers FROM hours_per_split").fetchall())
-    held = heldout_speakers(speakers, 0.5)
-    assert split == {k: v for k, v in {"heldout": len(held), "train": 4 - len(held), "unassigned": 1}.items() if v}
+    assert split == {"heldout": 1, "train": 3, "unassigned": 1}
     con.close()
     # no probe yet: the table exists with its columns, empty
     inputs.probe_results = tmp_path / "missing.parquet"
@@ -96,7 +73,7 @@ def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pyt
     pq.write_table(pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), data / "rejects.parquet")
     inputs = StatsInputs(
         manifest=data / "manifest.parquet", manifest_rejects=data / "rejects.parquet", shards=[], shard_rejects=[],
-        clients=data / "clients.parquet", kmeans_quality=[], heldout_fraction=0.5,
+        clients=data / "clients.parquet", kmeans_quality=[],
     )  # fmt: skip
     build_database(data / "stats.duckdb", inputs)
     outside = tmp_path / "secret.txt"

@@ -49,7 +49,7 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rejects = [{"utt_id": "bad-1", "path": "/x/bad.flac", "stage": "manifest", "reason": "unreadable", "detail": "cannot decode <script>alert(1)</script>"}]
     pq.write_table(pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA), root / "rejects.parquet")
     pq.write_table(pa.table({"speaker_id": ["s1", "s2", "s3"], "client_id": ["client_00", "client_01", "client_01"],
-                             "hours": [0.01, 0.01, 0.01], "utterances": [5, 5, 5]}), root / "clients.parquet")
+                             "hours": [0.01, 0.01, 0.01], "utterances": [5, 5, 5], "heldout": [False, False, True]}), root / "clients.parquet")
     quality = root / "quality.json"
     quality.write_text(json.dumps({"client_id": "client_00", "k": 8, "frames_fit": 900, "inertia_per_frame": 30.1, "perplexity": 7.2,
                                    "empty_clusters": 0, "mean_segment_length": 1.8, "frames_labelled": 1000}))
