@@ -6,7 +6,9 @@
 Reads the newest ``training/*/final.pt`` (teacher), ``distill/*/final.pt`` (student) and
 ``federated/*/final.pt`` of a built data dir, then in one process: the same CTC probe on fbank
 (log-mel), a random encoder, the pretrained, federated and distilled encoders (training speakers
--> held-out speakers, greedy CER/WER via jiwer), and single-thread forward speed of student and
+-> the clients table's held-out speakers, greedy CER/WER via jiwer; each model through the input
+normalisation its checkpoint records, one probe per seed; mean ± std over seeds and whether each
+encoder beats fbank and random), and single-thread forward speed of student and
 teacher on the same held-out utterances (best of 3 rounds, taking turns). Prints both tables and
 the machine; record them in docs/BENCHMARKS.md.
 """
@@ -34,7 +36,7 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path, default=REPO / "data" / "out")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--probe", default="linear", choices=["linear", "bilstm"])
-    parser.add_argument("--heldout-fraction", type=float, default=None, help="default: the teacher's")
+    parser.add_argument("--seeds", default="0,1,2", help="probe seeds, comma-separated (each model: one probe per seed)")
     parser.add_argument("--max-train", type=int, default=400)
     parser.add_argument("--max-eval", type=int, default=200)
     args = parser.parse_args()
@@ -42,40 +44,50 @@ def main() -> int:
     import pyarrow.parquet as pq
     import torch
 
-    from speech_assets.evaluation.compare import RANDOM, compare_encoders, markdown_table, split_utterances
-    from speech_assets.train.distill import encoder_parameters
+    from speech_assets.corpus.clients import read_clients
+    from speech_assets.evaluation.compare import FBANK, RANDOM, ProbeModel, compare_encoders, markdown_table, split_utterances, standing
     from speech_assets.evaluation.encoders import load_utterances
-    from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.evaluation.speed import forward_speed
-    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.features.cmvn import UtteranceCmvn, from_record
+    from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.model.presets import ModelPreset
-    from speech_assets.train.data import heldout_speakers
+    from speech_assets.train.distill import encoder_parameters
 
     data = args.data_dir.resolve()
     teacher_path = newest("training/*/final.pt", data)
     if teacher_path is None:
         sys.exit(f"no training/*/final.pt under {data}: run `make demo` (or point --data-dir at a build)")
     encoders = {"pretrained": load_encoder(teacher_path)}
-    encoders[RANDOM] = random_encoder(ModelPreset(**encoders["pretrained"].checkpoint["preset"]))
     for name, pattern in (("federated", "federated/*/final.pt"), ("distilled", "distill/*/final.pt")):
         if (path := newest(pattern, data)) is not None:
             encoders[name] = load_encoder(path)
-    clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(data / "clients" / "clients.parquet").to_pylist()}
+
+    def probe_model(name, encoder, record) -> ProbeModel:
+        """``name`` read through the normalisation ``record`` (a checkpoint's; none recorded: per utterance)."""
+        normaliser = from_record(record) or UtteranceCmvn()
+        label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global"
+        return ProbeModel(name, encoder.sha256 if encoder else "", label, lambda x: normaliser.apply(x, "logmel"), encoder.model if encoder else None)
+
+    # the baselines read the input the way the pretrained encoder does
+    baseline = encoders["pretrained"].checkpoint.get("normalisation")
+    models = [probe_model(FBANK, None, baseline), probe_model(RANDOM, random_encoder(ModelPreset(**encoders["pretrained"].checkpoint["preset"])), baseline)]
+    models += [probe_model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in encoders.items()]
+    clients = read_clients(data / "clients" / "clients.parquet")
+    held = {a.speaker_id for a in clients if a.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()
-    fraction = args.heldout_fraction
-    if fraction is None:
-        fraction = (encoders["pretrained"].checkpoint.get("config") or {}).get("heldout_fraction", 0.1)
-    held = heldout_speakers(clients, fraction)
-    shards = [data / "features" / "shards" / f"{s}.parquet" for s in sorted(clients)]
-    utterances = load_utterances(shards, Cmvn.load(data / "cmvn" / "cmvn.npz"), dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
+    shards = [data / "features" / "shards" / f"{a.speaker_id}.parquet" for a in sorted(clients, key=lambda a: a.speaker_id)]
+    utterances = load_utterances(shards, dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
     train, test = split_utterances(utterances, held, args.max_train, args.max_eval)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}")
     print(f"data: {data}; {len(train)} training utterances, {len(test)} held-out ({len(held)} held-out speakers)")
     started = time.perf_counter()
-    results = compare_encoders(train, test, encoders, ProbeOptions(probe=args.probe, steps=args.steps))
-    print(f"\nprobe ({args.probe}, {args.steps} steps), {time.perf_counter() - started:.0f} s for all models:\n")
+    results = compare_encoders(train, test, models, ProbeOptions(probe=args.probe, steps=args.steps, seeds=seeds))
+    print(f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), {time.perf_counter() - started:.0f} s for all models:\n")
     print(markdown_table(results))
+    print()
+    print("\n".join(standing(results)))
     if "distilled" in encoders:
         teacher, student = encoders["pretrained"].model, encoders["distilled"].model
         speed = forward_speed({"teacher": teacher, "student": student}, [u.feats for u in test[:32]], repeats=3, threads=1)

@@ -18,6 +18,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    """The probe's results over seeds (markdown table) and each encoder's standing against fbank and random."""
+    from speech_assets.evaluation.compare import markdown_table, read_results, standing
+
+    path = Path(args.results) if args.results else locations.data_dir() / "probe" / "results.parquet"
+    if not path.is_file():
+        print(f"error: no probe results at {path}: materialize downstream_probe", file=sys.stderr)
+        return 1
+    try:
+        results = read_results(path)
+    except ValueError as err:
+        print(f"error: {path}: {err}", file=sys.stderr)
+        return 1
+    print(markdown_table(results))
+    print()
+    print("\n".join(standing(results)))
+    return 0
+
+
 def _cmd_sql(args: argparse.Namespace) -> int:
     con = stats_db.connect_read_only(_db(args), allow_external_access=args.allow_external_access)
     try:
@@ -149,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="summary of the dataset from the DuckDB database")
     stats.add_argument("--db", help=db_help)
     stats.set_defaults(func=_cmd_stats)
+
+    probe = commands.add_parser("probe", help="the downstream probe's results over seeds, and whether each encoder beats fbank and random")
+    probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
+    probe.set_defaults(func=_cmd_probe)
 
     sql = commands.add_parser("sql", help="run a read-only SQL query against the DuckDB database")
     sql.add_argument("query")
