@@ -46,5 +46,10 @@ materialize --select "$model_assets" --config-json "$model_config"
 echo
 echo "== speech_assets summary =="
 speech-assets stats
+if [[ ",$model_assets," == *,downstream_probe,* ]]; then
+  echo
+  echo "== downstream probe: held-out speakers, mean ± std over probe seeds =="
+  speech-assets probe
+fi
 echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, report/)"
 echo "Dagster instance: $DAGSTER_HOME    UI: make ui    SQL: speech-assets sql \"SELECT * FROM clients\""
