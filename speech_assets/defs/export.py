@@ -11,12 +11,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from speech_assets.defs.lineage import latest_data_version, latest_materialization, required_checkpoint
+from speech_assets.defs.lineage import latest_materialization, required_checkpoint
 from speech_assets.defs.probe import shard_utterances, speaker_clients
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_write_text, current_umask, sha256_file, sha256_strings
 
-EXPORT_CODE_VERSION = "export-v1"
+EXPORT_CODE_VERSION = "export-v2"  # v2: the CMVN the encoder was trained with, from its checkpoint
 # an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
 ONNX_PARITY_ATOL = 1e-4
 
@@ -27,7 +27,7 @@ class ExportOverrides(overrides_of(ExportSettings)):
 
 @dg.asset(
     group_name="evaluation",
-    deps=["pretrained_checkpoint", "cmvn_stats"],
+    deps=["pretrained_checkpoint"],
     code_version=EXPORT_CODE_VERSION,
     kinds={"pytorch", "onnx"},
 )
@@ -35,20 +35,22 @@ def encoder_export(
     context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     """The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript,
-    dynamic batch and time, with encoder.json (featurisation, CMVN, frame rates, layer, parity
-    against PyTorch on real shard features through onnxruntime): <data>/export/<checkpoint>/."""
+    dynamic batch and time, with encoder.json (featurisation, the CMVN the encoder was trained
+    with, frame rates, layer, parity against PyTorch on real shard features through
+    onnxruntime): <data>/export/<checkpoint>/."""
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample
-    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.features.cmvn import from_record
 
     options = effective(settings.export, config)
     checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
     encoder = load_encoder(checkpoint)
-    cmvn_path = paths.cmvn_dir / "cmvn.npz"
-    cmvn = Cmvn.load(cmvn_path)
+    cmvn = from_record(encoder.checkpoint.get("normalisation"))
+    if cmvn is None:
+        raise dg.Failure(description=f"{checkpoint} records no input normalisation: re-materialise pretrained_checkpoint")
     utterances = shard_utterances(paths, sorted(speaker_clients(paths))[:4])
-    sample = [utterances[i].feats for i in subsample(len(utterances), options.parity_utterances, seed=0)]
+    sample = [cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
     folder = paths.root / "export" / f"{encoder.sha256[:16]}-layer{options.layer}"
@@ -62,7 +64,6 @@ def encoder_export(
             parity = export_all(encoder.model, staging, options.layer, sample, options.opset or None)
         description = input_description(encoder, cmvn, options.layer, parity, checkpoint)
         atomic_write_text(staging / "encoder.json", json.dumps(description, indent=2, sort_keys=True) + "\n")
-        shutil.copyfile(cmvn_path, staging / "cmvn.npz")
         for file in staging.iterdir():
             file.chmod(0o666 & ~current_umask())
         staging.chmod(0o777 & ~current_umask())
@@ -71,7 +72,7 @@ def encoder_export(
         staging.rename(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    files = {name: sha256_file(folder / name) for name in ("encoder.onnx", "encoder.pt", "encoder.json", "cmvn.npz")}
+    files = {name: sha256_file(folder / name) for name in ("encoder.onnx", "encoder.pt", "encoder.json")}
     context.log.info(
         f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
         f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
@@ -89,9 +90,8 @@ def encoder_export(
             "layer": description["output"]["layer"],
             "onnx_mb": round((folder / "encoder.onnx").stat().st_size / 2**20, 2),
             "checkpoint_sha256": encoder.sha256,
-            "input_versions": dg.MetadataValue.json(
-                {"pretrained_checkpoint": checkpoint_version, "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or ""}
-            ),
+            "normalisation": description["cmvn"]["kind"],
+            "input_versions": dg.MetadataValue.json({"pretrained_checkpoint": checkpoint_version}),
         },
     )
 
@@ -113,9 +113,11 @@ def onnx_matches_pytorch(context: dg.AssetCheckExecutionContext, paths: StorageP
 
 def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.AssetCheckResult:
     """The parity check of the export in ``folder`` on the first ``utterances`` of ``shards``."""
+    from speech_assets.features.cmvn import from_record
     from speech_assets.model.export import parity_features, reverify_export
 
-    feats = parity_features(shards, folder / "cmvn.npz", utterances)
+    cmvn = from_record(json.loads((folder / "encoder.json").read_text())["cmvn"])
+    feats = parity_features(shards, cmvn, utterances)
     if not feats:
         return dg.AssetCheckResult(passed=False, description="no shard utterances to run the export on")
     parity, problems = reverify_export(folder, feats)

@@ -18,7 +18,7 @@ from speech_assets.defs.training import TrainingOverrides, run_training
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v1"
+KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v1"
 ENCODER_ASSETS = {"pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint"}
 
@@ -48,7 +48,7 @@ def kmeans_targets_iter2(
     import torch
 
     from speech_assets.model.encoders import load_encoder
-    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.features.cmvn import from_record
     from speech_assets.targets.iteration2 import build_iter2_targets, default_layer
 
     options = effective(settings.iteration2, config)
@@ -62,19 +62,22 @@ def kmeans_targets_iter2(
     layer = options.layer or default_layer(model)
     if not 1 <= layer <= len(model.encoder.layers):
         raise dg.Failure(description=f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
-    global_cmvn = Cmvn.load(paths.cmvn_dir / "cmvn.npz")
+    cmvn = from_record(encoder.checkpoint.get("normalisation"))
+    if cmvn is None:
+        raise dg.Failure(description=f"{checkpoint} records no input normalisation: re-materialise {asset}")
     assignments = read_clients(paths.clients_file)
     provenance = input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
+        heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers")
         shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
         out_dir = paths.kmeans_iter2_dir(client_id)
         inputs_key = sha256_strings([
-            json.dumps(shard_versions, sort_keys=True), encoder.sha256, str(layer),
+            json.dumps(shard_versions, sort_keys=True), json.dumps(heldout), encoder.sha256, str(layer),
             options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
         ])  # fmt: skip
         with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
@@ -84,15 +87,16 @@ def kmeans_targets_iter2(
                 quality = previous
             else:
                 result = build_iter2_targets(
-                    client_id, [paths.shard_file(s) for s in speakers], global_cmvn, model, layer, out_dir,
+                    client_id, [paths.shard_file(s) for s in speakers], cmvn, model, layer, out_dir,
                     k=options.k, max_fit_frames=options.max_fit_frames, seed=options.seed, log=context.log.warning,
+                    label_only=[paths.shard_file(s) for s in heldout],
                 )  # fmt: skip
                 quality = {
                     "client_id": client_id, "k": result.k, "k_requested": options.k, "frames_fit": result.frames_fit,
                     "frames_labelled": result.frames_labelled, "utterances": result.utterances,
                     "inertia_per_frame": result.inertia_per_frame, "perplexity": result.perplexity,
                     "empty_clusters": result.empty_clusters, "mean_segment_length": result.mean_segment_length,
-                    "label_rate_hz": 50, "speakers": speakers, "shard_versions": shard_versions,
+                    "label_rate_hz": 50, "speakers": speakers, "heldout_speakers": heldout, "shard_versions": shard_versions,
                     "encoder_asset": asset, "checkpoint": checkpoint, "checkpoint_sha256": encoder.sha256,
                     "checkpoint_data_version": checkpoint_version, "layer": layer, "inputs_key": inputs_key,
                     "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),

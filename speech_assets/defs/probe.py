@@ -3,15 +3,18 @@
 The ML lives in speech_assets/evaluation/; torch and jiwer are imported inside the asset.
 """
 
+import json
+from collections.abc import Mapping
+
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.corpus.clients import read_clients
+from speech_assets.corpus.clients import ClientAssignment, read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import atomic_path, from_fields, sha256_file
+from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
 
-PROBE_CODE_VERSION = "probe-v1"
+PROBE_CODE_VERSION = "probe-v2"  # v2: the recorded split, per-model normalisation, several seeds
 
 
 class ProbeOverrides(overrides_of(ProbeSettings)):
@@ -24,20 +27,48 @@ def speaker_clients(paths: StoragePaths) -> dict[str, str]:
 
 
 def shard_utterances(paths: StoragePaths, speakers: list[str]) -> list:
-    """The utterances of ``speakers``' shards, CMVN-normalised, with their transcripts."""
+    """The utterances of ``speakers``' shards, raw log-mel (each model normalises its own way),
+    with their transcripts."""
     from speech_assets.evaluation.encoders import load_utterances
-    from speech_assets.features.cmvn import Cmvn
 
     table = pq.read_table(paths.manifest_file, columns=["utt_id", "transcript"])
     transcripts = dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
-    return load_utterances([paths.shard_file(s) for s in speakers], Cmvn.load(paths.cmvn_dir / "cmvn.npz"), transcripts)
+    return load_utterances([paths.shard_file(s) for s in speakers], transcripts)
+
+
+class ProbeLeak(ValueError):
+    """A probe test speaker was in an encoder's training data, or an encoder records no split."""
+
+
+def probe_split(
+    table: list[ClientAssignment], recorded: Mapping[str, Mapping[str, list[str]] | None]
+) -> tuple[list[str], list[str]]:
+    """(the probe's training speakers, its test speakers).
+
+    Test speakers are the pipeline's held-out speakers (``table``'s ``heldout``) that every encoder
+    (``recorded``: name -> the ``speakers`` its checkpoint records) held out too; the probe trains
+    on every speaker that is not held out. Raises :class:`ProbeLeak` naming the encoder and the
+    speakers when a test speaker was in an encoder's training speakers, when an encoder records
+    no split, or when no test speaker is left.
+    """
+    heldout = {a.speaker_id for a in table if a.heldout}
+    test = set(heldout)
+    for name, speakers in recorded.items():
+        if not speakers or "train" not in speakers or "heldout" not in speakers:
+            raise ProbeLeak(f"the {name} checkpoint records no training/held-out speakers: re-materialise it")
+        if leaked := sorted(test & set(speakers["train"])):
+            raise ProbeLeak(f"{name} trained on the held-out speakers {leaked[:10]}: its checkpoint predates this split")
+        test &= set(speakers["heldout"])
+    if not test:
+        raise ProbeLeak(f"no speaker is held out by the clients table and every encoder ({sorted(recorded)})")
+    return sorted({a.speaker_id for a in table} - heldout), sorted(test)
 
 
 @dg.asset(
     group_name="evaluation",
     deps=[
         "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-        "manifest", "cmvn_stats", "client_partitions",
+        "manifest", "client_partitions",
     ],  # fmt: skip
     code_version=PROBE_CODE_VERSION,
     kinds={"pytorch"},
@@ -46,82 +77,111 @@ def downstream_probe(
     context: dg.AssetExecutionContext, config: ProbeOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     """A character CTC probe (SUPERB-style weighted sum of frozen layers, then linear or BiLSTM)
-    trained on the training speakers and scored (greedy CER/WER, jiwer) on held-out speakers,
-    for every checkpoint that exists and for the log-mel (fbank) and randomly initialised
-    baselines: <data>/probe/results.parquet."""
-    import pyarrow as pa
-
-    from speech_assets.evaluation.compare import RANDOM, RESULT_COLUMNS, compare_encoders, markdown_table, split_utterances
+    trained on the training speakers and scored (greedy CER/WER, jiwer) on the held-out speakers
+    that no encoder saw, over several probe seeds, for every checkpoint that exists and for the
+    log-mel (fbank) and randomly initialised baselines; each model reads its input through the
+    normalisation it was trained with: <data>/probe/results.parquet."""
     import torch
 
-    from speech_assets.model.encoders import load_encoder, random_encoder
+    from speech_assets.evaluation.compare import (
+        FBANK, RANDOM, ProbeModel, beats, compare_encoders, markdown_table, results_table, split_utterances, standing,
+        summarise,
+    )  # fmt: skip
     from speech_assets.evaluation.probe import ProbeOptions
+    from speech_assets.features.cmvn import UtteranceCmvn, from_record
+    from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.model.presets import ModelPreset
-    from speech_assets.train.data import heldout_speakers
 
     options = effective(settings.probe, config)
     torch.set_num_threads(options.threads or torch.get_num_threads())
     pretrained_path, _ = required_checkpoint(context, "pretrained_checkpoint")
-    encoders = {"pretrained": load_encoder(pretrained_path)}
-    pretrained = encoders["pretrained"]
-    encoders[RANDOM] = random_encoder(ModelPreset(**pretrained.checkpoint["preset"]), seed=options.seed)
+    loaded = {"pretrained": load_encoder(pretrained_path)}
     optional = (("federated_checkpoint", "federated"), ("distilled_checkpoint", "distilled"), ("pretrained_checkpoint_iter2", "iteration2"))
     for asset, name in optional:
         if (found := checkpoint_of(context, asset)) is not None:
-            encoders[name] = load_encoder(found[0])
-    # the speakers pretraining held out are the probe's test speakers: never seen by any encoder
-    fraction = (pretrained.checkpoint.get("config") or {}).get("heldout_fraction", settings.training.heldout_fraction)
-    held = heldout_speakers(speaker_clients(paths), fraction)
-    utterances = shard_utterances(paths, sorted(speaker_clients(paths)))
-    train, test = split_utterances(utterances, held, options.max_train_utterances, options.max_eval_utterances, options.seed)
+            loaded[name] = load_encoder(found[0])
+    table = read_clients(paths.clients_file)
+    try:
+        train_speakers, test_speakers = probe_split(table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()})
+    except ProbeLeak as error:
+        raise dg.Failure(description=str(error)) from error
+
+    def model(name: str, encoder, record) -> ProbeModel:
+        normaliser = from_record(record) or UtteranceCmvn()
+        label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global (training speakers)"
+        return ProbeModel(name, encoder.sha256 if encoder else "", label, lambda x: normaliser.apply(x, "logmel"), encoder.model if encoder else None)
+
+    baseline_norm = loaded["pretrained"].checkpoint.get("normalisation")
+    random = random_encoder(ModelPreset(**loaded["pretrained"].checkpoint["preset"]), seed=options.seed)
+    models = [model(FBANK, None, baseline_norm), model(RANDOM, random, baseline_norm)]
+    models += [model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in loaded.items()]
+    utterances = shard_utterances(paths, sorted(set(train_speakers) | set(test_speakers)))
+    train, test = split_utterances(utterances, set(test_speakers), options.max_train_utterances, options.max_eval_utterances, options.seed)
     context.log.info(
-        f"probing {', '.join(['fbank', *encoders])}: {len(train)} training utterances, {len(test)} held-out "
-        f"utterances of {len(held)} held-out speakers ({', '.join(sorted(held)[:10])})"
+        f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training utterances "
+        f"of {len(train_speakers)} speakers, {len(test)} held-out utterances of {len(test_speakers)} speakers "
+        f"({', '.join(test_speakers[:10])})"
     )
     results = compare_encoders(
-        train, test, encoders, from_fields(ProbeOptions, options),
-        on_model=lambda r: context.log.info(f"{r.model}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
+        train, test, models, from_fields(ProbeOptions, options),
+        on_model=lambda r: context.log.info(f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
     )  # fmt: skip
-    table = pa.Table.from_pylist([r.row() for r in results]).select(list(RESULT_COLUMNS))
     target = paths.root / "probe" / "results.parquet"
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
-        pq.write_table(table, tmp)
-    heldout = {r.model: r for r in results if r.split == "heldout"}
+        pq.write_table(results_table(results), tmp)
+    # who the probe trained and tested on, in full: the disjointness anyone can audit
+    split_file = target.with_name("speakers.json")
+    atomic_write_text(split_file, json.dumps({"train": train_speakers, "test": test_speakers, "encoders": {
+        name: encoder.checkpoint.get("speakers") for name, encoder in loaded.items()}}, indent=1, sort_keys=True))
+    lines = standing(results)
+    for line in lines:
+        context.log.info(line)
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""
         for asset in (
             "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-            "manifest", "cmvn_stats", "client_partitions",
+            "manifest", "client_partitions",
         )  # fmt: skip
     }
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(target)),
         metadata={
+            "standing": dg.MetadataValue.md("\n".join(f"- {line}" for line in lines)),
             "results": dg.MetadataValue.md(markdown_table(results)),
             "results_file": dg.MetadataValue.path(str(target)),
-            **{f"heldout_cer/{model}": round(r.cer, 4) for model, r in heldout.items()},
-            "pretrained_beats_fbank": heldout["pretrained"].cer < heldout["fbank"].cer,
+            **{f"heldout_cer/{m}": round(v.cer.mean, 4) for m, v in summarise(results).items()},
+            "pretrained_beats_fbank": {True: "yes", False: "no", None: "too small to tell"}[beats(results, "pretrained", FBANK)],
             "probe": options.probe,
             "steps": options.steps,
+            "seeds": dg.MetadataValue.json(list(options.seeds)),
+            "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in models}),
             "train_utterances": len(train),
             "heldout_utterances": len(test),
-            "heldout_speakers": dg.MetadataValue.json(sorted(held)[:50]),
-            "seconds_per_model": dg.MetadataValue.json({r.model: round(r.seconds, 1) for r in heldout.values()}),
+            "heldout_speakers": dg.MetadataValue.json(test_speakers[:50]),
+            "probe_train_speakers": len(train_speakers),
+            "speakers_file": dg.MetadataValue.path(str(split_file)),
             "input_versions": dg.MetadataValue.json(input_versions),
         },
     )
 
 
-@dg.asset_check(asset=downstream_probe, description="Warns when the pretrained encoder's probe does not beat the log-mel (fbank) baseline on held-out speakers.")
+@dg.asset_check(asset=downstream_probe, description=(
+    "Warns unless the pretrained encoder's mean held-out CER over probe seeds beats the log-mel (fbank) "
+    "baseline's by more than the spread (too few utterances or seeds to tell also warns)."
+))
 def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = pq.read_table(paths.root / "probe" / "results.parquet").to_pylist()
-    cer = {row["model"]: row["cer"] for row in rows if row["split"] == "heldout"}
+    from speech_assets.evaluation.compare import FBANK, beats, read_results, standing, summarise
+
+    results = read_results(paths.root / "probe" / "results.parquet")
+    verdict = beats(results, "pretrained", FBANK)
+    held = summarise(results)
     return dg.AssetCheckResult(
-        passed=cer["pretrained"] < cer["fbank"],
+        passed=verdict is True,
         severity=dg.AssetCheckSeverity.WARN,
-        metadata={f"heldout_cer/{model}": round(value, 4) for model, value in cer.items()},
-        description=None if cer["pretrained"] < cer["fbank"] else (
-            "the pretrained encoder's features transcribe no better than log-mel: train longer or on more data"
-        ),
+        metadata={
+            **{f"heldout_cer/{model}": round(s.cer.mean, 4) for model, s in held.items()},
+            **{f"heldout_cer_std/{model}": round(s.cer.std, 4) for model, s in held.items() if s.cer.n > 1},
+        },
+        description=next((line for line in standing(results) if line.startswith("pretrained:")), None),
     )

@@ -275,7 +275,8 @@ class ProbeSettings(dg.Config):
     batch_size: int = 8
     lr: float = 2e-3
     hidden: int = 128
-    seed: int = 0
+    seed: int = 0  # the random encoder's initialisation and the utterance subsample
+    seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread
     max_train_utterances: int = 400  # a seeded subsample of the training speakers' utterances; 0 = all
     max_eval_utterances: int = 200  # of the held-out speakers' utterances; 0 = all
     threads: int = 0  # torch intra-op threads; 0 = torch's default

@@ -26,7 +26,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 
 if TYPE_CHECKING:
     from speech_assets.model.encoders import LoadedEncoder
-    from speech_assets.features.cmvn import Cmvn
+    from speech_assets.features.cmvn import Normaliser
 
 INPUT_NAMES = ("feats", "lengths")
 OUTPUT_NAMES = ("hidden", "hidden_lengths")
@@ -148,13 +148,12 @@ def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequ
     return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
 
 
-def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn_path: str | os.PathLike[str], count: int) -> list[np.ndarray]:
+def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, count: int) -> list[np.ndarray]:
     """The first ``count`` utterances of ``shards`` (in order) as the exported encoder takes them:
-    log-mel ``(T, 80)`` with the CMVN of ``cmvn_path`` applied."""
-    from speech_assets.features.cmvn import Cmvn
+    log-mel ``(T, 80)`` with ``cmvn`` (the normalisation the encoder was trained with) applied."""
     from speech_assets.features.shards import iter_shard
 
-    cmvn, found = Cmvn.load(cmvn_path), []
+    found = []
     for shard in shards:
         for record in iter_shard(shard, features=("logmel",)):
             if record.logmel is not None and record.num_frames >= 2:  # the export's time axis starts at 2
@@ -184,23 +183,26 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
         return None, [str(error)]
 
 
-def input_description(encoder: LoadedEncoder, cmvn: Cmvn, layer: int, parity: Parity, checkpoint: str) -> dict[str, Any]:
-    """``encoder.json``: everything a user needs to feed the exported encoder and read its output."""
+def input_description(encoder: LoadedEncoder, cmvn: Normaliser, layer: int, parity: Parity, checkpoint: str) -> dict[str, Any]:
+    """``encoder.json``: everything a user needs to feed the exported encoder and read its output.
+    ``cmvn`` is the normalisation the encoder was trained with (``cmvn.kind``: ``utterance``, each
+    utterance by its own mean and std over time, or ``global`` with the stored mean and std)."""
+    from speech_assets.features.cmvn import describe
     from speech_assets.features.featurize import FeatureExtractor
 
     exportable = ExportableEncoder(encoder.model, layer)
+    record = describe(cmvn)
+    how = (
+        "(logmel - logmel.mean(0)) / sqrt(max(logmel.var(0), 1e-8)), per utterance"
+        if record["kind"] == "utterance" else "(logmel - cmvn.mean) / cmvn.std"
+    )
     return {
         "inputs": {
-            "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised), "
-            "CMVN applied: (logmel - cmvn.mean) / cmvn.std",
+            "feats": f"float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised), CMVN applied: {how}",
             "lengths": "int64 (batch,): valid frames per row",
         },
         "featurisation": {"feature": "logmel", **FeatureExtractor().describe()},
-        "cmvn": {
-            "file": "cmvn.npz",
-            "mean": [round(float(v), 6) for v in cmvn.mean["logmel"]],
-            "std": [round(float(v), 6) for v in cmvn.std["logmel"]],
-        },
+        "cmvn": {k: [round(v, 6) for v in value] if isinstance(value, list) else value for k, value in record.items()},
         "output": {
             "hidden": f"float32 (batch, (time + 1) // 2, {encoder.model.preset.dim}), padded frames zero",
             "hidden_lengths": "int64 (batch,)",

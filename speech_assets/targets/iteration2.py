@@ -13,13 +13,13 @@ output rate), ``len = (num_frames + 1) // 2``, the layout of iteration 1's ``lab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.cmvn import Normaliser
 from speech_assets.features.shards import iter_shard
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.batches import batches_by_length, pad
@@ -57,7 +57,7 @@ def layer_frames(
 def build_iter2_targets(
     client_id: str,
     shard_paths: list[Path],
-    global_cmvn: Cmvn,
+    cmvn: Normaliser,
     model: HubertPretrainModel,
     layer: int,
     out_dir: Path,
@@ -65,18 +65,21 @@ def build_iter2_targets(
     max_fit_frames: int = 500_000,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
     """Fit one client's codebook on ``layer`` features of its own shards, then label all of them.
 
-    ``global_cmvn`` normalises the log-mel input exactly as in training. Writes ``codebook.npy``
-    ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
+    ``cmvn`` normalises the log-mel input exactly as the encoder was trained (its checkpoint's
+    record). ``label_only`` shards (the held-out speakers') are labelled but never fitted. Writes
+    ``codebook.npy`` ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
     """
     model.eval()
     fit_parts: list[np.ndarray] = []
-    for shard_number, utt_ids in sorted(fit_sample(client_id, shard_paths, max_fit_frames, seed, model_rate=True).items()):
+    fit_paths = [path for path in shard_paths if path not in set(label_only)]
+    for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed, model_rate=True).items()):
         feats = [
-            global_cmvn.apply(r.logmel, "logmel")
-            for r in iter_shard(shard_paths[shard_number], features=("logmel",))
+            cmvn.apply(r.logmel, "logmel")
+            for r in iter_shard(fit_paths[shard_number], features=("logmel",))
             if r.utt_id in utt_ids
         ]
         fit_parts += layer_frames(model, feats, layer)
@@ -93,7 +96,7 @@ def build_iter2_targets(
     items: list[UtteranceLabels] = []
     for path in shard_paths:
         records = list(iter_shard(path, features=("logmel",)))
-        hidden = layer_frames(model, [global_cmvn.apply(r.logmel, "logmel") for r in records], layer)
+        hidden = layer_frames(model, [cmvn.apply(r.logmel, "logmel") for r in records], layer)
         labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(hidden, codebook)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
             quality.add(labels, sqdist)

@@ -277,10 +277,22 @@ def test_iteration_2_labels_must_match_the_frames(tmp_path: Path, fault: str | N
 # --- downstream_probe ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("pretrained_cer", "passed"), [(0.5, True), (0.7, False), (0.9, False)])
-def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretrained_cer: float, passed: bool) -> None:
+@pytest.mark.parametrize(
+    ("pretrained_cer", "utterances", "passed"),
+    [(0.5, 40, True), (0.69, 40, False), (0.7, 40, False), (0.9, 40, False), (0.5, 5, False)],
+    ids=["beats", "within the spread", "equal", "worse", "too few utterances"],
+)
+def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretrained_cer: float, utterances: int, passed: bool) -> None:
+    from speech_assets.evaluation.compare import ProbeResult, results_table
+
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     (paths.root / "probe").mkdir(parents=True)
-    rows = [("fbank", "heldout", 0.7), ("pretrained", "heldout", pretrained_cer), ("pretrained", "train", 0.1), ("random", "heldout", 0.95)]
-    pq.write_table(pa.table({k: list(v) for k, v in zip(("model", "split", "cer"), zip(*rows), strict=True)}), paths.root / "probe" / "results.parquet")
-    assert probe.pretrained_beats_fbank(paths=paths).passed is passed
+    rows = [
+        ProbeResult(model, "", "linear", [1.0], split, cer + 0.01 * seed, 1.0, utterances, 60, seed, "utterance", 2)
+        for model, split, cer in (("fbank", "heldout", 0.7), ("pretrained", "heldout", pretrained_cer), ("pretrained", "train", 0.1), ("random", "heldout", 0.95))
+        for seed in range(3)
+    ]  # fmt: skip
+    pq.write_table(results_table(rows), paths.root / "probe" / "results.parquet")
+    result = probe.pretrained_beats_fbank(paths=paths)
+    assert result.passed is passed
+    assert result.description.startswith("pretrained: held-out CER")

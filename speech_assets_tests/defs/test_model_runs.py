@@ -76,11 +76,32 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
 
 
 def test_probe_compares_encoders_with_baselines(evaluated) -> None:
-    out = evaluated[0]
+    out, _, instance = evaluated
+    event = instance.fetch_materializations(dg.AssetKey("downstream_probe"), limit=1).records[0].asset_materialization
+    standing = event.metadata["standing"].value
+    for encoder in ("pretrained", "distilled"):  # one line each, against both baselines, with a verdict
+        line = next(line for line in standing.splitlines() if line.startswith(f"- {encoder}:"))
+        assert "x fbank" in line and "x random" in line and re.search(r"beats|loses to|too small to tell", line), line
     table = pq.read_table(out / "probe" / "results.parquet")
-    assert table.column_names == ["model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps"]
+    assert table.column_names == [
+        "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
+        "seed", "normalisation", "speakers",
+    ]  # fmt: skip
     rows = table.to_pylist()
-    heldout = {r["model"]: r for r in rows if r["split"] == "heldout"}
+    assert sorted({r["seed"] for r in rows}) == [0, 1, 2]  # every model over the same probe seeds
+    heldout = {r["model"]: r for r in rows if r["split"] == "heldout" and r["seed"] == 0}
+    # the probe's test speakers: in no encoder's training data and not in the probe's own
+    split = json.loads((out / "probe" / "speakers.json").read_text())
+    assert split["test"] and not set(split["test"]) & set(split["train"])
+    clients = pq.read_table(out / "clients" / "clients.parquet").to_pylist()
+    assert set(split["test"]) <= {r["speaker_id"] for r in clients if r["heldout"]}
+    for name, record in split["encoders"].items():
+        assert not set(split["test"]) & set(record["train"]), name
+        assert set(split["test"]) <= set(record["heldout"]), name
+    for row in rows:  # probe training rows are scored on the probe's training speakers only
+        assert row["speakers"] <= (len(split["test"]) if row["split"] == "heldout" else len(split["train"]))
+    # each encoder read its input as it was trained: per utterance by default
+    assert {r["normalisation"] for r in rows} == {"utterance"}
     # every checkpoint asset that exists: iteration 2 when its test ran first, federated when built
     assert {"fbank", "random", "pretrained", "distilled"} <= set(heldout) <= {"fbank", "random", "pretrained", "distilled", "iteration2", "federated"}
     for model, row in heldout.items():
@@ -91,7 +112,7 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     assert len(heldout["fbank"]["layer_weights"]) == 1 and len(heldout["pretrained"]["layer_weights"]) == 5
     con = duckdb.connect(str(out / "stats.duckdb"), read_only=True)
     try:
-        in_db = con.execute("SELECT model, cer FROM probe_results WHERE split = 'heldout' ORDER BY model").fetchall()
+        in_db = con.execute("SELECT model, cer FROM probe_results WHERE split = 'heldout' AND seed = 0 ORDER BY model").fetchall()
     finally:
         con.close()
     assert in_db == sorted((m, r["cer"]) for m, r in heldout.items())
