@@ -117,6 +117,9 @@ def federated_checkpoint(
         "clients": len(result["clients"]),
         "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
+        # the measure to read: masked frames whose label no visible frame gives away
+        "heldout_leak_free_masked_accuracy": result["heldout_leak_free_masked_accuracy"],
+        "heldout_leak_free_majority_accuracy": result["heldout_leak_free_majority_accuracy"],
         "final_train_loss": result["final_train_loss"],
         "mean_round_seconds": result["mean_round_seconds"],
         "bytes_up_per_round": result["bytes_up_per_round"],

@@ -6,7 +6,8 @@ The SuperNode's ``--node-config`` says who this client is and where its data is
 :class:`~speech_assets.federated.config.LocalConfig`). A train reply carries the locally trained
 encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg weight;
 ``train-loss``, ``masked-accuracy``, ``seconds``, ``audio-seconds``, ``steps``) and the client id;
-an evaluate reply only the metrics (``num-examples`` = masked held-out frames) and the client id.
+an evaluate reply only the metrics (``num-examples`` = masked held-out frames; ``leak-free-frames``
+and the accuracies on them, 0.0 when there are none) and the client id.
 The head, the codebook, the CMVN statistics and the data stay here: every reply is checked
 before it leaves (:func:`~speech_assets.federated.messages.check_outgoing`), and the run name the
 server sends must be a safe id before it names this client's state folder (under the state root
@@ -53,14 +54,18 @@ def _client(message: Message, context: Context) -> tuple[object, int, NodeConfig
 TRAIN_METRICS = {"num-examples": "num_examples", "train-loss": "train_loss", "masked-accuracy": "masked_accuracy",
                  "seconds": "seconds", "audio-seconds": "audio_seconds", "steps": "steps"}  # fmt: skip
 EVALUATE_METRICS = {"num-examples": "masked_frames", "utterances": "utterances", "heldout-loss": "loss",
-                    "heldout-masked-accuracy": "masked_accuracy", "majority-accuracy": "majority_accuracy"}  # fmt: skip
+                    "heldout-masked-accuracy": "masked_accuracy", "majority-accuracy": "majority_accuracy",
+                    "leak-free-frames": "leak_free_frames", "heldout-leak-free-masked-accuracy": "leak_free_masked_accuracy",
+                    "leak-free-majority-accuracy": "leak_free_majority_accuracy"}  # fmt: skip
 
 
 def reply(kind: str, received: ArrayRecord, result: TrainResult | EvalResult, client_id: str) -> RecordDict:
     """A ``train`` or ``evaluate`` reply: the result's metrics, the client id and, after a local
     round, its encoder; checked against the encoder ``received`` from the server."""
     names = TRAIN_METRICS if kind == "train" else EVALUATE_METRICS
-    content = {"metrics": MetricRecord({name: getattr(result, field) for name, field in names.items()}),
+    # a metric must be a finite number: an accuracy over no (leak-free) frames travels as 0.0
+    values = {name: 0.0 if (value := getattr(result, field)) is None else value for name, field in names.items()}
+    content = {"metrics": MetricRecord(values),
                CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
     if kind == "train":
         content["arrays"] = ArrayRecord(result.encoder)  # type: ignore[union-attr,arg-type]

@@ -34,10 +34,12 @@ ROUNDS_SCHEMA = _per_client(
 )
 ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
 # evaluation.parquet: the global encoder after the round, on each client's held-out utterances
-# with that client's own head (kept on the client), beside the client's majority-class rate
+# with that client's own head (kept on the client), beside the client's majority-class rate; then
+# the same on the leak-free masked frames (accuracies null when a client has none)
 EVALUATION_SCHEMA = _per_client(
     utterances=pa.int64(), masked_frames=pa.int64(), heldout_loss=pa.float64(), heldout_masked_accuracy=pa.float64(),
-    majority_accuracy=pa.float64(),
+    majority_accuracy=pa.float64(), leak_free_frames=pa.int64(), heldout_leak_free_masked_accuracy=pa.float64(),
+    leak_free_majority_accuracy=pa.float64(),
 )
 
 
@@ -113,7 +115,8 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
         (paths.rounds_table, ROUNDS_SCHEMA, rows),
         (paths.evaluation_table, EVALUATION_SCHEMA, evaluation),
     ):
-        table = pa.Table.from_pylist([{name: row[name] for name in schema.names} for row in data], schema=schema)
+        # rows recorded before a column existed (a resumed run) hold null there
+        table = pa.Table.from_pylist([{name: row.get(name) for name in schema.names} for row in data], schema=schema)
         with atomic_path(target) as tmp:
             pq.write_table(table, tmp)
 
@@ -121,11 +124,14 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
     by the server's weight of each client), held-out accuracy (weighted by masked frames) beside
-    the majority-class rate, bytes, wall time."""
+    the majority-class rate, the same on leak-free frames (weighted by leak-free frames; None
+    when there are none, or in a record written before they were measured), bytes, wall time."""
     lines = []
     for record in records:
         rows, evaluation = record["rows"], record["evaluation"]
         frames = sum(e["masked_frames"] for e in evaluation)
+        free = [e for e in evaluation if e.get("leak_free_frames")]
+        free_frames = sum(e["leak_free_frames"] for e in free)
         weights = [r.get("weight", r["num_examples"]) for r in rows]
         lines.append(
             {
@@ -138,6 +144,15 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 ),
                 "majority_accuracy": (
                     sum(e["majority_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
+                ),
+                "leak_free_frames": free_frames,
+                "heldout_leak_free_masked_accuracy": (
+                    sum(e["heldout_leak_free_masked_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
+                    if free_frames else None
+                ),
+                "heldout_leak_free_majority_accuracy": (
+                    sum(e["leak_free_majority_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
+                    if free_frames else None
                 ),
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),

@@ -132,6 +132,11 @@ class EvalResult:
     masked_accuracy: float
     majority_accuracy: float  # always predicting the client's most frequent training label
     loss: float
+    # the same on the leak-free masked frames (no visible frame shares audio with their label's
+    # MFCC frame: MaskedPrediction.evaluate); accuracies None when there are none
+    leak_free_frames: int
+    leak_free_masked_accuracy: float | None
+    leak_free_majority_accuracy: float | None
 
 
 class LocalClient:
@@ -240,4 +245,7 @@ class LocalClient:
             masked_accuracy=summary["masked_accuracy"],
             majority_accuracy=summary["majority_accuracy"],
             loss=summary["loss"],
+            leak_free_frames=int(summary["leak_free_frames"]),
+            leak_free_masked_accuracy=summary["leak_free_masked_accuracy"],
+            leak_free_majority_accuracy=summary["leak_free_majority_accuracy"],
         )

@@ -25,10 +25,16 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 ARRAYS, METRICS, CLIENT_RECORD, CLIENT_ID = "arrays", "metrics", "client", "client-id"
 TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
-EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy")
+EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy",
+                "leak-free-frames", "heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
 METRICS_OF = {"train": TRAIN_METRICS, "evaluate": EVAL_METRICS}
-COUNTS = ("num-examples", "utterances", "steps")
-FRACTIONS = ("masked-accuracy", "heldout-masked-accuracy", "majority-accuracy")
+COUNTS = ("num-examples", "utterances", "steps", "leak-free-frames")
+FRACTIONS = ("masked-accuracy", "heldout-masked-accuracy", "majority-accuracy", "heldout-leak-free-masked-accuracy",
+             "leak-free-majority-accuracy")
+# the leak-free masked frames are a subset of the masked ones (``num-examples`` of an evaluate
+# reply); with none, their accuracies travel as 0.0 (a metric must be a number)
+LEAK_FREE_FRAMES = "leak-free-frames"
+LEAK_FREE_FRACTIONS = ("heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
 # the weight the server adds to each accepted reply for Flower's aggregation (weighted_by_key)
 SERVER_WEIGHT = "server-weight"
 
@@ -46,7 +52,8 @@ def array_spec(record: ArrayRecord) -> ArraySpec:
 
 def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | None:
     """Why a metrics record is refused: other keys than ``names``, a value that is not a finite
-    number, a negative value, a count that is not whole, or a fraction outside [0, 1]."""
+    number, a negative value, a count that is not whole, a fraction outside [0, 1], more
+    leak-free frames than masked frames, or a leak-free accuracy other than 0 with none."""
     if set(metrics) != set(names):
         return f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
     for name in names:
@@ -59,6 +66,11 @@ def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | N
             return f"metric {name} is not a whole number ({value})"
         if name in FRACTIONS and value > 1:
             return f"metric {name} is above 1 ({value})"
+    if LEAK_FREE_FRAMES in names:
+        if metrics[LEAK_FREE_FRAMES] > metrics["num-examples"]:
+            return f"metric {LEAK_FREE_FRAMES} ({metrics[LEAK_FREE_FRAMES]}) exceeds num-examples ({metrics['num-examples']})"
+        if metrics[LEAK_FREE_FRAMES] == 0 and any(metrics[n] != 0 for n in LEAK_FREE_FRACTIONS):
+            return f"leak-free accuracies must be 0 with no leak-free frames (got {[metrics[n] for n in LEAK_FREE_FRACTIONS]})"
     return None
 
 

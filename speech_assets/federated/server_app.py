@@ -63,7 +63,11 @@ TRAIN_COLUMNS = {"num_examples": ("num-examples", int), "train_loss": ("train-lo
                  "masked_accuracy": ("masked-accuracy", float), "seconds": ("seconds", float)}  # fmt: skip
 EVALUATE_COLUMNS = {"utterances": ("utterances", int), "masked_frames": ("num-examples", int),
                     "heldout_loss": ("heldout-loss", float), "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
-                    "majority_accuracy": ("majority-accuracy", float)}  # fmt: skip
+                    "majority_accuracy": ("majority-accuracy", float), "leak_free_frames": ("leak-free-frames", int),
+                    "heldout_leak_free_masked_accuracy": ("heldout-leak-free-masked-accuracy", float),
+                    "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float)}  # fmt: skip
+# accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
+LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
 
 
 class FederatedRunError(RuntimeError):
@@ -277,9 +281,11 @@ class Server:
         self.rounds_run += 1
         line = records.summarize_rounds(history[-1:])[0]
         log.info(
-            "round %d/%d: %d clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), %.1f s",
+            "round %d/%d: %d clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), "
+            "leak-free %s (majority class %s), %.1f s",
             round_number, config.rounds, len(rows), f" (missing {', '.join(missing)})" if missing else "",
             line["train_loss"], _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
+            _fmt(line["heldout_leak_free_masked_accuracy"]), _fmt(line["heldout_leak_free_majority_accuracy"]),
             line["round_seconds"],
         )  # fmt: skip
         return new_encoder, history
@@ -324,6 +330,9 @@ class Server:
                 accepted.append(reply)
         failures.extend(eval_failures)
         rows = [self.row(round_number, reply, EVALUATE_COLUMNS) for reply in accepted]
+        for row in rows:
+            if not row["leak_free_frames"]:
+                row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
         weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
         self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
@@ -460,9 +469,14 @@ class Server:
             "final_train_loss": lines[-1]["train_loss"],
             "heldout_masked_accuracy": lines[-1]["heldout_masked_accuracy"],
             "heldout_majority_accuracy": lines[-1]["majority_accuracy"],
+            "heldout_leak_free_masked_accuracy": lines[-1]["heldout_leak_free_masked_accuracy"],
+            "heldout_leak_free_majority_accuracy": lines[-1]["heldout_leak_free_majority_accuracy"],
+            "heldout_leak_free_frames": lines[-1]["leak_free_frames"],
             "heldout_per_client": {
                 e["client_id"]: {"masked_accuracy": e["heldout_masked_accuracy"], "majority_accuracy": e["majority_accuracy"],
-                                 "masked_frames": e["masked_frames"]}
+                                 "masked_frames": e["masked_frames"], "leak_free_frames": e.get("leak_free_frames", 0),
+                                 "leak_free_masked_accuracy": e.get("heldout_leak_free_masked_accuracy"),
+                                 "leak_free_majority_accuracy": e.get("leak_free_majority_accuracy")}
                 for e in last["evaluation"]
             },  # fmt: skip
             "missing_by_round": {str(line["round"]): line["missing"] for line in lines if line["missing"]},

@@ -88,8 +88,8 @@ class FederatedTracker:
         return self.run_id
 
     def log_round(self, record: Mapping[str, Any]) -> None:
-        """Aggregate metrics (train loss, held-out accuracy beside the majority-class rate,
-        bytes, seconds, clients) and per-client ones, at step = round."""
+        """Aggregate metrics (train loss, held-out accuracy beside the majority-class rate, both
+        on all and on leak-free masked frames, bytes, seconds, clients) and per-client ones, at step = round."""
         from mlflow.entities import Metric
 
         from speech_assets.federated.history import summarize_rounds
@@ -102,6 +102,8 @@ class FederatedTracker:
             "train_loss": line["train_loss"],
             "heldout_masked_accuracy": line["heldout_masked_accuracy"],
             "heldout_majority_accuracy": line["majority_accuracy"],
+            "heldout_leak_free_masked_accuracy": line["heldout_leak_free_masked_accuracy"],
+            "heldout_leak_free_majority_accuracy": line["heldout_leak_free_majority_accuracy"],
             "round_seconds": line["round_seconds"],
             "bytes_up": line["bytes_up"],
             "bytes_down": line["bytes_down"],
@@ -114,6 +116,8 @@ class FederatedTracker:
         for row in record["evaluation"]:
             values[f"{row['client_id']}.heldout_masked_accuracy"] = row["heldout_masked_accuracy"]
             values[f"{row['client_id']}.majority_accuracy"] = row["majority_accuracy"]
+            values[f"{row['client_id']}.heldout_leak_free_masked_accuracy"] = row.get("heldout_leak_free_masked_accuracy")
+            values[f"{row['client_id']}.leak_free_majority_accuracy"] = row.get("leak_free_majority_accuracy")
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, step) for k, v in values.items() if v is not None]
         self.client.log_batch(self.run_id, metrics=metrics)

@@ -117,7 +117,7 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
 
 def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
     """A federated run's train loss, and held-out masked accuracy against the majority-class
-    rate, per round (lines of :func:`speech_assets.federated.history.summarize_rounds`)."""
+    rate (on all masked frames and on the leak-free ones), per round (lines of :func:`speech_assets.federated.history.summarize_rounds`)."""
     rounds = [line["round"] for line in lines]
     nan = float("nan")
 
@@ -130,6 +130,10 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
                       label="global encoder + own head")  # fmt: skip
         accuracy.plot(rounds, [line["majority_accuracy"] or nan for line in lines], linestyle="--", linewidth=1,
                       label="majority class")  # fmt: skip
+        leak_free = accuracy.plot(rounds, [line.get("heldout_leak_free_masked_accuracy") or nan for line in lines],
+                                  marker="s", linewidth=1, label="leak-free frames")[0]  # fmt: skip
+        accuracy.plot(rounds, [line.get("heldout_leak_free_majority_accuracy") or nan for line in lines], linestyle=":",
+                      linewidth=1, color=leak_free.get_color(), label="leak-free majority class")  # fmt: skip
         accuracy.set_title("held-out masked accuracy", fontsize=9)
         accuracy.legend(fontsize=7)
         for axis in (loss, accuracy):

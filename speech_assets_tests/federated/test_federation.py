@@ -39,7 +39,8 @@ BIN = Path(sys.executable).parent
 FAST = DEMO_FEDERATED
 ROUNDS = FAST["rounds"]
 ALLOWED_TRAIN_METRICS = {"num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps"}
-ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy"}
+ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy",
+                        "leak-free-frames", "heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy"}  # fmt: skip
 
 
 

@@ -7,6 +7,7 @@ test writes (the real SuperLink path runs in test_federation.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -70,7 +71,8 @@ def _train_metrics(**values: float) -> dict[str, float]:
 
 def _eval_metrics(**values: float) -> dict[str, float]:
     return {"num-examples": 50, "utterances": 2, "heldout-loss": 4.0, "heldout-masked-accuracy": 0.2,
-            "majority-accuracy": 0.05} | values  # fmt: skip
+            "majority-accuracy": 0.05, "leak-free-frames": 30, "heldout-leak-free-masked-accuracy": 0.15,
+            "leak-free-majority-accuracy": 0.04} | values  # fmt: skip
 
 
 def _reply_to(message: Message, content: RecordDict, src: int | None = None) -> Message:
@@ -163,8 +165,19 @@ def test_the_client_sends_only_the_encoder_and_the_agreed_metrics() -> None:
     content = train_reply(received, _train_result(encoder), "client_00")
     assert set(content.keys()) == {"arrays", "metrics", "client"}
     assert set(content["metrics"]) == set(TRAIN_METRICS)
-    evaluation = EvalResult(utterances=2, masked_frames=50, masked_accuracy=0.2, majority_accuracy=0.05, loss=4.0)
-    assert set(evaluate_reply(received, evaluation, "client_00")["metrics"]) == set(EVAL_METRICS)
+    evaluation = EvalResult(utterances=2, masked_frames=50, masked_accuracy=0.2, majority_accuracy=0.05, loss=4.0,
+                            leak_free_frames=30, leak_free_masked_accuracy=0.15, leak_free_majority_accuracy=0.04)  # fmt: skip
+    sent = evaluate_reply(received, evaluation, "client_00")["metrics"]
+    assert set(sent) == set(EVAL_METRICS) and sent["heldout-leak-free-masked-accuracy"] == 0.15
+    # no leak-free frames: their accuracies are None here, 0.0 on the wire (a metric is a number)
+    none_free = dataclasses.replace(evaluation, leak_free_frames=0, leak_free_masked_accuracy=None,
+                                    leak_free_majority_accuracy=None)  # fmt: skip
+    sent = evaluate_reply(received, none_free, "client_00")["metrics"]
+    assert (sent["leak-free-frames"], sent["heldout-leak-free-masked-accuracy"], sent["leak-free-majority-accuracy"]) == (0, 0.0, 0.0)
+    with pytest.raises(OutgoingRefused, match="leak-free-frames .* exceeds num-examples"):
+        evaluate_reply(received, dataclasses.replace(evaluation, leak_free_frames=51), "client_00")
+    with pytest.raises(OutgoingRefused, match="heldout-leak-free-masked-accuracy is above 1"):
+        evaluate_reply(received, dataclasses.replace(evaluation, leak_free_masked_accuracy=1.5), "client_00")
 
     head = {"heads.0.weight": torch.zeros(100, 3), "heads.0.bias": torch.zeros(100)}
     with pytest.raises(OutgoingRefused, match=r"client_00 refuses to send its train reply: .*unexpected: \['heads.0.bias'"):
@@ -303,6 +316,8 @@ def test_aggregation_weighs_clients_by_the_clients_table_not_by_their_own_count(
     for name, value in encoder.items():
         np.testing.assert_allclose(new[name], value + (3 * 0.03 + 1 * -0.01) / 4, rtol=1e-5, atol=1e-6)
     assert [r["weight"] for r in history[-1]["rows"]] == [3.0, 1.0]
+    # the leak-free figures reach the round's record
+    assert [(e["leak_free_frames"], e["heldout_leak_free_masked_accuracy"]) for e in history[-1]["evaluation"]] == [(30, 0.15)] * 2
 
 
 # --------------------------------------------------------------------------------- deadlines

@@ -40,10 +40,13 @@ def _record(round_number: int, missing: list[str] | None = None) -> dict:
          "masked_accuracy": 0.1 * round_number, "bytes_up": 1000, "bytes_down": 1000, "seconds": 2.5}
         for i, c in enumerate(CLIENTS) if c not in (missing or [])
     ]  # fmt: skip
+    # leak-free frames: 30, then none (accuracies None, as the server records them)
+    free = [(30, 0.3, 0.1), (0, None, None)]
     evaluation = [
         {"round": round_number, "client_id": c, "utterances": 2, "masked_frames": 50, "heldout_loss": 4.0,
-         "heldout_masked_accuracy": 0.2, "majority_accuracy": 0.05}
-        for c in CLIENTS
+         "heldout_masked_accuracy": 0.2, "majority_accuracy": 0.05, "leak_free_frames": free[i][0],
+         "heldout_leak_free_masked_accuracy": free[i][1], "leak_free_majority_accuracy": free[i][2]}
+        for i, c in enumerate(CLIENTS)
     ]  # fmt: skip
     return {"rows": rows, "evaluation": evaluation, "missing": missing or [], "failures": [], "round_seconds": 30.0}
 
@@ -84,7 +87,13 @@ def test_a_resumed_run_reads_back_exactly_the_last_complete_round(tmp_path: Path
         "round", "client_id", "num_examples", "train_loss", "masked_accuracy", "bytes_up", "bytes_down", "seconds",
     ]  # fmt: skip
     assert table.num_rows == 2 + 1 + 2  # client_01 missed round 2
-    assert pq.read_table(paths.evaluation_table).num_rows == 6
+    evaluation = pq.read_table(paths.evaluation_table)
+    assert evaluation.num_rows == 6
+    assert evaluation.column_names == [
+        "round", "client_id", "utterances", "masked_frames", "heldout_loss", "heldout_masked_accuracy", "majority_accuracy",
+        "leak_free_frames", "heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy",
+    ]  # fmt: skip
+    assert evaluation.column("heldout_leak_free_masked_accuracy").to_pylist()[:2] == [0.3, None]
 
 
 def test_a_run_folder_of_another_strategy_is_refused(tmp_path: Path) -> None:
@@ -96,11 +105,21 @@ def test_a_run_folder_of_another_strategy_is_refused(tmp_path: Path) -> None:
 
 def test_round_summaries_and_report() -> None:
     records = [{**_record(1), "round": 1}, {**_record(2, missing=["client_01"]), "round": 2}]
+    records[0]["evaluation"].append(records[0]["evaluation"][0] | {
+        "client_id": "client_02", "leak_free_frames": 10, "heldout_leak_free_masked_accuracy": 0.1, "leak_free_majority_accuracy": 0.02})
     lines = history.summarize_rounds(records)
     # train loss weighted by training utterances, held-out accuracy by masked frames
     assert lines[0]["train_loss"] == pytest.approx((10 * 3.9 + 11 * 4.9) / 21)
     assert lines[1]["clients"] == 1 and lines[1]["missing"] == ["client_01"]
     assert lines[0]["heldout_masked_accuracy"] == pytest.approx(0.2) and lines[0]["majority_accuracy"] == pytest.approx(0.05)
+    # ... and on leak-free frames by leak-free frames (a client with none counts for nothing)
+    assert lines[0]["leak_free_frames"] == 40
+    assert lines[0]["heldout_leak_free_masked_accuracy"] == pytest.approx((30 * 0.3 + 10 * 0.1) / 40)
+    assert lines[0]["heldout_leak_free_majority_accuracy"] == pytest.approx((30 * 0.1 + 10 * 0.02) / 40)
+    # a record written before leak-free frames were measured: none
+    old = {**records[0], "evaluation": [{k: v for k, v in e.items() if "leak" not in k} for e in records[0]["evaluation"]]}
+    line = history.summarize_rounds([old])[0]
+    assert (line["leak_free_frames"], line["heldout_leak_free_masked_accuracy"], line["heldout_leak_free_majority_accuracy"]) == (0, None, None)
     table = markdown_rounds(lines)
     assert table.count("\n") == 3 and "| 2 | 1 | client_01 |" in table
     png = round_curve(lines)
@@ -128,6 +147,15 @@ def test_the_server_accepts_only_the_encoder_and_scalar_metrics(tmp_path: Path) 
     train = {name: 1.0 for name in TRAIN_METRICS}
     assert server.check_reply(_reply(encoder, train), "train") is None
     assert server.check_reply(_reply(None, {n: 1.0 for n in EVAL_METRICS}), "evaluate") is None
+    evaluate = {n: 1.0 for n in EVAL_METRICS}
+    for bad, why in [
+        ({"leak-free-frames": 2.0}, "exceeds num-examples"),  # more leak-free frames than masked frames
+        ({"leak-free-frames": 0.0}, "must be 0 with no leak-free frames"),  # accuracies over no frames
+        ({"leak-free-frames": 0.5}, "not a whole number"),
+        ({"leak-free-majority-accuracy": 1.5}, "above 1"),
+    ]:
+        assert why in (server.check_reply(_reply(None, evaluate | bad), "evaluate") or "")
+    assert "exactly" in (server.check_reply(_reply(None, {n: 1.0 for n in EVAL_METRICS[:5]}), "evaluate") or "")
 
     head = {"heads.0.weight": np.zeros((100, 3), np.float32), "heads.0.bias": np.zeros(100, np.float32)}
     refused = [
