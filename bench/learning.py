@@ -38,7 +38,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -213,8 +214,9 @@ def build_corpus(cache: Path, speakers: int, utterances: int, seed: int, sources
         raise SystemExit(f"corpus synthesis failed ({completed.returncode}): {completed.stderr.strip()}")
     seconds = time.perf_counter() - started
     partial.rename(corpus)
-    marker.write_text(json.dumps({"arguments": arguments, "synth_seconds": seconds, "summary": completed.stdout.splitlines()[0]}, indent=1))
-    print(f"corpus: {completed.stdout.splitlines()[0]} ({seconds:.0f} s)")
+    summary = completed.stdout.splitlines()[0].replace(str(partial), str(corpus))
+    marker.write_text(json.dumps({"arguments": arguments, "synth_seconds": seconds, "summary": summary}, indent=1))
+    print(f"corpus: {summary} ({seconds:.0f} s)")
     return corpus_info(corpus, seconds)
 
 
@@ -232,10 +234,12 @@ class Stage:
 
 
 class GraphRunner:
-    """``dagster asset materialize`` runs of the real code location against one fresh instance."""
+    """Dagster runs of the real code location against one fresh instance: ``dagster asset
+    materialize`` processes (``cli``, as scripts/materialize_all.sh) or runs executed in this
+    process (each a real run in the instance, without a CLI start-up and a step process each)."""
 
-    def __init__(self, root: Path, corpus: Path, settings: Path | None) -> None:
-        self.root = root
+    def __init__(self, root: Path, corpus: Path, settings: Path | None, cli: bool) -> None:
+        self.root, self.cli = root, cli
         self.home, self.data, self.logs = root / "dagster_home", root / "data", root / "logs"
         for folder in (self.home, self.data, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
@@ -249,30 +253,96 @@ class GraphRunner:
         if settings is not None:
             self.env["SPEECH_ASSETS_SETTINGS"] = str(settings)
         self.count = 0
+        self.instance: Any = None
+        self.defs: Any = None
+        if not cli:
+            import dagster as dg
 
-    def partition_range(self, kind: str) -> str:
+            os.environ.update({k: v for k, v in self.env.items() if k != "PYTHONWARNINGS"})
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+            from speech_assets.definitions import build_definitions
+
+            self.defs = build_definitions()  # paths and settings from the variables just set
+            self.instance = dg.DagsterInstance.from_config(str(self.home))
+
+    def close(self) -> None:
+        if self.instance is not None:
+            self.instance.dispose()
+
+    def partitions(self, kind: str) -> Any:
+        """Every registered partition of ``kind``: a FIRST...LAST range for the CLI, a list in process."""
+        if not self.cli:
+            return list(self.instance.get_dynamic_partitions(kind))
         command = [str(BIN / "speech-assets"), "partitions", kind, "--range"]
         return subprocess.run(command, env=self.env, cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
 
-    def materialize(self, stage: Stage, select: str, partition_range: str | None = None, config: dict | None = None) -> None:
-        """One run; its output goes to ``logs/NN_<select>.log``; raises SystemExit on failure."""
+    def materialize(self, stage: Stage, select: str, partitions: Any = None, config: dict | None = None) -> None:
+        """One run (in process: one run per selected asset); its output goes to ``logs/NN_<select>.log``;
+        raises SystemExit on failure."""
         self.count += 1
         log = self.logs / f"{self.count:02d}_{select.replace(',', '+')}.log"
+        started = time.perf_counter()
+        try:
+            if self.cli:
+                self._cli(select, partitions, config, log)
+            else:
+                self._in_process(select, partitions, config, log)
+        finally:
+            stage.wall_s += time.perf_counter() - started
+            stage.runs.append(select)
+            leftovers(None, self.root)
+
+    def _cli(self, select: str, partition_range: str | None, config: dict | None, log: Path) -> None:
         command = [str(BIN / "dagster"), "asset", "materialize", "-m", CODE_LOCATION, "--select", select]
         if partition_range:
             command += ["--partition-range", partition_range]
         if config:
             command += ["--config-json", json.dumps(config)]
-        started = time.perf_counter()
         with log.open("w") as out:
             out.write("$ " + " ".join(command) + "\n")
             out.flush()
             code = run_group(command, self.env, out, self.root)
-        stage.wall_s += time.perf_counter() - started
-        stage.runs.append(select)
         if code:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-            raise SystemExit(f"stage {stage.name}: `dagster asset materialize --select {select}` failed ({code}); {log}:\n{tail}")
+            raise SystemExit(f"`dagster asset materialize --select {select}` failed ({code}); {log}:\n{tail}")
+
+    def _in_process(self, select: str, partitions: list[str] | None, config: dict | None, log: Path) -> None:
+        from speech_assets.testing.local_runs import materialize_in_process
+
+        with log.open("a") as out, redirected(out):
+            for asset in select.split(","):
+                ops = {k: v for k, v in ((config or {}).get("ops") or {}).items() if k == asset}
+                print(f"materialize {asset} {partitions or ''} run config {ops}", flush=True)
+                try:
+                    result = materialize_in_process(self.defs, self.instance, asset, partitions, {"ops": ops} if ops else None)
+                except Exception as error:  # noqa: BLE001  (any failure of the run: reported with its log, then exit)
+                    failure = f"materializing {asset} failed: {type(error).__name__}: {error}"
+                    print(failure, flush=True)
+                    break
+                print(f"run {result.run_id}: {asset} succeeded", flush=True)
+            else:
+                return
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise SystemExit(f"{failure}; {log}:\n{tail}")
+
+
+@contextmanager
+def redirected(out: Any) -> Iterator[None]:
+    """This process's stdout and stderr (file descriptors: its subprocesses' too) into ``out``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
 
 
 def run_group(command: list[str], env: dict[str, str], out: Any, work: Path) -> int:
@@ -290,7 +360,20 @@ def run_group(command: list[str], env: dict[str, str], out: Any, work: Path) -> 
         leftovers(process.pid, work)
 
 
-def leftovers(pgid: int, work: Path) -> list[str]:
+def end_children() -> None:
+    """End any process this benchmark started that is still running (none should be)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        print(f"  (ending leftover child {child.pid}: {' '.join(child.cmdline())[:120]})")
+        child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    for child in alive:
+        child.kill()
+
+
+def leftovers(pgid: int | None, work: Path) -> list[str]:
     """End processes of group ``pgid`` or whose command line names ``work`` (SuperNodes, torchrun
     workers in their own sessions); returns what was found. Only this benchmark's processes match."""
     import psutil
@@ -301,7 +384,7 @@ def leftovers(pgid: int, work: Path) -> list[str]:
         try:
             if process.pid == me:
                 continue
-            in_group = os.getpgid(process.pid) == pgid
+            in_group = pgid is not None and os.getpgid(process.pid) == pgid
             if in_group or str(work) in " ".join(process.info["cmdline"] or []):
                 found.append(process)
         except (psutil.Error, ProcessLookupError, PermissionError):
@@ -317,9 +400,9 @@ def leftovers(pgid: int, work: Path) -> list[str]:
             process.kill()
         except psutil.Error:
             pass
-    names = [f"{p.pid}" for p in found]
+    names = [f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in found]
     if names:
-        print(f"  (ended {len(names)} leftover process(es): {', '.join(names)})")
+        print(f"  (ended {len(names)} leftover process(es): {'; '.join(names)})")
     return names
 
 
@@ -524,20 +607,21 @@ def markdown(report: dict[str, Any]) -> str:
         f"{b['probe_steps']} steps x seeds {', '.join(map(str, b['probe_seeds']))}."
         + (f" Overrides: {report['overrides']}." if report["overrides"] else ""),
         "",
-        "| encoder | held-out CER | held-out WER | seeds | held-out utterances | masked acc (frames) | majority rate | ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| encoder | probed with | held-out CER | held-out WER | seeds | held-out utterances | masked acc (frames) | majority rate | ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for model, label in MODEL_LABELS.items():
         row = report["probe"].get(model)
         if row is None:
-            lines.append(f"| {label} | — | — | — | — | — | — | — |")
+            lines.append(f"| {label} | — | — | — | — | — | — | — | — |")
             continue
         acc = report["masked_accuracy"].get(model) or {}
         accuracy = f"{acc['accuracy']:.4f} ({acc['frames']})" if acc else "—"
         majority = f"{acc['majority']:.4f}" if acc else "—"
         ratio = f"{acc['accuracy'] / acc['majority']:.2f}x" if acc and acc["majority"] else "—"
         cer, wer = Summary(**row["cer"]), Summary(**row["wer"])
-        lines.append(f"| {label} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | {majority} | {ratio} |")
+        norm = row.get("normalisation") or row.get("normalization") or row.get("cmvn") or "—"
+        lines.append(f"| {label} | {norm} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | {majority} | {ratio} |")
     lines += ["", "CER/WER: mean ± standard deviation over the probe seeds (linear CTC probe on characters).", "",
               "| target (issue 22, item 2) | status | measured |", "| --- | --- | --- |"]  # fmt: skip
     lines += [f"| {t['name']} | **{t['status']}** | {t['detail']} |" for t in report["targets"]]
@@ -551,6 +635,8 @@ def markdown(report: dict[str, Any]) -> str:
     for stage in report["stages"]:
         lines.append(f"| {stage['name']} | {stage['estimate_s'] / 60:.1f} min | {stage['wall_s'] / 60:.1f} min | {', '.join(stage['runs'])} |")
     lines.append(f"| **total** | {report['estimate_s'] / 60:.1f} min | {report['wall_s'] / 60:.1f} min | |")
+    if report.get("resumed"):
+        lines.append("\nA resumed run (`--resume`): stage times count only what was left to do.")
     return "\n".join(lines) + "\n"
 
 
@@ -593,12 +679,21 @@ def probe_configs(seeds: Sequence[int], steps: int) -> list[tuple[list[int], dic
 
 def run_benchmark(args: argparse.Namespace, budgets: Budgets, root: Path, corpus: CorpusInfo) -> dict[str, Any]:
     sets = overrides(args.set)
-    runner = GraphRunner(root, Path(corpus.path), args.settings)
+    runner = GraphRunner(root, Path(corpus.path), args.settings, cli=args.cli)
+    try:
+        return run_stages(args, budgets, root, corpus, runner, sets)
+    finally:
+        runner.close()
+
+
+def run_stages(
+    args: argparse.Namespace, budgets: Budgets, root: Path, corpus: CorpusInfo, runner: GraphRunner, sets: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     from speech_assets.defs.resources import PipelineSettings
 
     settings = PipelineSettings.load(args.settings) if args.settings else PipelineSettings.load()
     planned_clients = settings.clients.num_clients
-    estimates = stage_estimates(budgets, corpus.hours, planned_clients)
+    estimates = stage_estimates(budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0))
     stages = {name: Stage(name, estimate) for name, estimate in estimates.items()}
     print_plan(budgets, planned_clients, estimates)
 
@@ -614,9 +709,9 @@ def run_benchmark(args: argparse.Namespace, budgets: Budgets, root: Path, corpus
 
     def data(s: Stage) -> None:
         runner.materialize(s, "manifest")
-        runner.materialize(s, "speaker_manifest,vad_features", runner.partition_range("speakers"))
+        runner.materialize(s, "speaker_manifest,vad_features", runner.partitions("speakers"))
         runner.materialize(s, "cmvn_stats,client_partitions")
-        runner.materialize(s, "kmeans_targets", runner.partition_range("clients"))
+        runner.materialize(s, "kmeans_targets", runner.partitions("clients"))
 
     train = {"max_steps": budgets.steps, "batch_seconds": budgets.batch_seconds / budgets.nproc, "nproc": budgets.nproc,
              "target_batch_seconds": budgets.batch_seconds, "checkpoint_every": max(1, budgets.steps // 4)}  # fmt: skip
@@ -629,7 +724,7 @@ def run_benchmark(args: argparse.Namespace, budgets: Budgets, root: Path, corpus
     distill = {"max_steps": budgets.distill_steps, "batch_seconds": budgets.distill_batch_seconds}
     stage("distilled", lambda s: runner.materialize(s, "distilled_checkpoint", config=config("distilled_checkpoint", distill)))
     stage("iteration2_targets", lambda s: runner.materialize(
-        s, "kmeans_targets_iter2", runner.partition_range("clients"), config("kmeans_targets_iter2", {})))
+        s, "kmeans_targets_iter2", runner.partitions("clients"), config("kmeans_targets_iter2", {})))
     stage("iteration2", lambda s: runner.materialize(s, "pretrained_checkpoint_iter2", config=config("pretrained_checkpoint_iter2", train)))
 
     rows: list[dict[str, Any]] = []
@@ -706,6 +801,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--settings", type=Path, help="pipeline settings TOML (default: the repository's pipeline.toml)")
     parser.add_argument("--out", type=Path, help="markdown report")
     parser.add_argument("--json", type=Path, help="JSON report (default: --out with .json)")
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                        help="go on in this <work>/run-* folder (its instance and data dir): finished stages are reused, "
+                             "stage times then count only what was left")  # fmt: skip
+    parser.add_argument("--cli", action="store_true", help="each stage a `dagster asset materialize` process (default: runs in this process)")
     parser.add_argument("--plan", action="store_true", help="print the budgets and time plan, run nothing")
     args = parser.parse_args(argv)
 
@@ -734,15 +833,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.smoke and not args.corpus and (corpus.hours < MIN_FULL_HOURS or corpus.distinct_voices < MIN_FULL_VOICES):
         raise SystemExit(f"the corpus has {corpus.hours:.2f} h and {corpus.distinct_voices} voices; the benchmark needs "
                          f">= {MIN_FULL_HOURS} h and >= {MIN_FULL_VOICES}: raise --speakers / --utterances")  # fmt: skip
-    root = args.work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
-    root.mkdir(parents=True)
+    root = args.resume or args.work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True, exist_ok=bool(args.resume))
     print(f"work: {root}")
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": args.smoke, "machine": info,
         "corpus": asdict(corpus), "budgets": asdict(budgets), "overrides": args.set,
-        "settings": str(args.settings or REPO / "pipeline.toml"),
+        "settings": str(args.settings or REPO / "pipeline.toml"), "resumed": bool(args.resume),
     }  # fmt: skip
-    report.update(run_benchmark(args, budgets, root, corpus))
+    try:
+        report.update(run_benchmark(args, budgets, root, corpus))
+    finally:
+        end_children()
     report["machine"]["load_average_end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - started
     text = markdown(report)
