@@ -296,6 +296,11 @@ def beats(results: Sequence[ProbeResult], model: str, baseline: str) -> bool | N
     return a.cer.mean < b.cer.mean
 
 
+def ratio(cer: float, baseline: float) -> str:
+    """``cer`` relative to ``baseline``'s, as ``0.85x``."""
+    return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
+
+
 def standing(results: Sequence[ProbeResult]) -> list[str]:
     """One line per encoder (every model but the baselines ``fbank`` and ``random``): its held-out
     CER over seeds, against each baseline present (ratio of mean CERs), on how many held-out
@@ -308,7 +313,7 @@ def standing(results: Sequence[ProbeResult]) -> list[str]:
         if name in BASELINES:
             continue
         seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
-        parts = [f"{s.cer.mean / b.cer.mean:.2f}x {b.model} ({b.cer})" for b in baselines]
+        parts = [f"{ratio(s.cer.mean, b.cer.mean)} {b.model} ({b.cer})" for b in baselines]
         head = f"{name}: held-out CER {s.cer} over {seeds}" + "".join(f", {p}" for p in parts)
         head += f" on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}"
         if not baselines:

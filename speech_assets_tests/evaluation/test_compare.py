@@ -213,5 +213,7 @@ def test_standing_cannot_tell_on_few_utterances_or_one_seed() -> None:
     assert lines[1].endswith("(no random here): beats fbank") or lines[1].endswith(": beats fbank"), lines[1]
     assert beats(single, "pretrained", FBANK) is None and beats(single, "distilled", FBANK) is True
     assert standing([row(FBANK, 0, 0.5)]) == []
+    (perfect,) = standing(spread("pretrained", 0.3, 0.01) + spread(FBANK, 0.0, 0.0))  # a baseline at CER 0: no ratio
+    assert ", n/a x fbank (0.000 ± 0.000) " in perfect and perfect.endswith(": loses to fbank"), perfect
     (alone,) = standing(spread("pretrained", 0.3, 0.01))
     assert alone.endswith("no baseline (fbank, random) to compare with")
