@@ -84,9 +84,13 @@ def test_student_predicts_every_chosen_teacher_layer() -> None:
     assert predictions.shape == targets.shape == (2, 3, 21, 128) and padding.shape == (2, 21)
     assert not targets.requires_grad
     assert encoder_parameters(student) < encoder_parameters(teacher)
-    feats_np = [np.random.default_rng(0).random((120, 80), dtype=np.float32)] * 2
-    speeds = forward_speed({"teacher": teacher, "student": student}, feats_np, repeats=1)
-    assert set(speeds) == {"teacher", "student"} and min(speeds.values()) > 0
+    # a quarter of the width, half the depth: on the same 4 x 3 s utterances, best of 5 rounds
+    # each, the student encodes 2.7-4.5x the teacher's audio per second (measured on a loaded
+    # 2-core machine), so it must at least be faster
+    rng = np.random.default_rng(0)
+    feats_np = [rng.random((300, 80), dtype=np.float32) for _ in range(4)]
+    speeds = forward_speed({"teacher": teacher, "student": student}, feats_np, repeats=5)
+    assert set(speeds) == {"teacher", "student"} and speeds["student"] > speeds["teacher"] > 0
 
 
 @pytest.fixture(scope="module")
