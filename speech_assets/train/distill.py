@@ -204,7 +204,7 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
                 run_dir, kind=CHECKPOINT_KIND, preset=student.preset.to_dict(),
                 clients={name: teacher.preset.dim for name in student.clients}, teacher=config.teacher,
                 teacher_sha256=teacher_loaded.sha256, teacher_layers=list(layers), config=config.to_dict(),
-                data_versions=dict(config.data_versions),
+                data_versions=dict(config.data_versions), speakers=speakers, normalisation=describe(cmvn),
             )  # fmt: skip
             metrics, progress = engine.metrics, engine.progress
             result = {

@@ -132,6 +132,7 @@ class Trainer:
             final_path, sha = self.engine.save_final(
                 self.run_dir, preset=get_preset(config.preset).to_dict(), clients={n: c.k for n, c in config.clients.items()},
                 config=config.to_dict(), data_versions=dict(config.data_versions), plan=self.plan.to_dict(),
+                speakers=self.engine.extra["speakers"], normalisation=self.engine.extra["normalisation"],
             )  # fmt: skip
             result: dict[str, Any] = {
                 "step": self.step,
