@@ -1,0 +1,114 @@
+"""The synthetic learnable corpus (:func:`~speech_assets.testing.training_data.write_corpus`) in the
+pipeline's layout a federated client reads (:class:`~speech_assets.federated.client_data.ClientData`),
+and a Grid that answers the ServerApp's messages in process with the real ClientApp functions:
+a whole federated run (server loop, Flower strategy, clients) without a SuperLink or SuperNodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from flwr.app import Context, Message, Metadata, RecordDict
+
+from speech_assets.features.cmvn import ShardStats
+from speech_assets.features.shards import ShardFiles, iter_shard
+from speech_assets.federated import client_app
+from speech_assets.testing.training_data import write_corpus
+
+
+@dataclass
+class FederatedCorpus:
+    """``data_dir`` in the pipeline layout; ``k`` per client; the held-out speakers (the first
+    speaker of every client) and the training ones."""
+
+    data_dir: Path
+    k: dict[str, int]
+    heldout_speakers: list[str]
+    train_speakers: list[str]
+
+
+def write_federated_corpus(
+    root: Path, clients: Mapping[str, int] = {"client_a": 8, "client_b": 12}, speakers_per_client: int = 3, **options: object
+) -> FederatedCorpus:
+    """:func:`write_corpus` under ``root``, moved into the layout :meth:`ClientData.resolve` reads:
+    ``features/shards/<speaker>.parquet`` (+ its ``.stats.npz`` partial sums) and
+    ``kmeans/<client>/{labels.parquet, quality.json}``."""
+    corpus = write_corpus(root, clients, speakers_per_client=speakers_per_client, **options)  # type: ignore[arg-type]
+    shards_dir = root / "features" / "shards"
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    speakers = []
+    for shard in map(Path, corpus.shards):
+        speaker = shard.stem
+        files = ShardFiles.of(shards_dir, speaker)
+        stats = ShardStats()
+        for record in iter_shard(shard):
+            stats.add(speaker, "logmel", record.logmel)
+            stats.add(speaker, "mfcc", record.mfcc)
+        shutil.move(shard, files.shard)
+        stats.save(files.stats)
+        speakers.append(speaker)
+    for client, targets in corpus.clients.items():
+        (Path(targets.labels).parent / "quality.json").write_text(json.dumps({"k": targets.k}) + "\n")
+    (root / "shards").rmdir()
+    heldout = sorted(s for s in speakers if s.endswith("-spk0"))
+    return FederatedCorpus(root, {c: t.k for c, t in corpus.clients.items()}, heldout, sorted(set(speakers) - set(heldout)))
+
+
+@contextlib.contextmanager
+def serverapp_identity() -> Iterator[None]:
+    """What a ServerApp process is given by Flower before a strategy can build its messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)  # noqa: SLF001
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved  # noqa: SLF001
+
+
+class InProcessGrid:
+    """The Grid calls the ServerApp's :class:`~speech_assets.federated.server_app.Server` makes,
+    each message answered at once by the ClientApp's own ``train``/``evaluate`` function for the
+    node it is addressed to (``nodes``: ``{node id: client id}``, every client's data under
+    ``data_dir``, its state under ``state_root/<client id>``)."""
+
+    def __init__(self, nodes: Mapping[int, str], data_dir: Path, state_root: Path, threads: int = 1) -> None:
+        self.nodes = dict(nodes)
+        self.node_config = {
+            node: {"client-id": client, "data-dir": str(data_dir), "state-root": str(state_root / client), "threads": threads,
+                   "device": "cpu"}
+            for node, client in self.nodes.items()
+        }  # fmt: skip
+        self.outbox: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            sent = Message(
+                metadata=Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=0, dst_node_id=node,
+                                  reply_to_message_id="", group_id="", created_at=0.0, ttl=3600.0,
+                                  message_type=message.metadata.message_type),
+                content=message.content,
+            )  # fmt: skip
+            context = Context(run_id=1, node_id=node, node_config=self.node_config[node], state=RecordDict(), run_config={})
+            answer = client_app.train if message.metadata.message_type == "train" else client_app.evaluate
+            self.outbox.append(answer(sent, context))
+            ids.append(sent.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        wanted = set(message_ids)
+        found = [m for m in self.outbox if m.metadata.reply_to_message_id in wanted]
+        self.outbox = [m for m in self.outbox if m not in found]
+        return found
