@@ -122,34 +122,39 @@ SMOKE = Budgets(
 
 @dataclass(frozen=True)
 class Rates:
-    """Assumed speeds on the benchmark machine, only for the time budget printed before a run
-    (2-core figures from docs/BENCHMARKS.md; the measured times are printed after)."""
+    """Assumed speeds on an idle 2-core machine, only for the time budget printed before a run
+    (figures from docs/BENCHMARKS.md and the smoke runs; the measured times are printed after)."""
 
     train_audio_per_s: float = 170.0  # centralised, 2 torchrun processes, tiny
     federated_audio_per_s: float = 120.0  # all clients together on the same cores
-    round_overhead_s: float = 60.0  # per Flower round: evaluation, transfers, aggregation
+    round_overhead_s: float = 60.0  # per Flower round: clientapp start-ups, evaluation, transfers, aggregation
     distill_audio_per_s: float = 150.0
-    launch_s: float = 30.0  # a `dagster asset materialize` start-up, torchrun / federation start-up
+    launch_s: float = 10.0  # starting a run (in process; a `dagster asset materialize` process: ~30 s)
+    train_fixed_s: float = 60.0  # torchrun start-up, data loading, held-out evaluation, checkpoint, MLflow
+    federation_fixed_s: float = 90.0  # SuperLink, SuperNodes, ServerApp start-up and the final checkpoint
     data_s_per_hour: float = 90.0  # manifest + features + CMVN + clients + k-means per hour of audio
     iter2_s_per_hour: float = 90.0  # encoder features + k-means K=500 per hour of audio
-    probe_s_per_step_model: float = 0.05
+    probe_s_per_step: float = 0.06  # one probe step of one model and seed
     probe_features_s_per_model: float = 10.0
 
 
-def stage_estimates(budgets: Budgets, hours: float, clients: int, rates: Rates = Rates()) -> dict[str, float]:
-    """Expected wall seconds of each stage on the benchmark machine (a rough plan, not a measurement)."""
+def stage_estimates(budgets: Budgets, hours: float, clients: int, rates: Rates = Rates(), probe_runs: int = 1) -> dict[str, float]:
+    """Expected wall seconds of each stage on an idle benchmark machine (a rough plan, not a
+    measurement); ``probe_runs``: how many probe runs cover the seeds (1 when [probe] takes seeds)."""
     fed_audio = budgets.federated_audio_seconds(clients)
     models = len(MODEL_LABELS)
-    per_seed = models * (budgets.probe_steps * rates.probe_s_per_step_model + rates.probe_features_s_per_model)
+    central = rates.launch_s + rates.train_fixed_s + budgets.central_audio_seconds / rates.train_audio_per_s
     return {
         "data": 4 * rates.launch_s + hours * rates.data_s_per_hour,
-        "centralised": rates.launch_s + budgets.central_audio_seconds / rates.train_audio_per_s,
-        "federated": rates.launch_s + budgets.rounds * rates.round_overhead_s + fed_audio / rates.federated_audio_per_s,
-        "distilled": 2 * rates.launch_s + budgets.distill_steps * budgets.distill_batch_seconds / rates.distill_audio_per_s,
+        "centralised": central,
+        "federated": rates.launch_s + rates.federation_fixed_s + budgets.rounds * rates.round_overhead_s
+        + fed_audio / rates.federated_audio_per_s,
+        "distilled": rates.launch_s + rates.train_fixed_s + budgets.distill_steps * budgets.distill_batch_seconds / rates.distill_audio_per_s,
         "iteration2_targets": rates.launch_s + hours * rates.iter2_s_per_hour,
-        "iteration2": rates.launch_s + budgets.central_audio_seconds / rates.train_audio_per_s,
-        "probe": len(budgets.probe_seeds) * (rates.launch_s + per_seed),
-    }
+        "iteration2": central,
+        "probe": probe_runs * (rates.launch_s + models * rates.probe_features_s_per_model)
+        + models * len(budgets.probe_seeds) * budgets.probe_steps * rates.probe_s_per_step,
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,10 +384,10 @@ def leftovers(pgid: int | None, work: Path) -> list[str]:
     import psutil
 
     found = []
-    me = os.getpid()
+    mine = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}  # this process and what started it
     for process in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if process.pid == me:
+            if process.pid in mine:
                 continue
             in_group = pgid is not None and os.getpgid(process.pid) == pgid
             if in_group or str(work) in " ".join(process.info["cmdline"] or []):
@@ -447,7 +452,8 @@ def masked_accuracy(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def federated_audio_measured(run_dir: str | None) -> float | None:
-    """Audio seconds the clients reported training on (``audio_seconds`` in the round records), if any."""
+    """Audio seconds the clients reported training on: ``audio_seconds`` in the round records, else
+    the round's weighted mean ``audio-seconds`` times its clients (approximate); None if neither."""
     if not run_dir or not (Path(run_dir) / "rounds").is_dir():
         return None
     total, seen = 0.0, False
@@ -464,9 +470,15 @@ def federated_audio_measured(run_dir: str | None) -> float | None:
             for item in value:
                 walk(item)
 
+    estimate = 0.0
     for record in sorted((Path(run_dir) / "rounds").glob("round_*.json")):
-        walk(json.loads(record.read_text()))
-    return total if seen else None
+        data = json.loads(record.read_text())
+        walk(data)
+        # the round record keeps only the examples-weighted mean over clients: x clients ~ the sum
+        mean = (data.get("aggregated_train") or {}).get("audio-seconds")
+        if mean is not None:
+            estimate += float(mean) * len(data.get("rows") or [])
+    return total if seen else (estimate or None)
 
 
 def probe_rows(data: Path, seed: int) -> list[dict[str, Any]]:
@@ -693,7 +705,8 @@ def run_stages(
 
     settings = PipelineSettings.load(args.settings) if args.settings else PipelineSettings.load()
     planned_clients = settings.clients.num_clients
-    estimates = stage_estimates(budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0))
+    probe_runs = len(probe_configs(budgets.probe_seeds, budgets.probe_steps))
+    estimates = stage_estimates(budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0), probe_runs)
     stages = {name: Stage(name, estimate) for name, estimate in estimates.items()}
     print_plan(budgets, planned_clients, estimates)
 
@@ -771,7 +784,7 @@ def print_plan(budgets: Budgets, clients: int, estimates: dict[str, float]) -> N
     print(f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = {budgets.central_audio_seconds:,.0f} audio s; "
           f"federated {budgets.rounds} rounds x {local} local steps x {clients} clients x {budgets.fed_batch_seconds:g} s = "
           f"{budgets.federated_audio_seconds(clients):,.0f} audio s")  # fmt: skip
-    print("time budget per stage (planned on 2 cores; rough):")
+    print("time budget per stage (planned for an idle 2-core machine; rough):")
     for name, seconds in estimates.items():
         print(f"  {name:<20} {seconds / 60:5.1f} min")
     print(f"  {'total':<20} {sum(estimates.values()) / 60:5.1f} min", flush=True)
