@@ -96,7 +96,16 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     # the held-out evaluation of every round's global encoder, beside each client's majority-class rate
     evaluation = pq.read_table(run_dir / "evaluation.parquet").to_pylist()
     assert sorted((e["round"], e["client_id"]) for e in evaluation) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
-    assert all(e["masked_frames"] > 0 and 0 <= e["majority_accuracy"] <= 1 for e in evaluation)
+    # the held-out speakers are chosen once over the corpus (clients.parquet): a client holding
+    # none scores no frames
+    assignment = pq.read_table(sample_pipeline.out / "clients" / "clients.parquet").to_pylist()
+    holding = {row["client_id"] for row in assignment if row["heldout"]}
+    assert holding and all((e["masked_frames"] > 0) == (e["client_id"] in holding) for e in evaluation)
+    assert all(0 <= e["majority_accuracy"] <= 1 and 0 <= e["leak_free_frames"] <= e["masked_frames"] for e in evaluation)
+    # leak-free accuracies: None for a client without leak-free frames, else a fraction
+    assert all((e["heldout_leak_free_masked_accuracy"] is None) == (e["leak_free_frames"] == 0) for e in evaluation)
+    assert result["heldout_leak_free_frames"] == sum(e["leak_free_frames"] for e in evaluation if e["round"] == ROUNDS) > 0
+    assert 0 <= result["heldout_leak_free_masked_accuracy"] <= 1 and 0 <= result["heldout_leak_free_majority_accuracy"] <= 1
     # the final checkpoint: weights_only, encoder only, its hash is the data version
     state = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)
     assert state["round"] == ROUNDS and weights_sha256(state["encoder"]) == result["checkpoint_sha256"]
@@ -110,6 +119,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
         assert any(k.startswith("kmeans_targets/") for k in inputs) and any(k.startswith("vad_features/") for k in inputs)
         assert "| round |" in event.metadata["round_curve"].value
+        assert event.metadata["heldout_leak_free_masked_accuracy"].value == result["heldout_leak_free_masked_accuracy"]
     # MLflow: every round's metrics and the final checkpoint
     mlflow.set_tracking_uri(sample_pipeline.mlflow_uri)
     run = mlflow.get_run((run_dir / "mlflow_run_id").read_text().strip())
