@@ -53,7 +53,7 @@ def test_every_run_config_key_is_declared_by_the_flower_app() -> None:
     assert set(declared) == set(_config().to_run_config())
     defaults = FederatedConfig.from_run_config({**declared, "run-dir": "/x", "run-name": "x"})
     assert defaults.rounds == 3 and defaults.local_steps == 50 and defaults.strategy == "fedadam"
-    assert (defaults.eta, defaults.beta_1, defaults.beta_2, defaults.tau) == (1e-2, 0.9, 0.99, 1e-3)
+    assert (defaults.eta, defaults.beta_1, defaults.beta_2, defaults.tau) == (0.1, 0.9, 0.99, 1e-3)
     assert defaults.required_clients == len(defaults.clients)  # min clients = all
     components = app["tool"]["flwr"]["app"]["components"]
     assert components == {
