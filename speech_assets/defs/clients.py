@@ -10,7 +10,6 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version, markdown_table
 from speech_assets.defs.partitions import clients_partitions, register_new
 from speech_assets.defs.resources import ClientSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.train.data import heldout_speakers
 from speech_assets.utils import sha256_file
 
 CLIENTS_CODE_VERSION = "clients-v2"  # v2: the held-out speakers are chosen here, once
@@ -34,6 +33,8 @@ def client_partitions(
     speakers already assigned keep their client. The held-out speakers are chosen here, once,
     over the whole corpus (``heldout`` column): every encoder, CMVN and k-means codebook leaves
     them out, and the probe tests on them."""
+    from speech_assets.train.data import heldout_speakers  # torch: lazily, the code location stays light
+
     config = effective(settings.clients, config)
     speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]

@@ -190,7 +190,7 @@ def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(dagster_ru
 
     settings_file = dagster_run["run_dir"] / "settings.json"
     original = settings_file.read_text()
-    assert json.loads(original)["eta"] == 0.01
+    assert json.loads(original)["eta"] == 0.1
     settings_file.write_text(json.dumps(json.loads(original) | {"eta": 0.5}))
     try:
         with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
