@@ -195,7 +195,7 @@ def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(dagster_ru
     try:
         with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
             run_config = {"ops": {"federated_checkpoint": {"config": FAST}}}
-            with pytest.raises(dg.Failure, match=r"refused: .*started with other settings \(eta: 0\.5 -> 0\.01\)"):
+            with pytest.raises(dg.Failure, match=r"refused: .*started with other settings \(eta: 0\.5 -> 0\.1\)"):
                 materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
     finally:
         settings_file.write_text(original)
