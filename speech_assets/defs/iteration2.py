@@ -19,7 +19,7 @@ from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
-TRAIN_ITER2_CODE_VERSION = "train-iter2-v1"
+TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
 ENCODER_ASSETS = {"pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint"}
 
 

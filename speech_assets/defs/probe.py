@@ -14,7 +14,7 @@ from speech_assets.defs.lineage import checkpoint_of, latest_data_version, requi
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
 
-PROBE_CODE_VERSION = "probe-v2"  # v2: the recorded split, per-model normalisation, several seeds
+PROBE_CODE_VERSION = "probe-v3"  # v3: lr and stopping step chosen per model on a development split; v2: the recorded split, per-model normalisation, several seeds
 
 
 class ProbeOverrides(overrides_of(ProbeSettings)):
@@ -155,6 +155,8 @@ def downstream_probe(
             "probe": options.probe,
             "steps": options.steps,
             "seeds": dg.MetadataValue.json(list(options.seeds)),
+            # each model's learning rate and stopping step, chosen on a development split of the training speakers
+            "probe_lr_steps": dg.MetadataValue.json({r.model: [r.lr, r.steps] for r in results if r.split == "heldout"}),
             "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in models}),
             "train_utterances": len(train),
             "heldout_utterances": len(test),

@@ -186,6 +186,9 @@ class TrainingSettings(dg.Config):
     max_restarts: int = TrainConfig.max_restarts
     normalisation: str = TrainConfig.normalisation  # "utterance" or "global" (the training speakers' CMVN)
     max_frames: int = TrainConfig.max_frames
+    mask_prob: float = TrainConfig.mask_prob  # probability that a 50 Hz frame starts a masked span
+    mask_length: int = TrainConfig.mask_length  # span length in 50 Hz frames
+    unmasked_weight: float = TrainConfig.unmasked_weight  # weight of the loss on unmasked frames (masked: 1)
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
     noise: str = ""  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
     noise_dir: str = ""  # a folder of noise audio (MUSAN's noise/); settings file only
@@ -251,6 +254,9 @@ class FederatedSettings(dg.Config):
     batch_seconds: float = FederatedConfig.batch_seconds  # padded audio per local step
     seed: int = FederatedConfig.seed
     max_frames: int = FederatedConfig.max_frames
+    mask_prob: float = FederatedConfig.mask_prob
+    mask_length: int = FederatedConfig.mask_length
+    unmasked_weight: float = FederatedConfig.unmasked_weight
     precision: str = FederatedConfig.precision
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
     superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
@@ -274,6 +280,7 @@ class ProbeSettings(dg.Config):
     steps: int = 400  # AdamW steps per model
     batch_size: int = 8
     lr: float = 2e-3
+    lrs: list[float] = []  # several: each model's lr is the one with the lowest CER on a development split of the training speakers
     hidden: int = 128
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
     seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread

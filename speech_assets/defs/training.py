@@ -18,7 +18,7 @@ from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import fixed_node_count, run_torchrun
 from speech_assets.utils import from_fields, sha256_strings
 
-CODE_VERSION = "train-v1"
+CODE_VERSION = "train-v2"  # v2: the loss on unmasked frames too (unmasked_weight 1.0)
 
 
 class TrainingOverrides(overrides_of(TrainingSettings)):

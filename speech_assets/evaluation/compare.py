@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from speech_assets.evaluation.encoders import Utterance
-    from speech_assets.evaluation.probe import ProbeOptions
+    from speech_assets.evaluation.probe import CtcProbe, ProbeOptions
     from speech_assets.model.hubert import HubertPretrainModel
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ BASELINES = (FBANK, RANDOM)
 # results.parquet columns, in order (the first nine are the original contract; later ones appended)
 RESULT_COLUMNS = (
     "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
-    "seed", "normalisation", "speakers",
+    "seed", "normalisation", "speakers", "lr",
 )  # fmt: skip
 # :func:`standing` / :func:`beats` call a comparison "too small to tell" below this many held-out
 # utterances, with fewer than 2 seeds on either side, or when |difference of mean CERs| is not
@@ -86,6 +86,7 @@ class ProbeResult:
     seed: int
     normalisation: str
     speakers: int
+    lr: float = float("nan")  # the probe's learning rate (chosen on the development split when ProbeOptions.lrs has several)
     seconds: float = 0.0  # feature extraction (shared by the seeds) + this seed's training + scoring; not stored
 
     def row(self) -> dict[str, object]:
@@ -108,7 +109,7 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
         ("model", pa.string()), ("checkpoint_sha256", pa.string()), ("probe", pa.string()),
         ("layer_weights", pa.list_(pa.float64())), ("split", pa.string()), ("cer", pa.float64()), ("wer", pa.float64()),
         ("utterances", pa.int64()), ("steps", pa.int64()), ("seed", pa.int64()), ("normalisation", pa.string()),
-        ("speakers", pa.int64()),
+        ("speakers", pa.int64()), ("lr", pa.float64()),
     ])  # fmt: skip
     return pa.Table.from_pylist([r.row() for r in results], schema=schema)
 
@@ -168,7 +169,7 @@ def compare_encoders(
     sets the probe's initialisation and the order it reads the utterances in; the training and
     held-out utterances are the same for every seed. ``on_model`` gets each held-out row as it
     is scored."""
-    from speech_assets.evaluation.probe import evaluate_probe, train_probe
+    from speech_assets.evaluation.probe import dev_split, evaluate_probe, train_probe
 
     if not train or not test:
         raise ValueError(f"the probe needs utterances on both sides: {len(train)} training, {len(test)} held-out")
@@ -177,26 +178,56 @@ def compare_encoders(
         raise ValueError(f"model names must be unique, got {names}")
     texts = {"train": [u.text for u in train], "heldout": [u.text for u in test]}
     speakers = {"train": len({u.speaker_id for u in train}), "heldout": len({u.speaker_id for u in test})}
+    fit, dev = dev_split([u.speaker_id for u in train]) if len(options.lrs) > 1 else ([], [])
     results: list[ProbeResult] = []
     for model in models:
         started = time.perf_counter()
         features = {"train": probe_features(model, train), "heldout": probe_features(model, test)}
         extraction = time.perf_counter() - started
+        lr, steps = options.lrs[0] if len(options.lrs) == 1 else options.lr, options.steps
+        if dev:
+            lr, steps = choose_probe(features["train"], texts["train"], fit, dev, options, model.name)
+        chosen = replace(options, lr=lr)
         for seed in options.seeds:
             started = time.perf_counter()
-            probe = train_probe(features["train"], texts["train"], options, seed=seed)
+            probe = train_probe(features["train"], texts["train"], chosen, seed=seed, stop_at=steps)
             weights = [round(w, 4) for w in probe.layer_weights]
             scores = {split: evaluate_probe(probe, features[split], texts[split])[0] for split in ("train", "heldout")}
             seconds = extraction + time.perf_counter() - started
             for split, s in scores.items():
                 results.append(ProbeResult(
                     model.name, model.checkpoint_sha256, options.probe, weights, split, s.cer, s.wer, s.utterances,
-                    options.steps, seed, model.normalisation, speakers[split], seconds,
+                    steps, seed, model.normalisation, speakers[split], lr, seconds,
                 ))  # fmt: skip
-            log.info("probe %s seed %d: held-out CER %.3f WER %.3f (%.0f s)", model.name, seed, scores["heldout"].cer, scores["heldout"].wer, seconds)
+            log.info("probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)", model.name, seed, lr, steps, scores["heldout"].cer, scores["heldout"].wer, seconds)
             if on_model is not None:
                 on_model(results[-1])
     return results
+
+
+def choose_probe(
+    features: Sequence[torch.Tensor], texts: Sequence[str], fit: Sequence[int], dev: Sequence[int], options: ProbeOptions, name: str
+) -> tuple[float, int]:
+    """(learning rate, steps): of ``options.lrs`` and the stopping points every ``options.steps // 4``
+    steps, the probe (first seed) trained on the ``fit`` utterances with the lowest CER on the
+    ``dev`` utterances (training speakers the fit never saw; the held-out test speakers take no
+    part); ties go to the smaller learning rate, then to fewer steps."""
+    from speech_assets.evaluation.probe import evaluate_probe, train_probe
+
+    dev_features, dev_texts = [features[i] for i in dev], [texts[i] for i in dev]
+    dev_cer: dict[tuple[float, int], float] = {}
+    for lr in sorted(options.lrs):
+        def score(step: int, probe: CtcProbe, lr: float = lr) -> None:
+            dev_cer[(lr, step)] = evaluate_probe(probe, dev_features, dev_texts)[0].cer
+
+        train_probe([features[i] for i in fit], [texts[i] for i in fit], replace(options, lr=lr), seed=options.seeds[0],
+                    every=max(1, options.steps // 4), on_checkpoint=score)  # fmt: skip
+    best = min(dev_cer, key=lambda key: (round(dev_cer[key], 6), key))
+    log.info(
+        "probe %s: development CER by (lr, steps) %s -> lr %g, %d steps",
+        name, {f"{lr:g}@{step}": round(c, 4) for (lr, step), c in dev_cer.items()}, *best,
+    )  # fmt: skip
+    return best
 
 
 @dataclass(frozen=True)
@@ -259,14 +290,15 @@ def markdown_table(results: Sequence[ProbeResult]) -> str:
     training data, best held-out CER first."""
     held, trained = summarise(results, "heldout"), summarise(results, "train")
     lines = [
-        "| model | normalisation | seeds | held-out CER | held-out WER | train CER | utterances (held-out) | speakers (held-out) | top layer weight |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | normalisation | probe lr | seeds | held-out CER | held-out WER | train CER | utterances (held-out) | speakers (held-out) | top layer weight |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
         top = max(range(len(s.layer_weights)), key=s.layer_weights.__getitem__) if s.layer_weights else None
         train_cer = str(trained[model].cer) if model in trained else "n/a"
+        lrs = sorted({r.lr for r in results if r.model == model and r.split == "heldout" and not math.isnan(r.lr)})
         lines.append(
-            f"| {model} | {s.normalisation} | {len(s.seeds)} | {s.cer} | {s.wer} | {train_cer} | {s.utterances} | {s.speakers} | "
+            f"| {model} | {s.normalisation} | {', '.join(f'{lr:g}' for lr in lrs) or 'n/a'} | {len(s.seeds)} | {s.cer} | {s.wer} | {train_cer} | {s.utterances} | {s.speakers} | "
             + (f"layer {top}: {s.layer_weights[top]:.2f} |" if top is not None else "n/a |")
         )
     return "\n".join(lines)

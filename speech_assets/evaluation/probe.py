@@ -12,7 +12,7 @@ utterance; 100 Hz log-mel is a single "layer" ``(1, T, 80)``), so probe steps co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,11 @@ class ProbeOptions:
     """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
     10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
     (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
-    initialisation and the order it reads the utterances in."""
+    initialisation and the order it reads the utterances in); ``lrs``: learning rates to choose
+    from, per model, on a development split of the training speakers, together with the stopping
+    step (every ``steps // 4``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
+    searches the learning rate per upstream model and tests its best development checkpoint);
+    empty: ``lr`` for all and ``steps`` steps, one value: that value."""
 
     probe: str = "linear"
     steps: int = 400
@@ -38,11 +42,15 @@ class ProbeOptions:
     lr: float = 2e-3
     hidden: int = 128
     seeds: tuple[int, ...] = (0, 1, 2)
+    lrs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))  # settings give a list
+        object.__setattr__(self, "lrs", tuple(float(lr) for lr in self.lrs))
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
+        if len(set(self.lrs)) != len(self.lrs) or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"lrs must be distinct and > 0, got {self.lrs}")
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -88,11 +96,17 @@ def _schedule(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_probe(features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0) -> CtcProbe:
+def train_probe(
+    features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0, *,
+    stop_at: int | None = None, every: int = 0, on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
+) -> CtcProbe:  # fmt: skip
     """Train a probe on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``.
 
     Deterministic for a given ``seed`` and thread count: ``seed`` initialises the probe, and
-    utterances are drawn epoch by epoch in an order ``seed`` shuffles.
+    utterances are drawn epoch by epoch in an order ``seed`` shuffles. The schedule always spans
+    ``options.steps``; ``stop_at`` ends training earlier on that schedule (a stopping point chosen
+    on development data). ``on_checkpoint(step, probe)`` sees the probe (in eval mode) every
+    ``every`` steps and at the end.
     """
     if not features:
         raise ValueError("no training utterances for the probe")
@@ -104,8 +118,9 @@ def train_probe(features: Sequence[torch.Tensor], texts: Sequence[str], options:
     optimizer = torch.optim.AdamW(probe.parameters(), lr=options.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, options.steps))
     order: list[int] = []
+    total = options.steps if stop_at is None else max(1, min(stop_at, options.steps))
     probe.train()
-    for _ in range(options.steps):
+    for step in range(1, total + 1):
         if len(order) < options.batch_size:
             order += torch.randperm(len(features), generator=generator).tolist()
         batch, order = order[: options.batch_size], order[options.batch_size :]
@@ -124,6 +139,9 @@ def train_probe(features: Sequence[torch.Tensor], texts: Sequence[str], options:
         nn.utils.clip_grad_norm_(probe.parameters(), 5.0)
         optimizer.step()
         scheduler.step()
+        if on_checkpoint is not None and ((every and step % every == 0) or step == total):
+            on_checkpoint(step, probe.eval())
+            probe.train()
     return probe.eval()
 
 
@@ -160,6 +178,22 @@ def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
 def evaluate_probe(probe: CtcProbe, features: Sequence[torch.Tensor], texts: Sequence[str]) -> tuple[Scores, list[str]]:
     hypotheses = transcribe(probe, features)
     return score(texts, hypotheses), hypotheses
+
+
+def dev_split(speakers: Sequence[str], fraction: float = 0.2) -> tuple[list[int], list[int]]:
+    """(fit, dev) indices of utterances by ``speakers``: every speaker whose rank in sorted order
+    falls on a ``fraction`` grid is a development speaker (at least one, and at least one left to
+    fit on); with a single speaker, every fifth utterance is development instead. Deterministic."""
+    names = sorted(set(speakers))
+    if len(names) >= 2:
+        count = min(len(names) - 1, max(1, round(len(names) * fraction)))
+        step = len(names) / count
+        dev_names = {names[int(i * step)] for i in range(count)}
+        dev = [i for i, s in enumerate(speakers) if s in dev_names]
+    else:
+        dev = list(range(0, len(speakers), max(2, round(1 / fraction))))
+    chosen = set(dev)
+    return [i for i in range(len(speakers)) if i not in chosen], dev
 
 
 def subsample(count: int, limit: int, seed: int = 0) -> list[int]:

@@ -110,6 +110,26 @@ def test_seeds_change_the_probe_not_the_data() -> None:
         compare_encoders(train, [], [model], ProbeOptions(steps=1))
 
 
+def test_the_probe_lr_and_stopping_step_are_chosen_on_training_speakers_only() -> None:
+    train = utterances(40, seed=0, speakers=["s1", "s2", "s3", "s4", "s5"])
+    test = utterances(12, seed=1, speakers=["h1", "h2"])
+    other_test = utterances(12, seed=2, speakers=["h3"])
+    model = ProbeModel("pretrained", "abc", "utterance", per_utterance)
+    options = ProbeOptions(steps=60, batch_size=8, lrs=(1e-5, 2e-2), seeds=(0, 1))
+    results = compare_encoders(train, test, [model], options)
+    chosen = {(r.lr, r.steps) for r in results}
+    (lr, steps), = chosen  # one choice per model, shared by its seeds and splits
+    assert lr == 2e-2 and steps in (15, 30, 45, 60)  # 1e-5 learns nothing in 60 steps
+    assert summarise(results)["pretrained"].cer.mean < 0.5, markdown_table(results)
+    # the held-out test speakers take no part in the choice
+    again = compare_encoders(train, other_test, [model], options)
+    assert {(r.lr, r.steps) for r in again} == chosen
+    assert "| pretrained | utterance | 0.02 | 2 |" in markdown_table(results)
+    # a single lr is used as given, with all steps
+    (fixed,) = {(r.lr, r.steps) for r in compare_encoders(train, test, [model], ProbeOptions(steps=5, lrs=(3e-3,), seeds=(0,)))}
+    assert fixed == (3e-3, 5)
+
+
 def test_each_model_reads_the_log_mel_through_its_own_normalisation() -> None:
     utts = utterances(3, seed=2, speakers=["s1"])
     plain = ProbeModel(FBANK, "", "none", lambda x: x)
@@ -159,9 +179,9 @@ def test_summary_mean_spread_and_table() -> None:
     assert held[FBANK].cer.n == 1 and math.isnan(held[FBANK].cer.std)
     assert summarise(results, "train")["pretrained"].cer.mean == pytest.approx(0.1)
     table = markdown_table(results).splitlines()
-    assert table[0].startswith("| model | normalisation | seeds | held-out CER |")
-    assert table[2] == "| pretrained | utterance | 3 | 0.500 ± 0.100 | 0.700 ± 0.100 | 0.100 | 40 | 4 | layer 0: 1.00 |"
-    assert table[3].startswith("| fbank | utterance | 1 | 0.700 | 0.900 | n/a |")
+    assert table[0].startswith("| model | normalisation | probe lr | seeds | held-out CER |")
+    assert table[2] == "| pretrained | utterance | n/a | 3 | 0.500 ± 0.100 | 0.700 ± 0.100 | 0.100 | 40 | 4 | layer 0: 1.00 |"
+    assert table[3].startswith("| fbank | utterance | n/a | 1 | 0.700 | 0.900 | n/a |")
     with pytest.raises(ValueError, match="repeat"):
         summarise([row(FBANK, 0, 0.5), row(FBANK, 0, 0.6)])
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from speech_assets.evaluation.probe import CtcProbe, ProbeOptions, collate_layers, evaluate_probe, score, train_probe
+from speech_assets.evaluation.probe import CtcProbe, ProbeOptions, collate_layers, dev_split, evaluate_probe, score, train_probe
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, decode_greedy, encode, normalise
 
 WORDS = ["CAT", "DOG", "BIRD", "FISH", "COW", "OWL"]
@@ -81,6 +81,47 @@ def test_probe_options_seeds(seeds, ok) -> None:
             ProbeOptions(seeds=seeds)
     else:
         assert ProbeOptions(seeds=seeds).seeds == ok  # a settings list becomes a tuple
+
+
+@pytest.mark.parametrize(("lrs", "ok"), [([0.002, 0.01], (0.002, 0.01)), ((), ()), ((0.01, 0.01), None), ((0.0,), None)])
+def test_probe_options_lrs(lrs, ok) -> None:
+    if ok is None:
+        with pytest.raises(ValueError, match="lrs must be distinct"):
+            ProbeOptions(lrs=lrs)
+    else:
+        assert ProbeOptions(lrs=lrs).lrs == ok
+
+
+@pytest.mark.parametrize(
+    ("speakers", "dev_speakers"),
+    [
+        (["a", "b", "c", "d", "e", "a", "b", "c", "d", "e"], {"a"}),  # 5 speakers: one is development
+        ([f"s{i:02d}" for i in range(10)] * 2, {"s00", "s05"}),  # 10: two, spread over the sorted names
+        (["b", "a", "b", "a"], {"a"}),  # 2: one each side
+    ],
+)
+def test_dev_split_holds_out_whole_speakers(speakers, dev_speakers) -> None:
+    fit, dev = dev_split(speakers)
+    assert {speakers[i] for i in dev} == dev_speakers
+    assert not {speakers[i] for i in fit} & dev_speakers and sorted(fit + dev) == list(range(len(speakers)))
+    assert dev_split(speakers) == (fit, dev)  # deterministic
+
+
+def test_dev_split_of_one_speaker_takes_every_fifth_utterance() -> None:
+    fit, dev = dev_split(["a"] * 12)
+    assert dev == [0, 5, 10] and fit == [i for i in range(12) if i not in dev]
+
+
+def test_stopping_early_is_the_same_probe_as_the_full_run_at_that_step() -> None:
+    features, texts = synthetic(24, seed=0)
+    options = ProbeOptions(steps=20, batch_size=4, lr=1e-2)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    full = train_probe(features, texts, options, every=5, on_checkpoint=lambda step, p: seen.__setitem__(step, {k: v.clone() for k, v in p.state_dict().items()}))
+    assert sorted(seen) == [5, 10, 15, 20] and not full.training
+    early = train_probe(features, texts, options, stop_at=10)
+    for key, value in early.state_dict().items():
+        torch.testing.assert_close(value, seen[10][key])
+    assert not torch.equal(seen[10]["output.weight"], seen[20]["output.weight"])
 
 
 def test_scores_are_corpus_level_edit_rates() -> None:
