@@ -25,9 +25,9 @@ def test_probe_prints_the_table_and_the_standing(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("SPEECH_ASSETS_DATA_DIR", str(tmp_path))  # found like `speech-assets stats` finds its data dir
     assert main(["probe"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("| model | normalisation | seeds | held-out CER |")
-    assert out[2] == "| pretrained | utterance | 3 | 0.610 ± 0.010 | 0.710 ± 0.010 | 0.310 ± 0.010 | 40 | 4 | layer 1: 0.80 |"
-    assert out[3].startswith("| fbank | global | 3 | 0.720 ± 0.010 |")
+    assert out[0].startswith("| model | normalisation | probe lr | seeds | held-out CER |")
+    assert out[2] == "| pretrained | utterance | n/a | 3 | 0.610 ± 0.010 | 0.710 ± 0.010 | 0.310 ± 0.010 | 40 | 4 | layer 1: 0.80 |"
+    assert out[3].startswith("| fbank | global | n/a | 3 | 0.720 ± 0.010 |")
     assert out[-2] == (
         "pretrained: held-out CER 0.610 ± 0.010 over 3 seeds, 0.85x fbank (0.720 ± 0.010), 0.63x random (0.970 ± 0.010) "
         "on 40 utterances of 4 held-out speakers: beats both"
@@ -43,3 +43,7 @@ def test_probe_without_usable_results_fails(tmp_path: Path, capsys: pytest.Captu
     pq.write_table(old, tmp_path / "old.parquet")
     assert main(["probe", "--results", str(tmp_path / "old.parquet")]) == 1
     assert "rematerialize downstream_probe" in capsys.readouterr().err
+    before_lr = results_table(rows("fbank", [0.7, 0.8])).drop(["lr"])  # before the per-model lr: still reads
+    pq.write_table(before_lr, tmp_path / "before_lr.parquet")
+    assert main(["probe", "--results", str(tmp_path / "before_lr.parquet")]) == 0
+    assert "| fbank | utterance | n/a | 2 |" in capsys.readouterr().out

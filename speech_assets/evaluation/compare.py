@@ -47,6 +47,7 @@ RESULT_COLUMNS = (
     "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
     "seed", "normalisation", "speakers", "lr",
 )  # fmt: skip
+OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # :func:`standing` / :func:`beats` call a comparison "too small to tell" below this many held-out
 # utterances, with fewer than 2 seeds on either side, or when |difference of mean CERs| is not
 # larger than SPREAD_FACTOR * sqrt(std_a^2 + std_b^2) (sample stds over seeds).
@@ -95,7 +96,7 @@ class ProbeResult:
     @classmethod
     def from_row(cls, row: dict[str, object]) -> ProbeResult:
         """A result from a ``results.parquet`` row (``seconds`` is not stored: 0)."""
-        missing = [c for c in RESULT_COLUMNS if c not in row]
+        missing = [c for c in RESULT_COLUMNS if c not in row and c not in OPTIONAL_COLUMNS]
         if missing:
             raise ValueError(f"probe results lack the columns {missing}: rematerialize downstream_probe")
         return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})  # type: ignore[arg-type]

@@ -85,8 +85,9 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     table = pq.read_table(out / "probe" / "results.parquet")
     assert table.column_names == [
         "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
-        "seed", "normalisation", "speakers",
+        "seed", "normalisation", "speakers", "lr",
     ]  # fmt: skip
+    assert all(r["lr"] in (0.002, 0.01) for r in table.to_pylist())  # each model's, chosen from [probe] lrs
     rows = table.to_pylist()
     assert sorted({r["seed"] for r in rows}) == [0, 1, 2]  # every model over the same probe seeds
     heldout = {r["model"]: r for r in rows if r["split"] == "heldout" and r["seed"] == 0}
