@@ -9,6 +9,8 @@ as ``pretrained_checkpoint``'s torchrun workers) on the data dir's shards, k-mea
 held-out split (``clients.parquet``), with :class:`~speech_assets.train.config.TrainConfig`'s
 fields from ``--set``; then the same CTC probe as ``downstream_probe`` scores fbank (cached per probe
 options) and the new encoder on the held-out speakers, one probe per ``--probe-seeds`` seed.
+``--federated`` runs the federation instead (the ServerApp's round loop and the real ClientApp
+in this process; ``--set`` takes FederatedConfig fields, e.g. ``eta=0.01``).
 Every run appends one JSON line to ``<out>/sweep.jsonl`` (knobs, leak-free masked accuracy against
 the majority rate, probe CER/WER per seed, layer weights, wall times) and prints the table of all
 runs so far; a run whose ``final.pt`` exists is probed again, not retrained.
@@ -53,6 +55,31 @@ def train_config(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Any:
         "nproc": 1, "threads": os.cpu_count() or 1, "checkpoint_every": 10**6, "log_every": 100,
     }  # fmt: skip
     return TrainConfig(**{**base, **knobs})
+
+
+def federated_run(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Path:
+    """The federation in this process: the ServerApp's round loop (FedAdam as the ServerApp builds
+    it) with the real ClientApp answering each message in process (no SuperLink, no SuperNodes:
+    the same rounds as ``federated_checkpoint`` without Flower's per-message process start-ups);
+    ``knobs``: FederatedConfig fields. Returns the run's ``final.pt``."""
+    from speech_assets.corpus.clients import heldout_of, read_clients
+    from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.launch import client_weights
+    from speech_assets.federated.server_app import Server
+    from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
+
+    rows = read_clients(data / "clients" / "clients.parquet")
+    clients = sorted({r.client_id for r in rows})
+    config = FederatedConfig(**{
+        "run_dir": str(run_dir), "run_name": run_dir.name, "clients": clients, "client_weights": client_weights(data, clients),
+        "heldout_speakers": heldout_of(rows), "train_speakers": sorted(r.speaker_id for r in rows if not r.heldout),
+        "connect_timeout_s": 5, **knobs,
+    })  # fmt: skip
+    threads = max(1, os.cpu_count() or 1)
+    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, data, run_dir / "clients", threads)
+    with serverapp_identity():
+        Server(grid, config).run()  # type: ignore[arg-type]  (writes <run_dir>/result.json and final.pt)
+    return run_dir / "final.pt"
 
 
 def probe(data: Path, checkpoint: Path | None, steps: int, seeds: tuple[int, ...], lrs: tuple[float, ...], max_train: int, max_eval: int) -> list[Any]:
@@ -104,6 +131,7 @@ def main() -> int:
     parser.add_argument("--max-train", type=int, default=400)
     parser.add_argument("--max-eval", type=int, default=200)
     parser.add_argument("--fbank-only", action="store_true", help="probe fbank only (no training)")
+    parser.add_argument("--federated", action="store_true", help="a federated run (FederatedConfig fields in --set) instead of a centralised one")
     args = parser.parse_args()
 
     import logging
@@ -136,7 +164,11 @@ def main() -> int:
     result_file = run_dir / "result.json"
     if not result_file.is_file():
         started = time.perf_counter()
-        train(train_config(data, run_dir, knobs))
+        if args.federated:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            federated_run(data, run_dir, knobs)
+        else:
+            train(train_config(data, run_dir, knobs))
         record["train_seconds"] = time.perf_counter() - started
     result = json.loads(result_file.read_text())
     for key in ("step", "train_audio_seconds", "heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy", "heldout_masked_accuracy", "heldout_majority_accuracy"):
