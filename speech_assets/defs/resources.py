@@ -251,6 +251,7 @@ class FederatedSettings(dg.Config):
     min_train_nodes: int = FederatedConfig.min_train_nodes  # clients that must reply for a round to count; 0 = all
     preset: str = FederatedConfig.preset
     client_lr: float = FederatedConfig.client_lr  # sent to the clients with every round
+    client_lr_schedule: str = FederatedConfig.client_lr_schedule  # linear (decays to 0 over all rounds) or constant
     batch_seconds: float = FederatedConfig.batch_seconds  # padded audio per local step
     seed: int = FederatedConfig.seed
     max_frames: int = FederatedConfig.max_frames

@@ -33,6 +33,7 @@ from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
 from speech_assets.utils import from_fields
 
 STRATEGIES = ("fedadam", "fedavg")
+CLIENT_LR_SCHEDULES = ("linear", "constant")
 Scalar = int | float | str | bool
 
 
@@ -70,6 +71,9 @@ class FederatedConfig:
     min_train_nodes: int = 0
     preset: str = TrainConfig.preset
     client_lr: float = 2e-3
+    # "linear": the clients' lr decays linearly over all rounds x local_steps, from client_lr to 0,
+    # as the centralised trainer's does over its steps; "constant": client_lr in every round
+    client_lr_schedule: str = "linear"
     batch_seconds: float = 16.0
     # a local round trains as the centralised trainer does: its defaults
     weight_decay: float = TrainConfig.weight_decay
@@ -112,6 +116,8 @@ class FederatedConfig:
         if len(set(self.clients)) != len(self.clients):
             problems.append("clients has duplicates")
         problems += [f"client id {c!r} {why}" for c in self.clients if (why := why_unsafe(c))]
+        if self.client_lr_schedule not in CLIENT_LR_SCHEDULES:
+            problems.append(f"client_lr_schedule must be one of {CLIENT_LR_SCHEDULES}")
         if self.strategy not in STRATEGIES:
             problems.append(f"strategy must be one of {STRATEGIES}")
         if self.precision not in PRECISIONS:
@@ -176,9 +182,15 @@ class FederatedConfig:
         server waits (a run folder may resume with other timeouts; see :func:`settings_changes`)."""
         return {k: v for k, v in self.to_dict().items() if k not in NOT_SETTINGS}
 
-    def local(self) -> LocalConfig:
-        """What every client is told in a round's ConfigRecord."""
-        return from_fields(LocalConfig, self, lr=self.client_lr)
+    def local(self, round_number: int = 1) -> LocalConfig:
+        """What every client is told in round ``round_number``'s ConfigRecord: with the linear
+        schedule, the lr at the round's first and last local step (``client_lr * (1 - (r - 1) / R)``
+        and ``client_lr * (1 - r / R)`` for round r of R)."""
+        start, end = self.client_lr, self.client_lr
+        if self.client_lr_schedule == "linear":
+            start = self.client_lr * (1 - (round_number - 1) / self.rounds)
+            end = self.client_lr * (1 - round_number / self.rounds)
+        return from_fields(LocalConfig, self, lr=start, lr_end=end)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -234,12 +246,14 @@ def _coerce(value: Any, annotation: Any) -> Any:
 @dataclass(frozen=True)
 class LocalConfig:
     """A round's instructions to a client: ``local_steps`` optimizer steps of at most
-    ``batch_seconds`` of padded audio each, AdamW at constant ``lr`` (fresh optimizer state every
-    round), the same masking, loss and precision as the centralised trainer."""
+    ``batch_seconds`` of padded audio each, AdamW (fresh optimizer state every round) whose lr goes
+    linearly from ``lr`` at the first step to ``lr_end`` after the last, the same masking, loss and
+    precision as the centralised trainer."""
 
     run_name: str
     local_steps: int
     lr: float
+    lr_end: float
     preset: str
     batch_seconds: float
     weight_decay: float

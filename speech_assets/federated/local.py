@@ -61,6 +61,13 @@ def derive_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def round_schedule(local: LocalConfig):  # noqa: ANN201  (a step -> lr-multiplier function)
+    """The lr multiplier at local step ``s`` (0-based): linear from 1 (``local.lr``) towards
+    ``local.lr_end / local.lr`` after the last of ``local.local_steps`` steps."""
+    end = local.lr_end / local.lr if local.lr > 0 else 1.0
+    return lambda step: 1.0 + (end - 1.0) * step / local.local_steps
+
+
 def encoder_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The shared encoder's weights: every entry of ``model.state_dict()`` but ``heads.*``
     (conv subsampler, mask embedding ``(D,)``, positional conv, Transformer layers, final norm)."""
@@ -207,7 +214,8 @@ class LocalClient:
         model.train()
         local = self.local
         engine = Engine(
-            model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm
+            model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm,
+            schedule=round_schedule(local),
         )
         objective, stream = self.objective(model, round_number), self._stream(round_number)
         seed_everything(derive_seed(local.seed, "dropout", self.data.client_id, round_number))

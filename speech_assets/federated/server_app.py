@@ -234,7 +234,7 @@ class Server:
         started = time.monotonic()
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         bytes_down = array_bytes(arrays)
-        local = ConfigRecord(config.local().to_record())
+        local = ConfigRecord(config.local(round_number).to_record())
         messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(nodes))  # type: ignore[arg-type]
         good, failures = self.exchange(messages, round_number, "train")
         good, norms = self.accept_train(good, encoder, failures)
@@ -317,7 +317,7 @@ class Server:
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         with sampling_at_most(strategy, len(nodes)):
             messages = strategy.configure_evaluate(
-                round_number, arrays, ConfigRecord(config.local().to_record()), NodeSnapshot(nodes)  # type: ignore[arg-type]
+                round_number, arrays, ConfigRecord(config.local(round_number).to_record()), NodeSnapshot(nodes)  # type: ignore[arg-type]
             )
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
         accepted = []

@@ -94,6 +94,23 @@ def test_round_instructions_round_trip() -> None:
         LocalConfig.from_record({k: v for k, v in record.items() if k != "local-steps"})
 
 
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [("linear", [(4e-3, 3e-3), (3e-3, 2e-3), (2e-3, 1e-3), (1e-3, 0.0)]), ("constant", [(4e-3, 4e-3)] * 4)],
+)
+def test_the_clients_lr_follows_the_schedule_over_rounds(schedule: str, expected: list[tuple[float, float]]) -> None:
+    config = _config(rounds=4, client_lr=4e-3, client_lr_schedule=schedule)
+    got = [(config.local(r).lr, config.local(r).lr_end) for r in range(1, 5)]
+    assert [v for pair in got for v in pair] == pytest.approx([v for pair in expected for v in pair])
+    from speech_assets.federated.local import round_schedule
+
+    factor = round_schedule(config.local(2))  # within a round: linear from lr towards lr_end
+    steps = config.local_steps
+    assert factor(0) == 1.0 and factor(steps) == pytest.approx(config.local(2).lr_end / config.local(2).lr)
+    with pytest.raises(ValueError, match="client_lr_schedule"):
+        _config(client_lr_schedule="cosine")
+
+
 def test_node_config_is_parsed_by_flower_as_written() -> None:
     from flwr.common.config import parse_config_args
 
