@@ -113,7 +113,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     with dg.DagsterInstance.get() as instance:
         event = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0].asset_materialization
         assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
-        assert event.tags["dagster/code_version"] == "federated-v2"
+        assert event.tags["dagster/code_version"] == "federated-v3"
         inputs = event.metadata["input_versions"].value
         manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
