@@ -112,7 +112,7 @@ def equal_local_steps(central_audio_seconds: float, rounds: int, clients: int, b
 
 FULL = Budgets(
     speakers=48, utterances=34, steps=1600, batch_seconds=32.0, nproc=2, rounds=6, fed_batch_seconds=16.0,
-    distill_steps=400, distill_batch_seconds=16.0, probe_steps=1600, probe_seeds=(0, 1, 2),
+    distill_steps=2000, distill_batch_seconds=16.0, probe_steps=1600, probe_seeds=(0, 1, 2),
 )  # fmt: skip
 SMOKE = Budgets(
     speakers=12, utterances=4, steps=16, batch_seconds=32.0, nproc=2, rounds=2, fed_batch_seconds=16.0,

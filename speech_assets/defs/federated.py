@@ -18,7 +18,7 @@ from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
 from speech_assets.utils import from_fields, sha256_strings
 
-CODE_VERSION = "federated-v3"  # v3: the clients' lr decays over the rounds; v2: the loss on unmasked frames too (unmasked_weight 1.0)
+CODE_VERSION = "federated-v3"  # v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
 # Settings that do not change what a run computes: a different value resumes the same run folder.
 OPERATIONAL = ("superlink", "superlink_root_certificates", "insecure", "client_state_root", "round_timeout_s",
                "connect_timeout_s", "device")  # fmt: skip

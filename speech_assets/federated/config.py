@@ -71,9 +71,10 @@ class FederatedConfig:
     min_train_nodes: int = 0
     preset: str = TrainConfig.preset
     client_lr: float = 2e-3
-    # "linear": the clients' lr decays linearly over all rounds x local_steps, from client_lr to 0,
-    # as the centralised trainer's does over its steps; "constant": client_lr in every round
-    client_lr_schedule: str = "linear"
+    # "constant": client_lr in every round; "linear": the clients' lr decays linearly over all
+    # rounds x local_steps, from client_lr to 0, as the centralised trainer's does over its steps
+    # (measured on the learning benchmark: CER 0.570 +- 0.010 against constant's 0.561 +- 0.004)
+    client_lr_schedule: str = "constant"
     batch_seconds: float = 16.0
     # a local round trains as the centralised trainer does: its defaults
     weight_decay: float = TrainConfig.weight_decay
