@@ -179,13 +179,17 @@ def compare_encoders(
         raise ValueError(f"model names must be unique, got {names}")
     texts = {"train": [u.text for u in train], "heldout": [u.text for u in test]}
     speakers = {"train": len({u.speaker_id for u in train}), "heldout": len({u.speaker_id for u in test})}
-    fit, dev = dev_split([u.speaker_id for u in train]) if len(options.lrs) > 1 else ([], [])
+    # several lrs: each model's lr and stopping step are chosen on training speakers only; too few
+    # training utterances to split (fewer than 2): the first lr, all steps
+    fit, dev = dev_split([u.speaker_id for u in train]) if len(options.lrs) > 1 and len(train) > 1 else ([], [])
+    if len(options.lrs) > 1 and not dev:
+        log.warning("probe: %d training utterance(s), too few for a development split: lr %g for every model", len(train), options.lrs[0])
     results: list[ProbeResult] = []
     for model in models:
         started = time.perf_counter()
         features = {"train": probe_features(model, train), "heldout": probe_features(model, test)}
         extraction = time.perf_counter() - started
-        lr, steps = options.lrs[0] if len(options.lrs) == 1 else options.lr, options.steps
+        lr, steps = options.lrs[0] if options.lrs else options.lr, options.steps
         if dev:
             lr, steps = choose_probe(features["train"], texts["train"], fit, dev, options, model.name)
         chosen = replace(options, lr=lr)

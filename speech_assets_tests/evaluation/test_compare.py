@@ -128,6 +128,9 @@ def test_the_probe_lr_and_stopping_step_are_chosen_on_training_speakers_only() -
     # a single lr is used as given, with all steps
     (fixed,) = {(r.lr, r.steps) for r in compare_encoders(train, test, [model], ProbeOptions(steps=5, lrs=(3e-3,), seeds=(0,)))}
     assert fixed == (3e-3, 5)
+    # one training utterance cannot be split: the first lr, all steps
+    (alone,) = {(r.lr, r.steps) for r in compare_encoders(train[:1], test, [model], ProbeOptions(steps=4, lrs=(1e-3, 1e-2), seeds=(0,)))}
+    assert alone == (1e-3, 4)
 
 
 def test_each_model_reads_the_log_mel_through_its_own_normalisation() -> None:
