@@ -53,7 +53,7 @@ SPEAKER_SPLIT_SQL = (
 
 PROBE_COLUMNS = (
     "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
-    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT"
+    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT, lr DOUBLE"
 )
 
 
@@ -132,7 +132,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
     if inputs.probe_results is not None and inputs.probe_results.exists():
         con.execute(
-            # by name, older files (without seed, normalisation, speakers) give NULLs there
+            # by name, older files (without seed, normalisation, speakers, lr) give NULLs there
             f"INSERT INTO probe_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
             "ORDER BY model, split"
         )

@@ -59,6 +59,16 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     split = dict(con.execute("SELECT split, speakers FROM hours_per_split").fetchall())
     assert split == {"heldout": 1, "train": 3, "unassigned": 1}
     con.close()
+
+    # today's results file (every column, the probe's chosen lr included) loads whole
+    from speech_assets.evaluation.compare import ProbeResult, results_table
+
+    current = [ProbeResult("pretrained", "ab" * 32, "linear", [0.5, 0.5], "heldout", 0.6, 0.9, 3, 400, 0, "utterance", 1, 0.01)]
+    pq.write_table(results_table(current), tmp_path / "results.parquet")
+    assert build_database(db, inputs)["probe_results"] == 1
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT model, seed, lr FROM probe_results").fetchall() == [("pretrained", 0, 0.01)]
+    con.close()
     # no probe yet: the table exists with its columns, empty
     inputs.probe_results = tmp_path / "missing.parquet"
     assert build_database(db, inputs)["probe_results"] == 0
