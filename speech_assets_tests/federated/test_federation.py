@@ -65,7 +65,8 @@ def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: 
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
     args = []
     for key, value in values.items():
-        if key not in ("run-dir", "run-name", "data-versions", "client-weights"):  # the CLI reads the weights itself
+        # the CLI reads the weights and the held-out split from the clients table itself
+        if key not in ("run-dir", "run-name", "data-versions", "client-weights", "heldout-speakers", "train-speakers"):
             args += [f"--{key}", str(value)]
     command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir), *args]
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (closed with the process)
