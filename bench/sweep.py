@@ -40,14 +40,11 @@ def parse_value(text: str) -> Any:
 
 
 def train_config(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Any:
-    import pyarrow.parquet as pq
-
     from speech_assets.corpus.clients import heldout_of, read_clients
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})
-    del pq
     base = {
         "run_dir": str(run_dir), "shards": [str(data / "features" / "shards" / f"{r.speaker_id}.parquet") for r in sorted(rows, key=lambda r: r.speaker_id)],
         "cmvn": str(data / "cmvn" / "cmvn.npz"), "heldout_speakers": heldout_of(rows),
@@ -82,30 +79,36 @@ def federated_run(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Path:
     return run_dir / "final.pt"
 
 
-def probe(data: Path, checkpoint: Path | None, steps: int, seeds: tuple[int, ...], lrs: tuple[float, ...], max_train: int, max_eval: int) -> list[Any]:
-    """Probe rows (held-out and train split) of fbank (``checkpoint`` None) or the encoder at ``checkpoint``."""
+def probe_utterances(data: Path, max_train: int, max_eval: int) -> tuple[list[Any], list[Any]]:
+    """(training speakers', held-out speakers') utterances of the data dir, as ``downstream_probe`` reads them."""
     import pyarrow.parquet as pq
 
     from speech_assets.corpus.clients import read_clients
-    from speech_assets.evaluation.compare import FBANK, ProbeModel, compare_encoders, split_utterances
+    from speech_assets.evaluation.compare import split_utterances
     from speech_assets.evaluation.encoders import load_utterances
-    from speech_assets.evaluation.probe import ProbeOptions
-    from speech_assets.features.cmvn import UtteranceCmvn, from_record
-    from speech_assets.model.encoders import load_encoder
 
     rows = read_clients(data / "clients" / "clients.parquet")
     held = {r.speaker_id for r in rows if r.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()
     shards = [data / "features" / "shards" / f"{r.speaker_id}.parquet" for r in sorted(rows, key=lambda r: r.speaker_id)]
     utterances = load_utterances(shards, dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
-    train, test = split_utterances(utterances, held, max_train, max_eval)
+    return split_utterances(utterances, held, max_train, max_eval)
+
+
+def probe(split: tuple[list[Any], list[Any]], checkpoint: Path | None, steps: int, seeds: tuple[int, ...], lrs: tuple[float, ...]) -> list[Any]:
+    """Probe rows (held-out and train split) of fbank (``checkpoint`` None) or the encoder at ``checkpoint``."""
+    from speech_assets.evaluation.compare import FBANK, ProbeModel, compare_encoders
+    from speech_assets.evaluation.probe import ProbeOptions
+    from speech_assets.features.cmvn import UtteranceCmvn, from_record
+    from speech_assets.model.encoders import load_encoder
+
     if checkpoint is None:
         model = ProbeModel(FBANK, "", "utterance", lambda x: UtteranceCmvn().apply(x, "logmel"))
     else:
         encoder = load_encoder(checkpoint)
         normaliser = from_record(encoder.checkpoint.get("normalisation")) or UtteranceCmvn()
         model = ProbeModel("pretrained", encoder.sha256, "recorded", lambda x: normaliser.apply(x, "logmel"), encoder.model)
-    return compare_encoders(train, test, [model], ProbeOptions(steps=steps, lrs=lrs, seeds=seeds))
+    return compare_encoders(*split, [model], ProbeOptions(steps=steps, lrs=lrs, seeds=seeds))
 
 
 def summary(results: list[Any]) -> dict[str, Any]:
@@ -145,10 +148,11 @@ def main() -> int:
     seeds = tuple(int(s) for s in args.probe_seeds.split(","))
     lrs = tuple(float(x) for x in args.probe_lrs.split(","))
     probe_key = f"steps{args.probe_steps}-lr{'_'.join(map(str, lrs))}-seeds{'_'.join(map(str, seeds))}-t{args.max_train}-e{args.max_eval}"
+    split = probe_utterances(data, args.max_train, args.max_eval)
     fbank_cache = args.out / f"fbank-{probe_key}.json"
     if not fbank_cache.is_file():
         started = time.perf_counter()
-        fbank = summary(probe(data, None, args.probe_steps, seeds, lrs, args.max_train, args.max_eval))
+        fbank = summary(probe(split, None, args.probe_steps, seeds, lrs))
         fbank["seconds"] = time.perf_counter() - started
         fbank_cache.write_text(json.dumps(fbank))
     fbank = json.loads(fbank_cache.read_text())
@@ -175,7 +179,7 @@ def main() -> int:
         record[key] = result.get(key)
     record["leak_free_x_majority"] = result["heldout_leak_free_masked_accuracy"] / result["heldout_leak_free_majority_accuracy"]
     started = time.perf_counter()
-    record["pretrained"] = summary(probe(data, run_dir / "final.pt", args.probe_steps, seeds, lrs, args.max_train, args.max_eval))
+    record["pretrained"] = summary(probe(split, run_dir / "final.pt", args.probe_steps, seeds, lrs))
     record["probe_seconds"] = time.perf_counter() - started
     record["fbank_cer_mean"] = fbank["cer_mean"]
     record["x_fbank"] = record["pretrained"]["cer_mean"] / fbank["cer_mean"]

@@ -281,7 +281,9 @@ class ProbeSettings(dg.Config):
     steps: int = 400  # AdamW steps per model
     batch_size: int = 8
     lr: float = 2e-3
-    lrs: list[float] = []  # several: each model's lr is the one with the lowest CER on a development split of the training speakers
+    # each model's lr (and stopping step) is the one with the lowest CER on a development split of
+    # the training speakers; [] = lr for every model
+    lrs: list[float] = [0.002, 0.01]
     hidden: int = 128
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
     seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread

@@ -29,7 +29,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +61,7 @@ def derive_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def round_schedule(local: LocalConfig):  # noqa: ANN201  (a step -> lr-multiplier function)
+def round_schedule(local: LocalConfig) -> Callable[[int], float]:
     """The lr multiplier at local step ``s`` (0-based): linear from 1 (``local.lr``) towards
     ``local.lr_end / local.lr`` after the last of ``local.local_steps`` steps."""
     end = local.lr_end / local.lr if local.lr > 0 else 1.0
