@@ -8,6 +8,19 @@ encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg 
 ``train-loss``, ``masked-accuracy``, ``seconds``, ``audio-seconds``, ``steps``) and the client id;
 an evaluate reply only the metrics (``num-examples`` = masked held-out frames; ``leak-free-frames``
 and the accuracies on them, 0.0 when there are none) and the client id.
+A ``query`` message asks which client this node is (the server needs it to sample clients by
+id where no node registrations tell it: the simulation runtime, a remote SuperLink), with secure
+aggregation also for this client's public key, or for the masks to reveal for dropped peers.
+
+With differential privacy the round's config carries the clipping norm and Flower's
+``fixedclipping_mod`` clips the update of the train reply; with secure aggregation the update is
+then masked (:mod:`speech_assets.federated.secure_rounds`) and only the masked values leave.
+
+The client's data index and datasets stay loaded between messages in a process that lives across
+rounds (the simulation runtime's workers; the deployment engine starts a process per message):
+:func:`local_client` keeps the last :data:`CACHED_CLIENTS` of them; a model exists only while a
+message is handled.
+
 The head, the codebook, the CMVN statistics and the data stay here: every reply is checked
 before it leaves (:func:`~speech_assets.federated.messages.check_outgoing`), and the run name the
 server sends must be a safe id before it names this client's state folder (under the state root
@@ -16,39 +29,60 @@ its SuperNode owns).
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig
 from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing
 
 if TYPE_CHECKING:
-    from speech_assets.federated.local import EvalResult, TrainResult
+    from speech_assets.federated.local import EvalResult, LocalClient, TrainResult
 
 log = logging.getLogger("speech_assets.federated")
 
-app = ClientApp()
+# clients whose index and datasets a long-lived worker keeps (each a few MB: the index and a
+# bounded cache of row groups; no model)
+CACHED_CLIENTS = 16
+# what changes from round to round and does not touch the data index
+ROUND_KEYS = ("lr", "lr-end", "proximal-mu", "local-steps")
+_CLIENTS: OrderedDict[str, LocalClient] = OrderedDict()
 
 
-def _client(message: Message, context: Context) -> tuple[object, int, NodeConfig]:
-    from speech_assets.federated.local import LocalClient
-
+def _setup_logging() -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s client %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    node = NodeConfig.from_node_config(context.node_config)
-    config = message.content["config"]
-    local = LocalConfig.from_record(config)
-    client = LocalClient(ClientData.resolve(node.data_dir, node.client_id), local, node)
-    return client, int(config["server-round"]), node
+
+
+def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
+    """This node's :class:`~speech_assets.federated.local.LocalClient` for ``local``: the one
+    built for an earlier message of the same run and data settings, or a new one."""
+    from speech_assets.federated.local import LocalClient
+
+    record = {k: v for k, v in local.to_record().items() if k not in ROUND_KEYS}
+    key = json.dumps([asdict(node), record], sort_keys=True)
+    client = _CLIENTS.pop(key, None)
+    if client is None:
+        client = LocalClient(ClientData.resolve(node.data_dir, node.client_id), local, node)
+    client.local = local
+    _CLIENTS[key] = client
+    while len(_CLIENTS) > CACHED_CLIENTS:
+        _CLIENTS.popitem(last=False)
+    return client
 
 
 TRAIN_METRICS = {"num-examples": "num_examples", "train-loss": "train_loss", "masked-accuracy": "masked_accuracy",
@@ -80,19 +114,68 @@ def evaluate_reply(received: ArrayRecord, result: EvalResult, client_id: str) ->
     return reply("evaluate", received, result, client_id)
 
 
-def _answer(message: Message, context: Context, kind: str) -> Message:
-    client, round_number, node = _client(message, context)
+def _answer(message: Message, node: NodeConfig, kind: str) -> Message:
+    _setup_logging()
+    config = message.content["config"]
+    client = local_client(node, LocalConfig.from_record(config))
     received = message.content["arrays"]
-    run = client.train_round if kind == "train" else client.evaluate  # type: ignore[attr-defined]
-    result = run(round_number, received.to_torch_state_dict())  # type: ignore[attr-defined]
+    run = client.train_round if kind == "train" else client.evaluate
+    result = run(int(config["server-round"]), received.to_torch_state_dict())
     return Message(reply(kind, received, result, node.client_id), reply_to=message)
 
 
-@app.train()
-def train(message: Message, context: Context) -> Message:
-    return _answer(message, context, "train")
+def answer_train(message: Message, context: Context, node: NodeConfig) -> Message:
+    """A local round; its update clipped (DP) and masked (secure aggregation) when the round's
+    config asks for it."""
+    config = message.content["config"]
+
+    def inner(msg: Message, _ctx: Context) -> Message:
+        return _answer(msg, node, "train")
+
+    out = fixedclipping_mod(message, context, inner) if KEY_CLIPPING_NORM in config else inner(message, context)
+    if not out.has_error() and secure_round(config):
+        from speech_assets.federated.secure_rounds import mask_reply
+
+        out = mask_reply(out, message, node)
+    return out
 
 
-@app.evaluate()
-def evaluate(message: Message, context: Context) -> Message:
-    return _answer(message, context, "evaluate")
+def secure_round(config: ConfigRecord) -> bool:
+    from speech_assets.federated.secure_rounds import SECAGG_NONCE
+
+    return SECAGG_NONCE in config
+
+
+def answer_query(message: Message, node: NodeConfig) -> Message:
+    """Who this node is (and, with secure aggregation, its public key or the masks it reveals)."""
+    config = message.content["config"]
+    content = RecordDict({CLIENT_RECORD: ConfigRecord({CLIENT_ID: node.client_id})})
+    if config.get("secure-aggregation"):
+        from speech_assets.federated.secure_rounds import answer_secure_query
+
+        answer_secure_query(config, node, content)
+    return Message(content, reply_to=message)
+
+
+def build_client_app(nodes: Sequence[NodeConfig] | None = None) -> ClientApp:
+    """The ClientApp. A SuperNode of the deployment engine says who it is in its
+    ``--node-config``; in the simulation runtime node ``partition-id`` is ``nodes[partition-id]``."""
+    client_app = ClientApp()
+
+    def node_of(context: Context) -> NodeConfig:
+        if nodes is not None:
+            return nodes[int(context.node_config["partition-id"])]
+        return NodeConfig.from_node_config(context.node_config)
+
+    handlers: dict[str, Callable[[Message, Context], Message]] = {
+        "train": lambda message, context: answer_train(message, context, node_of(context)),
+        "evaluate": lambda message, context: _answer(message, node_of(context), "evaluate"),
+        "query": lambda message, context: answer_query(message, node_of(context)),
+    }
+    client_app.train()(handlers["train"])
+    client_app.evaluate()(handlers["evaluate"])
+    client_app.query()(handlers["query"])
+    return client_app
+
+
+app = build_client_app()

@@ -20,6 +20,7 @@ the project's safe-id rule (:mod:`speech_assets.corpus.ids`); so do client ids.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,9 +33,15 @@ from speech_assets.corpus.ids import check_safe_id, why_unsafe
 from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
 from speech_assets.utils import from_fields
 
-STRATEGIES = ("fedadam", "fedavg")
+STRATEGIES = ("fedadam", "fedavg", "fedprox")
 CLIENT_LR_SCHEDULES = ("linear", "constant")
 Scalar = int | float | str | bool
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed from ``seed`` and ``parts`` (sha256; independent of PYTHONHASHSEED)."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _key(name: str) -> str:
@@ -69,6 +76,25 @@ class FederatedConfig:
     beta_2: float = 0.99
     tau: float = 1e-3
     min_train_nodes: int = 0
+    # each round trains a seeded sample of max(1, int(fraction_train * clients), min_train_nodes)
+    # clients (a pure function of seed and round: a resumed run samples the same clients)
+    fraction_train: float = 1.0
+    # the global encoder is scored on every client's held-out utterances after every
+    # evaluate_every-th round and after the last (an evaluation is a message of its own)
+    evaluate_every: int = 1
+    # FedProx's proximal term on the client (strategy "fedprox"): mu / 2 * ||w - w_global||^2
+    proximal_mu: float = 0.01
+    # differential privacy (off at 0): clients clip their update to dp_clipping_norm (Flower's
+    # fixedclipping_mod), the server adds Gaussian noise of dp_noise_multiplier * clip / n to the
+    # uniform mean (Flower's DifferentialPrivacyClientSideFixedClipping) before the strategy's
+    # step; (epsilon, dp_delta) from Flower's RdpAccountant
+    dp_noise_multiplier: float = 0.0
+    dp_clipping_norm: float = 1.0
+    dp_delta: float = 1e-5
+    # pairwise-masked secure aggregation: the server sees only the sum of the sampled updates;
+    # secagg_clipping_range bounds each value of an update (0 = 2 * client_lr * local_steps)
+    secure_aggregation: bool = False
+    secagg_clipping_range: float = 0.0
     preset: str = TrainConfig.preset
     client_lr: float = 2e-3
     # "constant": client_lr in every round; "linear": the clients' lr decays linearly over all
@@ -105,7 +131,27 @@ class FederatedConfig:
     @property
     def required_clients(self) -> int:
         """How many clients must reply for a round to count."""
-        return self.min_train_nodes or len(self.clients)
+        return self.min_train_nodes or self.sample_size
+
+    @property
+    def sample_size(self) -> int:
+        """How many clients a round samples (Flower's rule: a fraction, at least ``min_train_nodes``)."""
+        return min(len(self.clients), max(1, int(self.fraction_train * len(self.clients)), self.min_train_nodes))
+
+    @property
+    def differential_privacy(self) -> bool:
+        return self.dp_noise_multiplier > 0
+
+    @property
+    def uniform_weights(self) -> bool:
+        """DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets."""
+        return self.differential_privacy or self.secure_aggregation
+
+    def secagg_range(self) -> float:
+        return self.secagg_clipping_range or 2.0 * self.client_lr * self.local_steps
+
+    def evaluates(self, round_number: int) -> bool:
+        return round_number % self.evaluate_every == 0 or round_number == self.rounds
 
     def validate(self) -> None:
         from speech_assets.model.presets import get_preset
@@ -125,7 +171,18 @@ class FederatedConfig:
             problems.append(f"precision must be one of {PRECISIONS}")
         if not 0 <= self.min_train_nodes <= len(self.clients):
             problems.append(f"min_train_nodes must be in [0, {len(self.clients)}] (0 = all clients)")
-        for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames"):
+        if not 0 < self.fraction_train <= 1:
+            problems.append("fraction_train must be in (0, 1]")
+        for name in ("proximal_mu", "dp_noise_multiplier", "secagg_clipping_range"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                problems.append(f"{name} must be >= 0")
+        if self.differential_privacy and not (self.dp_clipping_norm > 0 and math.isfinite(self.dp_clipping_norm)):
+            problems.append("dp_clipping_norm must be > 0")
+        if not 0 < self.dp_delta < 1:
+            problems.append("dp_delta must be in (0, 1)")
+        if self.secure_aggregation and self.sample_size < 2:
+            problems.append("secure_aggregation needs at least 2 clients per round (a sum of one is the update)")
+        for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         for name in ("eta", "client_lr", "batch_seconds", "tau", "round_timeout_s", "connect_timeout_s"):
@@ -191,7 +248,8 @@ class FederatedConfig:
         if self.client_lr_schedule == "linear":
             start = self.client_lr * (1 - (round_number - 1) / self.rounds)
             end = self.client_lr * (1 - round_number / self.rounds)
-        return from_fields(LocalConfig, self, lr=start, lr_end=end)
+        mu = self.proximal_mu if self.strategy == "fedprox" else 0.0
+        return from_fields(LocalConfig, self, lr=start, lr_end=end, proximal_mu=mu)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,7 +298,7 @@ def _coerce(value: Any, annotation: Any) -> Any:
     if text == "float":
         return float(value)
     if text == "bool":
-        return bool(value)
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
     return str(value)
 
 
@@ -266,6 +324,7 @@ class LocalConfig:
     mask_length: int
     unmasked_weight: float
     precision: str
+    proximal_mu: float = 0.0  # FedProx's mu ("proximal-mu", the key Flower's FedProx sends too)
 
     def to_record(self) -> dict[str, Scalar]:
         return {_key(k): ",".join(v) if isinstance(v, list) else v for k, v in asdict(self).items()}
@@ -276,6 +335,8 @@ class LocalConfig:
         folder there, so it must be a safe id (``..`` or ``a/b`` are refused)."""
         values = {}
         for item in fields(cls):
+            if _key(item.name) not in record and item.name == "proximal_mu":
+                continue
             if _key(item.name) not in record:
                 raise ValueError(f"the round's config lacks {_key(item.name)!r}")
             values[item.name] = _coerce(record[_key(item.name)], item.type)

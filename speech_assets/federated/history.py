@@ -157,6 +157,12 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
+                # the share of the round not spent in the slowest client's local training
+                "overhead": 1.0 - record.get("slowest_client_seconds", 0.0) / record["round_seconds"]
+                if record["round_seconds"] > 0 else 0.0,
+                "sampled": len(record.get("sampled", rows)),
+                "dropped": sorted(set(record.get("sampled", [])) - {r["client_id"] for r in rows}),
+                "epsilon": (record.get("privacy") or {}).get("epsilon"),
             }
         )
     return lines

@@ -25,7 +25,6 @@ process per client trains on ``cuda`` or the CPU.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import time
@@ -37,7 +36,7 @@ import torch
 
 from speech_assets.features.cmvn import UtteranceCmvn
 from speech_assets.federated.client_data import ClientData
-from speech_assets.federated.config import LocalConfig, NodeConfig
+from speech_assets.federated.config import LocalConfig, NodeConfig, derive_seed
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.runtime.faults import inject
@@ -45,7 +44,7 @@ from speech_assets.train.autoconfig import resolve_precision
 from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint
 from speech_assets.train.data import DurationBucketSampler, UtteranceDataset, build_index, heldout_split
 from speech_assets.train.engine import BatchStream, Distributed, Engine, resolve_device, seed_everything
-from speech_assets.train.objectives import MaskedPrediction, majority_labels
+from speech_assets.train.objectives import MaskedPrediction, Proximal, majority_labels
 
 log = logging.getLogger("speech_assets.federated")
 
@@ -53,12 +52,6 @@ HEAD_PREFIX = "heads."
 HEAD_FORMAT = 1
 KEEP_HEADS = 3
 _HEAD_FILE = re.compile(r"^round_(\d{5})\.pt$")
-
-
-def derive_seed(seed: int, *parts: object) -> int:
-    """A 63-bit seed from ``seed`` and ``parts`` (sha256; independent of PYTHONHASHSEED)."""
-    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def round_schedule(local: LocalConfig) -> Callable[[int], float]:
@@ -218,6 +211,9 @@ class LocalClient:
             schedule=round_schedule(local),
         )
         objective, stream = self.objective(model, round_number), self._stream(round_number)
+        if local.proximal_mu > 0:
+            reference = {name: torch.as_tensor(value) for name, value in encoder.items()}
+            objective = Proximal(objective, model, reference, local.proximal_mu)  # type: ignore[assignment]
         seed_everything(derive_seed(local.seed, "dropout", self.data.client_id, round_number))
         totals, audio = torch.zeros(6, dtype=torch.float64, device=self.job.device), 0.0
         for _ in range(local.local_steps):

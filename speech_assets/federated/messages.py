@@ -118,6 +118,16 @@ def check_outgoing(content: RecordDict, phase: str, encoder: ArraySpec, client_i
     return content
 
 
+def check_masked(out: Message, client_id: str) -> Message:
+    """The client's check of a securely aggregated train reply before it leaves: the encoder's
+    arrays only as ``uint32`` masked values, the metrics and the client id."""
+    spec = array_spec(out.content[ARRAYS]) if ARRAYS in out.content.array_records else {}
+    if any(dtype != "uint32" for dtype, _ in spec.values()):
+        raise OutgoingRefused(f"client {client_id} refuses to send an unmasked update in a secure round")
+    check_outgoing(out.content, "train", spec, client_id)
+    return out
+
+
 def update_problem(
     update: Mapping[str, np.ndarray], current: Mapping[str, np.ndarray], bound: float
 ) -> tuple[float | None, str | None]:

@@ -32,15 +32,17 @@ import logging
 import sys
 import time
 from collections.abc import Collection, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fixedclipping_mod reads
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAdam, FedAvg
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from speech_assets.federated import rounds as records
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, update_norm_bound
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, derive_seed, update_norm_bound
 from speech_assets.federated.history import check_settings
 from speech_assets.federated.messages import (
     ARRAYS,
@@ -54,6 +56,10 @@ from speech_assets.federated.messages import (
 )
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.utils import atomic_write_text
+
+if TYPE_CHECKING:
+    from speech_assets.federated.privacy import Privacy
+    from speech_assets.federated.secure_rounds import SecureRounds
 
 log = logging.getLogger("speech_assets.federated.server")
 
@@ -88,7 +94,21 @@ def make_strategy(config: FederatedConfig) -> FedAvg:
         return FedAdam(
             **common, eta=config.eta, eta_l=config.client_lr, beta_1=config.beta_1, beta_2=config.beta_2, tau=config.tau
         )
+    if config.strategy == "fedprox":
+        return FedProx(**common, proximal_mu=config.proximal_mu)
     return FedAvg(**common)
+
+
+def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
+    """The clients round ``round_number`` trains: ``config.sample_size`` of them drawn without
+    replacement by a generator seeded with (seed, round), so a resumed run draws the same ones
+    (Flower's own sampling uses an unseeded ``random.sample``)."""
+    if config.sample_size >= len(config.clients):
+        return list(config.clients)
+    seed = derive_seed(config.seed, "sample", round_number)
+    chosen = np.random.default_rng(seed).choice(len(config.clients), size=config.sample_size, replace=False)
+    return sorted(config.clients[int(i)] for i in chosen)
+
 
 
 def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
@@ -101,6 +121,14 @@ def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
 def restore_strategy(strategy: FedAvg, state: dict[str, records.NDArrays]) -> None:
     if isinstance(strategy, FedAdam) and state:
         strategy.m_t, strategy.v_t = dict(state["m_t"]), dict(state["v_t"])
+
+
+def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
+    """A train reply holding ``model`` with weight 1: how an aggregate computed outside the
+    strategy (an unmasked sum, a noisy mean) reaches its ``aggregate_train`` for the server step."""
+    arrays = model if isinstance(model, ArrayRecord) else ArrayRecord({k: Array(v) for k, v in model.items()})
+    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord({SERVER_WEIGHT: 1.0})})
+    return Message(content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
 def array_bytes(record: ArrayRecord) -> int:
@@ -164,6 +192,8 @@ class Server:
         self.expected: ArraySpec = {}
         self.encoder_values = 0
         self.rounds_run = 0
+        self.privacy: Privacy | None = None
+        self.secure: SecureRounds | None = None
 
     def expect(self, encoder: records.NDArrays) -> None:
         """The spec every train reply's arrays must match (the global encoder's)."""
@@ -178,20 +208,31 @@ class Server:
         check_settings(paths, config)  # the launcher checked already; a hand-made `flwr run` did not
         strategy = make_strategy(config)
         state = records.load_latest(paths, config)
+        accountant = None
         if state is None:
             from speech_assets.federated.local import initial_encoder
 
             encoder = records.to_numpy(initial_encoder(config.preset, config.seed))
             start, history = 0, []
-            log.info("new run %s: %d rounds of %d local steps, %s, clients %s",
-                     config.run_name, config.rounds, config.local_steps, config.strategy, ",".join(config.clients))  # fmt: skip
+            log.info("new run %s: %d rounds of %d local steps, %s, %d of %d clients a round",
+                     config.run_name, config.rounds, config.local_steps, config.strategy, config.sample_size,
+                     len(config.clients))  # fmt: skip
         else:
             encoder, start, history = state.encoder, state.round, state.records
             if start > config.rounds:
                 self.fail(start, f"{paths.root} already holds {start} completed rounds, more than the {config.rounds} "
                           f"asked for: ask for at least {start} rounds, or use another run folder", [], [])  # fmt: skip
             restore_strategy(strategy, state.strategy)
+            accountant = (history[-1].get("privacy") or {}).get("accountant")
             log.info("resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12])
+        if config.differential_privacy:
+            from speech_assets.federated.privacy import Privacy
+
+            self.privacy = Privacy(config, accountant)
+        if config.secure_aggregation:
+            from speech_assets.federated.secure_rounds import SecureRounds
+
+            self.secure = SecureRounds(config)
         self.expect(encoder)
         for round_number in range(start + 1, config.rounds + 1):
             encoder, history = self.round(strategy, round_number, encoder)
@@ -226,25 +267,63 @@ class Server:
                       f"{config.connect_timeout_s:.0f} s; a round needs {config.required_clients}", missing, [])  # fmt: skip
         return nodes
 
+    def identify(self, nodes: list[int], round_number: int) -> list[dict[str, Any]]:
+        """Ask the connected nodes the server cannot name yet (no node registrations: the
+        simulation runtime or a remote SuperLink) which client they are, with a ``query``
+        message, and with secure aggregation their public key; binds them (:class:`NodeBinding`).
+        Returns the failures."""
+        secure = self.secure
+        wanted = [n for n in nodes if (c := self.binding.client_of(n)) is None or (secure and not secure.has_key(c))]
+        if not wanted:
+            return []
+        content = {"config": ConfigRecord({"run-name": self.config.run_name,
+                                           "secure-aggregation": self.config.secure_aggregation})}  # fmt: skip
+        messages = [Message(RecordDict(dict(content)), dst_node_id=n, message_type=MessageType.QUERY) for n in wanted]
+        good, failures = self.exchange(messages, round_number, "identify")
+        for reply in good:
+            if secure is not None:
+                problem = secure.learn_key(self.client_of(reply), reply.content)
+                if problem:
+                    failures.append(self.failure(reply, "identify", problem))
+        return failures
+
+    def weight(self, client: str) -> float:
+        """A client's aggregation weight: the server's (clients table), or 1 when DP or secure
+        aggregation need a uniform mean."""
+        return 1.0 if self.config.uniform_weights else self.config.weight_of(client)
+
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
     ) -> tuple[records.NDArrays, list[dict[str, Any]]]:
         config = self.config
         nodes = self.wait_for_clients(round_number)
         started = time.monotonic()
+        failures = self.identify(nodes, round_number)
+        sampled = sample_clients(config, round_number)
+        chosen = sorted(n for c in sampled if (n := self.binding.node_of(c)) is not None and n in nodes)
+        if self.secure is not None:  # a client whose key did not arrive cannot be masked against
+            chosen = [n for n in chosen if self.secure.has_key(str(self.binding.client_of(n)))]
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         bytes_down = array_bytes(arrays)
         local = ConfigRecord(config.local(round_number).to_record())
-        messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(nodes))  # type: ignore[arg-type]
-        good, failures = self.exchange(messages, round_number, "train")
-        good, norms = self.accept_train(good, encoder, failures)
+        if self.privacy is not None:
+            local[KEY_CLIPPING_NORM] = config.dp_clipping_norm
+        if self.secure is not None:
+            self.secure.configure(local, round_number, [self.binding.client_of(n) for n in chosen])
+        messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
+        good, train_failures = self.exchange(messages, round_number, "train")
+        failures += train_failures
+        if self.secure is not None:
+            good, norms = self.secure.accept(good, self, failures), {}
+        else:
+            good, norms = self.accept_train(good, encoder, failures)
         replied = [self.client_of(reply) for reply in good]
-        missing = sorted(set(config.clients) - set(replied))
+        missing = sorted(set(sampled) - set(replied))
         if len(good) < config.required_clients:
             self.fail(
                 round_number,
-                f"round {round_number}: {len(good)} of {len(config.clients)} clients replied "
-                f"(missing: {', '.join(missing) or 'none'}), fewer than min_train_nodes={config.required_clients}",
+                f"round {round_number}: {len(good)} of {len(sampled)} sampled clients replied "
+                f"(missing: {', '.join(missing) or 'none'}), fewer than the {config.required_clients} a round needs",
                 missing,
                 failures,
             )
@@ -253,48 +332,85 @@ class Server:
             | {
                 "bytes_up": array_bytes(reply.content[ARRAYS]),
                 "bytes_down": bytes_down,
-                "weight": config.weight_of(self.client_of(reply)),
-                "update_norm": norms[self.client_of(reply)],
+                "weight": self.weight(self.client_of(reply)),
+                "update_norm": norms.get(self.client_of(reply)),
             }
             for reply in good
         ]
         self.weigh(good)
-        aggregated, train_metrics = strategy.aggregate_train(round_number, good)
-        if aggregated is None:
-            self.fail(round_number, f"round {round_number}: the strategy returned no aggregate", missing, failures)
-        new_encoder = {name: np.asarray(aggregated[name].numpy(), dtype=np.float32) for name in encoder}
+        train_metrics = aggregate_metricrecords([reply.content for reply in good], SERVER_WEIGHT)
+        new_encoder = self.aggregate(strategy, round_number, arrays, encoder, good, failures)
         train_seconds = time.monotonic() - started
-        evaluation, eval_metrics = self.evaluate(strategy, round_number, new_encoder, replied, failures)
+        evaluation, eval_metrics, evaluated = [], {}, config.evaluates(round_number)
+        if evaluated:
+            evaluation, eval_metrics = self.evaluate(strategy, round_number, new_encoder, replied, failures)
         record = {
             "rows": rows,
+            "sampled": sampled,
             "evaluation": evaluation,
+            "evaluated": evaluated,
             "missing": missing,
-            "evaluation_missing": sorted(set(config.clients) - {e["client_id"] for e in evaluation}),
+            "evaluation_missing": sorted(set(config.clients) - {e["client_id"] for e in evaluation}) if evaluated else [],
             "failures": failures,
             "round_seconds": time.monotonic() - started,
             "train_seconds": train_seconds,
+            "slowest_client_seconds": max((row["seconds"] for row in rows), default=0.0),
             "aggregated_train": dict(train_metrics or {}),
             "aggregated_evaluation": eval_metrics,
             "update_norm_bound": update_norm_bound(config, self.encoder_values),
+            "privacy": self.privacy_record(),
+            "secure_aggregation": self.secure.record(round_number) if self.secure is not None else None,
         }
         history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
         self.rounds_run += 1
         line = records.summarize_rounds(history[-1:])[0]
         log.info(
-            "round %d/%d: %d clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), "
-            "leak-free %s (majority class %s), %.1f s",
-            round_number, config.rounds, len(rows), f" (missing {', '.join(missing)})" if missing else "",
+            "round %d/%d: %d of %d sampled clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), "
+            "leak-free %s (majority class %s), %.1f s (slowest client trained %.1f s)%s",
+            round_number, config.rounds, len(rows), len(sampled), f" (missing {', '.join(missing)})" if missing else "",
             line["train_loss"], _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
             _fmt(line["heldout_leak_free_masked_accuracy"]), _fmt(line["heldout_leak_free_majority_accuracy"]),
-            line["round_seconds"],
+            line["round_seconds"], record["slowest_client_seconds"],
+            f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",
         )  # fmt: skip
         return new_encoder, history
+
+    def privacy_record(self) -> dict[str, Any] | None:
+        if self.privacy is None:
+            return None
+        return self.privacy.spent() | {"delta_target": self.config.dp_delta, "accountant": self.privacy.state()}
+
+    def aggregate(
+        self,
+        strategy: FedAvg,
+        round_number: int,
+        arrays: ArrayRecord,
+        encoder: records.NDArrays,
+        good: list[Message],
+        failures: list[dict[str, Any]],
+    ) -> records.NDArrays:
+        """The new global encoder: the strategy's step from the replies' (weighted) mean; with
+        secure aggregation from the unmasked sum, with DP from the noisy uniform mean (then the
+        strategy's step is post-processing)."""
+        replies = good
+        if self.secure is not None:
+            mean = self.secure.mean_update(round_number, good, self, failures)
+            model = {name: np.asarray(encoder[name] + mean[name], dtype=np.float32) for name in encoder}
+            replies = [synthetic_reply(model) for _ in good]
+        if self.privacy is not None:
+            replies = [synthetic_reply(self.privacy.noisy_mean(round_number, arrays, replies))]
+        elif self.secure is not None:
+            replies = replies[:1]
+        aggregated, _ = strategy.aggregate_train(round_number, replies)
+        if aggregated is None:
+            self.fail(round_number, f"round {round_number}: the strategy returned no aggregate", [], failures)
+        return {name: np.asarray(aggregated[name].numpy(), dtype=np.float32) for name in encoder}
 
     def weigh(self, replies: Iterable[Message]) -> None:
         """Give each accepted reply the weight the server knows for its client, for Flower's
         aggregation (``weighted_by_key``); the client's own ``num-examples`` plays no part."""
         for reply in replies:
-            reply.content[METRICS][SERVER_WEIGHT] = self.config.weight_of(self.client_of(reply))
+            reply.content[METRICS][SERVER_WEIGHT] = self.weight(self.client_of(reply))
 
     def evaluate(
         self,
@@ -480,6 +596,12 @@ class Server:
                 for e in last["evaluation"]
             },  # fmt: skip
             "missing_by_round": {str(line["round"]): line["missing"] for line in lines if line["missing"]},
+            "sampled_by_round": {str(record["round"]): record.get("sampled", []) for record in history},
+            "fraction_train": config.fraction_train,
+            "evaluate_every": config.evaluate_every,
+            "privacy": {k: v for k, v in (last.get("privacy") or {}).items() if k != "accountant"} or None,
+            "secure_aggregation": config.secure_aggregation,
+            "mean_overhead": sum(line["overhead"] for line in lines) / len(lines),
             "mean_round_seconds": sum(line["round_seconds"] for line in lines) / len(lines),
             "bytes_up_per_round": sum(line["bytes_up"] for line in lines) / len(lines),
             "bytes_down_per_round": sum(line["bytes_down"] for line in lines) / len(lines),

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from flwr.app import Context, Message, Metadata, RecordDict
+from flwr.app import Context, Error, Message, Metadata, RecordDict
 
 from speech_assets.features.cmvn import ShardStats
 from speech_assets.features.shards import ShardFiles, iter_shard
@@ -75,7 +75,7 @@ def serverapp_identity() -> Iterator[None]:
 
 class InProcessGrid:
     """The Grid calls the ServerApp's :class:`~speech_assets.federated.server_app.Server` makes,
-    each message answered at once by the ClientApp's own ``train``/``evaluate`` function for the
+    each message answered at once by the ClientApp (train, evaluate or query) for the
     node it is addressed to (``nodes``: ``{node id: client id}``, every client's data under
     ``data_dir``, its state under ``state_root/<client id>``)."""
 
@@ -87,6 +87,7 @@ class InProcessGrid:
             for node, client in self.nodes.items()
         }  # fmt: skip
         self.outbox: list[Message] = []
+        self.received: list[Message] = []  # every reply the server was sent, for tests to inspect
 
     def get_node_ids(self) -> list[int]:
         return sorted(self.nodes)
@@ -102,8 +103,12 @@ class InProcessGrid:
                 content=message.content,
             )  # fmt: skip
             context = Context(run_id=1, node_id=node, node_config=self.node_config[node], state=RecordDict(), run_config={})
-            answer = client_app.train if message.metadata.message_type == "train" else client_app.evaluate
-            self.outbox.append(answer(sent, context))
+            try:
+                answer = client_app.app(sent, context)
+            except Exception as error:  # what a SuperNode sends back when its ClientApp raised
+                answer = Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=sent)
+            self.received.append(answer)
+            self.outbox.append(answer)
             ids.append(sent.metadata.message_id)
         return ids
 

@@ -168,3 +168,30 @@ def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[
             found, counts[ref.client] = counts[ref.client], found
         counts[ref.client][: found.shape[0]] += found
     return [int(c.argmax()) for c in counts]
+
+
+def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's ``mu / 2 * sum ||w - w_ref||^2`` over the parameters of ``model`` named in
+    ``reference`` (the global encoder a local round started from; ``heads.*`` are not in it)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for name, parameter in model.named_parameters():
+        if name in reference:
+            total = total + (parameter - reference[name]).pow(2).sum()
+    return 0.5 * mu * total
+
+
+class Proximal:
+    """An objective plus FedProx's proximal term towards ``reference`` (Li et al., 2020): the
+    client's half of Flower's ``FedProx`` strategy, which only sends ``mu``."""
+
+    def __init__(self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> None:
+        self.inner, self.model, self.mu = inner, model, mu
+        device = next(model.parameters()).device
+        self.reference = {name: tensor.detach().to(device) for name, tensor in reference.items()}
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, stats = self.inner(model, batch, step, micro)
+        return loss + proximal_term(self.model, self.reference, self.mu), stats
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        return self.inner.metrics(totals)
