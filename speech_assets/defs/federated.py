@@ -18,9 +18,9 @@ from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
 from speech_assets.utils import from_fields, sha256_strings
 
-CODE_VERSION = "federated-v3"  # v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
+CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
 # Settings that do not change what a run computes: a different value resumes the same run folder.
-OPERATIONAL = ("superlink", "superlink_root_certificates", "insecure", "client_state_root", "round_timeout_s",
+OPERATIONAL = ("engine", "superlink", "superlink_root_certificates", "insecure", "client_state_root", "round_timeout_s",
                "connect_timeout_s", "device")  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def federated_checkpoint(
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
     from speech_assets.federated.processes import NeedsLinux
-    from speech_assets.federated.report import markdown_rounds
+    from speech_assets.federated.report import markdown_participation, markdown_rounds
     from speech_assets.stats.plots import markdown_image, round_curve
     from speech_assets.federated.tracking import FederatedTracker
 
@@ -84,7 +84,8 @@ def federated_checkpoint(
             f"{line['round_seconds']:.0f} s"
         )
 
-    where = f"the SuperLink at {fed.superlink}" if fed.superlink else "a local SuperLink and one SuperNode per client"
+    where = (f"the SuperLink at {fed.superlink}" if fed.superlink else "Flower's simulation runtime"
+             if fed.engine == "simulation" else "a local SuperLink and one SuperNode per client")  # fmt: skip
     context.log.info(f"federated run {run_name} in {run_dir}: {len(clients)} clients on {where}")
     try:
         result = run_federation(
@@ -96,6 +97,7 @@ def federated_checkpoint(
             client_state_root=fed.client_state_root or None,
             threads_per_client=fed.threads_per_client,
             device=fed.device,
+            engine=fed.engine,
             log=context.log.info,
             on_round=on_round,
             tracker=tracker,
@@ -124,7 +126,13 @@ def federated_checkpoint(
         "mean_round_seconds": result["mean_round_seconds"],
         "bytes_up_per_round": result["bytes_up_per_round"],
         "bytes_down_per_round": result["bytes_down_per_round"],
+        "fraction_train": result["fraction_train"],
+        "mean_round_overhead": result["mean_overhead"],
+        "secure_aggregation": result["secure_aggregation"],
+        "privacy": dg.MetadataValue.json(result["privacy"] or {"differential_privacy": False}),
+        **({"epsilon": result["privacy"]["epsilon"]} if result["privacy"] else {}),
         "round_curve": dg.MetadataValue.md(markdown_rounds(lines)),
+        "clients_by_round": dg.MetadataValue.md(markdown_participation(result["sampled_by_round"], lines)),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
         "heldout_per_client": dg.MetadataValue.json(result["heldout_per_client"]),
         "missing_by_round": dg.MetadataValue.json(result["missing_by_round"]),

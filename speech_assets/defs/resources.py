@@ -241,9 +241,18 @@ class FederatedSettings(dg.Config):
     client and server-side aggregation of the shared encoder (see speech_assets/federated/). The
     server's config, FederatedConfig, is filled from these by field name and holds their defaults."""
 
+    engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
     rounds: int = FederatedConfig.rounds
     local_steps: int = FederatedConfig.local_steps  # optimizer steps per client per round
-    strategy: str = FederatedConfig.strategy  # fedadam or fedavg (flwr.serverapp.strategy)
+    strategy: str = FederatedConfig.strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
+    fraction_train: float = FederatedConfig.fraction_train  # seeded sample of the clients each round
+    evaluate_every: int = FederatedConfig.evaluate_every  # held-out evaluation every k rounds and after the last
+    proximal_mu: float = FederatedConfig.proximal_mu  # fedprox's proximal term, on the clients
+    dp_noise_multiplier: float = FederatedConfig.dp_noise_multiplier  # > 0: differential privacy
+    dp_clipping_norm: float = FederatedConfig.dp_clipping_norm
+    dp_delta: float = FederatedConfig.dp_delta
+    secure_aggregation: bool = FederatedConfig.secure_aggregation  # the server sees only the sum of updates
+    secagg_clipping_range: float = FederatedConfig.secagg_clipping_range
     eta: float = FederatedConfig.eta  # FedAdam server learning rate
     beta_1: float = FederatedConfig.beta_1
     beta_2: float = FederatedConfig.beta_2
@@ -261,7 +270,7 @@ class FederatedSettings(dg.Config):
     precision: str = FederatedConfig.precision
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
     superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
-    threads_per_client: int = 0  # local SuperNodes: torch threads each; 0 = cores / clients
+    threads_per_client: int = 0  # torch threads per client; 0 = 1 (simulation) or cores / clients (deployment)
     device: str = "auto"  # local SuperNodes: auto, cpu or cuda
     round_timeout_s: float = FederatedConfig.round_timeout_s  # a client silent this long is counted missing for the round
     connect_timeout_s: float = FederatedConfig.connect_timeout_s  # how long a round waits for its clients (training and evaluation)

@@ -19,10 +19,16 @@ from pathlib import Path
 from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
-from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
+from speech_assets.federated.launch import ENGINES, FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
 from speech_assets.federated.processes import NeedsLinux
 
 SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions", "heldout_speakers", "train_speakers"}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+    return text.lower() in ("true", "1", "yes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,11 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-state-root", default="",
                         help="local SuperNodes keep their state under <this>/<client> (default: DATA_DIR/federated_clients)")
     parser.add_argument("--threads-per-client", type=int, default=0)
+    parser.add_argument("--engine", default="simulation", choices=ENGINES,
+                        help="simulation: Flower's simulation runtime here (default); deployment: a local SuperLink "
+                        "and one SuperNode per client (--superlink always uses the deployment engine)")
     parser.add_argument("--device", default="auto")
     for item in fields(FederatedConfig):
         if item.name in SKIPPED:
             continue
-        kind = {"int": int, "float": float}.get(str(item.type), str)
+        kind = {"int": int, "float": float, "bool": _bool}.get(str(item.type), str)
         parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
     return parser
 
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_federation(
             config, Path(args.data_dir).resolve(), superlink=args.superlink, insecure=args.insecure,
             root_certificates=args.superlink_root_certificates, client_state_root=args.client_state_root or None,
-            threads_per_client=args.threads_per_client, device=args.device,
+            threads_per_client=args.threads_per_client, device=args.device, engine=args.engine,
             log=lambda line: print(line, flush=True),
         )  # fmt: skip
     except FederatedRunFailed as error:

@@ -149,6 +149,9 @@ def secure_round(config: ConfigRecord) -> bool:
 def answer_query(message: Message, node: NodeConfig) -> Message:
     """Who this node is (and, with secure aggregation, its public key or the masks it reveals)."""
     config = message.content["config"]
+    # a long-lived worker imports torch now, before the first round is timed
+    import speech_assets.federated.local  # noqa: F401
+
     content = RecordDict({CLIENT_RECORD: ConfigRecord({CLIENT_ID: node.client_id})})
     if config.get("secure-aggregation"):
         from speech_assets.federated.secure_rounds import answer_secure_query

@@ -81,7 +81,7 @@ class FederatedConfig:
     fraction_train: float = 1.0
     # the global encoder is scored on every client's held-out utterances after every
     # evaluate_every-th round and after the last (an evaluation is a message of its own)
-    evaluate_every: int = 1
+    evaluate_every: int = 5
     # FedProx's proximal term on the client (strategy "fedprox"): mu / 2 * ||w - w_global||^2
     proximal_mu: float = 0.01
     # differential privacy (off at 0): clients clip their update to dp_clipping_norm (Flower's

@@ -160,8 +160,8 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 # the share of the round not spent in the slowest client's local training
                 "overhead": 1.0 - record.get("slowest_client_seconds", 0.0) / record["round_seconds"]
                 if record["round_seconds"] > 0 else 0.0,
-                "sampled": len(record.get("sampled", rows)),
-                "dropped": sorted(set(record.get("sampled", [])) - {r["client_id"] for r in rows}),
+                # records written before sampling: every client was asked (the trained and the missing)
+                "sampled": len(record.get("sampled") or []) or len(rows) + len(record.get("missing", [])),
                 "epsilon": (record.get("privacy") or {}).get("epsilon"),
             }
         )

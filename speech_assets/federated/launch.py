@@ -33,11 +33,15 @@ from typing import Any
 from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
-from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, write_connection
+from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
+# "simulation": Flower's simulation runtime on this machine (long-lived ClientApp workers);
+# "deployment": a local SuperLink and one SuperNode per client (Flower's deployment engine).
+# A remote SuperLink (``superlink``) is always the deployment engine.
+ENGINES = ("simulation", "deployment")
 
 
 class FederatedRunFailed(RuntimeError):
@@ -179,6 +183,7 @@ def run_federation(
     client_state_root: str | os.PathLike[str] | None = None,
     threads_per_client: int = 0,
     device: str = "auto",
+    engine: str = "simulation",
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
     on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -197,6 +202,8 @@ def run_federation(
     :class:`~speech_assets.federated.processes.NeedsLinux` for a local federation off Linux.
     """
     check_transport(superlink, root_certificates, insecure)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
         require_linux()
     paths = FederatedPaths(config.run_dir)
@@ -204,7 +211,7 @@ def run_federation(
     with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
         return _tracked_run(config, data_dir, superlink=superlink, insecure=insecure, root_certificates=root_certificates,
-                            roots=roots, threads_per_client=threads_per_client, device=device, env=env, log=log,
+                            roots=roots, threads_per_client=threads_per_client, device=device, engine=engine, env=env, log=log,
                             on_round=on_round, tracker=tracker)  # fmt: skip
 
 
@@ -246,6 +253,7 @@ def _run_federation(
     roots: Mapping[str, Path],
     threads_per_client: int,
     device: str,
+    engine: str,
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
     on_round: Callable[[dict[str, Any]], None],
@@ -280,6 +288,16 @@ def _run_federation(
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
         outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, progress)
+    elif engine == "simulation":
+        # as many workers as cores / threads_per_client, whatever the number of clients
+        threads = threads_per_client or 1
+        nodes = [
+            NodeConfig(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
+            for c in config.clients
+        ]
+        log(f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
+            f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)")  # fmt: skip
+        outcome = simulation_run(paths.run_config, nodes, threads, paths.flower_dir / "simulation.log", forward, env, progress)
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -46,6 +46,7 @@ from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 CONNECTION_NAME = "speech_assets"
 SUPERVISOR = "speech_assets.runtime.supervise"
+SIMULATION = "speech_assets.federated.simulation"
 AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -350,39 +351,78 @@ def flwr_run(
     process_env = flower_env(home, env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     process = spawn(command, log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    run_id: int | None = None
-    reason: str | None = None
+    run_id: list[int] = []
+
+    def each(line: str) -> None:
+        if not run_id and (match := _RUN_ID.search(line)):
+            run_id.append(int(match.group(1)))
+        on_line(line)
+
     try:
-        assert process.stdout is not None
-        fd = process.stdout.fileno()
-        with open(log_path, "a", encoding="utf-8") as log_file:
-            buffer = b""
-            while True:
-                ready, _, _ = select.select([fd], [], [], 0.5)
-                chunk = os.read(fd, 1 << 16) if ready else b""
-                if chunk:
-                    buffer += chunk
-                    *complete, buffer = buffer.split(b"\n")
-                    for raw in complete:
-                        line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
-                        log_file.write(line + "\n")
-                        if run_id is None and (match := _RUN_ID.search(line)):
-                            run_id = int(match.group(1))
-                        on_line(line)
-                    log_file.flush()
-                elif ready or process.poll() is not None:  # end of output
-                    process.wait()
-                    break
-                if (reason := should_stop()) is not None:
-                    break
+        reason = follow(process, log_path, each, should_stop)
         if reason is not None:
-            if run_id is not None:
-                flwr_stop(run_id, home, env)
+            if run_id:
+                flwr_stop(run_id[0], home, env)
             raise RuntimeError(f"federated run stopped: {reason}")
-        return FlwrRun(process.wait(), run_id)
+        return FlwrRun(process.wait(), run_id[0] if run_id else None)
     finally:
         if process.poll() is None:
             terminate([process], grace=5)
+
+
+def follow(
+    process: subprocess.Popen, log_path: Path, on_line: Callable[[str], None], should_stop: Callable[[], str | None]
+) -> str | None:
+    """Copy ``process``'s output (a pipe) line by line to ``log_path`` and ``on_line`` until it
+    ends, polling ``should_stop`` every half second; returns its reason if it gave one."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    with open(log_path, "a", encoding="utf-8") as log_file:
+        buffer = b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if chunk:
+                buffer += chunk
+                *complete, buffer = buffer.split(b"\n")
+                for raw in complete:
+                    line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+                    log_file.write(line + "\n")
+                    on_line(line)
+                log_file.flush()
+            elif ready or process.poll() is not None:  # end of output
+                process.wait()
+                return None
+            if (reason := should_stop()) is not None:
+                return reason
+
+
+def simulation_run(
+    run_config: Path,
+    nodes: Sequence[NodeConfig],
+    cpus_per_client: int,
+    log_path: Path,
+    on_line: Callable[[str], None],
+    env: Mapping[str, str] | None = None,
+    should_stop: Callable[[], str | None] = lambda: None,
+) -> FlwrRun:
+    """The run on Flower's simulation runtime (:mod:`speech_assets.federated.simulation`) in a
+    supervised process tree (Ray's processes included), followed like :func:`flwr_run`."""
+    nodes_file = log_path.parent / "simulation_nodes.json"
+    nodes_file.parent.mkdir(parents=True, exist_ok=True)
+    nodes_file.write_text(json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
+    command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file),
+               "--cpus-per-client", str(cpus_per_client)]  # fmt: skip
+    process_env = dict(env if env is not None else os.environ) | {"RAY_USAGE_STATS_ENABLED": "0"}
+    process = spawn(command, log_path, process_env, supervised=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        reason = follow(process, log_path, on_line, should_stop)
+        if reason is not None:
+            raise RuntimeError(f"federated run stopped: {reason}")
+        return FlwrRun(process.wait(), None)
+    finally:
+        if process.poll() is None:
+            terminate([process], grace=10)
 
 
 def flwr_stop(run_id: int, home: Path, env: Mapping[str, str] | None = None) -> None:

@@ -297,8 +297,8 @@ class Server:
     ) -> tuple[records.NDArrays, list[dict[str, Any]]]:
         config = self.config
         nodes = self.wait_for_clients(round_number)
+        failures = self.identify(nodes, round_number)  # nodes seen for the first time only
         started = time.monotonic()
-        failures = self.identify(nodes, round_number)
         sampled = sample_clients(config, round_number)
         chosen = sorted(n for c in sampled if (n := self.binding.node_of(c)) is not None and n in nodes)
         if self.secure is not None:  # a client whose key did not arrive cannot be masked against
@@ -624,12 +624,18 @@ def _setup_logging(paths: FederatedPaths) -> None:
     log.propagate = False
 
 
-app = ServerApp()
+def build_server_app(config: FederatedConfig | None = None) -> ServerApp:
+    """The ServerApp: ``config`` given (the simulation runtime, in process), or read from the
+    run config Flower hands it (``flwr run --run-config`` on a SuperLink)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run = config or FederatedConfig.from_run_config(context.run_config)
+        _setup_logging(FederatedPaths(run.run_dir))
+        Server(grid, run).run()
+
+    return server_app
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Entry point on the SuperLink: the run config carries :class:`FederatedConfig`."""
-    config = FederatedConfig.from_run_config(context.run_config)
-    _setup_logging(FederatedPaths(config.run_dir))
-    Server(grid, config).run()
+app = build_server_app()

@@ -109,6 +109,9 @@ class FederatedTracker:
             "bytes_down": line["bytes_down"],
             "clients": line["clients"],
             "missing_clients": len(line["missing"]),
+            "sampled_clients": line["sampled"],
+            "round_overhead": line["overhead"],
+            "epsilon": line["epsilon"],
         }
         for row in record["rows"]:
             values[f"{row['client_id']}.train_loss"] = row["train_loss"]

@@ -72,7 +72,15 @@ def test_flower_validates_the_app_description() -> None:
 @pytest.mark.parametrize(
     ("overrides", "problem"),
     [
-        ({"strategy": "fedprox"}, "strategy"),
+        ({"strategy": "scaffold"}, "strategy"),
+        ({"fraction_train": 0.0}, "fraction_train"),
+        ({"fraction_train": 1.5}, "fraction_train"),
+        ({"evaluate_every": 0}, "evaluate_every"),
+        ({"dp_noise_multiplier": -1.0}, "dp_noise_multiplier"),
+        ({"dp_noise_multiplier": 1.0, "dp_clipping_norm": 0.0}, "dp_clipping_norm"),
+        ({"dp_delta": 1.0}, "dp_delta"),
+        ({"proximal_mu": float("nan")}, "proximal_mu"),
+        ({"secure_aggregation": True, "fraction_train": 0.25}, "secure_aggregation"),
         ({"min_train_nodes": 3}, "min_train_nodes"),
         ({"rounds": 0}, "rounds"),
         ({"beta_2": 1.0}, "beta_2"),
@@ -274,3 +282,20 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
         run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path)
     assert "needs Linux" in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("clients", "fraction", "minimum", "expected"),
+    [(4, 1.0, 0, 4), (4, 0.5, 0, 2), (64, 0.25, 0, 16), (64, 0.01, 0, 1), (64, 0.1, 10, 10), (3, 0.1, 0, 1)],
+)
+def test_a_round_samples_a_fraction_of_the_clients_with_a_minimum(clients: int, fraction: float, minimum: int, expected: int) -> None:
+    config = _config(clients=[f"client_{i:02d}" for i in range(clients)], fraction_train=fraction, min_train_nodes=minimum)
+    assert config.sample_size == expected
+    assert config.required_clients == (minimum or expected)
+
+
+def test_run_config_carries_the_privacy_and_sampling_settings() -> None:
+    config = _config(clients=["a", "b", "c", "d"], fraction_train=0.5, secure_aggregation=True, dp_noise_multiplier=0.7, strategy="fedprox", proximal_mu=0.1)
+    again = FederatedConfig.from_run_config(config.to_run_config())
+    assert again == config
+    assert config.local().proximal_mu == 0.1 and _config(proximal_mu=0.1).local().proximal_mu == 0.0  # fedprox only

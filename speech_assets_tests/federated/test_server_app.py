@@ -29,7 +29,7 @@ def test_the_global_encoder_and_each_head_learn(tmp_path: Path) -> None:
     config = FederatedConfig(
         run_dir=str(tmp_path / "run"), run_name="learn", clients=clients, rounds=ROUNDS, local_steps=LOCAL_STEPS,
         strategy="fedadam", eta=ETA, client_lr=CLIENT_LR, precision="fp32", heldout_speakers=corpus.heldout_speakers,
-        train_speakers=corpus.train_speakers, connect_timeout_s=5, round_timeout_s=600,
+        train_speakers=corpus.train_speakers, connect_timeout_s=5, round_timeout_s=600, evaluate_every=1,
     )  # fmt: skip
     grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, tmp_path / "state")
     with serverapp_identity():

@@ -1,0 +1,73 @@
+"""``python -m speech_assets.federated.simulation``: one federated run on Flower's simulation
+runtime, the engine for every client on this machine.
+
+The same ServerApp (:func:`~speech_assets.federated.server_app.build_server_app`) and ClientApp
+(:func:`~speech_assets.federated.client_app.build_client_app`) as on the deployment engine, in
+``flwr.simulation.run_simulation``: the ServerApp in a thread of this process, the ClientApps in
+Ray workers that live for the whole run, so the interpreter, torch and each client's data index
+are loaded once (the deployment engine starts a ``flwr-clientapp`` process per message). Node
+``partition-id`` *i* is client ``nodes[i]``; a worker holds at most ``cpus_per_client`` torch
+threads and one model at a time, and as many workers run as ``cpus / cpus_per_client``, whatever
+the number of clients: idle clients cost nothing but their entry in the node table.
+
+The launcher (:mod:`speech_assets.federated.launch`) starts this module under the project's
+supervisor, so Ray's processes (GCS, raylet, workers) stop with it, also on ``kill -9`` of the
+launcher. Ray binds to 127.0.0.1; its dashboard is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+from speech_assets.federated.config import FederatedConfig, NodeConfig
+
+# Ray's shared-memory object store: messages hold one encoder (a few MB for `tiny`)
+OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+def backend_config(cpus: int, cpus_per_client: int) -> dict:
+    return {
+        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+        "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES,
+                      "_node_ip_address": "127.0.0.1", "logging_level": "warning"},
+    }  # fmt: skip
+
+
+def run(config: FederatedConfig, nodes: list[NodeConfig], cpus: int, cpus_per_client: int) -> None:
+    from flwr.simulation import run_simulation
+
+    from speech_assets.federated.client_app import build_client_app
+    from speech_assets.federated.server_app import build_server_app
+
+    run_simulation(
+        server_app=build_server_app(config),
+        client_app=build_client_app(nodes),
+        num_supernodes=len(nodes),
+        backend_config=backend_config(cpus, cpus_per_client),  # type: ignore[arg-type]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m speech_assets.federated.simulation", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-config", required=True, help="the run's run_config.toml (FederatedConfig)")
+    parser.add_argument("--nodes", required=True, help="JSON list of the clients' node configs, partition order")
+    parser.add_argument("--cpus", type=int, default=0, help="CPUs Ray may use (0 = all)")
+    parser.add_argument("--cpus-per-client", type=int, default=1)
+    args = parser.parse_args(argv)
+    config = FederatedConfig.from_run_config(tomllib.loads(Path(args.run_config).read_text()))
+    nodes = [NodeConfig(**entry) for entry in json.loads(Path(args.nodes).read_text())]
+    if [n.client_id for n in nodes] != config.clients:
+        parser.error("the nodes file must list exactly the run's clients, in order")
+    cpus = args.cpus or os.cpu_count() or 1
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    run(config, nodes, cpus, max(1, min(args.cpus_per_client, cpus)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
