@@ -1,20 +1,26 @@
-"""Federated (FedAdam, FedAvg) vs centralised pretraining: same data, same model, same total steps.
+"""Federated rounds: where a round's time goes, what moves, and what it learns, against centralised
+training on the same data.
 
-    python bench/federated.py                         # sample corpus, 3 rounds x 50 local steps
-    python bench/federated.py --rounds 3 --local-steps 50 --data-dir data/out   # existing outputs
+    python bench/federated.py                                  # sample corpus, both engines
+    python bench/federated.py --data-dir D --engines simulation --fraction-train 0.5 --rounds 5
+    python bench/federated.py --data-dir D --variants plain dp secagg fedprox fedavg   # options' costs
 
-Builds the pipeline's inputs (manifest -> shards -> CMVN -> 4 clients -> per-client k-means) on
-the committed sample corpus in a temp folder (unless ``--data-dir`` points at built outputs),
-then runs, each in a fresh run folder:
+Builds the pipeline's inputs on the committed sample corpus in a temp folder (unless
+``--data-dir`` points at built outputs with ``clients/``, ``kmeans/`` and ``features/``), then,
+each in a fresh run folder, ``rounds`` x ``local_steps`` on each sampled client with ``tiny``:
 
-- federated with FedAdam and with FedAvg: real Flower processes on loopback (a SuperLink and one
-  SuperNode per client, ``flwr run``), ``rounds`` x ``local_steps`` steps per client;
-- centralised: the torchrun trainer (one process), ``rounds x local_steps x clients`` steps of the
-  same per-step batch, so both see the same number of batches of the same size.
+- per engine (``simulation``: Flower's simulation runtime, long-lived workers; ``deployment``: a
+  local SuperLink and one SuperNode per client, a ``flwr-clientapp`` process per message) and per
+  variant (``plain`` = FedAdam, ``fedavg``, ``fedprox``, ``dp``, ``secagg``, ``dp+secagg``);
+- centralised (``--centralised``): the torchrun trainer, rounds x local_steps x sampled clients
+  steps of the same batch, in one process.
 
-Prints held-out masked accuracy beside the majority-class rate (always predicting a client's most
-frequent training label, on the same masked frames), time per round and bytes per round.
-Federated evaluation uses each client's own CMVN and head; centralised the global CMVN.
+Reported per run: round wall time, the slowest client's local training, the round overhead
+(1 - slowest client's training / round wall, the issue's measure, for rounds 2.. and for every
+round), the idle share of the cores (1 - sum of the clients' training / (cores x round wall),
+the fair measure when more clients than cores train in a round), MB up and down, audio seconds
+per second per client while training, peak memory of the whole process tree (PSS, sampled every
+0.5 s), held-out masked accuracy and, with DP, epsilon.
 """
 
 from __future__ import annotations
@@ -27,11 +33,53 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+VARIANTS = {
+    "plain": {},
+    "fedavg": {"strategy": "fedavg"},
+    "fedprox": {"strategy": "fedprox"},
+    "dp": {"dp_noise_multiplier": 1.0, "dp_clipping_norm": 1.0},
+    "secagg": {"secure_aggregation": True},
+    "dp+secagg": {"dp_noise_multiplier": 1.0, "dp_clipping_norm": 1.0, "secure_aggregation": True},
+}
+
+
+class MemorySampler:
+    """Peak PSS and RSS summed over this process and all its descendants (Ray's, Flower's)."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.peak_pss, self.peak_rss, self.peak_processes = interval, 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.interval):
+            pss = rss = count = 0
+            for process in [me, *me.children(recursive=True)]:
+                try:
+                    info = process.memory_full_info()
+                except (psutil.Error, OSError):
+                    continue
+                pss, rss, count = pss + getattr(info, "pss", info.rss), rss + info.rss, count + 1
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            self.peak_processes = max(self.peak_processes, count)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def build_inputs(root: Path) -> Path:
@@ -53,28 +101,65 @@ def build_inputs(root: Path) -> Path:
     return out
 
 
-def run_federated(data: Path, root: Path, strategy: str, args: argparse.Namespace) -> dict:
-    from speech_assets.federated.config import FederatedConfig
+def run_federated(data: Path, root: Path, engine: str, variant: str, args: argparse.Namespace) -> dict:
     from speech_assets.corpus.clients import heldout_of, read_clients
-    from speech_assets.federated.launch import client_ids, run_federation
+    from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.launch import client_ids, client_weights, run_federation
 
-    run_dir = root / f"federated-{strategy}"
+    name = f"{engine}-{variant}".replace("+", "-")
+    run_dir = root / name
+    clients = client_ids(data)
+    table = read_clients(data / "clients" / "clients.parquet")
     config = FederatedConfig(
-        run_dir=str(run_dir), run_name=run_dir.name, clients=client_ids(data), rounds=args.rounds,
-        local_steps=args.local_steps, strategy=strategy, client_lr=args.lr, batch_seconds=args.batch_seconds,
-        heldout_speakers=heldout_of(read_clients(data / "clients" / "clients.parquet")), seed=args.seed,
+        run_dir=str(run_dir), run_name=name, clients=clients, rounds=args.rounds, local_steps=args.local_steps,
+        client_lr=args.lr, batch_seconds=args.batch_seconds, heldout_speakers=heldout_of(table), seed=args.seed,
+        fraction_train=args.fraction_train, evaluate_every=args.evaluate_every, precision="fp32",
+        client_weights=client_weights(data, clients),
+        train_speakers=sorted(a.speaker_id for a in table if not a.heldout), **VARIANTS[variant],
     )  # fmt: skip
     started = time.monotonic()
-    result = run_federation(config, data, log=lambda line: print(f"  [{strategy}] {line}", flush=True))
-    steps = args.rounds * args.local_steps * len(config.clients)
+    with MemorySampler() as memory:
+        result = run_federation(config, data, engine=engine, threads_per_client=args.threads_per_client,
+                                client_state_root=root / f"{name}-clients",
+                                log=lambda line: print(f"  [{name}] {line}", flush=True))  # fmt: skip
+    wall = time.monotonic() - started
+    records = [json.loads((run_dir / "rounds" / f"round_{r:05d}.json").read_text()) for r in range(1, args.rounds + 1)]
+    cores = os.cpu_count() or 1
+    per_round = []
+    for record in records:
+        rows = record["rows"]
+        busy = sum(row["seconds"] for row in rows)
+        per_round.append({
+            "round": record["round"], "clients": len(rows), "sampled": len(record.get("sampled", rows)),
+            "round_seconds": record["round_seconds"], "slowest_client_seconds": record["slowest_client_seconds"],
+            "overhead": 1 - record["slowest_client_seconds"] / record["round_seconds"],
+            "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
+            "evaluated": record.get("evaluated", True),
+            "audio_seconds_per_second_per_client": sum(r.get("audio_seconds", 0.0) for r in rows) / max(busy, 1e-9),
+            "mb_up": sum(r["bytes_up"] for r in rows) / 1e6, "mb_down": sum(r["bytes_down"] for r in rows) / 1e6,
+            "epsilon": (record.get("privacy") or {}).get("epsilon"),
+        })  # fmt: skip
+    steady = per_round[1:] or per_round
+
+    def mean(key: str, lines: list[dict]) -> float:
+        return sum(line[key] for line in lines) / len(lines)
+
     return {
-        "mode": "federated", "strategy": {"fedadam": "FedAdam", "fedavg": "FedAvg"}[strategy],
-        "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {len(config.clients)} clients",
-        "total_steps": steps, "heldout_masked_accuracy": result["heldout_masked_accuracy"],
+        "mode": "federated", "engine": engine, "variant": variant, "clients": len(clients),
+        "sampled_per_round": config.sample_size, "threads_per_client": args.threads_per_client or 1,
+        "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {config.sample_size} of {len(clients)} clients",
+        "total_steps": args.rounds * args.local_steps * config.sample_size,
+        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
-        "seconds_per_round": result["mean_round_seconds"],
-        "mb_up_per_round": result["bytes_up_per_round"] / 1e6, "mb_down_per_round": result["bytes_down_per_round"] / 1e6,
-        "wall_seconds": time.monotonic() - started, "per_round": result["round_summaries"],
+        "round_seconds": mean("round_seconds", steady), "first_round_seconds": per_round[0]["round_seconds"],
+        "slowest_client_seconds": mean("slowest_client_seconds", steady),
+        "overhead": mean("overhead", steady), "overhead_all_rounds": mean("overhead", per_round),
+        "overhead_train_rounds": mean("overhead", [line for line in steady if not line["evaluated"]] or steady),
+        "idle_cores": mean("idle_cores", steady),
+        "audio_seconds_per_second_per_client": mean("audio_seconds_per_second_per_client", steady),
+        "mb_up_per_round": mean("mb_up", per_round), "mb_down_per_round": mean("mb_down", per_round),
+        "epsilon": per_round[-1]["epsilon"], "peak_pss_mb": memory.peak_pss / 1e6, "peak_rss_mb": memory.peak_rss / 1e6,
+        "peak_processes": memory.peak_processes, "wall_seconds": wall, "per_round": per_round,
     }  # fmt: skip
 
 
@@ -85,7 +170,8 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     speakers = sorted(pq.read_table(data / "clients" / "clients.parquet").column("speaker_id").to_pylist())
-    steps = args.rounds * args.local_steps * len(clients)
+    sampled = max(1, int(args.fraction_train * len(clients)))
+    steps = args.rounds * args.local_steps * sampled
     run_dir = root / "centralised"
     config = TrainConfig(
         run_dir=str(run_dir),
@@ -107,10 +193,11 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
     result = json.loads((run_dir / "result.json").read_text())
     shard_bytes = sum((data / "features" / "shards" / f"{s}.parquet").stat().st_size for s in speakers)
     return {
-        "mode": "centralised", "strategy": "AdamW (one job)", "schedule": f"{steps} steps",
+        "mode": "centralised", "engine": "torchrun (1 process)", "variant": "AdamW", "schedule": f"{steps} steps",
         "total_steps": steps, "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
-        "seconds_per_round": wall / args.rounds, "mb_up_per_round": None, "mb_down_per_round": None,
+        "round_seconds": wall / args.rounds, "mb_up_per_round": None, "mb_down_per_round": None,
+        "audio_seconds_per_second_per_client": result.get("audio_seconds_per_second"),
         "wall_seconds": wall, "data_moved_mb": shard_bytes / 1e6,
     }  # fmt: skip
 
@@ -124,16 +211,21 @@ def _fmt(value: object, digits: int = 3) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, help="built pipeline outputs (default: build the sample corpus)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", nargs="*", default=["simulation", "deployment"])
+    parser.add_argument("--variants", nargs="*", default=["plain"], choices=sorted(VARIANTS))
+    parser.add_argument("--centralised", action="store_true", help="also the centralised trainer on the same data")
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--local-steps", type=int, default=50)
+    parser.add_argument("--fraction-train", type=float, default=1.0)
+    parser.add_argument("--evaluate-every", type=int, default=5)
+    parser.add_argument("--threads-per-client", type=int, default=0)
     parser.add_argument("--batch-seconds", type=float, default=16.0)
     parser.add_argument("--lr", type=float, default=2e-3, help="client (and centralised) learning rate")
-    parser.add_argument("--heldout-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", default=["centralised", "fedadam", "fedavg"])
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--json", type=Path, help="also write the figures here (appended as one JSON line per run)")
     args = parser.parse_args()
 
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench_federated_") as tmp:
         root = Path(tmp)
         started = time.monotonic()
@@ -142,31 +234,40 @@ def main() -> None:
         from speech_assets.federated.launch import client_ids
 
         clients = client_ids(data)
-        rows = []
-        for mode in args.only:
-            print(f"== {mode}", flush=True)
-            if mode == "centralised":
-                rows.append(run_centralised(data, root, args, clients))
-            else:
-                rows.append(run_federated(data, root, mode, args))
-    header = ("mode", "strategy", "total steps", "held-out masked acc.", "majority class", "s / round", "MB up / round", "MB down / round", "wall s")
+        runs = [(engine, variant) for engine in args.engines for variant in args.variants]
+        for engine, variant in runs:
+            print(f"== {engine} {variant}", flush=True)
+            rows.append(run_federated(data, root, engine, variant, args))
+            if args.json:
+                with open(args.json, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(rows[-1] | {"machine": machine()}, default=str) + "\n")
+        if args.centralised:
+            print("== centralised", flush=True)
+            rows.append(run_centralised(data, root, args, clients))
     print()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"{len(clients)} clients; batch {args.batch_seconds:.0f} s of audio per step; tiny preset")  # fmt: skip
+    print(f"machine: {machine()}; {len(clients)} clients; batch {args.batch_seconds:.0f} s of audio per step; tiny; fp32")
+    header = ("engine", "variant", "schedule", "round s (2..)", "round 1 s", "slowest client s", "overhead (2..)",
+              "overhead, train-only rounds", "idle cores", "audio s/s per client", "MB up/round", "MB down/round",
+              "peak PSS MB", "held-out acc.", "majority", "epsilon", "wall s")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = (row["mode"], row["strategy"], row["total_steps"], _fmt(row["heldout_masked_accuracy"]),
-                 _fmt(row["heldout_majority_accuracy"]), _fmt(row["seconds_per_round"], 1), _fmt(row["mb_up_per_round"], 1),
-                 _fmt(row["mb_down_per_round"], 1), _fmt(row["wall_seconds"], 0))  # fmt: skip
+        cells = (row["engine"], row["variant"], row["schedule"], _fmt(row["round_seconds"], 1),
+                 _fmt(row.get("first_round_seconds"), 1), _fmt(row.get("slowest_client_seconds"), 1),
+                 _fmt(row.get("overhead"), 3), _fmt(row.get("overhead_train_rounds"), 3), _fmt(row.get("idle_cores"), 3),
+                 _fmt(row.get("audio_seconds_per_second_per_client"), 0), _fmt(row["mb_up_per_round"], 1),
+                 _fmt(row["mb_down_per_round"], 1), _fmt(row.get("peak_pss_mb"), 0), _fmt(row["heldout_masked_accuracy"]),
+                 _fmt(row["heldout_majority_accuracy"]), _fmt(row.get("epsilon"), 2), _fmt(row["wall_seconds"], 0))  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for row in rows:
         for line in row.get("per_round", []):
-            print(f"  {row['strategy']} round {line['round']}: held-out {_fmt(line['heldout_masked_accuracy'])} "
-                  f"(majority {_fmt(line['majority_accuracy'])}), train loss {_fmt(line['train_loss'], 4)}, "
-                  f"{line['round_seconds']:.0f} s")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+            print(f"  {row['engine']} {row['variant']} round {line['round']}: {line['clients']}/{line['sampled']} clients, "
+                  f"{line['round_seconds']:.1f} s, slowest client {line['slowest_client_seconds']:.1f} s, overhead "
+                  f"{line['overhead']:.3f}, idle cores {line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}")
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

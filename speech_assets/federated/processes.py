@@ -47,6 +47,7 @@ from speech_assets.runtime.waiting import WaitTimeout, wait_until
 CONNECTION_NAME = "speech_assets"
 SUPERVISOR = "speech_assets.runtime.supervise"
 SIMULATION = "speech_assets.federated.simulation"
+RUN_ENV = "SPEECH_ASSETS_FEDERATED_RUN"
 AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -140,6 +141,11 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+def is_ray(argv: Sequence[str]) -> bool:
+    """A process of Ray's (GCS, raylet, workers, agents) by its command line."""
+    return bool(argv) and (argv[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in part for part in argv[:3]))
+
+
 def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
     """Running Flower processes and our supervisors (optionally only those whose command line or
     environment mentions ``root``): ``(pid, command line)``. The tests use it to prove nothing was
@@ -151,7 +157,7 @@ def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[i
                 continue
             argv = process.info["cmdline"] or []
             names = {Path(part).name for part in argv[:6]}
-            if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3]:
+            if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3] and not is_ray(argv) and SIMULATION not in argv[:4]:
                 continue
             if root is not None:
                 try:
@@ -413,7 +419,9 @@ def simulation_run(
     nodes_file.write_text(json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
     command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file),
                "--cpus-per-client", str(cpus_per_client)]  # fmt: skip
-    process_env = dict(env if env is not None else os.environ) | {"RAY_USAGE_STATS_ENABLED": "0"}
+    # every process of the tree (Ray's included) names the run in its environment, for flower_processes
+    process_env = dict(env if env is not None else os.environ) | {"RAY_USAGE_STATS_ENABLED": "0",
+                                                                  RUN_ENV: str(run_config.parent)}
     process = spawn(command, log_path, process_env, supervised=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         reason = follow(process, log_path, on_line, should_stop)

@@ -66,7 +66,8 @@ log = logging.getLogger("speech_assets.federated.server")
 POLL_SECONDS = 0.25
 # the columns of a round's table rows read from each reply's metrics: {column: (metric, type)}
 TRAIN_COLUMNS = {"num_examples": ("num-examples", int), "train_loss": ("train-loss", float),
-                 "masked_accuracy": ("masked-accuracy", float), "seconds": ("seconds", float)}  # fmt: skip
+                 "masked_accuracy": ("masked-accuracy", float), "seconds": ("seconds", float),
+                 "audio_seconds": ("audio-seconds", float), "steps": ("steps", int)}  # fmt: skip
 EVALUATE_COLUMNS = {"utterances": ("utterances", int), "masked_frames": ("num-examples", int),
                     "heldout_loss": ("heldout-loss", float), "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
                     "majority_accuracy": ("majority-accuracy", float), "leak_free_frames": ("leak-free-frames", int),

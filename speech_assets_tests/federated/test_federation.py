@@ -95,8 +95,9 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert sorted((r["round"], r["client_id"]) for r in rows) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
     assert all(r["num_examples"] > 0 and r["bytes_up"] > 0 and r["bytes_up"] == r["bytes_down"] for r in rows)
     # the held-out evaluation of every round's global encoder, beside each client's majority-class rate
+    # evaluated every evaluate_every (5) rounds and after the last
     evaluation = pq.read_table(run_dir / "evaluation.parquet").to_pylist()
-    assert sorted((e["round"], e["client_id"]) for e in evaluation) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
+    assert sorted((e["round"], e["client_id"]) for e in evaluation) == [(ROUNDS, c) for c in sample_pipeline.clients]
     # the held-out speakers are chosen once over the corpus (clients.parquet): a client holding
     # none scores no frames
     assignment = pq.read_table(sample_pipeline.out / "clients" / "clients.parquet").to_pylist()
@@ -114,26 +115,30 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     with dg.DagsterInstance.get() as instance:
         event = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0].asset_materialization
         assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
-        assert event.tags["dagster/code_version"] == "federated-v3"
+        assert event.tags["dagster/code_version"] == "federated-v4"
         inputs = event.metadata["input_versions"].value
         manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
         assert any(k.startswith("kmeans_targets/") for k in inputs) and any(k.startswith("vad_features/") for k in inputs)
         assert "| round |" in event.metadata["round_curve"].value
+        assert f"| {ROUNDS} | " + ", ".join(sample_pipeline.clients) in event.metadata["clients_by_round"].value
+        assert event.metadata["privacy"].value == {"differential_privacy": False}
+        assert 0 <= event.metadata["mean_round_overhead"].value < 1
         assert event.metadata["heldout_leak_free_masked_accuracy"].value == result["heldout_leak_free_masked_accuracy"]
     # MLflow: every round's metrics and the final checkpoint
     mlflow.set_tracking_uri(sample_pipeline.mlflow_uri)
     run = mlflow.get_run((run_dir / "mlflow_run_id").read_text().strip())
     assert run.info.status == "FINISHED"
     client = mlflow.tracking.MlflowClient(sample_pipeline.mlflow_uri)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "heldout_masked_accuracy")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "heldout_masked_accuracy")] == [ROUNDS]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
-    # the SuperLink authenticated its SuperNodes (TLS, node authentication): each registered key activated
-    superlink_log = (run_dir / "flower" / "superlink" / "superlink.log").read_text()
-    assert superlink_log.count("[Fleet.ActivateNode] Activated node_id=") == len(sample_pipeline.clients)
-    assert "SuperNode authentication is disabled" not in superlink_log
-    assert not (run_dir / "flower" / "nodes.json").exists() and not list((run_dir / "flower" / "auth").glob("*.key"))
-    # every process the asset started is gone
+    # the default engine is Flower's simulation runtime: one supervised process tree, Ray's workers in it
+    simulation_log = (run_dir / "flower" / "simulation.log").read_text()
+    assert "server INFO done: 2 rounds" in simulation_log
+    nodes = json.loads((run_dir / "flower" / "simulation_nodes.json").read_text())
+    assert [n["client_id"] for n in nodes] == sample_pipeline.clients and all(n["threads"] == 1 for n in nodes)
+    # every process the asset started (Ray's among them) is gone
     assert wait_until_gone(sample_pipeline.out) == []
 
 
@@ -145,8 +150,14 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
     encoder_shapes = {name: list(t.shape) for name, t in encoder.items()}
     assert not any(name.startswith("heads.") for name in encoder)
     received = [json.loads(line) for line in (run_dir / "received.jsonl").read_text().splitlines()]
-    assert len(received) == 2 * ROUNDS * len(sample_pipeline.clients)  # train + evaluate replies
+    # who each node is (the simulation runtime has no node registrations), then train and evaluate replies
+    phases = [entry["phase"] for entry in received]
+    assert phases.count("identify") == len(sample_pipeline.clients)
+    assert (phases.count("train"), phases.count("evaluate")) == (ROUNDS * len(sample_pipeline.clients), len(sample_pipeline.clients))
     for entry in received:
+        if entry["phase"] == "identify":
+            assert entry["records"] == {"client": {"type": "ConfigRecord", "keys": ["client-id"]}}
+            continue
         records = entry["records"]
         if entry["phase"] == "train":
             assert set(records) == {"arrays", "metrics", "client"}
@@ -231,7 +242,8 @@ def test_a_killed_run_resumes_to_the_same_weights(dagster_run: dict, sample_pipe
 def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path
 ) -> None:
-    """3 rounds, at least 3 clients per round. Round 2: client_03's SuperNode is SIGKILLed while it
+    """The deployment engine (a local SuperLink, one SuperNode per client, which authenticated:
+    each registered key activated). 3 rounds, at least 3 clients per round. Round 2: client_03's SuperNode is SIGKILLed while it
     trains; the round completes with the other 3, logged with who was missing. Round 3: client_02's
     ClientApp crashes, 2 replies < 3: the run stops with a clear message, rounds 1-2 saved."""
     run_dir = tmp_path / "faults"
@@ -239,7 +251,7 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     markers = tmp_path / "markers"
     faults = f"{fault('federated.round', 'hold', client='client_03', round=2, marker=markers / 'client_03-2.started')};{fault('federated.round', 'raise', client='client_02', round=3)}"
     run = _cli(sample_pipeline, run_dir, dagster_run["run_dir"], {FAULTS_ENV: faults},
-               rounds=3, min_train_nodes=3)  # fmt: skip
+               rounds=3, min_train_nodes=3, engine="deployment")  # fmt: skip
     try:
         _wait_for(markers / "client_03-2.started", run)
         supernode = json.loads((run_dir / "flower" / "pids.json").read_text())["supernode client_03"]["pid"]
@@ -256,10 +268,14 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     failure = json.loads((run_dir / "failure.json").read_text())
     assert failure["round"] == 3 and failure["completed_rounds"] == 2
     assert failure["missing"] == ["client_02", "client_03"]
-    assert "fewer than min_train_nodes=3" in failure["message"]
+    assert "fewer than the 3 a round needs" in failure["message"]
     assert any("fault injection: raise at federated.round client=client_02 round=3" in f["reason"] for f in failure["failures"])
     rows = pq.read_table(run_dir / "rounds.parquet").to_pylist()
     assert sorted({r["round"] for r in rows}) == [1, 2] and len(rows) == 4 + 3
+    superlink_log = (run_dir / "flower" / "superlink" / "superlink.log").read_text()
+    assert superlink_log.count("[Fleet.ActivateNode] Activated node_id=") == len(sample_pipeline.clients)
+    assert "SuperNode authentication is disabled" not in superlink_log
+    assert not (run_dir / "flower" / "nodes.json").exists() and not list((run_dir / "flower" / "auth").glob("*.key"))
     assert (run_dir / "rounds" / "round_00002.pt").is_file() and not (run_dir / "final.pt").exists()
     assert wait_until_gone(run_dir) == []
 

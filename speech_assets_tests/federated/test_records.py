@@ -121,7 +121,7 @@ def test_round_summaries_and_report() -> None:
     line = history.summarize_rounds([old])[0]
     assert (line["leak_free_frames"], line["heldout_leak_free_masked_accuracy"], line["heldout_leak_free_majority_accuracy"]) == (0, None, None)
     table = markdown_rounds(lines)
-    assert table.count("\n") == 3 and "| 2 | 1 | client_01 |" in table
+    assert table.count("\n") == 3 and "| 2 | 1/2 | client_01 |" in table
     png = round_curve(lines)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
 
