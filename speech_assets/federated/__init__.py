@@ -1,9 +1,11 @@
 """Federated HuBERT pretraining with Flower: data and prediction heads never leave a client.
 
-Each client (one Flower SuperNode) trains the shared encoder locally from the current global
-encoder with its own data, its own client-level CMVN and its own prediction head (kept on the
-client between rounds, FedPer-style); the server (a Flower ServerApp on the SuperLink)
-aggregates only the encoder with a Flower strategy (FedAdam or FedAvg), round after round.
+Each sampled client trains the shared encoder locally from the current global encoder with its
+own data, its own normalisation and its own prediction head (kept on the client between rounds,
+FedPer-style); the server (a Flower ServerApp) aggregates only the encoder with a Flower strategy
+(FedAdam, FedAvg or FedProx), round after round. On one machine the clients run in Flower's
+simulation runtime (long-lived workers); across machines on its deployment engine (a SuperLink,
+one SuperNode per client). Optional: differential privacy, secure aggregation.
 
 Modules (torch and flwr are imported only by the ones that need them, never by ``config``):
 
@@ -13,7 +15,11 @@ Modules (torch and flwr are imported only by the ones that need them, never by `
 - ``rounds``      the server's round records: checkpoints, rounds.parquet, final.pt (torch)
 - ``history``     the same records read back without torch (tables, summaries: the launcher's view)
 - ``server_app``  the Flower ServerApp; ``client_app`` the Flower ClientApp
-- ``processes``   SuperLink / SuperNode processes on loopback and ``flwr run``
+- ``privacy``     DP: Flower's client-side fixed clipping, noise on the uniform mean, RDP accountant
+- ``secure_aggregation``  pairwise masking (X25519, HKDF, ChaCha20; Flower's quantization);
+  ``secure_rounds`` its messages in the round loop
+- ``simulation``  the run on Flower's simulation runtime (``python -m speech_assets.federated.simulation``)
+- ``processes``   SuperLink / SuperNode processes on loopback, ``flwr run``, the simulation process
 - ``launch``      one federated run end to end (``python -m speech_assets.federated``)
 - ``report``      the round curve as a markdown table and a PNG; ``tracking`` MLflow
 """

@@ -1,27 +1,40 @@
-"""The Flower ServerApp: rounds of local training on every client, aggregation of the encoder
-with Flower's strategy (``FedAdam`` or ``FedAvg`` from ``flwr.serverapp.strategy``), held-out
-evaluation of the new global encoder on every client, and a record of each completed round.
+"""The Flower ServerApp: rounds of local training on a seeded sample of the clients, aggregation of
+the encoder with Flower's strategy (``FedAdam``, ``FedAvg`` or ``FedProx`` from
+``flwr.serverapp.strategy``), held-out evaluation of the new global encoder on every client every
+``evaluate_every`` rounds and after the last, and a record of each completed round. The same
+ServerApp runs on Flower's simulation runtime and on its deployment engine.
 
 The round loop is written out (instead of ``Strategy.start``) so that a run can resume at round
 ``r + 1`` with the strategy's state as it was after round ``r`` (FedAdam's bias correction
-depends on the round number), write each round as it completes, and name the clients that did
-not reply. Sampling (``configure_train``/``configure_evaluate``) and aggregation
-(``aggregate_train``/``aggregate_evaluate``) are the strategy's own; replies are aggregated in
-client-id order so that a run is reproducible.
+depends on the round number; the DP accountant's state is in the round's record), write each
+round as it completes, and name the clients that did not reply. Which clients train is
+:func:`sample_clients` (seeded by (seed, round): Flower's own sampling is unseeded, which would
+break exact resume); the messages (``configure_train``/``configure_evaluate``) and the
+aggregation (``aggregate_train``/``aggregate_evaluate``) are the strategy's own; replies are
+aggregated in client-id order so that a run is reproducible.
+
+Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
+SuperLink) are asked once with a ``query`` message which client they are (and, with secure
+aggregation, for their public key). With differential privacy (:mod:`privacy`) the clients clip,
+the server adds noise to the uniform mean and the strategy steps from it; with secure aggregation
+(:mod:`secure_rounds`) the server sees masked updates and unmasks only their sum.
 
 What the server accepts from a client is checked (:mod:`speech_assets.federated.messages`): a
 reply must come from the node the message went to and name the client that node is (registered
 through node authentication, or bound by its first reply); it must hold exactly the encoder's
-tensors (names, shapes, dtype float32), the agreed metrics (finite, in range) and the client's
-id; the update must be finite and within ``max_update_norm`` of the global encoder. A reply that
-fails any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists
-the names and shapes of every record the server received. Aggregation weighs each client by what
-the server knows (``client_weights``, from the clients table), never by its own count.
+tensors (names, shapes, dtype float32; uint32 masked values with secure aggregation), the agreed
+metrics (finite, in range) and the client's id; the update must be finite and within
+``max_update_norm`` of the global encoder (not checkable when it is masked). A reply that fails
+any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists the
+names and shapes of every record the server received. Aggregation weighs each client by what the
+server knows (``client_weights``, from the clients table), never by its own count; uniformly
+with DP or secure aggregation.
 
 Every wait on clients has a deadline: for enough of them to be connected (``connect_timeout_s``,
 before training and before evaluation; Flower's own sampling would wait for ever, so the
 strategy samples from the nodes connected then) and for their replies (``round_timeout_s``).
-Clients that miss it count as missing for the round.
+Clients that miss it count as missing for the round: a client that drops out or joins late costs
+the round only its own share.
 """
 
 from __future__ import annotations
