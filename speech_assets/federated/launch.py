@@ -324,5 +324,6 @@ def _run_federation(
             f"see {paths.server_log} and {paths.flower_dir}"
         )
     result = json.loads(paths.result.read_text())
-    log(f"federated run {config.run_name} finished in {time.monotonic() - started:.0f} s (flwr run id {outcome.run_id})")
+    run_id = f" (flwr run id {outcome.run_id})" if outcome.run_id is not None else ""
+    log(f"federated run {config.run_name} finished in {time.monotonic() - started:.0f} s{run_id}")
     return result

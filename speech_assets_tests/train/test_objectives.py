@@ -81,3 +81,21 @@ def test_one_span_gives_length_minus_2r_leak_free_frames(small_corpus, heldout, 
         assert all(row["leak_free_masked_accuracy"] is None for row in result["per_client"].values())
     else:
         assert result["leak_free_masked_accuracy"] is not None
+
+
+def test_the_proximal_term_pulls_towards_the_reference_and_ignores_the_heads() -> None:
+    import torch
+
+    from speech_assets.train.objectives import proximal_term
+
+    model = torch.nn.ModuleDict({"encoder": torch.nn.Linear(3, 2), "heads": torch.nn.Linear(2, 4)})
+    reference = {name: p.detach().clone() for name, p in model.named_parameters() if not name.startswith("heads")}
+    assert float(proximal_term(model, reference, 0.5)) == 0.0
+    with torch.no_grad():
+        model["encoder"].weight.add_(1.0)
+        model["heads"].weight.add_(5.0)  # not in the reference: no pull
+    term = proximal_term(model, reference, 0.5)
+    assert float(term) == pytest.approx(0.5 / 2 * 6)  # six weights, each 1 away
+    term.backward()
+    assert torch.allclose(model["encoder"].weight.grad, torch.full((2, 3), 0.5))  # mu * (w - w_ref)
+    assert model["heads"].weight.grad is None
