@@ -1,8 +1,10 @@
 """Stage 4b: federated HuBERT-style pretraining with Flower (`federated_checkpoint`).
 
-Data and prediction heads never leave a client: one Flower SuperNode per client trains the shared
-encoder locally from the current global encoder, and a ServerApp aggregates only the encoder with
-FedAdam (or FedAvg), round after round. The centralised `pretrained_checkpoint` is the baseline.
+Data and prediction heads never leave a client: each sampled client trains the shared encoder
+locally from the current global encoder, and a ServerApp aggregates only the encoder with FedAdam
+(or FedAvg, FedProx), round after round; optionally with differential privacy and secure
+aggregation. Clients run on Flower's simulation runtime here, or on its deployment engine (local
+SuperNodes, or a remote SuperLink's). The centralised `pretrained_checkpoint` is the baseline.
 torch, flwr and mlflow are imported inside the asset, never when the code location loads.
 """
 
@@ -45,9 +47,10 @@ def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> 
 def federated_checkpoint(
     context: dg.AssetExecutionContext, config: FederatedOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
-    """Federated HuBERT-style pretraining with Flower: a SuperLink and one SuperNode per client (or an
-    existing SuperLink), local rounds on each client's own data with its own head,
-    FedAdam/FedAvg on the shared encoder only; resumes from its last completed round; MLflow."""
+    """Federated HuBERT-style pretraining with Flower (simulation runtime here, or a SuperLink and
+    SuperNodes): local rounds on a seeded sample of the clients, each on its own data with its own
+    head, FedAdam/FedAvg/FedProx on the shared encoder only, optional DP and secure aggregation;
+    resumes from its last completed round; MLflow."""
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
