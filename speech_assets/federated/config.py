@@ -180,8 +180,9 @@ class FederatedConfig:
             problems.append("dp_clipping_norm must be > 0")
         if not 0 < self.dp_delta < 1:
             problems.append("dp_delta must be in (0, 1)")
-        if self.secure_aggregation and self.sample_size < 2:
-            problems.append("secure_aggregation needs at least 2 clients per round (a sum of one is the update)")
+        if self.secure_aggregation and (self.sample_size < 2 or self.min_train_nodes == 1):
+            problems.append("secure_aggregation needs at least 2 clients per round and min_train_nodes 0 or >= 2 "
+                            "(a sum of one is the update)")
         for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")

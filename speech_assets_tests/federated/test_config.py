@@ -81,6 +81,7 @@ def test_flower_validates_the_app_description() -> None:
         ({"dp_delta": 1.0}, "dp_delta"),
         ({"proximal_mu": float("nan")}, "proximal_mu"),
         ({"secure_aggregation": True, "fraction_train": 0.25}, "secure_aggregation"),
+        ({"secure_aggregation": True, "min_train_nodes": 1}, "secure_aggregation"),
         ({"min_train_nodes": 3}, "min_train_nodes"),
         ({"rounds": 0}, "rounds"),
         ({"beta_2": 1.0}, "beta_2"),
