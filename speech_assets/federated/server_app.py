@@ -317,6 +317,11 @@ class Server:
         chosen = sorted(n for c in sampled if (n := self.binding.node_of(c)) is not None and n in nodes)
         if self.secure is not None:  # a client whose key did not arrive cannot be masked against
             chosen = [n for n in chosen if self.secure.has_key(str(self.binding.client_of(n)))]
+        if len(chosen) < config.required_clients:
+            unreachable = sorted(set(sampled) - {str(self.binding.client_of(n)) for n in chosen})
+            self.fail(round_number, f"round {round_number}: {len(chosen)} of {len(sampled)} clients replied when asked "
+                      f"who they are or are connected (missing: {', '.join(unreachable)}), fewer than the "
+                      f"{config.required_clients} a round needs", unreachable, failures)  # fmt: skip
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         bytes_down = array_bytes(arrays)
         local = ConfigRecord(config.local(round_number).to_record())
@@ -324,7 +329,8 @@ class Server:
             local[KEY_CLIPPING_NORM] = config.dp_clipping_norm
         if self.secure is not None:
             self.secure.configure(local, round_number, [self.binding.client_of(n) for n in chosen])
-        messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
+        with sampling_at_most(strategy, len(chosen)):  # Flower's sampling would wait for more, for ever
+            messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
         good, train_failures = self.exchange(messages, round_number, "train")
         failures += train_failures
         if self.secure is not None:
@@ -336,7 +342,7 @@ class Server:
         if len(good) < config.required_clients:
             self.fail(
                 round_number,
-                f"round {round_number}: {len(good)} of {len(sampled)} sampled clients replied "
+                f"round {round_number}: {len(good)} of {len(sampled)} clients replied "
                 f"(missing: {', '.join(missing) or 'none'}), fewer than the {config.required_clients} a round needs",
                 missing,
                 failures,

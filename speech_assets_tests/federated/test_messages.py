@@ -47,7 +47,7 @@ def serverapp_identity() -> Iterator[None]:
 
 def _config(run_dir: Path, **overrides: object) -> FederatedConfig:
     values: dict[str, object] = {"run_dir": str(run_dir), "run_name": run_dir.name, "clients": CLIENTS,
-                                 "round_timeout_s": 2.0, "connect_timeout_s": 1.0}  # fmt: skip
+                                 "round_timeout_s": 2.0, "connect_timeout_s": 1.0, "evaluate_every": 1}  # fmt: skip
     return FederatedConfig(**(values | overrides))  # type: ignore[arg-type]
 
 
