@@ -104,6 +104,7 @@ def build_inputs(root: Path) -> Path:
 def run_federated(data: Path, root: Path, engine: str, variant: str, args: argparse.Namespace) -> dict:
     from speech_assets.corpus.clients import heldout_of, read_clients
     from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.history import summarize_rounds
     from speech_assets.federated.launch import client_ids, client_weights, run_federation
 
     name = f"{engine}-{variant}".replace("+", "-")
@@ -126,18 +127,16 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
     records = [json.loads((run_dir / "rounds" / f"round_{r:05d}.json").read_text()) for r in range(1, args.rounds + 1)]
     cores = os.cpu_count() or 1
     per_round = []
-    for record in records:
+    for record, line in zip(records, summarize_rounds(records), strict=True):
         rows = record["rows"]
         busy = sum(row["seconds"] for row in rows)
         per_round.append({
-            "round": record["round"], "clients": len(rows), "sampled": len(record.get("sampled", rows)),
-            "round_seconds": record["round_seconds"], "slowest_client_seconds": record["slowest_client_seconds"],
-            "overhead": 1 - record["slowest_client_seconds"] / record["round_seconds"],
-            "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
-            "evaluated": record.get("evaluated", True),
-            "audio_seconds_per_second_per_client": sum(r.get("audio_seconds", 0.0) for r in rows) / max(busy, 1e-9),
-            "mb_up": sum(r["bytes_up"] for r in rows) / 1e6, "mb_down": sum(r["bytes_down"] for r in rows) / 1e6,
-            "epsilon": (record.get("privacy") or {}).get("epsilon"),
+            "round": line["round"], "clients": line["clients"], "sampled": line["sampled"],
+            "round_seconds": line["round_seconds"], "slowest_client_seconds": record["slowest_client_seconds"],
+            "overhead": line["overhead"], "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
+            "evaluated": record["evaluated"],
+            "audio_seconds_per_second_per_client": sum(r["audio_seconds"] for r in rows) / max(busy, 1e-9),
+            "mb_up": line["bytes_up"] / 1e6, "mb_down": line["bytes_down"] / 1e6, "epsilon": line["epsilon"],
         })  # fmt: skip
     steady = per_round[1:] or per_round
 

@@ -24,7 +24,6 @@ be unpredictable, so a re-run round draws other noise and DP runs do not repeat 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -35,16 +34,6 @@ from speech_assets.federated.config import FederatedConfig
 
 # the metric every DP reply carries as its (equal) weight for the uniform mean
 UNIFORM_WEIGHT = "uniform-weight"
-
-
-class NodeList:
-    """The nodes a strategy may sample, as Flower's ``sample_nodes`` reads them (``get_node_ids``)."""
-
-    def __init__(self, node_ids: Sequence[int]) -> None:
-        self.node_ids = list(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.node_ids)
 
 
 class Privacy:
@@ -63,9 +52,10 @@ class Privacy:
         if state:
             self.accountant.load_state_dict(state)
 
-    def noisy_mean(self, round_number: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:
+    def noisy_mean(self, round_number: int, arrays: ArrayRecord, replies: list[Message], nodes: Any) -> ArrayRecord:
         """The uniform mean of ``replies``' encoders (each already within the clipping norm of
-        ``arrays``, the global encoder) plus Gaussian noise; composes one release."""
+        ``arrays``, the global encoder) plus Gaussian noise; composes one release. ``nodes``: one
+        node id per reply, as a strategy samples them (``get_node_ids``)."""
         n = len(replies)
         for reply in replies:
             reply.content["metrics"][UNIFORM_WEIGHT] = 1.0
@@ -74,8 +64,7 @@ class Privacy:
             inner, self.config.dp_noise_multiplier, self.config.dp_clipping_norm, n, accountant=self.accountant
         )
         # registers the round's pending privacy event (the messages themselves are not sent)
-        nodes = [reply.metadata.src_node_id for reply in replies]
-        mechanism.configure_train(round_number, arrays, ConfigRecord(), NodeList(nodes))  # type: ignore[arg-type]
+        mechanism.configure_train(round_number, arrays, ConfigRecord(), nodes)
         noisy, _ = mechanism.aggregate_train(round_number, replies)
         for reply in replies:
             del reply.content["metrics"][UNIFORM_WEIGHT]

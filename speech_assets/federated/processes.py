@@ -43,6 +43,7 @@ from speech_assets.federated.config import NODES_FILE, NodeConfig
 from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
+from speech_assets.utils import atomic_write_text
 
 CONNECTION_NAME = "speech_assets"
 SUPERVISOR = "speech_assets.runtime.supervise"
@@ -416,7 +417,7 @@ def simulation_run(
     supervised process tree (Ray's processes included), followed like :func:`flwr_run`."""
     nodes_file = log_path.parent / "simulation_nodes.json"
     nodes_file.parent.mkdir(parents=True, exist_ok=True)
-    nodes_file.write_text(json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
+    atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
     command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file),
                "--cpus-per-client", str(cpus_per_client)]  # fmt: skip
     # every process of the tree (Ray's included) names the run in its environment, for flower_processes

@@ -415,12 +415,12 @@ class Server:
         replies = good
         if self.secure is not None:
             mean = self.secure.mean_update(round_number, good, self, failures)
-            model = {name: np.asarray(encoder[name] + mean[name], dtype=np.float32) for name in encoder}
-            replies = [synthetic_reply(model) for _ in good]
+            model = ArrayRecord({name: Array(np.asarray(encoder[name] + mean[name], dtype=np.float32)) for name in encoder})
+            # DP's mechanism averages n replies (its noise is z * C / n): n replies sharing the one mean
+            replies = [synthetic_reply(model) for _ in good] if self.privacy is not None else [synthetic_reply(model)]
         if self.privacy is not None:
-            replies = [synthetic_reply(self.privacy.noisy_mean(round_number, arrays, replies))]
-        elif self.secure is not None:
-            replies = replies[:1]
+            noisy = self.privacy.noisy_mean(round_number, arrays, replies, NodeSnapshot(range(1, len(replies) + 1)))
+            replies = [synthetic_reply(noisy)]
         aggregated, _ = strategy.aggregate_train(round_number, replies)
         if aggregated is None:
             self.fail(round_number, f"round {round_number}: the strategy returned no aggregate", [], failures)
