@@ -71,7 +71,7 @@ def run_once(base: TrainConfig, nproc: int, root: Path) -> dict[str, Any]:
         command = [sys.executable, "-m", "speech_assets.train", "--config", str(config_path)]
     else:
         command = build_torchrun_command(config_path, nproc, max_restarts=0)
-    env = torchrun_env() | {"PYTHONPATH": str(REPO)}
+    env = torchrun_env() | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if completed.returncode != 0:
         raise RuntimeError(f"nproc {nproc} failed:\n{completed.stderr[-4000:]}")
