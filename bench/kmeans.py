@@ -118,14 +118,17 @@ def shard_mfcc(directory: Path, num_frames: int) -> np.ndarray:
     """First ``num_frames`` MFCC frames of ``directory/*.parquet`` (raw), CMVN-normalised."""
     import pyarrow.parquet as pq
 
+    from speech_assets.features.shards import MFCC_DIM, blob_to_matrix, feature_dtype
+
     paths = sorted(p for p in directory.glob("*.parquet") if not p.name.endswith(".rejects.parquet"))
     if not paths:
         raise SystemExit(f"no feature shards (*.parquet) in {directory}")
     parts: list[np.ndarray] = []
     have = 0
     for path in paths:
-        for blob in pq.read_table(path, columns=["mfcc"]).column("mfcc").to_pylist():
-            mfcc = np.frombuffer(blob, dtype="<f4").reshape(-1, 39)
+        dtype = feature_dtype(path)  # float16 (format 2) or float32 (format 1) blobs
+        for blob in pq.read_table(path, columns=["mfcc"]).column("mfcc").combine_chunks():
+            mfcc = blob_to_matrix(blob, MFCC_DIM, dtype).astype(np.float32)
             parts.append(mfcc)
             have += len(mfcc)
             if have >= num_frames:

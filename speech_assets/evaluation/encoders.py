@@ -38,10 +38,11 @@ def load_utterances(shards: Sequence[str | os.PathLike[str]], transcripts: Mappi
     """Every utterance of ``shards`` that has a non-empty transcript, in shard then ``utt_id`` order."""
     found = []
     for shard in shards:
-        for record in iter_shard(shard, features=("logmel",)):
+        for record in iter_shard(shard, features=("logmel",), dtype=None):
             text = normalise(transcripts.get(record.utt_id) or "")
             if text and record.logmel is not None:
-                found.append(Utterance(record.utt_id, record.speaker_id, record.logmel.copy(), text))  # a copy: not a view into Arrow's buffers
+                # float32 as a copy (one conversion; never a view into Arrow's buffers)
+                found.append(Utterance(record.utt_id, record.speaker_id, record.logmel.astype(np.float32), text))
     return found
 
 

@@ -1,10 +1,22 @@
 """Feature shards: the on-disk format that k-means and training read.
 
 A shard is one Parquet file (zstd) with one row per kept utterance, sorted by ``utt_id``.
-Feature matrices are stored as little-endian float32 bytes of C-contiguous arrays
-(``logmel``: ``(num_frames, 80)``, ``mfcc``: ``(num_frames, 39)``), which read back with
-``np.frombuffer`` and no Python-level copying; nested list columns read several-fold slower
-(see docs/BENCHMARKS.md).
+Feature matrices are stored as binary blobs of C-contiguous arrays (``logmel``:
+``(num_frames, 80)``, ``mfcc``: ``(num_frames, 39)``), which read back with ``np.frombuffer``
+and no Python-level copying; nested list columns read several-fold slower (see
+docs/BENCHMARKS.md).
+
+Format versions, recorded in the Parquet key-value metadata (``speech_assets.shard_format``, and
+the blobs' numpy dtype in ``speech_assets.feature_dtype``):
+
+* 1 (shards written before issue 24, no key): little-endian float32 blobs (``<f4``);
+* 2 (written now, :data:`SHARD_FORMAT`): little-endian float16 blobs (``<f2``). Half the bytes;
+  k-means inertia and training loss are unchanged to 1e-4 (docs/BENCHMARKS.md).
+
+Readers find a shard's blob dtype with :func:`feature_dtype` (a shard of an unknown format is an
+error, never a guess) and view blobs in it (:func:`blob_to_matrix`); consumers that need float32
+convert once (``iter_shard(dtype=np.float32)``, the default, or CMVN's ``apply``, whose result is
+float32 whatever the input).
 
 Frame rate is 100 Hz: 25 ms windows (400 samples at 16 kHz), 10 ms hop (160 samples), no
 centring (Kaldi ``snip_edges``), so ``num_frames = 1 + (num_samples - 400) // 160``.
@@ -20,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file
@@ -31,6 +44,16 @@ FRAME_RATE_HZ = SAMPLE_RATE // HOP_LENGTH
 N_MELS = 80
 N_MFCC = 13
 MFCC_DIM = 3 * N_MFCC
+FEATURE_DIMS = {"logmel": N_MELS, "mfcc": MFCC_DIM}
+
+SHARD_FORMAT = 2
+"""The format :func:`write_shard` writes (see the module docstring)."""
+FEATURE_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
+"""Feature blob dtype of each shard format version this code reads."""
+FORMAT_KEY = b"speech_assets.shard_format"
+DTYPE_KEY = b"speech_assets.feature_dtype"
+FORMAT_ENV = "SPEECH_ASSETS_SHARD_FORMAT"
+"""Benchmarks only: ``1`` makes :func:`write_shard` write the float32 format, for comparisons."""
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -47,7 +70,57 @@ SHARD_SCHEMA = pa.schema(
         pa.field("mfcc", pa.binary(), nullable=False),
     ]
 )
-SCALAR_COLUMNS = tuple(f.name for f in SHARD_SCHEMA if f.name not in ("logmel", "mfcc"))
+SCALAR_COLUMNS = tuple(f.name for f in SHARD_SCHEMA if f.name not in FEATURE_DIMS)
+
+
+class ShardFormatError(ValueError):
+    """A shard whose format this code cannot read (newer or unknown): rebuild it or update the code."""
+
+
+def shard_schema(version: int = SHARD_FORMAT) -> pa.Schema:
+    """:data:`SHARD_SCHEMA` with the metadata of format ``version`` (none for version 1)."""
+    if version not in FEATURE_DTYPES:
+        raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
+    if version == 1:
+        return SHARD_SCHEMA
+    return SHARD_SCHEMA.with_metadata({FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()})
+
+
+def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
+    """The format version of a shard (a path, its open ``ParquetFile`` or its Arrow schema).
+
+    No key means version 1 (float32, before formats were recorded); a version this code does not
+    know, or a dtype key that contradicts the version, raises :class:`ShardFormatError`.
+    """
+    if isinstance(source, pa.Schema):
+        schema, where = source, "shard"
+    elif isinstance(source, pq.ParquetFile):
+        schema, where = source.schema_arrow, "shard"
+    else:
+        schema, where = pq.read_schema(source), str(source)
+    metadata = schema.metadata or {}
+    raw = metadata.get(FORMAT_KEY)
+    if raw is None:
+        version = 1
+    else:
+        try:
+            version = int(raw)
+        except ValueError:
+            version = -1
+        if version not in FEATURE_DTYPES:
+            raise ShardFormatError(
+                f"{where}: shard format {raw.decode(errors='replace')!r} is not one this code reads "
+                f"({', '.join(map(str, FEATURE_DTYPES))}); rebuild the shard or update speech_assets"
+            )
+    dtype = metadata.get(DTYPE_KEY)
+    if (dtype is not None or version > 1) and dtype != FEATURE_DTYPES[version].str.encode():
+        raise ShardFormatError(f"{where}: shard format {version} with feature dtype {dtype!r}, expected {FEATURE_DTYPES[version].str!r}")
+    return version
+
+
+def feature_dtype(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> np.dtype:
+    """The numpy dtype of a shard's feature blobs (``<f4`` for format 1, ``<f2`` for 2)."""
+    return FEATURE_DTYPES[shard_format(source)]
 
 
 def num_frames_for(num_samples: int) -> int:
@@ -59,7 +132,12 @@ def num_frames_for(num_samples: int) -> int:
 
 @dataclass
 class FeatureRecord:
-    """One utterance's features. ``logmel``: ``(T, 80)`` float32, ``mfcc``: ``(T, 39)`` float32."""
+    """One utterance's features: ``logmel`` ``(T, 80)``, ``mfcc`` ``(T, 39)``.
+
+    Float32 as computed (and as :func:`iter_shard` returns them by default); with
+    ``iter_shard(dtype=None)`` they are read-only views in the shard's stored dtype (float16 for
+    format 2). ``None`` when not read.
+    """
 
     utt_id: str
     speaker_id: str
@@ -74,36 +152,84 @@ class FeatureRecord:
     mfcc: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name, dim in (("logmel", N_MELS), ("mfcc", MFCC_DIM)):
+        for name, dim in FEATURE_DIMS.items():
             value = getattr(self, name)
             if value is not None and value.shape != (self.num_frames, dim):
                 raise ValueError(f"{self.utt_id}: {name} has shape {value.shape}, expected ({self.num_frames}, {dim})")
 
 
-def records_to_table(records: Sequence[FeatureRecord]) -> pa.Table:
-    """Build a shard table (rows sorted by ``utt_id``) from records that carry both matrices."""
+def to_stored(matrix: np.ndarray, version: int = SHARD_FORMAT) -> np.ndarray:
+    """``matrix`` as a shard of format ``version`` stores it (float16 for format 2): what readers
+    will see. ``ValueError`` if a value is not finite there (NaN, inf, or beyond float16's 65504)."""
+    with np.errstate(over="ignore"):
+        stored = np.asarray(matrix, dtype=FEATURE_DTYPES[version])
+    if not np.isfinite(stored).all():
+        raise ValueError(f"features not finite in {FEATURE_DTYPES[version]} (NaN, inf or out of range)")
+    return stored
+
+
+_MAX_CHUNK_BYTES = 2**31 - 1  # a BinaryArray's int32 offsets
+
+
+def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype) -> pa.ChunkedArray:
+    """One binary column from a single numpy buffer per chunk (no per-row ``bytes`` objects)."""
+    dim = FEATURE_DIMS[name]
+    matrices = []
+    for record in ordered:
+        matrix = getattr(record, name)
+        if matrix is None:
+            raise ValueError(f"{record.utt_id}: {name} missing, cannot write shard")
+        matrices.append(matrix)
+    row_bytes = np.array([m.shape[0] * dim * dtype.itemsize for m in matrices], dtype=np.int64)
+    chunks, start = [], 0
+    while start < len(matrices) or not chunks:
+        end = start
+        total = 0
+        while end < len(matrices) and (end == start or total + row_bytes[end] <= _MAX_CHUNK_BYTES):
+            total += int(row_bytes[end])
+            end += 1
+        values = np.empty((int(sum(m.shape[0] for m in matrices[start:end])), dim), dtype=dtype)
+        row = 0
+        with np.errstate(over="ignore"):  # overflow to inf is reported below, with the utterance
+            for matrix in matrices[start:end]:
+                values[row : row + matrix.shape[0]] = matrix  # the one cast to the stored dtype
+                row += matrix.shape[0]
+        if not np.isfinite(values).all():
+            bounds = np.cumsum([0, *(m.shape[0] for m in matrices[start:end])])
+            bad = next(r.utt_id for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True) if not np.isfinite(values[a:b]).all())
+            raise ValueError(f"{bad}: {name} is not finite in {dtype} (NaN, inf or beyond its range), cannot write shard")
+        offsets = np.zeros(end - start + 1, dtype=np.int32)
+        np.cumsum(row_bytes[start:end], out=offsets[1:])
+        chunks.append(pa.BinaryArray.from_buffers(pa.binary(), end - start, [None, pa.py_buffer(offsets), pa.py_buffer(values)]))
+        start = end
+    return pa.chunked_array(chunks, type=pa.binary())
+
+
+def records_to_table(records: Sequence[FeatureRecord], version: int = SHARD_FORMAT) -> pa.Table:
+    """Build a shard table of format ``version`` (rows sorted by ``utt_id``, the format in its
+    schema metadata) from records that carry both matrices."""
+    schema = shard_schema(version)
     ordered = sorted(records, key=lambda r: r.utt_id)
-    columns: dict[str, list] = {name: [getattr(r, name) for r in ordered] for name in SCALAR_COLUMNS}
-    columns["logmel"] = [_to_blob(r.logmel, r.utt_id, "logmel") for r in ordered]
-    columns["mfcc"] = [_to_blob(r.mfcc, r.utt_id, "mfcc") for r in ordered]
-    return pa.Table.from_pydict(columns, schema=SHARD_SCHEMA)
-
-
-def _to_blob(matrix: np.ndarray | None, utt_id: str, name: str) -> bytes:
-    if matrix is None:
-        raise ValueError(f"{utt_id}: {name} missing, cannot write shard")
-    return np.ascontiguousarray(matrix, dtype="<f4").tobytes()
+    columns = [pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS]
+    features = [_feature_column(ordered, name, FEATURE_DTYPES[version]) for name in FEATURE_DIMS]
+    return pa.Table.from_arrays([*columns, *features], schema=schema)
 
 
 ROW_GROUP_ROWS = 32
 """Utterances per Parquet row group: the unit a reader decompresses. Small enough that the
-training loader caches a window of many blocks (~13 MB each at LibriSpeech lengths) and each
-block is used for whole batches (see train/sampling.py); large enough to compress well."""
+training loader caches a window of many blocks (~6.5 MB each in float16 at LibriSpeech lengths)
+and each block is used for whole batches (see train/sampling.py); large enough to compress well."""
 
 
-def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord], row_group_rows: int = ROW_GROUP_ROWS) -> Path:
-    """Write ``records`` atomically as a shard at ``path``. Byte-identical for identical input."""
-    table = records_to_table(records)
+def write_shard(
+    path: str | os.PathLike[str], records: Sequence[FeatureRecord], row_group_rows: int = ROW_GROUP_ROWS,
+    version: int | None = None,
+) -> Path:  # fmt: skip
+    """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`,
+    or ``$SPEECH_ASSETS_SHARD_FORMAT`` for benchmarks) at ``path``. Byte-identical for identical input."""
+    if version is None:
+        version = int(os.environ.get(FORMAT_ENV, SHARD_FORMAT))
+    table = records_to_table(records, version)
     path = Path(path)
     with atomic_path(path) as tmp:
         pq.write_table(
@@ -119,36 +245,72 @@ def write_shard(path: str | os.PathLike[str], records: Sequence[FeatureRecord], 
 
 
 def read_shard_table(path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> pa.Table:
-    """Read a shard (or some of its columns) as a pyarrow Table."""
-    return pq.read_table(path, columns=list(columns) if columns is not None else None)
+    """Read a shard (or some of its columns) as a pyarrow Table; its blobs are of dtype
+    ``feature_dtype(table.schema)`` (the schema keeps the format metadata)."""
+    table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+    shard_format(table.schema)  # an unknown format fails here, not as garbage later
+    return table
 
 
-def blob_to_matrix(blob: bytes | memoryview | pa.Scalar, dim: int) -> np.ndarray:
-    """View a float32 feature blob as a ``(T, dim)`` array (zero-copy when possible)."""
+def blob_to_matrix(blob: bytes | memoryview | pa.Buffer | pa.Scalar, dim: int, dtype: np.dtype | str) -> np.ndarray:
+    """One feature blob of ``dtype`` (the shard's :func:`feature_dtype`) as a read-only ``(T, dim)``
+    array: a view of ``bytes``/buffers; a ``pa.Scalar``'s buffer is a copy (pyarrow copies binary
+    scalars), so read whole columns with :func:`blob_matrices`."""
     buffer = blob.as_buffer() if isinstance(blob, pa.Scalar) else blob
-    return np.frombuffer(buffer, dtype="<f4").reshape(-1, dim)
+    return np.frombuffer(buffer, dtype=dtype).reshape(-1, dim)
+
+
+def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype | str) -> list[np.ndarray]:
+    """Every blob of a binary column as a read-only ``(T, dim)`` array of ``dtype``: views into the
+    column's value buffer, no copy (they keep the buffer alive)."""
+    if isinstance(blobs, pa.ChunkedArray):
+        blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
+    if len(blobs) == 0:
+        return []
+    _, offsets, values = blobs.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
+    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
+    data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
+    return [data[start:end].view(dtype).reshape(-1, dim) for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
+
+
+def check_blob_lengths(blobs: pa.Array | pa.ChunkedArray, num_frames: np.ndarray, dim: int, dtype: np.dtype, where: str = "shard") -> None:
+    """``ValueError`` unless every blob holds ``num_frames * dim`` values of ``dtype`` (a blob of
+    another dtype, e.g. float32 bytes read as float16, has the wrong length)."""
+    lengths = pc.binary_length(blobs).to_numpy(zero_copy_only=False)
+    expected = np.asarray(num_frames, dtype=np.int64) * dim * np.dtype(dtype).itemsize
+    if not np.array_equal(lengths, expected):
+        row = int(np.flatnonzero(lengths != expected)[0])
+        raise ValueError(f"{where}: row {row} has {lengths[row]} feature bytes, expected {expected[row]} ({dim} x {np.dtype(dtype)} per frame)")
 
 
 def iter_shard(
-    path: str | os.PathLike[str], features: Sequence[str] = ("logmel", "mfcc")
+    path: str | os.PathLike[str], features: Sequence[str] = ("logmel", "mfcc"), dtype: np.dtype | type | str | None = np.float32,
 ) -> Iterator[FeatureRecord]:
     """Stream a shard's utterances in ``utt_id`` order, row group by row group.
 
     ``features`` selects which matrices to decode (``()`` reads only the scalar columns).
-    The arrays are read-only views into Arrow buffers; copy them before writing in place.
+    ``dtype``: the matrices' dtype, float32 by default (converted once from float16 shards, a
+    view of float32 ones); ``None`` gives read-only views of the stored blobs, no copy (float16
+    for format 2) for consumers that take float16 (anything that goes through CMVN's ``apply``).
+    Views are read-only; copy them before writing in place.
     """
-    unknown = set(features) - {"logmel", "mfcc"}
+    unknown = set(features) - set(FEATURE_DIMS)
     if unknown:
         raise ValueError(f"unknown feature columns: {sorted(unknown)}")
-    dims = {"logmel": N_MELS, "mfcc": MFCC_DIM}
     parquet = pq.ParquetFile(path)
+    stored = feature_dtype(parquet)  # also for scalars only: an unknown format is never read
     columns = [*SCALAR_COLUMNS, *features]
     for group in range(parquet.num_row_groups):
         table = parquet.read_row_group(group, columns=columns)
         scalars = {name: table.column(name).to_pylist() for name in SCALAR_COLUMNS}
-        blobs = {name: table.column(name).combine_chunks() for name in features}
+        views = {name: blob_matrices(table.column(name), FEATURE_DIMS[name], stored) for name in features}
         for row in range(table.num_rows):
-            matrices = {name: blob_to_matrix(blobs[name][row], dims[name]) for name in features}
+            matrices = {}
+            for name in features:
+                matrix = views[name][row]
+                matrices[name] = matrix if dtype is None else matrix.astype(dtype, copy=False)
+            # FeatureRecord checks each shape against num_frames: a blob misread in the wrong dtype fails here
             yield FeatureRecord(**{name: scalars[name][row] for name in SCALAR_COLUMNS}, **matrices)
 
 

@@ -62,7 +62,7 @@ def build_client_targets(
     fit_frames = [
         client_cmvn.apply(record.mfcc, "mfcc")
         for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed).items())
-        for record in iter_shard(fit_paths[shard_number], features=("mfcc",))
+        for record in iter_shard(fit_paths[shard_number], features=("mfcc",), dtype=None)  # stored float16: apply() gives float32
         if record.utt_id in utt_ids
     ]
     frames = np.concatenate(fit_frames, axis=0)
@@ -154,7 +154,7 @@ def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.Code
     """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
     items: list[UtteranceLabels] = []
     for path in shard_paths:
-        records = list(iter_shard(path, features=("mfcc",)))
+        records = list(iter_shard(path, features=("mfcc",), dtype=None))  # views as stored, float32 after CMVN
         frames_per_utt = [client_cmvn.apply(record.mfcc, "mfcc") for record in records]
         labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(frames_per_utt, index)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):

@@ -79,7 +79,7 @@ def build_iter2_targets(
     for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed, model_rate=True).items()):
         feats = [
             cmvn.apply(r.logmel, "logmel")
-            for r in iter_shard(fit_paths[shard_number], features=("logmel",))
+            for r in iter_shard(fit_paths[shard_number], features=("logmel",), dtype=None)  # apply() gives float32
             if r.utt_id in utt_ids
         ]
         fit_parts += layer_frames(model, feats, layer)
@@ -95,7 +95,7 @@ def build_iter2_targets(
     quality = kmeans.QualityAccumulator(k_used)
     items: list[UtteranceLabels] = []
     for path in shard_paths:
-        records = list(iter_shard(path, features=("logmel",)))
+        records = list(iter_shard(path, features=("logmel",), dtype=None))
         hidden = layer_frames(model, [cmvn.apply(r.logmel, "logmel") for r in records], layer)
         labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(hidden, codebook)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):

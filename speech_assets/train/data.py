@@ -4,7 +4,8 @@ duration.
 
 Only scalar columns are read up front (``utt_id``, ``num_frames`` and the labels files), so the
 index of a large corpus stays small; feature matrices are read one Parquet row group at a time
-through a small per-process LRU cache.
+through a small per-process LRU cache, which holds them as stored (float16 in format-2 shards:
+half the memory); each utterance becomes float32 once, when CMVN is applied to it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
 from speech_assets.features.cmvn import Normaliser
-from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_to_matrix, read_shard_table
+from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_matrices, check_blob_lengths, feature_dtype, read_shard_table
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.targets.labels import read_labels
 from speech_assets.train.augment import Augmenter
@@ -251,8 +251,8 @@ class UtteranceDataset(Dataset[Example]):
         self.epoch = 0
         self.augment = augment if augment is not None and augment.options.enabled else None
         self._by_client: dict[int, list[int]] | None = None
-        self._cache: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
-        # read amplification = bytes_decompressed / bytes_delivered (log-mel bytes, per process)
+        self._cache: OrderedDict[tuple[int, int], list[np.ndarray]] = OrderedDict()
+        # read amplification = bytes_decompressed / bytes_delivered (stored log-mel bytes, per process)
         self.bytes_decompressed = 0
         self.bytes_delivered = 0
 
@@ -269,14 +269,14 @@ class UtteranceDataset(Dataset[Example]):
 
     def __getitem__(self, item: int) -> Example:
         ref = self.utterances[item]
-        logmel = blob_to_matrix(self._row_group(ref.shard, ref.row_group)[ref.row], N_MELS)
+        logmel = self.logmel(ref)  # as stored: a float16 view of the cached block for format-2 shards
         labels = align_labels(self.index.labels[ref.client][ref.utt_id], logmel.shape[0], ref.utt_id)
         start = crop_start(ref.utt_id, logmel.shape[0], self.max_frames, self.seed, self.epoch)
         logmel = logmel[start : start + self.max_frames]
+        self.bytes_delivered += logmel.nbytes
         if self.augment is not None:  # noise on the raw log-mel, SpecAugment after CMVN: same frames
-            logmel = self.augment.noise(logmel, ref.utt_id, self.epoch, lambda _, rng, count: self._babble(item, rng, count))
-        feats = self.cmvn.apply(logmel, "logmel")
-        self.bytes_delivered += feats.nbytes
+            logmel = self.augment.noise(logmel.astype(np.float32), ref.utt_id, self.epoch, lambda _, rng, count: self._babble(item, rng, count))
+        feats = self.cmvn.apply(logmel, "logmel")  # float32 (the one conversion)
         labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
         tensor = torch.from_numpy(feats)
         if self.augment is not None:
@@ -291,23 +291,31 @@ class UtteranceDataset(Dataset[Example]):
                 self._by_client.setdefault(ref.client, []).append(i)
         others = [i for i in self._by_client[self.utterances[item].client] if i != item]
         chosen = rng.choice(len(others), size=min(count, len(others)), replace=False) if others else []
-        return [
-            blob_to_matrix(self._row_group(o.shard, o.row_group)[o.row], N_MELS)
-            for o in (self.utterances[others[int(i)]] for i in chosen)
-        ]
+        return [self.logmel(self.utterances[others[int(i)]]) for i in chosen]
 
-    def _row_group(self, shard: int, group: int) -> pa.Array:
+    def logmel(self, ref: UtteranceRef) -> np.ndarray:
+        """``ref``'s whole raw log-mel ``(T, 80)`` in the shard's stored dtype: a read-only view
+        into the cached row group (float16 for format-2 shards, float32 for format 1)."""
+        return self._row_group(ref.shard, ref.row_group)[ref.row]
+
+    def _row_group(self, shard: int, group: int) -> list[np.ndarray]:
+        """A row group's log-mel matrices, views into its decompressed blobs (read once while cached)."""
         key = (shard, group)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        table = pq.ParquetFile(self.index.shards[shard]).read_row_group(group, columns=["logmel"])
+        path = self.index.shards[shard]
+        parquet = pq.ParquetFile(path)
+        dtype = feature_dtype(parquet)
+        table = parquet.read_row_group(group, columns=["num_frames", "logmel"])
         column = table.column("logmel").combine_chunks()
+        check_blob_lengths(column, table.column("num_frames").to_numpy(), N_MELS, dtype, f"{path} row group {group}")
         self.bytes_decompressed += column.nbytes
-        self._cache[key] = column
+        matrices = blob_matrices(column, N_MELS, dtype)
+        self._cache[key] = matrices
         while len(self._cache) > self.cached_row_groups:
             self._cache.popitem(last=False)
-        return column
+        return matrices
 
     def __getstate__(self) -> dict[str, object]:
         # DataLoader workers start with an empty cache instead of pickling Arrow buffers.

@@ -1,13 +1,15 @@
-"""Atomic writes, shard round trip and CMVN partial sums."""
+"""Atomic writes, shard round trip and format versions (float16 now, float32 before), CMVN partial sums."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.features import cmvn
+from speech_assets.features import cmvn, shards
 from speech_assets.features.shards import FeatureRecord, iter_shard, num_frames_for, write_shard
 from speech_assets.utils import atomic_path, sha256_file
 
@@ -38,10 +40,81 @@ def test_shard_round_trip_and_determinism(tmp_path: Path) -> None:
     assert sha256_file(tmp_path / "one.parquet") == sha256_file(tmp_path / "two.parquet")
     back = list(iter_shard(tmp_path / "one.parquet"))
     assert [r.utt_id for r in back] == ["a", "b"]
-    np.testing.assert_array_equal(back[1].logmel, records[0].logmel)
-    np.testing.assert_array_equal(back[1].mfcc, records[0].mfcc)
+    assert back[1].logmel.dtype == np.float32 and back[1].mfcc.dtype == np.float32  # the default
+    # stored as float16: what comes back is the record rounded through float16, exactly
+    np.testing.assert_array_equal(back[1].logmel, records[0].logmel.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(back[1].mfcc, records[0].mfcc.astype(np.float16).astype(np.float32))
     scalars_only = next(iter_shard(tmp_path / "one.parquet", features=()))
     assert scalars_only.logmel is None and scalars_only.num_frames == 3
+    write_shard(tmp_path / "empty.parquet", [])
+    assert list(iter_shard(tmp_path / "empty.parquet")) == [] and shards.shard_format(tmp_path / "empty.parquet") == shards.SHARD_FORMAT
+
+
+def test_shards_record_their_format_and_float16_reads_without_a_copy(tmp_path: Path) -> None:
+    path = write_shard(tmp_path / "s.parquet", [record("a", 40, 0), record("b", 9, 1)])
+    metadata = pq.read_metadata(path).metadata
+    assert metadata[b"speech_assets.shard_format"] == b"2" and metadata[b"speech_assets.feature_dtype"] == b"<f2"
+    assert shards.feature_dtype(path) == np.float16
+    assert pq.read_metadata(path).num_row_groups == 1 and path.stat().st_size < 40 * 119 * 4  # half of float32, before zstd
+    table = shards.read_shard_table(path, columns=["utt_id", "logmel"])
+    assert shards.feature_dtype(table.schema) == np.float16  # the metadata survives a column projection
+    blobs = table.column("logmel").combine_chunks()
+    view = shards.blob_matrices(blobs, shards.N_MELS, shards.feature_dtype(table.schema))[0]
+    assert view.dtype == np.float16 and view.shape == (40, 80) and not view.flags.writeable
+    assert np.shares_memory(view, np.frombuffer(blobs.buffers()[2], np.uint8))  # a view of Arrow's buffer
+    stored = next(iter_shard(path, features=("logmel",), dtype=None))
+    assert stored.logmel.dtype == np.float16 and stored.mfcc is None and not stored.logmel.flags.writeable
+    np.testing.assert_array_equal(stored.logmel, record("a", 40, 0).logmel.astype(np.float16))
+
+
+def write_version1_shard(path: Path, records: list[FeatureRecord]) -> Path:
+    """A shard as written before formats were recorded: float32 blobs, no format metadata."""
+    columns = {name: [getattr(r, name) for r in records] for name in shards.SCALAR_COLUMNS}
+    for name in ("logmel", "mfcc"):
+        columns[name] = [np.ascontiguousarray(getattr(r, name), dtype="<f4").tobytes() for r in records]
+    pq.write_table(pa.Table.from_pydict(columns, schema=shards.SHARD_SCHEMA), path, compression="zstd")
+    return path
+
+
+def test_version1_float32_shards_read_as_float32(tmp_path: Path) -> None:
+    records = [record("a", 6, 3), record("b", 11, 4)]
+    path = write_version1_shard(tmp_path / "old.parquet", records)
+    assert shards.shard_format(path) == 1 and shards.feature_dtype(path) == np.float32
+    for dtype in (np.float32, None):  # a view of the float32 blobs either way, never reinterpreted as float16
+        back = list(iter_shard(path, dtype=dtype))
+        assert [r.logmel.dtype for r in back] == [np.float32, np.float32]
+        np.testing.assert_array_equal(back[1].logmel, records[1].logmel)
+        np.testing.assert_array_equal(back[1].mfcc, records[1].mfcc)
+    # writing format 1 on request (benchmarks) gives the same values back
+    write_shard(tmp_path / "v1.parquet", records, version=1)
+    assert shards.shard_format(tmp_path / "v1.parquet") == 1
+    np.testing.assert_array_equal(next(iter_shard(tmp_path / "v1.parquet")).mfcc, records[0].mfcc)
+
+
+def test_unknown_or_inconsistent_formats_are_refused(tmp_path: Path) -> None:
+    table = shards.records_to_table([record("a", 5, 0)])
+    newer = table.replace_schema_metadata({**table.schema.metadata, b"speech_assets.shard_format": b"3"})
+    pq.write_table(newer, tmp_path / "newer.parquet")
+    for read in (shards.shard_format, shards.read_shard_table, lambda p: list(iter_shard(p, features=()))):
+        with pytest.raises(shards.ShardFormatError, match="'3' is not one this code reads"):
+            read(tmp_path / "newer.parquet")
+    lying = table.replace_schema_metadata({**table.schema.metadata, b"speech_assets.feature_dtype": b"<f4"})
+    with pytest.raises(shards.ShardFormatError, match="feature dtype"):
+        shards.feature_dtype(lying.schema)
+    # float16 blobs that lost the metadata would read as format 1: their length gives them away
+    pq.write_table(table.replace_schema_metadata(None), tmp_path / "stripped.parquet")
+    with pytest.raises(ValueError, match="shape"):
+        list(iter_shard(tmp_path / "stripped.parquet"))
+    with pytest.raises(ValueError, match="feature bytes"):
+        shards.check_blob_lengths(table.column("logmel"), np.array([5]), shards.N_MELS, np.dtype("<f4"))
+
+
+def test_features_that_float16_cannot_hold_are_not_written(tmp_path: Path) -> None:
+    loud = record("a", 4, 0)
+    loud.logmel[2, 3] = 70000.0  # beyond float16's 65504: would be stored as inf
+    with pytest.raises(ValueError, match="a: logmel is not finite"):
+        write_shard(tmp_path / "x.parquet", [record("b", 3, 1), loud])
+    assert not (tmp_path / "x.parquet").exists()
 
 
 def test_record_shape_is_validated() -> None:

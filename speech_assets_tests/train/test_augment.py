@@ -7,7 +7,6 @@ import soundfile as sf
 import torch
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.features.shards import N_MELS, blob_to_matrix
 from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.augment import Augmentation, Augmenter, coloured_noise, mix_at_snr, utterance_rng
 from speech_assets.train.data import UtteranceDataset, build_index
@@ -160,8 +159,7 @@ def test_dataset_augments_features_and_keeps_targets_aligned(corpus: SyntheticCo
 def test_babble_comes_from_the_same_client_only(corpus: SyntheticCorpus) -> None:
     dataset = _dataset(corpus, Augmentation(noise="babble", noise_prob=1.0))
     raw = {
-        ref.utt_id: (ref.client, blob_to_matrix(dataset._row_group(ref.shard, ref.row_group)[ref.row], N_MELS))
-        for ref in dataset.utterances
+        ref.utt_id: (ref.client, dataset.logmel(ref)) for ref in dataset.utterances
     }
     for item in (0, len(dataset) - 1):
         talkers = dataset._babble(item, utterance_rng(0, 0, "x", "noise"), 3)
