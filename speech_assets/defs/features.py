@@ -24,7 +24,7 @@ from speech_assets.defs.progress import ProgressLog
 from speech_assets.utils import atomic_path, from_fields, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
-FEATURES_CODE_VERSION = "vad-features-v2"  # v2: 32-row row groups
+FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
