@@ -28,9 +28,25 @@ from speech_assets.corpus.manifest import corpus_fingerprint
 from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
+# How often the daemon evaluates the two sensors (issue 24, docs/BENCHMARKS.md). Fresh audio takes
+# three corpus_sensor hops (manifest, speaker_manifest, vad_features) and two or three automation
+# hops (cmvn_stats + client_partitions, kmeans_targets, dataset_stats); each waits for the next
+# evaluation, so at 60 s the waits, not the work, were most of the 281-321 s a new speaker took
+# to reach dataset_stats. The daemon's sensor and automation loops come round every 5 s, and a
+# sensor is skipped while less than its minimum interval has passed since its last tick *ended*:
+# 5 would skip every other loop, so 2 means "every loop", one tick per ~5 s. What that costs
+# while nothing changes: corpus_sensor stats every corpus file (milliseconds for 200 files,
+# ~1-2 s for 10,000: raise it for large corpora); an automation tick evaluates every asset's
+# condition in the daemon (measured in docs/BENCHMARKS.md). Override without a code change:
+CORPUS_SENSOR_INTERVAL_S = int(os.environ.get("SPEECH_ASSETS_CORPUS_SENSOR_INTERVAL_S", "2"))
+AUTOMATION_INTERVAL_S = int(os.environ.get("SPEECH_ASSETS_AUTOMATION_INTERVAL_S", "2"))
+# The sensors' runs are small and many: their steps run in the run worker, not in forked step
+# processes (see speech_assets/defs/runs.py; training, in a pool, keeps its own processes).
+SENSOR_RUN_TAGS = {IN_PROCESS_TAG: "true"}
 MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
 
 
@@ -54,7 +70,7 @@ def stale_speakers(paths: StoragePaths) -> dict[str, str]:
 
 @dg.sensor(
     name="corpus_sensor",
-    minimum_interval_seconds=60,
+    minimum_interval_seconds=CORPUS_SENSOR_INTERVAL_S,
     default_status=dg.DefaultSensorStatus.STOPPED,
     target=["manifest", "speaker_manifest", "vad_features"],
     description="Watches the corpus for new or changed audio and requests only the work it implies.",
@@ -67,7 +83,7 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
     seen = latest_metadata(context.instance, "manifest").get("corpus_fingerprint")
     if seen != fingerprint:
         return dg.SensorResult(
-            run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")])],
+            run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")], tags=SENSOR_RUN_TAGS)],
             cursor=cursor,
         )
     failed = _failed_manifest_checks(context.instance)
@@ -92,7 +108,7 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
                 dg.RunRequest(
                     run_key=f"speaker_manifest:{manifest_event}",
                     asset_selection=[dg.AssetKey("speaker_manifest")],
-                    tags={PARTITION_RANGE_START: order[0], PARTITION_RANGE_END: order[-1]},
+                    tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: order[0], PARTITION_RANGE_END: order[-1]},
                 )
             ],
             cursor=cursor,
@@ -106,7 +122,7 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             dg.RunRequest(
                 run_key=f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys),
                 asset_selection=[dg.AssetKey("vad_features")],
-                tags={PARTITION_RANGE_START: first, PARTITION_RANGE_END: last},
+                tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: first, PARTITION_RANGE_END: last},
             )
             for first, last, keys in contiguous_ranges(order, set(stale))
         ],
@@ -161,5 +177,6 @@ automation_sensor = dg.AutomationConditionSensorDefinition(
     "speech_assets_automation",
     target=dg.AssetSelection.all(),
     default_status=dg.DefaultSensorStatus.STOPPED,
-    minimum_interval_seconds=60,
+    minimum_interval_seconds=AUTOMATION_INTERVAL_S,
+    run_tags=SENSOR_RUN_TAGS,
 )

@@ -108,6 +108,22 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
     return reaped
 
 
+# Runs tagged ``IN_PROCESS_TAG: "true"`` (the sensors' runs: speech_assets/defs/automation.py) run
+# their steps one after another in the run worker instead of in forked step processes: a
+# worker that has imported the code location then saves starting a forkserver that imports it
+# and torch again (seconds on 2 cores, more than the small runs fresh data needs take to do their
+# work; docs/BENCHMARKS.md, issue 24). Runs with a step in a pool (training: `training`) still get
+# their own step processes, whoever launched them.
+IN_PROCESS_TAG = "speech_assets/in_process"
+
+
+def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:
+    """Whether ``run`` executes its steps in its worker (see ``IN_PROCESS_TAG``)."""
+    if run.tags.get(IN_PROCESS_TAG) != "true":
+        return False
+    return not any(step.pool for step in execution_plan.get_steps_to_execute_in_topo_order())
+
+
 # --- without a daemon: the default executor reaps before it claims slots ---------------------
 
 
@@ -120,6 +136,12 @@ def _reaping_executor_class():
         def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
             record_run_worker(plan_context.instance, plan_context.dagster_run)
             reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
+            if runs_in_process(plan_context.dagster_run, execution_plan):
+                from dagster._core.executor.in_process import InProcessExecutor
+
+                in_process = InProcessExecutor(retries=self._retries, step_dependency_config=self._step_dependency_config)
+                yield from in_process.execute(plan_context, execution_plan)
+                return
             try:
                 yield from super().execute(plan_context, execution_plan)
             finally:
