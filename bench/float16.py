@@ -1,26 +1,30 @@
-"""Would float16 feature storage pay? Disk saved, k-means inertia and training loss, in one run.
+"""float16 (shard format 2) against float32 (format 1) shards, in one run: disk, read-back, k-means, training.
 
+    SPEECH_ASSETS_SHARD_FORMAT=1 ...build a data dir...        # float32 shards to start from
     python bench/float16.py --data /big/disk/scale_run/data --speakers 40 --steps 150
+    python bench/float16.py --shards /some/float32/shards      # disk, read-back, k-means only
 
-On real shards of a built data dir (the first ``--speakers`` shards):
+The source shards must be float32 (format 1: shards built before issue 24, or with
+``SPEECH_ASSETS_SHARD_FORMAT=1``); each is rewritten twice with ``write_shard`` (same settings: zstd
+level 1, 32-row groups), as format 1 and as format 2, and every figure compares the two:
 
-* disk: each shard rewritten with float16 feature blobs (same writer settings: zstd level 1,
-  32-row groups) against the shard as built (float32 blobs);
-* k-means: K=100 on the CMVN-normalised MFCC frames of those speakers, fitted on the float32
-  frames and on the same frames rounded through float16 (same seed, same sample); both
-  codebooks are scored on the float32 frames;
-* training: the tiny model, one process, ``--steps`` steps from the same seed on the shards as
-  built and on shards whose log-mel and MFCC were rounded through float16 (stored as float32,
-  so the loader is unchanged and only the rounding differs); the mean loss of the last 20 %
-  of steps is compared.
+* disk: shard bytes per hour of audio (original duration, before VAD);
+* read-back: ``iter_shard`` as float32 (what most consumers take: a view of format 1, one
+  conversion of format 2) and as stored (``dtype=None``: a view either way), best of 3;
+* k-means: K=``--k`` on the CMVN-normalised MFCC frames (CMVN of the float32 frames), fitted on
+  each format's frames (same seed, same sample); both codebooks are scored on the float32 frames;
+* training (``--data`` only): the tiny model, one process, ``--steps`` steps from the same seed
+  with the data dir's newest training config on each format's shards; the mean loss of the last
+  20 % of logged steps is compared.
 
-The issue's bar for adopting float16: k-means inertia and training loss within 0.5 %.
+The issue's bar for float16: k-means inertia and training loss within 0.5 %.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -30,46 +34,36 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from speech_assets.features.cmvn import Cmvn  # noqa: E402
-from speech_assets.features.shards import MFCC_DIM, N_MELS, ROW_GROUP_ROWS, blob_to_matrix  # noqa: E402
+from speech_assets.features.cmvn import Cmvn, PartialSums  # noqa: E402
+from speech_assets.features.shards import iter_shard, shard_format, write_shard  # noqa: E402
 from speech_assets.targets.kmeans import fit_kmeans  # noqa: E402
-from speech_assets.train.config import TrainConfig  # noqa: E402
-from built_data import newest_training_config  # noqa: E402  (bench/)
-
-DIMS = {"logmel": N_MELS, "mfcc": MFCC_DIM}
 
 
-def rewrite(shard: Path, out: Path, dtype: str) -> Path:
-    """``shard`` with its feature blobs rounded through float16, stored as ``dtype`` blobs."""
-    table = pq.read_table(shard)
-    columns = {}
-    for name in table.column_names:
-        if name in DIMS:
-            blobs = []
-            for blob in table.column(name).combine_chunks():
-                rounded = blob_to_matrix(blob, DIMS[name]).astype(np.float16)
-                blobs.append(np.ascontiguousarray(rounded, dtype="<f2" if dtype == "float16" else "<f4").tobytes())
-            columns[name] = pa.array(blobs, type=pa.binary())
-        else:
-            columns[name] = table.column(name)
-    pq.write_table(pa.table(columns, schema=table.schema), out, compression="zstd", compression_level=1,
-                   use_dictionary=["speaker_id", "chapter_id"], row_group_size=ROW_GROUP_ROWS)  # fmt: skip
-    return out
+def rewrite(shard: Path, out: Path, version: int) -> Path:
+    """``shard``'s records written again as format ``version``."""
+    return write_shard(out, list(iter_shard(shard)), version=version)
 
 
-def mfcc_frames(shards: list[Path], cmvn: Cmvn) -> np.ndarray:
-    mats = []
-    for shard in shards:
-        for blob in pq.read_table(shard, columns=["mfcc"]).column("mfcc").combine_chunks():
-            mats.append(blob_to_matrix(blob, MFCC_DIM))
-    frames = np.concatenate(mats)
-    return ((frames - cmvn.mean["mfcc"]) / cmvn.std["mfcc"]).astype(np.float32)
+def read_back(shards: list[Path], dtype) -> tuple[float, float, float]:
+    """(float32-equivalent MB/s, utterances/s, wall s) of iterating every record, best of 3."""
+    best = None
+    for _ in range(3):
+        started, nbytes, count = time.perf_counter(), 0, 0
+        for shard in shards:
+            for record in iter_shard(shard, dtype=dtype):
+                nbytes += 4 * (record.logmel.size + record.mfcc.size)
+                count += 1
+        wall = time.perf_counter() - started
+        best = wall if best is None else min(best, wall)
+    return nbytes / best / 1e6, count / best, best
+
+
+def mfcc_frames(shards: list[Path]) -> np.ndarray:
+    return np.concatenate([r.mfcc for s in shards for r in iter_shard(s, features=("mfcc",))])
 
 
 def inertia(frames: np.ndarray, codebook: np.ndarray) -> float:
@@ -81,7 +75,7 @@ def inertia(frames: np.ndarray, codebook: np.ndarray) -> float:
     return float(distances.mean())
 
 
-def train(config: TrainConfig, run_dir: Path, shards: list[str], steps: int) -> list[float]:
+def train(config, run_dir: Path, shards: list[str], steps: int) -> list[float]:
     run = replace(config, run_dir=str(run_dir), shards=shards, nproc=1, threads=2, num_workers=0, mlflow_tracking_uri=None,
                   max_steps=steps, checkpoint_every=steps, log_every=5, warmup_steps=min(config.warmup_steps, steps // 5))  # fmt: skip
     run_dir.mkdir(parents=True)
@@ -95,44 +89,75 @@ def train(config: TrainConfig, run_dir: Path, shards: list[str], steps: int) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="a data dir built by the graph (with a training run)")
-    parser.add_argument("--speakers", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=150)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path, help="a data dir built by the graph (with a training run) from float32 shards")
+    source.add_argument("--shards", type=Path, help="a folder of float32 shards (*.parquet); no training comparison")
+    parser.add_argument("--speakers", type=int, default=40, help="shards used (the first N)")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per format (--data); 0 skips training")
     parser.add_argument("--k", type=int, default=100)
     args = parser.parse_args()
 
-    config = newest_training_config(args.data)
-    shards = sorted(Path(s) for s in config.shards)[: args.speakers]
-    cmvn = Cmvn.load(config.cmvn)
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, Python {platform.python_version()}; {len(shards)} shards of {args.data}")
+    config = None
+    if args.data is not None:
+        from built_data import newest_training_config  # bench/
 
-    with tempfile.TemporaryDirectory(dir=args.data) as tmp:
+        config = newest_training_config(args.data)
+        shards = sorted(Path(s) for s in config.shards)[: args.speakers]
+        work_parent = args.data
+    else:
+        shards = sorted(p for p in args.shards.glob("*.parquet") if not p.name.endswith(".rejects.parquet"))[: args.speakers]
+        work_parent = None
+    formats = {shard_format(s) for s in shards}
+    if formats != {1}:
+        raise SystemExit(f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built with SPEECH_ASSETS_SHARD_FORMAT=1")
+    hours = sum(r.duration_s for s in shards for r in iter_shard(s, features=())) / 3600
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+          f"{len(shards)} shards, {hours:.3f} h of audio")  # fmt: skip
+
+    results: dict[str, object] = {"shards": len(shards), "audio_hours": round(hours, 4)}
+    with tempfile.TemporaryDirectory(dir=work_parent) as tmp:
         tmp = Path(tmp)
-        (tmp / "f16").mkdir()
-        (tmp / "rounded").mkdir()
-        size32 = sum(s.stat().st_size for s in shards)
-        size16 = sum(rewrite(s, tmp / "f16" / s.name, "float16").stat().st_size for s in shards)
-        rounded = [rewrite(s, tmp / "rounded" / s.name, "float32") for s in shards]
-        print(f"disk: float32 {size32 / 1e6:.1f} MB, float16 {size16 / 1e6:.1f} MB ({size16 / size32:.3f}x)")
+        rewritten: dict[int, list[Path]] = {}
+        for version in (1, 2):
+            (tmp / f"v{version}").mkdir()
+            started = time.perf_counter()
+            rewritten[version] = [rewrite(s, tmp / f"v{version}" / s.name, version) for s in shards]
+            size = sum(p.stat().st_size for p in rewritten[version])
+            results[f"v{version}_write_s"] = round(time.perf_counter() - started, 2)
+            results[f"v{version}_MB"] = round(size / 1e6, 2)
+            results[f"v{version}_MB_per_audio_hour"] = round(size / 1e6 / hours, 1)
+        print(f"disk: float32 {results['v1_MB']} MB ({results['v1_MB_per_audio_hour']} MB per hour of audio), "
+              f"float16 {results['v2_MB']} MB ({results['v2_MB_per_audio_hour']} MB/h), "
+              f"{results['v2_MB'] / results['v1_MB']:.3f}x")  # fmt: skip
 
-        frames = mfcc_frames(shards, cmvn)
-        frames16 = mfcc_frames(rounded, cmvn)
+        for version in (1, 2):
+            for name, dtype in (("float32", np.float32), ("stored", None)):
+                mb_s, utt_s, wall = read_back(rewritten[version], dtype)
+                results[f"v{version}_read_{name}_MB_s"] = round(mb_s, 1)
+                print(f"read-back format {version} as {name}: {mb_s:.0f} MB/s (float32-equivalent), {utt_s:.0f} utt/s, {wall:.2f} s")
+
+        raw32, raw16 = mfcc_frames(rewritten[1]), mfcc_frames(rewritten[2])
+        cmvn = Cmvn.from_sums({"mfcc": PartialSums.of(raw32)})
+        frames, frames16 = cmvn.apply(raw32, "mfcc"), cmvn.apply(raw16, "mfcc")
         error = np.abs(frames16 - frames)
-        print(f"rounding through float16, on CMVN-normalised MFCC: mean |error| {error.mean():.2e}, max {error.max():.2e}")
+        print(f"float16 rounding on CMVN-normalised MFCC: mean |error| {error.mean():.2e}, max {error.max():.2e}")
         started = time.perf_counter()
-        fit32 = fit_kmeans(frames, args.k, seed=0)
-        fit16 = fit_kmeans(frames16, args.k, seed=0)
+        fit32, fit16 = fit_kmeans(frames, args.k, seed=0), fit_kmeans(frames16, args.k, seed=0)
         i32, i16 = inertia(frames, fit32.codebook), inertia(frames, fit16.codebook)
+        results.update(kmeans_frames=len(frames), inertia_v1=round(i32, 4), inertia_v2=round(i16, 4), inertia_ratio=round(i16 / i32, 4))
         print(f"k-means K={args.k} on {len(frames):,} MFCC frames ({time.perf_counter() - started:.0f} s): "
-              f"inertia float32 {i32:.4f}, float16-rounded {i16:.4f} ({i16 / i32:.4f}x)")  # fmt: skip
+              f"inertia float32 {i32:.4f}, float16 {i16:.4f} ({i16 / i32:.4f}x)")  # fmt: skip
 
-        loss32 = train(config, tmp / "train32", [str(s) for s in shards], args.steps)
-        loss16 = train(config, tmp / "train16", [str(s) for s in rounded], args.steps)
-        tail = max(1, len(loss32) // 5)
-        m32, m16 = float(np.mean(loss32[-tail:])), float(np.mean(loss16[-tail:]))
-        worst = max(abs(a - b) / a for a, b in zip(loss32, loss16, strict=True))
-        print(f"training tiny, {args.steps} steps: mean loss of the last {tail} logged steps float32 {m32:.6f}, "
-              f"float16-rounded {m16:.6f} ({m16 / m32:.5f}x); largest relative difference at any logged step {worst:.2e}")  # fmt: skip
+        if config is not None and args.steps > 0:
+            loss32 = train(config, tmp / "train32", [str(s) for s in rewritten[1]], args.steps)
+            loss16 = train(config, tmp / "train16", [str(s) for s in rewritten[2]], args.steps)
+            tail = max(1, len(loss32) // 5)
+            m32, m16 = float(np.mean(loss32[-tail:])), float(np.mean(loss16[-tail:]))
+            worst = max(abs(a - b) / a for a, b in zip(loss32, loss16, strict=True))
+            results.update(loss_v1=round(m32, 6), loss_v2=round(m16, 6), loss_ratio=round(m16 / m32, 5), loss_worst_rel=float(f"{worst:.2e}"))
+            print(f"training tiny, {args.steps} steps: mean loss of the last {tail} logged steps float32 {m32:.6f}, "
+                  f"float16 {m16:.6f} ({m16 / m32:.5f}x); largest relative difference at any logged step {worst:.2e}")  # fmt: skip
+    print(json.dumps(results))
     return 0
 
 

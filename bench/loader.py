@@ -12,6 +12,11 @@ padding): what the trainer's loader does. Read amplification = log-mel bytes dec
 bytes delivered. Targets: amplification <= 1.5, >= 2,000 s of audio per second, and >= 5x what
 training consumes (``--train-rate``, audio seconds per second of the tiny model's 2-process CPU
 run; default: the newest ``training/*/result.json`` in the data dir).
+
+``--formats``: the *after* path again over the same shards rewritten as format 1 (float32 blobs)
+and as format 2 (float16 blobs, what the graph writes since issue 24), from float32 sources
+(shards built with ``SPEECH_ASSETS_SHARD_FORMAT=1``): throughput, bytes decompressed and the
+block cache's size at the end, per format.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from speech_assets.features.cmvn import Cmvn  # noqa: E402
+from speech_assets.features.shards import iter_shard, shard_format, write_shard  # noqa: E402
 from speech_assets.train.data import DurationBucketSampler, UtteranceDataset, build_index, collate  # noqa: E402
 from speech_assets.train.sampling import BlockShuffleSampler  # noqa: E402
 
@@ -43,6 +49,11 @@ def relayout(shards: list[str], folder: Path, rows: int) -> list[str]:
         pq.write_table(pq.read_table(shard), target, compression="zstd", compression_level=1, row_group_size=rows)
         out.append(str(target))
     return out
+
+
+def rewrite(shards: list[str], folder: Path, version: int) -> list[str]:
+    """``shards`` written again as format ``version`` (32-row groups, the writer's settings)."""
+    return [str(write_shard(folder / Path(s).name, list(iter_shard(s)), version=version)) for s in shards]
 
 
 def measure(name: str, shards: list[str], labels: dict[str, str], cmvn: Cmvn, batches_of, cache: int, budget_s: float) -> dict:
@@ -63,6 +74,7 @@ def measure(name: str, shards: list[str], labels: dict[str, str], cmvn: Cmvn, ba
         "audio_s_per_s": round(audio / wall, 1),
         "read_amplification": round(dataset.bytes_decompressed / max(dataset.bytes_delivered, 1), 2),
         "GB_decompressed": round(dataset.bytes_decompressed / 1e9, 2),
+        "cache_MB_at_end": round(sum(m.nbytes for group in dataset._cache.values() for m in group) / 1e6, 1),
     }
 
 
@@ -73,6 +85,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="time budget per path")
     parser.add_argument("--batch-seconds", type=float, default=60.0)
     parser.add_argument("--train-rate", type=float, default=None, help="audio s/s consumed by training")
+    parser.add_argument("--formats", action="store_true", help="also the new path on format-1 and format-2 rewrites")
     args = parser.parse_args()
 
     clients = pq.read_table(args.data / "clients" / "clients.parquet").to_pylist()
@@ -100,6 +113,19 @@ def main() -> int:
     print(f"machine: {platform.processor() or platform.machine()}, {len(speakers)} shards, batch {args.batch_seconds:.0f} s")
     for row in (before, after):
         print(json.dumps(row))
+    if args.formats:
+        if {shard_format(s) for s in shards} != {1}:
+            raise SystemExit("--formats needs float32 (format 1) source shards: build them with SPEECH_ASSETS_SHARD_FORMAT=1")
+        with tempfile.TemporaryDirectory(dir=args.data) as tmp:
+            rows = {}
+            for version, dtype in ((1, "float32"), (2, "float16")):
+                (Path(tmp) / f"v{version}").mkdir()
+                rewritten = rewrite(shards, Path(tmp) / f"v{version}", version)
+                rows[version] = measure(f"after, format {version} ({dtype})", rewritten, labels, cmvn, new_order, WINDOW + 1, args.seconds)
+                print(json.dumps(rows[version]))
+        print(f"format 2 vs 1: throughput {rows[2]['audio_s_per_s'] / max(rows[1]['audio_s_per_s'], 1e-9):.2f}x, "
+              f"bytes decompressed {rows[2]['GB_decompressed'] / max(rows[1]['GB_decompressed'], 1e-9):.2f}x, "
+              f"cache {rows[2]['cache_MB_at_end'] / max(rows[1]['cache_MB_at_end'], 1e-9):.2f}x")
     print(f"speed-up {after['audio_s_per_s'] / max(before['audio_s_per_s'], 1e-9):.1f}x, "
           f"amplification {before['read_amplification']} -> {after['read_amplification']} (target <= 1.5)")
     if train_rate:
