@@ -123,7 +123,7 @@ def main() -> int:
             started = time.perf_counter()
             rewritten[version] = [rewrite(s, tmp / f"v{version}" / s.name, version) for s in shards]
             size = sum(p.stat().st_size for p in rewritten[version])
-            results[f"v{version}_write_s"] = round(time.perf_counter() - started, 2)
+            results[f"v{version}_rewrite_s"] = round(time.perf_counter() - started, 2)
             results[f"v{version}_MB"] = round(size / 1e6, 2)
             results[f"v{version}_MB_per_audio_hour"] = round(size / 1e6 / hours, 1)
         print(f"disk: float32 {results['v1_MB']} MB ({results['v1_MB_per_audio_hour']} MB per hour of audio), "
