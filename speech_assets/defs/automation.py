@@ -5,13 +5,15 @@ Everything here starts STOPPED, as Dagster does by default; turn it on in the UI
 
 Flow on fresh audio:
 1. ``corpus_sensor`` sees the corpus fingerprint (paths, sizes, mtimes) differ from the one the
-   latest manifest recorded, and requests a ``manifest`` run.
-2. Once the manifest is current, it registers new speaker partitions and requests one
-   ``speaker_manifest`` run over every speaker (cheap: each speaker's rows view gets a version
-   that changes only if its rows changed).
-3. Then it compares every speaker's manifest hash with the hash its shard was built from and
-   requests ``vad_features`` runs for exactly the new or changed speakers (one run per
-   contiguous range of them) — unchanged shards are never re-executed, and stay in sync.
+   latest manifest recorded, and requests a ``manifest`` run. That run registers new speaker
+   partitions and records a ``speaker_manifest`` observation (data version: the hash of the
+   speaker's rows) for exactly the speakers whose rows are new or changed; unchanged speakers get
+   no event, so they and their shards stay in sync.
+2. Once the manifest is current, it compares every speaker's manifest hash with the hash its
+   shard was built from and requests ``vad_features`` runs for exactly the new or changed
+   speakers (one run per contiguous range of them) — unchanged shards are never re-executed.
+   Observations the manifest run could not record are reported by this tick (runless).
+3. (no third hop: the per-speaker versions need no run of their own)
 4. Downstream assets follow through ``AutomationCondition``s evaluated by the
    ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails; retraining
    happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON`` interval.
@@ -26,6 +28,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import corpus_fingerprint
 from speech_assets.defs.lineage import latest_metadata
+from speech_assets.defs.manifest import listed_speakers, speaker_observations
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.runs import IN_PROCESS_TAG
@@ -72,7 +75,7 @@ def stale_speakers(paths: StoragePaths) -> dict[str, str]:
     name="corpus_sensor",
     minimum_interval_seconds=CORPUS_SENSOR_INTERVAL_S,
     default_status=dg.DefaultSensorStatus.STOPPED,
-    target=["manifest", "speaker_manifest", "vad_features"],
+    target=["manifest", "vad_features"],
     description="Watches the corpus for new or changed audio and requests only the work it implies.",
 )
 def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> dg.SensorResult | dg.SkipReason:
@@ -93,31 +96,20 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             "(or the [manifest] settings) and the next corpus change re-validates it"
         )
     registered = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
-    listed = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist() if paths.speakers_file.exists() else []
+    listed = listed_speakers(paths)
     new = sorted(set(listed) - set(registered))
     order = registered + new  # new partitions are appended in this order
     add = [speakers_partitions.build_add_request(new)] if new else []
-    behind = speaker_manifests_behind(context.instance, order)
-    if behind:
-        # Every speaker's rows view follows the new manifest first (cheap, one run); its data
-        # version changes only for speakers whose rows changed, so only their shards turn stale.
-        manifest_event = _latest_storage_id(context.instance, "manifest")
-        return dg.SensorResult(
-            dynamic_partitions_requests=add,
-            run_requests=[
-                dg.RunRequest(
-                    run_key=f"speaker_manifest:{manifest_event}",
-                    asset_selection=[dg.AssetKey("speaker_manifest")],
-                    tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: order[0], PARTITION_RANGE_END: order[-1]},
-                )
-            ],
-            cursor=cursor,
-        )
+    # The manifest run records the speakers' rows versions (speaker_manifest observations) for the
+    # speakers whose rows changed; any it could not record (a run killed after publishing, a
+    # manifest from before observations) are recorded here, without a run. Normally none.
+    observations = speaker_observations(context.instance, listed, order)
     stale = stale_speakers(paths)
     if not stale:
-        return dg.SensorResult(skip_reason="every shard is up to date", cursor=cursor)
+        return dg.SensorResult(skip_reason="every shard is up to date", cursor=cursor, asset_events=observations)
     return dg.SensorResult(
         dynamic_partitions_requests=add,
+        asset_events=observations,
         run_requests=[
             dg.RunRequest(
                 run_key=f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys),
@@ -128,22 +120,6 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
         ],
         cursor=cursor,
     )
-
-
-def _latest_storage_id(instance: dg.DagsterInstance, asset: str) -> int:
-    records = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records
-    return records[0].storage_id if records else 0
-
-
-def speaker_manifests_behind(instance: dg.DagsterInstance, speakers: list[str]) -> list[str]:
-    """Speakers whose ``speaker_manifest`` was last materialized before the latest manifest."""
-    manifest_event = _latest_storage_id(instance, "manifest")
-    if not speakers or not manifest_event:
-        return []
-    latest = instance.event_log_storage.get_latest_storage_id_by_partition(
-        dg.AssetKey("speaker_manifest"), dg.DagsterEventType.ASSET_MATERIALIZATION, set(speakers)
-    )
-    return [s for s in speakers if latest.get(s, 0) < manifest_event]
 
 
 def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:

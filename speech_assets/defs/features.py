@@ -12,16 +12,19 @@ from speech_assets.features import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import (
-    input_provenance,
     latest_data_version,
     markdown_table,
+    observed_input_provenance,
+    observed_versions,
     partition_materialization,
+    read_json,
     step_events,
 )
+from speech_assets.defs.manifest import SPEAKER_MANIFEST
 from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
 from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.utils import atomic_path, from_fields, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
@@ -65,7 +68,7 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[flo
     group_name="features",
     partitions_def=speakers_partitions,
     backfill_policy=dg.BackfillPolicy.single_run(),
-    deps=["speaker_manifest"],  # the same speaker's rows: other speakers' changes leave a shard in sync
+    deps=[SPEAKER_MANIFEST],  # the same speaker's rows: other speakers' changes leave a shard in sync
     code_version=FEATURES_CODE_VERSION,
     kinds={"parquet", "torch"},
     output_required=False,  # one materialization per shard, each with its own content hash
@@ -85,7 +88,8 @@ def vad_features(
     rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
     speaker_hashes = corpus.speaker_hashes(rows)
     manifest_version = latest_data_version(context.instance, "manifest")
-    provenance = input_provenance(context)
+    # each shard's input: its own speaker's rows, as last observed (their version and event)
+    observed = observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
     paths.shards_dir.mkdir(parents=True, exist_ok=True)
 
     by_speaker: dict[str, list[UtteranceInput]] = {s: [] for s in speakers}
@@ -128,7 +132,10 @@ def vad_features(
         for key in ("utterances", "audio_seconds", "trimmed_seconds"):
             totals[key] += meta[key]
         published.append(
-            partition_materialization(context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt), provenance)
+            partition_materialization(
+                context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt),
+                observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+            )
         )
     context.log.info(
         f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} utterances, "
@@ -245,38 +252,72 @@ def _published_shards(paths: StoragePaths) -> dict[str, dict]:
     return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
 
 
-@dg.asset_check(asset="vad_features", blocking=True, description=(
-    "Every published shard: finite log-mel and MFCC (first row group scanned), feature sizes and frame "
-    "counts equal 1 + (trimmed samples - 400) // 160, row and reject counts equal what its meta vouches for."
-))
-def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
+VERIFIED_FILE = ".verified.json"  # in the shards folder: what shards_are_consistent already read
+
+
+def _verified_key(meta: dict) -> str:
+    """What the check's verdict on a shard depends on: its content (the sha256 its meta records,
+    the meta vouching for the files by size and mtime), the rejects file and the counts."""
+    return sha256_strings(str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects"))
+
+
+def shard_problems(files: object, meta: dict) -> list[str]:
+    """What is wrong with one published shard (its ``ShardFiles`` and meta); empty when sound."""
     import numpy as np
 
-    from speech_assets.features.shards import MFCC_DIM, N_MELS, SAMPLE_RATE, num_frames_for
+    from speech_assets.features.shards import MFCC_DIM, N_MELS, SAMPLE_RATE, feature_dtype, num_frames_for
 
+    problems = []
+    parquet = pq.ParquetFile(files.shard)
+    table = parquet.read(columns=["utt_id", "num_frames", "trimmed_duration_s"])
+    if table.num_rows != meta["utterances"] or pq.read_metadata(files.rejects).num_rows != meta["rejects"]:
+        problems.append(f"{meta['speaker_id']}: {table.num_rows} rows / meta says {meta['utterances']}")
+    for utt, frames, trimmed in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+        if frames != num_frames_for(round(trimmed * SAMPLE_RATE)):
+            problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
+    if parquet.num_row_groups:
+        dtype = feature_dtype(parquet)
+        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(0, ROWS_SCANNED_PER_SHARD)
+        for utt, frames, logmel, mfcc in zip(*(group.column(c).to_pylist() for c in group.column_names), strict=True):
+            if len(logmel) != frames * N_MELS * dtype.itemsize or len(mfcc) != frames * MFCC_DIM * dtype.itemsize:
+                problems.append(f"{utt}: feature bytes do not match {frames} frames")
+            elif not (np.isfinite(np.frombuffer(logmel, dtype)).all() and np.isfinite(np.frombuffer(mfcc, dtype)).all()):
+                problems.append(f"{utt}: NaN or inf in its features")
+    return problems
+
+
+@dg.asset_check(asset="vad_features", blocking=True, description=(
+    "Every published shard: finite log-mel and MFCC (first row group scanned), feature sizes and frame "
+    "counts equal 1 + (trimmed samples - 400) // 160, row and reject counts equal what its meta vouches for. "
+    "A shard whose content (sha256 in its meta) this check already found sound is not read again."
+))
+def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     problems: list[str] = []
     shards = _published_shards(paths)
+    verified_file = paths.shards_dir / VERIFIED_FILE
+    verified = set(read_json(verified_file).get("sound", []))
+    sound, read = [], 0
     for speaker, meta in sorted(shards.items()):
-        files = paths.shard_files(speaker)
-        table = pq.read_table(files.shard, columns=["utt_id", "num_frames", "trimmed_duration_s"])
-        if table.num_rows != meta["utterances"] or pq.read_metadata(files.rejects).num_rows != meta["rejects"]:
-            problems.append(f"{speaker}: {table.num_rows} rows / meta says {meta['utterances']}")
-        for utt, frames, trimmed in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
-            if frames != num_frames_for(round(trimmed * SAMPLE_RATE)):
-                problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
-        first = pq.ParquetFile(files.shard)
-        if first.num_row_groups:
-            group = first.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(0, ROWS_SCANNED_PER_SHARD)
-            for utt, frames, logmel, mfcc in zip(*(group.column(c).to_pylist() for c in group.column_names), strict=True):
-                if len(logmel) != frames * N_MELS * 4 or len(mfcc) != frames * MFCC_DIM * 4:
-                    problems.append(f"{utt}: feature bytes do not match {frames} frames")
-                elif not (np.isfinite(np.frombuffer(logmel, "<f4")).all() and np.isfinite(np.frombuffer(mfcc, "<f4")).all()):
-                    problems.append(f"{utt}: NaN or inf in its features")
+        key = _verified_key(meta)
+        if key not in verified:
+            read += 1
+            found = shard_problems(paths.shard_files(speaker), meta)
+            problems += found
+            if found:
+                continue
+        sound.append(key)
+    if sound != sorted(verified):  # a cache: losing it only means reading every shard once more
+        atomic_write_text(verified_file, json.dumps({"sound": sorted(sound)}), durable=False)
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
         description=f"{len(problems)} problem(s) in {len(shards)} shard(s)" if problems else f"{len(shards)} shard(s) consistent",
-        metadata={"shards": len(shards), "problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+        metadata={
+            "shards": len(shards),
+            "shards_read": read,
+            "problems": len(problems),
+            "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none"),
+        },
     )
 
 
@@ -284,7 +325,8 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
 def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
     shards = _published_shards(paths)
     kept = sum(m["utterances"] for m in shards.values())
-    rejected = sum(pq.read_metadata(paths.shard_files(s).rejects).num_rows for s in shards)
+    # the counts each meta vouches for (shards_are_consistent checks them against the files)
+    rejected = sum(m["rejects"] for m in shards.values())
     share = rejected / max(kept + rejected, 1)
     return dg.AssetCheckResult(
         passed=share <= MAX_NO_SPEECH_SHARE,

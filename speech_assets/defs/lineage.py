@@ -192,6 +192,49 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
     return tags
 
 
+def observed_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, tuple[str, int]]:
+    """``{partition: (data version, storage id)}`` of the latest observation of each of ``asset``'s
+    ``partitions`` that has one, in two queries whatever the number of partitions."""
+    key, wanted = dg.AssetKey(asset), sorted(set(partitions))
+    if not wanted:
+        return {}
+    storage = instance.event_log_storage
+    tags = storage.get_latest_tags_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, [DATA_VERSION_TAG], asset_partitions=wanted)
+    ids = storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, set(wanted))
+    return {p: (tags[p][DATA_VERSION_TAG], ids[p]) for p in wanted if DATA_VERSION_TAG in tags.get(p, {}) and p in ids}
+
+
+def partition_observation(asset: str, partition: str, data_version: str, metadata: dict[str, object]) -> dg.AssetObservation:
+    """An observation of one partition with ``data_version`` as its own (tagged as Dagster tags
+    the observations of observable source assets)."""
+    from dagster._core.definitions.data_version import DATA_VERSION_IS_USER_PROVIDED_TAG
+
+    return dg.AssetObservation(
+        asset_key=asset,
+        partition=partition,
+        metadata=metadata,
+        tags={DATA_VERSION_TAG: data_version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+    )
+
+
+def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
+    """Provenance tags for one input partition of an observed (external) asset: its observed data
+    version and the observation's storage id (what Dagster compares later observations with)."""
+    from dagster._core.definitions.data_version import (
+        DEFAULT_DATA_VERSION,
+        NULL_EVENT_POINTER,
+        get_input_data_version_tag,
+        get_input_event_pointer_tag,
+    )
+
+    key = dg.AssetKey(asset)
+    version, storage_id = observed if observed else (DEFAULT_DATA_VERSION.value, None)
+    return {
+        get_input_data_version_tag(key): version,
+        get_input_event_pointer_tag(key): str(storage_id) if storage_id is not None else NULL_EVENT_POINTER,
+    }
+
+
 def partition_materialization(
     context: dg.AssetExecutionContext,
     partition: str,

@@ -1,8 +1,16 @@
-"""Stage 1: the validated manifest of the corpus, and its rows per speaker."""
+"""Stage 1: the validated manifest of the corpus, and its rows per speaker.
+
+``speaker_manifest`` (one partition per speaker) is not materialized by a run of its own: it is a
+view of ``manifest/speakers.parquet`` whose per-speaker data versions (the hash of that speaker's
+rows) are recorded as observations by the manifest run that publishes them, only for the speakers
+whose rows changed (or are new). Unchanged speakers get no event at all, so they and their shards
+stay in sync whatever the number of speakers, and a changed speaker's shard turns stale.
+"""
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -12,7 +20,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.corpus.rejects import write_rejects
-from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, step_events
+from speech_assets.defs.lineage import markdown_table, observed_versions, partition_observation
 from speech_assets.defs.partitions import register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
@@ -25,6 +33,15 @@ STAGING = ".staging"  # under the manifest folder: one subfolder per run, remove
 
 class ManifestOverrides(overrides_of(ManifestSettings)):
     """Run-config overrides of the `[manifest]` settings for one manual run."""
+
+
+@dataclass(frozen=True)
+class SpeakerRows:
+    """One speaker's summary in speakers.parquet."""
+
+    manifest_hash: str
+    utterances: int
+    hours: float
 
 
 @dg.asset(
@@ -91,14 +108,19 @@ def manifest(
             fsync_dir(paths.manifest_dir)
         finally:
             shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
-        added = register_new(context, speakers_partitions, sorted(per_speaker))
+        known = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
+        added = register_new(context, speakers_partitions, sorted(per_speaker), known=known)
+        # Data versions of the speakers whose rows changed: published with the rows they describe.
+        observations = speaker_observations(context.instance, per_speaker, [*known, *added])
+    yield from observations
 
     data_hash = corpus.manifest_hash(result.rows)
     hours = sum(r.duration_s for r in result.rows) / 3600
     by_reason = corpus.count_by_reason(result.rejects)
     context.log.info(
         f"manifest: {len(result.rows)} kept ({hours:.3f} h), {len(result.rejects)} rejected, "
-        f"{result.decoded_files} files decoded, {len(per_speaker)} speakers ({len(added)} new)"
+        f"{result.decoded_files} files decoded, {len(per_speaker)} speakers ({len(added)} new, "
+        f"{len(observations)} with new or changed rows)"
     )
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(data_hash),
@@ -107,6 +129,7 @@ def manifest(
             "hours": round(hours, 4),
             "speakers": len(per_speaker),
             "new_speakers": len(added),
+            "speakers_changed": len(observations),
             "rejects": len(result.rejects),
             "rejects_by_reason": dg.MetadataValue.md(markdown_table(("reason", "count"), by_reason.items())),
             "reject_ratio": round(result.reject_ratio, 4),
@@ -125,7 +148,7 @@ def _published(paths: StoragePaths) -> tuple[Path, Path, Path]:
     return paths.manifest_file, paths.rejects_file, paths.speakers_file
 
 
-def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, str]:
+def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, SpeakerRows]:
     """Per-speaker manifest hashes (what each shard depends on), utterances and hours."""
     hashes = corpus.speaker_hashes(rows)
     counts: dict[str, int] = {}
@@ -143,49 +166,63 @@ def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, s
     )
     with atomic_path(target) as tmp:
         pq.write_table(table, tmp)
-    return hashes
+    return {s: SpeakerRows(h, counts[s], seconds[s] / 3600) for s, h in hashes.items()}
 
 
-SPEAKER_MANIFEST_CODE_VERSION = "speaker-manifest-v1"
+SPEAKER_MANIFEST = "speaker_manifest"
 
-
-@dg.asset(
+speaker_manifest = dg.AssetSpec(
+    SPEAKER_MANIFEST,
     group_name="corpus",
     partitions_def=speakers_partitions,
-    backfill_policy=dg.BackfillPolicy.single_run(),
     deps=["manifest"],
-    code_version=SPEAKER_MANIFEST_CODE_VERSION,
     kinds={"parquet"},
-    output_required=False,  # one materialization per speaker, each with its own content hash
+    description=(
+        "One speaker's rows of the manifest (a view of manifest/speakers.parquet). Observed, never "
+        "run: the manifest run records a data version (the hash of the speaker's rows) for each speaker "
+        "whose rows are new or changed, so only those speakers' shards turn stale; the others stay in sync."
+    ),
 )
-def speaker_manifest(context: dg.AssetExecutionContext, paths: StoragePaths) -> Iterator[object]:
-    """One speaker's rows of the manifest (a view of manifest/speakers.parquet). Its data version is
-    the hash of those rows, so when one speaker's audio changes only that speaker's feature
-    shard turns stale; the others stay in sync."""
-    rows = {r["speaker_id"]: r for r in pq.read_table(paths.speakers_file).to_pylist()}
-    provenance = input_provenance(context)
-    published = []
-    for speaker in context.partition_keys:
-        row = rows.get(speaker)
-        # A registered speaker with no rows left (all its files deleted or rejected) is a real
-        # state too: its shard must become empty, so it gets a version of its own.
-        version = row["manifest_hash"] if row else sha256_strings(["no manifest rows", speaker])
-        published.append(partition_materialization(
-            context,
-            speaker,
-            version,
-            {
-                "utterances": row["utterances"] if row else 0,
-                "hours": round(row["hours"], 4) if row else 0.0,
-                "speaker_manifest_hash": version,
-                "path": dg.MetadataValue.path(str(paths.speakers_file)),
-            },
-            provenance,
-        ))
-    yield from step_events(context, published)
 
 
-@dg.asset_check(asset=speaker_manifest, blocking=True, description=(
+def no_rows_version(speaker: str) -> str:
+    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
+    real state too, its shard must become empty."""
+    return sha256_strings(["no manifest rows", speaker])
+
+
+def speaker_observations(
+    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows | str], registered: Iterable[str]
+) -> list[dg.AssetObservation]:
+    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
+    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
+    for all of them, nothing for the unchanged ones."""
+    versions = {s: no_rows_version(s) for s in registered}
+    versions |= {s: row if isinstance(row, str) else row.manifest_hash for s, row in listed.items()}
+    observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
+    events = []
+    for speaker, version in sorted(versions.items()):
+        if observed.get(speaker, ("", 0))[0] == version:
+            continue
+        row = listed.get(speaker)
+        metadata: dict[str, object] = {"speaker_manifest_hash": version}
+        if isinstance(row, SpeakerRows):
+            metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
+        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
+    return events
+
+
+def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
+    """speakers.parquet as published (empty before the first manifest)."""
+    if not paths.speakers_file.exists():
+        return {}
+    return {
+        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
+        for r in pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]).to_pylist()
+    }
+
+
+@dg.asset_check(asset=SPEAKER_MANIFEST, description=(
     "The rows every speaker's partition is a view of (manifest/speakers.parquet) match the manifest: "
     "exactly its speakers, each with its utterance count, hours and row hash."
 ))

@@ -11,11 +11,18 @@ PARTITION_RANGE_START = "dagster/asset_partition_range_start"
 PARTITION_RANGE_END = "dagster/asset_partition_range_end"
 
 
-def register_new(context: dg.AssetExecutionContext, partitions: dg.DynamicPartitionsDefinition, keys: list[str]) -> list[str]:
-    """Add the keys the instance does not know yet; returns those added."""
+def register_new(
+    context: dg.AssetExecutionContext,
+    partitions: dg.DynamicPartitionsDefinition,
+    keys: list[str],
+    known: list[str] | None = None,
+) -> list[str]:
+    """Add the keys the instance does not know yet (``known``: the registered keys, if the caller
+    has just read them); returns those added. Registered keys are never written again."""
     assert partitions.name is not None
-    known = set(context.instance.get_dynamic_partitions(partitions.name))
-    new = sorted(set(keys) - known)
+    if known is None:
+        known = list(context.instance.get_dynamic_partitions(partitions.name))
+    new = sorted(set(keys) - set(known))
     if new:
         context.instance.add_dynamic_partitions(partitions.name, new)
     return new

@@ -257,17 +257,18 @@ def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtra
 
     Another run building the same shard holds the lock; once it is released the meta is read
     again, so a shard that run just built for the same inputs is reused, not rebuilt. The meta is
-    removed before the files it vouches for are rewritten and written again last, so a crash at
-    any point leaves either a valid meta or none (and the next run rebuilds only this shard).
+    removed before the files it vouches for are rewritten and written again last, once they are
+    durable (``ShardFiles.publish``: one fsync per file, one for the folder), so a crash at any
+    point leaves either a valid meta or none (and the next run rebuilds only this shard).
     """
     with exclusive_lock(job.files.lock):
         meta = None if job.force else job.files.read_meta()
         if meta is not None and meta.get("inputs_key") == job.inputs_key:
             return ShardOutcome(job.speaker_id, meta, rebuilt=False)
         job.files.remove_temp_files()
-        job.files.meta.unlink(missing_ok=True)
-        result = build_shard(job.utterances, job.files.shard, vad_cfg, extractor, job.speed_factors)
-        write_sidecars(result)
+        with job.files.publish():
+            result = build_shard(job.utterances, job.files.shard, vad_cfg, extractor, job.speed_factors)
+            write_sidecars(result)
         meta = job.files.write_meta(
             {
                 **job.meta_extra,

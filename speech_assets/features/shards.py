@@ -24,6 +24,7 @@ centring (Kaldi ``snip_edges``), so ``num_frames = 1 + (num_samples - 400) // 16
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from speech_assets.utils import atomic_path, atomic_write_text, remove_stale_temp_files, sha256_file
+from speech_assets.utils import atomic_path, atomic_write_text, deferred_fsync, remove_stale_temp_files, sha256_file
 
 SAMPLE_RATE = 16_000
 WIN_LENGTH = 400
@@ -328,6 +329,11 @@ class ShardFiles:
     ``meta`` is written last and vouches for the other three: it records each one's size and
     mtime (and the shard's sha256), so a stat tells whether the files on disk are the ones it
     describes. ``lock`` serialises writers of this shard across runs and processes.
+
+    Durability (:meth:`publish`): the three files are written inside one ``deferred_fsync``
+    block (each fsynced once, their folder once), then the meta without an fsync of its own. A
+    crash before the meta exists leaves nothing vouched for; a meta lost or emptied by a crash
+    reads as None, so the worst a crash costs is rebuilding that one shard.
     """
 
     shard: Path
@@ -363,15 +369,25 @@ class ShardFiles:
                 return None
         return meta
 
+    def publish(self) -> contextlib.AbstractContextManager[None]:
+        """A block to write the three vouched files in, then :meth:`write_meta` after it: the old
+        meta is removed now (a crash mid-way leaves no meta, so the shard is rebuilt) and the files
+        are made durable together when the block ends, before any meta can vouch for them."""
+        self.meta.unlink(missing_ok=True)
+        return deferred_fsync()
+
     def write_meta(self, meta: dict) -> dict:
-        """Record ``meta`` plus the size, mtime (and the shard's sha256) of the vouched files."""
+        """Record ``meta`` plus the size, mtime (and the shard's sha256) of the vouched files.
+
+        Not fsynced: it is written after the files it vouches for are durable (:meth:`publish`),
+        and a meta lost to a crash only makes this shard rebuild."""
         full = dict(meta)
         for name, path in self.vouched.items():
             stat = path.stat()
             full[f"{name}_size"], full[f"{name}_mtime_ns"] = stat.st_size, stat.st_mtime_ns
         full["shard_sha256"] = sha256_file(self.shard)
         full["stats_sha256"] = sha256_file(self.stats)
-        atomic_write_text(self.meta, json.dumps(full, indent=1, sort_keys=True))
+        atomic_write_text(self.meta, json.dumps(full, indent=1, sort_keys=True), durable=False)
         return full
 
     def remove_temp_files(self) -> int:

@@ -32,12 +32,11 @@ def materialize_in_process(
 
 
 def materialize_data_stages(defs: dg.Definitions, instance: dg.DagsterInstance) -> list[str]:
-    """manifest -> speaker_manifest -> vad_features -> cmvn_stats -> client_partitions ->
-    kmeans_targets, one run each (the partitioned ones over every registered partition, as the
-    demo's partition ranges do); returns the client partitions."""
+    """manifest (which records the speaker_manifest versions) -> vad_features -> cmvn_stats ->
+    client_partitions -> kmeans_targets, one run each (the partitioned ones over every registered
+    partition, as the demo's partition ranges do); returns the client partitions."""
     materialize_in_process(defs, instance, "manifest")
     speakers = list(instance.get_dynamic_partitions("speakers"))
-    materialize_in_process(defs, instance, "speaker_manifest", speakers)
     materialize_in_process(defs, instance, "vad_features", speakers)
     materialize_in_process(defs, instance, "cmvn_stats")
     materialize_in_process(defs, instance, "client_partitions")

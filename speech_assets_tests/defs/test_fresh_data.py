@@ -58,6 +58,13 @@ def shard_partitions_materialized(instance: dg.DagsterInstance, after_storage_id
     return sorted({r.asset_materialization.partition for r in records if r.storage_id > after_storage_id})
 
 
+def speakers_observed_after(instance: dg.DagsterInstance, storage_id: int) -> list[str]:
+    records = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("speaker_manifest"), after_storage_id=storage_id), limit=10_000
+    ).records
+    return sorted(r.partition_key for r in records)
+
+
 def latest_storage_id(instance: dg.DagsterInstance) -> int:
     records = instance.fetch_materializations(dg.AssetKey("vad_features"), limit=1).records
     return records[0].storage_id if records else 0
@@ -70,7 +77,6 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "manifest")
     speakers = list(instance.get_dynamic_partitions("speakers"))
     assert NEW_SPEAKER not in speakers and len(speakers) == 7
-    run(defs, instance, "speaker_manifest", speakers)
     run(defs, instance, "vad_features", speakers)
     run(defs, instance, "cmvn_stats")
     run(defs, instance, "client_partitions")
@@ -88,21 +94,21 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         first = corpus_sensor(context)
     assert [r.asset_selection for r in first.run_requests] == [[dg.AssetKey("manifest")]]
+    before = instance.event_log_storage.get_maximum_record_id()
     run(defs, instance, "manifest")
-    # every speaker's rows view follows the new manifest (one cheap run) ...
-    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
-        second = corpus_sensor(context)
-    (views,) = second.run_requests
-    assert views.asset_selection == [dg.AssetKey("speaker_manifest")]
-    assert (views.tags[PARTITION_RANGE_START], views.tags[PARTITION_RANGE_END]) == (speakers[0], NEW_SPEAKER)
-    run_requested(defs, instance, views)
-    # ... and the existing speakers' shards stay in sync: their rows did not change
+    # the manifest run registered the new speaker and recorded its rows' version; the unchanged
+    # speakers got no event at all, and they and their shards stay in sync
+    assert list(instance.get_dynamic_partitions("speakers")) == [*speakers, NEW_SPEAKER]
+    assert speakers_observed_after(instance, before) == [NEW_SPEAKER]
     for speaker in speakers:
+        assert stale_status(defs, instance, "speaker_manifest", speaker) == StaleStatus.FRESH, speaker
         assert stale_status(defs, instance, "vad_features", speaker) == StaleStatus.FRESH, speaker
     assert stale_status(defs, instance, "vad_features", NEW_SPEAKER) == StaleStatus.MISSING
+    # ... so the next tick asks for the new speaker's shard only (no run for the speakers' rows)
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
-        third = corpus_sensor(context)
-    (request,) = third.run_requests
+        second = corpus_sensor(context)
+    assert second.asset_events == []  # nothing left for the sensor to record
+    (request,) = second.run_requests
     assert request.asset_selection == [dg.AssetKey("vad_features")]
     assert (request.tags[PARTITION_RANGE_START], request.tags[PARTITION_RANGE_END]) == (NEW_SPEAKER, NEW_SPEAKER)
 
@@ -146,3 +152,30 @@ def test_stale_speakers_are_grouped_into_contiguous_runs(wanted: set[str], range
     from speech_assets.defs.automation import contiguous_ranges
 
     assert [(first, last) for first, last, _ in contiguous_ranges(list("abcde"), wanted)] == ranges
+
+
+def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """A manifest published without its speaker_manifest observations (a run killed in between, a
+    manifest from before observations): the sensor's next tick records them, runless, once."""
+    from speech_assets.corpus.manifest import ManifestRow, corpus_fingerprint
+    from speech_assets.defs.manifest import _write_speakers
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "README").write_text("a corpus the manifest below describes")
+    paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
+    rows = [ManifestRow(f"{s}-1-000{i}", s, "1", f"/c/{s}/{i}.flac", "A", 16000, 1, 16000, 1.0, f"{i:064x}") for s in ("s1", "s2") for i in range(2)]
+    listed = _write_speakers(paths.speakers_file, rows)
+    instance.report_runless_asset_event(dg.AssetMaterialization("manifest", metadata={"corpus_fingerprint": corpus_fingerprint(corpus)}))
+    instance.add_dynamic_partitions("speakers", ["s1", "s2", "s3"])  # s3: registered, its rows all gone
+    instance.report_runless_asset_event(dg.AssetObservation("speaker_manifest", partition="s1", tags={"dagster/data_version": listed["s1"].manifest_hash}))
+
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        tick = corpus_sensor(context)
+    versions = {e.partition: e.tags["dagster/data_version"] for e in tick.asset_events}
+    assert set(versions) == {"s2", "s3"} and versions["s2"] == listed["s2"].manifest_hash
+    assert [r.asset_selection for r in tick.run_requests] == [[dg.AssetKey("vad_features")]]  # no shards yet
+    for event in tick.asset_events:  # what the sensor daemon does with them
+        instance.report_runless_asset_event(event)
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        assert corpus_sensor(context).asset_events == []

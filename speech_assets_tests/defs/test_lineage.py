@@ -7,6 +7,7 @@ speaker's audio makes exactly that speaker's shard and what depends on it stale.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import dagster as dg
@@ -35,7 +36,6 @@ def built(tmp_path_factory: pytest.TempPathFactory):
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
         materialize_in_process(defs, instance, "manifest")
         speakers = list(instance.get_dynamic_partitions("speakers"))
-        materialize_in_process(defs, instance, "speaker_manifest", speakers)
         materialize_in_process(defs, instance, "vad_features", speakers)  # all shards in ONE run
         materialize_in_process(defs, instance, "cmvn_stats")
         materialize_in_process(defs, instance, "client_partitions")
@@ -54,6 +54,16 @@ def data_version(instance: dg.DagsterInstance, asset: str, partition: str) -> st
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
     ).records
     return record.asset_materialization.tags["dagster/data_version"]
+
+
+def latest_event_id(instance: dg.DagsterInstance) -> int:
+    return instance.event_log_storage.get_maximum_record_id() or 0
+
+
+def observed_since(instance: dg.DagsterInstance, storage_id: int) -> list[str]:
+    """speaker_manifest partitions observed after ``storage_id``."""
+    records = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("speaker_manifest"), after_storage_id=storage_id), limit=10_000).records
+    return sorted(r.partition_key for r in records)
 
 
 def everything_in_sync(defs, instance, speakers: list[str]) -> dict[str, StaleStatus]:
@@ -76,6 +86,9 @@ def test_partitions_built_together_carry_their_own_content_hash(built) -> None:
 def test_rerunning_an_unchanged_partition_leaves_downstream_in_sync(built) -> None:
     defs, instance, _paths, _corpus, speakers = built
     assert everything_in_sync(defs, instance, speakers) == {}
+    mark = latest_event_id(instance)
+    materialize_in_process(defs, instance, "manifest")  # the same corpus again: no speaker's rows changed
+    assert observed_since(instance, mark) == []
     before = data_version(instance, "vad_features", speakers[3])
     materialize_in_process(defs, instance, "vad_features", [speakers[3]])
     materialize_in_process(defs, instance, "kmeans_targets", ["client_01"])
@@ -90,10 +103,25 @@ def test_changing_one_speakers_audio_makes_exactly_its_dependents_stale(built) -
     audio, rate = sf.read(flac, dtype="float32")
     sf.write(flac, (audio * 0.5).astype(np.float32), rate, format="FLAC", subtype="PCM_16")
 
+    mark = latest_event_id(instance)
     materialize_in_process(defs, instance, "manifest")
-    materialize_in_process(defs, instance, "speaker_manifest", speakers)
+    # the manifest run recorded a new rows version for the changed speaker only: no event at all
+    # for the others, and no run of speaker_manifest
+    assert observed_since(instance, mark) == [changed]
     assert status(defs, instance, "vad_features", changed) == StaleStatus.STALE
     assert {s for s in speakers if status(defs, instance, "vad_features", s) != StaleStatus.FRESH} == {changed}
+    assert {s for s in speakers if status(defs, instance, "speaker_manifest", s) != StaleStatus.FRESH} == set()
+    # what a shard records of its input: its own speaker's rows, their version and observation
+    (record,) = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("vad_features"), asset_partitions=[speakers[0]]), limit=1
+    ).records
+    (observed,) = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("speaker_manifest"), asset_partitions=[speakers[0]]), limit=1
+    ).records
+    tags = record.asset_materialization.tags
+    assert tags["dagster/input_event_pointer/speaker_manifest"] == str(observed.storage_id)
+    assert tags["dagster/input_data_version/speaker_manifest"] == observed.asset_observation.tags["dagster/data_version"]
+    assert json.loads(paths.shard_files(speakers[0]).meta.read_text())["speaker_manifest_hash"] == observed.asset_observation.tags["dagster/data_version"]
 
     materialize_in_process(defs, instance, "vad_features", [changed])
     assert data_version(instance, "vad_features", changed) == sha256_file(paths.shard_file(changed))
