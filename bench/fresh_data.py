@@ -138,11 +138,32 @@ def automation_ticks(
         requested = [key for key in DOWNSTREAM if evaluation.get_num_requested(dg.AssetKey(key))]
         if not requested:
             break
+        # as the daemon groups them: the unpartitioned assets requested together share a run (in
+        # dependency order, up to a partitioned one), a partitioned asset's partitions share one
+        groups: list[tuple[list[str], list[str]]] = []
         for key in requested:
             partitions = sorted(p for p in evaluation.get_requested_partitions(dg.AssetKey(key)) if p is not None)
-            label = f"run {key}" + (f" [{len(partitions)} partition(s)]" if partitions else "")
-            timed_run(timings or scratch, details, instance, label, lambda: materialize_in_process(defs, instance, key, partitions or None))
+            if not partitions and groups and not groups[-1][1]:
+                groups[-1][0].append(key)
+            else:
+                groups.append(([key], partitions))
+        for keys, partitions in groups:
+            label = f"run {','.join(keys)}" + (f" [{len(partitions)} partition(s)]" if partitions else "")
+            timed_run(timings or scratch, details, instance, label, lambda: materialize_together(defs, instance, keys, partitions))
     return cursor
+
+
+def materialize_together(defs: dg.Definitions, instance: dg.DagsterInstance, keys: list[str], partitions: list[str]) -> None:
+    """One in-process run of ``keys`` and their checks (a partition range when ``partitions``)."""
+    if len(keys) == 1:
+        materialize_in_process(defs, instance, keys[0], partitions or None)
+        return
+    assert not partitions, "only unpartitioned assets share a run here"
+    selected = {dg.AssetKey(key) for key in keys}
+    checks = {check for check in defs.resolve_asset_graph().asset_check_keys if check.asset_key in selected}
+    job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection=selected, asset_check_selection=checks)
+    if not job.execute_in_process(instance=instance).success:
+        raise RuntimeError(f"materializing {keys} failed")
 
 
 def absorb(defs: dg.Definitions, instance: dg.DagsterInstance, paths: StoragePaths, cursor: object, timings: Timings, details: list[str]) -> None:

@@ -9,7 +9,7 @@
    for at least 2 hours and 40 distinct voices and stops if the engines installed here give less.
 2. Runs the asset graph end to end through Dagster, each stage a ``dagster asset materialize`` run
    (as scripts/materialize_all.sh does) against a fresh DAGSTER_HOME and data dir under ``--work``:
-   manifest -> speaker_manifest, vad_features -> cmvn_stats, client_partitions -> kmeans_targets ->
+   manifest -> vad_features -> cmvn_stats, client_partitions -> kmeans_targets ->
    pretrained_checkpoint (torchrun) -> federated_checkpoint (Flower) -> distilled_checkpoint ->
    kmeans_targets_iter2 -> pretrained_checkpoint_iter2 -> downstream_probe (``--probe-seeds`` seeds).
    Budgets come from the flags (run config); every other knob from pipeline.toml
@@ -725,7 +725,7 @@ def run_stages(
 
     def data(s: Stage) -> None:
         runner.materialize(s, "manifest")
-        runner.materialize(s, "speaker_manifest,vad_features", runner.partitions("speakers"))
+        runner.materialize(s, "vad_features", runner.partitions("speakers"))
         runner.materialize(s, "cmvn_stats,client_partitions")
         runner.materialize(s, "kmeans_targets", runner.partitions("clients"))
 

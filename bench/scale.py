@@ -29,7 +29,7 @@ BIN = Path(sys.executable).parent
 
 STAGES = [
     ("manifest", ["--select", "manifest"], None),
-    ("speaker_manifest + vad_features", ["--select", "speaker_manifest,vad_features"], "speakers"),
+    ("vad_features", ["--select", "vad_features"], "speakers"),
     ("cmvn_stats + client_partitions", ["--select", "cmvn_stats,client_partitions"], None),
     ("kmeans_targets", ["--select", "kmeans_targets"], "clients"),
     ("pretrained_checkpoint", ["--select", "pretrained_checkpoint"], None),

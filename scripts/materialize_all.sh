@@ -37,8 +37,9 @@ PY
 )"
 
 materialize --select manifest
-# one shard per speaker: the manifest registered the speaker partitions; one run covers them all
-materialize --select speaker_manifest,vad_features --partition-range "$(speech-assets partitions speakers --range)"
+# one shard per speaker: the manifest registered the speaker partitions (and recorded each
+# speaker's rows version, speaker_manifest); one run covers them all
+materialize --select vad_features --partition-range "$(speech-assets partitions speakers --range)"
 materialize --select cmvn_stats,client_partitions
 materialize --select kmeans_targets --partition-range "$(speech-assets partitions clients --range)"
 materialize --select "$model_assets" --config-json "$model_config"

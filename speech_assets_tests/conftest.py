@@ -66,7 +66,7 @@ def sample_corpus() -> Path:
 
 @pytest.fixture(scope="session")
 def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """manifest -> speaker_manifest -> vad_features -> cmvn_stats -> client_partitions ->
+    """manifest (+ speaker_manifest observations) -> vad_features -> cmvn_stats -> client_partitions ->
     kmeans_targets on the committed sample (the repository's pipeline.toml: 4 clients), one real
     Dagster run each, executed in this process against a real SQLite instance in a fresh
     DAGSTER_HOME. What the federated and model-run tests start from (``defs`` runs more assets on
