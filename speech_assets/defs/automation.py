@@ -155,4 +155,9 @@ automation_sensor = dg.AutomationConditionSensorDefinition(
     default_status=dg.DefaultSensorStatus.STOPPED,
     minimum_interval_seconds=AUTOMATION_INTERVAL_S,
     run_tags=SENSOR_RUN_TAGS,
+    # Runs, not backfills: a tick that requests several clients' kmeans_targets would otherwise
+    # become a backfill, which the daemon advances once per 30 s loop (not configurable), one
+    # dependency level per loop. Each client is then a run of its own, launched at once; the
+    # conditions (conditions.py) order the levels over ticks instead.
+    emit_backfills=False,
 )

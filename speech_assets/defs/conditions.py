@@ -1,20 +1,32 @@
 """Declarative automation conditions shared by the assets (see automation.py for the flow)."""
 
 import os
+from collections.abc import Sequence
 
 import dagster as dg
 
 RETRAIN_CRON = os.environ.get("SPEECH_ASSETS_RETRAIN_CRON", "0 3 * * *")
 
 
-def follow_upstream(require_all_deps: bool = True) -> dg.AutomationCondition:
+def follow_upstream(require_all_deps: bool = True, ignore_updates_of: Sequence[str] = ()) -> dg.AutomationCondition:
     """Materialize after any dependency updates, once none is running and blocking checks pass.
 
     ``eager`` also waits until no dependency (partition) is missing, e.g. a speaker registered by
     the sensor whose shard is still being built; ``require_all_deps=False`` drops that clause
     for assets that are useful before every input exists (the stats database before training).
+
+    ``ignore_updates_of`` names dependencies whose updates are no reason to run, because another
+    dependency follows them through automation and its update comes after (``kmeans_targets``
+    ignores the shards and ``cmvn_stats``: ``client_partitions`` is rebuilt after them). A
+    dependency of another partitioning is requested in a run of its own, so without this an
+    asset would run in the same tick as its inputs' inputs, beside them, on stale inputs, and
+    then again (and the automation sensor would hand the whole set to a backfill, which the
+    daemon advances every 30 s). They still count as inputs: missing, in progress, checks.
     """
     eager = dg.AutomationCondition.eager()
+    if ignore_updates_of:
+        ignored = dg.AssetSelection.assets(*ignore_updates_of)
+        eager = eager.replace("any_deps_updated", dg.AutomationCondition.any_deps_updated().ignore(ignored))
     if require_all_deps:
         return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
     # a dependency that was never materialized has no check to pass (no checkpoint yet)

@@ -43,7 +43,8 @@ class KMeansOverrides(overrides_of(KMeansSettings)):
         ALL_SHARDS,
     ],
     code_version=KMEANS_CODE_VERSION,
-    automation_condition=follow_upstream(),
+    # client_partitions is rebuilt after every shard or CMVN update: react to it, not to them
+    automation_condition=follow_upstream(ignore_updates_of=["vad_features", "cmvn_stats"]),
     kinds={"faiss"},
     output_required=False,  # one materialization per client, each with its own content hash
 )

@@ -52,7 +52,7 @@ def pooled() -> None:
 
 def light_job() -> dg.JobDefinition:
     job = dg.define_asset_job("light_job", selection=[light])
-    return dg.Definitions(assets=[light], jobs=[job], executor=reaping_multiprocess_executor).get_job_def("light_job")
+    return dg.Definitions(assets=[light], jobs=[job], executor=reaping_multiprocess_executor).resolve_job_def("light_job")
 
 
 def test_a_sensor_run_executes_its_steps_in_the_run_worker(instance: dg.DagsterInstance) -> None:
@@ -78,3 +78,65 @@ def test_untagged_runs_and_runs_with_a_pooled_step_keep_their_step_processes(ins
     light_only = create_execution_plan(job, step_keys_to_execute=["light"])
     assert runs_in_process(tagged, light_only)
     assert not runs_in_process(untagged, light_only)
+
+
+# --- the automation levels follow each other over ticks, never beside each other ---------------
+# The graph's shape with the real assets' conditions: shards (per speaker, built by the sensor) ->
+# cmvn_stats -> client_partitions -> kmeans_targets (per client) -> dataset_stats.
+
+def _toy(key: str, real: dg.AssetsDefinition, **kwargs) -> dg.AssetsDefinition:
+    @dg.asset(name=key, automation_condition=real.automation_conditions_by_key[dg.AssetKey(key)], **kwargs)
+    def _asset() -> None:
+        pass
+
+    return _asset
+
+
+def toy_graph() -> list[dg.AssetsDefinition]:
+    from speech_assets.defs import clients, features, stats, targets
+    from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
+
+    @dg.asset(name="vad_features", partitions_def=dg.StaticPartitionsDefinition(["s1", "s2"]))
+    def shards() -> None:
+        pass
+
+    clients_def = dg.StaticPartitionsDefinition(["c1", "c2"])
+    return [
+        shards,
+        _toy("cmvn_stats", features.cmvn_stats, deps=[ALL_SHARDS]),
+        _toy("client_partitions", clients.client_partitions, deps=["cmvn_stats"]),
+        _toy("kmeans_targets", targets.kmeans_targets, deps=["client_partitions", "cmvn_stats", ALL_SHARDS], partitions_def=clients_def),
+        _toy("dataset_stats", stats.dataset_stats, deps=["cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS]),
+    ]
+
+
+def test_a_new_shard_reaches_dataset_stats_one_level_per_tick(instance: dg.DagsterInstance) -> None:
+    assets = toy_graph()
+    defs = dg.Definitions(assets=assets)
+    for partition in ("s1", "s2"):
+        assert dg.materialize(assets[:1], instance=instance, partition_key=partition).success
+    assert dg.materialize(assets[1:3], instance=instance).success
+    for partition in ("c1", "c2"):
+        assert dg.materialize(assets[3:4], selection=["kmeans_targets"], instance=instance, partition_key=partition).success
+    assert dg.materialize(assets[4:], instance=instance).success
+    cursor = dg.evaluate_automation_conditions(defs=defs, instance=instance).cursor  # records the built state
+
+    assert dg.materialize(assets[:1], instance=instance, partition_key="s2").success  # the sensor's shard run
+    ticks = []
+    for _ in range(5):
+        evaluation = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        cursor = evaluation.cursor
+        requested = {a.key.to_user_string(): sorted(p for p in evaluation.get_requested_partitions(a.key) if p)
+                     for a in assets if evaluation.get_num_requested(a.key)}
+        if not requested:
+            break
+        ticks.append(requested)
+        for asset in assets:  # what the runs of this tick do, in dependency order
+            for partition in requested.get(asset.key.to_user_string(), None) or ([None] if asset.key.to_user_string() in requested else []):
+                assert dg.materialize([asset], instance=instance, partition_key=partition, selection=[asset.key]).success
+    assert ticks == [
+        {"cmvn_stats": [], "client_partitions": []},  # one run
+        {"kmeans_targets": ["c1", "c2"]},  # after the clients, not beside them on stale ones
+        {"dataset_stats": []},  # after every client's targets, not beside them
+    ]
+    assert automation_sensor.emit_backfills is False  # runs now, not a backfill advanced every 30 s
