@@ -102,7 +102,8 @@ def process_variants(
         return [VadReject(utt_id, os.fspath(path), str(exc), reason="unreadable")]
     duration_s = decoded.shape[1] / sample_rate
     try:
-        wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate))
+        # In place: ``decoded`` (or its mono mix / resampled copy) is this call's own buffer.
+        wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate), in_place=True)
     except ValueError as exc:  # NaN / inf samples
         return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
     results = [_trim_and_featurise(wave, duration_s, path, utt_id, speaker_id, chapter_id, vad_cfg, extractor)]
@@ -112,8 +113,8 @@ def process_variants(
         for factor in check_speed_factors(speed_factors):
             faster, _ = AF.speed(torch.from_numpy(wave), audio.TARGET_SAMPLE_RATE, factor)
             results.append(_trim_and_featurise(
-                audio.normalise_peak(faster.numpy()), duration_s / factor, path, speed_perturbed_id(utt_id, factor),
-                speaker_id, chapter_id, vad_cfg, extractor,
+                audio.normalise_peak(faster.numpy(), in_place=True), duration_s / factor, path,
+                speed_perturbed_id(utt_id, factor), speaker_id, chapter_id, vad_cfg, extractor,
             ))  # fmt: skip
     return results
 

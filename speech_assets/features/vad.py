@@ -1,7 +1,8 @@
 """WebRTC VAD with the py-webrtcvad example's ring-buffer collector, reduced to one speech span.
 
-The waveform (16 kHz mono float32, peak-normalised) is quantised to int16 PCM once, cut into
-``frame_ms`` frames (a trailing partial frame is not classified) and each frame is classified by
+The waveform (16 kHz mono float32, peak-normalised) is quantised to int16 PCM once (into a
+reused per-thread buffer), cut into ``frame_ms`` frames (read-only memoryview slices, no copies;
+a trailing partial frame is not classified) and each frame is classified by
 ``webrtcvad.Vad(aggressiveness)``. The collector then walks the decisions exactly as in
 py-webrtcvad's ``example.py``:
 
@@ -26,6 +27,7 @@ is below ``min_speech_s``, or when ``speech_ratio`` is below ``min_speech_ratio`
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -138,18 +140,46 @@ class NoSpeech:
     span: SpeechSpan | None = None
 
 
-def to_pcm16(wave: np.ndarray) -> np.ndarray:
-    """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated)."""
-    scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32)
+def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated).
+
+    ``out``: an int16 array of the same shape to write into (else a new one is returned).
+    """
+    wave = np.asarray(wave)
+    scaled = _scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
+    scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32, out=scaled)
     np.clip(scaled, -32768.0, 32767.0, out=scaled)
-    return scaled.astype(np.int16)
+    if out is None:
+        return scaled.astype(np.int16)
+    np.copyto(out, scaled, casting="unsafe")  # truncation toward zero, as astype
+    return out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
+    """A per-thread reusable 1-D buffer of at least ``length`` elements (a view of that length).
+
+    Quantising every utterance into fresh multi-MB arrays cost more in page faults than the
+    arithmetic; the VAD only reads the PCM while ``detect_speech`` runs, so one buffer per
+    thread is reused (grown on demand).
+    """
+    buffer = getattr(_SCRATCH, name, None)
+    if buffer is None or buffer.shape[0] < length:
+        buffer = np.empty(max(length, 1 << 19), dtype)
+        setattr(_SCRATCH, name, buffer)
+    return buffer[:length]
 
 
 def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:
     """WebRTC VAD decision for each complete ``cfg.frame_ms`` frame of int16 PCM ``(N,)``."""
     frame_samples = cfg.frame_samples(sample_rate)
     frame_bytes = 2 * frame_samples
-    data = memoryview(np.ascontiguousarray(pcm16, dtype="<i2").tobytes())
+    # Frames are read-only slices of one memoryview over the samples: no bytes copy of the
+    # utterance (WebRTC's ``process`` takes any read-only buffer).
+    pcm = np.ascontiguousarray(pcm16, dtype="<i2")
+    data = memoryview(pcm).cast("B").toreadonly() if pcm.size else memoryview(b"")
     usable = (len(data) // frame_bytes) * frame_bytes
     vad = webrtcvad.Vad(cfg.aggressiveness)
     if _vad_process is None:  # pragma: no cover
@@ -213,7 +243,8 @@ def detect_speech(
     wave = np.asarray(wave16k)
     if wave.ndim != 1:
         raise ValueError(f"detect_speech expects mono (N,) audio, got shape {wave.shape}")
-    flags = classify_frames(to_pcm16(wave), cfg, sample_rate)
+    pcm16 = to_pcm16(wave, out=_scratch("int16", np.int16, wave.shape[0]))
+    flags = classify_frames(pcm16, cfg, sample_rate)
     total = len(flags)
     seconds = wave.shape[0] / sample_rate
     if total == 0:

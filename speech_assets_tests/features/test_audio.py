@@ -117,6 +117,20 @@ def test_normalise_peak_silence_has_no_division_by_zero(wave):
     assert out is not wave
 
 
+@pytest.mark.parametrize("amplitude", [0.2, 1e-3, 0.0])
+def test_normalise_peak_in_place_equals_the_copy(amplitude):
+    wave = tone(300, 0.2, 16000, amplitude=amplitude)
+    expected = audio.normalise_peak(wave)
+    out = audio.normalise_peak(wave, in_place=True)
+    assert out is wave
+    np.testing.assert_array_equal(out, expected)
+    readonly = tone(300, 0.2, 16000, amplitude=amplitude)
+    readonly.flags.writeable = False
+    other = audio.normalise_peak(readonly, in_place=True)  # not writable: falls back to a copy
+    assert other is not readonly
+    np.testing.assert_array_equal(other, expected)
+
+
 def test_normalise_peak_rejects_nan():
     with pytest.raises(ValueError, match="NaN"):
         audio.normalise_peak(np.array([0.0, np.nan], np.float32))

@@ -6,6 +6,7 @@ from collections import deque
 
 import numpy as np
 import pytest
+import webrtcvad
 
 from speech_assets.features import audio
 from speech_assets.testing.corpora import vowel, with_silence
@@ -209,6 +210,30 @@ def test_to_pcm16_clips_and_scales():
     pcm = to_pcm16(np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0], np.float32))
     assert pcm.dtype == np.int16
     assert pcm.tolist() == [0, 16383, -16383, 32767, -32767, 32767, -32768]
+
+
+def test_to_pcm16_into_a_buffer_and_memoryview_frames_match_bytes_frames():
+    wave = audio.normalise_peak(with_silence(0.7, 1.5, 0.6, seed=5))
+    out = np.full(wave.shape[0], 7, np.int16)
+    assert to_pcm16(wave, out=out) is out
+    np.testing.assert_array_equal(out, to_pcm16(wave))
+    pcm = to_pcm16(wave)
+    cfg = VadConfig(aggressiveness=1, frame_ms=10, padding_ms=100)
+    # The reference: py-webrtcvad's own API on bytes frames.
+    vad = webrtcvad.Vad(cfg.aggressiveness)
+    data, step = pcm.tobytes(), 2 * cfg.frame_samples()
+    expected = [vad.is_speech(data[i : i + step], SR) for i in range(0, len(data) - step + 1, step)]
+    assert classify_frames(pcm, cfg) == expected
+    assert classify_frames(pcm[:-1], cfg) == expected[: (pcm.shape[0] - 1) // cfg.frame_samples()]
+    assert classify_frames(np.zeros(0, np.int16), cfg) == []
+
+
+def test_detect_speech_reuses_its_buffers_without_leaking_between_calls():
+    long = audio.normalise_peak(with_silence(1.0, 3.0, 1.0, seed=6))
+    short = audio.normalise_peak(with_silence(0.3, 1.0, 0.3, seed=7))
+    expected = detect_speech(short.copy(), VadConfig())
+    detect_speech(long, VadConfig())
+    assert detect_speech(short, VadConfig()) == expected
 
 
 def test_detection_is_deterministic_and_stateless():
