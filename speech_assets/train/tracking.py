@@ -47,11 +47,13 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
 
 def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
     """The exact command that serves a local store's UI on loopback, where the run can be opened
-    (a store's credentials are left out of it: it is recorded in run metadata)."""
+    (a store's credentials are left out of it: it is recorded in run metadata). One worker: a
+    local store has one reader, and mlflow's default four workers each import the server (the UI
+    takes several times longer to come up on a small machine)."""
     artifacts = artifact_location or default_artifact_location(tracking_uri)
     serve = f" --default-artifact-root {shlex.quote(artifacts)}" if artifacts else ""
     store = shlex.quote(locations.redact_uri(tracking_uri))
-    return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --port 5000"
+    return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --workers 1 --port 5000"
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

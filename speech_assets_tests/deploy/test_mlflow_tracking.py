@@ -94,7 +94,7 @@ def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(tiny_corp
     result = _train(tiny_corpus, data / "training" / "run", store, paths.mlflow_artifact_location, "speech_assets")
     assert result["mlflow_run_url"] is None and result["mlflow_run_id"]
     assert result["mlflow_ui"] == (
-        f"mlflow ui --backend-store-uri {store} --default-artifact-root {data / 'mlartifacts'} --host 127.0.0.1 --port 5000"
+        f"mlflow ui --backend-store-uri {store} --default-artifact-root {data / 'mlartifacts'} --host 127.0.0.1 --workers 1 --port 5000"
     )
     assert list((data / "mlartifacts").rglob("final.pt"))
 
