@@ -437,3 +437,17 @@ def test_in_process_run_restores_torch_threads(tmp_path, corpus):
     results = build_shards_parallel([("s1", corpus[:1], tmp_path / "s1.parquet")], VadConfig(), workers=1)
     assert results["s1"].records == 1
     assert torch.get_num_threads() == before
+
+
+def test_shard_partial_sums_are_bit_identical_to_partial_sums_of():
+    from speech_assets.features.build import _partial_sums
+    from speech_assets.features.cmvn import PartialSums
+
+    rng = np.random.default_rng(11)
+    for frames in (1200, 7, 0, 300):  # big first, then smaller ones reusing its buffer
+        for dim, scale in ((80, 4.0), (39, 1.0)):
+            matrix = (rng.standard_normal((frames, dim)) * scale + 3).astype(np.float32)
+            ours, expected = _partial_sums(matrix), PartialSums.of(matrix)
+            assert ours.count == expected.count == frames
+            np.testing.assert_array_equal(ours.sum, expected.sum)
+            np.testing.assert_array_equal(ours.sumsq, expected.sumsq)
