@@ -20,6 +20,8 @@ def is_safe_id(value: str) -> bool:
 
 def why_unsafe(value: str) -> str | None:
     """``None`` for a safe id, else a human-readable reason."""
+    if isinstance(value, str) and _SAFE.fullmatch(value) is not None:
+        return None  # the common case, one match (the manifest asks for every id of every file)
     if not isinstance(value, str) or value == "":
         return "is empty"
     if len(value) > MAX_LENGTH:
