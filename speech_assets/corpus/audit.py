@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.ids import is_safe_id
-from speech_assets.corpus.manifest import MANIFEST_SCHEMA, ValidationConfig, hash_triples
+from speech_assets.corpus.manifest import MANIFEST_SCHEMA, RealPaths, ValidationConfig, hash_triples
 from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectReason
 
 MAX_LISTED = 10
@@ -113,10 +113,11 @@ def paths_inside_root(table: pa.Table, root: Path) -> Audit:
     if (missing := _missing("paths_inside_root", table, ("path",))) is not None:
         return missing
     root = Path(os.path.realpath(root))
+    real = RealPaths()
     bad = [
         str(path)
         for path in table.column("path").to_pylist()
-        if not isinstance(path, str) or not Path(os.path.realpath(path)).is_relative_to(root) or not os.path.isfile(path)
+        if not isinstance(path, str) or not Path(real(path)).is_relative_to(root) or not os.path.isfile(path)
     ]
     return Audit("paths_inside_root", not bad, f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
                  {"bad_paths": len(bad), "examples": _examples(bad)})
