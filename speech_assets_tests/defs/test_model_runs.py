@@ -1,7 +1,7 @@
 """The model assets in real Dagster runs on the sample build (executed in this process against its
 instance; the demo build runs the same assets through `dagster asset materialize`, a slow test):
 
-- pretrained_checkpoint (iteration 1, torchrun, 40 steps), then HuBERT iteration 2:
+- pretrained_checkpoint (iteration 1, torchrun, 40 steps), then HuBERT iteration 2 (20 steps):
   kmeans_targets_iter2 (each client clusters its own frames in a layer of that encoder) and
   pretrained_checkpoint_iter2; lineage, K, 50 Hz alignment and input versions.
 - distilled_checkpoint, encoder_export (ONNX parity check, the README's example), downstream_probe
@@ -44,7 +44,9 @@ def evaluated(trained):
     out, defs, instance = trained
     materialize_in_process(defs, instance, "distilled_checkpoint", run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}})
     materialize_in_process(defs, instance, "encoder_export")
-    materialize_in_process(defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": {"steps": 60}}}})
+    # two probe seeds and one lr: a third of the default's probes, still a mean and a spread per model
+    probe = {"steps": 40, "seeds": [0, 1], "lrs": [0.01]}
+    materialize_in_process(defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": probe}}})
     materialize_in_process(defs, instance, "dataset_stats")
     return trained
 
@@ -55,7 +57,7 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
     materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
     materialize_in_process(
         defs, instance, "pretrained_checkpoint_iter2",
-        run_config={"ops": {"pretrained_checkpoint_iter2": {"config": {"max_steps": 40, "checkpoint_every": 20}}}},
+        run_config={"ops": {"pretrained_checkpoint_iter2": {"config": {"max_steps": 20, "checkpoint_every": 10}}}},
     )  # fmt: skip
     event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint_iter2"), limit=1).records[0].asset_materialization
     (teacher,) = [json.loads(p.read_text()) for p in (out / "training").glob("*/result.json")]
@@ -70,7 +72,7 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
             for row in shard:  # one label per 50 Hz encoder frame
                 assert len(labels[row["utt_id"]]) == (row["num_frames"] + 1) // 2
     (result,) = [json.loads(p.read_text()) for p in (out / "training_iter2").glob("*/result.json")]
-    assert result["step"] == 40
+    assert result["step"] == 20
     assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
     assert event.metadata["input_versions"].value["kmeans_targets_iter2"].startswith("4 partitions")
 
@@ -87,9 +89,9 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
         "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
         "seed", "normalisation", "speakers", "lr",
     ]  # fmt: skip
-    assert all(r["lr"] in (0.002, 0.01) for r in table.to_pylist())  # each model's, chosen from [probe] lrs
+    assert all(r["lr"] == 0.01 for r in table.to_pylist())  # each model's, chosen from the run's lrs
     rows = table.to_pylist()
-    assert sorted({r["seed"] for r in rows}) == [0, 1, 2]  # every model over the same probe seeds
+    assert sorted({r["seed"] for r in rows}) == [0, 1]  # every model over the same probe seeds
     heldout = {r["model"]: r for r in rows if r["split"] == "heldout" and r["seed"] == 0}
     # the probe's test speakers: in no encoder's training data and not in the probe's own
     split = json.loads((out / "probe" / "speakers.json").read_text())
