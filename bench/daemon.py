@@ -346,14 +346,22 @@ def main() -> None:
                 t0 = time.time()
                 print(f"new speaker {newcomer} moved into the corpus at {datetime.datetime.fromtimestamp(t0):%H:%M:%S.%f}", flush=True)
 
+                looked_at = {"storage_id": instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records[0].storage_id}
+
                 def arrived() -> float | None:
+                    """The time of the first dataset_stats materialization after t0 whose database
+                    lists the newcomer: read as soon as each new one is recorded (the file can
+                    change before its materialization is recorded, never after)."""
                     if not dev.alive():
                         raise RuntimeError("dagster dev exited")
                     records = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records
-                    if not records or records[0].timestamp < t0:
+                    if not records or records[0].storage_id == looked_at["storage_id"]:
                         return None
                     listed = speakers_in_database(db)
-                    return records[0].timestamp if listed and newcomer in listed else None
+                    if listed is None:
+                        return None  # being written: look again
+                    looked_at["storage_id"] = records[0].storage_id
+                    return records[0].timestamp if newcomer in listed else None
 
                 t_first = wait_for(arrived, args.timeout, f"dataset_stats with {newcomer}", interval=0.5)
                 seen = time.time() - t0

@@ -72,8 +72,10 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "downstream_probe"],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
-    # kmeans_targets follows the shards, CMVN and clients: one database after them, not one beside each
-    automation_condition=follow_upstream(require_all_deps=False, ignore_updates_of=["vad_features", "cmvn_stats", "client_partitions"]),
+    # kmeans_targets follows the shards, CMVN and clients: one database after it, not one beside each
+    automation_condition=follow_upstream(
+        require_all_deps=False, ignore_updates_of=["vad_features", "cmvn_stats", "client_partitions"], wait_for_backfills=False
+    ),
 )
 def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
     """stats.duckdb: views over every Parquet output plus summary tables; query with
