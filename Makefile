@@ -49,7 +49,7 @@ ui: install
 MLFLOW_PORT ?= 5000
 mlflow: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db \
-		--default-artifact-root $(SPEECH_ASSETS_DATA_DIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT)
+		--default-artifact-root $(SPEECH_ASSETS_DATA_DIR)/mlartifacts --host 127.0.0.1 --workers 1 --port $(MLFLOW_PORT)
 
 bench: install
 	$(BIN)/python bench/manifest.py
