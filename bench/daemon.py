@@ -140,23 +140,30 @@ class DagsterDev:
         self.process.wait()
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) used so far by ``pid`` and every process below it."""
+def tree_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by ``pid`` and each process below it, by pid."""
     import psutil
 
-    total = 0.0
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return total
+        return {}
+    used = {}
     for process in processes:
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += times.user + times.system
-    return total
+        used[process.pid] = times.user + times.system
+    return used
+
+
+def cpu_used_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds between two :func:`tree_cpu_seconds`: what the processes alive at the end used
+    since the start (all of it for those started since); a process that ended in between is left
+    out (its last seconds are lost, which only under-counts)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
 def speakers_in_database(db: Path) -> set[str] | None:
@@ -239,7 +246,7 @@ def timeline(instance, t0: float, t_end: float) -> list[tuple[float, str]]:
             rows.append((at, f"run {run.run_id[:8]}   {label}"))
         for name, at in last_materialization.items():
             count = materialized[name]
-            rows.append((at, f"run {run.run_id[:8]}   {name} materialized" + (f" ({count} partitions)" if count > 1 else "")))
+            rows.append((at, f"run {run.run_id[:8]}   {name} materialized" + (f" ({count} events)" if count > 1 else "")))
     return sorted(rows)
 
 
@@ -336,7 +343,7 @@ def main() -> None:
 
                 wait_for(built, args.timeout, "the initial build", interval=1.0)
                 initial = time.time() - turned_on
-                idle_cpu = (tree_cpu_seconds(dev.process.pid) - quiet_since[1]) / (time.monotonic() - quiet_since[0])
+                idle_cpu = cpu_used_since(quiet_since[1], tree_cpu_seconds(dev.process.pid)) / (time.monotonic() - quiet_since[0])
                 runs_before = len(instance.get_runs())
                 print(f"initial build by the sensors and automation: {initial - args.settle:.1f} s "
                       f"({runs_before} runs), then {args.settle:.0f} s with no run, in which dagster dev's processes "
