@@ -230,13 +230,14 @@ def stage_breakdown(
 def write_list_shard(shard: Path, target: Path) -> int:
     """Rewrite a blob shard with ``list<float>`` feature columns (same values, same settings)."""
     table = features.read_shard_table(shard)
+    dtype = features.feature_dtype(table.schema)  # float16 in format-2 shards
     columns = {}
     for name in ("logmel", "mfcc"):
         blobs = table.column(name).combine_chunks()
         offsets = np.frombuffer(blobs.buffers()[1], dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
-        values = np.frombuffer(blobs.buffers()[2], dtype="<f4")[offsets[0] // 4 : offsets[-1] // 4]
-        offsets = (offsets - offsets[0]) // 4
-        columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.float32()))
+        values = np.frombuffer(blobs.buffers()[2], dtype=dtype)[offsets[0] // dtype.itemsize : offsets[-1] // dtype.itemsize]
+        offsets = (offsets - offsets[0]) // dtype.itemsize
+        columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.from_numpy_dtype(dtype)))
     for name in ("logmel", "mfcc"):
         table = table.set_column(table.schema.get_field_index(name), name, columns[name])
     pq.write_table(table, target, compression="zstd", compression_level=3, row_group_size=256)
@@ -274,7 +275,7 @@ def read_lists_pylist(paths: Sequence[Path]) -> int:
         table = pq.read_table(path)
         for name, dim in (("logmel", features.N_MELS), ("mfcc", features.MFCC_DIM)):
             for row in table.column(name).to_pylist():
-                total += np.asarray(row, dtype=np.float32).reshape(-1, dim).nbytes
+                total += np.asarray(row, dtype=np.float32).reshape(-1, dim).nbytes  # as float32, what consumers get
     return total
 
 

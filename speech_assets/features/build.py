@@ -26,7 +26,7 @@ from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow, write_reject
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
-from speech_assets.features.shards import FeatureRecord, ShardFiles, num_frames_for, sidecar_paths, write_shard
+from speech_assets.features.shards import FeatureRecord, ShardFiles, num_frames_for, sidecar_paths, to_stored, write_shard
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
 from speech_assets.runtime.locks import exclusive_lock
 
@@ -194,10 +194,16 @@ def build_shard(
                 rejects.append(result.as_row())
                 audio_seconds += utt.duration_s if result.utt_id == utt.utt_id else 0.0
                 continue
+            try:  # the features as the shard stores them (float16): CMVN describes what readers see
+                stored = {name: to_stored(getattr(result, name)) for name in ("logmel", "mfcc")}
+            except ValueError as exc:
+                rejects.append(VadReject(result.utt_id, utt.path, f"{utt.path}: {exc}", reason="unreadable", stage="features").as_row())
+                continue
             audio_seconds += result.duration_s
+            result.logmel, result.mfcc = stored["logmel"], stored["mfcc"]
             records.append(result)
-            for name in ("logmel", "mfcc"):
-                part = _partial_sums(getattr(result, name))
+            for name, matrix in stored.items():
+                part = _partial_sums(matrix)
                 key = (result.speaker_id, name)
                 sums[key] = sums[key] + part if key in sums else part
     records.sort(key=lambda r: r.utt_id)

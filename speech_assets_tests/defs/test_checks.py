@@ -19,6 +19,7 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs import clients, features, stats, targets
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.features.cmvn import Cmvn
+from speech_assets.features.shards import feature_dtype
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 
@@ -65,7 +66,7 @@ def off_by_one_frame(table: pa.Table) -> pa.Table:
 
 def nan_in_features(table: pa.Table) -> pa.Table:
     blobs = table.column("logmel").to_pylist()
-    values = np.frombuffer(blobs[0], "<f4").copy()
+    values = np.frombuffer(blobs[0], feature_dtype(table.schema)).copy()
     values[7] = np.nan
     blobs[0] = values.tobytes()
     return table.set_column(table.column_names.index("logmel"), "logmel", pa.array(blobs, pa.binary()))

@@ -117,6 +117,22 @@ def test_features_that_float16_cannot_hold_are_not_written(tmp_path: Path) -> No
     assert not (tmp_path / "x.parquet").exists()
 
 
+def test_stored_features_are_numpys_float16_bit_for_bit() -> None:
+    """The writer casts through torch when it is loaded (the shard builder's case) and through
+    numpy otherwise: both round to nearest even, so a shard's bytes do not depend on which."""
+    import torch  # noqa: F401  (loaded: the fast path)
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(20_000).astype(np.float32) * s for s in (1e-7, 1e-4, 1.0, 40.0, 1e4)])
+    values = np.concatenate([values, np.float32([65504, 65519.99, -65519.99, 6.1e-5, 5.96e-8, 2.98e-8, 0.0, -0.0])])
+    stored = shards.to_stored(values.reshape(-1, 8))
+    assert stored.dtype == np.float16
+    assert np.array_equal(stored.view(np.uint16).ravel(), values.astype(np.float16).view(np.uint16))
+    for bad in (np.float32([[65520.0]]), np.float32([[np.nan]]), np.float32([[-np.inf]])):
+        with pytest.raises(ValueError, match="not finite"):
+            shards.to_stored(bad)
+
+
 def test_record_shape_is_validated() -> None:
     with pytest.raises(ValueError, match="logmel"):
         FeatureRecord("x", "s", "c", 5, 1, 0, 1, 1, 1, np.zeros((4, 80), np.float32), np.zeros((5, 39), np.float32))
