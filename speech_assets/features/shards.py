@@ -251,13 +251,18 @@ def write_shard(
     if version is None:
         version = int(os.environ.get(FORMAT_ENV, SHARD_FORMAT))
     table = records_to_table(records, version)
+    # float16 features are stored uncompressed: zstd saves ~10 % of their bytes (63.6 -> 57.3 MB per
+    # hour of audio) for ~0.035 ms CPU per audio second, a sixth of the shard builder's cost beyond
+    # decoding and featurising, and readers skip decompressing them (docs/BENCHMARKS.md, issue 24).
+    raw = FEATURE_DIMS if version >= 2 else ()
+    compression = {name: "none" if name in raw else "zstd" for name in table.column_names}
     path = Path(path)
     with atomic_path(path) as tmp:
         pq.write_table(
             table,
             tmp,
-            compression="zstd",
-            compression_level=1,  # same size as level 3 on features, ~40% less write CPU
+            compression=compression,
+            compression_level={name: 1 for name, codec in compression.items() if codec == "zstd"},  # level 1: as small as 3, less CPU
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
             row_group_size=row_group_rows,
