@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="utterances per rank")
     parser.add_argument("--seconds", type=float, default=15.0, help="utterance length")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model first (headroom of a fused graph)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
 
@@ -64,6 +65,8 @@ def main() -> None:
     clients = torch.arange(args.batch, device=device) % 2
     mask = torch.rand(args.batch, (frames + 1) // 2, device=device) < 0.08  # every parameter gets a gradient
     model = HubertPretrainModel(get_preset(args.preset), {"a": 500, "b": 500}).to(device)
+    if args.compile:
+        model = torch.compile(model)
     bare = timed_steps(model, args.steps, feats, lengths, clients, mask)
     ddp = timed_steps(DistributedDataParallel(model, device_ids=[local_rank]), args.steps, feats, lengths, clients, mask)
     grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
@@ -79,6 +82,7 @@ def main() -> None:
         "backend": dist.get_backend(),
         "gpu": torch.cuda.get_device_name(device),
         "preset": args.preset,
+        "compiled": args.compile,
         "batch_audio_seconds_per_rank": args.batch * args.seconds,
         "bare_step_s": bare,
         "ddp_step_s": ddp,
@@ -86,6 +90,7 @@ def main() -> None:
         "allreduce_fp32_grads_ms": reduce_s * 1e3,
         "allreduce_GBps": grads.numel() * 4 / reduce_s / 1e9,
         "audio_seconds_per_second_ddp": args.batch * args.seconds * dist.get_world_size() / ddp,
+        "audio_seconds_per_second_bare": args.batch * args.seconds / bare,
     }
     if dist.get_rank() == 0:
         print(json.dumps(row, indent=1))
