@@ -263,9 +263,15 @@ def _verified_key(meta: dict) -> str:
 
 def shard_problems(files: object, meta: dict) -> list[str]:
     """What is wrong with one published shard (its ``ShardFiles`` and meta); empty when sound."""
-    import numpy as np
-
-    from speech_assets.features.shards import MFCC_DIM, N_MELS, SAMPLE_RATE, feature_dtype, num_frames_for
+    from speech_assets.features.shards import (
+        FEATURE_DIMS,
+        SAMPLE_RATE,
+        all_finite,
+        blob_matrices,
+        check_blob_lengths,
+        feature_dtype,
+        num_frames_for,
+    )
 
     problems = []
     parquet = pq.ParquetFile(files.shard)
@@ -278,11 +284,14 @@ def shard_problems(files: object, meta: dict) -> list[str]:
     if parquet.num_row_groups:
         dtype = feature_dtype(parquet)
         group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(0, ROWS_SCANNED_PER_SHARD)
-        for utt, frames, logmel, mfcc in zip(*(group.column(c).to_pylist() for c in group.column_names), strict=True):
-            if len(logmel) != frames * N_MELS * dtype.itemsize or len(mfcc) != frames * MFCC_DIM * dtype.itemsize:
-                problems.append(f"{utt}: feature bytes do not match {frames} frames")
-            elif not (np.isfinite(np.frombuffer(logmel, dtype)).all() and np.isfinite(np.frombuffer(mfcc, dtype)).all()):
-                problems.append(f"{utt}: NaN or inf in its features")
+        utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
+        for name, dim in FEATURE_DIMS.items():
+            try:  # the feature bytes match the frames (a blob of another dtype would not)
+                check_blob_lengths(group.column(name), frames, dim, dtype, f"{meta['speaker_id']} {name}")
+            except ValueError as error:
+                problems.append(str(error))
+                continue
+            problems += [f"{utt}: NaN or inf in its {name}" for utt, matrix in zip(utt_ids, blob_matrices(group.column(name), dim, dtype), strict=True) if not all_finite(matrix)]
     return problems
 
 

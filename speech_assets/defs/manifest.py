@@ -192,13 +192,12 @@ def no_rows_version(speaker: str) -> str:
 
 
 def speaker_observations(
-    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows | str], registered: Iterable[str]
+    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
 ) -> list[dg.AssetObservation]:
     """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
     latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
     for all of them, nothing for the unchanged ones."""
-    versions = {s: no_rows_version(s) for s in registered}
-    versions |= {s: row if isinstance(row, str) else row.manifest_hash for s, row in listed.items()}
+    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
     observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
     events = []
     for speaker, version in sorted(versions.items()):
@@ -206,7 +205,7 @@ def speaker_observations(
             continue
         row = listed.get(speaker)
         metadata: dict[str, object] = {"speaker_manifest_hash": version}
-        if isinstance(row, SpeakerRows):
+        if row is not None:
             metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
         events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
     return events

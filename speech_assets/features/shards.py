@@ -172,7 +172,7 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return np.asarray(matrix, dtype=dtype)
 
 
-def _finite(values: np.ndarray) -> bool:
+def all_finite(values: np.ndarray) -> bool:
     """Whether every value is finite (for float16: the exponent bits, integer work instead of
     numpy's emulated float16 ``isfinite``)."""
     if values.dtype == np.float16:
@@ -184,7 +184,7 @@ def to_stored(matrix: np.ndarray, version: int = SHARD_FORMAT) -> np.ndarray:
     """``matrix`` as a shard of format ``version`` stores it (float16 for format 2): what readers
     will see. ``ValueError`` if a value is not finite there (NaN, inf, or beyond float16's 65504)."""
     stored = _cast(matrix, FEATURE_DTYPES[version])
-    if not _finite(stored):
+    if not all_finite(stored):
         raise ValueError(f"features not finite in {FEATURE_DTYPES[version]} (NaN, inf or beyond its range)")
     return stored
 
@@ -215,9 +215,9 @@ def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype
             # the one cast to the stored dtype (a copy when build_shard already stored it)
             values[row : row + matrix.shape[0]] = matrix if matrix.dtype == dtype else _cast(matrix, dtype)
             row += matrix.shape[0]
-        if not _finite(values):
+        if not all_finite(values):
             bounds = np.cumsum([0, *(m.shape[0] for m in matrices[start:end])])
-            bad = next(r.utt_id for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True) if not _finite(values[a:b]))
+            bad = next(r.utt_id for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True) if not all_finite(values[a:b]))
             raise ValueError(f"{bad}: {name} is not finite in {dtype} (NaN, inf or beyond its range), cannot write shard")
         offsets = np.zeros(end - start + 1, dtype=np.int32)
         np.cumsum(row_bytes[start:end], out=offsets[1:])
