@@ -24,7 +24,7 @@ from speech_assets.defs.resources import (
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-KMEANS_CODE_VERSION = "kmeans-v2"  # v2: held-out speakers are labelled, never fitted
+KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
 
 class KMeansOverrides(overrides_of(KMeansSettings)):
@@ -257,19 +257,26 @@ def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> l
             problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
             continue
         k = int(np.load(out / "codebook.npy", mmap_mode="r").shape[0])
-        found = {item.utt_id: item.labels for item in labels.iter_labels(out / "labels.parquet")}
+        found = labels.read_label_columns(out / "labels.parquet")
         expected: dict[str, int] = {}
         for speaker in (a.speaker_id for a in assignments if a.client_id == client):
-            table = pq.read_table(paths.shard_file(speaker), columns=["utt_id", "num_frames"])
+            table = pq.ParquetFile(paths.shard_file(speaker)).read(columns=["utt_id", "num_frames"])
             expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
-        if set(found) != set(expected):
-            problems.append(f"{client}: {len(set(expected) - set(found))} utterance(s) unlabelled, {len(set(found) - set(expected))} foreign")
+        lengths = dict(zip(found.utt_ids, found.lengths.tolist(), strict=True))
+        if set(lengths) != set(expected):
+            problems.append(f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign")
+        # ids are checked over all of the client's labels at once; per utterance only if some fail
+        outside = (found.values < 0) | (found.values >= k)
+        bad_ids = set()
+        if outside.any():
+            owner = np.repeat(np.arange(len(found.utt_ids)), found.lengths)  # label -> its utterance
+            bad_ids = {found.utt_ids[i] for i in np.unique(owner[outside]).tolist()}
         for utt, frames in expected.items():
-            values = found.get(utt)
-            if values is None:
+            count = lengths.get(utt)
+            if count is None:
                 continue
-            if len(values) != (frames + 1) // 2 or (len(values) and (values.min() < 0 or values.max() >= k)):
-                problems.append(f"{client}/{utt}: {len(values)} labels for {frames} frames or ids outside [0, {k})")
+            if count != (frames + 1) // 2 or utt in bad_ids:
+                problems.append(f"{client}/{utt}: {count} labels for {frames} frames or ids outside [0, {k})")
     return problems
 
 
@@ -302,9 +309,8 @@ def cluster_use(out_dir: Path) -> tuple[int, float, int, bool]:
     from speech_assets.targets.kmeans import cluster_perplexity, empty_clusters
 
     k = int(np.load(out_dir / "codebook.npy", mmap_mode="r").shape[0])
-    counts = np.zeros(max(k, 1), dtype=np.int64)
-    for item in labels.iter_labels(out_dir / "labels.parquet"):
-        counts += np.bincount(item.labels[(item.labels >= 0) & (item.labels < k)], minlength=len(counts))
+    values = labels.read_label_columns(out_dir / "labels.parquet").values
+    counts = np.bincount(values[(values >= 0) & (values < k)], minlength=max(k, 1)).astype(np.int64)
     share = cluster_perplexity(counts) / max(k, 1)
     empty = empty_clusters(counts)
     return k, round(share, 3), empty, share >= MIN_PERPLEXITY_SHARE and empty / max(k, 1) <= MAX_EMPTY_CLUSTER_SHARE

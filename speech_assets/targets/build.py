@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard, read_shard_table
 from speech_assets.targets import kmeans
-from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
+from speech_assets.targets.labels import UtteranceLabels, append_labels, write_labels
 from speech_assets.utils import atomic_path, save_npz
 
 
@@ -73,7 +74,7 @@ def build_client_targets(
     del frames, fit_frames
 
     quality = kmeans.QualityAccumulator(k_used)
-    items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook), quality)
+    items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook, kmeans.LABEL_THREADS), quality)
     state = ClientState(fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit,
                         fit.inertia_per_frame, quality)
     return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
@@ -109,9 +110,8 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     """
     state = ClientState.load(out_dir / STATE_FILE)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
-    old = list(iter_labels(out_dir / "labels.parquet"))
-    new = _label_shards(new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook), state.quality)
-    return write_client_targets(client_id, int(state.codebook.shape[0]), out_dir, state, old + new, new_shard_paths)
+    new = _label_shards(new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS), state.quality)
+    return write_client_targets(client_id, int(state.codebook.shape[0]), out_dir, state, new, new_shard_paths, append=True)
 
 
 STATE_FILE = "state.npz"
@@ -164,13 +164,17 @@ def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.Code
 
 
 def write_client_targets(client_id: str, k_requested: int, out_dir: Path, state: ClientState,
-                   items: list[UtteranceLabels], shards_read: list[Path]) -> ClientTargetSet:
+                   items: list[UtteranceLabels], shards_read: list[Path], append: bool = False) -> ClientTargetSet:
+    """Write the client's codebook, state and labels: ``items`` alone, or with ``append`` the
+    labels already in ``out_dir`` plus ``items``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = out_dir / "codebook.npy"
     with atomic_path(codebook_path) as tmp:
         with open(tmp, "wb") as handle:
             np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
-    labels_path = write_labels(out_dir / "labels.parquet", items)
+    labels_path = out_dir / "labels.parquet"
+    utterances = len(items) + (pq.read_metadata(labels_path).num_rows if append else 0)
+    labels_path = (append_labels if append else write_labels)(labels_path, items)
     state.save(out_dir / STATE_FILE)
     quality = state.quality
     return ClientTargetSet(
@@ -179,7 +183,7 @@ def write_client_targets(client_id: str, k_requested: int, out_dir: Path, state:
         k_requested=k_requested,
         frames_fit=state.frames_fit,
         frames_labelled=quality.frames_labelled,
-        utterances=len(items),
+        utterances=utterances,
         inertia_per_frame=state.inertia_per_frame,
         labelled_inertia_per_frame=quality.sqdist_sum / quality.sqdist_frames if quality.sqdist_frames else 0.0,
         perplexity=float(kmeans.cluster_perplexity(quality.counts)),

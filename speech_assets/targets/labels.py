@@ -35,8 +35,21 @@ class UtteranceLabels:
 
 
 def write_labels(path: str | os.PathLike[str], items: Iterable[UtteranceLabels]) -> Path:
+    return _write_table(Path(path), _labels_table(items))
+
+
+def append_labels(path: str | os.PathLike[str], items: Iterable[UtteranceLabels]) -> Path:
+    """Rewrite ``path`` with its rows plus ``items`` (utterances it does not hold yet): the same
+    file :func:`write_labels` would write for all of them, without decoding the existing rows
+    into Python objects, so extending a client costs about its new utterances."""
+    path = Path(path)
+    merged = pa.concat_tables([pq.read_table(path, schema=LABELS_SCHEMA), _labels_table(items)])
+    return _write_table(path, merged.sort_by("utt_id").combine_chunks())
+
+
+def _labels_table(items: Iterable[UtteranceLabels]) -> pa.Table:
     ordered = sorted(items, key=lambda item: item.utt_id)
-    table = pa.Table.from_pydict(
+    return pa.Table.from_pydict(
         {
             "utt_id": [i.utt_id for i in ordered],
             "speaker_id": [i.speaker_id for i in ordered],
@@ -45,10 +58,37 @@ def write_labels(path: str | os.PathLike[str], items: Iterable[UtteranceLabels])
         },
         schema=LABELS_SCHEMA,
     )
-    path = Path(path)
+
+
+def _write_table(path: Path, table: pa.Table) -> Path:
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd", use_dictionary=["speaker_id"])
     return path
+
+
+@dataclass
+class LabelColumns:
+    """A labels.parquet read whole as arrays: ``utt_ids`` (U,) in file order, ``lengths`` (U,)
+    int64 labels per utterance (from the blobs, not ``num_labels``), ``values`` (sum(lengths),)
+    int16 every utterance's labels back to back."""
+
+    utt_ids: list[str]
+    lengths: np.ndarray
+    values: np.ndarray
+
+
+def read_label_columns(path: str | os.PathLike[str]) -> LabelColumns:
+    table = pq.read_table(path, columns=["utt_id", "labels"])
+    blobs = table.column("labels").combine_chunks()
+    if len(blobs) == 0:
+        return LabelColumns([], np.zeros(0, np.int64), np.zeros(0, np.int16))
+    _, offsets_buffer, data = blobs.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
+    nbytes = np.diff(offsets)
+    if offsets[0] % 2 or (nbytes % 2).any():
+        raise ValueError(f"{path}: a labels blob of an odd number of bytes is not int16")
+    values = np.frombuffer(data, dtype="<i2", count=int(offsets[-1] // 2))[int(offsets[0] // 2) :] if data is not None else np.zeros(0, np.int16)
+    return LabelColumns(table.column("utt_id").to_pylist(), nbytes // 2, values)
 
 
 def iter_labels(path: str | os.PathLike[str]) -> Iterator[UtteranceLabels]:

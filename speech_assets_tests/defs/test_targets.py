@@ -79,3 +79,33 @@ def test_small_extensions_do_not_compound_past_refit_growth(world) -> None:
     quality = targets_after(refit_growth=bound)
     assert quality["mode"] == "refit", "growth since the last refit exceeds refit_growth: the codebook must be refitted"
     assert quality["frames_at_refit"] == quality["frames_labelled"] == at_refit + frames[first] + frames[second]
+
+
+def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_path: Path) -> None:
+    """One bad id among a client's labels (the check tests all of them at once) is reported for
+    its utterance only, with an unlabelled-frames utterance (0 frames, 0 labels) beside it."""
+    import numpy as np
+    import pyarrow as pa
+
+    from speech_assets.corpus.clients import CLIENTS_SCHEMA
+    from speech_assets.defs.targets import label_problems
+    from speech_assets.targets.labels import UtteranceLabels, write_labels
+
+    paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
+    frames = {"s1": {"s1-c-0": 9, "s1-c-1": 4}, "s2": {"s2-c-0": 0}}
+    paths.shards_dir.mkdir(parents=True)
+    for speaker, utterances in frames.items():
+        pq.write_table(pa.table({"utt_id": list(utterances), "num_frames": list(utterances.values())}), paths.shard_file(speaker))
+    rows = [{"speaker_id": s, "client_id": "client_00", "hours": 0.0, "utterances": len(u), "heldout": False} for s, u in frames.items()]
+    paths.clients_file.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=CLIENTS_SCHEMA), paths.clients_file)
+    out = paths.kmeans_dir("client_00")
+    out.mkdir(parents=True)
+    np.save(out / "codebook.npy", np.zeros((8, 39), np.float32))
+    labels = {"s1-c-0": np.array([0, 1, 7, 3, 2], np.int16), "s1-c-1": np.array([1, 8], np.int16), "s2-c-0": np.zeros(0, np.int16)}
+    write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
+    assert label_problems(paths, paths.kmeans_dir) == ["client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"]
+
+    labels["s1-c-1"] = np.array([1, 7], np.int16)
+    write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
+    assert label_problems(paths, paths.kmeans_dir) == []
