@@ -2,23 +2,127 @@
 
 Each function returns PNG bytes of a figure a few hundred pixels wide, well under 100 KB, so it
 can be inlined as a ``data:`` URI (:func:`markdown_image`, :func:`html_image`).
+
+Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
+data that did not change: the same inputs give the same PNG bytes, so each plot is looked up by
+a hash of its inputs, first among the last ones rendered in this process, then in the folder
+of :func:`cached_in` (the report's), before it is drawn.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import io
-from collections.abc import Mapping, Sequence
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from speech_assets.utils import atomic_path
+
 DPI = 80
 SIZE = (7.0, 3.0)
 MAX_BARS = 40
+RENDER_VERSION = "1"  # bump when a plot's drawing changes, so cached PNGs are not reused
+MEMORY_ENTRIES = 32  # PNGs kept in this process (a few tens of KB each)
+CACHE_SUFFIX = ".png"
+
+_memory: OrderedDict[str, bytes] = OrderedDict()
+_folders: list[Path] = []  # innermost cached_in() last
+_used: list[set[str]] = []  # the keys looked up inside each cached_in()
+_drawn = [0]
 
 
-def _render(draw, size: tuple[float, float] = SIZE) -> bytes:
+def drawn() -> int:
+    """How many plots this process has drawn (not found by their inputs)."""
+    return _drawn[0]
+
+
+def forget() -> None:
+    """Drop the plots remembered in this process, as a new process starts."""
+    _memory.clear()
+
+
+def _key(kind: str, *parts: object) -> str:
+    """sha256 of a plot's kind and inputs (arrays by dtype, shape and bytes), with the versions
+    of what draws it."""
+    import matplotlib
+
+    digest = hashlib.sha256(f"{kind}|{RENDER_VERSION}|{matplotlib.__version__}".encode())
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            digest.update(f"|{part.dtype.str}{part.shape}|".encode())
+            digest.update(np.ascontiguousarray(part).tobytes())
+        else:
+            digest.update(b"|" + json.dumps(part, sort_keys=True, default=repr).encode())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def cached_in(folder: Path) -> Iterator[None]:
+    """Inside the block, plots are also looked up in and saved to ``folder``; on leaving it, PNGs
+    there that the block did not use are removed (the folder holds the last report's plots)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _folders.append(folder)
+    _used.append(set())
+    try:
+        yield
+    finally:
+        _folders.pop()
+        used = _used.pop()
+    for stale in folder.glob(f"*{CACHE_SUFFIX}"):
+        if stale.stem not in used:
+            stale.unlink(missing_ok=True)
+
+
+def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> bytes:
+    """PNG bytes of ``draw(figure)``, or the same bytes found under ``key``."""
+    if key is not None:
+        if _used:
+            _used[-1].add(key)
+        found = _lookup(key)
+        if found is not None:
+            if _folders and not (_folders[-1] / f"{key}{CACHE_SUFFIX}").exists():
+                _remember(key, found)  # drawn in this process before the block: keep it for the next
+            return found
+    png = _draw(draw, size)
+    _drawn[0] += 1
+    if key is not None:
+        _remember(key, png)
+    return png
+
+
+def _lookup(key: str) -> bytes | None:
+    if key in _memory:
+        _memory.move_to_end(key)
+        return _memory[key]
+    if _folders:
+        try:
+            png = (_folders[-1] / f"{key}{CACHE_SUFFIX}").read_bytes()
+        except OSError:
+            return None
+        _remember(key, png, persist=False)
+        return png
+    return None
+
+
+def _remember(key: str, png: bytes, persist: bool = True) -> None:
+    _memory[key] = png
+    _memory.move_to_end(key)
+    while len(_memory) > MEMORY_ENTRIES:
+        _memory.popitem(last=False)
+    if persist and _folders:
+        with atomic_path(_folders[-1] / f"{key}{CACHE_SUFFIX}") as tmp:
+            Path(tmp).write_bytes(png)
+
+
+def _draw(draw, size: tuple[float, float]) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -48,19 +152,21 @@ def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
             axis.tick_params(labelsize=7)
             axis.grid(alpha=0.3)
 
-    return _render(draw)
+    return _render(draw, key=_key("training_curve", [[r.get(k) for k in ("step", "loss", "masked_accuracy", "lr")] for r in rows]))
 
 
 def histogram(values: Sequence[float], title: str, xlabel: str, bins: int = 30) -> bytes:
+    data = np.asarray(values, dtype=float)
+
     def draw(figure) -> None:
         axis = figure.add_subplot(1, 1, 1)
-        axis.hist(np.asarray(values, dtype=float), bins=bins, color="#4878a8")
+        axis.hist(data, bins=bins, color="#4878a8")
         axis.set_title(title, fontsize=9)
         axis.set_xlabel(xlabel, fontsize=8)
         axis.set_ylabel("count", fontsize=8)
         axis.tick_params(labelsize=7)
 
-    return _render(draw)
+    return _render(draw, key=_key("histogram", data, title, xlabel, bins))
 
 
 def bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> bytes:
@@ -78,7 +184,7 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str
         axis.set_ylabel(ylabel, fontsize=8)
         axis.tick_params(axis="y", labelsize=7)
 
-    return _render(draw)
+    return _render(draw, key=_key("bars", shown, np.asarray(heights, dtype=float), title + suffix, ylabel))
 
 
 def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
@@ -96,7 +202,8 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
         if len(counts_by_client) <= 12:
             axis.legend(fontsize=6)
 
-    return _render(draw)
+    return _render(draw, key=_key("cluster_sizes", *(part for client, counts in sorted(counts_by_client.items())
+                                                      for part in (client, np.asarray(counts, dtype=float)))))
 
 
 def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str) -> bytes:

@@ -20,6 +20,7 @@ from speech_assets.stats import plots
 from speech_assets.utils import atomic_write_text
 
 MAX_ROWS = 50
+PLOT_CACHE = ".plots"  # beside the report: its plots' PNGs by input hash, reused while unchanged
 
 SECTIONS: list[tuple[str, str, str]] = [
     ("Corpus", "What was kept, in hours, before and after VAD.",
@@ -135,7 +136,8 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
     con = duckdb.connect(str(db_path), read_only=True)
     try:
         sections = [_section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS]
-        sections[1:1] = _plots(con, inputs)
+        with plots.cached_in(out_path.parent / PLOT_CACHE):
+            sections[1:1] = _plots(con, inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
             if _has_table(con, table):
                 sections.append(_section(name, text, _table(con, sql), sql))
