@@ -36,8 +36,8 @@ from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
 # How often the daemon evaluates the two sensors (issue 24, docs/BENCHMARKS.md). Fresh audio takes
-# two corpus_sensor hops (manifest, vad_features; speaker_manifest was a third) and two or three automation
-# hops (cmvn_stats + client_partitions, kmeans_targets, dataset_stats); each waits for the next
+# two corpus_sensor hops (manifest, vad_features; speaker_manifest was a third) and three automation
+# hops (cmvn_stats + client_partitions, kmeans_targets, dataset_stats once after it); each waits for the next
 # evaluation, so at 60 s the waits, not the work, were most of the 281-321 s a new speaker took
 # to reach dataset_stats. The daemon's sensor and automation loops come round every 5 s, and a
 # sensor is skipped while less than its minimum interval has passed since its last tick *ended*:

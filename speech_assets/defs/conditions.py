@@ -8,14 +8,11 @@ import dagster as dg
 RETRAIN_CRON = os.environ.get("SPEECH_ASSETS_RETRAIN_CRON", "0 3 * * *")
 
 
-def follow_upstream(
-    require_all_deps: bool = True, ignore_updates_of: Sequence[str] = (), wait_for_backfills: bool = True
-) -> dg.AutomationCondition:
-    """Materialize after any dependency updates, once none is running and blocking checks pass.
+def follow_upstream(ignore_updates_of: Sequence[str] = ()) -> dg.AutomationCondition:
+    """Materialize after any dependency updates, once none is missing or running and blocking checks pass.
 
-    ``eager`` also waits until no dependency (partition) is missing, e.g. a speaker registered by
-    the sensor whose shard is still being built; ``require_all_deps=False`` drops that clause
-    for assets that are useful before every input exists (the stats database before training).
+    ``eager`` waits until no dependency (partition) is missing, e.g. a speaker registered by the
+    sensor whose shard is still being built.
 
     ``ignore_updates_of`` names dependencies whose updates are no reason to run, because another
     dependency follows them through automation and its update comes after (``kmeans_targets``
@@ -24,29 +21,72 @@ def follow_upstream(
     asset would be requested in the same tick as its inputs' inputs and, with several
     partitions, the whole set would go to one backfill, which the daemon advances one dependency
     level per 30 s loop. They still count as inputs: missing, in progress, checks.
-
-    ``wait_for_backfills=False``: a dependency counts as in progress while a run materializes it,
-    not until the backfill that launched the run has been told that the run ended (the backfill
-    daemon learns it at its next 30 s loop). For ``dataset_stats``, after ``kmeans_targets``,
-    whose clients are one backfill of one run.
     """
     eager = dg.AutomationCondition.eager()
     if ignore_updates_of:
         ignored = dg.AssetSelection.assets(*ignore_updates_of)
         eager = eager.replace("any_deps_updated", dg.AutomationCondition.any_deps_updated().ignore(ignored))
-    if not wait_for_backfills:
-        eager = eager.replace(
-            "any_deps_in_progress",
-            dg.AutomationCondition.any_deps_match(dg.AutomationCondition.run_in_progress()).with_label("any_deps_run_in_progress"),
-        )
-    if require_all_deps:
-        return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
+    return eager & dg.AutomationCondition.all_deps_blocking_checks_passed()
+
+
+def after_upstream_settles(
+    ignore_updates_of: Sequence[str], requested_in_backfills: Sequence[str], built_by_sensor: Sequence[str]
+) -> dg.AutomationCondition:
+    """Materialize once after its dependencies update, when nothing upstream is still to come.
+
+    For ``dataset_stats``, which describes every stage: a manifest update with new speakers is
+    followed by their shards (``corpus_sensor``), then CMVN and clients, then ``kmeans_targets``
+    (automation), and it should run once, after the last of them, not once per level. The update
+    (``any_deps_updated`` ignoring ``ignore_updates_of``, whose updates another dependency follows)
+    is kept (``since_last_handled``) while anything upstream is pending:
+
+    * a dependency requested in this tick (``will_be_requested``) or in a run (``run_in_progress``:
+      a run counts from its creation, queued included);
+    * a dependency in ``requested_in_backfills`` whose own inputs updated in this tick: it may be
+      requested now, which ``will_be_requested`` does not show across partitionings (a tick
+      that requests several partitions hands them to a backfill);
+    * a partition of those requested by automation and not updated since
+      (``newly_requested().since(newly_updated() | execution_failed())``): a backfill's run exists
+      only after the backfill daemon's next 30 s loop; ``in_progress`` would also wait for that
+      daemon to record the run's end (``backfill_in_progress`` until then), another loop;
+    * a partition of ``built_by_sensor`` registered and never materialized (unless its run
+      failed): the sensor's work (``vad_features`` of a new speaker), which automation does not
+      request; once the sensor's run exists, ``run_in_progress``.
+
+    A failed execution ends the wait (the last published outputs are described, as before). A
+    manifest change with nothing of the kind to wait for (rejects only: a corrupt file added)
+    runs it at the next tick. Blocking checks of the dependencies that exist must pass; missing
+    dependencies do not hold it back (the database is useful before any model is trained).
+    """
+    updated = dg.AutomationCondition.any_deps_updated().ignore(dg.AssetSelection.assets(*ignore_updates_of))
+    trigger = (dg.AutomationCondition.newly_missing() | updated).since_last_handled()
+    awaited = (
+        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.will_be_requested())
+        .with_label("inputs_updated_now")
+        | dg.AutomationCondition.newly_requested()
+        .since(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.execution_failed())
+        .with_label("requested_not_yet_updated")
+    )
+    pending = (
+        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.will_be_requested() | dg.AutomationCondition.run_in_progress())
+        .with_label("any_deps_requested_or_running")
+        | dg.AutomationCondition.any_deps_match(awaited).allow(dg.AssetSelection.assets(*requested_in_backfills))
+        .with_label("backfilled_deps_awaited")
+        | dg.AutomationCondition.any_deps_match(dg.AutomationCondition.missing() & ~dg.AutomationCondition.execution_failed())
+        .allow(dg.AssetSelection.assets(*built_by_sensor))
+        .with_label("sensor_built_deps_missing")
+    )
     # a dependency that was never materialized has no check to pass (no checkpoint yet)
     checks_passed = dg.AutomationCondition.all_checks_match(
         dg.AutomationCondition.check_passed() | dg.AutomationCondition.will_be_requested(), blocking_only=True
     )
-    deps_ok = dg.AutomationCondition.all_deps_match(checks_passed | dg.AutomationCondition.missing())
-    return eager.without(~dg.AutomationCondition.any_deps_missing()) & deps_ok.with_label("all_present_deps_blocking_checks_passed")
+    present_checks_passed = dg.AutomationCondition.all_deps_match(checks_passed | dg.AutomationCondition.missing())
+    return (
+        trigger.with_label("deps_updated_since_handled")
+        & ~pending
+        & ~dg.AutomationCondition.in_progress()
+        & present_checks_passed.with_label("all_present_deps_blocking_checks_passed")
+    ).with_label("after_upstream_settles")
 
 
 def retrain_on_cron() -> dg.AutomationCondition:

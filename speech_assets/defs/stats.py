@@ -7,7 +7,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from speech_assets.stats import database as stats_db
-from speech_assets.defs.conditions import follow_upstream
+from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import clients_partitions, speakers_partitions
 from speech_assets.defs.resources import StoragePaths
@@ -72,9 +72,12 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "downstream_probe"],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
-    # kmeans_targets follows the shards, CMVN and clients: one database after it, not one beside each
-    automation_condition=follow_upstream(
-        require_all_deps=False, ignore_updates_of=["vad_features", "cmvn_stats", "client_partitions"], wait_for_backfills=False
+    # once per fresh data, after kmeans_targets (which follows the shards, CMVN and clients), not
+    # once per level; a manifest change alone (rejects) still runs it
+    automation_condition=after_upstream_settles(
+        ignore_updates_of=["vad_features", "cmvn_stats", "client_partitions"],
+        requested_in_backfills=["kmeans_targets"],
+        built_by_sensor=["vad_features"],
     ),
 )
 def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:

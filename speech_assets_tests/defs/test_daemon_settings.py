@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import dagster as dg
+import pytest
 from dagster._core.execution.api import create_execution_plan, execute_run
 
 from speech_assets.defs.automation import (
@@ -81,8 +82,9 @@ def test_untagged_runs_and_runs_with_a_pooled_step_keep_their_step_processes(ins
 
 
 # --- the automation levels follow each other over ticks, never beside each other ---------------
-# The graph's shape with the real assets' conditions: shards (per speaker, built by the sensor) ->
-# cmvn_stats -> client_partitions -> kmeans_targets (per client) -> dataset_stats.
+# The graph's shape with the real assets' conditions: manifest -> shards (per speaker, built by the
+# sensor) -> cmvn_stats -> client_partitions -> kmeans_targets (per client) -> dataset_stats, which
+# also reads the manifest and a checkpoint that does not exist yet.
 
 def _toy(key: str, real: dg.AssetsDefinition, **kwargs) -> dg.AssetsDefinition:
     @dg.asset(name=key, automation_condition=real.automation_conditions_by_key[dg.AssetKey(key)], **kwargs)
@@ -92,52 +94,139 @@ def _toy(key: str, real: dg.AssetsDefinition, **kwargs) -> dg.AssetsDefinition:
     return _asset
 
 
+FAIL_TAG = "toy/fail"
+
+
 def toy_graph() -> list[dg.AssetsDefinition]:
     from speech_assets.defs import clients, features, stats, targets
-    from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS
+    from speech_assets.defs.partitions import ALL_SHARDS, ALL_TARGETS, speakers_partitions
 
-    @dg.asset(name="vad_features", partitions_def=dg.StaticPartitionsDefinition(["s1", "s2"]))
+    @dg.asset(name="manifest")
+    def manifest() -> None:
+        pass
+
+    @dg.asset(name="vad_features", partitions_def=speakers_partitions)
     def shards() -> None:
         pass
 
-    clients_def = dg.StaticPartitionsDefinition(["c1", "c2"])
+    @dg.asset(name="pretrained_checkpoint")
+    def checkpoint() -> None:  # never materialized here: dataset_stats must not wait for it
+        pass
+
+    @dg.asset(
+        name="kmeans_targets",
+        partitions_def=dg.StaticPartitionsDefinition(["c1", "c2"]),
+        deps=["client_partitions", "cmvn_stats", ALL_SHARDS],
+        automation_condition=targets.kmeans_targets.automation_conditions_by_key[dg.AssetKey("kmeans_targets")],
+    )
+    def kmeans(context) -> None:  # (annotations are strings in this module: dagster would refuse one)
+        if context.run.tags.get(FAIL_TAG):
+            raise dg.Failure("k-means failed")
+
     return [
+        manifest,
         shards,
         _toy("cmvn_stats", features.cmvn_stats, deps=[ALL_SHARDS]),
         _toy("client_partitions", clients.client_partitions, deps=["cmvn_stats"]),
-        _toy("kmeans_targets", targets.kmeans_targets, deps=["client_partitions", "cmvn_stats", ALL_SHARDS], partitions_def=clients_def),
-        _toy("dataset_stats", stats.dataset_stats, deps=["cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS]),
+        kmeans,
+        checkpoint,
+        _toy("dataset_stats", stats.dataset_stats, deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS, "pretrained_checkpoint"]),
     ]
 
 
-def test_a_new_shard_reaches_dataset_stats_one_level_per_tick(instance: dg.DagsterInstance) -> None:
-    assets = toy_graph()
-    defs = dg.Definitions(assets=assets)
-    for partition in ("s1", "s2"):
-        assert dg.materialize(assets[:1], instance=instance, partition_key=partition).success
-    assert dg.materialize(assets[1:3], instance=instance).success
-    for partition in ("c1", "c2"):
-        assert dg.materialize(assets[3:4], selection=["kmeans_targets"], instance=instance, partition_key=partition).success
-    assert dg.materialize(assets[4:], instance=instance).success
-    cursor = dg.evaluate_automation_conditions(defs=defs, instance=instance).cursor  # records the built state
+class Toy:
+    """The toy graph built on a real instance (s1, s2 and every client), then ticked as the daemon does."""
 
-    assert dg.materialize(assets[:1], instance=instance, partition_key="s2").success  # the sensor's shard run
-    ticks = []
-    for _ in range(5):
-        evaluation = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        cursor = evaluation.cursor
-        requested = {a.key.to_user_string(): sorted(p for p in evaluation.get_requested_partitions(a.key) if p)
-                     for a in assets if evaluation.get_num_requested(a.key)}
-        if not requested:
-            break
-        ticks.append(requested)
-        for asset in assets:  # what the runs of this tick do, in dependency order
-            for partition in requested.get(asset.key.to_user_string(), None) or ([None] if asset.key.to_user_string() in requested else []):
-                assert dg.materialize([asset], instance=instance, partition_key=partition, selection=[asset.key]).success
-    assert ticks == [
-        {"cmvn_stats": [], "client_partitions": []},  # one run
+    def __init__(self, instance: dg.DagsterInstance) -> None:
+        self.instance, self.assets = instance, {a.key.to_user_string(): a for a in toy_graph()}
+        self.defs = dg.Definitions(assets=list(self.assets.values()))
+        instance.add_dynamic_partitions("speakers", ["s1", "s2"])
+        self.run("manifest")
+        for speaker in ("s1", "s2"):
+            self.run("vad_features", speaker)
+        self.run("cmvn_stats")
+        self.run("client_partitions")
+        for client in ("c1", "c2"):
+            self.run("kmeans_targets", client)
+        self.run("dataset_stats")
+        self.cursor = dg.evaluate_automation_conditions(defs=self.defs, instance=instance).cursor  # records the built state
+
+    def run(self, key: str, partition: str | None = None, fail: bool = False) -> None:
+        result = dg.materialize(
+            list(self.assets.values()), instance=self.instance, partition_key=partition, selection=[key],
+            tags={FAIL_TAG: "yes"} if fail else None, raise_on_error=False,
+        )
+        assert result.success != fail
+
+    def tick(self) -> dict[str, list[str]]:
+        """What one automation tick requests: asset -> its partitions ([] when unpartitioned)."""
+        evaluation = dg.evaluate_automation_conditions(defs=self.defs, instance=self.instance, cursor=self.cursor)
+        self.cursor = evaluation.cursor
+        return {key: sorted(p for p in evaluation.get_requested_partitions(a.key) if p)
+                for key, a in self.assets.items() if evaluation.get_num_requested(a.key)}
+
+    def run_requested(self, requested: dict[str, list[str]]) -> None:
+        for key in self.assets:  # what the runs of a tick do, in dependency order
+            for partition in requested.get(key, None) or ([None] if key in requested else []):
+                self.run(key, partition)
+
+    def follow(self, ticks: int = 6) -> list[dict[str, list[str]]]:
+        """Tick and run what is requested until a tick requests nothing."""
+        seen = []
+        for _ in range(ticks):
+            requested = self.tick()
+            if not requested:
+                break
+            seen.append(requested)
+            self.run_requested(requested)
+        return seen
+
+
+def new_speaker(toy: Toy, built: bool = True) -> None:
+    """What corpus_sensor's two runs do: a manifest that registers s3, then (``built``) its shard."""
+    toy.run("manifest")
+    toy.instance.add_dynamic_partitions("speakers", ["s3"])
+    if built:
+        toy.run("vad_features", "s3")
+
+
+def test_a_new_speaker_reaches_dataset_stats_once_one_level_per_tick(instance: dg.DagsterInstance) -> None:
+    toy = Toy(instance)
+    new_speaker(toy)
+    assert toy.follow() == [
+        {"cmvn_stats": [], "client_partitions": []},  # one run; dataset_stats waits for what follows
         {"kmeans_targets": ["c1", "c2"]},  # alone: its backfill is one run, one level
-        {"dataset_stats": []},  # after every client's targets, not beside them
+        {"dataset_stats": []},  # once, after every client's targets
     ]
     # several clients in a tick go to a backfill (one run for all, whose checks read every client)
     assert automation_sensor.emit_backfills
+
+
+def test_dataset_stats_waits_for_the_shard_the_sensor_has_yet_to_build(instance: dg.DagsterInstance) -> None:
+    toy = Toy(instance)
+    new_speaker(toy, built=False)  # the manifest run is done, the shard's run not yet started
+    assert toy.tick() == {}
+    toy.run("vad_features", "s3")
+    assert [set(requested) for requested in toy.follow()] == [{"cmvn_stats", "client_partitions"}, {"kmeans_targets"}, {"dataset_stats"}]
+
+
+def test_a_manifest_change_with_no_shard_to_wait_for_refreshes_dataset_stats(instance: dg.DagsterInstance) -> None:
+    toy = Toy(instance)
+    toy.run("manifest")  # e.g. a corrupt file added: a new reject, no speaker's rows changed
+    assert toy.follow() == [{"dataset_stats": []}]
+
+
+@pytest.mark.parametrize("kmeans_fails", [False, True])
+def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(instance: dg.DagsterInstance, kmeans_fails: bool) -> None:
+    toy = Toy(instance)
+    new_speaker(toy)
+    toy.run_requested(toy.tick())  # cmvn_stats, client_partitions
+    assert toy.tick() == {"kmeans_targets": ["c1", "c2"]}
+    # handed to a backfill, whose run the backfill daemon launches at its next loop: not in progress yet
+    assert toy.tick() == {}
+    assert toy.tick() == {}
+    toy.run("kmeans_targets", "c1", fail=kmeans_fails)
+    toy.run("kmeans_targets", "c2", fail=kmeans_fails)
+    # after the run, whether or not the backfill daemon has recorded its end; a failed run does
+    # not hold the database back: it describes the targets still published
+    assert toy.tick() == {"dataset_stats": []}
