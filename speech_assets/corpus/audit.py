@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.ids import is_safe_id
-from speech_assets.corpus.manifest import MANIFEST_SCHEMA, RealPaths, ValidationConfig, hash_triples
+from speech_assets.corpus.manifest import MANIFEST_SCHEMA, RealPaths, ValidationConfig, hash_triples, is_inside
 from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectReason
 
 MAX_LISTED = 10
@@ -117,7 +117,7 @@ def paths_inside_root(table: pa.Table, root: Path) -> Audit:
     bad = [
         str(path)
         for path in table.column("path").to_pylist()
-        if not isinstance(path, str) or not Path(real(path)).is_relative_to(root) or not os.path.isfile(path)
+        if not isinstance(path, str) or not is_inside(real(path), root) or not os.path.isfile(path)
     ]
     return Audit("paths_inside_root", not bad, f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
                  {"bad_paths": len(bad), "examples": _examples(bad)})

@@ -27,10 +27,11 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+from stat import S_ISREG
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -165,16 +166,19 @@ def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
 def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]:
     candidates: list[Candidate] = []
     rejects: list[RejectRow] = []
-    transcripts: dict[Path, dict[str, str]] = {}
-    audio: dict[Path, dict[str, Path]] = {}
-    for path in sorted(_walk_corpus_files(root)):
-        if path.name.endswith(".trans.txt"):
-            transcripts.setdefault(path.parent, {}).update(_read_trans_file(path))
-        else:
-            audio.setdefault(path.parent, {})[path.stem] = path
-    for folder in sorted(set(transcripts) | set(audio)):
-        texts = transcripts.get(folder, {})
-        files = audio.get(folder, {})
+    # by folder, as strings (a Path per file and sorting them cost more than the rest together);
+    # a folder's transcripts are read in name order, as a sorted walk of Paths would
+    transcripts: dict[str, dict[str, str]] = {}
+    audio: dict[str, dict[str, str]] = {}
+    for folder, _dirs, files in os.walk(root):
+        for name in sorted(files):
+            if name.endswith(".trans.txt"):
+                transcripts.setdefault(folder, {}).update(_read_trans_file(Path(folder, name)))
+            elif name.lower().endswith(AUDIO_SUFFIXES):
+                audio.setdefault(folder, {})[os.path.splitext(name)[0]] = os.path.join(folder, name)
+    for folder in sorted(map(Path, set(transcripts) | set(audio))):
+        texts = transcripts.get(str(folder), {})
+        files = {utt_id: Path(path) for utt_id, path in audio.get(str(folder), {}).items()}
         speaker_id, chapter_id = _speaker_chapter(root, folder)
         for utt_id in sorted(set(texts) | set(files)):
             if utt_id not in files:
@@ -335,8 +339,10 @@ def probe_all(
     workers: int = 1,
     config: ValidationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    stats: Mapping[str, os.stat_result] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
-    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns) (from ``stats``
+    where the caller has just stat'ed the path).
 
     A cached probe that was judged from its header alone is reused only while ``config``'s
     bounds still exclude it; otherwise the file is read and decoded now.
@@ -344,7 +350,7 @@ def probe_all(
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
     for path in paths:
-        stat = os.stat(path)
+        stat = (stats or {}).get(path) or os.stat(path)
         hit = cache.get(_cache_key(path, stat))
         if hit is not None and (hit.decoded or (config is not None and _out_of_bounds(hit, config))):
             results[path] = hit
@@ -396,28 +402,35 @@ def scan_corpus(
     candidates, rejects = discover(location)
 
     inside: list[tuple[Candidate, str]] = []
+    stats: dict[str, os.stat_result] = {}  # each file stat'ed once, here
     real = RealPaths()
     for candidate in candidates:
         bad_id = invalid_id_detail(candidate)
         if bad_id is not None:
             rejects.append(RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.INVALID_ID, bad_id))
             continue
-        resolved = Path(real(str(candidate.path)))
-        if not resolved.is_relative_to(root):
+        resolved = real(str(candidate.path))
+        if not is_inside(resolved, root):
             rejects.append(
                 RejectRow(
                     candidate.utt_id, str(candidate.path), "manifest", RejectReason.OUTSIDE_ROOT,
                     f"resolves to {resolved}, outside the corpus root {root}",
                 )
             )
-        elif not resolved.is_file():
+            continue
+        try:
+            stat = os.stat(resolved)
+        except OSError:
+            stat = None
+        if stat is None or not S_ISREG(stat.st_mode):
             rejects.append(
                 RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}")
             )
         else:
-            inside.append((candidate, str(resolved)))
+            inside.append((candidate, resolved))
+            stats[resolved] = stat
 
-    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress)
+    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
@@ -441,9 +454,17 @@ def scan_corpus(
                 file_sha256=probe.file_sha256,
             )
         )
-    new_cache = {_cache_key(path, os.stat(path)): probe for path, probe in probes.items()}
+    # keyed by the stat each probe was judged with (its own, or its cache entry's)
+    new_cache = {f"{path}|{probe.size}|{probe.mtime_ns}": probe for path, probe in probes.items()}
     rejects.sort(key=lambda r: (r.utt_id, r.path, r.reason))
     return ScanResult(rows=rows, rejects=rejects, decoded_files=decoded, cache=new_cache)
+
+
+def is_inside(path: str, root: Path | str) -> bool:
+    """Whether the normalised absolute ``path`` is ``root`` or below it (what
+    ``Path(path).is_relative_to(root)`` answers, without building a Path per file)."""
+    root = str(root).rstrip(os.sep) or os.sep
+    return path == root or path.startswith(root if root == os.sep else root + os.sep)
 
 
 class RealPaths:

@@ -347,3 +347,11 @@ def test_header_verdicts_kept_in_the_cache_file_are_redone_when_the_bounds_chang
     lax = m.scan_corpus(libri.root, m.ValidationConfig(max_duration_s=60.0), cache=cache)
     assert lax.decoded_files == 1 and lax.rejects == []  # never trusted as verified without a decode
     assert [r.utt_id for r in lax.rows] == ["13-130-0000", "13-130-0001"] and all(len(r.file_sha256) == 64 for r in lax.rows)
+
+
+@pytest.mark.parametrize("root", ["/", "/data", "/data/corpus", "/data/corpus/"])
+def test_is_inside_answers_as_path_is_relative_to(root: str) -> None:
+    from speech_assets.corpus.manifest import is_inside
+
+    for path in ["/", "/data", "/data/corpus", "/data/corpus2/a.flac", "/data/corpus/a.flac", "/data/corpus/s/c/a.flac", "/datum/x"]:
+        assert is_inside(path, root) == Path(path).is_relative_to(root), (path, root)
