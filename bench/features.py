@@ -64,8 +64,8 @@ from speech_assets.features.build import (  # noqa: E402
     build_shards_parallel,
     default_workers,
     make_pool,
+    stored_partial_sums,
 )
-from speech_assets.features.build import _partial_sums  # noqa: E402
 from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
 
 TARGET_RTF = 1000.0
@@ -193,9 +193,11 @@ def full_path(shards: dict[str, list[UtteranceInput]], out: Path, cfg: VadConfig
 def stage_breakdown(
     shards: dict[str, list[UtteranceInput]], out: Path, cfg: VadConfig, extractor: FeatureExtractor
 ) -> dict[str, float]:
-    """CPU seconds per stage of the full path (the steps of ``process_variants`` + ``build_shard``)."""
+    """CPU seconds per stage of the full path (the steps of ``process_variants`` + ``build_shard``;
+    "CMVN sums" includes the finiteness check build_shard reads off them)."""
     spent = dict.fromkeys(["decode", "mono+resample+normalise", "VAD", "features", "CMVN sums", "Parquet write"], 0.0)
     clock = time.thread_time
+    stored = features.FEATURE_DTYPES[features.SHARD_FORMAT]  # build_shard's features come out in it
     for key, utterances in shards.items():
         records = []
         for utt in utterances:
@@ -211,9 +213,10 @@ def stage_breakdown(
                 spent["mono+resample+normalise"] += t2 - t1
                 spent["VAD"] += t3 - t2
                 continue
-            logmel, mfcc = extractor(wave[span.start_sample : span.end_sample])
+            logmel, mfcc = extractor(wave[span.start_sample : span.end_sample], stored)
             t4 = clock()
-            _partial_sums(logmel), _partial_sums(mfcc)
+            parts = stored_partial_sums(logmel), stored_partial_sums(mfcc)
+            all(np.isfinite(part.sum).all() for part in parts)
             t5 = clock()
             for name, seconds in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 spent[name] += seconds

@@ -55,7 +55,7 @@ PREEMPHASIS = 0.97
 MFCC_MELS = 23
 CEPSTRAL_LIFTER = 22.0
 F_MIN = 20.0
-
+_OUT_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
 def povey_window(length: int = WIN_LENGTH) -> torch.Tensor:
@@ -198,8 +198,16 @@ class FeatureExtractor:
             self._scratch[name] = flat
         return flat[:rows]
 
-    def __call__(self, wave: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``), float32 numpy."""
+    def __call__(self, wave: np.ndarray | torch.Tensor, dtype: np.dtype | type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+        """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``), numpy of ``dtype``.
+
+        ``dtype``: float32 (computed in it) or float16, the float32 values rounded to nearest
+        even as they are written out (bit for bit ``.astype(np.float16)`` of the float32 result,
+        without a float32 copy): what a format-2 shard stores.
+        """
+        out_dtype = _OUT_DTYPES.get(np.dtype(dtype))
+        if out_dtype is None:
+            raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
         if isinstance(wave, np.ndarray):
             x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
         else:
@@ -208,7 +216,7 @@ class FeatureExtractor:
             raise ValueError(f"expected mono (N,) audio, got shape {tuple(x.shape)}")
         num_frames = num_frames_for(int(x.shape[0]))
         if num_frames == 0:
-            return np.zeros((0, N_MELS), np.float32), np.zeros((0, MFCC_DIM), np.float32)
+            return np.zeros((0, N_MELS), dtype), np.zeros((0, MFCC_DIM), dtype)
         with torch.inference_mode():
             power_t = self.power_spectrum(x).T  # (F, T), contiguous
             # Both filterbanks in one sparse product: each triangular filter touches a handful of
@@ -216,11 +224,14 @@ class FeatureExtractor:
             mel = self._vector("mel", self._fbanks_t.shape[0] * num_frames).view(-1, num_frames)
             torch.mm(self._fbanks_t, power_t, out=mel)  # (80 + mfcc_mels, T), COO sparse @ dense
             mel.add_(self.log_floor).log_()
-            logmel = mel[:N_MELS].T.contiguous()
+            # The transposing copies write the outputs, cast on the way when dtype is float16.
+            logmel = torch.empty((num_frames, N_MELS), dtype=out_dtype)
+            logmel.copy_(mel[:N_MELS].T)
             cepstra = torch.matmul(self._dct_t, mel[N_MELS:])  # (13, T)
             delta = compute_deltas(cepstra)
             delta2 = compute_deltas(delta)
-            mfcc = torch.cat([cepstra, delta, delta2], dim=0).T.contiguous()
+            mfcc = torch.empty((num_frames, MFCC_DIM), dtype=out_dtype)
+            mfcc.copy_(torch.cat([cepstra, delta, delta2], dim=0).T)
         return logmel.numpy(), mfcc.numpy()
 
 

@@ -211,6 +211,18 @@ def test_extractor_reuse_gives_identical_results(extractor):
     np.testing.assert_array_equal(logmel, first[0])
 
 
+@pytest.mark.parametrize("num_samples", [0, 400, 3 * SR + 77])
+def test_float16_output_is_the_float32_output_rounded(extractor, num_samples):
+    """What a format-2 shard stores, written straight from the extractor: bit for bit numpy's
+    float16 cast of the float32 result (round to nearest even), shapes and all."""
+    wave = audio.normalise_peak(with_silence(0.5, 3.0, 0.5, seed=4))[:num_samples]
+    for as32, as16 in zip(extractor(wave), extractor(wave, np.float16), strict=True):
+        assert as16.dtype == np.float16 and as16.shape == as32.shape and as16.flags.c_contiguous
+        np.testing.assert_array_equal(as16.view(np.uint16), as32.astype(np.float16).view(np.uint16))
+    with pytest.raises(ValueError, match="float32 or float16"):
+        extractor(wave, np.float64)
+
+
 # --- process_variants, one utterance -------------------------------------------------------------
 
 
@@ -337,8 +349,8 @@ def test_build_shard_writes_sorted_records_rejects_and_stats(tmp_path, corpus, e
     everything = np.concatenate([r.logmel for r in records])
     expected = PartialSums.of(everything)
     assert stats["logmel"].count == expected.count == result.frames
-    # build.py sums the features before float16 rounding, the expectation sums the stored ones:
-    # equal to well within the rounding (|error| <= 2**-11 relative per value)
+    # build.py adds per-utterance sums, the expectation sums every frame at once: equal to
+    # well within the rounding
     np.testing.assert_allclose(stats["logmel"].sum, expected.sum, rtol=0, atol=1e-3 * expected.count)
     np.testing.assert_allclose(stats["logmel"].sumsq, expected.sumsq, rtol=1e-4)
     assert stats["mfcc"].count == result.frames
@@ -442,15 +454,55 @@ def test_in_process_run_restores_torch_threads(tmp_path, corpus):
     assert torch.get_num_threads() == before
 
 
-def test_shard_partial_sums_are_bit_identical_to_partial_sums_of():
-    from speech_assets.features.build import _partial_sums
-    from speech_assets.features.cmvn import PartialSums
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_shard_partial_sums_are_bit_identical_to_partial_sums_of(dtype):
+    from speech_assets.features.build import stored_partial_sums
 
     rng = np.random.default_rng(11)
-    for frames in (1200, 7, 0, 300):  # big first, then smaller ones reusing its buffer
+    for frames in (1200, 7, 0, 300, 9000):  # big first, then smaller ones reusing its buffers, then bigger
         for dim, scale in ((80, 4.0), (39, 1.0)):
-            matrix = (rng.standard_normal((frames, dim)) * scale + 3).astype(np.float32)
-            ours, expected = _partial_sums(matrix), PartialSums.of(matrix)
-            assert ours.count == expected.count == frames
-            np.testing.assert_array_equal(ours.sum, expected.sum)
-            np.testing.assert_array_equal(ours.sumsq, expected.sumsq)
+            matrix = (rng.standard_normal((frames, dim)) * scale + 3).astype(dtype)
+            # magnitudes over many octaves: a different order of additions would show in the last bits
+            wide = (rng.standard_normal((frames, dim)) * np.exp2(rng.integers(-14, 14, (frames, dim)))).astype(dtype)
+            for values in (matrix, wide, wide[:, ::-1], np.asarray(wide).copy()):
+                ours, expected = stored_partial_sums(values), PartialSums.of(values)
+                assert ours.count == expected.count == frames
+                np.testing.assert_array_equal(ours.sum, expected.sum)
+                np.testing.assert_array_equal(ours.sumsq, expected.sumsq)
+    read_only = (rng.standard_normal((50, 80))).astype(dtype)
+    read_only.flags.writeable = False
+    ours, expected = stored_partial_sums(read_only), PartialSums.of(read_only)
+    np.testing.assert_array_equal(ours.sumsq, expected.sumsq)
+
+
+def test_a_nan_or_inf_shows_in_the_partial_sums():
+    """build_shard reads finiteness off the sums instead of scanning every value."""
+    from speech_assets.features.build import stored_partial_sums
+
+    for bad in (np.nan, np.inf, -np.inf, 70000.0):  # 70000 overflows float16
+        matrix = np.ones((20, 39), np.float32)
+        matrix[13, 5] = bad
+        with np.errstate(over="ignore"):
+            part = stored_partial_sums(matrix.astype(np.float16))
+        assert not np.isfinite(part.sum[5]) and np.isfinite(np.delete(part.sum, 5)).all()
+
+
+def test_features_not_finite_when_stored_are_a_reject(tmp_path):
+    """A digital-silence stretch inside the speech gives log(0) = -inf with no log floor: the
+    utterance is rejected at the features stage, the shard keeps the others."""
+    speech = with_silence(0.3, 2.0, 0.3, seed=5)
+    gap = speech.copy()
+    middle = gap.shape[0] // 2
+    gap[middle : middle + 2000] = 0.0
+    folder = tmp_path / "audio"
+    folder.mkdir()
+    utterances = [
+        UtteranceInput(name, "s1", "c", str(write_flac(folder / f"{name}.flac", wave)), wave.shape[0] / SR)
+        for name, wave in (("s1-c-0000", speech), ("s1-c-0001", gap))
+    ]
+    result = build_shard(utterances, tmp_path / "s1.parquet", VadConfig(), FeatureExtractor(log_floor=0.0))
+    assert result.records == 1 and [r.utt_id for r in features.iter_shard(result.path)] == ["s1-c-0000"]
+    (reject,) = result.rejects
+    assert (reject["utt_id"], reject["reason"], reject["stage"]) == ("s1-c-0001", "unreadable", "features")
+    assert "not finite in float16" in reject["detail"]
+    assert result.stats.speakers["s1"]["logmel"].count == result.frames
