@@ -244,7 +244,7 @@ def build_shard(
                 key = (result.speaker_id, name)
                 sums[key] = sums[key] + part if key in sums else part
     records.sort(key=lambda r: r.utt_id)
-    path = write_shard(out_path, records)
+    path = write_shard(out_path, records, finite_checked=True)  # every record passed the check on its sums
     stats = ShardStats()
     for (speaker, name), part in sorted(sums.items()):
         stats.speakers.setdefault(speaker, {})[name] = part

@@ -174,9 +174,9 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def all_finite(values: np.ndarray) -> bool:
     """Whether every value is finite (for float16: the exponent bits, integer work instead of
-    numpy's emulated float16 ``isfinite``)."""
+    numpy's emulated float16 ``isfinite``: without the sign bit, inf is 0x7C00 and NaN above)."""
     if values.dtype == np.float16:
-        return not ((values.view(np.uint16) & 0x7C00) == 0x7C00).any()
+        return values.size == 0 or int(np.bitwise_and(values.view(np.uint16), 0x7FFF).max()) < 0x7C00
     return bool(np.isfinite(values).all())
 
 
@@ -192,8 +192,9 @@ def to_stored(matrix: np.ndarray, version: int = SHARD_FORMAT) -> np.ndarray:
 _MAX_CHUNK_BYTES = 2**31 - 1  # a BinaryArray's int32 offsets
 
 
-def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype) -> pa.ChunkedArray:
-    """One binary column from a single numpy buffer per chunk (no per-row ``bytes`` objects)."""
+def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype, checked: bool = False) -> pa.ChunkedArray:
+    """One binary column from a single numpy buffer per chunk (no per-row ``bytes`` objects).
+    ``checked``: the caller vouches that every matrix is already finite in ``dtype`` (no scan)."""
     dim = FEATURE_DIMS[name]
     matrices = []
     for record in ordered:
@@ -215,7 +216,7 @@ def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype
             # the one cast to the stored dtype (a copy when build_shard already stored it)
             values[row : row + matrix.shape[0]] = matrix if matrix.dtype == dtype else _cast(matrix, dtype)
             row += matrix.shape[0]
-        if not all_finite(values):
+        if not (checked and all(m.dtype == dtype for m in matrices[start:end])) and not all_finite(values):
             bounds = np.cumsum([0, *(m.shape[0] for m in matrices[start:end])])
             bad = next(r.utt_id for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True) if not all_finite(values[a:b]))
             raise ValueError(f"{bad}: {name} is not finite in {dtype} (NaN, inf or beyond its range), cannot write shard")
@@ -226,13 +227,16 @@ def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype
     return pa.chunked_array(chunks, type=pa.binary())
 
 
-def records_to_table(records: Sequence[FeatureRecord], version: int = SHARD_FORMAT) -> pa.Table:
+def records_to_table(records: Sequence[FeatureRecord], version: int = SHARD_FORMAT, *, finite_checked: bool = False) -> pa.Table:
     """Build a shard table of format ``version`` (rows sorted by ``utt_id``, the format in its
-    schema metadata) from records that carry both matrices."""
+    schema metadata) from records that carry both matrices. Every value is checked to be finite
+    in the stored dtype (``ValueError`` naming the utterance otherwise), unless
+    ``finite_checked``: the caller vouches for matrices already in that dtype (``build_shard``
+    reads it off their CMVN sums); matrices in another dtype are checked all the same."""
     schema = shard_schema(version)
     ordered = sorted(records, key=lambda r: r.utt_id)
     columns = [pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS]
-    features = [_feature_column(ordered, name, FEATURE_DTYPES[version]) for name in FEATURE_DIMS]
+    features = [_feature_column(ordered, name, FEATURE_DTYPES[version], finite_checked) for name in FEATURE_DIMS]
     return pa.Table.from_arrays([*columns, *features], schema=schema)
 
 
@@ -244,13 +248,14 @@ and each block is used for whole batches (see train/sampling.py); large enough t
 
 def write_shard(
     path: str | os.PathLike[str], records: Sequence[FeatureRecord], row_group_rows: int = ROW_GROUP_ROWS,
-    version: int | None = None,
+    version: int | None = None, *, finite_checked: bool = False,
 ) -> Path:  # fmt: skip
     """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`,
-    or ``$SPEECH_ASSETS_SHARD_FORMAT`` for benchmarks) at ``path``. Byte-identical for identical input."""
+    or ``$SPEECH_ASSETS_SHARD_FORMAT`` for benchmarks) at ``path``. Byte-identical for identical
+    input. ``finite_checked``: see :func:`records_to_table`."""
     if version is None:
         version = int(os.environ.get(FORMAT_ENV, SHARD_FORMAT))
-    table = records_to_table(records, version)
+    table = records_to_table(records, version, finite_checked=finite_checked)
     # float16 features are stored uncompressed: zstd saves ~10 % of their bytes (63.6 -> 57.3 MB per
     # hour of audio) for ~0.035 ms CPU per audio second, a sixth of the shard builder's cost beyond
     # decoding and featurising, and readers skip decompressing them (docs/BENCHMARKS.md, issue 24).

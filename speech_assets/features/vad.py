@@ -196,9 +196,14 @@ def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tup
     """Ring-buffer collector over per-frame decisions -> ``(first_frame, end_frame)`` or None.
 
     Exactly py-webrtcvad's ``vad_collector`` state machine (ring buffer of ``padding_frames``
-    decisions, cleared at every trigger / un-trigger), but each state's exit is found with one
-    vectorised prefix-sum search instead of a Python step per frame. ``end_frame`` is exclusive
-    and equals ``len(flags)`` when speech runs to the end.
+    decisions, cleared at every trigger / un-trigger), without a Python step per frame. Once
+    ``padding_frames`` frames have entered the ring since it was last cleared, it holds the last
+    ``padding_frames`` decisions whatever happened before, so both conditions ("more than 90 %
+    voiced", "more than 90 % unvoiced") are computed once for every full window and each state's
+    exit is a binary search in their hit lists; only the first, partial windows after a clear
+    depend on where it was cleared, and they are checked on their own (they cannot reach the
+    threshold unless ``padding_frames > 10``). ``end_frame`` is exclusive and equals
+    ``len(flags)`` when speech runs to the end.
     """
     voiced = np.asarray(flags, dtype=bool)
     total = int(voiced.shape[0])
@@ -206,27 +211,41 @@ def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tup
     threshold = _TRIGGER_FRACTION * maxlen
     prefix = np.zeros(total + 1, dtype=np.int64)
     np.cumsum(voiced, out=prefix[1:])
+    # Frame i's full window is frames i-maxlen+1 .. i (or 0 .. i before frame maxlen-1, which is
+    # the ring's content when it was last cleared at frame 0).
+    start = np.maximum(np.arange(1 - maxlen, total + 1 - maxlen), 0)
+    in_full = prefix[1:] - prefix[start]
+    hits = (  # per state (False: not triggered), frames whose full window makes it change state
+        np.flatnonzero(in_full > threshold),
+        np.flatnonzero((np.arange(1, total + 1) - start) - in_full > threshold),
+    )
+    partial_can_hit = maxlen - 1 > threshold
     first: int | None = None
     end = 0
-    cleared = 0  # first frame in the ring buffer since it was last cleared
+    cleared = 0  # first frame in the ring since it was last cleared
     triggered = False
     while cleared < total:
-        index = np.arange(cleared, total)
-        window_start = np.maximum(cleared, index - (maxlen - 1))
-        in_ring = prefix[index + 1] - prefix[window_start]  # voiced frames in the ring at each frame
-        if not triggered:
-            hits = np.flatnonzero(in_ring > threshold)
-        else:
-            hits = np.flatnonzero((index + 1 - window_start) - in_ring > threshold)
-        if hits.size == 0:
-            break
-        hit = int(hits[0])
+        full_from = cleared + maxlen - 1  # first frame whose window is full again
+        hit = -1
+        if partial_can_hit and cleared > 0:
+            stop = min(full_from, total)
+            count = prefix[cleared + 1 : stop + 1] - prefix[cleared]
+            if triggered:
+                count = np.arange(1, stop - cleared + 1) - count
+            partial = np.flatnonzero(count > threshold)
+            hit = cleared + int(partial[0]) if partial.size else -1
+        if hit < 0:
+            candidates = hits[triggered]
+            at = int(np.searchsorted(candidates, full_from if cleared > 0 else 0))
+            if at == candidates.shape[0]:
+                break
+            hit = int(candidates[at])
         if not triggered and first is None:
-            first = int(window_start[hit])
+            first = max(cleared, hit - maxlen + 1)
         elif triggered:
-            end = cleared + hit + 1
+            end = hit + 1
         triggered = not triggered
-        cleared = cleared + hit + 1
+        cleared = hit + 1
     if first is None:
         return None
     if triggered:

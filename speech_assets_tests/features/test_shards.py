@@ -117,6 +117,28 @@ def test_features_that_float16_cannot_hold_are_not_written(tmp_path: Path) -> No
     assert not (tmp_path / "x.parquet").exists()
 
 
+def test_a_caller_that_checked_finiteness_skips_only_the_writers_scan(tmp_path: Path) -> None:
+    """``finite_checked`` (build_shard's case: it reads finiteness off the CMVN sums) skips the
+    scan of matrices already in the stored dtype; a float32 matrix is still cast and checked."""
+    half = record("a", 4, 0)
+    half.logmel, half.mfcc = half.logmel.astype(np.float16), half.mfcc.astype(np.float16)
+    write_shard(tmp_path / "ok.parquet", [half], finite_checked=True)
+    assert write_shard(tmp_path / "same.parquet", [half]).read_bytes() == (tmp_path / "ok.parquet").read_bytes()
+    loud = record("b", 4, 1)
+    loud.logmel[2, 3] = 70000.0  # float32: cast here, so checked here
+    with pytest.raises(ValueError, match="b: logmel is not finite"):
+        write_shard(tmp_path / "x.parquet", [half, loud], finite_checked=True)
+
+
+def test_all_finite_reads_float16_exponent_bits() -> None:
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x3C00], np.uint16).view(np.float16)  # 0, -0, tiny, ±65504, 1
+    assert shards.all_finite(edges) and shards.all_finite(edges[:0]) and shards.all_finite(edges.reshape(2, 3)[:, ::2])
+    for bad in (0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7FFF):  # ±inf, NaNs
+        values = np.concatenate([edges, np.array([bad], np.uint16).view(np.float16)])
+        assert not shards.all_finite(values) and not shards.all_finite(values.reshape(1, -1))
+    assert shards.all_finite(edges.astype(np.float32)) and not shards.all_finite(np.float32([1, np.nan]))
+
+
 def test_stored_features_are_numpys_float16_bit_for_bit() -> None:
     """The writer casts through torch when it is loaded (the shard builder's case) and through
     numpy otherwise: both round to nearest even, so a shard's bytes do not depend on which."""

@@ -96,7 +96,7 @@ def test_vad_config_rejects_bad_values(kwargs, message):
 # --- collector ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("padding_frames", [1, 3, 10, 11, 30])
+@pytest.mark.parametrize("padding_frames", [1, 2, 3, 9, 10, 11, 12, 20, 30, 100])
 def test_collect_span_matches_reference_collector(padding_frames):
     rng = np.random.default_rng(padding_frames)
     for _ in range(300):
