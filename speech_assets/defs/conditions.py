@@ -53,7 +53,8 @@ def after_upstream_settles(
       failed): the sensor's work (``vad_features`` of a new speaker), which automation does not
       request; once the sensor's run exists, ``run_in_progress``.
 
-    A failed execution ends the wait (the last published outputs are described, as before). A
+    A failed execution ends the wait (the last published outputs are described, as before); a
+    backfill canceled before its run does not, until those partitions next materialize. A
     manifest change with nothing of the kind to wait for (rejects only: a corrupt file added)
     runs it at the next tick. Blocking checks of the dependencies that exist must pass; missing
     dependencies do not hold it back (the database is useful before any model is trained).
