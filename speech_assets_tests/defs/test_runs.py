@@ -163,3 +163,37 @@ def test_the_executor_ends_its_forkserver_when_the_run_ends() -> None:
         assert not os.path.exists(f"/proc/{server}")  # gone and reaped, not a zombie
         assert forkserver._forkserver._forkserver_pid is None
     stop_forkserver()  # nothing to stop: a no-op
+
+
+FROZEN_DURING_STEP: list[int] = []
+
+
+@dg.asset
+def records_the_frozen_heap() -> None:
+    import gc
+
+    FROZEN_DURING_STEP.append(gc.get_freeze_count())
+
+
+def frozen_heap_job() -> dg.JobDefinition:
+    from speech_assets.defs.runs import reaping_multiprocess_executor
+
+    job = dg.define_asset_job("frozen_heap_job", selection=[records_the_frozen_heap])
+    return dg.Definitions(assets=[records_the_frozen_heap], jobs=[job], executor=reaping_multiprocess_executor).resolve_job_def("frozen_heap_job")
+
+
+def test_a_run_in_its_worker_keeps_the_loaded_heap_out_of_garbage_collection(instance: dg.DagsterInstance) -> None:
+    """The objects loaded before an in-process run (the code location) are frozen while its steps
+    run, and handed back to the collector when it ends."""
+    import gc
+
+    from dagster._core.execution.api import execute_run
+
+    from speech_assets.defs.runs import IN_PROCESS_TAG
+
+    FROZEN_DURING_STEP.clear()
+    before = gc.get_freeze_count()
+    run = instance.create_run_for_job(job_def=frozen_heap_job(), tags={IN_PROCESS_TAG: "true"})
+    assert execute_run(dg.reconstructable(frozen_heap_job), run, instance).success
+    assert len(FROZEN_DURING_STEP) == 1 and FROZEN_DURING_STEP[0] > before + 10_000
+    assert gc.get_freeze_count() == before
