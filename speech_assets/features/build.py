@@ -163,36 +163,30 @@ def _trim_and_featurise(
 _SUMS_SCRATCH = threading.local()
 
 
-def _sums_buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-thread reusable flat float32 and float64 buffers of at least ``size`` elements: a fresh
-    multi-MB array per utterance costs more in page faults than the conversion itself."""
-    buffers = getattr(_SUMS_SCRATCH, "buffers", None)
-    if buffers is None or buffers[1].shape[0] < size:
-        length = max(size, 1 << 18)
-        buffers = (torch.empty(length, dtype=torch.float32), torch.empty(length, dtype=torch.float64))
-        _SUMS_SCRATCH.buffers = buffers
-    return buffers
+def _sums_buffer(size: int) -> torch.Tensor:
+    """A per-thread reusable flat float64 buffer of at least ``size`` elements: a fresh multi-MB
+    array per utterance costs more in page faults than the conversion itself."""
+    buffer = getattr(_SUMS_SCRATCH, "buffer", None)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = torch.empty(max(size, 1 << 18), dtype=torch.float64)
+        _SUMS_SCRATCH.buffer = buffer
+    return buffer
 
 
 def stored_partial_sums(frames: np.ndarray) -> PartialSums:
     """``PartialSums.of(frames)`` bit for bit for ``(T, D)`` frames, with ~a third less CPU.
 
-    The float64 copy is made by torch into a reused per-thread buffer (float16 goes through
-    float32: both conversions are exact, and numpy's float16 -> float64 one took half the time
-    of the whole call); both reductions are einsums, which add the frames in order, exactly as
-    ``sum(axis=0)`` does (tested against a sequential cumsum on data where the order shows) but
-    faster. A NaN or infinite value makes its column's ``sum`` non-finite, so a caller checks
-    finiteness on the ``D`` sums instead of the ``T x D`` values (a finite float16 sum cannot
-    overflow float64).
+    The float64 copy is made by torch into a reused per-thread buffer (exact; numpy's float16
+    conversion is emulated and took half the time of the whole call), and both reductions are
+    einsums, which add the frames in order, exactly as ``sum(axis=0)`` does (tested against
+    data where the order shows) but faster. A NaN or infinite value makes its column's ``sum``
+    non-finite, so a caller checks finiteness on the ``D`` sums instead of the ``T x D`` values
+    (a sum of finite float16 or float32 values cannot overflow float64).
     """
     frames = np.asarray(frames)
     if frames.ndim == 2 and frames.dtype in (np.float16, np.float32) and frames.flags.writeable:
-        to32, to64 = _sums_buffers(frames.size)
-        source = torch.from_numpy(np.ascontiguousarray(frames))
-        as64 = to64[: frames.size].view(frames.shape)
-        if source.dtype == torch.float16:  # numpy's float16 conversion is emulated, torch's is not
-            source = to32[: frames.size].view(frames.shape).copy_(source)
-        values = as64.copy_(source).numpy()
+        as64 = _sums_buffer(frames.size)[: frames.size].view(frames.shape)
+        values = as64.copy_(torch.from_numpy(np.ascontiguousarray(frames))).numpy()
     else:  # read-only (torch.from_numpy would warn) or other dtypes: plain numpy
         values = np.asarray(frames, dtype=np.float64)
     return PartialSums(int(frames.shape[0]), np.einsum("td->d", values), np.einsum("td,td->d", values, values))
