@@ -7,6 +7,12 @@ STAMP := $(VENV)/.installed
 
 export DAGSTER_HOME ?= $(CURDIR)/data/dagster_home
 export SPEECH_ASSETS_DATA_DIR ?= $(CURDIR)/data/out
+# Some machines (this development machine among them) set PYTHONDONTWRITEBYTECODE=1: then no
+# interpreter keeps the bytecode it compiles, and each one compiles torch, dagster and the code
+# location again, ~2.5 s of every start on 2 cores (docs/BENCHMARKS.md, "Interpreter start-up").
+# The suite and `make ui` start hundreds of interpreters (run workers, torchrun ranks, Flower
+# nodes, CLI calls), so under make the venv keeps what Python compiles on first import.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-all ui mlflow bench clean
 
