@@ -46,34 +46,44 @@ def after_upstream_settles(
       requested now, which ``will_be_requested`` does not show across partitionings (a tick
       that requests several partitions hands them to a backfill);
     * a partition of those requested by automation and not updated since
-      (``newly_requested().since(newly_updated() | execution_failed())``): a backfill's run exists
-      only after the backfill daemon's next 30 s loop; ``in_progress`` would also wait for that
-      daemon to record the run's end (``backfill_in_progress`` until then), another loop;
-    * a partition of ``built_by_sensor`` registered and never materialized (unless its run
-      failed): the sensor's work (``vad_features`` of a new speaker), which automation does not
+      (``newly_requested().since(newly_updated() | execution_failed() | stopped)``): a backfill's
+      run exists only after the backfill daemon's next 30 s loop; ``in_progress`` alone would also
+      wait for that daemon to record the run's end (``backfill_in_progress`` until then), another
+      loop;
+    * a partition of ``built_by_sensor`` registered and never materialized, until its run fails
+      or stops: the sensor's work (``vad_features`` of a new speaker), which automation does not
       request; once the sensor's run exists, ``run_in_progress``.
 
-    A failed execution ends the wait (the last published outputs are described, as before); a
-    backfill canceled before its run does not, until those partitions next materialize. A
-    manifest change with nothing of the kind to wait for (rejects only: a corrupt file added)
-    runs it at the next tick. Blocking checks of the dependencies that exist must pass; missing
+    A failed execution ends the wait (the last published outputs are described, as before), and
+    so does a canceled run or backfill: Dagster counts only a failure as a failed execution, so
+    "stopped" is the partition seen in progress at one tick and not at the next. (A run created
+    and canceled between two ticks is never seen in progress; the wait then lasts until that
+    partition next materializes or fails.) A manifest change with nothing of the kind to wait for
+    (rejects only: a corrupt file added) runs it at the next tick. Blocking checks of the dependencies that exist must pass; missing
     dependencies do not hold it back (the database is useful before any model is trained).
     """
     updated = dg.AutomationCondition.any_deps_updated().ignore(dg.AssetSelection.assets(*ignore_updates_of))
     trigger = (dg.AutomationCondition.newly_missing() | updated).since_last_handled()
+    # Dagster counts only a FAILURE as a failed execution: a canceled (or deleted) run ends a wait
+    # when its partition is seen to stop being in progress
+    stopped = (~dg.AutomationCondition.in_progress()).newly_true().with_label("stopped_being_in_progress")
+    run_stopped = (~dg.AutomationCondition.run_in_progress()).newly_true().with_label("its_run_stopped")
     awaited = (
         dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.will_be_requested())
         .with_label("inputs_updated_now")
         | dg.AutomationCondition.newly_requested()
-        .since(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.execution_failed())
+        .since(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.execution_failed() | stopped)
         .with_label("requested_not_yet_updated")
+    )
+    unbuilt = dg.AutomationCondition.missing() & ~(
+        dg.AutomationCondition.execution_failed() | run_stopped.since(dg.AutomationCondition.newly_missing())
     )
     pending = (
         dg.AutomationCondition.any_deps_match(dg.AutomationCondition.will_be_requested() | dg.AutomationCondition.run_in_progress())
         .with_label("any_deps_requested_or_running")
         | dg.AutomationCondition.any_deps_match(awaited).allow(dg.AssetSelection.assets(*requested_in_backfills))
         .with_label("backfilled_deps_awaited")
-        | dg.AutomationCondition.any_deps_match(dg.AutomationCondition.missing() & ~dg.AutomationCondition.execution_failed())
+        | dg.AutomationCondition.any_deps_match(unbuilt)
         .allow(dg.AssetSelection.assets(*built_by_sensor))
         .with_label("sensor_built_deps_missing")
     )

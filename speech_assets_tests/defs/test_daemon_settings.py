@@ -230,3 +230,40 @@ def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(instance
     # after the run, whether or not the backfill daemon has recorded its end; a failed run does
     # not hold the database back: it describes the targets still published
     assert toy.tick() == {"dataset_stats": []}
+
+
+def created_run(toy: Toy, key: str, partition: str) -> dg.DagsterRun:
+    """A run of ``key[partition]`` as the sensor or the backfill daemon creates it (queued: in progress)."""
+    job = toy.defs.resolve_implicit_global_asset_job_def()
+    return toy.instance.create_run_for_job(
+        job_def=job, asset_selection=frozenset({dg.AssetKey(key)}), tags={"dagster/partition": partition}
+    )
+
+
+def cancel(toy: Toy, run: dg.DagsterRun) -> None:
+    toy.instance.report_run_canceling(run)
+    toy.instance.report_run_canceled(run)
+
+
+def test_a_canceled_shard_run_does_not_hold_dataset_stats_back(instance: dg.DagsterInstance) -> None:
+    toy = Toy(instance)
+    new_speaker(toy, built=False)
+    assert toy.tick() == {}  # the shard is still to be built
+    run = created_run(toy, "vad_features", "s3")
+    assert toy.tick() == {}  # its run is queued
+    cancel(toy, run)
+    # Dagster counts a canceled run as neither failed nor in progress: without the "stopped" reset
+    # the database would wait for this shard until the speaker's rows change again
+    assert toy.tick() == {"dataset_stats": []}
+
+
+def test_a_canceled_kmeans_run_does_not_hold_dataset_stats_back(instance: dg.DagsterInstance) -> None:
+    toy = Toy(instance)
+    new_speaker(toy)
+    toy.run_requested(toy.tick())  # cmvn_stats, client_partitions
+    assert toy.tick() == {"kmeans_targets": ["c1", "c2"]}
+    runs = [created_run(toy, "kmeans_targets", client) for client in ("c1", "c2")]
+    assert toy.tick() == {}
+    for run in runs:
+        cancel(toy, run)
+    assert toy.tick() == {"dataset_stats": []}  # describes the targets still published
