@@ -134,7 +134,8 @@ def automation_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: 
     cursor serialized; without the tick records and the launch. (``dg.evaluate_automation_conditions``,
     the testing entry point, serializes its cursor against the instance with no partition cache:
     one dynamic-partitions query per partitioned condition node, ~0.7 s of a tick at 251
-    speakers that the daemon does not pay.)"""
+    speakers that the daemon does not pay.) These are Dagster's internal classes, as of dagster
+    1.13: a later Dagster may move them, and this function fails at its imports then."""
     from dagster._core.definitions.asset_daemon_cursor import AssetDaemonCursor
     from dagster._core.definitions.automation_tick_evaluation_context import AutomationTickEvaluationContext
     from dagster._daemon.asset_daemon import asset_daemon_cursor_to_instigator_serialized_cursor

@@ -4,8 +4,9 @@ Each function returns PNG bytes of a figure a few hundred pixels wide, well unde
 can be inlined as a ``data:`` URI (:func:`markdown_image`, :func:`html_image`).
 
 Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
-data that did not change: the same inputs give the same PNG bytes, so each plot is looked up by
-a hash of its inputs, first among the last ones rendered in this process, then in the folder
+data that did not change: the same inputs give the same PNG bytes, so each plot the report draws
+from the data (all but the training curves, :func:`curves` and :func:`round_curve`) is looked up
+by a hash of its inputs, first among the last ones rendered in this process, then in the folder
 of :func:`cached_in` (the report's), before it is drawn.
 """
 
@@ -118,7 +119,7 @@ def _remember(key: str, png: bytes, persist: bool = True) -> None:
     while len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
     if persist and _folders:
-        with atomic_path(_folders[-1] / f"{key}{CACHE_SUFFIX}") as tmp:
+        with atomic_path(_folders[-1] / f"{key}{CACHE_SUFFIX}", durable=False) as tmp:  # a lost one is redrawn
             Path(tmp).write_bytes(png)
 
 

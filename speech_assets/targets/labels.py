@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from speech_assets.utils import atomic_path
@@ -43,7 +44,12 @@ def append_labels(path: str | os.PathLike[str], items: Iterable[UtteranceLabels]
     file :func:`write_labels` would write for all of them, without decoding the existing rows
     into Python objects, so extending a client costs about its new utterances."""
     path = Path(path)
-    merged = pa.concat_tables([pq.read_table(path, schema=LABELS_SCHEMA), _labels_table(items)])
+    existing, added = pq.read_table(path, schema=LABELS_SCHEMA), _labels_table(items)
+    held = pc.is_in(added["utt_id"], value_set=existing["utt_id"])
+    if pc.any(held).as_py():
+        repeated = pc.filter(added["utt_id"], held).to_pylist()
+        raise ValueError(f"{path} already holds labels for {len(repeated)} of these utterances, e.g. {repeated[:3]}")
+    merged = pa.concat_tables([existing, added])
     return _write_table(path, merged.sort_by("utt_id").combine_chunks())
 
 

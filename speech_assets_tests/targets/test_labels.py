@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from speech_assets.targets.labels import UtteranceLabels, append_labels, read_label_columns, read_labels, write_labels
 
@@ -34,3 +35,12 @@ def test_label_columns_are_the_labels_back_to_back(tmp_path: Path) -> None:
     write_labels(tmp_path / "empty.parquet", [])
     empty = read_label_columns(tmp_path / "empty.parquet")
     assert empty.utt_ids == [] and empty.lengths.size == 0 and empty.values.size == 0
+
+
+def test_appending_an_utterance_the_file_holds_is_refused(tmp_path: Path) -> None:
+    old = items("b", 4, 0)
+    write_labels(tmp_path / "labels.parquet", old)
+    before = (tmp_path / "labels.parquet").read_bytes()
+    with pytest.raises(ValueError, match="already holds labels for 1 of these utterances"):
+        append_labels(tmp_path / "labels.parquet", items("a", 2, 1) + [old[2]])
+    assert (tmp_path / "labels.parquet").read_bytes() == before
