@@ -50,6 +50,9 @@ AUTOMATION_INTERVAL_S = int(os.environ.get("SPEECH_ASSETS_AUTOMATION_INTERVAL_S"
 # The sensors' runs are small and many: their steps run in the run worker, not in forked step
 # processes (see speech_assets/defs/runs.py; training, in a pool, keeps its own processes).
 SENSOR_RUN_TAGS = {IN_PROCESS_TAG: "true"}
+# The request a shard run answers (speaker range + the rows' hashes), beside Dagster's run key: a
+# canceled run is asked for again under a new key, a failed one is not (it would fail again).
+SHARD_REQUEST_TAG = "speech_assets/shard_request"
 MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
 
 
@@ -112,14 +115,27 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
         asset_events=observations,
         run_requests=[
             dg.RunRequest(
-                run_key=f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys),
+                run_key=shard_run_key(context.instance, request),
                 asset_selection=[dg.AssetKey("vad_features")],
-                tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: first, PARTITION_RANGE_END: last},
+                tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: first, PARTITION_RANGE_END: last, SHARD_REQUEST_TAG: request},
             )
             for first, last, keys in contiguous_ranges(order, set(stale))
+            for request in [f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys)]
         ],
         cursor=cursor,
     )
+
+
+def shard_run_key(instance: dg.DagsterInstance, request: str) -> str:
+    """The run key for a shard ``request``: the request itself until a run for it is canceled.
+
+    The sensor daemon launches a run key once: a run canceled (by a user, or its run worker lost)
+    would leave the speakers unbuilt until their rows change. Each canceled run of the request
+    gives the next attempt a key of its own.
+    """
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={SHARD_REQUEST_TAG: request}))
+    canceled = sum(run.status == dg.DagsterRunStatus.CANCELED for run in runs)
+    return f"{request}:retry{canceled}" if canceled else request
 
 
 def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:

@@ -112,6 +112,16 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     (request,) = second.run_requests
     assert request.asset_selection == [dg.AssetKey("vad_features")]
     assert (request.tags[PARTITION_RANGE_START], request.tags[PARTITION_RANGE_END]) == (NEW_SPEAKER, NEW_SPEAKER)
+    # its run is canceled: the sensor asks again under a new run key (the daemon launches a key once)
+    canceled = instance.create_run_for_job(
+        job_def=defs.resolve_implicit_global_asset_job_def(), asset_selection=frozenset({dg.AssetKey("vad_features")}),
+        tags={**request.tags, "dagster/run_key": request.run_key},
+    )
+    instance.report_run_canceling(canceled)
+    instance.report_run_canceled(canceled)
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        (request,) = corpus_sensor(context).run_requests
+    assert request.run_key == f"{canceled.tags['dagster/run_key']}:retry1"
 
     mark = latest_storage_id(instance)
     assert run_requested(defs, instance, request) == f"vad_features[{NEW_SPEAKER}]"
