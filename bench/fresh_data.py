@@ -41,10 +41,9 @@ from manifest import build_corpus  # noqa: E402  (the manifest benchmark's corpu
 import speech_assets.corpus.manifest as corpus_module  # noqa: E402
 import speech_assets.features.build as build_module  # noqa: E402
 from speech_assets.defs.automation import automation_sensor, corpus_sensor  # noqa: E402
-from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START  # noqa: E402
 from speech_assets.defs.resources import StoragePaths  # noqa: E402
 from speech_assets.definitions import build_definitions  # noqa: E402
-from speech_assets.testing.local_runs import materialize_in_process, run_requested  # noqa: E402
+from speech_assets.testing.local_runs import materialize_in_process, requested_partitions, run_requested  # noqa: E402
 
 DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
 FULL_BUILD = ("manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
@@ -178,14 +177,7 @@ def requested_runs(defs: dg.Definitions, instance: dg.DagsterInstance, request: 
         }
         return [([key.to_user_string()], parts) for key, parts in ordered.items()]
     keys = [key.to_user_string() for key in request.asset_selection or []]
-    tags = request.tags or {}
-    if PARTITION_RANGE_START in tags:
-        graph = defs.resolve_asset_graph()
-        names = list(instance.get_dynamic_partitions(graph.get(dg.AssetKey(keys[0])).partitions_def.name))
-        partitions = names[names.index(tags[PARTITION_RANGE_START]) : names.index(tags[PARTITION_RANGE_END]) + 1]
-    else:
-        partitions = [request.partition_key] if request.partition_key else []
-    return [(keys, partitions)]
+    return [(keys, requested_partitions(defs, instance, request) or [])]
 
 
 def automation_ticks(
@@ -204,21 +196,8 @@ def automation_ticks(
                 if not set(keys) <= set(DOWNSTREAM):  # training is cron-gated: not part of either figure
                     raise RuntimeError(f"automation requested {keys}, outside {DOWNSTREAM}: run the bench away from the retrain cron")
                 label = f"run {','.join(keys)}" + (f" [{len(partitions)} partition(s)]" if partitions else "")
-                timed_run(timings or scratch, details, instance, label, lambda: materialize_together(defs, instance, keys, partitions))
+                timed_run(timings or scratch, details, instance, label, lambda: materialize_in_process(defs, instance, keys, partitions or None))
     return cursor
-
-
-def materialize_together(defs: dg.Definitions, instance: dg.DagsterInstance, keys: list[str], partitions: list[str]) -> None:
-    """One in-process run of ``keys`` and their checks (a partition range when ``partitions``)."""
-    if len(keys) == 1:
-        materialize_in_process(defs, instance, keys[0], partitions or None)
-        return
-    assert not partitions, "only unpartitioned assets share a run here"
-    selected = {dg.AssetKey(key) for key in keys}
-    checks = {check for check in defs.resolve_asset_graph().asset_check_keys if check.asset_key in selected}
-    job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection=selected, asset_check_selection=checks)
-    if not job.execute_in_process(instance=instance).success:
-        raise RuntimeError(f"materializing {keys} failed")
 
 
 def absorb(defs: dg.Definitions, instance: dg.DagsterInstance, paths: StoragePaths, cursor: object, timings: Timings, details: list[str]) -> None:

@@ -5,7 +5,7 @@ can be inlined as a ``data:`` URI (:func:`markdown_image`, :func:`html_image`).
 
 Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
 data that did not change: the same inputs give the same PNG bytes, so each plot the report draws
-from the data (all but the training curves, :func:`curves` and :func:`round_curve`) is looked up
+from the data (all but :func:`curves` and :func:`round_curve`) is looked up
 by a hash of its inputs, first among the last ones rendered in this process, then in the folder
 of :func:`cached_in` (the report's), before it is drawn.
 """

@@ -1,5 +1,7 @@
 """Execute asset runs in this process against a real instance (tests, benchmarks, notebooks)."""
 
+from collections.abc import Sequence
+
 import dagster as dg
 
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START
@@ -8,18 +10,19 @@ from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_S
 def materialize_in_process(
     defs: dg.Definitions,
     instance: dg.DagsterInstance,
-    asset: str,
+    asset: str | Sequence[str],
     partitions: list[str] | None = None,
     run_config: dict | None = None,
 ) -> dg.ExecuteInProcessResult:
-    """Materialize ``asset`` (for ``partitions``: one key, or a first..last range in one run)."""
+    """Materialize ``asset`` (or several assets in one run) (for ``partitions``: one key, or a
+    first..last range in one run)."""
     tags = {}
     if partitions and len(partitions) > 1:
         tags = {PARTITION_RANGE_START: partitions[0], PARTITION_RANGE_END: partitions[-1]}
-    key = dg.AssetKey(asset)
-    # the asset and its checks, as `dagster asset materialize --select` and the UI run them
-    checks = {check for check in defs.resolve_asset_graph().asset_check_keys if check.asset_key == key}
-    job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection={key}, asset_check_selection=checks)
+    keys = {dg.AssetKey(name) for name in ([asset] if isinstance(asset, str) else asset)}
+    # the assets and their checks, as `dagster asset materialize --select` and the UI run them
+    checks = {check for check in defs.resolve_asset_graph().asset_check_keys if check.asset_key in keys}
+    job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection=keys, asset_check_selection=checks)
     result = job.execute_in_process(
         instance=instance,
         partition_key=partitions[0] if partitions and len(partitions) == 1 else None,
@@ -45,17 +48,22 @@ def materialize_data_stages(defs: dg.Definitions, instance: dg.DagsterInstance) 
     return clients
 
 
+def requested_partitions(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list[str] | None:
+    """The partitions a ``RunRequest`` of one partitioning targets (its key, or every key of its
+    partition-range tags in partition order); None when it targets no partition."""
+    tags = request.tags or {}
+    if PARTITION_RANGE_START in tags:
+        partitions_def = defs.resolve_asset_graph().get((request.asset_selection or [])[0]).partitions_def
+        keys = list(instance.get_dynamic_partitions(partitions_def.name)) if partitions_def is not None else []
+        start, end = keys.index(tags[PARTITION_RANGE_START]), keys.index(tags[PARTITION_RANGE_END])
+        return keys[start : end + 1]
+    return [request.partition_key] if request.partition_key else None
+
+
 def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> str:
     """Execute a sensor's ``RunRequest`` (one asset, a partition or a partition-range tag)."""
     (asset,) = request.asset_selection or []
-    tags = request.tags or {}
-    if PARTITION_RANGE_START in tags:
-        partitions_def = defs.resolve_asset_graph().get(asset).partitions_def
-        keys = list(instance.get_dynamic_partitions(partitions_def.name)) if partitions_def is not None else []
-        start, end = keys.index(tags[PARTITION_RANGE_START]), keys.index(tags[PARTITION_RANGE_END])
-        partitions = keys[start : end + 1]
-    else:
-        partitions = [request.partition_key] if request.partition_key else None
+    partitions = requested_partitions(defs, instance, request)
     materialize_in_process(defs, instance, asset.to_user_string(), partitions)
     name = asset.to_user_string()
     if not partitions:
