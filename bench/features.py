@@ -208,7 +208,7 @@ def stage_breakdown(
             t1 = clock()
             wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), rate), in_place=True)
             t2 = clock()
-            span = detect_speech(wave, cfg)
+            span = detect_speech(wave, cfg, peak_normalised=True)
             t3 = clock()
             if not isinstance(span, SpeechSpan):
                 spent["decode"] += t1 - t0

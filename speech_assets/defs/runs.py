@@ -21,8 +21,6 @@ and it has been silent for a minute on an instance whose storage is local (SQLit
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import socket
@@ -31,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import dagster as dg
 
+from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
 
 PROCESS_TAG = "speech_assets/process"  # the run worker
@@ -117,25 +116,6 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
 # work; docs/BENCHMARKS.md, issue 24). Runs with a step in a pool (training: `training`) still get
 # their own step processes, whoever launched them.
 IN_PROCESS_TAG = "speech_assets/in_process"
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Inside the block, the objects that exist when it starts (in a run worker: the code location,
-    dagster, torch) are left out of garbage collection: a full collection no longer walks them
-    each time the run's steps allocate enough. Replaying fresh data's runs in one process that had
-    loaded the code location, collections took 0.83-0.88 s of an 11 s absorb, 0.19-0.24 s with
-    its heap frozen (docs/BENCHMARKS.md, issue 24). They are handed back to the collector after.
-    A heap someone else froze (a preloading server, an outer block) is left as it is: unfreezing
-    would hand back their objects too."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:

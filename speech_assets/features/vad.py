@@ -1,7 +1,7 @@
 """WebRTC VAD with the py-webrtcvad example's ring-buffer collector, reduced to one speech span.
 
 The waveform (16 kHz mono float32, peak-normalised) is quantised to int16 PCM once (into a
-reused per-thread buffer), cut into ``frame_ms`` frames (read-only memoryview slices, no copies;
+reused per-thread buffer), cut into ``frame_ms`` frames (read-only rows of one view, no copies;
 a trailing partial frame is not classified) and each frame is classified by
 ``webrtcvad.Vad(aggressiveness)``. The collector then walks the decisions exactly as in
 py-webrtcvad's ``example.py``:
@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from itertools import repeat
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -140,12 +141,19 @@ class NoSpeech:
     span: SpeechSpan | None = None
 
 
-def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool = False) -> np.ndarray:
     """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated).
 
     ``out``: an int16 array of the same shape to write into (else a new one is returned).
+    ``in_range``: the caller vouches that every ``|sample| <= 1`` (``audio.normalise_peak``'s
+    output), so nothing needs clipping: one pass that scales and truncates, same values.
     """
     wave = np.asarray(wave)
+    if in_range:
+        if out is None:
+            out = np.empty(wave.shape, np.int16)
+        # float32 products truncated toward zero as they are stored, exactly as below
+        return np.multiply(wave, np.float32(32767.0), out=out, dtype=np.float32, casting="unsafe")
     scaled = _scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
     scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32, out=scaled)
     np.clip(scaled, -32768.0, 32767.0, out=scaled)
@@ -175,21 +183,17 @@ def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
 def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:
     """WebRTC VAD decision for each complete ``cfg.frame_ms`` frame of int16 PCM ``(N,)``."""
     frame_samples = cfg.frame_samples(sample_rate)
-    frame_bytes = 2 * frame_samples
-    # Frames are read-only slices of one memoryview over the samples: no bytes copy of the
-    # utterance (WebRTC's ``process`` takes any read-only buffer).
-    pcm = np.ascontiguousarray(pcm16, dtype="<i2")
-    data = memoryview(pcm).cast("B").toreadonly() if pcm.size else memoryview(b"")
-    usable = (len(data) // frame_bytes) * frame_bytes
+    count = pcm16.shape[0] // frame_samples
+    # Frames are the read-only rows of a (count, frame_samples) view of the samples: no copy of the
+    # utterance, and ``map`` calls WebRTC's ``process`` (which takes any read-only buffer) on each
+    # row without a Python step per frame.
+    frames = np.ascontiguousarray(pcm16, dtype="<i2")[: count * frame_samples].view()
+    frames.shape = (count, frame_samples)
+    frames.flags.writeable = False
     vad = webrtcvad.Vad(cfg.aggressiveness)
     if _vad_process is None:  # pragma: no cover
-        is_speech = vad.is_speech
-        return [is_speech(data[i : i + frame_bytes], sample_rate) for i in range(0, usable, frame_bytes)]
-    handle = vad._vad
-    process = _vad_process
-    return [
-        process(handle, sample_rate, data[i : i + frame_bytes], frame_samples) for i in range(0, usable, frame_bytes)
-    ]
+        return [vad.is_speech(frame.tobytes(), sample_rate) for frame in frames]
+    return list(map(_vad_process, repeat(vad._vad, count), repeat(sample_rate, count), frames, repeat(frame_samples, count)))
 
 
 def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tuple[int, int] | None:
@@ -254,15 +258,19 @@ def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tup
 
 
 def detect_speech(
-    wave16k: np.ndarray, cfg: VadConfig = VadConfig(), sample_rate: int = VAD_SAMPLE_RATE
+    wave16k: np.ndarray, cfg: VadConfig = VadConfig(), sample_rate: int = VAD_SAMPLE_RATE, *, peak_normalised: bool = False
 ) -> SpeechSpan | NoSpeech:
-    """Find the speech span of a mono float32 waveform (``NoSpeech`` when there is too little)."""
+    """Find the speech span of a mono float32 waveform (``NoSpeech`` when there is too little).
+
+    ``peak_normalised``: the caller vouches that the waveform came out of
+    ``audio.normalise_peak`` (no sample beyond ``[-1, 1]``), which saves the clipping pass.
+    """
     if sample_rate not in (8000, 16000, 32000, 48000):
         raise ValueError(f"WebRTC VAD needs 8/16/32/48 kHz audio, got {sample_rate} Hz")
     wave = np.asarray(wave16k)
     if wave.ndim != 1:
         raise ValueError(f"detect_speech expects mono (N,) audio, got shape {wave.shape}")
-    pcm16 = to_pcm16(wave, out=_scratch("int16", np.int16, wave.shape[0]))
+    pcm16 = to_pcm16(wave, out=_scratch("int16", np.int16, wave.shape[0]), in_range=peak_normalised)
     flags = classify_frames(pcm16, cfg, sample_rate)
     total = len(flags)
     seconds = wave.shape[0] / sample_rate

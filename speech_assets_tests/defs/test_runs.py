@@ -197,19 +197,3 @@ def test_a_run_in_its_worker_keeps_the_loaded_heap_out_of_garbage_collection(ins
     assert execute_run(dg.reconstructable(frozen_heap_job), run, instance).success
     assert len(FROZEN_DURING_STEP) == 1 and FROZEN_DURING_STEP[0] > before + 10_000
     assert gc.get_freeze_count() == before
-
-
-def test_a_heap_frozen_by_someone_else_stays_frozen() -> None:
-    """An outer freeze (a preloading server, a long-lived process) is not undone by a run's block."""
-    import gc
-
-    from speech_assets.defs.runs import frozen_heap
-
-    gc.freeze()
-    try:
-        outer = gc.get_freeze_count()
-        with frozen_heap():
-            assert gc.get_freeze_count() == outer
-        assert gc.get_freeze_count() == outer
-    finally:
-        gc.unfreeze()

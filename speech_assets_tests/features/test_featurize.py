@@ -364,6 +364,30 @@ def test_build_shard_is_byte_identical_when_repeated(tmp_path, corpus, extractor
     assert other.path.read_bytes() != first.path.read_bytes()  # config matters
 
 
+def test_build_shard_keeps_the_loaded_heap_out_of_collections(tmp_path, corpus, extractor):
+    """Collections while a shard is built leave the process's existing heap (torch, pyarrow, ...)
+    frozen, and build_shard hands it back after."""
+    import gc
+
+    seen: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start" and len(seen) < 20:  # counting the frozen objects walks them
+            seen.append(gc.get_freeze_count())
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(50)  # collect often enough that some collections fall inside
+    try:
+        build_shard(corpus, tmp_path / "s1.parquet", VadConfig(), extractor)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(record)
+    # all but a collection before the block starts (the shard's id checks may trigger one)
+    assert len(seen) > 2 and sum(count > 10_000 for count in seen) >= len(seen) - 1
+    assert gc.get_freeze_count() == 0
+
+
 def test_shards_are_byte_identical_across_processes(tmp_path, corpus):
     """In-process (workers=1), a spawned worker pool and a separate interpreter write the same bytes."""
     jobs = [

@@ -212,7 +212,7 @@ def test_to_pcm16_clips_and_scales():
     assert pcm.tolist() == [0, 16383, -16383, 32767, -32767, 32767, -32768]
 
 
-def test_to_pcm16_into_a_buffer_and_memoryview_frames_match_bytes_frames():
+def test_to_pcm16_into_a_buffer_and_view_rows_match_bytes_frames():
     wave = audio.normalise_peak(with_silence(0.7, 1.5, 0.6, seed=5))
     out = np.full(wave.shape[0], 7, np.int16)
     assert to_pcm16(wave, out=out) is out
@@ -226,6 +226,31 @@ def test_to_pcm16_into_a_buffer_and_memoryview_frames_match_bytes_frames():
     assert classify_frames(pcm, cfg) == expected
     assert classify_frames(pcm[:-1], cfg) == expected[: (pcm.shape[0] - 1) // cfg.frame_samples()]
     assert classify_frames(np.zeros(0, np.int16), cfg) == []
+
+
+@pytest.mark.parametrize(
+    "wave",
+    [
+        np.array([0.0, 1.0, -1.0, 0.5, -0.5, 1e-9, -1e-9, 0.99999994, -0.99999994, 3.0518e-05], np.float32),
+        audio.normalise_peak(with_silence(0.4, 1.0, 0.4, seed=8)),
+        audio.normalise_peak(np.random.default_rng(9).uniform(-1e-3, 1e-3, SR).astype(np.float32)),  # gain capped
+        np.zeros(0, np.float32),
+    ],
+    ids=["edges", "speech", "quiet", "empty"],
+)
+def test_in_range_quantisation_is_the_clipping_one(wave):
+    """``in_range`` skips the clipping pass and nothing else: the same int16 values, into a buffer too."""
+    expected = to_pcm16(wave)
+    np.testing.assert_array_equal(to_pcm16(wave, in_range=True), expected)
+    out = np.full(wave.shape, 7, np.int16)
+    assert to_pcm16(wave, out=out, in_range=True) is out
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_a_peak_normalised_wave_gets_the_same_span():
+    for seed in range(10, 14):
+        wave = audio.normalise_peak(with_silence(0.5, 1.5, 0.5, noise=1e-2 * (seed - 9), seed=seed))
+        assert detect_speech(wave, VadConfig(), peak_normalised=True) == detect_speech(wave, VadConfig())
 
 
 def test_detect_speech_reuses_its_buffers_without_leaking_between_calls():
