@@ -78,7 +78,7 @@ def vad_features(
 ) -> Iterator[object]:
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
-    from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, iter_publish_shards  # torch: lazily
+    from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, default_workers, iter_publish_shards  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)
@@ -116,12 +116,15 @@ def vad_features(
     # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
     todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
     workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
-    context.log.info(f"{len(todo)} shard(s) to build with {workers} worker(s), {len(jobs) - len(todo)} unchanged")
+    # Automatic: a job too small for worker processes is built here, one thread per core.
+    threads = default_workers() if not features.workers and workers == 1 else 1
+    where = f"{workers} worker process(es)" if workers > 1 else f"this process, {threads} thread(s)"
+    context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}
     published: list[dg.AssetMaterialization] = []
     totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
-    for done, outcome in enumerate(iter_publish_shards(jobs, vad_cfg, workers=workers), start=1):
+    for done, outcome in enumerate(iter_publish_shards(jobs, vad_cfg, workers=workers, threads=threads), start=1):
         progress(outcome, done, len(jobs))
         if outcome.error is not None or outcome.meta is None:
             failed[outcome.speaker_id] = outcome.error or "no meta"

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -379,10 +379,16 @@ def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
 
 
 def iter_publish_shards(
-    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
+    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None, threads: int = 1
 ) -> Iterator[ShardOutcome]:
     """Build and publish many speakers' shards, largest first, over ``workers`` processes,
     yielding each outcome as soon as its shard is published (or has failed).
+
+    With one worker the shards are built in this process, over ``threads`` threads (each with its
+    own extractor): a worker process costs seconds to start, a thread nothing, and most of a
+    shard's work (decoding, the extractor's torch ops, the Parquet write) runs without the GIL.
+    Either way each shard is built by one thread with one torch thread, so its bytes do not depend
+    on ``workers`` or ``threads``.
 
     Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
     (an exception, or a worker killed for memory) keeps every other one; failures come back as
@@ -391,19 +397,14 @@ def iter_publish_shards(
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if int(threads) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     speakers = [job.speaker_id for job in jobs]
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
     ordered = sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id))
     if workers == 1 or len(ordered) <= 1:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            extractor = FeatureExtractor()
-            for job in ordered:
-                yield _publish_or_report(job, vad_cfg, extractor)
-        finally:
-            torch.set_num_threads(previous)
+        yield from _publish_in_process(ordered, vad_cfg, min(int(threads), max(1, len(ordered))))
         return
     with make_pool(min(workers, len(ordered))) as pool:
         futures = {pool.submit(_publish_job, job, vad_cfg): job for job in ordered}
@@ -413,6 +414,34 @@ def iter_publish_shards(
             except Exception:  # noqa: BLE001 - the worker process itself died (e.g. OOM kill)
                 job = futures[future]
                 yield ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
+
+
+def _publish_in_process(ordered: Sequence[ShardJob], vad_cfg: VadConfig, threads: int) -> Iterator[ShardOutcome]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # per process: each thread's ops then run in that thread alone
+    try:
+        with frozen_heap():  # once for every thread (build_shard's own would be undone by another's)
+            if threads == 1:
+                extractor = FeatureExtractor()
+                for job in ordered:
+                    yield _publish_or_report(job, vad_cfg, extractor)
+                return
+            local = threading.local()
+
+            def publish(job: ShardJob) -> ShardOutcome:
+                extractor = getattr(local, "extractor", None)
+                if extractor is None:  # not thread-safe (scratch buffers): one per thread
+                    extractor = local.extractor = FeatureExtractor()
+                return _publish_or_report(job, vad_cfg, extractor)
+
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="shards")
+            try:
+                for future in as_completed([pool.submit(publish, job) for job in ordered]):
+                    yield future.result()
+            finally:  # also when the caller stops early: shards not started are not built
+                pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def default_workers() -> int:
