@@ -36,6 +36,9 @@ from pathlib import Path
 import dagster as dg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's speech_assets first (as the other benchmarks do): a `git worktree` of an older
+# commit would otherwise measure the installed (editable) checkout's code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from manifest import build_corpus  # noqa: E402  (the manifest benchmark's corpus builder)
 
 import speech_assets.corpus.manifest as corpus_module  # noqa: E402
