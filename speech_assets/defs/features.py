@@ -1,5 +1,6 @@
 """Stage 2: VAD-trimmed feature shards (one per speaker) and CMVN statistics."""
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -116,7 +117,8 @@ def vad_features(
     # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
     todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
     workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
-    # Automatic: a job too small for worker processes is built here, one thread per core.
+    # Automatic: a job too small for a second worker process (see worker_count) is built here,
+    # one thread per core.
     threads = default_workers() if not features.workers and workers == 1 else 1
     where = f"{workers} worker process(es)" if workers > 1 else f"this process, {threads} thread(s)"
     context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
@@ -124,22 +126,24 @@ def vad_features(
     failed: dict[str, str] = {}
     published: list[dg.AssetMaterialization] = []
     totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
-    for done, outcome in enumerate(iter_publish_shards(jobs, vad_cfg, workers=workers, threads=threads), start=1):
-        progress(outcome, done, len(jobs))
-        if outcome.error is not None or outcome.meta is None:
-            failed[outcome.speaker_id] = outcome.error or "no meta"
-            context.log.error(f"shard {outcome.speaker_id} failed:\n{outcome.error}")
-            continue
-        meta = outcome.meta
-        totals["rebuilt"] += outcome.rebuilt
-        for key in ("utterances", "audio_seconds", "trimmed_seconds"):
-            totals[key] += meta[key]
-        published.append(
-            partition_materialization(
-                context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt),
-                observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+    # Closed however the loop ends: its pool, frozen heap and torch thread count are let go at once.
+    with contextlib.closing(iter_publish_shards(jobs, vad_cfg, workers=workers, threads=threads)) as outcomes:
+        for done, outcome in enumerate(outcomes, start=1):
+            progress(outcome, done, len(jobs))
+            if outcome.error is not None or outcome.meta is None:
+                failed[outcome.speaker_id] = outcome.error or "no meta"
+                context.log.error(f"shard {outcome.speaker_id} failed:\n{outcome.error}")
+                continue
+            meta = outcome.meta
+            totals["rebuilt"] += outcome.rebuilt
+            for key in ("utterances", "audio_seconds", "trimmed_seconds"):
+                totals[key] += meta[key]
+            published.append(
+                partition_materialization(
+                    context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt),
+                    observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+                )
             )
-        )
     context.log.info(
         f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} utterances, "
         f"{totals['audio_seconds'] / 3600:.3f} h of audio, {totals['trimmed_seconds'] / 3600:.3f} h after VAD"

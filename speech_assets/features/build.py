@@ -393,6 +393,10 @@ def iter_publish_shards(
     Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
     (an exception, or a worker killed for memory) keeps every other one; failures come back as
     outcomes with ``error`` set instead of raising.
+
+    A caller that may stop before the end closes the generator (``contextlib.closing``): that
+    waits for the shards in flight, cancels the rest and lets the pool (and, in this process, the
+    frozen heap and torch's thread count) go at once rather than whenever it is collected.
     """
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:

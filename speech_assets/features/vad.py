@@ -146,7 +146,8 @@ def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool 
 
     ``out``: an int16 array of the same shape to write into (else a new one is returned).
     ``in_range``: the caller vouches that every ``|sample| <= 1`` (``audio.normalise_peak``'s
-    output), so nothing needs clipping: one pass that scales and truncates, same values.
+    output), so nothing needs clipping: one pass that scales and truncates, same values. A sample
+    beyond that would wrap around instead of clipping, so only pass it for such waves.
     """
     wave = np.asarray(wave)
     if in_range:
@@ -182,13 +183,15 @@ def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
 
 def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:
     """WebRTC VAD decision for each complete ``cfg.frame_ms`` frame of int16 PCM ``(N,)``."""
+    pcm = np.ascontiguousarray(pcm16, dtype="<i2")
+    if pcm.ndim != 1:
+        raise ValueError(f"classify_frames expects mono (N,) PCM, got shape {pcm.shape}")
     frame_samples = cfg.frame_samples(sample_rate)
-    count = pcm16.shape[0] // frame_samples
+    count = pcm.shape[0] // frame_samples
     # Frames are the read-only rows of a (count, frame_samples) view of the samples: no copy of the
     # utterance, and ``map`` calls WebRTC's ``process`` (which takes any read-only buffer) on each
     # row without a Python step per frame.
-    frames = np.ascontiguousarray(pcm16, dtype="<i2")[: count * frame_samples].view()
-    frames.shape = (count, frame_samples)
+    frames = pcm[: count * frame_samples].reshape(count, frame_samples)
     frames.flags.writeable = False
     vad = webrtcvad.Vad(cfg.aggressiveness)
     if _vad_process is None:  # pragma: no cover

@@ -226,6 +226,8 @@ def test_to_pcm16_into_a_buffer_and_view_rows_match_bytes_frames():
     assert classify_frames(pcm, cfg) == expected
     assert classify_frames(pcm[:-1], cfg) == expected[: (pcm.shape[0] - 1) // cfg.frame_samples()]
     assert classify_frames(np.zeros(0, np.int16), cfg) == []
+    with pytest.raises(ValueError, match="mono"):
+        classify_frames(np.zeros((2, SR), np.int16), cfg)
 
 
 @pytest.mark.parametrize(

@@ -51,10 +51,11 @@ def test_a_heap_frozen_by_someone_else_stays_frozen() -> None:
     """An outer freeze (a preloading server, a long-lived process) is not undone by a block."""
     outer = []
     gc.freeze()
+    between = []  # made after the outer freeze, before the block
     with frozen_heap():
-        inside = []
-        assert collected(inside)  # the block freezes nothing more either
+        assert collected(between)  # the block freezes nothing more either
     assert not collected(outer)
+    assert collected(between)
     assert gc.get_freeze_count() > 0
 
 
