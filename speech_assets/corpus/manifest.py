@@ -329,8 +329,8 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
     return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, file_sha256=digest)
 
 
-def _cache_key(path: str, stat: os.stat_result) -> str:
-    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+def _cache_key(path: str, size: int, mtime_ns: int) -> str:
+    return f"{path}|{size}|{mtime_ns}"
 
 
 def probe_all(
@@ -351,7 +351,7 @@ def probe_all(
     todo: list[str] = []
     for path in paths:
         stat = (stats or {}).get(path) or os.stat(path)
-        hit = cache.get(_cache_key(path, stat))
+        hit = cache.get(_cache_key(path, stat.st_size, stat.st_mtime_ns))
         if hit is not None and (hit.decoded or (config is not None and _out_of_bounds(hit, config))):
             results[path] = hit
         else:
@@ -455,7 +455,7 @@ def scan_corpus(
             )
         )
     # keyed by the stat each probe was judged with (its own, or its cache entry's)
-    new_cache = {f"{path}|{probe.size}|{probe.mtime_ns}": probe for path, probe in probes.items()}
+    new_cache = {_cache_key(path, probe.size, probe.mtime_ns): probe for path, probe in probes.items()}
     rejects.sort(key=lambda r: (r.utt_id, r.path, r.reason))
     return ScanResult(rows=rows, rejects=rejects, decoded_files=decoded, cache=new_cache)
 
