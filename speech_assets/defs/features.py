@@ -44,15 +44,18 @@ def vad_config(features: FeatureSettings) -> VadConfig:
     return from_fields(VadConfig, features, **renamed)
 
 
-# A worker is a fresh interpreter importing torch (~5 s on 2 cores, ~7 s for two at once) and
-# one process featurises ~1,200x real time, so a second worker pays for itself from about 2 x 1,200
-# x 7 s = 4.7 h of audio. Fresh data (a few speakers) therefore runs in the step's own process.
+# The step's process always builds shards; each extra worker is a helper process, a fresh
+# interpreter importing torch (~2 s alone, more while the cores are busy) that joins in once it has
+# started. Below that, the step's process runs a thread per core. Measured on 2 cores
+# (docs/BENCHMARKS.md): 2.6 h of audio is built faster on two threads (3.7-3.9 s) than with a
+# helper (4.3-4.9 s), 5.4 h faster with a helper (7.0-7.9 s against 8.1-11.0 s).
 AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
 
 
 def worker_count(audio_seconds: float) -> int:
-    """Processes for a shard job: starting a worker (a fresh interpreter importing torch) costs
-    seconds, worth it only with about four hours of audio per extra worker; smaller jobs run here."""
+    """Processes for a shard job, the step's own included: a helper process (a fresh interpreter
+    importing torch) costs seconds to start, worth it with about four hours of audio per extra
+    process; smaller jobs run in the step's process alone."""
     return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 
@@ -117,10 +120,10 @@ def vad_features(
     # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
     todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
     workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
-    # Automatic: a job too small for a second worker process (see worker_count) is built here,
-    # one thread per core.
+    # Automatic: a job too small for a helper process (see worker_count) is built here, one
+    # thread per core.
     threads = default_workers() if not features.workers and workers == 1 else 1
-    where = f"{workers} worker process(es)" if workers > 1 else f"this process, {threads} thread(s)"
+    where = f"this process and {workers - 1} helper process(es)" if workers > 1 else f"this process, {threads} thread(s)"
     context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}

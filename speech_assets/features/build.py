@@ -13,11 +13,13 @@ import os
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from queue import SimpleQueue
 
 import numpy as np
 import torch
@@ -381,14 +383,16 @@ def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
 def iter_publish_shards(
     jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None, threads: int = 1
 ) -> Iterator[ShardOutcome]:
-    """Build and publish many speakers' shards, largest first, over ``workers`` processes,
-    yielding each outcome as soon as its shard is published (or has failed).
+    """Build and publish many speakers' shards, largest first, over ``workers`` processes (this
+    one included), yielding each outcome as soon as its shard is published (or has failed).
 
     With one worker the shards are built in this process, over ``threads`` threads (each with its
     own extractor): a worker process costs seconds to start, a thread nothing, and most of a
     shard's work (decoding, the extractor's torch ops, the Parquet write) runs without the GIL.
-    Either way each shard is built by one thread with one torch thread, so its bytes do not depend
-    on ``workers`` or ``threads``.
+    With more, this process builds shards on one thread from the start while ``workers - 1``
+    helper processes start and join in (see ``_publish_with_helpers``). Either way each shard is
+    built by one thread with one torch thread, so its bytes do not depend on ``workers`` or
+    ``threads``.
 
     Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
     (an exception, or a worker killed for memory) keeps every other one; failures come back as
@@ -410,14 +414,84 @@ def iter_publish_shards(
     if workers == 1 or len(ordered) <= 1:
         yield from _publish_in_process(ordered, vad_cfg, min(int(threads), max(1, len(ordered))))
         return
-    with make_pool(min(workers, len(ordered))) as pool:
-        futures = {pool.submit(_publish_job, job, vad_cfg): job for job in ordered}
-        for future in as_completed(futures):
-            try:
-                yield future.result()
-            except Exception:  # noqa: BLE001 - the worker process itself died (e.g. OOM kill)
-                job = futures[future]
-                yield ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
+    yield from _publish_with_helpers(ordered, vad_cfg, min(workers, len(ordered)) - 1)
+
+
+def _helper_ready() -> int:
+    """A helper's first task: it ends as soon as the helper has started and is free."""
+    return os.getpid()
+
+
+def _helper_outcome(future: Future, job: ShardJob) -> ShardOutcome:
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 - the helper process itself died (e.g. OOM kill)
+        return ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
+
+
+def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpers: int) -> Iterator[ShardOutcome]:
+    """This process builds shards from the first second on, while ``helpers`` worker processes
+    start; each helper takes the next shard (largest first) whenever it is free.
+
+    A helper is a fresh interpreter that imports torch (~2 s, more while the cores are busy):
+    with a pool alone this process waited for them, idle, which was most of a few-hour job. Each
+    helper is handed one shard at a time, when it is free (first when it has started), so none
+    holds a shard back while this process runs out of work. If the pool breaks (a helper killed),
+    the helpers' shards in flight come back as errors and this process builds the rest.
+    """
+    pending = deque(ordered)
+    lock = threading.Lock()
+    state = {"outstanding": 0, "stopping": False}  # helper shards handed out, not yet reported
+    # A helper's finished shard, or None: a shard handed back to this process (the pool broke).
+    finished: SimpleQueue[tuple[Future, ShardJob] | None] = SimpleQueue()
+    pool = make_pool(helpers)
+
+    def hand_out(_: Future | None = None) -> None:  # in the pool's thread, when a helper is free
+        with lock:
+            if state["stopping"] or not pending:
+                return
+            job = pending.popleft()
+            state["outstanding"] += 1
+        try:
+            future = pool.submit(_publish_job, job, vad_cfg)
+        except Exception:  # noqa: BLE001 - the pool broke or is shutting down: this process builds it
+            with lock:
+                pending.appendleft(job)
+                state["outstanding"] -= 1
+            finished.put(None)
+            return
+        future.add_done_callback(lambda done, job=job: (finished.put((done, job)), hand_out()))
+
+    def report(item: tuple[Future, ShardJob] | None) -> Iterator[ShardOutcome]:
+        if item is not None:
+            with lock:
+                state["outstanding"] -= 1
+            yield _helper_outcome(*item)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(helpers):
+            pool.submit(_helper_ready).add_done_callback(hand_out)
+        extractor = FeatureExtractor()
+        with frozen_heap():
+            while True:
+                while not finished.empty():
+                    yield from report(finished.get())
+                with lock:
+                    job = pending.popleft() if pending else None
+                    idle = job is None and state["outstanding"] == 0
+                if job is not None:
+                    yield _publish_or_report(job, vad_cfg, extractor)
+                elif idle:
+                    break
+                else:  # out of work here: wait for a helper's shard (or one handed back)
+                    yield from report(finished.get())
+    finally:  # also when the caller stops early: the helpers' shards in flight end, no new one starts
+        with lock:
+            state["stopping"] = True
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(previous)
 
 
 def _publish_in_process(ordered: Sequence[ShardJob], vad_cfg: VadConfig, threads: int) -> Iterator[ShardOutcome]:

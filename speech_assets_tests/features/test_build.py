@@ -1,19 +1,24 @@
-"""Publishing many speakers' shards in this process over threads (``iter_publish_shards``): the
-same bytes as one thread, a failing shard keeps the others, and a caller that stops early leaves
-no thread building behind."""
+"""Publishing many speakers' shards (``iter_publish_shards``), in this process over threads or
+with helper processes: the same bytes as one thread, a failing shard (or a killed helper) keeps
+the others, and a caller that stops early leaves no thread or process building behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import soundfile as sf
 
 from speech_assets.features.build import ShardJob, UtteranceInput, iter_publish_shards
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
+from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.testing.corpora import with_silence
 
 SR = 16_000
@@ -99,3 +104,89 @@ def test_one_thread_per_shard_at_most(tmp_path, corpus) -> None:
     (outcome,) = iter_publish_shards(jobs(single, tmp_path), VadConfig(), workers=1, threads=8)
     assert outcome.error is None and outcome.rebuilt
     assert np.isfinite(outcome.meta["audio_seconds"])
+
+
+def helper_processes() -> list[psutil.Process]:
+    """This process's shard helpers (spawned interpreters; not multiprocessing's resource tracker)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "spawn_main" in command and "resource_tracker" not in command:
+            found.append(child)
+    return found
+
+
+def first_job(todo: list[ShardJob]) -> ShardJob:
+    return min(todo, key=lambda job: (-job.audio_seconds, job.speaker_id))  # the one this process takes first
+
+
+def hold_lock_while(job: ShardJob, until, timeout_s: float = 120.0) -> tuple[threading.Thread, threading.Event, dict]:
+    """Another run holding ``job``'s shard lock (a real flock) until ``until()`` is true."""
+    held, seen = threading.Event(), {"met": False}
+
+    def hold() -> None:
+        with exclusive_lock(job.files.lock):
+            held.set()
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not seen["met"]:
+                seen["met"] = bool(until())
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    return thread, held, seen
+
+
+def test_helpers_build_while_this_process_is_busy_and_publish_the_same_bytes(tmp_path, corpus) -> None:
+    """This process takes a shard at once (here one whose lock another run holds) while a helper
+    starts and builds the others; the bytes are those of one thread."""
+    list(iter_publish_shards(jobs(corpus, tmp_path / "one"), VadConfig(), workers=1))
+    todo = jobs(corpus, tmp_path / "two")
+    first = first_job(todo)
+    others = [job for job in todo if job is not first]
+    thread, _, seen = hold_lock_while(first, lambda: all(job.files.read_meta() for job in others))
+    outcomes = list(iter_publish_shards(todo, VadConfig(), workers=2))
+    thread.join()
+    assert seen["met"], "the helper did not build the other shards while this process waited"
+    assert outcomes[0].speaker_id == first.speaker_id  # built here, once the lock was free
+    assert sorted(o.speaker_id for o in outcomes) == sorted(corpus)
+    assert all(o.error is None and o.rebuilt for o in outcomes)
+    assert published_bytes(tmp_path / "two") == published_bytes(tmp_path / "one")
+    assert not helper_processes()
+
+
+def test_a_killed_helper_loses_no_shard(tmp_path, corpus) -> None:
+    """SIGKILL a helper mid-job: its shard in flight comes back as an error (or was published),
+    this process builds every other one, and no helper is left."""
+    todo = jobs(corpus, tmp_path)
+    first = first_job(todo)
+    killed: list[int] = []
+
+    def kill_a_helper_once_it_has_built_a_shard() -> bool:
+        if not any(job.files.read_meta() for job in todo if job is not first):
+            return False
+        for helper in helper_processes():
+            os.kill(helper.pid, signal.SIGKILL)
+            killed.append(helper.pid)
+        return bool(killed)
+
+    thread, _, seen = hold_lock_while(first, kill_a_helper_once_it_has_built_a_shard)
+    outcomes = list(iter_publish_shards(todo, VadConfig(), workers=2))
+    thread.join()
+    assert seen["met"] and killed
+    assert sorted(o.speaker_id for o in outcomes) == sorted(corpus)  # one outcome each, none lost
+    failed = [o for o in outcomes if o.error is not None]
+    assert len(failed) <= 1  # at most the shard the helper was building
+    assert all("BrokenProcessPool" in o.error or "terminated abruptly" in o.error for o in failed)
+    assert all(o.meta is not None for o in outcomes if o.error is None)
+    assert not helper_processes()
+    # a re-run builds exactly the shards that have no meta, and nothing else
+    missing = sorted(job.speaker_id for job in todo if job.files.read_meta() is None)
+    assert missing == sorted(o.speaker_id for o in failed if o.meta is None)
+    again = list(iter_publish_shards(todo, VadConfig(), workers=1))
+    assert all(o.error is None for o in again)
+    assert sorted(o.speaker_id for o in again if o.rebuilt) == missing
