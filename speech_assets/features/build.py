@@ -353,9 +353,10 @@ _WORKER_EXTRACTOR: FeatureExtractor | None = None
 def _init_worker() -> None:
     """Process-pool initializer: one torch thread per worker, one extractor per worker."""
     global _WORKER_EXTRACTOR
-    from speech_assets.runtime.processes import die_with_parent
+    from speech_assets.runtime.processes import die_with_parent, exit_without_teardown
 
     die_with_parent()  # a killed run leaves no feature worker behind
+    exit_without_teardown()  # the pool's owner waits for its workers to exit
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)

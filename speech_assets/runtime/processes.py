@@ -217,6 +217,25 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def exit_without_teardown() -> None:
+    """For a pool worker: when its interpreter exits (the pool has shut it down), flush the
+    standard streams and end the process at once instead of tearing the interpreter down.
+
+    A worker that imported torch spent 0.5-1 s (2 s on busy cores) freeing modules at exit, while
+    the pool's owner waited for it. By then the worker has handed back every result and holds no
+    open file of ours; the exit code is 0, as a pool worker's always is.
+    """
+    import atexit
+
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+    atexit.register(end)  # runs first (last registered), so multiprocessing's own handler is skipped
+
+
 def launcher_env() -> dict[str, str]:
     """Environment that names this process as the launcher of the processes it starts."""
     return {LAUNCHER_ENV: ProcessIdentity.current().encode()}

@@ -139,3 +139,22 @@ def test_the_orphan_guard_runs_its_command_on_an_os_without_prctl() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "ran"
+
+
+def test_a_pool_worker_ends_without_tearing_its_interpreter_down(tmp_path: Path) -> None:
+    """``exit_without_teardown``: what the worker printed still arrives (flushed), the exit code
+    is 0, and the teardown (here an exit handler registered before it) never runs."""
+    marker = tmp_path / "torn_down"
+    code = (
+        "import atexit, sys\n"
+        "from pathlib import Path\n"
+        f"atexit.register(lambda: Path({str(marker)!r}).write_text('teardown ran'))\n"
+        "from speech_assets.runtime.processes import exit_without_teardown\n"
+        "exit_without_teardown()\n"
+        "sys.stdout.write('result handed back')  # no newline: still in the buffer at exit\n"
+        "sys.stderr.write('and a warning')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "result handed back" and done.stderr == "and a warning"
+    assert not marker.exists()
