@@ -435,10 +435,11 @@ def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpe
     start; each helper takes the next shard (largest first) whenever it is free.
 
     A helper is a fresh interpreter that imports torch (~2 s, more while the cores are busy):
-    with a pool alone this process waited for them, idle, which was most of a few-hour job. Each
-    helper is handed one shard at a time, when it is free (first when it has started), so none
-    holds a shard back while this process runs out of work. If the pool breaks (a helper killed),
-    the helpers' shards in flight come back as errors and this process builds the rest.
+    with a pool alone this process waited for them, idle. A shard goes to the pool only when a
+    task there has just ended (a helper's start-up probe or its last shard), so at most one shard
+    per helper is out at a time and the helpers never sit on a backlog while this process runs
+    out of work. If the pool breaks (a helper killed), the helpers' shards in flight come back as
+    errors and this process builds the rest.
     """
     pending = deque(ordered)
     lock = threading.Lock()
