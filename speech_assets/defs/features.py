@@ -82,7 +82,9 @@ def vad_features(
 ) -> Iterator[object]:
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
-    from speech_assets.features.build import ShardJob, UtteranceInput, check_speed_factors, default_workers, iter_publish_shards  # torch: lazily
+    from speech_assets.features.build import (  # torch: lazily
+        ShardJob, UtteranceInput, check_speed_factors, default_workers, helper_count, iter_publish_shards, needs_building,
+    )
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)
@@ -118,12 +120,13 @@ def vad_features(
         for speaker in speakers
     ]
     # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
-    todo = [job for job in jobs if config.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
+    todo = [job for job in jobs if needs_building(job)]
     workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
     # Automatic: a job too small for a helper process (see worker_count) is built here, one
     # thread per core.
     threads = default_workers() if not features.workers and workers == 1 else 1
-    where = f"this process and {workers - 1} helper process(es)" if workers > 1 else f"this process, {threads} thread(s)"
+    helpers = helper_count(jobs, workers)
+    where = f"this process and {helpers} helper process(es)" if helpers else f"this process, {threads} thread(s)"
     context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}

@@ -395,9 +395,10 @@ def iter_publish_shards(
     built by one thread with one torch thread, so its bytes do not depend on ``workers`` or
     ``threads``.
 
-    Each shard is published (sidecars, then meta) as soon as it is built, so one failing shard
-    (an exception, or a worker killed for memory) keeps every other one; failures come back as
-    outcomes with ``error`` set instead of raising.
+    Each shard is published (sidecars, then meta) as soon as it is built, so a failing shard
+    keeps every other one; failures come back as outcomes with ``error`` set instead of raising.
+    A helper killed (for memory, by a signal) breaks the pool, which stops every helper: the
+    shards the helpers were building come back as errors, and this process builds the rest.
 
     A caller that may stop before the end closes the generator (``contextlib.closing``): that
     waits for the shards in flight, cancels the rest and lets the pool (and, in this process, the
@@ -412,10 +413,23 @@ def iter_publish_shards(
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
     ordered = sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id))
-    if workers == 1 or len(ordered) <= 1:
+    helpers = helper_count(ordered, workers)
+    if helpers == 0:
         yield from _publish_in_process(ordered, vad_cfg, min(int(threads), max(1, len(ordered))))
         return
-    yield from _publish_with_helpers(ordered, vad_cfg, min(workers, len(ordered)) - 1)
+    yield from _publish_with_helpers(ordered, vad_cfg, helpers)
+
+
+def needs_building(job: ShardJob) -> bool:
+    """Whether ``job``'s shard is missing, forced or built from other inputs (a stat and a small
+    read; ``build_and_publish`` checks again under the shard's lock)."""
+    return job.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key
+
+
+def helper_count(jobs: Sequence[ShardJob], workers: int) -> int:
+    """Helper processes ``iter_publish_shards`` starts beside this one for ``jobs`` and ``workers``:
+    none for a shard or less to build (a helper would start, import torch and find nothing)."""
+    return max(0, min(int(workers), sum(map(needs_building, jobs))) - 1)
 
 
 def _helper_ready() -> int:

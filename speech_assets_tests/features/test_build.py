@@ -15,7 +15,7 @@ import psutil
 import pytest
 import soundfile as sf
 
-from speech_assets.features.build import ShardJob, UtteranceInput, iter_publish_shards
+from speech_assets.features.build import ShardJob, UtteranceInput, helper_count, iter_publish_shards
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.runtime.locks import exclusive_lock
@@ -160,33 +160,53 @@ def test_helpers_build_while_this_process_is_busy_and_publish_the_same_bytes(tmp
 
 
 def test_a_killed_helper_loses_no_shard(tmp_path, corpus) -> None:
-    """SIGKILL a helper mid-job: its shard in flight comes back as an error (or was published),
-    this process builds every other one, and no helper is left."""
+    """SIGKILL the helper while it waits for its first shard (whose lock another run holds): that
+    shard comes back as an error, this process builds every other one, no helper is left, and a
+    re-run rebuilds only the failed shard."""
     todo = jobs(corpus, tmp_path)
-    first = first_job(todo)
+    ordered = sorted(todo, key=lambda job: (-job.audio_seconds, job.speaker_id))
+    first, second = ordered[0], ordered[1]  # this process takes the first, the helper the second
     killed: list[int] = []
 
-    def kill_a_helper_once_it_has_built_a_shard() -> bool:
-        if not any(job.files.read_meta() for job in todo if job is not first):
-            return False
+    def kill_the_helper_once_it_waits_for_its_shard() -> bool:
         for helper in helper_processes():
-            os.kill(helper.pid, signal.SIGKILL)
-            killed.append(helper.pid)
+            try:
+                waiting = any(Path(f.path) == second.files.lock for f in helper.open_files())
+            except psutil.Error:
+                continue
+            if waiting:
+                os.kill(helper.pid, signal.SIGKILL)
+                killed.append(helper.pid)
         return bool(killed)
 
-    thread, _, seen = hold_lock_while(first, kill_a_helper_once_it_has_built_a_shard)
-    outcomes = list(iter_publish_shards(todo, VadConfig(), workers=2))
-    thread.join()
+    with exclusive_lock(second.files.lock):  # held until the helper is dead
+        thread, _, seen = hold_lock_while(first, kill_the_helper_once_it_waits_for_its_shard)
+        outcomes = iter_publish_shards(todo, VadConfig(), workers=2)
+        results = [next(outcomes)]  # the first shard, built here once the holder lets go
+        thread.join()
+    results += list(outcomes)
     assert seen["met"] and killed
-    assert sorted(o.speaker_id for o in outcomes) == sorted(corpus)  # one outcome each, none lost
-    failed = [o for o in outcomes if o.error is not None]
-    assert len(failed) <= 1  # at most the shard the helper was building
-    assert all("BrokenProcessPool" in o.error or "terminated abruptly" in o.error for o in failed)
-    assert all(o.meta is not None for o in outcomes if o.error is None)
+    assert sorted(o.speaker_id for o in results) == sorted(corpus)  # one outcome each, none lost
+    failed = [o for o in results if o.error is not None]
+    assert [o.speaker_id for o in failed] == [second.speaker_id]
+    assert "BrokenProcessPool" in failed[0].error
+    assert all(o.meta is not None for o in results if o.error is None)
     assert not helper_processes()
-    # a re-run builds exactly the shards that have no meta, and nothing else
-    missing = sorted(job.speaker_id for job in todo if job.files.read_meta() is None)
-    assert missing == sorted(o.speaker_id for o in failed if o.meta is None)
+    assert [job.speaker_id for job in todo if job.files.read_meta() is None] == [second.speaker_id]
     again = list(iter_publish_shards(todo, VadConfig(), workers=1))
     assert all(o.error is None for o in again)
-    assert sorted(o.speaker_id for o in again if o.rebuilt) == missing
+    assert [o.speaker_id for o in again if o.rebuilt] == [second.speaker_id]
+
+
+def test_helpers_are_started_only_for_shards_to_build(tmp_path, corpus) -> None:
+    """Unchanged shards need no helper: a helper would start, import torch and find nothing."""
+    todo = jobs(corpus, tmp_path)
+    assert helper_count(todo, workers=4) == 3 and helper_count(todo, workers=1) == 0
+    list(iter_publish_shards(todo, VadConfig(), workers=1))
+    assert helper_count(todo, workers=4) == 0
+    forced = [ShardJob(j.speaker_id, j.utterances, j.files, j.inputs_key, force=n < 3) for n, j in enumerate(todo)]
+    assert helper_count(forced, workers=4) == 2 and helper_count(forced, workers=2) == 1
+    changed = [ShardJob(j.speaker_id, j.utterances, j.files, "other" if n < 2 else j.inputs_key) for n, j in enumerate(todo)]
+    assert helper_count(changed, workers=8) == 1
+    outcomes = list(iter_publish_shards(todo, VadConfig(), workers=4))  # nothing to build: no helper, no rebuild
+    assert not any(o.rebuilt for o in outcomes) and not helper_processes()

@@ -156,5 +156,5 @@ def test_a_pool_worker_ends_without_tearing_its_interpreter_down(tmp_path: Path)
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "result handed back" and done.stderr == "and a warning"
+    assert done.stdout == "result handed back" and done.stderr.endswith("and a warning")
     assert not marker.exists()
