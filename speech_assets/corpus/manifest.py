@@ -85,7 +85,7 @@ class Candidate:
     speaker_id: str
     chapter_id: str
     transcript: str
-    path: Path  # as written (joined to its folder), not yet resolved
+    path: str  # as written (joined to its folder), not yet resolved
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
                 audio.setdefault(folder, {})[os.path.splitext(name)[0]] = os.path.join(folder, name)
     for folder in sorted(map(Path, set(transcripts) | set(audio))):
         texts = transcripts.get(str(folder), {})
-        files = {utt_id: Path(path) for utt_id, path in audio.get(str(folder), {}).items()}
+        files = audio.get(str(folder), {})  # utt_id -> path: strings, as pathlib would write them
         speaker_id, chapter_id = _speaker_chapter(root, folder)
         for utt_id in sorted(set(texts) | set(files)):
             if utt_id not in files:
@@ -195,7 +195,7 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
             text = normalise_transcript(texts.get(utt_id, ""))
             if not text:
                 detail = "transcript is empty" if utt_id in texts else f"no line for {utt_id} in any *.trans.txt of {folder}"
-                rejects.append(RejectRow(utt_id, str(files[utt_id]), "manifest", RejectReason.NO_TRANSCRIPT, detail))
+                rejects.append(RejectRow(utt_id, files[utt_id], "manifest", RejectReason.NO_TRANSCRIPT, detail))
                 continue
             parts = utt_id.split("-")
             candidates.append(
@@ -243,7 +243,7 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
             continue
         speaker = str(record.get("speaker_id") or "").strip()  # empty: an invalid_id reject, not a failed run
         chapter = str(record.get("chapter_id") or "").strip() or "0"
-        candidates.append(Candidate(utt_id, speaker, chapter, text, path))
+        candidates.append(Candidate(utt_id, speaker, chapter, text, str(path)))
     return candidates, rejects
 
 
@@ -407,13 +407,13 @@ def scan_corpus(
     for candidate in candidates:
         bad_id = invalid_id_detail(candidate)
         if bad_id is not None:
-            rejects.append(RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.INVALID_ID, bad_id))
+            rejects.append(RejectRow(candidate.utt_id, candidate.path, "manifest", RejectReason.INVALID_ID, bad_id))
             continue
-        resolved = real(str(candidate.path))
+        resolved = real(candidate.path)
         if not is_inside(resolved, root):
             rejects.append(
                 RejectRow(
-                    candidate.utt_id, str(candidate.path), "manifest", RejectReason.OUTSIDE_ROOT,
+                    candidate.utt_id, candidate.path, "manifest", RejectReason.OUTSIDE_ROOT,
                     f"resolves to {resolved}, outside the corpus root {root}",
                 )
             )
@@ -424,7 +424,7 @@ def scan_corpus(
             stat = None
         if stat is None or not S_ISREG(stat.st_mode):
             rejects.append(
-                RejectRow(candidate.utt_id, str(candidate.path), "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}")
+                RejectRow(candidate.utt_id, candidate.path, "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}")
             )
         else:
             inside.append((candidate, resolved))
@@ -608,7 +608,7 @@ def corpus_fingerprint(location: Path) -> str:
         paths = [location]
         try:
             paths += [
-                Path(str(c.path)) for c in discover(location)[0]
+                Path(c.path) for c in discover(location)[0]
             ]
         except CorpusError:
             pass
