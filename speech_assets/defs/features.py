@@ -83,7 +83,7 @@ def vad_features(
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
     from speech_assets.features.build import (  # torch: lazily
-        ShardJob, UtteranceInput, check_speed_factors, default_workers, helper_count, iter_publish_shards, needs_building,
+        ShardJob, UtteranceInput, check_speed_factors, default_workers, helpers_for, iter_publish_shards, needs_building,
     )
 
     features = effective(settings.features, config)
@@ -125,7 +125,7 @@ def vad_features(
     # Automatic: a job too small for a helper process (see worker_count) is built here, one
     # thread per core.
     threads = default_workers() if not features.workers and workers == 1 else 1
-    helpers = helper_count(jobs, workers)
+    helpers = helpers_for(len(todo), workers)  # as iter_publish_shards counts them, without reading every meta again
     where = f"this process and {helpers} helper process(es)" if helpers else f"this process, {threads} thread(s)"
     context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
     progress = ProgressLog(context.log, "shards")

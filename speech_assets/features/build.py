@@ -427,9 +427,14 @@ def needs_building(job: ShardJob) -> bool:
 
 
 def helper_count(jobs: Sequence[ShardJob], workers: int) -> int:
-    """Helper processes ``iter_publish_shards`` starts beside this one for ``jobs`` and ``workers``:
-    none for a shard or less to build (a helper would start, import torch and find nothing)."""
-    return max(0, min(int(workers), sum(map(needs_building, jobs))) - 1)
+    """Helper processes ``iter_publish_shards`` starts beside this one for ``jobs`` and ``workers``."""
+    return helpers_for(sum(map(needs_building, jobs)), workers)
+
+
+def helpers_for(to_build: int, workers: int) -> int:
+    """Helpers for ``to_build`` shards that need building: none for one or none (a helper would
+    start, import torch and find nothing)."""
+    return max(0, min(int(workers), to_build) - 1)
 
 
 def _helper_ready() -> int:

@@ -23,6 +23,7 @@ without ``/proc``) the launcher counts as alive while its pid is taken.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -228,7 +229,6 @@ def exit_without_teardown() -> None:
     dies with work in hand breaks the pool through its sentinel). Exit handlers registered after
     this one still run first; the interpreter's teardown and C-level stdio buffers are skipped.
     """
-    import atexit
 
     def end() -> None:
         for stream in (sys.stdout, sys.stderr):
