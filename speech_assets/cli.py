@@ -40,11 +40,12 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_sql(args: argparse.Namespace) -> int:
     con = stats_db.connect_read_only(_db(args), allow_external_access=args.allow_external_access)
     try:
+        stats_db.check_read_only(con, args.query)
         relation = con.sql(args.query)
         if relation is None:
             return 0
         relation.show(max_rows=args.max_rows, max_width=10_000)
-    except duckdb.Error as err:
+    except (duckdb.Error, stats_db.NotReadOnly) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
@@ -173,13 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
     probe.set_defaults(func=_cmd_probe)
 
-    sql = commands.add_parser("sql", help="run a read-only SQL query against the DuckDB database")
+    sql = commands.add_parser(
+        "sql", help="run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database"
+    )
     sql.add_argument("query")
     sql.add_argument("--db", help=db_help)
     sql.add_argument("--max-rows", type=int, default=200)
     sql.add_argument(
         "--allow-external-access", action="store_true",
-        help="let the query read files outside the data dir, URLs and extensions (DuckDB's enable_external_access)",
+        help="let the query read any file or URL you can read and load installed extensions (DuckDB's "
+        "enable_external_access); it still writes nothing",
     )
     sql.set_defaults(func=_cmd_sql)
 

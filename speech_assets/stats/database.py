@@ -197,18 +197,140 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
     return counts
 
 
+def view_sources(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The files the database's views read: every string literal of their definitions (the views
+    this module makes name nothing else), read with DuckDB's own tokenizer."""
+    sources = set()
+    for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE NOT internal").fetchall():
+        for position, kind in duckdb.tokenize(sql):
+            if kind == duckdb.token_type.string_const and sql[position] == "'":
+                sources.add(_string_literal(sql, position))
+    return sorted(sources)
+
+
+def _string_literal(sql: str, start: int) -> str:
+    """The value of the quoted literal at ``sql[start]`` ('' stands for one quote)."""
+    value, i = [], start + 1
+    while i < len(sql):
+        if sql[i] == "'":
+            if sql[i + 1 : i + 2] != "'":
+                break
+            i += 1
+        value.append(sql[i])
+        i += 1
+    return "".join(value)
+
+
 def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duckdb.DuckDBPyConnection:
-    """The database, read-only. Unless ``allow_external_access``, DuckDB's external access is off:
-    no file outside the database's folder (whose parquet files its views read), no URL, no
-    extension, no ATTACH or COPY, and a query cannot turn it back on."""
+    """The database, read-only, with its configuration locked: no extension is installed, nothing
+    spills to disk and a query cannot change a setting. Unless ``allow_external_access``, DuckDB's
+    external access is off and the only files a query may open are those the views read (no
+    other file of the data dir, no URL, no extension)."""
     if not db_path.exists():
         raise FileNotFoundError(f"{db_path} does not exist: materialize the dataset_stats asset first")
-    con = duckdb.connect(str(db_path), read_only=True)
-    if not allow_external_access:
-        folders = {str(folder).rstrip(os.sep) + os.sep for folder in (db_path.absolute().parent, db_path.resolve().parent)}
-        con.execute(f"SET allowed_directories = [{', '.join(_sql_str(folder) for folder in sorted(folders))}]")
-        con.execute("SET enable_external_access = false")
+    config = {
+        "autoinstall_known_extensions": False,
+        "autoload_known_extensions": allow_external_access,
+        "temp_directory": "",  # a big query fails for memory rather than writing beside the database
+    }
+    con = duckdb.connect(str(db_path), read_only=True, config=config)
+    try:
+        if not allow_external_access:
+            con.execute(f"SET allowed_paths = [{', '.join(_sql_str(path) for path in view_sources(con))}]")
+            con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
     return con
+
+
+class NotReadOnly(ValueError):
+    """A query that is not exactly one read-only statement."""
+
+
+READ_ONLY_STATEMENTS = "SELECT, WITH ... SELECT, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE or EXPLAIN of one of these"
+# Query nodes that only read; DuckDB also parses INSERT, UPDATE, DELETE, MERGE and COPY inside a
+# WITH clause of a SELECT, where the statement's type says nothing about them.
+_READING_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"})
+_SQL_RUNNING_FUNCTIONS = frozenset({"query", "json_execute_serialized_sql"})  # they run SQL given as a string
+_WRITING_OPERATORS = frozenset({
+    "COPY_TO_FILE", "BATCH_COPY_TO_FILE", "FIXED_BATCH_COPY_TO_FILE", "COPY_DATABASE", "INSERT", "BATCH_INSERT",
+    "DELETE", "DELETE_OPERATOR", "UPDATE", "MERGE_INTO", "CREATE_TABLE", "CREATE_TABLE_AS", "BATCH_CREATE_TABLE_AS",
+    "CREATE_INDEX", "CREATE_SEQUENCE", "CREATE_VIEW", "CREATE_SCHEMA", "CREATE_MACRO", "CREATE_TYPE", "CREATE_SECRET",
+    "ALTER", "DROP", "PRAGMA", "TRANSACTION", "ATTACH", "DETACH", "EXECUTE", "PREPARE", "VACUUM", "EXPORT", "SET",
+    "SET_VARIABLE", "RESET", "LOAD", "EXTENSION", "UPDATE_EXTENSIONS",
+})  # fmt: skip
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
+    """Raise :class:`NotReadOnly` unless ``query`` is exactly one statement that only reads.
+
+    Checked with DuckDB's own parser, three ways: the statement's type (a SELECT, or an EXPLAIN
+    of one: ``EXPLAIN ANALYZE`` runs what it explains), every query node of its syntax tree (no
+    INSERT/COPY/... in a WITH clause, no function that runs SQL from a string) and every
+    operator of its bound plan. Syntax errors propagate as DuckDB's own ``duckdb.Error``."""
+    select = _explained(query)
+    tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [select]).fetchone()[0])
+    if tree.get("error"):
+        raise NotReadOnly(f"refused: {tree.get('error_message')}")
+    for node in _dicts(tree):
+        if "cte_map" in node and "modifiers" in node and node.get("type") not in _READING_NODES:
+            raise NotReadOnly(f"refused: a {str(node.get('type')).removesuffix('_QUERY_NODE')} inside the query; "
+                              f"only {READ_ONLY_STATEMENTS} may run")  # fmt: skip
+        if str(node.get("function_name", "")).lower() in _SQL_RUNNING_FUNCTIONS:
+            raise NotReadOnly(f"refused: {node['function_name']}() runs SQL of its own")
+    try:
+        plan = json.loads(con.execute(f"EXPLAIN (FORMAT json) {select}").fetchall()[0][1])
+    except duckdb.Error as err:  # without the context that quotes this EXPLAIN, not the user's query
+        raise type(err)(str(err).split("\n\nLINE ")[0]) from None
+    writing = sorted({str(op.get("name")) for op in _dicts(plan) if op.get("name") in _WRITING_OPERATORS})
+    if writing:
+        raise NotReadOnly(f"refused: the query's plan has {', '.join(writing)}; only {READ_ONLY_STATEMENTS} may run")
+
+
+def _explained(query: str, explain_allowed: bool = True) -> str:
+    """The one SELECT ``query`` is, or that it explains (after EXPLAIN, ANALYZE or an option list)."""
+    statements = duckdb.extract_statements(query)  # a syntax error raises DuckDB's message, which says where
+    if len(statements) != 1:
+        raise NotReadOnly(f"refused: {len(statements)} statements; give exactly one ({READ_ONLY_STATEMENTS})")
+    try:
+        kind = statements[0].type
+    except ValueError:  # a statement type this duckdb module cannot name (UPDATE EXTENSIONS)
+        raise NotReadOnly(f"refused: a statement of no read-only type; only {READ_ONLY_STATEMENTS} may run") from None
+    if kind == duckdb.StatementType.SELECT:
+        return query
+    if kind != duckdb.StatementType.EXPLAIN or not explain_allowed:
+        raise NotReadOnly(f"refused: a {kind.name} statement; only {READ_ONLY_STATEMENTS} may run")
+    tokens = [(pos, kind) for pos, kind in duckdb.tokenize(query) if kind != duckdb.token_type.comment]
+    ends = [pos for pos, _ in tokens[1:]] + [len(query)]
+    words = [query[pos:end].strip() for (pos, _), end in zip(tokens, ends)]
+    i = 1  # after EXPLAIN
+    if i < len(words) and words[i].upper() in ("ANALYZE", "ANALYSE"):
+        i += 1
+    elif i < len(words) and words[i].startswith("("):
+        depth = 0
+        while i < len(words):
+            if tokens[i][1] == duckdb.token_type.operator:
+                depth += words[i].count("(") - words[i].count(")")
+            i += 1
+            if depth <= 0:
+                break
+    if i >= len(words):
+        raise NotReadOnly("refused: an EXPLAIN of nothing")
+    return _explained(query[tokens[i][0] :], explain_allowed=False)
+
+
+def _dicts(tree: object):
+    """Every dict nested in a JSON value."""
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def summary(db_path: Path) -> str:
