@@ -12,11 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from speech_assets.cli import main
-from speech_assets.features.shards import ShardFiles, write_shard
+from speech_assets.features.shards import FRAME_RATE_HZ, MFCC_DIM, N_MELS, FeatureRecord, ShardFiles, write_shard
 from speech_assets.stats.database import StatsInputs, build_database
-from speech_assets.testing.training_data import _record
 
 REJECT_COLUMNS = ("utt_id", "path", "stage", "reason", "detail")
+
+
+def _utterance(utt_id: str, frames: int = 100) -> FeatureRecord:
+    """A silent utterance of speaker 1001: log-mel ``(frames, 80)``, MFCC ``(frames, 39)``."""
+    seconds = frames / FRAME_RATE_HZ
+    return FeatureRecord(utt_id, "1001", "1", frames, seconds, 0.0, seconds, seconds, 1.0,
+                         np.zeros((frames, N_MELS), np.float32), np.zeros((frames, MFCC_DIM), np.float32))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         data / "clients" / "clients.parquet",
     )
     files = ShardFiles.of(data / "features" / "shards", "1001")
-    write_shard(files.shard, [_record(f"1001-1-000{u}", "1001", np.zeros((100, 80), np.float32)) for u in range(2)])
+    write_shard(files.shard, [_utterance(f"1001-1-000{u}") for u in range(2)])
     pq.write_table(pa.table({n: pa.array([], pa.string()) for n in REJECT_COLUMNS}), files.rejects)
     build_database(
         data / "stats.duckdb",
