@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,13 +45,32 @@ def _cmd_sql(args: argparse.Namespace) -> int:
         relation = con.sql(args.query)
         if relation is None:
             return 0
-        relation.show(max_rows=args.max_rows, max_width=10_000)
+        (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
     except (duckdb.Error, stats_db.NotReadOnly) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         con.close()
     return 0
+
+
+def rounded(relation: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """``relation`` with its FLOAT and DOUBLE columns rounded for reading: 2 decimals, more where
+    a value needs them for 3 significant digits (``0.0337``, ``25.12``, ``0.00340``, never a
+    misleading ``0.00``). Columns are taken by position, so duplicate names are fine."""
+    if not any(str(kind) in ("FLOAT", "DOUBLE") for kind in relation.types):
+        return relation
+    columns = []
+    for i, (name, kind) in enumerate(zip(relation.columns, relation.types), start=1):
+        alias = '"' + name.replace('"', '""') + '"'
+        if str(kind) in ("FLOAT", "DOUBLE"):
+            columns.append(
+                f"CASE WHEN isfinite(#{i}) AND #{i} <> 0 THEN round(#{i}, greatest(2, 2 - floor(log10(abs(#{i})))::INTEGER)) "
+                f"ELSE #{i} END AS {alias}"
+            )
+        else:
+            columns.append(f"#{i} AS {alias}")
+    return relation.project(", ".join(columns))
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
@@ -143,43 +163,108 @@ def _db(args: argparse.Namespace) -> Path:
     return Path(args.db) if args.db else locations.data_dir() / "stats.duckdb"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speech-assets", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+ENVIRONMENT = """\
+environment variables (all optional; relative paths resolve against the repository root):
+  SPEECH_ASSETS_DATA_DIR  root of every output: stats.duckdb, the probe results, the training
+                          runs and what `lineage --stale` compares (default: data/out)
+  SPEECH_ASSETS_CORPUS    corpus root in LibriSpeech layout, or a .csv/.jsonl manifest file
+                          (default: data/sample)
+  DAGSTER_HOME            the Dagster instance `partitions` and `runs reap` read
+                          (default: data/dagster_home)
+  MLFLOW_TRACKING_URI     the MLflow tracking store the training runs log to
+                          (default: sqlite:///<data dir>/mlflow.db)"""
 
-    corpus = commands.add_parser("corpus", help="corpus tools").add_subparsers(dest="corpus_command", required=True)
-    synth = corpus.add_parser("synth", help="build a LibriSpeech-layout corpus offline from local TTS voices")
+EXAMPLES = {
+    "speech-assets": """\
+  speech-assets stats
+  speech-assets sql "SELECT client_id, sum(hours) AS hours FROM clients GROUP BY ALL"
+  speech-assets probe
+  speech-assets lineage data/out/training/<run>/final.pt
+  speech-assets lineage --stale
+  speech-assets partitions clients --range
+  speech-assets corpus synth --out /tmp/corpus --speakers 8 --utterances 8""",
+    "synth": "  speech-assets corpus synth --out /tmp/corpus --speakers 8 --utterances 8 --seed 0",
+    "replicate": "  speech-assets corpus replicate --out /tmp/libri25h --scale 0.25 --workers 2",
+    "stats": "  speech-assets stats\n  speech-assets stats --db /tmp/other/stats.duckdb",
+    "probe": "  speech-assets probe\n  speech-assets probe --results /tmp/run/probe/results.parquet",
+    "sql": """\
+  speech-assets sql "SHOW TABLES"
+  speech-assets sql "DESCRIBE clients"
+  speech-assets sql "SELECT reason, stage, count(*) AS n FROM rejects GROUP BY ALL ORDER BY n DESC"
+  speech-assets sql "SELECT client_id, sum(hours) AS hours FROM clients GROUP BY ALL" --raw
+only one read-only statement runs (SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN);
+anything else is refused with exit 1 and nothing on disk changes.""",
+    "lineage": """\
+  speech-assets lineage data/out/training/<run>/final.pt
+  speech-assets lineage data/out/training/<run>/final.pt --json | jq .data_versions
+  speech-assets lineage --stale""",
+    "partitions": (
+        "  speech-assets partitions speakers\n"
+        "  dagster asset materialize -m speech_assets.definitions --select kmeans_targets \\\n"
+        '      --partition-range "$(speech-assets partitions clients --range)"'
+    ),
+    "reap": "  speech-assets runs reap",
+}
+
+
+def _epilog(name: str) -> str:
+    return f"examples:\n{EXAMPLES[name]}\n\n{ENVIRONMENT}" if name in EXAMPLES else ENVIRONMENT
+
+
+def _command(commands, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows ``summary``, its examples and the environment variables."""
+    return commands.add_parser(
+        name, help=summary, description=summary, epilog=_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speech-assets", description=__doc__, epilog=_epilog("speech-assets"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    corpus = _command(commands, "corpus", "corpus tools: synth, replicate").add_subparsers(
+        dest="corpus_command", required=True, metavar="TOOL"
+    )
+    synth = _command(corpus, "synth", "build a LibriSpeech-layout corpus offline from local TTS voices")
     from speech_assets.corpus import synth as synth_module
 
     synth_module.add_arguments(synth)
     synth.set_defaults(func=synth_module.run_from_args)
 
-    replicate = corpus.add_parser(
-        "replicate", help="a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one"
+    replicate = _command(
+        corpus, "replicate", "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one"
     )
     replicate.add_argument("--from", dest="source", type=Path, default=locations.sample_corpus(), help="source corpus (default: the sample)")
     replicate.add_argument("--out", type=Path, required=True, help="output directory (must be empty or absent)")
     replicate.add_argument("--scale", type=float, default=0.25, help="share of train-clean-100's ~113 utterances per speaker (1.0 = ~100 h)")
-    replicate.add_argument("--speakers", type=int, default=251)
-    replicate.add_argument("--seed", type=int, default=0)
+    replicate.add_argument("--speakers", type=int, default=251, help="number of speakers (default 251, as train-clean-100)")
+    replicate.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same corpus (default 0)")
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     replicate.set_defaults(func=_cmd_replicate)
 
     db_help = "DuckDB file (default: $SPEECH_ASSETS_DATA_DIR/stats.duckdb)"
-    stats = commands.add_parser("stats", help="summary of the dataset from the DuckDB database")
+    stats = _command(commands, "stats", "summary of the dataset from the DuckDB database")
     stats.add_argument("--db", help=db_help)
     stats.set_defaults(func=_cmd_stats)
 
-    probe = commands.add_parser("probe", help="the downstream probe's results over seeds, and whether each encoder beats fbank and random")
+    probe = _command(commands, "probe", "the downstream probe's results over seeds, and whether each encoder beats fbank and random")
     probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
     probe.set_defaults(func=_cmd_probe)
 
-    sql = commands.add_parser(
-        "sql", help="run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database"
+    sql = _command(
+        commands, "sql", "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database"
     )
-    sql.add_argument("query")
+    sql.add_argument("query", help="one SQL statement over the views and tables (list them with \"SHOW TABLES\")")
     sql.add_argument("--db", help=db_help)
-    sql.add_argument("--max-rows", type=int, default=200)
+    sql.add_argument("--max-rows", type=int, default=200, help="rows to print at most (default 200)")
+    sql.add_argument(
+        "--raw", action="store_true",
+        help="print every digit of floating-point values (by default they are rounded for reading: 2 decimals, "
+        "3 significant digits for small values)",
+    )  # fmt: skip
     sql.add_argument(
         "--allow-external-access", action="store_true",
         help="let the query read any file or URL you can read and load installed extensions (DuckDB's "
@@ -187,19 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sql.set_defaults(func=_cmd_sql)
 
-    lineage = commands.add_parser("lineage", help="what a checkpoint was trained from; --stale: what no longer matches its inputs")
-    lineage.add_argument("checkpoint", nargs="?")
+    lineage = _command(commands, "lineage", "what a checkpoint was trained from; --stale: what no longer matches its inputs")
+    lineage.add_argument("checkpoint", nargs="?", help="a checkpoint file (.pt) written by a training run")
     lineage.add_argument("--stale", action="store_true", help="list outputs built from other shards/targets than those published now (exit 3 if any)")
-    lineage.add_argument("--json", action="store_true")
+    lineage.add_argument("--json", action="store_true", help="print the whole report as JSON (for scripts)")
     lineage.set_defaults(func=_cmd_lineage)
 
-    partitions = commands.add_parser("partitions", help="registered dynamic partitions (speakers, clients)")
-    partitions.add_argument("name", choices=["speakers", "clients"])
+    partitions = _command(commands, "partitions", "registered dynamic partitions (speakers, clients)")
+    partitions.add_argument("name", choices=["speakers", "clients"], help="which partition set: speakers or clients")
     partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
     partitions.set_defaults(func=_cmd_partitions)
 
-    runs = commands.add_parser("runs", help="Dagster runs").add_subparsers(dest="runs_command", required=True)
-    reap = runs.add_parser("reap", help="fail runs whose processes are gone and free their concurrency slots")
+    runs = _command(commands, "runs", "Dagster runs").add_subparsers(dest="runs_command", required=True, metavar="ACTION")
+    reap = _command(runs, "reap", "fail runs whose processes are gone and free their concurrency slots")
     reap.set_defaults(func=_cmd_runs_reap)
     return parser
 
@@ -207,7 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe can be handled, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader (`| head`, a pager) left: no traceback. As the Python docs advise, stdout
+        # goes to devnull so that the flush at exit cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
