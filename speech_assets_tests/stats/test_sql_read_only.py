@@ -88,6 +88,8 @@ WRITES = {
     "export_database": "EXPORT DATABASE '{data}/export'",
     "checkpoint": "CHECKPOINT",
     "query_function": "SELECT * FROM query('SELECT 1')",
+    "serialized_copy": "SELECT * FROM json_execute_serialized_sql(json_serialize_sql("
+    "'WITH w AS (COPY (SELECT 1 AS x) TO ''{manifest}'' (USE_TMP_FILE false)) SELECT 1'))",
     "update_extensions": "UPDATE EXTENSIONS",
 }
 
