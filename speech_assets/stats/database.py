@@ -302,9 +302,11 @@ def _explained(query: str, explain_allowed: bool = True) -> str:
         return query
     if kind != duckdb.StatementType.EXPLAIN or not explain_allowed:
         raise NotReadOnly(f"refused: a {kind.name} statement; only {READ_ONLY_STATEMENTS} may run")
-    tokens = [(pos, kind) for pos, kind in duckdb.tokenize(query) if kind != duckdb.token_type.comment]
-    ends = [pos for pos, _ in tokens[1:]] + [len(query)]
-    words = [query[pos:end].strip() for (pos, _), end in zip(tokens, ends)]
+    every = duckdb.tokenize(query)
+    ends = [pos for pos, _ in every[1:]] + [len(query)]
+    kept = [(token, end) for token, end in zip(every, ends) if token[1] != duckdb.token_type.comment]
+    tokens = [token for token, _ in kept]
+    words = [query[pos:end].strip() for (pos, _), end in kept]
     i = 1  # after EXPLAIN
     if i < len(words) and words[i].upper() in ("ANALYZE", "ANALYSE"):
         i += 1

@@ -84,6 +84,7 @@ WRITES = {
     "create_temp_table": "CREATE TEMP TABLE poisoned AS SELECT 1 AS x",
     "explain_analyze_copy": "EXPLAIN ANALYZE COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)",
     "explain_options_analyze_copy": "EXPLAIN (ANALYZE) COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)",
+    "explain_commented_analyze_copy": "EXPLAIN /* a */ ANALYZE -- b\n COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)",
     "explain_analyze_with_copy": "EXPLAIN ANALYZE WITH w AS (COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)) SELECT 1",
     "export_database": "EXPORT DATABASE '{data}/export'",
     "checkpoint": "CHECKPOINT",
