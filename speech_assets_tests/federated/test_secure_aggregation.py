@@ -1,12 +1,13 @@
-"""Secure aggregation by pairwise masking: the server recovers the sum of the survivors' updates
-(dropouts included) and nothing readable from a single masked update or a partial sum; masks are
-bound to their round context; keys and secrets are stable; bad parameters and layouts are refused."""
+"""Secure aggregation with double masking: the server recovers the sum of the survivors' updates
+(drop-outs included) and nothing readable from a single masked update or a partial sum; masks are
+bound to their round context; shares rebuild a secret from t of them and are sealed for one
+receiver; bad parameters, thresholds and layouts are refused. Then the whole protocol with the
+real ClientApp and ServerApp in process, attacked as a lying server would."""
 
 from __future__ import annotations
 
 import hashlib
-import os
-import stat
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +15,20 @@ import pytest
 
 from speech_assets.federated.secure_aggregation import (
     MODULUS,
-    ClientKeys,
+    MasksDidNotCancel,
+    RoundSecrets,
     SecAggParams,
-    dropped_masks,
-    load_or_create_secret,
+    check_threshold,
+    combine_secret,
+    default_threshold,
     mask_seed,
     mask_update,
-    new_secret,
+    neighbours,
+    open_shares,
     prg,
     round_context,
+    seal_shares,
+    split_secret,
     unmask_sum,
 )
 
@@ -38,9 +44,18 @@ def _ids(n: int) -> list[str]:
     return [f"client_{i:02d}" for i in range(n)]
 
 
-def _keys(clients: list[str]) -> dict[str, ClientKeys]:
-    # fixed secrets: the statistical checks below see the same masks on every run
-    return {c: ClientKeys.derive(hashlib.sha256(c.encode()).digest(), RUN) for c in clients}
+def _keys(clients: list[str]) -> dict[str, RoundSecrets]:
+    # fixed mask keys and seeds: the statistical checks below see the same masks on every run
+    share_key = RoundSecrets.new().share_key
+    return {c: RoundSecrets(hashlib.sha256(c.encode()).digest(), share_key, hashlib.sha256(c.encode() + b"b").digest())
+            for c in clients}
+
+
+def _unmask(masked: dict, keys: dict[str, RoundSecrets], dropped: list[str] = (), context: bytes = CONTEXT) -> dict:  # type: ignore[assignment]
+    """unmask_sum as the server calls it, given the secrets it would rebuild from the shares."""
+    everyone = sorted(set(masked) | set(dropped))
+    return unmask_sum(masked, {c: keys[c].self_seed for c in masked}, {c: keys[c].mask_key for c in dropped},
+                      {c: keys[c].mask_public() for c in everyone}, {c: everyone for c in masked}, PARAMS, context)
 
 
 def _updates(clients: list[str], scale: float = 0.3, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
@@ -49,9 +64,9 @@ def _updates(clients: list[str], scale: float = 0.3, seed: int = 0) -> dict[str,
             for c in clients}
 
 
-def _mask_all(updates: dict[str, dict[str, np.ndarray]], keys: dict[str, ClientKeys],
+def _mask_all(updates: dict[str, dict[str, np.ndarray]], keys: dict[str, RoundSecrets],
               context: bytes = CONTEXT) -> dict[str, dict[str, np.ndarray]]:
-    peers = {c: k.public_bytes() for c, k in keys.items()}
+    peers = {c: k.mask_public() for c, k in keys.items()}
     return {c: mask_update(u, c, keys[c], peers, PARAMS, context) for c, u in updates.items()}
 
 
@@ -87,7 +102,7 @@ def test_unmasked_sum_is_the_sum_of_the_updates(n: int, out_of_range: bool) -> N
     for c in clients:
         assert {name: (a.shape, a.dtype) for name, a in masked[c].items()} == {
             name: (shape, np.dtype(np.uint32)) for name, shape in SHAPES.items()}
-    result = unmask_sum(masked, {}, PARAMS)
+    result = _unmask(masked, keys)
     _assert_close_sum(result, _clipped_sum(list(updates.values()), PARAMS.clipping_range), n)
     if out_of_range:
         assert result["scale"] == pytest.approx(-n * PARAMS.clipping_range, abs=1e-5)
@@ -120,7 +135,8 @@ def _chi2_top_bits(values: np.ndarray) -> float:
 def test_a_partial_sum_of_masked_updates_is_unreadable(left_out: str) -> None:
     clients = _ids(5)
     updates = _updates(clients)
-    masked = _mask_all(updates, _keys(clients))
+    keys = _keys(clients)
+    masked = _mask_all(updates, keys)
     subset = [c for c in clients if c != left_out]
     raw = np.zeros(10101, dtype=np.uint32)
     for c in subset:
@@ -129,53 +145,18 @@ def test_a_partial_sum_of_masked_updates_is_unreadable(left_out: str) -> None:
     assert abs(np.corrcoef(raw.astype(np.float64), truth)[0, 1]) < 0.05
     # a true sum of 4 quantized values is <= 4T; the partial sum almost never is
     assert np.mean(raw <= len(subset) * PARAMS.target_range) < 0.05
-    with pytest.raises(ValueError, match="did not cancel"):
-        unmask_sum({c: masked[c] for c in subset}, {}, PARAMS)
-
-
-@pytest.mark.parametrize("gone", ["client_00", "client_02", "client_03"])
-def test_survivors_reveal_the_masks_of_a_dropped_client(gone: str) -> None:
-    clients = _ids(4)
-    keys = _keys(clients)
-    peers = {c: k.public_bytes() for c, k in keys.items()}
-    updates = _updates(clients)
-    masked = _mask_all(updates, keys)  # all 4 mask; `gone` never sends its vector
-    survivors = [c for c in clients if c != gone]
-    arrived = {c: masked[c] for c in survivors}
-    with pytest.raises(ValueError, match="did not cancel"):
-        unmask_sum(arrived, {}, PARAMS)
-    revealed = {c: dropped_masks(c, keys[c], peers, [gone], SHAPES, CONTEXT) for c in survivors}
-    for c in survivors:
-        assert {name: (a.shape, a.dtype) for name, a in revealed[c].items()} == {
-            name: (shape, np.dtype(np.uint32)) for name, shape in SHAPES.items()}
-    result = unmask_sum(arrived, revealed, PARAMS)
-    _assert_close_sum(result, _clipped_sum([updates[c] for c in survivors], PARAMS.clipping_range), 3)
-    # one survivor keeping its reveal back leaves masks in the sum
-    with pytest.raises(ValueError, match="did not cancel"):
-        unmask_sum(arrived, {c: revealed[c] for c in survivors[1:]}, PARAMS)
-
-
-def test_dropped_masks_refuses_what_would_unmask_a_survivor() -> None:
-    clients = _ids(3)
-    keys = _keys(clients)
-    peers = {c: k.public_bytes() for c, k in keys.items()}
-    me = "client_00"
-    with pytest.raises(ValueError, match="only survivor"):
-        dropped_masks(me, keys[me], peers, ["client_01", "client_02"], SHAPES, CONTEXT)
-    with pytest.raises(ValueError, match="dropped set"):
-        dropped_masks(me, keys[me], peers, [me], SHAPES, CONTEXT)
-    with pytest.raises(ValueError, match="not in this round"):
-        dropped_masks(me, keys[me], peers, ["client_09"], SHAPES, CONTEXT)
+    with pytest.raises(MasksDidNotCancel, match="beyond n x T"):
+        _unmask({c: masked[c] for c in subset}, keys)
 
 
 def test_mask_update_refuses_bad_rounds() -> None:
     clients = _ids(2)
     keys = _keys(clients)
     update = _updates(clients)["client_00"]
-    alone = {"client_00": keys["client_00"].public_bytes()}
+    alone = {"client_00": keys["client_00"].mask_public()}
     with pytest.raises(ValueError, match="at least one other client"):
         mask_update(update, "client_00", keys["client_00"], alone, PARAMS, CONTEXT)
-    swapped = {"client_00": keys["client_01"].public_bytes(), "client_01": keys["client_01"].public_bytes()}
+    swapped = {"client_00": keys["client_01"].mask_public(), "client_01": keys["client_01"].mask_public()}
     with pytest.raises(ValueError, match="not this client's"):
         mask_update(update, "client_00", keys["client_00"], swapped, PARAMS, CONTEXT)
 
@@ -186,7 +167,7 @@ def test_mask_update_refuses_non_finite_values(bad: float) -> None:
     keys = _keys(clients)
     update = _updates(clients)["client_00"]
     update["layers.0.bias"][7] = bad
-    peers = {c: k.public_bytes() for c, k in keys.items()}
+    peers = {c: k.mask_public() for c, k in keys.items()}
     with pytest.raises(ValueError, match="layers.0.bias"):
         mask_update(update, "client_00", keys["client_00"], peers, PARAMS, CONTEXT)
 
@@ -201,10 +182,10 @@ def test_masks_are_bound_to_the_round_context() -> None:
     assert np.mean(first == second) < 0.01
 
     a, b, c = (keys[x] for x in clients)
-    assert mask_seed(a, b.public_bytes(), CONTEXT) == mask_seed(b, a.public_bytes(), CONTEXT)
-    assert len(mask_seed(a, b.public_bytes(), CONTEXT)) == 32
-    assert mask_seed(a, b.public_bytes(), CONTEXT) != mask_seed(a, b.public_bytes(), other)
-    assert mask_seed(a, b.public_bytes(), CONTEXT) != mask_seed(a, c.public_bytes(), CONTEXT)
+    assert mask_seed(a.mask_key, b.mask_public(), CONTEXT) == mask_seed(b.mask_key, a.mask_public(), CONTEXT)
+    assert len(mask_seed(a.mask_key, b.mask_public(), CONTEXT)) == 32
+    assert mask_seed(a.mask_key, b.mask_public(), CONTEXT) != mask_seed(a.mask_key, b.mask_public(), other)
+    assert mask_seed(a.mask_key, b.mask_public(), CONTEXT) != mask_seed(a.mask_key, c.mask_public(), CONTEXT)
 
 
 def test_round_context_is_unambiguous_and_checked() -> None:
@@ -233,36 +214,6 @@ def test_prg_is_the_chacha20_keystream() -> None:
     assert prg(seed, 0).shape == (0,)
     with pytest.raises(ValueError, match="32 bytes"):
         prg(b"short", 4)
-
-
-def test_keys_are_derived_from_secret_and_context() -> None:
-    secret, other = new_secret(), new_secret()
-    assert len(secret) == 32 and secret != other
-    public = ClientKeys.derive(secret, RUN).public_bytes()
-    assert len(public) == 32
-    assert ClientKeys.derive(secret, RUN).public_bytes() == public
-    assert ClientKeys.derive(secret, "another-run").public_bytes() != public
-    assert ClientKeys.derive(other, RUN).public_bytes() != public
-    with pytest.raises(ValueError, match="32 bytes"):
-        ClientKeys.derive(secret[:31], RUN)
-    assert repr(ClientKeys.derive(secret, RUN)) == "ClientKeys()"  # the private key stays out of logs
-
-
-def test_secret_file_is_created_once_owner_only(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "secagg.key"
-    secret = load_or_create_secret(path)
-    assert len(secret) == 32 and path.read_bytes() == secret
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert load_or_create_secret(path) == secret
-    assert os.listdir(path.parent) == ["secagg.key"]  # no temp file left behind
-
-
-def test_a_truncated_secret_file_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "secagg.key"
-    path.write_bytes(os.urandom(16))
-    with pytest.raises(ValueError, match="32 bytes"):
-        load_or_create_secret(path)
-    assert len(path.read_bytes()) == 16  # left for the operator to look at, not replaced
 
 
 def test_check_clients_refuses_a_sum_that_would_wrap() -> None:
@@ -302,22 +253,110 @@ def _drop(arrays: dict[str, np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("spoil", [_rename, _reshape, _retype, _drop])
-@pytest.mark.parametrize("where", ["masked", "revealed"])
-def test_unmask_sum_refuses_mismatched_arrays(spoil, where: str) -> None:  # type: ignore[no-untyped-def]
+def test_unmask_sum_refuses_mismatched_arrays(spoil) -> None:  # type: ignore[no-untyped-def]
     clients = _ids(3)
     keys = _keys(clients)
     masked = _mask_all(_updates(clients), keys)
-    revealed = {"client_01": {name: np.zeros(shape, np.uint32) for name, shape in SHAPES.items()}}
-    spoil(masked["client_02"] if where == "masked" else revealed["client_01"])
-    with pytest.raises(ValueError, match="client_0[12]"):
-        unmask_sum(masked, revealed, PARAMS)
+    spoil(masked["client_02"])
+    with pytest.raises(ValueError, match="client_02"):
+        _unmask(masked, keys)
 
 
-def test_unmask_sum_refuses_too_few_survivors_and_strangers() -> None:
-    clients = _ids(3)
-    masked = _mask_all(_updates(clients), _keys(clients))
-    with pytest.raises(ValueError, match="at least 2"):
-        unmask_sum({"client_00": masked["client_00"]}, {}, PARAMS)
-    stranger = {"client_09": {name: np.zeros(shape, np.uint32) for name, shape in SHAPES.items()}}
-    with pytest.raises(ValueError, match="client_09"):
-        unmask_sum(masked, stranger, PARAMS)
+
+
+@pytest.mark.parametrize("gone", ["client_00", "client_02", "client_03"])
+def test_the_dropped_clients_keys_remove_their_pair_masks(gone: str) -> None:
+    clients = _ids(4)
+    keys = _keys(clients)
+    updates = _updates(clients)
+    masked = _mask_all(updates, keys)  # all 4 mask; `gone` never sends its vector
+    survivors = [c for c in clients if c != gone]
+    arrived = {c: masked[c] for c in survivors}
+    everyone = {c: keys[c].mask_public() for c in clients}
+    result = unmask_sum(arrived, {c: keys[c].self_seed for c in survivors}, {gone: keys[gone].mask_key}, everyone,
+                        {c: clients for c in survivors}, PARAMS, CONTEXT)
+    _assert_close_sum(result, _clipped_sum([updates[c] for c in survivors], PARAMS.clipping_range), 3)
+    with pytest.raises(MasksDidNotCancel):  # without the dropped client's key its masks stay
+        unmask_sum(arrived, {c: keys[c].self_seed for c in survivors}, {}, everyone, {c: clients for c in survivors},
+                   PARAMS, CONTEXT)
+
+
+def test_a_masked_vector_without_its_self_mask_removed_is_unreadable() -> None:
+    """What a server that counts a received client as dropped holds: its masked vector with every
+    pair mask removed (from the revealed key), the self-mask still on."""
+    clients = _ids(4)
+    keys = _keys(clients)
+    updates = _updates(clients)
+    masked = _mask_all(updates, keys)
+    target = "client_01"
+    flat = _flat(masked[target]).copy()
+    for peer in clients:
+        if peer != target:  # remove every pair mask the target added
+            mask = prg(mask_seed(keys[target].mask_key, keys[peer].mask_public(), CONTEXT), flat.size)
+            flat = flat - mask if target < peer else flat + mask
+    truth = _flat(updates[target]).astype(np.float64)
+    assert abs(np.corrcoef(flat.astype(np.float64), truth)[0, 1]) < 0.05
+    assert _chi2_top_bits(flat) < CHI2_63_P1E4
+    # the power of the check: the self-mask removed too, the update is there to one step
+    bare = (flat - prg(keys[target].self_seed, flat.size)).astype(np.float64) * 2 / PARAMS.target_range - 1
+    np.testing.assert_allclose(bare, np.clip(truth, -1, 1), atol=2 / PARAMS.target_range + 1e-6)
+
+
+@pytest.mark.parametrize("k, t", [(3, 2), (5, 4), (7, 5)])
+def test_t_shares_rebuild_a_secret_and_fewer_do_not(k: int, t: int) -> None:
+    secret = bytes(range(32))
+    shares = split_secret(secret, t, k)
+    assert len(shares) == k and [int.from_bytes(s[:4], "little") for s in shares] == list(range(1, k + 1))
+    assert combine_secret(shares[:t]) == secret and combine_secret(shares[-t:]) == secret
+    assert combine_secret(shares) == secret
+    try:
+        assert combine_secret(shares[: t - 1]) != secret
+    except ValueError:
+        pass  # the padding check refused the garbage
+    with pytest.raises(ValueError, match="repeated"):
+        combine_secret([shares[0]] * t)
+
+
+@pytest.mark.parametrize("t, k", [(1, 2), (2, 4), (3, 6), (4, 3), (True, 1)])
+def test_a_threshold_a_server_could_split_is_refused(t: int, k: int) -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        check_threshold(t, k)
+    with pytest.raises(ValueError, match="threshold"):
+        split_secret(b"x" * 32, t, k)
+
+
+def test_default_threshold_is_above_two_thirds() -> None:
+    assert [default_threshold(k) for k in (2, 3, 4, 5, 6, 10)] == [2, 3, 3, 4, 5, 7]
+    for k in range(2, 40):
+        check_threshold(default_threshold(k), k)
+
+
+def test_sealed_shares_open_only_for_their_receiver_and_round() -> None:
+    a, b, c = RoundSecrets.new(), RoundSecrets.new(), RoundSecrets.new()
+    sealed = seal_shares(a, b.share_public(), CONTEXT, "client_00", "client_01", b"seed-share", b"key-share")
+    assert b"seed-share" not in sealed and b"key-share" not in sealed
+    assert open_shares(b, a.share_public(), sealed, CONTEXT, "client_00", "client_01") == (b"seed-share", b"key-share")
+    with pytest.raises(ValueError, match="do not decrypt"):  # another receiver
+        open_shares(c, a.share_public(), sealed, CONTEXT, "client_00", "client_02")
+    with pytest.raises(ValueError, match="another round"):
+        open_shares(b, a.share_public(), sealed, round_context(RUN, 4, b"n" * 16), "client_00", "client_01")
+    with pytest.raises(ValueError, match="another round, sender"):  # relabelled as from another sender
+        open_shares(b, a.share_public(), sealed, CONTEXT, "client_02", "client_01")
+    tampered = sealed[:-5] + bytes(5)
+    with pytest.raises(ValueError, match="do not decrypt"):
+        open_shares(b, a.share_public(), tampered, CONTEXT, "client_00", "client_01")
+    assert repr(a) == "RoundSecrets()"  # no secret in logs
+
+
+def test_neighbours_are_a_symmetric_ring_or_everyone() -> None:
+    clients = _ids(7)
+    assert neighbours("client_03", clients, 0) == clients
+    assert neighbours("client_03", clients, 7) == clients
+    assert neighbours("client_00", clients, 3) == ["client_00", "client_01", "client_06"]
+    for k in (3, 5):
+        for a in clients:
+            mine = neighbours(a, clients, k)
+            assert len(mine) == k and a in mine
+            assert all(a in neighbours(b, clients, k) for b in mine)
+    with pytest.raises(ValueError, match="odd"):
+        neighbours("client_00", clients, 4)
