@@ -360,3 +360,178 @@ def test_neighbours_are_a_symmetric_ring_or_everyone() -> None:
             assert all(a in neighbours(b, clients, k) for b in mine)
     with pytest.raises(ValueError, match="odd"):
         neighbours("client_00", clients, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole protocol: the real ServerApp round loop and the real ClientApp in process, four clients
+FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
+
+
+@pytest.fixture(scope="module")
+def four_clients(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from speech_assets.testing.federated_data import write_federated_corpus
+
+    return write_federated_corpus(tmp_path_factory.mktemp("four") / "data", FOUR, speakers_per_client=2)
+
+
+def _run(corpus, root: Path, name: str, **settings):  # type: ignore[no-untyped-def]
+    """One round of a real run (FedAvg, 3 local steps) on an InProcessGrid; ``(result or the
+    FederatedRunError, grid, config)``."""
+    from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.server_app import FederatedRunError, Server
+    from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
+
+    clients = sorted(corpus.k)
+    values = dict(rounds=1, local_steps=3, strategy="fedavg", client_lr=5e-3, precision="fp32", batch_seconds=4.0,
+                  heldout_speakers=corpus.heldout_speakers, train_speakers=corpus.train_speakers, connect_timeout_s=5,
+                  round_timeout_s=600, evaluate_every=5) | settings  # fmt: skip
+    config = FederatedConfig(run_dir=str(root / name), run_name=name, clients=clients, **values)
+    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state")
+    with serverapp_identity():
+        try:
+            result = Server(grid, config).run()  # type: ignore[arg-type]
+        except FederatedRunError as error:
+            result = error
+    return result, grid, config
+
+
+def _replies(grid, kind: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The last good reply of each client to messages of ``kind`` (a stage or "train")."""
+    from speech_assets.federated import secure_rounds as sr
+
+    records = {sr.ADVERTISE: sr.KEY_RECORD, sr.UNMASK: sr.SEED_SHARES, "train": "arrays"}
+    found = {}
+    for reply in grid.received:
+        if not reply.has_error() and records[kind] in reply.content:
+            found[reply.content["client"]["client-id"]] = reply
+    return found
+
+
+def _without_pair_masks(secure, target: str, masked: np.ndarray, target_key: bytes) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """``target``'s masked vector less every pair mask it added, given its mask key: what a server
+    holds once the survivors revealed the key of a client counted as dropped."""
+    flat = masked.copy()
+    for peer in secure.masked_with(target):
+        if peer != target:
+            mask = prg(mask_seed(target_key, secure.keys[peer][0], secure.context), flat.size)
+            flat = flat - mask if target < peer else flat + mask
+    return flat
+
+
+def _as_update(flat: np.ndarray, params: SecAggParams) -> np.ndarray:
+    return flat.astype(np.float64) * 2 * params.clipping_range / params.target_range - params.clipping_range
+
+
+def test_a_client_counted_as_dropped_after_masking_stays_hidden(four_clients, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """test_..._dropped_after_masking: the server receives c1's masked vector, counts c1 as dropped
+    anyway, and takes the survivors' reveals (the key shares of c1) plus a second unmask request
+    naming c1 as a survivor (for its self-mask shares). The second is refused; the key rebuilt
+    from the first removes c1's pair masks, and what is left is uniform noise, uncorrelated with
+    c1's update. (On the pairwise-only code this recovered c1's update to 9.3e-08.)"""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from speech_assets.federated import secure_rounds as sr
+
+    seen: dict[str, object] = {}
+    accept = sr.SecureRounds.accept
+
+    def lying_accept(self, good, failures):  # type: ignore[no-untyped-def]
+        accepted = accept(self, good, failures)
+        seen["secure"], seen["c1"] = self, next(r for r in accepted if self.host.client_of(r) == "c1")
+        return [r for r in accepted if self.host.client_of(r) != "c1"]
+
+    reveal = sr.SecureRounds.reveal
+
+    def greedy_reveal(self, failures):  # type: ignore[no-untyped-def]
+        rebuilt = reveal(self, failures)
+        mine = self.masked_with("c0")
+        config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
+                               "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
+                               sr.SECAGG_SURVIVORS: ",".join(mine), sr.SECAGG_DROPPED: ""})  # fmt: skip
+        again = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
+                        message_type=MessageType.QUERY)
+        seen["again"] = self.host.exchange([again], self.round_number, "attack")
+        return rebuilt
+
+    monkeypatch.setattr(sr.SecureRounds, "accept", lying_accept)
+    monkeypatch.setattr(sr.SecureRounds, "reveal", greedy_reveal)
+    result, grid, config = _run(four_clients, tmp_path, "liar", secure_aggregation=True, min_train_nodes=3)
+    assert isinstance(result, dict) and result["rounds"] == 1  # the round goes on with the 3 others
+
+    secure = seen["secure"]
+    good, refused = seen["again"]  # type: ignore[misc]
+    assert not good and "already answered" in refused[0]["reason"]
+    # the attacker's best: rebuild c1's mask key from the survivors' key shares, strip the pair masks
+    reveals = _replies(grid, sr.UNMASK)
+    assert sorted(reveals) == ["c0", "c2", "c3"]
+    key_shares = [bytes(r.content[sr.KEY_SHARES]["c1"]) for r in reveals.values()]
+    c1_key = combine_secret(key_shares)
+    assert sr.mask_public(c1_key) == secure.keys["c1"][0]
+    assert all("c1" not in r.content[sr.SEED_SHARES] for r in reveals.values())  # never both shares of c1
+    masked = np.concatenate([seen["c1"].content["arrays"][k].numpy().ravel() for k in sorted(seen["c1"].content["arrays"])])
+    attack = _without_pair_masks(secure, "c1", masked, c1_key)
+    # the truth, from c1's own self-mask seed (its state file: the server never sees it)
+    state = json.loads(sr.state_path(_node(grid, "c1"), config.run_name, 1).read_text())
+    truth = attack - prg(bytes.fromhex(state["self_seed"]), attack.size)
+    assert int(truth.max()) <= secure.params.target_range  # a real quantized update, in [0, T]
+    assert abs(np.corrcoef(attack.astype(np.float64), truth.astype(np.float64))[0, 1]) < 0.05
+    assert np.mean(attack <= secure.params.target_range) < 0.01  # almost no value even in range
+    error = np.abs(_as_update(attack, secure.params) - _as_update(truth, secure.params))
+    assert np.median(error) > 100 * secure.params.clipping_range
+
+
+def _node(grid, client: str):  # type: ignore[no-untyped-def]
+    from speech_assets.federated.config import NodeConfig
+
+    node = next(n for n, c in grid.nodes.items() if c == client)
+    return NodeConfig.from_node_config(grid.node_config[node])
+
+
+def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clients, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """test_..._repeated_unmask: before the honest unmask, the server asks c0 three times, each
+    time naming another peer as dropped (on the pairwise-only code, the three answers unmasked
+    c0's update to 9.4e-08). c0 answers the first only; every later request, the server's honest
+    one included, is refused, from the state on c0's disk (each in-process message is a fresh
+    ClientApp call, as after a restart). What the server can rebuild does not uncover c0."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from speech_assets.federated import secure_rounds as sr
+
+    seen: dict[str, object] = {}
+    reveal = sr.SecureRounds.reveal
+
+    def probing_reveal(self, failures):  # type: ignore[no-untyped-def]
+        seen["secure"], answers = self, []
+        mine = self.masked_with("c0")
+        for gone in ("c1", "c2", "c3"):
+            config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
+                                   "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
+                                   sr.SECAGG_SURVIVORS: ",".join(c for c in mine if c != gone), sr.SECAGG_DROPPED: gone})  # fmt: skip
+            query = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
+                            message_type=MessageType.QUERY)
+            answers.append(self.host.exchange([query], self.round_number, "attack"))
+        seen["answers"] = answers
+        return reveal(self, failures)
+
+    monkeypatch.setattr(sr.SecureRounds, "reveal", probing_reveal)
+    result, grid, config = _run(four_clients, tmp_path, "probe", secure_aggregation=True, min_train_nodes=3)
+    answers = seen["answers"]
+    assert len(answers[0][0]) == 1 and not answers[0][1]  # the first is answered
+    for good, refused in answers[1:]:
+        assert not good and "already answered" in refused[0]["reason"]
+    # the honest unmask is refused by c0 too; the three others' shares still unmask the round
+    assert isinstance(result, dict) and result["rounds"] == 1
+    secure = seen["secure"]
+    first = answers[0][0][0]
+    key_shares_of = {owner: [bytes(first.content[sr.KEY_SHARES][owner])] for owner in first.content[sr.KEY_SHARES]}
+    assert sorted(key_shares_of) == ["c1"]  # one share of one peer's key: below any threshold
+    # the server's best: c0's self-mask (every survivor's seed is rebuilt), no pair mask of c0 removable
+    seed_shares = [bytes(r.content[sr.SEED_SHARES]["c0"]) for r in _replies(grid, sr.UNMASK).values()]  # c0's first answer too
+    c0_seed = combine_secret(seed_shares)
+    train = _replies(grid, "train")["c0"]
+    masked = np.concatenate([train.content["arrays"][k].numpy().ravel() for k in sorted(train.content["arrays"])])
+    attack = masked - prg(c0_seed, masked.size)
+    state = json.loads(sr.state_path(_node(grid, "c0"), config.run_name, 1).read_text())
+    assert state == {"stage": "answered"}  # the round's secrets are gone from c0's disk
+    assert np.mean(attack <= secure.params.target_range) < 0.01
+    assert _chi2_top_bits(attack) < CHI2_63_P1E4
