@@ -535,3 +535,103 @@ def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clie
     assert state == {"stage": "answered"}  # the round's secrets are gone from c0's disk
     assert np.mean(attack <= secure.params.target_range) < 0.01
     assert _chi2_top_bits(attack) < CHI2_63_P1E4
+
+
+@pytest.mark.parametrize("dropped", [["c2"], ["c1", "c2"]])
+def test_up_to_n_minus_t_drop_outs_after_sharing_keys_unmask_the_exact_sum(four_clients, tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                            dropped: list[str]) -> None:
+    """Four clients, threshold 3: one client failing after it shared its keys (before masking)
+    leaves the survivors' exact mean (the plain run's with the same failure, to quantization);
+    two fail the round cleanly, failure.json naming the round and the threshold."""
+    from speech_assets.federated.config import FederatedPaths
+    from speech_assets.federated.server_app import FederatedRunError
+    from speech_assets.runtime.faults import FAULTS_ENV
+    from speech_assets.train.checkpoint import load_checkpoint
+
+    monkeypatch.setenv(FAULTS_ENV, ";".join(f"federated.round client={c} round=1 raise" for c in dropped))
+    result, _, config = _run(four_clients, tmp_path, "drop", secure_aggregation=True, min_train_nodes=2)
+    paths = FederatedPaths(config.run_dir)
+    if len(dropped) <= 4 - 3:
+        record = json.loads(paths.round_record(1).read_text())
+        assert record["secure_aggregation"]["dropped"] == dropped and record["secure_aggregation"]["threshold"] == 3
+        plain, _, plain_config = _run(four_clients, tmp_path, "plain", min_train_nodes=2)
+        a = load_checkpoint(paths.final)["encoder"]
+        b = load_checkpoint(FederatedPaths(plain_config.run_dir).final)["encoder"]
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    else:
+        assert isinstance(result, FederatedRunError)
+        failure = json.loads(paths.failure.read_text())
+        assert failure["round"] == 1 and "needs 3 clients (its threshold)" in failure["message"]
+        assert failure["missing"] == dropped
+
+
+def _garbage_vector(mask_update):  # type: ignore[no-untyped-def]
+    def bad(update, me, *args):  # type: ignore[no-untyped-def]
+        masked = mask_update(update, me, *args)
+        if me == "c2":  # any uint32 values: nothing a server could check before unmasking
+            rng = np.random.default_rng(0)
+            masked = {k: rng.integers(0, 2**32, v.shape, dtype=np.uint64).astype(np.uint32) for k, v in masked.items()}
+        return masked
+    return bad
+
+
+def _garbage_shares(seal_shares):  # type: ignore[no-untyped-def]
+    def bad(secrets, public, context, src, dst, seed_share, key_share):  # type: ignore[no-untyped-def]
+        if src == "c2":  # shares of another secret, with the right indices
+            seed_share = seed_share[:4] + bytes(len(seed_share) - 4)
+        return seal_shares(secrets, public, context, src, dst, seed_share, key_share)
+    return bad
+
+
+@pytest.mark.parametrize("spoil, target, problem", [
+    (_garbage_vector, "mask_update", "did not unmask: the unmasked sum of 4 survivors is beyond n x T"),
+    (_garbage_shares, "seal_shares", "do not rebuild what c2 (self-mask seed) advertised"),
+])
+def test_a_bad_clients_garbage_fails_the_round_cleanly(four_clients, tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                       spoil, target: str, problem: str) -> None:
+    from speech_assets.federated import secure_rounds as sr
+    from speech_assets.federated.config import FederatedPaths
+    from speech_assets.federated.server_app import FederatedRunError
+
+    monkeypatch.setattr(sr, target, spoil(getattr(sr, target)))
+    result, _, config = _run(four_clients, tmp_path, "bad", secure_aggregation=True)
+    assert isinstance(result, FederatedRunError)
+    failure = json.loads(FederatedPaths(config.run_dir).failure.read_text())
+    assert failure["round"] == 1 and failure["message"].startswith("round 1: ") and problem in failure["message"]
+    assert not FederatedPaths(config.run_dir).round_record(1).exists()
+
+
+BAD_UNMASKS = {  # (survivors, dropped) asked of c0 in a round where all four masked; threshold 3
+    "overlap": ("c0,c1,c2,c3", "c1"),
+    "not every peer": ("c0,c1,c2", ""),
+    "a stranger": ("c0,c1,c2", "c3,c9"),
+    "itself dropped": ("c1,c2,c3", "c0"),
+    "fewer than t survivors": ("c0,c1", "c2,c3"),
+    "named twice": ("c0,c1,c1,c2", "c3"),
+}
+
+
+def test_an_inconsistent_unmask_request_is_refused_and_costs_nothing(four_clients, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from speech_assets.federated import secure_rounds as sr
+
+    refusals: dict[str, list] = {}
+    reveal = sr.SecureRounds.reveal
+
+    def probing_reveal(self, failures):  # type: ignore[no-untyped-def]
+        for case, (survivors, dropped) in BAD_UNMASKS.items():
+            config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
+                                   "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
+                                   sr.SECAGG_SURVIVORS: survivors, sr.SECAGG_DROPPED: dropped})  # fmt: skip
+            query = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
+                            message_type=MessageType.QUERY)
+            good, refused = self.host.exchange([query], self.round_number, "attack")
+            refusals[case] = [r["reason"] for r in refused] if not good else []
+        return reveal(self, failures)
+
+    monkeypatch.setattr(sr.SecureRounds, "reveal", probing_reveal)
+    result, _, _ = _run(four_clients, tmp_path, "inconsistent", secure_aggregation=True)
+    assert all(len(reasons) == 1 and "ValueError" in reasons[0] for reasons in refusals.values()), refusals
+    # a refused request is not an answer: c0 still answers the server's consistent one
+    assert isinstance(result, dict) and result["rounds"] == 1
