@@ -14,8 +14,7 @@ aggregation (``aggregate_train``/``aggregate_evaluate``) are the strategy's own;
 aggregated in client-id order so that a run is reproducible.
 
 Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
-SuperLink) are asked once with a ``query`` message which client they are (and, with secure
-aggregation, for their public key). With differential privacy (:mod:`privacy`) the clients clip,
+SuperLink) are asked once with a ``query`` message which client they are. With differential privacy (:mod:`privacy`) the clients clip,
 the server adds noise to the uniform mean and the strategy steps from it; with secure aggregation
 (:mod:`secure_rounds`) the server sees masked updates and unmasks only their sum.
 
