@@ -253,6 +253,8 @@ class FederatedSettings(dg.Config):
     dp_delta: float = FederatedConfig.dp_delta
     secure_aggregation: bool = FederatedConfig.secure_aggregation  # the server sees only the sum of updates
     secagg_clipping_range: float = FederatedConfig.secagg_clipping_range
+    secagg_threshold: int = FederatedConfig.secagg_threshold  # 0 = floor(2k/3) + 1 of the k shares
+    secagg_num_shares: int = FederatedConfig.secagg_num_shares  # 0 = every sampled client
     eta: float = FederatedConfig.eta  # FedAdam server learning rate
     beta_1: float = FederatedConfig.beta_1
     beta_2: float = FederatedConfig.beta_2

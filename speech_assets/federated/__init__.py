@@ -16,8 +16,8 @@ Modules (torch and flwr are imported only by the ones that need them, never by `
 - ``history``     the same records read back without torch (tables, summaries: the launcher's view)
 - ``server_app``  the Flower ServerApp; ``client_app`` the Flower ClientApp
 - ``privacy``     DP: Flower's client-side fixed clipping, noise on the uniform mean, RDP accountant
-- ``secure_aggregation``  pairwise masking (X25519, HKDF, ChaCha20; Flower's quantization);
-  ``secure_rounds`` its messages in the round loop
+- ``secure_aggregation``  double masking with Shamir-shared secrets (Flower's shares, ECDH +
+  Fernet and quantization; X25519, HKDF, ChaCha20); ``secure_rounds`` its messages and state
 - ``simulation``  the run on Flower's simulation runtime (``python -m speech_assets.federated.simulation``)
 - ``processes``   SuperLink / SuperNode processes on loopback, ``flwr run``, the simulation process
 - ``launch``      one federated run end to end (``python -m speech_assets.federated``)

@@ -9,8 +9,8 @@ encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg 
 an evaluate reply only the metrics (``num-examples`` = masked held-out frames; ``leak-free-frames``
 and the accuracies on them, 0.0 when there are none) and the client id.
 A ``query`` message asks which client this node is (the server needs it to sample clients by
-id where no node registrations tell it: the simulation runtime, a remote SuperLink), with secure
-aggregation also for this client's public key, or for the masks to reveal for dropped peers.
+id where no node registrations tell it: the simulation runtime, a remote SuperLink); with secure
+aggregation, queries also carry the protocol's key, share and unmask stages.
 
 With differential privacy the round's config carries the clipping norm and Flower's
 ``fixedclipping_mod`` clips the update of the train reply; with secure aggregation the update is
@@ -147,7 +147,7 @@ def secure_round(config: ConfigRecord) -> bool:
 
 
 def answer_query(message: Message, node: NodeConfig) -> Message:
-    """Who this node is (and, with secure aggregation, its public key or the masks it reveals)."""
+    """Who this node is (and, with secure aggregation, its answer to a key, share or unmask stage)."""
     config = message.content["config"]
     # a long-lived worker imports torch now, before the first round is timed
     import speech_assets.federated.local  # noqa: F401

@@ -91,10 +91,15 @@ class FederatedConfig:
     dp_noise_multiplier: float = 0.0
     dp_clipping_norm: float = 1.0
     dp_delta: float = 1e-5
-    # pairwise-masked secure aggregation: the server sees only the sum of the sampled updates;
-    # secagg_clipping_range bounds each value of an update (0 = 2 * client_lr * local_steps)
+    # secure aggregation (double masking, Bonawitz et al.): the server sees only the sum of the
+    # survivors' updates; secagg_clipping_range bounds each value of an update (0 = 2 * client_lr
+    # * local_steps); each client shares its secrets with secagg_num_shares clients, itself
+    # included (0 = every sampled client; else odd, on a ring: SecAgg+), any secagg_threshold of
+    # which rebuild them (0 = floor(2k/3) + 1; more than half of k, so no split rebuilds both)
     secure_aggregation: bool = False
     secagg_clipping_range: float = 0.0
+    secagg_threshold: int = 0
+    secagg_num_shares: int = 0
     preset: str = TrainConfig.preset
     client_lr: float = 2e-3
     # "constant": client_lr in every round; "linear": the clients' lr decays linearly over all
@@ -150,6 +155,10 @@ class FederatedConfig:
     def secagg_range(self) -> float:
         return self.secagg_clipping_range or 2.0 * self.client_lr * self.local_steps
 
+    def secagg_shares(self) -> int:
+        """How many clients (itself included) each client shares its secrets with."""
+        return min(self.secagg_num_shares or self.sample_size, self.sample_size)
+
     def evaluates(self, round_number: int) -> bool:
         return round_number % self.evaluate_every == 0 or round_number == self.rounds
 
@@ -183,6 +192,14 @@ class FederatedConfig:
         if self.secure_aggregation and (self.sample_size < 2 or self.min_train_nodes == 1):
             problems.append("secure_aggregation needs at least 2 clients per round and min_train_nodes 0 or >= 2 "
                             "(a sum of one is the update)")
+        if self.secagg_num_shares and (self.secagg_num_shares < 3 or self.secagg_num_shares % 2 == 0):
+            problems.append("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
+        shares = self.secagg_shares()
+        if self.secagg_threshold < 0 or (self.secagg_threshold and self.secure_aggregation
+                                         and not shares < 2 * self.secagg_threshold <= 2 * shares):
+            problems.append(f"secagg_threshold must be 0 (automatic) or more than half of, and at most, the {shares} "
+                            "shares each client makes (a threshold of half or less lets a server rebuild both "
+                            "secrets of a client)")
         for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")

@@ -1,31 +1,42 @@
-"""Secure aggregation of encoder updates by pairwise masking (Bonawitz et al. 2017, the
-pairwise-mask part, without self-masks or secret sharing).
+"""Secure aggregation of encoder updates with double masking and secret sharing (Bonawitz et al.
+2017; the sparse neighbour graph of SecAgg+, Bell et al. 2020): the primitives. The messages that
+carry them are :mod:`speech_assets.federated.secure_rounds`.
 
 Each round, every sampled client holds an update (its encoder minus the global one), a
-``dict[str, np.ndarray]`` of float arrays. The server must learn only the SUM of the updates that
-arrive, never one of them:
+``dict[str, np.ndarray]`` of float arrays. The server must learn only the SUM of the updates of the
+clients it counts as survivors, never one of them, even when it lies about who dropped out:
 
-1. key-up: each client sends its X25519 public key (``ClientKeys.public_bytes()``, 32 raw bytes,
-   derived from its secret and the run name); the server sends every sampled client the map
-   ``client id -> public key`` of all of them and a fresh nonce.
-2. masking: each client quantizes its update to integers in ``[0, T]`` (Flower's ``quantize``,
-   values clipped to ``±clipping_range``) and adds, mod 2^32, one pseudo-random mask per peer, with
-   opposite signs on the two ends of a pair (``mask_update``); it sends the ``np.uint32`` result.
-3. unmasking: clients whose masked vector did not arrive are dropped; each survivor reveals the
-   net mask it shared with the dropped ones only (``dropped_masks``); the server sums the survivors'
-   masked vectors, subtracts the reveals, and the pair masks cancel (``unmask_sum``).
+1. Each client draws fresh secrets for the round (:class:`RoundSecrets`): an X25519 key pair for
+   pair masks, an ECDH key pair (Flower's, P-384) to encrypt shares, and a 32-byte self-mask seed
+   ``b``. It advertises the two public keys and a commitment to ``b`` (:func:`seed_commitment`).
+2. Each client splits ``b`` and its X25519 secret key into t-of-k Shamir shares (Flower's
+   ``create_shares``, over GF(2^128), any secret length) for its neighbours (:func:`neighbours`:
+   k clients, itself included, on a ring of the round's clients in id order; all of them by
+   default) and encrypts each neighbour's pair of shares with Flower's Fernet (authenticated)
+   under a key agreed with that neighbour's ECDH key (:func:`seal_shares`, :func:`open_shares`).
+3. Each client quantizes its update to integers in ``[0, T]`` (Flower's ``quantize``, values
+   clipped to ``±clipping_range``), adds its self-mask ``PRG(b)`` and one pair mask per neighbour
+   that sent it shares, with opposite signs on the two ends of a pair, mod 2^32 (:func:`mask_update`).
+4. The server fixes the survivors (the masked vectors it accepted). For each neighbour, a survivor
+   reveals either its share of ``b`` (neighbour survived) or its share of the X25519 secret key
+   (neighbour dropped), never both. With t shares the server rebuilds each survivor's ``b`` and
+   each dropped client's secret key, removes the self-masks and the dropped clients' pair masks,
+   and the other pair masks cancel (:func:`unmask_sum`).
+
+Why a client the server counts as dropped stays hidden even when its masked vector did arrive: its
+self-mask ``b`` is only rebuilt from the shares of clients that counted it as a survivor; an honest
+client reveals one kind of share per neighbour and answers one unmask request per round, so with
+t > k/2 the server cannot get t shares of both ``b`` and the key of one client.
 
 Pair masks come from an X25519 exchange, HKDF-SHA256 over a context that binds run, round and the
-server's nonce (``round_context``), and a ChaCha20 keystream as the PRG (``prg``): a 256-bit seed,
-so the server cannot search the seed space (Flower's ``pseudo_rand_gen`` folds seeds to 32 bits).
+server's nonce (:func:`round_context`), and a ChaCha20 keystream as the PRG (:func:`prg`): a
+256-bit seed, so the server cannot search the seed space (Flower's ``pseudo_rand_gen`` folds seeds
+to 32 bits). The self-mask is the ChaCha20 keystream of ``b``.
 
-Threat model: the server follows the protocol but is curious (honest-but-curious), and does not
-collude with clients. Without Bonawitz's self-masks, a server that LIES about drop-outs can unmask
-a client: if it holds client k's masked vector and still announces k as dropped, the survivors'
-reveals remove k's masks. The server-side caller must therefore decide the dropped set before
-asking for reveals and discard any masked vector that arrives after that decision. A masked vector
-reused under the same context also leaks differences of updates, hence a fresh nonce for every
-masking request (also when a round is retried).
+What this cannot check: the values inside a masked vector. A client may send any ``uint32``
+vector; the only test is that the unmasked sum of n survivors lies in ``[0, n*T]`` per value, so
+garbage that does not cancel is caught (with probability 1 - (n*T/2^32)^values), but one client
+can still move the sum anywhere inside that range. Per-client norm checks are lost under masking.
 
 Arrays are flattened into one vector in sorted-name order; ``layout`` below means that order plus
 each array's shape. Client ids are compared as Python strings on both sides of a pair.
@@ -33,32 +44,42 @@ each array's shape. Client ids are compared as Python strings on both sides of a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import struct
-import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
+from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.quantization import dequantize, quantize
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    generate_key_pairs,
+    private_key_to_bytes,
+    public_key_to_bytes,
+)
 
 MODULUS = 2**32
-SECRET_BYTES = 32
 KEY_BYTES = 32
 SEED_BYTES = 32
 MIN_NONCE_BYTES = 16
 DEFAULT_TARGET_RANGE = 2**22  # up to 1023 clients per sum
 
 # Domain separation: the same secret must never yield the same bytes for two purposes.
-_KEY_SALT = b"speech_assets.secagg.x25519-key.v1"
 _SEED_SALT = b"speech_assets.secagg.pair-seed.v1"
 _CONTEXT_TAG = b"speech_assets.secagg.round.v1"
+_COMMIT_TAG = b"speech_assets.secagg.self-seed.v1"
 
 
 @dataclass(frozen=True)
@@ -87,78 +108,69 @@ class SecAggParams:
                 f"use target_range < {MODULUS // n} or fewer clients")
 
 
-@dataclass(frozen=True)
-class ClientKeys:
-    """A client's X25519 key pair for one run."""
+def check_threshold(threshold: int, num_shares: int) -> None:
+    """Refuse a t-of-k sharing that a server could split: t <= k/2 lets two disjoint halves of the
+    neighbours each hand over t shares, one half those of ``b``, the other those of the key."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 2 * threshold > num_shares:
+        raise ValueError(f"threshold {threshold!r} must be more than half of the {num_shares} shares")
+    if threshold > num_shares:
+        raise ValueError(f"threshold {threshold} is more than the {num_shares} shares")
 
-    private: X25519PrivateKey = field(repr=False)
+
+def default_threshold(num_shares: int) -> int:
+    """The smallest threshold above two thirds of ``num_shares`` (floor(2k/3) + 1): tolerates
+    just under a third of drop-outs and refuses any split (see :func:`check_threshold`)."""
+    return max(2, 2 * num_shares // 3 + 1)
+
+
+@dataclass(frozen=True)
+class RoundSecrets:
+    """One client's secrets for one round, fresh every round: ``mask_key`` (X25519 private key,
+    32 raw bytes, for pair masks), ``share_key`` (Flower's P-384 ECDH private key, PEM, to encrypt
+    shares) and ``self_seed`` (32 bytes, the self-mask). Never printed."""
+
+    mask_key: bytes = field(repr=False)
+    share_key: bytes = field(repr=False)
+    self_seed: bytes = field(repr=False)
 
     @classmethod
-    def derive(cls, secret: bytes, context: str) -> ClientKeys:
-        """The key pair of ``secret`` (32 bytes) for ``context`` (e.g. the run name): the same
-        inputs always give the same pair, so a restarted client keeps its public key."""
-        if len(secret) != SECRET_BYTES:
-            raise ValueError(f"a client secret is {SECRET_BYTES} bytes, got {len(secret)}")
-        if not context:
-            raise ValueError("a key context (e.g. the run name) is required")
-        private = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=_KEY_SALT,
-                       info=context.encode("utf-8")).derive(bytes(secret))
-        return cls(X25519PrivateKey.from_private_bytes(private))
+    def new(cls) -> RoundSecrets:
+        share_key, _ = generate_key_pairs()
+        mask_key = X25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+        return cls(mask_key, private_key_to_bytes(share_key), os.urandom(SEED_BYTES))
 
-    def public_bytes(self) -> bytes:
-        """The public key, 32 raw bytes."""
-        return self.private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    def mask_public(self) -> bytes:
+        """The X25519 public key of ``mask_key``, 32 raw bytes."""
+        return mask_public(self.mask_key)
 
-
-def new_secret() -> bytes:
-    """A fresh 32-byte client secret."""
-    return os.urandom(SECRET_BYTES)
+    def share_public(self) -> bytes:
+        """The ECDH public key of ``share_key`` (PEM bytes)."""
+        return public_key_to_bytes(bytes_to_private_key(self.share_key).public_key())
 
 
-def load_or_create_secret(path: Path) -> bytes:
-    """The 32-byte secret in ``path``, created (owner-only, 0600) on first use.
-
-    The file appears complete or not at all: the secret is written and fsynced in a temp file in
-    the same folder, then hard-linked to ``path``. Linking (rather than ``os.replace``) never
-    overwrites: when two processes create the secret at once, both return the one that won.
-    """
-    path = Path(path)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(new_secret())
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            else:
-                _fsync_dir(path.parent)
-        finally:
-            os.unlink(tmp)
-    secret = path.read_bytes()
-    if len(secret) != SECRET_BYTES:
-        raise ValueError(
-            f"{path}: a secure-aggregation secret is {SECRET_BYTES} bytes, this file has {len(secret)}; "
-            "it is damaged or not a secret file (removing it gives the client a new key pair)")
-    return secret
+def mask_public(mask_key: bytes) -> bytes:
+    """The X25519 public key (32 raw bytes) of a 32-byte private key."""
+    if len(mask_key) != KEY_BYTES:
+        raise ValueError(f"an X25519 private key is {KEY_BYTES} raw bytes, got {len(mask_key)}")
+    return X25519PrivateKey.from_private_bytes(bytes(mask_key)).public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def check_share_public(key: bytes) -> None:
+    """Refuse an ECDH public key that is not a PEM P-384 key (what :class:`RoundSecrets` makes)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        loaded = bytes_to_public_key(bytes(key))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"not a PEM public key: {error}") from None
+    if not isinstance(loaded, ec.EllipticCurvePublicKey) or not isinstance(loaded.curve, ec.SECP384R1):
+        raise ValueError("the share key is not a P-384 elliptic-curve key")
 
 
 def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
-    """The context bytes that bind pair masks to one masking request: run name, round number and
-    the server's nonce (at least 16 bytes, fresh for every request). Fields are length-prefixed,
-    so distinct inputs never give the same bytes."""
+    """The context bytes that bind masks and shares to one round: run name, round number and the
+    server's nonce (at least 16 bytes, fresh for every round). Fields are length-prefixed, so
+    distinct inputs never give the same bytes."""
     if not run:
         raise ValueError("a run name is required")
     if isinstance(round_number, bool) or not isinstance(round_number, int) or round_number < 0:
@@ -172,13 +184,94 @@ def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
     ])
 
 
-def mask_seed(keys: ClientKeys, peer_public: bytes, context: bytes) -> bytes:
-    """The 32-byte seed of the pair (this client, the peer with ``peer_public``) under
-    ``context``; both ends of the pair derive the same seed."""
+def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:
+    """SHA-256 commitment (32 bytes) to a self-mask seed: the server checks a rebuilt seed against
+    it, so bad shares are named instead of leaving masks in the sum."""
+    who = client.encode("utf-8")
+    return hashlib.sha256(b"".join([_COMMIT_TAG, struct.pack(">I", len(context)), context,
+                                    struct.pack(">I", len(who)), who, bytes(seed)])).digest()
+
+
+def neighbours(client: str, clients: Collection[str], num_shares: int) -> list[str]:
+    """The clients ``client`` shares with and masks against, itself included, sorted: all of
+    ``clients`` when ``num_shares`` (0 = all) is at least their number, else the ``num_shares``
+    (odd) clients around it on the ring of ``clients`` in id order. Symmetric: b is a neighbour of
+    a iff a is one of b."""
+    order = sorted(set(clients))
+    if client not in order:
+        raise ValueError(f"{client} is not among the round's clients")
+    if not num_shares or num_shares >= len(order):
+        return order
+    if num_shares < 3 or num_shares % 2 == 0:
+        raise ValueError(f"num_shares must be 0 (all) or an odd number >= 3, got {num_shares}")
+    i, half = order.index(client), num_shares // 2
+    return sorted({order[(i + offset) % len(order)] for offset in range(-half, half + 1)})
+
+
+def split_secret(secret: bytes, threshold: int, num_shares: int) -> list[bytes]:
+    """``num_shares`` Shamir shares of ``secret``, any ``threshold`` of which rebuild it (Flower's
+    ``create_shares``); share i (0-based) carries index i + 1 in its first 4 bytes."""
+    check_threshold(threshold, num_shares)
+    return create_shares(bytes(secret), threshold, num_shares)
+
+
+def share_index(share: bytes) -> int:
+    """The 1-based index a share carries (little-endian, its first 4 bytes)."""
+    if len(share) < 4 + 16 or (len(share) - 4) % 16:
+        raise ValueError(f"a share is 4 + 16k bytes, got {len(share)}")
+    return int.from_bytes(share[:4], "little")
+
+
+def combine_secret(shares: Sequence[bytes]) -> bytes:
+    """The secret of Shamir ``shares`` (at least the threshold, distinct indices); ValueError when
+    they do not combine (too few or corrupt shares rebuild garbage, which usually fails here and
+    otherwise fails the caller's check against a public key or commitment)."""
+    if not shares:
+        raise ValueError("no shares")
+    indices = [share_index(s) for s in shares]
+    if len(set(indices)) != len(indices) or len({len(s) for s in shares}) != 1:
+        raise ValueError("shares with repeated indices or different lengths")
+    return combine_shares([bytes(s) for s in shares])
+
+
+def _fernet_key(secrets: RoundSecrets, peer_share_public: bytes) -> bytes:
+    check_share_public(peer_share_public)
+    return generate_shared_key(bytes_to_private_key(secrets.share_key), bytes_to_public_key(bytes(peer_share_public)))
+
+
+def seal_shares(secrets: RoundSecrets, peer_share_public: bytes, context: bytes, src: str, dst: str,
+                seed_share: bytes, key_share: bytes) -> bytes:
+    """``src``'s shares for ``dst`` (of its self-mask seed and its X25519 key), encrypted and
+    authenticated (Fernet) under the ECDH key of ``src``'s ``share_key`` and ``dst``'s public one;
+    the plaintext names the round context, sender and receiver, so a ciphertext replayed to
+    another client or round is refused."""
+    plain = json.dumps({"context": context.hex(), "src": src, "dst": dst, "seed": seed_share.hex(),
+                        "key": key_share.hex()}, sort_keys=True).encode()
+    return encrypt(_fernet_key(secrets, peer_share_public), plain)
+
+
+def open_shares(secrets: RoundSecrets, peer_share_public: bytes, ciphertext: bytes, context: bytes, src: str,
+                dst: str) -> tuple[bytes, bytes]:
+    """``(seed share, key share)`` that ``src`` sealed for ``dst`` (this client) with
+    :func:`seal_shares`; ValueError if the ciphertext is not authentic or names another round,
+    sender or receiver."""
+    try:
+        fields = json.loads(decrypt(_fernet_key(secrets, peer_share_public), bytes(ciphertext)))
+    except (InvalidToken, ValueError, TypeError):
+        raise ValueError(f"the shares from {src} do not decrypt: not sealed for {dst} in this round") from None
+    if fields.get("context") != context.hex() or fields.get("src") != src or fields.get("dst") != dst:
+        raise ValueError(f"the shares from {src} name another round, sender or receiver")
+    return bytes.fromhex(fields["seed"]), bytes.fromhex(fields["key"])
+
+
+def mask_seed(mask_key: bytes, peer_public: bytes, context: bytes) -> bytes:
+    """The 32-byte seed of the pair (the owner of ``mask_key``, the peer with ``peer_public``)
+    under ``context``; both ends of the pair derive the same seed."""
     if len(peer_public) != KEY_BYTES:
         raise ValueError(f"an X25519 public key is {KEY_BYTES} raw bytes, got {len(peer_public)}")
+    private = X25519PrivateKey.from_private_bytes(bytes(mask_key))
     # exchange() raises ValueError on a low-order peer key (all-zero shared secret).
-    shared = keys.private.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
+    shared = private.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
     return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=_SEED_SALT, info=bytes(context)).derive(shared)
 
 
@@ -219,35 +312,30 @@ def _flatten_uint32(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.uint32, copy=False) if parts else np.zeros(0, np.uint32)
 
 
-def _add_pair_masks(flat: np.ndarray, me: str, keys: ClientKeys, peers: Mapping[str, bytes],
-                    others: Collection[str], context: bytes) -> None:
-    # uint32 arithmetic wraps mod 2^32; the lower id adds the pair's mask and the higher subtracts it.
-    for peer in sorted(others):
-        mask = prg(mask_seed(keys, peers[peer], context), flat.size)
-        if me < peer:
-            flat += mask
-        else:
-            flat -= mask
+def _pair_mask(flat: np.ndarray, me: str, peer: str, seed: bytes, sign: int) -> None:
+    # uint32 arithmetic wraps mod 2^32; the lower id adds the pair's mask and the higher subtracts
+    # it; sign -1 removes what ``me`` added.
+    mask = prg(seed, flat.size)
+    if (me < peer) == (sign > 0):
+        flat += mask
+    else:
+        flat -= mask
 
 
-def _check_me(me: str, keys: ClientKeys, peers: Mapping[str, bytes]) -> None:
-    if me in peers and bytes(peers[me]) != keys.public_bytes():
-        raise ValueError(f"the peer map holds a public key for {me} that is not this client's")
-
-
-def mask_update(update: Mapping[str, np.ndarray], me: str, keys: ClientKeys, peers: Mapping[str, bytes],
+def mask_update(update: Mapping[str, np.ndarray], me: str, secrets: RoundSecrets, peers: Mapping[str, bytes],
                 params: SecAggParams, context: bytes) -> dict[str, np.ndarray]:
     """This client's masked update: the same names and shapes as ``update`` (float arrays of any
     shape, 0-d included), each an ``np.uint32`` array.
 
     Each value is clipped to ``±params.clipping_range`` and stochastically rounded to an integer in
-    ``[0, params.target_range]``; then every pair mask (one per peer in ``peers``, the map of all
-    clients sampled this round to their public keys, ``me`` skipped) is added or subtracted mod
-    2^32. Refuses non-finite values and a round with no other client (the masked vector would be
-    the update itself).
+    ``[0, params.target_range]``; then the self-mask ``prg(secrets.self_seed)`` and one pair mask
+    per peer in ``peers`` (``{client: X25519 public key}`` of the neighbours that sent this client
+    their shares; ``me`` skipped) are added or subtracted mod 2^32. Refuses non-finite values and a
+    round with no other client.
     """
-    _check_me(me, keys, peers)
-    others = [peer for peer in peers if peer != me]
+    if me in peers and bytes(peers[me]) != secrets.mask_public():
+        raise ValueError(f"the peer map holds a public key for {me} that is not this client's")
+    others = sorted(peer for peer in peers if peer != me)
     if not others:
         raise ValueError("secure aggregation needs at least one other client in the round")
     params.check_clients(len(others) + 1)
@@ -258,29 +346,10 @@ def mask_update(update: Mapping[str, np.ndarray], me: str, keys: ClientKeys, pee
             raise ValueError(f"update array {name!r} holds non-finite values")
     quantized = quantize(values, params.clipping_range, params.target_range)
     flat = _flatten_uint32({name: np.asarray(q) for name, q in zip(names, quantized)})
-    _add_pair_masks(flat, me, keys, peers, others, context)
+    flat += prg(secrets.self_seed, flat.size)
+    for peer in others:
+        _pair_mask(flat, me, peer, mask_seed(secrets.mask_key, peers[peer], context), +1)
     return _split(flat, _layout(update))
-
-
-def dropped_masks(me: str, keys: ClientKeys, peers: Mapping[str, bytes], dropped: Collection[str],
-                  shapes: Mapping[str, tuple[int, ...]], context: bytes) -> dict[str, np.ndarray]:
-    """The net mask (``np.uint32`` arrays with the names and ``shapes`` of the masked update) that
-    this surviving client added for its pairs with the ``dropped`` clients only: what it reveals so
-    that the server can remove masks that will never cancel. ``peers`` and ``context`` are those it
-    masked with. Refuses when it would be the only survivor (the reveal would unmask its update)."""
-    _check_me(me, keys, peers)
-    dropped = set(dropped)
-    if me in dropped:
-        raise ValueError(f"{me} is in the dropped set: a dropped client reveals nothing")
-    unknown = sorted(dropped - set(peers))
-    if unknown:
-        raise ValueError(f"dropped clients not in this round's peer map: {unknown}")
-    if not set(peers) - dropped - {me}:
-        raise ValueError(f"{me} would be the only survivor: revealing its masks would unmask its update")
-    layout = {name: tuple(shapes[name]) for name in sorted(shapes)}
-    net = np.zeros(_size(layout), dtype=np.uint32)
-    _add_pair_masks(net, me, keys, peers, dropped, context)
-    return _split(net, layout)
 
 
 def _check_layout(who: str, arrays: Mapping[str, np.ndarray], layout: Mapping[str, tuple[int, ...]]) -> None:
@@ -294,42 +363,50 @@ def _check_layout(who: str, arrays: Mapping[str, np.ndarray], layout: Mapping[st
             raise ValueError(f"{who}: array {name!r} has shape {array.shape}, expected {shape}")
 
 
-def unmask_sum(masked: Mapping[str, Mapping[str, np.ndarray]], revealed: Mapping[str, Mapping[str, np.ndarray]],
-               params: SecAggParams) -> dict[str, np.ndarray]:
+class MasksDidNotCancel(ValueError):
+    """The unmasked sum is out of range: a client's vector or shares were wrong."""
+
+
+def unmask_sum(masked: Mapping[str, Mapping[str, np.ndarray]], self_seeds: Mapping[str, bytes],
+               dropped_keys: Mapping[str, bytes], public_keys: Mapping[str, bytes],
+               masked_with: Mapping[str, Collection[str]], params: SecAggParams,
+               context: bytes) -> dict[str, np.ndarray]:
     """The sum of the survivors' updates (each clipped to ``±params.clipping_range``), as float32
     arrays with the masked arrays' names and shapes.
 
     ``masked`` maps each survivor (at least 2) to its masked update (``np.uint32`` arrays, all with
-    the same names and shapes); ``revealed`` maps survivors to their ``dropped_masks`` (empty when
-    nobody dropped). The error per value is below ``n * 2 * clipping_range / target_range`` for n
-    survivors (stochastic rounding). Raises ValueError on mismatched arrays and when the masks did
-    not cancel (a reveal missing or wrong, or clients masked with different peer maps or contexts).
+    the same names and shapes); ``self_seeds`` each survivor to its rebuilt self-mask seed;
+    ``dropped_keys`` each dropped client to its rebuilt X25519 private key; ``public_keys`` every
+    client to its X25519 public key; ``masked_with`` each survivor to the clients it masked
+    against. The error per value is below ``n * 2 * clipping_range / target_range`` for n
+    survivors (stochastic rounding). Raises ValueError on mismatched arrays or seeds and
+    :class:`MasksDidNotCancel` when the sum leaves ``[0, n * T]``.
     """
     survivors = sorted(masked)
     if len(survivors) < 2:
         raise ValueError(f"secure aggregation needs at least 2 survivors, got {len(survivors)}")
+    if sorted(self_seeds) != survivors:
+        raise ValueError(f"self-mask seeds for {sorted(self_seeds)}, survivors are {survivors}")
     params.check_clients(len(survivors))
     layout = _layout(masked[survivors[0]])
     for client in survivors:
         _check_layout(f"masked update of {client}", masked[client], layout)
-    strangers = sorted(set(revealed) - set(masked))
-    if strangers:
-        raise ValueError(f"masks revealed by clients whose masked update is not summed: {strangers}")
-    for client in sorted(revealed):
-        _check_layout(f"masks revealed by {client}", revealed[client], layout)
 
     total = np.zeros(_size(layout), dtype=np.uint32)
     for client in survivors:
         total += _flatten_uint32(masked[client])
-    for client in sorted(revealed):
-        total -= _flatten_uint32(revealed[client])
+        total -= prg(self_seeds[client], total.size)
+    for gone in sorted(dropped_keys):
+        for client in survivors:
+            if gone in masked_with[client] and gone != client:
+                _pair_mask(total, client, gone, mask_seed(dropped_keys[gone], public_keys[client], context), -1)
 
     n = len(survivors)
     # Every true sum is <= n * T < 2^32; leftover masks are uniform, so over many values some
     # land above n * T (a lone value escapes this check with probability n * T / 2^32).
     if total.size and int(total.max()) > n * params.target_range:
-        raise ValueError("the masks did not cancel: a survivor's reveal is missing or wrong, "
-                         "or clients masked with different peer maps or contexts")
+        raise MasksDidNotCancel(f"the unmasked sum of {n} survivors is beyond n x T: a survivor's masked vector "
+                                "or a revealed share is wrong, or clients masked with different peers")
     c = params.clipping_range
     # dequantize maps q to q * 2c/T - c; a sum of n values carries n offsets of c, not one.
     (summed,) = dequantize([total], c, params.target_range)

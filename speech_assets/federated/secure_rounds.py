@@ -1,69 +1,95 @@
-"""Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol,
-on the server (:class:`SecureRounds`) and on the client (:func:`mask_reply`,
-:func:`answer_secure_query`).
+"""Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
+the server (:class:`SecureRounds`, which drives them through the narrow :class:`RoundHost`
+interface the server app offers) and on the client (:func:`answer_secure_query`,
+:func:`mask_reply`). Every stage is a Flower message and its reply:
 
-1. Key-up: the server's ``query`` to a node it does not know yet (``Server.identify``) is
-   answered with the client id and the client's X25519 public key for this run (derived from a
-   32-byte secret the client keeps in its state root, 0600, never sent).
-2. A train message of a secure round carries the public keys of every client sampled in the
-   round and a fresh nonce; the client trains, clips (DP) and masks its update
-   (``mask_update``): the train reply holds ``uint32`` masked values in place of the encoder.
-3. Clients sampled but silent (or refused) are dropped once the replies are in; only then does
-   the server ask the survivors (``query``, kind ``secagg-unmask``) for the net masks they shared
-   with the dropped ones, sums and unmasks (``unmask_sum``) and divides by the number of
-   survivors: the mean update. A masked reply that arrives after that decision is never used.
+1. advertise (``query``, kind ``secagg-advertise``): each client sampled for the round draws fresh
+   :class:`~speech_assets.federated.secure_aggregation.RoundSecrets` and answers with its two
+   public keys and a commitment to its self-mask seed.
+2. share (``query``, kind ``secagg-share``): the server sends every client that advertised the
+   map of all advertised keys; each answers with its shares, one ciphertext per neighbour.
+3. masked input (the ``train`` message): the server routes to each client the ciphertexts its
+   neighbours sealed for it (record ``secagg-shares``); the client trains, clips (DP), masks its
+   update and answers with ``uint32`` masked values in place of the encoder.
+4. unmask (``query``, kind ``secagg-unmask``): the server fixes the survivors, the clients whose
+   masked reply it ACCEPTED, and asks each survivor, for its own neighbours, which survived and
+   which dropped; the survivor answers with self-mask shares of the former and key shares of the
+   latter. The server rebuilds the seeds and keys (checked against the commitments and public
+   keys), unmasks the sum and divides by the number of survivors: the mean update.
 
-Why not Flower's SecAgg+: in Flower 1.42 ``SecAggPlusWorkflow`` and ``secaggplus_mod`` exist only
-on the legacy path (a legacy ``Strategy`` with ``configure_fit``/``aggregate_fit``, a
-``ClientManager``, ``FitIns``/``FitRes`` records in the legacy layout); it owns the whole fit
-stage, so the Message-API strategies (FedAdam, FedProx), the server's reply checks, the seeded
-sampling and the resumable round records would all have to be rebuilt around it. The primitives
-here are maintained libraries' (``cryptography``'s X25519, HKDF and ChaCha20; Flower's
-quantization); what this adds is the message flow.
+What binds a client's public keys to it: the advertise reply must come from the node the query
+went to and name the client that node is bound to (:class:`~speech_assets.federated.messages.NodeBinding`):
+on the deployment engine that node is the one the SuperLink authenticated (node authentication,
+``src_node_id``); in the simulation runtime it is the node id the runtime itself assigns to a
+partition, in the one process the simulation owns (no network; the binding guards against a
+client answering as another, not against the runtime).
 
-What the server can no longer check: an individual update's norm and values (it only sees them
-masked). Each value is clipped to ``±secagg_clipping_range`` by the quantization, so one client can
-move the mean by at most that per value; with DP the clipping norm bounds it too. Threat model: an
-honest-but-curious server (see :mod:`secure_aggregation`); Bonawitz's self-masks and secret
-sharing, which also protect against a server that lies about drop-outs, are not implemented.
+What a client refuses (an error reply, the server counts it as failed): a stage out of order or
+for another nonce; a key map without its own keys, with repeated keys or a threshold a server
+could split (t <= k/2); shares that do not decrypt or name another round, sender or receiver; an
+unmask request whose survivors and dropped clients overlap, are not exactly the neighbours it
+masked with, count itself as dropped, or name fewer than t survivors; and any stage of a round
+whose unmask it already answered. That last fact is kept on disk (``<state root>/<run>/secagg/``,
+owner-only) before the answer leaves, so neither a repeated query nor a restarted client answers
+twice; the round's secrets are erased then, and those of older unfinished rounds at the next round.
+
+A round whose masked values do not unmask (too few survivors or shares, a share that does not
+rebuild what its owner committed to, a sum out of range) stops the run through
+:meth:`RoundHost.fail` (``failure.json`` names the round and what failed).
+
+Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it and ``secaggplus_mod`` exist only on the
+legacy path (a legacy ``Strategy`` with ``configure_fit``/``aggregate_fit``, ``FitIns``/``FitRes``
+records); it owns the whole fit stage, so the Message-API strategies, the server's reply checks,
+the seeded sampling and the resumable round records would all have to be rebuilt around it. The
+primitives are Flower's (Shamir shares, ECDH + Fernet, quantization) and ``cryptography``'s
+(X25519, HKDF, ChaCha20); this module is the message flow.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import os
-from collections.abc import Collection
+import tempfile
+from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from speech_assets.federated.config import FederatedConfig, NodeConfig
-from speech_assets.federated.messages import ARRAYS, CLIENT_RECORD, ArraySpec, check_masked, content_problem
+from speech_assets.federated.messages import ARRAYS, CLIENT_RECORD, ArraySpec, NodeBinding, check_masked, content_problem
 from speech_assets.federated.secure_aggregation import (
     DEFAULT_TARGET_RANGE,
     KEY_BYTES,
-    ClientKeys,
+    RoundSecrets,
     SecAggParams,
-    dropped_masks,
-    load_or_create_secret,
+    check_share_public,
+    check_threshold,
+    combine_secret,
+    default_threshold,
+    mask_public,
     mask_update,
+    neighbours,
+    open_shares,
     round_context,
+    seal_shares,
+    seed_commitment,
+    share_index,
+    split_secret,
     unmask_sum,
 )
 
-if TYPE_CHECKING:
-    from speech_assets.federated.server_app import Server
-
-# keys of a secure round's ConfigRecord (train and unmask messages)
-SECAGG_NONCE, SECAGG_PEERS, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-peers", "secagg-range", "secagg-target"
-SECAGG_DROPPED, SECAGG_SHAPES, KIND = "secagg-dropped", "secagg-shapes", "kind"
-UNMASK = "secagg-unmask"
-# the record of an identify reply that holds the public key
-KEY_RECORD, PUBLIC_KEY = "secagg", "public-key"
-SECRET_FILE = "secagg.key"
+# keys of a secure round's ConfigRecords
+SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
+SECAGG_THRESHOLD, SECAGG_SHARES_NUM, SECAGG_KEYS = "secagg-threshold", "secagg-num-shares", "secagg-keys"
+SECAGG_SURVIVORS, SECAGG_DROPPED, KIND = "secagg-survivors", "secagg-dropped", "kind"
+ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
+# records of the replies (and of the train message: SHARES, the ciphertexts routed to its client)
+KEY_RECORD, MASK_KEY, SHARE_KEY, COMMITMENT = "secagg", "mask-key", "share-key", "commitment"
+SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg-key-shares"
+ANSWERED, ABANDONED = "answered", "abandoned"
 
 
 def masked_spec(spec: ArraySpec) -> ArraySpec:
@@ -71,138 +97,413 @@ def masked_spec(spec: ArraySpec) -> ArraySpec:
     return {name: ("uint32", shape) for name, (_, shape) in spec.items()}
 
 
+class RoundHost(Protocol):
+    """What the secure rounds need from the server app."""
+
+    binding: NodeBinding
+    expected: ArraySpec
+
+    def exchange(self, messages: Iterable[Message], round_number: int, phase: str
+                 ) -> tuple[list[Message], list[dict[str, Any]]]: ...
+
+    def client_of(self, reply: Message) -> str: ...
+
+    def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]: ...
+
+    def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
+
+
+def _csv(clients: Iterable[str]) -> str:
+    return ",".join(sorted(clients))
+
+
+def _clients(value: Any) -> list[str]:
+    return [c for c in str(value).split(",") if c]
+
+
 # ----------------------------------------------------------------------------------- server
 class SecureRounds:
-    """The server's side: the clients' public keys, each round's peers and nonce, unmasking."""
+    """The server's side of one run: each round's keys, routed shares, survivors and unmasking."""
 
-    def __init__(self, config: FederatedConfig) -> None:
-        self.config = config
+    def __init__(self, config: FederatedConfig, host: RoundHost) -> None:
+        self.config, self.host = config, host
         self.params = SecAggParams(config.secagg_range(), DEFAULT_TARGET_RANGE)
         self.params.check_clients(config.sample_size)
-        self.public_keys: dict[str, bytes] = {}
+        self.num_shares = config.secagg_shares()
+        self.threshold = config.secagg_threshold or default_threshold(self.num_shares)
+        check_threshold(self.threshold, self.num_shares)
+        self.round_number = 0
         self.nonce = b""
-        self.peers: dict[str, bytes] = {}
+        self.keys: dict[str, tuple[bytes, bytes, bytes]] = {}  # client -> (mask key, share key, commitment)
+        self.sealed: dict[str, dict[str, bytes]] = {}  # src -> {dst: ciphertext}
+        self.survivors: list[str] = []
         self.dropped: list[str] = []
-        self.survivors = 0
 
-    def has_key(self, client: str) -> bool:
-        return client in self.public_keys
+    @property
+    def context(self) -> bytes:
+        return round_context(self.config.run_name, self.round_number, self.nonce)
 
-    def learn_key(self, client: str, content: RecordDict) -> str | None:
-        """Store ``client``'s public key from its identify reply; why it is refused, else ``None``."""
-        record = content.config_records.get(KEY_RECORD)
-        key = record.get(PUBLIC_KEY) if record is not None else None
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            return f"no {KEY_BYTES}-byte public key in the identify reply"
-        self.public_keys[client] = key
+    def neighbours(self, client: str) -> list[str]:
+        return neighbours(client, self.keys, self.num_shares)
+
+    def masked_with(self, client: str) -> list[str]:
+        """The clients ``client`` masked against (itself included): its neighbours that shared."""
+        return [c for c in self.neighbours(client) if c in self.sealed]
+
+    def _query(self, client: str, fields: dict[str, Any]) -> Message | None:
+        node = self.host.binding.node_of(client)
+        if node is None:
+            return None
+        config = ConfigRecord({KIND: fields.pop(KIND), "secure-aggregation": True, "run-name": self.config.run_name,
+                               "server-round": self.round_number, SECAGG_NONCE: self.nonce} | fields)  # fmt: skip
+        return Message(RecordDict({"config": config}), dst_node_id=int(node), message_type=MessageType.QUERY)
+
+    def _ask(self, phase: str, per_client: dict[str, dict[str, Any]], failures: list[dict[str, Any]]
+             ) -> dict[str, Message]:
+        messages = [m for client, fields in per_client.items() if (m := self._query(client, dict(fields)))]
+        good, refused = self.host.exchange(messages, self.round_number, phase)
+        failures.extend(refused)
+        return {self.host.client_of(reply): reply for reply in good}
+
+    def _refuse(self, reply: Message, phase: str, reason: str, failures: list[dict[str, Any]]) -> None:
+        failures.append(self.host.failure(reply, phase, reason))
+
+    def _records(self, reply: Message, names: set[str]) -> str | None:
+        if set(reply.content.keys()) != names | {CLIENT_RECORD} or reply.content.array_records:
+            return f"a reply holds records {sorted(reply.content.keys())}, expected {sorted(names | {CLIENT_RECORD})}"
         return None
 
-    def configure(self, local: ConfigRecord, round_number: int, clients: Collection[str | None]) -> None:
-        """Put the round's peers (every sampled client that is reachable, with its key) and a
-        fresh nonce into the train config."""
-        self.nonce = os.urandom(16)
-        self.peers = {c: self.public_keys[c] for c in sorted(c for c in clients if c is not None)}
-        self.dropped, self.survivors = [], 0
+    def setup(self, round_number: int, clients: Collection[str], failures: list[dict[str, Any]]) -> list[str]:
+        """Stages 1 and 2 for ``clients`` (the sampled, reachable ones): returns those that
+        advertised keys and sent their shares (the ones the train message may go to)."""
+        self.round_number, self.nonce = round_number, os.urandom(16)
+        self.keys, self.sealed, self.survivors, self.dropped = {}, {}, [], []
+        common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
+        for client, reply in self._ask("secagg-advertise", {c: common for c in clients}, failures).items():
+            problem = self._records(reply, {KEY_RECORD})
+            record = reply.content.config_records.get(KEY_RECORD)
+            keys = tuple(record.get(k) for k in (MASK_KEY, SHARE_KEY, COMMITMENT)) if record is not None else ()
+            if problem is None:
+                problem = self._key_problem(keys)
+            if problem:
+                self._refuse(reply, "secagg-advertise", problem, failures)
+            else:
+                self.keys[client] = keys  # type: ignore[assignment]
+        if len(self.keys) < self.threshold:
+            self._fail_short("advertised keys", sorted(self.keys), clients, failures)
+        table = json.dumps({c: [m.hex(), s.decode("ascii"), h.hex()] for c, (m, s, h) in self.keys.items()}, sort_keys=True)
+        asked = {c: {KIND: SHARE, SECAGG_KEYS: table, SECAGG_THRESHOLD: self.threshold,
+                     SECAGG_SHARES_NUM: self.num_shares} for c in self.keys}  # fmt: skip
+        for client, reply in self._ask("secagg-share", asked, failures).items():
+            problem = self._records(reply, {SHARES})
+            sealed = dict(reply.content.config_records.get(SHARES) or {})
+            expected = set(self.neighbours(client)) - {client}
+            if problem is None and (set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values())):
+                problem = f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
+            if problem:
+                self._refuse(reply, "secagg-share", problem, failures)
+            else:
+                self.sealed[client] = sealed  # type: ignore[assignment]
+        if len(self.sealed) < self.threshold:
+            self._fail_short("shared their keys", sorted(self.sealed), clients, failures)
+        return sorted(self.sealed)
+
+    def _key_problem(self, keys: tuple[Any, ...]) -> str | None:
+        if len(keys) != 3 or not all(isinstance(k, bytes) for k in keys):
+            return f"no {MASK_KEY!r}, {SHARE_KEY!r} and {COMMITMENT!r} in the advertise reply"
+        mask, share, commitment = keys
+        if len(mask) != KEY_BYTES or len(commitment) != 32:
+            return f"a mask key of {len(mask)} bytes or a commitment of {len(commitment)} bytes (expected 32)"
+        if any(mask == known[0] or share == known[1] for known in self.keys.values()):
+            return "a public key another client advertised too"
+        try:
+            check_share_public(share)
+        except ValueError as error:
+            return f"share key refused: {error}"
+        return None
+
+    def _fail_short(self, what: str, got: list[str], clients: Collection[str], failures: list[dict[str, Any]]) -> NoReturn:
+        missing = sorted(set(clients) - set(got))
+        self.host.fail(self.round_number, f"round {self.round_number}: secure aggregation needs {self.threshold} "
+                       f"clients (its threshold), {len(got)} {what} (missing: {', '.join(missing) or 'none'})",
+                       missing, failures)  # fmt: skip
+
+    def configure(self, local: ConfigRecord) -> None:
+        """Put what masking needs into the round's train config."""
         local[SECAGG_NONCE] = self.nonce
-        local[SECAGG_PEERS] = json.dumps({c: key.hex() for c, key in self.peers.items()}, sort_keys=True)
         local[SECAGG_RANGE] = self.params.clipping_range
         local[SECAGG_TARGET] = self.params.target_range
 
-    def accept(self, good: list[Message], server: Server, failures: list[dict[str, Any]]) -> list[Message]:
+    def address(self, messages: Iterable[Message]) -> list[Message]:
+        """The train messages, each with the ciphertexts sealed for its own client."""
+        out = []
+        for message in messages:
+            client = self.host.binding.client_of(message.metadata.dst_node_id)
+            routed = ConfigRecord({src: sealed[str(client)] for src, sealed in sorted(self.sealed.items())
+                                   if str(client) in sealed})  # fmt: skip
+            content = RecordDict(dict(message.content.items()) | {SHARES: routed})
+            out.append(Message(content, dst_node_id=message.metadata.dst_node_id,
+                               message_type=message.metadata.message_type, group_id=message.metadata.group_id))
+        return out
+
+    def accept(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
         """The masked train replies that carry exactly the masked encoder, the metrics and the
-        client id (their values cannot be checked: they are masked)."""
+        client id (their values cannot be checked: they are masked), from clients that shared."""
         accepted = []
-        spec = masked_spec(server.expected)
+        spec = masked_spec(self.host.expected)
         for reply in good:
             problem = content_problem(reply.content, "train", spec, self.config.clients)
-            if problem is None and server.client_of(reply) not in self.peers:
-                problem = "not among this round's peers"
+            if problem is None and self.host.client_of(reply) not in self.sealed:
+                problem = "did not share its keys this round"
             if problem:
-                failures.append(server.failure(reply, "train", problem))
+                failures.append(self.host.failure(reply, "train", problem))
             else:
                 accepted.append(reply)
         return accepted
 
-    def mean_update(
-        self, round_number: int, good: list[Message], server: Server, failures: list[dict[str, Any]]
-    ) -> dict[str, np.ndarray]:
-        """The mean of the survivors' updates: the dropped set is fixed first (peers without an
-        accepted masked reply), then the survivors reveal their masks with them."""
-        masked = {server.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good}
-        self.dropped = sorted(set(self.peers) - set(masked))
-        self.survivors = len(masked)
-        revealed: dict[str, dict[str, np.ndarray]] = {}
-        if self.dropped:
-            revealed = self.reveal(round_number, sorted(masked), server, failures)
-        total = unmask_sum(masked, revealed, self.params)
+    def mean_update(self, round_number: int, good: list[Message], failures: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        """The mean of the survivors' updates. The survivors are fixed first (the clients whose
+        masked reply was accepted: ``good``), then asked for their shares."""
+        masked = {self.host.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good}
+        self.survivors = sorted(masked)
+        self.dropped = sorted(set(self.sealed) - set(masked))
+        if len(self.survivors) < self.threshold:
+            self._fail_short("sent an accepted masked update", self.survivors, self.sealed, failures)
+        seeds, keys = self.reveal(failures)
+        try:
+            total = unmask_sum(masked, seeds, keys, {c: k[0] for c, k in self.keys.items()},
+                               {c: self.masked_with(c) for c in self.survivors}, self.params, self.context)
+        except ValueError as error:
+            self.host.fail(round_number, f"round {round_number}: the masked updates did not unmask: {error}",
+                           [], failures)  # fmt: skip
         return {name: (value / len(masked)).astype(np.float32) for name, value in total.items()}
 
-    def reveal(
-        self, round_number: int, survivors: list[str], server: Server, failures: list[dict[str, Any]]
-    ) -> dict[str, dict[str, np.ndarray]]:
-        nodes = {c: server.binding.node_of(c) for c in survivors}
-        shapes = {name: list(shape) for name, (_, shape) in server.expected.items()}
-        config = ConfigRecord({
-            KIND: UNMASK, "secure-aggregation": True, "run-name": self.config.run_name, "server-round": round_number,
-            SECAGG_NONCE: self.nonce, SECAGG_PEERS: json.dumps({c: k.hex() for c, k in self.peers.items()}, sort_keys=True),
-            SECAGG_DROPPED: ",".join(self.dropped), SECAGG_SHAPES: json.dumps(shapes, sort_keys=True),
-        })  # fmt: skip
-        messages = [
-            Message(RecordDict({"config": config}), dst_node_id=int(node), message_type=MessageType.QUERY)
-            for node in nodes.values()
-            if node is not None
-        ]
-        good, reveal_failures = server.exchange(messages, round_number, "unmask")
-        failures.extend(reveal_failures)
-        revealed = {server.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good if ARRAYS in r.content}
-        missing = sorted(set(survivors) - set(revealed))
-        if missing:
-            server.fail(round_number, f"round {round_number}: survivors {missing} did not reveal their masks with the "
-                        f"dropped clients {self.dropped}; the sum cannot be unmasked", self.dropped, failures)  # fmt: skip
-        return revealed
+    def reveal(self, failures: list[dict[str, Any]]) -> tuple[dict[str, bytes], dict[str, bytes]]:
+        """Stage 4: the survivors' self-mask seeds and the dropped clients' mask keys, rebuilt from
+        the shares the survivors reveal and checked against what their owners advertised."""
+        survivors = set(self.survivors)
+        asked = {}
+        for client in self.survivors:
+            mine = self.masked_with(client)
+            asked[client] = {KIND: UNMASK, SECAGG_SURVIVORS: _csv(c for c in mine if c in survivors),
+                             SECAGG_DROPPED: _csv(c for c in mine if c not in survivors)}  # fmt: skip
+        seed_shares: dict[str, list[bytes]] = {c: [] for c in self.survivors}
+        key_shares: dict[str, list[bytes]] = {c: [] for c in self.dropped}
+        for client, reply in self._ask("secagg-unmask", asked, failures).items():
+            problem = self._records(reply, {SEED_SHARES, KEY_SHARES})
+            seeds = dict(reply.content.config_records.get(SEED_SHARES) or {})
+            keys = dict(reply.content.config_records.get(KEY_SHARES) or {})
+            if problem is None:
+                problem = self._reveal_problem(client, asked[client], seeds, keys)
+            if problem:
+                self._refuse(reply, "secagg-unmask", problem, failures)
+                continue
+            for owner, share in seeds.items():
+                seed_shares[owner].append(share)
+            for owner, share in keys.items():
+                key_shares[owner].append(share)
+        short = sorted(c for c, shares in (seed_shares | key_shares).items() if len(shares) < self.threshold)
+        if short:
+            self.host.fail(self.round_number, f"round {self.round_number}: fewer than {self.threshold} shares arrived to "
+                           f"unmask {', '.join(short)}; the sum cannot be unmasked", short, failures)  # fmt: skip
+        rebuilt_seeds, rebuilt_keys, bad = {}, {}, []
+        for owner, shares in seed_shares.items():
+            seed = self._combine(shares)
+            if seed is None or seed_commitment(seed, owner, self.context) != self.keys[owner][2]:
+                bad.append(f"{owner} (self-mask seed)")
+            rebuilt_seeds[owner] = seed or b""
+        for owner, shares in key_shares.items():
+            key = self._combine(shares)
+            if key is None or len(key) != KEY_BYTES or mask_public(key) != self.keys[owner][0]:
+                bad.append(f"{owner} (mask key)")
+            rebuilt_keys[owner] = key or b""
+        if bad:
+            self.host.fail(self.round_number, f"round {self.round_number}: the revealed shares do not rebuild what "
+                           f"{', '.join(bad)} advertised; the sum cannot be unmasked", [], failures)  # fmt: skip
+        return rebuilt_seeds, rebuilt_keys
+
+    @staticmethod
+    def _combine(shares: list[bytes]) -> bytes | None:
+        try:
+            return combine_secret(shares)
+        except ValueError:
+            return None
+
+    def _reveal_problem(self, client: str, asked: dict[str, Any], seeds: dict[str, Any], keys: dict[str, Any]) -> str | None:
+        if set(seeds) != set(_clients(asked[SECAGG_SURVIVORS])) or set(keys) != set(_clients(asked[SECAGG_DROPPED])):
+            return "revealed shares for other clients than asked"
+        for owner, share in seeds.items() | keys.items():
+            if not isinstance(share, bytes):
+                return f"a share of {owner} that is not bytes"
+            try:
+                index = share_index(share)
+            except ValueError as error:
+                return str(error)
+            if index != self.neighbours(owner).index(client) + 1:
+                return f"a share of {owner} with index {index}, not the one {client} was given"
+        return None
 
     def record(self, round_number: int) -> dict[str, Any]:
-        return {"round": round_number, "peers": sorted(self.peers), "survivors": self.survivors, "dropped": self.dropped,
-                "clipping_range": self.params.clipping_range, "target_range": self.params.target_range}  # fmt: skip
+        return {"round": round_number, "peers": sorted(self.keys), "shared": sorted(self.sealed),
+                "survivors": len(self.survivors), "dropped": self.dropped, "threshold": self.threshold,
+                "num_shares": self.num_shares, "clipping_range": self.params.clipping_range,
+                "target_range": self.params.target_range}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- client
-@functools.lru_cache(maxsize=64)
-def client_keys(state_root: str, run_name: str) -> ClientKeys:
-    """This client's key pair for ``run_name``, from the secret in its state root (made once)."""
-    root = Path(state_root)
-    root.mkdir(parents=True, exist_ok=True)
-    return ClientKeys.derive(load_or_create_secret(root / SECRET_FILE), run_name)
+def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
+    """Where a client keeps its secure-aggregation state of one round (owner-only)."""
+    return node.client_dir(run) / "secagg" / f"round-{int(round_number)}.json"
 
 
-def _peers(config: ConfigRecord) -> dict[str, bytes]:
-    return {c: bytes.fromhex(k) for c, k in json.loads(str(config[SECAGG_PEERS])).items()}
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return {}
 
 
-def _context(config: ConfigRecord) -> bytes:
-    return round_context(str(config["run-name"]), int(config["server-round"]), bytes(config[SECAGG_NONCE]))  # type: ignore[arg-type]
+def _save(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` owner-only (0600), atomically and durably, before any answer leaves."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(state, handle, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _secrets(state: dict[str, Any]) -> RoundSecrets:
+    return RoundSecrets(bytes.fromhex(state["mask_key"]), state["share_key"].encode("ascii"),
+                        bytes.fromhex(state["self_seed"]))
+
+
+def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
+    """The state of the round ``config`` names, which must be at ``stage`` for the same nonce."""
+    run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
+    path = state_path(node, run, round_number)
+    state = _load(path)
+    if state.get("stage") in (ANSWERED, ABANDONED):
+        raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number} "
+                         "and answers nothing more for it")  # fmt: skip
+    if state.get("stage") != stage:
+        raise ValueError(f"{node.client_id}: round {round_number} is at stage {state.get('stage')!r}, not {stage!r}")
+    if state.get("nonce") != bytes(config[SECAGG_NONCE]).hex():  # type: ignore[arg-type]
+        raise ValueError(f"{node.client_id}: the round's nonce changed")
+    return path, state, round_context(run, round_number, bytes(config[SECAGG_NONCE]))  # type: ignore[arg-type]
+
+
+def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
+    run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
+    nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
+    context = round_context(run, round_number, nonce)
+    path = state_path(node, run, round_number)
+    if _load(path).get("stage") in (ANSWERED, ABANDONED):
+        raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number}")
+    for old in path.parent.glob("round-*.json") if path.parent.exists() else ():
+        # an older round that never reached its unmask: its secrets go, and it answers nothing more
+        number = old.stem.removeprefix("round-")
+        if number.isdigit() and int(number) < round_number and _load(old).get("stage") not in (ANSWERED, ABANDONED):
+            _save(old, {"stage": ABANDONED})
+    secrets = RoundSecrets.new()
+    _save(path, {"stage": ADVERTISE, "nonce": nonce.hex(), "mask_key": secrets.mask_key.hex(),
+                 "share_key": secrets.share_key.decode("ascii"), "self_seed": secrets.self_seed.hex()})  # fmt: skip
+    content[KEY_RECORD] = ConfigRecord({MASK_KEY: secrets.mask_public(), SHARE_KEY: secrets.share_public(),
+                                        COMMITMENT: seed_commitment(secrets.self_seed, node.client_id, context)})  # fmt: skip
+
+
+def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
+    path, state, context = _round_state(config, node, ADVERTISE)
+    secrets, me = _secrets(state), node.client_id
+    table = {c: (bytes.fromhex(m), s.encode("ascii"), bytes.fromhex(h))
+             for c, (m, s, h) in json.loads(str(config[SECAGG_KEYS])).items()}  # fmt: skip
+    mine = table.get(me)
+    if mine is None or mine[0] != secrets.mask_public() or mine[1] != secrets.share_public():
+        raise ValueError(f"{me}: the key map does not hold this client's own keys")
+    if len({k[0] for k in table.values()}) != len(table) or len({k[1] for k in table.values()}) != len(table):
+        raise ValueError(f"{me}: the key map repeats a public key")
+    threshold, num_shares = int(config[SECAGG_THRESHOLD]), int(config[SECAGG_SHARES_NUM])  # type: ignore[arg-type]
+    group = neighbours(me, table, num_shares)
+    check_threshold(threshold, len(group))
+    seed_shares = split_secret(secrets.self_seed, threshold, len(group))
+    key_shares = split_secret(secrets.mask_key, threshold, len(group))
+    sealed = {}
+    for i, peer in enumerate(group):
+        if peer != me:
+            sealed[peer] = seal_shares(secrets, table[peer][1], context, me, peer, seed_shares[i], key_shares[i])
+    own = group.index(me)
+    state |= {"stage": SHARE, "threshold": threshold, "num_shares": num_shares,
+              "keys": {c: k[0].hex() for c, k in table.items()}, "share_keys": {c: k[1].decode("ascii") for c, k in table.items()},
+              "neighbours": group, "shares": {me: [seed_shares[own].hex(), key_shares[own].hex()]}}  # fmt: skip
+    _save(path, state)
+    content[SHARES] = ConfigRecord(sealed)  # type: ignore[arg-type]
 
 
 def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
-    """Replace the train reply's encoder by its masked update (encoder minus the one received)."""
+    """Replace the train reply's encoder by its masked update (encoder minus the one received),
+    masked against the neighbours whose shares arrived with the train message."""
     config = message.content["config"]
+    path, state, context = _round_state(config, node, SHARE)
+    secrets, me = _secrets(state), node.client_id
+    routed = dict(message.content.config_records.get(SHARES) or {})
+    strangers = sorted(set(routed) - set(state["neighbours"]) | ({me} & set(routed)))
+    if strangers:
+        raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
+    for src, sealed in routed.items():
+        seed_share, key_share = open_shares(secrets, state["share_keys"][src].encode("ascii"), bytes(sealed),  # type: ignore[arg-type]
+                                            context, src, me)  # fmt: skip
+        state["shares"][src] = [seed_share.hex(), key_share.hex()]
+    masked_with = sorted(state["shares"])
+    if len(masked_with) < int(state["threshold"]):
+        raise ValueError(f"{me}: shares from {len(masked_with) - 1} neighbours, fewer than the threshold needs")
+    state |= {"stage": "masked", "masked_with": masked_with}
+    _save(path, state)
     received = message.content[ARRAYS]
     trained = out.content[ARRAYS]
     update = {name: trained[name].numpy().astype(np.float64) - received[name].numpy() for name in received}
     params = SecAggParams(float(config[SECAGG_RANGE]), int(config[SECAGG_TARGET]))  # type: ignore[arg-type]
-    keys = client_keys(str(node.root), str(config["run-name"]))
-    masked = mask_update(update, node.client_id, keys, _peers(config), params, _context(config))
+    peers = {c: bytes.fromhex(state["keys"][c]) for c in masked_with}
+    masked = mask_update(update, me, secrets, peers, params, context)
     out.content[ARRAYS] = ArrayRecord({name: Array(masked[name]) for name in received})
-    return check_masked(out, node.client_id)
+    return check_masked(out, me)
+
+
+def _unmask(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
+    path, state, _ = _round_state(config, node, "masked")
+    me = node.client_id
+    survivors, dropped = _clients(config[SECAGG_SURVIVORS]), _clients(config[SECAGG_DROPPED])
+    masked_with = set(state["masked_with"])
+    if set(survivors) & set(dropped):
+        raise ValueError(f"{me}: clients both survived and dropped: {sorted(set(survivors) & set(dropped))}")
+    if len(set(survivors)) != len(survivors) or len(set(dropped)) != len(dropped):
+        raise ValueError(f"{me}: a client named twice")
+    if set(survivors) | set(dropped) != masked_with:
+        raise ValueError(f"{me}: survivors and dropped clients are not the {len(masked_with)} clients it masked with")
+    if me not in survivors:
+        raise ValueError(f"{me} is named as dropped; a dropped client reveals nothing")
+    if len(survivors) < int(state["threshold"]):
+        raise ValueError(f"{me}: {len(survivors)} survivors, fewer than the threshold {state['threshold']}")
+    shares = state["shares"]
+    _save(path, {"stage": ANSWERED})  # before anything leaves: one answer per round, ever
+    content[SEED_SHARES] = ConfigRecord({c: bytes.fromhex(shares[c][0]) for c in survivors})
+    content[KEY_SHARES] = ConfigRecord({c: bytes.fromhex(shares[c][1]) for c in dropped})
 
 
 def answer_secure_query(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
-    """Add this client's public key (identify) or its net masks with the dropped peers (unmask)."""
-    keys = client_keys(str(node.root), str(config["run-name"]))
-    if config.get(KIND) == UNMASK:
-        shapes = {name: tuple(shape) for name, shape in json.loads(str(config[SECAGG_SHAPES])).items()}
-        dropped = [c for c in str(config[SECAGG_DROPPED]).split(",") if c]
-        masks = dropped_masks(node.client_id, keys, _peers(config), dropped, shapes, _context(config))
-        content[ARRAYS] = ArrayRecord({name: Array(masks[name]) for name in sorted(masks)})
-    else:
-        content[KEY_RECORD] = ConfigRecord({PUBLIC_KEY: keys.public_bytes()})
+    """Add this client's answer to a secure-aggregation query (advertise, share or unmask)."""
+    stages = {ADVERTISE: _advertise, SHARE: _share, UNMASK: _unmask}
+    stage = stages.get(str(config.get(KIND)))
+    if stage is None:
+        raise ValueError(f"unknown secure-aggregation query {config.get(KIND)!r:.40}")
+    stage(config, node, content)

@@ -14,8 +14,7 @@ aggregation (``aggregate_train``/``aggregate_evaluate``) are the strategy's own;
 aggregated in client-id order so that a run is reproducible.
 
 Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
-SuperLink) are asked once with a ``query`` message which client they are (and, with secure
-aggregation, for their public key). With differential privacy (:mod:`privacy`) the clients clip,
+SuperLink) are asked once with a ``query`` message which client they are. With differential privacy (:mod:`privacy`) the clients clip,
 the server adds noise to the uniform mean and the strategy steps from it; with secure aggregation
 (:mod:`secure_rounds`) the server sees masked updates and unmasks only their sum.
 
@@ -45,7 +44,7 @@ import logging
 import sys
 import time
 from collections.abc import Collection, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -246,7 +245,7 @@ class Server:
         if config.secure_aggregation:
             from speech_assets.federated.secure_rounds import SecureRounds
 
-            self.secure = SecureRounds(config)
+            self.secure = SecureRounds(config, self)
         self.expect(encoder)
         for round_number in range(start + 1, config.rounds + 1):
             encoder, history = self.round(strategy, round_number, encoder)
@@ -284,21 +283,13 @@ class Server:
     def identify(self, nodes: list[int], round_number: int) -> list[dict[str, Any]]:
         """Ask the connected nodes the server cannot name yet (no node registrations: the
         simulation runtime or a remote SuperLink) which client they are, with a ``query``
-        message, and with secure aggregation their public key; binds them (:class:`NodeBinding`).
-        Returns the failures."""
-        secure = self.secure
-        wanted = [n for n in nodes if (c := self.binding.client_of(n)) is None or (secure and not secure.has_key(c))]
+        message; binds them (:class:`NodeBinding`). Returns the failures."""
+        wanted = [n for n in nodes if self.binding.client_of(n) is None]
         if not wanted:
             return []
-        content = {"config": ConfigRecord({"run-name": self.config.run_name,
-                                           "secure-aggregation": self.config.secure_aggregation})}  # fmt: skip
+        content = {"config": ConfigRecord({"run-name": self.config.run_name})}
         messages = [Message(RecordDict(dict(content)), dst_node_id=n, message_type=MessageType.QUERY) for n in wanted]
-        good, failures = self.exchange(messages, round_number, "identify")
-        for reply in good:
-            if secure is not None:
-                problem = secure.learn_key(self.client_of(reply), reply.content)
-                if problem:
-                    failures.append(self.failure(reply, "identify", problem))
+        _, failures = self.exchange(messages, round_number, "identify")
         return failures
 
     def weight(self, client: str) -> float:
@@ -315,8 +306,9 @@ class Server:
         started = time.monotonic()
         sampled = sample_clients(config, round_number)
         chosen = sorted(n for c in sampled if (n := self.binding.node_of(c)) is not None and n in nodes)
-        if self.secure is not None:  # a client whose key did not arrive cannot be masked against
-            chosen = [n for n in chosen if self.secure.has_key(str(self.binding.client_of(n)))]
+        if self.secure is not None:  # only clients that advertised keys and shared them can be masked against
+            ready = set(self.secure.setup(round_number, [str(self.binding.client_of(n)) for n in chosen], failures))
+            chosen = [n for n in chosen if self.binding.client_of(n) in ready]
         if len(chosen) < config.required_clients:
             unreachable = sorted(set(sampled) - {str(self.binding.client_of(n)) for n in chosen})
             self.fail(round_number, f"round {round_number}: {len(chosen)} of {len(sampled)} clients replied when asked "
@@ -328,13 +320,15 @@ class Server:
         if self.privacy is not None:
             local[KEY_CLIPPING_NORM] = config.dp_clipping_norm
         if self.secure is not None:
-            self.secure.configure(local, round_number, [self.binding.client_of(n) for n in chosen])
+            self.secure.configure(local)
         with sampling_at_most(strategy, len(chosen)):  # Flower's sampling would wait for more, for ever
             messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
+        if self.secure is not None:
+            messages = self.secure.address(messages)
         good, train_failures = self.exchange(messages, round_number, "train")
         failures += train_failures
         if self.secure is not None:
-            good, norms = self.secure.accept(good, self, failures), {}
+            good, norms = self.secure.accept(good, failures), {}
         else:
             good, norms = self.accept_train(good, encoder, failures)
         replied = [self.client_of(reply) for reply in good]
@@ -414,7 +408,7 @@ class Server:
         strategy's step is post-processing)."""
         replies = good
         if self.secure is not None:
-            mean = self.secure.mean_update(round_number, good, self, failures)
+            mean = self.secure.mean_update(round_number, good, failures)
             model = ArrayRecord({name: Array(np.asarray(encoder[name] + mean[name], dtype=np.float32)) for name in encoder})
             # DP's mechanism averages n replies (its noise is z * C / n): n replies sharing the one mean
             replies = [synthetic_reply(model) for _ in good] if self.privacy is not None else [synthetic_reply(model)]
@@ -575,7 +569,7 @@ class Server:
                 "reason": reason}  # fmt: skip
 
     # ---------------------------------------------------------------------- end of run
-    def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> None:
+    def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn:
         """Record why the run stops (completed rounds are already saved) and raise."""
         completed = records.complete_rounds(self.paths)
         payload = {
