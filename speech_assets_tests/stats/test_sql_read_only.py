@@ -28,9 +28,12 @@ def _utterance(utt_id: str, frames: int = 100) -> FeatureRecord:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small data dir laid out as the pipeline lays it out, with its stats.duckdb and the state
-    root of a local SuperNode holding its secagg.key, made by the federated code itself."""
-    from speech_assets.federated.config import CLIENT_STATE_FOLDER
-    from speech_assets.federated.secure_rounds import SECRET_FILE, client_keys
+    root of a local SuperNode holding a round's secure-aggregation secrets, made by the federated
+    code itself (the client's answer to an advertise query)."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from speech_assets.federated.config import NodeConfig
+    from speech_assets.federated.secure_rounds import ADVERTISE, KIND, SECAGG_NONCE, answer_secure_query, state_path
 
     data = tmp_path_factory.mktemp("data")
     (data / "manifest").mkdir()
@@ -54,8 +57,10 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         StatsInputs(manifest=manifest, manifest_rejects=data / "manifest" / "rejects.parquet", shards=[files.shard],
                     shard_rejects=[files.rejects], clients=data / "clients" / "clients.parquet", kmeans_quality=[]),  # fmt: skip
     )
-    client_keys(str(data / CLIENT_STATE_FOLDER / "client_00"), "run-1")
-    assert (data / CLIENT_STATE_FOLDER / "client_00" / SECRET_FILE).is_file()
+    node = NodeConfig(client_id="client_00", data_dir=str(data))
+    query = ConfigRecord({KIND: ADVERTISE, "run-name": "run-1", "server-round": 1, SECAGG_NONCE: bytes(16)})
+    answer_secure_query(query, node, RecordDict())
+    assert "self_seed" in state_path(node, "run-1", 1).read_text()
     return data
 
 
@@ -65,7 +70,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 def _key(data: Path) -> Path:
-    return next(data.rglob("secagg.key"))
+    return next(data.rglob("round-1.json"))
 
 
 WRITES = {
