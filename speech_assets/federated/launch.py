@@ -33,6 +33,7 @@ from typing import Any
 from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
+from speech_assets.hosts import check_endpoint
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
@@ -86,7 +87,11 @@ class InsecureRefused(ValueError):
 
 def check_transport(superlink: str, root_certificates: str, insecure: bool) -> None:
     """Remote mode talks TLS (verified against ``root_certificates``) unless ``insecure`` says
-    otherwise; local mode always does (its own CA)."""
+    otherwise; local mode always does (its own CA). ``superlink`` must be ``host:port``."""
+    if superlink:
+        check_endpoint(superlink, "superlink")
+    if superlink and root_certificates and not Path(root_certificates).is_file():
+        raise ValueError(f"superlink_root_certificates {root_certificates!r} is not a file")
     if superlink and not root_certificates and not insecure:
         raise InsecureRefused(
             f"the SuperLink at {superlink} would be reached without TLS: set superlink_root_certificates to its CA "
