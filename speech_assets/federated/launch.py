@@ -2,9 +2,10 @@
 the Flower App with ``flwr run``, follow it, stop every process, and read what the server wrote.
 
 Local mode (the default): a SuperLink (TLS, SuperNode authentication) and one SuperNode per client
-on 127.0.0.1; SuperNode ``c`` gets ``--node-config 'client-id="c" data-dir="<data>"
-state-root="<client state root>/c"'`` (default root ``<data>/federated_clients``: never inside the
-server's run folder).
+on the 127.0.0.1 of a private network namespace, which no other local user can reach (see
+:mod:`speech_assets.federated.processes`); SuperNode ``c`` gets ``--node-config 'client-id="c"
+data-dir="<data>" state-root="<client state root>/c"'`` (default root
+``<data>/federated_clients``: never inside the server's run folder).
 
 Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
 SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)
@@ -318,7 +319,7 @@ def _run_federation(
 
             outcome = flwr_run(
                 APP_DIR, paths.run_config, federation.cli_home, paths.flower_dir / "flwr-run.log", forward, env,
-                should_stop,
+                should_stop, federation.enter,
             )  # fmt: skip
     follower.poll()
     if paths.failure.is_file():
