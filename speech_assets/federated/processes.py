@@ -45,7 +45,7 @@ import psutil
 
 from speech_assets import locations
 from speech_assets.federated.config import NODES_FILE, NodeConfig
-from speech_assets.runtime.netns import PrivateNetwork
+from speech_assets.runtime.netns import NoPrivateNetwork, PrivateNetwork
 from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.utils import atomic_write_text
@@ -64,7 +64,8 @@ FIRST_SUPERNODE_PORT = 9094
 
 
 class NeedsLinux(RuntimeError):
-    """The local federation's guarantees (parent-death signals, a child subreaper) are Linux's."""
+    """The local federation's guarantees (parent-death signals, a child subreaper, a private
+    network namespace) are Linux's."""
 
 
 def require_linux() -> None:
@@ -242,7 +243,13 @@ class LocalFederation:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.folder.chmod(0o700)
-            self.network.start()
+            try:
+                self.network.start()
+            except NoPrivateNetwork as error:
+                raise NeedsLinux(
+                    f"the local Flower federation runs where no other local user can reach it: {error}; "
+                    "otherwise use the simulation engine or a remote `superlink`"
+                ) from None
             port = SUPERLINK_PORT
             tls = make_tls(self.folder / "tls")
             log_path = self.folder / "superlink" / "superlink.log"

@@ -331,6 +331,19 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_without_a_private_network_the_local_federation_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No util-linux (or no user namespaces): the local federation does not fall back to a
+    loopback every local user reaches; it refuses before starting anything."""
+    from speech_assets.federated.processes import LocalFederation, NeedsLinux
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    federation = LocalFederation(tmp_path / "flower", [NodeConfig("client_00", str(tmp_path))], log=lambda line: None)
+    with pytest.raises(NeedsLinux) as refused:
+        federation.start()
+    assert "no other local user can reach it" in str(refused.value) and "\n" not in str(refused.value)
+    assert federation.superlink is None and not (tmp_path / "flower" / "superlink").exists()
+
+
 @pytest.mark.parametrize(
     ("clients", "fraction", "minimum", "expected"),
     [(4, 1.0, 0, 4), (4, 0.5, 0, 2), (64, 0.25, 0, 16), (64, 0.01, 0, 1), (64, 0.1, 10, 10), (3, 0.1, 0, 1)],
