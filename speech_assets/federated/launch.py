@@ -34,8 +34,8 @@ from typing import Any
 from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
-from speech_assets.hosts import check_endpoint
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
+from speech_assets.hosts import check_endpoint
 from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 

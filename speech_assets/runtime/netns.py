@@ -73,7 +73,7 @@ class PrivateNetwork:
                 self.holder, self.user_namespace = holder, "--user" in options
                 return self
             _end(holder)
-            errors.append(f"unshare {' '.join(options)}: {holder.stderr.read().decode(errors='replace').strip()}")
+            errors.append(f"unshare {' '.join(options)}: {' '.join(holder.stderr.read().decode(errors='replace').split())}")
         raise NoPrivateNetwork(
             "could not make a private network namespace (" + "; ".join(errors) + "): unprivileged user namespaces "
             "may be disabled (sysctl kernel.unprivileged_userns_clone, or on Ubuntu "
