@@ -15,7 +15,7 @@ from speech_assets import locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
-from speech_assets.federated.config import FederatedConfig
+from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.features.vad import VadConfig
 from speech_assets.train.config import DistillConfig, TrainConfig
 
@@ -199,8 +199,8 @@ class TrainingSettings(dg.Config):
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0
 
-    # what runs commands or reads files anywhere: set in the settings file, never by run config
-    settings_only: ClassVar[frozenset[str]] = frozenset({"node_command", "node_hosts", "noise_dir"})
+    # what runs commands, reads files anywhere or names an endpoint: set in the settings file, never by run config
+    settings_only: ClassVar[frozenset[str]] = frozenset({"node_command", "node_hosts", "noise_dir", "rdzv_endpoint"})
 
     @field_validator("node_hosts")
     @classmethod
@@ -281,8 +281,16 @@ class FederatedSettings(dg.Config):
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
 
-    # where the SuperNodes write, and giving up TLS: set in the settings file, never by run config
-    settings_only: ClassVar[frozenset[str]] = frozenset({"client_state_root", "insecure"})
+    # where the federation connects, what it trusts, where the SuperNodes write: set in the
+    # settings file, never by run config
+    settings_only: ClassVar[frozenset[str]] = frozenset(SETTINGS_FILE_ONLY)
+
+    @field_validator("superlink")
+    @classmethod
+    def _superlink(cls, superlink: str) -> str:
+        if superlink:
+            check_endpoint(superlink, "[federated] superlink")
+        return superlink
 
 
 class ProbeSettings(dg.Config):

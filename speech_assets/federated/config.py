@@ -243,7 +243,11 @@ class FederatedConfig:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
-        """Parse a Flower run config (unknown keys are ignored: the app's defaults may hold more)."""
+        """Parse a Flower run config (unknown keys are ignored: the app's defaults may hold more),
+        refusing any of :data:`SETTINGS_FILE_ONLY`."""
+        named = sorted(set(map(_key, SETTINGS_FILE_ONLY)) & set(run_config))
+        if named:
+            raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
         known = {_key(item.name): item for item in fields(cls) if item.name not in JSON_FIELDS}
         values: dict[str, Any] = {}
         for key, item in known.items():
@@ -274,6 +278,9 @@ class FederatedConfig:
 
 
 JSON_FIELDS = ("client_weights", "data_versions")
+# Where a federation connects, what it trusts and where its SuperNodes write: the launcher's
+# settings (the settings file, or the command line of whoever starts it), never a run config's.
+SETTINGS_FILE_ONLY = ("superlink", "superlink_root_certificates", "insecure", "client_state_root")
 # Not compared when a run folder is resumed: where it lives, and how long the server waits.
 NOT_SETTINGS = ("run_dir", "run_name", "round_timeout_s", "connect_timeout_s")
 

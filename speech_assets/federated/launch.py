@@ -2,9 +2,10 @@
 the Flower App with ``flwr run``, follow it, stop every process, and read what the server wrote.
 
 Local mode (the default): a SuperLink (TLS, SuperNode authentication) and one SuperNode per client
-on 127.0.0.1; SuperNode ``c`` gets ``--node-config 'client-id="c" data-dir="<data>"
-state-root="<client state root>/c"'`` (default root ``<data>/federated_clients``: never inside the
-server's run folder).
+on the 127.0.0.1 of a private network namespace, which no other local user can reach (see
+:mod:`speech_assets.federated.processes`); SuperNode ``c`` gets ``--node-config 'client-id="c"
+data-dir="<data>" state-root="<client state root>/c"'`` (default root
+``<data>/federated_clients``: never inside the server's run folder).
 
 Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
 SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)
@@ -34,6 +35,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
+from speech_assets.hosts import check_endpoint
 from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
@@ -86,7 +88,11 @@ class InsecureRefused(ValueError):
 
 def check_transport(superlink: str, root_certificates: str, insecure: bool) -> None:
     """Remote mode talks TLS (verified against ``root_certificates``) unless ``insecure`` says
-    otherwise; local mode always does (its own CA)."""
+    otherwise; local mode always does (its own CA). ``superlink`` must be ``host:port``."""
+    if superlink:
+        check_endpoint(superlink, "superlink")
+    if superlink and root_certificates and not Path(root_certificates).is_file():
+        raise ValueError(f"superlink_root_certificates {root_certificates!r} is not a file")
     if superlink and not root_certificates and not insecure:
         raise InsecureRefused(
             f"the SuperLink at {superlink} would be reached without TLS: set superlink_root_certificates to its CA "
@@ -313,7 +319,7 @@ def _run_federation(
 
             outcome = flwr_run(
                 APP_DIR, paths.run_config, federation.cli_home, paths.flower_dir / "flwr-run.log", forward, env,
-                should_stop,
+                should_stop, federation.enter,
             )  # fmt: skip
     follower.poll()
     if paths.failure.is_file():

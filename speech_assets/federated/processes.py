@@ -13,11 +13,17 @@ guarantee that every process started here is stopped, on success, on failure and
   (:func:`speech_assets.runtime.processes.terminate`: the SuperLink starts its SuperExec in a
   session of its own, so a process group is not enough).
 
-Everything binds to 127.0.0.1 on free ports; each process gets its own ``FLWR_HOME`` under the
-run's ``flower/`` folder, where its log is written too. The SuperLink serves TLS with a
-certificate of a CA made for this federation, and authenticates SuperNodes (Flower's node
-authentication, :mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it
-starts, and ``nodes.json`` tells the ServerApp which node id is which client.
+The local federation lives in a private network namespace
+(:class:`speech_assets.runtime.netns.PrivateNetwork`): the SuperLink, the SuperNodes, the key
+registration and ``flwr run`` all run inside it and bind or reach its own 127.0.0.1, which no
+process outside reaches. Flower 1.42's Control API authenticates no one without Flower
+Enterprise's OIDC, and any local user could otherwise connect to loopback ports: start their own
+app (run as us), register a node, or talk to a SuperNode's ClientAppIo API. Only the namespace's
+owner (and root) can enter it. Each process gets its own ``FLWR_HOME`` under the run's ``flower/``
+folder (0700), where its log is written too. The SuperLink serves TLS with a certificate of a CA
+made for this federation, and authenticates SuperNodes (Flower's node authentication,
+:mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it starts, and
+``nodes.json`` tells the ServerApp which node id is which client.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +45,7 @@ import psutil
 
 from speech_assets import locations
 from speech_assets.federated.config import NODES_FILE, NodeConfig
-from speech_assets.hosts import free_port
+from speech_assets.runtime.netns import NoPrivateNetwork, PrivateNetwork
 from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.utils import atomic_write_text
@@ -53,10 +58,14 @@ AUTH_MODULE = "speech_assets.federated.auth"
 FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
+# the federation's network namespace is its own: every port in it is free
+SUPERLINK_PORT = 9093
+FIRST_SUPERNODE_PORT = 9094
 
 
 class NeedsLinux(RuntimeError):
-    """The local federation's guarantees (parent-death signals, a child subreaper) are Linux's."""
+    """The local federation's guarantees (parent-death signals, a child subreaper, a private
+    network namespace) are Linux's."""
 
 
 def require_linux() -> None:
@@ -121,13 +130,13 @@ def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, s
     return {k: v for k, v in env.items() if not k.startswith("DAGSTER_PIPES")}
 
 
-def wait_listening(port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path) -> None:
+def wait_listening(port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path, network: PrivateNetwork) -> None:
+    """Wait until ``process`` listens on ``port`` inside ``network``."""
+
     def listening() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {process.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-        return False
+        return network.listening(port)
 
     try:
         wait_until(listening, timeout, f"{name} to listen on 127.0.0.1:{port}", interval=0.2)
@@ -182,12 +191,13 @@ class Daemon:
 
 
 class LocalFederation:
-    """A SuperLink and one SuperNode per client on 127.0.0.1, for the duration of a ``with``.
+    """A SuperLink and one SuperNode per client on the 127.0.0.1 of a private network namespace,
+    for the duration of a ``with``; run a command inside it with :meth:`enter`.
 
-    ``folder`` receives one sub-folder per process (its ``FLWR_HOME`` and ``<name>.log``),
-    ``pids.json``, ``tls/`` (the CA and the SuperLink's certificate), ``auth/`` (the SuperNodes'
-    keys, deleted on stop), ``cli/`` (the ``flwr`` connection, :attr:`cli_home`) and
-    ``nodes.json`` (``{node id: client id}``, deleted on stop). Each SuperNode gets
+    ``folder`` (made 0700) receives one sub-folder per process (its ``FLWR_HOME`` and
+    ``<name>.log``), ``pids.json``, ``tls/`` (the CA and the SuperLink's certificate), ``auth/``
+    (the SuperNodes' keys, deleted on stop), ``cli/`` (the ``flwr`` connection, :attr:`cli_home`)
+    and ``nodes.json`` (``{node id: client id}``, deleted on stop). Each SuperNode gets
     ``--node-config`` from its :class:`NodeConfig`.
     """
 
@@ -205,6 +215,7 @@ class LocalFederation:
         self.superlink: Daemon | None = None
         self.supernodes: dict[str, Daemon] = {}
         self.node_ids: dict[str, int] = {}
+        self.network = PrivateNetwork()
 
     @property
     def cli_home(self) -> Path:
@@ -213,8 +224,14 @@ class LocalFederation:
 
     @property
     def address(self) -> str:
+        """The SuperLink's address inside the federation's network namespace."""
         assert self.superlink is not None, "the federation is not started"
         return f"127.0.0.1:{self.superlink.port}"
+
+    def enter(self, command: Sequence[str]) -> list[str]:
+        """``command`` as it runs inside the federation's network namespace (the only place its
+        addresses mean anything)."""
+        return self.network.enter(command)
 
     @property
     def daemons(self) -> list[Daemon]:
@@ -224,7 +241,16 @@ class LocalFederation:
         from speech_assets.federated.auth import make_node_key, make_tls
 
         try:
-            port = free_port()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.chmod(0o700)
+            try:
+                self.network.start()
+            except NoPrivateNetwork as error:
+                raise NeedsLinux(
+                    f"the local Flower federation runs where no other local user can reach it: {error}; "
+                    "otherwise use the simulation engine or a remote `superlink`"
+                ) from None
+            port = SUPERLINK_PORT
             tls = make_tls(self.folder / "tls")
             log_path = self.folder / "superlink" / "superlink.log"
             command = [
@@ -233,13 +259,14 @@ class LocalFederation:
                 "--disable-runtime-dependency-installation",
             ]  # fmt: skip
             env = flower_env(self.folder / "superlink" / "home", self.base_env)
-            self.superlink = Daemon("superlink", spawn(command, log_path, env, supervised=True), log_path, port)
-            wait_listening(port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path)
+            process = spawn(self.enter(command), log_path, env, supervised=True)
+            self.superlink = Daemon("superlink", process, log_path, port)
+            wait_listening(port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path, self.network)
             write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
             keys = {node.client_id: make_node_key(self.folder / "auth", node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
-            for node in self.nodes:
-                node_port = free_port()
+            for index, node in enumerate(self.nodes):
+                node_port = FIRST_SUPERNODE_PORT + index
                 node_dir = self.folder / f"supernode-{node.client_id}"
                 command = [
                     flower_bin("flower-supernode"), "--root-certificates", str(tls.ca), "--superlink", self.address,
@@ -247,7 +274,7 @@ class LocalFederation:
                     "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node.to_node_config(),
                 ]  # fmt: skip
                 log_path = node_dir / "supernode.log"
-                process = spawn(command, log_path, flower_env(node_dir / "home", self.base_env), supervised=True)
+                process = spawn(self.enter(command), log_path, flower_env(node_dir / "home", self.base_env), supervised=True)
                 self.supernodes[node.client_id] = Daemon(f"supernode {node.client_id}", process, log_path, node_port)
             self._write_pids()
             self.log(
@@ -265,7 +292,7 @@ class LocalFederation:
         command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME,
                    *(str(p) for p in public_keys.values())]  # fmt: skip
         done = subprocess.run(  # noqa: S603
-            command, env=flower_env(self.cli_home, self.base_env), capture_output=True, text=True,
+            self.enter(command), env=flower_env(self.cli_home, self.base_env), capture_output=True, text=True,
             timeout=self.startup_timeout, preexec_fn=die_with_parent,  # noqa: PLW1509
         )  # fmt: skip
         if done.returncode != 0:
@@ -304,6 +331,7 @@ class LocalFederation:
         if daemons:
             terminate([d.process for d in daemons], grace)
         self.superlink, self.supernodes = None, {}
+        self.network.stop()
         # the registrations died with the SuperLink; the keys and the node ids mean nothing now
         (self.folder / NODES_FILE).unlink(missing_ok=True)
         for path in (self.folder / "auth").glob("*.key"):
@@ -346,9 +374,11 @@ def flwr_run(
     on_line: Callable[[str], None],
     env: Mapping[str, str] | None = None,
     should_stop: Callable[[], str | None] = lambda: None,
+    enter: Callable[[Sequence[str]], list[str]] = list,
 ) -> FlwrRun:
     """``flwr run <app_dir> speech_assets --run-config <file> --stream``: submit the app to the
-    SuperLink of the connection in ``home`` and follow its logs until the run ends.
+    SuperLink of the connection in ``home`` and follow its logs until the run ends; ``enter``
+    wraps each ``flwr`` command (:meth:`LocalFederation.enter` for the local federation).
 
     ``should_stop`` is polled while waiting; a non-empty answer (why) stops the run
     (``flwr stop``) and raises. The run's own success is judged by the caller from what the
@@ -357,7 +387,7 @@ def flwr_run(
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    process = spawn(command, log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = spawn(enter(command), log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_id: list[int] = []
 
     def each(line: str) -> None:
@@ -369,7 +399,7 @@ def flwr_run(
         reason = follow(process, log_path, each, should_stop)
         if reason is not None:
             if run_id:
-                flwr_stop(run_id[0], home, env)
+                flwr_stop(run_id[0], home, env, enter)
             raise RuntimeError(f"federated run stopped: {reason}")
         return FlwrRun(process.wait(), run_id[0] if run_id else None)
     finally:
@@ -434,10 +464,12 @@ def simulation_run(
             terminate([process], grace=10)
 
 
-def flwr_stop(run_id: int, home: Path, env: Mapping[str, str] | None = None) -> None:
+def flwr_stop(
+    run_id: int, home: Path, env: Mapping[str, str] | None = None, enter: Callable[[Sequence[str]], list[str]] = list
+) -> None:
     """Ask the SuperLink to stop run ``run_id`` (best effort)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(  # noqa: S603
-            [flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME], env=flower_env(home, env),
+            enter([flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME]), env=flower_env(home, env),
             capture_output=True, timeout=60, preexec_fn=die_with_parent,  # noqa: PLW1509
         )  # fmt: skip

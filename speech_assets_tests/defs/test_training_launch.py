@@ -41,9 +41,10 @@ def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
         {"node_command": "touch {pwned}; true {{command}}"},
         {"node_hosts": ["x$(id)"]},
         {"noise_dir": "/"},
+        {"rdzv_endpoint": "attacker.example:29400"},
     ],
 )
-def test_run_config_cannot_set_commands_hosts_or_noise_folders(override: dict, tmp_path: Path) -> None:
+def test_run_config_cannot_set_commands_hosts_endpoints_or_noise_folders(override: dict, tmp_path: Path) -> None:
     pwned = tmp_path / "pwned"
     override = {k: v.format(pwned=pwned) if isinstance(v, str) else v for k, v in override.items()}
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
@@ -57,7 +58,7 @@ def test_run_config_cannot_set_commands_hosts_or_noise_folders(override: dict, t
 
 @pytest.mark.parametrize(
     ("override", "error"),
-    [({"noise": "/"}, "noise must be one of"), ({"rdzv_endpoint": "x$(id):1", "nnodes": "2"}, "is not host:port")],
+    [({"noise": "/"}, "noise must be one of"), ({"noise": "folder"}, "needs noise_dir")],
 )
 def test_run_config_values_are_checked_like_the_settings(override: dict, error: str, tmp_path: Path) -> None:
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")

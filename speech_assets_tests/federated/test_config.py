@@ -222,12 +222,54 @@ def test_the_cli_refuses_to_resume_with_other_settings(tmp_path: Path, capsys: p
     assert not (run_dir / "flower").exists()  # nothing was started
 
 
-def test_a_remote_superlink_without_tls_is_refused_unless_insecure() -> None:
+def test_a_remote_superlink_without_tls_is_refused_unless_insecure(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
     check_transport("", "", insecure=False)  # local: the launcher's own CA and node authentication
-    check_transport("fl.example.org:9093", "/etc/ca.pem", insecure=False)
+    check_transport("fl.example.org:9093", str(ca), insecure=False)
     check_transport("fl.example.org:9093", "", insecure=True)
     with pytest.raises(InsecureRefused, match="insecure = true"):
         check_transport("fl.example.org:9093", "", insecure=False)
+    with pytest.raises(ValueError, match="is not a file"):
+        check_transport("fl.example.org:9093", str(tmp_path / "missing.pem"), insecure=False)
+
+
+@pytest.mark.parametrize("superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "fl.example.org", "a b:9093", "::1:9093"])
+def test_the_launcher_refuses_a_superlink_that_is_not_host_and_port(superlink: str, tmp_path: Path) -> None:
+    """The command line's `--superlink` is checked as the settings file's is, before anything is written."""
+    from speech_assets.federated.launch import run_federation
+
+    with pytest.raises(ValueError, match="is not host:port"):
+        run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path, superlink=superlink, insecure=True)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("superlink", ["", "fl.example.org:9093", "[fe80::1%eth0]:9093", "10.0.0.5:9093"])
+def test_the_settings_file_takes_a_superlink_endpoint(superlink: str, tmp_path: Path) -> None:
+    from speech_assets.defs.resources import PipelineSettings
+
+    (tmp_path / "pipeline.toml").write_text(f'[federated]\nsuperlink = "{superlink}"\n')
+    assert PipelineSettings.load(tmp_path / "pipeline.toml").federated.superlink == superlink
+
+
+@pytest.mark.parametrize("superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "h$(id):9093", "fl.example.org", "::1:9093"])
+def test_the_settings_file_refuses_a_superlink_that_is_not_host_and_port(superlink: str, tmp_path: Path) -> None:
+    from speech_assets.defs.resources import PipelineSettings
+
+    (tmp_path / "pipeline.toml").write_text(f"[federated]\nsuperlink = {json.dumps(superlink)}\n")
+    with pytest.raises(ValueError, match="superlink .* is not host:port"):
+        PipelineSettings.load(tmp_path / "pipeline.toml")
+
+
+@pytest.mark.parametrize("key", ["superlink", "superlink-root-certificates", "insecure", "client-state-root"])
+def test_a_flower_run_config_cannot_name_where_the_federation_connects(key: str) -> None:
+    """The app's run config holds no endpoint, certificate or client folder (so `flwr run
+    --run-config` cannot add one: Flower refuses keys the app does not declare), and the
+    ServerApp refuses a run config naming one."""
+    declared = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert key not in declared
+    with pytest.raises(ValueError, match=f"run config may not set \\['{key}'\\].*settings file only"):
+        FederatedConfig.from_run_config({**_config().to_run_config(), key: "attacker.example:9093"})
 
 
 def test_the_launcher_gives_up_on_a_run_without_progress() -> None:
@@ -259,10 +301,14 @@ def test_settings_and_launcher_import_neither_torch_nor_flower() -> None:
     assert out.stdout.split("\n")[0] == "[] False"
 
 
-@pytest.mark.parametrize("override", [{"insecure": True}, {"client_state_root": "/"}])
-def test_run_config_cannot_give_up_tls_or_move_the_client_state(override: dict, tmp_path: Path) -> None:
-    """`insecure` and `client_state_root` come from the settings file only: run config naming them
-    is rejected by Dagster before a run exists."""
+@pytest.mark.parametrize(
+    "override",
+    [{"insecure": True}, {"client_state_root": "/"}, {"superlink": "attacker.example:9093"},
+     {"superlink_root_certificates": "/tmp/attacker-ca.pem"}],
+)  # fmt: skip
+def test_run_config_cannot_redirect_the_federation_give_up_tls_or_move_the_client_state(override: dict, tmp_path: Path) -> None:
+    """`superlink`, `superlink_root_certificates`, `insecure` and `client_state_root` come from
+    the settings file only: run config naming them is rejected by Dagster before a run exists."""
     import dagster as dg
 
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
@@ -287,6 +333,19 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
         run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path)
     assert "needs Linux" in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_without_a_private_network_the_local_federation_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No util-linux (or no user namespaces): the local federation does not fall back to a
+    loopback every local user reaches; it refuses before starting anything."""
+    from speech_assets.federated.processes import LocalFederation, NeedsLinux
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    federation = LocalFederation(tmp_path / "flower", [NodeConfig("client_00", str(tmp_path))], log=lambda line: None)
+    with pytest.raises(NeedsLinux) as refused:
+        federation.start()
+    assert "no other local user can reach it" in str(refused.value) and "\n" not in str(refused.value)
+    assert federation.superlink is None and not (tmp_path / "flower" / "superlink").exists()
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,9 @@ client, `flwr run`), a real Dagster instance, a real MLflow store and the sample
 - slow: a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients
   stops the run with a clear message after saving the completed rounds.
 - slow: only SuperNodes whose key the launcher registered join the local SuperLink.
+- slow: another local user can neither reach the local federation's SuperLink (Control API: start
+  a run, register a node) or SuperNodes, nor enter its network namespace; the same requests from
+  inside it work.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -30,7 +34,6 @@ import torch
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.runtime.faults import FAULTS_ENV, fault
-from speech_assets.hosts import free_port
 from speech_assets.model.encoders import weights_sha256
 from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
@@ -301,8 +304,9 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
             command = [flower_bin("flower-supernode"), "--root-certificates", str(folder / "tls" / "ca.crt"),
                        "--superlink", federation.address, "--host", "127.0.0.1"]  # fmt: skip
             stranger = make_node_key(tmp_path / "stranger", "client_01")
-            for name, extra in (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])):
-                argv = [*command, "--port", str(free_port()), *extra, "--node-config", node.to_node_config()]
+            # inside the federation's network namespace: what only node authentication stops
+            for port, (name, extra) in enumerate((("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])), 9200):
+                argv = federation.enter([*command, "--port", str(port), *extra, "--node-config", node.to_node_config()])
                 log = tmp_path / name / "supernode.log"
                 impostors.append((spawn(argv, log, flower_env(tmp_path / name / "home"), supervised=True), log))
             for process, log in impostors:
@@ -314,6 +318,91 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
     finally:
         terminate([p for p, _ in impostors])
     assert not (folder / "nodes.json").exists() and not list((folder / "auth").glob("*.key"))
+    assert wait_until_gone(tmp_path) == []
+
+
+# what a local user tries against the federation, with nothing but the standard library: connect
+# to each port, register a node key through the Control API (as `flwr supernode register` does),
+# enter the federation's network namespace
+INTRUDER = textwrap.dedent(
+    """
+    import json, socket, ssl, subprocess, sys, urllib.request
+    spec = json.load(open(sys.argv[1]))
+    found = {}
+    for port in spec["ports"]:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            found[f"connect {port}"] = "connected"
+        except OSError as error:
+            found[f"connect {port}"] = type(error).__name__
+    tls = ssl.create_default_context(cafile=spec["ca"])
+    request = urllib.request.Request(spec["url"], data=bytes.fromhex(spec["body"]), headers=spec["headers"], method="POST")
+    try:
+        with urllib.request.urlopen(request, context=tls, timeout=30) as response:
+            found["register-node"] = f"HTTP {response.status}"
+    except Exception as error:
+        found["register-node"] = repr(error)
+    if spec["pid"]:
+        done = subprocess.run(["nsenter", f"--target={spec['pid']}", "--net", "--", "true"], capture_output=True, text=True)
+        found["nsenter"] = done.stderr.strip() or "entered"
+    print(json.dumps(found))
+    """
+)
+
+
+@pytest.mark.slow
+def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) -> None:
+    """A second, unprivileged user of this machine tries what Flower's unauthenticated Control API
+    would let it do on a loopback SuperLink (register its own node key, start runs) and to reach
+    the SuperNodes; everything is refused, while the same requests from the owner's side (inside
+    the federation's network namespace) work and the owner's SuperNode is registered and active."""
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.proto.control_pb2 import RegisterNodeRequest  # pylint: disable=E0611
+    from flwr.supercore.runtime_version_compatibility import RuntimeVersionMetadata
+
+    from speech_assets.federated.auth import make_node_key
+    from speech_assets.federated.config import NodeConfig
+    from speech_assets.federated.processes import LocalFederation
+    from speech_assets.testing import other_user
+
+    if why := other_user.why_not():
+        pytest.skip(f"needs another local user: {why}")
+    python = other_user.python_for(other_user.NOBODY)
+    if python is None:
+        pytest.skip("no Python interpreter the user nobody may run")
+    node = NodeConfig("client_00", str(tmp_path / "data"))
+    with other_user.shared_folder() as shared, LocalFederation(tmp_path / "flower", [node], log=lambda line: None) as federation:
+        own = federation.supernodes["client_00"]
+        _wait_for_text(own.log, f"SuperNode ID: {federation.node_ids['client_00']}", own.process)
+        key = make_node_key(shared, "intruder")
+        headers = dict(RuntimeVersionMetadata.from_local_component("flwr-cli").as_metadata())
+        spec = {
+            "ports": [daemon.port for daemon in federation.daemons],
+            "url": f"https://{federation.address}/v1/control/register-node",
+            "ca": str(shared / "ca.crt"),  # a CA certificate is no secret
+            "body": RegisterNodeRequest(public_key=try_load_public_key(key.public)).SerializeToString().hex(),
+            "headers": headers | {"Content-Type": "application/protobuf"},
+            "pid": federation.network.pid,
+        }
+        (shared / "ca.crt").write_bytes((tmp_path / "flower" / "tls" / "ca.crt").read_bytes())
+        (shared / "spec.json").write_text(json.dumps(spec))
+        (shared / "intruder.py").write_text(INTRUDER)
+        for path in shared.iterdir():
+            path.chmod(0o644)
+        command = [*python[0], str(shared / "intruder.py"), str(shared / "spec.json")]
+        intruder = subprocess.run(other_user.as_user(other_user.NOBODY, command), env=python[1], capture_output=True,
+                                  text=True, timeout=120, cwd="/")  # fmt: skip
+        assert intruder.returncode == 0, intruder.stderr
+        refused = json.loads(intruder.stdout)
+        assert all(refused[f"connect {port}"] == "ConnectionRefusedError" for port in spec["ports"]), refused
+        assert "Connection refused" in refused["register-node"], refused
+        assert "Permission denied" in refused.get("nsenter", "Permission denied"), refused
+        owner = subprocess.run(federation.enter([sys.executable, str(shared / "intruder.py"), str(shared / "spec.json")]),
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert owner.returncode == 0, owner.stderr
+        inside = json.loads(owner.stdout)
+        assert inside["register-node"] == "HTTP 200" and all(inside[f"connect {p}"] == "connected" for p in spec["ports"]), inside
+        assert own.process.poll() is None
     assert wait_until_gone(tmp_path) == []
 
 
