@@ -6,6 +6,7 @@ Shared by the tests and the benchmarks (nothing here is mocked: it writes real F
 from __future__ import annotations
 
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,12 @@ def tone(seconds: float, sample_rate: int = 16_000, channels: int = 1, seed: int
 
 
 def write_flac(path: Path, seconds: float = 1.0, sample_rate: int = 16_000, channels: int = 1,
-               subtype: str = "PCM_16", seed: int = 0) -> Path:
+               subtype: str = "PCM_16", seed: int | None = None) -> Path:
+    """A tone as FLAC; without a ``seed``, one taken from the file's name, so that two files hold
+    different audio (the manifest keeps one recording under two ids only once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if seed is None:
+        seed = zlib.crc32(path.name.encode())
     sf.write(path, tone(seconds, sample_rate, channels, seed), sample_rate, format="FLAC", subtype=subtype)
     return path
 
@@ -53,7 +58,7 @@ class LibriCorpus:
             **audio) -> Path:
         utt_id = f"{speaker}-{chapter}-{utt:04d}"
         self.add_line(speaker, chapter, utt_id, text)
-        return write_flac(self.chapter_dir(speaker, chapter) / f"{utt_id}.flac", seconds, seed=utt, **audio)
+        return write_flac(self.chapter_dir(speaker, chapter) / f"{utt_id}.flac", seconds, **audio)  # a seed per utt_id
 
 
 def vowel(seconds: float, sample_rate: int = SR, f0: float = 140.0, fmax: float = 7000.0) -> np.ndarray:
