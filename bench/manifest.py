@@ -3,7 +3,7 @@
     python bench/manifest.py [--files 1024] [--workers N]
 
 Builds a LibriSpeech-layout corpus of at least ``--files`` FLAC files by replicating the
-committed sample under new speaker ids, then times what the ``manifest`` asset does (scan,
+committed sample under new speaker ids (each copy one sample apart, so that none is a duplicate), then times what the ``manifest`` asset does (scan,
 full decode, write manifest/rejects/cache) cold, and again with the decode cache over the
 unchanged corpus. Target (issue 2): the re-run costs under a tenth of the first run.
 """
@@ -17,6 +17,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import soundfile as sf
 
 from speech_assets.corpus import manifest as m
 from speech_assets.corpus.rejects import write_rejects
@@ -35,7 +37,12 @@ def build_corpus(root: Path, files: int) -> int:
             folder = root / new_speaker / chapter
             folder.mkdir(parents=True, exist_ok=True)
             utt_id = f"{new_speaker}-{chapter}-{utt}"
-            shutil.copyfile(src, folder / f"{utt_id}.flac")
+            if copy == 0:
+                shutil.copyfile(src, folder / f"{utt_id}.flac")
+            else:  # one sample changed: a recording of its own (the manifest keeps one recording under two ids once)
+                samples, rate = sf.read(src, dtype="int16")
+                samples[0] = samples[0] + copy if samples[0] < 0 else samples[0] - copy
+                sf.write(folder / f"{utt_id}.flac", samples, rate, format="FLAC", subtype="PCM_16")
             text = dict(line.split(" ", 1) for line in (src.parent / f"{speaker}-{chapter}.trans.txt").read_text().splitlines())
             with open(folder / f"{new_speaker}-{chapter}.trans.txt", "a") as handle:
                 handle.write(f"{utt_id} {text[src.stem]}\n")
