@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import soundfile as sf
-
 from speech_assets.corpus import manifest as m
 from speech_assets.corpus.rejects import write_rejects
+from speech_assets.testing.corpora import copy_recording
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample"
 
@@ -39,10 +38,8 @@ def build_corpus(root: Path, files: int) -> int:
             utt_id = f"{new_speaker}-{chapter}-{utt}"
             if copy == 0:
                 shutil.copyfile(src, folder / f"{utt_id}.flac")
-            else:  # one sample changed: a recording of its own (the manifest keeps one recording under two ids once)
-                samples, rate = sf.read(src, dtype="int16")
-                samples[0] = samples[0] + copy if samples[0] < 0 else samples[0] - copy
-                sf.write(folder / f"{utt_id}.flac", samples, rate, format="FLAC", subtype="PCM_16")
+            else:  # one recording under two ids would be a duplicate_audio reject
+                copy_recording(src, folder / f"{utt_id}.flac", nudge=copy)
             text = dict(line.split(" ", 1) for line in (src.parent / f"{speaker}-{chapter}.trans.txt").read_text().splitlines())
             with open(folder / f"{new_speaker}-{chapter}.trans.txt", "a") as handle:
                 handle.write(f"{utt_id} {text[src.stem]}\n")

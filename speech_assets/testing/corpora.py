@@ -37,6 +37,18 @@ def write_flac(path: Path, seconds: float = 1.0, sample_rate: int = 16_000, chan
     return path
 
 
+def copy_recording(source: Path, target: Path, nudge: int) -> Path:
+    """``source`` (16-bit audio) written to ``target`` as FLAC with its first sample moved by
+    ``nudge`` steps (``nudge`` > 0): a copy that is a recording of its own, which the manifest keeps
+    (it rejects one recording under two ids as ``duplicate_audio``)."""
+    samples, rate = sf.read(source, dtype="int16", always_2d=True)  # (frames, channels)
+    first = int(samples[0, 0])
+    samples[0, 0] = first - nudge if first >= 0 else first + nudge
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(target, samples, rate, format="FLAC", subtype="PCM_16")
+    return target
+
+
 class LibriCorpus:
     """Builds a LibriSpeech-layout corpus: ``add(spk, chap, utt, text)`` writes audio + transcript."""
 
