@@ -59,6 +59,8 @@ LOCATION_STATUS = "{ workspaceOrError { ... on Workspace { locationEntries { nam
 def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]:
     """``speakers`` LibriSpeech-layout speakers made from the sample's: speaker i reads sample
     speaker i mod 8's utterances, copied into ``files_per_speaker / 8`` chapters. Returns the ids."""
+    from speech_assets.testing.corpora import copy_recording
+
     sources = sorted(p for p in SAMPLE.iterdir() if p.is_dir())
     copies = max(1, files_per_speaker // 8)
     ids = []
@@ -74,7 +76,11 @@ def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]
                 folder = root / speaker / new_chapter
                 folder.mkdir(parents=True, exist_ok=True)
                 utt_id = f"{speaker}-{new_chapter}-{utt}"
-                shutil.copyfile(flac, folder / f"{utt_id}.flac")
+                nudge = index // len(sources) * copies + copy  # one recording under two ids would be a duplicate_audio reject
+                if nudge:
+                    copy_recording(flac, folder / f"{utt_id}.flac", nudge)
+                else:
+                    shutil.copyfile(flac, folder / f"{utt_id}.flac")
                 with open(folder / f"{speaker}-{new_chapter}.trans.txt", "a") as handle:
                     handle.write(f"{utt_id} {text[flac.stem]}\n")
     return ids

@@ -6,12 +6,17 @@ Two input forms are accepted:
   ``<spk>-<chap>.trans.txt`` (``<utt_id> TEXT`` per line);
 * a ``.csv`` or ``.jsonl`` file with columns ``path, transcript, speaker_id`` and optional
   ``utt_id, chapter_id``; relative paths resolve against the manifest file's folder, which is
-  then the corpus root.
+  then the corpus root. A line that cannot be read as a record (not UTF-8, not JSON, a NUL byte,
+  a field over csv's size limit, missing fields, values of the wrong type) is a reject row naming
+  the line; only a file that cannot be read at all (or a CSV header without the required
+  columns) is a :class:`CorpusError`.
 
 A file whose header declares a duration outside the configured bounds is rejected without being
 read. Every other file is hashed in chunks and decoded once, fully, block by block from disk
 (memory does not grow with its length), so that truncated or corrupt audio is caught here rather
-than in feature extraction. Decode results are cached by ``(path, size, mtime)`` so an unchanged
+than in feature extraction (so are float samples that are NaN or infinite, and a WAV header that
+declares more data than the file holds); the decoded samples are hashed on the way, so that one
+recording under two ids is kept once. Decode results are cached by ``(path, size, mtime)`` so an unchanged
 corpus is re-validated without decoding anything. No path that resolves outside the corpus root
 is ever opened, and no speaker, chapter or utterance id that is not a safe id
 (:mod:`speech_assets.corpus.ids`) goes further than a reject row. A bad file never raises: it
@@ -27,12 +32,14 @@ import hashlib
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from stat import S_ISREG
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
@@ -69,12 +76,15 @@ class ManifestRow:
 class ValidationConfig:
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
+    max_transcript_chars: int = 2000  # of the normalised transcript
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_duration_s < self.max_duration_s:
             raise ValueError(
                 f"need 0 <= min_duration_s < max_duration_s, got {self.min_duration_s}, {self.max_duration_s}"
             )
+        if self.max_transcript_chars < 1:
+            raise ValueError(f"need max_transcript_chars >= 1, got {self.max_transcript_chars}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class AudioProbe:
     # False when the header alone showed the duration out of bounds, so the file was never read:
     # such a probe is trusted only while the bounds still exclude it.
     decoded: bool = True
+    audio_sha256: str = ""  # of the decoded samples (with rate and channels): finds one recording under two ids
 
 
 @dataclass
@@ -136,7 +147,8 @@ def corpus_root_of(location: Path) -> Path:
 
 
 def check_corpus_location(location: Path) -> None:
-    """Raise :class:`CorpusError` naming ``location`` if it is missing or holds no corpus."""
+    """Raise :class:`CorpusError` naming ``location`` if it is missing or holds no corpus, or if
+    it is a manifest file that cannot be read at all (a bad line only becomes a reject row)."""
     if not location.exists():
         raise CorpusError(f"corpus not found: {location} does not exist")
     if location.is_file():
@@ -144,6 +156,8 @@ def check_corpus_location(location: Path) -> None:
             raise CorpusError(f"corpus {location} is a file but not a .csv or .jsonl manifest")
         if location.stat().st_size == 0:
             raise CorpusError(f"corpus manifest {location} is empty")
+        with contextlib.closing(_read_manifest_records(location)) as records:
+            next(records, None)  # opens the file and reads a CSV's header: CorpusError if either fails
         return
     if not any(_walk_corpus_files(location)):
         raise CorpusError(f"corpus {location} is empty: no audio files and no *.trans.txt transcripts")
@@ -226,47 +240,134 @@ def _read_trans_file(path: Path) -> dict[str, str]:
     return lines
 
 
+REQUIRED_COLUMNS = ("path", "transcript", "speaker_id")
+_FIELDS = (*REQUIRED_COLUMNS, "utt_id", "chapter_id")
+
+
 def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[RejectRow]]:
-    records = list(_read_manifest_records(manifest))
     candidates: list[Candidate] = []
     rejects: list[RejectRow] = []
-    for number, record in enumerate(records, start=1):
-        raw_path = str(record.get("path") or "").strip()
-        utt_id = str(record.get("utt_id") or "").strip() or (Path(raw_path).stem if raw_path else f"line-{number}")
+    for line, record in _read_manifest_records(manifest):
+        if isinstance(record, str):  # the line could not be read into a record
+            rejects.append(RejectRow(f"line-{line}", str(manifest), "manifest", RejectReason.UNREADABLE, f"line {line}: {record}"))
+            continue
+        raw_path = record["path"].strip()
+        utt_id = record["utt_id"].strip() or (Path(raw_path).stem if raw_path else f"line-{line}")
         if not raw_path:
-            rejects.append(RejectRow(utt_id, "", "manifest", RejectReason.MISSING_FILE, f"{manifest.name} record {number} has no path"))
+            rejects.append(RejectRow(utt_id, str(manifest), "manifest", RejectReason.MISSING_FILE, f"line {line}: no path"))
             continue
         path = Path(raw_path) if os.path.isabs(raw_path) else manifest.parent / raw_path
-        text = normalise_transcript(str(record.get("transcript") or ""))
+        text = normalise_transcript(record["transcript"])
         if not text:
-            rejects.append(RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"{manifest.name} record {number} has an empty transcript"))
+            rejects.append(RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"line {line}: empty transcript"))
             continue
-        speaker = str(record.get("speaker_id") or "").strip()  # empty: an invalid_id reject, not a failed run
-        chapter = str(record.get("chapter_id") or "").strip() or "0"
+        speaker = record["speaker_id"].strip()  # empty: an invalid_id reject, not a failed run
+        chapter = record["chapter_id"].strip() or "0"
         candidates.append(Candidate(utt_id, speaker, chapter, text, str(path)))
     return candidates, rejects
 
 
-def _read_manifest_records(manifest: Path) -> Iterator[dict[str, object]]:
-    if manifest.suffix.lower() == ".csv":
-        with open(manifest, newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            missing = {"path", "transcript", "speaker_id"} - set(reader.fieldnames or [])
-            if missing:
-                raise CorpusError(f"{manifest}: missing columns {sorted(missing)}")
-            yield from reader
-        return
-    with open(manifest, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
+    """``(line number, record)`` per record of a .csv/.jsonl manifest, its fields
+    (:data:`_FIELDS`) as text (``""`` when absent); ``(line number, problem)`` for a line that
+    cannot be one (not UTF-8, not JSON, a NUL byte, a field over csv's size limit, the wrong
+    number of fields or the wrong type of value). Only a file that cannot be read at all (no such
+    file, no permission, a CSV header without the required columns) raises :class:`CorpusError`.
+    """
+    try:
+        if manifest.suffix.lower() == ".csv":
+            yield from _read_csv_records(manifest)
+        else:
+            yield from _read_jsonl_records(manifest)
+    except OSError as err:
+        raise CorpusError(f"corpus manifest {manifest} cannot be read: {err.strerror or err}") from err
+
+
+def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
+    # undecodable bytes become lone surrogates, so that one bad line is found (by _record_problem)
+    # without losing the parser's place in the file
+    with open(manifest, newline="", encoding="utf-8-sig", errors="surrogateescape") as handle:
+        reader = csv.reader(handle)
+        header = _csv_header(manifest, reader)
+        width = len(header)
+        while True:
+            start = reader.line_num + 1
+            try:
+                values = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
+                yield reader.line_num, f"cannot be parsed as CSV ({err})"
+                continue
+            if not values:  # a blank line
+                continue
+            if len(values) != width:
+                yield start, f"has {len(values)} fields, the header names {width}"
+                continue
+            record = dict(zip(header, values, strict=True))
+            problem = _record_problem(record)
+            yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
+
+
+def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
+    try:
+        header = [name.strip() for name in next(reader, [])]
+    except csv.Error as err:
+        raise CorpusError(f"{manifest}: the header line cannot be parsed as CSV ({err})") from err
+    missing = [name for name in REQUIRED_COLUMNS if name not in header]
+    if missing:
+        raise CorpusError(f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})")
+    return header
+
+
+def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
+    with open(manifest, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                yield number, f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
+                continue
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CorpusError(f"{manifest}: line {number} is not JSON ({err.msg})") from err
+            except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4,300 digits
+                yield number, f"is not JSON ({getattr(err, 'msg', None) or str(err) or 'nested too deeply'})"
+                continue
             if not isinstance(record, dict):
-                raise CorpusError(f"{manifest}: line {number} is not a JSON object")
-            yield record
+                yield number, f"is not a JSON object (a {type(record).__name__})"
+                continue
+            yield number, _json_fields(record)
+
+
+def _json_fields(record: Mapping[str, object]) -> dict[str, str] | str:
+    """The record's :data:`_FIELDS` as text, or why they are not."""
+    fields_as_text: dict[str, str] = {}
+    for name in _FIELDS:
+        value = record.get(name)
+        if value is None:
+            value = ""
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # numeric ids, as LibriSpeech's are
+        elif not isinstance(value, str):
+            return f"field {name!r} is a JSON {type(value).__name__}, not a string"
+        fields_as_text[name] = value
+    problem = _record_problem(fields_as_text)
+    return problem if problem is not None else fields_as_text
+
+
+def _record_problem(record: Mapping[str, str]) -> str | None:
+    """Why the record's fields cannot be used as text (None: they can)."""
+    for name in _FIELDS:
+        value = record.get(name, "")
+        if "\x00" in value:
+            return f"field {name!r} contains a NUL byte"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"field {name!r} is not valid UTF-8 text (character {err.start + 1})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,12 +379,40 @@ _UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC 
 _HASH_CHUNK = 1 << 20
 
 
-def _file_sha256(path: str) -> str:
+_SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PCM_32": "int32"}  # others: int16
+
+
+def _file_digest(path: str) -> tuple[str, bytes]:
+    """The file's sha256 and its first bytes (up to 1 MiB: where a WAV's chunk headers are)."""
     digest = hashlib.sha256()
+    head = b""
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+            head = head or chunk
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest.hexdigest(), head
+
+
+def riff_data_problem(head: bytes, size: int) -> str | None:
+    """Whether a RIFF/WAVE file's ``data`` chunk declares more bytes than the file holds after it.
+
+    libsndfile clamps the frame count of such a file to what is there, so decoding cannot tell:
+    the header is read here. ``head`` is the start of the file, ``size`` its length in bytes;
+    None for any other format, or when the data chunk does not start within ``head``.
+    """
+    if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+        return None
+    order = "<" if head[:4] == b"RIFF" else ">"
+    offset = 12
+    while offset + 8 <= len(head):
+        name, (length,) = head[offset : offset + 4], struct.unpack(order + "I", head[offset + 4 : offset + 8])
+        if name == b"data":
+            held = size - offset - 8
+            if length > held:
+                return f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong header)"
+            return None
+        offset += 8 + length + (length & 1)  # chunks are padded to an even length
+    return None
 
 
 def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe:
@@ -291,7 +420,9 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
 
     The header is read first: a file whose declared duration is outside ``config``'s bounds is
     judged from it and never read (``decoded=False``). Otherwise the file is hashed in chunks
-    and decoded block by block from disk, so memory does not grow with the file's length.
+    and decoded block by block from disk, so memory does not grow with the file's length; the
+    decoded samples are hashed on the way (``audio_sha256``: the same audio in another file or
+    format hashes the same), and float samples must be finite.
     """
     stat = os.stat(path)
     base = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -304,21 +435,29 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
                 return AudioProbe(
-                    **base, file_sha256=_file_sha256(path),
+                    **base, file_sha256=_file_digest(path)[0],
                     error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
                 )
             if config is not None and declared > 0 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s:
                 return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False)
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
+            dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
+            samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
             decoded = 0
-            for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype="int16", always_2d=True):
+            for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype=dtype, always_2d=True):  # (frames, channels)
+                if dtype.startswith("float") and not (finite := np.isfinite(block).all(axis=1)).all():
+                    return AudioProbe(
+                        **base, file_sha256=_file_digest(path)[0],
+                        error=f"float samples include NaN or infinity (first at frame {decoded + int(np.argmin(finite))})",
+                    )
                 decoded += block.shape[0]
+                samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
                     return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
-        return AudioProbe(**base, file_sha256=_file_sha256(path), error=f"cannot decode as audio: {reason}")
-    digest = _file_sha256(path)
+        return AudioProbe(**base, file_sha256=_file_digest(path)[0], error=f"cannot decode as audio: {reason}")
+    digest, head = _file_digest(path)
     if decoded == 0:
         return AudioProbe(**base, file_sha256=digest, error="decodes to zero samples")
     if declared > 0 and declared != decoded:
@@ -326,7 +465,12 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
             **base, file_sha256=digest,
             error=f"header declares {declared} samples but {decoded} decoded (truncated or corrupt)",
         )
-    return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, file_sha256=digest)
+    if (problem := riff_data_problem(head, stat.st_size)) is not None:
+        return AudioProbe(**base, file_sha256=digest, error=problem)
+    return AudioProbe(
+        **base, sample_rate=sample_rate, channels=channels, num_samples=decoded, file_sha256=digest,
+        audio_sha256=samples.hexdigest(),
+    )
 
 
 def _cache_key(path: str, size: int, mtime_ns: int) -> str:
@@ -409,6 +553,15 @@ def scan_corpus(
         if bad_id is not None:
             rejects.append(RejectRow(candidate.utt_id, candidate.path, "manifest", RejectReason.INVALID_ID, bad_id))
             continue
+        if len(candidate.transcript) > config.max_transcript_chars:
+            rejects.append(
+                RejectRow(
+                    candidate.utt_id, candidate.path, "manifest", RejectReason.TRANSCRIPT_TOO_LONG,
+                    f"transcript of {len(candidate.transcript)} characters (normalised), "
+                    f"more than max_transcript_chars={config.max_transcript_chars}",
+                )
+            )
+            continue
         resolved = real(candidate.path)
         if not is_inside(resolved, root):
             rejects.append(
@@ -433,13 +586,16 @@ def scan_corpus(
     probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
+    kept_audio: dict[str, str] = {}  # audio_sha256 -> the utt_id kept with it
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
         probe = probes[path]
-        reject = _judge(candidate, path, probe, config, kept_at)
+        reject = _judge(candidate, path, probe, config, kept_at, kept_audio)
         if reject is not None:
             rejects.append(reject)
             continue
         kept_at[candidate.utt_id] = path
+        if probe.audio_sha256:
+            kept_audio[probe.audio_sha256] = candidate.utt_id
         rows.append(
             ManifestRow(
                 utt_id=candidate.utt_id,
@@ -501,7 +657,8 @@ def _id_detail(what: str, value: str, reason: str) -> str:
 
 
 def _judge(
-    candidate: Candidate, path: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str]
+    candidate: Candidate, path: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str],
+    kept_audio: dict[str, str],
 ) -> RejectRow | None:
     def reject(reason: RejectReason, detail: str) -> RejectRow:
         return RejectRow(candidate.utt_id, path, "manifest", reason, detail)
@@ -515,6 +672,12 @@ def _judge(
         return reject(RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}")
     if duration > config.max_duration_s:
         return reject(RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}")
+    first = kept_audio.get(probe.audio_sha256) if probe.audio_sha256 else None
+    if first is not None:
+        return reject(
+            RejectReason.DUPLICATE_AUDIO,
+            f"the same decoded audio as {first} (kept from {kept_at[first]}): one recording under two ids",
+        )
     return None
 
 
@@ -573,9 +736,12 @@ def load_cache(path: Path) -> dict[str, AudioProbe]:
     if not path.exists():
         return {}
     try:
-        records = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid):
         return {}  # a damaged cache only costs a re-decode
+    if table.column_names != _CACHE_SCHEMA.names:
+        return {}  # written by a version that checked less (or other) than this one: decode again
+    records = table.to_pylist()
     return {record.pop("key"): AudioProbe(**record) for record in records}
 
 
@@ -638,7 +804,7 @@ def corpus_fingerprint(location: Path) -> str:
     for path in paths:
         try:
             stat = path.stat()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a path no file can have
             parts.append(f"{path}|missing")
             continue
         parts.append(f"{os.path.relpath(path, root)}|{stat.st_size}|{stat.st_mtime_ns}")

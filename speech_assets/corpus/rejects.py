@@ -26,6 +26,8 @@ class RejectReason(StrEnum):
     TOO_LONG = "too_long"
     OUTSIDE_ROOT = "outside_root"
     INVALID_ID = "invalid_id"
+    TRANSCRIPT_TOO_LONG = "transcript_too_long"
+    DUPLICATE_AUDIO = "duplicate_audio"
     NO_SPEECH = "no_speech"
 
 

@@ -26,7 +26,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.audit import AUDITS
-from speech_assets.corpus.manifest import corpus_fingerprint
+from speech_assets.corpus.manifest import CorpusError, check_corpus_location, corpus_fingerprint
 from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.manifest import listed_speakers, speaker_observations
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
@@ -88,6 +88,10 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
     cursor = json.dumps({"fingerprint": fingerprint})
     seen = latest_metadata(context.instance, "manifest").get("corpus_fingerprint")
     if seen != fingerprint:
+        try:
+            check_corpus_location(paths.corpus_path)
+        except CorpusError as err:
+            return unreadable_corpus(context, fingerprint, str(err))
         return dg.SensorResult(
             run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")], tags=SENSOR_RUN_TAGS)],
             cursor=cursor,
@@ -123,6 +127,25 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             for request in [f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys)]
         ],
         cursor=cursor,
+    )
+
+
+def unreadable_corpus(context: dg.SensorEvaluationContext, fingerprint: str, problem: str) -> dg.SensorResult:
+    """A corpus that cannot be read at all (a manifest file without its header's columns, a file
+    that cannot be opened): logged as an error once per version of the corpus (its fingerprint,
+    kept in the cursor), never a failed tick, and no manifest run that could only fail the same way."""
+    try:
+        reported = json.loads(context.cursor or "{}").get("unreadable")
+    except (ValueError, AttributeError):
+        reported = None
+    if reported == fingerprint:
+        return dg.SensorResult(
+            skip_reason="the corpus still cannot be read (the error was logged when it changed); waiting for it to change",
+            cursor=context.cursor,
+        )
+    context.log.error(f"corpus cannot be read, no manifest run requested until it changes: {problem}")
+    return dg.SensorResult(
+        skip_reason=f"corpus cannot be read: {problem}", cursor=json.dumps({"fingerprint": fingerprint, "unreadable": fingerprint})
     )
 
 

@@ -27,7 +27,7 @@ from speech_assets.defs.resources import ManifestSettings, PipelineSettings, Sto
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path, fsync_dir, sha256_strings
 
-CODE_VERSION = "manifest-v2"
+CODE_VERSION = "manifest-v3"
 STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
 
 
@@ -59,7 +59,7 @@ def manifest(
     options = effective(settings.manifest, config)
     location = paths.corpus_path
     try:
-        validation = corpus.ValidationConfig(options.min_duration_s, options.max_duration_s)
+        validation = corpus.ValidationConfig(options.min_duration_s, options.max_duration_s, options.max_transcript_chars)
         fingerprint = corpus.corpus_fingerprint(location)
         cache = corpus.load_cache(paths.decode_cache_file)
         result = corpus.scan_corpus(

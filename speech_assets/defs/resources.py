@@ -128,6 +128,7 @@ class ManifestSettings(dg.Config):
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
     max_reject_ratio: float = 0.2
+    max_transcript_chars: int = 2000  # a longer (normalised) transcript: reject transcript_too_long
     workers: int = 0  # 0: one decoder per core
 
 

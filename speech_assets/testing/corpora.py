@@ -6,6 +6,7 @@ Shared by the tests and the benchmarks (nothing here is mocked: it writes real F
 from __future__ import annotations
 
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,26 @@ def tone(seconds: float, sample_rate: int = 16_000, channels: int = 1, seed: int
 
 
 def write_flac(path: Path, seconds: float = 1.0, sample_rate: int = 16_000, channels: int = 1,
-               subtype: str = "PCM_16", seed: int = 0) -> Path:
+               subtype: str = "PCM_16", seed: int | None = None) -> Path:
+    """A tone as FLAC; without a ``seed``, one taken from the file's name, so that two files hold
+    different audio (the manifest keeps one recording under two ids only once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if seed is None:
+        seed = zlib.crc32(path.name.encode())
     sf.write(path, tone(seconds, sample_rate, channels, seed), sample_rate, format="FLAC", subtype=subtype)
     return path
+
+
+def copy_recording(source: Path, target: Path, nudge: int) -> Path:
+    """``source`` (16-bit audio) written to ``target`` as FLAC with its first sample moved by
+    ``nudge`` steps (``nudge`` > 0): a copy that is a recording of its own, which the manifest keeps
+    (it rejects one recording under two ids as ``duplicate_audio``)."""
+    samples, rate = sf.read(source, dtype="int16", always_2d=True)  # (frames, channels)
+    first = int(samples[0, 0])
+    samples[0, 0] = first - nudge if first >= 0 else first + nudge
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(target, samples, rate, format="FLAC", subtype="PCM_16")
+    return target
 
 
 class LibriCorpus:
@@ -53,7 +70,7 @@ class LibriCorpus:
             **audio) -> Path:
         utt_id = f"{speaker}-{chapter}-{utt:04d}"
         self.add_line(speaker, chapter, utt_id, text)
-        return write_flac(self.chapter_dir(speaker, chapter) / f"{utt_id}.flac", seconds, seed=utt, **audio)
+        return write_flac(self.chapter_dir(speaker, chapter) / f"{utt_id}.flac", seconds, **audio)  # a seed per utt_id
 
 
 def vowel(seconds: float, sample_rate: int = SR, f0: float = 140.0, fmax: float = 7000.0) -> np.ndarray:

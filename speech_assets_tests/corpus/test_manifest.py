@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,311 @@ def test_is_inside_answers_as_path_is_relative_to(root: str) -> None:
 
     for path in ["/", "/data", "/data/corpus", "/data/corpus2/a.flac", "/data/corpus/a.flac", "/data/corpus/s/c/a.flac", "/datum/x"]:
         assert is_inside(path, root) == Path(path).is_relative_to(root), (path, root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest files: a bad line is a reject row naming it; the rest of the corpus is kept
+
+CSV_HEADER = "path,transcript,speaker_id,utt_id\n"
+BAD_CSV_LINES = {  # the bad line (line 3 of the file, between two good ones) -> what its detail says
+    "over-long-field": ("bad.flac," + "A" * 200_000 + ",s1,bad\n", "field larger than field limit"),
+    "quoted-over-long-field": ('bad.flac,"' + "A " * 100_000 + '",s1,bad\n', "field larger than field limit"),
+    "nul-byte": ("bad.flac,HELLO\x00WORLD,s1,bad\n", "NUL byte"),
+    "nul-in-path": ("bad\x00.flac,HELLO,s1,bad\n", "NUL byte"),
+    "missing-column": ("bad.flac,HELLO,s1\n", "has 3 fields, the header names 4"),
+    "extra-column": ("bad.flac,HELLO,s1,bad,surplus\n", "has 5 fields, the header names 4"),
+}
+BAD_JSONL_LINES = {
+    "broken-json": ('{"path": "bad.flac", "transcript": "HELLO", \n', "is not JSON"),
+    "array": ('["bad.flac", "HELLO", "s1"]\n', "is not a JSON object (a list)"),
+    "number": ("42\n", "is not a JSON object (a int)"),
+    "transcript-list": ('{"path": "bad.flac", "transcript": ["HELLO"], "speaker_id": "s1"}\n', "field 'transcript' is a JSON list"),
+    "speaker-object": ('{"path": "bad.flac", "transcript": "HELLO", "speaker_id": {"id": 1}}\n', "field 'speaker_id' is a JSON dict"),
+    "path-bool": ('{"path": true, "transcript": "HELLO", "speaker_id": "s1"}\n', "field 'path' is a JSON bool"),
+    "nul-escape": ('{"path": "bad.flac", "transcript": "HEL\\u0000LO", "speaker_id": "s1"}\n', "NUL byte"),
+    "lone-surrogate": ('{"path": "bad.flac", "transcript": "HEL\\ud800LO", "speaker_id": "s1"}\n', "not valid UTF-8"),
+    "huge-integer": ('{"path": "bad.flac", "transcript": "HELLO", "speaker_id": ' + "9" * 5000 + "}\n", "is not JSON"),
+    "deep-nesting": ("[" * 100_000 + "]" * 100_000 + "\n", "is not JSON"),
+}
+
+
+def _manifest_with_bad_line(root: Path, suffix: str, bad: str | bytes) -> Path:
+    """good1 and good2 around one bad line (line 3 of a CSV with its header, line 2 of a JSONL)."""
+    write_flac(root / "good1.flac")
+    write_flac(root / "good2.flac")
+    write_flac(root / "bad.flac")
+    bad = bad.encode("utf-8", "surrogatepass") if isinstance(bad, str) else bad
+    if suffix == ".csv":
+        lines = [CSV_HEADER.encode(), b"good1.flac,FIRST,s1,good1\n", bad, b"good2.flac,SECOND,s2,good2\n"]
+    else:
+        lines = [b'{"path": "good1.flac", "transcript": "FIRST", "speaker_id": 1001, "utt_id": "good1"}\n', bad,
+                 b'{"path": "good2.flac", "transcript": "SECOND", "speaker_id": "s2", "utt_id": "good2"}\n']
+    location = root / f"corpus{suffix}"
+    location.write_bytes(b"".join(lines))
+    return location
+
+
+BAD_LINES = [(".csv", line, detail) for line, detail in BAD_CSV_LINES.values()] + [
+    (".jsonl", line, detail) for line, detail in BAD_JSONL_LINES.values()
+] + [
+    (".csv", b"bad.flac,HELLO \xff\xfe WORLD,s1,bad\n", "not valid UTF-8"),
+    (".jsonl", b'{"path": "bad.flac", "transcript": "HELLO \xff WORLD", "speaker_id": "s1"}\n', "is not valid UTF-8 (byte 0xff"),
+]
+BAD_LINE_IDS = [f"csv-{name}" for name in BAD_CSV_LINES] + [f"jsonl-{name}" for name in BAD_JSONL_LINES] + ["csv-latin1", "jsonl-latin1"]
+
+
+@pytest.mark.parametrize(("suffix", "bad", "detail"), BAD_LINES, ids=BAD_LINE_IDS)
+def test_a_bad_manifest_line_is_a_reject_row_naming_it(tmp_path: Path, suffix: str, bad: str | bytes, detail: str) -> None:
+    location = _manifest_with_bad_line(tmp_path / "corpus", suffix, bad)
+    assert m.corpus_fingerprint(location)  # the sensor's change detector reads the file too
+    m.check_corpus_location(location)
+    result = m.scan_corpus(location)
+    assert [(r.utt_id, r.transcript) for r in result.rows] == [("good1", "FIRST"), ("good2", "SECOND")]
+    (reject,) = result.rejects
+    line = 3 if suffix == ".csv" else 2
+    assert (reject.utt_id, reject.reason, reject.stage, reject.path) == (f"line-{line}", "unreadable", "manifest", str(location))
+    assert reject.detail.startswith(f"line {line}: ") and detail in reject.detail, reject.detail
+    assert len(reject.detail) < 300
+    from speech_assets.corpus.rejects import write_rejects
+
+    write_rejects(tmp_path / "rejects.parquet", result.rejects)  # every string of the row is writable
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_records_with_an_empty_field_name_their_line(tmp_path: Path, suffix: str) -> None:
+    root = tmp_path / "corpus"
+    write_flac(root / "a.flac")
+    records = [{"path": "a.flac", "transcript": "", "speaker_id": "s1", "utt_id": "quiet", "chapter_id": ""},
+               {"path": "", "transcript": "NO PATH", "speaker_id": "s1", "utt_id": "nowhere", "chapter_id": ""}]
+    (_write_csv if suffix == ".csv" else _write_jsonl)(root / f"corpus{suffix}", records)
+    result = m.scan_corpus(root / f"corpus{suffix}")
+    first, second = (2, 3) if suffix == ".csv" else (1, 2)
+    assert {(r.utt_id, r.reason, r.detail) for r in result.rejects} == {
+        ("quiet", "no_transcript", f"line {first}: empty transcript"), ("nowhere", "missing_file", f"line {second}: no path"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"file,text,speaker\na.flac,HI,s1\n", "missing columns ['path', 'transcript', 'speaker_id']"),
+     (b"path,transcript\na.flac,HI\n", "missing columns ['speaker_id']"),
+     ("path,transcript,speaker_id\n".encode("utf-16"), "missing columns")],
+    ids=["other-columns", "no-speaker-column", "utf-16"],
+)
+def test_a_csv_without_its_header_is_one_clear_error_and_fingerprints(tmp_path: Path, content: bytes, message: str) -> None:
+    location = tmp_path / "corpus.csv"
+    location.write_bytes(content)
+    for call in (m.check_corpus_location, m.scan_corpus):
+        with pytest.raises(m.CorpusError, match=re.escape(message)):
+            call(location)
+    assert m.corpus_fingerprint(location)
+
+
+def test_a_manifest_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
+    location = tmp_path / "corpus.jsonl"
+    location.write_text('{"path": "a.flac"}\n')
+    location.chmod(0)
+    try:
+        if os.access(location, os.R_OK):  # root reads anything
+            pytest.skip("this user reads files whatever their mode")
+        with pytest.raises(m.CorpusError, match="cannot be read: Permission denied"):
+            m.scan_corpus(location)
+        assert m.corpus_fingerprint(location)
+    finally:
+        location.chmod(0o644)
+
+
+# ---------------------------------------------------------------------------------------------
+# transcript_too_long, duplicate_audio, and audio that decodes but is not what it claims
+
+
+@pytest.mark.parametrize("form", ["librispeech", "csv", "jsonl"])
+@pytest.mark.parametrize(("bound", "length", "reason"), [(2000, 2000, None), (2000, 2001, "transcript_too_long"), (10, 11, "transcript_too_long")])
+def test_transcript_over_the_bound_is_rejected(tmp_path: Path, form: str, bound: int, length: int, reason: str | None) -> None:
+    text = "Hi, " + "A" * (length - 3)  # normalised: "HI " and the As
+    assert len(m.normalise_transcript(text)) == length
+    root = tmp_path / "corpus"
+    if form == "librispeech":
+        libri = LibriCorpus(root)
+        libri.add("1", "10", 0, "FINE")
+        libri.add("1", "10", 1, text)
+        location, long_id = root, "1-10-0001"
+    else:
+        write_flac(root / "fine.flac")
+        write_flac(root / "long.flac")
+        records = [{"path": "fine.flac", "transcript": "FINE", "speaker_id": "1", "utt_id": "fine", "chapter_id": ""},
+                   {"path": "long.flac", "transcript": text, "speaker_id": "1", "utt_id": "long", "chapter_id": ""}]
+        location, long_id = root / f"corpus.{form}", "long"
+        (_write_csv if form == "csv" else _write_jsonl)(location, records)
+    config = m.ValidationConfig() if bound == 2000 else m.ValidationConfig(max_transcript_chars=bound)
+    result = m.scan_corpus(location, config)
+    if reason is None:
+        assert result.rejects == [] and len(result.rows) == 2
+        return
+    assert len(result.rows) == 1 and result.rows[0].transcript == "FINE"
+    (reject,) = result.rejects
+    assert (reject.utt_id, reject.reason) == (long_id, reason)
+    assert f"{length} characters" in reject.detail and f"max_transcript_chars={bound}" in reject.detail
+
+
+def test_a_megabyte_transcript_is_rejected_and_the_rest_kept(libri: LibriCorpus) -> None:
+    libri.add("1", "10", 0)
+    libri.add("1", "10", 1, "WORDS " * 200_000)
+    result = m.scan_corpus(libri.root)
+    assert [r.utt_id for r in result.rows] == ["1-10-0000"]
+    assert reasons(result) == {"1-10-0001": "transcript_too_long"}
+
+
+def _samples(seconds: float = 1.0, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (0.1 * rng.standard_normal(int(16_000 * seconds))).astype(np.float32)
+
+
+def _write(path: Path, data, subtype: str = "PCM_16", format: str | None = None) -> Path:
+    import soundfile as sf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, data, 16_000, subtype=subtype, format=format)
+    return path
+
+
+def _copy_same_file(libri: LibriCorpus) -> tuple[str, str]:
+    first = libri.add("1", "10", 0)
+    (libri.chapter_dir("2", "20") / "2-20-0000.flac").write_bytes(first.read_bytes())
+    libri.add_line("2", "20", "2-20-0000", "SAME AUDIO OTHER SPEAKER")
+    return "1-10-0000", "2-20-0000"
+
+
+def _wav_and_flac(libri: LibriCorpus) -> tuple[str, str]:
+    data = (_samples() * 32767).astype("int16")  # as integers: libsndfile rounds floats per format
+    _write(libri.chapter_dir("3", "30") / "3-30-0005.wav", data)  # the same samples, once as WAV ...
+    _write(libri.chapter_dir("3", "30") / "3-30-0001.flac", data, format="FLAC")  # ... once as FLAC
+    libri.add_line("3", "30", "3-30-0005", "AS WAV")
+    libri.add_line("3", "30", "3-30-0001", "AS FLAC")
+    return "3-30-0001", "3-30-0005"
+
+
+def _same_file_twice_in_chapter(libri: LibriCorpus) -> tuple[str, str]:
+    path = libri.add("4", "40", 7)
+    (path.parent / "4-40-0002.flac").write_bytes(path.read_bytes())
+    libri.add_line("4", "40", "4-40-0002", "A COPY")
+    return "4-40-0002", "4-40-0007"
+
+
+@pytest.mark.parametrize("make", [_copy_same_file, _wav_and_flac, _same_file_twice_in_chapter], ids=["two-speakers", "wav-and-flac", "one-chapter"])
+def test_the_same_audio_under_a_second_id_is_rejected_naming_the_first(libri: LibriCorpus, make) -> None:
+    libri.add("9", "90", 0)  # unrelated, kept
+    libri.add("9", "90", 1)
+    first, second = make(libri)
+    result = m.scan_corpus(libri.root)
+    assert sorted(r.utt_id for r in result.rows) == sorted([first, "9-90-0000", "9-90-0001"])
+    (reject,) = result.rejects
+    assert (reject.utt_id, reject.reason, reject.stage) == (second, "duplicate_audio", "manifest")
+    assert reject.detail.startswith(f"the same decoded audio as {first} ")
+    # the verdict does not depend on the cache: a re-run from it says the same
+    again = m.scan_corpus(libri.root, cache=result.cache)
+    assert again.decoded_files == 0 and again.rows == result.rows and again.rejects == result.rejects
+
+
+def test_two_manifest_rows_on_one_file_keep_the_first_id(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    write_flac(root / "one.flac")
+    write_flac(root / "other.flac")
+    (root / "corpus.csv").write_text(CSV_HEADER + "one.flac,ZED,s2,zed\none.flac,ALPHA,s1,alpha\nother.flac,OTHER,s1,other\n")
+    result = m.scan_corpus(root / "corpus.csv")
+    assert [r.utt_id for r in result.rows] == ["alpha", "other"]  # ids in order, whatever the lines' order
+    (reject,) = result.rejects
+    assert (reject.utt_id, reject.reason) == ("zed", "duplicate_audio") and "as alpha " in reject.detail
+
+
+@pytest.mark.parametrize(
+    "change", ["one-sample", "other-rate", "stereo"],
+)
+def test_nearly_the_same_audio_is_kept(libri: LibriCorpus, change: str) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    data = _samples()
+    _write(libri.chapter_dir("5", "50") / "5-50-0000.flac", data, format="FLAC")
+    libri.add_line("5", "50", "5-50-0000", "ORIGINAL")
+    other = libri.chapter_dir("5", "50") / "5-50-0001.flac"
+    if change == "one-sample":
+        changed = data.copy()
+        changed[8000] += 0.01
+        _write(other, changed, format="FLAC")
+    elif change == "other-rate":
+        sf.write(other, data, 22_050, format="FLAC")
+    else:
+        _write(other, np.stack([data, data], axis=1), format="FLAC")
+    libri.add_line("5", "50", "5-50-0001", "CHANGED")
+    result = m.scan_corpus(libri.root)
+    assert result.rejects == [] and len(result.rows) == 2
+
+
+def _lying_wav(path: Path, factor: int = 10, subtype: str = "PCM_16") -> Path:
+    """A WAV whose data chunk declares ``factor`` times the bytes the file holds."""
+    import struct
+
+    _write(path, _samples(), subtype)
+    data = bytearray(path.read_bytes())
+    offset = data.find(b"data")
+    (size,) = struct.unpack("<I", data[offset + 4 : offset + 8])
+    data[offset + 4 : offset + 8] = struct.pack("<I", size * factor)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _float_wav_with(value: float, subtype: str = "FLOAT"):
+    def make(path: Path) -> Path:
+        data = _samples()
+        data[12_345] = value
+        return _write(path, data, subtype)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("make", "detail"),
+    [
+        (_lying_wav, "header declares 320000 bytes of audio data, the file holds 32000"),
+        (lambda path: _lying_wav(path, factor=2, subtype="FLOAT"), "header declares 128000 bytes of audio data, the file holds 64000"),
+        (_float_wav_with(float("nan")), "NaN or infinity (first at frame 12345)"),
+        (_float_wav_with(float("inf")), "NaN or infinity (first at frame 12345)"),
+        (_float_wav_with(float("-inf"), "DOUBLE"), "NaN or infinity (first at frame 12345)"),
+    ],
+    ids=["header-claims-10x", "float-header-claims-2x", "float-nan", "float-inf", "double-minus-inf"],
+)
+def test_audio_that_decodes_but_is_not_what_it_claims_is_unreadable(libri: LibriCorpus, make, detail: str) -> None:
+    libri.add("6", "60", 0)
+    _write(libri.chapter_dir("6", "60") / "6-60-0001.wav", _samples(seed=1), "FLOAT")  # a good float WAV: kept
+    libri.add_line("6", "60", "6-60-0001", "GOOD FLOAT")
+    make(libri.chapter_dir("6", "60") / "6-60-0002.wav")
+    libri.add_line("6", "60", "6-60-0002", "BAD")
+    result = m.scan_corpus(libri.root)
+    assert [r.utt_id for r in result.rows] == ["6-60-0000", "6-60-0001"]
+    (reject,) = result.rejects
+    assert (reject.utt_id, reject.reason, reject.stage) == ("6-60-0002", "unreadable", "manifest")
+    assert detail in reject.detail, reject.detail
+
+
+def test_a_wav_with_chunks_after_its_data_is_kept(libri: LibriCorpus) -> None:
+    path = _write(libri.chapter_dir("6", "60") / "6-60-0000.wav", _samples())
+    with open(path, "ab") as handle:  # a trailing LIST chunk, as some editors write
+        handle.write(b"LIST\x04\x00\x00\x00INFO")
+    libri.add_line("6", "60", "6-60-0000", "TRAILING CHUNK")
+    result = m.scan_corpus(libri.root)
+    assert result.rejects == [] and [r.num_samples for r in result.rows] == [16_000]
+
+
+def test_a_decode_cache_from_a_version_that_checked_less_is_not_trusted(tmp_path: Path, libri: LibriCorpus) -> None:
+    import pyarrow.parquet as pq
+
+    libri.add("11", "110", 0)
+    result = m.scan_corpus(libri.root)
+    m.save_cache(tmp_path / "cache.parquet", result.cache)
+    table = pq.read_table(tmp_path / "cache.parquet")
+    pq.write_table(table.drop_columns(["audio_sha256"]), tmp_path / "old.parquet")
+    assert m.load_cache(tmp_path / "old.parquet") == {}
+    assert m.load_cache(tmp_path / "cache.parquet") == result.cache

@@ -208,3 +208,64 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(tmp_path
         instance.report_runless_asset_event(event)
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         assert corpus_sensor(context).asset_events == []
+
+
+def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """A manifest file without its columns: one error per version of the file, not one per tick,
+    no failed tick, no manifest run (it could only fail); fixed, it is validated as usual."""
+    import logging
+    import os
+
+    from speech_assets.testing.corpora import write_flac
+
+    root = tmp_path / "corpus"
+    write_flac(root / "a.flac")
+    location = root / "corpus.csv"
+    location.write_text("file,text,speaker\na.flac,HELLO,s1\n")
+    paths = StoragePaths(corpus=str(location), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
+    cursor: str | None = None
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+
+    def tick() -> dg.SensorResult:
+        nonlocal cursor
+        with dg.build_sensor_context(instance=instance, resources={"paths": paths}, cursor=cursor) as context:
+            context.log.addHandler(handler)  # beside the tick's own handlers: what the tick logs
+            result = corpus_sensor(context)
+        cursor = result.cursor
+        return result
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in records if "corpus cannot be read" in r.getMessage()]
+
+    first = tick()
+    assert not first.run_requests and "missing columns ['path', 'transcript', 'speaker_id']" in first.skip_reason.skip_message
+    assert len(errors()) == 1 and str(location) in errors()[0]
+    for _ in range(3):  # the same file: nothing new to say
+        later = tick()
+        assert not later.run_requests and "still cannot be read" in later.skip_reason.skip_message
+    assert len(errors()) == 1
+
+    location.write_text("path,text,speaker\na.flac,HELLO,s1\n")  # changed, still without its columns
+    os.utime(location, ns=(1, 1))
+    assert not tick().run_requests and len(errors()) == 2 and "missing columns ['transcript', 'speaker_id']" in errors()[1]
+    assert len(errors()) == 2 and not tick().run_requests and len(errors()) == 2
+
+    location.write_text("path,transcript,speaker_id\na.flac,HELLO,s1\n")  # fixed
+    assert [r.asset_selection for r in tick().run_requests] == [[dg.AssetKey("manifest")]]
+    assert len(errors()) == 2
+
+
+@pytest.mark.parametrize("bad", ["a.flac," + "A" * 200_000 + ",s1\n", "a\x00.flac,HELLO,s1\n", "a.flac,HEL\udcffLO,s1\n"],
+                         ids=["over-long-field", "nul-in-path", "latin1"])
+def test_a_bad_line_in_the_corpus_file_never_fails_a_sensor_tick(tmp_path: Path, instance: dg.DagsterInstance, bad: str) -> None:
+    from speech_assets.testing.corpora import write_flac
+
+    root = tmp_path / "corpus"
+    write_flac(root / "a.flac")
+    location = root / "corpus.csv"
+    location.write_bytes(("path,transcript,speaker_id\n" + bad + "a.flac,HELLO,s1\n").encode("utf-8", "surrogateescape"))
+    paths = StoragePaths(corpus=str(location), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
+    with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
+        assert [r.asset_selection for r in corpus_sensor(context).run_requests] == [[dg.AssetKey("manifest")]]

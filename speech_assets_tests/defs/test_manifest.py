@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 
 from speech_assets.corpus.audit import AUDITS
@@ -73,3 +74,44 @@ def test_unsafe_ids_from_a_csv_never_become_paths_or_partitions(tmp_path: Path, 
     assert all(str(p).startswith(("data/out/", "corpus/", "dagster_home/")) for p in written), written
     shards = sorted(p.name for p in (out / "features" / "shards").glob("*.parquet"))
     assert shards == ["ok1.parquet", "ok1.rejects.parquet", "ok2.parquet", "ok2.rejects.parquet"]
+
+
+def test_bad_lines_and_bad_audio_of_a_csv_corpus_become_rejects_and_the_rest_is_published(tmp_path: Path, instance) -> None:
+    import shutil
+
+    import numpy as np
+    import soundfile as sf
+
+    from speech_assets.defs.resources import ManifestSettings
+
+    root = tmp_path / "corpus"
+    lines = ["path,transcript,speaker_id,utt_id"]
+    for index in range(6):
+        write_flac(root / f"f{index}.flac", seed=index)
+        lines.append(f"f{index}.flac,hello number {index},s{index % 2},u{index}")
+    shutil.copyfile(root / "f0.flac", root / "copy.flac")
+    noisy = np.full(16_000, 0.1, np.float32)
+    noisy[5] = np.nan
+    sf.write(root / "nan.wav", noisy, 16_000, subtype="FLOAT")
+    lines += [
+        "copy.flac,the same recording,s1,v0",  # duplicate_audio of u0
+        "f1.flac," + "A" * 200_000 + ",s1,long",  # over csv's field limit: unreadable, line 9
+        "f2.flac,HEL\x00LO,s1,nul",  # unreadable, line 10
+        "f3.flac,a transcript longer than forty characters in all,s1,wordy",  # transcript_too_long
+        "nan.wav,not a number,s1,nan",  # unreadable (NaN samples)
+    ]
+    (root / "corpus.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    settings = PipelineSettings(manifest=ManifestSettings(max_reject_ratio=0.5, max_transcript_chars=40, workers=1))
+    paths = StoragePaths(corpus=str(root / "corpus.csv"), data_dir=str(out), mlflow_tracking_uri="sqlite://")
+    materialize_in_process(build_definitions(paths, settings), instance, "manifest")
+
+    assert sorted(pq.read_table(paths.manifest_file).column("utt_id").to_pylist()) == [f"u{i}" for i in range(6)]
+    rejects = {r["utt_id"]: (r["reason"], r["detail"]) for r in pq.read_table(paths.rejects_file).to_pylist()}
+    assert {k: reason for k, (reason, _) in rejects.items()} == {
+        "v0": "duplicate_audio", "line-9": "unreadable", "line-10": "unreadable", "wordy": "transcript_too_long", "nan": "unreadable",
+    }
+    assert rejects["v0"][1].startswith("the same decoded audio as u0 ")
+    assert rejects["line-9"][1].startswith("line 9: ") and rejects["line-10"][1] == "line 10: field 'transcript' contains a NUL byte"
+    assert "max_transcript_chars=40" in rejects["wordy"][1] and "NaN" in rejects["nan"][1]
+    assert set(check_statuses(instance).values()) == {"SUCCEEDED"}

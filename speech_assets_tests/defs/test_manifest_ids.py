@@ -22,10 +22,11 @@ GOOD_SPEAKERS = ["g1", "g2"]
 
 def manifest_file_corpus(root: Path, suffix: str) -> tuple[Path, int]:
     """good rows for g1, g2 and, for each field and bad value, one row with only that id bad."""
-    write_flac(root / "good.flac")
+    for index, speaker in enumerate(GOOD_SPEAKERS):  # a recording each (one under two ids: duplicate_audio)
+        write_flac(root / f"{speaker}.flac", seed=10 + index)
     write_flac(root / "bad.flac", seed=1)
     write_flac(root / "b.a.d.flac", seed=2)  # an empty utt_id falls back to this file name
-    records = [{"path": "good.flac", "transcript": "fine", "speaker_id": s, "utt_id": f"{s}-u", "chapter_id": "c"} for s in GOOD_SPEAKERS]
+    records = [{"path": f"{s}.flac", "transcript": "fine", "speaker_id": s, "utt_id": f"{s}-u", "chapter_id": "c"} for s in GOOD_SPEAKERS]
     bad_rows = 0
     for field in ("speaker_id", "chapter_id", "utt_id"):
         for name, value in BAD.items():
