@@ -123,7 +123,7 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
-    by the server's weight of each client), held-out accuracy (weighted by masked frames) beside
+    by the server's weight of each client; None when the clients withheld it), held-out accuracy (weighted by masked frames) beside
     the majority-class rate, the same on leak-free frames (weighted by leak-free frames; None
     when there are none, or in a record written before they were measured), bytes, wall time."""
     lines = []
@@ -133,12 +133,14 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
         free = [e for e in evaluation if e.get("leak_free_frames")]
         free_frames = sum(e["leak_free_frames"] for e in free)
         weights = [r.get("weight", r["num_examples"]) for r in rows]
+        withheld = any(r["train_loss"] is None for r in rows)
         lines.append(
             {
                 "round": record["round"],
                 "clients": len(rows),
                 "missing": list(record.get("missing", [])),
-                "train_loss": sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
+                "train_loss": None if withheld
+                else sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
                 "heldout_masked_accuracy": (
                     sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
                 ),

@@ -114,7 +114,7 @@ class SecureRounds:
         accepted = []
         spec = masked_spec(server.expected)
         for reply in good:
-            problem = content_problem(reply.content, "train", spec, self.config.clients)
+            problem = content_problem(reply.content, "train", spec, self.config.clients, server.train_names)
             if problem is None and server.client_of(reply) not in self.peers:
                 problem = "not among this round's peers"
             if problem:
