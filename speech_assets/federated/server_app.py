@@ -16,7 +16,8 @@ aggregated in client-id order so that a run is reproducible.
 Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
 SuperLink) are asked once with a ``query`` message which client they are (and, with secure
 aggregation, for their public key). With differential privacy (:mod:`privacy`) the clients clip,
-the server adds noise to the uniform mean and the strategy steps from it; with secure aggregation
+the server adds noise to their mean over the clients sampled and the strategy steps from it
+(each round's record durable before its encoder is sent anywhere); with secure aggregation
 (:mod:`secure_rounds`) the server sees masked updates and unmasks only their sum.
 
 What the server accepts from a client is checked (:mod:`speech_assets.federated.messages`): a
@@ -24,7 +25,8 @@ reply must come from the node the message went to and name the client that node 
 through node authentication, or bound by its first reply); it must hold exactly the encoder's
 tensors (names, shapes, dtype float32; uint32 masked values with secure aggregation), the agreed
 metrics (finite, in range) and the client's id; the update must be finite and within
-``max_update_norm`` of the global encoder (not checkable when it is masked). A reply that fails
+``max_update_norm`` of the global encoder (under DP: the clipping norm; not checkable when it
+is masked). A reply that fails
 any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists the
 names and shapes of every record the server received. Aggregation weighs each client by what the
 server knows (``client_weights``, from the clients table), never by its own count; uniformly
