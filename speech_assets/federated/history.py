@@ -159,9 +159,10 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
-                # the share of the round not spent in the slowest client's local training
-                "overhead": 1.0 - record.get("slowest_client_seconds", 0.0) / record["round_seconds"]
-                if record["round_seconds"] > 0 else 0.0,
+                # the share of the round not spent in the slowest client's local training (None
+                # when the clients withheld their seconds)
+                "overhead": None if (slowest := record.get("slowest_client_seconds", 0.0)) is None
+                else 1.0 - slowest / record["round_seconds"] if record["round_seconds"] > 0 else 0.0,
                 # records written before sampling: every client was asked (the trained and the missing)
                 "sampled": len(record.get("sampled") or []) or len(rows) + len(record.get("missing", [])),
                 "epsilon": (record.get("privacy") or {}).get("epsilon"),

@@ -402,7 +402,8 @@ class Server:
             "failures": failures,
             "round_seconds": train_seconds,
             "train_seconds": train_seconds,
-            "slowest_client_seconds": max((row["seconds"] for row in rows if row["seconds"] is not None), default=0.0),
+            # None when the clients withheld their seconds (DP)
+            "slowest_client_seconds": max((row["seconds"] for row in rows), default=0.0) if self.train_names else None,
             "aggregated_train": dict(aggregated_train or {}),
             "aggregated_evaluation": {},
             "update_norm_bound": update_norm_bound(config, self.encoder_values),
@@ -417,11 +418,11 @@ class Server:
         line = records.summarize_rounds(history[-1:])[0]
         log.info(
             "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s), "
-            "leak-free %s (majority class %s), %.1f s (slowest client trained %.1f s)%s",
+            "leak-free %s (majority class %s), %.1f s (slowest client trained %s s)%s",
             round_number, config.rounds, len(rows), len(sampled), f" (missing {', '.join(missing)})" if missing else "",
             _fmt(line["train_loss"], 4), _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
             _fmt(line["heldout_leak_free_masked_accuracy"]), _fmt(line["heldout_leak_free_majority_accuracy"]),
-            line["round_seconds"], record["slowest_client_seconds"],
+            line["round_seconds"], _fmt(record["slowest_client_seconds"], 1),
             f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",
         )  # fmt: skip
         return new_encoder, history
@@ -651,6 +652,7 @@ class Server:
         config = self.config
         lines = records.summarize_rounds(history)
         last = history[-1]
+        overheads = [line["overhead"] for line in lines if line["overhead"] is not None]  # None: seconds withheld
         return {
             "run_name": config.run_name,
             "rounds": config.rounds,
@@ -679,7 +681,7 @@ class Server:
             "evaluate_every": config.evaluate_every,
             "privacy": {k: v for k, v in (last.get("privacy") or {}).items() if k != "accountant"} or None,
             "secure_aggregation": config.secure_aggregation,
-            "mean_overhead": sum(line["overhead"] for line in lines) / len(lines),
+            "mean_overhead": sum(overheads) / len(overheads) if overheads else None,
             "mean_round_seconds": sum(line["round_seconds"] for line in lines) / len(lines),
             "bytes_up_per_round": sum(line["bytes_up"] for line in lines) / len(lines),
             "bytes_down_per_round": sum(line["bytes_down"] for line in lines) / len(lines),

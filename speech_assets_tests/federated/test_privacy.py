@@ -189,8 +189,9 @@ def test_the_dp_bound_tolerates_rounding_and_the_sum_clips_exactly(scale: float,
 
 @pytest.mark.parametrize("share", [False, True])
 def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(corpus, tmp_path: Path, share: bool) -> None:
-    _, grid, config = _run(corpus, tmp_path, f"metrics-{share}", dp_noise_multiplier=0.8, dp_clipping_norm=CLIP,
-                           dp_share_client_metrics=share)  # fmt: skip
+    shared = {"dp_share_client_metrics": True} if share else {}  # withheld is the default
+    result, grid, config = _run(corpus, tmp_path, f"metrics-{share}", dp_noise_multiplier=0.8, dp_clipping_norm=CLIP,
+                                **shared)  # fmt: skip
     from speech_assets.federated.messages import SERVER_WEIGHT
 
     # what each client sent (the server adds its own weight to a reply once it has it)
@@ -209,6 +210,14 @@ def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(corp
             assert [row[column] for row in rows] == [None] * 4, column
         record = _record(config)
         assert record["aggregated_train"] == {} and all(row["audio_seconds"] is None for row in record["rows"])
+        assert result["final_train_loss"] is None and result["mean_overhead"] is None
+        # the summaries, the report and the plot say "not measured" rather than fail
+        from speech_assets.federated.history import summarize_rounds
+        from speech_assets.federated.report import markdown_rounds
+        from speech_assets.stats.plots import round_curve
+
+        lines = summarize_rounds([record])
+        assert "n/a" in markdown_rounds(lines) and round_curve(lines)
     # held-out evaluation is reported either way (outside epsilon, as the README says)
     evaluation = pq.read_table(FederatedPaths(config.run_dir).evaluation_table).to_pylist()
     assert len(evaluation) == 4 and all(row["heldout_masked_accuracy"] is not None for row in evaluation)
