@@ -385,7 +385,9 @@ class Server:
             for reply in good
         ]
         self.weigh(good)
-        aggregated_train = aggregate_metricrecords([reply.content for reply in good], SERVER_WEIGHT) if self.train_names else None
+        aggregated_train = None
+        if self.train_names:  # none when the clients withheld their metrics (DP)
+            aggregated_train = aggregate_metricrecords([reply.content for reply in good], SERVER_WEIGHT)
         new_encoder = self.aggregate(strategy, round_number, len(sampled), encoder, good, failures)
         train_seconds = time.monotonic() - started
         evaluated = config.evaluates(round_number)
