@@ -81,7 +81,7 @@ def federated_checkpoint(
         accuracy = line["heldout_masked_accuracy"]
         context.log.info(
             f"round {line['round']}/{federated.rounds}: {line['clients']} clients{missing}, train loss "
-            f"{line['train_loss']:.4f}, held-out masked accuracy "
+            f"{'n/a' if line['train_loss'] is None else format(line['train_loss'], '.4f')}, held-out masked accuracy "
             f"{'n/a' if accuracy is None else f'{accuracy:.3f}'} (majority class "
             f"{'n/a' if line['majority_accuracy'] is None else format(line['majority_accuracy'], '.3f')}), "
             f"{line['round_seconds']:.0f} s"

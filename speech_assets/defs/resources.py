@@ -252,6 +252,7 @@ class FederatedSettings(dg.Config):
     dp_noise_multiplier: float = FederatedConfig.dp_noise_multiplier  # > 0: differential privacy
     dp_clipping_norm: float = FederatedConfig.dp_clipping_norm
     dp_delta: float = FederatedConfig.dp_delta
+    dp_share_client_metrics: bool = FederatedConfig.dp_share_client_metrics  # under DP: clients send their training metrics
     secure_aggregation: bool = FederatedConfig.secure_aggregation  # the server sees only the sum of updates
     secagg_clipping_range: float = FederatedConfig.secagg_clipping_range
     secagg_threshold: int = FederatedConfig.secagg_threshold  # 0 = floor(2k/3) + 1 of the k shares

@@ -13,8 +13,10 @@ id where no node registrations tell it: the simulation runtime, a remote SuperLi
 aggregation, queries also carry the protocol's key, share and unmask stages.
 
 With differential privacy the round's config carries the clipping norm and Flower's
-``fixedclipping_mod`` clips the update of the train reply; with secure aggregation the update is
-then masked (:mod:`speech_assets.federated.secure_rounds`) and only the masked values leave.
+``fixedclipping_mod`` clips the update of the train reply, which then carries no metrics unless
+the config says the run shares them (:func:`~speech_assets.federated.messages.train_metrics`);
+with secure aggregation the update is then masked (:mod:`speech_assets.federated.secure_rounds`)
+and only the masked values leave.
 
 The client's data index and datasets stay loaded between messages in a process that lives across
 rounds (the simulation runtime's workers; the deployment engine starts a process per message):
@@ -44,7 +46,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig
-from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing
+from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing, train_metrics
 
 if TYPE_CHECKING:
     from speech_assets.federated.local import EvalResult, LocalClient, TrainResult
@@ -93,21 +95,28 @@ EVALUATE_METRICS = {"num-examples": "masked_frames", "utterances": "utterances",
                     "leak-free-majority-accuracy": "leak_free_majority_accuracy"}  # fmt: skip
 
 
-def reply(kind: str, received: ArrayRecord, result: TrainResult | EvalResult, client_id: str) -> RecordDict:
-    """A ``train`` or ``evaluate`` reply: the result's metrics, the client id and, after a local
-    round, its encoder; checked against the encoder ``received`` from the server."""
-    names = TRAIN_METRICS if kind == "train" else EVALUATE_METRICS
+def reply(
+    kind: str, received: ArrayRecord, result: TrainResult | EvalResult, client_id: str, config: ConfigRecord | None = None
+) -> RecordDict:
+    """A ``train`` or ``evaluate`` reply: the result's metrics (those of a train reply only if the
+    round's ``config`` lets them leave: :func:`~speech_assets.federated.messages.train_metrics`),
+    the client id and, after a local round, its encoder; checked against the encoder ``received``
+    from the server."""
+    names = EVALUATE_METRICS
+    if kind == "train":
+        sent = train_metrics(config or {})
+        names = {name: field for name, field in TRAIN_METRICS.items() if name in sent}
     # a metric must be a finite number: an accuracy over no (leak-free) frames travels as 0.0
     values = {name: 0.0 if (value := getattr(result, field)) is None else value for name, field in names.items()}
     content = {"metrics": MetricRecord(values),
                CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
     if kind == "train":
         content["arrays"] = ArrayRecord(result.encoder)  # type: ignore[union-attr,arg-type]
-    return check_outgoing(RecordDict(content), kind, array_spec(received), client_id)  # type: ignore[arg-type]
+    return check_outgoing(RecordDict(content), kind, array_spec(received), client_id, list(names))  # type: ignore[arg-type]
 
 
-def train_reply(received: ArrayRecord, result: TrainResult, client_id: str) -> RecordDict:
-    return reply("train", received, result, client_id)
+def train_reply(received: ArrayRecord, result: TrainResult, client_id: str, config: ConfigRecord | None = None) -> RecordDict:
+    return reply("train", received, result, client_id, config)
 
 
 def evaluate_reply(received: ArrayRecord, result: EvalResult, client_id: str) -> RecordDict:
@@ -121,7 +130,7 @@ def _answer(message: Message, node: NodeConfig, kind: str) -> Message:
     received = message.content["arrays"]
     run = client.train_round if kind == "train" else client.evaluate
     result = run(int(config["server-round"]), received.to_torch_state_dict())
-    return Message(reply(kind, received, result, node.client_id), reply_to=message)
+    return Message(reply(kind, received, result, node.client_id, config), reply_to=message)
 
 
 def answer_train(message: Message, context: Context, node: NodeConfig) -> Message:

@@ -123,7 +123,7 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
-    by the server's weight of each client), held-out accuracy (weighted by masked frames) beside
+    by the server's weight of each client; None when the clients withheld it), held-out accuracy (weighted by masked frames) beside
     the majority-class rate, the same on leak-free frames (weighted by leak-free frames; None
     when there are none, or in a record written before they were measured), bytes, wall time."""
     lines = []
@@ -133,12 +133,14 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
         free = [e for e in evaluation if e.get("leak_free_frames")]
         free_frames = sum(e["leak_free_frames"] for e in free)
         weights = [r.get("weight", r["num_examples"]) for r in rows]
+        withheld = any(r["train_loss"] is None for r in rows)
         lines.append(
             {
                 "round": record["round"],
                 "clients": len(rows),
                 "missing": list(record.get("missing", [])),
-                "train_loss": sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
+                "train_loss": None if withheld
+                else sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
                 "heldout_masked_accuracy": (
                     sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
                 ),
@@ -157,9 +159,10 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
-                # the share of the round not spent in the slowest client's local training
-                "overhead": 1.0 - record.get("slowest_client_seconds", 0.0) / record["round_seconds"]
-                if record["round_seconds"] > 0 else 0.0,
+                # the share of the round not spent in the slowest client's local training (None
+                # when the clients withheld their seconds)
+                "overhead": None if (slowest := record.get("slowest_client_seconds", 0.0)) is None
+                else 1.0 - slowest / record["round_seconds"] if record["round_seconds"] > 0 else 0.0,
                 # records written before sampling: every client was asked (the trained and the missing)
                 "sampled": len(record.get("sampled") or []) or len(rows) + len(record.get("missing", [])),
                 "epsilon": (record.get("privacy") or {}).get("epsilon"),

@@ -156,7 +156,8 @@ class ProgressDeadline:
 
 class RoundFollower:
     """Calls ``on_round(record)`` once for every round record that appears in the run folder
-    (those of earlier attempts first), as the ServerApp writes them."""
+    (those of earlier attempts first), as the ServerApp writes them; a round saved before its
+    evaluation is reported once that evaluation is in its record."""
 
     def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None] | None) -> None:
         self.paths, self.on_round, self.seen = paths, on_round, 0
@@ -168,6 +169,8 @@ class RoundFollower:
             return False
         for record in read_records(self.paths, new[-1]):
             if int(record["round"]) > self.seen:
+                if record.get("evaluation_pending"):
+                    break
                 if self.on_round is not None:
                     self.on_round(record)
                 self.seen = int(record["round"])

@@ -2,8 +2,9 @@
 
 A train reply is exactly: ``ArrayRecord "arrays"`` with the shared encoder's tensors (the names,
 dtypes and shapes of the global encoder the server sent), ``MetricRecord "metrics"`` with exactly
-:data:`TRAIN_METRICS`, and ``ConfigRecord "client"`` with only ``client-id``; an evaluate reply
-the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number in its
+:data:`TRAIN_METRICS` (none at all in a DP round unless the round's config says
+:data:`SHARE_CLIENT_METRICS`: :func:`train_metrics`), and ``ConfigRecord "client"`` with only
+``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number in its
 range. The client checks its own reply before sending it (:func:`check_outgoing`: a bug that
 would attach a head, a codebook or statistics stops there, with a clear error); the server checks
 it again (:func:`content_problem`), then checks the update's values (:func:`update_problem`).
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key of the clipping norm in a DP round
 
 ARRAYS, METRICS, CLIENT_RECORD, CLIENT_ID = "arrays", "metrics", "client", "client-id"
 TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
@@ -37,6 +39,9 @@ LEAK_FREE_FRAMES = "leak-free-frames"
 LEAK_FREE_FRACTIONS = ("heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
 # the weight the server adds to each accepted reply for Flower's aggregation (weighted_by_key)
 SERVER_WEIGHT = "server-weight"
+# in a DP round's config (one carrying Flower's clipping norm): whether the client sends its
+# training metrics; absent or false, it sends none
+SHARE_CLIENT_METRICS = "share-client-metrics"
 
 ArraySpec = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -48,6 +53,13 @@ class OutgoingRefused(ValueError):
 def array_spec(record: ArrayRecord) -> ArraySpec:
     """``{name: (dtype, shape)}`` of an ArrayRecord's arrays."""
     return {name: (str(np.dtype(array.dtype)), tuple(int(d) for d in array.shape)) for name, array in record.items()}
+
+
+def train_metrics(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The metrics a train reply to a round of ``config`` (its ConfigRecord) carries: none in a DP
+    round unless it says :data:`SHARE_CLIENT_METRICS`, else :data:`TRAIN_METRICS`."""
+    withheld = KEY_CLIPPING_NORM in config and not config.get(SHARE_CLIENT_METRICS, False)
+    return () if withheld else TRAIN_METRICS
 
 
 def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | None:
@@ -75,11 +87,16 @@ def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | N
 
 
 def content_problem(
-    content: RecordDict, phase: str, encoder: ArraySpec, clients: Collection[str] | None = None
+    content: RecordDict,
+    phase: str,
+    encoder: ArraySpec,
+    clients: Collection[str] | None = None,
+    metrics: Sequence[str] | None = None,
 ) -> str | None:
     """Why the content of a ``phase`` ("train" or "evaluate") reply may not cross to the server
     (``None`` if it may): the privacy boundary. ``encoder`` is the spec of the global encoder
-    sent down; ``clients``, when given, the client ids taking part."""
+    sent down; ``clients``, when given, the client ids taking part; ``metrics`` the metric names
+    the reply must carry (default: all of the phase's; :func:`train_metrics` for a train reply)."""
     allowed = {ARRAYS, METRICS, CLIENT_RECORD} if phase == "train" else {METRICS, CLIENT_RECORD}
     extra = sorted(set(content.keys()) - allowed)
     if extra:
@@ -89,10 +106,10 @@ def content_problem(
         return f"no {CLIENT_RECORD!r} record holding only a {CLIENT_ID!r}"
     if clients is not None and client[CLIENT_ID] not in clients:
         return f"client id {client[CLIENT_ID]!r:.80} is not taking part"
-    metrics = content.metric_records.get(METRICS)
-    if metrics is None:
+    record = content.metric_records.get(METRICS)
+    if record is None:
         return f"no {METRICS!r} record"
-    if problem := metrics_problem(metrics, METRICS_OF[phase]):
+    if problem := metrics_problem(record, METRICS_OF[phase] if metrics is None else metrics):
         return problem
     if phase == "train":
         arrays = content.array_records.get(ARRAYS)
@@ -110,9 +127,11 @@ def content_problem(
     return None
 
 
-def check_outgoing(content: RecordDict, phase: str, encoder: ArraySpec, client_id: str) -> RecordDict:
+def check_outgoing(
+    content: RecordDict, phase: str, encoder: ArraySpec, client_id: str, metrics: Sequence[str] | None = None
+) -> RecordDict:
     """The client's own check of its reply, before it leaves; raises :class:`OutgoingRefused`."""
-    problem = content_problem(content, phase, encoder, clients=[client_id])
+    problem = content_problem(content, phase, encoder, clients=[client_id], metrics=metrics)
     if problem:
         raise OutgoingRefused(f"client {client_id} refuses to send its {phase} reply: {problem}")
     return content
@@ -124,15 +143,17 @@ def check_masked(out: Message, client_id: str) -> Message:
     spec = array_spec(out.content[ARRAYS]) if ARRAYS in out.content.array_records else {}
     if any(dtype != "uint32" for dtype, _ in spec.values()):
         raise OutgoingRefused(f"client {client_id} refuses to send an unmasked update in a secure round")
-    check_outgoing(out.content, "train", spec, client_id)
+    sent = out.content.metric_records.get(METRICS)
+    check_outgoing(out.content, "train", spec, client_id, metrics=TRAIN_METRICS if sent else ())
     return out
 
 
 def update_problem(
-    update: Mapping[str, np.ndarray], current: Mapping[str, np.ndarray], bound: float
+    update: Mapping[str, np.ndarray], current: Mapping[str, np.ndarray], bound: float, bound_name: str = "max_update_norm"
 ) -> tuple[float | None, str | None]:
     """``(norm, why refused)`` of a client's encoder against the global one it started from:
-    refused if any value is not finite or ``||update - current||_2 > bound``."""
+    refused if any value is not finite or ``||update - current||_2 > bound`` (the setting
+    ``bound_name`` sets it)."""
     total = 0.0
     for name, base in current.items():
         value = np.asarray(update[name])
@@ -142,7 +163,7 @@ def update_problem(
         total += float(np.dot(diff.ravel(), diff.ravel()))
     norm = math.sqrt(total)
     if not math.isfinite(norm) or norm > bound:
-        return norm, f"update norm {norm:.4g} is beyond the bound {bound:.4g} (max_update_norm)"
+        return norm, f"update norm {norm:.4g} is beyond the bound {bound:.4g} ({bound_name})"
     return norm, None
 
 

@@ -6,7 +6,10 @@ A round ``r`` is complete when ``rounds/round_r.pt`` (global encoder ``{name: te
 round, the strategy's state: FedAdam's first and second moments ``m_t``/``v_t`` per encoder
 tensor, same shapes) *and* ``rounds/round_r.json`` (its rows, missing clients, hashes) exist; the
 ``.pt`` is written first, so a kill between the two leaves round ``r`` incomplete and the run
-resumes from ``r - 1``. ``rounds.parquet`` and ``evaluation.parquet`` are rebuilt from the
+resumes from ``r - 1``. A round that is evaluated is saved before its evaluation (its encoder
+goes nowhere before it is durable) with ``evaluation_pending``, and its record is rewritten
+with the evaluation (:func:`rewrite_record`); a run killed in between finishes that evaluation
+when it resumes. ``rounds.parquet`` and ``evaluation.parquet`` are rebuilt from the
 records of complete rounds after each round (:mod:`speech_assets.federated.history`, which
 reads all of this back without torch).
 """
@@ -126,6 +129,15 @@ def save_round(
     kept = complete_rounds(paths)
     for old in kept[: max(len(kept) - config.keep_rounds, 0)]:
         paths.round_checkpoint(old).unlink(missing_ok=True)
+    records = read_records(paths, round_number)
+    write_tables(paths, records)
+    return records
+
+
+def rewrite_record(paths: FederatedPaths, round_number: int, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Replace the record of saved round ``round_number`` (its checkpoint stays) and rebuild the
+    tables; returns every complete round's record."""
+    atomic_write_text(paths.round_record(round_number), json.dumps(dict(record), indent=1, sort_keys=True) + "\n")
     records = read_records(paths, round_number)
     write_tables(paths, records)
     return records

@@ -102,6 +102,8 @@ class RoundHost(Protocol):
 
     binding: NodeBinding
     expected: ArraySpec
+    # the training metrics a reply must carry this round (none when DP withholds them)
+    train_names: tuple[str, ...]
 
     def exchange(self, messages: Iterable[Message], round_number: int, phase: str
                  ) -> tuple[list[Message], list[dict[str, Any]]]: ...
@@ -252,7 +254,7 @@ class SecureRounds:
         accepted = []
         spec = masked_spec(self.host.expected)
         for reply in good:
-            problem = content_problem(reply.content, "train", spec, self.config.clients)
+            problem = content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names)
             if problem is None and self.host.client_of(reply) not in self.sealed:
                 problem = "did not share its keys this round"
             if problem:

@@ -14,16 +14,19 @@ aggregation (``aggregate_train``/``aggregate_evaluate``) are the strategy's own;
 aggregated in client-id order so that a run is reproducible.
 
 Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
-SuperLink) are asked once with a ``query`` message which client they are. With differential privacy (:mod:`privacy`) the clients clip,
-the server adds noise to the uniform mean and the strategy steps from it; with secure aggregation
-(:mod:`secure_rounds`) the server sees masked updates and unmasks only their sum.
+SuperLink) are asked once with a ``query`` message which client they are. With differential
+privacy (:mod:`privacy`) the clients clip, the server adds noise to their mean over the clients
+sampled and the strategy steps from it (each round's record durable before its encoder is sent
+anywhere); with secure aggregation (:mod:`secure_rounds`) the server sees masked updates and
+unmasks only their sum.
 
 What the server accepts from a client is checked (:mod:`speech_assets.federated.messages`): a
 reply must come from the node the message went to and name the client that node is (registered
 through node authentication, or bound by its first reply); it must hold exactly the encoder's
 tensors (names, shapes, dtype float32; uint32 masked values with secure aggregation), the agreed
 metrics (finite, in range) and the client's id; the update must be finite and within
-``max_update_norm`` of the global encoder (not checkable when it is masked). A reply that fails
+``max_update_norm`` of the global encoder (under DP: the clipping norm; not checkable when it
+is masked). A reply that fails
 any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists the
 names and shapes of every record the server received. Aggregation weighs each client by what the
 server knows (``client_weights``, from the clients table), never by its own count; uniformly
@@ -60,10 +63,13 @@ from speech_assets.federated.messages import (
     ARRAYS,
     METRICS,
     SERVER_WEIGHT,
+    SHARE_CLIENT_METRICS,
+    TRAIN_METRICS,
     ArraySpec,
     NodeBinding,
     claimed_client,
     content_problem,
+    train_metrics,
     update_problem,
 )
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
@@ -144,6 +150,21 @@ def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
     return Message(content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
+def clipped_sum(replies: Iterable[Message], encoder: records.NDArrays, clipping_norm: float) -> records.NDArrays:
+    """The sum (float64, the encoder's shapes) of the replies' updates (their encoder minus the
+    global ``encoder``), each scaled to at most ``clipping_norm``: an update the server accepted
+    within the DP tolerance counts exactly at the clipping norm, as the accountant assumes."""
+    total = {name: np.zeros(value.shape, dtype=np.float64) for name, value in encoder.items()}
+    for reply in replies:
+        arrays = reply.content[ARRAYS]
+        update = {name: arrays[name].numpy().astype(np.float64) - encoder[name] for name in encoder}
+        norm = float(np.sqrt(sum(float(np.dot(u.ravel(), u.ravel())) for u in update.values())))
+        scale = min(1.0, clipping_norm / norm) if norm > 0 else 1.0
+        for name, value in update.items():
+            total[name] += scale * value
+    return total
+
+
 def array_bytes(record: ArrayRecord) -> int:
     """Serialized payload bytes of an ArrayRecord (what travels, before framing)."""
     return sum(len(array.data) for array in record.values())
@@ -207,6 +228,8 @@ class Server:
         self.rounds_run = 0
         self.privacy: Privacy | None = None
         self.secure: SecureRounds | None = None
+        # the metrics a train reply carries this round (none under DP unless the run shares them)
+        self.train_names: tuple[str, ...] = TRAIN_METRICS
 
     def expect(self, encoder: records.NDArrays) -> None:
         """The spec every train reply's arrays must match (the global encoder's)."""
@@ -247,6 +270,9 @@ class Server:
 
             self.secure = SecureRounds(config, self)
         self.expect(encoder)
+        if history and history[-1].get("evaluation_pending"):
+            # killed after the round was saved (and its encoder released) but before its evaluation
+            history = self.evaluate_round(strategy, start, encoder, history[-1])
         for round_number in range(start + 1, config.rounds + 1):
             encoder, history = self.round(strategy, round_number, encoder)
         sha = records.save_final(paths, config, config.rounds, encoder)
@@ -319,6 +345,8 @@ class Server:
         local = ConfigRecord(config.local(round_number).to_record())
         if self.privacy is not None:
             local[KEY_CLIPPING_NORM] = config.dp_clipping_norm
+            local[SHARE_CLIENT_METRICS] = config.dp_share_client_metrics
+        self.train_names = train_metrics(local)
         if self.secure is not None:
             self.secure.configure(local)
         with sampling_at_most(strategy, len(chosen)):  # Flower's sampling would wait for more, for ever
@@ -352,39 +380,46 @@ class Server:
             for reply in good
         ]
         self.weigh(good)
-        train_metrics = aggregate_metricrecords([reply.content for reply in good], SERVER_WEIGHT)
-        new_encoder = self.aggregate(strategy, round_number, arrays, encoder, good, failures)
+        aggregated_train = None
+        if self.train_names:  # none when the clients withheld their metrics (DP)
+            aggregated_train = aggregate_metricrecords([reply.content for reply in good], SERVER_WEIGHT)
+        new_encoder = self.aggregate(strategy, round_number, len(sampled), encoder, good, failures)
         train_seconds = time.monotonic() - started
-        evaluation, eval_metrics, evaluated = [], {}, config.evaluates(round_number)
-        if evaluated:
-            evaluation, eval_metrics = self.evaluate(strategy, round_number, new_encoder, replied, failures)
+        evaluated = config.evaluates(round_number)
         record = {
             "rows": rows,
             "sampled": sampled,
-            "evaluation": evaluation,
+            "evaluation": [],
             "evaluated": evaluated,
+            # the round is saved before its encoder goes anywhere (evaluation included): a DP
+            # release is durable, with the accountant's state, before it is released
+            "evaluation_pending": evaluated,
             "missing": missing,
-            "evaluation_missing": sorted(set(config.clients) - {e["client_id"] for e in evaluation}) if evaluated else [],
+            "evaluation_missing": [],
             "failures": failures,
-            "round_seconds": time.monotonic() - started,
+            "round_seconds": train_seconds,
             "train_seconds": train_seconds,
-            "slowest_client_seconds": max((row["seconds"] for row in rows), default=0.0),
-            "aggregated_train": dict(train_metrics or {}),
-            "aggregated_evaluation": eval_metrics,
+            # None when the clients withheld their seconds (DP)
+            "slowest_client_seconds": max((row["seconds"] for row in rows), default=0.0) if self.train_names else None,
+            "aggregated_train": dict(aggregated_train or {}),
+            "aggregated_evaluation": {},
             "update_norm_bound": update_norm_bound(config, self.encoder_values),
             "privacy": self.privacy_record(),
             "secure_aggregation": self.secure.record(round_number) if self.secure is not None else None,
         }
         history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
         self.rounds_run += 1
+        if evaluated:
+            history = self.evaluate_round(strategy, round_number, new_encoder, history[-1], started)
+        record = history[-1]
         line = records.summarize_rounds(history[-1:])[0]
         log.info(
-            "round %d/%d: %d of %d sampled clients%s, train loss %.4f, held-out masked accuracy %s (majority class %s), "
-            "leak-free %s (majority class %s), %.1f s (slowest client trained %.1f s)%s",
+            "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s), "
+            "leak-free %s (majority class %s), %.1f s (slowest client trained %s s)%s",
             round_number, config.rounds, len(rows), len(sampled), f" (missing {', '.join(missing)})" if missing else "",
-            line["train_loss"], _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
+            _fmt(line["train_loss"], 4), _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
             _fmt(line["heldout_leak_free_masked_accuracy"]), _fmt(line["heldout_leak_free_majority_accuracy"]),
-            line["round_seconds"], record["slowest_client_seconds"],
+            line["round_seconds"], _fmt(record["slowest_client_seconds"], 1),
             f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",
         )  # fmt: skip
         return new_encoder, history
@@ -398,27 +433,52 @@ class Server:
         self,
         strategy: FedAvg,
         round_number: int,
-        arrays: ArrayRecord,
+        sampled: int,
         encoder: records.NDArrays,
         good: list[Message],
         failures: list[dict[str, Any]],
     ) -> records.NDArrays:
         """The new global encoder: the strategy's step from the replies' (weighted) mean; with
-        secure aggregation from the unmasked sum, with DP from the noisy uniform mean (then the
-        strategy's step is post-processing)."""
+        secure aggregation from the unmasked sum, with DP from the noisy mean over the ``sampled``
+        clients (:meth:`Privacy.noisy_mean`; then the strategy's step is post-processing)."""
         replies = good
+        total: records.NDArrays = {}
         if self.secure is not None:
             mean = self.secure.mean_update(round_number, good, failures)
-            model = ArrayRecord({name: Array(np.asarray(encoder[name] + mean[name], dtype=np.float32)) for name in encoder})
-            # DP's mechanism averages n replies (its noise is z * C / n): n replies sharing the one mean
-            replies = [synthetic_reply(model) for _ in good] if self.privacy is not None else [synthetic_reply(model)]
+            model = {name: np.asarray(encoder[name] + mean[name], dtype=np.float32) for name in encoder}
+            replies = [synthetic_reply(model)]
+            # back to the survivors' sum: under DP the mean is over the clients sampled
+            total = {name: mean[name].astype(np.float64) * len(self.secure.survivors) for name in encoder}
+        elif self.privacy is not None:
+            total = clipped_sum(good, encoder, self.config.dp_clipping_norm)
         if self.privacy is not None:
-            noisy = self.privacy.noisy_mean(round_number, arrays, replies, NodeSnapshot(range(1, len(replies) + 1)))
-            replies = [synthetic_reply(noisy)]
+            noisy = self.privacy.noisy_mean(total, sampled)
+            replies = [synthetic_reply({name: encoder[name] + noisy[name] for name in encoder})]
         aggregated, _ = strategy.aggregate_train(round_number, replies)
         if aggregated is None:
             self.fail(round_number, f"round {round_number}: the strategy returned no aggregate", [], failures)
         return {name: np.asarray(aggregated[name].numpy(), dtype=np.float32) for name in encoder}
+
+    def evaluate_round(
+        self, strategy: FedAvg, round_number: int, encoder: records.NDArrays, record: dict[str, Any],
+        started: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Evaluate round ``round_number``'s saved ``encoder`` and rewrite its ``record`` with the
+        results (``started``: when the round began, for its wall time; ``None`` when a resumed run
+        finishes the evaluation of a round an earlier attempt saved). Returns every record."""
+        failures: list[dict[str, Any]] = []
+        trained = [row["client_id"] for row in record["rows"]]
+        evaluation, metrics = self.evaluate(strategy, round_number, encoder, trained, failures)
+        record = record | {
+            "evaluation": evaluation,
+            "evaluation_pending": False,
+            "evaluation_missing": sorted(set(self.config.clients) - {e["client_id"] for e in evaluation}),
+            "failures": record["failures"] + failures,
+            "aggregated_evaluation": metrics,
+        }
+        if started is not None:
+            record["round_seconds"] = time.monotonic() - started
+        return records.rewrite_record(self.paths, round_number, record)
 
     def weigh(self, replies: Iterable[Message]) -> None:
         """Give each accepted reply the weight the server knows for its client, for Flower's
@@ -521,10 +581,10 @@ class Server:
 
     def row(self, round_number: int, reply: Message, columns: dict[str, tuple[str, type]]) -> dict[str, Any]:
         """A table row of an accepted reply: its round, its client, and ``{column: (metric, type)}``
-        read from its metrics."""
+        read from its metrics (``None`` for a metric the client withheld)."""
         metrics = reply.content[METRICS]
         return {"round": round_number, "client_id": self.client_of(reply)} | {
-            column: kind(metrics[metric]) for column, (metric, kind) in columns.items()
+            column: kind(metrics[metric]) if metric in metrics else None for column, (metric, kind) in columns.items()
         }
 
     def client_of(self, reply: Message) -> str:
@@ -544,13 +604,14 @@ class Server:
         """The train replies that pass :meth:`check_reply` and :func:`update_problem` against the
         global ``encoder``; ``{client: update norm}`` of those accepted."""
         bound = update_norm_bound(self.config, self.encoder_values)
+        bound_name = "dp_clipping_norm" if self.config.differential_privacy else "max_update_norm"
         accepted, norms = [], {}
         for reply in good:
             problem = self.check_reply(reply, "train")
             norm = None
             if problem is None:
                 update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
-                norm, problem = update_problem(update, encoder, bound)
+                norm, problem = update_problem(update, encoder, bound, bound_name)
             if problem:
                 failures.append(self.failure(reply, "train", problem))
                 log.warning("refusing the train reply of %s: %s", self.client_of(reply), problem)
@@ -561,7 +622,8 @@ class Server:
 
     def check_reply(self, reply: Message, phase: str) -> str | None:
         """Why a reply is refused (``None`` if it is acceptable): the privacy boundary, enforced."""
-        return content_problem(reply.content, phase, self.expected, self.config.clients)
+        names = self.train_names if phase == "train" else None
+        return content_problem(reply.content, phase, self.expected, self.config.clients, names)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
         return {"phase": phase, "client_id": self.binding.client_of(reply.metadata.src_node_id),
@@ -587,6 +649,7 @@ class Server:
         config = self.config
         lines = records.summarize_rounds(history)
         last = history[-1]
+        overheads = [line["overhead"] for line in lines if line["overhead"] is not None]  # None: seconds withheld
         return {
             "run_name": config.run_name,
             "rounds": config.rounds,
@@ -615,7 +678,7 @@ class Server:
             "evaluate_every": config.evaluate_every,
             "privacy": {k: v for k, v in (last.get("privacy") or {}).items() if k != "accountant"} or None,
             "secure_aggregation": config.secure_aggregation,
-            "mean_overhead": sum(line["overhead"] for line in lines) / len(lines),
+            "mean_overhead": sum(overheads) / len(overheads) if overheads else None,
             "mean_round_seconds": sum(line["round_seconds"] for line in lines) / len(lines),
             "bytes_up_per_round": sum(line["bytes_up"] for line in lines) / len(lines),
             "bytes_down_per_round": sum(line["bytes_down"] for line in lines) / len(lines),
@@ -624,8 +687,8 @@ class Server:
         }
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _setup_logging(paths: FederatedPaths) -> None:

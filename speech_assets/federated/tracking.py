@@ -5,7 +5,8 @@ it completes (step = round; aggregate and per client) and, at the end, the final
 the round tables and the result as artifacts.
 
 A round already logged (a resumed run replays the records of earlier attempts) is not logged
-twice: the rounds present in the ``train_loss`` history are skipped.
+twice: the rounds present in the ``round_seconds`` history are skipped (``train_loss`` is absent
+when the clients withhold it under DP).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FederatedTracker:
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:
             self.run_id = previous
-            self.logged = {int(m.step) for m in self.client.get_metric_history(previous, "train_loss")}
+            self.logged = {int(m.step) for m in self.client.get_metric_history(previous, "round_seconds")}
             if self.client.get_run(previous).info.status != "FINISHED":
                 self.client.update_run(previous, status="RUNNING")
             return previous

@@ -231,7 +231,7 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
 
     def draw(figure) -> None:
         loss = figure.add_subplot(1, 2, 1)
-        loss.plot(rounds, [line["train_loss"] for line in lines], marker="o", linewidth=1)
+        loss.plot(rounds, [nan if line["train_loss"] is None else line["train_loss"] for line in lines], marker="o", linewidth=1)
         loss.set_title("local train loss (mean over clients)", fontsize=9)
         accuracy = figure.add_subplot(1, 2, 2)
         accuracy.plot(rounds, [line["heldout_masked_accuracy"] or nan for line in lines], marker="o", linewidth=1,
