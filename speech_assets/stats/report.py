@@ -245,7 +245,7 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; } td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 100%; overflow-x: auto; } td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space: pre-wrap; }
 .note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
 img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break: break-all; }

@@ -63,7 +63,7 @@ def test_every_kind_of_model_reaches_checkpoints_training_runs_and_the_cli(tmp_p
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("centralised", 300, "step"), ("distilled", 40, "step"), ("federated", 3, "round"), ("iteration2", 20, "step"),
     ]  # fmt: skip
-    assert all(len(r[3]) == 64 and len(r[4]) == 32 and r[5] == "m" * 64 for r in rows)
+    assert all(len(r[3]) == 64 and len(r[4]) == 32 and r[5] == "9" * 64 for r in rows)
     assert rows[2][4] == "f" * 32 and rows[2][6] == "a" * 40  # the federated run's MLflow run and commit, from its provenance
     assert runs == [("centralised", 300), ("distilled", 40), ("federated", 3), ("iteration2", 20)]
 

@@ -142,6 +142,28 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert wait_until_gone(sample_pipeline.out) == []
 
 
+def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
+    dagster_run: dict, sample_pipeline: SamplePipeline, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dagster as dg
+
+    from speech_assets import cli
+    from speech_assets.stats.lineage import checkpoint_lineage
+
+    final = dagster_run["run_dir"] / "final.pt"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    mlflow_run = (dagster_run["run_dir"] / "mlflow_run_id").read_text().strip()
+    with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
+        (record,) = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records
+    report = checkpoint_lineage(final)
+    assert (report["kind"], report["step"], report["step_unit"]) == ("federated", ROUNDS, "round")
+    assert report["git_sha"] == commit and report["mlflow_run_id"] == mlflow_run and report["dagster_run_id"] == record.run_id
+    assert cli.main(["lineage", str(final)]) == 0
+    printed = capsys.readouterr().out
+    assert f"round             {ROUNDS}" in printed and "None" not in printed
+    assert commit in printed and mlflow_run in printed and record.run_id in printed
+
+
 def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline: SamplePipeline) -> None:
     """Every record the server received, and everything it stored, is the encoder, metrics or
     the client's id; heads (K x D, one K per client), codebooks and statistics stay on the clients."""

@@ -99,7 +99,7 @@ def model_runs(out: Path) -> dict:
             (run_dir / name.replace("_json", ".json")).write_text(content if isinstance(content, str) else json.dumps(content))
         return run_dir / "result.json"
 
-    versions = {"manifest": "m" * 64}
+    versions = {"manifest": "9" * 64}
     torch_run = {"heldout_masked_accuracy": 0.21, "heldout_majority_accuracy": 0.05, "chance_accuracy": 0.0625,
                  "final_loss": 2.345678901234, "data_versions": versions}  # fmt: skip
     centralised = run("training", {"step": 300, "checkpoint": "/d/training/final.pt", "checkpoint_sha256": "1" * 64,
@@ -222,10 +222,16 @@ def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None
             view.on("pageerror", lambda error: errors.append(str(error)))
             view.goto(page.resolve().as_uri(), wait_until="load")
             images = view.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+            # every reject's player has read its clip's header (HAVE_METADATA), or failed
+            view.wait_for_function("Array.from(document.querySelectorAll('audio')).every(a => a.readyState >= 1 || a.error)", timeout=30_000)
+            players = view.evaluate("Array.from(document.querySelectorAll('audio')).map(a => [a.readyState, a.duration, a.error && a.error.code])")
+            plot_width = view.evaluate("Math.min(...Array.from(document.querySelectorAll('img.plot')).map(i => i.getBoundingClientRect().width))")
             shot = view.screenshot(full_page=True)
         finally:
             browser.close()
     assert errors == []
     assert len(images) >= 5 and all(done and width > 100 and height > 50 for done, width, height in images)
+    assert len(players) == 3 and all(state >= 1 and 0 < duration <= 6.0 and error is None for state, duration, error in players)
+    assert plot_width > 1000  # full width of the 1200-pixel window, not a 500-pixel thumbnail
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("L"), dtype=np.float32)
     assert pixels.shape[0] > 900 and pixels.std() > 10  # a blank page would be one flat colour
