@@ -15,10 +15,10 @@ import dagster as dg
 from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions, record_provenance
-from speech_assets.locations import redact_uri
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
+from speech_assets.locations import redact_uri
 from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)

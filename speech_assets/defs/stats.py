@@ -15,7 +15,7 @@ from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.training import TRAINING_INPUTS
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-CODE_VERSION = "stats-v1"
+CODE_VERSION = "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:

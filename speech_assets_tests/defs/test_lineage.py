@@ -83,6 +83,37 @@ def test_partitions_built_together_carry_their_own_content_hash(built) -> None:
         assert data_version(instance, "kmeans_targets", client) in quality
 
 
+def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rejects(built) -> None:
+    """The UI gets the report's path (a browser refuses file:// links from the UI's http page);
+    the page names the Dagster run that built it, and each reject it plays is a copied clip."""
+    import re
+
+    from speech_assets.defs.lineage import git_commit
+
+    _, instance, paths, corpus, _ = built
+    (record,) = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records
+    metadata = record.asset_materialization.metadata
+    assert isinstance(metadata["report"], dg.PathMetadataValue)
+    assert not [key for key, value in metadata.items() if isinstance(value, dg.UrlMetadataValue) and value.url.startswith("file:")]
+    page = paths.report_dir / "index.html"
+    assert metadata["report"].path == str(page.resolve())
+    text = page.read_text()
+    header = text.split("<h2>Summary</h2>", 1)[0]
+    assert f"<th>Dagster run</th><td>{record.run_id}</td>" in header and f"<th>corpus</th><td>{corpus}</td>" in header
+    assert f'title="{git_commit()}"' in header and "<th>settings hash</th>" in header and "<th>built at</th>" in header
+    sources = re.findall(r'<audio controls preload="metadata" src="(audio/reject-[0-9a-f]{24}\.flac)"></audio>', text)
+    import duckdb
+
+    with duckdb.connect(str(paths.stats_db), read_only=True) as con:
+        playable = con.execute(
+            "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n FROM rejects) "
+            "WHERE n <= 3 AND reason NOT IN ('missing_file', 'unreadable', 'outside_root')"
+        ).fetchone()[0]
+    assert playable and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
+    examples = text.split("<h2>Reject examples</h2>", 1)[1].split("</section>", 1)[0]
+    assert examples.count('<img class="vad"') == examples.count("<td>no_speech</td>")  # the VAD decision for each no_speech reject
+
+
 def test_rerunning_an_unchanged_partition_leaves_downstream_in_sync(built) -> None:
     defs, instance, _paths, _corpus, speakers = built
     assert everything_in_sync(defs, instance, speakers) == {}

@@ -151,12 +151,17 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     from speech_assets.stats.lineage import checkpoint_lineage
 
     final = dagster_run["run_dir"] / "final.pt"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    from mlflow.tracking import MlflowClient
+
     mlflow_run = (dagster_run["run_dir"] / "mlflow_run_id").read_text().strip()
+    commit = MlflowClient(tracking_uri=sample_pipeline.mlflow_uri).get_run(mlflow_run).data.tags["git_sha"]
+    ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True)
+    assert ancestor.returncode == 0, f"{commit} is not a commit of this checkout's history"
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
         (record,) = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records
     report = checkpoint_lineage(final)
     assert (report["kind"], report["step"], report["step_unit"]) == ("federated", ROUNDS, "round")
+    # the commit and the MLflow and Dagster runs, as MLflow and Dagster recorded them
     assert report["git_sha"] == commit and report["mlflow_run_id"] == mlflow_run and report["dagster_run_id"] == record.run_id
     assert cli.main(["lineage", str(final)]) == 0
     printed = capsys.readouterr().out
