@@ -19,6 +19,7 @@ from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
+from speech_assets.testing.corpora import write_flac
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.utils import sha256_file
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
@@ -31,6 +32,12 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lineage")
     corpus = root / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus)
+    # two rejects the report can play: one too short (the manifest's), one silent (the VAD's)
+    chapter = corpus / "1001" / "100101"
+    write_flac(chapter / "1001-100101-0090.flac", seconds=0.2)
+    sf.write(chapter / "1001-100101-0091.flac", 1e-4 * np.random.default_rng(0).standard_normal(32_000), 16_000, format="FLAC")
+    with open(chapter / "1001-100101.trans.txt", "a", encoding="utf-8") as transcripts:
+        transcripts.write("1001-100101-0090 TOO SHORT\n1001-100101-0091 ONLY SILENCE\n")
     paths = StoragePaths(corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
     with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
@@ -109,7 +116,7 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
             "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n FROM rejects) "
             "WHERE n <= 3 AND reason NOT IN ('missing_file', 'unreadable', 'outside_root')"
         ).fetchone()[0]
-    assert playable and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
+    assert playable == 2 and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
     examples = text.split("<h2>Reject examples</h2>", 1)[1].split("</section>", 1)[0]
     assert examples.count('<img class="vad"') == examples.count("<td>no_speech</td>")  # the VAD decision for each no_speech reject
 

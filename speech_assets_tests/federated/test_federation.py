@@ -32,7 +32,7 @@ from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.hosts import free_port
 from speech_assets.model.encoders import weights_sha256
-from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
+from speech_assets_tests.conftest import DEMO_FEDERATED, REPO, SAMPLE_CORPUS
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
 BIN = Path(sys.executable).parent
@@ -143,7 +143,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
 
 
 def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
-    dagster_run: dict, sample_pipeline: SamplePipeline, capsys: pytest.CaptureFixture[str]
+    dagster_run: dict, sample_pipeline: SamplePipeline, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     import dagster as dg
 
@@ -167,6 +167,20 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     printed = capsys.readouterr().out
     assert f"round             {ROUNDS}" in printed and "None" not in printed
     assert commit in printed and mlflow_run in printed and record.run_id in printed
+
+    # the stats database lists it among the checkpoints, with the same facts
+    import duckdb
+
+    from speech_assets.defs.resources import StoragePaths
+    from speech_assets.defs.stats import _inputs
+    from speech_assets.stats.database import build_database
+
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri)
+    db = tmp_path / "stats.duckdb"
+    build_database(db, _inputs(paths))
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute("SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints WHERE kind = 'federated'").fetchall()
+    assert (ROUNDS, "round", report["weights_sha256"], mlflow_run, commit, record.run_id) in rows
 
 
 def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline: SamplePipeline) -> None:
