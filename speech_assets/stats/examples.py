@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ MAX_EXAMPLES = 24
 MAX_BYTES = 4 * 2**20
 # no audio to play: the file is missing, cannot be decoded, or lies outside the corpus
 SILENT_REASONS = frozenset({"missing_file", "unreadable", "outside_root"})
+SPEED_COPY = re.compile(r"-sp\d+_\d+$")  # <utt_id>-sp0_9: a speed-perturbed copy of <utt_id>
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ def clip_name(stage: str, reason: str, utt_id: str, path: str, stat: os.stat_res
     return "reject-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".flac"
 
 
-def _inside(path: Path, root: Path) -> bool:
+def _inside(path: Path, root: Path) -> Path | None:
+    """``path`` resolved (symlinks and ``..`` followed) if that lies inside ``root``, else ``None``."""
     try:
-        path.resolve(strict=True).relative_to(root.resolve())
+        resolved = path.resolve(strict=True)
+        resolved.relative_to(root.resolve())
     except (OSError, ValueError):
-        return False
-    return True
+        return None
+    return resolved
 
 
 def _read_16k(path: Path, seconds: float) -> np.ndarray:
@@ -112,15 +116,16 @@ def reject_examples(
         if reason in SILENT_REASONS or source is None:
             examples.append(RejectExample(*row, clip=None, note="no audio to play for this reason"))
             continue
-        if corpus_root is None or not _inside(source, corpus_root):
+        resolved = _inside(source, corpus_root) if corpus_root is not None else None
+        if resolved is None:
             examples.append(RejectExample(*row, clip=None, note="not played: the file is not inside the corpus"))
             continue
         if clips >= max_examples or written >= max_bytes:
             examples.append(RejectExample(*row, clip=None, note="not copied: the report's bound on audio examples is reached"))
             continue
         try:
-            name = clip_name(stage, reason, utt_id, path, source.stat())
-            long = _read_16k(source, MAX_VAD_S if reason == "no_speech" and vad is not None else MAX_CLIP_S)
+            name = clip_name(stage, reason, utt_id, path, resolved.stat())
+            long = _read_16k(resolved, MAX_VAD_S if reason == "no_speech" and vad is not None else MAX_CLIP_S)
         except Exception as error:  # noqa: BLE001 - any decoding failure is a note on the page, not a failed report
             examples.append(RejectExample(*row, clip=None, note=f"not played: {type(error).__name__}"))
             continue
@@ -134,9 +139,12 @@ def reject_examples(
                 Path(tmp).write_bytes(payload)
         written += len(payload)
         clips += 1
-        picture = _vad_picture(long, vad) if reason == "no_speech" and vad is not None else None
+        # a speed-perturbed copy's decision was made on other audio than the file's: not redrawn
+        perturbed = SPEED_COPY.search(utt_id) is not None
+        picture = _vad_picture(long, vad) if reason == "no_speech" and vad is not None and not perturbed else None
         shown = min(len(long) / 16_000, MAX_CLIP_S)
-        examples.append(RejectExample(*row, clip=name, note=f"first {shown:.1f} s, 16 kHz mono", vad_png=picture))
+        note = f"first {shown:.1f} s, 16 kHz mono" + (" (the original of this speed-perturbed copy)" if perturbed else "")
+        examples.append(RejectExample(*row, clip=name, note=note, vad_png=picture))
     return examples
 
 

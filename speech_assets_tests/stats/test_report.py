@@ -201,9 +201,13 @@ def test_audio_examples_are_bounded_and_stale_clips_removed(database: Path, tmp_
     assert [e.clip is not None for e in shown] == [True, True, False, False, False]
     shown = reject_examples(rows, corpus, tmp_path, max_bytes=1)  # the first clip passes the bound: none is copied
     assert all(e.clip is None for e in shown) and "bound" in shown[0].note
+    quiet = str(corpus / "s1" / "c" / "s1-c-9.flac")
+    original, copy = reject_examples([("vad", "no_speech", "s1-c-9", quiet, ""), ("vad", "no_speech", "s1-c-9-sp1_1", quiet, "")],
+                                     corpus, tmp_path, VadConfig())  # fmt: skip
+    assert original.vad_png and copy.clip and copy.vad_png is None and "speed-perturbed" in copy.note  # its decision was on other audio
     (tmp_path / "reject-stale.flac").write_bytes(b"old")
     remove_unused(tmp_path, {e.clip for e in reject_examples(rows[:1], corpus, tmp_path)})
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(list(tmp_path.glob("*.flac"))) == 1
 
 
 @pytest.mark.slow
