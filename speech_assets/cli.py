@@ -91,10 +91,13 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
     print(f"checkpoint        {report['checkpoint']}")
+    print(f"kind              {report['kind']}")
     print(f"weights sha256    {report['weights_sha256']}")
-    print(f"step              {report['step']}")
+    print(f"{report['step_unit']:18s}{report['step'] if report['step'] is not None else '(none recorded)'}")
     print(f"git commit        {report.get('git_sha') or '(none recorded)'}")
-    print(f"mlflow run        {report.get('mlflow_run_id') or '(none)'}")
+    url = f" ({report['mlflow_run_url']})" if report.get("mlflow_run_url") else ""
+    print(f"mlflow run        {report.get('mlflow_run_id') or '(none)'}{url}")
+    print(f"dagster run       {report.get('dagster_run_id') or '(none recorded)'}")
     print("inputs (data versions):")
     for key, value in sorted(report["data_versions"].items()):
         print(f"  {key:32s} {value}")

@@ -4,6 +4,8 @@ a training loop launched like pretraining (torchrun through Pipes, :mod:`speech_
 The distillation worker lives in speech_assets/train/distill.py; torch is imported inside the asset.
 """
 
+import json
+
 import dagster as dg
 
 from speech_assets.defs.lineage import input_versions, required_checkpoint
@@ -12,8 +14,9 @@ from speech_assets.defs.resources import DistillSettings, PipelineSettings, Stor
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_torchrun
 from speech_assets.defs.training import TRAINING_INPUTS, run_folder, run_inputs, speakers_by_client
+from speech_assets.stats.database import SPEED_FILE
 from speech_assets.train.config import DistillConfig
-from speech_assets.utils import from_fields
+from speech_assets.utils import atomic_write_text, from_fields
 
 DISTILL_CODE_VERSION = "distill-v1"
 
@@ -58,6 +61,7 @@ def distilled_checkpoint(
         nproc=options.nproc or 1, module="speech_assets.train.distill",
     )  # fmt: skip
     speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
+    atomic_write_text(run_dir / SPEED_FILE, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
         f"CPU forward {speed['student_audio_s_per_s']:.0f} vs {speed['teacher_audio_s_per_s']:.0f} audio s/s "

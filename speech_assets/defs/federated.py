@@ -14,10 +14,11 @@ import dagster as dg
 
 from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.defs.conditions import retrain_on_cron
-from speech_assets.defs.lineage import git_commit, input_versions
+from speech_assets.defs.lineage import git_commit, input_versions, record_provenance
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
+from speech_assets.locations import redact_uri
 from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
@@ -71,8 +72,9 @@ def federated_checkpoint(
         client_weights=client_weights(paths.root, sorted(clients)), data_versions=data_versions,
         heldout_speakers=heldout_of(table), train_speakers=sorted(a.speaker_id for a in table if not a.heldout),
     )  # fmt: skip
+    commit = git_commit()
     tracker = FederatedTracker(
-        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=git_commit()
+        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=commit
     )
 
     def on_round(record: dict) -> None:
@@ -114,6 +116,10 @@ def federated_checkpoint(
         ) from error
 
     sha = _verify_checkpoint(result["checkpoint"], result["checkpoint_sha256"])
+    record_provenance(
+        run_dir, sha, git_sha=commit, mlflow_run_id=tracker.run_id or None, mlflow_run_url=redact_uri(tracker.url) if tracker.url else None,
+        dagster_run_id=context.run.run_id, preset=fed.preset,
+    )  # fmt: skip
     lines = result["round_summaries"]
     metadata = {
         "rounds": result["rounds"],

@@ -11,7 +11,7 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.utils import sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 DATA_VERSION_TAG = "dagster/data_version"
 
@@ -90,6 +90,19 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def record_provenance(run_dir: Path, checkpoint_sha256: str, **fields: object) -> None:
+    """``<run_dir>/provenance.json``: what made the run's checkpoint (git commit, MLflow run,
+    Dagster run), for `speech-assets lineage` and the stats database. Kept while the checkpoint
+    is the same one (a later run that reuses a finished run did not make it)."""
+    from speech_assets.stats.database import PROVENANCE_FILE
+
+    path = run_dir / PROVENANCE_FILE
+    if read_json(path).get("checkpoint_sha256") == checkpoint_sha256:
+        return
+    record = {"checkpoint_sha256": checkpoint_sha256, **{k: v for k, v in fields.items() if v is not None}}
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def input_versions(

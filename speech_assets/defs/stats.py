@@ -8,13 +8,14 @@ import pyarrow.parquet as pq
 
 from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.lineage import latest_data_version, markdown_table, partition_versions
+from speech_assets.defs.features import vad_config
+from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import clients_partitions, speakers_partitions
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.training import TRAINING_INPUTS
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-CODE_VERSION = "stats-v1"
+CODE_VERSION = "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
@@ -35,7 +36,13 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         training_results=results,
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.root / "probe" / "results.parquet",
+        model_results={kind: sorted((paths.root / folder).glob("*/result.json")) for kind, folder in MODEL_FOLDERS.items()},
+        exports=sorted((paths.root / "export").glob("*/encoder.json")),
     )
+
+
+# where each kind of model run keeps its run folders (each with result.json beside final.pt)
+MODEL_FOLDERS = {"federated": "federated", "distilled": "distill", "iteration2": "training_iter2"}
 
 
 def _newest_federated_rounds(paths: StoragePaths):
@@ -69,7 +76,10 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 
 @dg.asset(
     group_name="stats",
-    deps=[*TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "downstream_probe"],
+    deps=[
+        *TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
+        "encoder_export", "downstream_probe",
+    ],  # fmt: skip
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     # once per fresh data, after kmeans_targets (which follows the shards, CMVN and clients), not
@@ -80,7 +90,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
         built_by_sensor=["vad_features"],
     ),
 )
-def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
+def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settings: PipelineSettings) -> dg.MaterializeResult:
     """stats.duckdb: views over every Parquet output plus summary tables; query with
     `speech-assets sql`."""
     from speech_assets.stats import plots, report
@@ -90,7 +100,10 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
     instance = context.instance
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
-        for key in ("manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint", "downstream_probe")
+        for key in (
+            "manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint",
+            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe",
+        )  # fmt: skip
     }
     partitioned = {
         "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),
@@ -101,7 +114,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
     for key, versions in partitioned.items():  # bounded in the UI: a count and a hash; all of them in the file
         input_versions[key] = f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
 
-    report_file = report.write_report(paths.stats_db, paths.report_dir / "index.html", _report_inputs(paths))
+    report_file = report.write_report(paths.stats_db, paths.report_dir / "index.html", _report_inputs(context, paths, settings))
     con = stats_db.connect_read_only(paths.stats_db)
     try:
         durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
@@ -121,18 +134,25 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.
             "input_versions_path": dg.MetadataValue.path(str(lineage_file)),
             "summary": dg.MetadataValue.md("```\n" + stats_db.summary(paths.stats_db) + "\n```"),
             "plots": dg.MetadataValue.md("\n\n".join(pictures) or "no data yet"),
-            "report": dg.MetadataValue.url(report_file.resolve().as_uri()),
-            "report_path": dg.MetadataValue.path(str(report_file)),
+            # a path, not a file:// link: a browser refuses file:// links from the UI's http page, and
+            # the webserver serves no files of ours; the UI shows a path with a copy button
+            "report": dg.MetadataValue.path(str(report_file.resolve())),
+            "report_how_to_open": "copy the report path above into the browser's address bar; the page works offline "
+            "(plots inline, audio clips in report/audio/ beside it)",
             "path": dg.MetadataValue.path(str(paths.stats_db)),
             "example": 'speech-assets sql "SELECT reason, count(*) FROM rejects GROUP BY reason"',
         },
     )
 
 
-def _report_inputs(paths: StoragePaths):
-    """Cluster sizes per client and each training run's metrics, for the report's plots."""
+def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, settings: PipelineSettings):
+    """The report's header, cluster sizes per client, each training run's metrics, and where
+    the reject examples' audio may be read from."""
+    import datetime
+
     import numpy as np
 
+    from speech_assets.corpus.manifest import corpus_root_of
     from speech_assets.stats.report import ReportInputs
 
     counts = {}
@@ -143,7 +163,23 @@ def _report_inputs(paths: StoragePaths):
     for log in sorted(paths.training_dir.glob("*/metrics.jsonl")):
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         metrics[log.parent.name] = rows
-    return ReportInputs(cluster_counts=counts, training_metrics=metrics)
+    header = {
+        "built_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "git_commit": git_commit(),
+        "dagster_run_id": context.run.run_id,
+        "corpus": str(paths.corpus_path),
+        "settings_hash": settings_hash(settings),
+        "settings_source": settings.source or "defaults (no pipeline.toml)",
+    }
+    return ReportInputs(
+        cluster_counts=counts, training_metrics=metrics, header=header,
+        corpus_root=corpus_root_of(paths.corpus_path), vad=vad_config(settings.features),
+    )  # fmt: skip
+
+
+def settings_hash(settings: PipelineSettings) -> str:
+    """sha256 of every stage's settings (not of the file they came from): equal settings, equal hash."""
+    return sha256_strings([settings.model_dump_json(exclude={"source"})])
 
 
 @dg.asset_check(asset="dataset_stats", blocking=True, description=(

@@ -22,7 +22,7 @@ from typing import Any
 import dagster as dg
 
 from speech_assets import locations
-from speech_assets.defs.lineage import bounded_versions
+from speech_assets.defs.lineage import bounded_versions, read_json, record_provenance
 from speech_assets.defs.resources import StoragePaths, TrainingSettings
 from speech_assets.runtime.processes import command_lines
 from speech_assets.utils import atomic_write_text
@@ -80,6 +80,12 @@ def run_torchrun(
         except Exception as error:
             raise training_failure(error, run_dir) from error
         result = invocation.get_materialize_result()
+    finished = read_json(run_dir / "result.json")
+    if finished.get("checkpoint_sha256"):
+        record_provenance(
+            run_dir, finished["checkpoint_sha256"], git_sha=getattr(config, "git_sha", None),
+            mlflow_run_id=finished.get("mlflow_run_id"), dagster_run_id=context.run.run_id,
+        )  # fmt: skip
     return dg.MaterializeResult(data_version=result.data_version, metadata={
         **(result.metadata or {}), **training_curve_metadata(run_dir), "run_dir": dg.MetadataValue.path(str(run_dir)),
         "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)), "oom_retries": retries,

@@ -35,6 +35,15 @@ class StatsInputs:
     # the rounds.parquet of the federated run to show (speech_assets.federated), if any
     federated_rounds: Path | None = None
     probe_results: Path | None = None  # downstream_probe's results.parquet
+    # result.json of each model's runs by kind (``CHECKPOINT_KINDS``); ``training_results`` are centralised
+    model_results: dict[str, list[Path]] = field(default_factory=dict)
+    exports: list[Path] = field(default_factory=list)  # encoder_export's encoder.json files
+
+
+# Every kind of checkpoint the graph trains; a federated checkpoint's ``step`` counts rounds.
+CHECKPOINT_KINDS = ("centralised", "federated", "distilled", "iteration2")
+PROVENANCE_FILE = "provenance.json"  # beside a run's result.json: its git commit, MLflow and Dagster runs
+SPEED_FILE = "speed.json"  # beside a distilled run's result.json: student and teacher forward speed
 
 
 def _sql_str(value: str | os.PathLike[str]) -> str:
@@ -89,6 +98,41 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         )
 
 
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` when it is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def run_record(kind: str, result_file: Path) -> dict:
+    """One model run's ``result.json`` in the shape every kind shares: ``step`` (rounds for a
+    federated run), ``checkpoint``, ``checkpoint_sha256``, ``mlflow_run_id``, ``manifest_hash``,
+    ``git_commit``, ``dagster_run_id``, ``preset``, losses and held-out accuracies."""
+    r = _read_json(result_file)
+    folder = result_file.parent
+    config = _read_json(folder / "config.json")
+    provenance = _read_json(folder / PROVENANCE_FILE)
+    id_file = folder / "mlflow_run_id"
+    recorded_id = id_file.read_text().strip() if id_file.is_file() else None
+    if kind == "federated":
+        rounds = [line.get("round") for line in r.get("round_summaries") or [] if line.get("round") is not None]
+        r = {**r, "step": max(rounds) if rounds else r.get("rounds"), "final_loss": r.get("final_train_loss")}
+    return {
+        **r,
+        "step": r.get("step"),
+        "checkpoint": r.get("checkpoint"),
+        "checkpoint_sha256": r.get("checkpoint_sha256"),
+        "preset": r.get("preset") or r.get("student") or config.get("preset") or _read_json(folder / "settings.json").get("preset"),
+        "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_id,
+        "manifest_hash": (r.get("data_versions") or {}).get("manifest"),
+        "git_commit": config.get("git_sha") or provenance.get("git_sha"),
+        "dagster_run_id": provenance.get("dagster_run_id"),
+    }
+
+
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
@@ -103,32 +147,56 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         )
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
-        "manifest_hash VARCHAR, run_dir VARCHAR)"
+        "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, run_dir VARCHAR)"
     )
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
         "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
-        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE)"
+        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR)"
     )
-    for path in sorted(inputs.training_results):
-        r = json.loads(path.read_text())
-        config_file = path.parent / "config.json"
-        r.setdefault("preset", json.loads(config_file.read_text()).get("preset") if config_file.exists() else None)
-        manifest_hash = (r.get("data_versions") or {}).get("manifest")
+    con.execute(
+        "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
+        "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
+    )
+    runs = [("centralised", p) for p in inputs.training_results]
+    runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
+    for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
+        r = run_record(kind, path)
         con.execute(
-            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
-            [r.get("checkpoint"), r.get("step"), r.get("checkpoint_sha256"), r.get("mlflow_run_id"), manifest_hash, str(path.parent)],
-        )
+            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [r["checkpoint"], r["step"], r["checkpoint_sha256"], r["mlflow_run_id"], r["manifest_hash"], kind,
+             "round" if kind == "federated" else "step", r["git_commit"], r["dagster_run_id"], str(path.parent)],
+        )  # fmt: skip
         con.execute(
-            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [str(path.parent), r.get("preset"), r.get("step"), r.get("final_loss"), r.get("heldout_masked_accuracy"),
+            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [str(path.parent), r.get("preset"), r["step"], r.get("final_loss"), r.get("heldout_masked_accuracy"),
              r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
-             r.get("mlflow_run_id"), r.get("checkpoint"), r.get("heldout_interior_masked_accuracy"),
+             r["mlflow_run_id"], r["checkpoint"], r.get("heldout_interior_masked_accuracy"),
              r.get("heldout_interior_majority_accuracy"), r.get("heldout_leak_free_masked_accuracy"),
-             r.get("heldout_leak_free_majority_accuracy")],
-        )
+             r.get("heldout_leak_free_majority_accuracy"), kind],
+        )  # fmt: skip
+        speed = _read_json(path.parent / SPEED_FILE)
+        if kind == "distilled" and speed:
+            con.execute(
+                "INSERT INTO distillation VALUES (?, ?, ?, ?, ?, ?)",
+                [str(path.parent), speed.get("student_parameters", r.get("student_parameters")),
+                 speed.get("teacher_parameters", r.get("teacher_parameters")), speed.get("student_audio_s_per_s"),
+                 speed.get("teacher_audio_s_per_s"), speed.get("speedup")],
+            )  # fmt: skip
+    con.execute(
+        "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
+        "torchscript_max_abs_diff DOUBLE, parity_utterances BIGINT, parity_frames BIGINT)"
+    )
+    for path in sorted(inputs.exports):
+        description = _read_json(path)
+        parity = description.get("parity") or {}
+        con.execute(
+            "INSERT INTO exports VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [str(path.parent), description.get("checkpoint_sha256"), (description.get("output") or {}).get("layer"),
+             parity.get("max_abs_diff"), parity.get("torchscript_max_abs_diff"), parity.get("utterances"), parity.get("frames")],
+        )  # fmt: skip
     con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
     if inputs.probe_results is not None and inputs.probe_results.exists():
         con.execute(
@@ -147,17 +215,18 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             f"bytes_down, seconds FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
         )
     # Summaries are materialised: they are small and the CLI should answer instantly.
+    con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
-        "CREATE TABLE hours_per_speaker AS SELECT speaker_id, count(*) AS utterances, "
-        "sum(duration_s) / 3600 AS hours, sum(trimmed_duration_s) / 3600 AS trimmed_hours "
-        "FROM utterances GROUP BY ALL ORDER BY speaker_id"
+        "CREATE TABLE hours_per_speaker AS SELECT u.speaker_id, count(*) AS utterances, "
+        "sum(u.duration_s) / 3600 AS hours, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours, "
+        "any_value(s.client_id) AS client_id, coalesce(any_value(s.split), 'unassigned') AS split "
+        "FROM utterances u LEFT JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY u.speaker_id"
     )
     con.execute(
         "CREATE TABLE hours_per_client AS SELECT c.client_id, count(DISTINCT u.speaker_id) AS speakers, "
         "count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
-    con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
         "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, "
         "count(DISTINCT u.speaker_id) AS speakers, count(*) AS utterances, "
@@ -335,6 +404,21 @@ def _dicts(tree: object):
             stack.extend(item)
 
 
+_KIND_ORDER = "list_position(" + "[" + ", ".join(f"'{kind}'" for kind in CHECKPOINT_KINDS) + "], kind)"
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _scientific(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1e}"
+
+
+def _millions(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.2f} M"
+
+
 def summary(db_path: Path) -> str:
     """A short human-readable report of the dataset, for `speech-assets stats` and `make demo`."""
     con = connect_read_only(db_path)
@@ -355,14 +439,34 @@ def summary(db_path: Path) -> str:
                 f"  k-means {row[0]}: K={row[1]} frames={row[2]} inertia/frame={row[3]:.3f} "
                 f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
             )
-        for row in con.execute(
-            "SELECT steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy, chance_accuracy, "
-            "checkpoint, mlflow_run_id FROM training_runs ORDER BY run_dir"
+        for kind, steps, loss, accuracy, majority, chance, checkpoint, run_id in con.execute(
+            "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy, chance_accuracy, "
+            f"checkpoint, mlflow_run_id FROM training_runs ORDER BY {_KIND_ORDER}, run_dir"
         ).fetchall():
-            majority = "n/a" if row[3] is None else f"{row[3]:.3f}"
+            unit = "rounds" if kind == "federated" else "steps"
+            held_out = (
+                f", held-out masked accuracy {_number(accuracy)} (majority class {_number(majority)}"
+                + (f", chance {_number(chance)})" if chance is not None else ")")
+                if accuracy is not None or majority is not None
+                else ""
+            )
             lines.append(
-                f"training: {row[0]} steps, loss {row[1]:.3f}, held-out masked accuracy {row[2]:.3f} "
-                f"(majority class {majority}, chance {row[4]:.3f}), checkpoint {row[5]}, MLflow run {row[6]}"
+                f"{kind} model: {steps} {unit}, loss {_number(loss)}{held_out}, checkpoint {checkpoint}, "
+                f"MLflow run {run_id or 'none'}"
+            )
+        for speedup, student, teacher, student_speed, teacher_speed in con.execute(
+            "SELECT speedup, student_parameters, teacher_parameters, student_audio_s_per_s, teacher_audio_s_per_s FROM distillation"
+        ).fetchall():
+            lines.append(
+                f"distilled student: {_number(speedup, 2)}x the teacher's CPU forward speed ({_number(student_speed, 0)} vs "
+                f"{_number(teacher_speed, 0)} audio s/s), {_millions(student)} vs {_millions(teacher)} parameters"
+            )
+        for layer, onnx, torchscript, utterances in con.execute(
+            "SELECT layer, max_abs_diff, torchscript_max_abs_diff, parity_utterances FROM exports ORDER BY folder"
+        ).fetchall():
+            lines.append(
+                f"export (layer {layer}): ONNX max |diff| {_scientific(onnx)}, TorchScript {_scientific(torchscript)} "
+                f"against PyTorch on {utterances} utterances"
             )
         return "\n".join(lines)
     finally:

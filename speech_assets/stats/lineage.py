@@ -8,6 +8,7 @@ from typing import Any
 
 from speech_assets.locations import redact_uri
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.stats.database import PROVENANCE_FILE
 from speech_assets.train.checkpoint import load_checkpoint
 
 
@@ -23,27 +24,50 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}")
     state = load_checkpoint(path)
     config = dict(state.get("config") or {})
-    weights = state.get("model")
+    weights = state.get("model") if state.get("model") is not None else state.get("encoder")
     result = _run_result(path)
-    url = result.get("mlflow_run_url")
+    provenance = _beside(path, PROVENANCE_FILE)
+    url = result.get("mlflow_run_url") or provenance.get("mlflow_run_url")
     if config.get("mlflow_tracking_uri"):  # checkpoints written before credentials were left out
         config["mlflow_tracking_uri"] = redact_uri(config["mlflow_tracking_uri"])
+    data_versions = dict(state.get("data_versions") or config.get("data_versions") or {})
+    kind = checkpoint_kind(state, data_versions)
     return {
         "checkpoint": str(path.resolve()),
-        "step": state.get("step"),
+        "kind": kind,
+        # a federated checkpoint counts rounds of the global encoder, not optimiser steps
+        "step": state.get("round") if kind == "federated" else state.get("step"),
+        "step_unit": "round" if kind == "federated" else "step",
         "weights_sha256": state.get("weights_sha256") or (weights_sha256(weights) if weights else None),
-        "data_versions": dict(state.get("data_versions") or config.get("data_versions") or {}),
-        "git_sha": config.get("git_sha"),
-        "mlflow_run_id": state.get("mlflow_run_id") or result.get("mlflow_run_id"),
+        "data_versions": data_versions,
+        "git_sha": config.get("git_sha") or provenance.get("git_sha"),
+        "mlflow_run_id": state.get("mlflow_run_id") or result.get("mlflow_run_id") or provenance.get("mlflow_run_id"),
         "mlflow_run_url": redact_uri(url) if url else url,
+        "dagster_run_id": provenance.get("dagster_run_id"),
         "config": config,
     }
 
 
-def _run_result(checkpoint: Path) -> dict[str, Any]:
-    """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
+def checkpoint_kind(state: dict[str, Any], data_versions: dict[str, str]) -> str:
+    """``centralised``, ``federated``, ``distilled`` or ``iteration2``, from what the checkpoint holds."""
+    if state.get("kind") == "distilled":
+        return "distilled"
+    if "round" in state and "encoder" in state:
+        return "federated"
+    if any(key.startswith("kmeans_targets_iter2/") for key in data_versions):
+        return "iteration2"
+    return "centralised"
+
+
+def _beside(checkpoint: Path, name: str) -> dict[str, Any]:
+    """The JSON file ``name`` of the run folder the checkpoint belongs to, if any."""
     for folder in (checkpoint.parent, checkpoint.parent.parent):
-        candidate = folder / "result.json"
+        candidate = folder / name
         if candidate.is_file():
             return json.loads(candidate.read_text())
     return {}
+
+
+def _run_result(checkpoint: Path) -> dict[str, Any]:
+    """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
+    return _beside(checkpoint, "result.json")

@@ -1,7 +1,8 @@
 """Small PNG plots rendered offline (matplotlib, Agg): for Dagster metadata and the HTML report.
 
-Each function returns PNG bytes of a figure a few hundred pixels wide, well under 100 KB, so it
-can be inlined as a ``data:`` URI (:func:`markdown_image`, :func:`html_image`).
+Each function returns PNG bytes of a figure about 1200 pixels wide (shown full width, fonts of
+11-15 pt so labels stay readable), well under 100 KB, so it can be inlined as a ``data:`` URI
+(:func:`markdown_image`, :func:`html_image`).
 
 Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
 data that did not change: the same inputs give the same PNG bytes, so each plot the report draws
@@ -26,10 +27,11 @@ import numpy as np
 
 from speech_assets.utils import atomic_path
 
-DPI = 80
-SIZE = (7.0, 3.0)
+DPI = 100
+SIZE = (12.0, 4.5)
+TITLE, LABEL, TICK, SMALL = 15, 13, 11, 10  # font sizes in points
 MAX_BARS = 40
-RENDER_VERSION = "1"  # bump when a plot's drawing changes, so cached PNGs are not reused
+RENDER_VERSION = "2"  # bump when a plot's drawing changes, so cached PNGs are not reused
 MEMORY_ENTRIES = 32  # PNGs kept in this process (a few tens of KB each)
 CACHE_SUFFIX = ".png"
 
@@ -148,9 +150,9 @@ def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
         for index, (key, label) in enumerate((("loss", "loss"), ("masked_accuracy", "masked accuracy"), ("lr", "learning rate"))):
             axis = figure.add_subplot(1, 3, index + 1)
             axis.plot(steps, [r.get(key, np.nan) for r in rows], marker=".", linewidth=1)
-            axis.set_title(label, fontsize=9)
-            axis.set_xlabel("step", fontsize=8)
-            axis.tick_params(labelsize=7)
+            axis.set_title(label, fontsize=TITLE)
+            axis.set_xlabel("step", fontsize=LABEL)
+            axis.tick_params(labelsize=TICK)
             axis.grid(alpha=0.3)
 
     return _render(draw, key=_key("training_curve", [[r.get(k) for k in ("step", "loss", "masked_accuracy", "lr")] for r in rows]))
@@ -162,10 +164,10 @@ def histogram(values: Sequence[float], title: str, xlabel: str, bins: int = 30) 
     def draw(figure) -> None:
         axis = figure.add_subplot(1, 1, 1)
         axis.hist(data, bins=bins, color="#4878a8")
-        axis.set_title(title, fontsize=9)
-        axis.set_xlabel(xlabel, fontsize=8)
-        axis.set_ylabel("count", fontsize=8)
-        axis.tick_params(labelsize=7)
+        axis.set_title(title, fontsize=TITLE)
+        axis.set_xlabel(xlabel, fontsize=LABEL)
+        axis.set_ylabel("count", fontsize=LABEL)
+        axis.tick_params(labelsize=TICK)
 
     return _render(draw, key=_key("histogram", data, title, xlabel, bins))
 
@@ -180,10 +182,10 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str
     def draw(figure) -> None:
         axis = figure.add_subplot(1, 1, 1)
         axis.bar(range(len(shown)), heights, color="#6a9f58")
-        axis.set_xticks(range(len(shown)), shown, rotation=90, fontsize=6)
-        axis.set_title(title + suffix, fontsize=9)
-        axis.set_ylabel(ylabel, fontsize=8)
-        axis.tick_params(axis="y", labelsize=7)
+        axis.set_xticks(range(len(shown)), shown, rotation=90, fontsize=SMALL)
+        axis.set_title(title + suffix, fontsize=TITLE)
+        axis.set_ylabel(ylabel, fontsize=LABEL)
+        axis.tick_params(axis="y", labelsize=TICK)
 
     return _render(draw, key=_key("bars", shown, np.asarray(heights, dtype=float), title + suffix, ylabel))
 
@@ -196,12 +198,12 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
         for client, counts in sorted(counts_by_client.items()):
             counts = np.sort(np.asarray(counts, dtype=float))[::-1]
             axis.plot(np.arange(1, len(counts) + 1), counts / max(counts.sum(), 1.0), label=client, linewidth=1)
-        axis.set_title("cluster sizes (share of frames, by rank)", fontsize=9)
-        axis.set_xlabel("cluster rank", fontsize=8)
+        axis.set_title("cluster sizes (share of frames, by rank)", fontsize=TITLE)
+        axis.set_xlabel("cluster rank", fontsize=LABEL)
         axis.set_yscale("log")
-        axis.tick_params(labelsize=7)
+        axis.tick_params(labelsize=TICK)
         if len(counts_by_client) <= 12:
-            axis.legend(fontsize=6)
+            axis.legend(fontsize=SMALL)
 
     return _render(draw, key=_key("cluster_sizes", *(part for client, counts in sorted(counts_by_client.items())
                                                       for part in (client, np.asarray(counts, dtype=float)))))
@@ -214,11 +216,11 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
         axis = figure.add_subplot(1, 1, 1)
         for name, values in series.items():
             axis.plot(list(x), list(values), marker=".", label=name, linewidth=1)
-        axis.set_title(title, fontsize=9)
-        axis.set_xlabel(xlabel, fontsize=8)
-        axis.tick_params(labelsize=7)
+        axis.set_title(title, fontsize=TITLE)
+        axis.set_xlabel(xlabel, fontsize=LABEL)
+        axis.tick_params(labelsize=TICK)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=6)
+        axis.legend(fontsize=SMALL)
 
     return _render(draw)
 
@@ -232,7 +234,7 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
     def draw(figure) -> None:
         loss = figure.add_subplot(1, 2, 1)
         loss.plot(rounds, [nan if line["train_loss"] is None else line["train_loss"] for line in lines], marker="o", linewidth=1)
-        loss.set_title("local train loss (mean over clients)", fontsize=9)
+        loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
         accuracy = figure.add_subplot(1, 2, 2)
         accuracy.plot(rounds, [line["heldout_masked_accuracy"] or nan for line in lines], marker="o", linewidth=1,
                       label="global encoder + own head")  # fmt: skip
@@ -242,15 +244,43 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
                                   marker="s", linewidth=1, label="leak-free frames")[0]  # fmt: skip
         accuracy.plot(rounds, [line.get("heldout_leak_free_majority_accuracy") or nan for line in lines], linestyle=":",
                       linewidth=1, color=leak_free.get_color(), label="leak-free majority class")  # fmt: skip
-        accuracy.set_title("held-out masked accuracy", fontsize=9)
-        accuracy.legend(fontsize=7)
+        accuracy.set_title("held-out masked accuracy", fontsize=TITLE)
+        accuracy.legend(fontsize=SMALL)
         for axis in (loss, accuracy):
-            axis.set_xlabel("round", fontsize=8)
-            axis.tick_params(labelsize=7)
+            axis.set_xlabel("round", fontsize=LABEL)
+            axis.tick_params(labelsize=TICK)
             axis.grid(alpha=0.3)
             axis.set_xticks(rounds)
 
-    return _render(draw, size=(7.5, 2.8))
+    return _render(draw, size=(12.0, 4.5))
+
+
+def vad_decision(wave: np.ndarray, voiced: Sequence[bool], frame_ms: int, span: tuple[float, float] | None) -> bytes:
+    """A waveform (16 kHz mono ``(N,)``) with the VAD's voiced frames shaded and the speech span
+    it kept (``(start_s, end_s)``, ``None`` when it never triggered) marked: a small picture."""
+    bins = 800  # min/max per bin: the envelope, whatever the length
+    usable = len(wave) // bins * bins
+    envelope = wave[:usable].reshape(bins, -1) if usable else wave.reshape(1, -1)
+    times = (np.arange(envelope.shape[0]) + 0.5) * envelope.shape[1] / 16_000
+    flags = np.asarray(voiced, dtype=bool)
+
+    def draw(figure) -> None:
+        axis = figure.add_subplot(1, 1, 1)
+        axis.fill_between(times, envelope.min(axis=1), envelope.max(axis=1), color="#4878a8", linewidth=0)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
+        for first, end in zip(edges[::2], edges[1::2]):  # one shaded band per run of voiced frames
+            axis.axvspan(first * frame_ms / 1000, end * frame_ms / 1000, color="#6a9f58", alpha=0.35, linewidth=0)
+        if span is not None:
+            for edge in span:
+                axis.axvline(edge, color="#c0392b", linewidth=1.5)
+        kept = f"span kept {span[0]:.2f}-{span[1]:.2f} s" if span else "never triggered"
+        axis.set_title(f"VAD: {int(flags.sum())}/{len(flags)} frames voiced (green), {kept}", fontsize=LABEL)
+        axis.set_xlabel("seconds", fontsize=LABEL)
+        axis.set_xlim(0, max(len(wave) / 16_000, 1e-3))
+        axis.set_yticks([])
+        axis.tick_params(labelsize=TICK)
+
+    return _render(draw, size=(9.0, 2.2), key=_key("vad_decision", envelope.astype(np.float32), flags, frame_ms, span))
 
 
 def data_uri(png: bytes) -> str:
@@ -261,5 +291,5 @@ def markdown_image(png: bytes, alt: str) -> str:
     return f"![{alt}]({data_uri(png)})"
 
 
-def html_image(png: bytes, alt: str) -> str:
-    return f'<img alt="{alt}" src="{data_uri(png)}">'
+def html_image(png: bytes, alt: str, css_class: str = "plot") -> str:
+    return f'<img class="{css_class}" alt="{alt}" src="{data_uri(png)}">'

@@ -1,22 +1,29 @@
 """The offline data-quality report: one static HTML page (no CDN, no script) written beside the
 DuckDB database by ``dataset_stats``.
 
-Every table on the page shows the SQL that produced it, so a reader can re-run it with
-``speech-assets sql``; plots are inlined PNGs (``stats.plots``).
+A header (when it was built, from which commit, Dagster run, corpus and settings) and a summary
+come first. Every table on the page shows the SQL that produced it, so a reader can re-run it
+with ``speech-assets sql``; plots are inlined PNGs (``stats.plots``); reject examples play short
+clips copied under ``audio/`` beside the page (``stats.examples``), so the folder can be moved or
+opened offline as a whole.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
 
 from speech_assets.stats import plots
+from speech_assets.stats.examples import AUDIO_FOLDER
 from speech_assets.utils import atomic_write_text
 
 MAX_ROWS = 50
@@ -24,29 +31,45 @@ PLOT_CACHE = ".plots"  # beside the report: its plots' PNGs by input hash, reuse
 
 SECTIONS: list[tuple[str, str, str]] = [
     ("Corpus", "What was kept, in hours, before and after VAD.",
-     "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM manifest) / 3600, 3) AS hours, "
-     "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS speech_hours, "
+     "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM manifest) / 3600, 3) AS \"hours (h)\", "
+     "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS \"speech (h)\", "
      "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers"),
     ("Rejects by reason", "Every stage's quarantined files, counted by reason.",
      "SELECT stage, reason, rejects FROM rejects_by_reason ORDER BY rejects DESC"),
-    ("Reject examples", "Up to three examples of each reason, with the human-readable detail.",
-     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"),
+    ("Speakers", "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
+     "SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS \"hours (h)\", round(trimmed_hours, 3) AS \"speech (h)\" "
+     "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id"),
     ("Clients", "Speakers per client (non-IID: a speaker never spans two clients) and their speech after VAD.",
-     "SELECT client_id, speakers, utterances, round(trimmed_hours, 4) AS trimmed_hours FROM hours_per_client ORDER BY client_id"),
+     "SELECT client_id, speakers, utterances, round(trimmed_hours, 3) AS \"speech (h)\" FROM hours_per_client ORDER BY client_id"),
     ("Train / held-out split", "The trainer's held-out split, replicated in SQL.",
-     "SELECT split, utterances, round(trimmed_hours, 4) AS trimmed_hours FROM hours_per_split"),
+     "SELECT split, speakers, utterances, round(trimmed_hours, 3) AS \"speech (h)\" FROM hours_per_split"),
     ("k-means quality", "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
      "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS perplexity, "
-     "empty_clusters, round(mean_segment_length, 2) AS mean_segment_length FROM kmeans_quality ORDER BY client_id"),
-    ("Training runs", "Each checkpoint: steps, final loss, held-out masked accuracy against the majority-class rate.",
-     "SELECT preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) AS heldout_acc, "
-     "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, mlflow_run_id, checkpoint FROM training_runs ORDER BY run_dir"),
-    ("Checkpoints", "Lineage of each checkpoint: weights hash, MLflow run and the manifest it was trained from.",
-     "SELECT path, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints ORDER BY path"),
+     "empty_clusters, round(mean_segment_length, 2) AS \"mean segment (frames)\" FROM kmeans_quality ORDER BY client_id"),
+    ("Training runs", "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
+     "held-out masked accuracy against the majority-class rate.",
+     "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) AS heldout_acc, "
+     "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
+     "round(audio_seconds_per_second, 1) AS \"audio s/s\", mlflow_run_id, checkpoint FROM training_runs ORDER BY kind, run_dir"),
+    ("Checkpoints", "Lineage of each checkpoint: weights hash, git commit, MLflow and Dagster runs, and the manifest it was trained from.",
+     "SELECT kind, step, step_unit, sha256, git_commit, mlflow_run_id, dagster_run_id, manifest_hash, path FROM checkpoints ORDER BY kind, path"),
+    ("Export parity", "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute difference (fp32).",
+     "SELECT checkpoint_sha256, layer, max_abs_diff AS \"ONNX max |diff|\", torchscript_max_abs_diff AS \"TorchScript max |diff|\", "
+     "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder"),
+    ("Distilled student", "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same utterances.",
+     "SELECT round(speedup, 2) AS \"speed-up (x)\", round(student_parameters / 1e6, 2) AS \"student params (M)\", "
+     "round(teacher_parameters / 1e6, 2) AS \"teacher params (M)\", round(student_audio_s_per_s, 0) AS \"student audio s/s\", "
+     "round(teacher_audio_s_per_s, 0) AS \"teacher audio s/s\", run_dir FROM distillation ORDER BY run_dir"),
 ]
+REJECT_EXAMPLES_SQL = (
+    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n "
+    "FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
+)
 OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
-    ("federated_rounds", "Federated rounds", "Per round and client: examples, local loss and accuracy, bytes exchanged.",
-     "SELECT * FROM federated_rounds ORDER BY round, client_id"),
+    ("federated_rounds", "Federated rounds", "Per round and client: examples, local loss and accuracy, MB exchanged, seconds.",
+     "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS masked_accuracy, "
+     "round(bytes_up / 1e6, 2) AS \"MB up\", round(bytes_down / 1e6, 2) AS \"MB down\", round(seconds, 1) AS \"seconds (s)\" "
+     "FROM federated_rounds ORDER BY round, client_id"),
     ("probe_results", "Downstream probe", "Character CTC probe on frozen features: CER and WER per model and split.",
      "SELECT * FROM probe_results ORDER BY split, cer"),
 ]
@@ -54,10 +77,47 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
 
 @dataclass
 class ReportInputs:
-    """What the report shows beyond the database: cluster sizes per client and training curves."""
+    """What the report shows beyond the database: the header's facts (``built_at``, ``git_commit``,
+    ``dagster_run_id``, ``corpus``, ``settings_hash``: name -> text), cluster sizes per client,
+    training curves, and where reject examples' audio may be read (``corpus_root``; ``vad``, a
+    :class:`~speech_assets.features.vad.VadConfig`, redraws the ``no_speech`` decisions)."""
 
     cluster_counts: Mapping[str, np.ndarray] = field(default_factory=dict)
     training_metrics: Mapping[str, Sequence[Mapping[str, float]]] = field(default_factory=dict)
+    header: Mapping[str, str | None] = field(default_factory=dict)
+    corpus_root: Path | None = None
+    vad: Any = None
+
+
+HEADER_LABELS = {
+    "built_at": "built at", "git_commit": "git commit", "dagster_run_id": "Dagster run", "corpus": "corpus",
+    "settings_hash": "settings hash", "settings_source": "settings file",
+}  # fmt: skip
+SHA256 = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def format_value(value: object) -> str:
+    """A cell as people read it: floats to 4 significant digits (scientific below 0.001),
+    integers with thousands separators, lists element by element. Escaped HTML; a sha256 or a
+    git commit is cut to 12 characters with the full value in its ``title``."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return html.escape(str(value))
+        if value != 0 and abs(value) < 1e-3:
+            return f"{value:.2e}"
+        return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    text = str(value)
+    if SHA256.fullmatch(text):
+        return f'<span class="hash" title="{text}">{text[:12]}</span>'
+    return html.escape(text)
 
 
 def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
@@ -66,13 +126,74 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
     rows = relation.fetchmany(MAX_ROWS + 1)
     more = len(rows) > MAX_ROWS
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape('' if v is None else str(v))}</td>" for v in row) + "</tr>"
-        for row in rows[:MAX_ROWS]
-    )
+    body = "".join("<tr>" + "".join(f"<td>{format_value(v)}</td>" for v in row) + "</tr>" for row in rows[:MAX_ROWS])
     note = f'<p class="note">first {MAX_ROWS} rows shown; run the query for all of them</p>' if more else ""
     empty = '<p class="note">no rows</p>' if not rows else ""
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}{empty}"
+
+
+def _header(inputs: ReportInputs, db_path: Path) -> str:
+    rows = [(HEADER_LABELS.get(key, key), value) for key, value in inputs.header.items()]
+    rows.append(("database", str(db_path)))
+    body = "".join(f"<tr><th>{html.escape(label)}</th><td>{format_value(value) or 'unknown'}</td></tr>" for label, value in rows)
+    return f'<table class="header">{body}</table>'
+
+
+def _summary(con: duckdb.DuckDBPyConnection) -> str:
+    """The report in a few lines: data kept, split, rejects, each model, export and student."""
+    one = lambda sql: con.execute(sql).fetchone()  # noqa: E731
+    kept, hours, speakers = one("SELECT count(*), coalesce(sum(duration_s), 0) / 3600, count(DISTINCT speaker_id) FROM manifest")
+    speech = one("SELECT coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances")[0]
+    clients, heldout = one("SELECT count(DISTINCT client_id), count(*) FILTER (WHERE split = 'heldout') FROM speaker_split")
+    items = [
+        f"{kept:,} utterances kept ({hours:.2f} h) from {speakers} speakers; {speech:.2f} h of speech after VAD",
+        f"{clients} clients; {heldout} held-out speaker(s), never trained on",
+    ]
+    rejects = con.execute("SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1").fetchall()
+    total = sum(n for _, n in rejects)
+    items.append(f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else ""))
+    models = con.execute(
+        "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy FROM training_runs ORDER BY kind, run_dir"
+    ).fetchall()
+    for kind, steps, loss, accuracy, majority in models:
+        unit = "rounds" if kind == "federated" else "steps"
+        held_out = ""
+        if accuracy is not None:
+            against = f" (majority class {majority:.3f})" if majority is not None else ""
+            held_out = f", held-out masked accuracy {accuracy:.3f}{against}"
+        items.append(f"{kind} model: {steps} {unit}, final loss {format_value(loss)}{held_out}")
+    for onnx, torchscript in con.execute("SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder").fetchall():
+        items.append(f"export parity: ONNX max |diff| {format_value(onnx)}, TorchScript {format_value(torchscript)}")
+    for speedup, student, teacher in con.execute("SELECT speedup, student_parameters, teacher_parameters FROM distillation").fetchall():
+        size = f" with {student / 1e6:.2f} M vs {teacher / 1e6:.2f} M parameters" if student and teacher else ""
+        items.append(f"distilled student: {format_value(speedup)}x the teacher's CPU forward speed{size}")
+    if not models:
+        items.append("no model trained yet")
+    return "<ul class=\"summary\">" + "".join(f"<li>{html.escape(item)}</li>" for item in items) + "</ul>"
+
+
+def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_dir: Path) -> tuple[str, set[str]]:
+    """The examples' table with an audio player per example that has a clip; the clips' names."""
+    from speech_assets.stats.examples import reject_examples
+
+    rows = con.execute(REJECT_EXAMPLES_SQL).fetchall()
+    examples = reject_examples(rows, inputs.corpus_root, out_dir / AUDIO_FOLDER, inputs.vad)
+    cells = []
+    for e in examples:
+        listen = (
+            f'<audio controls preload="metadata" src="{AUDIO_FOLDER}/{e.clip}"></audio>'
+            if e.clip
+            else ""
+        )
+        picture = plots.html_image(e.vad_png, f"VAD decision for {html.escape(e.utt_id)}", "vad") if e.vad_png else ""
+        cells.append(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (e.stage, e.reason, e.utt_id, e.detail))
+            + f'<td>{listen}{picture}<p class="note">{html.escape(e.note)}</p></td>'
+            + f'<td class="path">{html.escape(e.path)}</td></tr>'
+        )  # fmt: skip
+    head = "".join(f"<th>{c}</th>" for c in ("stage", "reason", "utt_id", "detail", "listen", "path"))
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(cells)}</tbody></table>"
+    return table if rows else '<p class="note">no rejects</p>', {e.clip for e in examples if e.clip}
 
 
 def _section(title: str, text: str, content: str, sql: str | None = None) -> str:
@@ -122,33 +243,46 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
 
 
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.85em; } td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 100%; overflow-x: auto; } td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space: pre-wrap; }
-.note { color: #666; font-size: 0.8em; } img { max-width: 100%; }
+.note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
+img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break: break-all; }
+table.header th { width: 10em; } ul.summary { font-size: 1.05em; line-height: 1.5; } .hash { font-family: monospace; }
 """
 
 
 def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = "speech_assets data-quality report") -> Path:
-    """Render the report from the database at ``db_path`` into ``out_path`` (atomically)."""
+    """Render the report from the database at ``db_path`` into ``out_path`` (atomically), with
+    reject examples' clips under ``audio/`` beside it (clips no longer shown are removed)."""
+    from speech_assets.stats.examples import remove_unused
+
     inputs = inputs or ReportInputs()
     con = duckdb.connect(str(db_path), read_only=True)
     try:
+        examples, clips = _reject_examples(con, inputs, out_path.parent)
         sections = [_section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS]
+        sections.insert(2, _section(
+            "Reject examples", "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
+            "(for no_speech, the VAD's decision over the waveform).", examples, REJECT_EXAMPLES_SQL,
+        ))  # fmt: skip
         with plots.cached_in(out_path.parent / PLOT_CACHE):
             sections[1:1] = _plots(con, inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
             if _has_table(con, table):
                 sections.append(_section(name, text, _table(con, sql), sql))
+        summary = _summary(con)
     finally:
         con.close()
     page = (
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1><p class=\"note\">Built from {html.escape(str(db_path))}; every table shows its SQL.</p>"
+        f"<h1>{html.escape(title)}</h1>{_header(inputs, db_path)}"
+        f"<section><h2>Summary</h2>{summary}<p class=\"note\">Every table below shows its SQL.</p></section>"
         + "".join(sections)
         + "</body></html>\n"
     )
     atomic_write_text(out_path, page)
+    remove_unused(out_path.parent / AUDIO_FOLDER, clips)
     return out_path

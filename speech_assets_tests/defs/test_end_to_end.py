@@ -134,9 +134,13 @@ def test_duckdb_views_and_tables(built) -> None:
         assert con.execute("SELECT count(DISTINCT client_id) FROM clients").fetchone()[0] == 4
         assert con.execute("SELECT count(*) FROM kmeans_quality WHERE perplexity > 1").fetchone()[0] == 4
         (path, step, sha, run_id, manifest_hash) = con.execute(
-            "SELECT path, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints"
+            "SELECT path, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints WHERE kind = 'centralised'"
         ).fetchone()
         assert step == TRAIN_STEPS and len(sha) == 64 and run_id and len(manifest_hash) == 64
+        # every model the demo trains, each with its weights hash, MLflow run and manifest
+        models = con.execute("SELECT kind, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints ORDER BY kind").fetchall()
+        assert [m[0] for m in models] == ["centralised", "distilled", "federated"]
+        assert all(m[1] and len(m[2]) == 64 and m[3] and m[4] == manifest_hash for m in models)
         with pytest.raises(duckdb.Error):
             con.execute("CREATE TABLE nope (x INT)")
     finally:

@@ -19,6 +19,7 @@ from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
+from speech_assets.testing.corpora import write_flac
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.utils import sha256_file
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
@@ -31,6 +32,12 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lineage")
     corpus = root / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus)
+    # two rejects the report can play: one too short (the manifest's), one silent (the VAD's)
+    chapter = corpus / "1001" / "100101"
+    write_flac(chapter / "1001-100101-0090.flac", seconds=0.2)
+    sf.write(chapter / "1001-100101-0091.flac", 1e-4 * np.random.default_rng(0).standard_normal(32_000), 16_000, format="FLAC")
+    with open(chapter / "1001-100101.trans.txt", "a", encoding="utf-8") as transcripts:
+        transcripts.write("1001-100101-0090 TOO SHORT\n1001-100101-0091 ONLY SILENCE\n")
     paths = StoragePaths(corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
     with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
@@ -81,6 +88,37 @@ def test_partitions_built_together_carry_their_own_content_hash(built) -> None:
     for client in instance.get_dynamic_partitions("clients"):
         quality = (paths.kmeans_dir(client) / "quality.json").read_text()
         assert data_version(instance, "kmeans_targets", client) in quality
+
+
+def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rejects(built) -> None:
+    """The UI gets the report's path (a browser refuses file:// links from the UI's http page);
+    the page names the Dagster run that built it, and each reject it plays is a copied clip."""
+    import re
+
+    from speech_assets.defs.lineage import git_commit
+
+    _, instance, paths, corpus, _ = built
+    (record,) = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records
+    metadata = record.asset_materialization.metadata
+    assert isinstance(metadata["report"], dg.PathMetadataValue)
+    assert not [key for key, value in metadata.items() if isinstance(value, dg.UrlMetadataValue) and value.url.startswith("file:")]
+    page = paths.report_dir / "index.html"
+    assert metadata["report"].path == str(page.resolve())
+    text = page.read_text()
+    header = text.split("<h2>Summary</h2>", 1)[0]
+    assert f"<th>Dagster run</th><td>{record.run_id}</td>" in header and f"<th>corpus</th><td>{corpus}</td>" in header
+    assert f'title="{git_commit()}"' in header and "<th>settings hash</th>" in header and "<th>built at</th>" in header
+    sources = re.findall(r'<audio controls preload="metadata" src="(audio/reject-[0-9a-f]{24}\.flac)"></audio>', text)
+    import duckdb
+
+    with duckdb.connect(str(paths.stats_db), read_only=True) as con:
+        playable = con.execute(
+            "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n FROM rejects) "
+            "WHERE n <= 3 AND reason NOT IN ('missing_file', 'unreadable', 'outside_root')"
+        ).fetchone()[0]
+    assert playable == 2 and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
+    examples = text.split("<h2>Reject examples</h2>", 1)[1].split("</section>", 1)[0]
+    assert examples.count('<img class="vad"') == examples.count("<td>no_speech</td>")  # the VAD decision for each no_speech reject
 
 
 def test_rerunning_an_unchanged_partition_leaves_downstream_in_sync(built) -> None:

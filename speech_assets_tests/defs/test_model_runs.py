@@ -198,3 +198,30 @@ def test_distilled_student_is_smaller_and_faster(evaluated) -> None:
     assert meta["speedup"] > 1
     state = torch.load(meta["checkpoint"], map_location="cpu", weights_only=True)
     assert state["kind"] == "distilled" and state["teacher_sha256"]
+
+
+def test_every_model_reaches_the_stats_database_the_report_and_lineage(evaluated, capsys) -> None:
+    """After the model assets ran: each checkpoint in `checkpoints` and `training_runs` with its
+    kind, the export's parity and the student's speed-up in the database and the report, and
+    `speech-assets lineage` naming each checkpoint's kind, step, commit, MLflow and Dagster runs."""
+    from speech_assets import cli
+
+    out, defs, instance = evaluated
+    materialize_in_process(defs, instance, "dataset_stats")  # again: whatever ran since the fixture is in it
+    folders = {"centralised": "training", "distilled": "distill", "iteration2": "training_iter2"}
+    ran = {kind for kind, folder in folders.items() if list((out / folder).glob("*/result.json"))}
+    assert {"centralised", "distilled"} <= ran
+    with duckdb.connect(str(out / "stats.duckdb"), read_only=True) as con:
+        rows = con.execute("SELECT kind, step, sha256, mlflow_run_id, manifest_hash, git_commit, dagster_run_id, path FROM checkpoints").fetchall()
+        assert {r[0] for r in con.execute("SELECT kind FROM training_runs").fetchall()} == ran
+        (parity,) = con.execute("SELECT max_abs_diff FROM exports").fetchall()
+        (speedup,) = con.execute("SELECT speedup FROM distillation").fetchall()
+    assert {r[0] for r in rows} == ran and all(r[1] and len(r[2]) == 64 and r[3] and len(r[4]) == 64 and r[5] and r[6] for r in rows)
+    assert 0 <= parity[0] < 1e-4 and speedup[0] > 1
+    page = (out / "report" / "index.html").read_text()
+    assert "Export parity" in page and "Distilled student" in page and all(f"<td>{kind}</td>" in page for kind in ran)
+    for kind, step, sha, run_id, _, commit, dagster_run, path in rows:
+        assert cli.main(["lineage", path]) == 0
+        printed = capsys.readouterr().out
+        for shown in (f"kind              {kind}", f"step              {step}", sha, commit, run_id, dagster_run):
+            assert shown in printed, (kind, shown)

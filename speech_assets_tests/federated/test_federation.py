@@ -35,7 +35,7 @@ from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.history import ROUNDS_COLUMNS
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.model.encoders import weights_sha256
-from speech_assets_tests.conftest import DEMO_FEDERATED, REPO
+from speech_assets_tests.conftest import DEMO_FEDERATED, REPO, SAMPLE_CORPUS
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
 BIN = Path(sys.executable).parent
@@ -143,6 +143,47 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert [n["client_id"] for n in nodes] == sample_pipeline.clients and all(n["threads"] == 1 for n in nodes)
     # every process the asset started (Ray's among them) is gone
     assert wait_until_gone(sample_pipeline.out) == []
+
+
+def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
+    dagster_run: dict, sample_pipeline: SamplePipeline, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import dagster as dg
+
+    from speech_assets import cli
+    from speech_assets.stats.lineage import checkpoint_lineage
+
+    final = dagster_run["run_dir"] / "final.pt"
+    from mlflow.tracking import MlflowClient
+
+    mlflow_run = (dagster_run["run_dir"] / "mlflow_run_id").read_text().strip()
+    commit = MlflowClient(tracking_uri=sample_pipeline.mlflow_uri).get_run(mlflow_run).data.tags["git_sha"]
+    ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True)
+    assert ancestor.returncode == 0, f"{commit} is not a commit of this checkout's history"
+    with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
+        (record,) = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records
+    report = checkpoint_lineage(final)
+    assert (report["kind"], report["step"], report["step_unit"]) == ("federated", ROUNDS, "round")
+    # the commit and the MLflow and Dagster runs, as MLflow and Dagster recorded them
+    assert report["git_sha"] == commit and report["mlflow_run_id"] == mlflow_run and report["dagster_run_id"] == record.run_id
+    assert cli.main(["lineage", str(final)]) == 0
+    printed = capsys.readouterr().out
+    assert f"round             {ROUNDS}" in printed and "None" not in printed
+    assert commit in printed and mlflow_run in printed and record.run_id in printed
+
+    # the stats database lists it among the checkpoints, with the same facts
+    import duckdb
+
+    from speech_assets.defs.resources import StoragePaths
+    from speech_assets.defs.stats import _inputs
+    from speech_assets.stats.database import build_database
+
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri)
+    db = tmp_path / "stats.duckdb"
+    build_database(db, _inputs(paths))
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute("SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints WHERE kind = 'federated'").fetchall()
+    assert (ROUNDS, "round", report["weights_sha256"], mlflow_run, commit, record.run_id) in rows
 
 
 def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline: SamplePipeline) -> None:
