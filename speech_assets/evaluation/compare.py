@@ -257,8 +257,8 @@ def compare_encoders(
     model, the learning rate (of ``options.lrs``; the first seed's probes, one per lr, trained
     together) and each probe's stopping step: its best development CER, evaluated every
     ``steps // 8`` steps, training stopped after :data:`PATIENCE` evaluations without improvement.
-    The first seed's probe at the chosen lr is kept as it is; the other seeds train at that lr up
-    to the step it stopped at, and keep their own best development step. The held-out test
+    The first seed's probe at the chosen lr and step is kept as it is; the other seeds train with
+    that lr up to that step (the same schedule over ``options.steps``). The held-out test
     speakers take no part in any choice. With a single training utterance nothing is split: the
     first lr, all steps. The seed sets the probe's initialisation and the order it reads the
     utterances in; the utterances are the same for every seed."""
@@ -286,17 +286,17 @@ def compare_encoders(
         del train_features
         extraction = time.perf_counter() - started
 
-        def trained(seed: int, lrs: Sequence[float], stop_at: int | None = None) -> list:
+        def trained(seed: int, lrs: Sequence[float], stop_at: int | None = None, search: bool = False) -> list:
             return train_probes(
                 features["train"], texts["train"], options, seed, lrs=lrs, stop_at=stop_at, normalised=True,
-                dev=(features["dev"], texts["dev"]) if dev else None, patience=PATIENCE,
+                dev=(features["dev"], texts["dev"]) if search and dev else None, patience=PATIENCE,
             )  # fmt: skip
 
         probes = {}
         for seed in options.seeds:
             started = time.perf_counter()
             if not probes:
-                first = trained(seed, lrs)
+                first = trained(seed, lrs, search=True)
                 chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
                 if dev:
                     log.info("probe %s: development CER by lr %s -> lr %g, %d steps", model.name,
