@@ -609,7 +609,7 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
         note += (
             f" Indicative only here: {shown.indicative}. A verdict about speakers in general needs at least "
             f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
-            f"{MIN_HELDOUT_UTTERANCES} utterances; the demo's sample holds out one speaker, so this is expected at demo scale."
+            f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
         )
     return note
 
