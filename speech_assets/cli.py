@@ -30,16 +30,16 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"error: no probe results at {path}: materialize downstream_probe", file=sys.stderr)
         return 1
-    try:
-        results = read_results(path)
-    except ValueError as err:
-        print(f"error: {path}: {err}", file=sys.stderr)
-        return 1
     try:  # the minimum the run judged with (the [probe] setting then)
         min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
     except (FileNotFoundError, IndexError, KeyError):
         min_speakers = MIN_HELDOUT_SPEAKERS
-    board = leaderboard(results, min_speakers)
+    try:
+        results = read_results(path)
+        board = leaderboard(results, min_speakers)
+    except ValueError as err:
+        print(f"error: {path}: {err}", file=sys.stderr)
+        return 1
     print(leaderboard_markdown(board))
     print()
     print("\n".join(standing(results, min_speakers)))

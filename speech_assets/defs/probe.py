@@ -4,7 +4,8 @@ The ML lives in speech_assets/evaluation/; torch and jiwer are imported inside t
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -13,6 +14,9 @@ from speech_assets.corpus.clients import ClientAssignment, read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
+
+if TYPE_CHECKING:
+    from speech_assets.evaluation.compare import Standing
 
 # v4: probes train on the non-development training speakers and stop early; a paired verdict over
 # held-out utterances (utterances.parquet, leaderboard.parquet); v3: lr and stopping step chosen per
@@ -183,7 +187,7 @@ def downstream_probe(
     )
 
 
-def leaderboard_metadata(board: list) -> dg.MetadataValue:
+def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
     """The leaderboard (:func:`~speech_assets.evaluation.compare.leaderboard_rows`) as a Dagster
     table with its column schema."""
     from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows
@@ -192,7 +196,7 @@ def leaderboard_metadata(board: list) -> dg.MetadataValue:
     return dg.MetadataValue.table([dg.TableRecord(row) for row in leaderboard_rows(board)], schema=schema)
 
 
-def verdict_word(standing, baseline: str) -> str:
+def verdict_word(standing: "Standing", baseline: str) -> str:
     """``yes`` / ``no`` / ``no evidence`` for ``standing`` against ``baseline``, ``(indicative only)`` added below the minimum of held-out speakers."""
     word = {"better": "yes", "worse": "no", "no evidence": "no evidence", None: "not compared"}[standing.verdict_against(baseline)]
     return word if standing.established else f"{word} (indicative only)"
