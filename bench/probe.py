@@ -7,8 +7,8 @@ Reads the newest ``training/*/final.pt`` (teacher), ``distill/*/final.pt`` (stud
 ``federated/*/final.pt`` of a built data dir, then in one process: the same CTC probe on fbank
 (log-mel), a random encoder, the pretrained, federated and distilled encoders (training speakers
 -> the clients table's held-out speakers, greedy CER/WER via jiwer; each model through the input
-normalisation its checkpoint records, one probe per seed; mean ± std over seeds and whether each
-encoder beats fbank and random), and single-thread forward speed of student and
+normalisation its checkpoint records, one probe per seed; mean ± std over seeds and the paired
+verdict over held-out utterances against fbank and random), and single-thread forward speed of student and
 teacher on the same held-out utterances (best of 3 rounds, taking turns). Prints both tables and
 the machine; record them in docs/BENCHMARKS.md.
 """
@@ -45,7 +45,9 @@ def main() -> int:
     import torch
 
     from speech_assets.corpus.clients import read_clients
-    from speech_assets.evaluation.compare import FBANK, RANDOM, ProbeModel, compare_encoders, markdown_table, split_utterances, standing
+    from speech_assets.evaluation.compare import (
+        FBANK, RANDOM, ProbeModel, compare_encoders, leaderboard, leaderboard_markdown, markdown_table, split_utterances, standing,
+    )  # fmt: skip
     from speech_assets.evaluation.encoders import load_utterances
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.evaluation.speed import forward_speed
@@ -85,6 +87,8 @@ def main() -> int:
     started = time.perf_counter()
     results = compare_encoders(train, test, models, ProbeOptions(probe=args.probe, steps=args.steps, seeds=seeds))
     print(f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), {time.perf_counter() - started:.0f} s for all models:\n")
+    print(leaderboard_markdown(leaderboard(results)))
+    print()
     print(markdown_table(results))
     print()
     print("\n".join(standing(results)))

@@ -20,21 +20,35 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    """The probe's results over seeds (markdown table) and each encoder's standing against fbank and random."""
-    from speech_assets.evaluation.compare import markdown_table, read_results, standing
+    """The probe's leaderboard (mean ± std over seeds, the paired verdict against fbank and random),
+    each encoder's standing, how to read it; ``--details``: the probe lr, training CER and layer weights per model."""
+    from speech_assets.evaluation.compare import (
+        MIN_HELDOUT_SPEAKERS, leaderboard, leaderboard_markdown, markdown_table, read_leaderboard, read_results, reading_note,
+        standing,
+    )  # fmt: skip
 
     path = Path(args.results) if args.results else locations.data_dir() / "probe" / "results.parquet"
     if not path.is_file():
         print(f"error: no probe results at {path}: materialize downstream_probe", file=sys.stderr)
         return 1
+    try:  # the minimum the run judged with (the [probe] setting then)
+        min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
+    except (FileNotFoundError, IndexError, KeyError):
+        min_speakers = MIN_HELDOUT_SPEAKERS
     try:
         results = read_results(path)
+        board = leaderboard(results, min_speakers)
     except ValueError as err:
         print(f"error: {path}: {err}", file=sys.stderr)
         return 1
-    print(markdown_table(results))
+    print(leaderboard_markdown(board))
     print()
-    print("\n".join(standing(results)))
+    print("\n".join(standing(results, min_speakers)))
+    print()
+    print(reading_note(board, min_speakers))
+    if args.details:
+        print()
+        print(markdown_table(results))
     return 0
 
 
@@ -253,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--db", help=db_help)
     stats.set_defaults(func=_cmd_stats)
 
-    probe = _command(commands, "probe", "the downstream probe's results over seeds, and whether each encoder beats fbank and random")
+    probe = _command(commands, "probe", "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random")
     probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
+    probe.add_argument("--details", action="store_true", help="also print each model's probe lr, CER on its own training utterances and top layer weight")
     probe.set_defaults(func=_cmd_probe)
 
     sql = _command(

@@ -1,39 +1,85 @@
-"""`speech-assets probe` prints the probe's table over seeds and each encoder's standing."""
+"""`speech-assets probe` prints the probe's leaderboard (mean ± std over seeds, the paired verdict
+against fbank and random), each encoder's standing and how to read it."""
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from speech_assets.cli import main
-from speech_assets.evaluation.compare import ProbeResult, results_table
+from speech_assets.evaluation.compare import (
+    HeldoutErrors,
+    ProbeResult,
+    leaderboard,
+    leaderboard_path,
+    leaderboard_table,
+    results_table,
+    utterances_path,
+    utterances_table,
+)
 
 
-def rows(model: str, cers: list[float], normalisation: str = "utterance") -> list[ProbeResult]:
-    return [
-        ProbeResult(model, "sha-" + model, "linear", [0.2, 0.8], split, cer + (0.0 if split == "heldout" else -0.3),
-                    cer + 0.1, 40 if split == "heldout" else 200, 400, seed, normalisation, 4 if split == "heldout" else 20)
-        for seed, cer in enumerate(cers) for split in ("train", "heldout")
-    ]  # fmt: skip
+def rows(model: str, cers: list[float], normalisation: str = "utterance", speakers: int = 4) -> list[ProbeResult]:
+    """Per seed a train and a held-out row; the held-out row with 40 utterances of 20 characters
+    each, every one with round(20 * cer) errors, spread over ``speakers`` speakers."""
+    found = []
+    for seed, cer in enumerate(cers):
+        errors = np.full(40, round(20 * cer), dtype=np.int64)
+        errors[:seed] += 1  # the seeds differ a little
+        held = HeldoutErrors(tuple(f"u{i}" for i in range(40)), tuple(f"h{i % speakers}" for i in range(40)),
+                             errors, np.full(40, 20), errors // 4, np.full(40, 5))  # fmt: skip
+        cer = float(errors.sum() / 800)
+        found += [
+            ProbeResult(model, "sha-" + model, "linear", [0.2, 0.8], "train", cer - 0.3, cer + 0.1, 200, 400, seed, normalisation, 20),
+            ProbeResult(model, "sha-" + model, "linear", [0.2, 0.8], "heldout", cer, cer + 0.1, 40, 400, seed, normalisation, speakers, errors=held),
+        ]  # fmt: skip
+    return found
 
 
-def test_probe_prints_the_table_and_the_standing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    results = rows("fbank", [0.72, 0.73, 0.71], "global") + rows("random", [0.97, 0.96, 0.98]) + rows("pretrained", [0.60, 0.61, 0.62])
-    results += rows("distilled", [0.70, 0.74, 0.78])
-    (tmp_path / "probe").mkdir()
-    pq.write_table(results_table(results), tmp_path / "probe" / "results.parquet")
+def write(results: list[ProbeResult], folder: Path, min_speakers: int | None = None) -> Path:
+    """results.parquet and utterances.parquet (and the leaderboard, judged with ``min_speakers``) in ``folder``."""
+    folder.mkdir(exist_ok=True)
+    pq.write_table(results_table(results), folder / "results.parquet")
+    pq.write_table(utterances_table(results), utterances_path(folder / "results.parquet"))
+    if min_speakers is not None:
+        pq.write_table(leaderboard_table(leaderboard(results, min_speakers), min_speakers), leaderboard_path(folder / "results.parquet"))
+    return folder / "results.parquet"
+
+
+def test_probe_prints_the_leaderboard_first_then_the_standing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    results = rows("fbank", [0.70, 0.70, 0.70], "global") + rows("random", [0.95, 0.95, 0.95]) + rows("pretrained", [0.60, 0.60, 0.60])
+    results += rows("distilled", [0.70, 0.70, 0.70])
+    write(results, tmp_path / "probe")
     monkeypatch.setenv("SPEECH_ASSETS_DATA_DIR", str(tmp_path))  # found like `speech-assets stats` finds its data dir
     assert main(["probe"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("| model | normalisation | probe lr | seeds | held-out CER |")
-    assert out[2] == "| pretrained | utterance | n/a | 3 | 0.610 ± 0.010 | 0.710 ± 0.010 | 0.310 ± 0.010 | 40 | 4 | layer 1: 0.80 |"
-    assert out[3].startswith("| fbank | global | n/a | 3 | 0.720 ± 0.010 |")
-    assert out[-2] == (
-        "pretrained: held-out CER 0.610 ± 0.010 over 3 seeds, 0.85x fbank (0.720 ± 0.010), 0.63x random (0.970 ± 0.010) "
-        "on 40 utterances of 4 held-out speakers: beats both"
-    )
-    assert out[-1].startswith("distilled: held-out CER 0.740 ± 0.040 over 3 seeds, 1.03x fbank")
-    assert out[-1].endswith("beats random; too small to tell against fbank (|difference| 0.020 <= 2 x combined std 0.041)")
+    assert out[0] == "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict | seeds | utterances | speakers |"
+    assert out[2].startswith("| pretrained | utterance | 0.601 ± 0.001 | 0.701 ± 0.001 | -0.100 [")
+    assert out[2].endswith("| better than fbank and random | 3 | 40 | 4 |"), out[2]
+    assert out[3].startswith("| fbank | global | 0.701 ± 0.001 |") and out[3].endswith("| — | -0.250 [-0.250, -0.250] | baseline | 3 | 40 | 4 |"), out[3]
+    assert "| distilled | utterance | 0.701 ± 0.001 | 0.801 ± 0.001 | +0.000 [+0.000, +0.000] |" in out[4]
+    assert out[4].endswith("| better than random; no evidence against fbank | 3 | 40 | 4 |"), out[4]
+    lines = [line for line in out if line.startswith(("pretrained:", "distilled:"))]
+    assert lines[0].startswith("pretrained: held-out CER 0.601 ± 0.001 over 3 seeds, fbank -0.100 [")
+    assert lines[0].endswith("on 40 utterances of 4 held-out speakers: better than fbank and random")
+    assert out[-1].startswith("Verdict: each encoder's character errors on every held-out utterance")
+    assert "| probe lr |" not in "\n".join(out)  # the details only on request
+    assert main(["probe", "--details"]) == 0
+    assert "| pretrained | utterance | n/a | 3 | 0.601 ± 0.001 |" in capsys.readouterr().out
+
+
+def test_probe_says_indicative_only_with_the_minimum_the_run_judged_with(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = rows("fbank", [0.7, 0.7], speakers=2) + rows("pretrained", [0.5, 0.5], speakers=2)
+    default = write(results, tmp_path / "default")  # no leaderboard file: the default minimum, 3
+    assert main(["probe", "--results", str(default)]) == 0
+    out = capsys.readouterr().out
+    assert "| better than fbank (indicative only: 2 held-out speakers, fewer than 3) |" in out
+    assert "Indicative only here: 2 held-out speakers, fewer than 3." in out
+    judged = write(results, tmp_path / "judged", min_speakers=2)  # the run's setting was 2
+    assert main(["probe", "--results", str(judged)]) == 0
+    out = capsys.readouterr().out
+    assert "| better than fbank | 2 | 40 | 2 |" in out and "indicative" not in out
 
 
 def test_probe_without_usable_results_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,4 +92,4 @@ def test_probe_without_usable_results_fails(tmp_path: Path, capsys: pytest.Captu
     before_lr = results_table(rows("fbank", [0.7, 0.8])).drop(["lr"])  # before the per-model lr: still reads
     pq.write_table(before_lr, tmp_path / "before_lr.parquet")
     assert main(["probe", "--results", str(tmp_path / "before_lr.parquet")]) == 0
-    assert "| fbank | utterance | n/a | 2 |" in capsys.readouterr().out
+    assert "| fbank | utterance | 0.7" in capsys.readouterr().out

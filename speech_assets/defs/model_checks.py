@@ -129,13 +129,18 @@ def above_majority_class(run_dir: Path) -> dg.AssetCheckResult:
     if measured is None:
         return dg.AssetCheckResult(passed=True, description="no held-out accuracy recorded (no held-out speakers)")
     accuracy, majority = measured
+    steps = read_json(run_dir / "result.json", strict=True).get("step")
     return dg.AssetCheckResult(
         passed=accuracy > majority,
         severity=dg.AssetCheckSeverity.WARN,
         description=None if accuracy > majority else (
-            "the encoder predicts masked frames no better than the majority class: train longer or check the targets"
+            f"held-out masked accuracy {accuracy:.3f} <= majority-class rate {majority:.3f}"
+            + (f" after {steps} steps" if steps is not None else "") + ": " + MAJORITY_AT_DEMO_SCALE
         ),
-        metadata={"heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4)},
+        metadata={
+            "heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4),
+            **({"steps": int(steps)} if isinstance(steps, int | float) else {}),
+        },  # fmt: skip
     )
 
 
@@ -155,9 +160,15 @@ LOSSES_ARE_FINITE = (
     "Every loss the run recorded is finite: each logged step's (metrics.jsonl), the final and held-out "
     "ones (result.json) and, for a federation, each client's per round (rounds.parquet, evaluation.parquet)."
 )
+MAJORITY_AT_DEMO_SCALE = (
+    "expected at demo scale (a few hundred steps on minutes of audio: the encoder has not yet learnt more than the "
+    "most frequent cluster); at full scale, train longer or check the targets. Whether the encoder is useful is "
+    "the downstream probe's verdict (downstream_probe)."
+)
 BEATS_MAJORITY_CLASS = (
     "Held-out masked accuracy above the majority-class rate (always predicting each client's most "
-    "frequent training label) on the same frames, where the run measured both."
+    "frequent training label) on the same frames, where the run measured both. Warns at demo scale: "
+    + MAJORITY_AT_DEMO_SCALE
 )
 student_loss_falls = run_folder_check("distilled_checkpoint", "student_loss_falls", (
     "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."

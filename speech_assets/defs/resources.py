@@ -299,7 +299,7 @@ class ProbeSettings(dg.Config):
     """The downstream CTC probe (`downstream_probe`, speech_assets/evaluation/probe.py)."""
 
     probe: str = "linear"  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
-    steps: int = 400  # AdamW steps per model
+    steps: int = 400  # at most this many AdamW steps per probe (it stops once its development CER stalls)
     batch_size: int = 8
     lr: float = 2e-3
     # each model's lr (and stopping step) is the one with the lowest CER on a development split of
@@ -307,10 +307,13 @@ class ProbeSettings(dg.Config):
     lrs: list[float] = [0.002, 0.01]
     hidden: int = 128
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
-    seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread
+    seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread over seeds
     max_train_utterances: int = 400  # a seeded subsample of the training speakers' utterances; 0 = all
     max_eval_utterances: int = 200  # of the held-out speakers' utterances; 0 = all
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # below this many held-out speakers the verdict (a paired test over held-out utterances) is
+    # "indicative only": a few speakers' utterances say little about speakers in general
+    min_heldout_speakers: int = 3
 
 
 class ExportSettings(dg.Config):

@@ -1,16 +1,24 @@
 """The same CTC probe on several encoders and on the log-mel input itself, over several seeds.
 
 :func:`compare_encoders` is what ``downstream_probe`` and ``bench/probe.py`` run: the utterances
-of the training speakers train the probes of each model, the held-out speakers' utterances score
-them (greedy CER and WER, jiwer), and every model sees exactly the same utterances, probe options
-and seeds. Each model reads the raw log-mel through its own normalisation (:class:`ProbeModel`:
-the one it was trained with), and its features are extracted once and reused by every seed.
+of the training speakers train the probes of each model (a development part of those speakers
+picks the learning rate and the stopping step), the held-out speakers' utterances score them
+(greedy CER and WER, jiwer, and the edit counts of every held-out utterance), and every model sees
+exactly the same utterances, probe options and seeds. Each model reads the raw log-mel through its
+own normalisation (:class:`ProbeModel`: the one it was trained with), and its features are
+extracted once and reused by every seed and learning rate.
 
 ``fbank`` is the baseline every encoder has to beat: the probe on normalised log-mel at 100 Hz,
 one "layer" ``(1, T, 80)``. ``random`` is an untrained encoder of the pretrained one's shape:
-what the architecture gives without pretraining. :func:`summarise`, :func:`markdown_table`,
-:func:`standing` and :func:`beats` say what the rows mean over seeds, and when they are too few
-or too noisy to tell.
+what the architecture gives without pretraining.
+
+The verdict (:func:`leaderboard`, :func:`standing`, :func:`beats`) is a paired test over the
+held-out utterances, not the spread over probe seeds: per utterance, each model's character
+errors (mean over its seeds) minus the baseline's, and a bootstrap over utterances of the
+difference of corpus CERs (:func:`paired_bootstrap`). "better" / "worse" when its 95 % interval
+excludes 0, else "no evidence". Below ``min_speakers`` held-out speakers (or
+:data:`MIN_HELDOUT_UTTERANCES` utterances) the verdict is "indicative only": utterances of one
+or two speakers say little about speakers in general.
 
 torch is imported only by :func:`compare_encoders` and :func:`probe_features`: reading and
 summarising ``results.parquet`` (``speech-assets probe``) needs neither torch nor a model.
@@ -24,7 +32,8 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from speech_assets.evaluation.encoders import Utterance
-    from speech_assets.evaluation.probe import CtcProbe, ProbeOptions
+    from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.model.hubert import HubertPretrainModel
 
 log = logging.getLogger(__name__)
@@ -48,12 +57,16 @@ RESULT_COLUMNS = (
     "seed", "normalisation", "speakers", "lr",
 )  # fmt: skip
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
-# :func:`standing` / :func:`beats` call a comparison "too small to tell" below this many held-out
-# utterances, with fewer than 2 seeds on either side, or when |difference of mean CERs| is not
-# larger than SPREAD_FACTOR * sqrt(std_a^2 + std_b^2) (sample stds over seeds).
+# probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
+UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
+# the verdict is "indicative only" below this many held-out speakers (the [probe] setting
+# min_heldout_speakers; this is its default) or below MIN_HELDOUT_UTTERANCES utterances
+MIN_HELDOUT_SPEAKERS = 3
 MIN_HELDOUT_UTTERANCES = 20
-MIN_SEEDS = 2
-SPREAD_FACTOR = 2.0
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+# a probe stops once this many development evaluations in a row bring no improvement
+PATIENCE = 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,20 @@ class ProbeModel:
     normalisation: str
     normalise: Callable[[np.ndarray], np.ndarray]
     encoder: HubertPretrainModel | None = None
+
+
+@dataclass(frozen=True)
+class HeldoutErrors:
+    """Per held-out utterance of one probe (``(U,)`` each, in the held-out order): its id, speaker,
+    the character and word edit counts of the probe's transcript and the reference's characters
+    and words."""
+
+    utt_ids: tuple[str, ...]
+    speaker_ids: tuple[str, ...]
+    char_errors: np.ndarray
+    chars: np.ndarray
+    word_errors: np.ndarray
+    words: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -89,9 +116,10 @@ class ProbeResult:
     speakers: int
     lr: float = float("nan")  # the probe's learning rate (chosen on the development split when ProbeOptions.lrs has several)
     seconds: float = 0.0  # feature extraction (shared by the seeds) + this seed's training + scoring; not stored
+    errors: HeldoutErrors | None = None  # held-out rows: per utterance (probe/utterances.parquet)
 
     def row(self) -> dict[str, object]:
-        return {k: v for k, v in asdict(self).items() if k in RESULT_COLUMNS}
+        return {column: getattr(self, column) for column in RESULT_COLUMNS}
 
     @classmethod
     def from_row(cls, row: dict[str, object]) -> ProbeResult:
@@ -115,11 +143,65 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
     return pa.Table.from_pylist([r.row() for r in results], schema=schema)
 
 
-def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
-    """The rows of a ``results.parquet``."""
+def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
+    """The per-utterance edit counts of ``results``' held-out rows, :data:`UTTERANCE_COLUMNS`."""
+    import pyarrow as pa
+
+    columns: dict[str, list] = {c: [] for c in UTTERANCE_COLUMNS}
+    for r in results:
+        if r.errors is None:
+            continue
+        e, count = r.errors, len(r.errors.utt_ids)
+        for name, values in (
+            ("model", [r.model] * count), ("seed", [r.seed] * count), ("utt_id", e.utt_ids), ("speaker_id", e.speaker_ids),
+            ("char_errors", e.char_errors), ("chars", e.chars), ("word_errors", e.word_errors), ("words", e.words),
+        ):  # fmt: skip
+            columns[name] += [v.item() if isinstance(v, np.generic) else v for v in values]
+    types = {"model": pa.string(), "seed": pa.int64(), "utt_id": pa.string(), "speaker_id": pa.string()}
+    return pa.table({c: pa.array(v, type=types.get(c, pa.int64())) for c, v in columns.items()})
+
+
+def utterances_path(results_path: str | os.PathLike[str]) -> Path:
+    return Path(results_path).with_name("utterances.parquet")
+
+
+def leaderboard_path(results_path: str | os.PathLike[str]) -> Path:
+    return Path(results_path).with_name("leaderboard.parquet")
+
+
+def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, object]]:
+    """The rows of the ``leaderboard.parquet`` beside ``results_path`` (:func:`leaderboard_table`)."""
     import pyarrow.parquet as pq
 
-    return [ProbeResult.from_row(row) for row in pq.read_table(path).to_pylist()]
+    path = leaderboard_path(results_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no probe leaderboard at {path}: rematerialize downstream_probe")
+    return pq.read_table(path).to_pylist()
+
+
+def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
+    """The rows of a ``results.parquet``, with the per-utterance errors of ``utterances.parquet``
+    beside it attached to the held-out rows where that file exists."""
+    import pyarrow.parquet as pq
+
+    results = [ProbeResult.from_row(row) for row in pq.read_table(path).to_pylist()]
+    if not utterances_path(path).is_file():
+        return results
+    table = pq.read_table(utterances_path(path)).to_pydict()
+    found: dict[tuple[str, int], list[int]] = {}
+    for i, key in enumerate(zip(table["model"], table["seed"], strict=True)):
+        found.setdefault(key, []).append(i)
+    attached = []
+    for r in results:
+        rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
+        if rows:
+            pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
+            r = ProbeResult(**{f.name: getattr(r, f.name) for f in fields(r) if f.name != "errors"}, errors=HeldoutErrors(
+                tuple(pick["utt_id"]), tuple(pick["speaker_id"]),
+                *(np.array(pick[c], dtype=np.int64) for c in ("char_errors", "chars", "word_errors", "words")),
+            ))  # fmt: skip
+        attached.append(r)
+    return attached
 
 
 def split_utterances(
@@ -166,73 +248,83 @@ def compare_encoders(
     on_model: Callable[[ProbeResult], None] | None = None,
 ) -> list[ProbeResult]:
     """Probe each of ``models`` (in order) once per seed of ``options.seeds``: two rows per model
-    and seed, ``split`` ``train`` (the probe's own training utterances) and ``heldout``. The seed
-    sets the probe's initialisation and the order it reads the utterances in; the training and
-    held-out utterances are the same for every seed. ``on_model`` gets each held-out row as it
-    is scored."""
-    from speech_assets.evaluation.probe import dev_split, evaluate_probe, train_probe
+    and seed, ``split`` ``train`` (scored on the probe's own training utterances) and ``heldout``
+    (with each utterance's edit counts, ``errors``). ``on_model`` gets each held-out row as it is
+    scored.
+
+    The training speakers' utterances are split by speaker (:func:`~speech_assets.evaluation.probe.dev_split`)
+    into the utterances every probe trains on and development utterances that choose, per
+    model, the learning rate (of ``options.lrs``; the first seed's probes, one per lr, trained
+    together) and each probe's stopping step: its best development CER, evaluated every
+    ``steps // 8`` steps, training stopped after :data:`PATIENCE` evaluations without improvement.
+    The first seed's probe at the chosen lr and step is kept as it is; the other seeds train with
+    that lr up to that step (the same schedule over ``options.steps``). The held-out test
+    speakers take no part in any choice. With a single training utterance nothing is split: the
+    first lr, all steps. The seed sets the probe's initialisation and the order it reads the
+    utterances in; the utterances are the same for every seed."""
+    from speech_assets.evaluation.probe import dev_split, evaluate_probe, layer_norm, train_probes, utterance_errors
 
     if not train or not test:
         raise ValueError(f"the probe needs utterances on both sides: {len(train)} training, {len(test)} held-out")
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique, got {names}")
-    texts = {"train": [u.text for u in train], "heldout": [u.text for u in test]}
-    speakers = {"train": len({u.speaker_id for u in train}), "heldout": len({u.speaker_id for u in test})}
-    # several lrs: each model's lr and stopping step are chosen on training speakers only; too few
-    # training utterances to split (fewer than 2): the first lr, all steps
-    fit, dev = dev_split([u.speaker_id for u in train]) if len(options.lrs) > 1 and len(train) > 1 else ([], [])
+    fit, dev = dev_split([u.speaker_id for u in train]) if len(train) > 1 else (list(range(len(train))), [])
     if len(options.lrs) > 1 and not dev:
         log.warning("probe: %d training utterance(s), too few for a development split: lr %g for every model", len(train), options.lrs[0])
+    lrs = (options.lrs[:1] if not dev else options.lrs) or (options.lr,)
+    texts = {"train": [train[i].text for i in fit], "dev": [train[i].text for i in dev], "heldout": [u.text for u in test]}
+    speakers = {"train": len({train[i].speaker_id for i in fit}), "heldout": len({u.speaker_id for u in test})}
     results: list[ProbeResult] = []
     for model in models:
         started = time.perf_counter()
-        features = {"train": probe_features(model, train), "heldout": probe_features(model, test)}
+        train_features = [layer_norm(f) for f in probe_features(model, train)]
+        features = {
+            "train": [train_features[i] for i in fit], "dev": [train_features[i] for i in dev],
+            "heldout": [layer_norm(f) for f in probe_features(model, test)],
+        }  # fmt: skip
+        del train_features
         extraction = time.perf_counter() - started
-        lr, steps = options.lrs[0] if options.lrs else options.lr, options.steps
-        if dev:
-            lr, steps = choose_probe(features["train"], texts["train"], fit, dev, options, model.name)
-        chosen = replace(options, lr=lr)
+
+        def trained(seed: int, lrs: Sequence[float], stop_at: int | None = None, search: bool = False) -> list:
+            return train_probes(
+                features["train"], texts["train"], options, seed, lrs=lrs, stop_at=stop_at, normalised=True,
+                dev=(features["dev"], texts["dev"]) if search and dev else None, patience=PATIENCE,
+            )  # fmt: skip
+
+        probes = {}
         for seed in options.seeds:
             started = time.perf_counter()
-            probe = train_probe(features["train"], texts["train"], chosen, seed=seed, stop_at=steps)
-            weights = [round(w, 4) for w in probe.layer_weights]
-            scores = {split: evaluate_probe(probe, features[split], texts[split])[0] for split in ("train", "heldout")}
+            if not probes:
+                first = trained(seed, lrs, search=True)
+                chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
+                if dev:
+                    log.info("probe %s: development CER by lr %s -> lr %g, %d steps", model.name,
+                             {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first}, chosen.lr, chosen.step)  # fmt: skip
+                probe = chosen
+            else:
+                (probe,) = trained(seed, (chosen.lr,), stop_at=chosen.step)
+            probes[seed] = probe
+            weights = [round(w, 4) for w in probe.probe.layer_weights]
+            scores = {}
+            for split in ("train", "heldout"):
+                scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
+            errors = utterance_errors(texts["heldout"], hypotheses)
+            heldout_errors = HeldoutErrors(
+                tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test),
+                errors.char_errors, errors.chars, errors.word_errors, errors.words,
+            )  # fmt: skip
             seconds = extraction + time.perf_counter() - started
             for split, s in scores.items():
                 results.append(ProbeResult(
                     model.name, model.checkpoint_sha256, options.probe, weights, split, s.cer, s.wer, s.utterances,
-                    steps, seed, model.normalisation, speakers[split], lr, seconds,
+                    probe.step, seed, model.normalisation, speakers[split], probe.lr, seconds,
+                    heldout_errors if split == "heldout" else None,
                 ))  # fmt: skip
-            log.info("probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)", model.name, seed, lr, steps, scores["heldout"].cer, scores["heldout"].wer, seconds)
+            log.info("probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)", model.name, seed, probe.lr, probe.step, scores["heldout"].cer, scores["heldout"].wer, seconds)
             if on_model is not None:
                 on_model(results[-1])
     return results
-
-
-def choose_probe(
-    features: Sequence[torch.Tensor], texts: Sequence[str], fit: Sequence[int], dev: Sequence[int], options: ProbeOptions, name: str
-) -> tuple[float, int]:
-    """(learning rate, steps): of ``options.lrs`` and the stopping points every ``options.steps // 4``
-    steps, the probe (first seed) trained on the ``fit`` utterances with the lowest CER on the
-    ``dev`` utterances (training speakers the fit never saw; the held-out test speakers take no
-    part); ties go to the smaller learning rate, then to fewer steps."""
-    from speech_assets.evaluation.probe import evaluate_probe, train_probe
-
-    dev_features, dev_texts = [features[i] for i in dev], [texts[i] for i in dev]
-    dev_cer: dict[tuple[float, int], float] = {}
-    for lr in sorted(options.lrs):
-        def score(step: int, probe: CtcProbe, lr: float = lr) -> None:
-            dev_cer[(lr, step)] = evaluate_probe(probe, dev_features, dev_texts)[0].cer
-
-        train_probe([features[i] for i in fit], [texts[i] for i in fit], replace(options, lr=lr), seed=options.seeds[0],
-                    every=max(1, options.steps // 4), on_checkpoint=score)  # fmt: skip
-    best = min(dev_cer, key=lambda key: (round(dev_cer[key], 6), key))
-    log.info(
-        "probe %s: development CER by (lr, steps) %s -> lr %g, %d steps",
-        name, {f"{lr:g}@{step}": round(c, 4) for (lr, step), c in dev_cer.items()}, *best,
-    )  # fmt: skip
-    return best
 
 
 @dataclass(frozen=True)
@@ -309,64 +401,241 @@ def markdown_table(results: Sequence[ProbeResult]) -> str:
     return "\n".join(lines)
 
 
-def too_small_to_tell(a: ModelSummary, b: ModelSummary) -> str | None:
-    """Why the held-out CERs of ``a`` and ``b`` cannot be told apart, or ``None`` when they can."""
-    utterances = min(a.utterances, b.utterances)
-    if utterances < MIN_HELDOUT_UTTERANCES:
-        return f"{utterances} held-out utterances < {MIN_HELDOUT_UTTERANCES}"
-    for s in (a, b):
-        if s.cer.n < MIN_SEEDS:
-            return f"{s.model} has {s.cer.n} seed, no spread to compare with"
-    diff, spread = abs(a.cer.mean - b.cer.mean), SPREAD_FACTOR * math.hypot(a.cer.std, b.cer.std)
-    if not diff > spread:
-        return f"|difference| {diff:.3f} <= {SPREAD_FACTOR:g} x combined std {spread / SPREAD_FACTOR:.3f}"
-    return None
+def paired_bootstrap(
+    errors_a: Sequence[float], errors_b: Sequence[float], lengths: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0,
+) -> tuple[float, float, float]:  # fmt: skip
+    """(difference, low, high): ``sum(a - b) / sum(lengths)`` over paired utterances (``(U,)`` each:
+    two systems' edit counts on the same utterances and the references' lengths; a difference of
+    corpus error rates, negative where ``a`` errs less) and its ``confidence`` percentile interval
+    over ``resamples`` bootstrap resamples of the utterances (with replacement, the pairs kept
+    together). Deterministic for a ``seed``."""
+    a, b, n = (np.asarray(x, dtype=np.float64) for x in (errors_a, errors_b, lengths))
+    if not (a.shape == b.shape == n.shape) or a.ndim != 1 or not len(a):
+        raise ValueError(f"paired_bootstrap needs equal, non-empty (U,) arrays, got {a.shape}, {b.shape}, {n.shape}")
+    if n.sum() <= 0:
+        raise ValueError("the references have no length")
+    diff, rng, found = a - b, np.random.default_rng(seed), []
+    chunk = max(1, 4_000_000 // len(a))  # bounds the (chunk, U) index array
+    for start in range(0, resamples, chunk):
+        picks = rng.integers(0, len(a), size=(min(chunk, resamples - start), len(a)))
+        found.append(diff[picks].sum(axis=1) / np.maximum(n[picks].sum(axis=1), 1e-12))
+    low, high = np.quantile(np.concatenate(found), [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(diff.sum() / n.sum()), float(low), float(high)
+
+
+def paired_verdict(low: float, high: float) -> str:
+    """``better`` (the interval of ``a - b`` lies below 0), ``worse`` (above 0) or ``no evidence``."""
+    return "better" if high < 0 else "worse" if low > 0 else "no evidence"
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A model against a baseline on the same held-out utterances: the difference of their CERs
+    (mean character errors per utterance over each one's seeds; negative: the model errs less),
+    its bootstrap interval and what it says (:func:`paired_verdict`)."""
+
+    baseline: str
+    difference: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        return paired_verdict(self.low, self.high)
+
+    def __str__(self) -> str:
+        return f"{self.difference:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+
+
+def mean_errors(results: Sequence[ProbeResult], model: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray] | None:
+    """(utterance ids, character errors per utterance averaged over ``model``'s seeds, reference
+    characters), or None when its held-out rows carry no per-utterance errors."""
+    rows = [r for r in results if r.model == model and r.split == "heldout"]
+    if not rows or any(r.errors is None for r in rows):
+        return None
+    ids = rows[0].errors.utt_ids  # type: ignore[union-attr]
+    if any(r.errors.utt_ids != ids for r in rows):  # type: ignore[union-attr]
+        raise ValueError(f"{model}: its seeds were scored on different held-out utterances")
+    return ids, np.mean([r.errors.char_errors for r in rows], axis=0), rows[0].errors.chars  # type: ignore[union-attr]
+
+
+def paired(results: Sequence[ProbeResult], model: str, baseline: str) -> Paired | None:
+    """``model`` against ``baseline`` (:func:`paired_bootstrap` of their seed-averaged character
+    errors per held-out utterance); None where either lacks per-utterance errors."""
+    a, b = mean_errors(results, model), mean_errors(results, baseline)
+    if a is None or b is None:
+        return None
+    if a[0] != b[0]:
+        raise ValueError(f"{model} and {baseline} were scored on different held-out utterances")
+    return Paired(baseline, *paired_bootstrap(a[1], b[1], a[2]))
+
+
+@dataclass(frozen=True)
+class Standing:
+    """One model's line of the leaderboard: held-out CER and WER over its seeds, each comparison
+    against a baseline (None: no per-utterance errors to pair), and why the verdict is only
+    indicative (None: it is not)."""
+
+    model: str
+    normalisation: str
+    seeds: int
+    cer: Spread
+    wer: Spread
+    utterances: int
+    speakers: int
+    against: dict[str, Paired | None]
+    indicative: str | None
+
+    @property
+    def baseline(self) -> bool:
+        return self.model in BASELINES
+
+    def verdict_against(self, baseline: str) -> str | None:
+        found = self.against.get(baseline)
+        return None if found is None else found.verdict
+
+    @property
+    def verdict(self) -> str:
+        """``baseline``, or e.g. ``better than fbank and random``, ``better than random; no evidence
+        against fbank``, followed by `` (indicative only: ...)`` where it applies."""
+        if self.baseline:
+            return "baseline"
+        if not self.against:
+            return "no baseline (fbank, random) to compare with"
+        if any(p is None for p in self.against.values()):
+            return "no per-utterance scores to compare: rematerialize downstream_probe"
+        grouped: dict[str, list[str]] = {}
+        for name, p in self.against.items():
+            grouped.setdefault(p.verdict, []).append(name)  # type: ignore[union-attr]
+        words = {"better": "better than", "worse": "worse than", "no evidence": "no evidence against"}
+        said = "; ".join(f"{words[v]} {' and '.join(grouped[v])}" for v in ("better", "worse", "no evidence") if v in grouped)
+        return said + (f" (indicative only: {self.indicative})" if self.indicative else "")
+
+    @property
+    def established(self) -> bool:
+        """Whether the verdict says more than "indicative only"."""
+        return self.indicative is None
+
+
+def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[Standing]:
+    """Every model's held-out standing, best mean CER first; each is compared (:func:`paired`) with
+    each baseline present other than itself."""
+    held = summarise(results, "heldout")
+    board = []
+    for name, s in held.items():
+        against = {b: paired(results, name, b) for b in BASELINES if b in held and b != name}
+        reasons = []
+        if s.speakers < min_speakers:
+            reasons.append(f"{s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}, fewer than {min_speakers}")
+        if s.utterances < MIN_HELDOUT_UTTERANCES:
+            reasons.append(f"{s.utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
+        board.append(Standing(name, s.normalisation, len(s.seeds), s.cer, s.wer, s.utterances, s.speakers, against, "; ".join(reasons) or None))
+    return sorted(board, key=lambda s: s.cer.mean)
+
+
+LEADERBOARD_COLUMNS = (
+    ("encoder", "string", "the model under probe (fbank: log-mel input; random: an untrained encoder)"),
+    ("normalisation", "string", "how the model reads the log-mel (the normalisation it was trained with)"),
+    ("CER", "string", "held-out character error rate, mean ± sample std over probe seeds"),
+    ("WER", "string", "held-out word error rate, mean ± sample std over probe seeds"),
+    ("vs fbank", "string", "CER change against fbank on the same utterances [95 % bootstrap interval]"),
+    ("vs random", "string", "CER change against random on the same utterances [95 % bootstrap interval]"),
+    ("verdict", "string", "better / worse where the interval excludes 0, else no evidence"),
+    ("seeds", "int", "probe seeds"),
+    ("utterances", "int", "held-out utterances"),
+    ("speakers", "int", "held-out speakers"),
+)
+
+
+def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
+    """:data:`LEADERBOARD_COLUMNS` per model, values rounded to 3 decimals, for people to read."""
+
+    def spread(s: Spread) -> str:
+        return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f} ± {s.std:.3f}"
+
+    def change(s: Standing, baseline: str) -> str:
+        if baseline == s.model or baseline not in s.against:
+            return "—"
+        found = s.against[baseline]
+        return "n/a" if found is None else str(found)
+
+    return [
+        {"encoder": s.model, "normalisation": s.normalisation, "CER": spread(s.cer), "WER": spread(s.wer),
+         "vs fbank": change(s, FBANK), "vs random": change(s, RANDOM), "verdict": s.verdict,
+         "seeds": s.seeds, "utterances": s.utterances, "speakers": s.speakers}
+        for s in board
+    ]  # fmt: skip
+
+
+def leaderboard_markdown(board: Sequence[Standing]) -> str:
+    """The leaderboard as a markdown table (what ``speech-assets probe`` prints)."""
+    names = [c for c, _, _ in LEADERBOARD_COLUMNS]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(str(row[c]) for c in names) + " |" for row in leaderboard_rows(board)]
+    return "\n".join(lines)
+
+
+def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
+    """The leaderboard in numbers (``probe/leaderboard.parquet``): per model its CER/WER mean and
+    std, each baseline's change, interval and verdict, the overall verdict and whether it is
+    only indicative."""
+    import pyarrow as pa
+
+    rows = []
+    for s in board:
+        row: dict[str, object] = {
+            "model": s.model, "normalisation": s.normalisation, "seeds": s.seeds,
+            "cer": s.cer.mean, "cer_std": s.cer.std, "wer": s.wer.mean, "wer_std": s.wer.std,
+            "utterances": s.utterances, "speakers": s.speakers,
+        }  # fmt: skip
+        for b in BASELINES:
+            p = s.against.get(b)
+            row |= {f"cer_change_{b}": p.difference if p else None, f"cer_change_{b}_low": p.low if p else None,
+                    f"cer_change_{b}_high": p.high if p else None, f"verdict_{b}": p.verdict if p else None}  # fmt: skip
+        rows.append(row | {"verdict": s.verdict, "indicative": s.indicative is not None, "min_heldout_speakers": min_speakers})
+    return pa.Table.from_pylist(rows)
+
+
+def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
+    """How to read the leaderboard's verdicts, and why they are only indicative where they are."""
+    note = (
+        "Verdict: each encoder's character errors on every held-out utterance (mean over its probe seeds) are paired "
+        "with fbank's and random's on the same utterance; a 95 % bootstrap interval over utterances of the CER "
+        "change says better or worse where it excludes 0, otherwise no evidence."
+    )
+    shown = next((s for s in board if s.indicative), None)
+    if shown is not None:
+        note += (
+            f" Indicative only here: {shown.indicative}. A verdict about speakers in general needs at least "
+            f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
+            f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
+        )
+    return note
+
+
+def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
+    """One line per encoder (every model but the baselines): its held-out CER over seeds, the
+    change against each baseline with its interval, on how many utterances and speakers, and
+    the verdict (:attr:`Standing.verdict`)."""
+    lines = []
+    for s in leaderboard(results, min_speakers):
+        if s.baseline:
+            continue
+        parts = "".join(f", {b} {p}" for b, p in s.against.items() if p is not None)
+        seeds = f"{s.seeds} seed{'s' if s.seeds != 1 else ''}"
+        lines.append(
+            f"{s.model}: held-out CER {s.cer} over {seeds}{parts} (CER change [95 % interval], paired over utterances) "
+            f"on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}: {s.verdict}"
+        )
+    return lines
 
 
 def beats(results: Sequence[ProbeResult], model: str, baseline: str) -> bool | None:
-    """Whether ``model``'s mean held-out CER is lower than ``baseline``'s; ``None`` when the rows are
-    too few or too noisy to tell (:func:`too_small_to_tell`). KeyError when either has no rows."""
+    """Whether ``model`` errs less than ``baseline`` on the held-out utterances by the paired test
+    (:func:`paired`): True (better), False (worse), None (no evidence, or no per-utterance errors).
+    KeyError when either has no held-out rows."""
     held = summarise(results, "heldout")
-    a, b = held[model], held[baseline]
-    if too_small_to_tell(a, b) is not None:
-        return None
-    return a.cer.mean < b.cer.mean
-
-
-def ratio(cer: float, baseline: float) -> str:
-    """``cer`` relative to ``baseline``'s, as ``0.85x``."""
-    return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
-
-
-def standing(results: Sequence[ProbeResult]) -> list[str]:
-    """One line per encoder (every model but the baselines ``fbank`` and ``random``): its held-out
-    CER over seeds, against each baseline present (ratio of mean CERs), on how many held-out
-    utterances and speakers, and the verdict: ``beats``, ``loses to``, or ``too small to tell``
-    with the reason, for each comparison. The counts are those the rows record."""
-    held = summarise(results, "heldout")
-    baselines = [held[b] for b in BASELINES if b in held]
-    lines = []
-    for name, s in held.items():
-        if name in BASELINES:
-            continue
-        seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
-        parts = [f"{ratio(s.cer.mean, b.cer.mean)} {b.model} ({b.cer})" for b in baselines]
-        head = f"{name}: held-out CER {s.cer} over {seeds}" + "".join(f", {p}" for p in parts)
-        head += f" on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}"
-        if not baselines:
-            lines.append(f"{head}: no baseline (fbank, random) to compare with")
-            continue
-        verdicts: dict[str, list[str]] = {"beats": [], "loses to": []}
-        unclear = []
-        for b in baselines:
-            reason = too_small_to_tell(s, b)
-            if reason is not None:
-                unclear.append(f"too small to tell against {b.model} ({reason})")
-            else:
-                verdicts["beats" if s.cer.mean < b.cer.mean else "loses to"].append(b.model)
-        said = []
-        for verb, against in verdicts.items():
-            if against:
-                said.append(f"{verb} {'both' if len(against) == 2 else against[0]}")
-        lines.append(f"{head}: {'; '.join(said + unclear)}")
-    return lines
+    held[model], held[baseline]  # noqa: B018 (KeyError where either is missing)
+    found = paired(results, model, baseline)
+    return None if found is None or found.verdict == "no evidence" else found.verdict == "better"

@@ -7,10 +7,15 @@ trained with CTC on the training speakers. Greedy (best-path) decoding; CER and 
 
 Features are computed once per utterance and kept in memory (``(layers + 1, L, D)`` float32 per
 utterance; 100 Hz log-mel is a single "layer" ``(1, T, 80)``), so probe steps cost only the probe.
+:func:`train_probes` trains one probe per learning rate on the same batches (each batch is read
+and layer-normalised once for all of them) and keeps each one's best checkpoint on development
+utterances, stopping a probe once its development CER has not improved for ``patience``
+evaluations. The CTC loss is most of a step's cost on CPU, so the steps saved are the time saved.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,9 +37,9 @@ class ProbeOptions:
     (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
     initialisation and the order it reads the utterances in); ``lrs``: learning rates to choose
     from, per model, on a development split of the training speakers, together with the stopping
-    step (every ``steps // 4``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
+    step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
     searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr`` for all and ``steps`` steps, one value: that value."""
+    empty: ``lr``; ``steps`` is the most a probe trains."""
 
     probe: str = "linear"
     steps: int = 400
@@ -71,12 +76,22 @@ class CtcProbe(nn.Module):
         return torch.softmax(self.layer_logits.detach(), dim=0).tolist()
 
     def forward(self, layers: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        normed = F.layer_norm(layers, layers.shape[-1:])
+        return self.head(layer_norm(layers), lengths)
+
+    def head(self, normed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on layers already normalised by :func:`layer_norm` ``(B, N, L, D)``."""
         x = torch.einsum("n,bnld->bld", torch.softmax(self.layer_logits, dim=0), normed)
         if self.lstm is not None:
             packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
             x, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=x.shape[1])
         return F.log_softmax(self.output(x), dim=-1)
+
+
+def layer_norm(layers: torch.Tensor) -> torch.Tensor:
+    """Each frame of each layer normalised over its ``D`` features, no affine parameters (any
+    shape ``(..., D)``; zero padding stays zero). Per frame, so normalising each utterance once
+    gives what normalising every padded batch would."""
+    return F.layer_norm(layers, layers.shape[-1:])
 
 
 def collate_layers(items: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,15 +140,7 @@ def train_probe(
             order += torch.randperm(len(features), generator=generator).tolist()
         batch, order = order[: options.batch_size], order[options.batch_size :]
         layers, lengths = collate_layers([features[i] for i in batch])
-        log_probs = probe(layers, lengths)
-        loss = F.ctc_loss(
-            log_probs.transpose(0, 1),
-            torch.cat([targets[i] for i in batch]),
-            lengths,
-            torch.tensor([len(targets[i]) for i in batch]),
-            blank=BLANK,
-            zero_infinity=True,
-        )
+        loss = ctc_loss(probe(layers, lengths), lengths, [targets[i] for i in batch])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(probe.parameters(), 5.0)
@@ -145,14 +152,105 @@ def train_probe(
     return probe.eval()
 
 
+def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean CTC loss of ``log_probs (B, L, 29)`` (``lengths (B,)`` valid frames) against ``targets``
+    (``B`` token tensors); an impossible alignment counts zero."""
+    return F.ctc_loss(
+        log_probs.transpose(0, 1), torch.cat(list(targets)), lengths, torch.tensor([len(t) for t in targets]),
+        blank=BLANK, zero_infinity=True,
+    )  # fmt: skip
+
+
+@dataclass
+class Trained:
+    """One probe of :func:`train_probes`: its learning rate, the step it was kept at, its CER on
+    the development utterances there (NaN without them), and the probe at that step (eval mode)."""
+
+    lr: float
+    step: int
+    dev_cer: float
+    probe: CtcProbe
+
+
+def train_probes(
+    features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0, *,
+    lrs: Sequence[float] = (), stop_at: int | None = None, dev: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
+    every: int = 0, patience: int = 0, normalised: bool = False,
+) -> list[Trained]:  # fmt: skip
+    """One probe per learning rate of ``lrs`` (empty: ``options.lr``), trained together on the same
+    batches; each is the probe :func:`train_probe` trains with that lr and ``seed`` (same
+    initialisation, same utterance order, same schedule over ``options.steps``).
+
+    ``dev`` (features, texts): every ``every`` steps (0: ``steps // 8``) and at the last step each
+    probe's development CER is measured and the probe kept at its best step (ties: the earlier);
+    a probe stops training once ``patience`` evaluations in a row (0: never) bring no improvement.
+    Without ``dev`` each probe is kept at its last step. ``stop_at`` ends training there on the
+    same schedule. ``normalised``: ``features`` are already :func:`layer_norm` ed (``(N, L_i, D)`` each).
+    """
+    if not features:
+        raise ValueError("no training utterances for the probe")
+    lrs = tuple(lrs) or (options.lr,)
+    targets = [torch.tensor(encode(text), dtype=torch.long) for text in texts]
+    dev_features = [f if normalised else layer_norm(f) for f in dev[0]] if dev else []
+    every = every or max(1, options.steps // 8)
+    total = options.steps if stop_at is None else max(1, min(stop_at, options.steps))
+    generator = torch.Generator().manual_seed(seed)
+    probes, optimizers, schedulers = [], [], []
+    for lr in lrs:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            probe = CtcProbe(features[0].shape[0], features[0].shape[2], options.probe, options.hidden)
+        optimizer = torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=0.0)
+        probes.append(probe.train())
+        optimizers.append(optimizer)
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, options.steps)))
+    kept = [Trained(lr, 0, math.nan, probe) for lr, probe in zip(lrs, probes, strict=True)]
+    active, stale = set(range(len(lrs))), [0] * len(lrs)
+    order: list[int] = []
+    for step in range(1, total + 1):
+        if len(order) < options.batch_size:
+            order += torch.randperm(len(features), generator=generator).tolist()
+        batch, order = order[: options.batch_size], order[options.batch_size :]
+        layers, lengths = collate_layers([features[i] for i in batch])
+        normed = layers if normalised else layer_norm(layers)
+        chosen = [targets[i] for i in batch]
+        running = sorted(active)
+        loss = sum(ctc_loss(probes[p].head(normed, lengths), lengths, chosen) for p in running)
+        for p in running:
+            optimizers[p].zero_grad(set_to_none=True)
+        loss.backward()
+        for p in running:
+            nn.utils.clip_grad_norm_(probes[p].parameters(), 5.0)
+            optimizers[p].step()
+            schedulers[p].step()
+        if not (dev_features and (step % every == 0 or step == total)):
+            continue
+        for p in running:
+            cer = score(dev[1], transcribe(probes[p], dev_features, normalised=True)).cer
+            if math.isnan(kept[p].dev_cer) or cer < kept[p].dev_cer:
+                kept[p], stale[p] = Trained(lrs[p], step, cer, copy.deepcopy(probes[p]).eval()), 0
+            else:
+                stale[p] += 1
+                if patience and stale[p] >= patience:
+                    active.discard(p)
+            probes[p].train()
+        if not active:
+            break
+    if not dev_features:
+        kept = [Trained(lr, total, math.nan, probe) for lr, probe in zip(lrs, probes, strict=True)]
+    for trained in kept:
+        trained.probe.eval()
+    return kept
+
+
 @torch.no_grad()
-def transcribe(probe: CtcProbe, features: Sequence[torch.Tensor], batch_size: int = 16) -> list[str]:
-    """Greedy CTC transcripts of ``features``."""
+def transcribe(probe: CtcProbe, features: Sequence[torch.Tensor], batch_size: int = 16, normalised: bool = False) -> list[str]:
+    """Greedy CTC transcripts of ``features`` (``normalised``: already :func:`layer_norm` ed)."""
     probe.eval()
     hypotheses: list[str] = []
     for start in range(0, len(features), batch_size):
         layers, lengths = collate_layers(features[start : start + batch_size])
-        best = probe(layers, lengths).argmax(dim=-1)
+        best = (probe.head(layers, lengths) if normalised else probe(layers, lengths)).argmax(dim=-1)
         hypotheses += [decode_greedy(best[row, : int(n)].tolist()) for row, n in enumerate(lengths)]
     return hypotheses
 
@@ -175,9 +273,36 @@ def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
     return Scores(float(jiwer.cer(refs, hyps)), float(jiwer.wer(refs, hyps)), len(refs))
 
 
-def evaluate_probe(probe: CtcProbe, features: Sequence[torch.Tensor], texts: Sequence[str]) -> tuple[Scores, list[str]]:
-    hypotheses = transcribe(probe, features)
+def evaluate_probe(
+    probe: CtcProbe, features: Sequence[torch.Tensor], texts: Sequence[str], normalised: bool = False
+) -> tuple[Scores, list[str]]:
+    hypotheses = transcribe(probe, features, normalised=normalised)
     return score(texts, hypotheses), hypotheses
+
+
+@dataclass(frozen=True)
+class UtteranceErrors:
+    """Per utterance of one scoring: character and word edit counts of the hypothesis against the
+    reference, and the reference's characters and words (``(U,)`` int64 arrays each). Their sums
+    give the corpus-level CER and WER of :func:`score`."""
+
+    char_errors: np.ndarray
+    chars: np.ndarray
+    word_errors: np.ndarray
+    words: np.ndarray
+
+
+def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> UtteranceErrors:
+    """Levenshtein distances per utterance, over characters and over space-separated words."""
+    from rapidfuzz.distance import Levenshtein
+
+    pairs = list(zip(references, hypotheses, strict=True))
+    return UtteranceErrors(
+        np.array([Levenshtein.distance(r, h) for r, h in pairs], dtype=np.int64),
+        np.array([len(r) for r, _ in pairs], dtype=np.int64),
+        np.array([Levenshtein.distance(r.split(), h.split()) for r, h in pairs], dtype=np.int64),
+        np.array([len(r.split()) for r, _ in pairs], dtype=np.int64),
+    )
 
 
 def dev_split(speakers: Sequence[str], fraction: float = 0.2) -> tuple[list[int], list[int]]:

@@ -277,22 +277,55 @@ def test_iteration_2_labels_must_match_the_frames(tmp_path: Path, fault: str | N
 # --- downstream_probe ---------------------------------------------------------------------------
 
 
+def probe_rows(model: str, errors_per_utterance: int, speakers: int, utterances: int = 40) -> list:
+    """Three seeds of held-out rows, each utterance (20 characters) with ``errors_per_utterance`` errors give or take one."""
+    from speech_assets.evaluation.compare import HeldoutErrors, ProbeResult
+
+    found = []
+    for seed in range(3):
+        errors = np.full(utterances, errors_per_utterance, dtype=np.int64) + (np.arange(utterances) + seed) % 3 - 1
+        held = HeldoutErrors(tuple(f"u{i}" for i in range(utterances)), tuple(f"h{i % speakers}" for i in range(utterances)),
+                             errors, np.full(utterances, 20), errors // 4, np.full(utterances, 5))  # fmt: skip
+        cer = float(errors.sum() / (20 * utterances))
+        found.append(ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer, utterances, 60, seed, "utterance", speakers, errors=held))
+    return found
+
+
 @pytest.mark.parametrize(
-    ("pretrained_cer", "utterances", "passed"),
-    [(0.5, 40, True), (0.69, 40, False), (0.7, 40, False), (0.9, 40, False), (0.5, 5, False)],
-    ids=["beats", "within the spread", "equal", "worse", "too few utterances"],
+    ("pretrained_errors", "speakers", "passed", "verdict"),
+    [
+        (10, 4, True, "better than fbank and random"),
+        (14, 4, False, "better than random; no evidence against fbank"),
+        (17, 4, False, "better than random; worse than fbank"),
+        (10, 1, False, "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)"),
+    ],
+    ids=["better", "same as fbank", "worse", "better on one held-out speaker"],
 )
-def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretrained_cer: float, utterances: int, passed: bool) -> None:
-    from speech_assets.evaluation.compare import ProbeResult, results_table
+def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretrained_errors: int, speakers: int, passed: bool, verdict: str) -> None:
+    from speech_assets.evaluation.compare import leaderboard, leaderboard_path, leaderboard_table, results_table, standing
 
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     (paths.root / "probe").mkdir(parents=True)
-    rows = [
-        ProbeResult(model, "", "linear", [1.0], split, cer + 0.01 * seed, 1.0, utterances, 60, seed, "utterance", 2)
-        for model, split, cer in (("fbank", "heldout", 0.7), ("pretrained", "heldout", pretrained_cer), ("pretrained", "train", 0.1), ("random", "heldout", 0.95))
-        for seed in range(3)
-    ]  # fmt: skip
-    pq.write_table(results_table(rows), paths.root / "probe" / "results.parquet")
+    result = probe.pretrained_beats_fbank(paths=paths)
+    assert not result.passed and "rematerialize downstream_probe" in result.description
+    rows = probe_rows("fbank", 14, speakers) + probe_rows("pretrained", pretrained_errors, speakers) + probe_rows("random", 19, speakers)
+    target = paths.root / "probe" / "results.parquet"
+    pq.write_table(results_table(rows), target)
+    pq.write_table(leaderboard_table(leaderboard(rows, 3), 3), leaderboard_path(target))
     result = probe.pretrained_beats_fbank(paths=paths)
     assert result.passed is passed
-    assert result.description.startswith("pretrained: held-out CER")
+    # the check says what the probe says, word for word
+    assert result.description == f"pretrained: {verdict}"
+    assert standing(rows, 3)[0].endswith(f": {verdict}")
+    assert result.metadata["verdict"].value == verdict and result.metadata["min_heldout_speakers"].value == 3
+    assert "indicative only" in probe.PRETRAINED_BEATS_FBANK and "demo scale" in probe.PRETRAINED_BEATS_FBANK
+
+
+def test_a_model_below_the_majority_class_is_told_this_is_expected_at_demo_scale(tmp_path: Path) -> None:
+    training_run(tmp_path)
+    edit_json(tmp_path / "result.json", heldout_masked_accuracy=0.05)
+    result = model_checks.above_majority_class(tmp_path)
+    assert not result.passed and result.severity == dg.AssetCheckSeverity.WARN
+    assert result.description.startswith("held-out masked accuracy 0.050 <= majority-class rate 0.120 after 20 steps: expected at demo scale")
+    assert "downstream_probe" in result.description and result.metadata["steps"].value == 20
+    assert model_checks.MAJORITY_AT_DEMO_SCALE in model_checks.BEATS_MAJORITY_CLASS

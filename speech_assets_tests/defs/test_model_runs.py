@@ -80,10 +80,19 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
 def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     out, _, instance = evaluated
     event = instance.fetch_materializations(dg.AssetKey("downstream_probe"), limit=1).records[0].asset_materialization
+    assert next(iter(event.metadata)) == "leaderboard"  # the leaderboard first, as a table with its columns
+    board = event.metadata["leaderboard"]
+    assert isinstance(board, dg.TableMetadataValue) and board.schema.columns[0].name == "encoder"
+    assert {r.data["encoder"] for r in board.records} >= {"fbank", "random", "pretrained", "distilled"}
     standing = event.metadata["standing"].value
     for encoder in ("pretrained", "distilled"):  # one line each, against both baselines, with a verdict
         line = next(line for line in standing.splitlines() if line.startswith(f"- {encoder}:"))
-        assert "x fbank" in line and "x random" in line and re.search(r"beats|loses to|too small to tell", line), line
+        assert re.search(r"fbank [+-]\d\.\d{3} \[", line) and re.search(r"random [+-]\d\.\d{3} \[", line), line
+        # the sample holds out one speaker: whatever the verdict, it is indicative only
+        assert re.search(r"(better than|worse than|no evidence against) .*\(indicative only: 1 held-out speaker", line), line
+    assert "Indicative only here" in standing
+    for name in ("utterances.parquet", "leaderboard.parquet"):
+        assert (out / "probe" / name).is_file()
     table = pq.read_table(out / "probe" / "results.parquet")
     assert table.column_names == [
         "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",

@@ -43,3 +43,34 @@ def test_test_speakers_are_held_out_by_every_encoder(recorded: dict, test: list[
 def test_a_leak_or_a_missing_record_is_refused(recorded: dict, message: str) -> None:
     with pytest.raises(ProbeLeak, match=message):
         probe_split(TABLE, recorded)
+
+
+def test_the_leaderboard_is_a_dagster_table_with_its_column_schema() -> None:
+    import dagster as dg
+    import numpy as np
+
+    from speech_assets.defs.probe import leaderboard_metadata, verdict_word
+    from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, HeldoutErrors, ProbeResult, leaderboard
+
+    def rows(model: str, errors: int, speakers: int) -> list[ProbeResult]:
+        found = []
+        for seed in range(2):
+            wrong = np.full(30, errors, dtype=np.int64)
+            wrong[:seed] += 1  # the seeds differ by one character
+            held = HeldoutErrors(tuple(f"u{i}" for i in range(30)), tuple(f"h{i % speakers}" for i in range(30)),
+                                 wrong, np.full(30, 20), wrong // 4, np.full(30, 5))  # fmt: skip
+            cer = float(wrong.sum() / 600)
+            found.append(ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer, 30, 60, seed, "utterance", speakers, errors=held))
+        return found
+
+    board = leaderboard(rows("fbank", 12, 1) + rows("random", 16, 1) + rows("pretrained", 8, 1))
+    value = leaderboard_metadata(board)
+    assert isinstance(value, dg.TableMetadataValue)
+    assert [(c.name, c.type) for c in value.schema.columns] == [(name, kind) for name, kind, _ in LEADERBOARD_COLUMNS]
+    assert all(c.description for c in value.schema.columns)
+    records = [r.data for r in value.records]
+    assert [r["encoder"] for r in records] == ["pretrained", "fbank", "random"]  # best CER first
+    assert records[0]["CER"] == "0.401 ± 0.001" and records[0]["vs fbank"].startswith("-0.200 [")
+    assert records[0]["verdict"] == "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)"
+    assert (records[0]["seeds"], records[0]["utterances"], records[0]["speakers"]) == (2, 30, 1)
+    assert verdict_word(board[0], "fbank") == "yes (indicative only)"

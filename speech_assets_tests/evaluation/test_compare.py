@@ -2,6 +2,8 @@
 summary, the table and the standing lines say who wins, and when the rows cannot tell."""
 
 import math
+import re
+import zlib
 
 import numpy as np
 import pytest
@@ -11,16 +13,24 @@ from speech_assets.evaluation.compare import (
     FBANK,
     RANDOM,
     RESULT_COLUMNS,
+    HeldoutErrors,
     ProbeModel,
     ProbeResult,
     beats,
     compare_encoders,
+    leaderboard,
+    leaderboard_rows,
     markdown_table,
+    paired,
+    paired_bootstrap,
+    paired_verdict,
     probe_features,
     read_results,
     results_table,
     standing,
     summarise,
+    utterances_path,
+    utterances_table,
 )
 from speech_assets.evaluation.encoders import Utterance
 from speech_assets.evaluation.probe import ProbeOptions
@@ -84,15 +94,31 @@ def test_an_informative_model_beats_pure_noise_over_seeds() -> None:
     assert calls["pretrained"] == len(train) + len(test)
     assert [(r.model, r.seed) for r in seen] == [(m.name, s) for m in models for s in (0, 1)]
     assert len(results) == 3 * 2 * 2 and all(r.split == "heldout" for r in seen)
-    for r in results:
+    for r in results:  # the train rows: the utterances the probes trained on (one speaker is development)
         assert r.normalisation == {"pretrained": "utterance"}.get(r.model, "noise")
-        assert (r.utterances, r.speakers) == ((24, 2) if r.split == "heldout" else (48, 3))
+        assert (r.utterances, r.speakers) == ((24, 2) if r.split == "heldout" else (32, 2))
     held = summarise(results)
     assert held["pretrained"].cer.mean < 0.5 and held[FBANK].cer.mean > 0.8, markdown_table(results)
     assert beats(results, "pretrained", FBANK) is True and beats(results, "pretrained", RANDOM) is True
     assert beats(results, FBANK, "pretrained") is False
+    (line,) = standing(results, min_speakers=2)
+    assert line.startswith("pretrained: held-out CER ") and line.endswith("on 24 utterances of 2 held-out speakers: better than fbank and random"), line
+    # each held-out row carries every utterance's edit counts; their sums are the row's CER
+    for r in seen:
+        assert r.errors.utt_ids == tuple(u.utt_id for u in test) and r.errors.speaker_ids == tuple(u.speaker_id for u in test)
+        assert r.errors.char_errors.sum() / r.errors.chars.sum() == pytest.approx(r.cer)
+        assert r.errors.word_errors.sum() / r.errors.words.sum() == pytest.approx(r.wer)
+
+
+def test_the_probe_verdict_on_one_heldout_speaker_is_indicative_only() -> None:
+    train = utterances(36, seed=0, speakers=["s1", "s2", "s3"])
+    test = utterances(24, seed=1, speakers=["h1"])
+    models = [ProbeModel(FBANK, "", "noise", noise), ProbeModel("pretrained", "abc", "utterance", per_utterance)]
+    results = compare_encoders(train, test, models, ProbeOptions(steps=60, batch_size=8, lr=2e-2, seeds=(0, 1)))
     (line,) = standing(results)
-    assert line.startswith("pretrained: held-out CER ") and line.endswith("on 24 utterances of 2 held-out speakers: beats both"), line
+    assert line.endswith("on 24 utterances of 1 held-out speaker: better than fbank (indicative only: 1 held-out speaker, fewer than 3)"), line
+    (pretrained,) = (s for s in leaderboard(results) if s.model == "pretrained")
+    assert not pretrained.established and pretrained.verdict_against(FBANK) == "better"
 
 
 def test_seeds_change_the_probe_not_the_data() -> None:
@@ -102,8 +128,11 @@ def test_seeds_change_the_probe_not_the_data() -> None:
     results = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(5, 6)))
     by_seed = {r.seed: r for r in results if r.split == "heldout"}
     assert set(by_seed) == {5, 6} and by_seed[5].utterances == by_seed[6].utterances == 4
-    again = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(6,)))
-    assert [r.row() for r in again] == [r.row() for r in results if r.seed == 6]  # a seed is a seed, alone or not
+    # the first seed chooses the stopping step on the development utterances, the others train to it
+    assert by_seed[5].steps == by_seed[6].steps
+    alone = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(6,)))
+    first = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(6, 5)))
+    assert [r.row() for r in alone] == [r.row() for r in first if r.seed == 6]  # a first seed is a first seed, alone or not
     with pytest.raises(ValueError, match="unique"):
         compare_encoders(train, test, [model, model], ProbeOptions(steps=1, seeds=(0,)))
     with pytest.raises(ValueError, match="both sides"):
@@ -119,15 +148,16 @@ def test_the_probe_lr_and_stopping_step_are_chosen_on_training_speakers_only() -
     results = compare_encoders(train, test, [model], options)
     chosen = {(r.lr, r.steps) for r in results}
     (lr, steps), = chosen  # one choice per model, shared by its seeds and splits
-    assert lr == 2e-2 and steps in (15, 30, 45, 60)  # 1e-5 learns nothing in 60 steps
+    # 1e-5 learns nothing in 60 steps; development CER every 60 // 8 steps and at the last
+    assert lr == 2e-2 and steps in (*range(7, 60, 7), 60)
     assert summarise(results)["pretrained"].cer.mean < 0.5, markdown_table(results)
     # the held-out test speakers take no part in the choice
     again = compare_encoders(train, other_test, [model], options)
     assert {(r.lr, r.steps) for r in again} == chosen
     assert "| pretrained | utterance | 0.02 | 2 |" in markdown_table(results)
-    # a single lr is used as given, with all steps
+    # a single lr is used as given; the stopping step is still the development split's
     (fixed,) = {(r.lr, r.steps) for r in compare_encoders(train, test, [model], ProbeOptions(steps=5, lrs=(3e-3,), seeds=(0,)))}
-    assert fixed == (3e-3, 5)
+    assert fixed[0] == 3e-3 and 1 <= fixed[1] <= 5
     # one training utterance cannot be split: the first lr, all steps
     (alone,) = {(r.lr, r.steps) for r in compare_encoders(train[:1], test, [model], ProbeOptions(steps=4, lrs=(1e-3, 1e-2), seeds=(0,)))}
     assert alone == (1e-3, 4)
@@ -166,6 +196,17 @@ def test_rows_of_a_real_encoder_round_trip_through_parquet(tmp_path) -> None:
     pq.write_table(table, tmp_path / "results.parquet")
     back = read_results(tmp_path / "results.parquet")
     assert [r.row() for r in back] == [r.row() for r in results]
+    assert all(r.errors is None for r in back)  # no utterances.parquet beside it: no per-utterance errors
+    pq.write_table(utterances_table(results), utterances_path(tmp_path / "results.parquet"))
+    back = read_results(tmp_path / "results.parquet")
+    assert [r.row() for r in back] == [r.row() for r in results]
+    for a, b in zip(back, results, strict=True):
+        assert (a.errors is None) == (b.errors is None) == (a.split == "train")
+        if a.errors is not None:
+            assert (a.errors.utt_ids, a.errors.speaker_ids) == (b.errors.utt_ids, b.errors.speaker_ids)
+            for name in ("char_errors", "chars", "word_errors", "words"):
+                np.testing.assert_array_equal(getattr(a.errors, name), getattr(b.errors, name))
+    assert standing(back) == standing(results)
     pq.write_table(table.drop(["seed"]), tmp_path / "old.parquet")
     with pytest.raises(ValueError, match="seed"):
         read_results(tmp_path / "old.parquet")
@@ -189,54 +230,94 @@ def test_summary_mean_spread_and_table() -> None:
         summarise([row(FBANK, 0, 0.5), row(FBANK, 0, 0.6)])
 
 
-def spread(model: str, mean: float, std: float, seeds: int = 3, utterances: int = 40) -> list[ProbeResult]:
-    """``seeds`` rows whose CERs have exactly ``mean`` and sample std ``std``."""
-    if seeds == 1:
-        return [row(model, 0, mean, utterances)]
-    offsets = np.linspace(-1, 1, seeds)
-    offsets = offsets / offsets.std(ddof=1)
-    return [row(model, s, mean + std * o, utterances) for s, o in enumerate(offsets)]
+def scored(model: str, seed: int, char_errors, speakers: int = 4, chars: int = 20) -> ProbeResult:
+    """A held-out row with its per-utterance errors: ``char_errors`` (one per utterance) out of
+    ``chars`` reference characters each, the utterances spread over ``speakers`` speakers."""
+    errors = np.asarray(char_errors, dtype=np.int64)
+    count = len(errors)
+    lengths = np.full(count, chars, dtype=np.int64)
+    cer = float(errors.sum() / lengths.sum())
+    held = HeldoutErrors(
+        tuple(f"u{i}" for i in range(count)), tuple(f"h{i % speakers}" for i in range(count)), errors, lengths, errors // 4, lengths // 4
+    )  # fmt: skip
+    return ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer + 0.2, count, 400, seed, "utterance", min(speakers, count), errors=held)
+
+
+def system(model: str, rate: float, noise: float = 1.0, seeds: int = 3, utterances: int = 40, speakers: int = 4) -> list[ProbeResult]:
+    """``seeds`` rows of a system with ``rate`` of 20 characters wrong per utterance on average:
+    the same utterances are hard for every system (a shared per-utterance difficulty), plus
+    ``noise`` characters of its own per utterance and seed."""
+    difficulty = np.random.default_rng(7).normal(0, 3, utterances)
+    own = np.random.default_rng(zlib.crc32(model.encode()))
+    return [
+        scored(model, seed, np.clip(np.rint(20 * rate + difficulty + own.normal(0, noise, utterances)), 0, 40), speakers)
+        for seed in range(seeds)
+    ]
+
+
+def test_paired_bootstrap_says_better_on_a_clearly_better_system_and_no_evidence_on_noise() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 60, 200)
+    baseline = rng.binomial(lengths, 0.5)
+    better = np.maximum(baseline - rng.integers(2, 6, 200), 0)  # a few characters fewer on every utterance
+    difference, low, high = paired_bootstrap(better, baseline, lengths)
+    assert difference == pytest.approx((better - baseline).sum() / lengths.sum())
+    assert low <= difference <= high < 0 and paired_verdict(low, high) == "better"
+    assert paired_verdict(*paired_bootstrap(baseline, better, lengths)[1:]) == "worse"
+    # two draws of the same system: the interval straddles 0
+    same_a, same_b = rng.binomial(lengths, 0.5), rng.binomial(lengths, 0.5)
+    difference, low, high = paired_bootstrap(same_a, same_b, lengths)
+    assert low < 0 < high and paired_verdict(low, high) == "no evidence"
+    assert paired_bootstrap(same_a, same_b, lengths) == (difference, low, high)  # deterministic
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_bootstrap(same_a, same_b[:-1], lengths)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_bootstrap([], [], [])
+
+
+def test_a_gain_of_one_character_per_utterance_is_better_and_the_same_rate_is_no_evidence() -> None:
+    results = system("pretrained", 0.45, noise=0.5) + system(FBANK, 0.50, noise=0.5) + system(RANDOM, 0.5, noise=0.5)
+    board = {s.model: s for s in leaderboard(results)}
+    assert board["pretrained"].verdict_against(FBANK) == "better" and beats(results, "pretrained", FBANK) is True
+    assert board["pretrained"].verdict == "better than fbank and random" and board["pretrained"].established
+    assert board[FBANK].verdict == "baseline" and board[RANDOM].verdict_against(FBANK) == "no evidence"
+    assert beats(results, RANDOM, FBANK) is None and beats(results, FBANK, "pretrained") is False
 
 
 @pytest.mark.parametrize(
-    ("pretrained", "fbank", "random", "verdict", "beats_fbank"),
+    ("pretrained", "speakers", "min_speakers", "verdict"),
     [
-        pytest.param((0.60, 0.01), (0.72, 0.01), (0.97, 0.01), "beats both", True, id="clear-win"),
-        pytest.param((0.90, 0.01), (0.72, 0.01), (0.80, 0.01), "loses to both", False, id="clear-loss"),
-        pytest.param((0.75, 0.01), (0.72, 0.01), (0.97, 0.01), "beats random; loses to fbank", False, id="mixed"),
-        pytest.param(
-            (0.70, 0.03),
-            (0.72, 0.03),
-            (0.97, 0.01),
-            "beats random; too small to tell against fbank (|difference| 0.020 <= 2 x combined std 0.042)",
-            None,
-            id="spread",
-        ),
+        pytest.param(0.30, 4, 3, "better than fbank and random", id="clear-win"),
+        pytest.param(0.90, 4, 3, "worse than fbank and random", id="clear-loss"),
+        pytest.param(0.70, 4, 3, "better than random; worse than fbank", id="mixed"),
+        pytest.param(0.60, 4, 3, "better than random; no evidence against fbank", id="same-as-fbank"),
+        pytest.param(0.30, 1, 3, "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)", id="one-speaker"),
+        pytest.param(0.30, 2, 2, "better than fbank and random", id="two-speakers-enough-when-set"),
     ],
 )
-def test_standing_says_who_wins_and_when_it_cannot_tell(pretrained, fbank, random, verdict, beats_fbank) -> None:
-    results = spread("pretrained", *pretrained) + spread(FBANK, *fbank) + spread(RANDOM, *random)
-    (line,) = standing(results)
-    assert line.startswith("pretrained: held-out CER ") and " over 3 seeds, " in line
-    assert f"{pretrained[0] / fbank[0]:.2f}x fbank ({fbank[0]:.3f} ± {fbank[1]:.3f})" in line, line
-    assert line.endswith(f" on 40 utterances of 4 held-out speakers: {verdict}"), line
-    assert beats(results, "pretrained", FBANK) is beats_fbank
+def test_the_verdict_and_when_it_is_indicative_only(pretrained: float, speakers: int, min_speakers: int, verdict: str) -> None:
+    results = system("pretrained", pretrained, speakers=speakers) + system(FBANK, 0.6, speakers=speakers)
+    results += system(RANDOM, 0.8, speakers=speakers)
+    (line,) = standing(results, min_speakers)
+    assert line.startswith("pretrained: held-out CER ") and " over 3 seeds, fbank " in line, line
+    assert line.endswith(f" on 40 utterances of {speakers} held-out speaker{'s' if speakers > 1 else ''}: {verdict}"), line
+    board = leaderboard(results, min_speakers)
+    assert [s.model for s in board] == sorted((s.model for s in board), key=lambda m: summarise(results)[m].cer.mean)
+    rows = {r["encoder"]: r for r in leaderboard_rows(board)}
+    assert rows["pretrained"]["verdict"] == verdict and rows[FBANK]["vs fbank"] == "—"
+    assert re.fullmatch(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]", rows["pretrained"]["vs fbank"])
+    assert re.fullmatch(r"\d\.\d{3} ± \d\.\d{3}", rows["pretrained"]["CER"])
 
 
-def test_standing_cannot_tell_on_few_utterances_or_one_seed() -> None:
-    few = spread("pretrained", 0.3, 0.01, utterances=12) + spread(FBANK, 0.9, 0.01, utterances=12) + spread(RANDOM, 0.95, 0.01, utterances=12)
+def test_too_few_utterances_or_no_per_utterance_scores_say_so() -> None:
+    few = system("pretrained", 0.3, utterances=12) + system(FBANK, 0.6, utterances=12)
     (line,) = standing(few)
-    assert "too small to tell against fbank (12 held-out utterances < 20)" in line
-    assert "too small to tell against random (12 held-out utterances < 20)" in line and "beats" not in line
-    assert beats(few, "pretrained", FBANK) is None
-    single = spread("pretrained", 0.3, 0, seeds=1) + spread("distilled", 0.4, 0.01) + spread(FBANK, 0.9, 0.01)
-    lines = standing(single)
-    assert lines[0].startswith("pretrained: held-out CER 0.300 over 1 seed, 0.33x fbank (0.900 ± 0.010) on 40")
-    assert lines[0].endswith("too small to tell against fbank (pretrained has 1 seed, no spread to compare with)")
-    assert lines[1].endswith("(no random here): beats fbank") or lines[1].endswith(": beats fbank"), lines[1]
-    assert beats(single, "pretrained", FBANK) is None and beats(single, "distilled", FBANK) is True
+    assert line.endswith("better than fbank (indicative only: 12 held-out utterances, fewer than 20)"), line
+    bare = [row("pretrained", s, 0.3) for s in range(3)] + [row(FBANK, s, 0.6) for s in range(3)]  # rows written before the errors were kept
+    (line,) = standing(bare)
+    assert line.endswith("no per-utterance scores to compare: rematerialize downstream_probe") and beats(bare, "pretrained", FBANK) is None
     assert standing([row(FBANK, 0, 0.5)]) == []
-    (perfect,) = standing(spread("pretrained", 0.3, 0.01) + spread(FBANK, 0.0, 0.0))  # a baseline at CER 0: no ratio
-    assert ", n/a x fbank (0.000 ± 0.000) " in perfect and perfect.endswith(": loses to fbank"), perfect
-    (alone,) = standing(spread("pretrained", 0.3, 0.01))
+    (alone,) = standing(system("pretrained", 0.3))
     assert alone.endswith("no baseline (fbank, random) to compare with")
+    with pytest.raises(ValueError, match="different held-out utterances"):
+        paired(system("pretrained", 0.3) + system(FBANK, 0.6, utterances=41), "pretrained", FBANK)

@@ -4,7 +4,20 @@ import numpy as np
 import pytest
 import torch
 
-from speech_assets.evaluation.probe import CtcProbe, ProbeOptions, collate_layers, dev_split, evaluate_probe, score, train_probe
+from dataclasses import replace
+
+from speech_assets.evaluation.probe import (
+    CtcProbe,
+    ProbeOptions,
+    collate_layers,
+    dev_split,
+    evaluate_probe,
+    layer_norm,
+    score,
+    train_probe,
+    train_probes,
+    utterance_errors,
+)
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, decode_greedy, encode, normalise
 
 WORDS = ["CAT", "DOG", "BIRD", "FISH", "COW", "OWL"]
@@ -127,3 +140,48 @@ def test_stopping_early_is_the_same_probe_as_the_full_run_at_that_step() -> None
 def test_scores_are_corpus_level_edit_rates() -> None:
     result = score(["AB CD", "EF"], ["AB CD", ""])
     assert result.cer == pytest.approx(2 / 7) and result.wer == pytest.approx(1 / 3) and result.utterances == 2
+
+
+@pytest.mark.parametrize(
+    ("references", "hypotheses"),
+    [(["AB CD", "EF"], ["AB CD", ""]), (["THE CAT SAT", "A DOG"], ["THE BAT SAT ON", "DOG"]), (["IT'S A CAT"], ["ITS A CAT"])],
+)
+def test_per_utterance_errors_sum_to_the_corpus_scores(references, hypotheses) -> None:
+    errors = utterance_errors(references, hypotheses)
+    corpus = score(references, hypotheses)
+    assert errors.char_errors.shape == errors.chars.shape == errors.words.shape == (len(references),)
+    assert errors.char_errors.sum() / errors.chars.sum() == pytest.approx(corpus.cer)
+    assert errors.word_errors.sum() / errors.words.sum() == pytest.approx(corpus.wer)
+
+
+def test_probes_trained_together_are_the_probes_trained_alone() -> None:
+    features, texts = synthetic(16, seed=0)
+    options = ProbeOptions(steps=12, batch_size=4)
+    together = train_probes(features, texts, options, seed=3, lrs=(1e-3, 1e-2))
+    assert [(t.lr, t.step) for t in together] == [(1e-3, 12), (1e-2, 12)]
+    # features normalised once up front: the same probes
+    normed = train_probes([layer_norm(f) for f in features], texts, options, seed=3, lrs=(1e-3, 1e-2), normalised=True)
+    for t, n in zip(together, normed, strict=True):
+        alone = train_probe(features, texts, replace(options, lr=t.lr), seed=3)
+        for key, value in alone.state_dict().items():
+            torch.testing.assert_close(t.probe.state_dict()[key], value)
+            torch.testing.assert_close(n.probe.state_dict()[key], value)
+
+
+def test_a_probe_stops_once_its_development_cer_stalls_and_keeps_its_best_step() -> None:
+    features, texts = synthetic(24, seed=0)
+    dev = synthetic(8, seed=1)
+    options = ProbeOptions(steps=60, batch_size=4, lr=3e-2)
+    curve: dict[int, float] = {}
+    train_probe(features, texts, options, every=5, on_checkpoint=lambda step, p: curve.__setitem__(step, evaluate_probe(p, *dev)[0].cer))
+    best, stale = None, 0  # the rule: keep the first step of the lowest CER; stop after 2 evaluations without a lower one
+    for step in sorted(curve):
+        if best is None or curve[step] < curve[best]:
+            best, stale = step, 0
+        elif (stale := stale + 1) >= 2:
+            break
+    (kept,) = train_probes(features, texts, options, lrs=(3e-2,), dev=dev, every=5, patience=2)
+    assert (kept.lr, kept.step) == (3e-2, best) and kept.dev_cer == pytest.approx(curve[best]) and not kept.probe.training
+    at_best = train_probe(features, texts, options, stop_at=best)
+    for key, value in at_best.state_dict().items():
+        torch.testing.assert_close(kept.probe.state_dict()[key], value)
