@@ -203,7 +203,7 @@ EXAMPLES = {
     "synth": "  speech-assets corpus synth --out /tmp/corpus --speakers 8 --utterances 8 --seed 0",
     "replicate": "  speech-assets corpus replicate --out /tmp/libri25h --scale 0.25 --workers 2",
     "stats": "  speech-assets stats\n  speech-assets stats --db /tmp/other/stats.duckdb",
-    "probe": "  speech-assets probe\n  speech-assets probe --results /tmp/run/probe/results.parquet",
+    "probe": "  speech-assets probe\n  speech-assets probe --details\n  speech-assets probe --results /tmp/run/probe/results.parquet",
     "sql": """\
   speech-assets sql "SHOW TABLES"
   speech-assets sql "DESCRIBE clients"
