@@ -23,7 +23,9 @@ owner (and root) can enter it. Each process gets its own ``FLWR_HOME`` under the
 folder (0700), where its log is written too. The SuperLink serves TLS with a certificate of a CA
 made for this federation, and authenticates SuperNodes (Flower's node authentication,
 :mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it starts, and
-``nodes.json`` tells the ServerApp which node id is which client.
+``nodes.json`` tells the ServerApp which node id is which client. The simulation engine's process
+tree (Ray's GCS, raylet and workers included) lives in a private network namespace the same way
+(:func:`simulation_run`).
 """
 
 from __future__ import annotations
