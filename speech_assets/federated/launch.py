@@ -5,7 +5,8 @@ Local mode (the default): a SuperLink (TLS, SuperNode authentication) and one Su
 on the 127.0.0.1 of a private network namespace, which no other local user can reach (see
 :mod:`speech_assets.federated.processes`); SuperNode ``c`` gets ``--node-config 'client-id="c"
 data-dir="<data>" state-root="<client state root>/c"'`` (default root
-``<data>/federated_clients``: never inside the server's run folder).
+``<data>/federated_clients``: never inside the server's run folder). The ``simulation`` engine
+runs Flower's simulation runtime, Ray included, in such a namespace too.
 
 Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
 SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)

@@ -23,7 +23,9 @@ owner (and root) can enter it. Each process gets its own ``FLWR_HOME`` under the
 folder (0700), where its log is written too. The SuperLink serves TLS with a certificate of a CA
 made for this federation, and authenticates SuperNodes (Flower's node authentication,
 :mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it starts, and
-``nodes.json`` tells the ServerApp which node id is which client.
+``nodes.json`` tells the ServerApp which node id is which client. The simulation engine's process
+tree (Ray's GCS, raylet and workers included) lives in a private network namespace the same way
+(:func:`simulation_run`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +77,18 @@ def require_linux() -> None:
             f"the local Flower federation needs Linux (parent-death signal and child subreaper), not {sys.platform}: "
             "point `superlink` at a SuperLink that runs elsewhere"
         )
+
+
+def start_private(network: PrivateNetwork) -> PrivateNetwork:
+    """Start ``network``, or refuse (:class:`NeedsLinux`, one line) where this machine gives none:
+    never fall back to the host's loopback, which every local user reaches."""
+    try:
+        return network.start()
+    except NoPrivateNetwork as error:
+        raise NeedsLinux(
+            f"the local Flower federation runs where no other local user can reach it: {error}; "
+            "otherwise point `superlink` at a SuperLink that runs elsewhere"
+        ) from None
 
 
 def spawn(
@@ -243,13 +258,7 @@ class LocalFederation:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.folder.chmod(0o700)
-            try:
-                self.network.start()
-            except NoPrivateNetwork as error:
-                raise NeedsLinux(
-                    f"the local Flower federation runs where no other local user can reach it: {error}; "
-                    "otherwise use the simulation engine or a remote `superlink`"
-                ) from None
+            start_private(self.network)
             port = SUPERLINK_PORT
             tls = make_tls(self.folder / "tls")
             log_path = self.folder / "superlink" / "superlink.log"
@@ -444,24 +453,38 @@ def simulation_run(
     should_stop: Callable[[], str | None] = lambda: None,
 ) -> FlwrRun:
     """The run on Flower's simulation runtime (:mod:`speech_assets.federated.simulation`) in a
-    supervised process tree (Ray's processes included), followed like :func:`flwr_run`."""
+    supervised process tree (Ray's processes included), followed like :func:`flwr_run`.
+
+    The tree runs in a private network namespace of its own: Ray's GCS, raylet, object manager
+    and workers listen without authentication (and some on every address of the host, whatever
+    ``_node_ip_address`` says), so on the host any local user could connect and run code as us.
+    Ray's session folder (unix sockets, logs, runtime environments: Ray makes its folders
+    world-writable) lies in a fresh 0700 folder, ``RAY_TMPDIR``, removed after the run.
+    """
     nodes_file = log_path.parent / "simulation_nodes.json"
     nodes_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
     command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file),
                "--cpus-per-client", str(cpus_per_client)]  # fmt: skip
-    # every process of the tree (Ray's included) names the run in its environment, for flower_processes
-    process_env = dict(env if env is not None else os.environ) | {"RAY_USAGE_STATS_ENABLED": "0",
-                                                                  RUN_ENV: str(run_config.parent)}
-    process = spawn(command, log_path, process_env, supervised=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        reason = follow(process, log_path, on_line, should_stop)
-        if reason is not None:
-            raise RuntimeError(f"federated run stopped: {reason}")
-        return FlwrRun(process.wait(), None)
-    finally:
-        if process.poll() is None:
-            terminate([process], grace=10)
+    base = dict(env if env is not None else os.environ)
+    with contextlib.ExitStack() as cleanup:
+        network = start_private(PrivateNetwork())
+        cleanup.callback(network.stop)
+        # short: Ray's unix socket paths under it must stay within 107 bytes
+        ray_dir = cleanup.enter_context(tempfile.TemporaryDirectory(
+            prefix="speech-assets-ray-", dir=base.get("RAY_TMPDIR") or None, ignore_cleanup_errors=True))  # fmt: skip
+        # every process of the tree (Ray's included) names the run in its environment, for flower_processes
+        process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
+        process = spawn(network.enter(command), log_path, process_env, supervised=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            reason = follow(process, log_path, on_line, should_stop)
+            if reason is not None:
+                raise RuntimeError(f"federated run stopped: {reason}")
+            return FlwrRun(process.wait(), None)
+        finally:
+            if process.poll() is None:
+                terminate([process], grace=10)
 
 
 def flwr_stop(

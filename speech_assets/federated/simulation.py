@@ -12,7 +12,10 @@ the number of clients: idle clients cost nothing but their entry in the node tab
 
 The launcher (:mod:`speech_assets.federated.launch`) starts this module under the project's
 supervisor, so Ray's processes (GCS, raylet, workers) stop with it, also on ``kill -9`` of the
-launcher. Ray binds to 127.0.0.1; its dashboard is off.
+launcher, and inside a private network namespace
+(:func:`speech_assets.federated.processes.simulation_run`): Ray's servers, which authenticate no
+one and listen on every address they see whatever ``_node_ip_address`` says, see that namespace's
+loopback only. Its dashboard is off.
 """
 
 from __future__ import annotations

@@ -348,6 +348,19 @@ def test_without_a_private_network_the_local_federation_refuses_in_one_line(tmp_
     assert federation.superlink is None and not (tmp_path / "flower" / "superlink").exists()
 
 
+def test_without_a_private_network_a_simulation_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation engine does not fall back to the host's loopback either (Ray's servers,
+    which authenticate no one, would be every local user's): it refuses before starting anything."""
+    from speech_assets.federated.processes import NeedsLinux, simulation_run
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    log = tmp_path / "flower" / "simulation.log"
+    with pytest.raises(NeedsLinux) as refused:
+        simulation_run(tmp_path / "run_config.toml", [NodeConfig("client_00", str(tmp_path))], 1, log, lambda line: None)
+    assert "no other local user can reach it" in str(refused.value) and "\n" not in str(refused.value)
+    assert not log.exists()
+
+
 @pytest.mark.parametrize(
     ("clients", "fraction", "minimum", "expected"),
     [(4, 1.0, 0, 4), (4, 0.5, 0, 2), (64, 0.25, 0, 16), (64, 0.01, 0, 1), (64, 0.1, 10, 10), (3, 0.1, 0, 1)],

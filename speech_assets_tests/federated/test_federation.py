@@ -14,6 +14,8 @@ client, `flwr run`), a real Dagster instance, a real MLflow store and the sample
 - slow: another local user can neither reach the local federation's SuperLink (Control API: start
   a run, register a node) or SuperNodes, nor enter its network namespace; the same requests from
   inside it work.
+- slow: another local user reaches none of the ports of a simulation's Ray cluster, nor Ray's
+  folder of unix sockets; from inside the run's network namespace each port answers.
 """
 
 from __future__ import annotations
@@ -445,6 +447,119 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
         assert inside["register-node"] == "HTTP 200" and all(inside[f"connect {p}"] == "connected" for p in spec["ports"]), inside
         assert own.process.poll() is None
     assert wait_until_gone(tmp_path) == []
+
+
+# what a local user tries against a simulation's Ray cluster with the standard library: connect
+# to each port Ray listens on, look for them among the host's listening sockets, list and write
+# Ray's folder of unix sockets
+RAY_INTRUDER = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    spec = json.load(open(sys.argv[1]))
+    found = {}
+    for port in spec["ports"]:
+        for host in ("127.0.0.1", "::1"):
+            try:
+                socket.create_connection((host, port), timeout=5).close()
+                found[f"connect {host} {port}"] = "connected"
+            except OSError as error:
+                found[f"connect {host} {port}"] = type(error).__name__
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in list(open(table))[1:]:
+            if row.split()[3] == "0A":
+                listening.add(int(row.split()[1].rsplit(":", 1)[1], 16))
+    found["listening on the host"] = sorted(listening & set(spec["ports"]))
+    try:
+        found["list sockets"] = sorted(os.listdir(spec["sockets"]))
+    except OSError as error:
+        found["list sockets"] = type(error).__name__
+    try:
+        with open(os.path.join(spec["sockets"], "intruder"), "w"):
+            found["write sockets"] = "written"
+        os.unlink(os.path.join(spec["sockets"], "intruder"))
+    except OSError as error:
+        found["write sockets"] = type(error).__name__
+    print(json.dumps(found))
+    """
+)
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on, in whatever network namespace it lives (its own
+    ``/proc/<pid>/net`` tables, matched to its sockets)."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            sockets.add(link[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            columns = row.split()
+            if columns[3] == "0A" and columns[9] in sockets:
+                ports.add(int(columns[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.slow
+def test_another_local_user_cannot_reach_a_simulations_ray_cluster(sample_pipeline: SamplePipeline, tmp_path: Path) -> None:
+    """The simulation engine runs Ray, whose GCS, raylet and workers serve without authentication
+    (a caller can run code as the pipeline's user). While a client holds in round 1, a second,
+    unprivileged user connects to every port Ray's processes listen on: each is refused and none
+    listens on the host; Ray's folder of unix sockets can be neither listed nor written; from
+    inside the run's network namespace each port answers. SIGTERM stops the run, Ray included, and
+    removes Ray's folder."""
+    from speech_assets.federated.processes import flower_processes, is_ray
+    from speech_assets.testing import other_user
+
+    if why := other_user.why_not():
+        pytest.skip(f"needs another local user: {why}")
+    python = other_user.python_for(other_user.NOBODY)
+    if python is None:
+        pytest.skip("no Python interpreter the user nobody may run")
+    run_dir, held = tmp_path / "simulation", tmp_path / "markers" / "held"
+    command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir),
+               "--rounds", "1", "--local-steps", "1", "--batch-seconds", str(FAST["batch_seconds"])]  # fmt: skip
+    faults = {FAULTS_ENV: fault("federated.round", "hold", client=sample_pipeline.clients[0], round=1, marker=held)}
+    with open(tmp_path / "run.log", "wb") as log:
+        run = subprocess.Popen(command, env=sample_pipeline.env() | faults, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(held, run)
+        processes = flower_processes(run_dir)
+        ports = sorted(set().union(*(_listening_ports(pid) for pid, _ in processes)))
+        raylet, argv = next((pid, a.split()) for pid, a in processes if is_ray(a.split()) and a.split()[0].endswith("raylet/raylet"))
+        socket_name = next(arg.split("=", 1)[1] for arg in argv if arg.startswith("--raylet_socket_name="))
+        spec = {"ports": ports, "sockets": str(Path(socket_name).parent)}
+        assert len(ports) >= 4, processes  # the GCS, the raylet's two, a worker's
+        with other_user.shared_folder() as shared:
+            (shared / "spec.json").write_text(json.dumps(spec))
+            (shared / "intruder.py").write_text(RAY_INTRUDER)
+            for path in shared.iterdir():
+                path.chmod(0o644)
+            attack = [str(shared / "intruder.py"), str(shared / "spec.json")]
+            intruder = subprocess.run(other_user.as_user(other_user.NOBODY, [*python[0], *attack]), env=python[1],
+                                      capture_output=True, text=True, timeout=120, cwd="/")  # fmt: skip
+            assert intruder.returncode == 0, intruder.stderr
+            refused = json.loads(intruder.stdout)
+            inside = subprocess.run(["nsenter", f"--target={raylet}", "--net", "--", sys.executable, *attack],
+                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert refused.pop("listening on the host") == [], refused
+        assert refused.pop("list sockets") == refused.pop("write sockets") == "PermissionError", refused
+        assert all(refused[f"connect 127.0.0.1 {port}"] == "ConnectionRefusedError" for port in ports), refused
+        assert "connected" not in refused.values(), refused  # ::1 neither
+        assert inside.returncode == 0, inside.stderr
+        assert all(json.loads(inside.stdout)[f"connect 127.0.0.1 {port}"] == "connected" for port in ports), inside.stdout
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert wait_until_gone(run_dir) == []
+    assert not Path(socket_name).parents[3].exists()  # <RAY_TMPDIR>/ray/<session>/sockets/raylet
 
 
 def _wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: float = 300) -> None:
