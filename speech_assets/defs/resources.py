@@ -148,7 +148,7 @@ def worker_defaults(section: type, worker: type) -> dict[str, Any]:
     without a value; raises TypeError for a declaration that restates or contradicts ``worker``."""
     declared = section.__dict__.get("__annotations__", {})
     # this section's own annotations, resolved in its module (the class itself is not built yet)
-    kinds = typing.get_type_hints(type(section.__name__, (), {"__annotations__": declared, "__module__": section.__module__}))
+    kinds = typing.get_type_hints(type("Declared", (), {"__annotations__": declared, "__module__": section.__module__}))
     theirs = {item.name: item for item in dataclasses.fields(worker)}
     types = typing.get_type_hints(worker)
     where = f"{section.__name__} (from {worker.__name__})"
@@ -163,7 +163,7 @@ def worker_defaults(section: type, worker: type) -> dict[str, Any]:
             default = item.default_factory()
         if name in section.__dict__:
             if item is not None and kind == types[name] and section.__dict__[name] == default:
-                raise TypeError(f"{where}: {name} restates {worker.__name__}'s default; write `{name}: {annotation}` only")
+                raise TypeError(f"{where}: {name} restates {worker.__name__}'s default; write `{name}: {annotation}`")
             continue
         if default is dataclasses.MISSING:
             raise TypeError(f"{where}: {name} has no default here nor in {worker.__name__}")

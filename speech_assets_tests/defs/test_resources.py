@@ -37,8 +37,11 @@ def default_drift(file: Path) -> list[str]:
         keys = written.get(section, {})
         drift += [f"[{section}] lacks {key}" for key in values if key not in keys]
         drift += [f"[{section}] {key} is no setting" for key in keys if key not in values]
-        drift += [f"[{section}] {key} = {keys[key]!r}; the default is {value!r}"
-                  for key, value in values.items() if key in keys and not _same(keys[key], value)]  # fmt: skip
+        drift += [
+            f"[{section}] {key} = {keys[key]!r}; the default is {value!r}"
+            for key, value in values.items()
+            if key in keys and not _same(keys[key], value)
+        ]
     return drift
 
 
@@ -56,7 +59,8 @@ def _same(written: object, default: object) -> bool:
         ("refit_growth = 0.2", "refit_growth = 0.25", "[kmeans] refit_growth = 0.25; the default is 0.2"),
         ("seed = 0\nrefit", "seed = 0.0\nrefit", "[kmeans] seed = 0.0; the default is 0"),
         ('node_hosts = []', 'node_hosts = ["a"]', "[training] node_hosts = ['a']; the default is []"),
-        ("noise_snr_db = [5.0, 20.0]", "noise_snr_db = [5.0, 20]", "[training] noise_snr_db = [5.0, 20]; the default is [5.0, 20.0]"),
+        ("noise_snr_db = [5.0, 20.0]", "noise_snr_db = [5.0, 20]",
+         "[training] noise_snr_db = [5.0, 20]; the default is [5.0, 20.0]"),
         ("specaugment = false", "specaugment = true", "[training] specaugment = True; the default is False"),
         ('strategy = "fedadam"', 'strategy = "fedavg"', "[federated] strategy = 'fedavg'; the default is 'fedadam'"),
         ("dp_delta = 1e-5", "dp_delta = 1e-6", "[federated] dp_delta = 1e-06; the default is 1e-05"),
@@ -103,7 +107,7 @@ def test_a_section_takes_its_workers_defaults_where_it_names_them() -> None:
 @pytest.mark.parametrize(
     ("declare", "error"),
     [
-        ({"steps": ("int", 300)}, "steps restates _Worker's default; write `steps: int` only"),
+        ({"steps": ("int", 300)}, "steps restates _Worker's default; write `steps: int`"),
         ({"bands": ("list[float]", [5.0, 20.0])}, "bands restates _Worker's default"),
         ({"steps": ("float", None)}, "steps is <class 'int'> in _Worker, not float"),
         ({"threads": ("int", None)}, "threads is int | None in _Worker, not int"),
