@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -17,7 +19,7 @@ from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.features.vad import VadConfig
-from speech_assets.train.config import DistillConfig, TrainConfig
+from speech_assets.train.config import DistillConfig, RunConfig, TrainConfig
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -124,6 +126,53 @@ SETTINGS_ENV = "SPEECH_ASSETS_SETTINGS"
 SETTINGS_FILE = "pipeline.toml"
 
 
+class WorkerSettings(dg.Config):
+    """A settings section filled into a worker's config dataclass (``class S(WorkerSettings,
+    worker=TrainConfig)``; the run copies same-named fields with ``from_fields``).
+
+    A field named like one of the worker's is written ``name: type`` only: its default is the
+    worker's, stated once there. The section is checked when it is defined: such a field must have
+    the worker's type, a field with a value of its own must differ from the worker's default (0 =
+    automatic where the worker says ``None``), and a field without a value must be the worker's.
+    """
+
+    def __init_subclass__(cls, worker: type | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if worker is not None:
+            for name, default in worker_defaults(cls, worker).items():
+                setattr(cls, name, default)  # before pydantic collects the fields: a plain default
+
+
+def worker_defaults(section: type, worker: type) -> dict[str, Any]:
+    """``{field: default}`` of ``worker`` (a dataclass) for the fields ``section`` declares
+    without a value; raises TypeError for a declaration that restates or contradicts ``worker``."""
+    declared = section.__dict__.get("__annotations__", {})
+    # this section's own annotations, resolved in its module (the class itself is not built yet)
+    kinds = typing.get_type_hints(type("Declared", (), {"__annotations__": declared, "__module__": section.__module__}))
+    theirs = {item.name: item for item in dataclasses.fields(worker)}
+    types = typing.get_type_hints(worker)
+    where = f"{section.__name__} (from {worker.__name__})"
+    defaults = {}
+    for name, annotation in declared.items():
+        kind = kinds[name]
+        if typing.get_origin(kind) is ClassVar:
+            continue
+        item = theirs.get(name)
+        default = dataclasses.MISSING if item is None else item.default
+        if item is not None and item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        if name in section.__dict__:
+            if item is not None and kind == types[name] and section.__dict__[name] == default:
+                raise TypeError(f"{where}: {name} restates {worker.__name__}'s default; write `{name}: {annotation}`")
+            continue
+        if default is dataclasses.MISSING:
+            raise TypeError(f"{where}: {name} has no default here nor in {worker.__name__}")
+        if kind != types[name]:
+            raise TypeError(f"{where}: {name} is {types[name]} in {worker.__name__}, not {annotation}")
+        defaults[name] = default
+    return defaults
+
+
 class ManifestSettings(dg.Config):
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
@@ -143,11 +192,11 @@ class FeatureSettings(dg.Config):
     speed_perturb: list[float] = []
 
 
-class ClientSettings(dg.Config):
+class ClientSettings(WorkerSettings, worker=RunConfig):
     num_clients: int = 4
     # the share of speakers held out of everything a model trains on (CMVN, k-means, every
     # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
-    heldout_fraction: float = TrainConfig.heldout_fraction
+    heldout_fraction: float
 
 
 class KMeansSettings(dg.Config):
@@ -162,20 +211,20 @@ class KMeansSettings(dg.Config):
 NOISE_SOURCES = ("", "coloured", "babble", "folder")
 
 
-class TrainingSettings(dg.Config):
+class TrainingSettings(WorkerSettings, worker=TrainConfig):
     """The trainer's settings (its config, TrainConfig, is filled from them by field name and
     holds the defaults they share) and how its torchrun job is launched."""
 
-    preset: str = TrainConfig.preset
-    max_steps: int = TrainConfig.max_steps
+    preset: str
+    max_steps: int
     batch_seconds: float = 0.0  # per device; 0 = chosen by the auto-configuration
-    target_batch_seconds: float = TrainConfig.target_batch_seconds  # effective batch, reached with gradient accumulation
-    lr: float = TrainConfig.lr
-    warmup_steps: int = TrainConfig.warmup_steps
-    seed: int = TrainConfig.seed
-    checkpoint_every: int = TrainConfig.checkpoint_every
-    log_every: int = TrainConfig.log_every
-    precision: str = TrainConfig.precision
+    target_batch_seconds: float  # effective batch, reached with gradient accumulation
+    lr: float
+    warmup_steps: int
+    seed: int
+    checkpoint_every: int
+    log_every: int
+    precision: str
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
     rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
@@ -184,18 +233,18 @@ class TrainingSettings(dg.Config):
     node_command: str = "ssh {host} 'cd /srv/speech_assets && {command}'"
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
-    max_restarts: int = TrainConfig.max_restarts
-    normalisation: str = TrainConfig.normalisation  # "utterance" or "global" (the training speakers' CMVN)
-    max_frames: int = TrainConfig.max_frames
-    mask_prob: float = TrainConfig.mask_prob  # probability that a 50 Hz frame starts a masked span
-    mask_length: int = TrainConfig.mask_length  # span length in 50 Hz frames
-    unmasked_weight: float = TrainConfig.unmasked_weight  # weight of the loss on unmasked frames (masked: 1)
+    max_restarts: int
+    normalisation: str  # "utterance" or "global" (the training speakers' CMVN)
+    max_frames: int
+    mask_prob: float  # probability that a 50 Hz frame starts a masked span
+    mask_length: int  # span length in 50 Hz frames
+    unmasked_weight: float  # weight of the loss on unmasked frames (masked: 1)
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
-    noise: str = ""  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
+    noise: str  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
     noise_dir: str = ""  # a folder of noise audio (MUSAN's noise/); settings file only
-    noise_prob: float = TrainConfig.noise_prob
-    noise_snr_db: list[float] = [5.0, 20.0]
-    specaugment: bool = TrainConfig.specaugment
+    noise_prob: float
+    noise_snr_db: list[float]
+    specaugment: bool
     # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0
@@ -237,48 +286,48 @@ class TrainingSettings(dg.Config):
         return self
 
 
-class FederatedSettings(dg.Config):
+class FederatedSettings(WorkerSettings, worker=FederatedConfig):
     """Federated pretraining (`federated_checkpoint`): Flower rounds of local training on each
     client and server-side aggregation of the shared encoder (see speech_assets/federated/). The
     server's config, FederatedConfig, is filled from these by field name and holds their defaults."""
 
     engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
-    rounds: int = FederatedConfig.rounds
-    local_steps: int = FederatedConfig.local_steps  # optimizer steps per client per round
-    strategy: str = FederatedConfig.strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
-    fraction_train: float = FederatedConfig.fraction_train  # seeded sample of the clients each round
-    evaluate_every: int = FederatedConfig.evaluate_every  # held-out evaluation every k rounds and after the last
-    proximal_mu: float = FederatedConfig.proximal_mu  # fedprox's proximal term, on the clients
-    dp_noise_multiplier: float = FederatedConfig.dp_noise_multiplier  # > 0: differential privacy
-    dp_clipping_norm: float = FederatedConfig.dp_clipping_norm
-    dp_delta: float = FederatedConfig.dp_delta
-    dp_share_client_metrics: bool = FederatedConfig.dp_share_client_metrics  # under DP: clients send their training metrics
-    secure_aggregation: bool = FederatedConfig.secure_aggregation  # the server sees only the sum of updates
-    secagg_clipping_range: float = FederatedConfig.secagg_clipping_range
-    secagg_threshold: int = FederatedConfig.secagg_threshold  # 0 = floor(2k/3) + 1 of the k shares
-    secagg_num_shares: int = FederatedConfig.secagg_num_shares  # 0 = every sampled client
-    eta: float = FederatedConfig.eta  # FedAdam server learning rate
-    beta_1: float = FederatedConfig.beta_1
-    beta_2: float = FederatedConfig.beta_2
-    tau: float = FederatedConfig.tau
-    min_train_nodes: int = FederatedConfig.min_train_nodes  # clients that must reply for a round to count; 0 = all
-    preset: str = FederatedConfig.preset
-    client_lr: float = FederatedConfig.client_lr  # sent to the clients with every round
-    client_lr_schedule: str = FederatedConfig.client_lr_schedule  # linear (decays to 0 over all rounds) or constant
-    batch_seconds: float = FederatedConfig.batch_seconds  # padded audio per local step
-    seed: int = FederatedConfig.seed
-    max_frames: int = FederatedConfig.max_frames
-    mask_prob: float = FederatedConfig.mask_prob
-    mask_length: int = FederatedConfig.mask_length
-    unmasked_weight: float = FederatedConfig.unmasked_weight
-    precision: str = FederatedConfig.precision
+    rounds: int
+    local_steps: int  # optimizer steps per client per round
+    strategy: str  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
+    fraction_train: float  # seeded sample of the clients each round
+    evaluate_every: int  # held-out evaluation every k rounds and after the last
+    proximal_mu: float  # fedprox's proximal term, on the clients
+    dp_noise_multiplier: float  # > 0: differential privacy
+    dp_clipping_norm: float
+    dp_delta: float
+    dp_share_client_metrics: bool  # under DP: clients send their training metrics
+    secure_aggregation: bool  # the server sees only the sum of updates
+    secagg_clipping_range: float
+    secagg_threshold: int  # 0 = floor(2k/3) + 1 of the k shares
+    secagg_num_shares: int  # 0 = every sampled client
+    eta: float  # FedAdam server learning rate
+    beta_1: float
+    beta_2: float
+    tau: float
+    min_train_nodes: int  # clients that must reply for a round to count; 0 = all
+    preset: str
+    client_lr: float  # sent to the clients with every round
+    client_lr_schedule: str  # linear (decays to 0 over all rounds) or constant
+    batch_seconds: float  # padded audio per local step
+    seed: int
+    max_frames: int
+    mask_prob: float
+    mask_length: int
+    unmasked_weight: float
+    precision: str
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
     superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
     threads_per_client: int = 0  # torch threads per client; 0 = 1 (simulation) or cores / clients (deployment)
     device: str = "auto"  # local SuperNodes: auto, cpu or cuda
-    round_timeout_s: float = FederatedConfig.round_timeout_s  # a client silent this long is counted missing for the round
-    connect_timeout_s: float = FederatedConfig.connect_timeout_s  # how long a round waits for its clients (training and evaluation)
-    max_update_norm: float = FederatedConfig.max_update_norm  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
+    round_timeout_s: float  # a client silent this long is counted missing for the round
+    connect_timeout_s: float  # how long a round waits for its clients (training and evaluation)
+    max_update_norm: float  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
     # local SuperNodes keep their heads and CMVN under <this>/<client>; "" = <data>/federated_clients
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
@@ -324,7 +373,7 @@ class ExportSettings(dg.Config):
     parity_utterances: int = 8  # real shard utterances the parity check runs on
 
 
-class DistillSettings(dg.Config):
+class DistillSettings(WorkerSettings, worker=DistillConfig):
     """The distilled student (`distilled_checkpoint`): 0 for dim/layers/heads/ffn_dim means half
     the teacher's (384 wide, 6 layers, 6 heads, 1536 for a `base` teacher)."""
 
@@ -332,14 +381,14 @@ class DistillSettings(dg.Config):
     layers: int = 0
     heads: int = 0
     ffn_dim: int = 0
-    teacher_layers: list[int] = []  # 1-based teacher layers to predict; empty = three evenly spaced, ending at the last
-    cosine_weight: float = DistillConfig.cosine_weight
-    max_steps: int = DistillConfig.max_steps
-    batch_seconds: float = DistillConfig.batch_seconds
-    lr: float = DistillConfig.lr
-    warmup_steps: int = DistillConfig.warmup_steps
-    seed: int = DistillConfig.seed
-    max_frames: int = DistillConfig.max_frames
+    teacher_layers: list[int]  # 1-based teacher layers to predict; empty = three evenly spaced, ending at the last
+    cosine_weight: float
+    max_steps: int
+    batch_seconds: float
+    lr: float
+    warmup_steps: int
+    seed: int
+    max_frames: int
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pydantic
@@ -12,6 +14,7 @@ from speech_assets.defs.resources import (
     SETTINGS_ENV,
     KMeansSettings,
     PipelineSettings,
+    WorkerSettings,
     effective,
     overrides_of,
 )
@@ -20,11 +23,105 @@ from speech_assets_tests.conftest import REPO
 
 def test_the_committed_file_states_every_default() -> None:
     """pipeline.toml names every knob of every section, so users see what they can set, and
-    nothing else (a key the settings do not know would be refused at load time anyway)."""
+    nothing else (a key the settings do not know would be refused at load time anyway), each with
+    its default: the value and its TOML type (``1`` is not ``1.0``) that the definitions hold."""
     PipelineSettings.load(REPO / "pipeline.toml")
-    written = tomllib.loads((REPO / "pipeline.toml").read_text())
+    assert default_drift(REPO / "pipeline.toml") == []
+
+
+def default_drift(file: Path) -> list[str]:
+    """Where ``file`` differs from the defaults of :class:`PipelineSettings`, a line each."""
+    written = tomllib.loads(file.read_text())
+    drift = []
     for section, values in PipelineSettings().model_dump(exclude={"source"}).items():
-        assert set(written.get(section, {})) == set(values), f"[{section}] of pipeline.toml differs from its settings"
+        keys = written.get(section, {})
+        drift += [f"[{section}] lacks {key}" for key in values if key not in keys]
+        drift += [f"[{section}] {key} is no setting" for key in keys if key not in values]
+        drift += [
+            f"[{section}] {key} = {keys[key]!r}; the default is {value!r}"
+            for key, value in values.items()
+            if key in keys and not _same(keys[key], value)
+        ]
+    return drift
+
+
+def _same(written: object, default: object) -> bool:
+    """Equal values of one type, element by element in lists (pydantic would turn 3 into 3.0)."""
+    if isinstance(default, list):
+        return isinstance(written, list) and len(written) == len(default) and all(map(_same, written, default))
+    return type(written) is type(default) and written == default
+
+
+@pytest.mark.parametrize(
+    ("default", "written", "drift"),
+    [
+        ("k = 100", "k = 101", "[kmeans] k = 101; the default is 100"),
+        ("refit_growth = 0.2", "refit_growth = 0.25", "[kmeans] refit_growth = 0.25; the default is 0.2"),
+        ("seed = 0\nrefit", "seed = 0.0\nrefit", "[kmeans] seed = 0.0; the default is 0"),
+        ('node_hosts = []', 'node_hosts = ["a"]', "[training] node_hosts = ['a']; the default is []"),
+        ("noise_snr_db = [5.0, 20.0]", "noise_snr_db = [5.0, 20]",
+         "[training] noise_snr_db = [5.0, 20]; the default is [5.0, 20.0]"),
+        ("specaugment = false", "specaugment = true", "[training] specaugment = True; the default is False"),
+        ('strategy = "fedadam"', 'strategy = "fedavg"', "[federated] strategy = 'fedavg'; the default is 'fedadam'"),
+        ("dp_delta = 1e-5", "dp_delta = 1e-6", "[federated] dp_delta = 1e-06; the default is 1e-05"),
+        ("max_steps = 200\n", "", "[distill] lacks max_steps"),
+    ],
+)
+def test_a_committed_default_that_drifts_is_found(default: str, written: str, drift: str, tmp_path: Path) -> None:
+    """One value written differently in the file (or with another type), as a default that moved
+    in the code but not in the file would be, is named."""
+    text = (REPO / "pipeline.toml").read_text()
+    assert text.count(default) == 1
+    (tmp_path / "pipeline.toml").write_text(text.replace(default, written))
+    assert default_drift(tmp_path / "pipeline.toml") == [drift]
+
+
+@dataclass
+class _Worker:
+    """A worker's config: the one place its defaults are written."""
+
+    inputs: str
+    steps: int = 300
+    lr: float = 2e-3
+    bands: list[float] = field(default_factory=lambda: [5.0, 20.0])
+    threads: int | None = None
+
+
+def test_a_section_takes_its_workers_defaults_where_it_names_them() -> None:
+    """``name: type`` in a section is the worker's default in the settings, in run config's
+    overrides and in the config schema Dagster shows in the Launchpad."""
+
+    class Section(WorkerSettings, worker=_Worker):
+        steps: int
+        bands: list[float]
+        threads: int = 0  # its own meaning: 0 = automatic, where the worker says None
+        nodes: int = 1  # the section's own
+
+    assert Section().model_dump() == {"steps": 300, "bands": [5.0, 20.0], "threads": 0, "nodes": 1}
+    assert Section().bands is not Section().bands  # each its own list
+    assert effective(Section(), overrides_of(Section)(steps=7)).steps == 7
+    schema = Section.to_config_schema().config_type.fields
+    assert {name: schema[name].default_value for name in ("steps", "bands")} == {"steps": 300, "bands": [5.0, 20.0]}
+
+
+@pytest.mark.parametrize(
+    ("declare", "error"),
+    [
+        ({"steps": ("int", 300)}, "steps restates _Worker's default; write `steps: int`"),
+        ({"bands": ("list[float]", [5.0, 20.0])}, "bands restates _Worker's default"),
+        ({"steps": ("float", None)}, "steps is <class 'int'> in _Worker, not float"),
+        ({"threads": ("int", None)}, "threads is int | None in _Worker, not int"),
+        ({"stesp": ("int", None)}, "stesp has no default here nor in _Worker"),
+        ({"inputs": ("str", None)}, "inputs has no default here nor in _Worker"),
+    ],
+)
+def test_a_section_that_restates_or_contradicts_its_worker_is_refused(declare: dict, error: str) -> None:
+    """A default written twice, a type that differs from the worker's, or a name the worker does
+    not have (a typo) stops the section's definition, so the code location does not load."""
+    namespace = {"__annotations__": {name: kind for name, (kind, _) in declare.items()}, "__module__": __name__}
+    namespace.update({name: value for name, (_, value) in declare.items() if value is not None})
+    with pytest.raises(TypeError, match=re.escape(error)):
+        type("Section", (WorkerSettings,), namespace, worker=_Worker)
 
 
 def test_environment_variable_selects_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,46 @@ def test_every_run_config_key_is_declared_by_the_flower_app() -> None:
         "serverapp": "speech_assets.federated.server_app:app",
         "clientapp": "speech_assets.federated.client_app:app",
     }
+
+
+def test_the_flower_app_states_every_default() -> None:
+    """The app's run config (what `flwr run <app>` runs with, unless --run-config overrides it)
+    holds every default of FederatedConfig, in its run-config form and TOML type; the fields
+    without a default (where the run writes, its name, its clients) are the app's examples."""
+    assert app_default_drift((APP_DIR / "pyproject.toml").read_text()) == []
+
+
+def app_default_drift(text: str) -> list[str]:
+    """Where the app description ``text`` differs from FederatedConfig's defaults, a line each."""
+    declared = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
+    required = [f.name for f in fields(FederatedConfig) if f.default is MISSING and f.default_factory is MISSING]
+    defaults = FederatedConfig(**{name: declared.get(name.replace("_", "-")) for name in required}).to_run_config()
+    drift = [f"lacks {key}" for key in defaults if key not in declared]
+    drift += [f"{key} is no FederatedConfig field" for key in declared if key not in defaults]
+    for key, value in defaults.items():
+        if key in declared and not (type(declared[key]) is type(value) and declared[key] == value):
+            drift.append(f"{key} = {declared[key]!r}; the default is {value!r}")
+    return drift
+
+
+@pytest.mark.parametrize(
+    ("default", "written", "drift"),
+    [
+        ("rounds = 3", "rounds = 4", "rounds = 4; the default is 3"),
+        ("rounds = 3", "rounds = 3.0", "rounds = 3.0; the default is 3"),
+        ('client-lr-schedule = "constant"', 'client-lr-schedule = "linear"',
+         "client-lr-schedule = 'linear'; the default is 'constant'"),
+        ("secure-aggregation = false", "secure-aggregation = true", "secure-aggregation = True; the default is False"),
+        ("weight-decay = 0.01", "weight-decay = 0.02", "weight-decay = 0.02; the default is 0.01"),
+        ('heldout-speakers = ""', 'heldout-speakers = "s1"', "heldout-speakers = 's1'; the default is ''"),
+        ('client-weights = "{}"', 'client-weights = "{ }"', "client-weights = '{ }'; the default is '{}'"),
+        ("keep-rounds = 2\n", "", "lacks keep-rounds"),
+    ],
+)
+def test_an_app_default_that_drifts_is_found(default: str, written: str, drift: str) -> None:
+    text = (APP_DIR / "pyproject.toml").read_text()
+    assert text.count(default) == 1
+    assert app_default_drift(text.replace(default, written)) == [drift]
 
 
 def test_flower_validates_the_app_description() -> None:
