@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.clients import ClientAssignment, read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
+from speech_assets.train.tracking import log_probe_on_encoder_runs
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
 
 PROBE_CODE_VERSION = "probe-v3"  # v3: lr and stopping step chosen per model on a development split; v2: the recorded split, per-model normalisation, several seeds
@@ -137,6 +138,7 @@ def downstream_probe(
     lines = standing(results)
     for line in lines:
         context.log.info(line)
+    log_probe_on_encoder_runs(paths.mlflow_tracking_uri, paths.root, {n: e.checkpoint for n, e in loaded.items()}, summarise(results), context.log.warning)
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""
         for asset in (
