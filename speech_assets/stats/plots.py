@@ -302,7 +302,7 @@ def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]
     xs = [x for points in shown.values() for x, _ in points]
     ys = [y for points in shown.values() for _, y in points]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    width, height, top = 200, 60, 12
+    width, height, top = 200, 60, 24
 
     def place(x: float, y: float) -> str:
         px = 0 if x1 == x0 else (x - x0) / (x1 - x0) * width
@@ -319,7 +319,7 @@ def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]
             dash = " stroke-dasharray='4'" if baseline else ""
             parts.append(f"<polyline points='{','.join(place(x, y) for x, y in kept)}' fill='none' stroke='{colour}'{dash}/>")
             legend.append(f"<tspan fill='{colour}'>{name} {points[-1][1]:.3g}</tspan>")
-        parts.append(f"<text y='9' font-size='8'>{title}: {' '.join(legend)}</text>")
+        parts.append(f"<text y='9' font-size='8'>{title}</text><text y='19' font-size='8'>{' '.join(legend)}</text>")
         parts.append(f"<text x='{width + 2}' y='{top + 6}' font-size='7'>{y1:.3g}</text>")
         parts.append(f"<text x='{width + 2}' y='{top + height}' font-size='7'>{y0:.3g}</text>")
         parts.append(f"<text y='{top + height + 10}' font-size='7'>{x0:g}</text>")
