@@ -58,6 +58,8 @@ ui: install
 # The MLflow UI over the local store (runs, metrics, checkpoints), on loopback only.
 MLFLOW_PORT ?= 5000
 mlflow: install
+	@MLFLOW_PORT=$(MLFLOW_PORT) $(BIN)/python -c "import sys; from speech_assets.train.tracking import runs_page; \
+		print('MLflow runs (every model, tagged by mode):', runs_page(sys.argv[1]))" sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db \
 		--default-artifact-root $(SPEECH_ASSETS_DATA_DIR)/mlartifacts --host 127.0.0.1 --workers 1 --port $(MLFLOW_PORT)
 

@@ -9,16 +9,20 @@ torch, flwr and mlflow are imported inside the asset, never when the code locati
 """
 
 import json
+from pathlib import Path
 
 import dagster as dg
 
 from speech_assets.corpus.clients import heldout_of, read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions, record_provenance
+from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
+from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
 from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
 from speech_assets.locations import redact_uri
+from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
@@ -56,7 +60,7 @@ def federated_checkpoint(
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
     from speech_assets.federated.processes import NeedsLinux
-    from speech_assets.federated.report import markdown_participation, markdown_rounds
+    from speech_assets.defs import readable
     from speech_assets.stats.plots import markdown_image, round_curve
     from speech_assets.federated.tracking import FederatedTracker
 
@@ -74,7 +78,8 @@ def federated_checkpoint(
     )  # fmt: skip
     commit = git_commit()
     tracker = FederatedTracker(
-        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=commit
+        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=commit,
+        dagster_run_id=context.run.run_id,
     )
 
     def on_round(record: dict) -> None:
@@ -121,39 +126,77 @@ def federated_checkpoint(
         dagster_run_id=context.run.run_id, preset=fed.preset,
     )  # fmt: skip
     lines = result["round_summaries"]
+    unscored = sorted(client for client, scores in result["heldout_per_client"].items() if not scores["masked_frames"])
+    if unscored:
+        context.log.warning(
+            f"{', '.join(unscored)} hold no held-out speaker: their held-out results are null (the other clients' "
+            "frames make the run's held-out accuracy)"
+        )
     metadata = {
         "rounds": result["rounds"],
         "strategy": result["strategy"],
         "local_steps": result["local_steps"],
         "clients": len(result["clients"]),
-        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
-        "heldout_majority_accuracy": result["heldout_majority_accuracy"],
+        "heldout_masked_accuracy": readable.rounded(result["heldout_masked_accuracy"]),
+        "heldout_majority_accuracy": readable.rounded(result["heldout_majority_accuracy"]),
         # the measure to read: masked frames whose label no visible frame gives away
-        "heldout_leak_free_masked_accuracy": result["heldout_leak_free_masked_accuracy"],
-        "heldout_leak_free_majority_accuracy": result["heldout_leak_free_majority_accuracy"],
-        "final_train_loss": result["final_train_loss"],
-        "mean_round_seconds": result["mean_round_seconds"],
-        "bytes_up_per_round": result["bytes_up_per_round"],
-        "bytes_down_per_round": result["bytes_down_per_round"],
+        "heldout_leak_free_masked_accuracy": readable.rounded(result["heldout_leak_free_masked_accuracy"]),
+        "heldout_leak_free_majority_accuracy": readable.rounded(result["heldout_leak_free_majority_accuracy"]),
+        "final_train_loss": readable.rounded(result["final_train_loss"], 4),
+        "mean_round_s": readable.rounded(result["mean_round_seconds"], 1),
+        "mb_up_per_round": readable.megabytes(result["bytes_up_per_round"]),
+        "mb_down_per_round": readable.megabytes(result["bytes_down_per_round"]),
+        "checkpoint_mb": readable.megabytes(Path(result["checkpoint"]).stat().st_size),
         "fraction_train": result["fraction_train"],
-        "mean_round_overhead": result["mean_overhead"],
+        "mean_round_overhead": readable.rounded(result["mean_overhead"]),
         "secure_aggregation": result["secure_aggregation"],
         "privacy": dg.MetadataValue.json(result["privacy"] or {"differential_privacy": False}),
-        **({"epsilon": result["privacy"]["epsilon"]} if result["privacy"] else {}),
-        "round_curve": dg.MetadataValue.md(markdown_rounds(lines)),
-        "clients_by_round": dg.MetadataValue.md(markdown_participation(result["sampled_by_round"], lines)),
+        **({"epsilon": readable.rounded(result["privacy"]["epsilon"])} if result["privacy"] else {}),
+        "curve": readable.inline_chart("held-out accuracy by round", round_series(lines)),
+        "per_round": readable.table(round_rows(lines, result["sampled_by_round"]), ROUND_COLUMNS),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
-        "heldout_per_client": dg.MetadataValue.json(result["heldout_per_client"]),
-        "missing_by_round": dg.MetadataValue.json(result["missing_by_round"]),
+        "heldout_per_client": readable.table(
+            [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())], HELDOUT_CLIENT_COLUMNS
+        ),
         "resumed_from_round": result["resumed_from_round"] or 0,
         "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
         "checkpoint_sha256": sha,
         "rounds_table": dg.MetadataValue.path(str(run_dir / "rounds.parquet")),
         "run_dir": dg.MetadataValue.path(str(run_dir)),
-        "mlflow_run_id": tracker.run_id,
+        **readable.mlflow_links(tracker.run_id, tracker.url, None if tracker.served else ui_command(paths.mlflow_tracking_uri)),
         "input_versions": dg.MetadataValue.json(data_versions),
     }
     return dg.MaterializeResult(data_version=dg.DataVersion(sha), metadata=metadata)
+
+
+ROUND_COLUMNS = {
+    "round": "round", "clients": "clients that trained", "sampled": "clients asked to train", "missing": "asked but did not reply",
+    "train_loss": "local train loss, weighted as aggregated", "heldout_masked_accuracy": "held-out masked accuracy (evaluated rounds)",
+    "majority_accuracy": "majority-class rate, same frames", "heldout_leak_free_masked_accuracy": "on leak-free frames",
+    "heldout_leak_free_majority_accuracy": "majority-class rate on leak-free frames", "mb_up": "MB clients sent",
+    "mb_down": "MB clients received", "round_s": "wall time of the round (s)",
+}  # fmt: skip
+
+
+def round_rows(lines: list[dict], sampled_by_round: dict[str, list[str]]) -> list[dict]:
+    """One table row per round (summarize_rounds' lines): sizes in MB, times in s."""
+    return [
+        {**line, "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])), "mb_up": megabytes(line["bytes_up"]),
+         "mb_down": megabytes(line["bytes_down"]), "round_s": round(line["round_seconds"], 1)}
+        for line in lines
+    ]  # fmt: skip
+
+
+def round_series(lines: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Held-out accuracy and the majority-class rate by round (leak-free frames when measured)."""
+    leak_free = any(line["heldout_leak_free_masked_accuracy"] is not None for line in lines)
+    accuracy, majority = (("heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy") if leak_free
+                          else ("heldout_masked_accuracy", "majority_accuracy"))  # fmt: skip
+    scored = [line for line in lines if line[accuracy] is not None and line[majority] is not None]
+    if not scored:
+        return {"train loss": [(line["round"], line["train_loss"]) for line in lines]}
+    return {"held-out": [(line["round"], line[accuracy]) for line in scored],
+            "majority class": [(line["round"], line[majority]) for line in scored]}  # fmt: skip
 
 
 def _verify_checkpoint(path: str, expected: str) -> str:

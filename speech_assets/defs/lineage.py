@@ -225,7 +225,7 @@ def partition_observation(asset: str, partition: str, data_version: str, metadat
     return dg.AssetObservation(
         asset_key=asset,
         partition=partition,
-        metadata=metadata,
+        metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
         tags={DATA_VERSION_TAG: data_version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
     )
 
@@ -262,7 +262,7 @@ def partition_materialization(
     return dg.AssetMaterialization(
         asset_key=context.asset_key,
         partition=partition,
-        metadata=metadata,
+        metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
         tags={
             **provenance,
             CODE_VERSION_TAG: code_version,
@@ -278,7 +278,16 @@ def step_events(context: dg.AssetExecutionContext, materializations: list[dg.Ass
     A step that yields no output makes Dagster skip every later step that waits on it (its asset
     checks, child assets in the same run), so a bare ``MaterializeResult`` comes first. Dagster
     turns it into one materialization per partition with one shared version; the per-partition
-    ones, yielded after it, are the latest and carry each partition's content hash.
+    ones, yielded after it, are the latest and carry each partition's content hash. The first
+    says so in its metadata (:data:`FIRST_OF_TWO`), where the UI lists the two.
     """
-    yield dg.MaterializeResult()
+    yield dg.MaterializeResult(metadata={"event": dg.MetadataValue.text(FIRST_OF_TWO)})
     yield from materializations
+
+
+FIRST_OF_TWO = (
+    "1 of 2 for this partition: the step's completion, recorded by Dagster with a version shared by the run's "
+    "partitions. The next event (2 of 2) is the partition's own, with its content hash as data version and its "
+    "metadata; it is the latest."
+)
+SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.clients import ClientAssignment, read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
+from speech_assets.train.tracking import log_probe_on_encoder_runs
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
 
 if TYPE_CHECKING:
@@ -150,6 +151,10 @@ def downstream_probe(
     lines = standing(results, options.min_heldout_speakers)
     for line in lines:
         context.log.info(line)
+    log_probe_on_encoder_runs(
+        paths.mlflow_tracking_uri, paths.root, {n: e.checkpoint for n, e in loaded.items()}, summarise(results),
+        context.log.warning,
+    )
     pretrained = next(s for s in board if s.model == "pretrained")
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""

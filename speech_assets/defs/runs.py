@@ -31,9 +31,18 @@ import dagster as dg
 
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
+from speech_assets.utils import sha256_strings
 
-PROCESS_TAG = "speech_assets/process"  # the run worker
-STEP_PROCESS_TAG_PREFIX = "speech_assets/step_process."  # + step key: one tag per slot-taking step
+# Bookkeeping tags sit under Dagster's hidden-tag prefix (dagster._core.storage.tags.HIDDEN_TAG_PREFIX),
+# which the UI leaves out of the Runs list and a run's tags; what people read is shown instead
+# (CORPUS_TAG, SETTINGS_TAG).
+HIDDEN = ".dagster/"
+PROCESS_TAG = HIDDEN + "speech_assets/process"  # the run worker
+STEP_PROCESS_TAG_PREFIX = HIDDEN + "speech_assets/step_process."  # + step key: one tag per slot-taking step
+# written by earlier versions, still read so that their runs are reaped
+LEGACY_PROCESS_TAGS = ("speech_assets/process", "speech_assets/step_process.")
+CORPUS_TAG = "speech_assets/corpus"  # the corpus folder's name
+SETTINGS_TAG = "speech_assets/settings"  # the first 12 hex digits of the settings' sha256
 SILENT_FOR_S = 60.0
 REAP_COMMAND = "speech-assets runs reap"
 log = logging.getLogger(__name__)
@@ -41,8 +50,23 @@ log = logging.getLogger(__name__)
 
 def record_run_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
     """Tag ``run`` with this process as its worker, once per run (a re-executed or resumed run
-    gets its new worker): a run stays alive while its worker lives, whatever its steps do."""
-    instance.add_run_tags(run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode()})
+    gets its new worker): a run stays alive while its worker lives, whatever its steps do. Also
+    tag what it runs on, for people: the corpus and the settings' hash."""
+    instance.add_run_tags(run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode(), **readable_tags()})
+
+
+def readable_tags() -> dict[str, str]:
+    """The corpus (its folder's name) and the hash of the pipeline settings this process reads."""
+    from speech_assets import locations
+    from speech_assets.defs.resources import PipelineSettings
+
+    try:
+        settings = PipelineSettings.load()
+    except (OSError, ValueError) as error:  # the run fails on it later, with the reason
+        log.warning("no settings tag: %s", error)
+        return {CORPUS_TAG: locations.corpus_location().name}
+    digest = sha256_strings([settings.model_dump_json(exclude={"source"})])[:12]
+    return {CORPUS_TAG: locations.corpus_location().name, SETTINGS_TAG: digest}
 
 
 def record_run_process(context: dg.AssetExecutionContext) -> None:
@@ -62,7 +86,7 @@ def recorded_processes(run: dg.DagsterRun) -> list[ProcessIdentity]:
     return [
         ProcessIdentity.decode(value)
         for key, value in sorted(run.tags.items())
-        if key == PROCESS_TAG or key.startswith(STEP_PROCESS_TAG_PREFIX)
+        if key in (PROCESS_TAG, LEGACY_PROCESS_TAGS[0]) or key.startswith((STEP_PROCESS_TAG_PREFIX, LEGACY_PROCESS_TAGS[1]))
     ]
 
 
@@ -115,7 +139,7 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
 # and torch again (seconds on 2 cores, more than the small runs fresh data needs take to do their
 # work; docs/BENCHMARKS.md, issue 24). Runs with a step in a pool (training: `training`) still get
 # their own step processes, whoever launched them.
-IN_PROCESS_TAG = "speech_assets/in_process"
+IN_PROCESS_TAG = HIDDEN + "speech_assets/in_process"
 
 
 def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:

@@ -7,6 +7,7 @@ the batch (:func:`speech_assets.train.launch.retrying_oom`). torch is imported w
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -51,6 +52,7 @@ def run_torchrun(
     from speech_assets.train import launch  # torch: lazily, the code location stays light
 
     nnodes = fixed_node_count(nodes) if nodes else 1
+    config = dataclasses.replace(config, dagster_run_id=context.run.run_id)  # the MLflow run's link back
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
 
@@ -87,19 +89,67 @@ def run_torchrun(
             mlflow_run_id=finished.get("mlflow_run_id"), dagster_run_id=context.run.run_id,
         )  # fmt: skip
     return dg.MaterializeResult(data_version=result.data_version, metadata={
-        **(result.metadata or {}), **training_curve_metadata(run_dir), "run_dir": dg.MetadataValue.path(str(run_dir)),
+        **(result.metadata or {}), **result_metadata(run_dir), **training_curve_metadata(run_dir),
+        "run_dir": dg.MetadataValue.path(str(run_dir)),
         "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)), "oom_retries": retries,
     })  # fmt: skip
 
 
+HELDOUT_CLIENT_COLUMNS = {
+    "client": "the client whose head predicted", "masked_frames": "held-out masked frames (0: no held-out speaker)",
+    "masked_accuracy": "on all masked frames (null without frames)", "majority_accuracy": "majority-class rate, same frames",
+    "leak_free_frames": "masked frames no visible frame gives away", "leak_free_masked_accuracy": "on leak-free frames",
+    "leak_free_majority_accuracy": "majority-class rate on leak-free frames",
+}  # fmt: skip
+
+
+def result_metadata(run_dir: Path) -> dict[str, object]:
+    """From rank 0's ``result.json``: the checkpoint's size (MB), the hours of audio trained on,
+    the held-out results per client as a table and the MLflow run as a link."""
+    from speech_assets.defs import readable
+
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    metadata: dict[str, object] = {}
+    checkpoint = Path(result.get("checkpoint") or run_dir / "final.pt")
+    if checkpoint.is_file():
+        metadata["checkpoint_mb"] = readable.megabytes(checkpoint.stat().st_size)
+    if result.get("train_audio_seconds") is not None:
+        metadata["train_audio_h"] = round(result["train_audio_seconds"] / 3600, 2)
+    if result.get("heldout_per_client"):
+        rows = [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())]
+        metadata["heldout_per_client"] = readable.table(rows, HELDOUT_CLIENT_COLUMNS)
+    metadata |= readable.mlflow_links(result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui"))
+    return metadata
+
+
 def training_curve_metadata(run_dir) -> dict[str, object]:
+    """The training curve: a chart drawn inline on the asset page (held-out accuracy at each
+    evaluation against the majority-class rate, or the loss before any evaluation) and the full
+    PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return {}
+    from speech_assets.defs import readable
     from speech_assets.stats import plots
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve"))} if rows else {}
+    if not rows:
+        return {}
+    keys = plots.heldout_keys(rows)
+    if keys:
+        held = [r for r in rows if r.get(keys[0]) is not None and r.get(keys[1]) is not None]
+        series = {"held-out": [(r["step"], r[keys[0]]) for r in held], "majority class": [(r["step"], r[keys[1]]) for r in held]}
+        frames = "leak-free" if "leak_free" in keys[0] else "masked"
+        chart = readable.inline_chart(f"held-out accuracy ({frames} frames) by step", series)
+    else:
+        chart = readable.inline_chart("loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]})
+    return {
+        "curve": chart,
+        "training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve")),
+    }
 
 
 def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Failure:

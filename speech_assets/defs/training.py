@@ -118,7 +118,7 @@ def run_inputs(
 ) -> dict[str, object]:
     """What a training run's config says of its inputs and tracking (RunConfig's fields): every
     client's shards and targets (``targets_dir(client)``), CMVN, the pipeline's held-out speakers,
-    lineage and the MLflow run."""
+    lineage and the MLflow run (its name and ``mode`` tag from ``label``: a key of :data:`RUN_MODES`)."""
     from speech_assets.train.config import ClientTargets
 
     return {
@@ -127,5 +127,9 @@ def run_inputs(
         "heldout_speakers": heldout_of(read_clients(paths.clients_file)),
         "clients": {c: ClientTargets(str(targets_dir(c) / "labels.parquet"), json.loads((targets_dir(c) / "quality.json").read_text())["k"]) for c in sorted(clients)},
         "mlflow_tracking_uri": paths.mlflow_tracking_uri, "mlflow_artifact_location": paths.mlflow_artifact_location,
-        "mlflow_run_name": f"{label}-{run_dir.name}",
+        "mlflow_run_name": f"{label}-{run_dir.name}", "mode": RUN_MODES[label],
     }  # fmt: skip
+
+
+# each run label's MLflow ``mode`` tag (speech_assets.train.tracking.MODES)
+RUN_MODES = {"pretrain": "centralised", "pretrain-iter2": "iteration2", "distill": "distilled"}

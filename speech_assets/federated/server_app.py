@@ -93,6 +93,8 @@ EVALUATE_COLUMNS = {"utterances": ("utterances", int), "masked_frames": ("num-ex
                     "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float)}  # fmt: skip
 # accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
 LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
+# the same for a client with no held-out frame at all (no held-out speaker): None, never 0.0
+HELDOUT_COLUMNS = ("heldout_loss", "heldout_masked_accuracy", "majority_accuracy", *LEAK_FREE_COLUMNS)
 
 
 class FederatedRunError(RuntimeError):
@@ -523,6 +525,10 @@ class Server:
         for row in rows:
             if not row["leak_free_frames"]:
                 row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
+            if not row["masked_frames"]:
+                row.update(dict.fromkeys(HELDOUT_COLUMNS))
+        if unscored := [row["client_id"] for row in rows if not row["masked_frames"]]:
+            log.warning("round %d evaluate: %s hold no held-out frames: their held-out results are null", round_number, ", ".join(unscored))
         weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
         self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None

@@ -1,8 +1,9 @@
-"""MLflow for a federated run, in the centralised trainer's ``MlflowTracker`` style: one MLflow
-run per run folder (its id kept in ``<run>/mlflow_run_id``, so a resumed or re-materialized run
-continues the same MLflow run), the config as params, lineage as tags, every round's metrics as
-it completes (step = round; aggregate and per client) and, at the end, the final checkpoint,
-the round tables and the result as artifacts.
+"""MLflow for a federated run, in the centralised trainer's ``MlflowTracker`` style and in its
+experiment (``mode`` tag ``federated``): one MLflow run per run folder (its id kept in
+``<run>/mlflow_run_id``, so a resumed or re-materialized run continues the same MLflow run), the
+config as params, lineage and the Dagster run as tags, every round's metrics as it completes
+(step = round; aggregate and per client; the held-out ones under ``val/``) and, at the end, the
+final checkpoint, the round tables and the result as artifacts.
 
 A round already logged (a resumed run replays the records of earlier attempts) is not logged
 twice: the rounds present in the ``round_seconds`` history are skipped (``train_loss`` is absent
@@ -20,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.federated.config import FederatedConfig, FederatedPaths
-from speech_assets.train.tracking import default_artifact_location, installed_packages, run_url
+from speech_assets.train.tracking import DAGSTER_RUN_TAG, EXPERIMENT, ensure_experiment, installed_packages, is_server, run_url
 from speech_assets.utils import atomic_write_text
-
-EXPERIMENT = "speech_assets_federated"
 
 
 class FederatedTracker:
@@ -38,6 +37,7 @@ class FederatedTracker:
         artifact_location: str | None = None,
         git_sha: str | None = None,
         experiment: str = EXPERIMENT,
+        dagster_run_id: str | None = None,
     ) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.tracking import MlflowClient
@@ -46,25 +46,26 @@ class FederatedTracker:
         self.paths = FederatedPaths(config.run_dir)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.artifact_location, self.git_sha, self.experiment = artifact_location, git_sha, experiment
+        self.dagster_run_id = dagster_run_id
         self.run_id = ""
         self.experiment_id = ""
         self.logged: set[int] = set()
 
     @property
     def url(self) -> str:
+        """The run in the MLflow UI (for a local store, the one ``make mlflow`` serves)."""
         return run_url(self.tracking_uri, self.experiment_id, self.run_id)
+
+    @property
+    def served(self) -> bool:
+        return is_server(self.tracking_uri)
 
     def start(self) -> str:
         """Create the MLflow run (params, tags, environment) or continue the run folder's one."""
         from mlflow.entities import Param
 
         config = self.config
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is None:
-            location = self.artifact_location or default_artifact_location(self.tracking_uri)
-            self.experiment_id = self.client.create_experiment(self.experiment, artifact_location=location)
-        else:
-            self.experiment_id = found.experiment_id
+        self.experiment_id = ensure_experiment(self.client, self.experiment, self.tracking_uri, self.artifact_location)
         id_file = self.paths.root / "mlflow_run_id"
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:
@@ -72,8 +73,12 @@ class FederatedTracker:
             self.logged = {int(m.step) for m in self.client.get_metric_history(previous, "round_seconds")}
             if self.client.get_run(previous).info.status != "FINISHED":
                 self.client.update_run(previous, status="RUNNING")
+            if self.dagster_run_id:  # the Dagster run that continues it
+                self.client.set_tag(previous, DAGSTER_RUN_TAG, self.dagster_run_id)
             return previous
         tags = {"run_dir": str(self.paths.root), "preset": config.preset, "strategy": config.strategy, "mode": "federated"}
+        if self.dagster_run_id:
+            tags[DAGSTER_RUN_TAG] = self.dagster_run_id
         if self.git_sha:
             tags |= {"git_sha": self.git_sha, "mlflow.source.git.commit": self.git_sha}
         tags |= {f"data_version.{name}": version for name, version in config.data_versions.items()}
@@ -89,8 +94,10 @@ class FederatedTracker:
         return self.run_id
 
     def log_round(self, record: Mapping[str, Any]) -> None:
-        """Aggregate metrics (train loss, held-out accuracy beside the majority-class rate, both
-        on all and on leak-free masked frames, bytes, seconds, clients) and per-client ones, at step = round."""
+        """Aggregate metrics (train loss, bytes, seconds, clients; in rounds with an evaluation the
+        held-out accuracy beside the majority-class rate, both on all and on leak-free masked
+        frames, as ``val/...``) and per-client ones, at step = round. A client without held-out
+        frames has no held-out point (never a 0.0)."""
         from mlflow.entities import Metric
 
         from speech_assets.federated.history import summarize_rounds
@@ -101,10 +108,10 @@ class FederatedTracker:
         line = summarize_rounds([record])[0]
         values = {
             "train_loss": line["train_loss"],
-            "heldout_masked_accuracy": line["heldout_masked_accuracy"],
-            "heldout_majority_accuracy": line["majority_accuracy"],
-            "heldout_leak_free_masked_accuracy": line["heldout_leak_free_masked_accuracy"],
-            "heldout_leak_free_majority_accuracy": line["heldout_leak_free_majority_accuracy"],
+            "val/masked_accuracy": line["heldout_masked_accuracy"],
+            "val/majority_accuracy": line["majority_accuracy"],
+            "val/leak_free_masked_accuracy": line["heldout_leak_free_masked_accuracy"],
+            "val/leak_free_majority_accuracy": line["heldout_leak_free_majority_accuracy"],
             "round_seconds": line["round_seconds"],
             "bytes_up": line["bytes_up"],
             "bytes_down": line["bytes_down"],
@@ -118,10 +125,13 @@ class FederatedTracker:
             values[f"{row['client_id']}.train_loss"] = row["train_loss"]
             values[f"{row['client_id']}.masked_accuracy"] = row["masked_accuracy"]
         for row in record["evaluation"]:
-            values[f"{row['client_id']}.heldout_masked_accuracy"] = row["heldout_masked_accuracy"]
-            values[f"{row['client_id']}.majority_accuracy"] = row["majority_accuracy"]
-            values[f"{row['client_id']}.heldout_leak_free_masked_accuracy"] = row.get("heldout_leak_free_masked_accuracy")
-            values[f"{row['client_id']}.leak_free_majority_accuracy"] = row.get("leak_free_majority_accuracy")
+            if not row.get("masked_frames"):
+                continue
+            client = row["client_id"]
+            values[f"val/{client}/masked_accuracy"] = row["heldout_masked_accuracy"]
+            values[f"val/{client}/majority_accuracy"] = row["majority_accuracy"]
+            values[f"val/{client}/leak_free_masked_accuracy"] = row.get("heldout_leak_free_masked_accuracy")
+            values[f"val/{client}/leak_free_majority_accuracy"] = row.get("leak_free_majority_accuracy")
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, step) for k, v in values.items() if v is not None]
         self.client.log_batch(self.run_id, metrics=metrics)
@@ -134,8 +144,6 @@ class FederatedTracker:
         run = self.client.get_run(self.run_id)
         if run.info.status == "FINISHED" and run.data.tags.get("checkpoint_sha256") == result["checkpoint_sha256"]:
             return
-        numeric = {k: float(v) for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.log_metrics({f"final.{k}": v for k, v in numeric.items()}, step=int(result.get("rounds", 0)))
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(result["checkpoint_sha256"]))
         self.client.log_artifact(self.run_id, str(self.paths.final), artifact_path="checkpoint")
         for path in (self.paths.rounds_table, self.paths.evaluation_table, self.paths.run_config):

@@ -142,20 +142,42 @@ def _draw(draw, size: tuple[float, float]) -> bytes:
         plt.close(figure)
 
 
+def heldout_keys(rows: Sequence[Mapping[str, float]]) -> tuple[str, str] | None:
+    """The held-out accuracy and majority-class keys of the trainer's metrics rows (``val/``):
+    on leak-free masked frames (what the ``beats_majority_class`` check compares) when measured,
+    else on all masked frames; None without any held-out evaluation."""
+    for accuracy, majority in (("val/leak_free_masked_accuracy", "val/leak_free_majority_accuracy"),
+                               ("val/masked_accuracy", "val/majority_accuracy")):  # fmt: skip
+        if any(r.get(accuracy) is not None and r.get(majority) is not None for r in rows):
+            return accuracy, majority
+    return None
+
+
 def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
-    """Loss, masked accuracy and learning rate against step (rows of the trainer's metrics.jsonl)."""
-    steps = [r["step"] for r in rows]
+    """Loss; training masked accuracy with the held-out accuracy and the held-out majority-class
+    rate at each evaluation (:func:`heldout_keys`); learning rate; all against step (rows of the
+    trainer's metrics.jsonl)."""
+    keys = heldout_keys(rows)
 
     def draw(figure) -> None:
         for index, (key, label) in enumerate((("loss", "loss"), ("masked_accuracy", "masked accuracy"), ("lr", "learning rate"))):
             axis = figure.add_subplot(1, 3, index + 1)
-            axis.plot(steps, [r.get(key, np.nan) for r in rows], marker=".", linewidth=1)
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            axis.plot([x for x, _ in points], [y for _, y in points], marker=".", linewidth=1, label="training batches")
+            if key == "masked_accuracy" and keys:
+                held = [(r["step"], r[keys[0]], r[keys[1]]) for r in rows if r.get(keys[0]) is not None and r.get(keys[1]) is not None]
+                frames = "leak-free frames" if "leak_free" in keys[0] else "masked frames"
+                axis.plot([h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=f"held-out ({frames})")
+                axis.plot([h[0] for h in held], [h[2] for h in held], marker="_", markersize=10, linestyle="--", linewidth=1,
+                          color="0.35", label="held-out majority class")  # fmt: skip
+                axis.legend(fontsize=SMALL)
             axis.set_title(label, fontsize=TITLE)
             axis.set_xlabel("step", fontsize=LABEL)
             axis.tick_params(labelsize=TICK)
             axis.grid(alpha=0.3)
 
-    return _render(draw, key=_key("training_curve", [[r.get(k) for k in ("step", "loss", "masked_accuracy", "lr")] for r in rows]))
+    columns = ("step", "loss", "masked_accuracy", "lr", *(keys or ()))
+    return _render(draw, key=_key("training_curve", [[r.get(k) for k in columns] for r in rows]))
 
 
 def histogram(values: Sequence[float], title: str, xlabel: str, bins: int = 30) -> bytes:
@@ -227,25 +249,35 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
 
 def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
     """A federated run's train loss, and held-out masked accuracy against the majority-class
-    rate (on all masked frames and on the leak-free ones), per round (lines of :func:`speech_assets.federated.history.summarize_rounds`)."""
+    rate (on all masked frames and on the leak-free ones), per round (lines of
+    :func:`speech_assets.federated.history.summarize_rounds`). Held-out series have points only
+    in the rounds that were evaluated; a series with no point is left out of the legend too."""
     rounds = [line["round"] for line in lines]
-    nan = float("nan")
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(line["round"], line.get(key)) for line in lines if line.get(key) is not None]
+        return [x for x, _ in points], [float(y) for _, y in points]
 
     def draw(figure) -> None:
         loss = figure.add_subplot(1, 2, 1)
-        loss.plot(rounds, [nan if line["train_loss"] is None else line["train_loss"] for line in lines], marker="o", linewidth=1)
+        loss.plot(*series("train_loss"), marker="o", linewidth=1)  # none under DP: the clients withhold it
         loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
         accuracy = figure.add_subplot(1, 2, 2)
-        accuracy.plot(rounds, [line["heldout_masked_accuracy"] or nan for line in lines], marker="o", linewidth=1,
-                      label="global encoder + own head")  # fmt: skip
-        accuracy.plot(rounds, [line["majority_accuracy"] or nan for line in lines], linestyle="--", linewidth=1,
-                      label="majority class")  # fmt: skip
-        leak_free = accuracy.plot(rounds, [line.get("heldout_leak_free_masked_accuracy") or nan for line in lines],
-                                  marker="s", linewidth=1, label="leak-free frames")[0]  # fmt: skip
-        accuracy.plot(rounds, [line.get("heldout_leak_free_majority_accuracy") or nan for line in lines], linestyle=":",
-                      linewidth=1, color=leak_free.get_color(), label="leak-free majority class")  # fmt: skip
-        accuracy.set_title("held-out masked accuracy", fontsize=TITLE)
-        accuracy.legend(fontsize=SMALL)
+        drawn_any = False
+        for key, label, style in (
+            ("heldout_masked_accuracy", "global encoder + own head", {"marker": "o", "color": "C0"}),
+            ("majority_accuracy", "majority class", {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"}),
+            ("heldout_leak_free_masked_accuracy", "leak-free frames", {"marker": "s", "color": "C1"}),
+            ("heldout_leak_free_majority_accuracy", "leak-free majority class",
+             {"marker": "_", "markersize": 10, "linestyle": ":", "color": "C1"}),
+        ):  # fmt: skip
+            x, y = series(key)
+            if x:
+                accuracy.plot(x, y, linewidth=1, label=label, **style)
+                drawn_any = True
+        accuracy.set_title("held-out masked accuracy" + ("" if drawn_any else " (no round evaluated)"), fontsize=TITLE)
+        if drawn_any:
+            accuracy.legend(fontsize=SMALL)
         for axis in (loss, accuracy):
             axis.set_xlabel("round", fontsize=LABEL)
             axis.tick_params(labelsize=TICK)
@@ -281,6 +313,57 @@ def vad_decision(wave: np.ndarray, voiced: Sequence[bool], frame_ms: int, span: 
         axis.tick_params(labelsize=TICK)
 
     return _render(draw, size=(9.0, 2.2), key=_key("vad_decision", envelope.astype(np.float32), flags, frame_ms, span))
+
+
+# Dagster's asset page shows a markdown metadata value inline only when it is shorter than this
+# (longer ones hide behind "[Show Markdown]"): the inline chart must fit in it.
+INLINE_MARKDOWN_LIMIT = 1000
+INLINE_COLOURS = ("#1f77b4", "#ff7f0e", "#555")
+
+
+def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], limit: int = INLINE_MARKDOWN_LIMIT) -> str:
+    """A markdown image small enough for Dagster to draw inline on the asset page: an SVG line
+    chart (``data:`` URI) of up to three named ``[(x, y), ...]`` series (one named "majority..."
+    dashed grey: the baseline), a legend with each series' last value and the axis
+    ranges. Points are thinned until the markdown is shorter than ``limit`` characters."""
+    shown = {name: [(float(x), float(y)) for x, y in points] for name, points in list(series.items())[:3] if points}
+    if not shown:
+        return f"*{title}: nothing measured yet*"
+    xs = [x for points in shown.values() for x, _ in points]
+    ys = [y for points in shown.values() for _, y in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    width, height, top = 200, 60, 24
+
+    def place(x: float, y: float) -> str:
+        px = 0 if x1 == x0 else (x - x0) / (x1 - x0) * width
+        py = top + height - (0 if y1 == y0 else (y - y0) / (y1 - y0) * height)
+        return f"{px:.0f},{py:.0f}"
+
+    def svg(step: int) -> str:
+        parts = [f"<svg xmlns='http://www.w3.org/2000/svg' viewBox='-2,0,{width + 40},{top + height + 12}' width='360'>"]
+        legend = []
+        for index, (name, points) in enumerate(shown.items()):
+            baseline = "majority" in name
+            colour = INLINE_COLOURS[2] if baseline else INLINE_COLOURS[index % 2]
+            kept = points[::step] if points[-1] in points[::step] else [*points[::step], points[-1]]
+            dash = " stroke-dasharray='4'" if baseline else ""
+            parts.append(f"<polyline points='{','.join(place(x, y) for x, y in kept)}' fill='none' stroke='{colour}'{dash}/>")
+            legend.append(f"<tspan fill='{colour}'>{name} {points[-1][1]:.3g}</tspan>")
+        parts.append(f"<text y='9' font-size='8'>{title}</text><text y='19' font-size='8'>{' '.join(legend)}</text>")
+        parts.append(f"<text x='{width + 2}' y='{top + 6}' font-size='7'>{y1:.3g}</text>")
+        parts.append(f"<text x='{width + 2}' y='{top + height}' font-size='7'>{y0:.3g}</text>")
+        parts.append(f"<text y='{top + height + 10}' font-size='7'>{x0:g}</text>")
+        parts.append(f"<text x='{width - 20}' y='{top + height + 10}' font-size='7'>{x1:g}</text></svg>")
+        encoded = "".join(parts).replace("%", "%25").replace("#", "%23").replace("<", "%3C").replace(">", "%3E")
+        encoded = encoded.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+        return f"![{title}](data:image/svg+xml,{encoded})"
+
+    step, longest = 1, max(len(points) for points in shown.values())
+    text = svg(step)
+    while len(text) >= limit and step < longest:
+        step += 1
+        text = svg(step)
+    return text if len(text) < limit else f"*{title}: {', '.join(f'{n} {p[-1][1]:.3g}' for n, p in shown.items())}*"
 
 
 def data_uri(png: bytes) -> str:

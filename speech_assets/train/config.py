@@ -56,6 +56,10 @@ class RunConfig:
     mlflow_experiment: str = "speech_assets"
     mlflow_artifact_location: str | None = None
     mlflow_run_name: str | None = None
+    # the MLflow run's ``mode`` tag ("" = centralised, or distilled for a DistillConfig) and the
+    # Dagster run that launched it (a tag too, never a param)
+    mode: str = ""
+    dagster_run_id: str | None = None
 
     def __post_init__(self) -> None:
         self.shards = [str(s) for s in self.shards]

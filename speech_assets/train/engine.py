@@ -59,7 +59,7 @@ from speech_assets.train.checkpoint import (
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
 from speech_assets.train.launch import OOM_EXIT_CODE, RUN_LOCK_HELD_ENV, write_oom_marker
-from speech_assets.train.tracking import MlflowTracker, PipesReporter
+from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.train")
@@ -253,6 +253,8 @@ class Engine:
         self.metrics: dict[str, float] = {}
         self.resumed_from: int | None = None
         self.extra: dict[str, Any] = {}
+        # (step, result) of the latest held-out evaluation in this attempt
+        self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
 
     @property
     def forward(self) -> nn.Module:
@@ -299,10 +301,13 @@ class Engine:
         *,
         stop_after_step: int | None = None,
         tracker: MlflowTracker | None = None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> bool:
         """Steps up to ``config.max_steps`` with the metrics window every ``log_every`` steps and a
         checkpoint every ``checkpoint_every`` steps, at the last and at ``stop_after_step`` (then it
-        returns ``False``: a simulated preemption)."""
+        returns ``False``: a simulated preemption). ``evaluate`` (collective: every rank calls it;
+        deterministic, it draws nothing from the training RNG) runs before each checkpoint: its
+        numbers join the step's metrics as ``val/<name>`` and it is kept as :attr:`evaluation`."""
         window: torch.Tensor | None = None  # statistics, audio seconds, audio seconds of timed steps
         window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
         while self.step < config.max_steps:
@@ -327,8 +332,12 @@ class Engine:
                     "audio_seconds_per_second": totals[-2] / max(time.perf_counter() - window_start, 1e-9),
                     "epoch": float(stream.epoch),
                 }
+                held_out: dict[str, float] = {}
+                if checkpoint and evaluate is not None:
+                    self.evaluation = (self.step, evaluate())
+                    held_out = heldout_series(self.evaluation[1] or {})
                 if self.job.is_main:
-                    self._report(Path(config.run_dir), config.max_steps, tracker)
+                    self._report(Path(config.run_dir), config.max_steps, tracker, held_out)
                 if checkpoint:
                     self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
                 window.zero_()
@@ -337,13 +346,15 @@ class Engine:
                 return False
         return True
 
-    def _report(self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None) -> None:
+    def _report(self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None, held_out: Mapping[str, float]) -> None:
         shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
+        if "val/leak_free_masked_accuracy" in held_out:
+            shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
         log.info("step %d/%d %s", self.step, max_steps, shown)
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": self.step, **self.metrics}) + "\n")
+            handle.write(json.dumps({"step": self.step, **self.metrics, **held_out}) + "\n")
         if tracker is not None:
-            tracker.log_metrics(self.metrics, self.step)
+            tracker.log_metrics({**self.metrics, **held_out}, self.step)
 
     # ---------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:

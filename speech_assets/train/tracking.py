@@ -3,6 +3,12 @@ when launched by Dagster Pipes, the orchestrating Dagster run (logs and the mate
 
 Both are optional: without a tracking URI there is no MLflow run, and outside Pipes the Pipes
 reporter does nothing, so the trainer runs the same from a plain command line.
+
+Every model's run goes to one MLflow experiment (:data:`EXPERIMENT`), told apart by its ``mode``
+tag (:data:`MODES`) and linked to its Dagster run by the ``dagster_run_id`` tag. Training series
+are logged by step under their own names (``loss``, ``masked_accuracy``, ...), held-out ones
+under ``val/`` (one point per evaluation), downstream results under ``probe/``; configuration
+is logged as params only.
 """
 
 from __future__ import annotations
@@ -36,13 +42,92 @@ def is_server(tracking_uri: str) -> bool:
     return urlparse(tracking_uri).scheme in locations.MLFLOW_SERVER_SCHEMES
 
 
-def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
-    """A clickable link to the run when the tracking URI is a server (without its credentials);
-    None for local stores."""
+EXPERIMENT = "speech_assets"
+# the ``mode`` tag of each kind of run, all in EXPERIMENT
+MODES = ("centralised", "federated", "distilled", "iteration2", "finetuned")
+DAGSTER_RUN_TAG = "dagster_run_id"
+UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI on (default 5000)
+
+
+def local_ui_base() -> str:
+    """Where ``make mlflow`` serves a local store's UI: loopback, ``$MLFLOW_PORT`` or 5000."""
+    port = os.environ.get(UI_PORT_ENV, "5000")
+    return f"http://127.0.0.1:{int(port) if port.isdigit() else 5000}"
+
+
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI's address for ``tracking_uri``: the server itself (without its credentials),
+    or, for a local store, the UI ``make mlflow`` serves over it."""
     if is_server(tracking_uri):
-        base = urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl()
-        return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return None
+        return urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl().rstrip("/")
+    return local_ui_base()
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A clickable link to the run in the MLflow UI (for a local store, the one ``make mlflow``
+    serves: the link opens while it runs)."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}"
+
+
+def runs_page(tracking_uri: str) -> str:
+    """The runs page of :data:`EXPERIMENT` in the MLflow UI (the UI's home when it does not exist yet)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    try:
+        experiment = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri)).get_experiment_by_name(EXPERIMENT)
+    except Exception:  # no store yet: the UI's home
+        experiment = None
+    return experiment_url(tracking_uri, experiment.experiment_id) if experiment else ui_base(tracking_uri) + "/"
+
+
+def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_location: str | None) -> str:
+    """The id of experiment ``name``, created (artifacts at ``artifact_location``, else
+    :func:`default_artifact_location`) when it does not exist yet."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        location = artifact_location or default_artifact_location(tracking_uri)
+        return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if is_server(tracking_uri) and urlparse(experiment.artifact_location).scheme in ("", "file"):
+        log.warning(
+            "MLflow experiment %r keeps its artifacts at %s, a path on the machine that logs them, "
+            "not on the server (it was created that way). Rename it (mlflow experiments rename "
+            "--experiment-id %s --new-name ...) and the next run creates one whose artifacts go "
+            "through the server.", name, experiment.artifact_location, experiment.experiment_id,
+        )
+    return experiment.experiment_id
+
+
+def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
+    """``val/<name>`` for every numeric held-out measure (accuracies, loss; not frame counts)."""
+    return {
+        f"val/{key}": float(value) for key, value in heldout.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and not key.endswith("frames")
+    }  # fmt: skip
+
+
+def log_probe_results(tracking_uri: str, run_dir: str | Path, results: Mapping[str, float], step: int = 0) -> str | None:
+    """Log ``results`` (``{"cer": .., "wer": ..}``) as ``probe/<name>`` on the MLflow run of the
+    model trained in ``run_dir`` (its ``mlflow_run_id`` file); the run id, or None when the
+    folder has no MLflow run."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    id_file = Path(run_dir) / "mlflow_run_id"
+    run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
+    if not run_id:
+        return None
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"probe/{k}", float(v), now, step) for k, v in sorted(results.items()) if v is not None]
+    MlflowClient(tracking_uri=locations.with_credentials(tracking_uri)).log_batch(run_id, metrics=metrics)
+    return run_id
 
 
 def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
@@ -76,6 +161,38 @@ def installed_packages() -> str:
     return "".join(f"{name}=={version}\n" for name, version in sorted(found.items()))
 
 
+def log_probe_on_encoder_runs(
+    tracking_uri: str, data_root: str | Path, checkpoints: Mapping[str, Mapping[str, Any]], summaries: Mapping[str, Any],
+    warn: Any = log.warning,
+) -> dict[str, str]:
+    """The downstream probe's held-out CER and WER (``summaries``: model name -> an object with
+    ``cer`` and ``wer`` spreads over probe seeds: ``mean``, ``std``, ``n``) as ``probe/cer``,
+    ``probe/wer`` (and ``probe/cer_std``, ``probe/wer_std`` over several seeds) on the MLflow run
+    of each encoder in ``checkpoints`` (name -> its ``final.pt`` contents, whose config names its
+    run folder). Folders outside ``data_root`` are skipped; a store that cannot be reached only
+    warns. Returns {model: MLflow run id} of the runs logged to."""
+    root, logged = Path(data_root).resolve(), {}
+    for name, state in checkpoints.items():
+        run_dir, summary = (state.get("config") or {}).get("run_dir"), summaries.get(name)
+        if not run_dir or summary is None:
+            continue
+        folder = Path(run_dir).resolve()
+        if not folder.is_relative_to(root):
+            warn(f"probe results of {name} not logged to MLflow: its run folder {folder} is outside {root}")
+            continue
+        metrics = {"cer": summary.cer.mean, "wer": summary.wer.mean}
+        if summary.cer.n > 1:
+            metrics |= {"cer_std": summary.cer.std, "wer_std": summary.wer.std}
+        try:
+            run_id = log_probe_results(tracking_uri, folder, metrics)
+        except Exception as error:  # the probe's results stand without MLflow
+            warn(f"probe results of {name} not logged to MLflow: {type(error).__name__}: {error}")
+            continue
+        if run_id:
+            logged[name] = run_id
+    return logged
+
+
 class MlflowTracker:
     """One MLflow run per training run directory; a resumed attempt continues the same run."""
 
@@ -92,50 +209,52 @@ class MlflowTracker:
         self.experiment_id = ""
 
     @property
-    def url(self) -> str | None:
+    def url(self) -> str:
         return run_url(self.tracking_uri, self.experiment_id, self.run_id)
 
     @property
     def ui_command(self) -> str:
         return ui_command(self.tracking_uri, self.config.mlflow_artifact_location)
 
+    @property
+    def served(self) -> bool:
+        """Whether the store is a tracking server (else ``make mlflow`` serves its UI)."""
+        return is_server(self.tracking_uri)
+
+    @property
+    def mode(self) -> str:
+        """The run's ``mode`` tag: the config's, else distilled for a student, centralised otherwise."""
+        return self.config.mode or ("distilled" if hasattr(self.config, "teacher") else "centralised")
+
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
         from mlflow.entities import Param, RunTag
 
         cfg = self.config
-        experiment = self.client.get_experiment_by_name(cfg.mlflow_experiment)
-        if experiment is None:
-            location = cfg.mlflow_artifact_location or default_artifact_location(self.tracking_uri)
-            self.experiment_id = self.client.create_experiment(
-                cfg.mlflow_experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
-            )
-        else:
-            self.experiment_id = experiment.experiment_id
-            if EXPERIMENT_KIND_TAG not in experiment.tags:
-                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-            if is_server(self.tracking_uri) and urlparse(experiment.artifact_location).scheme in ("", "file"):
-                log.warning(
-                    "MLflow experiment %r keeps its artifacts at %s, a path on the machine that logs them, "
-                    "not on the server (it was created that way). Rename it (mlflow experiments rename "
-                    "--experiment-id %s --new-name ...) and the next run creates one whose artifacts go "
-                    "through the server.", cfg.mlflow_experiment, experiment.artifact_location, experiment.experiment_id,
-                )
+        name = cfg.mlflow_experiment or EXPERIMENT
+        self.experiment_id = ensure_experiment(self.client, name, self.tracking_uri, cfg.mlflow_artifact_location)
         if resume_run_id:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
+            if cfg.dagster_run_id:  # the Dagster run that continues it
+                self.client.set_tag(resume_run_id, DAGSTER_RUN_TAG, cfg.dagster_run_id)
             log.info("continuing MLflow run %s", resume_run_id)
         else:
-            tags = {"run_dir": cfg.run_dir, "preset": cfg.preset}
+            tags = {"run_dir": cfg.run_dir, "preset": cfg.preset, "mode": self.mode}
+            if cfg.dagster_run_id:
+                tags[DAGSTER_RUN_TAG] = cfg.dagster_run_id
             if cfg.git_sha:
                 tags |= {"git_sha": cfg.git_sha, "mlflow.source.git.commit": cfg.git_sha}
             tags |= input_tags(cfg.data_versions)
             run = self.client.create_run(self.experiment_id, run_name=cfg.mlflow_run_name, tags=tags)
             self.run_id = run.info.run_id
-            params = {k: v for k, v in cfg.to_dict().items() if k not in ("shards", "clients", "data_versions")}
+            skipped = ("shards", "clients", "data_versions", "dagster_run_id", "mode")
+            params = {k: v for k, v in cfg.to_dict().items() if k not in skipped}
             params |= {"num_shards": len(cfg.shards), "num_clients": len(cfg.clients)}
             params |= {f"k.{name}": c.k for name, c in cfg.clients.items()}
             params |= {f"plan.{k}": v for k, v in plan.items() if k != "reason"}
+            if hasattr(cfg, "chance_accuracy"):
+                params["chance_accuracy"] = round(cfg.chance_accuracy, 6)
             self.client.log_batch(
                 self.run_id,
                 params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
@@ -154,9 +273,8 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def finish(self, summary: Mapping[str, Any], checkpoint: Path) -> None:
-        """Log the final summary metrics, the checkpoint as an artifact, and close the run."""
-        numeric = {k: float(v) for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.log_metrics({f"final.{k}": v for k, v in numeric.items()}, step=int(summary.get("step", 0)))
+        """Tag the checkpoint's hash, log it (and ``result.json``) as artifacts, and close the run
+        (the held-out results are the ``val/`` series' last points)."""
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(summary.get("checkpoint_sha256", "")))
         self.client.log_artifact(self.run_id, str(checkpoint), artifact_path="checkpoint")
         self._log_text("result.json", json.dumps(dict(summary), indent=2, sort_keys=True, default=str))

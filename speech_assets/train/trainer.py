@@ -5,7 +5,8 @@ of padded audio), masks spans and predicts each sample's targets with its own cl
 (:class:`~speech_assets.train.objectives.MaskedPrediction`); the engine
 (:mod:`speech_assets.train.engine`) clips, steps AdamW and the warmup/linear-decay schedule, and
 checkpoints every ``checkpoint_every`` steps and at the end so that a new attempt on the same
-``run_dir`` continues bit-exactly. At the end: held-out evaluation, ``final.pt`` and ``result.json``.
+``run_dir`` continues bit-exactly; the held-out utterances are evaluated at each checkpoint (the
+``val/`` series). At the end: ``final.pt`` and ``result.json``.
 """
 
 from __future__ import annotations
@@ -122,9 +123,12 @@ class Trainer:
         ``reporter`` (rank 0) receives the final materialization."""
         with tracking(self.config, self.job, self.plan.to_dict()) as tracker:
             self.engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
-            if not self.engine.run(self.objective, self.stream, self.config, stop_after_step=stop_after_step, tracker=tracker):
+            if not self.engine.run(
+                self.objective, self.stream, self.config, stop_after_step=stop_after_step, tracker=tracker, evaluate=self.evaluate
+            ):
                 return None
-            heldout = self.evaluate() or {}
+            last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
+            heldout = dict((last[1] if last and last[0] == self.step else self.evaluate()) or {})
             if not self.job.is_main:
                 self.engine.barrier()
                 return None
@@ -156,7 +160,7 @@ class Trainer:
                 "data_versions": dict(config.data_versions),
                 "mlflow_run_id": tracker.run_id if tracker else None,
                 "mlflow_run_url": tracker.url if tracker else None,
-                "mlflow_ui": tracker.ui_command if tracker and not tracker.url else None,
+                "mlflow_ui": tracker.ui_command if tracker and not tracker.served else None,
             }
             clear_oom(self.run_dir)
             log.info(

@@ -130,6 +130,37 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     assert in_db == sorted((m, r["cer"]) for m, r in heldout.items())
 
 
+def test_every_model_is_one_mlflow_experiment_linked_to_its_dagster_run(evaluated) -> None:
+    """The Dagster runs of the model assets and their MLflow runs: one experiment, a ``mode`` tag,
+    ``dagster_run_id`` back to the run that made each, the held-out results as ``val/`` series,
+    the probe's CER/WER on each encoder's run, and the MLflow run as a link in the metadata."""
+    from mlflow.tracking import MlflowClient
+
+    out, defs, instance = evaluated
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    experiments = {e.experiment_id: e.name for e in client.search_experiments() if client.search_runs([e.experiment_id])}
+    assert set(experiments.values()) == {"speech_assets"}
+    for asset, mode in (("pretrained_checkpoint", "centralised"), ("distilled_checkpoint", "distilled")):
+        record = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records[0]
+        metadata = record.asset_materialization.metadata
+        run = client.get_run(metadata["mlflow_run_id"].value)
+        assert run.data.tags["mode"] == mode and run.data.tags["dagster_run_id"] == record.run_id
+        url = metadata["mlflow_run_url"]
+        assert isinstance(url, dg.UrlMetadataValue)
+        assert url.value == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        assert {"probe/cer", "probe/wer", "probe/cer_std"} <= set(run.data.metrics), sorted(run.data.metrics)
+        assert not any(name.startswith("final.") for name in run.data.metrics)
+    metadata = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0].asset_materialization.metadata
+    run_id = metadata["mlflow_run_id"].value
+    # SHORT: 40 steps, a checkpoint (and a held-out evaluation) every 20
+    assert [m.step for m in client.get_metric_history(run_id, "val/leak_free_masked_accuracy")] == [20, 40]
+    assert [m.step for m in client.get_metric_history(run_id, "val/leak_free_majority_accuracy")] == [20, 40]
+    # readable metadata: the per-client table, sizes in MB, the curve drawn inline on the asset page
+    assert isinstance(metadata["heldout_per_client"], dg.TableMetadataValue)
+    assert metadata["checkpoint_mb"].value > 0 and metadata["train_audio_h"].value > 0
+    assert len(metadata["curve"].value) < 1000 and "data:image/svg+xml" in metadata["curve"].value
+
+
 def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
     out, _, instance = evaluated
     (folder,) = (out / "export").iterdir()

@@ -197,3 +197,22 @@ def test_a_run_in_its_worker_keeps_the_loaded_heap_out_of_garbage_collection(ins
     assert execute_run(dg.reconstructable(frozen_heap_job), run, instance).success
     assert len(FROZEN_DURING_STEP) == 1 and FROZEN_DURING_STEP[0] > before + 10_000
     assert gc.get_freeze_count() == before
+
+
+def test_bookkeeping_tags_are_hidden_and_the_corpus_and_settings_shown(instance: dg.DagsterInstance) -> None:
+    """The Runs list shows what a person reads (the corpus, the settings' hash), not the process
+    identities the reaper keeps: those are under Dagster's hidden-tag prefix, as the in-process flag."""
+    from dagster._core.execution.api import execute_run
+    from dagster._core.storage.tags import TagType, get_tag_type
+
+    from speech_assets.defs.runs import CORPUS_TAG, IN_PROCESS_TAG, SETTINGS_TAG, recorded_processes
+
+    run = instance.create_run_for_job(job_def=frozen_heap_job(), tags={IN_PROCESS_TAG: "true"})
+    assert execute_run(dg.reconstructable(frozen_heap_job), run, instance).success
+    finished = instance.get_run_by_id(run.run_id)
+    tags = finished.tags
+    shown = {key for key in tags if get_tag_type(key) == TagType.USER_PROVIDED}
+    assert shown == {CORPUS_TAG, SETTINGS_TAG}, tags
+    assert get_tag_type(PROCESS_TAG) == get_tag_type(STEP_PROCESS_TAG_PREFIX + "x") == TagType.HIDDEN
+    assert PROCESS_TAG in tags and recorded_processes(finished)  # still what the reaper reads
+    assert len(tags[SETTINGS_TAG]) == 12 and tags[CORPUS_TAG]

@@ -46,10 +46,11 @@ def test_artifact_location_and_run_link_follow_the_kind_of_store(tmp_path: Path)
         assert locations.mlflow_artifact_location(uri, data) is None
         assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location is None
         assert run_url(uri, "3", "abc") == f"{uri}/#/experiments/3/runs/abc"
-    # stores the client writes itself: the data dir's mlartifacts folder, and no URL to click
+    # stores the client writes itself: the data dir's mlartifacts folder, and a link into the UI
+    # `make mlflow` serves over them on loopback
     for uri in (f"sqlite:///{tmp_path}/elsewhere/mlflow.db", f"file://{tmp_path}/mlruns", "postgresql+psycopg2://u:secret@db:5432/mlflow"):
         assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location == str(data / "mlartifacts")
-        assert run_url(uri, "3", "abc") is None
+        assert run_url(uri, "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
     assert locations.mlflow_artifact_location(f"sqlite:///{tmp_path}/mlflow.db") == str(tmp_path / "mlartifacts")
     # the recorded command never carries a database password
     command = ui_command("postgresql+psycopg2://u:secret@db:5432/mlflow", str(data / "mlartifacts"))
@@ -92,7 +93,7 @@ def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(tiny_corp
     store = f"sqlite:///{data / 'mlflow.db'}"
     paths = StoragePaths(corpus="unused", data_dir=str(data), mlflow_tracking_uri=store)
     result = _train(tiny_corpus, data / "training" / "run", store, paths.mlflow_artifact_location, "speech_assets")
-    assert result["mlflow_run_url"] is None and result["mlflow_run_id"]
+    assert result["mlflow_run_url"].startswith("http://127.0.0.1:5000/#/experiments/") and result["mlflow_run_id"]
     assert result["mlflow_ui"] == (
         f"mlflow ui --backend-store-uri {store} --default-artifact-root {data / 'mlartifacts'} --host 127.0.0.1 --workers 1 --port 5000"
     )

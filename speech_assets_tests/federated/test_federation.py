@@ -108,7 +108,11 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assignment = pq.read_table(sample_pipeline.out / "clients" / "clients.parquet").to_pylist()
     holding = {row["client_id"] for row in assignment if row["heldout"]}
     assert holding and all((e["masked_frames"] > 0) == (e["client_id"] in holding) for e in evaluation)
-    assert all(0 <= e["majority_accuracy"] <= 1 and 0 <= e["leak_free_frames"] <= e["masked_frames"] for e in evaluation)
+    assert all(0 <= e["leak_free_frames"] <= e["masked_frames"] for e in evaluation)
+    # ... and has null accuracies, never 0.0 over no frames
+    assert set(sample_pipeline.clients) - holding
+    assert all((e["majority_accuracy"] is None) == (e["client_id"] not in holding) for e in evaluation)
+    assert all(0 <= e["majority_accuracy"] <= 1 for e in evaluation if e["client_id"] in holding)
     # leak-free accuracies: None for a client without leak-free frames, else a fraction
     assert all((e["heldout_leak_free_masked_accuracy"] is None) == (e["leak_free_frames"] == 0) for e in evaluation)
     assert result["heldout_leak_free_frames"] == sum(e["leak_free_frames"] for e in evaluation if e["round"] == ROUNDS) > 0
@@ -118,24 +122,41 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert state["round"] == ROUNDS and weights_sha256(state["encoder"]) == result["checkpoint_sha256"]
     monkeypatch.setenv("DAGSTER_HOME", str(sample_pipeline.home))
     with dg.DagsterInstance.get() as instance:
-        event = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0].asset_materialization
+        record = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0]
+        event = record.asset_materialization
         assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
         assert event.tags["dagster/code_version"] == "federated-v4"
         inputs = event.metadata["input_versions"].value
         manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
         assert any(k.startswith("kmeans_targets/") for k in inputs) and any(k.startswith("vad_features/") for k in inputs)
-        assert "| round |" in event.metadata["round_curve"].value
-        assert f"| {ROUNDS} | " + ", ".join(sample_pipeline.clients) in event.metadata["clients_by_round"].value
+        # per-round and per-client results as tables with a schema; rounded values with units
+        per_round = event.metadata["per_round"]
+        assert isinstance(per_round, dg.TableMetadataValue) and "round_s" in [c.name for c in per_round.schema.columns]
+        rows = [r.data for r in per_round.records]
+        assert [r["round"] for r in rows] == [1, 2] and rows[-1]["sampled"] == ", ".join(sample_pipeline.clients)
+        per_client = {r.data["client"]: r.data for r in event.metadata["heldout_per_client"].records}
+        assert set(per_client) == set(sample_pipeline.clients)
+        # a client without held-out speakers: null, never 0.0
+        assert all((per_client[c]["masked_accuracy"] is None) == (c not in holding) for c in per_client)
         assert event.metadata["privacy"].value == {"differential_privacy": False}
         assert 0 <= event.metadata["mean_round_overhead"].value < 1
-        assert event.metadata["heldout_leak_free_masked_accuracy"].value == result["heldout_leak_free_masked_accuracy"]
+        assert event.metadata["heldout_leak_free_masked_accuracy"].value == pytest.approx(result["heldout_leak_free_masked_accuracy"], abs=5e-4)
+        assert event.metadata["mb_up_per_round"].value == pytest.approx(result["bytes_up_per_round"] / 1e6, abs=0.01)
+        assert len(event.metadata["curve"].value) < 1000 and "data:image/svg+xml" in event.metadata["curve"].value
+        # the MLflow run, a click away; and the Dagster run, from MLflow
+        url = event.metadata["mlflow_run_url"]
+        assert isinstance(url, dg.UrlMetadataValue) and url.value.startswith("http://127.0.0.1:5000/#/experiments/")
     # MLflow: every round's metrics and the final checkpoint
     mlflow.set_tracking_uri(sample_pipeline.mlflow_uri)
     run = mlflow.get_run((run_dir / "mlflow_run_id").read_text().strip())
     assert run.info.status == "FINISHED"
+    assert url.value.endswith(f"/runs/{run.info.run_id}")
+    assert run.data.tags["mode"] == "federated" and run.data.tags["dagster_run_id"] == record.run_id
     client = mlflow.tracking.MlflowClient(sample_pipeline.mlflow_uri)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "heldout_masked_accuracy")] == [ROUNDS]
+    assert client.get_experiment(run.info.experiment_id).name == "speech_assets"  # with every other model
+    assert not any(name.startswith("final.") for name in run.data.metrics)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/masked_accuracy")] == [ROUNDS]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
     # the default engine is Flower's simulation runtime: one supervised process tree, Ray's workers in it

@@ -82,12 +82,13 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the training view, not GenAI
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/leak_free_masked_accuracy")] == [10, 20, 30]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "autoconfig.json", "environment.txt", "inputs.json", "result.json", "checkpoint"} <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
-    # a sqlite store has no URL to click: the run id and the command that serves its UI instead
-    assert result["mlflow_run_url"] is None
+    # a sqlite store: a link into the UI `make mlflow` serves, and the command that serves it
+    assert result["mlflow_run_url"] == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert result["mlflow_ui"].startswith(f"mlflow ui --backend-store-uri {store}") and "--host 127.0.0.1" in result["mlflow_ui"]
 
 
@@ -204,3 +205,59 @@ def test_cli_reports_to_dagster_pipes(small_corpus: SyntheticCorpus, tmp_path: P
         "audio_seconds_per_second",
         "autoconfig",
     } <= set(metadata)
+
+
+def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    """A small real training run and a federated run's tracker on one local store: one experiment,
+    a ``mode`` tag and the ``dagster_run_id`` tag on each run, the held-out results as ``val/``
+    series with a point per evaluation (not single-point ``final.*`` metrics), configuration as
+    params only, and the run's link in the UI ``make mlflow`` serves."""
+    from mlflow.tracking import MlflowClient
+
+    from speech_assets.federated.config import FederatedConfig
+    from speech_assets.federated.tracking import FederatedTracker
+    from speech_assets.train.tracking import EXPERIMENT
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = small_corpus.config(tmp_path / "run", max_steps=6, checkpoint_every=3, log_every=3, mlflow_tracking_uri=store,
+                                 mode="iteration2", dagster_run_id="dagster-run-1")  # fmt: skip
+    result = train(config)
+    assert result is not None
+    client = MlflowClient(store)
+    run = client.get_run(result["mlflow_run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == EXPERIMENT
+    assert run.data.tags["mode"] == "iteration2" and run.data.tags["dagster_run_id"] == "dagster-run-1"
+    # held-out results over steps: one point per checkpoint's evaluation, the last the result's
+    history = client.get_metric_history(run.info.run_id, "val/masked_accuracy")
+    assert [m.step for m in history] == [3, 6] and history[-1].value == pytest.approx(result["heldout_masked_accuracy"])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/majority_accuracy")] == [3, 6]
+    # configuration as params, never as metrics; no single-point final.* copies
+    metrics = set(run.data.metrics)
+    assert not any(name.startswith("final.") for name in metrics), sorted(metrics)
+    assert not metrics & {"chance_accuracy", "world_size", "step", "resumed_from_step", "heldout_utterances"}
+    assert float(run.data.params["chance_accuracy"]) == pytest.approx(result["chance_accuracy"], abs=1e-6)
+    assert "dagster_run_id" not in run.data.params and "mode" not in run.data.params
+    # the held-out points are in metrics.jsonl too (the training curve draws them)
+    assert [m["step"] for m in _metrics(tmp_path / "run") if "val/masked_accuracy" in m] == [3, 6]
+    # a local store: the run's page in the UI `make mlflow` serves, and the command that serves it
+    assert result["mlflow_run_url"] == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert result["mlflow_ui"].startswith("mlflow ui --backend-store-uri")
+
+    federated = FederatedConfig(run_dir=str(tmp_path / "federated"), run_name="f", clients=["a", "b"], rounds=2)
+    tracker = FederatedTracker(federated, store, dagster_run_id="dagster-run-2")
+    tracker.start()
+    evaluation = [{"client_id": "a", "masked_frames": 10, "heldout_masked_accuracy": 0.5, "majority_accuracy": 0.2,
+                   "leak_free_frames": 0, "heldout_leak_free_masked_accuracy": None, "leak_free_majority_accuracy": None},
+                  {"client_id": "b", "masked_frames": 0, "heldout_masked_accuracy": None, "majority_accuracy": None,
+                   "leak_free_frames": 0, "heldout_leak_free_masked_accuracy": None, "leak_free_majority_accuracy": None}]  # fmt: skip
+    for round_number in (1, 2):
+        tracker.log_round({"round": round_number, "rows": [{"client_id": "a", "num_examples": 3, "train_loss": 4.0, "masked_accuracy": 0.1,
+                                                            "bytes_up": 5, "bytes_down": 5}],
+                           "evaluation": evaluation, "round_seconds": 1.0})  # fmt: skip
+    fed = client.get_run(tracker.run_id)
+    assert fed.info.experiment_id == run.info.experiment_id
+    assert fed.data.tags["mode"] == "federated" and fed.data.tags["dagster_run_id"] == "dagster-run-2"
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/masked_accuracy")] == [1, 2]
+    # a client without held-out frames has no held-out series (never 0.0)
+    assert "val/a/masked_accuracy" in fed.data.metrics and not any(k.startswith("val/b/") for k in fed.data.metrics)
+    assert tracker.url.startswith("http://127.0.0.1:5000/#/experiments/")

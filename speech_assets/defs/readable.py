@@ -1,0 +1,62 @@
+"""Metadata for people: numbers rounded with their unit in the key (``_mb``, ``_s``, ``_h``), lists
+of records as Dagster tables with a column schema, the MLflow run as a link, and curves as
+charts the asset page draws inline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+
+from speech_assets.stats import plots
+
+COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
+
+
+def megabytes(size: float | None) -> float | None:
+    """Bytes as MB (10^6), two decimals."""
+    return None if size is None else round(size / 1e6, 2)
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.TableMetadataValue:
+    """``rows`` as a Dagster table of ``columns`` (``{name: description}``, in order): each
+    column's type from its first non-null value; floats rounded to 4 significant digits, lists
+    joined with commas, null kept null."""
+
+    def cell(value: Any) -> Any:
+        if isinstance(value, float):
+            return float(f"{value:.4g}")
+        if isinstance(value, list | tuple):
+            return ", ".join(map(str, value))
+        return value
+
+    records = [{name: cell(row.get(name)) for name in columns} for row in rows]
+    schema = []
+    for name, description in columns.items():
+        kinds = {type(record[name]) for record in records if record[name] is not None}
+        kind = "float" if kinds == {int, float} else COLUMN_TYPES.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
+        schema.append(dg.TableColumn(name, kind, description=description))
+    return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in records], schema=dg.TableSchema(columns=schema))
+
+
+def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = None) -> dict[str, Any]:
+    """The MLflow run as a link (``mlflow_run``) and its id; for a local store, the command that
+    serves the UI the link opens in (``make mlflow`` runs it)."""
+    if not run_id:
+        return {}
+    links: dict[str, Any] = {"mlflow_run_id": dg.MetadataValue.text(run_id)}
+    if url:
+        links["mlflow_run_url"] = dg.MetadataValue.url(url)
+    if ui_command:
+        links["mlflow_ui"] = dg.MetadataValue.text(f"make mlflow (or: {ui_command})")
+    return links
+
+
+def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> dg.MarkdownMetadataValue:
+    """:func:`speech_assets.stats.plots.inline_chart` as markdown metadata (drawn on the asset page)."""
+    return dg.MetadataValue.md(plots.inline_chart(title, series))
