@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dagster as dg
-from dagster._core.definitions.data_version import (
+from dagster._core.definitions.data_version import (  # noqa: F401 - for defs/lineage.py
     CODE_VERSION_TAG,
     DATA_VERSION_IS_USER_PROVIDED_TAG,
     DATA_VERSION_TAG,
@@ -43,12 +43,6 @@ from dagster._core.definitions.data_version import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
-
-__all__ = [
-    "CODE_VERSION_TAG", "DATA_VERSION_IS_USER_PROVIDED_TAG", "DATA_VERSION_TAG", "DEFAULT_DATA_VERSION",
-    "NULL_EVENT_POINTER", "get_input_data_version_tag", "get_input_event_pointer_tag", "is_local_storage",
-    "local_run_launcher", "multiprocess_executor", "stop_forkserver",
-]  # fmt: skip
 
 # plan_context, execution_plan -> the context to run every step in the run worker in, or None
 Prepare = Callable[[Any, Any], contextlib.AbstractContextManager[object] | None]
