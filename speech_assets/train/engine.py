@@ -58,7 +58,8 @@ from speech_assets.train.checkpoint import (
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
-from speech_assets.train.launch import OOM_EXIT_CODE, RUN_LOCK_HELD_ENV, write_oom_marker
+from speech_assets.train.launch import RUN_LOCK_HELD_ENV
+from speech_assets.train.oom import exit_after_oom
 from speech_assets.train.tracking import MlflowTracker, PipesReporter
 from speech_assets.utils import atomic_write_text
 
@@ -441,7 +442,7 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
 def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
     """This process as a training worker, alone or one rank of a torchrun job: logging, its hold on
     the run folder (:func:`hold_run_folder`), the process group; a CUDA out-of-memory error with a
-    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`."""
+    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits (:func:`exit_after_oom`)."""
     handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
     job: Distributed | None = None
     folder = contextlib.ExitStack()
@@ -452,9 +453,7 @@ def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
     except torch.cuda.OutOfMemoryError as error:
         if job is None or job.batch is None:
             raise
-        write_oom_marker(run_dir, job.rank, *job.batch, str(error))
-        log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", *job.batch, error)
-        raise SystemExit(OOM_EXIT_CODE) from error
+        exit_after_oom(run_dir, job.rank, *job.batch, error)
     finally:
         for handler in handlers:
             log.removeHandler(handler)
