@@ -32,13 +32,13 @@ from speech_assets.train.engine import (
     seed_everything,
     tracking,
     warmup_linear_decay,
-    worker,
 )
 from speech_assets.train.launch import plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
 from speech_assets.train.oom import clear_oom, refuse_known_oom
 from speech_assets.train.sampling import BlockShuffleSampler
 from speech_assets.train.tracking import PipesReporter
+from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 WINDOW_BLOCKS = 16  # blocks (shard row groups) mixed at a time; the dataset caches one window
