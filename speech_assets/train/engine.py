@@ -15,7 +15,8 @@ Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.
 masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
 teacher layers as targets) and a federated client's local round
 (:mod:`speech_assets.federated.local`: only the encoder travels, the head stays with the client).
-Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes.
+Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes. A training process
+runs it inside :func:`speech_assets.train.worker.worker` (logging, run-folder hold, out-of-memory exit).
 """
 
 from __future__ import annotations
