@@ -34,6 +34,13 @@ APART = [{"federated", "evaluation"}]  # parts of one floor that must not import
 TESTING = "testing"  # test scaffolding: it may import the product, the product never imports it
 DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", TESTING}  # the only parts importing dagster
 LIGHT_DAGSTER = {"dagster_pipes"}  # the worker-side library, fine anywhere
+INTERNALS = "defs.dagster_internals"  # the one module that may use private names of Dagster and multiprocessing
+PRIVATE_OWNED = f"a private name of Dagster or multiprocessing: only {PACKAGE}.{INTERNALS} uses those, saying why"
+
+
+def private_owner(top: str) -> bool:
+    """Whether the private names of top-level module ``top`` are for :data:`INTERNALS` only."""
+    return top in ("dagster", "multiprocessing") or top.startswith("dagster_")
 
 
 @dataclass(frozen=True)
@@ -129,9 +136,24 @@ def module_aliases(tree: ast.Module, imports: list[Import], modules: dict[str, P
     return bound
 
 
+def owner_aliases(tree: ast.Module) -> dict[str, str]:
+    """Local name -> what it is bound to, for names an import takes from a :func:`private_owner`."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if private_owner(alias.name.split(".")[0]):
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and private_owner((node.module or "").split(".")[0]):
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return bound
+
+
 def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
     """Every breach of the import rule in ``root/package`` (production modules: all but testing/)."""
     modules = modules_of(root, package)
+    internals = f"{package}.{INTERNALS}"
     violations: list[Violation] = []
     edges: dict[tuple[str, str], tuple[str, int, str]] = {}  # (from part, to part) -> one example
     for module, path in modules.items():
@@ -147,16 +169,23 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
         tree = ast.parse(path.read_text(), filename=str(path))
         imports = imports_of(module, path, tree, modules)
         checked = set()  # (line, module): `from m import a, b` is one import of m
+        reported = set()  # (line, private name of Dagster or multiprocessing)
         for item in imports:
             top = item.target.split(".")[0]
             for name in item.names if top == package else ():
                 if private(name):
                     violations.append(Violation(where, item.line, module, f"{item.target}.{name}",
                                                 "a private name of another module: make it public or move it"))  # fmt: skip
+            heavy_dagster = top == "dagster" or (top.startswith("dagster_") and top not in LIGHT_DAGSTER)
+            hidden = [item.target] if any(map(private, item.target.split("."))) else [f"{item.target}.{n}" for n in item.names if private(n)]
+            if private_owner(top) and hidden and module != internals and not (heavy_dagster and part not in DAGSTER_PARTS):
+                if (item.line, hidden[0]) not in reported:  # `from dagster._x import a, b`: once
+                    violations.append(Violation(where, item.line, module, hidden[0], PRIVATE_OWNED))
+                reported.add((item.line, hidden[0]))
             if (item.line, item.target) in checked:
                 continue
             checked.add((item.line, item.target))
-            if top == "dagster" or (top.startswith("dagster_") and top not in LIGHT_DAGSTER):
+            if heavy_dagster:
                 if part not in DAGSTER_PARTS:
                     violations.append(Violation(where, item.line, module, item.target,
                                                 f"only {sorted(DAGSTER_PARTS)} import Dagster; pure code stays runnable without it"))  # fmt: skip
@@ -184,6 +213,9 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
         for line, alias, attr in private_attributes(tree, set(aliases)):
             violations.append(Violation(where, line, module, f"{aliases[alias]}.{attr}",
                                         "a private name of another module (as an attribute): make it public or move it"))  # fmt: skip
+        owned = owner_aliases(tree) if module != internals else {}
+        for line, alias, attr in private_attributes(tree, set(owned)):
+            violations.append(Violation(where, line, module, f"{owned[alias]}.{attr}", PRIVATE_OWNED))
     violations += cycle_violations(edges, package)
     return violations
 
@@ -257,6 +289,8 @@ ALLOWED = {
     "dagster_pipes in a worker": {"train/tracking.py": "from dagster_pipes import open_dagster_pipes\n"},
     "a dunder name": {"cli.py": "from speech_assets import __version__\n"},
     "a public attribute": {"defs/x.py": "from speech_assets.targets import labels\nlabels.read_labels\n", "targets/labels.py": ""},
+    "Dagster's internals in their module": {"defs/dagster_internals.py": "from dagster._core.x import a, b\nfrom multiprocessing import forkserver\nforkserver._forkserver\n"},
+    "public multiprocessing and os._exit": {"runtime/x.py": "import os\nfrom multiprocessing import get_context\nos._exit(1)\n"},
 }
 
 FORBIDDEN = {
@@ -279,6 +313,15 @@ FORBIDDEN = {
     "dagster in pure code": ({"runtime/reaper.py": "from dagster._core.executor import Executor, InProcessExecutor\n"},
                              "runtime/reaper.py:1: speech_assets.runtime.reaper imports dagster._core.executor: only"),
     "a dagster library in pure code": ({"train/x.py": "import dagster_k8s\n"}, "imports dagster_k8s: only"),
+    "a private Dagster module": ({"defs/lineage.py": "from dagster._core.definitions.data_version import A, B\n"},
+                                 "defs/lineage.py:1: speech_assets.defs.lineage imports dagster._core.definitions.data_version: a private name of Dagster"),
+    "a private Dagster name": ({"defs/x.py": "from dagster import asset, _check\n"}, "imports dagster._check: a private name of Dagster"),
+    "a private Dagster attribute": ({"cli.py": "import dagster as dg\ndg._core.x\n"}, "cli.py:2: speech_assets.cli imports dagster._core: a private name of Dagster"),
+    "a private name of a Dagster library": ({"deploy/k8s.py": "import dagster_k8s.job\nfrom dagster_k8s.job import _label\n"},
+                                            "deploy/k8s.py:2: speech_assets.deploy.k8s imports dagster_k8s.job._label: a private name of Dagster"),
+    "the worker-side library's private names": ({"train/x.py": "from dagster_pipes import _X\n"}, "imports dagster_pipes._X: a private name of Dagster"),
+    "multiprocessing's private names": ({"runtime/x.py": "from multiprocessing import forkserver\nforkserver._forkserver._lock\n"},
+                                        "runtime/x.py:2: speech_assets.runtime.x imports multiprocessing.forkserver._forkserver: a private name of Dagster or multiprocessing: only speech_assets.defs.dagster_internals"),
     "the tests": ({"defs/x.py": "from speech_assets_tests.conftest import REPO\n"},
                   "defs/x.py:1: speech_assets.defs.x imports speech_assets_tests.conftest: the tests"),
     "a cycle on one floor": ({"runtime/locks.py": "from speech_assets import utils\n", "utils.py": "from speech_assets.runtime import locks\n"},

@@ -10,10 +10,17 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets import locations
+from speech_assets.defs.dagster_internals import (
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    DEFAULT_DATA_VERSION,
+    NULL_EVENT_POINTER,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
-
-DATA_VERSION_TAG = "dagster/data_version"
 
 
 def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
@@ -188,13 +195,6 @@ def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) 
 
 def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
     """Provenance tags of this step's inputs: each dependency's latest data version and event."""
-    from dagster._core.definitions.data_version import (
-        DEFAULT_DATA_VERSION,
-        NULL_EVENT_POINTER,
-        get_input_data_version_tag,
-        get_input_event_pointer_tag,
-    )
-
     tags: dict[str, str] = {}
     for dep in sorted(context.assets_def.asset_deps[context.asset_key]):
         records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dep), limit=1).records
@@ -220,8 +220,6 @@ def observed_versions(instance: dg.DagsterInstance, asset: str, partitions: Iter
 def partition_observation(asset: str, partition: str, data_version: str, metadata: dict[str, object]) -> dg.AssetObservation:
     """An observation of one partition with ``data_version`` as its own (tagged as Dagster tags
     the observations of observable source assets)."""
-    from dagster._core.definitions.data_version import DATA_VERSION_IS_USER_PROVIDED_TAG
-
     return dg.AssetObservation(
         asset_key=asset,
         partition=partition,
@@ -233,13 +231,6 @@ def partition_observation(asset: str, partition: str, data_version: str, metadat
 def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
     """Provenance tags for one input partition of an observed (external) asset: its observed data
     version and the observation's storage id (what Dagster compares later observations with)."""
-    from dagster._core.definitions.data_version import (
-        DEFAULT_DATA_VERSION,
-        NULL_EVENT_POINTER,
-        get_input_data_version_tag,
-        get_input_event_pointer_tag,
-    )
-
     key = dg.AssetKey(asset)
     version, storage_id = observed if observed else (DEFAULT_DATA_VERSION.value, None)
     return {
@@ -256,8 +247,6 @@ def partition_materialization(
     provenance: dict[str, str],
 ) -> dg.AssetMaterialization:
     """The materialization of one partition, with ``data_version`` (a content hash) as its own."""
-    from dagster._core.definitions.data_version import CODE_VERSION_TAG, DATA_VERSION_IS_USER_PROVIDED_TAG
-
     code_version = context.assets_def.code_versions_by_key[context.asset_key] or context.run.run_id
     return dg.AssetMaterialization(
         asset_key=context.asset_key,

@@ -25,10 +25,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import dagster as dg
 
+from speech_assets.defs import dagster_internals
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
 from speech_assets.utils import sha256_strings
@@ -90,12 +92,6 @@ def recorded_processes(run: dg.DagsterRun) -> list[ProcessIdentity]:
     ]
 
 
-def _is_local_storage(instance: dg.DagsterInstance) -> bool:
-    from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
-
-    return isinstance(instance.event_log_storage, SqliteEventLogStorage)
-
-
 def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None = None) -> str | None:
     """Why ``run`` (not finished) has no live process left, or None if it may still be running."""
     recorded = recorded_processes(run)
@@ -104,7 +100,7 @@ def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None
             return None
         pids = ", ".join(str(process.pid) for process in recorded)
         return f"every process it ran in ({pids} on {recorded[0].host}: its worker and steps) is gone"
-    if not _is_local_storage(instance):
+    if not dagster_internals.is_local_storage(instance):
         return None
     records = instance.get_records_for_run(run.run_id, ascending=False, limit=1).records
     if not records:
@@ -152,29 +148,12 @@ def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:
 # --- without a daemon: the default executor reaps before it claims slots ---------------------
 
 
-def _reaping_executor_class():
-    from dagster._core.executor.multiprocess import MultiprocessExecutor
-
-    class ReapingMultiprocessExecutor(MultiprocessExecutor):
-        """Dagster's multiprocess executor, which first frees slots held by dead local runs."""
-
-        def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
-            record_run_worker(plan_context.instance, plan_context.dagster_run)
-            reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
-            if runs_in_process(plan_context.dagster_run, execution_plan):
-                from dagster._core.executor.in_process import InProcessExecutor
-
-                in_process = InProcessExecutor(retries=self._retries, step_dependency_config=self._step_dependency_config)
-                with frozen_heap():
-                    yield from in_process.execute(plan_context, execution_plan)
-                return
-            try:
-                yield from super().execute(plan_context, execution_plan)
-            finally:
-                if self._start_method == "forkserver":
-                    stop_forkserver()
-
-    return ReapingMultiprocessExecutor
+def prepare_run(plan_context, execution_plan) -> AbstractContextManager[None] | None:
+    """Before any step, in the run worker: record it, free slots held by dead local runs, and
+    give the context to run every step in the worker in, if the run does (``IN_PROCESS_TAG``)."""
+    record_run_worker(plan_context.instance, plan_context.dagster_run)
+    reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
+    return frozen_heap() if runs_in_process(plan_context.dagster_run, execution_plan) else None
 
 
 # Steps fork from a server that has already imported these, instead of each spawned step
@@ -184,75 +163,17 @@ def _reaping_executor_class():
 FORKSERVER_PRELOAD = ["speech_assets.definitions", "torch", "pyarrow.parquet", "numpy"]
 
 
-def stop_forkserver() -> None:
-    """End this process's forkserver now that the run's steps are done. Closing its pipe (what
-    multiprocessing does at exit) makes it tear down torch and the code location, which on a
-    machine that evicts idle pages took minutes of CPU after the run had ended; it holds no
-    files and its steps have exited, so SIGKILL loses nothing."""
-    import signal
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    with server._lock:
-        if server._forkserver_pid is None:
-            return
-        try:
-            os.kill(server._forkserver_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        server._stop_unlocked()  # reaps it and removes its socket
-
-
-def _build_executor(init_context: dg.InitExecutorContext):
-    from dagster._core.definitions.executor_definition import _core_multiprocess_executor_creation
-
-    config = dict(init_context.executor_config)
-    if not config.get("start_method"):
-        config["start_method"] = {"forkserver": {"preload_modules": FORKSERVER_PRELOAD}}
-    executor = _core_multiprocess_executor_creation(config)
-    executor.__class__ = _reaping_executor_class()  # same state, one extra step before executing
-    return executor
-
-
-def _make_executor_def() -> dg.ExecutorDefinition:
-    from dagster._core.definitions.executor_definition import MULTI_PROC_CONFIG, multiple_process_executor_requirements
-
-    return dg.ExecutorDefinition(
-        name="multiprocess",
-        config_schema=MULTI_PROC_CONFIG,
-        requirements=multiple_process_executor_requirements(),
-        executor_creation_fn=_build_executor,
-        description=(
-            "Dagster's multiprocess executor (steps fork from a preloaded forkserver unless start_method says "
-            "otherwise); first frees concurrency slots of runs whose processes are gone."
-        ),
-    )
-
-
-reaping_multiprocess_executor = _make_executor_def()
+reaping_multiprocess_executor = dagster_internals.multiprocess_executor(
+    description=(
+        "Dagster's multiprocess executor (steps fork from a preloaded forkserver unless start_method says "
+        "otherwise); first frees concurrency slots of runs whose processes are gone."
+    ),
+    preload_modules=FORKSERVER_PRELOAD,
+    prepare=prepare_run,
+)
 
 
 # --- with a daemon: run monitoring learns that a local run worker is gone ---------------------
 
 
-def _local_launcher_class():
-    from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
-    from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
-
-    class LocalProcessRunLauncher(DefaultRunLauncher):
-        """The default (local) run launcher, plus a run-worker health check for run monitoring."""
-
-        @property
-        def supports_check_run_worker_health(self) -> bool:
-            return True
-
-        def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
-            reason = why_dead(self._instance, run)
-            if reason is None:
-                return CheckRunHealthResult(WorkerStatus.RUNNING)
-            return CheckRunHealthResult(WorkerStatus.FAILED, f"{reason} (or free its slots with `{REAP_COMMAND}`)")
-
-    return LocalProcessRunLauncher
-
-
-LocalProcessRunLauncher = _local_launcher_class()
+LocalProcessRunLauncher = dagster_internals.local_run_launcher(why_dead, remedy=f"or free its slots with `{REAP_COMMAND}`")

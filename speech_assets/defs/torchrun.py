@@ -3,7 +3,7 @@
 
 It holds the run folder, writes each attempt's config, starts torchrun (and, for a fixed number
 of nodes, nodes 1..N-1), reports through Pipes, and retries a CUDA out-of-memory failure with half
-the batch (:func:`speech_assets.train.launch.retrying_oom`). torch is imported when a job starts.
+the batch (:func:`speech_assets.train.oom.retrying_oom`). torch is imported when a job starts.
 """
 
 import contextlib
@@ -26,6 +26,7 @@ from speech_assets import locations
 from speech_assets.defs.lineage import bounded_versions, read_json, record_provenance
 from speech_assets.defs.resources import StoragePaths, TrainingSettings
 from speech_assets.runtime.processes import command_lines
+from speech_assets.train import oom
 from speech_assets.utils import atomic_write_text
 
 
@@ -78,7 +79,7 @@ def run_torchrun(
 
     with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
         try:
-            invocation, retries = launch.retrying_oom(run_dir, config, attempt, warn=context.log.warning)
+            invocation, retries = oom.retrying_oom(run_dir, config, attempt, warn=context.log.warning)
         except Exception as error:
             raise training_failure(error, run_dir) from error
         result = invocation.get_materialize_result()
@@ -157,7 +158,7 @@ def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Fai
     rank 0's log (the workers' tracebacks are in the step's stderr)."""
     log = run_dir / "train.log"
     tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:] if log.is_file() else []
-    out_of_memory = " (CUDA out of memory on every retry)" if (run_dir / "oom.json").is_file() else ""
+    out_of_memory = " (CUDA out of memory on every retry)" if oom.detect_oom(run_dir) else ""
     return dg.Failure(
         description=f"training failed{out_of_memory}: {type(error).__name__}: {error}",
         metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "train_log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},

@@ -36,8 +36,9 @@ from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import DistillConfig
 from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split, speaker_record
-from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay, worker
+from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay
 from speech_assets.train.tracking import PipesReporter
+from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "distilled"

@@ -9,15 +9,14 @@ nothing. The :class:`Engine` owns the rest of a step and of a run:
   schedule;
 - checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
   stream's position and every rank's RNG states); a new attempt resumes from the latest;
-- the metrics window: every ``log_every`` steps ``metrics.jsonl``, the log line and MLflow;
-- the worker's life (:func:`worker`): logging, the run-folder hold, the process group, and the
-  CUDA out-of-memory marker that the launcher backs off on.
+- the metrics window: every ``log_every`` steps ``metrics.jsonl``, the log line and MLflow.
 
 Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.trainer`, HuBERT
 masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
 teacher layers as targets) and a federated client's local round
 (:mod:`speech_assets.federated.local`: only the encoder travels, the head stays with the client).
-Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes.
+Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes. A training process
+runs it inside :func:`speech_assets.train.worker.worker` (logging, run-folder hold, out-of-memory exit).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,8 +42,6 @@ from torch.utils.data import DataLoader
 
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
-from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
-from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
 from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
     capture_rng_state,
@@ -58,7 +54,6 @@ from speech_assets.train.checkpoint import (
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
-from speech_assets.train.launch import OOM_EXIT_CODE, RUN_LOCK_HELD_ENV, write_oom_marker
 from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series
 from speech_assets.utils import atomic_write_text
 
@@ -445,73 +440,3 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
         with contextlib.suppress(Exception):
             tracker.fail()
         raise
-
-
-# ---------------------------------------------------------------------------- a worker's life
-@contextlib.contextmanager
-def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
-    """This process as a training worker, alone or one rank of a torchrun job: logging, its hold on
-    the run folder (:func:`hold_run_folder`), the process group; a CUDA out-of-memory error with a
-    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`."""
-    handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
-    job: Distributed | None = None
-    folder = contextlib.ExitStack()
-    try:
-        folder.enter_context(hold_run_folder(run_dir, command))
-        job = init_distributed(device)
-        yield job
-    except torch.cuda.OutOfMemoryError as error:
-        if job is None or job.batch is None:
-            raise
-        write_oom_marker(run_dir, job.rank, *job.batch, str(error))
-        log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", *job.batch, error)
-        raise SystemExit(OOM_EXIT_CODE) from error
-    finally:
-        for handler in handlers:
-            log.removeHandler(handler)
-            handler.close()
-        if job is not None and job.enabled and dist.is_initialized():
-            dist.destroy_process_group()
-        folder.close()
-
-
-def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
-    """Rank 0 logs INFO to ``run_dir/train.log`` and to stderr, other ranks only warnings.
-
-    Under Dagster Pipes rank 0's records reach the run through the Pipes session already, so
-    stderr gets only warnings there: each line appears once in the run's log.
-    """
-    from dagster_pipes import PipesEnvVarParamsLoader
-
-    handlers: list[logging.Handler] = []
-    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    stream = logging.StreamHandler(sys.stderr)
-    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
-        stream.setLevel(logging.WARNING)
-    handlers.append(stream)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        log.addHandler(handler)
-    return handlers
-
-
-@contextlib.contextmanager
-def hold_run_folder(run_dir: str, command: str) -> Iterator[None]:
-    """This worker's claim on the run folder, and its tie to the launcher's life.
-
-    Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
-    named in the environment. Every worker holds the workers' lock shared; the run lock is the
-    launcher's, or, when nobody launched this process, rank 0's own.
-    """
-    if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()
-        watch_launcher()
-    with contextlib.ExitStack() as stack:
-        stack.callback(hold_as_worker(run_dir).close)
-        if not os.environ.get(RUN_LOCK_HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:
-            stack.enter_context(RunFolderLock(run_dir).acquire(command=command))
-        yield

@@ -1,16 +1,10 @@
-"""Launching: auto-configure on this machine, build the torchrun command, and the CUDA
-out-of-memory retry policy (halve the per-device batch, double accumulation, up to 3 times).
-
-A rank that hits ``torch.cuda.OutOfMemoryError`` writes ``run_dir/oom.json`` and exits with
-:data:`OOM_EXIT_CODE`; the launcher (``python -m speech_assets.train --launch`` or the Dagster
-asset) sees the marker via :func:`detect_oom`, adjusts the config and launches again. Each
-attempt resumes from the run's latest checkpoint.
+"""Launching: auto-configure on this machine, build the torchrun command, and launch with the
+CUDA out-of-memory retries of :mod:`speech_assets.train.oom`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -20,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO
 
 from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.hosts import check_endpoint, check_host
@@ -34,18 +28,13 @@ from speech_assets.train.autoconfig import (
     profile_model,
 )
 from speech_assets.train.config import TrainConfig
+from speech_assets.train.oom import retrying_oom
 from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
 from speech_assets.runtime.processes import launcher_env
-from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
-Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
-Outcome = TypeVar("Outcome")
 
 RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
-OOM_EXIT_CODE = 75
-OOM_MARKER = "oom.json"
-MAX_OOM_RETRIES = 3
 # Environment for the torchrun process. By default torchrun's workers share the rendezvous
 # TCPStore across restarts, and a restarted worker group can read the previous attempt's
 # addresses and fail or hang in init_process_group (pytorch/pytorch#135712); a store per
@@ -205,61 +194,6 @@ def launching(run_dir: str | os.PathLike[str], **holder: object) -> Iterator[Run
     with RunFolderLock(run_dir).acquire(**holder) as lock:
         wait_for_old_workers(run_dir)
         yield lock
-
-
-def next_attempt_after_oom(batch_seconds: float, grad_accum: int) -> tuple[float, int]:
-    """Same effective batch with half the memory: ``(batch / 2, accum * 2)``."""
-    return batch_seconds / 2, grad_accum * 2
-
-
-def write_oom_marker(
-    run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: str
-) -> None:
-    payload = {"rank": rank, "batch_seconds": batch_seconds, "grad_accum": grad_accum, "error": error[:2000]}
-    atomic_write_text(Path(run_dir) / OOM_MARKER, json.dumps(payload, indent=2) + "\n")
-
-
-def read_oom_marker(run_dir: str | os.PathLike[str]) -> dict[str, object] | None:
-    path = Path(run_dir) / OOM_MARKER
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def detect_oom(run_dir: str | os.PathLike[str]) -> bool:
-    """Whether a rank of the last attempt ran out of CUDA memory."""
-    return (Path(run_dir) / OOM_MARKER).is_file()
-
-
-def clear_oom(run_dir: str | os.PathLike[str]) -> None:
-    (Path(run_dir) / OOM_MARKER).unlink(missing_ok=True)
-
-
-def retrying_oom(
-    run_dir: str | os.PathLike[str],
-    config: Config,
-    attempt: Callable[[Config, int], Outcome],
-    failed: Callable[[Outcome], bool] = lambda _: False,
-    warn: Callable[[str], None] = log.warning,
-) -> tuple[Outcome, int]:
-    """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
-    rank left :data:`OOM_MARKER`) up to :data:`MAX_OOM_RETRIES` times, each with half the
-    per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
-    that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
-    Returns the outcome and the number of retries.
-    """
-    for retry in range(MAX_OOM_RETRIES + 1):
-        clear_oom(run_dir)
-        try:
-            outcome = attempt(config, retry)
-        except Exception:
-            if retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
-                raise
-        else:
-            if not failed(outcome) or retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
-                return outcome, retry
-        batch, accum = next_attempt_after_oom(float(config.batch_seconds or 0), int(config.grad_accum))
-        warn(f"CUDA out of memory: retrying with batch {batch:.1f} s and grad_accum {accum}")
-        config = replace(config, batch_seconds=batch, grad_accum=accum)
-    raise AssertionError("unreachable")
 
 
 def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None) -> int:

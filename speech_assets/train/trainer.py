@@ -33,12 +33,13 @@ from speech_assets.train.engine import (
     seed_everything,
     tracking,
     warmup_linear_decay,
-    worker,
 )
-from speech_assets.train.launch import OOM_EXIT_CODE, clear_oom, plan_for, read_oom_marker
+from speech_assets.train.launch import plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
+from speech_assets.train.oom import clear_oom, refuse_known_oom
 from speech_assets.train.sampling import BlockShuffleSampler
 from speech_assets.train.tracking import PipesReporter
+from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 WINDOW_BLOCKS = 16  # blocks (shard row groups) mixed at a time; the dataset caches one window
@@ -211,10 +212,7 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
         plan = replace(plan, threads_per_process=config.threads)
     elif job.device.type == "cpu":
         plan = replace(plan, threads_per_process=max(1, available_cores() // job.local_world_size))
-    marker = read_oom_marker(config.run_dir)
-    if marker is not None and marker.get("batch_seconds") == plan.batch_seconds:
-        log.error("a previous attempt ran out of memory with batch %.1f s; not retrying it", plan.batch_seconds)
-        raise SystemExit(OOM_EXIT_CODE)
+    refuse_known_oom(config.run_dir, plan.batch_seconds)
     torch.set_num_threads(plan.threads_per_process)
     log.info("autoconfig: %s", plan.reason)
     job.batch = (plan.batch_seconds, plan.grad_accum)
@@ -226,7 +224,7 @@ def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[st
 
     Returns ``result.json``'s content on rank 0 (``None`` on other ranks). ``stop_after_step``
     simulates a preemption: checkpoint at that step and return ``None``. A CUDA out-of-memory
-    error writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`.
+    error writes ``run_dir/oom.json`` and exits (:mod:`speech_assets.train.oom`).
     """
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
         reporter = PipesReporter(log) if job.is_main else None

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from speech_assets.runtime import waiting
-from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes, stop_forkserver
+from speech_assets.defs.dagster_internals import stop_forkserver
+from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes
 from speech_assets.runtime.processes import process_start_time
 from speech_assets_tests.conftest import REPO
 

@@ -1,3 +1,4 @@
+import ast
 import json
 import os
 import subprocess
@@ -11,16 +12,14 @@ import pytest
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
-from speech_assets.train.launch import (
+from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
+from speech_assets.train.oom import (
     OOM_EXIT_CODE,
-    build_torchrun_command,
+    OOM_MARKER,
     clear_oom,
     detect_oom,
-    launch,
     next_attempt_after_oom,
-    other_node_commands,
     read_oom_marker,
-    start_node,
     write_oom_marker,
 )
 from speech_assets.testing.training_data import SyntheticCorpus
@@ -58,6 +57,20 @@ def test_oom_policy_and_marker(tmp_path: Path) -> None:
     }
     clear_oom(tmp_path)
     assert not detect_oom(tmp_path) and read_oom_marker(tmp_path) is None
+
+
+def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module() -> None:
+    """The marker's name is spelled in train/oom.py alone (workers and launchers import it); the
+    engine is the loop: logging, locks, the launcher watch and Pipes are train/worker.py's."""
+    package = REPO / "speech_assets"
+    trees = {path.relative_to(package).as_posix(): ast.parse(path.read_text()) for path in package.rglob("*.py")}
+    spelled = sorted(name for name, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == OOM_MARKER)
+    assert spelled == ["train/oom.py"]
+    engine = list(ast.walk(trees["train/engine.py"]))
+    imported = {node.module for node in engine if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in engine if isinstance(node, ast.Import) for alias in node.names}
+    worker_life = {"speech_assets.runtime.locks", "speech_assets.runtime.processes", "speech_assets.train.launch", "speech_assets.train.oom", "dagster_pipes"}
+    assert not imported & worker_life
 
 
 def test_launch_retries_out_of_memory_with_half_the_batch(

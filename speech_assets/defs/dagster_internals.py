@@ -1,0 +1,144 @@
+"""Every private name of Dagster (and of multiprocessing) that the package uses, and why.
+
+Dagster's public API has no way to do these. A Dagster upgrade may move or change any of them
+without notice: the package pins one release (``pyproject.toml``), and
+``speech_assets_tests/defs/test_dagster_internals.py`` imports each one and checks the fields and
+parameters used here, so an upgrade that breaks one fails there, by name. No other module may
+use a private Dagster name (the layer test).
+
+- ``dagster._core.definitions.data_version``: ``DATA_VERSION_TAG``, ``CODE_VERSION_TAG``,
+  ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``DEFAULT_DATA_VERSION``, ``NULL_EVENT_POINTER``,
+  ``get_input_data_version_tag``, ``get_input_event_pointer_tag``: per-partition
+  materializations and observations tagged exactly as Dagster tags its own
+  (:mod:`speech_assets.defs.lineage`); a public ``DataVersion`` is one per run.
+- ``dagster._core.storage.event_log.sqlite.sqlite_event_log.SqliteEventLogStorage``
+  (:func:`is_local_storage`): a run is judged dead by its events' pids only on local storage.
+- ``dagster._core.definitions.executor_definition``: ``_core_multiprocess_executor_creation``,
+  ``MULTI_PROC_CONFIG``, ``multiple_process_executor_requirements``;
+  ``dagster._core.executor.multiprocess.MultiprocessExecutor`` and its field ``_start_method``;
+  ``dagster._core.executor.in_process.InProcessExecutor`` (:func:`multiprocess_executor`): the
+  stock multiprocess executor, with its config and checks, plus work in the run worker before
+  any step (Dagster has no hook there), and the choice to run a run's steps in that worker.
+- ``dagster._core.launcher.base``: ``CheckRunHealthResult``, ``WorkerStatus``, and a launcher's
+  ``_instance`` (:func:`local_run_launcher`): the default run launcher with the run-worker
+  health check that run monitoring calls.
+- ``multiprocessing.forkserver._forkserver`` and its ``_lock``, ``_forkserver_pid``,
+  ``_stop_unlocked`` (:func:`stop_forkserver`): multiprocessing stops its forkserver only at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dagster as dg
+from dagster._core.definitions.data_version import (  # noqa: F401 - for defs/lineage.py
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    DEFAULT_DATA_VERSION,
+    NULL_EVENT_POINTER,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
+
+# plan_context, execution_plan -> the context to run every step in the run worker in, or None
+Prepare = Callable[[Any, Any], contextlib.AbstractContextManager[object] | None]
+
+
+def is_local_storage(instance: dg.DagsterInstance) -> bool:
+    from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
+
+    return isinstance(instance.event_log_storage, SqliteEventLogStorage)
+
+
+def _prepared_executor_class(prepare: Prepare):
+    from dagster._core.executor.multiprocess import MultiprocessExecutor
+
+    class PreparedMultiprocessExecutor(MultiprocessExecutor):
+        """Dagster's multiprocess executor, which first calls ``prepare`` in the run worker."""
+
+        def execute(self, plan_context, execution_plan) -> Iterator[dg.DagsterEvent]:
+            in_worker = prepare(plan_context, execution_plan)
+            if in_worker is not None:
+                from dagster._core.executor.in_process import InProcessExecutor
+
+                in_process = InProcessExecutor(retries=self.retries, step_dependency_config=self.step_dependency_config)
+                with in_worker:
+                    yield from in_process.execute(plan_context, execution_plan)
+                return
+            try:
+                yield from super().execute(plan_context, execution_plan)
+            finally:
+                if self._start_method == "forkserver":
+                    stop_forkserver()
+
+    return PreparedMultiprocessExecutor
+
+
+def stop_forkserver() -> None:
+    """End this process's forkserver now that the run's steps are done. Closing its pipe (what
+    multiprocessing does at exit) makes it tear down torch and the code location, which on a
+    machine that evicts idle pages took minutes of CPU after the run had ended; it holds no
+    files and its steps have exited, so SIGKILL loses nothing."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is None:
+            return
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server._stop_unlocked()  # reaps it and removes its socket
+
+
+def multiprocess_executor(description: str, preload_modules: list[str], prepare: Prepare) -> dg.ExecutorDefinition:
+    """Dagster's ``multiprocess`` executor (same config) whose steps fork from a forkserver that
+    preloads ``preload_modules`` unless the run config's ``start_method`` says otherwise, stopped
+    once the run's steps are done. Before any step ``prepare(plan_context, execution_plan)`` runs
+    in the run worker; when it returns a context, every step runs in the worker, inside it."""
+    from dagster._core.definitions.executor_definition import MULTI_PROC_CONFIG, multiple_process_executor_requirements
+
+    def build(init_context: dg.InitExecutorContext):
+        from dagster._core.definitions.executor_definition import _core_multiprocess_executor_creation
+
+        config = dict(init_context.executor_config)
+        if not config.get("start_method"):
+            config["start_method"] = {"forkserver": {"preload_modules": preload_modules}}
+        executor = _core_multiprocess_executor_creation(config)
+        executor.__class__ = _prepared_executor_class(prepare)  # same state, one extra step before executing
+        return executor
+
+    return dg.ExecutorDefinition(
+        name="multiprocess",
+        config_schema=MULTI_PROC_CONFIG,
+        requirements=multiple_process_executor_requirements(),
+        executor_creation_fn=build,
+        description=description,
+    )
+
+
+def local_run_launcher(why_dead: Callable[[dg.DagsterInstance, dg.DagsterRun], str | None], remedy: str) -> type:
+    """Dagster's default (local) run launcher plus a run-worker health check for run monitoring:
+    a run's worker has failed when ``why_dead`` gives a reason (shown followed by ``remedy``)."""
+    from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
+
+    class LocalProcessRunLauncher(dg.DefaultRunLauncher):
+        """The default (local) run launcher, plus a run-worker health check for run monitoring."""
+
+        @property
+        def supports_check_run_worker_health(self) -> bool:
+            return True
+
+        def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
+            reason = why_dead(self._instance, run)
+            if reason is None:
+                return CheckRunHealthResult(WorkerStatus.RUNNING)
+            return CheckRunHealthResult(WorkerStatus.FAILED, f"{reason} ({remedy})")
+
+    return LocalProcessRunLauncher

@@ -1,0 +1,100 @@
+"""The CUDA out-of-memory protocol between a training worker and its launcher.
+
+A rank that hits ``torch.cuda.OutOfMemoryError`` with a known batch writes ``run_dir/oom.json``
+and exits with :data:`OOM_EXIT_CODE` (:func:`exit_after_oom`); the launcher
+(``python -m speech_assets.train --launch`` or the Dagster asset) sees the marker via
+:func:`detect_oom` and launches again with half the per-device batch and twice the
+accumulation, up to :data:`MAX_OOM_RETRIES` times (:func:`retrying_oom`). Each attempt resumes
+from the run's latest checkpoint; a worker refuses a batch that already ran out of memory in
+the run (:func:`refuse_known_oom`) and clears the marker once the run is done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from speech_assets.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
+Outcome = TypeVar("Outcome")
+
+OOM_EXIT_CODE = 75
+OOM_MARKER = "oom.json"
+MAX_OOM_RETRIES = 3
+
+
+def next_attempt_after_oom(batch_seconds: float, grad_accum: int) -> tuple[float, int]:
+    """Same effective batch with half the memory: ``(batch / 2, accum * 2)``."""
+    return batch_seconds / 2, grad_accum * 2
+
+
+def write_oom_marker(
+    run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: str
+) -> None:
+    payload = {"rank": rank, "batch_seconds": batch_seconds, "grad_accum": grad_accum, "error": error[:2000]}
+    atomic_write_text(Path(run_dir) / OOM_MARKER, json.dumps(payload, indent=2) + "\n")
+
+
+def read_oom_marker(run_dir: str | os.PathLike[str]) -> dict[str, object] | None:
+    path = Path(run_dir) / OOM_MARKER
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def detect_oom(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether a rank of the last attempt ran out of CUDA memory."""
+    return (Path(run_dir) / OOM_MARKER).is_file()
+
+
+def clear_oom(run_dir: str | os.PathLike[str]) -> None:
+    (Path(run_dir) / OOM_MARKER).unlink(missing_ok=True)
+
+
+def retrying_oom(
+    run_dir: str | os.PathLike[str],
+    config: Config,
+    attempt: Callable[[Config, int], Outcome],
+    failed: Callable[[Outcome], bool] = lambda _: False,
+    warn: Callable[[str], None] = log.warning,
+) -> tuple[Outcome, int]:
+    """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
+    rank left :data:`OOM_MARKER`) up to :data:`MAX_OOM_RETRIES` times, each with half the
+    per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
+    that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
+    Returns the outcome and the number of retries.
+    """
+    for retry in range(MAX_OOM_RETRIES + 1):
+        clear_oom(run_dir)
+        try:
+            outcome = attempt(config, retry)
+        except Exception:
+            if retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
+                raise
+        else:
+            if not failed(outcome) or retry == MAX_OOM_RETRIES or not detect_oom(run_dir):
+                return outcome, retry
+        batch, accum = next_attempt_after_oom(float(config.batch_seconds or 0), int(config.grad_accum))
+        warn(f"CUDA out of memory: retrying with batch {batch:.1f} s and grad_accum {accum}")
+        config = replace(config, batch_seconds=batch, grad_accum=accum)
+    raise AssertionError("unreachable")
+
+
+def exit_after_oom(run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: BaseException) -> NoReturn:
+    """A worker out of CUDA memory with this batch: the marker, then :data:`OOM_EXIT_CODE`."""
+    write_oom_marker(run_dir, rank, batch_seconds, grad_accum, str(error))
+    log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", batch_seconds, grad_accum, error)
+    raise SystemExit(OOM_EXIT_CODE) from error
+
+
+def refuse_known_oom(run_dir: str | os.PathLike[str], batch_seconds: float) -> None:
+    """Exit with :data:`OOM_EXIT_CODE` if a previous attempt ran out of memory with this batch."""
+    marker = read_oom_marker(run_dir)
+    if marker is not None and marker.get("batch_seconds") == batch_seconds:
+        log.error("a previous attempt ran out of memory with batch %.1f s; not retrying it", batch_seconds)
+        raise SystemExit(OOM_EXIT_CODE)

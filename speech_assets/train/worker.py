@@ -1,0 +1,91 @@
+"""A training worker's process life, around the engine's loop: logging (rank 0 to ``train.log``
+and, outside Dagster Pipes, to stderr), the hold on the run folder and the tie to the launcher's
+life, the process group, and the out-of-memory exit of :mod:`speech_assets.train.oom`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
+from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
+from speech_assets.train.engine import Distributed, init_distributed
+from speech_assets.train.launch import RUN_LOCK_HELD_ENV
+from speech_assets.train.oom import exit_after_oom
+
+log = logging.getLogger("speech_assets.train")
+
+
+@contextlib.contextmanager
+def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
+    """This process as a training worker, alone or one rank of a torchrun job: logging, its hold on
+    the run folder (:func:`hold_run_folder`), the process group; a CUDA out-of-memory error with a
+    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits (:func:`exit_after_oom`)."""
+    handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
+    job: Distributed | None = None
+    folder = contextlib.ExitStack()
+    try:
+        folder.enter_context(hold_run_folder(run_dir, command))
+        job = init_distributed(device)
+        yield job
+    except torch.cuda.OutOfMemoryError as error:
+        if job is None or job.batch is None:
+            raise
+        exit_after_oom(run_dir, job.rank, *job.batch, error)
+    finally:
+        for handler in handlers:
+            log.removeHandler(handler)
+            handler.close()
+        if job is not None and job.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+        folder.close()
+
+
+def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
+    """Rank 0 logs INFO to ``run_dir/train.log`` and to stderr, other ranks only warnings.
+
+    Under Dagster Pipes rank 0's records reach the run through the Pipes session already, so
+    stderr gets only warnings there: each line appears once in the run's log.
+    """
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    handlers: list[logging.Handler] = []
+    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    stream = logging.StreamHandler(sys.stderr)
+    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        stream.setLevel(logging.WARNING)
+    handlers.append(stream)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+    return handlers
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: str, command: str) -> Iterator[None]:
+    """This worker's claim on the run folder, and its tie to the launcher's life.
+
+    Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
+    named in the environment. Every worker holds the workers' lock shared; the run lock is the
+    launcher's, or, when nobody launched this process, rank 0's own.
+    """
+    if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        watch_launcher()
+    with contextlib.ExitStack() as stack:
+        stack.callback(hold_as_worker(run_dir).close)
+        if not os.environ.get(RUN_LOCK_HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:
+            stack.enter_context(RunFolderLock(run_dir).acquire(command=command))
+        yield
