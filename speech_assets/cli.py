@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 
 from speech_assets import locations
+from speech_assets.layout import DataLayout
 from speech_assets.stats import database as stats_db
 
 
@@ -27,7 +28,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         standing,
     )  # fmt: skip
 
-    path = Path(args.results) if args.results else locations.data_dir() / "probe" / "results.parquet"
+    path = Path(args.results) if args.results else DataLayout(locations.data_dir()).probe.results
     if not path.is_file():
         print(f"error: no probe results at {path}: materialize downstream_probe", file=sys.stderr)
         return 1
@@ -177,7 +178,7 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> Path:
-    return Path(args.db) if args.db else locations.data_dir() / "stats.duckdb"
+    return Path(args.db) if args.db else DataLayout(locations.data_dir()).stats_db
 
 
 ENVIRONMENT = """\

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlparse
 
+from speech_assets import layout
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -55,7 +57,7 @@ def mlflow_tracking_uri(data: Path | None = None) -> str:
     explicit = os.environ.get(TRACKING_URI_ENV)
     if explicit:
         return explicit
-    return f"sqlite:///{(data or data_dir()) / 'mlflow.db'}"
+    return f"sqlite:///{layout.DataLayout(data or data_dir()).mlflow_db}"
 
 
 MLFLOW_SERVER_SCHEMES = ("http", "https")
@@ -107,9 +109,9 @@ def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str
     if parsed.scheme in MLFLOW_SERVER_SCHEMES:
         return None
     if data is not None:
-        return str(data / "mlartifacts")
+        return str(layout.DataLayout(data).mlflow_artifacts)
     if parsed.scheme == "sqlite":
-        return str(Path(tracking_uri[len("sqlite:///") :]).parent / "mlartifacts")
+        return str(Path(tracking_uri[len("sqlite:///") :]).parent / layout.MLFLOW_ARTIFACTS_DIR)
     if parsed.scheme in ("", "file"):
-        return str(Path(parsed.path or tracking_uri) / "mlartifacts")
+        return str(Path(parsed.path or tracking_uri) / layout.MLFLOW_ARTIFACTS_DIR)
     return None

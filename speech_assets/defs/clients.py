@@ -36,7 +36,7 @@ def client_partitions(
     from speech_assets.train.data import heldout_speakers  # torch: lazily, the code location stays light
 
     config = effective(settings.clients, config)
-    speakers = pq.read_table(paths.cmvn_dir / "speakers.parquet").to_pylist()
+    speakers = pq.read_table(paths.cmvn.speakers).to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
     previous = {}
     if paths.clients_file.exists():  # (only these two columns: a table of an older version keeps its clients)
@@ -84,7 +84,7 @@ def client_partitions(
     "Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."
 ))
 def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
-    speakers = set(pq.read_table(paths.cmvn_dir / "speakers.parquet", columns=["speaker_id"]).column(0).to_pylist())
+    speakers = set(pq.read_table(paths.cmvn.speakers, columns=["speaker_id"]).column(0).to_pylist())
     rows = assignment.read_clients(paths.clients_file)
     assigned = [r.speaker_id for r in rows]
     clients = {r.client_id for r in rows}

@@ -8,6 +8,7 @@ import json
 
 import dagster as dg
 
+from speech_assets.layout import RunFiles
 from speech_assets.defs.lineage import input_versions, required_checkpoint
 from speech_assets.defs.probe import shard_utterances, speaker_clients
 from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
@@ -49,7 +50,7 @@ def distilled_checkpoint(
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
     clients = speakers_by_client(paths)
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
-    run_dir = run_folder(paths.root / "distill", data_versions, options, DISTILL_CODE_VERSION)
+    run_dir = run_folder(paths.layout.distill_dir, data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
     distill_config = from_fields(
         DistillConfig, options, **run_inputs(paths, clients, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
@@ -60,7 +61,7 @@ def distilled_checkpoint(
         context, pipes_subprocess_client, paths, run_dir, distill_config, data_versions, asset_name="distilled_checkpoint",
         nproc=options.nproc or 1, module="speech_assets.train.distill",
     )  # fmt: skip
-    speed = _student_speed(teacher, str(run_dir / "final.pt"), paths)
+    speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths)
     atomic_write_text(run_dir / SPEED_FILE, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "

@@ -53,7 +53,7 @@ def encoder_export(
     sample = [cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
-    folder = paths.root / "export" / f"{encoder.sha256[:16]}-layer{options.layer}"
+    folder = paths.export(encoder.sha256, options.layer).root
     folder.parent.mkdir(parents=True, exist_ok=True)
     # written in a sibling temporary folder, then renamed into place: never half an export
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -216,8 +216,8 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
     for part in parts:
         per_speaker.speakers.update(part.speakers)
     paths.cmvn_dir.mkdir(parents=True, exist_ok=True)
-    global_cmvn.save(paths.cmvn_dir / "cmvn.npz")
-    per_speaker.save(paths.cmvn_dir / "speaker_sums.npz")
+    global_cmvn.save(paths.cmvn.cmvn)
+    per_speaker.save(paths.cmvn.speaker_sums)
     table = pa.table(
         {
             "speaker_id": speakers,
@@ -228,10 +228,10 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
             "shard_sha256": [metas[s]["shard_sha256"] for s in speakers],
         }
     )
-    with atomic_path(paths.cmvn_dir / "speakers.parquet") as tmp:
+    with atomic_path(paths.cmvn.speakers) as tmp:
         pq.write_table(table, tmp)
     version = sha256_strings(
-        [sha256_file(paths.cmvn_dir / name) for name in ("cmvn.npz", "speaker_sums.npz", "speakers.parquet")]
+        [sha256_file(path) for path in paths.cmvn.versioned]
     )
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
@@ -248,8 +248,8 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
                 )
                 + (f"\n\n... and {len(speakers) - 50} more speakers: see speakers_path" if len(speakers) > 50 else "")
             ),
-            "speakers_path": dg.MetadataValue.path(str(paths.cmvn_dir / "speakers.parquet")),
-            "path": dg.MetadataValue.path(str(paths.cmvn_dir / "cmvn.npz")),
+            "speakers_path": dg.MetadataValue.path(str(paths.cmvn.speakers)),
+            "path": dg.MetadataValue.path(str(paths.cmvn.cmvn)),
         },
     )
 
@@ -265,7 +265,6 @@ def _published_shards(paths: StoragePaths) -> dict[str, dict]:
     return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
 
 
-VERIFIED_FILE = ".verified.json"  # in the shards folder: what shards_are_consistent already read
 
 
 def _verified_key(meta: dict) -> str:
@@ -316,7 +315,7 @@ def shard_problems(files: object, meta: dict) -> list[str]:
 def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     problems: list[str] = []
     shards = _published_shards(paths)
-    verified_file = paths.shards_dir / VERIFIED_FILE
+    verified_file = paths.layout.verified
     verified = set(read_json(verified_file).get("sound", []))
     sound, read = [], 0
     for speaker, meta in sorted(shards.items()):
@@ -365,7 +364,7 @@ def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
 def cmvn_is_not_degenerate(paths: StoragePaths) -> dg.AssetCheckResult:
     import numpy as np
 
-    stats = cmvn.Cmvn.load(paths.cmvn_dir / "cmvn.npz")
+    stats = cmvn.Cmvn.load(paths.cmvn.cmvn)
     bad = {
         feature: [int(d) for d in np.flatnonzero(~np.isfinite(stats.mean[feature]) | ~np.isfinite(std) | (std < 1e-3))]
         for feature, std in stats.std.items()

@@ -31,6 +31,18 @@ OPERATIONAL = ("engine", "superlink", "superlink_root_certificates", "insecure",
                "connect_timeout_s", "device")  # fmt: skip
 
 
+def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagster_run_id: str | None):
+    """The MLflow tracker of a federated run: the experiment, when this run creates it, keeps its
+    artifacts where every tracked asset's do (``paths.mlflow_artifact_location``: a tracking
+    server's own store, else ``<data>/mlartifacts``)."""
+    from speech_assets.federated.tracking import FederatedTracker
+
+    return FederatedTracker(
+        config, paths.mlflow_tracking_uri, artifact_location=paths.mlflow_artifact_location, git_sha=git_sha,
+        dagster_run_id=dagster_run_id,
+    )
+
+
 class FederatedOverrides(overrides_of(FederatedSettings)):
     """Run-config overrides of the `[federated]` settings for one manual run."""
 
@@ -62,14 +74,12 @@ def federated_checkpoint(
     from speech_assets.federated.processes import NeedsLinux
     from speech_assets.defs import readable
     from speech_assets.stats.plots import markdown_image, round_curve
-    from speech_assets.federated.tracking import FederatedTracker
-
     record_run_process(context)
     fed = effective(settings.federated, config)
     clients = speakers_by_client(paths)
     data_versions = input_versions(context, paths, clients)
     run_name = run_name_for(data_versions, fed)
-    run_dir = paths.root / "federated" / run_name
+    run_dir = paths.federated_run(run_name).root
     table = read_clients(paths.clients_file)
     federated = from_fields(
         FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=sorted(clients),
@@ -77,10 +87,7 @@ def federated_checkpoint(
         heldout_speakers=heldout_of(table), train_speakers=sorted(a.speaker_id for a in table if not a.heldout),
     )  # fmt: skip
     commit = git_commit()
-    tracker = FederatedTracker(
-        federated, paths.mlflow_tracking_uri, artifact_location=str(paths.root / "mlartifacts"), git_sha=commit,
-        dagster_run_id=context.run.run_id,
-    )
+    tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)
 
     def on_round(record: dict) -> None:
         line = summarize_rounds([record])[0]
@@ -161,9 +168,9 @@ def federated_checkpoint(
         "resumed_from_round": result["resumed_from_round"] or 0,
         "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
         "checkpoint_sha256": sha,
-        "rounds_table": dg.MetadataValue.path(str(run_dir / "rounds.parquet")),
+        "rounds_table": dg.MetadataValue.path(str(paths.federated_run(run_name).rounds_table)),
         "run_dir": dg.MetadataValue.path(str(run_dir)),
-        **readable.mlflow_links(tracker.run_id, tracker.url, None if tracker.served else ui_command(paths.mlflow_tracking_uri)),
+        **readable.mlflow_links(tracker.run_id, tracker.url, None if tracker.served else ui_command(paths.mlflow_tracking_uri, paths.mlflow_artifact_location)),
         "input_versions": dg.MetadataValue.json(data_versions),
     }
     return dg.MaterializeResult(data_version=dg.DataVersion(sha), metadata=metadata)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
+from speech_assets.layout import TargetFiles
 from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, shard_hashes, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
@@ -81,7 +82,7 @@ def kmeans_targets_iter2(
             options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
         ])  # fmt: skip
         with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-            previous = read_json(out_dir / "quality.json")
+            previous = read_json(TargetFiles(out_dir).quality)
             if previous.get("inputs_key") == inputs_key and outputs_intact(previous, out_dir):
                 context.log.info(f"{client_id}: inputs unchanged, keeping iteration-2 targets {previous['data_version'][:12]}")
                 quality = previous
@@ -102,7 +103,7 @@ def kmeans_targets_iter2(
                     "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),
                 }  # fmt: skip
                 quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
-                atomic_write_text(out_dir / "quality.json", json.dumps(quality, indent=1, sort_keys=True))
+                atomic_write_text(TargetFiles(out_dir).quality, json.dumps(quality, indent=1, sort_keys=True))
         metadata = {
             **client_metadata(quality, out_dir),
             "encoder": asset, "layer": layer, "checkpoint_sha256": encoder.sha256,
@@ -132,7 +133,7 @@ def pretrained_checkpoint_iter2(
     record_run_process(context)
     return run_training(
         context, effective(settings.training, config), paths, pipes_subprocess_client,
-        targets_dir=paths.kmeans_iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.root / "training_iter2",
+        targets_dir=paths.kmeans_iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.layout.training_iter2_dir,
         code_version=TRAIN_ITER2_CODE_VERSION, asset_name="pretrained_checkpoint_iter2", run_label="pretrain-iter2",
     )  # fmt: skip
 

@@ -19,6 +19,7 @@ from speech_assets.defs.dagster_internals import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
+from speech_assets.layout import TargetFiles
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
@@ -128,7 +129,7 @@ def input_versions(
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
     }
     for client, speakers in sorted(clients.items()):
-        versions[f"{targets_asset}/{client}"] = json.loads((targets_dir(client) / "quality.json").read_text())["data_version"]
+        versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())["data_version"]
         versions |= {f"vad_features/{speaker}": sha for speaker, sha in shard_hashes(paths, speakers).items()}
     return versions
 
@@ -169,9 +170,10 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
 def outputs_intact(quality: dict, out_dir: Path) -> bool:
     """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
     try:
-        return sha256_file(out_dir / "codebook.npy") == quality.get("codebook_sha256") and sha256_file(
-            out_dir / "labels.parquet"
-        ) == quality.get("labels_sha256")
+        files = TargetFiles(out_dir)
+        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(files.labels) == quality.get(
+            "labels_sha256"
+        )
     except OSError:
         return False
 

@@ -134,7 +134,7 @@ def downstream_probe(
         train, test, models, from_fields(ProbeOptions, options),
         on_model=lambda r: context.log.info(f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
     )  # fmt: skip
-    target = paths.root / "probe" / "results.parquet"
+    target = paths.probe.results
     target.parent.mkdir(parents=True, exist_ok=True)
     board = leaderboard(results, options.min_heldout_speakers)
     for table, path in (
@@ -145,7 +145,7 @@ def downstream_probe(
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
     # who the probe trained and tested on, in full: the disjointness anyone can audit
-    split_file = target.with_name("speakers.json")
+    split_file = paths.probe.speakers
     atomic_write_text(split_file, json.dumps({"train": train_speakers, "test": test_speakers, "encoders": {
         name: encoder.checkpoint.get("speakers") for name, encoder in loaded.items()}}, indent=1, sort_keys=True))
     lines = standing(results, options.min_heldout_speakers)
@@ -220,7 +220,7 @@ def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
     """The verdict the probe recorded (``probe/leaderboard.parquet``), word for word."""
     from speech_assets.evaluation.compare import FBANK, read_leaderboard
 
-    target = paths.root / "probe" / "results.parquet"
+    target = paths.probe.results
     try:
         found = {row["model"]: row for row in read_leaderboard(target)}
     except FileNotFoundError as error:

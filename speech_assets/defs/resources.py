@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Optional
 import dagster as dg
 from pydantic import create_model, field_validator, model_validator
 
-from speech_assets import locations
+from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
@@ -47,7 +47,8 @@ class StoragePaths(dg.ConfigurableResource):
     @property
     def mlflow_artifact_location(self) -> str | None:
         """A new MLflow experiment's artifact location: the tracking server's default when
-        ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``."""
+        ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``. Every tracked
+        asset (training, iteration 2, distillation, federated) creates its experiment with this."""
         return locations.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
 
     @property
@@ -59,29 +60,34 @@ class StoragePaths(dg.ConfigurableResource):
         return locations.resolve(self.data_dir)
 
     @property
+    def layout(self) -> layout.DataLayout:
+        """Every output folder and file under the data dir (:mod:`speech_assets.layout`)."""
+        return layout.DataLayout(self.root)
+
+    @property
     def manifest_dir(self) -> Path:
-        return self.root / "manifest"
+        return self.layout.manifest.root
 
     @property
     def manifest_file(self) -> Path:
-        return self.manifest_dir / "manifest.parquet"
+        return self.layout.manifest.manifest
 
     @property
     def rejects_file(self) -> Path:
-        return self.manifest_dir / "rejects.parquet"
+        return self.layout.manifest.rejects
 
     @property
     def speakers_file(self) -> Path:
         """Per-speaker manifest hashes: what each feature shard depends on."""
-        return self.manifest_dir / "speakers.parquet"
+        return self.layout.manifest.speakers
 
     @property
     def decode_cache_file(self) -> Path:
-        return self.manifest_dir / "decode_cache.parquet"
+        return self.layout.manifest.decode_cache
 
     @property
     def shards_dir(self) -> Path:
-        return self.root / "features" / "shards"
+        return self.layout.shards_dir
 
     def shard_file(self, speaker_id: str) -> Path:
         return self.shard_files(speaker_id).shard
@@ -90,31 +96,57 @@ class StoragePaths(dg.ConfigurableResource):
         return ShardFiles.of(self.shards_dir, check_safe_id(speaker_id, "speaker_id"))
 
     @property
+    def cmvn(self) -> layout.CmvnFiles:
+        return self.layout.cmvn
+
+    @property
     def cmvn_dir(self) -> Path:
-        return self.root / "cmvn"
+        return self.layout.cmvn.root
 
     @property
     def clients_file(self) -> Path:
-        return self.root / "clients" / "clients.parquet"
+        return self.layout.clients_file
+
+    def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
+        """A client's k-means targets of HuBERT iteration 1 (MFCC clusters) or 2 (encoder-layer clusters)."""
+        return self.layout.targets(check_safe_id(client_id, "client_id"), iteration)
 
     def kmeans_dir(self, client_id: str) -> Path:
-        return self.root / "kmeans" / check_safe_id(client_id, "client_id")
+        return self.targets(client_id).root
 
     def kmeans_iter2_dir(self, client_id: str) -> Path:
         """A client's HuBERT iteration-2 targets (labels from an encoder layer)."""
-        return self.root / "kmeans_iter2" / check_safe_id(client_id, "client_id")
+        return self.targets(client_id, 2).root
 
     @property
     def training_dir(self) -> Path:
-        return self.root / "training"
+        return self.layout.training_dir
+
+    def federated_run(self, run_name: str) -> layout.FederatedPaths:
+        return self.layout.federated_run(check_safe_id(run_name, "run_name"))
+
+    @property
+    def probe(self) -> layout.ProbeFiles:
+        return self.layout.probe
+
+    def export(self, encoder_sha256: str, layer: int) -> layout.ExportFiles:
+        return self.layout.export(encoder_sha256, layer)
+
+    @property
+    def finetune(self) -> layout.FinetuneFiles:
+        return self.layout.finetune
 
     @property
     def stats_db(self) -> Path:
-        return self.root / "stats.duckdb"
+        return self.layout.stats_db
+
+    @property
+    def report(self) -> layout.ReportFiles:
+        return self.layout.report
 
     @property
     def report_dir(self) -> Path:
-        return self.root / "report"
+        return self.layout.report.root
 
 
 # ---------------------------------------------------------------------------------------------

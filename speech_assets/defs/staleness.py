@@ -45,13 +45,13 @@ def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[
 
 def _client_versions(paths: StoragePaths) -> dict[str, str]:
     versions = {}
-    for quality in sorted((paths.root / "kmeans").glob("*/quality.json")):
-        versions[quality.parent.name] = json.loads(quality.read_text())["data_version"]
+    for targets in paths.layout.all_targets():
+        versions[targets.root.name] = json.loads(targets.quality.read_text())["data_version"]
     return versions
 
 
 def cmvn_staleness(paths: StoragePaths) -> list[str]:
-    file = paths.cmvn_dir / "speakers.parquet"
+    file = paths.cmvn.speakers
     if not file.exists():
         return ["never built"]
     table = pq.read_table(file, columns=["speaker_id", "shard_sha256"]).to_pylist()
@@ -68,7 +68,7 @@ def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
         members.setdefault(row.client_id, {})[row.speaker_id] = shards.get(row.speaker_id, "missing")
     report = {}
     for client, current in sorted(members.items()):
-        quality_file = paths.kmeans_dir(client) / "quality.json"
+        quality_file = paths.targets(client).quality
         if not quality_file.exists():
             report[client] = ["never built"]
             continue
@@ -83,7 +83,7 @@ def _recorded_partitions(versions: dict[str, str], asset: str) -> dict[str, str]
 
 
 def checkpoint_staleness(paths: StoragePaths) -> list[str]:
-    results = sorted(paths.training_dir.glob("*/result.json"), key=lambda p: p.stat().st_mtime)
+    results = sorted(paths.layout.results_of(paths.training_dir), key=lambda p: p.stat().st_mtime)
     if not results:
         return ["never built"]
     recorded = json.loads(results[-1].read_text()).get("data_versions", {})
@@ -93,7 +93,7 @@ def checkpoint_staleness(paths: StoragePaths) -> list[str]:
 
 
 def stats_staleness(paths: StoragePaths) -> list[str]:
-    file = paths.report_dir / "input_versions.json"
+    file = paths.report.input_versions
     if not file.exists():
         return ["never built"]
     recorded = json.loads(file.read_text())

@@ -1,11 +1,13 @@
 """Stage 5: the DuckDB database of dataset statistics that anyone can query in SQL."""
 
 import json
+from pathlib import Path
 
 import dagster as dg
 import duckdb
 import pyarrow.parquet as pq
 
+from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
 from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.features import vad_config
@@ -25,30 +27,33 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
     published = [paths.shard_files(s) for s in sorted(speakers)]
     published = [files for files in published if files.read_meta() is not None]
     shards = [files.shard for files in published]
-    results = sorted(paths.training_dir.glob("*/result.json"))
+    results = paths.layout.results_of(paths.training_dir)
     return stats_db.StatsInputs(
         manifest=paths.manifest_file,
         manifest_rejects=paths.rejects_file,
         shards=shards,
         shard_rejects=[files.rejects for files in published],
         clients=paths.clients_file,
-        kmeans_quality=sorted((paths.root / "kmeans").glob("*/quality.json")),
+        kmeans_quality=[targets.quality for targets in paths.layout.all_targets()],
         training_results=results,
         federated_rounds=_newest_federated_rounds(paths),
-        probe_results=paths.root / "probe" / "results.parquet",
-        model_results={kind: sorted((paths.root / folder).glob("*/result.json")) for kind, folder in MODEL_FOLDERS.items()},
-        exports=sorted((paths.root / "export").glob("*/encoder.json")),
+        probe_results=paths.probe.results,
+        model_results={kind: paths.layout.results_of(folder) for kind, folder in model_folders(paths).items()},
+        exports=[export.card for export in paths.layout.all_exports()],
     )
 
 
-# where each kind of model run keeps its run folders (each with result.json beside final.pt)
-MODEL_FOLDERS = {"federated": "federated", "distilled": "distill", "iteration2": "training_iter2"}
+def model_folders(paths: StoragePaths) -> dict[str, Path]:
+    """Where each kind of model run keeps its run folders (each with result.json beside final.pt)."""
+    return {"federated": paths.layout.federated_dir, "distilled": paths.layout.distill_dir, "iteration2": paths.layout.training_iter2_dir}
 
 
 def _newest_federated_rounds(paths: StoragePaths):
     """rounds.parquet of the federated run that finished last (``None`` before any)."""
-    finished = [p.parent / "rounds.parquet" for p in (paths.root / "federated").glob("*/result.json")]
-    found = [p for p in finished if p.is_file()] or sorted((paths.root / "federated").glob("*/rounds.parquet"))
+    runs = [FederatedPaths(p.parent) for p in paths.layout.results_of(paths.layout.federated_dir)]
+    found = [r.rounds_table for r in runs if r.rounds_table.is_file()] or [
+        FederatedPaths(p.parent).rounds_table for p in sorted(paths.layout.federated_dir.glob(f"*/{ROUNDS_TABLE}"))
+    ]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -109,12 +114,12 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settin
         "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),
         "kmeans_targets": partition_versions(instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)),
     }
-    lineage_file = paths.report_dir / "input_versions.json"
+    lineage_file = paths.report.input_versions
     atomic_write_text(lineage_file, json.dumps({**input_versions, **partitioned}, indent=1, sort_keys=True))
     for key, versions in partitioned.items():  # bounded in the UI: a count and a hash; all of them in the file
         input_versions[key] = f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
 
-    report_file = report.write_report(paths.stats_db, paths.report_dir / "index.html", _report_inputs(context, paths, settings))
+    report_file = report.write_report(paths.stats_db, paths.report.index, _report_inputs(context, paths, settings))
     con = stats_db.connect_read_only(paths.stats_db)
     try:
         durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
@@ -156,11 +161,11 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     from speech_assets.stats.report import ReportInputs
 
     counts = {}
-    for state in sorted((paths.root / "kmeans").glob("*/state.npz")):
+    for state in sorted(paths.layout.targets_root().glob(f"*/{KMEANS_STATE_FILE}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
     metrics = {}
-    for log in sorted(paths.training_dir.glob("*/metrics.jsonl")):
+    for log in sorted(paths.training_dir.glob(f"*/{METRICS_FILE}")):
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         metrics[log.parent.name] = rows
     header = {

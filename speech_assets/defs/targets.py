@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import labels
+from speech_assets.layout import TargetFiles
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
@@ -140,7 +141,7 @@ def _materialize_client(
             json.dumps(shard_versions, sort_keys=True), json.dumps(heldout),
             kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION,
         ])  # fmt: skip
-        quality_file = out_dir / "quality.json"
+        quality_file = TargetFiles(out_dir).quality
         previous = read_json(quality_file)
         fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
         intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
@@ -253,11 +254,12 @@ def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> l
     problems: list[str] = []
     for client in registered_clients(paths):
         out = targets_dir(client)
-        if not (out / "codebook.npy").is_file() or not (out / "labels.parquet").is_file():
+        files = TargetFiles(out)
+        if not files.codebook.is_file() or not files.labels.is_file():
             problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
             continue
-        k = int(np.load(out / "codebook.npy", mmap_mode="r").shape[0])
-        found = labels.read_label_columns(out / "labels.parquet")
+        k = int(np.load(files.codebook, mmap_mode="r").shape[0])
+        found = labels.read_label_columns(files.labels)
         expected: dict[str, int] = {}
         for speaker in (a.speaker_id for a in assignments if a.client_id == client):
             table = pq.ParquetFile(paths.shard_file(speaker)).read(columns=["utt_id", "num_frames"])
@@ -308,8 +310,8 @@ def cluster_use(out_dir: Path) -> tuple[int, float, int, bool]:
 
     from speech_assets.targets.kmeans import cluster_perplexity, empty_clusters
 
-    k = int(np.load(out_dir / "codebook.npy", mmap_mode="r").shape[0])
-    values = labels.read_label_columns(out_dir / "labels.parquet").values
+    k = int(np.load(TargetFiles(out_dir).codebook, mmap_mode="r").shape[0])
+    values = labels.read_label_columns(TargetFiles(out_dir).labels).values
     counts = np.bincount(values[(values >= 0) & (values < k)], minlength=max(k, 1)).astype(np.int64)
     share = cluster_perplexity(counts) / max(k, 1)
     empty = empty_clusters(counts)

@@ -9,6 +9,7 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.corpus.clients import heldout_of, read_clients
+from speech_assets.layout import TargetFiles
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions
@@ -123,9 +124,9 @@ def run_inputs(
 
     return {
         "run_dir": str(run_dir), "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
-        "cmvn": str(paths.cmvn_dir / "cmvn.npz"), "data_versions": data_versions, "git_sha": git_commit(),
+        "cmvn": str(paths.cmvn.cmvn), "data_versions": data_versions, "git_sha": git_commit(),
         "heldout_speakers": heldout_of(read_clients(paths.clients_file)),
-        "clients": {c: ClientTargets(str(targets_dir(c) / "labels.parquet"), json.loads((targets_dir(c) / "quality.json").read_text())["k"]) for c in sorted(clients)},
+        "clients": {c: ClientTargets(str(TargetFiles(targets_dir(c)).labels), json.loads(TargetFiles(targets_dir(c)).quality.read_text())["k"]) for c in sorted(clients)},
         "mlflow_tracking_uri": paths.mlflow_tracking_uri, "mlflow_artifact_location": paths.mlflow_artifact_location,
         "mlflow_run_name": f"{label}-{run_dir.name}", "mode": RUN_MODES[label],
     }  # fmt: skip

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from speech_assets.layout import ProbeFiles
+
 if TYPE_CHECKING:
     import pyarrow as pa
     import torch
@@ -162,11 +164,11 @@ def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
 
 
 def utterances_path(results_path: str | os.PathLike[str]) -> Path:
-    return Path(results_path).with_name("utterances.parquet")
+    return ProbeFiles.beside(results_path).utterances
 
 
 def leaderboard_path(results_path: str | os.PathLike[str]) -> Path:
-    return Path(results_path).with_name("leaderboard.parquet")
+    return ProbeFiles.beside(results_path).leaderboard
 
 
 def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, object]]:

@@ -35,10 +35,10 @@ from speech_assets.features.shards import (
     FeatureRecord,
     ShardFiles,
     num_frames_for,
-    sidecar_paths,
     write_shard,
 )
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
+from speech_assets.layout import sidecar_paths
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.locks import exclusive_lock
 

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from speech_assets.layout import ShardPaths
 from speech_assets.utils import atomic_path, atomic_write_text, deferred_fsync, remove_stale_temp_files, sha256_file
 
 SAMPLE_RATE = 16_000
@@ -345,16 +346,9 @@ def iter_shard(
             yield FeatureRecord(**{name: scalars[name][row] for name in SCALAR_COLUMNS}, **matrices)
 
 
-def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """``<dir>/<stem>.rejects.parquet`` and ``<dir>/<stem>.stats.npz`` beside ``<dir>/<stem>.parquet``."""
-    shard_path = Path(shard_path)
-    stem = shard_path.name.removesuffix(".parquet")
-    return shard_path.with_name(f"{stem}.rejects.parquet"), shard_path.with_name(f"{stem}.stats.npz")
-
-
 @dataclass(frozen=True)
-class ShardFiles:
-    """The files one speaker's shard consists of.
+class ShardFiles(ShardPaths):
+    """The files one speaker's shard consists of (named by :class:`speech_assets.layout.ShardPaths`).
 
     ``meta`` is written last and vouches for the other three: it records each one's size and
     mtime (and the shard's sha256), so a stat tells whether the files on disk are the ones it
@@ -365,18 +359,6 @@ class ShardFiles:
     crash before the meta exists leaves nothing vouched for; a meta lost or emptied by a crash
     reads as None, so the worst a crash costs is rebuilding that one shard.
     """
-
-    shard: Path
-    rejects: Path
-    stats: Path
-    meta: Path
-    lock: Path
-
-    @classmethod
-    def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> ShardFiles:
-        shard = Path(shards_dir) / f"{speaker_id}.parquet"
-        rejects, stats = sidecar_paths(shard)
-        return cls(shard, rejects, stats, shard.with_name(f"{speaker_id}.meta.json"), shard.with_name(f".{speaker_id}.lock"))
 
     @property
     def vouched(self) -> dict[str, Path]:

@@ -21,6 +21,7 @@ from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
 from speech_assets.federated.launch import ENGINES, FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
 from speech_assets.federated.processes import NeedsLinux
+from speech_assets.layout import DataLayout
 
 SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions", "heldout_speakers", "train_speakers"}
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     values = {item.name: getattr(args, item.name) for item in fields(FederatedConfig) if item.name not in SKIPPED}
     clients = [c for c in args.clients.split(",") if c] or client_ids(args.data_dir)
     weights = client_weights(args.data_dir, clients)
-    table = read_clients(Path(args.data_dir) / "clients" / "clients.parquet")  # the pipeline's one held-out split
+    table = read_clients(DataLayout(args.data_dir).clients_file)  # the pipeline's one held-out split
     speakers = {
         "heldout_speakers": heldout_of(table),
         "train_speakers": sorted(a.speaker_id for a in table if a.client_id in clients and not a.heldout),

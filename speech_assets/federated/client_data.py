@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from speech_assets.layout import DataLayout, TargetFiles
 from speech_assets.features.shards import ShardFiles
 
 
@@ -40,9 +41,8 @@ class ClientData:
     @classmethod
     def resolve(cls, data_dir: str | os.PathLike[str], client_id: str) -> ClientData:
         root = Path(data_dir)
-        kmeans_dir = root / "kmeans" / client_id
-        labels = kmeans_dir / "labels.parquet"
-        quality_file = kmeans_dir / "quality.json"
+        targets = DataLayout(root).targets(client_id)
+        kmeans_dir, labels, quality_file = targets.root, targets.labels, targets.quality
         if not labels.is_file() or not quality_file.is_file():
             raise FileNotFoundError(
                 f"client {client_id}: no k-means targets under {kmeans_dir} (materialize kmeans_targets)"
@@ -51,7 +51,7 @@ class ClientData:
         speakers = sorted(set(pq.read_table(labels, columns=["speaker_id"]).column("speaker_id").to_pylist()))
         if not speakers:
             raise ValueError(f"client {client_id}: its labels file {labels} is empty")
-        shards_dir = root / "features" / "shards"
+        shards_dir = DataLayout(root).shards_dir
         files = [ShardFiles.of(shards_dir, speaker) for speaker in speakers]
         missing = [str(f.shard) for f in files if not f.shard.is_file() or not f.stats.is_file()]
         if missing:
@@ -61,4 +61,4 @@ class ClientData:
     @property
     def files(self) -> list[Path]:
         """Every file this client reads."""
-        return [self.labels, self.labels.parent / "quality.json", *self.shards, *self.stats]
+        return [self.labels, TargetFiles(self.labels.parent).quality, *self.shards, *self.stats]

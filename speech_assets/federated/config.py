@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
+from speech_assets.layout import FederatedPaths  # the run folder's layout, for the modules that import it from here
 from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
 from speech_assets.utils import from_fields
 
@@ -442,7 +444,7 @@ class NodeConfig:
         """The state root this SuperNode owns."""
         if self.state_root:
             return Path(self.state_root)
-        return Path(self.data_dir) / CLIENT_STATE_FOLDER / self.client_id
+        return layout.DataLayout(self.data_dir).client_state_dir / self.client_id
 
     def client_dir(self, run_name: str) -> Path:
         """Where this client keeps its state for run ``run_name`` (a name from the server: it
@@ -450,81 +452,3 @@ class NodeConfig:
         return self.root / check_safe_id(run_name, "the run name sent by the server")
 
 
-# <data>/federated_clients/<client>/: the local SuperNodes' state roots (beside <data>/federated/)
-CLIENT_STATE_FOLDER = "federated_clients"
-NODES_FILE = "nodes.json"
-
-
-@dataclass(frozen=True)
-class FederatedPaths:
-    """The layout of ``<data>/federated/<run>/``.
-
-    ``rounds/round_NNNNN.pt`` (global encoder + server optimiser state, the last ``keep_rounds``)
-    and ``rounds/round_NNNNN.json`` (that round's rows, missing clients, hashes; all kept),
-    ``rounds.parquet``, ``evaluation.parquet``, ``final.pt``, ``result.json``, ``received.jsonl``
-    (what the server received: record names, keys and shapes), ``failure.json``,
-    ``settings.json`` (the settings the run folder was started with; a resume must match them),
-    ``flower/`` (Flower homes, logs, TLS files and the node registrations of the local
-    federation), ``run_config.toml``. No client state: that lives under each SuperNode's root.
-    """
-
-    root: Path
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "root", Path(root))
-
-    @property
-    def rounds_dir(self) -> Path:
-        return self.root / "rounds"
-
-    def round_checkpoint(self, round_number: int) -> Path:
-        return self.rounds_dir / f"round_{round_number:05d}.pt"
-
-    def round_record(self, round_number: int) -> Path:
-        return self.rounds_dir / f"round_{round_number:05d}.json"
-
-    @property
-    def rounds_table(self) -> Path:
-        return self.root / "rounds.parquet"
-
-    @property
-    def evaluation_table(self) -> Path:
-        return self.root / "evaluation.parquet"
-
-    @property
-    def final(self) -> Path:
-        return self.root / "final.pt"
-
-    @property
-    def result(self) -> Path:
-        return self.root / "result.json"
-
-    @property
-    def received(self) -> Path:
-        return self.root / "received.jsonl"
-
-    @property
-    def failure(self) -> Path:
-        return self.root / "failure.json"
-
-    @property
-    def server_log(self) -> Path:
-        return self.root / "server.log"
-
-    @property
-    def run_config(self) -> Path:
-        return self.root / "run_config.toml"
-
-    @property
-    def settings(self) -> Path:
-        return self.root / "settings.json"
-
-    @property
-    def flower_dir(self) -> Path:
-        return self.root / "flower"
-
-    @property
-    def nodes(self) -> Path:
-        """``{node id: client id}`` of the SuperNodes registered with the local SuperLink (node
-        authentication); absent for a remote SuperLink, where the server binds on first reply."""
-        return self.flower_dir / NODES_FILE

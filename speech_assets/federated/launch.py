@@ -32,8 +32,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from speech_assets import layout
 from speech_assets.corpus.clients import read_clients
-from speech_assets.federated.config import CLIENT_STATE_FOLDER, FederatedConfig, FederatedPaths, NodeConfig
+from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.hosts import check_endpoint
@@ -107,7 +108,7 @@ def client_state_roots(
 ) -> dict[str, Path]:
     """Each local SuperNode's state root: ``<root>/<client>`` (default root
     ``<data>/federated_clients``); refused if it lies inside the server's run folder."""
-    base = Path(root) if root else Path(data_dir) / CLIENT_STATE_FOLDER
+    base = Path(root) if root else layout.DataLayout(data_dir).client_state_dir
     roots = {c: (base / c).resolve() for c in clients}
     server = run_dir.resolve()
     inside = [str(p) for p in roots.values() if p == server or server in p.parents]
@@ -120,7 +121,7 @@ def client_weights(data_dir: str | os.PathLike[str], clients: list[str]) -> dict
     """The aggregation weight of each client from ``clients/clients.parquet``: the utterances of
     its training (not held-out) speakers (what the server knows, not what a client reports)."""
     weights: dict[str, float] = {}
-    for row in read_clients(Path(data_dir) / "clients" / "clients.parquet"):
+    for row in read_clients(layout.DataLayout(data_dir).clients_file):
         weights[row.client_id] = weights.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
     missing = [c for c in clients if weights.get(c, 0) <= 0]
     if missing:
@@ -180,7 +181,7 @@ class RoundFollower:
 
 def client_ids(data_dir: str | os.PathLike[str]) -> list[str]:
     """The clients of ``clients/clients.parquet`` (written by ``client_partitions``)."""
-    return sorted({row.client_id for row in read_clients(Path(data_dir) / "clients" / "clients.parquet")})
+    return sorted({row.client_id for row in read_clients(layout.DataLayout(data_dir).clients_file)})
 
 
 def run_federation(

@@ -47,7 +47,8 @@ from pathlib import Path
 import psutil
 
 from speech_assets import locations
-from speech_assets.federated.config import NODES_FILE, NodeConfig
+from speech_assets.federated.config import NodeConfig
+from speech_assets.layout import NODES_FILE
 from speech_assets.runtime.netns import NoPrivateNetwork, PrivateNetwork
 from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
 from speech_assets.runtime.waiting import WaitTimeout, wait_until

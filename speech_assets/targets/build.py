@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from speech_assets.layout import TargetFiles
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard, read_shard_table
 from speech_assets.targets import kmeans
@@ -168,11 +169,11 @@ def write_client_targets(client_id: str, k_requested: int, out_dir: Path, state:
     """Write the client's codebook, state and labels: ``items`` alone, or with ``append`` the
     labels already in ``out_dir`` plus ``items``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    codebook_path = out_dir / "codebook.npy"
+    codebook_path = TargetFiles(out_dir).codebook
     with atomic_path(codebook_path) as tmp:
         with open(tmp, "wb") as handle:
             np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
-    labels_path = out_dir / "labels.parquet"
+    labels_path = TargetFiles(out_dir).labels
     utterances = len(items) + (pq.read_metadata(labels_path).num_rows if append else 0)
     labels_path = (append_labels if append else write_labels)(labels_path, items)
     state.save(out_dir / STATE_FILE)

@@ -107,3 +107,48 @@ def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(tiny_corp
         assert run["info"]["status"] == "FINISHED"
         served = ui.get_bytes(f"/get-artifact?path=checkpoint/final.pt&run_uuid={result['mlflow_run_id']}")
     assert hashlib.sha256(served).hexdigest() == _sha256(Path(result["checkpoint"]))
+
+
+@pytest.mark.parametrize("store", ["server", "sqlite elsewhere"])
+def test_every_tracked_asset_takes_the_artifact_location_from_storage_paths(store: str, tmp_path: Path) -> None:
+    """Centralised, iteration-2 and distilled runs get it through ``run_inputs``; the federated
+    run through its tracker: both from ``StoragePaths.mlflow_artifact_location``, never a folder
+    of their own (a server's experiment with artifacts on the Dagster machine's disk)."""
+    from speech_assets.defs.federated import federated_tracker
+    from speech_assets.federated.config import FederatedConfig
+
+    data = tmp_path / "out"
+    uri = {"server": "http://mlflow.internal:5000", "sqlite elsewhere": f"sqlite:///{tmp_path / 'team' / 'mlflow.db'}"}[store]
+    paths = StoragePaths(corpus="unused", data_dir=str(data), mlflow_tracking_uri=uri)
+    config = FederatedConfig(run_dir=str(paths.federated_run("r").root), run_name="r", clients=["client_00"])
+    tracker = federated_tracker(paths, config, git_sha=None, dagster_run_id=None)
+    assert tracker.artifact_location == paths.mlflow_artifact_location
+    assert tracker.artifact_location == (None if store == "server" else str(data / "mlartifacts"))
+
+
+def test_a_federated_experiment_created_on_a_tracking_server_keeps_its_artifacts_there(
+    mlflow_server: MlflowServer, artifacts_destination: Path, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from speech_assets.defs.federated import federated_tracker
+    from speech_assets.federated.config import FederatedConfig
+
+    data = tmp_path / "out"
+    paths = StoragePaths(corpus="unused", data_dir=str(data), mlflow_tracking_uri=mlflow_server.url)
+    run = paths.federated_run("fedserver")
+    config = FederatedConfig(run_dir=str(run.root), run_name=run.root.name, clients=["client_00"])
+    tracker = federated_tracker(paths, config, git_sha=None, dagster_run_id=None)
+    tracker.experiment = "federated_first_on_the_server"  # this run creates the experiment
+    tracker.start()
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.final.write_bytes(b"a federated encoder")
+    tracker.finish({"checkpoint_sha256": _sha256(run.final)})
+
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.get_experiment_by_name("federated_first_on_the_server")
+    assert experiment.artifact_location.startswith("mlflow-artifacts:/"), experiment.artifact_location
+    assert client.get_run(tracker.run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
+    on_server = [p for p in artifacts_destination.rglob("final.pt") if tracker.run_id in p.parts]
+    assert len(on_server) == 1 and on_server[0].read_bytes() == b"a federated encoder"
+    assert not paths.layout.mlflow_artifacts.exists()

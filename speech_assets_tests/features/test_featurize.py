@@ -30,7 +30,8 @@ from speech_assets.features.build import (
     process_variants,
     write_sidecars,
 )
-from speech_assets.features.shards import FeatureRecord, num_frames_for, sidecar_paths
+from speech_assets.features.shards import FeatureRecord, num_frames_for
+from speech_assets.layout import sidecar_paths
 from speech_assets.features.vad import VadConfig
 from speech_assets.testing.corpora import vowel, with_silence
 

@@ -1,0 +1,539 @@
+"""Where every output lives: the one module that names the folders and files the graph writes.
+
+Everything sits under the data dir ``D`` (:func:`speech_assets.locations.data_dir`). Each
+artifact family has a small object naming its files (:class:`TargetFiles`, :class:`RunFiles`,
+:class:`FederatedPaths`, ...) and :class:`DataLayout` places them under ``D``. No other module
+of the package spells an output's file or folder name (``speech_assets_tests/test_layout.py``
+reads the names below and fails on a literal copy of one elsewhere).
+
+Ids that become path parts (speakers, clients, runs) are checked by the caller
+(``StoragePaths`` checks them with ``corpus.ids.check_safe_id``) before they reach here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+# ``D/manifest/``
+MANIFEST_DIR = "manifest"
+MANIFEST_FILE = "manifest.parquet"
+REJECTS_FILE = "rejects.parquet"
+SPEAKERS_FILE = "speakers.parquet"  # D/manifest/: per-speaker manifest hashes; D/cmvn/: per-speaker table
+DECODE_CACHE_FILE = "decode_cache.parquet"
+PUBLISH_LOCK = ".publish.lock"
+STAGING_DIR = ".staging"  # one subfolder per manifest run, removed after it
+
+# ``D/features/shards/<speaker>.*``
+FEATURES_DIR = "features"
+SHARDS_DIR = "shards"
+SHARD_REJECTS_SUFFIX = ".rejects.parquet"
+SHARD_STATS_SUFFIX = ".stats.npz"
+SHARD_META_SUFFIX = ".meta.json"
+SHARD_LOCK_SUFFIX = ".lock"
+VERIFIED_FILE = ".verified.json"  # in the shards folder: what shards_are_consistent already read
+
+# ``D/cmvn/``
+CMVN_DIR = "cmvn"
+CMVN_FILE = "cmvn.npz"
+SPEAKER_SUMS_FILE = "speaker_sums.npz"
+
+# ``D/clients/``
+CLIENTS_DIR = "clients"
+CLIENTS_FILE = "clients.parquet"
+
+# ``D/kmeans/<client>/`` (iteration 1) and ``D/kmeans_iter2/<client>/`` (iteration 2)
+TARGETS_DIRS = {1: "kmeans", 2: "kmeans_iter2"}
+LABELS_FILE = "labels.parquet"
+QUALITY_FILE = "quality.json"
+CODEBOOK_FILE = "codebook.npy"
+KMEANS_STATE_FILE = "state.npz"
+
+# a training run's folder: ``D/training/<run>/``, ``D/training_iter2/<run>/``, ``D/distill/<run>/``
+TRAINING_DIR = "training"
+TRAINING_ITER2_DIR = "training_iter2"
+DISTILL_DIR = "distill"
+RUN_CONFIG_FILE = "config.json"
+LAUNCH_CONFIG_FILE = "launch_config.json"
+METRICS_FILE = "metrics.jsonl"
+FINAL_CHECKPOINT = "final.pt"
+RESULT_FILE = "result.json"
+TRAIN_LOG = "train.log"
+OOM_FILE = "oom.json"
+PROVENANCE_FILE = "provenance.json"  # beside a run's result.json: its git commit, MLflow and Dagster runs
+SPEED_FILE = "speed.json"  # beside a distilled run's result.json: student and teacher forward speed
+MLFLOW_RUN_ID_FILE = "mlflow_run_id"
+RUN_LOCK = ".run.lock"
+WORKERS_LOCK = ".workers.lock"
+
+# ``D/federated/<run>/`` (:class:`FederatedPaths`) and ``D/federated_clients/<client>/`` (SuperNode state roots)
+FEDERATED_DIR = "federated"
+CLIENT_STATE_DIR = "federated_clients"
+ROUNDS_DIR = "rounds"
+ROUNDS_TABLE = "rounds.parquet"
+EVALUATION_TABLE = "evaluation.parquet"
+RECEIVED_FILE = "received.jsonl"
+FAILURE_FILE = "failure.json"
+SERVER_LOG = "server.log"
+FLOWER_RUN_CONFIG = "run_config.toml"
+SETTINGS_SNAPSHOT = "settings.json"
+FLOWER_DIR = "flower"
+NODES_FILE = "nodes.json"
+
+# ``D/probe/``
+PROBE_DIR = "probe"
+PROBE_RESULTS = "results.parquet"
+PROBE_UTTERANCES = "utterances.parquet"
+PROBE_LEADERBOARD = "leaderboard.parquet"
+PROBE_SPEAKERS = "speakers.json"
+
+# ``D/export/<sha16>-layer<N>/``
+EXPORT_DIR = "export"
+ENCODER_ONNX = "encoder.onnx"
+ENCODER_PT = "encoder.pt"
+ENCODER_JSON = "encoder.json"
+
+# ``D/finetune/``
+FINETUNE_DIR = "finetune"
+FINETUNE_RESULTS = "results.parquet"
+
+# ``D/report/`` and ``D/stats.duckdb``
+REPORT_DIR = "report"
+REPORT_INDEX = "index.html"
+REPORT_AUDIO_DIR = "audio"
+INPUT_VERSIONS_FILE = "input_versions.json"
+STATS_DB = "stats.duckdb"
+
+# MLflow's local store (a tracking server keeps both itself)
+MLFLOW_DB = "mlflow.db"
+MLFLOW_ARTIFACTS_DIR = "mlartifacts"
+
+
+@dataclass(frozen=True)
+class ManifestFiles:
+    """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
+    publish lock and the staging folder."""
+
+    root: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_FILE
+
+    @property
+    def rejects(self) -> Path:
+        return self.root / REJECTS_FILE
+
+    @property
+    def speakers(self) -> Path:
+        return self.root / SPEAKERS_FILE
+
+    @property
+    def decode_cache(self) -> Path:
+        return self.root / DECODE_CACHE_FILE
+
+    @property
+    def publish_lock(self) -> Path:
+        return self.root / PUBLISH_LOCK
+
+    @property
+    def staging(self) -> Path:
+        return self.root / STAGING_DIR
+
+
+@dataclass(frozen=True)
+class ShardPaths:
+    """The files of one speaker's feature shard in ``shards_dir``: ``<speaker>.parquet`` and its
+    ``.rejects.parquet``, ``.stats.npz``, ``.meta.json`` and hidden ``.<speaker>.lock``."""
+
+    shard: Path
+    rejects: Path
+    stats: Path
+    meta: Path
+    lock: Path
+
+    @classmethod
+    def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> Self:
+        shard = Path(shards_dir) / f"{speaker_id}.parquet"
+        rejects, stats = sidecar_paths(shard)
+        return cls(shard, rejects, stats, shard.with_name(speaker_id + SHARD_META_SUFFIX), shard.with_name(f".{speaker_id}{SHARD_LOCK_SUFFIX}"))
+
+
+def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``<dir>/<stem>.rejects.parquet`` and ``<dir>/<stem>.stats.npz`` beside ``<dir>/<stem>.parquet``."""
+    shard_path = Path(shard_path)
+    stem = shard_path.name.removesuffix(".parquet")
+    return shard_path.with_name(stem + SHARD_REJECTS_SUFFIX), shard_path.with_name(stem + SHARD_STATS_SUFFIX)
+
+
+@dataclass(frozen=True)
+class CmvnFiles:
+    """``D/cmvn/`` (also the ``cmvn.npz`` copied into an export)."""
+
+    root: Path
+
+    @property
+    def cmvn(self) -> Path:
+        return self.root / CMVN_FILE
+
+    @property
+    def speaker_sums(self) -> Path:
+        return self.root / SPEAKER_SUMS_FILE
+
+    @property
+    def speakers(self) -> Path:
+        return self.root / SPEAKERS_FILE
+
+    @property
+    def versioned(self) -> tuple[Path, Path, Path]:
+        """The three files cmvn_stats's data version hashes, in order."""
+        return self.cmvn, self.speaker_sums, self.speakers
+
+
+@dataclass(frozen=True)
+class TargetFiles:
+    """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or
+    ``D/kmeans_iter2/<client>/``: ``codebook.npy`` (K, D), ``labels.parquet``, ``quality.json``
+    (the publish record, written last) and ``state.npz`` (the fit's resumable state)."""
+
+    root: Path
+
+    @property
+    def labels(self) -> Path:
+        return self.root / LABELS_FILE
+
+    @property
+    def quality(self) -> Path:
+        return self.root / QUALITY_FILE
+
+    @property
+    def codebook(self) -> Path:
+        return self.root / CODEBOOK_FILE
+
+    @property
+    def state(self) -> Path:
+        return self.root / KMEANS_STATE_FILE
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """A training run's folder (centralised, iteration 2, distilled; the result, provenance and
+    MLflow id files also of a federated run): config, metrics, log, checkpoint, result."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / RUN_CONFIG_FILE
+
+    @property
+    def launch_config(self) -> Path:
+        return self.root / LAUNCH_CONFIG_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def final(self) -> Path:
+        return self.root / FINAL_CHECKPOINT
+
+    @property
+    def result(self) -> Path:
+        return self.root / RESULT_FILE
+
+    @property
+    def log(self) -> Path:
+        return self.root / TRAIN_LOG
+
+    @property
+    def oom(self) -> Path:
+        return self.root / OOM_FILE
+
+    @property
+    def provenance(self) -> Path:
+        return self.root / PROVENANCE_FILE
+
+    @property
+    def speed(self) -> Path:
+        return self.root / SPEED_FILE
+
+    @property
+    def mlflow_run_id(self) -> Path:
+        return self.root / MLFLOW_RUN_ID_FILE
+
+    @property
+    def settings(self) -> Path:
+        return self.root / SETTINGS_SNAPSHOT
+
+
+@dataclass(frozen=True)
+class FederatedPaths:
+    """The layout of ``<data>/federated/<run>/``.
+
+    ``rounds/round_NNNNN.pt`` (global encoder + server optimiser state, the last ``keep_rounds``)
+    and ``rounds/round_NNNNN.json`` (that round's rows, missing clients, hashes; all kept),
+    ``rounds.parquet``, ``evaluation.parquet``, ``final.pt``, ``result.json``, ``received.jsonl``
+    (what the server received: record names, keys and shapes), ``failure.json``,
+    ``settings.json`` (the settings the run folder was started with; a resume must match them),
+    ``flower/`` (Flower homes, logs, TLS files and the node registrations of the local
+    federation), ``run_config.toml``. No client state: that lives under each SuperNode's root.
+    """
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def rounds_dir(self) -> Path:
+        return self.root / ROUNDS_DIR
+
+    def round_checkpoint(self, round_number: int) -> Path:
+        return self.rounds_dir / f"round_{round_number:05d}.pt"
+
+    def round_record(self, round_number: int) -> Path:
+        return self.rounds_dir / f"round_{round_number:05d}.json"
+
+    @property
+    def rounds_table(self) -> Path:
+        return self.root / ROUNDS_TABLE
+
+    @property
+    def evaluation_table(self) -> Path:
+        return self.root / EVALUATION_TABLE
+
+    @property
+    def final(self) -> Path:
+        return self.root / FINAL_CHECKPOINT
+
+    @property
+    def result(self) -> Path:
+        return self.root / RESULT_FILE
+
+    @property
+    def received(self) -> Path:
+        return self.root / RECEIVED_FILE
+
+    @property
+    def failure(self) -> Path:
+        return self.root / FAILURE_FILE
+
+    @property
+    def server_log(self) -> Path:
+        return self.root / SERVER_LOG
+
+    @property
+    def run_config(self) -> Path:
+        return self.root / FLOWER_RUN_CONFIG
+
+    @property
+    def settings(self) -> Path:
+        return self.root / SETTINGS_SNAPSHOT
+
+    @property
+    def mlflow_run_id(self) -> Path:
+        return self.root / MLFLOW_RUN_ID_FILE
+
+    @property
+    def flower_dir(self) -> Path:
+        return self.root / FLOWER_DIR
+
+    @property
+    def nodes(self) -> Path:
+        """``{node id: client id}`` of the SuperNodes registered with the local SuperLink (node
+        authentication); absent for a remote SuperLink, where the server binds on first reply."""
+        return self.flower_dir / NODES_FILE
+
+
+@dataclass(frozen=True)
+class ProbeFiles:
+    """``D/probe/``: per-(model, seed) results (written last: its hash is the data version),
+    per-utterance errors, the leaderboard and the speaker split (``speakers.json``)."""
+
+    root: Path
+
+    @classmethod
+    def beside(cls, results: str | os.PathLike[str]) -> ProbeFiles:
+        """The family of a results file anywhere (``cli probe --results``)."""
+        return cls(Path(results).parent)
+
+    @property
+    def results(self) -> Path:
+        return self.root / PROBE_RESULTS
+
+    @property
+    def utterances(self) -> Path:
+        return self.root / PROBE_UTTERANCES
+
+    @property
+    def leaderboard(self) -> Path:
+        return self.root / PROBE_LEADERBOARD
+
+    @property
+    def speakers(self) -> Path:
+        return self.root / PROBE_SPEAKERS
+
+
+@dataclass(frozen=True)
+class ExportFiles:
+    """One export: ``D/export/<sha16>-layer<N>/`` with ``encoder.onnx``, ``encoder.pt``,
+    ``encoder.json`` and ``cmvn.npz``."""
+
+    root: Path
+
+    @staticmethod
+    def folder_name(encoder_sha256: str, layer: int) -> str:
+        return f"{encoder_sha256[:16]}-layer{layer}"
+
+    @property
+    def onnx(self) -> Path:
+        return self.root / ENCODER_ONNX
+
+    @property
+    def torch(self) -> Path:
+        return self.root / ENCODER_PT
+
+    @property
+    def card(self) -> Path:
+        return self.root / ENCODER_JSON
+
+    @property
+    def cmvn(self) -> Path:
+        return self.root / CMVN_FILE
+
+
+@dataclass(frozen=True)
+class FinetuneFiles:
+    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``)."""
+
+    root: Path
+
+    @property
+    def results(self) -> Path:
+        return self.root / FINETUNE_RESULTS
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """``D/report/``: ``index.html``, its ``audio/`` clips and ``input_versions.json`` (the
+    lineage the stats were built from)."""
+
+    root: Path
+
+    @property
+    def index(self) -> Path:
+        return self.root / REPORT_INDEX
+
+    @property
+    def audio(self) -> Path:
+        return self.root / REPORT_AUDIO_DIR
+
+    @property
+    def input_versions(self) -> Path:
+        return self.root / INPUT_VERSIONS_FILE
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Every output folder under the data dir ``root``."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def manifest(self) -> ManifestFiles:
+        return ManifestFiles(self.root / MANIFEST_DIR)
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / FEATURES_DIR / SHARDS_DIR
+
+    @property
+    def verified(self) -> Path:
+        return self.shards_dir / VERIFIED_FILE
+
+    @property
+    def cmvn(self) -> CmvnFiles:
+        return CmvnFiles(self.root / CMVN_DIR)
+
+    @property
+    def clients_file(self) -> Path:
+        return self.root / CLIENTS_DIR / CLIENTS_FILE
+
+    def targets_root(self, iteration: int = 1) -> Path:
+        """The folder holding every client's targets of ``iteration`` (1 or 2)."""
+        return self.root / TARGETS_DIRS[iteration]
+
+    def targets(self, client_id: str, iteration: int = 1) -> TargetFiles:
+        return TargetFiles(self.targets_root(iteration) / client_id)
+
+    def all_targets(self, iteration: int = 1) -> list[TargetFiles]:
+        """Every client's targets of ``iteration`` that has published (a ``quality.json``), by client."""
+        return [TargetFiles(q.parent) for q in sorted(self.targets_root(iteration).glob(f"*/{QUALITY_FILE}"))]
+
+    @property
+    def training_dir(self) -> Path:
+        return self.root / TRAINING_DIR
+
+    @property
+    def training_iter2_dir(self) -> Path:
+        return self.root / TRAINING_ITER2_DIR
+
+    @property
+    def distill_dir(self) -> Path:
+        return self.root / DISTILL_DIR
+
+    @property
+    def federated_dir(self) -> Path:
+        return self.root / FEDERATED_DIR
+
+    def federated_run(self, run_name: str) -> FederatedPaths:
+        return FederatedPaths(self.federated_dir / run_name)
+
+    @property
+    def client_state_dir(self) -> Path:
+        """``D/federated_clients/``: one state root per local SuperNode (beside ``D/federated/``)."""
+        return self.root / CLIENT_STATE_DIR
+
+    def results_of(self, runs_dir: Path) -> list[Path]:
+        """The ``result.json`` of every finished run under ``runs_dir``, by path."""
+        return sorted(runs_dir.glob(f"*/{RESULT_FILE}"))
+
+    @property
+    def probe(self) -> ProbeFiles:
+        return ProbeFiles(self.root / PROBE_DIR)
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / EXPORT_DIR
+
+    def export(self, encoder_sha256: str, layer: int) -> ExportFiles:
+        return ExportFiles(self.export_dir / ExportFiles.folder_name(encoder_sha256, layer))
+
+    def all_exports(self) -> list[ExportFiles]:
+        return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ENCODER_JSON}"))]
+
+    @property
+    def finetune(self) -> FinetuneFiles:
+        return FinetuneFiles(self.root / FINETUNE_DIR)
+
+    @property
+    def report(self) -> ReportFiles:
+        return ReportFiles(self.root / REPORT_DIR)
+
+    @property
+    def stats_db(self) -> Path:
+        return self.root / STATS_DB
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.root / MLFLOW_DB
+
+    @property
+    def mlflow_artifacts(self) -> Path:
+        return self.root / MLFLOW_ARTIFACTS_DIR
