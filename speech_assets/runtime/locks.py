@@ -27,10 +27,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from speech_assets.layout import RUN_LOCK, WORKERS_LOCK
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
-RUN_LOCK = ".run.lock"
-WORKERS_LOCK = ".workers.lock"
 
 
 def flock(path: str | os.PathLike[str], *, shared: bool = False, wait: bool = True) -> IO[str]:

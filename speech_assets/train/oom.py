@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from speech_assets.utils import atomic_write_text
+from speech_assets.layout import OOM_FILE
 
 log = logging.getLogger(__name__)
 Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
 Outcome = TypeVar("Outcome")
 
 OOM_EXIT_CODE = 75
-OOM_MARKER = "oom.json"
+OOM_MARKER = OOM_FILE
 MAX_OOM_RETRIES = 3
 
 

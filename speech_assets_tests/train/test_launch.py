@@ -60,12 +60,13 @@ def test_oom_policy_and_marker(tmp_path: Path) -> None:
 
 
 def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module() -> None:
-    """The marker's name is spelled in train/oom.py alone (workers and launchers import it); the
-    engine is the loop: logging, locks, the launcher watch and Pipes are train/worker.py's."""
+    """The marker's name is spelled in the layout alone and its protocol is train/oom.py's (workers
+    and launchers import it); the engine is the loop: logging, locks, the launcher watch and Pipes
+    are train/worker.py's."""
     package = REPO / "speech_assets"
     trees = {path.relative_to(package).as_posix(): ast.parse(path.read_text()) for path in package.rglob("*.py")}
     spelled = sorted(name for name, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == OOM_MARKER)
-    assert spelled == ["train/oom.py"]
+    assert spelled == ["layout.py"]
     engine = list(ast.walk(trees["train/engine.py"]))
     imported = {node.module for node in engine if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in engine if isinstance(node, ast.Import) for alias in node.names}
