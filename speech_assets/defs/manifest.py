@@ -74,7 +74,7 @@ def manifest(
     # Write, audit, publish: nothing later stages read changes unless every audit passes. The
     # lock keeps two overlapping runs from interleaving their renames (rejects of one, rows of
     # the other); holding it, leftovers of runs killed mid-way can be removed safely.
-    with exclusive_lock(paths.manifest_dir / ".publish.lock"):
+    with exclusive_lock(paths.layout.manifest.publish_lock):
         shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
         staging = paths.manifest_dir / STAGING / context.run.run_id
         try:
