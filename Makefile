@@ -48,7 +48,7 @@ test-all: install
 
 # The web UI, on loopback only unless you pass UI_HOST=0.0.0.0 deliberately, with the daemon (sensors,
 # automation, run queue: their pace is set in dagster.yaml and speech_assets/defs/automation.py,
-# README "Fresh data"); ensure_dagster_home.sh refreshes an unedited $DAGSTER_HOME/dagster.yaml.
+# docs/OPERATIONS.md, "Fresh data"); ensure_dagster_home.sh refreshes an unedited $DAGSTER_HOME/dagster.yaml.
 UI_HOST ?= 127.0.0.1
 UI_PORT ?= 3000
 ui: install

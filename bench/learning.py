@@ -5,7 +5,7 @@
     python bench/learning.py --scale 2 --set federated_checkpoint.eta=0.1   # longer budgets, one knob changed
 
 1. Builds (or reuses, from ``--corpus-cache``) a synthetic corpus with ``speech-assets corpus synth``
-   from the TTS engines Debian and PyPI provide (README "Making a corpus offline"); the full run asks
+   from the TTS engines Debian and PyPI provide (docs/USER_GUIDE.md, "Making a corpus offline"); the full run asks
    for at least 2 hours and 40 distinct voices and stops if the engines installed here give less.
 2. Runs the asset graph end to end through Dagster, each stage a ``dagster asset materialize`` run
    (as scripts/materialize_all.sh does) against a fresh DAGSTER_HOME and data dir under ``--work``:

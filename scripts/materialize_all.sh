@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Materialize the whole asset graph with `dagster asset materialize`, stage by stage, then print
-# a summary. This is what `make demo` runs and what the README documents; the end-to-end test
+# a summary. This is what `make demo` runs and what docs/USER_GUIDE.md documents; the end-to-end test
 # runs it too. Environment: SPEECH_ASSETS_CORPUS, SPEECH_ASSETS_DATA_DIR, DAGSTER_HOME (docs/REFERENCE.md);
 # every stage's knobs come from pipeline.toml (or $SPEECH_ASSETS_SETTINGS); TRAIN_CONFIG_JSON, if
 # set, overrides the training asset's settings for this run only (run config); see the last run

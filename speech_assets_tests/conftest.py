@@ -91,7 +91,7 @@ DEMO_FEDERATED = {"rounds": 2, "local_steps": 2, "batch_seconds": 8.0}
 
 @pytest.fixture(scope="session")
 def demo_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """`scripts/materialize_all.sh` (exactly what `make demo` runs and the README documents) on the
+    """`scripts/materialize_all.sh` (exactly what `make demo` runs and the user guide documents) on the
     sample corpus with a fresh DAGSTER_HOME and data dir. The end-to-end and federated tests
     inspect what it left; building the graph once is most of the suite's time on a small machine."""
     from speech_assets.testing.commands import run_group

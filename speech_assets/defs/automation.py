@@ -1,7 +1,7 @@
 """Fresh-data automation: a corpus sensor, a re-validation schedule, and declarative automation.
 
 Everything here starts STOPPED, as Dagster does by default; turn it on in the UI
-(Automation tab) or with `dagster sensor start` / `dagster schedule start` (see README).
+(Automation tab) or with `dagster sensor start` / `dagster schedule start` (see docs/OPERATIONS.md, "Fresh data").
 
 Flow on fresh audio:
 1. ``corpus_sensor`` sees the corpus fingerprint (paths, sizes, mtimes) differ from the one the

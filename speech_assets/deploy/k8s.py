@@ -8,7 +8,7 @@ Postgres instance and MLflow server. The training step asks for ``[training] gpu
 through its ``dagster-k8s/config`` op tag (`speech_assets/defs/cluster.py`).
 
 The alternative for training, one pod for torchrun driven through Dagster Pipes, is
-:func:`training_pod_spec` with ``dagster_k8s.PipesK8sClient`` (see README).
+:func:`training_pod_spec` with ``dagster_k8s.PipesK8sClient`` (see docs/OPERATIONS.md, "Kubernetes").
 """
 
 from __future__ import annotations

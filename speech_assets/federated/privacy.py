@@ -26,7 +26,7 @@ The noise comes from the operating system's CSPRNG (``os.urandom``), never from 
 global generator: the run's seed is a logged parameter, and numpy's global generator is seeded
 from it (the initial encoder, the clients' dropout in process), so noise drawn from either would
 be known to anyone who read the run's params. :func:`secure_gaussian` turns 53-bit uniforms into
-normals with the Box-Muller transform. What the guarantee does not cover is in the README.
+normals with the Box-Muller transform. What the guarantee does not cover is in docs/PRIVACY.md.
 """
 
 from __future__ import annotations

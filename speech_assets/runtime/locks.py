@@ -12,7 +12,8 @@ A run folder's locks: one run per folder, and no new workers while old ones live
   launcher that died are gone, before it starts new ones.
 
 ``flock`` locks belong to open files, so the kernel drops them when their holder dies, also on
-``kill -9``: a dead trainer never leaves a stale lock. (On NFS see README, "From a laptop to a cluster".)
+``kill -9``: a dead trainer never leaves a stale lock. (On NFS see docs/OPERATIONS.md, "The shared
+data dir, and locks on NFS".)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ instance; the demo build runs the same assets through `dagster asset materialize
 - pretrained_checkpoint (iteration 1, torchrun, 40 steps), then HuBERT iteration 2 (20 steps):
   kmeans_targets_iter2 (each client clusters its own frames in a layer of that encoder) and
   pretrained_checkpoint_iter2; lineage, K, 50 Hz alignment and input versions.
-- distilled_checkpoint, encoder_export (ONNX parity check, the README's example), downstream_probe
+- distilled_checkpoint, encoder_export (ONNX parity check, the user guide's example), downstream_probe
   (fbank and random baselines, results in DuckDB through dataset_stats).
 """
 
@@ -170,8 +170,8 @@ def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
         [dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
     )[dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
     assert check.status.value == "SUCCEEDED" and check.event.dagster_event.event_specific_data.passed
-    # the README's example, as written, on a FLAC file of the corpus
-    readme = (REPO / "README.md").read_text()
+    # the user guide's example, as written, on a FLAC file of the corpus
+    readme = (REPO / "docs" / "USER_GUIDE.md").read_text()
     example = re.search(r"<!-- onnx-example -->\n```python\n(.*?)```", readme, re.S).group(1)
     assert len(example.splitlines()) <= 20
     script = tmp_path / "embed.py"

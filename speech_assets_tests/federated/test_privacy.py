@@ -218,7 +218,7 @@ def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(corp
 
         lines = summarize_rounds([record])
         assert "n/a" in markdown_rounds(lines) and round_curve(lines)
-    # held-out evaluation is reported either way (outside epsilon, as the README says)
+    # held-out evaluation is reported either way (outside epsilon, as docs/PRIVACY.md says)
     evaluation = pq.read_table(FederatedPaths(config.run_dir).evaluation_table).to_pylist()
     assert len(evaluation) == 4 and all(row["heldout_masked_accuracy"] is not None for row in evaluation)
 
