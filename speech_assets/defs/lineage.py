@@ -180,7 +180,7 @@ def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) 
 # Per-partition materializations with their own data version.
 #
 # Dagster stamps the one `DataVersion` of a MaterializeResult on every partition of a
-# multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition used to
+# multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition would
 # give it a "new" version and mark everything downstream unsynced. Partitioned assets here are
 # declared with `output_required=False` and yield one AssetMaterialization per partition instead,
 # tagged exactly as Dagster tags its own (code version, input data versions and event pointers),
