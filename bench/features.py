@@ -76,6 +76,7 @@ from speech_assets.features.build import (  # noqa: E402
 )
 from speech_assets.features.shards import ShardFiles  # noqa: E402
 from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 TARGET_RTF = 1000.0
 TARGET_RATIO = 0.7  # (b) / (a)
@@ -289,16 +290,6 @@ def read_lists_pylist(paths: Sequence[Path]) -> int:
             for row in table.column(name).to_pylist():
                 total += np.asarray(row, dtype=np.float32).reshape(-1, dim).nbytes  # as float32, what consumers get
     return total
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def rtf(audio_seconds: float, seconds: float) -> float:
