@@ -36,8 +36,11 @@ demo: install
 # one core busy and one waiting most of the time (daemons, servers, process start-ups), so two
 # workers take ~7 min where one takes ~11 on 2 cores. Each module stays on one worker (its
 # fixtures are built once); PYTEST_WORKERS=0 runs it in this process.
+# `dg check defs` first: the code location loads and validates in seconds (on a throwaway instance:
+# DAGSTER_HOME unset) before minutes of tests.
 PYTEST_WORKERS ?= 2
 test: install
+	env -u DAGSTER_HOME $(BIN)/dg check defs
 	$(BIN)/python -m pytest -m "not slow" -n $(PYTEST_WORKERS) --dist loadscope
 
 # Everything, the `slow` tests too: the documented demo commands end to end through the CLI, the

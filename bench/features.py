@@ -34,7 +34,7 @@ and reports each one's figures with their median: the same code's ratios move by
 from one process to the next (where the allocator and the kernel put its buffers), more than
 most changes this benchmark is asked to judge. Otherwise, then: read-back speed of the shards
 (binary blobs via ``features.iter_shard``) against the same data as Parquet ``list<float>``
-columns, and the parallel throughput of ``extract.build_shards_parallel`` with ``--workers``.
+columns, and the parallel throughput of ``build.iter_publish_shards`` with ``--workers``.
 """
 
 from __future__ import annotations
@@ -68,17 +68,19 @@ from speech_assets.features import shards as features  # noqa: E402
 from speech_assets.features.featurize import FeatureExtractor  # noqa: E402
 from speech_assets.features.build import (  # noqa: E402
     UtteranceInput,
+    ShardJob,
     build_shard,
-    build_shards_parallel,
     default_workers,
-    make_pool,
+    iter_publish_shards,
     stored_partial_sums,
 )
+from speech_assets.features.shards import ShardFiles  # noqa: E402
 from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 TARGET_RTF = 1000.0
-TARGET_RATIO = 0.7  # (b) / (a), issue 24
-TARGET_PEER = 2.0  # (b) / (c), issue 24
+TARGET_RATIO = 0.7  # (b) / (a)
+TARGET_PEER = 2.0  # (b) / (c)
 
 
 # --- corpus ------------------------------------------------------------------------------------
@@ -288,16 +290,6 @@ def read_lists_pylist(paths: Sequence[Path]) -> int:
             for row in table.column(name).to_pylist():
                 total += np.asarray(row, dtype=np.float32).reshape(-1, dim).nbytes  # as float32, what consumers get
     return total
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def rtf(audio_seconds: float, seconds: float) -> float:
@@ -518,23 +510,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # Parallel.
         print()
-        print(f"-- parallel: build_shards_parallel, {workers} worker process(es), {len(shards)} shards, "
+        print(f"-- parallel: iter_publish_shards, {workers} worker process(es), {len(shards)} shards, "
               f"largest first --")
-        jobs = [(key, utts, root / "parallel" / f"{key}.parquet") for key, utts in shards.items()]
-        wall, _ = timed(lambda: build_shards_parallel(jobs, cfg, workers))
-        print(f"cold (fresh pool, includes starting {workers} interpreters that import torch): {wall:.2f} s -> "
-              f"{rtf(audio_seconds, wall):.0f}x real time aggregate")
-        if workers > 1:
-            with make_pool(workers) as pool:
-                build_shards_parallel(jobs, cfg, workers, executor=pool)  # warm-up run, not timed
-                wall = min(
-                    timed(lambda: build_shards_parallel(jobs, cfg, workers, executor=pool))[0] for _ in range(3)
-                )
-            used = min(workers, cores)
-            print(f"warm (reused, warmed-up pool, best of 3): {wall:.2f} s -> "
-                  f"{rtf(audio_seconds, wall):.0f}x real time aggregate, "
-                  f"{rtf(audio_seconds, wall) / used:.0f}x per core; "
-                  f"speed-up {b_wall / wall:.2f}x over the single process (b)")
+        jobs = [
+            ShardJob(key, tuple(utts), ShardFiles.of(root / "parallel", key), inputs_key="bench", force=True)
+            for key, utts in shards.items()
+        ]
+        wall, _ = timed(lambda: list(iter_publish_shards(jobs, cfg, workers)))
+        used = min(workers, cores)
+        print(f"cold (this process plus {workers - 1} helper interpreters that import torch): {wall:.2f} s -> "
+              f"{rtf(audio_seconds, wall):.0f}x real time aggregate, "
+              f"{rtf(audio_seconds, wall) / used:.0f}x per core; "
+              f"speed-up {b_wall / wall:.2f}x over the single process (b)")
         same = all(
             (root / "parallel" / f"{k}.parquet").read_bytes() == (out / f"{k}.parquet").read_bytes() for k in shards
         )

@@ -53,6 +53,7 @@ import sklearn  # noqa: E402
 from sklearn.cluster import KMeans, MiniBatchKMeans  # noqa: E402
 
 from speech_assets.targets import kmeans  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 SPEED_TARGET = 10.0
 INERTIA_TARGET = 1.02
@@ -231,14 +232,7 @@ def label_rate(x: np.ndarray, codebook: np.ndarray, repeats: int = 3) -> float:
 
 
 def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{model}; {os.cpu_count()} logical cores ({usable} usable); faiss threads {faiss.omp_get_max_threads()}"
 

@@ -587,14 +587,9 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
 
 
 def machine() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from machine import cpu_model  # bench/machine.py
+
+    model = cpu_model()
     import torch
 
     return {

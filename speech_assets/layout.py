@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Any, Self, overload
 
 # ``D/manifest/``
 MANIFEST_DIR = "manifest"
@@ -111,6 +111,21 @@ MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlartifacts"
 
 
+class _Under:
+    """A class attribute that names the file or folder ``name`` under each instance's ``root``:
+    ``labels = _Under(LABELS_FILE)`` reads as ``self.root / LABELS_FILE``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Under: ...
+    @overload
+    def __get__(self, obj: Any, owner: type | None = None) -> Path: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> Path | _Under:
+        return self if obj is None else obj.root / self.name
+
+
 @dataclass(frozen=True)
 class ManifestFiles:
     """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
@@ -118,29 +133,12 @@ class ManifestFiles:
 
     root: Path
 
-    @property
-    def manifest(self) -> Path:
-        return self.root / MANIFEST_FILE
-
-    @property
-    def rejects(self) -> Path:
-        return self.root / REJECTS_FILE
-
-    @property
-    def speakers(self) -> Path:
-        return self.root / SPEAKERS_FILE
-
-    @property
-    def decode_cache(self) -> Path:
-        return self.root / DECODE_CACHE_FILE
-
-    @property
-    def publish_lock(self) -> Path:
-        return self.root / PUBLISH_LOCK
-
-    @property
-    def staging(self) -> Path:
-        return self.root / STAGING_DIR
+    manifest = _Under(MANIFEST_FILE)
+    rejects = _Under(REJECTS_FILE)
+    speakers = _Under(SPEAKERS_FILE)
+    decode_cache = _Under(DECODE_CACHE_FILE)
+    publish_lock = _Under(PUBLISH_LOCK)
+    staging = _Under(STAGING_DIR)
 
 
 @dataclass(frozen=True)
@@ -174,17 +172,9 @@ class CmvnFiles:
 
     root: Path
 
-    @property
-    def cmvn(self) -> Path:
-        return self.root / CMVN_FILE
-
-    @property
-    def speaker_sums(self) -> Path:
-        return self.root / SPEAKER_SUMS_FILE
-
-    @property
-    def speakers(self) -> Path:
-        return self.root / SPEAKERS_FILE
+    cmvn = _Under(CMVN_FILE)
+    speaker_sums = _Under(SPEAKER_SUMS_FILE)
+    speakers = _Under(SPEAKERS_FILE)
 
     @property
     def versioned(self) -> tuple[Path, Path, Path]:
@@ -200,21 +190,10 @@ class TargetFiles:
 
     root: Path
 
-    @property
-    def labels(self) -> Path:
-        return self.root / LABELS_FILE
-
-    @property
-    def quality(self) -> Path:
-        return self.root / QUALITY_FILE
-
-    @property
-    def codebook(self) -> Path:
-        return self.root / CODEBOOK_FILE
-
-    @property
-    def state(self) -> Path:
-        return self.root / KMEANS_STATE_FILE
+    labels = _Under(LABELS_FILE)
+    quality = _Under(QUALITY_FILE)
+    codebook = _Under(CODEBOOK_FILE)
+    state = _Under(KMEANS_STATE_FILE)
 
 
 @dataclass(frozen=True)
@@ -224,49 +203,17 @@ class RunFiles:
 
     root: Path
 
-    @property
-    def config(self) -> Path:
-        return self.root / RUN_CONFIG_FILE
-
-    @property
-    def launch_config(self) -> Path:
-        return self.root / LAUNCH_CONFIG_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / METRICS_FILE
-
-    @property
-    def final(self) -> Path:
-        return self.root / FINAL_CHECKPOINT
-
-    @property
-    def result(self) -> Path:
-        return self.root / RESULT_FILE
-
-    @property
-    def log(self) -> Path:
-        return self.root / TRAIN_LOG
-
-    @property
-    def oom(self) -> Path:
-        return self.root / OOM_FILE
-
-    @property
-    def provenance(self) -> Path:
-        return self.root / PROVENANCE_FILE
-
-    @property
-    def speed(self) -> Path:
-        return self.root / SPEED_FILE
-
-    @property
-    def mlflow_run_id(self) -> Path:
-        return self.root / MLFLOW_RUN_ID_FILE
-
-    @property
-    def settings(self) -> Path:
-        return self.root / SETTINGS_SNAPSHOT
+    config = _Under(RUN_CONFIG_FILE)
+    launch_config = _Under(LAUNCH_CONFIG_FILE)
+    metrics = _Under(METRICS_FILE)
+    final = _Under(FINAL_CHECKPOINT)
+    result = _Under(RESULT_FILE)
+    log = _Under(TRAIN_LOG)
+    oom = _Under(OOM_FILE)
+    provenance = _Under(PROVENANCE_FILE)
+    speed = _Under(SPEED_FILE)
+    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
+    settings = _Under(SETTINGS_SNAPSHOT)
 
 
 @dataclass(frozen=True)
@@ -287,9 +234,7 @@ class FederatedPaths:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         object.__setattr__(self, "root", Path(root))
 
-    @property
-    def rounds_dir(self) -> Path:
-        return self.root / ROUNDS_DIR
+    rounds_dir = _Under(ROUNDS_DIR)
 
     def round_checkpoint(self, round_number: int) -> Path:
         return self.rounds_dir / f"round_{round_number:05d}.pt"
@@ -297,49 +242,17 @@ class FederatedPaths:
     def round_record(self, round_number: int) -> Path:
         return self.rounds_dir / f"round_{round_number:05d}.json"
 
-    @property
-    def rounds_table(self) -> Path:
-        return self.root / ROUNDS_TABLE
-
-    @property
-    def evaluation_table(self) -> Path:
-        return self.root / EVALUATION_TABLE
-
-    @property
-    def final(self) -> Path:
-        return self.root / FINAL_CHECKPOINT
-
-    @property
-    def result(self) -> Path:
-        return self.root / RESULT_FILE
-
-    @property
-    def received(self) -> Path:
-        return self.root / RECEIVED_FILE
-
-    @property
-    def failure(self) -> Path:
-        return self.root / FAILURE_FILE
-
-    @property
-    def server_log(self) -> Path:
-        return self.root / SERVER_LOG
-
-    @property
-    def run_config(self) -> Path:
-        return self.root / FLOWER_RUN_CONFIG
-
-    @property
-    def settings(self) -> Path:
-        return self.root / SETTINGS_SNAPSHOT
-
-    @property
-    def mlflow_run_id(self) -> Path:
-        return self.root / MLFLOW_RUN_ID_FILE
-
-    @property
-    def flower_dir(self) -> Path:
-        return self.root / FLOWER_DIR
+    rounds_table = _Under(ROUNDS_TABLE)
+    evaluation_table = _Under(EVALUATION_TABLE)
+    final = _Under(FINAL_CHECKPOINT)
+    result = _Under(RESULT_FILE)
+    received = _Under(RECEIVED_FILE)
+    failure = _Under(FAILURE_FILE)
+    server_log = _Under(SERVER_LOG)
+    run_config = _Under(FLOWER_RUN_CONFIG)
+    settings = _Under(SETTINGS_SNAPSHOT)
+    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
+    flower_dir = _Under(FLOWER_DIR)
 
     @property
     def nodes(self) -> Path:
@@ -360,21 +273,10 @@ class ProbeFiles:
         """The family of a results file anywhere (``cli probe --results``)."""
         return cls(Path(results).parent)
 
-    @property
-    def results(self) -> Path:
-        return self.root / PROBE_RESULTS
-
-    @property
-    def utterances(self) -> Path:
-        return self.root / PROBE_UTTERANCES
-
-    @property
-    def leaderboard(self) -> Path:
-        return self.root / PROBE_LEADERBOARD
-
-    @property
-    def speakers(self) -> Path:
-        return self.root / PROBE_SPEAKERS
+    results = _Under(PROBE_RESULTS)
+    utterances = _Under(PROBE_UTTERANCES)
+    leaderboard = _Under(PROBE_LEADERBOARD)
+    speakers = _Under(PROBE_SPEAKERS)
 
 
 @dataclass(frozen=True)
@@ -388,21 +290,10 @@ class ExportFiles:
     def folder_name(encoder_sha256: str, layer: int) -> str:
         return f"{encoder_sha256[:16]}-layer{layer}"
 
-    @property
-    def onnx(self) -> Path:
-        return self.root / ENCODER_ONNX
-
-    @property
-    def torch(self) -> Path:
-        return self.root / ENCODER_PT
-
-    @property
-    def card(self) -> Path:
-        return self.root / ENCODER_JSON
-
-    @property
-    def cmvn(self) -> Path:
-        return self.root / CMVN_FILE
+    onnx = _Under(ENCODER_ONNX)
+    torch = _Under(ENCODER_PT)
+    card = _Under(ENCODER_JSON)
+    cmvn = _Under(CMVN_FILE)
 
 
 @dataclass(frozen=True)
@@ -411,9 +302,7 @@ class FinetuneFiles:
 
     root: Path
 
-    @property
-    def results(self) -> Path:
-        return self.root / FINETUNE_RESULTS
+    results = _Under(FINETUNE_RESULTS)
 
 
 @dataclass(frozen=True)
@@ -423,17 +312,9 @@ class ReportFiles:
 
     root: Path
 
-    @property
-    def index(self) -> Path:
-        return self.root / REPORT_INDEX
-
-    @property
-    def audio(self) -> Path:
-        return self.root / REPORT_AUDIO_DIR
-
-    @property
-    def input_versions(self) -> Path:
-        return self.root / INPUT_VERSIONS_FILE
+    index = _Under(REPORT_INDEX)
+    audio = _Under(REPORT_AUDIO_DIR)
+    input_versions = _Under(INPUT_VERSIONS_FILE)
 
 
 @dataclass(frozen=True)
@@ -476,21 +357,10 @@ class DataLayout:
         """Every client's targets of ``iteration`` that has published (a ``quality.json``), by client."""
         return [TargetFiles(q.parent) for q in sorted(self.targets_root(iteration).glob(f"*/{QUALITY_FILE}"))]
 
-    @property
-    def training_dir(self) -> Path:
-        return self.root / TRAINING_DIR
-
-    @property
-    def training_iter2_dir(self) -> Path:
-        return self.root / TRAINING_ITER2_DIR
-
-    @property
-    def distill_dir(self) -> Path:
-        return self.root / DISTILL_DIR
-
-    @property
-    def federated_dir(self) -> Path:
-        return self.root / FEDERATED_DIR
+    training_dir = _Under(TRAINING_DIR)
+    training_iter2_dir = _Under(TRAINING_ITER2_DIR)
+    distill_dir = _Under(DISTILL_DIR)
+    federated_dir = _Under(FEDERATED_DIR)
 
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)
@@ -508,9 +378,7 @@ class DataLayout:
     def probe(self) -> ProbeFiles:
         return ProbeFiles(self.root / PROBE_DIR)
 
-    @property
-    def export_dir(self) -> Path:
-        return self.root / EXPORT_DIR
+    export_dir = _Under(EXPORT_DIR)
 
     def export(self, encoder_sha256: str, layer: int) -> ExportFiles:
         return ExportFiles(self.export_dir / ExportFiles.folder_name(encoder_sha256, layer))
@@ -526,14 +394,6 @@ class DataLayout:
     def report(self) -> ReportFiles:
         return ReportFiles(self.root / REPORT_DIR)
 
-    @property
-    def stats_db(self) -> Path:
-        return self.root / STATS_DB
-
-    @property
-    def mlflow_db(self) -> Path:
-        return self.root / MLFLOW_DB
-
-    @property
-    def mlflow_artifacts(self) -> Path:
-        return self.root / MLFLOW_ARTIFACTS_DIR
+    stats_db = _Under(STATS_DB)
+    mlflow_db = _Under(MLFLOW_DB)
+    mlflow_artifacts = _Under(MLFLOW_ARTIFACTS_DIR)

@@ -126,10 +126,6 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def sha256_strings(parts: Iterable[str]) -> str:
     """Hash an ordered sequence of strings unambiguously (each part is length-prefixed)."""
     digest = hashlib.sha256()

@@ -35,11 +35,11 @@ from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
-# How often the daemon evaluates the two sensors (issue 24, docs/BENCHMARKS.md). Fresh audio takes
-# two corpus_sensor hops (manifest, vad_features; speaker_manifest was a third) and three automation
+# How often the daemon evaluates the two sensors (docs/BENCHMARKS.md). Fresh audio takes
+# two corpus_sensor hops (manifest, vad_features) and three automation
 # hops (cmvn_stats + client_partitions, kmeans_targets, dataset_stats once after it); each waits for the next
-# evaluation, so at 60 s the waits, not the work, were most of the 281-321 s a new speaker took
-# to reach dataset_stats. The daemon's sensor and automation loops come round every 5 s, and a
+# evaluation, so at 60 s the waits, not the work, are most of the 281-321 s (measured) a new
+# speaker takes to reach dataset_stats. The daemon's sensor and automation loops come round every 5 s, and a
 # sensor is skipped while less than its minimum interval has passed since its last tick *ended*:
 # 5 would skip every other loop, so 2 means "every loop", one tick per ~5 s. What that costs
 # while nothing changes: corpus_sensor stats every corpus file (milliseconds for 200 files,

@@ -10,15 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets import locations
-from speech_assets.defs.dagster_internals import (
-    CODE_VERSION_TAG,
-    DATA_VERSION_IS_USER_PROVIDED_TAG,
-    DATA_VERSION_TAG,
-    DEFAULT_DATA_VERSION,
-    NULL_EVENT_POINTER,
-    get_input_data_version_tag,
-    get_input_event_pointer_tag,
-)
+from speech_assets.defs import dagster_internals as internals
 from speech_assets.layout import TargetFiles
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
@@ -43,7 +35,7 @@ def latest_data_version(
     if not records:
         return None
     materialization = records[0].asset_materialization
-    return materialization.tags.get(DATA_VERSION_TAG) if materialization and materialization.tags else None
+    return materialization.tags.get(internals.DATA_VERSION_TAG) if materialization and materialization.tags else None
 
 
 def latest_metadata(
@@ -64,9 +56,9 @@ def latest_metadata(
 def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, str]:
     """Latest data version per partition (partitions never materialized are left out), in one query."""
     tags = instance.event_log_storage.get_latest_tags_by_partition(
-        dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION, [DATA_VERSION_TAG], asset_partitions=list(partitions)
+        dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION, [internals.DATA_VERSION_TAG], asset_partitions=list(partitions)
     )
-    return {key: value[DATA_VERSION_TAG] for key, value in sorted(tags.items()) if DATA_VERSION_TAG in value}
+    return {key: value[internals.DATA_VERSION_TAG] for key, value in sorted(tags.items()) if internals.DATA_VERSION_TAG in value}
 
 
 def checkpoint_of(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str] | None:
@@ -188,7 +180,7 @@ def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) 
 # Per-partition materializations with their own data version.
 #
 # Dagster stamps the one `DataVersion` of a MaterializeResult on every partition of a
-# multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition used to
+# multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition would
 # give it a "new" version and mark everything downstream unsynced. Partitioned assets here are
 # declared with `output_required=False` and yield one AssetMaterialization per partition instead,
 # tagged exactly as Dagster tags its own (code version, input data versions and event pointers),
@@ -201,9 +193,9 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
     for dep in sorted(context.assets_def.asset_deps[context.asset_key]):
         records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dep), limit=1).records
         event = records[0].asset_materialization if records else None
-        version = (event.tags or {}).get(DATA_VERSION_TAG) if event else None
-        tags[get_input_data_version_tag(dep)] = version or DEFAULT_DATA_VERSION.value
-        tags[get_input_event_pointer_tag(dep)] = str(records[0].storage_id) if records else NULL_EVENT_POINTER
+        version = (event.tags or {}).get(internals.DATA_VERSION_TAG) if event else None
+        tags[internals.get_input_data_version_tag(dep)] = version or internals.DEFAULT_DATA_VERSION.value
+        tags[internals.get_input_event_pointer_tag(dep)] = str(records[0].storage_id) if records else internals.NULL_EVENT_POINTER
     return tags
 
 
@@ -214,9 +206,9 @@ def observed_versions(instance: dg.DagsterInstance, asset: str, partitions: Iter
     if not wanted:
         return {}
     storage = instance.event_log_storage
-    tags = storage.get_latest_tags_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, [DATA_VERSION_TAG], asset_partitions=wanted)
+    tags = storage.get_latest_tags_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, [internals.DATA_VERSION_TAG], asset_partitions=wanted)
     ids = storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, set(wanted))
-    return {p: (tags[p][DATA_VERSION_TAG], ids[p]) for p in wanted if DATA_VERSION_TAG in tags.get(p, {}) and p in ids}
+    return {p: (tags[p][internals.DATA_VERSION_TAG], ids[p]) for p in wanted if internals.DATA_VERSION_TAG in tags.get(p, {}) and p in ids}
 
 
 def partition_observation(asset: str, partition: str, data_version: str, metadata: dict[str, object]) -> dg.AssetObservation:
@@ -226,7 +218,7 @@ def partition_observation(asset: str, partition: str, data_version: str, metadat
         asset_key=asset,
         partition=partition,
         metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
-        tags={DATA_VERSION_TAG: data_version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+        tags={internals.DATA_VERSION_TAG: data_version, internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
     )
 
 
@@ -234,10 +226,10 @@ def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> d
     """Provenance tags for one input partition of an observed (external) asset: its observed data
     version and the observation's storage id (what Dagster compares later observations with)."""
     key = dg.AssetKey(asset)
-    version, storage_id = observed if observed else (DEFAULT_DATA_VERSION.value, None)
+    version, storage_id = observed if observed else (internals.DEFAULT_DATA_VERSION.value, None)
     return {
-        get_input_data_version_tag(key): version,
-        get_input_event_pointer_tag(key): str(storage_id) if storage_id is not None else NULL_EVENT_POINTER,
+        internals.get_input_data_version_tag(key): version,
+        internals.get_input_event_pointer_tag(key): str(storage_id) if storage_id is not None else internals.NULL_EVENT_POINTER,
     }
 
 
@@ -256,9 +248,9 @@ def partition_materialization(
         metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
         tags={
             **provenance,
-            CODE_VERSION_TAG: code_version,
-            DATA_VERSION_TAG: data_version,
-            DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
+            internals.CODE_VERSION_TAG: code_version,
+            internals.DATA_VERSION_TAG: data_version,
+            internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
         },
     )
 

@@ -133,7 +133,7 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
 # their steps one after another in the run worker instead of in forked step processes: a
 # worker that has imported the code location then saves starting a forkserver that imports it
 # and torch again (seconds on 2 cores, more than the small runs fresh data needs take to do their
-# work; docs/BENCHMARKS.md, issue 24). Runs with a step in a pool (training: `training`) still get
+# work; docs/BENCHMARKS.md). Runs with a step in a pool (training: `training`) still get
 # their own step processes, whoever launched them.
 IN_PROCESS_TAG = HIDDEN + "speech_assets/in_process"
 

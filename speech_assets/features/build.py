@@ -14,8 +14,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -365,15 +365,6 @@ def _init_worker() -> None:
     _WORKER_EXTRACTOR = FeatureExtractor()
 
 
-def _run_job(
-    key: Hashable, utterances: Sequence[UtteranceInput], out_path: str, vad_cfg: VadConfig
-) -> tuple[Hashable, ShardResult]:
-    global _WORKER_EXTRACTOR
-    if _WORKER_EXTRACTOR is None:
-        _WORKER_EXTRACTOR = FeatureExtractor()
-    return key, build_shard(utterances, out_path, vad_cfg, _WORKER_EXTRACTOR)
-
-
 def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
     global _WORKER_EXTRACTOR
     if _WORKER_EXTRACTOR is None:
@@ -551,61 +542,9 @@ def default_workers() -> int:
 
 
 def make_pool(workers: int | None = None) -> ProcessPoolExecutor:
-    """A process pool for ``build_shards_parallel``: ``spawn`` context (safe with torch's thread
-    pools), one torch thread and one ``FeatureExtractor`` per worker. Reuse it across calls to
-    pay the worker start-up (a fresh interpreter importing torch: seconds) once."""
+    """A process pool of shard helpers for ``iter_publish_shards``: ``spawn`` context (safe with
+    torch's thread pools), one torch thread and one ``FeatureExtractor`` per worker."""
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker)
-
-
-def build_shards_parallel(
-    jobs: Sequence[tuple[Hashable, Sequence[UtteranceInput], str | os.PathLike[str]]],
-    vad_cfg: VadConfig = VadConfig(),
-    workers: int | None = None,
-    executor: Executor | None = None,
-) -> dict[Hashable, ShardResult]:
-    """Build many shards, largest (by total ``duration_s``) first, over ``workers`` processes.
-
-    ``jobs`` are ``(key, utterances, out_path)``; returns ``{key: ShardResult}`` in ``jobs`` order.
-    ``workers=None`` uses every core this process may run on; ``workers=1`` runs in-process with
-    torch limited to one thread for the duration (same bytes as the pool). Otherwise a
-    ``make_pool(workers)`` pool is started and shut down, unless ``executor`` (e.g. a reused
-    ``make_pool``) is given. A shard that raises fails the call (after the others finish).
-    """
-    workers = default_workers() if workers is None else int(workers)
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    keys = [key for key, _, _ in jobs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("shard keys must be unique")
-    ordered = sorted(jobs, key=lambda job: (-sum(u.duration_s for u in job[1]), str(job[0])))
-    results: dict[Hashable, ShardResult] = {}
-    if executor is None and (workers == 1 or len(ordered) <= 1):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            extractor = FeatureExtractor()
-            for key, utterances, out_path in ordered:
-                results[key] = build_shard(utterances, out_path, vad_cfg, extractor)
-        finally:
-            torch.set_num_threads(previous)
-        return {key: results[key] for key in keys}
-    pool = executor if executor is not None else make_pool(min(workers, len(ordered)))
-    try:
-        futures = [pool.submit(_run_job, key, list(utts), os.fspath(out), vad_cfg) for key, utts, out in ordered]
-        errors = []
-        for future in as_completed(futures):
-            try:
-                key, result = future.result()
-            except Exception as exc:  # noqa: BLE001 - re-raised below with the others' results kept
-                errors.append(exc)
-                continue
-            results[key] = result
-        if errors:
-            raise errors[0]
-    finally:
-        if executor is None:
-            pool.shutdown()
-    return {key: results[key] for key in keys}

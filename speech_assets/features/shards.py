@@ -9,7 +9,7 @@ docs/BENCHMARKS.md).
 Format versions, recorded in the Parquet key-value metadata (``speech_assets.shard_format``, and
 the blobs' numpy dtype in ``speech_assets.feature_dtype``):
 
-* 1 (shards written before issue 24, no key): little-endian float32 blobs (``<f4``);
+* 1 (older shards, no key): little-endian float32 blobs (``<f4``);
 * 2 (written now, :data:`SHARD_FORMAT`): little-endian float16 blobs (``<f2``). Half the bytes;
   k-means inertia and training loss are unchanged to 1e-4 (docs/BENCHMARKS.md).
 
@@ -259,7 +259,7 @@ def write_shard(
     table = records_to_table(records, version, finite_checked=finite_checked)
     # float16 features are stored uncompressed: zstd saves ~10 % of their bytes (63.6 -> 57.3 MB per
     # hour of audio) for ~0.035 ms CPU per audio second, a sixth of the shard builder's cost beyond
-    # decoding and featurising, and readers skip decompressing them (docs/BENCHMARKS.md, issue 24).
+    # decoding and featurising, and readers skip decompressing them (docs/BENCHMARKS.md).
     raw = FEATURE_DIMS if version >= 2 else ()
     compression = {name: "none" if name in raw else "zstd" for name in table.column_names}
     path = Path(path)

@@ -115,14 +115,6 @@ def reply(
     return check_outgoing(RecordDict(content), kind, array_spec(received), client_id, list(names))  # type: ignore[arg-type]
 
 
-def train_reply(received: ArrayRecord, result: TrainResult, client_id: str, config: ConfigRecord | None = None) -> RecordDict:
-    return reply("train", received, result, client_id, config)
-
-
-def evaluate_reply(received: ArrayRecord, result: EvalResult, client_id: str) -> RecordDict:
-    return reply("evaluate", received, result, client_id)
-
-
 def _answer(message: Message, node: NodeConfig, kind: str) -> Message:
     _setup_logging()
     config = message.content["config"]

@@ -332,10 +332,6 @@ class LocalFederation:
         except (WaitTimeout, ChildProcessError):
             return None
 
-    def check_alive(self) -> list[str]:
-        """Names of daemons that have exited (a SuperNode may die; the SuperLink must not)."""
-        return [d.name for d in self.daemons if d.process.poll() is not None]
-
     def stop(self, grace: float = 10.0) -> None:
         daemons = self.daemons
         if daemons:

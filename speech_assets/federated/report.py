@@ -55,14 +55,3 @@ def markdown_rounds(lines: Sequence[Mapping[str, Any]]) -> str:
         for line in shown
     ]
     return "\n".join([header, *rows]) + note
-
-
-def markdown_participation(sampled_by_round: Mapping[str, Sequence[str]], lines: Sequence[Mapping[str, Any]]) -> str:
-    """Which clients each round sampled, and which of them dropped out (no accepted update)."""
-    header = "| round | sampled | dropped |\n| ---: | --- | --- |"
-    shown, note = _last(lines)
-    rows = [
-        f"| {line['round']} | {_names(list(sampled_by_round.get(str(line['round']), [])))} | {_names(line['missing'])} |"
-        for line in shown
-    ]
-    return "\n".join([header, *rows]) + note

@@ -51,7 +51,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -181,34 +181,43 @@ class SecureRounds:
         self.round_number, self.nonce = round_number, os.urandom(16)
         self.keys, self.sealed, self.survivors, self.dropped = {}, {}, [], []
         common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
-        for client, reply in self._ask("secagg-advertise", {c: common for c in clients}, failures).items():
-            problem = self._records(reply, {KEY_RECORD})
-            record = reply.content.config_records.get(KEY_RECORD)
+
+        def read_keys(client: str, record: Any) -> tuple[tuple[Any, ...], str | None]:
             keys = tuple(record.get(k) for k in (MASK_KEY, SHARE_KEY, COMMITMENT)) if record is not None else ()
-            if problem is None:
-                problem = self._key_problem(keys)
-            if problem:
-                self._refuse(reply, "secagg-advertise", problem, failures)
-            else:
-                self.keys[client] = keys  # type: ignore[assignment]
+            return keys, self._key_problem(keys)
+
+        self._collect("secagg-advertise", {c: common for c in clients}, KEY_RECORD, read_keys, self.keys, failures)
         if len(self.keys) < self.threshold:
             self._fail_short("advertised keys", sorted(self.keys), clients, failures)
         table = json.dumps({c: [m.hex(), s.decode("ascii"), h.hex()] for c, (m, s, h) in self.keys.items()}, sort_keys=True)
         asked = {c: {KIND: SHARE, SECAGG_KEYS: table, SECAGG_THRESHOLD: self.threshold,
                      SECAGG_SHARES_NUM: self.num_shares} for c in self.keys}  # fmt: skip
-        for client, reply in self._ask("secagg-share", asked, failures).items():
-            problem = self._records(reply, {SHARES})
-            sealed = dict(reply.content.config_records.get(SHARES) or {})
+
+        def read_shares(client: str, record: Any) -> tuple[dict[str, Any], str | None]:
+            sealed = dict(record or {})
             expected = set(self.neighbours(client)) - {client}
-            if problem is None and (set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values())):
-                problem = f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
-            if problem:
-                self._refuse(reply, "secagg-share", problem, failures)
-            else:
-                self.sealed[client] = sealed  # type: ignore[assignment]
+            if set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values()):
+                return sealed, f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
+            return sealed, None
+
+        self._collect("secagg-share", asked, SHARES, read_shares, self.sealed, failures)
         if len(self.sealed) < self.threshold:
             self._fail_short("shared their keys", sorted(self.sealed), clients, failures)
         return sorted(self.sealed)
+
+    def _collect(self, phase: str, asked: dict[str, dict[str, Any]], record: str,
+                 read: Callable[[str, Any], tuple[Any, str | None]], kept: dict[str, Any],
+                 failures: list[dict[str, Any]]) -> None:
+        """One setup stage: ask ``asked`` for their config record ``record``; keep in ``kept`` the
+        value ``read(client, record) -> (value, problem)`` finds no problem with, refuse the rest
+        (a reply with other records first). ``read`` sees what ``kept`` holds so far."""
+        for client, reply in self._ask(phase, asked, failures).items():
+            problem = self._records(reply, {record})
+            value, found = read(client, reply.content.config_records.get(record))
+            if problem or found:
+                self._refuse(reply, phase, problem or found, failures)  # type: ignore[arg-type]
+            else:
+                kept[client] = value
 
     def _key_problem(self, keys: tuple[Any, ...]) -> str | None:
         if len(keys) != 3 or not all(isinstance(k, bytes) for k in keys):

@@ -19,7 +19,7 @@ def frozen_heap() -> Iterator[None]:
     collection: a full collection walks only what the block allocated. They are handed back to
     the collector after (``gc.freeze``/``gc.unfreeze`` move whole generations: O(1)).
 
-    Measured (docs/BENCHMARKS.md, issue 24): replaying fresh data's runs in one process that had
+    Measured (docs/BENCHMARKS.md): replaying fresh data's runs in one process that had
     loaded the code location, collections took 0.83-0.88 s of an 11 s absorb, 0.19-0.24 s with
     its heap frozen; in the shard builder, a full collection of a torch process's ~200k objects
     took ~95 ms every few shards.

@@ -48,7 +48,7 @@ LABEL_THREADS = 1
 """faiss threads for labelling a client's shards (``CodebookIndex(codebook, LABEL_THREADS)``).
 One search of a shard's frames against a few hundred centroids is a few ms of work; with faiss'
 OpenMP threads on a busy 2-core machine it took 10-20x longer (8 ms vs 150 ms for 36k frames,
-K=100; docs/BENCHMARKS.md, issue 24). Distances differ in the last float bits between thread
+K=100; docs/BENCHMARKS.md). Distances differ in the last float bits between thread
 counts, so a near-tie may flip a label (1 frame in 3.3 million, measured)."""
 
 

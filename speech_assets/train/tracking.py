@@ -73,18 +73,6 @@ def experiment_url(tracking_uri: str, experiment_id: str) -> str:
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}"
 
 
-def runs_page(tracking_uri: str) -> str:
-    """The runs page of :data:`EXPERIMENT` in the MLflow UI (the UI's home when it does not exist yet)."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow.tracking import MlflowClient
-
-    try:
-        experiment = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri)).get_experiment_by_name(EXPERIMENT)
-    except Exception:  # no store yet: the UI's home
-        experiment = None
-    return experiment_url(tracking_uri, experiment.experiment_id) if experiment else ui_base(tracking_uri) + "/"
-
-
 def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_location: str | None) -> str:
     """The id of experiment ``name``, created (artifacts at ``artifact_location``, else
     :func:`default_artifact_location`) when it does not exist yet."""

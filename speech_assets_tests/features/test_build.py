@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 import soundfile as sf
+import torch
 
 from speech_assets.features.build import ShardJob, UtteranceInput, helper_count, iter_publish_shards
 from speech_assets.features.shards import ShardFiles
@@ -54,6 +55,22 @@ def jobs(corpus, shards_dir: Path) -> list[ShardJob]:
 
 def published_bytes(shards_dir: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(shards_dir.iterdir()) if path.suffix in (".parquet", ".npz")}
+
+
+def test_jobs_are_validated(tmp_path, corpus) -> None:
+    (job,) = jobs({"s00": corpus["s00"]}, tmp_path)
+    with pytest.raises(ValueError, match="one job per speaker"):
+        list(iter_publish_shards([job, job], VadConfig(), workers=1))
+    with pytest.raises(ValueError, match="workers"):
+        list(iter_publish_shards([job], VadConfig(), workers=0))
+    assert list(iter_publish_shards([], VadConfig(), workers=1)) == []
+
+
+def test_in_process_run_restores_torch_threads(tmp_path, corpus) -> None:
+    before = torch.get_num_threads()
+    (outcome,) = iter_publish_shards(jobs({"s00": corpus["s00"]}, tmp_path), VadConfig(), workers=1)
+    assert outcome.error is None and outcome.meta is not None
+    assert torch.get_num_threads() == before
 
 
 def test_threads_publish_the_bytes_one_thread_publishes(tmp_path, corpus) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
-from speech_assets.federated.client_app import evaluate_reply, train_reply
+from speech_assets.federated.client_app import reply
 from speech_assets.federated.config import FederatedConfig, update_norm_bound
 from speech_assets.federated.local import EvalResult, TrainResult
 from speech_assets.federated.messages import (
@@ -162,32 +162,32 @@ def _train_result(encoder: dict[str, torch.Tensor], **metrics: float) -> TrainRe
 def test_the_client_sends_only_the_encoder_and_the_agreed_metrics() -> None:
     received = ArrayRecord({k: torch.from_numpy(v) for k, v in _encoder().items()})
     encoder = {k: torch.from_numpy(v.copy()) for k, v in _encoder().items()}
-    content = train_reply(received, _train_result(encoder), "client_00")
+    content = reply("train", received, _train_result(encoder), "client_00")
     assert set(content.keys()) == {"arrays", "metrics", "client"}
     assert set(content["metrics"]) == set(TRAIN_METRICS)
     evaluation = EvalResult(utterances=2, masked_frames=50, masked_accuracy=0.2, majority_accuracy=0.05, loss=4.0,
                             leak_free_frames=30, leak_free_masked_accuracy=0.15, leak_free_majority_accuracy=0.04)  # fmt: skip
-    sent = evaluate_reply(received, evaluation, "client_00")["metrics"]
+    sent = reply("evaluate", received, evaluation, "client_00")["metrics"]
     assert set(sent) == set(EVAL_METRICS) and sent["heldout-leak-free-masked-accuracy"] == 0.15
     # no leak-free frames: their accuracies are None here, 0.0 on the wire (a metric is a number)
     none_free = dataclasses.replace(evaluation, leak_free_frames=0, leak_free_masked_accuracy=None,
                                     leak_free_majority_accuracy=None)  # fmt: skip
-    sent = evaluate_reply(received, none_free, "client_00")["metrics"]
+    sent = reply("evaluate", received, none_free, "client_00")["metrics"]
     assert (sent["leak-free-frames"], sent["heldout-leak-free-masked-accuracy"], sent["leak-free-majority-accuracy"]) == (0, 0.0, 0.0)
     with pytest.raises(OutgoingRefused, match="leak-free-frames .* exceeds num-examples"):
-        evaluate_reply(received, dataclasses.replace(evaluation, leak_free_frames=51), "client_00")
+        reply("evaluate", received, dataclasses.replace(evaluation, leak_free_frames=51), "client_00")
     with pytest.raises(OutgoingRefused, match="heldout-leak-free-masked-accuracy is above 1"):
-        evaluate_reply(received, dataclasses.replace(evaluation, leak_free_masked_accuracy=1.5), "client_00")
+        reply("evaluate", received, dataclasses.replace(evaluation, leak_free_masked_accuracy=1.5), "client_00")
 
     head = {"heads.0.weight": torch.zeros(100, 3), "heads.0.bias": torch.zeros(100)}
     with pytest.raises(OutgoingRefused, match=r"client_00 refuses to send its train reply: .*unexpected: \['heads.0.bias'"):
-        train_reply(received, _train_result({**encoder, **head}), "client_00")
+        reply("train", received, _train_result({**encoder, **head}), "client_00")
     with pytest.raises(OutgoingRefused, match="other dtype or shape"):
-        train_reply(received, _train_result({k: v.double() for k, v in encoder.items()}), "client_00")
+        reply("train", received, _train_result({k: v.double() for k, v in encoder.items()}), "client_00")
     with pytest.raises(OutgoingRefused, match="train-loss is not a finite number"):
-        train_reply(received, _train_result(encoder, train_loss=float("nan")), "client_00")
+        reply("train", received, _train_result(encoder, train_loss=float("nan")), "client_00")
     with pytest.raises(OutgoingRefused, match="masked-accuracy is above 1"):
-        train_reply(received, _train_result(encoder, masked_accuracy=3.0), "client_00")
+        reply("train", received, _train_result(encoder, masked_accuracy=3.0), "client_00")
 
 
 # ------------------------------------------------------------------------------ reply binding
