@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.federated.config import FederatedConfig, FederatedPaths
-from speech_assets.train.tracking import DAGSTER_RUN_TAG, EXPERIMENT, ensure_experiment, installed_packages, is_server, run_url
+from speech_assets.train.tracking import EXPERIMENT, dagster_run_tags, ensure_experiment, installed_packages, is_server, run_url
 from speech_assets.utils import atomic_write_text
 
 
@@ -74,11 +74,12 @@ class FederatedTracker:
             if self.client.get_run(previous).info.status != "FINISHED":
                 self.client.update_run(previous, status="RUNNING")
             if self.dagster_run_id:  # the Dagster run that continues it
-                self.client.set_tag(previous, DAGSTER_RUN_TAG, self.dagster_run_id)
+                for key, value in dagster_run_tags(self.dagster_run_id).items():
+                    self.client.set_tag(previous, key, value)
             return previous
         tags = {"run_dir": str(self.paths.root), "preset": config.preset, "strategy": config.strategy, "mode": "federated"}
         if self.dagster_run_id:
-            tags[DAGSTER_RUN_TAG] = self.dagster_run_id
+            tags |= dagster_run_tags(self.dagster_run_id)
         if self.git_sha:
             tags |= {"git_sha": self.git_sha, "mlflow.source.git.commit": self.git_sha}
         tags |= {f"data_version.{name}": version for name, version in config.data_versions.items()}

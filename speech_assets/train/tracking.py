@@ -46,6 +46,16 @@ EXPERIMENT = "speech_assets"
 # the ``mode`` tag of each kind of run, all in EXPERIMENT
 MODES = ("centralised", "federated", "distilled", "iteration2", "finetuned")
 DAGSTER_RUN_TAG = "dagster_run_id"
+# where `make ui` serves Dagster; a team deployment names its own webserver
+DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT = "SPEECH_ASSETS_DAGSTER_URL", "http://127.0.0.1:3000"
+
+
+def dagster_run_tags(dagster_run_id: str) -> dict[str, str]:
+    """The tags that link an MLflow run back to its Dagster run: the id, and the run's note (the
+    markdown MLflow shows on the run's page) with a link to the run in Dagster's UI."""
+    base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
+    return {DAGSTER_RUN_TAG: dagster_run_id,
+            "mlflow.note.content": f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})"}  # fmt: skip
 UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI on (default 5000)
 
 
@@ -225,12 +235,13 @@ class MlflowTracker:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             if cfg.dagster_run_id:  # the Dagster run that continues it
-                self.client.set_tag(resume_run_id, DAGSTER_RUN_TAG, cfg.dagster_run_id)
+                for key, value in dagster_run_tags(cfg.dagster_run_id).items():
+                    self.client.set_tag(resume_run_id, key, value)
             log.info("continuing MLflow run %s", resume_run_id)
         else:
             tags = {"run_dir": cfg.run_dir, "preset": cfg.preset, "mode": self.mode}
             if cfg.dagster_run_id:
-                tags[DAGSTER_RUN_TAG] = cfg.dagster_run_id
+                tags |= dagster_run_tags(cfg.dagster_run_id)
             if cfg.git_sha:
                 tags |= {"git_sha": cfg.git_sha, "mlflow.source.git.commit": cfg.git_sha}
             tags |= input_tags(cfg.data_versions)

@@ -227,6 +227,8 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_cor
     run = client.get_run(result["mlflow_run_id"])
     assert client.get_experiment(run.info.experiment_id).name == EXPERIMENT
     assert run.data.tags["mode"] == "iteration2" and run.data.tags["dagster_run_id"] == "dagster-run-1"
+    # and back: the run's note (markdown on its MLflow page) links the Dagster run
+    assert "](http://127.0.0.1:3000/runs/dagster-run-1)" in run.data.tags["mlflow.note.content"]
     # held-out results over steps: one point per checkpoint's evaluation, the last the result's
     history = client.get_metric_history(run.info.run_id, "val/masked_accuracy")
     assert [m.step for m in history] == [3, 6] and history[-1].value == pytest.approx(result["heldout_masked_accuracy"])
@@ -257,6 +259,7 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_cor
     fed = client.get_run(tracker.run_id)
     assert fed.info.experiment_id == run.info.experiment_id
     assert fed.data.tags["mode"] == "federated" and fed.data.tags["dagster_run_id"] == "dagster-run-2"
+    assert "](http://127.0.0.1:3000/runs/dagster-run-2)" in fed.data.tags["mlflow.note.content"]
     assert [m.step for m in client.get_metric_history(tracker.run_id, "val/masked_accuracy")] == [1, 2]
     # a client without held-out frames has no held-out series (never 0.0)
     assert "val/a/masked_accuracy" in fed.data.metrics and not any(k.startswith("val/b/") for k in fed.data.metrics)
