@@ -211,7 +211,7 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
 
 def test_demo_prints_summary(built) -> None:
     out = built["stdout"]
-    assert "speech_assets summary" in out and "rejects:" in out and "k-means" in out and "training:" in out
+    assert "speech_assets summary" in out and "rejects:" in out and "k-means" in out and "centralised model:" in out and "federated model:" in out
     # the probe's leaderboard, its verdict indicative only on the sample's one held-out speaker, and
     # which warnings are expected at this scale
     assert "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict |" in out
