@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.corpus.clients import ClientAssignment, read_clients
+from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.train.tracking import log_probe_on_encoder_runs
@@ -29,11 +29,6 @@ class ProbeOverrides(overrides_of(ProbeSettings)):
     """Run-config overrides of the `[probe]` settings for one manual run."""
 
 
-def speaker_clients(paths: StoragePaths) -> dict[str, str]:
-    """``{speaker: client}`` from the clients table."""
-    return {row.speaker_id: row.client_id for row in read_clients(paths.clients_file)}
-
-
 def shard_utterances(paths: StoragePaths, speakers: list[str]) -> list:
     """The utterances of ``speakers``' shards, raw log-mel (each model normalises its own way),
     with their transcripts."""
@@ -49,7 +44,7 @@ class ProbeLeak(ValueError):
 
 
 def probe_split(
-    table: list[ClientAssignment], recorded: Mapping[str, Mapping[str, list[str]] | None]
+    table: ClientsTable, recorded: Mapping[str, Mapping[str, list[str]] | None]
 ) -> tuple[list[str], list[str]]:
     """(the probe's training speakers, its test speakers).
 

@@ -232,10 +232,6 @@ MIN_PERPLEXITY_SHARE = 0.2
 MAX_EMPTY_CLUSTER_SHARE = 0.1
 
 
-def registered_clients(paths: StoragePaths) -> list[str]:
-    return sorted({a.client_id for a in read_clients(paths.clients_file)})
-
-
 @dg.asset_check(asset="kmeans_targets", blocking=True, description=(
     "Every client's labels cover exactly its speakers' utterances, one label per 50 Hz frame "
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
@@ -252,7 +248,7 @@ def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> l
 
     assignments = read_clients(paths.clients_file)
     problems: list[str] = []
-    for client in registered_clients(paths):
+    for client in assignments.clients:
         out = targets_dir(client)
         files = TargetFiles(out)
         if not files.codebook.is_file() or not files.labels.is_file():
@@ -295,7 +291,7 @@ def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
     f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
 ))
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in registered_clients(paths)]
+    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.clients_file).clients]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,

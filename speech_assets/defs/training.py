@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets import locations
-from speech_assets.corpus.clients import heldout_of, read_clients
+from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.layout import TargetFiles
 from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
@@ -75,11 +75,11 @@ def run_training(
     from speech_assets.train import launch  # torch: lazily, the code location stays light
     from speech_assets.train.config import TrainConfig
 
-    clients = speakers_by_client(paths)
-    data_versions = {**(extra_versions or {}), **input_versions(context, paths, clients, targets_dir, targets_asset)}
+    table = read_clients(paths.clients_file)
+    data_versions = {**(extra_versions or {}), **input_versions(context, paths, table.speakers, targets_dir, targets_asset)}
     run_dir = run_folder(run_root, data_versions, options, code_version)
     train_config = from_fields(
-        TrainConfig, options, **run_inputs(paths, clients, targets_dir, data_versions, run_dir, run_label),
+        TrainConfig, options, **run_inputs(paths, table, targets_dir, data_versions, run_dir, run_label),
         batch_seconds=options.batch_seconds or None, nproc=options.nproc or "auto", threads=options.threads or None,
         noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
     )  # fmt: skip
@@ -105,16 +105,8 @@ def run_folder(root: Path, data_versions: dict[str, str], options: dg.Config, co
     return root / sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
 
 
-def speakers_by_client(paths: StoragePaths) -> dict[str, list[str]]:
-    """``{client: [speaker, ...]}`` from the clients table."""
-    clients: dict[str, list[str]] = {}
-    for row in read_clients(paths.clients_file):
-        clients.setdefault(row.client_id, []).append(row.speaker_id)
-    return clients
-
-
 def run_inputs(
-    paths: StoragePaths, clients: dict[str, list[str]], targets_dir: Callable[[str], Path], data_versions: dict[str, str],
+    paths: StoragePaths, table: ClientsTable, targets_dir: Callable[[str], Path], data_versions: dict[str, str],
     run_dir: Path, label: str,
 ) -> dict[str, object]:
     """What a training run's config says of its inputs and tracking (RunConfig's fields): every
@@ -122,10 +114,11 @@ def run_inputs(
     lineage and the MLflow run (its name and ``mode`` tag from ``label``: a key of :data:`RUN_MODES`)."""
     from speech_assets.train.config import ClientTargets
 
+    clients = table.speakers
     return {
         "run_dir": str(run_dir), "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
         "cmvn": str(paths.cmvn.cmvn), "data_versions": data_versions, "git_sha": git_commit(),
-        "heldout_speakers": heldout_of(read_clients(paths.clients_file)),
+        "heldout_speakers": table.heldout,
         "clients": {c: ClientTargets(str(TargetFiles(targets_dir(c)).labels), json.loads(TargetFiles(targets_dir(c)).quality.read_text())["k"]) for c in sorted(clients)},
         "mlflow_tracking_uri": paths.mlflow_tracking_uri, "mlflow_artifact_location": paths.mlflow_artifact_location,
         "mlflow_run_name": f"{label}-{run_dir.name}", "mode": RUN_MODES[label],
