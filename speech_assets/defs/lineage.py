@@ -21,7 +21,7 @@ from speech_assets.defs.dagster_internals import (
 )
 from speech_assets.layout import TargetFiles
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, sha256_strings
 
 
 def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
@@ -165,17 +165,6 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-
-
-def outputs_intact(quality: dict, out_dir: Path) -> bool:
-    """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
-    try:
-        files = TargetFiles(out_dir)
-        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(files.labels) == quality.get(
-            "labels_sha256"
-        )
-    except OSError:
-        return False
 
 
 def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:

@@ -1,6 +1,5 @@
 """Stage 3: per-client k-means targets (the clients themselves: defs/clients.py)."""
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import labels
 from speech_assets.layout import TargetFiles
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, shard_hashes, step_events
+from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
@@ -22,8 +21,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
@@ -56,15 +54,25 @@ def kmeans_targets(
     codebook and int16 labels per utterance at 50 Hz."""
     kmeans = effective(settings.kmeans, config)
     assignments = read_clients(paths.clients_file)
-    speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
+    speaker_sums = cmvn.ShardStats.load(paths.cmvn.speaker_sums)
     provenance = input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
     published = []
+    policy = KMeansPolicy(
+        kmeans.k, kmeans.max_fit_frames, kmeans.seed, kmeans.refit_growth, kmeans.model_dump_json(exclude={"refit_growth"}),
+        KMEANS_CODE_VERSION,
+    )  # fmt: skip
     for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
-        quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, heldout, speaker_sums)
+        if not speakers:
+            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
+        client = ClientShards(client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file)
+        quality = kmeans_client_targets(
+            client, paths.kmeans_dir(client_id), policy, speaker_sums, force=config.force, log=context.log.info,
+            warn=context.log.warning,
+        )  # fmt: skip
         published.append(
             partition_materialization(
                 context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
@@ -110,120 +118,6 @@ def _cluster_size_plot(out_dir, client_id: str) -> str:
 
 
 MAX_LISTED = 50
-
-
-def _materialize_client(
-    context: dg.AssetExecutionContext,
-    kmeans: KMeansSettings,
-    force: bool,
-    paths: StoragePaths,
-    client_id: str,
-    speakers: list[str],
-    heldout: list[str],
-    speaker_sums: cmvn.ShardStats,
-) -> dict:
-    """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version.
-
-    Holds the client's lock throughout, so two runs never write one client's folder at once; the
-    second one then finds the first one's result and reuses it.
-    """
-    from speech_assets.targets import build  # k-means and faiss: lazily, the code location stays light
-
-    out_dir = paths.kmeans_dir(client_id)
-    with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-        if not speakers:
-            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-        shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
-        # Client-level CMVN from this client's own training speakers only: no statistics cross
-        # clients, and none includes a held-out speaker (they are labelled, never fitted)
-        client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=set(speakers) - set(heldout)))
-        inputs_key = sha256_strings([
-            json.dumps(shard_versions, sort_keys=True), json.dumps(heldout),
-            kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION,
-        ])  # fmt: skip
-        quality_file = TargetFiles(out_dir).quality
-        previous = read_json(quality_file)
-        fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
-        intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
-        if intact and previous.get("inputs_key") == inputs_key:
-            context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
-            quality = previous
-        else:
-            # the codebook is kept only while no speaker it was fitted on has since been held out
-            fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
-            newcomers = _newcomers(previous, speakers, shard_versions) if intact and not fitted_on_heldout else None
-            new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
-            at_refit = frames_at_last_refit(previous)
-            if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
-                context.log.info(
-                    f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
-                    f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
-                    f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
-                )
-                result = build.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
-                mode, codebook_speakers = "extended", previous["codebook_speakers"]
-            else:
-                result = build.build_client_targets(
-                    client_id,
-                    [paths.shard_file(s) for s in speakers],
-                    client_cmvn,
-                    out_dir,
-                    k=kmeans.k,
-                    max_fit_frames=kmeans.max_fit_frames,
-                    seed=kmeans.seed,
-                    log=context.log.warning,
-                    label_only=[paths.shard_file(s) for s in heldout],
-                )
-                mode, codebook_speakers = "refit", sorted(set(speakers) - set(heldout))
-            quality = {
-                "client_id": client_id,
-                "k": result.k,
-                "k_requested": kmeans.k,
-                "frames_fit": result.frames_fit,
-                "frames_labelled": result.frames_labelled,
-                "utterances": result.utterances,
-                "inertia_per_frame": result.inertia_per_frame,
-                "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
-                "perplexity": result.perplexity,
-                "empty_clusters": result.empty_clusters,
-                "mean_segment_length": result.mean_segment_length,
-                "speakers": speakers,
-                "codebook_speakers": codebook_speakers,
-                "heldout_speakers": heldout,
-                "mode": mode,
-                "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
-                "shards_read": result.shards_read,
-                "shard_versions": shard_versions,
-                "inputs_key": inputs_key,
-                "fit_key": fit_key,
-                "codebook_sha256": sha256_file(result.codebook_path),
-                "labels_sha256": sha256_file(result.labels_path),
-            }
-            quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
-            atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
-        return quality
-
-
-def frames_at_last_refit(quality: dict) -> int | None:
-    """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
-    if "frames_at_refit" in quality:
-        return int(quality["frames_at_refit"])
-    return int(quality["frames_labelled"]) if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality else None
-
-
-def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
-    """Whether a client that grew to ``frames_now`` since its codebook was fitted on
-    ``frames_at_refit`` frames may keep that codebook: growth is measured against the refit, not
-    the last extension, so repeated small extensions cannot compound past ``refit_growth``."""
-    return frames_now - frames_at_refit <= refit_growth * frames_at_refit
-
-
-def _newcomers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:
-    """New speakers when the client only grew (every old speaker present with the same shard)."""
-    old = previous.get("shard_versions", {})
-    if not old or any(shard_versions.get(s) != version for s, version in old.items()):
-        return None
-    return sorted(set(speakers) - set(old)) or None
 
 
 # --- checks: each reads the published files, independently of how they were written -------------

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets import layout
-from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
