@@ -196,7 +196,8 @@ class CmvnFiles:
 class TargetFiles:
     """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or
     ``D/kmeans_iter2/<client>/``: ``codebook.npy`` (K, D), ``labels.parquet``, ``quality.json``
-    (the publish record, written last) and ``state.npz`` (the fit's resumable state)."""
+    (the publish record, written last), ``state.npz`` (the fit's resumable state) and the
+    writers' lock beside the folder."""
 
     root: Path
 
@@ -215,6 +216,11 @@ class TargetFiles:
     @property
     def state(self) -> Path:
         return self.root / KMEANS_STATE_FILE
+
+    @property
+    def lock(self) -> Path:
+        """Held by whoever writes the folder: hidden ``.<client>.lock`` beside it."""
+        return self.root.parent / f".{self.root.name}{SHARD_LOCK_SUFFIX}"
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.layout import RunFiles
 from speech_assets.defs.lineage import input_versions, required_checkpoint
-from speech_assets.defs.probe import shard_utterances
 from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_torchrun
-from speech_assets.defs.training import TRAINING_INPUTS, run_folder, run_inputs
+from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun
 from speech_assets.stats.database import SPEED_FILE
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields
@@ -86,10 +85,11 @@ def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths, sp
     (of ``speakers``' shards)."""
     from speech_assets.train.distill import encoder_parameters
     from speech_assets.model.encoders import load_encoder
+    from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.speed import forward_speed
 
     teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
-    feats = [u.feats for u in shard_utterances(paths, speakers)][:16]
+    feats = [u.feats for u in manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers])][:16]
     speed = forward_speed({"teacher": teacher, "student": student}, feats, repeats=2, threads=1)
     return {
         "student_parameters": encoder_parameters(student),

@@ -21,11 +21,10 @@ from speech_assets.defs.lineage import (
     read_json,
     step_events,
 )
-from speech_assets.defs.manifest import SPEAKER_MANIFEST
-from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
-from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
+from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of, vad_config
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
@@ -36,12 +35,6 @@ class FeatureOverrides(overrides_of(FeatureSettings)):
     """Run-config overrides of the `[features]` settings for one manual run."""
 
     force: bool = False  # rebuild shards even when their inputs are unchanged
-
-
-def vad_config(features: FeatureSettings) -> VadConfig:
-    """The VAD's config: the settings' ``vad_*`` fields without their prefix, and the others by name."""
-    renamed = {name: getattr(features, f"vad_{name}") for name in ("aggressiveness", "frame_ms", "padding_ms")}
-    return from_fields(VadConfig, features, **renamed)
 
 
 # The step's process always builds shards; each extra worker is a helper process, a fresh

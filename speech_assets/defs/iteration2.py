@@ -10,10 +10,10 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import input_provenance, partition_materialization, required_checkpoint, shard_hashes, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import Iteration2Settings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.targets import client_metadata
-from speech_assets.defs.training import TrainingOverrides, run_training
+from speech_assets.defs.torchrun import TrainingOverrides, run_training
 from speech_assets.targets.publish import ClientShards, iteration2_client_targets
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 
 from speech_assets import locations
 from speech_assets.defs.dagster_internals import (
@@ -20,6 +22,7 @@ from speech_assets.defs.dagster_internals import (
     get_input_event_pointer_tag,
 )
 from speech_assets.layout import TargetFiles
+from speech_assets.defs.partitions import SPEAKER_MANIFEST
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import atomic_write_text, sha256_strings
 
@@ -271,3 +274,48 @@ FIRST_OF_TWO = (
     "metadata; it is the latest."
 )
 SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
+
+
+@dataclass(frozen=True)
+class SpeakerRows:
+    """One speaker's summary in speakers.parquet."""
+
+    manifest_hash: str
+    utterances: int
+    hours: float
+
+
+def no_rows_version(speaker: str) -> str:
+    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
+    real state too, its shard must become empty."""
+    return sha256_strings(["no manifest rows", speaker])
+
+
+def speaker_observations(
+    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
+) -> list[dg.AssetObservation]:
+    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
+    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
+    for all of them, nothing for the unchanged ones."""
+    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
+    observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
+    events = []
+    for speaker, version in sorted(versions.items()):
+        if observed.get(speaker, ("", 0))[0] == version:
+            continue
+        row = listed.get(speaker)
+        metadata: dict[str, object] = {"speaker_manifest_hash": version}
+        if row is not None:
+            metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
+        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
+    return events
+
+
+def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
+    """speakers.parquet as published (empty before the first manifest)."""
+    if not paths.speakers_file.exists():
+        return {}
+    return {
+        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
+        for r in pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]).to_pylist()
+    }

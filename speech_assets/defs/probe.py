@@ -29,16 +29,6 @@ class ProbeOverrides(overrides_of(ProbeSettings)):
     """Run-config overrides of the `[probe]` settings for one manual run."""
 
 
-def shard_utterances(paths: StoragePaths, speakers: list[str]) -> list:
-    """The utterances of ``speakers``' shards, raw log-mel (each model normalises its own way),
-    with their transcripts."""
-    from speech_assets.evaluation.encoders import load_utterances
-
-    table = pq.read_table(paths.manifest_file, columns=["utt_id", "transcript"])
-    transcripts = dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
-    return load_utterances([paths.shard_file(s) for s in speakers], transcripts)
-
-
 class ProbeLeak(ValueError):
     """A probe test speaker was in an encoder's training data, or an encoder records no split."""
 
@@ -90,6 +80,7 @@ def downstream_probe(
         FBANK, RANDOM, ProbeModel, compare_encoders, leaderboard, leaderboard_table, markdown_table, results_table,
         leaderboard_path, reading_note, split_utterances, standing, summarise, utterances_path, utterances_table,
     )  # fmt: skip
+    from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
     from speech_assets.model.encoders import load_encoder, random_encoder
@@ -118,7 +109,7 @@ def downstream_probe(
     random = random_encoder(ModelPreset(**loaded["pretrained"].checkpoint["preset"]), seed=options.seed)
     models = [model(FBANK, None, baseline_norm), model(RANDOM, random, baseline_norm)]
     models += [model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in loaded.items()]
-    utterances = shard_utterances(paths, sorted(set(train_speakers) | set(test_speakers)))
+    utterances = manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in sorted(set(train_speakers) | set(test_speakers))])
     train, test = split_utterances(utterances, set(test_speakers), options.max_train_utterances, options.max_eval_utterances, options.seed)
     context.log.info(
         f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training utterances "

@@ -1,10 +1,9 @@
 """Stage 3: per-client k-means targets (the clients themselves: defs/clients.py)."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
@@ -13,6 +12,7 @@ from speech_assets.layout import TargetFiles
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import client_metadata, labels_check_result
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
     KMeansSettings,
@@ -21,6 +21,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
+from speech_assets.targets.checks import label_problems
 from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
@@ -82,44 +83,6 @@ def kmeans_targets(
     yield from step_events(context, published)
 
 
-def client_metadata(quality: dict, out_dir) -> dict[str, object]:
-    """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
-    speakers = quality["speakers"]
-    shown = speakers[:MAX_LISTED]
-    listing = ", ".join(shown) + (f" ... and {len(speakers) - len(shown)} more" if len(speakers) > len(shown) else "")
-    return {
-        "k": quality["k"],
-        "frames_fit": quality["frames_fit"],
-        "frames_labelled": quality["frames_labelled"],
-        "inertia_per_frame": round(quality["inertia_per_frame"], 3),
-        "perplexity": round(quality["perplexity"], 1),
-        "perplexity_share_of_k": round(quality["perplexity"] / max(quality["k"], 1), 3),
-        "empty_clusters": quality["empty_clusters"],
-        "mean_segment_length": round(quality["mean_segment_length"], 2),
-        "mode": quality.get("mode", "refit"),
-        "speakers": len(speakers),
-        "speaker_ids": dg.MetadataValue.md(listing),
-        "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
-        "label_rate_hz": 50,
-        "cluster_sizes": dg.MetadataValue.md(_cluster_size_plot(out_dir, quality["client_id"])),
-        "path": dg.MetadataValue.path(str(out_dir)),
-    }
-
-
-def _cluster_size_plot(out_dir, client_id: str) -> str:
-    import numpy as np
-
-    from speech_assets.stats import plots
-    from speech_assets.targets.build import STATE_FILE
-
-    with np.load(out_dir / STATE_FILE) as state:
-        counts = state["counts"]
-    return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
-
-
-MAX_LISTED = 50
-
-
 # --- checks: each reads the published files, independently of how they were written -------------
 
 MIN_PERPLEXITY_SHARE = 0.2
@@ -131,53 +94,7 @@ MAX_EMPTY_CLUSTER_SHARE = 0.1
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
 ))
 def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(label_problems(paths, paths.kmeans_dir))
-
-
-def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> list[str]:
-    """What is wrong with every registered client's ``targets_dir(client)/labels.parquet`` against
-    the shards of its speakers: utterances missing or foreign, label counts other than one per
-    50 Hz frame, ids outside the client's codebook (``codebook.npy``)."""
-    import numpy as np
-
-    assignments = read_clients(paths.clients_file)
-    problems: list[str] = []
-    for client in assignments.clients:
-        out = targets_dir(client)
-        files = TargetFiles(out)
-        if not files.codebook.is_file() or not files.labels.is_file():
-            problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
-            continue
-        k = int(np.load(files.codebook, mmap_mode="r").shape[0])
-        found = labels.read_label_columns(files.labels)
-        expected: dict[str, int] = {}
-        for speaker in (a.speaker_id for a in assignments if a.client_id == client):
-            table = pq.ParquetFile(paths.shard_file(speaker)).read(columns=["utt_id", "num_frames"])
-            expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
-        lengths = dict(zip(found.utt_ids, found.lengths.tolist(), strict=True))
-        if set(lengths) != set(expected):
-            problems.append(f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign")
-        # ids are checked over all of the client's labels at once; per utterance only if some fail
-        outside = (found.values < 0) | (found.values >= k)
-        bad_ids = set()
-        if outside.any():
-            owner = np.repeat(np.arange(len(found.utt_ids)), found.lengths)  # label -> its utterance
-            bad_ids = {found.utt_ids[i] for i in np.unique(owner[outside]).tolist()}
-        for utt, frames in expected.items():
-            count = lengths.get(utt)
-            if count is None:
-                continue
-            if count != (frames + 1) // 2 or utt in bad_ids:
-                problems.append(f"{client}/{utt}: {count} labels for {frames} frames or ids outside [0, {k})")
-    return problems
-
-
-def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        passed=not problems,
-        severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
-    )
+    return labels_check_result(label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir))
 
 
 @dg.asset_check(asset="kmeans_targets", description=(

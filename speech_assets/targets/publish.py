@@ -1,6 +1,6 @@
 """The publish policy of one client's k-means targets, both iterations.
 
-A client's folder is written under the client's lock (``.<client>.lock`` beside it): two runs
+A client's folder is written under the client's lock (``TargetFiles.lock``): two runs
 never write it at once, and the second finds the first one's record and reuses it.
 ``quality.json`` (:class:`~speech_assets.layout.TargetFiles`) is the record, written last and
 atomically; it decides what the next run does, and its ``data_version`` (the hash of the codebook
@@ -102,7 +102,7 @@ def publish_client_targets(
     ``build(previous, intact)`` is called only when the record cannot be reused; ``intact``: the
     previous fit is this one's (same ``fit_key``, files as recorded, not ``force``).
     """
-    with exclusive_lock(out_dir.parent / f".{client.client_id}.lock"):
+    with exclusive_lock(TargetFiles(out_dir).lock):
         previous = read_quality(out_dir)
         intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
         if intact and previous.get("inputs_key") == inputs_key:
