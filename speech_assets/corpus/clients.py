@@ -111,9 +111,6 @@ class ClientsTable:
     def __iter__(self) -> Iterator[ClientAssignment]:
         return iter(self.rows)
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def clients(self) -> list[str]:
         """The client ids, sorted."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 
+from speech_assets.layout import TargetFiles
 from speech_assets.stats import plots
 
 COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
@@ -89,10 +90,7 @@ def client_metadata(quality: dict, out_dir) -> dict[str, object]:
 def _cluster_size_plot(out_dir, client_id: str) -> str:
     import numpy as np
 
-    from speech_assets.stats import plots
-    from speech_assets.targets.build import STATE_FILE
-
-    with np.load(out_dir / STATE_FILE) as state:
+    with np.load(TargetFiles(out_dir).state) as state:
         counts = state["counts"]
     return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
 
@@ -101,6 +99,7 @@ MAX_LISTED = 50
 
 
 def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
+    """A labels check's result: failed with the first problems listed, or passed."""
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
