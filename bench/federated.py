@@ -102,21 +102,21 @@ def build_inputs(root: Path) -> Path:
 
 
 def run_federated(data: Path, root: Path, engine: str, variant: str, args: argparse.Namespace) -> dict:
-    from speech_assets.corpus.clients import heldout_of, read_clients
+    from speech_assets.corpus.clients import read_clients
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import summarize_rounds
-    from speech_assets.federated.launch import client_ids, client_weights, run_federation
+    from speech_assets.federated.launch import run_federation
 
     name = f"{engine}-{variant}".replace("+", "-")
     run_dir = root / name
-    clients = client_ids(data)
     table = read_clients(data / "clients" / "clients.parquet")
+    clients = table.clients
     config = FederatedConfig(
         run_dir=str(run_dir), run_name=name, clients=clients, rounds=args.rounds, local_steps=args.local_steps,
-        client_lr=args.lr, batch_seconds=args.batch_seconds, heldout_speakers=heldout_of(table), seed=args.seed,
+        client_lr=args.lr, batch_seconds=args.batch_seconds, heldout_speakers=table.heldout, seed=args.seed,
         fraction_train=args.fraction_train, evaluate_every=args.evaluate_every, precision="fp32",
-        client_weights=client_weights(data, clients),
-        train_speakers=sorted(a.speaker_id for a in table if not a.heldout), **VARIANTS[variant],
+        client_weights=table.weights(clients),
+        train_speakers=table.train_speakers(), **VARIANTS[variant],
     )  # fmt: skip
     started = time.monotonic()
     with MemorySampler() as memory:
@@ -165,7 +165,7 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
 def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: list[str]) -> dict:
     import pyarrow.parquet as pq
 
-    from speech_assets.corpus.clients import heldout_of, read_clients
+    from speech_assets.corpus.clients import read_clients
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     speakers = sorted(pq.read_table(data / "clients" / "clients.parquet").column("speaker_id").to_pylist())
@@ -180,7 +180,7 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
                                   json.loads((data / "kmeans" / c / "quality.json").read_text())["k"]) for c in clients},
         preset="tiny", max_steps=steps, batch_seconds=args.batch_seconds, grad_accum=1, lr=args.lr,
         warmup_steps=max(1, steps // 10), seed=args.seed,
-        heldout_speakers=heldout_of(read_clients(data / "clients" / "clients.parquet")),
+        heldout_speakers=read_clients(data / "clients" / "clients.parquet").heldout,
         checkpoint_every=steps, log_every=max(1, steps // 10), precision="fp32", device="cpu", nproc=1,
     )  # fmt: skip
     config_path = root / "centralised.json"
@@ -230,9 +230,9 @@ def main() -> None:
         started = time.monotonic()
         data = args.data_dir.resolve() if args.data_dir else build_inputs(root / "inputs")
         print(f"inputs ready in {time.monotonic() - started:.0f} s: {data}", flush=True)
-        from speech_assets.federated.launch import client_ids
+        from speech_assets.corpus.clients import read_clients
 
-        clients = client_ids(data)
+        clients = read_clients(data / "clients" / "clients.parquet").clients
         runs = [(engine, variant) for engine in args.engines for variant in args.variants]
         for engine, variant in runs:
             print(f"== {engine} {variant}", flush=True)

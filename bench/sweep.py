@@ -40,14 +40,14 @@ def parse_value(text: str) -> Any:
 
 
 def train_config(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Any:
-    from speech_assets.corpus.clients import heldout_of, read_clients
+    from speech_assets.corpus.clients import read_clients
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})
     base = {
         "run_dir": str(run_dir), "shards": [str(data / "features" / "shards" / f"{r.speaker_id}.parquet") for r in sorted(rows, key=lambda r: r.speaker_id)],
-        "cmvn": str(data / "cmvn" / "cmvn.npz"), "heldout_speakers": heldout_of(rows),
+        "cmvn": str(data / "cmvn" / "cmvn.npz"), "heldout_speakers": rows.heldout,
         "clients": {c: ClientTargets(str(data / "kmeans" / c / "labels.parquet"), json.loads((data / "kmeans" / c / "quality.json").read_text())["k"]) for c in clients},
         "nproc": 1, "threads": os.cpu_count() or 1, "checkpoint_every": 10**6, "log_every": 100,
     }  # fmt: skip
@@ -59,17 +59,16 @@ def federated_run(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Path:
     it) with the real ClientApp answering each message in process (no SuperLink, no SuperNodes:
     the same rounds as ``federated_checkpoint`` without Flower's per-message process start-ups);
     ``knobs``: FederatedConfig fields. Returns the run's ``final.pt``."""
-    from speech_assets.corpus.clients import heldout_of, read_clients
+    from speech_assets.corpus.clients import read_clients
     from speech_assets.federated.config import FederatedConfig
-    from speech_assets.federated.launch import client_weights
     from speech_assets.federated.server_app import Server
     from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
 
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})
     config = FederatedConfig(**{
-        "run_dir": str(run_dir), "run_name": run_dir.name, "clients": clients, "client_weights": client_weights(data, clients),
-        "heldout_speakers": heldout_of(rows), "train_speakers": sorted(r.speaker_id for r in rows if not r.heldout),
+        "run_dir": str(run_dir), "run_name": run_dir.name, "clients": clients, "client_weights": rows.weights(clients),
+        "heldout_speakers": rows.heldout, "train_speakers": rows.train_speakers(),
         "connect_timeout_s": 5, **knobs,
     })  # fmt: skip
     threads = max(1, os.cpu_count() or 1)

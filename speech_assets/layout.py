@@ -186,7 +186,8 @@ class CmvnFiles:
 class TargetFiles:
     """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or
     ``D/kmeans_iter2/<client>/``: ``codebook.npy`` (K, D), ``labels.parquet``, ``quality.json``
-    (the publish record, written last) and ``state.npz`` (the fit's resumable state)."""
+    (the publish record, written last), ``state.npz`` (the fit's resumable state) and the
+    writers' lock beside the folder."""
 
     root: Path
 
@@ -194,6 +195,11 @@ class TargetFiles:
     quality = _Under(QUALITY_FILE)
     codebook = _Under(CODEBOOK_FILE)
     state = _Under(KMEANS_STATE_FILE)
+
+    @property
+    def lock(self) -> Path:
+        """Held by whoever writes the folder: hidden ``.<client>.lock`` beside it."""
+        return self.root.parent / f".{self.root.name}{SHARD_LOCK_SUFFIX}"
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,8 @@ NOT_PRODUCT = {"testing"}  # test scaffolding: it writes fixtures in the layout'
 NOT_YET_MOVED = {
     "speech_assets/corpus/audit.py": ['manifest.parquet', 'rejects.parquet', 'speakers.parquet'],
     "speech_assets/defs/export.py": ['encoder.json', 'encoder.onnx', 'encoder.pt'],
-    "speech_assets/defs/iteration2.py": ['.lock'],
     "speech_assets/defs/manifest.py": ['.staging'],
     "speech_assets/defs/model_checks.py": ['metrics.jsonl', 'result.json'],
-    "speech_assets/defs/targets.py": ['.lock', 'speaker_sums.npz'],
     "speech_assets/defs/torchrun.py": ['config.json', 'final.pt', 'metrics.jsonl', 'result.json', 'train.log'],
     "speech_assets/federated/tracking.py": ['mlflow_run_id', 'result.json'],
     "speech_assets/model/export.py": ['encoder.json', 'encoder.onnx', 'encoder.pt'],

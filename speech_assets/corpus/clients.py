@@ -6,13 +6,15 @@ keeps it, and only new speakers are placed (largest first, each onto the current
 client). Ties break on ids, so the result is deterministic.
 
 The clients table (``clients/clients.parquet``, written by the ``client_partitions`` asset) has
-one row per speaker, ``CLIENTS_SCHEMA``; ``read_clients`` is its one reader.
+one row per speaker, ``CLIENTS_SCHEMA``; ``read_clients`` is its one reader, and a
+:class:`ClientsTable` answers every question asked of it (speakers per client, held-out split,
+aggregation weights), so a run reads the file once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
@@ -100,15 +102,59 @@ def write_clients(path: str | os.PathLike[str], assignments: list[ClientAssignme
         pq.write_table(pa.Table.from_pylist([asdict(a) for a in assignments], schema=CLIENTS_SCHEMA), tmp)
 
 
-def read_clients(path: str | os.PathLike[str]) -> list[ClientAssignment]:
-    """The rows of the clients table, one per speaker. A table written before the held-out split
-    was recorded in it is refused: re-materialise ``client_partitions``."""
+@dataclass(frozen=True)
+class ClientsTable:
+    """The clients table as read: one :class:`ClientAssignment` per speaker, in table order."""
+
+    rows: tuple[ClientAssignment, ...]
+
+    def __iter__(self) -> Iterator[ClientAssignment]:
+        return iter(self.rows)
+
+    @property
+    def clients(self) -> list[str]:
+        """The client ids, sorted."""
+        return sorted({row.client_id for row in self.rows})
+
+    @property
+    def speakers(self) -> dict[str, list[str]]:
+        """``{client: [speaker, ...]}``, clients and speakers in table order."""
+        speakers: dict[str, list[str]] = {}
+        for row in self.rows:
+            speakers.setdefault(row.client_id, []).append(row.speaker_id)
+        return speakers
+
+    @property
+    def client_of(self) -> dict[str, str]:
+        """``{speaker: client}``."""
+        return {row.speaker_id: row.client_id for row in self.rows}
+
+    @property
+    def heldout(self) -> list[str]:
+        """The held-out speakers, sorted."""
+        return sorted(row.speaker_id for row in self.rows if row.heldout)
+
+    def train_speakers(self, clients: Sequence[str] | None = None) -> list[str]:
+        """The speakers that are not held out (of ``clients`` only, when given), sorted."""
+        return sorted(row.speaker_id for row in self.rows if not row.heldout and (clients is None or row.client_id in clients))
+
+    def weights(self, clients: Sequence[str]) -> dict[str, float]:
+        """The aggregation weight of each of ``clients``: the utterances of its training (not
+        held-out) speakers (what the server knows, not what a client reports). Raises
+        ``ValueError`` naming the clients that have none."""
+        totals: dict[str, float] = {}
+        for row in self.rows:
+            totals[row.client_id] = totals.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
+        missing = [c for c in clients if totals.get(c, 0) <= 0]
+        if missing:
+            raise ValueError(f"the clients table has no utterances for {missing}")
+        return {c: totals[c] for c in clients}
+
+
+def read_clients(path: str | os.PathLike[str]) -> ClientsTable:
+    """The clients table. A table written before the held-out split was recorded in it is
+    refused: re-materialise ``client_partitions``."""
     names = pq.read_schema(path).names
     if "heldout" not in names:
         raise ValueError(f"{path} has no heldout column (written by an older version): re-materialise client_partitions")
-    return [ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist()]
-
-
-def heldout_of(assignments: list[ClientAssignment]) -> list[str]:
-    """The held-out speakers of a clients table, sorted."""
-    return sorted(a.speaker_id for a in assignments if a.heldout)
+    return ClientsTable(tuple(ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist()))

@@ -8,13 +8,13 @@ import json
 
 import dagster as dg
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.layout import RunFiles
 from speech_assets.defs.lineage import input_versions, required_checkpoint
-from speech_assets.defs.probe import shard_utterances, speaker_clients
 from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_torchrun
-from speech_assets.defs.training import TRAINING_INPUTS, run_folder, run_inputs, speakers_by_client
+from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun
 from speech_assets.stats.database import SPEED_FILE
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields
@@ -48,12 +48,12 @@ def distilled_checkpoint(
     options = effective(settings.distill, config)
     record_run_process(context)
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
-    clients = speakers_by_client(paths)
-    data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, clients)}
+    table = read_clients(paths.clients_file)
+    data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, table.speakers)}
     run_dir = run_folder(paths.layout.distill_dir, data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
     distill_config = from_fields(
-        DistillConfig, options, **run_inputs(paths, clients, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
+        DistillConfig, options, **run_inputs(paths, table, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
         **student_shape(teacher_model.model.preset, options),
         warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), threads=options.threads or None,
     )  # fmt: skip
@@ -61,7 +61,7 @@ def distilled_checkpoint(
         context, pipes_subprocess_client, paths, run_dir, distill_config, data_versions, asset_name="distilled_checkpoint",
         nproc=options.nproc or 1, module="speech_assets.train.distill",
     )  # fmt: skip
-    speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths)
+    speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths, sorted(table.client_of)[:2])
     atomic_write_text(run_dir / SPEED_FILE, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
@@ -80,14 +80,16 @@ def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
     return {"dim": dim, "layers": options.layers or max(1, teacher.layers // 2), "heads": heads, "ffn_dim": options.ffn_dim or 4 * dim}
 
 
-def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths) -> dict[str, float]:
-    """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances."""
+def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths, speakers: list[str]) -> dict[str, float]:
+    """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances
+    (of ``speakers``' shards)."""
     from speech_assets.train.distill import encoder_parameters
     from speech_assets.model.encoders import load_encoder
+    from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.speed import forward_speed
 
     teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
-    feats = [u.feats for u in shard_utterances(paths, sorted(speaker_clients(paths))[:2])][:16]
+    feats = [u.feats for u in manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers])][:16]
     speed = forward_speed({"teacher": teacher, "student": student}, feats, repeats=2, threads=1)
     return {
         "student_parameters": encoder_parameters(student),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import dagster as dg
 
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, required_checkpoint
-from speech_assets.defs.probe import shard_utterances, speaker_clients
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import atomic_write_text, current_umask, sha256_file, sha256_strings
 
@@ -38,6 +38,7 @@ def encoder_export(
     dynamic batch and time, with encoder.json (featurisation, the CMVN the encoder was trained
     with, frame rates, layer, parity against PyTorch on real shard features through
     onnxruntime): <data>/export/<checkpoint>/."""
+    from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample
@@ -49,7 +50,7 @@ def encoder_export(
     cmvn = from_record(encoder.checkpoint.get("normalisation"))
     if cmvn is None:
         raise dg.Failure(description=f"{checkpoint} records no input normalisation: re-materialise pretrained_checkpoint")
-    utterances = shard_utterances(paths, sorted(speaker_clients(paths))[:4])
+    utterances = manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of)[:4]])
     sample = [cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
@@ -107,7 +108,7 @@ def onnx_matches_pytorch(context: dg.AssetCheckExecutionContext, paths: StorageP
     if description is None:
         return dg.AssetCheckResult(passed=False, description="no export recorded: materialize encoder_export first")
     # the last speakers first: other utterances than the exporter compared on (its first four speakers)
-    shards = [paths.shard_file(s) for s in sorted(speaker_clients(paths), reverse=True)]
+    shards = [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of, reverse=True)]
     return export_parity(Path(str(description.value)).parent, shards, settings.export.parity_utterances)
 
 

@@ -2,7 +2,6 @@
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 
 import dagster as dg
@@ -21,11 +20,10 @@ from speech_assets.defs.lineage import (
     read_json,
     step_events,
 )
-from speech_assets.defs.manifest import SPEAKER_MANIFEST
-from speech_assets.defs.partitions import ALL_SHARDS, speakers_partitions
-from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
+from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of, vad_config
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 from speech_assets.features.vad import VadConfig
 
 FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
@@ -36,27 +34,6 @@ class FeatureOverrides(overrides_of(FeatureSettings)):
     """Run-config overrides of the `[features]` settings for one manual run."""
 
     force: bool = False  # rebuild shards even when their inputs are unchanged
-
-
-def vad_config(features: FeatureSettings) -> VadConfig:
-    """The VAD's config: the settings' ``vad_*`` fields without their prefix, and the others by name."""
-    renamed = {name: getattr(features, f"vad_{name}") for name in ("aggressiveness", "frame_ms", "padding_ms")}
-    return from_fields(VadConfig, features, **renamed)
-
-
-# The step's process always builds shards; each extra worker is a helper process, a fresh
-# interpreter importing torch (~2 s alone, more while the cores are busy) that joins in once it has
-# started. Below that, the step's process runs a thread per core. Measured on 2 cores
-# (docs/BENCHMARKS.md): 2.6 h of audio is built faster on two threads (3.7-3.9 s) than with a
-# helper (4.3-4.9 s), 5.4 h faster with a helper (7.0-7.9 s against 8.1-11.0 s).
-AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
-
-
-def worker_count(audio_seconds: float) -> int:
-    """Processes for a shard job, the step's own included: a helper process (a fresh interpreter
-    importing torch) costs seconds to start, worth it with about four hours of audio per extra
-    process; smaller jobs run in the step's process alone."""
-    return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 
 def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[float, ...] = ()) -> str:
@@ -83,7 +60,7 @@ def vad_features(
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
     from speech_assets.features.build import (  # torch: lazily
-        ShardJob, UtteranceInput, check_speed_factors, default_workers, helpers_for, iter_publish_shards, needs_building,
+        ShardJob, UtteranceInput, check_speed_factors, plan_shards, publish_planned,
     )
 
     features = effective(settings.features, config)
@@ -119,21 +96,14 @@ def vad_features(
         )
         for speaker in speakers
     ]
-    # Cheap pre-check (a stat per file) to size the job; each worker re-checks under the lock.
-    todo = [job for job in jobs if needs_building(job)]
-    workers = features.workers or worker_count(sum(job.audio_seconds for job in todo))
-    # Automatic: a job too small for a helper process (see worker_count) is built here, one
-    # thread per core.
-    threads = default_workers() if not features.workers and workers == 1 else 1
-    helpers = helpers_for(len(todo), workers)  # as iter_publish_shards counts them, without reading every meta again
-    where = f"this process and {helpers} helper process(es)" if helpers else f"this process, {threads} thread(s)"
-    context.log.info(f"{len(todo)} shard(s) to build in {where}, {len(jobs) - len(todo)} unchanged")
+    plan = plan_shards(jobs, features.workers or None)
+    context.log.info(plan.describe())
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}
     published: list[dg.AssetMaterialization] = []
     totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
     # Closed however the loop ends: its pool, frozen heap and torch thread count are let go at once.
-    with contextlib.closing(iter_publish_shards(jobs, vad_cfg, workers=workers, threads=threads)) as outcomes:
+    with contextlib.closing(publish_planned(plan, vad_cfg)) as outcomes:
         for done, outcome in enumerate(outcomes, start=1):
             progress(outcome, done, len(jobs))
             if outcome.error is not None or outcome.meta is None:

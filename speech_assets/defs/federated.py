@@ -13,14 +13,14 @@ from pathlib import Path
 
 import dagster as dg
 
-from speech_assets.corpus.clients import heldout_of, read_clients
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import git_commit, input_versions, record_provenance
+from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
-from speech_assets.defs.training import TRAINING_INPUTS, speakers_by_client
 from speech_assets.locations import redact_uri
 from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
@@ -70,21 +70,21 @@ def federated_checkpoint(
     resumes from its last completed round; MLflow."""
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
-    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, client_weights, run_federation
+    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, run_federation
     from speech_assets.federated.processes import NeedsLinux
     from speech_assets.defs import readable
     from speech_assets.stats.plots import markdown_image, round_curve
     record_run_process(context)
     fed = effective(settings.federated, config)
-    clients = speakers_by_client(paths)
-    data_versions = input_versions(context, paths, clients)
+    table = read_clients(paths.clients_file)
+    clients = table.clients
+    data_versions = input_versions(context, paths, table.speakers)
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.federated_run(run_name).root
-    table = read_clients(paths.clients_file)
     federated = from_fields(
-        FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=sorted(clients),
-        client_weights=client_weights(paths.root, sorted(clients)), data_versions=data_versions,
-        heldout_speakers=heldout_of(table), train_speakers=sorted(a.speaker_id for a in table if not a.heldout),
+        FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=clients,
+        client_weights=table.weights(clients), data_versions=data_versions,
+        heldout_speakers=table.heldout, train_speakers=table.train_speakers(),
     )  # fmt: skip
     commit = git_commit()
     tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)

@@ -2,22 +2,19 @@
 (`kmeans_targets_iter2`, per client) and a checkpoint trained on them (`pretrained_checkpoint_iter2`).
 """
 
-import json
 from collections.abc import Iterator
 
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.layout import TargetFiles
-from speech_assets.defs.lineage import input_provenance, outputs_intact, partition_materialization, read_json, required_checkpoint, shard_hashes, step_events
+from speech_assets.defs.lineage import input_provenance, partition_materialization, required_checkpoint, shard_hashes, step_events
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import Iteration2Settings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.targets import client_metadata
-from speech_assets.defs.training import TrainingOverrides, run_training
-from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.defs.torchrun import TrainingOverrides, run_training
+from speech_assets.targets.publish import ClientShards, iteration2_client_targets
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
@@ -75,35 +72,23 @@ def kmeans_targets_iter2(
         heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers")
-        shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
+        client = ClientShards(client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file)
         out_dir = paths.kmeans_iter2_dir(client_id)
-        inputs_key = sha256_strings([
-            json.dumps(shard_versions, sort_keys=True), json.dumps(heldout), encoder.sha256, str(layer),
-            options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION,
-        ])  # fmt: skip
-        with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-            previous = read_json(TargetFiles(out_dir).quality)
-            if previous.get("inputs_key") == inputs_key and outputs_intact(previous, out_dir):
-                context.log.info(f"{client_id}: inputs unchanged, keeping iteration-2 targets {previous['data_version'][:12]}")
-                quality = previous
-            else:
-                result = build_iter2_targets(
-                    client_id, [paths.shard_file(s) for s in speakers], cmvn, model, layer, out_dir,
-                    k=options.k, max_fit_frames=options.max_fit_frames, seed=options.seed, log=context.log.warning,
-                    label_only=[paths.shard_file(s) for s in heldout],
-                )  # fmt: skip
-                quality = {
-                    "client_id": client_id, "k": result.k, "k_requested": options.k, "frames_fit": result.frames_fit,
-                    "frames_labelled": result.frames_labelled, "utterances": result.utterances,
-                    "inertia_per_frame": result.inertia_per_frame, "perplexity": result.perplexity,
-                    "empty_clusters": result.empty_clusters, "mean_segment_length": result.mean_segment_length,
-                    "label_rate_hz": 50, "speakers": speakers, "heldout_speakers": heldout, "shard_versions": shard_versions,
-                    "encoder_asset": asset, "checkpoint": checkpoint, "checkpoint_sha256": encoder.sha256,
-                    "checkpoint_data_version": checkpoint_version, "layer": layer, "inputs_key": inputs_key,
-                    "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),
-                }  # fmt: skip
-                quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
-                atomic_write_text(TargetFiles(out_dir).quality, json.dumps(quality, indent=1, sort_keys=True))
+
+        def build():
+            return build_iter2_targets(
+                client.client_id, client.files(client.speakers), cmvn, model, layer, out_dir, k=options.k,
+                max_fit_frames=options.max_fit_frames, seed=options.seed, log=context.log.warning,
+                label_only=client.files(client.heldout),
+            )  # fmt: skip
+
+        quality = iteration2_client_targets(
+            client, out_dir, options.k,
+            [encoder.sha256, str(layer), options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION],
+            {"encoder_asset": asset, "checkpoint": checkpoint, "checkpoint_sha256": encoder.sha256,
+             "checkpoint_data_version": checkpoint_version, "layer": layer},
+            build, log=context.log.info,
+        )  # fmt: skip
         metadata = {
             **client_metadata(quality, out_dir),
             "encoder": asset, "layer": layer, "checkpoint_sha256": encoder.sha256,

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 
 from speech_assets import locations
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.layout import TargetFiles
+from speech_assets.defs.partitions import SPEAKER_MANIFEST
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, sha256_strings
 
 
 def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
@@ -159,17 +162,6 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return {}
 
 
-def outputs_intact(quality: dict, out_dir: Path) -> bool:
-    """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
-    try:
-        files = TargetFiles(out_dir)
-        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(files.labels) == quality.get(
-            "labels_sha256"
-        )
-    except OSError:
-        return False
-
-
 def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -274,3 +266,48 @@ FIRST_OF_TWO = (
     "metadata; it is the latest."
 )
 SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
+
+
+@dataclass(frozen=True)
+class SpeakerRows:
+    """One speaker's summary in speakers.parquet."""
+
+    manifest_hash: str
+    utterances: int
+    hours: float
+
+
+def no_rows_version(speaker: str) -> str:
+    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
+    real state too, its shard must become empty."""
+    return sha256_strings(["no manifest rows", speaker])
+
+
+def speaker_observations(
+    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
+) -> list[dg.AssetObservation]:
+    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
+    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
+    for all of them, nothing for the unchanged ones."""
+    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
+    observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
+    events = []
+    for speaker, version in sorted(versions.items()):
+        if observed.get(speaker, ("", 0))[0] == version:
+            continue
+        row = listed.get(speaker)
+        metadata: dict[str, object] = {"speaker_manifest_hash": version}
+        if row is not None:
+            metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
+        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
+    return events
+
+
+def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
+    """speakers.parquet as published (empty before the first manifest)."""
+    if not paths.speakers_file.exists():
+        return {}
+    return {
+        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
+        for r in pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]).to_pylist()
+    }

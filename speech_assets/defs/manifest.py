@@ -9,8 +9,7 @@ stay in sync whatever the number of speakers, and a changed speaker's shard turn
 
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -20,12 +19,12 @@ import pyarrow.parquet as pq
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.corpus.rejects import write_rejects
-from speech_assets.defs.lineage import markdown_table, observed_versions, partition_observation
-from speech_assets.defs.partitions import register_new, speakers_partitions
+from speech_assets.defs.lineage import SpeakerRows, markdown_table, speaker_observations
+from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_path, fsync_dir, sha256_strings
+from speech_assets.utils import atomic_path, fsync_dir
 
 CODE_VERSION = "manifest-v3"
 STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
@@ -33,15 +32,6 @@ STAGING = ".staging"  # under the manifest folder: one subfolder per run, remove
 
 class ManifestOverrides(overrides_of(ManifestSettings)):
     """Run-config overrides of the `[manifest]` settings for one manual run."""
-
-
-@dataclass(frozen=True)
-class SpeakerRows:
-    """One speaker's summary in speakers.parquet."""
-
-    manifest_hash: str
-    utterances: int
-    hours: float
 
 
 @dg.asset(
@@ -169,8 +159,6 @@ def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, S
     return {s: SpeakerRows(h, counts[s], seconds[s] / 3600) for s, h in hashes.items()}
 
 
-SPEAKER_MANIFEST = "speaker_manifest"
-
 speaker_manifest = dg.AssetSpec(
     SPEAKER_MANIFEST,
     group_name="corpus",
@@ -183,42 +171,6 @@ speaker_manifest = dg.AssetSpec(
         "whose rows are new or changed, so only those speakers' shards turn stale; the others stay in sync."
     ),
 )
-
-
-def no_rows_version(speaker: str) -> str:
-    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
-    real state too, its shard must become empty."""
-    return sha256_strings(["no manifest rows", speaker])
-
-
-def speaker_observations(
-    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
-) -> list[dg.AssetObservation]:
-    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
-    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
-    for all of them, nothing for the unchanged ones."""
-    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
-    observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
-    events = []
-    for speaker, version in sorted(versions.items()):
-        if observed.get(speaker, ("", 0))[0] == version:
-            continue
-        row = listed.get(speaker)
-        metadata: dict[str, object] = {"speaker_manifest_hash": version}
-        if row is not None:
-            metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
-        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
-    return events
-
-
-def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
-    """speakers.parquet as published (empty before the first manifest)."""
-    if not paths.speakers_file.exists():
-        return {}
-    return {
-        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
-        for r in pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]).to_pylist()
-    }
 
 
 @dg.asset_check(asset=SPEAKER_MANIFEST, description=(

@@ -31,3 +31,10 @@ def register_new(
 # Dependencies on every partition of a partitioned asset (a speaker shard or a client's targets).
 ALL_SHARDS = dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping())
 ALL_TARGETS = dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMapping())
+
+
+# The per-speaker view of the manifest (an observed asset; its partitions' versions are what a shard follows).
+SPEAKER_MANIFEST = "speaker_manifest"
+
+# Everything a training run reads (and the stats database summarises).
+TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS]

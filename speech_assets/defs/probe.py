@@ -3,18 +3,16 @@
 The ML lives in speech_assets/evaluation/; torch and jiwer are imported inside the asset.
 """
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import dagster as dg
-import pyarrow.parquet as pq
 
-from speech_assets.corpus.clients import ClientAssignment, read_clients
+from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.train.tracking import log_probe_on_encoder_runs
-from speech_assets.utils import atomic_path, atomic_write_text, from_fields, sha256_file
+from speech_assets.utils import from_fields, sha256_file
 
 if TYPE_CHECKING:
     from speech_assets.evaluation.compare import Standing
@@ -27,49 +25,6 @@ PROBE_CODE_VERSION = "probe-v4"
 
 class ProbeOverrides(overrides_of(ProbeSettings)):
     """Run-config overrides of the `[probe]` settings for one manual run."""
-
-
-def speaker_clients(paths: StoragePaths) -> dict[str, str]:
-    """``{speaker: client}`` from the clients table."""
-    return {row.speaker_id: row.client_id for row in read_clients(paths.clients_file)}
-
-
-def shard_utterances(paths: StoragePaths, speakers: list[str]) -> list:
-    """The utterances of ``speakers``' shards, raw log-mel (each model normalises its own way),
-    with their transcripts."""
-    from speech_assets.evaluation.encoders import load_utterances
-
-    table = pq.read_table(paths.manifest_file, columns=["utt_id", "transcript"])
-    transcripts = dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
-    return load_utterances([paths.shard_file(s) for s in speakers], transcripts)
-
-
-class ProbeLeak(ValueError):
-    """A probe test speaker was in an encoder's training data, or an encoder records no split."""
-
-
-def probe_split(
-    table: list[ClientAssignment], recorded: Mapping[str, Mapping[str, list[str]] | None]
-) -> tuple[list[str], list[str]]:
-    """(the probe's training speakers, its test speakers).
-
-    Test speakers are the pipeline's held-out speakers (``table``'s ``heldout``) that every encoder
-    (``recorded``: name -> the ``speakers`` its checkpoint records) held out too; the probe trains
-    on every speaker that is not held out. Raises :class:`ProbeLeak` naming the encoder and the
-    speakers when a test speaker was in an encoder's training speakers, when an encoder records
-    no split, or when no test speaker is left.
-    """
-    heldout = {a.speaker_id for a in table if a.heldout}
-    test = set(heldout)
-    for name, speakers in recorded.items():
-        if not speakers or "train" not in speakers or "heldout" not in speakers:
-            raise ProbeLeak(f"the {name} checkpoint records no training/held-out speakers: re-materialise it")
-        if leaked := sorted(test & set(speakers["train"])):
-            raise ProbeLeak(f"{name} trained on the held-out speakers {leaked[:10]}: its checkpoint predates this split")
-        test &= set(speakers["heldout"])
-    if not test:
-        raise ProbeLeak(f"no speaker is held out by the clients table and every encoder ({sorted(recorded)})")
-    return sorted({a.speaker_id for a in table} - heldout), sorted(test)
 
 
 @dg.asset(
@@ -91,14 +46,11 @@ def downstream_probe(
     normalisation it was trained with: <data>/probe/results.parquet."""
     import torch
 
-    from speech_assets.evaluation.compare import (
-        FBANK, RANDOM, ProbeModel, compare_encoders, leaderboard, leaderboard_table, markdown_table, results_table,
-        leaderboard_path, reading_note, split_utterances, standing, summarise, utterances_path, utterances_table,
-    )  # fmt: skip
+    from speech_assets.evaluation.compare import FBANK, markdown_table, reading_note, standing, summarise
+    from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.probe import ProbeOptions
-    from speech_assets.features.cmvn import UtteranceCmvn, from_record
-    from speech_assets.model.encoders import load_encoder, random_encoder
-    from speech_assets.model.presets import ModelPreset
+    from speech_assets.evaluation.protocol import ProbeLeak, publish_probe, run_probe
+    from speech_assets.model.encoders import load_encoder
 
     options = effective(settings.probe, config)
     torch.set_num_threads(options.threads or torch.get_num_threads())
@@ -108,46 +60,21 @@ def downstream_probe(
     for asset, name in optional:
         if (found := checkpoint_of(context, asset)) is not None:
             loaded[name] = load_encoder(found[0])
-    table = read_clients(paths.clients_file)
     try:
-        train_speakers, test_speakers = probe_split(table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()})
+        run = run_probe(
+            loaded, read_clients(paths.clients_file),
+            lambda speakers: manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers]),
+            from_fields(ProbeOptions, options), seed=options.seed, max_train_utterances=options.max_train_utterances,
+            max_eval_utterances=options.max_eval_utterances, min_heldout_speakers=options.min_heldout_speakers,
+            log=context.log.info,
+            on_model=lambda r: context.log.info(f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
+        )  # fmt: skip
     except ProbeLeak as error:
         raise dg.Failure(description=str(error)) from error
-
-    def model(name: str, encoder, record) -> ProbeModel:
-        normaliser = from_record(record) or UtteranceCmvn()
-        label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global (training speakers)"
-        return ProbeModel(name, encoder.sha256 if encoder else "", label, lambda x: normaliser.apply(x, "logmel"), encoder.model if encoder else None)
-
-    baseline_norm = loaded["pretrained"].checkpoint.get("normalisation")
-    random = random_encoder(ModelPreset(**loaded["pretrained"].checkpoint["preset"]), seed=options.seed)
-    models = [model(FBANK, None, baseline_norm), model(RANDOM, random, baseline_norm)]
-    models += [model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in loaded.items()]
-    utterances = shard_utterances(paths, sorted(set(train_speakers) | set(test_speakers)))
-    train, test = split_utterances(utterances, set(test_speakers), options.max_train_utterances, options.max_eval_utterances, options.seed)
-    context.log.info(
-        f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training utterances "
-        f"of {len(train_speakers)} speakers, {len(test)} held-out utterances of {len(test_speakers)} speakers "
-        f"({', '.join(test_speakers[:10])})"
-    )
-    results = compare_encoders(
-        train, test, models, from_fields(ProbeOptions, options),
-        on_model=lambda r: context.log.info(f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
-    )  # fmt: skip
-    target = paths.probe.results
-    target.parent.mkdir(parents=True, exist_ok=True)
-    board = leaderboard(results, options.min_heldout_speakers)
-    for table, path in (
-        (utterances_table(results), utterances_path(target)),
-        (leaderboard_table(board, options.min_heldout_speakers), leaderboard_path(target)),
-        (results_table(results), target),  # last: its hash is the data version
-    ):
-        with atomic_path(path) as tmp:
-            pq.write_table(table, tmp)
-    # who the probe trained and tested on, in full: the disjointness anyone can audit
-    split_file = paths.probe.speakers
-    atomic_write_text(split_file, json.dumps({"train": train_speakers, "test": test_speakers, "encoders": {
-        name: encoder.checkpoint.get("speakers") for name, encoder in loaded.items()}}, indent=1, sort_keys=True))
+    results, board, models, train, test = run.results, run.board, run.models, run.train, run.test
+    train_speakers, test_speakers = run.train_speakers, run.test_speakers
+    target, split_file = paths.probe.results, paths.probe.speakers
+    publish_probe(run, paths.probe, options.min_heldout_speakers, {n: e.checkpoint.get("speakers") for n, e in loaded.items()})
     lines = standing(results, options.min_heldout_speakers)
     for line in lines:
         context.log.info(line)

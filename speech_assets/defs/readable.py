@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 
+from speech_assets.layout import TargetFiles
 from speech_assets.stats import plots
 
 COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
@@ -60,3 +61,47 @@ def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = N
 def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> dg.MarkdownMetadataValue:
     """:func:`speech_assets.stats.plots.inline_chart` as markdown metadata (drawn on the asset page)."""
     return dg.MetadataValue.md(plots.inline_chart(title, series))
+
+
+def client_metadata(quality: dict, out_dir) -> dict[str, object]:
+    """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
+    speakers = quality["speakers"]
+    shown = speakers[:MAX_LISTED]
+    listing = ", ".join(shown) + (f" ... and {len(speakers) - len(shown)} more" if len(speakers) > len(shown) else "")
+    return {
+        "k": quality["k"],
+        "frames_fit": quality["frames_fit"],
+        "frames_labelled": quality["frames_labelled"],
+        "inertia_per_frame": round(quality["inertia_per_frame"], 3),
+        "perplexity": round(quality["perplexity"], 1),
+        "perplexity_share_of_k": round(quality["perplexity"] / max(quality["k"], 1), 3),
+        "empty_clusters": quality["empty_clusters"],
+        "mean_segment_length": round(quality["mean_segment_length"], 2),
+        "mode": quality.get("mode", "refit"),
+        "speakers": len(speakers),
+        "speaker_ids": dg.MetadataValue.md(listing),
+        "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
+        "label_rate_hz": 50,
+        "cluster_sizes": dg.MetadataValue.md(_cluster_size_plot(out_dir, quality["client_id"])),
+        "path": dg.MetadataValue.path(str(out_dir)),
+    }
+
+
+def _cluster_size_plot(out_dir, client_id: str) -> str:
+    import numpy as np
+
+    with np.load(TargetFiles(out_dir).state) as state:
+        counts = state["counts"]
+    return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
+
+
+MAX_LISTED = 50
+
+
+def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
+    """A labels check's result: failed with the first problems listed, or passed."""
+    return dg.AssetCheckResult(
+        passed=not problems,
+        severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+    )

@@ -20,6 +20,7 @@ from speech_assets.features.shards import ShardFiles
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.features.vad import VadConfig
 from speech_assets.train.config import DistillConfig, RunConfig, TrainConfig
+from speech_assets.utils import from_fields
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -495,3 +496,9 @@ def effective(section: dg.Config, overrides: dg.Config) -> Any:
     changed = {k: v for k, v in overrides.model_dump().items() if v is not None and k in type(section).model_fields}
     changed = {k: v for k, v in changed.items() if k not in getattr(section, "settings_only", frozenset())}
     return type(section).model_validate({**section.model_dump(), **changed}) if changed else section
+
+
+def vad_config(features: FeatureSettings) -> VadConfig:
+    """The VAD's config: the settings' ``vad_*`` fields without their prefix, and the others by name."""
+    renamed = {name: getattr(features, f"vad_{name}") for name in ("aggressiveness", "frame_ms", "padding_ms")}
+    return from_fields(VadConfig, features, **renamed)

@@ -10,11 +10,9 @@ import pyarrow.parquet as pq
 from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
 from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.features import vad_config
 from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
-from speech_assets.defs.partitions import clients_partitions, speakers_partitions
-from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.defs.training import TRAINING_INPUTS
+from speech_assets.defs.partitions import TRAINING_INPUTS, clients_partitions, speakers_partitions
+from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split

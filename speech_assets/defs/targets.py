@@ -1,19 +1,18 @@
 """Stage 3: per-client k-means targets (the clients themselves: defs/clients.py)."""
 
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
 from speech_assets.targets import labels
 from speech_assets.layout import TargetFiles
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, markdown_table, outputs_intact, partition_materialization, read_json, shard_hashes, step_events
+from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, shard_hashes, step_events
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import client_metadata, labels_check_result
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
     KMeansSettings,
@@ -22,8 +21,8 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.targets.checks import label_problems
+from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
@@ -56,15 +55,25 @@ def kmeans_targets(
     codebook and int16 labels per utterance at 50 Hz."""
     kmeans = effective(settings.kmeans, config)
     assignments = read_clients(paths.clients_file)
-    speaker_sums = cmvn.ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
+    speaker_sums = cmvn.ShardStats.load(paths.cmvn.speaker_sums)
     provenance = input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
     published = []
+    policy = KMeansPolicy(
+        kmeans.k, kmeans.max_fit_frames, kmeans.seed, kmeans.refit_growth, kmeans.model_dump_json(exclude={"refit_growth"}),
+        KMEANS_CODE_VERSION,
+    )  # fmt: skip
     for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
-        quality = _materialize_client(context, kmeans, config.force, paths, client_id, speakers, heldout, speaker_sums)
+        if not speakers:
+            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
+        client = ClientShards(client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file)
+        quality = kmeans_client_targets(
+            client, paths.kmeans_dir(client_id), policy, speaker_sums, force=config.force, log=context.log.info,
+            warn=context.log.warning,
+        )  # fmt: skip
         published.append(
             partition_materialization(
                 context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
@@ -74,166 +83,10 @@ def kmeans_targets(
     yield from step_events(context, published)
 
 
-def client_metadata(quality: dict, out_dir) -> dict[str, object]:
-    """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
-    speakers = quality["speakers"]
-    shown = speakers[:MAX_LISTED]
-    listing = ", ".join(shown) + (f" ... and {len(speakers) - len(shown)} more" if len(speakers) > len(shown) else "")
-    return {
-        "k": quality["k"],
-        "frames_fit": quality["frames_fit"],
-        "frames_labelled": quality["frames_labelled"],
-        "inertia_per_frame": round(quality["inertia_per_frame"], 3),
-        "perplexity": round(quality["perplexity"], 1),
-        "perplexity_share_of_k": round(quality["perplexity"] / max(quality["k"], 1), 3),
-        "empty_clusters": quality["empty_clusters"],
-        "mean_segment_length": round(quality["mean_segment_length"], 2),
-        "mode": quality.get("mode", "refit"),
-        "speakers": len(speakers),
-        "speaker_ids": dg.MetadataValue.md(listing),
-        "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
-        "label_rate_hz": 50,
-        "cluster_sizes": dg.MetadataValue.md(_cluster_size_plot(out_dir, quality["client_id"])),
-        "path": dg.MetadataValue.path(str(out_dir)),
-    }
-
-
-def _cluster_size_plot(out_dir, client_id: str) -> str:
-    import numpy as np
-
-    from speech_assets.stats import plots
-    from speech_assets.targets.build import STATE_FILE
-
-    with np.load(out_dir / STATE_FILE) as state:
-        counts = state["counts"]
-    return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
-
-
-MAX_LISTED = 50
-
-
-def _materialize_client(
-    context: dg.AssetExecutionContext,
-    kmeans: KMeansSettings,
-    force: bool,
-    paths: StoragePaths,
-    client_id: str,
-    speakers: list[str],
-    heldout: list[str],
-    speaker_sums: cmvn.ShardStats,
-) -> dict:
-    """Build (or reuse, when inputs are unchanged) one client's targets; returns its data version.
-
-    Holds the client's lock throughout, so two runs never write one client's folder at once; the
-    second one then finds the first one's result and reuses it.
-    """
-    from speech_assets.targets import build  # k-means and faiss: lazily, the code location stays light
-
-    out_dir = paths.kmeans_dir(client_id)
-    with exclusive_lock(out_dir.parent / f".{client_id}.lock"):
-        if not speakers:
-            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-        shard_versions = shard_hashes(paths, speakers, f" of {client_id}")
-        # Client-level CMVN from this client's own training speakers only: no statistics cross
-        # clients, and none includes a held-out speaker (they are labelled, never fitted)
-        client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=set(speakers) - set(heldout)))
-        inputs_key = sha256_strings([
-            json.dumps(shard_versions, sort_keys=True), json.dumps(heldout),
-            kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION,
-        ])  # fmt: skip
-        quality_file = TargetFiles(out_dir).quality
-        previous = read_json(quality_file)
-        fit_key = sha256_strings([kmeans.model_dump_json(exclude={"refit_growth"}), KMEANS_CODE_VERSION])
-        intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
-        if intact and previous.get("inputs_key") == inputs_key:
-            context.log.info(f"{client_id}: inputs unchanged, keeping targets {previous['data_version'][:12]}")
-            quality = previous
-        else:
-            # the codebook is kept only while no speaker it was fitted on has since been held out
-            fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
-            newcomers = _newcomers(previous, speakers, shard_versions) if intact and not fitted_on_heldout else None
-            new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
-            at_refit = frames_at_last_refit(previous)
-            if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, kmeans.refit_growth):
-                context.log.info(
-                    f"{client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
-                    f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
-                    f"(<= {kmeans.refit_growth:.0%}): labelling them with the existing codebook"
-                )
-                result = build.extend_client_targets(client_id, [paths.shard_file(s) for s in newcomers], out_dir)
-                mode, codebook_speakers = "extended", previous["codebook_speakers"]
-            else:
-                result = build.build_client_targets(
-                    client_id,
-                    [paths.shard_file(s) for s in speakers],
-                    client_cmvn,
-                    out_dir,
-                    k=kmeans.k,
-                    max_fit_frames=kmeans.max_fit_frames,
-                    seed=kmeans.seed,
-                    log=context.log.warning,
-                    label_only=[paths.shard_file(s) for s in heldout],
-                )
-                mode, codebook_speakers = "refit", sorted(set(speakers) - set(heldout))
-            quality = {
-                "client_id": client_id,
-                "k": result.k,
-                "k_requested": kmeans.k,
-                "frames_fit": result.frames_fit,
-                "frames_labelled": result.frames_labelled,
-                "utterances": result.utterances,
-                "inertia_per_frame": result.inertia_per_frame,
-                "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
-                "perplexity": result.perplexity,
-                "empty_clusters": result.empty_clusters,
-                "mean_segment_length": result.mean_segment_length,
-                "speakers": speakers,
-                "codebook_speakers": codebook_speakers,
-                "heldout_speakers": heldout,
-                "mode": mode,
-                "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
-                "shards_read": result.shards_read,
-                "shard_versions": shard_versions,
-                "inputs_key": inputs_key,
-                "fit_key": fit_key,
-                "codebook_sha256": sha256_file(result.codebook_path),
-                "labels_sha256": sha256_file(result.labels_path),
-            }
-            quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
-            atomic_write_text(quality_file, json.dumps(quality, indent=1, sort_keys=True))
-        return quality
-
-
-def frames_at_last_refit(quality: dict) -> int | None:
-    """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
-    if "frames_at_refit" in quality:
-        return int(quality["frames_at_refit"])
-    return int(quality["frames_labelled"]) if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality else None
-
-
-def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
-    """Whether a client that grew to ``frames_now`` since its codebook was fitted on
-    ``frames_at_refit`` frames may keep that codebook: growth is measured against the refit, not
-    the last extension, so repeated small extensions cannot compound past ``refit_growth``."""
-    return frames_now - frames_at_refit <= refit_growth * frames_at_refit
-
-
-def _newcomers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:
-    """New speakers when the client only grew (every old speaker present with the same shard)."""
-    old = previous.get("shard_versions", {})
-    if not old or any(shard_versions.get(s) != version for s, version in old.items()):
-        return None
-    return sorted(set(speakers) - set(old)) or None
-
-
 # --- checks: each reads the published files, independently of how they were written -------------
 
 MIN_PERPLEXITY_SHARE = 0.2
 MAX_EMPTY_CLUSTER_SHARE = 0.1
-
-
-def registered_clients(paths: StoragePaths) -> list[str]:
-    return sorted({a.client_id for a in read_clients(paths.clients_file)})
 
 
 @dg.asset_check(asset="kmeans_targets", blocking=True, description=(
@@ -241,53 +94,7 @@ def registered_clients(paths: StoragePaths) -> list[str]:
     "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
 ))
 def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(label_problems(paths, paths.kmeans_dir))
-
-
-def label_problems(paths: StoragePaths, targets_dir: Callable[[str], Path]) -> list[str]:
-    """What is wrong with every registered client's ``targets_dir(client)/labels.parquet`` against
-    the shards of its speakers: utterances missing or foreign, label counts other than one per
-    50 Hz frame, ids outside the client's codebook (``codebook.npy``)."""
-    import numpy as np
-
-    assignments = read_clients(paths.clients_file)
-    problems: list[str] = []
-    for client in registered_clients(paths):
-        out = targets_dir(client)
-        files = TargetFiles(out)
-        if not files.codebook.is_file() or not files.labels.is_file():
-            problems.append(f"{client}: no codebook.npy or labels.parquet in {out}")
-            continue
-        k = int(np.load(files.codebook, mmap_mode="r").shape[0])
-        found = labels.read_label_columns(files.labels)
-        expected: dict[str, int] = {}
-        for speaker in (a.speaker_id for a in assignments if a.client_id == client):
-            table = pq.ParquetFile(paths.shard_file(speaker)).read(columns=["utt_id", "num_frames"])
-            expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
-        lengths = dict(zip(found.utt_ids, found.lengths.tolist(), strict=True))
-        if set(lengths) != set(expected):
-            problems.append(f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign")
-        # ids are checked over all of the client's labels at once; per utterance only if some fail
-        outside = (found.values < 0) | (found.values >= k)
-        bad_ids = set()
-        if outside.any():
-            owner = np.repeat(np.arange(len(found.utt_ids)), found.lengths)  # label -> its utterance
-            bad_ids = {found.utt_ids[i] for i in np.unique(owner[outside]).tolist()}
-        for utt, frames in expected.items():
-            count = lengths.get(utt)
-            if count is None:
-                continue
-            if count != (frames + 1) // 2 or utt in bad_ids:
-                problems.append(f"{client}/{utt}: {count} labels for {frames} frames or ids outside [0, {k})")
-    return problems
-
-
-def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        passed=not problems,
-        severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
-    )
+    return labels_check_result(label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir))
 
 
 @dg.asset_check(asset="kmeans_targets", description=(
@@ -295,7 +102,7 @@ def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
     f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
 ))
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in registered_clients(paths)]
+    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.clients_file).clients]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,

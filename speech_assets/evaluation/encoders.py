@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from speech_assets.evaluation.text import normalise
@@ -44,6 +45,13 @@ def load_utterances(shards: Sequence[str | os.PathLike[str]], transcripts: Mappi
                 # float32 as a copy (one conversion; never a view into Arrow's buffers)
                 found.append(Utterance(record.utt_id, record.speaker_id, record.logmel.astype(np.float32), text))
     return found
+
+
+def manifest_utterances(manifest_file: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]]) -> list[Utterance]:
+    """:func:`load_utterances` of ``shards`` with the transcripts of the manifest (raw log-mel:
+    each model normalises its own way)."""
+    table = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
+    return load_utterances(shards, dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True)))
 
 
 @torch.no_grad()

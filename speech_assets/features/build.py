@@ -395,20 +395,69 @@ def iter_publish_shards(
     waits for the shards in flight, cancels the rest and lets the pool (and, in this process, the
     frozen heap and torch's thread count) go at once rather than whenever it is collected.
     """
-    workers = default_workers() if workers is None else int(workers)
-    if workers < 1:
+    yield from publish_planned(plan_shards(jobs, default_workers() if workers is None else workers, threads), vad_cfg)
+
+
+# The step's process always builds shards; each extra worker is a helper process, a fresh
+# interpreter importing torch (~2 s alone, more while the cores are busy) that joins in once it has
+# started. Below that, the step's process runs a thread per core. Measured on 2 cores
+# (docs/BENCHMARKS.md): 2.6 h of audio is built faster on two threads (3.7-3.9 s) than with a
+# helper (4.3-4.9 s), 5.4 h faster with a helper (7.0-7.9 s against 8.1-11.0 s).
+AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
+
+
+def worker_count(audio_seconds: float) -> int:
+    """Processes for a shard job, the step's own included: a helper process (a fresh interpreter
+    importing torch) costs seconds to start, worth it with about four hours of audio per extra
+    process; smaller jobs run in the step's process alone."""
+    return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """A shard job, planned once: its jobs largest first, how many need building (every meta read
+    once, here; ``build_and_publish`` checks again under the shard's lock), the helper processes
+    beside this one and, when this process builds alone, its threads."""
+
+    ordered: tuple[ShardJob, ...]
+    to_build: int
+    helpers: int
+    threads: int
+
+    def describe(self) -> str:
+        where = f"this process and {self.helpers} helper process(es)" if self.helpers else f"this process, {self.threads} thread(s)"
+        return f"{self.to_build} shard(s) to build in {where}, {len(self.ordered) - self.to_build} unchanged"
+
+
+def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None, threads: int = 1) -> ShardPlan:
+    """Plan ``jobs`` over ``workers`` processes (this one included) and ``threads`` threads.
+
+    ``workers=None`` sizes the job by the audio to build (:func:`worker_count`); a job for one
+    process then runs a thread per core (``threads`` is ignored).
+    """
+    if workers is not None and int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if int(threads) < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     speakers = [job.speaker_id for job in jobs]
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
-    ordered = sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id))
-    helpers = helper_count(ordered, workers)
-    if helpers == 0:
-        yield from _publish_in_process(ordered, vad_cfg, min(int(threads), max(1, len(ordered))))
+    ordered = tuple(sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id)))
+    todo = [job for job in ordered if needs_building(job)]
+    if workers is None:
+        workers = worker_count(sum(job.audio_seconds for job in todo))
+        # a job too small for a helper process is built here, one thread per core
+        threads = default_workers() if workers == 1 else 1
+    helpers = helpers_for(len(todo), int(workers))
+    return ShardPlan(ordered, len(todo), helpers, 1 if helpers else min(int(threads), max(1, len(ordered))))
+
+
+def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
+    """:func:`iter_publish_shards` of a planned job."""
+    if plan.helpers == 0:
+        yield from _publish_in_process(plan.ordered, vad_cfg, plan.threads)
         return
-    yield from _publish_with_helpers(ordered, vad_cfg, helpers)
+    yield from _publish_with_helpers(plan.ordered, vad_cfg, plan.helpers)
 
 
 def needs_building(job: ShardJob) -> bool:

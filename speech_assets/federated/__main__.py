@@ -16,10 +16,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from speech_assets.corpus.clients import heldout_of, read_clients
+from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
-from speech_assets.federated.launch import ENGINES, FederatedRunFailed, InsecureRefused, client_ids, client_weights, run_federation
+from speech_assets.federated.launch import ENGINES, FederatedRunFailed, InsecureRefused, run_federation
 from speech_assets.federated.processes import NeedsLinux
 from speech_assets.layout import DataLayout
 
@@ -59,13 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
     values = {item.name: getattr(args, item.name) for item in fields(FederatedConfig) if item.name not in SKIPPED}
-    clients = [c for c in args.clients.split(",") if c] or client_ids(args.data_dir)
-    weights = client_weights(args.data_dir, clients)
     table = read_clients(DataLayout(args.data_dir).clients_file)  # the pipeline's one held-out split
-    speakers = {
-        "heldout_speakers": heldout_of(table),
-        "train_speakers": sorted(a.speaker_id for a in table if a.client_id in clients and not a.heldout),
-    }
+    clients = [c for c in args.clients.split(",") if c] or table.clients
+    weights = table.weights(clients)
+    speakers = {"heldout_speakers": table.heldout, "train_speakers": table.train_speakers(clients)}
     try:
         config = FederatedConfig(
             run_dir=str(run_dir), run_name=run_dir.name, clients=clients, client_weights=weights, **speakers, **values

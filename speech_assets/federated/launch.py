@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets import layout
-from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
@@ -117,18 +116,6 @@ def client_state_roots(
     return roots
 
 
-def client_weights(data_dir: str | os.PathLike[str], clients: list[str]) -> dict[str, float]:
-    """The aggregation weight of each client from ``clients/clients.parquet``: the utterances of
-    its training (not held-out) speakers (what the server knows, not what a client reports)."""
-    weights: dict[str, float] = {}
-    for row in read_clients(layout.DataLayout(data_dir).clients_file):
-        weights[row.client_id] = weights.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
-    missing = [c for c in clients if weights.get(c, 0) <= 0]
-    if missing:
-        raise ValueError(f"the clients table has no utterances for {missing}")
-    return {c: weights[c] for c in clients}
-
-
 def stall_limit(config: FederatedConfig) -> float:
     """Seconds a round may take at most: waits for connections before training and before
     evaluation, for train and evaluate replies, and a margin for the rest."""
@@ -177,11 +164,6 @@ class RoundFollower:
                     self.on_round(record)
                 self.seen = int(record["round"])
         return True
-
-
-def client_ids(data_dir: str | os.PathLike[str]) -> list[str]:
-    """The clients of ``clients/clients.parquet`` (written by ``client_partitions``)."""
-    return sorted({row.client_id for row in read_clients(layout.DataLayout(data_dir).clients_file)})
 
 
 def run_federation(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from speech_assets.corpus.clients import SpeakerLoad, assign_clients, client_ids, imbalance, read_clients, write_clients
+from speech_assets.corpus.clients import ClientAssignment, SpeakerLoad, assign_clients, client_ids, imbalance, read_clients, write_clients
 
 
 def speakers(n: int, seed: int = 0) -> list[SpeakerLoad]:
@@ -48,4 +48,30 @@ def test_invalid_client_count(bad: int) -> None:
 def test_the_clients_table_reads_back_as_written(tmp_path) -> None:
     written = assign_clients(speakers(6), 2)
     write_clients(tmp_path / "clients.parquet", written)
-    assert read_clients(tmp_path / "clients.parquet") == written
+    assert list(read_clients(tmp_path / "clients.parquet")) == written
+
+
+def table_of(tmp_path, rows: list[ClientAssignment]):
+    write_clients(tmp_path / "clients.parquet", rows)
+    return read_clients(tmp_path / "clients.parquet")
+
+
+def test_one_read_answers_every_question_of_the_table(tmp_path) -> None:
+    table = table_of(tmp_path, [
+        ClientAssignment("a", "client_01", 1.0, 3), ClientAssignment("b", "client_00", 1.0, 5, heldout=True),
+        ClientAssignment("c", "client_00", 1.0, 7), ClientAssignment("d", "client_01", 1.0, 2),
+    ])  # fmt: skip
+    assert table.clients == ["client_00", "client_01"]
+    assert table.speakers == {"client_01": ["a", "d"], "client_00": ["b", "c"]}
+    assert table.client_of == {"a": "client_01", "b": "client_00", "c": "client_00", "d": "client_01"}
+    assert table.heldout == ["b"]
+    assert table.train_speakers() == ["a", "c", "d"] and table.train_speakers(["client_00"]) == ["c"]
+    # the server's aggregation weights count only training speakers' utterances
+    assert table.weights(["client_00", "client_01"]) == {"client_00": 7.0, "client_01": 5.0}
+
+
+@pytest.mark.parametrize("clients", [["client_00"], ["client_09"]], ids=["only-heldout", "unknown"])
+def test_a_client_without_training_utterances_has_no_weight(tmp_path, clients: list[str]) -> None:
+    table = table_of(tmp_path, [ClientAssignment("b", "client_00", 1.0, 5, heldout=True), ClientAssignment("c", "client_01", 1.0, 7)])
+    with pytest.raises(ValueError, match=clients[0]):
+        table.weights(clients)

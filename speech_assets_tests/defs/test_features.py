@@ -119,7 +119,7 @@ def test_small_jobs_run_in_the_step_process_and_large_ones_use_every_core(
     hours: float, cores: int, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fresh data (a few speakers: a 5 % update of a 25 h corpus is 1.3 h) pays no worker start-up."""
-    from speech_assets.defs.features import worker_count
+    from speech_assets.features.build import worker_count
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     assert worker_count(hours * 3600) == workers

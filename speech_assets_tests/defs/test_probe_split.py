@@ -3,7 +3,7 @@
 import pytest
 
 from speech_assets.corpus.clients import ClientAssignment
-from speech_assets.defs.probe import ProbeLeak, probe_split
+from speech_assets.evaluation.protocol import ProbeLeak, probe_split
 
 TABLE = [
     ClientAssignment(speaker, client, 0.1, 3, heldout=speaker in {"s2", "s5"})

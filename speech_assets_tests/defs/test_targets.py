@@ -88,7 +88,8 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
     import pyarrow as pa
 
     from speech_assets.corpus.clients import CLIENTS_SCHEMA
-    from speech_assets.defs.targets import label_problems
+    from speech_assets.corpus.clients import read_clients
+    from speech_assets.targets.checks import label_problems
     from speech_assets.targets.labels import UtteranceLabels, write_labels
 
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
@@ -104,8 +105,8 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
     np.save(out / "codebook.npy", np.zeros((8, 39), np.float32))
     labels = {"s1-c-0": np.array([0, 1, 7, 3, 2], np.int16), "s1-c-1": np.array([1, 8], np.int16), "s2-c-0": np.zeros(0, np.int16)}
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(paths, paths.kmeans_dir) == ["client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"]
+    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == ["client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"]
 
     labels["s1-c-1"] = np.array([1, 7], np.int16)
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(paths, paths.kmeans_dir) == []
+    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == []

@@ -4,10 +4,12 @@ the others, and a caller that stops early leaves no thread or process building b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from speech_assets.features.build import ShardJob, UtteranceInput, helper_count, iter_publish_shards
+from speech_assets.features.build import (
+    ShardJob, UtteranceInput, default_workers, helper_count, iter_publish_shards, plan_shards, publish_planned,
+)
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.runtime.locks import exclusive_lock
@@ -227,3 +231,43 @@ def test_helpers_are_started_only_for_shards_to_build(tmp_path, corpus) -> None:
     assert helper_count(changed, workers=8) == 1
     outcomes = list(iter_publish_shards(todo, VadConfig(), workers=4))  # nothing to build: no helper, no rebuild
     assert not any(o.rebuilt for o in outcomes) and not helper_processes()
+
+
+def test_a_shard_job_is_planned_once_reading_each_meta_once(tmp_path, corpus) -> None:
+    """The plan decides what to build, helpers and threads from one read of each meta; building
+    from it reads no meta again outside the shard's lock."""
+    reads: Counter[str] = Counter()
+
+    class CountingFiles(ShardFiles):
+        def read_meta(self):
+            reads[self.shard.stem] += 1
+            return super().read_meta()
+
+    def counted(n_forced: int = 0) -> list[ShardJob]:
+        return [
+            ShardJob(j.speaker_id, j.utterances, CountingFiles(**dataclasses.asdict(j.files)), j.inputs_key, force=n < n_forced)
+            for n, j in enumerate(jobs(corpus, tmp_path))
+        ]
+
+    plan = plan_shards(counted(), workers=4)
+    assert reads == {speaker: 1 for speaker in corpus}
+    assert (plan.to_build, plan.helpers, plan.threads) == (len(corpus), 3, 1)
+    assert [j.speaker_id for j in plan.ordered] == sorted(corpus, key=lambda s: (-sum(u.duration_s for u in corpus[s]), s))
+
+    # automatic: a few seconds of audio is too small for a helper; this process uses its cores
+    automatic = plan_shards(counted())
+    assert automatic.helpers == 0 and automatic.threads == min(default_workers(), len(corpus))
+    assert automatic.describe() == f"{len(corpus)} shard(s) to build in this process, {automatic.threads} thread(s), 0 unchanged"
+
+    list(publish_planned(plan_shards(jobs(corpus, tmp_path), workers=1), VadConfig()))
+    reads.clear()
+    rebuilt = plan_shards(counted(n_forced=2), workers=4)
+    assert (rebuilt.to_build, rebuilt.helpers) == (2, 1)
+    assert reads == {speaker: 1 for speaker in sorted(corpus)[2:]}  # a forced shard's meta is not even read
+    assert rebuilt.describe().endswith(f", {len(corpus) - 2} unchanged")
+
+
+@pytest.mark.parametrize(("workers", "threads"), [(0, 1), (1, 0), (-1, 1)])
+def test_a_plan_refuses_no_process_or_no_thread(tmp_path, corpus, workers: int, threads: int) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        plan_shards(jobs(corpus, tmp_path), workers=workers, threads=threads)

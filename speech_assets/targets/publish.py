@@ -1,0 +1,216 @@
+"""The publish policy of one client's k-means targets, both iterations.
+
+A client's folder is written under the client's lock (``TargetFiles.lock``): two runs
+never write it at once, and the second finds the first one's record and reuses it.
+``quality.json`` (:class:`~speech_assets.layout.TargetFiles`) is the record, written last and
+atomically; it decides what the next run does, and its ``data_version`` (the hash of the codebook
+and labels hashes) is the partition's data version.
+
+- Reuse: the record's ``inputs_key`` (shard versions, held-out speakers, settings, code version)
+  is this run's, its ``fit_key`` (settings that change a fit, code version) too, and the codebook
+  and labels on disk are the ones it recorded.
+- Iteration 1 (:func:`kmeans_client_targets`), otherwise: new speakers only (every old speaker
+  still there with the same shard) are labelled with the existing codebook while the client's
+  frames grew by at most ``refit_growth`` since the last refit, and while no speaker the codebook
+  was fitted on has since been held out; anything else refits.
+- Iteration 2 (:func:`publish_client_targets` with the encoder's builder): always a refit.
+
+Held-out speakers are labelled, never fitted; client CMVN comes from the client's own training
+speakers only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speech_assets.features import cmvn
+from speech_assets.layout import TargetFiles
+from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+
+
+@dataclass(frozen=True)
+class ClientShards:
+    """One client's inputs: its speakers and held-out speakers (sorted), each speaker's shard
+    content hash (``shard_versions``) and shard file (``shard_file(speaker)``)."""
+
+    client_id: str
+    speakers: list[str]
+    heldout: list[str]
+    shard_versions: dict[str, str]
+    shard_file: Callable[[str], Path]
+
+    def files(self, speakers: list[str]) -> list[Path]:
+        return [self.shard_file(s) for s in speakers]
+
+
+@dataclass(frozen=True)
+class KMeansPolicy:
+    """Iteration 1's settings: ``fit_settings`` is the JSON of the settings that change a fit
+    (every one but ``refit_growth``); ``code_version`` the asset's."""
+
+    k: int
+    max_fit_frames: int
+    seed: int
+    refit_growth: float
+    fit_settings: str
+    code_version: str
+
+
+def read_quality(out_dir: Path) -> dict:
+    """The client's publish record; ``{}`` when there is none or it is unreadable (then rebuilt)."""
+    try:
+        return json.loads(TargetFiles(out_dir).quality.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def outputs_intact(quality: dict, out_dir: Path) -> bool:
+    """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
+    try:
+        files = TargetFiles(out_dir)
+        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(files.labels) == quality.get(
+            "labels_sha256"
+        )
+    except OSError:
+        return False
+
+
+# what builds a client's targets: (the previous record, whether its fit may be kept) ->
+# (the build's ClientTargetSet, the record's fields of this iteration)
+Build = Callable[[dict, bool], tuple[Any, dict[str, Any]]]
+
+
+def publish_client_targets(
+    client: ClientShards,
+    out_dir: Path,
+    inputs_key: str,
+    k_requested: int,
+    build: Build,
+    *,
+    fit_key: str | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    what: str = "targets",
+) -> dict:
+    """Reuse or build one client's targets under its lock; returns the published record.
+
+    ``build(previous, intact)`` is called only when the record cannot be reused; ``intact``: the
+    previous fit is this one's (same ``fit_key``, files as recorded, not ``force``).
+    """
+    with exclusive_lock(TargetFiles(out_dir).lock):
+        previous = read_quality(out_dir)
+        intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
+        if intact and previous.get("inputs_key") == inputs_key:
+            log(f"{client.client_id}: inputs unchanged, keeping {what} {previous['data_version'][:12]}")
+            return previous
+        result, fields = build(previous, intact)
+        quality = {
+            "client_id": client.client_id, "k": result.k, "k_requested": k_requested, "frames_fit": result.frames_fit,
+            "frames_labelled": result.frames_labelled, "utterances": result.utterances,
+            "inertia_per_frame": result.inertia_per_frame, "perplexity": result.perplexity,
+            "empty_clusters": result.empty_clusters, "mean_segment_length": result.mean_segment_length,
+            "speakers": client.speakers, "heldout_speakers": client.heldout, "shard_versions": client.shard_versions,
+            **fields, "inputs_key": inputs_key, **({"fit_key": fit_key} if fit_key is not None else {}),
+            "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),
+        }  # fmt: skip
+        quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
+        atomic_write_text(TargetFiles(out_dir).quality, json.dumps(quality, indent=1, sort_keys=True))
+        return quality
+
+
+def kmeans_client_targets(
+    client: ClientShards,
+    out_dir: Path,
+    policy: KMeansPolicy,
+    speaker_sums: cmvn.ShardStats,
+    *,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    warn: Callable[[str], None] = print,
+) -> dict:
+    """Iteration 1: reuse, extend or refit one client's MFCC k-means targets (module docstring);
+    returns the published record. ``speaker_sums``: every speaker's CMVN sums (frame counts too)."""
+    from speech_assets.targets import build  # k-means and faiss: lazily, the code location stays light
+
+    speakers, heldout = client.speakers, client.heldout
+    inputs_key = sha256_strings(
+        [json.dumps(client.shard_versions, sort_keys=True), json.dumps(heldout), policy.fit_settings, policy.code_version]
+    )
+    fit_key = sha256_strings([policy.fit_settings, policy.code_version])
+
+    def fit(previous: dict, intact: bool) -> tuple[Any, dict[str, Any]]:
+        # the codebook is kept only while no speaker it was fitted on has since been held out
+        fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
+        newcomers = new_speakers(previous, speakers, client.shard_versions) if intact and not fitted_on_heldout else None
+        new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
+        at_refit = frames_at_last_refit(previous)
+        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, policy.refit_growth):
+            log(
+                f"{client.client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
+                f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
+                f"(<= {policy.refit_growth:.0%}): labelling them with the existing codebook"
+            )
+            result = build.extend_client_targets(client.client_id, client.files(newcomers), out_dir)
+            mode, codebook_speakers = "extended", previous["codebook_speakers"]
+        else:
+            # client-level CMVN from this client's own training speakers only: no statistics cross clients
+            client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=set(speakers) - set(heldout)))
+            result = build.build_client_targets(
+                client.client_id, client.files(speakers), client_cmvn, out_dir, k=policy.k,
+                max_fit_frames=policy.max_fit_frames, seed=policy.seed, log=warn, label_only=client.files(heldout),
+            )  # fmt: skip
+            mode, codebook_speakers = "refit", sorted(set(speakers) - set(heldout))
+        return result, {
+            "labelled_inertia_per_frame": result.labelled_inertia_per_frame, "codebook_speakers": codebook_speakers,
+            "mode": mode, "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
+            "shards_read": result.shards_read,
+        }  # fmt: skip
+
+    return publish_client_targets(client, out_dir, inputs_key, policy.k, fit, fit_key=fit_key, force=force, log=log)
+
+
+def iteration2_client_targets(
+    client: ClientShards,
+    out_dir: Path,
+    k: int,
+    fit_inputs: list[str],
+    record: dict[str, Any],
+    build: Callable[[], Any],
+    *,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Iteration 2: reuse or refit one client's targets in an encoder's feature space; returns the
+    published record. ``fit_inputs``: what else decides the fit (encoder hash, layer, settings,
+    code version); ``record``: the encoder's fields of the record; ``build()`` fits and labels."""
+    inputs_key = sha256_strings([json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs])
+    return publish_client_targets(
+        client, out_dir, inputs_key, k, lambda previous, intact: (build(), {"label_rate_hz": 50, **record}), log=log,
+        what="iteration-2 targets",
+    )  # fmt: skip
+
+
+def frames_at_last_refit(quality: dict) -> int | None:
+    """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
+    if "frames_at_refit" in quality:
+        return int(quality["frames_at_refit"])
+    return int(quality["frames_labelled"]) if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality else None
+
+
+def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
+    """Whether a client that grew to ``frames_now`` since its codebook was fitted on
+    ``frames_at_refit`` frames may keep that codebook: growth is measured against the refit, not
+    the last extension, so repeated small extensions cannot compound past ``refit_growth``."""
+    return frames_now - frames_at_refit <= refit_growth * frames_at_refit
+
+
+def new_speakers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:
+    """New speakers when the client only grew (every old speaker present with the same shard)."""
+    old = previous.get("shard_versions", {})
+    if not old or any(shard_versions.get(s) != version for s, version in old.items()):
+        return None
+    return sorted(set(speakers) - set(old)) or None
