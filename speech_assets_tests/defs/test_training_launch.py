@@ -180,7 +180,7 @@ def test_tracking_credentials_are_stored_nowhere(oom_run, capsys: pytest.Capture
     client = MlflowClient(server.url)
     run = client.get_run(meta["mlflow_run_id"])
     assert run.data.params["mlflow_tracking_uri"] == server.url
-    stored = [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps(meta, default=str), *oom_run["logs"]]
+    stored = [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps({key: str(value) for key, value in meta.items()}), *oom_run["logs"]]
     stored.append(Path(client.download_artifacts(run.info.run_id, "config.json", str(oom_run["out"] / "download"))).read_text())
     assert main(["lineage", meta["checkpoint"], "--json"]) == 0
     stored.append(capsys.readouterr().out)
