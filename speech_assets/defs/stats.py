@@ -36,6 +36,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         training_results=results,
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.root / "probe" / "results.parquet",
+        finetune_results=paths.root / "finetune" / "results.parquet",
         model_results={kind: sorted((paths.root / folder).glob("*/result.json")) for kind, folder in MODEL_FOLDERS.items()},
         exports=sorted((paths.root / "export").glob("*/encoder.json")),
     )
@@ -78,7 +79,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     group_name="stats",
     deps=[
         *TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-        "encoder_export", "downstream_probe",
+        "encoder_export", "downstream_probe", "finetuned_asr",
     ],  # fmt: skip
     code_version=CODE_VERSION,
     kinds={"duckdb"},
@@ -102,7 +103,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settin
         key: latest_data_version(instance, key) or ""
         for key in (
             "manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint",
-            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe",
+            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe", "finetuned_asr",
         )  # fmt: skip
     }
     partitioned = {

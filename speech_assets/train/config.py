@@ -240,12 +240,12 @@ class FinetuneConfig(RunConfig):
     encoder: str
     labelled: str
     init: str = "pretrained"
-    max_steps: int = 200
-    lr: float = 1e-3
+    max_steps: int = 600
+    lr: float = 2e-3
     stages: list[float] = field(default_factory=lambda: [0.1, 0.4, 0.5])
     init_lr_scale: float = 0.01
     final_lr_scale: float = 0.05
-    freeze_steps: int = 50
+    freeze_steps: int = 100
     freeze_frontend: bool = True
     mask_prob: float = 0.03
     mask_length: int = 5
@@ -255,7 +255,7 @@ class FinetuneConfig(RunConfig):
     batch_seconds: float = 16.0
     grad_accum: int = 1
     precision: str = "auto"
-    checkpoint_every: int = 50
+    checkpoint_every: int = 100
     keep_checkpoints: int = 2
     decoders: list[str] = field(default_factory=lambda: ["greedy"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only

@@ -229,7 +229,7 @@ def test_every_model_reaches_the_stats_database_the_report_and_lineage(evaluated
 
 
 # fine-tuning at test budgets: one labelled budget, one seed, pretrained and scratch (two runs)
-FINETUNE = {"labelled_minutes": [1.0], "seeds": [0], "max_steps": 40, "freeze_steps": 10, "checkpoint_every": 20, "batch_seconds": 8.0}
+FINETUNE = {"labelled_minutes": [1.0], "seeds": [0], "max_steps": 300, "freeze_steps": 50, "checkpoint_every": 100, "batch_seconds": 8.0}
 
 
 @pytest.fixture(scope="module")
