@@ -21,7 +21,7 @@ from speech_assets.defs.partitions import ALL_SHARDS
 from speech_assets.defs.probe import ProbeLeak, probe_split
 from speech_assets.defs.resources import FinetuneSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_torchrun
+from speech_assets.defs.torchrun import run_torchrun, training_curve_metadata
 from speech_assets.defs.training import run_folder
 from speech_assets.utils import atomic_path, atomic_write_text, current_umask, from_fields, sha256_file, sha256_strings
 
@@ -55,6 +55,7 @@ def finetuned_asr(
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
     from speech_assets.evaluation import decoding
+    from speech_assets.evaluation.finetune import labelled_subset
     from speech_assets.evaluation.finetune_results import SCRATCH, markdown_tables, results_table, verdicts
 
     options = effective(settings.finetune, config)
@@ -92,12 +93,10 @@ def finetuned_asr(
         **{f"vad_features/{s}": v for s, v in shard_hashes(paths, sorted(set(train_speakers) | set(test_speakers))).items()},
     }
     root = paths.root / "finetune"
-    rows, runs, exported = [], {}, None
+    rows, runs = [], {}
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
     for minutes in budgets:
         for seed in options.seeds:
-            from speech_assets.evaluation.finetune import labelled_subset
-
             subset = labelled_subset(candidates, test_speakers, minutes, seed)
             labelled = {"train": {u: transcripts[u] for u in subset}, "heldout": heldout_texts}
             seconds = sum(c.seconds for c in candidates if c.utt_id in set(subset))
@@ -119,7 +118,8 @@ def finetuned_asr(
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
     first = next(iter(encoders))
-    exported = _export(context, paths, runs[(first, budgets[-1], options.seeds[0])], heldout_texts, settings)
+    chosen = runs[(first, budgets[-1], options.seeds[0])]
+    exported = _export(context, paths, chosen, heldout_texts, settings)
     lines = verdicts(rows)
     for line in lines:
         context.log.info(line)
@@ -131,6 +131,7 @@ def finetuned_asr(
             "results": dg.MetadataValue.md(markdown_tables(rows, _probe_reference(paths))),
             "results_file": dg.MetadataValue.path(str(target)),
             **_wer_curve(rows),
+            **training_curve_metadata(Path(chosen["checkpoint"]).parent),  # the exported recogniser's run
             "recogniser": dg.MetadataValue.path(str(exported["folder"] / "recogniser.onnx")),
             "recogniser_model": f"{first}, {budgets[-1]:g} min, seed {options.seeds[0]}",
             "max_abs_diff": exported["max_abs_diff"],
@@ -307,3 +308,27 @@ def _wer_curve(rows: list[dict]) -> dict[str, object]:
 
     png = plots.curves(budgets, series, "held-out WER (greedy) against labelled minutes", "labelled minutes")
     return {"wer_curve": dg.MetadataValue.md(plots.markdown_image(png, "WER against labelled minutes"))}
+
+
+@dg.asset_check(asset=finetuned_asr, blocking=True, description=(
+    "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
+    "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
+))
+def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
+    from speech_assets.defs.export import ONNX_PARITY_ATOL
+    from speech_assets.defs.lineage import latest_materialization, read_json
+    from speech_assets.defs.model_checks import loss_problems
+
+    materialization = latest_materialization(context.instance, "finetuned_asr")
+    runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
+    if runs is None:
+        return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
+    problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
+    spec = read_json(paths.root / "finetune" / "recogniser" / "recogniser.json")
+    diff = (spec.get("parity") or {}).get("max_abs_diff")
+    if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
+        problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
+    return dg.AssetCheckResult(
+        passed=not problems, description="; ".join(problems) or None,
+        metadata={"runs": len(runs.value), "max_abs_diff": float(diff) if diff is not None else float("nan")},
+    )

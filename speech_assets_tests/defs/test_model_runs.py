@@ -373,3 +373,24 @@ def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
         assert result["resumed_from_step"] == (4 if name == "killed" else None)
         shas[name] = result["checkpoint_sha256"]
     assert shas["killed"] == shas["straight"]
+
+
+def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_path) -> None:
+    from speech_assets.defs.finetune import finetuning_is_sound
+    from speech_assets.defs.resources import StoragePaths
+
+    out, _, instance = finetuned
+    key = dg.AssetCheckKey(dg.AssetKey("finetuned_asr"), "finetuning_is_sound")
+    check = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
+    assert check.status.value == "SUCCEEDED" and check.event.dagster_event.event_specific_data.passed
+    _, result = _finetune_run(out, "pretrained")
+    broken = tmp_path / "run"
+    shutil.copytree(pathlib.Path(result["checkpoint"]).parent, broken)
+    with open(broken / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 999, "loss": float("nan")}) + "\n")
+    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri="sqlite://")
+    with dg.instance_for_test() as fresh:
+        fresh.report_runless_asset_event(dg.AssetMaterialization("finetuned_asr", metadata={
+            "run_dirs": dg.MetadataValue.json({"pretrained/1min/seed0": str(broken)})}))  # fmt: skip
+        verdict = finetuning_is_sound(dg.build_asset_check_context(instance=fresh), paths=paths)
+    assert not verdict.passed and "pretrained/1min/seed0: metrics.jsonl loss: 1 of" in verdict.description
