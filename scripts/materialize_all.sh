@@ -17,19 +17,22 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Function \`asse
 materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
 # The last run trains and evaluates: pretrained_checkpoint (torchrun), federated_checkpoint (a
 # SuperLink and one SuperNode per client on loopback), distilled_checkpoint, encoder_export,
-# downstream_probe, then dataset_stats; Dagster orders the steps by their dependencies and the
+# downstream_probe, finetuned_asr (CTC fine-tuning against a from-scratch baseline, and the
+# recogniser `speech-assets transcribe` uses), then dataset_stats; Dagster orders the steps by their dependencies and the
 # `training` pool runs one trainer at a time. Its run config: the demo's shorter budgets (fewer
-# federated local steps, a 40-step distillation: the demo stays near 6 minutes on 2 cores), each
-# asset's part replaced by TRAIN_CONFIG_JSON / FEDERATED_CONFIG_JSON / DISTILL_CONFIG_JSON /
-# PROBE_CONFIG_JSON where set. MODEL_ASSETS narrows the run's selection.
-model_assets="${MODEL_ASSETS:-pretrained_checkpoint,federated_checkpoint,distilled_checkpoint,encoder_export,downstream_probe,dataset_stats}"
+# federated local steps, a 40-step distillation, fine-tuning on 1 labelled minute for 300 steps
+# with two seeds: the demo stays within a few minutes on 2 cores), each asset's part replaced by
+# TRAIN_CONFIG_JSON / FEDERATED_CONFIG_JSON / DISTILL_CONFIG_JSON / PROBE_CONFIG_JSON /
+# FINETUNE_CONFIG_JSON where set. MODEL_ASSETS narrows the run's selection.
+model_assets="${MODEL_ASSETS:-pretrained_checkpoint,federated_checkpoint,distilled_checkpoint,encoder_export,downstream_probe,finetuned_asr,dataset_stats}"
 model_config="$(python - "$model_assets" <<'PY'
 import json, os, sys
 ops = {
     "federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}},
     "distilled_checkpoint": {"config": {"max_steps": 40}},
+    "finetuned_asr": {"config": {"labelled_minutes": [1.0], "seeds": [0, 1], "max_steps": 300, "freeze_steps": 50, "batch_seconds": 8.0}},
 }
-for variable in ("TRAIN_CONFIG_JSON", "FEDERATED_CONFIG_JSON", "DISTILL_CONFIG_JSON", "PROBE_CONFIG_JSON"):
+for variable in ("TRAIN_CONFIG_JSON", "FEDERATED_CONFIG_JSON", "DISTILL_CONFIG_JSON", "PROBE_CONFIG_JSON", "FINETUNE_CONFIG_JSON"):
     ops.update(json.loads(os.environ.get(variable) or "{}").get("ops", {}))
 selected = set(sys.argv[1].split(","))
 print(json.dumps({"ops": {name: value for name, value in ops.items() if name in selected}}))
@@ -52,6 +55,14 @@ if [[ ",$model_assets," == *,downstream_probe,* ]]; then
   echo "== downstream probe: the leaderboard (held-out speakers; CER/WER mean ± std over probe seeds) =="
   speech-assets probe
 fi
+if [[ ",$model_assets," == *,finetuned_asr,* ]]; then
+  echo
+  echo "== CTC fine-tuning: held-out speakers, pretrained vs the same model from scratch, mean ± std over seeds =="
+  speech-assets finetune
+  echo
+  echo "== the fine-tuned recogniser on two sample files (demo budget: expect rough text) =="
+  speech-assets transcribe data/sample/1001/100101/1001-100101-0000.flac data/sample/1002/100201/1002-100201-0000.flac || true
+fi
 echo
 echo "== expected warnings at demo scale (not failures) =="
 echo "- beats_majority_class on pretrained_checkpoint / federated_checkpoint: a few hundred steps on minutes of"
@@ -59,5 +70,5 @@ echo "  audio do not yet predict masked frames better than the most frequent clu
 echo "- pretrained_beats_fbank on downstream_probe: the demo holds out one speaker, so every probe verdict is"
 echo "  'indicative only' (at least [probe] min_heldout_speakers = 3 are needed), and 300 steps rarely beat log-mel."
 echo "Whether an encoder is useful is the probe's verdict above; at full scale both checks should pass."
-echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, report/)"
+echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, finetune/, report/)"
 echo "Dagster instance: $DAGSTER_HOME    UI: make ui    SQL: speech-assets sql \"SELECT * FROM clients\""

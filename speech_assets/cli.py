@@ -53,6 +53,49 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    """The fine-tuning results per labelled budget (markdown tables) and each encoder's verdict against scratch."""
+    from speech_assets.evaluation.finetune_results import markdown_tables, read_rows, verdicts
+
+    path = Path(args.results) if args.results else locations.data_dir() / "finetune" / "results.parquet"
+    if not path.is_file():
+        print(f"error: no fine-tuning results at {path}: materialize finetuned_asr", file=sys.stderr)
+        return 1
+    try:
+        rows = read_rows(path)
+    except ValueError as err:
+        print(f"error: {path}: {err}", file=sys.stderr)
+        return 1
+    print(markdown_tables(rows))
+    print("\n".join(verdicts(rows)))
+    return 0
+
+
+def _cmd_transcribe(args: argparse.Namespace) -> int:
+    """One line per audio file (id, text, seconds of audio), or an error line; exit 1 if any failed."""
+    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, audio_files
+
+    model = Path(args.model) if args.model else locations.data_dir() / "finetune" / "recogniser"
+    try:
+        recogniser = Recogniser(model)
+    except RecogniserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    files = audio_files(args.inputs)
+    if not files:
+        print(f"error: no audio files in {' '.join(args.inputs)}", file=sys.stderr)
+        return 1
+    failed = 0
+    for transcript in recogniser.transcribe_all(files):
+        failed += transcript.error is not None
+        if args.json:
+            print(json.dumps({"id": transcript.id, "path": transcript.path, "text": transcript.text,
+                              "seconds": transcript.seconds, "error": transcript.error}), flush=True)  # fmt: skip
+        else:
+            print(transcript.line(), flush=True)
+    return 1 if failed else 0
+
+
 def _cmd_sql(args: argparse.Namespace) -> int:
     con = stats_db.connect_read_only(_db(args), allow_external_access=args.allow_external_access)
     try:
@@ -197,6 +240,7 @@ EXAMPLES = {
   speech-assets stats
   speech-assets sql "SELECT client_id, sum(hours) AS hours FROM clients GROUP BY ALL"
   speech-assets probe
+  speech-assets transcribe data/sample/1001/100101/1001-100101-0000.flac
   speech-assets lineage data/out/training/<run>/final.pt
   speech-assets lineage --stale
   speech-assets partitions clients --range
@@ -222,6 +266,13 @@ anything else is refused with exit 1 and nothing on disk changes.""",
         '      --partition-range "$(speech-assets partitions clients --range)"'
     ),
     "reap": "  speech-assets runs reap",
+    "finetune": "  speech-assets finetune\n  speech-assets finetune --results /tmp/run/finetune/results.parquet",
+    "transcribe": """\
+  speech-assets transcribe data/sample/1001/100101/1001-100101-0000.flac
+  speech-assets transcribe /tmp/recordings --json
+  speech-assets transcribe call.wav --model data/out/finetune/recogniser
+prints "id<TAB>text<TAB>seconds" per file, or "id<TAB>error: ..." for a file that cannot be
+transcribed (the others still are; the exit status is then 1).""",
 }
 
 
@@ -272,6 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
     probe.add_argument("--details", action="store_true", help="also print each model's probe lr, CER on its own training utterances and top layer weight")
     probe.set_defaults(func=_cmd_probe)
+
+    finetune = _command(commands, "finetune", "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline")
+    finetune.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/finetune/results.parquet)")
+    finetune.set_defaults(func=_cmd_finetune)
+
+    transcribe = _command(commands, "transcribe", "turn audio files into text with the fine-tuned recogniser (finetuned_asr)")
+    transcribe.add_argument("inputs", nargs="+", metavar="FILES_OR_FOLDER", help="audio files (any format libsndfile reads) or folders of .flac/.wav")
+    transcribe.add_argument("--model", help="a recogniser folder, or its .onnx or .json (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)")
+    transcribe.add_argument("--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error")
+    transcribe.set_defaults(func=_cmd_transcribe)
 
     sql = _command(
         commands, "sql", "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database"

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, clients, distillation, export, features, federated, iteration2, manifest, model_checks, probe, staleness, stats, targets, training
+from speech_assets.defs import automation, clients, distillation, export, features, federated, finetune, iteration2, manifest, model_checks, probe, staleness, stats, targets, training
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.runs import reaping_multiprocess_executor
 
@@ -18,6 +18,7 @@ CHECKS = [
     *staleness.CHECKS,
     probe.pretrained_beats_fbank,
     export.onnx_matches_pytorch,
+    finetune.finetuning_is_sound,
     *model_checks.CHECKS,
 ]
 
@@ -34,6 +35,7 @@ ASSETS = [
     probe.downstream_probe,
     export.encoder_export,
     distillation.distilled_checkpoint,
+    finetune.finetuned_asr,
     stats.dataset_stats,
 ]
 

@@ -19,7 +19,7 @@ from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.features.vad import VadConfig
-from speech_assets.train.config import DistillConfig, RunConfig, TrainConfig
+from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
 from speech_assets.utils import from_fields
 
 
@@ -437,6 +437,36 @@ class Iteration2Settings(dg.Config):
     seed: int = 0
 
 
+class FinetuneSettings(dg.Config):
+    """CTC fine-tuning (`finetuned_asr`): each encoder, and the same architecture from scratch, on
+    a seeded labelled subset of the training speakers per budget and seed; the worker's config,
+    FinetuneConfig, is filled from these by field name and holds their defaults."""
+
+    labelled_minutes: list[float] = [10.0]  # labelled budgets (minutes of the training speakers' audio)
+    seeds: list[int] = [0, 1]  # one subset and one run per model, budget and seed: mean and spread
+    encoders: list[str] = ["pretrained"]  # of pretrained, federated, iteration2, distilled (those materialized)
+    max_steps: int = FinetuneConfig.max_steps
+    lr: float = FinetuneConfig.lr
+    stages: list[float] = [0.1, 0.4, 0.5]  # tri-stage lr: shares of max_steps warming up, holding, decaying
+    init_lr_scale: float = FinetuneConfig.init_lr_scale
+    final_lr_scale: float = FinetuneConfig.final_lr_scale
+    freeze_steps: int = FinetuneConfig.freeze_steps  # only the CTC head trains for these first steps
+    freeze_frontend: bool = FinetuneConfig.freeze_frontend  # the convolutional front end never trains
+    mask_prob: float = FinetuneConfig.mask_prob  # probability that a 50 Hz frame starts a masked span
+    mask_length: int = FinetuneConfig.mask_length
+    channel_mask_prob: float = FinetuneConfig.channel_mask_prob  # the same over the 80 log-mel bands
+    channel_mask_length: int = FinetuneConfig.channel_mask_length
+    batch_seconds: float = FinetuneConfig.batch_seconds
+    max_frames: int = 3000  # longer utterances (100 Hz frames) are not labelled
+    max_eval_utterances: int = 200  # held-out utterances scored (a seeded subsample); 0 = all
+    decoders: list[str] = ["greedy", "beam"]  # beam: n-gram LM beam search when pyctcdecode and kenlm are installed
+    lm_order: int = FinetuneConfig.lm_order
+    checkpoint_every: int = FinetuneConfig.checkpoint_every
+    precision: str = FinetuneConfig.precision
+    nproc: int = 1  # torchrun processes
+    threads: int = 0  # intra-op threads per process; 0 = cores / processes
+
+
 class PipelineSettings(dg.ConfigurableResource):
     """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
     by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
@@ -455,6 +485,7 @@ class PipelineSettings(dg.ConfigurableResource):
     export: ExportSettings = ExportSettings()
     distill: DistillSettings = DistillSettings()
     iteration2: Iteration2Settings = Iteration2Settings()
+    finetune: FinetuneSettings = FinetuneSettings()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:

@@ -36,6 +36,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         training_results=results,
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.probe.results,
+        finetune_results=paths.finetune.results,
         model_results={kind: paths.layout.results_of(folder) for kind, folder in model_folders(paths).items()},
         exports=[export.card for export in paths.layout.all_exports()],
     )
@@ -81,7 +82,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     group_name="stats",
     deps=[
         *TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-        "encoder_export", "downstream_probe",
+        "encoder_export", "downstream_probe", "finetuned_asr",
     ],  # fmt: skip
     code_version=CODE_VERSION,
     kinds={"duckdb"},
@@ -105,7 +106,7 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settin
         key: latest_data_version(instance, key) or ""
         for key in (
             "manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint",
-            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe",
+            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe", "finetuned_asr",
         )  # fmt: skip
     }
     partitioned = {

@@ -3,7 +3,8 @@
 :class:`ExportableEncoder` maps ``feats (B, T, 80)`` float32 (log-mel at 100 Hz, CMVN applied)
 and ``lengths (B,)`` int64 to ``hidden (B, (T + 1) // 2, D)`` float32 of one layer at 50 Hz
 (padded frames are zero) and ``hidden_lengths (B,)`` int64; batch and time are dynamic axes in
-both exports. ONNX goes through ``torch.onnx.export(dynamo=True)`` (``torch.export``; the
+both exports. :class:`ExportableRecogniser` is the same with a CTC head on top: ``log_probs (B, L, V)``
+and ``output_lengths (B,)`` (:func:`export_recogniser`). ONNX goes through ``torch.onnx.export(dynamo=True)`` (``torch.export``; the
 TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace``.
 """
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 INPUT_NAMES = ("feats", "lengths")
 OUTPUT_NAMES = ("hidden", "hidden_lengths")
+RECOGNISER_OUTPUT_NAMES = ("log_probs", "output_lengths")
 
 
 class ExportableEncoder(nn.Module):
@@ -57,6 +59,23 @@ class ExportableEncoder(nn.Module):
         return x.masked_fill(padding[..., None], 0.0), out_lengths
 
 
+class ExportableRecogniser(nn.Module):
+    """``feats (B, T, 80)``, ``lengths (B,)`` -> CTC ``log_probs (B, L, V)`` float32 of the model's
+    first head on its last layer (padded frames zero), ``output_lengths (B,)``."""
+
+    def __init__(self, model: HubertPretrainModel) -> None:
+        super().__init__()
+        self.encoder = ExportableEncoder(model, -1)
+        self.head = model.heads[0]
+        self.eval()
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, out_lengths = self.encoder(feats, lengths)
+        log_probs = torch.log_softmax(self.head(hidden), dim=-1)
+        padding = torch.arange(hidden.shape[1], device=hidden.device)[None, :] >= out_lengths[:, None]
+        return log_probs.masked_fill(padding[..., None], 0.0), out_lengths
+
+
 def example_inputs(batch: int = 2, frames: int = 157, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random inputs for tracing: batch and time above 1 (torch.export specialises sizes 0 and 1)."""
     generator = torch.Generator().manual_seed(seed)
@@ -65,8 +84,11 @@ def example_inputs(batch: int = 2, frames: int = 157, seed: int = 0) -> tuple[to
     return feats, lengths
 
 
-def export_onnx(encoder: ExportableEncoder, path: str | os.PathLike[str], opset: int | None = None) -> None:
-    """Write ``encoder`` as one self-contained ONNX file (weights inside) with dynamic batch/time."""
+def export_onnx(
+    encoder: nn.Module, path: str | os.PathLike[str], opset: int | None = None, output_names: Sequence[str] = OUTPUT_NAMES
+) -> None:
+    """Write ``encoder`` (an :class:`ExportableEncoder` or :class:`ExportableRecogniser`) as one
+    self-contained ONNX file (weights inside) with dynamic batch/time."""
     batch, time = torch.export.Dim("batch"), torch.export.Dim("time", min=2)
     # grad mode on: nn.TransformerEncoderLayer's inference fast path is a fused op the
     # exporter cannot translate; the regular path is the same computation.
@@ -76,7 +98,7 @@ def export_onnx(encoder: ExportableEncoder, path: str | os.PathLike[str], opset:
             example_inputs(),
             dynamo=True,
             input_names=list(INPUT_NAMES),
-            output_names=list(OUTPUT_NAMES),
+            output_names=list(output_names),
             dynamic_shapes=({0: batch, 1: time}, {0: batch}),
             opset_version=opset,
             external_data=False,
@@ -86,7 +108,7 @@ def export_onnx(encoder: ExportableEncoder, path: str | os.PathLike[str], opset:
     program.save(str(path), external_data=False)
 
 
-def export_torchscript(encoder: ExportableEncoder, path: str | os.PathLike[str]) -> None:
+def export_torchscript(encoder: nn.Module, path: str | os.PathLike[str]) -> None:
     """Write ``encoder`` traced to TorchScript (checked on a second batch and length)."""
     # torch 2.14 marks torch.jit as deprecated (FutureWarning) but still supports it; the
     # TorchScript file is for runtimes that load it (LibTorch, older deployments).
@@ -113,8 +135,8 @@ class Parity:
 
 
 def check_parity(
-    encoder: ExportableEncoder, onnx_path: str | os.PathLike[str], torchscript_path: str | os.PathLike[str],
-    feats: Sequence[np.ndarray],
+    encoder: nn.Module, onnx_path: str | os.PathLike[str], torchscript_path: str | os.PathLike[str],
+    feats: Sequence[np.ndarray], output_names: Sequence[str] = OUTPUT_NAMES,
 ) -> Parity:
     """Run the ONNX file (onnxruntime, CPU) and the TorchScript file on ``feats`` (``(T_i, 80)``
     each, one padded batch) and compare with eager PyTorch, valid frames only."""
@@ -125,7 +147,7 @@ def check_parity(
         expected, expected_lengths = encoder(batch, lengths)
         ts_hidden, ts_lengths = load_torchscript(torchscript_path)(batch, lengths)
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    onnx_hidden, onnx_lengths = session.run(list(OUTPUT_NAMES), {"feats": batch.numpy(), "lengths": lengths.numpy()})
+    onnx_hidden, onnx_lengths = session.run(list(output_names), {"feats": batch.numpy(), "lengths": lengths.numpy()})
     if not (np.array_equal(onnx_lengths, expected_lengths.numpy()) and torch.equal(ts_lengths, expected_lengths)):
         raise AssertionError("exported encoders disagree on output lengths")
     valid = (torch.arange(expected.shape[1])[None] < expected_lengths[:, None]).numpy()
@@ -146,6 +168,15 @@ def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequ
     export_onnx(encoder, folder / "encoder.onnx", opset)
     export_torchscript(encoder, folder / "encoder.pt")
     return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
+
+
+def export_recogniser(model: HubertPretrainModel, folder: Path, feats: Sequence[np.ndarray], opset: int | None = None) -> Parity:
+    """``folder/recogniser.onnx`` and ``folder/recogniser.pt`` (TorchScript) of ``model`` with its
+    CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`)."""
+    recogniser = ExportableRecogniser(model)
+    export_onnx(recogniser, folder / "recogniser.onnx", opset, RECOGNISER_OUTPUT_NAMES)
+    export_torchscript(recogniser, folder / "recogniser.pt")
+    return check_parity(recogniser, folder / "recogniser.onnx", folder / "recogniser.pt", feats, RECOGNISER_OUTPUT_NAMES)
 
 
 def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, count: int) -> list[np.ndarray]:

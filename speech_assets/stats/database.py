@@ -35,6 +35,7 @@ class StatsInputs:
     # the rounds.parquet of the federated run to show (speech_assets.federated), if any
     federated_rounds: Path | None = None
     probe_results: Path | None = None  # downstream_probe's results.parquet
+    finetune_results: Path | None = None  # finetuned_asr's results.parquet
     # result.json of each model's runs by kind (``CHECKPOINT_KINDS``); ``training_results`` are centralised
     model_results: dict[str, list[Path]] = field(default_factory=dict)
     exports: list[Path] = field(default_factory=list)  # encoder_export's encoder.json files
@@ -63,6 +64,12 @@ SPEAKER_SPLIT_SQL = (
 PROBE_COLUMNS = (
     "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
     "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT, lr DOUBLE"
+)
+
+
+FINETUNE_COLUMNS = (
+    "model VARCHAR, labelled_minutes DOUBLE, seed BIGINT, decoder VARCHAR, split VARCHAR, cer DOUBLE, wer DOUBLE, "
+    "utterances BIGINT, steps BIGINT, labelled_seconds DOUBLE, checkpoint_sha256 VARCHAR"
 )
 
 
@@ -203,6 +210,12 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             # by name, older files (without seed, normalisation, speakers, lr) give NULLs there
             f"INSERT INTO probe_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
             "ORDER BY model, split"
+        )
+    con.execute(f"CREATE TABLE finetune_results ({FINETUNE_COLUMNS})")
+    if inputs.finetune_results is not None and inputs.finetune_results.exists():
+        con.execute(
+            f"INSERT INTO finetune_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.finetune_results)}) "
+            "ORDER BY labelled_minutes, decoder, split, model, seed"
         )
     # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
     con.execute(

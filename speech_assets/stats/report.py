@@ -72,6 +72,8 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
      "FROM federated_rounds ORDER BY round, client_id"),
     ("probe_results", "Downstream probe", "Character CTC probe on frozen features: CER and WER per model and split.",
      "SELECT * FROM probe_results ORDER BY split, cer"),
+    ("finetune_results", "CTC fine-tuning", "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, decoder and split.",
+     "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, cer"),
 ]
 
 

@@ -220,3 +220,69 @@ class DistillConfig(RunConfig):
     def preset(self) -> str:
         """The student's name (MLflow tags runs by it, as it does training presets)."""
         return f"student-{self.dim}x{self.layers}"
+
+
+FINETUNE_INITS = ("pretrained", "scratch")
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig(RunConfig):
+    """One CTC fine-tuning run (``python -m speech_assets.evaluation.finetune``).
+
+    ``encoder``: a training ``final.pt``; ``init`` ``pretrained`` starts from its weights,
+    ``scratch`` from a random initialisation of its architecture (``seed``), both with the input
+    normalisation it records. ``labelled``: a JSON file ``{"train": {utt_id: transcript},
+    "heldout": {utt_id: transcript}}`` (the labelled subset and the utterances scored after
+    training). The optimiser follows fairseq's/torchaudio's fine-tuning recipe at this project's
+    scale: the encoder is frozen (only the CTC head trains) for ``freeze_steps``, the front end
+    also afterwards when ``freeze_frontend``; a tri-stage learning rate (``stages``: the shares
+    of ``max_steps`` spent warming up from ``init_lr_scale * lr``, holding ``lr`` and decaying
+    exponentially to ``final_lr_scale * lr``); span masking of 50 Hz frames (``mask_prob`` start
+    probability, ``mask_length``) and of input channels (``channel_mask_prob``,
+    ``channel_mask_length`` of the 80 log-mel bands) while training."""
+
+    encoder: str
+    labelled: str
+    init: str = "pretrained"
+    max_steps: int = 600
+    lr: float = 2e-3
+    stages: list[float] = field(default_factory=lambda: [0.1, 0.4, 0.5])
+    init_lr_scale: float = 0.01
+    final_lr_scale: float = 0.05
+    freeze_steps: int = 100
+    freeze_frontend: bool = True
+    mask_prob: float = 0.03
+    mask_length: int = 5
+    channel_mask_prob: float = 0.02
+    channel_mask_length: int = 8
+    weight_decay: float = 0.0
+    batch_seconds: float = 16.0
+    grad_accum: int = 1
+    precision: str = "auto"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    decoders: list[str] = field(default_factory=lambda: ["greedy"])
+    lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        problems = []
+        if self.init not in FINETUNE_INITS:
+            problems.append(f"init must be one of {FINETUNE_INITS}")
+        if min(self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum, self.mask_length, self.channel_mask_length) < 1:
+            problems.append("max_steps, log_every, checkpoint_every, keep_checkpoints, grad_accum and mask lengths must be >= 1")
+        if self.freeze_steps < 0 or self.lr <= 0 or self.batch_seconds <= 0:
+            problems.append("freeze_steps must be >= 0, lr and batch_seconds > 0")
+        if len(self.stages) != 3 or any(s < 0 for s in self.stages) or abs(sum(self.stages) - 1) > 1e-6:
+            problems.append(f"stages must be three shares >= 0 adding up to 1, got {self.stages}")
+        if not (0 <= self.mask_prob <= 1 and 0 <= self.channel_mask_prob <= 1):
+            problems.append("mask_prob and channel_mask_prob must be in [0, 1]")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision must be one of {PRECISIONS}")
+        if problems:
+            raise ValueError("invalid FinetuneConfig: " + "; ".join(problems))
+
+    @property
+    def preset(self) -> str:
+        """What MLflow tags the run with."""
+        return f"ctc-{self.init}"

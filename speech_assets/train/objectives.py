@@ -1,4 +1,5 @@
-"""HuBERT's masked prediction as an engine objective, and its held-out evaluation.
+"""HuBERT's masked prediction as an engine objective, and its held-out evaluation; CTC
+fine-tuning (:class:`CtcTraining` on a :class:`CtcForward`) as another.
 
 Shared by the centralised trainer (one head per client, every client in one model) and a
 federated client's local round (one model with its own head). Inputs: log-mel ``feats (B, T, 80)``
@@ -13,7 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths
@@ -195,3 +198,92 @@ class Proximal:
 
     def metrics(self, totals: torch.Tensor) -> dict[str, float]:
         return self.inner.metrics(totals)
+
+
+CTC_BLANK = 0  # the CTC blank is token 0 of every vocabulary fine-tuned here
+
+
+class CtcForward(nn.Module):
+    """An encoder with a CTC head: ``model.heads[0]`` (``Linear(D, V)``) on its last layer.
+
+    ``feats (B, T, 80)``, ``lengths (B,)``, optional ``mask (B, L)`` (50 Hz frames replaced by the
+    mask embedding) and ``channels (B, 80)`` (input bands set to 0, the normalised mean) ->
+    log-probabilities ``(B, L, V)`` float32 and 50 Hz ``lengths (B,)``. ``frozen``: ``""`` trains
+    everything; ``"no_grad"`` runs the encoder without autograd (only the head learns);
+    ``"zero"`` gives the encoder an exact zero gradient instead (what DDP needs: every
+    parameter it wraps gets a gradient on every rank).
+    """
+
+    def __init__(self, model: HubertPretrainModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None,
+        channels: torch.Tensor | None = None, frozen: str = "",
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if channels is not None:
+            feats = feats.masked_fill(channels[:, None, :], 0.0)
+        if frozen == "no_grad":
+            with torch.no_grad():
+                encoded = self.model.encode(feats, lengths, mask)
+            hidden = encoded.hidden.detach()
+        else:
+            encoded = self.model.encode(feats, lengths, mask)
+            hidden = encoded.hidden.detach() + 0.0 * encoded.hidden if frozen == "zero" else encoded.hidden
+        return F.log_softmax(self.model.heads[0](hidden).float(), dim=-1), encoded.lengths
+
+
+def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over utterances of CTC per target token (``zero_infinity``, blank :data:`CTC_BLANK`).
+
+    ``log_probs (B, L, V)``, 50 Hz ``lengths (B,)``, ``targets (B, S)`` token ids padded with
+    :data:`~speech_assets.model.loss.IGNORE_INDEX`.
+    """
+    valid = targets != IGNORE_INDEX
+    return F.ctc_loss(
+        log_probs.transpose(0, 1), targets[valid], lengths, valid.sum(dim=1), blank=CTC_BLANK, reduction="mean", zero_infinity=True
+    )
+
+
+class CtcTraining:
+    """CTC fine-tuning as an engine objective: the encoder frozen for the first ``freeze_steps``
+    steps, span masks on the 50 Hz frames (``mask_prob``/``mask_length``, as pretraining draws
+    them) and on the input's 80 bands (``channel_prob``/``channel_length``), drawn from
+    ``(seed, step, rank, micro)``. Call: a :class:`CtcForward` (or DDP of it) and a CPU batch whose
+    ``targets`` are token ids -> the loss ``()`` and statistics ``(3,)`` float64: micro-batches,
+    summed loss, micro-batches with the encoder frozen."""
+
+    def __init__(
+        self, device: torch.device, *, seed: int, freeze_steps: int, mask_prob: float, mask_length: int,
+        channel_prob: float, channel_length: int, rank: int = 0,
+    ) -> None:  # fmt: skip
+        self.device, self.seed, self.rank, self.freeze_steps = device, seed, rank, freeze_steps
+        self.mask_prob, self.mask_length = mask_prob, mask_length
+        self.channel_prob, self.channel_length = channel_prob, channel_length
+
+    def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(B, L)`` frame mask and ``(B, 80)`` band mask for ``lengths (B,)`` (``None`` at probability 0)."""
+        generator = mask_generator(self.seed, "ctc", *parts)
+        mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator) if self.mask_prob > 0 else None
+        bands = torch.full_like(lengths, 80)
+        channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0) if self.channel_prob > 0 else None
+        return mask, channels
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask, channels = self.masks(batch.lengths, step, self.rank, micro)
+        frozen = step < self.freeze_steps
+        batch = batch.to(self.device)
+        log_probs, lengths = model(
+            batch.feats, batch.lengths, None if mask is None else mask.to(self.device),
+            None if channels is None else channels.to(self.device),
+            ("zero" if isinstance(model, DistributedDataParallel) else "no_grad") if frozen else "",
+        )  # fmt: skip
+        loss = ctc_loss(log_probs, lengths, batch.targets)
+        stats = torch.tensor([1.0, 0.0, float(frozen)], dtype=torch.float64, device=self.device)
+        stats[1] = loss.detach().double()
+        return loss, stats
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        count = float(totals[0].clamp(min=1))
+        return {"loss": float(totals[1]) / count, "frozen": float(totals[2]) / count}

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 ASSETS = [
     "manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets",
     "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "encoder_export", "downstream_probe",
-    "dataset_stats",
+    "finetuned_asr", "dataset_stats",
 ]  # fmt: skip
 TRAIN_STEPS = DEMO_TRAIN_STEPS
 
@@ -217,3 +217,14 @@ def test_demo_prints_summary(built) -> None:
     assert "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict |" in out
     assert "(indicative only: 1 held-out speaker, fewer than 3" in out
     assert "== expected warnings at demo scale (not failures) ==" in out and "beats_majority_class" in out
+
+
+def test_demo_prints_the_finetuning_verdict_and_transcribes(built) -> None:
+    """The demo ends with one line per fine-tuned encoder against scratch and two transcribed files."""
+    import re
+
+    stdout = built["stdout"]
+    verdict = r"^pretrained: 1 min: CER .* vs scratch .*(beats scratch|loses to scratch|too small to tell)"
+    assert re.search(verdict, stdout, re.M), stdout[-3000:]
+    for utt in ("1001-100101-0000", "1002-100201-0000"):
+        assert re.search(rf"^{utt}\t[A-Z' ]*\t\d+\.\d\d$", stdout, re.M), stdout[-3000:]

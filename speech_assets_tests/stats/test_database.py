@@ -73,6 +73,19 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     inputs.probe_results = tmp_path / "missing.parquet"
     assert build_database(db, inputs)["probe_results"] == 0
 
+    # fine-tuning's results.parquet, as finetuned_asr writes it; none yet: an empty table
+    from speech_assets.evaluation.finetune_results import results_table as finetune_table
+
+    rows = [{"model": m, "labelled_minutes": 1.0, "seed": 0, "decoder": "greedy", "split": "heldout", "cer": c, "wer": 1.0,
+             "utterances": 8, "steps": 300, "labelled_seconds": 61.0, "checkpoint_sha256": "cd" * 32}
+            for m, c in (("pretrained", 0.7), ("scratch", 0.9))]  # fmt: skip
+    pq.write_table(finetune_table(rows), tmp_path / "finetune.parquet")
+    assert build_database(db, inputs)["finetune_results"] == 0
+    inputs.finetune_results = tmp_path / "finetune.parquet"
+    assert build_database(db, inputs)["finetune_results"] == 2
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT model, cer FROM finetune_results ORDER BY cer").fetchall() == [("pretrained", 0.7), ("scratch", 0.9)]
+
 
 def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from speech_assets.cli import main

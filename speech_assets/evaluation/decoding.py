@@ -1,0 +1,126 @@
+"""Beam search with a word n-gram language model, for CTC log-probabilities over the probe's tokens.
+
+The decoder is torchaudio's ``ctc_decoder`` (flashlight-text's lexicon beam search with KenLM
+shallow fusion); the language model is an ARPA file written here from the labelled training
+transcripts only (:func:`write_arpa`: absolute discounting with back-off, every history's
+distribution summing to one) and the lexicon is those transcripts' words, so the decoder spells
+only words it has seen labelled. flashlight-text installs from PyPI as a wheel (KenLM inside);
+pyctcdecode was not used: it pins numpy < 2 and its kenlm module builds from source.
+:func:`unavailable` says when the decoder cannot run, and the callers decode greedily alone then.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from speech_assets.evaluation.text import ALPHABET
+
+BEAM_DECODER = "beam_{order}gram"  # the decoder column's value, for an LM of this order
+BEAM_SIZE = 50
+LM_WEIGHT = 1.0
+WORD_SCORE = 0.0
+DISCOUNT = 0.7  # absolute discounting for every order above the unigrams
+
+
+def unavailable() -> str | None:
+    """Why the beam decoder cannot run here (``None`` when it can)."""
+    try:
+        from torchaudio.models.decoder import ctc_decoder  # noqa: F401
+        import flashlight.lib.text.decoder  # noqa: F401
+    except (ImportError, RuntimeError) as error:
+        return f"flashlight-text is not installed (pip install flashlight-text): {error}"
+    return None
+def ngram_counts(sentences: Sequence[str], order: int) -> list[Counter]:
+    """Counts of every n-gram (n = 1..order) of the sentences' words with ``<s>``/``</s>``."""
+    counts = [Counter() for _ in range(order)]
+    for sentence in sentences:
+        words = ["<s>", *sentence.split(), "</s>"]
+        for n in range(1, order + 1):
+            for start in range(len(words) - n + 1):
+                counts[n - 1][tuple(words[start : start + n])] += 1
+    return counts
+
+
+def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str]) -> None:
+    """An ARPA n-gram model of ``sentences``: unigrams add-one smoothed (``<unk>`` included),
+    higher orders absolutely discounted by :data:`DISCOUNT` with back-off weights that make
+    each history's distribution sum to one."""
+    if order < 1:
+        raise ValueError(f"order must be >= 1, got {order}")
+    counts = ngram_counts(sentences, order)
+    vocab = sorted({w for (w,) in counts[0]} | {"<unk>"})
+    predicted = [w for w in vocab if w != "<s>"]
+    total = sum(counts[0][(w,)] for w in predicted) + len(predicted)
+    prob: dict[tuple[str, ...], float] = {(w,): (counts[0][(w,)] + 1) / total for w in predicted}
+    prob[("<s>",)] = 0.0  # never predicted
+    backoff: dict[tuple[str, ...], float] = {}
+    for n in range(2, order + 1):
+        history_total: dict[tuple[str, ...], int] = defaultdict(int)
+        followers: dict[tuple[str, ...], list[tuple[str, ...]]] = defaultdict(list)
+        for gram, c in counts[n - 1].items():
+            history_total[gram[:-1]] += c
+            followers[gram[:-1]].append(gram)
+        for history, grams in followers.items():
+            for gram in grams:
+                prob[gram] = (counts[n - 1][gram] - DISCOUNT) / history_total[history]
+            left = DISCOUNT * len(grams) / history_total[history]
+            lower = sum(_lower(prob, gram[1:]) for gram in grams)
+            backoff[history] = left / max(1e-12, 1.0 - lower)
+    lines = ["\\data\\"]
+    by_order = [[g for g in prob if len(g) == n] for n in range(1, order + 1)]
+    lines += [f"ngram {n}={len(grams)}" for n, grams in enumerate(by_order, start=1)]
+    for n, grams in enumerate(by_order, start=1):
+        lines += ["", f"\\{n}-grams:"]
+        for gram in sorted(grams):
+            p = prob[gram]
+            entry = f"{math.log10(p) if p > 0 else -99.0:.6f}\t{' '.join(gram)}"
+            if n < order:
+                entry += f"\t{math.log10(backoff[gram]) if backoff.get(gram, 0) > 0 else 0.0:.6f}"
+            lines.append(entry)
+    lines += ["", "\\end\\", ""]
+    Path(path).write_text("\n".join(lines), encoding="utf-8")
+
+
+def _lower(prob: dict[tuple[str, ...], float], gram: tuple[str, ...]) -> float:
+    """P(gram[-1] | gram[:-1]) of the lower orders as the model stores them (no back-off weight
+    below: only the seen grams' mass is removed)."""
+    while gram not in prob and len(gram) > 1:
+        gram = gram[1:]
+    return prob.get(gram, prob.get(("<unk>",), 0.0))
+
+
+def beam_decoder(
+    train_texts: Sequence[str], order: int, beam_size: int = BEAM_SIZE, lm_weight: float = LM_WEIGHT
+) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
+    """(decode, name): ``decode`` maps ``(L_i, 29)`` log-probabilities to transcripts by lexicon
+    beam search with the n-gram LM of ``train_texts``; ``name`` is the decoder column's value."""
+    import torch
+    from torchaudio.models.decoder import ctc_decoder
+
+    words = sorted({w for text in train_texts for w in text.split()})
+    # token i of the model: 0 the blank ("-"), then the alphabet with its space as the word boundary ("|")
+    tokens = ["-", *("|" if c == " " else c for c in ALPHABET)]
+    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
+        arpa, lexicon = Path(folder) / f"{order}gram.arpa", Path(folder) / "lexicon.txt"
+        write_arpa(train_texts, order, arpa)
+        lexicon.write_text("".join(f"{w} {' '.join(w)} |\n" for w in words), encoding="utf-8")
+        decoder = ctc_decoder(
+            lexicon=str(lexicon), tokens=tokens, lm=str(arpa), beam_size=beam_size, lm_weight=lm_weight,
+            word_score=WORD_SCORE, blank_token="-", sil_token="|", unk_word="<unk>",
+        )  # fmt: skip
+
+    def decode(log_probs: Sequence[np.ndarray]) -> list[str]:
+        out = []
+        for lp in log_probs:
+            hypotheses = decoder(torch.from_numpy(np.ascontiguousarray(lp, dtype=np.float32))[None])[0]
+            out.append(" ".join(hypotheses[0].words) if hypotheses else "")
+        return out
+
+    return decode, BEAM_DECODER.format(order=order)

@@ -1,0 +1,291 @@
+"""CTC fine-tuning of a pretrained encoder into a character recogniser, and its from-scratch baseline.
+
+``python -m speech_assets.evaluation.finetune --config CONFIG.json`` trains alone or as one rank
+under torchrun, on the training engine (:mod:`speech_assets.train.engine`: precision,
+accumulation, checkpoints every ``checkpoint_every`` steps and exact resume) with the
+:class:`~speech_assets.train.objectives.CtcTraining` objective: CTC over the probe's 29 tokens
+(:mod:`speech_assets.evaluation.text`), a linear head on the encoder's last layer. ``init``
+``pretrained`` starts from the checkpoint's encoder, ``scratch`` from a random one of the same
+architecture: the baseline, on the same labelled utterances with the same steps.
+
+The labelled set is a seeded subset of the training speakers' transcribed utterances sized in
+minutes (:func:`labelled_subset`: never a held-out speaker); after training, rank 0 decodes
+the labelled and the held-out utterances (greedy, and with the beam decoder of
+:mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
+Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
+``result.json``, logs to MLflow and reports through Dagster Pipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from speech_assets.evaluation.probe import score
+from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
+from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
+from speech_assets.features.shards import read_shard_table
+from speech_assets.model.encoders import load_encoder
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import ModelPreset
+from speech_assets.train.autoconfig import available_cores, resolve_precision
+from speech_assets.train.config import FinetuneConfig
+from speech_assets.train.data import CorpusIndex, DurationBucketSampler, Example, UtteranceDataset, UtteranceRef, collate, eval_batches
+from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, worker
+from speech_assets.train.objectives import CtcForward, CtcTraining
+from speech_assets.train.tracking import PipesReporter
+
+log = logging.getLogger("speech_assets.train")
+CHECKPOINT_KIND = "ctc"
+HEAD = "ctc"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A transcribed utterance that could be labelled: its id, speaker and seconds the model sees."""
+
+    utt_id: str
+    speaker_id: str
+    seconds: float
+
+
+def ctc_feasible(num_frames: int, text: str) -> bool:
+    """Whether CTC can align ``text``'s tokens to ``num_frames`` 100 Hz frames: the 50 Hz output
+    needs a frame per token plus a blank between each pair of repeated tokens, and at least one token."""
+    tokens = encode(text)
+    repeats = sum(a == b for a, b in zip(tokens, tokens[1:]))
+    return bool(tokens) and len(tokens) + repeats <= (num_frames + 1) // 2
+
+
+def labelled_subset(candidates: Sequence[Candidate], heldout: Collection[str], minutes: float, seed: int) -> list[str]:
+    """The utterance ids of a seeded subset of ``candidates`` by speakers outside ``heldout``,
+    at least ``minutes`` of audio (all of them when there is less), in sorted order.
+
+    Candidates are drawn in an order ``seed`` shuffles (from their sorted ids, so the input order
+    does not matter) until the budget is reached: one seed's subsets are nested, a larger budget
+    keeps the smaller one's utterances (as the Libri-light 10 min / 1 h / 10 h sets are).
+    """
+    if not minutes > 0:
+        raise ValueError(f"labelled minutes must be > 0, got {minutes}")
+    held = set(heldout)
+    pool = sorted((c for c in candidates if c.speaker_id not in held), key=lambda c: c.utt_id)
+    order = np.random.default_rng([int(seed), 0xC7C]).permutation(len(pool))
+    chosen, total = [], 0.0
+    for index in order.tolist():
+        if total >= minutes * 60:
+            break
+        chosen.append(pool[index].utt_id)
+        total += pool[index].seconds
+    return sorted(chosen)
+
+
+def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_scale: float) -> Callable[[int], float]:
+    """fairseq's tri-stage LR multiplier: linear from ``init_scale`` to 1 over the first
+    ``stages[0]`` of ``max_steps``, 1 for the next ``stages[1]``, then exponential decay to
+    ``final_scale`` over the last ``stages[2]``."""
+    warmup, hold = round(stages[0] * max_steps), round(stages[1] * max_steps)
+    decay = max(1, max_steps - warmup - hold)
+    rate = -math.log(final_scale) / decay
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return init_scale + (1 - init_scale) * step / warmup
+        if step < warmup + hold:
+            return 1.0
+        return math.exp(-rate * min(step - warmup - hold, decay))
+
+    return factor
+
+
+class TranscribedDataset(UtteranceDataset):
+    """Utterances with their transcripts as CTC targets: ``feats (T, 80)`` (whole, never cropped;
+    the normaliser applied) and ``labels (S,)`` token ids, ``S <= (T + 1) // 2``."""
+
+    def __init__(self, index: CorpusIndex, utterances: Sequence[UtteranceRef], cmvn: Normaliser, texts: Mapping[str, str]) -> None:
+        super().__init__(index, utterances, cmvn, max_frames=max((u.num_frames for u in utterances), default=1))
+        self.tokens = {u.utt_id: encode(texts[u.utt_id]) for u in utterances}
+        self.texts = [texts[u.utt_id] for u in utterances]
+
+    def __getitem__(self, item: int) -> Example:
+        ref = self.utterances[item]
+        feats = self.cmvn.apply(self.logmel(ref), "logmel")
+        return Example(ref.utt_id, 0, torch.from_numpy(feats), torch.tensor(self.tokens[ref.utt_id], dtype=torch.long))
+
+
+def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusIndex:
+    """Where each of the ``wanted`` utterances lives in ``shards`` (whole length, one client)."""
+    wanted, refs = set(wanted), []
+    for shard, path in enumerate(shards):
+        table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
+        metadata = pq.ParquetFile(path).metadata
+        places = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
+        rows = zip(table.column("utt_id").to_pylist(), table.column("speaker_id").to_pylist(), table.column("num_frames").to_pylist(), places, strict=True)
+        refs += [UtteranceRef(u, shard, g, r, int(n), 0, s) for u, s, n, (g, r) in rows if u in wanted]
+    missing = sorted(wanted - {r.utt_id for r in refs})
+    if missing:
+        raise ValueError(f"{len(missing)} labelled or held-out utterances are in no shard: {missing[:5]}")
+    return CorpusIndex(list(shards), [HEAD], refs, [{}], 0)
+
+
+def build_model(config: FinetuneConfig) -> tuple[HubertPretrainModel, dict[str, Any], Normaliser]:
+    """The recogniser before training: the encoder of ``config.encoder`` (or a random one of its
+    architecture, seeded by ``config.seed``, for ``scratch``) with a fresh ``Linear(D, 29)`` head,
+    the encoder's identity and the normalisation it was trained with."""
+    loaded = load_encoder(config.encoder)
+    preset = ModelPreset(**loaded.checkpoint["preset"]) if "preset" in loaded.checkpoint else loaded.model.preset
+    torch.manual_seed(config.seed)
+    model = HubertPretrainModel(preset, {HEAD: VOCAB_SIZE})
+    if config.init == "pretrained":
+        encoder_state = {k: v for k, v in loaded.model.state_dict().items() if not k.startswith("heads.")}
+        missing, unexpected = model.load_state_dict(encoder_state, strict=False)
+        if unexpected or any(not k.startswith("heads.") for k in missing):
+            raise ValueError(f"{config.encoder}: the encoder does not fit ({missing=}, {unexpected=})")
+    cmvn = from_record(loaded.checkpoint.get("normalisation")) or UtteranceCmvn()
+    return model.train(), {"sha256": loaded.sha256, "speakers": loaded.checkpoint.get("speakers")}, cmvn
+
+
+@torch.no_grad()
+def log_probabilities(model: HubertPretrainModel, dataset: TranscribedDataset, device: torch.device, batch_seconds: float = 32.0) -> list[np.ndarray]:
+    """CTC log-probabilities ``(L_i, 29)`` float32 of every utterance of ``dataset`` (eval mode, no masks)."""
+    forward = CtcForward(model).eval()
+    out: list[np.ndarray | None] = [None] * len(dataset)
+    for batch_indices in eval_batches(dataset.seconds, batch_seconds, 1, 0):
+        batch = collate([dataset[i] for i in batch_indices]).to(device)
+        log_probs, lengths = forward(batch.feats, batch.lengths)
+        for row, index in enumerate(batch_indices):
+            out[index] = log_probs[row, : int(lengths[row])].cpu().numpy()
+    forward.train()
+    return [x for x in out if x is not None]
+
+
+def greedy(log_probs: Sequence[np.ndarray]) -> list[str]:
+    """Best-path transcripts of ``(L_i, V)`` log-probabilities."""
+    return [decode_greedy(lp.argmax(axis=-1).tolist()) for lp in log_probs]
+
+
+def score_rows(
+    model: HubertPretrainModel, sets: Mapping[str, TranscribedDataset], device: torch.device,
+    beam: Callable[[Sequence[np.ndarray]], list[str]] | None = None, beam_name: str = "",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per split of ``sets`` and decoder: ``decoder, split, cer, wer, utterances``."""
+    rows = []
+    for split, dataset in sets.items():
+        if len(dataset) == 0:
+            continue
+        log_probs = log_probabilities(model, dataset, device)
+        decoders = {"greedy": greedy} | ({beam_name: beam} if beam is not None else {})
+        for name, decode in decoders.items():
+            s = score(dataset.texts, decode(log_probs))
+            rows.append({"decoder": name, "split": split, "cer": s.cer, "wer": s.wer, "utterances": s.utterances})
+    return rows
+
+
+def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> dict[str, Any] | None:
+    """Fine-tune in this process (alone or as one torchrun rank); ``result.json``'s content on
+    rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from its latest
+    checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
+    run_dir = Path(config.run_dir)
+    with worker(config.run_dir, config.device, command="python -m speech_assets.evaluation.finetune") as job:
+        torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
+        cuda = job.device.type == "cuda"
+        precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
+        job.batch = (config.batch_seconds, config.grad_accum)
+        reporter = PipesReporter(log) if job.is_main else None
+        texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
+        index = transcribed_index(config.shards, set(texts["train"]) | set(texts["heldout"]))
+        seed_everything(config.seed)
+        model, encoder, cmvn = build_model(config)
+        train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
+        heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
+        if leaked := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in heldout_refs}):
+            raise ValueError(f"labelled utterances of held-out speakers {leaked[:10]}")
+        if not train_refs:
+            raise ValueError("no labelled utterances")
+        dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
+        sampler = DurationBucketSampler(dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed)
+        stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
+        model = model.to(job.device)
+        if config.freeze_frontend:
+            model.frontend.requires_grad_(False)
+        if config.mask_prob <= 0:
+            model.mask_embedding.requires_grad_(False)
+        engine = Engine(
+            model, job, precision=precision, lr=config.lr, weight_decay=config.weight_decay, clip_norm=config.clip_norm,
+            grad_accum=config.grad_accum, forward=CtcForward(model),
+            schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
+        )  # fmt: skip
+        speakers = {"train": sorted({u.speaker_id for u in train_refs}), "heldout": sorted({u.speaker_id for u in heldout_refs})}
+        engine.extra = {
+            "kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions),
+            "speakers": speakers, "normalisation": describe(cmvn),
+        }  # fmt: skip
+        engine.resume(config.run_dir, stream, lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]))
+        objective = CtcTraining(
+            job.device, seed=config.seed, freeze_steps=config.freeze_steps, mask_prob=config.mask_prob,
+            mask_length=config.mask_length, channel_prob=config.channel_mask_prob, channel_length=config.channel_mask_length, rank=job.rank,
+        )  # fmt: skip
+        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum, "precision": precision}
+        with tracking(config, job, plan) as tracker:
+            engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
+            labelled_seconds = sum(dataset.seconds)
+            log.info(
+                "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
+                "%d held-out utterances of %d speakers to score; encoder frozen for %d steps, %s",
+                config.init, len(dataset), labelled_seconds / 60, len(speakers["train"]), len(heldout_refs),
+                len(speakers["heldout"]), config.freeze_steps, precision,
+            )  # fmt: skip
+            if not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker) or not job.is_main:
+                engine.barrier()
+                return None
+            model.eval()
+            beam, beam_name = None, ""
+            if any(d != "greedy" for d in config.decoders):
+                from speech_assets.evaluation.decoding import beam_decoder
+
+                beam, beam_name = beam_decoder(list(texts["train"].values()), config.lm_order)
+            sets = {"train": dataset, "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"])}
+            scores = score_rows(model, sets, job.device, beam, beam_name)
+            final, sha = engine.save_final(
+                run_dir, kind=CHECKPOINT_KIND, preset=model.preset.to_dict(), clients={HEAD: VOCAB_SIZE},
+                init=config.init, encoder_checkpoint=config.encoder, encoder_sha256=encoder["sha256"], config=config.to_dict(),
+                data_versions=dict(config.data_versions), speakers=speakers, normalisation=describe(cmvn),
+            )  # fmt: skip
+            held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
+            result = {
+                "step": engine.step, "final_loss": engine.metrics.get("loss"), "init": config.init, "seed": config.seed,
+                "checkpoint": str(final), "checkpoint_sha256": sha, "encoder": config.encoder, "encoder_sha256": encoder["sha256"],
+                "scores": scores, "labelled_utterances": len(dataset), "labelled_seconds": labelled_seconds,
+                "heldout_utterances": len(heldout_refs), "speakers": speakers,
+                "heldout_cer": held.get("greedy", {}).get("cer"), "heldout_wer": held.get("greedy", {}).get("wer"),
+                "train_audio_seconds": engine.progress["audio_seconds"], "train_seconds": engine.progress["train_seconds"],
+                "resumed_from_step": engine.resumed_from, "world_size": job.world_size, "precision": precision,
+                "data_versions": dict(config.data_versions),
+                "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_run_url": tracker.url if tracker else None,
+            }  # fmt: skip
+            log.info("done: %d steps, loss %s, held-out greedy CER %s WER %s", engine.step, result["final_loss"], result["heldout_cer"], result["heldout_wer"])
+            keys = ("step", "final_loss", "heldout_cer", "heldout_wer", "checkpoint", "checkpoint_sha256", "mlflow_run_id", "mlflow_run_url")
+            publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
+        engine.barrier()
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="FinetuneConfig JSON file")
+    finetune(FinetuneConfig.from_json(parser.parse_args(argv).config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""CTC fine-tuning's pure parts: the labelled subset, the tri-stage schedule, the objective's
+freezing and masks, the n-gram LM and beam decoder, the recogniser export and the CLI's file
+handling. Real runs on the sample corpus: speech_assets_tests/defs/test_model_runs.py."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from speech_assets.evaluation.decoding import beam_decoder, unavailable, write_arpa
+from speech_assets.evaluation.finetune import Candidate, ctc_feasible, labelled_subset, tri_stage
+from speech_assets.evaluation.recognise import RecogniserError, Transcript, audio_files, model_folder, vocabulary
+from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
+from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.train.data import Batch
+from speech_assets.train.objectives import CtcForward, CtcTraining, ctc_loss
+
+
+def corpus(seed: int = 0) -> list[Candidate]:
+    """12 speakers x 10 utterances of 1-6 s."""
+    rng = random.Random(seed)
+    return [Candidate(f"{s:04d}-{u:02d}", f"{s:04d}", rng.uniform(1, 6)) for s in range(12) for u in range(10)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("minutes", [0.05, 0.5, 2.0, 5.0, 100.0])
+def test_labelled_subset_never_holds_a_heldout_speaker(seed: int, minutes: float) -> None:
+    candidates = corpus(seed)
+    heldout = {"0003", "0007", "0011"}
+    chosen = labelled_subset(candidates, heldout, minutes, seed)
+    seconds = {c.utt_id: c.seconds for c in candidates}
+    speakers = {c.utt_id: c.speaker_id for c in candidates}
+    assert chosen and not {speakers[u] for u in chosen} & heldout
+    available = sum(s for u, s in seconds.items() if speakers[u] not in heldout)
+    total = sum(seconds[u] for u in chosen)
+    # the budget is reached (all of it when there is less), and no utterance more than needed
+    assert total >= min(minutes * 60, available) - 1e-9
+    assert total - max(seconds[u] for u in chosen) < minutes * 60
+    # a pure function of the candidates, whatever their order; nested across budgets
+    shuffled = candidates[::-1]
+    assert labelled_subset(shuffled, heldout, minutes, seed) == chosen
+    assert set(labelled_subset(candidates, heldout, minutes / 2, seed)) <= set(chosen)
+
+
+def test_labelled_subset_differs_by_seed_and_refuses_no_budget() -> None:
+    candidates = corpus()
+    assert labelled_subset(candidates, set(), 1.0, 0) != labelled_subset(candidates, set(), 1.0, 1)
+    with pytest.raises(ValueError, match="must be > 0"):
+        labelled_subset(candidates, set(), 0.0, 0)
+
+
+def test_ctc_feasibility_counts_repeats() -> None:
+    assert ctc_feasible(7, "AB") and not ctc_feasible(2, "AB")
+    assert not ctc_feasible(5, "AA A") and ctc_feasible(9, "AA")  # a blank between repeated tokens
+    assert not ctc_feasible(100, "...")  # nothing to transcribe
+
+
+def test_tri_stage_warms_holds_and_decays_to_the_final_scale() -> None:
+    factor = tri_stage(100, [0.1, 0.4, 0.5], 0.01, 0.05)
+    assert factor(0) == pytest.approx(0.01) and factor(5) == pytest.approx(0.01 + 0.99 * 0.5)
+    assert factor(10) == factor(49) == 1.0
+    assert factor(100) == pytest.approx(0.05) and factor(75) == pytest.approx(math.sqrt(0.05))
+    values = [factor(s) for s in range(50, 101)]
+    assert values == sorted(values, reverse=True)
+
+
+def tiny_batch(seed: int = 0) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    feats = torch.randn(2, 60, 80, generator=generator)
+    targets = torch.full((2, 30), -100, dtype=torch.long)
+    for row, text in enumerate(["THE CAT", "A DOG"]):
+        targets[row, : len(encode(text))] = torch.tensor(encode(text))
+    return Batch(feats, torch.tensor([60, 48]), targets, torch.zeros(2, dtype=torch.long), 1.08)
+
+
+def test_ctc_objective_freezes_the_encoder_then_trains_it() -> None:
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE})
+    objective = CtcTraining(torch.device("cpu"), seed=0, freeze_steps=2, mask_prob=0.05, mask_length=3, channel_prob=0.05, channel_length=4)
+    forward = CtcForward(model)
+    for step, frozen in ((1, True), (2, False)):
+        model.zero_grad(set_to_none=True)
+        loss, stats = objective(forward, tiny_batch(), step, 0)
+        loss.backward()
+        assert stats.tolist()[2] == float(frozen) and stats.tolist()[1] == pytest.approx(float(loss.detach()))
+        assert model.heads[0].weight.grad is not None
+        assert (model.encoder.layers[0].linear1.weight.grad is None) == frozen
+    # masks are a pure function of (seed, step, rank, micro-batch)
+    a, b = objective.masks(torch.tensor([60, 48]), 3, 0, 0), objective.masks(torch.tensor([60, 48]), 3, 0, 0)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[1].shape == (2, 80)
+    assert not torch.equal(a[0], objective.masks(torch.tensor([60, 48]), 4, 0, 0)[0])
+
+
+def test_ctc_loss_ignores_padding_and_prefers_the_transcript() -> None:
+    batch = tiny_batch()
+    lengths = torch.tensor([30, 24])
+    uniform = torch.full((2, 30, VOCAB_SIZE), -math.log(VOCAB_SIZE))
+    peaked = uniform.clone()
+    for row in range(2):
+        tokens = batch.targets[row][batch.targets[row] >= 0].tolist()
+        for i, token in enumerate(tokens):
+            peaked[row, 2 * i] = -20.0
+            peaked[row, 2 * i, token] = 0.0
+    assert float(ctc_loss(peaked.log_softmax(-1), lengths, batch.targets)) < float(ctc_loss(uniform, lengths, batch.targets))
+
+
+def read_arpa(path: Path) -> tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]]:
+    logp, backoff, order = {}, {}, 0
+    for line in path.read_text().splitlines():
+        if line.startswith("\\") and line.endswith("-grams:"):
+            order = int(line[1])
+        elif order and line and not line.startswith("\\"):
+            parts = line.split("\t")
+            gram = tuple(parts[1].split())
+            logp[gram] = float(parts[0])
+            if len(parts) > 2:
+                backoff[gram] = float(parts[2])
+    return logp, backoff
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_arpa_model_is_a_distribution_for_every_history(tmp_path: Path, order: int) -> None:
+    sentences = ["THE CAT SAT", "THE DOG SAT DOWN", "A CAT RAN", "THE CAT RAN AWAY", "A DOG"]
+    write_arpa(sentences, order, tmp_path / "lm.arpa")
+    logp, backoff = read_arpa(tmp_path / "lm.arpa")
+
+    def prob(history: tuple[str, ...], word: str) -> float:
+        if (*history, word) in logp:
+            return 10 ** logp[(*history, word)]
+        if not history:
+            return 10 ** logp[("<unk>",)]
+        return 10 ** backoff.get(history, 0.0) * prob(history[1:], word)
+
+    vocab = [w for (w, *rest) in logp if not rest and w != "<s>"]
+    histories = {g[:-1] for g in logp if len(g) > 1} | {()}
+    for history in histories:
+        assert sum(prob(history, w) for w in vocab) == pytest.approx(1.0, abs=1e-4), history
+    # the training data's own continuations are likelier than a word never seen there
+    assert prob(("<s>", "THE")[-(order - 1) :] if order > 1 else (), "CAT") > prob((), "<unk>")
+
+
+@pytest.mark.skipif(unavailable() is not None, reason="flashlight-text not installed")
+def test_beam_decoder_with_the_training_lm_repairs_a_near_miss() -> None:
+    decode, name = beam_decoder(["THE CAT SAT", "THE DOG RAN", "A CAT RAN"], 3)
+
+    def emissions(text: str) -> np.ndarray:
+        ids = encode(text)
+        lp = np.full((2 * len(ids) + 2, VOCAB_SIZE), -8.0, np.float32)
+        lp[:, 0] = -0.1
+        for i, token in enumerate(ids):
+            lp[2 * i + 1, token], lp[2 * i + 1, 0] = -0.05, -5.0
+        return lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
+
+    assert name == "beam_3gram"
+    assert decode([emissions("THE CAT RAN"), emissions("THE CAP SAT")]) == ["THE CAT RAN", "THE CAT SAT"]
+
+
+def test_recogniser_export_matches_pytorch(tmp_path: Path) -> None:
+    from speech_assets.model.export import ExportableRecogniser, export_recogniser
+
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
+    feats = [np.random.default_rng(i).standard_normal((n, 80)).astype(np.float32) for i, n in enumerate((120, 77))]
+    parity = export_recogniser(model, tmp_path, feats)
+    assert parity.onnx_max_abs_diff <= 1e-4 and parity.torchscript_max_abs_diff <= 1e-4 and parity.frames == 60 + 39
+    log_probs, lengths = ExportableRecogniser(model)(torch.from_numpy(feats[1])[None], torch.tensor([77]))
+    assert log_probs.shape == (1, 39, VOCAB_SIZE) and torch.allclose(log_probs.exp().sum(-1), torch.ones(1, 39), atol=1e-5)
+
+
+def test_vocabulary_folders_and_lines(tmp_path: Path) -> None:
+    assert vocabulary()[0] == "" and "".join(vocabulary()) == ALPHABET
+    (tmp_path / "a").mkdir()
+    for name in ("a/x.flac", "a/y.WAV", "a/notes.txt", "b.ogg"):
+        (tmp_path / name).write_bytes(b"")
+    assert audio_files([tmp_path / "a", tmp_path / "b.ogg"]) == [tmp_path / "a/x.flac", tmp_path / "a/y.WAV", tmp_path / "b.ogg"]
+    with pytest.raises(RecogniserError, match="no recogniser"):
+        model_folder(tmp_path)
+    assert Transcript("u", "p", "HELLO", 1.234).line() == "u\tHELLO\t1.23"
+    assert Transcript("u", "p", None, None, "unreadable: x").line() == "u\terror: unreadable: x"
+
+
+
+def result_rows(cers: dict[str, list[float]], utterances: int = 40, minutes: float = 5.0) -> list[dict]:
+    return [
+        {"model": model, "labelled_minutes": minutes, "seed": seed, "decoder": decoder, "split": "heldout", "cer": cer,
+         "wer": min(1.0, 2 * cer), "utterances": utterances, "steps": 100, "labelled_seconds": 300.0, "checkpoint_sha256": "x"}
+        for model, values in cers.items() for seed, cer in enumerate(values) for decoder in ("greedy", "beam_3gram")
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cers", "utterances", "said"),
+    [
+        ({"pretrained": [0.30, 0.31, 0.29], "scratch": [0.60, 0.62, 0.58]}, 40, "beats scratch"),
+        ({"pretrained": [0.70, 0.71, 0.69], "scratch": [0.60, 0.62, 0.58]}, 40, "loses to scratch"),
+        ({"pretrained": [0.30, 0.60, 0.45], "scratch": [0.50, 0.40, 0.60]}, 40, "too small to tell (|difference|"),
+        ({"pretrained": [0.30], "scratch": [0.60]}, 40, "too small to tell (pretrained has 1 seed"),
+        ({"pretrained": [0.30, 0.31], "scratch": [0.60, 0.62]}, 8, "too small to tell (8 held-out utterances"),
+    ],
+)
+def test_verdict_says_beats_loses_or_too_small_to_tell(cers: dict, utterances: int, said: str, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from speech_assets.evaluation.finetune_results import markdown_tables, read_rows, results_table, verdicts
+
+    rows = result_rows(cers, utterances)
+    pq.write_table(results_table(rows), tmp_path / "results.parquet")
+    again = read_rows(tmp_path / "results.parquet")
+    (line,) = verdicts(again)
+    assert line.startswith("pretrained: 5 min: CER ") and said in line, line
+    tables = markdown_tables(again, {"pretrained": "0.500 ± 0.010"})
+    assert "greedy decoding" in tables and "beam_3gram decoding" in tables and "| frozen probe: pretrained |" in tables
