@@ -57,7 +57,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     """The fine-tuning results per labelled budget (markdown tables) and each encoder's verdict against scratch."""
     from speech_assets.evaluation.finetune_results import markdown_tables, read_rows, verdicts
 
-    path = Path(args.results) if args.results else locations.data_dir() / "finetune" / "results.parquet"
+    path = Path(args.results) if args.results else DataLayout(locations.data_dir()).finetune.results
     if not path.is_file():
         print(f"error: no fine-tuning results at {path}: materialize finetuned_asr", file=sys.stderr)
         return 1
@@ -75,7 +75,7 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     """One line per audio file (id, text, seconds of audio), or an error line; exit 1 if any failed."""
     from speech_assets.evaluation.recognise import Recogniser, RecogniserError, audio_files
 
-    model = Path(args.model) if args.model else locations.data_dir() / "finetune" / "recogniser"
+    model = Path(args.model) if args.model else DataLayout(locations.data_dir()).finetune.recogniser
     try:
         recogniser = Recogniser(model)
     except RecogniserError as err:

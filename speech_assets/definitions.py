@@ -18,7 +18,7 @@ CHECKS = [
     *staleness.CHECKS,
     probe.pretrained_beats_fbank,
     export.onnx_matches_pytorch,
-    finetune.finetuning_is_sound,
+    model_checks.finetuning_is_sound,
     *model_checks.CHECKS,
 ]
 

@@ -98,6 +98,7 @@ ENCODER_JSON = "encoder.json"
 # ``D/finetune/``
 FINETUNE_DIR = "finetune"
 FINETUNE_RESULTS = "results.parquet"
+FINETUNE_RECOGNISER_DIR = "recogniser"
 
 # ``D/report/`` and ``D/stats.duckdb``
 REPORT_DIR = "report"
@@ -304,11 +305,13 @@ class ExportFiles:
 
 @dataclass(frozen=True)
 class FinetuneFiles:
-    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``)."""
+    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``) and the exported
+    recogniser (``recogniser/``)."""
 
     root: Path
 
     results = _Under(FINETUNE_RESULTS)
+    recogniser = _Under(FINETUNE_RECOGNISER_DIR)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import bounded_versions, checkpoint_of, git_commit, latest_data_version, required_checkpoint, shard_hashes
 from speech_assets.defs.partitions import ALL_SHARDS
-from speech_assets.defs.probe import ProbeLeak, probe_split
 from speech_assets.defs.resources import FinetuneSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_torchrun, training_curve_metadata
-from speech_assets.defs.training import run_folder
+from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
+from speech_assets.evaluation.protocol import ProbeLeak, probe_split
+from speech_assets.layout import RunFiles
 from speech_assets.utils import atomic_path, atomic_write_text, current_umask, from_fields, sha256_file, sha256_strings
 
 FINETUNE_CODE_VERSION = "finetune-v1"
@@ -92,7 +92,7 @@ def finetuned_asr(
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
         **{f"vad_features/{s}": v for s, v in shard_hashes(paths, sorted(set(train_speakers) | set(test_speakers))).items()},
     }
-    root = paths.root / "finetune"
+    root = paths.finetune.root
     rows, runs = [], {}
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
     for minutes in budgets:
@@ -114,7 +114,7 @@ def finetuned_asr(
                      "labelled_seconds": result["labelled_seconds"], "checkpoint_sha256": result["checkpoint_sha256"]}
                     for score in result["scores"]
                 ]  # fmt: skip
-    target = root / "results.parquet"
+    target = paths.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
     first = next(iter(encoders))
@@ -123,7 +123,7 @@ def finetuned_asr(
     lines = verdicts(rows)
     for line in lines:
         context.log.info(line)
-    files = {"results.parquet": sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
+    files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
@@ -195,7 +195,7 @@ def _run(
     labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
     versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
     run_dir = run_folder(root / "runs", versions, job, FINETUNE_CODE_VERSION)
-    finished = run_dir / "result.json"
+    finished = RunFiles(run_dir).result
     if finished.is_file() and (result := json.loads(finished.read_text())).get("checkpoint") and Path(result["checkpoint"]).is_file():
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
         return result
@@ -204,7 +204,7 @@ def _run(
     shard_speakers = sorted({k.split("/", 1)[1] for k in data_versions if k.startswith("vad_features/")})
     config = from_fields(
         FinetuneConfig, options, run_dir=str(run_dir), shards=[str(paths.shard_file(s)) for s in shard_speakers],
-        cmvn=str(paths.cmvn_dir / "cmvn.npz"), clients={}, encoder=encoder, labelled=str(run_dir / "labelled.json"),
+        cmvn=str(paths.cmvn.cmvn), clients={}, encoder=encoder, labelled=str(run_dir / "labelled.json"),
         init="scratch" if model == "scratch" else "pretrained", seed=seed, data_versions=versions, git_sha=git_commit(),
         decoders=decoders, threads=options.threads or None, max_frames=options.max_frames,
         mlflow_tracking_uri=paths.mlflow_tracking_uri, mlflow_artifact_location=paths.mlflow_artifact_location,
@@ -234,7 +234,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         for record in iter_shard(paths.shard_file(speaker), features=("logmel",)):
             if record.utt_id in heldout_texts and record.logmel is not None and record.num_frames >= 2 and len(feats) < settings.export.parity_utterances:
                 feats.append(cmvn.apply(record.logmel, "logmel"))
-    folder = paths.root / "finetune" / "recogniser"
+    folder = paths.finetune.recogniser
     staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
     try:
         with warnings.catch_warnings():
@@ -287,7 +287,7 @@ def _probe_reference(paths: StoragePaths) -> dict[str, str]:
     """The frozen probe's held-out CER (mean ± std) of pretrained and fbank, if it has run."""
     from speech_assets.evaluation.compare import read_results, summarise
 
-    path = paths.root / "probe" / "results.parquet"
+    path = paths.probe.results
     if not path.is_file():
         return {}
     try:
@@ -308,27 +308,3 @@ def _wer_curve(rows: list[dict]) -> dict[str, object]:
 
     png = plots.curves(budgets, series, "held-out WER (greedy) against labelled minutes", "labelled minutes")
     return {"wer_curve": dg.MetadataValue.md(plots.markdown_image(png, "WER against labelled minutes"))}
-
-
-@dg.asset_check(asset=finetuned_asr, blocking=True, description=(
-    "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
-    "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
-))
-def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
-    from speech_assets.defs.export import ONNX_PARITY_ATOL
-    from speech_assets.defs.lineage import latest_materialization, read_json
-    from speech_assets.defs.model_checks import loss_problems
-
-    materialization = latest_materialization(context.instance, "finetuned_asr")
-    runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
-    if runs is None:
-        return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
-    problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
-    spec = read_json(paths.root / "finetune" / "recogniser" / "recogniser.json")
-    diff = (spec.get("parity") or {}).get("max_abs_diff")
-    if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
-        problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
-    return dg.AssetCheckResult(
-        passed=not problems, description="; ".join(problems) or None,
-        metadata={"runs": len(runs.value), "max_abs_diff": float(diff) if diff is not None else float("nan")},
-    )

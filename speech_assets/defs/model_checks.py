@@ -191,3 +191,25 @@ CHECKS = [
     student_loss_falls,
     iteration2_labels_match_shards,
 ]
+
+
+@dg.asset_check(asset="finetuned_asr", blocking=True, description=(
+    "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
+    "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
+))
+def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
+    from speech_assets.evaluation.finetune_results import RECOGNISER_PARITY_ATOL as ONNX_PARITY_ATOL
+
+    materialization = latest_materialization(context.instance, "finetuned_asr")
+    runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
+    if runs is None:
+        return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
+    problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
+    spec = read_json(paths.finetune.recogniser / "recogniser.json")
+    diff = (spec.get("parity") or {}).get("max_abs_diff")
+    if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
+        problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
+    return dg.AssetCheckResult(
+        passed=not problems, description="; ".join(problems) or None,
+        metadata={"runs": len(runs.value), "max_abs_diff": float(diff) if diff is not None else float("nan")},
+    )
