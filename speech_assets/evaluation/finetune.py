@@ -42,7 +42,8 @@ from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import FinetuneConfig
 from speech_assets.train.data import CorpusIndex, DurationBucketSampler, Example, UtteranceDataset, UtteranceRef, collate, eval_batches
-from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, worker
+from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking
+from speech_assets.train.worker import worker
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
 

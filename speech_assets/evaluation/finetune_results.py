@@ -4,7 +4,7 @@ and one line per encoder on whether fine-tuning it beat the same architecture fr
 Light (pyarrow, no torch): ``finetuned_asr``'s metadata and ``speech-assets finetune`` read it.
 Rows are grouped into :class:`~speech_assets.evaluation.compare.ProbeResult` per budget and
 decoder so that the probe's summary over seeds and its "too small to tell" rule
-(:func:`~speech_assets.evaluation.compare.too_small_to_tell`) judge fine-tuning the same way.
+(:func:`too_small_to_tell`) judge fine-tuning.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from speech_assets.evaluation.compare import ProbeResult, ratio, summarise, too_small_to_tell
+from speech_assets.evaluation.compare import MIN_HELDOUT_UTTERANCES, ModelSummary, ProbeResult, summarise
 
 # what the exported recogniser may differ from the PyTorch model by (fp32), as the encoder export
 RECOGNISER_PARITY_ATOL = 1e-4
@@ -29,6 +29,32 @@ SCHEMA = pa.schema([
     ("split", pa.string()), ("cer", pa.float64()), ("wer", pa.float64()), ("utterances", pa.int64()), ("steps", pa.int64()),
     ("labelled_seconds", pa.float64()), ("checkpoint_sha256", pa.string()),
 ])  # fmt: skip
+
+
+
+# a fine-tuned model and its scratch baseline are told apart over seeds: at least this many each,
+# and a gap of more than SPREAD_FACTOR combined standard deviations
+MIN_SEEDS = 2
+SPREAD_FACTOR = 2.0
+
+
+def ratio(cer: float, baseline: float) -> str:
+    """``cer`` relative to ``baseline``'s, as ``0.85x``."""
+    return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
+
+
+def too_small_to_tell(a: ModelSummary, b: ModelSummary) -> str | None:
+    """Why the held-out CERs of ``a`` and ``b`` cannot be told apart, or ``None`` when they can."""
+    utterances = min(a.utterances, b.utterances)
+    if utterances < MIN_HELDOUT_UTTERANCES:
+        return f"{utterances} held-out utterances < {MIN_HELDOUT_UTTERANCES}"
+    for s in (a, b):
+        if s.cer.n < MIN_SEEDS:
+            return f"{s.model} has {s.cer.n} seed, no spread to compare with"
+    diff, spread = abs(a.cer.mean - b.cer.mean), SPREAD_FACTOR * math.hypot(a.cer.std, b.cer.std)
+    if not diff > spread:
+        return f"|difference| {diff:.3f} <= {SPREAD_FACTOR:g} x combined std {spread / SPREAD_FACTOR:.3f}"
+    return None
 
 
 def results_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:

@@ -46,6 +46,7 @@ FAULT_TESTS = {
     "kmeans_targets_iter2": f"{__name__}:test_iteration_2_labels_must_match_the_frames",
     "encoder_export": "speech_assets_tests.defs.test_model_runs:test_export_parity_is_run_again_and_catches_a_drifted_export",
     "downstream_probe": f"{__name__}:test_a_probe_that_does_not_beat_log_mel_is_flagged",
+    "finetuned_asr": "speech_assets_tests.defs.test_model_runs:test_finetuning_check_passes_and_catches_a_non_finite_loss",
     "dataset_stats": "speech_assets_tests.defs.test_checks:test_each_check_catches_its_fault",
 }
 
