@@ -416,7 +416,7 @@ def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
 
 
 def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_path) -> None:
-    from speech_assets.defs.finetune import finetuning_is_sound
+    from speech_assets.defs.model_checks import finetuning_is_sound
     from speech_assets.defs.resources import StoragePaths
 
     out, _, instance = finetuned
