@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -107,6 +108,17 @@ def atomic_write_bytes(target: str | os.PathLike[str], data: bytes, durable: boo
 
 def atomic_write_text(target: str | os.PathLike[str], text: str, durable: bool = True) -> None:
     atomic_write_bytes(target, text.encode("utf-8"), durable=durable)
+
+
+def publish_folder(staging: Path, folder: Path) -> None:
+    """Put the finished ``staging`` folder (a sibling of ``folder``) in ``folder``'s place, its
+    files and itself with the modes the umask gives (mkdtemp made the folder 0700)."""
+    for file in staging.iterdir():
+        file.chmod(0o666 & ~current_umask())
+    staging.chmod(0o777 & ~current_umask())
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
 
 
 def fsync_dir(folder: Path) -> None:

@@ -14,7 +14,7 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, required_checkpoint
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import atomic_write_text, current_umask, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, publish_folder, sha256_file, sha256_strings
 
 EXPORT_CODE_VERSION = "export-v2"  # v2: the CMVN the encoder was trained with, from its checkpoint
 # an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
@@ -65,12 +65,7 @@ def encoder_export(
             parity = export_all(encoder.model, staging, options.layer, sample, options.opset or None)
         description = input_description(encoder, cmvn, options.layer, parity, checkpoint)
         atomic_write_text(staging / "encoder.json", json.dumps(description, indent=2, sort_keys=True) + "\n")
-        for file in staging.iterdir():
-            file.chmod(0o666 & ~current_umask())
-        staging.chmod(0o777 & ~current_umask())
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
+        publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     files = {name: sha256_file(folder / name) for name in ("encoder.onnx", "encoder.pt", "encoder.json")}

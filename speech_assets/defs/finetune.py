@@ -23,7 +23,7 @@ from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak, probe_split
 from speech_assets.layout import RunFiles
-from speech_assets.utils import atomic_path, atomic_write_text, current_umask, from_fields, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 FINETUNE_CODE_VERSION = "finetune-v1"
 ENCODER_ASSETS = {
@@ -270,12 +270,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             },
         }  # fmt: skip
         atomic_write_text(staging / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
-        for file in staging.iterdir():
-            file.chmod(0o666 & ~current_umask())
-        staging.chmod(0o777 & ~current_umask())
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
+        publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     context.log.info(f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on {parity.utterances} held-out utterances")
