@@ -70,13 +70,18 @@ def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]
         ids.append(speaker)
         for flac in sorted(source.rglob("*.flac")):
             src_speaker, chapter, utt = flac.stem.split("-")
-            text = dict(line.split(" ", 1) for line in (flac.parent / f"{src_speaker}-{chapter}.trans.txt").read_text().splitlines())
+            text = dict(
+                line.split(" ", 1)
+                for line in (flac.parent / f"{src_speaker}-{chapter}.trans.txt").read_text().splitlines()
+            )
             for copy in range(copies):
                 new_chapter = f"{copy + 1}{chapter}"
                 folder = root / speaker / new_chapter
                 folder.mkdir(parents=True, exist_ok=True)
                 utt_id = f"{speaker}-{new_chapter}-{utt}"
-                nudge = index // len(sources) * copies + copy  # one recording under two ids would be a duplicate_audio reject
+                nudge = (
+                    index // len(sources) * copies + copy
+                )  # one recording under two ids would be a duplicate_audio reject
                 if nudge:
                     copy_recording(flac, folder / f"{utt_id}.flac", nudge)
                 else:
@@ -87,8 +92,11 @@ def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]
 
 
 def graphql(url: str, query: str, variables: dict | None = None) -> dict:
-    request = urllib.request.Request(url, data=json.dumps({"query": query, "variables": variables or {}}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -111,18 +119,35 @@ class DagsterDev:
         self.env, self.port, self.log = env, port, log
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "DagsterDev":
+    def __enter__(self) -> DagsterDev:
         from speech_assets.runtime.processes import die_with_parent
 
         if not (Path(self.env["DAGSTER_HOME"]) / "dagster.yaml").exists():  # else --instance-yaml's, as given
             subprocess.run([str(REPO / "scripts" / "ensure_dagster_home.sh")], env=self.env, check=True)
-        command = [sys.executable, "-m", "speech_assets.runtime.supervise", "--",
-                   str(BIN / "dagster"), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "speech_assets.runtime.supervise",
+            "--",
+            str(BIN / "dagster"),
+            "dev",
+            "-w",
+            "workspace.yaml",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+        ]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                command, env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                command,
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
-            )  # fmt: skip
+            )
         return self
 
     @property
@@ -193,10 +218,17 @@ def speakers_in_database(db: Path) -> set[str] | None:
 def active_runs(instance) -> list:
     import dagster as dg
 
-    return instance.get_runs(filters=dg.RunsFilter(statuses=[
-        dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-        dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
-    ]))
+    return instance.get_runs(
+        filters=dg.RunsFilter(
+            statuses=[
+                dg.DagsterRunStatus.QUEUED,
+                dg.DagsterRunStatus.NOT_STARTED,
+                dg.DagsterRunStatus.STARTING,
+                dg.DagsterRunStatus.STARTED,
+                dg.DagsterRunStatus.CANCELING,
+            ]
+        )
+    )
 
 
 def timeline(instance, t0: float, t_end: float) -> list[tuple[float, str]]:
@@ -206,18 +238,38 @@ def timeline(instance, t0: float, t_end: float) -> list[tuple[float, str]]:
 
     rows: list[tuple[float, str]] = []
     for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, after=t0 - 1, before=t_end + 1, limit=500)
+        ticks = instance.get_ticks(
+            state.instigator_origin_id, state.selector_id, after=t0 - 1, before=t_end + 1, limit=500
+        )
         requested = [tick for tick in ticks if tick.run_ids]
         for tick in requested:
             took = (tick.end_timestamp or tick.timestamp) - tick.timestamp
-            rows.append((tick.timestamp - t0, f"{state.instigator_name} tick ({took:.1f} s) requests {len(tick.run_ids)} run(s): "
-                         + ", ".join(run_id[:8] for run_id in tick.run_ids)))
+            rows.append(
+                (
+                    tick.timestamp - t0,
+                    f"{state.instigator_name} tick ({took:.1f} s) requests {len(tick.run_ids)} run(s): "
+                    + ", ".join(run_id[:8] for run_id in tick.run_ids),
+                )
+            )
         if ticks:
-            rows.append((t_end - t0, f"{state.instigator_name}: {len(ticks)} ticks in the window, {len(requested)} requested runs"))
-    records = instance.get_run_records(filters=dg.RunsFilter(created_after=datetime.datetime.fromtimestamp(t0 - 1, datetime.timezone.utc)))
-    wanted = {dg.DagsterEventType.RUN_DEQUEUED, dg.DagsterEventType.RUN_STARTING, dg.DagsterEventType.RUN_START,
-              dg.DagsterEventType.STEP_START, dg.DagsterEventType.ASSET_MATERIALIZATION,
-              dg.DagsterEventType.RUN_SUCCESS, dg.DagsterEventType.RUN_FAILURE}
+            rows.append(
+                (
+                    t_end - t0,
+                    f"{state.instigator_name}: {len(ticks)} ticks in the window, {len(requested)} requested runs",
+                )
+            )
+    records = instance.get_run_records(
+        filters=dg.RunsFilter(created_after=datetime.datetime.fromtimestamp(t0 - 1, datetime.UTC))
+    )
+    wanted = {
+        dg.DagsterEventType.RUN_DEQUEUED,
+        dg.DagsterEventType.RUN_STARTING,
+        dg.DagsterEventType.RUN_START,
+        dg.DagsterEventType.STEP_START,
+        dg.DagsterEventType.ASSET_MATERIALIZATION,
+        dg.DagsterEventType.RUN_SUCCESS,
+        dg.DagsterEventType.RUN_FAILURE,
+    }
     for record in sorted(records, key=lambda r: r.create_timestamp.timestamp()):
         run = record.dagster_run
         assets = ",".join(sorted(key.to_user_string() for key in run.asset_selection or []))
@@ -227,7 +279,12 @@ def timeline(instance, t0: float, t_end: float) -> list[tuple[float, str]]:
             where = f"[{where}..{run.tags.get('dagster/asset_partition_range_end')}]"
         elif run.tags.get("dagster/partition"):
             where = f"[{run.tags['dagster/partition']}]"
-        rows.append((record.create_timestamp.timestamp() - t0, f"run {run.run_id[:8]} {assets}{where or ''} queued (from {origin})"))
+        rows.append(
+            (
+                record.create_timestamp.timestamp() - t0,
+                f"run {run.run_id[:8]} {assets}{where or ''} queued (from {origin})",
+            )
+        )
         seen_steps = set()
         materialized: dict[str, int] = {}
         last_materialization: dict[str, float] = {}
@@ -246,13 +303,19 @@ def timeline(instance, t0: float, t_end: float) -> list[tuple[float, str]]:
                 seen_steps.add(event.step_key)
                 rows.append((at, f"run {run.run_id[:8]}   step {event.step_key} starts"))
                 continue
-            label = {dg.DagsterEventType.RUN_DEQUEUED: "dequeued", dg.DagsterEventType.RUN_STARTING: "launched",
-                     dg.DagsterEventType.RUN_START: "worker started", dg.DagsterEventType.RUN_SUCCESS: "succeeded",
-                     dg.DagsterEventType.RUN_FAILURE: "FAILED"}.get(kind, kind.value)
+            label = {
+                dg.DagsterEventType.RUN_DEQUEUED: "dequeued",
+                dg.DagsterEventType.RUN_STARTING: "launched",
+                dg.DagsterEventType.RUN_START: "worker started",
+                dg.DagsterEventType.RUN_SUCCESS: "succeeded",
+                dg.DagsterEventType.RUN_FAILURE: "FAILED",
+            }.get(kind, kind.value)
             rows.append((at, f"run {run.run_id[:8]}   {label}"))
         for name, at in last_materialization.items():
             count = materialized[name]
-            rows.append((at, f"run {run.run_id[:8]}   {name} materialized" + (f" ({count} events)" if count > 1 else "")))
+            rows.append(
+                (at, f"run {run.run_id[:8]}   {name} materialized" + (f" ({count} events)" if count > 1 else ""))
+            )
     return sorted(rows)
 
 
@@ -260,17 +323,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speakers", type=int, default=13, help="speakers in the corpus before the new one")
     parser.add_argument("--files-per-speaker", type=int, default=16, help="a multiple of 8")
-    parser.add_argument("--instance-yaml", type=Path, default=None,
-                        help="use this dagster.yaml instead of the repository's (e.g. an older one: `git show REV:dagster.yaml`)")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for dagster dev")
-    parser.add_argument("--settle", type=float, default=30.0, help="seconds with no run left before the new speaker arrives")
+    parser.add_argument(
+        "--instance-yaml",
+        type=Path,
+        default=None,
+        help="use this dagster.yaml instead of the repository's (e.g. an older one: `git show REV:dagster.yaml`)",
+    )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for dagster dev"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=30.0, help="seconds with no run left before the new speaker arrives"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds per phase")
     parser.add_argument("--keep-log", type=Path, default=None, help="copy dagster dev's output here")
     args = parser.parse_args()
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     memory = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal")) / 2**20
-    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB; load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"machine: {cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB; load average at start {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="bench-daemon-") as tmp:
         root = Path(tmp)
         corpus, incoming, home, out = root / "corpus", root / "incoming", root / "dagster_home", root / "out"
@@ -280,14 +357,22 @@ def main() -> None:
         for speaker in ids[:-1]:
             os.rename(incoming / speaker, corpus / speaker)
         files = sum(1 for _ in corpus.rglob("*.flac"))
-        print(f"corpus: {args.speakers} speakers, {files} FLAC files; new speaker {newcomer} "
-              f"({sum(1 for _ in (incoming / newcomer).rglob('*.flac'))} files)", flush=True)
+        print(
+            f"corpus: {args.speakers} speakers, {files} FLAC files; new speaker {newcomer} "
+            f"({sum(1 for _ in (incoming / newcomer).rglob('*.flac'))} files)",
+            flush=True,
+        )
         if args.instance_yaml:
             home.mkdir()
             shutil.copy(args.instance_yaml, home / "dagster.yaml")
-        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DAGSTER_HOME": str(home),
-               "SPEECH_ASSETS_DATA_DIR": str(out), "SPEECH_ASSETS_CORPUS": str(corpus),
-               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "DAGSTER_HOME": str(home),
+            "SPEECH_ASSETS_DATA_DIR": str(out),
+            "SPEECH_ASSETS_CORPUS": str(corpus),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        }
         env.pop("MLFLOW_TRACKING_URI", None)
         for item in args.env:
             name, value = item.split("=", 1)
@@ -316,15 +401,27 @@ def main() -> None:
 
                 instance = dg.DagsterInstance.get()
                 settings = instance.get_settings("run_coordinator") or {}
-                print(f"run coordinator: {type(instance.run_coordinator).__name__} "
-                      f"dequeue every {getattr(instance.run_coordinator, 'dequeue_interval_seconds', '?')} s, "
-                      f"threads {getattr(instance.run_coordinator, 'dequeue_use_threads', '?')}; "
-                      f"sensors: {instance.get_settings('sensors') or {}}; auto_materialize: {instance.get_settings('auto_materialize') or {}}"
-                      + (f"; {settings}" if settings else ""), flush=True)
+                print(
+                    f"run coordinator: {type(instance.run_coordinator).__name__} "
+                    f"dequeue every {getattr(instance.run_coordinator, 'dequeue_interval_seconds', '?')} s, "
+                    f"threads {getattr(instance.run_coordinator, 'dequeue_use_threads', '?')}; "
+                    f"sensors: {instance.get_settings('sensors') or {}}; auto_materialize: {instance.get_settings('auto_materialize') or {}}"
+                    + (f"; {settings}" if settings else ""),
+                    flush=True,
+                )
                 turned_on = time.time()
                 for sensor in SENSORS:
-                    answer = graphql(dev.url, START_SENSOR, {"selector": {
-                        "repositoryLocationName": LOCATION, "repositoryName": "__repository__", "sensorName": sensor}})
+                    answer = graphql(
+                        dev.url,
+                        START_SENSOR,
+                        {
+                            "selector": {
+                                "repositoryLocationName": LOCATION,
+                                "repositoryName": "__repository__",
+                                "sensorName": sensor,
+                            }
+                        },
+                    )
                     result = answer.get("data", {}).get("startSensor") or answer
                     if result.get("__typename") != "Sensor":
                         raise RuntimeError(f"could not start {sensor}: {result}")
@@ -349,17 +446,29 @@ def main() -> None:
 
                 wait_for(built, args.timeout, "the initial build", interval=1.0)
                 initial = time.time() - turned_on
-                idle_cpu = cpu_used_since(quiet_since[1], tree_cpu_seconds(dev.process.pid)) / (time.monotonic() - quiet_since[0])
+                idle_cpu = cpu_used_since(quiet_since[1], tree_cpu_seconds(dev.process.pid)) / (
+                    time.monotonic() - quiet_since[0]
+                )
                 runs_before = len(instance.get_runs())
-                print(f"initial build by the sensors and automation: {initial - args.settle:.1f} s "
-                      f"({runs_before} runs), then {args.settle:.0f} s with no run, in which dagster dev's processes "
-                      f"used {idle_cpu:.1%} of one core (sensor and automation ticks, run queue, webserver)", flush=True)
+                print(
+                    f"initial build by the sensors and automation: {initial - args.settle:.1f} s "
+                    f"({runs_before} runs), then {args.settle:.0f} s with no run, in which dagster dev's processes "
+                    f"used {idle_cpu:.1%} of one core (sensor and automation ticks, run queue, webserver)",
+                    flush=True,
+                )
 
                 os.rename(incoming / newcomer, corpus / newcomer)
                 t0 = time.time()
-                print(f"new speaker {newcomer} moved into the corpus at {datetime.datetime.fromtimestamp(t0):%H:%M:%S.%f}", flush=True)
+                print(
+                    f"new speaker {newcomer} moved into the corpus at {datetime.datetime.fromtimestamp(t0):%H:%M:%S.%f}",
+                    flush=True,
+                )
 
-                looked_at = {"storage_id": instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records[0].storage_id}
+                looked_at = {
+                    "storage_id": instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1)
+                    .records[0]
+                    .storage_id
+                }
 
                 def arrived() -> float | None:
                     """The time of the first dataset_stats materialization after t0 whose database
@@ -392,17 +501,30 @@ def main() -> None:
 
                 wait_for(chain_over, args.timeout, "the runs the new speaker started to end", interval=0.5)
                 failed = instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]))
-                stats = [r.timestamp for r in instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=20).records if r.timestamp > t0]
-                kmeans = [r.timestamp for r in instance.fetch_materializations(dg.AssetKey("kmeans_targets"), limit=50).records if r.timestamp > t0]
+                stats = [
+                    r.timestamp
+                    for r in instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=20).records
+                    if r.timestamp > t0
+                ]
+                kmeans = [
+                    r.timestamp
+                    for r in instance.fetch_materializations(dg.AssetKey("kmeans_targets"), limit=50).records
+                    if r.timestamp > t0
+                ]
                 t_done = max(stats)
-                print(f"\nfirst dataset_stats listing {newcomer}: {t_first - t0:.1f} s (seen by the benchmark at {seen:.1f} s); "
-                      f"{len(stats)} dataset_stats and {len(kmeans)} kmeans_targets materializations after the new speaker"
-                      + (f"; FAILED runs: {[r.run_id[:8] for r in failed]}" if failed else ""))
+                print(
+                    f"\nfirst dataset_stats listing {newcomer}: {t_first - t0:.1f} s (seen by the benchmark at {seen:.1f} s); "
+                    f"{len(stats)} dataset_stats and {len(kmeans)} kmeans_targets materializations after the new speaker"
+                    + (f"; FAILED runs: {[r.run_id[:8] for r in failed]}" if failed else "")
+                )
                 last_kmeans = max(kmeans) if kmeans else None
                 ordered = last_kmeans is None or t_done > last_kmeans
-                print(f"new speaker -> the last dataset_stats (after the last kmeans_targets: {'yes' if ordered else 'NO'}): "
-                      f"{t_done - t0:.1f} s; target <= 90 s: {'PASS' if t_done - t0 <= 90 else 'FAIL'}; "
-                      f"load average now {os.getloadavg()[0]:.2f}", flush=True)
+                print(
+                    f"new speaker -> the last dataset_stats (after the last kmeans_targets: {'yes' if ordered else 'NO'}): "
+                    f"{t_done - t0:.1f} s; target <= 90 s: {'PASS' if t_done - t0 <= 90 else 'FAIL'}; "
+                    f"load average now {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
                 print("\ntimeline (s after the new speaker's folder appeared):")
                 for at, what in timeline(instance, t0, t_done):
                     print(f"  {at:7.1f}  {what}")

@@ -62,21 +62,21 @@ import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 import torchaudio.compliance.kaldi as kaldi  # noqa: E402
 import torchaudio.functional as AF  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 from speech_assets.features import audio  # noqa: E402
 from speech_assets.features import shards as features  # noqa: E402
-from speech_assets.features.featurize import FeatureExtractor  # noqa: E402
 from speech_assets.features.build import (  # noqa: E402
-    UtteranceInput,
     ShardJob,
+    UtteranceInput,
     build_shard,
     default_workers,
     iter_publish_shards,
     stored_partial_sums,
 )
+from speech_assets.features.featurize import FeatureExtractor  # noqa: E402
 from speech_assets.features.shards import ShardFiles  # noqa: E402
 from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 TARGET_RTF = 1000.0
 TARGET_RATIO = 0.7  # (b) / (a)
@@ -230,10 +230,21 @@ def stage_breakdown(
             t5 = clock()
             for name, seconds in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 spent[name] += seconds
-            records.append(features.FeatureRecord(
-                utt.utt_id, utt.speaker_id, utt.chapter_id, logmel.shape[0], utt.duration_s, span.start_s,
-                span.end_s, span.duration_s, span.speech_ratio, logmel, mfcc,
-            ))
+            records.append(
+                features.FeatureRecord(
+                    utt.utt_id,
+                    utt.speaker_id,
+                    utt.chapter_id,
+                    logmel.shape[0],
+                    utt.duration_s,
+                    span.start_s,
+                    span.end_s,
+                    span.duration_s,
+                    span.speech_ratio,
+                    logmel,
+                    mfcc,
+                )
+            )
         t0 = clock()
         features.write_shard(out / f"{key}.parquet", records)
         spent["Parquet write"] += clock() - t0
@@ -248,9 +259,13 @@ def write_list_shard(shard: Path, target: Path) -> int:
     for name in ("logmel", "mfcc"):
         blobs = table.column(name).combine_chunks()
         offsets = np.frombuffer(blobs.buffers()[1], dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
-        values = np.frombuffer(blobs.buffers()[2], dtype=dtype)[offsets[0] // dtype.itemsize : offsets[-1] // dtype.itemsize]
+        values = np.frombuffer(blobs.buffers()[2], dtype=dtype)[
+            offsets[0] // dtype.itemsize : offsets[-1] // dtype.itemsize
+        ]
         offsets = (offsets - offsets[0]) // dtype.itemsize
-        columns[name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.from_numpy_dtype(dtype)))
+        columns[name] = pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()), pa.array(values, pa.from_numpy_dtype(dtype))
+        )
     for name in ("logmel", "mfcc"):
         table = table.set_column(table.schema.get_field_index(name), name, columns[name])
     pq.write_table(table, target, compression="zstd", compression_level=3, row_group_size=256)
@@ -298,8 +313,19 @@ def rtf(audio_seconds: float, seconds: float) -> float:
 
 def across_processes(args: argparse.Namespace) -> int:
     """``--processes N``: the quick measurement in N fresh interpreters, one after another."""
-    command = [sys.executable, __file__, "--quick", "--minutes", str(args.minutes), "--repeats", str(args.repeats),
-               "--utterance-seconds", str(args.utterance_seconds), "--speakers", str(args.speakers)]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--quick",
+        "--minutes",
+        str(args.minutes),
+        "--repeats",
+        str(args.repeats),
+        "--utterance-seconds",
+        str(args.utterance_seconds),
+        "--speakers",
+        str(args.speakers),
+    ]
     if args.corpus is not None:
         command += ["--corpus", str(args.corpus)]
     results = []
@@ -309,16 +335,23 @@ def across_processes(args: argparse.Namespace) -> int:
             subprocess.run([*command, "--result-json", str(result)], check=True, stdout=subprocess.DEVNULL)
             results.append(json.loads(result.read_text()))
             figures = results[-1]
-            print(f"process {index + 1}/{args.processes}: (b)/(a) CPU {figures['b_over_a']['cpu']:.3f}, "
-                  f"(b)/(c) CPU {figures['b_over_c']['cpu']:.2f} (load {figures['load_at_start']:.2f} at start)", flush=True)
+            print(
+                f"process {index + 1}/{args.processes}: (b)/(a) CPU {figures['b_over_a']['cpu']:.3f}, "
+                f"(b)/(c) CPU {figures['b_over_c']['cpu']:.2f} (load {figures['load_at_start']:.2f} at start)",
+                flush=True,
+            )
     print()
     print(f"-- {args.processes} fresh processes, one after another (each: best of {args.repeats} interleaved runs) --")
-    print(f"{'':12s}{'(a) CPU RTF':>12s}{'(b) CPU RTF':>12s}{'(c) CPU RTF':>12s}"
-          f"{'(b)/(a) CPU':>13s}{'(b)/(a) wall':>13s}{'(b)/(c) CPU':>13s}{'(b)/(c) wall':>13s}")  # fmt: skip
+    print(
+        f"{'':12s}{'(a) CPU RTF':>12s}{'(b) CPU RTF':>12s}{'(c) CPU RTF':>12s}"
+        f"{'(b)/(a) CPU':>13s}{'(b)/(a) wall':>13s}{'(b)/(c) CPU':>13s}{'(b)/(c) wall':>13s}"
+    )
 
     def row(label: str, pick: Callable[[Sequence[float]], float]) -> None:
         cells = [pick([r["rtf_cpu"][k] for r in results]) for k in "abc"]
-        ratios = [pick([r[name][clock] for r in results]) for name in ("b_over_a", "b_over_c") for clock in ("cpu", "wall")]
+        ratios = [
+            pick([r[name][clock] for r in results]) for name in ("b_over_a", "b_over_c") for clock in ("cpu", "wall")
+        ]
         print(f"{label:12s}" + "".join(f"{c:12.0f}" for c in cells) + "".join(f"{x:13.3f}" for x in ratios))
 
     for index, result in enumerate(results):
@@ -328,8 +361,10 @@ def across_processes(args: argparse.Namespace) -> int:
     row("max", max)
     ratio = statistics.median(r["b_over_a"]["cpu"] for r in results)
     peer = statistics.median(r["b_over_c"]["cpu"] for r in results)
-    print(f"targets by the median (CPU): (b)/(a) >= {TARGET_RATIO}: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} "
-          f"({ratio:.3f}); (b)/(c) >= {TARGET_PEER:g}: {'PASS' if peer >= TARGET_PEER else 'FAIL'} ({peer:.2f}x)")
+    print(
+        f"targets by the median (CPU): (b)/(a) >= {TARGET_RATIO}: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} "
+        f"({ratio:.3f}); (b)/(c) >= {TARGET_PEER:g}: {'PASS' if peer >= TARGET_PEER else 'FAIL'} ({peer:.2f}x)"
+    )
     return 0
 
 
@@ -348,9 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only (a), (b), (c) and the stage breakdown")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the generated corpus and shards here")
     parser.add_argument(
-        "--processes", type=int, default=1, help="run the quick measurement in this many fresh processes; report the median"
+        "--processes",
+        type=int,
+        default=1,
+        help="run the quick measurement in this many fresh processes; report the median",
     )
-    parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)  # a --processes child's figures
+    parser.add_argument(
+        "--result-json", type=Path, default=None, help=argparse.SUPPRESS
+    )  # a --processes child's figures
     args = parser.parse_args(argv)
     if args.processes > 1:
         return across_processes(args)
@@ -364,8 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = default_workers()
     print("== speech_assets feature benchmark ==")
     print(f"machine : {cpu_model()}, {os.cpu_count()} logical CPUs, {cores} usable by this process")
-    print(f"software: Python {platform.python_version()}, torch {torch.__version__} (1 thread), "
-          f"numpy {np.__version__}, pyarrow {pa.__version__}, libsndfile {sf.__libsndfile_version__}")
+    print(
+        f"software: Python {platform.python_version()}, torch {torch.__version__} (1 thread), "
+        f"numpy {np.__version__}, pyarrow {pa.__version__}, libsndfile {sf.__libsndfile_version__}"
+    )
     load_at_start = os.getloadavg()
     print(f"load avg at start: {' '.join(f'{x:.2f}' for x in load_at_start)}")
 
@@ -377,17 +419,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         utterances = build_corpus(sources, args.minutes, args.utterance_seconds, root / "audio", args.speakers)
         audio_seconds = sum(u.duration_s for u in utterances)
         lengths = [u.duration_s for u in utterances]
-        print(f"corpus  : {description} -> {len(utterances)} FLAC utterances, {audio_seconds / 60:.1f} min "
-              f"(mean {statistics.mean(lengths):.1f} s, min {min(lengths):.1f} s, max {max(lengths):.1f} s), "
-              f"written in {time.perf_counter() - started:.1f} s")
+        print(
+            f"corpus  : {description} -> {len(utterances)} FLAC utterances, {audio_seconds / 60:.1f} min "
+            f"(mean {statistics.mean(lengths):.1f} s, min {min(lengths):.1f} s, max {max(lengths):.1f} s), "
+            f"written in {time.perf_counter() - started:.1f} s"
+        )
         shards: dict[str, list[UtteranceInput]] = {}
         for utt in utterances:
             shards.setdefault(utt.speaker_id, []).append(utt)
         paths = [u.path for u in utterances]
         cfg = VadConfig()
         extractor = FeatureExtractor()
-        print(f"config  : {cfg}; features n_fft={extractor.n_fft}, window={extractor.window_name}, "
-              f"MFCC from {extractor.mfcc_mels} mel bins; {len(shards)} shards")
+        print(
+            f"config  : {cfg}; features n_fft={extractor.n_fft}, window={extractor.window_name}, "
+            f"MFCC from {extractor.mfcc_mels} mel bins; {len(shards)} shards"
+        )
 
         # Warm-up (page cache, allocator, lazy imports), not timed.
         bare_ceiling(paths[:4], extractor)
@@ -412,43 +458,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer_wall, peer_cpu = c_wall / b_wall, c_cpu / b_cpu
 
         print()
-        print(f"-- single process, 1 torch thread: best of {len(a_runs)} interleaved runs "
-              f"(real-time factor = audio s / s) --")
+        print(
+            f"-- single process, 1 torch thread: best of {len(a_runs)} interleaved runs "
+            f"(real-time factor = audio s / s) --"
+        )
         print(f"{'':44s}{'wall RTF':>10s}{'CPU RTF':>10s}   wall s of each run")
-        print(f"{'(a) bare ceiling: decode + log-mel + MFCC':44s}{rtf(audio_seconds, a_wall):10.0f}"
-              f"{rtf(audio_seconds, a_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in a_runs)}")
-        print(f"{'(b) full path: + VAD, trim, stats, Parquet':44s}{rtf(audio_seconds, b_wall):10.0f}"
-              f"{rtf(audio_seconds, b_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in b_runs)}")
-        print(f"{'(c) peer: decode + kaldi fbank + mfcc + deltas':44s}{rtf(audio_seconds, c_wall):10.0f}"
-              f"{rtf(audio_seconds, c_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in c_runs)}")
-        print(f"{'(a16) ceiling, features written as float16':44s}{rtf(audio_seconds, a16_wall):10.0f}"
-              f"{rtf(audio_seconds, a16_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in a16_runs)}")
+        print(
+            f"{'(a) bare ceiling: decode + log-mel + MFCC':44s}{rtf(audio_seconds, a_wall):10.0f}"
+            f"{rtf(audio_seconds, a_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in a_runs)}"
+        )
+        print(
+            f"{'(b) full path: + VAD, trim, stats, Parquet':44s}{rtf(audio_seconds, b_wall):10.0f}"
+            f"{rtf(audio_seconds, b_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in b_runs)}"
+        )
+        print(
+            f"{'(c) peer: decode + kaldi fbank + mfcc + deltas':44s}{rtf(audio_seconds, c_wall):10.0f}"
+            f"{rtf(audio_seconds, c_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in c_runs)}"
+        )
+        print(
+            f"{'(a16) ceiling, features written as float16':44s}{rtf(audio_seconds, a16_wall):10.0f}"
+            f"{rtf(audio_seconds, a16_cpu):10.0f}   {' '.join(f'{w:.2f}' for w, _ in a16_runs)}"
+        )
         print(f"{'ratio (b) / (a)':44s}{ratio_wall:10.3f}{ratio_cpu:10.3f}")
         print(f"{'ratio (b) / (a16)  [(b) stores float16]':44s}{a16_wall / b_wall:10.3f}{a16_cpu / b_cpu:10.3f}")
         print(f"{'ratio (b) / (c)  [(c): no VAD, no write]':44s}{peer_wall:10.3f}{peer_cpu:10.3f}")
         for clock, b_seconds, ratio, peer in (
-            ("wall", b_wall, ratio_wall, peer_wall), ("CPU", b_cpu, ratio_cpu, peer_cpu)
+            ("wall", b_wall, ratio_wall, peer_wall),
+            ("CPU", b_cpu, ratio_cpu, peer_cpu),
         ):
             b_rtf = rtf(audio_seconds, b_seconds)
-            print(f"targets ({clock:4s}): (b) >= {TARGET_RTF:.0f}x real time per core: "
-                  f"{'PASS' if b_rtf >= TARGET_RTF else 'FAIL'} ({b_rtf:.0f}x); "
-                  f"(b)/(a) >= {TARGET_RATIO}: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} ({ratio:.3f}); "
-                  f"(b)/(c) >= {TARGET_PEER:g}: {'PASS' if peer >= TARGET_PEER else 'FAIL'} ({peer:.2f}x)")
+            print(
+                f"targets ({clock:4s}): (b) >= {TARGET_RTF:.0f}x real time per core: "
+                f"{'PASS' if b_rtf >= TARGET_RTF else 'FAIL'} ({b_rtf:.0f}x); "
+                f"(b)/(a) >= {TARGET_RATIO}: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'} ({ratio:.3f}); "
+                f"(b)/(c) >= {TARGET_PEER:g}: {'PASS' if peer >= TARGET_PEER else 'FAIL'} ({peer:.2f}x)"
+            )
         if os.getloadavg()[0] > 0.5 * cores:
-            print(f"note: load average {os.getloadavg()[0]:.1f} on {cores} cores: other processes compete for the "
-                  f"CPU; wall-clock figures are inflated, the CPU-time ones less so")
+            print(
+                f"note: load average {os.getloadavg()[0]:.1f} on {cores} cores: other processes compete for the "
+                f"CPU; wall-clock figures are inflated, the CPU-time ones less so"
+            )
         breakdown = stage_breakdown(shards, root / "breakdown", cfg, extractor)
         total = sum(breakdown.values())
         print("stages of (b), CPU ms per audio second (one instrumented pass; (a) = decode + features):")
-        print("  " + ", ".join(f"{name} {secs / audio_seconds * 1e3:.3f}" for name, secs in breakdown.items())
-              + f"; total {total / audio_seconds * 1e3:.3f}")
+        print(
+            "  "
+            + ", ".join(f"{name} {secs / audio_seconds * 1e3:.3f}" for name, secs in breakdown.items())
+            + f"; total {total / audio_seconds * 1e3:.3f}"
+        )
         if args.result_json is not None:
-            args.result_json.write_text(json.dumps({
-                "rtf_cpu": {"a": rtf(audio_seconds, a_cpu), "b": rtf(audio_seconds, b_cpu), "c": rtf(audio_seconds, c_cpu)},
-                "b_over_a": {"cpu": ratio_cpu, "wall": ratio_wall},
-                "b_over_c": {"cpu": peer_cpu, "wall": peer_wall},
-                "load_at_start": load_at_start[0],
-            }))
+            args.result_json.write_text(
+                json.dumps(
+                    {
+                        "rtf_cpu": {
+                            "a": rtf(audio_seconds, a_cpu),
+                            "b": rtf(audio_seconds, b_cpu),
+                            "c": rtf(audio_seconds, c_cpu),
+                        },
+                        "b_over_a": {"cpu": ratio_cpu, "wall": ratio_wall},
+                        "b_over_c": {"cpu": peer_cpu, "wall": peer_wall},
+                        "load_at_start": load_at_start[0],
+                    }
+                )
+            )
         if args.quick:
             print(f"load avg at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             return 0
@@ -456,8 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shard_files = sorted(out.glob("*.parquet"))
         kept = sum(pq.ParquetFile(p).metadata.num_rows for p in shard_files)
         size = sum(p.stat().st_size for p in shard_files)
-        print(f"shards  : {len(shard_files)} files, {kept} utterances kept of {len(utterances)}, "
-              f"{size / 1e6:.1f} MB on disk")
+        print(
+            f"shards  : {len(shard_files)} files, {kept} utterances kept of {len(utterances)}, "
+            f"{size / 1e6:.1f} MB on disk"
+        )
 
         # Read-back: blobs vs list<float>.
         list_dir = root / "lists"
@@ -469,8 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             list_files.append(target)
         list_size = sum(p.stat().st_size for p in list_files)
         print()
-        print(f"-- read-back of the {kept} utterances' features (best of 3; list<float> shards: "
-              f"{list_size / 1e6:.1f} MB) --")
+        print(
+            f"-- read-back of the {kept} utterances' features (best of 3; list<float> shards: "
+            f"{list_size / 1e6:.1f} MB) --"
+        )
         readers = [
             ("binary blobs (features.iter_shard)", read_blobs, shard_files),
             ("list<float>, Arrow offsets -> numpy", read_lists_arrow, list_files),
@@ -483,8 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             speeds[label] = nbytes / best / 1e6
             print(f"{label:40s}{speeds[label]:10.0f} MB/s{kept / best:12.0f} utt/s")
         blob_speed = speeds[readers[0][0]]
-        print(f"blobs vs list<float>: {blob_speed / speeds[readers[1][0]]:.1f}x (Arrow path), "
-              f"{blob_speed / speeds[readers[2][0]]:.1f}x (Python lists)")
+        print(
+            f"blobs vs list<float>: {blob_speed / speeds[readers[1][0]]:.1f}x (Arrow path), "
+            f"{blob_speed / speeds[readers[2][0]]:.1f}x (Python lists)"
+        )
 
         # Parquet write settings: how much of (b) is zstd, at the level write_shard uses and at 1.
         print()
@@ -492,36 +570,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables = [features.read_shard_table(p) for p in shard_files]
         raw = sum(t.nbytes for t in tables)
         for level in (3, 1):
+
             def write_all(level: int = level) -> int:
                 size = 0
                 for table in tables:
                     sink = pa.BufferOutputStream()
                     pq.write_table(
-                        table, sink, compression="zstd", compression_level=level,
+                        table,
+                        sink,
+                        compression="zstd",
+                        compression_level=level,
                         use_dictionary=["speaker_id", "chapter_id"],
-                        write_statistics=["utt_id", "speaker_id", "num_frames"], row_group_size=256,
+                        write_statistics=["utt_id", "speaker_id", "num_frames"],
+                        row_group_size=256,
                     )
                     size += sink.getvalue().size
                 return size
+
             size = write_all()
             best = min(timed(write_all)[1] for _ in range(3))
-            print(f"zstd level {level}: {best / audio_seconds * 1e3:.3f} ms CPU per audio s "
-                  f"({rtf(audio_seconds, best):.0f}x), size {size / raw:.3f} of raw")
+            print(
+                f"zstd level {level}: {best / audio_seconds * 1e3:.3f} ms CPU per audio s "
+                f"({rtf(audio_seconds, best):.0f}x), size {size / raw:.3f} of raw"
+            )
 
         # Parallel.
         print()
-        print(f"-- parallel: iter_publish_shards, {workers} worker process(es), {len(shards)} shards, "
-              f"largest first --")
+        print(f"-- parallel: iter_publish_shards, {workers} worker process(es), {len(shards)} shards, largest first --")
         jobs = [
             ShardJob(key, tuple(utts), ShardFiles.of(root / "parallel", key), inputs_key="bench", force=True)
             for key, utts in shards.items()
         ]
         wall, _ = timed(lambda: list(iter_publish_shards(jobs, cfg, workers)))
         used = min(workers, cores)
-        print(f"cold (this process plus {workers - 1} helper interpreters that import torch): {wall:.2f} s -> "
-              f"{rtf(audio_seconds, wall):.0f}x real time aggregate, "
-              f"{rtf(audio_seconds, wall) / used:.0f}x per core; "
-              f"speed-up {b_wall / wall:.2f}x over the single process (b)")
+        print(
+            f"cold (this process plus {workers - 1} helper interpreters that import torch): {wall:.2f} s -> "
+            f"{rtf(audio_seconds, wall):.0f}x real time aggregate, "
+            f"{rtf(audio_seconds, wall) / used:.0f}x per core; "
+            f"speed-up {b_wall / wall:.2f}x over the single process (b)"
+        )
         same = all(
             (root / "parallel" / f"{k}.parquet").read_bytes() == (out / f"{k}.parquet").read_bytes() for k in shards
         )

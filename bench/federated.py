@@ -94,7 +94,9 @@ def build_inputs(root: Path) -> Path:
     home.mkdir(parents=True)
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
-    paths = StoragePaths(corpus=str(REPO / "data" / "sample"), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db")
+    paths = StoragePaths(
+        corpus=str(REPO / "data" / "sample"), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db"
+    )
     defs = build_definitions(paths)
     with dg.DagsterInstance.get() as instance:
         materialize_data_stages(defs, instance)
@@ -112,17 +114,32 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
     table = read_clients(data / "clients" / "clients.parquet")
     clients = table.clients
     config = FederatedConfig(
-        run_dir=str(run_dir), run_name=name, clients=clients, rounds=args.rounds, local_steps=args.local_steps,
-        client_lr=args.lr, batch_seconds=args.batch_seconds, heldout_speakers=table.heldout, seed=args.seed,
-        fraction_train=args.fraction_train, evaluate_every=args.evaluate_every, precision="fp32",
+        run_dir=str(run_dir),
+        run_name=name,
+        clients=clients,
+        rounds=args.rounds,
+        local_steps=args.local_steps,
+        client_lr=args.lr,
+        batch_seconds=args.batch_seconds,
+        heldout_speakers=table.heldout,
+        seed=args.seed,
+        fraction_train=args.fraction_train,
+        evaluate_every=args.evaluate_every,
+        precision="fp32",
         client_weights=table.weights(clients),
-        train_speakers=table.train_speakers(), **VARIANTS[variant],
-    )  # fmt: skip
+        train_speakers=table.train_speakers(),
+        **VARIANTS[variant],
+    )
     started = time.monotonic()
     with MemorySampler() as memory:
-        result = run_federation(config, data, engine=engine, threads_per_client=args.threads_per_client,
-                                client_state_root=root / f"{name}-clients",
-                                log=lambda line: print(f"  [{name}] {line}", flush=True))  # fmt: skip
+        result = run_federation(
+            config,
+            data,
+            engine=engine,
+            threads_per_client=args.threads_per_client,
+            client_state_root=root / f"{name}-clients",
+            log=lambda line: print(f"  [{name}] {line}", flush=True),
+        )
     wall = time.monotonic() - started
     records = [json.loads((run_dir / "rounds" / f"round_{r:05d}.json").read_text()) for r in range(1, args.rounds + 1)]
     cores = os.cpu_count() or 1
@@ -130,36 +147,55 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
     for record, line in zip(records, summarize_rounds(records), strict=True):
         rows = record["rows"]
         busy = sum(row["seconds"] for row in rows)
-        per_round.append({
-            "round": line["round"], "clients": line["clients"], "sampled": line["sampled"],
-            "round_seconds": line["round_seconds"], "slowest_client_seconds": record["slowest_client_seconds"],
-            "overhead": line["overhead"], "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
-            "evaluated": record["evaluated"],
-            "audio_seconds_per_second_per_client": sum(r["audio_seconds"] for r in rows) / max(busy, 1e-9),
-            "mb_up": line["bytes_up"] / 1e6, "mb_down": line["bytes_down"] / 1e6, "epsilon": line["epsilon"],
-        })  # fmt: skip
+        per_round.append(
+            {
+                "round": line["round"],
+                "clients": line["clients"],
+                "sampled": line["sampled"],
+                "round_seconds": line["round_seconds"],
+                "slowest_client_seconds": record["slowest_client_seconds"],
+                "overhead": line["overhead"],
+                "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
+                "evaluated": record["evaluated"],
+                "audio_seconds_per_second_per_client": sum(r["audio_seconds"] for r in rows) / max(busy, 1e-9),
+                "mb_up": line["bytes_up"] / 1e6,
+                "mb_down": line["bytes_down"] / 1e6,
+                "epsilon": line["epsilon"],
+            }
+        )
     steady = per_round[1:] or per_round
 
     def mean(key: str, lines: list[dict]) -> float:
         return sum(line[key] for line in lines) / len(lines)
 
     return {
-        "mode": "federated", "engine": engine, "variant": variant, "clients": len(clients),
-        "sampled_per_round": config.sample_size, "threads_per_client": args.threads_per_client or 1,
+        "mode": "federated",
+        "engine": engine,
+        "variant": variant,
+        "clients": len(clients),
+        "sampled_per_round": config.sample_size,
+        "threads_per_client": args.threads_per_client or 1,
         "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {config.sample_size} of {len(clients)} clients",
         "total_steps": args.rounds * args.local_steps * config.sample_size,
         "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
-        "round_seconds": mean("round_seconds", steady), "first_round_seconds": per_round[0]["round_seconds"],
+        "round_seconds": mean("round_seconds", steady),
+        "first_round_seconds": per_round[0]["round_seconds"],
         "slowest_client_seconds": mean("slowest_client_seconds", steady),
-        "overhead": mean("overhead", steady), "overhead_all_rounds": mean("overhead", per_round),
+        "overhead": mean("overhead", steady),
+        "overhead_all_rounds": mean("overhead", per_round),
         "overhead_train_rounds": mean("overhead", [line for line in steady if not line["evaluated"]] or steady),
         "idle_cores": mean("idle_cores", steady),
         "audio_seconds_per_second_per_client": mean("audio_seconds_per_second_per_client", steady),
-        "mb_up_per_round": mean("mb_up", per_round), "mb_down_per_round": mean("mb_down", per_round),
-        "epsilon": per_round[-1]["epsilon"], "peak_pss_mb": memory.peak_pss / 1e6, "peak_rss_mb": memory.peak_rss / 1e6,
-        "peak_processes": memory.peak_processes, "wall_seconds": wall, "per_round": per_round,
-    }  # fmt: skip
+        "mb_up_per_round": mean("mb_up", per_round),
+        "mb_down_per_round": mean("mb_down", per_round),
+        "epsilon": per_round[-1]["epsilon"],
+        "peak_pss_mb": memory.peak_pss / 1e6,
+        "peak_rss_mb": memory.peak_rss / 1e6,
+        "peak_processes": memory.peak_processes,
+        "wall_seconds": wall,
+        "per_round": per_round,
+    }
 
 
 def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: list[str]) -> dict:
@@ -176,29 +212,54 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
         run_dir=str(run_dir),
         shards=[str(data / "features" / "shards" / f"{s}.parquet") for s in speakers],
         cmvn=str(data / "cmvn" / "cmvn.npz"),
-        clients={c: ClientTargets(str(data / "kmeans" / c / "labels.parquet"),
-                                  json.loads((data / "kmeans" / c / "quality.json").read_text())["k"]) for c in clients},
-        preset="tiny", max_steps=steps, batch_seconds=args.batch_seconds, grad_accum=1, lr=args.lr,
-        warmup_steps=max(1, steps // 10), seed=args.seed,
+        clients={
+            c: ClientTargets(
+                str(data / "kmeans" / c / "labels.parquet"),
+                json.loads((data / "kmeans" / c / "quality.json").read_text())["k"],
+            )
+            for c in clients
+        },
+        preset="tiny",
+        max_steps=steps,
+        batch_seconds=args.batch_seconds,
+        grad_accum=1,
+        lr=args.lr,
+        warmup_steps=max(1, steps // 10),
+        seed=args.seed,
         heldout_speakers=read_clients(data / "clients" / "clients.parquet").heldout,
-        checkpoint_every=steps, log_every=max(1, steps // 10), precision="fp32", device="cpu", nproc=1,
-    )  # fmt: skip
+        checkpoint_every=steps,
+        log_every=max(1, steps // 10),
+        precision="fp32",
+        device="cpu",
+        nproc=1,
+    )
     config_path = root / "centralised.json"
     config.to_json(config_path)
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "speech_assets.train", "--config", str(config_path)], check=True, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "speech_assets.train", "--config", str(config_path)],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     wall = time.monotonic() - started
     result = json.loads((run_dir / "result.json").read_text())
     shard_bytes = sum((data / "features" / "shards" / f"{s}.parquet").stat().st_size for s in speakers)
     return {
-        "mode": "centralised", "engine": "torchrun (1 process)", "variant": "AdamW", "schedule": f"{steps} steps",
-        "total_steps": steps, "heldout_masked_accuracy": result["heldout_masked_accuracy"],
+        "mode": "centralised",
+        "engine": "torchrun (1 process)",
+        "variant": "AdamW",
+        "schedule": f"{steps} steps",
+        "total_steps": steps,
+        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
-        "round_seconds": wall / args.rounds, "mb_up_per_round": None, "mb_down_per_round": None,
+        "round_seconds": wall / args.rounds,
+        "mb_up_per_round": None,
+        "mb_down_per_round": None,
         "audio_seconds_per_second_per_client": result.get("audio_seconds_per_second"),
-        "wall_seconds": wall, "data_moved_mb": shard_bytes / 1e6,
-    }  # fmt: skip
+        "wall_seconds": wall,
+        "data_moved_mb": shard_bytes / 1e6,
+    }
 
 
 def _fmt(value: object, digits: int = 3) -> str:
@@ -244,25 +305,58 @@ def main() -> None:
             print("== centralised", flush=True)
             rows.append(run_centralised(data, root, args, clients))
     print()
-    print(f"machine: {machine()}; {len(clients)} clients; batch {args.batch_seconds:.0f} s of audio per step; tiny; fp32")
-    header = ("engine", "variant", "schedule", "round s (2..)", "round 1 s", "slowest client s", "overhead (2..)",
-              "overhead, train-only rounds", "idle cores", "audio s/s per client", "MB up/round", "MB down/round",
-              "peak PSS MB", "held-out acc.", "majority", "epsilon", "wall s")  # fmt: skip
+    print(
+        f"machine: {machine()}; {len(clients)} clients; batch {args.batch_seconds:.0f} s of audio per step; tiny; fp32"
+    )
+    header = (
+        "engine",
+        "variant",
+        "schedule",
+        "round s (2..)",
+        "round 1 s",
+        "slowest client s",
+        "overhead (2..)",
+        "overhead, train-only rounds",
+        "idle cores",
+        "audio s/s per client",
+        "MB up/round",
+        "MB down/round",
+        "peak PSS MB",
+        "held-out acc.",
+        "majority",
+        "epsilon",
+        "wall s",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = (row["engine"], row["variant"], row["schedule"], _fmt(row["round_seconds"], 1),
-                 _fmt(row.get("first_round_seconds"), 1), _fmt(row.get("slowest_client_seconds"), 1),
-                 _fmt(row.get("overhead"), 3), _fmt(row.get("overhead_train_rounds"), 3), _fmt(row.get("idle_cores"), 3),
-                 _fmt(row.get("audio_seconds_per_second_per_client"), 0), _fmt(row["mb_up_per_round"], 1),
-                 _fmt(row["mb_down_per_round"], 1), _fmt(row.get("peak_pss_mb"), 0), _fmt(row["heldout_masked_accuracy"]),
-                 _fmt(row["heldout_majority_accuracy"]), _fmt(row.get("epsilon"), 2), _fmt(row["wall_seconds"], 0))  # fmt: skip
+        cells = (
+            row["engine"],
+            row["variant"],
+            row["schedule"],
+            _fmt(row["round_seconds"], 1),
+            _fmt(row.get("first_round_seconds"), 1),
+            _fmt(row.get("slowest_client_seconds"), 1),
+            _fmt(row.get("overhead"), 3),
+            _fmt(row.get("overhead_train_rounds"), 3),
+            _fmt(row.get("idle_cores"), 3),
+            _fmt(row.get("audio_seconds_per_second_per_client"), 0),
+            _fmt(row["mb_up_per_round"], 1),
+            _fmt(row["mb_down_per_round"], 1),
+            _fmt(row.get("peak_pss_mb"), 0),
+            _fmt(row["heldout_masked_accuracy"]),
+            _fmt(row["heldout_majority_accuracy"]),
+            _fmt(row.get("epsilon"), 2),
+            _fmt(row["wall_seconds"], 0),
+        )
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for row in rows:
         for line in row.get("per_round", []):
-            print(f"  {row['engine']} {row['variant']} round {line['round']}: {line['clients']}/{line['sampled']} clients, "
-                  f"{line['round_seconds']:.1f} s, slowest client {line['slowest_client_seconds']:.1f} s, overhead "
-                  f"{line['overhead']:.3f}, idle cores {line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}")
+            print(
+                f"  {row['engine']} {row['variant']} round {line['round']}: {line['clients']}/{line['sampled']} clients, "
+                f"{line['round_seconds']:.1f} s, slowest client {line['slowest_client_seconds']:.1f} s, overhead "
+                f"{line['overhead']:.3f}, idle cores {line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}"
+            )
 
 
 def machine() -> str:

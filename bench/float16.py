@@ -76,13 +76,29 @@ def inertia(frames: np.ndarray, codebook: np.ndarray) -> float:
 
 
 def train(config, run_dir: Path, shards: list[str], steps: int) -> list[float]:
-    run = replace(config, run_dir=str(run_dir), shards=shards, nproc=1, threads=2, num_workers=0, mlflow_tracking_uri=None,
-                  max_steps=steps, checkpoint_every=steps, log_every=5, warmup_steps=min(config.warmup_steps, steps // 5))  # fmt: skip
+    run = replace(
+        config,
+        run_dir=str(run_dir),
+        shards=shards,
+        nproc=1,
+        threads=2,
+        num_workers=0,
+        mlflow_tracking_uri=None,
+        max_steps=steps,
+        checkpoint_every=steps,
+        log_every=5,
+        warmup_steps=min(config.warmup_steps, steps // 5),
+    )
     run_dir.mkdir(parents=True)
     path = run_dir.parent / f"{run_dir.name}.json"
     path.write_text(run.to_json())
-    subprocess.run([sys.executable, "-m", "speech_assets.train", "--config", str(path)], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "speech_assets.train", "--config", str(path)],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row["loss"] for row in rows if "loss" in row]
 
@@ -90,7 +106,9 @@ def train(config, run_dir: Path, shards: list[str], steps: int) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", type=Path, help="a data dir built by the graph (with a training run) from float32 shards")
+    source.add_argument(
+        "--data", type=Path, help="a data dir built by the graph (with a training run) from float32 shards"
+    )
     source.add_argument("--shards", type=Path, help="a folder of float32 shards (*.parquet); no training comparison")
     parser.add_argument("--speakers", type=int, default=40, help="shards used (the first N)")
     parser.add_argument("--steps", type=int, default=150, help="training steps per format (--data); 0 skips training")
@@ -105,14 +123,20 @@ def main() -> int:
         shards = sorted(Path(s) for s in config.shards)[: args.speakers]
         work_parent = args.data
     else:
-        shards = sorted(p for p in args.shards.glob("*.parquet") if not p.name.endswith(".rejects.parquet"))[: args.speakers]
+        shards = sorted(p for p in args.shards.glob("*.parquet") if not p.name.endswith(".rejects.parquet"))[
+            : args.speakers
+        ]
         work_parent = None
     formats = {shard_format(s) for s in shards}
     if formats != {1}:
-        raise SystemExit(f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built with SPEECH_ASSETS_SHARD_FORMAT=1")
+        raise SystemExit(
+            f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built with SPEECH_ASSETS_SHARD_FORMAT=1"
+        )
     hours = sum(r.duration_s for s in shards for r in iter_shard(s, features=())) / 3600
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
-          f"{len(shards)} shards, {hours:.3f} h of audio")  # fmt: skip
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+        f"{len(shards)} shards, {hours:.3f} h of audio"
+    )
 
     results: dict[str, object] = {"shards": len(shards), "audio_hours": round(hours, 4)}
     with tempfile.TemporaryDirectory(dir=work_parent) as tmp:
@@ -126,15 +150,19 @@ def main() -> int:
             results[f"v{version}_rewrite_s"] = round(time.perf_counter() - started, 2)
             results[f"v{version}_MB"] = round(size / 1e6, 2)
             results[f"v{version}_MB_per_audio_hour"] = round(size / 1e6 / hours, 1)
-        print(f"disk: float32 {results['v1_MB']} MB ({results['v1_MB_per_audio_hour']} MB per hour of audio), "
-              f"float16 {results['v2_MB']} MB ({results['v2_MB_per_audio_hour']} MB/h), "
-              f"{results['v2_MB'] / results['v1_MB']:.3f}x")  # fmt: skip
+        print(
+            f"disk: float32 {results['v1_MB']} MB ({results['v1_MB_per_audio_hour']} MB per hour of audio), "
+            f"float16 {results['v2_MB']} MB ({results['v2_MB_per_audio_hour']} MB/h), "
+            f"{results['v2_MB'] / results['v1_MB']:.3f}x"
+        )
 
         for version in (1, 2):
             for name, dtype in (("float32", np.float32), ("stored", None)):
                 mb_s, utt_s, wall = read_back(rewritten[version], dtype)
                 results[f"v{version}_read_{name}_MB_s"] = round(mb_s, 1)
-                print(f"read-back format {version} as {name}: {mb_s:.0f} MB/s (float32-equivalent), {utt_s:.0f} utt/s, {wall:.2f} s")
+                print(
+                    f"read-back format {version} as {name}: {mb_s:.0f} MB/s (float32-equivalent), {utt_s:.0f} utt/s, {wall:.2f} s"
+                )
 
         raw32, raw16 = mfcc_frames(rewritten[1]), mfcc_frames(rewritten[2])
         cmvn = Cmvn.from_sums({"mfcc": PartialSums.of(raw32)})
@@ -144,9 +172,16 @@ def main() -> int:
         started = time.perf_counter()
         fit32, fit16 = fit_kmeans(frames, args.k, seed=0), fit_kmeans(frames16, args.k, seed=0)
         i32, i16 = inertia(frames, fit32.codebook), inertia(frames, fit16.codebook)
-        results.update(kmeans_frames=len(frames), inertia_v1=round(i32, 4), inertia_v2=round(i16, 4), inertia_ratio=round(i16 / i32, 4))
-        print(f"k-means K={args.k} on {len(frames):,} MFCC frames ({time.perf_counter() - started:.0f} s): "
-              f"inertia float32 {i32:.4f}, float16 {i16:.4f} ({i16 / i32:.4f}x)")  # fmt: skip
+        results.update(
+            kmeans_frames=len(frames),
+            inertia_v1=round(i32, 4),
+            inertia_v2=round(i16, 4),
+            inertia_ratio=round(i16 / i32, 4),
+        )
+        print(
+            f"k-means K={args.k} on {len(frames):,} MFCC frames ({time.perf_counter() - started:.0f} s): "
+            f"inertia float32 {i32:.4f}, float16 {i16:.4f} ({i16 / i32:.4f}x)"
+        )
 
         if config is not None and args.steps > 0:
             loss32 = train(config, tmp / "train32", [str(s) for s in rewritten[1]], args.steps)
@@ -154,9 +189,16 @@ def main() -> int:
             tail = max(1, len(loss32) // 5)
             m32, m16 = float(np.mean(loss32[-tail:])), float(np.mean(loss16[-tail:]))
             worst = max(abs(a - b) / a for a, b in zip(loss32, loss16, strict=True))
-            results.update(loss_v1=round(m32, 6), loss_v2=round(m16, 6), loss_ratio=round(m16 / m32, 5), loss_worst_rel=float(f"{worst:.2e}"))
-            print(f"training tiny, {args.steps} steps: mean loss of the last {tail} logged steps float32 {m32:.6f}, "
-                  f"float16 {m16:.6f} ({m16 / m32:.5f}x); largest relative difference at any logged step {worst:.2e}")  # fmt: skip
+            results.update(
+                loss_v1=round(m32, 6),
+                loss_v2=round(m16, 6),
+                loss_ratio=round(m16 / m32, 5),
+                loss_worst_rel=float(f"{worst:.2e}"),
+            )
+            print(
+                f"training tiny, {args.steps} steps: mean loss of the last {tail} logged steps float32 {m32:.6f}, "
+                f"float16 {m16:.6f} ({m16 / m32:.5f}x); largest relative difference at any logged step {worst:.2e}"
+            )
     print(json.dumps(results))
     return 0
 

@@ -43,9 +43,9 @@ from manifest import build_corpus  # noqa: E402  (the manifest benchmark's corpu
 
 import speech_assets.corpus.manifest as corpus_module  # noqa: E402
 import speech_assets.features.build as build_module  # noqa: E402
+from speech_assets.definitions import build_definitions  # noqa: E402
 from speech_assets.defs.automation import automation_sensor, corpus_sensor  # noqa: E402
 from speech_assets.defs.resources import StoragePaths  # noqa: E402
-from speech_assets.definitions import build_definitions  # noqa: E402
 from speech_assets.testing.local_runs import materialize_in_process, requested_partitions, run_requested  # noqa: E402
 
 DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
@@ -85,7 +85,10 @@ def instrumented(timings: Timings) -> Iterator[None]:
 
         return wrapper
 
-    patches = [(corpus_module, "scan_corpus", "audio validation (scan_corpus)"), (build_module, "build_shard", "featurising (build_shard, in process)")]
+    patches = [
+        (corpus_module, "scan_corpus", "audio validation (scan_corpus)"),
+        (build_module, "build_shard", "featurising (build_shard, in process)"),
+    ]
     originals = [getattr(module, name) for module, name, _ in patches]
     for module, name, label in patches:
         setattr(module, name, timed(label, getattr(module, name)))
@@ -106,14 +109,19 @@ def run_breakdown(instance: dg.DagsterInstance, run_id: str, wall: float) -> str
             continue
         if event.event_type == dg.DagsterEventType.STEP_START:
             started[event.step_key] = record.timestamp
-        elif event.event_type in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE) and event.step_key in started:
+        elif (
+            event.event_type in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE)
+            and event.step_key in started
+        ):
             steps.append((event.step_key, record.timestamp - started[event.step_key]))
     parts = [f"{key} {seconds:.2f} s" for key, seconds in steps]
     parts.append(f"run overhead {wall - sum(s for _, s in steps):.2f} s")
     return ", ".join(parts)
 
 
-def timed_run(timings: Timings, details: list[str], instance: dg.DagsterInstance, label: str, execute: Callable[[], object]) -> None:
+def timed_run(
+    timings: Timings, details: list[str], instance: dg.DagsterInstance, label: str, execute: Callable[[], object]
+) -> None:
     started = time.perf_counter()
     execute()
     wall = time.perf_counter() - started
@@ -126,10 +134,18 @@ def full_build(defs: dg.Definitions, instance: dg.DagsterInstance, timings: Timi
     for asset in FULL_BUILD:
         partitions_def = {"vad_features": "speakers", "kmeans_targets": "clients"}.get(asset)
         partitions = list(instance.get_dynamic_partitions(partitions_def)) if partitions_def else None
-        timed_run(timings, details, instance, f"run {asset}", lambda: materialize_in_process(defs, instance, asset, partitions))
+        timed_run(
+            timings,
+            details,
+            instance,
+            f"run {asset}",
+            lambda: materialize_in_process(defs, instance, asset, partitions),
+        )
 
 
-def automation_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: object | None) -> tuple[list[dg.RunRequest], object]:
+def automation_tick(
+    defs: dg.Definitions, instance: dg.DagsterInstance, cursor: object | None
+) -> tuple[list[dg.RunRequest], object]:
     """One tick of the ``speech_assets_automation`` sensor as the daemon's asset daemon evaluates it:
     its conditions over its selection, the run requests it builds (kmeans_targets' clients as a
     backfill request, as ``emit_backfills`` does), the evaluations written to the instance and the
@@ -156,13 +172,19 @@ def automation_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: 
         emit_backfills=automation_sensor.emit_backfills,
         logger=logging.getLogger("bench.automation"),
     ).evaluate()
-    with dg.partition_loading_context(effective_dt=datetime.datetime.now(), dynamic_partitions_store=instance):  # as the daemon's
-        instance.schedule_storage.add_auto_materialize_asset_evaluations(evaluation_id, [e.with_run_ids(set()) for e in evaluations])
+    with dg.partition_loading_context(
+        effective_dt=datetime.datetime.now(), dynamic_partitions_store=instance
+    ):  # as the daemon's
+        instance.schedule_storage.add_auto_materialize_asset_evaluations(
+            evaluation_id, [e.with_run_ids(set()) for e in evaluations]
+        )
     asset_daemon_cursor_to_instigator_serialized_cursor(new_cursor)  # what the daemon stores
     return list(requests), new_cursor
 
 
-def requested_runs(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list[tuple[list[str], list[str]]]:
+def requested_runs(
+    defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest
+) -> list[tuple[list[str], list[str]]]:
     """The runs a request becomes, as (assets, partitions): a backfill request runs each of its
     assets' partitions in one run (single-run backfill policy), level by level."""
     if request.asset_graph_subset is not None:
@@ -175,7 +197,11 @@ def requested_runs(defs: dg.Definitions, instance: dg.DagsterInstance, request: 
                 by_key[item.asset_key].append(item.partition_key)
         partitions_def = {key: graph.get(key).partitions_def for key in keys}
         ordered = {
-            key: [p for p in partitions_def[key].get_partition_keys(dynamic_partitions_store=instance) if p in set(parts)] if parts else []
+            key: [
+                p for p in partitions_def[key].get_partition_keys(dynamic_partitions_store=instance) if p in set(parts)
+            ]
+            if parts
+            else []
             for key, parts in by_key.items()
         }
         return [([key.to_user_string()], parts) for key, parts in ordered.items()]
@@ -184,7 +210,12 @@ def requested_runs(defs: dg.Definitions, instance: dg.DagsterInstance, request: 
 
 
 def automation_ticks(
-    defs: dg.Definitions, instance: dg.DagsterInstance, cursor: object | None, timings: Timings | None, details: list[str], max_ticks: int = 8
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    cursor: object | None,
+    timings: Timings | None,
+    details: list[str],
+    max_ticks: int = 8,
 ) -> object:
     """Tick declarative automation as the daemon does and run what it requests until it is quiet
     (what the automation sensor, the run queue and the backfill daemon do; each tick and run timed)."""
@@ -197,13 +228,28 @@ def automation_ticks(
         for request in requests:
             for keys, partitions in requested_runs(defs, instance, request):
                 if not set(keys) <= set(DOWNSTREAM):  # training is cron-gated: not part of either figure
-                    raise RuntimeError(f"automation requested {keys}, outside {DOWNSTREAM}: run the bench away from the retrain cron")
+                    raise RuntimeError(
+                        f"automation requested {keys}, outside {DOWNSTREAM}: run the bench away from the retrain cron"
+                    )
                 label = f"run {','.join(keys)}" + (f" [{len(partitions)} partition(s)]" if partitions else "")
-                timed_run(timings or scratch, details, instance, label, lambda: materialize_in_process(defs, instance, keys, partitions or None))
+                timed_run(
+                    timings or scratch,
+                    details,
+                    instance,
+                    label,
+                    lambda: materialize_in_process(defs, instance, keys, partitions or None),
+                )
     return cursor
 
 
-def absorb(defs: dg.Definitions, instance: dg.DagsterInstance, paths: StoragePaths, cursor: object, timings: Timings, details: list[str]) -> None:
+def absorb(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    paths: StoragePaths,
+    cursor: object,
+    timings: Timings,
+    details: list[str],
+) -> None:
     """What corpus_sensor and the automation sensor (with their daemons) do, until nothing is left."""
     for tick in range(1, 6):
         with timings.measure(f"corpus_sensor tick {tick}"):
@@ -218,7 +264,13 @@ def absorb(defs: dg.Definitions, instance: dg.DagsterInstance, paths: StoragePat
             break
         for request in requests:
             (asset,) = request.asset_selection or []
-            timed_run(timings, details, instance, f"run {asset.to_user_string()} (corpus_sensor)", lambda: run_requested(defs, instance, request))
+            timed_run(
+                timings,
+                details,
+                instance,
+                f"run {asset.to_user_string()} (corpus_sensor)",
+                lambda: run_requested(defs, instance, request),
+            )
     automation_ticks(defs, instance, cursor, timings, details)
 
 
@@ -228,7 +280,10 @@ def main() -> None:
     parser.add_argument("--new-fraction", type=float, default=0.05, help="share of speakers that arrive as fresh data")
     parser.add_argument("--corpus", type=Path, default=None, help="use this LibriSpeech-layout corpus instead")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at start")
     with tempfile.TemporaryDirectory(dir=args.corpus.parent if args.corpus else None) as tmp:
         root = Path(tmp)
@@ -238,14 +293,16 @@ def main() -> None:
         else:
             build_corpus(staging, args.speakers * 8)  # 8 files per sample speaker
         speakers = sorted(p.name for p in staging.iterdir() if p.is_dir())
-        newcomers = speakers[-max(1, round(args.new_fraction * len(speakers))):]
+        newcomers = speakers[-max(1, round(args.new_fraction * len(speakers))) :]
         shutil.copytree(staging, corpus, ignore=shutil.ignore_patterns(*newcomers))
         home = root / "dagster_home"
         home.mkdir()
         shutil.copy(Path(__file__).resolve().parents[1] / "dagster.yaml", home)
         os.environ["DAGSTER_HOME"] = str(home)
         instance = dg.DagsterInstance.get()
-        paths = StoragePaths(corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/mlflow.db")
+        paths = StoragePaths(
+            corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/mlflow.db"
+        )
         defs = build_definitions(paths)
 
         full, full_details = Timings(), []

@@ -27,7 +27,12 @@ from speech_assets.model import HubertPretrainModel, get_preset  # noqa: E402
 
 
 def timed_steps(
-    model: torch.nn.Module, steps: int, feats: torch.Tensor, lengths: torch.Tensor, clients: torch.Tensor, mask: torch.Tensor
+    model: torch.nn.Module,
+    steps: int,
+    feats: torch.Tensor,
+    lengths: torch.Tensor,
+    clients: torch.Tensor,
+    mask: torch.Tensor,
 ) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     for step in range(steps + 3):  # 3 warm-up steps
@@ -50,7 +55,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="utterances per rank")
     parser.add_argument("--seconds", type=float, default=15.0, help="utterance length")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model first (headroom of a fused graph)")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model first (headroom of a fused graph)"
+    )
     parser.add_argument("--json-out")
     args = parser.parse_args()
 
@@ -68,7 +75,9 @@ def main() -> None:
     if args.compile:
         model = torch.compile(model)
     bare = timed_steps(model, args.steps, feats, lengths, clients, mask)
-    ddp = timed_steps(DistributedDataParallel(model, device_ids=[local_rank]), args.steps, feats, lengths, clients, mask)
+    ddp = timed_steps(
+        DistributedDataParallel(model, device_ids=[local_rank]), args.steps, feats, lengths, clients, mask
+    )
     grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
     dist.all_reduce(grads)
     torch.cuda.synchronize()

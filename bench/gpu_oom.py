@@ -59,8 +59,10 @@ def main() -> None:
         start = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-m", "speech_assets.train", "--launch", "--config", str(path)],
-            capture_output=True, text=True, cwd=REPO,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         log = done.stdout + done.stderr
         retries = re.findall(r"retrying with batch ([\d.]+) s and grad_accum (\d+)", log)
         result_file = Path(config.run_dir) / "result.json"

@@ -47,17 +47,34 @@ def main() -> int:
         home.mkdir()
         (home / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
         out = root / "out"
-        paths = StoragePaths(corpus=str(args.corpus), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+        paths = StoragePaths(
+            corpus=str(args.corpus), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}"
+        )
         defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
         train = {"preset": "tiny", "max_steps": args.steps, "checkpoint_every": args.steps}
         with dg.DagsterInstance.from_config(str(home)) as instance:
             started = time.perf_counter()
             clients = materialize_data_stages(defs, instance)
-            materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": train}}})
+            materialize_in_process(
+                defs,
+                instance,
+                "pretrained_checkpoint",
+                run_config={"ops": {"pretrained_checkpoint": {"config": train}}},
+            )
             materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
             iter2 = {k: v for k, v in train.items() if k != "preset"}
-            materialize_in_process(defs, instance, "pretrained_checkpoint_iter2", run_config={"ops": {"pretrained_checkpoint_iter2": {"config": iter2}}})
-            materialize_in_process(defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": {"steps": args.probe_steps}}}})
+            materialize_in_process(
+                defs,
+                instance,
+                "pretrained_checkpoint_iter2",
+                run_config={"ops": {"pretrained_checkpoint_iter2": {"config": iter2}}},
+            )
+            materialize_in_process(
+                defs,
+                instance,
+                "downstream_probe",
+                run_config={"ops": {"downstream_probe": {"config": {"steps": args.probe_steps}}}},
+            )
             print(f"built and evaluated in {time.perf_counter() - started:.0f} s")
         print("\n| client | iteration | K | perplexity / K | mean segment (frames) | label rate |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")
@@ -65,16 +82,22 @@ def main() -> int:
             for name, folder_name in (("1 (MFCC)", "kmeans"), ("2 (encoder layer)", "kmeans_iter2")):
                 quality = json.loads((out / folder_name / client / "quality.json").read_text())
                 rate = quality.get("label_rate_hz", 100)  # iteration 1 labels the 100 Hz input frames
-                print(f"| {client} | {name} | {quality['k']} | {quality['perplexity'] / quality['k']:.3f} | {quality['mean_segment_length']:.2f} | {rate} Hz |")
+                print(
+                    f"| {client} | {name} | {quality['k']} | {quality['perplexity'] / quality['k']:.3f} | {quality['mean_segment_length']:.2f} | {rate} Hz |"
+                )
         print("\n| model | held-out CER | held-out WER | utterances | probe steps |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for row in pq.read_table(out / "probe" / "results.parquet").to_pylist():
             if row["split"] == "heldout":
-                print(f"| {row['model']} | {row['cer']:.3f} | {row['wer']:.3f} | {row['utterances']} | {row['steps']} |")
+                print(
+                    f"| {row['model']} | {row['cer']:.3f} | {row['wer']:.3f} | {row['utterances']} | {row['steps']} |"
+                )
         for name, folder_name in (("iteration 1", "training"), ("iteration 2", "training_iter2")):
             (result,) = [json.loads(p.read_text()) for p in (out / folder_name).glob("*/result.json")]
-            print(f"{name}: held-out masked accuracy {result['heldout_masked_accuracy']:.3f} "
-                  f"(majority {result['heldout_majority_accuracy']:.3f}), {result['step']} steps")  # fmt: skip
+            print(
+                f"{name}: held-out masked accuracy {result['heldout_masked_accuracy']:.3f} "
+                f"(majority {result['heldout_majority_accuracy']:.3f}), {result['step']} steps"
+            )
     return 0
 
 

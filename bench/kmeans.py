@@ -50,10 +50,10 @@ if str(REPO) not in sys.path:
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import sklearn  # noqa: E402
+from machine import cpu_model  # noqa: E402  (bench/machine.py)
 from sklearn.cluster import KMeans, MiniBatchKMeans  # noqa: E402
 
 from speech_assets.targets import kmeans  # noqa: E402
-from machine import cpu_model  # noqa: E402  (bench/machine.py)
 
 SPEED_TARGET = 10.0
 INERTIA_TARGET = 1.02
@@ -178,7 +178,9 @@ def _project_subsample(x: np.ndarray, k: int, cfg: kmeans.KMeansConfig) -> np.nd
 
 def faiss_lloyd(x: np.ndarray, init: np.ndarray, niter: int) -> np.ndarray:
     k = len(init)
-    km = faiss.Kmeans(x.shape[1], k, niter=niter, verbose=False, max_points_per_centroid=len(x), min_points_per_centroid=1)
+    km = faiss.Kmeans(
+        x.shape[1], k, niter=niter, verbose=False, max_points_per_centroid=len(x), min_points_per_centroid=1
+    )
     km.train(x, init_centroids=init)
     return np.asarray(km.centroids, dtype=np.float32)
 
@@ -265,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = kmeans.KMeansConfig(seed=args.seed)
     print(f"machine: {machine()}")
-    print(f"python {platform.python_version()}, numpy {np.__version__}, faiss {faiss.__version__}, scikit-learn {sklearn.__version__}")
+    print(
+        f"python {platform.python_version()}, numpy {np.__version__}, faiss {faiss.__version__}, scikit-learn {sklearn.__version__}"
+    )
     print(f"load average before: {load()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     t0 = time.perf_counter()
     if args.shards:
@@ -291,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         recipe_s, recipe_cpu, recipe_cb = timed(lambda: fairseq_recipe(x, k, args.recipe_n_init, args.seed))
         recipe_inertia = inertia_per_frame(x, recipe_cb)  # type: ignore[arg-type]
         rows.append(
-            dict(method="fairseq recipe (sklearn MiniBatchKMeans)", k=k, secs=recipe_s, cpu=recipe_cpu, inertia=recipe_inertia)
+            dict(
+                method="fairseq recipe (sklearn MiniBatchKMeans)",
+                k=k,
+                secs=recipe_s,
+                cpu=recipe_cpu,
+                inertia=recipe_inertia,
+            )
         )
 
         print(f"K={k}: project fit x{args.repeats} ...", flush=True)
@@ -326,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
             f" ({recipe_cpu / project_cpu:.1f}x in CPU time); "
             f"inertia {ratio:.4f}x recipe (target <= {INERTIA_TARGET}) {'PASS' if ratio <= INERTIA_TARGET else 'FAIL'}; "
             f"labelling {rate / 1e6:.2f} M frames/s/core"
-            + (f" (target >= 1 M) {'PASS' if rate >= LABEL_TARGET else 'FAIL'}" if k == 100 else " (no target at this K)")
+            + (
+                f" (target >= 1 M) {'PASS' if rate >= LABEL_TARGET else 'FAIL'}"
+                if k == 100
+                else " (no target at this K)"
+            )
         )
 
         if not args.no_compare:
@@ -359,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{r['label']:,.0f}" if "label" in r else ""
         print(
             f"{r['method']!s:<58} {r['k']:>4} {r['secs']:>8.2f} {r['cpu']:>8.2f} {r['inertia']:>13.4f} "
-            f"{r['speed']:>14.1f}x {r['ratio']:>16.4f}x {label:>19}"
-            + (f"  ({r['note']})" if "note" in r else "")
+            f"{r['speed']:>14.1f}x {r['ratio']:>16.4f}x {label:>19}" + (f"  ({r['note']})" if "note" in r else "")
         )
     print()
     for v in verdicts:

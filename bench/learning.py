@@ -60,7 +60,11 @@ MODEL_LABELS = {
     "iteration2": "iteration 2 (pretrained_checkpoint_iter2)",
 }
 # Which materialization records each encoder's held-out masked accuracy.
-TRAINING_ASSETS = {"pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint", "iteration2": "pretrained_checkpoint_iter2"}
+TRAINING_ASSETS = {
+    "pretrained": "pretrained_checkpoint",
+    "federated": "federated_checkpoint",
+    "iteration2": "pretrained_checkpoint_iter2",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +90,9 @@ class Budgets:
 
     def scaled(self, factor: float) -> Budgets:
         """The training budgets (centralised, iteration 2, distillation, hence federated) times ``factor``."""
-        return replace(self, steps=max(1, round(self.steps * factor)), distill_steps=max(1, round(self.distill_steps * factor)))
+        return replace(
+            self, steps=max(1, round(self.steps * factor)), distill_steps=max(1, round(self.distill_steps * factor))
+        )
 
     @property
     def central_audio_seconds(self) -> float:
@@ -106,18 +112,38 @@ def equal_local_steps(central_audio_seconds: float, rounds: int, clients: int, b
     """``local_steps`` such that rounds x local_steps x clients x batch_seconds is closest to
     ``central_audio_seconds`` (at least 1)."""
     if rounds < 1 or clients < 1 or batch_seconds <= 0:
-        raise ValueError(f"rounds, clients and batch seconds must be positive, got {rounds}, {clients}, {batch_seconds}")
+        raise ValueError(
+            f"rounds, clients and batch seconds must be positive, got {rounds}, {clients}, {batch_seconds}"
+        )
     return max(1, round(central_audio_seconds / (rounds * clients * batch_seconds)))
 
 
 FULL = Budgets(
-    speakers=48, utterances=34, steps=1600, batch_seconds=32.0, nproc=2, rounds=6, fed_batch_seconds=16.0,
-    distill_steps=2000, distill_batch_seconds=16.0, probe_steps=1600, probe_seeds=(0, 1, 2),
-)  # fmt: skip
+    speakers=48,
+    utterances=34,
+    steps=1600,
+    batch_seconds=32.0,
+    nproc=2,
+    rounds=6,
+    fed_batch_seconds=16.0,
+    distill_steps=2000,
+    distill_batch_seconds=16.0,
+    probe_steps=1600,
+    probe_seeds=(0, 1, 2),
+)
 SMOKE = Budgets(
-    speakers=12, utterances=4, steps=16, batch_seconds=32.0, nproc=2, rounds=2, fed_batch_seconds=16.0,
-    distill_steps=8, distill_batch_seconds=16.0, probe_steps=20, probe_seeds=(0, 1, 2),
-)  # fmt: skip
+    speakers=12,
+    utterances=4,
+    steps=16,
+    batch_seconds=32.0,
+    nproc=2,
+    rounds=2,
+    fed_batch_seconds=16.0,
+    distill_steps=8,
+    distill_batch_seconds=16.0,
+    probe_steps=20,
+    probe_seeds=(0, 1, 2),
+)
 
 
 @dataclass(frozen=True)
@@ -134,11 +160,15 @@ class Rates:
     federation_fixed_s: float = 90.0  # SuperLink, SuperNodes, ServerApp start-up and the final checkpoint
     data_s_per_hour: float = 90.0  # manifest + features + CMVN + clients + k-means per hour of audio
     iter2_s_per_hour: float = 90.0  # encoder features + k-means K=500 per hour of audio
-    probe_s_per_step: float = 0.012  # one probe step of one model and seed (1,600 steps with their development evaluations: ~20 s)
+    probe_s_per_step: float = (
+        0.012  # one probe step of one model and seed (1,600 steps with their development evaluations: ~20 s)
+    )
     probe_features_s_per_model: float = 10.0
 
 
-def stage_estimates(budgets: Budgets, hours: float, clients: int, rates: Rates = Rates(), probe_runs: int = 1) -> dict[str, float]:
+def stage_estimates(
+    budgets: Budgets, hours: float, clients: int, rates: Rates = Rates(), probe_runs: int = 1
+) -> dict[str, float]:
     """Expected wall seconds of each stage on an idle benchmark machine (a rough plan, not a
     measurement); ``probe_runs``: how many probe runs cover the seeds (1 when [probe] takes seeds)."""
     fed_audio = budgets.federated_audio_seconds(clients)
@@ -147,14 +177,18 @@ def stage_estimates(budgets: Budgets, hours: float, clients: int, rates: Rates =
     return {
         "data": 4 * rates.launch_s + hours * rates.data_s_per_hour,
         "centralised": central,
-        "federated": rates.launch_s + rates.federation_fixed_s + budgets.rounds * rates.round_overhead_s
+        "federated": rates.launch_s
+        + rates.federation_fixed_s
+        + budgets.rounds * rates.round_overhead_s
         + fed_audio / rates.federated_audio_per_s,
-        "distilled": rates.launch_s + rates.train_fixed_s + budgets.distill_steps * budgets.distill_batch_seconds / rates.distill_audio_per_s,
+        "distilled": rates.launch_s
+        + rates.train_fixed_s
+        + budgets.distill_steps * budgets.distill_batch_seconds / rates.distill_audio_per_s,
         "iteration2_targets": rates.launch_s + hours * rates.iter2_s_per_hour,
         "iteration2": central,
         "probe": probe_runs * (rates.launch_s + models * rates.probe_features_s_per_model)
         + models * (len(budgets.probe_seeds) + 2) * budgets.probe_steps * rates.probe_s_per_step,  # + 2: the lr search
-    }  # fmt: skip
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,9 +223,14 @@ def corpus_info(corpus: Path, synth_seconds: float | None) -> CorpusInfo:
     labels, hours = read_speakers_txt(corpus)
     base = {" ".join(label.split()[:2]) for label in labels}
     return CorpusInfo(
-        path=str(corpus), speakers=len(labels), distinct_voices=len(set(labels)), base_voices=len(base), hours=hours,
-        sources=sorted({label.split()[0] for label in labels}), synth_seconds=synth_seconds,
-    )  # fmt: skip
+        path=str(corpus),
+        speakers=len(labels),
+        distinct_voices=len(set(labels)),
+        base_voices=len(base),
+        hours=hours,
+        sources=sorted({label.split()[0] for label in labels}),
+        synth_seconds=synth_seconds,
+    )
 
 
 def build_corpus(cache: Path, speakers: int, utterances: int, seed: int, sources: str | None) -> CorpusInfo:
@@ -210,8 +249,21 @@ def build_corpus(cache: Path, speakers: int, utterances: int, seed: int, sources
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(corpus, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
-    command = [str(BIN / "speech-assets"), "corpus", "synth", "--out", str(partial), "--speakers", str(speakers),
-               "--utterances", str(utterances), "--seed", str(seed), "--sources", ",".join(names)]  # fmt: skip
+    command = [
+        str(BIN / "speech-assets"),
+        "corpus",
+        "synth",
+        "--out",
+        str(partial),
+        "--speakers",
+        str(speakers),
+        "--utterances",
+        str(utterances),
+        "--seed",
+        str(seed),
+        "--sources",
+        ",".join(names),
+    ]
     print("corpus: " + " ".join(command[1:]))
     started = time.perf_counter()
     completed = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True)
@@ -250,10 +302,13 @@ class GraphRunner:
             folder.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "dagster.yaml", self.home / "dagster.yaml")
         self.env = {
-            **os.environ, "DAGSTER_HOME": str(self.home), "SPEECH_ASSETS_CORPUS": str(corpus),
-            "SPEECH_ASSETS_DATA_DIR": str(self.data), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            **os.environ,
+            "DAGSTER_HOME": str(self.home),
+            "SPEECH_ASSETS_CORPUS": str(corpus),
+            "SPEECH_ASSETS_DATA_DIR": str(self.data),
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONWARNINGS": "ignore:Function `asset_materialize_command` is superseded",
-        }  # fmt: skip
+        }
         self.env.pop("MLFLOW_TRACKING_URI", None)  # MLflow in <data>/mlflow.db, never a shared server
         if settings is not None:
             self.env["SPEECH_ASSETS_SETTINGS"] = str(settings)
@@ -279,7 +334,9 @@ class GraphRunner:
         if not self.cli:
             return list(self.instance.get_dynamic_partitions(kind))
         command = [str(BIN / "speech-assets"), "partitions", kind, "--range"]
-        return subprocess.run(command, env=self.env, cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            command, env=self.env, cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     def materialize(self, stage: Stage, select: str, partitions: Any = None, config: dict | None = None) -> None:
         """One run (in process: one run per selected asset); its output goes to ``logs/NN_<select>.log``;
@@ -319,7 +376,9 @@ class GraphRunner:
                 ops = {k: v for k, v in ((config or {}).get("ops") or {}).items() if k == asset}
                 print(f"materialize {asset} {partitions or ''} run config {ops}", flush=True)
                 try:
-                    result = materialize_in_process(self.defs, self.instance, asset, partitions, {"ops": ops} if ops else None)
+                    result = materialize_in_process(
+                        self.defs, self.instance, asset, partitions, {"ops": ops} if ops else None
+                    )
                 except Exception as error:  # noqa: BLE001  (any failure of the run: reported with its log, then exit)
                     failure = f"materializing {asset} failed: {type(error).__name__}: {error}"
                     print(failure, flush=True)
@@ -446,8 +505,13 @@ def masked_accuracy(result: dict[str, Any]) -> dict[str, Any]:
         ("all masked frames", "heldout_masked_accuracy", "heldout_majority_accuracy"),
     ):
         if result.get(accuracy) is not None and result.get(majority) is not None:
-            return {"frames": kind, "accuracy": float(result[accuracy]), "majority": float(result[majority]),
-                    "plain_accuracy": result.get("heldout_masked_accuracy"), "plain_majority": result.get("heldout_majority_accuracy")}  # fmt: skip
+            return {
+                "frames": kind,
+                "accuracy": float(result[accuracy]),
+                "majority": float(result[majority]),
+                "plain_accuracy": result.get("heldout_masked_accuracy"),
+                "plain_majority": result.get("heldout_majority_accuracy"),
+            }
     return {}
 
 
@@ -486,7 +550,11 @@ def probe_rows(data: Path, seed: int) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     rows = pq.read_table(data / "probe" / "results.parquet").to_pylist()
-    return [{**row, "seed": row.get("seed", seed) if row.get("seed") is not None else seed} for row in rows if row["split"] == "heldout"]
+    return [
+        {**row, "seed": row.get("seed", seed) if row.get("seed") is not None else seed}
+        for row in rows
+        if row["split"] == "heldout"
+    ]
 
 
 @dataclass(frozen=True)
@@ -501,7 +569,13 @@ class Summary:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Summary:
-        return cls(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, min(values), max(values), len(values))
+        return cls(
+            statistics.fmean(values),
+            statistics.stdev(values) if len(values) > 1 else 0.0,
+            min(values),
+            max(values),
+            len(values),
+        )
 
     def text(self) -> str:
         return f"{self.mean:.3f} ± {self.sd:.3f}"
@@ -515,11 +589,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for model, group in models.items():
         out[model] = {
-            "cer": asdict(Summary.of([r["cer"] for r in group])), "wer": asdict(Summary.of([r["wer"] for r in group])),
-            "seeds": sorted({r["seed"] for r in group}), "utterances": max(r["utterances"] for r in group),
-            "steps": group[0].get("steps"), "lr": group[0].get("lr"),  # the probe's, chosen per model on the development split
+            "cer": asdict(Summary.of([r["cer"] for r in group])),
+            "wer": asdict(Summary.of([r["wer"] for r in group])),
+            "seeds": sorted({r["seed"] for r in group}),
+            "utterances": max(r["utterances"] for r in group),
+            "steps": group[0].get("steps"),
+            "lr": group[0].get("lr"),  # the probe's, chosen per model on the development split
             **{k: group[0][k] for k in ("normalisation", "normalization", "cmvn") if k in group[0]},
-        }  # fmt: skip
+        }
     return out
 
 
@@ -550,11 +627,14 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
         ratio = central.mean / fbank.mean
         # "clearly below random": the mean +- sd intervals do not overlap
         clear = central.mean + central.sd < rand.mean - rand.sd
-        targets.append(Target(
-            "centralised CER <= 0.85x fbank and clearly below random", verdict(ratio <= 0.85 and clear),
-            f"centralised {central.text()}, fbank {fbank.text()} (ratio {ratio:.3f}, target <= 0.85), "
-            f"random {rand.text()} ({'clearly below' if clear else 'NOT clearly below: intervals overlap or above'})",
-        ))  # fmt: skip
+        targets.append(
+            Target(
+                "centralised CER <= 0.85x fbank and clearly below random",
+                verdict(ratio <= 0.85 and clear),
+                f"centralised {central.text()}, fbank {fbank.text()} (ratio {ratio:.3f}, target <= 0.85), "
+                f"random {rand.text()} ({'clearly below' if clear else 'NOT clearly below: intervals overlap or above'})",
+            )
+        )
     for model, label, limit, reference in (
         ("federated", "federated CER within 10% of centralised (equal audio seconds)", 1.10, "pretrained"),
         ("distilled", "distilled CER within 15% of its teacher (the centralised)", 1.15, "pretrained"),
@@ -565,9 +645,17 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
             targets.append(Target(label, "UNMEASURED", f"no probe rows for {model if this is None else reference}"))
             continue
         ratio = this.mean / ref.mean
-        targets.append(Target(label, verdict(ratio <= limit), f"{this.text()} vs {ref.text()} (ratio {ratio:.3f}, target <= {limit:.2f})"))
+        targets.append(
+            Target(
+                label,
+                verdict(ratio <= limit),
+                f"{this.text()} vs {ref.text()} (ratio {ratio:.3f}, target <= {limit:.2f})",
+            )
+        )
     for model in ("pretrained", "federated"):
-        label = f"{'centralised' if model == 'pretrained' else model}: held-out leak-free masked accuracy >= 3x majority"
+        label = (
+            f"{'centralised' if model == 'pretrained' else model}: held-out leak-free masked accuracy >= 3x majority"
+        )
         found = accuracy.get(model) or {}
         if not found:
             targets.append(Target(label, "UNMEASURED", "no held-out masked accuracy recorded"))
@@ -575,7 +663,9 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
         ratio = found["accuracy"] / found["majority"] if found["majority"] else math.inf
         numbers = f"{found['accuracy']:.4f} vs majority {found['majority']:.4f} ({ratio:.2f}x, target >= 3x)"
         if found["frames"] != "leak-free":
-            targets.append(Target(label, "UNMEASURED", f"the run records no leak-free figure; on all masked frames: {numbers}"))
+            targets.append(
+                Target(label, "UNMEASURED", f"the run records no leak-free figure; on all masked frames: {numbers}")
+            )
         else:
             targets.append(Target(label, verdict(ratio >= 3.0), numbers))
     return targets
@@ -593,19 +683,27 @@ def machine() -> dict[str, Any]:
     import torch
 
     return {
-        "cpu_count": os.cpu_count(), "cpu_model": model, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "load_average_start": os.getloadavg(),
-    }  # fmt: skip
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
     b, m, c = report["budgets"], report["machine"], report["corpus"]
     lines = [
         f"## Learning benchmark (`bench/learning.py{' --smoke' if report['smoke'] else ''}`), {report['date']}",
-        (f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs{', ' + m['cuda'] if m['cuda'] else ''}; torch {m['torch']}; "
-         f"load average {m['load_average_start'][0]:.1f} at start, {m['load_average_end'][0]:.1f} at end."),
-        (f"Corpus: {c['hours']:.2f} h, {c['speakers']} speakers, {c['distinct_voices']} distinct voices from "
-         f"{c['base_voices']} engine voices ({', '.join(c['sources'])})."),
+        (
+            f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs{', ' + m['cuda'] if m['cuda'] else ''}; torch {m['torch']}; "
+            f"load average {m['load_average_start'][0]:.1f} at start, {m['load_average_end'][0]:.1f} at end."
+        ),
+        (
+            f"Corpus: {c['hours']:.2f} h, {c['speakers']} speakers, {c['distinct_voices']} distinct voices from "
+            f"{c['base_voices']} engine voices ({', '.join(c['sources'])})."
+        ),
         f"Budgets: centralised {b['steps']} steps x {b['batch_seconds']:g} s ({b['nproc']} processes) = "
         f"{report['equal_compute']['central_budget_s']:,.0f} audio s; federated {b['rounds']} rounds x "
         f"{report['equal_compute']['local_steps']} local steps x {report['equal_compute']['clients']} clients x "
@@ -630,20 +728,37 @@ def markdown(report: dict[str, Any]) -> str:
         norm = row.get("normalisation") or row.get("normalization") or row.get("cmvn") or "—"
         if row.get("lr") is not None:
             norm += f"; probe lr {row['lr']:g}, {row.get('steps')} steps"
-        lines.append(f"| {label} | {norm} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | {majority} | {ratio} |")
-    lines += ["", "CER/WER: mean ± standard deviation over the probe seeds (linear CTC probe on characters; each model's probe lr "
-              "and stopping step chosen on a development split of the training speakers).", "",
-              "| target (issue 22, item 2) | status | measured |", "| --- | --- | --- |"]  # fmt: skip
+        lines.append(
+            f"| {label} | {norm} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | {majority} | {ratio} |"
+        )
+    lines += [
+        "",
+        "CER/WER: mean ± standard deviation over the probe seeds (linear CTC probe on characters; each model's probe lr "
+        "and stopping step chosen on a development split of the training speakers).",
+        "",
+        "| target (issue 22, item 2) | status | measured |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {t['name']} | **{t['status']}** | {t['detail']} |" for t in report["targets"]]
     eq = report["equal_compute"]
-    measured = (f"; measured: centralised {eq['central_measured_s']:,.0f} s" if eq.get("central_measured_s") else "") + (
-        f", federated {eq['federated_measured_s']:,.0f} s" if eq.get("federated_measured_s") else "")  # fmt: skip
-    lines += ["", (f"Equal compute: centralised {eq['central_budget_s']:,.0f} audio s, federated "
-              f"{eq['federated_budget_s']:,.0f} audio s (budget){measured}. The federated batch is padded audio, "
-              "the centralised one unpadded, so the federation sees slightly less speech per second budgeted."), "",
-              "| stage | estimate | wall | runs |", "| --- | ---: | ---: | --- |"]  # fmt: skip
+    measured = (
+        f"; measured: centralised {eq['central_measured_s']:,.0f} s" if eq.get("central_measured_s") else ""
+    ) + (f", federated {eq['federated_measured_s']:,.0f} s" if eq.get("federated_measured_s") else "")
+    lines += [
+        "",
+        (
+            f"Equal compute: centralised {eq['central_budget_s']:,.0f} audio s, federated "
+            f"{eq['federated_budget_s']:,.0f} audio s (budget){measured}. The federated batch is padded audio, "
+            "the centralised one unpadded, so the federation sees slightly less speech per second budgeted."
+        ),
+        "",
+        "| stage | estimate | wall | runs |",
+        "| --- | ---: | ---: | --- |",
+    ]
     for stage in report["stages"]:
-        lines.append(f"| {stage['name']} | {stage['estimate_s'] / 60:.1f} min | {stage['wall_s'] / 60:.1f} min | {', '.join(stage['runs'])} |")
+        lines.append(
+            f"| {stage['name']} | {stage['estimate_s'] / 60:.1f} min | {stage['wall_s'] / 60:.1f} min | {', '.join(stage['runs'])} |"
+        )
     lines.append(f"| **total** | {report['estimate_s'] / 60:.1f} min | {report['wall_s'] / 60:.1f} min | |")
     if report.get("resumed"):
         lines.append("\nA resumed run (`--resume`): stage times count only what was left to do.")
@@ -697,14 +812,21 @@ def run_benchmark(args: argparse.Namespace, budgets: Budgets, root: Path, corpus
 
 
 def run_stages(
-    args: argparse.Namespace, budgets: Budgets, root: Path, corpus: CorpusInfo, runner: GraphRunner, sets: dict[str, dict[str, Any]]
+    args: argparse.Namespace,
+    budgets: Budgets,
+    root: Path,
+    corpus: CorpusInfo,
+    runner: GraphRunner,
+    sets: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     from speech_assets.defs.resources import PipelineSettings
 
     settings = PipelineSettings.load(args.settings) if args.settings else PipelineSettings.load()
     planned_clients = settings.clients.num_clients
     probe_runs = len(probe_configs(budgets.probe_seeds, budgets.probe_steps))
-    estimates = stage_estimates(budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0), probe_runs)
+    estimates = stage_estimates(
+        budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0), probe_runs
+    )
     stages = {name: Stage(name, estimate) for name, estimate in estimates.items()}
     print_plan(budgets, planned_clients, estimates)
 
@@ -724,19 +846,42 @@ def run_stages(
         runner.materialize(s, "cmvn_stats,client_partitions")
         runner.materialize(s, "kmeans_targets", runner.partitions("clients"))
 
-    train = {"max_steps": budgets.steps, "batch_seconds": budgets.batch_seconds / budgets.nproc, "nproc": budgets.nproc,
-             "target_batch_seconds": budgets.batch_seconds, "checkpoint_every": max(1, budgets.steps // 4)}  # fmt: skip
+    train = {
+        "max_steps": budgets.steps,
+        "batch_seconds": budgets.batch_seconds / budgets.nproc,
+        "nproc": budgets.nproc,
+        "target_batch_seconds": budgets.batch_seconds,
+        "checkpoint_every": max(1, budgets.steps // 4),
+    }
     stage("data", data)
     clients = len({row["client_id"] for row in _read_table(runner.data / "clients" / "clients.parquet", ["client_id"])})
     local_steps = budgets.local_steps(clients)
     federated = {"rounds": budgets.rounds, "local_steps": local_steps, "batch_seconds": budgets.fed_batch_seconds}
-    stage("centralised", lambda s: runner.materialize(s, "pretrained_checkpoint", config=config("pretrained_checkpoint", train)))
-    stage("federated", lambda s: runner.materialize(s, "federated_checkpoint", config=config("federated_checkpoint", federated)))
+    stage(
+        "centralised",
+        lambda s: runner.materialize(s, "pretrained_checkpoint", config=config("pretrained_checkpoint", train)),
+    )
+    stage(
+        "federated",
+        lambda s: runner.materialize(s, "federated_checkpoint", config=config("federated_checkpoint", federated)),
+    )
     distill = {"max_steps": budgets.distill_steps, "batch_seconds": budgets.distill_batch_seconds}
-    stage("distilled", lambda s: runner.materialize(s, "distilled_checkpoint", config=config("distilled_checkpoint", distill)))
-    stage("iteration2_targets", lambda s: runner.materialize(
-        s, "kmeans_targets_iter2", runner.partitions("clients"), config("kmeans_targets_iter2", {})))
-    stage("iteration2", lambda s: runner.materialize(s, "pretrained_checkpoint_iter2", config=config("pretrained_checkpoint_iter2", train)))
+    stage(
+        "distilled",
+        lambda s: runner.materialize(s, "distilled_checkpoint", config=config("distilled_checkpoint", distill)),
+    )
+    stage(
+        "iteration2_targets",
+        lambda s: runner.materialize(
+            s, "kmeans_targets_iter2", runner.partitions("clients"), config("kmeans_targets_iter2", {})
+        ),
+    )
+    stage(
+        "iteration2",
+        lambda s: runner.materialize(
+            s, "pretrained_checkpoint_iter2", config=config("pretrained_checkpoint_iter2", train)
+        ),
+    )
 
     rows: list[dict[str, Any]] = []
 
@@ -744,7 +889,10 @@ def run_stages(
         for seeds, values in probe_configs(budgets.probe_seeds, budgets.probe_steps):
             runner.materialize(s, "downstream_probe", config=config("downstream_probe", values))
             found = probe_rows(runner.data, seeds[0])
-            shutil.copy(runner.data / "probe" / "results.parquet", root / f"probe_results_seed{'_'.join(map(str, seeds))}.parquet")
+            shutil.copy(
+                runner.data / "probe" / "results.parquet",
+                root / f"probe_results_seed{'_'.join(map(str, seeds))}.parquet",
+            )
             rows.extend(found)
 
     stage("probe", probe)
@@ -760,12 +908,20 @@ def run_stages(
         "masked_accuracy": accuracy,
         "targets": [asdict(t) for t in check_targets(summary, accuracy)],
         "equal_compute": {
-            "clients": clients, "local_steps": local_steps, "central_budget_s": budgets.central_audio_seconds,
-            "federated_budget_s": budgets.federated_audio_seconds(clients), "central_measured_s": central_measured,
+            "clients": clients,
+            "local_steps": local_steps,
+            "central_budget_s": budgets.central_audio_seconds,
+            "federated_budget_s": budgets.federated_audio_seconds(clients),
+            "central_measured_s": central_measured,
             "federated_measured_s": federated_audio_measured(results["federated"].get("run_dir")),
         },
-        "training_results": {m: {k: v for k, v in r.items() if isinstance(v, (int, float, str, bool)) or v is None} for m, r in results.items()},
-        "distilled": {k: v for k, v in latest_metadata(runner.home, "distilled_checkpoint").items() if isinstance(v, (int, float))},
+        "training_results": {
+            m: {k: v for k, v in r.items() if isinstance(v, (int, float, str, bool)) or v is None}
+            for m, r in results.items()
+        },
+        "distilled": {
+            k: v for k, v in latest_metadata(runner.home, "distilled_checkpoint").items() if isinstance(v, (int, float))
+        },
         "estimate_s": sum(estimates.values()),
         "work": str(root),
     }
@@ -779,9 +935,11 @@ def _read_table(path: Path, columns: list[str]) -> list[dict[str, Any]]:
 
 def print_plan(budgets: Budgets, clients: int, estimates: dict[str, float]) -> None:
     local = budgets.local_steps(clients)
-    print(f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = {budgets.central_audio_seconds:,.0f} audio s; "
-          f"federated {budgets.rounds} rounds x {local} local steps x {clients} clients x {budgets.fed_batch_seconds:g} s = "
-          f"{budgets.federated_audio_seconds(clients):,.0f} audio s")  # fmt: skip
+    print(
+        f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = {budgets.central_audio_seconds:,.0f} audio s; "
+        f"federated {budgets.rounds} rounds x {local} local steps x {clients} clients x {budgets.fed_batch_seconds:g} s = "
+        f"{budgets.federated_audio_seconds(clients):,.0f} audio s"
+    )
     print("time budget per stage (planned for an idle 2-core machine; rough):")
     for name, seconds in estimates.items():
         print(f"  {name:<20} {seconds / 60:5.1f} min")
@@ -789,17 +947,30 @@ def print_plan(budgets: Budgets, clients: int, estimates: dict[str, float]) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny corpus and budgets (checks the script end to end)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/speech_assets_learning"), help="runs go to <work>/run-<time>/")
-    parser.add_argument("--corpus-cache", type=Path, default=Path.home() / ".cache" / "speech_assets" / "corpora",
-                        help="synthesized corpora, reused when built with the same arguments")  # fmt: skip
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/speech_assets_learning"), help="runs go to <work>/run-<time>/"
+    )
+    parser.add_argument(
+        "--corpus-cache",
+        type=Path,
+        default=Path.home() / ".cache" / "speech_assets" / "corpora",
+        help="synthesized corpora, reused when built with the same arguments",
+    )
     parser.add_argument("--corpus", type=Path, help="use this corpus instead of synthesizing one")
     parser.add_argument("--sources", help="synth's --sources (default: every engine installed here)")
     parser.add_argument("--speakers", type=int)
     parser.add_argument("--utterances", type=int, help="per speaker")
     parser.add_argument("--corpus-seed", type=int, default=0)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the training budgets (centralised, iteration 2, distilled; federated follows)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the training budgets (centralised, iteration 2, distilled; federated follows)",
+    )
     parser.add_argument("--steps", type=int, help="centralised (and iteration-2) optimizer steps")
     parser.add_argument("--batch-seconds", type=float, help="centralised audio seconds per optimizer step")
     parser.add_argument("--nproc", type=int, help="centralised torchrun processes")
@@ -808,22 +979,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--distill-steps", type=int)
     parser.add_argument("--probe-steps", type=int)
     parser.add_argument("--probe-seeds", type=int, help="number of probe seeds (0, 1, ...)")
-    parser.add_argument("--set", action="append", default=[], metavar="ASSET.KEY=VALUE", help="one run-config knob of one asset")
-    parser.add_argument("--settings", type=Path, help="pipeline settings TOML (default: the repository's pipeline.toml)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="ASSET.KEY=VALUE", help="one run-config knob of one asset"
+    )
+    parser.add_argument(
+        "--settings", type=Path, help="pipeline settings TOML (default: the repository's pipeline.toml)"
+    )
     parser.add_argument("--out", type=Path, help="markdown report")
     parser.add_argument("--json", type=Path, help="JSON report (default: --out with .json)")
-    parser.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                        help="go on in this <work>/run-* folder (its instance and data dir): finished stages are reused, "
-                             "stage times then count only what was left")  # fmt: skip
-    parser.add_argument("--cli", action="store_true", help="each stage a `dagster asset materialize` process (default: runs in this process)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="go on in this <work>/run-* folder (its instance and data dir): finished stages are reused, "
+        "stage times then count only what was left",
+    )
+    parser.add_argument(
+        "--cli",
+        action="store_true",
+        help="each stage a `dagster asset materialize` process (default: runs in this process)",
+    )
     parser.add_argument("--plan", action="store_true", help="print the budgets and time plan, run nothing")
     args = parser.parse_args(argv)
 
     budgets = SMOKE if args.smoke else FULL
-    changes = {"speakers": args.speakers, "utterances": args.utterances, "steps": args.steps, "batch_seconds": args.batch_seconds,
-               "nproc": args.nproc, "rounds": args.rounds, "fed_batch_seconds": args.fed_batch_seconds,
-               "distill_steps": args.distill_steps, "probe_steps": args.probe_steps,
-               "probe_seeds": tuple(range(args.probe_seeds)) if args.probe_seeds else None}  # fmt: skip
+    changes = {
+        "speakers": args.speakers,
+        "utterances": args.utterances,
+        "steps": args.steps,
+        "batch_seconds": args.batch_seconds,
+        "nproc": args.nproc,
+        "rounds": args.rounds,
+        "fed_batch_seconds": args.fed_batch_seconds,
+        "distill_steps": args.distill_steps,
+        "probe_steps": args.probe_steps,
+        "probe_seeds": tuple(range(args.probe_seeds)) if args.probe_seeds else None,
+    }
     budgets = replace(budgets, **{k: v for k, v in changes.items() if v is not None}).scaled(args.scale)
     if len(budgets.probe_seeds) < 3 and not args.smoke:
         print("warning: fewer than 3 probe seeds: the issue asks for at least 3", file=sys.stderr)
@@ -835,23 +1026,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     info = machine()
     if args.corpus:
-        corpus = corpus_info(args.corpus, None) if (args.corpus / "SPEAKERS.TXT").is_file() else CorpusInfo(
-            str(args.corpus), 0, 0, 0, 0.0, [], None)  # fmt: skip
+        corpus = (
+            corpus_info(args.corpus, None)
+            if (args.corpus / "SPEAKERS.TXT").is_file()
+            else CorpusInfo(str(args.corpus), 0, 0, 0, 0.0, [], None)
+        )
     else:
         corpus = build_corpus(args.corpus_cache, budgets.speakers, budgets.utterances, args.corpus_seed, args.sources)
-    print(f"corpus: {corpus.hours:.2f} h, {corpus.speakers} speakers, {corpus.distinct_voices} distinct voices "
-          f"from {corpus.base_voices} engine voices ({', '.join(corpus.sources)})")  # fmt: skip
-    if not args.smoke and not args.corpus and (corpus.hours < MIN_FULL_HOURS or corpus.distinct_voices < MIN_FULL_VOICES):
-        raise SystemExit(f"the corpus has {corpus.hours:.2f} h and {corpus.distinct_voices} voices; the benchmark needs "
-                         f">= {MIN_FULL_HOURS} h and >= {MIN_FULL_VOICES}: raise --speakers / --utterances")  # fmt: skip
+    print(
+        f"corpus: {corpus.hours:.2f} h, {corpus.speakers} speakers, {corpus.distinct_voices} distinct voices "
+        f"from {corpus.base_voices} engine voices ({', '.join(corpus.sources)})"
+    )
+    if (
+        not args.smoke
+        and not args.corpus
+        and (corpus.hours < MIN_FULL_HOURS or corpus.distinct_voices < MIN_FULL_VOICES)
+    ):
+        raise SystemExit(
+            f"the corpus has {corpus.hours:.2f} h and {corpus.distinct_voices} voices; the benchmark needs "
+            f">= {MIN_FULL_HOURS} h and >= {MIN_FULL_VOICES}: raise --speakers / --utterances"
+        )
     root = args.resume or args.work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True, exist_ok=bool(args.resume))
     print(f"work: {root}")
     report = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": args.smoke, "machine": info,
-        "corpus": asdict(corpus), "budgets": asdict(budgets), "overrides": args.set,
-        "settings": str(args.settings or REPO / "pipeline.toml"), "resumed": bool(args.resume),
-    }  # fmt: skip
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "smoke": args.smoke,
+        "machine": info,
+        "corpus": asdict(corpus),
+        "budgets": asdict(budgets),
+        "overrides": args.set,
+        "settings": str(args.settings or REPO / "pipeline.toml"),
+        "resumed": bool(args.resume),
+    }
     try:
         report.update(run_benchmark(args, budgets, root, corpus))
     finally:

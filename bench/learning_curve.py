@@ -27,9 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from built_data import newest_training_config  # noqa: E402  (bench/)
+
 from speech_assets.train.checkpoint import load_checkpoint  # noqa: E402
 from speech_assets.train.config import TrainConfig  # noqa: E402
-from built_data import newest_training_config  # noqa: E402  (bench/)
 from speech_assets.train.launch import build_torchrun_command, torchrun_env  # noqa: E402
 
 
@@ -60,21 +61,36 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.data, prefix="learning_curve_") as folder:
         root = Path(folder)
         config = replace(
-            base, run_dir=str(root / "run"), max_steps=args.steps, checkpoint_every=args.every, keep_checkpoints=args.steps,
-            log_every=50, nproc=args.nproc, mlflow_tracking_uri=None,
-        )  # fmt: skip
+            base,
+            run_dir=str(root / "run"),
+            max_steps=args.steps,
+            checkpoint_every=args.every,
+            keep_checkpoints=args.steps,
+            log_every=50,
+            nproc=args.nproc,
+            mlflow_tracking_uri=None,
+        )
         config_path = root / "config.json"
         config.to_json(config_path)
-        print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; "
-              f"{len(config.shards)} shards, {len(config.clients)} clients, preset {config.preset}, {args.steps} steps")  # fmt: skip
+        print(
+            f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; "
+            f"{len(config.shards)} shards, {len(config.clients)} clients, preset {config.preset}, {args.steps} steps"
+        )
         started = time.perf_counter()
         command = build_torchrun_command(config_path, args.nproc, max_restarts=0)
-        subprocess.run(command, env=torchrun_env(nproc=args.nproc) | {"PYTHONPATH": str(REPO)}, cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            command,
+            env=torchrun_env(nproc=args.nproc) | {"PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         train_wall = time.perf_counter() - started
         result = json.loads((root / "run" / "result.json").read_text())
-        print(f"trained in {train_wall:.0f} s ({result['audio_seconds_per_second']:.0f} s of audio per second, "
-              f"{result['train_audio_seconds'] / 3600:.2f} h of audio seen)")  # fmt: skip
+        print(
+            f"trained in {train_wall:.0f} s ({result['audio_seconds_per_second']:.0f} s of audio per second, "
+            f"{result['train_audio_seconds'] / 3600:.2f} h of audio seen)"
+        )
         checkpoints = sorted((root / "run" / "checkpoints").glob("step_*.pt"))
         rows = []
         for checkpoint in checkpoints:
@@ -82,12 +98,16 @@ def main() -> int:
             row = evaluate(config, checkpoint, root / "eval")
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
-        print("\n| step | held-out masked acc | majority-class rate | span-interior acc | interior majority | held-out loss |")
+        print(
+            "\n| step | held-out masked acc | majority-class rate | span-interior acc | interior majority | held-out loss |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in rows:
-            print(f"| {row['step']} | {row.get('masked_accuracy', float('nan')):.4f} | {row.get('majority_accuracy', float('nan')):.4f} | "
-                  f"{row.get('interior_masked_accuracy', float('nan')):.4f} | {row.get('interior_majority_accuracy', float('nan')):.4f} | "
-                  f"{row.get('loss', float('nan')):.3f} |")  # fmt: skip
+            print(
+                f"| {row['step']} | {row.get('masked_accuracy', float('nan')):.4f} | {row.get('majority_accuracy', float('nan')):.4f} | "
+                f"{row.get('interior_masked_accuracy', float('nan')):.4f} | {row.get('interior_majority_accuracy', float('nan')):.4f} | "
+                f"{row.get('loss', float('nan')):.3f} |"
+            )
     return 0
 
 

@@ -56,7 +56,9 @@ def rewrite(shards: list[str], folder: Path, version: int) -> list[str]:
     return [str(write_shard(folder / Path(s).name, list(iter_shard(s)), version=version)) for s in shards]
 
 
-def measure(name: str, shards: list[str], labels: dict[str, str], cmvn: Cmvn, batches_of, cache: int, budget_s: float) -> dict:
+def measure(
+    name: str, shards: list[str], labels: dict[str, str], cmvn: Cmvn, batches_of, cache: int, budget_s: float
+) -> dict:
     index = build_index(shards, labels, max_frames=1500)
     dataset = UtteranceDataset(index, index.utterances, cmvn, 1500, cached_row_groups=cache)
     batches = batches_of(index, dataset)
@@ -103,34 +105,62 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(dir=args.data) as tmp:
         before_shards = relayout(shards, Path(tmp), 256)
-        before = measure("before: whole-corpus shuffle, 256-row groups, 8-group cache", before_shards, labels, cmvn, old_order, 8, args.seconds)
-    after = measure("after: block-local windows, 32-row groups, window cache", shards, labels, cmvn, new_order, WINDOW + 1, args.seconds)
+        before = measure(
+            "before: whole-corpus shuffle, 256-row groups, 8-group cache",
+            before_shards,
+            labels,
+            cmvn,
+            old_order,
+            8,
+            args.seconds,
+        )
+    after = measure(
+        "after: block-local windows, 32-row groups, window cache",
+        shards,
+        labels,
+        cmvn,
+        new_order,
+        WINDOW + 1,
+        args.seconds,
+    )
 
     train_rate = args.train_rate
     if train_rate is None:
         results = sorted((args.data / "training").glob("*/result.json"), key=lambda p: p.stat().st_mtime)
         train_rate = json.loads(results[-1].read_text()).get("audio_seconds_per_second") if results else None
-    print(f"machine: {platform.processor() or platform.machine()}, {len(speakers)} shards, batch {args.batch_seconds:.0f} s")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {len(speakers)} shards, batch {args.batch_seconds:.0f} s"
+    )
     for row in (before, after):
         print(json.dumps(row))
     if args.formats:
         if {shard_format(s) for s in shards} != {1}:
-            raise SystemExit("--formats needs float32 (format 1) source shards: build them with SPEECH_ASSETS_SHARD_FORMAT=1")
+            raise SystemExit(
+                "--formats needs float32 (format 1) source shards: build them with SPEECH_ASSETS_SHARD_FORMAT=1"
+            )
         with tempfile.TemporaryDirectory(dir=args.data) as tmp:
             rows = {}
             for version, dtype in ((1, "float32"), (2, "float16")):
                 (Path(tmp) / f"v{version}").mkdir()
                 rewritten = rewrite(shards, Path(tmp) / f"v{version}", version)
-                rows[version] = measure(f"after, format {version} ({dtype})", rewritten, labels, cmvn, new_order, WINDOW + 1, args.seconds)
+                rows[version] = measure(
+                    f"after, format {version} ({dtype})", rewritten, labels, cmvn, new_order, WINDOW + 1, args.seconds
+                )
                 print(json.dumps(rows[version]))
-        print(f"format 2 vs 1: throughput {rows[2]['audio_s_per_s'] / max(rows[1]['audio_s_per_s'], 1e-9):.2f}x, "
-              f"bytes decompressed {rows[2]['GB_decompressed'] / max(rows[1]['GB_decompressed'], 1e-9):.2f}x, "
-              f"cache {rows[2]['cache_MB_at_end'] / max(rows[1]['cache_MB_at_end'], 1e-9):.2f}x")
-    print(f"speed-up {after['audio_s_per_s'] / max(before['audio_s_per_s'], 1e-9):.1f}x, "
-          f"amplification {before['read_amplification']} -> {after['read_amplification']} (target <= 1.5)")
+        print(
+            f"format 2 vs 1: throughput {rows[2]['audio_s_per_s'] / max(rows[1]['audio_s_per_s'], 1e-9):.2f}x, "
+            f"bytes decompressed {rows[2]['GB_decompressed'] / max(rows[1]['GB_decompressed'], 1e-9):.2f}x, "
+            f"cache {rows[2]['cache_MB_at_end'] / max(rows[1]['cache_MB_at_end'], 1e-9):.2f}x"
+        )
+    print(
+        f"speed-up {after['audio_s_per_s'] / max(before['audio_s_per_s'], 1e-9):.1f}x, "
+        f"amplification {before['read_amplification']} -> {after['read_amplification']} (target <= 1.5)"
+    )
     if train_rate:
-        print(f"training consumes {train_rate:.0f} s/s: loader headroom {after['audio_s_per_s'] / train_rate:.1f}x (target >= 5x); "
-              f"absolute {after['audio_s_per_s']:.0f} s/s (target >= 2,000)")
+        print(
+            f"training consumes {train_rate:.0f} s/s: loader headroom {after['audio_s_per_s'] / train_rate:.1f}x (target >= 5x); "
+            f"absolute {after['audio_s_per_s']:.0f} s/s (target >= 2,000)"
+        )
     return 0
 
 

@@ -40,7 +40,9 @@ def build_corpus(root: Path, files: int) -> int:
                 shutil.copyfile(src, folder / f"{utt_id}.flac")
             else:  # one recording under two ids would be a duplicate_audio reject
                 copy_recording(src, folder / f"{utt_id}.flac", nudge=copy)
-            text = dict(line.split(" ", 1) for line in (src.parent / f"{speaker}-{chapter}.trans.txt").read_text().splitlines())
+            text = dict(
+                line.split(" ", 1) for line in (src.parent / f"{speaker}-{chapter}.trans.txt").read_text().splitlines()
+            )
             with open(folder / f"{new_speaker}-{chapter}.trans.txt", "a") as handle:
                 handle.write(f"{utt_id} {text[src.stem]}\n")
             count += 1
@@ -63,7 +65,10 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}")
     with tempfile.TemporaryDirectory() as tmp:
         corpus, out = Path(tmp) / "corpus", Path(tmp) / "out"
@@ -73,7 +78,9 @@ def main() -> None:
         hours = sum(r.duration_s for r in result.rows) / 3600
         second, again = run_once(corpus, out, args.workers)
         print(f"corpus: {files} FLAC files, {hours:.2f} h, {args.workers} decode workers")
-        print(f"first run (decodes every file): {first:8.2f} s  ({result.decoded_files} decoded, {hours * 3600 / first:.0f}x real time)")
+        print(
+            f"first run (decodes every file): {first:8.2f} s  ({result.decoded_files} decoded, {hours * 3600 / first:.0f}x real time)"
+        )
         print(f"no-change re-run (cache hits):  {second:8.2f} s  ({again.decoded_files} decoded)")
         ratio = second / first
         print(f"re-run / first = {ratio:.3f}  (target < 0.1: {'PASS' if ratio < 0.1 else 'FAIL'})")

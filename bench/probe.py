@@ -36,7 +36,9 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path, default=REPO / "data" / "out")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--probe", default="linear", choices=["linear", "bilstm"])
-    parser.add_argument("--seeds", default="0,1,2", help="probe seeds, comma-separated (each model: one probe per seed)")
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="probe seeds, comma-separated (each model: one probe per seed)"
+    )
     parser.add_argument("--max-train", type=int, default=400)
     parser.add_argument("--max-eval", type=int, default=200)
     args = parser.parse_args()
@@ -46,8 +48,16 @@ def main() -> int:
 
     from speech_assets.corpus.clients import read_clients
     from speech_assets.evaluation.compare import (
-        FBANK, RANDOM, ProbeModel, compare_encoders, leaderboard, leaderboard_markdown, markdown_table, split_utterances, standing,
-    )  # fmt: skip
+        FBANK,
+        RANDOM,
+        ProbeModel,
+        compare_encoders,
+        leaderboard,
+        leaderboard_markdown,
+        markdown_table,
+        split_utterances,
+        standing,
+    )
     from speech_assets.evaluation.encoders import load_utterances
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.evaluation.speed import forward_speed
@@ -69,24 +79,41 @@ def main() -> int:
         """``name`` read through the normalisation ``record`` (a checkpoint's; none recorded: per utterance)."""
         normaliser = from_record(record) or UtteranceCmvn()
         label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global"
-        return ProbeModel(name, encoder.sha256 if encoder else "", label, lambda x: normaliser.apply(x, "logmel"), encoder.model if encoder else None)
+        return ProbeModel(
+            name,
+            encoder.sha256 if encoder else "",
+            label,
+            lambda x: normaliser.apply(x, "logmel"),
+            encoder.model if encoder else None,
+        )
 
     # the baselines read the input the way the pretrained encoder does
     baseline = encoders["pretrained"].checkpoint.get("normalisation")
-    models = [probe_model(FBANK, None, baseline), probe_model(RANDOM, random_encoder(ModelPreset(**encoders["pretrained"].checkpoint["preset"])), baseline)]
-    models += [probe_model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in encoders.items()]
+    models = [
+        probe_model(FBANK, None, baseline),
+        probe_model(RANDOM, random_encoder(ModelPreset(**encoders["pretrained"].checkpoint["preset"])), baseline),
+    ]
+    models += [
+        probe_model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in encoders.items()
+    ]
     clients = read_clients(data / "clients" / "clients.parquet")
     held = {a.speaker_id for a in clients if a.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()
-    shards = [data / "features" / "shards" / f"{a.speaker_id}.parquet" for a in sorted(clients, key=lambda a: a.speaker_id)]
+    shards = [
+        data / "features" / "shards" / f"{a.speaker_id}.parquet" for a in sorted(clients, key=lambda a: a.speaker_id)
+    ]
     utterances = load_utterances(shards, dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
     train, test = split_utterances(utterances, held, args.max_train, args.max_eval)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    print(f"machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(
+        f"machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+    )
     print(f"data: {data}; {len(train)} training utterances, {len(test)} held-out ({len(held)} held-out speakers)")
     started = time.perf_counter()
     results = compare_encoders(train, test, models, ProbeOptions(probe=args.probe, steps=args.steps, seeds=seeds))
-    print(f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), {time.perf_counter() - started:.0f} s for all models:\n")
+    print(
+        f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), {time.perf_counter() - started:.0f} s for all models:\n"
+    )
     print(leaderboard_markdown(leaderboard(results)))
     print()
     print(markdown_table(results))
@@ -94,7 +121,9 @@ def main() -> int:
     print("\n".join(standing(results)))
     if "distilled" in encoders:
         teacher, student = encoders["pretrained"].model, encoders["distilled"].model
-        speed = forward_speed({"teacher": teacher, "student": student}, [u.feats for u in test[:32]], repeats=3, threads=1)
+        speed = forward_speed(
+            {"teacher": teacher, "student": student}, [u.feats for u in test[:32]], repeats=3, threads=1
+        )
         print("\n| encoder | parameters | CPU forward, audio s/s (1 thread) |\n|---|---|---|")
         for name, model in (("teacher", teacher), ("student", student)):
             print(f"| {name} ({model.preset.name}) | {encoder_parameters(model):,} | {speed[name]:.0f} |")

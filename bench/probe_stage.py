@@ -38,7 +38,14 @@ def main() -> int:
     import torch
 
     from speech_assets.corpus.clients import read_clients
-    from speech_assets.evaluation.compare import FBANK, RANDOM, ProbeModel, compare_encoders, split_utterances, summarise
+    from speech_assets.evaluation.compare import (
+        FBANK,
+        RANDOM,
+        ProbeModel,
+        compare_encoders,
+        split_utterances,
+        summarise,
+    )
     from speech_assets.evaluation.encoders import load_utterances
     from speech_assets.evaluation.probe import ProbeOptions
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
@@ -54,29 +61,59 @@ def main() -> int:
     label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global"
 
     def model(name: str, loaded) -> ProbeModel:
-        return ProbeModel(name, loaded.sha256 if loaded else "", label, lambda x: normaliser.apply(x, "logmel"), loaded.model if loaded else None)
+        return ProbeModel(
+            name,
+            loaded.sha256 if loaded else "",
+            label,
+            lambda x: normaliser.apply(x, "logmel"),
+            loaded.model if loaded else None,
+        )
 
     random = random_encoder(ModelPreset(**encoder.checkpoint["preset"]), seed=settings["seed"])
-    models = [model(FBANK, None), model(RANDOM, random)] + [model(name, encoder) for name in ("pretrained", "federated", "distilled")]
+    models = [model(FBANK, None), model(RANDOM, random)] + [
+        model(name, encoder) for name in ("pretrained", "federated", "distilled")
+    ]
     clients = read_clients(data / "clients" / "clients.parquet")
     held = {a.speaker_id for a in clients if a.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()
-    shards = [data / "features" / "shards" / f"{a.speaker_id}.parquet" for a in sorted(clients, key=lambda a: a.speaker_id)]
+    shards = [
+        data / "features" / "shards" / f"{a.speaker_id}.parquet" for a in sorted(clients, key=lambda a: a.speaker_id)
+    ]
     utterances = load_utterances(shards, dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
-    train, test = split_utterances(utterances, held, settings["max_train_utterances"], settings["max_eval_utterances"], settings["seed"])
-    options = ProbeOptions(probe=settings["probe"], steps=settings["steps"], batch_size=settings["batch_size"], lr=settings["lr"],
-                           hidden=settings["hidden"], seeds=tuple(settings["seeds"]), lrs=tuple(settings["lrs"]))  # fmt: skip
+    train, test = split_utterances(
+        utterances, held, settings["max_train_utterances"], settings["max_eval_utterances"], settings["seed"]
+    )
+    options = ProbeOptions(
+        probe=settings["probe"],
+        steps=settings["steps"],
+        batch_size=settings["batch_size"],
+        lr=settings["lr"],
+        hidden=settings["hidden"],
+        seeds=tuple(settings["seeds"]),
+        lrs=tuple(settings["lrs"]),
+    )
     # a first tiny probe pays the lazy imports and first-call costs (bytecode compiled where
     # PYTHONDONTWRITEBYTECODE is set: seconds) outside the measurement
     compare_encoders(train[:4], test[:2], models[:1], ProbeOptions(steps=2, seeds=(0,)))
     started, cpu = time.perf_counter(), time.process_time()
     results = compare_encoders(train, test, models, options)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    print(json.dumps({
-        "code": str(args.code), "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "threads": args.threads, "train": len(train), "heldout": len(test),
-        "heldout_speakers": len(held), "cer": {m: round(s.cer.mean, 3) for m, s in summarise(results).items()},
-        "steps": sorted({r.steps for r in results}), "lr": sorted({r.lr for r in results}),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "code": str(args.code),
+                "seconds": round(seconds, 1),
+                "cpu_seconds": round(cpu, 1),
+                "threads": args.threads,
+                "train": len(train),
+                "heldout": len(test),
+                "heldout_speakers": len(held),
+                "cer": {m: round(s.cer.mean, 3) for m, s in summarise(results).items()},
+                "steps": sorted({r.steps for r in results}),
+                "lr": sorted({r.lr for r in results}),
+            }
+        )
+    )
     return 0
 
 

@@ -74,37 +74,65 @@ def main() -> int:
     settings = tomllib.loads(args.settings.read_text())
     settings.setdefault("training", {})["max_steps"] = args.train_steps
     settings_file = args.out / "settings.toml"
-    settings_file.write_text("".join(
-        f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()) for section, values in settings.items()
-    ))
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "DAGSTER_HOME": str(home),
-           "SPEECH_ASSETS_DATA_DIR": str(data), "SPEECH_ASSETS_CORPUS": str(args.corpus),
-           "SPEECH_ASSETS_SETTINGS": str(settings_file), "MLFLOW_TRACKING_URI": f"sqlite:///{data}/mlflow.db"}
+    settings_file.write_text(
+        "".join(
+            f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+            for section, values in settings.items()
+        )
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "DAGSTER_HOME": str(home),
+        "SPEECH_ASSETS_DATA_DIR": str(data),
+        "SPEECH_ASSETS_CORPUS": str(args.corpus),
+        "SPEECH_ASSETS_SETTINGS": str(settings_file),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{data}/mlflow.db",
+    }
     rows = []
     with open(args.out / "log.txt", "w") as log:
         for name, selection, partitions in STAGES:
             command = [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", *selection]
             if partitions:
-                keys = subprocess.run([str(BIN / "speech-assets"), "partitions", partitions, "--range"], env=env,
-                                      capture_output=True, text=True, check=True).stdout.strip()
+                keys = subprocess.run(
+                    [str(BIN / "speech-assets"), "partitions", partitions, "--range"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.strip()
                 command += ["--partition-range", keys]
             before = disk(data) if data.exists() else (0, 0)
             wall, cpu, rss = run(command, env, log)
             after = disk(data)
-            rows.append({"stage": name, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_mb": round(rss),
-                         "disk_mb": round((after[0] - before[0]) / 1e6, 1), "files": after[1] - before[1]})
+            rows.append(
+                {
+                    "stage": name,
+                    "wall_s": round(wall, 1),
+                    "cpu_s": round(cpu, 1),
+                    "peak_rss_mb": round(rss),
+                    "disk_mb": round((after[0] - before[0]) / 1e6, 1),
+                    "files": after[1] - before[1],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     import pyarrow.parquet as pq
 
-    hours = sum(pq.read_table(data / "manifest" / "manifest.parquet", columns=["duration_s"]).column(0).to_pylist()) / 3600
+    hours = (
+        sum(pq.read_table(data / "manifest" / "manifest.parquet", columns=["duration_s"]).column(0).to_pylist()) / 3600
+    )
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; corpus {hours:.2f} h\n")
     print("| stage | wall s | CPU s | peak RSS MB | disk MB | MB per hour of audio | files |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row['stage']} | {row['wall_s']} | {row['cpu_s']} | {row['peak_rss_mb']} | {row['disk_mb']} | "
-              f"{row['disk_mb'] / hours:.1f} | {row['files']} |")
+        print(
+            f"| {row['stage']} | {row['wall_s']} | {row['cpu_s']} | {row['peak_rss_mb']} | {row['disk_mb']} | "
+            f"{row['disk_mb'] / hours:.1f} | {row['files']} |"
+        )
     total = {k: sum(r[k] for r in rows) for k in ("wall_s", "cpu_s", "disk_mb", "files")}
-    print(f"| total | {total['wall_s']:.0f} | {total['cpu_s']:.0f} | | {total['disk_mb']:.0f} | {total['disk_mb'] / hours:.1f} | {total['files']} |")
+    print(
+        f"| total | {total['wall_s']:.0f} | {total['cpu_s']:.0f} | | {total['disk_mb']:.0f} | {total['disk_mb'] / hours:.1f} | {total['files']} |"
+    )
     return 0
 
 

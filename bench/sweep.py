@@ -46,11 +46,25 @@ def train_config(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Any:
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})
     base = {
-        "run_dir": str(run_dir), "shards": [str(data / "features" / "shards" / f"{r.speaker_id}.parquet") for r in sorted(rows, key=lambda r: r.speaker_id)],
-        "cmvn": str(data / "cmvn" / "cmvn.npz"), "heldout_speakers": rows.heldout,
-        "clients": {c: ClientTargets(str(data / "kmeans" / c / "labels.parquet"), json.loads((data / "kmeans" / c / "quality.json").read_text())["k"]) for c in clients},
-        "nproc": 1, "threads": os.cpu_count() or 1, "checkpoint_every": 10**6, "log_every": 100,
-    }  # fmt: skip
+        "run_dir": str(run_dir),
+        "shards": [
+            str(data / "features" / "shards" / f"{r.speaker_id}.parquet")
+            for r in sorted(rows, key=lambda r: r.speaker_id)
+        ],
+        "cmvn": str(data / "cmvn" / "cmvn.npz"),
+        "heldout_speakers": rows.heldout,
+        "clients": {
+            c: ClientTargets(
+                str(data / "kmeans" / c / "labels.parquet"),
+                json.loads((data / "kmeans" / c / "quality.json").read_text())["k"],
+            )
+            for c in clients
+        },
+        "nproc": 1,
+        "threads": os.cpu_count() or 1,
+        "checkpoint_every": 10**6,
+        "log_every": 100,
+    }
     return TrainConfig(**{**base, **knobs})
 
 
@@ -66,13 +80,22 @@ def federated_run(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Path:
 
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})
-    config = FederatedConfig(**{
-        "run_dir": str(run_dir), "run_name": run_dir.name, "clients": clients, "client_weights": rows.weights(clients),
-        "heldout_speakers": rows.heldout, "train_speakers": rows.train_speakers(),
-        "connect_timeout_s": 5, **knobs,
-    })  # fmt: skip
+    config = FederatedConfig(
+        **{
+            "run_dir": str(run_dir),
+            "run_name": run_dir.name,
+            "clients": clients,
+            "client_weights": rows.weights(clients),
+            "heldout_speakers": rows.heldout,
+            "train_speakers": rows.train_speakers(),
+            "connect_timeout_s": 5,
+            **knobs,
+        }
+    )
     threads = max(1, os.cpu_count() or 1)
-    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, data, run_dir / "clients", threads)
+    grid = InProcessGrid(
+        {node: client for node, client in enumerate(clients, start=1)}, data, run_dir / "clients", threads
+    )
     with serverapp_identity():
         Server(grid, config).run()  # type: ignore[arg-type]  (writes <run_dir>/result.json and final.pt)
     return run_dir / "final.pt"
@@ -89,12 +112,20 @@ def probe_utterances(data: Path, max_train: int, max_eval: int) -> tuple[list[An
     rows = read_clients(data / "clients" / "clients.parquet")
     held = {r.speaker_id for r in rows if r.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()
-    shards = [data / "features" / "shards" / f"{r.speaker_id}.parquet" for r in sorted(rows, key=lambda r: r.speaker_id)]
+    shards = [
+        data / "features" / "shards" / f"{r.speaker_id}.parquet" for r in sorted(rows, key=lambda r: r.speaker_id)
+    ]
     utterances = load_utterances(shards, dict(zip(manifest["utt_id"], manifest["transcript"], strict=True)))
     return split_utterances(utterances, held, max_train, max_eval)
 
 
-def probe(split: tuple[list[Any], list[Any]], checkpoint: Path | None, steps: int, seeds: tuple[int, ...], lrs: tuple[float, ...]) -> list[Any]:
+def probe(
+    split: tuple[list[Any], list[Any]],
+    checkpoint: Path | None,
+    steps: int,
+    seeds: tuple[int, ...],
+    lrs: tuple[float, ...],
+) -> list[Any]:
     """Probe rows (held-out and train split) of fbank (``checkpoint`` None) or the encoder at ``checkpoint``."""
     from speech_assets.evaluation.compare import FBANK, ProbeModel, compare_encoders
     from speech_assets.evaluation.probe import ProbeOptions
@@ -106,7 +137,9 @@ def probe(split: tuple[list[Any], list[Any]], checkpoint: Path | None, steps: in
     else:
         encoder = load_encoder(checkpoint)
         normaliser = from_record(encoder.checkpoint.get("normalisation")) or UtteranceCmvn()
-        model = ProbeModel("pretrained", encoder.sha256, "recorded", lambda x: normaliser.apply(x, "logmel"), encoder.model)
+        model = ProbeModel(
+            "pretrained", encoder.sha256, "recorded", lambda x: normaliser.apply(x, "logmel"), encoder.model
+        )
     return compare_encoders(*split, [model], ProbeOptions(steps=steps, lrs=lrs, seeds=seeds))
 
 
@@ -115,25 +148,42 @@ def summary(results: list[Any]) -> dict[str, Any]:
     trained = [r for r in results if r.split == "train"]
     cers = [r.cer for r in held]
     return {
-        "cer": cers, "cer_mean": statistics.fmean(cers), "cer_std": statistics.stdev(cers) if len(cers) > 1 else None,
-        "wer_mean": statistics.fmean(r.wer for r in held), "train_cer_mean": statistics.fmean(r.cer for r in trained),
-        "layer_weights": held[0].layer_weights, "utterances": held[0].utterances, "lr": held[0].lr,
-    }  # fmt: skip
+        "cer": cers,
+        "cer_mean": statistics.fmean(cers),
+        "cer_std": statistics.stdev(cers) if len(cers) > 1 else None,
+        "wer_mean": statistics.fmean(r.wer for r in held),
+        "train_cer_mean": statistics.fmean(r.cer for r in trained),
+        "layer_weights": held[0].layer_weights,
+        "utterances": held[0].utterances,
+        "lr": held[0].lr,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="a built data dir (bench/learning.py's <run>/data, or data/out)")
+    parser.add_argument(
+        "--data", type=Path, required=True, help="a built data dir (bench/learning.py's <run>/data, or data/out)"
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/speech_assets_sweep"))
     parser.add_argument("--name", required=True, help="this run's name (its run folder under --out)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig field, e.g. lr=0.003")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig field, e.g. lr=0.003"
+    )
     parser.add_argument("--probe-steps", type=int, default=400)
-    parser.add_argument("--probe-lrs", default="0.002", help="comma-separated; several: chosen per model on a development split of the training speakers")
+    parser.add_argument(
+        "--probe-lrs",
+        default="0.002",
+        help="comma-separated; several: chosen per model on a development split of the training speakers",
+    )
     parser.add_argument("--probe-seeds", default="0", help="comma-separated")
     parser.add_argument("--max-train", type=int, default=400)
     parser.add_argument("--max-eval", type=int, default=200)
     parser.add_argument("--fbank-only", action="store_true", help="probe fbank only (no training)")
-    parser.add_argument("--federated", action="store_true", help="a federated run (FederatedConfig fields in --set) instead of a centralised one")
+    parser.add_argument(
+        "--federated",
+        action="store_true",
+        help="a federated run (FederatedConfig fields in --set) instead of a centralised one",
+    )
     args = parser.parse_args()
 
     import logging
@@ -174,9 +224,18 @@ def main() -> int:
             train(train_config(data, run_dir, knobs))
         record["train_seconds"] = time.perf_counter() - started
     result = json.loads(result_file.read_text())
-    for key in ("step", "train_audio_seconds", "heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy", "heldout_masked_accuracy", "heldout_majority_accuracy"):
+    for key in (
+        "step",
+        "train_audio_seconds",
+        "heldout_leak_free_masked_accuracy",
+        "heldout_leak_free_majority_accuracy",
+        "heldout_masked_accuracy",
+        "heldout_majority_accuracy",
+    ):
         record[key] = result.get(key)
-    record["leak_free_x_majority"] = result["heldout_leak_free_masked_accuracy"] / result["heldout_leak_free_majority_accuracy"]
+    record["leak_free_x_majority"] = (
+        result["heldout_leak_free_masked_accuracy"] / result["heldout_leak_free_majority_accuracy"]
+    )
     started = time.perf_counter()
     record["pretrained"] = summary(probe(split, run_dir / "final.pt", args.probe_steps, seeds, lrs))
     record["probe_seconds"] = time.perf_counter() - started
@@ -190,9 +249,11 @@ def main() -> int:
     for line in (args.out / "sweep.jsonl").read_text().splitlines():
         r = json.loads(line)
         p = r["pretrained"]
-        print(f"| {r['name']} | {r['knobs']} | {r['probe']} | {r['heldout_leak_free_masked_accuracy']:.3f} / {r['heldout_leak_free_majority_accuracy']:.3f} "
-              f"= {r['leak_free_x_majority']:.2f}× | {p['cer_mean']:.3f} ({p['train_cer_mean']:.3f}) | {r['x_fbank']:.3f} | "
-              f"{[round(w, 2) for w in p['layer_weights']]} |")  # fmt: skip
+        print(
+            f"| {r['name']} | {r['knobs']} | {r['probe']} | {r['heldout_leak_free_masked_accuracy']:.3f} / {r['heldout_leak_free_majority_accuracy']:.3f} "
+            f"= {r['leak_free_x_majority']:.2f}× | {p['cer_mean']:.3f} ({p['train_cer_mean']:.3f}) | {r['x_fbank']:.3f} | "
+            f"{[round(w, 2) for w in p['layer_weights']]} |"
+        )
     return 0
 
 

@@ -24,9 +24,15 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     """The probe's leaderboard (mean ± std over seeds, the paired verdict against fbank and random),
     each encoder's standing, how to read it; ``--details``: the probe lr, training CER and layer weights per model."""
     from speech_assets.evaluation.compare import (
-        MIN_HELDOUT_SPEAKERS, leaderboard, leaderboard_markdown, markdown_table, read_leaderboard, read_results, reading_note,
+        MIN_HELDOUT_SPEAKERS,
+        leaderboard,
+        leaderboard_markdown,
+        markdown_table,
+        read_leaderboard,
+        read_results,
+        reading_note,
         standing,
-    )  # fmt: skip
+    )
 
     path = Path(args.results) if args.results else DataLayout(locations.data_dir()).probe.results
     if not path.is_file():
@@ -89,8 +95,18 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     for transcript in recogniser.transcribe_all(files):
         failed += transcript.error is not None
         if args.json:
-            print(json.dumps({"id": transcript.id, "path": transcript.path, "text": transcript.text,
-                              "seconds": transcript.seconds, "error": transcript.error}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "id": transcript.id,
+                        "path": transcript.path,
+                        "text": transcript.text,
+                        "seconds": transcript.seconds,
+                        "error": transcript.error,
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(transcript.line(), flush=True)
     return 1 if failed else 0
@@ -194,8 +210,13 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
     bar = progress_bar(args.speakers, "speaker")
     try:
         report = replicate_corpus(
-            args.source, args.out, scale=args.scale, speakers=args.speakers, seed=args.seed,
-            workers=args.workers or None, progress=(lambda done, total: bar.update(1)) if bar else None,
+            args.source,
+            args.out,
+            scale=args.scale,
+            speakers=args.speakers,
+            seed=args.seed,
+            workers=args.workers or None,
+            progress=(lambda done, total: bar.update(1)) if bar else None,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -203,7 +224,9 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to {report.out_dir}")
+    print(
+        f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to {report.out_dir}"
+    )
     return 0
 
 
@@ -283,15 +306,21 @@ def _epilog(name: str) -> str:
 def _command(commands, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand whose --help shows ``summary``, its examples and the environment variables."""
     return commands.add_parser(
-        name, help=summary, description=summary, epilog=_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter
+        name,
+        help=summary,
+        description=summary,
+        epilog=_epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="speech-assets", description=__doc__, epilog=_epilog("speech-assets"),
+        prog="speech-assets",
+        description=__doc__,
+        epilog=_epilog("speech-assets"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     corpus = _command(commands, "corpus", "corpus tools: synth, replicate").add_subparsers(
@@ -304,13 +333,30 @@ def build_parser() -> argparse.ArgumentParser:
     synth.set_defaults(func=synth_module.run_from_args)
 
     replicate = _command(
-        corpus, "replicate", "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one"
+        corpus,
+        "replicate",
+        "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one",
     )
-    replicate.add_argument("--from", dest="source", type=Path, default=locations.sample_corpus(), help="source corpus (default: the sample)")
+    replicate.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=locations.sample_corpus(),
+        help="source corpus (default: the sample)",
+    )
     replicate.add_argument("--out", type=Path, required=True, help="output directory (must be empty or absent)")
-    replicate.add_argument("--scale", type=float, default=0.25, help="share of train-clean-100's ~113 utterances per speaker (1.0 = ~100 h)")
-    replicate.add_argument("--speakers", type=int, default=251, help="number of speakers (default 251, as train-clean-100)")
-    replicate.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same corpus (default 0)")
+    replicate.add_argument(
+        "--scale",
+        type=float,
+        default=0.25,
+        help="share of train-clean-100's ~113 utterances per speaker (1.0 = ~100 h)",
+    )
+    replicate.add_argument(
+        "--speakers", type=int, default=251, help="number of speakers (default 251, as train-clean-100)"
+    )
+    replicate.add_argument(
+        "--seed", type=int, default=0, help="random seed: the same seed gives the same corpus (default 0)"
+    )
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     replicate.set_defaults(func=_cmd_replicate)
 
@@ -319,42 +365,78 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--db", help=db_help)
     stats.set_defaults(func=_cmd_stats)
 
-    probe = _command(commands, "probe", "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random")
+    probe = _command(
+        commands,
+        "probe",
+        "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
+    )
     probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
-    probe.add_argument("--details", action="store_true", help="also print each model's probe lr, CER on its own training utterances and top layer weight")
+    probe.add_argument(
+        "--details",
+        action="store_true",
+        help="also print each model's probe lr, CER on its own training utterances and top layer weight",
+    )
     probe.set_defaults(func=_cmd_probe)
 
-    finetune = _command(commands, "finetune", "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline")
-    finetune.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/finetune/results.parquet)")
+    finetune = _command(
+        commands,
+        "finetune",
+        "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline",
+    )
+    finetune.add_argument(
+        "--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/finetune/results.parquet)"
+    )
     finetune.set_defaults(func=_cmd_finetune)
 
-    transcribe = _command(commands, "transcribe", "turn audio files into text with the fine-tuned recogniser (finetuned_asr)")
-    transcribe.add_argument("inputs", nargs="+", metavar="FILES_OR_FOLDER", help="audio files (any format libsndfile reads) or folders of .flac/.wav")
-    transcribe.add_argument("--model", help="a recogniser folder, or its .onnx or .json (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)")
-    transcribe.add_argument("--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error")
+    transcribe = _command(
+        commands, "transcribe", "turn audio files into text with the fine-tuned recogniser (finetuned_asr)"
+    )
+    transcribe.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="FILES_OR_FOLDER",
+        help="audio files (any format libsndfile reads) or folders of .flac/.wav",
+    )
+    transcribe.add_argument(
+        "--model",
+        help="a recogniser folder, or its .onnx or .json (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
+    )
+    transcribe.add_argument(
+        "--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error"
+    )
     transcribe.set_defaults(func=_cmd_transcribe)
 
     sql = _command(
-        commands, "sql", "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database"
+        commands,
+        "sql",
+        "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database",
     )
-    sql.add_argument("query", help="one SQL statement over the views and tables (list them with \"SHOW TABLES\")")
+    sql.add_argument("query", help='one SQL statement over the views and tables (list them with "SHOW TABLES")')
     sql.add_argument("--db", help=db_help)
     sql.add_argument("--max-rows", type=int, default=200, help="rows to print at most (default 200)")
     sql.add_argument(
-        "--raw", action="store_true",
+        "--raw",
+        action="store_true",
         help="print every digit of floating-point values (by default they are rounded for reading: 2 decimals, "
         "3 significant digits for small values)",
-    )  # fmt: skip
+    )
     sql.add_argument(
-        "--allow-external-access", action="store_true",
+        "--allow-external-access",
+        action="store_true",
         help="let the query read any file or URL you can read and load installed extensions (DuckDB's "
         "enable_external_access); it still writes nothing",
     )
     sql.set_defaults(func=_cmd_sql)
 
-    lineage = _command(commands, "lineage", "what a checkpoint was trained from; --stale: what no longer matches its inputs")
+    lineage = _command(
+        commands, "lineage", "what a checkpoint was trained from; --stale: what no longer matches its inputs"
+    )
     lineage.add_argument("checkpoint", nargs="?", help="a checkpoint file (.pt) written by a training run")
-    lineage.add_argument("--stale", action="store_true", help="list outputs built from other shards/targets than those published now (exit 3 if any)")
+    lineage.add_argument(
+        "--stale",
+        action="store_true",
+        help="list outputs built from other shards/targets than those published now (exit 3 if any)",
+    )
     lineage.add_argument("--json", action="store_true", help="print the whole report as JSON (for scripts)")
     lineage.set_defaults(func=_cmd_lineage)
 
@@ -363,7 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
     partitions.set_defaults(func=_cmd_partitions)
 
-    runs = _command(commands, "runs", "Dagster runs").add_subparsers(dest="runs_command", required=True, metavar="ACTION")
+    runs = _command(commands, "runs", "Dagster runs").add_subparsers(
+        dest="runs_command", required=True, metavar="ACTION"
+    )
     reap = _command(runs, "reap", "fail runs whose processes are gone and free their concurrency slots")
     reap.set_defaults(func=_cmd_runs_reap)
     return parser

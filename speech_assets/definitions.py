@@ -2,7 +2,23 @@
 
 import dagster as dg
 
-from speech_assets.defs import automation, clients, distillation, export, features, federated, finetune, iteration2, manifest, model_checks, probe, staleness, stats, targets, training
+from speech_assets.defs import (
+    automation,
+    clients,
+    distillation,
+    export,
+    features,
+    federated,
+    finetune,
+    iteration2,
+    manifest,
+    model_checks,
+    probe,
+    staleness,
+    stats,
+    targets,
+    training,
+)
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.runs import reaping_multiprocess_executor
 

@@ -180,5 +180,7 @@ def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
     """A ``cls`` dataclass filled from ``source`` (a dataclass or pydantic model): the ``given``
     values, else ``source``'s same-named fields, else ``cls``'s defaults; never copied by hand."""
     names = getattr(type(source), "model_fields", None) or {f.name for f in dataclasses.fields(source)}
-    shared = {f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if f.name in names and f.name not in given}
+    shared = {
+        f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if f.name in names and f.name not in given
+    }
     return cls(**shared, **given)

@@ -76,7 +76,11 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from speech_assets.testing.local_runs import materialize_data_stages
 
     root = tmp_path_factory.mktemp("sample_build")
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root / 'out' / 'mlflow.db'}")
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS),
+        data_dir=str(root / "out"),
+        mlflow_tracking_uri=f"sqlite:///{root / 'out' / 'mlflow.db'}",
+    )
     defs = build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))
     with fresh_instance(root) as instance:
         clients = materialize_data_stages(defs, instance)
@@ -105,7 +109,13 @@ def demo_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "SPEECH_ASSETS_DATA_DIR": str(root / "out"),
         "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
         "TRAIN_CONFIG_JSON": json.dumps(
-            {"ops": {"pretrained_checkpoint": {"config": {"preset": "tiny", "max_steps": DEMO_TRAIN_STEPS, "checkpoint_every": 100}}}}
+            {
+                "ops": {
+                    "pretrained_checkpoint": {
+                        "config": {"preset": "tiny", "max_steps": DEMO_TRAIN_STEPS, "checkpoint_every": 100}
+                    }
+                }
+            }
         ),
         "FEDERATED_CONFIG_JSON": json.dumps({"ops": {"federated_checkpoint": {"config": DEMO_FEDERATED}}}),
     }

@@ -35,9 +35,11 @@ PARSERS = dict(_parsers(build_parser()))
 def test_help_explains_every_argument_with_examples_and_the_environment(name: str) -> None:
     parser = PARSERS[name]
     undocumented = [
-        action.dest for action in parser._actions
-        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not (action.help or "").strip()
-    ]  # fmt: skip
+        action.dest
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and not (action.help or "").strip()
+    ]
     assert not undocumented, f"{name}: arguments without help: {undocumented}"
     text = parser.format_help()
     has_subcommands = any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
@@ -52,19 +54,37 @@ def stats_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from speech_assets.stats.database import StatsInputs, build_database
 
     data = tmp_path_factory.mktemp("cli")
-    pq.write_table(pa.table({"utt_id": ["u1"], "path": ["a"], "transcript": ["A"], "duration_s": [1.0]}), data / "manifest.parquet")
     pq.write_table(
-        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), data / "rejects.parquet"
+        pa.table({"utt_id": ["u1"], "path": ["a"], "transcript": ["A"], "duration_s": [1.0]}), data / "manifest.parquet"
     )
     pq.write_table(
-        pa.table({"speaker_id": ["1", "2", "3", "4"], "client_id": ["c0", "c0", "c1", "c1"],
-                  "hours": [0.41234567891234, 25.123456789, 0.0034567123, 0.0], "utterances": [3, 4, 5, 0],
-                  "heldout": [False, False, True, False]}),  # fmt: skip
+        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
+        data / "rejects.parquet",
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "speaker_id": ["1", "2", "3", "4"],
+                "client_id": ["c0", "c0", "c1", "c1"],
+                "hours": [0.41234567891234, 25.123456789, 0.0034567123, 0.0],
+                "utterances": [3, 4, 5, 0],
+                "heldout": [False, False, True, False],
+            }
+        ),
         data / "clients.parquet",
     )
     db = data / "stats.duckdb"
-    build_database(db, StatsInputs(manifest=data / "manifest.parquet", manifest_rejects=data / "rejects.parquet", shards=[],
-                                   shard_rejects=[], clients=data / "clients.parquet", kmeans_quality=[]))  # fmt: skip
+    build_database(
+        db,
+        StatsInputs(
+            manifest=data / "manifest.parquet",
+            manifest_rejects=data / "rejects.parquet",
+            shards=[],
+            shard_rejects=[],
+            clients=data / "clients.parquet",
+            kmeans_quality=[],
+        ),
+    )
     return db
 
 
@@ -93,8 +113,13 @@ def _piped_into_head(args: list[str], cwd: Path) -> tuple[bytes, bytes, int]:
     """``python -m speech_assets.cli ARGS | head -1``, through a real pipe: head's output, the
     CLI's stderr and exit status."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    cli = subprocess.Popen([sys.executable, "-m", "speech_assets.cli", *args], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, cwd=cwd, env=env)  # fmt: skip
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "speech_assets.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+    )
     head = subprocess.Popen(["head", "-1"], stdin=cli.stdout, stdout=subprocess.PIPE)
     cli.stdout.close()  # head holds the only read end: when it exits, the CLI's next write fails
     first, _ = head.communicate(timeout=120)
@@ -110,8 +135,10 @@ def test_lineage_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> Non
 
     # far more output than a pipe holds, so the CLI is still writing when head leaves
     versions = {f"vad_features/{i:05d}": "ab" * 32 for i in range(3_000)}
-    checkpoint = save_checkpoint(tmp_path / "final.pt", {"model": {"w": torch.zeros(2)}, "step": 7, "config": {"lr": 0.001},
-                                                         "data_versions": versions})  # fmt: skip
+    checkpoint = save_checkpoint(
+        tmp_path / "final.pt",
+        {"model": {"w": torch.zeros(2)}, "step": 7, "config": {"lr": 0.001}, "data_versions": versions},
+    )
     first, err, status = _piped_into_head(["lineage", str(checkpoint)], tmp_path)
     assert first.decode().startswith("checkpoint ")
     assert err == b"", err.decode()
@@ -120,7 +147,14 @@ def test_lineage_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> Non
 
 def test_sql_piped_into_head_ends_without_a_traceback(stats_db: Path, tmp_path: Path) -> None:
     first, err, status = _piped_into_head(
-        ["sql", "SELECT range AS n, 'padding to fill the pipe' AS s FROM range(100000)", "--max-rows", "100000", "--db", str(stats_db)],
+        [
+            "sql",
+            "SELECT range AS n, 'padding to fill the pipe' AS s FROM range(100000)",
+            "--max-rows",
+            "100000",
+            "--db",
+            str(stats_db),
+        ],
         tmp_path,
     )
     assert first.strip()

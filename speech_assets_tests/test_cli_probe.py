@@ -27,13 +27,46 @@ def rows(model: str, cers: list[float], normalisation: str = "utterance", speake
     for seed, cer in enumerate(cers):
         errors = np.full(40, round(20 * cer), dtype=np.int64)
         errors[:seed] += 1  # the seeds differ a little
-        held = HeldoutErrors(tuple(f"u{i}" for i in range(40)), tuple(f"h{i % speakers}" for i in range(40)),
-                             errors, np.full(40, 20), errors // 4, np.full(40, 5))  # fmt: skip
+        held = HeldoutErrors(
+            tuple(f"u{i}" for i in range(40)),
+            tuple(f"h{i % speakers}" for i in range(40)),
+            errors,
+            np.full(40, 20),
+            errors // 4,
+            np.full(40, 5),
+        )
         cer = float(errors.sum() / 800)
         found += [
-            ProbeResult(model, "sha-" + model, "linear", [0.2, 0.8], "train", cer - 0.3, cer + 0.1, 200, 400, seed, normalisation, 20),
-            ProbeResult(model, "sha-" + model, "linear", [0.2, 0.8], "heldout", cer, cer + 0.1, 40, 400, seed, normalisation, speakers, errors=held),
-        ]  # fmt: skip
+            ProbeResult(
+                model,
+                "sha-" + model,
+                "linear",
+                [0.2, 0.8],
+                "train",
+                cer - 0.3,
+                cer + 0.1,
+                200,
+                400,
+                seed,
+                normalisation,
+                20,
+            ),
+            ProbeResult(
+                model,
+                "sha-" + model,
+                "linear",
+                [0.2, 0.8],
+                "heldout",
+                cer,
+                cer + 0.1,
+                40,
+                400,
+                seed,
+                normalisation,
+                speakers,
+                errors=held,
+            ),
+        ]
     return found
 
 
@@ -43,21 +76,35 @@ def write(results: list[ProbeResult], folder: Path, min_speakers: int | None = N
     pq.write_table(results_table(results), folder / "results.parquet")
     pq.write_table(utterances_table(results), utterances_path(folder / "results.parquet"))
     if min_speakers is not None:
-        pq.write_table(leaderboard_table(leaderboard(results, min_speakers), min_speakers), leaderboard_path(folder / "results.parquet"))
+        pq.write_table(
+            leaderboard_table(leaderboard(results, min_speakers), min_speakers),
+            leaderboard_path(folder / "results.parquet"),
+        )
     return folder / "results.parquet"
 
 
-def test_probe_prints_the_leaderboard_first_then_the_standing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    results = rows("fbank", [0.70, 0.70, 0.70], "global") + rows("random", [0.95, 0.95, 0.95]) + rows("pretrained", [0.60, 0.60, 0.60])
+def test_probe_prints_the_leaderboard_first_then_the_standing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = (
+        rows("fbank", [0.70, 0.70, 0.70], "global")
+        + rows("random", [0.95, 0.95, 0.95])
+        + rows("pretrained", [0.60, 0.60, 0.60])
+    )
     results += rows("distilled", [0.70, 0.70, 0.70])
     write(results, tmp_path / "probe")
     monkeypatch.setenv("SPEECH_ASSETS_DATA_DIR", str(tmp_path))  # found like `speech-assets stats` finds its data dir
     assert main(["probe"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict | seeds | utterances | speakers |"
+    assert (
+        out[0]
+        == "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict | seeds | utterances | speakers |"
+    )
     assert out[2].startswith("| pretrained | utterance | 0.601 ± 0.001 | 0.701 ± 0.001 | -0.100 [")
     assert out[2].endswith("| better than fbank and random | 3 | 40 | 4 |"), out[2]
-    assert out[3].startswith("| fbank | global | 0.701 ± 0.001 |") and out[3].endswith("| — | -0.250 [-0.250, -0.250] | baseline | 3 | 40 | 4 |"), out[3]
+    assert out[3].startswith("| fbank | global | 0.701 ± 0.001 |") and out[3].endswith(
+        "| — | -0.250 [-0.250, -0.250] | baseline | 3 | 40 | 4 |"
+    ), out[3]
     assert "| distilled | utterance | 0.701 ± 0.001 | 0.801 ± 0.001 | +0.000 [+0.000, +0.000] |" in out[4]
     assert out[4].endswith("| better than random; no evidence against fbank | 3 | 40 | 4 |"), out[4]
     lines = [line for line in out if line.startswith(("pretrained:", "distilled:"))]
@@ -69,7 +116,9 @@ def test_probe_prints_the_leaderboard_first_then_the_standing(tmp_path: Path, mo
     assert "| pretrained | utterance | n/a | 3 | 0.601 ± 0.001 |" in capsys.readouterr().out
 
 
-def test_probe_says_indicative_only_with_the_minimum_the_run_judged_with(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_probe_says_indicative_only_with_the_minimum_the_run_judged_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     results = rows("fbank", [0.7, 0.7], speakers=2) + rows("pretrained", [0.5, 0.5], speakers=2)
     default = write(results, tmp_path / "default")  # no leaderboard file: the default minimum, 3
     assert main(["probe", "--results", str(default)]) == 0

@@ -114,9 +114,11 @@ def private_attributes(tree: ast.Module, module_aliases: set[str]) -> list[tuple
     return [
         (node.lineno, node.value.id, node.attr)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in module_aliases and private(node.attr)
-    ]  # fmt: skip
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in module_aliases
+        and private(node.attr)
+    ]
 
 
 def module_aliases(tree: ast.Module, imports: list[Import], modules: dict[str, Path]) -> dict[str, str]:
@@ -143,7 +145,9 @@ def owner_aliases(tree: ast.Module) -> dict[str, str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if private_owner(alias.name.split(".")[0]):
-                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                    bound[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
         elif isinstance(node, ast.ImportFrom) and not node.level and private_owner((node.module or "").split(".")[0]):
             for alias in node.names:
                 bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -164,7 +168,11 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
         floor = floor_of(part)
         if floor is None:
             if module == f"{package}.{part}":
-                violations.append(Violation(where, 1, module, "-", f"{module} is on no floor: add it to FLOORS and docs/ARCHITECTURE.md"))
+                violations.append(
+                    Violation(
+                        where, 1, module, "-", f"{module} is on no floor: add it to FLOORS and docs/ARCHITECTURE.md"
+                    )
+                )
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         imports = imports_of(module, path, tree, modules)
@@ -174,11 +182,27 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
             top = item.target.split(".")[0]
             for name in item.names if top == package else ():
                 if private(name):
-                    violations.append(Violation(where, item.line, module, f"{item.target}.{name}",
-                                                "a private name of another module: make it public or move it"))  # fmt: skip
+                    violations.append(
+                        Violation(
+                            where,
+                            item.line,
+                            module,
+                            f"{item.target}.{name}",
+                            "a private name of another module: make it public or move it",
+                        )
+                    )
             heavy_dagster = top == "dagster" or (top.startswith("dagster_") and top not in LIGHT_DAGSTER)
-            hidden = [item.target] if any(map(private, item.target.split("."))) else [f"{item.target}.{n}" for n in item.names if private(n)]
-            if private_owner(top) and hidden and module != internals and not (heavy_dagster and part not in DAGSTER_PARTS):
+            hidden = (
+                [item.target]
+                if any(map(private, item.target.split(".")))
+                else [f"{item.target}.{n}" for n in item.names if private(n)]
+            )
+            if (
+                private_owner(top)
+                and hidden
+                and module != internals
+                and not (heavy_dagster and part not in DAGSTER_PARTS)
+            ):
                 if (item.line, hidden[0]) not in reported:  # `from dagster._x import a, b`: once
                     violations.append(Violation(where, item.line, module, hidden[0], PRIVATE_OWNED))
                 reported.add((item.line, hidden[0]))
@@ -187,32 +211,65 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
             checked.add((item.line, item.target))
             if heavy_dagster:
                 if part not in DAGSTER_PARTS:
-                    violations.append(Violation(where, item.line, module, item.target,
-                                                f"only {sorted(DAGSTER_PARTS)} import Dagster; pure code stays runnable without it"))  # fmt: skip
+                    violations.append(
+                        Violation(
+                            where,
+                            item.line,
+                            module,
+                            item.target,
+                            f"only {sorted(DAGSTER_PARTS)} import Dagster; pure code stays runnable without it",
+                        )
+                    )
                 continue
             if top == f"{package}_tests":
-                violations.append(Violation(where, item.line, module, item.target, "the tests: the product never imports them"))
+                violations.append(
+                    Violation(where, item.line, module, item.target, "the tests: the product never imports them")
+                )
             if top != package:
                 continue
             target_part = part_of(item.target)
             if target_part == TESTING:
-                violations.append(Violation(where, item.line, module, item.target,
-                                            "test scaffolding: the product never imports testing/"))  # fmt: skip
+                violations.append(
+                    Violation(
+                        where, item.line, module, item.target, "test scaffolding: the product never imports testing/"
+                    )
+                )
                 continue
             target_floor = floor_of(target_part)
             if target_part == part or target_floor is None:
                 continue
             edges.setdefault((part, target_part), (where, item.line, item.target))
             if target_floor > floor:
-                violations.append(Violation(where, item.line, module, item.target,
-                                            f"imports up: {target_part or package} is on floor {target_floor}, above {part or package} (floor {floor})"))  # fmt: skip
+                violations.append(
+                    Violation(
+                        where,
+                        item.line,
+                        module,
+                        item.target,
+                        f"imports up: {target_part or package} is on floor {target_floor}, above {part or package} (floor {floor})",
+                    )
+                )
             elif target_floor == floor and any({part, target_part} <= apart for apart in APART):
-                violations.append(Violation(where, item.line, module, item.target,
-                                            f"{part} and {target_part} share a floor and must not import each other"))  # fmt: skip
+                violations.append(
+                    Violation(
+                        where,
+                        item.line,
+                        module,
+                        item.target,
+                        f"{part} and {target_part} share a floor and must not import each other",
+                    )
+                )
         aliases = module_aliases(tree, imports, modules)
         for line, alias, attr in private_attributes(tree, set(aliases)):
-            violations.append(Violation(where, line, module, f"{aliases[alias]}.{attr}",
-                                        "a private name of another module (as an attribute): make it public or move it"))  # fmt: skip
+            violations.append(
+                Violation(
+                    where,
+                    line,
+                    module,
+                    f"{aliases[alias]}.{attr}",
+                    "a private name of another module (as an attribute): make it public or move it",
+                )
+            )
         owned = owner_aliases(tree) if module != internals else {}
         for line, alias, attr in private_attributes(tree, set(owned)):
             violations.append(Violation(where, line, module, f"{owned[alias]}.{attr}", PRIVATE_OWNED))
@@ -258,8 +315,15 @@ def cycle_violations(edges: dict[tuple[str, str], tuple[str, int, str]], package
         inside = sorted((a, b) for a, b in edges if a in group and b in group)
         where, line, target = edges[inside[0]]
         examples = "; ".join(f"{a or package} -> {b or package} ({edges[a, b][0]}:{edges[a, b][1]})" for a, b in inside)
-        violations.append(Violation(where, line, f"{package}.{inside[0][0]}".rstrip("."), target,
-                                    f"an import cycle between {sorted(g or package for g in group)}: {examples}"))  # fmt: skip
+        violations.append(
+            Violation(
+                where,
+                line,
+                f"{package}.{inside[0][0]}".rstrip("."),
+                target,
+                f"an import cycle between {sorted(g or package for g in group)}: {examples}",
+            )
+        )
     return violations
 
 
@@ -281,53 +345,109 @@ def tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 ALLOWED = {
     "down": {"features/build.py": "from speech_assets.corpus import manifest\n", "corpus/manifest.py": ""},
-    "within a part, relative": {"features/build.py": "from . import audio\nfrom .audio import decode\n", "features/audio.py": ""},
+    "within a part, relative": {
+        "features/build.py": "from . import audio\nfrom .audio import decode\n",
+        "features/audio.py": "",
+    },
     "floor 0 parts": {"runtime/locks.py": "from speech_assets.utils import atomic_path\n", "utils.py": ""},
     "lazy and down": {"defs/stats.py": "def f():\n    from speech_assets.stats import plots\n", "stats/plots.py": ""},
-    "testing imports anything": {"testing/runs.py": "import dagster\nfrom speech_assets.defs import x\nfrom speech_assets.defs.x import _y\n", "defs/x.py": ""},
+    "testing imports anything": {
+        "testing/runs.py": "import dagster\nfrom speech_assets.defs import x\nfrom speech_assets.defs.x import _y\n",
+        "defs/x.py": "",
+    },
     "dagster in defs": {"defs/x.py": "import dagster as dg\nfrom dagster import asset\n"},
     "dagster_pipes in a worker": {"train/tracking.py": "from dagster_pipes import open_dagster_pipes\n"},
     "a dunder name": {"cli.py": "from speech_assets import __version__\n"},
-    "a public attribute": {"defs/x.py": "from speech_assets.targets import labels\nlabels.read_labels\n", "targets/labels.py": ""},
-    "Dagster's internals in their module": {"defs/dagster_internals.py": "from dagster._core.x import a, b\nfrom multiprocessing import forkserver\nforkserver._forkserver\n"},
-    "public multiprocessing and os._exit": {"runtime/x.py": "import os\nfrom multiprocessing import get_context\nos._exit(1)\n"},
+    "a public attribute": {
+        "defs/x.py": "from speech_assets.targets import labels\nlabels.read_labels\n",
+        "targets/labels.py": "",
+    },
+    "Dagster's internals in their module": {
+        "defs/dagster_internals.py": "from dagster._core.x import a, b\nfrom multiprocessing import forkserver\nforkserver._forkserver\n"
+    },
+    "public multiprocessing and os._exit": {
+        "runtime/x.py": "import os\nfrom multiprocessing import get_context\nos._exit(1)\n"
+    },
 }
 
 FORBIDDEN = {
-    "up": ({"corpus/replicate.py": "from speech_assets.features.audio import to_mono\n", "features/audio.py": ""},
-           "corpus/replicate.py:1: speech_assets.corpus.replicate imports speech_assets.features.audio: imports up"),
-    "up, relative": ({"corpus/replicate.py": "from ..features import audio\n", "features/audio.py": ""},
-                     "imports speech_assets.features.audio: imports up: features is on floor 2, above corpus (floor 1)"),
-    "up, lazily": ({"targets/iteration2.py": "def f():\n    from speech_assets.evaluation.encoders import pad\n", "evaluation/encoders.py": ""},
-                   "targets/iteration2.py:2: speech_assets.targets.iteration2 imports speech_assets.evaluation.encoders: imports up"),
-    "up, under TYPE_CHECKING": ({"train/data.py": "if TYPE_CHECKING:\n    import speech_assets.defs.x\n", "defs/x.py": ""},
-                                "imports speech_assets.defs.x: imports up"),
-    "sideways": ({"federated/local.py": "from speech_assets.evaluation import distill\n", "evaluation/distill.py": ""},
-                 "federated and evaluation share a floor and must not import each other"),
-    "testing": ({"defs/automation.py": "from speech_assets.testing.local_runs import START\n", "testing/local_runs.py": ""},
-                "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test scaffolding"),
-    "a private name": ({"targets/iteration2.py": "from speech_assets.targets.labels import _write_outputs\n", "targets/labels.py": ""},
-                       "imports speech_assets.targets.labels._write_outputs: a private name of another module"),
-    "a private attribute": ({"defs/x.py": "from speech_assets.defs import targets\ntargets._read_json(1)\n", "defs/targets.py": ""},
-                            "defs/x.py:2: speech_assets.defs.x imports speech_assets.defs.targets._read_json: a private name"),
-    "dagster in pure code": ({"runtime/reaper.py": "from dagster._core.executor import Executor, InProcessExecutor\n"},
-                             "runtime/reaper.py:1: speech_assets.runtime.reaper imports dagster._core.executor: only"),
+    "up": (
+        {"corpus/replicate.py": "from speech_assets.features.audio import to_mono\n", "features/audio.py": ""},
+        "corpus/replicate.py:1: speech_assets.corpus.replicate imports speech_assets.features.audio: imports up",
+    ),
+    "up, relative": (
+        {"corpus/replicate.py": "from ..features import audio\n", "features/audio.py": ""},
+        "imports speech_assets.features.audio: imports up: features is on floor 2, above corpus (floor 1)",
+    ),
+    "up, lazily": (
+        {
+            "targets/iteration2.py": "def f():\n    from speech_assets.evaluation.encoders import pad\n",
+            "evaluation/encoders.py": "",
+        },
+        "targets/iteration2.py:2: speech_assets.targets.iteration2 imports speech_assets.evaluation.encoders: imports up",
+    ),
+    "up, under TYPE_CHECKING": (
+        {"train/data.py": "if TYPE_CHECKING:\n    import speech_assets.defs.x\n", "defs/x.py": ""},
+        "imports speech_assets.defs.x: imports up",
+    ),
+    "sideways": (
+        {"federated/local.py": "from speech_assets.evaluation import distill\n", "evaluation/distill.py": ""},
+        "federated and evaluation share a floor and must not import each other",
+    ),
+    "testing": (
+        {"defs/automation.py": "from speech_assets.testing.local_runs import START\n", "testing/local_runs.py": ""},
+        "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test scaffolding",
+    ),
+    "a private name": (
+        {"targets/iteration2.py": "from speech_assets.targets.labels import _write_outputs\n", "targets/labels.py": ""},
+        "imports speech_assets.targets.labels._write_outputs: a private name of another module",
+    ),
+    "a private attribute": (
+        {"defs/x.py": "from speech_assets.defs import targets\ntargets._read_json(1)\n", "defs/targets.py": ""},
+        "defs/x.py:2: speech_assets.defs.x imports speech_assets.defs.targets._read_json: a private name",
+    ),
+    "dagster in pure code": (
+        {"runtime/reaper.py": "from dagster._core.executor import Executor, InProcessExecutor\n"},
+        "runtime/reaper.py:1: speech_assets.runtime.reaper imports dagster._core.executor: only",
+    ),
     "a dagster library in pure code": ({"train/x.py": "import dagster_k8s\n"}, "imports dagster_k8s: only"),
-    "a private Dagster module": ({"defs/lineage.py": "from dagster._core.definitions.data_version import A, B\n"},
-                                 "defs/lineage.py:1: speech_assets.defs.lineage imports dagster._core.definitions.data_version: a private name of Dagster"),
-    "a private Dagster name": ({"defs/x.py": "from dagster import asset, _check\n"}, "imports dagster._check: a private name of Dagster"),
-    "a private Dagster attribute": ({"cli.py": "import dagster as dg\ndg._core.x\n"}, "cli.py:2: speech_assets.cli imports dagster._core: a private name of Dagster"),
-    "a private name of a Dagster library": ({"deploy/k8s.py": "import dagster_k8s.job\nfrom dagster_k8s.job import _label\n"},
-                                            "deploy/k8s.py:2: speech_assets.deploy.k8s imports dagster_k8s.job._label: a private name of Dagster"),
-    "the worker-side library's private names": ({"train/x.py": "from dagster_pipes import _X\n"}, "imports dagster_pipes._X: a private name of Dagster"),
-    "multiprocessing's private names": ({"runtime/x.py": "from multiprocessing import forkserver\nforkserver._forkserver._lock\n"},
-                                        "runtime/x.py:2: speech_assets.runtime.x imports multiprocessing.forkserver._forkserver: a private name of Dagster or multiprocessing: only speech_assets.defs.dagster_internals"),
-    "the tests": ({"defs/x.py": "from speech_assets_tests.conftest import REPO\n"},
-                  "defs/x.py:1: speech_assets.defs.x imports speech_assets_tests.conftest: the tests"),
-    "a cycle on one floor": ({"runtime/locks.py": "from speech_assets import utils\n", "utils.py": "from speech_assets.runtime import locks\n"},
-                             "an import cycle between ['runtime', 'utils']"),
+    "a private Dagster module": (
+        {"defs/lineage.py": "from dagster._core.definitions.data_version import A, B\n"},
+        "defs/lineage.py:1: speech_assets.defs.lineage imports dagster._core.definitions.data_version: a private name of Dagster",
+    ),
+    "a private Dagster name": (
+        {"defs/x.py": "from dagster import asset, _check\n"},
+        "imports dagster._check: a private name of Dagster",
+    ),
+    "a private Dagster attribute": (
+        {"cli.py": "import dagster as dg\ndg._core.x\n"},
+        "cli.py:2: speech_assets.cli imports dagster._core: a private name of Dagster",
+    ),
+    "a private name of a Dagster library": (
+        {"deploy/k8s.py": "import dagster_k8s.job\nfrom dagster_k8s.job import _label\n"},
+        "deploy/k8s.py:2: speech_assets.deploy.k8s imports dagster_k8s.job._label: a private name of Dagster",
+    ),
+    "the worker-side library's private names": (
+        {"train/x.py": "from dagster_pipes import _X\n"},
+        "imports dagster_pipes._X: a private name of Dagster",
+    ),
+    "multiprocessing's private names": (
+        {"runtime/x.py": "from multiprocessing import forkserver\nforkserver._forkserver._lock\n"},
+        "runtime/x.py:2: speech_assets.runtime.x imports multiprocessing.forkserver._forkserver: a private name of Dagster or multiprocessing: only speech_assets.defs.dagster_internals",
+    ),
+    "the tests": (
+        {"defs/x.py": "from speech_assets_tests.conftest import REPO\n"},
+        "defs/x.py:1: speech_assets.defs.x imports speech_assets_tests.conftest: the tests",
+    ),
+    "a cycle on one floor": (
+        {
+            "runtime/locks.py": "from speech_assets import utils\n",
+            "utils.py": "from speech_assets.runtime import locks\n",
+        },
+        "an import cycle between ['runtime', 'utils']",
+    ),
     "a part on no floor": ({"extras/x.py": ""}, "speech_assets.extras is on no floor"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("files", ALLOWED.values(), ids=list(ALLOWED))

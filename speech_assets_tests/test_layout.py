@@ -25,20 +25,27 @@ NOT_PRODUCT = {"testing"}  # test scaffolding: it writes fixtures in the layout'
 # Modules that still spell these names (the training worker, the export writer, the run-folder
 # readers): each entry may only shrink; the test fails when one is no longer needed.
 NOT_YET_MOVED = {
-    "speech_assets/corpus/audit.py": ['manifest.parquet', 'rejects.parquet', 'speakers.parquet'],
-    "speech_assets/defs/export.py": ['encoder.json', 'encoder.onnx', 'encoder.pt'],
-    "speech_assets/defs/manifest.py": ['.staging'],
-    "speech_assets/defs/model_checks.py": ['metrics.jsonl', 'result.json'],
-    "speech_assets/defs/torchrun.py": ['config.json', 'final.pt', 'metrics.jsonl', 'result.json', 'train.log'],
-    "speech_assets/federated/tracking.py": ['mlflow_run_id', 'result.json'],
-    "speech_assets/model/export.py": ['encoder.json', 'encoder.onnx', 'encoder.pt'],
-    "speech_assets/stats/database.py": ['.lock', 'config.json', 'mlflow_run_id', 'provenance.json', 'settings.json', 'speed.json'],
-    "speech_assets/stats/lineage.py": ['result.json'],
-    "speech_assets/targets/build.py": ['state.npz'],
-    "speech_assets/train/engine.py": ['final.pt', 'metrics.jsonl', 'mlflow_run_id', 'result.json'],
-    "speech_assets/train/launch.py": ['launch_config.json'],
-    "speech_assets/train/tracking.py": ['config.json', 'mlflow_run_id', 'result.json'],
-    "speech_assets/train/trainer.py": ['speaker_sums.npz'],
+    "speech_assets/corpus/audit.py": ["manifest.parquet", "rejects.parquet", "speakers.parquet"],
+    "speech_assets/defs/export.py": ["encoder.json", "encoder.onnx", "encoder.pt"],
+    "speech_assets/defs/manifest.py": [".staging"],
+    "speech_assets/defs/model_checks.py": ["metrics.jsonl", "result.json"],
+    "speech_assets/defs/torchrun.py": ["config.json", "final.pt", "metrics.jsonl", "result.json", "train.log"],
+    "speech_assets/federated/tracking.py": ["mlflow_run_id", "result.json"],
+    "speech_assets/model/export.py": ["encoder.json", "encoder.onnx", "encoder.pt"],
+    "speech_assets/stats/database.py": [
+        ".lock",
+        "config.json",
+        "mlflow_run_id",
+        "provenance.json",
+        "settings.json",
+        "speed.json",
+    ],
+    "speech_assets/stats/lineage.py": ["result.json"],
+    "speech_assets/targets/build.py": ["state.npz"],
+    "speech_assets/train/engine.py": ["final.pt", "metrics.jsonl", "mlflow_run_id", "result.json"],
+    "speech_assets/train/launch.py": ["launch_config.json"],
+    "speech_assets/train/tracking.py": ["config.json", "mlflow_run_id", "result.json"],
+    "speech_assets/train/trainer.py": ["speaker_sums.npz"],
 }
 
 
@@ -65,16 +72,19 @@ def _spells_file(text: str, files: set[str]) -> str | None:
 
 def _docstrings(tree: ast.Module) -> set[int]:
     return {
-        id(node.value) for node in ast.walk(tree)
+        id(node.value)
+        for node in ast.walk(tree)
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-    }  # fmt: skip
+    }
 
 
 PATH_CALLS = {"Path", "PurePath", "joinpath", "with_name", "glob", "rglob", "join"}
 
 
 def _joins_paths(func: ast.expr) -> bool:
-    return (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "") in PATH_CALLS
+    return (
+        func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    ) in PATH_CALLS
 
 
 def literals_in(source: str, files: set[str], folders: set[str]) -> list[tuple[int, str]]:
@@ -121,7 +131,7 @@ def test_the_checker_catches_each_spelling_of_an_output_name(source: str) -> Non
 @pytest.mark.parametrize(
     "source",
     [
-        'layout.TargetFiles(out).labels',
+        "layout.TargetFiles(out).labels",
         '{"kmeans": 1, "probe": 2}',  # a dict key or an asset's group name, not a path
         'log("probe")',
         'def f():\n    """Reads kmeans/<client>/labels.parquet."""\n',
@@ -134,7 +144,14 @@ def test_the_checker_leaves_other_strings_alone(source: str) -> None:
 
 def test_the_layout_names_are_read_from_the_layout_module() -> None:
     files, folders = layout_names()
-    assert {"labels.parquet", "quality.json", "codebook.npy", "clients.parquet", "mlartifacts", "mlflow.db"} <= files | folders
+    assert {
+        "labels.parquet",
+        "quality.json",
+        "codebook.npy",
+        "clients.parquet",
+        "mlartifacts",
+        "mlflow.db",
+    } <= files | folders
     assert {"kmeans", "kmeans_iter2", "probe", "export", "finetune", "report", "federated", "distill"} <= folders
 
 

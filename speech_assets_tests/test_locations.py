@@ -11,8 +11,14 @@ from speech_assets.train.tracking import run_url, ui_command
     [
         ("http://user:secret@mlflow.internal:5000", "http://mlflow.internal:5000"),
         ("https://secret@mlflow.example.com/base", "https://mlflow.example.com/base"),
-        ("https://mlflow.example.com/?token=secret&workspace=w1", "https://mlflow.example.com/?token=REDACTED&workspace=w1"),
-        ("https://h/?X-Amz-Signature=secret&access_token=secret", "https://h/?X-Amz-Signature=REDACTED&access_token=REDACTED"),
+        (
+            "https://mlflow.example.com/?token=secret&workspace=w1",
+            "https://mlflow.example.com/?token=REDACTED&workspace=w1",
+        ),
+        (
+            "https://h/?X-Amz-Signature=secret&access_token=secret",
+            "https://h/?X-Amz-Signature=REDACTED&access_token=REDACTED",
+        ),
         ("postgresql+psycopg2://mlflow:secret@db:5432/mlflow", "postgresql+psycopg2://mlflow@db:5432/mlflow"),
         ("sqlite:////data/out/mlflow.db", "sqlite:////data/out/mlflow.db"),
         ("databricks", "databricks"),

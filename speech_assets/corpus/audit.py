@@ -66,7 +66,10 @@ def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = "
 
 def schema(table: pa.Table, rejects: pa.Table) -> Audit:
     problems = []
-    for file, expected, actual in (("manifest.parquet", MANIFEST_SCHEMA, table), ("rejects.parquet", REJECTS_SCHEMA, rejects)):
+    for file, expected, actual in (
+        ("manifest.parquet", MANIFEST_SCHEMA, table),
+        ("rejects.parquet", REJECTS_SCHEMA, rejects),
+    ):
         problems += [f"{file}: no column {f.name}" for f in expected if f.name not in actual.column_names]
         problems += [
             f"{file}: {f.name} is {actual.schema.field(f.name).type} (expected {f.type})"
@@ -75,8 +78,15 @@ def schema(table: pa.Table, rejects: pa.Table) -> Audit:
         ]
     known = {str(reason) for reason in RejectReason}
     if "reason" in rejects.column_names:
-        problems += [f"rejects.parquet: unknown reason {r!r}" for r in sorted(set(rejects.column("reason").to_pylist()) - known, key=str)]
-    description = "every documented column, with its type" if not problems else f"{len(problems)} schema problem(s): {problems[0]}"
+        problems += [
+            f"rejects.parquet: unknown reason {r!r}"
+            for r in sorted(set(rejects.column("reason").to_pylist()) - known, key=str)
+        ]
+    description = (
+        "every documented column, with its type"
+        if not problems
+        else f"{len(problems)} schema problem(s): {problems[0]}"
+    )
     return Audit("schema", not problems, description, {"problems": _examples(problems)})
 
 
@@ -87,7 +97,9 @@ def no_nulls(table: pa.Table, rejects: pa.Table) -> Audit:
         for name in t.column_names
         if t.column(name).null_count
     }
-    description = "no null in any column" if not nulls else f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}"
+    description = (
+        "no null in any column" if not nulls else f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}"
+    )
     return Audit("no_nulls", not nulls, description, {"nulls": nulls})
 
 
@@ -96,8 +108,12 @@ def unique_ids(table: pa.Table) -> Audit:
         return missing
     seen: set[object] = set()
     duplicates = [i for i in table.column("utt_id").to_pylist() if i in seen or seen.add(i)]
-    return Audit("unique_ids", not duplicates, f"{len(duplicates)} duplicate utt_id(s) among {table.num_rows} rows",
-                 {"duplicates": len(duplicates), "examples": _examples(duplicates)})
+    return Audit(
+        "unique_ids",
+        not duplicates,
+        f"{len(duplicates)} duplicate utt_id(s) among {table.num_rows} rows",
+        {"duplicates": len(duplicates), "examples": _examples(duplicates)},
+    )
 
 
 def safe_ids(table: pa.Table) -> Audit:
@@ -105,8 +121,12 @@ def safe_ids(table: pa.Table) -> Audit:
     if (missing := _missing("safe_ids", table, columns)) is not None:
         return missing
     bad = [f"{c}={v!r}" for c in columns for v in table.column(c).to_pylist() if not is_safe_id(v)]
-    return Audit("safe_ids", not bad, f"{len(bad)} unsafe id(s) among {table.num_rows} rows",
-                 {"bad_ids": len(bad), "examples": _examples(bad)})
+    return Audit(
+        "safe_ids",
+        not bad,
+        f"{len(bad)} unsafe id(s) among {table.num_rows} rows",
+        {"bad_ids": len(bad), "examples": _examples(bad)},
+    )
 
 
 def paths_inside_root(table: pa.Table, root: Path) -> Audit:
@@ -119,8 +139,12 @@ def paths_inside_root(table: pa.Table, root: Path) -> Audit:
         for path in table.column("path").to_pylist()
         if not isinstance(path, str) or not is_inside(real(path), root) or not os.path.isfile(path)
     ]
-    return Audit("paths_inside_root", not bad, f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
-                 {"bad_paths": len(bad), "examples": _examples(bad)})
+    return Audit(
+        "paths_inside_root",
+        not bad,
+        f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
+        {"bad_paths": len(bad), "examples": _examples(bad)},
+    )
 
 
 def durations(table: pa.Table, config: ValidationConfig) -> Audit:
@@ -137,38 +161,56 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
             bad.append(f"{utt}: duration_s {duration} but {samples} samples at {rate} Hz is {samples / rate}")
         elif not config.min_duration_s <= duration <= config.max_duration_s:
             bad.append(f"{utt}: {duration} s outside [{config.min_duration_s}, {config.max_duration_s}]")
-    return Audit("durations", not bad,
-                 f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, {config.max_duration_s}] s",
-                 {"bad_rows": len(bad), "examples": _examples(bad)})
+    return Audit(
+        "durations",
+        not bad,
+        f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, {config.max_duration_s}] s",
+        {"bad_rows": len(bad), "examples": _examples(bad)},
+    )
 
 
 def speakers(table: pa.Table, listed: pa.Table) -> Audit:
     if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
         return missing
-    if (missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), "speakers.parquet")) is not None:
+    if (
+        missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), "speakers.parquet")
+    ) is not None:
         return missing
     triples: dict[str, list[tuple[str, str, str]]] = {}
-    for utt, speaker, sha, text in zip(*(table.column(c).to_pylist() for c in ("utt_id", "speaker_id", "file_sha256", "transcript")), strict=True):
+    for utt, speaker, sha, text in zip(
+        *(table.column(c).to_pylist() for c in ("utt_id", "speaker_id", "file_sha256", "transcript")), strict=True
+    ):
         triples.setdefault(speaker, []).append((utt, sha, text))
     expected = {s: (len(t), hash_triples(t)) for s, t in triples.items()}
     rows = listed.select(["speaker_id", "utterances", "manifest_hash"]).to_pylist()
     actual = {r["speaker_id"]: (r["utterances"], r["manifest_hash"]) for r in rows}
     problems = [f"{s}: not listed" for s in sorted(set(expected) - set(actual), key=str)]
     problems += [f"{s}: listed but has no manifest rows" for s in sorted(set(actual) - set(expected), key=str)]
-    problems += [f"{s}: {actual[s]} != {expected[s]}" for s in sorted(set(actual) & set(expected), key=str) if actual[s] != expected[s]]
+    problems += [
+        f"{s}: {actual[s]} != {expected[s]}"
+        for s in sorted(set(actual) & set(expected), key=str)
+        if actual[s] != expected[s]
+    ]
     if len(rows) != len(actual):
         problems.append(f"{len(rows) - len(actual)} speaker(s) listed twice")
-    return Audit("speakers", not problems, f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers",
-                 {"problems": _examples(problems)})
+    return Audit(
+        "speakers",
+        not problems,
+        f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers",
+        {"problems": _examples(problems)},
+    )
 
 
 def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:
     total = kept + rejects.num_rows
     ratio = rejects.num_rows / total if total else 0.0
     passed = ratio <= max_ratio
-    return Audit("reject_ratio", passed,
-                 f"{rejects.num_rows} of {total} utterances rejected ({ratio:.4f} {'<=' if passed else '>'} max_reject_ratio {max_ratio})",
-                 {"rejects": rejects.num_rows, "total": total, "reject_ratio": round(ratio, 4), "max_reject_ratio": max_ratio})
+    return Audit(
+        "reject_ratio",
+        passed,
+        f"{rejects.num_rows} of {total} utterances rejected ({ratio:.4f} {'<=' if passed else '>'} max_reject_ratio {max_ratio})",
+        {"rejects": rejects.num_rows, "total": total, "reject_ratio": round(ratio, 4), "max_reject_ratio": max_ratio},
+    )
 
 
 def audit_manifest(files: ManifestFiles, corpus_root: Path, config: ValidationConfig, max_ratio: float) -> list[Audit]:

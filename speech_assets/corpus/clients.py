@@ -24,10 +24,13 @@ from speech_assets.utils import atomic_path
 
 CLIENTS_SCHEMA = pa.schema(
     [
-        ("speaker_id", pa.string()), ("client_id", pa.string()), ("hours", pa.float64()), ("utterances", pa.int64()),
+        ("speaker_id", pa.string()),
+        ("client_id", pa.string()),
+        ("hours", pa.float64()),
+        ("utterances", pa.int64()),
         ("heldout", pa.bool_()),
     ]
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,7 @@ def assign_clients(
         if client in valid:
             chosen[speaker.speaker_id] = client
             load[client] += speaker.hours
-    newcomers = sorted(
-        (s for s in speakers if s.speaker_id not in chosen), key=lambda s: (-s.hours, s.speaker_id)
-    )
+    newcomers = sorted((s for s in speakers if s.speaker_id not in chosen), key=lambda s: (-s.hours, s.speaker_id))
     for speaker in newcomers:
         lightest = min(clients, key=lambda c: (load[c], c))
         chosen[speaker.speaker_id] = lightest
@@ -136,7 +137,9 @@ class ClientsTable:
 
     def train_speakers(self, clients: Sequence[str] | None = None) -> list[str]:
         """The speakers that are not held out (of ``clients`` only, when given), sorted."""
-        return sorted(row.speaker_id for row in self.rows if not row.heldout and (clients is None or row.client_id in clients))
+        return sorted(
+            row.speaker_id for row in self.rows if not row.heldout and (clients is None or row.client_id in clients)
+        )
 
     def weights(self, clients: Sequence[str]) -> dict[str, float]:
         """The aggregation weight of each of ``clients``: the utterances of its training (not
@@ -156,5 +159,9 @@ def read_clients(path: str | os.PathLike[str]) -> ClientsTable:
     refused: re-materialise ``client_partitions``."""
     names = pq.read_schema(path).names
     if "heldout" not in names:
-        raise ValueError(f"{path} has no heldout column (written by an older version): re-materialise client_partitions")
-    return ClientsTable(tuple(ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist()))
+        raise ValueError(
+            f"{path} has no heldout column (written by an older version): re-materialise client_partitions"
+        )
+    return ClientsTable(
+        tuple(ClientAssignment(**row) for row in pq.read_table(path, columns=CLIENTS_SCHEMA.names).to_pylist())
+    )

@@ -197,18 +197,31 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
         for utt_id in sorted(set(texts) | set(files)):
             if utt_id not in files:
                 if (reason := why_unsafe(utt_id)) is not None:  # never joined to a folder, not even in a reject
-                    rejects.append(RejectRow(utt_id, str(folder), "manifest", RejectReason.INVALID_ID, _id_detail("utt_id", utt_id, reason)))
+                    rejects.append(
+                        RejectRow(
+                            utt_id,
+                            str(folder),
+                            "manifest",
+                            RejectReason.INVALID_ID,
+                            _id_detail("utt_id", utt_id, reason),
+                        )
+                    )
                     continue
                 rejects.append(
                     RejectRow(
-                        utt_id, str(folder / f"{utt_id}.flac"), "manifest", RejectReason.MISSING_FILE,
+                        utt_id,
+                        str(folder / f"{utt_id}.flac"),
+                        "manifest",
+                        RejectReason.MISSING_FILE,
                         f"transcript line for {utt_id} in {folder} has no audio file",
                     )
                 )
                 continue
             text = normalise_transcript(texts.get(utt_id, ""))
             if not text:
-                detail = "transcript is empty" if utt_id in texts else f"no line for {utt_id} in any *.trans.txt of {folder}"
+                detail = (
+                    "transcript is empty" if utt_id in texts else f"no line for {utt_id} in any *.trans.txt of {folder}"
+                )
                 rejects.append(RejectRow(utt_id, files[utt_id], "manifest", RejectReason.NO_TRANSCRIPT, detail))
                 continue
             parts = utt_id.split("-")
@@ -249,17 +262,23 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
     rejects: list[RejectRow] = []
     for line, record in _read_manifest_records(manifest):
         if isinstance(record, str):  # the line could not be read into a record
-            rejects.append(RejectRow(f"line-{line}", str(manifest), "manifest", RejectReason.UNREADABLE, f"line {line}: {record}"))
+            rejects.append(
+                RejectRow(f"line-{line}", str(manifest), "manifest", RejectReason.UNREADABLE, f"line {line}: {record}")
+            )
             continue
         raw_path = record["path"].strip()
         utt_id = record["utt_id"].strip() or (Path(raw_path).stem if raw_path else f"line-{line}")
         if not raw_path:
-            rejects.append(RejectRow(utt_id, str(manifest), "manifest", RejectReason.MISSING_FILE, f"line {line}: no path"))
+            rejects.append(
+                RejectRow(utt_id, str(manifest), "manifest", RejectReason.MISSING_FILE, f"line {line}: no path")
+            )
             continue
         path = Path(raw_path) if os.path.isabs(raw_path) else manifest.parent / raw_path
         text = normalise_transcript(record["transcript"])
         if not text:
-            rejects.append(RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"line {line}: empty transcript"))
+            rejects.append(
+                RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"line {line}: empty transcript")
+            )
             continue
         speaker = record["speaker_id"].strip()  # empty: an invalid_id reject, not a failed run
         chapter = record["chapter_id"].strip() or "0"
@@ -316,7 +335,9 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
         raise CorpusError(f"{manifest}: the header line cannot be parsed as CSV ({err})") from err
     missing = [name for name in REQUIRED_COLUMNS if name not in header]
     if missing:
-        raise CorpusError(f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})")
+        raise CorpusError(
+            f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})"
+        )
     return header
 
 
@@ -435,11 +456,18 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
                 return AudioProbe(
-                    **base, file_sha256=_file_digest(path)[0],
+                    **base,
+                    file_sha256=_file_digest(path)[0],
                     error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
                 )
-            if config is not None and declared > 0 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s:
-                return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False)
+            if (
+                config is not None
+                and declared > 0
+                and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s
+            ):
+                return AudioProbe(
+                    **base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False
+                )
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
             samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
@@ -447,13 +475,16 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
             for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype=dtype, always_2d=True):  # (frames, channels)
                 if dtype.startswith("float") and not (finite := np.isfinite(block).all(axis=1)).all():
                     return AudioProbe(
-                        **base, file_sha256=_file_digest(path)[0],
+                        **base,
+                        file_sha256=_file_digest(path)[0],
                         error=f"float samples include NaN or infinity (first at frame {decoded + int(np.argmin(finite))})",
                     )
                 decoded += block.shape[0]
                 samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
-                    return AudioProbe(**base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False)
+                    return AudioProbe(
+                        **base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False
+                    )
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
         return AudioProbe(**base, file_sha256=_file_digest(path)[0], error=f"cannot decode as audio: {reason}")
@@ -462,13 +493,18 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
         return AudioProbe(**base, file_sha256=digest, error="decodes to zero samples")
     if declared > 0 and declared != decoded:
         return AudioProbe(
-            **base, file_sha256=digest,
+            **base,
+            file_sha256=digest,
             error=f"header declares {declared} samples but {decoded} decoded (truncated or corrupt)",
         )
     if (problem := riff_data_problem(head, stat.st_size)) is not None:
         return AudioProbe(**base, file_sha256=digest, error=problem)
     return AudioProbe(
-        **base, sample_rate=sample_rate, channels=channels, num_samples=decoded, file_sha256=digest,
+        **base,
+        sample_rate=sample_rate,
+        channels=channels,
+        num_samples=decoded,
+        file_sha256=digest,
         audio_sha256=samples.hexdigest(),
     )
 
@@ -556,7 +592,10 @@ def scan_corpus(
         if len(candidate.transcript) > config.max_transcript_chars:
             rejects.append(
                 RejectRow(
-                    candidate.utt_id, candidate.path, "manifest", RejectReason.TRANSCRIPT_TOO_LONG,
+                    candidate.utt_id,
+                    candidate.path,
+                    "manifest",
+                    RejectReason.TRANSCRIPT_TOO_LONG,
                     f"transcript of {len(candidate.transcript)} characters (normalised), "
                     f"more than max_transcript_chars={config.max_transcript_chars}",
                 )
@@ -566,7 +605,10 @@ def scan_corpus(
         if not is_inside(resolved, root):
             rejects.append(
                 RejectRow(
-                    candidate.utt_id, candidate.path, "manifest", RejectReason.OUTSIDE_ROOT,
+                    candidate.utt_id,
+                    candidate.path,
+                    "manifest",
+                    RejectReason.OUTSIDE_ROOT,
                     f"resolves to {resolved}, outside the corpus root {root}",
                 )
             )
@@ -577,13 +619,17 @@ def scan_corpus(
             stat = None
         if stat is None or not S_ISREG(stat.st_mode):
             rejects.append(
-                RejectRow(candidate.utt_id, candidate.path, "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}")
+                RejectRow(
+                    candidate.utt_id, candidate.path, "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}"
+                )
             )
         else:
             inside.append((candidate, resolved))
             stats[resolved] = stat
 
-    probes, decoded = probe_all(sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats)
+    probes, decoded = probe_all(
+        sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats
+    )
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     kept_audio: dict[str, str] = {}  # audio_sha256 -> the utt_id kept with it
@@ -646,7 +692,11 @@ def invalid_id_detail(candidate: Candidate) -> str | None:
     """Which of the candidate's ids cannot become a file name or partition key, and why (None: all safe)."""
     problems = [
         _id_detail(what, value, reason)
-        for what, value in (("speaker_id", candidate.speaker_id), ("chapter_id", candidate.chapter_id), ("utt_id", candidate.utt_id))
+        for what, value in (
+            ("speaker_id", candidate.speaker_id),
+            ("chapter_id", candidate.chapter_id),
+            ("utt_id", candidate.utt_id),
+        )
         if (reason := why_unsafe(value)) is not None
     ]
     return "; ".join(problems) or None
@@ -657,7 +707,11 @@ def _id_detail(what: str, value: str, reason: str) -> str:
 
 
 def _judge(
-    candidate: Candidate, path: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str],
+    candidate: Candidate,
+    path: str,
+    probe: AudioProbe,
+    config: ValidationConfig,
+    kept_at: dict[str, str],
     kept_audio: dict[str, str],
 ) -> RejectRow | None:
     def reject(reason: RejectReason, detail: str) -> RejectRow:
@@ -666,10 +720,14 @@ def _judge(
     if probe.error:
         return reject(RejectReason.UNREADABLE, probe.error)
     if candidate.utt_id in kept_at:
-        return reject(RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}")
+        return reject(
+            RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}"
+        )
     duration = probe.num_samples / probe.sample_rate
     if duration < config.min_duration_s:
-        return reject(RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}")
+        return reject(
+            RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}"
+        )
     if duration > config.max_duration_s:
         return reject(RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}")
     first = kept_audio.get(probe.audio_sha256) if probe.audio_sha256 else None
@@ -705,9 +763,15 @@ def speaker_hashes(rows: Iterable[ManifestRow]) -> dict[str, str]:
 
 MANIFEST_SCHEMA = pa.schema(
     [
-        ("utt_id", pa.string()), ("speaker_id", pa.string()), ("chapter_id", pa.string()),
-        ("path", pa.string()), ("transcript", pa.string()), ("sample_rate", pa.int32()),
-        ("channels", pa.int16()), ("num_samples", pa.int64()), ("duration_s", pa.float64()),
+        ("utt_id", pa.string()),
+        ("speaker_id", pa.string()),
+        ("chapter_id", pa.string()),
+        ("path", pa.string()),
+        ("transcript", pa.string()),
+        ("sample_rate", pa.int32()),
+        ("channels", pa.int16()),
+        ("num_samples", pa.int64()),
+        ("duration_s", pa.float64()),
         ("file_sha256", pa.string()),
     ]
 )
@@ -760,7 +824,6 @@ def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-
 def corpus_fingerprint(location: Path) -> str:
     """A cheap change detector: sha256 over (relative path, size, mtime) of every corpus file.
 
@@ -773,9 +836,7 @@ def corpus_fingerprint(location: Path) -> str:
     if location.is_file():
         paths = [location]
         try:
-            paths += [
-                Path(c.path) for c in discover(location)[0]
-            ]
+            paths += [Path(c.path) for c in discover(location)[0]]
         except CorpusError:
             pass
         root = location.parent

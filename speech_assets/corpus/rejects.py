@@ -51,4 +51,3 @@ def write_rejects(path: str | os.PathLike[str], rejects: Sequence[RejectRow]) ->
     table = pa.Table.from_pydict(columns, schema=REJECTS_SCHEMA)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-

@@ -92,7 +92,11 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
         except CorpusError as err:
             return unreadable_corpus(context, fingerprint, str(err))
         return dg.SensorResult(
-            run_requests=[dg.RunRequest(run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")], tags=SENSOR_RUN_TAGS)],
+            run_requests=[
+                dg.RunRequest(
+                    run_key=f"manifest:{fingerprint}", asset_selection=[dg.AssetKey("manifest")], tags=SENSOR_RUN_TAGS
+                )
+            ],
             cursor=cursor,
         )
     failed = _failed_manifest_checks(context.instance)
@@ -120,7 +124,12 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             dg.RunRequest(
                 run_key=shard_run_key(context.instance, request),
                 asset_selection=[dg.AssetKey("vad_features")],
-                tags={**SENSOR_RUN_TAGS, PARTITION_RANGE_START: first, PARTITION_RANGE_END: last, SHARD_REQUEST_TAG: request},
+                tags={
+                    **SENSOR_RUN_TAGS,
+                    PARTITION_RANGE_START: first,
+                    PARTITION_RANGE_END: last,
+                    SHARD_REQUEST_TAG: request,
+                },
             )
             for first, last, keys in contiguous_ranges(order, set(stale))
             for request in [f"shards:{first}...{last}:" + sha256_strings(f"{s}:{stale[s]}" for s in keys)]
@@ -144,7 +153,8 @@ def unreadable_corpus(context: dg.SensorEvaluationContext, fingerprint: str, pro
         )
     context.log.error(f"corpus cannot be read, no manifest run requested until it changes: {problem}")
     return dg.SensorResult(
-        skip_reason=f"corpus cannot be read: {problem}", cursor=json.dumps({"fingerprint": fingerprint, "unreadable": fingerprint})
+        skip_reason=f"corpus cannot be read: {problem}",
+        cursor=json.dumps({"fingerprint": fingerprint, "unreadable": fingerprint}),
     )
 
 

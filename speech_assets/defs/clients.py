@@ -70,7 +70,10 @@ def client_partitions(
             "summary": dg.MetadataValue.md(
                 markdown_table(
                     ("client", "speakers", "held out", "hours", "utterances"),
-                    ((c, v["speakers"], v["heldout"], round(v["hours"], 4), v["utterances"]) for c, v in summary.items()),
+                    (
+                        (c, v["speakers"], v["heldout"], round(v["hours"], 4), v["utterances"])
+                        for c, v in summary.items()
+                    ),
                 )
             ),
             "registered_partitions": dg.MetadataValue.json(added),
@@ -80,9 +83,11 @@ def client_partitions(
     )
 
 
-@dg.asset_check(asset="client_partitions", blocking=True, description=(
-    "Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."
-))
+@dg.asset_check(
+    asset="client_partitions",
+    blocking=True,
+    description=("Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."),
+)
 def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
     speakers = set(pq.read_table(paths.cmvn.speakers, columns=["speaker_id"]).column(0).to_pylist())
     rows = assignment.read_clients(paths.clients_file)

@@ -68,20 +68,20 @@ def after_upstream_settles(
     # when its partition is seen to stop being in progress
     stopped = (~dg.AutomationCondition.in_progress()).newly_true().with_label("stopped_being_in_progress")
     run_stopped = (~dg.AutomationCondition.run_in_progress()).newly_true().with_label("its_run_stopped")
-    awaited = (
-        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.will_be_requested())
-        .with_label("inputs_updated_now")
-        | dg.AutomationCondition.newly_requested()
-        .since(dg.AutomationCondition.newly_updated() | dg.AutomationCondition.execution_failed() | stopped)
-        .with_label("requested_not_yet_updated")
-    )
+    awaited = dg.AutomationCondition.any_deps_match(
+        dg.AutomationCondition.newly_updated() | dg.AutomationCondition.will_be_requested()
+    ).with_label("inputs_updated_now") | dg.AutomationCondition.newly_requested().since(
+        dg.AutomationCondition.newly_updated() | dg.AutomationCondition.execution_failed() | stopped
+    ).with_label("requested_not_yet_updated")
     unbuilt = dg.AutomationCondition.missing() & ~(
         dg.AutomationCondition.execution_failed() | run_stopped.since(dg.AutomationCondition.newly_missing())
     )
     pending = (
-        dg.AutomationCondition.any_deps_match(dg.AutomationCondition.will_be_requested() | dg.AutomationCondition.run_in_progress())
-        .with_label("any_deps_requested_or_running")
-        | dg.AutomationCondition.any_deps_match(awaited).allow(dg.AssetSelection.assets(*requested_in_backfills))
+        dg.AutomationCondition.any_deps_match(
+            dg.AutomationCondition.will_be_requested() | dg.AutomationCondition.run_in_progress()
+        ).with_label("any_deps_requested_or_running")
+        | dg.AutomationCondition.any_deps_match(awaited)
+        .allow(dg.AssetSelection.assets(*requested_in_backfills))
         .with_label("backfilled_deps_awaited")
         | dg.AutomationCondition.any_deps_match(unbuilt)
         .allow(dg.AssetSelection.assets(*built_by_sensor))

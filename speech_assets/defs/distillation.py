@@ -9,12 +9,12 @@ import json
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.layout import RunFiles
 from speech_assets.defs.lineage import input_versions, required_checkpoint
-from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.partitions import TRAINING_INPUTS
+from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun
+from speech_assets.layout import RunFiles
 from speech_assets.stats.database import SPEED_FILE
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields
@@ -53,14 +53,25 @@ def distilled_checkpoint(
     run_dir = run_folder(paths.layout.distill_dir, data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
     distill_config = from_fields(
-        DistillConfig, options, **run_inputs(paths, table, paths.kmeans_dir, data_versions, run_dir, "distill"), teacher=teacher,
+        DistillConfig,
+        options,
+        **run_inputs(paths, table, paths.kmeans_dir, data_versions, run_dir, "distill"),
+        teacher=teacher,
         **student_shape(teacher_model.model.preset, options),
-        warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)), threads=options.threads or None,
-    )  # fmt: skip
+        warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)),
+        threads=options.threads or None,
+    )
     result = run_torchrun(
-        context, pipes_subprocess_client, paths, run_dir, distill_config, data_versions, asset_name="distilled_checkpoint",
-        nproc=options.nproc or 1, module="speech_assets.train.distill",
-    )  # fmt: skip
+        context,
+        pipes_subprocess_client,
+        paths,
+        run_dir,
+        distill_config,
+        data_versions,
+        asset_name="distilled_checkpoint",
+        nproc=options.nproc or 1,
+        module="speech_assets.train.distill",
+    )
     speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths, sorted(table.client_of)[:2])
     atomic_write_text(run_dir / SPEED_FILE, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
@@ -77,16 +88,21 @@ def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
     heads = options.heads or max(1, teacher.heads // 2)
     while dim % heads:
         heads -= 1
-    return {"dim": dim, "layers": options.layers or max(1, teacher.layers // 2), "heads": heads, "ffn_dim": options.ffn_dim or 4 * dim}
+    return {
+        "dim": dim,
+        "layers": options.layers or max(1, teacher.layers // 2),
+        "heads": heads,
+        "ffn_dim": options.ffn_dim or 4 * dim,
+    }
 
 
 def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths, speakers: list[str]) -> dict[str, float]:
     """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances
     (of ``speakers``' shards)."""
-    from speech_assets.train.distill import encoder_parameters
-    from speech_assets.model.encoders import load_encoder
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.speed import forward_speed
+    from speech_assets.model.encoders import load_encoder
+    from speech_assets.train.distill import encoder_parameters
 
     teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
     feats = [u.feats for u in manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers])][:16]

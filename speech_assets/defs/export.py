@@ -39,19 +39,25 @@ def encoder_export(
     with, frame rates, layer, parity against PyTorch on real shard features through
     onnxruntime): <data>/export/<checkpoint>/."""
     from speech_assets.evaluation.encoders import manifest_utterances
-    from speech_assets.model.encoders import load_encoder
-    from speech_assets.model.export import export_all, input_description
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import from_record
+    from speech_assets.model.encoders import load_encoder
+    from speech_assets.model.export import export_all, input_description
 
     options = effective(settings.export, config)
     checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
     encoder = load_encoder(checkpoint)
     cmvn = from_record(encoder.checkpoint.get("normalisation"))
     if cmvn is None:
-        raise dg.Failure(description=f"{checkpoint} records no input normalisation: re-materialise pretrained_checkpoint")
-    utterances = manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of)[:4]])
-    sample = [cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)]
+        raise dg.Failure(
+            description=f"{checkpoint} records no input normalisation: re-materialise pretrained_checkpoint"
+        )
+    utterances = manifest_utterances(
+        paths.manifest_file, [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of)[:4]]
+    )
+    sample = [
+        cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)
+    ]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
     folder = paths.export(encoder.sha256, options.layer).root
@@ -92,12 +98,18 @@ def encoder_export(
     )
 
 
-@dg.asset_check(asset=encoder_export, blocking=True, description=(
-    "Runs the exported ONNX (onnxruntime, CPU) and TorchScript encoders again on real shard utterances and "
-    f"fails when either differs from the PyTorch checkpoint by more than {ONNX_PARITY_ATOL:g} (fp32), or when "
-    "that checkpoint is not the one exported."
-))
-def onnx_matches_pytorch(context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings) -> dg.AssetCheckResult:
+@dg.asset_check(
+    asset=encoder_export,
+    blocking=True,
+    description=(
+        "Runs the exported ONNX (onnxruntime, CPU) and TorchScript encoders again on real shard utterances and "
+        f"fails when either differs from the PyTorch checkpoint by more than {ONNX_PARITY_ATOL:g} (fp32), or when "
+        "that checkpoint is not the one exported."
+    ),
+)
+def onnx_matches_pytorch(
+    context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings
+) -> dg.AssetCheckResult:
     materialization = latest_materialization(context.instance, "encoder_export")
     description = (materialization.metadata or {}).get("description") if materialization else None
     if description is None:
@@ -120,9 +132,11 @@ def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.Asset
     metadata: dict[str, object] = {"atol": ONNX_PARITY_ATOL, "folder": dg.MetadataValue.path(str(folder))}
     if parity is not None:
         metadata |= {
-            "max_abs_diff": parity.onnx_max_abs_diff, "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
-            "utterances": parity.utterances, "frames": parity.frames,
-        }  # fmt: skip
+            "max_abs_diff": parity.onnx_max_abs_diff,
+            "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
+            "utterances": parity.utterances,
+            "frames": parity.frames,
+        }
         problems += [
             f"{runtime} differs from PyTorch by up to {diff:.2e}"
             for runtime, diff in (("ONNX", parity.onnx_max_abs_diff), ("TorchScript", parity.torchscript_max_abs_diff))

@@ -8,7 +8,6 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.features import cmvn
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import (
@@ -21,10 +20,18 @@ from speech_assets.defs.lineage import (
     step_events,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
-from speech_assets.defs.resources import FeatureSettings, PipelineSettings, StoragePaths, effective, overrides_of, vad_config
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+from speech_assets.defs.resources import (
+    FeatureSettings,
+    PipelineSettings,
+    StoragePaths,
+    effective,
+    overrides_of,
+    vad_config,
+)
+from speech_assets.features import cmvn
 from speech_assets.features.vad import VadConfig
+from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 
 FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
 CMVN_CODE_VERSION = "cmvn-v1"
@@ -44,7 +51,6 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[flo
     return sha256_strings(parts)
 
 
-
 @dg.asset(
     group_name="features",
     partitions_def=speakers_partitions,
@@ -60,7 +66,11 @@ def vad_features(
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
     from speech_assets.features.build import (  # torch: lazily
-        ShardJob, UtteranceInput, check_speed_factors, plan_shards, publish_planned,
+        ShardJob,
+        UtteranceInput,
+        check_speed_factors,
+        plan_shards,
+        publish_planned,
     )
 
     features = effective(settings.features, config)
@@ -116,7 +126,10 @@ def vad_features(
                 totals[key] += meta[key]
             published.append(
                 partition_materialization(
-                    context, outcome.speaker_id, meta["shard_sha256"], shard_metadata(paths, meta, outcome.rebuilt),
+                    context,
+                    outcome.speaker_id,
+                    meta["shard_sha256"],
+                    shard_metadata(paths, meta, outcome.rebuilt),
                     observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
                 )
             )
@@ -200,9 +213,7 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
     )
     with atomic_path(paths.cmvn.speakers) as tmp:
         pq.write_table(table, tmp)
-    version = sha256_strings(
-        [sha256_file(path) for path in paths.cmvn.versioned]
-    )
+    version = sha256_strings([sha256_file(path) for path in paths.cmvn.versioned])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={
@@ -235,12 +246,12 @@ def _published_shards(paths: StoragePaths) -> dict[str, dict]:
     return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
 
 
-
-
 def _verified_key(meta: dict) -> str:
     """What the check's verdict on a shard depends on: its content (the sha256 its meta records,
     the meta vouching for the files by size and mtime), the rejects file and the counts."""
-    return sha256_strings(str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects"))
+    return sha256_strings(
+        str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects")
+    )
 
 
 def shard_problems(files: object, meta: dict) -> list[str]:
@@ -265,7 +276,9 @@ def shard_problems(files: object, meta: dict) -> list[str]:
             problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
     if parquet.num_row_groups:
         dtype = feature_dtype(parquet)
-        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(0, ROWS_SCANNED_PER_SHARD)
+        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(
+            0, ROWS_SCANNED_PER_SHARD
+        )
         utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
         for name, dim in FEATURE_DIMS.items():
             try:  # the feature bytes match the frames (a blob of another dtype would not)
@@ -273,15 +286,23 @@ def shard_problems(files: object, meta: dict) -> list[str]:
             except ValueError as error:
                 problems.append(str(error))
                 continue
-            problems += [f"{utt}: NaN or inf in its {name}" for utt, matrix in zip(utt_ids, blob_matrices(group.column(name), dim, dtype), strict=True) if not all_finite(matrix)]
+            problems += [
+                f"{utt}: NaN or inf in its {name}"
+                for utt, matrix in zip(utt_ids, blob_matrices(group.column(name), dim, dtype), strict=True)
+                if not all_finite(matrix)
+            ]
     return problems
 
 
-@dg.asset_check(asset="vad_features", blocking=True, description=(
-    "Every published shard: finite log-mel and MFCC (first row group scanned), feature sizes and frame "
-    "counts equal 1 + (trimmed samples - 400) // 160, row and reject counts equal what its meta vouches for. "
-    "A shard whose content (sha256 in its meta) this check already found sound is not read again."
-))
+@dg.asset_check(
+    asset="vad_features",
+    blocking=True,
+    description=(
+        "Every published shard: finite log-mel and MFCC (first row group scanned), feature sizes and frame "
+        "counts equal 1 + (trimmed samples - 400) // 160, row and reject counts equal what its meta vouches for. "
+        "A shard whose content (sha256 in its meta) this check already found sound is not read again."
+    ),
+)
 def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     problems: list[str] = []
     shards = _published_shards(paths)
@@ -302,7 +323,9 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
-        description=f"{len(problems)} problem(s) in {len(shards)} shard(s)" if problems else f"{len(shards)} shard(s) consistent",
+        description=f"{len(problems)} problem(s) in {len(shards)} shard(s)"
+        if problems
+        else f"{len(shards)} shard(s) consistent",
         metadata={
             "shards": len(shards),
             "shards_read": read,
@@ -312,7 +335,10 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     )
 
 
-@dg.asset_check(asset="vad_features", description=f"VAD found too little speech in at most {MAX_NO_SPEECH_SHARE:.0%} of the utterances.")
+@dg.asset_check(
+    asset="vad_features",
+    description=f"VAD found too little speech in at most {MAX_NO_SPEECH_SHARE:.0%} of the utterances.",
+)
 def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
     shards = _published_shards(paths)
     kept = sum(m["utterances"] for m in shards.values())
@@ -327,10 +353,14 @@ def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
     )
 
 
-@dg.asset_check(asset="cmvn_stats", blocking=True, description=(
-    "Every dimension of the global CMVN is finite with a standard deviation well above the variance "
-    "floor (a floored or constant dimension means silent, clipped or broken features)."
-))
+@dg.asset_check(
+    asset="cmvn_stats",
+    blocking=True,
+    description=(
+        "Every dimension of the global CMVN is finite with a standard deviation well above the variance "
+        "floor (a floored or constant dimension means silent, clipped or broken features)."
+    ),
+)
 def cmvn_is_not_degenerate(paths: StoragePaths) -> dg.AssetCheckResult:
     import numpy as np
 

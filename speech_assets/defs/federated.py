@@ -27,8 +27,16 @@ from speech_assets.utils import from_fields, sha256_strings
 
 CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
 # Settings that do not change what a run computes: a different value resumes the same run folder.
-OPERATIONAL = ("engine", "superlink", "superlink_root_certificates", "insecure", "client_state_root", "round_timeout_s",
-               "connect_timeout_s", "device")  # fmt: skip
+OPERATIONAL = (
+    "engine",
+    "superlink",
+    "superlink_root_certificates",
+    "insecure",
+    "client_state_root",
+    "round_timeout_s",
+    "connect_timeout_s",
+    "device",
+)
 
 
 def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagster_run_id: str | None):
@@ -38,7 +46,10 @@ def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagst
     from speech_assets.federated.tracking import FederatedTracker
 
     return FederatedTracker(
-        config, paths.mlflow_tracking_uri, artifact_location=paths.mlflow_artifact_location, git_sha=git_sha,
+        config,
+        paths.mlflow_tracking_uri,
+        artifact_location=paths.mlflow_artifact_location,
+        git_sha=git_sha,
         dagster_run_id=dagster_run_id,
     )
 
@@ -50,7 +61,9 @@ class FederatedOverrides(overrides_of(FederatedSettings)):
 def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> str:
     """Same inputs and the same (non-operational) settings -> the same run folder, which resumes."""
     knobs = settings.model_dump(exclude=set(OPERATIONAL))
-    return sha256_strings([json.dumps(data_versions, sort_keys=True), json.dumps(knobs, sort_keys=True), CODE_VERSION])[:16]
+    return sha256_strings([json.dumps(data_versions, sort_keys=True), json.dumps(knobs, sort_keys=True), CODE_VERSION])[
+        :16
+    ]
 
 
 @dg.asset(
@@ -68,12 +81,13 @@ def federated_checkpoint(
     SuperNodes): local rounds on a seeded sample of the clients, each on its own data with its own
     head, FedAdam/FedAvg/FedProx on the shared encoder only, optional DP and secure aggregation;
     resumes from its last completed round; MLflow."""
+    from speech_assets.defs import readable
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
     from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, run_federation
     from speech_assets.federated.processes import NeedsLinux
-    from speech_assets.defs import readable
     from speech_assets.stats.plots import markdown_image, round_curve
+
     record_run_process(context)
     fed = effective(settings.federated, config)
     table = read_clients(paths.clients_file)
@@ -82,10 +96,16 @@ def federated_checkpoint(
     run_name = run_name_for(data_versions, fed)
     run_dir = paths.federated_run(run_name).root
     federated = from_fields(
-        FederatedConfig, fed, run_dir=str(run_dir), run_name=run_name, clients=clients,
-        client_weights=table.weights(clients), data_versions=data_versions,
-        heldout_speakers=table.heldout, train_speakers=table.train_speakers(),
-    )  # fmt: skip
+        FederatedConfig,
+        fed,
+        run_dir=str(run_dir),
+        run_name=run_name,
+        clients=clients,
+        client_weights=table.weights(clients),
+        data_versions=data_versions,
+        heldout_speakers=table.heldout,
+        train_speakers=table.train_speakers(),
+    )
     commit = git_commit()
     tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)
 
@@ -101,8 +121,13 @@ def federated_checkpoint(
             f"{line['round_seconds']:.0f} s"
         )
 
-    where = (f"the SuperLink at {fed.superlink}" if fed.superlink else "Flower's simulation runtime"
-             if fed.engine == "simulation" else "a local SuperLink and one SuperNode per client")  # fmt: skip
+    where = (
+        f"the SuperLink at {fed.superlink}"
+        if fed.superlink
+        else "Flower's simulation runtime"
+        if fed.engine == "simulation"
+        else "a local SuperLink and one SuperNode per client"
+    )
     context.log.info(f"federated run {run_name} in {run_dir}: {len(clients)} clients on {where}")
     try:
         result = run_federation(
@@ -129,9 +154,14 @@ def federated_checkpoint(
 
     sha = _verify_checkpoint(result["checkpoint"], result["checkpoint_sha256"])
     record_provenance(
-        run_dir, sha, git_sha=commit, mlflow_run_id=tracker.run_id or None, mlflow_run_url=redact_uri(tracker.url) if tracker.url else None,
-        dagster_run_id=context.run.run_id, preset=fed.preset,
-    )  # fmt: skip
+        run_dir,
+        sha,
+        git_sha=commit,
+        mlflow_run_id=tracker.run_id or None,
+        mlflow_run_url=redact_uri(tracker.url) if tracker.url else None,
+        dagster_run_id=context.run.run_id,
+        preset=fed.preset,
+    )
     lines = result["round_summaries"]
     unscored = sorted(client for client, scores in result["heldout_per_client"].items() if not scores["masked_frames"])
     if unscored:
@@ -163,47 +193,69 @@ def federated_checkpoint(
         "per_round": readable.table(round_rows(lines, result["sampled_by_round"]), ROUND_COLUMNS),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
         "heldout_per_client": readable.table(
-            [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())], HELDOUT_CLIENT_COLUMNS
+            [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())],
+            HELDOUT_CLIENT_COLUMNS,
         ),
         "resumed_from_round": result["resumed_from_round"] or 0,
         "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
         "checkpoint_sha256": sha,
         "rounds_table": dg.MetadataValue.path(str(paths.federated_run(run_name).rounds_table)),
         "run_dir": dg.MetadataValue.path(str(run_dir)),
-        **readable.mlflow_links(tracker.run_id, tracker.url, None if tracker.served else ui_command(paths.mlflow_tracking_uri, paths.mlflow_artifact_location)),
+        **readable.mlflow_links(
+            tracker.run_id,
+            tracker.url,
+            None if tracker.served else ui_command(paths.mlflow_tracking_uri, paths.mlflow_artifact_location),
+        ),
         "input_versions": dg.MetadataValue.json(data_versions),
     }
     return dg.MaterializeResult(data_version=dg.DataVersion(sha), metadata=metadata)
 
 
 ROUND_COLUMNS = {
-    "round": "round", "clients": "clients that trained", "sampled": "clients asked to train", "missing": "asked but did not reply",
-    "train_loss": "local train loss, weighted as aggregated", "heldout_masked_accuracy": "held-out masked accuracy (evaluated rounds)",
-    "majority_accuracy": "majority-class rate, same frames", "heldout_leak_free_masked_accuracy": "on leak-free frames",
-    "heldout_leak_free_majority_accuracy": "majority-class rate on leak-free frames", "mb_up": "MB clients sent",
-    "mb_down": "MB clients received", "round_s": "wall time of the round (s)",
-}  # fmt: skip
+    "round": "round",
+    "clients": "clients that trained",
+    "sampled": "clients asked to train",
+    "missing": "asked but did not reply",
+    "train_loss": "local train loss, weighted as aggregated",
+    "heldout_masked_accuracy": "held-out masked accuracy (evaluated rounds)",
+    "majority_accuracy": "majority-class rate, same frames",
+    "heldout_leak_free_masked_accuracy": "on leak-free frames",
+    "heldout_leak_free_majority_accuracy": "majority-class rate on leak-free frames",
+    "mb_up": "MB clients sent",
+    "mb_down": "MB clients received",
+    "round_s": "wall time of the round (s)",
+}
 
 
 def round_rows(lines: list[dict], sampled_by_round: dict[str, list[str]]) -> list[dict]:
     """One table row per round (summarize_rounds' lines): sizes in MB, times in s."""
     return [
-        {**line, "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])), "mb_up": megabytes(line["bytes_up"]),
-         "mb_down": megabytes(line["bytes_down"]), "round_s": round(line["round_seconds"], 1)}
+        {
+            **line,
+            "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])),
+            "mb_up": megabytes(line["bytes_up"]),
+            "mb_down": megabytes(line["bytes_down"]),
+            "round_s": round(line["round_seconds"], 1),
+        }
         for line in lines
-    ]  # fmt: skip
+    ]
 
 
 def round_series(lines: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """Held-out accuracy and the majority-class rate by round (leak-free frames when measured)."""
     leak_free = any(line["heldout_leak_free_masked_accuracy"] is not None for line in lines)
-    accuracy, majority = (("heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy") if leak_free
-                          else ("heldout_masked_accuracy", "majority_accuracy"))  # fmt: skip
+    accuracy, majority = (
+        ("heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy")
+        if leak_free
+        else ("heldout_masked_accuracy", "majority_accuracy")
+    )
     scored = [line for line in lines if line[accuracy] is not None and line[majority] is not None]
     if not scored:
         return {"train loss": [(line["round"], line["train_loss"]) for line in lines]}
-    return {"held-out": [(line["round"], line[accuracy]) for line in scored],
-            "majority class": [(line["round"], line[majority]) for line in scored]}  # fmt: skip
+    return {
+        "held-out": [(line["round"], line[accuracy]) for line in scored],
+        "majority class": [(line["round"], line[majority]) for line in scored],
+    }
 
 
 def _verify_checkpoint(path: str, expected: str) -> str:

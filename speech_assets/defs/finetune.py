@@ -16,7 +16,14 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import bounded_versions, checkpoint_of, git_commit, latest_data_version, required_checkpoint, shard_hashes
+from speech_assets.defs.lineage import (
+    bounded_versions,
+    checkpoint_of,
+    git_commit,
+    latest_data_version,
+    required_checkpoint,
+    shard_hashes,
+)
 from speech_assets.defs.partitions import ALL_SHARDS
 from speech_assets.defs.resources import FinetuneSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
@@ -27,9 +34,13 @@ from speech_assets.utils import atomic_path, atomic_write_text, from_fields, pub
 
 FINETUNE_CODE_VERSION = "finetune-v1"
 ENCODER_ASSETS = {
-    "pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint",
-    "iteration2": "pretrained_checkpoint_iter2", "distilled": "distilled_checkpoint",
-}  # fmt: skip
+    "pretrained": "pretrained_checkpoint",
+    "federated": "federated_checkpoint",
+    "iteration2": "pretrained_checkpoint_iter2",
+    "distilled": "distilled_checkpoint",
+}
+
+
 class FinetuneOverrides(overrides_of(FinetuneSettings)):
     """Run-config overrides of the `[finetune]` settings for one manual run."""
 
@@ -66,15 +77,21 @@ def finetuned_asr(
             raise dg.Failure(description=f"[finetune] encoders: unknown {name!r}; known: {sorted(ENCODER_ASSETS)}")
         if name not in encoders and (found := checkpoint_of(context, ENCODER_ASSETS[name])) is not None:
             encoders[name] = found
-    encoders = {name: encoders[name] for name in options.encoders if name in encoders} or {"pretrained": encoders["pretrained"]}
+    encoders = {name: encoders[name] for name in options.encoders if name in encoders} or {
+        "pretrained": encoders["pretrained"]
+    }
     table = read_clients(paths.clients_file)
     try:
-        train_speakers, test_speakers = probe_split(table, {name: _speakers(path) for name, (path, _) in encoders.items()})
+        train_speakers, test_speakers = probe_split(
+            table, {name: _speakers(path) for name, (path, _) in encoders.items()}
+        )
     except ProbeLeak as error:
         raise dg.Failure(description=str(error)) from error
     candidates, heldout_texts, transcripts, skipped = _utterances(paths, train_speakers, test_speakers, options)
     if not candidates or not heldout_texts:
-        raise dg.Failure(description=f"nothing to fine-tune on: {len(candidates)} labellable training utterances, {len(heldout_texts)} held-out")
+        raise dg.Failure(
+            description=f"nothing to fine-tune on: {len(candidates)} labellable training utterances, {len(heldout_texts)} held-out"
+        )
     available = sum(c.seconds for c in candidates) / 60
     context.log.info(
         f"{len(candidates)} transcribed utterances ({available:.1f} min) of {len(train_speakers)} training speakers to label from"
@@ -90,7 +107,10 @@ def finetuned_asr(
     base_versions = {
         "manifest": latest_data_version(context.instance, "manifest") or "",
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-        **{f"vad_features/{s}": v for s, v in shard_hashes(paths, sorted(set(train_speakers) | set(test_speakers))).items()},
+        **{
+            f"vad_features/{s}": v
+            for s, v in shard_hashes(paths, sorted(set(train_speakers) | set(test_speakers))).items()
+        },
     }
     root = paths.finetune.root
     rows, runs = [], {}
@@ -101,19 +121,38 @@ def finetuned_asr(
             labelled = {"train": {u: transcripts[u] for u in subset}, "heldout": heldout_texts}
             seconds = sum(c.seconds for c in candidates if c.utt_id in set(subset))
             if seconds < minutes * 60:
-                context.log.warning(f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: using all of it")
+                context.log.warning(
+                    f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: using all of it"
+                )
             for model in [*encoders, SCRATCH]:
                 path, version = encoders["pretrained"] if model == SCRATCH else encoders[model]
                 result = _run(
-                    context, pipes_subprocess_client, paths, root, options, model, minutes, seed, path,
-                    {ENCODER_ASSETS.get(model, "pretrained_checkpoint"): version, **base_versions}, labelled, decoders,
-                )  # fmt: skip
+                    context,
+                    pipes_subprocess_client,
+                    paths,
+                    root,
+                    options,
+                    model,
+                    minutes,
+                    seed,
+                    path,
+                    {ENCODER_ASSETS.get(model, "pretrained_checkpoint"): version, **base_versions},
+                    labelled,
+                    decoders,
+                )
                 runs[(model, minutes, seed)] = result
                 rows += [
-                    {"model": model, "labelled_minutes": minutes, "seed": seed, **score, "steps": result["step"],
-                     "labelled_seconds": result["labelled_seconds"], "checkpoint_sha256": result["checkpoint_sha256"]}
+                    {
+                        "model": model,
+                        "labelled_minutes": minutes,
+                        "seed": seed,
+                        **score,
+                        "steps": result["step"],
+                        "labelled_seconds": result["labelled_seconds"],
+                        "checkpoint_sha256": result["checkpoint_sha256"],
+                    }
                     for score in result["scores"]
-                ]  # fmt: skip
+                ]
     target = paths.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
@@ -142,9 +181,12 @@ def finetuned_asr(
             "heldout_utterances": len(heldout_texts),
             "heldout_speakers": dg.MetadataValue.json(test_speakers[:50]),
             "available_labelled_minutes": round(available, 2),
-            "run_dirs": dg.MetadataValue.json({f"{m}/{b:g}min/seed{s}": str(Path(r["checkpoint"]).parent) for (m, b, s), r in runs.items()}),
-            "input_versions": dg.MetadataValue.json(bounded_versions({
-                **{ENCODER_ASSETS[n]: v for n, (_, v) in encoders.items()}, **base_versions})),
+            "run_dirs": dg.MetadataValue.json(
+                {f"{m}/{b:g}min/seed{s}": str(Path(r["checkpoint"]).parent) for (m, b, s), r in runs.items()}
+            ),
+            "input_versions": dg.MetadataValue.json(
+                bounded_versions({**{ENCODER_ASSETS[n]: v for n, (_, v) in encoders.items()}, **base_versions})
+            ),
         },
     )
 
@@ -164,7 +206,10 @@ def _utterances(paths: StoragePaths, train_speakers: list[str], test_speakers: l
     from speech_assets.features.shards import read_shard_table
 
     manifest = pq.read_table(paths.manifest_file, columns=["utt_id", "transcript"])
-    texts = {u: normalise(t or "") for u, t in zip(manifest.column("utt_id").to_pylist(), manifest.column("transcript").to_pylist(), strict=True)}
+    texts = {
+        u: normalise(t or "")
+        for u, t in zip(manifest.column("utt_id").to_pylist(), manifest.column("transcript").to_pylist(), strict=True)
+    }
     candidates, heldout, skipped = [], [], 0
     for speaker in sorted(set(train_speakers) | set(test_speakers)):
         shard = read_shard_table(paths.shard_file(speaker), columns=["utt_id", "num_frames"]).to_pylist()
@@ -185,33 +230,73 @@ def _utterances(paths: StoragePaths, train_speakers: list[str], test_speakers: l
 
 
 def _run(
-    context, client, paths: StoragePaths, root: Path, options: FinetuneSettings, model: str, minutes: float, seed: int,
-    encoder: str, data_versions: dict[str, str], labelled: dict, decoders: list[str],
-) -> dict:  # fmt: skip
+    context,
+    client,
+    paths: StoragePaths,
+    root: Path,
+    options: FinetuneSettings,
+    model: str,
+    minutes: float,
+    seed: int,
+    encoder: str,
+    data_versions: dict[str, str],
+    labelled: dict,
+    decoders: list[str],
+) -> dict:
     """One fine-tuning run (launched unless its run folder already holds its result)."""
     from speech_assets.train.config import FinetuneConfig
 
-    job = options.model_copy(update={"labelled_minutes": [minutes], "seeds": [seed], "encoders": [model], "decoders": decoders})
+    job = options.model_copy(
+        update={"labelled_minutes": [minutes], "seeds": [seed], "encoders": [model], "decoders": decoders}
+    )
     labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
     versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
     run_dir = run_folder(root / "runs", versions, job, FINETUNE_CODE_VERSION)
     finished = RunFiles(run_dir).result
-    if finished.is_file() and (result := json.loads(finished.read_text())).get("checkpoint") and Path(result["checkpoint"]).is_file():
+    if (
+        finished.is_file()
+        and (result := json.loads(finished.read_text())).get("checkpoint")
+        and Path(result["checkpoint"]).is_file()
+    ):
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
         return result
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "labelled.json", labelled_text)
     shard_speakers = sorted({k.split("/", 1)[1] for k in data_versions if k.startswith("vad_features/")})
     config = from_fields(
-        FinetuneConfig, options, run_dir=str(run_dir), shards=[str(paths.shard_file(s)) for s in shard_speakers],
-        cmvn=str(paths.cmvn.cmvn), clients={}, encoder=encoder, labelled=str(run_dir / "labelled.json"),
-        init="scratch" if model == "scratch" else "pretrained", seed=seed, data_versions=versions, git_sha=git_commit(),
-        decoders=decoders, threads=options.threads or None, max_frames=options.max_frames,
-        mlflow_tracking_uri=paths.mlflow_tracking_uri, mlflow_artifact_location=paths.mlflow_artifact_location,
+        FinetuneConfig,
+        options,
+        run_dir=str(run_dir),
+        shards=[str(paths.shard_file(s)) for s in shard_speakers],
+        cmvn=str(paths.cmvn.cmvn),
+        clients={},
+        encoder=encoder,
+        labelled=str(run_dir / "labelled.json"),
+        init="scratch" if model == "scratch" else "pretrained",
+        seed=seed,
+        data_versions=versions,
+        git_sha=git_commit(),
+        decoders=decoders,
+        threads=options.threads or None,
+        max_frames=options.max_frames,
+        mlflow_tracking_uri=paths.mlflow_tracking_uri,
+        mlflow_artifact_location=paths.mlflow_artifact_location,
         mlflow_run_name=f"finetune-{model}-{minutes:g}min-s{seed}-{run_dir.name}",
-    )  # fmt: skip
-    context.log.info(f"fine-tuning {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}")
-    run_torchrun(context, client, paths, run_dir, config, versions, asset_name="finetuned_asr", nproc=options.nproc or 1, module="speech_assets.evaluation.finetune")
+    )
+    context.log.info(
+        f"fine-tuning {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}"
+    )
+    run_torchrun(
+        context,
+        client,
+        paths,
+        run_dir,
+        config,
+        versions,
+        asset_name="finetuned_asr",
+        nproc=options.nproc or 1,
+        module="speech_assets.evaluation.finetune",
+    )
     return json.loads(finished.read_text())
 
 
@@ -232,7 +317,12 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     feats = []
     for speaker in speakers:
         for record in iter_shard(paths.shard_file(speaker), features=("logmel",)):
-            if record.utt_id in heldout_texts and record.logmel is not None and record.num_frames >= 2 and len(feats) < settings.export.parity_utterances:
+            if (
+                record.utt_id in heldout_texts
+                and record.logmel is not None
+                and record.num_frames >= 2
+                and len(feats) < settings.export.parity_utterances
+            ):
                 feats.append(cmvn.apply(record.logmel, "logmel"))
     folder = paths.finetune.recogniser
     staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
@@ -242,15 +332,21 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             parity = export_recogniser(loaded.model, staging, feats, settings.export.opset or None)
         features = settings.features
         vad = VadConfig(
-            aggressiveness=features.vad_aggressiveness, frame_ms=features.vad_frame_ms, padding_ms=features.vad_padding_ms,
-            min_speech_s=features.min_speech_s, min_speech_ratio=features.min_speech_ratio,
+            aggressiveness=features.vad_aggressiveness,
+            frame_ms=features.vad_frame_ms,
+            padding_ms=features.vad_padding_ms,
+            min_speech_s=features.min_speech_s,
+            min_speech_ratio=features.min_speech_ratio,
         )
         spec = {
             "inputs": {
                 "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised, VAD-trimmed), CMVN applied",
                 "lengths": "int64 (batch,): valid frames per row",
             },
-            "outputs": {"log_probs": "float32 (batch, (time + 1) // 2, 29): CTC log-probabilities, padded frames 0", "output_lengths": "int64 (batch,)"},
+            "outputs": {
+                "log_probs": "float32 (batch, (time + 1) // 2, 29): CTC log-probabilities, padded frames 0",
+                "output_lengths": "int64 (batch,)",
+            },
             "featurisation": {"feature": "logmel", **FeatureExtractor().describe(), "vad": vad.as_dict()},
             "cmvn": describe(cmvn),
             "vocabulary": vocabulary(),
@@ -265,15 +361,20 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "heldout_wer": result.get("heldout_wer"),
             "preset": loaded.model.preset.to_dict(),
             "parity": {
-                "max_abs_diff": parity.onnx_max_abs_diff, "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
-                "utterances": parity.utterances, "frames": parity.frames, "runtime": "onnxruntime CPUExecutionProvider, fp32",
+                "max_abs_diff": parity.onnx_max_abs_diff,
+                "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
+                "utterances": parity.utterances,
+                "frames": parity.frames,
+                "runtime": "onnxruntime CPUExecutionProvider, fp32",
             },
-        }  # fmt: skip
+        }
         atomic_write_text(staging / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    context.log.info(f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on {parity.utterances} held-out utterances")
+    context.log.info(
+        f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on {parity.utterances} held-out utterances"
+    )
     files = {name: sha256_file(folder / name) for name in (ONNX_FILE, "recogniser.pt", SPEC_FILE)}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
 

@@ -7,7 +7,13 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import input_provenance, partition_materialization, required_checkpoint, shard_hashes, step_events
+from speech_assets.defs.lineage import (
+    input_provenance,
+    partition_materialization,
+    required_checkpoint,
+    shard_hashes,
+    step_events,
+)
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
@@ -45,14 +51,16 @@ def kmeans_targets_iter2(
     [iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
     import torch
 
-    from speech_assets.model.encoders import load_encoder
     from speech_assets.features.cmvn import from_record
+    from speech_assets.model.encoders import load_encoder
     from speech_assets.targets.iteration2 import build_iter2_targets, default_layer
 
     options = effective(settings.iteration2, config)
     asset = ENCODER_ASSETS.get(options.encoder)
     if asset is None:
-        raise dg.Failure(description=f"[iteration2] encoder must be one of {sorted(ENCODER_ASSETS)}, got {options.encoder!r}")
+        raise dg.Failure(
+            description=f"[iteration2] encoder must be one of {sorted(ENCODER_ASSETS)}, got {options.encoder!r}"
+        )
     checkpoint, checkpoint_version = required_checkpoint(context, asset)
     encoder = load_encoder(checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,28 +80,48 @@ def kmeans_targets_iter2(
         heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers")
-        client = ClientShards(client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file)
+        client = ClientShards(
+            client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
+        )
         out_dir = paths.kmeans_iter2_dir(client_id)
 
         def build():
             return build_iter2_targets(
-                client.client_id, client.files(client.speakers), cmvn, model, layer, out_dir, k=options.k,
-                max_fit_frames=options.max_fit_frames, seed=options.seed, log=context.log.warning,
+                client.client_id,
+                client.files(client.speakers),
+                cmvn,
+                model,
+                layer,
+                out_dir,
+                k=options.k,
+                max_fit_frames=options.max_fit_frames,
+                seed=options.seed,
+                log=context.log.warning,
                 label_only=client.files(client.heldout),
-            )  # fmt: skip
+            )
 
         quality = iteration2_client_targets(
-            client, out_dir, options.k,
+            client,
+            out_dir,
+            options.k,
             [encoder.sha256, str(layer), options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION],
-            {"encoder_asset": asset, "checkpoint": checkpoint, "checkpoint_sha256": encoder.sha256,
-             "checkpoint_data_version": checkpoint_version, "layer": layer},
-            build, log=context.log.info,
-        )  # fmt: skip
+            {
+                "encoder_asset": asset,
+                "checkpoint": checkpoint,
+                "checkpoint_sha256": encoder.sha256,
+                "checkpoint_data_version": checkpoint_version,
+                "layer": layer,
+            },
+            build,
+            log=context.log.info,
+        )
         metadata = {
             **client_metadata(quality, out_dir),
-            "encoder": asset, "layer": layer, "checkpoint_sha256": encoder.sha256,
+            "encoder": asset,
+            "layer": layer,
+            "checkpoint_sha256": encoder.sha256,
             "mean_segment_length_hz": 50,
-        }  # fmt: skip
+        }
         published.append(partition_materialization(context, client_id, quality["data_version"], metadata, provenance))
         progress(client_id, done, len(context.partition_keys))
     yield from step_events(context, published)
@@ -117,10 +145,17 @@ def pretrained_checkpoint_iter2(
     kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."""
     record_run_process(context)
     return run_training(
-        context, effective(settings.training, config), paths, pipes_subprocess_client,
-        targets_dir=paths.kmeans_iter2_dir, targets_asset="kmeans_targets_iter2", run_root=paths.layout.training_iter2_dir,
-        code_version=TRAIN_ITER2_CODE_VERSION, asset_name="pretrained_checkpoint_iter2", run_label="pretrain-iter2",
-    )  # fmt: skip
+        context,
+        effective(settings.training, config),
+        paths,
+        pipes_subprocess_client,
+        targets_dir=paths.kmeans_iter2_dir,
+        targets_asset="kmeans_targets_iter2",
+        run_root=paths.layout.training_iter2_dir,
+        code_version=TRAIN_ITER2_CODE_VERSION,
+        asset_name="pretrained_checkpoint_iter2",
+        run_label="pretrain-iter2",
+    )
 
 
 ASSETS = [kmeans_targets_iter2, pretrained_checkpoint_iter2]

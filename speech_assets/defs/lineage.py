@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 
 from speech_assets import locations
 from speech_assets.defs import dagster_internals as internals
-from speech_assets.layout import TargetFiles
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.layout import TargetFiles
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 
@@ -25,9 +25,7 @@ def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.Asset
     return records[0].asset_materialization if records else None
 
 
-def latest_data_version(
-    instance: dg.DagsterInstance, asset: str, partition: str | None = None
-) -> str | None:
+def latest_data_version(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> str | None:
     """Data version of the latest materialization of ``asset`` (or one of its partitions)."""
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(
@@ -41,9 +39,7 @@ def latest_data_version(
     return materialization.tags.get(internals.DATA_VERSION_TAG) if materialization and materialization.tags else None
 
 
-def latest_metadata(
-    instance: dg.DagsterInstance, asset: str, partition: str | None = None
-) -> dict[str, object]:
+def latest_metadata(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> dict[str, object]:
     """Raw metadata values of the latest materialization (empty when never materialized)."""
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(
@@ -59,9 +55,16 @@ def latest_metadata(
 def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, str]:
     """Latest data version per partition (partitions never materialized are left out), in one query."""
     tags = instance.event_log_storage.get_latest_tags_by_partition(
-        dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION, [internals.DATA_VERSION_TAG], asset_partitions=list(partitions)
+        dg.AssetKey(asset),
+        dg.DagsterEventType.ASSET_MATERIALIZATION,
+        [internals.DATA_VERSION_TAG],
+        asset_partitions=list(partitions),
     )
-    return {key: value[internals.DATA_VERSION_TAG] for key, value in sorted(tags.items()) if internals.DATA_VERSION_TAG in value}
+    return {
+        key: value[internals.DATA_VERSION_TAG]
+        for key, value in sorted(tags.items())
+        if internals.DATA_VERSION_TAG in value
+    }
 
 
 def checkpoint_of(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str] | None:
@@ -124,7 +127,9 @@ def input_versions(
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
     }
     for client, speakers in sorted(clients.items()):
-        versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())["data_version"]
+        versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())[
+            "data_version"
+        ]
         versions |= {f"vad_features/{speaker}": sha for speaker, sha in shard_hashes(paths, speakers).items()}
     return versions
 
@@ -187,23 +192,35 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
         event = records[0].asset_materialization if records else None
         version = (event.tags or {}).get(internals.DATA_VERSION_TAG) if event else None
         tags[internals.get_input_data_version_tag(dep)] = version or internals.DEFAULT_DATA_VERSION.value
-        tags[internals.get_input_event_pointer_tag(dep)] = str(records[0].storage_id) if records else internals.NULL_EVENT_POINTER
+        tags[internals.get_input_event_pointer_tag(dep)] = (
+            str(records[0].storage_id) if records else internals.NULL_EVENT_POINTER
+        )
     return tags
 
 
-def observed_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, tuple[str, int]]:
+def observed_versions(
+    instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]
+) -> dict[str, tuple[str, int]]:
     """``{partition: (data version, storage id)}`` of the latest observation of each of ``asset``'s
     ``partitions`` that has one, in two queries whatever the number of partitions."""
     key, wanted = dg.AssetKey(asset), sorted(set(partitions))
     if not wanted:
         return {}
     storage = instance.event_log_storage
-    tags = storage.get_latest_tags_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, [internals.DATA_VERSION_TAG], asset_partitions=wanted)
+    tags = storage.get_latest_tags_by_partition(
+        key, dg.DagsterEventType.ASSET_OBSERVATION, [internals.DATA_VERSION_TAG], asset_partitions=wanted
+    )
     ids = storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, set(wanted))
-    return {p: (tags[p][internals.DATA_VERSION_TAG], ids[p]) for p in wanted if internals.DATA_VERSION_TAG in tags.get(p, {}) and p in ids}
+    return {
+        p: (tags[p][internals.DATA_VERSION_TAG], ids[p])
+        for p in wanted
+        if internals.DATA_VERSION_TAG in tags.get(p, {}) and p in ids
+    }
 
 
-def partition_observation(asset: str, partition: str, data_version: str, metadata: dict[str, object]) -> dg.AssetObservation:
+def partition_observation(
+    asset: str, partition: str, data_version: str, metadata: dict[str, object]
+) -> dg.AssetObservation:
     """An observation of one partition with ``data_version`` as its own (tagged as Dagster tags
     the observations of observable source assets)."""
     return dg.AssetObservation(
@@ -221,7 +238,9 @@ def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> d
     version, storage_id = observed if observed else (internals.DEFAULT_DATA_VERSION.value, None)
     return {
         internals.get_input_data_version_tag(key): version,
-        internals.get_input_event_pointer_tag(key): str(storage_id) if storage_id is not None else internals.NULL_EVENT_POINTER,
+        internals.get_input_event_pointer_tag(key): str(storage_id)
+        if storage_id is not None
+        else internals.NULL_EVENT_POINTER,
     }
 
 
@@ -309,5 +328,7 @@ def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
         return {}
     return {
         r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
-        for r in pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]).to_pylist()
+        for r in pq.read_table(
+            paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
+        ).to_pylist()
     }

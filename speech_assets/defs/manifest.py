@@ -38,7 +38,10 @@ class ManifestOverrides(overrides_of(ManifestSettings)):
     group_name="corpus",
     code_version=CODE_VERSION,
     kinds={"parquet"},
-    check_specs=[dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=text) for name, text in audit.AUDITS.items()],
+    check_specs=[
+        dg.AssetCheckSpec(name, asset="manifest", blocking=True, description=text)
+        for name, text in audit.AUDITS.items()
+    ],
 )
 def manifest(
     context: dg.AssetExecutionContext, config: ManifestOverrides, paths: StoragePaths, settings: PipelineSettings
@@ -49,11 +52,16 @@ def manifest(
     options = effective(settings.manifest, config)
     location = paths.corpus_path
     try:
-        validation = corpus.ValidationConfig(options.min_duration_s, options.max_duration_s, options.max_transcript_chars)
+        validation = corpus.ValidationConfig(
+            options.min_duration_s, options.max_duration_s, options.max_transcript_chars
+        )
         fingerprint = corpus.corpus_fingerprint(location)
         cache = corpus.load_cache(paths.decode_cache_file)
         result = corpus.scan_corpus(
-            location, validation, cache, workers=options.workers or os.cpu_count() or 1,
+            location,
+            validation,
+            cache,
+            workers=options.workers or os.cpu_count() or 1,
             progress=ProgressLog(context.log, "audio files validated"),
         )
     except (corpus.CorpusError, ValueError) as err:
@@ -79,7 +87,10 @@ def manifest(
                     passed=outcome.passed,
                     severity=dg.AssetCheckSeverity.ERROR,
                     description=outcome.description,
-                    metadata={k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v) for k, v in outcome.metadata.items()},
+                    metadata={
+                        k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v)
+                        for k, v in outcome.metadata.items()
+                    },
                 )
             failed = [outcome for outcome in audits if not outcome.passed]
             if failed:
@@ -173,10 +184,13 @@ speaker_manifest = dg.AssetSpec(
 )
 
 
-@dg.asset_check(asset=SPEAKER_MANIFEST, description=(
-    "The rows every speaker's partition is a view of (manifest/speakers.parquet) match the manifest: "
-    "exactly its speakers, each with its utterance count, hours and row hash."
-))
+@dg.asset_check(
+    asset=SPEAKER_MANIFEST,
+    description=(
+        "The rows every speaker's partition is a view of (manifest/speakers.parquet) match the manifest: "
+        "exactly its speakers, each with its utterance count, hours and row hash."
+    ),
+)
 def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
     problems = speaker_rows_problems(paths.manifest_file, paths.speakers_file)
     return dg.AssetCheckResult(
@@ -195,12 +209,16 @@ def speaker_rows_problems(manifest_file: Path, speakers_file: Path) -> list[str]
     outcome = audit.speakers(table, listed)  # the manifest's own audit of the same file, at publish time
     problems = [] if outcome.passed else [str(p) for p in outcome.metadata.get("problems", [])] or [outcome.description]
     seconds: dict[str, float] = {}
-    for speaker, duration in zip(table.column("speaker_id").to_pylist(), table.column("duration_s").to_pylist(), strict=True):
+    for speaker, duration in zip(
+        table.column("speaker_id").to_pylist(), table.column("duration_s").to_pylist(), strict=True
+    ):
         seconds[speaker] = seconds.get(speaker, 0.0) + duration
     if "hours" not in listed.column_names:
         return [*problems, "speakers.parquet has no hours column"]
     for row in listed.select(["speaker_id", "hours"]).to_pylist():
         expected = seconds.get(row["speaker_id"], 0.0) / 3600
         if row["hours"] is None or abs(row["hours"] - expected) > 1e-9 + 1e-6 * expected:
-            problems.append(f"{row['speaker_id']}: {row['hours']} hours listed, the manifest's rows make {expected:.6f}")
+            problems.append(
+                f"{row['speaker_id']}: {row['hours']} hours listed, the manifest's rows make {expected:.6f}"
+            )
     return problems

@@ -41,7 +41,7 @@ def _metrics_rows(run_dir: Path) -> Iterator[dict]:
 
 def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
     """Every loss ``run_dir`` records, by where it is recorded (None values: not measured)."""
-    from speech_assets.federated.config import FederatedPaths
+    from speech_assets.layout import FederatedPaths
 
     found: dict[str, list[float]] = {}
     for row in _metrics_rows(run_dir):
@@ -76,7 +76,10 @@ def accuracy_against_majority(run_dir: Path) -> tuple[float, float] | None:
     leak-free frames where the run measured them (else on all masked frames), or None where the
     run did not measure them (no held-out speakers)."""
     result = read_json(run_dir / "result.json", strict=True)
-    accuracy, majority = result.get("heldout_leak_free_masked_accuracy"), result.get("heldout_leak_free_majority_accuracy")
+    accuracy, majority = (
+        result.get("heldout_leak_free_masked_accuracy"),
+        result.get("heldout_leak_free_majority_accuracy"),
+    )
     if accuracy is None or majority is None:
         accuracy, majority = result.get("heldout_masked_accuracy"), result.get("heldout_majority_accuracy")
     return None if accuracy is None or majority is None else (float(accuracy), float(majority))
@@ -135,14 +138,19 @@ def above_majority_class(run_dir: Path) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=accuracy > majority,
         severity=dg.AssetCheckSeverity.WARN,
-        description=None if accuracy > majority else (
+        description=None
+        if accuracy > majority
+        else (
             f"held-out masked accuracy {accuracy:.3f} <= majority-class rate {majority:.3f}"
-            + (f" after {steps} steps" if steps is not None else "") + ": " + MAJORITY_AT_DEMO_SCALE
+            + (f" after {steps} steps" if steps is not None else "")
+            + ": "
+            + MAJORITY_AT_DEMO_SCALE
         ),
         metadata={
-            "heldout_masked_accuracy": round(accuracy, 4), "heldout_majority_accuracy": round(majority, 4),
+            "heldout_masked_accuracy": round(accuracy, 4),
+            "heldout_majority_accuracy": round(majority, 4),
             **({"steps": int(steps)} if isinstance(steps, int | float) else {}),
-        },  # fmt: skip
+        },
     )
 
 
@@ -172,31 +180,51 @@ BEATS_MAJORITY_CLASS = (
     "frequent training label) on the same frames, where the run measured both. Warns at demo scale: "
     + MAJORITY_AT_DEMO_SCALE
 )
-student_loss_falls = run_folder_check("distilled_checkpoint", "student_loss_falls", (
-    "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."
-), falling_loss)  # fmt: skip
+student_loss_falls = run_folder_check(
+    "distilled_checkpoint",
+    "student_loss_falls",
+    ("The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."),
+    falling_loss,
+)
 
 
-@dg.asset_check(asset="kmeans_targets_iter2", name="labels_match_shards", blocking=True, description=(
-    "Every client's iteration-2 labels cover exactly its speakers' utterances, one label per 50 Hz frame "
-    "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
-))
+@dg.asset_check(
+    asset="kmeans_targets_iter2",
+    name="labels_match_shards",
+    blocking=True,
+    description=(
+        "Every client's iteration-2 labels cover exactly its speakers' utterances, one label per 50 Hz frame "
+        "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
+    ),
+)
 def iteration2_labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_iter2_dir))
+    return labels_check_result(
+        label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_iter2_dir)
+    )
 
 
 CHECKS = [
-    *(run_folder_check(asset, "losses_are_finite", LOSSES_ARE_FINITE, finite_losses, blocking=True) for asset in TRAINED),
-    *(run_folder_check(asset, "beats_majority_class", BEATS_MAJORITY_CLASS, above_majority_class) for asset in WITH_HELDOUT_ACCURACY),
+    *(
+        run_folder_check(asset, "losses_are_finite", LOSSES_ARE_FINITE, finite_losses, blocking=True)
+        for asset in TRAINED
+    ),
+    *(
+        run_folder_check(asset, "beats_majority_class", BEATS_MAJORITY_CLASS, above_majority_class)
+        for asset in WITH_HELDOUT_ACCURACY
+    ),
     student_loss_falls,
     iteration2_labels_match_shards,
 ]
 
 
-@dg.asset_check(asset="finetuned_asr", blocking=True, description=(
-    "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
-    "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
-))
+@dg.asset_check(
+    asset="finetuned_asr",
+    blocking=True,
+    description=(
+        "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
+        "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
+    ),
+)
 def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
     from speech_assets.evaluation.finetune_results import RECOGNISER_PARITY_ATOL as ONNX_PARITY_ATOL
 
@@ -210,6 +238,7 @@ def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePa
     if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
         problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
     return dg.AssetCheckResult(
-        passed=not problems, description="; ".join(problems) or None,
+        passed=not problems,
+        description="; ".join(problems) or None,
         metadata={"runs": len(runs.value), "max_abs_diff": float(diff) if diff is not None else float("nan")},
     )

@@ -30,9 +30,13 @@ class ProbeOverrides(overrides_of(ProbeSettings)):
 @dg.asset(
     group_name="evaluation",
     deps=[
-        "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-        "manifest", "client_partitions",
-    ],  # fmt: skip
+        "pretrained_checkpoint",
+        "federated_checkpoint",
+        "distilled_checkpoint",
+        "pretrained_checkpoint_iter2",
+        "manifest",
+        "client_partitions",
+    ],
     code_version=PROBE_CODE_VERSION,
     kinds={"pytorch"},
 )
@@ -56,45 +60,66 @@ def downstream_probe(
     torch.set_num_threads(options.threads or torch.get_num_threads())
     pretrained_path, _ = required_checkpoint(context, "pretrained_checkpoint")
     loaded = {"pretrained": load_encoder(pretrained_path)}
-    optional = (("federated_checkpoint", "federated"), ("distilled_checkpoint", "distilled"), ("pretrained_checkpoint_iter2", "iteration2"))
+    optional = (
+        ("federated_checkpoint", "federated"),
+        ("distilled_checkpoint", "distilled"),
+        ("pretrained_checkpoint_iter2", "iteration2"),
+    )
     for asset, name in optional:
         if (found := checkpoint_of(context, asset)) is not None:
             loaded[name] = load_encoder(found[0])
     try:
         run = run_probe(
-            loaded, read_clients(paths.clients_file),
+            loaded,
+            read_clients(paths.clients_file),
             lambda speakers: manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers]),
-            from_fields(ProbeOptions, options), seed=options.seed, max_train_utterances=options.max_train_utterances,
-            max_eval_utterances=options.max_eval_utterances, min_heldout_speakers=options.min_heldout_speakers,
+            from_fields(ProbeOptions, options),
+            seed=options.seed,
+            max_train_utterances=options.max_train_utterances,
+            max_eval_utterances=options.max_eval_utterances,
+            min_heldout_speakers=options.min_heldout_speakers,
             log=context.log.info,
-            on_model=lambda r: context.log.info(f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"),
-        )  # fmt: skip
+            on_model=lambda r: context.log.info(
+                f"{r.model} seed {r.seed}: held-out CER {r.cer:.3f}, WER {r.wer:.3f} ({r.seconds:.0f} s)"
+            ),
+        )
     except ProbeLeak as error:
         raise dg.Failure(description=str(error)) from error
     results, board, models, train, test = run.results, run.board, run.models, run.train, run.test
     train_speakers, test_speakers = run.train_speakers, run.test_speakers
     target, split_file = paths.probe.results, paths.probe.speakers
-    publish_probe(run, paths.probe, options.min_heldout_speakers, {n: e.checkpoint.get("speakers") for n, e in loaded.items()})
+    publish_probe(
+        run, paths.probe, options.min_heldout_speakers, {n: e.checkpoint.get("speakers") for n, e in loaded.items()}
+    )
     lines = standing(results, options.min_heldout_speakers)
     for line in lines:
         context.log.info(line)
     log_probe_on_encoder_runs(
-        paths.mlflow_tracking_uri, paths.root, {n: e.checkpoint for n, e in loaded.items()}, summarise(results),
+        paths.mlflow_tracking_uri,
+        paths.root,
+        {n: e.checkpoint for n, e in loaded.items()},
+        summarise(results),
         context.log.warning,
     )
     pretrained = next(s for s in board if s.model == "pretrained")
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""
         for asset in (
-            "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-            "manifest", "client_partitions",
-        )  # fmt: skip
+            "pretrained_checkpoint",
+            "federated_checkpoint",
+            "distilled_checkpoint",
+            "pretrained_checkpoint_iter2",
+            "manifest",
+            "client_partitions",
+        )
     }
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(target)),
         metadata={
             "leaderboard": leaderboard_metadata(board),
-            "standing": dg.MetadataValue.md("\n".join(f"- {line}" for line in lines) + "\n\n" + reading_note(board, options.min_heldout_speakers)),
+            "standing": dg.MetadataValue.md(
+                "\n".join(f"- {line}" for line in lines) + "\n\n" + reading_note(board, options.min_heldout_speakers)
+            ),
             "pretrained_beats_fbank": verdict_word(pretrained, FBANK),
             **{f"heldout_cer/{m}": round(v.cer.mean, 4) for m, v in summarise(results).items()},
             "results_file": dg.MetadataValue.path(str(target)),
@@ -104,7 +129,10 @@ def downstream_probe(
             "seeds": dg.MetadataValue.json(list(options.seeds)),
             # each model's learning rate and stopping step, chosen on a development split of the training speakers
             "probe_lr_steps": dg.MetadataValue.json(
-                {m: [[r.lr, r.steps] for r in results if r.split == "heldout" and r.model == m] for m in summarise(results)}
+                {
+                    m: [[r.lr, r.steps] for r in results if r.split == "heldout" and r.model == m]
+                    for m in summarise(results)
+                }
             ),
             "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in models}),
             "train_utterances": len(train),
@@ -124,13 +152,17 @@ def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
     table with its column schema."""
     from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows
 
-    schema = dg.TableSchema(columns=[dg.TableColumn(name, type, description) for name, type, description in LEADERBOARD_COLUMNS])
+    schema = dg.TableSchema(
+        columns=[dg.TableColumn(name, type, description) for name, type, description in LEADERBOARD_COLUMNS]
+    )
     return dg.MetadataValue.table([dg.TableRecord(row) for row in leaderboard_rows(board)], schema=schema)
 
 
 def verdict_word(standing: "Standing", baseline: str) -> str:
     """``yes`` / ``no`` / ``no evidence`` for ``standing`` against ``baseline``, ``(indicative only)`` added below the minimum of held-out speakers."""
-    word = {"better": "yes", "worse": "no", "no evidence": "no evidence", None: "not compared"}[standing.verdict_against(baseline)]
+    word = {"better": "yes", "worse": "no", "no evidence": "no evidence", None: "not compared"}[
+        standing.verdict_against(baseline)
+    ]
     return word if standing.established else f"{word} (indicative only)"
 
 
@@ -155,7 +187,9 @@ def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
     row = found.get("pretrained")
     if row is None:
         return dg.AssetCheckResult(
-            passed=False, severity=dg.AssetCheckSeverity.WARN, description="no pretrained row in the probe's leaderboard: rematerialize downstream_probe"
+            passed=False,
+            severity=dg.AssetCheckSeverity.WARN,
+            description="no pretrained row in the probe's leaderboard: rematerialize downstream_probe",
         )
     passed = row.get(f"verdict_{FBANK}") == "better" and not row["indicative"]
     return dg.AssetCheckResult(
@@ -166,8 +200,9 @@ def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
             "heldout_cer/pretrained": round(row["cer"], 4),
             **({"heldout_cer/fbank": round(found[FBANK]["cer"], 4)} if FBANK in found else {}),
             "cer_change_fbank": dg.MetadataValue.text(
-                "n/a" if row.get(f"cer_change_{FBANK}") is None else
-                f"{row[f'cer_change_{FBANK}']:+.3f} [{row[f'cer_change_{FBANK}_low']:+.3f}, {row[f'cer_change_{FBANK}_high']:+.3f}]"
+                "n/a"
+                if row.get(f"cer_change_{FBANK}") is None
+                else f"{row[f'cer_change_{FBANK}']:+.3f} [{row[f'cer_change_{FBANK}_low']:+.3f}, {row[f'cer_change_{FBANK}_high']:+.3f}]"
             ),
             "heldout_speakers": row["speakers"],
             "min_heldout_speakers": row["min_heldout_speakers"],

@@ -40,7 +40,13 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.T
     schema = []
     for name, description in columns.items():
         kinds = {type(record[name]) for record in records if record[name] is not None}
-        kind = "float" if kinds == {int, float} else COLUMN_TYPES.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
+        kind = (
+            "float"
+            if kinds == {int, float}
+            else COLUMN_TYPES.get(kinds.pop(), "string")
+            if len(kinds) == 1
+            else "string"
+        )
         schema.append(dg.TableColumn(name, kind, description=description))
     return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in records], schema=dg.TableSchema(columns=schema))
 
@@ -103,5 +109,8 @@ def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"problems": len(problems), "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
+        metadata={
+            "problems": len(problems),
+            "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none"),
+        },
     )

@@ -15,10 +15,10 @@ from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
-from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.features.shards import ShardFiles
-from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.features.vad import VadConfig
+from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
+from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
 from speech_assets.utils import from_fields
 
@@ -35,7 +35,7 @@ class StoragePaths(dg.ConfigurableResource):
     mlflow_tracking_uri: str
 
     @classmethod
-    def from_environment(cls) -> "StoragePaths":
+    def from_environment(cls) -> StoragePaths:
         data = locations.data_dir()
         uri = locations.mlflow_tracking_uri(data)
         return cls(
@@ -308,12 +308,14 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig):
     @classmethod
     def _noise(cls, noise: str) -> str:
         if noise not in NOISE_SOURCES:
-            hint = f' (a folder: noise_dir = "{noise}" and noise = "folder" in the settings file)' if "/" in noise else ""
+            hint = (
+                f' (a folder: noise_dir = "{noise}" and noise = "folder" in the settings file)' if "/" in noise else ""
+            )
             raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {noise!r}{hint}")
         return noise
 
     @model_validator(mode="after")
-    def _noise_dir(self) -> "TrainingSettings":
+    def _noise_dir(self) -> TrainingSettings:
         if self.noise == "folder" and not self.noise_dir:
             raise ValueError('[training] noise = "folder" needs noise_dir, the folder of noise audio')
         return self
@@ -507,7 +509,9 @@ class PipelineSettings(dg.ConfigurableResource):
             section_cls = cls.model_fields[name].annotation
             extra = sorted(set(values) - set(section_cls.model_fields))
             if extra:
-                raise ValueError(f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}")
+                raise ValueError(
+                    f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}"
+                )
             parsed[name] = section_cls(**values)
         return cls(source=str(file), **parsed)
 
@@ -517,7 +521,9 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     except the section's ``settings_only`` ones: run config naming them is rejected before the
     run starts (Dagster: 'Received unexpected config entry')."""
     excluded = getattr(section, "settings_only", frozenset())
-    fields = {name: (Optional[field.annotation], None) for name, field in section.model_fields.items() if name not in excluded}
+    fields = {
+        name: (Optional[field.annotation], None) for name, field in section.model_fields.items() if name not in excluded
+    }
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
 
 

@@ -22,7 +22,6 @@ and it has been silent for a minute on an instance whose storage is local (SQLit
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -88,7 +87,8 @@ def recorded_processes(run: dg.DagsterRun) -> list[ProcessIdentity]:
     return [
         ProcessIdentity.decode(value)
         for key, value in sorted(run.tags.items())
-        if key in (PROCESS_TAG, LEGACY_PROCESS_TAGS[0]) or key.startswith((STEP_PROCESS_TAG_PREFIX, LEGACY_PROCESS_TAGS[1]))
+        if key in (PROCESS_TAG, LEGACY_PROCESS_TAGS[0])
+        or key.startswith((STEP_PROCESS_TAG_PREFIX, LEGACY_PROCESS_TAGS[1]))
     ]
 
 
@@ -122,7 +122,9 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
             reason = why_dead(instance, run)
             if reason is None:
                 continue
-            instance.report_run_failed(run, f"run worker died without reporting ({reason}); freeing its concurrency slots")
+            instance.report_run_failed(
+                run, f"run worker died without reporting ({reason}); freeing its concurrency slots"
+            )
         instance.event_log_storage.free_concurrency_slots_for_run(run_id)
         say(f"freed the concurrency slots of run {run_id} ({'finished' if run is None or run.is_finished else reason})")
         reaped.append(run_id)
@@ -176,4 +178,6 @@ reaping_multiprocess_executor = dagster_internals.multiprocess_executor(
 # --- with a daemon: run monitoring learns that a local run worker is gone ---------------------
 
 
-LocalProcessRunLauncher = dagster_internals.local_run_launcher(why_dead, remedy=f"or free its slots with `{REAP_COMMAND}`")
+LocalProcessRunLauncher = dagster_internals.local_run_launcher(
+    why_dead, remedy=f"or free its slots with `{REAP_COMMAND}`"
+)

@@ -29,7 +29,9 @@ def current_shards(paths: StoragePaths) -> dict[str, str]:
     if not paths.speakers_file.exists():
         return {}
     speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
-    return {s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]}
+    return {
+        s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]
+    }
 
 
 def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -105,8 +107,11 @@ def stats_staleness(paths: StoragePaths) -> list[str]:
 def stale_report(paths: StoragePaths) -> dict[str, list[str]]:
     """Asset (or asset[partition]) -> why it no longer matches its inputs on disk; in sync: absent."""
     report: dict[str, list[str]] = {}
-    for name, reasons in (("cmvn_stats", cmvn_staleness(paths)), ("pretrained_checkpoint", checkpoint_staleness(paths)),
-                          ("dataset_stats", stats_staleness(paths))):
+    for name, reasons in (
+        ("cmvn_stats", cmvn_staleness(paths)),
+        ("pretrained_checkpoint", checkpoint_staleness(paths)),
+        ("dataset_stats", stats_staleness(paths)),
+    ):
         if reasons:
             report[name] = reasons
     report |= {f"kmeans_targets[{client}]": reasons for client, reasons in kmeans_staleness(paths).items()}
@@ -117,7 +122,9 @@ def _check(reasons: list[str], what: str) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=not reasons,
         severity=dg.AssetCheckSeverity.WARN,
-        description=f"{what} was built from other inputs than those published now" if reasons else f"{what} matches its inputs on disk",
+        description=f"{what} was built from other inputs than those published now"
+        if reasons
+        else f"{what} matches its inputs on disk",
         metadata={"reasons": dg.MetadataValue.md("\n".join(f"- {r}" for r in reasons) or "none")},
     )
 
@@ -156,4 +163,3 @@ def format_report(report: dict[str, list[str]]) -> str:
     if not report:
         return "everything is in sync with the published shards and targets"
     return "\n".join(f"{asset}: stale\n" + "\n".join(f"  - {r}" for r in reasons) for asset, reasons in report.items())
-

@@ -7,21 +7,27 @@ import dagster as dg
 import duckdb
 import pyarrow.parquet as pq
 
-from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
-from speech_assets.stats import database as stats_db
 from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
+from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
+from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-CODE_VERSION = "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split
+CODE_VERSION = (
+    "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split
+)
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
     # the shards of the speakers the manifest lists whose meta vouches for them (never inferred
     # from file names: a speaker id could look like another file's suffix)
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist() if paths.speakers_file.exists() else []
+    speakers = (
+        pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+        if paths.speakers_file.exists()
+        else []
+    )
     published = [paths.shard_files(s) for s in sorted(speakers)]
     published = [files for files in published if files.read_meta() is not None]
     shards = [files.shard for files in published]
@@ -44,7 +50,11 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
 
 def model_folders(paths: StoragePaths) -> dict[str, Path]:
     """Where each kind of model run keeps its run folders (each with result.json beside final.pt)."""
-    return {"federated": paths.layout.federated_dir, "distilled": paths.layout.distill_dir, "iteration2": paths.layout.training_iter2_dir}
+    return {
+        "federated": paths.layout.federated_dir,
+        "distilled": paths.layout.distill_dir,
+        "iteration2": paths.layout.training_iter2_dir,
+    }
 
 
 def _newest_federated_rounds(paths: StoragePaths):
@@ -60,10 +70,13 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     """Hash of what the database holds: its tables' rows and the files its views read."""
     con = duckdb.connect(str(db_path), read_only=True)
     try:
-        tables = [r[0] for r in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
-            "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
-        ).fetchall()]
+        tables = [
+            r[0]
+            for r in con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
+                "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
+            ).fetchall()
+        ]
         parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
     finally:
         con.close()
@@ -81,9 +94,15 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 @dg.asset(
     group_name="stats",
     deps=[
-        *TRAINING_INPUTS, "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "pretrained_checkpoint_iter2",
-        "encoder_export", "downstream_probe", "finetuned_asr",
-    ],  # fmt: skip
+        *TRAINING_INPUTS,
+        "pretrained_checkpoint",
+        "federated_checkpoint",
+        "distilled_checkpoint",
+        "pretrained_checkpoint_iter2",
+        "encoder_export",
+        "downstream_probe",
+        "finetuned_asr",
+    ],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     # once per fresh data, after kmeans_targets (which follows the shards, CMVN and clients), not
@@ -94,7 +113,9 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
         built_by_sensor=["vad_features"],
     ),
 )
-def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settings: PipelineSettings) -> dg.MaterializeResult:
+def dataset_stats(
+    context: dg.AssetExecutionContext, paths: StoragePaths, settings: PipelineSettings
+) -> dg.MaterializeResult:
     """stats.duckdb: views over every Parquet output plus summary tables; query with
     `speech-assets sql`."""
     from speech_assets.stats import plots, report
@@ -105,18 +126,32 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settin
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
         for key in (
-            "manifest", "cmvn_stats", "client_partitions", "pretrained_checkpoint", "federated_checkpoint",
-            "distilled_checkpoint", "pretrained_checkpoint_iter2", "encoder_export", "downstream_probe", "finetuned_asr",
-        )  # fmt: skip
+            "manifest",
+            "cmvn_stats",
+            "client_partitions",
+            "pretrained_checkpoint",
+            "federated_checkpoint",
+            "distilled_checkpoint",
+            "pretrained_checkpoint_iter2",
+            "encoder_export",
+            "downstream_probe",
+            "finetuned_asr",
+        )
     }
     partitioned = {
-        "vad_features": partition_versions(instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)),
-        "kmeans_targets": partition_versions(instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)),
+        "vad_features": partition_versions(
+            instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)
+        ),
+        "kmeans_targets": partition_versions(
+            instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)
+        ),
     }
     lineage_file = paths.report.input_versions
     atomic_write_text(lineage_file, json.dumps({**input_versions, **partitioned}, indent=1, sort_keys=True))
     for key, versions in partitioned.items():  # bounded in the UI: a count and a hash; all of them in the file
-        input_versions[key] = f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
+        input_versions[key] = (
+            f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
+        )
 
     report_file = report.write_report(paths.stats_db, paths.report.index, _report_inputs(context, paths, settings))
     con = stats_db.connect_read_only(paths.stats_db)
@@ -129,7 +164,12 @@ def dataset_stats(context: dg.AssetExecutionContext, paths: StoragePaths, settin
     if durations:
         pictures.append(plots.markdown_image(plots.histogram(durations, "utterance durations", "seconds"), "durations"))
     if per_client:
-        pictures.append(plots.markdown_image(plots.bars([c for c, _ in per_client], [h for _, h in per_client], "hours per client", "hours"), "hours per client"))
+        pictures.append(
+            plots.markdown_image(
+                plots.bars([c for c, _ in per_client], [h for _, h in per_client], "hours per client", "hours"),
+                "hours per client",
+            )
+        )
     return dg.MaterializeResult(
         data_version=dg.DataVersion(_content_hash(paths.stats_db, inputs, paths)),
         metadata={
@@ -168,7 +208,7 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         metrics[log.parent.name] = rows
     header = {
-        "built_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "built_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "git_commit": git_commit(),
         "dagster_run_id": context.run.run_id,
         "corpus": str(paths.corpus_path),
@@ -176,9 +216,12 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         "settings_source": settings.source or "defaults (no pipeline.toml)",
     }
     return ReportInputs(
-        cluster_counts=counts, training_metrics=metrics, header=header,
-        corpus_root=corpus_root_of(paths.corpus_path), vad=vad_config(settings.features),
-    )  # fmt: skip
+        cluster_counts=counts,
+        training_metrics=metrics,
+        header=header,
+        corpus_root=corpus_root_of(paths.corpus_path),
+        vad=vad_config(settings.features),
+    )
 
 
 def settings_hash(settings: PipelineSettings) -> str:
@@ -186,10 +229,14 @@ def settings_hash(settings: PipelineSettings) -> str:
     return sha256_strings([settings.model_dump_json(exclude={"source"})])
 
 
-@dg.asset_check(asset="dataset_stats", blocking=True, description=(
-    "The database agrees with the files it describes: manifest, rejects (every stage), utterances "
-    "(every shard's rows) and clients have exactly the row counts of their Parquet sources."
-))
+@dg.asset_check(
+    asset="dataset_stats",
+    blocking=True,
+    description=(
+        "The database agrees with the files it describes: manifest, rejects (every stage), utterances "
+        "(every shard's rows) and clients have exactly the row counts of their Parquet sources."
+    ),
+)
 def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
     inputs = _inputs(paths)
     rows = lambda files: sum(pq.read_metadata(f).num_rows for f in files if f.exists())  # noqa: E731
@@ -208,5 +255,9 @@ def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=found == expected,
         severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"rows": dg.MetadataValue.md(markdown_table(("table", "in database", "in files"), ((t, found[t], expected[t]) for t in expected)))},
+        metadata={
+            "rows": dg.MetadataValue.md(
+                markdown_table(("table", "in database", "in files"), ((t, found[t], expected[t]) for t in expected))
+            )
+        },
     )

@@ -5,15 +5,18 @@ from pathlib import Path
 
 import dagster as dg
 
-from speech_assets.features import cmvn
 from speech_assets.corpus.clients import read_clients
-from speech_assets.targets import labels
-from speech_assets.layout import TargetFiles
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import input_provenance, markdown_table, partition_materialization, shard_hashes, step_events
+from speech_assets.defs.lineage import (
+    input_provenance,
+    markdown_table,
+    partition_materialization,
+    shard_hashes,
+    step_events,
+)
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata, labels_check_result
-from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.resources import (
     KMeansSettings,
     PipelineSettings,
@@ -21,6 +24,9 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
+from speech_assets.features import cmvn
+from speech_assets.layout import TargetFiles
+from speech_assets.targets import labels
 from speech_assets.targets.checks import label_problems
 from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets
 
@@ -61,22 +67,37 @@ def kmeans_targets(
     progress = ProgressLog(context.log, "clients")
     published = []
     policy = KMeansPolicy(
-        kmeans.k, kmeans.max_fit_frames, kmeans.seed, kmeans.refit_growth, kmeans.model_dump_json(exclude={"refit_growth"}),
+        kmeans.k,
+        kmeans.max_fit_frames,
+        kmeans.seed,
+        kmeans.refit_growth,
+        kmeans.model_dump_json(exclude={"refit_growth"}),
         KMEANS_CODE_VERSION,
-    )  # fmt: skip
+    )
     for done, client_id in enumerate(clients, start=1):
         speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
         heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
         if not speakers:
             raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-        client = ClientShards(client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file)
+        client = ClientShards(
+            client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
+        )
         quality = kmeans_client_targets(
-            client, paths.kmeans_dir(client_id), policy, speaker_sums, force=config.force, log=context.log.info,
+            client,
+            paths.kmeans_dir(client_id),
+            policy,
+            speaker_sums,
+            force=config.force,
+            log=context.log.info,
             warn=context.log.warning,
-        )  # fmt: skip
+        )
         published.append(
             partition_materialization(
-                context, client_id, quality["data_version"], client_metadata(quality, paths.kmeans_dir(client_id)), provenance
+                context,
+                client_id,
+                quality["data_version"],
+                client_metadata(quality, paths.kmeans_dir(client_id)),
+                provenance,
             )
         )
         progress(client_id, done, len(clients))
@@ -89,24 +110,33 @@ MIN_PERPLEXITY_SHARE = 0.2
 MAX_EMPTY_CLUSTER_SHARE = 0.1
 
 
-@dg.asset_check(asset="kmeans_targets", blocking=True, description=(
-    "Every client's labels cover exactly its speakers' utterances, one label per 50 Hz frame "
-    "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
-))
+@dg.asset_check(
+    asset="kmeans_targets",
+    blocking=True,
+    description=(
+        "Every client's labels cover exactly its speakers' utterances, one label per 50 Hz frame "
+        "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
+    ),
+)
 def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
     return labels_check_result(label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir))
 
 
-@dg.asset_check(asset="kmeans_targets", description=(
-    f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K "
-    f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
-))
+@dg.asset_check(
+    asset="kmeans_targets",
+    description=(
+        f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K "
+        f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
+    ),
+)
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
     rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.clients_file).clients]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,
-        metadata={"clients": dg.MetadataValue.md(markdown_table(("client", "K", "perplexity / K", "empty", "ok"), rows[:50]))},
+        metadata={
+            "clients": dg.MetadataValue.md(markdown_table(("client", "K", "perplexity / K", "empty", "ok"), rows[:50]))
+        },
     )
 
 

@@ -65,10 +65,15 @@ def run_torchrun(
 
         def torchrun(node_rank: int | None) -> list[str]:
             return launch.build_torchrun_command(
-                config_path, nproc=nproc, max_restarts=max_restarts, nnodes=nodes.nnodes if nodes else "1",
-                rdzv_endpoint=(nodes.rdzv_endpoint or None) if nodes else None, python=sys.executable,
-                node_rank=node_rank if nnodes > 1 else None, module=module,
-            )  # fmt: skip
+                config_path,
+                nproc=nproc,
+                max_restarts=max_restarts,
+                nnodes=nodes.nnodes if nodes else "1",
+                rdzv_endpoint=(nodes.rdzv_endpoint or None) if nodes else None,
+                python=sys.executable,
+                node_rank=node_rank if nnodes > 1 else None,
+                module=module,
+            )
 
         command = torchrun(0)
         context.log.info("launching: " + " ".join(command))
@@ -89,22 +94,34 @@ def run_torchrun(
     finished = read_json(run_dir / "result.json")
     if finished.get("checkpoint_sha256"):
         record_provenance(
-            run_dir, finished["checkpoint_sha256"], git_sha=getattr(config, "git_sha", None),
-            mlflow_run_id=finished.get("mlflow_run_id"), dagster_run_id=context.run.run_id,
-        )  # fmt: skip
-    return dg.MaterializeResult(data_version=result.data_version, metadata={
-        **(result.metadata or {}), **result_metadata(run_dir), **training_curve_metadata(run_dir),
-        "run_dir": dg.MetadataValue.path(str(run_dir)),
-        "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)), "oom_retries": retries,
-    })  # fmt: skip
+            run_dir,
+            finished["checkpoint_sha256"],
+            git_sha=getattr(config, "git_sha", None),
+            mlflow_run_id=finished.get("mlflow_run_id"),
+            dagster_run_id=context.run.run_id,
+        )
+    return dg.MaterializeResult(
+        data_version=result.data_version,
+        metadata={
+            **(result.metadata or {}),
+            **result_metadata(run_dir),
+            **training_curve_metadata(run_dir),
+            "run_dir": dg.MetadataValue.path(str(run_dir)),
+            "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
+            "oom_retries": retries,
+        },
+    )
 
 
 HELDOUT_CLIENT_COLUMNS = {
-    "client": "the client whose head predicted", "masked_frames": "held-out masked frames (0: no held-out speaker)",
-    "masked_accuracy": "on all masked frames (null without frames)", "majority_accuracy": "majority-class rate, same frames",
-    "leak_free_frames": "masked frames no visible frame gives away", "leak_free_masked_accuracy": "on leak-free frames",
+    "client": "the client whose head predicted",
+    "masked_frames": "held-out masked frames (0: no held-out speaker)",
+    "masked_accuracy": "on all masked frames (null without frames)",
+    "majority_accuracy": "majority-class rate, same frames",
+    "leak_free_frames": "masked frames no visible frame gives away",
+    "leak_free_masked_accuracy": "on leak-free frames",
     "leak_free_majority_accuracy": "majority-class rate on leak-free frames",
-}  # fmt: skip
+}
 
 
 def result_metadata(run_dir: Path) -> dict[str, object]:
@@ -125,7 +142,9 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
     if result.get("heldout_per_client"):
         rows = [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())]
         metadata["heldout_per_client"] = readable.table(rows, HELDOUT_CLIENT_COLUMNS)
-    metadata |= readable.mlflow_links(result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui"))
+    metadata |= readable.mlflow_links(
+        result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui")
+    )
     return metadata
 
 
@@ -145,11 +164,16 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
     keys = plots.heldout_keys(rows)
     if keys:
         held = [r for r in rows if r.get(keys[0]) is not None and r.get(keys[1]) is not None]
-        series = {"held-out": [(r["step"], r[keys[0]]) for r in held], "majority class": [(r["step"], r[keys[1]]) for r in held]}
+        series = {
+            "held-out": [(r["step"], r[keys[0]]) for r in held],
+            "majority class": [(r["step"], r[keys[1]]) for r in held],
+        }
         frames = "leak-free" if "leak_free" in keys[0] else "masked"
         chart = readable.inline_chart(f"held-out accuracy ({frames} frames) by step", series)
     else:
-        chart = readable.inline_chart("loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]})
+        chart = readable.inline_chart(
+            "loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]}
+        )
     return {
         "curve": chart,
         "training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve")),
@@ -164,7 +188,10 @@ def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Fai
     out_of_memory = " (CUDA out of memory on every retry)" if oom.detect_oom(run_dir) else ""
     return dg.Failure(
         description=f"training failed{out_of_memory}: {type(error).__name__}: {error}",
-        metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "train_log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},
+        metadata={
+            "run_dir": dg.MetadataValue.path(str(run_dir)),
+            "train_log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```"),
+        },
     )
 
 
@@ -189,13 +216,17 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None,
 
     processes, finished = [], threading.Event()
     try:
-        commands = launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
+        commands = (
+            launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
+        )
         for rank, command in enumerate(commands, start=1):
             log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {shlex.join(command)}")
             processes.append((launch.start_node(command, log, env=env, cwd=locations.repo_root()), log))
         if processes:
-            threading.Thread(target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True).start()
+            threading.Thread(
+                target=_stop_node_0_when_a_node_fails, args=(context, run_dir, processes, finished), daemon=True
+            ).start()
         yield
     finally:
         clean = not sys.exc_info()[0]
@@ -222,7 +253,9 @@ def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, fini
                 continue  # a node that finished its part may exit while node 0 still writes the outputs
             if finished.is_set():
                 return
-            context.log.error(f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)")
+            context.log.error(
+                f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)"
+            )
             for pid in _node_0_agents(run_dir / "config.json"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # torchrun's agent stops its workers and exits non-zero
@@ -263,17 +296,26 @@ def run_training(
     from speech_assets.train.config import TrainConfig
 
     table = read_clients(paths.clients_file)
-    data_versions = {**(extra_versions or {}), **input_versions(context, paths, table.speakers, targets_dir, targets_asset)}
+    data_versions = {
+        **(extra_versions or {}),
+        **input_versions(context, paths, table.speakers, targets_dir, targets_asset),
+    }
     run_dir = run_folder(run_root, data_versions, options, code_version)
     train_config = from_fields(
-        TrainConfig, options, **run_inputs(paths, table, targets_dir, data_versions, run_dir, run_label),
-        batch_seconds=options.batch_seconds or None, nproc=options.nproc or "auto", threads=options.threads or None,
+        TrainConfig,
+        options,
+        **run_inputs(paths, table, targets_dir, data_versions, run_dir, run_label),
+        batch_seconds=options.batch_seconds or None,
+        nproc=options.nproc or "auto",
+        threads=options.threads or None,
         noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
-    )  # fmt: skip
+    )
     nnodes = fixed_node_count(options)
     if nnodes > 1:
         if not options.nproc or not options.rdzv_endpoint:
-            raise dg.Failure(description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint")
+            raise dg.Failure(
+                description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint"
+            )
         # batch and accumulation are decided for every process of every node
         plan = launch.plan_for(train_config, nproc=options.nproc * nnodes)
         train_config = dataclasses.replace(launch.resolve(train_config, plan), nproc=options.nproc)
@@ -282,19 +324,33 @@ def run_training(
         train_config = launch.resolve(train_config, plan)
     context.log.info(f"auto-configuration: {plan.reason}")
     return run_torchrun(
-        context, pipes_subprocess_client, paths, run_dir, train_config, data_versions, asset_name=asset_name,
-        nproc=int(train_config.nproc), max_restarts=options.max_restarts, nodes=options,
-    )  # fmt: skip
+        context,
+        pipes_subprocess_client,
+        paths,
+        run_dir,
+        train_config,
+        data_versions,
+        asset_name=asset_name,
+        nproc=int(train_config.nproc),
+        max_restarts=options.max_restarts,
+        nodes=options,
+    )
 
 
 def run_folder(root: Path, data_versions: dict[str, str], options: dg.Config, code_version: str) -> Path:
     """Same inputs and settings -> same run folder, so a re-run resumes instead of starting over."""
-    return root / sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
+    return (
+        root / sha256_strings([json.dumps(data_versions, sort_keys=True), options.model_dump_json(), code_version])[:16]
+    )
 
 
 def run_inputs(
-    paths: StoragePaths, table: ClientsTable, targets_dir: Callable[[str], Path], data_versions: dict[str, str],
-    run_dir: Path, label: str,
+    paths: StoragePaths,
+    table: ClientsTable,
+    targets_dir: Callable[[str], Path],
+    data_versions: dict[str, str],
+    run_dir: Path,
+    label: str,
 ) -> dict[str, object]:
     """What a training run's config says of its inputs and tracking (RunConfig's fields): every
     client's shards and targets (``targets_dir(client)``), CMVN, the pipeline's held-out speakers,
@@ -303,13 +359,24 @@ def run_inputs(
 
     clients = table.speakers
     return {
-        "run_dir": str(run_dir), "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
-        "cmvn": str(paths.cmvn.cmvn), "data_versions": data_versions, "git_sha": git_commit(),
+        "run_dir": str(run_dir),
+        "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
+        "cmvn": str(paths.cmvn.cmvn),
+        "data_versions": data_versions,
+        "git_sha": git_commit(),
         "heldout_speakers": table.heldout,
-        "clients": {c: ClientTargets(str(TargetFiles(targets_dir(c)).labels), json.loads(TargetFiles(targets_dir(c)).quality.read_text())["k"]) for c in sorted(clients)},
-        "mlflow_tracking_uri": paths.mlflow_tracking_uri, "mlflow_artifact_location": paths.mlflow_artifact_location,
-        "mlflow_run_name": f"{label}-{run_dir.name}", "mode": RUN_MODES[label],
-    }  # fmt: skip
+        "clients": {
+            c: ClientTargets(
+                str(TargetFiles(targets_dir(c)).labels),
+                json.loads(TargetFiles(targets_dir(c)).quality.read_text())["k"],
+            )
+            for c in sorted(clients)
+        },
+        "mlflow_tracking_uri": paths.mlflow_tracking_uri,
+        "mlflow_artifact_location": paths.mlflow_artifact_location,
+        "mlflow_run_name": f"{label}-{run_dir.name}",
+        "mode": RUN_MODES[label],
+    }
 
 
 # each run label's MLflow ``mode`` tag (speech_assets.train.tracking.MODES)

@@ -32,9 +32,14 @@ def pretrained_checkpoint(
     job; resumes from its last checkpoint; tracked in MLflow."""
     record_run_process(context)
     return run_training(
-        context, effective(settings.training, config), paths, pipes_subprocess_client,
-        targets_dir=paths.kmeans_dir, targets_asset="kmeans_targets", run_root=paths.training_dir,
-        code_version=CODE_VERSION, asset_name="pretrained_checkpoint", run_label="pretrain",
-    )  # fmt: skip
-
-
+        context,
+        effective(settings.training, config),
+        paths,
+        pipes_subprocess_client,
+        targets_dir=paths.kmeans_dir,
+        targets_asset="kmeans_targets",
+        run_root=paths.training_dir,
+        code_version=CODE_VERSION,
+        asset_name="pretrained_checkpoint",
+        run_label="pretrain",
+    )

@@ -17,9 +17,9 @@ from typing import Any
 
 from dagster_k8s import k8s_job_executor
 
+from speech_assets.definitions import build_definitions
 from speech_assets.defs.cluster import GPU_RESOURCE
 from speech_assets.defs.resources import TrainingSettings
-from speech_assets.definitions import build_definitions
 
 # Run config of the executor, merged over the run launcher's config for every step pod.
 STEP_EXECUTOR_CONFIG: dict[str, Any] = {
@@ -47,7 +47,10 @@ def training_pod_spec(training: TrainingSettings, image: str, data_claim: str = 
             {
                 "image": image,
                 "resources": resources,
-                "env_from": [{"config_map_ref": {"name": "speech-assets-env"}}, {"secret_ref": {"name": "speech-assets-secrets"}}],
+                "env_from": [
+                    {"config_map_ref": {"name": "speech-assets-env"}},
+                    {"secret_ref": {"name": "speech-assets-secrets"}},
+                ],
                 "volume_mounts": [{"name": "data", "mount_path": "/data"}, {"name": "dshm", "mount_path": "/dev/shm"}],
             }
         ],

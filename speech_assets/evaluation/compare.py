@@ -55,9 +55,20 @@ RANDOM = "random"
 BASELINES = (FBANK, RANDOM)
 # results.parquet columns, in order (the first nine are the original contract; later ones appended)
 RESULT_COLUMNS = (
-    "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
-    "seed", "normalisation", "speakers", "lr",
-)  # fmt: skip
+    "model",
+    "checkpoint_sha256",
+    "probe",
+    "layer_weights",
+    "split",
+    "cer",
+    "wer",
+    "utterances",
+    "steps",
+    "seed",
+    "normalisation",
+    "speakers",
+    "lr",
+)
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
 UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
@@ -116,7 +127,9 @@ class ProbeResult:
     seed: int
     normalisation: str
     speakers: int
-    lr: float = float("nan")  # the probe's learning rate (chosen on the development split when ProbeOptions.lrs has several)
+    lr: float = float(
+        "nan"
+    )  # the probe's learning rate (chosen on the development split when ProbeOptions.lrs has several)
     seconds: float = 0.0  # feature extraction (shared by the seeds) + this seed's training + scoring; not stored
     errors: HeldoutErrors | None = None  # held-out rows: per utterance (probe/utterances.parquet)
 
@@ -136,12 +149,23 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
     """``results`` as a table of :data:`RESULT_COLUMNS`, in that order."""
     import pyarrow as pa
 
-    schema = pa.schema([
-        ("model", pa.string()), ("checkpoint_sha256", pa.string()), ("probe", pa.string()),
-        ("layer_weights", pa.list_(pa.float64())), ("split", pa.string()), ("cer", pa.float64()), ("wer", pa.float64()),
-        ("utterances", pa.int64()), ("steps", pa.int64()), ("seed", pa.int64()), ("normalisation", pa.string()),
-        ("speakers", pa.int64()), ("lr", pa.float64()),
-    ])  # fmt: skip
+    schema = pa.schema(
+        [
+            ("model", pa.string()),
+            ("checkpoint_sha256", pa.string()),
+            ("probe", pa.string()),
+            ("layer_weights", pa.list_(pa.float64())),
+            ("split", pa.string()),
+            ("cer", pa.float64()),
+            ("wer", pa.float64()),
+            ("utterances", pa.int64()),
+            ("steps", pa.int64()),
+            ("seed", pa.int64()),
+            ("normalisation", pa.string()),
+            ("speakers", pa.int64()),
+            ("lr", pa.float64()),
+        ]
+    )
     return pa.Table.from_pylist([r.row() for r in results], schema=schema)
 
 
@@ -155,9 +179,15 @@ def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
             continue
         e, count = r.errors, len(r.errors.utt_ids)
         for name, values in (
-            ("model", [r.model] * count), ("seed", [r.seed] * count), ("utt_id", e.utt_ids), ("speaker_id", e.speaker_ids),
-            ("char_errors", e.char_errors), ("chars", e.chars), ("word_errors", e.word_errors), ("words", e.words),
-        ):  # fmt: skip
+            ("model", [r.model] * count),
+            ("seed", [r.seed] * count),
+            ("utt_id", e.utt_ids),
+            ("speaker_id", e.speaker_ids),
+            ("char_errors", e.char_errors),
+            ("chars", e.chars),
+            ("word_errors", e.word_errors),
+            ("words", e.words),
+        ):
             columns[name] += [v.item() if isinstance(v, np.generic) else v for v in values]
     types = {"model": pa.string(), "seed": pa.int64(), "utt_id": pa.string(), "speaker_id": pa.string()}
     return pa.table({c: pa.array(v, type=types.get(c, pa.int64())) for c, v in columns.items()})
@@ -198,10 +228,14 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
         rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
         if rows:
             pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
-            r = ProbeResult(**{f.name: getattr(r, f.name) for f in fields(r) if f.name != "errors"}, errors=HeldoutErrors(
-                tuple(pick["utt_id"]), tuple(pick["speaker_id"]),
-                *(np.array(pick[c], dtype=np.int64) for c in ("char_errors", "chars", "word_errors", "words")),
-            ))  # fmt: skip
+            r = ProbeResult(
+                **{f.name: getattr(r, f.name) for f in fields(r) if f.name != "errors"},
+                errors=HeldoutErrors(
+                    tuple(pick["utt_id"]),
+                    tuple(pick["speaker_id"]),
+                    *(np.array(pick[c], dtype=np.int64) for c in ("char_errors", "chars", "word_errors", "words")),
+                ),
+            )
         attached.append(r)
     return attached
 
@@ -273,26 +307,42 @@ def compare_encoders(
         raise ValueError(f"model names must be unique, got {names}")
     fit, dev = dev_split([u.speaker_id for u in train]) if len(train) > 1 else (list(range(len(train))), [])
     if len(options.lrs) > 1 and not dev:
-        log.warning("probe: %d training utterance(s), too few for a development split: lr %g for every model", len(train), options.lrs[0])
+        log.warning(
+            "probe: %d training utterance(s), too few for a development split: lr %g for every model",
+            len(train),
+            options.lrs[0],
+        )
     lrs = (options.lrs[:1] if not dev else options.lrs) or (options.lr,)
-    texts = {"train": [train[i].text for i in fit], "dev": [train[i].text for i in dev], "heldout": [u.text for u in test]}
+    texts = {
+        "train": [train[i].text for i in fit],
+        "dev": [train[i].text for i in dev],
+        "heldout": [u.text for u in test],
+    }
     speakers = {"train": len({train[i].speaker_id for i in fit}), "heldout": len({u.speaker_id for u in test})}
     results: list[ProbeResult] = []
     for model in models:
         started = time.perf_counter()
         train_features = [layer_norm(f) for f in probe_features(model, train)]
         features = {
-            "train": [train_features[i] for i in fit], "dev": [train_features[i] for i in dev],
+            "train": [train_features[i] for i in fit],
+            "dev": [train_features[i] for i in dev],
             "heldout": [layer_norm(f) for f in probe_features(model, test)],
-        }  # fmt: skip
+        }
         del train_features
         extraction = time.perf_counter() - started
 
         def trained(seed: int, lrs: Sequence[float], stop_at: int | None = None, search: bool = False) -> list:
             return train_probes(
-                features["train"], texts["train"], options, seed, lrs=lrs, stop_at=stop_at, normalised=True,
-                dev=(features["dev"], texts["dev"]) if search and dev else None, patience=PATIENCE,
-            )  # fmt: skip
+                features["train"],
+                texts["train"],
+                options,
+                seed,
+                lrs=lrs,
+                stop_at=stop_at,
+                normalised=True,
+                dev=(features["dev"], texts["dev"]) if search and dev else None,
+                patience=PATIENCE,
+            )
 
         probes = {}
         for seed in options.seeds:
@@ -301,8 +351,13 @@ def compare_encoders(
                 first = trained(seed, lrs, search=True)
                 chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
                 if dev:
-                    log.info("probe %s: development CER by lr %s -> lr %g, %d steps", model.name,
-                             {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first}, chosen.lr, chosen.step)  # fmt: skip
+                    log.info(
+                        "probe %s: development CER by lr %s -> lr %g, %d steps",
+                        model.name,
+                        {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first},
+                        chosen.lr,
+                        chosen.step,
+                    )
                 probe = chosen
             else:
                 (probe,) = trained(seed, (chosen.lr,), stop_at=chosen.step)
@@ -313,17 +368,44 @@ def compare_encoders(
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
             errors = utterance_errors(texts["heldout"], hypotheses)
             heldout_errors = HeldoutErrors(
-                tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test),
-                errors.char_errors, errors.chars, errors.word_errors, errors.words,
-            )  # fmt: skip
+                tuple(u.utt_id for u in test),
+                tuple(u.speaker_id for u in test),
+                errors.char_errors,
+                errors.chars,
+                errors.word_errors,
+                errors.words,
+            )
             seconds = extraction + time.perf_counter() - started
             for split, s in scores.items():
-                results.append(ProbeResult(
-                    model.name, model.checkpoint_sha256, options.probe, weights, split, s.cer, s.wer, s.utterances,
-                    probe.step, seed, model.normalisation, speakers[split], probe.lr, seconds,
-                    heldout_errors if split == "heldout" else None,
-                ))  # fmt: skip
-            log.info("probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)", model.name, seed, probe.lr, probe.step, scores["heldout"].cer, scores["heldout"].wer, seconds)
+                results.append(
+                    ProbeResult(
+                        model.name,
+                        model.checkpoint_sha256,
+                        options.probe,
+                        weights,
+                        split,
+                        s.cer,
+                        s.wer,
+                        s.utterances,
+                        probe.step,
+                        seed,
+                        model.normalisation,
+                        speakers[split],
+                        probe.lr,
+                        seconds,
+                        heldout_errors if split == "heldout" else None,
+                    )
+                )
+            log.info(
+                "probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)",
+                model.name,
+                seed,
+                probe.lr,
+                probe.step,
+                scores["heldout"].cer,
+                scores["heldout"].wer,
+                seconds,
+            )
             if on_model is not None:
                 on_model(results[-1])
     return results
@@ -377,10 +459,15 @@ def summarise(results: Sequence[ProbeResult], split: str = "heldout") -> dict[st
             raise ValueError(f"{model}: seeds {seeds} repeat on split {split!r}")
         weights = np.mean([r.layer_weights for r in found], axis=0).tolist() if found[0].layer_weights else []
         summaries[model] = ModelSummary(
-            model, ",".join(sorted({r.normalisation for r in found})), seeds,
-            Spread.of([r.cer for r in found]), Spread.of([r.wer for r in found]),
-            min(r.utterances for r in found), min(r.speakers for r in found), weights,
-        )  # fmt: skip
+            model,
+            ",".join(sorted({r.normalisation for r in found})),
+            seeds,
+            Spread.of([r.cer for r in found]),
+            Spread.of([r.wer for r in found]),
+            min(r.utterances for r in found),
+            min(r.speakers for r in found),
+            weights,
+        )
     return summaries
 
 
@@ -404,9 +491,13 @@ def markdown_table(results: Sequence[ProbeResult]) -> str:
 
 
 def paired_bootstrap(
-    errors_a: Sequence[float], errors_b: Sequence[float], lengths: Sequence[float],
-    resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0,
-) -> tuple[float, float, float]:  # fmt: skip
+    errors_a: Sequence[float],
+    errors_b: Sequence[float],
+    lengths: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> tuple[float, float, float]:
     """(difference, low, high): ``sum(a - b) / sum(lengths)`` over paired utterances (``(U,)`` each:
     two systems' edit counts on the same utterances and the references' lengths; a difference of
     corpus error rates, negative where ``a`` errs less) and its ``confidence`` percentile interval
@@ -511,7 +602,9 @@ class Standing:
         for name, p in self.against.items():
             grouped.setdefault(p.verdict, []).append(name)  # type: ignore[union-attr]
         words = {"better": "better than", "worse": "worse than", "no evidence": "no evidence against"}
-        said = "; ".join(f"{words[v]} {' and '.join(grouped[v])}" for v in ("better", "worse", "no evidence") if v in grouped)
+        said = "; ".join(
+            f"{words[v]} {' and '.join(grouped[v])}" for v in ("better", "worse", "no evidence") if v in grouped
+        )
         return said + (f" (indicative only: {self.indicative})" if self.indicative else "")
 
     @property
@@ -532,7 +625,19 @@ def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_
             reasons.append(f"{s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}, fewer than {min_speakers}")
         if s.utterances < MIN_HELDOUT_UTTERANCES:
             reasons.append(f"{s.utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
-        board.append(Standing(name, s.normalisation, len(s.seeds), s.cer, s.wer, s.utterances, s.speakers, against, "; ".join(reasons) or None))
+        board.append(
+            Standing(
+                name,
+                s.normalisation,
+                len(s.seeds),
+                s.cer,
+                s.wer,
+                s.utterances,
+                s.speakers,
+                against,
+                "; ".join(reasons) or None,
+            )
+        )
     return sorted(board, key=lambda s: s.cer.mean)
 
 
@@ -563,11 +668,20 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
         return "n/a" if found is None else str(found)
 
     return [
-        {"encoder": s.model, "normalisation": s.normalisation, "CER": spread(s.cer), "WER": spread(s.wer),
-         "vs fbank": change(s, FBANK), "vs random": change(s, RANDOM), "verdict": s.verdict,
-         "seeds": s.seeds, "utterances": s.utterances, "speakers": s.speakers}
+        {
+            "encoder": s.model,
+            "normalisation": s.normalisation,
+            "CER": spread(s.cer),
+            "WER": spread(s.wer),
+            "vs fbank": change(s, FBANK),
+            "vs random": change(s, RANDOM),
+            "verdict": s.verdict,
+            "seeds": s.seeds,
+            "utterances": s.utterances,
+            "speakers": s.speakers,
+        }
         for s in board
-    ]  # fmt: skip
+    ]
 
 
 def leaderboard_markdown(board: Sequence[Standing]) -> str:
@@ -587,15 +701,27 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
     rows = []
     for s in board:
         row: dict[str, object] = {
-            "model": s.model, "normalisation": s.normalisation, "seeds": s.seeds,
-            "cer": s.cer.mean, "cer_std": s.cer.std, "wer": s.wer.mean, "wer_std": s.wer.std,
-            "utterances": s.utterances, "speakers": s.speakers,
-        }  # fmt: skip
+            "model": s.model,
+            "normalisation": s.normalisation,
+            "seeds": s.seeds,
+            "cer": s.cer.mean,
+            "cer_std": s.cer.std,
+            "wer": s.wer.mean,
+            "wer_std": s.wer.std,
+            "utterances": s.utterances,
+            "speakers": s.speakers,
+        }
         for b in BASELINES:
             p = s.against.get(b)
-            row |= {f"cer_change_{b}": p.difference if p else None, f"cer_change_{b}_low": p.low if p else None,
-                    f"cer_change_{b}_high": p.high if p else None, f"verdict_{b}": p.verdict if p else None}  # fmt: skip
-        rows.append(row | {"verdict": s.verdict, "indicative": s.indicative is not None, "min_heldout_speakers": min_speakers})
+            row |= {
+                f"cer_change_{b}": p.difference if p else None,
+                f"cer_change_{b}_low": p.low if p else None,
+                f"cer_change_{b}_high": p.high if p else None,
+                f"verdict_{b}": p.verdict if p else None,
+            }
+        rows.append(
+            row | {"verdict": s.verdict, "indicative": s.indicative is not None, "min_heldout_speakers": min_speakers}
+        )
     return pa.Table.from_pylist(rows)
 
 

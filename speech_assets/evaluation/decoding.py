@@ -32,11 +32,13 @@ DISCOUNT = 0.7  # absolute discounting for every order above the unigrams
 def unavailable() -> str | None:
     """Why the beam decoder cannot run here (``None`` when it can)."""
     try:
-        from torchaudio.models.decoder import ctc_decoder  # noqa: F401
         import flashlight.lib.text.decoder  # noqa: F401
+        from torchaudio.models.decoder import ctc_decoder  # noqa: F401
     except (ImportError, RuntimeError) as error:
         return f"flashlight-text is not installed (pip install flashlight-text): {error}"
     return None
+
+
 def ngram_counts(sentences: Sequence[str], order: int) -> list[Counter]:
     """Counts of every n-gram (n = 1..order) of the sentences' words with ``<s>``/``</s>``."""
     counts = [Counter() for _ in range(order)]
@@ -112,9 +114,16 @@ def beam_decoder(
         write_arpa(train_texts, order, arpa)
         lexicon.write_text("".join(f"{w} {' '.join(w)} |\n" for w in words), encoding="utf-8")
         decoder = ctc_decoder(
-            lexicon=str(lexicon), tokens=tokens, lm=str(arpa), beam_size=beam_size, lm_weight=lm_weight,
-            word_score=WORD_SCORE, blank_token="-", sil_token="|", unk_word="<unk>",
-        )  # fmt: skip
+            lexicon=str(lexicon),
+            tokens=tokens,
+            lm=str(arpa),
+            beam_size=beam_size,
+            lm_weight=lm_weight,
+            word_score=WORD_SCORE,
+            blank_token="-",
+            sil_token="|",
+            unk_word="<unk>",
+        )
 
     def decode(log_probs: Sequence[np.ndarray]) -> list[str]:
         out = []

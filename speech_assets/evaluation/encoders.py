@@ -47,15 +47,21 @@ def load_utterances(shards: Sequence[str | os.PathLike[str]], transcripts: Mappi
     return found
 
 
-def manifest_utterances(manifest_file: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]]) -> list[Utterance]:
+def manifest_utterances(
+    manifest_file: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]]
+) -> list[Utterance]:
     """:func:`load_utterances` of ``shards`` with the transcripts of the manifest (raw log-mel:
     each model normalises its own way)."""
     table = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
-    return load_utterances(shards, dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True)))
+    return load_utterances(
+        shards, dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
+    )
 
 
 @torch.no_grad()
-def layer_features(model: HubertPretrainModel, feats: Sequence[np.ndarray], max_frames: int = 8000) -> list[torch.Tensor]:
+def layer_features(
+    model: HubertPretrainModel, feats: Sequence[np.ndarray], max_frames: int = 8000
+) -> list[torch.Tensor]:
     """Frozen hidden states of every utterance: ``(layers + 1, L_i, D)`` float32 each, ``L_i = (T_i + 1) // 2``
     (see :meth:`HubertPretrainModel.hidden_states` for what each layer is)."""
     model.eval()

@@ -41,11 +41,19 @@ from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import FinetuneConfig
-from speech_assets.train.data import CorpusIndex, DurationBucketSampler, Example, UtteranceDataset, UtteranceRef, collate, eval_batches
+from speech_assets.train.data import (
+    CorpusIndex,
+    DurationBucketSampler,
+    Example,
+    UtteranceDataset,
+    UtteranceRef,
+    collate,
+    eval_batches,
+)
 from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking
-from speech_assets.train.worker import worker
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
+from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "ctc"
@@ -113,7 +121,9 @@ class TranscribedDataset(UtteranceDataset):
     """Utterances with their transcripts as CTC targets: ``feats (T, 80)`` (whole, never cropped;
     the normaliser applied) and ``labels (S,)`` token ids, ``S <= (T + 1) // 2``."""
 
-    def __init__(self, index: CorpusIndex, utterances: Sequence[UtteranceRef], cmvn: Normaliser, texts: Mapping[str, str]) -> None:
+    def __init__(
+        self, index: CorpusIndex, utterances: Sequence[UtteranceRef], cmvn: Normaliser, texts: Mapping[str, str]
+    ) -> None:
         super().__init__(index, utterances, cmvn, max_frames=max((u.num_frames for u in utterances), default=1))
         self.tokens = {u.utt_id: encode(texts[u.utt_id]) for u in utterances}
         self.texts = [texts[u.utt_id] for u in utterances]
@@ -131,7 +141,13 @@ def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusI
         table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
         metadata = pq.ParquetFile(path).metadata
         places = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
-        rows = zip(table.column("utt_id").to_pylist(), table.column("speaker_id").to_pylist(), table.column("num_frames").to_pylist(), places, strict=True)
+        rows = zip(
+            table.column("utt_id").to_pylist(),
+            table.column("speaker_id").to_pylist(),
+            table.column("num_frames").to_pylist(),
+            places,
+            strict=True,
+        )
         refs += [UtteranceRef(u, shard, g, r, int(n), 0, s) for u, s, n, (g, r) in rows if u in wanted]
     missing = sorted(wanted - {r.utt_id for r in refs})
     if missing:
@@ -157,7 +173,9 @@ def build_model(config: FinetuneConfig) -> tuple[HubertPretrainModel, dict[str, 
 
 
 @torch.no_grad()
-def log_probabilities(model: HubertPretrainModel, dataset: TranscribedDataset, device: torch.device, batch_seconds: float = 32.0) -> list[np.ndarray]:
+def log_probabilities(
+    model: HubertPretrainModel, dataset: TranscribedDataset, device: torch.device, batch_seconds: float = 32.0
+) -> list[np.ndarray]:
     """CTC log-probabilities ``(L_i, 29)`` float32 of every utterance of ``dataset`` (eval mode, no masks)."""
     forward = CtcForward(model).eval()
     out: list[np.ndarray | None] = [None] * len(dataset)
@@ -176,9 +194,12 @@ def greedy(log_probs: Sequence[np.ndarray]) -> list[str]:
 
 
 def score_rows(
-    model: HubertPretrainModel, sets: Mapping[str, TranscribedDataset], device: torch.device,
-    beam: Callable[[Sequence[np.ndarray]], list[str]] | None = None, beam_name: str = "",
-) -> list[dict[str, Any]]:  # fmt: skip
+    model: HubertPretrainModel,
+    sets: Mapping[str, TranscribedDataset],
+    device: torch.device,
+    beam: Callable[[Sequence[np.ndarray]], list[str]] | None = None,
+    beam_name: str = "",
+) -> list[dict[str, Any]]:
     """One row per split of ``sets`` and decoder: ``decoder, split, cer, wer, utterances``."""
     rows = []
     for split, dataset in sets.items():
@@ -214,7 +235,9 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
         if not train_refs:
             raise ValueError("no labelled utterances")
         dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
-        sampler = DurationBucketSampler(dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed)
+        sampler = DurationBucketSampler(
+            dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+        )
         stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
         model = model.to(job.device)
         if config.freeze_frontend:
@@ -222,31 +245,67 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
         if config.mask_prob <= 0:
             model.mask_embedding.requires_grad_(False)
         engine = Engine(
-            model, job, precision=precision, lr=config.lr, weight_decay=config.weight_decay, clip_norm=config.clip_norm,
-            grad_accum=config.grad_accum, forward=CtcForward(model),
+            model,
+            job,
+            precision=precision,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            grad_accum=config.grad_accum,
+            forward=CtcForward(model),
             schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
-        )  # fmt: skip
-        speakers = {"train": sorted({u.speaker_id for u in train_refs}), "heldout": sorted({u.speaker_id for u in heldout_refs})}
+        )
+        speakers = {
+            "train": sorted({u.speaker_id for u in train_refs}),
+            "heldout": sorted({u.speaker_id for u in heldout_refs}),
+        }
         engine.extra = {
-            "kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions),
-            "speakers": speakers, "normalisation": describe(cmvn),
-        }  # fmt: skip
-        engine.resume(config.run_dir, stream, lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]))
+            "kind": CHECKPOINT_KIND,
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "speakers": speakers,
+            "normalisation": describe(cmvn),
+        }
+        engine.resume(
+            config.run_dir,
+            stream,
+            lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]),
+        )
         objective = CtcTraining(
-            job.device, seed=config.seed, freeze_steps=config.freeze_steps, mask_prob=config.mask_prob,
-            mask_length=config.mask_length, channel_prob=config.channel_mask_prob, channel_length=config.channel_mask_length, rank=job.rank,
-        )  # fmt: skip
-        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum, "precision": precision}
+            job.device,
+            seed=config.seed,
+            freeze_steps=config.freeze_steps,
+            mask_prob=config.mask_prob,
+            mask_length=config.mask_length,
+            channel_prob=config.channel_mask_prob,
+            channel_length=config.channel_mask_length,
+            rank=job.rank,
+        )
+        plan = {
+            "nproc": job.world_size,
+            "batch_seconds": config.batch_seconds,
+            "grad_accum": config.grad_accum,
+            "precision": precision,
+        }
         with tracking(config, job, plan) as tracker:
             engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
             labelled_seconds = sum(dataset.seconds)
             log.info(
                 "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
                 "%d held-out utterances of %d speakers to score; encoder frozen for %d steps, %s",
-                config.init, len(dataset), labelled_seconds / 60, len(speakers["train"]), len(heldout_refs),
-                len(speakers["heldout"]), config.freeze_steps, precision,
-            )  # fmt: skip
-            if not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker) or not job.is_main:
+                config.init,
+                len(dataset),
+                labelled_seconds / 60,
+                len(speakers["train"]),
+                len(heldout_refs),
+                len(speakers["heldout"]),
+                config.freeze_steps,
+                precision,
+            )
+            if (
+                not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
+                or not job.is_main
+            ):
                 engine.barrier()
                 return None
             model.eval()
@@ -258,31 +317,70 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
             sets = {"train": dataset, "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"])}
             scores = score_rows(model, sets, job.device, beam, beam_name)
             final, sha = engine.save_final(
-                run_dir, kind=CHECKPOINT_KIND, preset=model.preset.to_dict(), clients={HEAD: VOCAB_SIZE},
-                init=config.init, encoder_checkpoint=config.encoder, encoder_sha256=encoder["sha256"], config=config.to_dict(),
-                data_versions=dict(config.data_versions), speakers=speakers, normalisation=describe(cmvn),
-            )  # fmt: skip
+                run_dir,
+                kind=CHECKPOINT_KIND,
+                preset=model.preset.to_dict(),
+                clients={HEAD: VOCAB_SIZE},
+                init=config.init,
+                encoder_checkpoint=config.encoder,
+                encoder_sha256=encoder["sha256"],
+                config=config.to_dict(),
+                data_versions=dict(config.data_versions),
+                speakers=speakers,
+                normalisation=describe(cmvn),
+            )
             held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
             result = {
-                "step": engine.step, "final_loss": engine.metrics.get("loss"), "init": config.init, "seed": config.seed,
-                "checkpoint": str(final), "checkpoint_sha256": sha, "encoder": config.encoder, "encoder_sha256": encoder["sha256"],
-                "scores": scores, "labelled_utterances": len(dataset), "labelled_seconds": labelled_seconds,
-                "heldout_utterances": len(heldout_refs), "speakers": speakers,
-                "heldout_cer": held.get("greedy", {}).get("cer"), "heldout_wer": held.get("greedy", {}).get("wer"),
-                "train_audio_seconds": engine.progress["audio_seconds"], "train_seconds": engine.progress["train_seconds"],
-                "resumed_from_step": engine.resumed_from, "world_size": job.world_size, "precision": precision,
+                "step": engine.step,
+                "final_loss": engine.metrics.get("loss"),
+                "init": config.init,
+                "seed": config.seed,
+                "checkpoint": str(final),
+                "checkpoint_sha256": sha,
+                "encoder": config.encoder,
+                "encoder_sha256": encoder["sha256"],
+                "scores": scores,
+                "labelled_utterances": len(dataset),
+                "labelled_seconds": labelled_seconds,
+                "heldout_utterances": len(heldout_refs),
+                "speakers": speakers,
+                "heldout_cer": held.get("greedy", {}).get("cer"),
+                "heldout_wer": held.get("greedy", {}).get("wer"),
+                "train_audio_seconds": engine.progress["audio_seconds"],
+                "train_seconds": engine.progress["train_seconds"],
+                "resumed_from_step": engine.resumed_from,
+                "world_size": job.world_size,
+                "precision": precision,
                 "data_versions": dict(config.data_versions),
-                "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_run_url": tracker.url if tracker else None,
-            }  # fmt: skip
-            log.info("done: %d steps, loss %s, held-out greedy CER %s WER %s", engine.step, result["final_loss"], result["heldout_cer"], result["heldout_wer"])
-            keys = ("step", "final_loss", "heldout_cer", "heldout_wer", "checkpoint", "checkpoint_sha256", "mlflow_run_id", "mlflow_run_url")
+                "mlflow_run_id": tracker.run_id if tracker else None,
+                "mlflow_run_url": tracker.url if tracker else None,
+            }
+            log.info(
+                "done: %d steps, loss %s, held-out greedy CER %s WER %s",
+                engine.step,
+                result["final_loss"],
+                result["heldout_cer"],
+                result["heldout_wer"],
+            )
+            keys = (
+                "step",
+                "final_loss",
+                "heldout_cer",
+                "heldout_wer",
+                "checkpoint",
+                "checkpoint_sha256",
+                "mlflow_run_id",
+                "mlflow_run_url",
+            )
             publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
         engine.barrier()
         return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--config", required=True, help="FinetuneConfig JSON file")
     finetune(FinetuneConfig.from_json(parser.parse_args(argv).config))
     return 0

@@ -24,12 +24,21 @@ RECOGNISER_PARITY_ATOL = 1e-4
 SCRATCH = "scratch"
 GREEDY = "greedy"
 # the contract's columns first, then what the tables and the lineage read
-SCHEMA = pa.schema([
-    ("model", pa.string()), ("labelled_minutes", pa.float64()), ("seed", pa.int64()), ("decoder", pa.string()),
-    ("split", pa.string()), ("cer", pa.float64()), ("wer", pa.float64()), ("utterances", pa.int64()), ("steps", pa.int64()),
-    ("labelled_seconds", pa.float64()), ("checkpoint_sha256", pa.string()),
-])  # fmt: skip
-
+SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("labelled_minutes", pa.float64()),
+        ("seed", pa.int64()),
+        ("decoder", pa.string()),
+        ("split", pa.string()),
+        ("cer", pa.float64()),
+        ("wer", pa.float64()),
+        ("utterances", pa.int64()),
+        ("steps", pa.int64()),
+        ("labelled_seconds", pa.float64()),
+        ("checkpoint_sha256", pa.string()),
+    ]
+)
 
 
 # a fine-tuned model and its scratch baseline are told apart over seeds: at least this many each,
@@ -74,7 +83,20 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def as_probe_results(rows: Sequence[Mapping[str, Any]], decoder: str, minutes: float) -> list[ProbeResult]:
     """The rows of one budget and decoder, as the probe's summaries read them."""
     return [
-        ProbeResult(r["model"], r["checkpoint_sha256"], "ctc", [], r["split"], r["cer"], r["wer"], r["utterances"], r["steps"], r["seed"], "", 0)
+        ProbeResult(
+            r["model"],
+            r["checkpoint_sha256"],
+            "ctc",
+            [],
+            r["split"],
+            r["cer"],
+            r["wer"],
+            r["utterances"],
+            r["steps"],
+            r["seed"],
+            "",
+            0,
+        )
         for r in rows
         if r["decoder"] == decoder and r["labelled_minutes"] == minutes
     ]
@@ -98,7 +120,11 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 continue
             a, b = held[encoder], held[SCRATCH]
             reason = too_small_to_tell(a, b)
-            said = f"too small to tell ({reason})" if reason else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
+            said = (
+                f"too small to tell ({reason})"
+                if reason
+                else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
+            )
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio(a.cer.mean, b.cer.mean)}), {said}")
         lines.append(f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with"))
     return lines
@@ -113,8 +139,12 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
         for decoder in sorted({r["decoder"] for r in rows}, key=lambda d: (d != GREEDY, d)):
             results = as_probe_results(rows, decoder, minutes)
             held, trained = summarise(results, "heldout"), summarise(results, "train")
-            out += [f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**", "",
-                    "| model | seeds | held-out CER | held-out WER | labelled CER | held-out utterances |", "|---|---|---|---|---|---|"]  # fmt: skip
+            out += [
+                f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**",
+                "",
+                "| model | seeds | held-out CER | held-out WER | labelled CER | held-out utterances |",
+                "|---|---|---|---|---|---|",
+            ]
             for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
                 own = str(trained[model].cer) if model in trained else "n/a"
                 out.append(f"| {model} | {len(s.seeds)} | {s.cer} | {s.wer} | {own} | {s.utterances} |")
@@ -129,7 +159,14 @@ def wer_by_budget(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[
     for model in dict.fromkeys(r["model"] for r in rows):
         means = []
         for minutes in x:
-            values = [r["wer"] for r in rows if r["model"] == model and r["labelled_minutes"] == minutes and r["split"] == "heldout" and r["decoder"] == GREEDY]
+            values = [
+                r["wer"]
+                for r in rows
+                if r["model"] == model
+                and r["labelled_minutes"] == minutes
+                and r["split"] == "heldout"
+                and r["decoder"] == GREEDY
+            ]
             means.append(sum(values) / len(values) if values else math.nan)
         series[model] = means
     return x, series

@@ -112,9 +112,15 @@ def _schedule(step: int, steps: int) -> float:
 
 
 def train_probe(
-    features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0, *,
-    stop_at: int | None = None, every: int = 0, on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
-) -> CtcProbe:  # fmt: skip
+    features: Sequence[torch.Tensor],
+    texts: Sequence[str],
+    options: ProbeOptions,
+    seed: int = 0,
+    *,
+    stop_at: int | None = None,
+    every: int = 0,
+    on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
+) -> CtcProbe:
     """Train a probe on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``.
 
     Deterministic for a given ``seed`` and thread count: ``seed`` initialises the probe, and
@@ -156,9 +162,13 @@ def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: Sequence[t
     """Mean CTC loss of ``log_probs (B, L, 29)`` (``lengths (B,)`` valid frames) against ``targets``
     (``B`` token tensors); an impossible alignment counts zero."""
     return F.ctc_loss(
-        log_probs.transpose(0, 1), torch.cat(list(targets)), lengths, torch.tensor([len(t) for t in targets]),
-        blank=BLANK, zero_infinity=True,
-    )  # fmt: skip
+        log_probs.transpose(0, 1),
+        torch.cat(list(targets)),
+        lengths,
+        torch.tensor([len(t) for t in targets]),
+        blank=BLANK,
+        zero_infinity=True,
+    )
 
 
 @dataclass
@@ -173,10 +183,18 @@ class Trained:
 
 
 def train_probes(
-    features: Sequence[torch.Tensor], texts: Sequence[str], options: ProbeOptions, seed: int = 0, *,
-    lrs: Sequence[float] = (), stop_at: int | None = None, dev: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
-    every: int = 0, patience: int = 0, normalised: bool = False,
-) -> list[Trained]:  # fmt: skip
+    features: Sequence[torch.Tensor],
+    texts: Sequence[str],
+    options: ProbeOptions,
+    seed: int = 0,
+    *,
+    lrs: Sequence[float] = (),
+    stop_at: int | None = None,
+    dev: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
+    every: int = 0,
+    patience: int = 0,
+    normalised: bool = False,
+) -> list[Trained]:
     """One probe per learning rate of ``lrs`` (empty: ``options.lr``), trained together on the same
     batches; each is the probe :func:`train_probe` trains with that lr and ``seed`` (same
     initialisation, same utterance order, same schedule over ``options.steps``).
@@ -244,7 +262,9 @@ def train_probes(
 
 
 @torch.no_grad()
-def transcribe(probe: CtcProbe, features: Sequence[torch.Tensor], batch_size: int = 16, normalised: bool = False) -> list[str]:
+def transcribe(
+    probe: CtcProbe, features: Sequence[torch.Tensor], batch_size: int = 16, normalised: bool = False
+) -> list[str]:
     """Greedy CTC transcripts of ``features`` (``normalised``: already :func:`layer_norm` ed)."""
     probe.eval()
     hypotheses: list[str] = []

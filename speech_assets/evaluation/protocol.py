@@ -51,7 +51,9 @@ def probe_split(
         if not speakers or "train" not in speakers or "heldout" not in speakers:
             raise ProbeLeak(f"the {name} checkpoint records no training/held-out speakers: re-materialise it")
         if leaked := sorted(test & set(speakers["train"])):
-            raise ProbeLeak(f"{name} trained on the held-out speakers {leaked[:10]}: its checkpoint predates this split")
+            raise ProbeLeak(
+                f"{name} trained on the held-out speakers {leaked[:10]}: its checkpoint predates this split"
+            )
         test &= set(speakers["heldout"])
     if not test:
         raise ProbeLeak(f"no speaker is held out by the clients table and every encoder ({sorted(recorded)})")
@@ -69,7 +71,13 @@ def probe_models(loaded: Mapping[str, LoadedEncoder], seed: int) -> list[ProbeMo
     def model(name: str, encoder: LoadedEncoder | None, record: object) -> ProbeModel:
         normaliser = from_record(record) or UtteranceCmvn()
         label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global (training speakers)"
-        return ProbeModel(name, encoder.sha256 if encoder else "", label, lambda x: normaliser.apply(x, "logmel"), encoder.model if encoder else None)
+        return ProbeModel(
+            name,
+            encoder.sha256 if encoder else "",
+            label,
+            lambda x: normaliser.apply(x, "logmel"),
+            encoder.model if encoder else None,
+        )
 
     pretrained = loaded["pretrained"].checkpoint
     baseline_norm = pretrained.get("normalisation")
@@ -109,7 +117,9 @@ def run_probe(
     those speakers' utterances, raw log-mel with transcripts. Raises :class:`ProbeLeak`."""
     from speech_assets.evaluation.compare import compare_encoders, leaderboard, split_utterances
 
-    train_speakers, test_speakers = probe_split(table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()})
+    train_speakers, test_speakers = probe_split(
+        table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()}
+    )
     models = probe_models(loaded, seed)
     utterances = load_utterances(sorted(set(train_speakers) | set(test_speakers)))
     train, test = split_utterances(utterances, set(test_speakers), max_train_utterances, max_eval_utterances, seed)
@@ -119,7 +129,9 @@ def run_probe(
         f"({', '.join(test_speakers[:10])})"
     )
     results = compare_encoders(train, test, models, options, on_model=on_model)
-    return ProbeRun(train_speakers, test_speakers, models, train, test, results, leaderboard(results, min_heldout_speakers))
+    return ProbeRun(
+        train_speakers, test_speakers, models, train, test, results, leaderboard(results, min_heldout_speakers)
+    )
 
 
 def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, encoders: Mapping[str, object]) -> None:
@@ -136,6 +148,11 @@ def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, e
     ):
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
-    atomic_write_text(files.speakers, json.dumps(
-        {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)}, indent=1, sort_keys=True,
-    ))  # fmt: skip
+    atomic_write_text(
+        files.speakers,
+        json.dumps(
+            {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)},
+            indent=1,
+            sort_keys=True,
+        ),
+    )

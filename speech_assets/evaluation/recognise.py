@@ -40,7 +40,9 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     folder = path.parent if path.suffix in (".onnx", ".json") else path
     if not (folder / ONNX_FILE).is_file() or not (folder / SPEC_FILE).is_file():
-        raise RecogniserError(f"no recogniser at {path}: expected {ONNX_FILE} and {SPEC_FILE} (materialize finetuned_asr)")
+        raise RecogniserError(
+            f"no recogniser at {path}: expected {ONNX_FILE} and {SPEC_FILE} (materialize finetuned_asr)"
+        )
     return folder
 
 
@@ -85,7 +87,9 @@ class Recogniser:
         self.folder = model_folder(path)
         self.spec = json.loads((self.folder / SPEC_FILE).read_text(encoding="utf-8"))
         if self.spec.get("vocabulary") != vocabulary():
-            raise RecogniserError(f"{self.folder / SPEC_FILE}: its vocabulary is not this version's {len(vocabulary())} tokens")
+            raise RecogniserError(
+                f"{self.folder / SPEC_FILE}: its vocabulary is not this version's {len(vocabulary())} tokens"
+            )
         self.cmvn = from_record(self.spec.get("cmvn"))
         if self.cmvn is None:
             raise RecogniserError(f"{self.folder / SPEC_FILE} records no CMVN")

@@ -128,17 +128,33 @@ def process_variants(
 
         for factor in check_speed_factors(speed_factors):
             faster, _ = AF.speed(torch.from_numpy(wave), audio.TARGET_SAMPLE_RATE, factor)
-            results.append(_trim_and_featurise(
-                audio.normalise_peak(faster.numpy(), in_place=True), duration_s / factor, path,
-                speed_perturbed_id(utt_id, factor), speaker_id, chapter_id, vad_cfg, extractor, dtype,
-            ))  # fmt: skip
+            results.append(
+                _trim_and_featurise(
+                    audio.normalise_peak(faster.numpy(), in_place=True),
+                    duration_s / factor,
+                    path,
+                    speed_perturbed_id(utt_id, factor),
+                    speaker_id,
+                    chapter_id,
+                    vad_cfg,
+                    extractor,
+                    dtype,
+                )
+            )
     return results
 
 
 def _trim_and_featurise(
-    wave: np.ndarray, duration_s: float, path: str | os.PathLike[str], utt_id: str, speaker_id: str,
-    chapter_id: str, vad_cfg: VadConfig, extractor: FeatureExtractor, dtype: np.dtype | type = np.float32,
-) -> FeatureRecord | VadReject:  # fmt: skip
+    wave: np.ndarray,
+    duration_s: float,
+    path: str | os.PathLike[str],
+    utt_id: str,
+    speaker_id: str,
+    chapter_id: str,
+    vad_cfg: VadConfig,
+    extractor: FeatureExtractor,
+    dtype: np.dtype | type = np.float32,
+) -> FeatureRecord | VadReject:
     span = detect_speech(wave, vad_cfg, peak_normalised=True)  # process_variants normalised it
     if isinstance(span, NoSpeech):
         return VadReject(utt_id, os.fspath(path), span.detail)
@@ -236,7 +252,9 @@ def build_shard(
                 parts = {name: stored_partial_sums(getattr(result, name)) for name in FEATURE_DIMS}
                 if not all(np.isfinite(part.sum).all() for part in parts.values()):
                     detail = f"{utt.path}: features not finite in {stored} (NaN, inf or beyond its range)"
-                    rejects.append(VadReject(result.utt_id, utt.path, detail, reason="unreadable", stage="features").as_row())
+                    rejects.append(
+                        VadReject(result.utt_id, utt.path, detail, reason="unreadable", stage="features").as_row()
+                    )
                     continue
                 audio_seconds += result.duration_s
                 records.append(result)
@@ -425,7 +443,11 @@ class ShardPlan:
     threads: int
 
     def describe(self) -> str:
-        where = f"this process and {self.helpers} helper process(es)" if self.helpers else f"this process, {self.threads} thread(s)"
+        where = (
+            f"this process and {self.helpers} helper process(es)"
+            if self.helpers
+            else f"this process, {self.threads} thread(s)"
+        )
         return f"{self.to_build} shard(s) to build in {where}, {len(self.ordered) - self.to_build} unchanged"
 
 

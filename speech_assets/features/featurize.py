@@ -198,7 +198,9 @@ class FeatureExtractor:
             self._scratch[name] = flat
         return flat[:rows]
 
-    def __call__(self, wave: np.ndarray | torch.Tensor, dtype: np.dtype | type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(
+        self, wave: np.ndarray | torch.Tensor, dtype: np.dtype | type = np.float32
+    ) -> tuple[np.ndarray, np.ndarray]:
         """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``), numpy of ``dtype``.
 
         ``dtype``: float32 (computed in it) or float16, the float32 values rounded to nearest

@@ -86,7 +86,9 @@ def shard_schema(version: int = SHARD_FORMAT) -> pa.Schema:
         raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
     if version == 1:
         return SHARD_SCHEMA
-    return SHARD_SCHEMA.with_metadata({FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()})
+    return SHARD_SCHEMA.with_metadata(
+        {FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()}
+    )
 
 
 def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
@@ -117,7 +119,9 @@ def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) ->
             )
     dtype = metadata.get(DTYPE_KEY)
     if (dtype is not None or version > 1) and dtype != FEATURE_DTYPES[version].str.encode():
-        raise ShardFormatError(f"{where}: shard format {version} with feature dtype {dtype!r}, expected {FEATURE_DTYPES[version].str!r}")
+        raise ShardFormatError(
+            f"{where}: shard format {version} with feature dtype {dtype!r}, expected {FEATURE_DTYPES[version].str!r}"
+        )
     return version
 
 
@@ -167,7 +171,13 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
     it (bit-identical round-to-nearest-even, ~10x numpy's cast on one core); the code location,
     which must not import torch, gets numpy's."""
     torch = sys.modules.get("torch")
-    if torch is not None and dtype == np.float16 and matrix.dtype == np.float32 and matrix.flags.c_contiguous and matrix.flags.writeable:
+    if (
+        torch is not None
+        and dtype == np.float16
+        and matrix.dtype == np.float32
+        and matrix.flags.c_contiguous
+        and matrix.flags.writeable
+    ):
         return torch.from_numpy(matrix).to(torch.float16).numpy()
     with np.errstate(over="ignore"):  # overflow to inf is reported by the caller
         return np.asarray(matrix, dtype=dtype)
@@ -193,7 +203,9 @@ def to_stored(matrix: np.ndarray, version: int = SHARD_FORMAT) -> np.ndarray:
 _MAX_CHUNK_BYTES = 2**31 - 1  # a BinaryArray's int32 offsets
 
 
-def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype, checked: bool = False) -> pa.ChunkedArray:
+def _feature_column(
+    ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype, checked: bool = False
+) -> pa.ChunkedArray:
     """One binary column from a single numpy buffer per chunk (no per-row ``bytes`` objects).
     ``checked``: the caller vouches that every matrix is already finite in ``dtype`` (no scan)."""
     dim = FEATURE_DIMS[name]
@@ -219,16 +231,26 @@ def _feature_column(ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype
             row += matrix.shape[0]
         if not (checked and all(m.dtype == dtype for m in matrices[start:end])) and not all_finite(values):
             bounds = np.cumsum([0, *(m.shape[0] for m in matrices[start:end])])
-            bad = next(r.utt_id for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True) if not all_finite(values[a:b]))
-            raise ValueError(f"{bad}: {name} is not finite in {dtype} (NaN, inf or beyond its range), cannot write shard")
+            bad = next(
+                r.utt_id
+                for r, a, b in zip(ordered[start:end], bounds[:-1], bounds[1:], strict=True)
+                if not all_finite(values[a:b])
+            )
+            raise ValueError(
+                f"{bad}: {name} is not finite in {dtype} (NaN, inf or beyond its range), cannot write shard"
+            )
         offsets = np.zeros(end - start + 1, dtype=np.int32)
         np.cumsum(row_bytes[start:end], out=offsets[1:])
-        chunks.append(pa.BinaryArray.from_buffers(pa.binary(), end - start, [None, pa.py_buffer(offsets), pa.py_buffer(values)]))
+        chunks.append(
+            pa.BinaryArray.from_buffers(pa.binary(), end - start, [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+        )
         start = end
     return pa.chunked_array(chunks, type=pa.binary())
 
 
-def records_to_table(records: Sequence[FeatureRecord], version: int = SHARD_FORMAT, *, finite_checked: bool = False) -> pa.Table:
+def records_to_table(
+    records: Sequence[FeatureRecord], version: int = SHARD_FORMAT, *, finite_checked: bool = False
+) -> pa.Table:
     """Build a shard table of format ``version`` (rows sorted by ``utt_id``, the format in its
     schema metadata) from records that carry both matrices. Every value is checked to be finite
     in the stored dtype (``ValueError`` naming the utterance otherwise), unless
@@ -236,7 +258,9 @@ def records_to_table(records: Sequence[FeatureRecord], version: int = SHARD_FORM
     reads it off their CMVN sums); matrices in another dtype are checked all the same."""
     schema = shard_schema(version)
     ordered = sorted(records, key=lambda r: r.utt_id)
-    columns = [pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS]
+    columns = [
+        pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS
+    ]
     features = [_feature_column(ordered, name, FEATURE_DTYPES[version], finite_checked) for name in FEATURE_DIMS]
     return pa.Table.from_arrays([*columns, *features], schema=schema)
 
@@ -248,9 +272,13 @@ and each block is used for whole batches (see train/sampling.py); large enough t
 
 
 def write_shard(
-    path: str | os.PathLike[str], records: Sequence[FeatureRecord], row_group_rows: int = ROW_GROUP_ROWS,
-    version: int | None = None, *, finite_checked: bool = False,
-) -> Path:  # fmt: skip
+    path: str | os.PathLike[str],
+    records: Sequence[FeatureRecord],
+    row_group_rows: int = ROW_GROUP_ROWS,
+    version: int | None = None,
+    *,
+    finite_checked: bool = False,
+) -> Path:
     """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`,
     or ``$SPEECH_ASSETS_SHARD_FORMAT`` for benchmarks) at ``path``. Byte-identical for identical
     input. ``finite_checked``: see :func:`records_to_table`."""
@@ -268,7 +296,9 @@ def write_shard(
             table,
             tmp,
             compression=compression,
-            compression_level={name: 1 for name, codec in compression.items() if codec == "zstd"},  # level 1: as small as 3, less CPU
+            compression_level={
+                name: 1 for name, codec in compression.items() if codec == "zstd"
+            },  # level 1: as small as 3, less CPU
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
             row_group_size=row_group_rows,
@@ -303,21 +333,30 @@ def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype |
     offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
     data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
     data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
-    return [data[start:end].view(dtype).reshape(-1, dim) for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
+    return [
+        data[start:end].view(dtype).reshape(-1, dim)
+        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    ]
 
 
-def check_blob_lengths(blobs: pa.Array | pa.ChunkedArray, num_frames: np.ndarray, dim: int, dtype: np.dtype, where: str = "shard") -> None:
+def check_blob_lengths(
+    blobs: pa.Array | pa.ChunkedArray, num_frames: np.ndarray, dim: int, dtype: np.dtype, where: str = "shard"
+) -> None:
     """``ValueError`` unless every blob holds ``num_frames * dim`` values of ``dtype`` (a blob of
     another dtype, e.g. float32 bytes read as float16, has the wrong length)."""
     lengths = pc.binary_length(blobs).to_numpy(zero_copy_only=False)
     expected = np.asarray(num_frames, dtype=np.int64) * dim * np.dtype(dtype).itemsize
     if not np.array_equal(lengths, expected):
         row = int(np.flatnonzero(lengths != expected)[0])
-        raise ValueError(f"{where}: row {row} has {lengths[row]} feature bytes, expected {expected[row]} ({dim} x {np.dtype(dtype)} per frame)")
+        raise ValueError(
+            f"{where}: row {row} has {lengths[row]} feature bytes, expected {expected[row]} ({dim} x {np.dtype(dtype)} per frame)"
+        )
 
 
 def iter_shard(
-    path: str | os.PathLike[str], features: Sequence[str] = ("logmel", "mfcc"), dtype: np.dtype | type | str | None = np.float32,
+    path: str | os.PathLike[str],
+    features: Sequence[str] = ("logmel", "mfcc"),
+    dtype: np.dtype | type | str | None = np.float32,
 ) -> Iterator[FeatureRecord]:
     """Stream a shard's utterances in ``utt_id`` order, row group by row group.
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from itertools import repeat
 from dataclasses import asdict, dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -196,7 +196,9 @@ def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SA
     vad = webrtcvad.Vad(cfg.aggressiveness)
     if _vad_process is None:  # pragma: no cover
         return [vad.is_speech(frame.tobytes(), sample_rate) for frame in frames]
-    return list(map(_vad_process, repeat(vad._vad, count), repeat(sample_rate, count), frames, repeat(frame_samples, count)))
+    return list(
+        map(_vad_process, repeat(vad._vad, count), repeat(sample_rate, count), frames, repeat(frame_samples, count))
+    )
 
 
 def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tuple[int, int] | None:
@@ -261,7 +263,11 @@ def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tup
 
 
 def detect_speech(
-    wave16k: np.ndarray, cfg: VadConfig = VadConfig(), sample_rate: int = VAD_SAMPLE_RATE, *, peak_normalised: bool = False
+    wave16k: np.ndarray,
+    cfg: VadConfig = VadConfig(),
+    sample_rate: int = VAD_SAMPLE_RATE,
+    *,
+    peak_normalised: bool = False,
 ) -> SpeechSpan | NoSpeech:
     """Find the speech span of a mono float32 waveform (``NoSpeech`` when there is too little).
 

@@ -40,12 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--superlink", default="", help="host:port of an existing SuperLink (default: start one)")
     parser.add_argument("--superlink-root-certificates", default="", help="CA certificate of that SuperLink's TLS")
     parser.add_argument("--insecure", action="store_true", help="reach that SuperLink without TLS (clear text)")
-    parser.add_argument("--client-state-root", default="",
-                        help="local SuperNodes keep their state under <this>/<client> (default: DATA_DIR/federated_clients)")
+    parser.add_argument(
+        "--client-state-root",
+        default="",
+        help="local SuperNodes keep their state under <this>/<client> (default: DATA_DIR/federated_clients)",
+    )
     parser.add_argument("--threads-per-client", type=int, default=0)
-    parser.add_argument("--engine", default="simulation", choices=ENGINES,
-                        help="simulation: Flower's simulation runtime here (default); deployment: a local SuperLink "
-                        "and one SuperNode per client (--superlink always uses the deployment engine)")
+    parser.add_argument(
+        "--engine",
+        default="simulation",
+        choices=ENGINES,
+        help="simulation: Flower's simulation runtime here (default); deployment: a local SuperLink "
+        "and one SuperNode per client (--superlink always uses the deployment engine)",
+    )
     parser.add_argument("--device", default="auto")
     for item in fields(FederatedConfig):
         if item.name in SKIPPED:
@@ -76,18 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         result = run_federation(
-            config, Path(args.data_dir).resolve(), superlink=args.superlink, insecure=args.insecure,
-            root_certificates=args.superlink_root_certificates, client_state_root=args.client_state_root or None,
-            threads_per_client=args.threads_per_client, device=args.device, engine=args.engine,
+            config,
+            Path(args.data_dir).resolve(),
+            superlink=args.superlink,
+            insecure=args.insecure,
+            root_certificates=args.superlink_root_certificates,
+            client_state_root=args.client_state_root or None,
+            threads_per_client=args.threads_per_client,
+            device=args.device,
+            engine=args.engine,
             log=lambda line: print(line, flush=True),
-        )  # fmt: skip
+        )
     except FederatedRunFailed as error:
         print(f"federated run failed: {error}", file=sys.stderr, flush=True)
         return 2
     except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
         print(f"federated run refused: {error}", file=sys.stderr, flush=True)
         return 1
-    print(json.dumps({k: result[k] for k in ("checkpoint", "checkpoint_sha256", "heldout_masked_accuracy")}), flush=True)
+    print(
+        json.dumps({k: result[k] for k in ("checkpoint", "checkpoint_sha256", "heldout_masked_accuracy")}), flush=True
+    )
     return 0
 
 

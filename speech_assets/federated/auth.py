@@ -60,32 +60,44 @@ def _write_private(path: Path, data: bytes) -> Path:
 
 def make_tls(folder: Path) -> TlsFiles:
     """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "speech_assets local federation CA")])
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALID_FOR)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key = ec.generate_private_key(ec.SECP384R1())
     cert = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]))
-        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")]),
-                       critical=False)
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALID_FOR)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     folder.mkdir(parents=True, exist_ok=True)
     files = TlsFiles(ca=folder / "ca.crt", cert=folder / "superlink.crt", key=folder / "superlink.key")
     files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                serialization.NoEncryption()))  # fmt: skip
+    _write_private(
+        files.key,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
     return files
 
 
@@ -94,10 +106,14 @@ def make_node_key(folder: Path, name: str) -> NodeKey:
     key = ec.generate_private_key(ec.SECP384R1())
     private = _write_private(
         folder / f"{name}.key",
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()),
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
     )
     public = folder / f"{name}.pub"
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
     return NodeKey(private=private, public=public)
 
 

@@ -87,16 +87,32 @@ def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
     return client
 
 
-TRAIN_METRICS = {"num-examples": "num_examples", "train-loss": "train_loss", "masked-accuracy": "masked_accuracy",
-                 "seconds": "seconds", "audio-seconds": "audio_seconds", "steps": "steps"}  # fmt: skip
-EVALUATE_METRICS = {"num-examples": "masked_frames", "utterances": "utterances", "heldout-loss": "loss",
-                    "heldout-masked-accuracy": "masked_accuracy", "majority-accuracy": "majority_accuracy",
-                    "leak-free-frames": "leak_free_frames", "heldout-leak-free-masked-accuracy": "leak_free_masked_accuracy",
-                    "leak-free-majority-accuracy": "leak_free_majority_accuracy"}  # fmt: skip
+TRAIN_METRICS = {
+    "num-examples": "num_examples",
+    "train-loss": "train_loss",
+    "masked-accuracy": "masked_accuracy",
+    "seconds": "seconds",
+    "audio-seconds": "audio_seconds",
+    "steps": "steps",
+}
+EVALUATE_METRICS = {
+    "num-examples": "masked_frames",
+    "utterances": "utterances",
+    "heldout-loss": "loss",
+    "heldout-masked-accuracy": "masked_accuracy",
+    "majority-accuracy": "majority_accuracy",
+    "leak-free-frames": "leak_free_frames",
+    "heldout-leak-free-masked-accuracy": "leak_free_masked_accuracy",
+    "leak-free-majority-accuracy": "leak_free_majority_accuracy",
+}
 
 
 def reply(
-    kind: str, received: ArrayRecord, result: TrainResult | EvalResult, client_id: str, config: ConfigRecord | None = None
+    kind: str,
+    received: ArrayRecord,
+    result: TrainResult | EvalResult,
+    client_id: str,
+    config: ConfigRecord | None = None,
 ) -> RecordDict:
     """A ``train`` or ``evaluate`` reply: the result's metrics (those of a train reply only if the
     round's ``config`` lets them leave: :func:`~speech_assets.federated.messages.train_metrics`),
@@ -108,8 +124,7 @@ def reply(
         names = {name: field for name, field in TRAIN_METRICS.items() if name in sent}
     # a metric must be a finite number: an accuracy over no (leak-free) frames travels as 0.0
     values = {name: 0.0 if (value := getattr(result, field)) is None else value for name, field in names.items()}
-    content = {"metrics": MetricRecord(values),
-               CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}  # fmt: skip
+    content = {"metrics": MetricRecord(values), CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}
     if kind == "train":
         content["arrays"] = ArrayRecord(result.encoder)  # type: ignore[union-attr,arg-type]
     return check_outgoing(RecordDict(content), kind, array_spec(received), client_id, list(names))  # type: ignore[arg-type]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from speech_assets.layout import DataLayout, TargetFiles
 from speech_assets.features.shards import ShardFiles
+from speech_assets.layout import DataLayout, TargetFiles
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,7 +30,6 @@ from typing import Any
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
-from speech_assets.layout import FederatedPaths  # the run folder's layout, for the modules that import it from here
 from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
 from speech_assets.utils import from_fields
 
@@ -195,16 +193,21 @@ class FederatedConfig:
         if not 0 < self.dp_delta < 1:
             problems.append("dp_delta must be in (0, 1)")
         if self.secure_aggregation and (self.sample_size < 2 or self.min_train_nodes == 1):
-            problems.append("secure_aggregation needs at least 2 clients per round and min_train_nodes 0 or >= 2 "
-                            "(a sum of one is the update)")
+            problems.append(
+                "secure_aggregation needs at least 2 clients per round and min_train_nodes 0 or >= 2 "
+                "(a sum of one is the update)"
+            )
         if self.secagg_num_shares and (self.secagg_num_shares < 3 or self.secagg_num_shares % 2 == 0):
             problems.append("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
         shares = self.secagg_shares()
-        if self.secagg_threshold < 0 or (self.secagg_threshold and self.secure_aggregation
-                                         and not shares < 2 * self.secagg_threshold <= 2 * shares):
-            problems.append(f"secagg_threshold must be 0 (automatic) or more than half of, and at most, the {shares} "
-                            "shares each client makes (a threshold of half or less lets a server rebuild both "
-                            "secrets of a client)")
+        if self.secagg_threshold < 0 or (
+            self.secagg_threshold and self.secure_aggregation and not shares < 2 * self.secagg_threshold <= 2 * shares
+        ):
+            problems.append(
+                f"secagg_threshold must be 0 (automatic) or more than half of, and at most, the {shares} "
+                "shares each client makes (a threshold of half or less lets a server rebuild both "
+                "secrets of a client)"
+            )
         for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
@@ -413,7 +416,7 @@ class NodeConfig:
         if missing:
             raise ValueError(
                 f"this SuperNode has no {missing} in its --node-config: start it with "
-                "--node-config 'client-id=\"client_00\" data-dir=\"/path/to/data\"'"
+                '--node-config \'client-id="client_00" data-dir="/path/to/data"\''
             )
         if "state-dir" in node_config:
             raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
@@ -450,5 +453,3 @@ class NodeConfig:
         """Where this client keeps its state for run ``run_name`` (a name from the server: it
         must be a safe id before it becomes a path)."""
         return self.root / check_safe_id(run_name, "the run name sent by the server")
-
-

@@ -16,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, settings_changes
+from speech_assets.federated.config import FederatedConfig, settings_changes
+from speech_assets.layout import FederatedPaths
 from speech_assets.utils import atomic_path, atomic_write_text
 
 ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
@@ -29,16 +30,25 @@ def _per_client(**columns: pa.DataType) -> pa.Schema:
 
 # rounds.parquet: one row per (round, client) that trained in the round
 ROUNDS_SCHEMA = _per_client(
-    num_examples=pa.int64(), train_loss=pa.float64(), masked_accuracy=pa.float64(), bytes_up=pa.int64(),
-    bytes_down=pa.int64(), seconds=pa.float64(),
+    num_examples=pa.int64(),
+    train_loss=pa.float64(),
+    masked_accuracy=pa.float64(),
+    bytes_up=pa.int64(),
+    bytes_down=pa.int64(),
+    seconds=pa.float64(),
 )
 ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
 # evaluation.parquet: the global encoder after the round, on each client's held-out utterances
 # with that client's own head (kept on the client), beside the client's majority-class rate; then
 # the same on the leak-free masked frames (accuracies null when a client has none)
 EVALUATION_SCHEMA = _per_client(
-    utterances=pa.int64(), masked_frames=pa.int64(), heldout_loss=pa.float64(), heldout_masked_accuracy=pa.float64(),
-    majority_accuracy=pa.float64(), leak_free_frames=pa.int64(), heldout_leak_free_masked_accuracy=pa.float64(),
+    utterances=pa.int64(),
+    masked_frames=pa.int64(),
+    heldout_loss=pa.float64(),
+    heldout_masked_accuracy=pa.float64(),
+    majority_accuracy=pa.float64(),
+    leak_free_frames=pa.int64(),
+    heldout_leak_free_masked_accuracy=pa.float64(),
     leak_free_majority_accuracy=pa.float64(),
 )
 
@@ -47,7 +57,9 @@ def record_rounds(paths: FederatedPaths) -> list[int]:
     """Rounds that have a record (``round_r.json``), whether or not their checkpoint is kept."""
     if not paths.rounds_dir.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in paths.rounds_dir.iterdir() if (m := ROUND_FILE.match(p.name)) and m.group(2) == "json")
+    return sorted(
+        int(m.group(1)) for p in paths.rounds_dir.iterdir() if (m := ROUND_FILE.match(p.name)) and m.group(2) == "json"
+    )
 
 
 def complete_rounds(paths: FederatedPaths) -> list[int]:
@@ -141,10 +153,13 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "round": record["round"],
                 "clients": len(rows),
                 "missing": list(record.get("missing", [])),
-                "train_loss": None if withheld
+                "train_loss": None
+                if withheld
                 else sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
                 "heldout_masked_accuracy": (
-                    sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
+                    sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames
+                    if frames
+                    else None
                 ),
                 "majority_accuracy": (
                     sum(e["majority_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
@@ -152,19 +167,24 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "leak_free_frames": free_frames,
                 "heldout_leak_free_masked_accuracy": (
                     sum(e["heldout_leak_free_masked_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
-                    if free_frames else None
+                    if free_frames
+                    else None
                 ),
                 "heldout_leak_free_majority_accuracy": (
                     sum(e["leak_free_majority_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
-                    if free_frames else None
+                    if free_frames
+                    else None
                 ),
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
                 # the share of the round not spent in the slowest client's local training (None
                 # when the clients withheld their seconds)
-                "overhead": None if (slowest := record.get("slowest_client_seconds", 0.0)) is None
-                else 1.0 - slowest / record["round_seconds"] if record["round_seconds"] > 0 else 0.0,
+                "overhead": None
+                if (slowest := record.get("slowest_client_seconds", 0.0)) is None
+                else 1.0 - slowest / record["round_seconds"]
+                if record["round_seconds"] > 0
+                else 0.0,
                 # records written before sampling: every client was asked (the trained and the missing)
                 "sampled": len(record.get("sampled") or []) or len(rows) + len(record.get("missing", [])),
                 "epsilon": (record.get("privacy") or {}).get("epsilon"),

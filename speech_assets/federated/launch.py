@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets import layout
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, NodeConfig
+from speech_assets.federated.config import FederatedConfig, NodeConfig
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.hosts import check_endpoint
+from speech_assets.layout import FederatedPaths
 from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
@@ -203,9 +204,21 @@ def run_federation(
     roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
     with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
-        return _tracked_run(config, data_dir, superlink=superlink, insecure=insecure, root_certificates=root_certificates,
-                            roots=roots, threads_per_client=threads_per_client, device=device, engine=engine, env=env, log=log,
-                            on_round=on_round, tracker=tracker)  # fmt: skip
+        return _tracked_run(
+            config,
+            data_dir,
+            superlink=superlink,
+            insecure=insecure,
+            root_certificates=root_certificates,
+            roots=roots,
+            threads_per_client=threads_per_client,
+            device=device,
+            engine=engine,
+            env=env,
+            log=log,
+            on_round=on_round,
+            tracker=tracker,
+        )
 
 
 def _tracked_run(
@@ -280,21 +293,31 @@ def _run_federation(
         cli_home = paths.flower_dir / "cli"
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
-        outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, progress)
+        outcome = flwr_run(
+            APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, progress
+        )
     elif engine == "simulation":
         # as many workers as cores / threads_per_client, whatever the number of clients
         threads = threads_per_client or 1
         nodes = [
-            NodeConfig(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
+            NodeConfig(
+                client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device
+            )
             for c in config.clients
         ]
-        log(f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
-            f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)")  # fmt: skip
-        outcome = simulation_run(paths.run_config, nodes, threads, paths.flower_dir / "simulation.log", forward, env, progress)
+        log(
+            f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
+            f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
+        )
+        outcome = simulation_run(
+            paths.run_config, nodes, threads, paths.flower_dir / "simulation.log", forward, env, progress
+        )
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [
-            NodeConfig(client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device)
+            NodeConfig(
+                client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device
+            )
             for c in config.clients
         ]
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
@@ -305,9 +328,15 @@ def _run_federation(
                 return progress()
 
             outcome = flwr_run(
-                APP_DIR, paths.run_config, federation.cli_home, paths.flower_dir / "flwr-run.log", forward, env,
-                should_stop, federation.enter,
-            )  # fmt: skip
+                APP_DIR,
+                paths.run_config,
+                federation.cli_home,
+                paths.flower_dir / "flwr-run.log",
+                forward,
+                env,
+                should_stop,
+                federation.enter,
+            )
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

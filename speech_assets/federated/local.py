@@ -102,9 +102,14 @@ class HeadStore:
     def save(self, round_number: int, head: Mapping[str, torch.Tensor], k: int) -> Path:
         path = save_checkpoint(
             self.path(round_number),
-            {"format": HEAD_FORMAT, "client_id": self.client_id, "round": round_number, "k": k,
-             "head": {name: t.detach().cpu().clone() for name, t in head.items()}},
-        )  # fmt: skip
+            {
+                "format": HEAD_FORMAT,
+                "client_id": self.client_id,
+                "round": round_number,
+                "k": k,
+                "head": {name: t.detach().cpu().clone() for name, t in head.items()},
+            },
+        )
         for old in self.rounds()[:-KEEP_HEADS]:
             self.path(old).unlink(missing_ok=True)
         return path
@@ -149,7 +154,9 @@ class LocalClient:
         self.heads = HeadStore(self.client_dir, data.client_id)
         device = resolve_device(node.device)
         self.job = Distributed(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device)
-        self.precision = resolve_precision(local.precision, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported())
+        self.precision = resolve_precision(
+            local.precision, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported()
+        )
         if node.threads > 0:
             torch.set_num_threads(node.threads)
         index = build_index([str(p) for p in data.shards], {data.client_id: str(data.labels)}, local.max_frames)
@@ -180,9 +187,14 @@ class LocalClient:
         """Masked prediction with masks drawn from (seed, client, round, step)."""
         local = self.local
         return MaskedPrediction(
-            model, self.job.device, seed=local.seed, mask_prob=local.mask_prob, mask_length=local.mask_length,
-            unmasked_weight=local.unmasked_weight, key=("federated", self.data.client_id, round_number),
-        )  # fmt: skip
+            model,
+            self.job.device,
+            seed=local.seed,
+            mask_prob=local.mask_prob,
+            mask_length=local.mask_length,
+            unmasked_weight=local.unmasked_weight,
+            key=("federated", self.data.client_id, round_number),
+        )
 
     def _stream(self, round_number: int) -> BatchStream:
         """The batches of round ``round_number``: the client's endless epoch stream from batch
@@ -207,7 +219,12 @@ class LocalClient:
         model.train()
         local = self.local
         engine = Engine(
-            model, self.job, precision=self.precision, lr=local.lr, weight_decay=local.weight_decay, clip_norm=local.clip_norm,
+            model,
+            self.job,
+            precision=self.precision,
+            lr=local.lr,
+            weight_decay=local.weight_decay,
+            clip_norm=local.clip_norm,
             schedule=round_schedule(local),
         )
         objective, stream = self.objective(model, round_number), self._stream(round_number)
@@ -223,8 +240,13 @@ class LocalClient:
         self.heads.save(round_number, model.heads[0].state_dict(), self.data.k)
         log.info(
             "%s round %d: %d steps from head of round %s, loss %.4f, masked accuracy %.3f",
-            self.data.client_id, round_number, local.local_steps, head_round, metrics["masked_loss"], metrics["masked_accuracy"],
-        )  # fmt: skip
+            self.data.client_id,
+            round_number,
+            local.local_steps,
+            head_round,
+            metrics["masked_loss"],
+            metrics["masked_accuracy"],
+        )
         return TrainResult(
             encoder=encoder_state(model),
             num_examples=self.num_examples,

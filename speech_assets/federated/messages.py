@@ -27,12 +27,25 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key of 
 
 ARRAYS, METRICS, CLIENT_RECORD, CLIENT_ID = "arrays", "metrics", "client", "client-id"
 TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
-EVAL_METRICS = ("num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy",
-                "leak-free-frames", "heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
+EVAL_METRICS = (
+    "num-examples",
+    "utterances",
+    "heldout-loss",
+    "heldout-masked-accuracy",
+    "majority-accuracy",
+    "leak-free-frames",
+    "heldout-leak-free-masked-accuracy",
+    "leak-free-majority-accuracy",
+)
 METRICS_OF = {"train": TRAIN_METRICS, "evaluate": EVAL_METRICS}
 COUNTS = ("num-examples", "utterances", "steps", "leak-free-frames")
-FRACTIONS = ("masked-accuracy", "heldout-masked-accuracy", "majority-accuracy", "heldout-leak-free-masked-accuracy",
-             "leak-free-majority-accuracy")
+FRACTIONS = (
+    "masked-accuracy",
+    "heldout-masked-accuracy",
+    "majority-accuracy",
+    "heldout-leak-free-masked-accuracy",
+    "leak-free-majority-accuracy",
+)
 # the leak-free masked frames are a subset of the masked ones (``num-examples`` of an evaluate
 # reply); with none, their accuracies travel as 0.0 (a metric must be a number)
 LEAK_FREE_FRAMES = "leak-free-frames"
@@ -120,8 +133,10 @@ def content_problem(
             unexpected = sorted(set(spec) - set(encoder))
             missing = sorted(set(encoder) - set(spec))
             changed = sorted(n for n in set(spec) & set(encoder) if spec[n] != encoder[n])
-            return (f"arrays are not exactly the encoder's (unexpected: {unexpected[:5]}, missing: {missing[:5]}, "
-                    f"other dtype or shape: {changed[:5]})")  # fmt: skip
+            return (
+                f"arrays are not exactly the encoder's (unexpected: {unexpected[:5]}, missing: {missing[:5]}, "
+                f"other dtype or shape: {changed[:5]})"
+            )
     elif content.array_records:
         return "an evaluate reply carries arrays"
     return None
@@ -149,7 +164,10 @@ def check_masked(out: Message, client_id: str) -> Message:
 
 
 def update_problem(
-    update: Mapping[str, np.ndarray], current: Mapping[str, np.ndarray], bound: float, bound_name: str = "max_update_norm"
+    update: Mapping[str, np.ndarray],
+    current: Mapping[str, np.ndarray],
+    bound: float,
+    bound_name: str = "max_update_norm",
 ) -> tuple[float | None, str | None]:
     """``(norm, why refused)`` of a client's encoder against the global one it started from:
     refused if any value is not finite or ``||update - current||_2 > bound`` (the setting
@@ -244,5 +262,10 @@ class NodeBinding:
         return accepted, failures
 
     def failure(self, phase: str, node: int, claimed: str | None, reason: str) -> dict[str, Any]:
-        return {"phase": phase, "client_id": self.client_of(node), "claimed_client_id": claimed, "node_id": node,
-                "reason": reason}  # fmt: skip
+        return {
+            "phase": phase,
+            "client_id": self.client_of(node),
+            "claimed_client_id": claimed,
+            "node_id": node,
+            "reason": reason,
+        }

@@ -98,7 +98,9 @@ class Privacy:
         }
         self.accountant.compose(
             GaussianPrivacyEvent(
-                noise_multiplier=self.config.dp_noise_multiplier, sample_size=sampled, population_size=len(self.config.clients)
+                noise_multiplier=self.config.dp_noise_multiplier,
+                sample_size=sampled,
+                population_size=len(self.config.clients),
             )
         )
         return noisy

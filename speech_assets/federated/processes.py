@@ -146,7 +146,9 @@ def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, s
     return {k: v for k, v in env.items() if not k.startswith("DAGSTER_PIPES")}
 
 
-def wait_listening(port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path, network: PrivateNetwork) -> None:
+def wait_listening(
+    port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path, network: PrivateNetwork
+) -> None:
     """Wait until ``process`` listens on ``port`` inside ``network``."""
 
     def listening() -> bool:
@@ -183,7 +185,12 @@ def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[i
                 continue
             argv = process.info["cmdline"] or []
             names = {Path(part).name for part in argv[:6]}
-            if not names & set(FLOWER_NAMES) and SUPERVISOR not in argv[:3] and not is_ray(argv) and SIMULATION not in argv[:4]:
+            if (
+                not names & set(FLOWER_NAMES)
+                and SUPERVISOR not in argv[:3]
+                and not is_ray(argv)
+                and SIMULATION not in argv[:4]
+            ):
                 continue
             if root is not None:
                 try:
@@ -264,14 +271,26 @@ class LocalFederation:
             tls = make_tls(self.folder / "tls")
             log_path = self.folder / "superlink" / "superlink.log"
             command = [
-                flower_bin("flower-superlink"), "--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert),
-                "--ssl-keyfile", str(tls.key), "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
+                flower_bin("flower-superlink"),
+                "--ssl-ca-certfile",
+                str(tls.ca),
+                "--ssl-certfile",
+                str(tls.cert),
+                "--ssl-keyfile",
+                str(tls.key),
+                "--enable-supernode-auth",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
                 "--disable-runtime-dependency-installation",
-            ]  # fmt: skip
+            ]
             env = flower_env(self.folder / "superlink" / "home", self.base_env)
             process = spawn(self.enter(command), log_path, env, supervised=True)
             self.superlink = Daemon("superlink", process, log_path, port)
-            wait_listening(port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path, self.network)
+            wait_listening(
+                port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path, self.network
+            )
             write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
             keys = {node.client_id: make_node_key(self.folder / "auth", node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
@@ -279,12 +298,24 @@ class LocalFederation:
                 node_port = FIRST_SUPERNODE_PORT + index
                 node_dir = self.folder / f"supernode-{node.client_id}"
                 command = [
-                    flower_bin("flower-supernode"), "--root-certificates", str(tls.ca), "--superlink", self.address,
-                    "--auth-supernode-private-key", str(keys[node.client_id].private),
-                    "--host", "127.0.0.1", "--port", str(node_port), "--node-config", node.to_node_config(),
-                ]  # fmt: skip
+                    flower_bin("flower-supernode"),
+                    "--root-certificates",
+                    str(tls.ca),
+                    "--superlink",
+                    self.address,
+                    "--auth-supernode-private-key",
+                    str(keys[node.client_id].private),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(node_port),
+                    "--node-config",
+                    node.to_node_config(),
+                ]
                 log_path = node_dir / "supernode.log"
-                process = spawn(self.enter(command), log_path, flower_env(node_dir / "home", self.base_env), supervised=True)
+                process = spawn(
+                    self.enter(command), log_path, flower_env(node_dir / "home", self.base_env), supervised=True
+                )
                 self.supernodes[node.client_id] = Daemon(f"supernode {node.client_id}", process, log_path, node_port)
             self._write_pids()
             self.log(
@@ -299,17 +330,32 @@ class LocalFederation:
     def register(self, public_keys: Mapping[str, Path]) -> dict[str, int]:
         """Register each client's SuperNode key with the SuperLink (one interpreter for all);
         write ``nodes.json``; ``{client id: node id}``."""
-        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME,
-                   *(str(p) for p in public_keys.values())]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            AUTH_MODULE,
+            "register",
+            str(self.cli_home),
+            CONNECTION_NAME,
+            *(str(p) for p in public_keys.values()),
+        ]
         done = subprocess.run(  # noqa: S603
-            self.enter(command), env=flower_env(self.cli_home, self.base_env), capture_output=True, text=True,
-            timeout=self.startup_timeout, preexec_fn=die_with_parent,  # noqa: PLW1509
-        )  # fmt: skip
+            self.enter(command),
+            env=flower_env(self.cli_home, self.base_env),
+            capture_output=True,
+            text=True,
+            timeout=self.startup_timeout,
+            preexec_fn=die_with_parent,  # noqa: PLW1509
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"registering the SuperNodes' keys failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(
+                f"registering the SuperNodes' keys failed (exit code {done.returncode}):\n{done.stderr[-3000:]}"
+            )
         by_key = json.loads(done.stdout.strip().splitlines()[-1])
         node_ids = {client: int(by_key[str(path)]) for client, path in public_keys.items()}
-        (self.folder / NODES_FILE).write_text(json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n")
+        (self.folder / NODES_FILE).write_text(
+            json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n"
+        )
         return node_ids
 
     def _write_pids(self) -> None:
@@ -355,8 +401,13 @@ def write_connection(home: Path, address: str, insecure: bool = False, root_cert
     """``$FLWR_HOME/config.toml`` with one SuperLink connection named :data:`CONNECTION_NAME`
     (TLS verified against ``root_certificates``, or the system's CAs; plain HTTP if ``insecure``)."""
     home.mkdir(parents=True, exist_ok=True)
-    lines = ["[superlink]", f'default = "{CONNECTION_NAME}"', "", f"[superlink.{CONNECTION_NAME}]",
-             f"address = {json.dumps(address)}"]  # fmt: skip
+    lines = [
+        "[superlink]",
+        f'default = "{CONNECTION_NAME}"',
+        "",
+        f"[superlink.{CONNECTION_NAME}]",
+        f"address = {json.dumps(address)}",
+    ]
     if insecure:
         lines.append("insecure = true")
     elif root_certificates:
@@ -461,19 +512,37 @@ def simulation_run(
     nodes_file = log_path.parent / "simulation_nodes.json"
     nodes_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
-    command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file),
-               "--cpus-per-client", str(cpus_per_client)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        SIMULATION,
+        "--run-config",
+        str(run_config),
+        "--nodes",
+        str(nodes_file),
+        "--cpus-per-client",
+        str(cpus_per_client),
+    ]
     base = dict(env if env is not None else os.environ)
     with contextlib.ExitStack() as cleanup:
         network = start_private(PrivateNetwork())
         cleanup.callback(network.stop)
         # short: Ray's unix socket paths under it must stay within 107 bytes
-        ray_dir = cleanup.enter_context(tempfile.TemporaryDirectory(
-            prefix="speech-assets-ray-", dir=base.get("RAY_TMPDIR") or None, ignore_cleanup_errors=True))  # fmt: skip
+        ray_dir = cleanup.enter_context(
+            tempfile.TemporaryDirectory(
+                prefix="speech-assets-ray-", dir=base.get("RAY_TMPDIR") or None, ignore_cleanup_errors=True
+            )
+        )
         # every process of the tree (Ray's included) names the run in its environment, for flower_processes
         process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
-        process = spawn(network.enter(command), log_path, process_env, supervised=True, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT)  # fmt: skip
+        process = spawn(
+            network.enter(command),
+            log_path,
+            process_env,
+            supervised=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         try:
             reason = follow(process, log_path, on_line, should_stop)
             if reason is not None:
@@ -490,6 +559,9 @@ def flwr_stop(
     """Ask the SuperLink to stop run ``run_id`` (best effort)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(  # noqa: S603
-            enter([flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME]), env=flower_env(home, env),
-            capture_output=True, timeout=60, preexec_fn=die_with_parent,  # noqa: PLW1509
-        )  # fmt: skip
+            enter([flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME]),
+            env=flower_env(home, env),
+            capture_output=True,
+            timeout=60,
+            preexec_fn=die_with_parent,  # noqa: PLW1509
+        )

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import (  # noqa: F401 (re-exported)
     EVALUATION_SCHEMA,
     ROUND_FILE,
@@ -35,8 +35,9 @@ from speech_assets.federated.history import (  # noqa: F401 (re-exported)
     summarize_rounds,
     write_tables,
 )
-from speech_assets.model.presets import get_preset
+from speech_assets.layout import FederatedPaths
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.model.presets import get_preset
 from speech_assets.train.checkpoint import load_checkpoint, save_checkpoint
 from speech_assets.utils import atomic_write_text
 
@@ -143,9 +144,7 @@ def rewrite_record(paths: FederatedPaths, round_number: int, record: Mapping[str
     return records
 
 
-def save_final(
-    paths: FederatedPaths, config: FederatedConfig, round_number: int, encoder: NDArrays
-) -> str:
+def save_final(paths: FederatedPaths, config: FederatedConfig, round_number: int, encoder: NDArrays) -> str:
     """``final.pt``: the global encoder only (no head: those stay on the clients); returns its sha256."""
     sha = encoder_sha256(encoder)
     save_checkpoint(

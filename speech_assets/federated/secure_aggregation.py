@@ -105,7 +105,8 @@ class SecAggParams:
         if n * self.target_range >= MODULUS:
             raise ValueError(
                 f"{n} clients x target_range {self.target_range} >= 2**32: the sum would wrap; "
-                f"use target_range < {MODULUS // n} or fewer clients")
+                f"use target_range < {MODULUS // n} or fewer clients"
+            )
 
 
 def check_threshold(threshold: int, num_shares: int) -> None:
@@ -137,7 +138,8 @@ class RoundSecrets:
     def new(cls) -> RoundSecrets:
         share_key, _ = generate_key_pairs()
         mask_key = X25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
         return cls(mask_key, private_key_to_bytes(share_key), os.urandom(SEED_BYTES))
 
     def mask_public(self) -> bytes:
@@ -153,8 +155,11 @@ def mask_public(mask_key: bytes) -> bytes:
     """The X25519 public key (32 raw bytes) of a 32-byte private key."""
     if len(mask_key) != KEY_BYTES:
         raise ValueError(f"an X25519 private key is {KEY_BYTES} raw bytes, got {len(mask_key)}")
-    return X25519PrivateKey.from_private_bytes(bytes(mask_key)).public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return (
+        X25519PrivateKey.from_private_bytes(bytes(mask_key))
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
 
 
 def check_share_public(key: bytes) -> None:
@@ -178,18 +183,25 @@ def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
     if len(nonce) < MIN_NONCE_BYTES:
         raise ValueError(f"the server nonce must be at least {MIN_NONCE_BYTES} bytes, got {len(nonce)}")
     run_bytes = run.encode("utf-8")
-    return b"".join([
-        _CONTEXT_TAG, struct.pack(">I", len(run_bytes)), run_bytes,
-        struct.pack(">Q", round_number), struct.pack(">I", len(nonce)), bytes(nonce),
-    ])
+    return b"".join(
+        [
+            _CONTEXT_TAG,
+            struct.pack(">I", len(run_bytes)),
+            run_bytes,
+            struct.pack(">Q", round_number),
+            struct.pack(">I", len(nonce)),
+            bytes(nonce),
+        ]
+    )
 
 
 def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:
     """SHA-256 commitment (32 bytes) to a self-mask seed: the server checks a rebuilt seed against
     it, so bad shares are named instead of leaving masks in the sum."""
     who = client.encode("utf-8")
-    return hashlib.sha256(b"".join([_COMMIT_TAG, struct.pack(">I", len(context)), context,
-                                    struct.pack(">I", len(who)), who, bytes(seed)])).digest()
+    return hashlib.sha256(
+        b"".join([_COMMIT_TAG, struct.pack(">I", len(context)), context, struct.pack(">I", len(who)), who, bytes(seed)])
+    ).digest()
 
 
 def neighbours(client: str, clients: Collection[str], num_shares: int) -> list[str]:
@@ -239,19 +251,29 @@ def _fernet_key(secrets: RoundSecrets, peer_share_public: bytes) -> bytes:
     return generate_shared_key(bytes_to_private_key(secrets.share_key), bytes_to_public_key(bytes(peer_share_public)))
 
 
-def seal_shares(secrets: RoundSecrets, peer_share_public: bytes, context: bytes, src: str, dst: str,
-                seed_share: bytes, key_share: bytes) -> bytes:
+def seal_shares(
+    secrets: RoundSecrets,
+    peer_share_public: bytes,
+    context: bytes,
+    src: str,
+    dst: str,
+    seed_share: bytes,
+    key_share: bytes,
+) -> bytes:
     """``src``'s shares for ``dst`` (of its self-mask seed and its X25519 key), encrypted and
     authenticated (Fernet) under the ECDH key of ``src``'s ``share_key`` and ``dst``'s public one;
     the plaintext names the round context, sender and receiver, so a ciphertext replayed to
     another client or round is refused."""
-    plain = json.dumps({"context": context.hex(), "src": src, "dst": dst, "seed": seed_share.hex(),
-                        "key": key_share.hex()}, sort_keys=True).encode()
+    plain = json.dumps(
+        {"context": context.hex(), "src": src, "dst": dst, "seed": seed_share.hex(), "key": key_share.hex()},
+        sort_keys=True,
+    ).encode()
     return encrypt(_fernet_key(secrets, peer_share_public), plain)
 
 
-def open_shares(secrets: RoundSecrets, peer_share_public: bytes, ciphertext: bytes, context: bytes, src: str,
-                dst: str) -> tuple[bytes, bytes]:
+def open_shares(
+    secrets: RoundSecrets, peer_share_public: bytes, ciphertext: bytes, context: bytes, src: str, dst: str
+) -> tuple[bytes, bytes]:
     """``(seed share, key share)`` that ``src`` sealed for ``dst`` (this client) with
     :func:`seal_shares`; ValueError if the ciphertext is not authentic or names another round,
     sender or receiver."""
@@ -322,8 +344,14 @@ def _pair_mask(flat: np.ndarray, me: str, peer: str, seed: bytes, sign: int) -> 
         flat -= mask
 
 
-def mask_update(update: Mapping[str, np.ndarray], me: str, secrets: RoundSecrets, peers: Mapping[str, bytes],
-                params: SecAggParams, context: bytes) -> dict[str, np.ndarray]:
+def mask_update(
+    update: Mapping[str, np.ndarray],
+    me: str,
+    secrets: RoundSecrets,
+    peers: Mapping[str, bytes],
+    params: SecAggParams,
+    context: bytes,
+) -> dict[str, np.ndarray]:
     """This client's masked update: the same names and shapes as ``update`` (float arrays of any
     shape, 0-d included), each an ``np.uint32`` array.
 
@@ -367,10 +395,15 @@ class MasksDidNotCancel(ValueError):
     """The unmasked sum is out of range: a client's vector or shares were wrong."""
 
 
-def unmask_sum(masked: Mapping[str, Mapping[str, np.ndarray]], self_seeds: Mapping[str, bytes],
-               dropped_keys: Mapping[str, bytes], public_keys: Mapping[str, bytes],
-               masked_with: Mapping[str, Collection[str]], params: SecAggParams,
-               context: bytes) -> dict[str, np.ndarray]:
+def unmask_sum(
+    masked: Mapping[str, Mapping[str, np.ndarray]],
+    self_seeds: Mapping[str, bytes],
+    dropped_keys: Mapping[str, bytes],
+    public_keys: Mapping[str, bytes],
+    masked_with: Mapping[str, Collection[str]],
+    params: SecAggParams,
+    context: bytes,
+) -> dict[str, np.ndarray]:
     """The sum of the survivors' updates (each clipped to ``±params.clipping_range``), as float32
     arrays with the masked arrays' names and shapes.
 
@@ -405,8 +438,10 @@ def unmask_sum(masked: Mapping[str, Mapping[str, np.ndarray]], self_seeds: Mappi
     # Every true sum is <= n * T < 2^32; leftover masks are uniform, so over many values some
     # land above n * T (a lone value escapes this check with probability n * T / 2^32).
     if total.size and int(total.max()) > n * params.target_range:
-        raise MasksDidNotCancel(f"the unmasked sum of {n} survivors is beyond n x T: a survivor's masked vector "
-                                "or a revealed share is wrong, or clients masked with different peers")
+        raise MasksDidNotCancel(
+            f"the unmasked sum of {n} survivors is beyond n x T: a survivor's masked vector "
+            "or a revealed share is wrong, or clients masked with different peers"
+        )
     c = params.clipping_range
     # dequantize maps q to q * 2c/T - c; a sum of n values carries n offsets of c, not one.
     (summed,) = dequantize([total], c, params.target_range)

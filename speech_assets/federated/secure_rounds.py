@@ -59,7 +59,14 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from speech_assets.federated.config import FederatedConfig, NodeConfig
-from speech_assets.federated.messages import ARRAYS, CLIENT_RECORD, ArraySpec, NodeBinding, check_masked, content_problem
+from speech_assets.federated.messages import (
+    ARRAYS,
+    CLIENT_RECORD,
+    ArraySpec,
+    NodeBinding,
+    check_masked,
+    content_problem,
+)
 from speech_assets.federated.secure_aggregation import (
     DEFAULT_TARGET_RANGE,
     KEY_BYTES,
@@ -105,8 +112,9 @@ class RoundHost(Protocol):
     # the training metrics a reply must carry this round (none when DP withholds them)
     train_names: tuple[str, ...]
 
-    def exchange(self, messages: Iterable[Message], round_number: int, phase: str
-                 ) -> tuple[list[Message], list[dict[str, Any]]]: ...
+    def exchange(
+        self, messages: Iterable[Message], round_number: int, phase: str
+    ) -> tuple[list[Message], list[dict[str, Any]]]: ...
 
     def client_of(self, reply: Message) -> str: ...
 
@@ -156,12 +164,21 @@ class SecureRounds:
         node = self.host.binding.node_of(client)
         if node is None:
             return None
-        config = ConfigRecord({KIND: fields.pop(KIND), "secure-aggregation": True, "run-name": self.config.run_name,
-                               "server-round": self.round_number, SECAGG_NONCE: self.nonce} | fields)  # fmt: skip
+        config = ConfigRecord(
+            {
+                KIND: fields.pop(KIND),
+                "secure-aggregation": True,
+                "run-name": self.config.run_name,
+                "server-round": self.round_number,
+                SECAGG_NONCE: self.nonce,
+            }
+            | fields
+        )
         return Message(RecordDict({"config": config}), dst_node_id=int(node), message_type=MessageType.QUERY)
 
-    def _ask(self, phase: str, per_client: dict[str, dict[str, Any]], failures: list[dict[str, Any]]
-             ) -> dict[str, Message]:
+    def _ask(
+        self, phase: str, per_client: dict[str, dict[str, Any]], failures: list[dict[str, Any]]
+    ) -> dict[str, Message]:
         messages = [m for client, fields in per_client.items() if (m := self._query(client, dict(fields)))]
         good, refused = self.host.exchange(messages, self.round_number, phase)
         failures.extend(refused)
@@ -189,15 +206,22 @@ class SecureRounds:
         self._collect("secagg-advertise", {c: common for c in clients}, KEY_RECORD, read_keys, self.keys, failures)
         if len(self.keys) < self.threshold:
             self._fail_short("advertised keys", sorted(self.keys), clients, failures)
-        table = json.dumps({c: [m.hex(), s.decode("ascii"), h.hex()] for c, (m, s, h) in self.keys.items()}, sort_keys=True)
-        asked = {c: {KIND: SHARE, SECAGG_KEYS: table, SECAGG_THRESHOLD: self.threshold,
-                     SECAGG_SHARES_NUM: self.num_shares} for c in self.keys}  # fmt: skip
+        table = json.dumps(
+            {c: [m.hex(), s.decode("ascii"), h.hex()] for c, (m, s, h) in self.keys.items()}, sort_keys=True
+        )
+        asked = {
+            c: {KIND: SHARE, SECAGG_KEYS: table, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
+            for c in self.keys
+        }
 
         def read_shares(client: str, record: Any) -> tuple[dict[str, Any], str | None]:
             sealed = dict(record or {})
             expected = set(self.neighbours(client)) - {client}
             if set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values()):
-                return sealed, f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
+                return (
+                    sealed,
+                    f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}",
+                )
             return sealed, None
 
         self._collect("secagg-share", asked, SHARES, read_shares, self.sealed, failures)
@@ -205,9 +229,15 @@ class SecureRounds:
             self._fail_short("shared their keys", sorted(self.sealed), clients, failures)
         return sorted(self.sealed)
 
-    def _collect(self, phase: str, asked: dict[str, dict[str, Any]], record: str,
-                 read: Callable[[str, Any], tuple[Any, str | None]], kept: dict[str, Any],
-                 failures: list[dict[str, Any]]) -> None:
+    def _collect(
+        self,
+        phase: str,
+        asked: dict[str, dict[str, Any]],
+        record: str,
+        read: Callable[[str, Any], tuple[Any, str | None]],
+        kept: dict[str, Any],
+        failures: list[dict[str, Any]],
+    ) -> None:
         """One setup stage: ask ``asked`` for their config record ``record``; keep in ``kept`` the
         value ``read(client, record) -> (value, problem)`` finds no problem with, refuse the rest
         (a reply with other records first). ``read`` sees what ``kept`` holds so far."""
@@ -233,11 +263,17 @@ class SecureRounds:
             return f"share key refused: {error}"
         return None
 
-    def _fail_short(self, what: str, got: list[str], clients: Collection[str], failures: list[dict[str, Any]]) -> NoReturn:
+    def _fail_short(
+        self, what: str, got: list[str], clients: Collection[str], failures: list[dict[str, Any]]
+    ) -> NoReturn:
         missing = sorted(set(clients) - set(got))
-        self.host.fail(self.round_number, f"round {self.round_number}: secure aggregation needs {self.threshold} "
-                       f"clients (its threshold), {len(got)} {what} (missing: {', '.join(missing) or 'none'})",
-                       missing, failures)  # fmt: skip
+        self.host.fail(
+            self.round_number,
+            f"round {self.round_number}: secure aggregation needs {self.threshold} "
+            f"clients (its threshold), {len(got)} {what} (missing: {', '.join(missing) or 'none'})",
+            missing,
+            failures,
+        )
 
     def configure(self, local: ConfigRecord) -> None:
         """Put what masking needs into the round's train config."""
@@ -250,11 +286,18 @@ class SecureRounds:
         out = []
         for message in messages:
             client = self.host.binding.client_of(message.metadata.dst_node_id)
-            routed = ConfigRecord({src: sealed[str(client)] for src, sealed in sorted(self.sealed.items())
-                                   if str(client) in sealed})  # fmt: skip
+            routed = ConfigRecord(
+                {src: sealed[str(client)] for src, sealed in sorted(self.sealed.items()) if str(client) in sealed}
+            )
             content = RecordDict(dict(message.content.items()) | {SHARES: routed})
-            out.append(Message(content, dst_node_id=message.metadata.dst_node_id,
-                               message_type=message.metadata.message_type, group_id=message.metadata.group_id))
+            out.append(
+                Message(
+                    content,
+                    dst_node_id=message.metadata.dst_node_id,
+                    message_type=message.metadata.message_type,
+                    group_id=message.metadata.group_id,
+                )
+            )
         return out
 
     def accept(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
@@ -272,7 +315,9 @@ class SecureRounds:
                 accepted.append(reply)
         return accepted
 
-    def mean_update(self, round_number: int, good: list[Message], failures: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    def mean_update(
+        self, round_number: int, good: list[Message], failures: list[dict[str, Any]]
+    ) -> dict[str, np.ndarray]:
         """The mean of the survivors' updates. The survivors are fixed first (the clients whose
         masked reply was accepted: ``good``), then asked for their shares."""
         masked = {self.host.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good}
@@ -282,11 +327,19 @@ class SecureRounds:
             self._fail_short("sent an accepted masked update", self.survivors, self.sealed, failures)
         seeds, keys = self.reveal(failures)
         try:
-            total = unmask_sum(masked, seeds, keys, {c: k[0] for c, k in self.keys.items()},
-                               {c: self.masked_with(c) for c in self.survivors}, self.params, self.context)
+            total = unmask_sum(
+                masked,
+                seeds,
+                keys,
+                {c: k[0] for c, k in self.keys.items()},
+                {c: self.masked_with(c) for c in self.survivors},
+                self.params,
+                self.context,
+            )
         except ValueError as error:
-            self.host.fail(round_number, f"round {round_number}: the masked updates did not unmask: {error}",
-                           [], failures)  # fmt: skip
+            self.host.fail(
+                round_number, f"round {round_number}: the masked updates did not unmask: {error}", [], failures
+            )
         return {name: (value / len(masked)).astype(np.float32) for name, value in total.items()}
 
     def reveal(self, failures: list[dict[str, Any]]) -> tuple[dict[str, bytes], dict[str, bytes]]:
@@ -296,8 +349,11 @@ class SecureRounds:
         asked = {}
         for client in self.survivors:
             mine = self.masked_with(client)
-            asked[client] = {KIND: UNMASK, SECAGG_SURVIVORS: _csv(c for c in mine if c in survivors),
-                             SECAGG_DROPPED: _csv(c for c in mine if c not in survivors)}  # fmt: skip
+            asked[client] = {
+                KIND: UNMASK,
+                SECAGG_SURVIVORS: _csv(c for c in mine if c in survivors),
+                SECAGG_DROPPED: _csv(c for c in mine if c not in survivors),
+            }
         seed_shares: dict[str, list[bytes]] = {c: [] for c in self.survivors}
         key_shares: dict[str, list[bytes]] = {c: [] for c in self.dropped}
         for client, reply in self._ask("secagg-unmask", asked, failures).items():
@@ -315,8 +371,13 @@ class SecureRounds:
                 key_shares[owner].append(share)
         short = sorted(c for c, shares in (seed_shares | key_shares).items() if len(shares) < self.threshold)
         if short:
-            self.host.fail(self.round_number, f"round {self.round_number}: fewer than {self.threshold} shares arrived to "
-                           f"unmask {', '.join(short)}; the sum cannot be unmasked", short, failures)  # fmt: skip
+            self.host.fail(
+                self.round_number,
+                f"round {self.round_number}: fewer than {self.threshold} shares arrived to "
+                f"unmask {', '.join(short)}; the sum cannot be unmasked",
+                short,
+                failures,
+            )
         rebuilt_seeds, rebuilt_keys, bad = {}, {}, []
         for owner, shares in seed_shares.items():
             seed = self._combine(shares)
@@ -329,8 +390,13 @@ class SecureRounds:
                 bad.append(f"{owner} (mask key)")
             rebuilt_keys[owner] = key or b""
         if bad:
-            self.host.fail(self.round_number, f"round {self.round_number}: the revealed shares do not rebuild what "
-                           f"{', '.join(bad)} advertised; the sum cannot be unmasked", [], failures)  # fmt: skip
+            self.host.fail(
+                self.round_number,
+                f"round {self.round_number}: the revealed shares do not rebuild what "
+                f"{', '.join(bad)} advertised; the sum cannot be unmasked",
+                [],
+                failures,
+            )
         return rebuilt_seeds, rebuilt_keys
 
     @staticmethod
@@ -340,7 +406,9 @@ class SecureRounds:
         except ValueError:
             return None
 
-    def _reveal_problem(self, client: str, asked: dict[str, Any], seeds: dict[str, Any], keys: dict[str, Any]) -> str | None:
+    def _reveal_problem(
+        self, client: str, asked: dict[str, Any], seeds: dict[str, Any], keys: dict[str, Any]
+    ) -> str | None:
         if set(seeds) != set(_clients(asked[SECAGG_SURVIVORS])) or set(keys) != set(_clients(asked[SECAGG_DROPPED])):
             return "revealed shares for other clients than asked"
         for owner, share in seeds.items() | keys.items():
@@ -355,10 +423,17 @@ class SecureRounds:
         return None
 
     def record(self, round_number: int) -> dict[str, Any]:
-        return {"round": round_number, "peers": sorted(self.keys), "shared": sorted(self.sealed),
-                "survivors": len(self.survivors), "dropped": self.dropped, "threshold": self.threshold,
-                "num_shares": self.num_shares, "clipping_range": self.params.clipping_range,
-                "target_range": self.params.target_range}  # fmt: skip
+        return {
+            "round": round_number,
+            "peers": sorted(self.keys),
+            "shared": sorted(self.sealed),
+            "survivors": len(self.survivors),
+            "dropped": self.dropped,
+            "threshold": self.threshold,
+            "num_shares": self.num_shares,
+            "clipping_range": self.params.clipping_range,
+            "target_range": self.params.target_range,
+        }
 
 
 # ----------------------------------------------------------------------------------- client
@@ -396,8 +471,9 @@ def _save(path: Path, state: dict[str, Any]) -> None:
 
 
 def _secrets(state: dict[str, Any]) -> RoundSecrets:
-    return RoundSecrets(bytes.fromhex(state["mask_key"]), state["share_key"].encode("ascii"),
-                        bytes.fromhex(state["self_seed"]))
+    return RoundSecrets(
+        bytes.fromhex(state["mask_key"]), state["share_key"].encode("ascii"), bytes.fromhex(state["self_seed"])
+    )
 
 
 def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
@@ -406,8 +482,10 @@ def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Pa
     path = state_path(node, run, round_number)
     state = _load(path)
     if state.get("stage") in (ANSWERED, ABANDONED):
-        raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number} "
-                         "and answers nothing more for it")  # fmt: skip
+        raise ValueError(
+            f"{node.client_id} already answered (or gave up) the unmask request of round {round_number} "
+            "and answers nothing more for it"
+        )
     if state.get("stage") != stage:
         raise ValueError(f"{node.client_id}: round {round_number} is at stage {state.get('stage')!r}, not {stage!r}")
     if state.get("nonce") != bytes(config[SECAGG_NONCE]).hex():  # type: ignore[arg-type]
@@ -428,17 +506,32 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
         if number.isdigit() and int(number) < round_number and _load(old).get("stage") not in (ANSWERED, ABANDONED):
             _save(old, {"stage": ABANDONED})
     secrets = RoundSecrets.new()
-    _save(path, {"stage": ADVERTISE, "nonce": nonce.hex(), "mask_key": secrets.mask_key.hex(),
-                 "share_key": secrets.share_key.decode("ascii"), "self_seed": secrets.self_seed.hex()})  # fmt: skip
-    content[KEY_RECORD] = ConfigRecord({MASK_KEY: secrets.mask_public(), SHARE_KEY: secrets.share_public(),
-                                        COMMITMENT: seed_commitment(secrets.self_seed, node.client_id, context)})  # fmt: skip
+    _save(
+        path,
+        {
+            "stage": ADVERTISE,
+            "nonce": nonce.hex(),
+            "mask_key": secrets.mask_key.hex(),
+            "share_key": secrets.share_key.decode("ascii"),
+            "self_seed": secrets.self_seed.hex(),
+        },
+    )
+    content[KEY_RECORD] = ConfigRecord(
+        {
+            MASK_KEY: secrets.mask_public(),
+            SHARE_KEY: secrets.share_public(),
+            COMMITMENT: seed_commitment(secrets.self_seed, node.client_id, context),
+        }
+    )
 
 
 def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
     path, state, context = _round_state(config, node, ADVERTISE)
     secrets, me = _secrets(state), node.client_id
-    table = {c: (bytes.fromhex(m), s.encode("ascii"), bytes.fromhex(h))
-             for c, (m, s, h) in json.loads(str(config[SECAGG_KEYS])).items()}  # fmt: skip
+    table = {
+        c: (bytes.fromhex(m), s.encode("ascii"), bytes.fromhex(h))
+        for c, (m, s, h) in json.loads(str(config[SECAGG_KEYS])).items()
+    }
     mine = table.get(me)
     if mine is None or mine[0] != secrets.mask_public() or mine[1] != secrets.share_public():
         raise ValueError(f"{me}: the key map does not hold this client's own keys")
@@ -454,9 +547,15 @@ def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
         if peer != me:
             sealed[peer] = seal_shares(secrets, table[peer][1], context, me, peer, seed_shares[i], key_shares[i])
     own = group.index(me)
-    state |= {"stage": SHARE, "threshold": threshold, "num_shares": num_shares,
-              "keys": {c: k[0].hex() for c, k in table.items()}, "share_keys": {c: k[1].decode("ascii") for c, k in table.items()},
-              "neighbours": group, "shares": {me: [seed_shares[own].hex(), key_shares[own].hex()]}}  # fmt: skip
+    state |= {
+        "stage": SHARE,
+        "threshold": threshold,
+        "num_shares": num_shares,
+        "keys": {c: k[0].hex() for c, k in table.items()},
+        "share_keys": {c: k[1].decode("ascii") for c, k in table.items()},
+        "neighbours": group,
+        "shares": {me: [seed_shares[own].hex(), key_shares[own].hex()]},
+    }
     _save(path, state)
     content[SHARES] = ConfigRecord(sealed)  # type: ignore[arg-type]
 
@@ -472,8 +571,14 @@ def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
     if strangers:
         raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
     for src, sealed in routed.items():
-        seed_share, key_share = open_shares(secrets, state["share_keys"][src].encode("ascii"), bytes(sealed),  # type: ignore[arg-type]
-                                            context, src, me)  # fmt: skip
+        seed_share, key_share = open_shares(
+            secrets,
+            state["share_keys"][src].encode("ascii"),
+            bytes(sealed),  # type: ignore[arg-type]
+            context,
+            src,
+            me,
+        )
         state["shares"][src] = [seed_share.hex(), key_share.hex()]
     masked_with = sorted(state["shares"])
     if len(masked_with) < int(state["threshold"]):

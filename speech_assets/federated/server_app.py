@@ -51,13 +51,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fixedclipping_mod reads
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fixedclipping_mod reads
 
 from speech_assets.federated import rounds as records
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, derive_seed, update_norm_bound
+from speech_assets.federated.config import FederatedConfig, derive_seed, update_norm_bound
 from speech_assets.federated.history import check_settings
 from speech_assets.federated.messages import (
     ARRAYS,
@@ -72,6 +72,7 @@ from speech_assets.federated.messages import (
     train_metrics,
     update_problem,
 )
+from speech_assets.layout import FederatedPaths
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.utils import atomic_write_text
 
@@ -83,14 +84,24 @@ log = logging.getLogger("speech_assets.federated.server")
 
 POLL_SECONDS = 0.25
 # the columns of a round's table rows read from each reply's metrics: {column: (metric, type)}
-TRAIN_COLUMNS = {"num_examples": ("num-examples", int), "train_loss": ("train-loss", float),
-                 "masked_accuracy": ("masked-accuracy", float), "seconds": ("seconds", float),
-                 "audio_seconds": ("audio-seconds", float), "steps": ("steps", int)}  # fmt: skip
-EVALUATE_COLUMNS = {"utterances": ("utterances", int), "masked_frames": ("num-examples", int),
-                    "heldout_loss": ("heldout-loss", float), "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
-                    "majority_accuracy": ("majority-accuracy", float), "leak_free_frames": ("leak-free-frames", int),
-                    "heldout_leak_free_masked_accuracy": ("heldout-leak-free-masked-accuracy", float),
-                    "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float)}  # fmt: skip
+TRAIN_COLUMNS = {
+    "num_examples": ("num-examples", int),
+    "train_loss": ("train-loss", float),
+    "masked_accuracy": ("masked-accuracy", float),
+    "seconds": ("seconds", float),
+    "audio_seconds": ("audio-seconds", float),
+    "steps": ("steps", int),
+}
+EVALUATE_COLUMNS = {
+    "utterances": ("utterances", int),
+    "masked_frames": ("num-examples", int),
+    "heldout_loss": ("heldout-loss", float),
+    "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
+    "majority_accuracy": ("majority-accuracy", float),
+    "leak_free_frames": ("leak-free-frames", int),
+    "heldout_leak_free_masked_accuracy": ("heldout-leak-free-masked-accuracy", float),
+    "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float),
+}
 # accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
 LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
 # the same for a client with no held-out frame at all (no held-out speaker): None, never 0.0
@@ -129,7 +140,6 @@ def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
     seed = derive_seed(config.seed, "sample", round_number)
     chosen = np.random.default_rng(seed).choice(len(config.clients), size=config.sample_size, replace=False)
     return sorted(config.clients[int(i)] for i in chosen)
-
 
 
 def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
@@ -252,17 +262,30 @@ class Server:
 
             encoder = records.to_numpy(initial_encoder(config.preset, config.seed))
             start, history = 0, []
-            log.info("new run %s: %d rounds of %d local steps, %s, %d of %d clients a round",
-                     config.run_name, config.rounds, config.local_steps, config.strategy, config.sample_size,
-                     len(config.clients))  # fmt: skip
+            log.info(
+                "new run %s: %d rounds of %d local steps, %s, %d of %d clients a round",
+                config.run_name,
+                config.rounds,
+                config.local_steps,
+                config.strategy,
+                config.sample_size,
+                len(config.clients),
+            )
         else:
             encoder, start, history = state.encoder, state.round, state.records
             if start > config.rounds:
-                self.fail(start, f"{paths.root} already holds {start} completed rounds, more than the {config.rounds} "
-                          f"asked for: ask for at least {start} rounds, or use another run folder", [], [])  # fmt: skip
+                self.fail(
+                    start,
+                    f"{paths.root} already holds {start} completed rounds, more than the {config.rounds} "
+                    f"asked for: ask for at least {start} rounds, or use another run folder",
+                    [],
+                    [],
+                )
             restore_strategy(strategy, state.strategy)
             accountant = (history[-1].get("privacy") or {}).get("accountant")
-            log.info("resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12])
+            log.info(
+                "resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12]
+            )
         if config.differential_privacy:
             from speech_assets.federated.privacy import Privacy
 
@@ -304,8 +327,13 @@ class Server:
         nodes = self.connected(wanted, config.connect_timeout_s)
         if len(nodes) < config.required_clients:
             missing = sorted(set(config.clients) - {c for n in nodes if (c := self.binding.client_of(n))})
-            self.fail(round_number, f"only {len(nodes)} of {len(config.clients)} clients are connected after "
-                      f"{config.connect_timeout_s:.0f} s; a round needs {config.required_clients}", missing, [])  # fmt: skip
+            self.fail(
+                round_number,
+                f"only {len(nodes)} of {len(config.clients)} clients are connected after "
+                f"{config.connect_timeout_s:.0f} s; a round needs {config.required_clients}",
+                missing,
+                [],
+            )
         return nodes
 
     def identify(self, nodes: list[int], round_number: int) -> list[dict[str, Any]]:
@@ -339,9 +367,14 @@ class Server:
             chosen = [n for n in chosen if self.binding.client_of(n) in ready]
         if len(chosen) < config.required_clients:
             unreachable = sorted(set(sampled) - {str(self.binding.client_of(n)) for n in chosen})
-            self.fail(round_number, f"round {round_number}: {len(chosen)} of {len(sampled)} clients replied when asked "
-                      f"who they are or are connected (missing: {', '.join(unreachable)}), fewer than the "
-                      f"{config.required_clients} a round needs", unreachable, failures)  # fmt: skip
+            self.fail(
+                round_number,
+                f"round {round_number}: {len(chosen)} of {len(sampled)} clients replied when asked "
+                f"who they are or are connected (missing: {', '.join(unreachable)}), fewer than the "
+                f"{config.required_clients} a round needs",
+                unreachable,
+                failures,
+            )
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         bytes_down = array_bytes(arrays)
         local = ConfigRecord(config.local(round_number).to_record())
@@ -418,12 +451,20 @@ class Server:
         log.info(
             "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s), "
             "leak-free %s (majority class %s), %.1f s (slowest client trained %s s)%s",
-            round_number, config.rounds, len(rows), len(sampled), f" (missing {', '.join(missing)})" if missing else "",
-            _fmt(line["train_loss"], 4), _fmt(line["heldout_masked_accuracy"]), _fmt(line["majority_accuracy"]),
-            _fmt(line["heldout_leak_free_masked_accuracy"]), _fmt(line["heldout_leak_free_majority_accuracy"]),
-            line["round_seconds"], _fmt(record["slowest_client_seconds"], 1),
+            round_number,
+            config.rounds,
+            len(rows),
+            len(sampled),
+            f" (missing {', '.join(missing)})" if missing else "",
+            _fmt(line["train_loss"], 4),
+            _fmt(line["heldout_masked_accuracy"]),
+            _fmt(line["majority_accuracy"]),
+            _fmt(line["heldout_leak_free_masked_accuracy"]),
+            _fmt(line["heldout_leak_free_majority_accuracy"]),
+            line["round_seconds"],
+            _fmt(record["slowest_client_seconds"], 1),
             f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",
-        )  # fmt: skip
+        )
         return new_encoder, history
 
     def privacy_record(self) -> dict[str, Any] | None:
@@ -462,7 +503,11 @@ class Server:
         return {name: np.asarray(aggregated[name].numpy(), dtype=np.float32) for name in encoder}
 
     def evaluate_round(
-        self, strategy: FedAvg, round_number: int, encoder: records.NDArrays, record: dict[str, Any],
+        self,
+        strategy: FedAvg,
+        round_number: int,
+        encoder: records.NDArrays,
+        record: dict[str, Any],
         started: float | None = None,
     ) -> list[dict[str, Any]]:
         """Evaluate round ``round_number``'s saved ``encoder`` and rewrite its ``record`` with the
@@ -502,14 +547,25 @@ class Server:
         config = self.config
         nodes = self.connected(len(trained), config.connect_timeout_s)
         if not nodes:
-            log.warning("round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s)
-            failures.append({"phase": "evaluate", "client_id": None, "node_id": None,
-                             "reason": f"no client connected within {config.connect_timeout_s:.0f} s"})  # fmt: skip
+            log.warning(
+                "round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s
+            )
+            failures.append(
+                {
+                    "phase": "evaluate",
+                    "client_id": None,
+                    "node_id": None,
+                    "reason": f"no client connected within {config.connect_timeout_s:.0f} s",
+                }
+            )
             return [], {}
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         with sampling_at_most(strategy, len(nodes)):
             messages = strategy.configure_evaluate(
-                round_number, arrays, ConfigRecord(config.local(round_number).to_record()), NodeSnapshot(nodes)  # type: ignore[arg-type]
+                round_number,
+                arrays,
+                ConfigRecord(config.local(round_number).to_record()),
+                NodeSnapshot(nodes),  # type: ignore[arg-type]
             )
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
         accepted = []
@@ -528,7 +584,11 @@ class Server:
             if not row["masked_frames"]:
                 row.update(dict.fromkeys(HELDOUT_COLUMNS))
         if unscored := [row["client_id"] for row in rows if not row["masked_frames"]]:
-            log.warning("round %d evaluate: %s hold no held-out frames: their held-out results are null", round_number, ", ".join(unscored))
+            log.warning(
+                "round %d evaluate: %s hold no held-out frames: their held-out results are null",
+                round_number,
+                ", ".join(unscored),
+            )
         weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
         self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
@@ -564,9 +624,13 @@ class Server:
                 self.audit(round_number, phase, node, reply)
                 if reply.has_error():
                     failures.append(
-                        {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node,
-                         "reason": f"error {reply.error.code}: {reply.error.reason}"}
-                    )  # fmt: skip
+                        {
+                            "phase": phase,
+                            "client_id": self.binding.client_of(node),
+                            "node_id": node,
+                            "reason": f"error {reply.error.code}: {reply.error.reason}",
+                        }
+                    )
                 else:
                     replies.append((node, reply))
             return not pending
@@ -575,14 +639,24 @@ class Server:
             wait_until(all_replied, self.config.round_timeout_s, f"{phase} replies", interval=POLL_SECONDS)
         for node in pending.values():
             failures.append(
-                {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node,
-                 "reason": f"no reply within {self.config.round_timeout_s:.0f} s"}
-            )  # fmt: skip
+                {
+                    "phase": phase,
+                    "client_id": self.binding.client_of(node),
+                    "node_id": node,
+                    "reason": f"no reply within {self.config.round_timeout_s:.0f} s",
+                }
+            )
         good, refused = self.binding.bind(replies, phase, connected=set(self.grid.get_node_ids()))
         failures.extend(refused)
         for failure in failures:
-            log.warning("round %d %s: %s (node %s) failed: %s", round_number, phase,
-                        failure["client_id"] or "unknown client", failure["node_id"], failure["reason"])  # fmt: skip
+            log.warning(
+                "round %d %s: %s (node %s) failed: %s",
+                round_number,
+                phase,
+                failure["client_id"] or "unknown client",
+                failure["node_id"],
+                failure["reason"],
+            )
         return sorted(good, key=self.client_of), failures
 
     def row(self, round_number: int, reply: Message, columns: dict[str, tuple[str, type]]) -> dict[str, Any]:
@@ -632,9 +706,13 @@ class Server:
         return content_problem(reply.content, phase, self.expected, self.config.clients, names)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
-        return {"phase": phase, "client_id": self.binding.client_of(reply.metadata.src_node_id),
-                "claimed_client_id": claimed_client(reply.content), "node_id": reply.metadata.src_node_id,
-                "reason": reason}  # fmt: skip
+        return {
+            "phase": phase,
+            "client_id": self.binding.client_of(reply.metadata.src_node_id),
+            "claimed_client_id": claimed_client(reply.content),
+            "node_id": reply.metadata.src_node_id,
+            "reason": reason,
+        }
 
     # ---------------------------------------------------------------------- end of run
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn:
@@ -672,12 +750,16 @@ class Server:
             "heldout_leak_free_majority_accuracy": lines[-1]["heldout_leak_free_majority_accuracy"],
             "heldout_leak_free_frames": lines[-1]["leak_free_frames"],
             "heldout_per_client": {
-                e["client_id"]: {"masked_accuracy": e["heldout_masked_accuracy"], "majority_accuracy": e["majority_accuracy"],
-                                 "masked_frames": e["masked_frames"], "leak_free_frames": e.get("leak_free_frames", 0),
-                                 "leak_free_masked_accuracy": e.get("heldout_leak_free_masked_accuracy"),
-                                 "leak_free_majority_accuracy": e.get("leak_free_majority_accuracy")}
+                e["client_id"]: {
+                    "masked_accuracy": e["heldout_masked_accuracy"],
+                    "majority_accuracy": e["majority_accuracy"],
+                    "masked_frames": e["masked_frames"],
+                    "leak_free_frames": e.get("leak_free_frames", 0),
+                    "leak_free_masked_accuracy": e.get("heldout_leak_free_masked_accuracy"),
+                    "leak_free_majority_accuracy": e.get("leak_free_majority_accuracy"),
+                }
                 for e in last["evaluation"]
-            },  # fmt: skip
+            },
             "missing_by_round": {str(line["round"]): line["missing"] for line in lines if line["missing"]},
             "sampled_by_round": {str(record["round"]): record.get("sampled", []) for record in history},
             "fraction_train": config.fraction_train,

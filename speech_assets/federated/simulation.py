@@ -36,9 +36,15 @@ OBJECT_STORE_BYTES = 256 * 1024 * 1024
 def backend_config(cpus: int, cpus_per_client: int) -> dict:
     return {
         "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-        "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES,
-                      "_node_ip_address": "127.0.0.1", "logging_level": "warning"},
-    }  # fmt: skip
+        "init_args": {
+            "num_cpus": cpus,
+            "num_gpus": 0,
+            "include_dashboard": False,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "_node_ip_address": "127.0.0.1",
+            "logging_level": "warning",
+        },
+    }
 
 
 def run(config: FederatedConfig, nodes: list[NodeConfig], cpus: int, cpus_per_client: int) -> None:
@@ -56,7 +62,9 @@ def run(config: FederatedConfig, nodes: list[NodeConfig], cpus: int, cpus_per_cl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speech_assets.federated.simulation", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m speech_assets.federated.simulation", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--run-config", required=True, help="the run's run_config.toml (FederatedConfig)")
     parser.add_argument("--nodes", required=True, help="JSON list of the clients' node configs, partition order")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs Ray may use (0 = all)")

@@ -20,8 +20,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
-from speech_assets.train.tracking import EXPERIMENT, dagster_run_tags, ensure_experiment, installed_packages, is_server, run_url
+from speech_assets.federated.config import FederatedConfig
+from speech_assets.layout import FederatedPaths
+from speech_assets.train.tracking import (
+    EXPERIMENT,
+    dagster_run_tags,
+    ensure_experiment,
+    installed_packages,
+    is_server,
+    run_url,
+)
 from speech_assets.utils import atomic_write_text
 
 
@@ -77,7 +85,12 @@ class FederatedTracker:
                 for key, value in dagster_run_tags(self.dagster_run_id).items():
                     self.client.set_tag(previous, key, value)
             return previous
-        tags = {"run_dir": str(self.paths.root), "preset": config.preset, "strategy": config.strategy, "mode": "federated"}
+        tags = {
+            "run_dir": str(self.paths.root),
+            "preset": config.preset,
+            "strategy": config.strategy,
+            "mode": "federated",
+        }
         if self.dagster_run_id:
             tags |= dagster_run_tags(self.dagster_run_id)
         if self.git_sha:

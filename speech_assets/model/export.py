@@ -26,8 +26,8 @@ from speech_assets.model.batches import pad
 from speech_assets.model.hubert import HubertPretrainModel
 
 if TYPE_CHECKING:
-    from speech_assets.model.encoders import LoadedEncoder
     from speech_assets.features.cmvn import Normaliser
+    from speech_assets.model.encoders import LoadedEncoder
 
 INPUT_NAMES = ("feats", "lengths")
 OUTPUT_NAMES = ("hidden", "hidden_lengths")
@@ -85,7 +85,10 @@ def example_inputs(batch: int = 2, frames: int = 157, seed: int = 0) -> tuple[to
 
 
 def export_onnx(
-    encoder: nn.Module, path: str | os.PathLike[str], opset: int | None = None, output_names: Sequence[str] = OUTPUT_NAMES
+    encoder: nn.Module,
+    path: str | os.PathLike[str],
+    opset: int | None = None,
+    output_names: Sequence[str] = OUTPUT_NAMES,
 ) -> None:
     """Write ``encoder`` (an :class:`ExportableEncoder` or :class:`ExportableRecogniser`) as one
     self-contained ONNX file (weights inside) with dynamic batch/time."""
@@ -135,8 +138,11 @@ class Parity:
 
 
 def check_parity(
-    encoder: nn.Module, onnx_path: str | os.PathLike[str], torchscript_path: str | os.PathLike[str],
-    feats: Sequence[np.ndarray], output_names: Sequence[str] = OUTPUT_NAMES,
+    encoder: nn.Module,
+    onnx_path: str | os.PathLike[str],
+    torchscript_path: str | os.PathLike[str],
+    feats: Sequence[np.ndarray],
+    output_names: Sequence[str] = OUTPUT_NAMES,
 ) -> Parity:
     """Run the ONNX file (onnxruntime, CPU) and the TorchScript file on ``feats`` (``(T_i, 80)``
     each, one padded batch) and compare with eager PyTorch, valid frames only."""
@@ -160,7 +166,9 @@ def check_parity(
     )
 
 
-def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequence[np.ndarray], opset: int | None = None) -> Parity:
+def export_all(
+    model: HubertPretrainModel, folder: Path, layer: int, feats: Sequence[np.ndarray], opset: int | None = None
+) -> Parity:
     """``folder/encoder.onnx`` and ``folder/encoder.pt`` (TorchScript) of ``model``'s ``layer``, and
     their parity on ``feats``. Writes into ``folder`` directly: pass a temporary folder and
     rename it into place (the asset does)."""
@@ -170,13 +178,17 @@ def export_all(model: HubertPretrainModel, folder: Path, layer: int, feats: Sequ
     return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
 
 
-def export_recogniser(model: HubertPretrainModel, folder: Path, feats: Sequence[np.ndarray], opset: int | None = None) -> Parity:
+def export_recogniser(
+    model: HubertPretrainModel, folder: Path, feats: Sequence[np.ndarray], opset: int | None = None
+) -> Parity:
     """``folder/recogniser.onnx`` and ``folder/recogniser.pt`` (TorchScript) of ``model`` with its
     CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`)."""
     recogniser = ExportableRecogniser(model)
     export_onnx(recogniser, folder / "recogniser.onnx", opset, RECOGNISER_OUTPUT_NAMES)
     export_torchscript(recogniser, folder / "recogniser.pt")
-    return check_parity(recogniser, folder / "recogniser.onnx", folder / "recogniser.pt", feats, RECOGNISER_OUTPUT_NAMES)
+    return check_parity(
+        recogniser, folder / "recogniser.onnx", folder / "recogniser.pt", feats, RECOGNISER_OUTPUT_NAMES
+    )
 
 
 def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, count: int) -> list[np.ndarray]:
@@ -206,7 +218,9 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
         return None, [f"the exported checkpoint {checkpoint} is gone: nothing to compare with"]
     loaded = load_encoder(checkpoint)
     if loaded.sha256 != spec["checkpoint_sha256"]:
-        return None, [f"{checkpoint} holds other weights ({loaded.sha256[:12]}) than were exported ({spec['checkpoint_sha256'][:12]})"]
+        return None, [
+            f"{checkpoint} holds other weights ({loaded.sha256[:12]}) than were exported ({spec['checkpoint_sha256'][:12]})"
+        ]
     encoder = ExportableEncoder(loaded.model, int(spec["output"]["layer"]))
     try:
         return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats), []
@@ -214,7 +228,9 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
         return None, [str(error)]
 
 
-def input_description(encoder: LoadedEncoder, cmvn: Normaliser, layer: int, parity: Parity, checkpoint: str) -> dict[str, Any]:
+def input_description(
+    encoder: LoadedEncoder, cmvn: Normaliser, layer: int, parity: Parity, checkpoint: str
+) -> dict[str, Any]:
     """``encoder.json``: everything a user needs to feed the exported encoder and read its output.
     ``cmvn`` is the normalisation the encoder was trained with (``cmvn.kind``: ``utterance``, each
     utterance by its own mean and std over time, or ``global`` with the stored mean and std)."""
@@ -225,7 +241,8 @@ def input_description(encoder: LoadedEncoder, cmvn: Normaliser, layer: int, pari
     record = describe(cmvn)
     how = (
         "(logmel - logmel.mean(0)) / sqrt(max(logmel.var(0), 1e-8)), per utterance"
-        if record["kind"] == "utterance" else "(logmel - cmvn.mean) / cmvn.std"
+        if record["kind"] == "utterance"
+        else "(logmel - cmvn.mean) / cmvn.std"
     )
     return {
         "inputs": {

@@ -101,7 +101,14 @@ def conv_geometry(frontend: nn.Module) -> tuple[int, int, int]:
 
 
 def label_radius(
-    *, win_length: int, hop_length: int, delta_window: int, delta_orders: int, kernel: int, stride: int, padding: int = 0
+    *,
+    win_length: int,
+    hop_length: int,
+    delta_window: int,
+    delta_orders: int,
+    kernel: int,
+    stride: int,
+    padding: int = 0,
 ) -> int:
     """Radius ``R`` in 50 Hz frames such that label ``j``'s receptive field lies inside masked model
     frames iff ``mask[j - R .. j + R]`` are all masked (:func:`leak_free`).

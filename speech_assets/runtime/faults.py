@@ -39,7 +39,9 @@ class Fault:
     marker: str | None = None
 
     def matches(self, point: str, where: dict[str, object]) -> bool:
-        return self.point == point and all(key in where and str(where[key]) == value for key, value in self.where.items())
+        return self.point == point and all(
+            key in where and str(where[key]) == value for key, value in self.where.items()
+        )
 
 
 def fault(point: str, action: str, **fields: object) -> str:
@@ -70,7 +72,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"fault {item!r} needs exactly one action of {ACTIONS}")
         if actions[0] == "hold" and "marker" not in options:
             raise ValueError(f"fault {item!r}: hold needs marker=PATH")
-        faults.append(Fault(point, actions[0], where, options.get("once"), int(options.get("code", 1)), options.get("marker")))
+        faults.append(
+            Fault(point, actions[0], where, options.get("once"), int(options.get("code", 1)), options.get("marker"))
+        )
     return faults
 
 

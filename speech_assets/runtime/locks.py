@@ -32,7 +32,6 @@ from speech_assets.layout import RUN_LOCK, WORKERS_LOCK
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 
-
 def flock(path: str | os.PathLike[str], *, shared: bool = False, wait: bool = True) -> IO[str]:
     """Open ``path`` (created, with its folder) and lock it, shared or exclusive, waiting for the
     lock or not (``BlockingIOError`` at once when it is taken). The lock lasts until :func:`unlock`
@@ -80,8 +79,15 @@ class RunFolderLock:
             handle = flock(self.path, wait=False)
         except BlockingIOError:
             record = self.path.read_text(encoding="utf-8").strip()
-            raise RunFolderBusy(f"run folder {self.path.parent} is in use by another run: {describe_holder(record)}") from None
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.now(UTC).isoformat(timespec="seconds"), **holder}
+            raise RunFolderBusy(
+                f"run folder {self.path.parent} is in use by another run: {describe_holder(record)}"
+            ) from None
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.now(UTC).isoformat(timespec="seconds"),
+            **holder,
+        }
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(record, sort_keys=True))

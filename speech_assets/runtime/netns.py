@@ -65,15 +65,20 @@ class PrivateNetwork:
         for options in _variants():
             holder = subprocess.Popen(  # noqa: S603
                 [unshare, *options, "--", sys.executable, "-m", __name__],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
                 preexec_fn=die_with_parent,  # noqa: PLW1509
-            )  # fmt: skip
+            )
             assert holder.stdout is not None and holder.stderr is not None
             if holder.stdout.readline() == READY:
                 self.holder, self.user_namespace = holder, "--user" in options
                 return self
             _end(holder)
-            errors.append(f"unshare {' '.join(options)}: {' '.join(holder.stderr.read().decode(errors='replace').split())}")
+            errors.append(
+                f"unshare {' '.join(options)}: {' '.join(holder.stderr.read().decode(errors='replace').split())}"
+            )
         raise NoPrivateNetwork(
             "could not make a private network namespace (" + "; ".join(errors) + "): unprivileged user namespaces "
             "may be disabled (sysctl kernel.unprivileged_userns_clone, or on Ubuntu "

@@ -272,8 +272,8 @@ def watch_launcher() -> LauncherWatchdog | None:
     launcher = ProcessIdentity.decode(value)
     if process_start_time(os.getpid()) is None:
         log.warning(
-            "cannot read the process table: the launcher watchdog notices launcher %s's end only "
-            "once its pid is free", launcher.encode(),
+            "cannot read the process table: the launcher watchdog notices launcher %s's end only once its pid is free",
+            launcher.encode(),
         )
     watchdog = LauncherWatchdog(launcher)
     watchdog.start()

@@ -57,7 +57,9 @@ def main(argv: list[str]) -> int:
 
     threading.Thread(target=watch_input, name="tether-stdin", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda number, _: threading.Thread(target=stop_once, args=(signal.Signals(number).name,)).start())
+        signal.signal(
+            sig, lambda number, _: threading.Thread(target=stop_once, args=(signal.Signals(number).name,)).start()
+        )
     code = child.wait()
     return 128 - code if code < 0 else code
 

@@ -14,7 +14,12 @@ class WaitTimeout(TimeoutError):
 
 
 def wait_until(
-    check: Callable[[], T], timeout: float, what: str, *, interval: float = 0.1, clock: Callable[[], float] = time.monotonic
+    check: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """Call ``check`` every ``interval`` seconds until it returns something truthy, and return that.
 

@@ -20,7 +20,6 @@ from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path
 
 
-
 @dataclass
 class StatsInputs:
     """Where the graph's outputs are; missing ones give empty tables rather than errors."""
@@ -55,10 +54,7 @@ def _sql_list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(_sql_str(p) for p in paths) + "]"
 
 
-SPEAKER_SPLIT_SQL = (
-    "SELECT speaker_id, client_id, CASE WHEN heldout THEN 'heldout' ELSE 'train' END AS split FROM clients"
-)  # the split client_partitions chose (and recorded) once; speakers not in a client are 'unassigned'
-
+SPEAKER_SPLIT_SQL = "SELECT speaker_id, client_id, CASE WHEN heldout THEN 'heldout' ELSE 'train' END AS split FROM clients"  # the split client_partitions chose (and recorded) once; speakers not in a client are 'unassigned'
 
 
 PROBE_COLUMNS = (
@@ -132,7 +128,10 @@ def run_record(kind: str, result_file: Path) -> dict:
         "step": r.get("step"),
         "checkpoint": r.get("checkpoint"),
         "checkpoint_sha256": r.get("checkpoint_sha256"),
-        "preset": r.get("preset") or r.get("student") or config.get("preset") or _read_json(folder / "settings.json").get("preset"),
+        "preset": r.get("preset")
+        or r.get("student")
+        or config.get("preset")
+        or _read_json(folder / "settings.json").get("preset"),
         "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_id,
         "manifest_hash": (r.get("data_versions") or {}).get("manifest"),
         "git_commit": config.get("git_sha") or provenance.get("git_sha"),
@@ -149,8 +148,16 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         q = json.loads(path.read_text())
         con.execute(
             "INSERT INTO kmeans_quality VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [q["client_id"], q["k"], q["frames_fit"], q["inertia_per_frame"], q["perplexity"],
-             q["empty_clusters"], q["mean_segment_length"], q["frames_labelled"]],
+            [
+                q["client_id"],
+                q["k"],
+                q["frames_fit"],
+                q["inertia_per_frame"],
+                q["perplexity"],
+                q["empty_clusters"],
+                q["mean_segment_length"],
+                q["frames_labelled"],
+            ],
         )
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
@@ -173,25 +180,53 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         r = run_record(kind, path)
         con.execute(
             "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [r["checkpoint"], r["step"], r["checkpoint_sha256"], r["mlflow_run_id"], r["manifest_hash"], kind,
-             "round" if kind == "federated" else "step", r["git_commit"], r["dagster_run_id"], str(path.parent)],
-        )  # fmt: skip
+            [
+                r["checkpoint"],
+                r["step"],
+                r["checkpoint_sha256"],
+                r["mlflow_run_id"],
+                r["manifest_hash"],
+                kind,
+                "round" if kind == "federated" else "step",
+                r["git_commit"],
+                r["dagster_run_id"],
+                str(path.parent),
+            ],
+        )
         con.execute(
             "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [str(path.parent), r.get("preset"), r["step"], r.get("final_loss"), r.get("heldout_masked_accuracy"),
-             r.get("heldout_majority_accuracy"), r.get("heldout_loss"), r.get("chance_accuracy"), r.get("audio_seconds_per_second"),
-             r["mlflow_run_id"], r["checkpoint"], r.get("heldout_interior_masked_accuracy"),
-             r.get("heldout_interior_majority_accuracy"), r.get("heldout_leak_free_masked_accuracy"),
-             r.get("heldout_leak_free_majority_accuracy"), kind],
-        )  # fmt: skip
+            [
+                str(path.parent),
+                r.get("preset"),
+                r["step"],
+                r.get("final_loss"),
+                r.get("heldout_masked_accuracy"),
+                r.get("heldout_majority_accuracy"),
+                r.get("heldout_loss"),
+                r.get("chance_accuracy"),
+                r.get("audio_seconds_per_second"),
+                r["mlflow_run_id"],
+                r["checkpoint"],
+                r.get("heldout_interior_masked_accuracy"),
+                r.get("heldout_interior_majority_accuracy"),
+                r.get("heldout_leak_free_masked_accuracy"),
+                r.get("heldout_leak_free_majority_accuracy"),
+                kind,
+            ],
+        )
         speed = _read_json(path.parent / SPEED_FILE)
         if kind == "distilled" and speed:
             con.execute(
                 "INSERT INTO distillation VALUES (?, ?, ?, ?, ?, ?)",
-                [str(path.parent), speed.get("student_parameters", r.get("student_parameters")),
-                 speed.get("teacher_parameters", r.get("teacher_parameters")), speed.get("student_audio_s_per_s"),
-                 speed.get("teacher_audio_s_per_s"), speed.get("speedup")],
-            )  # fmt: skip
+                [
+                    str(path.parent),
+                    speed.get("student_parameters", r.get("student_parameters")),
+                    speed.get("teacher_parameters", r.get("teacher_parameters")),
+                    speed.get("student_audio_s_per_s"),
+                    speed.get("teacher_audio_s_per_s"),
+                    speed.get("speedup"),
+                ],
+            )
     con.execute(
         "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
         "torchscript_max_abs_diff DOUBLE, parity_utterances BIGINT, parity_frames BIGINT)"
@@ -201,9 +236,16 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         parity = description.get("parity") or {}
         con.execute(
             "INSERT INTO exports VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [str(path.parent), description.get("checkpoint_sha256"), (description.get("output") or {}).get("layer"),
-             parity.get("max_abs_diff"), parity.get("torchscript_max_abs_diff"), parity.get("utterances"), parity.get("frames")],
-        )  # fmt: skip
+            [
+                str(path.parent),
+                description.get("checkpoint_sha256"),
+                (description.get("output") or {}).get("layer"),
+                parity.get("max_abs_diff"),
+                parity.get("torchscript_max_abs_diff"),
+                parity.get("utterances"),
+                parity.get("frames"),
+            ],
+        )
     con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
     if inputs.probe_results is not None and inputs.probe_results.exists():
         con.execute(
@@ -269,9 +311,12 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
         try:
             _create_views(con, inputs)
             _create_tables(con, inputs)
-            names = [row[0] for row in con.execute(
-                "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
-            ).fetchall()]
+            names = [
+                row[0]
+                for row in con.execute(
+                    "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
+                ).fetchall()
+            ]
             counts = {name: con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0] for name in names}
             con.execute("CHECKPOINT")
         finally:
@@ -336,13 +381,46 @@ READ_ONLY_STATEMENTS = "SELECT, WITH ... SELECT, FROM, VALUES, DESCRIBE, SHOW, S
 # WITH clause of a SELECT, where the statement's type says nothing about them.
 _READING_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"})
 _SQL_RUNNING_FUNCTIONS = frozenset({"query", "json_execute_serialized_sql"})  # they run SQL given as a string
-_WRITING_OPERATORS = frozenset({
-    "COPY_TO_FILE", "BATCH_COPY_TO_FILE", "FIXED_BATCH_COPY_TO_FILE", "COPY_DATABASE", "INSERT", "BATCH_INSERT",
-    "DELETE", "DELETE_OPERATOR", "UPDATE", "MERGE_INTO", "CREATE_TABLE", "CREATE_TABLE_AS", "BATCH_CREATE_TABLE_AS",
-    "CREATE_INDEX", "CREATE_SEQUENCE", "CREATE_VIEW", "CREATE_SCHEMA", "CREATE_MACRO", "CREATE_TYPE", "CREATE_SECRET",
-    "ALTER", "DROP", "PRAGMA", "TRANSACTION", "ATTACH", "DETACH", "EXECUTE", "PREPARE", "VACUUM", "EXPORT", "SET",
-    "SET_VARIABLE", "RESET", "LOAD", "EXTENSION", "UPDATE_EXTENSIONS",
-})  # fmt: skip
+_WRITING_OPERATORS = frozenset(
+    {
+        "COPY_TO_FILE",
+        "BATCH_COPY_TO_FILE",
+        "FIXED_BATCH_COPY_TO_FILE",
+        "COPY_DATABASE",
+        "INSERT",
+        "BATCH_INSERT",
+        "DELETE",
+        "DELETE_OPERATOR",
+        "UPDATE",
+        "MERGE_INTO",
+        "CREATE_TABLE",
+        "CREATE_TABLE_AS",
+        "BATCH_CREATE_TABLE_AS",
+        "CREATE_INDEX",
+        "CREATE_SEQUENCE",
+        "CREATE_VIEW",
+        "CREATE_SCHEMA",
+        "CREATE_MACRO",
+        "CREATE_TYPE",
+        "CREATE_SECRET",
+        "ALTER",
+        "DROP",
+        "PRAGMA",
+        "TRANSACTION",
+        "ATTACH",
+        "DETACH",
+        "EXECUTE",
+        "PREPARE",
+        "VACUUM",
+        "EXPORT",
+        "SET",
+        "SET_VARIABLE",
+        "RESET",
+        "LOAD",
+        "EXTENSION",
+        "UPDATE_EXTENSIONS",
+    }
+)
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
@@ -358,8 +436,10 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
         raise NotReadOnly(f"refused: {tree.get('error_message')}")
     for node in _dicts(tree):
         if "cte_map" in node and "modifiers" in node and node.get("type") not in _READING_NODES:
-            raise NotReadOnly(f"refused: a {str(node.get('type')).removesuffix('_QUERY_NODE')} inside the query; "
-                              f"only {READ_ONLY_STATEMENTS} may run")  # fmt: skip
+            raise NotReadOnly(
+                f"refused: a {str(node.get('type')).removesuffix('_QUERY_NODE')} inside the query; "
+                f"only {READ_ONLY_STATEMENTS} may run"
+            )
         if str(node.get("function_name", "")).lower() in _SQL_RUNNING_FUNCTIONS:
             raise NotReadOnly(f"refused: {node['function_name']}() runs SQL of its own")
     try:
@@ -438,8 +518,12 @@ def summary(db_path: Path) -> str:
     try:
         lines = []
         kept, hours = con.execute("SELECT count(*), coalesce(sum(duration_s), 0) / 3600 FROM manifest").fetchone()
-        utts, trimmed = con.execute("SELECT count(*), coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances").fetchone()
-        lines.append(f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech")
+        utts, trimmed = con.execute(
+            "SELECT count(*), coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances"
+        ).fetchone()
+        lines.append(
+            f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech"
+        )
         rejects = con.execute("SELECT stage, reason, rejects FROM rejects_by_reason").fetchall()
         lines.append("rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"))
         for client, speakers, n, h in con.execute("SELECT * FROM hours_per_client").fetchall():

@@ -121,7 +121,9 @@ def reject_examples(
             examples.append(RejectExample(*row, clip=None, note="not played: the file is not inside the corpus"))
             continue
         if clips >= max_examples or written >= max_bytes:
-            examples.append(RejectExample(*row, clip=None, note="not copied: the report's bound on audio examples is reached"))
+            examples.append(
+                RejectExample(*row, clip=None, note="not copied: the report's bound on audio examples is reached")
+            )
             continue
         try:
             name = clip_name(stage, reason, utt_id, path, resolved.stat())
@@ -131,7 +133,9 @@ def reject_examples(
             continue
         payload = _flac(long[: int(MAX_CLIP_S * 16_000)])
         if written + len(payload) > max_bytes:
-            examples.append(RejectExample(*row, clip=None, note="not copied: the report's bound on audio bytes is reached"))
+            examples.append(
+                RejectExample(*row, clip=None, note="not copied: the report's bound on audio bytes is reached")
+            )
             continue
         target = out_dir / name
         if not target.is_file() or target.stat().st_size != len(payload):
@@ -143,7 +147,9 @@ def reject_examples(
         perturbed = SPEED_COPY.search(utt_id) is not None
         picture = _vad_picture(long, vad) if reason == "no_speech" and vad is not None and not perturbed else None
         shown = min(len(long) / 16_000, MAX_CLIP_S)
-        note = f"first {shown:.1f} s, 16 kHz mono" + (" (the original of this speed-perturbed copy)" if perturbed else "")
+        note = f"first {shown:.1f} s, 16 kHz mono" + (
+            " (the original of this speed-perturbed copy)" if perturbed else ""
+        )
         examples.append(RejectExample(*row, clip=name, note=note, vad_png=picture))
     return examples
 

@@ -146,8 +146,10 @@ def heldout_keys(rows: Sequence[Mapping[str, float]]) -> tuple[str, str] | None:
     """The held-out accuracy and majority-class keys of the trainer's metrics rows (``val/``):
     on leak-free masked frames (what the ``beats_majority_class`` check compares) when measured,
     else on all masked frames; None without any held-out evaluation."""
-    for accuracy, majority in (("val/leak_free_masked_accuracy", "val/leak_free_majority_accuracy"),
-                               ("val/masked_accuracy", "val/majority_accuracy")):  # fmt: skip
+    for accuracy, majority in (
+        ("val/leak_free_masked_accuracy", "val/leak_free_majority_accuracy"),
+        ("val/masked_accuracy", "val/majority_accuracy"),
+    ):
         if any(r.get(accuracy) is not None and r.get(majority) is not None for r in rows):
             return accuracy, majority
     return None
@@ -160,16 +162,32 @@ def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
     keys = heldout_keys(rows)
 
     def draw(figure) -> None:
-        for index, (key, label) in enumerate((("loss", "loss"), ("masked_accuracy", "masked accuracy"), ("lr", "learning rate"))):
+        for index, (key, label) in enumerate(
+            (("loss", "loss"), ("masked_accuracy", "masked accuracy"), ("lr", "learning rate"))
+        ):
             axis = figure.add_subplot(1, 3, index + 1)
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             axis.plot([x for x, _ in points], [y for _, y in points], marker=".", linewidth=1, label="training batches")
             if key == "masked_accuracy" and keys:
-                held = [(r["step"], r[keys[0]], r[keys[1]]) for r in rows if r.get(keys[0]) is not None and r.get(keys[1]) is not None]
+                held = [
+                    (r["step"], r[keys[0]], r[keys[1]])
+                    for r in rows
+                    if r.get(keys[0]) is not None and r.get(keys[1]) is not None
+                ]
                 frames = "leak-free frames" if "leak_free" in keys[0] else "masked frames"
-                axis.plot([h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=f"held-out ({frames})")
-                axis.plot([h[0] for h in held], [h[2] for h in held], marker="_", markersize=10, linestyle="--", linewidth=1,
-                          color="0.35", label="held-out majority class")  # fmt: skip
+                axis.plot(
+                    [h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=f"held-out ({frames})"
+                )
+                axis.plot(
+                    [h[0] for h in held],
+                    [h[2] for h in held],
+                    marker="_",
+                    markersize=10,
+                    linestyle="--",
+                    linewidth=1,
+                    color="0.35",
+                    label="held-out majority class",
+                )
                 axis.legend(fontsize=SMALL)
             axis.set_title(label, fontsize=TITLE)
             axis.set_xlabel("step", fontsize=LABEL)
@@ -227,8 +245,17 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
         if len(counts_by_client) <= 12:
             axis.legend(fontsize=SMALL)
 
-    return _render(draw, key=_key("cluster_sizes", *(part for client, counts in sorted(counts_by_client.items())
-                                                      for part in (client, np.asarray(counts, dtype=float)))))
+    return _render(
+        draw,
+        key=_key(
+            "cluster_sizes",
+            *(
+                part
+                for client, counts in sorted(counts_by_client.items())
+                for part in (client, np.asarray(counts, dtype=float))
+            ),
+        ),
+    )
 
 
 def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
@@ -250,11 +277,18 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
         drawn_any = False
         for key, label, style in (
             ("heldout_masked_accuracy", "global encoder + own head", {"marker": "o", "color": "C0"}),
-            ("majority_accuracy", "majority class", {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"}),
+            (
+                "majority_accuracy",
+                "majority class",
+                {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"},
+            ),
             ("heldout_leak_free_masked_accuracy", "leak-free frames", {"marker": "s", "color": "C1"}),
-            ("heldout_leak_free_majority_accuracy", "leak-free majority class",
-             {"marker": "_", "markersize": 10, "linestyle": ":", "color": "C1"}),
-        ):  # fmt: skip
+            (
+                "heldout_leak_free_majority_accuracy",
+                "leak-free majority class",
+                {"marker": "_", "markersize": 10, "linestyle": ":", "color": "C1"},
+            ),
+        ):
             x, y = series(key)
             if x:
                 accuracy.plot(x, y, linewidth=1, label=label, **style)
@@ -305,7 +339,9 @@ INLINE_MARKDOWN_LIMIT = 1000
 INLINE_COLOURS = ("#1f77b4", "#ff7f0e", "#555")
 
 
-def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], limit: int = INLINE_MARKDOWN_LIMIT) -> str:
+def inline_chart(
+    title: str, series: Mapping[str, Sequence[tuple[float, float]]], limit: int = INLINE_MARKDOWN_LIMIT
+) -> str:
     """A markdown image small enough for Dagster to draw inline on the asset page: an SVG line
     chart (``data:`` URI) of up to three named ``[(x, y), ...]`` series (one named "majority..."
     dashed grey: the baseline), a legend with each series' last value and the axis
@@ -324,14 +360,18 @@ def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]
         return f"{px:.0f},{py:.0f}"
 
     def svg(step: int) -> str:
-        parts = [f"<svg xmlns='http://www.w3.org/2000/svg' viewBox='-2,0,{width + 40},{top + height + 12}' width='360'>"]
+        parts = [
+            f"<svg xmlns='http://www.w3.org/2000/svg' viewBox='-2,0,{width + 40},{top + height + 12}' width='360'>"
+        ]
         legend = []
         for index, (name, points) in enumerate(shown.items()):
             baseline = "majority" in name
             colour = INLINE_COLOURS[2] if baseline else INLINE_COLOURS[index % 2]
             kept = points[::step] if points[-1] in points[::step] else [*points[::step], points[-1]]
             dash = " stroke-dasharray='4'" if baseline else ""
-            parts.append(f"<polyline points='{','.join(place(x, y) for x, y in kept)}' fill='none' stroke='{colour}'{dash}/>")
+            parts.append(
+                f"<polyline points='{','.join(place(x, y) for x, y in kept)}' fill='none' stroke='{colour}'{dash}/>"
+            )
             legend.append(f"<tspan fill='{colour}'>{name} {points[-1][1]:.3g}</tspan>")
         parts.append(f"<text y='9' font-size='8'>{title}</text><text y='19' font-size='8'>{' '.join(legend)}</text>")
         parts.append(f"<text x='{width + 2}' y='{top + 6}' font-size='7'>{y1:.3g}</text>")

@@ -30,50 +30,92 @@ MAX_ROWS = 50
 PLOT_CACHE = ".plots"  # beside the report: its plots' PNGs by input hash, reused while unchanged
 
 SECTIONS: list[tuple[str, str, str]] = [
-    ("Corpus", "What was kept, in hours, before and after VAD.",
-     "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM manifest) / 3600, 3) AS \"hours (h)\", "
-     "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS \"speech (h)\", "
-     "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers"),
-    ("Rejects by reason", "Every stage's quarantined files, counted by reason.",
-     "SELECT stage, reason, rejects FROM rejects_by_reason ORDER BY rejects DESC"),
-    ("Speakers", "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
-     "SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS \"hours (h)\", round(trimmed_hours, 3) AS \"speech (h)\" "
-     "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id"),
-    ("Clients", "Speakers per client (non-IID: a speaker never spans two clients) and their speech after VAD.",
-     "SELECT client_id, speakers, utterances, round(trimmed_hours, 3) AS \"speech (h)\" FROM hours_per_client ORDER BY client_id"),
-    ("Train / held-out split", "The trainer's held-out split, replicated in SQL.",
-     "SELECT split, speakers, utterances, round(trimmed_hours, 3) AS \"speech (h)\" FROM hours_per_split"),
-    ("k-means quality", "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
-     "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS perplexity, "
-     "empty_clusters, round(mean_segment_length, 2) AS \"mean segment (frames)\" FROM kmeans_quality ORDER BY client_id"),
-    ("Training runs", "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
-     "held-out masked accuracy against the majority-class rate.",
-     "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) AS heldout_acc, "
-     "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
-     "round(audio_seconds_per_second, 1) AS \"audio s/s\", mlflow_run_id, checkpoint FROM training_runs ORDER BY kind, run_dir"),
-    ("Checkpoints", "Lineage of each checkpoint: weights hash, git commit, MLflow and Dagster runs, and the manifest it was trained from.",
-     "SELECT kind, step, step_unit, sha256, git_commit, mlflow_run_id, dagster_run_id, manifest_hash, path FROM checkpoints ORDER BY kind, path"),
-    ("Export parity", "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute difference (fp32).",
-     "SELECT checkpoint_sha256, layer, max_abs_diff AS \"ONNX max |diff|\", torchscript_max_abs_diff AS \"TorchScript max |diff|\", "
-     "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder"),
-    ("Distilled student", "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same utterances.",
-     "SELECT round(speedup, 2) AS \"speed-up (x)\", round(student_parameters / 1e6, 2) AS \"student params (M)\", "
-     "round(teacher_parameters / 1e6, 2) AS \"teacher params (M)\", round(student_audio_s_per_s, 0) AS \"student audio s/s\", "
-     "round(teacher_audio_s_per_s, 0) AS \"teacher audio s/s\", run_dir FROM distillation ORDER BY run_dir"),
+    (
+        "Corpus",
+        "What was kept, in hours, before and after VAD.",
+        'SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM manifest) / 3600, 3) AS "hours (h)", '
+        '(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS "speech (h)", '
+        "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
+    ),
+    (
+        "Rejects by reason",
+        "Every stage's quarantined files, counted by reason.",
+        "SELECT stage, reason, rejects FROM rejects_by_reason ORDER BY rejects DESC",
+    ),
+    (
+        "Speakers",
+        "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
+        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", round(trimmed_hours, 3) AS "speech (h)" '
+        "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id",
+    ),
+    (
+        "Clients",
+        "Speakers per client (non-IID: a speaker never spans two clients) and their speech after VAD.",
+        'SELECT client_id, speakers, utterances, round(trimmed_hours, 3) AS "speech (h)" FROM hours_per_client ORDER BY client_id',
+    ),
+    (
+        "Train / held-out split",
+        "The trainer's held-out split, replicated in SQL.",
+        'SELECT split, speakers, utterances, round(trimmed_hours, 3) AS "speech (h)" FROM hours_per_split',
+    ),
+    (
+        "k-means quality",
+        "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
+        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS perplexity, "
+        'empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality ORDER BY client_id',
+    ),
+    (
+        "Training runs",
+        "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
+        "held-out masked accuracy against the majority-class rate.",
+        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) AS heldout_acc, "
+        "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
+        'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs ORDER BY kind, run_dir',
+    ),
+    (
+        "Checkpoints",
+        "Lineage of each checkpoint: weights hash, git commit, MLflow and Dagster runs, and the manifest it was trained from.",
+        "SELECT kind, step, step_unit, sha256, git_commit, mlflow_run_id, dagster_run_id, manifest_hash, path FROM checkpoints ORDER BY kind, path",
+    ),
+    (
+        "Export parity",
+        "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute difference (fp32).",
+        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS "TorchScript max |diff|", '
+        "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder",
+    ),
+    (
+        "Distilled student",
+        "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same utterances.",
+        'SELECT round(speedup, 2) AS "speed-up (x)", round(student_parameters / 1e6, 2) AS "student params (M)", '
+        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS "student audio s/s", '
+        'round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
+    ),
 ]
 REJECT_EXAMPLES_SQL = (
     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n "
     "FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
 )
 OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
-    ("federated_rounds", "Federated rounds", "Per round and client: examples, local loss and accuracy, MB exchanged, seconds.",
-     "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS masked_accuracy, "
-     "round(bytes_up / 1e6, 2) AS \"MB up\", round(bytes_down / 1e6, 2) AS \"MB down\", round(seconds, 1) AS \"seconds (s)\" "
-     "FROM federated_rounds ORDER BY round, client_id"),
-    ("probe_results", "Downstream probe", "Character CTC probe on frozen features: CER and WER per model and split.",
-     "SELECT * FROM probe_results ORDER BY split, cer"),
-    ("finetune_results", "CTC fine-tuning", "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, decoder and split.",
-     "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, cer"),
+    (
+        "federated_rounds",
+        "Federated rounds",
+        "Per round and client: examples, local loss and accuracy, MB exchanged, seconds.",
+        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS masked_accuracy, "
+        'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS "seconds (s)" '
+        "FROM federated_rounds ORDER BY round, client_id",
+    ),
+    (
+        "probe_results",
+        "Downstream probe",
+        "Character CTC probe on frozen features: CER and WER per model and split.",
+        "SELECT * FROM probe_results ORDER BY split, cer",
+    ),
+    (
+        "finetune_results",
+        "CTC fine-tuning",
+        "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, decoder and split.",
+        "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, cer",
+    ),
 ]
 
 
@@ -92,9 +134,13 @@ class ReportInputs:
 
 
 HEADER_LABELS = {
-    "built_at": "built at", "git_commit": "git commit", "dagster_run_id": "Dagster run", "corpus": "corpus",
-    "settings_hash": "settings hash", "settings_source": "settings file",
-}  # fmt: skip
+    "built_at": "built at",
+    "git_commit": "git commit",
+    "dagster_run_id": "Dagster run",
+    "corpus": "corpus",
+    "settings_hash": "settings hash",
+    "settings_source": "settings file",
+}
 SHA256 = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
@@ -137,23 +183,33 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
 def _header(inputs: ReportInputs, db_path: Path) -> str:
     rows = [(HEADER_LABELS.get(key, key), value) for key, value in inputs.header.items()]
     rows.append(("database", str(db_path)))
-    body = "".join(f"<tr><th>{html.escape(label)}</th><td>{format_value(value) or 'unknown'}</td></tr>" for label, value in rows)
+    body = "".join(
+        f"<tr><th>{html.escape(label)}</th><td>{format_value(value) or 'unknown'}</td></tr>" for label, value in rows
+    )
     return f'<table class="header">{body}</table>'
 
 
 def _summary(con: duckdb.DuckDBPyConnection) -> str:
     """The report in a few lines: data kept, split, rejects, each model, export and student."""
     one = lambda sql: con.execute(sql).fetchone()  # noqa: E731
-    kept, hours, speakers = one("SELECT count(*), coalesce(sum(duration_s), 0) / 3600, count(DISTINCT speaker_id) FROM manifest")
+    kept, hours, speakers = one(
+        "SELECT count(*), coalesce(sum(duration_s), 0) / 3600, count(DISTINCT speaker_id) FROM manifest"
+    )
     speech = one("SELECT coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances")[0]
-    clients, heldout = one("SELECT count(DISTINCT client_id), count(*) FILTER (WHERE split = 'heldout') FROM speaker_split")
+    clients, heldout = one(
+        "SELECT count(DISTINCT client_id), count(*) FILTER (WHERE split = 'heldout') FROM speaker_split"
+    )
     items = [
         f"{kept:,} utterances kept ({hours:.2f} h) from {speakers} speakers; {speech:.2f} h of speech after VAD",
         f"{clients} clients; {heldout} held-out speaker(s), never trained on",
     ]
-    rejects = con.execute("SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1").fetchall()
+    rejects = con.execute(
+        "SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1"
+    ).fetchall()
     total = sum(n for _, n in rejects)
-    items.append(f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else ""))
+    items.append(
+        f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else "")
+    )
     models = con.execute(
         "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy FROM training_runs ORDER BY kind, run_dir"
     ).fetchall()
@@ -164,14 +220,18 @@ def _summary(con: duckdb.DuckDBPyConnection) -> str:
             against = f" (majority class {majority:.3f})" if majority is not None else ""
             held_out = f", held-out masked accuracy {accuracy:.3f}{against}"
         items.append(f"{kind} model: {steps} {unit}, final loss {format_value(loss)}{held_out}")
-    for onnx, torchscript in con.execute("SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder").fetchall():
+    for onnx, torchscript in con.execute(
+        "SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"
+    ).fetchall():
         items.append(f"export parity: ONNX max |diff| {format_value(onnx)}, TorchScript {format_value(torchscript)}")
-    for speedup, student, teacher in con.execute("SELECT speedup, student_parameters, teacher_parameters FROM distillation").fetchall():
+    for speedup, student, teacher in con.execute(
+        "SELECT speedup, student_parameters, teacher_parameters FROM distillation"
+    ).fetchall():
         size = f" with {student / 1e6:.2f} M vs {teacher / 1e6:.2f} M parameters" if student and teacher else ""
         items.append(f"distilled student: {format_value(speedup)}x the teacher's CPU forward speed{size}")
     if not models:
         items.append("no model trained yet")
-    return "<ul class=\"summary\">" + "".join(f"<li>{html.escape(item)}</li>" for item in items) + "</ul>"
+    return '<ul class="summary">' + "".join(f"<li>{html.escape(item)}</li>" for item in items) + "</ul>"
 
 
 def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_dir: Path) -> tuple[str, set[str]]:
@@ -182,17 +242,14 @@ def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_d
     examples = reject_examples(rows, inputs.corpus_root, out_dir / AUDIO_FOLDER, inputs.vad)
     cells = []
     for e in examples:
-        listen = (
-            f'<audio controls preload="metadata" src="{AUDIO_FOLDER}/{e.clip}"></audio>'
-            if e.clip
-            else ""
-        )
+        listen = f'<audio controls preload="metadata" src="{AUDIO_FOLDER}/{e.clip}"></audio>' if e.clip else ""
         picture = plots.html_image(e.vad_png, f"VAD decision for {html.escape(e.utt_id)}", "vad") if e.vad_png else ""
         cells.append(
-            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (e.stage, e.reason, e.utt_id, e.detail))
+            "<tr>"
+            + "".join(f"<td>{html.escape(v)}</td>" for v in (e.stage, e.reason, e.utt_id, e.detail))
             + f'<td>{listen}{picture}<p class="note">{html.escape(e.note)}</p></td>'
             + f'<td class="path">{html.escape(e.path)}</td></tr>'
-        )  # fmt: skip
+        )
     head = "".join(f"<th>{c}</th>" for c in ("stage", "reason", "utt_id", "detail", "listen", "path"))
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(cells)}</tbody></table>"
     return table if rows else '<p class="note">no rejects</p>', {e.clip for e in examples if e.clip}
@@ -201,7 +258,7 @@ def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_d
 def _section(title: str, text: str, content: str, sql: str | None = None) -> str:
     query = (
         f"<details><summary>SQL</summary><pre>{html.escape(sql)}</pre>"
-        f"<p class=\"note\">speech-assets sql {html.escape(json.dumps(sql))}</p></details>"
+        f'<p class="note">speech-assets sql {html.escape(json.dumps(sql))}</p></details>'
         if sql
         else ""
     )
@@ -209,7 +266,9 @@ def _section(title: str, text: str, content: str, sql: str | None = None) -> str
 
 
 def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0])
+    return bool(
+        con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0]
+    )
 
 
 def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
@@ -217,30 +276,69 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
     durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
     if durations:
         sql = "SELECT duration_s FROM manifest"
-        parts.append(_section("Utterance durations", "Kept utterances by duration (manifest).",
-                              plots.html_image(plots.histogram(durations, "utterance durations", "seconds"), "duration histogram"), sql))
+        parts.append(
+            _section(
+                "Utterance durations",
+                "Kept utterances by duration (manifest).",
+                plots.html_image(plots.histogram(durations, "utterance durations", "seconds"), "duration histogram"),
+                sql,
+            )
+        )
     ratios = [r[0] for r in con.execute("SELECT speech_ratio FROM utterances").fetchall()]
     if ratios:
-        parts.append(_section("Speech ratio after VAD", "Share of each utterance the VAD kept.",
-                              plots.html_image(plots.histogram(ratios, "speech ratio", "kept / original", bins=20), "speech ratio histogram"),
-                              "SELECT speech_ratio FROM utterances"))
+        parts.append(
+            _section(
+                "Speech ratio after VAD",
+                "Share of each utterance the VAD kept.",
+                plots.html_image(
+                    plots.histogram(ratios, "speech ratio", "kept / original", bins=20), "speech ratio histogram"
+                ),
+                "SELECT speech_ratio FROM utterances",
+            )
+        )
     speakers = con.execute("SELECT speaker_id, trimmed_hours FROM hours_per_speaker ORDER BY speaker_id").fetchall()
     if speakers:
-        parts.append(_section("Hours per speaker", "Speech after VAD per speaker.",
-                              plots.html_image(plots.bars([s for s, _ in speakers], [h for _, h in speakers], "hours per speaker", "hours"), "hours per speaker"),
-                              "SELECT speaker_id, trimmed_hours FROM hours_per_speaker"))
+        parts.append(
+            _section(
+                "Hours per speaker",
+                "Speech after VAD per speaker.",
+                plots.html_image(
+                    plots.bars([s for s, _ in speakers], [h for _, h in speakers], "hours per speaker", "hours"),
+                    "hours per speaker",
+                ),
+                "SELECT speaker_id, trimmed_hours FROM hours_per_speaker",
+            )
+        )
     clients = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY client_id").fetchall()
     if clients:
-        parts.append(_section("Hours per client", "Speech after VAD per client.",
-                              plots.html_image(plots.bars([c for c, _ in clients], [h for _, h in clients], "hours per client", "hours"), "hours per client"),
-                              "SELECT client_id, trimmed_hours FROM hours_per_client"))
+        parts.append(
+            _section(
+                "Hours per client",
+                "Speech after VAD per client.",
+                plots.html_image(
+                    plots.bars([c for c, _ in clients], [h for _, h in clients], "hours per client", "hours"),
+                    "hours per client",
+                ),
+                "SELECT client_id, trimmed_hours FROM hours_per_client",
+            )
+        )
     if inputs.cluster_counts:
-        parts.append(_section("Cluster sizes", "Per client, the share of frames in each cluster, largest first.",
-                              plots.html_image(plots.cluster_sizes(inputs.cluster_counts), "cluster sizes")))
+        parts.append(
+            _section(
+                "Cluster sizes",
+                "Per client, the share of frames in each cluster, largest first.",
+                plots.html_image(plots.cluster_sizes(inputs.cluster_counts), "cluster sizes"),
+            )
+        )
     for run, rows in sorted(inputs.training_metrics.items()):
         if rows:
-            parts.append(_section(f"Training curve: {run}", "Loss, masked accuracy and learning rate against step.",
-                                  plots.html_image(plots.training_curve(rows), f"training curve {run}")))
+            parts.append(
+                _section(
+                    f"Training curve: {run}",
+                    "Loss, masked accuracy and learning rate against step.",
+                    plots.html_image(plots.training_curve(rows), f"training curve {run}"),
+                )
+            )
     return parts
 
 
@@ -255,7 +353,9 @@ table.header th { width: 10em; } ul.summary { font-size: 1.05em; line-height: 1.
 """
 
 
-def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = "speech_assets data-quality report") -> Path:
+def write_report(
+    db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = "speech_assets data-quality report"
+) -> Path:
     """Render the report from the database at ``db_path`` into ``out_path`` (atomically), with
     reject examples' clips under ``audio/`` beside it (clips no longer shown are removed)."""
     from speech_assets.stats.examples import remove_unused
@@ -265,10 +365,16 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
     try:
         examples, clips = _reject_examples(con, inputs, out_path.parent)
         sections = [_section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS]
-        sections.insert(2, _section(
-            "Reject examples", "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
-            "(for no_speech, the VAD's decision over the waveform).", examples, REJECT_EXAMPLES_SQL,
-        ))  # fmt: skip
+        sections.insert(
+            2,
+            _section(
+                "Reject examples",
+                "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
+                "(for no_speech, the VAD's decision over the waveform).",
+                examples,
+                REJECT_EXAMPLES_SQL,
+            ),
+        )
         with plots.cached_in(out_path.parent / PLOT_CACHE):
             sections[1:1] = _plots(con, inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
@@ -278,10 +384,10 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
     finally:
         con.close()
     page = (
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>{_header(inputs, db_path)}"
-        f"<section><h2>Summary</h2>{summary}<p class=\"note\">Every table below shows its SQL.</p></section>"
+        f'<section><h2>Summary</h2>{summary}<p class="note">Every table below shows its SQL.</p></section>'
         + "".join(sections)
         + "</body></html>\n"
     )

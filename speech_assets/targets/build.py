@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from speech_assets.layout import TargetFiles
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import iter_shard, read_shard_table
+from speech_assets.layout import TargetFiles
 from speech_assets.targets import kmeans
 from speech_assets.targets.labels import UtteranceLabels, append_labels, write_labels
 from speech_assets.utils import atomic_path, save_npz
@@ -64,7 +64,9 @@ def build_client_targets(
     fit_frames = [
         client_cmvn.apply(record.mfcc, "mfcc")
         for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed).items())
-        for record in iter_shard(fit_paths[shard_number], features=("mfcc",), dtype=None)  # stored float16: apply() gives float32
+        for record in iter_shard(
+            fit_paths[shard_number], features=("mfcc",), dtype=None
+        )  # stored float16: apply() gives float32
         if record.utt_id in utt_ids
     ]
     frames = np.concatenate(fit_frames, axis=0)
@@ -76,13 +78,15 @@ def build_client_targets(
 
     quality = kmeans.QualityAccumulator(k_used)
     items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook, kmeans.LABEL_THREADS), quality)
-    state = ClientState(fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit,
-                        fit.inertia_per_frame, quality)
+    state = ClientState(
+        fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit, fit.inertia_per_frame, quality
+    )
     return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
 
 
-def fit_sample(client_id: str, shard_paths: list[Path], max_fit_frames: int, seed: int,
-               model_rate: bool = False) -> dict[int, set[str]]:
+def fit_sample(
+    client_id: str, shard_paths: list[Path], max_fit_frames: int, seed: int, model_rate: bool = False
+) -> dict[int, set[str]]:
     """The utterances of a client's fit sample, per shard number: whole utterances drawn with
     ``seed`` up to ``max_fit_frames`` frames, counted at 100 Hz (or at the model's 50 Hz rate,
     ``(num_frames + 1) // 2``, with ``model_rate``)."""
@@ -90,7 +94,9 @@ def fit_sample(client_id: str, shard_paths: list[Path], max_fit_frames: int, see
     index: list[tuple[int, str]] = []
     for shard_number, path in enumerate(shard_paths):
         table = read_shard_table(path, columns=["utt_id", "num_frames"])
-        for utt_id, frames in zip(table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True):
+        for utt_id, frames in zip(
+            table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True
+        ):
             index.append((shard_number, utt_id))
             frame_counts.append((int(frames) + 1) // 2 if model_rate else frames)
     if sum(frame_counts) == 0:
@@ -111,8 +117,12 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     """
     state = ClientState.load(out_dir / STATE_FILE)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
-    new = _label_shards(new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS), state.quality)
-    return write_client_targets(client_id, int(state.codebook.shape[0]), out_dir, state, new, new_shard_paths, append=True)
+    new = _label_shards(
+        new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS), state.quality
+    )
+    return write_client_targets(
+        client_id, int(state.codebook.shape[0]), out_dir, state, new, new_shard_paths, append=True
+    )
 
 
 STATE_FILE = "state.npz"
@@ -131,27 +141,42 @@ class ClientState:
     quality: kmeans.QualityAccumulator
 
     def save(self, path: Path) -> None:
-        save_npz(path, {
-            "codebook": self.codebook, "cmvn_mean": self.cmvn_mean, "cmvn_std": self.cmvn_std,
-            "frames_fit": np.array(self.frames_fit), "inertia_per_frame": np.array(self.inertia_per_frame),
-            "counts": self.quality.counts, "segment_frames": np.array(self.quality.segments.frames),
-            "segment_runs": np.array(self.quality.segments.runs), "sqdist_sum": np.array(self.quality.sqdist_sum),
-            "sqdist_frames": np.array(self.quality.sqdist_frames),
-        })
+        save_npz(
+            path,
+            {
+                "codebook": self.codebook,
+                "cmvn_mean": self.cmvn_mean,
+                "cmvn_std": self.cmvn_std,
+                "frames_fit": np.array(self.frames_fit),
+                "inertia_per_frame": np.array(self.inertia_per_frame),
+                "counts": self.quality.counts,
+                "segment_frames": np.array(self.quality.segments.frames),
+                "segment_runs": np.array(self.quality.segments.runs),
+                "sqdist_sum": np.array(self.quality.sqdist_sum),
+                "sqdist_frames": np.array(self.quality.sqdist_frames),
+            },
+        )
 
     @classmethod
-    def load(cls, path: Path) -> "ClientState":
+    def load(cls, path: Path) -> ClientState:
         with np.load(path) as data:
             quality = kmeans.QualityAccumulator(int(data["codebook"].shape[0]))
             quality.counts = data["counts"].astype(np.int64)
             quality.segments = kmeans.SegmentStats(int(data["segment_frames"]), int(data["segment_runs"]))
             quality.sqdist_sum, quality.sqdist_frames = float(data["sqdist_sum"]), int(data["sqdist_frames"])
-            return cls(data["codebook"], data["cmvn_mean"], data["cmvn_std"], int(data["frames_fit"]),
-                       float(data["inertia_per_frame"]), quality)
+            return cls(
+                data["codebook"],
+                data["cmvn_mean"],
+                data["cmvn_std"],
+                int(data["frames_fit"]),
+                float(data["inertia_per_frame"]),
+                quality,
+            )
 
 
-def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.CodebookIndex,
-                  quality: kmeans.QualityAccumulator) -> list[UtteranceLabels]:
+def _label_shards(
+    shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.CodebookIndex, quality: kmeans.QualityAccumulator
+) -> list[UtteranceLabels]:
     """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
     items: list[UtteranceLabels] = []
     for path in shard_paths:
@@ -164,8 +189,15 @@ def _label_shards(shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.Code
     return items
 
 
-def write_client_targets(client_id: str, k_requested: int, out_dir: Path, state: ClientState,
-                   items: list[UtteranceLabels], shards_read: list[Path], append: bool = False) -> ClientTargetSet:
+def write_client_targets(
+    client_id: str,
+    k_requested: int,
+    out_dir: Path,
+    state: ClientState,
+    items: list[UtteranceLabels],
+    shards_read: list[Path],
+    append: bool = False,
+) -> ClientTargetSet:
     """Write the client's codebook, state and labels: ``items`` alone, or with ``append`` the
     labels already in ``out_dir`` plus ``items``."""
     out_dir.mkdir(parents=True, exist_ok=True)

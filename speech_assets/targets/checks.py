@@ -35,7 +35,9 @@ def label_problems(
             expected |= dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
         lengths = dict(zip(found.utt_ids, found.lengths.tolist(), strict=True))
         if set(lengths) != set(expected):
-            problems.append(f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign")
+            problems.append(
+                f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign"
+            )
         # ids are checked over all of the client's labels at once; per utterance only if some fail
         outside = (found.values < 0) | (found.values >= k)
         bad_ids = set()

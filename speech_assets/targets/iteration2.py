@@ -21,8 +21,8 @@ import torch
 
 from speech_assets.features.cmvn import Normaliser
 from speech_assets.features.shards import iter_shard
-from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.batches import batches_by_length, pad
+from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
 from speech_assets.targets.build import ClientState, ClientTargetSet, fit_sample, write_client_targets
 from speech_assets.targets.labels import UtteranceLabels
@@ -76,7 +76,9 @@ def build_iter2_targets(
     model.eval()
     fit_parts: list[np.ndarray] = []
     fit_paths = [path for path in shard_paths if path not in set(label_only)]
-    for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed, model_rate=True).items()):
+    for shard_number, utt_ids in sorted(
+        fit_sample(client_id, fit_paths, max_fit_frames, seed, model_rate=True).items()
+    ):
         feats = [
             cmvn.apply(r.logmel, "logmel")
             for r in iter_shard(fit_paths[shard_number], features=("logmel",), dtype=None)  # apply() gives float32
@@ -103,6 +105,12 @@ def build_iter2_targets(
             items.append(UtteranceLabels(record.utt_id, record.speaker_id, labels))
     dim = fit.codebook.shape[1]
     # the state keeps the same fields as iteration 1's; the "CMVN" of encoder features is the identity
-    state = ClientState(fit.codebook, np.zeros(dim, np.float32), np.ones(dim, np.float32), fit.frames_fit,
-                        fit.inertia_per_frame, quality)  # fmt: skip
+    state = ClientState(
+        fit.codebook,
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        fit.frames_fit,
+        fit.inertia_per_frame,
+        quality,
+    )
     return write_client_targets(client_id, k, out_dir, state, items, shard_paths)

@@ -209,9 +209,7 @@ def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> i
     return max(1, min(k, num_frames // min_frames_per_centroid))
 
 
-def describe_k_shrink(
-    num_frames: int, k: int, k_effective: int, min_frames_per_centroid: int = 39
-) -> str | None:
+def describe_k_shrink(num_frames: int, k: int, k_effective: int, min_frames_per_centroid: int = 39) -> str | None:
     """A warning message when ``k_effective < k``, else ``None``.
 
     >>> describe_k_shrink(1000, 100, 25)
@@ -461,9 +459,7 @@ class CodebookIndex:
         return labels, sqdist
 
 
-def assign_labels(
-    frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None
-) -> np.ndarray:
+def assign_labels(frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None) -> np.ndarray:
     """Nearest-centroid labels: ``(T, D)`` float32 frames, ``(K, D)`` codebook -> ``(T,)`` int16."""
     return CodebookIndex(codebook, num_threads).assign(frames)[0]
 
@@ -496,9 +492,7 @@ def label_utterances_with_sqdist(
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     sums = np.add.reduceat(sqdist.astype(np.float64), bounds[:-1]) if labels.size else None
     out_labels = [labels[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    out_sums = [
-        float(sums[i]) if (sums is not None and lengths[i]) else 0.0 for i in range(len(lengths))
-    ]
+    out_sums = [float(sums[i]) if (sums is not None and lengths[i]) else 0.0 for i in range(len(lengths))]
     return out_labels, out_sums
 
 
@@ -618,9 +612,5 @@ class QualityAccumulator:
             empty_clusters=empty_clusters(self.counts),
             mean_segment_length=float(self.segments.mean),
             frames_labelled=int(self.frames_labelled),
-            labelled_inertia_per_frame=(
-                self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else None
-            ),
+            labelled_inertia_per_frame=(self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else None),
         )
-
-

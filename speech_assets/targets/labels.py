@@ -89,11 +89,17 @@ def read_label_columns(path: str | os.PathLike[str]) -> LabelColumns:
     if len(blobs) == 0:
         return LabelColumns([], np.zeros(0, np.int64), np.zeros(0, np.int16))
     _, offsets_buffer, data = blobs.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(
+        np.int64
+    )
     nbytes = np.diff(offsets)
     if offsets[0] % 2 or (nbytes % 2).any():
         raise ValueError(f"{path}: a labels blob of an odd number of bytes is not int16")
-    values = np.frombuffer(data, dtype="<i2", count=int(offsets[-1] // 2))[int(offsets[0] // 2) :] if data is not None else np.zeros(0, np.int16)
+    values = (
+        np.frombuffer(data, dtype="<i2", count=int(offsets[-1] // 2))[int(offsets[0] // 2) :]
+        if data is not None
+        else np.zeros(0, np.int16)
+    )
     return LabelColumns(table.column("utt_id").to_pylist(), nbytes // 2, values)
 
 

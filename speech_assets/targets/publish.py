@@ -73,9 +73,9 @@ def outputs_intact(quality: dict, out_dir: Path) -> bool:
     """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
     try:
         files = TargetFiles(out_dir)
-        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(files.labels) == quality.get(
-            "labels_sha256"
-        )
+        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(
+            files.labels
+        ) == quality.get("labels_sha256")
     except OSError:
         return False
 
@@ -110,14 +110,25 @@ def publish_client_targets(
             return previous
         result, fields = build(previous, intact)
         quality = {
-            "client_id": client.client_id, "k": result.k, "k_requested": k_requested, "frames_fit": result.frames_fit,
-            "frames_labelled": result.frames_labelled, "utterances": result.utterances,
-            "inertia_per_frame": result.inertia_per_frame, "perplexity": result.perplexity,
-            "empty_clusters": result.empty_clusters, "mean_segment_length": result.mean_segment_length,
-            "speakers": client.speakers, "heldout_speakers": client.heldout, "shard_versions": client.shard_versions,
-            **fields, "inputs_key": inputs_key, **({"fit_key": fit_key} if fit_key is not None else {}),
-            "codebook_sha256": sha256_file(result.codebook_path), "labels_sha256": sha256_file(result.labels_path),
-        }  # fmt: skip
+            "client_id": client.client_id,
+            "k": result.k,
+            "k_requested": k_requested,
+            "frames_fit": result.frames_fit,
+            "frames_labelled": result.frames_labelled,
+            "utterances": result.utterances,
+            "inertia_per_frame": result.inertia_per_frame,
+            "perplexity": result.perplexity,
+            "empty_clusters": result.empty_clusters,
+            "mean_segment_length": result.mean_segment_length,
+            "speakers": client.speakers,
+            "heldout_speakers": client.heldout,
+            "shard_versions": client.shard_versions,
+            **fields,
+            "inputs_key": inputs_key,
+            **({"fit_key": fit_key} if fit_key is not None else {}),
+            "codebook_sha256": sha256_file(result.codebook_path),
+            "labels_sha256": sha256_file(result.labels_path),
+        }
         quality["data_version"] = sha256_strings([quality["codebook_sha256"], quality["labels_sha256"]])
         atomic_write_text(TargetFiles(out_dir).quality, json.dumps(quality, indent=1, sort_keys=True))
         return quality
@@ -139,17 +150,28 @@ def kmeans_client_targets(
 
     speakers, heldout = client.speakers, client.heldout
     inputs_key = sha256_strings(
-        [json.dumps(client.shard_versions, sort_keys=True), json.dumps(heldout), policy.fit_settings, policy.code_version]
+        [
+            json.dumps(client.shard_versions, sort_keys=True),
+            json.dumps(heldout),
+            policy.fit_settings,
+            policy.code_version,
+        ]
     )
     fit_key = sha256_strings([policy.fit_settings, policy.code_version])
 
     def fit(previous: dict, intact: bool) -> tuple[Any, dict[str, Any]]:
         # the codebook is kept only while no speaker it was fitted on has since been held out
         fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
-        newcomers = new_speakers(previous, speakers, client.shard_versions) if intact and not fitted_on_heldout else None
+        newcomers = (
+            new_speakers(previous, speakers, client.shard_versions) if intact and not fitted_on_heldout else None
+        )
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
         at_refit = frames_at_last_refit(previous)
-        if newcomers and at_refit and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, policy.refit_growth):
+        if (
+            newcomers
+            and at_refit
+            and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, policy.refit_growth)
+        ):
             log(
                 f"{client.client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
                 f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
@@ -161,15 +183,24 @@ def kmeans_client_targets(
             # client-level CMVN from this client's own training speakers only: no statistics cross clients
             client_cmvn = cmvn.Cmvn.from_sums(cmvn.combine([speaker_sums], speakers=set(speakers) - set(heldout)))
             result = build.build_client_targets(
-                client.client_id, client.files(speakers), client_cmvn, out_dir, k=policy.k,
-                max_fit_frames=policy.max_fit_frames, seed=policy.seed, log=warn, label_only=client.files(heldout),
-            )  # fmt: skip
+                client.client_id,
+                client.files(speakers),
+                client_cmvn,
+                out_dir,
+                k=policy.k,
+                max_fit_frames=policy.max_fit_frames,
+                seed=policy.seed,
+                log=warn,
+                label_only=client.files(heldout),
+            )
             mode, codebook_speakers = "refit", sorted(set(speakers) - set(heldout))
         return result, {
-            "labelled_inertia_per_frame": result.labelled_inertia_per_frame, "codebook_speakers": codebook_speakers,
-            "mode": mode, "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
+            "labelled_inertia_per_frame": result.labelled_inertia_per_frame,
+            "codebook_speakers": codebook_speakers,
+            "mode": mode,
+            "frames_at_refit": at_refit if mode == "extended" else result.frames_labelled,
             "shards_read": result.shards_read,
-        }  # fmt: skip
+        }
 
     return publish_client_targets(client, out_dir, inputs_key, policy.k, fit, fit_key=fit_key, force=force, log=log)
 
@@ -187,18 +218,29 @@ def iteration2_client_targets(
     """Iteration 2: reuse or refit one client's targets in an encoder's feature space; returns the
     published record. ``fit_inputs``: what else decides the fit (encoder hash, layer, settings,
     code version); ``record``: the encoder's fields of the record; ``build()`` fits and labels."""
-    inputs_key = sha256_strings([json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs])
+    inputs_key = sha256_strings(
+        [json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs]
+    )
     return publish_client_targets(
-        client, out_dir, inputs_key, k, lambda previous, intact: (build(), {"label_rate_hz": 50, **record}), log=log,
+        client,
+        out_dir,
+        inputs_key,
+        k,
+        lambda previous, intact: (build(), {"label_rate_hz": 50, **record}),
+        log=log,
         what="iteration-2 targets",
-    )  # fmt: skip
+    )
 
 
 def frames_at_last_refit(quality: dict) -> int | None:
     """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
     if "frames_at_refit" in quality:
         return int(quality["frames_at_refit"])
-    return int(quality["frames_labelled"]) if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality else None
+    return (
+        int(quality["frames_labelled"])
+        if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality
+        else None
+    )
 
 
 def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:

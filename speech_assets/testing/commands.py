@@ -56,9 +56,15 @@ def run_group(
 ) -> subprocess.CompletedProcess:
     supervised = [sys.executable, "-m", "speech_assets.runtime.supervise", "--", *command]
     process = subprocess.Popen(
-        supervised, env=dict(env), cwd=Path(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
-    )  # fmt: skip
+        supervised,
+        env=dict(env),
+        cwd=Path(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except BaseException:

@@ -26,8 +26,14 @@ def tone(seconds: float, sample_rate: int = 16_000, channels: int = 1, seed: int
     return np.stack([wave] * channels, axis=1) if channels > 1 else wave
 
 
-def write_flac(path: Path, seconds: float = 1.0, sample_rate: int = 16_000, channels: int = 1,
-               subtype: str = "PCM_16", seed: int | None = None) -> Path:
+def write_flac(
+    path: Path,
+    seconds: float = 1.0,
+    sample_rate: int = 16_000,
+    channels: int = 1,
+    subtype: str = "PCM_16",
+    seed: int | None = None,
+) -> Path:
     """A tone as FLAC; without a ``seed``, one taken from the file's name, so that two files hold
     different audio (the manifest keeps one recording under two ids only once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,8 +72,9 @@ class LibriCorpus:
         with open(trans, "a", encoding="utf-8") as handle:
             handle.write(f"{utt_id} {text}\n")
 
-    def add(self, speaker: str, chapter: str, utt: int, text: str = "HELLO WORLD", seconds: float = 1.0,
-            **audio) -> Path:
+    def add(
+        self, speaker: str, chapter: str, utt: int, text: str = "HELLO WORLD", seconds: float = 1.0, **audio
+    ) -> Path:
         utt_id = f"{speaker}-{chapter}-{utt:04d}"
         self.add_line(speaker, chapter, utt_id, text)
         return write_flac(self.chapter_dir(speaker, chapter) / f"{utt_id}.flac", seconds, **audio)  # a seed per utt_id
@@ -83,7 +90,7 @@ def vowel(seconds: float, sample_rate: int = SR, f0: float = 140.0, fmax: float 
     for k in range(1, 80):
         if k * f0 * 1.1 > fmax:
             break
-        amp = sum(math.exp(-(((k * f0) - formant) / 200.0) ** 2) for formant in (700, 1200, 2600)) + 0.05
+        amp = sum(math.exp(-((((k * f0) - formant) / 200.0) ** 2)) for formant in (700, 1200, 2600)) + 0.05
         x += amp * np.sin(k * phase)
     x *= 0.6 + 0.4 * np.sin(2 * np.pi * 4 * t) ** 2
     return (0.5 * x / np.abs(x).max()).astype(np.float32)

@@ -34,7 +34,10 @@ class FederatedCorpus:
 
 
 def write_federated_corpus(
-    root: Path, clients: Mapping[str, int] = {"client_a": 8, "client_b": 12}, speakers_per_client: int = 3, **options: object
+    root: Path,
+    clients: Mapping[str, int] = {"client_a": 8, "client_b": 12},
+    speakers_per_client: int = 3,
+    **options: object,
 ) -> FederatedCorpus:
     """:func:`write_corpus` under ``root``, moved into the layout :meth:`ClientData.resolve` reads:
     ``features/shards/<speaker>.parquet`` (+ its ``.stats.npz`` partial sums) and
@@ -57,7 +60,9 @@ def write_federated_corpus(
         (Path(targets.labels).parent / "quality.json").write_text(json.dumps({"k": targets.k}) + "\n")
     (root / "shards").rmdir()
     heldout = sorted(s for s in speakers if s.endswith("-spk0"))
-    return FederatedCorpus(root, {c: t.k for c, t in corpus.clients.items()}, heldout, sorted(set(speakers) - set(heldout)))
+    return FederatedCorpus(
+        root, {c: t.k for c, t in corpus.clients.items()}, heldout, sorted(set(speakers) - set(heldout))
+    )
 
 
 @contextlib.contextmanager
@@ -82,10 +87,15 @@ class InProcessGrid:
     def __init__(self, nodes: Mapping[int, str], data_dir: Path, state_root: Path, threads: int = 1) -> None:
         self.nodes = dict(nodes)
         self.node_config = {
-            node: {"client-id": client, "data-dir": str(data_dir), "state-root": str(state_root / client), "threads": threads,
-                   "device": "cpu"}
+            node: {
+                "client-id": client,
+                "data-dir": str(data_dir),
+                "state-root": str(state_root / client),
+                "threads": threads,
+                "device": "cpu",
+            }
             for node, client in self.nodes.items()
-        }  # fmt: skip
+        }
         self.outbox: list[Message] = []
         self.received: list[Message] = []  # every reply the server was sent, for tests to inspect
 
@@ -97,12 +107,22 @@ class InProcessGrid:
         for message in messages:
             node = message.metadata.dst_node_id
             sent = Message(
-                metadata=Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=0, dst_node_id=node,
-                                  reply_to_message_id="", group_id="", created_at=0.0, ttl=3600.0,
-                                  message_type=message.metadata.message_type),
+                metadata=Metadata(
+                    run_id=1,
+                    message_id=uuid.uuid4().hex,
+                    src_node_id=0,
+                    dst_node_id=node,
+                    reply_to_message_id="",
+                    group_id="",
+                    created_at=0.0,
+                    ttl=3600.0,
+                    message_type=message.metadata.message_type,
+                ),
                 content=message.content,
-            )  # fmt: skip
-            context = Context(run_id=1, node_id=node, node_config=self.node_config[node], state=RecordDict(), run_config={})
+            )
+            context = Context(
+                run_id=1, node_id=node, node_config=self.node_config[node], state=RecordDict(), run_config={}
+            )
             try:
                 answer = client_app.app(sent, context)
             except Exception as error:  # what a SuperNode sends back when its ClientApp raised

@@ -48,7 +48,9 @@ def materialize_data_stages(defs: dg.Definitions, instance: dg.DagsterInstance) 
     return clients
 
 
-def requested_partitions(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest) -> list[str] | None:
+def requested_partitions(
+    defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest
+) -> list[str] | None:
     """The partitions a ``RunRequest`` of one partitioning targets (its key, or every key of its
     partition-range tags in partition order); None when it targets no partition."""
     tags = request.tags or {}
@@ -68,7 +70,11 @@ def run_requested(defs: dg.Definitions, instance: dg.DagsterInstance, request: d
     name = asset.to_user_string()
     if not partitions:
         return name
-    return f"{name}[{', '.join(partitions)}]" if len(partitions) <= 3 else f"{name}[{partitions[0]}...{partitions[-1]}: {len(partitions)}]"
+    return (
+        f"{name}[{', '.join(partitions)}]"
+        if len(partitions) <= 3
+        else f"{name}[{partitions[0]}...{partitions[-1]}: {len(partitions)}]"
+    )
 
 
 def follow_automation(

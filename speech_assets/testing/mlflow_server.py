@@ -39,9 +39,17 @@ class MlflowServer(LocalServer):
         if command is None:
             assert backend_store_uri and artifacts_destination
             command = [
-                MLFLOW, "server", "--backend-store-uri", backend_store_uri,
-                "--artifacts-destination", str(artifacts_destination), "--serve-artifacts",
-                "--host", "127.0.0.1", "--workers", "1",
+                MLFLOW,
+                "server",
+                "--backend-store-uri",
+                backend_store_uri,
+                "--artifacts-destination",
+                str(artifacts_destination),
+                "--serve-artifacts",
+                "--host",
+                "127.0.0.1",
+                "--workers",
+                "1",
             ]
         self.command = [*command, "--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -57,8 +65,13 @@ class MlflowServer(LocalServer):
         }
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM),
             )
         process = self.process
 

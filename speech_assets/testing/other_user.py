@@ -65,7 +65,9 @@ def python_for(uid: int, *, packages: bool = False) -> tuple[list[str], dict[str
     for python in candidates:
         extra = dict(env)
         if packages and python != sys.executable:
-            extra["PYTHONPATH"] = os.pathsep.join([repo, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+            extra["PYTHONPATH"] = os.pathsep.join(
+                [repo, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+            )
         version = f"import sys; sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})"
         probe = ["-c", version + ("; import psutil, speech_assets" if packages else "")]
         done = subprocess.run(as_user(uid, [python, *probe]), env=extra, capture_output=True, timeout=60, cwd="/")

@@ -92,8 +92,20 @@ class PostgresServer(LocalServer):
             os.chown(self.root, self._run_as.pw_uid, self._run_as.pw_gid)
             os.chown(password_file, self._run_as.pw_uid, self._run_as.pw_gid)
         self._run(
-            [str(self.bin_dir / "initdb"), "-D", str(data), "-U", self.user, f"--pwfile={password_file}",
-             "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C", "--no-sync"],
+            [
+                str(self.bin_dir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                self.user,
+                f"--pwfile={password_file}",
+                "--auth-host=scram-sha-256",
+                "--auth-local=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
         )
         password_file.unlink()
         for _ in range(5):  # the free port may be taken between our probe and the server's bind
@@ -117,11 +129,30 @@ class PostgresServer(LocalServer):
         log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's stderr, closed below
         try:
             self.process = subprocess.Popen(
-                [str(self.bin_dir / "postgres"), "-D", str(data), "-h", self.host, "-p", str(self.port),
-                 "-k", str(data),  # the Unix socket stays inside the data dir
-                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                 "-c", "max_connections=200", "-c", "shared_buffers=32MB"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    str(self.bin_dir / "postgres"),
+                    "-D",
+                    str(data),
+                    "-h",
+                    self.host,
+                    "-p",
+                    str(self.port),
+                    "-k",
+                    str(data),  # the Unix socket stays inside the data dir
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                    "-c",
+                    "max_connections=200",
+                    "-c",
+                    "shared_buffers=32MB",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it
                 preexec_fn=lambda: die_with_parent(signal.SIGQUIT),  # immediate shutdown if we die
                 **self._as_server_user(),

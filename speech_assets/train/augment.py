@@ -60,7 +60,9 @@ def noise_files(folder: str | os.PathLike[str]) -> list[Path]:
         folders.sort()
         entries += len(folders) + len(names)
         if entries > MAX_NOISE_ENTRIES:
-            raise ValueError(f"noise folder {root} holds more than {MAX_NOISE_ENTRIES} files and folders: name a folder of noise audio")
+            raise ValueError(
+                f"noise folder {root} holds more than {MAX_NOISE_ENTRIES} files and folders: name a folder of noise audio"
+            )
         for name in names:
             path = Path(directory) / name
             if path.suffix.lower() not in NOISE_SUFFIXES:
@@ -123,7 +125,9 @@ class Augmentation:
         if self.noise:
             parts.append(f"noise={self.noise} p={self.noise_prob} snr={self.snr_db[0]:g}..{self.snr_db[1]:g} dB")
         if self.specaugment:
-            parts.append(f"specaugment {self.freq_masks}x F{self.freq_mask_width} + {self.time_masks}x T{self.time_mask_width}")
+            parts.append(
+                f"specaugment {self.freq_masks}x F{self.freq_mask_width} + {self.time_masks}x T{self.time_mask_width}"
+            )
         return ", ".join(parts) or "none"
 
 
@@ -193,9 +197,12 @@ class Augmenter:
         self._extractor = None
 
     def noise(
-        self, logmel: np.ndarray, utt_id: str, epoch: int,
+        self,
+        logmel: np.ndarray,
+        utt_id: str,
+        epoch: int,
         babble_source: Callable[[str, np.random.Generator, int], Sequence[np.ndarray]] | None = None,
-    ) -> np.ndarray:  # fmt: skip
+    ) -> np.ndarray:
         """Raw (pre-CMVN) log-mel ``(T, 80)`` with noise mixed in, or unchanged (this utterance
         and epoch drew no noise, or noise is off)."""
         options = self.options

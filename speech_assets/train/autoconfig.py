@@ -203,7 +203,13 @@ def decide(
         raise ValueError("fp16 training needs CUDA (use fp32 or bf16 on CPU)")
     if precision == "auto":
         precision = resolve_precision(precision, device, hw.bf16_supported)
-        why = "CPU" if device == "cpu" else "GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler"
+        why = (
+            "CPU"
+            if device == "cpu"
+            else "GPU supports bf16"
+            if hw.bf16_supported
+            else "no bf16 on this GPU, fp16 + GradScaler"
+        )
         notes.append(f"precision {precision}: {why}")
 
     if nproc == "auto":

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from speech_assets.model.presets import get_preset
 from speech_assets.locations import redact_uri
+from speech_assets.model.presets import get_preset
 from speech_assets.utils import atomic_write_text
 
 if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resources.py) without it
@@ -176,7 +176,9 @@ class TrainConfig(RunConfig):
         from speech_assets.train.augment import Augmentation
 
         low, high = self.noise_snr_db
-        return Augmentation(noise=self.noise, noise_prob=self.noise_prob, snr_db=(float(low), float(high)), specaugment=self.specaugment)
+        return Augmentation(
+            noise=self.noise, noise_prob=self.noise_prob, snr_db=(float(low), float(high)), specaugment=self.specaugment
+        )
 
     @property
     def chance_accuracy(self) -> float:
@@ -211,8 +213,20 @@ class DistillConfig(RunConfig):
         super().__post_init__()
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if min(self.layers, self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum) < 1:
-            raise ValueError("layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1")
+        if (
+            min(
+                self.layers,
+                self.max_steps,
+                self.log_every,
+                self.checkpoint_every,
+                self.keep_checkpoints,
+                self.grad_accum,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1"
+            )
         if self.batch_seconds <= 0 or self.precision not in PRECISIONS:
             raise ValueError(f"batch_seconds must be > 0 and precision one of {PRECISIONS}")
 
@@ -269,8 +283,21 @@ class FinetuneConfig(RunConfig):
         problems = []
         if self.init not in FINETUNE_INITS:
             problems.append(f"init must be one of {FINETUNE_INITS}")
-        if min(self.max_steps, self.log_every, self.checkpoint_every, self.keep_checkpoints, self.grad_accum, self.mask_length, self.channel_mask_length) < 1:
-            problems.append("max_steps, log_every, checkpoint_every, keep_checkpoints, grad_accum and mask lengths must be >= 1")
+        if (
+            min(
+                self.max_steps,
+                self.log_every,
+                self.checkpoint_every,
+                self.keep_checkpoints,
+                self.grad_accum,
+                self.mask_length,
+                self.channel_mask_length,
+            )
+            < 1
+        ):
+            problems.append(
+                "max_steps, log_every, checkpoint_every, keep_checkpoints, grad_accum and mask lengths must be >= 1"
+            )
         if self.freeze_steps < 0 or self.lr <= 0 or self.batch_seconds <= 0:
             problems.append("freeze_steps must be >= 0, lr and batch_seconds > 0")
         if len(self.stages) != 3 or any(s < 0 for s in self.stages) or abs(sum(self.stages) - 1) > 1e-6:

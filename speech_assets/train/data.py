@@ -21,7 +21,14 @@ import torch
 from torch.utils.data import Dataset
 
 from speech_assets.features.cmvn import Normaliser
-from speech_assets.features.shards import FRAME_RATE_HZ, N_MELS, blob_matrices, check_blob_lengths, feature_dtype, read_shard_table
+from speech_assets.features.shards import (
+    FRAME_RATE_HZ,
+    N_MELS,
+    blob_matrices,
+    check_blob_lengths,
+    feature_dtype,
+    read_shard_table,
+)
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.targets.labels import read_labels
 from speech_assets.train.augment import Augmenter
@@ -147,7 +154,11 @@ def heldout_split(
     measure generalisation to unseen speakers. The held-out speakers are ``heldout`` when given
     (the pipeline's one split, chosen over the whole corpus by ``client_partitions``), else
     :func:`heldout_speakers` of these utterances' speakers at ``fraction``."""
-    held = set(heldout) if heldout is not None else heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
+    held = (
+        set(heldout)
+        if heldout is not None
+        else heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
+    )
     return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
 
 
@@ -275,7 +286,9 @@ class UtteranceDataset(Dataset[Example]):
         logmel = logmel[start : start + self.max_frames]
         self.bytes_delivered += logmel.nbytes
         if self.augment is not None:  # noise on the raw log-mel, SpecAugment after CMVN: same frames
-            logmel = self.augment.noise(logmel.astype(np.float32), ref.utt_id, self.epoch, lambda _, rng, count: self._babble(item, rng, count))
+            logmel = self.augment.noise(
+                logmel.astype(np.float32), ref.utt_id, self.epoch, lambda _, rng, count: self._babble(item, rng, count)
+            )
         feats = self.cmvn.apply(logmel, "logmel")  # float32 (the one conversion)
         labels = labels[start // 2 : start // 2 + (feats.shape[0] + 1) // 2]
         tensor = torch.from_numpy(feats)
@@ -328,7 +341,9 @@ class RankSampler:
 
     num_workers = 0  # DataLoader workers the batch order is laid out for
 
-    def __init__(self, seconds: Sequence[float], batch_seconds: float, *, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, seconds: Sequence[float], batch_seconds: float, *, num_replicas: int = 1, rank: int = 0, seed: int = 0
+    ) -> None:
         if not len(seconds):
             raise ValueError("no utterances to sample from")
         if not 0 <= rank < num_replicas:
@@ -357,9 +372,15 @@ class DurationBucketSampler(RankSampler):
     """
 
     def __init__(
-        self, seconds: Sequence[float], batch_seconds: float, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+        self,
+        seconds: Sequence[float],
+        batch_seconds: float,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
         pool_batches: int = 100,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(seconds, batch_seconds, num_replicas=num_replicas, rank=rank, seed=seed)
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch

@@ -35,7 +35,14 @@ from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import DistillConfig
-from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, build_index, heldout_split, speaker_record
+from speech_assets.train.data import (
+    Batch,
+    DurationBucketSampler,
+    UtteranceDataset,
+    build_index,
+    heldout_split,
+    speaker_record,
+)
 from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
@@ -54,10 +61,17 @@ def student_preset(config: DistillConfig, teacher: ModelPreset) -> ModelPreset:
     """The student's shape: ``dim``/``layers``/``heads``/``ffn_dim`` from the config, the teacher's
     input and positional convolution (groups reduced until they divide ``dim``)."""
     return ModelPreset(
-        name=config.preset, dim=config.dim, layers=config.layers, heads=config.heads, ffn_dim=config.ffn_dim,
-        conv_channels=config.dim, pos_kernel=teacher.pos_kernel, pos_groups=math.gcd(teacher.pos_groups, config.dim),
-        dropout=0.0, input_dim=teacher.input_dim,
-    )  # fmt: skip
+        name=config.preset,
+        dim=config.dim,
+        layers=config.layers,
+        heads=config.heads,
+        ffn_dim=config.ffn_dim,
+        conv_channels=config.dim,
+        pos_kernel=teacher.pos_kernel,
+        pos_groups=math.gcd(teacher.pos_groups, config.dim),
+        dropout=0.0,
+        input_dim=teacher.input_dim,
+    )
 
 
 def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: list[int]) -> HubertPretrainModel:
@@ -82,7 +96,9 @@ class LayerPredictor(nn.Module):
         return torch.stack([head(encoded.hidden) for head in self.student.heads], dim=1), encoded.padding
 
 
-def teacher_targets(teacher: HubertPretrainModel, feats: torch.Tensor, lengths: torch.Tensor, layers: list[int]) -> torch.Tensor:
+def teacher_targets(
+    teacher: HubertPretrainModel, feats: torch.Tensor, lengths: torch.Tensor, layers: list[int]
+) -> torch.Tensor:
     """``(B, H, L, D_teacher)``: teacher ``layers`` (1-based), each layer-normalised without affine
     parameters (the pre-LN residual stream grows with depth; normalised, every head's L1 has one scale)."""
     with torch.no_grad():
@@ -108,7 +124,9 @@ def layer_prediction_loss(
         or predictions.dim() != 4
         or padding.shape != (predictions.shape[0], predictions.shape[2])
     ):
-        raise ValueError(f"shapes {tuple(predictions.shape)}, {tuple(targets.shape)}, {tuple(padding.shape)} do not match")
+        raise ValueError(
+            f"shapes {tuple(predictions.shape)}, {tuple(targets.shape)}, {tuple(padding.shape)} do not match"
+        )
     valid = (~padding)[:, None, :].to(predictions.dtype)  # (B, 1, L)
     frames = valid.sum().clamp(min=1)
     l1 = ((predictions - targets).abs().mean(dim=-1) * valid).sum(dim=(0, 2)) / frames
@@ -128,7 +146,9 @@ class LayerPrediction:
     the loss ``()`` and statistics ``(2 + 2H,)`` float64: a count of 1, the loss, then the per-head
     L1 ``(H,)`` and cosine ``(H,)`` (summed over steps and ranks, :meth:`metrics` divides by the count)."""
 
-    def __init__(self, teacher: HubertPretrainModel, layers: list[int], cosine_weight: float, device: torch.device) -> None:
+    def __init__(
+        self, teacher: HubertPretrainModel, layers: list[int], cosine_weight: float, device: torch.device
+    ) -> None:
         self.teacher, self.layers, self.cosine_weight, self.device = teacher, layers, cosine_weight, device
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,14 +199,23 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
         seed_everything(config.seed)
         student = build_student(config, teacher, layers).to(job.device)
         engine = Engine(
-            student, job, precision=precision, lr=config.lr, weight_decay=config.weight_decay, clip_norm=config.clip_norm,
-            grad_accum=config.grad_accum, schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
+            student,
+            job,
+            precision=precision,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            grad_accum=config.grad_accum,
+            schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
             forward=LayerPredictor(student),
-        )  # fmt: skip
+        )
         engine.extra = {
-            "kind": CHECKPOINT_KIND, "config": config.to_dict(), "data_versions": dict(config.data_versions),
-            "speakers": speakers, "normalisation": describe(cmvn),
-        }  # fmt: skip
+            "kind": CHECKPOINT_KIND,
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "speakers": speakers,
+            "normalisation": describe(cmvn),
+        }
         engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
         plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum}
         plan["precision"] = precision
@@ -195,33 +224,69 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
             log.info(
                 "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "
                 "speakers (%d held-out utterances left out), %s",
-                config.teacher, encoder_parameters(teacher), layers, config.preset, encoder_parameters(student),
-                len(train_refs), len(heldout_refs), precision,
-            )  # fmt: skip
+                config.teacher,
+                encoder_parameters(teacher),
+                layers,
+                config.preset,
+                encoder_parameters(student),
+                len(train_refs),
+                len(heldout_refs),
+                precision,
+            )
             objective = LayerPrediction(teacher, layers, config.cosine_weight, job.device)
-            if not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker) or not job.is_main:
+            if (
+                not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
+                or not job.is_main
+            ):
                 return None
             final, sha = engine.save_final(
-                run_dir, kind=CHECKPOINT_KIND, preset=student.preset.to_dict(),
-                clients={name: teacher.preset.dim for name in student.clients}, teacher=config.teacher,
-                teacher_sha256=teacher_loaded.sha256, teacher_layers=list(layers), config=config.to_dict(),
-                data_versions=dict(config.data_versions), speakers=speakers, normalisation=describe(cmvn),
-            )  # fmt: skip
+                run_dir,
+                kind=CHECKPOINT_KIND,
+                preset=student.preset.to_dict(),
+                clients={name: teacher.preset.dim for name in student.clients},
+                teacher=config.teacher,
+                teacher_sha256=teacher_loaded.sha256,
+                teacher_layers=list(layers),
+                config=config.to_dict(),
+                data_versions=dict(config.data_versions),
+                speakers=speakers,
+                normalisation=describe(cmvn),
+            )
             metrics, progress = engine.metrics, engine.progress
             result = {
-                "step": engine.step, "final_loss": metrics["loss"], "checkpoint": str(final), "checkpoint_sha256": sha,
-                "teacher": config.teacher, "teacher_sha256": teacher_loaded.sha256, "teacher_layers": list(layers),
-                "student": config.preset, "student_parameters": encoder_parameters(student),
-                "teacher_parameters": encoder_parameters(teacher), "train_utterances": len(train_refs),
-                "train_audio_seconds": progress["audio_seconds"], "train_seconds": progress["train_seconds"],
-                "world_size": job.world_size, "data_versions": dict(config.data_versions), "precision": precision,
+                "step": engine.step,
+                "final_loss": metrics["loss"],
+                "checkpoint": str(final),
+                "checkpoint_sha256": sha,
+                "teacher": config.teacher,
+                "teacher_sha256": teacher_loaded.sha256,
+                "teacher_layers": list(layers),
+                "student": config.preset,
+                "student_parameters": encoder_parameters(student),
+                "teacher_parameters": encoder_parameters(teacher),
+                "train_utterances": len(train_refs),
+                "train_audio_seconds": progress["audio_seconds"],
+                "train_seconds": progress["train_seconds"],
+                "world_size": job.world_size,
+                "data_versions": dict(config.data_versions),
+                "precision": precision,
                 "resumed_from_step": engine.resumed_from,
-                "mlflow_run_id": tracker.run_id if tracker else None, "mlflow_run_url": tracker.url if tracker else None,
+                "mlflow_run_id": tracker.run_id if tracker else None,
+                "mlflow_run_url": tracker.url if tracker else None,
                 **{k: v for k, v in metrics.items() if k.startswith(("l1_", "cosine_"))},
-            }  # fmt: skip
+            }
             log.info("done: %d steps, loss %.4f, student %s", engine.step, metrics["loss"], final)
-            keys = ("step", "final_loss", "checkpoint", "checkpoint_sha256", "student", "student_parameters",
-                    "teacher_parameters", "mlflow_run_id", "mlflow_run_url")  # fmt: skip
+            keys = (
+                "step",
+                "final_loss",
+                "checkpoint",
+                "checkpoint_sha256",
+                "student",
+                "student_parameters",
+                "teacher_parameters",
+                "mlflow_run_id",
+                "mlflow_run_url",
+            )
             publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
             return result
 

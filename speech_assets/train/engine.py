@@ -112,7 +112,10 @@ def init_distributed(device: str) -> Distributed:
     if target.type == "cuda":
         torch.cuda.set_device(local_rank)
         target = torch.device("cuda", local_rank)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+    if (
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    ):
         log.warning(
             "restarted by torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
             "the rendezvous may fail (see speech_assets.train.launch.TORCHRUN_ENV)"
@@ -170,9 +173,14 @@ class BatchStream:
     :meth:`state` is the position to resume from (batches already yielded)."""
 
     def __init__(
-        self, dataset: UtteranceDataset, sampler: RankSampler, seed: int, pin_memory: bool = False,
-        epoch: int = 0, position: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        dataset: UtteranceDataset,
+        sampler: RankSampler,
+        seed: int,
+        pin_memory: bool = False,
+        epoch: int = 0,
+        position: int = 0,
+    ) -> None:
         self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
         self.epoch, self.position = epoch, position
         self._batches_in_epoch = 0
@@ -234,9 +242,18 @@ class Engine:
     """
 
     def __init__(
-        self, model: nn.Module, job: Distributed, *, precision: str, lr: float, weight_decay: float, clip_norm: float,
-        grad_accum: int = 1, schedule: Callable[[int], float] | None = None, forward: nn.Module | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        job: Distributed,
+        *,
+        precision: str,
+        lr: float,
+        weight_decay: float,
+        clip_norm: float,
+        grad_accum: int = 1,
+        schedule: Callable[[int], float] | None = None,
+        forward: nn.Module | None = None,
+    ) -> None:
         self.model, self.job, self.precision = model, job, precision
         self.grad_accum, self.clip_norm = grad_accum, clip_norm if clip_norm > 0 else math.inf
         self.optimizer = build_optimizer(model, lr, weight_decay)
@@ -273,7 +290,11 @@ class Engine:
         for micro in range(accum):
             batch = next(batches)
             last = micro == accum - 1
-            sync = forward.no_sync() if isinstance(forward, DistributedDataParallel) and not last else contextlib.nullcontext()
+            sync = (
+                forward.no_sync()
+                if isinstance(forward, DistributedDataParallel) and not last
+                else contextlib.nullcontext()
+            )
             with sync, self.autocast():
                 loss, micro_stats = objective(forward, batch, self.step, micro)
             self.scaler.scale(loss / accum).backward()
@@ -341,7 +362,9 @@ class Engine:
                 return False
         return True
 
-    def _report(self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None, held_out: Mapping[str, float]) -> None:
+    def _report(
+        self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None, held_out: Mapping[str, float]
+    ) -> None:
         shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
         if "val/leak_free_masked_accuracy" in held_out:
             shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
@@ -363,12 +386,19 @@ class Engine:
         if self.job.is_main:
             model_state = self.model.state_dict()
             state = {
-                "format": CHECKPOINT_FORMAT, "step": self.step, "model": model_state,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "sampler": stream.state(), "rng": states,
-                "weights_sha256": weights_sha256(model_state), "progress": dict(self.progress),
-                "metrics": dict(self.metrics), **self.extra,
-            }  # fmt: skip
+                "format": CHECKPOINT_FORMAT,
+                "step": self.step,
+                "model": model_state,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "sampler": stream.state(),
+                "rng": states,
+                "weights_sha256": weights_sha256(model_state),
+                "progress": dict(self.progress),
+                "metrics": dict(self.metrics),
+                **self.extra,
+            }
             path = save_checkpoint(checkpoint_path(run_dir, self.step), state)
             prune_checkpoints(run_dir, keep)
             log.info("checkpoint %s", path)
@@ -401,7 +431,13 @@ class Engine:
         """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""
         model_state = self.model.state_dict()
         sha = weights_sha256(model_state)
-        state = {"format": CHECKPOINT_FORMAT, "step": self.step, "model": model_state, "weights_sha256": sha, **contents}
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "model": model_state,
+            "weights_sha256": sha,
+            **contents,
+        }
         return save_checkpoint(run_dir / "final.pt", state), sha
 
     def barrier(self) -> None:
@@ -410,7 +446,11 @@ class Engine:
 
 
 def publish(
-    run_dir: Path, result: dict[str, Any], tracker: MlflowTracker | None, reporter: PipesReporter | None, metadata: dict[str, Any]
+    run_dir: Path,
+    result: dict[str, Any],
+    tracker: MlflowTracker | None,
+    reporter: PipesReporter | None,
+    metadata: dict[str, Any],
 ) -> None:
     """Rank 0 at the end of a run: ``result`` to MLflow (with the checkpoint) and ``result.json``,
     ``metadata`` (``None`` values left out) as the Dagster materialization."""

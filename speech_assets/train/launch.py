@@ -19,6 +19,8 @@ from typing import IO
 from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.locations import TRACKING_URI_ENV, redact_uri
+from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
+from speech_assets.runtime.processes import launcher_env
 from speech_assets.train import local_torchrun
 from speech_assets.train.autoconfig import (
     LaunchPlan,
@@ -29,8 +31,6 @@ from speech_assets.train.autoconfig import (
 )
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.oom import retrying_oom
-from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
-from speech_assets.runtime.processes import launcher_env
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,29 @@ def build_torchrun_command(
     host, port = check_endpoint(rdzv_endpoint, "rdzv_endpoint")
     command = [python, "-m", "torch.distributed.run", *options]
     if node_rank is not None:
-        command += ["--nnodes", str(int(nnodes)), "--node-rank", str(int(node_rank)), "--master-addr", host, "--master-port", str(port)]
+        command += [
+            "--nnodes",
+            str(int(nnodes)),
+            "--node-rank",
+            str(int(node_rank)),
+            "--master-addr",
+            host,
+            "--master-port",
+            str(port),
+        ]
     else:
         if not re.fullmatch(r"\d+(:\d+)?", nnodes) or not re.fullmatch(r"[A-Za-z0-9_-]+", rdzv_id):
             raise ValueError(f"nnodes {nnodes!r} must be N or MIN:MAX, and rdzv_id letters, digits, '_' or '-'")
-        command += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+        command += [
+            "--nnodes",
+            nnodes,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id,
+        ]
     return [*command, "-m", module, "--config", str(config_path)]
 
 
@@ -115,7 +133,11 @@ PLACEHOLDER = re.compile(r"\{(command|host|node_rank)\}")
 
 
 def other_node_commands(
-    torchrun: Callable[[int], list[str]], nnodes: int, node_command: str, node_hosts: Sequence[str], python: str = sys.executable
+    torchrun: Callable[[int], list[str]],
+    nnodes: int,
+    node_command: str,
+    node_hosts: Sequence[str],
+    python: str = sys.executable,
 ) -> list[list[str]]:
     """The argument lists that start nodes 1..nnodes-1 (node 0 is this host); no shell runs them.
 
@@ -166,7 +188,9 @@ def start_node(
     return subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
 
 
-def torchrun_env(base: Mapping[str, str] | None = None, nproc: int = 1, tracking_uri: str | None = None) -> dict[str, str]:
+def torchrun_env(
+    base: Mapping[str, str] | None = None, nproc: int = 1, tracking_uri: str | None = None
+) -> dict[str, str]:
     """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`, naming this
     process as the launcher whose death ends the job, and saying it holds the run folder's lock.
 

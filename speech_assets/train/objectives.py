@@ -42,11 +42,24 @@ class MaskedPrediction:
     """
 
     def __init__(
-        self, model: HubertPretrainModel, device: torch.device, *, seed: int, mask_prob: float, mask_length: int,
-        unmasked_weight: float, rank: int = 0, key: tuple[int | str, ...] = (),
-    ) -> None:  # fmt: skip
+        self,
+        model: HubertPretrainModel,
+        device: torch.device,
+        *,
+        seed: int,
+        mask_prob: float,
+        mask_length: int,
+        unmasked_weight: float,
+        rank: int = 0,
+        key: tuple[int | str, ...] = (),
+    ) -> None:
         self.model, self.device, self.rank, self.key = model, device, rank, key
-        self.seed, self.mask_prob, self.mask_length, self.unmasked_weight = seed, mask_prob, mask_length, unmasked_weight
+        self.seed, self.mask_prob, self.mask_length, self.unmasked_weight = (
+            seed,
+            mask_prob,
+            mask_length,
+            unmasked_weight,
+        )
 
     def mask(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
         """``(B, L)`` bool span mask for feature ``lengths (B,)``, drawn at ``parts``."""
@@ -187,7 +200,9 @@ class Proximal:
     """An objective plus FedProx's proximal term towards ``reference`` (Li et al., 2020): the
     client's half of Flower's ``FedProx`` strategy, which only sends ``mu``."""
 
-    def __init__(self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> None:
+    def __init__(
+        self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float
+    ) -> None:
         self.inner, self.model, self.mu = inner, model, mu
         device = next(model.parameters()).device
         self.reference = {name: tensor.detach().to(device) for name, tensor in reference.items()}
@@ -219,9 +234,13 @@ class CtcForward(nn.Module):
         self.model = model
 
     def forward(
-        self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None,
-        channels: torch.Tensor | None = None, frozen: str = "",
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        feats: torch.Tensor,
+        lengths: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        channels: torch.Tensor | None = None,
+        frozen: str = "",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if channels is not None:
             feats = feats.masked_fill(channels[:, None, :], 0.0)
         if frozen == "no_grad":
@@ -242,7 +261,13 @@ def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tens
     """
     valid = targets != IGNORE_INDEX
     return F.ctc_loss(
-        log_probs.transpose(0, 1), targets[valid], lengths, valid.sum(dim=1), blank=CTC_BLANK, reduction="mean", zero_infinity=True
+        log_probs.transpose(0, 1),
+        targets[valid],
+        lengths,
+        valid.sum(dim=1),
+        blank=CTC_BLANK,
+        reduction="mean",
+        zero_infinity=True,
     )
 
 
@@ -255,9 +280,17 @@ class CtcTraining:
     summed loss, micro-batches with the encoder frozen."""
 
     def __init__(
-        self, device: torch.device, *, seed: int, freeze_steps: int, mask_prob: float, mask_length: int,
-        channel_prob: float, channel_length: int, rank: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        device: torch.device,
+        *,
+        seed: int,
+        freeze_steps: int,
+        mask_prob: float,
+        mask_length: int,
+        channel_prob: float,
+        channel_length: int,
+        rank: int = 0,
+    ) -> None:
         self.device, self.seed, self.rank, self.freeze_steps = device, seed, rank, freeze_steps
         self.mask_prob, self.mask_length = mask_prob, mask_length
         self.channel_prob, self.channel_length = channel_prob, channel_length
@@ -265,9 +298,17 @@ class CtcTraining:
     def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(B, L)`` frame mask and ``(B, 80)`` band mask for ``lengths (B,)`` (``None`` at probability 0)."""
         generator = mask_generator(self.seed, "ctc", *parts)
-        mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator) if self.mask_prob > 0 else None
+        mask = (
+            span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
+            if self.mask_prob > 0
+            else None
+        )
         bands = torch.full_like(lengths, 80)
-        channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0) if self.channel_prob > 0 else None
+        channels = (
+            span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
+            if self.channel_prob > 0
+            else None
+        )
         return mask, channels
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,10 +316,12 @@ class CtcTraining:
         frozen = step < self.freeze_steps
         batch = batch.to(self.device)
         log_probs, lengths = model(
-            batch.feats, batch.lengths, None if mask is None else mask.to(self.device),
+            batch.feats,
+            batch.lengths,
+            None if mask is None else mask.to(self.device),
             None if channels is None else channels.to(self.device),
             ("zero" if isinstance(model, DistributedDataParallel) else "no_grad") if frozen else "",
-        )  # fmt: skip
+        )
         loss = ctc_loss(log_probs, lengths, batch.targets)
         stats = torch.tensor([1.0, 0.0, float(frozen)], dtype=torch.float64, device=self.device)
         stats[1] = loss.detach().double()

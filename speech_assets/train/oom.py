@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from speech_assets.utils import atomic_write_text
 from speech_assets.layout import OOM_FILE
+from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
@@ -86,7 +86,9 @@ def retrying_oom(
     raise AssertionError("unreachable")
 
 
-def exit_after_oom(run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: BaseException) -> NoReturn:
+def exit_after_oom(
+    run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: BaseException
+) -> NoReturn:
     """A worker out of CUDA memory with this batch: the marker, then :data:`OOM_EXIT_CODE`."""
     write_oom_marker(run_dir, rank, batch_seconds, grad_accum, str(error))
     log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", batch_seconds, grad_accum, error)

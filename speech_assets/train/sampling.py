@@ -59,7 +59,9 @@ class BlockShuffleSampler(RankSampler):
         mine = order[rank :: self.num_replicas] if len(order) >= self.num_replicas else order[[rank % len(order)]]
         windows = []
         for start in range(0, len(mine), self.window_blocks):
-            utterances = np.array([u for block in mine[start : start + self.window_blocks] for u in self.members[block]])
+            utterances = np.array(
+                [u for block in mine[start : start + self.window_blocks] for u in self.members[block]]
+            )
             window_rng = np.random.default_rng([self.seed, epoch, rank, start])
             batches = cut_batches(window_rng.permutation(utterances), self.seconds, self.batch_seconds)
             windows.append([batches[i] for i in window_rng.permutation(len(batches))])

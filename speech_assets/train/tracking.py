@@ -54,8 +54,12 @@ def dagster_run_tags(dagster_run_id: str) -> dict[str, str]:
     """The tags that link an MLflow run back to its Dagster run: the id, and the run's note (the
     markdown MLflow shows on the run's page) with a link to the run in Dagster's UI."""
     base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
-    return {DAGSTER_RUN_TAG: dagster_run_id,
-            "mlflow.note.content": f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})"}  # fmt: skip
+    return {
+        DAGSTER_RUN_TAG: dagster_run_id,
+        "mlflow.note.content": f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})",
+    }
+
+
 UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI on (default 5000)
 
 
@@ -97,7 +101,10 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_locati
             "MLflow experiment %r keeps its artifacts at %s, a path on the machine that logs them, "
             "not on the server (it was created that way). Rename it (mlflow experiments rename "
             "--experiment-id %s --new-name ...) and the next run creates one whose artifacts go "
-            "through the server.", name, experiment.artifact_location, experiment.experiment_id,
+            "through the server.",
+            name,
+            experiment.artifact_location,
+            experiment.experiment_id,
         )
     return experiment.experiment_id
 
@@ -105,12 +112,15 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_locati
 def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
     """``val/<name>`` for every numeric held-out measure (accuracies, loss; not frame counts)."""
     return {
-        f"val/{key}": float(value) for key, value in heldout.items()
+        f"val/{key}": float(value)
+        for key, value in heldout.items()
         if isinstance(value, int | float) and not isinstance(value, bool) and not key.endswith("frames")
-    }  # fmt: skip
+    }
 
 
-def log_probe_results(tracking_uri: str, run_dir: str | Path, results: Mapping[str, float], step: int = 0) -> str | None:
+def log_probe_results(
+    tracking_uri: str, run_dir: str | Path, results: Mapping[str, float], step: int = 0
+) -> str | None:
     """Log ``results`` (``{"cer": .., "wer": ..}``) as ``probe/<name>`` on the MLflow run of the
     model trained in ``run_dir`` (its ``mlflow_run_id`` file); the run id, or None when the
     folder has no MLflow run."""
@@ -160,7 +170,10 @@ def installed_packages() -> str:
 
 
 def log_probe_on_encoder_runs(
-    tracking_uri: str, data_root: str | Path, checkpoints: Mapping[str, Mapping[str, Any]], summaries: Mapping[str, Any],
+    tracking_uri: str,
+    data_root: str | Path,
+    checkpoints: Mapping[str, Mapping[str, Any]],
+    summaries: Mapping[str, Any],
     warn: Any = log.warning,
 ) -> dict[str, str]:
     """The downstream probe's held-out CER and WER (``summaries``: model name -> an object with
@@ -324,6 +337,7 @@ class PipesReporter:
         metadata, the rest is inferred) and close the session."""
         if self.context is None:
             return
+
         def kind(key: str, value: Any) -> str:
             if isinstance(value, Mapping):
                 return "json"

@@ -62,47 +62,79 @@ class Trainer:
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
         self.speakers = speaker_record(
-            train_refs, config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs}
+            train_refs,
+            config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs},
         )
         self.heldout_speakers = self.speakers["heldout"]
         log.info(
             "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
             "%d without labels skipped",
-            len(train_refs), len(heldout_refs),
+            len(train_refs),
+            len(heldout_refs),
             ", ".join(self.heldout_speakers[:10]) + (" ..." if len(self.heldout_speakers) > 10 else "") or "none",
-            sum(u.seconds for u in train_refs), sum(u.seconds for u in heldout_refs), index.unlabelled,
-        )  # fmt: skip
+            sum(u.seconds for u in train_refs),
+            sum(u.seconds for u in heldout_refs),
+            index.unlabelled,
+        )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
-        cmvn = training_cmvn(config.normalisation, Path(config.cmvn).with_name("speaker_sums.npz"), self.speakers["train"])
+        cmvn = training_cmvn(
+            config.normalisation, Path(config.cmvn).with_name("speaker_sums.npz"), self.speakers["train"]
+        )
         augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
-            index, train_refs, cmvn, config.max_frames, seed=config.seed, cached_row_groups=WINDOW_BLOCKS + 1, augment=augment
+            index,
+            train_refs,
+            cmvn,
+            config.max_frames,
+            seed=config.seed,
+            cached_row_groups=WINDOW_BLOCKS + 1,
+            augment=augment,
         )
         if augment.options.enabled:
             log.info("augmenting training utterances: %s", augment.options.describe())
         self.heldout_set = UtteranceDataset(index, heldout_refs, cmvn, config.max_frames)
         sampler = BlockShuffleSampler(
-            [(u.shard, u.row_group) for u in train_refs], self.train_set.seconds, plan.batch_seconds,
-            num_replicas=job.world_size, rank=job.rank, seed=config.seed, window_blocks=WINDOW_BLOCKS,
+            [(u.shard, u.row_group) for u in train_refs],
+            self.train_set.seconds,
+            plan.batch_seconds,
+            num_replicas=job.world_size,
+            rank=job.rank,
+            seed=config.seed,
+            window_blocks=WINDOW_BLOCKS,
             num_workers=loader_workers(config, job),
-        )  # fmt: skip
+        )
 
         seed_everything(config.seed)
-        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(job.device)
+        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
+            job.device
+        )
         self.engine = Engine(
-            self.model, job, precision=plan.precision, lr=config.lr, weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm, grad_accum=plan.grad_accum,
+            self.model,
+            job,
+            precision=plan.precision,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            grad_accum=plan.grad_accum,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
-        )  # fmt: skip
+        )
         self.engine.extra = {
-            "config": config.to_dict(), "data_versions": dict(config.data_versions), "plan": plan.to_dict(),
-            "speakers": self.speakers, "normalisation": describe(cmvn),
-        }  # fmt: skip
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "plan": plan.to_dict(),
+            "speakers": self.speakers,
+            "normalisation": describe(cmvn),
+        }
         self.objective = MaskedPrediction(
-            self.model, job.device, seed=config.seed, mask_prob=config.mask_prob, mask_length=config.mask_length,
-            unmasked_weight=config.unmasked_weight, rank=job.rank,
-        )  # fmt: skip
+            self.model,
+            job.device,
+            seed=config.seed,
+            mask_prob=config.mask_prob,
+            mask_length=config.mask_length,
+            unmasked_weight=config.unmasked_weight,
+            rank=job.rank,
+        )
         seed_everything(config.seed + 1 + job.rank)  # distinct dropout streams per rank
         self.stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=job.device.type == "cuda")
         self.engine.resume(config.run_dir, self.stream, model_identity)
@@ -116,7 +148,9 @@ class Trainer:
         if len(self.heldout_set) == 0:
             return None
         plan = self.plan
-        return self.objective.evaluate(self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision)
+        return self.objective.evaluate(
+            self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision
+        )
 
     def run(self, reporter: PipesReporter | None = None, stop_after_step: int | None = None) -> dict[str, Any] | None:
         """Train to ``max_steps``, evaluate, write ``final.pt``/``result.json`` (rank 0) and return
@@ -125,7 +159,12 @@ class Trainer:
         with tracking(self.config, self.job, self.plan.to_dict()) as tracker:
             self.engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
             if not self.engine.run(
-                self.objective, self.stream, self.config, stop_after_step=stop_after_step, tracker=tracker, evaluate=self.evaluate
+                self.objective,
+                self.stream,
+                self.config,
+                stop_after_step=stop_after_step,
+                tracker=tracker,
+                evaluate=self.evaluate,
             ):
                 return None
             last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
@@ -135,10 +174,15 @@ class Trainer:
                 return None
             config, progress, metrics = self.config, self.engine.progress, self.engine.metrics
             final_path, sha = self.engine.save_final(
-                self.run_dir, preset=get_preset(config.preset).to_dict(), clients={n: c.k for n, c in config.clients.items()},
-                config=config.to_dict(), data_versions=dict(config.data_versions), plan=self.plan.to_dict(),
-                speakers=self.engine.extra["speakers"], normalisation=self.engine.extra["normalisation"],
-            )  # fmt: skip
+                self.run_dir,
+                preset=get_preset(config.preset).to_dict(),
+                clients={n: c.k for n, c in config.clients.items()},
+                config=config.to_dict(),
+                data_versions=dict(config.data_versions),
+                plan=self.plan.to_dict(),
+                speakers=self.engine.extra["speakers"],
+                normalisation=self.engine.extra["normalisation"],
+            )
             result: dict[str, Any] = {
                 "step": self.step,
                 "final_loss": metrics.get("loss"),
@@ -167,26 +211,60 @@ class Trainer:
             log.info(
                 "done: step %d, final loss %s, held-out masked accuracy on leak-free frames %s (majority class %s; "
                 "all masked frames %s, majority %s; chance %.3f), %s s of audio per second",
-                self.step, *(_fmt(result[k]) for k in ("final_loss", "heldout_leak_free_masked_accuracy",
-                "heldout_leak_free_majority_accuracy", "heldout_masked_accuracy", "heldout_majority_accuracy")), result["chance_accuracy"],
+                self.step,
+                *(
+                    _fmt(result[k])
+                    for k in (
+                        "final_loss",
+                        "heldout_leak_free_masked_accuracy",
+                        "heldout_leak_free_majority_accuracy",
+                        "heldout_masked_accuracy",
+                        "heldout_majority_accuracy",
+                    )
+                ),
+                result["chance_accuracy"],
                 _fmt(result["audio_seconds_per_second"]),
-            )  # fmt: skip
-            publish(self.run_dir, result, tracker, reporter, {("steps" if k == "step" else k): result[k] for k in METADATA_KEYS})
+            )
+            publish(
+                self.run_dir,
+                result,
+                tracker,
+                reporter,
+                {("steps" if k == "step" else k): result[k] for k in METADATA_KEYS},
+            )
         self.engine.barrier()
         return result
 
 
 HELDOUT_KEYS = (
-    "masked_accuracy", "loss", "majority_accuracy", "interior_masked_accuracy", "interior_majority_accuracy",
-    "leak_free_masked_accuracy", "leak_free_majority_accuracy", "leak_free_frames",
-)  # fmt: skip
+    "masked_accuracy",
+    "loss",
+    "majority_accuracy",
+    "interior_masked_accuracy",
+    "interior_majority_accuracy",
+    "leak_free_masked_accuracy",
+    "leak_free_majority_accuracy",
+    "leak_free_frames",
+)
 METADATA_KEYS = (
-    "step", "final_loss", "heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy",
-    "heldout_masked_accuracy", "heldout_majority_accuracy", "heldout_loss", "chance_accuracy",
-    "heldout_interior_masked_accuracy", "heldout_interior_majority_accuracy",
-    "audio_seconds_per_second", "checkpoint", "checkpoint_sha256", "mlflow_run_id",
-    "mlflow_run_url", "mlflow_ui", "autoconfig",
-)  # fmt: skip
+    "step",
+    "final_loss",
+    "heldout_leak_free_masked_accuracy",
+    "heldout_leak_free_majority_accuracy",
+    "heldout_masked_accuracy",
+    "heldout_majority_accuracy",
+    "heldout_loss",
+    "chance_accuracy",
+    "heldout_interior_masked_accuracy",
+    "heldout_interior_majority_accuracy",
+    "audio_seconds_per_second",
+    "checkpoint",
+    "checkpoint_sha256",
+    "mlflow_run_id",
+    "mlflow_run_url",
+    "mlflow_ui",
+    "autoconfig",
+)
 
 
 def loader_workers(config: TrainConfig, job: Distributed) -> int:

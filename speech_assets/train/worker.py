@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from speech_assets.layout import TRAIN_LOG
 from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
 from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
 from speech_assets.train.engine import Distributed, init_distributed
 from speech_assets.train.launch import RUN_LOCK_HELD_ENV
-from speech_assets.layout import TRAIN_LOG
 from speech_assets.train.oom import exit_after_oom
 
 log = logging.getLogger("speech_assets.train")

@@ -26,9 +26,20 @@ def sound(tmp_path: Path) -> tuple[Path, list[dict]]:
     for index in range(4):
         speaker = f"s{index % 2}"
         path = write_flac(root / speaker / "c1" / f"{speaker}-c1-{index}.flac", seconds=1.0, seed=index)
-        rows.append({"utt_id": f"{speaker}-c1-{index}", "speaker_id": speaker, "chapter_id": "c1", "path": str(path),
-                     "transcript": "HI", "sample_rate": 16000, "channels": 1, "num_samples": 16000, "duration_s": 1.0,
-                     "file_sha256": f"{index:064d}"})
+        rows.append(
+            {
+                "utt_id": f"{speaker}-c1-{index}",
+                "speaker_id": speaker,
+                "chapter_id": "c1",
+                "path": str(path),
+                "transcript": "HI",
+                "sample_rate": 16000,
+                "channels": 1,
+                "num_samples": 16000,
+                "duration_s": 1.0,
+                "file_sha256": f"{index:064d}",
+            }
+        )
     return root, rows
 
 
@@ -38,17 +49,30 @@ def speakers_of(rows: list[dict]) -> list[dict]:
     for row in rows:
         by_speaker.setdefault(row["speaker_id"], []).append(row)
     return [
-        {"speaker_id": s, "utterances": len(g), "hours": sum(r["duration_s"] for r in g) / 3600,
-         "manifest_hash": m.hash_triples((r["utt_id"], r["file_sha256"], r["transcript"]) for r in g)}
+        {
+            "speaker_id": s,
+            "utterances": len(g),
+            "hours": sum(r["duration_s"] for r in g) / 3600,
+            "manifest_hash": m.hash_triples((r["utt_id"], r["file_sha256"], r["transcript"]) for r in g),
+        }
         for s, g in sorted(by_speaker.items())
     ]
 
 
 def run(
-    tmp_path: Path, root: Path, rows: list[dict], *, rejects: list[dict] | None = None, speakers: list[dict] | None = None,
-    table: pa.Table | None = None, rejects_schema: pa.Schema = REJECTS_SCHEMA, max_ratio: float = 0.5,
+    tmp_path: Path,
+    root: Path,
+    rows: list[dict],
+    *,
+    rejects: list[dict] | None = None,
+    speakers: list[dict] | None = None,
+    table: pa.Table | None = None,
+    rejects_schema: pa.Schema = REJECTS_SCHEMA,
+    max_ratio: float = 0.5,
 ) -> dict[str, audit.Audit]:
-    files = audit.ManifestFiles(tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet")
+    files = audit.ManifestFiles(
+        tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet"
+    )
     pq.write_table(table if table is not None else pa.Table.from_pylist(rows, schema=m.MANIFEST_SCHEMA), files.manifest)
     pq.write_table(pa.Table.from_pylist(rejects or [], schema=rejects_schema), files.rejects)
     pq.write_table(pa.Table.from_pylist(speakers if speakers is not None else speakers_of(rows)), files.speakers)
@@ -133,7 +157,9 @@ def test_speakers_file_must_match_the_manifest(tmp_path: Path, sound, fault) -> 
 
 def test_schema_is_read_from_the_file(tmp_path: Path, sound) -> None:
     root, rows = sound
-    narrow = pa.Table.from_pylist(rows, schema=m.MANIFEST_SCHEMA).set_column(7, "num_samples", pa.array([16000] * 4, pa.int32()))
+    narrow = pa.Table.from_pylist(rows, schema=m.MANIFEST_SCHEMA).set_column(
+        7, "num_samples", pa.array([16000] * 4, pa.int32())
+    )
     results = run(tmp_path, root, rows, table=narrow)
     assert failing(results) == {"schema"}
     assert "num_samples is int32 (expected int64)" in results["schema"].description
@@ -161,7 +187,9 @@ def test_rejects_file_is_audited_too(tmp_path: Path, sound, bad_reject: dict, sc
 def test_a_null_in_the_rows_fails_no_nulls(tmp_path: Path, sound) -> None:
     root, rows = sound
     rows[2]["transcript"] = None
-    results = run(tmp_path, root, rows, speakers=speakers_of([{**r, "transcript": r["transcript"] or ""} for r in rows]))
+    results = run(
+        tmp_path, root, rows, speakers=speakers_of([{**r, "transcript": r["transcript"] or ""} for r in rows])
+    )
     assert "no_nulls" in failing(results)
     assert "manifest:transcript (1)" in results["no_nulls"].description
     assert failing(results) <= {"no_nulls", "speakers"}  # the hash cannot be recomputed either: it fails, never passes
@@ -179,5 +207,9 @@ def test_unreadable_files_fail_every_audit(tmp_path: Path, sound) -> None:
     root, rows = sound
     run(tmp_path, root, rows)
     (tmp_path / "manifest.parquet").write_bytes(b"PAR1 this is not parquet")
-    files = audit.ManifestFiles(tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet")
-    assert {a.name: a.passed for a in audit.audit_manifest(files, root, CONFIG, 0.5)} == dict.fromkeys(audit.AUDITS, False)
+    files = audit.ManifestFiles(
+        tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet"
+    )
+    assert {a.name: a.passed for a in audit.audit_manifest(files, root, CONFIG, 0.5)} == dict.fromkeys(
+        audit.AUDITS, False
+    )

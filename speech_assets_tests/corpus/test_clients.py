@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from speech_assets.corpus.clients import ClientAssignment, SpeakerLoad, assign_clients, client_ids, imbalance, read_clients, write_clients
+from speech_assets.corpus.clients import (
+    ClientAssignment,
+    SpeakerLoad,
+    assign_clients,
+    client_ids,
+    imbalance,
+    read_clients,
+    write_clients,
+)
 
 
 def speakers(n: int, seed: int = 0) -> list[SpeakerLoad]:
@@ -57,10 +65,15 @@ def table_of(tmp_path, rows: list[ClientAssignment]):
 
 
 def test_one_read_answers_every_question_of_the_table(tmp_path) -> None:
-    table = table_of(tmp_path, [
-        ClientAssignment("a", "client_01", 1.0, 3), ClientAssignment("b", "client_00", 1.0, 5, heldout=True),
-        ClientAssignment("c", "client_00", 1.0, 7), ClientAssignment("d", "client_01", 1.0, 2),
-    ])  # fmt: skip
+    table = table_of(
+        tmp_path,
+        [
+            ClientAssignment("a", "client_01", 1.0, 3),
+            ClientAssignment("b", "client_00", 1.0, 5, heldout=True),
+            ClientAssignment("c", "client_00", 1.0, 7),
+            ClientAssignment("d", "client_01", 1.0, 2),
+        ],
+    )
     assert table.clients == ["client_00", "client_01"]
     assert table.speakers == {"client_01": ["a", "d"], "client_00": ["b", "c"]}
     assert table.client_of == {"a": "client_01", "b": "client_00", "c": "client_00", "d": "client_01"}
@@ -72,6 +85,8 @@ def test_one_read_answers_every_question_of_the_table(tmp_path) -> None:
 
 @pytest.mark.parametrize("clients", [["client_00"], ["client_09"]], ids=["only-heldout", "unknown"])
 def test_a_client_without_training_utterances_has_no_weight(tmp_path, clients: list[str]) -> None:
-    table = table_of(tmp_path, [ClientAssignment("b", "client_00", 1.0, 5, heldout=True), ClientAssignment("c", "client_01", 1.0, 7)])
+    table = table_of(
+        tmp_path, [ClientAssignment("b", "client_00", 1.0, 5, heldout=True), ClientAssignment("c", "client_01", 1.0, 7)]
+    )
     with pytest.raises(ValueError, match=clients[0]):
         table.weights(clients)

@@ -39,7 +39,11 @@ def _audio(libri: LibriCorpus, speaker_dir: str, chapter_dir: str, stem: str) ->
 # can be put there only where the file system allows: ids over 255 bytes or with '/' exist only as
 # transcript lines without audio.
 LIBRI_CASES = {
-    "speaker-sidecar": (lambda c: _audio(c, "a.rejects", "10", "a.rejects-10-0001"), "a.rejects-10-0001", "speaker_id 'a.rejects'"),
+    "speaker-sidecar": (
+        lambda c: _audio(c, "a.rejects", "10", "a.rejects-10-0001"),
+        "a.rejects-10-0001",
+        "speaker_id 'a.rejects'",
+    ),
     "speaker-dot": (lambda c: _audio(c, "spk.1", "10", "spk.1-10-0001"), "spk.1-10-0001", "speaker_id 'spk.1'"),
     "speaker-non-ascii": (lambda c: _audio(c, "spk_é", "10", "spk_é-10-0001"), "spk_é-10-0001", "speaker_id 'spk_é'"),
     "speaker-empty": (lambda c: _audio(c, "7", "10", "-10-0001"), "-10-0001", "speaker_id '' is empty"),
@@ -54,7 +58,9 @@ LIBRI_CASES = {
 
 
 @pytest.mark.parametrize(("make", "utt_id", "detail"), LIBRI_CASES.values(), ids=LIBRI_CASES.keys())
-def test_unsafe_ids_in_the_librispeech_layout_are_invalid_id_rejects(libri: LibriCorpus, make, utt_id: str, detail: str) -> None:
+def test_unsafe_ids_in_the_librispeech_layout_are_invalid_id_rejects(
+    libri: LibriCorpus, make, utt_id: str, detail: str
+) -> None:
     libri.add("7", "10", 0)
     make(libri)
     result = m.scan_corpus(libri.root)

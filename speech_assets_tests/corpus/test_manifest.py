@@ -34,7 +34,9 @@ def test_good_corpus_keeps_everything_with_contract_columns(libri: LibriCorpus) 
     ("sample_rate", "channels", "subtype"),
     [(8000, 1, "PCM_16"), (44100, 2, "PCM_24"), (22050, 1, "PCM_24")],
 )
-def test_other_rates_and_stereo_24_bit_are_kept(libri: LibriCorpus, sample_rate: int, channels: int, subtype: str) -> None:
+def test_other_rates_and_stereo_24_bit_are_kept(
+    libri: LibriCorpus, sample_rate: int, channels: int, subtype: str
+) -> None:
     libri.add("2", "20", 0, sample_rate=sample_rate, channels=channels, subtype=subtype)
     result = m.scan_corpus(libri.root)
     assert result.rejects == []
@@ -140,7 +142,12 @@ def test_manifest_file_input(tmp_path: Path, writer, suffix: str) -> None:
         ("a", "s1", "0", "FIRST ONE"),
         ("b-id", "s2", "c9", "SECOND"),
     ]
-    assert reasons(result) == {"esc": "outside_root", "abs": "outside_root", "gone": "missing_file", "quiet": "no_transcript"}
+    assert reasons(result) == {
+        "esc": "outside_root",
+        "abs": "outside_root",
+        "gone": "missing_file",
+        "quiet": "no_transcript",
+    }
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "wrong_suffix"])
@@ -197,7 +204,14 @@ def test_unsafe_ids_in_a_manifest_file_are_rejected(tmp_path: Path, writer, suff
     write_flac(root / "good.flac")
     write_flac(root / "bad.flac", seed=1)
     good = {"path": "good.flac", "transcript": "fine", "speaker_id": "s1", "utt_id": "good", "chapter_id": "c1"}
-    record = {"path": "bad.flac", "transcript": "not fine", "speaker_id": "s2", "utt_id": "bad", "chapter_id": "c1", field: bad}
+    record = {
+        "path": "bad.flac",
+        "transcript": "not fine",
+        "speaker_id": "s2",
+        "utt_id": "bad",
+        "chapter_id": "c1",
+        field: bad,
+    }
     if field == "utt_id" and bad == "":
         record["path"] = "bad.flac"  # an empty utt_id falls back to the file name: use one that is unsafe too
         (root / "bad.flac").rename(root / "b.a.d.flac")
@@ -223,8 +237,21 @@ def test_unsafe_speaker_folder_in_librispeech_layout_is_rejected(libri: LibriCor
     assert "speaker_id" in result.rejects[0].detail
 
 
-@pytest.mark.parametrize(("value", "ok"), [("1034", True), ("client_00", True), ("a-b_C9", True), ("x" * 64, True),
-                                           ("x" * 65, False), ("", False), ("..", False), ("a/b", False), ("é", False), ("a b", False)])
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("1034", True),
+        ("client_00", True),
+        ("a-b_C9", True),
+        ("x" * 64, True),
+        ("x" * 65, False),
+        ("", False),
+        ("..", False),
+        ("a/b", False),
+        ("é", False),
+        ("a b", False),
+    ],
+)
 def test_safe_id_rule(value: str, ok: bool) -> None:
     from speech_assets.corpus.ids import check_safe_id, is_safe_id
 
@@ -267,7 +294,10 @@ def _peak_rss_kib(path: Path, max_duration_s: float) -> tuple[bool, int, int]:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", RSS_LAUNCHER, RSS_PROBE, str(path), str(max_duration_s)], check=True, capture_output=True, text=True
+        [sys.executable, "-c", RSS_LAUNCHER, RSS_PROBE, str(path), str(max_duration_s)],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     decoded, samples, rss = out.stdout.split()
     return decoded == "True", int(samples), int(rss)
@@ -334,7 +364,9 @@ def test_a_long_file_within_bounds_is_fully_decoded_and_verified(libri: LibriCor
         assert (row.num_samples, row.file_sha256) == (30 * 16_000, sha256_file(path))
 
 
-def test_header_verdicts_kept_in_the_cache_file_are_redone_when_the_bounds_change(tmp_path: Path, libri: LibriCorpus) -> None:
+def test_header_verdicts_kept_in_the_cache_file_are_redone_when_the_bounds_change(
+    tmp_path: Path, libri: LibriCorpus
+) -> None:
     libri.add("13", "130", 0)
     _long_flac(libri.chapter_dir("13", "130") / "13-130-0001.flac", 40)
     libri.add_line("13", "130", "13-130-0001", "FORTY SECONDS")
@@ -347,14 +379,24 @@ def test_header_verdicts_kept_in_the_cache_file_are_redone_when_the_bounds_chang
     assert again.decoded_files == 0 and reasons(again) == {"13-130-0001": "too_long"}
     lax = m.scan_corpus(libri.root, m.ValidationConfig(max_duration_s=60.0), cache=cache)
     assert lax.decoded_files == 1 and lax.rejects == []  # never trusted as verified without a decode
-    assert [r.utt_id for r in lax.rows] == ["13-130-0000", "13-130-0001"] and all(len(r.file_sha256) == 64 for r in lax.rows)
+    assert [r.utt_id for r in lax.rows] == ["13-130-0000", "13-130-0001"] and all(
+        len(r.file_sha256) == 64 for r in lax.rows
+    )
 
 
 @pytest.mark.parametrize("root", ["/", "/data", "/data/corpus", "/data/corpus/"])
 def test_is_inside_answers_as_path_is_relative_to(root: str) -> None:
     from speech_assets.corpus.manifest import is_inside
 
-    for path in ["/", "/data", "/data/corpus", "/data/corpus2/a.flac", "/data/corpus/a.flac", "/data/corpus/s/c/a.flac", "/datum/x"]:
+    for path in [
+        "/",
+        "/data",
+        "/data/corpus",
+        "/data/corpus2/a.flac",
+        "/data/corpus/a.flac",
+        "/data/corpus/s/c/a.flac",
+        "/datum/x",
+    ]:
         assert is_inside(path, root) == Path(path).is_relative_to(root), (path, root)
 
 
@@ -374,8 +416,14 @@ BAD_JSONL_LINES = {
     "broken-json": ('{"path": "bad.flac", "transcript": "HELLO", \n', "is not JSON"),
     "array": ('["bad.flac", "HELLO", "s1"]\n', "is not a JSON object (a list)"),
     "number": ("42\n", "is not a JSON object (a int)"),
-    "transcript-list": ('{"path": "bad.flac", "transcript": ["HELLO"], "speaker_id": "s1"}\n', "field 'transcript' is a JSON list"),
-    "speaker-object": ('{"path": "bad.flac", "transcript": "HELLO", "speaker_id": {"id": 1}}\n', "field 'speaker_id' is a JSON dict"),
+    "transcript-list": (
+        '{"path": "bad.flac", "transcript": ["HELLO"], "speaker_id": "s1"}\n',
+        "field 'transcript' is a JSON list",
+    ),
+    "speaker-object": (
+        '{"path": "bad.flac", "transcript": "HELLO", "speaker_id": {"id": 1}}\n',
+        "field 'speaker_id' is a JSON dict",
+    ),
     "path-bool": ('{"path": true, "transcript": "HELLO", "speaker_id": "s1"}\n', "field 'path' is a JSON bool"),
     "nul-escape": ('{"path": "bad.flac", "transcript": "HEL\\u0000LO", "speaker_id": "s1"}\n', "NUL byte"),
     "lone-surrogate": ('{"path": "bad.flac", "transcript": "HEL\\ud800LO", "speaker_id": "s1"}\n', "not valid UTF-8"),
@@ -393,24 +441,39 @@ def _manifest_with_bad_line(root: Path, suffix: str, bad: str | bytes) -> Path:
     if suffix == ".csv":
         lines = [CSV_HEADER.encode(), b"good1.flac,FIRST,s1,good1\n", bad, b"good2.flac,SECOND,s2,good2\n"]
     else:
-        lines = [b'{"path": "good1.flac", "transcript": "FIRST", "speaker_id": 1001, "utt_id": "good1"}\n', bad,
-                 b'{"path": "good2.flac", "transcript": "SECOND", "speaker_id": "s2", "utt_id": "good2"}\n']
+        lines = [
+            b'{"path": "good1.flac", "transcript": "FIRST", "speaker_id": 1001, "utt_id": "good1"}\n',
+            bad,
+            b'{"path": "good2.flac", "transcript": "SECOND", "speaker_id": "s2", "utt_id": "good2"}\n',
+        ]
     location = root / f"corpus{suffix}"
     location.write_bytes(b"".join(lines))
     return location
 
 
-BAD_LINES = [(".csv", line, detail) for line, detail in BAD_CSV_LINES.values()] + [
-    (".jsonl", line, detail) for line, detail in BAD_JSONL_LINES.values()
-] + [
-    (".csv", b"bad.flac,HELLO \xff\xfe WORLD,s1,bad\n", "not valid UTF-8"),
-    (".jsonl", b'{"path": "bad.flac", "transcript": "HELLO \xff WORLD", "speaker_id": "s1"}\n', "is not valid UTF-8 (byte 0xff"),
-]
-BAD_LINE_IDS = [f"csv-{name}" for name in BAD_CSV_LINES] + [f"jsonl-{name}" for name in BAD_JSONL_LINES] + ["csv-latin1", "jsonl-latin1"]
+BAD_LINES = (
+    [(".csv", line, detail) for line, detail in BAD_CSV_LINES.values()]
+    + [(".jsonl", line, detail) for line, detail in BAD_JSONL_LINES.values()]
+    + [
+        (".csv", b"bad.flac,HELLO \xff\xfe WORLD,s1,bad\n", "not valid UTF-8"),
+        (
+            ".jsonl",
+            b'{"path": "bad.flac", "transcript": "HELLO \xff WORLD", "speaker_id": "s1"}\n',
+            "is not valid UTF-8 (byte 0xff",
+        ),
+    ]
+)
+BAD_LINE_IDS = (
+    [f"csv-{name}" for name in BAD_CSV_LINES]
+    + [f"jsonl-{name}" for name in BAD_JSONL_LINES]
+    + ["csv-latin1", "jsonl-latin1"]
+)
 
 
 @pytest.mark.parametrize(("suffix", "bad", "detail"), BAD_LINES, ids=BAD_LINE_IDS)
-def test_a_bad_manifest_line_is_a_reject_row_naming_it(tmp_path: Path, suffix: str, bad: str | bytes, detail: str) -> None:
+def test_a_bad_manifest_line_is_a_reject_row_naming_it(
+    tmp_path: Path, suffix: str, bad: str | bytes, detail: str
+) -> None:
     location = _manifest_with_bad_line(tmp_path / "corpus", suffix, bad)
     assert m.corpus_fingerprint(location)  # the sensor's change detector reads the file too
     m.check_corpus_location(location)
@@ -418,7 +481,12 @@ def test_a_bad_manifest_line_is_a_reject_row_naming_it(tmp_path: Path, suffix: s
     assert [(r.utt_id, r.transcript) for r in result.rows] == [("good1", "FIRST"), ("good2", "SECOND")]
     (reject,) = result.rejects
     line = 3 if suffix == ".csv" else 2
-    assert (reject.utt_id, reject.reason, reject.stage, reject.path) == (f"line-{line}", "unreadable", "manifest", str(location))
+    assert (reject.utt_id, reject.reason, reject.stage, reject.path) == (
+        f"line-{line}",
+        "unreadable",
+        "manifest",
+        str(location),
+    )
     assert reject.detail.startswith(f"line {line}: ") and detail in reject.detail, reject.detail
     assert len(reject.detail) < 300
     from speech_assets.corpus.rejects import write_rejects
@@ -430,24 +498,31 @@ def test_a_bad_manifest_line_is_a_reject_row_naming_it(tmp_path: Path, suffix: s
 def test_records_with_an_empty_field_name_their_line(tmp_path: Path, suffix: str) -> None:
     root = tmp_path / "corpus"
     write_flac(root / "a.flac")
-    records = [{"path": "a.flac", "transcript": "", "speaker_id": "s1", "utt_id": "quiet", "chapter_id": ""},
-               {"path": "", "transcript": "NO PATH", "speaker_id": "s1", "utt_id": "nowhere", "chapter_id": ""}]
+    records = [
+        {"path": "a.flac", "transcript": "", "speaker_id": "s1", "utt_id": "quiet", "chapter_id": ""},
+        {"path": "", "transcript": "NO PATH", "speaker_id": "s1", "utt_id": "nowhere", "chapter_id": ""},
+    ]
     (_write_csv if suffix == ".csv" else _write_jsonl)(root / f"corpus{suffix}", records)
     result = m.scan_corpus(root / f"corpus{suffix}")
     first, second = (2, 3) if suffix == ".csv" else (1, 2)
     assert {(r.utt_id, r.reason, r.detail) for r in result.rejects} == {
-        ("quiet", "no_transcript", f"line {first}: empty transcript"), ("nowhere", "missing_file", f"line {second}: no path"),
+        ("quiet", "no_transcript", f"line {first}: empty transcript"),
+        ("nowhere", "missing_file", f"line {second}: no path"),
     }
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(b"file,text,speaker\na.flac,HI,s1\n", "missing columns ['path', 'transcript', 'speaker_id']"),
-     (b"path,transcript\na.flac,HI\n", "missing columns ['speaker_id']"),
-     ("path,transcript,speaker_id\n".encode("utf-16"), "missing columns")],
+    [
+        (b"file,text,speaker\na.flac,HI,s1\n", "missing columns ['path', 'transcript', 'speaker_id']"),
+        (b"path,transcript\na.flac,HI\n", "missing columns ['speaker_id']"),
+        ("path,transcript,speaker_id\n".encode("utf-16"), "missing columns"),
+    ],
     ids=["other-columns", "no-speaker-column", "utf-16"],
 )
-def test_a_csv_without_its_header_is_one_clear_error_and_fingerprints(tmp_path: Path, content: bytes, message: str) -> None:
+def test_a_csv_without_its_header_is_one_clear_error_and_fingerprints(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
     location = tmp_path / "corpus.csv"
     location.write_bytes(content)
     for call in (m.check_corpus_location, m.scan_corpus):
@@ -475,8 +550,13 @@ def test_a_manifest_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("form", ["librispeech", "csv", "jsonl"])
-@pytest.mark.parametrize(("bound", "length", "reason"), [(2000, 2000, None), (2000, 2001, "transcript_too_long"), (10, 11, "transcript_too_long")])
-def test_transcript_over_the_bound_is_rejected(tmp_path: Path, form: str, bound: int, length: int, reason: str | None) -> None:
+@pytest.mark.parametrize(
+    ("bound", "length", "reason"),
+    [(2000, 2000, None), (2000, 2001, "transcript_too_long"), (10, 11, "transcript_too_long")],
+)
+def test_transcript_over_the_bound_is_rejected(
+    tmp_path: Path, form: str, bound: int, length: int, reason: str | None
+) -> None:
     text = "Hi, " + "A" * (length - 3)  # normalised: "HI " and the As
     assert len(m.normalise_transcript(text)) == length
     root = tmp_path / "corpus"
@@ -488,8 +568,10 @@ def test_transcript_over_the_bound_is_rejected(tmp_path: Path, form: str, bound:
     else:
         write_flac(root / "fine.flac")
         write_flac(root / "long.flac")
-        records = [{"path": "fine.flac", "transcript": "FINE", "speaker_id": "1", "utt_id": "fine", "chapter_id": ""},
-                   {"path": "long.flac", "transcript": text, "speaker_id": "1", "utt_id": "long", "chapter_id": ""}]
+        records = [
+            {"path": "fine.flac", "transcript": "FINE", "speaker_id": "1", "utt_id": "fine", "chapter_id": ""},
+            {"path": "long.flac", "transcript": text, "speaker_id": "1", "utt_id": "long", "chapter_id": ""},
+        ]
         location, long_id = root / f"corpus.{form}", "long"
         (_write_csv if form == "csv" else _write_jsonl)(location, records)
     config = m.ValidationConfig() if bound == 2000 else m.ValidationConfig(max_transcript_chars=bound)
@@ -549,7 +631,11 @@ def _same_file_twice_in_chapter(libri: LibriCorpus) -> tuple[str, str]:
     return "4-40-0002", "4-40-0007"
 
 
-@pytest.mark.parametrize("make", [_copy_same_file, _wav_and_flac, _same_file_twice_in_chapter], ids=["two-speakers", "wav-and-flac", "one-chapter"])
+@pytest.mark.parametrize(
+    "make",
+    [_copy_same_file, _wav_and_flac, _same_file_twice_in_chapter],
+    ids=["two-speakers", "wav-and-flac", "one-chapter"],
+)
 def test_the_same_audio_under_a_second_id_is_rejected_naming_the_first(libri: LibriCorpus, make) -> None:
     libri.add("9", "90", 0)  # unrelated, kept
     libri.add("9", "90", 1)
@@ -568,7 +654,9 @@ def test_two_manifest_rows_on_one_file_keep_the_first_id(tmp_path: Path) -> None
     root = tmp_path / "corpus"
     write_flac(root / "one.flac")
     write_flac(root / "other.flac")
-    (root / "corpus.csv").write_text(CSV_HEADER + "one.flac,ZED,s2,zed\none.flac,ALPHA,s1,alpha\nother.flac,OTHER,s1,other\n")
+    (root / "corpus.csv").write_text(
+        CSV_HEADER + "one.flac,ZED,s2,zed\none.flac,ALPHA,s1,alpha\nother.flac,OTHER,s1,other\n"
+    )
     result = m.scan_corpus(root / "corpus.csv")
     assert [r.utt_id for r in result.rows] == ["alpha", "other"]  # ids in order, whatever the lines' order
     (reject,) = result.rejects
@@ -576,7 +664,8 @@ def test_two_manifest_rows_on_one_file_keep_the_first_id(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    "change", ["one-sample", "other-rate", "stereo"],
+    "change",
+    ["one-sample", "other-rate", "stereo"],
 )
 def test_nearly_the_same_audio_is_kept(libri: LibriCorpus, change: str) -> None:
     import numpy as np
@@ -625,7 +714,10 @@ def _float_wav_with(value: float, subtype: str = "FLOAT"):
     ("make", "detail"),
     [
         (_lying_wav, "header declares 320000 bytes of audio data, the file holds 32000"),
-        (lambda path: _lying_wav(path, factor=2, subtype="FLOAT"), "header declares 128000 bytes of audio data, the file holds 64000"),
+        (
+            lambda path: _lying_wav(path, factor=2, subtype="FLOAT"),
+            "header declares 128000 bytes of audio data, the file holds 64000",
+        ),
         (_float_wav_with(float("nan")), "NaN or infinity (first at frame 12345)"),
         (_float_wav_with(float("inf")), "NaN or infinity (first at frame 12345)"),
         (_float_wav_with(float("-inf"), "DOUBLE"), "NaN or infinity (first at frame 12345)"),

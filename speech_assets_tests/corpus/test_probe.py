@@ -26,6 +26,7 @@ def test_a_flac_without_a_declared_length_is_unreadable_not_too_long(libri: Libr
     result = m.scan_corpus(libri.root, m.ValidationConfig(min_duration_s=0.5, max_duration_s=max_duration_s))
     reasons = {r.utt_id: (r.reason, r.detail) for r in result.rejects}
     assert reasons["14-140-0001"] == (
-        "unreadable", "header does not declare the number of samples (a streamed FLAC?), so it cannot be validated"
+        "unreadable",
+        "header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
     )
     assert ("14-140-0000" in {r.utt_id for r in result.rows}) == (max_duration_s > 2.0)

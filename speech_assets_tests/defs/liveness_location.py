@@ -11,8 +11,8 @@ import time
 
 import dagster as dg
 
-from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets.defs.runs import reaping_multiprocess_executor, record_run_process
+from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 
 def _event(step: str, event: str) -> None:
@@ -36,7 +36,9 @@ def short_training(context: dg.AssetExecutionContext) -> None:
 def slow_evaluation(context: dg.AssetExecutionContext) -> None:
     # the daemon starts beside the run: its slow part begins once run monitoring is up
     with contextlib.suppress(WaitTimeout):
-        wait_until(lambda: "MONITORING" in context.instance.get_daemon_heartbeats(), 180, "run monitoring", interval=0.5)
+        wait_until(
+            lambda: "MONITORING" in context.instance.get_daemon_heartbeats(), 180, "run monitoring", interval=0.5
+        )
     _work("slow_evaluation", float(os.environ.get("LIVENESS_SLOW_S", "35")))
 
 

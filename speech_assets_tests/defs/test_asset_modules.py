@@ -13,9 +13,17 @@ from speech_assets_tests.conftest import REPO
 DEFS = "speech_assets.defs"
 # shared infrastructure of the asset modules: no asset, sensor or check is defined in these
 INFRASTRUCTURE = {
-    "resources", "lineage", "partitions", "runs", "readable", "dagster_internals", "progress",
-    "conditions", "cluster", "torchrun",
-}  # fmt: skip
+    "resources",
+    "lineage",
+    "partitions",
+    "runs",
+    "readable",
+    "dagster_internals",
+    "progress",
+    "conditions",
+    "cluster",
+    "torchrun",
+}
 
 
 def defs_imports(source: str) -> list[tuple[int, str]]:

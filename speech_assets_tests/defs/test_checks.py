@@ -27,7 +27,9 @@ from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("checks")
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db"
+    )
     with fresh_instance(root) as instance:
         defs = build_definitions(paths, PipelineSettings(kmeans=KMeansSettings(k=16)))
         materialize_in_process(defs, instance, "manifest")

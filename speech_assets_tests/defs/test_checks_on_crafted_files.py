@@ -80,37 +80,109 @@ def edit_metrics(run: Path, step: int, **changes: object) -> None:
 
 def training_run(run: Path) -> None:
     """What the trainer writes: a metrics line per logged window, result.json at the end."""
-    write_jsonl(run / "metrics.jsonl", [
-        {"step": step, "loss": 6.0 - step / 10, "masked_loss": 5.8 - step / 10, "masked_accuracy": 0.02 * step,
-         "unmasked_accuracy": 0.03 * step, "lr": 1e-3, "grad_norm": 1.5, "audio_seconds_per_second": 90.0, "epoch": 0.0}
-        for step in (5, 10, 15, 20)
-    ])  # fmt: skip
-    (run / "result.json").write_text(json.dumps({
-        "step": 20, "final_loss": 4.0, "final_masked_accuracy": 0.4, "heldout_loss": 4.3,
-        "heldout_masked_accuracy": 0.31, "heldout_majority_accuracy": 0.12, "chance_accuracy": 0.01,
-    }))  # fmt: skip
+    write_jsonl(
+        run / "metrics.jsonl",
+        [
+            {
+                "step": step,
+                "loss": 6.0 - step / 10,
+                "masked_loss": 5.8 - step / 10,
+                "masked_accuracy": 0.02 * step,
+                "unmasked_accuracy": 0.03 * step,
+                "lr": 1e-3,
+                "grad_norm": 1.5,
+                "audio_seconds_per_second": 90.0,
+                "epoch": 0.0,
+            }
+            for step in (5, 10, 15, 20)
+        ],
+    )
+    (run / "result.json").write_text(
+        json.dumps(
+            {
+                "step": 20,
+                "final_loss": 4.0,
+                "final_masked_accuracy": 0.4,
+                "heldout_loss": 4.3,
+                "heldout_masked_accuracy": 0.31,
+                "heldout_majority_accuracy": 0.12,
+                "chance_accuracy": 0.01,
+            }
+        )
+    )
 
 
 def distill_run(run: Path) -> None:
-    write_jsonl(run / "metrics.jsonl", [
-        {"step": 10, "loss": 1.8, "lr": 5e-4, "l1_layer_02": 0.9, "l1_layer_04": 0.8, "cosine_layer_02": 0.05, "cosine_layer_04": 0.05},
-        {"step": 20, "loss": 1.1, "lr": 5e-4, "l1_layer_02": 0.5, "l1_layer_04": 0.5, "cosine_layer_02": 0.05, "cosine_layer_04": 0.05},
-    ])  # fmt: skip
-    (run / "result.json").write_text(json.dumps({"step": 20, "final_loss": 1.1, "l1_layer_02": 0.5, "cosine_layer_02": 0.05}))
+    write_jsonl(
+        run / "metrics.jsonl",
+        [
+            {
+                "step": 10,
+                "loss": 1.8,
+                "lr": 5e-4,
+                "l1_layer_02": 0.9,
+                "l1_layer_04": 0.8,
+                "cosine_layer_02": 0.05,
+                "cosine_layer_04": 0.05,
+            },
+            {
+                "step": 20,
+                "loss": 1.1,
+                "lr": 5e-4,
+                "l1_layer_02": 0.5,
+                "l1_layer_04": 0.5,
+                "cosine_layer_02": 0.05,
+                "cosine_layer_04": 0.05,
+            },
+        ],
+    )
+    (run / "result.json").write_text(
+        json.dumps({"step": 20, "final_loss": 1.1, "l1_layer_02": 0.5, "cosine_layer_02": 0.05})
+    )
 
 
 def federated_run(run: Path) -> None:
     """What the ServerApp writes: one row per client and round, the evaluation, result.json."""
     clients = ("client_00", "client_01")
-    rounds = [{"round": r, "client_id": c, "num_examples": 12, "train_loss": 5.0 - r, "masked_accuracy": 0.1 * r,
-               "bytes_up": 1000, "bytes_down": 1000, "seconds": 3.0} for r in (1, 2) for c in clients]  # fmt: skip
+    rounds = [
+        {
+            "round": r,
+            "client_id": c,
+            "num_examples": 12,
+            "train_loss": 5.0 - r,
+            "masked_accuracy": 0.1 * r,
+            "bytes_up": 1000,
+            "bytes_down": 1000,
+            "seconds": 3.0,
+        }
+        for r in (1, 2)
+        for c in clients
+    ]
     pq.write_table(pa.Table.from_pylist(rounds, schema=ROUNDS_SCHEMA), run / "rounds.parquet")
-    heldout = [{"round": r, "client_id": c, "utterances": 2, "masked_frames": 40, "heldout_loss": 5.1 - r,
-                "heldout_masked_accuracy": 0.1 * r, "majority_accuracy": 0.08} for r in (1, 2) for c in clients]  # fmt: skip
+    heldout = [
+        {
+            "round": r,
+            "client_id": c,
+            "utterances": 2,
+            "masked_frames": 40,
+            "heldout_loss": 5.1 - r,
+            "heldout_masked_accuracy": 0.1 * r,
+            "majority_accuracy": 0.08,
+        }
+        for r in (1, 2)
+        for c in clients
+    ]
     pq.write_table(pa.Table.from_pylist(heldout, schema=EVALUATION_SCHEMA), run / "evaluation.parquet")
-    (run / "result.json").write_text(json.dumps({
-        "rounds": 2, "final_train_loss": 3.0, "heldout_masked_accuracy": 0.2, "heldout_majority_accuracy": 0.08,
-    }))  # fmt: skip
+    (run / "result.json").write_text(
+        json.dumps(
+            {
+                "rounds": 2,
+                "final_train_loss": 3.0,
+                "heldout_masked_accuracy": 0.2,
+                "heldout_majority_accuracy": 0.08,
+            }
+        )
+    )
 
 
 def nan_in_a_round(run: Path) -> None:
@@ -133,13 +205,29 @@ WRITERS = {
 }
 RUN_CASES: list[tuple[str, str, Callable[[Path], None]]] = [
     ("pretrained_checkpoint", "losses_are_finite", lambda run: edit_metrics(run, 10, loss=float("nan"))),
-    ("pretrained_checkpoint", "losses_are_finite", lambda run: edit_json(run / "result.json", heldout_loss=float("inf"))),
+    (
+        "pretrained_checkpoint",
+        "losses_are_finite",
+        lambda run: edit_json(run / "result.json", heldout_loss=float("inf")),
+    ),
     ("pretrained_checkpoint", "losses_are_finite", lambda run: [p.unlink() for p in run.iterdir()]),
-    ("pretrained_checkpoint", "beats_majority_class", lambda run: edit_json(run / "result.json", heldout_masked_accuracy=0.12)),
+    (
+        "pretrained_checkpoint",
+        "beats_majority_class",
+        lambda run: edit_json(run / "result.json", heldout_masked_accuracy=0.12),
+    ),
     ("pretrained_checkpoint_iter2", "losses_are_finite", lambda run: edit_metrics(run, 20, masked_loss=float("-inf"))),
-    ("pretrained_checkpoint_iter2", "beats_majority_class", lambda run: edit_json(run / "result.json", heldout_majority_accuracy=0.5)),
+    (
+        "pretrained_checkpoint_iter2",
+        "beats_majority_class",
+        lambda run: edit_json(run / "result.json", heldout_majority_accuracy=0.5),
+    ),
     ("federated_checkpoint", "losses_are_finite", nan_in_a_round),
-    ("federated_checkpoint", "beats_majority_class", lambda run: edit_json(run / "result.json", heldout_masked_accuracy=0.05)),
+    (
+        "federated_checkpoint",
+        "beats_majority_class",
+        lambda run: edit_json(run / "result.json", heldout_masked_accuracy=0.05),
+    ),
     ("distilled_checkpoint", "losses_are_finite", lambda run: edit_metrics(run, 20, l1_layer_04=float("nan"))),
     ("distilled_checkpoint", "student_loss_falls", lambda run: edit_metrics(run, 20, loss=1.9)),
     ("distilled_checkpoint", "student_loss_falls", restarted_and_rising),
@@ -154,7 +242,9 @@ def instance():
 
 def run_check(instance: dg.DagsterInstance, asset: str, name: str, run: Path) -> dg.AssetCheckResult:
     """``name`` on ``asset`` as Dagster runs it: after a materialization that names ``run``."""
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset, metadata={"run_dir": dg.MetadataValue.path(str(run))}))
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(asset, metadata={"run_dir": dg.MetadataValue.path(str(run))})
+    )
     check = CHECKS[dg.AssetCheckKey(dg.AssetKey(asset), name)]
     return check(dg.build_asset_check_context(instance=instance))
 
@@ -166,7 +256,9 @@ def test_every_run_check_passes_on_a_sound_run(instance, tmp_path: Path, asset: 
     assert result.passed, result.metadata
 
 
-@pytest.mark.parametrize(("asset", "name", "fault"), RUN_CASES, ids=[f"{a}-{n}-{i}" for i, (a, n, _) in enumerate(RUN_CASES)])
+@pytest.mark.parametrize(
+    ("asset", "name", "fault"), RUN_CASES, ids=[f"{a}-{n}-{i}" for i, (a, n, _) in enumerate(RUN_CASES)]
+)
 def test_each_run_check_catches_its_fault(instance, tmp_path: Path, asset: str, name: str, fault) -> None:
     WRITERS[asset](tmp_path)
     fault(tmp_path)
@@ -175,7 +267,9 @@ def test_each_run_check_catches_its_fault(instance, tmp_path: Path, asset: str, 
 
 def test_run_checks_say_what_they_could_not_measure(tmp_path: Path) -> None:
     training_run(tmp_path)
-    edit_json(tmp_path / "result.json", heldout_masked_accuracy=None, heldout_majority_accuracy=None)  # no held-out speakers
+    edit_json(
+        tmp_path / "result.json", heldout_masked_accuracy=None, heldout_majority_accuracy=None
+    )  # no held-out speakers
     assert model_checks.accuracy_against_majority(tmp_path) is None
     write_jsonl(tmp_path / "metrics.jsonl", [{"step": 10, "loss": 2.0}])
     assert model_checks.loss_trend(tmp_path) is None
@@ -188,21 +282,36 @@ def test_run_checks_say_what_they_could_not_measure(tmp_path: Path) -> None:
 
 def manifest_rows() -> list[ManifestRow]:
     return [
-        ManifestRow(f"{speaker}-1-{i:04d}", speaker, "1", f"/corpus/{speaker}/{i}.flac", f"words {i}", 16000, 1,
-                    16000 * (i + 1), float(i + 1), f"{i:064x}")
+        ManifestRow(
+            f"{speaker}-1-{i:04d}",
+            speaker,
+            "1",
+            f"/corpus/{speaker}/{i}.flac",
+            f"words {i}",
+            16000,
+            1,
+            16000 * (i + 1),
+            float(i + 1),
+            f"{i:064x}",
+        )
         for speaker in ("spk-a", "spk-b")
         for i in range(3)
-    ]  # fmt: skip
+    ]
 
 
 def write_speakers(path: Path, rows: list[ManifestRow]) -> None:
     hashes = speaker_hashes(rows)
-    pq.write_table(pa.table({
-        "speaker_id": list(hashes),
-        "utterances": [sum(r.speaker_id == s for r in rows) for s in hashes],
-        "hours": [sum(r.duration_s for r in rows if r.speaker_id == s) / 3600 for s in hashes],
-        "manifest_hash": list(hashes.values()),
-    }), path)  # fmt: skip
+    pq.write_table(
+        pa.table(
+            {
+                "speaker_id": list(hashes),
+                "utterances": [sum(r.speaker_id == s for r in rows) for s in hashes],
+                "hours": [sum(r.duration_s for r in rows if r.speaker_id == s) / 3600 for s in hashes],
+                "manifest_hash": list(hashes.values()),
+            }
+        ),
+        path,
+    )
 
 
 def sound_manifest(paths: StoragePaths) -> list[ManifestRow]:
@@ -243,8 +352,13 @@ def test_speaker_manifest_rows_must_match_the_manifest(tmp_path: Path, fault) ->
 
 def iteration2_build(paths: StoragePaths) -> None:
     """Shards of two clients' speakers and iteration-2 targets in their folders (kmeans_iter2/)."""
-    corpus = write_corpus(paths.root / "features", clients={"client_00": 6, "client_01": 6}, speakers_per_client=1,
-                          utterances_per_speaker=3, unlabelled_per_shard=0)  # fmt: skip
+    corpus = write_corpus(
+        paths.root / "features",
+        clients={"client_00": 6, "client_01": 6},
+        speakers_per_client=1,
+        utterances_per_speaker=3,
+        unlabelled_per_shard=0,
+    )
     write_clients(paths.clients_file, [ClientAssignment(f"{c}-spk0", c, 0.0, 3) for c in sorted(corpus.clients)])
     for client, targets in corpus.clients.items():
         out = paths.root / "kmeans_iter2" / client
@@ -254,14 +368,22 @@ def iteration2_build(paths: StoragePaths) -> None:
 
 
 def rewrite_labels(out: Path, change) -> None:
-    write_labels(out / "labels.parquet", [UtteranceLabels(item.utt_id, item.speaker_id, change(item.labels)) for item in iter_labels(out / "labels.parquet")])
+    write_labels(
+        out / "labels.parquet",
+        [
+            UtteranceLabels(item.utt_id, item.speaker_id, change(item.labels))
+            for item in iter_labels(out / "labels.parquet")
+        ],
+    )
 
 
 ITER2_FAULTS = {
     # labels at the input's 100 Hz instead of the encoder's 50 Hz
     "100 Hz": lambda out: rewrite_labels(out, lambda labels: np.repeat(labels, 2)),
     "ids beyond K": lambda out: np.save(out / "codebook.npy", np.zeros((2, 16), np.float32)),
-    "utterance unlabelled": lambda out: write_labels(out / "labels.parquet", list(iter_labels(out / "labels.parquet"))[1:]),
+    "utterance unlabelled": lambda out: write_labels(
+        out / "labels.parquet", list(iter_labels(out / "labels.parquet"))[1:]
+    ),
 }
 
 
@@ -285,10 +407,32 @@ def probe_rows(model: str, errors_per_utterance: int, speakers: int, utterances:
     found = []
     for seed in range(3):
         errors = np.full(utterances, errors_per_utterance, dtype=np.int64) + (np.arange(utterances) + seed) % 3 - 1
-        held = HeldoutErrors(tuple(f"u{i}" for i in range(utterances)), tuple(f"h{i % speakers}" for i in range(utterances)),
-                             errors, np.full(utterances, 20), errors // 4, np.full(utterances, 5))  # fmt: skip
+        held = HeldoutErrors(
+            tuple(f"u{i}" for i in range(utterances)),
+            tuple(f"h{i % speakers}" for i in range(utterances)),
+            errors,
+            np.full(utterances, 20),
+            errors // 4,
+            np.full(utterances, 5),
+        )
         cer = float(errors.sum() / (20 * utterances))
-        found.append(ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer, utterances, 60, seed, "utterance", speakers, errors=held))
+        found.append(
+            ProbeResult(
+                model,
+                "",
+                "linear",
+                [1.0],
+                "heldout",
+                cer,
+                cer,
+                utterances,
+                60,
+                seed,
+                "utterance",
+                speakers,
+                errors=held,
+            )
+        )
     return found
 
 
@@ -302,14 +446,26 @@ def probe_rows(model: str, errors_per_utterance: int, speakers: int, utterances:
     ],
     ids=["better", "same as fbank", "worse", "better on one held-out speaker"],
 )
-def test_a_probe_that_does_not_beat_log_mel_is_flagged(tmp_path: Path, pretrained_errors: int, speakers: int, passed: bool, verdict: str) -> None:
-    from speech_assets.evaluation.compare import leaderboard, leaderboard_path, leaderboard_table, results_table, standing
+def test_a_probe_that_does_not_beat_log_mel_is_flagged(
+    tmp_path: Path, pretrained_errors: int, speakers: int, passed: bool, verdict: str
+) -> None:
+    from speech_assets.evaluation.compare import (
+        leaderboard,
+        leaderboard_path,
+        leaderboard_table,
+        results_table,
+        standing,
+    )
 
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     (paths.root / "probe").mkdir(parents=True)
     result = probe.pretrained_beats_fbank(paths=paths)
     assert not result.passed and "rematerialize downstream_probe" in result.description
-    rows = probe_rows("fbank", 14, speakers) + probe_rows("pretrained", pretrained_errors, speakers) + probe_rows("random", 19, speakers)
+    rows = (
+        probe_rows("fbank", 14, speakers)
+        + probe_rows("pretrained", pretrained_errors, speakers)
+        + probe_rows("random", 19, speakers)
+    )
     target = paths.root / "probe" / "results.parquet"
     pq.write_table(results_table(rows), target)
     pq.write_table(leaderboard_table(leaderboard(rows, 3), 3), leaderboard_path(target))
@@ -327,6 +483,8 @@ def test_a_model_below_the_majority_class_is_told_this_is_expected_at_demo_scale
     edit_json(tmp_path / "result.json", heldout_masked_accuracy=0.05)
     result = model_checks.above_majority_class(tmp_path)
     assert not result.passed and result.severity == dg.AssetCheckSeverity.WARN
-    assert result.description.startswith("held-out masked accuracy 0.050 <= majority-class rate 0.120 after 20 steps: expected at demo scale")
+    assert result.description.startswith(
+        "held-out masked accuracy 0.050 <= majority-class rate 0.120 after 20 steps: expected at demo scale"
+    )
     assert "downstream_probe" in result.description and result.metadata["steps"].value == 20
     assert model_checks.MAJORITY_AT_DEMO_SCALE in model_checks.BEATS_MAJORITY_CLASS

@@ -53,7 +53,9 @@ def pooled() -> None:
 
 def light_job() -> dg.JobDefinition:
     job = dg.define_asset_job("light_job", selection=[light])
-    return dg.Definitions(assets=[light], jobs=[job], executor=reaping_multiprocess_executor).resolve_job_def("light_job")
+    return dg.Definitions(assets=[light], jobs=[job], executor=reaping_multiprocess_executor).resolve_job_def(
+        "light_job"
+    )
 
 
 def test_a_sensor_run_executes_its_steps_in_the_run_worker(instance: dg.DagsterInstance) -> None:
@@ -61,8 +63,11 @@ def test_a_sensor_run_executes_its_steps_in_the_run_worker(instance: dg.DagsterI
     run = instance.create_run_for_job(job_def=light_job(), tags=SENSOR_RUN_TAGS)
     finished = execute_run(job, run, instance)
     assert finished.success
-    (engine,) = [e for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
-                 if "in process" in (e.message or "")][:1]
+    (engine,) = [
+        e
+        for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
+        if "in process" in (e.message or "")
+    ][:1]
     assert f"pid: {os.getpid()}" in engine.message
     step_pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)}
     assert step_pids == {os.getpid()}
@@ -85,6 +90,7 @@ def test_untagged_runs_and_runs_with_a_pooled_step_keep_their_step_processes(ins
 # The graph's shape with the real assets' conditions: manifest -> shards (per speaker, built by the
 # sensor) -> cmvn_stats -> client_partitions -> kmeans_targets (per client) -> dataset_stats, which
 # also reads the manifest and a checkpoint that does not exist yet.
+
 
 def _toy(key: str, real: dg.AssetsDefinition, **kwargs) -> dg.AssetsDefinition:
     @dg.asset(name=key, automation_condition=real.automation_conditions_by_key[dg.AssetKey(key)], **kwargs)
@@ -130,7 +136,11 @@ def toy_graph() -> list[dg.AssetsDefinition]:
         _toy("client_partitions", clients.client_partitions, deps=["cmvn_stats"]),
         kmeans,
         checkpoint,
-        _toy("dataset_stats", stats.dataset_stats, deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS, "pretrained_checkpoint"]),
+        _toy(
+            "dataset_stats",
+            stats.dataset_stats,
+            deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS, "pretrained_checkpoint"],
+        ),
     ]
 
 
@@ -149,12 +159,18 @@ class Toy:
         for client in ("c1", "c2"):
             self.run("kmeans_targets", client)
         self.run("dataset_stats")
-        self.cursor = dg.evaluate_automation_conditions(defs=self.defs, instance=instance).cursor  # records the built state
+        self.cursor = dg.evaluate_automation_conditions(
+            defs=self.defs, instance=instance
+        ).cursor  # records the built state
 
     def run(self, key: str, partition: str | None = None, fail: bool = False) -> None:
         result = dg.materialize(
-            list(self.assets.values()), instance=self.instance, partition_key=partition, selection=[key],
-            tags={FAIL_TAG: "yes"} if fail else None, raise_on_error=False,
+            list(self.assets.values()),
+            instance=self.instance,
+            partition_key=partition,
+            selection=[key],
+            tags={FAIL_TAG: "yes"} if fail else None,
+            raise_on_error=False,
         )
         assert result.success != fail
 
@@ -162,8 +178,11 @@ class Toy:
         """What one automation tick requests: asset -> its partitions ([] when unpartitioned)."""
         evaluation = dg.evaluate_automation_conditions(defs=self.defs, instance=self.instance, cursor=self.cursor)
         self.cursor = evaluation.cursor
-        return {key: sorted(p for p in evaluation.get_requested_partitions(a.key) if p)
-                for key, a in self.assets.items() if evaluation.get_num_requested(a.key)}
+        return {
+            key: sorted(p for p in evaluation.get_requested_partitions(a.key) if p)
+            for key, a in self.assets.items()
+            if evaluation.get_num_requested(a.key)
+        }
 
     def run_requested(self, requested: dict[str, list[str]]) -> None:
         for key in self.assets:  # what the runs of a tick do, in dependency order
@@ -207,7 +226,11 @@ def test_dataset_stats_waits_for_the_shard_the_sensor_has_yet_to_build(instance:
     new_speaker(toy, built=False)  # the manifest run is done, the shard's run not yet started
     assert toy.tick() == {}
     toy.run("vad_features", "s3")
-    assert [set(requested) for requested in toy.follow()] == [{"cmvn_stats", "client_partitions"}, {"kmeans_targets"}, {"dataset_stats"}]
+    assert [set(requested) for requested in toy.follow()] == [
+        {"cmvn_stats", "client_partitions"},
+        {"kmeans_targets"},
+        {"dataset_stats"},
+    ]
 
 
 def test_a_manifest_change_with_no_shard_to_wait_for_refreshes_dataset_stats(instance: dg.DagsterInstance) -> None:
@@ -217,7 +240,9 @@ def test_a_manifest_change_with_no_shard_to_wait_for_refreshes_dataset_stats(ins
 
 
 @pytest.mark.parametrize("kmeans_fails", [False, True])
-def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(instance: dg.DagsterInstance, kmeans_fails: bool) -> None:
+def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(
+    instance: dg.DagsterInstance, kmeans_fails: bool
+) -> None:
     toy = Toy(instance)
     new_speaker(toy)
     toy.run_requested(toy.tick())  # cmvn_stats, client_partitions

@@ -43,23 +43,39 @@ EXECUTOR_DEFINITION = "dagster._core.definitions.executor_definition"
 LAUNCHER = "dagster._core.launcher.base"
 FORKSERVER_CONFIG = {"retries": {"enabled": {}}, "start_method": {"forkserver": {"preload_modules": ["numpy"]}}}
 USED = [
-    *(Private(DATA_VERSION, tag) for tag in ("CODE_VERSION_TAG", "DATA_VERSION_TAG", "DATA_VERSION_IS_USER_PROVIDED_TAG")),
+    *(
+        Private(DATA_VERSION, tag)
+        for tag in ("CODE_VERSION_TAG", "DATA_VERSION_TAG", "DATA_VERSION_IS_USER_PROVIDED_TAG")
+    ),
     Private(DATA_VERSION, "NULL_EVENT_POINTER"),
     Private(DATA_VERSION, "DEFAULT_DATA_VERSION", ("value",)),
-    Private(DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag(dg.AssetKey("upstream")).startswith("dagster/")),
-    Private(DATA_VERSION, "get_input_event_pointer_tag", use=lambda tag: tag(dg.AssetKey("upstream")).startswith("dagster/")),
+    Private(
+        DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag(dg.AssetKey("upstream")).startswith("dagster/")
+    ),
+    Private(
+        DATA_VERSION, "get_input_event_pointer_tag", use=lambda tag: tag(dg.AssetKey("upstream")).startswith("dagster/")
+    ),
     Private("dagster._core.storage.event_log.sqlite.sqlite_event_log", "SqliteEventLogStorage", use=inspect.isclass),
     Private(EXECUTOR_DEFINITION, "MULTI_PROC_CONFIG", use=lambda field: field.config_type.fields["start_method"]),
     Private(EXECUTOR_DEFINITION, "multiple_process_executor_requirements", use=lambda requirements: requirements()),
-    Private(EXECUTOR_DEFINITION, "_core_multiprocess_executor_creation", ("_start_method", "retries", "step_dependency_config"),
-            ("config",), use=lambda create: create(FORKSERVER_CONFIG)),
+    Private(
+        EXECUTOR_DEFINITION,
+        "_core_multiprocess_executor_creation",
+        ("_start_method", "retries", "step_dependency_config"),
+        ("config",),
+        use=lambda create: create(FORKSERVER_CONFIG),
+    ),
     Private("dagster._core.executor.multiprocess", "MultiprocessExecutor", ("execute",)),
-    Private("dagster._core.executor.in_process", "InProcessExecutor", ("execute",), ("retries", "step_dependency_config")),
+    Private(
+        "dagster._core.executor.in_process", "InProcessExecutor", ("execute",), ("retries", "step_dependency_config")
+    ),
     Private(LAUNCHER, "CheckRunHealthResult", ("status", "msg"), ("status", "msg")),
     Private(LAUNCHER, "WorkerStatus", ("RUNNING", "FAILED")),
-    Private("dagster", "DefaultRunLauncher", ("_instance", "supports_check_run_worker_health", "check_run_worker_health")),
+    Private(
+        "dagster", "DefaultRunLauncher", ("_instance", "supports_check_run_worker_health", "check_run_worker_health")
+    ),
     Private("multiprocessing.forkserver", "_forkserver", ("_lock", "_forkserver_pid", "_stop_unlocked")),
-]  # fmt: skip
+]
 
 
 def problems(item: Private) -> list[str]:
@@ -105,17 +121,26 @@ MOVED = {
     "a module": (Private("dagster._core.no_such_module", "X"), "cannot import dagster._core.no_such_module"),
     "a name": (Private(LAUNCHER, "NoSuchHealth"), "dagster._core.launcher.base has no NoSuchHealth"),
     "a field": (Private("multiprocessing.forkserver", "_forkserver", ("_gone",)), "it has no attribute _gone"),
-    "a parameter": (Private("dagster._core.executor.in_process", "InProcessExecutor", parameters=("retry_mode",)),
-                    "no longer ['retry_mode'] first"),
-    "a call": (Private(DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag()), "using it as the package does failed"),
-    "a value": (Private(DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag(dg.AssetKey("a")) == "x"),
-                "no longer gives what the package expects"),
-}  # fmt: skip
+    "a parameter": (
+        Private("dagster._core.executor.in_process", "InProcessExecutor", parameters=("retry_mode",)),
+        "no longer ['retry_mode'] first",
+    ),
+    "a call": (
+        Private(DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag()),
+        "using it as the package does failed",
+    ),
+    "a value": (
+        Private(DATA_VERSION, "get_input_data_version_tag", use=lambda tag: tag(dg.AssetKey("a")) == "x"),
+        "no longer gives what the package expects",
+    ),
+}
 
 
 @pytest.mark.parametrize(("item", "message"), MOVED.values(), ids=list(MOVED))
 def test_a_moved_private_name_fails_saying_what_and_where(item: Private, message: str) -> None:
-    assert message in said(item) and "dagster_internals.py relies on it" in said(item) and version("dagster") in said(item)
+    assert (
+        message in said(item) and "dagster_internals.py relies on it" in said(item) and version("dagster") in said(item)
+    )
 
 
 def private(name: str) -> bool:

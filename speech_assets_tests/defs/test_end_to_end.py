@@ -30,10 +30,19 @@ BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 # every materialized asset (speaker_manifest is observed by the manifest run: its edges are checked below)
 ASSETS = [
-    "manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets",
-    "pretrained_checkpoint", "federated_checkpoint", "distilled_checkpoint", "encoder_export", "downstream_probe",
-    "finetuned_asr", "dataset_stats",
-]  # fmt: skip
+    "manifest",
+    "vad_features",
+    "cmvn_stats",
+    "client_partitions",
+    "kmeans_targets",
+    "pretrained_checkpoint",
+    "federated_checkpoint",
+    "distilled_checkpoint",
+    "encoder_export",
+    "downstream_probe",
+    "finetuned_asr",
+    "dataset_stats",
+]
 TRAIN_STEPS = DEMO_TRAIN_STEPS
 
 
@@ -52,10 +61,27 @@ def _instance(home: Path):
 def test_every_output_exists_with_contract_columns(built) -> None:
     out = built["out"]
     manifest = pq.read_table(out / "manifest" / "manifest.parquet")
-    for column in ["utt_id", "speaker_id", "chapter_id", "path", "transcript", "sample_rate", "channels", "num_samples", "duration_s", "file_sha256"]:
+    for column in [
+        "utt_id",
+        "speaker_id",
+        "chapter_id",
+        "path",
+        "transcript",
+        "sample_rate",
+        "channels",
+        "num_samples",
+        "duration_s",
+        "file_sha256",
+    ]:
         assert column in manifest.column_names
     assert manifest.num_rows == 64
-    assert pq.read_table(out / "manifest" / "rejects.parquet").column_names == ["utt_id", "path", "stage", "reason", "detail"]
+    assert pq.read_table(out / "manifest" / "rejects.parquet").column_names == [
+        "utt_id",
+        "path",
+        "stage",
+        "reason",
+        "detail",
+    ]
     assert len(list((out / "features" / "shards").glob("*.meta.json"))) == 8
     clients = pq.read_table(out / "clients" / "clients.parquet").to_pylist()
     assert {c["client_id"] for c in clients} == {"client_00", "client_01", "client_02", "client_03"}
@@ -91,7 +117,9 @@ def test_every_asset_has_code_and_data_version_and_input_versions(built) -> None
     assert len(latest) == 8
     for event in latest.values():  # each partition's latest version is its own shard's hash
         assert event.tags["dagster/data_version"] == event.metadata["shard_sha256"].value
-    train_event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0].asset_materialization
+    train_event = (
+        instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0].asset_materialization
+    )
     inputs = train_event.metadata["input_versions"].value
     assert inputs["manifest"] == manifest_event.tags["dagster/data_version"]
     assert inputs["vad_features"].startswith("8 partitions") and inputs["kmeans_targets"].startswith("4 partitions")
@@ -130,7 +158,15 @@ def test_duckdb_views_and_tables(built) -> None:
         no_speech = con.execute("SELECT count(*) FROM rejects WHERE stage = 'vad'").fetchone()[0]
         assert kept + no_speech == 64
         cols = [r[0] for r in con.execute("DESCRIBE utterances").fetchall()]
-        assert cols == ["utt_id", "speaker_id", "shard", "num_frames", "duration_s", "trimmed_duration_s", "speech_ratio"]
+        assert cols == [
+            "utt_id",
+            "speaker_id",
+            "shard",
+            "num_frames",
+            "duration_s",
+            "trimmed_duration_s",
+            "speech_ratio",
+        ]
         assert con.execute("SELECT count(DISTINCT client_id) FROM clients").fetchone()[0] == 4
         assert con.execute("SELECT count(*) FROM kmeans_quality WHERE perplexity > 1").fetchone()[0] == 4
         (path, step, sha, run_id, manifest_hash) = con.execute(
@@ -138,7 +174,9 @@ def test_duckdb_views_and_tables(built) -> None:
         ).fetchone()
         assert step == TRAIN_STEPS and len(sha) == 64 and run_id and len(manifest_hash) == 64
         # every model the demo trains, each with its weights hash, MLflow run and manifest
-        models = con.execute("SELECT kind, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints ORDER BY kind").fetchall()
+        models = con.execute(
+            "SELECT kind, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints ORDER BY kind"
+        ).fetchall()
         assert [m[0] for m in models] == ["centralised", "distilled", "federated"]
         assert all(m[1] and len(m[2]) == 64 and m[3] and m[4] == manifest_hash for m in models)
         with pytest.raises(duckdb.Error):
@@ -170,7 +208,11 @@ def test_lineage_cli_traces_checkpoint_to_inputs(built) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     instance = _instance(built["home"])
-    manifest_version = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization.tags["dagster/data_version"]
+    manifest_version = (
+        instance.fetch_materializations(dg.AssetKey("manifest"), limit=1)
+        .records[0]
+        .asset_materialization.tags["dagster/data_version"]
+    )
     assert report["data_versions"]["manifest"] == manifest_version
     assert report["weights_sha256"] == result["checkpoint_sha256"]
     assert report["config"]["preset"] == "tiny"
@@ -181,16 +223,22 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
     port = free_port()
     server = subprocess.Popen(
         [str(BIN / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-m", "speech_assets.definitions"],
-        env=built["env"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=built["env"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}/graphql"
     query = """{ assetNodes { assetKey { path } dependencyKeys { path } }
                  assetsOrError { ... on AssetConnection { nodes { key { path }
                    assetMaterializations(limit: 1) { runId partition metadataEntries { label } } } } } }"""
     try:
+
         def answer() -> dict | None:
             assert server.poll() is None, "the webserver exited"
-            request = urllib.request.Request(url, data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                url, data=json.dumps({"query": query}).encode(), headers={"Content-Type": "application/json"}
+            )
             with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=10) as response:
                 return json.loads(response.read())
             return None
@@ -199,7 +247,10 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    nodes = {tuple(n["assetKey"]["path"]): [tuple(d["path"]) for d in n["dependencyKeys"]] for n in payload["data"]["assetNodes"]}
+    nodes = {
+        tuple(n["assetKey"]["path"]): [tuple(d["path"]) for d in n["dependencyKeys"]]
+        for n in payload["data"]["assetNodes"]
+    }
     assert set(ASSETS) <= {k[0] for k in nodes}
     assert ("speaker_manifest",) in nodes[("vad_features",)] and ("manifest",) in nodes[("speaker_manifest",)]
     assert ("kmeans_targets",) in nodes[("pretrained_checkpoint",)]
@@ -211,7 +262,13 @@ def test_webserver_graphql_shows_graph_and_materializations(built) -> None:
 
 def test_demo_prints_summary(built) -> None:
     out = built["stdout"]
-    assert "speech_assets summary" in out and "rejects:" in out and "k-means" in out and "centralised model:" in out and "federated model:" in out
+    assert (
+        "speech_assets summary" in out
+        and "rejects:" in out
+        and "k-means" in out
+        and "centralised model:" in out
+        and "federated model:" in out
+    )
     # the probe's leaderboard, its verdict indicative only on the sample's one held-out speaker, and
     # which warnings are expected at this scale
     assert "| encoder | normalisation | CER | WER | vs fbank | vs random | verdict |" in out

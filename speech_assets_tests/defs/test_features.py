@@ -94,9 +94,24 @@ def test_overlapping_runs_never_corrupt_each_others_shards(world) -> None:
     ranges = [f"{speakers[0]}...{speakers[-3]}", f"{speakers[2]}...{speakers[-1]}"]  # overlap in the middle
     runs = [
         subprocess.Popen(
-            [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", "--select", "vad_features",
-             "--partition-range", partition_range, "--config-json", force],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                str(BIN / "dagster"),
+                "asset",
+                "materialize",
+                "-m",
+                "speech_assets.definitions",
+                "--select",
+                "vad_features",
+                "--partition-range",
+                partition_range,
+                "--config-json",
+                force,
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for partition_range in ranges
     ]

@@ -16,7 +16,9 @@ import pytest
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.loader import LoadingContextForTest
 
+from speech_assets.definitions import build_definitions
 from speech_assets.defs.automation import corpus_sensor
+from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.stats import database as stats_database
 from speech_assets.testing.local_runs import (
     PARTITION_RANGE_END,
@@ -25,8 +27,6 @@ from speech_assets.testing.local_runs import (
     materialize_in_process,
     run_requested,
 )
-from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
-from speech_assets.definitions import build_definitions
 from speech_assets_tests.conftest import SAMPLE_CORPUS
 
 NEW_SPEAKER = "1008"
@@ -37,7 +37,9 @@ DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stat
 def world(tmp_path: Path, instance: dg.DagsterInstance):
     corpus = tmp_path / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus, ignore=shutil.ignore_patterns(NEW_SPEAKER))
-    paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    paths = StoragePaths(
+        corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"
+    )
     # The user's settings, as pipeline.toml would set them: every run below, the sensor's and
     # automation's included, must use them (none of them passes run config).
     settings = PipelineSettings(kmeans=KMeansSettings(k=20), clients=ClientSettings(num_clients=3))
@@ -49,7 +51,9 @@ def run(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partitio
     materialize_in_process(defs, instance, asset, partitions)
 
 
-def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> StaleStatus:
+def stale_status(
+    defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, partition: str | None = None
+) -> StaleStatus:
     resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph(), LoadingContextForTest(instance))
     return resolver.get_status(dg.AssetKey(asset), partition)
 
@@ -114,7 +118,8 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     assert (request.tags[PARTITION_RANGE_START], request.tags[PARTITION_RANGE_END]) == (NEW_SPEAKER, NEW_SPEAKER)
     # its run is canceled: the sensor asks again under a new run key (the daemon launches a key once)
     canceled = instance.create_run_for_job(
-        job_def=defs.resolve_implicit_global_asset_job_def(), asset_selection=frozenset({dg.AssetKey("vad_features")}),
+        job_def=defs.resolve_implicit_global_asset_job_def(),
+        asset_selection=frozenset({dg.AssetKey("vad_features")}),
         tags={**request.tags, "dagster/run_key": request.run_key},
     )
     instance.report_run_canceling(canceled)
@@ -183,7 +188,9 @@ def test_stale_speakers_are_grouped_into_contiguous_runs(wanted: set[str], range
     assert [(first, last) for first, last, _ in contiguous_ranges(list("abcde"), wanted)] == ranges
 
 
-def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
     """A manifest published without its speaker_manifest observations (a run killed in between, a
     manifest from before observations): the sensor's next tick records them, runless, once."""
     from speech_assets.corpus.manifest import ManifestRow, corpus_fingerprint
@@ -193,11 +200,21 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(tmp_path
     corpus.mkdir()
     (corpus / "README").write_text("a corpus the manifest below describes")
     paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
-    rows = [ManifestRow(f"{s}-1-000{i}", s, "1", f"/c/{s}/{i}.flac", "A", 16000, 1, 16000, 1.0, f"{i:064x}") for s in ("s1", "s2") for i in range(2)]
+    rows = [
+        ManifestRow(f"{s}-1-000{i}", s, "1", f"/c/{s}/{i}.flac", "A", 16000, 1, 16000, 1.0, f"{i:064x}")
+        for s in ("s1", "s2")
+        for i in range(2)
+    ]
     listed = _write_speakers(paths.speakers_file, rows)
-    instance.report_runless_asset_event(dg.AssetMaterialization("manifest", metadata={"corpus_fingerprint": corpus_fingerprint(corpus)}))
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization("manifest", metadata={"corpus_fingerprint": corpus_fingerprint(corpus)})
+    )
     instance.add_dynamic_partitions("speakers", ["s1", "s2", "s3"])  # s3: registered, its rows all gone
-    instance.report_runless_asset_event(dg.AssetObservation("speaker_manifest", partition="s1", tags={"dagster/data_version": listed["s1"].manifest_hash}))
+    instance.report_runless_asset_event(
+        dg.AssetObservation(
+            "speaker_manifest", partition="s1", tags={"dagster/data_version": listed["s1"].manifest_hash}
+        )
+    )
 
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         tick = corpus_sensor(context)
@@ -210,7 +227,9 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(tmp_path
         assert corpus_sensor(context).asset_events == []
 
 
-def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
     """A manifest file without its columns: one error per version of the file, not one per tick,
     no failed tick, no manifest run (it could only fail); fixed, it is validated as usual."""
     import logging
@@ -240,7 +259,10 @@ def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(tmp_path:
         return [r.getMessage() for r in records if "corpus cannot be read" in r.getMessage()]
 
     first = tick()
-    assert not first.run_requests and "missing columns ['path', 'transcript', 'speaker_id']" in first.skip_reason.skip_message
+    assert (
+        not first.run_requests
+        and "missing columns ['path', 'transcript', 'speaker_id']" in first.skip_reason.skip_message
+    )
     assert len(errors()) == 1 and str(location) in errors()[0]
     for _ in range(3):  # the same file: nothing new to say
         later = tick()
@@ -249,7 +271,9 @@ def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(tmp_path:
 
     location.write_text("path,text,speaker\na.flac,HELLO,s1\n")  # changed, still without its columns
     os.utime(location, ns=(1, 1))
-    assert not tick().run_requests and len(errors()) == 2 and "missing columns ['transcript', 'speaker_id']" in errors()[1]
+    assert (
+        not tick().run_requests and len(errors()) == 2 and "missing columns ['transcript', 'speaker_id']" in errors()[1]
+    )
     assert len(errors()) == 2 and not tick().run_requests and len(errors()) == 2
 
     location.write_text("path,transcript,speaker_id\na.flac,HELLO,s1\n")  # fixed
@@ -257,15 +281,22 @@ def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(tmp_path:
     assert len(errors()) == 2
 
 
-@pytest.mark.parametrize("bad", ["a.flac," + "A" * 200_000 + ",s1\n", "a\x00.flac,HELLO,s1\n", "a.flac,HEL\udcffLO,s1\n"],
-                         ids=["over-long-field", "nul-in-path", "latin1"])
-def test_a_bad_line_in_the_corpus_file_never_fails_a_sensor_tick(tmp_path: Path, instance: dg.DagsterInstance, bad: str) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    ["a.flac," + "A" * 200_000 + ",s1\n", "a\x00.flac,HELLO,s1\n", "a.flac,HEL\udcffLO,s1\n"],
+    ids=["over-long-field", "nul-in-path", "latin1"],
+)
+def test_a_bad_line_in_the_corpus_file_never_fails_a_sensor_tick(
+    tmp_path: Path, instance: dg.DagsterInstance, bad: str
+) -> None:
     from speech_assets.testing.corpora import write_flac
 
     root = tmp_path / "corpus"
     write_flac(root / "a.flac")
     location = root / "corpus.csv"
-    location.write_bytes(("path,transcript,speaker_id\n" + bad + "a.flac,HELLO,s1\n").encode("utf-8", "surrogateescape"))
+    location.write_bytes(
+        ("path,transcript,speaker_id\n" + bad + "a.flac,HELLO,s1\n").encode("utf-8", "surrogateescape")
+    )
     paths = StoragePaths(corpus=str(location), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         assert [r.asset_selection for r in corpus_sensor(context).run_requests] == [[dg.AssetKey("manifest")]]

@@ -35,7 +35,12 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     # two rejects the report can play: one too short (the manifest's), one silent (the VAD's)
     chapter = corpus / "1001" / "100101"
     write_flac(chapter / "1001-100101-0090.flac", seconds=0.2)
-    sf.write(chapter / "1001-100101-0091.flac", 1e-4 * np.random.default_rng(0).standard_normal(32_000), 16_000, format="FLAC")
+    sf.write(
+        chapter / "1001-100101-0091.flac",
+        1e-4 * np.random.default_rng(0).standard_normal(32_000),
+        16_000,
+        format="FLAC",
+    )
     with open(chapter / "1001-100101.trans.txt", "a", encoding="utf-8") as transcripts:
         transcripts.write("1001-100101-0090 TOO SHORT\n1001-100101-0091 ONLY SILENCE\n")
     paths = StoragePaths(corpus=str(corpus), data_dir=str(root / "out"), mlflow_tracking_uri=f"sqlite:///{root}/m.db")
@@ -69,14 +74,19 @@ def latest_event_id(instance: dg.DagsterInstance) -> int:
 
 def observed_since(instance: dg.DagsterInstance, storage_id: int) -> list[str]:
     """speaker_manifest partitions observed after ``storage_id``."""
-    records = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("speaker_manifest"), after_storage_id=storage_id), limit=10_000).records
+    records = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("speaker_manifest"), after_storage_id=storage_id), limit=10_000
+    ).records
     return sorted(r.partition_key for r in records)
 
 
 def everything_in_sync(defs, instance, speakers: list[str]) -> dict[str, StaleStatus]:
     statuses = {f"vad_features[{s}]": status(defs, instance, "vad_features", s) for s in speakers}
     statuses |= {key: status(defs, instance, key) for key in DOWNSTREAM_OF_SHARDS}
-    statuses |= {f"kmeans_targets[{c}]": status(defs, instance, "kmeans_targets", c) for c in instance.get_dynamic_partitions("clients")}
+    statuses |= {
+        f"kmeans_targets[{c}]": status(defs, instance, "kmeans_targets", c)
+        for c in instance.get_dynamic_partitions("clients")
+    }
     return {key: value for key, value in statuses.items() if value != StaleStatus.FRESH}
 
 
@@ -101,7 +111,11 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
     (record,) = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records
     metadata = record.asset_materialization.metadata
     assert isinstance(metadata["report"], dg.PathMetadataValue)
-    assert not [key for key, value in metadata.items() if isinstance(value, dg.UrlMetadataValue) and value.url.startswith("file:")]
+    assert not [
+        key
+        for key, value in metadata.items()
+        if isinstance(value, dg.UrlMetadataValue) and value.url.startswith("file:")
+    ]
     page = paths.report_dir / "index.html"
     assert metadata["report"].path == str(page.resolve())
     text = page.read_text()
@@ -118,7 +132,9 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
         ).fetchone()[0]
     assert playable == 2 and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
     examples = text.split("<h2>Reject examples</h2>", 1)[1].split("</section>", 1)[0]
-    assert examples.count('<img class="vad"') == examples.count("<td>no_speech</td>")  # the VAD decision for each no_speech reject
+    assert examples.count('<img class="vad"') == examples.count(
+        "<td>no_speech</td>"
+    )  # the VAD decision for each no_speech reject
 
 
 def test_rerunning_an_unchanged_partition_leaves_downstream_in_sync(built) -> None:
@@ -158,14 +174,23 @@ def test_changing_one_speakers_audio_makes_exactly_its_dependents_stale(built) -
     ).records
     tags = record.asset_materialization.tags
     assert tags["dagster/input_event_pointer/speaker_manifest"] == str(observed.storage_id)
-    assert tags["dagster/input_data_version/speaker_manifest"] == observed.asset_observation.tags["dagster/data_version"]
-    assert json.loads(paths.shard_files(speakers[0]).meta.read_text())["speaker_manifest_hash"] == observed.asset_observation.tags["dagster/data_version"]
+    assert (
+        tags["dagster/input_data_version/speaker_manifest"] == observed.asset_observation.tags["dagster/data_version"]
+    )
+    assert (
+        json.loads(paths.shard_files(speakers[0]).meta.read_text())["speaker_manifest_hash"]
+        == observed.asset_observation.tags["dagster/data_version"]
+    )
 
     materialize_in_process(defs, instance, "vad_features", [changed])
     assert data_version(instance, "vad_features", changed) == sha256_file(paths.shard_file(changed))
     # Dagster's staleness is about direct inputs whose data version changed: the assets that read
     # the shards (client_partitions reads cmvn_stats, whose version changes once it is rebuilt).
     stale = everything_in_sync(defs, instance, speakers)
-    readers = {"cmvn_stats", "dataset_stats", *(f"kmeans_targets[{c}]" for c in instance.get_dynamic_partitions("clients"))}
+    readers = {
+        "cmvn_stats",
+        "dataset_stats",
+        *(f"kmeans_targets[{c}]" for c in instance.get_dynamic_partitions("clients")),
+    }
     assert set(stale) == readers
     assert set(stale.values()) == {StaleStatus.STALE}

@@ -76,7 +76,9 @@ def test_unsafe_ids_from_a_csv_never_become_paths_or_partitions(tmp_path: Path, 
     assert shards == ["ok1.parquet", "ok1.rejects.parquet", "ok2.parquet", "ok2.rejects.parquet"]
 
 
-def test_bad_lines_and_bad_audio_of_a_csv_corpus_become_rejects_and_the_rest_is_published(tmp_path: Path, instance) -> None:
+def test_bad_lines_and_bad_audio_of_a_csv_corpus_become_rejects_and_the_rest_is_published(
+    tmp_path: Path, instance
+) -> None:
     import shutil
 
     import numpy as np
@@ -109,9 +111,16 @@ def test_bad_lines_and_bad_audio_of_a_csv_corpus_become_rejects_and_the_rest_is_
     assert sorted(pq.read_table(paths.manifest_file).column("utt_id").to_pylist()) == [f"u{i}" for i in range(6)]
     rejects = {r["utt_id"]: (r["reason"], r["detail"]) for r in pq.read_table(paths.rejects_file).to_pylist()}
     assert {k: reason for k, (reason, _) in rejects.items()} == {
-        "v0": "duplicate_audio", "line-9": "unreadable", "line-10": "unreadable", "wordy": "transcript_too_long", "nan": "unreadable",
+        "v0": "duplicate_audio",
+        "line-9": "unreadable",
+        "line-10": "unreadable",
+        "wordy": "transcript_too_long",
+        "nan": "unreadable",
     }
     assert rejects["v0"][1].startswith("the same decoded audio as u0 ")
-    assert rejects["line-9"][1].startswith("line 9: ") and rejects["line-10"][1] == "line 10: field 'transcript' contains a NUL byte"
+    assert (
+        rejects["line-9"][1].startswith("line 9: ")
+        and rejects["line-10"][1] == "line 10: field 'transcript' contains a NUL byte"
+    )
     assert "max_transcript_chars=40" in rejects["wordy"][1] and "NaN" in rejects["nan"][1]
     assert set(check_statuses(instance).values()) == {"SUCCEEDED"}

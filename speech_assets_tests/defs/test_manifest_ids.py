@@ -16,7 +16,14 @@ from speech_assets.defs.resources import ManifestSettings, PipelineSettings, Sto
 from speech_assets.testing.corpora import LibriCorpus, write_flac
 from speech_assets.testing.local_runs import materialize_in_process
 
-BAD = {"parent": "../../x", "sidecar": "a.rejects", "dot": "spk.1", "empty": "", "300-chars": "s" * 300, "non-ascii": "spk_é"}
+BAD = {
+    "parent": "../../x",
+    "sidecar": "a.rejects",
+    "dot": "spk.1",
+    "empty": "",
+    "300-chars": "s" * 300,
+    "non-ascii": "spk_é",
+}
 GOOD_SPEAKERS = ["g1", "g2"]
 
 
@@ -26,13 +33,22 @@ def manifest_file_corpus(root: Path, suffix: str) -> tuple[Path, int]:
         write_flac(root / f"{speaker}.flac", seed=10 + index)
     write_flac(root / "bad.flac", seed=1)
     write_flac(root / "b.a.d.flac", seed=2)  # an empty utt_id falls back to this file name
-    records = [{"path": f"{s}.flac", "transcript": "fine", "speaker_id": s, "utt_id": f"{s}-u", "chapter_id": "c"} for s in GOOD_SPEAKERS]
+    records = [
+        {"path": f"{s}.flac", "transcript": "fine", "speaker_id": s, "utt_id": f"{s}-u", "chapter_id": "c"}
+        for s in GOOD_SPEAKERS
+    ]
     bad_rows = 0
     for field in ("speaker_id", "chapter_id", "utt_id"):
         for name, value in BAD.items():
             if field == "chapter_id" and value == "":
                 continue  # optional: empty means chapter "0"
-            record = {"path": "bad.flac", "transcript": "bad", "speaker_id": "b1", "utt_id": f"{field}-{name}", "chapter_id": "c"}
+            record = {
+                "path": "bad.flac",
+                "transcript": "bad",
+                "speaker_id": "b1",
+                "utt_id": f"{field}-{name}",
+                "chapter_id": "c",
+            }
             record[field] = value
             if field == "utt_id" and value == "":
                 record["path"] = "b.a.d.flac"
@@ -53,8 +69,15 @@ def librispeech_corpus(root: Path) -> tuple[Path, int]:
     libri = LibriCorpus(root)
     for speaker in GOOD_SPEAKERS:
         libri.add(speaker, "10", 0)
-    bad_files = [("a.rejects", "10", "a.rejects-10-0001"), ("spk_é", "10", "spk_é-10-0001"), ("7", "10", "-10-0001"),
-                 ("7", "10.x", "7-10.x-0001"), ("7", "10", "7--0001"), ("7", "10", "7-10-0001.rejects"), ("7", "10", "7-10-é")]
+    bad_files = [
+        ("a.rejects", "10", "a.rejects-10-0001"),
+        ("spk_é", "10", "spk_é-10-0001"),
+        ("7", "10", "-10-0001"),
+        ("7", "10.x", "7-10.x-0001"),
+        ("7", "10", "7--0001"),
+        ("7", "10", "7-10-0001.rejects"),
+        ("7", "10", "7-10-é"),
+    ]
     for speaker, chapter, stem in bad_files:
         write_flac(libri.chapter_dir(speaker, chapter) / f"{stem}.flac")
         libri.add_line(speaker, chapter, stem, "BAD")
@@ -81,5 +104,7 @@ def test_unsafe_ids_are_rejected_and_never_reach_a_path_or_partition(tmp_path: P
     # the run wrote its own files and nothing else, anywhere
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     ours = [p for p in written if not p.startswith(("data/corpus/", "dagster_home/"))]
-    assert ours == [f"data/out/manifest/{name}" for name in
-                    (".publish.lock", "decode_cache.parquet", "manifest.parquet", "rejects.parquet", "speakers.parquet")]
+    assert ours == [
+        f"data/out/manifest/{name}"
+        for name in (".publish.lock", "decode_cache.parquet", "manifest.parquet", "rejects.parquet", "speakers.parquet")
+    ]

@@ -36,18 +36,27 @@ def trained(sample_build: dict):
     """The sample build with a 40-step iteration-1 checkpoint; yields (out, defs, instance)."""
     out, defs = sample_build["out"], sample_build["defs"]
     with dg.DagsterInstance.from_config(str(sample_build["home"])) as instance:
-        materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": SHORT}}})
+        materialize_in_process(
+            defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": SHORT}}}
+        )
         yield out, defs, instance
 
 
 @pytest.fixture(scope="module")
 def evaluated(trained):
     out, defs, instance = trained
-    materialize_in_process(defs, instance, "distilled_checkpoint", run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}})
+    materialize_in_process(
+        defs,
+        instance,
+        "distilled_checkpoint",
+        run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}},
+    )
     materialize_in_process(defs, instance, "encoder_export")
     # two probe seeds and one lr: a third of the default's probes, still a mean and a spread per model
     probe = {"steps": 40, "seeds": [0, 1], "lrs": [0.01]}
-    materialize_in_process(defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": probe}}})
+    materialize_in_process(
+        defs, instance, "downstream_probe", run_config={"ops": {"downstream_probe": {"config": probe}}}
+    )
     materialize_in_process(defs, instance, "dataset_stats")
     return trained
 
@@ -57,10 +66,16 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
     clients = list(instance.get_dynamic_partitions("clients"))  # a range runs in registration order
     materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
     materialize_in_process(
-        defs, instance, "pretrained_checkpoint_iter2",
+        defs,
+        instance,
+        "pretrained_checkpoint_iter2",
         run_config={"ops": {"pretrained_checkpoint_iter2": {"config": {"max_steps": 20, "checkpoint_every": 10}}}},
-    )  # fmt: skip
-    event = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint_iter2"), limit=1).records[0].asset_materialization
+    )
+    event = (
+        instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint_iter2"), limit=1)
+        .records[0]
+        .asset_materialization
+    )
     (teacher,) = [json.loads(p.read_text()) for p in (out / "training").glob("*/result.json")]
     for client_dir in sorted((out / "kmeans_iter2").glob("client_*")):
         quality = json.loads((client_dir / "quality.json").read_text())
@@ -69,7 +84,9 @@ def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained
         assert 1 < quality["k"] <= 500 and quality["perplexity"] > 1
         labels = read_labels(client_dir / "labels.parquet")
         for speaker in quality["speakers"]:
-            shard = pq.read_table(out / "features" / "shards" / f"{speaker}.parquet", columns=["utt_id", "num_frames"]).to_pylist()
+            shard = pq.read_table(
+                out / "features" / "shards" / f"{speaker}.parquet", columns=["utt_id", "num_frames"]
+            ).to_pylist()
             for row in shard:  # one label per 50 Hz encoder frame
                 assert len(labels[row["utt_id"]]) == (row["num_frames"] + 1) // 2
     (result,) = [json.loads(p.read_text()) for p in (out / "training_iter2").glob("*/result.json")]
@@ -90,15 +107,28 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
         line = next(line for line in standing.splitlines() if line.startswith(f"- {encoder}:"))
         assert re.search(r"fbank [+-]\d\.\d{3} \[", line) and re.search(r"random [+-]\d\.\d{3} \[", line), line
         # the sample holds out one speaker: whatever the verdict, it is indicative only
-        assert re.search(r"(better than|worse than|no evidence against) .*\(indicative only: 1 held-out speaker", line), line
+        assert re.search(
+            r"(better than|worse than|no evidence against) .*\(indicative only: 1 held-out speaker", line
+        ), line
     assert "Indicative only here" in standing
     for name in ("utterances.parquet", "leaderboard.parquet"):
         assert (out / "probe" / name).is_file()
     table = pq.read_table(out / "probe" / "results.parquet")
     assert table.column_names == [
-        "model", "checkpoint_sha256", "probe", "layer_weights", "split", "cer", "wer", "utterances", "steps",
-        "seed", "normalisation", "speakers", "lr",
-    ]  # fmt: skip
+        "model",
+        "checkpoint_sha256",
+        "probe",
+        "layer_weights",
+        "split",
+        "cer",
+        "wer",
+        "utterances",
+        "steps",
+        "seed",
+        "normalisation",
+        "speakers",
+        "lr",
+    ]
     assert all(r["lr"] == 0.01 for r in table.to_pylist())  # each model's, chosen from the run's lrs
     rows = table.to_pylist()
     assert sorted({r["seed"] for r in rows}) == [0, 1]  # every model over the same probe seeds
@@ -116,7 +146,11 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     # each encoder read its input as it was trained: per utterance by default
     assert {r["normalisation"] for r in rows} == {"utterance"}
     # every checkpoint asset that exists: iteration 2 when its test ran first, federated when built
-    assert {"fbank", "random", "pretrained", "distilled"} <= set(heldout) <= {"fbank", "random", "pretrained", "distilled", "iteration2", "federated"}
+    assert (
+        {"fbank", "random", "pretrained", "distilled"}
+        <= set(heldout)
+        <= {"fbank", "random", "pretrained", "distilled", "iteration2", "federated"}
+    )
     for model, row in heldout.items():
         assert 0 <= row["cer"] <= 2 and row["utterances"] > 0, model
         assert abs(sum(row["layer_weights"]) - 1) < 1e-3, model
@@ -125,7 +159,9 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
     assert len(heldout["fbank"]["layer_weights"]) == 1 and len(heldout["pretrained"]["layer_weights"]) == 5
     con = duckdb.connect(str(out / "stats.duckdb"), read_only=True)
     try:
-        in_db = con.execute("SELECT model, cer FROM probe_results WHERE split = 'heldout' AND seed = 0 ORDER BY model").fetchall()
+        in_db = con.execute(
+            "SELECT model, cer FROM probe_results WHERE split = 'heldout' AND seed = 0 ORDER BY model"
+        ).fetchall()
     finally:
         con.close()
     assert in_db == sorted((m, r["cer"]) for m, r in heldout.items())
@@ -139,7 +175,9 @@ def test_every_model_is_one_mlflow_experiment_linked_to_its_dagster_run(evaluate
 
     out, defs, instance = evaluated
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    experiments = {e.experiment_id: e.name for e in client.search_experiments() if client.search_runs([e.experiment_id])}
+    experiments = {
+        e.experiment_id: e.name for e in client.search_experiments() if client.search_runs([e.experiment_id])
+    }
     assert set(experiments.values()) == {"speech_assets"}
     for asset, mode in (("pretrained_checkpoint", "centralised"), ("distilled_checkpoint", "distilled")):
         record = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records[0]
@@ -151,7 +189,11 @@ def test_every_model_is_one_mlflow_experiment_linked_to_its_dagster_run(evaluate
         assert url.value == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
         assert {"probe/cer", "probe/wer", "probe/cer_std"} <= set(run.data.metrics), sorted(run.data.metrics)
         assert not any(name.startswith("final.") for name in run.data.metrics)
-    metadata = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0].asset_materialization.metadata
+    metadata = (
+        instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1)
+        .records[0]
+        .asset_materialization.metadata
+    )
     run_id = metadata["mlflow_run_id"].value
     # SHORT: 40 steps, a checkpoint (and a held-out evaluation) every 20
     assert [m.step for m in client.get_metric_history(run_id, "val/leak_free_masked_accuracy")] == [20, 40]
@@ -178,7 +220,9 @@ def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
     script = tmp_path / "embed.py"
     script.write_text(example)
     flac = next(SAMPLE_CORPUS.rglob("*.flac"))
-    proc = subprocess.run([sys.executable, str(script), str(folder), str(flac)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(folder), str(flac)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f", {spec['preset']['dim']})" in proc.stdout
 
@@ -205,7 +249,9 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
     assert sound.metadata["utterances"].value == 4 and sound.metadata["torchscript_max_abs_diff"].value <= 1e-4
 
     model = onnx.load(str(folder / "encoder.onnx"))
-    weight = max((t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT), key=lambda t: np.prod(t.dims))
+    weight = max(
+        (t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT), key=lambda t: np.prod(t.dims)
+    )
     weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + np.float32(0.05), weight.name))
     onnx.save(model, str(folder / "encoder.onnx"))
     drifted = export_parity(folder, shards, 4)
@@ -222,16 +268,26 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
 
     # as Dagster runs it: the latest materialization names the folder (and its recorded diff, 0)
     with dg.instance_for_test() as instance:
-        instance.report_runless_asset_event(dg.AssetMaterialization("encoder_export", metadata={
-            "description": dg.MetadataValue.path(str(folder / "encoder.json")), "max_abs_diff": 0.0,
-        }))  # fmt: skip
-        result = onnx_matches_pytorch(dg.build_asset_check_context(instance=instance), paths=paths, settings=PipelineSettings())
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "encoder_export",
+                metadata={
+                    "description": dg.MetadataValue.path(str(folder / "encoder.json")),
+                    "max_abs_diff": 0.0,
+                },
+            )
+        )
+        result = onnx_matches_pytorch(
+            dg.build_asset_check_context(instance=instance), paths=paths, settings=PipelineSettings()
+        )
     assert not result.passed and "TorchScript differs" in result.description
 
 
 def test_distilled_student_is_smaller_and_faster(evaluated) -> None:
     _, _, instance = evaluated
-    event = instance.fetch_materializations(dg.AssetKey("distilled_checkpoint"), limit=1).records[0].asset_materialization
+    event = (
+        instance.fetch_materializations(dg.AssetKey("distilled_checkpoint"), limit=1).records[0].asset_materialization
+    )
     meta = {k: v.value for k, v in event.metadata.items()}
     assert meta["student_parameters"] < meta["teacher_parameters"]
     # half the width and depth, timed on the same utterances (best of 2 rounds each): faster
@@ -253,11 +309,15 @@ def test_every_model_reaches_the_stats_database_the_report_and_lineage(evaluated
     ran = {kind for kind, folder in folders.items() if list((out / folder).glob("*/result.json"))}
     assert {"centralised", "distilled"} <= ran
     with duckdb.connect(str(out / "stats.duckdb"), read_only=True) as con:
-        rows = con.execute("SELECT kind, step, sha256, mlflow_run_id, manifest_hash, git_commit, dagster_run_id, path FROM checkpoints").fetchall()
+        rows = con.execute(
+            "SELECT kind, step, sha256, mlflow_run_id, manifest_hash, git_commit, dagster_run_id, path FROM checkpoints"
+        ).fetchall()
         assert {r[0] for r in con.execute("SELECT kind FROM training_runs").fetchall()} == ran
         (parity,) = con.execute("SELECT max_abs_diff FROM exports").fetchall()
         (speedup,) = con.execute("SELECT speedup FROM distillation").fetchall()
-    assert {r[0] for r in rows} == ran and all(r[1] and len(r[2]) == 64 and r[3] and len(r[4]) == 64 and r[5] and r[6] for r in rows)
+    assert {r[0] for r in rows} == ran and all(
+        r[1] and len(r[2]) == 64 and r[3] and len(r[4]) == 64 and r[5] and r[6] for r in rows
+    )
     assert 0 <= parity[0] < 1e-4 and speedup[0] > 1
     page = (out / "report" / "index.html").read_text()
     assert "Export parity" in page and "Distilled student" in page and all(f"<td>{kind}</td>" in page for kind in ran)
@@ -269,7 +329,14 @@ def test_every_model_reaches_the_stats_database_the_report_and_lineage(evaluated
 
 
 # fine-tuning at test budgets: one labelled budget, one seed, pretrained and scratch (two runs)
-FINETUNE = {"labelled_minutes": [1.0], "seeds": [0], "max_steps": 300, "freeze_steps": 50, "checkpoint_every": 100, "batch_seconds": 8.0}
+FINETUNE = {
+    "labelled_minutes": [1.0],
+    "seeds": [0],
+    "max_steps": 300,
+    "freeze_steps": 50,
+    "checkpoint_every": 100,
+    "batch_seconds": 8.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +370,11 @@ def test_finetuning_lowers_ctc_loss_and_beats_an_untrained_head(finetuned) -> No
     start = FinetuneConfig.from_dict(config)
     model, _, cmvn = build_model(start)
     index = transcribed_index(start.shards, labelled["heldout"])
-    untrained = score_rows(model.eval(), {"heldout": TranscribedDataset(index, index.utterances, cmvn, labelled["heldout"])}, torch.device("cpu"))
+    untrained = score_rows(
+        model.eval(),
+        {"heldout": TranscribedDataset(index, index.utterances, cmvn, labelled["heldout"])},
+        torch.device("cpu"),
+    )
     tuned = next(r for r in result["scores"] if r["split"] == "heldout" and r["decoder"] == "greedy")
     assert tuned["cer"] < untrained[0]["cer"] and tuned["cer"] < 0.95, (tuned, untrained)
     # what was fine-tuned is the pretrained encoder: its weights moved after the frozen steps
@@ -316,15 +387,30 @@ def test_finetuning_lowers_ctc_loss_and_beats_an_untrained_head(finetuned) -> No
 def test_finetune_results_table_verdict_and_labelled_split(finetuned) -> None:
     out, _, instance = finetuned
     table = pq.read_table(out / "finetune" / "results.parquet")
-    assert table.column_names[:9] == ["model", "labelled_minutes", "seed", "decoder", "split", "cer", "wer", "utterances", "steps"]
+    assert table.column_names[:9] == [
+        "model",
+        "labelled_minutes",
+        "seed",
+        "decoder",
+        "split",
+        "cer",
+        "wer",
+        "utterances",
+        "steps",
+    ]
     rows = table.to_pylist()
     assert {r["model"] for r in rows} == {"pretrained", "scratch"}
     assert {r["split"] for r in rows} == {"train", "heldout"} and {r["steps"] for r in rows} == {FINETUNE["max_steps"]}
     assert {r["decoder"] for r in rows} == {"greedy", "beam_3gram"}  # flashlight-text is a dependency
     event = instance.fetch_materializations(dg.AssetKey("finetuned_asr"), limit=1).records[0].asset_materialization
     verdict = event.metadata["verdict"].value
-    assert re.search(r"^- pretrained: 1 min: CER .* vs scratch .*(beats scratch|loses to scratch|too small to tell)", verdict, re.M), verdict
-    assert "| scratch |" in event.metadata["results"].value and event.metadata["input_versions"].value["pretrained_checkpoint"]
+    assert re.search(
+        r"^- pretrained: 1 min: CER .* vs scratch .*(beats scratch|loses to scratch|too small to tell)", verdict, re.M
+    ), verdict
+    assert (
+        "| scratch |" in event.metadata["results"].value
+        and event.metadata["input_versions"].value["pretrained_checkpoint"]
+    )
     clients = pq.read_table(out / "clients" / "clients.parquet").to_pylist()
     heldout = {r["speaker_id"] for r in clients if r["heldout"]}
     for init in ("pretrained", "scratch"):
@@ -354,11 +440,22 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
     good = sorted(SAMPLE_CORPUS.rglob("*.flac"))[:2]
     audio, rate = decode(good[0])
     wrong_rate = tmp_path / "slow-8k.wav"
-    sf.write(wrong_rate, __import__("torchaudio").functional.resample(torch.from_numpy(audio[0]), rate, 8000).numpy(), 8000)
+    sf.write(
+        wrong_rate, __import__("torchaudio").functional.resample(torch.from_numpy(audio[0]), rate, 8000).numpy(), 8000
+    )
     corrupt = tmp_path / "corrupt.flac"
     corrupt.write_bytes(b"fLaC" + bytes(range(256)) * 4)
     env = {**__import__("os").environ, "SPEECH_ASSETS_DATA_DIR": str(out)}
-    command = [sys.executable, "-m", "speech_assets.cli", "transcribe", str(good[0]), str(corrupt), str(wrong_rate), str(good[1])]
+    command = [
+        sys.executable,
+        "-m",
+        "speech_assets.cli",
+        "transcribe",
+        str(good[0]),
+        str(corrupt),
+        str(wrong_rate),
+        str(good[1]),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -369,11 +466,20 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
         assert float(seconds) > 0.5 and set(text) <= set(" 'ABCDEFGHIJKLMNOPQRSTUVWXYZ"), line
     # the resampled copy reads like the original (the pipeline resamples the same way)
     assert lines[2].split("\t")[2] == lines[0].split("\t")[2]
-    machine = subprocess.run([*command[:4], str(good[0]), "--json"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    machine = subprocess.run(
+        [*command[:4], str(good[0]), "--json"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
     assert machine.returncode == 0, machine.stderr[-3000:]
     row = json.loads(machine.stdout)
     assert row["id"] == good[0].stem and row["error"] is None and row["text"] == lines[0].split("\t")[1]
-    missing = subprocess.run([*command[:4], str(good[0]), "--model", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    missing = subprocess.run(
+        [*command[:4], str(good[0]), "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert missing.returncode == 1 and "no recogniser" in missing.stderr
 
 
@@ -390,8 +496,18 @@ def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
     config, _ = _finetune_run(finetuned[0], "pretrained")
     shas = {}
     for name in ("straight", "killed"):
-        run = FinetuneConfig.from_dict({**config, "run_dir": str(tmp_path / name), "max_steps": 12, "freeze_steps": 4,
-                                        "checkpoint_every": 4, "decoders": ["greedy"], "mlflow_tracking_uri": None, "threads": 1})  # fmt: skip
+        run = FinetuneConfig.from_dict(
+            {
+                **config,
+                "run_dir": str(tmp_path / name),
+                "max_steps": 12,
+                "freeze_steps": 4,
+                "checkpoint_every": 4,
+                "decoders": ["greedy"],
+                "mlflow_tracking_uri": None,
+                "threads": 1,
+            }
+        )
         (tmp_path / name).mkdir()
         path = tmp_path / name / "config.json"
         run.to_json(path)
@@ -399,7 +515,9 @@ def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
         if name == "killed":
             marker = tmp_path / "held"
-            worker = subprocess.Popen(command, env={**env, FAULTS_ENV: fault("train.step", "hold", step=6, marker=marker)}, cwd=REPO)
+            worker = subprocess.Popen(
+                command, env={**env, FAULTS_ENV: fault("train.step", "hold", step=6, marker=marker)}, cwd=REPO
+            )
             deadline = time.monotonic() + 300
             while not marker.is_file() and worker.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -430,7 +548,10 @@ def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_pa
         handle.write(json.dumps({"step": 999, "loss": float("nan")}) + "\n")
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri="sqlite://")
     with dg.instance_for_test() as fresh:
-        fresh.report_runless_asset_event(dg.AssetMaterialization("finetuned_asr", metadata={
-            "run_dirs": dg.MetadataValue.json({"pretrained/1min/seed0": str(broken)})}))  # fmt: skip
+        fresh.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "finetuned_asr", metadata={"run_dirs": dg.MetadataValue.json({"pretrained/1min/seed0": str(broken)})}
+            )
+        )
         verdict = finetuning_is_sound(dg.build_asset_check_context(instance=fresh), paths=paths)
     assert not verdict.passed and "pretrained/1min/seed0: metrics.jsonl loss: 1 of" in verdict.description

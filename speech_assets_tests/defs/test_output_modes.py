@@ -54,17 +54,32 @@ def test_every_output_of_a_real_run_honours_the_umask(tmp_path: Path) -> None:
     env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", RUN_GRAPH, str(tmp_path / "corpus"), str(out)],
-        env=env, cwd=REPO, umask=umask, capture_output=True, text=True, timeout=600,
+        env=env,
+        cwd=REPO,
+        umask=umask,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     files = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
     folders = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_dir()}
     # what the run must have written, one of each kind (parquet, npz, npy, json, duckdb, lock)
-    for expected in ("manifest/manifest.parquet", "manifest/rejects.parquet", "manifest/speakers.parquet",
-                     "manifest/decode_cache.parquet", "features/shards/1.parquet", "features/shards/1.stats.npz",
-                     "features/shards/1.meta.json", "cmvn/cmvn.npz", "clients/clients.parquet",
-                     "kmeans/client_00/codebook.npy", "kmeans/client_00/labels.parquet", "stats.duckdb"):
+    for expected in (
+        "manifest/manifest.parquet",
+        "manifest/rejects.parquet",
+        "manifest/speakers.parquet",
+        "manifest/decode_cache.parquet",
+        "features/shards/1.parquet",
+        "features/shards/1.stats.npz",
+        "features/shards/1.meta.json",
+        "cmvn/cmvn.npz",
+        "clients/clients.parquet",
+        "kmeans/client_00/codebook.npy",
+        "kmeans/client_00/labels.parquet",
+        "stats.duckdb",
+    ):
         assert expected in files, sorted(files)
     assert {name: mode for name, mode in files.items() if mode != 0o666 & ~umask} == {}
     assert {name: mode for name, mode in folders.items() if mode != 0o777 & ~umask} == {}

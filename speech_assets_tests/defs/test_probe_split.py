@@ -17,9 +17,18 @@ TRAIN = ["s1", "s3", "s4"]
     [
         ({"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}}, ["s2", "s5"]),
         # an encoder that held out fewer (here: trained on a subset) narrows nothing it did not see
-        ({"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}, "federated": {"train": ["s1"], "heldout": ["s2", "s5"]}}, ["s2", "s5"]),
+        (
+            {
+                "pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]},
+                "federated": {"train": ["s1"], "heldout": ["s2", "s5"]},
+            },
+            ["s2", "s5"],
+        ),
         # an encoder that held out only one of them: the probe tests on the one every encoder held out
-        ({"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}, "distilled": {"train": TRAIN, "heldout": ["s2"]}}, ["s2"]),
+        (
+            {"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}, "distilled": {"train": TRAIN, "heldout": ["s2"]}},
+            ["s2"],
+        ),
     ],
     ids=["one encoder", "a smaller training set", "intersection"],
 )
@@ -35,8 +44,14 @@ def test_test_speakers_are_held_out_by_every_encoder(recorded: dict, test: list[
     ("recorded", "message"),
     [
         ({"pretrained": {"train": [*TRAIN, "s5"], "heldout": ["s2"]}}, r"trained on the held-out speakers \['s5'\]"),
-        ({"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}, "federated": None}, "records no training/held-out speakers"),
-        ({"pretrained": {"train": TRAIN, "heldout": ["s2"]}, "federated": {"train": TRAIN, "heldout": ["s5"]}}, "no speaker is held out"),
+        (
+            {"pretrained": {"train": TRAIN, "heldout": ["s2", "s5"]}, "federated": None},
+            "records no training/held-out speakers",
+        ),
+        (
+            {"pretrained": {"train": TRAIN, "heldout": ["s2"]}, "federated": {"train": TRAIN, "heldout": ["s5"]}},
+            "no speaker is held out",
+        ),
     ],
     ids=["leak", "no record", "nothing in common"],
 )
@@ -57,10 +72,20 @@ def test_the_leaderboard_is_a_dagster_table_with_its_column_schema() -> None:
         for seed in range(2):
             wrong = np.full(30, errors, dtype=np.int64)
             wrong[:seed] += 1  # the seeds differ by one character
-            held = HeldoutErrors(tuple(f"u{i}" for i in range(30)), tuple(f"h{i % speakers}" for i in range(30)),
-                                 wrong, np.full(30, 20), wrong // 4, np.full(30, 5))  # fmt: skip
+            held = HeldoutErrors(
+                tuple(f"u{i}" for i in range(30)),
+                tuple(f"h{i % speakers}" for i in range(30)),
+                wrong,
+                np.full(30, 20),
+                wrong // 4,
+                np.full(30, 5),
+            )
             cer = float(wrong.sum() / 600)
-            found.append(ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer, 30, 60, seed, "utterance", speakers, errors=held))
+            found.append(
+                ProbeResult(
+                    model, "", "linear", [1.0], "heldout", cer, cer, 30, 60, seed, "utterance", speakers, errors=held
+                )
+            )
         return found
 
     board = leaderboard(rows("fbank", 12, 1) + rows("random", 16, 1) + rows("pretrained", 8, 1))

@@ -17,9 +17,9 @@ import dagster as dg
 import pytest
 import yaml
 
-from speech_assets.runtime import waiting
 from speech_assets.defs.dagster_internals import stop_forkserver
 from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes
+from speech_assets.runtime import waiting
 from speech_assets.runtime.processes import process_start_time
 from speech_assets_tests.conftest import REPO
 
@@ -33,7 +33,9 @@ def wait_until(predicate, timeout_s: float, what: str, services: list[subprocess
 
     def check() -> bool:
         for service in services:
-            assert service.poll() is None, f"{service.args[:3]} exited with {service.returncode} while waiting for {what}"
+            assert service.poll() is None, (
+                f"{service.args[:3]} exited with {service.returncode} while waiting for {what}"
+            )
         return predicate()
 
     waiting.wait_until(check, timeout_s, what, interval=0.5)
@@ -68,9 +70,13 @@ def instance_with_daemon(tmp_path_factory: pytest.TempPathFactory):
 
     def start(*args: str) -> subprocess.Popen:
         process = subprocess.Popen(
-            [str(BIN / args[0]), *args[1:]], env=env, cwd=REPO, start_new_session=True,
-            stdout=open(tmp_path / f"{args[0]}-{len(started)}.log", "w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [str(BIN / args[0]), *args[1:]],
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+            stdout=open(tmp_path / f"{args[0]}-{len(started)}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         started.append(process)
         return process
 
@@ -101,7 +107,9 @@ def run_of(instance: dg.DagsterInstance, asset: str) -> dg.DagsterRun:
 def test_the_daemon_leaves_a_live_multi_step_run_alone_and_its_slot_serialises_trainers(instance_with_daemon) -> None:
     instance, start, daemon, log = instance_with_daemon
     first = materialize(start, "short_training", "slow_evaluation", "second_training")
-    wait_until(lambda: any(e["step"] == "short_training" for e in events(log)), 180, "the first training step", [daemon])
+    wait_until(
+        lambda: any(e["step"] == "short_training" for e in events(log)), 180, "the first training step", [daemon]
+    )
     second = materialize(start, "other_training")  # a second trainer, while the first holds the slot
     assert first.wait(timeout=300) == 0
     assert second.wait(timeout=300) == 0
@@ -120,7 +128,8 @@ def test_the_daemon_leaves_a_live_multi_step_run_alone_and_its_slot_serialises_t
     worker = [p for p in recorded_processes(instance.get_run_by_id(run.run_id)) if p.encode() == tags[PROCESS_TAG]]
     assert worker and worker[0].pid not in {e["pid"] for e in found}
     assert {k for k in tags if k.startswith(STEP_PROCESS_TAG_PREFIX)} == {
-        STEP_PROCESS_TAG_PREFIX + "short_training", STEP_PROCESS_TAG_PREFIX + "second_training"
+        STEP_PROCESS_TAG_PREFIX + "short_training",
+        STEP_PROCESS_TAG_PREFIX + "second_training",
     }
     # one trainer at a time: the second run's training waited for the first's slot
     trainers = sorted(span(found, step) for step in ("short_training", "other_training", "second_training"))
@@ -138,7 +147,10 @@ def test_the_daemon_fails_a_kill_9d_run_and_frees_its_slot(instance_with_daemon)
     os.killpg(doomed.pid, signal.SIGKILL)  # the CLI (run worker), its forkserver and the step
     doomed.wait()
     wait_until(
-        lambda: instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE, 120, "the daemon to fail the run", [daemon]
+        lambda: instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE,
+        120,
+        "the daemon to fail the run",
+        [daemon],
     )
     wait_until(lambda: not instance.event_log_storage.get_concurrency_run_ids(), 120, "its slot to be freed", [daemon])
     (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
@@ -180,7 +192,9 @@ def frozen_heap_job() -> dg.JobDefinition:
     from speech_assets.defs.runs import reaping_multiprocess_executor
 
     job = dg.define_asset_job("frozen_heap_job", selection=[records_the_frozen_heap])
-    return dg.Definitions(assets=[records_the_frozen_heap], jobs=[job], executor=reaping_multiprocess_executor).resolve_job_def("frozen_heap_job")
+    return dg.Definitions(
+        assets=[records_the_frozen_heap], jobs=[job], executor=reaping_multiprocess_executor
+    ).resolve_job_def("frozen_heap_job")
 
 
 def test_a_run_in_its_worker_keeps_the_loaded_heap_out_of_garbage_collection(instance: dg.DagsterInstance) -> None:

@@ -29,10 +29,16 @@ def speak(corpus: LibriCorpus, speaker: str, seed: int, line: bool = True) -> No
     utt_id = f"{speaker}-c1-0000"
     if line:
         corpus.add_line(speaker, "c1", utt_id, "A VOWEL")
-    sf.write(corpus.chapter_dir(speaker, "c1") / f"{utt_id}.flac", with_silence(0.2, 0.8 + seed % 5 * 0.05, 0.2, seed=seed), 16_000)
+    sf.write(
+        corpus.chapter_dir(speaker, "c1") / f"{utt_id}.flac",
+        with_silence(0.2, 0.8 + seed % 5 * 0.05, 0.2, seed=seed),
+        16_000,
+    )
 
 
-def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
     corpus = LibriCorpus(tmp_path / "corpus")
     for index in range(SPEAKERS):
         speak(corpus, f"s{index:03d}", seed=index)
@@ -70,8 +76,13 @@ def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(tmp_path
     assert not staleness.cmvn_inputs_are_current(paths=paths).passed
     assert not staleness.targets_inputs_are_current(paths=paths).passed
     env = {**os.environ, "SPEECH_ASSETS_DATA_DIR": paths.data_dir, "SPEECH_ASSETS_CORPUS": paths.corpus}
-    cli = subprocess.run([str(Path(sys.executable).parent / "speech-assets"), "lineage", "--stale", "--json"],
-                         env=env, capture_output=True, text=True, cwd=REPO)
+    cli = subprocess.run(
+        [str(Path(sys.executable).parent / "speech-assets"), "lineage", "--stale", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert cli.returncode == 3 and json.loads(cli.stdout) == report
 
     build("cmvn_stats")

@@ -49,26 +49,41 @@ def test_every_kind_of_model_reaches_checkpoints_training_runs_and_the_cli(tmp_p
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     paths.manifest_dir.mkdir(parents=True)
     pq.write_table(pa.table({"utt_id": ["a-1-0"], "speaker_id": ["a"], "duration_s": [1.0]}), paths.manifest_file)
-    pq.write_table(pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), paths.rejects_file)
+    pq.write_table(
+        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
+        paths.rejects_file,
+    )
     model_runs(paths.root)
     (paths.root / "federated" / "failed-run").mkdir()  # a run that never finished: no result.json, not a checkpoint
     build_database(paths.stats_db, _inputs(paths))
     import duckdb
 
     with duckdb.connect(str(paths.stats_db), read_only=True) as con:
-        rows = con.execute("SELECT kind, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit FROM checkpoints ORDER BY kind").fetchall()
+        rows = con.execute(
+            "SELECT kind, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit FROM checkpoints ORDER BY kind"
+        ).fetchall()
         runs = con.execute("SELECT kind, steps FROM training_runs ORDER BY kind").fetchall()
         assert con.execute("SELECT max_abs_diff FROM exports").fetchall() == [(3.2e-6,)]
         assert con.execute("SELECT speedup FROM distillation").fetchall() == [(3.456,)]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("centralised", 300, "step"), ("distilled", 40, "step"), ("federated", 3, "round"), ("iteration2", 20, "step"),
-    ]  # fmt: skip
+        ("centralised", 300, "step"),
+        ("distilled", 40, "step"),
+        ("federated", 3, "round"),
+        ("iteration2", 20, "step"),
+    ]
     assert all(len(r[3]) == 64 and len(r[4]) == 32 and r[5] == "9" * 64 for r in rows)
-    assert rows[2][4] == "f" * 32 and rows[2][6] == "a" * 40  # the federated run's MLflow run and commit, from its provenance
+    assert (
+        rows[2][4] == "f" * 32 and rows[2][6] == "a" * 40
+    )  # the federated run's MLflow run and commit, from its provenance
     assert runs == [("centralised", 300), ("distilled", 40), ("federated", 3), ("iteration2", 20)]
 
     assert cli.main(["stats", "--db", str(paths.stats_db)]) == 0
     out = capsys.readouterr().out
-    for line in ("centralised model: 300 steps", "federated model: 3 rounds", "distilled model: 40 steps", "iteration2 model: 20 steps"):
+    for line in (
+        "centralised model: 300 steps",
+        "federated model: 3 rounds",
+        "distilled model: 40 steps",
+        "iteration2 model: 20 steps",
+    ):
         assert line in out
     assert "3.46x the teacher" in out and "ONNX max |diff| 3.2e-06" in out and "0.03368966634272757" not in out

@@ -27,7 +27,9 @@ def kmeans_config(refit_growth: float) -> dict:
 def world(tmp_path: Path, instance: dg.DagsterInstance):
     corpus = tmp_path / "corpus"
     shutil.copytree(SAMPLE_CORPUS, corpus)
-    paths = StoragePaths(corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    paths = StoragePaths(
+        corpus=str(corpus), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db"
+    )
     yield build_definitions(paths), instance, paths, corpus
     instance.dispose()
 
@@ -87,8 +89,7 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
     import numpy as np
     import pyarrow as pa
 
-    from speech_assets.corpus.clients import CLIENTS_SCHEMA
-    from speech_assets.corpus.clients import read_clients
+    from speech_assets.corpus.clients import CLIENTS_SCHEMA, read_clients
     from speech_assets.targets.checks import label_problems
     from speech_assets.targets.labels import UtteranceLabels, write_labels
 
@@ -96,16 +97,27 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
     frames = {"s1": {"s1-c-0": 9, "s1-c-1": 4}, "s2": {"s2-c-0": 0}}
     paths.shards_dir.mkdir(parents=True)
     for speaker, utterances in frames.items():
-        pq.write_table(pa.table({"utt_id": list(utterances), "num_frames": list(utterances.values())}), paths.shard_file(speaker))
-    rows = [{"speaker_id": s, "client_id": "client_00", "hours": 0.0, "utterances": len(u), "heldout": False} for s, u in frames.items()]
+        pq.write_table(
+            pa.table({"utt_id": list(utterances), "num_frames": list(utterances.values())}), paths.shard_file(speaker)
+        )
+    rows = [
+        {"speaker_id": s, "client_id": "client_00", "hours": 0.0, "utterances": len(u), "heldout": False}
+        for s, u in frames.items()
+    ]
     paths.clients_file.parent.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=CLIENTS_SCHEMA), paths.clients_file)
     out = paths.kmeans_dir("client_00")
     out.mkdir(parents=True)
     np.save(out / "codebook.npy", np.zeros((8, 39), np.float32))
-    labels = {"s1-c-0": np.array([0, 1, 7, 3, 2], np.int16), "s1-c-1": np.array([1, 8], np.int16), "s2-c-0": np.zeros(0, np.int16)}
+    labels = {
+        "s1-c-0": np.array([0, 1, 7, 3, 2], np.int16),
+        "s1-c-1": np.array([1, 8], np.int16),
+        "s2-c-0": np.zeros(0, np.int16),
+    }
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == ["client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"]
+    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == [
+        "client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"
+    ]
 
     labels["s1-c-1"] = np.array([1, 7], np.int16)
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])

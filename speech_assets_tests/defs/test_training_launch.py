@@ -18,17 +18,25 @@ import torch
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.runtime.faults import FAULTS_ENV, fault
+from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.testing.mlflow_server import MlflowServer
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 log = logging.getLogger(__name__)
 SECRET = "s3cr3t-pa55"
 TRAINING = {
-    "preset": "tiny", "max_steps": 4, "checkpoint_every": 4, "log_every": 2, "nproc": 2,
-    "threads": 1, "max_restarts": 0, "batch_seconds": 16.0, "target_batch_seconds": 32.0, "precision": "fp32",
-}  # fmt: skip
+    "preset": "tiny",
+    "max_steps": 4,
+    "checkpoint_every": 4,
+    "log_every": 2,
+    "nproc": 2,
+    "threads": 1,
+    "max_restarts": 0,
+    "batch_seconds": 16.0,
+    "target_batch_seconds": 32.0,
+    "precision": "fp32",
+}
 
 
 def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
@@ -47,11 +55,15 @@ def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
 def test_run_config_cannot_set_commands_hosts_endpoints_or_noise_folders(override: dict, tmp_path: Path) -> None:
     pwned = tmp_path / "pwned"
     override = {k: v.format(pwned=pwned) if isinstance(v, str) else v for k, v in override.items()}
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db"
+    )
     defs = build_definitions(paths, PipelineSettings())
     with dg.DagsterInstance.ephemeral() as instance:
         with pytest.raises(dg.DagsterInvalidConfigError, match=f'unexpected config entry "{next(iter(override))}"'):
-            _job(defs).execute_in_process(instance=instance, run_config={"ops": {"pretrained_checkpoint": {"config": override}}})
+            _job(defs).execute_in_process(
+                instance=instance, run_config={"ops": {"pretrained_checkpoint": {"config": override}}}
+            )
         assert not instance.get_runs()  # refused before a run exists
     assert not pwned.exists()
 
@@ -61,7 +73,9 @@ def test_run_config_cannot_set_commands_hosts_endpoints_or_noise_folders(overrid
     [({"noise": "/"}, "noise must be one of"), ({"noise": "folder"}, "needs noise_dir")],
 )
 def test_run_config_values_are_checked_like_the_settings(override: dict, error: str, tmp_path: Path) -> None:
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db"
+    )
     defs = build_definitions(paths, PipelineSettings())
     with dg.DagsterInstance.ephemeral() as instance:
         result = _job(defs).execute_in_process(
@@ -95,15 +109,25 @@ def _torchrun_trees() -> list[psutil.Process]:
 def built_copy(sample_build: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample build's data stages, copied: training runs here leave the shared build alone."""
     out = tmp_path_factory.mktemp("training_launch") / "out"
-    shutil.copytree(sample_build["out"], out, ignore=shutil.ignore_patterns("training*", "mlflow.db", "mlartifacts", "distill", "export", "probe"))
+    shutil.copytree(
+        sample_build["out"],
+        out,
+        ignore=shutil.ignore_patterns("training*", "mlflow.db", "mlartifacts", "distill", "export", "probe"),
+    )
     return out
 
 
 @pytest.mark.slow  # a third torchrun job, with its own MLflow store
 def test_a_failed_torchrun_fails_the_step_with_its_own_error(built_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = built_copy.parent / "exit.marker"
-    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "exit", rank=0, step=1, once=marker))  # rank 0 exits with status 1 after step 1
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(built_copy), mlflow_tracking_uri=f"sqlite:///{built_copy.parent}/failed.db")
+    monkeypatch.setenv(
+        FAULTS_ENV, fault("train.step", "exit", rank=0, step=1, once=marker)
+    )  # rank 0 exits with status 1 after step 1
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS),
+        data_dir=str(built_copy),
+        mlflow_tracking_uri=f"sqlite:///{built_copy.parent}/failed.db",
+    )
     config = {**TRAINING, "nproc": 1, "seed": 11}
     with dg.DagsterInstance.ephemeral() as instance:
         result = _job(build_definitions(paths, PipelineSettings.load(REPO / "pipeline.toml"))).execute_in_process(
@@ -132,7 +156,9 @@ def oom_run(built_copy: Path):
             if tree:
                 seen.append((len(tree), set().union(*(_listening(p) for p in tree))))
 
-    with MlflowServer(root / "mlflow.log", backend_store_uri=f"sqlite:///{root}/mlflow.db", artifacts_destination=root / "artifacts") as server:
+    with MlflowServer(
+        root / "mlflow.log", backend_store_uri=f"sqlite:///{root}/mlflow.db", artifacts_destination=root / "artifacts"
+    ) as server:
         log.warning("mlflow server started in %.1f s", server.start_seconds)
         began = time.monotonic()
         uri = server.url.replace("http://", f"http://speech:{SECRET}@")
@@ -143,7 +169,12 @@ def oom_run(built_copy: Path):
         try:
             with pytest.MonkeyPatch.context() as patch, dg.DagsterInstance.ephemeral() as instance:
                 patch.setenv(FAULTS_ENV, fault("train.step", "raise", rank=1, step=2, once=marker))
-                result = materialize_in_process(defs, instance, "pretrained_checkpoint", run_config={"ops": {"pretrained_checkpoint": {"config": TRAINING}}})
+                result = materialize_in_process(
+                    defs,
+                    instance,
+                    "pretrained_checkpoint",
+                    run_config={"ops": {"pretrained_checkpoint": {"config": TRAINING}}},
+                )
                 logs = [entry.user_message for entry in instance.all_logs(result.run_id)]
             log.warning("pretrained_checkpoint with one out-of-memory retry took %.1f s", time.monotonic() - began)
         finally:
@@ -180,8 +211,15 @@ def test_tracking_credentials_are_stored_nowhere(oom_run, capsys: pytest.Capture
     client = MlflowClient(server.url)
     run = client.get_run(meta["mlflow_run_id"])
     assert run.data.params["mlflow_tracking_uri"] == server.url
-    stored = [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps({key: str(value) for key, value in meta.items()}), *oom_run["logs"]]
-    stored.append(Path(client.download_artifacts(run.info.run_id, "config.json", str(oom_run["out"] / "download"))).read_text())
+    stored = [
+        json.dumps(run.data.params),
+        json.dumps(run.data.tags),
+        json.dumps({key: str(value) for key, value in meta.items()}),
+        *oom_run["logs"],
+    ]
+    stored.append(
+        Path(client.download_artifacts(run.info.run_id, "config.json", str(oom_run["out"] / "download"))).read_text()
+    )
     assert main(["lineage", meta["checkpoint"], "--json"]) == 0
     stored.append(capsys.readouterr().out)
     assert all(SECRET not in text for text in stored)

@@ -37,28 +37,51 @@ STATUS = "query Status($id: ID!) { runOrError(runId: $id) { __typename ... on Ru
 
 
 def graphql(url: str, query: str, variables: dict | None = None) -> dict:
-    request = urllib.request.Request(url, data=json.dumps({"query": query, "variables": variables or {}}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
 
 @pytest.mark.slow
-def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: Path, instance: dg.DagsterInstance) -> None:
+def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
     out = tmp_path / "out"
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
     materialize_in_process(build_definitions(paths, PipelineSettings()), instance, "manifest")
 
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "SPEECH_ASSETS_DATA_DIR": str(out), "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS)}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "SPEECH_ASSETS_DATA_DIR": str(out),
+        "SPEECH_ASSETS_CORPUS": str(SAMPLE_CORPUS),
+    }
     port = free_port()
     services = [
-        subprocess.Popen([str(BIN / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
-                         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
-        subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-                         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True),
+        subprocess.Popen(
+            [str(BIN / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        ),
+        subprocess.Popen(
+            [str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        ),
     ]
     url = f"http://127.0.0.1:{port}/graphql"
     try:
+
         def answers() -> dict | None:
             assert all(s.poll() is None for s in services), "a service exited"
             with contextlib.suppress(OSError):
@@ -66,12 +89,19 @@ def test_webserver_and_daemon_from_workspace_yaml_run_a_launched_run(tmp_path: P
             return None
 
         wait_until(answers, 180, "the webserver to answer", interval=1)
-        params = {"selector": {"repositoryLocationName": "speech_assets", "repositoryName": "__repository__",
-                               "jobName": "__ASSET_JOB", "assetSelection": [{"path": ["dataset_stats"]}]},
-                  "runConfigData": {}}
+        params = {
+            "selector": {
+                "repositoryLocationName": "speech_assets",
+                "repositoryName": "__repository__",
+                "jobName": "__ASSET_JOB",
+                "assetSelection": [{"path": ["dataset_stats"]}],
+            },
+            "runConfigData": {},
+        }
         launched = graphql(url, LAUNCH, {"params": params})["data"]["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         run_id = launched["run"]["runId"]
+
         def finished() -> str | None:
             status = graphql(url, STATUS, {"id": run_id})["data"]["runOrError"]["status"]
             return status if status in ("SUCCESS", "FAILURE", "CANCELED") else None

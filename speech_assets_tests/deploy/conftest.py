@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     with PostgresServer() as server:
-        log.warning("PostgreSQL %s started in %.1f s on 127.0.0.1:%d", server.bin_dir, server.start_seconds, server.port)
+        log.warning(
+            "PostgreSQL %s started in %.1f s on 127.0.0.1:%d", server.bin_dir, server.start_seconds, server.port
+        )
         yield server
 
 

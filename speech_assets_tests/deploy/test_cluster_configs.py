@@ -102,13 +102,21 @@ def _render_step_pod(instance: Any, step_tags: dict[str, str]) -> dict[str, Any]
     run = instance.create_run_for_job(job_def=job)
     launcher = instance.run_launcher
     context = K8sContainerContext.create_for_run(run, launcher, include_run_tags=False)
-    context = context.merge(K8sContainerContext(run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(STEP_EXECUTOR_CONFIG["step_k8s_config"])))
+    context = context.merge(
+        K8sContainerContext(
+            run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(STEP_EXECUTOR_CONFIG["step_k8s_config"])
+        )
+    )
     context = context.merge(K8sContainerContext(run_k8s_config=get_user_defined_k8s_config(step_tags)))
     k8s_job = construct_dagster_k8s_job(
         job_config=context.get_k8s_job_config("registry.example.com/speech-assets:test", launcher),
-        args=["dagster", "api", "execute_step"], job_name="dagster-step-test", pod_name="dagster-step-test",
-        component="step_worker", user_defined_k8s_config=context.run_k8s_config, labels={"dagster/run-id": run.run_id},
-    )  # fmt: skip
+        args=["dagster", "api", "execute_step"],
+        job_name="dagster-step-test",
+        pod_name="dagster-step-test",
+        component="step_worker",
+        user_defined_k8s_config=context.run_k8s_config,
+        labels={"dagster/run-id": run.run_id},
+    )
     body = kubernetes.client.ApiClient().sanitize_for_serialization(k8s_job)
     body["namespace"] = context.namespace
     return body
@@ -125,12 +133,16 @@ def _load_code_location(module: str, settings: Path) -> dict[str, Any]:
         "print(json.dumps({'executor': job.executor_def.name, 'tags': {n.name: dict(n.tags) for n in job.graph.nodes}}))\n"
     )
     env = {**os.environ, "SPEECH_ASSETS_SETTINGS": str(settings), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_k8s_instance_and_executor_render_the_training_pod_with_its_gpus(pg_env: dict[str, str], tmp_path: Path) -> None:
+def test_k8s_instance_and_executor_render_the_training_pod_with_its_gpus(
+    pg_env: dict[str, str], tmp_path: Path
+) -> None:
     import dagster as dg
     from dagster_k8s import K8sRunLauncher
 
@@ -139,7 +151,9 @@ def test_k8s_instance_and_executor_render_the_training_pod_with_its_gpus(pg_env:
     location = _load_code_location("speech_assets.deploy.k8s", settings)
     assert location["executor"] == "speech_assets_k8s_job_executor"
     training_tags = location["tags"]["pretrained_checkpoint"]
-    assert json.loads(training_tags[K8S_CONFIG_TAG]) == training_op_tags(TrainingSettings(gpus_per_node=2))[K8S_CONFIG_TAG]
+    assert (
+        json.loads(training_tags[K8S_CONFIG_TAG]) == training_op_tags(TrainingSettings(gpus_per_node=2))[K8S_CONFIG_TAG]
+    )
     assert K8S_CONFIG_TAG not in location["tags"]["vad_features"]
 
     with dg.DagsterInstance.from_config(str(_offline_copy(INSTANCE_YAMLS["k8s"][0], tmp_path))) as instance:
@@ -171,7 +185,9 @@ def test_executor_configs_pass_dagster_validation(monkeypatch: pytest.MonkeyPatc
     for executor, config in ((k8s_job_executor, STEP_EXECUTOR_CONFIG), (celery_executor, CELERY_EXECUTOR_CONFIG)):
         result = process_config(executor.config_schema.config_type, config)
         assert result.success, result.errors
-    assert not process_config(k8s_job_executor.config_schema.config_type, {**STEP_EXECUTOR_CONFIG, "max_concurrent": "many"}).success
+    assert not process_config(
+        k8s_job_executor.config_schema.config_type, {**STEP_EXECUTOR_CONFIG, "max_concurrent": "many"}
+    ).success
 
 
 def test_celery_worker_yaml_and_code_location(pg_env: dict[str, str], tmp_path: Path) -> None:
@@ -183,7 +199,9 @@ def test_celery_worker_yaml_and_code_location(pg_env: dict[str, str], tmp_path: 
 
     worker = get_validated_config(str(DEPLOY / "celery" / "celery.yaml"))  # dagster-celery's own loader
     assert worker["broker"] == CELERY_ENV["DAGSTER_CELERY_BROKER_URL"]
-    assert yaml.safe_load((DEPLOY / "celery" / "celery.yaml").read_text())["execution"]["config"] == CELERY_EXECUTOR_CONFIG
+    assert (
+        yaml.safe_load((DEPLOY / "celery" / "celery.yaml").read_text())["execution"]["config"] == CELERY_EXECUTOR_CONFIG
+    )
     dg.Definitions.validate_loadable(defs)
     assert defs.resolve_implicit_global_asset_job_def().executor_def.name == "speech_assets_celery_executor"
     assert training_op_tags(TrainingSettings(gpus_per_node=1))[CELERY_QUEUE_TAG] == "gpu"
@@ -200,12 +218,25 @@ def test_pipes_k8s_alternative_builds_a_gpu_pod_for_torchrun() -> None:
     from speech_assets.deploy.k8s import training_pod_spec
 
     PipesK8sClient(load_incluster_config=True)  # reads no config until it runs
-    command = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "speech_assets.train", "--config", "/data/out/training/x/config.json"]
+    command = [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "speech_assets.train",
+        "--config",
+        "/data/out/training/x/config.json",
+    ]
     pod = build_pod_body(
-        pod_name="dagster-speech-assets-train", image="registry.example.com/speech-assets:test", command=command,
-        env_vars={"DAGSTER_PIPES_CONTEXT": "e30="}, base_pod_meta=None,
+        pod_name="dagster-speech-assets-train",
+        image="registry.example.com/speech-assets:test",
+        command=command,
+        env_vars={"DAGSTER_PIPES_CONTEXT": "e30="},
+        base_pod_meta=None,
         base_pod_spec=training_pod_spec(TrainingSettings(gpus_per_node=4), "registry.example.com/speech-assets:test"),
-    )  # fmt: skip
+    )
     container = pod.spec.containers[0]
     assert container.command == command and container.resources.limits == {GPU_RESOURCE: "4"}
     assert {v.name for v in pod.spec.volumes} == {"data", "dshm"} and pod.spec.restart_policy == "Never"

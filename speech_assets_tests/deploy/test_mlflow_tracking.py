@@ -27,13 +27,22 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
     return write_corpus(tmp_path_factory.mktemp("corpus"), utterances_per_speaker=3, unlabelled_per_shard=0, seed=3)
 
 
-def _train(corpus: SyntheticCorpus, run_dir: Path, tracking_uri: str, artifact_location: str | None, experiment: str) -> dict:
+def _train(
+    corpus: SyntheticCorpus, run_dir: Path, tracking_uri: str, artifact_location: str | None, experiment: str
+) -> dict:
     from speech_assets.train.trainer import train
 
     config = corpus.config(
-        run_dir, max_steps=2, checkpoint_every=2, log_every=1, batch_seconds=6.0, mlflow_tracking_uri=tracking_uri,
-        mlflow_artifact_location=artifact_location, mlflow_experiment=experiment, mlflow_run_name="team-test",
-    )  # fmt: skip
+        run_dir,
+        max_steps=2,
+        checkpoint_every=2,
+        log_every=1,
+        batch_seconds=6.0,
+        mlflow_tracking_uri=tracking_uri,
+        mlflow_artifact_location=artifact_location,
+        mlflow_experiment=experiment,
+        mlflow_run_name="team-test",
+    )
     result = train(config)
     assert result is not None and result["step"] == 2
     return result
@@ -48,8 +57,14 @@ def test_artifact_location_and_run_link_follow_the_kind_of_store(tmp_path: Path)
         assert run_url(uri, "3", "abc") == f"{uri}/#/experiments/3/runs/abc"
     # stores the client writes itself: the data dir's mlartifacts folder, and a link into the UI
     # `make mlflow` serves over them on loopback
-    for uri in (f"sqlite:///{tmp_path}/elsewhere/mlflow.db", f"file://{tmp_path}/mlruns", "postgresql+psycopg2://u:secret@db:5432/mlflow"):
-        assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location == str(data / "mlartifacts")
+    for uri in (
+        f"sqlite:///{tmp_path}/elsewhere/mlflow.db",
+        f"file://{tmp_path}/mlruns",
+        "postgresql+psycopg2://u:secret@db:5432/mlflow",
+    ):
+        assert StoragePaths(corpus="c", data_dir=str(data), mlflow_tracking_uri=uri).mlflow_artifact_location == str(
+            data / "mlartifacts"
+        )
         assert run_url(uri, "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
     assert locations.mlflow_artifact_location(f"sqlite:///{tmp_path}/mlflow.db") == str(tmp_path / "mlartifacts")
     # the recorded command never carries a database password
@@ -58,19 +73,26 @@ def test_artifact_location_and_run_link_follow_the_kind_of_store(tmp_path: Path)
 
 
 def test_training_against_a_tracking_server_sends_the_checkpoint_through_it(
-    tiny_corpus: SyntheticCorpus, mlflow_server: MlflowServer, artifacts_destination: Path, postgres: PostgresServer,
+    tiny_corpus: SyntheticCorpus,
+    mlflow_server: MlflowServer,
+    artifacts_destination: Path,
+    postgres: PostgresServer,
     tmp_path: Path,
 ) -> None:
     from mlflow.tracking import MlflowClient
 
     paths = StoragePaths(corpus="unused", data_dir=str(tmp_path / "out"), mlflow_tracking_uri=mlflow_server.url)
-    result = _train(tiny_corpus, tmp_path / "run", mlflow_server.url, paths.mlflow_artifact_location, "team_server_test")
+    result = _train(
+        tiny_corpus, tmp_path / "run", mlflow_server.url, paths.mlflow_artifact_location, "team_server_test"
+    )
 
     client = MlflowClient(mlflow_server.url)
     run = client.get_run(result["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.info.artifact_uri.startswith("mlflow-artifacts:/")  # the server's store, not a client path
-    assert result["mlflow_run_url"] == f"{mlflow_server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert (
+        result["mlflow_run_url"] == f"{mlflow_server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    )
     assert result["mlflow_run_url"].startswith("http://127.0.0.1:") and result["mlflow_ui"] is None
 
     # the checkpoint went through the server: downloaded through it, and on the server's side
@@ -84,11 +106,15 @@ def test_training_against_a_tracking_server_sends_the_checkpoint_through_it(
     # the run lives in the server's PostgreSQL backend store (SQL against the server itself)
     rows = postgres.query("mlflow", "SELECT status, name FROM runs WHERE run_uuid = %s", (run.info.run_id,))
     assert rows == [("FINISHED", "team-test")]
-    metric_rows = postgres.query("mlflow", "SELECT count(*) FROM metrics WHERE run_uuid = %s AND key = 'loss'", (run.info.run_id,))
+    metric_rows = postgres.query(
+        "mlflow", "SELECT count(*) FROM metrics WHERE run_uuid = %s AND key = 'loss'", (run.info.run_id,)
+    )
     assert metric_rows[0][0] >= 2
 
 
-def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(tiny_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(
+    tiny_corpus: SyntheticCorpus, tmp_path: Path
+) -> None:
     data = tmp_path / "out"
     store = f"sqlite:///{data / 'mlflow.db'}"
     paths = StoragePaths(corpus="unused", data_dir=str(data), mlflow_tracking_uri=store)
@@ -118,7 +144,9 @@ def test_every_tracked_asset_takes_the_artifact_location_from_storage_paths(stor
     from speech_assets.federated.config import FederatedConfig
 
     data = tmp_path / "out"
-    uri = {"server": "http://mlflow.internal:5000", "sqlite elsewhere": f"sqlite:///{tmp_path / 'team' / 'mlflow.db'}"}[store]
+    uri = {"server": "http://mlflow.internal:5000", "sqlite elsewhere": f"sqlite:///{tmp_path / 'team' / 'mlflow.db'}"}[
+        store
+    ]
     paths = StoragePaths(corpus="unused", data_dir=str(data), mlflow_tracking_uri=uri)
     config = FederatedConfig(run_dir=str(paths.federated_run("r").root), run_name="r", clients=["client_00"])
     tracker = federated_tracker(paths, config, git_sha=None, dagster_run_id=None)

@@ -23,16 +23,21 @@ import pytest
 import yaml
 
 from speech_assets.runtime.waiting import wait_until
+from speech_assets.testing.commands import run_group
 from speech_assets.testing.mlflow_server import MlflowServer
 from speech_assets.testing.postgres import PostgresServer
-from speech_assets.testing.commands import run_group
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
 BIN = Path(sys.executable).parent
 ASSETS = [  # the materialized ones (the manifest run observes speaker_manifest)
-    "manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets",
-    "pretrained_checkpoint", "dataset_stats",
-]  # fmt: skip
+    "manifest",
+    "vad_features",
+    "cmvn_stats",
+    "client_partitions",
+    "kmeans_targets",
+    "pretrained_checkpoint",
+    "dataset_stats",
+]
 # one in-process run each; pretrained_checkpoint is tracked on the MLflow server. Federated
 # pretraining and evaluation use the instance no differently and run against SQLite elsewhere.
 RUNS = len(ASSETS)
@@ -96,7 +101,9 @@ def _materialize_in_process(env: dict[str, str]) -> None:
             assert type(instance.run_storage).__name__ == "PostgresRunStorage"
             for asset in ASSETS:
                 partitions_def = defs.resolve_asset_graph().get(dg.AssetKey(asset)).partitions_def
-                keys = list(instance.get_dynamic_partitions(partitions_def.name)) if partitions_def is not None else None
+                keys = (
+                    list(instance.get_dynamic_partitions(partitions_def.name)) if partitions_def is not None else None
+                )
                 materialize_in_process(defs, instance, asset, keys)
     finally:
         os.environ.clear()
@@ -124,7 +131,9 @@ def test_the_shipped_postgres_yaml_is_the_repository_instance_plus_storage() -> 
     local = yaml.safe_load((REPO / "dagster.yaml").read_text())
     storage = shipped.pop("storage")
     assert shipped == local, "deploy/postgres/dagster.yaml must keep everything ./dagster.yaml has"
-    assert set(storage) == {"postgres"} and storage["postgres"]["postgres_db"]["password"] == {"env": "DAGSTER_PG_PASSWORD"}
+    assert set(storage) == {"postgres"} and storage["postgres"]["postgres_db"]["password"] == {
+        "env": "DAGSTER_PG_PASSWORD"
+    }
 
 
 def test_runs_are_in_postgres_and_nothing_in_sqlite(built: dict, postgres: PostgresServer) -> None:
@@ -134,7 +143,9 @@ def test_runs_are_in_postgres_and_nothing_in_sqlite(built: dict, postgres: Postg
     assert ("training", 1) in postgres.query("dagster", 'SELECT concurrency_key, "limit" FROM concurrency_limits')
 
 
-def test_every_materialization_has_its_content_hash_in_postgres(built: dict, postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_materialization_has_its_content_hash_in_postgres(
+    built: dict, postgres: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dagster as dg
 
     found = _materializations(postgres)
@@ -153,21 +164,33 @@ def test_every_materialization_has_its_content_hash_in_postgres(built: dict, pos
         assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
         latest = instance.get_latest_materialization_event(dg.AssetKey("manifest"))
         assert latest is not None
-        assert latest.asset_materialization.tags["dagster/data_version"] == next(v for a, _, v, _ in reversed(found) if a == "manifest")
+        assert latest.asset_materialization.tags["dagster/data_version"] == next(
+            v for a, _, v, _ in reversed(found) if a == "manifest"
+        )
 
 
 def test_dynamic_partitions_are_in_postgres(built: dict, postgres: PostgresServer) -> None:
     rows = postgres.query("dagster", "SELECT partitions_def_name, partition FROM dynamic_partitions")
     speakers = {p for name, p in rows if name == "speakers"}
     clients = {p for name, p in rows if name == "clients"}
-    assert speakers == set(pq.read_table(built["out"] / "manifest" / "manifest.parquet")["speaker_id"].to_pylist()) == set(SPEAKERS)
-    assert clients == set(pq.read_table(built["out"] / "clients" / "clients.parquet")["client_id"].to_pylist()) == {"client_00", "client_01"}
+    assert (
+        speakers
+        == set(pq.read_table(built["out"] / "manifest" / "manifest.parquet")["speaker_id"].to_pylist())
+        == set(SPEAKERS)
+    )
+    assert (
+        clients
+        == set(pq.read_table(built["out"] / "clients" / "clients.parquet")["client_id"].to_pylist())
+        == {"client_00", "client_01"}
+    )
 
 
-def test_training_is_tracked_by_the_server_on_postgres(built: dict, postgres: PostgresServer, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+def test_training_is_tracked_by_the_server_on_postgres(
+    built: dict, postgres: PostgresServer, mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
     from mlflow.tracking import MlflowClient
 
-    (_, _, version, event), = [m for m in _materializations(postgres) if m[0] == "pretrained_checkpoint"]
+    ((_, _, version, event),) = [m for m in _materializations(postgres) if m[0] == "pretrained_checkpoint"]
     metadata = _metadata(event)
     run_id = metadata["mlflow_run_id"]["text"]
     url = metadata["mlflow_run_url"]["url"]
@@ -175,12 +198,16 @@ def test_training_is_tracked_by_the_server_on_postgres(built: dict, postgres: Po
     assert "mlflow_ui" not in metadata  # a server has a URL; the `mlflow ui` command is for local stores
     assert postgres.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", (run_id,)) == [("FINISHED",)]
     (location,) = postgres.query(
-        "mlflow", "SELECT e.artifact_location FROM experiments e JOIN runs r ON r.experiment_id = e.experiment_id WHERE r.run_uuid = %s", (run_id,)
+        "mlflow",
+        "SELECT e.artifact_location FROM experiments e JOIN runs r ON r.experiment_id = e.experiment_id WHERE r.run_uuid = %s",
+        (run_id,),
     )[0]
     assert location.startswith("mlflow-artifacts:/")  # the server's default, not the data dir
     assert not (built["out"] / "mlartifacts").exists()
     checkpoint = Path(metadata["checkpoint"]["path"])
-    downloaded = Path(MlflowClient(mlflow_server.url).download_artifacts(run_id, f"checkpoint/{checkpoint.name}", str(tmp_path)))
+    downloaded = Path(
+        MlflowClient(mlflow_server.url).download_artifacts(run_id, f"checkpoint/{checkpoint.name}", str(tmp_path))
+    )
     assert hashlib.sha256(downloaded.read_bytes()).digest() == hashlib.sha256(checkpoint.read_bytes()).digest()
     assert version == metadata["checkpoint_sha256"]["text"]
 
@@ -190,15 +217,29 @@ def test_the_documented_commands_use_the_postgres_instance(built: dict, postgres
     """`dagster asset materialize` and `dagster schedule start` read DAGSTER_HOME's dagster.yaml:
     their run, materialization and schedule state land in the same PostgreSQL database."""
     before = postgres.query("dagster", "SELECT count(*) FROM runs")[0][0]
-    materialize = [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", "--select", "manifest"]
+    materialize = [
+        str(BIN / "dagster"),
+        "asset",
+        "materialize",
+        "-m",
+        "speech_assets.definitions",
+        "--select",
+        "manifest",
+    ]
     proc = _run(materialize, built["env"], timeout=900)
     assert proc.returncode == 0, f"dagster asset materialize failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    started = _run([str(BIN / "dagster"), "schedule", "start", "-m", "speech_assets.definitions", "revalidate_corpus"], built["env"], timeout=300)
+    started = _run(
+        [str(BIN / "dagster"), "schedule", "start", "-m", "speech_assets.definitions", "revalidate_corpus"],
+        built["env"],
+        timeout=300,
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     assert postgres.query("dagster", "SELECT count(*) FROM runs WHERE status = 'SUCCESS'")[0][0] == before + 1
     manifests = [version for asset, _, version, _ in _materializations(postgres) if asset == "manifest"]
     assert len(manifests) == 2 and manifests[0] == manifests[1]  # the same corpus, the same content hash
-    assert postgres.query("dagster", "SELECT job_type, status FROM jobs WHERE job_body LIKE '%%revalidate_corpus%%'") == [("SCHEDULE", "RUNNING")]
+    assert postgres.query(
+        "dagster", "SELECT job_type, status FROM jobs WHERE job_body LIKE '%%revalidate_corpus%%'"
+    ) == [("SCHEDULE", "RUNNING")]
     assert not list(built["home"].rglob("*.db")), "a SQLite storage file appeared in DAGSTER_HOME"
 
 
@@ -215,8 +256,23 @@ def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, mo
     for name, value in built["env"].items():
         if name.startswith(("DAGSTER_PG", "PG")):
             monkeypatch.setenv(name, value)
-    command = [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", "--select", "federated_checkpoint"]
-    process = subprocess.Popen(command, env=built["env"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    command = [
+        str(BIN / "dagster"),
+        "asset",
+        "materialize",
+        "-m",
+        "speech_assets.definitions",
+        "--select",
+        "federated_checkpoint",
+    ]
+    process = subprocess.Popen(
+        command,
+        env=built["env"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     with dg.DagsterInstance.from_config(str(built["home"])) as instance:
         try:
             deadline = time.monotonic() + 300
@@ -234,12 +290,19 @@ def test_a_kill_9d_federated_run_on_postgres_gives_back_its_slot(built: dict, mo
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         # the group's last processes may take a moment to be reaped
-        reaped = wait_until(lambda: reap_dead_runs(instance, say=lambda _: None), 60, "the killed run to count as dead", interval=0.5)
+        reaped = wait_until(
+            lambda: reap_dead_runs(instance, say=lambda _: None), 60, "the killed run to count as dead", interval=0.5
+        )
         assert reaped == [run.run_id]
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
         assert not instance.event_log_storage.get_concurrency_run_ids()
     # and nothing of the federation outlives the run (SuperLink, SuperNodes, supervisors)
-    wait_until(lambda: not _processes_mentioning(str(built["out"])), 60, "every process of the federation to exit", interval=0.5)
+    wait_until(
+        lambda: not _processes_mentioning(str(built["out"])),
+        60,
+        "every process of the federation to exit",
+        interval=0.5,
+    )
 
 
 def _processes_mentioning(text: str) -> list[str]:

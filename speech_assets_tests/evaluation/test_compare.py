@@ -56,7 +56,11 @@ def utterances(count: int, seed: int, speakers: list[str]) -> list[Utterance]:
             if ALPHABET[token - 1] == " ":
                 frames += [prototypes[0]] * 2
         feats = np.stack(frames) + rng.normal(0, 0.3, (len(frames), 80)) + rng.normal(0, 2)
-        found.append(Utterance(f"{speakers[i % len(speakers)]}-{seed}-{i}", speakers[i % len(speakers)], feats.astype(np.float32), text))
+        found.append(
+            Utterance(
+                f"{speakers[i % len(speakers)]}-{seed}-{i}", speakers[i % len(speakers)], feats.astype(np.float32), text
+            )
+        )
     return found
 
 
@@ -69,7 +73,9 @@ def noise(x: np.ndarray) -> np.ndarray:
     return np.random.default_rng(int(abs(x).sum() * 1000) % 2**32).normal(size=x.shape)
 
 
-def row(model: str, seed: int, cer: float, utterances: int = 40, split: str = "heldout", speakers: int = 4) -> ProbeResult:
+def row(
+    model: str, seed: int, cer: float, utterances: int = 40, split: str = "heldout", speakers: int = 4
+) -> ProbeResult:
     return ProbeResult(model, "", "linear", [1.0], split, cer, cer + 0.2, utterances, 400, seed, "utterance", speakers)
 
 
@@ -102,10 +108,14 @@ def test_an_informative_model_beats_pure_noise_over_seeds() -> None:
     assert beats(results, "pretrained", FBANK) is True and beats(results, "pretrained", RANDOM) is True
     assert beats(results, FBANK, "pretrained") is False
     (line,) = standing(results, min_speakers=2)
-    assert line.startswith("pretrained: held-out CER ") and line.endswith("on 24 utterances of 2 held-out speakers: better than fbank and random"), line
+    assert line.startswith("pretrained: held-out CER ") and line.endswith(
+        "on 24 utterances of 2 held-out speakers: better than fbank and random"
+    ), line
     # each held-out row carries every utterance's edit counts; their sums are the row's CER
     for r in seen:
-        assert r.errors.utt_ids == tuple(u.utt_id for u in test) and r.errors.speaker_ids == tuple(u.speaker_id for u in test)
+        assert r.errors.utt_ids == tuple(u.utt_id for u in test) and r.errors.speaker_ids == tuple(
+            u.speaker_id for u in test
+        )
         assert r.errors.char_errors.sum() / r.errors.chars.sum() == pytest.approx(r.cer)
         assert r.errors.word_errors.sum() / r.errors.words.sum() == pytest.approx(r.wer)
 
@@ -116,7 +126,9 @@ def test_the_probe_verdict_on_one_heldout_speaker_is_indicative_only() -> None:
     models = [ProbeModel(FBANK, "", "noise", noise), ProbeModel("pretrained", "abc", "utterance", per_utterance)]
     results = compare_encoders(train, test, models, ProbeOptions(steps=60, batch_size=8, lr=2e-2, seeds=(0, 1)))
     (line,) = standing(results)
-    assert line.endswith("on 24 utterances of 1 held-out speaker: better than fbank (indicative only: 1 held-out speaker, fewer than 3)"), line
+    assert line.endswith(
+        "on 24 utterances of 1 held-out speaker: better than fbank (indicative only: 1 held-out speaker, fewer than 3)"
+    ), line
     (pretrained,) = (s for s in leaderboard(results) if s.model == "pretrained")
     assert not pretrained.established and pretrained.verdict_against(FBANK) == "better"
 
@@ -132,7 +144,9 @@ def test_seeds_change_the_probe_not_the_data() -> None:
     assert by_seed[5].steps == by_seed[6].steps
     alone = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(6,)))
     first = compare_encoders(train, test, [model], ProbeOptions(steps=3, seeds=(6, 5)))
-    assert [r.row() for r in alone] == [r.row() for r in first if r.seed == 6]  # a first seed is a first seed, alone or not
+    assert [r.row() for r in alone] == [
+        r.row() for r in first if r.seed == 6
+    ]  # a first seed is a first seed, alone or not
     with pytest.raises(ValueError, match="unique"):
         compare_encoders(train, test, [model, model], ProbeOptions(steps=1, seeds=(0,)))
     with pytest.raises(ValueError, match="both sides"):
@@ -147,7 +161,7 @@ def test_the_probe_lr_and_stopping_step_are_chosen_on_training_speakers_only() -
     options = ProbeOptions(steps=60, batch_size=8, lrs=(1e-5, 2e-2), seeds=(0, 1))
     results = compare_encoders(train, test, [model], options)
     chosen = {(r.lr, r.steps) for r in results}
-    (lr, steps), = chosen  # one choice per model, shared by its seeds and splits
+    ((lr, steps),) = chosen  # one choice per model, shared by its seeds and splits
     # 1e-5 learns nothing in 60 steps; development CER every 60 // 8 steps and at the last
     assert lr == 2e-2 and steps in (*range(7, 60, 7), 60)
     assert summarise(results)["pretrained"].cer.mean < 0.5, markdown_table(results)
@@ -156,10 +170,15 @@ def test_the_probe_lr_and_stopping_step_are_chosen_on_training_speakers_only() -
     assert {(r.lr, r.steps) for r in again} == chosen
     assert "| pretrained | utterance | 0.02 | 2 |" in markdown_table(results)
     # a single lr is used as given; the stopping step is still the development split's
-    (fixed,) = {(r.lr, r.steps) for r in compare_encoders(train, test, [model], ProbeOptions(steps=5, lrs=(3e-3,), seeds=(0,)))}
+    (fixed,) = {
+        (r.lr, r.steps) for r in compare_encoders(train, test, [model], ProbeOptions(steps=5, lrs=(3e-3,), seeds=(0,)))
+    }
     assert fixed[0] == 3e-3 and 1 <= fixed[1] <= 5
     # one training utterance cannot be split: the first lr, all steps
-    (alone,) = {(r.lr, r.steps) for r in compare_encoders(train[:1], test, [model], ProbeOptions(steps=4, lrs=(1e-3, 1e-2), seeds=(0,)))}
+    (alone,) = {
+        (r.lr, r.steps)
+        for r in compare_encoders(train[:1], test, [model], ProbeOptions(steps=4, lrs=(1e-3, 1e-2), seeds=(0,)))
+    }
     assert alone == (1e-3, 4)
 
 
@@ -186,7 +205,10 @@ def test_rows_of_a_real_encoder_round_trip_through_parquet(tmp_path) -> None:
     train = utterances(6, seed=0, speakers=["s1", "s2"])
     test = utterances(3, seed=1, speakers=["h1"])
     loaded = random_encoder(get_preset("tiny"), seed=0)
-    models = [ProbeModel(FBANK, "", "global", per_utterance), ProbeModel(RANDOM, loaded.sha256, "utterance", per_utterance, loaded.model)]
+    models = [
+        ProbeModel(FBANK, "", "global", per_utterance),
+        ProbeModel(RANDOM, loaded.sha256, "utterance", per_utterance, loaded.model),
+    ]
     results = compare_encoders(train, test, models, ProbeOptions(steps=2, seeds=(0, 1)))
     table = results_table(results)
     assert tuple(table.column_names) == RESULT_COLUMNS
@@ -224,7 +246,10 @@ def test_summary_mean_spread_and_table() -> None:
     assert summarise(results, "train")["pretrained"].cer.mean == pytest.approx(0.1)
     table = markdown_table(results).splitlines()
     assert table[0].startswith("| model | normalisation | probe lr | seeds | held-out CER |")
-    assert table[2] == "| pretrained | utterance | n/a | 3 | 0.500 ± 0.100 | 0.700 ± 0.100 | 0.100 | 40 | 4 | layer 0: 1.00 |"
+    assert (
+        table[2]
+        == "| pretrained | utterance | n/a | 3 | 0.500 ± 0.100 | 0.700 ± 0.100 | 0.100 | 40 | 4 | layer 0: 1.00 |"
+    )
     assert table[3].startswith("| fbank | utterance | n/a | 1 | 0.700 | 0.900 | n/a |")
     with pytest.raises(ValueError, match="repeat"):
         summarise([row(FBANK, 0, 0.5), row(FBANK, 0, 0.6)])
@@ -238,19 +263,42 @@ def scored(model: str, seed: int, char_errors, speakers: int = 4, chars: int = 2
     lengths = np.full(count, chars, dtype=np.int64)
     cer = float(errors.sum() / lengths.sum())
     held = HeldoutErrors(
-        tuple(f"u{i}" for i in range(count)), tuple(f"h{i % speakers}" for i in range(count)), errors, lengths, errors // 4, lengths // 4
-    )  # fmt: skip
-    return ProbeResult(model, "", "linear", [1.0], "heldout", cer, cer + 0.2, count, 400, seed, "utterance", min(speakers, count), errors=held)
+        tuple(f"u{i}" for i in range(count)),
+        tuple(f"h{i % speakers}" for i in range(count)),
+        errors,
+        lengths,
+        errors // 4,
+        lengths // 4,
+    )
+    return ProbeResult(
+        model,
+        "",
+        "linear",
+        [1.0],
+        "heldout",
+        cer,
+        cer + 0.2,
+        count,
+        400,
+        seed,
+        "utterance",
+        min(speakers, count),
+        errors=held,
+    )
 
 
-def system(model: str, rate: float, noise: float = 1.0, seeds: int = 3, utterances: int = 40, speakers: int = 4) -> list[ProbeResult]:
+def system(
+    model: str, rate: float, noise: float = 1.0, seeds: int = 3, utterances: int = 40, speakers: int = 4
+) -> list[ProbeResult]:
     """``seeds`` rows of a system with ``rate`` of 20 characters wrong per utterance on average:
     the same utterances are hard for every system (a shared per-utterance difficulty), plus
     ``noise`` characters of its own per utterance and seed."""
     difficulty = np.random.default_rng(7).normal(0, 3, utterances)
     own = np.random.default_rng(zlib.crc32(model.encode()))
     return [
-        scored(model, seed, np.clip(np.rint(20 * rate + difficulty + own.normal(0, noise, utterances)), 0, 40), speakers)
+        scored(
+            model, seed, np.clip(np.rint(20 * rate + difficulty + own.normal(0, noise, utterances)), 0, 40), speakers
+        )
         for seed in range(seeds)
     ]
 
@@ -291,16 +339,26 @@ def test_a_gain_of_one_character_per_utterance_is_better_and_the_same_rate_is_no
         pytest.param(0.90, 4, 3, "worse than fbank and random", id="clear-loss"),
         pytest.param(0.70, 4, 3, "better than random; worse than fbank", id="mixed"),
         pytest.param(0.60, 4, 3, "better than random; no evidence against fbank", id="same-as-fbank"),
-        pytest.param(0.30, 1, 3, "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)", id="one-speaker"),
+        pytest.param(
+            0.30,
+            1,
+            3,
+            "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)",
+            id="one-speaker",
+        ),
         pytest.param(0.30, 2, 2, "better than fbank and random", id="two-speakers-enough-when-set"),
     ],
 )
-def test_the_verdict_and_when_it_is_indicative_only(pretrained: float, speakers: int, min_speakers: int, verdict: str) -> None:
+def test_the_verdict_and_when_it_is_indicative_only(
+    pretrained: float, speakers: int, min_speakers: int, verdict: str
+) -> None:
     results = system("pretrained", pretrained, speakers=speakers) + system(FBANK, 0.6, speakers=speakers)
     results += system(RANDOM, 0.8, speakers=speakers)
     (line,) = standing(results, min_speakers)
     assert line.startswith("pretrained: held-out CER ") and " over 3 seeds, fbank " in line, line
-    assert line.endswith(f" on 40 utterances of {speakers} held-out speaker{'s' if speakers > 1 else ''}: {verdict}"), line
+    assert line.endswith(f" on 40 utterances of {speakers} held-out speaker{'s' if speakers > 1 else ''}: {verdict}"), (
+        line
+    )
     board = leaderboard(results, min_speakers)
     assert [s.model for s in board] == sorted((s.model for s in board), key=lambda m: summarise(results)[m].cer.mean)
     rows = {r["encoder"]: r for r in leaderboard_rows(board)}
@@ -313,9 +371,14 @@ def test_too_few_utterances_or_no_per_utterance_scores_say_so() -> None:
     few = system("pretrained", 0.3, utterances=12) + system(FBANK, 0.6, utterances=12)
     (line,) = standing(few)
     assert line.endswith("better than fbank (indicative only: 12 held-out utterances, fewer than 20)"), line
-    bare = [row("pretrained", s, 0.3) for s in range(3)] + [row(FBANK, s, 0.6) for s in range(3)]  # rows written before the errors were kept
+    bare = [row("pretrained", s, 0.3) for s in range(3)] + [
+        row(FBANK, s, 0.6) for s in range(3)
+    ]  # rows written before the errors were kept
     (line,) = standing(bare)
-    assert line.endswith("no per-utterance scores to compare: rematerialize downstream_probe") and beats(bare, "pretrained", FBANK) is None
+    assert (
+        line.endswith("no per-utterance scores to compare: rematerialize downstream_probe")
+        and beats(bare, "pretrained", FBANK) is None
+    )
     assert standing([row(FBANK, 0, 0.5)]) == []
     (alone,) = standing(system("pretrained", 0.3))
     assert alone.endswith("no baseline (fbank, random) to compare with")

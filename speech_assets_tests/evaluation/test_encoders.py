@@ -15,11 +15,28 @@ def test_load_utterances_returns_the_raw_log_mel_of_transcribed_utterances(tmp_p
             utt_id, frames = f"{speaker}-c-{i}", int(rng.integers(20, 60))
             logmel = (rng.normal(size=(frames, 80)) * 3 + 7).astype(np.float32)
             written[utt_id] = logmel
-            records.append(FeatureRecord(utt_id, speaker, "c", frames, frames / 100, 0.0, frames / 100, frames / 100, 1.0, logmel, np.zeros((frames, 39), np.float32)))
+            records.append(
+                FeatureRecord(
+                    utt_id,
+                    speaker,
+                    "c",
+                    frames,
+                    frames / 100,
+                    0.0,
+                    frames / 100,
+                    frames / 100,
+                    1.0,
+                    logmel,
+                    np.zeros((frames, 39), np.float32),
+                )
+            )
         shards.append(write_shard(tmp_path / f"{speaker}.parquet", records))
     transcripts = {"s1-c-0": "hello, world", "s1-c-2": "", "s2-c-1": "it's me", "s2-c-2": "  "}
     found = load_utterances(shards, transcripts)
-    assert [(u.utt_id, u.speaker_id, u.text) for u in found] == [("s1-c-0", "s1", "HELLO WORLD"), ("s2-c-1", "s2", "IT'S ME")]
+    assert [(u.utt_id, u.speaker_id, u.text) for u in found] == [
+        ("s1-c-0", "s1", "HELLO WORLD"),
+        ("s2-c-1", "s2", "IT'S ME"),
+    ]
     for u in found:
         stored = written[u.utt_id].astype(np.float16).astype(np.float32)  # shards hold float16
         np.testing.assert_array_equal(u.feats, stored)  # no CMVN: mean ~7, std ~3

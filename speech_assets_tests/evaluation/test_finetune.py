@@ -81,7 +81,9 @@ def tiny_batch(seed: int = 0) -> Batch:
 def test_ctc_objective_freezes_the_encoder_then_trains_it() -> None:
     torch.manual_seed(0)
     model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE})
-    objective = CtcTraining(torch.device("cpu"), seed=0, freeze_steps=2, mask_prob=0.05, mask_length=3, channel_prob=0.05, channel_length=4)
+    objective = CtcTraining(
+        torch.device("cpu"), seed=0, freeze_steps=2, mask_prob=0.05, mask_length=3, channel_prob=0.05, channel_length=4
+    )
     forward = CtcForward(model)
     for step, frozen in ((1, True), (2, False)):
         model.zero_grad(set_to_none=True)
@@ -106,7 +108,9 @@ def test_ctc_loss_ignores_padding_and_prefers_the_transcript() -> None:
         for i, token in enumerate(tokens):
             peaked[row, 2 * i] = -20.0
             peaked[row, 2 * i, token] = 0.0
-    assert float(ctc_loss(peaked.log_softmax(-1), lengths, batch.targets)) < float(ctc_loss(uniform, lengths, batch.targets))
+    assert float(ctc_loss(peaked.log_softmax(-1), lengths, batch.targets)) < float(
+        ctc_loss(uniform, lengths, batch.targets)
+    )
 
 
 def read_arpa(path: Path) -> tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]]:
@@ -169,7 +173,9 @@ def test_recogniser_export_matches_pytorch(tmp_path: Path) -> None:
     parity = export_recogniser(model, tmp_path, feats)
     assert parity.onnx_max_abs_diff <= 1e-4 and parity.torchscript_max_abs_diff <= 1e-4 and parity.frames == 60 + 39
     log_probs, lengths = ExportableRecogniser(model)(torch.from_numpy(feats[1])[None], torch.tensor([77]))
-    assert log_probs.shape == (1, 39, VOCAB_SIZE) and torch.allclose(log_probs.exp().sum(-1), torch.ones(1, 39), atol=1e-5)
+    assert log_probs.shape == (1, 39, VOCAB_SIZE) and torch.allclose(
+        log_probs.exp().sum(-1), torch.ones(1, 39), atol=1e-5
+    )
 
 
 def test_vocabulary_folders_and_lines(tmp_path: Path) -> None:
@@ -177,20 +183,36 @@ def test_vocabulary_folders_and_lines(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     for name in ("a/x.flac", "a/y.WAV", "a/notes.txt", "b.ogg"):
         (tmp_path / name).write_bytes(b"")
-    assert audio_files([tmp_path / "a", tmp_path / "b.ogg"]) == [tmp_path / "a/x.flac", tmp_path / "a/y.WAV", tmp_path / "b.ogg"]
+    assert audio_files([tmp_path / "a", tmp_path / "b.ogg"]) == [
+        tmp_path / "a/x.flac",
+        tmp_path / "a/y.WAV",
+        tmp_path / "b.ogg",
+    ]
     with pytest.raises(RecogniserError, match="no recogniser"):
         model_folder(tmp_path)
     assert Transcript("u", "p", "HELLO", 1.234).line() == "u\tHELLO\t1.23"
     assert Transcript("u", "p", None, None, "unreadable: x").line() == "u\terror: unreadable: x"
 
 
-
 def result_rows(cers: dict[str, list[float]], utterances: int = 40, minutes: float = 5.0) -> list[dict]:
     return [
-        {"model": model, "labelled_minutes": minutes, "seed": seed, "decoder": decoder, "split": "heldout", "cer": cer,
-         "wer": min(1.0, 2 * cer), "utterances": utterances, "steps": 100, "labelled_seconds": 300.0, "checkpoint_sha256": "x"}
-        for model, values in cers.items() for seed, cer in enumerate(values) for decoder in ("greedy", "beam_3gram")
-    ]  # fmt: skip
+        {
+            "model": model,
+            "labelled_minutes": minutes,
+            "seed": seed,
+            "decoder": decoder,
+            "split": "heldout",
+            "cer": cer,
+            "wer": min(1.0, 2 * cer),
+            "utterances": utterances,
+            "steps": 100,
+            "labelled_seconds": 300.0,
+            "checkpoint_sha256": "x",
+        }
+        for model, values in cers.items()
+        for seed, cer in enumerate(values)
+        for decoder in ("greedy", "beam_3gram")
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
 """The CTC probe learns a tiny synthetic task, picks the informative layer, and scores with jiwer."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
-
-from dataclasses import replace
 
 from speech_assets.evaluation.probe import (
     CtcProbe,
@@ -96,7 +96,9 @@ def test_probe_options_seeds(seeds, ok) -> None:
         assert ProbeOptions(seeds=seeds).seeds == ok  # a settings list becomes a tuple
 
 
-@pytest.mark.parametrize(("lrs", "ok"), [([0.002, 0.01], (0.002, 0.01)), ((), ()), ((0.01, 0.01), None), ((0.0,), None)])
+@pytest.mark.parametrize(
+    ("lrs", "ok"), [([0.002, 0.01], (0.002, 0.01)), ((), ()), ((0.01, 0.01), None), ((0.0,), None)]
+)
 def test_probe_options_lrs(lrs, ok) -> None:
     if ok is None:
         with pytest.raises(ValueError, match="lrs must be distinct"):
@@ -129,7 +131,13 @@ def test_stopping_early_is_the_same_probe_as_the_full_run_at_that_step() -> None
     features, texts = synthetic(24, seed=0)
     options = ProbeOptions(steps=20, batch_size=4, lr=1e-2)
     seen: dict[int, dict[str, torch.Tensor]] = {}
-    full = train_probe(features, texts, options, every=5, on_checkpoint=lambda step, p: seen.__setitem__(step, {k: v.clone() for k, v in p.state_dict().items()}))
+    full = train_probe(
+        features,
+        texts,
+        options,
+        every=5,
+        on_checkpoint=lambda step, p: seen.__setitem__(step, {k: v.clone() for k, v in p.state_dict().items()}),
+    )
     assert sorted(seen) == [5, 10, 15, 20] and not full.training
     early = train_probe(features, texts, options, stop_at=10)
     for key, value in early.state_dict().items():
@@ -144,7 +152,11 @@ def test_scores_are_corpus_level_edit_rates() -> None:
 
 @pytest.mark.parametrize(
     ("references", "hypotheses"),
-    [(["AB CD", "EF"], ["AB CD", ""]), (["THE CAT SAT", "A DOG"], ["THE BAT SAT ON", "DOG"]), (["IT'S A CAT"], ["ITS A CAT"])],
+    [
+        (["AB CD", "EF"], ["AB CD", ""]),
+        (["THE CAT SAT", "A DOG"], ["THE BAT SAT ON", "DOG"]),
+        (["IT'S A CAT"], ["ITS A CAT"]),
+    ],
 )
 def test_per_utterance_errors_sum_to_the_corpus_scores(references, hypotheses) -> None:
     errors = utterance_errors(references, hypotheses)
@@ -173,15 +185,26 @@ def test_a_probe_stops_once_its_development_cer_stalls_and_keeps_its_best_step()
     dev = synthetic(8, seed=1)
     options = ProbeOptions(steps=60, batch_size=4, lr=3e-2)
     curve: dict[int, float] = {}
-    train_probe(features, texts, options, every=5, on_checkpoint=lambda step, p: curve.__setitem__(step, evaluate_probe(p, *dev)[0].cer))
-    best, stale = None, 0  # the rule: keep the first step of the lowest CER; stop after 2 evaluations without a lower one
+    train_probe(
+        features,
+        texts,
+        options,
+        every=5,
+        on_checkpoint=lambda step, p: curve.__setitem__(step, evaluate_probe(p, *dev)[0].cer),
+    )
+    best, stale = (
+        None,
+        0,
+    )  # the rule: keep the first step of the lowest CER; stop after 2 evaluations without a lower one
     for step in sorted(curve):
         if best is None or curve[step] < curve[best]:
             best, stale = step, 0
         elif (stale := stale + 1) >= 2:
             break
     (kept,) = train_probes(features, texts, options, lrs=(3e-2,), dev=dev, every=5, patience=2)
-    assert (kept.lr, kept.step) == (3e-2, best) and kept.dev_cer == pytest.approx(curve[best]) and not kept.probe.training
+    assert (
+        (kept.lr, kept.step) == (3e-2, best) and kept.dev_cer == pytest.approx(curve[best]) and not kept.probe.training
+    )
     at_best = train_probe(features, texts, options, stop_at=best)
     for key, value in at_best.state_dict().items():
         torch.testing.assert_close(kept.probe.state_dict()[key], value)

@@ -19,7 +19,13 @@ import soundfile as sf
 import torch
 
 from speech_assets.features.build import (
-    ShardJob, UtteranceInput, default_workers, helper_count, iter_publish_shards, plan_shards, publish_planned,
+    ShardJob,
+    UtteranceInput,
+    default_workers,
+    helper_count,
+    iter_publish_shards,
+    plan_shards,
+    publish_planned,
 )
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
@@ -58,7 +64,9 @@ def jobs(corpus, shards_dir: Path) -> list[ShardJob]:
 
 
 def published_bytes(shards_dir: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(shards_dir.iterdir()) if path.suffix in (".parquet", ".npz")}
+    return {
+        path.name: path.read_bytes() for path in sorted(shards_dir.iterdir()) if path.suffix in (".parquet", ".npz")
+    }
 
 
 def test_jobs_are_validated(tmp_path, corpus) -> None:
@@ -97,7 +105,9 @@ def test_threads_publish_the_bytes_one_thread_publishes(tmp_path, corpus) -> Non
 
 def test_a_failing_shard_in_a_thread_keeps_the_others(tmp_path, corpus) -> None:
     broken = ShardJob("bad", corpus["s00"] * 2, ShardFiles.of(tmp_path, "bad"), inputs_key="key-bad")  # duplicate ids
-    outcomes = {o.speaker_id: o for o in iter_publish_shards([broken, *jobs(corpus, tmp_path)], VadConfig(), 1, threads=2)}
+    outcomes = {
+        o.speaker_id: o for o in iter_publish_shards([broken, *jobs(corpus, tmp_path)], VadConfig(), 1, threads=2)
+    }
     assert "duplicate utt_id" in outcomes["bad"].error and outcomes["bad"].meta is None
     assert all(outcomes[speaker].meta is not None for speaker in corpus)
     assert ShardFiles.of(tmp_path, "bad").read_meta() is None
@@ -227,7 +237,9 @@ def test_helpers_are_started_only_for_shards_to_build(tmp_path, corpus) -> None:
     assert helper_count(todo, workers=4) == 0
     forced = [ShardJob(j.speaker_id, j.utterances, j.files, j.inputs_key, force=n < 3) for n, j in enumerate(todo)]
     assert helper_count(forced, workers=4) == 2 and helper_count(forced, workers=2) == 1
-    changed = [ShardJob(j.speaker_id, j.utterances, j.files, "other" if n < 2 else j.inputs_key) for n, j in enumerate(todo)]
+    changed = [
+        ShardJob(j.speaker_id, j.utterances, j.files, "other" if n < 2 else j.inputs_key) for n, j in enumerate(todo)
+    ]
     assert helper_count(changed, workers=8) == 1
     outcomes = list(iter_publish_shards(todo, VadConfig(), workers=4))  # nothing to build: no helper, no rebuild
     assert not any(o.rebuilt for o in outcomes) and not helper_processes()
@@ -245,19 +257,30 @@ def test_a_shard_job_is_planned_once_reading_each_meta_once(tmp_path, corpus) ->
 
     def counted(n_forced: int = 0) -> list[ShardJob]:
         return [
-            ShardJob(j.speaker_id, j.utterances, CountingFiles(**dataclasses.asdict(j.files)), j.inputs_key, force=n < n_forced)
+            ShardJob(
+                j.speaker_id,
+                j.utterances,
+                CountingFiles(**dataclasses.asdict(j.files)),
+                j.inputs_key,
+                force=n < n_forced,
+            )
             for n, j in enumerate(jobs(corpus, tmp_path))
         ]
 
     plan = plan_shards(counted(), workers=4)
     assert reads == {speaker: 1 for speaker in corpus}
     assert (plan.to_build, plan.helpers, plan.threads) == (len(corpus), 3, 1)
-    assert [j.speaker_id for j in plan.ordered] == sorted(corpus, key=lambda s: (-sum(u.duration_s for u in corpus[s]), s))
+    assert [j.speaker_id for j in plan.ordered] == sorted(
+        corpus, key=lambda s: (-sum(u.duration_s for u in corpus[s]), s)
+    )
 
     # automatic: a few seconds of audio is too small for a helper; this process uses its cores
     automatic = plan_shards(counted())
     assert automatic.helpers == 0 and automatic.threads == min(default_workers(), len(corpus))
-    assert automatic.describe() == f"{len(corpus)} shard(s) to build in this process, {automatic.threads} thread(s), 0 unchanged"
+    assert (
+        automatic.describe()
+        == f"{len(corpus)} shard(s) to build in this process, {automatic.threads} thread(s), 0 unchanged"
+    )
 
     list(publish_planned(plan_shards(jobs(corpus, tmp_path), workers=1), VadConfig()))
     reads.clear()

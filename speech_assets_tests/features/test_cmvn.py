@@ -11,7 +11,10 @@ from speech_assets.features.cmvn import Cmvn, ShardStats, UtteranceCmvn, describ
 
 def _sums(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
-    frames = {speaker: rng.normal(offset, 1.0 + offset, size=(200, 80)).astype(np.float32) for speaker, offset in (("a", 0.0), ("b", 1.0), ("held", 50.0))}
+    frames = {
+        speaker: rng.normal(offset, 1.0 + offset, size=(200, 80)).astype(np.float32)
+        for speaker, offset in (("a", 0.0), ("b", 1.0), ("held", 50.0))
+    }
     stats = ShardStats()
     for speaker, x in frames.items():
         stats.add(speaker, "logmel", x)
@@ -35,7 +38,9 @@ def test_utterance_cmvn_uses_nothing_but_the_utterance() -> None:
     assert y.dtype == np.float32 and y.shape == x.shape
     np.testing.assert_allclose(y.mean(0), 0.0, atol=1e-5)
     np.testing.assert_allclose(y.std(0), 1.0, atol=1e-4)
-    np.testing.assert_array_equal(UtteranceCmvn().apply(x[:10], "logmel"), UtteranceCmvn().apply(x[:10].copy(), "logmel"))
+    np.testing.assert_array_equal(
+        UtteranceCmvn().apply(x[:10], "logmel"), UtteranceCmvn().apply(x[:10].copy(), "logmel")
+    )
     assert UtteranceCmvn().apply(np.zeros((0, 80), np.float32), "logmel").shape == (0, 80)
     constant = UtteranceCmvn().apply(np.ones((5, 80), np.float32), "logmel")
     assert np.isfinite(constant).all()

@@ -16,11 +16,9 @@ import torch
 import torchaudio
 import torchaudio.functional as AF
 
+from speech_assets.corpus.rejects import REJECTS_SCHEMA
 from speech_assets.features import audio
 from speech_assets.features import shards as features
-from speech_assets.features.cmvn import PartialSums, ShardStats
-from speech_assets.corpus.rejects import REJECTS_SCHEMA
-from speech_assets.features.featurize import FeatureExtractor, compute_deltas
 from speech_assets.features.build import (
     ShardResult,
     UtteranceInput,
@@ -29,9 +27,11 @@ from speech_assets.features.build import (
     process_variants,
     write_sidecars,
 )
+from speech_assets.features.cmvn import PartialSums, ShardStats
+from speech_assets.features.featurize import FeatureExtractor, compute_deltas
 from speech_assets.features.shards import FeatureRecord, num_frames_for
-from speech_assets.layout import sidecar_paths
 from speech_assets.features.vad import VadConfig
+from speech_assets.layout import sidecar_paths
 from speech_assets.testing.corpora import vowel, with_silence
 
 SR = 16_000
@@ -111,7 +111,13 @@ def test_logmel_and_mfcc_match_kaldi(extractor, seed):
 
 @pytest.mark.parametrize(
     "broken",
-    [{"cepstral_lifter": 0}, {"mfcc_mels": 40}, {"window": "hamming"}, {"preemphasis": 0.0}, {"remove_dc_offset": False}],
+    [
+        {"cepstral_lifter": 0},
+        {"mfcc_mels": 40},
+        {"window": "hamming"},
+        {"preemphasis": 0.0},
+        {"remove_dc_offset": False},
+    ],
 )
 def test_mfcc_parity_catches_a_changed_recipe(broken):
     """The parity check above is not a tautology: each of these recipe changes fails it."""

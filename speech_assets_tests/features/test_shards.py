@@ -17,8 +17,17 @@ from speech_assets.utils import atomic_path, sha256_file
 def record(utt_id: str, frames: int, seed: int) -> FeatureRecord:
     rng = np.random.default_rng(seed)
     return FeatureRecord(
-        utt_id, "s1", "c1", frames, frames / 100, 0.1, 0.9, frames / 100, 0.8,
-        rng.normal(size=(frames, 80)).astype(np.float32), rng.normal(size=(frames, 39)).astype(np.float32),
+        utt_id,
+        "s1",
+        "c1",
+        frames,
+        frames / 100,
+        0.1,
+        0.9,
+        frames / 100,
+        0.8,
+        rng.normal(size=(frames, 80)).astype(np.float32),
+        rng.normal(size=(frames, 39)).astype(np.float32),
     )
 
 
@@ -47,7 +56,10 @@ def test_shard_round_trip_and_determinism(tmp_path: Path) -> None:
     scalars_only = next(iter_shard(tmp_path / "one.parquet", features=()))
     assert scalars_only.logmel is None and scalars_only.num_frames == 3
     write_shard(tmp_path / "empty.parquet", [])
-    assert list(iter_shard(tmp_path / "empty.parquet")) == [] and shards.shard_format(tmp_path / "empty.parquet") == shards.SHARD_FORMAT
+    assert (
+        list(iter_shard(tmp_path / "empty.parquet")) == []
+        and shards.shard_format(tmp_path / "empty.parquet") == shards.SHARD_FORMAT
+    )
 
 
 def test_shards_record_their_format_and_float16_reads_without_a_copy(tmp_path: Path) -> None:
@@ -55,7 +67,9 @@ def test_shards_record_their_format_and_float16_reads_without_a_copy(tmp_path: P
     metadata = pq.read_metadata(path).metadata
     assert metadata[b"speech_assets.shard_format"] == b"2" and metadata[b"speech_assets.feature_dtype"] == b"<f2"
     assert shards.feature_dtype(path) == np.float16
-    assert pq.read_metadata(path).num_row_groups == 1 and path.stat().st_size < 40 * 119 * 4  # half of float32, before zstd
+    assert (
+        pq.read_metadata(path).num_row_groups == 1 and path.stat().st_size < 40 * 119 * 4
+    )  # half of float32, before zstd
     table = shards.read_shard_table(path, columns=["utt_id", "logmel"])
     assert shards.feature_dtype(table.schema) == np.float16  # the metadata survives a column projection
     blobs = table.column("logmel").combine_chunks()
@@ -131,7 +145,9 @@ def test_a_caller_that_checked_finiteness_skips_only_the_writers_scan(tmp_path: 
 
 
 def test_all_finite_reads_float16_exponent_bits() -> None:
-    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x3C00], np.uint16).view(np.float16)  # 0, -0, tiny, ±65504, 1
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x3C00], np.uint16).view(
+        np.float16
+    )  # 0, -0, tiny, ±65504, 1
     assert shards.all_finite(edges) and shards.all_finite(edges[:0]) and shards.all_finite(edges.reshape(2, 3)[:, ::2])
     for bad in (0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7FFF):  # ±inf, NaNs
         values = np.concatenate([edges, np.array([bad], np.uint16).view(np.float16)])

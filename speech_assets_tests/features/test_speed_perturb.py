@@ -29,7 +29,10 @@ def _flac(path: Path, seconds: float = 2.0, seed: int = 0) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("utt_id", "factor", "expected"), [("u1", 0.9, "u1-sp0_9"), ("1001-0-0003", 1.1, "1001-0-0003-sp1_1"), ("a", 1.25, "a-sp1_25")])
+@pytest.mark.parametrize(
+    ("utt_id", "factor", "expected"),
+    [("u1", 0.9, "u1-sp0_9"), ("1001-0-0003", 1.1, "1001-0-0003-sp1_1"), ("a", 1.25, "a-sp1_25")],
+)
 def test_perturbed_ids_are_safe(utt_id, factor, expected) -> None:
     assert speed_perturbed_id(utt_id, factor) == expected and is_safe_id(expected)
 
@@ -42,10 +45,14 @@ def test_bad_factors_are_refused(factors) -> None:
 
 def test_frame_counts_scale_with_the_factor(tmp_path) -> None:
     extractor = FeatureExtractor()
-    original, slow, fast = process_variants(_flac(tmp_path / "u.flac", 3.0), "u1", "s", "c", VadConfig(), extractor, [1.1, 0.9])
+    original, slow, fast = process_variants(
+        _flac(tmp_path / "u.flac", 3.0), "u1", "s", "c", VadConfig(), extractor, [1.1, 0.9]
+    )
     assert all(isinstance(r, FeatureRecord) for r in (original, slow, fast))
     assert [r.utt_id for r in (original, slow, fast)] == ["u1", "u1-sp0_9", "u1-sp1_1"]
-    assert slow.duration_s == pytest.approx(original.duration_s / 0.9) and fast.duration_s == pytest.approx(original.duration_s / 1.1)
+    assert slow.duration_s == pytest.approx(original.duration_s / 0.9) and fast.duration_s == pytest.approx(
+        original.duration_s / 1.1
+    )
     # the speech span is re-detected on the perturbed audio: its frames scale by 1/factor (±VAD frames)
     for record, factor in ((slow, 0.9), (fast, 1.1)):
         assert record.num_frames == record.logmel.shape[0] == record.mfcc.shape[0]
@@ -62,7 +69,9 @@ def test_an_unreadable_file_has_one_reject_not_three(tmp_path) -> None:
 
 def test_shard_holds_every_copy_and_targets_align(tmp_path) -> None:
     utterances = [
-        UtteranceInput(f"s1-c-000{i}", "s1", "c", str(_flac(tmp_path / f"{i}.flac", 1.5 + 0.3 * i, seed=i)), 2.5 + 0.3 * i)
+        UtteranceInput(
+            f"s1-c-000{i}", "s1", "c", str(_flac(tmp_path / f"{i}.flac", 1.5 + 0.3 * i, seed=i)), 2.5 + 0.3 * i
+        )
         for i in range(3)
     ]
     plain = build_shard(utterances, tmp_path / "plain.parquet")
@@ -82,7 +91,9 @@ def test_shard_holds_every_copy_and_targets_align(tmp_path) -> None:
     from speech_assets.targets.labels import read_labels
 
     client_cmvn = Cmvn.from_sums(combine([perturbed.stats]))
-    build_client_targets("client_00", [tmp_path / "s1.parquet"], client_cmvn, tmp_path / "kmeans", k=4, seed=0, log=lambda _: None)
+    build_client_targets(
+        "client_00", [tmp_path / "s1.parquet"], client_cmvn, tmp_path / "kmeans", k=4, seed=0, log=lambda _: None
+    )
     labels = read_labels(tmp_path / "kmeans" / "labels.parquet")
     assert set(labels) == set(ids)
     for utt, frames in zip(ids, table.column("num_frames").to_pylist(), strict=True):

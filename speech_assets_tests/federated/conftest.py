@@ -45,7 +45,9 @@ class SamplePipeline:
 @pytest.fixture(scope="session")
 def sample_pipeline(sample_build: dict) -> SamplePipeline:
     """The sample's data stages up to kmeans_targets, built in process (4 clients)."""
-    return SamplePipeline(root=sample_build["root"], home=sample_build["home"], out=sample_build["out"], clients=sample_build["clients"])
+    return SamplePipeline(
+        root=sample_build["root"], home=sample_build["home"], out=sample_build["out"], clients=sample_build["clients"]
+    )
 
 
 def wait_until_gone(root: Path, timeout: float = 60.0) -> list[tuple[int, str]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths, LocalConfig, NodeConfig, settings_changes
+from speech_assets.federated.config import FederatedConfig, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
     APP_DIR,
@@ -27,11 +27,16 @@ from speech_assets.federated.launch import (
     stall_limit,
     write_run_config,
 )
+from speech_assets.layout import FederatedPaths
 from speech_assets_tests.conftest import REPO
 
 
 def _config(**overrides: object) -> FederatedConfig:
-    values: dict[str, object] = {"run_dir": "/data/federated/abc", "run_name": "abc", "clients": ["client_01", "client_00"]}
+    values: dict[str, object] = {
+        "run_dir": "/data/federated/abc",
+        "run_name": "abc",
+        "clients": ["client_01", "client_00"],
+    }
     values.update(overrides)
     return FederatedConfig(**values)  # type: ignore[arg-type]
 
@@ -88,8 +93,11 @@ def app_default_drift(text: str) -> list[str]:
     [
         ("rounds = 3", "rounds = 4", "rounds = 4; the default is 3"),
         ("rounds = 3", "rounds = 3.0", "rounds = 3.0; the default is 3"),
-        ('client-lr-schedule = "constant"', 'client-lr-schedule = "linear"',
-         "client-lr-schedule = 'linear'; the default is 'constant'"),
+        (
+            'client-lr-schedule = "constant"',
+            'client-lr-schedule = "linear"',
+            "client-lr-schedule = 'linear'; the default is 'constant'",
+        ),
         ("secure-aggregation = false", "secure-aggregation = true", "secure-aggregation = True; the default is False"),
         ("weight-decay = 0.01", "weight-decay = 0.02", "weight-decay = 0.02; the default is 0.01"),
         ('heldout-speakers = ""', 'heldout-speakers = "s1"', "heldout-speakers = 's1'; the default is ''"),
@@ -209,14 +217,21 @@ def test_client_state_lives_under_roots_the_supernodes_own(tmp_path: Path) -> No
 
 def test_settings_changes_name_what_changed() -> None:
     before = _config(eta=0.01, rounds=2, data_versions={"manifest": "a"}).settings()
-    assert settings_changes(before, _config(eta=0.01, rounds=2, data_versions={"manifest": "a"}).settings(), resuming=False) == []
+    assert (
+        settings_changes(
+            before, _config(eta=0.01, rounds=2, data_versions={"manifest": "a"}).settings(), resuming=False
+        )
+        == []
+    )
     # more rounds (or other timeouts) may resume a run; a result is reused only for the same rounds
     longer = _config(eta=0.01, rounds=3, round_timeout_s=5.0, data_versions={"manifest": "a"}).settings()
     assert settings_changes(before, longer, resuming=True) == []
     assert settings_changes(before, longer, resuming=False) == ["rounds: 2 -> 3"]
     other = _config(eta=0.05, strategy="fedavg", rounds=2, data_versions={"manifest": "b"}).settings()
     assert settings_changes(before, other, resuming=True) == [
-        'data_versions: {"manifest": "a"} -> {"manifest": "b"}', "eta: 0.01 -> 0.05", "strategy: 'fedadam' -> 'fedavg'"
+        'data_versions: {"manifest": "a"} -> {"manifest": "b"}',
+        "eta: 0.01 -> 0.05",
+        "strategy: 'fedadam' -> 'fedavg'",
     ]
 
 
@@ -251,11 +266,26 @@ def test_the_cli_refuses_to_resume_with_other_settings(tmp_path: Path, capsys: p
 
     data = tmp_path / "out"
     (data / "clients").mkdir(parents=True)
-    pq.write_table(pa.table({"speaker_id": ["s1", "s2"], "client_id": ["client_00", "client_01"],
-                             "hours": [0.1, 0.2], "utterances": [3, 5], "heldout": [False, False]}), data / "clients" / "clients.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table(
+            {
+                "speaker_id": ["s1", "s2"],
+                "client_id": ["client_00", "client_01"],
+                "hours": [0.1, 0.2],
+                "utterances": [3, 5],
+                "heldout": [False, False],
+            }
+        ),
+        data / "clients" / "clients.parquet",
+    )
     run_dir = tmp_path / "run"
-    first = FederatedConfig(run_dir=str(run_dir), run_name="run", clients=["client_00", "client_01"],
-                            client_weights={"client_00": 3.0, "client_01": 5.0}, local_steps=7)  # fmt: skip
+    first = FederatedConfig(
+        run_dir=str(run_dir),
+        run_name="run",
+        clients=["client_00", "client_01"],
+        client_weights={"client_00": 3.0, "client_01": 5.0},
+        local_steps=7,
+    )
     check_settings(FederatedPaths(run_dir), first)
     code = main(["--data-dir", str(data), "--run-dir", str(run_dir), "--local-steps", "8", "--connect-timeout-s", "5"])
     assert code == 1
@@ -275,7 +305,9 @@ def test_a_remote_superlink_without_tls_is_refused_unless_insecure(tmp_path: Pat
         check_transport("fl.example.org:9093", str(tmp_path / "missing.pem"), insecure=False)
 
 
-@pytest.mark.parametrize("superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "fl.example.org", "a b:9093", "::1:9093"])
+@pytest.mark.parametrize(
+    "superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "fl.example.org", "a b:9093", "::1:9093"]
+)
 def test_the_launcher_refuses_a_superlink_that_is_not_host_and_port(superlink: str, tmp_path: Path) -> None:
     """The command line's `--superlink` is checked as the settings file's is, before anything is written."""
     from speech_assets.federated.launch import run_federation
@@ -293,7 +325,9 @@ def test_the_settings_file_takes_a_superlink_endpoint(superlink: str, tmp_path: 
     assert PipelineSettings.load(tmp_path / "pipeline.toml").federated.superlink == superlink
 
 
-@pytest.mark.parametrize("superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "h$(id):9093", "fl.example.org", "::1:9093"])
+@pytest.mark.parametrize(
+    "superlink", ["[fe80::1%$(id)]:9093", "[fe80::1% x]:9093", "h$(id):9093", "fl.example.org", "::1:9093"]
+)
 def test_the_settings_file_refuses_a_superlink_that_is_not_host_and_port(superlink: str, tmp_path: Path) -> None:
     from speech_assets.defs.resources import PipelineSettings
 
@@ -336,36 +370,57 @@ def test_settings_and_launcher_import_neither_torch_nor_flower() -> None:
         print(heavy, "flwr" in sys.modules)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "[] False"
 
 
 @pytest.mark.parametrize(
     "override",
-    [{"insecure": True}, {"client_state_root": "/"}, {"superlink": "attacker.example:9093"},
-     {"superlink_root_certificates": "/tmp/attacker-ca.pem"}],
-)  # fmt: skip
-def test_run_config_cannot_redirect_the_federation_give_up_tls_or_move_the_client_state(override: dict, tmp_path: Path) -> None:
+    [
+        {"insecure": True},
+        {"client_state_root": "/"},
+        {"superlink": "attacker.example:9093"},
+        {"superlink_root_certificates": "/tmp/attacker-ca.pem"},
+    ],
+)
+def test_run_config_cannot_redirect_the_federation_give_up_tls_or_move_the_client_state(
+    override: dict, tmp_path: Path
+) -> None:
     """`superlink`, `superlink_root_certificates`, `insecure` and `client_state_root` come from
     the settings file only: run config naming them is rejected by Dagster before a run exists."""
     import dagster as dg
 
-    from speech_assets.defs.resources import PipelineSettings, StoragePaths
     from speech_assets.definitions import build_definitions
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
     from speech_assets_tests.conftest import SAMPLE_CORPUS
 
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db")
-    job = build_definitions(paths, PipelineSettings()).resolve_implicit_global_asset_job_def().get_subset(
-        asset_selection={dg.AssetKey("federated_checkpoint")})  # fmt: skip
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/m.db"
+    )
+    job = (
+        build_definitions(paths, PipelineSettings())
+        .resolve_implicit_global_asset_job_def()
+        .get_subset(asset_selection={dg.AssetKey("federated_checkpoint")})
+    )
     with dg.DagsterInstance.ephemeral() as instance:
         with pytest.raises(dg.DagsterInvalidConfigError, match=f'unexpected config entry "{next(iter(override))}"'):
-            job.execute_in_process(instance=instance, run_config={"ops": {"federated_checkpoint": {"config": override}}})
+            job.execute_in_process(
+                instance=instance, run_config={"ops": {"federated_checkpoint": {"config": override}}}
+            )
         assert not instance.get_runs()
 
 
-def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_linux_the_local_federation_refuses_at_once_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from speech_assets.federated.launch import run_federation
     from speech_assets.federated.processes import NeedsLinux
 
@@ -376,7 +431,9 @@ def test_off_linux_the_local_federation_refuses_at_once_in_one_line(tmp_path: Pa
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def test_without_a_private_network_the_local_federation_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_private_network_the_local_federation_refuses_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No util-linux (or no user namespaces): the local federation does not fall back to a
     loopback every local user reaches; it refuses before starting anything."""
     from speech_assets.federated.processes import LocalFederation, NeedsLinux
@@ -389,7 +446,9 @@ def test_without_a_private_network_the_local_federation_refuses_in_one_line(tmp_
     assert federation.superlink is None and not (tmp_path / "flower" / "superlink").exists()
 
 
-def test_without_a_private_network_a_simulation_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_private_network_a_simulation_refuses_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The simulation engine does not fall back to the host's loopback either (Ray's servers,
     which authenticate no one, would be every local user's): it refuses before starting anything."""
     from speech_assets.federated.processes import NeedsLinux, simulation_run
@@ -397,7 +456,9 @@ def test_without_a_private_network_a_simulation_refuses_in_one_line(tmp_path: Pa
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     log = tmp_path / "flower" / "simulation.log"
     with pytest.raises(NeedsLinux) as refused:
-        simulation_run(tmp_path / "run_config.toml", [NodeConfig("client_00", str(tmp_path))], 1, log, lambda line: None)
+        simulation_run(
+            tmp_path / "run_config.toml", [NodeConfig("client_00", str(tmp_path))], 1, log, lambda line: None
+        )
     assert "no other local user can reach it" in str(refused.value) and "\n" not in str(refused.value)
     assert not log.exists()
 
@@ -406,14 +467,25 @@ def test_without_a_private_network_a_simulation_refuses_in_one_line(tmp_path: Pa
     ("clients", "fraction", "minimum", "expected"),
     [(4, 1.0, 0, 4), (4, 0.5, 0, 2), (64, 0.25, 0, 16), (64, 0.01, 0, 1), (64, 0.1, 10, 10), (3, 0.1, 0, 1)],
 )
-def test_a_round_samples_a_fraction_of_the_clients_with_a_minimum(clients: int, fraction: float, minimum: int, expected: int) -> None:
-    config = _config(clients=[f"client_{i:02d}" for i in range(clients)], fraction_train=fraction, min_train_nodes=minimum)
+def test_a_round_samples_a_fraction_of_the_clients_with_a_minimum(
+    clients: int, fraction: float, minimum: int, expected: int
+) -> None:
+    config = _config(
+        clients=[f"client_{i:02d}" for i in range(clients)], fraction_train=fraction, min_train_nodes=minimum
+    )
     assert config.sample_size == expected
     assert config.required_clients == (minimum or expected)
 
 
 def test_run_config_carries_the_privacy_and_sampling_settings() -> None:
-    config = _config(clients=["a", "b", "c", "d"], fraction_train=0.5, secure_aggregation=True, dp_noise_multiplier=0.7, strategy="fedprox", proximal_mu=0.1)
+    config = _config(
+        clients=["a", "b", "c", "d"],
+        fraction_train=0.5,
+        secure_aggregation=True,
+        dp_noise_multiplier=0.7,
+        strategy="fedprox",
+        proximal_mu=0.1,
+    )
     again = FederatedConfig.from_run_config(config.to_run_config())
     assert again == config
     assert config.local().proximal_mu == 0.1 and _config(proximal_mu=0.1).local().proximal_mu == 0.0  # fedprox only

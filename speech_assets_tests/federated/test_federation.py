@@ -33,10 +33,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.runtime.waiting import wait_until
 from speech_assets.federated.history import ROUNDS_COLUMNS
-from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.runtime.faults import FAULTS_ENV, fault
+from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import DEMO_FEDERATED, REPO, SAMPLE_CORPUS
 from speech_assets_tests.federated.conftest import SamplePipeline, wait_until_gone
 
@@ -44,9 +44,16 @@ BIN = Path(sys.executable).parent
 FAST = DEMO_FEDERATED
 ROUNDS = FAST["rounds"]
 ALLOWED_TRAIN_METRICS = {"num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps"}
-ALLOWED_EVAL_METRICS = {"num-examples", "utterances", "heldout-loss", "heldout-masked-accuracy", "majority-accuracy",
-                        "leak-free-frames", "heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy"}  # fmt: skip
-
+ALLOWED_EVAL_METRICS = {
+    "num-examples",
+    "utterances",
+    "heldout-loss",
+    "heldout-masked-accuracy",
+    "majority-accuracy",
+    "leak-free-frames",
+    "heldout-leak-free-masked-accuracy",
+    "leak-free-majority-accuracy",
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,9 @@ def dagster_run(sample_build: dict, sample_pipeline: SamplePipeline) -> dict:
     return {"run_dir": results[0].parent, "result": json.loads(results[0].read_text())}
 
 
-def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: dict | None = None, **overrides) -> subprocess.Popen:
+def _cli(
+    sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: dict | None = None, **overrides
+) -> subprocess.Popen:
     """`python -m speech_assets.federated` with exactly the run config of the run folder ``like``."""
     values = tomllib.loads((like / "run_config.toml").read_text())
     values.update({k.replace("_", "-"): v for k, v in overrides.items()})
@@ -73,9 +82,20 @@ def _cli(sample_pipeline: SamplePipeline, run_dir: Path, like: Path, extra_env: 
         # the CLI reads the weights and the held-out split from the clients table itself
         if key not in ("run-dir", "run-name", "data-versions", "client-weights", "heldout-speakers", "train-speakers"):
             args += [f"--{key}", str(value)]
-    command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "speech_assets.federated",
+        "--data-dir",
+        str(sample_pipeline.out),
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(command, env=sample_pipeline.env() | (extra_env or {}), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, env=sample_pipeline.env() | (extra_env or {}), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 600) -> None:
@@ -97,7 +117,9 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     table = pq.read_table(run_dir / "rounds.parquet")
     assert tuple(table.column_names) == ROUNDS_COLUMNS
     rows = table.to_pylist()
-    assert sorted((r["round"], r["client_id"]) for r in rows) == [(r, c) for r in (1, 2) for c in sample_pipeline.clients]
+    assert sorted((r["round"], r["client_id"]) for r in rows) == [
+        (r, c) for r in (1, 2) for c in sample_pipeline.clients
+    ]
     assert all(r["num_examples"] > 0 and r["bytes_up"] > 0 and r["bytes_up"] == r["bytes_down"] for r in rows)
     # the held-out evaluation of every round's global encoder, beside each client's majority-class rate
     # evaluated every evaluate_every (5) rounds and after the last
@@ -115,8 +137,13 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert all(0 <= e["majority_accuracy"] <= 1 for e in evaluation if e["client_id"] in holding)
     # leak-free accuracies: None for a client without leak-free frames, else a fraction
     assert all((e["heldout_leak_free_masked_accuracy"] is None) == (e["leak_free_frames"] == 0) for e in evaluation)
-    assert result["heldout_leak_free_frames"] == sum(e["leak_free_frames"] for e in evaluation if e["round"] == ROUNDS) > 0
-    assert 0 <= result["heldout_leak_free_masked_accuracy"] <= 1 and 0 <= result["heldout_leak_free_majority_accuracy"] <= 1
+    assert (
+        result["heldout_leak_free_frames"] == sum(e["leak_free_frames"] for e in evaluation if e["round"] == ROUNDS) > 0
+    )
+    assert (
+        0 <= result["heldout_leak_free_masked_accuracy"] <= 1
+        and 0 <= result["heldout_leak_free_majority_accuracy"] <= 1
+    )
     # the final checkpoint: weights_only, encoder only, its hash is the data version
     state = torch.load(run_dir / "final.pt", map_location="cpu", weights_only=True)
     assert state["round"] == ROUNDS and weights_sha256(state["encoder"]) == result["checkpoint_sha256"]
@@ -129,7 +156,9 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
         inputs = event.metadata["input_versions"].value
         manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
-        assert any(k.startswith("kmeans_targets/") for k in inputs) and any(k.startswith("vad_features/") for k in inputs)
+        assert any(k.startswith("kmeans_targets/") for k in inputs) and any(
+            k.startswith("vad_features/") for k in inputs
+        )
         # per-round and per-client results as tables with a schema; rounded values with units
         per_round = event.metadata["per_round"]
         assert isinstance(per_round, dg.TableMetadataValue) and "round_s" in [c.name for c in per_round.schema.columns]
@@ -141,7 +170,9 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
         assert all((per_client[c]["masked_accuracy"] is None) == (c not in holding) for c in per_client)
         assert event.metadata["privacy"].value == {"differential_privacy": False}
         assert 0 <= event.metadata["mean_round_overhead"].value < 1
-        assert event.metadata["heldout_leak_free_masked_accuracy"].value == pytest.approx(result["heldout_leak_free_masked_accuracy"], abs=5e-4)
+        assert event.metadata["heldout_leak_free_masked_accuracy"].value == pytest.approx(
+            result["heldout_leak_free_masked_accuracy"], abs=5e-4
+        )
         assert event.metadata["mb_up_per_round"].value == pytest.approx(result["bytes_up_per_round"] / 1e6, abs=0.01)
         assert len(event.metadata["curve"].value) < 1000 and "data:image/svg+xml" in event.metadata["curve"].value
         # the MLflow run, a click away; and the Dagster run, from MLflow
@@ -188,7 +219,11 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     report = checkpoint_lineage(final)
     assert (report["kind"], report["step"], report["step_unit"]) == ("federated", ROUNDS, "round")
     # the commit and the MLflow and Dagster runs, as MLflow and Dagster recorded them
-    assert report["git_sha"] == commit and report["mlflow_run_id"] == mlflow_run and report["dagster_run_id"] == record.run_id
+    assert (
+        report["git_sha"] == commit
+        and report["mlflow_run_id"] == mlflow_run
+        and report["dagster_run_id"] == record.run_id
+    )
     assert cli.main(["lineage", str(final)]) == 0
     printed = capsys.readouterr().out
     assert f"round             {ROUNDS}" in printed and "None" not in printed
@@ -201,11 +236,15 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     from speech_assets.defs.stats import _inputs
     from speech_assets.stats.database import build_database
 
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri)
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(sample_pipeline.out), mlflow_tracking_uri=sample_pipeline.mlflow_uri
+    )
     db = tmp_path / "stats.duckdb"
     build_database(db, _inputs(paths))
     with duckdb.connect(str(db), read_only=True) as con:
-        rows = con.execute("SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints WHERE kind = 'federated'").fetchall()
+        rows = con.execute(
+            "SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints WHERE kind = 'federated'"
+        ).fetchall()
     assert (ROUNDS, "round", report["weights_sha256"], mlflow_run, commit, record.run_id) in rows
 
 
@@ -220,7 +259,10 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
     # who each node is (the simulation runtime has no node registrations), then train and evaluate replies
     phases = [entry["phase"] for entry in received]
     assert phases.count("identify") == len(sample_pipeline.clients)
-    assert (phases.count("train"), phases.count("evaluate")) == (ROUNDS * len(sample_pipeline.clients), len(sample_pipeline.clients))
+    assert (phases.count("train"), phases.count("evaluate")) == (
+        ROUNDS * len(sample_pipeline.clients),
+        len(sample_pipeline.clients),
+    )
     for entry in received:
         if entry["phase"] == "identify":
             assert entry["records"] == {"client": {"type": "ConfigRecord", "keys": ["client-id"]}}
@@ -257,8 +299,9 @@ def test_only_the_encoder_reaches_the_server(dagster_run: dict, sample_pipeline:
         assert not torch.isin(weight.flatten()[:64], stored).all()
 
 
-def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(dagster_run: dict, sample_build: dict,
-                                                                    sample_pipeline: SamplePipeline) -> None:
+def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(
+    dagster_run: dict, sample_build: dict, sample_pipeline: SamplePipeline
+) -> None:
     """The run folder remembers the settings it was started with (settings.json). A
     re-materialization whose settings differ from them is refused, naming the change, before
     any process starts; the finished result is not reused (before: it was, whatever the
@@ -282,7 +325,9 @@ def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(dagster_ru
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_to_the_same_weights(dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path) -> None:
+def test_a_killed_run_resumes_to_the_same_weights(
+    dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path
+) -> None:
     """1 round, SIGKILL of the launcher, restart, 1 more round == 2 uninterrupted rounds, bit for bit."""
     run_dir = tmp_path / "resumed"
     run_dir.mkdir()
@@ -317,8 +362,15 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     run_dir.mkdir()
     markers = tmp_path / "markers"
     faults = f"{fault('federated.round', 'hold', client='client_03', round=2, marker=markers / 'client_03-2.started')};{fault('federated.round', 'raise', client='client_02', round=3)}"
-    run = _cli(sample_pipeline, run_dir, dagster_run["run_dir"], {FAULTS_ENV: faults},
-               rounds=3, min_train_nodes=3, engine="deployment")  # fmt: skip
+    run = _cli(
+        sample_pipeline,
+        run_dir,
+        dagster_run["run_dir"],
+        {FAULTS_ENV: faults},
+        rounds=3,
+        min_train_nodes=3,
+        engine="deployment",
+    )
     try:
         _wait_for(markers / "client_03-2.started", run)
         supernode = json.loads((run_dir / "flower" / "pids.json").read_text())["supernode client_03"]["pid"]
@@ -336,7 +388,9 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     assert failure["round"] == 3 and failure["completed_rounds"] == 2
     assert failure["missing"] == ["client_02", "client_03"]
     assert "fewer than the 3 a round needs" in failure["message"]
-    assert any("fault injection: raise at federated.round client=client_02 round=3" in f["reason"] for f in failure["failures"])
+    assert any(
+        "fault injection: raise at federated.round client=client_02 round=3" in f["reason"] for f in failure["failures"]
+    )
     rows = pq.read_table(run_dir / "rounds.parquet").to_pylist()
     assert sorted({r["round"] for r in rows}) == [1, 2] and len(rows) == 4 + 3
     superlink_log = (run_dir / "flower" / "superlink" / "superlink.log").read_text()
@@ -365,11 +419,20 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
         with LocalFederation(folder, [node], log=lambda line: None) as federation:
             node_id = federation.node_ids["client_00"]
             assert json.loads((folder / "nodes.json").read_text()) == {str(node_id): "client_00"}
-            command = [flower_bin("flower-supernode"), "--root-certificates", str(folder / "tls" / "ca.crt"),
-                       "--superlink", federation.address, "--host", "127.0.0.1"]  # fmt: skip
+            command = [
+                flower_bin("flower-supernode"),
+                "--root-certificates",
+                str(folder / "tls" / "ca.crt"),
+                "--superlink",
+                federation.address,
+                "--host",
+                "127.0.0.1",
+            ]
             stranger = make_node_key(tmp_path / "stranger", "client_01")
             # inside the federation's network namespace: what only node authentication stops
-            for port, (name, extra) in enumerate((("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])), 9200):
+            for port, (name, extra) in enumerate(
+                (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])), 9200
+            ):
                 argv = federation.enter([*command, "--port", str(port), *extra, "--node-config", node.to_node_config()])
                 log = tmp_path / name / "supernode.log"
                 impostors.append((spawn(argv, log, flower_env(tmp_path / name / "home"), supervised=True), log))
@@ -435,7 +498,10 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
     if python is None:
         pytest.skip("no Python interpreter the user nobody may run")
     node = NodeConfig("client_00", str(tmp_path / "data"))
-    with other_user.shared_folder() as shared, LocalFederation(tmp_path / "flower", [node], log=lambda line: None) as federation:
+    with (
+        other_user.shared_folder() as shared,
+        LocalFederation(tmp_path / "flower", [node], log=lambda line: None) as federation,
+    ):
         own = federation.supernodes["client_00"]
         _wait_for_text(own.log, f"SuperNode ID: {federation.node_ids['client_00']}", own.process)
         key = make_node_key(shared, "intruder")
@@ -454,18 +520,30 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
         for path in shared.iterdir():
             path.chmod(0o644)
         command = [*python[0], str(shared / "intruder.py"), str(shared / "spec.json")]
-        intruder = subprocess.run(other_user.as_user(other_user.NOBODY, command), env=python[1], capture_output=True,
-                                  text=True, timeout=120, cwd="/")  # fmt: skip
+        intruder = subprocess.run(
+            other_user.as_user(other_user.NOBODY, command),
+            env=python[1],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
         assert intruder.returncode == 0, intruder.stderr
         refused = json.loads(intruder.stdout)
         assert all(refused[f"connect {port}"] == "ConnectionRefusedError" for port in spec["ports"]), refused
         assert "Connection refused" in refused["register-node"], refused
         assert "Permission denied" in refused.get("nsenter", "Permission denied"), refused
-        owner = subprocess.run(federation.enter([sys.executable, str(shared / "intruder.py"), str(shared / "spec.json")]),
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        owner = subprocess.run(
+            federation.enter([sys.executable, str(shared / "intruder.py"), str(shared / "spec.json")]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert owner.returncode == 0, owner.stderr
         inside = json.loads(owner.stdout)
-        assert inside["register-node"] == "HTTP 200" and all(inside[f"connect {p}"] == "connected" for p in spec["ports"]), inside
+        assert inside["register-node"] == "HTTP 200" and all(
+            inside[f"connect {p}"] == "connected" for p in spec["ports"]
+        ), inside
         assert own.process.poll() is None
     assert wait_until_gone(tmp_path) == []
 
@@ -516,7 +594,7 @@ def _listening_ports(pid: int) -> set[int]:
         except OSError:
             continue
         if link.startswith("socket:["):
-            sockets.add(link[len("socket:["):-1])
+            sockets.add(link[len("socket:[") : -1])
     ports = set()
     for table in ("tcp", "tcp6"):
         for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
@@ -527,7 +605,9 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_another_local_user_cannot_reach_a_simulations_ray_cluster(sample_pipeline: SamplePipeline, tmp_path: Path) -> None:
+def test_another_local_user_cannot_reach_a_simulations_ray_cluster(
+    sample_pipeline: SamplePipeline, tmp_path: Path
+) -> None:
     """The simulation engine runs Ray, whose GCS, raylet and workers serve without authentication
     (a caller can run code as the pipeline's user). While a client holds in round 1, a second,
     unprivileged user connects to every port Ray's processes listen on: each is refused and none
@@ -543,16 +623,33 @@ def test_another_local_user_cannot_reach_a_simulations_ray_cluster(sample_pipeli
     if python is None:
         pytest.skip("no Python interpreter the user nobody may run")
     run_dir, held = tmp_path / "simulation", tmp_path / "markers" / "held"
-    command = [sys.executable, "-m", "speech_assets.federated", "--data-dir", str(sample_pipeline.out), "--run-dir", str(run_dir),
-               "--rounds", "1", "--local-steps", "1", "--batch-seconds", str(FAST["batch_seconds"])]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "speech_assets.federated",
+        "--data-dir",
+        str(sample_pipeline.out),
+        "--run-dir",
+        str(run_dir),
+        "--rounds",
+        "1",
+        "--local-steps",
+        "1",
+        "--batch-seconds",
+        str(FAST["batch_seconds"]),
+    ]
     faults = {FAULTS_ENV: fault("federated.round", "hold", client=sample_pipeline.clients[0], round=1, marker=held)}
     with open(tmp_path / "run.log", "wb") as log:
-        run = subprocess.Popen(command, env=sample_pipeline.env() | faults, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        run = subprocess.Popen(
+            command, env=sample_pipeline.env() | faults, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         _wait_for(held, run)
         processes = flower_processes(run_dir)
         ports = sorted(set().union(*(_listening_ports(pid) for pid, _ in processes)))
-        raylet, argv = next((pid, a.split()) for pid, a in processes if is_ray(a.split()) and a.split()[0].endswith("raylet/raylet"))
+        raylet, argv = next(
+            (pid, a.split()) for pid, a in processes if is_ray(a.split()) and a.split()[0].endswith("raylet/raylet")
+        )
         socket_name = next(arg.split("=", 1)[1] for arg in argv if arg.startswith("--raylet_socket_name="))
         spec = {"ports": ports, "sockets": str(Path(socket_name).parent)}
         assert len(ports) >= 4, processes  # the GCS, the raylet's two, a worker's
@@ -562,18 +659,30 @@ def test_another_local_user_cannot_reach_a_simulations_ray_cluster(sample_pipeli
             for path in shared.iterdir():
                 path.chmod(0o644)
             attack = [str(shared / "intruder.py"), str(shared / "spec.json")]
-            intruder = subprocess.run(other_user.as_user(other_user.NOBODY, [*python[0], *attack]), env=python[1],
-                                      capture_output=True, text=True, timeout=120, cwd="/")  # fmt: skip
+            intruder = subprocess.run(
+                other_user.as_user(other_user.NOBODY, [*python[0], *attack]),
+                env=python[1],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd="/",
+            )
             assert intruder.returncode == 0, intruder.stderr
             refused = json.loads(intruder.stdout)
-            inside = subprocess.run(["nsenter", f"--target={raylet}", "--net", "--", sys.executable, *attack],
-                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+            inside = subprocess.run(
+                ["nsenter", f"--target={raylet}", "--net", "--", sys.executable, *attack],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         assert refused.pop("listening on the host") == [], refused
         assert refused.pop("list sockets") == refused.pop("write sockets") == "PermissionError", refused
         assert all(refused[f"connect 127.0.0.1 {port}"] == "ConnectionRefusedError" for port in ports), refused
         assert "connected" not in refused.values(), refused  # ::1 neither
         assert inside.returncode == 0, inside.stderr
-        assert all(json.loads(inside.stdout)[f"connect 127.0.0.1 {port}"] == "connected" for port in ports), inside.stdout
+        assert all(json.loads(inside.stdout)[f"connect 127.0.0.1 {port}"] == "connected" for port in ports), (
+            inside.stdout
+        )
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=120) == 128 + signal.SIGTERM
     finally:

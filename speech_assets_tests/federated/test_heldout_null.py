@@ -11,9 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import summarize_rounds
 from speech_assets.federated.server_app import Server
+from speech_assets.layout import FederatedPaths
 from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 
 
@@ -33,10 +34,20 @@ def test_a_client_without_heldout_speakers_reports_null(tmp_path: Path) -> None:
     assert moved
     heldout = sorted(set(corpus.heldout_speakers) - set(moved))
     config = FederatedConfig(
-        run_dir=str(tmp_path / "run"), run_name="null", clients=["c0", "c1"], rounds=1, local_steps=1, strategy="fedavg",
-        client_lr=5e-3, precision="fp32", batch_seconds=4.0, heldout_speakers=heldout,
-        train_speakers=sorted(corpus.train_speakers + moved), connect_timeout_s=5, round_timeout_s=600,
-    )  # fmt: skip
+        run_dir=str(tmp_path / "run"),
+        run_name="null",
+        clients=["c0", "c1"],
+        rounds=1,
+        local_steps=1,
+        strategy="fedavg",
+        client_lr=5e-3,
+        precision="fp32",
+        batch_seconds=4.0,
+        heldout_speakers=heldout,
+        train_speakers=sorted(corpus.train_speakers + moved),
+        connect_timeout_s=5,
+        round_timeout_s=600,
+    )
     grid = InProcessGrid({1: "c0", 2: "c1"}, corpus.data_dir, tmp_path / "state")
     warnings, server_log = _Warnings(), logging.getLogger("speech_assets.federated.server")
     server_log.addHandler(warnings)
@@ -49,7 +60,11 @@ def test_a_client_without_heldout_speakers_reports_null(tmp_path: Path) -> None:
     scored, empty = result["heldout_per_client"]["c0"], result["heldout_per_client"]["c1"]
     assert scored["masked_frames"] > 0 and 0 <= scored["masked_accuracy"] <= 1
     assert empty["masked_frames"] == 0
-    assert (empty["masked_accuracy"], empty["majority_accuracy"], empty["leak_free_masked_accuracy"]) == (None, None, None)
+    assert (empty["masked_accuracy"], empty["majority_accuracy"], empty["leak_free_masked_accuracy"]) == (
+        None,
+        None,
+        None,
+    )
     paths = FederatedPaths(config.run_dir)
     (row,) = [r for r in pq.read_table(paths.evaluation_table).to_pylist() if r["client_id"] == "c1"]
     assert row["heldout_masked_accuracy"] is None and row["majority_accuracy"] is None and row["heldout_loss"] is None

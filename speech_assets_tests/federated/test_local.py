@@ -22,9 +22,13 @@ CLIENT = "client_00"
 
 def _local(run_name: str = "unit", heldout: tuple[str, ...] = ()) -> object:
     config = FederatedConfig(
-        run_dir=f"/unused/{run_name}", run_name=run_name, clients=[CLIENT], local_steps=2, batch_seconds=8.0,
+        run_dir=f"/unused/{run_name}",
+        run_name=run_name,
+        clients=[CLIENT],
+        local_steps=2,
+        batch_seconds=8.0,
         heldout_speakers=list(heldout),
-    )  # fmt: skip
+    )
     return config.local()
 
 
@@ -85,7 +89,9 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
 def test_a_local_round_repeats_exactly(sample_pipeline, tmp_path: Path) -> None:
     """Round r starts from the newest head saved before r, so a re-run round (after a kill)
     computes the same encoder whatever the first attempt left behind."""
-    node = NodeConfig(client_id=CLIENT, data_dir=str(sample_pipeline.out), state_root=str(tmp_path / "state"), threads=1)
+    node = NodeConfig(
+        client_id=CLIENT, data_dir=str(sample_pipeline.out), state_root=str(tmp_path / "state"), threads=1
+    )
     start = initial_encoder("tiny", seed=0)
 
     def train(round_number: int, encoder: dict) -> dict:

@@ -46,14 +46,23 @@ def serverapp_identity() -> Iterator[None]:
 
 
 def _config(run_dir: Path, **overrides: object) -> FederatedConfig:
-    values: dict[str, object] = {"run_dir": str(run_dir), "run_name": run_dir.name, "clients": CLIENTS,
-                                 "round_timeout_s": 2.0, "connect_timeout_s": 1.0, "evaluate_every": 1}  # fmt: skip
+    values: dict[str, object] = {
+        "run_dir": str(run_dir),
+        "run_name": run_dir.name,
+        "clients": CLIENTS,
+        "round_timeout_s": 2.0,
+        "connect_timeout_s": 1.0,
+        "evaluate_every": 1,
+    }
     return FederatedConfig(**(values | overrides))  # type: ignore[arg-type]
 
 
 def _encoder(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"frontend.w": rng.standard_normal((4, 3)).astype(np.float32), "frontend.b": rng.standard_normal(4).astype(np.float32)}
+    return {
+        "frontend.w": rng.standard_normal((4, 3)).astype(np.float32),
+        "frontend.b": rng.standard_normal(4).astype(np.float32),
+    }
 
 
 def _content(client: str | None, arrays: dict[str, np.ndarray] | None, metrics: dict[str, float]) -> RecordDict:
@@ -66,20 +75,42 @@ def _content(client: str | None, arrays: dict[str, np.ndarray] | None, metrics: 
 
 
 def _train_metrics(**values: float) -> dict[str, float]:
-    return {"num-examples": 10, "train-loss": 4.0, "masked-accuracy": 0.2, "seconds": 1.0, "audio-seconds": 9.0, "steps": 2} | values
+    return {
+        "num-examples": 10,
+        "train-loss": 4.0,
+        "masked-accuracy": 0.2,
+        "seconds": 1.0,
+        "audio-seconds": 9.0,
+        "steps": 2,
+    } | values
 
 
 def _eval_metrics(**values: float) -> dict[str, float]:
-    return {"num-examples": 50, "utterances": 2, "heldout-loss": 4.0, "heldout-masked-accuracy": 0.2,
-            "majority-accuracy": 0.05, "leak-free-frames": 30, "heldout-leak-free-masked-accuracy": 0.15,
-            "leak-free-majority-accuracy": 0.04} | values  # fmt: skip
+    return {
+        "num-examples": 50,
+        "utterances": 2,
+        "heldout-loss": 4.0,
+        "heldout-masked-accuracy": 0.2,
+        "majority-accuracy": 0.05,
+        "leak-free-frames": 30,
+        "heldout-leak-free-masked-accuracy": 0.15,
+        "leak-free-majority-accuracy": 0.04,
+    } | values
 
 
 def _reply_to(message: Message, content: RecordDict, src: int | None = None) -> Message:
     """A reply as the SuperLink hands it to the ServerApp (``src`` defaults to the addressee)."""
-    metadata = Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=message.metadata.dst_node_id if src is None else src,
-                        dst_node_id=0, reply_to_message_id=message.metadata.message_id, group_id="", created_at=0.0,
-                        ttl=60.0, message_type=message.metadata.message_type)  # fmt: skip
+    metadata = Metadata(
+        run_id=1,
+        message_id=uuid.uuid4().hex,
+        src_node_id=message.metadata.dst_node_id if src is None else src,
+        dst_node_id=0,
+        reply_to_message_id=message.metadata.message_id,
+        group_id="",
+        created_at=0.0,
+        ttl=60.0,
+        message_type=message.metadata.message_type,
+    )
     return Message(metadata=metadata, content=content)
 
 
@@ -98,10 +129,20 @@ class ScriptedGrid:
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         ids = []
         for message in messages:
-            sent = Message(metadata=Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=0,
-                                             dst_node_id=message.metadata.dst_node_id, reply_to_message_id="", group_id="",
-                                             created_at=0.0, ttl=60.0, message_type=message.metadata.message_type),
-                           content=message.content)  # fmt: skip
+            sent = Message(
+                metadata=Metadata(
+                    run_id=1,
+                    message_id=uuid.uuid4().hex,
+                    src_node_id=0,
+                    dst_node_id=message.metadata.dst_node_id,
+                    reply_to_message_id="",
+                    group_id="",
+                    created_at=0.0,
+                    ttl=60.0,
+                    message_type=message.metadata.message_type,
+                ),
+                content=message.content,
+            )
             self.sent.append(sent)
             self.outbox.extend(self.respond(sent))
             ids.append(sent.metadata.message_id)
@@ -114,7 +155,9 @@ class ScriptedGrid:
         return found
 
 
-def _honest(node_clients: dict[int, str], encoder: dict[str, np.ndarray], shift: float = 0.01) -> Callable[[Message], list[Message]]:
+def _honest(
+    node_clients: dict[int, str], encoder: dict[str, np.ndarray], shift: float = 0.01
+) -> Callable[[Message], list[Message]]:
     def respond(message: Message) -> list[Message]:
         client = node_clients[message.metadata.dst_node_id]
         if message.metadata.message_type == "train":
@@ -125,7 +168,9 @@ def _honest(node_clients: dict[int, str], encoder: dict[str, np.ndarray], shift:
     return respond
 
 
-def _server(tmp_path: Path, grid: ScriptedGrid, registered: dict[int, str] | None = None, **overrides: object) -> Server:
+def _server(
+    tmp_path: Path, grid: ScriptedGrid, registered: dict[int, str] | None = None, **overrides: object
+) -> Server:
     config = _config(tmp_path / "run", **overrides)
     server = Server(grid, config)  # type: ignore[arg-type]
     server.binding = NodeBinding(config.clients, registered)
@@ -155,7 +200,14 @@ def _finishes(call: Callable[[], object], within: float = 120.0) -> object:
 
 # ------------------------------------------------------------------------- the client's own check
 def _train_result(encoder: dict[str, torch.Tensor], **metrics: float) -> TrainResult:
-    values = {"num_examples": 10, "train_loss": 4.0, "masked_accuracy": 0.2, "seconds": 1.0, "audio_seconds": 9.0, "steps": 2}
+    values = {
+        "num_examples": 10,
+        "train_loss": 4.0,
+        "masked_accuracy": 0.2,
+        "seconds": 1.0,
+        "audio_seconds": 9.0,
+        "steps": 2,
+    }
     return TrainResult(encoder=encoder, **(values | metrics))  # type: ignore[arg-type]
 
 
@@ -165,22 +217,37 @@ def test_the_client_sends_only_the_encoder_and_the_agreed_metrics() -> None:
     content = reply("train", received, _train_result(encoder), "client_00")
     assert set(content.keys()) == {"arrays", "metrics", "client"}
     assert set(content["metrics"]) == set(TRAIN_METRICS)
-    evaluation = EvalResult(utterances=2, masked_frames=50, masked_accuracy=0.2, majority_accuracy=0.05, loss=4.0,
-                            leak_free_frames=30, leak_free_masked_accuracy=0.15, leak_free_majority_accuracy=0.04)  # fmt: skip
+    evaluation = EvalResult(
+        utterances=2,
+        masked_frames=50,
+        masked_accuracy=0.2,
+        majority_accuracy=0.05,
+        loss=4.0,
+        leak_free_frames=30,
+        leak_free_masked_accuracy=0.15,
+        leak_free_majority_accuracy=0.04,
+    )
     sent = reply("evaluate", received, evaluation, "client_00")["metrics"]
     assert set(sent) == set(EVAL_METRICS) and sent["heldout-leak-free-masked-accuracy"] == 0.15
     # no leak-free frames: their accuracies are None here, 0.0 on the wire (a metric is a number)
-    none_free = dataclasses.replace(evaluation, leak_free_frames=0, leak_free_masked_accuracy=None,
-                                    leak_free_majority_accuracy=None)  # fmt: skip
+    none_free = dataclasses.replace(
+        evaluation, leak_free_frames=0, leak_free_masked_accuracy=None, leak_free_majority_accuracy=None
+    )
     sent = reply("evaluate", received, none_free, "client_00")["metrics"]
-    assert (sent["leak-free-frames"], sent["heldout-leak-free-masked-accuracy"], sent["leak-free-majority-accuracy"]) == (0, 0.0, 0.0)
+    assert (
+        sent["leak-free-frames"],
+        sent["heldout-leak-free-masked-accuracy"],
+        sent["leak-free-majority-accuracy"],
+    ) == (0, 0.0, 0.0)
     with pytest.raises(OutgoingRefused, match="leak-free-frames .* exceeds num-examples"):
         reply("evaluate", received, dataclasses.replace(evaluation, leak_free_frames=51), "client_00")
     with pytest.raises(OutgoingRefused, match="heldout-leak-free-masked-accuracy is above 1"):
         reply("evaluate", received, dataclasses.replace(evaluation, leak_free_masked_accuracy=1.5), "client_00")
 
     head = {"heads.0.weight": torch.zeros(100, 3), "heads.0.bias": torch.zeros(100)}
-    with pytest.raises(OutgoingRefused, match=r"client_00 refuses to send its train reply: .*unexpected: \['heads.0.bias'"):
+    with pytest.raises(
+        OutgoingRefused, match=r"client_00 refuses to send its train reply: .*unexpected: \['heads.0.bias'"
+    ):
         reply("train", received, _train_result({**encoder, **head}), "client_00")
     with pytest.raises(OutgoingRefused, match="other dtype or shape"):
         reply("train", received, _train_result({k: v.double() for k, v in encoder.items()}), "client_00")
@@ -217,23 +284,44 @@ def test_a_reply_is_bound_to_the_node_that_sent_it(tmp_path: Path) -> None:
     good, failures = server.exchange(strategy.configure_train(2, arrays, ConfigRecord({}), grid), 2, "train")  # type: ignore[arg-type]
     assert [server.client_of(r) for r in good] == ["client_00"]
     reasons = {f["node_id"]: f["reason"] for f in failures}
-    assert reasons == {2: "node 2 is client client_01 but claims to be client_00", 3: "no 'client' record with a 'client-id'"}
+    assert reasons == {
+        2: "node 2 is client client_01 but claims to be client_00",
+        3: "no 'client' record with a 'client-id'",
+    }
     assert server.binding.client_of(2) == "client_01" and server.binding.client_of(1) == "client_00"
 
 
 def test_binding_rules() -> None:
     def reply(src: int, client: str | None) -> Message:
-        sent = Message(metadata=Metadata(run_id=1, message_id=f"m{src}", src_node_id=0, dst_node_id=src, reply_to_message_id="",
-                                         group_id="", created_at=0.0, ttl=60.0, message_type="train"), content=RecordDict())  # fmt: skip
+        sent = Message(
+            metadata=Metadata(
+                run_id=1,
+                message_id=f"m{src}",
+                src_node_id=0,
+                dst_node_id=src,
+                reply_to_message_id="",
+                group_id="",
+                created_at=0.0,
+                ttl=60.0,
+                message_type="train",
+            ),
+            content=RecordDict(),
+        )
         return _reply_to(sent, _content(client, None, _train_metrics()))
 
     binding = NodeBinding(CLIENTS)
-    accepted, failures = binding.bind([(1, reply(1, "client_00")), (2, reply(2, "client_00"))], "train", connected={1, 2})
+    accepted, failures = binding.bind(
+        [(1, reply(1, "client_00")), (2, reply(2, "client_00"))], "train", connected={1, 2}
+    )
     assert accepted == [] and {f["reason"] for f in failures} == {"2 replies claim to be client_00"}
-    accepted, failures = binding.bind([(1, reply(1, "client_00")), (2, reply(2, "client_01"))], "train", connected={1, 2})
+    accepted, failures = binding.bind(
+        [(1, reply(1, "client_00")), (2, reply(2, "client_01"))], "train", connected={1, 2}
+    )
     assert len(accepted) == 2 and failures == []
     # bound now: node 2 may not become client_00 while node 1 is connected, nor change its own client
-    assert binding.problem(2, reply(2, "client_00"), {1, 2})[1] == "node 2 is client client_01 but claims to be client_00"
+    assert (
+        binding.problem(2, reply(2, "client_00"), {1, 2})[1] == "node 2 is client client_01 but claims to be client_00"
+    )
     assert binding.problem(3, reply(3, "client_00"), {1, 2, 3})[1] == "claims to be client_00, which is node 1"
     assert binding.problem(3, reply(4, "client_02"), {3, 4})[1] == "reply from node 4 to a message sent to node 3"
     assert "not taking part" in str(binding.problem(3, reply(3, "client_99"), {3})[1])
@@ -242,7 +330,10 @@ def test_binding_rules() -> None:
     assert len(accepted) == 1 and binding.client_of(5) == "client_00" and binding.client_of(1) is None
     # registered nodes (node authentication) are bound for good
     registered = NodeBinding(CLIENTS, {7: "client_00", 8: "client_01"})
-    assert registered.problem(8, reply(8, "client_00"), {7, 8})[1] == "node 8 is client client_01 but claims to be client_00"
+    assert (
+        registered.problem(8, reply(8, "client_00"), {7, 8})[1]
+        == "node 8 is client client_01 but claims to be client_00"
+    )
     assert registered.problem(9, reply(9, "client_02"), {9})[1] == "node 9 is not a registered SuperNode"
     assert registered.problem(7, reply(7, "client_00"), set())[1] is None
 
@@ -281,11 +372,15 @@ def test_non_finite_or_oversized_updates_are_refused(tmp_path: Path) -> None:
         node = message.metadata.dst_node_id
         if message.metadata.message_type == "evaluate":
             return [_reply_to(message, _content(CLIENTS[node - 1], None, _eval_metrics()))]
-        arrays = {0: {k: v + 0.01 for k, v in encoder.items()}, 1: nan, 2: {k: v * 1e6 for k, v in encoder.items()}}[node - 1]
+        arrays = {0: {k: v + 0.01 for k, v in encoder.items()}, 1: nan, 2: {k: v * 1e6 for k, v in encoder.items()}}[
+            node - 1
+        ]
         return [_reply_to(message, _content(CLIENTS[node - 1], arrays, _train_metrics()))]
 
     grid = ScriptedGrid([1, 2, 3], respond)
-    server = _server(tmp_path, grid, {1: "client_00", 2: "client_01", 3: "client_02"}, min_train_nodes=1, strategy="fedavg")
+    server = _server(
+        tmp_path, grid, {1: "client_00", 2: "client_01", 3: "client_02"}, min_train_nodes=1, strategy="fedavg"
+    )
     new, history = server.round(make_strategy(server.config), 1, encoder)
     for name, value in encoder.items():
         np.testing.assert_allclose(new[name], value + 0.01, rtol=1e-6)
@@ -310,14 +405,22 @@ def test_aggregation_weighs_clients_by_the_clients_table_not_by_their_own_count(
         return [_reply_to(message, _content(client, arrays, _train_metrics(**{"num-examples": count})))]
 
     grid = ScriptedGrid([1, 2], respond)
-    server = _server(tmp_path, grid, {1: "client_00", 2: "client_01"}, clients=CLIENTS[:2], strategy="fedavg",
-                     client_weights={"client_00": 3.0, "client_01": 1.0})  # fmt: skip
+    server = _server(
+        tmp_path,
+        grid,
+        {1: "client_00", 2: "client_01"},
+        clients=CLIENTS[:2],
+        strategy="fedavg",
+        client_weights={"client_00": 3.0, "client_01": 1.0},
+    )
     new, history = server.round(make_strategy(server.config), 1, encoder)
     for name, value in encoder.items():
         np.testing.assert_allclose(new[name], value + (3 * 0.03 + 1 * -0.01) / 4, rtol=1e-5, atol=1e-6)
     assert [r["weight"] for r in history[-1]["rows"]] == [3.0, 1.0]
     # the leak-free figures reach the round's record
-    assert [(e["leak_free_frames"], e["heldout_leak_free_masked_accuracy"]) for e in history[-1]["evaluation"]] == [(30, 0.15)] * 2
+    assert [(e["leak_free_frames"], e["heldout_leak_free_masked_accuracy"]) for e in history[-1]["evaluation"]] == [
+        (30, 0.15)
+    ] * 2
 
 
 # --------------------------------------------------------------------------------- deadlines
@@ -329,7 +432,9 @@ def test_evaluation_waits_for_clients_with_a_deadline(tmp_path: Path) -> None:
     grid = ScriptedGrid([], lambda message: [])
     server = _server(tmp_path, grid, min_train_nodes=1)
     failures: list[dict] = []
-    rows, metrics = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, ["client_00"], failures))  # type: ignore[misc]
+    rows, metrics = _finishes(
+        lambda: server.evaluate(make_strategy(server.config), 1, encoder, ["client_00"], failures)
+    )  # type: ignore[misc]
     assert rows == [] and metrics == {} and "no client connected within 1 s" in failures[0]["reason"]
 
     silent = ScriptedGrid([1, 2, 3], lambda message: [])

@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.federated.config import DP_NORM_TOLERANCE, FederatedConfig, FederatedPaths
+from speech_assets.federated.config import DP_NORM_TOLERANCE, FederatedConfig
 from speech_assets.federated.server_app import Server
+from speech_assets.layout import FederatedPaths
 from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets_tests.conftest import REPO
@@ -33,9 +34,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _config(corpus, root: Path, name: str, **settings) -> FederatedConfig:
-    values = dict(rounds=1, local_steps=2, strategy="fedavg", client_lr=5e-3, precision="fp32", batch_seconds=4.0,
-                  heldout_speakers=corpus.heldout_speakers, train_speakers=corpus.train_speakers, connect_timeout_s=5,
-                  round_timeout_s=600) | settings  # fmt: skip
+    values = (
+        dict(
+            rounds=1,
+            local_steps=2,
+            strategy="fedavg",
+            client_lr=5e-3,
+            precision="fp32",
+            batch_seconds=4.0,
+            heldout_speakers=corpus.heldout_speakers,
+            train_speakers=corpus.train_speakers,
+            connect_timeout_s=5,
+            round_timeout_s=600,
+        )
+        | settings
+    )
     return FederatedConfig(run_dir=str(root / name), run_name=name, clients=sorted(corpus.k), **values)
 
 
@@ -122,7 +135,9 @@ def test_the_dp_mean_divides_by_the_clients_sampled(corpus, tmp_path: Path, monk
     from speech_assets.runtime.faults import FAULTS_ENV
 
     monkeypatch.setenv(FAULTS_ENV, "federated.round client=c2 round=1 raise")
-    _, grid, config = _run(corpus, tmp_path, "missing", dp_noise_multiplier=0.01, dp_clipping_norm=CLIP, min_train_nodes=3)
+    _, grid, config = _run(
+        corpus, tmp_path, "missing", dp_noise_multiplier=0.01, dp_clipping_norm=CLIP, min_train_nodes=3
+    )
     record = _record(config)
     assert record["missing"] == ["c2"] and record["sampled"] == config.clients
     start = _flat({k: v.numpy() for k, v in initial_encoder(config.preset, config.seed).items()})
@@ -148,13 +163,16 @@ class UnclippedGrid(InProcessGrid):
                 sent, trained = message.content["arrays"], answer.content["arrays"]
                 for name in sent:
                     base = sent[name].numpy()
-                    trained[name] = type(trained[name])((base + 3.0 * (trained[name].numpy() - base)).astype(np.float32))
+                    trained[name] = type(trained[name])(
+                        (base + 3.0 * (trained[name].numpy() - base)).astype(np.float32)
+                    )
         return ids
 
 
 def test_under_dp_the_server_refuses_an_update_beyond_the_clipping_norm(corpus, tmp_path: Path) -> None:
-    _, _, config = _run(corpus, tmp_path, "unclipped", UnclippedGrid, dp_noise_multiplier=0.8, dp_clipping_norm=CLIP,
-                        min_train_nodes=3)  # fmt: skip
+    _, _, config = _run(
+        corpus, tmp_path, "unclipped", UnclippedGrid, dp_noise_multiplier=0.8, dp_clipping_norm=CLIP, min_train_nodes=3
+    )
     record = _record(config)
     assert record["missing"] == ["c1"], "an update at 3 x the clipping norm went into a DP release"
     refused = [f for f in record["failures"] if f["client_id"] == "c1"]
@@ -163,7 +181,9 @@ def test_under_dp_the_server_refuses_an_update_beyond_the_clipping_norm(corpus, 
     assert all(row["update_norm"] <= CLIP * (1 + DP_NORM_TOLERANCE) for row in record["rows"])
 
 
-@pytest.mark.parametrize("scale, accepted", [(1.0, True), (1 + DP_NORM_TOLERANCE / 2, True), (1 + 2 * DP_NORM_TOLERANCE, False)])
+@pytest.mark.parametrize(
+    "scale, accepted", [(1.0, True), (1 + DP_NORM_TOLERANCE / 2, True), (1 + 2 * DP_NORM_TOLERANCE, False)]
+)
 def test_the_dp_bound_tolerates_rounding_and_the_sum_clips_exactly(scale: float, accepted: bool) -> None:
     """An update over the clipping norm by float rounding passes, and counts exactly at the
     clipping norm in the sum; one over the tolerance is refused."""
@@ -173,7 +193,9 @@ def test_the_dp_bound_tolerates_rounding_and_the_sum_clips_exactly(scale: float,
     from speech_assets.federated.messages import update_problem
     from speech_assets.federated.server_app import clipped_sum
 
-    config = FederatedConfig(run_dir="unused", run_name="unused", clients=["a"], dp_noise_multiplier=1.0, dp_clipping_norm=CLIP)
+    config = FederatedConfig(
+        run_dir="unused", run_name="unused", clients=["a"], dp_noise_multiplier=1.0, dp_clipping_norm=CLIP
+    )
     rng = np.random.default_rng(0)
     encoder = {"w": rng.normal(size=(50, 40)).astype(np.float32)}
     direction = rng.normal(size=(50, 40))
@@ -181,25 +203,43 @@ def test_the_dp_bound_tolerates_rounding_and_the_sum_clips_exactly(scale: float,
     norm, problem = update_problem(trained, encoder, update_norm_bound(config, 2000), "dp_clipping_norm")
     assert (problem is None) is accepted, (norm, problem)
     with serverapp_identity():
-        reply = Message(RecordDict({"arrays": ArrayRecord({"w": Array(trained["w"])})}), dst_node_id=1,
-                        message_type=MessageType.TRAIN)  # fmt: skip
+        reply = Message(
+            RecordDict({"arrays": ArrayRecord({"w": Array(trained["w"])})}),
+            dst_node_id=1,
+            message_type=MessageType.TRAIN,
+        )
     total = clipped_sum([reply], {"w": encoder["w"].astype(np.float64)}, CLIP)
     assert np.linalg.norm(total["w"]) == pytest.approx(min(CLIP, norm), rel=1e-9)  # type: ignore[type-var]
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(corpus, tmp_path: Path, share: bool) -> None:
+def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(
+    corpus, tmp_path: Path, share: bool
+) -> None:
     shared = {"dp_share_client_metrics": True} if share else {}  # withheld is the default
-    result, grid, config = _run(corpus, tmp_path, f"metrics-{share}", dp_noise_multiplier=0.8, dp_clipping_norm=CLIP,
-                                **shared)  # fmt: skip
+    result, grid, config = _run(
+        corpus, tmp_path, f"metrics-{share}", dp_noise_multiplier=0.8, dp_clipping_norm=CLIP, **shared
+    )
     from speech_assets.federated.messages import SERVER_WEIGHT
 
     # what each client sent (the server adds its own weight to a reply once it has it)
-    sent = [{k: v for k, v in m.content["metrics"].items() if k != SERVER_WEIGHT} for m in grid.received
-            if m.metadata.message_type == "train"]  # fmt: skip
+    sent = [
+        {k: v for k, v in m.content["metrics"].items() if k != SERVER_WEIGHT}
+        for m in grid.received
+        if m.metadata.message_type == "train"
+    ]
     assert len(sent) == 4
     rows = pq.read_table(FederatedPaths(config.run_dir).rounds_table).to_pylist()
-    assert set(rows[0]) >= {"round", "client_id", "num_examples", "train_loss", "masked_accuracy", "bytes_up", "bytes_down", "seconds"}
+    assert set(rows[0]) >= {
+        "round",
+        "client_id",
+        "num_examples",
+        "train_loss",
+        "masked_accuracy",
+        "bytes_up",
+        "bytes_down",
+        "seconds",
+    }
     assert all(row["bytes_up"] > 0 and row["bytes_down"] > 0 for row in rows)  # what the server itself measures
     if share:
         assert all(m["train-loss"] > 0 and m["num-examples"] > 0 for m in sent)
@@ -269,7 +309,9 @@ def test_a_dp_released_round_is_durable_first_and_never_drawn_again(corpus, tmp_
     finishes its evaluation."""
     from speech_assets.runtime.waiting import wait_until
 
-    config = _config(corpus, tmp_path, "released", rounds=2, evaluate_every=1, dp_noise_multiplier=0.8, dp_clipping_norm=CLIP)
+    config = _config(
+        corpus, tmp_path, "released", rounds=2, evaluate_every=1, dp_noise_multiplier=0.8, dp_clipping_norm=CLIP
+    )
     settings, log, hold = tmp_path / "config.json", tmp_path / "sent.jsonl", tmp_path / "held"
     settings.write_text(json.dumps(config.to_dict()))
     script = tmp_path / "server.py"
@@ -278,7 +320,9 @@ def test_a_dp_released_round_is_durable_first_and_never_drawn_again(corpus, tmp_
     command = [sys.executable, str(script), str(settings), str(corpus.data_dir), str(log), str(hold)]
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: hold.exists() or first.poll() is not None, 300, "the server to release round 1", interval=0.2)
+        wait_until(
+            lambda: hold.exists() or first.poll() is not None, 300, "the server to release round 1", interval=0.2
+        )
         assert hold.exists(), first.stderr.read().decode()[-3000:] if first.stderr else ""
         first.send_signal(signal.SIGKILL)
         first.wait(30)

@@ -14,12 +14,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
 from speech_assets.federated import history, rounds
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
-from speech_assets.federated.report import markdown_rounds
-from speech_assets.stats.plots import round_curve
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.messages import EVAL_METRICS, TRAIN_METRICS
+from speech_assets.federated.report import markdown_rounds
 from speech_assets.federated.server_app import Server
+from speech_assets.layout import FederatedPaths
 from speech_assets.stats import database as stats_db
+from speech_assets.stats.plots import round_curve
 
 CLIENTS = ["client_00", "client_01"]
 
@@ -31,37 +32,62 @@ def _config(run_dir: Path, **overrides: object) -> FederatedConfig:
 def _encoder(seed: int) -> dict[str, np.ndarray]:
     """A stand-in encoder: ``frontend.w (4, 3)`` and ``frontend.b (4,)`` float32."""
     rng = np.random.default_rng(seed)
-    return {"frontend.w": rng.standard_normal((4, 3)).astype(np.float32), "frontend.b": rng.standard_normal(4).astype(np.float32)}
+    return {
+        "frontend.w": rng.standard_normal((4, 3)).astype(np.float32),
+        "frontend.b": rng.standard_normal(4).astype(np.float32),
+    }
 
 
 def _record(round_number: int, missing: list[str] | None = None) -> dict:
     rows = [
-        {"round": round_number, "client_id": c, "num_examples": 10 + i, "train_loss": 4.0 - 0.1 * round_number + i,
-         "masked_accuracy": 0.1 * round_number, "bytes_up": 1000, "bytes_down": 1000, "seconds": 2.5}
-        for i, c in enumerate(CLIENTS) if c not in (missing or [])
-    ]  # fmt: skip
+        {
+            "round": round_number,
+            "client_id": c,
+            "num_examples": 10 + i,
+            "train_loss": 4.0 - 0.1 * round_number + i,
+            "masked_accuracy": 0.1 * round_number,
+            "bytes_up": 1000,
+            "bytes_down": 1000,
+            "seconds": 2.5,
+        }
+        for i, c in enumerate(CLIENTS)
+        if c not in (missing or [])
+    ]
     # leak-free frames: 30, then none (accuracies None, as the server records them)
     free = [(30, 0.3, 0.1), (0, None, None)]
     evaluation = [
-        {"round": round_number, "client_id": c, "utterances": 2, "masked_frames": 50, "heldout_loss": 4.0,
-         "heldout_masked_accuracy": 0.2, "majority_accuracy": 0.05, "leak_free_frames": free[i][0],
-         "heldout_leak_free_masked_accuracy": free[i][1], "leak_free_majority_accuracy": free[i][2]}
+        {
+            "round": round_number,
+            "client_id": c,
+            "utterances": 2,
+            "masked_frames": 50,
+            "heldout_loss": 4.0,
+            "heldout_masked_accuracy": 0.2,
+            "majority_accuracy": 0.05,
+            "leak_free_frames": free[i][0],
+            "heldout_leak_free_masked_accuracy": free[i][1],
+            "leak_free_majority_accuracy": free[i][2],
+        }
         for i, c in enumerate(CLIENTS)
-    ]  # fmt: skip
+    ]
     return {"rows": rows, "evaluation": evaluation, "missing": missing or [], "failures": [], "round_seconds": 30.0}
 
 
 def _moments(seed: int) -> dict[str, dict[str, np.ndarray]]:
     encoder = _encoder(seed)
-    return {"m_t": {k: v.astype(np.float64) * 0.1 for k, v in encoder.items()},
-            "v_t": {k: (v.astype(np.float64) ** 2) for k, v in encoder.items()}}  # fmt: skip
+    return {
+        "m_t": {k: v.astype(np.float64) * 0.1 for k, v in encoder.items()},
+        "v_t": {k: (v.astype(np.float64) ** 2) for k, v in encoder.items()},
+    }
 
 
 def test_a_resumed_run_reads_back_exactly_the_last_complete_round(tmp_path: Path) -> None:
     config = _config(tmp_path / "run", keep_rounds=2)
     paths = FederatedPaths(config.run_dir)
     for r in (1, 2, 3):
-        rounds.save_round(paths, config, r, _encoder(r), _moments(r), _record(r, missing=["client_01"] if r == 2 else None))
+        rounds.save_round(
+            paths, config, r, _encoder(r), _moments(r), _record(r, missing=["client_01"] if r == 2 else None)
+        )
     # a kill between the checkpoint and the record of round 4: round 4 is not complete
     rounds.save_checkpoint(paths.round_checkpoint(4), {"encoder": rounds.to_tensors(_encoder(4))})
     assert history.complete_rounds(paths) == [2, 3]  # keep_rounds=2 checkpoints; every record kept
@@ -83,16 +109,35 @@ def test_a_resumed_run_reads_back_exactly_the_last_complete_round(tmp_path: Path
         torch.load(path, map_location="cpu", weights_only=True)
 
     table = pq.read_table(paths.rounds_table)
-    assert table.column_names == list(history.ROUNDS_COLUMNS) == [
-        "round", "client_id", "num_examples", "train_loss", "masked_accuracy", "bytes_up", "bytes_down", "seconds",
-    ]  # fmt: skip
+    assert (
+        table.column_names
+        == list(history.ROUNDS_COLUMNS)
+        == [
+            "round",
+            "client_id",
+            "num_examples",
+            "train_loss",
+            "masked_accuracy",
+            "bytes_up",
+            "bytes_down",
+            "seconds",
+        ]
+    )
     assert table.num_rows == 2 + 1 + 2  # client_01 missed round 2
     evaluation = pq.read_table(paths.evaluation_table)
     assert evaluation.num_rows == 6
     assert evaluation.column_names == [
-        "round", "client_id", "utterances", "masked_frames", "heldout_loss", "heldout_masked_accuracy", "majority_accuracy",
-        "leak_free_frames", "heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy",
-    ]  # fmt: skip
+        "round",
+        "client_id",
+        "utterances",
+        "masked_frames",
+        "heldout_loss",
+        "heldout_masked_accuracy",
+        "majority_accuracy",
+        "leak_free_frames",
+        "heldout_leak_free_masked_accuracy",
+        "leak_free_majority_accuracy",
+    ]
     assert evaluation.column("heldout_leak_free_masked_accuracy").to_pylist()[:2] == [0.3, None]
 
 
@@ -105,21 +150,37 @@ def test_a_run_folder_of_another_strategy_is_refused(tmp_path: Path) -> None:
 
 def test_round_summaries_and_report() -> None:
     records = [{**_record(1), "round": 1}, {**_record(2, missing=["client_01"]), "round": 2}]
-    records[0]["evaluation"].append(records[0]["evaluation"][0] | {
-        "client_id": "client_02", "leak_free_frames": 10, "heldout_leak_free_masked_accuracy": 0.1, "leak_free_majority_accuracy": 0.02})
+    records[0]["evaluation"].append(
+        records[0]["evaluation"][0]
+        | {
+            "client_id": "client_02",
+            "leak_free_frames": 10,
+            "heldout_leak_free_masked_accuracy": 0.1,
+            "leak_free_majority_accuracy": 0.02,
+        }
+    )
     lines = history.summarize_rounds(records)
     # train loss weighted by training utterances, held-out accuracy by masked frames
     assert lines[0]["train_loss"] == pytest.approx((10 * 3.9 + 11 * 4.9) / 21)
     assert lines[1]["clients"] == 1 and lines[1]["missing"] == ["client_01"]
-    assert lines[0]["heldout_masked_accuracy"] == pytest.approx(0.2) and lines[0]["majority_accuracy"] == pytest.approx(0.05)
+    assert lines[0]["heldout_masked_accuracy"] == pytest.approx(0.2) and lines[0]["majority_accuracy"] == pytest.approx(
+        0.05
+    )
     # ... and on leak-free frames by leak-free frames (a client with none counts for nothing)
     assert lines[0]["leak_free_frames"] == 40
     assert lines[0]["heldout_leak_free_masked_accuracy"] == pytest.approx((30 * 0.3 + 10 * 0.1) / 40)
     assert lines[0]["heldout_leak_free_majority_accuracy"] == pytest.approx((30 * 0.1 + 10 * 0.02) / 40)
     # a record written before leak-free frames were measured: none
-    old = {**records[0], "evaluation": [{k: v for k, v in e.items() if "leak" not in k} for e in records[0]["evaluation"]]}
+    old = {
+        **records[0],
+        "evaluation": [{k: v for k, v in e.items() if "leak" not in k} for e in records[0]["evaluation"]],
+    }
     line = history.summarize_rounds([old])[0]
-    assert (line["leak_free_frames"], line["heldout_leak_free_masked_accuracy"], line["heldout_leak_free_majority_accuracy"]) == (0, None, None)
+    assert (
+        line["leak_free_frames"],
+        line["heldout_leak_free_masked_accuracy"],
+        line["heldout_leak_free_majority_accuracy"],
+    ) == (0, None, None)
     table = markdown_rounds(lines)
     assert table.count("\n") == 3 and "| 2 | 1/2 | client_01 |" in table
     png = round_curve(lines)
@@ -133,8 +194,17 @@ def _reply(arrays: dict[str, np.ndarray] | None, metrics: dict[str, float], extr
     for name, record in (extra or {}).items():
         content[name] = record
     # a reply as the Grid hands it to the ServerApp (metadata from the SuperLink)
-    metadata = Metadata(run_id=1, message_id="m", src_node_id=7, dst_node_id=0, reply_to_message_id="i",
-                        group_id="", created_at=0.0, ttl=60.0, message_type="train")  # fmt: skip
+    metadata = Metadata(
+        run_id=1,
+        message_id="m",
+        src_node_id=7,
+        dst_node_id=0,
+        reply_to_message_id="i",
+        group_id="",
+        created_at=0.0,
+        ttl=60.0,
+        message_type="train",
+    )
     return Message(metadata=metadata, content=content)
 
 

@@ -47,25 +47,37 @@ def _ids(n: int) -> list[str]:
 def _keys(clients: list[str]) -> dict[str, RoundSecrets]:
     # fixed mask keys and seeds: the statistical checks below see the same masks on every run
     share_key = RoundSecrets.new().share_key
-    return {c: RoundSecrets(hashlib.sha256(c.encode()).digest(), share_key, hashlib.sha256(c.encode() + b"b").digest())
-            for c in clients}
+    return {
+        c: RoundSecrets(hashlib.sha256(c.encode()).digest(), share_key, hashlib.sha256(c.encode() + b"b").digest())
+        for c in clients
+    }
 
 
 def _unmask(masked: dict, keys: dict[str, RoundSecrets], dropped: list[str] = (), context: bytes = CONTEXT) -> dict:  # type: ignore[assignment]
     """unmask_sum as the server calls it, given the secrets it would rebuild from the shares."""
     everyone = sorted(set(masked) | set(dropped))
-    return unmask_sum(masked, {c: keys[c].self_seed for c in masked}, {c: keys[c].mask_key for c in dropped},
-                      {c: keys[c].mask_public() for c in everyone}, {c: everyone for c in masked}, PARAMS, context)
+    return unmask_sum(
+        masked,
+        {c: keys[c].self_seed for c in masked},
+        {c: keys[c].mask_key for c in dropped},
+        {c: keys[c].mask_public() for c in everyone},
+        {c: everyone for c in masked},
+        PARAMS,
+        context,
+    )
 
 
 def _updates(clients: list[str], scale: float = 0.3, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return {c: {name: np.asarray(rng.normal(0.0, scale, shape), dtype=np.float32) for name, shape in SHAPES.items()}
-            for c in clients}
+    return {
+        c: {name: np.asarray(rng.normal(0.0, scale, shape), dtype=np.float32) for name, shape in SHAPES.items()}
+        for c in clients
+    }
 
 
-def _mask_all(updates: dict[str, dict[str, np.ndarray]], keys: dict[str, RoundSecrets],
-              context: bytes = CONTEXT) -> dict[str, dict[str, np.ndarray]]:
+def _mask_all(
+    updates: dict[str, dict[str, np.ndarray]], keys: dict[str, RoundSecrets], context: bytes = CONTEXT
+) -> dict[str, dict[str, np.ndarray]]:
     peers = {c: k.mask_public() for c, k in keys.items()}
     return {c: mask_update(u, c, keys[c], peers, PARAMS, context) for c, u in updates.items()}
 
@@ -101,7 +113,8 @@ def test_unmasked_sum_is_the_sum_of_the_updates(n: int, out_of_range: bool) -> N
     masked = _mask_all(updates, keys)
     for c in clients:
         assert {name: (a.shape, a.dtype) for name, a in masked[c].items()} == {
-            name: (shape, np.dtype(np.uint32)) for name, shape in SHAPES.items()}
+            name: (shape, np.dtype(np.uint32)) for name, shape in SHAPES.items()
+        }
     result = _unmask(masked, keys)
     _assert_close_sum(result, _clipped_sum(list(updates.values()), PARAMS.clipping_range), n)
     if out_of_range:
@@ -190,8 +203,13 @@ def test_masks_are_bound_to_the_round_context() -> None:
 
 def test_round_context_is_unambiguous_and_checked() -> None:
     nonce = b"n" * 16
-    contexts = {round_context(RUN, 1, nonce), round_context(RUN, 2, nonce), round_context(RUN + "x", 1, nonce),
-                round_context(RUN, 1, b"m" * 16), round_context(RUN, 1, nonce + b"m")}
+    contexts = {
+        round_context(RUN, 1, nonce),
+        round_context(RUN, 2, nonce),
+        round_context(RUN + "x", 1, nonce),
+        round_context(RUN, 1, b"m" * 16),
+        round_context(RUN, 1, nonce + b"m"),
+    }
     assert len(contexts) == 5
     assert round_context(RUN, 1, nonce) == round_context(RUN, 1, nonce)
     with pytest.raises(ValueError, match="nonce"):
@@ -227,10 +245,22 @@ def test_check_clients_refuses_a_sum_that_would_wrap() -> None:
         SecAggParams(0.5, target_range=2**30).check_clients(MODULUS // 2**30)
 
 
-@pytest.mark.parametrize("clipping_range, target_range", [
-    (0.0, 2**22), (-1.0, 2**22), (float("nan"), 2**22), (float("inf"), 2**22), (True, 2**22),
-    (1.0, 1), (1.0, 0), (1.0, -5), (1.0, 2**31), (1.0, 2.5), (1.0, True),
-])
+@pytest.mark.parametrize(
+    "clipping_range, target_range",
+    [
+        (0.0, 2**22),
+        (-1.0, 2**22),
+        (float("nan"), 2**22),
+        (float("inf"), 2**22),
+        (True, 2**22),
+        (1.0, 1),
+        (1.0, 0),
+        (1.0, -5),
+        (1.0, 2**31),
+        (1.0, 2.5),
+        (1.0, True),
+    ],
+)
 def test_bad_params_are_refused(clipping_range: float, target_range: int) -> None:
     with pytest.raises(ValueError):
         SecAggParams(clipping_range=clipping_range, target_range=target_range)
@@ -262,8 +292,6 @@ def test_unmask_sum_refuses_mismatched_arrays(spoil) -> None:  # type: ignore[no
         _unmask(masked, keys)
 
 
-
-
 @pytest.mark.parametrize("gone", ["client_00", "client_02", "client_03"])
 def test_the_dropped_clients_keys_remove_their_pair_masks(gone: str) -> None:
     clients = _ids(4)
@@ -273,12 +301,26 @@ def test_the_dropped_clients_keys_remove_their_pair_masks(gone: str) -> None:
     survivors = [c for c in clients if c != gone]
     arrived = {c: masked[c] for c in survivors}
     everyone = {c: keys[c].mask_public() for c in clients}
-    result = unmask_sum(arrived, {c: keys[c].self_seed for c in survivors}, {gone: keys[gone].mask_key}, everyone,
-                        {c: clients for c in survivors}, PARAMS, CONTEXT)
+    result = unmask_sum(
+        arrived,
+        {c: keys[c].self_seed for c in survivors},
+        {gone: keys[gone].mask_key},
+        everyone,
+        {c: clients for c in survivors},
+        PARAMS,
+        CONTEXT,
+    )
     _assert_close_sum(result, _clipped_sum([updates[c] for c in survivors], PARAMS.clipping_range), 3)
     with pytest.raises(MasksDidNotCancel):  # without the dropped client's key its masks stay
-        unmask_sum(arrived, {c: keys[c].self_seed for c in survivors}, {}, everyone, {c: clients for c in survivors},
-                   PARAMS, CONTEXT)
+        unmask_sum(
+            arrived,
+            {c: keys[c].self_seed for c in survivors},
+            {},
+            everyone,
+            {c: clients for c in survivors},
+            PARAMS,
+            CONTEXT,
+        )
 
 
 def test_a_masked_vector_without_its_self_mask_removed_is_unreadable() -> None:
@@ -382,11 +424,26 @@ def _run(corpus, root: Path, name: str, **settings):  # type: ignore[no-untyped-
     from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
 
     clients = sorted(corpus.k)
-    values = dict(rounds=1, local_steps=3, strategy="fedavg", client_lr=5e-3, precision="fp32", batch_seconds=4.0,
-                  heldout_speakers=corpus.heldout_speakers, train_speakers=corpus.train_speakers, connect_timeout_s=5,
-                  round_timeout_s=600, evaluate_every=5) | settings  # fmt: skip
+    values = (
+        dict(
+            rounds=1,
+            local_steps=3,
+            strategy="fedavg",
+            client_lr=5e-3,
+            precision="fp32",
+            batch_seconds=4.0,
+            heldout_speakers=corpus.heldout_speakers,
+            train_speakers=corpus.train_speakers,
+            connect_timeout_s=5,
+            round_timeout_s=600,
+            evaluate_every=5,
+        )
+        | settings
+    )
     config = FederatedConfig(run_dir=str(root / name), run_name=name, clients=clients, **values)
-    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state")
+    grid = InProcessGrid(
+        {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state"
+    )
     with serverapp_identity():
         try:
             result = Server(grid, config).run()  # type: ignore[arg-type]
@@ -445,11 +502,20 @@ def test_a_client_counted_as_dropped_after_masking_stays_hidden(four_clients, tm
     def greedy_reveal(self, failures):  # type: ignore[no-untyped-def]
         rebuilt = reveal(self, failures)
         mine = self.masked_with("c0")
-        config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
-                               "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
-                               sr.SECAGG_SURVIVORS: ",".join(mine), sr.SECAGG_DROPPED: ""})  # fmt: skip
-        again = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
-                        message_type=MessageType.QUERY)
+        config = ConfigRecord(
+            {
+                sr.KIND: sr.UNMASK,
+                "secure-aggregation": True,
+                "run-name": self.config.run_name,
+                "server-round": self.round_number,
+                sr.SECAGG_NONCE: self.nonce,
+                sr.SECAGG_SURVIVORS: ",".join(mine),
+                sr.SECAGG_DROPPED: "",
+            }
+        )
+        again = Message(
+            RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"), message_type=MessageType.QUERY
+        )
         seen["again"] = self.host.exchange([again], self.round_number, "attack")
         return rebuilt
 
@@ -468,7 +534,9 @@ def test_a_client_counted_as_dropped_after_masking_stays_hidden(four_clients, tm
     c1_key = combine_secret(key_shares)
     assert sr.mask_public(c1_key) == secure.keys["c1"][0]
     assert all("c1" not in r.content[sr.SEED_SHARES] for r in reveals.values())  # never both shares of c1
-    masked = np.concatenate([seen["c1"].content["arrays"][k].numpy().ravel() for k in sorted(seen["c1"].content["arrays"])])
+    masked = np.concatenate(
+        [seen["c1"].content["arrays"][k].numpy().ravel() for k in sorted(seen["c1"].content["arrays"])]
+    )
     attack = _without_pair_masks(secure, "c1", masked, c1_key)
     # the truth, from c1's own self-mask seed (its state file: the server never sees it)
     state = json.loads(sr.state_path(_node(grid, "c1"), config.run_name, 1).read_text())
@@ -487,7 +555,9 @@ def _node(grid, client: str):  # type: ignore[no-untyped-def]
     return NodeConfig.from_node_config(grid.node_config[node])
 
 
-def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clients, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(
+    four_clients, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """test_..._repeated_unmask: before the honest unmask, the server asks c0 three times, each
     time naming another peer as dropped (on the pairwise-only code, the three answers unmasked
     c0's update to 9.4e-08). c0 answers the first only; every later request, the server's honest
@@ -504,11 +574,22 @@ def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clie
         seen["secure"], answers = self, []
         mine = self.masked_with("c0")
         for gone in ("c1", "c2", "c3"):
-            config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
-                                   "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
-                                   sr.SECAGG_SURVIVORS: ",".join(c for c in mine if c != gone), sr.SECAGG_DROPPED: gone})  # fmt: skip
-            query = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
-                            message_type=MessageType.QUERY)
+            config = ConfigRecord(
+                {
+                    sr.KIND: sr.UNMASK,
+                    "secure-aggregation": True,
+                    "run-name": self.config.run_name,
+                    "server-round": self.round_number,
+                    sr.SECAGG_NONCE: self.nonce,
+                    sr.SECAGG_SURVIVORS: ",".join(c for c in mine if c != gone),
+                    sr.SECAGG_DROPPED: gone,
+                }
+            )
+            query = Message(
+                RecordDict({"config": config}),
+                dst_node_id=self.host.binding.node_of("c0"),
+                message_type=MessageType.QUERY,
+            )
             answers.append(self.host.exchange([query], self.round_number, "attack"))
         seen["answers"] = answers
         return reveal(self, failures)
@@ -526,7 +607,9 @@ def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clie
     key_shares_of = {owner: [bytes(first.content[sr.KEY_SHARES][owner])] for owner in first.content[sr.KEY_SHARES]}
     assert sorted(key_shares_of) == ["c1"]  # one share of one peer's key: below any threshold
     # the server's best: c0's self-mask (every survivor's seed is rebuilt), no pair mask of c0 removable
-    seed_shares = [bytes(r.content[sr.SEED_SHARES]["c0"]) for r in _replies(grid, sr.UNMASK).values()]  # c0's first answer too
+    seed_shares = [
+        bytes(r.content[sr.SEED_SHARES]["c0"]) for r in _replies(grid, sr.UNMASK).values()
+    ]  # c0's first answer too
     c0_seed = combine_secret(seed_shares)
     train = _replies(grid, "train")["c0"]
     masked = np.concatenate([train.content["arrays"][k].numpy().ravel() for k in sorted(train.content["arrays"])])
@@ -538,13 +621,17 @@ def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(four_clie
 
 
 @pytest.mark.parametrize("dropped", [["c2"], ["c1", "c2"]])
-def test_up_to_n_minus_t_drop_outs_after_sharing_keys_unmask_the_exact_sum(four_clients, tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
-                                                                            dropped: list[str]) -> None:
+def test_up_to_n_minus_t_drop_outs_after_sharing_keys_unmask_the_exact_sum(
+    four_clients,
+    tmp_path: Path,
+    monkeypatch,  # type: ignore[no-untyped-def]
+    dropped: list[str],
+) -> None:
     """Four clients, threshold 3: one client failing after it shared its keys (before masking)
     leaves the survivors' exact mean (the plain run's with the same failure, to quantization);
     two fail the round cleanly, failure.json naming the round and the threshold."""
-    from speech_assets.federated.config import FederatedPaths
     from speech_assets.federated.server_app import FederatedRunError
+    from speech_assets.layout import FederatedPaths
     from speech_assets.runtime.faults import FAULTS_ENV
     from speech_assets.train.checkpoint import load_checkpoint
 
@@ -572,6 +659,7 @@ def _garbage_vector(mask_update):  # type: ignore[no-untyped-def]
             rng = np.random.default_rng(0)
             masked = {k: rng.integers(0, 2**32, v.shape, dtype=np.uint64).astype(np.uint32) for k, v in masked.items()}
         return masked
+
     return bad
 
 
@@ -580,18 +668,28 @@ def _garbage_shares(seal_shares):  # type: ignore[no-untyped-def]
         if src == "c2":  # shares of another secret, with the right indices
             seed_share = seed_share[:4] + bytes(len(seed_share) - 4)
         return seal_shares(secrets, public, context, src, dst, seed_share, key_share)
+
     return bad
 
 
-@pytest.mark.parametrize("spoil, target, problem", [
-    (_garbage_vector, "mask_update", "did not unmask: the unmasked sum of 4 survivors is beyond n x T"),
-    (_garbage_shares, "seal_shares", "do not rebuild what c2 (self-mask seed) advertised"),
-])
-def test_a_bad_clients_garbage_fails_the_round_cleanly(four_clients, tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
-                                                       spoil, target: str, problem: str) -> None:
+@pytest.mark.parametrize(
+    "spoil, target, problem",
+    [
+        (_garbage_vector, "mask_update", "did not unmask: the unmasked sum of 4 survivors is beyond n x T"),
+        (_garbage_shares, "seal_shares", "do not rebuild what c2 (self-mask seed) advertised"),
+    ],
+)
+def test_a_bad_clients_garbage_fails_the_round_cleanly(
+    four_clients,
+    tmp_path: Path,
+    monkeypatch,  # type: ignore[no-untyped-def]
+    spoil,
+    target: str,
+    problem: str,
+) -> None:
     from speech_assets.federated import secure_rounds as sr
-    from speech_assets.federated.config import FederatedPaths
     from speech_assets.federated.server_app import FederatedRunError
+    from speech_assets.layout import FederatedPaths
 
     monkeypatch.setattr(sr, target, spoil(getattr(sr, target)))
     result, _, config = _run(four_clients, tmp_path, "bad", secure_aggregation=True)
@@ -621,11 +719,22 @@ def test_an_inconsistent_unmask_request_is_refused_and_costs_nothing(four_client
 
     def probing_reveal(self, failures):  # type: ignore[no-untyped-def]
         for case, (survivors, dropped) in BAD_UNMASKS.items():
-            config = ConfigRecord({sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": self.config.run_name,
-                                   "server-round": self.round_number, sr.SECAGG_NONCE: self.nonce,
-                                   sr.SECAGG_SURVIVORS: survivors, sr.SECAGG_DROPPED: dropped})  # fmt: skip
-            query = Message(RecordDict({"config": config}), dst_node_id=self.host.binding.node_of("c0"),
-                            message_type=MessageType.QUERY)
+            config = ConfigRecord(
+                {
+                    sr.KIND: sr.UNMASK,
+                    "secure-aggregation": True,
+                    "run-name": self.config.run_name,
+                    "server-round": self.round_number,
+                    sr.SECAGG_NONCE: self.nonce,
+                    sr.SECAGG_SURVIVORS: survivors,
+                    sr.SECAGG_DROPPED: dropped,
+                }
+            )
+            query = Message(
+                RecordDict({"config": config}),
+                dst_node_id=self.host.binding.node_of("c0"),
+                message_type=MessageType.QUERY,
+            )
             good, refused = self.host.exchange([query], self.round_number, "attack")
             refusals[case] = [r["reason"] for r in refused] if not good else []
         return reveal(self, failures)

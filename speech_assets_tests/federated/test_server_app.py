@@ -9,8 +9,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.federated.config import FederatedConfig, FederatedPaths
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.server_app import Server
+from speech_assets.layout import FederatedPaths
 from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 
 ROUNDS, LOCAL_STEPS, CLIENT_LR, ETA = 3, 10, 5e-3, 0.1
@@ -27,17 +28,32 @@ def test_the_global_encoder_and_each_head_learn(tmp_path: Path) -> None:
     corpus = write_federated_corpus(tmp_path / "data")
     clients = sorted(corpus.k)
     config = FederatedConfig(
-        run_dir=str(tmp_path / "run"), run_name="learn", clients=clients, rounds=ROUNDS, local_steps=LOCAL_STEPS,
-        strategy="fedadam", eta=ETA, client_lr=CLIENT_LR, precision="fp32", heldout_speakers=corpus.heldout_speakers,
-        train_speakers=corpus.train_speakers, connect_timeout_s=5, round_timeout_s=600, evaluate_every=1,
-    )  # fmt: skip
-    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, tmp_path / "state")
+        run_dir=str(tmp_path / "run"),
+        run_name="learn",
+        clients=clients,
+        rounds=ROUNDS,
+        local_steps=LOCAL_STEPS,
+        strategy="fedadam",
+        eta=ETA,
+        client_lr=CLIENT_LR,
+        precision="fp32",
+        heldout_speakers=corpus.heldout_speakers,
+        train_speakers=corpus.train_speakers,
+        connect_timeout_s=5,
+        round_timeout_s=600,
+        evaluate_every=1,
+    )
+    grid = InProcessGrid(
+        {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, tmp_path / "state"
+    )
     with serverapp_identity():
         result = Server(grid, config).run()  # type: ignore[arg-type]
 
     assert result["rounds"] == ROUNDS and not result["missing_by_round"]
     accuracy, majority = result["heldout_leak_free_masked_accuracy"], result["heldout_leak_free_majority_accuracy"]
-    assert accuracy > majority + LEARNING_MARGIN, f"leak-free masked accuracy {accuracy:.3f}, majority class {majority:.3f}"
+    assert accuracy > majority + LEARNING_MARGIN, (
+        f"leak-free masked accuracy {accuracy:.3f}, majority class {majority:.3f}"
+    )
     for client, scores in result["heldout_per_client"].items():
         assert scores["leak_free_frames"] > 100
         assert scores["leak_free_masked_accuracy"] > scores["leak_free_majority_accuracy"] + LEARNING_MARGIN, client
@@ -62,11 +78,25 @@ def four_clients(tmp_path_factory: pytest.TempPathFactory):
 
 def _run(corpus, root: Path, name: str, **settings) -> tuple[dict, InProcessGrid, FederatedConfig]:
     clients = sorted(corpus.k)
-    values = dict(rounds=2, local_steps=3, strategy="fedavg", client_lr=5e-3, precision="fp32", batch_seconds=4.0,
-                  heldout_speakers=corpus.heldout_speakers, train_speakers=corpus.train_speakers, connect_timeout_s=5,
-                  round_timeout_s=600) | settings  # fmt: skip
+    values = (
+        dict(
+            rounds=2,
+            local_steps=3,
+            strategy="fedavg",
+            client_lr=5e-3,
+            precision="fp32",
+            batch_seconds=4.0,
+            heldout_speakers=corpus.heldout_speakers,
+            train_speakers=corpus.train_speakers,
+            connect_timeout_s=5,
+            round_timeout_s=600,
+        )
+        | settings
+    )
     config = FederatedConfig(run_dir=str(root / name), run_name=name, clients=clients, **values)
-    grid = InProcessGrid({node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state")
+    grid = InProcessGrid(
+        {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state"
+    )
     with serverapp_identity():
         result = Server(grid, config).run()  # type: ignore[arg-type]
     return result, grid, config
@@ -114,15 +144,22 @@ def test_differential_privacy_clips_adds_noise_and_accounts(four_clients, tmp_pa
     _, _, config = _run(four_clients, tmp_path, "dp", rounds=1, dp_noise_multiplier=0.8, dp_clipping_norm=clip)
     # a resumed run goes on counting from the accountant state saved with round 1
     config = FederatedConfig(**(config.to_dict() | {"rounds": 2}))
-    grid = InProcessGrid({n: c for n, c in enumerate(config.clients, start=1)}, four_clients.data_dir, tmp_path / "state")
+    grid = InProcessGrid(
+        {n: c for n, c in enumerate(config.clients, start=1)}, four_clients.data_dir, tmp_path / "state"
+    )
     with serverapp_identity():
         result = Server(grid, config).run()  # type: ignore[arg-type]
     records = _records(config)
     for record in records:
         assert all(row["update_norm"] <= clip * (1 + 1e-4) for row in record["rows"])  # fixedclipping_mod
-    reference = RdpAccountant(PrivacyConfig(target_delta=config.dp_delta, population_size=4,
-                                            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                            sampling_method=SamplingMethod.NO_AMPLIFICATION))  # fmt: skip
+    reference = RdpAccountant(
+        PrivacyConfig(
+            target_delta=config.dp_delta,
+            population_size=4,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        )
+    )
     epsilons = []
     for _ in records:
         reference.compose(GaussianPrivacyEvent(noise_multiplier=0.8, sample_size=4, population_size=4))

@@ -42,7 +42,9 @@ def model() -> HubertPretrainModel:
 def _masks() -> list[torch.Tensor]:
     length = (FRAMES + 1) // 2
     handmade = torch.zeros(length, dtype=torch.bool)
-    handmade[[0, 7, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 40, length - 1]] = True  # isolated frames, a span, both ends
+    handmade[[0, 7, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 40, length - 1]] = (
+        True  # isolated frames, a span, both ends
+    )
     drawn = [span_mask(torch.tensor([length]), 0.08, 10, torch.Generator().manual_seed(s))[0] for s in range(3)]
     return [handmade, *drawn]
 

@@ -33,7 +33,9 @@ def test_exit_ends_the_real_process_with_its_code(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "spec", ["p", "p exit raise", "p explode", "p hold", "p where=1 exit code=x"], ids=["no-action", "two", "unknown", "hold-no-marker", "bad-code"]
+    "spec",
+    ["p", "p exit raise", "p explode", "p hold", "p where=1 exit code=x"],
+    ids=["no-action", "two", "unknown", "hold-no-marker", "bad-code"],
 )
 def test_a_malformed_fault_is_an_error(spec):
     with pytest.raises(ValueError):

@@ -13,11 +13,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from speech_assets.runtime.waiting import wait_until
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.locks import RunFolderBusy, RunFolderLock
 from speech_assets.runtime.processes import ProcessIdentity, process_start_time
+from speech_assets.runtime.waiting import wait_until
 from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
@@ -52,7 +52,9 @@ def built(tmp_path: Path, instance: dg.DagsterInstance):
     """The inputs of pretrained_checkpoint, built in process on a real instance; env for the CLI."""
     settings_file = tmp_path / "settings.toml"
     settings_file.write_text(SETTINGS)
-    paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    paths = StoragePaths(
+        corpus=str(SAMPLE_CORPUS), data_dir=str(tmp_path / "out"), mlflow_tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"
+    )
     defs = build_definitions(paths, PipelineSettings.load(settings_file))
     materialize_in_process(defs, instance, "manifest")
     materialize_in_process(defs, instance, "vad_features", list(instance.get_dynamic_partitions("speakers")))
@@ -79,8 +81,21 @@ def built(tmp_path: Path, instance: dg.DagsterInstance):
 
 def materialize_training(env: dict, started: list) -> subprocess.Popen:
     process = subprocess.Popen(
-        [str(BIN / "dagster"), "asset", "materialize", "-m", "speech_assets.definitions", "--select", "pretrained_checkpoint"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            str(BIN / "dagster"),
+            "asset",
+            "materialize",
+            "-m",
+            "speech_assets.definitions",
+            "--select",
+            "pretrained_checkpoint",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     started.append(process)
     return process
@@ -90,7 +105,11 @@ def materialize_training(env: dict, started: list) -> subprocess.Popen:
 def test_kill_9_of_a_training_run_leaves_no_process_and_no_stuck_pool(built) -> None:
     paths, env, started, instance = built
     first = materialize_training(env, started)
-    wait_until(lambda: list(paths.training_dir.glob("*/checkpoints/step_*.pt")) or first.poll() is not None, 300, "a checkpoint")
+    wait_until(
+        lambda: list(paths.training_dir.glob("*/checkpoints/step_*.pt")) or first.poll() is not None,
+        300,
+        "a checkpoint",
+    )
     assert first.poll() is None, first.stdout.read()[-3000:]
     (run_dir,) = paths.training_dir.iterdir()
     assert len(processes_mentioning(str(run_dir))) >= 2  # torchrun and its workers train
@@ -122,14 +141,24 @@ def test_a_second_trainer_on_a_locked_run_folder_fails_at_once_naming_the_holder
     config_file = tmp_path / "config.json"
     config.to_json(config_file)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom speech_assets.runtime.locks import RunFolderLock\n"
-         f"lock = RunFolderLock({str(tmp_path / 'run')!r}).acquire(dagster_run_id='run-1234')\nprint('held', flush=True)\ntime.sleep(3600)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom speech_assets.runtime.locks import RunFolderLock\n"
+            f"lock = RunFolderLock({str(tmp_path / 'run')!r}).acquire(dagster_run_id='run-1234')\nprint('held', flush=True)\ntime.sleep(3600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        second = subprocess.run([sys.executable, "-m", "speech_assets.train", "--config", str(config_file)],
-                                capture_output=True, text=True, timeout=120, cwd=REPO)
+        second = subprocess.run(
+            [sys.executable, "-m", "speech_assets.train", "--config", str(config_file)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert second.returncode != 0
         assert f"pid {holder.pid}" in second.stderr and "run-1234" in second.stderr
         assert not (tmp_path / "run" / "checkpoints").exists()
@@ -149,8 +178,13 @@ def test_a_worker_whose_launcher_dies_exits_even_without_a_parent_death_signal(t
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     identity = ProcessIdentity(launcher.pid, process_start_time(launcher.pid), ProcessIdentity.current().host)
     worker = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom speech_assets.runtime.processes import watch_launcher\nwatch_launcher()\ntime.sleep(300)"],
-        env={**os.environ, "SPEECH_ASSETS_LAUNCHER": identity.encode()}, start_new_session=True,
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom speech_assets.runtime.processes import watch_launcher\nwatch_launcher()\ntime.sleep(300)",
+        ],
+        env={**os.environ, "SPEECH_ASSETS_LAUNCHER": identity.encode()},
+        start_new_session=True,
     )
     try:
         time.sleep(2)
@@ -168,18 +202,19 @@ def test_a_killed_test_process_takes_its_documented_command_with_it(tmp_path: Pa
     """run_group (how the end-to-end tests run scripts/materialize_all.sh): kill -9 of the process
     that called it still ends the command and everything it started, also a double-forked child."""
     pids = tmp_path / "pids"
-    script = (
-        f"sleep 300 & echo $! >> {pids}; "
-        f"(setsid sleep 301 & echo $! >> {pids}); "
-        "sleep 302"
-    )
+    script = f"sleep 300 & echo $! >> {pids}; (setsid sleep 301 & echo $! >> {pids}); sleep 302"
     caller = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys; from speech_assets.testing.commands import run_group; "
-            f"run_group(['bash', '-c', {script!r}], dict(__import__('os').environ), '.', 600)"
-        )],
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from speech_assets.testing.commands import run_group; "
+                f"run_group(['bash', '-c', {script!r}], dict(__import__('os').environ), '.', 600)"
+            ),
+        ],
         cwd=REPO,
-    )  # fmt: skip
+    )
+
     def both_started() -> bool:
         assert caller.poll() is None
         return pids.exists() and len(pids.read_text().split()) == 2

@@ -83,7 +83,9 @@ def test_another_local_user_cannot_reach_or_enter_a_private_network(
         command = other_user.as_user(uid, [*python[0], "-c", OWNER]) if python else []
     if python is None:
         pytest.skip(f"no Python interpreter with psutil that the {owner} may run")
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python[1], cwd="/")
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python[1], cwd="/"
+    )
     try:
         assert process.stdout is not None
         where = json.loads(process.stdout.readline())
@@ -94,13 +96,21 @@ def test_another_local_user_cannot_reach_or_enter_a_private_network(
             (shared / "attack.py").write_text(ATTACKER)
             (shared / "attack.py").chmod(0o644)
             command = [*attacker[0], str(shared / "attack.py"), str(where["pid"]), str(PORT)]
-            done = subprocess.run(other_user.as_user(other_user.NOBODY, command), env=attacker[1], capture_output=True,
-                                  text=True, timeout=120, cwd="/")  # fmt: skip
+            done = subprocess.run(
+                other_user.as_user(other_user.NOBODY, command),
+                env=attacker[1],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd="/",
+            )
         assert done.returncode == 0, done.stderr
         found = json.loads(done.stdout)
         assert found.pop("connect") == "ConnectionRefusedError"
-        assert all("connected" not in outcome and "Permission denied" in outcome or "not permitted" in outcome
-                   for outcome in found.values()), found
+        assert all(
+            "connected" not in outcome and "Permission denied" in outcome or "not permitted" in outcome
+            for outcome in found.values()
+        ), found
     finally:
         process.communicate(timeout=60)
     assert process.returncode == 0

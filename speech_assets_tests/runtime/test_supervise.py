@@ -30,7 +30,9 @@ time.sleep(600)
 
 
 def _pids_of(marker: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or []) and alive(p.pid)]
+    return [
+        p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or []) and alive(p.pid)
+    ]
 
 
 def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
@@ -39,8 +41,11 @@ def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
     pidfile = tmp_path / "helper.pid"
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER.format(pidfile=pidfile, log=tmp_path / "daemon.log")],
-        stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert launcher.stdout is not None and launcher.stdout.readline().strip() == "started"
         wait_until(lambda: pidfile.is_file() and pidfile.read_text().strip(), 30, "the daemon to start its helper")
@@ -49,7 +54,11 @@ def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
         assert helper in _pids_of("sleep 301") and len(tree) >= 2  # supervisor + daemon (+ helper elsewhere)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
-        wait_until(lambda: not (_pids_of("sleep 301") + _pids_of("sleep 302") + [p for p in tree if alive(p)]), 30, "the whole tree to die")
+        wait_until(
+            lambda: not (_pids_of("sleep 301") + _pids_of("sleep 302") + [p for p in tree if alive(p)]),
+            30,
+            "the whole tree to die",
+        )
     finally:
         for pid in _pids_of("sleep 301") + _pids_of("sleep 302"):
             os.kill(pid, signal.SIGKILL)
@@ -58,12 +67,20 @@ def test_kill_9_of_the_launcher_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_supervisor_reports_the_command_exit_code_and_reaps_what_it_left(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "speech_assets.runtime.supervise", "--grace", "1", "--",
-               "bash", "-c", "setsid sleep 303 & exit 7"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "speech_assets.runtime.supervise",
+        "--grace",
+        "1",
+        "--",
+        "bash",
+        "-c",
+        "setsid sleep 303 & exit 7",
+    ]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert done.returncode == 7
     assert _pids_of("sleep 303") == []
-
 
 
 def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: Path) -> None:
@@ -74,10 +91,14 @@ def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: 
     assert not marker.exists()
 
 
-def test_process_trees_are_walked_through_psutil_and_survive_a_missing_process_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_process_trees_are_walked_through_psutil_and_survive_a_missing_process_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     parent = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
     try:
-        found = wait_until(lambda: tree if len(tree := descendants([parent.pid])) >= 2 else None, 10, "both children", interval=0.05)
+        found = wait_until(
+            lambda: tree if len(tree := descendants([parent.pid])) >= 2 else None, 10, "both children", interval=0.05
+        )
         assert all(alive(pid) for pid in found)
         monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path / "absent"))
         assert descendants([parent.pid]) == set()  # unknown, not a crash

@@ -16,20 +16,25 @@ from pathlib import Path
 import psutil
 import pytest
 
-from speech_assets.runtime.waiting import wait_until
 from speech_assets.runtime import processes
 from speech_assets.runtime.processes import ProcessIdentity, command_lines, die_with_parent, process_start_time
+from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import REPO
 
-WORKER = "import time\nfrom speech_assets.runtime.processes import watch_launcher\nassert watch_launcher()\ntime.sleep(300)"
+WORKER = (
+    "import time\nfrom speech_assets.runtime.processes import watch_launcher\nassert watch_launcher()\ntime.sleep(300)"
+)
 # psutil's own knob for where the process table lives: an absent folder reads like no /proc
 NO_PROCFS = "import psutil\npsutil.PROCFS_PATH = {path!r}\n"
 
 
 def can_hide_proc() -> bool:
     try:
-        probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs none /proc && test ! -e /proc/self"],
-                               capture_output=True, timeout=30)  # fmt: skip
+        probe = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs none /proc && test ! -e /proc/self"],
+            capture_output=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
@@ -59,8 +64,9 @@ def test_a_worker_in_a_container_without_proc_outlives_no_live_launcher() -> Non
     launcher, identity = start_launcher()
     worker = subprocess.Popen(
         ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs none /proc && exec "$0" -c "$1"', sys.executable, WORKER],
-        env={**os.environ, processes.LAUNCHER_ENV: identity.encode()}, cwd=REPO,
-    )  # fmt: skip
+        env={**os.environ, processes.LAUNCHER_ENV: identity.encode()},
+        cwd=REPO,
+    )
     survives_its_launcher_then_follows_it(worker, launcher)
 
 
@@ -68,8 +74,9 @@ def test_a_worker_that_cannot_read_the_process_table_keeps_running_while_its_lau
     launcher, identity = start_launcher()
     worker = subprocess.Popen(
         [sys.executable, "-c", NO_PROCFS.format(path=str(tmp_path / "absent")) + WORKER],
-        env={**os.environ, processes.LAUNCHER_ENV: identity.encode()}, cwd=REPO,
-    )  # fmt: skip
+        env={**os.environ, processes.LAUNCHER_ENV: identity.encode()},
+        cwd=REPO,
+    )
     survives_its_launcher_then_follows_it(worker, launcher)
 
 
@@ -87,7 +94,9 @@ def test_identity_tells_gone_only_when_it_can(tmp_path: Path, monkeypatch: pytes
         assert process_start_time(child.pid) is None
         monkeypatch.undo()
         child.kill()
-        wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child to exit, not yet reaped")
+        wait_until(
+            lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child to exit, not yet reaped"
+        )
         assert ProcessIdentity(child.pid, start, host).gone()
     finally:
         child.kill()

@@ -9,27 +9,40 @@ import pytest
 
 from speech_assets.stats.database import StatsInputs, build_database
 
+
 def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
+    import numpy as np
+
     from speech_assets.features.shards import write_shard
     from speech_assets.testing.training_data import _record
-    import numpy as np
 
     speakers = {"1001": "client_00", "1002": "client_00", "1003": "client_01", "1004": "client_01"}
     shards = []
     for speaker in speakers:
         records = [_record(f"{speaker}-1-{u:04d}", speaker, np.zeros((100 + u, 80), np.float32)) for u in range(3)]
         shards.append(write_shard(tmp_path / "shards" / f"{speaker}.parquet", records))
-    extra = write_shard(tmp_path / "shards" / "1005.parquet", [_record("1005-1-0000", "1005", np.zeros((50, 80), np.float32))])
+    extra = write_shard(
+        tmp_path / "shards" / "1005.parquet", [_record("1005-1-0000", "1005", np.zeros((50, 80), np.float32))]
+    )
     pq.write_table(
-        pa.table({
-            "speaker_id": list(speakers), "client_id": list(speakers.values()), "hours": [0.1] * 4, "utterances": [3] * 4,
-            "heldout": [False, True, False, False],
-        }),  # fmt: skip
+        pa.table(
+            {
+                "speaker_id": list(speakers),
+                "client_id": list(speakers.values()),
+                "hours": [0.1] * 4,
+                "utterances": [3] * 4,
+                "heldout": [False, True, False, False],
+            }
+        ),
         tmp_path / "clients.parquet",
     )
-    pq.write_table(pa.table({"utt_id": ["1001-1-0000"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}), tmp_path / "manifest.parquet")
     pq.write_table(
-        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), tmp_path / "rejects.parquet"
+        pa.table({"utt_id": ["1001-1-0000"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}),
+        tmp_path / "manifest.parquet",
+    )
+    pq.write_table(
+        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
+        tmp_path / "rejects.parquet",
     )
     results = pa.table(
         {
@@ -47,10 +60,14 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     pq.write_table(results, tmp_path / "results.parquet")
     db = tmp_path / "stats.duckdb"
     inputs = StatsInputs(
-        manifest=tmp_path / "manifest.parquet", manifest_rejects=tmp_path / "rejects.parquet", shards=[*shards, extra],
-        shard_rejects=[], clients=tmp_path / "clients.parquet", kmeans_quality=[],
+        manifest=tmp_path / "manifest.parquet",
+        manifest_rejects=tmp_path / "rejects.parquet",
+        shards=[*shards, extra],
+        shard_rejects=[],
+        clients=tmp_path / "clients.parquet",
+        kmeans_quality=[],
         probe_results=tmp_path / "results.parquet",
-    )  # fmt: skip
+    )
     counts = build_database(db, inputs)
     assert counts["probe_results"] == 2
     con = duckdb.connect(str(db), read_only=True)
@@ -63,7 +80,9 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     # today's results file (every column, the probe's chosen lr included) loads whole
     from speech_assets.evaluation.compare import ProbeResult, results_table
 
-    current = [ProbeResult("pretrained", "ab" * 32, "linear", [0.5, 0.5], "heldout", 0.6, 0.9, 3, 400, 0, "utterance", 1, 0.01)]
+    current = [
+        ProbeResult("pretrained", "ab" * 32, "linear", [0.5, 0.5], "heldout", 0.6, 0.9, 3, 400, 0, "utterance", 1, 0.01)
+    ]
     pq.write_table(results_table(current), tmp_path / "results.parquet")
     assert build_database(db, inputs)["probe_results"] == 1
     with duckdb.connect(str(db), read_only=True) as con:
@@ -76,15 +95,31 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     # fine-tuning's results.parquet, as finetuned_asr writes it; none yet: an empty table
     from speech_assets.evaluation.finetune_results import results_table as finetune_table
 
-    rows = [{"model": m, "labelled_minutes": 1.0, "seed": 0, "decoder": "greedy", "split": "heldout", "cer": c, "wer": 1.0,
-             "utterances": 8, "steps": 300, "labelled_seconds": 61.0, "checkpoint_sha256": "cd" * 32}
-            for m, c in (("pretrained", 0.7), ("scratch", 0.9))]  # fmt: skip
+    rows = [
+        {
+            "model": m,
+            "labelled_minutes": 1.0,
+            "seed": 0,
+            "decoder": "greedy",
+            "split": "heldout",
+            "cer": c,
+            "wer": 1.0,
+            "utterances": 8,
+            "steps": 300,
+            "labelled_seconds": 61.0,
+            "checkpoint_sha256": "cd" * 32,
+        }
+        for m, c in (("pretrained", 0.7), ("scratch", 0.9))
+    ]
     pq.write_table(finetune_table(rows), tmp_path / "finetune.parquet")
     assert build_database(db, inputs)["finetune_results"] == 0
     inputs.finetune_results = tmp_path / "finetune.parquet"
     assert build_database(db, inputs)["finetune_results"] == 2
     with duckdb.connect(str(db), read_only=True) as con:
-        assert con.execute("SELECT model, cer FROM finetune_results ORDER BY cer").fetchall() == [("pretrained", 0.7), ("scratch", 0.9)]
+        assert con.execute("SELECT model, cer FROM finetune_results ORDER BY cer").fetchall() == [
+            ("pretrained", 0.7),
+            ("scratch", 0.9),
+        ]
 
 
 def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,12 +127,21 @@ def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pyt
 
     data = tmp_path / "out"
     data.mkdir()
-    pq.write_table(pa.table({"utt_id": ["u1"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}), data / "manifest.parquet")
-    pq.write_table(pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}), data / "rejects.parquet")
+    pq.write_table(
+        pa.table({"utt_id": ["u1"], "path": ["x"], "transcript": ["A"], "duration_s": [1.0]}), data / "manifest.parquet"
+    )
+    pq.write_table(
+        pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
+        data / "rejects.parquet",
+    )
     inputs = StatsInputs(
-        manifest=data / "manifest.parquet", manifest_rejects=data / "rejects.parquet", shards=[], shard_rejects=[],
-        clients=data / "clients.parquet", kmeans_quality=[],
-    )  # fmt: skip
+        manifest=data / "manifest.parquet",
+        manifest_rejects=data / "rejects.parquet",
+        shards=[],
+        shard_rejects=[],
+        clients=data / "clients.parquet",
+        kmeans_quality=[],
+    )
     build_database(data / "stats.duckdb", inputs)
     outside = tmp_path / "secret.txt"
     outside.write_text("not for queries\n")

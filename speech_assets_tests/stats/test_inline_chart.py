@@ -23,7 +23,7 @@ def test_the_inline_chart_fits_the_ui_limit_and_is_an_svg(points: int) -> None:
     assert text.startswith("![held-out accuracy by step](data:image/svg+xml,") and text.endswith(")")
     # one markdown image: nothing in the URI ends it early or breaks the markdown
     uri = text[len("![held-out accuracy by step](") : -1]
-    assert not set(uri) & set(" ()<>#\"")
+    assert not set(uri) & set(' ()<>#"')
     svg = ET.fromstring(urllib.parse.unquote(uri.removeprefix("data:image/svg+xml,")))
     lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 3 and all(len(line.get("points").split(",")) >= 2 for line in lines)
@@ -35,4 +35,7 @@ def test_the_inline_chart_fits_the_ui_limit_and_is_an_svg(points: int) -> None:
 
 
 def test_nothing_measured_says_so() -> None:
-    assert inline_chart("held-out accuracy by round", {"held-out": []}) == "*held-out accuracy by round: nothing measured yet*"
+    assert (
+        inline_chart("held-out accuracy by round", {"held-out": []})
+        == "*held-out accuracy by round: nothing measured yet*"
+    )

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import soundfile as sf
 
 from speech_assets.features.vad import VadConfig
@@ -23,8 +22,13 @@ from speech_assets.testing.corpora import write_flac
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 
@@ -46,11 +50,35 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for utt in range(5):
             utt_id, frames = f"{speaker}-c-{utt}", int(rng.integers(100, 400))
             seconds = frames / 100 + 0.3
-            manifest_rows.append({"utt_id": utt_id, "speaker_id": speaker, "chapter_id": "c", "path": f"/x/{utt_id}.flac",
-                                  "transcript": "HELLO <WORLD> & CO", "sample_rate": 16000, "channels": 1,
-                                  "num_samples": int(seconds * 16000), "duration_s": seconds, "file_sha256": "0" * 64})
-            records.append(FeatureRecord(utt_id, speaker, "c", frames, seconds, 0.1, 0.1 + frames / 100, frames / 100, 0.8,
-                                         rng.normal(size=(frames, 80)).astype(np.float32), rng.normal(size=(frames, 39)).astype(np.float32)))
+            manifest_rows.append(
+                {
+                    "utt_id": utt_id,
+                    "speaker_id": speaker,
+                    "chapter_id": "c",
+                    "path": f"/x/{utt_id}.flac",
+                    "transcript": "HELLO <WORLD> & CO",
+                    "sample_rate": 16000,
+                    "channels": 1,
+                    "num_samples": int(seconds * 16000),
+                    "duration_s": seconds,
+                    "file_sha256": "0" * 64,
+                }
+            )
+            records.append(
+                FeatureRecord(
+                    utt_id,
+                    speaker,
+                    "c",
+                    frames,
+                    seconds,
+                    0.1,
+                    0.1 + frames / 100,
+                    frames / 100,
+                    0.8,
+                    rng.normal(size=(frames, 80)).astype(np.float32),
+                    rng.normal(size=(frames, 39)).astype(np.float32),
+                )
+            )
         shards.append(write_shard(root / f"{speaker}.parquet", records))
     pq.write_table(pa.Table.from_pylist(manifest_rows), root / "manifest.parquet")
     corpus = root / "corpus"
@@ -61,80 +89,203 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
     secret = write_flac(root / "outside" / "secret.flac", seconds=1.0)  # outside the corpus
     (corpus / "s3" / "c" / "link.flac").symlink_to(secret)  # a symlink out of it
     rejects = [
-        {"utt_id": "bad-1", "path": "/x/bad.flac", "stage": "manifest", "reason": "unreadable", "detail": "cannot decode <script>alert(1)</script>"},
+        {
+            "utt_id": "bad-1",
+            "path": "/x/bad.flac",
+            "stage": "manifest",
+            "reason": "unreadable",
+            "detail": "cannot decode <script>alert(1)</script>",
+        },
         {"utt_id": "s2-c-9", "path": str(short), "stage": "manifest", "reason": "too_short", "detail": "0.30 s"},
         {"utt_id": "s3-c-9", "path": str(long), "stage": "manifest", "reason": "too_long", "detail": "40 s"},
         {"utt_id": "s3-c-8", "path": str(secret), "stage": "manifest", "reason": "outside_root", "detail": "outside"},
-        {"utt_id": "s3-c-7", "path": str(corpus / "s3" / "c" / "link.flac"), "stage": "manifest", "reason": "duplicate_id", "detail": "a link out"},
-        {"utt_id": "s3-c-6", "path": str(corpus / "s3" / "c" / ".." / ".." / ".." / "outside" / "secret.flac"), "stage": "manifest",
-         "reason": "invalid_id", "detail": "dot-dot out"},
+        {
+            "utt_id": "s3-c-7",
+            "path": str(corpus / "s3" / "c" / "link.flac"),
+            "stage": "manifest",
+            "reason": "duplicate_id",
+            "detail": "a link out",
+        },
+        {
+            "utt_id": "s3-c-6",
+            "path": str(corpus / "s3" / "c" / ".." / ".." / ".." / "outside" / "secret.flac"),
+            "stage": "manifest",
+            "reason": "invalid_id",
+            "detail": "dot-dot out",
+        },
     ]
     pq.write_table(pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA), root / "rejects.parquet")
-    vad_rejects = [{"utt_id": "s1-c-9", "path": str(quiet), "stage": "vad", "reason": "no_speech", "detail": "VAD never triggered"}]
+    vad_rejects = [
+        {"utt_id": "s1-c-9", "path": str(quiet), "stage": "vad", "reason": "no_speech", "detail": "VAD never triggered"}
+    ]
     pq.write_table(pa.Table.from_pylist(vad_rejects, schema=REJECTS_SCHEMA), root / "s1.rejects.parquet")
-    pq.write_table(pa.table({"speaker_id": ["s1", "s2", "s3"], "client_id": ["client_00", "client_01", "client_01"],
-                             "hours": [0.01, 0.01, 0.01], "utterances": [5, 5, 5], "heldout": [False, False, True]}), root / "clients.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "speaker_id": ["s1", "s2", "s3"],
+                "client_id": ["client_00", "client_01", "client_01"],
+                "hours": [0.01, 0.01, 0.01],
+                "utterances": [5, 5, 5],
+                "heldout": [False, False, True],
+            }
+        ),
+        root / "clients.parquet",
+    )
     quality = root / "quality.json"
-    quality.write_text(json.dumps({"client_id": "client_00", "k": 8, "frames_fit": 900, "inertia_per_frame": 30.1, "perplexity": 7.2,
-                                   "empty_clusters": 0, "mean_segment_length": 1.8, "frames_labelled": 1000}))
-    inputs = stats_db.StatsInputs(manifest=root / "manifest.parquet", manifest_rejects=root / "rejects.parquet", shards=shards,
-                                  shard_rejects=[root / "s1.rejects.parquet"], clients=root / "clients.parquet", kmeans_quality=[quality],
-                                  **model_runs(root / "out"))
+    quality.write_text(
+        json.dumps(
+            {
+                "client_id": "client_00",
+                "k": 8,
+                "frames_fit": 900,
+                "inertia_per_frame": 30.1,
+                "perplexity": 7.2,
+                "empty_clusters": 0,
+                "mean_segment_length": 1.8,
+                "frames_labelled": 1000,
+            }
+        )
+    )
+    inputs = stats_db.StatsInputs(
+        manifest=root / "manifest.parquet",
+        manifest_rejects=root / "rejects.parquet",
+        shards=shards,
+        shard_rejects=[root / "s1.rejects.parquet"],
+        clients=root / "clients.parquet",
+        kmeans_quality=[quality],
+        **model_runs(root / "out"),
+    )
     stats_db.build_database(root / "stats.duckdb", inputs)
     return root / "stats.duckdb"
 
 
-HEADER = {"built_at": "2024-05-01 10:00:00 UTC", "git_commit": "a" * 40, "dagster_run_id": "run-1234",
-          "corpus": "/corpora/tiny", "settings_hash": "b" * 64}  # fmt: skip
+HEADER = {
+    "built_at": "2024-05-01 10:00:00 UTC",
+    "git_commit": "a" * 40,
+    "dagster_run_id": "run-1234",
+    "corpus": "/corpora/tiny",
+    "settings_hash": "b" * 64,
+}
 
 
 def model_runs(out: Path) -> dict:
     """Every kind of model run's folder as its asset leaves it (result.json, and beside it what the
     asset adds: config.json, provenance.json, speed.json, mlflow_run_id), and an export's JSON."""
+
     def run(folder: str, result: dict, **files: dict | str) -> Path:
         run_dir = out / folder / f"{folder}-run"
         run_dir.mkdir(parents=True)
         (run_dir / "result.json").write_text(json.dumps(result))
         for name, content in files.items():
-            (run_dir / name.replace("_json", ".json")).write_text(content if isinstance(content, str) else json.dumps(content))
+            (run_dir / name.replace("_json", ".json")).write_text(
+                content if isinstance(content, str) else json.dumps(content)
+            )
         return run_dir / "result.json"
 
     versions = {"manifest": "9" * 64}
-    torch_run = {"heldout_masked_accuracy": 0.21, "heldout_majority_accuracy": 0.05, "chance_accuracy": 0.0625,
-                 "final_loss": 2.345678901234, "data_versions": versions}  # fmt: skip
-    centralised = run("training", {"step": 300, "checkpoint": "/d/training/final.pt", "checkpoint_sha256": "1" * 64,
-                                   "mlflow_run_id": "c" * 32, **torch_run}, config_json={"preset": "tiny", "git_sha": "a" * 40})
-    iteration2 = run("training_iter2", {"step": 20, "checkpoint": "/d/iter2/final.pt", "checkpoint_sha256": "2" * 64,
-                                        "mlflow_run_id": "d" * 32, **torch_run}, config_json={"preset": "tiny", "git_sha": "a" * 40})
-    distilled = run("distill", {"step": 40, "checkpoint": "/d/distill/final.pt", "checkpoint_sha256": "3" * 64, "final_loss": 0.5,
-                                "student": "tiny-student", "student_parameters": 100_000, "teacher_parameters": 400_000,
-                                "mlflow_run_id": "e" * 32, "data_versions": versions},
-                    speed_json={"speedup": 3.456, "student_audio_s_per_s": 900.0, "teacher_audio_s_per_s": 260.1,
-                                "student_parameters": 100_000, "teacher_parameters": 400_000})  # fmt: skip
-    federated = run("federated", {"rounds": 3, "checkpoint": "/d/federated/final.pt", "checkpoint_sha256": "4" * 64,
-                                  "final_train_loss": 3.03368966634272757, "heldout_masked_accuracy": 0.03368966634272757,
-                                  "heldout_majority_accuracy": 0.04, "round_summaries": [{"round": 1}, {"round": 2}, {"round": 3}],
-                                  "data_versions": versions},
-                    provenance_json={"checkpoint_sha256": "4" * 64, "git_sha": "a" * 40, "mlflow_run_id": "f" * 32,
-                                     "dagster_run_id": "run-fed"}, settings_json={"preset": "tiny"})  # fmt: skip
+    torch_run = {
+        "heldout_masked_accuracy": 0.21,
+        "heldout_majority_accuracy": 0.05,
+        "chance_accuracy": 0.0625,
+        "final_loss": 2.345678901234,
+        "data_versions": versions,
+    }
+    centralised = run(
+        "training",
+        {
+            "step": 300,
+            "checkpoint": "/d/training/final.pt",
+            "checkpoint_sha256": "1" * 64,
+            "mlflow_run_id": "c" * 32,
+            **torch_run,
+        },
+        config_json={"preset": "tiny", "git_sha": "a" * 40},
+    )
+    iteration2 = run(
+        "training_iter2",
+        {
+            "step": 20,
+            "checkpoint": "/d/iter2/final.pt",
+            "checkpoint_sha256": "2" * 64,
+            "mlflow_run_id": "d" * 32,
+            **torch_run,
+        },
+        config_json={"preset": "tiny", "git_sha": "a" * 40},
+    )
+    distilled = run(
+        "distill",
+        {
+            "step": 40,
+            "checkpoint": "/d/distill/final.pt",
+            "checkpoint_sha256": "3" * 64,
+            "final_loss": 0.5,
+            "student": "tiny-student",
+            "student_parameters": 100_000,
+            "teacher_parameters": 400_000,
+            "mlflow_run_id": "e" * 32,
+            "data_versions": versions,
+        },
+        speed_json={
+            "speedup": 3.456,
+            "student_audio_s_per_s": 900.0,
+            "teacher_audio_s_per_s": 260.1,
+            "student_parameters": 100_000,
+            "teacher_parameters": 400_000,
+        },
+    )
+    federated = run(
+        "federated",
+        {
+            "rounds": 3,
+            "checkpoint": "/d/federated/final.pt",
+            "checkpoint_sha256": "4" * 64,
+            "final_train_loss": 3.03368966634272757,
+            "heldout_masked_accuracy": 0.03368966634272757,
+            "heldout_majority_accuracy": 0.04,
+            "round_summaries": [{"round": 1}, {"round": 2}, {"round": 3}],
+            "data_versions": versions,
+        },
+        provenance_json={
+            "checkpoint_sha256": "4" * 64,
+            "git_sha": "a" * 40,
+            "mlflow_run_id": "f" * 32,
+            "dagster_run_id": "run-fed",
+        },
+        settings_json={"preset": "tiny"},
+    )
     export = out / "export" / "abc-layer4" / "encoder.json"
     export.parent.mkdir(parents=True)
-    export.write_text(json.dumps({"checkpoint_sha256": "1" * 64, "output": {"layer": 4},
-                                  "parity": {"max_abs_diff": 3.2e-6, "torchscript_max_abs_diff": 1.1e-6, "utterances": 8, "frames": 2400}}))
-    return {"training_results": [centralised], "exports": [export],
-            "model_results": {"federated": [federated], "distilled": [distilled], "iteration2": [iteration2]}}
+    export.write_text(
+        json.dumps(
+            {
+                "checkpoint_sha256": "1" * 64,
+                "output": {"layer": 4},
+                "parity": {"max_abs_diff": 3.2e-6, "torchscript_max_abs_diff": 1.1e-6, "utterances": 8, "frames": 2400},
+            }
+        )
+    )
+    return {
+        "training_results": [centralised],
+        "exports": [export],
+        "model_results": {"federated": [federated], "distilled": [distilled], "iteration2": [iteration2]},
+    }
 
 
 @pytest.fixture(scope="module")
 def page(database: Path) -> Path:
     extras = report.ReportInputs(
         cluster_counts={"client_00": np.array([50, 30, 10, 5, 3, 1, 1, 0])},
-        training_metrics={"run1": [{"step": s, "loss": 5 - s / 10, "masked_accuracy": s / 100, "lr": 1e-3} for s in range(10, 60, 10)]},
+        training_metrics={
+            "run1": [{"step": s, "loss": 5 - s / 10, "masked_accuracy": s / 100, "lr": 1e-3} for s in range(10, 60, 10)]
+        },
     )
     extras = report.ReportInputs(
-        cluster_counts=extras.cluster_counts, training_metrics=extras.training_metrics, header=HEADER,
-        corpus_root=database.parent / "corpus", vad=VadConfig(),
-    )  # fmt: skip
+        cluster_counts=extras.cluster_counts,
+        training_metrics=extras.training_metrics,
+        header=HEADER,
+        corpus_root=database.parent / "corpus",
+        vad=VadConfig(),
+    )
     return report.write_report(database, database.parent / "report" / "index.html", extras)
 
 
@@ -156,7 +307,12 @@ def test_report_has_a_header_and_a_summary_first(page: Path) -> None:
     assert f'<th>settings hash</th><td><span class="hash" title="{"b" * 64}">{"b" * 12}</span>' in header
     summary = rest.split("</section>", 1)[0]
     assert "3 speakers" in summary and "1 held-out speaker" in summary and "7 rejects" in summary
-    for line in ("centralised model: 300 steps", "federated model: 3 rounds", "distilled model: 40 steps", "iteration2 model: 20 steps"):
+    for line in (
+        "centralised model: 300 steps",
+        "federated model: 3 rounds",
+        "distilled model: 40 steps",
+        "iteration2 model: 20 steps",
+    ):
         assert line in summary
     assert "3.456x the teacher" in summary and "ONNX max |diff| 3.20e-06" in summary
 
@@ -166,7 +322,10 @@ def test_report_tables_are_rounded_and_list_every_speaker_and_checkpoint(page: P
     assert "0.03368966634272757" not in text and "2.345678901234" not in text and "1" * 64 + "<" not in text
     speakers = text.split("<h2>Speakers</h2>", 1)[1].split("</section>", 1)[0]
     assert speakers.count("<tr>") == 4  # a header and one row per speaker, with client and split
-    assert "<td>s3</td><td>client_01</td><td>heldout</td>" in speakers and "<td>s1</td><td>client_00</td><td>train</td>" in speakers
+    assert (
+        "<td>s3</td><td>client_01</td><td>heldout</td>" in speakers
+        and "<td>s1</td><td>client_00</td><td>train</td>" in speakers
+    )
     checkpoints = text.split("<h2>Checkpoints</h2>", 1)[1].split("</section>", 1)[0]
     for kind in ("centralised", "federated", "distilled", "iteration2"):
         assert f"<td>{kind}</td>" in checkpoints
@@ -202,9 +361,15 @@ def test_audio_examples_are_bounded_and_stale_clips_removed(database: Path, tmp_
     shown = reject_examples(rows, corpus, tmp_path, max_bytes=1)  # the first clip passes the bound: none is copied
     assert all(e.clip is None for e in shown) and "bound" in shown[0].note
     quiet = str(corpus / "s1" / "c" / "s1-c-9.flac")
-    original, copy = reject_examples([("vad", "no_speech", "s1-c-9", quiet, ""), ("vad", "no_speech", "s1-c-9-sp1_1", quiet, "")],
-                                     corpus, tmp_path, VadConfig())  # fmt: skip
-    assert original.vad_png and copy.clip and copy.vad_png is None and "speed-perturbed" in copy.note  # its decision was on other audio
+    original, copy = reject_examples(
+        [("vad", "no_speech", "s1-c-9", quiet, ""), ("vad", "no_speech", "s1-c-9-sp1_1", quiet, "")],
+        corpus,
+        tmp_path,
+        VadConfig(),
+    )
+    assert (
+        original.vad_png and copy.clip and copy.vad_png is None and "speed-perturbed" in copy.note
+    )  # its decision was on other audio
     (tmp_path / "reject-stale.flac").write_bytes(b"old")
     remove_unused(tmp_path, {e.clip for e in reject_examples(rows[:1], corpus, tmp_path)})
     assert len(list(tmp_path.glob("*.flac"))) == 1
@@ -213,7 +378,9 @@ def test_audio_examples_are_bounded_and_stale_clips_removed(database: Path, tmp_
 @pytest.mark.slow
 def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None:
     if CHROMIUM is None:
-        pytest.skip("LOUD SKIP: Debian's chromium is not installed (make test installs it with apt-get when run as root)")
+        pytest.skip(
+            "LOUD SKIP: Debian's chromium is not installed (make test installs it with apt-get when run as root)"
+        )
     from PIL import Image
     from playwright.sync_api import sync_playwright
 
@@ -225,17 +392,28 @@ def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None
             view.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
             view.on("pageerror", lambda error: errors.append(str(error)))
             view.goto(page.resolve().as_uri(), wait_until="load")
-            images = view.evaluate("Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+            images = view.evaluate(
+                "Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])"
+            )
             # every reject's player has read its clip's header (HAVE_METADATA), or failed
-            view.wait_for_function("Array.from(document.querySelectorAll('audio')).every(a => a.readyState >= 1 || a.error)", timeout=30_000)
-            players = view.evaluate("Array.from(document.querySelectorAll('audio')).map(a => [a.readyState, a.duration, a.error && a.error.code])")
-            plot_width = view.evaluate("Math.min(...Array.from(document.querySelectorAll('img.plot')).map(i => i.getBoundingClientRect().width))")
+            view.wait_for_function(
+                "Array.from(document.querySelectorAll('audio')).every(a => a.readyState >= 1 || a.error)",
+                timeout=30_000,
+            )
+            players = view.evaluate(
+                "Array.from(document.querySelectorAll('audio')).map(a => [a.readyState, a.duration, a.error && a.error.code])"
+            )
+            plot_width = view.evaluate(
+                "Math.min(...Array.from(document.querySelectorAll('img.plot')).map(i => i.getBoundingClientRect().width))"
+            )
             shot = view.screenshot(full_page=True)
         finally:
             browser.close()
     assert errors == []
     assert len(images) >= 5 and all(done and width > 100 and height > 50 for done, width, height in images)
-    assert len(players) == 3 and all(state >= 1 and 0 < duration <= 6.0 and error is None for state, duration, error in players)
+    assert len(players) == 3 and all(
+        state >= 1 and 0 < duration <= 6.0 and error is None for state, duration, error in players
+    )
     assert plot_width > 1000  # full width of the 1200-pixel window, not a 500-pixel thumbnail
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("L"), dtype=np.float32)
     assert pixels.shape[0] > 900 and pixels.std() > 10  # a blank page would be one flat colour

@@ -21,8 +21,19 @@ REJECT_COLUMNS = ("utt_id", "path", "stage", "reason", "detail")
 def _utterance(utt_id: str, frames: int = 100) -> FeatureRecord:
     """A silent utterance of speaker 1001: log-mel ``(frames, 80)``, MFCC ``(frames, 39)``."""
     seconds = frames / FRAME_RATE_HZ
-    return FeatureRecord(utt_id, "1001", "1", frames, seconds, 0.0, seconds, seconds, 1.0,
-                         np.zeros((frames, N_MELS), np.float32), np.zeros((frames, MFCC_DIM), np.float32))  # fmt: skip
+    return FeatureRecord(
+        utt_id,
+        "1001",
+        "1",
+        frames,
+        seconds,
+        0.0,
+        seconds,
+        seconds,
+        1.0,
+        np.zeros((frames, N_MELS), np.float32),
+        np.zeros((frames, MFCC_DIM), np.float32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +51,29 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (data / "clients").mkdir()
     manifest = data / "manifest" / "manifest.parquet"
     pq.write_table(
-        pa.table({"utt_id": ["1001-1-0000", "1001-1-0001"], "path": ["a.flac", "b.flac"], "transcript": ["A", "B"],
-                  "duration_s": [1.25, 2.5]}),  # fmt: skip
+        pa.table(
+            {
+                "utt_id": ["1001-1-0000", "1001-1-0001"],
+                "path": ["a.flac", "b.flac"],
+                "transcript": ["A", "B"],
+                "duration_s": [1.25, 2.5],
+            }
+        ),
         manifest,
     )
-    pq.write_table(pa.table({n: pa.array([], pa.string()) for n in REJECT_COLUMNS}), data / "manifest" / "rejects.parquet")
     pq.write_table(
-        pa.table({"speaker_id": ["1001"], "client_id": ["client_00"], "hours": [0.001], "utterances": [2], "heldout": [False]}),
+        pa.table({n: pa.array([], pa.string()) for n in REJECT_COLUMNS}), data / "manifest" / "rejects.parquet"
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "speaker_id": ["1001"],
+                "client_id": ["client_00"],
+                "hours": [0.001],
+                "utterances": [2],
+                "heldout": [False],
+            }
+        ),
         data / "clients" / "clients.parquet",
     )
     files = ShardFiles.of(data / "features" / "shards", "1001")
@@ -54,8 +81,14 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pq.write_table(pa.table({n: pa.array([], pa.string()) for n in REJECT_COLUMNS}), files.rejects)
     build_database(
         data / "stats.duckdb",
-        StatsInputs(manifest=manifest, manifest_rejects=data / "manifest" / "rejects.parquet", shards=[files.shard],
-                    shard_rejects=[files.rejects], clients=data / "clients" / "clients.parquet", kmeans_quality=[]),  # fmt: skip
+        StatsInputs(
+            manifest=manifest,
+            manifest_rejects=data / "manifest" / "rejects.parquet",
+            shards=[files.shard],
+            shard_rejects=[files.rejects],
+            clients=data / "clients" / "clients.parquet",
+            kmeans_quality=[],
+        ),
     )
     node = NodeConfig(client_id="client_00", data_dir=str(data))
     query = ConfigRecord({KIND: ADVERTISE, "run-name": "run-1", "server-round": 1, SECAGG_NONCE: bytes(16)})
@@ -66,7 +99,11 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` (new ones, lock files and WALs included) and its sha256."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _key(data: Path) -> Path:
@@ -114,20 +151,28 @@ def test_sql_refuses_what_is_not_one_read_only_statement(
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["default", "allow_external_access"])
-def test_sql_writes_nothing_even_with_external_access(external: bool, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sql_writes_nothing_even_with_external_access(
+    external: bool, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _snapshot(data_dir)
     manifest = data_dir / "manifest" / "manifest.parquet"
     flags = ["--allow-external-access"] if external else []
-    for query in (f"COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}'", f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{manifest}'"):
+    for query in (
+        f"COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}'",
+        f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{manifest}'",
+    ):
         assert main(["sql", query, "--db", str(data_dir / "stats.duckdb"), *flags]) == 1
         assert capsys.readouterr().err.startswith("error: refused: ")
     assert _snapshot(data_dir) == before
 
 
 @pytest.mark.parametrize(
-    "reader", ["read_blob", "read_text", "glob"],
+    "reader",
+    ["read_blob", "read_text", "glob"],
 )
-def test_sql_cannot_read_a_client_key_under_the_data_dir(reader: str, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sql_cannot_read_a_client_key_under_the_data_dir(
+    reader: str, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key = _key(data_dir)
     before = _snapshot(data_dir)
     target = key if reader != "glob" else key.parent / "*"

@@ -22,8 +22,19 @@ def make_shard(path: Path, speaker: str, utterances: int, seed: int) -> list[Fea
         frames = int(rng.integers(40, 120))
         mfcc = (centres[rng.integers(0, 8, frames)] + rng.normal(0, 0.3, (frames, 39))).astype(np.float32)
         records.append(
-            FeatureRecord(f"{speaker}-1-{index:04d}", speaker, "1", frames, frames / 100, 0, frames / 100, frames / 100, 1.0,
-                          np.zeros((frames, 80), np.float32), mfcc)
+            FeatureRecord(
+                f"{speaker}-1-{index:04d}",
+                speaker,
+                "1",
+                frames,
+                frames / 100,
+                0,
+                frames / 100,
+                frames / 100,
+                1.0,
+                np.zeros((frames, 80), np.float32),
+                mfcc,
+            )
         )
     write_shard(path, records)
     return records

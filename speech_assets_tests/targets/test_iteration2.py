@@ -34,8 +34,12 @@ def test_targets_cover_every_frame_at_50_hz_and_repeat_exactly(tmp_path: Path) -
     corpus = write_corpus(tmp_path / "data", clients={"client_a": 8}, speakers_per_client=2, utterances_per_speaker=6)
     shards = [Path(s) for s in corpus.shards]
     cmvn = Cmvn.load(corpus.cmvn)
-    first = build_iter2_targets("client_a", shards, cmvn, _model(), 2, tmp_path / "one", k=500, max_fit_frames=2000, seed=0, log=lambda _: None)
-    again = build_iter2_targets("client_a", shards, cmvn, _model(), 2, tmp_path / "two", k=500, max_fit_frames=2000, seed=0, log=lambda _: None)
+    first = build_iter2_targets(
+        "client_a", shards, cmvn, _model(), 2, tmp_path / "one", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
+    )
+    again = build_iter2_targets(
+        "client_a", shards, cmvn, _model(), 2, tmp_path / "two", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
+    )
     assert first.k < 500  # shrinks for a small client
     assert np.load(tmp_path / "one" / "codebook.npy").shape == (first.k, 128)
     labels = read_labels(first.labels_path)

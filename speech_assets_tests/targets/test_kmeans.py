@@ -36,8 +36,12 @@ def test_fit_is_deterministic_for_a_seed(init: str) -> None:
 
 @pytest.mark.parametrize(
     ("n", "k", "mppc", "min_train", "expected"),
-    [(1_000_000, 100, 256, 65_536, 65_536), (1_000_000, 500, 256, 65_536, 128_000),
-     (10_000, 100, 256, 65_536, 10_000), (1_000_000, 100, 0, 65_536, 1_000_000)],
+    [
+        (1_000_000, 100, 256, 65_536, 65_536),
+        (1_000_000, 500, 256, 65_536, 128_000),
+        (10_000, 100, 256, 65_536, 10_000),
+        (1_000_000, 100, 0, 65_536, 1_000_000),
+    ],
 )
 def test_train_frames(n: int, k: int, mppc: int, min_train: int, expected: int) -> None:
     assert km.train_frames(n, k, mppc, min_train) == expected

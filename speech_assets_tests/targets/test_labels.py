@@ -12,7 +12,12 @@ from speech_assets.targets.labels import UtteranceLabels, append_labels, read_la
 
 def items(speaker: str, count: int, seed: int) -> list[UtteranceLabels]:
     rng = np.random.default_rng(seed)
-    return [UtteranceLabels(f"{speaker}-c-{i:03d}", speaker, rng.integers(0, 100, int(rng.integers(0, 60))).astype(np.int16)) for i in range(count)]
+    return [
+        UtteranceLabels(
+            f"{speaker}-c-{i:03d}", speaker, rng.integers(0, 100, int(rng.integers(0, 60))).astype(np.int16)
+        )
+        for i in range(count)
+    ]
 
 
 def test_appending_writes_the_same_file_as_writing_all(tmp_path: Path) -> None:

@@ -44,9 +44,15 @@ class Builder:
         return Built(files.codebook, files.labels), {"mode": "refit"}
 
 
-def publish(out_dir: Path, builder: Builder, inputs_key: str = "in-1", fit_key: str | None = "fit-1", force: bool = False) -> dict:
-    client = ClientShards("client_00", ["a", "b"], ["b"], {"a": "sha-a", "b": "sha-b"}, lambda s: out_dir / f"{s}.parquet")
-    return publish_client_targets(client, out_dir, inputs_key, 4, builder, fit_key=fit_key, force=force, log=lambda _: None)
+def publish(
+    out_dir: Path, builder: Builder, inputs_key: str = "in-1", fit_key: str | None = "fit-1", force: bool = False
+) -> dict:
+    client = ClientShards(
+        "client_00", ["a", "b"], ["b"], {"a": "sha-a", "b": "sha-b"}, lambda s: out_dir / f"{s}.parquet"
+    )
+    return publish_client_targets(
+        client, out_dir, inputs_key, 4, builder, fit_key=fit_key, force=force, log=lambda _: None
+    )
 
 
 def tamper_labels(out_dir: Path) -> None:

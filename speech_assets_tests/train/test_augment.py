@@ -55,7 +55,9 @@ def test_noise_is_deterministic_per_seed_epoch_and_utterance() -> None:
 def test_noise_folder_like_musan(tmp_path) -> None:
     rng = np.random.default_rng(0)
     (tmp_path / "noise" / "free-sound").mkdir(parents=True)
-    sf.write(tmp_path / "noise" / "free-sound" / "hum.flac", (0.1 * rng.standard_normal(8000 * 3)).astype(np.float32), 8000)
+    sf.write(
+        tmp_path / "noise" / "free-sound" / "hum.flac", (0.1 * rng.standard_normal(8000 * 3)).astype(np.float32), 8000
+    )
     augmenter = Augmenter(Augmentation(noise=str(tmp_path / "noise"), noise_prob=1.0, snr_db=(0.0, 0.0)))
     speech = _logmel(frames=700)  # longer than the 3 s file: the noise is tiled
     mixed = augmenter.noise(speech, "u1", epoch=0)
@@ -158,13 +160,16 @@ def test_dataset_augments_features_and_keeps_targets_aligned(corpus: SyntheticCo
 
 def test_babble_comes_from_the_same_client_only(corpus: SyntheticCorpus) -> None:
     dataset = _dataset(corpus, Augmentation(noise="babble", noise_prob=1.0))
-    raw = {
-        ref.utt_id: (ref.client, dataset.logmel(ref)) for ref in dataset.utterances
-    }
+    raw = {ref.utt_id: (ref.client, dataset.logmel(ref)) for ref in dataset.utterances}
     for item in (0, len(dataset) - 1):
         talkers = dataset._babble(item, utterance_rng(0, 0, "x", "noise"), 3)
         assert len(talkers) == 3
-        sources = {utt for utt, (_, logmel) in raw.items() for t in talkers if logmel.shape == t.shape and np.array_equal(logmel, t)}
+        sources = {
+            utt
+            for utt, (_, logmel) in raw.items()
+            for t in talkers
+            if logmel.shape == t.shape and np.array_equal(logmel, t)
+        }
         assert len(sources) == 3 and dataset.utterances[item].utt_id not in sources
         assert {raw[utt][0] for utt in sources} == {dataset.utterances[item].client}
 

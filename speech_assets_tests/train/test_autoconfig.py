@@ -1,5 +1,6 @@
 import pytest
 
+from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.autoconfig import (
     GIB,
     DatasetProfile,
@@ -8,7 +9,6 @@ from speech_assets.train.autoconfig import (
     profile_dataset,
     profile_model,
 )
-from speech_assets.testing.training_data import SyntheticCorpus
 
 LIBRISPEECH_LIKE = DatasetProfile(
     utterances=281_241,

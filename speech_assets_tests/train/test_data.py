@@ -4,19 +4,19 @@ import torch
 
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.model import IGNORE_INDEX
+from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import (
     DurationBucketSampler,
     UtteranceDataset,
+    _unit_hash,
     align_labels,
     build_index,
     collate,
     crop_start,
-    _unit_hash,
     eval_batches,
     heldout_speakers,
     heldout_split,
 )
-from speech_assets.testing.training_data import SyntheticCorpus
 
 
 def _index(corpus: SyntheticCorpus, max_frames: int = 1500):

@@ -8,21 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.train.distill import (
-    DistillConfig,
-    LayerPredictor,
-    build_student,
-    distill,
-    default_teacher_layers,
-    encoder_parameters,
-    layer_prediction_loss,
-    teacher_targets,
-)
 from speech_assets.evaluation.speed import forward_speed
 from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.hubert import padding_mask
 from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
+from speech_assets.train.distill import (
+    DistillConfig,
+    LayerPredictor,
+    build_student,
+    default_teacher_layers,
+    distill,
+    encoder_parameters,
+    layer_prediction_loss,
+    teacher_targets,
+)
 from speech_assets.train.trainer import train
 
 
@@ -101,13 +101,31 @@ def teacher(small_corpus: SyntheticCorpus, tmp_path_factory: pytest.TempPathFact
 
 
 def _config(corpus: SyntheticCorpus, teacher: str, run_dir: Path, **overrides: object) -> DistillConfig:
-    values = {"max_steps": 6, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0, "grad_accum": 2, "warmup_steps": 2,
-              "precision": "fp32", "device": "cpu", "threads": 1, "dim": 32, "layers": 1, "heads": 2, "ffn_dim": 64, "max_frames": 200}  # fmt: skip
+    values = {
+        "max_steps": 6,
+        "checkpoint_every": 4,
+        "log_every": 2,
+        "batch_seconds": 8.0,
+        "grad_accum": 2,
+        "warmup_steps": 2,
+        "precision": "fp32",
+        "device": "cpu",
+        "threads": 1,
+        "dim": 32,
+        "layers": 1,
+        "heads": 2,
+        "ffn_dim": 64,
+        "max_frames": 200,
+    }
     values.update(overrides)
-    return DistillConfig(run_dir=str(run_dir), teacher=teacher, shards=corpus.shards, cmvn=corpus.cmvn, clients=corpus.clients, **values)  # type: ignore[arg-type]
+    return DistillConfig(
+        run_dir=str(run_dir), teacher=teacher, shards=corpus.shards, cmvn=corpus.cmvn, clients=corpus.clients, **values
+    )  # type: ignore[arg-type]
 
 
-def test_a_stopped_distillation_resumes_to_the_same_weights(small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path) -> None:
+def test_a_stopped_distillation_resumes_to_the_same_weights(
+    small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path
+) -> None:
     straight = distill(_config(small_corpus, teacher, tmp_path / "straight"))
     interrupted = _config(small_corpus, teacher, tmp_path / "resumed")
     assert distill(interrupted, stop_after_step=3) is None
@@ -121,7 +139,10 @@ def test_a_stopped_distillation_resumes_to_the_same_weights(small_corpus: Synthe
     b = load_checkpoint(tmp_path / "resumed" / "final.pt")
     assert a["kind"] == "distilled" and a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert straight["checkpoint_sha256"] == resumed["checkpoint_sha256"] and straight["final_loss"] == resumed["final_loss"]
+    assert (
+        straight["checkpoint_sha256"] == resumed["checkpoint_sha256"]
+        and straight["final_loss"] == resumed["final_loss"]
+    )
     # another student cannot continue this run
     with pytest.raises(ValueError, match="another model"):
         distill(_config(small_corpus, teacher, tmp_path / "resumed", dim=16, max_steps=8))

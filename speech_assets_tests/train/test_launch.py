@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from speech_assets.runtime.waiting import wait_until
+from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
@@ -22,17 +23,30 @@ from speech_assets.train.oom import (
     read_oom_marker,
     write_oom_marker,
 )
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets_tests.conftest import REPO
 
 
 def test_single_node_command() -> None:
     command = build_torchrun_command("/r/config.json", nproc=4, max_restarts=2)
     assert command == [
-        sys.executable, "-m", "speech_assets.train.local_torchrun", "--nproc-per-node", "4", "--max-restarts", "2",
-        "--nnodes", "1", "--rdzv-backend", "loopback", "--rdzv-endpoint", "127.0.0.1:0",
-        "-m", "speech_assets.train", "--config", "/r/config.json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "speech_assets.train.local_torchrun",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "2",
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "loopback",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "-m",
+        "speech_assets.train",
+        "--config",
+        "/r/config.json",
+    ]
 
 
 def test_multi_node_command() -> None:
@@ -65,12 +79,23 @@ def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module()
     are train/worker.py's."""
     package = REPO / "speech_assets"
     trees = {path.relative_to(package).as_posix(): ast.parse(path.read_text()) for path in package.rglob("*.py")}
-    spelled = sorted(name for name, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == OOM_MARKER)
+    spelled = sorted(
+        name
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value == OOM_MARKER
+    )
     assert spelled == ["layout.py"]
     engine = list(ast.walk(trees["train/engine.py"]))
     imported = {node.module for node in engine if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in engine if isinstance(node, ast.Import) for alias in node.names}
-    worker_life = {"speech_assets.runtime.locks", "speech_assets.runtime.processes", "speech_assets.train.launch", "speech_assets.train.oom", "dagster_pipes"}
+    worker_life = {
+        "speech_assets.runtime.locks",
+        "speech_assets.runtime.processes",
+        "speech_assets.train.launch",
+        "speech_assets.train.oom",
+        "dagster_pipes",
+    }
     assert not imported & worker_life
 
 
@@ -92,7 +117,9 @@ def test_launch_retries_out_of_memory_with_half_the_batch(
     monkeypatch.setattr(launch_module.subprocess, "call", fake_call)
     assert launch(config) == 0
     assert [(a.batch_seconds, a.grad_accum) for _, a in attempts] == [(16.0, 1), (8.0, 2), (4.0, 4)]
-    assert all("speech_assets.train.local_torchrun" in command and "--nproc-per-node" in command for command, _ in attempts)
+    assert all(
+        "speech_assets.train.local_torchrun" in command and "--nproc-per-node" in command for command, _ in attempts
+    )
     assert not detect_oom(config.run_dir)
 
 
@@ -110,7 +137,10 @@ def test_launch_gives_up_after_three_retries_and_on_other_failures(
     monkeypatch.setattr(launch_module.subprocess, "call", always_oom)
     assert launch(config) == OOM_EXIT_CODE
     # one process (no torchrun), started through the orphan guard
-    assert len(calls) == 4 and calls[0][calls[0].index("--") + 2 : calls[0].index("--") + 4] == ["-m", "speech_assets.train"]
+    assert len(calls) == 4 and calls[0][calls[0].index("--") + 2 : calls[0].index("--") + 4] == [
+        "-m",
+        "speech_assets.train",
+    ]
     monkeypatch.setattr(launch_module.subprocess, "call", lambda command, env: calls.append(command) or 1)
     calls.clear()
     assert launch(config) == 1 and len(calls) == 1
@@ -122,13 +152,17 @@ def _recorder(record: Path, value: str) -> Callable[[int], list[str]]:
     return lambda rank: [sys.executable, "-c", script, str(record), value, str(rank)]
 
 
-@pytest.mark.parametrize("template", ["{{command}}", "sh -c 'cd {folder} && {{command}}'", "env NODE={{node_rank}} {{command}}"])
+@pytest.mark.parametrize(
+    "template", ["{{command}}", "sh -c 'cd {folder} && {{command}}'", "env NODE={{node_rank}} {{command}}"]
+)
 def test_node_commands_run_without_a_shell_and_quote_every_value(template: str, tmp_path: Path) -> None:
     """No value reaches a shell unquoted: not locally (no shell at all), not in the command line a
     remote shell runs (a local `sh -c` stands in for ssh's)."""
     pwned, record = tmp_path / "pwned", tmp_path / "argv.json"
     value = f"x$(touch {pwned}); touch {pwned} #'\""
-    (command,) = other_node_commands(_recorder(record, value), 2, template.format(folder=tmp_path), [], python=sys.executable)
+    (command,) = other_node_commands(
+        _recorder(record, value), 2, template.format(folder=tmp_path), [], python=sys.executable
+    )
     with open(tmp_path / "node.log", "wb") as log:
         process = start_node(command, log)
         assert process.wait(timeout=120) == 0, (tmp_path / "node.log").read_text()
@@ -137,7 +171,9 @@ def test_node_commands_run_without_a_shell_and_quote_every_value(template: str, 
 
 
 def test_hosts_and_endpoints_are_checked() -> None:
-    torchrun = lambda rank: build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="head:29400", node_rank=rank)  # noqa: E731
+    torchrun = lambda rank: build_torchrun_command(
+        "c.json", 1, 0, nnodes="2", rdzv_endpoint="head:29400", node_rank=rank
+    )  # noqa: E731
     for host in ("-oProxyCommand=touch x", "a b", "x$(id)", "", "h;id"):
         with pytest.raises(ValueError, match="not a host name or IP address"):
             other_node_commands(torchrun, 2, "ssh {host} {command}", [host])
@@ -147,7 +183,11 @@ def test_hosts_and_endpoints_are_checked() -> None:
         with pytest.raises(ValueError, match="not host:port"):
             build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint=endpoint, node_rank=0)
     command = build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="[::1]:29400", node_rank=0)
-    assert command[command.index("--master-addr") + 1 : command.index("--master-port") + 2] == ["::1", "--master-port", "29400"]
+    assert command[command.index("--master-addr") + 1 : command.index("--master-port") + 2] == [
+        "::1",
+        "--master-port",
+        "29400",
+    ]
 
 
 LAUNCHER = """

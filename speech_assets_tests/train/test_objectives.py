@@ -62,7 +62,9 @@ def test_evaluate_reports_leak_free_accuracy_overall_and_per_client(small_corpus
         assert {f"leak_free_{key}" for key in KEYS} <= set(row), name
         assert row["leak_free_frames"] == expected["frames"][client]
         assert 0 < row["leak_free_frames"] <= row["interior_frames"] <= row["masked_frames"]
-        assert row["leak_free_majority_accuracy"] == pytest.approx(expected["hits"][client] / expected["frames"][client])
+        assert row["leak_free_majority_accuracy"] == pytest.approx(
+            expected["hits"][client] / expected["frames"][client]
+        )
     # typical share with HuBERT's mask: well over half of the masked frames
     masked = sum(row["masked_frames"] for row in result["per_client"].values())
     assert 0.4 < result["leak_free_frames"] / masked < 0.85

@@ -98,7 +98,9 @@ def test_read_amplification_on_real_shards(tmp_path: Path) -> None:
     index = build_index(data.shards, {n: c.labels for n, c in data.clients.items()}, max_frames=1500)
     refs, _ = heldout_split(index.utterances, 0.0)
     dataset = UtteranceDataset(index, refs, Cmvn.load(data.cmvn), 1500, cached_row_groups=5)
-    sampler = BlockShuffleSampler([(u.shard, u.row_group) for u in refs], dataset.seconds, 20.0, seed=0, window_blocks=4)
+    sampler = BlockShuffleSampler(
+        [(u.shard, u.row_group) for u in refs], dataset.seconds, 20.0, seed=0, window_blocks=4
+    )
     for batch in sampler.batches(0):
         for item in batch:
             dataset[item]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.runtime.faults import FAULTS_ENV, fault
+from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
-from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.trainer import train
-from speech_assets.testing.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,12 +84,25 @@ def test_tiny_model_learns_and_is_tracked_in_mlflow(corpus: SyntheticCorpus, tmp
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20, 25, 30]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/leak_free_masked_accuracy")] == [10, 20, 30]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.json", "autoconfig.json", "environment.txt", "inputs.json", "result.json", "checkpoint"} <= artifacts
+    assert {
+        "config.json",
+        "autoconfig.json",
+        "environment.txt",
+        "inputs.json",
+        "result.json",
+        "checkpoint",
+    } <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)
     # a sqlite store: a link into the UI `make mlflow` serves, and the command that serves it
-    assert result["mlflow_run_url"] == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-    assert result["mlflow_ui"].startswith(f"mlflow ui --backend-store-uri {store}") and "--host 127.0.0.1" in result["mlflow_ui"]
+    assert (
+        result["mlflow_run_url"]
+        == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    )
+    assert (
+        result["mlflow_ui"].startswith(f"mlflow ui --backend-store-uri {store}")
+        and "--host 127.0.0.1" in result["mlflow_ui"]
+    )
 
 
 # Measured on this corpus with this config (corpus and run seed s = 0, 1, 2): held-out leak-free
@@ -102,16 +115,34 @@ LEARNING_MARGIN = 0.2
 def test_the_model_learns_what_no_visible_frame_gives_away(corpus: SyntheticCorpus, tmp_path: Path) -> None:
     """60 steps of 16 s in process (no MLflow): on masked frames whose label's audio no visible
     frame shares, the model beats always predicting each client's most frequent label."""
-    result = train(corpus.config(tmp_path / "run", max_steps=60, batch_seconds=16.0, lr=5e-3, checkpoint_every=60,
-                                 keep_checkpoints=1, log_every=20))  # fmt: skip
+    result = train(
+        corpus.config(
+            tmp_path / "run",
+            max_steps=60,
+            batch_seconds=16.0,
+            lr=5e-3,
+            checkpoint_every=60,
+            keep_checkpoints=1,
+            log_every=20,
+        )
+    )
     assert result is not None and result["step"] == 60 and result["heldout_leak_free_frames"] > 100
     accuracy, majority = result["heldout_leak_free_masked_accuracy"], result["heldout_leak_free_majority_accuracy"]
-    assert accuracy > majority + LEARNING_MARGIN, f"leak-free masked accuracy {accuracy:.3f}, majority class {majority:.3f}"
+    assert accuracy > majority + LEARNING_MARGIN, (
+        f"leak-free masked accuracy {accuracy:.3f}, majority class {majority:.3f}"
+    )
 
 
 def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
     # max_frames below the utterances' length: crops differ between the epochs the run crosses
-    settings = {"max_steps": 6, "grad_accum": 2, "checkpoint_every": 4, "log_every": 2, "batch_seconds": 8.0, "max_frames": 200}
+    settings = {
+        "max_steps": 6,
+        "grad_accum": 2,
+        "checkpoint_every": 4,
+        "log_every": 2,
+        "batch_seconds": 8.0,
+        "max_frames": 200,
+    }
     straight = train(small_corpus.config(tmp_path / "straight", **settings))
     interrupted = small_corpus.config(tmp_path / "resumed", **settings)
     assert train(interrupted, stop_after_step=3) is None
@@ -137,9 +168,13 @@ def test_torchrun_restarts_a_crashed_worker_from_the_checkpoint(small_corpus: Sy
     marker = tmp_path / "fault.marker"
     command = build_torchrun_command(config_path, nproc=2, max_restarts=config.max_restarts)
     process = subprocess.Popen(
-        command, env=_env(**TORCHRUN_ENV, **{FAULTS_ENV: fault("train.step", "exit", rank=1, step=3, once=marker)}), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        command,
+        env=_env(**TORCHRUN_ENV, **{FAULTS_ENV: fault("train.step", "exit", rank=1, step=3, once=marker)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         _, stderr = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -180,8 +215,12 @@ def test_cli_reports_to_dagster_pipes(small_corpus: SyntheticCorpus, tmp_path: P
     )
     completed = subprocess.run(
         [sys.executable, "-m", "speech_assets.train", "--config", str(tmp_path / "config.json")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     sent = [json.loads(line) for line in messages.read_text().splitlines()]
     methods = [m["method"] for m in sent]
@@ -207,7 +246,9 @@ def test_cli_reports_to_dagster_pipes(small_corpus: SyntheticCorpus, tmp_path: P
     } <= set(metadata)
 
 
-def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(
+    small_corpus: SyntheticCorpus, tmp_path: Path
+) -> None:
     """A small real training run and a federated run's tracker on one local store: one experiment,
     a ``mode`` tag and the ``dagster_run_id`` tag on each run, the held-out results as ``val/``
     series with a point per evaluation (not single-point ``final.*`` metrics), configuration as
@@ -219,8 +260,15 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_cor
     from speech_assets.train.tracking import EXPERIMENT
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = small_corpus.config(tmp_path / "run", max_steps=6, checkpoint_every=3, log_every=3, mlflow_tracking_uri=store,
-                                 mode="iteration2", dagster_run_id="dagster-run-1")  # fmt: skip
+    config = small_corpus.config(
+        tmp_path / "run",
+        max_steps=6,
+        checkpoint_every=3,
+        log_every=3,
+        mlflow_tracking_uri=store,
+        mode="iteration2",
+        dagster_run_id="dagster-run-1",
+    )
     result = train(config)
     assert result is not None
     client = MlflowClient(store)
@@ -242,20 +290,53 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(small_cor
     # the held-out points are in metrics.jsonl too (the training curve draws them)
     assert [m["step"] for m in _metrics(tmp_path / "run") if "val/masked_accuracy" in m] == [3, 6]
     # a local store: the run's page in the UI `make mlflow` serves, and the command that serves it
-    assert result["mlflow_run_url"] == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert (
+        result["mlflow_run_url"]
+        == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    )
     assert result["mlflow_ui"].startswith("mlflow ui --backend-store-uri")
 
     federated = FederatedConfig(run_dir=str(tmp_path / "federated"), run_name="f", clients=["a", "b"], rounds=2)
     tracker = FederatedTracker(federated, store, dagster_run_id="dagster-run-2")
     tracker.start()
-    evaluation = [{"client_id": "a", "masked_frames": 10, "heldout_masked_accuracy": 0.5, "majority_accuracy": 0.2,
-                   "leak_free_frames": 0, "heldout_leak_free_masked_accuracy": None, "leak_free_majority_accuracy": None},
-                  {"client_id": "b", "masked_frames": 0, "heldout_masked_accuracy": None, "majority_accuracy": None,
-                   "leak_free_frames": 0, "heldout_leak_free_masked_accuracy": None, "leak_free_majority_accuracy": None}]  # fmt: skip
+    evaluation = [
+        {
+            "client_id": "a",
+            "masked_frames": 10,
+            "heldout_masked_accuracy": 0.5,
+            "majority_accuracy": 0.2,
+            "leak_free_frames": 0,
+            "heldout_leak_free_masked_accuracy": None,
+            "leak_free_majority_accuracy": None,
+        },
+        {
+            "client_id": "b",
+            "masked_frames": 0,
+            "heldout_masked_accuracy": None,
+            "majority_accuracy": None,
+            "leak_free_frames": 0,
+            "heldout_leak_free_masked_accuracy": None,
+            "leak_free_majority_accuracy": None,
+        },
+    ]
     for round_number in (1, 2):
-        tracker.log_round({"round": round_number, "rows": [{"client_id": "a", "num_examples": 3, "train_loss": 4.0, "masked_accuracy": 0.1,
-                                                            "bytes_up": 5, "bytes_down": 5}],
-                           "evaluation": evaluation, "round_seconds": 1.0})  # fmt: skip
+        tracker.log_round(
+            {
+                "round": round_number,
+                "rows": [
+                    {
+                        "client_id": "a",
+                        "num_examples": 3,
+                        "train_loss": 4.0,
+                        "masked_accuracy": 0.1,
+                        "bytes_up": 5,
+                        "bytes_down": 5,
+                    }
+                ],
+                "evaluation": evaluation,
+                "round_seconds": 1.0,
+            }
+        )
     fed = client.get_run(tracker.run_id)
     assert fed.info.experiment_id == run.info.experiment_id
     assert fed.data.tags["mode"] == "federated" and fed.data.tags["dagster_run_id"] == "dagster-run-2"
