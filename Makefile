@@ -36,10 +36,13 @@ demo: install
 # one core busy and one waiting most of the time (daemons, servers, process start-ups), so two
 # workers take ~7 min where one takes ~11 on 2 cores. Each module stays on one worker (its
 # fixtures are built once); PYTEST_WORKERS=0 runs it in this process.
-# `dg check defs` first: the code location loads and validates in seconds (on a throwaway instance:
-# DAGSTER_HOME unset) before minutes of tests.
+# `ruff format --check` and `ruff check` first (settings in pyproject.toml, about a second), then `dg check defs`:
+# the code location loads and validates in seconds (on a throwaway instance: DAGSTER_HOME unset) before
+# minutes of tests.
 PYTEST_WORKERS ?= 2
 test: install
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	env -u DAGSTER_HOME $(BIN)/dg check defs
 	$(BIN)/python -m pytest -m "not slow" -n $(PYTEST_WORKERS) --dist loadscope
 

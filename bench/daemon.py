@@ -53,7 +53,10 @@ mutation Start($selector: SensorSelector!) {
     ... on SensorNotFoundError { message }
   }
 }"""
-LOCATION_STATUS = "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus locationOrLoadError { __typename } } } } }"
+LOCATION_STATUS = (
+    "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus locationOrLoadError { __typename "
+    "} } } } }"
+)
 
 
 def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]:
@@ -345,7 +348,8 @@ def main() -> None:
     )
     memory = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal")) / 2**20
     print(
-        f"machine: {cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB; load average at start {os.getloadavg()[0]:.2f}",
+        f"machine: {cpu}, {os.cpu_count()} logical CPUs, {memory:.0f} GiB; load average at start "
+        f"{os.getloadavg()[0]:.2f}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="bench-daemon-") as tmp:
@@ -405,8 +409,8 @@ def main() -> None:
                     f"run coordinator: {type(instance.run_coordinator).__name__} "
                     f"dequeue every {getattr(instance.run_coordinator, 'dequeue_interval_seconds', '?')} s, "
                     f"threads {getattr(instance.run_coordinator, 'dequeue_use_threads', '?')}; "
-                    f"sensors: {instance.get_settings('sensors') or {}}; auto_materialize: {instance.get_settings('auto_materialize') or {}}"
-                    + (f"; {settings}" if settings else ""),
+                    f"sensors: {instance.get_settings('sensors') or {}}; auto_materialize: "
+                    f"{instance.get_settings('auto_materialize') or {}}" + (f"; {settings}" if settings else ""),
                     flush=True,
                 )
                 turned_on = time.time()
@@ -460,7 +464,8 @@ def main() -> None:
                 os.rename(incoming / newcomer, corpus / newcomer)
                 t0 = time.time()
                 print(
-                    f"new speaker {newcomer} moved into the corpus at {datetime.datetime.fromtimestamp(t0):%H:%M:%S.%f}",
+                    f"new speaker {newcomer} moved into the corpus at "
+                    f"{datetime.datetime.fromtimestamp(t0):%H:%M:%S.%f}",
                     flush=True,
                 )
 
@@ -513,14 +518,16 @@ def main() -> None:
                 ]
                 t_done = max(stats)
                 print(
-                    f"\nfirst dataset_stats listing {newcomer}: {t_first - t0:.1f} s (seen by the benchmark at {seen:.1f} s); "
-                    f"{len(stats)} dataset_stats and {len(kmeans)} kmeans_targets materializations after the new speaker"
-                    + (f"; FAILED runs: {[r.run_id[:8] for r in failed]}" if failed else "")
+                    f"\nfirst dataset_stats listing {newcomer}: {t_first - t0:.1f} s (seen by the benchmark "
+                    f"at {seen:.1f} s); "
+                    f"{len(stats)} dataset_stats and {len(kmeans)} kmeans_targets materializations after the "
+                    f"new speaker" + (f"; FAILED runs: {[r.run_id[:8] for r in failed]}" if failed else "")
                 )
                 last_kmeans = max(kmeans) if kmeans else None
                 ordered = last_kmeans is None or t_done > last_kmeans
                 print(
-                    f"new speaker -> the last dataset_stats (after the last kmeans_targets: {'yes' if ordered else 'NO'}): "
+                    f"new speaker -> the last dataset_stats (after the last kmeans_targets: "
+                    f"{'yes' if ordered else 'NO'}): "
                     f"{t_done - t0:.1f} s; target <= 90 s: {'PASS' if t_done - t0 <= 90 else 'FAIL'}; "
                     f"load average now {os.getloadavg()[0]:.2f}",
                     flush=True,

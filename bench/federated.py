@@ -175,7 +175,8 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
         "clients": len(clients),
         "sampled_per_round": config.sample_size,
         "threads_per_client": args.threads_per_client or 1,
-        "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {config.sample_size} of {len(clients)} clients",
+        "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {config.sample_size} of {len(clients)} "
+        f"clients",
         "total_steps": args.rounds * args.local_steps * config.sample_size,
         "heldout_masked_accuracy": result["heldout_masked_accuracy"],
         "heldout_majority_accuracy": result["heldout_majority_accuracy"],
@@ -353,9 +354,11 @@ def main() -> None:
     for row in rows:
         for line in row.get("per_round", []):
             print(
-                f"  {row['engine']} {row['variant']} round {line['round']}: {line['clients']}/{line['sampled']} clients, "
+                f"  {row['engine']} {row['variant']} round {line['round']}: "
+                f"{line['clients']}/{line['sampled']} clients, "
                 f"{line['round_seconds']:.1f} s, slowest client {line['slowest_client_seconds']:.1f} s, overhead "
-                f"{line['overhead']:.3f}, idle cores {line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}"
+                f"{line['overhead']:.3f}, idle cores "
+                f"{line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}"
             )
 
 

@@ -130,7 +130,8 @@ def main() -> int:
     formats = {shard_format(s) for s in shards}
     if formats != {1}:
         raise SystemExit(
-            f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built with SPEECH_ASSETS_SHARD_FORMAT=1"
+            f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built "
+            f"with SPEECH_ASSETS_SHARD_FORMAT=1"
         )
     hours = sum(r.duration_s for s in shards for r in iter_shard(s, features=())) / 3600
     print(
@@ -161,7 +162,8 @@ def main() -> int:
                 mb_s, utt_s, wall = read_back(rewritten[version], dtype)
                 results[f"v{version}_read_{name}_MB_s"] = round(mb_s, 1)
                 print(
-                    f"read-back format {version} as {name}: {mb_s:.0f} MB/s (float32-equivalent), {utt_s:.0f} utt/s, {wall:.2f} s"
+                    f"read-back format {version} as {name}: {mb_s:.0f} MB/s (float32-equivalent), {utt_s:.0f} "
+                    f"utt/s, {wall:.2f} s"
                 )
 
         raw32, raw16 = mfcc_frames(rewritten[1]), mfcc_frames(rewritten[2])

@@ -10,7 +10,8 @@ held-back ``--new-fraction`` of the speakers and absorbs them the way the sensor
 declarative automation do: ``corpus_sensor`` ticks (their runless asset events reported and their
 runs executed) until it asks for nothing, then automation ticks (evaluated, recorded and cursored
 as the daemon does, see ``automation_tick``) and the runs they request until it is quiet. Training
-is left out of both: it is cron-gated and its cost is set by its config, not by the data. Target (issue 6, issue 24): absorbing 5 % costs at most 10 % of a full build.
+is left out of both: it is cron-gated and its cost is set by its config, not by the data. Target (issue 6, issue 24):
+absorbing 5 % costs at most 10 % of a full build.
 
 Prints the ratio and where the time went: every run's steps (asset, checks) and the run's own
 overhead, the sensor and automation ticks, and inside the absorb's steps the part spent

@@ -83,7 +83,8 @@ def main() -> int:
                 quality = json.loads((out / folder_name / client / "quality.json").read_text())
                 rate = quality.get("label_rate_hz", 100)  # iteration 1 labels the 100 Hz input frames
                 print(
-                    f"| {client} | {name} | {quality['k']} | {quality['perplexity'] / quality['k']:.3f} | {quality['mean_segment_length']:.2f} | {rate} Hz |"
+                    f"| {client} | {name} | {quality['k']} | {quality['perplexity'] / quality['k']:.3f} | "
+                    f"{quality['mean_segment_length']:.2f} | {rate} Hz |"
                 )
         print("\n| model | held-out CER | held-out WER | utterances | probe steps |")
         print("| --- | ---: | ---: | ---: | ---: |")

@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = kmeans.KMeansConfig(seed=args.seed)
     print(f"machine: {machine()}")
     print(
-        f"python {platform.python_version()}, numpy {np.__version__}, faiss {faiss.__version__}, scikit-learn {sklearn.__version__}"
+        f"python {platform.python_version()}, numpy {np.__version__}, faiss {faiss.__version__}, scikit-learn "
+        f"{sklearn.__version__}"
     )
     print(f"load average before: {load()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     t0 = time.perf_counter()
@@ -332,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         speed = recipe_s / project_s
         ratio = project_inertia / recipe_inertia
         verdicts.append(
-            f"K={k}: {speed:.1f}x faster in wall time (target >= {SPEED_TARGET:.0f}x) {'PASS' if speed >= SPEED_TARGET else 'FAIL'}"
+            f"K={k}: {speed:.1f}x faster in wall time (target >= {SPEED_TARGET:.0f}x) "
+            f"{'PASS' if speed >= SPEED_TARGET else 'FAIL'}"
             f" ({recipe_cpu / project_cpu:.1f}x in CPU time); "
-            f"inertia {ratio:.4f}x recipe (target <= {INERTIA_TARGET}) {'PASS' if ratio <= INERTIA_TARGET else 'FAIL'}; "
+            f"inertia {ratio:.4f}x recipe (target <= {INERTIA_TARGET}) "
+            f"{'PASS' if ratio <= INERTIA_TARGET else 'FAIL'}; "
             f"labelling {rate / 1e6:.2f} M frames/s/core"
             + (
                 f" (target >= 1 M) {'PASS' if rate >= LABEL_TARGET else 'FAIL'}"

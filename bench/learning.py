@@ -1,6 +1,7 @@
 """The learning benchmark: does pretraining beat log-mel features on held-out speakers, at equal compute?
 
-    python bench/learning.py --out /tmp/learning.md            # full: ~2.2 h, 48 voices, ~45 min on 2 cores (+ ~12 min synth once)
+    # full: ~2.2 h, 48 voices, ~45 min on 2 cores (+ ~12 min synth once)
+    python bench/learning.py --out /tmp/learning.md
     python bench/learning.py --smoke --out /tmp/learning.md    # a tiny corpus and budgets: checks the script end to end
     python bench/learning.py --scale 2 --set federated_checkpoint.eta=0.1   # longer budgets, one knob changed
 
@@ -632,7 +633,8 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
                 "centralised CER <= 0.85x fbank and clearly below random",
                 verdict(ratio <= 0.85 and clear),
                 f"centralised {central.text()}, fbank {fbank.text()} (ratio {ratio:.3f}, target <= 0.85), "
-                f"random {rand.text()} ({'clearly below' if clear else 'NOT clearly below: intervals overlap or above'})",
+                f"random {rand.text()} "
+                f"({'clearly below' if clear else 'NOT clearly below: intervals overlap or above'})",
             )
         )
     for model, label, limit, reference in (
@@ -697,7 +699,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"## Learning benchmark (`bench/learning.py{' --smoke' if report['smoke'] else ''}`), {report['date']}",
         (
-            f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs{', ' + m['cuda'] if m['cuda'] else ''}; torch {m['torch']}; "
+            f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs{', ' + m['cuda'] if m['cuda'] else ''}; torch "
+            f"{m['torch']}; "
             f"load average {m['load_average_start'][0]:.1f} at start, {m['load_average_end'][0]:.1f} at end."
         ),
         (
@@ -712,7 +715,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{b['probe_steps']} steps x seeds {', '.join(map(str, b['probe_seeds']))}."
         + (f" Overrides: {report['overrides']}." if report["overrides"] else ""),
         "",
-        "| encoder | probed with | held-out CER | held-out WER | seeds | held-out utterances | masked acc (frames) | majority rate | ratio |",
+        "| encoder | probed with | held-out CER | held-out WER | seeds | held-out utterances | masked acc "
+        "(frames) | majority rate | ratio |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for model, label in MODEL_LABELS.items():
@@ -729,11 +733,13 @@ def markdown(report: dict[str, Any]) -> str:
         if row.get("lr") is not None:
             norm += f"; probe lr {row['lr']:g}, {row.get('steps')} steps"
         lines.append(
-            f"| {label} | {norm} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | {majority} | {ratio} |"
+            f"| {label} | {norm} | {cer.text()} | {wer.text()} | {cer.n} | {row['utterances']} | {accuracy} | "
+            f"{majority} | {ratio} |"
         )
     lines += [
         "",
-        "CER/WER: mean ± standard deviation over the probe seeds (linear CTC probe on characters; each model's probe lr "
+        "CER/WER: mean ± standard deviation over the probe seeds (linear CTC probe on characters; each "
+        "model's probe lr "
         "and stopping step chosen on a development split of the training speakers).",
         "",
         "| target (issue 22, item 2) | status | measured |",
@@ -757,7 +763,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for stage in report["stages"]:
         lines.append(
-            f"| {stage['name']} | {stage['estimate_s'] / 60:.1f} min | {stage['wall_s'] / 60:.1f} min | {', '.join(stage['runs'])} |"
+            f"| {stage['name']} | {stage['estimate_s'] / 60:.1f} min | {stage['wall_s'] / 60:.1f} min | "
+            f"{', '.join(stage['runs'])} |"
         )
     lines.append(f"| **total** | {report['estimate_s'] / 60:.1f} min | {report['wall_s'] / 60:.1f} min | |")
     if report.get("resumed"):
@@ -936,8 +943,10 @@ def _read_table(path: Path, columns: list[str]) -> list[dict[str, Any]]:
 def print_plan(budgets: Budgets, clients: int, estimates: dict[str, float]) -> None:
     local = budgets.local_steps(clients)
     print(
-        f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = {budgets.central_audio_seconds:,.0f} audio s; "
-        f"federated {budgets.rounds} rounds x {local} local steps x {clients} clients x {budgets.fed_batch_seconds:g} s = "
+        f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = "
+        f"{budgets.central_audio_seconds:,.0f} audio s; "
+        f"federated {budgets.rounds} rounds x {local} local steps x {clients} clients x "
+        f"{budgets.fed_batch_seconds:g} s = "
         f"{budgets.federated_audio_seconds(clients):,.0f} audio s"
     )
     print("time budget per stage (planned for an idle 2-core machine; rough):")

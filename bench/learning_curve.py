@@ -99,13 +99,16 @@ def main() -> int:
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
         print(
-            "\n| step | held-out masked acc | majority-class rate | span-interior acc | interior majority | held-out loss |"
+            "\n| step | held-out masked acc | majority-class rate | span-interior acc | interior majority | "
+            "held-out loss |"
         )
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in rows:
             print(
-                f"| {row['step']} | {row.get('masked_accuracy', float('nan')):.4f} | {row.get('majority_accuracy', float('nan')):.4f} | "
-                f"{row.get('interior_masked_accuracy', float('nan')):.4f} | {row.get('interior_majority_accuracy', float('nan')):.4f} | "
+                f"| {row['step']} | {row.get('masked_accuracy', float('nan')):.4f} | "
+                f"{row.get('majority_accuracy', float('nan')):.4f} | "
+                f"{row.get('interior_masked_accuracy', float('nan')):.4f} | "
+                f"{row.get('interior_majority_accuracy', float('nan')):.4f} | "
                 f"{row.get('loss', float('nan')):.3f} |"
             )
     return 0

@@ -129,7 +129,8 @@ def main() -> int:
         results = sorted((args.data / "training").glob("*/result.json"), key=lambda p: p.stat().st_mtime)
         train_rate = json.loads(results[-1].read_text()).get("audio_seconds_per_second") if results else None
     print(
-        f"machine: {platform.processor() or platform.machine()}, {len(speakers)} shards, batch {args.batch_seconds:.0f} s"
+        f"machine: {platform.processor() or platform.machine()}, {len(speakers)} shards, batch "
+        f"{args.batch_seconds:.0f} s"
     )
     for row in (before, after):
         print(json.dumps(row))
@@ -158,7 +159,8 @@ def main() -> int:
     )
     if train_rate:
         print(
-            f"training consumes {train_rate:.0f} s/s: loader headroom {after['audio_s_per_s'] / train_rate:.1f}x (target >= 5x); "
+            f"training consumes {train_rate:.0f} s/s: loader headroom "
+            f"{after['audio_s_per_s'] / train_rate:.1f}x (target >= 5x); "
             f"absolute {after['audio_s_per_s']:.0f} s/s (target >= 2,000)"
         )
     return 0

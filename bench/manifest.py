@@ -3,7 +3,8 @@
     python bench/manifest.py [--files 1024] [--workers N]
 
 Builds a LibriSpeech-layout corpus of at least ``--files`` FLAC files by replicating the
-committed sample under new speaker ids (each copy one sample apart, so that none is a duplicate), then times what the ``manifest`` asset does (scan,
+committed sample under new speaker ids (each copy one sample apart, so that none is a duplicate), then times what the
+``manifest`` asset does (scan,
 full decode, write manifest/rejects/cache) cold, and again with the decode cache over the
 unchanged corpus. Target (issue 2): the re-run costs under a tenth of the first run.
 """
@@ -79,7 +80,8 @@ def main() -> None:
         second, again = run_once(corpus, out, args.workers)
         print(f"corpus: {files} FLAC files, {hours:.2f} h, {args.workers} decode workers")
         print(
-            f"first run (decodes every file): {first:8.2f} s  ({result.decoded_files} decoded, {hours * 3600 / first:.0f}x real time)"
+            f"first run (decodes every file): {first:8.2f} s  ({result.decoded_files} decoded, "
+            f"{hours * 3600 / first:.0f}x real time)"
         )
         print(f"no-change re-run (cache hits):  {second:8.2f} s  ({again.decoded_files} decoded)")
         ratio = second / first

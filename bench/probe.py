@@ -106,13 +106,15 @@ def main() -> int:
     train, test = split_utterances(utterances, held, args.max_train, args.max_eval)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     print(
-        f"machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+        f"machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}"
     )
     print(f"data: {data}; {len(train)} training utterances, {len(test)} held-out ({len(held)} held-out speakers)")
     started = time.perf_counter()
     results = compare_encoders(train, test, models, ProbeOptions(probe=args.probe, steps=args.steps, seeds=seeds))
     print(
-        f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), {time.perf_counter() - started:.0f} s for all models:\n"
+        f"\nprobe ({args.probe}, {args.steps} steps, seeds {list(seeds)}), "
+        f"{time.perf_counter() - started:.0f} s for all models:\n"
     )
     print(leaderboard_markdown(leaderboard(results)))
     print()

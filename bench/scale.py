@@ -131,7 +131,8 @@ def main() -> int:
         )
     total = {k: sum(r[k] for r in rows) for k in ("wall_s", "cpu_s", "disk_mb", "files")}
     print(
-        f"| total | {total['wall_s']:.0f} | {total['cpu_s']:.0f} | | {total['disk_mb']:.0f} | {total['disk_mb'] / hours:.1f} | {total['files']} |"
+        f"| total | {total['wall_s']:.0f} | {total['cpu_s']:.0f} | | {total['disk_mb']:.0f} | "
+        f"{total['disk_mb'] / hours:.1f} | {total['files']} |"
     )
     return 0
 

@@ -1,6 +1,7 @@
 """One centralised training knob at a time, judged by the held-out probe: the sweeps behind issue 22's misses.
 
-    python bench/learning.py --out /tmp/learning.md          # once: builds the corpus, features, k-means (data dir under --work)
+    # once: builds the corpus, features, k-means (data dir under --work)
+    python bench/learning.py --out /tmp/learning.md
     python bench/sweep.py --data /tmp/speech_assets_learning/run-*/data --name lr3e-3 --set lr=0.003
     python bench/sweep.py --data ... --name span20 --set mask_length=20 --set mask_prob=0.04 --probe-steps 1600
 
@@ -196,7 +197,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = tuple(int(s) for s in args.probe_seeds.split(","))
     lrs = tuple(float(x) for x in args.probe_lrs.split(","))
-    probe_key = f"steps{args.probe_steps}-lr{'_'.join(map(str, lrs))}-seeds{'_'.join(map(str, seeds))}-t{args.max_train}-e{args.max_eval}"
+    lr_key, seed_key = "_".join(map(str, lrs)), "_".join(map(str, seeds))
+    probe_key = f"steps{args.probe_steps}-lr{lr_key}-seeds{seed_key}-t{args.max_train}-e{args.max_eval}"
     split = probe_utterances(data, args.max_train, args.max_eval)
     fbank_cache = args.out / f"fbank-{probe_key}.json"
     if not fbank_cache.is_file():
@@ -250,8 +252,10 @@ def main() -> int:
         r = json.loads(line)
         p = r["pretrained"]
         print(
-            f"| {r['name']} | {r['knobs']} | {r['probe']} | {r['heldout_leak_free_masked_accuracy']:.3f} / {r['heldout_leak_free_majority_accuracy']:.3f} "
-            f"= {r['leak_free_x_majority']:.2f}× | {p['cer_mean']:.3f} ({p['train_cer_mean']:.3f}) | {r['x_fbank']:.3f} | "
+            f"| {r['name']} | {r['knobs']} | {r['probe']} | {r['heldout_leak_free_masked_accuracy']:.3f} / "
+            f"{r['heldout_leak_free_majority_accuracy']:.3f} "
+            f"= {r['leak_free_x_majority']:.2f}× | {p['cer_mean']:.3f} ({p['train_cer_mean']:.3f}) | "
+            f"{r['x_fbank']:.3f} | "
             f"{[round(w, 2) for w in p['layer_weights']]} |"
         )
     return 0

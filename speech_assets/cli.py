@@ -139,7 +139,8 @@ def rounded(relation: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
         alias = '"' + name.replace('"', '""') + '"'
         if str(kind) in ("FLOAT", "DOUBLE"):
             columns.append(
-                f"CASE WHEN isfinite(#{i}) AND #{i} <> 0 THEN round(#{i}, greatest(2, 2 - floor(log10(abs(#{i})))::INTEGER)) "
+                f"CASE WHEN isfinite(#{i}) AND #{i} <> 0 THEN round(#{i}, greatest(2, 2 - "
+                f"floor(log10(abs(#{i})))::INTEGER)) "
                 f"ELSE #{i} END AS {alias}"
             )
         else:
@@ -225,7 +226,8 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(
-        f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to {report.out_dir}"
+        f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to "
+        f"{report.out_dir}"
     )
     return 0
 
@@ -271,7 +273,8 @@ EXAMPLES = {
     "synth": "  speech-assets corpus synth --out /tmp/corpus --speakers 8 --utterances 8 --seed 0",
     "replicate": "  speech-assets corpus replicate --out /tmp/libri25h --scale 0.25 --workers 2",
     "stats": "  speech-assets stats\n  speech-assets stats --db /tmp/other/stats.duckdb",
-    "probe": "  speech-assets probe\n  speech-assets probe --details\n  speech-assets probe --results /tmp/run/probe/results.parquet",
+    "probe": "  speech-assets probe\n  speech-assets probe --details\n  speech-assets probe --results "
+    "/tmp/run/probe/results.parquet",
     "sql": """\
   speech-assets sql "SHOW TABLES"
   speech-assets sql "DESCRIBE clients"

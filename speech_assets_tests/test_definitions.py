@@ -10,7 +10,8 @@ def test_loading_the_code_location_imports_no_torch_or_faiss() -> None:
     code = (
         "import sys, speech_assets.definitions as d\n"
         "d.defs.resolve_asset_graph()\n"
-        "print(sorted(m for m in ('torch', 'torchaudio', 'faiss', 'mlflow', 'flwr', 'onnxruntime') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'torchaudio', 'faiss', 'mlflow', 'flwr', 'onnxruntime') if m in "
+        "sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -246,7 +246,8 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
                         item.line,
                         module,
                         item.target,
-                        f"imports up: {target_part or package} is on floor {target_floor}, above {part or package} (floor {floor})",
+                        f"imports up: {target_part or package} is on floor {target_floor}, above "
+                        f"{part or package} (floor {floor})",
                     )
                 )
             elif target_floor == floor and any({part, target_part} <= apart for apart in APART):
@@ -363,7 +364,9 @@ ALLOWED = {
         "targets/labels.py": "",
     },
     "Dagster's internals in their module": {
-        "defs/dagster_internals.py": "from dagster._core.x import a, b\nfrom multiprocessing import forkserver\nforkserver._forkserver\n"
+        "defs/dagster_internals.py": (
+            "from dagster._core.x import a, b\nfrom multiprocessing import forkserver\nforkserver._forkserver\n"
+        )
     },
     "public multiprocessing and os._exit": {
         "runtime/x.py": "import os\nfrom multiprocessing import get_context\nos._exit(1)\n"
@@ -384,7 +387,8 @@ FORBIDDEN = {
             "targets/iteration2.py": "def f():\n    from speech_assets.evaluation.encoders import pad\n",
             "evaluation/encoders.py": "",
         },
-        "targets/iteration2.py:2: speech_assets.targets.iteration2 imports speech_assets.evaluation.encoders: imports up",
+        "targets/iteration2.py:2: speech_assets.targets.iteration2 imports "
+        "speech_assets.evaluation.encoders: imports up",
     ),
     "up, under TYPE_CHECKING": (
         {"train/data.py": "if TYPE_CHECKING:\n    import speech_assets.defs.x\n", "defs/x.py": ""},
@@ -396,7 +400,8 @@ FORBIDDEN = {
     ),
     "testing": (
         {"defs/automation.py": "from speech_assets.testing.local_runs import START\n", "testing/local_runs.py": ""},
-        "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test scaffolding",
+        "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test "
+        "scaffolding",
     ),
     "a private name": (
         {"targets/iteration2.py": "from speech_assets.targets.labels import _write_outputs\n", "targets/labels.py": ""},
@@ -413,7 +418,8 @@ FORBIDDEN = {
     "a dagster library in pure code": ({"train/x.py": "import dagster_k8s\n"}, "imports dagster_k8s: only"),
     "a private Dagster module": (
         {"defs/lineage.py": "from dagster._core.definitions.data_version import A, B\n"},
-        "defs/lineage.py:1: speech_assets.defs.lineage imports dagster._core.definitions.data_version: a private name of Dagster",
+        "defs/lineage.py:1: speech_assets.defs.lineage imports dagster._core.definitions.data_version: a "
+        "private name of Dagster",
     ),
     "a private Dagster name": (
         {"defs/x.py": "from dagster import asset, _check\n"},
@@ -433,7 +439,8 @@ FORBIDDEN = {
     ),
     "multiprocessing's private names": (
         {"runtime/x.py": "from multiprocessing import forkserver\nforkserver._forkserver._lock\n"},
-        "runtime/x.py:2: speech_assets.runtime.x imports multiprocessing.forkserver._forkserver: a private name of Dagster or multiprocessing: only speech_assets.defs.dagster_internals",
+        "runtime/x.py:2: speech_assets.runtime.x imports multiprocessing.forkserver._forkserver: a private "
+        "name of Dagster or multiprocessing: only speech_assets.defs.dagster_internals",
     ),
     "the tests": (
         {"defs/x.py": "from speech_assets_tests.conftest import REPO\n"},

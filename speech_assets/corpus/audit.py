@@ -25,12 +25,14 @@ MAX_LISTED = 10
 
 # name -> what it guarantees (the asset check's description)
 AUDITS: dict[str, str] = {
-    "schema": "manifest.parquet and rejects.parquet have every documented column with its type; reasons are documented ones.",
+    "schema": "manifest.parquet and rejects.parquet have every documented column with its type; reasons are documented "
+    "ones.",
     "no_nulls": "No null in any column of manifest.parquet or rejects.parquet.",
     "unique_ids": "utt_id is unique in manifest.parquet.",
     "safe_ids": "Speaker, chapter and utterance ids are 1-64 ASCII letters, digits, _ or -.",
     "paths_inside_root": "Every path is an existing file inside the corpus root.",
-    "durations": "sample_rate > 0, channels >= 1, num_samples > 0, duration_s = num_samples / sample_rate, within the configured bounds.",
+    "durations": "sample_rate > 0, channels >= 1, num_samples > 0, duration_s = num_samples / sample_rate, within the "
+    "configured bounds.",
     "speakers": "speakers.parquet lists exactly the manifest's speakers with their utterance counts and row hashes.",
     "reject_ratio": "Rejected / (kept + rejected) stays within max_reject_ratio.",
 }
@@ -164,7 +166,8 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
     return Audit(
         "durations",
         not bad,
-        f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, {config.max_duration_s}] s",
+        f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, "
+        f"{config.max_duration_s}] s",
         {"bad_rows": len(bad), "examples": _examples(bad)},
     )
 
@@ -208,7 +211,8 @@ def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:
     return Audit(
         "reject_ratio",
         passed,
-        f"{rejects.num_rows} of {total} utterances rejected ({ratio:.4f} {'<=' if passed else '>'} max_reject_ratio {max_ratio})",
+        f"{rejects.num_rows} of {total} utterances rejected ({ratio:.4f} {'<=' if passed else '>'} "
+        f"max_reject_ratio {max_ratio})",
         {"rejects": rejects.num_rows, "total": total, "reject_ratio": round(ratio, 4), "max_reject_ratio": max_ratio},
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 MAX_LENGTH = 64
-_SAFE = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_LENGTH)
+_SAFE = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_LENGTH}}}")
 
 
 def is_safe_id(value: str) -> bool:

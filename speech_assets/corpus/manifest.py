@@ -430,7 +430,10 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
         if name == b"data":
             held = size - offset - 8
             if length > held:
-                return f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong header)"
+                return (
+                    f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong "
+                    f"header)"
+                )
             return None
         offset += 8 + length + (length & 1)  # chunks are padded to an even length
     return None
@@ -477,7 +480,8 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
                     return AudioProbe(
                         **base,
                         file_sha256=_file_digest(path)[0],
-                        error=f"float samples include NaN or infinity (first at frame {decoded + int(np.argmin(finite))})",
+                        error=f"float samples include NaN or infinity (first at frame "
+                        f"{decoded + int(np.argmin(finite))})",
                     )
                 decoded += block.shape[0]
                 samples.update(block)

@@ -15,7 +15,8 @@ Flow on fresh audio:
    Observations the manifest run could not record are reported by this tick (runless).
 3. (no third hop: the per-speaker versions need no run of their own)
 4. Downstream assets follow through ``AutomationCondition``s evaluated by the
-   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails; retraining
+   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails;
+   retraining
    happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON`` interval.
 """
 
@@ -148,7 +149,9 @@ def unreadable_corpus(context: dg.SensorEvaluationContext, fingerprint: str, pro
         reported = None
     if reported == fingerprint:
         return dg.SensorResult(
-            skip_reason="the corpus still cannot be read (the error was logged when it changed); waiting for it to change",
+            skip_reason=(
+                "the corpus still cannot be read (the error was logged when it changed); waiting for it to change"
+            ),
             cursor=context.cursor,
         )
     context.log.error(f"corpus cannot be read, no manifest run requested until it changes: {problem}")

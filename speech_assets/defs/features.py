@@ -134,7 +134,8 @@ def vad_features(
                 )
             )
     context.log.info(
-        f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} utterances, "
+        f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} "
+        f"utterances, "
         f"{totals['audio_seconds'] / 3600:.3f} h of audio, {totals['trimmed_seconds'] / 3600:.3f} h after VAD"
     )
     if not failed:

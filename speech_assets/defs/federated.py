@@ -25,7 +25,9 @@ from speech_assets.locations import redact_uri
 from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
 
-CODE_VERSION = "federated-v4"  # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
+# v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule
+# (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
+CODE_VERSION = "federated-v4"
 # Settings that do not change what a run computes: a different value resumes the same run folder.
 OPERATIONAL = (
     "engine",

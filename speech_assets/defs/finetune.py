@@ -90,12 +90,15 @@ def finetuned_asr(
     candidates, heldout_texts, transcripts, skipped = _utterances(paths, train_speakers, test_speakers, options)
     if not candidates or not heldout_texts:
         raise dg.Failure(
-            description=f"nothing to fine-tune on: {len(candidates)} labellable training utterances, {len(heldout_texts)} held-out"
+            description=f"nothing to fine-tune on: {len(candidates)} labellable training utterances, "
+            f"{len(heldout_texts)} held-out"
         )
     available = sum(c.seconds for c in candidates) / 60
     context.log.info(
-        f"{len(candidates)} transcribed utterances ({available:.1f} min) of {len(train_speakers)} training speakers to label from"
-        f" ({skipped} too long or too short for CTC), {len(heldout_texts)} held-out utterances of {len(test_speakers)} speakers"
+        f"{len(candidates)} transcribed utterances ({available:.1f} min) of {len(train_speakers)} training "
+        f"speakers to label from"
+        f" ({skipped} too long or too short for CTC), {len(heldout_texts)} held-out utterances of "
+        f"{len(test_speakers)} speakers"
     )
     decoders = ["greedy"]
     missing_decoder = decoding.unavailable() if any(d != "greedy" for d in options.decoders) else None
@@ -122,7 +125,8 @@ def finetuned_asr(
             seconds = sum(c.seconds for c in candidates if c.utt_id in set(subset))
             if seconds < minutes * 60:
                 context.log.warning(
-                    f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: using all of it"
+                    f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: "
+                    f"using all of it"
                 )
             for model in [*encoders, SCRATCH]:
                 path, version = encoders["pretrained"] if model == SCRATCH else encoders[model]
@@ -340,7 +344,8 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         )
         spec = {
             "inputs": {
-                "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised, VAD-trimmed), CMVN applied",
+                "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised, "
+                "VAD-trimmed), CMVN applied",
                 "lengths": "int64 (batch,): valid frames per row",
             },
             "outputs": {
@@ -373,7 +378,8 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     context.log.info(
-        f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on {parity.utterances} held-out utterances"
+        f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on "
+        f"{parity.utterances} held-out utterances"
     )
     files = {name: sha256_file(folder / name) for name in (ONNX_FILE, "recogniser.pt", SPEC_FILE)}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}

@@ -159,7 +159,8 @@ def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
 
 
 def verdict_word(standing: "Standing", baseline: str) -> str:
-    """``yes`` / ``no`` / ``no evidence`` for ``standing`` against ``baseline``, ``(indicative only)`` added below the minimum of held-out speakers."""
+    """``yes`` / ``no`` / ``no evidence`` for ``standing`` against ``baseline``; ``(indicative only)`` is added
+    below the minimum of held-out speakers."""
     word = {"better": "yes", "worse": "no", "no evidence": "no evidence", None: "not compared"}[
         standing.verdict_against(baseline)
     ]
@@ -202,7 +203,8 @@ def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
             "cer_change_fbank": dg.MetadataValue.text(
                 "n/a"
                 if row.get(f"cer_change_{FBANK}") is None
-                else f"{row[f'cer_change_{FBANK}']:+.3f} [{row[f'cer_change_{FBANK}_low']:+.3f}, {row[f'cer_change_{FBANK}_high']:+.3f}]"
+                else f"{row[f'cer_change_{FBANK}']:+.3f} [{row[f'cer_change_{FBANK}_low']:+.3f}, "
+                f"{row[f'cer_change_{FBANK}_high']:+.3f}]"
             ),
             "heldout_speakers": row["speakers"],
             "min_heldout_speakers": row["min_heldout_speakers"],

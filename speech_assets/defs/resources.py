@@ -220,7 +220,9 @@ class FeatureSettings(dg.Config):
     vad_padding_ms: int = VadConfig.padding_ms
     min_speech_s: float = VadConfig.min_speech_s
     min_speech_ratio: float = VadConfig.min_speech_ratio
-    workers: int = 0  # processes, this one included; 0: automatic (one more per ~4 h of audio, at most one per core; a smaller job here, a thread per core); 1: here, one thread
+    # processes, this one included; 0: automatic (one more per ~4 h of audio, at most one per core; a smaller job here,
+    # a thread per core); 1: here, one thread
+    workers: int = 0
     # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]
     speed_perturb: list[float] = []
 
@@ -522,7 +524,10 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     run starts (Dagster: 'Received unexpected config entry')."""
     excluded = getattr(section, "settings_only", frozenset())
     fields = {
-        name: (Optional[field.annotation], None) for name, field in section.model_fields.items() if name not in excluded
+        # a type built at run time from an annotation object: Optional[] takes any of them
+        name: (Optional[field.annotation], None)  # noqa: UP045
+        for name, field in section.model_fields.items()
+        if name not in excluded
     }
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
 

@@ -110,7 +110,10 @@ def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None
     pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.pid}
     if not pids or any(pid_exists(pid) for pid in pids):
         return None
-    return f"none of its processes ({', '.join(map(str, sorted(pids)))}) is running and it has been silent for {SILENT_FOR_S:.0f} s"
+    return (
+        f"none of its processes ({', '.join(map(str, sorted(pids)))}) is running and it has been silent for "
+        f"{SILENT_FOR_S:.0f} s"
+    )
 
 
 def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = log.warning) -> list[str]:

@@ -126,7 +126,8 @@ def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
     asset="kmeans_targets",
     description=(
         f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K "
-        f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
+        f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives "
+        f"weak targets)."
     ),
 )
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:

@@ -254,7 +254,8 @@ def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, fini
             if finished.is_set():
                 return
             context.log.error(
-                f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping node 0 (see {run_dir}/node{rank}.log)"
+                f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping "
+                f"node 0 (see {run_dir}/node{rank}.log)"
             )
             for pid in _node_0_agents(run_dir / "config.json"):
                 with contextlib.suppress(ProcessLookupError):

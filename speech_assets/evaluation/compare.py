@@ -476,7 +476,8 @@ def markdown_table(results: Sequence[ProbeResult]) -> str:
     training data, best held-out CER first."""
     held, trained = summarise(results, "heldout"), summarise(results, "train")
     lines = [
-        "| model | normalisation | probe lr | seeds | held-out CER | held-out WER | train CER | utterances (held-out) | speakers (held-out) | top layer weight |",
+        "| model | normalisation | probe lr | seeds | held-out CER | held-out WER | train CER | utterances "
+        "(held-out) | speakers (held-out) | top layer weight |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
@@ -484,7 +485,8 @@ def markdown_table(results: Sequence[ProbeResult]) -> str:
         train_cer = str(trained[model].cer) if model in trained else "n/a"
         lrs = sorted({r.lr for r in results if r.model == model and r.split == "heldout" and not math.isnan(r.lr)})
         lines.append(
-            f"| {model} | {s.normalisation} | {', '.join(f'{lr:g}' for lr in lrs) or 'n/a'} | {len(s.seeds)} | {s.cer} | {s.wer} | {train_cer} | {s.utterances} | {s.speakers} | "
+            f"| {model} | {s.normalisation} | {', '.join(f'{lr:g}' for lr in lrs) or 'n/a'} | {len(s.seeds)} "
+            f"| {s.cer} | {s.wer} | {train_cer} | {s.utterances} | {s.speakers} | "
             + (f"layer {top}: {s.layer_weights[top]:.2f} |" if top is not None else "n/a |")
         )
     return "\n".join(lines)
@@ -754,7 +756,8 @@ def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPE
         seeds = f"{s.seeds} seed{'s' if s.seeds != 1 else ''}"
         lines.append(
             f"{s.model}: held-out CER {s.cer} over {seeds}{parts} (CER change [95 % interval], paired over utterances) "
-            f"on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}: {s.verdict}"
+            f"on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}: "
+            f"{s.verdict}"
         )
     return lines
 

@@ -124,7 +124,8 @@ def run_probe(
     utterances = load_utterances(sorted(set(train_speakers) | set(test_speakers)))
     train, test = split_utterances(utterances, set(test_speakers), max_train_utterances, max_eval_utterances, seed)
     log(
-        f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training utterances "
+        f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training "
+        f"utterances "
         f"of {len(train_speakers)} speakers, {len(test)} held-out utterances of {len(test_speakers)} speakers "
         f"({', '.join(test_speakers[:10])})"
     )

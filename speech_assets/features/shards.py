@@ -349,7 +349,8 @@ def check_blob_lengths(
     if not np.array_equal(lengths, expected):
         row = int(np.flatnonzero(lengths != expected)[0])
         raise ValueError(
-            f"{where}: row {row} has {lengths[row]} feature bytes, expected {expected[row]} ({dim} x {np.dtype(dtype)} per frame)"
+            f"{where}: row {row} has {lengths[row]} feature bytes, expected {expected[row]} ({dim} x "
+            f"{np.dtype(dtype)} per frame)"
         )
 
 

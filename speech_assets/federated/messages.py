@@ -4,7 +4,8 @@ A train reply is exactly: ``ArrayRecord "arrays"`` with the shared encoder's ten
 dtypes and shapes of the global encoder the server sent), ``MetricRecord "metrics"`` with exactly
 :data:`TRAIN_METRICS` (none at all in a DP round unless the round's config says
 :data:`SHARE_CLIENT_METRICS`: :func:`train_metrics`), and ``ConfigRecord "client"`` with only
-``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number in its
+``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number
+in its
 range. The client checks its own reply before sending it (:func:`check_outgoing`: a bug that
 would attach a head, a codebook or statistics stops there, with a clear error); the server checks
 it again (:func:`content_problem`), then checks the update's values (:func:`update_problem`).
@@ -93,9 +94,15 @@ def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | N
             return f"metric {name} is above 1 ({value})"
     if LEAK_FREE_FRAMES in names:
         if metrics[LEAK_FREE_FRAMES] > metrics["num-examples"]:
-            return f"metric {LEAK_FREE_FRAMES} ({metrics[LEAK_FREE_FRAMES]}) exceeds num-examples ({metrics['num-examples']})"
+            return (
+                f"metric {LEAK_FREE_FRAMES} ({metrics[LEAK_FREE_FRAMES]}) exceeds num-examples "
+                f"({metrics['num-examples']})"
+            )
         if metrics[LEAK_FREE_FRAMES] == 0 and any(metrics[n] != 0 for n in LEAK_FREE_FRACTIONS):
-            return f"leak-free accuracies must be 0 with no leak-free frames (got {[metrics[n] for n in LEAK_FREE_FRACTIONS]})"
+            return (
+                f"leak-free accuracies must be 0 with no leak-free frames (got "
+                f"{[metrics[n] for n in LEAK_FREE_FRACTIONS]})"
+            )
     return None
 
 

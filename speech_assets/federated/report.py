@@ -49,7 +49,8 @@ def markdown_rounds(lines: Sequence[Mapping[str, Any]]) -> str:
         f"| {line['round']} | {line['clients']}/{line.get('sampled', line['clients'])} | {_names(line['missing'])} "
         f"| {_fmt(line['train_loss'], 4)} "
         f"| {_fmt(line['heldout_masked_accuracy'])} | {_fmt(line['majority_accuracy'])} "
-        f"| {_fmt(line.get('heldout_leak_free_masked_accuracy'))} | {_fmt(line.get('heldout_leak_free_majority_accuracy'))} "
+        f"| {_fmt(line.get('heldout_leak_free_masked_accuracy'))} | "
+        f"{_fmt(line.get('heldout_leak_free_majority_accuracy'))} "
         f"| {_fmt(line.get('epsilon'), 2)} | {line['bytes_up'] / 1e6:.1f} | {line['bytes_down'] / 1e6:.1f} "
         f"| {line['round_seconds']:.0f} | {_fmt(line.get('overhead'), 2)} |"
         for line in shown

@@ -4,7 +4,8 @@
 and ``lengths (B,)`` int64 to ``hidden (B, (T + 1) // 2, D)`` float32 of one layer at 50 Hz
 (padded frames are zero) and ``hidden_lengths (B,)`` int64; batch and time are dynamic axes in
 both exports. :class:`ExportableRecogniser` is the same with a CTC head on top: ``log_probs (B, L, V)``
-and ``output_lengths (B,)`` (:func:`export_recogniser`). ONNX goes through ``torch.onnx.export(dynamo=True)`` (``torch.export``; the
+and ``output_lengths (B,)`` (:func:`export_recogniser`). ONNX goes through ``torch.onnx.export(dynamo=True)``
+(``torch.export``; the
 TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace``.
 """
 
@@ -219,7 +220,8 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
     loaded = load_encoder(checkpoint)
     if loaded.sha256 != spec["checkpoint_sha256"]:
         return None, [
-            f"{checkpoint} holds other weights ({loaded.sha256[:12]}) than were exported ({spec['checkpoint_sha256'][:12]})"
+            f"{checkpoint} holds other weights ({loaded.sha256[:12]}) than were exported "
+            f"({spec['checkpoint_sha256'][:12]})"
         ]
     encoder = ExportableEncoder(loaded.model, int(spec["output"]["layer"]))
     try:
@@ -246,7 +248,8 @@ def input_description(
     )
     return {
         "inputs": {
-            "feats": f"float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised), CMVN applied: {how}",
+            "feats": f"float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised), CMVN "
+            f"applied: {how}",
             "lengths": "int64 (batch,): valid frames per row",
         },
         "featurisation": {"feature": "logmel", **FeatureExtractor().describe()},

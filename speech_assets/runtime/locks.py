@@ -140,5 +140,6 @@ def wait_for_old_workers(run_dir: str | os.PathLike[str], timeout_s: float = 60.
         wait_until(workers_gone, timeout_s, f"the workers of an earlier launch in {Path(run_dir)}", interval=0.5)
     except WaitTimeout:
         raise RunFolderBusy(
-            f"workers of an earlier launch still run in {Path(run_dir)} after {timeout_s:.0f} s (find them with: fuser -v {path})"
+            f"workers of an earlier launch still run in {Path(run_dir)} after {timeout_s:.0f} s (find them "
+            f"with: fuser -v {path})"
         ) from None

@@ -54,12 +54,16 @@ def _sql_list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(_sql_str(p) for p in paths) + "]"
 
 
-SPEAKER_SPLIT_SQL = "SELECT speaker_id, client_id, CASE WHEN heldout THEN 'heldout' ELSE 'train' END AS split FROM clients"  # the split client_partitions chose (and recorded) once; speakers not in a client are 'unassigned'
+# the split client_partitions chose (and recorded) once; speakers not in a client are 'unassigned'
+SPEAKER_SPLIT_SQL = (
+    "SELECT speaker_id, client_id, CASE WHEN heldout THEN 'heldout' ELSE 'train' END AS split FROM clients"
+)
 
 
 PROBE_COLUMNS = (
     "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
-    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT, lr DOUBLE"
+    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers "
+    "BIGINT, lr DOUBLE"
 )
 
 
@@ -161,11 +165,13 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         )
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
-        "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, run_dir VARCHAR)"
+        "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, "
+        "run_dir VARCHAR)"
     )
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
-        "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, chance_accuracy DOUBLE, "
+        "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, "
+        "chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
         "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR)"
@@ -266,7 +272,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
     if inputs.federated_rounds is not None and inputs.federated_rounds.is_file():
         con.execute(
-            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, masked_accuracy, bytes_up, "
+            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, "
+            "masked_accuracy, bytes_up, "
             f"bytes_down, seconds FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
         )
     # Summaries are materialised: they are small and the CLI should answer instantly.
@@ -552,10 +559,12 @@ def summary(db_path: Path) -> str:
                 f"MLflow run {run_id or 'none'}"
             )
         for speedup, student, teacher, student_speed, teacher_speed in con.execute(
-            "SELECT speedup, student_parameters, teacher_parameters, student_audio_s_per_s, teacher_audio_s_per_s FROM distillation"
+            "SELECT speedup, student_parameters, teacher_parameters, student_audio_s_per_s, "
+            "teacher_audio_s_per_s FROM distillation"
         ).fetchall():
             lines.append(
-                f"distilled student: {_number(speedup, 2)}x the teacher's CPU forward speed ({_number(student_speed, 0)} vs "
+                f"distilled student: {_number(speedup, 2)}x the teacher's CPU forward speed "
+                f"({_number(student_speed, 0)} vs "
                 f"{_number(teacher_speed, 0)} audio s/s), {_millions(student)} vs {_millions(teacher)} parameters"
             )
         for layer, onnx, torchscript, utterances in con.execute(

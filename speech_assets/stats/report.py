@@ -33,8 +33,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Corpus",
         "What was kept, in hours, before and after VAD.",
-        'SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM manifest) / 3600, 3) AS "hours (h)", '
-        '(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS "speech (h)", '
+        "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), "
+        '0) FROM manifest) / 3600, 3) AS "hours (h)", '
+        "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) "
+        'FROM utterances) / 3600, 3) AS "speech (h)", '
         "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
     ),
     (
@@ -45,13 +47,15 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Speakers",
         "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
-        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", round(trimmed_hours, 3) AS "speech (h)" '
+        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", '
+        'round(trimmed_hours, 3) AS "speech (h)" '
         "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id",
     ),
     (
         "Clients",
         "Speakers per client (non-IID: a speaker never spans two clients) and their speech after VAD.",
-        'SELECT client_id, speakers, utterances, round(trimmed_hours, 3) AS "speech (h)" FROM hours_per_client ORDER BY client_id',
+        'SELECT client_id, speakers, utterances, round(trimmed_hours, 3) AS "speech (h)" FROM '
+        "hours_per_client ORDER BY client_id",
     ),
     (
         "Train / held-out split",
@@ -61,38 +65,49 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "k-means quality",
         "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
-        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS perplexity, "
-        'empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality ORDER BY client_id',
+        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, "
+        "round(perplexity, 1) AS perplexity, "
+        'empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality ORDER '
+        "BY client_id",
     ),
     (
         "Training runs",
         "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
         "held-out masked accuracy against the majority-class rate.",
-        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) AS heldout_acc, "
+        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) "
+        "AS heldout_acc, "
         "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
-        'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs ORDER BY kind, run_dir',
+        'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs '
+        "ORDER BY kind, run_dir",
     ),
     (
         "Checkpoints",
-        "Lineage of each checkpoint: weights hash, git commit, MLflow and Dagster runs, and the manifest it was trained from.",
-        "SELECT kind, step, step_unit, sha256, git_commit, mlflow_run_id, dagster_run_id, manifest_hash, path FROM checkpoints ORDER BY kind, path",
+        "Lineage of each checkpoint: weights hash, git commit, MLflow and Dagster runs, and the manifest it "
+        "was trained from.",
+        "SELECT kind, step, step_unit, sha256, git_commit, mlflow_run_id, dagster_run_id, manifest_hash, "
+        "path FROM checkpoints ORDER BY kind, path",
     ),
     (
         "Export parity",
-        "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute difference (fp32).",
-        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS "TorchScript max |diff|", '
+        "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute "
+        "difference (fp32).",
+        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS '
+        '"TorchScript max |diff|", '
         "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder",
     ),
     (
         "Distilled student",
-        "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same utterances.",
+        "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same "
+        "utterances.",
         'SELECT round(speedup, 2) AS "speed-up (x)", round(student_parameters / 1e6, 2) AS "student params (M)", '
-        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS "student audio s/s", '
+        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS '
+        '"student audio s/s", '
         'round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
     ),
 ]
 REJECT_EXAMPLES_SQL = (
-    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n "
+    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, "
+    "reason ORDER BY utt_id) AS n "
     "FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
 )
 OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
@@ -100,8 +115,10 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
         "federated_rounds",
         "Federated rounds",
         "Per round and client: examples, local loss and accuracy, MB exchanged, seconds.",
-        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS masked_accuracy, "
-        'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS "seconds (s)" '
+        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, "
+        "3) AS masked_accuracy, "
+        'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS '
+        '"seconds (s)" '
         "FROM federated_rounds ORDER BY round, client_id",
     ),
     (
@@ -113,7 +130,8 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
     (
         "finetune_results",
         "CTC fine-tuning",
-        "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, decoder and split.",
+        "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, "
+        "decoder and split.",
         "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, cer",
     ),
 ]
@@ -211,7 +229,8 @@ def _summary(con: duckdb.DuckDBPyConnection) -> str:
         f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else "")
     )
     models = con.execute(
-        "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy FROM training_runs ORDER BY kind, run_dir"
+        "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy FROM "
+        "training_runs ORDER BY kind, run_dir"
     ).fetchall()
     for kind, steps, loss, accuracy, majority in models:
         unit = "rounds" if kind == "federated" else "steps"
@@ -345,10 +364,12 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 100%; overflow-x: auto; } td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 100%; overflow-x: auto; } td, th {
+border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space: pre-wrap; }
 .note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
-img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break: break-all; }
+img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break:
+break-all; }
 table.header th { width: 10em; } ul.summary { font-size: 1.05em; line-height: 1.5; } .hash { font-family: monospace; }
 """
 

@@ -36,7 +36,8 @@ def label_problems(
         lengths = dict(zip(found.utt_ids, found.lengths.tolist(), strict=True))
         if set(lengths) != set(expected):
             problems.append(
-                f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, {len(set(lengths) - set(expected))} foreign"
+                f"{client}: {len(set(expected) - set(lengths))} utterance(s) unlabelled, "
+                f"{len(set(lengths) - set(expected))} foreign"
             )
         # ids are checked over all of the client's labels at once; per utterance only if some fail
         outside = (found.values < 0) | (found.values >= k)

@@ -61,7 +61,8 @@ def noise_files(folder: str | os.PathLike[str]) -> list[Path]:
         entries += len(folders) + len(names)
         if entries > MAX_NOISE_ENTRIES:
             raise ValueError(
-                f"noise folder {root} holds more than {MAX_NOISE_ENTRIES} files and folders: name a folder of noise audio"
+                f"noise folder {root} holds more than {MAX_NOISE_ENTRIES} files and folders: name a folder of "
+                f"noise audio"
             )
         for name in names:
             path = Path(directory) / name

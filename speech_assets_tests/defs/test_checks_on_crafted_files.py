@@ -44,9 +44,13 @@ FAULT_TESTS = {
     "federated_checkpoint": f"{__name__}:test_each_run_check_catches_its_fault",
     "distilled_checkpoint": f"{__name__}:test_each_run_check_catches_its_fault",
     "kmeans_targets_iter2": f"{__name__}:test_iteration_2_labels_must_match_the_frames",
-    "encoder_export": "speech_assets_tests.defs.test_model_runs:test_export_parity_is_run_again_and_catches_a_drifted_export",
+    "encoder_export": (
+        "speech_assets_tests.defs.test_model_runs:test_export_parity_is_run_again_and_catches_a_drifted_export"
+    ),
     "downstream_probe": f"{__name__}:test_a_probe_that_does_not_beat_log_mel_is_flagged",
-    "finetuned_asr": "speech_assets_tests.defs.test_model_runs:test_finetuning_check_passes_and_catches_a_non_finite_loss",
+    "finetuned_asr": (
+        "speech_assets_tests.defs.test_model_runs:test_finetuning_check_passes_and_catches_a_non_finite_loss"
+    ),
     "dataset_stats": "speech_assets_tests.defs.test_checks:test_each_check_catches_its_fault",
 }
 
@@ -401,7 +405,8 @@ def test_iteration_2_labels_must_match_the_frames(tmp_path: Path, fault: str | N
 
 
 def probe_rows(model: str, errors_per_utterance: int, speakers: int, utterances: int = 40) -> list:
-    """Three seeds of held-out rows, each utterance (20 characters) with ``errors_per_utterance`` errors give or take one."""
+    """Three seeds of held-out rows, each utterance (20 characters) with ``errors_per_utterance`` errors give or
+    take one."""
     from speech_assets.evaluation.compare import HeldoutErrors, ProbeResult
 
     found = []

@@ -160,7 +160,8 @@ def test_every_private_name_the_module_uses_is_checked_here() -> None:
     }
     read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and private(node.attr)}
     assert imported <= checked and read <= attributes, (
-        f"private names used in dagster_internals.py with no row in USED: {sorted(imported - checked)} {sorted(read - attributes)}"
+        f"private names used in dagster_internals.py with no row in USED: {sorted(imported - checked)} "
+        f"{sorted(read - attributes)}"
     )
     named = {name for pair in imported for name in pair} | read
     missing_from_docstring = [name for name in sorted(named) if name not in (dagster_internals.__doc__ or "")]

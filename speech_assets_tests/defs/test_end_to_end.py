@@ -1,6 +1,7 @@
 """End to end on the committed sample: the documented commands, every output, lineage, SQL, the UI.
 
-One session-scoped build (`demo_build`, shared with the federated tests) runs `scripts/materialize_all.sh` (the exact `dagster asset materialize`
+One session-scoped build (`demo_build`, shared with the federated tests) runs `scripts/materialize_all.sh` (the exact
+`dagster asset materialize`
 commands the user guide documents, which `make demo` runs) on a fresh DAGSTER_HOME and data dir;
 the tests below inspect what it left behind through files, the Dagster instance, DuckDB, the
 CLI and the real dagster-webserver's GraphQL endpoint.

@@ -127,7 +127,8 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
 
     with duckdb.connect(str(paths.stats_db), read_only=True) as con:
         playable = con.execute(
-            "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) AS n FROM rejects) "
+            "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) "
+            "AS n FROM rejects) "
             "WHERE n <= 3 AND reason NOT IN ('missing_file', 'unreadable', 'outside_root')"
         ).fetchone()[0]
     assert playable == 2 and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)

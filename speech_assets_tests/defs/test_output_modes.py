@@ -30,12 +30,14 @@ for speaker in ("1", "2"):
     for utt in range(2):
         utt_id = f"{speaker}-10-{utt:04d}"
         corpus.add_line(speaker, "10", utt_id, "HELLO")
-        sf.write(corpus.chapter_dir(speaker, "10") / f"{utt_id}.flac", with_silence(0.3, 1.5, 0.3, seed=10 * int(speaker) + utt), 16000)
+        sf.write(corpus.chapter_dir(speaker, "10") / f"{utt_id}.flac", with_silence(0.3, 1.5, 0.3, seed=10 *
+        int(speaker) + utt), 16000)
 corpus.add_line("2", "10", "2-10-0009", "NO AUDIO")  # a reject, so rejects.parquet has rows
 paths = StoragePaths(corpus=str(corpus.root), data_dir=str(out), mlflow_tracking_uri="sqlite://")
 defs = build_definitions(paths, PipelineSettings(clients=ClientSettings(num_clients=1), kmeans=KMeansSettings(k=4)))
 instance = dg.DagsterInstance.get()
-materialize_in_process(defs, instance, "manifest", run_config={"ops": {"manifest": {"config": {"max_reject_ratio": 0.5}}}})
+materialize_in_process(defs, instance, "manifest", run_config={"ops": {"manifest": {"config": {"max_reject_ratio":
+0.5}}}})
 speakers = list(instance.get_dynamic_partitions("speakers"))
 materialize_in_process(defs, instance, "vad_features", speakers)
 for asset in ("cmvn_stats", "client_partitions"):

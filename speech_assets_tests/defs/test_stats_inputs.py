@@ -60,7 +60,8 @@ def test_every_kind_of_model_reaches_checkpoints_training_runs_and_the_cli(tmp_p
 
     with duckdb.connect(str(paths.stats_db), read_only=True) as con:
         rows = con.execute(
-            "SELECT kind, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit FROM checkpoints ORDER BY kind"
+            "SELECT kind, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit FROM checkpoints "
+            "ORDER BY kind"
         ).fetchall()
         runs = con.execute("SELECT kind, steps FROM training_runs ORDER BY kind").fetchall()
         assert con.execute("SELECT max_abs_diff FROM exports").fetchall() == [(3.2e-6,)]

@@ -130,7 +130,8 @@ def _load_code_location(module: str, settings: Path) -> dict[str, Any]:
         f"defs = importlib.import_module({module!r}).defs\n"
         "dg.Definitions.validate_loadable(defs)\n"
         "job = defs.resolve_implicit_global_asset_job_def()\n"
-        "print(json.dumps({'executor': job.executor_def.name, 'tags': {n.name: dict(n.tags) for n in job.graph.nodes}}))\n"
+        "print(json.dumps({'executor': job.executor_def.name, 'tags': {n.name: dict(n.tags) for n in "
+        "job.graph.nodes}}))\n"
     )
     env = {**os.environ, "SPEECH_ASSETS_SETTINGS": str(settings), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(

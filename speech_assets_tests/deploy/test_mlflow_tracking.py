@@ -121,7 +121,8 @@ def test_local_store_records_the_mlflow_ui_command_that_serves_the_run(
     result = _train(tiny_corpus, data / "training" / "run", store, paths.mlflow_artifact_location, "speech_assets")
     assert result["mlflow_run_url"].startswith("http://127.0.0.1:5000/#/experiments/") and result["mlflow_run_id"]
     assert result["mlflow_ui"] == (
-        f"mlflow ui --backend-store-uri {store} --default-artifact-root {data / 'mlartifacts'} --host 127.0.0.1 --workers 1 --port 5000"
+        f"mlflow ui --backend-store-uri {store} --default-artifact-root {data / 'mlartifacts'} --host "
+        f"127.0.0.1 --workers 1 --port 5000"
     )
     assert list((data / "mlartifacts").rglob("final.pt"))
 

@@ -199,7 +199,8 @@ def test_training_is_tracked_by_the_server_on_postgres(
     assert postgres.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", (run_id,)) == [("FINISHED",)]
     (location,) = postgres.query(
         "mlflow",
-        "SELECT e.artifact_location FROM experiments e JOIN runs r ON r.experiment_id = e.experiment_id WHERE r.run_uuid = %s",
+        "SELECT e.artifact_location FROM experiments e JOIN runs r ON r.experiment_id = e.experiment_id "
+        "WHERE r.run_uuid = %s",
         (run_id,),
     )[0]
     assert location.startswith("mlflow-artifacts:/")  # the server's default, not the data dir

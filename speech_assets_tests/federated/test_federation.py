@@ -243,7 +243,8 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     build_database(db, _inputs(paths))
     with duckdb.connect(str(db), read_only=True) as con:
         rows = con.execute(
-            "SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints WHERE kind = 'federated'"
+            "SELECT step, step_unit, sha256, mlflow_run_id, git_commit, dagster_run_id FROM checkpoints "
+            "WHERE kind = 'federated'"
         ).fetchall()
     assert (ROUNDS, "round", report["weights_sha256"], mlflow_run, commit, record.run_id) in rows
 
@@ -355,13 +356,15 @@ def test_a_killed_supernode_is_tolerated_and_too_few_clients_stop_the_run(
     dagster_run: dict, sample_pipeline: SamplePipeline, tmp_path: Path
 ) -> None:
     """The deployment engine (a local SuperLink, one SuperNode per client, which authenticated:
-    each registered key activated). 3 rounds, at least 3 clients per round. Round 2: client_03's SuperNode is SIGKILLed while it
+    each registered key activated). 3 rounds, at least 3 clients per round. Round 2: client_03's SuperNode is SIGKILLed
+    while it
     trains; the round completes with the other 3, logged with who was missing. Round 3: client_02's
     ClientApp crashes, 2 replies < 3: the run stops with a clear message, rounds 1-2 saved."""
     run_dir = tmp_path / "faults"
     run_dir.mkdir()
     markers = tmp_path / "markers"
-    faults = f"{fault('federated.round', 'hold', client='client_03', round=2, marker=markers / 'client_03-2.started')};{fault('federated.round', 'raise', client='client_02', round=3)}"
+    hold = fault("federated.round", "hold", client="client_03", round=2, marker=markers / "client_03-2.started")
+    faults = f"{hold};{fault('federated.round', 'raise', client='client_02', round=3)}"
     run = _cli(
         sample_pipeline,
         run_dir,
@@ -463,14 +466,16 @@ INTRUDER = textwrap.dedent(
         except OSError as error:
             found[f"connect {port}"] = type(error).__name__
     tls = ssl.create_default_context(cafile=spec["ca"])
-    request = urllib.request.Request(spec["url"], data=bytes.fromhex(spec["body"]), headers=spec["headers"], method="POST")
+    request = urllib.request.Request(spec["url"], data=bytes.fromhex(spec["body"]), headers=spec["headers"],
+    method="POST")
     try:
         with urllib.request.urlopen(request, context=tls, timeout=30) as response:
             found["register-node"] = f"HTTP {response.status}"
     except Exception as error:
         found["register-node"] = repr(error)
     if spec["pid"]:
-        done = subprocess.run(["nsenter", f"--target={spec['pid']}", "--net", "--", "true"], capture_output=True, text=True)
+        done = subprocess.run(["nsenter", f"--target={spec['pid']}", "--net", "--", "true"], capture_output=True,
+        text=True)
         found["nsenter"] = done.stderr.strip() or "entered"
     print(json.dumps(found))
     """

@@ -18,7 +18,8 @@ ROUNDS, LOCAL_STEPS, CLIENT_LR, ETA = 3, 10, 5e-3, 0.1
 # Measured after 3 rounds (corpus and run seed 0 / 1 / 2), held-out leak-free masked accuracy
 # against the leak-free majority-class rate: overall 0.568 vs 0.107 / 0.496 vs 0.109 / 0.486 vs
 # 0.107; client_a's head 0.753 vs 0.143 / 0.539 vs 0.116 / 0.589 vs 0.125, client_b's 0.404 vs
-# 0.074 / 0.465 vs 0.104 / 0.380 vs 0.089 (smallest margin 0.29). With FedAdam's eta = 0.01 (the default before this measurement) instead, even 4 rounds reach only
+# 0.074 / 0.465 vs 0.104 / 0.380 vs 0.089 (smallest margin 0.29). With FedAdam's eta = 0.01 (the default before this
+# measurement) instead, even 4 rounds reach only
 # 0.360 / 0.147 / 0.180 vs 0.107 / 0.109 / 0.107 (seeds 0 / 1 / 2). The test runs seed 0 and asks
 # for about half the smallest measured margin, overall and for each client's own head.
 LEARNING_MARGIN = 0.15

@@ -27,7 +27,10 @@ def test_a_fault_fires_only_where_it_was_aimed_and_once(monkeypatch, tmp_path):
 
 def test_exit_ends_the_real_process_with_its_code(tmp_path):
     env = {**os.environ, FAULTS_ENV: fault("p", "exit", who="a", code=7)}
-    code = "from speech_assets.runtime.faults import inject; inject('p', who='b'); print('alive'); inject('p', who='a'); print('not reached')"
+    code = (
+        "from speech_assets.runtime.faults import inject; inject('p', who='b'); print('alive'); inject('p', "
+        "who='a'); print('not reached')"
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (7, "alive\n")
 

@@ -145,7 +145,9 @@ def test_a_second_trainer_on_a_locked_run_folder_fails_at_once_naming_the_holder
             sys.executable,
             "-c",
             "import sys, time\nfrom speech_assets.runtime.locks import RunFolderLock\n"
-            f"lock = RunFolderLock({str(tmp_path / 'run')!r}).acquire(dagster_run_id='run-1234')\nprint('held', flush=True)\ntime.sleep(3600)",
+            f"lock = "
+            f"RunFolderLock({str(tmp_path / 'run')!r}).acquire(dagster_run_id='run-1234')\nprint('held', "
+            f"flush=True)\ntime.sleep(3600)",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -181,7 +183,8 @@ def test_a_worker_whose_launcher_dies_exits_even_without_a_parent_death_signal(t
         [
             sys.executable,
             "-c",
-            "import time\nfrom speech_assets.runtime.processes import watch_launcher\nwatch_launcher()\ntime.sleep(300)",
+            "import time\nfrom speech_assets.runtime.processes import "
+            "watch_launcher\nwatch_launcher()\ntime.sleep(300)",
         ],
         env={**os.environ, "SPEECH_ASSETS_LAUNCHER": identity.encode()},
         start_new_session=True,

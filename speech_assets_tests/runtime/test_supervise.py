@@ -85,7 +85,10 @@ def test_supervisor_reports_the_command_exit_code_and_reaps_what_it_left(tmp_pat
 
 def test_off_linux_the_supervisor_refuses_without_running_its_command(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    code = f"import sys; sys.platform = 'darwin'; from speech_assets.runtime import supervise; sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
+    code = (
+        f"import sys; sys.platform = 'darwin'; from speech_assets.runtime import supervise; "
+        f"sys.exit(supervise.main(['--', 'touch', {str(marker)!r}]))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2 and "needs Linux" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not marker.exists()

@@ -401,10 +401,12 @@ def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None
                 timeout=30_000,
             )
             players = view.evaluate(
-                "Array.from(document.querySelectorAll('audio')).map(a => [a.readyState, a.duration, a.error && a.error.code])"
+                "Array.from(document.querySelectorAll('audio')).map(a => [a.readyState, a.duration, a.error "
+                "&& a.error.code])"
             )
             plot_width = view.evaluate(
-                "Math.min(...Array.from(document.querySelectorAll('img.plot')).map(i => i.getBoundingClientRect().width))"
+                "Math.min(...Array.from(document.querySelectorAll('img.plot')).map(i => "
+                "i.getBoundingClientRect().width))"
             )
             shot = view.screenshot(full_page=True)
         finally:

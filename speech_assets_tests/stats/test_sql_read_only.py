@@ -113,7 +113,9 @@ def _key(data: Path) -> Path:
 WRITES = {
     "copy_to_manifest": "COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}'",
     "copy_without_tmp_file": "COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)",
-    "copy_in_with_clause": "WITH w AS (COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)) SELECT 1",
+    "copy_in_with_clause": (
+        "WITH w AS (COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)) SELECT 1"
+    ),
     "two_statements": "SELECT 1; COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}'",
     "two_selects": "SELECT 1; SELECT 2",
     "pragma": "PRAGMA enable_profiling",
@@ -125,9 +127,15 @@ WRITES = {
     "create_table": "CREATE TABLE poisoned AS SELECT 1 AS x",
     "create_temp_table": "CREATE TEMP TABLE poisoned AS SELECT 1 AS x",
     "explain_analyze_copy": "EXPLAIN ANALYZE COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)",
-    "explain_options_analyze_copy": "EXPLAIN (ANALYZE) COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)",
-    "explain_commented_analyze_copy": "EXPLAIN /* a */ ANALYZE -- b\n COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)",
-    "explain_analyze_with_copy": "EXPLAIN ANALYZE WITH w AS (COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)) SELECT 1",
+    "explain_options_analyze_copy": (
+        "EXPLAIN (ANALYZE) COPY (SELECT 'poisoned' AS utt_id) TO '{manifest}' (USE_TMP_FILE false)"
+    ),
+    "explain_commented_analyze_copy": (
+        "EXPLAIN /* a */ ANALYZE -- b\n COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)"
+    ),
+    "explain_analyze_with_copy": (
+        "EXPLAIN ANALYZE WITH w AS (COPY (SELECT 1 AS x) TO '{manifest}' (USE_TMP_FILE false)) SELECT 1"
+    ),
     "export_database": "EXPORT DATABASE '{data}/export'",
     "checkpoint": "CHECKPOINT",
     "query_function": "SELECT * FROM query('SELECT 1')",

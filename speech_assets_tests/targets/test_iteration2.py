@@ -37,7 +37,7 @@ def test_targets_cover_every_frame_at_50_hz_and_repeat_exactly(tmp_path: Path) -
     first = build_iter2_targets(
         "client_a", shards, cmvn, _model(), 2, tmp_path / "one", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
     )
-    again = build_iter2_targets(
+    build_iter2_targets(
         "client_a", shards, cmvn, _model(), 2, tmp_path / "two", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
     )
     assert first.k < 500  # shrinks for a small client

@@ -171,9 +171,9 @@ def test_node_commands_run_without_a_shell_and_quote_every_value(template: str, 
 
 
 def test_hosts_and_endpoints_are_checked() -> None:
-    torchrun = lambda rank: build_torchrun_command(
-        "c.json", 1, 0, nnodes="2", rdzv_endpoint="head:29400", node_rank=rank
-    )  # noqa: E731
+    def torchrun(rank: int) -> list[str]:
+        return build_torchrun_command("c.json", 1, 0, nnodes="2", rdzv_endpoint="head:29400", node_rank=rank)
+
     for host in ("-oProxyCommand=touch x", "a b", "x$(id)", "", "h;id"):
         with pytest.raises(ValueError, match="not a host name or IP address"):
             other_node_commands(torchrun, 2, "ssh {host} {command}", [host])
