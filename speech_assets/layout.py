@@ -56,11 +56,13 @@ TRAINING_DIR = "training"
 TRAINING_ITER2_DIR = "training_iter2"
 DISTILL_DIR = "distill"
 RUN_CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints (names: speech_assets.train.checkpoint)
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_CHECKPOINT = "final.pt"
 RESULT_FILE = "result.json"
 TRAIN_LOG = "train.log"
+NODE_LOG = "node{rank}.log"  # the output of node ``rank`` (1..N-1) that the asset started
 OOM_FILE = "oom.json"
 PROVENANCE_FILE = "provenance.json"  # beside a run's result.json: its git commit, MLflow and Dagster runs
 SPEED_FILE = "speed.json"  # beside a distilled run's result.json: student and teacher forward speed
@@ -99,6 +101,10 @@ ENCODER_JSON = "encoder.json"
 FINETUNE_DIR = "finetune"
 FINETUNE_RESULTS = "results.parquet"
 FINETUNE_RECOGNISER_DIR = "recogniser"
+LABELLED_FILE = "labelled.json"  # in a fine-tuning run's folder: the labelled subset it trains on
+RECOGNISER_ONNX = "recogniser.onnx"
+RECOGNISER_PT = "recogniser.pt"
+RECOGNISER_JSON = "recogniser.json"
 
 # ``D/report/`` and ``D/stats.duckdb``
 REPORT_DIR = "report"
@@ -110,6 +116,11 @@ STATS_DB = "stats.duckdb"
 # MLflow's local store (a tracking server keeps both itself)
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlartifacts"
+
+
+def lock_beside(path: Path) -> Path:
+    """The lock file whoever rewrites ``path`` holds: ``<path>.lock`` beside it."""
+    return path.with_name(path.name + SHARD_LOCK_SUFFIX)
 
 
 class _Under:
@@ -225,8 +236,13 @@ class RunFiles:
     oom = _Under(OOM_FILE)
     provenance = _Under(PROVENANCE_FILE)
     speed = _Under(SPEED_FILE)
+    labelled = _Under(LABELLED_FILE)
     mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
     settings = _Under(SETTINGS_SNAPSHOT)
+    checkpoints = _Under(CHECKPOINTS_DIR)
+
+    def node_log(self, rank: int) -> Path:
+        return self.root / NODE_LOG.format(rank=rank)
 
 
 @dataclass(frozen=True)
@@ -307,6 +323,27 @@ class ExportFiles:
     torch = _Under(ENCODER_PT)
     card = _Under(ENCODER_JSON)
     cmvn = _Under(CMVN_FILE)
+
+    @property
+    def published(self) -> tuple[Path, Path, Path]:
+        """The files an export's data version hashes: ONNX, TorchScript and ``encoder.json``."""
+        return self.onnx, self.torch, self.card
+
+
+@dataclass(frozen=True)
+class RecogniserFiles:
+    """An exported recogniser (``D/finetune/recogniser/``): ``recogniser.onnx``,
+    ``recogniser.pt`` (TorchScript) and ``recogniser.json`` (how to feed it and read its output)."""
+
+    root: Path
+
+    onnx = _Under(RECOGNISER_ONNX)
+    torch = _Under(RECOGNISER_PT)
+    card = _Under(RECOGNISER_JSON)
+
+    @property
+    def published(self) -> tuple[Path, Path, Path]:
+        return self.onnx, self.torch, self.card
 
 
 @dataclass(frozen=True)

@@ -22,33 +22,6 @@ PACKAGE = REPO / "speech_assets"
 NOT_PRODUCT = {"testing"}  # test scaffolding: it writes fixtures in the layout's shape
 
 
-# Modules that still spell these names (the training worker, the export writer, the run-folder
-# readers): each entry may only shrink; the test fails when one is no longer needed.
-NOT_YET_MOVED = {
-    "speech_assets/corpus/audit.py": ["manifest.parquet", "rejects.parquet", "speakers.parquet"],
-    "speech_assets/defs/export.py": ["encoder.json", "encoder.onnx", "encoder.pt"],
-    "speech_assets/defs/manifest.py": [".staging"],
-    "speech_assets/defs/model_checks.py": ["metrics.jsonl", "result.json"],
-    "speech_assets/defs/torchrun.py": ["config.json", "final.pt", "metrics.jsonl", "result.json", "train.log"],
-    "speech_assets/federated/tracking.py": ["mlflow_run_id", "result.json"],
-    "speech_assets/model/export.py": ["encoder.json", "encoder.onnx", "encoder.pt"],
-    "speech_assets/stats/database.py": [
-        ".lock",
-        "config.json",
-        "mlflow_run_id",
-        "provenance.json",
-        "settings.json",
-        "speed.json",
-    ],
-    "speech_assets/stats/lineage.py": ["result.json"],
-    "speech_assets/targets/build.py": ["state.npz"],
-    "speech_assets/train/engine.py": ["final.pt", "metrics.jsonl", "mlflow_run_id", "result.json"],
-    "speech_assets/train/launch.py": ["launch_config.json"],
-    "speech_assets/train/tracking.py": ["config.json", "mlflow_run_id", "result.json"],
-    "speech_assets/train/trainer.py": ["speaker_sums.npz"],
-}
-
-
 def layout_names() -> tuple[set[str], set[str]]:
     """(file names and suffixes, folder names) of every output the layout names."""
     values: list[str] = []
@@ -157,16 +130,10 @@ def test_the_layout_names_are_read_from_the_layout_module() -> None:
 
 def test_no_output_path_literal_outside_the_layout_module() -> None:
     files, folders = layout_names()
-    found, waived = [], set()
+    found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(REPO)
         if path == Path(layout.__file__).resolve() or NOT_PRODUCT & set(relative.parts[1:-1]):
             continue
-        for line, name in literals_in(path.read_text(), files, folders):
-            if name in NOT_YET_MOVED.get(str(relative), ()):
-                waived.add((str(relative), name))
-            else:
-                found.append(f"{relative}:{line}: {name!r}")
+        found += [f"{relative}:{line}: {name!r}" for line, name in literals_in(path.read_text(), files, folders)]
     assert not found, "output names spelled outside speech_assets/layout.py (use its objects):\n" + "\n".join(found)
-    stale = sorted({(p, n) for p, names in NOT_YET_MOVED.items() for n in names} - waived)
-    assert not stale, f"no longer spelled there: remove from NOT_YET_MOVED: {stale}"

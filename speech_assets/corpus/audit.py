@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from speech_assets.corpus.ids import is_safe_id
 from speech_assets.corpus.manifest import MANIFEST_SCHEMA, RealPaths, ValidationConfig, hash_triples, is_inside
 from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectReason
+from speech_assets.layout import MANIFEST_FILE, REJECTS_FILE, SPEAKERS_FILE
 
 MAX_LISTED = 10
 
@@ -59,7 +60,7 @@ def _examples(values: list[str]) -> list[str]:
     return [str(v)[:120] for v in values[:MAX_LISTED]]
 
 
-def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = "manifest.parquet") -> Audit | None:
+def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = MANIFEST_FILE) -> Audit | None:
     absent = [c for c in columns if c not in table.column_names]
     if absent:
         return Audit(name, False, f"cannot check: {file} lacks column(s) {', '.join(absent)}", {"missing": absent})
@@ -69,8 +70,8 @@ def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = "
 def schema(table: pa.Table, rejects: pa.Table) -> Audit:
     problems = []
     for file, expected, actual in (
-        ("manifest.parquet", MANIFEST_SCHEMA, table),
-        ("rejects.parquet", REJECTS_SCHEMA, rejects),
+        (MANIFEST_FILE, MANIFEST_SCHEMA, table),
+        (REJECTS_FILE, REJECTS_SCHEMA, rejects),
     ):
         problems += [f"{file}: no column {f.name}" for f in expected if f.name not in actual.column_names]
         problems += [
@@ -176,7 +177,7 @@ def speakers(table: pa.Table, listed: pa.Table) -> Audit:
     if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
         return missing
     if (
-        missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), "speakers.parquet")
+        missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), SPEAKERS_FILE)
     ) is not None:
         return missing
     triples: dict[str, list[tuple[str, str, str]]] = {}

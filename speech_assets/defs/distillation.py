@@ -15,7 +15,6 @@ from speech_assets.defs.resources import DistillSettings, PipelineSettings, Stor
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun
 from speech_assets.layout import RunFiles
-from speech_assets.stats.database import SPEED_FILE
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields
 
@@ -73,7 +72,7 @@ def distilled_checkpoint(
         module="speech_assets.train.distill",
     )
     speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths, sorted(table.client_of)[:2])
-    atomic_write_text(run_dir / SPEED_FILE, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
+    atomic_write_text(RunFiles(run_dir).speed, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
         f"CPU forward {speed['student_audio_s_per_s']:.0f} vs {speed['teacher_audio_s_per_s']:.0f} audio s/s "

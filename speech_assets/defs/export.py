@@ -14,6 +14,7 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, required_checkpoint
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.layout import ExportFiles
 from speech_assets.utils import atomic_write_text, publish_folder, sha256_file, sha256_strings
 
 EXPORT_CODE_VERSION = "export-v2"  # v2: the CMVN the encoder was trained with, from its checkpoint
@@ -60,7 +61,8 @@ def encoder_export(
     ]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
-    folder = paths.export(encoder.sha256, options.layer).root
+    exported = paths.export(encoder.sha256, options.layer)
+    folder = exported.root
     folder.parent.mkdir(parents=True, exist_ok=True)
     # written in a sibling temporary folder, then renamed into place: never half an export
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -70,11 +72,11 @@ def encoder_export(
             warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
             parity = export_all(encoder.model, staging, options.layer, sample, options.opset or None)
         description = input_description(encoder, cmvn, options.layer, parity, checkpoint)
-        atomic_write_text(staging / "encoder.json", json.dumps(description, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(ExportFiles(staging).card, json.dumps(description, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    files = {name: sha256_file(folder / name) for name in ("encoder.onnx", "encoder.pt", "encoder.json")}
+    files = {path.name: sha256_file(path) for path in exported.published}
     context.log.info(
         f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
         f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
@@ -82,15 +84,15 @@ def encoder_export(
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
-            "onnx": dg.MetadataValue.path(str(folder / "encoder.onnx")),
-            "torchscript": dg.MetadataValue.path(str(folder / "encoder.pt")),
-            "description": dg.MetadataValue.path(str(folder / "encoder.json")),
+            "onnx": dg.MetadataValue.path(str(exported.onnx)),
+            "torchscript": dg.MetadataValue.path(str(exported.torch)),
+            "description": dg.MetadataValue.path(str(exported.card)),
             "max_abs_diff": parity.onnx_max_abs_diff,
             "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
             "parity_utterances": parity.utterances,
             "parity_frames": parity.frames,
             "layer": description["output"]["layer"],
-            "onnx_mb": round((folder / "encoder.onnx").stat().st_size / 2**20, 2),
+            "onnx_mb": round(exported.onnx.stat().st_size / 2**20, 2),
             "checkpoint_sha256": encoder.sha256,
             "normalisation": description["cmvn"]["kind"],
             "input_versions": dg.MetadataValue.json({"pretrained_checkpoint": checkpoint_version}),
@@ -124,7 +126,7 @@ def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.Asset
     from speech_assets.features.cmvn import from_record
     from speech_assets.model.export import parity_features, reverify_export
 
-    cmvn = from_record(json.loads((folder / "encoder.json").read_text())["cmvn"])
+    cmvn = from_record(json.loads(ExportFiles(folder).card.read_text())["cmvn"])
     feats = parity_features(shards, cmvn, utterances)
     if not feats:
         return dg.AssetCheckResult(passed=False, description="no shard utterances to run the export on")

@@ -24,21 +24,16 @@ from speech_assets.defs.lineage import (
     required_checkpoint,
     shard_hashes,
 )
-from speech_assets.defs.partitions import ALL_SHARDS
+from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS
 from speech_assets.defs.resources import FinetuneSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak, probe_split
-from speech_assets.layout import RunFiles
+from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, RecogniserFiles, RunFiles
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 FINETUNE_CODE_VERSION = "finetune-v1"
-ENCODER_ASSETS = {
-    "pretrained": "pretrained_checkpoint",
-    "federated": "federated_checkpoint",
-    "iteration2": "pretrained_checkpoint_iter2",
-    "distilled": "distilled_checkpoint",
-}
+ENCODER_ASSETS = CHECKPOINT_ASSETS  # every encoder it may fine-tune
 
 
 class FinetuneOverrides(overrides_of(FinetuneSettings)):
@@ -175,7 +170,7 @@ def finetuned_asr(
             "results_file": dg.MetadataValue.path(str(target)),
             **_wer_curve(rows),
             **training_curve_metadata(Path(chosen["checkpoint"]).parent),  # the exported recogniser's run
-            "recogniser": dg.MetadataValue.path(str(exported["folder"] / "recogniser.onnx")),
+            "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {budgets[-1]:g} min, seed {options.seeds[0]}",
             "max_abs_diff": exported["max_abs_diff"],
             "decoders": dg.MetadataValue.json(decoders),
@@ -265,7 +260,7 @@ def _run(
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
         return result
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "labelled.json", labelled_text)
+    atomic_write_text(RunFiles(run_dir).labelled, labelled_text)
     shard_speakers = sorted({k.split("/", 1)[1] for k in data_versions if k.startswith("vad_features/")})
     config = from_fields(
         FinetuneConfig,
@@ -275,7 +270,7 @@ def _run(
         cmvn=str(paths.cmvn.cmvn),
         clients={},
         encoder=encoder,
-        labelled=str(run_dir / "labelled.json"),
+        labelled=str(RunFiles(run_dir).labelled),
         init="scratch" if model == "scratch" else "pretrained",
         seed=seed,
         data_versions=versions,
@@ -307,7 +302,7 @@ def _run(
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:
     """The recogniser of ``result``'s checkpoint as ONNX and TorchScript with recogniser.json, in
     <data>/finetune/recogniser/ (replaced whole, never half written); parity on held-out utterances."""
-    from speech_assets.evaluation.recognise import ONNX_FILE, SPEC_FILE, vocabulary
+    from speech_assets.evaluation.recognise import vocabulary
     from speech_assets.features.cmvn import describe, from_record
     from speech_assets.features.featurize import FeatureExtractor
     from speech_assets.features.shards import iter_shard
@@ -357,7 +352,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "vocabulary": vocabulary(),
             "blank": 0,
             "decoding": "greedy: per-frame argmax, merge repeats, drop blanks",
-            "files": {"onnx": ONNX_FILE, "torchscript": "recogniser.pt"},
+            "files": {"onnx": RECOGNISER_ONNX, "torchscript": RECOGNISER_PT},
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
             "init": result["init"],
@@ -373,7 +368,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
                 "runtime": "onnxruntime CPUExecutionProvider, fp32",
             },
         }
-        atomic_write_text(staging / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(RecogniserFiles(staging).card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -381,7 +376,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on "
         f"{parity.utterances} held-out utterances"
     )
-    files = {name: sha256_file(folder / name) for name in (ONNX_FILE, "recogniser.pt", SPEC_FILE)}
+    files = {path.name: sha256_file(path) for path in RecogniserFiles(folder).published}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
 
 

@@ -102,9 +102,9 @@ def record_provenance(run_dir: Path, checkpoint_sha256: str, **fields: object) -
     """``<run_dir>/provenance.json``: what made the run's checkpoint (git commit, MLflow run,
     Dagster run), for `speech-assets lineage` and the stats database. Kept while the checkpoint
     is the same one (a later run that reuses a finished run did not make it)."""
-    from speech_assets.stats.database import PROVENANCE_FILE
+    from speech_assets.layout import RunFiles
 
-    path = run_dir / PROVENANCE_FILE
+    path = RunFiles(run_dir).provenance
     if read_json(path).get("checkpoint_sha256") == checkpoint_sha256:
         return
     record = {"checkpoint_sha256": checkpoint_sha256, **{k: v for k, v in fields.items() if v is not None}}

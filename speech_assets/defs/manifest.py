@@ -27,7 +27,6 @@ from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path, fsync_dir
 
 CODE_VERSION = "manifest-v3"
-STAGING = ".staging"  # under the manifest folder: one subfolder per run, removed after it
 
 
 class ManifestOverrides(overrides_of(ManifestSettings)):
@@ -73,8 +72,8 @@ def manifest(
     # lock keeps two overlapping runs from interleaving their renames (rejects of one, rows of
     # the other); holding it, leftovers of runs killed mid-way can be removed safely.
     with exclusive_lock(paths.layout.manifest.publish_lock):
-        shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
-        staging = paths.manifest_dir / STAGING / context.run.run_id
+        shutil.rmtree(paths.layout.manifest.staging, ignore_errors=True)
+        staging = paths.layout.manifest.staging / context.run.run_id
         try:
             staged = audit.ManifestFiles(*(staging / target.name for target in _published(paths)))
             corpus.write_manifest(staged.manifest, result.rows)
@@ -108,7 +107,7 @@ def manifest(
                 os.replace(source, target)
             fsync_dir(paths.manifest_dir)
         finally:
-            shutil.rmtree(paths.manifest_dir / STAGING, ignore_errors=True)
+            shutil.rmtree(paths.layout.manifest.staging, ignore_errors=True)
         known = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
         added = register_new(context, speakers_partitions, sorted(per_speaker), known=known)
         # Data versions of the speakers whose rows changed: published with the rows they describe.

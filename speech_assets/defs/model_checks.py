@@ -19,6 +19,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, read_json
 from speech_assets.defs.readable import labels_check_result
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
 from speech_assets.targets.checks import label_problems
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
@@ -32,7 +33,7 @@ def _is_loss(key: str) -> bool:
 
 
 def _metrics_rows(run_dir: Path) -> Iterator[dict]:
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunFiles(run_dir).metrics
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             if line.strip():
@@ -41,14 +42,12 @@ def _metrics_rows(run_dir: Path) -> Iterator[dict]:
 
 def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
     """Every loss ``run_dir`` records, by where it is recorded (None values: not measured)."""
-    from speech_assets.layout import FederatedPaths
-
     found: dict[str, list[float]] = {}
     for row in _metrics_rows(run_dir):
         for key, value in row.items():
             if _is_loss(key) and value is not None:
                 found.setdefault(f"metrics.jsonl {key}", []).append(float(value))
-    for key, value in read_json(run_dir / "result.json", strict=True).items():
+    for key, value in read_json(RunFiles(run_dir).result, strict=True).items():
         if _is_loss(key) and isinstance(value, int | float):
             found[f"result.json {key}"] = [float(value)]
     federation = FederatedPaths(run_dir)
@@ -75,7 +74,7 @@ def accuracy_against_majority(run_dir: Path) -> tuple[float, float] | None:
     """(held-out masked accuracy, majority-class rate on the same frames) from ``result.json``, on
     leak-free frames where the run measured them (else on all masked frames), or None where the
     run did not measure them (no held-out speakers)."""
-    result = read_json(run_dir / "result.json", strict=True)
+    result = read_json(RunFiles(run_dir).result, strict=True)
     accuracy, majority = (
         result.get("heldout_leak_free_masked_accuracy"),
         result.get("heldout_leak_free_majority_accuracy"),
@@ -134,7 +133,7 @@ def above_majority_class(run_dir: Path) -> dg.AssetCheckResult:
     if measured is None:
         return dg.AssetCheckResult(passed=True, description="no held-out accuracy recorded (no held-out speakers)")
     accuracy, majority = measured
-    steps = read_json(run_dir / "result.json", strict=True).get("step")
+    steps = read_json(RunFiles(run_dir).result, strict=True).get("step")
     return dg.AssetCheckResult(
         passed=accuracy > majority,
         severity=dg.AssetCheckSeverity.WARN,
@@ -233,7 +232,7 @@ def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePa
     if runs is None:
         return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
     problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
-    spec = read_json(paths.finetune.recogniser / "recogniser.json")
+    spec = read_json(RecogniserFiles(paths.finetune.recogniser).card)
     diff = (spec.get("parity") or {}).get("max_abs_diff")
     if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
         problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")

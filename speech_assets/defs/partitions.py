@@ -36,5 +36,13 @@ ALL_TARGETS = dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMap
 # The per-speaker view of the manifest (an observed asset; its partitions' versions are what a shard follows).
 SPEAKER_MANIFEST = "speaker_manifest"
 
+# Every encoder checkpoint the graph trains, by the kind the probe, fine-tuning and the stats name it.
+CHECKPOINT_ASSETS = {
+    "pretrained": "pretrained_checkpoint",
+    "federated": "federated_checkpoint",
+    "distilled": "distilled_checkpoint",
+    "iteration2": "pretrained_checkpoint_iter2",
+}
+
 # Everything a training run reads (and the stats database summarises).
 TRAINING_INPUTS = ["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_TARGETS]

@@ -10,6 +10,7 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
+from speech_assets.defs.partitions import CHECKPOINT_ASSETS
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.train.tracking import log_probe_on_encoder_runs
 from speech_assets.utils import from_fields, sha256_file
@@ -29,14 +30,7 @@ class ProbeOverrides(overrides_of(ProbeSettings)):
 
 @dg.asset(
     group_name="evaluation",
-    deps=[
-        "pretrained_checkpoint",
-        "federated_checkpoint",
-        "distilled_checkpoint",
-        "pretrained_checkpoint_iter2",
-        "manifest",
-        "client_partitions",
-    ],
+    deps=[*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions"],
     code_version=PROBE_CODE_VERSION,
     kinds={"pytorch"},
 )
@@ -104,14 +98,7 @@ def downstream_probe(
     pretrained = next(s for s in board if s.model == "pretrained")
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""
-        for asset in (
-            "pretrained_checkpoint",
-            "federated_checkpoint",
-            "distilled_checkpoint",
-            "pretrained_checkpoint_iter2",
-            "manifest",
-            "client_partitions",
-        )
+        for asset in (*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions")
     }
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(target)),

@@ -8,7 +8,7 @@ import shlex
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
 from pydantic import create_model, field_validator, model_validator
@@ -19,7 +19,7 @@ from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.hosts import check_endpoint, check_host
-from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
+from speech_assets.train.config import DistillConfig, FinetuneConfig, Rule, RunConfig, TrainConfig, broken_rules
 from speech_assets.utils import from_fields
 
 
@@ -167,13 +167,31 @@ class WorkerSettings(dg.Config):
     worker's, stated once there. The section is checked when it is defined: such a field must have
     the worker's type, a field with a value of its own must differ from the worker's default (0 =
     automatic where the worker says ``None``), and a field without a value must be the worker's.
+
+    Its values are checked by the worker's own rules (``worker.RULES``,
+    :func:`speech_assets.train.config.broken_rules`) on the fields taken from the worker, so a
+    bad value is refused when the settings load, with the message the worker would give. A field
+    with a value of its own means something else here (0 = automatic) and is the run's to check.
     """
 
-    def __init_subclass__(cls, worker: type | None = None, **kwargs: Any) -> None:
+    section: ClassVar[str] = ""  # its name in the settings file, for messages
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    worker_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, worker: type | None = None, section: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if worker is not None:
-            for name, default in worker_defaults(cls, worker).items():
+            defaults = worker_defaults(cls, worker)
+            for name, default in defaults.items():
                 setattr(cls, name, default)  # before pydantic collects the fields: a plain default
+            cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
+
+    @model_validator(mode="after")
+    def _worker_rules(self) -> Self:
+        problems = broken_rules(self.rules, {name: getattr(self, name) for name in self.worker_fields})
+        if problems:
+            raise ValueError(f"[{self.section}] " + "; ".join(problems))
+        return self
 
 
 def worker_defaults(section: type, worker: type) -> dict[str, Any]:
@@ -227,7 +245,7 @@ class FeatureSettings(dg.Config):
     speed_perturb: list[float] = []
 
 
-class ClientSettings(WorkerSettings, worker=RunConfig):
+class ClientSettings(WorkerSettings, worker=RunConfig, section="clients"):
     num_clients: int = 4
     # the share of speakers held out of everything a model trains on (CMVN, k-means, every
     # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
@@ -246,7 +264,7 @@ class KMeansSettings(dg.Config):
 NOISE_SOURCES = ("", "coloured", "babble", "folder")
 
 
-class TrainingSettings(WorkerSettings, worker=TrainConfig):
+class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     """The trainer's settings (its config, TrainConfig, is filled from them by field name and
     holds the defaults they share) and how its torchrun job is launched."""
 
@@ -323,7 +341,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig):
         return self
 
 
-class FederatedSettings(WorkerSettings, worker=FederatedConfig):
+class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federated"):
     """Federated pretraining (`federated_checkpoint`): Flower rounds of local training on each
     client and server-side aggregation of the shared encoder (see speech_assets/federated/). The
     server's config, FederatedConfig, is filled from these by field name and holds their defaults."""
@@ -410,7 +428,7 @@ class ExportSettings(dg.Config):
     parity_utterances: int = 8  # real shard utterances the parity check runs on
 
 
-class DistillSettings(WorkerSettings, worker=DistillConfig):
+class DistillSettings(WorkerSettings, worker=DistillConfig, section="distill"):
     """The distilled student (`distilled_checkpoint`): 0 for dim/layers/heads/ffn_dim means half
     the teacher's (384 wide, 6 layers, 6 heads, 1536 for a `base` teacher)."""
 

@@ -40,7 +40,7 @@ from speech_assets.utils import sha256_strings
 HIDDEN = ".dagster/"
 PROCESS_TAG = HIDDEN + "speech_assets/process"  # the run worker
 STEP_PROCESS_TAG_PREFIX = HIDDEN + "speech_assets/step_process."  # + step key: one tag per slot-taking step
-# written by earlier versions, still read so that their runs are reaped
+# the unhidden tag names older runs may still carry: read too, so that those runs are reaped
 LEGACY_PROCESS_TAGS = ("speech_assets/process", "speech_assets/step_process.")
 CORPUS_TAG = "speech_assets/corpus"  # the corpus folder's name
 SETTINGS_TAG = "speech_assets/settings"  # the first 12 hex digits of the settings' sha256

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
-from speech_assets.defs.partitions import TRAINING_INPUTS, clients_partitions, speakers_partitions
+from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
 from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
 from speech_assets.stats import database as stats_db
@@ -95,10 +95,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
     group_name="stats",
     deps=[
         *TRAINING_INPUTS,
-        "pretrained_checkpoint",
-        "federated_checkpoint",
-        "distilled_checkpoint",
-        "pretrained_checkpoint_iter2",
+        *CHECKPOINT_ASSETS.values(),
         "encoder_export",
         "downstream_probe",
         "finetuned_asr",
@@ -129,10 +126,7 @@ def dataset_stats(
             "manifest",
             "cmvn_stats",
             "client_partitions",
-            "pretrained_checkpoint",
-            "federated_checkpoint",
-            "distilled_checkpoint",
-            "pretrained_checkpoint_iter2",
+            *CHECKPOINT_ASSETS.values(),
             "encoder_export",
             "downstream_probe",
             "finetuned_asr",

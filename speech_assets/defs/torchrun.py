@@ -27,7 +27,7 @@ from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, read_json, record_provenance
 from speech_assets.defs.resources import StoragePaths, TrainingSettings, overrides_of
-from speech_assets.layout import TargetFiles
+from speech_assets.layout import RunFiles, TargetFiles
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import oom
 from speech_assets.utils import atomic_write_text, from_fields, sha256_strings
@@ -58,7 +58,7 @@ def run_torchrun(
     nnodes = fixed_node_count(nodes) if nodes else 1
     config = dataclasses.replace(config, dagster_run_id=context.run.run_id)  # the MLflow run's link back
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.json"
+    config_path = RunFiles(run_dir).config
 
     def attempt(attempt_config: Any, retry: int) -> dg.PipesClientCompletedInvocation:
         atomic_write_text(config_path, attempt_config.to_json())
@@ -91,7 +91,7 @@ def run_torchrun(
         except Exception as error:
             raise training_failure(error, run_dir) from error
         result = invocation.get_materialize_result()
-    finished = read_json(run_dir / "result.json")
+    finished = read_json(RunFiles(run_dir).result)
     if finished.get("checkpoint_sha256"):
         record_provenance(
             run_dir,
@@ -130,11 +130,11 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
     from speech_assets.defs import readable
 
     try:
-        result = json.loads((run_dir / "result.json").read_text())
+        result = json.loads(RunFiles(run_dir).result.read_text())
     except (OSError, ValueError):
         return {}
     metadata: dict[str, object] = {}
-    checkpoint = Path(result.get("checkpoint") or run_dir / "final.pt")
+    checkpoint = Path(result.get("checkpoint") or RunFiles(run_dir).final)
     if checkpoint.is_file():
         metadata["checkpoint_mb"] = readable.megabytes(checkpoint.stat().st_size)
     if result.get("train_audio_seconds") is not None:
@@ -152,7 +152,7 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
     """The training curve: a chart drawn inline on the asset page (held-out accuracy at each
     evaluation against the majority-class rate, or the loss before any evaluation) and the full
     PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunFiles(run_dir).metrics
     if not metrics.is_file():
         return {}
     from speech_assets.defs import readable
@@ -183,7 +183,7 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
 def training_failure(error: Exception, run_dir: Path, lines: int = 20) -> dg.Failure:
     """The failure of a torchrun job as the run shows it: torchrun's own error and the end of
     rank 0's log (the workers' tracebacks are in the step's stderr)."""
-    log = run_dir / "train.log"
+    log = RunFiles(run_dir).log
     tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:] if log.is_file() else []
     out_of_memory = " (CUDA out of memory on every retry)" if oom.detect_oom(run_dir) else ""
     return dg.Failure(
@@ -220,7 +220,7 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None,
             launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
         )
         for rank, command in enumerate(commands, start=1):
-            log = open(run_dir / f"node{rank}.log", "ab")  # noqa: SIM115 - closed below
+            log = open(RunFiles(run_dir).node_log(rank), "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {shlex.join(command)}")
             processes.append((launch.start_node(command, log, env=env, cwd=locations.repo_root()), log))
         if processes:
@@ -255,9 +255,9 @@ def _stop_node_0_when_a_node_fails(context, run_dir: Path, processes: list, fini
                 return
             context.log.error(
                 f"node {rank} failed (exit code {process.returncode}) while node 0 was training: stopping "
-                f"node 0 (see {run_dir}/node{rank}.log)"
+                f"node 0 (see {RunFiles(run_dir).node_log(rank)})"
             )
-            for pid in _node_0_agents(run_dir / "config.json"):
+            for pid in _node_0_agents(RunFiles(run_dir).config):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # torchrun's agent stops its workers and exits non-zero
             return

@@ -21,9 +21,7 @@ import numpy as np
 
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
-
-ONNX_FILE = "recogniser.onnx"
-SPEC_FILE = "recogniser.json"
+from speech_assets.layout import RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
 
 
 class RecogniserError(ValueError):
@@ -39,9 +37,10 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
     """The recogniser folder of ``path``: the folder itself, or the folder of its ONNX or JSON file."""
     path = Path(path)
     folder = path.parent if path.suffix in (".onnx", ".json") else path
-    if not (folder / ONNX_FILE).is_file() or not (folder / SPEC_FILE).is_file():
+    files = RecogniserFiles(folder)
+    if not files.onnx.is_file() or not files.card.is_file():
         raise RecogniserError(
-            f"no recogniser at {path}: expected {ONNX_FILE} and {SPEC_FILE} (materialize finetuned_asr)"
+            f"no recogniser at {path}: expected {RECOGNISER_ONNX} and {RECOGNISER_JSON} (materialize finetuned_asr)"
         )
     return folder
 
@@ -85,17 +84,19 @@ class Recogniser:
         from speech_assets.features.vad import VadConfig
 
         self.folder = model_folder(path)
-        self.spec = json.loads((self.folder / SPEC_FILE).read_text(encoding="utf-8"))
+        self.spec = json.loads((RecogniserFiles(self.folder).card).read_text(encoding="utf-8"))
         if self.spec.get("vocabulary") != vocabulary():
             raise RecogniserError(
-                f"{self.folder / SPEC_FILE}: its vocabulary is not this version's {len(vocabulary())} tokens"
+                f"{RecogniserFiles(self.folder).card}: its vocabulary is not this version's {len(vocabulary())} tokens"
             )
         self.cmvn = from_record(self.spec.get("cmvn"))
         if self.cmvn is None:
-            raise RecogniserError(f"{self.folder / SPEC_FILE} records no CMVN")
+            raise RecogniserError(f"{RecogniserFiles(self.folder).card} records no CMVN")
         self.vad = VadConfig(**self.spec["featurisation"]["vad"])
         self.extractor = FeatureExtractor()
-        self.session = onnxruntime.InferenceSession(str(self.folder / ONNX_FILE), providers=["CPUExecutionProvider"])
+        self.session = onnxruntime.InferenceSession(
+            str(RecogniserFiles(self.folder).onnx), providers=["CPUExecutionProvider"]
+        )
 
     def log_probs(self, feats: np.ndarray) -> np.ndarray:
         """``(L, 29)`` CTC log-probabilities of normalised log-mel ``feats (T, 80)``."""

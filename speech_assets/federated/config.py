@@ -26,11 +26,21 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
-from speech_assets.train.config import DEVICES, PRECISIONS, TrainConfig
+from speech_assets.train.config import (
+    DEVICES,
+    PRECISIONS,
+    PRESET_RULE,
+    Rule,
+    TrainConfig,
+    at_least,
+    broken_rules,
+    one_of,
+    positive,
+)
 from speech_assets.utils import from_fields
 
 STRATEGIES = ("fedadam", "fedavg", "fedprox")
@@ -130,6 +140,43 @@ class FederatedConfig:
     client_weights: dict[str, float] = field(default_factory=dict)
     data_versions: dict[str, str] = field(default_factory=dict)
 
+    # what each field must hold on its own (the settings section checks these too); what depends
+    # on the clients (their number, ids and weights) is checked in validate()
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        PRESET_RULE,
+        one_of("client_lr_schedule", CLIENT_LR_SCHEDULES),
+        one_of("strategy", STRATEGIES),
+        one_of("precision", PRECISIONS),
+        *at_least(0, "min_train_nodes", "secagg_threshold"),
+        Rule(("fraction_train",), lambda value: 0 < value <= 1, "fraction_train must be in (0, 1]"),
+        *(
+            Rule((name,), lambda value: value >= 0 and math.isfinite(value), f"{name} must be >= 0")
+            for name in ("proximal_mu", "dp_noise_multiplier", "secagg_clipping_range")
+        ),
+        Rule(
+            ("dp_noise_multiplier", "dp_clipping_norm"),
+            lambda noise, norm: noise <= 0 or (norm > 0 and math.isfinite(norm)),
+            "dp_clipping_norm must be > 0",
+        ),
+        Rule(("dp_delta",), lambda value: 0 < value < 1, "dp_delta must be in (0, 1)"),
+        Rule(
+            ("secagg_num_shares",),
+            lambda shares: shares == 0 or (shares >= 3 and shares % 2 == 1),
+            "secagg_num_shares must be 0 (every sampled client) or an odd number >= 3",
+        ),
+        *at_least(1, "rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"),
+        *positive("eta", "client_lr", "batch_seconds", "tau", "round_timeout_s", "connect_timeout_s"),
+        *(
+            Rule((name,), lambda value: 0.0 <= value < 1.0, f"{name} must be in [0, 1)")
+            for name in ("beta_1", "beta_2")
+        ),
+        Rule(
+            ("max_update_norm",),
+            lambda value: value >= 0 and math.isfinite(value),
+            "max_update_norm must be >= 0 (0 = automatic)",
+        ),
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.clients, str):
             self.clients = [c for c in self.clients.split(",") if c]
@@ -166,63 +213,34 @@ class FederatedConfig:
         return round_number % self.evaluate_every == 0 or round_number == self.rounds
 
     def validate(self) -> None:
-        from speech_assets.model.presets import get_preset
-
-        get_preset(self.preset)
         problems = []
         if not self.clients:
             problems.append("clients is empty")
         if len(set(self.clients)) != len(self.clients):
             problems.append("clients has duplicates")
         problems += [f"client id {c!r} {why}" for c in self.clients if (why := why_unsafe(c))]
-        if self.client_lr_schedule not in CLIENT_LR_SCHEDULES:
-            problems.append(f"client_lr_schedule must be one of {CLIENT_LR_SCHEDULES}")
-        if self.strategy not in STRATEGIES:
-            problems.append(f"strategy must be one of {STRATEGIES}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {PRECISIONS}")
-        if not 0 <= self.min_train_nodes <= len(self.clients):
+        problems += broken_rules(self.RULES, vars(self))
+        if self.min_train_nodes > len(self.clients):
             problems.append(f"min_train_nodes must be in [0, {len(self.clients)}] (0 = all clients)")
-        if not 0 < self.fraction_train <= 1:
-            problems.append("fraction_train must be in (0, 1]")
-        for name in ("proximal_mu", "dp_noise_multiplier", "secagg_clipping_range"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                problems.append(f"{name} must be >= 0")
-        if self.differential_privacy and not (self.dp_clipping_norm > 0 and math.isfinite(self.dp_clipping_norm)):
-            problems.append("dp_clipping_norm must be > 0")
-        if not 0 < self.dp_delta < 1:
-            problems.append("dp_delta must be in (0, 1)")
         if self.secure_aggregation and (self.sample_size < 2 or self.min_train_nodes == 1):
             problems.append(
                 "secure_aggregation needs at least 2 clients per round and min_train_nodes 0 or >= 2 "
                 "(a sum of one is the update)"
             )
-        if self.secagg_num_shares and (self.secagg_num_shares < 3 or self.secagg_num_shares % 2 == 0):
-            problems.append("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
         shares = self.secagg_shares()
-        if self.secagg_threshold < 0 or (
-            self.secagg_threshold and self.secure_aggregation and not shares < 2 * self.secagg_threshold <= 2 * shares
+        if (
+            self.secagg_threshold > 0
+            and self.secure_aggregation
+            and not shares < 2 * self.secagg_threshold <= 2 * shares
         ):
             problems.append(
                 f"secagg_threshold must be 0 (automatic) or more than half of, and at most, the {shares} "
                 "shares each client makes (a threshold of half or less lets a server rebuild both "
                 "secrets of a client)"
             )
-        for name in ("rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        for name in ("eta", "client_lr", "batch_seconds", "tau", "round_timeout_s", "connect_timeout_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                problems.append(f"{name} must be > 0")
-        for name in ("beta_1", "beta_2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in [0, 1)")
         problems += [f"speaker id {s!r} {why}" for s in self.heldout_speakers if (why := why_unsafe(s))]
         if why := why_unsafe(self.run_name):
             problems.append(f"run_name {self.run_name!r} {why}")
-        if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
-            problems.append("max_update_norm must be >= 0 (0 = automatic)")
         if self.client_weights:
             if set(self.client_weights) != set(self.clients):
                 problems.append("client_weights must name exactly the clients")

@@ -74,7 +74,7 @@ class FederatedTracker:
 
         config = self.config
         self.experiment_id = ensure_experiment(self.client, self.experiment, self.tracking_uri, self.artifact_location)
-        id_file = self.paths.root / "mlflow_run_id"
+        id_file = self.paths.mlflow_run_id
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:
             self.run_id = previous
@@ -163,7 +163,7 @@ class FederatedTracker:
         for path in (self.paths.rounds_table, self.paths.evaluation_table, self.paths.run_config):
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))
-        self._log_text("result.json", json.dumps(dict(result), indent=2, sort_keys=True, default=str))
+        self._log_text(self.paths.result.name, json.dumps(dict(result), indent=2, sort_keys=True, default=str))
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def fail(self, reason: str) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from speech_assets.layout import ENCODER_ONNX, ENCODER_PT, ExportFiles, RecogniserFiles
 from speech_assets.model.batches import pad
 from speech_assets.model.hubert import HubertPretrainModel
 
@@ -173,10 +174,10 @@ def export_all(
     """``folder/encoder.onnx`` and ``folder/encoder.pt`` (TorchScript) of ``model``'s ``layer``, and
     their parity on ``feats``. Writes into ``folder`` directly: pass a temporary folder and
     rename it into place (the asset does)."""
-    encoder = ExportableEncoder(model, layer)
-    export_onnx(encoder, folder / "encoder.onnx", opset)
-    export_torchscript(encoder, folder / "encoder.pt")
-    return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats)
+    encoder, files = ExportableEncoder(model, layer), ExportFiles(folder)
+    export_onnx(encoder, files.onnx, opset)
+    export_torchscript(encoder, files.torch)
+    return check_parity(encoder, files.onnx, files.torch, feats)
 
 
 def export_recogniser(
@@ -184,12 +185,10 @@ def export_recogniser(
 ) -> Parity:
     """``folder/recogniser.onnx`` and ``folder/recogniser.pt`` (TorchScript) of ``model`` with its
     CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`)."""
-    recogniser = ExportableRecogniser(model)
-    export_onnx(recogniser, folder / "recogniser.onnx", opset, RECOGNISER_OUTPUT_NAMES)
-    export_torchscript(recogniser, folder / "recogniser.pt")
-    return check_parity(
-        recogniser, folder / "recogniser.onnx", folder / "recogniser.pt", feats, RECOGNISER_OUTPUT_NAMES
-    )
+    recogniser, files = ExportableRecogniser(model), RecogniserFiles(folder)
+    export_onnx(recogniser, files.onnx, opset, RECOGNISER_OUTPUT_NAMES)
+    export_torchscript(recogniser, files.torch)
+    return check_parity(recogniser, files.onnx, files.torch, feats, RECOGNISER_OUTPUT_NAMES)
 
 
 def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, count: int) -> list[np.ndarray]:
@@ -213,7 +212,8 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
     a comparison (the checkpoint gone or changed since the export, outputs of other lengths)."""
     from speech_assets.model.encoders import load_encoder
 
-    spec = json.loads((folder / "encoder.json").read_text())
+    files = ExportFiles(folder)
+    spec = json.loads(files.card.read_text())
     checkpoint = Path(spec["checkpoint"])
     if not checkpoint.is_file():
         return None, [f"the exported checkpoint {checkpoint} is gone: nothing to compare with"]
@@ -225,7 +225,7 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
         ]
     encoder = ExportableEncoder(loaded.model, int(spec["output"]["layer"]))
     try:
-        return check_parity(encoder, folder / "encoder.onnx", folder / "encoder.pt", feats), []
+        return check_parity(encoder, files.onnx, files.torch, feats), []
     except AssertionError as error:
         return None, [str(error)]
 
@@ -262,7 +262,7 @@ def input_description(
             "frame_rate_hz": 50,
             "input_frame_rate_hz": 100,
         },
-        "files": {"onnx": "encoder.onnx", "torchscript": "encoder.pt"},
+        "files": {"onnx": ENCODER_ONNX, "torchscript": ENCODER_PT},
         "checkpoint": checkpoint,
         "checkpoint_sha256": encoder.sha256,
         "preset": encoder.model.preset.to_dict(),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import duckdb
 
+from speech_assets.layout import RunFiles, lock_beside
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path
 
@@ -42,8 +43,6 @@ class StatsInputs:
 
 # Every kind of checkpoint the graph trains; a federated checkpoint's ``step`` counts rounds.
 CHECKPOINT_KINDS = ("centralised", "federated", "distilled", "iteration2")
-PROVENANCE_FILE = "provenance.json"  # beside a run's result.json: its git commit, MLflow and Dagster runs
-SPEED_FILE = "speed.json"  # beside a distilled run's result.json: student and teacher forward speed
 
 
 def _sql_str(value: str | os.PathLike[str]) -> str:
@@ -119,10 +118,10 @@ def run_record(kind: str, result_file: Path) -> dict:
     federated run), ``checkpoint``, ``checkpoint_sha256``, ``mlflow_run_id``, ``manifest_hash``,
     ``git_commit``, ``dagster_run_id``, ``preset``, losses and held-out accuracies."""
     r = _read_json(result_file)
-    folder = result_file.parent
-    config = _read_json(folder / "config.json")
-    provenance = _read_json(folder / PROVENANCE_FILE)
-    id_file = folder / "mlflow_run_id"
+    folder = RunFiles(result_file.parent)
+    config = _read_json(folder.config)
+    provenance = _read_json(folder.provenance)
+    id_file = folder.mlflow_run_id
     recorded_id = id_file.read_text().strip() if id_file.is_file() else None
     if kind == "federated":
         rounds = [line.get("round") for line in r.get("round_summaries") or [] if line.get("round") is not None]
@@ -135,7 +134,7 @@ def run_record(kind: str, result_file: Path) -> dict:
         "preset": r.get("preset")
         or r.get("student")
         or config.get("preset")
-        or _read_json(folder / "settings.json").get("preset"),
+        or _read_json(folder.settings).get("preset"),
         "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_id,
         "manifest_hash": (r.get("data_versions") or {}).get("manifest"),
         "git_commit": config.get("git_sha") or provenance.get("git_sha"),
@@ -220,7 +219,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
                 kind,
             ],
         )
-        speed = _read_json(path.parent / SPEED_FILE)
+        speed = _read_json(RunFiles(path.parent).speed)
         if kind == "distilled" and speed:
             con.execute(
                 "INSERT INTO distillation VALUES (?, ?, ?, ?, ?, ?)",
@@ -312,7 +311,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
 
 def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
     """(Re)build the database at ``db_path``; returns row counts of every view and table."""
-    with exclusive_lock(db_path.with_name(db_path.name + ".lock")), atomic_path(db_path) as tmp:
+    with exclusive_lock(lock_beside(db_path)), atomic_path(db_path) as tmp:
         tmp.unlink()  # DuckDB wants to create the file itself
         con = duckdb.connect(str(tmp))
         try:

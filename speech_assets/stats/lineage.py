@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from speech_assets.layout import PROVENANCE_FILE, RESULT_FILE
 from speech_assets.locations import redact_uri
 from speech_assets.model.encoders import weights_sha256
-from speech_assets.stats.database import PROVENANCE_FILE
 from speech_assets.train.checkpoint import load_checkpoint
 
 
@@ -70,4 +70,4 @@ def _beside(checkpoint: Path, name: str) -> dict[str, Any]:
 
 def _run_result(checkpoint: Path) -> dict[str, Any]:
     """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
-    return _beside(checkpoint, "result.json")
+    return _beside(checkpoint, RESULT_FILE)

@@ -115,7 +115,7 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     reused (read from ``state.npz``), so the cost is proportional to the new audio, and old
     utterances keep byte-identical labels. Quality statistics accumulate over old and new frames.
     """
-    state = ClientState.load(out_dir / STATE_FILE)
+    state = ClientState.load(TargetFiles(out_dir).state)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
     new = _label_shards(
         new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS), state.quality
@@ -123,9 +123,6 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     return write_client_targets(
         client_id, int(state.codebook.shape[0]), out_dir, state, new, new_shard_paths, append=True
     )
-
-
-STATE_FILE = "state.npz"
 
 
 @dataclass
@@ -208,7 +205,7 @@ def write_client_targets(
     labels_path = TargetFiles(out_dir).labels
     utterances = len(items) + (pq.read_metadata(labels_path).num_rows if append else 0)
     labels_path = (append_labels if append else write_labels)(labels_path, items)
-    state.save(out_dir / STATE_FILE)
+    state.save(TargetFiles(out_dir).state)
     quality = state.quality
     return ClientTargetSet(
         client_id=client_id,

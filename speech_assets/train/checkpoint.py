@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from speech_assets.layout import RunFiles
 from speech_assets.utils import atomic_path
 
 CHECKPOINT_FORMAT = 1
@@ -25,7 +26,7 @@ _STEP_FILE = re.compile(r"^step_(\d{8})\.pt$")
 
 
 def checkpoint_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunFiles(Path(run_dir)).checkpoints
 
 
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:

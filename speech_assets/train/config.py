@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from speech_assets.locations import redact_uri
-from speech_assets.model.presets import get_preset
+from speech_assets.model.presets import PRESETS
 from speech_assets.utils import atomic_write_text
 
 if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resources.py) without it
@@ -17,6 +19,58 @@ if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resourc
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of a config's fields: ``holds(*values of names)``, else the problem ``message``.
+
+    A worker config's rules are its validation, and the settings section filled into it
+    (``speech_assets.defs.resources.WorkerSettings``) checks the same rules on the fields it
+    shares, so a bad value is refused with one message wherever it is written."""
+
+    names: tuple[str, ...]
+    holds: Callable[..., bool]
+    message: str
+
+
+def broken_rules(rules: tuple[Rule, ...], values: Mapping[str, Any]) -> list[str]:
+    """The messages of the ``rules`` that ``values`` break; a rule naming a field absent from
+    ``values`` is not applied."""
+    return [
+        rule.message
+        for rule in rules
+        if all(name in values for name in rule.names) and not rule.holds(*(values[name] for name in rule.names))
+    ]
+
+
+def one_of(name: str, choices: tuple[str, ...]) -> Rule:
+    return Rule((name,), lambda value: value in choices, f"{name} must be one of {choices}")
+
+
+def at_least(low: int, *names: str) -> tuple[Rule, ...]:
+    return tuple(Rule((name,), lambda value: value >= low, f"{name} must be >= {low}") for name in names)
+
+
+def positive(*names: str) -> tuple[Rule, ...]:
+    return tuple(
+        Rule((name,), lambda value: value > 0 and math.isfinite(value), f"{name} must be > 0") for name in names
+    )
+
+
+def probabilities(*names: str) -> tuple[Rule, ...]:
+    return tuple(Rule((name,), lambda value: 0.0 <= value <= 1.0, f"{name} must be in [0, 1]") for name in names)
+
+
+def auto_or_at_least_1(name: str) -> Rule:
+    return Rule(
+        (name,),
+        lambda value: value == "auto" or (isinstance(value, int) and value >= 1),
+        f"{name} must be 'auto' or an int >= 1",
+    )
+
+
+PRESET_RULE = Rule(("preset",), lambda name: name in PRESETS, f"preset must be one of {sorted(PRESETS)}")
 
 
 @dataclass
@@ -60,6 +114,18 @@ class RunConfig:
     # Dagster run that launched it (a tag too, never a param)
     mode: str = ""
     dagster_run_id: str | None = None
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(("heldout_fraction",), lambda value: 0.0 <= value < 1.0, "heldout_fraction must be in [0, 1)"),
+        Rule(
+            ("normalisation",),
+            lambda value: value in ("utterance", "global"),
+            "normalisation must be 'utterance' or 'global'",
+        ),
+        one_of("device", DEVICES),
+        Rule(("threads",), lambda value: value is None or value >= 1, "threads must be >= 1"),
+        *at_least(1, "log_every", "max_frames"),
+    )
 
     def __post_init__(self) -> None:
         self.shards = [str(s) for s in self.shards]
@@ -131,39 +197,32 @@ class TrainConfig(RunConfig):
     noise_snr_db: list[float] = field(default_factory=lambda: [5.0, 20.0])
     specaugment: bool = False
 
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        *RunConfig.RULES,
+        PRESET_RULE,
+        one_of("precision", PRECISIONS),
+        auto_or_at_least_1("grad_accum"),
+        auto_or_at_least_1("nproc"),
+        Rule(("num_workers",), lambda value: value >= -1, "num_workers must be >= 0, or -1 for auto"),
+        Rule(("batch_seconds",), lambda value: value is None or value > 0, "batch_seconds must be > 0"),
+        *positive("target_batch_seconds", "lr"),
+        *at_least(0, "warmup_steps", "max_restarts"),
+        *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "mask_length"),
+        *probabilities("mask_prob"),
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.validate()
 
     def validate(self) -> None:
-        get_preset(self.preset)
         problems = []
         if not self.shards:
             problems.append("shards is empty")
         if not self.clients:
             problems.append("clients is empty")
         problems += [f"client {name}: k must be >= 2" for name, c in self.clients.items() if c.k < 2]
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {PRECISIONS}")
-        if self.device not in DEVICES:
-            problems.append(f"device must be one of {DEVICES}")
-        if not (self.grad_accum == "auto" or (isinstance(self.grad_accum, int) and self.grad_accum >= 1)):
-            problems.append("grad_accum must be 'auto' or an int >= 1")
-        if not (self.nproc == "auto" or (isinstance(self.nproc, int) and self.nproc >= 1)):
-            problems.append("nproc must be 'auto' or an int >= 1")
-        if self.num_workers < -1:
-            problems.append("num_workers must be >= 0, or -1 for auto")
-        if self.threads is not None and self.threads < 1:
-            problems.append("threads must be >= 1")
-        if self.batch_seconds is not None and self.batch_seconds <= 0:
-            problems.append("batch_seconds must be > 0")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            problems.append("heldout_fraction must be in [0, 1)")
-        if self.normalisation not in ("utterance", "global"):
-            problems.append("normalisation must be 'utterance' or 'global'")
-        for name in ("max_steps", "checkpoint_every", "log_every", "keep_checkpoints", "mask_length", "max_frames"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
+        problems += broken_rules(self.RULES, vars(self))
         try:
             self.augmentation()
         except (TypeError, ValueError) as error:
@@ -209,26 +268,20 @@ class DistillConfig(RunConfig):
     keep_checkpoints: int = 2
     num_workers: int = 0
 
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        *RunConfig.RULES,
+        Rule(("dim", "heads"), lambda dim, heads: heads >= 1 and dim % heads == 0, "dim must be divisible by heads"),
+        *at_least(1, "layers", "max_steps", "checkpoint_every", "keep_checkpoints", "grad_accum"),
+        *at_least(0, "warmup_steps", "num_workers"),
+        *positive("batch_seconds", "lr"),
+        Rule(("cosine_weight",), lambda value: value >= 0, "cosine_weight must be >= 0"),
+        one_of("precision", PRECISIONS),
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dim % self.heads:
-            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if (
-            min(
-                self.layers,
-                self.max_steps,
-                self.log_every,
-                self.checkpoint_every,
-                self.keep_checkpoints,
-                self.grad_accum,
-            )
-            < 1
-        ):
-            raise ValueError(
-                "layers, max_steps, log_every, checkpoint_every, keep_checkpoints and grad_accum must be >= 1"
-            )
-        if self.batch_seconds <= 0 or self.precision not in PRECISIONS:
-            raise ValueError(f"batch_seconds must be > 0 and precision one of {PRECISIONS}")
+        if problems := broken_rules(self.RULES, vars(self)):
+            raise ValueError("invalid DistillConfig: " + "; ".join(problems))
 
     @property
     def preset(self) -> str:
@@ -278,35 +331,25 @@ class FinetuneConfig(RunConfig):
     decoders: list[str] = field(default_factory=lambda: ["greedy"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
 
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        *RunConfig.RULES,
+        one_of("init", FINETUNE_INITS),
+        *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "grad_accum"),
+        *at_least(1, "mask_length", "channel_mask_length"),
+        *at_least(0, "freeze_steps"),
+        *positive("lr", "batch_seconds"),
+        Rule(
+            ("stages",),
+            lambda stages: len(stages) == 3 and min(stages) >= 0 and abs(sum(stages) - 1) <= 1e-6,
+            "stages must be three shares >= 0 adding up to 1",
+        ),
+        *probabilities("mask_prob", "channel_mask_prob"),
+        one_of("precision", PRECISIONS),
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        problems = []
-        if self.init not in FINETUNE_INITS:
-            problems.append(f"init must be one of {FINETUNE_INITS}")
-        if (
-            min(
-                self.max_steps,
-                self.log_every,
-                self.checkpoint_every,
-                self.keep_checkpoints,
-                self.grad_accum,
-                self.mask_length,
-                self.channel_mask_length,
-            )
-            < 1
-        ):
-            problems.append(
-                "max_steps, log_every, checkpoint_every, keep_checkpoints, grad_accum and mask lengths must be >= 1"
-            )
-        if self.freeze_steps < 0 or self.lr <= 0 or self.batch_seconds <= 0:
-            problems.append("freeze_steps must be >= 0, lr and batch_seconds > 0")
-        if len(self.stages) != 3 or any(s < 0 for s in self.stages) or abs(sum(self.stages) - 1) > 1e-6:
-            problems.append(f"stages must be three shares >= 0 adding up to 1, got {self.stages}")
-        if not (0 <= self.mask_prob <= 1 and 0 <= self.channel_mask_prob <= 1):
-            problems.append("mask_prob and channel_mask_prob must be in [0, 1]")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {PRECISIONS}")
-        if problems:
+        if problems := broken_rules(self.RULES, vars(self)):
             raise ValueError("invalid FinetuneConfig: " + "; ".join(problems))
 
     @property

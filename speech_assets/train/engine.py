@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
 from speech_assets.train.checkpoint import (
@@ -369,7 +370,7 @@ class Engine:
         if "val/leak_free_masked_accuracy" in held_out:
             shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
         log.info("step %d/%d %s", self.step, max_steps, shown)
-        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        with open(RunFiles(run_dir).metrics, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"step": self.step, **self.metrics, **held_out}) + "\n")
         if tracker is not None:
             tracker.log_metrics({**self.metrics, **held_out}, self.step)
@@ -438,7 +439,7 @@ class Engine:
             "weights_sha256": sha,
             **contents,
         }
-        return save_checkpoint(run_dir / "final.pt", state), sha
+        return save_checkpoint(RunFiles(run_dir).final, state), sha
 
     def barrier(self) -> None:
         if self.job.enabled:
@@ -456,7 +457,7 @@ def publish(
     ``metadata`` (``None`` values left out) as the Dagster materialization."""
     if tracker is not None:
         tracker.finish(result, Path(result["checkpoint"]))
-    atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(RunFiles(run_dir).result, json.dumps(result, indent=2, sort_keys=True) + "\n")
     if reporter is not None:
         present = {key: value for key, value in metadata.items() if value is not None}
         reporter.report(present, data_version=result["checkpoint_sha256"], paths=("checkpoint",))
@@ -470,7 +471,7 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
         yield None
         return
     tracker = MlflowTracker(config)
-    id_file = Path(config.run_dir) / "mlflow_run_id"
+    id_file = RunFiles(Path(config.run_dir)).mlflow_run_id
     previous = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else None
     tracker.start(previous or None, plan)
     atomic_write_text(id_file, tracker.run_id + "\n")

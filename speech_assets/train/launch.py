@@ -18,6 +18,7 @@ from typing import IO
 
 from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.hosts import check_endpoint, check_host
+from speech_assets.layout import RunFiles
 from speech_assets.locations import TRACKING_URI_ENV, redact_uri
 from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
 from speech_assets.runtime.processes import launcher_env
@@ -228,7 +229,7 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
     """
     plan = plan_for(config)
     log.info("autoconfig: %s", plan.reason)
-    config_path = Path(config_dir or config.run_dir) / "launch_config.json"
+    config_path = RunFiles(Path(config_dir or config.run_dir)).launch_config
 
     def attempt(attempt_config: TrainConfig, retry: int) -> int:
         attempt_config.to_json(config_path)

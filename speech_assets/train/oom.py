@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from speech_assets.layout import OOM_FILE
+from speech_assets.layout import OOM_FILE, RunFiles
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -40,21 +40,21 @@ def write_oom_marker(
     run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: str
 ) -> None:
     payload = {"rank": rank, "batch_seconds": batch_seconds, "grad_accum": grad_accum, "error": error[:2000]}
-    atomic_write_text(Path(run_dir) / OOM_MARKER, json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(RunFiles(Path(run_dir)).oom, json.dumps(payload, indent=2) + "\n")
 
 
 def read_oom_marker(run_dir: str | os.PathLike[str]) -> dict[str, object] | None:
-    path = Path(run_dir) / OOM_MARKER
+    path = RunFiles(Path(run_dir)).oom
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def detect_oom(run_dir: str | os.PathLike[str]) -> bool:
     """Whether a rank of the last attempt ran out of CUDA memory."""
-    return (Path(run_dir) / OOM_MARKER).is_file()
+    return RunFiles(Path(run_dir)).oom.is_file()
 
 
 def clear_oom(run_dir: str | os.PathLike[str]) -> None:
-    (Path(run_dir) / OOM_MARKER).unlink(missing_ok=True)
+    RunFiles(Path(run_dir)).oom.unlink(missing_ok=True)
 
 
 def retrying_oom(

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from speech_assets import locations
+from speech_assets.layout import RESULT_FILE, RUN_CONFIG_FILE, RunFiles
 from speech_assets.train.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def log_probe_results(
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    id_file = Path(run_dir) / "mlflow_run_id"
+    id_file = RunFiles(Path(run_dir)).mlflow_run_id
     run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
     if not run_id:
         return None
@@ -272,7 +273,7 @@ class MlflowTracker:
                 params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
                 tags=[RunTag("autoconfig", str(plan.get("reason", ""))[:5000])],
             )
-        self._log_text("config.json", cfg.to_json())
+        self._log_text(RUN_CONFIG_FILE, cfg.to_json())
         self._log_text("autoconfig.json", json.dumps(dict(plan), indent=2, sort_keys=True))
         self._log_text("environment.txt", installed_packages())
         self._log_text("inputs.json", json.dumps(cfg.data_versions, indent=1, sort_keys=True))
@@ -289,7 +290,7 @@ class MlflowTracker:
         (the held-out results are the ``val/`` series' last points)."""
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(summary.get("checkpoint_sha256", "")))
         self.client.log_artifact(self.run_id, str(checkpoint), artifact_path="checkpoint")
-        self._log_text("result.json", json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
+        self._log_text(RESULT_FILE, json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def fail(self) -> None:

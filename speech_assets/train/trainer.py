@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from speech_assets.features.cmvn import describe, training_cmvn
+from speech_assets.layout import CmvnFiles
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.train.augment import Augmenter
@@ -79,7 +80,7 @@ class Trainer:
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
         cmvn = training_cmvn(
-            config.normalisation, Path(config.cmvn).with_name("speaker_sums.npz"), self.speakers["train"]
+            config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, self.speakers["train"]
         )
         augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
