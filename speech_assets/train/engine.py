@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from speech_assets.model.encoders import weights_sha256
@@ -62,6 +63,7 @@ from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.train")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REPORT_RANGE = "Engine.report"  # profiler range of a step's metrics window: its reads, writes and checkpoint
 LOGGED = ("loss", "masked_accuracy", "lr", "grad_norm", "audio_seconds_per_second")  # in the step's log line
 
 
@@ -501,34 +503,36 @@ class Engine:
             timed_audio += seconds if timed else 0.0
             inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = self.step in (config.max_steps, stop_after_step) or self.step % config.checkpoint_every == 0
-            totals: list[float] | None = None
-            if checkpoint or self.step % config.log_every == 0:
-                host = torch.tensor([audio, timed_audio], dtype=torch.float64).to(window.device)
-                reduced = all_reduce(torch.cat([window, host]), self.job)
-                totals = torch.cat([reduced, grad_norm.detach().double().reshape(1).to(reduced.device)]).tolist()
-            if timed:
-                timed_seconds += time.perf_counter() - started
-            if totals is not None:
-                self.progress["audio_seconds"] += totals[-2]
-                self.progress["train_seconds"] += timed_seconds
-                self.metrics = objective.metrics(torch.tensor(totals[:-3], dtype=torch.float64)) | {
-                    "lr": float(self.scheduler.get_last_lr()[0]),
-                    "grad_norm": totals[-1],
-                    "audio_seconds_per_second": totals[-3] / max(time.perf_counter() - window_start, 1e-9),
-                    "epoch": float(stream.epoch),
-                }
-                held_out: dict[str, float] = {}
-                if checkpoint and evaluate is not None:
-                    self.evaluation = (self.step, evaluate())
-                    held_out = heldout_series(self.evaluation[1] or {})
-                if writer is not None:
-                    self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
-                if checkpoint:
+            if not (checkpoint or self.step % config.log_every == 0):
+                if timed:
+                    timed_seconds += time.perf_counter() - started
+            else:
+                with record_function(REPORT_RANGE):  # the window's one device read, its writes, the checkpoint
+                    host = torch.tensor([audio, timed_audio], dtype=torch.float64).to(window.device)
+                    reduced = all_reduce(torch.cat([window, host]), self.job)
+                    totals = torch.cat([reduced, grad_norm.detach().double().reshape(1).to(reduced.device)]).tolist()
+                    if timed:
+                        timed_seconds += time.perf_counter() - started
+                    self.progress["audio_seconds"] += totals[-2]
+                    self.progress["train_seconds"] += timed_seconds
+                    self.metrics = objective.metrics(torch.tensor(totals[:-3], dtype=torch.float64)) | {
+                        "lr": float(self.scheduler.get_last_lr()[0]),
+                        "grad_norm": totals[-1],
+                        "audio_seconds_per_second": totals[-3] / max(time.perf_counter() - window_start, 1e-9),
+                        "epoch": float(stream.epoch),
+                    }
+                    held_out: dict[str, float] = {}
+                    if checkpoint and evaluate is not None:
+                        self.evaluation = (self.step, evaluate())
+                        held_out = heldout_series(self.evaluation[1] or {})
                     if writer is not None:
-                        writer.flush()  # metrics lines up to a checkpoint are on disk before it is
-                    self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
-                window, audio, timed_audio = None, 0.0, 0.0
-                window_start, timed_seconds = time.perf_counter(), 0.0
+                        self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
+                    if checkpoint:
+                        if writer is not None:
+                            writer.flush()  # metrics lines up to a checkpoint are on disk before it is
+                        self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
+                    window, audio, timed_audio = None, 0.0, 0.0
+                    window_start, timed_seconds = time.perf_counter(), 0.0
             if self.step == stop_after_step:
                 return False
         return True
