@@ -9,7 +9,8 @@ nothing. The :class:`Engine` owns the rest of a step and of a run:
   schedule;
 - checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
   stream's position and every rank's RNG states); a new attempt resumes from the latest;
-- the metrics window: every ``log_every`` steps ``metrics.jsonl``, the log line and MLflow.
+- the metrics window: statistics kept on the device and read once every ``log_every`` steps, then
+  the log line, and ``metrics.jsonl`` and MLflow written by a background thread.
 
 Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.trainer`, HuBERT
 masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
@@ -335,11 +336,14 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._queue: queue.Queue[tuple[Callable[..., object], tuple[Any, ...]] | None] = queue.Queue()
         self._error: BaseException | None = None
+        # started by the first submit: after the loader has forked its workers, which must not
+        # inherit a lock this thread might hold
         self._thread = threading.Thread(target=self._work, name="metrics-writer", daemon=True)
-        self._thread.start()
 
     def submit(self, call: Callable[..., object], *args: Any) -> None:
         self._raise()
+        if not self._thread.is_alive():
+            self._thread.start()
         self._queue.put((call, args))
 
     def flush(self) -> None:
