@@ -331,7 +331,8 @@ class UtteranceDataset(Dataset[Example]):
     """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group.
 
     Long utterances are cropped to ``max_frames`` at :func:`crop_start` of ``(seed, epoch)``:
-    call :meth:`set_epoch` before iterating over an epoch (before a DataLoader starts its workers).
+    call :meth:`set_epoch` before reading an epoch (the training loader's :class:`BatchRequest` carries it
+    to the worker, whose copy of the dataset it sets).
     """
 
     def __init__(
