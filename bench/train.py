@@ -6,10 +6,13 @@
 
 Each configuration trains ``--steps`` steps in a fresh run directory through the real entry
 point (``python -m speech_assets.train``, under torchrun for more than one process) and reads
-``audio_seconds_per_second`` from ``result.json`` (the first step of the run is excluded).
-Without ``--config`` the data is a synthetic corpus in the real shard/label formats with
-LibriSpeech-like utterance lengths. MFU = achieved model FLOPs (analytic estimate from the
-preset, forward + backward, useful frames only) / (processes x peak dense bf16 FLOPs).
+``audio_seconds_per_second`` from ``result.json`` (the first step of the run is excluded); it also
+reports the CPU seconds the run's processes used and the epoch the last step was in. Without
+``--config`` the data is a synthetic corpus in the real shard/label formats with LibriSpeech-like
+utterance lengths, large enough by default that no step of the largest ``--nproc`` starts a new
+epoch (an epoch start restarts the loader's reading order and would be timed with the steps).
+MFU = achieved model FLOPs (analytic estimate from the preset, forward + backward, useful frames
+only) / (processes x peak dense bf16 FLOPs).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -63,6 +67,18 @@ def synthetic_config(root: Path, utterances: int) -> TrainConfig:
     return corpus.config(root / "unused")
 
 
+def corpus_utterances(steps: int, batch_seconds: float, nproc: int) -> int:
+    """Synthetic utterances (2-16 s, mean about 9 s) for ``steps`` steps on ``nproc`` processes
+    within one epoch: three times the audio the steps take, for padding and the held-out share."""
+    return max(160, int(3 * (steps + 1) * batch_seconds * nproc / 9.0) // 8 * 8 + 8)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (torchrun's workers included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_once(base: TrainConfig, nproc: int, root: Path) -> dict[str, Any]:
     config = replace(base, run_dir=str(root / f"nproc{nproc}"), nproc=nproc, mlflow_tracking_uri=None)
     config_path = root / f"config_nproc{nproc}.json"
@@ -72,10 +88,13 @@ def run_once(base: TrainConfig, nproc: int, root: Path) -> dict[str, Any]:
     else:
         command = build_torchrun_command(config_path, nproc, max_restarts=0)
     env = torchrun_env() | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cpu_before = cpu_seconds()
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if completed.returncode != 0:
         raise RuntimeError(f"nproc {nproc} failed:\n{completed.stderr[-4000:]}")
-    return json.loads((Path(config.run_dir) / "result.json").read_text())
+    result = json.loads((Path(config.run_dir) / "result.json").read_text())
+    last = json.loads((Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    return result | {"cpu_seconds": cpu_seconds() - cpu_before, "last_epoch": last.get("epoch")}
 
 
 def main() -> None:
@@ -87,7 +106,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-seconds", type=float, default=16.0, help="per device and micro-batch")
-    parser.add_argument("--utterances", type=int, default=160, help="synthetic corpus size")
+    parser.add_argument("--utterances", type=int, default=None, help="synthetic corpus size (default: one epoch)")
     parser.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / nproc)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak bf16 TFLOP/s")
     parser.add_argument("--json-out", help="also write the results here")
@@ -95,7 +114,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_train_") as folder:
         root = Path(folder)
-        base = TrainConfig.from_json(args.config) if args.config else synthetic_config(root, args.utterances)
+        utterances = args.utterances or corpus_utterances(args.steps, args.batch_seconds, max(args.nproc))
+        base = TrainConfig.from_json(args.config) if args.config else synthetic_config(root, utterances)
         base = replace(
             base,
             preset=args.preset,
@@ -129,12 +149,23 @@ def main() -> None:
             result = run_once(base, nproc, root)
             speed = float(result["audio_seconds_per_second"] or 0.0)
             achieved = speed * model.train_flops_per_second
-            row = {"nproc": nproc, "audio_seconds_per_second": speed, "achieved_tflops": achieved / 1e12}
+            row = {
+                "nproc": nproc,
+                "audio_seconds_per_second": speed,
+                "achieved_tflops": achieved / 1e12,
+                "cpu_seconds": result["cpu_seconds"],
+                "last_epoch": result["last_epoch"],
+                "load_average": os.getloadavg()[0],
+            }
             if peak:
                 row["mfu"] = achieved / (nproc * peak)
             rows.append(row)
             mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
-            print(f"nproc {nproc}: {speed:.1f} s of audio per second ({achieved / 1e9:.1f} GFLOP/s{mfu})")
+            print(
+                f"nproc {nproc}: {speed:.1f} s of audio per second ({achieved / 1e9:.1f} GFLOP/s{mfu}); "
+                f"{result['cpu_seconds']:.1f} CPU s; last step in epoch {result['last_epoch']:g}; "
+                f"load average {row['load_average']:.2f}"
+            )
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(rows, indent=2) + "\n")
 

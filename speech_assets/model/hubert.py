@@ -15,7 +15,7 @@ and excluded from attention, so an utterance's outputs do not depend on what it 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +98,18 @@ class ClientLogits:
     """Predictions of one client's head for the batch rows that belong to it.
 
     ``client``: index into :attr:`HubertPretrainModel.clients`; ``rows (B_c,)``: batch rows;
-    ``logits (B_c, L, K_c)``.
+    ``logits (B_c, L, K_c)``. ``span``: ``(start, stop)`` when the rows are the contiguous
+    ``start:stop`` (then ``rows`` is their ``arange`` and a slice selects them with no device read).
     """
 
     client: int
     rows: torch.Tensor
     logits: torch.Tensor
+    span: tuple[int, int] | None = None
+
+    def select(self, values: torch.Tensor) -> torch.Tensor:
+        """This client's rows of batch-major ``values (B, ...)``: ``(B_c, ...)``."""
+        return values[self.span[0] : self.span[1]] if self.span is not None else values[self.rows]
 
 
 @dataclass
@@ -185,16 +191,29 @@ class HubertPretrainModel(nn.Module):
         return states, EncoderOutput(hidden=states[-1], lengths=out_lengths, padding=padding)
 
     def forward(
-        self, feats: torch.Tensor, lengths: torch.Tensor, clients: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        feats: torch.Tensor,
+        lengths: torch.Tensor,
+        clients: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        groups: Sequence[tuple[int, int, int]] | None = None,
     ) -> PretrainOutput:
         """Encode and predict: ``clients (B,)`` long selects each row's head.
 
         Returns the encoder output and, for every client present in the batch, its head's
         ``logits (B_c, L, K_c)`` over that client's rows only (other heads are not used, so they
-        receive no gradient from this batch).
+        receive no gradient from this batch). ``groups``: ``(client, start, stop)`` when the rows
+        are grouped by client (the training loader's batches): the heads then take slices and
+        nothing waits for the device; without it the clients are read from ``clients``.
         """
         encoded = self.encode(feats, lengths, mask)
         outputs = []
+        if groups is not None:
+            for client, start, stop in groups:
+                rows = torch.arange(start, stop, device=clients.device)
+                logits = self.heads[client](encoded.hidden[start:stop])
+                outputs.append(ClientLogits(client, rows, logits, (start, stop)))
+            return PretrainOutput(encoder=encoded, logits=outputs)
         for client in torch.unique(clients).tolist():
             rows = torch.nonzero(clients == client).squeeze(1)
             outputs.append(ClientLogits(client, rows, self.heads[client](encoded.hidden[rows])))

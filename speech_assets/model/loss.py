@@ -36,7 +36,7 @@ def masked_prediction_loss(
     """Cross-entropy of each client's head against its own targets.
 
     Args:
-        logits: per-client ``logits (B_c, L, K_c)`` for batch ``rows (B_c,)``.
+        logits: per-client ``logits (B_c, L, K_c)`` for batch ``rows (B_c,)`` (or the ``span`` of them).
         targets: ``(B, L)`` long cluster ids, :data:`IGNORE_INDEX` on padding/unlabelled frames.
         mask: ``(B, L)`` bool, ``True`` on masked frames.
         unmasked_weight: weight of the unmasked-frame term (HuBERT default 0: masked only).
@@ -51,15 +51,17 @@ def masked_prediction_loss(
     masked_total = targets.new_zeros((), dtype=torch.float32)
     unmasked_total = targets.new_zeros((), dtype=torch.float32)
     for group in logits:
-        client_targets = targets[group.rows]
+        # masked sums, not boolean indexing: the selected frames' count is never read on the host
+        client_targets = group.select(targets)
         valid = client_targets != IGNORE_INDEX
-        client_mask = mask[group.rows]
+        client_mask = group.select(mask)
         ce = F.cross_entropy(
             group.logits.float().transpose(1, 2), client_targets, ignore_index=IGNORE_INDEX, reduction="none"
         )
         correct = group.logits.argmax(dim=-1) == client_targets
         masked, unmasked = valid & client_mask, valid & ~client_mask
-        masked_sum, unmasked_sum = ce[masked].sum(), ce[unmasked].sum()
+        masked_sum = torch.where(masked, ce, 0.0).sum()
+        unmasked_sum = torch.where(unmasked, ce, 0.0).sum()
         masked_total = masked_total + masked_sum
         unmasked_total = unmasked_total + unmasked_sum
         counts = [(correct & masked).sum(), masked.sum(), (correct & unmasked).sum(), unmasked.sum()]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -29,7 +29,9 @@ from speech_assets.features.shards import (
     feature_dtype,
     read_shard_table,
 )
+from speech_assets.model.hubert import output_lengths
 from speech_assets.model.loss import IGNORE_INDEX
+from speech_assets.model.masking import span_mask
 from speech_assets.targets.labels import read_labels
 from speech_assets.train.augment import Augmenter
 
@@ -178,29 +180,80 @@ class Example:
     labels: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SpanMasking:
+    """The span masks of a training run: ``(B, L)`` bool for 100 Hz ``lengths (B,)`` (``L`` =
+    :func:`~speech_assets.model.hubert.output_lengths` of the longest), drawn from a CPU generator
+    seeded by ``(seed, *key, step, rank, micro)``: a pure function of where the batch trains, so the
+    loader's workers can draw it ahead and a resumed run draws the same ones."""
+
+    seed: int
+    mask_prob: float
+    mask_length: int
+    rank: int = 0
+    key: tuple[int | str, ...] = ()
+
+    def __call__(self, lengths: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        return self.draw(lengths, *self.key, step, self.rank, micro)
+
+    def draw(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
+        """The mask for ``lengths (B,)`` drawn at ``(seed, *parts)``."""
+        return span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, mask_generator(self.seed, *parts))
+
+
+def mask_generator(seed: int, *parts: int | str) -> torch.Generator:
+    """CPU generator seeded from ``seed`` and ``parts`` (step, rank, micro-batch): masks are a
+    pure function of where they are drawn, independent of the global RNG."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
 @dataclass
 class Batch:
     """Padded batch: ``feats (B, T, 80)``, ``lengths (B,)``, ``targets (B, L)`` (``IGNORE_INDEX``
-    on padding), ``clients (B,)``; ``seconds`` is the unpadded audio duration."""
+    on padding), ``clients (B,)``; ``seconds`` is the unpadded audio duration.
+
+    From :func:`collate` the rows are grouped by client: ``groups`` holds ``(client, start, stop)``
+    per client present, the rows ``start:stop`` (host integers, so selecting a client's rows needs
+    no device read). ``mask (B, L)`` bool is the span mask the loader drew for the optimizer step
+    and micro-batch of ``masked_for`` (``(masking, step, micro)``); ``None`` when none was drawn.
+    """
 
     feats: torch.Tensor
     lengths: torch.Tensor
     targets: torch.Tensor
     clients: torch.Tensor
     seconds: float
+    groups: tuple[tuple[int, int, int], ...] | None = None
+    mask: torch.Tensor | None = None
+    masked_for: tuple[SpanMasking, int, int] | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor field by name (``mask`` when there is one)."""
+        fields = {"feats": self.feats, "lengths": self.lengths, "targets": self.targets, "clients": self.clients}
+        return fields if self.mask is None else fields | {"mask": self.mask}
+
+    def replace_tensors(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """A batch with ``apply`` of every tensor field and the same other fields."""
+        return replace(self, **{name: apply(tensor) for name, tensor in self.tensors().items()})
+
+    def pin_memory(self) -> Batch:
+        """Every tensor field in page-locked memory (what ``DataLoader(pin_memory=True)`` calls)."""
+        return self.replace_tensors(torch.Tensor.pin_memory)
 
     def to(self, device: torch.device) -> Batch:
         non_blocking = device.type == "cuda"
-        return Batch(
-            self.feats.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
-            self.targets.to(device, non_blocking=non_blocking),
-            self.clients.to(device, non_blocking=non_blocking),
-            self.seconds,
-        )
+        return self.replace_tensors(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
-def collate(examples: Sequence[Example]) -> Batch:
+def collate(
+    examples: Sequence[Example], masking: SpanMasking | None = None, slot: tuple[int, int] | None = None
+) -> Batch:
+    """Pad ``examples`` into a :class:`Batch` with rows grouped by client (stable: rows of one
+    client keep their order) and, given ``masking`` and ``slot = (step, micro)``, its span mask:
+    ``masking(lengths, step, micro)`` of the grouped rows."""
+    order = sorted(range(len(examples)), key=lambda row: examples[row].client)
+    examples = [examples[row] for row in order]
     lengths = torch.tensor([e.feats.shape[0] for e in examples], dtype=torch.long)
     max_frames = int(lengths.max())
     feats = torch.zeros(len(examples), max_frames, N_MELS, dtype=torch.float32)
@@ -208,8 +261,46 @@ def collate(examples: Sequence[Example]) -> Batch:
     for row, example in enumerate(examples):
         feats[row, : example.feats.shape[0]] = example.feats
         targets[row, : example.labels.shape[0]] = example.labels
-    clients = torch.tensor([e.client for e in examples], dtype=torch.long)
-    return Batch(feats, lengths, targets, clients, float(lengths.sum()) / FRAME_RATE_HZ)
+    clients = [e.client for e in examples]
+    groups = tuple(
+        (client, clients.index(client), len(clients) - clients[::-1].index(client)) for client in sorted(set(clients))
+    )
+    batch = Batch(
+        feats,
+        lengths,
+        targets,
+        torch.tensor(clients, dtype=torch.long),
+        float(lengths.sum()) / FRAME_RATE_HZ,
+        groups,
+    )
+    if masking is not None and slot is not None:
+        batch.mask, batch.masked_for = masking(lengths, *slot), (masking, *slot)
+    return batch
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One batch for the loader to build: dataset ``indices`` at ``position`` of ``epoch`` and,
+    when the optimizer step and micro-batch it trains at are known (``slot``), the ``masking`` to
+    draw its mask with."""
+
+    indices: tuple[int, ...]
+    epoch: int
+    position: int
+    slot: tuple[int, int] | None = None
+    masking: SpanMasking | None = None
+
+
+class BatchBuilder(Dataset[Batch]):
+    """Whole batches of ``dataset`` by :class:`BatchRequest`: what the loader's workers run
+    (reading, cropping at the request's epoch, padding, grouping by client, the span mask)."""
+
+    def __init__(self, dataset: UtteranceDataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, request: BatchRequest) -> Batch:  # type: ignore[override]
+        self.dataset.set_epoch(request.epoch)  # a worker's own copy: the epoch travels with the request
+        return collate([self.dataset[i] for i in request.indices], request.masking, request.slot)
 
 
 def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray:
@@ -240,7 +331,8 @@ class UtteranceDataset(Dataset[Example]):
     """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group.
 
     Long utterances are cropped to ``max_frames`` at :func:`crop_start` of ``(seed, epoch)``:
-    call :meth:`set_epoch` before iterating over an epoch (before a DataLoader starts its workers).
+    call :meth:`set_epoch` before reading an epoch (the training loader's :class:`BatchRequest` carries it
+    to the worker, whose copy of the dataset it sets).
     """
 
     def __init__(

@@ -9,7 +9,8 @@ nothing. The :class:`Engine` owns the rest of a step and of a run:
   schedule;
 - checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
   stream's position and every rank's RNG states); a new attempt resumes from the latest;
-- the metrics window: every ``log_every`` steps ``metrics.jsonl``, the log line and MLflow.
+- the metrics window: statistics kept on the device and read once every ``log_every`` steps, then
+  the log line, and ``metrics.jsonl`` and MLflow written by a background thread.
 
 Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.trainer`, HuBERT
 masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
@@ -26,8 +27,11 @@ import json
 import logging
 import math
 import os
+import queue
 import random
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from speech_assets.layout import RunFiles
@@ -54,12 +59,13 @@ from speech_assets.train.checkpoint import (
     save_checkpoint,
 )
 from speech_assets.train.config import RunConfig
-from speech_assets.train.data import Batch, RankSampler, UtteranceDataset, collate
+from speech_assets.train.data import Batch, BatchBuilder, BatchRequest, RankSampler, SpanMasking, UtteranceDataset
 from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.train")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REPORT_RANGE = "Engine.report"  # profiler range of a step's metrics window: its reads, writes and checkpoint
 LOGGED = ("loss", "masked_accuracy", "lr", "grad_norm", "audio_seconds_per_second")  # in the step's log line
 
 
@@ -171,7 +177,15 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
 
 class BatchStream:
     """Endless stream of this rank's batches from ``sampler`` starting at ``(epoch, position)``;
-    :meth:`state` is the position to resume from (batches already yielded)."""
+    :meth:`state` is the position to resume from (batches already yielded).
+
+    One DataLoader serves every epoch: its workers (``sampler.num_workers``) persist across epoch
+    boundaries, each batch request carrying its epoch (crops move with it). They build whole
+    batches (:class:`~speech_assets.train.data.BatchBuilder`): rows grouped by client and, once
+    :meth:`schedule` says at which optimizer step the next batch trains, the span mask. On a CUDA
+    ``device`` batches arrive pinned and the next one is copied on a side stream while the current
+    one trains; elsewhere they stay where the loader built them.
+    """
 
     def __init__(
         self,
@@ -181,44 +195,106 @@ class BatchStream:
         pin_memory: bool = False,
         epoch: int = 0,
         position: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
         self.epoch, self.position = epoch, position
-        self._batches_in_epoch = 0
-        self._iterator: Iterator[Batch] | None = None
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._sizes: dict[int, int] = {}
+        self._loader: DataLoader[Batch] | None = None
+        self._slots: tuple[int, int, SpanMasking | None] | None = None  # first step, grad_accum, masking
+        self._copies: torch.cuda.Stream | None = None
+        self._restart()
 
     def __iter__(self) -> BatchStream:
         return self
 
-    def __next__(self) -> Batch:
+    def schedule(self, first_step: int, grad_accum: int, masking: SpanMasking | None) -> None:
+        """The next batch trains at optimizer step ``first_step``, micro-batch 0, and every step takes
+        ``grad_accum`` batches: the loader draws each batch's mask with ``masking`` (``None``: none)."""
+        self._slots = (first_step, grad_accum, masking)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Drop what the loader prepared ahead; its next iteration starts at the handed-out position."""
+        self._iterator: Iterator[Batch] | None = None
+        self._ahead: tuple[Batch, int, int] | None = None  # copied to the device, not yet handed out
+        self._issued = 0  # requests made since the last schedule or restart
+        self._next_request = (self.epoch, self.position)  # where the loader's next iteration starts
+        self._pending: deque[tuple[int, int]] = deque()  # (epoch, position) of requests not yet received
+
+    def _requests(self) -> Iterator[BatchRequest]:
+        epoch, start = self._next_request
+        batches = self.sampler.batches(epoch)
+        self._sizes[epoch] = len(batches)
+        self._next_request = (epoch + 1, 0)
+        for position in range(start, len(batches)):
+            slot, masking = None, None
+            if self._slots is not None:
+                first, accum, masking = self._slots
+                slot = (first + self._issued // accum, self._issued % accum)
+            self._issued += 1
+            self._pending.append((epoch, position))
+            yield BatchRequest(tuple(batches[position]), epoch, position, slot, masking)
+
+    def _from_loader(self) -> tuple[Batch, int, int]:
+        """The loader's next batch and the stream's (epoch, position) once it is handed out."""
         while True:
             if self._iterator is None:
-                self.dataset.set_epoch(self.epoch)  # crops of long utterances move with the epoch
-                batches = self.sampler.batches(self.epoch)
-                self._batches_in_epoch = len(batches)
-                loader = DataLoader(
-                    self.dataset,
-                    batch_sampler=batches[self.position :],
-                    collate_fn=collate,
-                    num_workers=self.sampler.num_workers,
-                    pin_memory=self.pin_memory,
-                    # Own generator: creating a loader must not consume the global RNG.
-                    generator=torch.Generator().manual_seed(self.seed),
-                )
-                self._iterator = iter(loader)
+                if self._loader is None:
+                    workers = self.sampler.num_workers
+                    self._loader = DataLoader(
+                        BatchBuilder(self.dataset),
+                        batch_size=None,
+                        sampler=_Requests(self),
+                        num_workers=workers,
+                        pin_memory=self.pin_memory,
+                        persistent_workers=workers > 0,
+                        # Own generator: creating a loader must not consume the global RNG.
+                        generator=torch.Generator().manual_seed(self.seed),
+                    )
+                self._iterator = iter(self._loader)
             try:
                 batch = next(self._iterator)
             except StopIteration:
-                self.epoch, self.position, self._iterator = self.epoch + 1, 0, None
+                self._iterator = None  # the next iteration (same workers) reads the next epoch
                 continue
-            self.position += 1
+            epoch, position = self._pending.popleft()  # the loader yields in request order
+            return batch, epoch, position + 1
+
+    def __next__(self) -> Batch:
+        if self.device is None:
+            batch, self.epoch, self.position = self._from_loader()
             return batch
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(self.device)
+        if self._ahead is None:
+            self._ahead = self._copy_ahead()
+        batch, epoch, position = self._ahead
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._copies)
+        for tensor in batch.tensors().values():
+            tensor.record_stream(current)  # allocated on the copy stream, used on this one
+        self._ahead = self._copy_ahead()
+        self.epoch, self.position = epoch, position
+        return batch
+
+    def _copy_ahead(self) -> tuple[Batch, int, int]:
+        batch, epoch, position = self._from_loader()
+        assert self._copies is not None and self.device is not None
+        with torch.cuda.stream(self._copies):
+            return batch.to(self.device), epoch, position
+
+    def _size(self, epoch: int) -> int:
+        if epoch not in self._sizes:
+            self._sizes[epoch] = len(self.sampler.batches(epoch))
+        return self._sizes[epoch]
 
     def state(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "position": self.position,
-            "batches_in_epoch": self._batches_in_epoch or len(self.sampler.batches(self.epoch)),
+            "batches_in_epoch": self._size(self.epoch),
             "batch_seconds": self.sampler.batch_seconds,
             "world_size": self.sampler.num_replicas,
         }
@@ -228,9 +304,80 @@ class BatchStream:
         the same fraction of the epoch."""
         epoch, position = int(state["epoch"]), int(state["position"])
         if (state["batch_seconds"], state["world_size"]) != (self.sampler.batch_seconds, self.sampler.num_replicas):
-            position = round(position * len(self.sampler.batches(epoch)) / max(int(state["batches_in_epoch"]), 1))
+            position = round(position * self._size(epoch) / max(int(state["batches_in_epoch"]), 1))
             log.warning("batching changed since the checkpoint; continuing epoch %d at batch %d", epoch, position)
-        self.epoch, self.position, self._iterator = epoch, position, None
+        self.epoch, self.position = epoch, position
+        self._restart()
+
+
+class _Requests:
+    """The loader's sampler: each iteration yields the batch requests of the stream's next epoch
+    (from its position), so a persistent loader walks epoch after epoch."""
+
+    def __init__(self, stream: BatchStream) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[BatchRequest]:
+        return self.stream._requests()
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to the text file ``path``."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+
+
+class BackgroundWriter:
+    """Rank 0's metrics writes (``metrics.jsonl`` lines, MLflow calls), run in submission order by
+    one thread so that the training loop never waits on a disk or a server. :meth:`flush` waits for
+    everything submitted, :meth:`close` flushes and joins; a call that raised is reported by the
+    next :meth:`submit`, :meth:`flush` or :meth:`close` (the calls after it still run: no line is
+    dropped because MLflow failed)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Callable[..., object], tuple[Any, ...]] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        # started by the first submit: after the loader has forked its workers, which must not
+        # inherit a lock this thread might hold
+        self._thread = threading.Thread(target=self._work, name="metrics-writer", daemon=True)
+
+    def submit(self, call: Callable[..., object], *args: Any) -> None:
+        self._raise()
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._queue.put((call, args))
+
+    def flush(self) -> None:
+        self._queue.join()
+        self._raise()
+
+    def close(self, quiet: bool = False) -> None:
+        """Write what was submitted and stop the thread; ``quiet``: log a failed write instead of raising."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if quiet and self._error is not None:
+            log.error("writing metrics failed: %r", self._error)
+            return
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing metrics failed: {error!r}") from error
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                call, args = item
+                call(*args)
+            except Exception as error:  # kept for the training thread to raise
+                self._error = self._error or error
+            finally:
+                self._queue.task_done()
 
 
 class Engine:
@@ -325,55 +472,93 @@ class Engine:
         returns ``False``: a simulated preemption). ``evaluate`` (collective: every rank calls it;
         deterministic, it draws nothing from the training RNG) runs before each checkpoint: its
         numbers join the step's metrics as ``val/<name>`` and it is kept as :attr:`evaluation`."""
-        window: torch.Tensor | None = None  # statistics, audio seconds, audio seconds of timed steps
+        stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
+        writer = BackgroundWriter() if self.job.is_main else None
+        try:
+            finished = self._steps(objective, stream, config, stop_after_step, tracker, evaluate, writer)
+        except BaseException:
+            if writer is not None:
+                writer.close(quiet=True)  # what was submitted is written; the training error wins
+            raise
+        if writer is not None:
+            writer.close()
+        return finished
+
+    def _steps(
+        self,
+        objective: Objective,
+        stream: BatchStream,
+        config: RunConfig,
+        stop_after_step: int | None,
+        tracker: MlflowTracker | None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | None,
+        writer: BackgroundWriter | None,
+    ) -> bool:
+        # The window's statistics stay on the device; they, the gradient norm and the audio
+        # seconds are read once per log_every steps, in one transfer.
+        window: torch.Tensor | None = None
+        audio, timed_audio = 0.0, 0.0  # seconds of audio in the window, and in its timed steps
         window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
         while self.step < config.max_steps:
             started = time.perf_counter()
             stats, seconds, grad_norm = self.train_step(objective, stream)
-            if window is None:
-                window = torch.zeros(stats.numel() + 2, dtype=torch.float64, device=stats.device)
-            window[:-2] += stats
-            window[-2] += seconds
-            if self.step > first_step:  # the first step of an attempt pays for warm-up
-                window[-1] += seconds
-                timed_seconds += time.perf_counter() - started
+            window = stats.detach().clone() if window is None else window.add_(stats)
+            timed = self.step > first_step  # the first step of an attempt pays for warm-up
+            audio += seconds
+            timed_audio += seconds if timed else 0.0
             inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = self.step in (config.max_steps, stop_after_step) or self.step % config.checkpoint_every == 0
-            if checkpoint or self.step % config.log_every == 0:
-                totals = all_reduce(window.clone(), self.job).tolist()
-                self.progress["audio_seconds"] += totals[-1]
-                self.progress["train_seconds"] += timed_seconds
-                self.metrics = objective.metrics(torch.tensor(totals[:-2], dtype=torch.float64)) | {
-                    "lr": float(self.scheduler.get_last_lr()[0]),
-                    "grad_norm": float(grad_norm),
-                    "audio_seconds_per_second": totals[-2] / max(time.perf_counter() - window_start, 1e-9),
-                    "epoch": float(stream.epoch),
-                }
-                held_out: dict[str, float] = {}
-                if checkpoint and evaluate is not None:
-                    self.evaluation = (self.step, evaluate())
-                    held_out = heldout_series(self.evaluation[1] or {})
-                if self.job.is_main:
-                    self._report(Path(config.run_dir), config.max_steps, tracker, held_out)
-                if checkpoint:
-                    self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
-                window.zero_()
-                window_start, timed_seconds = time.perf_counter(), 0.0
+            if not (checkpoint or self.step % config.log_every == 0):
+                if timed:
+                    timed_seconds += time.perf_counter() - started
+            else:
+                with record_function(REPORT_RANGE):  # the window's one device read, its writes, the checkpoint
+                    host = torch.tensor([audio, timed_audio], dtype=torch.float64).to(window.device)
+                    reduced = all_reduce(torch.cat([window, host]), self.job)
+                    totals = torch.cat([reduced, grad_norm.detach().double().reshape(1).to(reduced.device)]).tolist()
+                    if timed:
+                        timed_seconds += time.perf_counter() - started
+                    self.progress["audio_seconds"] += totals[-2]
+                    self.progress["train_seconds"] += timed_seconds
+                    self.metrics = objective.metrics(torch.tensor(totals[:-3], dtype=torch.float64)) | {
+                        "lr": float(self.scheduler.get_last_lr()[0]),
+                        "grad_norm": totals[-1],
+                        "audio_seconds_per_second": totals[-3] / max(time.perf_counter() - window_start, 1e-9),
+                        "epoch": float(stream.epoch),
+                    }
+                    held_out: dict[str, float] = {}
+                    if checkpoint and evaluate is not None:
+                        self.evaluation = (self.step, evaluate())
+                        held_out = heldout_series(self.evaluation[1] or {})
+                    if writer is not None:
+                        self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
+                    if checkpoint:
+                        if writer is not None:
+                            writer.flush()  # metrics lines up to a checkpoint are on disk before it is
+                        self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
+                    window, audio, timed_audio = None, 0.0, 0.0
+                    window_start, timed_seconds = time.perf_counter(), 0.0
             if self.step == stop_after_step:
                 return False
         return True
 
     def _report(
-        self, run_dir: Path, max_steps: int, tracker: MlflowTracker | None, held_out: Mapping[str, float]
+        self,
+        run_dir: Path,
+        max_steps: int,
+        tracker: MlflowTracker | None,
+        held_out: Mapping[str, float],
+        writer: BackgroundWriter,
     ) -> None:
         shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
         if "val/leak_free_masked_accuracy" in held_out:
             shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
         log.info("step %d/%d %s", self.step, max_steps, shown)
-        with open(RunFiles(run_dir).metrics, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": self.step, **self.metrics, **held_out}) + "\n")
+        writer.submit(
+            append_line, RunFiles(run_dir).metrics, json.dumps({"step": self.step, **self.metrics, **held_out})
+        )
         if tracker is not None:
-            tracker.log_metrics({**self.metrics, **held_out}, self.step)
+            writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
 
     # ---------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:

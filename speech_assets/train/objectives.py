@@ -9,7 +9,7 @@ at 100 Hz, ``lengths (B,)``, ``clients (B,)`` (each sample's head) and ``targets
 
 from __future__ import annotations
 
-import hashlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,22 +22,26 @@ from torch.utils.data import DataLoader
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths
 from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
 from speech_assets.model.masking import leak_free, pipeline_label_radius, span_mask
-from speech_assets.train.data import Batch, CorpusIndex, UtteranceDataset, UtteranceRef, collate, eval_batches
+from speech_assets.train.data import (
+    Batch,
+    CorpusIndex,
+    SpanMasking,
+    UtteranceDataset,
+    UtteranceRef,
+    collate,
+    eval_batches,
+    mask_generator,
+)
 from speech_assets.train.engine import Distributed, all_reduce, autocast
-
-
-def mask_generator(seed: int, *parts: int | str) -> torch.Generator:
-    """CPU generator seeded from ``seed`` and ``parts`` (step, rank, micro-batch): masks are a
-    pure function of where they are drawn, independent of the global RNG."""
-    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 class MaskedPrediction:
     """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times
-    the unmasked ones). Masks are drawn from ``(seed, *key, step, rank, micro)``.
+    the unmasked ones). Masks are drawn from ``(seed, *key, step, rank, micro)`` (:attr:`masking`):
+    by the loader's workers when the batch stream knows the step (the batch carries the mask),
+    else here, on the host.
 
-    Call: ``model`` (a :class:`HubertPretrainModel`, or DDP of it), a CPU ``batch`` -> the loss
+    Call: ``model`` (a :class:`HubertPretrainModel`, or DDP of it), a ``batch`` -> the loss
     ``()`` and statistics ``(6,)`` float64 (:data:`speech_assets.model.loss.STAT_FIELDS`).
     """
 
@@ -54,21 +58,21 @@ class MaskedPrediction:
         key: tuple[int | str, ...] = (),
     ) -> None:
         self.model, self.device, self.rank, self.key = model, device, rank, key
-        self.seed, self.mask_prob, self.mask_length, self.unmasked_weight = (
-            seed,
-            mask_prob,
-            mask_length,
-            unmasked_weight,
-        )
+        self.unmasked_weight = unmasked_weight
+        self.masking = SpanMasking(seed, mask_prob, mask_length, rank, key)
 
     def mask(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
         """``(B, L)`` bool span mask for feature ``lengths (B,)``, drawn at ``parts``."""
-        return span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, mask_generator(self.seed, *parts))
+        return self.masking.draw(lengths, *parts)
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = self.mask(batch.lengths, *self.key, step, self.rank, micro).to(self.device)
+        drawn_for = (self.masking, step, micro)
+        if batch.mask is None or batch.masked_for != drawn_for:
+            batch = replace(batch, mask=self.masking(batch.lengths, step, micro), masked_for=drawn_for)
         batch = batch.to(self.device)
-        output = model(batch.feats, batch.lengths, batch.clients, mask)
+        mask = batch.mask
+        assert mask is not None
+        output = model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups)
         loss = masked_prediction_loss(output.logits, batch.targets, mask, self.unmasked_weight)
         return loss.loss + idle_heads_term(self.model, output.logits), loss.stats
 
@@ -117,17 +121,17 @@ class MaskedPrediction:
             mask = self.mask(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
-                output = self.model(batch.feats, batch.lengths, batch.clients, mask)
+                output = self.model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups)
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
             interior = torch.zeros_like(mask)
             interior[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
             hidden = leak_free(mask, radius)
             for group in output.logits:
-                targets = batch.targets[group.rows]
-                scored = mask[group.rows] & (targets != IGNORE_INDEX)
+                targets = group.select(batch.targets)
+                scored = group.select(mask) & (targets != IGNORE_INDEX)
                 correct = (group.logits.argmax(dim=-1) == targets) & scored
                 hits = (targets == majority_labels[group.client]) & scored
-                inner, free = interior[group.rows], hidden[group.rows]
+                inner, free = group.select(interior), group.select(hidden)
                 counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
                 counts += [scored & free, correct & free, hits & free]
                 per_client[group.client] += torch.stack([c.sum() for c in counts]).double()
@@ -204,6 +208,7 @@ class Proximal:
         self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float
     ) -> None:
         self.inner, self.model, self.mu = inner, model, mu
+        self.masking = inner.masking
         device = next(model.parameters()).device
         self.reference = {name: tensor.detach().to(device) for name, tensor in reference.items()}
 

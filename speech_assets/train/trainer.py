@@ -137,7 +137,8 @@ class Trainer:
             rank=job.rank,
         )
         seed_everything(config.seed + 1 + job.rank)  # distinct dropout streams per rank
-        self.stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=job.device.type == "cuda")
+        cuda = job.device.type == "cuda"
+        self.stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=cuda, device=job.device)
         self.engine.resume(config.run_dir, self.stream, model_identity)
 
     @property
