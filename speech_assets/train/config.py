@@ -114,8 +114,14 @@ class TrainConfig(RunConfig):
     lr: float = 2e-3
     warmup_steps: int = 30
     checkpoint_every: int = 100
+    # also a checkpoint at the first log step this many minutes after the last one (0: steps only)
+    checkpoint_minutes: float = 0.0
+    # hash and write checkpoints in a background thread (the step waits for a copy to host memory)
+    background_checkpoints: bool = True
     keep_checkpoints: int = 3
     precision: str = "auto"
+    # the encoder through torch.compile (dynamic shapes); off: eager
+    compile: bool = False
     # the loss on unmasked frames too (fairseq's pred_nomask_weight; HuBERT's is 0): at the learning
     # benchmark's budget 1.0 took leak-free held-out accuracy from 1.5x to 2.2x the majority rate and
     # the probe's CER from 0.83x to 0.70x fbank's (docs/BENCHMARKS.md)
@@ -157,6 +163,8 @@ class TrainConfig(RunConfig):
             problems.append("threads must be >= 1")
         if self.batch_seconds is not None and self.batch_seconds <= 0:
             problems.append("batch_seconds must be > 0")
+        if not self.checkpoint_minutes >= 0:
+            problems.append("checkpoint_minutes must be >= 0")
         if not 0.0 <= self.heldout_fraction < 1.0:
             problems.append("heldout_fraction must be in [0, 1)")
         if self.normalisation not in ("utterance", "global"):
