@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -69,7 +70,17 @@ def run_once(base: TrainConfig, nproc: int, root: Path) -> dict[str, Any]:
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if completed.returncode != 0:
         raise RuntimeError(f"nproc {nproc} failed:\n{completed.stderr[-4000:]}")
-    return json.loads((Path(config.run_dir) / "result.json").read_text())
+    result = json.loads((Path(config.run_dir) / "result.json").read_text())
+    metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    result["epoch"] = metrics[-1].get("epoch") if metrics else None
+    return result
+
+
+def corpus_size(steps: int, batch_seconds: float, nproc: int, mean_seconds: float = 9.0) -> int:
+    """Utterances (of 2-16 s, mean ~9 s) for ``steps`` (+ warm-up) steps of every process with a
+    quarter to spare (and the held-out share), so that no timed step crosses an epoch (a new
+    DataLoader, its workers started again, inside the timed window)."""
+    return max(160, math.ceil(1.3 * (steps + 2) * batch_seconds * nproc / mean_seconds))
 
 
 def main() -> None:
@@ -81,7 +92,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-seconds", type=float, default=16.0, help="per device and micro-batch")
-    parser.add_argument("--utterances", type=int, default=160, help="synthetic corpus size")
+    parser.add_argument(
+        "--utterances", type=int, default=None, help="synthetic corpus size (default: enough for one epoch)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / nproc)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak bf16 TFLOP/s")
     parser.add_argument("--json-out", help="also write the results here")
@@ -89,7 +102,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_train_") as folder:
         root = Path(folder)
-        base = TrainConfig.from_json(args.config) if args.config else synthetic_config(root, args.utterances)
+        utterances = args.utterances or corpus_size(args.steps, args.batch_seconds, max(args.nproc))
+        base = TrainConfig.from_json(args.config) if args.config else synthetic_config(root, utterances)
         base = replace(
             base,
             preset=args.preset,
@@ -123,7 +137,17 @@ def main() -> None:
             result = run_once(base, nproc, root)
             speed = float(result["audio_seconds_per_second"] or 0.0)
             achieved = speed * model.train_flops_per_second
-            row = {"nproc": nproc, "audio_seconds_per_second": speed, "achieved_tflops": achieved / 1e12}
+            row = {
+                "nproc": nproc,
+                "audio_seconds_per_second": speed,
+                "achieved_tflops": achieved / 1e12,
+                "precision": base.precision,
+                "batch_seconds": args.batch_seconds,
+                "steps": args.steps,
+                "final_loss": result.get("final_loss"),
+                "epoch_at_end": result.get("epoch"),  # 0: no step crossed an epoch
+                "corpus_seconds": data.total_seconds,
+            }
             if peak:
                 row["mfu"] = achieved / (nproc * peak)
             rows.append(row)
