@@ -32,26 +32,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from speech_assets.train.autoconfig import profile_dataset, profile_hardware, profile_model  # noqa: E402
+from speech_assets.train.autoconfig import (  # noqa: E402
+    peak_bf16_flops,
+    profile_dataset,
+    profile_hardware,
+    profile_model,
+)
 from speech_assets.train.config import TrainConfig  # noqa: E402
 from speech_assets.train.launch import build_torchrun_command, torchrun_env  # noqa: E402
-
-# Peak dense bf16 tensor-core FLOP/s by GPU name substring (first match wins).
-PEAK_BF16_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10", 125e12),
-    ("L4", 121e12),
-)
 
 
 def peak_flops(gpu_name: str | None, override_tflops: float | None) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
-    return next((flops for key, flops in PEAK_BF16_FLOPS if gpu_name and key in gpu_name), None)
+    return peak_bf16_flops(gpu_name)
 
 
 def synthetic_config(root: Path, utterances: int) -> TrainConfig:
@@ -154,8 +148,13 @@ def main() -> None:
                 "audio_seconds_per_second": speed,
                 "achieved_tflops": achieved / 1e12,
                 "cpu_seconds": result["cpu_seconds"],
-                "last_epoch": result["last_epoch"],
                 "load_average": os.getloadavg()[0],
+                "precision": base.precision,
+                "batch_seconds": args.batch_seconds,
+                "steps": args.steps,
+                "final_loss": result.get("final_loss"),
+                "epoch_at_end": result["last_epoch"],  # 0: no step crossed an epoch
+                "corpus_seconds": data.total_seconds,
             }
             if peak:
                 row["mfu"] = achieved / (nproc * peak)

@@ -8,6 +8,12 @@ non-overlapping pairs of input frames)
 -> pre-LN Transformer encoder -> ``hidden (B, L, D)`` -> one linear head per client
 -> ``logits (B_c, L, K_c)`` for the rows of each client ``c``.
 
+The Transformer is :class:`SdpaEncoder` (``attention="sdpa"``, the default): the same pre-LN
+layers as ``nn.TransformerEncoder`` with the same parameter names (checkpoints load either way)
+and the same initial weights, but attention through ``F.scaled_dot_product_attention`` with no
+mask at all when the batch has no padding (the flash/cuDNN kernels) and a boolean key mask
+otherwise (never an additive float mask). ``attention="reference"`` keeps ``nn.TransformerEncoder``.
+
 The encoder is shared; every client has its own head because its k-means codebook (and so the
 meaning of its cluster ids) is its own. Padded positions are zeroed before every convolution
 and excluded from attention, so an utterance's outputs do not depend on what it is batched with.
@@ -15,6 +21,7 @@ and excluded from attention, so an utterance's outputs do not depend on what it 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -118,43 +125,129 @@ class PretrainOutput:
     logits: list[ClientLogits]
 
 
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "reference")
+
+
+class SdpaEncoderLayer(nn.Module):
+    """Pre-LN Transformer layer, ``(B, L, D)`` -> ``(B, L, D)``, with attention through
+    ``F.scaled_dot_product_attention``.
+
+    The parameters are those of ``nn.TransformerEncoderLayer(norm_first=True, activation="gelu")``
+    under the same names (``self_attn.in_proj_weight``, ``self_attn.out_proj``, ``linear1``,
+    ``linear2``, ``norm1``, ``norm2``): one is built and its modules are kept, so the initial
+    weights and the RNG draws are the reference layer's too.
+    """
+
+    def __init__(self, dim: int, heads: int, ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        reference = nn.TransformerEncoderLayer(
+            dim, heads, ffn_dim, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.self_attn = reference.self_attn
+        self.linear1, self.linear2 = reference.linear1, reference.linear2
+        self.norm1, self.norm2 = reference.norm1, reference.norm2
+        self.heads, self.attention_dropout = heads, dropout
+        self.dropout = nn.Dropout(dropout)
+
+    def attend(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Self-attention of ``x (B, L, D)``; ``keep (B, 1, 1, L)`` bool marks the keys to attend
+        (``None``: all, which lets CUDA pick the flash or cuDNN kernel)."""
+        batch, length, dim = x.shape
+        qkv = F.linear(x, self.self_attn.in_proj_weight, self.self_attn.in_proj_bias)
+        q, k, v = qkv.view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        dropout = self.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout)
+        return self.self_attn.out_proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+    def block(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.dropout(self.attend(self.norm1(x), keep))
+        return x + self.dropout(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+
+    def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (B, L, D)``, ``src_key_padding_mask (B, L)`` bool (``True`` = pad) or ``None``."""
+        return self.block(x, key_mask(src_key_padding_mask))
+
+
+def key_mask(padding: torch.Tensor | None) -> torch.Tensor | None:
+    """``(B, 1, 1, L)`` bool, ``True`` on the keys to attend, for ``padding (B, L)`` (``True`` = pad)."""
+    return None if padding is None else ~padding[:, None, None, :]
+
+
+class SdpaEncoder(nn.Module):
+    """``layers`` copies of one :class:`SdpaEncoderLayer` (as ``nn.TransformerEncoder`` clones its
+    layer) and a final LayerNorm ``norm``: ``(B, L, D)`` -> ``(B, L, D)``."""
+
+    def __init__(self, layer: SdpaEncoderLayer, layers: int, norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(layers))
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        keep = key_mask(src_key_padding_mask)
+        for layer in self.layers:
+            x = layer.block(x, keep)
+        return self.norm(x)
+
+
+def has_padding(lengths: torch.Tensor, frames: int) -> bool:
+    """Whether a batch of input ``lengths (B,)`` padded to ``frames`` has padding at 50 Hz.
+
+    Answered ``True`` (keep the mask) unless it can be known without a device sync or a
+    data-dependent branch in a traced graph: ``lengths`` on the host, eager mode.
+    """
+    if lengths.device.type != "cpu" or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return True
+    return bool(output_lengths(lengths).min() < (frames + 1) // 2) if lengths.numel() else False
+
+
 class HubertPretrainModel(nn.Module):
     """Shared encoder plus one prediction head per client (codebook sizes ``client_ks``).
 
     Clients are ordered by name; ``clients[i]`` is the client whose samples carry index ``i``.
+    ``attention``: ``"sdpa"`` (:class:`SdpaEncoder`) or ``"reference"`` (``nn.TransformerEncoder``);
+    both have the same state-dict keys and initial weights.
     """
 
-    def __init__(self, preset: ModelPreset, client_ks: Mapping[str, int]) -> None:
+    def __init__(self, preset: ModelPreset, client_ks: Mapping[str, int], attention: str = "sdpa") -> None:
         super().__init__()
         if not client_ks:
             raise ValueError("need at least one client codebook")
         if preset.dim % preset.heads:
             raise ValueError(f"dim {preset.dim} is not divisible by heads {preset.heads}")
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention {attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        self.attention = attention
         self.preset = preset
         self.clients: list[str] = sorted(client_ks)
         self.frontend = ConvSubsampler(preset.input_dim, preset.conv_channels, preset.dim, preset.dropout)
         self.mask_embedding = nn.Parameter(torch.empty(preset.dim).uniform_())
         self.position = ConvPositionalEmbedding(preset.dim, preset.pos_kernel, preset.pos_groups)
         self.dropout = nn.Dropout(preset.dropout)
-        layer = nn.TransformerEncoderLayer(
-            preset.dim,
-            preset.heads,
-            preset.ffn_dim,
-            dropout=preset.dropout,
-            activation="gelu",
-            batch_first=True,
-            norm_first=True,
-        )
-        self.encoder = nn.TransformerEncoder(
-            layer, preset.layers, norm=nn.LayerNorm(preset.dim), enable_nested_tensor=False
-        )
+        self.encoder: nn.Module
+        if attention == "sdpa":
+            layer = SdpaEncoderLayer(preset.dim, preset.heads, preset.ffn_dim, preset.dropout)
+            self.encoder = SdpaEncoder(layer, preset.layers, nn.LayerNorm(preset.dim))
+        else:
+            reference = nn.TransformerEncoderLayer(
+                preset.dim,
+                preset.heads,
+                preset.ffn_dim,
+                dropout=preset.dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            self.encoder = nn.TransformerEncoder(
+                reference, preset.layers, norm=nn.LayerNorm(preset.dim), enable_nested_tensor=False
+            )
         self.heads = nn.ModuleList(nn.Linear(preset.dim, client_ks[name]) for name in self.clients)
 
     def embed(
         self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The Transformer's input ``(B, L, D)``, 50 Hz ``lengths (B,)`` and ``padding (B, L)``."""
-        x, out_lengths = self.frontend(feats, lengths)
+        """The Transformer's input ``(B, L, D)``, 50 Hz ``lengths (B,)`` and ``padding (B, L)``
+        (``lengths`` may be on the host: they are moved to ``feats``' device)."""
+        x, out_lengths = self.frontend(feats, lengths.to(feats.device, non_blocking=True))
         padding = padding_mask(out_lengths, x.shape[1])
         if mask is not None:
             if mask.shape != padding.shape:
@@ -170,8 +263,15 @@ class HubertPretrainModel(nn.Module):
         (``L = (max T + 1) // 2``); ``None`` masks nothing.
         """
         x, out_lengths, padding = self.embed(feats, lengths, mask)
-        hidden = self.encoder(x, src_key_padding_mask=padding)
+        masked = self.attention == "reference" or has_padding(lengths, feats.shape[1])
+        hidden = self.encoder(x, src_key_padding_mask=padding if masked else None)
         return EncoderOutput(hidden=hidden, lengths=out_lengths, padding=padding)
+
+    def compile_encoder(self, **options: object) -> None:
+        """``torch.compile`` the Transformer in place (parameter names unchanged), with dynamic
+        batch and time (one graph for every batch shape, one more for the mask-free case) unless
+        ``options`` say otherwise (``backend``, ``mode``, ``dynamic``)."""
+        self.encoder.compile(**({"dynamic": True} | options))
 
     def hidden_states(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[list[torch.Tensor], EncoderOutput]:
         """Every layer's output for unmasked ``feats (B, T, 80)``: ``layers + 1`` tensors ``(B, L, D)``.

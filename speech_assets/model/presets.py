@@ -31,18 +31,23 @@ class ModelPreset:
         return asdict(self)
 
     def train_flops_per_frame(self, mean_frames: float, ks: list[int]) -> float:
-        """Training FLOPs (forward + backward = 3x forward) per 50 Hz output frame.
+        """Training FLOPs per 50 Hz output frame: forward + backward, the backward twice the
+        forward (input and weight gradients) except for the first convolution, whose input (the
+        features) needs no gradient.
 
         ``mean_frames`` is the mean sequence length in 50 Hz frames (attention cost grows with it);
         ``ks`` the codebook sizes of the heads (each frame goes through one head; their mean is used).
-        Counts multiply-adds as 2 FLOPs; ignores norms, activations and softmax.
+        Counts multiply-adds as 2 FLOPs; ignores norms, activations, softmax and biases. Matches
+        ``torch.utils.flop_counter.FlopCounterMode`` within 1 % once that is corrected for grouped
+        convolutions (it counts their weight gradient as ungrouped; speech_assets_tests/model/test_flops.py).
         """
         d, c = self.dim, self.conv_channels
-        frontend = 2 * (self.input_dim * 2 * c) + 2 * (c * c) + 2 * (c * d)  # kernel 2, then kernel 1
+        first = 2 * (self.input_dim * 2 * c)  # kernel 2, stride 2: one 50 Hz frame per output
+        frontend = 2 * (c * c) + 2 * (c * d)  # kernel 1, then the projection
         position = 2 * d * (d // self.pos_groups) * self.pos_kernel
         per_layer = 2 * (4 * d * d + 2 * d * self.ffn_dim) + 2 * 2 * mean_frames * d
         head = 2 * d * (sum(ks) / max(len(ks), 1))
-        return 3.0 * (frontend + position + self.layers * per_layer + head)
+        return 2.0 * first + 3.0 * (frontend + position + self.layers * per_layer + head)
 
     def activation_bytes_per_frame(self, bytes_per_element: int) -> float:
         """Rough activation memory kept for backward per 50 Hz frame (Korthikanti et al.:

@@ -33,6 +33,22 @@ CPU_MAX_BATCH_SECONDS = 32.0
 # 2 cores: 1 process x 1 thread ~85 s of audio/s, x 2 threads ~95 (5-37 on busy shared cores),
 # 2 processes x 1 thread ~135).
 CPU_MAX_PROCESSES = 8
+# On a GPU the optimizer step covers at least HuBERT Base's (fairseq: 1.4M samples of 16 kHz audio
+# per GPU x 32 GPUs = 2,800 s): the CPU-sized default target (60 s) would leave an 80 GB device
+# mostly idle, its step time spent in kernel launches and the optimizer rather than in matmuls.
+# Small corpora are spared: a step never covers more than a tenth of the training audio this way.
+GPU_MIN_STEP_SECONDS = 2800.0
+GPU_MIN_STEPS_PER_EPOCH = 10
+# Peak dense bf16 tensor-core FLOP/s by GPU name substring (first match wins): the MFU denominator.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+)
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,11 @@ class LaunchPlan:
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "effective_batch_seconds": self.effective_batch_seconds}
+
+
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    """The device's peak dense bf16 FLOP/s read from its name (``None`` when unknown)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if gpu_name and key in gpu_name), None)
 
 
 def available_cores() -> int:
@@ -248,6 +269,15 @@ def decide(
             f"a {longest:.1f} s utterance needs more memory than the {budget / GIB:.1f} GiB budget per device"
         )
 
+    if device == "cuda" and batch_seconds is None:
+        floor = min(GPU_MIN_STEP_SECONDS, data.total_seconds / GPU_MIN_STEPS_PER_EPOCH)
+        if target_batch_seconds < floor:
+            notes.append(
+                f"target raised from {target_batch_seconds:g} s to {floor:g} s per step: a GPU step of "
+                f"{target_batch_seconds / nproc:g} s per device would leave it mostly idle (HuBERT Base steps "
+                f"{GPU_MIN_STEP_SECONDS:g} s; at most a tenth of the {data.total_seconds:.0f} s of training audio)"
+            )
+            target_batch_seconds = floor
     target_per_device = target_batch_seconds / nproc
     if batch_seconds is None:
         cap = memory_cap if device == "cuda" else min(memory_cap, CPU_MAX_BATCH_SECONDS)
@@ -264,6 +294,13 @@ def decide(
         notes.append(f"batch {batch_seconds:g} s per device (given)")
     effective = batch_seconds * nproc * accum
     notes.append(f"grad_accum {accum}: effective {effective:.1f} s per step (target {target_batch_seconds:g} s)")
+    peak = peak_bf16_flops(hw.gpu_name) if device == "cuda" else None
+    if peak:
+        work = batch_seconds * model.train_flops_per_second
+        notes.append(
+            f"a micro-batch is {work / 1e12:.1f} TFLOP, {1e3 * work / peak:.0f} ms at the "
+            f"{peak / 1e12:.0f} TFLOP/s bf16 peak"
+        )
     if data.total_seconds < effective:
         notes.append(f"note: one step covers more than the {data.total_seconds:.0f} s of training audio")
     return LaunchPlan(

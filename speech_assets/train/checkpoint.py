@@ -1,5 +1,6 @@
 """Checkpoint files: atomic writes, ``torch.load(weights_only=True)``-safe contents, retention,
-RNG state capture (the hash of model weights: model/encoders.weights_sha256).
+RNG state capture (the hash of model weights: model/encoders.weights_sha256), and the background
+writer (:class:`CheckpointWriter`) that keeps hashing and writing off the training loop.
 
 A training checkpoint is a dict of tensors and plain Python values only (no pickled classes):
 ``format, step, model, optimizer, scheduler, scaler, sampler, rng (one entry per rank), config,
@@ -8,10 +9,13 @@ data_versions, weights_sha256, progress, mlflow_run_id, plan``.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,7 +23,11 @@ import numpy as np
 import torch
 
 from speech_assets.layout import RunFiles
+from speech_assets.model.encoders import weights_sha256
+from speech_assets.runtime.faults import inject
 from speech_assets.utils import atomic_path
+
+log = logging.getLogger("speech_assets.train")
 
 CHECKPOINT_FORMAT = 1
 _STEP_FILE = re.compile(r"^step_(\d{8})\.pt$")
@@ -34,11 +42,98 @@ def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write ``state`` with ``torch.save`` atomically (temp file, fsync, rename)."""
+    """Write ``state`` with ``torch.save`` atomically (temp file, fsync, rename). The same state
+    gives the same bytes: saved through a file object, the archive's inner folder is ``archive``,
+    not the (random) temp file's name."""
     path = Path(path)
     with atomic_path(path) as tmp:
-        torch.save(dict(state), tmp)
+        with open(tmp, "wb") as handle:
+            torch.save(dict(state), handle)
+        inject("checkpoint.write", name=path.name)  # tests: a kill with the file written, not yet renamed
     return path
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` (nested dicts/lists/tuples of tensors and plain values) with every tensor copied to
+    host memory, pinned when it comes from a GPU (the copies are issued asynchronously on the
+    current stream, which is then synchronised once). It pickles to the same bytes as ``value``:
+    tensor layout (dtype, shape, strides), container classes and their attributes (a state dict's
+    ``_metadata``) and the sharing of objects (pickle's memo) are kept, as ``copy.deepcopy`` keeps them."""
+    memo: dict[int, Any] = {}
+    pending = False
+
+    def collect(item: Any) -> None:
+        nonlocal pending
+        if isinstance(item, torch.Tensor):
+            if id(item) not in memo:
+                source = item.detach()
+                if source.device.type == "cuda":
+                    pending = True
+                    target = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=True)
+                    memo[id(item)] = target.copy_(source, non_blocking=True)
+                else:
+                    memo[id(item)] = source.clone(memory_format=torch.preserve_format)
+        elif isinstance(item, dict):
+            for entry in item.values():
+                collect(entry)
+        elif isinstance(item, list | tuple):
+            for entry in item:
+                collect(entry)
+
+    collect(value)
+    copied = deepcopy(value, memo)
+    if pending:
+        torch.cuda.current_stream().synchronize()
+    return copied
+
+
+def finish_and_write(path: Path, state: dict[str, Any]) -> Path:
+    """Fill ``state["weights_sha256"]`` from ``state["model"]`` and write it atomically."""
+    state["weights_sha256"] = weights_sha256(state["model"])
+    return save_checkpoint(path, state)
+
+
+class CheckpointWriter:
+    """Writes checkpoints off the training loop: :meth:`submit` copies the state to host memory
+    (the only part the caller waits for) and a background thread hashes the weights and writes
+    the file atomically, then runs ``after`` (pruning). One write at a time: a submit waits for the
+    previous write, so host memory holds at most one snapshot. A failed write is raised by the
+    next :meth:`submit` or :meth:`wait`. ``background=False`` does the same in the caller."""
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, path: Path, state: Mapping[str, Any], after: Callable[[], object] | None = None) -> None:
+        self.wait()
+        if not self.background:  # the live tensors, written before training goes on
+            self._write(path, dict(state), after)
+            self.wait()
+            return
+        snapshot = host_copy(dict(state))
+        self._thread = threading.Thread(
+            target=self._write, args=(path, snapshot, after), name="checkpoint-writer", daemon=False
+        )
+        self._thread.start()
+
+    def _write(self, path: Path, state: dict[str, Any], after: Callable[[], object] | None) -> None:
+        try:
+            finish_and_write(path, state)
+            if after is not None:
+                after()
+            log.info("checkpoint %s", path)
+        except BaseException as error:  # handed to the training thread by wait()
+            self._error = error
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("writing a checkpoint failed") from error
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

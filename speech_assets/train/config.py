@@ -180,8 +180,14 @@ class TrainConfig(RunConfig):
     lr: float = 2e-3
     warmup_steps: int = 30
     checkpoint_every: int = 100
+    # also a checkpoint at the first log step this many minutes after the last one (0: steps only)
+    checkpoint_minutes: float = 0.0
+    # hash and write checkpoints in a background thread (the step waits for a copy to host memory)
+    background_checkpoints: bool = True
     keep_checkpoints: int = 3
     precision: str = "auto"
+    # the encoder through torch.compile (dynamic shapes); off: eager
+    compile: bool = False
     # the loss on unmasked frames too (fairseq's pred_nomask_weight; HuBERT's is 0): at the learning
     # benchmark's budget 1.0 took leak-free held-out accuracy from 1.5x to 2.2x the majority rate and
     # the probe's CER from 0.83x to 0.70x fbank's (docs/BENCHMARKS.md)
@@ -206,7 +212,7 @@ class TrainConfig(RunConfig):
         Rule(("num_workers",), lambda value: value >= -1, "num_workers must be >= 0, or -1 for auto"),
         Rule(("batch_seconds",), lambda value: value is None or value > 0, "batch_seconds must be > 0"),
         *positive("target_batch_seconds", "lr"),
-        *at_least(0, "warmup_steps", "max_restarts"),
+        *at_least(0, "warmup_steps", "max_restarts", "checkpoint_minutes"),
         *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "mask_length"),
         *probabilities("mask_prob"),
     )

@@ -8,7 +8,10 @@ nothing. The :class:`Engine` owns the rest of a step and of a run:
   ``grad_accum`` micro-batches (DDP all-reduces on the last only), clipping, AdamW and the LR
   schedule;
 - checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
-  stream's position and every rank's RNG states); a new attempt resumes from the latest;
+  stream's position and every rank's RNG states); a new attempt resumes from the latest. They are
+  taken every ``checkpoint_every`` steps and, with ``checkpoint_minutes``, after that many minutes;
+  the step waits only for a copy of the state to host memory, a background thread hashes and writes
+  it (:class:`~speech_assets.train.checkpoint.CheckpointWriter`);
 - the metrics window: statistics kept on the device and read once every ``log_every`` steps, then
   the log line, and ``metrics.jsonl`` and MLflow written by a background thread.
 
@@ -50,6 +53,7 @@ from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
 from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
+    CheckpointWriter,
     capture_rng_state,
     checkpoint_path,
     latest_checkpoint,
@@ -166,13 +170,14 @@ def warmup_linear_decay(warmup_steps: int, max_steps: int) -> Callable[[int], fl
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW (HuBERT betas/eps) over the trainable parameters; no weight decay on biases, norms and
-    the mask embedding."""
+    the mask embedding. Fused (one kernel for all parameters) when they are all on CUDA."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6)
+    fused = bool(trainable) and all(p.device.type == "cuda" for p in trainable)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=fused or None)
 
 
 class BatchStream:
@@ -385,8 +390,10 @@ class Engine:
 
     ``model`` is what is optimised, clipped and checkpointed; ``forward`` (default: ``model``) is the
     module an objective calls, wrapped in DDP when the job has several ranks. ``schedule`` is the LR
-    multiplier by step (default: constant). Its attribute ``extra`` goes into every checkpoint
-    besides the engine's own state (the config: :meth:`resume` compares it with the checkpoint's).
+    multiplier by step (default: constant). ``background_checkpoints=False`` hashes and writes each
+    checkpoint before the next step (the same bytes, on the critical path). Its attribute ``extra``
+    goes into every checkpoint besides the engine's own state (the config: :meth:`resume` compares
+    it with the checkpoint's).
     """
 
     def __init__(
@@ -401,6 +408,7 @@ class Engine:
         grad_accum: int = 1,
         schedule: Callable[[int], float] | None = None,
         forward: nn.Module | None = None,
+        background_checkpoints: bool = True,
     ) -> None:
         self.model, self.job, self.precision = model, job, precision
         self.grad_accum, self.clip_norm = grad_accum, clip_norm if clip_norm > 0 else math.inf
@@ -415,6 +423,7 @@ class Engine:
         self.extra: dict[str, Any] = {}
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
+        self.checkpoints = CheckpointWriter(background=background_checkpoints)
 
     @property
     def forward(self) -> nn.Module:
@@ -477,9 +486,12 @@ class Engine:
         try:
             finished = self._steps(objective, stream, config, stop_after_step, tracker, evaluate, writer)
         except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
+                self.checkpoints.wait()
             if writer is not None:
                 writer.close(quiet=True)  # what was submitted is written; the training error wins
             raise
+        self.checkpoints.wait()  # a checkpoint the run returns after is on disk
         if writer is not None:
             writer.close()
         return finished
@@ -499,6 +511,8 @@ class Engine:
         window: torch.Tensor | None = None
         audio, timed_audio = 0.0, 0.0  # seconds of audio in the window, and in its timed steps
         window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
+        minutes = float(getattr(config, "checkpoint_minutes", 0.0) or 0.0)
+        last_checkpoint = time.monotonic()
         while self.step < config.max_steps:
             started = time.perf_counter()
             stats, seconds, grad_norm = self.train_step(objective, stream)
@@ -508,6 +522,8 @@ class Engine:
             timed_audio += seconds if timed else 0.0
             inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = self.step in (config.max_steps, stop_after_step) or self.step % config.checkpoint_every == 0
+            if minutes and not checkpoint and self.step % config.log_every == 0:
+                checkpoint = self.time_for_checkpoint(time.monotonic() - last_checkpoint >= 60.0 * minutes)
             if not (checkpoint or self.step % config.log_every == 0):
                 if timed:
                     timed_seconds += time.perf_counter() - started
@@ -536,6 +552,7 @@ class Engine:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
                         self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
+                        last_checkpoint = time.monotonic()
                     window, audio, timed_audio = None, 0.0, 0.0
                     window_start, timed_seconds = time.perf_counter(), 0.0
             if self.step == stop_after_step:
@@ -561,8 +578,15 @@ class Engine:
             writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
 
     # ---------------------------------------------------------------------- checkpoints
+    def time_for_checkpoint(self, due: bool) -> bool:
+        """Collective (at a log step): whether any rank's clock says a timed checkpoint is due, so
+        that every rank takes it."""
+        flag = torch.tensor([1.0 if due else 0.0], device=self.job.device)
+        return bool(all_reduce(flag, self.job).item() > 0)
+
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:
-        """Collective: gathers every rank's RNG state; rank 0 writes ``checkpoints/step_N.pt`` and prunes."""
+        """Collective: gathers every rank's RNG state; rank 0 hands ``checkpoints/step_N.pt`` to the
+        background writer (which prunes after writing) once the state is copied to host memory."""
         rng = capture_rng_state(self.job.device)
         states: list[Any] = [None] * self.job.world_size
         if self.job.enabled:
@@ -580,14 +604,14 @@ class Engine:
                 "scaler": self.scaler.state_dict(),
                 "sampler": stream.state(),
                 "rng": states,
-                "weights_sha256": weights_sha256(model_state),
+                "weights_sha256": None,  # filled by the writer, from the copy it writes
                 "progress": dict(self.progress),
                 "metrics": dict(self.metrics),
                 **self.extra,
             }
-            path = save_checkpoint(checkpoint_path(run_dir, self.step), state)
-            prune_checkpoints(run_dir, keep)
-            log.info("checkpoint %s", path)
+            self.checkpoints.submit(
+                checkpoint_path(run_dir, self.step), state, after=lambda: prune_checkpoints(run_dir, keep)
+            )
         self.barrier()
 
     def resume(self, run_dir: str, stream: BatchStream, identity: Callable[[Mapping[str, Any]], object]) -> None:
@@ -615,6 +639,7 @@ class Engine:
 
     def save_final(self, run_dir: Path, **contents: Any) -> tuple[Path, str]:
         """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""
+        self.checkpoints.wait()
         model_state = self.model.state_dict()
         sha = weights_sha256(model_state)
         state = {

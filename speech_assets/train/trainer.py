@@ -5,7 +5,8 @@ of padded audio), masks spans and predicts each sample's targets with its own cl
 (:class:`~speech_assets.train.objectives.MaskedPrediction`); the engine
 (:mod:`speech_assets.train.engine`) clips, steps AdamW and the warmup/linear-decay schedule, and
 checkpoints every ``checkpoint_every`` steps and at the end so that a new attempt on the same
-``run_dir`` continues bit-exactly; the held-out utterances are evaluated at each checkpoint (the
+``run_dir`` continues bit-exactly (and every ``checkpoint_minutes``, written in the background);
+the held-out utterances are evaluated at each checkpoint (the
 ``val/`` series). At the end: ``final.pt`` and ``result.json``.
 """
 
@@ -110,6 +111,8 @@ class Trainer:
         self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
             job.device
         )
+        if config.compile:
+            self.model.compile_encoder()
         self.engine = Engine(
             self.model,
             job,
@@ -119,6 +122,7 @@ class Trainer:
             clip_norm=config.clip_norm,
             grad_accum=plan.grad_accum,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
+            background_checkpoints=config.background_checkpoints,
         )
         self.engine.extra = {
             "config": config.to_dict(),

@@ -9,6 +9,7 @@ from speech_assets.train.autoconfig import (
     profile_dataset,
     profile_model,
 )
+from speech_assets.train.config import TrainConfig
 
 LIBRISPEECH_LIKE = DatasetProfile(
     utterances=281_241,
@@ -108,3 +109,26 @@ def test_profiles(corpus: SyntheticCorpus) -> None:
     assert model.activation_bytes_per_second_16bit < model.activation_bytes_per_second_fp32
     with pytest.raises(ValueError):
         profile_model("tiny", 3, [8, 12])
+
+
+def test_an_80_gb_gpu_gets_over_1000_s_of_audio_per_micro_batch_with_the_default_target() -> None:
+    hw = HardwareProfile(
+        cpu_cores=16,
+        ram_bytes=256 * GIB,
+        gpu_count=1,
+        gpu_name="NVIDIA H100 80GB HBM3",
+        gpu_memory_bytes=80 * GIB,
+        bf16_supported=True,
+    )
+    model = profile_model("base", 4, 500, LIBRISPEECH_LIKE.mean_seconds)
+    plan = decide(hw, LIBRISPEECH_LIKE, model, target_batch_seconds=TrainConfig.target_batch_seconds)
+    assert plan.batch_seconds >= 1000.0 and plan.precision == "bf16"
+    # it fits the memory budget, and the plan says why it is this large
+    usable = 0.85 * 80 * GIB - 2 * GIB - model.state_bytes
+    assert plan.batch_seconds * 2 * model.activation_bytes_per_second_16bit <= usable
+    assert "target raised from 60 s to 2800 s" in plan.reason and "mostly idle" in plan.reason
+    assert "TFLOP" in plan.reason and "989 TFLOP/s" in plan.reason
+    # an explicit batch still wins, and a small corpus is not swallowed by one step
+    assert decide(hw, LIBRISPEECH_LIKE, model, 60.0, batch_seconds=30.0).batch_seconds == 30.0
+    small = decide(hw, SMALL, profile_model("base", 1, 50), 60.0)
+    assert small.effective_batch_seconds <= max(60.0, SMALL.total_seconds / 10) * 1.01
