@@ -54,6 +54,7 @@ KMEANS_STATE_FILE = "state.npz"
 # a training run's folder: ``D/training/<run>/``, ``D/training_iter2/<run>/``, ``D/distill/<run>/``
 TRAINING_DIR = "training"
 TRAINING_ITER2_DIR = "training_iter2"
+TRAINING_DIRS = {1: TRAINING_DIR, 2: TRAINING_ITER2_DIR}  # by HuBERT iteration
 DISTILL_DIR = "distill"
 RUN_CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints (names: speech_assets.train.checkpoint)
@@ -392,6 +393,10 @@ class DataLayout(Folder):
     training_iter2_dir = _Under(TRAINING_ITER2_DIR)
     distill_dir = _Under(DISTILL_DIR)
     federated_dir = _Under(FEDERATED_DIR)
+
+    def training_root(self, iteration: int = 1) -> Path:
+        """The folder of every pretraining run of HuBERT ``iteration`` (1 or 2)."""
+        return self.root / TRAINING_DIRS[iteration]
 
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)

@@ -17,9 +17,15 @@ from speech_assets.defs.lineage import (
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
-from speech_assets.defs.resources import Iteration2Settings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import TrainingOverrides, run_training
+from speech_assets.defs.resources import (
+    Iteration2Settings,
+    PipelineSettings,
+    StoragePaths,
+    TrainingSettings,
+    effective,
+    overrides_of,
+)
+from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
 from speech_assets.targets.publish import ClientShards, iteration2_client_targets
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
@@ -127,35 +133,17 @@ def kmeans_targets_iter2(
     yield from step_events(context, published)
 
 
-@dg.asset(
+@torchrun_asset(
+    TrainingOverrides,
+    "training",
     group_name="iteration2",
     deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],
     code_version=TRAIN_ITER2_CODE_VERSION,
-    pool="training",
-    kinds={"pytorch", "mlflow"},
 )
-def pretrained_checkpoint_iter2(
-    context: dg.AssetExecutionContext,
-    config: TrainingOverrides,
-    paths: StoragePaths,
-    settings: PipelineSettings,
-    pipes_subprocess_client: dg.PipesSubprocessClient,
-) -> dg.MaterializeResult:
+def pretrained_checkpoint_iter2(context, options: TrainingSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:
     """HuBERT iteration 2: the same trainer and [training] settings as pretrained_checkpoint, on
     kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."""
-    record_run_process(context)
-    return run_training(
-        context,
-        effective(settings.training, config),
-        paths,
-        pipes_subprocess_client,
-        targets_dir=paths.kmeans_iter2_dir,
-        targets_asset="kmeans_targets_iter2",
-        run_root=paths.layout.training_iter2_dir,
-        code_version=TRAIN_ITER2_CODE_VERSION,
-        asset_name="pretrained_checkpoint_iter2",
-        run_label="pretrain-iter2",
-    )
+    return run_pretraining(context, options, paths, pipes, 2, TRAIN_ITER2_CODE_VERSION)
 
 
 ASSETS = [kmeans_targets_iter2, pretrained_checkpoint_iter2]
