@@ -8,10 +8,11 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import (
+    client_shards,
     input_provenance,
     partition_materialization,
+    per_partition_asset,
     required_checkpoint,
-    shard_hashes,
     step_events,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
@@ -26,7 +27,7 @@ from speech_assets.defs.resources import (
     overrides_of,
 )
 from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
-from speech_assets.targets.publish import ClientShards, iteration2_client_targets
+from speech_assets.targets.publish import iteration2_client_targets
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
@@ -40,14 +41,12 @@ class Iteration2Overrides(overrides_of(Iteration2Settings)):
 ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())
 
 
-@dg.asset(
+@per_partition_asset(
+    clients_partitions,
     group_name="iteration2",
-    partitions_def=clients_partitions,
-    backfill_policy=dg.BackfillPolicy.single_run(),
     deps=["pretrained_checkpoint", "federated_checkpoint", "client_partitions", "cmvn_stats", ALL_SHARDS],
     code_version=KMEANS_ITER2_CODE_VERSION,
     kinds={"faiss", "pytorch"},
-    output_required=False,  # one materialization per client, each with its own content hash
 )
 def kmeans_targets_iter2(
     context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
@@ -82,13 +81,7 @@ def kmeans_targets_iter2(
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
-        heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
-        if not speakers:
-            raise dg.Failure(description=f"{client_id} has no speakers")
-        client = ClientShards(
-            client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
-        )
+        client = client_shards(paths, assignments, client_id)
         out_dir = paths.kmeans_iter2_dir(client_id)
 
         def build():

@@ -19,7 +19,7 @@ from speech_assets.corpus.ids import check_safe_id
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
-from speech_assets.hosts import check_endpoint, check_host
+from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Rule, RunConfig, TrainConfig, broken_rules
 from speech_assets.utils import from_fields
 
@@ -282,9 +282,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     @field_validator("rdzv_endpoint")
     @classmethod
     def _endpoint(cls, endpoint: str) -> str:
-        if endpoint:
-            check_endpoint(endpoint, "[training] rdzv_endpoint")
-        return endpoint
+        return optional_endpoint(endpoint, "[training] rdzv_endpoint")
 
     @field_validator("node_command")
     @classmethod
@@ -363,9 +361,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     @field_validator("superlink")
     @classmethod
     def _superlink(cls, superlink: str) -> str:
-        if superlink:
-            check_endpoint(superlink, "[federated] superlink")
-        return superlink
+        return optional_endpoint(superlink, "[federated] superlink")
 
 
 class ProbeSettings(dg.Config):

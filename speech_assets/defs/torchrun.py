@@ -26,6 +26,7 @@ import dagster as dg
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, read_json, record_provenance
+from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.layout import RunFiles, TargetFiles
@@ -312,11 +313,8 @@ def torchrun_asset(
     return decorate
 
 
-# a HuBERT iteration's pretraining: (the targets asset it trains on, the asset, its run folders' label)
-PRETRAINING = {
-    1: ("kmeans_targets", "pretrained_checkpoint", "pretrain"),
-    2: ("kmeans_targets_iter2", "pretrained_checkpoint_iter2", "pretrain-iter2"),
-}
+# a HuBERT iteration's pretraining: (the asset, its run folders' label)
+PRETRAINING = {1: ("pretrained_checkpoint", "pretrain"), 2: ("pretrained_checkpoint_iter2", "pretrain-iter2")}
 
 
 def run_pretraining(
@@ -329,14 +327,14 @@ def run_pretraining(
 ) -> dg.MaterializeResult:
     """HuBERT pretraining (:func:`run_training`) on HuBERT iteration ``iteration``'s k-means
     targets (1: MFCC clusters, 2: an encoder layer's), in that iteration's training folder."""
-    targets_asset, asset_name, run_label = PRETRAINING[iteration]
+    asset_name, run_label = PRETRAINING[iteration]
     return run_training(
         context,
         options,
         paths,
         pipes_subprocess_client,
         targets_dir=lambda client_id: paths.targets(client_id, iteration).root,
-        targets_asset=targets_asset,
+        targets_asset=TARGETS_ASSETS[iteration],
         run_root=paths.layout.training_root(iteration),
         code_version=code_version,
         asset_name=asset_name,
