@@ -54,6 +54,7 @@ KMEANS_STATE_FILE = "state.npz"
 # a training run's folder: ``D/training/<run>/``, ``D/training_iter2/<run>/``, ``D/distill/<run>/``
 TRAINING_DIR = "training"
 TRAINING_ITER2_DIR = "training_iter2"
+TRAINING_DIRS = {1: TRAINING_DIR, 2: TRAINING_ITER2_DIR}  # by HuBERT iteration
 DISTILL_DIR = "distill"
 RUN_CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints (names: speech_assets.train.checkpoint)
@@ -139,11 +140,19 @@ class _Under:
 
 
 @dataclass(frozen=True)
-class ManifestFiles:
-    """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
-    publish lock and the staging folder."""
+class Folder:
+    """A family of files and folders under ``root`` (given as any path-like), each named by a
+    :class:`_Under` class attribute or a method of the subclass."""
 
     root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+
+class ManifestFiles(Folder):
+    """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
+    publish lock and the staging folder."""
 
     manifest = _Under(MANIFEST_FILE)
     rejects = _Under(REJECTS_FILE)
@@ -184,11 +193,8 @@ def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
     return shard_path.with_name(stem + SHARD_REJECTS_SUFFIX), shard_path.with_name(stem + SHARD_STATS_SUFFIX)
 
 
-@dataclass(frozen=True)
-class CmvnFiles:
+class CmvnFiles(Folder):
     """``D/cmvn/`` (also the ``cmvn.npz`` copied into an export)."""
-
-    root: Path
 
     cmvn = _Under(CMVN_FILE)
     speaker_sums = _Under(SPEAKER_SUMS_FILE)
@@ -200,14 +206,11 @@ class CmvnFiles:
         return self.cmvn, self.speaker_sums, self.speakers
 
 
-@dataclass(frozen=True)
-class TargetFiles:
+class TargetFiles(Folder):
     """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or
     ``D/kmeans_iter2/<client>/``: ``codebook.npy`` (K, D), ``labels.parquet``, ``quality.json``
     (the publish record, written last), ``state.npz`` (the fit's resumable state) and the
     writers' lock beside the folder."""
-
-    root: Path
 
     labels = _Under(LABELS_FILE)
     quality = _Under(QUALITY_FILE)
@@ -220,34 +223,36 @@ class TargetFiles:
         return self.root.parent / f".{self.root.name}{SHARD_LOCK_SUFFIX}"
 
 
-@dataclass(frozen=True)
-class RunFiles:
-    """A training run's folder (centralised, iteration 2, distilled; the result, provenance and
-    MLflow id files also of a federated run): config, metrics, log, checkpoint, result."""
+class RunRecord(Folder):
+    """What every run's folder holds, centralised or federated: the final checkpoint, the result,
+    its provenance, the settings snapshot and the MLflow run id."""
 
-    root: Path
+    final = _Under(FINAL_CHECKPOINT)
+    result = _Under(RESULT_FILE)
+    provenance = _Under(PROVENANCE_FILE)
+    settings = _Under(SETTINGS_SNAPSHOT)
+    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
+
+
+class RunFiles(RunRecord):
+    """A training run's folder (centralised, iteration 2, distilled): besides the run record,
+    config, metrics, log and checkpoints."""
 
     config = _Under(RUN_CONFIG_FILE)
     launch_config = _Under(LAUNCH_CONFIG_FILE)
     metrics = _Under(METRICS_FILE)
-    final = _Under(FINAL_CHECKPOINT)
-    result = _Under(RESULT_FILE)
     log = _Under(TRAIN_LOG)
     oom = _Under(OOM_FILE)
-    provenance = _Under(PROVENANCE_FILE)
     speed = _Under(SPEED_FILE)
     labelled = _Under(LABELLED_FILE)
-    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
-    settings = _Under(SETTINGS_SNAPSHOT)
     checkpoints = _Under(CHECKPOINTS_DIR)
 
     def node_log(self, rank: int) -> Path:
         return self.root / NODE_LOG.format(rank=rank)
 
 
-@dataclass(frozen=True)
-class FederatedPaths:
-    """The layout of ``<data>/federated/<run>/``.
+class FederatedPaths(RunRecord):
+    """The layout of ``<data>/federated/<run>/``: the run record and
 
     ``rounds/round_NNNNN.pt`` (global encoder + server optimiser state, the last ``keep_rounds``)
     and ``rounds/round_NNNNN.json`` (that round's rows, missing clients, hashes; all kept),
@@ -257,11 +262,6 @@ class FederatedPaths:
     ``flower/`` (Flower homes, logs, TLS files and the node registrations of the local
     federation), ``run_config.toml``. No client state: that lives under each SuperNode's root.
     """
-
-    root: Path
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "root", Path(root))
 
     rounds_dir = _Under(ROUNDS_DIR)
 
@@ -273,14 +273,10 @@ class FederatedPaths:
 
     rounds_table = _Under(ROUNDS_TABLE)
     evaluation_table = _Under(EVALUATION_TABLE)
-    final = _Under(FINAL_CHECKPOINT)
-    result = _Under(RESULT_FILE)
     received = _Under(RECEIVED_FILE)
     failure = _Under(FAILURE_FILE)
     server_log = _Under(SERVER_LOG)
     run_config = _Under(FLOWER_RUN_CONFIG)
-    settings = _Under(SETTINGS_SNAPSHOT)
-    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
     flower_dir = _Under(FLOWER_DIR)
 
     @property
@@ -290,12 +286,9 @@ class FederatedPaths:
         return self.flower_dir / NODES_FILE
 
 
-@dataclass(frozen=True)
-class ProbeFiles:
+class ProbeFiles(Folder):
     """``D/probe/``: per-(model, seed) results (written last: its hash is the data version),
     per-utterance errors, the leaderboard and the speaker split (``speakers.json``)."""
-
-    root: Path
 
     @classmethod
     def beside(cls, results: str | os.PathLike[str]) -> ProbeFiles:
@@ -308,12 +301,23 @@ class ProbeFiles:
     speakers = _Under(PROBE_SPEAKERS)
 
 
-@dataclass(frozen=True)
-class ExportFiles:
+class ExportedModel(Folder):
+    """An exported model's folder: ``onnx``, ``torch`` (TorchScript) and ``card`` (the JSON that
+    says how to feed it and read its output), named by the subclass."""
+
+    onnx: Path
+    torch: Path
+    card: Path
+
+    @property
+    def published(self) -> tuple[Path, Path, Path]:
+        """The files the export's data version hashes: ONNX, TorchScript and the card."""
+        return self.onnx, self.torch, self.card
+
+
+class ExportFiles(ExportedModel):
     """One export: ``D/export/<sha16>-layer<N>/`` with ``encoder.onnx``, ``encoder.pt``,
     ``encoder.json`` and ``cmvn.npz``."""
-
-    root: Path
 
     @staticmethod
     def folder_name(encoder_sha256: str, layer: int) -> str:
@@ -324,59 +328,35 @@ class ExportFiles:
     card = _Under(ENCODER_JSON)
     cmvn = _Under(CMVN_FILE)
 
-    @property
-    def published(self) -> tuple[Path, Path, Path]:
-        """The files an export's data version hashes: ONNX, TorchScript and ``encoder.json``."""
-        return self.onnx, self.torch, self.card
 
-
-@dataclass(frozen=True)
-class RecogniserFiles:
+class RecogniserFiles(ExportedModel):
     """An exported recogniser (``D/finetune/recogniser/``): ``recogniser.onnx``,
-    ``recogniser.pt`` (TorchScript) and ``recogniser.json`` (how to feed it and read its output)."""
-
-    root: Path
+    ``recogniser.pt`` (TorchScript) and ``recogniser.json``."""
 
     onnx = _Under(RECOGNISER_ONNX)
     torch = _Under(RECOGNISER_PT)
     card = _Under(RECOGNISER_JSON)
 
-    @property
-    def published(self) -> tuple[Path, Path, Path]:
-        return self.onnx, self.torch, self.card
 
-
-@dataclass(frozen=True)
-class FinetuneFiles:
+class FinetuneFiles(Folder):
     """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``) and the exported
     recogniser (``recogniser/``)."""
-
-    root: Path
 
     results = _Under(FINETUNE_RESULTS)
     recogniser = _Under(FINETUNE_RECOGNISER_DIR)
 
 
-@dataclass(frozen=True)
-class ReportFiles:
+class ReportFiles(Folder):
     """``D/report/``: ``index.html``, its ``audio/`` clips and ``input_versions.json`` (the
     lineage the stats were built from)."""
-
-    root: Path
 
     index = _Under(REPORT_INDEX)
     audio = _Under(REPORT_AUDIO_DIR)
     input_versions = _Under(INPUT_VERSIONS_FILE)
 
 
-@dataclass(frozen=True)
-class DataLayout:
+class DataLayout(Folder):
     """Every output folder under the data dir ``root``."""
-
-    root: Path
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "root", Path(root))
 
     @property
     def manifest(self) -> ManifestFiles:
@@ -413,6 +393,10 @@ class DataLayout:
     training_iter2_dir = _Under(TRAINING_ITER2_DIR)
     distill_dir = _Under(DISTILL_DIR)
     federated_dir = _Under(FEDERATED_DIR)
+
+    def training_root(self, iteration: int = 1) -> Path:
+        """The folder of every pretraining run of HuBERT ``iteration`` (1 or 2)."""
+        return self.root / TRAINING_DIRS[iteration]
 
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)

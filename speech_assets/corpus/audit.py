@@ -60,6 +60,12 @@ def _examples(values: list[str]) -> list[str]:
     return [str(v)[:120] for v in values[:MAX_LISTED]]
 
 
+def _listing(name: str, bad: list[str], description: str, count_key: str) -> Audit:
+    """An audit that passes when ``bad`` (what it found wrong) is empty, with their count under
+    ``count_key`` and the first of them as examples."""
+    return Audit(name, not bad, description, {count_key: len(bad), "examples": _examples(bad)})
+
+
 def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = MANIFEST_FILE) -> Audit | None:
     absent = [c for c in columns if c not in table.column_names]
     if absent:
@@ -111,11 +117,8 @@ def unique_ids(table: pa.Table) -> Audit:
         return missing
     seen: set[object] = set()
     duplicates = [i for i in table.column("utt_id").to_pylist() if i in seen or seen.add(i)]
-    return Audit(
-        "unique_ids",
-        not duplicates,
-        f"{len(duplicates)} duplicate utt_id(s) among {table.num_rows} rows",
-        {"duplicates": len(duplicates), "examples": _examples(duplicates)},
+    return _listing(
+        "unique_ids", duplicates, f"{len(duplicates)} duplicate utt_id(s) among {table.num_rows} rows", "duplicates"
     )
 
 
@@ -124,12 +127,7 @@ def safe_ids(table: pa.Table) -> Audit:
     if (missing := _missing("safe_ids", table, columns)) is not None:
         return missing
     bad = [f"{c}={v!r}" for c in columns for v in table.column(c).to_pylist() if not is_safe_id(v)]
-    return Audit(
-        "safe_ids",
-        not bad,
-        f"{len(bad)} unsafe id(s) among {table.num_rows} rows",
-        {"bad_ids": len(bad), "examples": _examples(bad)},
-    )
+    return _listing("safe_ids", bad, f"{len(bad)} unsafe id(s) among {table.num_rows} rows", "bad_ids")
 
 
 def paths_inside_root(table: pa.Table, root: Path) -> Audit:
@@ -142,11 +140,8 @@ def paths_inside_root(table: pa.Table, root: Path) -> Audit:
         for path in table.column("path").to_pylist()
         if not isinstance(path, str) or not is_inside(real(path), root) or not os.path.isfile(path)
     ]
-    return Audit(
-        "paths_inside_root",
-        not bad,
-        f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}",
-        {"bad_paths": len(bad), "examples": _examples(bad)},
+    return _listing(
+        "paths_inside_root", bad, f"{len(bad)} of {table.num_rows} path(s) missing or outside {root}", "bad_paths"
     )
 
 
@@ -164,12 +159,12 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
             bad.append(f"{utt}: duration_s {duration} but {samples} samples at {rate} Hz is {samples / rate}")
         elif not config.min_duration_s <= duration <= config.max_duration_s:
             bad.append(f"{utt}: {duration} s outside [{config.min_duration_s}, {config.max_duration_s}]")
-    return Audit(
+    return _listing(
         "durations",
-        not bad,
+        bad,
         f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, "
         f"{config.max_duration_s}] s",
-        {"bad_rows": len(bad), "examples": _examples(bad)},
+        "bad_rows",
     )
 
 

@@ -11,9 +11,8 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import input_versions, required_checkpoint
 from speech_assets.defs.partitions import TRAINING_INPUTS
-from speech_assets.defs.resources import DistillSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun
+from speech_assets.defs.resources import DistillSettings, StoragePaths, overrides_of
+from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun, torchrun_asset
 from speech_assets.layout import RunFiles
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields
@@ -25,27 +24,19 @@ class DistillOverrides(overrides_of(DistillSettings)):
     """Run-config overrides of the `[distill]` settings for one manual run."""
 
 
-@dg.asset(
+@torchrun_asset(
+    DistillOverrides,
+    "distill",
     group_name="evaluation",
     deps=["pretrained_checkpoint", *TRAINING_INPUTS],
     code_version=DISTILL_CODE_VERSION,
-    pool="training",
-    kinds={"pytorch", "mlflow"},
 )
-def distilled_checkpoint(
-    context: dg.AssetExecutionContext,
-    config: DistillOverrides,
-    paths: StoragePaths,
-    settings: PipelineSettings,
-    pipes_subprocess_client: dg.PipesSubprocessClient,
-) -> dg.MaterializeResult:
+def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:
     """A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained
     encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like
     training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."""
     from speech_assets.model.encoders import load_encoder
 
-    options = effective(settings.distill, config)
-    record_run_process(context)
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
     table = read_clients(paths.clients_file)
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, table.speakers)}
@@ -62,7 +53,7 @@ def distilled_checkpoint(
     )
     result = run_torchrun(
         context,
-        pipes_subprocess_client,
+        pipes,
         paths,
         run_dir,
         distill_config,

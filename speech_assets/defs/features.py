@@ -16,11 +16,13 @@ from speech_assets.defs.lineage import (
     observed_input_provenance,
     observed_versions,
     partition_materialization,
+    per_partition_asset,
     read_json,
     step_events,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import problems_result
 from speech_assets.defs.resources import (
     FeatureSettings,
     PipelineSettings,
@@ -51,14 +53,12 @@ def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[flo
     return sha256_strings(parts)
 
 
-@dg.asset(
+@per_partition_asset(
+    speakers_partitions,
     group_name="features",
-    partitions_def=speakers_partitions,
-    backfill_policy=dg.BackfillPolicy.single_run(),
     deps=[SPEAKER_MANIFEST],  # the same speaker's rows: other speakers' changes leave a shard in sync
     code_version=FEATURES_CODE_VERSION,
     kinds={"parquet", "torch"},
-    output_required=False,  # one materialization per shard, each with its own content hash
 )
 def vad_features(
     context: dg.AssetExecutionContext, config: FeatureOverrides, paths: StoragePaths, settings: PipelineSettings
@@ -321,19 +321,10 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
         sound.append(key)
     if sound != sorted(verified):  # a cache: losing it only means reading every shard once more
         atomic_write_text(verified_file, json.dumps({"sound": sorted(sound)}), durable=False)
-    return dg.AssetCheckResult(
-        passed=not problems,
-        severity=dg.AssetCheckSeverity.ERROR,
-        description=f"{len(problems)} problem(s) in {len(shards)} shard(s)"
-        if problems
-        else f"{len(shards)} shard(s) consistent",
-        metadata={
-            "shards": len(shards),
-            "shards_read": read,
-            "problems": len(problems),
-            "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none"),
-        },
+    found = (
+        f"{len(problems)} problem(s) in {len(shards)} shard(s)" if problems else f"{len(shards)} shard(s) consistent"
     )
+    return problems_result(problems, found, shards=len(shards), shards_read=read)
 
 
 @dg.asset_check(

@@ -86,7 +86,12 @@ def federated_checkpoint(
     from speech_assets.defs import readable
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, summarize_rounds
-    from speech_assets.federated.launch import FederatedRunFailed, InsecureRefused, run_federation
+    from speech_assets.federated.launch import (
+        FederatedRunFailed,
+        InsecureRefused,
+        deployment_options,
+        run_federation,
+    )
     from speech_assets.federated.processes import NeedsLinux
     from speech_assets.stats.plots import markdown_image, round_curve
 
@@ -135,13 +140,7 @@ def federated_checkpoint(
         result = run_federation(
             federated,
             paths.root,
-            superlink=fed.superlink,
-            insecure=fed.insecure,
-            root_certificates=fed.superlink_root_certificates,
-            client_state_root=fed.client_state_root or None,
-            threads_per_client=fed.threads_per_client,
-            device=fed.device,
-            engine=fed.engine,
+            **deployment_options(fed),
             log=context.log.info,
             on_round=on_round,
             tracker=tracker,

@@ -8,19 +8,26 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import (
+    client_shards,
     input_provenance,
     partition_materialization,
+    per_partition_asset,
     required_checkpoint,
-    shard_hashes,
     step_events,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
-from speech_assets.defs.resources import Iteration2Settings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import TrainingOverrides, run_training
-from speech_assets.targets.publish import ClientShards, iteration2_client_targets
+from speech_assets.defs.resources import (
+    Iteration2Settings,
+    PipelineSettings,
+    StoragePaths,
+    TrainingSettings,
+    effective,
+    overrides_of,
+)
+from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
+from speech_assets.targets.publish import iteration2_client_targets
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
@@ -34,14 +41,12 @@ class Iteration2Overrides(overrides_of(Iteration2Settings)):
 ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())
 
 
-@dg.asset(
+@per_partition_asset(
+    clients_partitions,
     group_name="iteration2",
-    partitions_def=clients_partitions,
-    backfill_policy=dg.BackfillPolicy.single_run(),
     deps=["pretrained_checkpoint", "federated_checkpoint", "client_partitions", "cmvn_stats", ALL_SHARDS],
     code_version=KMEANS_ITER2_CODE_VERSION,
     kinds={"faiss", "pytorch"},
-    output_required=False,  # one materialization per client, each with its own content hash
 )
 def kmeans_targets_iter2(
     context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
@@ -76,13 +81,7 @@ def kmeans_targets_iter2(
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
-        heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
-        if not speakers:
-            raise dg.Failure(description=f"{client_id} has no speakers")
-        client = ClientShards(
-            client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
-        )
+        client = client_shards(paths, assignments, client_id)
         out_dir = paths.kmeans_iter2_dir(client_id)
 
         def build():
@@ -127,35 +126,17 @@ def kmeans_targets_iter2(
     yield from step_events(context, published)
 
 
-@dg.asset(
+@torchrun_asset(
+    TrainingOverrides,
+    "training",
     group_name="iteration2",
     deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],
     code_version=TRAIN_ITER2_CODE_VERSION,
-    pool="training",
-    kinds={"pytorch", "mlflow"},
 )
-def pretrained_checkpoint_iter2(
-    context: dg.AssetExecutionContext,
-    config: TrainingOverrides,
-    paths: StoragePaths,
-    settings: PipelineSettings,
-    pipes_subprocess_client: dg.PipesSubprocessClient,
-) -> dg.MaterializeResult:
+def pretrained_checkpoint_iter2(context, options: TrainingSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:
     """HuBERT iteration 2: the same trainer and [training] settings as pretrained_checkpoint, on
     kmeans_targets_iter2's labels (a fresh model, as in HuBERT); torchrun, Pipes, MLflow."""
-    record_run_process(context)
-    return run_training(
-        context,
-        effective(settings.training, config),
-        paths,
-        pipes_subprocess_client,
-        targets_dir=paths.kmeans_iter2_dir,
-        targets_asset="kmeans_targets_iter2",
-        run_root=paths.layout.training_iter2_dir,
-        code_version=TRAIN_ITER2_CODE_VERSION,
-        asset_name="pretrained_checkpoint_iter2",
-        run_label="pretrain-iter2",
-    )
+    return run_pretraining(context, options, paths, pipes, 2, TRAIN_ITER2_CODE_VERSION)
 
 
 ASSETS = [kmeans_targets_iter2, pretrained_checkpoint_iter2]

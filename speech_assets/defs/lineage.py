@@ -7,15 +7,18 @@ import subprocess
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets import locations
+from speech_assets.corpus.clients import ClientsTable
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.layout import TargetFiles
+from speech_assets.targets.publish import ClientShards
 from speech_assets.utils import atomic_write_text, sha256_strings
 
 
@@ -145,6 +148,18 @@ def shard_hashes(paths: StoragePaths, speakers: Iterable[str], whose: str = "") 
     return versions
 
 
+def client_shards(paths: StoragePaths, assignments: ClientsTable, client_id: str) -> ClientShards:
+    """One client's speakers, the held-out ones among them, and their published shards' hashes;
+    a client without speakers, or a shard missing, fails the step."""
+    speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
+    heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
+    if not speakers:
+        raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
+    return ClientShards(
+        client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
+    )
+
+
 def bounded_versions(versions: dict[str, str]) -> dict[str, str]:
     """Input versions for the UI: the unpartitioned ones, and per partitioned asset a count and a
     hash (every one of them is in the checkpoint: `speech-assets lineage <checkpoint>`)."""
@@ -182,6 +197,18 @@ def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) 
 # declared with `output_required=False` and yield one AssetMaterialization per partition instead,
 # tagged exactly as Dagster tags its own (code version, input data versions and event pointers),
 # each with that partition's content hash. test_lineage.py checks Dagster's staleness API agrees.
+
+
+def per_partition_asset(partitions_def: dg.PartitionsDefinition, **asset_args: Any) -> Any:
+    """``dg.asset`` for a partitioned asset that yields one materialization per partition
+    (:func:`partition_materialization`, each with its own content hash) and runs a backfill as one
+    run; ``asset_args`` go to ``dg.asset``."""
+    return dg.asset(
+        partitions_def=partitions_def,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        output_required=False,
+        **asset_args,
+    )
 
 
 def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:

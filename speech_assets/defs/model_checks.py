@@ -15,12 +15,10 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, read_json
-from speech_assets.defs.readable import labels_check_result
+from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
-from speech_assets.targets.checks import label_problems
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
 WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")
@@ -187,19 +185,7 @@ student_loss_falls = run_folder_check(
 )
 
 
-@dg.asset_check(
-    asset="kmeans_targets_iter2",
-    name="labels_match_shards",
-    blocking=True,
-    description=(
-        "Every client's iteration-2 labels cover exactly its speakers' utterances, one label per 50 Hz frame "
-        "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
-    ),
-)
-def iteration2_labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(
-        label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_iter2_dir)
-    )
+iteration2_labels_match_shards = labels_match_shards_check(2)
 
 
 CHECKS = [

@@ -31,6 +31,8 @@ def register_new(
 # Dependencies on every partition of a partitioned asset (a speaker shard or a client's targets).
 ALL_SHARDS = dg.AssetDep("vad_features", partition_mapping=dg.AllPartitionMapping())
 ALL_TARGETS = dg.AssetDep("kmeans_targets", partition_mapping=dg.AllPartitionMapping())
+# Each HuBERT iteration's k-means targets asset (one partition per client).
+TARGETS_ASSETS = {1: "kmeans_targets", 2: "kmeans_targets_iter2"}
 
 
 # The per-speaker view of the manifest (an observed asset; its partitions' versions are what a shard follows).

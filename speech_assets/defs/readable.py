@@ -5,12 +5,17 @@ charts the asset page draws inline."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
+from speech_assets.corpus.clients import read_clients
+from speech_assets.defs.partitions import TARGETS_ASSETS
+from speech_assets.defs.resources import StoragePaths
 from speech_assets.layout import TargetFiles
 from speech_assets.stats import plots
+from speech_assets.targets.checks import label_problems
 
 COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
 
@@ -104,13 +109,41 @@ def _cluster_size_plot(out_dir, client_id: str) -> str:
 MAX_LISTED = 50
 
 
-def labels_check_result(problems: list[str]) -> dg.AssetCheckResult:
-    """A labels check's result: failed with the first problems listed, or passed."""
+def problems_result(problems: list[str], description: str | None = None, **metadata: Any) -> dg.AssetCheckResult:
+    """A blocking check's result from the ``problems`` it found: failed (an error) with their
+    count and the first 20 listed, or passed; ``metadata`` before them."""
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
+        description=description,
         metadata={
+            **metadata,
             "problems": len(problems),
             "first_problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none"),
         },
     )
+
+
+def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
+    """The blocking check ``labels_match_shards`` of HuBERT ``iteration``'s targets: every client's
+    labels cover exactly its speakers' utterances, one per 50 Hz frame, each a cluster id of its
+    codebook (:func:`speech_assets.targets.checks.label_problems`); failed with the first problems listed."""
+    which = "" if iteration == 1 else f"iteration-{iteration} "
+
+    @dg.asset_check(
+        asset=TARGETS_ASSETS[iteration],
+        name="labels_match_shards",
+        blocking=True,
+        description=(
+            f"Every client's {which}labels cover exactly its speakers' utterances, one label per 50 Hz frame "
+            "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
+        ),
+    )
+    def check(paths: StoragePaths) -> dg.AssetCheckResult:
+        def targets_dir(client_id: str) -> Path:
+            return paths.targets(client_id, iteration).root
+
+        problems = label_problems(read_clients(paths.clients_file), paths.shard_file, targets_dir)
+        return problems_result(problems)
+
+    return check

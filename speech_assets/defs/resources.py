@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import shlex
 import tomllib
@@ -18,9 +19,16 @@ from speech_assets.corpus.ids import check_safe_id
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
-from speech_assets.hosts import check_endpoint, check_host
+from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Rule, RunConfig, TrainConfig, broken_rules
 from speech_assets.utils import from_fields
+
+
+def _from_layout(name: str, doc: str | None = None) -> property:
+    """A read-only :class:`StoragePaths` attribute that is its layout's dotted ``name``
+    (``"manifest.rejects"``: ``paths.layout.manifest.rejects``)."""
+    get = operator.attrgetter(name)
+    return property(lambda paths: get(paths.layout), doc=doc or f"``layout.{name}``")
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -65,30 +73,14 @@ class StoragePaths(dg.ConfigurableResource):
         """Every output folder and file under the data dir (:mod:`speech_assets.layout`)."""
         return layout.DataLayout(self.root)
 
-    @property
-    def manifest_dir(self) -> Path:
-        return self.layout.manifest.root
-
-    @property
-    def manifest_file(self) -> Path:
-        return self.layout.manifest.manifest
-
-    @property
-    def rejects_file(self) -> Path:
-        return self.layout.manifest.rejects
-
-    @property
-    def speakers_file(self) -> Path:
-        """Per-speaker manifest hashes: what each feature shard depends on."""
-        return self.layout.manifest.speakers
-
-    @property
-    def decode_cache_file(self) -> Path:
-        return self.layout.manifest.decode_cache
-
-    @property
-    def shards_dir(self) -> Path:
-        return self.layout.shards_dir
+    manifest_dir = _from_layout("manifest.root")
+    manifest_file = _from_layout("manifest.manifest")
+    rejects_file = _from_layout("manifest.rejects")
+    speakers_file = _from_layout(
+        "manifest.speakers", "Per-speaker manifest hashes: what each feature shard depends on."
+    )
+    decode_cache_file = _from_layout("manifest.decode_cache")
+    shards_dir = _from_layout("shards_dir")
 
     def shard_file(self, speaker_id: str) -> Path:
         return self.shard_files(speaker_id).shard
@@ -96,17 +88,9 @@ class StoragePaths(dg.ConfigurableResource):
     def shard_files(self, speaker_id: str) -> ShardFiles:
         return ShardFiles.of(self.shards_dir, check_safe_id(speaker_id, "speaker_id"))
 
-    @property
-    def cmvn(self) -> layout.CmvnFiles:
-        return self.layout.cmvn
-
-    @property
-    def cmvn_dir(self) -> Path:
-        return self.layout.cmvn.root
-
-    @property
-    def clients_file(self) -> Path:
-        return self.layout.clients_file
+    cmvn = _from_layout("cmvn")
+    cmvn_dir = _from_layout("cmvn.root")
+    clients_file = _from_layout("clients_file")
 
     def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
         """A client's k-means targets of HuBERT iteration 1 (MFCC clusters) or 2 (encoder-layer clusters)."""
@@ -119,35 +103,20 @@ class StoragePaths(dg.ConfigurableResource):
         """A client's HuBERT iteration-2 targets (labels from an encoder layer)."""
         return self.targets(client_id, 2).root
 
-    @property
-    def training_dir(self) -> Path:
-        return self.layout.training_dir
+    training_dir = _from_layout("training_dir")
 
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
 
-    @property
-    def probe(self) -> layout.ProbeFiles:
-        return self.layout.probe
+    probe = _from_layout("probe")
 
     def export(self, encoder_sha256: str, layer: int) -> layout.ExportFiles:
         return self.layout.export(encoder_sha256, layer)
 
-    @property
-    def finetune(self) -> layout.FinetuneFiles:
-        return self.layout.finetune
-
-    @property
-    def stats_db(self) -> Path:
-        return self.layout.stats_db
-
-    @property
-    def report(self) -> layout.ReportFiles:
-        return self.layout.report
-
-    @property
-    def report_dir(self) -> Path:
-        return self.layout.report.root
+    finetune = _from_layout("finetune")
+    stats_db = _from_layout("stats_db")
+    report = _from_layout("report")
+    report_dir = _from_layout("report.root")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,9 +282,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     @field_validator("rdzv_endpoint")
     @classmethod
     def _endpoint(cls, endpoint: str) -> str:
-        if endpoint:
-            check_endpoint(endpoint, "[training] rdzv_endpoint")
-        return endpoint
+        return optional_endpoint(endpoint, "[training] rdzv_endpoint")
 
     @field_validator("node_command")
     @classmethod
@@ -394,9 +361,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     @field_validator("superlink")
     @classmethod
     def _superlink(cls, superlink: str) -> str:
-        if superlink:
-            check_endpoint(superlink, "[federated] superlink")
-        return superlink
+        return optional_endpoint(superlink, "[federated] superlink")
 
 
 class ProbeSettings(dg.Config):

@@ -8,15 +8,16 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import (
+    client_shards,
     input_provenance,
     markdown_table,
     partition_materialization,
-    shard_hashes,
+    per_partition_asset,
     step_events,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import client_metadata, labels_check_result
+from speech_assets.defs.readable import client_metadata, labels_match_shards_check
 from speech_assets.defs.resources import (
     KMeansSettings,
     PipelineSettings,
@@ -27,8 +28,7 @@ from speech_assets.defs.resources import (
 from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.targets import labels
-from speech_assets.targets.checks import label_problems
-from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets
+from speech_assets.targets.publish import KMeansPolicy, kmeans_client_targets
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
@@ -39,10 +39,9 @@ class KMeansOverrides(overrides_of(KMeansSettings)):
     force: bool = False  # refit even when this client's inputs are unchanged
 
 
-@dg.asset(
+@per_partition_asset(
+    clients_partitions,
     group_name="clients",
-    partitions_def=clients_partitions,
-    backfill_policy=dg.BackfillPolicy.single_run(),
     deps=[
         "client_partitions",
         "cmvn_stats",
@@ -52,7 +51,6 @@ class KMeansOverrides(overrides_of(KMeansSettings)):
     # client_partitions is rebuilt after every shard or CMVN update: react to it, not to them
     automation_condition=follow_upstream(ignore_updates_of=["vad_features", "cmvn_stats"]),
     kinds={"faiss"},
-    output_required=False,  # one materialization per client, each with its own content hash
 )
 def kmeans_targets(
     context: dg.AssetExecutionContext, config: KMeansOverrides, paths: StoragePaths, settings: PipelineSettings
@@ -75,13 +73,7 @@ def kmeans_targets(
         KMEANS_CODE_VERSION,
     )
     for done, client_id in enumerate(clients, start=1):
-        speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
-        heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
-        if not speakers:
-            raise dg.Failure(description=f"{client_id} has no speakers: lower num_clients or add data")
-        client = ClientShards(
-            client_id, speakers, heldout, shard_hashes(paths, speakers, f" of {client_id}"), paths.shard_file
-        )
+        client = client_shards(paths, assignments, client_id)
         quality = kmeans_client_targets(
             client,
             paths.kmeans_dir(client_id),
@@ -110,16 +102,7 @@ MIN_PERPLEXITY_SHARE = 0.2
 MAX_EMPTY_CLUSTER_SHARE = 0.1
 
 
-@dg.asset_check(
-    asset="kmeans_targets",
-    blocking=True,
-    description=(
-        "Every client's labels cover exactly its speakers' utterances, one label per 50 Hz frame "
-        "((num_frames + 1) // 2), every label a valid cluster id of its codebook."
-    ),
-)
-def labels_match_shards(paths: StoragePaths) -> dg.AssetCheckResult:
-    return labels_check_result(label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir))
+labels_match_shards = labels_match_shards_check(1)
 
 
 @dg.asset_check(

@@ -26,7 +26,9 @@ import dagster as dg
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, read_json, record_provenance
-from speech_assets.defs.resources import StoragePaths, TrainingSettings, overrides_of
+from speech_assets.defs.partitions import TARGETS_ASSETS
+from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
+from speech_assets.defs.runs import record_run_process
 from speech_assets.layout import RunFiles, TargetFiles
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import oom
@@ -275,6 +277,69 @@ def _node_0_agents(config_path: Path) -> list[int]:
 
 class TrainingOverrides(overrides_of(TrainingSettings)):
     """Run-config overrides of the `[training]` settings for one manual run."""
+
+
+Launch = Callable[[dg.AssetExecutionContext, Any, StoragePaths, dg.PipesSubprocessClient], dg.MaterializeResult]
+
+
+def torchrun_asset(
+    overrides: type[dg.Config], section: str, **asset_args: Any
+) -> Callable[[Launch], dg.AssetsDefinition]:
+    """Make ``launch(context, options, paths, pipes_subprocess_client)`` an asset of its name and
+    docstring that trains through torchrun in the ``training`` pool, tracked in MLflow: it records
+    its run process and launches with the ``[section]`` settings as ``overrides`` (its run
+    config) changes them. ``asset_args`` go to ``dg.asset`` (group, deps, code version, ...)."""
+
+    def decorate(launch: Launch) -> dg.AssetsDefinition:
+        @dg.asset(
+            name=launch.__name__,
+            description=launch.__doc__,
+            pool="training",
+            kinds={"pytorch", "mlflow"},
+            **asset_args,
+        )
+        def trained(
+            context: dg.AssetExecutionContext,
+            config: overrides,
+            paths: StoragePaths,
+            settings: PipelineSettings,
+            pipes_subprocess_client: dg.PipesSubprocessClient,
+        ) -> dg.MaterializeResult:
+            record_run_process(context)
+            return launch(context, effective(getattr(settings, section), config), paths, pipes_subprocess_client)
+
+        return trained
+
+    return decorate
+
+
+# a HuBERT iteration's pretraining: (the asset, its run folders' label)
+PRETRAINING = {1: ("pretrained_checkpoint", "pretrain"), 2: ("pretrained_checkpoint_iter2", "pretrain-iter2")}
+
+
+def run_pretraining(
+    context: dg.AssetExecutionContext,
+    options: TrainingSettings,
+    paths: StoragePaths,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    iteration: int,
+    code_version: str,
+) -> dg.MaterializeResult:
+    """HuBERT pretraining (:func:`run_training`) on HuBERT iteration ``iteration``'s k-means
+    targets (1: MFCC clusters, 2: an encoder layer's), in that iteration's training folder."""
+    asset_name, run_label = PRETRAINING[iteration]
+    return run_training(
+        context,
+        options,
+        paths,
+        pipes_subprocess_client,
+        targets_dir=lambda client_id: paths.targets(client_id, iteration).root,
+        targets_asset=TARGETS_ASSETS[iteration],
+        run_root=paths.layout.training_root(iteration),
+        code_version=code_version,
+        asset_name=asset_name,
+        run_label=run_label,
+    )
 
 
 def run_training(

@@ -122,61 +122,40 @@ def process_variants(
         wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate), in_place=True)
     except ValueError as exc:  # NaN / inf samples
         return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
-    results = [_trim_and_featurise(wave, duration_s, path, utt_id, speaker_id, chapter_id, vad_cfg, extractor, dtype)]
+
+    def featurise(wave: np.ndarray, duration_s: float, variant_id: str) -> FeatureRecord | VadReject:
+        """One variant (``wave``: peak-normalised 16 kHz samples): VAD-trimmed, then featurised."""
+        span = detect_speech(wave, vad_cfg, peak_normalised=True)
+        if isinstance(span, NoSpeech):
+            return VadReject(variant_id, os.fspath(path), span.detail)
+        num_frames = num_frames_for(span.num_samples)
+        if num_frames == 0:
+            detail = f"speech span {span.duration_s:.3f} s is shorter than one 25 ms feature frame"
+            return VadReject(variant_id, os.fspath(path), detail)
+        logmel, mfcc = extractor(wave[span.start_sample : span.end_sample], dtype)
+        return FeatureRecord(
+            utt_id=variant_id,
+            speaker_id=speaker_id,
+            chapter_id=chapter_id,
+            num_frames=num_frames,
+            duration_s=duration_s,
+            speech_start_s=span.start_s,
+            speech_end_s=span.end_s,
+            trimmed_duration_s=span.duration_s,
+            speech_ratio=span.speech_ratio,
+            logmel=logmel,
+            mfcc=mfcc,
+        )
+
+    results = [featurise(wave, duration_s, utt_id)]
     if speed_factors and isinstance(results[0], FeatureRecord):
         import torchaudio.functional as AF
 
         for factor in check_speed_factors(speed_factors):
             faster, _ = AF.speed(torch.from_numpy(wave), audio.TARGET_SAMPLE_RATE, factor)
-            results.append(
-                _trim_and_featurise(
-                    audio.normalise_peak(faster.numpy(), in_place=True),
-                    duration_s / factor,
-                    path,
-                    speed_perturbed_id(utt_id, factor),
-                    speaker_id,
-                    chapter_id,
-                    vad_cfg,
-                    extractor,
-                    dtype,
-                )
-            )
+            normalised = audio.normalise_peak(faster.numpy(), in_place=True)
+            results.append(featurise(normalised, duration_s / factor, speed_perturbed_id(utt_id, factor)))
     return results
-
-
-def _trim_and_featurise(
-    wave: np.ndarray,
-    duration_s: float,
-    path: str | os.PathLike[str],
-    utt_id: str,
-    speaker_id: str,
-    chapter_id: str,
-    vad_cfg: VadConfig,
-    extractor: FeatureExtractor,
-    dtype: np.dtype | type = np.float32,
-) -> FeatureRecord | VadReject:
-    span = detect_speech(wave, vad_cfg, peak_normalised=True)  # process_variants normalised it
-    if isinstance(span, NoSpeech):
-        return VadReject(utt_id, os.fspath(path), span.detail)
-    num_frames = num_frames_for(span.num_samples)
-    if num_frames == 0:
-        return VadReject(
-            utt_id, os.fspath(path), f"speech span {span.duration_s:.3f} s is shorter than one 25 ms feature frame"
-        )
-    logmel, mfcc = extractor(wave[span.start_sample : span.end_sample], dtype)
-    return FeatureRecord(
-        utt_id=utt_id,
-        speaker_id=speaker_id,
-        chapter_id=chapter_id,
-        num_frames=num_frames,
-        duration_s=duration_s,
-        speech_start_s=span.start_s,
-        speech_end_s=span.end_s,
-        trimmed_duration_s=span.duration_s,
-        speech_ratio=span.speech_ratio,
-        logmel=logmel,
-        mfcc=mfcc,
-    )
 
 
 _SUMS_SCRATCH = threading.local()

@@ -19,7 +19,13 @@ from pathlib import Path
 from speech_assets.corpus.clients import read_clients
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
-from speech_assets.federated.launch import ENGINES, FederatedRunFailed, InsecureRefused, run_federation
+from speech_assets.federated.launch import (
+    ENGINES,
+    FederatedRunFailed,
+    InsecureRefused,
+    deployment_options,
+    run_federation,
+)
 from speech_assets.federated.processes import NeedsLinux
 from speech_assets.layout import DataLayout
 
@@ -85,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_federation(
             config,
             Path(args.data_dir).resolve(),
-            superlink=args.superlink,
-            insecure=args.insecure,
-            root_certificates=args.superlink_root_certificates,
-            client_state_root=args.client_state_root or None,
-            threads_per_client=args.threads_per_client,
-            device=args.device,
-            engine=args.engine,
+            **deployment_options(args),
             log=lambda line: print(line, flush=True),
         )
     except FederatedRunFailed as error:

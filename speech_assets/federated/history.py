@@ -41,15 +41,18 @@ ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
 # evaluation.parquet: the global encoder after the round, on each client's held-out utterances
 # with that client's own head (kept on the client), beside the client's majority-class rate; then
 # the same on the leak-free masked frames (accuracies null when a client has none)
+EVALUATION_METRICS = {  # {column: (the evaluation reply's metric, its type)}
+    "utterances": ("utterances", int),
+    "masked_frames": ("num-examples", int),
+    "heldout_loss": ("heldout-loss", float),
+    "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
+    "majority_accuracy": ("majority-accuracy", float),
+    "leak_free_frames": ("leak-free-frames", int),
+    "heldout_leak_free_masked_accuracy": ("heldout-leak-free-masked-accuracy", float),
+    "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float),
+}
 EVALUATION_SCHEMA = _per_client(
-    utterances=pa.int64(),
-    masked_frames=pa.int64(),
-    heldout_loss=pa.float64(),
-    heldout_masked_accuracy=pa.float64(),
-    majority_accuracy=pa.float64(),
-    leak_free_frames=pa.int64(),
-    heldout_leak_free_masked_accuracy=pa.float64(),
-    leak_free_majority_accuracy=pa.float64(),
+    **{column: {int: pa.int64(), float: pa.float64()}[kind] for column, (_, kind) in EVALUATION_METRICS.items()}
 )
 
 

@@ -167,6 +167,28 @@ class RoundFollower:
         return True
 
 
+# run_federation's deployment options, by the names the [federated] settings and the module's
+# command line (``python -m speech_assets.federated``) both give them
+DEPLOYMENT_OPTIONS = {
+    "superlink": "superlink",
+    "insecure": "insecure",
+    "root_certificates": "superlink_root_certificates",
+    "client_state_root": "client_state_root",
+    "threads_per_client": "threads_per_client",
+    "device": "device",
+    "engine": "engine",
+}
+
+
+def deployment_options(source: Any) -> dict[str, Any]:
+    """:func:`run_federation`'s deployment keywords read from ``source`` (the ``[federated]``
+    settings or the module's parsed arguments) by :data:`DEPLOYMENT_OPTIONS`; an empty
+    ``client_state_root`` is the default one."""
+    options = {option: getattr(source, name) for option, name in DEPLOYMENT_OPTIONS.items()}
+    options["client_state_root"] = options["client_state_root"] or None
+    return options
+
+
 def run_federation(
     config: FederatedConfig,
     data_dir: str | os.PathLike[str],

@@ -58,7 +58,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fix
 
 from speech_assets.federated import rounds as records
 from speech_assets.federated.config import FederatedConfig, derive_seed, update_norm_bound
-from speech_assets.federated.history import check_settings
+from speech_assets.federated.history import EVALUATION_METRICS, check_settings
 from speech_assets.federated.messages import (
     ARRAYS,
     METRICS,
@@ -92,16 +92,7 @@ TRAIN_COLUMNS = {
     "audio_seconds": ("audio-seconds", float),
     "steps": ("steps", int),
 }
-EVALUATE_COLUMNS = {
-    "utterances": ("utterances", int),
-    "masked_frames": ("num-examples", int),
-    "heldout_loss": ("heldout-loss", float),
-    "heldout_masked_accuracy": ("heldout-masked-accuracy", float),
-    "majority_accuracy": ("majority-accuracy", float),
-    "leak_free_frames": ("leak-free-frames", int),
-    "heldout_leak_free_masked_accuracy": ("heldout-leak-free-masked-accuracy", float),
-    "leak_free_majority_accuracy": ("leak-free-majority-accuracy", float),
-}
+EVALUATE_COLUMNS = EVALUATION_METRICS
 # accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
 LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
 # the same for a client with no held-out frame at all (no held-out speaker): None, never 0.0

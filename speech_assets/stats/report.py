@@ -315,32 +315,14 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
                 "SELECT speech_ratio FROM utterances",
             )
         )
-    speakers = con.execute("SELECT speaker_id, trimmed_hours FROM hours_per_speaker ORDER BY speaker_id").fetchall()
-    if speakers:
-        parts.append(
-            _section(
-                "Hours per speaker",
-                "Speech after VAD per speaker.",
-                plots.html_image(
-                    plots.bars([s for s, _ in speakers], [h for _, h in speakers], "hours per speaker", "hours"),
-                    "hours per speaker",
-                ),
-                "SELECT speaker_id, trimmed_hours FROM hours_per_speaker",
+    for unit in ("speaker", "client"):
+        sql = f"SELECT {unit}_id, trimmed_hours FROM hours_per_{unit}"
+        if rows := con.execute(f"{sql} ORDER BY {unit}_id").fetchall():
+            title = f"hours per {unit}"
+            bars = plots.bars([name for name, _ in rows], [hours for _, hours in rows], title, "hours")
+            parts.append(
+                _section(title.capitalize(), f"Speech after VAD per {unit}.", plots.html_image(bars, title), sql)
             )
-        )
-    clients = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY client_id").fetchall()
-    if clients:
-        parts.append(
-            _section(
-                "Hours per client",
-                "Speech after VAD per client.",
-                plots.html_image(
-                    plots.bars([c for c, _ in clients], [h for _, h in clients], "hours per client", "hours"),
-                    "hours per client",
-                ),
-                "SELECT client_id, trimmed_hours FROM hours_per_client",
-            )
-        )
     if inputs.cluster_counts:
         parts.append(
             _section(

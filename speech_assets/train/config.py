@@ -133,6 +133,12 @@ class RunConfig:
             str(name): value if isinstance(value, ClientTargets) else ClientTargets(**value)
             for name, value in sorted(self.clients.items())
         }
+        if problems := self.problems():
+            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """The messages of the :attr:`RULES` the config breaks; empty when it is valid."""
+        return broken_rules(self.RULES, vars(self))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as stored (config files, checkpoints, MLflow): the tracking URI without
@@ -217,24 +223,19 @@ class TrainConfig(RunConfig):
         *probabilities("mask_prob"),
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.validate()
-
-    def validate(self) -> None:
+    def problems(self) -> list[str]:
         problems = []
         if not self.shards:
             problems.append("shards is empty")
         if not self.clients:
             problems.append("clients is empty")
         problems += [f"client {name}: k must be >= 2" for name, c in self.clients.items() if c.k < 2]
-        problems += broken_rules(self.RULES, vars(self))
+        problems += super().problems()
         try:
             self.augmentation()
         except (TypeError, ValueError) as error:
             problems.append(f"augmentation: {error}")
-        if problems:
-            raise ValueError("invalid TrainConfig: " + "; ".join(problems))
+        return problems
 
     def augmentation(self) -> Augmentation:
         """What training adds to each training utterance (nothing by default)."""
@@ -283,11 +284,6 @@ class DistillConfig(RunConfig):
         Rule(("cosine_weight",), lambda value: value >= 0, "cosine_weight must be >= 0"),
         one_of("precision", PRECISIONS),
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if problems := broken_rules(self.RULES, vars(self)):
-            raise ValueError("invalid DistillConfig: " + "; ".join(problems))
 
     @property
     def preset(self) -> str:
@@ -352,11 +348,6 @@ class FinetuneConfig(RunConfig):
         *probabilities("mask_prob", "channel_mask_prob"),
         one_of("precision", PRECISIONS),
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if problems := broken_rules(self.RULES, vars(self)):
-            raise ValueError("invalid FinetuneConfig: " + "; ".join(problems))
 
     @property
     def preset(self) -> str:
