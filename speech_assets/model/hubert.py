@@ -256,14 +256,24 @@ class HubertPretrainModel(nn.Module):
         x = x.masked_fill(padding[..., None], 0.0)
         return self.dropout(x + self.position(x)), out_lengths, padding
 
-    def encode(self, feats: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor | None = None) -> EncoderOutput:
+    def encode(
+        self,
+        feats: torch.Tensor,
+        lengths: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        padded: bool | None = None,
+    ) -> EncoderOutput:
         """Encode ``feats (B, T, 80)`` (CMVN-normalised, 100 Hz) with valid ``lengths (B,)``.
 
         ``mask (B, L)`` bool marks 50 Hz frames to replace by the learned mask embedding
-        (``L = (max T + 1) // 2``); ``None`` masks nothing.
+        (``L = (max T + 1) // 2``); ``None`` masks nothing. ``padded``: whether the batch has
+        padding, when the caller knows it from host data (the loader's :class:`Batch`); ``None``
+        decides from ``lengths`` (:func:`has_padding`). Without padding the attention takes no mask.
         """
         x, out_lengths, padding = self.embed(feats, lengths, mask)
-        masked = self.attention == "reference" or has_padding(lengths, feats.shape[1])
+        if padded is None:
+            padded = has_padding(lengths, feats.shape[1])
+        masked = self.attention == "reference" or padded
         hidden = self.encoder(x, src_key_padding_mask=padding if masked else None)
         return EncoderOutput(hidden=hidden, lengths=out_lengths, padding=padding)
 
@@ -297,6 +307,7 @@ class HubertPretrainModel(nn.Module):
         clients: torch.Tensor,
         mask: torch.Tensor | None = None,
         groups: Sequence[tuple[int, int, int]] | None = None,
+        padded: bool | None = None,
     ) -> PretrainOutput:
         """Encode and predict: ``clients (B,)`` long selects each row's head.
 
@@ -305,8 +316,9 @@ class HubertPretrainModel(nn.Module):
         receive no gradient from this batch). ``groups``: ``(client, start, stop)`` when the rows
         are grouped by client (the training loader's batches): the heads then take slices and
         nothing waits for the device; without it the clients are read from ``clients``.
+        ``padded``: as for :meth:`encode`.
         """
-        encoded = self.encode(feats, lengths, mask)
+        encoded = self.encode(feats, lengths, mask, padded)
         outputs = []
         if groups is not None:
             for client, start, stop in groups:

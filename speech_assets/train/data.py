@@ -217,6 +217,8 @@ class Batch:
     per client present, the rows ``start:stop`` (host integers, so selecting a client's rows needs
     no device read). ``mask (B, L)`` bool is the span mask the loader drew for the optimizer step
     and micro-batch of ``masked_for`` (``(masking, step, micro)``); ``None`` when none was drawn.
+    ``padded``: whether any row is padded at 50 Hz (a host bool from :func:`collate`, so the model
+    knows without reading ``lengths`` from the device that its attention needs no mask).
     """
 
     feats: torch.Tensor
@@ -227,6 +229,7 @@ class Batch:
     groups: tuple[tuple[int, int, int], ...] | None = None
     mask: torch.Tensor | None = None
     masked_for: tuple[SpanMasking, int, int] | None = None
+    padded: bool | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (``mask`` when there is one)."""
@@ -254,8 +257,9 @@ def collate(
     ``masking(lengths, step, micro)`` of the grouped rows."""
     order = sorted(range(len(examples)), key=lambda row: examples[row].client)
     examples = [examples[row] for row in order]
-    lengths = torch.tensor([e.feats.shape[0] for e in examples], dtype=torch.long)
-    max_frames = int(lengths.max())
+    frames = [e.feats.shape[0] for e in examples]
+    lengths = torch.tensor(frames, dtype=torch.long)
+    max_frames = max(frames)
     feats = torch.zeros(len(examples), max_frames, N_MELS, dtype=torch.float32)
     targets = torch.full((len(examples), (max_frames + 1) // 2), IGNORE_INDEX, dtype=torch.long)
     for row, example in enumerate(examples):
@@ -270,8 +274,10 @@ def collate(
         lengths,
         targets,
         torch.tensor(clients, dtype=torch.long),
-        float(lengths.sum()) / FRAME_RATE_HZ,
+        sum(frames) / FRAME_RATE_HZ,
         groups,
+        # padding at 50 Hz, known here on the host: without it the model's attention takes no mask
+        padded=any((n + 1) // 2 < (max_frames + 1) // 2 for n in frames),
     )
     if masking is not None and slot is not None:
         batch.mask, batch.masked_for = masking(lengths, *slot), (masking, *slot)

@@ -72,7 +72,7 @@ class MaskedPrediction:
         batch = batch.to(self.device)
         mask = batch.mask
         assert mask is not None
-        output = model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups)
+        output = model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups, padded=batch.padded)
         loss = masked_prediction_loss(output.logits, batch.targets, mask, self.unmasked_weight)
         return loss.loss + idle_heads_term(self.model, output.logits), loss.stats
 
@@ -121,7 +121,9 @@ class MaskedPrediction:
             mask = self.mask(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
-                output = self.model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups)
+                output = self.model(
+                    batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups, padded=batch.padded
+                )
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
             interior = torch.zeros_like(mask)
             interior[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]

@@ -199,3 +199,19 @@ def test_resume_with_persistent_loader_workers_is_bit_exact(small_corpus: Synthe
     assert straight["checkpoint_sha256"] == resumed["checkpoint_sha256"]
     lines = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2, 4, 6]  # each line once
+
+
+def test_a_batch_says_on_the_host_whether_it_is_padded_and_the_model_agrees(small_corpus: SyntheticCorpus) -> None:
+    """The loader's ``padded`` flag is what the model would read from ``lengths``; with it the
+    model skips the attention mask (CUDA's flash path) without reading lengths from the device."""
+    dataset = _dataset(small_corpus)
+    examples = [dataset[i] for i in _mixed_indices(dataset, 6)]
+    model = HubertPretrainModel(get_preset("tiny"), {n: c.k for n, c in small_corpus.clients.items()}).eval()
+    same = [examples[0]] * 3
+    for group, padded in ((examples, True), (same, False)):
+        batch = collate(group)
+        assert batch.padded is padded
+        with torch.no_grad():
+            told = model.encode(batch.feats, batch.lengths, padded=batch.padded).hidden
+            read = model.encode(batch.feats, batch.lengths).hidden
+        assert torch.equal(told, read)
