@@ -15,6 +15,7 @@ from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
+from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
@@ -207,6 +208,8 @@ def worker_defaults(section: type, worker: type) -> dict[str, Any]:
 
 
 class ManifestSettings(dg.Config):
+    """The manifest (`manifest`): which audio files are kept, and the reject ratio that blocks the build."""
+
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
     max_reject_ratio: float = 0.2
@@ -215,6 +218,8 @@ class ManifestSettings(dg.Config):
 
 
 class FeatureSettings(dg.Config):
+    """Features (`vad_features`): voice activity detection, speed perturbation and the shard builders."""
+
     vad_aggressiveness: int = VadConfig.aggressiveness  # WebRTC VAD mode 0..3
     vad_frame_ms: int = VadConfig.frame_ms  # 10, 20 or 30
     vad_padding_ms: int = VadConfig.padding_ms
@@ -226,6 +231,8 @@ class FeatureSettings(dg.Config):
 
 
 class ClientSettings(WorkerSettings, worker=RunConfig):
+    """Clients (`client_partitions`): how speakers split into non-IID clients and who is held out."""
+
     num_clients: int = 4
     # the share of speakers held out of everything a model trains on (CMVN, k-means, every
     # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
@@ -233,6 +240,8 @@ class ClientSettings(WorkerSettings, worker=RunConfig):
 
 
 class KMeansSettings(dg.Config):
+    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit."""
+
     k: int = 100
     max_fit_frames: int = 2_000_000
     seed: int = 0
@@ -469,11 +478,13 @@ class FinetuneSettings(dg.Config):
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
 
 
-class PipelineSettings(dg.ConfigurableResource):
+class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
     """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
     by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
 
-    Shown in the UI under Deployment -> Resources; ``source`` says which file was read.
+    Shown in the UI under Deployment -> Resources, one row per section, its type the section's
+    class (e.g. TrainingSettings) and its value the settings in effect; ``source`` says which
+    file was read.
     """
 
     source: str = ""
