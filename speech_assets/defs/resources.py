@@ -476,6 +476,9 @@ class FinetuneSettings(dg.Config):
     precision: str = FinetuneConfig.precision
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
+    # with nproc = 1: runs trained at once, one process each, in the one launch; 0 = one per CPU
+    # core (at most the runs to train), 1 on a GPU
+    parallel_runs: int = 0
 
 
 class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
