@@ -3,8 +3,8 @@ from-scratch baseline over labelled budgets, and the recogniser exported for `sp
 
 Each (model, labelled budget, seed) is one run of the fine-tuning worker
 (speech_assets/evaluation/finetune.py), in its own run folder; the runs not finished before train
-one after another in a single launch, like every training loop (torchrun through Pipes,
-:mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
+in a single launch (on a CPU several at once, a process each), like every training loop (torchrun
+through Pipes, :mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
 """
 
 import contextlib
@@ -142,7 +142,7 @@ def finetuned_asr(
                     labelled,
                     decoders,
                 )
-    pending = [run_dir for run_dir in planned.values() if _finished(run_dir) is None]
+    pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if _finished(run_dir) is None))
     if pending:
         _train(context, pipes_subprocess_client, paths, root, options, pending, base_versions)
     rows, runs = [], {}

@@ -14,6 +14,10 @@ the labelled and the held-out utterances (greedy, and with the beam decoder of
 :mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
 Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
 ``result.json``, logs to MLflow and reports through Dagster Pipes.
+
+A :class:`~speech_assets.train.config.FinetuneBatch` config (``--config`` naming one) trains several
+runs in one launch (:func:`finetune_batch`): one after another, or several at once, each rank
+training its share alone.
 """
 
 from __future__ import annotations
@@ -228,13 +232,15 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
 
 
 def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
-    """Every run of ``batch`` in this process, one after another (alone or as one torchrun rank):
-    the ``result.json`` contents of each on rank 0 (a run finished before is not trained again, a
-    run with checkpoints continues from its latest), ``None`` elsewhere. Each run is what
+    """The runs of ``batch`` in this process, one after another (alone or as one torchrun rank):
+    every run with all ranks (DDP), or with ``batch.parallel`` this rank's share
+    (``runs[rank::world_size]``), each as a job of one process. Returns the ``result.json``
+    contents of the runs this process led (a run finished before is not trained again, a run
+    with checkpoints continues from its latest), ``None`` on a DDP batch's other ranks. Each run is what
     :func:`finetune` makes of its config (same seeds, same steps, same files in its run folder);
-    the batch saves the processes, imports and data loading of a launch per run. Rank 0 writes
-    the batch's ``result.json`` (each run's folder, step and checkpoint hash) and reports one
-    Dagster materialization for the whole batch."""
+    the batch saves the processes, imports and data loading of a launch per run. The batch's
+    ``result.json`` (rank 0's runs: folder, step, checkpoint hash; ``result.rank<N>.json`` those
+    of rank N) and one Dagster materialization for the whole launch, reported by rank 0."""
     from speech_assets.runtime.locks import hold_as_worker
 
     with worker(batch.run_dir, batch.device, command=COMMAND) as job, contextlib.ExitStack() as held:
