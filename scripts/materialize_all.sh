@@ -21,7 +21,8 @@ materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
 # recogniser `speech-assets transcribe` uses), then dataset_stats; Dagster orders the steps by their dependencies and the
 # `training` pool runs one trainer at a time. Its run config: the demo's shorter budgets (fewer
 # federated local steps, a 40-step distillation, fine-tuning on 1 labelled minute for 300 steps
-# with two seeds: the demo stays within a few minutes on 2 cores), each asset's part replaced by
+# with two seeds, its four runs two at a time in one launch; the probe in one thread beside them:
+# the demo stays within a few minutes on 2 cores), each asset's part replaced by
 # TRAIN_CONFIG_JSON / FEDERATED_CONFIG_JSON / DISTILL_CONFIG_JSON / PROBE_CONFIG_JSON /
 # FINETUNE_CONFIG_JSON where set. MODEL_ASSETS narrows the run's selection.
 model_assets="${MODEL_ASSETS:-pretrained_checkpoint,federated_checkpoint,distilled_checkpoint,encoder_export,downstream_probe,finetuned_asr,dataset_stats}"
@@ -31,6 +32,8 @@ ops = {
     "federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}},
     "distilled_checkpoint": {"config": {"max_steps": 40}},
     "finetuned_asr": {"config": {"labelled_minutes": [1.0], "seeds": [0, 1], "max_steps": 300, "freeze_steps": 50, "batch_seconds": 8.0}},
+    # the probe runs beside fine-tuning's processes (one per core): one thread leaves them their cores
+    "downstream_probe": {"config": {"threads": 1}},
 }
 for variable in ("TRAIN_CONFIG_JSON", "FEDERATED_CONFIG_JSON", "DISTILL_CONFIG_JSON", "PROBE_CONFIG_JSON", "FINETUNE_CONFIG_JSON"):
     ops.update(json.loads(os.environ.get(variable) or "{}").get("ops", {}))

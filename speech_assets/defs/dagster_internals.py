@@ -24,6 +24,12 @@ use a private Dagster name (the layer test).
   health check that run monitoring calls.
 - ``multiprocessing.forkserver._forkserver`` and its ``_lock``, ``_forkserver_pid``,
   ``_stop_unlocked`` (:func:`stop_forkserver`): multiprocessing stops its forkserver only at exit.
+- ``dagster._config.field_utils.Shape`` (subclassed; its ``_initialized`` flag), ``ConfigType``'s
+  ``key`` and ``given_name``, ``dagster._core.definitions.definition_config_schema``'s
+  ``DefinitionConfigSchema`` and a ``ConfigurableResource``'s ``_config_schema``
+  (:class:`NamedSectionTypes`): a nested ``Config`` field's type is a ``Shape`` keyed
+  ``Shape.<sha1 of its fields>``, which the UI's resource page shows as the field's type; Dagster
+  has no public way to name it.
 """
 
 from __future__ import annotations
@@ -142,3 +148,58 @@ def local_run_launcher(why_dead: Callable[[dg.DagsterInstance, dg.DagsterRun], s
             return CheckRunHealthResult(WorkerStatus.FAILED, f"{reason} ({remedy})")
 
     return LocalProcessRunLauncher
+
+
+def named_shape(shape: Any, name: str) -> Any:
+    """The config type ``shape`` (a strict ``Shape``: same fields, same description, so it checks
+    config exactly as ``shape`` does) keyed and named ``name`` instead of ``Shape.<hash>``.
+
+    Dagster memoises shapes by their hashed key; this one is built fresh and never memoised, so a
+    name never hands back another schema's fields (two settings objects with other defaults)."""
+    from dagster._config.field_utils import Shape
+
+    class NamedShape(Shape):
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            instance = object.__new__(cls)
+            instance._initialized = False
+            return instance
+
+    named = NamedShape(shape.fields, description=shape.description)
+    named.key = named.given_name = name
+    return named
+
+
+def named_section_types(schema: Any, names: dict[str, str]) -> Any:
+    """A resource's config schema (``DefinitionConfigSchema``) with the type of each top-level
+    field of ``names`` renamed by :func:`named_shape`; defaults, descriptions and requiredness kept."""
+    from dagster._config.field_utils import Shape
+    from dagster._core.definitions.definition_config_schema import DefinitionConfigSchema
+
+    top = schema.as_field()
+    fields = {}
+    for key, field in top.config_type.fields.items():
+        kind = field.config_type
+        if key in names and type(kind) is Shape:
+            kind = named_shape(kind, names[key])
+        if field.default_provided:
+            fields[key] = dg.Field(kind, default_value=field.default_value, description=field.description)
+        else:
+            fields[key] = dg.Field(kind, is_required=field.is_required, description=field.description)
+    shape = Shape(fields, description=top.config_type.description)
+    if top.default_provided:
+        return DefinitionConfigSchema(dg.Field(shape, default_value=top.default_value, description=top.description))
+    return DefinitionConfigSchema(dg.Field(shape, is_required=top.is_required, description=top.description))
+
+
+class NamedSectionTypes:
+    """A ``ConfigurableResource`` mix-in: each field typed by a ``Config`` class shows that class's
+    name as its type (e.g. ``TrainingSettings``) on the UI's resource page, not ``Shape.<hash>``."""
+
+    @property
+    def _config_schema(self) -> Any:
+        names = {
+            name: field.annotation.__name__
+            for name, field in type(self).model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, dg.Config)
+        }
+        return named_section_types(super()._config_schema, names)  # type: ignore[misc]

@@ -2,10 +2,12 @@
 from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
 
 Each (model, labelled budget, seed) is one run of the fine-tuning worker
-(speech_assets/evaluation/finetune.py) launched like every training loop (torchrun through Pipes,
-:mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
+(speech_assets/evaluation/finetune.py), in its own run folder; the runs not finished before train
+in a single launch (on a CPU several at once, a process each), like every training loop (torchrun
+through Pipes, :mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
 """
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -21,6 +23,7 @@ from speech_assets.defs.lineage import (
     checkpoint_of,
     git_commit,
     latest_data_version,
+    record_provenance,
     required_checkpoint,
     shard_hashes,
 )
@@ -111,8 +114,8 @@ def finetuned_asr(
         },
     }
     root = paths.finetune.root
-    rows, runs = [], {}
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
+    planned: dict[tuple[str, float, int], Path] = {}
     for minutes in budgets:
         for seed in options.seeds:
             subset = labelled_subset(candidates, test_speakers, minutes, seed)
@@ -125,9 +128,8 @@ def finetuned_asr(
                 )
             for model in [*encoders, SCRATCH]:
                 path, version = encoders["pretrained"] if model == SCRATCH else encoders[model]
-                result = _run(
+                planned[(model, minutes, seed)] = _plan(
                     context,
-                    pipes_subprocess_client,
                     paths,
                     root,
                     options,
@@ -139,19 +141,27 @@ def finetuned_asr(
                     labelled,
                     decoders,
                 )
-                runs[(model, minutes, seed)] = result
-                rows += [
-                    {
-                        "model": model,
-                        "labelled_minutes": minutes,
-                        "seed": seed,
-                        **score,
-                        "steps": result["step"],
-                        "labelled_seconds": result["labelled_seconds"],
-                        "checkpoint_sha256": result["checkpoint_sha256"],
-                    }
-                    for score in result["scores"]
-                ]
+    pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if _finished(run_dir) is None))
+    if pending:
+        _train(context, pipes_subprocess_client, paths, root, options, pending, base_versions)
+    rows, runs = [], {}
+    for (model, minutes, seed), run_dir in planned.items():
+        result = _finished(run_dir)
+        if result is None:
+            raise dg.Failure(description=f"{model}, {minutes:g} min, seed {seed}: no result in {run_dir}")
+        runs[(model, minutes, seed)] = result
+        rows += [
+            {
+                "model": model,
+                "labelled_minutes": minutes,
+                "seed": seed,
+                **score,
+                "steps": result["step"],
+                "labelled_seconds": result["labelled_seconds"],
+                "checkpoint_sha256": result["checkpoint_sha256"],
+            }
+            for score in result["scores"]
+        ]
     target = paths.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
@@ -228,9 +238,18 @@ def _utterances(paths: StoragePaths, train_speakers: list[str], test_speakers: l
     return candidates, {u: texts[u] for u in chosen}, texts, skipped
 
 
-def _run(
+def _finished(run_dir: Path) -> dict | None:
+    """The run's ``result.json`` when it finished (its checkpoint is there), else None."""
+    finished = RunFiles(run_dir).result
+    if finished.is_file():
+        result = json.loads(finished.read_text())
+        if result.get("checkpoint") and Path(result["checkpoint"]).is_file():
+            return result
+    return None
+
+
+def _plan(
     context,
-    client,
     paths: StoragePaths,
     root: Path,
     options: FinetuneSettings,
@@ -241,24 +260,26 @@ def _run(
     data_versions: dict[str, str],
     labelled: dict,
     decoders: list[str],
-) -> dict:
-    """One fine-tuning run (launched unless its run folder already holds its result)."""
+) -> Path:
+    """One fine-tuning run's folder (named by its inputs and settings), with its labelled
+    utterances and config written unless it finished before."""
     from speech_assets.train.config import FinetuneConfig
 
-    job = options.model_copy(
-        update={"labelled_minutes": [minutes], "seeds": [seed], "encoders": [model], "decoders": decoders}
+    job = options.model_copy(  # how many runs train at once does not name a run: parallel_runs 0
+        update={
+            "labelled_minutes": [minutes],
+            "seeds": [seed],
+            "encoders": [model],
+            "decoders": decoders,
+            "parallel_runs": 0,
+        }
     )
     labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
     versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
     run_dir = run_folder(root / "runs", versions, job, FINETUNE_CODE_VERSION)
-    finished = RunFiles(run_dir).result
-    if (
-        finished.is_file()
-        and (result := json.loads(finished.read_text())).get("checkpoint")
-        and Path(result["checkpoint"]).is_file()
-    ):
+    if _finished(run_dir) is not None:
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
-        return result
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(RunFiles(run_dir).labelled, labelled_text)
     shard_speakers = sorted({k.split("/", 1)[1] for k in data_versions if k.startswith("vad_features/")})
@@ -281,22 +302,75 @@ def _run(
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
         mlflow_artifact_location=paths.mlflow_artifact_location,
         mlflow_run_name=f"finetune-{model}-{minutes:g}min-s{seed}-{run_dir.name}",
+        dagster_run_id=context.run.run_id,
+    )
+    config.to_json(run_dir / "config.json")
+    context.log.info(
+        f"to fine-tune: {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}"
+    )
+    return run_dir
+
+
+def _train(
+    context,
+    client,
+    paths: StoragePaths,
+    root: Path,
+    options: FinetuneSettings,
+    run_dirs: list[Path],
+    data_versions: dict[str, str],
+) -> None:
+    """Train the runs of ``run_dirs`` (planned by :func:`_plan`) one after another in one torchrun
+    launch (:class:`~speech_assets.train.config.FinetuneBatch`): one start-up of the workers, the
+    imports and the data for all of them. Each run folder is held as a lone launch holds it."""
+    import torch
+
+    from speech_assets.train import launch
+    from speech_assets.train.autoconfig import available_cores
+    from speech_assets.train.config import FinetuneBatch
+
+    nproc, parallel = options.nproc or 1, False
+    if nproc == 1:
+        at_once = options.parallel_runs or (1 if torch.cuda.is_available() else available_cores())
+        nproc = max(1, min(at_once, len(run_dirs)))
+        parallel = nproc > 1
+    batch_dir = root / "batches" / sha256_strings([str(d) for d in run_dirs])[:16]
+    batch = FinetuneBatch(
+        run_dir=str(batch_dir),
+        runs=[str(d) for d in run_dirs],
+        batch_seconds=options.batch_seconds,
+        parallel=parallel,
+        git_sha=git_commit(),
     )
     context.log.info(
-        f"fine-tuning {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}"
+        f"fine-tuning {len(run_dirs)} run(s) in one launch ({batch_dir}): "
+        + (f"{nproc} at once, one process each" if parallel else f"one after another, {nproc} process(es) each")
     )
-    run_torchrun(
-        context,
-        client,
-        paths,
-        run_dir,
-        config,
-        versions,
-        asset_name="finetuned_asr",
-        nproc=options.nproc or 1,
-        module="speech_assets.evaluation.finetune",
-    )
-    return json.loads(finished.read_text())
+    with contextlib.ExitStack() as held:
+        for run_dir in run_dirs:
+            held.enter_context(
+                launch.launching(run_dir, dagster_run_id=context.run.run_id, command="dagster asset finetuned_asr")
+            )
+        run_torchrun(
+            context,
+            client,
+            paths,
+            batch_dir,
+            batch,
+            data_versions,
+            asset_name="finetuned_asr",
+            nproc=nproc,
+            module="speech_assets.evaluation.finetune",
+        )
+    for run_dir in run_dirs:
+        if (result := _finished(run_dir)) is not None:
+            record_provenance(
+                run_dir,
+                result["checkpoint_sha256"],
+                git_sha=batch.git_sha,
+                mlflow_run_id=result.get("mlflow_run_id"),
+                dagster_run_id=context.run.run_id,
+            )
 
 
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:

@@ -16,6 +16,7 @@ from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
+from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
@@ -194,6 +195,8 @@ def worker_defaults(section: type, worker: type) -> dict[str, Any]:
 
 
 class ManifestSettings(dg.Config):
+    """The manifest (`manifest`): which audio files are kept, and the reject ratio that blocks the build."""
+
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
     max_reject_ratio: float = 0.2
@@ -202,6 +205,8 @@ class ManifestSettings(dg.Config):
 
 
 class FeatureSettings(dg.Config):
+    """Features (`vad_features`): voice activity detection, speed perturbation and the shard builders."""
+
     vad_aggressiveness: int = VadConfig.aggressiveness  # WebRTC VAD mode 0..3
     vad_frame_ms: int = VadConfig.frame_ms  # 10, 20 or 30
     vad_padding_ms: int = VadConfig.padding_ms
@@ -215,6 +220,8 @@ class FeatureSettings(dg.Config):
 
 
 class ClientSettings(WorkerSettings, worker=RunConfig, section="clients"):
+    """Clients (`client_partitions`): how speakers split into non-IID clients and who is held out."""
+
     num_clients: int = 4
     # the share of speakers held out of everything a model trains on (CMVN, k-means, every
     # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
@@ -222,6 +229,8 @@ class ClientSettings(WorkerSettings, worker=RunConfig, section="clients"):
 
 
 class KMeansSettings(dg.Config):
+    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit."""
+
     k: int = 100
     max_fit_frames: int = 2_000_000
     seed: int = 0
@@ -452,13 +461,18 @@ class FinetuneSettings(dg.Config):
     precision: str = FinetuneConfig.precision
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
+    # with nproc = 1: runs trained at once, one process each, in the one launch; 0 = one per CPU
+    # core (at most the runs to train), 1 on a GPU
+    parallel_runs: int = 0
 
 
-class PipelineSettings(dg.ConfigurableResource):
+class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
     """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
     by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
 
-    Shown in the UI under Deployment -> Resources; ``source`` says which file was read.
+    Shown in the UI under Deployment -> Resources, one row per section, its type the section's
+    class (e.g. TrainingSettings) and its value the settings in effect; ``source`` says which
+    file was read.
     """
 
     source: str = ""

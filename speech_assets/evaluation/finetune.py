@@ -14,17 +14,23 @@ the labelled and the held-out utterances (greedy, and with the beam decoder of
 :mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
 Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
 ``result.json``, logs to MLflow and reports through Dagster Pipes.
+
+A :class:`~speech_assets.train.config.FinetuneBatch` config (``--config`` naming one) trains several
+runs in one launch (:func:`finetune_batch`): one after another, or several at once, each rank
+training its share alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import os
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +42,12 @@ from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
 from speech_assets.features.shards import read_shard_table
+from speech_assets.layout import RESULT_FILE, TRAIN_LOG
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
-from speech_assets.train.config import FinetuneConfig
+from speech_assets.train.config import FinetuneBatch, FinetuneConfig
 from speech_assets.train.data import (
     CorpusIndex,
     DurationBucketSampler,
@@ -50,14 +57,16 @@ from speech_assets.train.data import (
     collate,
     eval_batches,
 )
-from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking
+from speech_assets.train.engine import BatchStream, Distributed, Engine, publish, seed_everything, tracking
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
+from speech_assets.utils import atomic_write_text, sha256_strings
 
 log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "ctc"
 HEAD = "ctc"
+COMMAND = "python -m speech_assets.evaluation.finetune"
 
 
 @dataclass(frozen=True)
@@ -217,172 +226,258 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
     """Fine-tune in this process (alone or as one torchrun rank); ``result.json``'s content on
     rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from its latest
     checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
-    run_dir = Path(config.run_dir)
-    with worker(config.run_dir, config.device, command="python -m speech_assets.evaluation.finetune") as job:
-        torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
-        cuda = job.device.type == "cuda"
-        precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
-        job.batch = (config.batch_seconds, config.grad_accum)
+    with worker(config.run_dir, config.device, command=COMMAND) as job:
         reporter = PipesReporter(log) if job.is_main else None
-        texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
-        index = transcribed_index(config.shards, set(texts["train"]) | set(texts["heldout"]))
-        seed_everything(config.seed)
-        model, encoder, cmvn = build_model(config)
-        train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
-        heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
-        if leaked := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in heldout_refs}):
-            raise ValueError(f"labelled utterances of held-out speakers {leaked[:10]}")
-        if not train_refs:
-            raise ValueError("no labelled utterances")
-        dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
-        sampler = DurationBucketSampler(
-            dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
-        )
-        stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
-        model = model.to(job.device)
-        if config.freeze_frontend:
-            model.frontend.requires_grad_(False)
-        if config.mask_prob <= 0:
-            model.mask_embedding.requires_grad_(False)
-        engine = Engine(
-            model,
-            job,
-            precision=precision,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-            grad_accum=config.grad_accum,
-            forward=CtcForward(model),
-            schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
-        )
-        speakers = {
-            "train": sorted({u.speaker_id for u in train_refs}),
-            "heldout": sorted({u.speaker_id for u in heldout_refs}),
-        }
-        engine.extra = {
-            "kind": CHECKPOINT_KIND,
-            "config": config.to_dict(),
-            "data_versions": dict(config.data_versions),
-            "speakers": speakers,
-            "normalisation": describe(cmvn),
-        }
-        engine.resume(
-            config.run_dir,
-            stream,
-            lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]),
-        )
-        objective = CtcTraining(
-            job.device,
-            seed=config.seed,
-            freeze_steps=config.freeze_steps,
-            mask_prob=config.mask_prob,
-            mask_length=config.mask_length,
-            channel_prob=config.channel_mask_prob,
-            channel_length=config.channel_mask_length,
-            rank=job.rank,
-        )
-        plan = {
-            "nproc": job.world_size,
-            "batch_seconds": config.batch_seconds,
-            "grad_accum": config.grad_accum,
-            "precision": precision,
-        }
-        with tracking(config, job, plan) as tracker:
-            engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
-            labelled_seconds = sum(dataset.seconds)
-            log.info(
-                "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
-                "%d held-out utterances of %d speakers to score; encoder frozen for %d steps, %s",
-                config.init,
-                len(dataset),
-                labelled_seconds / 60,
-                len(speakers["train"]),
-                len(heldout_refs),
-                len(speakers["heldout"]),
-                config.freeze_steps,
-                precision,
-            )
-            if (
-                not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
-                or not job.is_main
-            ):
-                engine.barrier()
-                return None
-            model.eval()
-            beam, beam_name = None, ""
-            if any(d != "greedy" for d in config.decoders):
-                from speech_assets.evaluation.decoding import beam_decoder
+        return train_run(job, config, reporter, stop_after_step=stop_after_step)
 
-                beam, beam_name = beam_decoder(list(texts["train"].values()), config.lm_order)
-            sets = {"train": dataset, "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"])}
-            scores = score_rows(model, sets, job.device, beam, beam_name)
-            final, sha = engine.save_final(
-                run_dir,
-                kind=CHECKPOINT_KIND,
-                preset=model.preset.to_dict(),
-                clients={HEAD: VOCAB_SIZE},
-                init=config.init,
-                encoder_checkpoint=config.encoder,
-                encoder_sha256=encoder["sha256"],
-                config=config.to_dict(),
-                data_versions=dict(config.data_versions),
-                speakers=speakers,
-                normalisation=describe(cmvn),
+
+def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
+    """The runs of ``batch`` in this process, one after another (alone or as one torchrun rank):
+    every run with all ranks (DDP), or with ``batch.parallel`` this rank's share
+    (``runs[rank::world_size]``), each as a job of one process. Returns the ``result.json``
+    contents of the runs this process led (a run finished before is not trained again, a run
+    with checkpoints continues from its latest), ``None`` on a DDP batch's other ranks. Each run is what
+    :func:`finetune` makes of its config (same seeds, same steps, same files in its run folder);
+    the batch saves the processes, imports and data loading of a launch per run. The batch's
+    ``result.json`` (rank 0's runs: folder, step, checkpoint hash; ``result.rank<N>.json`` those
+    of rank N) and one Dagster materialization for the whole launch, reported by rank 0."""
+    from speech_assets.runtime.locks import hold_as_worker
+
+    with worker(batch.run_dir, batch.device, command=COMMAND) as job, contextlib.ExitStack() as held:
+        configs = [batch.run_config(folder) for folder in batch.runs]
+        # parallel: this process's share, each run a job of one process (rank 0 of 1: no DDP, its own files)
+        mine = configs[job.rank :: job.world_size] if batch.parallel else configs
+        runner = replace(job, rank=0, world_size=1) if batch.parallel else job
+        job.batch = (batch.batch_seconds, batch.grad_accum)
+        for config in mine:
+            held.callback(hold_as_worker(config.run_dir).close)  # as a lone run's workers hold theirs
+        reporter = PipesReporter(log) if job.is_main else None
+        results = []
+        for config in mine:
+            finished = Path(config.run_dir) / RESULT_FILE
+            if finished.is_file() and Path(json.loads(finished.read_text()).get("checkpoint") or "").is_file():
+                log.info("%s: finished before", config.run_dir)
+                results.append(json.loads(finished.read_text()))
+                continue
+            with run_log(Path(config.run_dir), runner.is_main):
+                if runner.is_main:
+                    config.to_json(Path(config.run_dir) / "config.json")  # what this attempt runs
+                results.append(train_run(runner, config, None))
+        if not runner.is_main:
+            return None
+        keys = ("checkpoint", "checkpoint_sha256", "step", "init", "seed", "heldout_cer", "heldout_wer")
+        summary = {
+            "runs": [
+                {"run_dir": str(c.run_dir), **{k: r.get(k) for k in keys}} for c, r in zip(mine, results, strict=True)
+            ],
+            "checkpoint_sha256": None,
+        }
+        name = RESULT_FILE if job.is_main else f"result.rank{job.rank}.json"
+        atomic_write_text(Path(batch.run_dir) / name, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        if reporter is not None:
+            # the other processes' runs may still train: the asset reads every run's result.json after the launch
+            reporter.report(
+                {"runs": len(configs), "run_dirs": {"folders": [str(c.run_dir) for c in configs]}},
+                data_version=sha256_strings(sorted(c.run_dir for c in configs)),
             )
-            held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
-            result = {
-                "step": engine.step,
-                "final_loss": engine.metrics.get("loss"),
-                "init": config.init,
-                "seed": config.seed,
-                "checkpoint": str(final),
-                "checkpoint_sha256": sha,
-                "encoder": config.encoder,
-                "encoder_sha256": encoder["sha256"],
-                "scores": scores,
-                "labelled_utterances": len(dataset),
-                "labelled_seconds": labelled_seconds,
-                "heldout_utterances": len(heldout_refs),
-                "speakers": speakers,
-                "heldout_cer": held.get("greedy", {}).get("cer"),
-                "heldout_wer": held.get("greedy", {}).get("wer"),
-                "train_audio_seconds": engine.progress["audio_seconds"],
-                "train_seconds": engine.progress["train_seconds"],
-                "resumed_from_step": engine.resumed_from,
-                "world_size": job.world_size,
-                "precision": precision,
-                "data_versions": dict(config.data_versions),
-                "mlflow_run_id": tracker.run_id if tracker else None,
-                "mlflow_run_url": tracker.url if tracker else None,
-            }
-            log.info(
-                "done: %d steps, loss %s, held-out greedy CER %s WER %s",
-                engine.step,
-                result["final_loss"],
-                result["heldout_cer"],
-                result["heldout_wer"],
-            )
-            keys = (
-                "step",
-                "final_loss",
-                "heldout_cer",
-                "heldout_wer",
-                "checkpoint",
-                "checkpoint_sha256",
-                "mlflow_run_id",
-                "mlflow_run_url",
-            )
-            publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
-        engine.barrier()
-        return result
+        return results
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path, main: bool) -> Iterator[None]:
+    """The run's main process's records (INFO and up) to ``run_dir/train.log`` too while one run of
+    a batch trains."""
+    if not main:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / TRAIN_LOG, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s"))
+    level = log.level
+    log.setLevel(logging.INFO)  # a parallel batch's other processes log only warnings elsewhere
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        handler.close()
+
+
+def train_run(
+    job: Distributed, config: FinetuneConfig, reporter: PipesReporter | None, *, stop_after_step: int | None = None
+) -> dict[str, Any] | None:
+    """One fine-tuning run on this rank of ``job``: ``result.json``'s content on rank 0, ``None``
+    elsewhere or when ``stop_after_step`` stopped it; ``reporter`` (rank 0, a run launched alone)
+    reports its materialization."""
+    run_dir = Path(config.run_dir)
+    torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
+    cuda = job.device.type == "cuda"
+    precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
+    job.batch = (config.batch_seconds, config.grad_accum)
+    texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
+    index = transcribed_index(config.shards, set(texts["train"]) | set(texts["heldout"]))
+    seed_everything(config.seed)
+    model, encoder, cmvn = build_model(config)
+    train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
+    heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
+    if leaked := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in heldout_refs}):
+        raise ValueError(f"labelled utterances of held-out speakers {leaked[:10]}")
+    if not train_refs:
+        raise ValueError("no labelled utterances")
+    dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
+    sampler = DurationBucketSampler(
+        dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+    )
+    stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
+    model = model.to(job.device)
+    if config.freeze_frontend:
+        model.frontend.requires_grad_(False)
+    if config.mask_prob <= 0:
+        model.mask_embedding.requires_grad_(False)
+    engine = Engine(
+        model,
+        job,
+        precision=precision,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+        grad_accum=config.grad_accum,
+        forward=CtcForward(model),
+        schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
+    )
+    speakers = {
+        "train": sorted({u.speaker_id for u in train_refs}),
+        "heldout": sorted({u.speaker_id for u in heldout_refs}),
+    }
+    engine.extra = {
+        "kind": CHECKPOINT_KIND,
+        "config": config.to_dict(),
+        "data_versions": dict(config.data_versions),
+        "speakers": speakers,
+        "normalisation": describe(cmvn),
+    }
+    engine.resume(
+        config.run_dir,
+        stream,
+        lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]),
+    )
+    objective = CtcTraining(
+        job.device,
+        seed=config.seed,
+        freeze_steps=config.freeze_steps,
+        mask_prob=config.mask_prob,
+        mask_length=config.mask_length,
+        channel_prob=config.channel_mask_prob,
+        channel_length=config.channel_mask_length,
+        rank=job.rank,
+    )
+    plan = {
+        "nproc": job.world_size,
+        "batch_seconds": config.batch_seconds,
+        "grad_accum": config.grad_accum,
+        "precision": precision,
+    }
+    with tracking(config, job, plan) as tracker:
+        engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
+        labelled_seconds = sum(dataset.seconds)
+        log.info(
+            "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
+            "%d held-out utterances of %d speakers to score; encoder frozen for %d steps, %s",
+            config.init,
+            len(dataset),
+            labelled_seconds / 60,
+            len(speakers["train"]),
+            len(heldout_refs),
+            len(speakers["heldout"]),
+            config.freeze_steps,
+            precision,
+        )
+        if (
+            not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
+            or not job.is_main
+        ):
+            engine.barrier()
+            return None
+        model.eval()
+        beam, beam_name = None, ""
+        if any(d != "greedy" for d in config.decoders):
+            from speech_assets.evaluation.decoding import beam_decoder
+
+            beam, beam_name = beam_decoder(list(texts["train"].values()), config.lm_order)
+        sets = {"train": dataset, "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"])}
+        scores = score_rows(model, sets, job.device, beam, beam_name)
+        final, sha = engine.save_final(
+            run_dir,
+            kind=CHECKPOINT_KIND,
+            preset=model.preset.to_dict(),
+            clients={HEAD: VOCAB_SIZE},
+            init=config.init,
+            encoder_checkpoint=config.encoder,
+            encoder_sha256=encoder["sha256"],
+            config=config.to_dict(),
+            data_versions=dict(config.data_versions),
+            speakers=speakers,
+            normalisation=describe(cmvn),
+        )
+        held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
+        result = {
+            "step": engine.step,
+            "final_loss": engine.metrics.get("loss"),
+            "init": config.init,
+            "seed": config.seed,
+            "checkpoint": str(final),
+            "checkpoint_sha256": sha,
+            "encoder": config.encoder,
+            "encoder_sha256": encoder["sha256"],
+            "scores": scores,
+            "labelled_utterances": len(dataset),
+            "labelled_seconds": labelled_seconds,
+            "heldout_utterances": len(heldout_refs),
+            "speakers": speakers,
+            "heldout_cer": held.get("greedy", {}).get("cer"),
+            "heldout_wer": held.get("greedy", {}).get("wer"),
+            "train_audio_seconds": engine.progress["audio_seconds"],
+            "train_seconds": engine.progress["train_seconds"],
+            "resumed_from_step": engine.resumed_from,
+            "world_size": job.world_size,
+            "precision": precision,
+            "data_versions": dict(config.data_versions),
+            "mlflow_run_id": tracker.run_id if tracker else None,
+            "mlflow_run_url": tracker.url if tracker else None,
+        }
+        log.info(
+            "done: %d steps, loss %s, held-out greedy CER %s WER %s",
+            engine.step,
+            result["final_loss"],
+            result["heldout_cer"],
+            result["heldout_wer"],
+        )
+        keys = (
+            "step",
+            "final_loss",
+            "heldout_cer",
+            "heldout_wer",
+            "checkpoint",
+            "checkpoint_sha256",
+            "mlflow_run_id",
+            "mlflow_run_url",
+        )
+        publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
+    engine.barrier()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--config", required=True, help="FinetuneConfig JSON file")
-    finetune(FinetuneConfig.from_json(parser.parse_args(argv).config))
+    parser.add_argument("--config", required=True, help="FinetuneConfig JSON file, or a FinetuneBatch (its runs)")
+    path = Path(parser.parse_args(argv).config)
+    if "runs" in json.loads(path.read_text(encoding="utf-8")):
+        finetune_batch(FinetuneBatch.from_json(path))
+    else:
+        finetune(FinetuneConfig.from_json(path))
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -353,3 +353,58 @@ class FinetuneConfig(RunConfig):
     def preset(self) -> str:
         """What MLflow tags the run with."""
         return f"ctc-{self.init}"
+
+
+@dataclass
+class FinetuneBatch:
+    """Several fine-tuning runs trained one after another by the same worker processes (one
+    torchrun launch): ``runs`` are their run folders, each holding its own ``config.json`` (a
+    :class:`FinetuneConfig` whose ``run_dir`` is that folder) and getting its own checkpoints,
+    ``result.json`` and MLflow run, exactly as if launched alone. ``run_dir`` is the batch's own
+    folder (its log, lock, ``result.json`` and out-of-memory marker). ``batch_seconds`` and
+    ``grad_accum`` replace every run's (the launcher halves the batch after a CUDA out-of-memory
+    error); ``device`` (where the workers run) and ``dagster_run_id`` are the launch's. ``parallel``:
+    each of the launch's processes trains its own share of the runs as a job of one process, so
+    several runs train at once (on a CPU, a small model trains faster per core in one thread than
+    spread over several); otherwise every process takes part in every run (DDP)."""
+
+    run_dir: str
+    runs: list[str]
+    batch_seconds: float
+    grad_accum: int = 1
+    # each process trains its share of the runs alone (runs[rank::processes]), not every run together (DDP)
+    parallel: bool = False
+    device: str = "auto"
+    dagster_run_id: str | None = None
+    git_sha: str | None = None
+
+    def __post_init__(self) -> None:
+        self.runs = [str(r) for r in self.runs]
+        if not self.runs or len(set(self.runs)) != len(self.runs):
+            raise ValueError(f"a fine-tuning batch needs distinct run folders, got {self.runs}")
+        if self.batch_seconds <= 0 or self.grad_accum < 1:
+            raise ValueError(
+                f"batch_seconds must be > 0 and grad_accum >= 1, got {self.batch_seconds}, {self.grad_accum}"
+            )
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Self:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+        return cls(**data)
+
+    def run_config(self, folder: str) -> FinetuneConfig:
+        """The run of ``folder`` (one of :attr:`runs`): its ``config.json`` with the batch's
+        ``batch_seconds`` and ``grad_accum``; refused unless it names that folder."""
+        config = FinetuneConfig.from_json(Path(folder) / "config.json")
+        if Path(config.run_dir).resolve() != Path(folder).resolve():
+            raise ValueError(f"{folder}/config.json names another run folder: {config.run_dir}")
+        return replace(config, batch_seconds=self.batch_seconds, grad_accum=self.grad_accum)

@@ -75,6 +75,21 @@ USED = [
         "dagster", "DefaultRunLauncher", ("_instance", "supports_check_run_worker_health", "check_run_worker_health")
     ),
     Private("multiprocessing.forkserver", "_forkserver", ("_lock", "_forkserver_pid", "_stop_unlocked")),
+    Private(
+        "dagster._config.field_utils",
+        "Shape",
+        ("fields", "description", "key", "given_name", "_initialized"),
+        ("fields", "description"),
+        use=lambda shape: shape({"a": dg.Field(int)}),
+    ),
+    Private(
+        "dagster._core.definitions.definition_config_schema",
+        "DefinitionConfigSchema",
+        ("as_field", "config_type"),
+        ("config_field",),
+        use=lambda schema: schema(dg.Field(dg.Shape({"a": dg.Field(int)}))),
+    ),
+    Private("dagster", "ConfigurableResource", ("_config_schema",)),
 ]
 
 

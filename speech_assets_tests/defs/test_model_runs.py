@@ -533,6 +533,153 @@ def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
     assert shas["killed"] == shas["straight"]
 
 
+def test_finetuned_asr_trains_its_runs_in_one_launch(finetuned) -> None:
+    """The asset launched torchrun once for both runs (pretrained and scratch): one batch folder
+    naming both run folders (two at once, a process each, on a machine with two cores), each run
+    with its own config, log, result and provenance."""
+    from speech_assets.train.autoconfig import available_cores
+    from speech_assets.train.config import FinetuneBatch
+
+    out, _, instance = finetuned
+    batches = sorted((out / "finetune" / "batches").glob("*/config.json"))
+    assert len(batches) == 1, batches
+    batch = FinetuneBatch.from_json(batches[0])
+    folders = {pathlib.Path(_finetune_run(out, init)[1]["checkpoint"]).parent for init in ("pretrained", "scratch")}
+    assert {pathlib.Path(r) for r in batch.runs} == folders
+    assert batch.parallel == (available_cores() >= 2)
+    for folder in folders:
+        assert json.loads((folder / "provenance.json").read_text())["checkpoint_sha256"]
+        assert (folder / "train.log").read_text().count("fine-tuning (") == 1  # its own run's log only
+
+
+SMALL_FINETUNE = {"max_steps": 10, "freeze_steps": 4, "checkpoint_every": 4, "decoders": ["greedy"], "threads": 1}
+
+
+def _small_runs(out, folder_of) -> list[pathlib.Path]:
+    """The pretrained and the scratch run of the fixture at 10 steps, one thread, in new folders."""
+    from speech_assets.train.config import FinetuneConfig
+
+    folders = []
+    for init in ("pretrained", "scratch"):
+        config, _ = _finetune_run(out, init)
+        folder = folder_of(init)
+        folder.mkdir(parents=True)
+        run = {**config, **SMALL_FINETUNE, "run_dir": str(folder), "mlflow_tracking_uri": None}
+        FinetuneConfig.from_dict(run).to_json(folder / "config.json")
+        folders.append(folder)
+    return folders
+
+
+def _without_pipes() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+
+
+@pytest.fixture(scope="module")
+def alone(finetuned, tmp_path_factory) -> dict[str, str]:
+    """init -> the checkpoint hash of the small run launched alone (one process)."""
+    root = tmp_path_factory.mktemp("alone")
+    shas = {}
+    for folder in _small_runs(finetuned[0], lambda init: root / init):
+        command = [sys.executable, "-m", "speech_assets.evaluation.finetune", "--config", str(folder / "config.json")]
+        proc = subprocess.run(command, env=_without_pipes(), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads((folder / "result.json").read_text())
+        shas[result["init"]] = result["checkpoint_sha256"]
+    assert len(set(shas.values())) == 2
+    return shas
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-after-another", "two-at-once"])
+def test_a_batch_trains_each_run_as_alone_and_resumes_after_a_kill(finetuned, alone, tmp_path, parallel) -> None:
+    """Runs trained in one launch, one after another in one process or two at once (a process
+    each, under torchrun), give the weights each gives launched alone; a launch killed with
+    SIGKILL mid-run continues from the last checkpoint and does not train a finished run again."""
+    import os
+    import signal
+    import time
+
+    from speech_assets.runtime.faults import FAULTS_ENV, fault
+    from speech_assets.train import launch
+    from speech_assets.train.checkpoint import checkpoint_path
+    from speech_assets.train.config import FinetuneBatch
+
+    folders = _small_runs(finetuned[0], lambda init: tmp_path / init)
+    batch_file = tmp_path / "batch" / "config.json"
+    batch_file.parent.mkdir()
+    FinetuneBatch(str(batch_file.parent), [str(f) for f in folders], batch_seconds=8.0, parallel=parallel).to_json(
+        batch_file
+    )
+    env = _without_pipes()
+    if parallel:
+        command = launch.build_torchrun_command(batch_file, 2, 0, module="speech_assets.evaluation.finetune")
+        env = launch.torchrun_env(env, nproc=2)
+    else:
+        command = [sys.executable, "-m", "speech_assets.evaluation.finetune", "--config", str(batch_file)]
+    marker = tmp_path / "held"
+    # held at step 6, after the step-4 checkpoint: the first run (each process's first, two at once)
+    held = {**env, FAULTS_ENV: fault("train.step", "hold", step=6, marker=marker)}
+    worker = subprocess.Popen(command, env=held, cwd=REPO, start_new_session=True)
+    interrupted = folders if parallel else folders[:1]
+    deadline = time.monotonic() + 600
+    while worker.poll() is None and time.monotonic() < deadline:
+        if marker.is_file() and all(checkpoint_path(f, 4).is_file() for f in interrupted):
+            break
+        time.sleep(0.2)
+    assert marker.is_file(), "the launch never reached step 6"
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    assert not any((f / "result.json").exists() for f in folders)
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((f / "result.json").read_text()) for f in folders]
+    assert [r["resumed_from_step"] for r in results] == ([4, 4] if parallel else [4, None])
+    assert {r["init"]: r["checkpoint_sha256"] for r in results} == alone
+    assert "fine-tuning (scratch)" in (folders[1] / "train.log").read_text()  # each run logs to its own folder
+    summary = json.loads((batch_file.parent / "result.json").read_text())
+    assert [r["checkpoint_sha256"] for r in summary["runs"]] == [r["checkpoint_sha256"] for r in results][
+        : 1 if parallel else 2
+    ]
+    # launched again: both finished, nothing trains, nothing is rewritten
+    stamps = [(f / "final.pt").stat().st_mtime_ns for f in folders]
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(f / "final.pt").stat().st_mtime_ns for f in folders] == stamps
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"runs": []}, "distinct run folders"),
+        ({"batch_seconds": 0.0}, "batch_seconds must be > 0"),
+        ({"unknown": 1}, "unknown FinetuneBatch fields"),
+    ],
+)
+def test_a_bad_batch_is_refused(tmp_path, change: dict, said: str) -> None:
+    from speech_assets.train.config import FinetuneBatch
+
+    path = tmp_path / "batch.json"
+    path.write_text(
+        json.dumps({"run_dir": str(tmp_path), "runs": [str(tmp_path / "a")], "batch_seconds": 8.0, **change})
+    )
+    with pytest.raises(ValueError, match=said):
+        FinetuneBatch.from_json(path)
+
+
+def test_a_batch_refuses_a_run_whose_config_names_another_folder(tmp_path) -> None:
+    """A run folder's config.json must train in that folder: a batch never writes elsewhere."""
+    from speech_assets.train.config import FinetuneBatch, FinetuneConfig
+
+    (tmp_path / "a").mkdir()
+    FinetuneConfig(
+        run_dir=str(tmp_path / "elsewhere"), shards=[], cmvn="", clients={}, encoder="e.pt", labelled="l.json"
+    ).to_json(tmp_path / "a" / "config.json")
+    batch = FinetuneBatch(str(tmp_path / "batch"), [str(tmp_path / "a")], batch_seconds=8.0)
+    with pytest.raises(ValueError, match="names another run folder"):
+        batch.run_config(str(tmp_path / "a"))
+
+
 def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_path) -> None:
     from speech_assets.defs.model_checks import finetuning_is_sound
     from speech_assets.defs.resources import StoragePaths

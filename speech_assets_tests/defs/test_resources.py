@@ -166,3 +166,53 @@ def test_run_config_overrides_only_what_it_sets() -> None:
     base = KMeansSettings(k=50, seed=3)
     assert effective(base, overrides()) == base
     assert effective(base, overrides(k=7)) == KMeansSettings(k=7, seed=3)
+
+
+RESOURCE_PAGE = """
+query Resource($selector: ResourceSelector!) {
+  topLevelResourceDetailsOrError(resourceSelector: $selector) {
+    __typename
+    ... on ResourceDetails { configFields { name configTypeKey description } configuredValues { key value } }
+  }
+}
+"""
+
+
+def test_the_ui_shows_each_settings_section_by_name(tmp_path: Path) -> None:
+    """What the UI's resource page reads (GraphQL against the code location in its own server
+    process): each settings section's type is its class name, never ``Shape.<hash>``, with its
+    description and the values in effect."""
+    import dagster as dg
+    from dagster_graphql.test.utils import (
+        define_out_of_process_context,
+        execute_dagster_graphql,
+        infer_resource_selector,
+    )
+
+    with (
+        dg.instance_for_test(temp_dir=str(tmp_path)) as instance,
+        define_out_of_process_context(str(REPO / "speech_assets" / "definitions.py"), "defs", instance) as context,
+    ):
+        page = execute_dagster_graphql(
+            context, RESOURCE_PAGE, {"selector": infer_resource_selector(context, "settings")}
+        ).data["topLevelResourceDetailsOrError"]
+    assert page["__typename"] == "ResourceDetails", page
+    types = {f["name"]: f["configTypeKey"] for f in page["configFields"]}
+    sections = {name for name in PipelineSettings.model_fields if name != "source"}
+    assert {name: types[name] for name in sections} == {
+        name: PipelineSettings.model_fields[name].annotation.__name__ for name in sections
+    }
+    assert not [t for t in types.values() if "Shape." in t], types
+    assert all(f["description"] for f in page["configFields"] if f["name"] in sections), page["configFields"]
+    values = {v["key"]: v["value"] for v in page["configuredValues"]}
+    assert '"max_steps": 300' in values["training"].replace(" ", " "), values["training"]
+
+
+def test_named_section_types_check_config_as_dagster_does() -> None:
+    """The named types accept and refuse what Dagster's own shapes do."""
+    from dagster._config import validate_config
+
+    schema = PipelineSettings.load(REPO / "pipeline.toml").get_resource_definition().config_schema.config_type
+    assert validate_config(schema, {"training": {"max_steps": 5}}).success
+    assert not validate_config(schema, {"training": {"max_stepz": 5}}).success
+    assert not validate_config(schema, {"training": {"max_steps": "many"}}).success
