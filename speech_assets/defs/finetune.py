@@ -304,7 +304,7 @@ def _plan(
         mlflow_run_name=f"finetune-{model}-{minutes:g}min-s{seed}-{run_dir.name}",
         dagster_run_id=context.run.run_id,
     )
-    config.to_json(run_dir / "config.json")
+    config.to_json(RunFiles(run_dir).config)
     context.log.info(
         f"to fine-tune: {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}"
     )

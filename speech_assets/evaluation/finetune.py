@@ -42,7 +42,7 @@ from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
 from speech_assets.features.shards import read_shard_table
-from speech_assets.layout import RESULT_FILE, TRAIN_LOG
+from speech_assets.layout import RESULT_FILE, TRAIN_LOG, RunFiles
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
@@ -261,7 +261,7 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
                 continue
             with run_log(Path(config.run_dir), runner.is_main):
                 if runner.is_main:
-                    config.to_json(Path(config.run_dir) / "config.json")  # what this attempt runs
+                    config.to_json(RunFiles(config.run_dir).config)  # what this attempt runs
                 results.append(train_run(runner, config, None))
         if not runner.is_main:
             return None

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from speech_assets.layout import RunFiles
 from speech_assets.locations import redact_uri
 from speech_assets.model.presets import PRESETS
 from speech_assets.utils import atomic_write_text
@@ -402,9 +403,9 @@ class FinetuneBatch:
         return cls(**data)
 
     def run_config(self, folder: str) -> FinetuneConfig:
-        """The run of ``folder`` (one of :attr:`runs`): its ``config.json`` with the batch's
+        """The run of ``folder`` (one of :attr:`runs`): its run config with the batch's
         ``batch_seconds`` and ``grad_accum``; refused unless it names that folder."""
-        config = FinetuneConfig.from_json(Path(folder) / "config.json")
+        config = FinetuneConfig.from_json(RunFiles(folder).config)
         if Path(config.run_dir).resolve() != Path(folder).resolve():
             raise ValueError(f"{folder}/config.json names another run folder: {config.run_dir}")
         return replace(config, batch_seconds=self.batch_seconds, grad_accum=self.grad_accum)
