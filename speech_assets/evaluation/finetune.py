@@ -335,14 +335,11 @@ def train_run(
         model.frontend.requires_grad_(False)
     if config.mask_prob <= 0:
         model.mask_embedding.requires_grad_(False)
-    engine = Engine(
+    engine = Engine.for_run(
         model,
         job,
-        precision=precision,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        clip_norm=config.clip_norm,
-        grad_accum=config.grad_accum,
+        config,
+        precision,
         forward=CtcForward(model),
         schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
     )
@@ -350,13 +347,7 @@ def train_run(
         "train": sorted({u.speaker_id for u in train_refs}),
         "heldout": sorted({u.speaker_id for u in heldout_refs}),
     }
-    engine.extra = {
-        "kind": CHECKPOINT_KIND,
-        "config": config.to_dict(),
-        "data_versions": dict(config.data_versions),
-        "speakers": speakers,
-        "normalisation": describe(cmvn),
-    }
+    engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
     engine.resume(
         config.run_dir,
         stream,

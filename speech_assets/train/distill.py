@@ -198,24 +198,15 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
         stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
         seed_everything(config.seed)
         student = build_student(config, teacher, layers).to(job.device)
-        engine = Engine(
+        engine = Engine.for_run(
             student,
             job,
-            precision=precision,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-            grad_accum=config.grad_accum,
+            config,
+            precision,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
             forward=LayerPredictor(student),
         )
-        engine.extra = {
-            "kind": CHECKPOINT_KIND,
-            "config": config.to_dict(),
-            "data_versions": dict(config.data_versions),
-            "speakers": speakers,
-            "normalisation": describe(cmvn),
-        }
+        engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
         engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
         plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum}
         plan["precision"] = precision

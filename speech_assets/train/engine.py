@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
+from speech_assets.features.cmvn import Normaliser, describe
 from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
@@ -424,6 +425,46 @@ class Engine:
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
         self.checkpoints = CheckpointWriter(background=background_checkpoints)
+
+    @classmethod
+    def for_run(
+        cls,
+        model: nn.Module,
+        job: Distributed,
+        config: Any,
+        precision: str,
+        *,
+        schedule: Callable[[int], float],
+        forward: nn.Module | None = None,
+        grad_accum: int | None = None,
+    ) -> Engine:
+        """The engine a worker config asks for: its ``lr``, ``weight_decay``, ``clip_norm`` and
+        ``grad_accum`` (unless the launch plan's ``grad_accum`` is given), and
+        ``background_checkpoints`` where the config has it."""
+        return cls(
+            model,
+            job,
+            precision=precision,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            grad_accum=config.grad_accum if grad_accum is None else grad_accum,
+            schedule=schedule,
+            forward=forward,
+            background_checkpoints=getattr(config, "background_checkpoints", True),
+        )
+
+    def record(self, config: Any, speakers: Mapping[str, Any], cmvn: Normaliser, **more: Any) -> None:
+        """What every checkpoint of this run carries besides the engine's state (:attr:`extra`):
+        the config (which :meth:`resume` compares), its inputs' data versions, the speakers it saw
+        and the normalisation, plus ``more``."""
+        self.extra = {
+            **more,
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "speakers": speakers,
+            "normalisation": describe(cmvn),
+        }
 
     @property
     def forward(self) -> nn.Module:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from speech_assets.features.cmvn import describe, training_cmvn
+from speech_assets.features.cmvn import training_cmvn
 from speech_assets.layout import CmvnFiles
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
@@ -113,24 +113,15 @@ class Trainer:
         )
         if config.compile:
             self.model.compile_encoder()
-        self.engine = Engine(
+        self.engine = Engine.for_run(
             self.model,
             job,
-            precision=plan.precision,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
+            config,
+            plan.precision,
             grad_accum=plan.grad_accum,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
-            background_checkpoints=config.background_checkpoints,
         )
-        self.engine.extra = {
-            "config": config.to_dict(),
-            "data_versions": dict(config.data_versions),
-            "plan": plan.to_dict(),
-            "speakers": self.speakers,
-            "normalisation": describe(cmvn),
-        }
+        self.engine.record(config, self.speakers, cmvn, plan=plan.to_dict())
         self.objective = MaskedPrediction(
             self.model,
             job.device,
