@@ -28,7 +28,14 @@ from speech_assets.defs.lineage import (
     shard_hashes,
 )
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS
-from speech_assets.defs.resources import FinetuneSettings, PipelineSettings, StoragePaths, effective, overrides_of
+from speech_assets.defs.resources import (
+    FinetuneSettings,
+    PipelineSettings,
+    StoragePaths,
+    effective,
+    overrides_of,
+    vad_config,
+)
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak, probe_split
@@ -380,7 +387,6 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     from speech_assets.features.cmvn import describe, from_record
     from speech_assets.features.featurize import FeatureExtractor
     from speech_assets.features.shards import iter_shard
-    from speech_assets.features.vad import VadConfig
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_recogniser
 
@@ -403,14 +409,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             parity = export_recogniser(loaded.model, staging, feats, settings.export.opset or None)
-        features = settings.features
-        vad = VadConfig(
-            aggressiveness=features.vad_aggressiveness,
-            frame_ms=features.vad_frame_ms,
-            padding_ms=features.vad_padding_ms,
-            min_speech_s=features.min_speech_s,
-            min_speech_ratio=features.min_speech_ratio,
-        )
+        vad = vad_config(settings.features)
         spec = {
             "inputs": {
                 "feats": "float32 (batch, time, 80): log-mel at 100 Hz of 16 kHz mono audio (peak-normalised, "
@@ -434,13 +433,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "heldout_cer": result.get("heldout_cer"),
             "heldout_wer": result.get("heldout_wer"),
             "preset": loaded.model.preset.to_dict(),
-            "parity": {
-                "max_abs_diff": parity.onnx_max_abs_diff,
-                "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
-                "utterances": parity.utterances,
-                "frames": parity.frames,
-                "runtime": "onnxruntime CPUExecutionProvider, fp32",
-            },
+            "parity": parity.record(),
         }
         atomic_write_text(RecogniserFiles(staging).card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)

@@ -138,6 +138,16 @@ class Parity:
     utterances: int
     frames: int
 
+    def record(self) -> dict[str, object]:
+        """What an export's JSON card says of its parity."""
+        return {
+            "max_abs_diff": self.onnx_max_abs_diff,
+            "torchscript_max_abs_diff": self.torchscript_max_abs_diff,
+            "utterances": self.utterances,
+            "frames": self.frames,
+            "runtime": "onnxruntime CPUExecutionProvider, fp32",
+        }
+
 
 def check_parity(
     encoder: nn.Module,
@@ -266,11 +276,5 @@ def input_description(
         "checkpoint": checkpoint,
         "checkpoint_sha256": encoder.sha256,
         "preset": encoder.model.preset.to_dict(),
-        "parity": {
-            "max_abs_diff": parity.onnx_max_abs_diff,
-            "torchscript_max_abs_diff": parity.torchscript_max_abs_diff,
-            "utterances": parity.utterances,
-            "frames": parity.frames,
-            "runtime": "onnxruntime CPUExecutionProvider, fp32",
-        },
+        "parity": parity.record(),
     }
