@@ -303,6 +303,7 @@ def _run(
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:
     """The recogniser of ``result``'s checkpoint as ONNX and TorchScript with recogniser.json, in
     <data>/finetune/recogniser/ (replaced whole, never half written); parity on held-out utterances."""
+    from speech_assets.evaluation import decoding
     from speech_assets.evaluation.recognise import ONNX_FILE, SPEC_FILE, vocabulary
     from speech_assets.features.cmvn import describe, from_record
     from speech_assets.features.featurize import FeatureExtractor
@@ -351,7 +352,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "cmvn": describe(cmvn),
             "vocabulary": vocabulary(),
             "blank": 0,
-            "decoding": "greedy: per-frame argmax, merge repeats, drop blanks",
+            "decoding": "greedy: per-frame argmax, merge repeats, drop blanks; beam: lexicon beam search, n-gram LM",
             "files": {"onnx": ONNX_FILE, "torchscript": "recogniser.pt"},
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
@@ -368,6 +369,11 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
                 "runtime": "onnxruntime CPUExecutionProvider, fp32",
             },
         }
+        trained = loaded.checkpoint.get("config") or {}
+        if any(d != "greedy" for d in trained.get("decoders", [])) and decoding.unavailable() is None:
+            # the beam decoder of `transcribe --decoder beam`: the exported run's labelled transcripts only
+            texts = json.loads((Path(result["checkpoint"]).parent / "labelled.json").read_text(encoding="utf-8"))
+            spec["beam"] = decoding.write_lm_files(list(texts["train"].values()), trained["lm_order"], staging)
         atomic_write_text(staging / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
@@ -375,7 +381,8 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     context.log.info(
         f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on {parity.utterances} held-out utterances"
     )
-    files = {name: sha256_file(folder / name) for name in (ONNX_FILE, "recogniser.pt", SPEC_FILE)}
+    names = (ONNX_FILE, "recogniser.pt", SPEC_FILE, *(spec["beam"][k] for k in ("lm", "lexicon") if "beam" in spec))
+    files = {name: sha256_file(folder / name) for name in names}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
 
 
