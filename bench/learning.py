@@ -12,7 +12,11 @@
    (as scripts/materialize_all.sh does) against a fresh DAGSTER_HOME and data dir under ``--work``:
    manifest -> vad_features -> cmvn_stats, client_partitions -> kmeans_targets ->
    pretrained_checkpoint (torchrun) -> federated_checkpoint (Flower) -> distilled_checkpoint ->
-   kmeans_targets_iter2 -> pretrained_checkpoint_iter2 -> downstream_probe (``--probe-seeds`` seeds).
+   kmeans_targets_iter2 -> pretrained_checkpoint_iter2 -> downstream_probe (``--probe-seeds`` seeds)
+   -> finetuned_asr (CTC fine-tuning of the centralised encoder and of the same architecture from
+   scratch on the same labelled subsets of the training speakers, ``--finetune-minutes`` budgets x
+   ``--finetune-seeds`` seeds, greedy and n-gram beam decoding). ``--stages`` runs a subset, e.g.
+   ``--stages data,centralised,probe,finetune`` (the issue-38 fine-tuning table without the federation).
    Budgets come from the flags (run config); every other knob from pipeline.toml
    (or ``--settings``); ``--set asset.key=value`` changes one knob of one asset for this run.
 3. Equal compute: the federation gets the centralised run's audio seconds of local training,
@@ -21,7 +25,8 @@
 4. Reports, as markdown (stdout and ``--out``) and JSON (``--json``, default ``--out`` with .json):
    held-out CER and WER per encoder as mean +- standard deviation over the probe seeds, held-out
    masked accuracy against the majority-class rate (leak-free frames when the run records them),
-   the issue-22 targets checked one by one, the machine, the budgets and each stage's wall time.
+   the issue-22 targets checked one by one, the fine-tuning table per labelled budget and its
+   targets (issue 38), the machine, the budgets and each stage's wall time.
 
 The work folder keeps every stage's log (``<work>/run-*/logs``) and the data dir for inspection.
 """
@@ -88,6 +93,9 @@ class Budgets:
     distill_batch_seconds: float
     probe_steps: int
     probe_seeds: tuple[int, ...]
+    finetune_minutes: tuple[float, ...] = (5.0, 20.0, 60.0)  # labelled budgets of the training speakers' audio
+    finetune_steps: int = 600  # optimizer steps of every fine-tuning run, pretrained and scratch alike
+    finetune_seeds: tuple[int, ...] = (0, 1)
 
     def scaled(self, factor: float) -> Budgets:
         """The training budgets (centralised, iteration 2, distillation, hence federated) times ``factor``."""
@@ -144,6 +152,19 @@ SMOKE = Budgets(
     distill_batch_seconds=16.0,
     probe_steps=20,
     probe_seeds=(0, 1, 2),
+    finetune_minutes=(0.5, 1.0),
+    finetune_steps=12,
+    finetune_seeds=(0,),
+)
+STAGES = (
+    "data",
+    "centralised",
+    "federated",
+    "distilled",
+    "iteration2_targets",
+    "iteration2",
+    "probe",
+    "finetune",
 )
 
 
@@ -165,6 +186,12 @@ class Rates:
         0.012  # one probe step of one model and seed (1,600 steps with their development evaluations: ~20 s)
     )
     probe_features_s_per_model: float = 10.0
+    finetune_audio_per_s: float = 100.0  # one process, tiny, CTC
+    finetune_fixed_s: float = 45.0  # per run: torchrun start-up, data loading, greedy + beam scoring, checkpoint
+
+
+FINETUNE_KNOBS = ("lr", "freeze_steps", "mask_prob", "batch_seconds", "lm_order", "max_eval_utterances", "nproc")
+FINETUNE_BATCH_SECONDS = 16.0  # audio per fine-tuning step: [finetune] batch_seconds' default (for the plan only)
 
 
 def stage_estimates(
@@ -189,6 +216,11 @@ def stage_estimates(
         "iteration2": central,
         "probe": probe_runs * (rates.launch_s + models * rates.probe_features_s_per_model)
         + models * (len(budgets.probe_seeds) + 2) * budgets.probe_steps * rates.probe_s_per_step,  # + 2: the lr search
+        "finetune": rates.launch_s
+        + 2  # the pretrained encoder and scratch
+        * len(budgets.finetune_minutes)
+        * len(budgets.finetune_seeds)
+        * (rates.finetune_fixed_s + budgets.finetune_steps * FINETUNE_BATCH_SECONDS / rates.finetune_audio_per_s),
     }
 
 
@@ -674,6 +706,175 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
 
 
 # --------------------------------------------------------------------------------------------
+# Fine-tuning (issue 38, item 3): finetuned_asr's results.parquet, summarised as the asset does
+# --------------------------------------------------------------------------------------------
+
+FINETUNE_REFERENCE_MINUTES = 20.0
+FINETUNE_RATIO = 0.7  # pretrained CER <= 0.7x scratch's at the reference budget
+
+
+def finetune_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (labelled budget, model, decoder): held-out CER and WER over seeds (mean, sd,
+    range) with the labelled seconds and steps; summarised with the asset's own grouping
+    (:func:`speech_assets.evaluation.finetune_results.as_probe_results`)."""
+    from speech_assets.evaluation.finetune_results import as_probe_results, budgets
+    from speech_assets.evaluation.finetune_results import summarise as summarise_results
+
+    out = []
+    for minutes in budgets(rows):
+        for decoder in sorted({r["decoder"] for r in rows}, key=lambda d: (d != "greedy", d)):
+            for model, held in summarise_results(as_probe_results(rows, decoder, minutes)).items():
+                mine = [r for r in rows if r["model"] == model and r["labelled_minutes"] == minutes]
+                held_rows = [r for r in mine if r["decoder"] == decoder and r["split"] == "heldout"]
+                out.append(
+                    {
+                        "minutes": minutes,
+                        "model": model,
+                        "decoder": decoder,
+                        "cer": asdict(Summary.of([r["cer"] for r in held_rows])),
+                        "wer": asdict(Summary.of([r["wer"] for r in held_rows])),
+                        "seeds": list(held.seeds),
+                        "utterances": held.utterances,
+                        "labelled_seconds": statistics.fmean(r["labelled_seconds"] for r in mine),
+                        "steps": max(r["steps"] for r in mine),
+                    }
+                )
+    return out
+
+
+def finetune_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The asset's own verdict lines (beat scratch, lost, or too small to tell)."""
+    from speech_assets.evaluation.finetune_results import verdicts
+
+    return verdicts(rows) if rows else []
+
+
+def check_finetune_targets(entries: list[dict[str, Any]], probe: dict[str, dict[str, Any]]) -> list[Target]:
+    """The fine-tuning targets of issue 38 on held-out means over seeds: at the reference budget
+    (20 min, else the middle one) pretrained greedy CER <= 0.7x scratch's and below the frozen
+    probe's; the scratch - pretrained CER gap narrows as the budget grows; beam WER below greedy."""
+    if not entries:
+        return [Target("fine-tuning targets", "UNMEASURED", "no fine-tuning results (stage not run)")]
+
+    def get(minutes: float, model: str, decoder: str = "greedy") -> dict[str, Any] | None:
+        return next(
+            (e for e in entries if e["minutes"] == minutes and e["model"] == model and e["decoder"] == decoder), None
+        )
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
+    minutes = sorted({e["minutes"] for e in entries})
+    ref = FINETUNE_REFERENCE_MINUTES if FINETUNE_REFERENCE_MINUTES in minutes else minutes[len(minutes) // 2]
+    targets = []
+    pre, scratch = get(ref, "pretrained"), get(ref, "scratch")
+    if pre and scratch:
+        a, b = Summary(**pre["cer"]), Summary(**scratch["cer"])
+        r = a.mean / b.mean if b.mean else math.inf
+        targets.append(
+            Target(
+                f"{ref:g} labelled min: pretrained CER <= {FINETUNE_RATIO}x scratch's",
+                verdict(r <= FINETUNE_RATIO),
+                f"pretrained {a.text()}, scratch {b.text()} (ratio {r:.3f}, target <= {FINETUNE_RATIO})",
+            )
+        )
+        frozen = probe.get("pretrained")
+        if frozen:
+            f = Summary(**frozen["cer"])
+            targets.append(
+                Target(
+                    f"{ref:g} labelled min: fine-tuned CER below the frozen probe's (same encoder)",
+                    verdict(a.mean < f.mean),
+                    f"fine-tuned {a.text()}, frozen linear probe {f.text()}",
+                )
+            )
+        else:
+            targets.append(
+                Target(
+                    "fine-tuned CER below the frozen probe's", "UNMEASURED", "no probe rows for the pretrained encoder"
+                )
+            )
+    gaps = []
+    for m in minutes:
+        p, s = get(m, "pretrained"), get(m, "scratch")
+        if p and s:
+            gaps.append(
+                (
+                    m,
+                    s["cer"]["mean"] - p["cer"]["mean"],
+                    p["cer"]["mean"] / s["cer"]["mean"] if s["cer"]["mean"] else math.inf,
+                )
+            )
+    if len(gaps) >= 2:
+        narrows = all(later[1] < earlier[1] for earlier, later in zip(gaps, gaps[1:]))
+        targets.append(
+            Target(
+                "the pretrained-scratch gap narrows as labelled minutes grow",
+                verdict(narrows),
+                "; ".join(f"{m:g} min: scratch - pretrained CER {g:+.3f} (ratio {r:.2f}x)" for m, g, r in gaps),
+            )
+        )
+    beams = sorted({e["decoder"] for e in entries} - {"greedy"})
+    if not beams:
+        targets.append(Target("beam WER below greedy", "UNMEASURED", "no beam decoder rows (flashlight-text missing?)"))
+    for beam in beams:
+        pairs = [(m, get(m, "pretrained"), get(m, "pretrained", beam)) for m in minutes]
+        pairs = [(m, g, b) for m, g, b in pairs if g and b]
+        targets.append(
+            Target(
+                f"pretrained: {beam} WER below greedy at every budget",
+                verdict(all(b["wer"]["mean"] < g["wer"]["mean"] for _, g, b in pairs)),
+                "; ".join(f"{m:g} min: {b['wer']['mean']:.3f} vs {g['wer']['mean']:.3f}" for m, g, b in pairs),
+            )
+        )
+    return targets
+
+
+def finetune_markdown(report: dict[str, Any]) -> list[str]:
+    entries = report.get("finetune") or []
+    if not entries:
+        return []
+    settings = report.get("finetune_settings") or {}
+    lines = [
+        "",
+        f"Fine-tuning (`finetuned_asr`): {settings.get('max_steps')} steps per run "
+        f"(encoder frozen {settings.get('freeze_steps')}), lr {settings.get('lr')}, "
+        f"batch {settings.get('batch_seconds')} s, "
+        f"mask_prob {settings.get('mask_prob')}; the same labelled subset and steps for pretrained and scratch; "
+        f"{settings.get('lm_order')}-gram LM and lexicon of the labelled transcripts for the beam decoder. "
+        "Held-out CER / WER, mean ± sd over seeds:",
+        "",
+        "| labelled budget (used) | model | seeds | greedy CER | greedy WER | beam CER | beam WER | held-out utts |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for minutes in sorted({e["minutes"] for e in entries}):
+        for model in dict.fromkeys(e["model"] for e in entries if e["minutes"] == minutes):
+            greedy = next(
+                e for e in entries if e["minutes"] == minutes and e["model"] == model and e["decoder"] == "greedy"
+            )
+            beam = next(
+                (e for e in entries if e["minutes"] == minutes and e["model"] == model and e["decoder"] != "greedy"),
+                None,
+            )
+            cells = [Summary(**greedy["cer"]).text(), Summary(**greedy["wer"]).text()]
+            cells += [Summary(**beam["cer"]).text(), Summary(**beam["wer"]).text()] if beam else ["—", "—"]
+            lines.append(
+                f"| {minutes:g} min ({greedy['labelled_seconds'] / 60:.1f} min) | {model} | {len(greedy['seeds'])} | "
+                f"{' | '.join(cells)} | {greedy['utterances']} |"
+            )
+    frozen = (report.get("probe") or {}).get("pretrained")
+    if frozen:
+        lines.append(
+            f"| — | frozen linear probe (pretrained) | {len(frozen['seeds'])} | {Summary(**frozen['cer']).text()} | "
+            f"{Summary(**frozen['wer']).text()} | | | {frozen['utterances']} |"
+        )
+    lines += ["", "| target (issue 38, item 3) | status | measured |", "| --- | --- | --- |"]
+    lines += [f"| {t['name']} | **{t['status']}** | {t['detail']} |" for t in report.get("finetune_targets") or []]
+    lines += [f"- asset verdict: {line}" for line in report.get("finetune_verdicts") or []]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 
@@ -746,6 +947,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- | --- | --- |",
     ]
     lines += [f"| {t['name']} | **{t['status']}** | {t['detail']} |" for t in report["targets"]]
+    lines += finetune_markdown(report)
     eq = report["equal_compute"]
     measured = (
         f"; measured: centralised {eq['central_measured_s']:,.0f} s" if eq.get("central_measured_s") else ""
@@ -834,6 +1036,8 @@ def run_stages(
     estimates = stage_estimates(
         budgets, corpus.hours, planned_clients, Rates(launch_s=30.0 if args.cli else 10.0), probe_runs
     )
+    selected = set(args.stages)
+    estimates = {name: seconds for name, seconds in estimates.items() if name in selected}
     stages = {name: Stage(name, estimate) for name, estimate in estimates.items()}
     print_plan(budgets, planned_clients, estimates)
 
@@ -842,6 +1046,9 @@ def run_stages(
         return {"ops": {asset: {"config": merged}}} if merged else None
 
     def stage(name: str, body: Callable[[Stage], None]) -> None:
+        if name not in stages:
+            print(f"[{time.strftime('%H:%M:%S')}] {name}: skipped (--stages)", flush=True)
+            return
         current = stages[name]
         print(f"[{time.strftime('%H:%M:%S')}] {name} (planned {current.estimate_s / 60:.1f} min) ...", flush=True)
         body(current)
@@ -903,12 +1110,40 @@ def run_stages(
             rows.extend(found)
 
     stage("probe", probe)
+    if "probe" not in stages and (runner.data / "probe" / "results.parquet").is_file():
+        rows.extend(probe_rows(runner.data, budgets.probe_seeds[0]))  # a resumed run's earlier probe
+
+    finetune_rows: list[dict[str, Any]] = []
+    finetune_values = {
+        "labelled_minutes": list(budgets.finetune_minutes),
+        "seeds": list(budgets.finetune_seeds),
+        "encoders": ["pretrained"],
+        "max_steps": budgets.finetune_steps,
+        "freeze_steps": min(settings.finetune.freeze_steps, max(1, budgets.finetune_steps // 6)),
+        "checkpoint_every": max(1, budgets.finetune_steps // 2),
+    }
+
+    def finetune(s: Stage) -> None:
+        runner.materialize(s, "finetuned_asr", config=config("finetuned_asr", finetune_values))
+        shutil.copy(runner.data / "finetune" / "results.parquet", root / "finetune_results.parquet")
+        finetune_rows.extend(_read_table(runner.data / "finetune" / "results.parquet", None))
+
+    stage("finetune", finetune)
 
     results = {model: training_result(runner.home, asset) for model, asset in TRAINING_ASSETS.items()}
     accuracy = {model: masked_accuracy(result) for model, result in results.items()}
     summary = summarize(rows)
     central_measured = results["pretrained"].get("train_audio_seconds")
+    finetuned = finetune_summary(finetune_rows)
     return {
+        "finetune": finetuned,
+        "finetune_targets": [asdict(t) for t in check_finetune_targets(finetuned, summary)],
+        "finetune_verdicts": finetune_verdicts(finetune_rows),
+        "finetune_settings": {
+            **{k: v for k, v in settings.finetune.model_dump().items() if k in FINETUNE_KNOBS},
+            **finetune_values,
+            **sets.get("finetuned_asr", {}),
+        },
         "stages": [asdict(s) for s in stages.values()],
         "probe": summary,
         "probe_rows": rows,
@@ -934,7 +1169,7 @@ def run_stages(
     }
 
 
-def _read_table(path: Path, columns: list[str]) -> list[dict[str, Any]]:
+def _read_table(path: Path, columns: list[str] | None) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     return pq.read_table(path, columns=columns).to_pylist()
@@ -989,6 +1224,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--probe-steps", type=int)
     parser.add_argument("--probe-seeds", type=int, help="number of probe seeds (0, 1, ...)")
     parser.add_argument(
+        "--finetune-minutes", help="labelled budgets, comma-separated minutes of the training speakers' audio"
+    )
+    parser.add_argument("--finetune-steps", type=int, help="optimizer steps of each fine-tuning run")
+    parser.add_argument("--finetune-seeds", type=int, help="number of fine-tuning seeds (0, 1, ...)")
+    parser.add_argument(
+        "--stages",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        default=list(STAGES),
+        help=f"comma-separated stages to run, of {','.join(STAGES)} (default: all); a skipped stage's "
+        "asset must not be needed by a later one (the probe needs only centralised; finetune centralised)",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="ASSET.KEY=VALUE", help="one run-config knob of one asset"
     )
     parser.add_argument(
@@ -1023,13 +1270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "distill_steps": args.distill_steps,
         "probe_steps": args.probe_steps,
         "probe_seeds": tuple(range(args.probe_seeds)) if args.probe_seeds else None,
+        "finetune_minutes": tuple(float(m) for m in args.finetune_minutes.split(","))
+        if args.finetune_minutes
+        else None,
+        "finetune_steps": args.finetune_steps,
+        "finetune_seeds": tuple(range(args.finetune_seeds)) if args.finetune_seeds else None,
     }
+    if unknown := sorted(set(args.stages) - set(STAGES)):
+        parser.error(f"--stages: unknown {unknown}; known: {','.join(STAGES)}")
     budgets = replace(budgets, **{k: v for k, v in changes.items() if v is not None}).scaled(args.scale)
     if len(budgets.probe_seeds) < 3 and not args.smoke:
         print("warning: fewer than 3 probe seeds: the issue asks for at least 3", file=sys.stderr)
     if args.plan:
         hours = budgets.speakers * budgets.utterances * 4.9 / 3600  # synth utterances average ~4.9 s with padding
-        print_plan(budgets, 4, stage_estimates(budgets, hours, 4))
+        estimates = stage_estimates(budgets, hours, 4)
+        print_plan(budgets, 4, {k: v for k, v in estimates.items() if k in args.stages})
         return 0
 
     started = time.perf_counter()
@@ -1064,6 +1319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": info,
         "corpus": asdict(corpus),
         "budgets": asdict(budgets),
+        "stages_selected": args.stages,
         "overrides": args.set,
         "settings": str(args.settings or REPO / "pipeline.toml"),
         "resumed": bool(args.resume),

@@ -83,7 +83,7 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else DataLayout(locations.data_dir()).finetune.recogniser
     try:
-        recogniser = Recogniser(model)
+        recogniser = Recogniser(model, args.decoder)
     except RecogniserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -297,6 +297,7 @@ anything else is refused with exit 1 and nothing on disk changes.""",
   speech-assets transcribe data/sample/1001/100101/1001-100101-0000.flac
   speech-assets transcribe /tmp/recordings --json
   speech-assets transcribe call.wav --model data/out/finetune/recogniser
+  speech-assets transcribe /tmp/recordings --decoder beam
 prints "id<TAB>text<TAB>seconds" per file, or "id<TAB>error: ..." for a file that cannot be
 transcribed (the others still are; the exit status is then 1).""",
 }
@@ -406,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transcribe.add_argument(
         "--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error"
+    )
+    transcribe.add_argument(
+        "--decoder",
+        choices=["greedy", "beam"],
+        default="greedy",
+        help="greedy: best path; beam: lexicon beam search with the word n-gram LM the recogniser's "
+        "fine-tuning run built from its labelled transcripts (files beside the ONNX model)",
     )
     transcribe.set_defaults(func=_cmd_transcribe)
 

@@ -383,6 +383,7 @@ def _train(
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:
     """The recogniser of ``result``'s checkpoint as ONNX and TorchScript with recogniser.json, in
     <data>/finetune/recogniser/ (replaced whole, never half written); parity on held-out utterances."""
+    from speech_assets.evaluation import decoding
     from speech_assets.evaluation.recognise import vocabulary
     from speech_assets.features.cmvn import describe, from_record
     from speech_assets.features.featurize import FeatureExtractor
@@ -424,7 +425,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "cmvn": describe(cmvn),
             "vocabulary": vocabulary(),
             "blank": 0,
-            "decoding": "greedy: per-frame argmax, merge repeats, drop blanks",
+            "decoding": "greedy: per-frame argmax, merge repeats, drop blanks; beam: lexicon beam search, n-gram LM",
             "files": {"onnx": RECOGNISER_ONNX, "torchscript": RECOGNISER_PT},
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
@@ -435,6 +436,12 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "preset": loaded.model.preset.to_dict(),
             "parity": parity.record(),
         }
+        trained = loaded.checkpoint.get("config") or {}
+        if any(d != "greedy" for d in trained.get("decoders", [])) and decoding.unavailable() is None:
+            # the beam decoder of `transcribe --decoder beam`: the exported run's labelled transcripts only
+            labelled = RunFiles(Path(result["checkpoint"]).parent).labelled
+            texts = json.loads(labelled.read_text(encoding="utf-8"))
+            spec["beam"] = decoding.write_lm_files(list(texts["train"].values()), trained["lm_order"], staging)
         atomic_write_text(RecogniserFiles(staging).card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
@@ -443,7 +450,8 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on "
         f"{parity.utterances} held-out utterances"
     )
-    files = {path.name: sha256_file(path) for path in RecogniserFiles(folder).published}
+    beam = [folder / spec["beam"][key] for key in ("lm", "lexicon")] if "beam" in spec else []
+    files = {path.name: sha256_file(path) for path in (*RecogniserFiles(folder).published, *beam)}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
 
 

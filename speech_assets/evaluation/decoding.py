@@ -17,6 +17,7 @@ import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -98,32 +99,56 @@ def _lower(prob: dict[tuple[str, ...], float], gram: tuple[str, ...]) -> float:
     return prob.get(gram, prob.get(("<unk>",), 0.0))
 
 
-def beam_decoder(
-    train_texts: Sequence[str], order: int, beam_size: int = BEAM_SIZE, lm_weight: float = LM_WEIGHT
-) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
-    """(decode, name): ``decode`` maps ``(L_i, 29)`` log-probabilities to transcripts by lexicon
-    beam search with the n-gram LM of ``train_texts``; ``name`` is the decoder column's value."""
+LM_FILE = "{order}gram.arpa"
+LEXICON_FILE = "lexicon.txt"
+
+
+def write_lm_files(train_texts: Sequence[str], order: int, folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The beam decoder's files in ``folder``: the ARPA n-gram LM of ``train_texts`` and the lexicon
+    of their words (each spelled letter by letter, ending at the word boundary); returns what a
+    recogniser records to rebuild the decoder (:func:`beam_decoder_from_files`)."""
+    folder = Path(folder)
+    words = sorted({w for text in train_texts for w in text.split()})
+    arpa, lexicon = folder / LM_FILE.format(order=order), folder / LEXICON_FILE
+    write_arpa(train_texts, order, arpa)
+    lexicon.write_text("".join(f"{w} {' '.join(w)} |\n" for w in words), encoding="utf-8")
+    return {
+        "lm": arpa.name,
+        "lexicon": lexicon.name,
+        "order": order,
+        "words": len(words),
+        "beam_size": BEAM_SIZE,
+        "lm_weight": LM_WEIGHT,
+        "word_score": WORD_SCORE,
+        "name": BEAM_DECODER.format(order=order),
+    }
+
+
+def beam_decoder_from_files(
+    lm: str | os.PathLike[str],
+    lexicon: str | os.PathLike[str],
+    beam_size: int = BEAM_SIZE,
+    lm_weight: float = LM_WEIGHT,
+    word_score: float = WORD_SCORE,
+) -> Callable[[Sequence[np.ndarray]], list[str]]:
+    """``decode``: ``(L_i, 29)`` log-probabilities to transcripts by lexicon beam search with the
+    ARPA LM ``lm`` (both files are read here, not kept open)."""
     import torch
     from torchaudio.models.decoder import ctc_decoder
 
-    words = sorted({w for text in train_texts for w in text.split()})
     # token i of the model: 0 the blank ("-"), then the alphabet with its space as the word boundary ("|")
     tokens = ["-", *("|" if c == " " else c for c in ALPHABET)]
-    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
-        arpa, lexicon = Path(folder) / f"{order}gram.arpa", Path(folder) / "lexicon.txt"
-        write_arpa(train_texts, order, arpa)
-        lexicon.write_text("".join(f"{w} {' '.join(w)} |\n" for w in words), encoding="utf-8")
-        decoder = ctc_decoder(
-            lexicon=str(lexicon),
-            tokens=tokens,
-            lm=str(arpa),
-            beam_size=beam_size,
-            lm_weight=lm_weight,
-            word_score=WORD_SCORE,
-            blank_token="-",
-            sil_token="|",
-            unk_word="<unk>",
-        )
+    decoder = ctc_decoder(
+        lexicon=str(lexicon),
+        tokens=tokens,
+        lm=str(lm),
+        beam_size=beam_size,
+        lm_weight=lm_weight,
+        word_score=word_score,
+        blank_token="-",
+        sil_token="|",
+        unk_word="<unk>",
+    )
 
     def decode(log_probs: Sequence[np.ndarray]) -> list[str]:
         out = []
@@ -132,4 +157,17 @@ def beam_decoder(
             out.append(" ".join(hypotheses[0].words) if hypotheses else "")
         return out
 
-    return decode, BEAM_DECODER.format(order=order)
+    return decode
+
+
+def beam_decoder(
+    train_texts: Sequence[str], order: int, beam_size: int = BEAM_SIZE, lm_weight: float = LM_WEIGHT
+) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
+    """(decode, name): ``decode`` maps ``(L_i, 29)`` log-probabilities to transcripts by lexicon
+    beam search with the n-gram LM of ``train_texts``; ``name`` is the decoder column's value."""
+    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
+        files = write_lm_files(train_texts, order, folder)
+        decode = beam_decoder_from_files(
+            Path(folder) / files["lm"], Path(folder) / files["lexicon"], beam_size=beam_size, lm_weight=lm_weight
+        )
+    return decode, files["name"]

@@ -6,7 +6,10 @@ A recogniser folder (what ``finetuned_asr`` writes under ``<data>/finetune/recog
 CMVN, vocabulary, parity). Each file is read as the pipeline reads the corpus
 (:func:`speech_assets.features.build.process_variants`: any format libsndfile decodes, mixed to
 mono, resampled to 16 kHz, peak-normalised, VAD-trimmed, 80 log-mel bands), normalised with the
-recorded CMVN, run through onnxruntime on the CPU and decoded greedily.
+recorded CMVN, run through onnxruntime on the CPU and decoded greedily, or (``decoder="beam"``)
+by lexicon beam search with the word n-gram LM that the exported run built from its labelled
+transcripts: ``recogniser.json``'s ``beam`` names the ARPA file and the lexicon in the folder
+(:func:`speech_assets.evaluation.decoding.write_lm_files`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
 from speech_assets.layout import RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
+
+DECODERS = ("greedy", "beam")
 
 
 class RecogniserError(ValueError):
@@ -74,9 +79,10 @@ class Transcript:
 
 
 class Recogniser:
-    """A recogniser folder loaded for transcription (onnxruntime, CPU)."""
+    """A recogniser folder loaded for transcription (onnxruntime, CPU), decoding with ``decoder``
+    (one of :data:`DECODERS`)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], decoder: str = "greedy") -> None:
         import onnxruntime
 
         from speech_assets.features.cmvn import from_record
@@ -96,6 +102,36 @@ class Recogniser:
         self.extractor = FeatureExtractor()
         self.session = onnxruntime.InferenceSession(
             str(RecogniserFiles(self.folder).onnx), providers=["CPUExecutionProvider"]
+        )
+        if decoder not in DECODERS:
+            raise RecogniserError(f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}")
+        self.beam = self._beam() if decoder == "beam" else None
+
+    def _beam(self):
+        """The beam decoder of the files ``recogniser.json`` names (inside the folder only)."""
+        from speech_assets.evaluation.decoding import beam_decoder_from_files, unavailable
+
+        beam = self.spec.get("beam")
+        if not beam:
+            raise RecogniserError(
+                f"{RecogniserFiles(self.folder).card} records no n-gram LM and lexicon for beam decoding "
+                "(rematerialize finetuned_asr with the beam decoder installed), or use --decoder greedy"
+            )
+        files = []
+        for key in ("lm", "lexicon"):
+            name = str(beam.get(key) or "")
+            if not name or Path(name).name != name or not (self.folder / name).is_file():
+                raise RecogniserError(
+                    f"{RecogniserFiles(self.folder).card}: beam {key} file {name!r} is not in {self.folder}"
+                )
+            files.append(self.folder / name)
+        if reason := unavailable():
+            raise RecogniserError(f"beam decoding cannot run here: {reason}")
+        return beam_decoder_from_files(
+            *files,
+            beam_size=int(beam["beam_size"]),
+            lm_weight=float(beam["lm_weight"]),
+            word_score=float(beam["word_score"]),
         )
 
     def log_probs(self, feats: np.ndarray) -> np.ndarray:
@@ -121,7 +157,8 @@ class Recogniser:
         if record.num_frames < 2:
             return Transcript(utt_id, str(path), None, None, "too_short: less than 2 feature frames of speech")
         feats = self.cmvn.apply(record.logmel, "logmel")
-        text = decode_greedy(self.log_probs(feats).argmax(axis=-1).tolist())
+        log_probs = self.log_probs(feats)
+        text = self.beam([log_probs])[0] if self.beam else decode_greedy(log_probs.argmax(axis=-1).tolist())
         return Transcript(utt_id, str(path), text, round(float(record.duration_s), 3))
 
     def transcribe_all(self, paths: Iterable[str | os.PathLike[str]]) -> Iterator[Transcript]:

@@ -6,7 +6,7 @@ Each function returns PNG bytes of a figure about 1200 pixels wide (shown full w
 
 Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
 data that did not change: the same inputs give the same PNG bytes, so each plot the report draws
-from the data (all but :func:`round_curve`) is looked up
+from the data (all but :func:`curves` and :func:`round_curve`) is looked up
 by a hash of its inputs, first among the last ones rendered in this process, then in the folder
 of :func:`cached_in` (the report's), before it is drawn.
 """
@@ -256,6 +256,22 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
             ),
         ),
     )
+
+
+def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str) -> bytes:
+    """Several named lines against one x axis (e.g. WER against labelled minutes)."""
+
+    def draw(figure) -> None:
+        axis = figure.add_subplot(1, 1, 1)
+        for name, values in series.items():
+            axis.plot(list(x), list(values), marker=".", label=name, linewidth=1)
+        axis.set_title(title, fontsize=TITLE)
+        axis.set_xlabel(xlabel, fontsize=LABEL)
+        axis.tick_params(labelsize=TICK)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=SMALL)
+
+    return _render(draw)
 
 
 def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:

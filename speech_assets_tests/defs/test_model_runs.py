@@ -481,6 +481,20 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
         cwd=REPO,
     )
     assert missing.returncode == 1 and "no recogniser" in missing.stderr
+    # the exported run's LM and lexicon travel with the model: beam decoding spells only labelled words
+    assert spec["beam"]["lm"] == "3gram.arpa" and (folder / spec["beam"]["lexicon"]).is_file()
+    lexicon = {line.split(" ", 1)[0] for line in (folder / spec["beam"]["lexicon"]).read_text().splitlines()}
+    beam = subprocess.run(
+        [*command[:4], str(good[0]), "--decoder", "beam"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert beam.returncode == 0, beam.stderr[-3000:]
+    utt, text, seconds = beam.stdout.strip().split("\t")
+    assert utt == good[0].stem and set(text.split()) <= lexicon and seconds == lines[0].split("\t")[2]
 
 
 def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:

@@ -237,3 +237,115 @@ def test_verdict_says_beats_loses_or_too_small_to_tell(cers: dict, utterances: i
     assert line.startswith("pretrained: 5 min: CER ") and said in line, line
     tables = markdown_tables(again, {"pretrained": "0.500 ± 0.010"})
     assert "greedy decoding" in tables and "beam_3gram decoding" in tables and "| frozen probe: pretrained |" in tables
+
+
+def recogniser_folder(folder: Path, lm_texts: list[str] | None) -> Path:
+    """A recogniser folder as finetuned_asr exports one (a random `tiny` recogniser), with the beam
+    decoder's LM and lexicon of ``lm_texts`` beside it when given."""
+    import json
+
+    from speech_assets.evaluation.decoding import write_lm_files
+    from speech_assets.features.cmvn import UtteranceCmvn, describe
+    from speech_assets.features.vad import VadConfig
+    from speech_assets.model.export import export_recogniser
+
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
+    folder.mkdir()
+    export_recogniser(model, folder, [np.zeros((40, 80), np.float32)])
+    spec = {
+        "vocabulary": vocabulary(),
+        "cmvn": describe(UtteranceCmvn()),
+        "featurisation": {"vad": VadConfig().as_dict()},
+    }
+    if lm_texts is not None:
+        spec["beam"] = write_lm_files(lm_texts, 3, folder)
+    (folder / "recogniser.json").write_text(json.dumps(spec))
+    return folder
+
+
+def emissions(text: str) -> np.ndarray:
+    """``(2 S + 2, 29)`` log-probabilities that spell ``text`` best-path, blanks between tokens."""
+    ids = encode(text)
+    lp = np.full((2 * len(ids) + 2, VOCAB_SIZE), -8.0, np.float32)
+    lp[:, 0] = -0.1
+    for i, token in enumerate(ids):
+        lp[2 * i + 1, token], lp[2 * i + 1, 0] = -0.05, -5.0
+    return lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
+
+
+@pytest.mark.skipif(unavailable() is not None, reason="flashlight-text not installed")
+def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from speech_assets.evaluation.recognise import Recogniser
+    from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+    texts = ["THE CAT SAT", "THE DOG RAN", "A CAT RAN"]
+    folder = recogniser_folder(tmp_path / "rec", texts)
+    # the LM and lexicon beside the model repair what greedy spells wrong
+    assert Recogniser(folder, "beam").beam([emissions("THE CAP SAT")]) == ["THE CAT SAT"]
+    assert Recogniser(folder).beam is None
+    good = sorted(SAMPLE_CORPUS.rglob("*.flac"))[0]
+    missing = tmp_path / "gone.flac"
+    command = [sys.executable, "-m", "speech_assets.cli", "transcribe", str(good), str(missing), "--decoder", "beam"]
+    proc = subprocess.run([*command, "--model", str(folder)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the missing file: an error line, the other transcribed
+    first, second = proc.stdout.splitlines()
+    utt, text, seconds = first.split("\t")
+    words = {w for t in texts for w in t.split()}
+    assert utt == good.stem and float(seconds) > 0.5 and set(text.split()) <= words, first
+    assert second == f"gone\terror: no such file: {missing}"
+    # a recogniser exported without its LM: refused as a whole, before any file
+    bare = recogniser_folder(tmp_path / "bare", None)
+    refused = subprocess.run([*command, "--model", str(bare)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert refused.returncode == 1 and not refused.stdout, refused.stderr[-2000:]
+    assert "records no n-gram LM" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("beam", "said"),
+    [
+        (None, "records no n-gram LM"),
+        ({"lm": "../3gram.arpa"}, "is not in"),
+        ({"lexicon": "/etc/hostname"}, "is not in"),
+        ({"lm": "absent.arpa"}, "is not in"),
+        ({}, None),
+    ],
+)
+def test_beam_recogniser_reads_only_its_own_lm_files(tmp_path: Path, beam: dict | None, said: str | None) -> None:
+    import json
+
+    from speech_assets.evaluation.recognise import Recogniser
+
+    folder = recogniser_folder(tmp_path / "rec", ["THE CAT SAT"] if beam is not None else None)
+    (tmp_path / "3gram.arpa").write_text("outside the folder")
+    if beam:
+        spec = json.loads((folder / "recogniser.json").read_text())
+        spec["beam"] |= beam
+        (folder / "recogniser.json").write_text(json.dumps(spec))
+    if said is None:
+        if unavailable() is not None:
+            pytest.skip("flashlight-text not installed")
+        assert Recogniser(folder, "beam").beam([emissions("THE CAT SAT")]) == ["THE CAT SAT"]
+        return
+    with pytest.raises(RecogniserError, match=said):
+        Recogniser(folder, "beam")
+    assert Recogniser(folder).beam is None  # greedy needs none of it
+    with pytest.raises(RecogniserError, match="unknown decoder"):
+        Recogniser(folder, "viterbi")
+
+
+def test_wer_curve_over_several_budgets_renders() -> None:
+    from speech_assets.evaluation.finetune_results import wer_by_budget
+    from speech_assets.stats import plots
+
+    rows = [
+        {"model": model, "labelled_minutes": minutes, "split": "heldout", "decoder": "greedy", "wer": wer}
+        for model, minutes, wer in (("pretrained", 5.0, 0.9), ("pretrained", 20.0, 0.6), ("scratch", 5.0, 1.0))
+    ]
+    budgets, series = wer_by_budget(rows)
+    assert budgets == [5.0, 20.0] and series["pretrained"] == [0.9, 0.6] and math.isnan(series["scratch"][1])
+    # what finetuned_asr draws when it has several budgets
+    assert plots.curves(budgets, series, "WER", "labelled minutes").startswith(b"\x89PNG")

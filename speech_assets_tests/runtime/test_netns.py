@@ -21,14 +21,14 @@ OWNER = textwrap.dedent(
     from speech_assets.runtime.netns import PrivateNetwork
     from speech_assets.runtime.waiting import wait_until
 
-    server = "import socket; s = socket.socket(); s.bind(('127.0.0.1', {PORT})); s.listen(); s.accept()[0].send(b'hi');
-    s.accept()"
+    server = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', {PORT})); s.listen(); "
+              "s.accept()[0].send(b'hi'); s.accept()")
     with PrivateNetwork() as network:
         process = subprocess.Popen(network.enter([sys.executable, "-c", server]))
         wait_until(lambda: network.listening({PORT}), 30, "the server")
         inside = subprocess.run(network.enter([sys.executable, "-c",
-                                "import socket; print(socket.create_connection(('127.0.0.1',
-                                {PORT})).recv(2).decode())"]),
+                                "import socket; print(socket.create_connection(('127.0.0.1', {PORT}))"
+                                ".recv(2).decode())"]),
                                 capture_output=True, text=True, timeout=60)
         try:
             socket.create_connection(("127.0.0.1", {PORT}), timeout=5)
