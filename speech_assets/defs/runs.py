@@ -36,12 +36,16 @@ from speech_assets.utils import sha256_strings
 
 # Bookkeeping tags sit under Dagster's hidden-tag prefix (dagster._core.storage.tags.HIDDEN_TAG_PREFIX),
 # which the UI leaves out of the Runs list and a run's tags; what people read is shown instead
-# (CORPUS_TAG, SETTINGS_TAG).
+# (CORPUS_TAG, SETTINGS_TAG). A tag key has one namespace ("a/b"; Dagster deprecates more), so the
+# names below the hidden prefix are dotted.
 HIDDEN = ".dagster/"
-PROCESS_TAG = HIDDEN + "speech_assets/process"  # the run worker
-STEP_PROCESS_TAG_PREFIX = HIDDEN + "speech_assets/step_process."  # + step key: one tag per slot-taking step
-# the unhidden tag names older runs may still carry: read too, so that those runs are reaped
-LEGACY_PROCESS_TAGS = ("speech_assets/process", "speech_assets/step_process.")
+PROCESS_TAG = HIDDEN + "speech_assets.process"  # the run worker
+STEP_PROCESS_TAG_PREFIX = HIDDEN + "speech_assets.step_process."  # + step key: one tag per slot-taking step
+# the tag names older runs may still carry: read too, so that those runs are reaped
+LEGACY_PROCESS_TAGS = (
+    ("speech_assets/process", HIDDEN + "speech_assets/process"),
+    ("speech_assets/step_process.", HIDDEN + "speech_assets/step_process."),
+)
 CORPUS_TAG = "speech_assets/corpus"  # the corpus folder's name
 SETTINGS_TAG = "speech_assets/settings"  # the first 12 hex digits of the settings' sha256
 SILENT_FOR_S = 60.0
@@ -87,8 +91,8 @@ def recorded_processes(run: dg.DagsterRun) -> list[ProcessIdentity]:
     return [
         ProcessIdentity.decode(value)
         for key, value in sorted(run.tags.items())
-        if key in (PROCESS_TAG, LEGACY_PROCESS_TAGS[0])
-        or key.startswith((STEP_PROCESS_TAG_PREFIX, LEGACY_PROCESS_TAGS[1]))
+        if key in (PROCESS_TAG, *LEGACY_PROCESS_TAGS[0])
+        or key.startswith((STEP_PROCESS_TAG_PREFIX, *LEGACY_PROCESS_TAGS[1]))
     ]
 
 
@@ -140,7 +144,7 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
 # and torch again (seconds on 2 cores, more than the small runs fresh data needs take to do their
 # work; docs/BENCHMARKS.md). Runs with a step in a pool (training: `training`) still get
 # their own step processes, whoever launched them.
-IN_PROCESS_TAG = HIDDEN + "speech_assets/in_process"
+IN_PROCESS_TAG = HIDDEN + "speech_assets.in_process"
 
 
 def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:

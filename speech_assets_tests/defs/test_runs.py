@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -18,7 +19,14 @@ import pytest
 import yaml
 
 from speech_assets.defs.dagster_internals import stop_forkserver
-from speech_assets.defs.runs import PROCESS_TAG, STEP_PROCESS_TAG_PREFIX, recorded_processes
+from speech_assets.defs.runs import (
+    CORPUS_TAG,
+    IN_PROCESS_TAG,
+    PROCESS_TAG,
+    SETTINGS_TAG,
+    STEP_PROCESS_TAG_PREFIX,
+    recorded_processes,
+)
 from speech_assets.runtime import waiting
 from speech_assets.runtime.processes import process_start_time
 from speech_assets_tests.conftest import REPO
@@ -231,3 +239,12 @@ def test_bookkeeping_tags_are_hidden_and_the_corpus_and_settings_shown(instance:
     assert get_tag_type(PROCESS_TAG) == get_tag_type(STEP_PROCESS_TAG_PREFIX + "x") == TagType.HIDDEN
     assert PROCESS_TAG in tags and recorded_processes(finished)  # still what the reaper reads
     assert len(tags[SETTINGS_TAG]) == 12 and tags[CORPUS_TAG]
+
+
+def test_bookkeeping_and_shown_tag_keys_are_keys_dagster_accepts() -> None:
+    """Dagster deprecates tag keys with more than one namespace ("a/b/c"): a run request with
+    every tag this project sets must not warn (a warning here is an error in a later release)."""
+    tags = {PROCESS_TAG: "1", STEP_PROCESS_TAG_PREFIX + "pretrained_checkpoint": "1", IN_PROCESS_TAG: "true"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dg.RunRequest(tags=tags | {CORPUS_TAG: "sample", SETTINGS_TAG: "0123456789ab"})
