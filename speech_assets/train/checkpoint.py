@@ -156,9 +156,16 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest step checkpoints; returns the deleted paths."""
+    """Delete all but the ``keep`` newest step checkpoints, and the temp files of writes that a
+    killed attempt left (never trusted, but each as large as a checkpoint); returns the deleted
+    paths. Called by the one writer of the run folder after a write, so no write of its own is
+    in flight."""
     found = list_checkpoints(run_dir)
     doomed = [path for _, path in found[: max(len(found) - keep, 0)]]
+    folder = checkpoint_dir(run_dir)
+    doomed += sorted(
+        p for p in folder.glob(".step_*.pt.*.tmp") if _STEP_FILE.match(p.name[1:].split(".pt.")[0] + ".pt")
+    )
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed

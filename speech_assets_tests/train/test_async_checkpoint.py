@@ -141,3 +141,5 @@ def test_async_checkpoint_kill_during_the_background_write_leaves_no_trusted_fil
     straight = train(small_corpus.config(tmp_path / "straight", **SETTINGS))
     assert resumed is not None and straight is not None and resumed["resumed_from_step"] == 2
     assert resumed["checkpoint_sha256"] == straight["checkpoint_sha256"]
+    # the killed write's temp file went with the next attempt's first prune
+    assert not [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]

@@ -69,5 +69,7 @@ def test_latest_and_prune(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / ".step_00000025.pt.abc.tmp").write_bytes(b"partial")
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 20)
     removed = prune_checkpoints(tmp_path, keep=2)
-    assert [p.name for p in removed] == ["step_00000005.pt", "step_00000010.pt"]
+    # the old checkpoints, and a killed write's temp file (never read as a checkpoint)
+    assert [p.name for p in removed] == ["step_00000005.pt", "step_00000010.pt", ".step_00000025.pt.abc.tmp"]
     assert [step for step, _ in list_checkpoints(tmp_path)] == [15, 20]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000015.pt", "step_00000020.pt"]
