@@ -48,9 +48,6 @@ def main() -> int:
 
     from speech_assets.corpus.clients import read_clients
     from speech_assets.evaluation.compare import (
-        FBANK,
-        RANDOM,
-        ProbeModel,
         compare_encoders,
         leaderboard,
         leaderboard_markdown,
@@ -60,10 +57,9 @@ def main() -> int:
     )
     from speech_assets.evaluation.encoders import load_utterances
     from speech_assets.evaluation.probe import ProbeOptions
+    from speech_assets.evaluation.protocol import probe_models
     from speech_assets.evaluation.speed import forward_speed
-    from speech_assets.features.cmvn import UtteranceCmvn, from_record
-    from speech_assets.model.encoders import load_encoder, random_encoder
-    from speech_assets.model.presets import ModelPreset
+    from speech_assets.model.encoders import load_encoder
     from speech_assets.train.distill import encoder_parameters
 
     data = args.data_dir.resolve()
@@ -75,27 +71,8 @@ def main() -> int:
         if (path := newest(pattern, data)) is not None:
             encoders[name] = load_encoder(path)
 
-    def probe_model(name, encoder, record) -> ProbeModel:
-        """``name`` read through the normalisation ``record`` (a checkpoint's; none recorded: per utterance)."""
-        normaliser = from_record(record) or UtteranceCmvn()
-        label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global"
-        return ProbeModel(
-            name,
-            encoder.sha256 if encoder else "",
-            label,
-            lambda x: normaliser.apply(x, "logmel"),
-            encoder.model if encoder else None,
-        )
-
-    # the baselines read the input the way the pretrained encoder does
-    baseline = encoders["pretrained"].checkpoint.get("normalisation")
-    models = [
-        probe_model(FBANK, None, baseline),
-        probe_model(RANDOM, random_encoder(ModelPreset(**encoders["pretrained"].checkpoint["preset"])), baseline),
-    ]
-    models += [
-        probe_model(name, encoder, encoder.checkpoint.get("normalisation")) for name, encoder in encoders.items()
-    ]
+    # the baselines read the input the way the pretrained encoder does; the random encoder is seed 0's
+    models = probe_models(encoders, seed=0)
     clients = read_clients(data / "clients" / "clients.parquet")
     held = {a.speaker_id for a in clients if a.heldout}
     manifest = pq.read_table(data / "manifest" / "manifest.parquet", columns=["utt_id", "transcript"]).to_pydict()

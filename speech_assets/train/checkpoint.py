@@ -31,6 +31,7 @@ log = logging.getLogger("speech_assets.train")
 
 CHECKPOINT_FORMAT = 1
 _STEP_FILE = re.compile(r"^step_(\d{8})\.pt$")
+_STEP_TEMP = re.compile(r"^\.step_\d{8}\.pt\..+\.tmp$")  # atomic_path's temp file of a step checkpoint
 
 
 def checkpoint_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -163,9 +164,7 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     found = list_checkpoints(run_dir)
     doomed = [path for _, path in found[: max(len(found) - keep, 0)]]
     folder = checkpoint_dir(run_dir)
-    doomed += sorted(
-        p for p in folder.glob(".step_*.pt.*.tmp") if _STEP_FILE.match(p.name[1:].split(".pt.")[0] + ".pt")
-    )
+    doomed += sorted(p for p in folder.iterdir() if _STEP_TEMP.match(p.name)) if folder.is_dir() else []
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
