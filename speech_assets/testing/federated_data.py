@@ -19,6 +19,7 @@ from flwr.app import Context, Error, Message, Metadata, RecordDict
 from speech_assets.features.cmvn import ShardStats
 from speech_assets.features.shards import ShardFiles, iter_shard
 from speech_assets.federated import client_app
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.testing.training_data import write_corpus
 
 
@@ -31,6 +32,23 @@ class FederatedCorpus:
     k: dict[str, int]
     heldout_speakers: list[str]
     train_speakers: list[str]
+
+    def config(self, root: Path, name: str, **settings: object) -> FederatedConfig:
+        """A small real run on this corpus in ``root / name``: one round of 2 local FedAvg steps,
+        fp32, 4 s batches, bounded waits, every client; ``settings`` override any of it."""
+        values = {
+            "rounds": 1,
+            "local_steps": 2,
+            "strategy": "fedavg",
+            "client_lr": 5e-3,
+            "precision": "fp32",
+            "batch_seconds": 4.0,
+            "heldout_speakers": self.heldout_speakers,
+            "train_speakers": self.train_speakers,
+            "connect_timeout_s": 5,
+            "round_timeout_s": 600,
+        } | settings
+        return FederatedConfig(run_dir=str(root / name), run_name=name, clients=sorted(self.k), **values)
 
 
 def write_federated_corpus(

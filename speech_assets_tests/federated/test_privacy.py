@@ -34,22 +34,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _config(corpus, root: Path, name: str, **settings) -> FederatedConfig:
-    values = (
-        dict(
-            rounds=1,
-            local_steps=2,
-            strategy="fedavg",
-            client_lr=5e-3,
-            precision="fp32",
-            batch_seconds=4.0,
-            heldout_speakers=corpus.heldout_speakers,
-            train_speakers=corpus.train_speakers,
-            connect_timeout_s=5,
-            round_timeout_s=600,
-        )
-        | settings
-    )
-    return FederatedConfig(run_dir=str(root / name), run_name=name, clients=sorted(corpus.k), **values)
+    return corpus.config(root, name, **settings)
 
 
 def _grid(corpus, config: FederatedConfig, root: Path, kind: type[InProcessGrid] = InProcessGrid) -> InProcessGrid:

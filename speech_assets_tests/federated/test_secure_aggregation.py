@@ -419,28 +419,11 @@ def four_clients(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
 def _run(corpus, root: Path, name: str, **settings):  # type: ignore[no-untyped-def]
     """One round of a real run (FedAvg, 3 local steps) on an InProcessGrid; ``(result or the
     FederatedRunError, grid, config)``."""
-    from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.server_app import FederatedRunError, Server
     from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
 
     clients = sorted(corpus.k)
-    values = (
-        dict(
-            rounds=1,
-            local_steps=3,
-            strategy="fedavg",
-            client_lr=5e-3,
-            precision="fp32",
-            batch_seconds=4.0,
-            heldout_speakers=corpus.heldout_speakers,
-            train_speakers=corpus.train_speakers,
-            connect_timeout_s=5,
-            round_timeout_s=600,
-            evaluate_every=5,
-        )
-        | settings
-    )
-    config = FederatedConfig(run_dir=str(root / name), run_name=name, clients=clients, **values)
+    config = corpus.config(root, name, **({"rounds": 1, "local_steps": 3, "evaluate_every": 5} | settings))
     grid = InProcessGrid(
         {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state"
     )

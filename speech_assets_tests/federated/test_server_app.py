@@ -79,22 +79,7 @@ def four_clients(tmp_path_factory: pytest.TempPathFactory):
 
 def _run(corpus, root: Path, name: str, **settings) -> tuple[dict, InProcessGrid, FederatedConfig]:
     clients = sorted(corpus.k)
-    values = (
-        dict(
-            rounds=2,
-            local_steps=3,
-            strategy="fedavg",
-            client_lr=5e-3,
-            precision="fp32",
-            batch_seconds=4.0,
-            heldout_speakers=corpus.heldout_speakers,
-            train_speakers=corpus.train_speakers,
-            connect_timeout_s=5,
-            round_timeout_s=600,
-        )
-        | settings
-    )
-    config = FederatedConfig(run_dir=str(root / name), run_name=name, clients=clients, **values)
+    config = corpus.config(root, name, **({"rounds": 2, "local_steps": 3} | settings))
     grid = InProcessGrid(
         {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state"
     )
