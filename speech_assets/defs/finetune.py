@@ -71,7 +71,7 @@ def finetuned_asr(
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
     from speech_assets.evaluation import decoding
-    from speech_assets.evaluation.finetune import labelled_subset
+    from speech_assets.evaluation.finetune import finished_result, labelled_subset
     from speech_assets.evaluation.finetune_results import SCRATCH, markdown_tables, results_table, verdicts
 
     options = effective(settings.finetune, config)
@@ -148,12 +148,12 @@ def finetuned_asr(
                     labelled,
                     decoders,
                 )
-    pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if _finished(run_dir) is None))
+    pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if finished_result(run_dir) is None))
     if pending:
         _train(context, pipes_subprocess_client, paths, root, options, pending, base_versions)
     rows, runs = [], {}
     for (model, minutes, seed), run_dir in planned.items():
-        result = _finished(run_dir)
+        result = finished_result(run_dir)
         if result is None:
             raise dg.Failure(description=f"{model}, {minutes:g} min, seed {seed}: no result in {run_dir}")
         runs[(model, minutes, seed)] = result
@@ -245,16 +245,6 @@ def _utterances(paths: StoragePaths, train_speakers: list[str], test_speakers: l
     return candidates, {u: texts[u] for u in chosen}, texts, skipped
 
 
-def _finished(run_dir: Path) -> dict | None:
-    """The run's ``result.json`` when it finished (its checkpoint is there), else None."""
-    finished = RunFiles(run_dir).result
-    if finished.is_file():
-        result = json.loads(finished.read_text())
-        if result.get("checkpoint") and Path(result["checkpoint"]).is_file():
-            return result
-    return None
-
-
 def _plan(
     context,
     paths: StoragePaths,
@@ -270,6 +260,7 @@ def _plan(
 ) -> Path:
     """One fine-tuning run's folder (named by its inputs and settings), with its labelled
     utterances and config written unless it finished before."""
+    from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
     job = options.model_copy(  # how many runs train at once does not name a run: parallel_runs 0
@@ -284,7 +275,7 @@ def _plan(
     labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
     versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
     run_dir = run_folder(root / "runs", versions, job, FINETUNE_CODE_VERSION)
-    if _finished(run_dir) is not None:
+    if finished_result(run_dir) is not None:
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -332,6 +323,7 @@ def _train(
     imports and the data for all of them. Each run folder is held as a lone launch holds it."""
     import torch
 
+    from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train import launch
     from speech_assets.train.autoconfig import available_cores
     from speech_assets.train.config import FinetuneBatch
@@ -370,7 +362,7 @@ def _train(
             module="speech_assets.evaluation.finetune",
         )
     for run_dir in run_dirs:
-        if (result := _finished(run_dir)) is not None:
+        if (result := finished_result(run_dir)) is not None:
             record_provenance(
                 run_dir,
                 result["checkpoint_sha256"],

@@ -231,6 +231,16 @@ def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> d
         return train_run(job, config, reporter, stop_after_step=stop_after_step)
 
 
+def finished_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The run's ``result.json`` when it finished (its checkpoint is there), else None."""
+    path = RunFiles(run_dir).result
+    if path.is_file():
+        result = json.loads(path.read_text())
+        if result.get("checkpoint") and Path(result["checkpoint"]).is_file():
+            return result
+    return None
+
+
 def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
     """The runs of ``batch`` in this process, one after another (alone or as one torchrun rank):
     every run with all ranks (DDP), or with ``batch.parallel`` this rank's share
@@ -254,10 +264,9 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
         reporter = PipesReporter(log) if job.is_main else None
         results = []
         for config in mine:
-            finished = Path(config.run_dir) / RESULT_FILE
-            if finished.is_file() and Path(json.loads(finished.read_text()).get("checkpoint") or "").is_file():
+            if (finished := finished_result(config.run_dir)) is not None:
                 log.info("%s: finished before", config.run_dir)
-                results.append(json.loads(finished.read_text()))
+                results.append(finished)
                 continue
             with run_log(Path(config.run_dir), runner.is_main):
                 if runner.is_main:
