@@ -445,5 +445,5 @@ def run_inputs(
     }
 
 
-# each run label's MLflow ``mode`` tag (speech_assets.train.tracking.MODES)
+# each run label's MLflow ``mode`` tag
 RUN_MODES = {"pretrain": "centralised", "pretrain-iter2": "iteration2", "distill": "distilled"}

@@ -760,13 +760,3 @@ def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPE
             f"{s.verdict}"
         )
     return lines
-
-
-def beats(results: Sequence[ProbeResult], model: str, baseline: str) -> bool | None:
-    """Whether ``model`` errs less than ``baseline`` on the held-out utterances by the paired test
-    (:func:`paired`): True (better), False (worse), None (no evidence, or no per-utterance errors).
-    KeyError when either has no held-out rows."""
-    held = summarise(results, "heldout")
-    held[model], held[baseline]  # noqa: B018 (KeyError where either is missing)
-    found = paired(results, model, baseline)
-    return None if found is None or found.verdict == "no evidence" else found.verdict == "better"

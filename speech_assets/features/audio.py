@@ -84,15 +84,6 @@ def resample_to_16k(wave: np.ndarray, sample_rate: int) -> np.ndarray:
     return out.numpy()
 
 
-def resampled_length(num_samples: int, sample_rate: int) -> int:
-    """Length of ``resample_to_16k`` output for ``num_samples`` input samples at ``sample_rate``."""
-    if sample_rate == TARGET_SAMPLE_RATE:
-        return num_samples
-    gcd = math.gcd(sample_rate, TARGET_SAMPLE_RATE)
-    orig, new = sample_rate // gcd, TARGET_SAMPLE_RATE // gcd
-    return -(-new * num_samples // orig)
-
-
 def normalise_peak(
     wave: np.ndarray, target: float = PEAK_TARGET, max_gain_db: float = MAX_GAIN_DB, *, in_place: bool = False
 ) -> np.ndarray:

@@ -467,11 +467,6 @@ def needs_building(job: ShardJob) -> bool:
     return job.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key
 
 
-def helper_count(jobs: Sequence[ShardJob], workers: int) -> int:
-    """Helper processes ``iter_publish_shards`` starts beside this one for ``jobs`` and ``workers``."""
-    return helpers_for(sum(map(needs_building, jobs)), workers)
-
-
 def helpers_for(to_build: int, workers: int) -> int:
     """Helpers for ``to_build`` shards that need building: none for one or none (a helper would
     start, import torch and find nothing)."""

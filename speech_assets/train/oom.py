@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from speech_assets.layout import OOM_FILE, RunFiles
+from speech_assets.layout import RunFiles
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,6 @@ Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad
 Outcome = TypeVar("Outcome")
 
 OOM_EXIT_CODE = 75
-OOM_MARKER = OOM_FILE
 MAX_OOM_RETRIES = 3
 
 
@@ -65,7 +64,7 @@ def retrying_oom(
     warn: Callable[[str], None] = log.warning,
 ) -> tuple[Outcome, int]:
     """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
-    rank left :data:`OOM_MARKER`) up to :data:`MAX_OOM_RETRIES` times, each with half the
+    rank left :data:`~speech_assets.layout.OOM_FILE`) up to :data:`MAX_OOM_RETRIES` times, each with half the
     per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
     that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
     Returns the outcome and the number of retries.

@@ -5,10 +5,10 @@ Both are optional: without a tracking URI there is no MLflow run, and outside Pi
 reporter does nothing, so the trainer runs the same from a plain command line.
 
 Every model's run goes to one MLflow experiment (:data:`EXPERIMENT`), told apart by its ``mode``
-tag (:data:`MODES`) and linked to its Dagster run by the ``dagster_run_id`` tag. Training series
-are logged by step under their own names (``loss``, ``masked_accuracy``, ...), held-out ones
-under ``val/`` (one point per evaluation), downstream results under ``probe/``; configuration
-is logged as params only.
+tag (centralised, federated, distilled, iteration2 or finetuned) and linked to its Dagster run by
+the ``dagster_run_id`` tag. Training series are logged by step under their own names (``loss``,
+``masked_accuracy``, ...), held-out ones under ``val/`` (one point per evaluation), downstream
+results under ``probe/``; configuration is logged as params only.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ def is_server(tracking_uri: str) -> bool:
 
 
 EXPERIMENT = "speech_assets"
-# the ``mode`` tag of each kind of run, all in EXPERIMENT
-MODES = ("centralised", "federated", "distilled", "iteration2", "finetuned")
 DAGSTER_RUN_TAG = "dagster_run_id"
 # where `make ui` serves Dagster; a team deployment names its own webserver
 DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT = "SPEECH_ASSETS_DAGSTER_URL", "http://127.0.0.1:3000"
@@ -82,10 +80,6 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """A clickable link to the run in the MLflow UI (for a local store, the one ``make mlflow``
     serves: the link opens while it runs)."""
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
-def experiment_url(tracking_uri: str, experiment_id: str) -> str:
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}"
 
 
 def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_location: str | None) -> str:

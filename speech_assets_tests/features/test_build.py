@@ -22,7 +22,6 @@ from speech_assets.features.build import (
     ShardJob,
     UtteranceInput,
     default_workers,
-    helper_count,
     iter_publish_shards,
     plan_shards,
     publish_planned,
@@ -232,15 +231,15 @@ def test_a_killed_helper_loses_no_shard(tmp_path, corpus) -> None:
 def test_helpers_are_started_only_for_shards_to_build(tmp_path, corpus) -> None:
     """Unchanged shards need no helper: a helper would start, import torch and find nothing."""
     todo = jobs(corpus, tmp_path)
-    assert helper_count(todo, workers=4) == 3 and helper_count(todo, workers=1) == 0
+    assert plan_shards(todo, 4).helpers == 3 and plan_shards(todo, 1).helpers == 0
     list(iter_publish_shards(todo, VadConfig(), workers=1))
-    assert helper_count(todo, workers=4) == 0
+    assert plan_shards(todo, 4).helpers == 0
     forced = [ShardJob(j.speaker_id, j.utterances, j.files, j.inputs_key, force=n < 3) for n, j in enumerate(todo)]
-    assert helper_count(forced, workers=4) == 2 and helper_count(forced, workers=2) == 1
+    assert plan_shards(forced, 4).helpers == 2 and plan_shards(forced, 2).helpers == 1
     changed = [
         ShardJob(j.speaker_id, j.utterances, j.files, "other" if n < 2 else j.inputs_key) for n, j in enumerate(todo)
     ]
-    assert helper_count(changed, workers=8) == 1
+    assert plan_shards(changed, 8).helpers == 1
     outcomes = list(iter_publish_shards(todo, VadConfig(), workers=4))  # nothing to build: no helper, no rebuild
     assert not any(o.rebuilt for o in outcomes) and not helper_processes()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from speech_assets.layout import OOM_FILE
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train import TrainConfig
@@ -16,7 +17,6 @@ from speech_assets.train import launch as launch_module
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
 from speech_assets.train.oom import (
     OOM_EXIT_CODE,
-    OOM_MARKER,
     clear_oom,
     detect_oom,
     next_attempt_after_oom,
@@ -83,7 +83,7 @@ def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module()
         name
         for name, tree in trees.items()
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and node.value == OOM_MARKER
+        if isinstance(node, ast.Constant) and node.value == OOM_FILE
     )
     assert spelled == ["layout.py"]
     engine = list(ast.walk(trees["train/engine.py"]))
