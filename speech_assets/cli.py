@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 
-from speech_assets import locations
+from speech_assets import layout, locations
 from speech_assets.layout import DataLayout
 from speech_assets.stats import database as stats_db
 
@@ -318,6 +318,11 @@ def _command(commands, name: str, summary: str) -> argparse.ArgumentParser:
     )
 
 
+def _data_file_option(command: argparse.ArgumentParser, option: str, *where: str, what: str = "") -> None:
+    """``option``: a file to read (``what``, else its name), by default ``where`` under the data folder."""
+    command.add_argument(option, help=f"{what or where[-1]} (default: $SPEECH_ASSETS_DATA_DIR/{'/'.join(where)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speech-assets",
@@ -364,9 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     replicate.set_defaults(func=_cmd_replicate)
 
-    db_help = "DuckDB file (default: $SPEECH_ASSETS_DATA_DIR/stats.duckdb)"
     stats = _command(commands, "stats", "summary of the dataset from the DuckDB database")
-    stats.add_argument("--db", help=db_help)
+    _data_file_option(stats, "--db", layout.STATS_DB, what="DuckDB file")
     stats.set_defaults(func=_cmd_stats)
 
     probe = _command(
@@ -374,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "probe",
         "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
     )
-    probe.add_argument("--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/probe/results.parquet)")
+    _data_file_option(probe, "--results", layout.PROBE_DIR, layout.PROBE_RESULTS)
     probe.add_argument(
         "--details",
         action="store_true",
@@ -387,9 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune",
         "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline",
     )
-    finetune.add_argument(
-        "--results", help="results.parquet (default: $SPEECH_ASSETS_DATA_DIR/finetune/results.parquet)"
-    )
+    _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FINETUNE_RESULTS)
     finetune.set_defaults(func=_cmd_finetune)
 
     transcribe = _command(
@@ -423,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database",
     )
     sql.add_argument("query", help='one SQL statement over the views and tables (list them with "SHOW TABLES")')
-    sql.add_argument("--db", help=db_help)
+    _data_file_option(sql, "--db", layout.STATS_DB, what="DuckDB file")
     sql.add_argument("--max-rows", type=int, default=200, help="rows to print at most (default 200)")
     sql.add_argument(
         "--raw",
