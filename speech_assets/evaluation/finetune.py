@@ -372,13 +372,7 @@ def train_run(
         channel_length=config.channel_mask_length,
         rank=job.rank,
     )
-    plan = {
-        "nproc": job.world_size,
-        "batch_seconds": config.batch_seconds,
-        "grad_accum": config.grad_accum,
-        "precision": precision,
-    }
-    with tracking(config, job, plan) as tracker:
+    with tracking(config, job, engine.plan(config.batch_seconds)) as tracker:
         engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
         labelled_seconds = sum(dataset.seconds)
         log.info(

@@ -208,9 +208,7 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
         )
         engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
         engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
-        plan = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": config.grad_accum}
-        plan["precision"] = precision
-        with tracking(config, job, plan) as tracker:
+        with tracking(config, job, engine.plan(config.batch_seconds)) as tracker:
             engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
             log.info(
                 "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "

@@ -454,6 +454,15 @@ class Engine:
             background_checkpoints=getattr(config, "background_checkpoints", True),
         )
 
+    def plan(self, batch_seconds: float) -> dict[str, Any]:
+        """The launch plan MLflow records for a run whose config fixes its batch (no autoconfig)."""
+        return {
+            "nproc": self.job.world_size,
+            "batch_seconds": batch_seconds,
+            "grad_accum": self.grad_accum,
+            "precision": self.precision,
+        }
+
     def record(self, config: Any, speakers: Mapping[str, Any], cmvn: Normaliser, **more: Any) -> None:
         """What every checkpoint of this run carries besides the engine's state (:attr:`extra`):
         the config (which :meth:`resume` compares), its inputs' data versions, the speakers it saw
