@@ -37,7 +37,6 @@ ROUNDS_SCHEMA = _per_client(
     bytes_down=pa.int64(),
     seconds=pa.float64(),
 )
-ROUNDS_COLUMNS = tuple(ROUNDS_SCHEMA.names)
 # evaluation.parquet: the global encoder after the round, on each client's held-out utterances
 # with that client's own head (kept on the client), beside the client's majority-class rate; then
 # the same on the leak-free masked frames (accuracies null when a client has none)

@@ -26,10 +26,7 @@ import torch
 
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import (  # noqa: F401 (re-exported)
-    EVALUATION_SCHEMA,
     ROUND_FILE,
-    ROUNDS_COLUMNS,
-    ROUNDS_SCHEMA,
     complete_rounds,
     read_records,
     summarize_rounds,

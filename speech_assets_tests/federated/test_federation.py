@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.federated.history import ROUNDS_COLUMNS
+from speech_assets.federated.history import ROUNDS_SCHEMA
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.runtime.waiting import wait_until
@@ -115,7 +115,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     run_dir, result = dagster_run["run_dir"], dagster_run["result"]
     # rounds.parquet: one row per (round, client), exactly the documented columns
     table = pq.read_table(run_dir / "rounds.parquet")
-    assert tuple(table.column_names) == ROUNDS_COLUMNS
+    assert table.column_names == ROUNDS_SCHEMA.names
     rows = table.to_pylist()
     assert sorted((r["round"], r["client_id"]) for r in rows) == [
         (r, c) for r in (1, 2) for c in sample_pipeline.clients

@@ -110,7 +110,7 @@ def test_a_resumed_run_reads_back_exactly_the_last_complete_round(tmp_path: Path
     table = pq.read_table(paths.rounds_table)
     assert (
         table.column_names
-        == list(history.ROUNDS_COLUMNS)
+        == history.ROUNDS_SCHEMA.names
         == [
             "round",
             "client_id",
@@ -255,7 +255,7 @@ def test_stats_database_has_the_rounds_table(tmp_path: Path, sample_pipeline) ->
     con = duckdb.connect(str(db), read_only=True)
     try:
         columns = [row[0] for row in con.execute("DESCRIBE federated_rounds").fetchall()]
-        assert columns == list(history.ROUNDS_COLUMNS)
+        assert columns == history.ROUNDS_SCHEMA.names
         rows = con.execute("SELECT * FROM federated_rounds ORDER BY round, client_id").fetchall()
     finally:
         con.close()
