@@ -191,15 +191,6 @@ def all_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all())
 
 
-def to_stored(matrix: np.ndarray, version: int = SHARD_FORMAT) -> np.ndarray:
-    """``matrix`` as a shard of format ``version`` stores it (float16 for format 2): what readers
-    will see. ``ValueError`` if a value is not finite there (NaN, inf, or beyond float16's 65504)."""
-    stored = _cast(matrix, FEATURE_DTYPES[version])
-    if not all_finite(stored):
-        raise ValueError(f"features not finite in {FEATURE_DTYPES[version]} (NaN, inf or beyond its range)")
-    return stored
-
-
 _MAX_CHUNK_BYTES = 2**31 - 1  # a BinaryArray's int32 offsets
 
 

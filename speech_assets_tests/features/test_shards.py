@@ -155,20 +155,26 @@ def test_all_finite_reads_float16_exponent_bits() -> None:
     assert shards.all_finite(edges.astype(np.float32)) and not shards.all_finite(np.float32([1, np.nan]))
 
 
-def test_stored_features_are_numpys_float16_bit_for_bit() -> None:
+def test_stored_features_are_numpys_float16_bit_for_bit(tmp_path: Path) -> None:
     """The writer casts through torch when it is loaded (the shard builder's case) and through
     numpy otherwise: both round to nearest even, so a shard's bytes do not depend on which."""
     import torch  # noqa: F401  (loaded: the fast path)
 
     rng = np.random.default_rng(0)
     values = np.concatenate([rng.standard_normal(20_000).astype(np.float32) * s for s in (1e-7, 1e-4, 1.0, 40.0, 1e4)])
-    values = np.concatenate([values, np.float32([65504, 65519.99, -65519.99, 6.1e-5, 5.96e-8, 2.98e-8, 0.0, -0.0])])
-    stored = shards.to_stored(values.reshape(-1, 8))
-    assert stored.dtype == np.float16
-    assert np.array_equal(stored.view(np.uint16).ravel(), values.astype(np.float16).view(np.uint16))
-    for bad in (np.float32([[65520.0]]), np.float32([[np.nan]]), np.float32([[-np.inf]])):
+    values = np.concatenate([np.float32([65504, 65519.99, -65519.99, 6.1e-5, 5.96e-8, 2.98e-8, 0.0, -0.0]), values])
+    values = values[: len(values) // 80 * 80]
+    loud = record("a", len(values) // 80, 0)
+    loud.logmel = values.reshape(-1, 80)
+    (stored,) = iter_shard(write_shard(tmp_path / "x.parquet", [loud]))
+    # read back as float32: exact for float16, so equal bits there are equal bits in the file
+    assert np.array_equal(
+        stored.logmel.view(np.uint32).ravel(), values.astype(np.float16).astype(np.float32).view(np.uint32)
+    )
+    for bad in (65520.0, np.nan, -np.inf):
+        loud.logmel[0, 0] = bad
         with pytest.raises(ValueError, match="not finite"):
-            shards.to_stored(bad)
+            write_shard(tmp_path / "bad.parquet", [loud])
 
 
 def test_record_shape_is_validated() -> None:
