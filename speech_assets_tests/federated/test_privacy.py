@@ -236,12 +236,15 @@ def test_under_dp_clients_send_training_metrics_only_if_the_run_shares_them(
         record = _record(config)
         assert record["aggregated_train"] == {} and all(row["audio_seconds"] is None for row in record["rows"])
         assert result["final_train_loss"] is None and result["mean_overhead"] is None
-        # the summaries and the plot say "not measured" rather than fail
+        # the summaries, the asset's round table and the plot say "not measured" rather than fail
+        from speech_assets.defs.federated import ROUND_COLUMNS, round_rows
+        from speech_assets.defs.readable import table
         from speech_assets.federated.history import summarize_rounds
         from speech_assets.stats.plots import round_curve
 
         lines = summarize_rounds([record])
-        assert round_curve(lines)
+        shown = table(round_rows(lines, {}), ROUND_COLUMNS).records
+        assert all(row.data["train_loss"] is None for row in shown) and round_curve(lines)
     # held-out evaluation is reported either way (outside epsilon, as docs/PRIVACY.md says)
     evaluation = pq.read_table(FederatedPaths(config.run_dir).evaluation_table).to_pylist()
     assert len(evaluation) == 4 and all(row["heldout_masked_accuracy"] is not None for row in evaluation)
