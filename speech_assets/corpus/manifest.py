@@ -38,6 +38,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from stat import S_ISREG
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -46,7 +47,7 @@ import soundfile as sf
 
 from speech_assets.corpus.ids import why_unsafe
 from speech_assets.corpus.rejects import RejectReason, RejectRow
-from speech_assets.utils import atomic_path, sha256_strings
+from speech_assets.utils import Rule, at_least, atomic_path, broken_rules, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
 MANIFEST_SUFFIXES = (".csv", ".jsonl")
@@ -74,17 +75,25 @@ class ManifestRow:
 
 @dataclass(frozen=True)
 class ValidationConfig:
+    """What an utterance must be to be kept: its duration in seconds and its normalised
+    transcript's length (``[manifest]`` takes these defaults and applies :attr:`RULES`)."""
+
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
     max_transcript_chars: int = 2000  # of the normalised transcript
 
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            ("min_duration_s", "max_duration_s"),
+            lambda low, high: 0 <= low < high,
+            "need 0 <= min_duration_s < max_duration_s",
+        ),
+        *at_least(1, "max_transcript_chars"),
+    )
+
     def __post_init__(self) -> None:
-        if not 0 <= self.min_duration_s < self.max_duration_s:
-            raise ValueError(
-                f"need 0 <= min_duration_s < max_duration_s, got {self.min_duration_s}, {self.max_duration_s}"
-            )
-        if self.max_transcript_chars < 1:
-            raise ValueError(f"need max_transcript_chars >= 1, got {self.max_transcript_chars}")
+        if problems := broken_rules(self.RULES, vars(self)):
+            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

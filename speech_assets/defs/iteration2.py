@@ -27,7 +27,9 @@ from speech_assets.defs.resources import (
     overrides_of,
 )
 from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
+from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.publish import iteration2_client_targets
+from speech_assets.utils import from_fields
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
@@ -51,7 +53,7 @@ ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.All
 def kmeans_targets_iter2(
     context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
-    """HuBERT iteration 2, per client: k-means (K=500 by default) on that client's own frames in the
+    """HuBERT iteration 2, per client: k-means (``[iteration2] k`` clusters) on that client's own frames in the
     feature space of one layer of the iteration-1 encoder (pretrained, or federated when
     [iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
     import torch
@@ -92,9 +94,7 @@ def kmeans_targets_iter2(
                 model,
                 layer,
                 out_dir,
-                k=options.k,
-                max_fit_frames=options.max_fit_frames,
-                seed=options.seed,
+                from_fields(KMeansConfig, options),
                 log=context.log.warning,
                 label_only=client.files(client.heldout),
             )

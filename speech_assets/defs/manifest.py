@@ -24,7 +24,7 @@ from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speake
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_path, fsync_dir
+from speech_assets.utils import atomic_path, from_fields, fsync_dir
 
 CODE_VERSION = "manifest-v3"
 
@@ -51,9 +51,7 @@ def manifest(
     options = effective(settings.manifest, config)
     location = paths.corpus_path
     try:
-        validation = corpus.ValidationConfig(
-            options.min_duration_s, options.max_duration_s, options.max_transcript_chars
-        )
+        validation = from_fields(corpus.ValidationConfig, options)
         fingerprint = corpus.corpus_fingerprint(location)
         cache = corpus.load_cache(paths.decode_cache_file)
         result = corpus.scan_corpus(

@@ -16,13 +16,15 @@ from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
+from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
 from speech_assets.hosts import check_host, optional_endpoint
-from speech_assets.train.config import DistillConfig, FinetuneConfig, Rule, RunConfig, TrainConfig, broken_rules
-from speech_assets.utils import from_fields
+from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
+from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
+from speech_assets.utils import Rule, broken_rules, from_fields
 
 
 def _from_layout(name: str, doc: str | None = None) -> property:
@@ -134,12 +136,14 @@ class WorkerSettings(dg.Config):
     worker=TrainConfig)``; the run copies same-named fields with ``from_fields``).
 
     A field named like one of the worker's is written ``name: type`` only: its default is the
-    worker's, stated once there. The section is checked when it is defined: such a field must have
-    the worker's type, a field with a value of its own must differ from the worker's default (0 =
-    automatic where the worker says ``None``), and a field without a value must be the worker's.
+    worker's, stated once there. ``worker`` may also be an instance of the dataclass (a named
+    config such as ``ITERATION2_KMEANS``): its values are then the defaults. The section is
+    checked when it is defined: such a field must have the worker's type, a field with a value of
+    its own must differ from the worker's default (0 = automatic where the worker says ``None``),
+    and a field without a value must be the worker's.
 
     Its values are checked by the worker's own rules (``worker.RULES``,
-    :func:`speech_assets.train.config.broken_rules`) on the fields taken from the worker, so a
+    :func:`speech_assets.utils.broken_rules`) on the fields taken from the worker, so a
     bad value is refused when the settings load, with the message the worker would give. A field
     with a value of its own means something else here (0 = automatic) and is the run's to check.
     """
@@ -148,7 +152,7 @@ class WorkerSettings(dg.Config):
     rules: ClassVar[tuple[Rule, ...]] = ()
     worker_fields: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, worker: type | None = None, section: str = "", **kwargs: Any) -> None:
+    def __init_subclass__(cls, worker: object = None, section: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if worker is not None:
             defaults = worker_defaults(cls, worker)
@@ -164,15 +168,17 @@ class WorkerSettings(dg.Config):
         return self
 
 
-def worker_defaults(section: type, worker: type) -> dict[str, Any]:
-    """``{field: default}`` of ``worker`` (a dataclass) for the fields ``section`` declares
-    without a value; raises TypeError for a declaration that restates or contradicts ``worker``."""
+def worker_defaults(section: type, worker: object) -> dict[str, Any]:
+    """``{field: default}`` of ``worker`` (a dataclass, or an instance of one whose values are the
+    defaults) for the fields ``section`` declares without a value; raises TypeError for a
+    declaration that restates or contradicts ``worker``."""
     declared = section.__dict__.get("__annotations__", {})
     # this section's own annotations, resolved in its module (the class itself is not built yet)
     kinds = typing.get_type_hints(type("Declared", (), {"__annotations__": declared, "__module__": section.__module__}))
-    theirs = {item.name: item for item in dataclasses.fields(worker)}
-    types = typing.get_type_hints(worker)
-    where = f"{section.__name__} (from {worker.__name__})"
+    worker_type = worker if isinstance(worker, type) else type(worker)
+    theirs = {item.name: item for item in dataclasses.fields(worker_type)}
+    types = typing.get_type_hints(worker_type)
+    where = f"{section.__name__} (from {worker_type.__name__})"
     defaults = {}
     for name, annotation in declared.items():
         kind = kinds[name]
@@ -180,27 +186,32 @@ def worker_defaults(section: type, worker: type) -> dict[str, Any]:
             continue
         item = theirs.get(name)
         default = dataclasses.MISSING if item is None else item.default
-        if item is not None and item.default_factory is not dataclasses.MISSING:
+        if item is not None and not isinstance(worker, type):
+            default = getattr(worker, name)
+        elif item is not None and item.default_factory is not dataclasses.MISSING:
             default = item.default_factory()
         if name in section.__dict__:
             if item is not None and kind == types[name] and section.__dict__[name] == default:
-                raise TypeError(f"{where}: {name} restates {worker.__name__}'s default; write `{name}: {annotation}`")
+                raise TypeError(
+                    f"{where}: {name} restates {worker_type.__name__}'s default; write `{name}: {annotation}`"
+                )
             continue
         if default is dataclasses.MISSING:
-            raise TypeError(f"{where}: {name} has no default here nor in {worker.__name__}")
+            raise TypeError(f"{where}: {name} has no default here nor in {worker_type.__name__}")
         if kind != types[name]:
-            raise TypeError(f"{where}: {name} is {types[name]} in {worker.__name__}, not {annotation}")
+            raise TypeError(f"{where}: {name} is {types[name]} in {worker_type.__name__}, not {annotation}")
         defaults[name] = default
     return defaults
 
 
-class ManifestSettings(dg.Config):
-    """The manifest (`manifest`): which audio files are kept, and the reject ratio that blocks the build."""
+class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifest"):
+    """The manifest (`manifest`): which audio files are kept (the scan's ValidationConfig, filled
+    from these by field name, holds their defaults), and the reject ratio that blocks the build."""
 
-    min_duration_s: float = 0.5
-    max_duration_s: float = 35.0
+    min_duration_s: float
+    max_duration_s: float
     max_reject_ratio: float = 0.2
-    max_transcript_chars: int = 2000  # a longer (normalised) transcript: reject transcript_too_long
+    max_transcript_chars: int  # a longer (normalised) transcript: reject transcript_too_long
     workers: int = 0  # 0: one decoder per core
 
 
@@ -228,12 +239,13 @@ class ClientSettings(WorkerSettings, worker=RunConfig, section="clients"):
     heldout_fraction: float
 
 
-class KMeansSettings(dg.Config):
-    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit."""
+class KMeansSettings(WorkerSettings, worker=KMeansConfig, section="kmeans"):
+    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit; the
+    builder's config, KMeansConfig, is filled from these by field name and holds their defaults."""
 
-    k: int = 100
-    max_fit_frames: int = 2_000_000
-    seed: int = 0
+    k: int  # clusters per client (shrinks for small clients)
+    max_fit_frames: int  # frames sampled (as whole utterances) for the fit
+    seed: int
     # New speakers adding at most this share of a client's frames since its last refit are
     # labelled with its existing codebook; more growth, or any change, refits.
     refit_growth: float = 0.2
@@ -422,18 +434,19 @@ class DistillSettings(WorkerSettings, worker=DistillConfig, section="distill"):
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
 
 
-class Iteration2Settings(dg.Config):
+class Iteration2Settings(WorkerSettings, worker=ITERATION2_KMEANS, section="iteration2"):
     """HuBERT iteration 2 (`kmeans_targets_iter2`, `pretrained_checkpoint_iter2`): targets are
-    k-means clusters of one layer of the iteration-1 encoder; training uses `[training]`."""
+    k-means clusters of one layer of the iteration-1 encoder; training uses `[training]`. The
+    k-means fields' defaults are ITERATION2_KMEANS's (a KMeansConfig)."""
 
     encoder: str = "pretrained"  # pretrained (centralised) or federated
     layer: int = 0  # 1-based encoder layer; 0 = the middle one (6 of 12 for base)
-    k: int = 500  # clusters per client (shrinks with a warning for small clients)
-    max_fit_frames: int = 500_000  # 50 Hz frames sampled (as whole utterances) for the fit
-    seed: int = 0
+    k: int  # clusters per client (shrinks with a warning for small clients)
+    max_fit_frames: int  # 50 Hz frames sampled (as whole utterances) for the fit
+    seed: int
 
 
-class FinetuneSettings(dg.Config):
+class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"):
     """CTC fine-tuning (`finetuned_asr`): each encoder, and the same architecture from scratch, on
     a seeded labelled subset of the training speakers per budget and seed; the worker's config,
     FinetuneConfig, is filled from these by field name and holds their defaults."""
@@ -441,24 +454,24 @@ class FinetuneSettings(dg.Config):
     labelled_minutes: list[float] = [10.0]  # labelled budgets (minutes of the training speakers' audio)
     seeds: list[int] = [0, 1]  # one subset and one run per model, budget and seed: mean and spread
     encoders: list[str] = ["pretrained"]  # of pretrained, federated, iteration2, distilled (those materialized)
-    max_steps: int = FinetuneConfig.max_steps
-    lr: float = FinetuneConfig.lr
-    stages: list[float] = [0.1, 0.4, 0.5]  # tri-stage lr: shares of max_steps warming up, holding, decaying
-    init_lr_scale: float = FinetuneConfig.init_lr_scale
-    final_lr_scale: float = FinetuneConfig.final_lr_scale
-    freeze_steps: int = FinetuneConfig.freeze_steps  # only the CTC head trains for these first steps
-    freeze_frontend: bool = FinetuneConfig.freeze_frontend  # the convolutional front end never trains
-    mask_prob: float = FinetuneConfig.mask_prob  # probability that a 50 Hz frame starts a masked span
-    mask_length: int = FinetuneConfig.mask_length
-    channel_mask_prob: float = FinetuneConfig.channel_mask_prob  # the same over the 80 log-mel bands
-    channel_mask_length: int = FinetuneConfig.channel_mask_length
-    batch_seconds: float = FinetuneConfig.batch_seconds
+    max_steps: int
+    lr: float
+    stages: list[float]  # tri-stage lr: shares of max_steps warming up, holding, decaying
+    init_lr_scale: float
+    final_lr_scale: float
+    freeze_steps: int  # only the CTC head trains for these first steps
+    freeze_frontend: bool  # the convolutional front end never trains
+    mask_prob: float  # probability that a 50 Hz frame starts a masked span
+    mask_length: int
+    channel_mask_prob: float  # the same over the 80 log-mel bands
+    channel_mask_length: int
+    batch_seconds: float
     max_frames: int = 3000  # longer utterances (100 Hz frames) are not labelled
     max_eval_utterances: int = 200  # held-out utterances scored (a seeded subsample); 0 = all
     decoders: list[str] = ["greedy", "beam"]  # beam: n-gram LM beam search when pyctcdecode and kenlm are installed
-    lm_order: int = FinetuneConfig.lm_order
-    checkpoint_every: int = FinetuneConfig.checkpoint_every
-    precision: str = FinetuneConfig.precision
+    lm_order: int
+    checkpoint_every: int
+    precision: str
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
     # with nproc = 1: runs trained at once, one process each, in the one launch; 0 = one per CPU

@@ -28,7 +28,9 @@ from speech_assets.defs.resources import (
 from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.targets import labels
+from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.publish import KMeansPolicy, kmeans_client_targets
+from speech_assets.utils import from_fields
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
@@ -65,9 +67,7 @@ def kmeans_targets(
     progress = ProgressLog(context.log, "clients")
     published = []
     policy = KMeansPolicy(
-        kmeans.k,
-        kmeans.max_fit_frames,
-        kmeans.seed,
+        from_fields(KMeansConfig, kmeans),
         kmeans.refit_growth,
         kmeans.model_dump_json(exclude={"refit_growth"}),
         KMEANS_CODE_VERSION,

@@ -30,18 +30,8 @@ from typing import Any, ClassVar
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
-from speech_assets.train.config import (
-    DEVICES,
-    PRECISIONS,
-    PRESET_RULE,
-    Rule,
-    TrainConfig,
-    at_least,
-    broken_rules,
-    one_of,
-    positive,
-)
-from speech_assets.utils import from_fields
+from speech_assets.train.config import DEVICES, PRECISIONS, PRESET_RULE, TrainConfig, positive
+from speech_assets.utils import Rule, at_least, broken_rules, from_fields, one_of
 
 STRATEGIES = ("fedadam", "fedavg", "fedprox")
 CLIENT_LR_SCHEDULES = ("linear", "constant")

@@ -45,9 +45,7 @@ def build_client_targets(
     shard_paths: list[Path],
     client_cmvn: Cmvn,
     out_dir: Path,
-    k: int = 100,
-    max_fit_frames: int = 2_000_000,
-    seed: int = 0,
+    config: kmeans.KMeansConfig = kmeans.KMeansConfig(),
     log: Callable[[str], None] = print,
     label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
@@ -56,24 +54,24 @@ def build_client_targets(
     ``label_only`` shards (the held-out speakers') are labelled but never part of the fit, so
     no codebook a model trains on has seen them; ``client_cmvn`` must exclude them too.
 
-    Memory is bounded: the fit sees at most ``max_fit_frames`` frames, drawn as whole
-    utterances with ``seed``; labelling streams one shard at a time. Labels are stored at the
+    Memory is bounded: the fit sees at most ``config.max_fit_frames`` frames, drawn as whole
+    utterances with ``config.seed``; labelling streams one shard at a time. Labels are stored at the
     model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
     """
     fit_paths = [path for path in shard_paths if path not in set(label_only)]
     fit_frames = [
         client_cmvn.apply(record.mfcc, "mfcc")
-        for shard_number, utt_ids in sorted(fit_sample(client_id, fit_paths, max_fit_frames, seed).items())
+        for shard_number, utt_ids in sorted(
+            fit_sample(client_id, fit_paths, config.max_fit_frames, config.seed).items()
+        )
         for record in iter_shard(
             fit_paths[shard_number], features=("mfcc",), dtype=None
         )  # stored float16: apply() gives float32
         if record.utt_id in utt_ids
     ]
     frames = np.concatenate(fit_frames, axis=0)
-    k_used = kmeans.effective_k(frames.shape[0], k)
-    if k_used < k:
-        log(f"client {client_id}: only {frames.shape[0]} frames, K shrinks from {k} to {k_used}")
-    fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
+    k_used = fit_k(client_id, frames.shape[0], config, log)
+    fit = kmeans.fit_kmeans(frames, k_used, config.seed, **config.fit_kwargs())
     del frames, fit_frames
 
     quality = kmeans.QualityAccumulator(k_used)
@@ -81,7 +79,16 @@ def build_client_targets(
     state = ClientState(
         fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit, fit.inertia_per_frame, quality
     )
-    return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
+    return write_client_targets(client_id, config.k, out_dir, state, items, shard_paths)
+
+
+def fit_k(client_id: str, num_frames: int, config: kmeans.KMeansConfig, log: Callable[[str], None]) -> int:
+    """The K a client's fit of ``num_frames`` frames gets: ``config.k``, shrunk (and logged) when
+    the client is too small for it."""
+    k_used = kmeans.effective_k(num_frames, config.k, config.min_frames_per_centroid)
+    if k_used < config.k:
+        log(f"client {client_id}: only {num_frames} frames, K shrinks from {config.k} to {k_used}")
+    return k_used
 
 
 def fit_sample(

@@ -5,7 +5,7 @@ iteration-1 encoder (HuBERT: layer 6 of 12 for Base; here the middle layer by de
 client clusters only its own utterances (the federated rule of iteration 1 still holds); the
 encoder is frozen, in eval mode, fp32 on CPU or bf16 autocast on CUDA.
 
-Features are never all in memory: the fit sample (whole utterances, at most ``max_fit_frames``
+Features are never all in memory: the fit sample (whole utterances, at most ``config.max_fit_frames``
 50 Hz frames) is computed shard by shard, and the labelling pass computes, labels and drops one
 shard's features at a time. Labels come out at the model's 50 Hz rate directly (the encoder's
 output rate), ``len = (num_frames + 1) // 2``, the layout of iteration 1's ``labels.parquet``.
@@ -24,7 +24,8 @@ from speech_assets.features.shards import iter_shard
 from speech_assets.model.batches import batches_by_length, pad
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
-from speech_assets.targets.build import ClientState, ClientTargetSet, fit_sample, write_client_targets
+from speech_assets.targets.build import ClientState, ClientTargetSet, fit_k, fit_sample, write_client_targets
+from speech_assets.targets.config import ITERATION2_KMEANS
 from speech_assets.targets.labels import UtteranceLabels
 
 
@@ -61,9 +62,7 @@ def build_iter2_targets(
     model: HubertPretrainModel,
     layer: int,
     out_dir: Path,
-    k: int = 500,
-    max_fit_frames: int = 500_000,
-    seed: int = 0,
+    config: kmeans.KMeansConfig = ITERATION2_KMEANS,
     log: Callable[[str], None] = print,
     label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
@@ -77,7 +76,7 @@ def build_iter2_targets(
     fit_parts: list[np.ndarray] = []
     fit_paths = [path for path in shard_paths if path not in set(label_only)]
     for shard_number, utt_ids in sorted(
-        fit_sample(client_id, fit_paths, max_fit_frames, seed, model_rate=True).items()
+        fit_sample(client_id, fit_paths, config.max_fit_frames, config.seed, model_rate=True).items()
     ):
         feats = [
             cmvn.apply(r.logmel, "logmel")
@@ -87,10 +86,8 @@ def build_iter2_targets(
         fit_parts += layer_frames(model, feats, layer)
     frames = np.concatenate(fit_parts, axis=0)
     del fit_parts
-    k_used = kmeans.effective_k(frames.shape[0], k)
-    if k_used < k:
-        log(f"client {client_id}: only {frames.shape[0]} frames, K shrinks from {k} to {k_used}")
-    fit = kmeans.fit_kmeans(frames, k_used, seed=seed)
+    k_used = fit_k(client_id, frames.shape[0], config, log)
+    fit = kmeans.fit_kmeans(frames, k_used, config.seed, **config.fit_kwargs())
     del frames
 
     codebook = kmeans.CodebookIndex(fit.codebook)
@@ -113,4 +110,4 @@ def build_iter2_targets(
         fit.inertia_per_frame,
         quality,
     )
-    return write_client_targets(client_id, k, out_dir, state, items, shard_paths)
+    return write_client_targets(client_id, config.k, out_dir, state, items, shard_paths)

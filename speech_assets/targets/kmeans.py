@@ -38,8 +38,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-MAX_K = int(np.iinfo(np.int16).max) + 1
-"""Labels are stored as int16, so at most 32768 clusters."""
+from speech_assets.targets.config import MAX_K, KMeansConfig
 
 _ASSIGN_CHUNK = 1 << 18
 """Frames per faiss search call in labelling (bounds the (chunk, 1) int64/float32 temporaries)."""
@@ -50,83 +49,6 @@ One search of a shard's frames against a few hundred centroids is a few ms of wo
 OpenMP threads on a busy 2-core machine it took 10-20x longer (8 ms vs 150 ms for 36k frames,
 K=100; docs/BENCHMARKS.md). Distances differ in the last float bits between thread
 counts, so a near-tie may flip a label (1 frame in 3.3 million, measured)."""
-
-
-@dataclass(frozen=True)
-class KMeansConfig:
-    """Per-client k-means settings (one config for every client).
-
-    Attributes:
-        k: requested number of clusters; shrinks per client via :func:`effective_k`.
-        max_fit_frames: memory bound — at most this many frames (whole utterances, seeded sample)
-            are gathered for fitting, so a 1,000-hour client fits in RAM.
-        seed: seeds the utterance sample, the frame subsample, the init and faiss.
-        niter: Lloyd iterations.
-        max_points_per_centroid: with ``min_train_frames``, the size of the seeded random
-            subsample of the gathered frames that Lloyd's iterations run on:
-            ``max(max_points_per_centroid * k, min_train_frames)`` frames (faiss' own speed knob and
-            default, 256; the inertia is still measured on all gathered frames, see
-            ``inertia_sample_frames``). ``0`` means train on all gathered frames.
-        min_train_frames: lower bound of the training subsample (small K still trains on a
-            solid sample).
-        nredo: independent faiss runs; the best (lowest training objective) is kept.
-        init: ``"k-means++"`` (scikit-learn's ``kmeans_plusplus``, as in the fairseq recipe, on
-            ``init_sample_per_centroid * k`` training frames) or ``"random"`` (faiss' random
-            frames; cheaper, but can merge well-separated clusters).
-        init_sample_per_centroid: k-means++ sample size per centroid (its cost is
-            ``sample * k * log k``).
-        inertia_sample_frames: the fit's inertia per frame is exact over the gathered frames when
-            there are at most this many (or it is ``0``), else estimated on a seeded uniform
-            sample of this many (relative error about 0.1%). The labelling
-            pass measures it exactly over every frame anyway
-            (:attr:`KMeansQuality.labelled_inertia_per_frame`).
-        min_frames_per_centroid: K shrinks so that each centroid has at least this many frames.
-        num_threads: faiss/OpenMP threads during fit and labelling; ``None`` keeps the default.
-    """
-
-    k: int = 100
-    max_fit_frames: int = 2_000_000
-    seed: int = 0
-    niter: int = 15
-    max_points_per_centroid: int = 256
-    min_train_frames: int = 65_536
-    nredo: int = 1
-    init: str = "k-means++"
-    init_sample_per_centroid: int = 16
-    inertia_sample_frames: int = 262_144
-    min_frames_per_centroid: int = 39
-    num_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.k <= MAX_K:
-            raise ValueError(f"k must be in [1, {MAX_K}], got {self.k}")
-        if self.max_fit_frames < 1:
-            raise ValueError(f"max_fit_frames must be >= 1, got {self.max_fit_frames}")
-        if self.niter < 1 or self.nredo < 1:
-            raise ValueError("niter and nredo must be >= 1")
-        if self.max_points_per_centroid < 0 or self.min_train_frames < 0:
-            raise ValueError("max_points_per_centroid and min_train_frames must be >= 0")
-        if self.init not in ("k-means++", "random"):
-            raise ValueError(f"init must be 'k-means++' or 'random', got {self.init!r}")
-        if self.init == "k-means++" and self.nredo > 1:
-            raise ValueError("nredo > 1 needs init='random'")
-        if self.min_frames_per_centroid < 1 or self.init_sample_per_centroid < 1:
-            raise ValueError("min_frames_per_centroid and init_sample_per_centroid must be >= 1")
-        if self.inertia_sample_frames < 0:
-            raise ValueError("inertia_sample_frames must be >= 0")
-
-    def fit_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`fit_kmeans` taken from this config (all but k and seed)."""
-        return {
-            "niter": self.niter,
-            "max_points_per_centroid": self.max_points_per_centroid,
-            "min_train_frames": self.min_train_frames,
-            "nredo": self.nredo,
-            "init": self.init,
-            "init_sample_per_centroid": self.init_sample_per_centroid,
-            "inertia_sample_frames": self.inertia_sample_frames,
-            "num_threads": self.num_threads,
-        }
 
 
 @dataclass(frozen=True)

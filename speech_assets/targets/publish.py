@@ -30,6 +30,7 @@ from typing import Any
 from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.targets.config import KMeansConfig
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 
@@ -50,12 +51,10 @@ class ClientShards:
 
 @dataclass(frozen=True)
 class KMeansPolicy:
-    """Iteration 1's settings: ``fit_settings`` is the JSON of the settings that change a fit
-    (every one but ``refit_growth``); ``code_version`` the asset's."""
+    """Iteration 1's settings: ``config`` the fit's, ``fit_settings`` the JSON of the settings
+    that change a fit (every one but ``refit_growth``); ``code_version`` the asset's."""
 
-    k: int
-    max_fit_frames: int
-    seed: int
+    config: KMeansConfig
     refit_growth: float
     fit_settings: str
     code_version: str
@@ -187,9 +186,7 @@ def kmeans_client_targets(
                 client.files(speakers),
                 client_cmvn,
                 out_dir,
-                k=policy.k,
-                max_fit_frames=policy.max_fit_frames,
-                seed=policy.seed,
+                policy.config,
                 log=warn,
                 label_only=client.files(heldout),
             )
@@ -202,7 +199,9 @@ def kmeans_client_targets(
             "shards_read": result.shards_read,
         }
 
-    return publish_client_targets(client, out_dir, inputs_key, policy.k, fit, fit_key=fit_key, force=force, log=log)
+    return publish_client_targets(
+        client, out_dir, inputs_key, policy.config.k, fit, fit_key=fit_key, force=force, log=log
+    )
 
 
 def iteration2_client_targets(

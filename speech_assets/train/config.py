@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -13,44 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from speech_assets.layout import RunFiles
 from speech_assets.locations import redact_uri
 from speech_assets.model.presets import PRESETS
-from speech_assets.utils import atomic_write_text
+from speech_assets.utils import Rule, at_least, atomic_write_text, broken_rules, one_of
 
 if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resources.py) without it
     from speech_assets.train.augment import Augmentation
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One rule of a config's fields: ``holds(*values of names)``, else the problem ``message``.
-
-    A worker config's rules are its validation, and the settings section filled into it
-    (``speech_assets.defs.resources.WorkerSettings``) checks the same rules on the fields it
-    shares, so a bad value is refused with one message wherever it is written."""
-
-    names: tuple[str, ...]
-    holds: Callable[..., bool]
-    message: str
-
-
-def broken_rules(rules: tuple[Rule, ...], values: Mapping[str, Any]) -> list[str]:
-    """The messages of the ``rules`` that ``values`` break; a rule naming a field absent from
-    ``values`` is not applied."""
-    return [
-        rule.message
-        for rule in rules
-        if all(name in values for name in rule.names) and not rule.holds(*(values[name] for name in rule.names))
-    ]
-
-
-def one_of(name: str, choices: tuple[str, ...]) -> Rule:
-    return Rule((name,), lambda value: value in choices, f"{name} must be one of {choices}")
-
-
-def at_least(low: int, *names: str) -> tuple[Rule, ...]:
-    return tuple(Rule((name,), lambda value: value >= low, f"{name} must be >= {low}") for name in names)
 
 
 def positive(*names: str) -> tuple[Rule, ...]:

@@ -68,6 +68,12 @@ def _same(written: object, default: object) -> bool:
         ('strategy = "fedadam"', 'strategy = "fedavg"', "[federated] strategy = 'fedavg'; the default is 'fedadam'"),
         ("dp_delta = 1e-5", "dp_delta = 1e-6", "[federated] dp_delta = 1e-06; the default is 1e-05"),
         ("max_steps = 200\n", "", "[distill] lacks max_steps"),
+        ("k = 500 ", "k = 100 ", "[iteration2] k = 100; the default is 500"),
+        (
+            "stages = [0.1, 0.4, 0.5]",
+            "stages = [0.2, 0.3, 0.5]",
+            "[finetune] stages = [0.2, 0.3, 0.5]; the default is [0.1, 0.4, 0.5]",
+        ),
     ],
 )
 def test_a_committed_default_that_drifts_is_found(default: str, written: str, drift: str, tmp_path: Path) -> None:
@@ -105,6 +111,22 @@ def test_a_section_takes_its_workers_defaults_where_it_names_them() -> None:
     assert effective(Section(), overrides_of(Section)(steps=7)).steps == 7
     schema = Section.to_config_schema().config_type.fields
     assert {name: schema[name].default_value for name in ("steps", "bands")} == {"steps": 300, "bands": [5.0, 20.0]}
+
+
+def test_a_named_worker_config_gives_its_values_as_the_defaults() -> None:
+    """``worker=`` a config instance (``ITERATION2_KMEANS``): its values are the section's
+    defaults, written once there, and restating one is refused as a class default would be."""
+    named = _Worker(inputs="x", steps=7, bands=[1.0])
+
+    class Section(WorkerSettings, worker=named):
+        steps: int
+        bands: list[float]
+        lr: float
+
+    assert Section().model_dump() == {"steps": 7, "bands": [1.0], "lr": 2e-3}
+    with pytest.raises(TypeError, match=re.escape("steps restates _Worker's default; write `steps: int`")):
+        namespace = {"__annotations__": {"steps": "int"}, "steps": 7, "__module__": __name__}
+        type("Section", (WorkerSettings,), namespace, worker=named)
 
 
 @pytest.mark.parametrize(

@@ -88,11 +88,12 @@ def test_shard_holds_every_copy_and_targets_align(tmp_path) -> None:
     # the client's k-means targets (the real builder) label every copy on its own frames, aligned
     from speech_assets.features.cmvn import Cmvn, combine
     from speech_assets.targets.build import build_client_targets
+    from speech_assets.targets.config import KMeansConfig
     from speech_assets.targets.labels import read_labels
 
     client_cmvn = Cmvn.from_sums(combine([perturbed.stats]))
     build_client_targets(
-        "client_00", [tmp_path / "s1.parquet"], client_cmvn, tmp_path / "kmeans", k=4, seed=0, log=lambda _: None
+        "client_00", [tmp_path / "s1.parquet"], client_cmvn, tmp_path / "kmeans", KMeansConfig(k=4), log=lambda _: None
     )
     labels = read_labels(tmp_path / "kmeans" / "labels.parquet")
     assert set(labels) == set(ids)

@@ -10,6 +10,7 @@ import pytest
 from speech_assets.features import cmvn
 from speech_assets.features.shards import FeatureRecord, write_shard
 from speech_assets.targets.build import build_client_targets
+from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.labels import read_labels
 from speech_assets.utils import sha256_file
 
@@ -64,7 +65,7 @@ def test_client_reads_only_its_own_shards(shards: dict[str, Path], tmp_path: Pat
     stats = client_cmvn(mine)
     shards["b1"].write_bytes(b"another client's data: must never be opened")
     shards["b1"].chmod(0)
-    result = build_client_targets("client_a", mine, stats, tmp_path / "client_a", k=8, seed=0)
+    result = build_client_targets("client_a", mine, stats, tmp_path / "client_a", KMeansConfig(k=8))
     assert result.shards_read == [str(p) for p in mine]
     labels = read_labels(result.labels_path)
     assert {utt.split("-")[0] for utt in labels} == {"a1", "a2"}
@@ -75,8 +76,8 @@ def test_labels_at_50hz_and_deterministic(shards: dict[str, Path], tmp_path: Pat
 
     mine = [shards["a1"]]
     stats = client_cmvn(mine)
-    first = build_client_targets("c", mine, stats, tmp_path / "one", k=8, seed=3)
-    second = build_client_targets("c", mine, stats, tmp_path / "two", k=8, seed=3)
+    first = build_client_targets("c", mine, stats, tmp_path / "one", KMeansConfig(k=8, seed=3))
+    second = build_client_targets("c", mine, stats, tmp_path / "two", KMeansConfig(k=8, seed=3))
     assert sha256_file(first.codebook_path) == sha256_file(second.codebook_path)
     assert sha256_file(first.labels_path) == sha256_file(second.labels_path)
     labels = read_labels(first.labels_path)
@@ -90,7 +91,9 @@ def test_labels_at_50hz_and_deterministic(shards: dict[str, Path], tmp_path: Pat
 def test_k_shrinks_with_a_warning_when_frames_are_scarce(shards: dict[str, Path], tmp_path: Path) -> None:
     warnings: list[str] = []
     mine = [shards["a1"]]
-    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", k=500, seed=0, log=warnings.append)
+    result = build_client_targets(
+        "c", mine, client_cmvn(mine), tmp_path / "out", KMeansConfig(k=500), log=warnings.append
+    )
     assert result.k < 500 and result.k_requested == 500
     assert warnings and "500" in warnings[0]
     assert np.load(result.codebook_path).shape == (result.k, 39)
@@ -98,7 +101,7 @@ def test_k_shrinks_with_a_warning_when_frames_are_scarce(shards: dict[str, Path]
 
 def test_fit_budget_samples_whole_utterances(shards: dict[str, Path], tmp_path: Path) -> None:
     mine = [shards["a1"], shards["a2"]]
-    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", k=4, max_fit_frames=300, seed=0)
+    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", KMeansConfig(k=4, max_fit_frames=300))
     assert 0 < result.frames_fit <= 300
     assert result.frames_labelled > result.frames_fit  # labelling still covers every frame
 
@@ -107,7 +110,7 @@ def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path
     from speech_assets.targets.build import extend_client_targets
 
     out = tmp_path / "client"
-    first = build_client_targets("c", [shards["a1"]], client_cmvn([shards["a1"]]), out, k=8, seed=0)
+    first = build_client_targets("c", [shards["a1"]], client_cmvn([shards["a1"]]), out, KMeansConfig(k=8))
     codebook = np.load(first.codebook_path)
     old_labels = read_labels(first.labels_path)
     grown = extend_client_targets("c", [shards["a2"]], out)
@@ -118,3 +121,30 @@ def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path
     for utt_id, old in old_labels.items():
         np.testing.assert_array_equal(labels[utt_id], old)
     assert grown.frames_labelled > first.frames_labelled and grown.utterances == 24
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"niter": 1}, {"init": "random", "nredo": 2}, {"max_points_per_centroid": 2, "min_train_frames": 0}],
+    ids=lambda knobs: ",".join(knobs),
+)
+def test_every_k_means_knob_reaches_the_fit(shards: dict[str, Path], tmp_path: Path, knobs: dict) -> None:
+    """The builder fits with its whole KMeansConfig (``fit_kwargs``), not only k and seed: a
+    changed knob gives another fit; the same config, the same one."""
+    mine = [shards["a1"], shards["a2"]]
+    stats = client_cmvn(mine)
+    base = build_client_targets("c", mine, stats, tmp_path / "base", KMeansConfig(k=8))
+    changed = build_client_targets("c", mine, stats, tmp_path / "changed", KMeansConfig(k=8, **knobs))
+    again = build_client_targets("c", mine, stats, tmp_path / "again", KMeansConfig(k=8, **knobs))
+    assert sha256_file(changed.codebook_path) != sha256_file(base.codebook_path)
+    assert sha256_file(changed.codebook_path) == sha256_file(again.codebook_path)
+
+
+def test_k_shrinks_by_the_configs_frames_per_centroid(shards: dict[str, Path], tmp_path: Path) -> None:
+    mine = [shards["a1"]]
+    warnings: list[str] = []
+    frames = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "all", KMeansConfig(k=8)).frames_fit
+    config = KMeansConfig(k=8, min_frames_per_centroid=frames // 2)
+    result = build_client_targets("c", mine, client_cmvn(mine), tmp_path / "out", config, log=warnings.append)
+    assert result.k == 2 and result.k_requested == 8
+    assert warnings == [f"client c: only {frames} frames, K shrinks from 8 to 2"]

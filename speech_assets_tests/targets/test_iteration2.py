@@ -8,6 +8,7 @@ import torch
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import read_shard_table
 from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.iteration2 import build_iter2_targets, default_layer, layer_frames
 from speech_assets.targets.labels import read_labels
 from speech_assets.testing.training_data import write_corpus
@@ -35,10 +36,24 @@ def test_targets_cover_every_frame_at_50_hz_and_repeat_exactly(tmp_path: Path) -
     shards = [Path(s) for s in corpus.shards]
     cmvn = Cmvn.load(corpus.cmvn)
     first = build_iter2_targets(
-        "client_a", shards, cmvn, _model(), 2, tmp_path / "one", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
+        "client_a",
+        shards,
+        cmvn,
+        _model(),
+        2,
+        tmp_path / "one",
+        KMeansConfig(k=500, max_fit_frames=2000),
+        log=lambda _: None,
     )
     build_iter2_targets(
-        "client_a", shards, cmvn, _model(), 2, tmp_path / "two", k=500, max_fit_frames=2000, seed=0, log=lambda _: None
+        "client_a",
+        shards,
+        cmvn,
+        _model(),
+        2,
+        tmp_path / "two",
+        KMeansConfig(k=500, max_fit_frames=2000),
+        log=lambda _: None,
     )
     assert first.k < 500  # shrinks for a small client
     assert np.load(tmp_path / "one" / "codebook.npy").shape == (first.k, 128)

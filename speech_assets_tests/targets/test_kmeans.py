@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,15 @@ def test_config_defaults_and_kwargs() -> None:
     assert fit.k == 5 and fit.codebook.shape == (5, 39)
     with pytest.raises(ValueError):
         km.KMeansConfig(k=0)
+
+
+def test_fit_kwargs_are_every_keyword_of_fit_kmeans() -> None:
+    """Each knob of the config that fit_kmeans takes reaches it, by its name."""
+    keywords = {
+        name
+        for name, parameter in inspect.signature(km.fit_kmeans).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    }
+    cfg = km.KMeansConfig(niter=3, num_threads=1)
+    assert set(cfg.fit_kwargs()) == keywords
+    assert {name: getattr(cfg, name) for name in keywords} == cfg.fit_kwargs()
