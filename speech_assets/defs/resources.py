@@ -18,6 +18,7 @@ from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.dagster_internals import NamedSectionTypes
+from speech_assets.evaluation.protocol import ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
@@ -190,6 +191,8 @@ def worker_defaults(section: type, worker: object) -> dict[str, Any]:
             default = getattr(worker, name)
         elif item is not None and item.default_factory is not dataclasses.MISSING:
             default = item.default_factory()
+        if item is not None and kind != types[name] and kind == as_list(types[name]):
+            default, kind = list(default), types[name]  # a settings file gives a list for the worker's tuple
         if name in section.__dict__:
             if item is not None and kind == types[name] and section.__dict__[name] == default:
                 raise TypeError(
@@ -202,6 +205,14 @@ def worker_defaults(section: type, worker: object) -> dict[str, Any]:
             raise TypeError(f"{where}: {name} is {types[name]} in {worker_type.__name__}, not {annotation}")
         defaults[name] = default
     return defaults
+
+
+def as_list(kind: Any) -> Any:
+    """``list[X]`` for a worker's ``tuple[X, ...]`` (how a settings file spells it), else None."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[args[0]]
+    return None
 
 
 class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifest"):
@@ -385,19 +396,21 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
         return optional_endpoint(superlink, "[federated] superlink")
 
 
-class ProbeSettings(dg.Config):
-    """The downstream CTC probe (`downstream_probe`, speech_assets/evaluation/probe.py)."""
+class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
+    """The downstream CTC probe (`downstream_probe`, speech_assets/evaluation/probe.py): the
+    probe's options (ProbeOptions, filled from these by field name, holds their defaults), then
+    which utterances it reads and how the verdict is drawn."""
 
-    probe: str = "linear"  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
-    steps: int = 400  # at most this many AdamW steps per probe (it stops once its development CER stalls)
-    batch_size: int = 8
-    lr: float = 2e-3
+    probe: str  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
+    steps: int  # at most this many AdamW steps per probe (it stops once its development CER stalls)
+    batch_size: int
+    lr: float
     # each model's lr (and stopping step) is the one with the lowest CER on a development split of
     # the training speakers; [] = lr for every model
     lrs: list[float] = [0.002, 0.01]
-    hidden: int = 128
+    hidden: int
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
-    seeds: list[int] = [0, 1, 2]  # one probe per seed and model: the table shows mean and spread over seeds
+    seeds: list[int]  # one probe per seed and model: the table shows mean and spread over seeds
     max_train_utterances: int = 400  # a seeded subsample of the training speakers' utterances; 0 = all
     max_eval_utterances: int = 200  # of the held-out speakers' utterances; 0 = all
     threads: int = 0  # torch intra-op threads; 0 = torch's default

@@ -25,41 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speech_assets.evaluation.protocol import ProbeOptions
 from speech_assets.evaluation.text import BLANK, VOCAB_SIZE, decode_greedy, encode
-
-PROBES = ("linear", "bilstm")
-
-
-@dataclass(frozen=True)
-class ProbeOptions:
-    """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
-    10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
-    (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
-    initialisation and the order it reads the utterances in); ``lrs``: learning rates to choose
-    from, per model, on a development split of the training speakers, together with the stopping
-    step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
-    searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr``; ``steps`` is the most a probe trains."""
-
-    probe: str = "linear"
-    steps: int = 400
-    batch_size: int = 8
-    lr: float = 2e-3
-    hidden: int = 128
-    seeds: tuple[int, ...] = (0, 1, 2)
-    lrs: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))  # settings give a list
-        object.__setattr__(self, "lrs", tuple(float(lr) for lr in self.lrs))
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
-        if len(set(self.lrs)) != len(self.lrs) or any(lr <= 0 for lr in self.lrs):
-            raise ValueError(f"lrs must be distinct and > 0, got {self.lrs}")
-        if self.probe not in PROBES:
-            raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
-        if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
-            raise ValueError("steps and batch_size must be >= 1 and lr > 0")
 
 
 class CtcProbe(nn.Module):

@@ -22,8 +22,10 @@ from speech_assets.defs.resources import (
     KMeansSettings,
     ManifestSettings,
     PipelineSettings,
+    ProbeSettings,
     TrainingSettings,
 )
+from speech_assets.evaluation.protocol import ProbeOptions
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.targets.kmeans import KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, TrainConfig
@@ -56,6 +58,7 @@ WORKERS = {
     "kmeans": KMeansConfig,
     "iteration2": KMeansConfig,
     "manifest": ValidationConfig,
+    "probe": ProbeOptions,
 }
 SECTIONS = {
     "training": TrainingSettings,
@@ -66,6 +69,7 @@ SECTIONS = {
     "kmeans": KMeansSettings,
     "iteration2": Iteration2Settings,
     "manifest": ManifestSettings,
+    "probe": ProbeSettings,
 }
 
 BAD = [
@@ -98,6 +102,11 @@ BAD = [
     ("manifest", "min_duration_s", 40.0, "need 0 <= min_duration_s < max_duration_s"),
     ("manifest", "max_duration_s", 0.1, "need 0 <= min_duration_s < max_duration_s"),
     ("manifest", "max_transcript_chars", 0, "max_transcript_chars must be >= 1"),
+    ("probe", "probe", "transformer", "probe must be one of"),
+    ("probe", "steps", 0, "steps must be >= 1"),
+    ("probe", "lr", 0.0, "lr must be > 0"),
+    ("probe", "seeds", [1, 1], "seeds must be distinct and at least one"),
+    ("probe", "seeds", [], "seeds must be distinct and at least one"),
 ]
 GOOD = [
     ("training", "max_steps", 1),
@@ -115,6 +124,9 @@ GOOD = [
     ("kmeans", "max_fit_frames", 1),
     ("iteration2", "k", 1),
     ("manifest", "min_duration_s", 0.0),
+    ("probe", "probe", "bilstm"),
+    ("probe", "seeds", [3]),
+    ("probe", "lrs", []),
 ]
 
 
@@ -164,7 +176,13 @@ DEFAULTS: list[tuple[str, Callable[[], object], set[str]]] = [
     ("kmeans", KMeansConfig, set()),
     ("iteration2", iteration2_kmeans, set()),
     ("manifest", ValidationConfig, set()),
+    ("probe", ProbeOptions, {"lrs"}),
 ]
+
+
+def as_settings(value: object) -> object:
+    """A worker's tuple as a settings file spells it (TOML has no tuples)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 @pytest.mark.parametrize(("section", "worker", "own"), DEFAULTS, ids=[s for s, *_ in DEFAULTS])
@@ -178,7 +196,7 @@ def test_a_section_takes_every_default_it_shares_from_its_worker(
     settings = SECTIONS[section]()
     assert shared > own
     assert {name: getattr(settings, name) for name in shared - own} == {
-        name: getattr(config, name) for name in shared - own
+        name: as_settings(getattr(config, name)) for name in shared - own
     }
     assert set(getattr(SECTIONS[section], "worker_fields", ())) == shared - own
 

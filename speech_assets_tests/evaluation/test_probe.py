@@ -8,7 +8,6 @@ import torch
 
 from speech_assets.evaluation.probe import (
     CtcProbe,
-    ProbeOptions,
     collate_layers,
     dev_split,
     evaluate_probe,
@@ -18,6 +17,7 @@ from speech_assets.evaluation.probe import (
     train_probes,
     utterance_errors,
 )
+from speech_assets.evaluation.protocol import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, decode_greedy, encode, normalise
 
 WORDS = ["CAT", "DOG", "BIRD", "FISH", "COW", "OWL"]
