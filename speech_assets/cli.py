@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -307,15 +308,20 @@ def _epilog(name: str) -> str:
     return f"examples:\n{EXAMPLES[name]}\n\n{ENVIRONMENT}" if name in EXAMPLES else ENVIRONMENT
 
 
-def _command(commands, name: str, summary: str) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows ``summary``, its examples and the environment variables."""
-    return commands.add_parser(
+def _command(
+    commands, name: str, summary: str, func: Callable[[argparse.Namespace], int] | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows ``summary``, its examples and the environment variables;
+    ``func`` runs it."""
+    command = commands.add_parser(
         name,
         help=summary,
         description=summary,
         epilog=_epilog(name),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    command.set_defaults(func=func)
+    return command
 
 
 def _data_file_option(command: argparse.ArgumentParser, option: str, *where: str, what: str = "") -> None:
@@ -335,16 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = _command(commands, "corpus", "corpus tools: synth, replicate").add_subparsers(
         dest="corpus_command", required=True, metavar="TOOL"
     )
-    synth = _command(corpus, "synth", "build a LibriSpeech-layout corpus offline from local TTS voices")
     from speech_assets.corpus import synth as synth_module
 
+    synth = _command(
+        corpus, "synth", "build a LibriSpeech-layout corpus offline from local TTS voices", synth_module.run_from_args
+    )
     synth_module.add_arguments(synth)
-    synth.set_defaults(func=synth_module.run_from_args)
 
     replicate = _command(
         corpus,
         "replicate",
         "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one",
+        _cmd_replicate,
     )
     replicate.add_argument(
         "--from",
@@ -367,16 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="random seed: the same seed gives the same corpus (default 0)"
     )
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
-    replicate.set_defaults(func=_cmd_replicate)
 
-    stats = _command(commands, "stats", "summary of the dataset from the DuckDB database")
+    stats = _command(commands, "stats", "summary of the dataset from the DuckDB database", _cmd_stats)
     _data_file_option(stats, "--db", layout.STATS_DB, what="DuckDB file")
-    stats.set_defaults(func=_cmd_stats)
 
     probe = _command(
         commands,
         "probe",
         "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
+        _cmd_probe,
     )
     _data_file_option(probe, "--results", layout.PROBE_DIR, layout.PROBE_RESULTS)
     probe.add_argument(
@@ -384,18 +391,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print each model's probe lr, CER on its own training utterances and top layer weight",
     )
-    probe.set_defaults(func=_cmd_probe)
 
     finetune = _command(
         commands,
         "finetune",
         "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline",
+        _cmd_finetune,
     )
     _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FINETUNE_RESULTS)
-    finetune.set_defaults(func=_cmd_finetune)
 
     transcribe = _command(
-        commands, "transcribe", "turn audio files into text with the fine-tuned recogniser (finetuned_asr)"
+        commands,
+        "transcribe",
+        "turn audio files into text with the fine-tuned recogniser (finetuned_asr)",
+        _cmd_transcribe,
     )
     transcribe.add_argument(
         "inputs",
@@ -417,12 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy: best path; beam: lexicon beam search with the word n-gram LM the recogniser's "
         "fine-tuning run built from its labelled transcripts (files beside the ONNX model)",
     )
-    transcribe.set_defaults(func=_cmd_transcribe)
 
     sql = _command(
         commands,
         "sql",
         "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database",
+        _cmd_sql,
     )
     sql.add_argument("query", help='one SQL statement over the views and tables (list them with "SHOW TABLES")')
     _data_file_option(sql, "--db", layout.STATS_DB, what="DuckDB file")
@@ -439,10 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the query read any file or URL you can read and load installed extensions (DuckDB's "
         "enable_external_access); it still writes nothing",
     )
-    sql.set_defaults(func=_cmd_sql)
 
     lineage = _command(
-        commands, "lineage", "what a checkpoint was trained from; --stale: what no longer matches its inputs"
+        commands,
+        "lineage",
+        "what a checkpoint was trained from; --stale: what no longer matches its inputs",
+        _cmd_lineage,
     )
     lineage.add_argument("checkpoint", nargs="?", help="a checkpoint file (.pt) written by a training run")
     lineage.add_argument(
@@ -451,18 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="list outputs built from other shards/targets than those published now (exit 3 if any)",
     )
     lineage.add_argument("--json", action="store_true", help="print the whole report as JSON (for scripts)")
-    lineage.set_defaults(func=_cmd_lineage)
 
-    partitions = _command(commands, "partitions", "registered dynamic partitions (speakers, clients)")
+    partitions = _command(commands, "partitions", "registered dynamic partitions (speakers, clients)", _cmd_partitions)
     partitions.add_argument("name", choices=["speakers", "clients"], help="which partition set: speakers or clients")
     partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
-    partitions.set_defaults(func=_cmd_partitions)
 
     runs = _command(commands, "runs", "Dagster runs").add_subparsers(
         dest="runs_command", required=True, metavar="ACTION"
     )
-    reap = _command(runs, "reap", "fail runs whose processes are gone and free their concurrency slots")
-    reap.set_defaults(func=_cmd_runs_reap)
+    _command(runs, "reap", "fail runs whose processes are gone and free their concurrency slots", _cmd_runs_reap)
     return parser
 
 
