@@ -58,7 +58,8 @@ TRAINING_ITER2_DIR = "training_iter2"
 TRAINING_DIRS = {1: TRAINING_DIR, 2: TRAINING_ITER2_DIR}  # by HuBERT iteration
 DISTILL_DIR = "distill"
 RUN_CONFIG_FILE = "config.json"
-CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints (names: speech_assets.train.checkpoint)
+CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints, one per step:
+CHECKPOINT_STEP = "step_{:08d}.pt"
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_CHECKPOINT = "final.pt"
@@ -312,6 +313,11 @@ class RunFiles(RunRecord):
     speed = _Under(SPEED_FILE)
     labelled = _Under(LABELLED_FILE)
     checkpoints = _Under(CHECKPOINTS_DIR)
+    checkpoint_steps = Numbered(CHECKPOINT_STEP)
+
+    def checkpoint(self, step: int) -> Path:
+        """The resumable checkpoint of ``step``: ``checkpoints/step_NNNNNNNN.pt``."""
+        return self.checkpoints / self.checkpoint_steps.name(step)
 
     def node_log(self, rank: int) -> Path:
         return self.root / NODE_LOG.format(rank=rank)

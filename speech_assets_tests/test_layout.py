@@ -296,3 +296,16 @@ def test_the_flower_and_client_state_names_are_the_ones_on_disk(tmp_path: Path) 
     )
     finetune = layout.DataLayout(tmp_path).finetune
     assert (finetune.runs, finetune.batches) == (tmp_path / "finetune/runs", tmp_path / "finetune/batches")
+
+
+def test_a_killed_writes_temp_file_is_traced_to_the_numbered_file_it_was_writing(tmp_path: Path) -> None:
+    """``prune_checkpoints`` deletes the temp files a killed write of a step checkpoint left, and
+    nothing else: the temp file of an ``atomic_path`` write names its target, other names none."""
+    from speech_assets.utils import atomic_path, temp_target
+
+    steps = layout.RunFiles(tmp_path).checkpoint_steps
+    with atomic_path(layout.RunFiles(tmp_path).checkpoint(25)) as tmp:
+        assert steps.number(temp_target(tmp.name) or "") == 25, tmp.name
+    for name in ("step_00000025.pt", ".step_00000025.pt", ".step_00000025.pt.tmp", "x.tmp", "..tmp", ".a.b.tmp"):
+        target = temp_target(name)
+        assert target is None or steps.number(target) is None, name
