@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from string import Formatter
 from typing import Any, Self, overload
 
 # ``D/manifest/``
@@ -57,11 +58,13 @@ TRAINING_ITER2_DIR = "training_iter2"
 TRAINING_DIRS = {1: TRAINING_DIR, 2: TRAINING_ITER2_DIR}  # by HuBERT iteration
 DISTILL_DIR = "distill"
 RUN_CONFIG_FILE = "config.json"
-CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints (names: speech_assets.train.checkpoint)
+CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints, one per step:
+CHECKPOINT_STEP = "step_{:08d}.pt"
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_CHECKPOINT = "final.pt"
 RESULT_FILE = "result.json"
+RANK_RESULT_FILE = "result.rank{}.json"  # a parallel fine-tuning batch: the result of rank N > 0
 TRAIN_LOG = "train.log"
 NODE_LOG = "node{rank}.log"  # the output of node ``rank`` (1..N-1) that the asset started
 OOM_FILE = "oom.json"
@@ -75,6 +78,8 @@ WORKERS_LOCK = ".workers.lock"
 FEDERATED_DIR = "federated"
 CLIENT_STATE_DIR = "federated_clients"
 ROUNDS_DIR = "rounds"
+ROUND_CHECKPOINT = "round_{:05d}.pt"
+ROUND_RECORD = "round_{:05d}.json"
 ROUNDS_TABLE = "rounds.parquet"
 EVALUATION_TABLE = "evaluation.parquet"
 RECEIVED_FILE = "received.jsonl"
@@ -84,6 +89,32 @@ FLOWER_RUN_CONFIG = "run_config.toml"
 SETTINGS_SNAPSHOT = "settings.json"
 FLOWER_DIR = "flower"
 NODES_FILE = "nodes.json"
+
+# ``D/federated/<run>/flower/`` (:class:`FlowerFiles`): the local federation's processes and the ``flwr`` CLI
+FLOWER_CLI_DIR = "cli"
+FLOWER_HOME_DIR = "home"  # a Flower process's ``FLWR_HOME``, inside its folder
+FLOWER_CONFIG_FILE = "config.toml"  # Flower's own name for the connections file of a ``FLWR_HOME``
+SUPERLINK_DIR = "superlink"
+SUPERLINK_LOG = "superlink.log"
+SUPERNODE_DIR = "supernode-{}"  # by client id
+SUPERNODE_LOG = "supernode.log"
+PIDS_FILE = "pids.json"
+TLS_DIR = "tls"
+TLS_CA = "ca.crt"
+TLS_CERT = "superlink.crt"
+TLS_KEY = "superlink.key"
+AUTH_DIR = "auth"
+NODE_PRIVATE_KEY = "{}.key"  # by client id
+NODE_PUBLIC_KEY = "{}.pub"
+FLWR_RUN_LOG = "flwr-run.log"
+SIMULATION_LOG = "simulation.log"
+SIMULATION_NODES_FILE = "simulation_nodes.json"
+
+# ``<client state root>/<run>/`` (:class:`ClientRunFiles`): one client's state of one federated run
+HEADS_DIR = "heads"
+HEAD_FILE = "round_{:05d}.pt"
+SECAGG_DIR = "secagg"
+SECAGG_ROUND_FILE = "round-{}.json"
 
 # ``D/probe/``
 PROBE_DIR = "probe"
@@ -102,6 +133,8 @@ ENCODER_JSON = "encoder.json"
 FINETUNE_DIR = "finetune"
 FINETUNE_RESULTS = "results.parquet"
 FINETUNE_RECOGNISER_DIR = "recogniser"
+FINETUNE_RUNS_DIR = "runs"  # one folder per fine-tuning run (:class:`RunFiles`)
+FINETUNE_BATCHES_DIR = "batches"  # one folder per launch of several runs: its result.json, result.rank<N>.json
 LABELLED_FILE = "labelled.json"  # in a fine-tuning run's folder: the labelled subset it trains on
 RECOGNISER_ONNX = "recogniser.onnx"
 RECOGNISER_PT = "recogniser.pt"
@@ -117,6 +150,40 @@ STATS_DB = "stats.duckdb"
 # MLflow's local store (a tracking server keeps both itself)
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlartifacts"
+
+
+@dataclass(frozen=True)
+class Numbered:
+    """The files of one folder named by a number: ``template`` has one field (``"round_{:05d}.pt"``).
+    The one spelling that names them, globs them and reads the number back."""
+
+    template: str
+
+    def name(self, number: int) -> str:
+        return self.template.format(int(number))
+
+    @property
+    def glob(self) -> str:
+        """The glob pattern of every file of the family (``"round_*.pt"``)."""
+        return "".join(
+            text + ("*" if field is not None else "") for text, field, _, _ in Formatter().parse(self.template)
+        )
+
+    def number(self, name: str) -> int | None:
+        """The number ``name`` was written with, or ``None`` for any other name (also a
+        non-canonical one such as ``round_7.pt`` where ``round_00007.pt`` is written)."""
+        head, _, tail = self.template.partition("{")
+        suffix = tail.partition("}")[2]
+        digits = name[len(head) : len(name) - len(suffix)]
+        if not (name.startswith(head) and name.endswith(suffix) and digits.isascii() and digits.isdigit()):
+            return None
+        return int(digits) if self.name(int(digits)) == name else None
+
+    def numbers(self, folder: Path) -> list[int]:
+        """The numbers of the family's files in ``folder`` (none where it does not exist), ascending."""
+        if not folder.is_dir():
+            return []
+        return sorted(n for path in folder.iterdir() if (n := self.number(path.name)) is not None)
 
 
 def lock_beside(path: Path) -> Path:
@@ -246,9 +313,21 @@ class RunFiles(RunRecord):
     speed = _Under(SPEED_FILE)
     labelled = _Under(LABELLED_FILE)
     checkpoints = _Under(CHECKPOINTS_DIR)
+    checkpoint_steps = Numbered(CHECKPOINT_STEP)
+
+    def checkpoint(self, step: int) -> Path:
+        """The resumable checkpoint of ``step``: ``checkpoints/step_NNNNNNNN.pt``."""
+        return self.checkpoints / self.checkpoint_steps.name(step)
 
     def node_log(self, rank: int) -> Path:
         return self.root / NODE_LOG.format(rank=rank)
+
+    rank_results = Numbered(RANK_RESULT_FILE)
+
+    def rank_result(self, rank: int) -> Path:
+        """The result file of rank ``rank`` of a fine-tuning batch: ``result.json`` on rank 0,
+        ``result.rank<N>.json`` on rank N (the runs that rank trained, with ``parallel``)."""
+        return self.result if rank == 0 else self.root / self.rank_results.name(rank)
 
 
 class FederatedPaths(RunRecord):
@@ -259,17 +338,20 @@ class FederatedPaths(RunRecord):
     ``rounds.parquet``, ``evaluation.parquet``, ``final.pt``, ``result.json``, ``received.jsonl``
     (what the server received: record names, keys and shapes), ``failure.json``,
     ``settings.json`` (the settings the run folder was started with; a resume must match them),
-    ``flower/`` (Flower homes, logs, TLS files and the node registrations of the local
-    federation), ``run_config.toml``. No client state: that lives under each SuperNode's root.
+    ``flower/`` (:class:`FlowerFiles`: Flower homes, logs, TLS files and the node registrations
+    of the local federation), ``run_config.toml``. No client state: that lives under each
+    SuperNode's root (:class:`ClientRunFiles`).
     """
 
     rounds_dir = _Under(ROUNDS_DIR)
+    round_checkpoints = Numbered(ROUND_CHECKPOINT)
+    round_records = Numbered(ROUND_RECORD)
 
     def round_checkpoint(self, round_number: int) -> Path:
-        return self.rounds_dir / f"round_{round_number:05d}.pt"
+        return self.rounds_dir / self.round_checkpoints.name(round_number)
 
     def round_record(self, round_number: int) -> Path:
-        return self.rounds_dir / f"round_{round_number:05d}.json"
+        return self.rounds_dir / self.round_records.name(round_number)
 
     rounds_table = _Under(ROUNDS_TABLE)
     evaluation_table = _Under(EVALUATION_TABLE)
@@ -280,10 +362,102 @@ class FederatedPaths(RunRecord):
     flower_dir = _Under(FLOWER_DIR)
 
     @property
+    def flower(self) -> FlowerFiles:
+        return FlowerFiles(self.flower_dir)
+
+    @property
     def nodes(self) -> Path:
         """``{node id: client id}`` of the SuperNodes registered with the local SuperLink (node
         authentication); absent for a remote SuperLink, where the server binds on first reply."""
-        return self.flower_dir / NODES_FILE
+        return self.flower.nodes
+
+
+class FlowerHome(Folder):
+    """A ``FLWR_HOME``: Flower's ``config.toml`` (its SuperLink connections)."""
+
+    config = _Under(FLOWER_CONFIG_FILE)
+
+
+class FlowerTls(Folder):
+    """``flower/tls/``: the local federation's throw-away CA and the SuperLink's certificate and key."""
+
+    ca = _Under(TLS_CA)
+    cert = _Under(TLS_CERT)
+    key = _Under(TLS_KEY)
+
+
+class NodeKeys(Folder):
+    """``flower/auth/``: each SuperNode's key pair, ``<client>.key`` (private, 0600) and ``<client>.pub``."""
+
+    def private(self, client_id: str) -> Path:
+        return self.root / NODE_PRIVATE_KEY.format(client_id)
+
+    def public(self, client_id: str) -> Path:
+        return self.root / NODE_PUBLIC_KEY.format(client_id)
+
+    def all_private(self) -> list[Path]:
+        return sorted(self.root.glob(Numbered(NODE_PRIVATE_KEY).glob))
+
+
+class FlowerFiles(Folder):
+    """``D/federated/<run>/flower/``: one folder per process of the local federation
+    (``superlink/``, ``supernode-<client>/``: its log and its ``FLWR_HOME``), ``pids.json`` (each
+    daemon's supervisor pid and Flower pid), ``tls/``, ``auth/`` (deleted on stop), ``cli/`` (the
+    ``FLWR_HOME`` of ``flwr`` commands), ``nodes.json`` (deleted on stop), ``flwr-run.log``
+    (``flwr run``'s output), and on the simulation runtime ``simulation.log`` and
+    ``simulation_nodes.json`` (the clients' node configs)."""
+
+    cli = _Under(FLOWER_CLI_DIR)
+    pids = _Under(PIDS_FILE)
+    nodes = _Under(NODES_FILE)
+    run_log = _Under(FLWR_RUN_LOG)
+    simulation_log = _Under(SIMULATION_LOG)
+    simulation_nodes = _Under(SIMULATION_NODES_FILE)
+    superlink_dir = _Under(SUPERLINK_DIR)
+    tls_dir = _Under(TLS_DIR)
+    auth_dir = _Under(AUTH_DIR)
+
+    @property
+    def tls(self) -> FlowerTls:
+        return FlowerTls(self.tls_dir)
+
+    @property
+    def auth(self) -> NodeKeys:
+        return NodeKeys(self.auth_dir)
+
+    @property
+    def superlink_log(self) -> Path:
+        return self.superlink_dir / SUPERLINK_LOG
+
+    @property
+    def superlink_home(self) -> Path:
+        return self.superlink_dir / FLOWER_HOME_DIR
+
+    def supernode_dir(self, client_id: str) -> Path:
+        return self.root / SUPERNODE_DIR.format(client_id)
+
+    def supernode_log(self, client_id: str) -> Path:
+        return self.supernode_dir(client_id) / SUPERNODE_LOG
+
+    def supernode_home(self, client_id: str) -> Path:
+        return self.supernode_dir(client_id) / FLOWER_HOME_DIR
+
+
+class ClientRunFiles(Folder):
+    """One client's state of one federated run, ``<state root>/<run>/``: its prediction head after
+    each round (``heads/round_NNNNN.pt``) and its secure-aggregation secrets of each round
+    (``secagg/round-<n>.json``, owner-only)."""
+
+    heads_dir = _Under(HEADS_DIR)
+    heads = Numbered(HEAD_FILE)
+    secagg_dir = _Under(SECAGG_DIR)
+    secagg_rounds = Numbered(SECAGG_ROUND_FILE)
+
+    def head(self, round_number: int) -> Path:
+        return self.heads_dir / self.heads.name(round_number)
+
+    def secagg_round(self, round_number: int) -> Path:
+        return self.secagg_dir / self.secagg_rounds.name(round_number)
 
 
 class ProbeFiles(Folder):
@@ -339,11 +513,14 @@ class RecogniserFiles(ExportedModel):
 
 
 class FinetuneFiles(Folder):
-    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``) and the exported
-    recogniser (``recogniser/``)."""
+    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``), the exported
+    recogniser (``recogniser/``), one folder per fine-tuning run (``runs/``) and per launch of
+    several runs (``batches/``)."""
 
     results = _Under(FINETUNE_RESULTS)
     recogniser = _Under(FINETUNE_RECOGNISER_DIR)
+    runs = _Under(FINETUNE_RUNS_DIR)
+    batches = _Under(FINETUNE_BATCHES_DIR)
 
 
 class ReportFiles(Folder):

@@ -25,6 +25,18 @@ Config = TypeVar("Config")
 _DEFERRED: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar("deferred_fsync", default=None)
 
 
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_target(name: str) -> str | None:
+    """The name of the file whose :func:`atomic_path` temp file is ``name``
+    (``.<target>.<random>.tmp``), or ``None`` where ``name`` is no such temp file."""
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return None
+    target, dot, random = name[1 : -len(TEMP_SUFFIX)].rpartition(".")
+    return target if dot and target and random else None
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike[str], durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success fsync it and rename it into place.
@@ -39,7 +51,7 @@ def atomic_path(target: str | os.PathLike[str], durable: bool = True) -> Iterato
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     deferred = _DEFERRED.get() if durable else None

@@ -39,7 +39,7 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak, probe_split
-from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, RecogniserFiles, RunFiles
+from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, FinetuneFiles, RecogniserFiles, RunFiles
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 FINETUNE_CODE_VERSION = "finetune-v1"
@@ -274,7 +274,7 @@ def _plan(
     )
     labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
     versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
-    run_dir = run_folder(root / "runs", versions, job, FINETUNE_CODE_VERSION)
+    run_dir = run_folder(FinetuneFiles(root).runs, versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
         context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
         return run_dir
@@ -333,7 +333,7 @@ def _train(
         at_once = options.parallel_runs or (1 if torch.cuda.is_available() else available_cores())
         nproc = max(1, min(at_once, len(run_dirs)))
         parallel = nproc > 1
-    batch_dir = root / "batches" / sha256_strings([str(d) for d in run_dirs])[:16]
+    batch_dir = FinetuneFiles(root).batches / sha256_strings([str(d) for d in run_dirs])[:16]
     batch = FinetuneBatch(
         run_dir=str(batch_dir),
         runs=[str(d) for d in run_dirs],

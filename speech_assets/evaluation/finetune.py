@@ -42,7 +42,7 @@ from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
 from speech_assets.features.shards import read_shard_table
-from speech_assets.layout import RESULT_FILE, TRAIN_LOG, RunFiles
+from speech_assets.layout import TRAIN_LOG, RunFiles
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
@@ -281,8 +281,9 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
             ],
             "checkpoint_sha256": None,
         }
-        name = RESULT_FILE if job.is_main else f"result.rank{job.rank}.json"
-        atomic_write_text(Path(batch.run_dir) / name, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(
+            RunFiles(batch.run_dir).rank_result(job.rank), json.dumps(summary, indent=2, sort_keys=True) + "\n"
+        )
         if reporter is not None:
             # the other processes' runs may still train: the asset reads every run's result.json after the launch
             reporter.report(

@@ -28,17 +28,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from speech_assets.layout import FlowerTls, NodeKeys
+
 HOST = "127.0.0.1"
 VALID_FOR = datetime.timedelta(days=30)
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """The SuperLink's TLS files: ``ca`` (what clients verify against), ``cert`` and ``key``."""
-
-    ca: Path
-    cert: Path
-    key: Path
 
 
 @dataclass(frozen=True)
@@ -58,8 +51,9 @@ def _write_private(path: Path, data: bytes) -> Path:
     return path
 
 
-def make_tls(folder: Path) -> TlsFiles:
-    """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``."""
+def make_tls(folder: Path) -> FlowerTls:
+    """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``:
+    ``ca`` (what clients verify against), ``cert`` and ``key``."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "speech_assets local federation CA")])
@@ -91,7 +85,7 @@ def make_tls(folder: Path) -> TlsFiles:
         .sign(ca_key, hashes.SHA256())
     )
     folder.mkdir(parents=True, exist_ok=True)
-    files = TlsFiles(ca=folder / "ca.crt", cert=folder / "superlink.crt", key=folder / "superlink.key")
+    files = FlowerTls(folder)
     files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_private(
@@ -105,12 +99,12 @@ def make_node_key(folder: Path, name: str) -> NodeKey:
     """A SuperNode's key pair ``<folder>/<name>.key`` (0600) and ``<name>.pub``."""
     key = ec.generate_private_key(ec.SECP384R1())
     private = _write_private(
-        folder / f"{name}.key",
+        NodeKeys(folder).private(name),
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
         ),
     )
-    public = folder / f"{name}.pub"
+    public = NodeKeys(folder).public(name)
     public.write_bytes(
         key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     )

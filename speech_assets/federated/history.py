@@ -9,7 +9,6 @@ their checkpoint, every round keeps its record.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,8 +18,6 @@ import pyarrow.parquet as pq
 from speech_assets.federated.config import FederatedConfig, settings_changes
 from speech_assets.layout import FederatedPaths
 from speech_assets.utils import atomic_path, atomic_write_text
-
-ROUND_FILE = re.compile(r"^round_(\d{5})\.(pt|json)$")
 
 
 def _per_client(**columns: pa.DataType) -> pa.Schema:
@@ -57,22 +54,13 @@ EVALUATION_SCHEMA = _per_client(
 
 def record_rounds(paths: FederatedPaths) -> list[int]:
     """Rounds that have a record (``round_r.json``), whether or not their checkpoint is kept."""
-    if not paths.rounds_dir.is_dir():
-        return []
-    return sorted(
-        int(m.group(1)) for p in paths.rounds_dir.iterdir() if (m := ROUND_FILE.match(p.name)) and m.group(2) == "json"
-    )
+    return paths.round_records.numbers(paths.rounds_dir)
 
 
 def complete_rounds(paths: FederatedPaths) -> list[int]:
     """Rounds whose checkpoint and record both exist (only the last ``keep_rounds`` keep a checkpoint)."""
-    if not paths.rounds_dir.is_dir():
-        return []
-    found: dict[int, set[str]] = {}
-    for path in paths.rounds_dir.iterdir():
-        if match := ROUND_FILE.match(path.name):
-            found.setdefault(int(match.group(1)), set()).add(match.group(2))
-    return sorted(r for r, kinds in found.items() if kinds == {"pt", "json"})
+    checkpoints = set(paths.round_checkpoints.numbers(paths.rounds_dir))
+    return [r for r in paths.round_records.numbers(paths.rounds_dir) if r in checkpoints]
 
 
 class SettingsChanged(ValueError):

@@ -312,12 +312,10 @@ def _run_federation(
         return deadline.check()
 
     if superlink:
-        cli_home = paths.flower_dir / "cli"
+        cli_home = paths.flower.cli
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
-        outcome = flwr_run(
-            APP_DIR, paths.run_config, cli_home, paths.flower_dir / "flwr-run.log", forward, env, progress
-        )
+        outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower.run_log, forward, env, progress)
     elif engine == "simulation":
         # as many workers as cores / threads_per_client, whatever the number of clients
         threads = threads_per_client or 1
@@ -331,9 +329,7 @@ def _run_federation(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
         )
-        outcome = simulation_run(
-            paths.run_config, nodes, threads, paths.flower_dir / "simulation.log", forward, env, progress
-        )
+        outcome = simulation_run(paths.run_config, nodes, threads, paths.flower.simulation_log, forward, env, progress)
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [
@@ -353,7 +349,7 @@ def _run_federation(
                 APP_DIR,
                 paths.run_config,
                 federation.cli_home,
-                paths.flower_dir / "flwr-run.log",
+                paths.flower.run_log,
                 forward,
                 env,
                 should_stop,

@@ -26,7 +26,6 @@ process per client trains on ``cuda`` or the CPU.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from speech_assets.features.cmvn import UtteranceCmvn
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig, derive_seed
+from speech_assets.layout import ClientRunFiles
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.runtime.faults import inject
@@ -51,7 +51,6 @@ log = logging.getLogger("speech_assets.federated")
 HEAD_PREFIX = "heads."
 HEAD_FORMAT = 1
 KEEP_HEADS = 3
-_HEAD_FILE = re.compile(r"^round_(\d{5})\.pt$")
 
 
 def round_schedule(local: LocalConfig) -> Callable[[int], float]:
@@ -78,16 +77,15 @@ class HeadStore:
     ``torch.load(weights_only=True)``-safe (tensors and plain values only)."""
 
     def __init__(self, client_dir: Path, client_id: str) -> None:
-        self.folder = client_dir / "heads"
+        self.files = ClientRunFiles(client_dir)
+        self.folder = self.files.heads_dir
         self.client_id = client_id
 
     def rounds(self) -> list[int]:
-        if not self.folder.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _HEAD_FILE.match(p.name)))
+        return self.files.heads.numbers(self.folder)
 
     def path(self, round_number: int) -> Path:
-        return self.folder / f"round_{round_number:05d}.pt"
+        return self.files.head(round_number)
 
     def load_latest(self, up_to: int, k: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest head saved at a round ``<= up_to``: ``(round, {"weight": (K, D), "bias": (K,)})``."""

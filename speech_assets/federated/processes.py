@@ -49,7 +49,7 @@ import psutil
 
 from speech_assets import locations
 from speech_assets.federated.config import NodeConfig
-from speech_assets.layout import NODES_FILE
+from speech_assets.layout import FlowerFiles, FlowerHome
 from speech_assets.runtime.netns import NoPrivateNetwork, PrivateNetwork
 from speech_assets.runtime.processes import children_by_parent, die_with_parent, on_linux, terminate
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
@@ -218,11 +218,11 @@ class LocalFederation:
     """A SuperLink and one SuperNode per client on the 127.0.0.1 of a private network namespace,
     for the duration of a ``with``; run a command inside it with :meth:`enter`.
 
-    ``folder`` (made 0700) receives one sub-folder per process (its ``FLWR_HOME`` and
-    ``<name>.log``), ``pids.json``, ``tls/`` (the CA and the SuperLink's certificate), ``auth/``
-    (the SuperNodes' keys, deleted on stop), ``cli/`` (the ``flwr`` connection, :attr:`cli_home`)
-    and ``nodes.json`` (``{node id: client id}``, deleted on stop). Each SuperNode gets
-    ``--node-config`` from its :class:`NodeConfig`.
+    ``folder`` (made 0700) is laid out as :class:`~speech_assets.layout.FlowerFiles`: one
+    sub-folder per process (its ``FLWR_HOME`` and log), ``pids.json``, ``tls/`` (the CA and the
+    SuperLink's certificate), ``auth/`` (the SuperNodes' keys, deleted on stop), ``cli/`` (the
+    ``flwr`` connection, :attr:`cli_home`) and ``nodes.json`` (``{node id: client id}``, deleted
+    on stop). Each SuperNode gets ``--node-config`` from its :class:`NodeConfig`.
     """
 
     def __init__(
@@ -235,6 +235,7 @@ class LocalFederation:
         log: Callable[[str], None] = print,
     ) -> None:
         self.folder, self.nodes, self.base_env = folder, list(nodes), env
+        self.files = FlowerFiles(folder)
         self.startup_timeout, self.log = startup_timeout, log
         self.superlink: Daemon | None = None
         self.supernodes: dict[str, Daemon] = {}
@@ -244,7 +245,7 @@ class LocalFederation:
     @property
     def cli_home(self) -> Path:
         """The ``FLWR_HOME`` of ``flwr`` commands against this federation (its connection)."""
-        return self.folder / "cli"
+        return self.files.cli
 
     @property
     def address(self) -> str:
@@ -269,8 +270,8 @@ class LocalFederation:
             self.folder.chmod(0o700)
             start_private(self.network)
             port = SUPERLINK_PORT
-            tls = make_tls(self.folder / "tls")
-            log_path = self.folder / "superlink" / "superlink.log"
+            tls = make_tls(self.files.tls_dir)
+            log_path = self.files.superlink_log
             command = [
                 flower_bin("flower-superlink"),
                 "--ssl-ca-certfile",
@@ -286,18 +287,17 @@ class LocalFederation:
                 str(port),
                 "--disable-runtime-dependency-installation",
             ]
-            env = flower_env(self.folder / "superlink" / "home", self.base_env)
+            env = flower_env(self.files.superlink_home, self.base_env)
             process = spawn(self.enter(command), log_path, env, supervised=True)
             self.superlink = Daemon("superlink", process, log_path, port)
             wait_listening(
                 port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path, self.network
             )
             write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
-            keys = {node.client_id: make_node_key(self.folder / "auth", node.client_id) for node in self.nodes}
+            keys = {node.client_id: make_node_key(self.files.auth_dir, node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for index, node in enumerate(self.nodes):
                 node_port = FIRST_SUPERNODE_PORT + index
-                node_dir = self.folder / f"supernode-{node.client_id}"
                 command = [
                     flower_bin("flower-supernode"),
                     "--root-certificates",
@@ -313,10 +313,9 @@ class LocalFederation:
                     "--node-config",
                     node.to_node_config(),
                 ]
-                log_path = node_dir / "supernode.log"
-                process = spawn(
-                    self.enter(command), log_path, flower_env(node_dir / "home", self.base_env), supervised=True
-                )
+                log_path = self.files.supernode_log(node.client_id)
+                home = self.files.supernode_home(node.client_id)
+                process = spawn(self.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
                 self.supernodes[node.client_id] = Daemon(f"supernode {node.client_id}", process, log_path, node_port)
             self._write_pids()
             self.log(
@@ -354,16 +353,14 @@ class LocalFederation:
             )
         by_key = json.loads(done.stdout.strip().splitlines()[-1])
         node_ids = {client: int(by_key[str(path)]) for client, path in public_keys.items()}
-        (self.folder / NODES_FILE).write_text(
-            json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n"
-        )
+        self.files.nodes.write_text(json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n")
         return node_ids
 
     def _write_pids(self) -> None:
         """``pids.json``: each daemon's supervisor pid and the Flower process it runs."""
         pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "pids.json").write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
+        self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
 
     @staticmethod
     def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
@@ -386,8 +383,8 @@ class LocalFederation:
         self.superlink, self.supernodes = None, {}
         self.network.stop()
         # the registrations died with the SuperLink; the keys and the node ids mean nothing now
-        (self.folder / NODES_FILE).unlink(missing_ok=True)
-        for path in (self.folder / "auth").glob("*.key"):
+        self.files.nodes.unlink(missing_ok=True)
+        for path in self.files.auth.all_private():
             path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalFederation:
@@ -413,7 +410,7 @@ def write_connection(home: Path, address: str, insecure: bool = False, root_cert
         lines.append("insecure = true")
     elif root_certificates:
         lines.append(f"root-certificates = {json.dumps(root_certificates)}")
-    (home / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    FlowerHome(home).config.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 @dataclass
@@ -510,7 +507,7 @@ def simulation_run(
     Ray's session folder (unix sockets, logs, runtime environments: Ray makes its folders
     world-writable) lies in a fresh 0700 folder, ``RAY_TMPDIR``, removed after the run.
     """
-    nodes_file = log_path.parent / "simulation_nodes.json"
+    nodes_file = FlowerFiles(log_path.parent).simulation_nodes
     nodes_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
     command = [

@@ -26,7 +26,6 @@ import torch
 
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import (  # noqa: F401 (re-exported)
-    ROUND_FILE,
     complete_rounds,
     read_records,
     summarize_rounds,
@@ -92,11 +91,12 @@ def load_latest(paths: FederatedPaths, config: FederatedConfig) -> RoundState | 
 
 
 def _remove_after(paths: FederatedPaths, round_number: int) -> None:
-    if not paths.rounds_dir.is_dir():
-        return
-    for path in paths.rounds_dir.iterdir():
-        if (match := ROUND_FILE.match(path.name)) and int(match.group(1)) > round_number:
-            path.unlink(missing_ok=True)
+    for later in paths.round_checkpoints.numbers(paths.rounds_dir):
+        if later > round_number:
+            paths.round_checkpoint(later).unlink(missing_ok=True)
+    for later in paths.round_records.numbers(paths.rounds_dir):
+        if later > round_number:
+            paths.round_record(later).unlink(missing_ok=True)
 
 
 def save_round(

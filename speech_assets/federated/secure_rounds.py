@@ -87,6 +87,7 @@ from speech_assets.federated.secure_aggregation import (
     split_secret,
     unmask_sum,
 )
+from speech_assets.layout import ClientRunFiles
 
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
@@ -439,7 +440,7 @@ class SecureRounds:
 # ----------------------------------------------------------------------------------- client
 def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
     """Where a client keeps its secure-aggregation state of one round (owner-only)."""
-    return node.client_dir(run) / "secagg" / f"round-{int(round_number)}.json"
+    return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -500,10 +501,11 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
     path = state_path(node, run, round_number)
     if _load(path).get("stage") in (ANSWERED, ABANDONED):
         raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number}")
-    for old in path.parent.glob("round-*.json") if path.parent.exists() else ():
+    files = ClientRunFiles(node.client_dir(run))
+    for number in files.secagg_rounds.numbers(files.secagg_dir):
         # an older round that never reached its unmask: its secrets go, and it answers nothing more
-        number = old.stem.removeprefix("round-")
-        if number.isdigit() and int(number) < round_number and _load(old).get("stage") not in (ANSWERED, ABANDONED):
+        old = files.secagg_round(number)
+        if number < round_number and _load(old).get("stage") not in (ANSWERED, ABANDONED):
             _save(old, {"stage": ABANDONED})
     secrets = RoundSecrets.new()
     _save(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import threading
 from collections.abc import Callable, Mapping
 from copy import deepcopy
@@ -25,13 +24,11 @@ import torch
 from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
-from speech_assets.utils import atomic_path
+from speech_assets.utils import atomic_path, temp_target
 
 log = logging.getLogger("speech_assets.train")
 
 CHECKPOINT_FORMAT = 1
-_STEP_FILE = re.compile(r"^step_(\d{8})\.pt$")
-_STEP_TEMP = re.compile(r"^\.step_\d{8}\.pt\..+\.tmp$")  # atomic_path's temp file of a step checkpoint
 
 
 def checkpoint_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -39,7 +36,7 @@ def checkpoint_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+    return RunFiles(Path(run_dir)).checkpoint(step)
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
@@ -144,11 +141,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(step, path)`` of the run's step checkpoints, oldest first (temp files are ignored)."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_FILE.match(p.name))]
-    return sorted(found)
+    files = RunFiles(Path(run_dir))
+    return [(step, files.checkpoint(step)) for step in files.checkpoint_steps.numbers(files.checkpoints)]
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -164,7 +158,12 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     found = list_checkpoints(run_dir)
     doomed = [path for _, path in found[: max(len(found) - keep, 0)]]
     folder = checkpoint_dir(run_dir)
-    doomed += sorted(p for p in folder.iterdir() if _STEP_TEMP.match(p.name)) if folder.is_dir() else []
+    steps = RunFiles(Path(run_dir)).checkpoint_steps
+    doomed += sorted(
+        p
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (target := temp_target(p.name)) is not None and steps.number(target) is not None
+    )
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
