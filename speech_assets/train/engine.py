@@ -135,6 +135,10 @@ def init_distributed(device: str) -> Distributed:
     if world > 1 and not dist.is_initialized():
         cuda = target.type == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", device_id=target if cuda else None)
+        if not cuda:
+            # gloo's init can return on one rank while another still connects to it: a rank with
+            # nothing to do (a batch whose runs all finished) would exit and break the other's init
+            dist.barrier()
     return Distributed(rank, local_rank, world, local_world, target)
 
 
