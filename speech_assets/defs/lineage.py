@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pyarrow.parquet as pq
 
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable
+from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
 from speech_assets.defs.resources import StoragePaths
@@ -312,15 +312,6 @@ FIRST_OF_TWO = (
     "metadata; it is the latest."
 )
 SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
-
-
-@dataclass(frozen=True)
-class SpeakerRows:
-    """One speaker's summary in speakers.parquet."""
-
-    manifest_hash: str
-    utterances: int
-    hours: float
 
 
 def no_rows_version(speaker: str) -> str:

@@ -8,23 +8,20 @@ stay in sync whatever the number of speakers, and a changed speaker's shard turn
 """
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
-from speech_assets.corpus.rejects import write_rejects
-from speech_assets.defs.lineage import SpeakerRows, markdown_table, speaker_observations
+from speech_assets.corpus.publish import publish_manifest
+from speech_assets.defs.lineage import markdown_table, speaker_observations
 from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.utils import atomic_path, from_fields, fsync_dir
+from speech_assets.utils import from_fields
 
 CODE_VERSION = "manifest-v3"
 
@@ -66,49 +63,36 @@ def manifest(
     if result.cache != cache:
         corpus.save_cache(paths.decode_cache_file, result.cache)  # a cache, not an output: safe either way
 
-    # Write, audit, publish: nothing later stages read changes unless every audit passes. The
-    # lock keeps two overlapping runs from interleaving their renames (rejects of one, rows of
-    # the other); holding it, leftovers of runs killed mid-way can be removed safely.
-    with exclusive_lock(paths.layout.manifest.publish_lock):
-        shutil.rmtree(paths.layout.manifest.staging, ignore_errors=True)
-        staging = paths.layout.manifest.staging / context.run.run_id
-        try:
-            staged = audit.ManifestFiles(*(staging / target.name for target in _published(paths)))
-            corpus.write_manifest(staged.manifest, result.rows)
-            write_rejects(staged.rejects, result.rejects)
-            per_speaker = _write_speakers(staged.speakers, result.rows)
-            audits = audit.audit_manifest(staged, corpus.corpus_root_of(location), validation, options.max_reject_ratio)
-            for outcome in audits:
-                yield dg.AssetCheckResult(
-                    check_name=outcome.name,
-                    passed=outcome.passed,
-                    severity=dg.AssetCheckSeverity.ERROR,
-                    description=outcome.description,
-                    metadata={
-                        k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v)
-                        for k, v in outcome.metadata.items()
-                    },
-                )
-            failed = [outcome for outcome in audits if not outcome.passed]
-            if failed:
-                raise dg.Failure(
-                    description="manifest not published, the previous one stays: "
-                    + "; ".join(f"{o.name} failed: {o.description}" for o in failed),
-                    metadata={o.name: o.description for o in failed},
-                )
-            # sidecars first, rows last: a reader of the new rows finds the new sidecars
-            for source, target in zip(
-                (staged.rejects, staged.speakers, staged.manifest),
-                (paths.rejects_file, paths.speakers_file, paths.manifest_file),
-                strict=True,
-            ):
-                os.replace(source, target)
-            fsync_dir(paths.manifest_dir)
-        finally:
-            shutil.rmtree(paths.layout.manifest.staging, ignore_errors=True)
+    with publish_manifest(
+        result.rows,
+        result.rejects,
+        paths.layout.manifest,
+        corpus.corpus_root_of(location),
+        validation,
+        options.max_reject_ratio,
+        staging_name=context.run.run_id,
+    ) as publication:
+        for outcome in publication.audits:
+            yield dg.AssetCheckResult(
+                check_name=outcome.name,
+                passed=outcome.passed,
+                severity=dg.AssetCheckSeverity.ERROR,
+                description=outcome.description,
+                metadata={
+                    k: v if isinstance(v, int | float | str) else dg.MetadataValue.json(v)
+                    for k, v in outcome.metadata.items()
+                },
+            )
+        if failed := publication.failed:
+            raise dg.Failure(
+                description="manifest not published, the previous one stays: "
+                + "; ".join(f"{o.name} failed: {o.description}" for o in failed),
+                metadata={o.name: o.description for o in failed},
+            )
+        per_speaker = publication.per_speaker
+        # still under the publish lock: the new speakers and their rows' versions go with the rows
         known = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
         added = register_new(context, speakers_partitions, sorted(per_speaker), known=known)
-        # Data versions of the speakers whose rows changed: published with the rows they describe.
         observations = speaker_observations(context.instance, per_speaker, [*known, *added])
     yield from observations
 
@@ -139,32 +123,6 @@ def manifest(
             "rejects_path": dg.MetadataValue.path(str(paths.rejects_file)),
         },
     )
-
-
-def _published(paths: StoragePaths) -> tuple[Path, Path, Path]:
-    """The files a manifest run publishes, in :class:`audit.ManifestFiles` order."""
-    return paths.manifest_file, paths.rejects_file, paths.speakers_file
-
-
-def _write_speakers(target: Path, rows: list[corpus.ManifestRow]) -> dict[str, SpeakerRows]:
-    """Per-speaker manifest hashes (what each shard depends on), utterances and hours."""
-    hashes = corpus.speaker_hashes(rows)
-    counts: dict[str, int] = {}
-    seconds: dict[str, float] = {}
-    for row in rows:
-        counts[row.speaker_id] = counts.get(row.speaker_id, 0) + 1
-        seconds[row.speaker_id] = seconds.get(row.speaker_id, 0.0) + row.duration_s
-    table = pa.table(
-        {
-            "speaker_id": list(hashes),
-            "utterances": [counts[s] for s in hashes],
-            "hours": [seconds[s] / 3600 for s in hashes],
-            "manifest_hash": list(hashes.values()),
-        }
-    )
-    with atomic_path(target) as tmp:
-        pq.write_table(table, tmp)
-    return {s: SpeakerRows(h, counts[s], seconds[s] / 3600) for s, h in hashes.items()}
 
 
 speaker_manifest = dg.AssetSpec(

@@ -194,7 +194,7 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(
     """A manifest published without its speaker_manifest observations (a run killed in between, a
     manifest from before observations): the sensor's next tick records them, runless, once."""
     from speech_assets.corpus.manifest import ManifestRow, corpus_fingerprint
-    from speech_assets.defs.manifest import _write_speakers
+    from speech_assets.corpus.publish import write_speakers
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -205,7 +205,7 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(
         for s in ("s1", "s2")
         for i in range(2)
     ]
-    listed = _write_speakers(paths.speakers_file, rows)
+    listed = write_speakers(paths.speakers_file, rows)
     instance.report_runless_asset_event(
         dg.AssetMaterialization("manifest", metadata={"corpus_fingerprint": corpus_fingerprint(corpus)})
     )
