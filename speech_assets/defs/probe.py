@@ -47,19 +47,14 @@ def downstream_probe(
     from speech_assets.evaluation.compare import FBANK, markdown_table, reading_note, standing, summarise
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.protocol import ProbeLeak, ProbeOptions, publish_probe, run_probe
-    from speech_assets.model.encoders import load_encoder
+    from speech_assets.model.encoders import LoadedEncoder, load_encoder
 
     options = effective(settings.probe, config)
     torch.set_num_threads(options.threads or torch.get_num_threads())
-    pretrained_path, _ = required_checkpoint(context, "pretrained_checkpoint")
-    loaded = {"pretrained": load_encoder(pretrained_path)}
-    optional = (
-        ("federated_checkpoint", "federated"),
-        ("distilled_checkpoint", "distilled"),
-        ("pretrained_checkpoint_iter2", "iteration2"),
-    )
-    for asset, name in optional:
-        if (found := checkpoint_of(context, asset)) is not None:
+    loaded: dict[str, LoadedEncoder] = {}
+    for name, asset in CHECKPOINT_ASSETS.items():  # pretrained first: it is required, the others are probed if found
+        found = required_checkpoint(context, asset) if name == "pretrained" else checkpoint_of(context, asset)
+        if found is not None:
             loaded[name] = load_encoder(found[0])
     try:
         run = run_probe(
