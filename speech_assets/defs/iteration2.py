@@ -15,7 +15,7 @@ from speech_assets.defs.lineage import (
     required_checkpoint,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
+from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import (
@@ -33,7 +33,8 @@ from speech_assets.utils import from_fields
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
 TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
-ENCODER_ASSETS = {"pretrained": "pretrained_checkpoint", "federated": "federated_checkpoint"}
+# the encoders iteration 2 may take its targets from: those trained on iteration-1 targets
+ENCODER_ASSETS = {kind: CHECKPOINT_ASSETS[kind] for kind in ("pretrained", "federated")}
 
 
 class Iteration2Overrides(overrides_of(Iteration2Settings)):
