@@ -2,9 +2,10 @@
 from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
 
 Each (model, labelled budget, seed) is one run of the fine-tuning worker
-(speech_assets/evaluation/finetune.py), in its own run folder; the runs not finished before train
-in a single launch (on a CPU several at once, a process each), like every training loop (torchrun
-through Pipes, :mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
+(speech_assets/evaluation/finetune.py), planned without Dagster (speech_assets/evaluation/finetune_plan.py),
+in its own run folder; the runs not finished before train in a single launch (on a CPU several at once, a
+process each), like every training loop (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`); torch
+is imported inside the asset.
 """
 
 import contextlib
