@@ -2,9 +2,10 @@
 from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
 
 Each (model, labelled budget, seed) is one run of the fine-tuning worker
-(speech_assets/evaluation/finetune.py), in its own run folder; the runs not finished before train
-in a single launch (on a CPU several at once, a process each), like every training loop (torchrun
-through Pipes, :mod:`speech_assets.defs.torchrun`); torch is imported inside the asset.
+(speech_assets/evaluation/finetune.py), planned without Dagster (speech_assets/evaluation/finetune_plan.py),
+in its own run folder; the runs not finished before train in a single launch (on a CPU several at once, a
+process each), like every training loop (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`); torch
+is imported inside the asset.
 """
 
 import contextlib
@@ -13,6 +14,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -38,9 +40,12 @@ from speech_assets.defs.resources import (
 )
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
-from speech_assets.evaluation.protocol import ProbeLeak, probe_split
+from speech_assets.evaluation.protocol import ProbeLeak
 from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, FinetuneFiles, RecogniserFiles, RunFiles
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
+
+if TYPE_CHECKING:
+    from speech_assets.evaluation.finetune_plan import PlannedRun
 
 FINETUNE_CODE_VERSION = "finetune-v1"
 ENCODER_ASSETS = CHECKPOINT_ASSETS  # every encoder it may fine-tune
@@ -70,111 +75,42 @@ def finetuned_asr(
     installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. The pretrained
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
-    from speech_assets.evaluation import decoding
-    from speech_assets.evaluation.finetune import finished_result, labelled_subset
-    from speech_assets.evaluation.finetune_results import SCRATCH, markdown_tables, results_table, verdicts
+    from speech_assets.evaluation.finetune import finished_result
+    from speech_assets.evaluation.finetune_plan import FinetuneRefused, collect_results, plan_finetune
+    from speech_assets.evaluation.finetune_results import markdown_tables, results_table, verdicts
 
     options = effective(settings.finetune, config)
     record_run_process(context)
-    encoders = {"pretrained": required_checkpoint(context, "pretrained_checkpoint")}
-    for name in options.encoders:
-        if name not in ENCODER_ASSETS:
-            raise dg.Failure(description=f"[finetune] encoders: unknown {name!r}; known: {sorted(ENCODER_ASSETS)}")
-        if name not in encoders and (found := checkpoint_of(context, ENCODER_ASSETS[name])) is not None:
-            encoders[name] = found
-    encoders = {name: encoders[name] for name in options.encoders if name in encoders} or {
-        "pretrained": encoders["pretrained"]
-    }
-    table = read_clients(paths.clients_file)
     try:
-        train_speakers, test_speakers = probe_split(
-            table, {name: _speakers(path) for name, (path, _) in encoders.items()}
+        plan = plan_finetune(
+            options,
+            pretrained=required_checkpoint(context, "pretrained_checkpoint"),
+            checkpoint_of=lambda name: checkpoint_of(context, ENCODER_ASSETS[name]),
+            encoder_assets=ENCODER_ASSETS,
+            clients=lambda: read_clients(paths.clients_file),
+            manifest_file=paths.manifest_file,
+            shard_file=paths.shard_file,
+            data_versions=lambda speakers: _data_versions(context, paths, speakers),
+            log=context.log.info,
+            warn=context.log.warning,
         )
-    except ProbeLeak as error:
+    except (FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
-    candidates, heldout_texts, transcripts, skipped = _utterances(paths, train_speakers, test_speakers, options)
-    if not candidates or not heldout_texts:
-        raise dg.Failure(
-            description=f"nothing to fine-tune on: {len(candidates)} labellable training utterances, "
-            f"{len(heldout_texts)} held-out"
-        )
-    available = sum(c.seconds for c in candidates) / 60
-    context.log.info(
-        f"{len(candidates)} transcribed utterances ({available:.1f} min) of {len(train_speakers)} training "
-        f"speakers to label from"
-        f" ({skipped} too long or too short for CTC), {len(heldout_texts)} held-out utterances of "
-        f"{len(test_speakers)} speakers"
-    )
-    decoders = ["greedy"]
-    missing_decoder = decoding.unavailable() if any(d != "greedy" for d in options.decoders) else None
-    if any(d != "greedy" for d in options.decoders):
-        if missing_decoder:
-            context.log.warning(f"beam decoding skipped: {missing_decoder}; greedy only")
-        else:
-            decoders.append("beam")
-    base_versions = {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-        **{
-            f"vad_features/{s}": v
-            for s, v in shard_hashes(paths, sorted(set(train_speakers) | set(test_speakers))).items()
-        },
-    }
     root = paths.finetune.root
-    budgets = sorted(set(float(m) for m in options.labelled_minutes))
-    planned: dict[tuple[str, float, int], Path] = {}
-    for minutes in budgets:
-        for seed in options.seeds:
-            subset = labelled_subset(candidates, test_speakers, minutes, seed)
-            labelled = {"train": {u: transcripts[u] for u in subset}, "heldout": heldout_texts}
-            seconds = sum(c.seconds for c in candidates if c.utt_id in set(subset))
-            if seconds < minutes * 60:
-                context.log.warning(
-                    f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: "
-                    f"using all of it"
-                )
-            for model in [*encoders, SCRATCH]:
-                path, version = encoders["pretrained"] if model == SCRATCH else encoders[model]
-                planned[(model, minutes, seed)] = _plan(
-                    context,
-                    paths,
-                    root,
-                    options,
-                    model,
-                    minutes,
-                    seed,
-                    path,
-                    {ENCODER_ASSETS.get(model, "pretrained_checkpoint"): version, **base_versions},
-                    labelled,
-                    decoders,
-                )
+    planned = {run.key: _plan(context, paths, root, options, run) for run in plan.runs}
     pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if finished_result(run_dir) is None))
     if pending:
-        _train(context, pipes_subprocess_client, paths, root, options, pending, base_versions)
-    rows, runs = [], {}
-    for (model, minutes, seed), run_dir in planned.items():
-        result = finished_result(run_dir)
-        if result is None:
-            raise dg.Failure(description=f"{model}, {minutes:g} min, seed {seed}: no result in {run_dir}")
-        runs[(model, minutes, seed)] = result
-        rows += [
-            {
-                "model": model,
-                "labelled_minutes": minutes,
-                "seed": seed,
-                **score,
-                "steps": result["step"],
-                "labelled_seconds": result["labelled_seconds"],
-                "checkpoint_sha256": result["checkpoint_sha256"],
-            }
-            for score in result["scores"]
-        ]
+        _train(context, pipes_subprocess_client, paths, root, options, pending, plan.base_versions)
+    try:
+        rows, runs = collect_results(planned)
+    except FinetuneRefused as error:
+        raise dg.Failure(description=str(error)) from error
     target = paths.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
-    first = next(iter(encoders))
-    chosen = runs[(first, budgets[-1], options.seeds[0])]
-    exported = _export(context, paths, chosen, heldout_texts, settings)
+    first, largest, seed = plan.recogniser_key
+    chosen = runs[plan.recogniser_key]
+    exported = _export(context, paths, chosen, plan.pool.heldout_texts, settings)
     lines = verdicts(rows)
     for line in lines:
         context.log.info(line)
@@ -188,123 +124,75 @@ def finetuned_asr(
             **_wer_curve(rows),
             **training_curve_metadata(Path(chosen["checkpoint"]).parent),  # the exported recogniser's run
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
-            "recogniser_model": f"{first}, {budgets[-1]:g} min, seed {options.seeds[0]}",
+            "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],
-            "decoders": dg.MetadataValue.json(decoders),
-            **({"beam_decoder": f"unavailable: {missing_decoder}"} if missing_decoder else {}),
-            "labelled_minutes": dg.MetadataValue.json(budgets),
-            "seeds": dg.MetadataValue.json(list(options.seeds)),
-            "heldout_utterances": len(heldout_texts),
-            "heldout_speakers": dg.MetadataValue.json(test_speakers[:50]),
-            "available_labelled_minutes": round(available, 2),
+            "decoders": dg.MetadataValue.json(plan.decoders),
+            **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
+            "labelled_minutes": dg.MetadataValue.json(plan.budgets),
+            "seeds": dg.MetadataValue.json(plan.seeds),
+            "heldout_utterances": len(plan.pool.heldout_texts),
+            "heldout_speakers": dg.MetadataValue.json(plan.pool.test_speakers[:50]),
+            "available_labelled_minutes": round(plan.pool.available_minutes, 2),
             "run_dirs": dg.MetadataValue.json(
                 {f"{m}/{b:g}min/seed{s}": str(Path(r["checkpoint"]).parent) for (m, b, s), r in runs.items()}
             ),
             "input_versions": dg.MetadataValue.json(
-                bounded_versions({**{ENCODER_ASSETS[n]: v for n, (_, v) in encoders.items()}, **base_versions})
+                bounded_versions(
+                    {**{ENCODER_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
+                )
             ),
         },
     )
 
 
-def _speakers(checkpoint: str) -> dict | None:
-    import torch
-
-    return torch.load(checkpoint, map_location="cpu", weights_only=True).get("speakers")
-
-
-def _utterances(paths: StoragePaths, train_speakers: list[str], test_speakers: list[str], options: FinetuneSettings):
-    """(labelling candidates of the training speakers, ``{utt_id: text}`` of the scored held-out
-    utterances, every transcript, how many transcribed utterances CTC cannot use)."""
-    from speech_assets.evaluation.finetune import Candidate, ctc_feasible
-    from speech_assets.evaluation.probe import subsample
-    from speech_assets.evaluation.text import normalise
-    from speech_assets.features.shards import read_shard_table
-
-    manifest = pq.read_table(paths.manifest_file, columns=["utt_id", "transcript"])
-    texts = {
-        u: normalise(t or "")
-        for u, t in zip(manifest.column("utt_id").to_pylist(), manifest.column("transcript").to_pylist(), strict=True)
+def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speakers: list[str]) -> dict[str, str]:
+    """The data versions every fine-tuning run shares: the manifest, the clients table and the
+    shards of ``speakers``."""
+    return {
+        "manifest": latest_data_version(context.instance, "manifest") or "",
+        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
+        **{f"vad_features/{s}": v for s, v in shard_hashes(paths, speakers).items()},
     }
-    candidates, heldout, skipped = [], [], 0
-    for speaker in sorted(set(train_speakers) | set(test_speakers)):
-        shard = read_shard_table(paths.shard_file(speaker), columns=["utt_id", "num_frames"]).to_pylist()
-        for row in shard:
-            text = texts.get(row["utt_id"], "")
-            if not text:
-                continue
-            if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= options.max_frames):
-                skipped += 1
-                continue
-            if speaker in test_speakers:
-                heldout.append(row["utt_id"])
-            else:
-                candidates.append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
-    heldout = sorted(heldout)
-    chosen = [heldout[i] for i in subsample(len(heldout), options.max_eval_utterances, seed=0)]
-    return candidates, {u: texts[u] for u in chosen}, texts, skipped
 
 
-def _plan(
-    context,
-    paths: StoragePaths,
-    root: Path,
-    options: FinetuneSettings,
-    model: str,
-    minutes: float,
-    seed: int,
-    encoder: str,
-    data_versions: dict[str, str],
-    labelled: dict,
-    decoders: list[str],
-) -> Path:
-    """One fine-tuning run's folder (named by its inputs and settings), with its labelled
+def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> Path:
+    """The folder of ``run`` (named by its inputs' versions and its settings), with its labelled
     utterances and config written unless it finished before."""
     from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
-    job = options.model_copy(  # how many runs train at once does not name a run: parallel_runs 0
-        update={
-            "labelled_minutes": [minutes],
-            "seeds": [seed],
-            "encoders": [model],
-            "decoders": decoders,
-            "parallel_runs": 0,
-        }
-    )
-    labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
-    versions = {**data_versions, "labelled": sha256_strings([labelled_text])}
-    run_dir = run_folder(FinetuneFiles(root).runs, versions, job, FINETUNE_CODE_VERSION)
+    job = options.model_copy(update=run.settings)
+    run_dir = run_folder(FinetuneFiles(root).runs, run.versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
-        context.log.info(f"{model}, {minutes:g} min, seed {seed}: done before in {run_dir}")
+        context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}: done before in {run_dir}")
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RunFiles(run_dir).labelled, labelled_text)
-    shard_speakers = sorted({k.split("/", 1)[1] for k in data_versions if k.startswith("vad_features/")})
+    atomic_write_text(RunFiles(run_dir).labelled, run.labelled_text)
     config = from_fields(
         FinetuneConfig,
         options,
         run_dir=str(run_dir),
-        shards=[str(paths.shard_file(s)) for s in shard_speakers],
+        shards=[str(paths.shard_file(s)) for s in run.shard_speakers],
         cmvn=str(paths.cmvn.cmvn),
         clients={},
-        encoder=encoder,
+        encoder=run.encoder,
         labelled=str(RunFiles(run_dir).labelled),
-        init="scratch" if model == "scratch" else "pretrained",
-        seed=seed,
-        data_versions=versions,
+        init=run.init,
+        seed=run.seed,
+        data_versions=run.versions,
         git_sha=git_commit(),
-        decoders=decoders,
+        decoders=run.settings["decoders"],
         threads=options.threads or None,
         max_frames=options.max_frames,
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
         mlflow_artifact_location=paths.mlflow_artifact_location,
-        mlflow_run_name=f"finetune-{model}-{minutes:g}min-s{seed}-{run_dir.name}",
+        mlflow_run_name=f"finetune-{run.model}-{run.minutes:g}min-s{run.seed}-{run_dir.name}",
         dagster_run_id=context.run.run_id,
     )
     config.to_json(RunFiles(run_dir).config)
     context.log.info(
-        f"to fine-tune: {model} on {len(labelled['train'])} labelled utterances ({minutes:g} min budget), seed {seed}"
+        f"to fine-tune: {run.model} on {len(run.labelled['train'])} labelled utterances ({run.minutes:g} min "
+        f"budget), seed {run.seed}"
     )
     return run_dir
 
