@@ -85,11 +85,12 @@ def federated_checkpoint(
     resumes from its last completed round; MLflow."""
     from speech_assets.defs import readable
     from speech_assets.federated.config import FederatedConfig
-    from speech_assets.federated.history import SettingsChanged, summarize_rounds
+    from speech_assets.federated.history import SettingsChanged, round_log_line
     from speech_assets.federated.launch import (
         FederatedRunFailed,
         InsecureRefused,
         deployment_options,
+        describe_engine,
         run_federation,
     )
     from speech_assets.federated.processes import NeedsLinux
@@ -117,25 +118,11 @@ def federated_checkpoint(
     tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)
 
     def on_round(record: dict) -> None:
-        line = summarize_rounds([record])[0]
-        missing = f", missing {', '.join(line['missing'])}" if line["missing"] else ""
-        accuracy = line["heldout_masked_accuracy"]
-        context.log.info(
-            f"round {line['round']}/{federated.rounds}: {line['clients']} clients{missing}, train loss "
-            f"{'n/a' if line['train_loss'] is None else format(line['train_loss'], '.4f')}, held-out masked accuracy "
-            f"{'n/a' if accuracy is None else f'{accuracy:.3f}'} (majority class "
-            f"{'n/a' if line['majority_accuracy'] is None else format(line['majority_accuracy'], '.3f')}), "
-            f"{line['round_seconds']:.0f} s"
-        )
+        context.log.info(round_log_line(record, federated.rounds))
 
-    where = (
-        f"the SuperLink at {fed.superlink}"
-        if fed.superlink
-        else "Flower's simulation runtime"
-        if fed.engine == "simulation"
-        else "a local SuperLink and one SuperNode per client"
+    context.log.info(
+        f"federated run {run_name} in {run_dir}: {len(clients)} clients on {describe_engine(fed.superlink, fed.engine)}"
     )
-    context.log.info(f"federated run {run_name} in {run_dir}: {len(clients)} clients on {where}")
     try:
         result = run_federation(
             federated,

@@ -28,7 +28,6 @@ from speech_assets.defs.resources import (
 )
 from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
 from speech_assets.targets.config import KMeansConfig
-from speech_assets.targets.publish import iteration2_client_targets
 from speech_assets.utils import from_fields
 
 KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
@@ -57,11 +56,7 @@ def kmeans_targets_iter2(
     """HuBERT iteration 2, per client: k-means (``[iteration2] k`` clusters) on that client's own frames in the
     feature space of one layer of the iteration-1 encoder (pretrained, or federated when
     [iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
-    import torch
-
-    from speech_assets.features.cmvn import from_record
-    from speech_assets.model.encoders import load_encoder
-    from speech_assets.targets.iteration2 import build_iter2_targets, default_layer
+    from speech_assets.targets.iteration2 import EncoderRefused, iteration2_targets, load_iteration2_encoder
 
     options = effective(settings.iteration2, config)
     asset = ENCODER_ASSETS.get(options.encoder)
@@ -70,55 +65,30 @@ def kmeans_targets_iter2(
             description=f"[iteration2] encoder must be one of {sorted(ENCODER_ASSETS)}, got {options.encoder!r}"
         )
     checkpoint, checkpoint_version = required_checkpoint(context, asset)
-    encoder = load_encoder(checkpoint)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = encoder.model.to(device)
-    layer = options.layer or default_layer(model)
-    if not 1 <= layer <= len(model.encoder.layers):
-        raise dg.Failure(description=f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
-    cmvn = from_record(encoder.checkpoint.get("normalisation"))
-    if cmvn is None:
-        raise dg.Failure(description=f"{checkpoint} records no input normalisation: re-materialise {asset}")
+    try:
+        encoder = load_iteration2_encoder(checkpoint, options.layer, asset=asset, data_version=checkpoint_version)
+    except EncoderRefused as error:
+        raise dg.Failure(description=str(error)) from error
     assignments = read_clients(paths.clients_file)
     provenance = input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        client = client_shards(paths, assignments, client_id)
         out_dir = paths.kmeans_iter2_dir(client_id)
-
-        def build():
-            return build_iter2_targets(
-                client.client_id,
-                client.files(client.speakers),
-                cmvn,
-                model,
-                layer,
-                out_dir,
-                from_fields(KMeansConfig, options),
-                log=context.log.warning,
-                label_only=client.files(client.heldout),
-            )
-
-        quality = iteration2_client_targets(
-            client,
+        quality = iteration2_targets(
+            client_shards(paths, assignments, client_id),
             out_dir,
-            options.k,
-            [encoder.sha256, str(layer), options.model_dump_json(exclude={"layer"}), KMEANS_ITER2_CODE_VERSION],
-            {
-                "encoder_asset": asset,
-                "checkpoint": checkpoint,
-                "checkpoint_sha256": encoder.sha256,
-                "checkpoint_data_version": checkpoint_version,
-                "layer": layer,
-            },
-            build,
+            encoder,
+            from_fields(KMeansConfig, options),
+            settings=options.model_dump_json(exclude={"layer"}),
+            code_version=KMEANS_ITER2_CODE_VERSION,
             log=context.log.info,
+            warn=context.log.warning,
         )
         metadata = {
             **client_metadata(quality, out_dir),
             "encoder": asset,
-            "layer": layer,
+            "layer": encoder.layer,
             "checkpoint_sha256": encoder.sha256,
             "mean_segment_length_hz": 50,
         }

@@ -48,6 +48,13 @@ APP_DIR = Path(__file__).resolve().parent / "app"
 ENGINES = ("simulation", "deployment")
 
 
+def describe_engine(superlink: str, engine: str) -> str:
+    """Where a run's clients run, in words: a remote SuperLink (``superlink``), else ``engine``'s."""
+    if superlink:
+        return f"the SuperLink at {superlink}"
+    return "Flower's simulation runtime" if engine == "simulation" else "a local SuperLink and one SuperNode per client"
+
+
 class FederatedRunFailed(RuntimeError):
     """The ServerApp stopped the run (too few clients); ``failure`` is its ``failure.json``."""
 

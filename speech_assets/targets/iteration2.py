@@ -9,29 +9,126 @@ Features are never all in memory: the fit sample (whole utterances, at most ``co
 50 Hz frames) is computed shard by shard, and the labelling pass computes, labels and drops one
 shard's features at a time. Labels come out at the model's 50 Hz rate directly (the encoder's
 output rate), ``len = (num_frames + 1) // 2``, the layout of iteration 1's ``labels.parquet``.
+
+The encoder is refused (:class:`EncoderRefused`) for a layer outside its Transformer or a
+checkpoint without the input normalisation it was trained with; a client's targets refit when its
+shards, held-out speakers, the encoder's weights, the layer, the settings or the code version change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from speech_assets.features.cmvn import Normaliser
+from speech_assets.features.cmvn import Normaliser, from_record
 from speech_assets.features.shards import iter_shard
 from speech_assets.model.batches import batches_by_length, pad
+from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
 from speech_assets.targets.build import ClientState, ClientTargetSet, fit_k, fit_sample, write_client_targets
 from speech_assets.targets.config import ITERATION2_KMEANS
 from speech_assets.targets.labels import UtteranceLabels
+from speech_assets.targets.publish import ClientShards, iteration2_client_targets
 
 
 def default_layer(model: HubertPretrainModel) -> int:
     """HuBERT's choice scaled to depth: layer 6 of 12 for Base, the middle layer otherwise."""
     return max(1, len(model.encoder.layers) // 2)
+
+
+class EncoderRefused(ValueError):
+    """A checkpoint iteration 2 cannot cluster in: a layer outside its Transformer, or no record
+    of the input normalisation it was trained with."""
+
+
+@dataclass(frozen=True)
+class Iteration2Encoder:
+    """The frozen encoder whose ``layer`` (1-based) iteration 2 clusters, with its own input
+    normalisation ``cmvn`` and the identity of its weights ``sha256``; ``checkpoint`` is its file,
+    ``asset`` and ``data_version`` the asset that made it and that materialization's version."""
+
+    model: HubertPretrainModel
+    layer: int
+    cmvn: Normaliser
+    sha256: str
+    checkpoint: str
+    asset: str
+    data_version: str
+
+    def fit_inputs(self, settings: str, code_version: str) -> list[str]:
+        """What decides a client's fit beside its shards: the weights, the layer, ``settings``
+        (the JSON of every iteration-2 setting but the layer) and ``code_version``."""
+        return [self.sha256, str(self.layer), settings, code_version]
+
+    def record(self) -> dict[str, Any]:
+        """The encoder's fields of each client's publish record (``quality.json``)."""
+        return {
+            "encoder_asset": self.asset,
+            "checkpoint": self.checkpoint,
+            "checkpoint_sha256": self.sha256,
+            "checkpoint_data_version": self.data_version,
+            "layer": self.layer,
+        }
+
+
+def load_iteration2_encoder(
+    checkpoint: str, layer: int, *, asset: str, data_version: str, device: torch.device | None = None
+) -> Iteration2Encoder:
+    """The encoder of ``checkpoint`` (made by ``asset``) on ``device`` (CUDA when there is one),
+    at ``layer`` (``0``: :func:`default_layer`).
+
+    Raises :class:`EncoderRefused` for a layer outside ``1..N`` (N Transformer layers) or a
+    checkpoint that records no input normalisation (``asset`` must then be made again).
+    """
+    encoder = load_encoder(checkpoint)
+    model = encoder.model
+    layer = layer or default_layer(model)
+    if not 1 <= layer <= len(model.encoder.layers):
+        raise EncoderRefused(f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
+    cmvn = from_record(encoder.checkpoint.get("normalisation"))
+    if cmvn is None:
+        raise EncoderRefused(f"{checkpoint} records no input normalisation: re-materialise {asset}")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Iteration2Encoder(model.to(device), layer, cmvn, encoder.sha256, checkpoint, asset, data_version)
+
+
+def iteration2_targets(
+    client: ClientShards,
+    out_dir: Path,
+    encoder: Iteration2Encoder,
+    config: kmeans.KMeansConfig,
+    *,
+    settings: str,
+    code_version: str,
+    log: Callable[[str], None] = print,
+    warn: Callable[[str], None] = print,
+) -> dict:
+    """Reuse or refit one client's targets in ``encoder``'s feature space; returns the published
+    record. The refit key: the client's shards and held-out speakers, then
+    :meth:`Iteration2Encoder.fit_inputs` of ``settings`` and ``code_version``."""
+
+    def build() -> ClientTargetSet:
+        return build_iter2_targets(
+            client.client_id,
+            client.files(client.speakers),
+            encoder.cmvn,
+            encoder.model,
+            encoder.layer,
+            out_dir,
+            config,
+            log=warn,
+            label_only=client.files(client.heldout),
+        )
+
+    return iteration2_client_targets(
+        client, out_dir, config.k, encoder.fit_inputs(settings, code_version), encoder.record(), build, log=log
+    )
 
 
 @torch.no_grad()

@@ -64,6 +64,17 @@ def evaluated(trained):
 def test_iteration_2_targets_and_checkpoint_from_the_iteration_1_encoder(trained) -> None:
     out, defs, instance = trained
     clients = list(instance.get_dynamic_partitions("clients"))  # a range runs in registration order
+    # a layer the encoder lacks: the step fails saying so, before any client is touched
+    with pytest.raises(dg.Failure) as failure:
+        materialize_in_process(
+            defs,
+            instance,
+            "kmeans_targets_iter2",
+            clients[:1],
+            run_config={"ops": {"kmeans_targets_iter2": {"config": {"layer": 9}}}},
+        )
+    assert failure.value.description == "[iteration2] layer 9 is outside 1..4"
+    assert not (out / "kmeans_iter2").exists()
     materialize_in_process(defs, instance, "kmeans_targets_iter2", clients)
     materialize_in_process(
         defs,

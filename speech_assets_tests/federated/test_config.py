@@ -24,6 +24,7 @@ from speech_assets.federated.launch import (
     check_transport,
     client_state_roots,
     completed_result,
+    describe_engine,
     stall_limit,
     write_run_config,
 )
@@ -303,6 +304,18 @@ def test_a_remote_superlink_without_tls_is_refused_unless_insecure(tmp_path: Pat
         check_transport("fl.example.org:9093", "", insecure=False)
     with pytest.raises(ValueError, match="is not a file"):
         check_transport("fl.example.org:9093", str(tmp_path / "missing.pem"), insecure=False)
+
+
+@pytest.mark.parametrize(
+    ("superlink", "engine", "where"),
+    [
+        ("", "simulation", "Flower's simulation runtime"),
+        ("", "deployment", "a local SuperLink and one SuperNode per client"),
+        ("link.example:9093", "simulation", "the SuperLink at link.example:9093"),  # a SuperLink: deployment always
+    ],
+)
+def test_the_engine_is_described_in_words(superlink: str, engine: str, where: str) -> None:
+    assert describe_engine(superlink, engine) == where
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,28 @@ def test_round_summaries_and_report() -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
 
 
+def test_the_round_log_line_says_n_a_where_nothing_was_measured() -> None:
+    measured = {**_record(3, missing=["client_01"]), "round": 3}
+    assert history.round_log_line(measured, 10) == (
+        "round 3/10: 1 clients, missing client_01, train loss 3.7000, held-out masked accuracy 0.200 "
+        "(majority class 0.050), 30 s"
+    )
+    # train losses withheld (DP) and no held-out frames anywhere: n/a, never a 0.0 or a crash
+    blank = {
+        **measured,
+        "rows": [{**row, "train_loss": None} for row in measured["rows"]],
+        "evaluation": [{**e, "masked_frames": 0, "heldout_masked_accuracy": None} for e in measured["evaluation"]],
+        "missing": ["client_01", "client_02"],
+    }
+    assert history.round_log_line(blank, 10) == (
+        "round 3/10: 1 clients, missing client_01, client_02, train loss n/a, held-out masked accuracy n/a "
+        "(majority class n/a), 30 s"
+    )
+    assert history.round_log_line({**_record(1), "round": 1, "evaluation": []}, 2).startswith(
+        "round 1/2: 2 clients, train loss "
+    )
+
+
 def _reply(arrays: dict[str, np.ndarray] | None, metrics: dict[str, float], extra: dict | None = None) -> Message:
     content = RecordDict({"metrics": MetricRecord(metrics), "client": ConfigRecord({"client-id": "client_00"})})
     if arrays is not None:
