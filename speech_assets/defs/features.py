@@ -5,7 +5,6 @@ import json
 from collections.abc import Iterator
 
 import dagster as dg
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
@@ -32,10 +31,10 @@ from speech_assets.defs.resources import (
     vad_config,
 )
 from speech_assets.features import cmvn
-from speech_assets.features.vad import VadConfig
+from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, shard_jobs
+from speech_assets.features.shards import shard_problems
 from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 
-FEATURES_CODE_VERSION = "vad-features-v3"  # v2: 32-row row groups; v3: float16 features (shard format 2)
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
@@ -43,14 +42,6 @@ class FeatureOverrides(overrides_of(FeatureSettings)):
     """Run-config overrides of the `[features]` settings for one manual run."""
 
     force: bool = False  # rebuild shards even when their inputs are unchanged
-
-
-def shard_inputs_key(speaker_hash: str, vad: VadConfig, speed_factors: tuple[float, ...] = ()) -> str:
-    """What a shard's content depends on: its speaker's manifest rows, the config, the code."""
-    parts = [speaker_hash, json.dumps(vad.as_dict(), sort_keys=True), FEATURES_CODE_VERSION]
-    if speed_factors:  # absent when off, so that shards built without it stay valid
-        parts.append(json.dumps({"speed_factors": list(speed_factors)}))
-    return sha256_strings(parts)
 
 
 @per_partition_asset(
@@ -65,53 +56,31 @@ def vad_features(
 ) -> Iterator[object]:
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
-    from speech_assets.features.build import (  # torch: lazily
-        ShardJob,
-        UtteranceInput,
-        check_speed_factors,
-        plan_shards,
-        publish_planned,
-    )
+    from speech_assets.features.build import check_speed_factors, plan_shards, publish_planned  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)
     speed_factors = check_speed_factors(features.speed_perturb)
     speakers = list(context.partition_keys)
-    wanted = set(speakers)
-    rows = [r for r in corpus.read_manifest(paths.manifest_file) if r.speaker_id in wanted]
-    speaker_hashes = corpus.speaker_hashes(rows)
     manifest_version = latest_data_version(context.instance, "manifest")
     # each shard's input: its own speaker's rows, as last observed (their version and event)
     observed = observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
     paths.shards_dir.mkdir(parents=True, exist_ok=True)
-
-    by_speaker: dict[str, list[UtteranceInput]] = {s: [] for s in speakers}
-    for row in rows:
-        by_speaker[row.speaker_id].append(
-            UtteranceInput(row.utt_id, row.speaker_id, row.chapter_id, row.path, row.duration_s)
-        )
-    jobs = [
-        ShardJob(
-            speaker_id=speaker,
-            utterances=tuple(by_speaker[speaker]),
-            files=paths.shard_files(speaker),
-            inputs_key=shard_inputs_key(speaker_hashes.get(speaker, ""), vad_cfg, speed_factors),
-            meta_extra={
-                "speaker_manifest_hash": speaker_hashes.get(speaker, ""),
-                "manifest_version": manifest_version,
-                "code_version": FEATURES_CODE_VERSION,
-            },
-            force=config.force,
-            speed_factors=speed_factors,
-        )
-        for speaker in speakers
-    ]
+    jobs = shard_jobs(
+        corpus.read_manifest(paths.manifest_file),
+        speakers,
+        paths.shard_files,
+        vad_cfg,
+        speed_factors,
+        manifest_version,
+        force=config.force,
+    )
     plan = plan_shards(jobs, features.workers or None)
     context.log.info(plan.describe())
     progress = ProgressLog(context.log, "shards")
     failed: dict[str, str] = {}
     published: list[dg.AssetMaterialization] = []
-    totals = {"rebuilt": 0, "utterances": 0, "audio_seconds": 0.0, "trimmed_seconds": 0.0}
+    totals = ShardTotals()
     # Closed however the loop ends: its pool, frozen heap and torch thread count are let go at once.
     with contextlib.closing(publish_planned(plan, vad_cfg)) as outcomes:
         for done, outcome in enumerate(outcomes, start=1):
@@ -121,9 +90,7 @@ def vad_features(
                 context.log.error(f"shard {outcome.speaker_id} failed:\n{outcome.error}")
                 continue
             meta = outcome.meta
-            totals["rebuilt"] += outcome.rebuilt
-            for key in ("utterances", "audio_seconds", "trimmed_seconds"):
-                totals[key] += meta[key]
+            totals.add(outcome)
             published.append(
                 partition_materialization(
                     context,
@@ -133,11 +100,7 @@ def vad_features(
                     observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
                 )
             )
-    context.log.info(
-        f"{len(jobs) - len(failed)} shard(s) published ({totals['rebuilt']} rebuilt): {totals['utterances']} "
-        f"utterances, "
-        f"{totals['audio_seconds'] / 3600:.3f} h of audio, {totals['trimmed_seconds'] / 3600:.3f} h after VAD"
-    )
+    context.log.info(totals.summary())
     if not failed:
         yield from step_events(context, published)
         return
@@ -194,26 +157,13 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
             description=f"{len(missing)} speaker shard(s) missing or incomplete ({', '.join(missing[:10])}): "
             "materialize vad_features for them first"
         )
-    totals = cmvn.combine(parts)
-    global_cmvn = cmvn.Cmvn.from_sums(totals)
-    per_speaker = cmvn.ShardStats()
-    for part in parts:
-        per_speaker.speakers.update(part.speakers)
+    global_cmvn = cmvn.Cmvn.from_sums(cmvn.combine(parts))
+    per_speaker = cmvn.merge(parts)
     paths.cmvn_dir.mkdir(parents=True, exist_ok=True)
     global_cmvn.save(paths.cmvn.cmvn)
     per_speaker.save(paths.cmvn.speaker_sums)
-    table = pa.table(
-        {
-            "speaker_id": speakers,
-            "utterances": [metas[s]["utterances"] for s in speakers],
-            "frames": [per_speaker.speakers[s]["mfcc"].count if s in per_speaker.speakers else 0 for s in speakers],
-            "audio_hours": [metas[s]["audio_seconds"] / 3600 for s in speakers],
-            "trimmed_hours": [metas[s]["trimmed_seconds"] / 3600 for s in speakers],
-            "shard_sha256": [metas[s]["shard_sha256"] for s in speakers],
-        }
-    )
     with atomic_path(paths.cmvn.speakers) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(cmvn.speakers_table(speakers, metas, per_speaker), tmp)
     version = sha256_strings([sha256_file(path) for path in paths.cmvn.versioned])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
@@ -239,7 +189,6 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
 # --- checks: each reads the published files, independently of how they were written -------------
 
 MAX_NO_SPEECH_SHARE = 0.2
-ROWS_SCANNED_PER_SHARD = 256  # the first row group: NaN/inf scan stays bounded at any corpus size
 
 
 def _published_shards(paths: StoragePaths) -> dict[str, dict]:
@@ -253,46 +202,6 @@ def _verified_key(meta: dict) -> str:
     return sha256_strings(
         str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects")
     )
-
-
-def shard_problems(files: object, meta: dict) -> list[str]:
-    """What is wrong with one published shard (its ``ShardFiles`` and meta); empty when sound."""
-    from speech_assets.features.shards import (
-        FEATURE_DIMS,
-        SAMPLE_RATE,
-        all_finite,
-        blob_matrices,
-        check_blob_lengths,
-        feature_dtype,
-        num_frames_for,
-    )
-
-    problems = []
-    parquet = pq.ParquetFile(files.shard)
-    table = parquet.read(columns=["utt_id", "num_frames", "trimmed_duration_s"])
-    if table.num_rows != meta["utterances"] or pq.read_metadata(files.rejects).num_rows != meta["rejects"]:
-        problems.append(f"{meta['speaker_id']}: {table.num_rows} rows / meta says {meta['utterances']}")
-    for utt, frames, trimmed in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
-        if frames != num_frames_for(round(trimmed * SAMPLE_RATE)):
-            problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
-    if parquet.num_row_groups:
-        dtype = feature_dtype(parquet)
-        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(
-            0, ROWS_SCANNED_PER_SHARD
-        )
-        utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
-        for name, dim in FEATURE_DIMS.items():
-            try:  # the feature bytes match the frames (a blob of another dtype would not)
-                check_blob_lengths(group.column(name), frames, dim, dtype, f"{meta['speaker_id']} {name}")
-            except ValueError as error:
-                problems.append(str(error))
-                continue
-            problems += [
-                f"{utt}: NaN or inf in its {name}"
-                for utt, matrix in zip(utt_ids, blob_matrices(group.column(name), dim, dtype), strict=True)
-                if not all_finite(matrix)
-            ]
-    return problems
 
 
 @dg.asset_check(
@@ -354,14 +263,8 @@ def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
     ),
 )
 def cmvn_is_not_degenerate(paths: StoragePaths) -> dg.AssetCheckResult:
-    import numpy as np
-
     stats = cmvn.Cmvn.load(paths.cmvn.cmvn)
-    bad = {
-        feature: [int(d) for d in np.flatnonzero(~np.isfinite(stats.mean[feature]) | ~np.isfinite(std) | (std < 1e-3))]
-        for feature, std in stats.std.items()
-    }
-    bad = {k: v for k, v in bad.items() if v}
+    bad = cmvn.degenerate_dimensions(stats)
     return dg.AssetCheckResult(
         passed=not bad and stats.frames > 0,
         severity=dg.AssetCheckSeverity.ERROR,

@@ -14,9 +14,9 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from queue import SimpleQueue
@@ -28,12 +28,12 @@ from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow, write_reject
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
+from speech_assets.features.jobs import ShardJob, ShardOutcome, UtteranceInput
 from speech_assets.features.shards import (
     FEATURE_DIMS,
     FEATURE_DTYPES,
     SHARD_FORMAT,
     FeatureRecord,
-    ShardFiles,
     num_frames_for,
     write_shard,
 )
@@ -41,17 +41,6 @@ from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
 from speech_assets.layout import sidecar_paths
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.locks import exclusive_lock
-
-
-@dataclass(frozen=True)
-class UtteranceInput:
-    """One manifest row as the shard builder needs it (``path`` absolute)."""
-
-    utt_id: str
-    speaker_id: str
-    chapter_id: str
-    path: str
-    duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -267,38 +256,6 @@ def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
 
 
 # --- building and publishing one speaker's shard ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    """One speaker's shard to build unless its meta already vouches for the same inputs.
-
-    ``inputs_key`` is what the shard's content depends on (manifest rows, VAD config, code
-    version); ``meta_extra`` is recorded in the meta beside the measurements.
-    """
-
-    speaker_id: str
-    utterances: tuple[UtteranceInput, ...]
-    files: ShardFiles
-    inputs_key: str
-    meta_extra: Mapping[str, object] = field(default_factory=dict)
-    force: bool = False
-    speed_factors: tuple[float, ...] = ()  # speed-perturbed copies of every utterance (part of inputs_key)
-
-    @property
-    def audio_seconds(self) -> float:
-        return sum(u.duration_s for u in self.utterances)
-
-
-@dataclass
-class ShardOutcome:
-    """What happened to one job: its published ``meta`` (None on error), whether this call
-    rebuilt it, and the error (with traceback) if it failed."""
-
-    speaker_id: str
-    meta: dict | None
-    rebuilt: bool
-    error: str | None = None
 
 
 def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:

@@ -8,11 +8,12 @@ without re-reading any feature matrix; one changed shard changes only its own si
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from speech_assets.utils import save_npz
 
@@ -96,6 +97,30 @@ def combine(parts: Iterable[ShardStats], speakers: Iterable[str] | None = None) 
     return totals
 
 
+def merge(parts: Iterable[ShardStats]) -> ShardStats:
+    """Every part's per-speaker sums in one ``ShardStats`` (a speaker found in several parts keeps
+    the last part's sums: each speaker has one shard)."""
+    merged = ShardStats()
+    for part in parts:
+        merged.speakers.update(part.speakers)
+    return merged
+
+
+def speakers_table(speakers: Sequence[str], metas: Mapping[str, Mapping], per_speaker: ShardStats) -> pa.Table:
+    """One row per speaker of ``speakers`` (each with its shard's meta in ``metas``): utterances,
+    MFCC frames in its CMVN sums (0 if none), audio and trimmed hours, and its shard's sha256."""
+    return pa.table(
+        {
+            "speaker_id": list(speakers),
+            "utterances": [metas[s]["utterances"] for s in speakers],
+            "frames": [per_speaker.speakers[s]["mfcc"].count if s in per_speaker.speakers else 0 for s in speakers],
+            "audio_hours": [metas[s]["audio_seconds"] / 3600 for s in speakers],
+            "trimmed_hours": [metas[s]["trimmed_seconds"] / 3600 for s in speakers],
+            "shard_sha256": [metas[s]["shard_sha256"] for s in speakers],
+        }
+    )
+
+
 @dataclass(frozen=True)
 class Cmvn:
     """Mean and standard deviation per feature kind, each ``(D,)`` float32."""
@@ -134,6 +159,21 @@ class Cmvn:
                 std={f: data[f"{f}_std"].astype(np.float32) for f in features},
                 frames=int(data["frames"]),
             )
+
+
+MIN_STD = 1e-3  # well above the variance floor: a smaller std means silent, clipped or broken features
+
+
+def degenerate_dimensions(stats: Cmvn, min_std: float = MIN_STD) -> dict[str, list[int]]:
+    """Per feature, the dimensions whose mean or std is not finite or whose std is below
+    ``min_std``; features with none are left out (empty: every dimension is sound)."""
+    bad = {
+        feature: [
+            int(d) for d in np.flatnonzero(~np.isfinite(stats.mean[feature]) | ~np.isfinite(std) | (std < min_std))
+        ]
+        for feature, std in stats.std.items()
+    }
+    return {k: v for k, v in bad.items() if v}
 
 
 class UtteranceCmvn:

@@ -436,3 +436,38 @@ class ShardFiles(ShardPaths):
     def remove_temp_files(self) -> int:
         """Leftovers of this shard's writers that died mid-write (call while holding ``lock``)."""
         return sum(remove_stale_temp_files(path) for path in (*self.vouched.values(), self.meta))
+
+
+ROWS_SCANNED_PER_SHARD = 256  # the first row group: NaN/inf scan stays bounded at any corpus size
+
+
+def shard_problems(files: ShardFiles, meta: dict) -> list[str]:
+    """What is wrong with one published shard (its files and meta); empty when sound. Rows and
+    rejects are counted against the meta, every row's frames against its trimmed duration, and
+    the first :data:`ROWS_SCANNED_PER_SHARD` rows' feature blobs are checked for size and NaN/inf."""
+    problems = []
+    parquet = pq.ParquetFile(files.shard)
+    table = parquet.read(columns=["utt_id", "num_frames", "trimmed_duration_s"])
+    if table.num_rows != meta["utterances"] or pq.read_metadata(files.rejects).num_rows != meta["rejects"]:
+        problems.append(f"{meta['speaker_id']}: {table.num_rows} rows / meta says {meta['utterances']}")
+    for utt, frames, trimmed in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+        if frames != num_frames_for(round(trimmed * SAMPLE_RATE)):
+            problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
+    if parquet.num_row_groups:
+        dtype = feature_dtype(parquet)
+        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(
+            0, ROWS_SCANNED_PER_SHARD
+        )
+        utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
+        for name, dim in FEATURE_DIMS.items():
+            try:  # the feature bytes match the frames (a blob of another dtype would not)
+                check_blob_lengths(group.column(name), frames, dim, dtype, f"{meta['speaker_id']} {name}")
+            except ValueError as error:
+                problems.append(str(error))
+                continue
+            problems += [
+                f"{utt}: NaN or inf in its {name}"
+                for utt, matrix in zip(utt_ids, blob_matrices(group.column(name), dim, dtype), strict=True)
+                if not all_finite(matrix)
+            ]
+    return problems

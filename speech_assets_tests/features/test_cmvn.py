@@ -68,3 +68,52 @@ def test_unknown_normalisations_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown normalisation"):
         from_record({"kind": "speaker"})
     assert isinstance(from_record({"kind": "global", "mean": [0.0] * 80, "std": [1.0] * 80}), Cmvn)
+
+
+def test_merge_keeps_every_speakers_sums_and_the_table_lists_them(tmp_path: Path) -> None:
+    from speech_assets.features.cmvn import merge, speakers_table
+
+    rng = np.random.default_rng(2)
+    parts = []
+    for speaker, frames in (("a", 30), ("b", 20)):
+        part = ShardStats()
+        part.add(speaker, "mfcc", rng.normal(size=(frames, 39)))
+        part.add(speaker, "logmel", rng.normal(size=(frames, 80)))
+        parts.append(part)
+    merged = merge(parts)
+    assert sorted(merged.speakers) == ["a", "b"] and merged.speakers["b"]["mfcc"].count == 20
+    metas = {
+        s: {"utterances": n, "audio_seconds": 3600.0 * n, "trimmed_seconds": 1800.0, "shard_sha256": f"sha-{s}"}
+        for s, n in (("a", 2), ("b", 1), ("gone", 4))
+    }
+    table = speakers_table(["a", "b", "gone"], metas, merged)
+    assert table.to_pydict() == {
+        "speaker_id": ["a", "b", "gone"],
+        "utterances": [2, 1, 4],
+        "frames": [30, 20, 0],  # a speaker whose shard kept no frames has no sums
+        "audio_hours": [2.0, 1.0, 4.0],
+        "trimmed_hours": [0.5, 0.5, 0.5],
+        "shard_sha256": ["sha-a", "sha-b", "sha-gone"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("mean", "std", "bad"),
+    [
+        ([0.0, 1.0, 2.0], [1.0, 0.5, 2.0], {}),
+        ([0.0, 1.0, 2.0], [1.0, 1e-4, 2.0], {"mfcc": [1]}),  # below the floor: a constant dimension
+        ([np.nan, 1.0, 2.0], [1.0, 0.5, 2.0], {"mfcc": [0]}),
+        ([0.0, 1.0, 2.0], [1.0, 0.5, np.inf], {"mfcc": [2]}),
+        ([0.0, 1.0, 2.0], [1e-3, 0.5, 2.0], {}),  # exactly at the floor is sound
+    ],
+)
+def test_degenerate_dimensions(mean: list[float], std: list[float], bad: dict) -> None:
+    from speech_assets.features.cmvn import degenerate_dimensions
+
+    sound = np.ones(3, np.float32)
+    stats = Cmvn(
+        mean={"logmel": sound * 0, "mfcc": np.array(mean, np.float32)},
+        std={"logmel": sound, "mfcc": np.array(std, np.float32)},
+        frames=10,
+    )
+    assert degenerate_dimensions(stats) == bad
