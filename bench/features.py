@@ -67,14 +67,13 @@ from machine import cpu_model  # noqa: E402  (bench/machine.py)
 from speech_assets.features import audio  # noqa: E402
 from speech_assets.features import shards as features  # noqa: E402
 from speech_assets.features.build import (  # noqa: E402
-    ShardJob,
-    UtteranceInput,
     build_shard,
     default_workers,
     iter_publish_shards,
     stored_partial_sums,
 )
 from speech_assets.features.featurize import FeatureExtractor  # noqa: E402
+from speech_assets.features.jobs import ShardJob, UtteranceInput  # noqa: E402
 from speech_assets.features.shards import ShardFiles  # noqa: E402
 from speech_assets.features.vad import SpeechSpan, VadConfig, detect_speech  # noqa: E402
 

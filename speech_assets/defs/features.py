@@ -56,7 +56,8 @@ def vad_features(
 ) -> Iterator[object]:
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
-    from speech_assets.features.build import check_speed_factors, plan_shards, publish_planned  # torch: lazily
+    from speech_assets.features.build import plan_shards, publish_planned  # torch: lazily
+    from speech_assets.features.jobs import check_speed_factors  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)

@@ -28,7 +28,7 @@ from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow, write_reject
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
-from speech_assets.features.jobs import ShardJob, ShardOutcome, UtteranceInput
+from speech_assets.features.jobs import ShardJob, ShardOutcome, UtteranceInput, check_speed_factors
 from speech_assets.features.shards import (
     FEATURE_DIMS,
     FEATURE_DTYPES,
@@ -74,14 +74,6 @@ class ShardResult:
 def speed_perturbed_id(utt_id: str, factor: float) -> str:
     """``<utt_id>-sp0_9`` for factor 0.9 (letters, digits, ``_`` and ``-`` only, like every id)."""
     return f"{utt_id}-sp{format(factor, 'g').replace('.', '_')}"
-
-
-def check_speed_factors(factors: Sequence[float]) -> tuple[float, ...]:
-    """Sorted, distinct factors in (0.5, 2], none equal to 1 (the original is always kept)."""
-    out = tuple(sorted({float(f) for f in factors}))
-    if any(not 0.5 < f <= 2.0 or f == 1.0 for f in out):
-        raise ValueError(f"speed factors must be in (0.5, 2] and not 1, got {list(factors)}")
-    return out
 
 
 def process_variants(

@@ -133,3 +133,11 @@ class ShardTotals:
             f"{self.published} shard(s) published ({self.rebuilt} rebuilt): {self.utterances} utterances, "
             f"{self.audio_seconds / 3600:.3f} h of audio, {self.trimmed_seconds / 3600:.3f} h after VAD"
         )
+
+
+def check_speed_factors(factors: Sequence[float]) -> tuple[float, ...]:
+    """Sorted, distinct factors in (0.5, 2], none equal to 1 (the original is always kept)."""
+    out = tuple(sorted({float(f) for f in factors}))
+    if any(not 0.5 < f <= 2.0 or f == 1.0 for f in out):
+        raise ValueError(f"speed factors must be in (0.5, 2] and not 1, got {list(factors)}")
+    return out

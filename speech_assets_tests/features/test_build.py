@@ -18,14 +18,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from speech_assets.features.build import (
-    ShardJob,
-    UtteranceInput,
-    default_workers,
-    iter_publish_shards,
-    plan_shards,
-    publish_planned,
-)
+from speech_assets.features.build import default_workers, iter_publish_shards, plan_shards, publish_planned
+from speech_assets.features.jobs import ShardJob, UtteranceInput
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.runtime.locks import exclusive_lock

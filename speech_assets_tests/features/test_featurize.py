@@ -19,16 +19,10 @@ import torchaudio.functional as AF
 from speech_assets.corpus.rejects import REJECTS_SCHEMA
 from speech_assets.features import audio
 from speech_assets.features import shards as features
-from speech_assets.features.build import (
-    ShardResult,
-    UtteranceInput,
-    VadReject,
-    build_shard,
-    process_variants,
-    write_sidecars,
-)
+from speech_assets.features.build import ShardResult, VadReject, build_shard, process_variants, write_sidecars
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor, compute_deltas
+from speech_assets.features.jobs import UtteranceInput
 from speech_assets.features.shards import FeatureRecord, num_frames_for
 from speech_assets.features.vad import VadConfig
 from speech_assets.layout import sidecar_paths
@@ -401,7 +395,8 @@ def test_shards_are_byte_identical_across_processes(tmp_path, corpus, extractor)
     script = textwrap.dedent(
         """
         import json, sys
-        from speech_assets.features.build import UtteranceInput, build_shard
+        from speech_assets.features.build import build_shard
+        from speech_assets.features.jobs import UtteranceInput
         from speech_assets.features.vad import VadConfig
         utts = [UtteranceInput(**u) for u in json.loads(sys.argv[1])]
         build_shard(utts, sys.argv[2], VadConfig())

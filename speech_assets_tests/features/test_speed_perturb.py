@@ -9,14 +9,9 @@ import pytest
 import soundfile as sf
 
 from speech_assets.corpus.ids import is_safe_id
-from speech_assets.features.build import (
-    UtteranceInput,
-    build_shard,
-    check_speed_factors,
-    process_variants,
-    speed_perturbed_id,
-)
+from speech_assets.features.build import build_shard, process_variants, speed_perturbed_id
 from speech_assets.features.featurize import FeatureExtractor
+from speech_assets.features.jobs import UtteranceInput, check_speed_factors
 from speech_assets.features.shards import FeatureRecord, read_shard_table
 from speech_assets.features.vad import VadConfig
 from speech_assets.testing.corpora import with_silence
