@@ -50,18 +50,17 @@ from torch.utils.data import DataLoader
 
 from speech_assets.features.cmvn import Normaliser, describe
 from speech_assets.layout import RunFiles
-from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import inject
 from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
     capture_rng_state,
     checkpoint_path,
+    finish_and_write,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
     restore_rng_state,
-    save_checkpoint,
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, BatchBuilder, BatchRequest, RankSampler, SpanMasking, UtteranceDataset
@@ -694,16 +693,14 @@ class Engine:
     def save_final(self, run_dir: Path, **contents: Any) -> tuple[Path, str]:
         """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""
         self.checkpoints.wait()
-        model_state = self.model.state_dict()
-        sha = weights_sha256(model_state)
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
-            "model": model_state,
-            "weights_sha256": sha,
+            "model": self.model.state_dict(),
+            "weights_sha256": None,  # filled from the weights, as a step checkpoint's
             **contents,
         }
-        return save_checkpoint(RunFiles(run_dir).final, state), sha
+        return finish_and_write(RunFiles(run_dir).final, state), state["weights_sha256"]
 
     def barrier(self) -> None:
         if self.job.enabled:
