@@ -20,14 +20,13 @@ from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import Batch, UtteranceDataset, build_index, collate
-from speech_assets.train.engine import Distributed
+from speech_assets.train.engine import REPORT_RANGE, Distributed
 from speech_assets.train.launch import plan_for
 from speech_assets.train.trainer import Trainer
 
 CPU = Distributed(0, 0, 1, 1, torch.device("cpu"))
 # Reads of a tensor's value on the host: on a GPU each one waits for every kernel queued before it.
 HOST_SYNCS = {"aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::_local_scalar_dense", "aten::item"}
-REPORT_RANGE = "Engine.report"  # the engine's metrics window, every log_every steps
 # Host reads allowed only where they are not on model tensors: the metrics window (one read per
 # log_every steps), the loader's own bookkeeping (batches are built in its worker processes) and
 # AdamW's step counters (host tensors unless the optimizer is fused or capturable).
