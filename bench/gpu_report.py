@@ -50,9 +50,7 @@ def build(out: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"sections": status}
     for name in SECTIONS:
         report[name] = read(out / f"{name}.json")
-    model_rows = (
-        [r for r in (report["model"] or []) if isinstance(r, dict)] if isinstance(report["model"], list) else []
-    )
+    model_rows = [r for r in report["model"] if isinstance(r, dict)] if isinstance(report["model"], list) else []
     comparison = []
     for batch in sorted({r["batch_seconds"] for r in model_rows if "batch_seconds" in r}, reverse=True):
         old, new = model_alone(model_rows, "reference", batch), model_alone(model_rows, "sdpa", batch)

@@ -32,6 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from speech_assets.layout import RunFiles  # noqa: E402
 from speech_assets.train.autoconfig import (  # noqa: E402
     peak_bf16_flops,
     profile_dataset,
@@ -86,8 +87,9 @@ def run_once(base: TrainConfig, nproc: int, root: Path) -> dict[str, Any]:
     completed = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if completed.returncode != 0:
         raise RuntimeError(f"nproc {nproc} failed:\n{completed.stderr[-4000:]}")
-    result = json.loads((Path(config.run_dir) / "result.json").read_text())
-    last = json.loads((Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    files = RunFiles(config.run_dir)
+    result = json.loads(files.result.read_text())
+    last = json.loads(files.metrics.read_text().splitlines()[-1])
     return result | {"cpu_seconds": cpu_seconds() - cpu_before, "last_epoch": last.get("epoch")}
 
 
