@@ -398,7 +398,7 @@ class NodeKeys(Folder):
         return self.root / NODE_PUBLIC_KEY.format(client_id)
 
     def all_private(self) -> list[Path]:
-        return sorted(self.root.glob(Numbered(NODE_PRIVATE_KEY).glob))
+        return sorted(self.root.glob(NODE_PRIVATE_KEY.format("*")))
 
 
 class FlowerFiles(Folder):
