@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from string import Formatter
 from typing import Any, Self, overload
 
 # ``D/manifest/``
@@ -162,18 +161,21 @@ class Numbered:
     def name(self, number: int) -> str:
         return self.template.format(int(number))
 
+    def _around(self) -> tuple[str, str]:
+        """The template's text before and after its field (``"round_"``, ``".pt"``)."""
+        head, _, tail = self.template.partition("{")
+        return head, tail.partition("}")[2]
+
     @property
     def glob(self) -> str:
         """The glob pattern of every file of the family (``"round_*.pt"``)."""
-        return "".join(
-            text + ("*" if field is not None else "") for text, field, _, _ in Formatter().parse(self.template)
-        )
+        head, suffix = self._around()
+        return f"{head}*{suffix}"
 
     def number(self, name: str) -> int | None:
         """The number ``name`` was written with, or ``None`` for any other name (also a
         non-canonical one such as ``round_7.pt`` where ``round_00007.pt`` is written)."""
-        head, _, tail = self.template.partition("{")
-        suffix = tail.partition("}")[2]
+        head, suffix = self._around()
         digits = name[len(head) : len(name) - len(suffix)]
         if not (name.startswith(head) and name.endswith(suffix) and digits.isascii() and digits.isdigit()):
             return None
@@ -396,7 +398,7 @@ class NodeKeys(Folder):
         return self.root / NODE_PUBLIC_KEY.format(client_id)
 
     def all_private(self) -> list[Path]:
-        return sorted(self.root.glob(Numbered(NODE_PRIVATE_KEY).glob))
+        return sorted(self.root.glob(NODE_PRIVATE_KEY.format("*")))
 
 
 class FlowerFiles(Folder):

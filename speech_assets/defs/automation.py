@@ -15,9 +15,9 @@ Flow on fresh audio:
    Observations the manifest run could not record are reported by this tick (runless).
 3. (no third hop: the per-speaker versions need no run of their own)
 4. Downstream assets follow through ``AutomationCondition``s evaluated by the
-   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a blocking check fails;
-   retraining
-   happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON`` interval.
+   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a
+   blocking check fails; retraining happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON``
+   interval.
 """
 
 import json

@@ -59,9 +59,9 @@ def after_upstream_settles(
     "stopped" is the partition seen in progress at one tick and not at the next. (A run created
     and canceled between two ticks is never seen in progress; the wait then lasts until that
     partition next materializes or fails.) A manifest change with nothing of the kind to wait for
-    (rejects only: a corrupt file added) runs it at the next tick. Blocking checks of the dependencies that exist must
-    pass; missing
-    dependencies do not hold it back (the database is useful before any model is trained).
+    (rejects only: a corrupt file added) runs it at the next tick. Blocking checks of the
+    dependencies that exist must pass; missing dependencies do not hold it back (the database is
+    useful before any model is trained).
     """
     updated = dg.AutomationCondition.any_deps_updated().ignore(dg.AssetSelection.assets(*ignore_updates_of))
     trigger = (dg.AutomationCondition.newly_missing() | updated).since_last_handled()

@@ -31,7 +31,7 @@ from speech_assets.defs.resources import (
     vad_config,
 )
 from speech_assets.features import cmvn
-from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, shard_jobs
+from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, check_speed_factors, shard_jobs
 from speech_assets.features.shards import shard_problems
 from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
 
@@ -57,7 +57,6 @@ def vad_features(
     """One Parquet shard per speaker: VAD-trimmed log-mel (80) and MFCC (39) per utterance, plus
     no_speech rejects and CMVN partial sums beside it."""
     from speech_assets.features.build import plan_shards, publish_planned  # torch: lazily
-    from speech_assets.features.jobs import check_speed_factors  # torch: lazily
 
     features = effective(settings.features, config)
     vad_cfg = vad_config(features)

@@ -81,7 +81,7 @@ def shard_jobs(
 ) -> list[ShardJob]:
     """One job per speaker of ``speakers``, in that order, with its own rows of ``rows`` (other
     speakers' rows are ignored; a speaker without rows gets an empty job). ``speed_factors``:
-    already checked (``build.check_speed_factors``); ``manifest_version`` is recorded in each meta."""
+    already checked (:func:`check_speed_factors`); ``manifest_version`` is recorded in each meta."""
     wanted = set(speakers)
     rows = [r for r in rows if r.speaker_id in wanted]
     hashes = speaker_hashes(rows)

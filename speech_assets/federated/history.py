@@ -125,10 +125,10 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
-    by the server's weight of each client; None when the clients withheld it), held-out accuracy (weighted by masked
-    frames) beside
-    the majority-class rate, the same on leak-free frames (weighted by leak-free frames; None
-    when there are none, or in a record written before they were measured), bytes, wall time."""
+    by the server's weight of each client; None when the clients withheld it), held-out accuracy
+    (weighted by masked frames) beside the majority-class rate, the same on leak-free frames
+    (weighted by leak-free frames; None when there are none, or in a record written before they
+    were measured), bytes, wall time."""
     lines = []
     for record in records:
         rows = record["rows"]

@@ -4,11 +4,11 @@ A train reply is exactly: ``ArrayRecord "arrays"`` with the shared encoder's ten
 dtypes and shapes of the global encoder the server sent), ``MetricRecord "metrics"`` with exactly
 :data:`TRAIN_METRICS` (none at all in a DP round unless the round's config says
 :data:`SHARE_CLIENT_METRICS`: :func:`train_metrics`), and ``ConfigRecord "client"`` with only
-``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every metric is a finite number
-in its
-range. The client checks its own reply before sending it (:func:`check_outgoing`: a bug that
-would attach a head, a codebook or statistics stops there, with a clear error); the server checks
-it again (:func:`content_problem`), then checks the update's values (:func:`update_problem`).
+``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every
+metric is a finite number in its range. The client checks its own reply before sending it
+(:func:`check_outgoing`: a bug that would attach a head, a codebook or statistics stops there,
+with a clear error); the server checks it again (:func:`content_problem`), then checks the
+update's values (:func:`update_problem`).
 
 :class:`NodeBinding` ties each reply to the SuperNode that sent it (Flower's
 ``metadata.src_node_id``, which the SuperLink authenticates), so a node cannot answer as another

@@ -2,10 +2,9 @@
 guarantee that every process started here is stopped, on success, on failure and on kill.
 
 - Every process started here is told by the kernel to die with the thread that started it
-  (``prctl(PR_SET_PDEATHSIG)``, Linux only: the local federation refuses to start elsewhere), so a ``kill -9`` of the
-  asset's (or the CLI's) process takes the
-  federation with it. Start them from the thread that lives as long as they should (the asset's
-  main thread).
+  (``prctl(PR_SET_PDEATHSIG)``, Linux only: the local federation refuses to start elsewhere),
+  so a ``kill -9`` of the asset's (or the CLI's) process takes the federation with it. Start
+  them from the thread that lives as long as they should (the asset's main thread).
 - Each Flower daemon runs under :mod:`speech_assets.runtime.supervise`, a child subreaper that
   gets SIGTERM when we die and then stops the daemon and every helper it started (the SuperExec,
   ``flwr-serverapp``, ``flwr-clientapp``), even those re-parented after their parent was killed.

@@ -25,12 +25,7 @@ import numpy as np
 import torch
 
 from speech_assets.federated.config import FederatedConfig
-from speech_assets.federated.history import (  # noqa: F401 (re-exported)
-    complete_rounds,
-    read_records,
-    summarize_rounds,
-    write_tables,
-)
+from speech_assets.federated.history import complete_rounds, read_records, write_tables
 from speech_assets.layout import FederatedPaths
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.model.presets import get_preset

@@ -58,7 +58,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fix
 
 from speech_assets.federated import rounds as records
 from speech_assets.federated.config import FederatedConfig, derive_seed, update_norm_bound
-from speech_assets.federated.history import EVALUATION_METRICS, check_settings
+from speech_assets.federated.history import EVALUATION_METRICS, check_settings, complete_rounds, summarize_rounds
 from speech_assets.federated.messages import (
     ARRAYS,
     METRICS,
@@ -438,7 +438,7 @@ class Server:
         if evaluated:
             history = self.evaluate_round(strategy, round_number, new_encoder, history[-1], started)
         record = history[-1]
-        line = records.summarize_rounds(history[-1:])[0]
+        line = summarize_rounds(history[-1:])[0]
         log.info(
             "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s), "
             "leak-free %s (majority class %s), %.1f s (slowest client trained %s s)%s",
@@ -708,7 +708,7 @@ class Server:
     # ---------------------------------------------------------------------- end of run
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn:
         """Record why the run stops (completed rounds are already saved) and raise."""
-        completed = records.complete_rounds(self.paths)
+        completed = complete_rounds(self.paths)
         payload = {
             "round": round_number,
             "message": message,
@@ -722,7 +722,7 @@ class Server:
 
     def result(self, history: list[dict[str, Any]], sha: str, resumed_from: int | None) -> dict[str, Any]:
         config = self.config
-        lines = records.summarize_rounds(history)
+        lines = summarize_rounds(history)
         last = history[-1]
         overheads = [line["overhead"] for line in lines if line["overhead"] is not None]  # None: seconds withheld
         return {
