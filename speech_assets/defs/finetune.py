@@ -75,7 +75,6 @@ def finetuned_asr(
     installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. The pretrained
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
-    from speech_assets.evaluation.finetune import finished_result
     from speech_assets.evaluation.finetune_plan import FinetuneRefused, collect_results, plan_finetune
     from speech_assets.evaluation.finetune_results import markdown_tables, results_table, verdicts
 
@@ -97,8 +96,9 @@ def finetuned_asr(
     except (FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
     root = paths.finetune.root
-    planned = {run.key: _plan(context, paths, root, options, run) for run in plan.runs}
-    pending = list(dict.fromkeys(run_dir for run_dir in planned.values() if finished_result(run_dir) is None))
+    folders = {run.key: _plan(context, paths, root, options, run) for run in plan.runs}
+    planned = {key: run_dir for key, (run_dir, _) in folders.items()}
+    pending = list(dict.fromkeys(run_dir for run_dir, done in folders.values() if not done))
     if pending:
         _train(context, pipes_subprocess_client, paths, root, options, pending, plan.base_versions)
     try:
@@ -155,9 +155,9 @@ def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speak
     }
 
 
-def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> Path:
-    """The folder of ``run`` (named by its inputs' versions and its settings), with its labelled
-    utterances and config written unless it finished before."""
+def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
+    """(the folder of ``run`` (named by its inputs' versions and its settings), whether it finished
+    before); its labelled utterances and config are written unless it did."""
     from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
@@ -165,7 +165,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
     run_dir = run_folder(FinetuneFiles(root).runs, run.versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
         context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}: done before in {run_dir}")
-        return run_dir
+        return run_dir, True
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(RunFiles(run_dir).labelled, run.labelled_text)
     config = from_fields(
@@ -194,7 +194,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
         f"to fine-tune: {run.model} on {len(run.labelled['train'])} labelled utterances ({run.minutes:g} min "
         f"budget), seed {run.seed}"
     )
-    return run_dir
+    return run_dir, False
 
 
 def _train(

@@ -216,7 +216,8 @@ def plan_runs(
         for seed in seeds:
             subset = labelled_subset(pool.candidates, pool.test_speakers, minutes, seed)
             labelled = {"train": {u: pool.transcripts[u] for u in subset}, "heldout": pool.heldout_texts}
-            seconds = sum(c.seconds for c in pool.candidates if c.utt_id in set(subset))
+            chosen = set(subset)
+            seconds = sum(c.seconds for c in pool.candidates if c.utt_id in chosen)
             if seconds < minutes * 60:
                 warn(
                     f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: "

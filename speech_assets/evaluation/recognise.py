@@ -90,19 +90,16 @@ class Recogniser:
         from speech_assets.features.vad import VadConfig
 
         self.folder = model_folder(path)
-        self.spec = json.loads((RecogniserFiles(self.folder).card).read_text(encoding="utf-8"))
+        self.files = RecogniserFiles(self.folder)
+        self.spec = json.loads(self.files.card.read_text(encoding="utf-8"))
         if self.spec.get("vocabulary") != vocabulary():
-            raise RecogniserError(
-                f"{RecogniserFiles(self.folder).card}: its vocabulary is not this version's {len(vocabulary())} tokens"
-            )
+            raise RecogniserError(f"{self.files.card}: its vocabulary is not this version's {len(vocabulary())} tokens")
         self.cmvn = from_record(self.spec.get("cmvn"))
         if self.cmvn is None:
-            raise RecogniserError(f"{RecogniserFiles(self.folder).card} records no CMVN")
+            raise RecogniserError(f"{self.files.card} records no CMVN")
         self.vad = VadConfig(**self.spec["featurisation"]["vad"])
         self.extractor = FeatureExtractor()
-        self.session = onnxruntime.InferenceSession(
-            str(RecogniserFiles(self.folder).onnx), providers=["CPUExecutionProvider"]
-        )
+        self.session = onnxruntime.InferenceSession(str(self.files.onnx), providers=["CPUExecutionProvider"])
         if decoder not in DECODERS:
             raise RecogniserError(f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}")
         self.beam = self._beam() if decoder == "beam" else None
@@ -114,16 +111,14 @@ class Recogniser:
         beam = self.spec.get("beam")
         if not beam:
             raise RecogniserError(
-                f"{RecogniserFiles(self.folder).card} records no n-gram LM and lexicon for beam decoding "
+                f"{self.files.card} records no n-gram LM and lexicon for beam decoding "
                 "(rematerialize finetuned_asr with the beam decoder installed), or use --decoder greedy"
             )
         files = []
         for key in ("lm", "lexicon"):
             name = str(beam.get(key) or "")
             if not name or Path(name).name != name or not (self.folder / name).is_file():
-                raise RecogniserError(
-                    f"{RecogniserFiles(self.folder).card}: beam {key} file {name!r} is not in {self.folder}"
-                )
+                raise RecogniserError(f"{self.files.card}: beam {key} file {name!r} is not in {self.folder}")
             files.append(self.folder / name)
         if reason := unavailable():
             raise RecogniserError(f"beam decoding cannot run here: {reason}")

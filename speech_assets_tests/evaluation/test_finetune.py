@@ -151,15 +151,6 @@ def test_arpa_model_is_a_distribution_for_every_history(tmp_path: Path, order: i
 @pytest.mark.skipif(unavailable() is not None, reason="flashlight-text not installed")
 def test_beam_decoder_with_the_training_lm_repairs_a_near_miss() -> None:
     decode, name = beam_decoder(["THE CAT SAT", "THE DOG RAN", "A CAT RAN"], 3)
-
-    def emissions(text: str) -> np.ndarray:
-        ids = encode(text)
-        lp = np.full((2 * len(ids) + 2, VOCAB_SIZE), -8.0, np.float32)
-        lp[:, 0] = -0.1
-        for i, token in enumerate(ids):
-            lp[2 * i + 1, token], lp[2 * i + 1, 0] = -0.05, -5.0
-        return lp - np.log(np.exp(lp).sum(axis=1, keepdims=True))
-
     assert name == "beam_3gram"
     assert decode([emissions("THE CAT RAN"), emissions("THE CAP SAT")]) == ["THE CAT RAN", "THE CAT SAT"]
 
