@@ -481,7 +481,7 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     batch_seconds: float
     max_frames: int = 3000  # longer utterances (100 Hz frames) are not labelled
     max_eval_utterances: int = 200  # held-out utterances scored (a seeded subsample); 0 = all
-    decoders: list[str] = ["greedy", "beam"]  # beam: n-gram LM beam search when pyctcdecode and kenlm are installed
+    decoders: list[str] = ["greedy", "beam"]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
     lm_order: int
     checkpoint_every: int
     precision: str
