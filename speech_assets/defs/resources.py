@@ -469,6 +469,15 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     encoders: list[str] = ["pretrained"]  # of pretrained, federated, iteration2, distilled (those materialized)
     max_steps: int
     lr: float
+    # peak learning rates each model chooses from on the dev set (at the smallest budget, first seed);
+    # empty: every run uses `lr`
+    lr_grid: list[float] = [5e-4, 1.5e-3, 4.5e-3]
+    dev_speakers: int = 1  # training-side speakers never labelled: their utterances are the dev set
+    max_dev_utterances: int = 100  # dev utterances scored at each evaluation (a seeded subsample); 0 = all
+    eval_every: int
+    patience: int
+    lm_weights: list[float]
+    word_scores: list[float]
     stages: list[float]  # tri-stage lr: shares of max_steps warming up, holding, decaying
     init_lr_scale: float
     final_lr_scale: float

@@ -277,12 +277,19 @@ class FinetuneConfig(RunConfig):
     of ``max_steps`` spent warming up from ``init_lr_scale * lr``, holding ``lr`` and decaying
     exponentially to ``final_lr_scale * lr``); span masking of 50 Hz frames (``mask_prob`` start
     probability, ``mask_length``) and of input channels (``channel_mask_prob``,
-    ``channel_mask_length`` of the 80 log-mel bands) while training."""
+    ``channel_mask_length`` of the 80 log-mel bands) while training. ``scratch`` trains every
+    parameter from step 0: the freeze phase and the frozen front end are pretrained-model settings.
+
+    Model selection: ``labelled`` may hold a ``dev`` split; every ``eval_every`` steps the run scores
+    its greedy CER, keeps the best weights (``best.pt``) and stops once ``patience`` evaluations
+    have not improved on it; held-out scores come from the best step. The beam decoder's
+    ``lm_weight`` and ``word_score`` are chosen on the dev set from ``lm_weights`` x ``word_scores``."""
 
     encoder: str
     labelled: str
     init: str = "pretrained"
-    max_steps: int = 600
+    # a ceiling: the run stops early once dev CER has not improved for ``patience`` evaluations
+    max_steps: int = 2000
     lr: float = 2e-3
     stages: list[float] = field(default_factory=lambda: [0.1, 0.4, 0.5])
     init_lr_scale: float = 0.01
@@ -301,13 +308,20 @@ class FinetuneConfig(RunConfig):
     keep_checkpoints: int = 2
     decoders: list[str] = field(default_factory=lambda: ["greedy"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
+    eval_every: int = 50  # steps between dev CER evaluations (each also a checkpoint)
+    patience: int = 4  # evaluations without a better dev CER before the run stops
+    # the beam decoder's weights are chosen on the dev set from these grids (best dev WER)
+    lm_weights: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    word_scores: list[float] = field(default_factory=lambda: [-1.0, 0.0, 1.0])
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         *RunConfig.RULES,
         one_of("init", FINETUNE_INITS),
         *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "grad_accum"),
-        *at_least(1, "mask_length", "channel_mask_length"),
+        *at_least(1, "mask_length", "channel_mask_length", "eval_every", "patience"),
         *at_least(0, "freeze_steps"),
+        Rule(("lm_weights",), lambda v: len(v) >= 1, "lm_weights must name at least one weight"),
+        Rule(("word_scores",), lambda v: len(v) >= 1, "word_scores must name at least one score"),
         *positive("lr", "batch_seconds"),
         Rule(
             ("stages",),
