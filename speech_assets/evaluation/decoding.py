@@ -161,13 +161,54 @@ def beam_decoder_from_files(
 
 
 def beam_decoder(
-    train_texts: Sequence[str], order: int, beam_size: int = BEAM_SIZE, lm_weight: float = LM_WEIGHT
+    train_texts: Sequence[str],
+    order: int,
+    beam_size: int = BEAM_SIZE,
+    lm_weight: float = LM_WEIGHT,
+    word_score: float = WORD_SCORE,
 ) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
     """(decode, name): ``decode`` maps ``(L_i, 29)`` log-probabilities to transcripts by lexicon
     beam search with the n-gram LM of ``train_texts``; ``name`` is the decoder column's value."""
     with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
         files = write_lm_files(train_texts, order, folder)
         decode = beam_decoder_from_files(
-            Path(folder) / files["lm"], Path(folder) / files["lexicon"], beam_size=beam_size, lm_weight=lm_weight
+            Path(folder) / files["lm"],
+            Path(folder) / files["lexicon"],
+            beam_size=beam_size,
+            lm_weight=lm_weight,
+            word_score=word_score,
         )
     return decode, files["name"]
+
+
+def tuned_beam_decoder(
+    train_texts: Sequence[str],
+    order: int,
+    lm_weights: Sequence[float],
+    word_scores: Sequence[float],
+    dev_log_probs: Sequence[np.ndarray],
+    dev_texts: Sequence[str],
+) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str, dict[str, Any]]:
+    """(decode, name, choice): the beam decoder of :func:`beam_decoder` whose ``lm_weight`` and
+    ``word_score`` gave the lowest WER on the dev set among ``lm_weights`` x ``word_scores``
+    (ties: the first in that order); ``choice`` records the weights, the dev WER and every pair's.
+    Without dev utterances the defaults (``LM_WEIGHT``, ``WORD_SCORE``) are used, ``dev_wer`` None."""
+    import jiwer
+
+    tried: list[list[float]] = []
+    best: tuple[float, float, float] | None = None
+    if dev_texts:
+        with tempfile.TemporaryDirectory(prefix="ngram-") as folder:
+            files = write_lm_files(train_texts, order, folder)
+            for weight in lm_weights:
+                for score in word_scores:
+                    decode = beam_decoder_from_files(
+                        Path(folder) / files["lm"], Path(folder) / files["lexicon"], lm_weight=weight, word_score=score
+                    )
+                    wer = float(jiwer.wer(list(dev_texts), decode(dev_log_probs)))
+                    tried.append([weight, score, wer])
+                    if best is None or wer < best[2]:
+                        best = (weight, score, wer)
+    weight, score, wer = best if best is not None else (LM_WEIGHT, WORD_SCORE, None)
+    decode, name = beam_decoder(train_texts, order, lm_weight=weight, word_score=score)
+    return decode, name, {"lm_weight": weight, "word_score": score, "dev_wer": wer, "tried": tried}

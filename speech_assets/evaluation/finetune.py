@@ -6,11 +6,19 @@ accumulation, checkpoints every ``checkpoint_every`` steps and exact resume) wit
 :class:`~speech_assets.train.objectives.CtcTraining` objective: CTC over the probe's 29 tokens
 (:mod:`speech_assets.evaluation.text`), a linear head on the encoder's last layer. ``init``
 ``pretrained`` starts from the checkpoint's encoder, ``scratch`` from a random one of the same
-architecture: the baseline, on the same labelled utterances with the same steps.
+architecture: the baseline, on the same labelled utterances, training every parameter from step 0
+(:func:`frozen_parts`: freezing is a pretrained-model setting).
+
+Model selection: every ``eval_every`` steps the run scores its greedy CER on the dev utterances
+(training-side speakers never labelled), keeps that step's checkpoint while it is the best
+(:class:`Selection`) and stops once ``patience`` evaluations have not improved on it; the held-out
+scores and ``final.pt`` are the selected step's. The beam decoder's weights are chosen on the dev
+set too, and the result records how many labelled or dev sentences are held-out ones
+(:func:`text_overlap`, 0 when the plan is right) and the held-out OOV rate of the lexicon.
 
 The labelled set is a seeded subset of the training speakers' transcribed utterances sized in
 minutes (:func:`labelled_subset`: never a held-out speaker); after training, rank 0 decodes
-the labelled and the held-out utterances (greedy, and with the beam decoder of
+the labelled, dev and held-out utterances (greedy, and with the beam decoder of
 :mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
 Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
 ``result.json``, logs to MLflow and reports through Dagster Pipes.
@@ -30,7 +38,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,7 @@ import pyarrow.parquet as pq
 import torch
 
 from speech_assets.evaluation.probe import score
-from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
+from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
 from speech_assets.features.shards import read_shard_table
 from speech_assets.layout import TRAIN_LOG, RunFiles
@@ -57,6 +65,7 @@ from speech_assets.train.data import (
     collate,
     eval_batches,
 )
+from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets.train.engine import BatchStream, Distributed, Engine, publish, seed_everything, tracking
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
@@ -124,6 +133,68 @@ def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_
         return math.exp(-rate * min(step - warmup - hold, decay))
 
     return factor
+
+
+def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
+    """(steps with the encoder frozen, whether the front end stays frozen) that ``config``'s run
+    applies: a from-scratch model trains every parameter from step 0 (a random front end or
+    encoder frozen is no baseline; freezing is a pretrained-model setting)."""
+    if config.init == "scratch":
+        return 0, False
+    return config.freeze_steps, config.freeze_frontend
+
+
+@dataclass
+class Selection:
+    """Model selection on the dev set: every evaluation's ``(step, dev CER)``, the best step and
+    how many evaluations since it did not improve on it; :meth:`update` says when to stop."""
+
+    patience: int
+    history: list[list[float]] = field(default_factory=list)
+    best_step: int | None = None
+    best_cer: float = math.inf
+    stale: int = 0
+
+    def update(self, step: int, cer: float) -> bool:
+        """Record ``cer`` at ``step``; True once ``patience`` evaluations in a row did not improve
+        on the best (a tie is no improvement, so the earlier step is kept)."""
+        self.history.append([step, cer])
+        if cer < self.best_cer:  # NaN never improves
+            self.best_step, self.best_cer, self.stale = step, cer, 0
+        else:
+            self.stale += 1
+        return self.stale >= self.patience
+
+    @property
+    def stopped(self) -> bool:
+        return self.best_step is not None and self.stale >= self.patience
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "best_step": self.best_step, "best_cer": self.best_cer, "stale": self.stale}
+
+    @classmethod
+    def from_dict(cls, patience: int, stored: Mapping[str, Any] | None) -> Selection:
+        if not stored:
+            return cls(patience)
+        history = [[int(step), float(cer)] for step, cer in stored["history"]]
+        best = stored["best_step"]
+        return cls(
+            patience, history, None if best is None else int(best), float(stored["best_cer"]), int(stored["stale"])
+        )
+
+
+def text_overlap(heldout: Mapping[str, str], *others: Mapping[str, str]) -> int:
+    """How many utterances of ``others`` have a normalised transcript that is also a held-out one."""
+    held = {normalise(t) for t in heldout.values()}
+    return sum(normalise(t) in held for texts in others for t in texts.values())
+
+
+def oov_rate(heldout: Mapping[str, str], lexicon_texts: Sequence[str]) -> float | None:
+    """The share of held-out word tokens that are not words of ``lexicon_texts`` (the beam
+    decoder's lexicon: it can never output them); None without held-out words."""
+    words = {w for text in lexicon_texts for w in normalise(text).split()}
+    tokens = [w for text in heldout.values() for w in normalise(text).split()]
+    return sum(w not in words for w in tokens) / len(tokens) if tokens else None
 
 
 class TranscribedDataset(UtteranceDataset):
@@ -203,21 +274,20 @@ def greedy(log_probs: Sequence[np.ndarray]) -> list[str]:
 
 
 def score_rows(
-    model: HubertPretrainModel,
     sets: Mapping[str, TranscribedDataset],
-    device: torch.device,
+    log_probs: Mapping[str, Sequence[np.ndarray]],
     beam: Callable[[Sequence[np.ndarray]], list[str]] | None = None,
     beam_name: str = "",
 ) -> list[dict[str, Any]]:
-    """One row per split of ``sets`` and decoder: ``decoder, split, cer, wer, utterances``."""
+    """One row per split of ``sets`` (with its ``log_probs``) and decoder: ``decoder, split, cer,
+    wer, utterances``."""
     rows = []
+    decoders = {"greedy": greedy} | ({beam_name: beam} if beam is not None else {})
     for split, dataset in sets.items():
         if len(dataset) == 0:
             continue
-        log_probs = log_probabilities(model, dataset, device)
-        decoders = {"greedy": greedy} | ({beam_name: beam} if beam is not None else {})
         for name, decode in decoders.items():
-            s = score(dataset.texts, decode(log_probs))
+            s = score(dataset.texts, decode(log_probs[split]))
             rows.append({"decoder": name, "split": split, "cer": s.cer, "wer": s.wer, "utterances": s.utterances})
     return rows
 
@@ -326,22 +396,32 @@ def train_run(
     precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
     job.batch = (config.batch_seconds, config.grad_accum)
     texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
-    index = transcribed_index(config.shards, set(texts["train"]) | set(texts["heldout"]))
+    texts.setdefault("dev", {})
+    index = transcribed_index(config.shards, set(texts["train"]) | set(texts["dev"]) | set(texts["heldout"]))
     seed_everything(config.seed)
     model, encoder, cmvn = build_model(config)
     train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
+    dev_refs = [u for u in index.utterances if u.utt_id in texts["dev"]]
     heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
-    if leaked := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in heldout_refs}):
-        raise ValueError(f"labelled utterances of held-out speakers {leaked[:10]}")
+    held_speakers = {u.speaker_id for u in heldout_refs}
+    if leaked := sorted(({u.speaker_id for u in train_refs} | {u.speaker_id for u in dev_refs}) & held_speakers):
+        raise ValueError(f"labelled or dev utterances of held-out speakers {leaked[:10]}")
+    if dev_labelled := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in dev_refs}):
+        raise ValueError(f"dev utterances of labelled speakers {dev_labelled[:10]}")
     if not train_refs:
         raise ValueError("no labelled utterances")
+    overlap = text_overlap(texts["heldout"], texts["train"], texts["dev"])
+    if overlap:
+        log.warning("%d labelled or dev utterances read a held-out sentence", overlap)
     dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
+    dev_set = TranscribedDataset(index, dev_refs, cmvn, texts["dev"])
     sampler = DurationBucketSampler(
         dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
     )
     stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
     model = model.to(job.device)
-    if config.freeze_frontend:
+    freeze_steps, freeze_frontend = frozen_parts(config)
+    if freeze_frontend:
         model.frontend.requires_grad_(False)
     if config.mask_prob <= 0:
         model.mask_embedding.requires_grad_(False)
@@ -355,18 +435,42 @@ def train_run(
     )
     speakers = {
         "train": sorted({u.speaker_id for u in train_refs}),
-        "heldout": sorted({u.speaker_id for u in heldout_refs}),
+        "dev": sorted({u.speaker_id for u in dev_refs}),
+        "heldout": sorted(held_speakers),
     }
     engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
-    engine.resume(
+    resumed = engine.resume(
         config.run_dir,
         stream,
-        lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"]),
+        lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"], stored.get("lr")),
     )
+    selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
+    engine.stopped = selection.stopped
+    engine.keep_steps = frozenset() if selection.best_step is None else frozenset({selection.best_step})
+
+    def evaluate_dev() -> dict[str, Any] | None:
+        """Dev CER (greedy) of the current weights; keeps the best step's checkpoint, says when to stop."""
+        if len(dev_set) == 0:
+            return None
+        cer = score(dev_set.texts, greedy(log_probabilities(model, dev_set, job.device))).cer
+        stop = selection.update(engine.step, cer)
+        engine.keep_steps = frozenset({selection.best_step})
+        engine.extra["selection"] = selection.to_dict()
+        if job.is_main:
+            log.info(
+                "step %d: dev CER %.4f (best %.4f at step %d)%s",
+                engine.step,
+                cer,
+                selection.best_cer,
+                selection.best_step,
+                f"; no better for {selection.stale} evaluations: stopping" if stop else "",
+            )
+        return {"dev_cer": cer, "stop": stop}
+
     objective = CtcTraining(
         job.device,
         seed=config.seed,
-        freeze_steps=config.freeze_steps,
+        freeze_steps=freeze_steps,
         mask_prob=config.mask_prob,
         mask_length=config.mask_length,
         channel_prob=config.channel_mask_prob,
@@ -378,32 +482,54 @@ def train_run(
         labelled_seconds = sum(dataset.seconds)
         log.info(
             "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
-            "%d held-out utterances of %d speakers to score; encoder frozen for %d steps, %s",
+            "%d dev utterances of %d speakers select the step; %d held-out utterances of %d speakers to score; "
+            "encoder frozen for %d steps%s, lr %g, %s",
             config.init,
             len(dataset),
             labelled_seconds / 60,
             len(speakers["train"]),
+            len(dev_set),
+            len(speakers["dev"]),
             len(heldout_refs),
             len(speakers["heldout"]),
-            config.freeze_steps,
+            freeze_steps,
+            ", front end frozen" if freeze_frontend else "",
+            config.lr,
             precision,
         )
-        if (
-            not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
-            or not job.is_main
-        ):
+        finished = engine.run(
+            objective, stream, config, stop_after_step=stop_after_step, tracker=tracker, evaluate=evaluate_dev
+        )
+        if not finished or not job.is_main:
             engine.barrier()
             return None
+        steps_trained, selected = engine.step, engine.step
+        if selection.best_step is not None and selection.best_step != engine.step:
+            selected = selection.best_step  # the dev set's choice: its checkpoint was kept from pruning
+            model.load_state_dict(load_checkpoint(RunFiles(run_dir).checkpoint(selected))["model"])
         model.eval()
-        beam, beam_name = None, ""
+        sets = {
+            "train": dataset,
+            "dev": dev_set,
+            "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"]),
+        }
+        log_probs = {split: log_probabilities(model, data, job.device) for split, data in sets.items() if len(data)}
+        beam, beam_name, beam_choice = None, "", None
         if any(d != "greedy" for d in config.decoders):
-            from speech_assets.evaluation.decoding import beam_decoder
+            from speech_assets.evaluation.decoding import tuned_beam_decoder
 
-            beam, beam_name = beam_decoder(list(texts["train"].values()), config.lm_order)
-        sets = {"train": dataset, "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"])}
-        scores = score_rows(model, sets, job.device, beam, beam_name)
+            beam, beam_name, beam_choice = tuned_beam_decoder(
+                list(texts["train"].values()),
+                config.lm_order,
+                config.lm_weights,
+                config.word_scores,
+                log_probs.get("dev", []),
+                dev_set.texts,
+            )
+        scores = score_rows(sets, log_probs, beam, beam_name)
         final, sha = engine.save_final(
             run_dir,
+            step=selected,
             kind=CHECKPOINT_KIND,
             preset=model.preset.to_dict(),
             clients={HEAD: VOCAB_SIZE},
@@ -416,8 +542,19 @@ def train_run(
             normalisation=describe(cmvn),
         )
         held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
+        dev = {r["decoder"]: r for r in scores if r["split"] == "dev"}
         result = {
-            "step": engine.step,
+            "step": selected,
+            "steps_trained": steps_trained,
+            "stopped_early": engine.stopped,
+            "dev_cer": dev.get("greedy", {}).get("cer"),
+            "dev_history": selection.history,
+            "dev_utterances": len(dev_set),
+            "lr": config.lr,
+            "frozen": {"freeze_steps": freeze_steps, "freeze_frontend": freeze_frontend},
+            "text_overlap": overlap,
+            "oov_rate": oov_rate(texts["heldout"], list(texts["train"].values())),
+            "beam": beam_choice,
             "final_loss": engine.metrics.get("loss"),
             "init": config.init,
             "seed": config.seed,
@@ -442,14 +579,19 @@ def train_run(
             "mlflow_run_url": tracker.url if tracker else None,
         }
         log.info(
-            "done: %d steps, loss %s, held-out greedy CER %s WER %s",
-            engine.step,
+            "done: %d steps (step %d selected, dev CER %s), loss %s, held-out greedy CER %s WER %s",
+            steps_trained,
+            selected,
+            result["dev_cer"],
             result["final_loss"],
             result["heldout_cer"],
             result["heldout_wer"],
         )
         keys = (
             "step",
+            "steps_trained",
+            "dev_cer",
+            "lr",
             "final_loss",
             "heldout_cer",
             "heldout_wer",

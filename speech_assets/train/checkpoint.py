@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, cast
@@ -150,13 +150,13 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest step checkpoints, and the temp files of writes that a
-    killed attempt left (never trusted, but each as large as a checkpoint); returns the deleted
-    paths. Called by the one writer of the run folder after a write, so no write of its own is
-    in flight."""
+def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int, keep_steps: Collection[int] = ()) -> list[Path]:
+    """Delete all but the ``keep`` newest step checkpoints and those of ``keep_steps`` (a model
+    selected on a dev set), and the temp files of writes that a killed attempt left (never
+    trusted, but each as large as a checkpoint); returns the deleted paths. Called by the one
+    writer of the run folder after a write, so no write of its own is in flight."""
     found = list_checkpoints(run_dir)
-    doomed = [path for _, path in found[: max(len(found) - keep, 0)]]
+    doomed = [path for step, path in found[: max(len(found) - keep, 0)] if step not in keep_steps]
     folder = checkpoint_dir(run_dir)
     steps = RunFiles(Path(run_dir)).checkpoint_steps
     doomed += sorted(

@@ -427,6 +427,10 @@ class Engine:
         self.extra: dict[str, Any] = {}
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
+        # set when an evaluation says ``stop`` (early stopping): the run ends after that checkpoint
+        self.stopped = False
+        # step checkpoints pruning keeps besides the newest (the step a dev set selected)
+        self.keep_steps: frozenset[int] = frozenset()
         self.checkpoints = CheckpointWriter(background=background_checkpoints)
 
     @classmethod
@@ -530,10 +534,12 @@ class Engine:
         evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> bool:
         """Steps up to ``config.max_steps`` with the metrics window every ``log_every`` steps and a
-        checkpoint every ``checkpoint_every`` steps, at the last and at ``stop_after_step`` (then it
-        returns ``False``: a simulated preemption). ``evaluate`` (collective: every rank calls it;
-        deterministic, it draws nothing from the training RNG) runs before each checkpoint: its
-        numbers join the step's metrics as ``val/<name>`` and it is kept as :attr:`evaluation`."""
+        checkpoint every ``checkpoint_every`` (and ``eval_every``, where the config has it) steps,
+        at the last and at ``stop_after_step`` (then it returns ``False``: a simulated preemption).
+        ``evaluate`` (collective: every rank calls it; deterministic, it draws nothing from the
+        training RNG) runs before each checkpoint: its numbers join the step's metrics as
+        ``val/<name>`` and it is kept as :attr:`evaluation`; a true ``stop`` in it ends the run
+        after that checkpoint (early stopping: :attr:`stopped`, and the run counts as finished)."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
         writer = BackgroundWriter() if self.job.is_main else None
         try:
@@ -565,8 +571,9 @@ class Engine:
         audio, timed_audio = 0.0, 0.0  # seconds of audio in the window, and in its timed steps
         window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
         minutes = float(getattr(config, "checkpoint_minutes", 0.0) or 0.0)
+        eval_every = int(getattr(config, "eval_every", 0) or 0)
         last_checkpoint = time.monotonic()
-        while self.step < config.max_steps:
+        while self.step < config.max_steps and not self.stopped:
             started = time.perf_counter()
             stats, seconds, grad_norm = self.train_step(objective, stream)
             window = stats.detach().clone() if window is None else window.add_(stats)
@@ -574,7 +581,11 @@ class Engine:
             audio += seconds
             timed_audio += seconds if timed else 0.0
             inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
-            checkpoint = self.step in (config.max_steps, stop_after_step) or self.step % config.checkpoint_every == 0
+            checkpoint = (
+                self.step in (config.max_steps, stop_after_step)
+                or self.step % config.checkpoint_every == 0
+                or (eval_every > 0 and self.step % eval_every == 0)
+            )
             if minutes and not checkpoint and self.step % config.log_every == 0:
                 checkpoint = self.time_for_checkpoint(time.monotonic() - last_checkpoint >= 60.0 * minutes)
             if not (checkpoint or self.step % config.log_every == 0):
@@ -599,6 +610,7 @@ class Engine:
                     if checkpoint and evaluate is not None:
                         self.evaluation = (self.step, evaluate())
                         held_out = heldout_series(self.evaluation[1] or {})
+                        self.stopped = bool((self.evaluation[1] or {}).get("stop"))
                     if writer is not None:
                         self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
                     if checkpoint:
@@ -662,17 +674,21 @@ class Engine:
                 "metrics": dict(self.metrics),
                 **self.extra,
             }
+            kept = self.keep_steps
             self.checkpoints.submit(
-                checkpoint_path(run_dir, self.step), state, after=lambda: prune_checkpoints(run_dir, keep)
+                checkpoint_path(run_dir, self.step), state, after=lambda: prune_checkpoints(run_dir, keep, kept)
             )
         self.barrier()
 
-    def resume(self, run_dir: str, stream: BatchStream, identity: Callable[[Mapping[str, Any]], object]) -> None:
-        """Continue from the run's latest checkpoint, if any. ``identity`` of a config dict says
-        which model it trains: a checkpoint of another model is refused."""
+    def resume(
+        self, run_dir: str, stream: BatchStream, identity: Callable[[Mapping[str, Any]], object]
+    ) -> dict[str, Any] | None:
+        """Continue from the run's latest checkpoint, if any, and return it (what the run recorded
+        in :attr:`extra` is there too). ``identity`` of a config dict says which model it trains: a
+        checkpoint of another model is refused."""
         path = latest_checkpoint(run_dir)
         if path is None:
-            return
+            return None
         state = load_checkpoint(path)
         if identity(state["config"]) != identity(self.extra["config"]):
             raise ValueError(f"{path} was trained with another model: {identity(state['config'])}")
@@ -689,6 +705,7 @@ class Engine:
         else:
             log.warning("world size changed (%d -> %d): RNG streams restart", len(rng), self.job.world_size)
         log.info("resumed from %s (step %d)", path, self.step)
+        return state
 
     def save_final(self, run_dir: Path, **contents: Any) -> tuple[Path, str]:
         """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""

@@ -367,7 +367,13 @@ def _finetune_run(out, init: str):
 
 
 def test_finetuning_lowers_ctc_loss_and_beats_an_untrained_head(finetuned) -> None:
-    from speech_assets.evaluation.finetune import TranscribedDataset, build_model, score_rows, transcribed_index
+    from speech_assets.evaluation.finetune import (
+        TranscribedDataset,
+        build_model,
+        log_probabilities,
+        score_rows,
+        transcribed_index,
+    )
     from speech_assets.model.encoders import load_encoder
     from speech_assets.train.config import FinetuneConfig
 
@@ -381,10 +387,9 @@ def test_finetuning_lowers_ctc_loss_and_beats_an_untrained_head(finetuned) -> No
     start = FinetuneConfig.from_dict(config)
     model, _, cmvn = build_model(start)
     index = transcribed_index(start.shards, labelled["heldout"])
+    heldout = TranscribedDataset(index, index.utterances, cmvn, labelled["heldout"])
     untrained = score_rows(
-        model.eval(),
-        {"heldout": TranscribedDataset(index, index.utterances, cmvn, labelled["heldout"])},
-        torch.device("cpu"),
+        {"heldout": heldout}, {"heldout": log_probabilities(model.eval(), heldout, torch.device("cpu"))}
     )
     tuned = next(r for r in result["scores"] if r["split"] == "heldout" and r["decoder"] == "greedy")
     assert tuned["cer"] < untrained[0]["cer"] and tuned["cer"] < 0.95, (tuned, untrained)

@@ -1,0 +1,128 @@
+"""Fine-tuning that judges fairly, on real tiny runs of the worker: a from-scratch baseline that
+trains every parameter from step 0, and model selection on a dev set (the best step's checkpoint
+kept, early stopping after ``patience`` evaluations without improvement)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from speech_assets.evaluation.finetune import Selection, build_model, finetune, oov_rate, text_overlap
+from speech_assets.layout import RunFiles
+from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
+from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
+
+
+def with_dev_speaker(config, tmp_path: Path):
+    """``config`` with one training speaker's utterances moved from the labelled set to the dev set."""
+    from speech_assets.evaluation.finetune import transcribed_index
+
+    texts = json.loads(Path(config.labelled).read_text())
+    index = transcribed_index(config.shards, texts["train"])
+    speaker = sorted({u.speaker_id for u in index.utterances})[0]
+    dev = {u.utt_id: texts["train"].pop(u.utt_id) for u in index.utterances if u.speaker_id == speaker}
+    path = tmp_path / "labelled_dev.json"
+    path.write_text(json.dumps({**texts, "dev": dev}))
+    return replace(config, labelled=str(path))
+
+
+def test_baseline_trains_front_end_and_every_encoder_layer_from_step_0(tmp_path: Path) -> None:
+    # the pretrained-model settings (a freeze phase, a frozen front end) are asked for: scratch ignores them
+    config = replace(
+        labelled_run(tmp_path), init="scratch", freeze_steps=3, freeze_frontend=True, run_dir=str(tmp_path / "s")
+    )
+    start = {k: v.clone() for k, v in build_model(config)[0].state_dict().items()}
+    assert finetune(config, stop_after_step=1) is None
+    step1 = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
+    names = [k for k in start if k.startswith(("frontend.", "encoder.layers."))]
+    layers = {k.split(".")[2] for k in names if k.startswith("encoder.layers.")}
+    assert any(k.startswith("frontend.") for k in names) and len(layers) == len(build_model(config)[0].encoder.layers)
+    unchanged = [k for k in names if start[k].is_floating_point() and torch.equal(start[k], step1[k])]
+    assert not unchanged, f"from step 0 the baseline must train every parameter; unchanged after step 1: {unchanged}"
+
+
+def test_baseline_trains_pretrained_keeps_its_freeze(tmp_path: Path) -> None:
+    # the control: a pretrained run with the same settings leaves front end and encoder as they were
+    config = replace(labelled_run(tmp_path), freeze_steps=3, freeze_frontend=True, run_dir=str(tmp_path / "p"))
+    start = build_model(config)[0].state_dict()
+    finetune(config, stop_after_step=1)
+    step1 = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
+    assert torch.equal(start["frontend.conv1.weight"], step1["frontend.conv1.weight"])
+    assert torch.equal(start["encoder.layers.0.linear1.weight"], step1["encoder.layers.0.linear1.weight"])
+
+
+def test_dev_selected_step_is_the_best_and_patience_stops_a_rising_dev_cer() -> None:
+    selection = Selection(patience=3)
+    cers = [0.9, 0.6, 0.65, 0.7, 0.8, 0.5]
+    stops = [selection.update(50 * (i + 1), cer) for i, cer in enumerate(cers)]
+    assert stops == [False, False, False, False, True, False]  # three evaluations above the best at step 100
+    assert (selection.best_step, selection.best_cer) == (300, 0.5)  # a later improvement still counts
+    again = Selection(patience=3)
+    for i, cer in enumerate(cers[:5]):
+        again.update(50 * (i + 1), cer)
+    assert (again.best_step, again.best_cer, again.stopped) == (100, 0.6, True)
+    restored = Selection.from_dict(3, again.to_dict())
+    assert restored == again
+    nan = Selection(patience=1)
+    assert nan.update(50, float("nan")) and nan.best_step is None  # a NaN CER never counts as the best
+
+
+def test_dev_selected_run_keeps_the_best_checkpoint_and_stops_after_patience(tmp_path: Path) -> None:
+    # a learning rate too small to change one decision: dev CER stays at its first value, so no
+    # evaluation improves on step 1 and the run stops after `patience` more
+    config = replace(
+        with_dev_speaker(labelled_run(tmp_path), tmp_path),
+        lr=1e-12,
+        max_steps=20,
+        eval_every=1,
+        patience=2,
+        checkpoint_every=100,
+        keep_checkpoints=1,
+        run_dir=str(tmp_path / "dev"),
+    )
+    result = finetune(config)
+    assert result is not None
+    assert result["steps_trained"] == 3 and result["stopped_early"] is True
+    assert result["step"] == 1 and [step for step, _ in result["dev_history"]] == [1, 2, 3]
+    assert result["dev_cer"] == pytest.approx(result["dev_history"][0][1])
+    assert {r["split"] for r in result["scores"]} == {"train", "dev", "heldout"}
+    kept = [step for step, _ in list_checkpoints(config.run_dir)]
+    assert 1 in kept and 3 in kept, kept  # the selected step survives pruning (keep_checkpoints 1)
+    final = load_checkpoint(RunFiles(config.run_dir).final)
+    best = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
+    assert final["step"] == 1 and all(torch.equal(final["model"][k], best[k]) for k in best)
+    assert result["speakers"]["dev"] and not set(result["speakers"]["dev"]) & set(result["speakers"]["train"])
+
+
+def test_dev_selected_run_on_a_rising_dev_cer_picks_the_earlier_step(tmp_path: Path) -> None:
+    # a learning rate far too large: the first steps wreck the recogniser, so dev CER rises (or stays
+    # at its worst) after the first evaluation and the earliest step is the one kept
+    config = replace(
+        with_dev_speaker(labelled_run(tmp_path), tmp_path),
+        lr=50.0,
+        stages=[0.0, 1.0, 0.0],
+        freeze_steps=0,
+        max_steps=12,
+        eval_every=2,
+        patience=3,
+        checkpoint_every=100,
+        keep_checkpoints=1,
+        run_dir=str(tmp_path / "rise"),
+    )
+    result = finetune(config)
+    history = result["dev_history"]
+    best_step, best_cer = min(history, key=lambda h: (h[1], h[0]))
+    assert result["step"] == best_step and result["dev_cer"] == pytest.approx(best_cer)
+    assert result["steps_trained"] <= config.max_steps
+
+
+def test_text_overlap_and_oov_rate() -> None:
+    heldout = {"h1": "the cat sat", "h2": "a dog ran"}
+    assert text_overlap(heldout, {"t1": "THE CAT  SAT", "t2": "the dog"}, {"d1": "a dog ran!"}) == 2
+    assert text_overlap(heldout, {"t1": "the cat"}) == 0
+    assert oov_rate(heldout, ["the cat", "a dog"]) == pytest.approx(2 / 6)
+    assert oov_rate({}, ["x"]) is None
