@@ -55,6 +55,7 @@ from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.autoconfig import available_cores, resolve_precision
+from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets.train.config import FinetuneBatch, FinetuneConfig
 from speech_assets.train.data import (
     CorpusIndex,
@@ -65,7 +66,6 @@ from speech_assets.train.data import (
     collate,
     eval_batches,
 )
-from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets.train.engine import BatchStream, Distributed, Engine, publish, seed_everything, tracking
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
