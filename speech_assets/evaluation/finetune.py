@@ -144,6 +144,12 @@ def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
     return config.freeze_steps, config.freeze_frontend
 
 
+# a dev CER at or above this is CTC's all-blank plateau (or near it): the model has not started to
+# spell, and an evaluation there does not count towards patience (a from-scratch model sits there
+# for hundreds of steps before it learns)
+PLATEAU_CER = 0.95
+
+
 @dataclass
 class Selection:
     """Model selection on the dev set: every evaluation's ``(step, dev CER)``, the best step and
@@ -157,11 +163,13 @@ class Selection:
 
     def update(self, step: int, cer: float) -> bool:
         """Record ``cer`` at ``step``; True once ``patience`` evaluations in a row did not improve
-        on the best (a tie is no improvement, so the earlier step is kept)."""
+        on the best (a tie is no improvement, so the earlier step is kept). While the best is
+        still on the blank plateau (``PLATEAU_CER``) nothing counts: the run goes on to
+        ``max_steps`` unless it starts to spell."""
         self.history.append([step, cer])
         if cer < self.best_cer:  # NaN never improves
             self.best_step, self.best_cer, self.stale = step, cer, 0
-        else:
+        elif self.best_cer < PLATEAU_CER:
             self.stale += 1
         return self.stale >= self.patience
 

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from speech_assets.evaluation.finetune import Selection, build_model, finetune, oov_rate, text_overlap
+from speech_assets.evaluation.finetune import (
+    PLATEAU_CER,
+    Selection,
+    build_model,
+    finetune,
+    oov_rate,
+    text_overlap,
+)
 from speech_assets.layout import RunFiles
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
@@ -68,34 +75,54 @@ def test_dev_selected_step_is_the_best_and_patience_stops_a_rising_dev_cer() -> 
     restored = Selection.from_dict(3, again.to_dict())
     assert restored == again
     nan = Selection(patience=1)
-    assert nan.update(50, float("nan")) and nan.best_step is None  # a NaN CER never counts as the best
+    assert not nan.update(50, float("nan")) and nan.best_step is None  # a NaN CER never counts as the best
+
+
+def test_dev_selected_patience_waits_while_the_model_is_on_the_blank_plateau() -> None:
+    # a from-scratch model emits blanks (dev CER 1.0) for hundreds of steps before it spells:
+    # stopping it there would compare pretrained against a model that was never let to train
+    selection = Selection(patience=2)
+    assert not any(selection.update(100 * (i + 1), 1.0) for i in range(10))
+    assert not selection.update(1100, 0.8) and not selection.update(1200, 0.85)
+    assert selection.update(1300, 0.9) and selection.best_step == 1100
 
 
 def test_dev_selected_run_keeps_the_best_checkpoint_and_stops_after_patience(tmp_path: Path) -> None:
-    # a learning rate too small to change one decision: dev CER stays at its first value, so no
-    # evaluation improves on step 1 and the run stops after `patience` more
+    # the toy corpus's made-up sentences are learnt within a few steps and then dev CER stops
+    # falling: the run keeps the best step and stops `patience` evaluations after it
     config = replace(
         with_dev_speaker(labelled_run(tmp_path), tmp_path),
-        lr=1e-12,
-        max_steps=20,
-        eval_every=1,
-        patience=2,
+        lr=5e-3,
+        freeze_steps=0,
+        max_steps=300,
+        eval_every=5,
+        patience=3,
         checkpoint_every=100,
         keep_checkpoints=1,
+        log_every=50,
         run_dir=str(tmp_path / "dev"),
     )
     result = finetune(config)
     assert result is not None
-    assert result["steps_trained"] == 3 and result["stopped_early"] is True
-    assert result["step"] == 1 and [step for step, _ in result["dev_history"]] == [1, 2, 3]
-    assert result["dev_cer"] == pytest.approx(result["dev_history"][0][1])
+    history = result["dev_history"]
+    best_step, best_cer = min(history, key=lambda h: (h[1], h[0]))
+    assert best_cer < PLATEAU_CER, history  # it learnt something: patience counts
+    assert result["stopped_early"] is True and result["steps_trained"] < config.max_steps
+    assert result["step"] == best_step and result["steps_trained"] == best_step + config.patience * config.eval_every
+    assert [step for step, _ in history] == list(range(5, result["steps_trained"] + 1, 5))
+    assert result["dev_cer"] == pytest.approx(best_cer)
     assert {r["split"] for r in result["scores"]} == {"train", "dev", "heldout"}
     kept = [step for step, _ in list_checkpoints(config.run_dir)]
-    assert 1 in kept and 3 in kept, kept  # the selected step survives pruning (keep_checkpoints 1)
+    assert best_step in kept and result["steps_trained"] in kept, kept  # the selected step survives pruning
     final = load_checkpoint(RunFiles(config.run_dir).final)
-    best = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
-    assert final["step"] == 1 and all(torch.equal(final["model"][k], best[k]) for k in best)
+    best = load_checkpoint(RunFiles(config.run_dir).checkpoint(best_step))["model"]
+    last = load_checkpoint(RunFiles(config.run_dir).checkpoint(result["steps_trained"]))["model"]
+    assert final["step"] == best_step and all(torch.equal(final["model"][k], best[k]) for k in best)
+    assert not all(torch.equal(last[k], best[k]) for k in best)  # the last step's weights are not what was kept
     assert result["speakers"]["dev"] and not set(result["speakers"]["dev"]) & set(result["speakers"]["train"])
+    # a second materialization finds it finished; resuming the stopped run trains nothing more
+    again = finetune(config)
+    assert again["step"] == best_step and again["steps_trained"] == result["steps_trained"]
 
 
 def test_dev_selected_run_on_a_rising_dev_cer_picks_the_earlier_step(tmp_path: Path) -> None:
