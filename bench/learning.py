@@ -15,8 +15,14 @@
    kmeans_targets_iter2 -> pretrained_checkpoint_iter2 -> downstream_probe (``--probe-seeds`` seeds)
    -> finetuned_asr (CTC fine-tuning of the centralised encoder and of the same architecture from
    scratch on the same labelled subsets of the training speakers, ``--finetune-minutes`` budgets x
-   ``--finetune-seeds`` seeds, greedy and n-gram beam decoding). ``--stages`` runs a subset, e.g.
-   ``--stages data,centralised,probe,finetune`` (the issue-38 fine-tuning table without the federation).
+   ``--finetune-seeds`` seeds, greedy and n-gram beam decoding; issue 44: each model's peak lr chosen
+   once on the dev speakers from [finetune] lr_grid at the smallest budget and first seed, every run
+   evaluated on dev every ``eval_every`` steps, its best checkpoint kept and stopped after
+   ``patience`` evaluations without a better dev CER, up to ``--finetune-steps``). ``--stages`` runs
+   a subset, e.g. ``--stages data,centralised,probe,finetune`` (the fine-tuning table without the
+   federation; about 40 min for its finetune stage on 2 idle cores, see `stage_estimates`).
+   The synthesized corpus uses ``corpus synth --distinct-sentences``: no sentence is read twice, so
+   the held-out speakers' sentences never occur among the labelled, dev or LM text.
    Budgets come from the flags (run config); every other knob from pipeline.toml
    (or ``--settings``); ``--set asset.key=value`` changes one knob of one asset for this run.
 3. Equal compute: the federation gets the centralised run's audio seconds of local training,
@@ -55,6 +61,7 @@ BIN = Path(sys.executable).parent
 CODE_LOCATION = "speech_assets.definitions"
 MIN_FULL_HOURS = 2.0
 MIN_FULL_VOICES = 40
+MIN_FINETUNE_TRAINING_HOURS = 1.5  # the 60-minute labelled budget, the dev speakers and room to draw subsets
 
 # The probe's model names (speech_assets/evaluation/compare.py, defs/probe.py) and how the table names them.
 MODEL_LABELS = {
@@ -94,8 +101,16 @@ class Budgets:
     probe_steps: int
     probe_seeds: tuple[int, ...]
     finetune_minutes: tuple[float, ...] = (5.0, 20.0, 60.0)  # labelled budgets of the training speakers' audio
-    finetune_steps: int = 600  # optimizer steps of every fine-tuning run, pretrained and scratch alike
+    # the ceiling of optimizer steps of every fine-tuning run (each stops early on its dev CER): the
+    # from-scratch model left CTC's blank plateau by step ~400 at 49 labelled minutes (docs/BENCHMARKS.md)
+    finetune_steps: int = 1200
     finetune_seeds: tuple[int, ...] = (0, 1)
+    # dev CER every eval_every steps; stop after patience evaluations without a better one. A run on
+    # the blank plateau (dev CER 1.0) therefore trains at least eval_every x (patience + 1) = 500 steps
+    finetune_eval_every: int = 100
+    finetune_patience: int = 4
+    finetune_dev_speakers: int = 2  # ~68 dev utterances of 2 voices (1 voice: 34, a noisy choice of step)
+    finetune_dev_utterances: int = 100  # scored at each evaluation (all of them here)
 
     def scaled(self, factor: float) -> Budgets:
         """The training budgets (centralised, iteration 2, distillation, hence federated) times ``factor``."""
@@ -155,6 +170,10 @@ SMOKE = Budgets(
     finetune_minutes=(0.5, 1.0),
     finetune_steps=12,
     finetune_seeds=(0,),
+    finetune_eval_every=4,
+    finetune_patience=2,
+    finetune_dev_speakers=1,
+    finetune_dev_utterances=8,
 )
 STAGES = (
     "data",
@@ -186,12 +205,62 @@ class Rates:
         0.012  # one probe step of one model and seed (1,600 steps with their development evaluations: ~20 s)
     )
     probe_features_s_per_model: float = 10.0
-    finetune_audio_per_s: float = 100.0  # one process, tiny, CTC
-    finetune_fixed_s: float = 45.0  # per run: torchrun start-up, data loading, greedy + beam scoring, checkpoint
+    # one fine-tuning run: a process with one thread on an idle core (docs/BENCHMARKS.md, 2026-11-27:
+    # 300 steps x 16 s in 30-40 s of training, ~120-160 audio s/s); runs train a core each at once
+    finetune_audio_per_s: float = 120.0
+    finetune_parallel: int = 2  # runs at once: [finetune] parallel_runs 0 = one per core of 2
+    finetune_eval_audio_per_s: float = 400.0  # a dev evaluation: forward + greedy decoding only
+    finetune_utterance_s: float = 4.9  # synth utterances average ~4.9 s with padding
+    # per run: data loading, held-out greedy + beam scoring, the beam weights' grid on dev, checkpoints
+    finetune_fixed_s: float = 60.0
 
 
-FINETUNE_KNOBS = ("lr", "freeze_steps", "mask_prob", "batch_seconds", "lm_order", "max_eval_utterances", "nproc")
+FINETUNE_KNOBS = (
+    "lr",
+    "lr_grid",
+    "freeze_steps",
+    "freeze_frontend",
+    "mask_prob",
+    "mask_length",
+    "channel_mask_prob",
+    "batch_seconds",
+    "lm_order",
+    "lm_weights",
+    "word_scores",
+    "max_eval_utterances",
+    "nproc",
+    "parallel_runs",
+)
 FINETUNE_BATCH_SECONDS = 16.0  # audio per fine-tuning step: [finetune] batch_seconds' default (for the plan only)
+
+
+def finetune_runs(budgets: Budgets, lr_grid: int) -> int:
+    """Fine-tuning runs of one materialization: the pretrained encoder and scratch at every budget
+    and seed, plus each model's other ``lr_grid - 1`` peak learning rates tried at the smallest
+    budget and first seed (the best of the grid is that point's run)."""
+    return 2 * (len(budgets.finetune_minutes) * len(budgets.finetune_seeds) + max(0, lr_grid - 1))
+
+
+def finetune_estimate(budgets: Budgets, rates: Rates = Rates(), lr_grid: int = 3) -> float:
+    """Wall seconds of the fine-tuning stage when every run trains to its ceiling (early stopping
+    only shortens it): `finetune_runs` in rounds of ``rates.finetune_parallel``, each run its fixed
+    cost, ``finetune_steps`` x 16 s of audio and a dev evaluation every ``finetune_eval_every`` steps.
+
+    The full budgets: 16 runs in 8 rounds of 60 + 1,200 x 16 / 120 + 12 x 68 x 4.9 / 400 = 230 s:
+    ~31 min at most on 2 idle cores, 35 min if a run trains at 100 audio s/s instead of 120; the
+    pretrained runs stop early (dev CER flat for 4 x 100 steps), so less in practice."""
+    evaluations = budgets.finetune_steps // max(1, budgets.finetune_eval_every)
+    dev_audio = (
+        min(budgets.finetune_dev_utterances, budgets.utterances * budgets.finetune_dev_speakers)
+        * rates.finetune_utterance_s
+    )
+    run = (
+        rates.finetune_fixed_s
+        + budgets.finetune_steps * FINETUNE_BATCH_SECONDS / rates.finetune_audio_per_s
+        + evaluations * dev_audio / rates.finetune_eval_audio_per_s
+    )
+    rounds = math.ceil(finetune_runs(budgets, lr_grid) / max(1, rates.finetune_parallel))
+    return rates.launch_s + rounds * run
 
 
 def stage_estimates(
@@ -216,11 +285,7 @@ def stage_estimates(
         "iteration2": central,
         "probe": probe_runs * (rates.launch_s + models * rates.probe_features_s_per_model)
         + models * (len(budgets.probe_seeds) + 2) * budgets.probe_steps * rates.probe_s_per_step,  # + 2: the lr search
-        "finetune": rates.launch_s
-        + 2  # the pretrained encoder and scratch
-        * len(budgets.finetune_minutes)
-        * len(budgets.finetune_seeds)
-        * (rates.finetune_fixed_s + budgets.finetune_steps * FINETUNE_BATCH_SECONDS / rates.finetune_audio_per_s),
+        "finetune": finetune_estimate(budgets, rates),
     }
 
 
@@ -266,15 +331,21 @@ def corpus_info(corpus: Path, synth_seconds: float | None) -> CorpusInfo:
     )
 
 
-def build_corpus(cache: Path, speakers: int, utterances: int, seed: int, sources: str | None) -> CorpusInfo:
+def build_corpus(
+    cache: Path, speakers: int, utterances: int, seed: int, sources: str | None, distinct: bool = True
+) -> CorpusInfo:
     """The corpus for these arguments under ``cache``: reused when a finished one exists, else
-    synthesized into a temporary folder and renamed (an interrupted build is never reused)."""
+    synthesized into a temporary folder and renamed (an interrupted build is never reused).
+    ``distinct``: ``--distinct-sentences``, no sentence read twice, so whichever speakers
+    client_partitions holds out (a hash of the speaker id), their text is disjoint from the rest."""
     from speech_assets.corpus.synth import available_sources
 
     names = sources.split(",") if sources else available_sources()
-    key = f"synth-s{speakers}-u{utterances}-seed{seed}-{'+'.join(names)}"
+    key = f"synth-s{speakers}-u{utterances}-seed{seed}-{'+'.join(names)}{'-distinct' if distinct else ''}"
     corpus, marker = cache / key, cache / f"{key}.done.json"
     arguments = {"speakers": speakers, "utterances": utterances, "seed": seed, "sources": names}
+    if distinct:
+        arguments["distinct_sentences"] = True
     if marker.is_file() and corpus.is_dir() and json.loads(marker.read_text()).get("arguments") == arguments:
         print(f"corpus: reusing {corpus}")
         return corpus_info(corpus, None)
@@ -296,6 +367,7 @@ def build_corpus(cache: Path, speakers: int, utterances: int, seed: int, sources
         str(seed),
         "--sources",
         ",".join(names),
+        *(["--distinct-sentences"] if distinct else []),
     ]
     print("corpus: " + " ".join(command[1:]))
     started = time.perf_counter()
@@ -706,26 +778,73 @@ def check_targets(probe: dict[str, dict[str, Any]], accuracy: dict[str, dict[str
 
 
 # --------------------------------------------------------------------------------------------
-# Fine-tuning (issue 38, item 3): finetuned_asr's results.parquet, summarised as the asset does
+# Fine-tuning (issues 38 and 44): finetuned_asr's results.parquet, summarised as the asset does
 # --------------------------------------------------------------------------------------------
 
-FINETUNE_REFERENCE_MINUTES = 20.0
-FINETUNE_RATIO = 0.7  # pretrained CER <= 0.7x scratch's at the reference budget
+FINETUNE_RATIO_MINUTES = (5.0, 20.0)  # the budgets where pretrained must be <= 0.7x a trained scratch
+FINETUNE_RATIO = 0.7  # pretrained held-out greedy CER <= 0.7x scratch's
+SCRATCH_TRAINED_CER = 0.5  # scratch counts as trained below this greedy CER on its own labelled set
+# per-run columns of results.parquet (issue 44): the same value on every row of one run
+RUN_COLUMNS = ("dev_cer", "lr", "heldout_speakers", "text_overlap", "oov_rate")
+
+
+def _stats(values: Sequence[float | None]) -> dict[str, Any] | None:
+    """Summary of the values that are there (None when none is)."""
+    present = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return asdict(Summary.of(present)) if present else None
+
+
+def finetune_run_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per run (model, budget, seed): its selected step, peak lr, dev CER, greedy CER on
+    its own labelled set (split ``train``), held-out greedy CER, text overlap, OOV rate and held-out
+    speakers (None where results.parquet predates the column)."""
+    runs: dict[tuple[str, float, int], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["model"], float(row["labelled_minutes"]), int(row["seed"]))
+        run = runs.setdefault(
+            key,
+            {
+                "model": key[0],
+                "minutes": key[1],
+                "seed": key[2],
+                "steps": row["steps"],
+                "labelled_seconds": row["labelled_seconds"],
+                **{column: row.get(column) for column in RUN_COLUMNS},
+            },
+        )
+        if row["decoder"] == "greedy":
+            run[f"{row['split']}_row_cer"] = row["cer"]  # train_row_cer, dev_row_cer, heldout_row_cer
+    for run in runs.values():
+        run["train_cer"] = run.get("train_row_cer")  # greedy CER on its own labelled set
+        if run.get("dev_cer") is None:
+            run["dev_cer"] = run.get("dev_row_cer")
+    return list(runs.values())
 
 
 def finetune_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (labelled budget, model, decoder): held-out CER and WER over seeds (mean, sd,
-    range) with the labelled seconds and steps; summarised with the asset's own grouping
-    (:func:`speech_assets.evaluation.finetune_results.as_probe_results`)."""
+    range) with the labelled seconds, the selected steps, the peak lrs, dev CER, greedy CER on the
+    labelled set, text overlap, OOV rate and held-out speakers; summarised with the asset's own
+    grouping (:func:`speech_assets.evaluation.finetune_results.as_probe_results`)."""
     from speech_assets.evaluation.finetune_results import as_probe_results, budgets
     from speech_assets.evaluation.finetune_results import summarise as summarise_results
 
+    runs = finetune_run_table(rows)
     out = []
     for minutes in budgets(rows):
         for decoder in sorted({r["decoder"] for r in rows}, key=lambda d: (d != "greedy", d)):
             for model, held in summarise_results(as_probe_results(rows, decoder, minutes)).items():
-                mine = [r for r in rows if r["model"] == model and r["labelled_minutes"] == minutes]
-                held_rows = [r for r in mine if r["decoder"] == decoder and r["split"] == "heldout"]
+                mine = [r for r in runs if r["model"] == model and r["minutes"] == minutes]
+                held_rows = [
+                    r
+                    for r in rows
+                    if r["model"] == model
+                    and r["labelled_minutes"] == minutes
+                    and r["decoder"] == decoder
+                    and r["split"] == "heldout"
+                ]
+                overlaps = [r["text_overlap"] for r in mine if r.get("text_overlap") is not None]
+                speakers = [r["heldout_speakers"] for r in mine if r.get("heldout_speakers") is not None]
                 out.append(
                     {
                         "minutes": minutes,
@@ -737,22 +856,34 @@ def finetune_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "utterances": held.utterances,
                         "labelled_seconds": statistics.fmean(r["labelled_seconds"] for r in mine),
                         "steps": max(r["steps"] for r in mine),
+                        "selected_steps": sorted(r["steps"] for r in mine),
+                        "lr": sorted({r["lr"] for r in mine if r.get("lr") is not None}),
+                        "dev_cer": _stats([r.get("dev_cer") for r in mine]),
+                        "train_cer": _stats([r.get("train_cer") for r in mine]),
+                        "text_overlap": max(overlaps) if overlaps else None,
+                        "oov_rate": _stats([r.get("oov_rate") for r in mine]),
+                        "heldout_speakers": min(speakers) if speakers else None,
                     }
                 )
     return out
 
 
 def finetune_verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """The asset's own verdict lines (beat scratch, lost, or too small to tell)."""
+    """The asset's own verdict lines (beat scratch, lost, did not train, indicative only, too small to tell)."""
     from speech_assets.evaluation.finetune_results import verdicts
 
     return verdicts(rows) if rows else []
 
 
 def check_finetune_targets(entries: list[dict[str, Any]], probe: dict[str, dict[str, Any]]) -> list[Target]:
-    """The fine-tuning targets of issue 38 on held-out means over seeds: at the reference budget
-    (20 min, else the middle one) pretrained greedy CER <= 0.7x scratch's and below the frozen
-    probe's; the scratch - pretrained CER gap narrows as the budget grows; beam WER below greedy."""
+    """The fine-tuning targets of issue 44 on held-out greedy means over seeds:
+
+    - at 5 and 20 labelled minutes (the budgets of `FINETUNE_RATIO_MINUTES` there are; else every
+      budget but the largest) pretrained CER <= 0.7x scratch's, scratch trained (greedy CER on its
+      own labelled set below 0.5: a scratch that did not train makes the comparison a MISS);
+    - the fine-tuned pretrained encoder below the frozen probe's CER at every budget;
+    - the gap narrows: the ratio at the largest budget >= the ratio at the smallest;
+    - and, as issue 38 had it, beam WER below greedy (with the held-out OOV rate beside it)."""
     if not entries:
         return [Target("fine-tuning targets", "UNMEASURED", "no fine-tuning results (stage not run)")]
 
@@ -764,70 +895,89 @@ def check_finetune_targets(entries: list[dict[str, Any]], probe: dict[str, dict[
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "MISS"
 
+    def ratio(minutes: float) -> float | None:
+        p, s = get(minutes, "pretrained"), get(minutes, "scratch")
+        if not p or not s:
+            return None
+        return p["cer"]["mean"] / s["cer"]["mean"] if s["cer"]["mean"] else math.inf
+
     minutes = sorted({e["minutes"] for e in entries})
-    ref = FINETUNE_REFERENCE_MINUTES if FINETUNE_REFERENCE_MINUTES in minutes else minutes[len(minutes) // 2]
+    checked = [m for m in FINETUNE_RATIO_MINUTES if m in minutes] or minutes[:-1] or minutes
     targets = []
-    pre, scratch = get(ref, "pretrained"), get(ref, "scratch")
-    if pre and scratch:
+    for m in checked:
+        pre, scratch, r = get(m, "pretrained"), get(m, "scratch"), ratio(m)
+        name = f"{m:g} labelled min: pretrained CER <= {FINETUNE_RATIO}x scratch's, scratch trained"
+        if pre is None or scratch is None or r is None:
+            targets.append(Target(name, "UNMEASURED", "no pretrained or scratch rows"))
+            continue
         a, b = Summary(**pre["cer"]), Summary(**scratch["cer"])
-        r = a.mean / b.mean if b.mean else math.inf
+        labelled = scratch.get("train_cer")
+        trained = labelled is not None and labelled["mean"] < SCRATCH_TRAINED_CER
+        own = f"scratch's labelled-set CER {labelled['mean']:.3f}" if labelled else "scratch's labelled-set CER unknown"
         targets.append(
             Target(
-                f"{ref:g} labelled min: pretrained CER <= {FINETUNE_RATIO}x scratch's",
-                verdict(r <= FINETUNE_RATIO),
-                f"pretrained {a.text()}, scratch {b.text()} (ratio {r:.3f}, target <= {FINETUNE_RATIO})",
+                name,
+                verdict(r <= FINETUNE_RATIO and trained),
+                f"pretrained {a.text()}, scratch {b.text()} (ratio {r:.3f}, target <= {FINETUNE_RATIO}); {own} "
+                f"({'trained' if trained else f'NOT trained: needs < {SCRATCH_TRAINED_CER}'})",
             )
         )
-        frozen = probe.get("pretrained")
-        if frozen:
-            f = Summary(**frozen["cer"])
-            targets.append(
-                Target(
-                    f"{ref:g} labelled min: fine-tuned CER below the frozen probe's (same encoder)",
-                    verdict(a.mean < f.mean),
-                    f"fine-tuned {a.text()}, frozen linear probe {f.text()}",
-                )
-            )
-        else:
-            targets.append(
-                Target(
-                    "fine-tuned CER below the frozen probe's", "UNMEASURED", "no probe rows for the pretrained encoder"
-                )
-            )
-    gaps = []
-    for m in minutes:
-        p, s = get(m, "pretrained"), get(m, "scratch")
-        if p and s:
-            gaps.append(
-                (
-                    m,
-                    s["cer"]["mean"] - p["cer"]["mean"],
-                    p["cer"]["mean"] / s["cer"]["mean"] if s["cer"]["mean"] else math.inf,
-                )
-            )
-    if len(gaps) >= 2:
-        narrows = all(later[1] < earlier[1] for earlier, later in zip(gaps, gaps[1:]))
+    frozen = probe.get("pretrained")
+    pairs = [(m, get(m, "pretrained")) for m in minutes]
+    pairs = [(m, e) for m, e in pairs if e]
+    if frozen and pairs:
+        f = Summary(**frozen["cer"])
         targets.append(
             Target(
-                "the pretrained-scratch gap narrows as labelled minutes grow",
-                verdict(narrows),
-                "; ".join(f"{m:g} min: scratch - pretrained CER {g:+.3f} (ratio {r:.2f}x)" for m, g, r in gaps),
+                "fine-tuned pretrained CER below the frozen probe's at every budget",
+                verdict(all(e["cer"]["mean"] < f.mean for _, e in pairs)),
+                "; ".join(f"{m:g} min: {Summary(**e['cer']).text()}" for m, e in pairs)
+                + f" vs frozen linear probe {f.text()}",
+            )
+        )
+    else:
+        targets.append(
+            Target(
+                "fine-tuned pretrained CER below the frozen probe's at every budget",
+                "UNMEASURED",
+                "no probe rows for the pretrained encoder (the probe stage has not run)",
+            )
+        )
+    ratios = [(m, ratio(m)) for m in minutes]
+    ratios = [(m, r) for m, r in ratios if r is not None]
+    if len(ratios) >= 2:
+        (first, r0), (last, r1) = ratios[0], ratios[-1]
+        targets.append(
+            Target(
+                f"the gap narrows: ratio at {last:g} min >= ratio at {first:g} min",
+                verdict(r1 >= r0),
+                "; ".join(f"{m:g} min: pretrained/scratch CER {r:.3f}" for m, r in ratios),
             )
         )
     beams = sorted({e["decoder"] for e in entries} - {"greedy"})
     if not beams:
         targets.append(Target("beam WER below greedy", "UNMEASURED", "no beam decoder rows (flashlight-text missing?)"))
     for beam in beams:
-        pairs = [(m, get(m, "pretrained"), get(m, "pretrained", beam)) for m in minutes]
-        pairs = [(m, g, b) for m, g, b in pairs if g and b]
+        both = [(m, get(m, "pretrained"), get(m, "pretrained", beam)) for m in minutes]
+        both = [(m, g, b) for m, g, b in both if g and b]
+
+        def oov(entry: dict[str, Any]) -> str:
+            return f", OOV {entry['oov_rate']['mean']:.1%}" if entry.get("oov_rate") else ""
+
         targets.append(
             Target(
                 f"pretrained: {beam} WER below greedy at every budget",
-                verdict(all(b["wer"]["mean"] < g["wer"]["mean"] for _, g, b in pairs)),
-                "; ".join(f"{m:g} min: {b['wer']['mean']:.3f} vs {g['wer']['mean']:.3f}" for m, g, b in pairs),
+                verdict(all(b["wer"]["mean"] < g["wer"]["mean"] for _, g, b in both)),
+                "; ".join(f"{m:g} min: {b['wer']['mean']:.3f} vs {g['wer']['mean']:.3f}{oov(b)}" for m, g, b in both),
             )
         )
     return targets
+
+
+def _cell(stats: dict[str, Any] | None, percent: bool = False) -> str:
+    if not stats:
+        return "—"
+    return f"{stats['mean']:.1%}" if percent else Summary(**stats).text()
 
 
 def finetune_markdown(report: dict[str, Any]) -> list[str]:
@@ -835,17 +985,21 @@ def finetune_markdown(report: dict[str, Any]) -> list[str]:
     if not entries:
         return []
     settings = report.get("finetune_settings") or {}
+    grid = settings.get("lr_grid") or [settings.get("lr")]
     lines = [
         "",
-        f"Fine-tuning (`finetuned_asr`): {settings.get('max_steps')} steps per run "
-        f"(encoder frozen {settings.get('freeze_steps')}), lr {settings.get('lr')}, "
-        f"batch {settings.get('batch_seconds')} s, "
-        f"mask_prob {settings.get('mask_prob')}; the same labelled subset and steps for pretrained and scratch; "
-        f"{settings.get('lm_order')}-gram LM and lexicon of the labelled transcripts for the beam decoder. "
-        "Held-out CER / WER, mean ± sd over seeds:",
+        f"Fine-tuning (`finetuned_asr`): each run dev-selected (dev CER every {settings.get('eval_every')} steps on "
+        f"{settings.get('dev_speakers')} dev speaker(s), at most {settings.get('max_dev_utterances')} utterances; "
+        f"stops after {settings.get('patience')} evaluations without a better one; at most "
+        f"{settings.get('max_steps')} steps); peak lr chosen per model on dev from {grid} at the smallest budget, "
+        f"first seed; pretrained encoder frozen {settings.get('freeze_steps')} steps, scratch trains everything "
+        f"from step 0; batch {settings.get('batch_seconds')} s, mask_prob {settings.get('mask_prob')}; the same "
+        f"labelled subset for pretrained and scratch; {settings.get('lm_order')}-gram LM and lexicon of the "
+        "labelled transcripts for the beam decoder (weights tuned on dev). Held-out CER / WER, mean ± sd over seeds:",
         "",
-        "| labelled budget (used) | model | seeds | greedy CER | greedy WER | beam CER | beam WER | held-out utts |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| labelled budget (used) | model | seeds | lr | selected steps | dev CER | labelled-set CER | greedy CER | "
+        "greedy WER | beam CER | beam WER | overlap | held-out OOV | held-out utts (speakers) |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for minutes in sorted({e["minutes"] for e in entries}):
         for model in dict.fromkeys(e["model"] for e in entries if e["minutes"] == minutes):
@@ -858,17 +1012,32 @@ def finetune_markdown(report: dict[str, Any]) -> list[str]:
             )
             cells = [Summary(**greedy["cer"]).text(), Summary(**greedy["wer"]).text()]
             cells += [Summary(**beam["cer"]).text(), Summary(**beam["wer"]).text()] if beam else ["—", "—"]
+            lrs = ", ".join(f"{lr:g}" for lr in greedy.get("lr") or []) or "—"
+            steps = ", ".join(str(s) for s in greedy.get("selected_steps") or [greedy["steps"]])
+            overlap = "—" if greedy.get("text_overlap") is None else str(greedy["text_overlap"])
+            speakers = "" if greedy.get("heldout_speakers") is None else f" ({greedy['heldout_speakers']})"
             lines.append(
                 f"| {minutes:g} min ({greedy['labelled_seconds'] / 60:.1f} min) | {model} | {len(greedy['seeds'])} | "
-                f"{' | '.join(cells)} | {greedy['utterances']} |"
+                f"{lrs} | {steps} | {_cell(greedy.get('dev_cer'))} | {_cell(greedy.get('train_cer'))} | "
+                f"{' | '.join(cells)} | {overlap} | {_cell(greedy.get('oov_rate'), percent=True)} | "
+                f"{greedy['utterances']}{speakers} |"
             )
     frozen = (report.get("probe") or {}).get("pretrained")
     if frozen:
         lines.append(
-            f"| — | frozen linear probe (pretrained) | {len(frozen['seeds'])} | {Summary(**frozen['cer']).text()} | "
-            f"{Summary(**frozen['wer']).text()} | | | {frozen['utterances']} |"
+            f"| — | frozen linear probe (pretrained) | {len(frozen['seeds'])} | | | | | "
+            f"{Summary(**frozen['cer']).text()} | {Summary(**frozen['wer']).text()} | | | | | {frozen['utterances']} |"
         )
-    lines += ["", "| target (issue 38, item 3) | status | measured |", "| --- | --- | --- |"]
+    else:
+        lines.append("| — | frozen linear probe (pretrained) | the probe has not run | | | | | | | | | | | |")
+    speakers = [e["heldout_speakers"] for e in entries if e.get("heldout_speakers") is not None]
+    least = report.get("min_heldout_speakers") or 3
+    if speakers and min(speakers) < least:
+        lines += [
+            "",
+            f"**Indicative only**: {min(speakers)} held-out speaker(s) < [probe] min_heldout_speakers {least}.",
+        ]
+    lines += ["", "| target (issue 44) | status | measured |", "| --- | --- | --- |"]
     lines += [f"| {t['name']} | **{t['status']}** | {t['detail']} |" for t in report.get("finetune_targets") or []]
     lines += [f"- asset verdict: {line}" for line in report.get("finetune_verdicts") or []]
     return lines
@@ -1068,7 +1237,21 @@ def run_stages(
         "checkpoint_every": max(1, budgets.steps // 4),
     }
     stage("data", data)
-    clients = len({row["client_id"] for row in _read_table(runner.data / "clients" / "clients.parquet", ["client_id"])})
+    client_rows = _read_table(runner.data / "clients" / "clients.parquet", ["client_id", "hours", "heldout"])
+    clients = len({row["client_id"] for row in client_rows})
+    training_hours = sum(row["hours"] for row in client_rows if not row["heldout"])
+    print(
+        f"training-side speakers' audio: {training_hours:.2f} h "
+        f"({sum(not row['heldout'] for row in client_rows)} speakers; {sum(row['heldout'] for row in client_rows)} "
+        "held out)",
+        flush=True,
+    )
+    if "finetune" in stages and not args.smoke and training_hours < MIN_FINETUNE_TRAINING_HOURS:
+        print(
+            f"warning: {training_hours:.2f} h of training-speaker audio < {MIN_FINETUNE_TRAINING_HOURS} h: the "
+            f"{max(budgets.finetune_minutes):g}-minute budget and the dev speakers will not both fit",
+            file=sys.stderr,
+        )
     local_steps = budgets.local_steps(clients)
     federated = {"rounds": budgets.rounds, "local_steps": local_steps, "batch_seconds": budgets.fed_batch_seconds}
     stage(
@@ -1114,13 +1297,20 @@ def run_stages(
         rows.extend(probe_rows(runner.data, budgets.probe_seeds[0]))  # a resumed run's earlier probe
 
     finetune_rows: list[dict[str, Any]] = []
+    # issue 44: dev-selected runs up to a ceiling of steps; the lr grid of [finetune] is tried once per
+    # model (smallest budget, first seed) and its choice reused; one launch trains the runs a core each
     finetune_values = {
         "labelled_minutes": list(budgets.finetune_minutes),
         "seeds": list(budgets.finetune_seeds),
         "encoders": ["pretrained"],
         "max_steps": budgets.finetune_steps,
+        "eval_every": budgets.finetune_eval_every,
+        "patience": budgets.finetune_patience,
+        "dev_speakers": budgets.finetune_dev_speakers,
+        "max_dev_utterances": budgets.finetune_dev_utterances,
+        # the pretrained model's freeze phase (scratch trains everything from step 0), within the ceiling
         "freeze_steps": min(settings.finetune.freeze_steps, max(1, budgets.finetune_steps // 6)),
-        "checkpoint_every": max(1, budgets.finetune_steps // 2),
+        "checkpoint_every": budgets.finetune_eval_every,
     }
 
     def finetune(s: Stage) -> None:
@@ -1138,7 +1328,10 @@ def run_stages(
     return {
         "finetune": finetuned,
         "finetune_targets": [asdict(t) for t in check_finetune_targets(finetuned, summary)],
+        "finetune_runs": finetune_run_table(finetune_rows),
         "finetune_verdicts": finetune_verdicts(finetune_rows),
+        "training_speaker_hours": training_hours,
+        "min_heldout_speakers": settings.probe.min_heldout_speakers,
         "finetune_settings": {
             **{k: v for k, v in settings.finetune.model_dump().items() if k in FINETUNE_KNOBS},
             **finetune_values,
@@ -1177,6 +1370,13 @@ def _read_table(path: Path, columns: list[str] | None) -> list[dict[str, Any]]:
 
 def print_plan(budgets: Budgets, clients: int, estimates: dict[str, float]) -> None:
     local = budgets.local_steps(clients)
+    if "finetune" in estimates:
+        print(
+            f"fine-tuning: {finetune_runs(budgets, 3)} runs (pretrained and scratch x "
+            f"{len(budgets.finetune_minutes)} budgets x {len(budgets.finetune_seeds)} seeds, + the other lrs of a "
+            f"3-value grid at the smallest budget), each at most {budgets.finetune_steps} steps, dev CER every "
+            f"{budgets.finetune_eval_every}, patience {budgets.finetune_patience}"
+        )
     print(
         f"equal compute: centralised {budgets.steps} steps x {budgets.batch_seconds:g} s = "
         f"{budgets.central_audio_seconds:,.0f} audio s; "
@@ -1226,7 +1426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--finetune-minutes", help="labelled budgets, comma-separated minutes of the training speakers' audio"
     )
-    parser.add_argument("--finetune-steps", type=int, help="optimizer steps of each fine-tuning run")
+    parser.add_argument(
+        "--finetune-steps", type=int, help="the ceiling of optimizer steps of each fine-tuning run (it stops early)"
+    )
+    parser.add_argument("--finetune-eval-every", type=int, help="fine-tuning steps between dev evaluations")
+    parser.add_argument("--finetune-patience", type=int, help="dev evaluations without improvement before a stop")
     parser.add_argument("--finetune-seeds", type=int, help="number of fine-tuning seeds (0, 1, ...)")
     parser.add_argument(
         "--stages",
@@ -1274,6 +1478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.finetune_minutes
         else None,
         "finetune_steps": args.finetune_steps,
+        "finetune_eval_every": args.finetune_eval_every,
+        "finetune_patience": args.finetune_patience,
         "finetune_seeds": tuple(range(args.finetune_seeds)) if args.finetune_seeds else None,
     }
     if unknown := sorted(set(args.stages) - set(STAGES)):

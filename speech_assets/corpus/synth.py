@@ -34,6 +34,11 @@ The committed sample corpus ``data/sample`` was made from the repository root wi
 the same corpus), on Debian 12 with espeak-ng 1.51, flite 2.2, festival 2.5, hibari-tts 0.2.1,
 piper-tts 1.8.0, torchaudio 2.11 and libsndfile 1.2.2. Other versions give other bytes; the sample is
 committed so that nothing needs a TTS engine to read it.
+
+``--distinct-sentences`` gives every utterance a sentence no other utterance reads (the built-in list
+grows to speakers x utterances), so the text of whichever speakers a split holds out is disjoint from
+the other speakers' (bench/learning.py's corpus: labelled, dev and LM text never contain a held-out
+sentence, and nothing needs to be dropped for it).
 """
 
 from __future__ import annotations
@@ -200,11 +205,12 @@ def _make_sentence(index: int) -> str:
     return sentence[0].upper() + sentence[1:]
 
 
-def builtin_sentences() -> tuple[str, ...]:
-    """The built-in sentence list (distinct, fixed order), as spoken by the engines."""
+def builtin_sentences(count: int = NUM_SENTENCES) -> tuple[str, ...]:
+    """The first ``count`` built-in sentences (distinct, fixed order), as spoken by the engines; a
+    longer list starts with every shorter one."""
     sentences: dict[str, None] = {}
     index = 0
-    while len(sentences) < NUM_SENTENCES:
+    while len(sentences) < count:
         sentences.setdefault(_make_sentence(index))
         index += 1
     return tuple(sentences)
@@ -546,6 +552,24 @@ def _write_speakers_txt(out_dir: Path, rows: Sequence[tuple[str, SpeakerVoice, f
     (out_dir / "SPEAKERS.TXT").write_text(header + body, encoding="utf-8")
 
 
+def speaker_sentences(speakers: int, utterances: int, seed: int, distinct: bool = False) -> list[list[str]]:
+    """The sentences each speaker reads, in order.
+
+    By default every speaker reads ``utterances`` consecutive sentences of a seeded shuffle of the
+    `NUM_SENTENCES` built-in ones, wrapping around, so that a corpus of more than `NUM_SENTENCES`
+    utterances has sentences read by several voices. With ``distinct`` the list grows to
+    ``speakers x utterances`` sentences and each is read once: every speaker has its own sentence
+    pool, so whichever speakers a split holds out, their text is disjoint from every other speaker's.
+    """
+    total = speakers * utterances
+    sentences = builtin_sentences(max(NUM_SENTENCES, total) if distinct else NUM_SENTENCES)
+    order = np.random.default_rng([seed]).permutation(len(sentences))
+    return [
+        [sentences[order[(index * utterances + n) % len(order)]] for n in range(utterances)]
+        for index in range(speakers)
+    ]
+
+
 def _synth_speaker(
     out_dir: Path,
     speaker_index: int,
@@ -585,10 +609,12 @@ def synthesize_corpus(
     utterances: int,
     seed: int,
     sources: Sequence[str] | None = None,
+    distinct_sentences: bool = False,
 ) -> SynthReport:
     """Write a deterministic LibriSpeech-layout corpus of ``speakers`` x ``utterances`` to ``out_dir``.
 
     ``sources`` names the TTS engines to use (see `ENGINES`); ``None`` uses every one installed.
+    ``distinct_sentences``: no two utterances read the same sentence (`speaker_sentences`).
     Raises `SourceUnavailableError` (naming the package to install) when a source is missing,
     `ValueError` for unknown sources, bad counts or a non-empty ``out_dir``.
     """
@@ -599,8 +625,7 @@ def synthesize_corpus(
         raise ValueError(f"output directory {out_dir} is not empty")
     engines = _load_engines(sources)
     cycle = _voice_cycle(engines)
-    all_sentences = builtin_sentences()
-    order = np.random.default_rng([seed]).permutation(len(all_sentences))
+    pools = speaker_sentences(speakers, utterances, seed, distinct_sentences)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     rows: list[tuple[str, SpeakerVoice, float]] = []
@@ -608,8 +633,7 @@ def synthesize_corpus(
     for index in range(speakers):
         engine, base = cycle[index % len(cycle)]
         voice = _speaker_voice(engine, base, np.random.default_rng([seed, index, 2]))
-        picks = [all_sentences[order[(index * utterances + n) % len(order)]] for n in range(utterances)]
-        written = _synth_speaker(out_dir, index, engine, voice, picks, seed)
+        written = _synth_speaker(out_dir, index, engine, voice, pools[index], seed)
         chapters += len({u.path.parent for u in written})
         rows.append((str(FIRST_SPEAKER_ID + index), voice, sum(u.seconds for u in written)))
     _write_speakers_txt(out_dir, rows, seed)
@@ -642,12 +666,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated TTS sources from {', '.join(ENGINES)} (default: every installed one)",
     )
+    parser.add_argument(
+        "--distinct-sentences",
+        action="store_true",
+        help="no sentence is read twice: each speaker has its own sentence pool, so held-out speakers' text "
+        f"never occurs among the training speakers' (default: {NUM_SENTENCES} sentences shared by every speaker)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the synthesis for parsed arguments; prints a summary, returns the exit status."""
     try:
-        report = synthesize_corpus(args.out, args.speakers, args.utterances, args.seed, args.sources)
+        report = synthesize_corpus(
+            args.out, args.speakers, args.utterances, args.seed, args.sources, args.distinct_sentences
+        )
     except (SourceUnavailableError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -190,6 +190,32 @@ def test_builtin_sentences() -> None:
         assert TRANSCRIPT.match(synth.transcript_of(sentence))
 
 
+def test_distinct_sentences_make_speakers_text_disjoint() -> None:
+    """bench/learning.py's corpus (48 x 34 utterances, more than the 480 shared sentences): with
+    ``distinct`` no sentence is read twice, so any held-out speakers' text is disjoint from the rest."""
+    pools = synth.speaker_sentences(48, 34, seed=0, distinct=True)
+    assert [len(pool) for pool in pools] == [34] * 48
+    texts = [synth.transcript_of(sentence) for pool in pools for sentence in pool]
+    assert len(set(texts)) == 48 * 34
+    held = {synth.transcript_of(s) for pool in pools[::10] for s in pool}
+    assert not held & {synth.transcript_of(s) for i, pool in enumerate(pools) if i % 10 for s in pool}
+    shared = synth.speaker_sentences(48, 34, seed=0)  # the default: 480 sentences read by several voices
+    assert len({s for pool in shared for s in pool}) == synth.NUM_SENTENCES
+    assert synth.builtin_sentences(2000)[: synth.NUM_SENTENCES] == synth.builtin_sentences()
+
+
+def test_distinct_sentences_option_writes_distinct_transcripts(
+    tmp_path: Path, fake_engine: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(synth, "NUM_SENTENCES", 5)  # 12 utterances of 5 shared sentences by default
+    for flag, distinct in (([], 5), (["--distinct-sentences"], 12)):
+        out = tmp_path / str(distinct)
+        argv = ["--out", str(out), "--speakers", "3", "--utterances", "4", "--sources", "fake", *flag]
+        assert synth.main(argv) == 0
+        assert len(set(read_transcripts(out).values())) == distinct
+    assert "wrote 12 utterances" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- sources
 
 
