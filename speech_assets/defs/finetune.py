@@ -1,9 +1,10 @@
 """Stage 5: from pretrained encoder to speech recogniser: `finetuned_asr`, CTC fine-tuning against a
 from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
 
-Each (model, labelled budget, seed) is one run of the fine-tuning worker
+Each model first tries each peak lr of ``lr_grid`` (smallest budget, first seed) and keeps the one with the
+lowest dev CER; then each (model, labelled budget, seed) is one run of the fine-tuning worker
 (speech_assets/evaluation/finetune.py), planned without Dagster (speech_assets/evaluation/finetune_plan.py),
-in its own run folder; the runs not finished before train in a single launch (on a CPU several at once, a
+in its own run folder; each phase's runs not finished before train in a single launch (on a CPU several at once, a
 process each), like every training loop (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`); torch
 is imported inside the asset.
 """
@@ -72,7 +73,10 @@ def finetuned_asr(
     """CTC fine-tuning on characters (the probe's 29 tokens, a linear head on the last layer) of
     each encoder and of the same architecture from scratch, on the same seeded labelled subset of
     the training speakers per budget (`labelled_minutes`) and seed; greedy (and n-gram beam, when
-    installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. The pretrained
+    installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. No labelled or dev
+    sentence is a held-out one; the dev set (`dev_speakers` training-side speakers never labelled)
+    selects each run's step and, first, each model's peak lr of `lr_grid` (at the smallest budget and
+    the first seed; every other run then uses it). The pretrained
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
     from speech_assets.evaluation.finetune_plan import (
@@ -128,7 +132,7 @@ def finetuned_asr(
         f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {oov_by_budget(runs)}"
     )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
-    unused = {run.lr_key: folder for run, folder in zip(plan.tuning, tuned.values()) if folder not in planned.values()}
+    unused = {key: folder for key, folder in tuned.items() if folder not in planned.values()}  # lrs not chosen
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
@@ -156,7 +160,7 @@ def finetuned_asr(
             "available_labelled_minutes": round(plan.pool.available_minutes, 2),
             "run_dirs": dg.MetadataValue.json(
                 {f"{m}/{b:g}min/seed{s}": str(Path(r["checkpoint"]).parent) for (m, b, s), r in runs.items()}
-                | {f"{m}/lr{lr:g}": str(folder) for (m, lr), folder in unused.items()}  # tuning runs not reused
+                | {f"{m}/lr{lr:g}": str(folder) for (m, lr), folder in unused.items()}
             ),
             "input_versions": dg.MetadataValue.json(
                 bounded_versions(

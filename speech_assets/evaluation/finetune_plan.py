@@ -293,8 +293,9 @@ def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple
 
 def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: list[str]) -> dict[str, Any]:
     """The ``[finetune]`` updates that name one run (and its folder): its budget, seed, model,
-    decoders and peak ``lr``; scratch trains every parameter from step 0 (no freeze phase, no
-    frozen front end: those are pretrained-model settings), which its config says."""
+    decoders and peak ``lr`` (not the grid it was tried from); scratch trains every parameter from
+    step 0 (no freeze phase, no frozen front end: those are pretrained-model settings), which its
+    config says."""
     return {
         "labelled_minutes": [minutes],
         "seeds": [seed],
@@ -302,6 +303,7 @@ def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: lis
         "decoders": decoders,
         "parallel_runs": 0,  # how many runs train at once does not name a run
         "lr": lr,
+        "lr_grid": [],  # nor does the grid its lr was tried from
         **({"freeze_steps": 0, "freeze_frontend": False} if model == SCRATCH else {}),
     }
 

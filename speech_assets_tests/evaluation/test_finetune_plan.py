@@ -71,6 +71,7 @@ def test_plan_runs_every_model_budget_and_seed_on_one_subset_per_budget_and_seed
             "decoders": ["greedy"],
             "parallel_runs": 0,  # how many train at once never names a run
             "lr": 1e-3,
+            "lr_grid": [],  # nor does the grid the lr was chosen from
             # scratch trains every parameter from step 0, and its config says so
             **({"freeze_steps": 0, "freeze_frontend": False} if run.model == "scratch" else {}),
         }
