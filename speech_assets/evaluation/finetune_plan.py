@@ -140,7 +140,7 @@ class FinetunePlan:
     the beam decoder is missing, when it was asked for and is), the sorted ``budgets``, the
     ``seeds``, the data versions every run shares (``base_versions``), each encoder's asset
     (``encoder_assets``), the sorted learning rates each model tries (``lrs``: ``lr_grid``, or
-    ``[lr]`` without a grid) and the ``tuning`` runs (every model x lr of ``lrs`` at the smallest
+    ``[lr]`` without a grid or a dev set) and the ``tuning`` runs (every model x lr of ``lrs`` at the smallest
     budget and the first seed; none when there is one lr to try)."""
 
     encoders: dict[str, Checkpoint]
@@ -409,16 +409,18 @@ def plan_finetune(
         f"{len(test_speakers)} speakers; {pool.overlap_dropped} training-side utterances dropped: their "
         f"sentence is a held-out one"
     )
-    if options.dev_speakers > 0 and not pool.dev_speakers:
-        warn(
-            f"no dev speaker: {len(pool.labelling_speakers)} training speaker(s) with usable utterances, one is "
-            f"kept to label; each run trains its max_steps and keeps its last step"
-        )
+    lrs = sorted(set(float(lr) for lr in options.lr_grid)) or [float(options.lr)]
+    if not pool.dev_texts:  # nothing to choose an lr on
+        lrs = [float(options.lr)]
+        if options.dev_speakers > 0:
+            warn(
+                f"no dev speaker: {len(pool.labelling_speakers)} training speaker(s) with usable utterances, one is "
+                f"kept to label; each run trains its max_steps and keeps its last step, at lr {options.lr:g}"
+            )
     decoders, missing_decoder = choose_decoders(options.decoders, warn)
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
     seeds = list(options.seeds)
-    lrs = sorted(set(float(lr) for lr in options.lr_grid)) or [float(options.lr)]
     models = [*encoders, SCRATCH]
     tuning = (
         plan_runs(

@@ -351,8 +351,11 @@ def test_plan_finetune_warns_without_a_second_training_speaker(tmp_path: Path) -
     assert [c.utt_id for c in found.pool.candidates] == ["a-c-0", "a-c-1"]
     assert warned == [
         "no dev speaker: 1 training speaker(s) with usable utterances, one is kept to label; each run trains its "
-        "max_steps and keeps its last step"
+        "max_steps and keeps its last step, at lr 0.002"
     ]
+    # no dev set to choose on: no tuning runs, every model at `lr`
+    assert found.tuning == [] and found.lrs == [2e-3]
+    assert {r.lr for r in found.final_runs(found.untuned(), warned.append)} == {2e-3}
 
 
 def test_choose_lrs_takes_the_lowest_dev_cer_ties_to_the_smaller_and_none_as_worst(tmp_path: Path) -> None:
