@@ -20,8 +20,9 @@ materialize() { dagster asset materialize -m speech_assets.definitions "$@"; }
 # downstream_probe, finetuned_asr (CTC fine-tuning against a from-scratch baseline, and the
 # recogniser `speech-assets transcribe` uses), then dataset_stats; Dagster orders the steps by their dependencies and the
 # `training` pool runs one trainer at a time. Its run config: the demo's shorter budgets (fewer
-# federated local steps, a 40-step distillation, fine-tuning on 1 labelled minute for 300 steps
-# with two seeds, its four runs two at a time in one launch; the probe in one thread beside them:
+# federated local steps, a 40-step distillation, fine-tuning on 1 labelled minute for at most 300 steps
+# with two seeds, each model's lr chosen on the dev set first, two runs at a time in two launches; the
+# probe in one thread beside them:
 # the demo stays within a few minutes on 2 cores), each asset's part replaced by
 # TRAIN_CONFIG_JSON / FEDERATED_CONFIG_JSON / DISTILL_CONFIG_JSON / PROBE_CONFIG_JSON /
 # FINETUNE_CONFIG_JSON where set. MODEL_ASSETS narrows the run's selection.
@@ -31,7 +32,13 @@ import json, os, sys
 ops = {
     "federated_checkpoint": {"config": {"rounds": 3, "local_steps": 20}},
     "distilled_checkpoint": {"config": {"max_steps": 40}},
-    "finetuned_asr": {"config": {"labelled_minutes": [1.0], "seeds": [0, 1], "max_steps": 300, "freeze_steps": 50, "batch_seconds": 8.0}},
+    # fine-tuning: 1 labelled minute, 2 seeds, the default lr grid (3 values). Phase 1 trains 3 lrs x 2 models
+    # (seed 0), phase 2 the 2 seed-1 runs: 8 runs, 2 at a time. Each stops once 2 dev evaluations (every 50
+    # steps, on at most 30 dev utterances) have not improved: a scratch model stuck on blanks stops at step
+    # ~150, a pretrained one at the latest at the ceiling, 300 steps (the old demo's fixed 300). Estimate from
+    # the old demo's 103 s for 4 x 300 steps: ~(6 x 225 / 2 + 300) steps x 0.17 s + 2 launches ~ 3 min, within
+    # `make demo`'s 8 minutes; a larger ceiling (600) would let pretrained run up to twice as long.
+    "finetuned_asr": {"config": {"labelled_minutes": [1.0], "seeds": [0, 1], "max_steps": 300, "eval_every": 50, "patience": 2, "max_dev_utterances": 30, "freeze_steps": 50, "batch_seconds": 8.0}},
     # the probe runs beside fine-tuning's processes (one per core): one thread leaves them their cores
     "downstream_probe": {"config": {"threads": 1}},
 }

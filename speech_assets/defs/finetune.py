@@ -1,9 +1,10 @@
 """Stage 5: from pretrained encoder to speech recogniser: `finetuned_asr`, CTC fine-tuning against a
 from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
 
-Each (model, labelled budget, seed) is one run of the fine-tuning worker
+Each model first tries each peak lr of ``lr_grid`` (smallest budget, first seed) and keeps the one with the
+lowest dev CER; then each (model, labelled budget, seed) is one run of the fine-tuning worker
 (speech_assets/evaluation/finetune.py), planned without Dagster (speech_assets/evaluation/finetune_plan.py),
-in its own run folder; the runs not finished before train in a single launch (on a CPU several at once, a
+in its own run folder; each phase's runs not finished before train in a single launch (on a CPU several at once, a
 process each), like every training loop (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`); torch
 is imported inside the asset.
 """
@@ -47,7 +48,7 @@ from speech_assets.utils import atomic_path, atomic_write_text, from_fields, pub
 if TYPE_CHECKING:
     from speech_assets.evaluation.finetune_plan import PlannedRun
 
-FINETUNE_CODE_VERSION = "finetune-v1"
+FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
 ENCODER_ASSETS = CHECKPOINT_ASSETS  # every encoder it may fine-tune
 
 
@@ -72,10 +73,21 @@ def finetuned_asr(
     """CTC fine-tuning on characters (the probe's 29 tokens, a linear head on the last layer) of
     each encoder and of the same architecture from scratch, on the same seeded labelled subset of
     the training speakers per budget (`labelled_minutes`) and seed; greedy (and n-gram beam, when
-    installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. The pretrained
+    installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. No labelled or dev
+    sentence is a held-out one; the dev set (`dev_speakers` training-side speakers never labelled)
+    selects each run's step and, first, each model's peak lr of `lr_grid` (at the smallest budget and
+    the first seed; every other run then uses it). The pretrained
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
     parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
-    from speech_assets.evaluation.finetune_plan import FinetuneRefused, collect_results, plan_finetune
+    from speech_assets.evaluation.finetune_plan import (
+        FinetuneRefused,
+        choose_lrs,
+        collect_results,
+        lr_table,
+        oov_by_budget,
+        plan_finetune,
+        text_overlap,
+    )
     from speech_assets.evaluation.finetune_results import markdown_tables, results_table, verdicts
 
     options = effective(settings.finetune, config)
@@ -93,28 +105,34 @@ def finetuned_asr(
             log=context.log.info,
             warn=context.log.warning,
         )
-    except (FinetuneRefused, ProbeLeak) as error:
-        raise dg.Failure(description=str(error)) from error
-    root = paths.finetune.root
-    folders = {run.key: _plan(context, paths, root, options, run) for run in plan.runs}
-    planned = {key: run_dir for key, (run_dir, _) in folders.items()}
-    pending = list(dict.fromkeys(run_dir for run_dir, done in folders.values() if not done))
-    if pending:
-        _train(context, pipes_subprocess_client, paths, root, options, pending, plan.base_versions)
-    try:
+        # phase 1: every model tries each lr of the grid at the smallest budget, first seed; the lowest dev CER wins
+        folders = _run_all(context, pipes_subprocess_client, paths, options, plan.tuning, plan.base_versions)
+        tuned = dict(zip((run.lr_key for run in plan.tuning), folders, strict=True))
+        chosen, dev_cers = choose_lrs(tuned) if tuned else (plan.untuned(), {})
+        context.log.info(f"peak lr chosen on the dev set: {chosen}")
+        # phase 2: every budget and seed with the chosen lr (the tuning run of that lr is one of them, reused)
+        final = plan.final_runs(chosen, context.log.warning)
+        folders = _run_all(context, pipes_subprocess_client, paths, options, final, plan.base_versions)
+        planned = dict(zip((run.key for run in final), folders, strict=True))
         rows, runs = collect_results(planned)
-    except FinetuneRefused as error:
+    except (FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
     target = paths.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
     first, largest, seed = plan.recogniser_key
-    chosen = runs[plan.recogniser_key]
-    exported = _export(context, paths, chosen, plan.pool.heldout_texts, settings)
+    chosen_run = runs[plan.recogniser_key]
+    exported = _export(context, paths, chosen_run, plan.pool.heldout_texts, settings)
     lines = verdicts(rows)
     for line in lines:
         context.log.info(line)
+    overlap = text_overlap(runs)
+    context.log.info(
+        f"text overlap with the held-out sentences: {overlap} labelled/dev utterances "
+        f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {oov_by_budget(runs)}"
+    )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
+    unused = {key: folder for key, folder in tuned.items() if folder not in planned.values()}  # lrs not chosen
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
@@ -122,7 +140,7 @@ def finetuned_asr(
             "results": dg.MetadataValue.md(markdown_tables(rows, _probe_reference(paths))),
             "results_file": dg.MetadataValue.path(str(target)),
             **_wer_curve(rows),
-            **training_curve_metadata(Path(chosen["checkpoint"]).parent),  # the exported recogniser's run
+            **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],
@@ -130,11 +148,19 @@ def finetuned_asr(
             **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
             "labelled_minutes": dg.MetadataValue.json(plan.budgets),
             "seeds": dg.MetadataValue.json(plan.seeds),
+            "lr_grid": dg.MetadataValue.md(lr_table(plan.lrs, chosen, dev_cers)),
+            "lr_chosen": dg.MetadataValue.json(chosen),
+            "text_overlap": overlap,  # labelled and dev utterances whose sentence is a held-out one: must be 0
+            "overlap_dropped": plan.pool.overlap_dropped,
+            "heldout_oov_rate": dg.MetadataValue.json(oov_by_budget(runs)),
+            "dev_speakers": dg.MetadataValue.json(plan.pool.dev_speakers[:50]),
+            "dev_utterances": len(plan.pool.dev_texts),
             "heldout_utterances": len(plan.pool.heldout_texts),
             "heldout_speakers": dg.MetadataValue.json(plan.pool.test_speakers[:50]),
             "available_labelled_minutes": round(plan.pool.available_minutes, 2),
             "run_dirs": dg.MetadataValue.json(
                 {f"{m}/{b:g}min/seed{s}": str(Path(r["checkpoint"]).parent) for (m, b, s), r in runs.items()}
+                | {f"{m}/lr{lr:g}": str(folder) for (m, lr), folder in unused.items()}
             ),
             "input_versions": dg.MetadataValue.json(
                 bounded_versions(
@@ -155,6 +181,18 @@ def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speak
     }
 
 
+def _run_all(
+    context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
+) -> list[Path]:
+    """The folder of each of ``runs`` (:func:`_plan`), those not finished before trained in one launch."""
+    root = paths.finetune.root
+    folders = [_plan(context, paths, root, options, run) for run in runs]
+    pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
+    if pending:
+        _train(context, client, paths, root, options, pending, versions)
+    return [run_dir for run_dir, _ in folders]
+
+
 def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
     """(the folder of ``run`` (named by its inputs' versions and its settings), whether it finished
     before); its labelled utterances and config are written unless it did."""
@@ -164,13 +202,13 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
     job = options.model_copy(update=run.settings)
     run_dir = run_folder(FinetuneFiles(root).runs, run.versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
-        context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}: done before in {run_dir}")
+        context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}, lr {run.lr:g}: done before in {run_dir}")
         return run_dir, True
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(RunFiles(run_dir).labelled, run.labelled_text)
-    config = from_fields(
+    config = from_fields(  # from the run's own settings: its lr, and for scratch no freezing
         FinetuneConfig,
-        options,
+        job,
         run_dir=str(run_dir),
         shards=[str(paths.shard_file(s)) for s in run.shard_speakers],
         cmvn=str(paths.cmvn.cmvn),
@@ -186,13 +224,13 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
         max_frames=options.max_frames,
         mlflow_tracking_uri=paths.mlflow_tracking_uri,
         mlflow_artifact_location=paths.mlflow_artifact_location,
-        mlflow_run_name=f"finetune-{run.model}-{run.minutes:g}min-s{run.seed}-{run_dir.name}",
+        mlflow_run_name=f"finetune-{run.model}-{run.minutes:g}min-s{run.seed}-lr{run.lr:g}-{run_dir.name}",
         dagster_run_id=context.run.run_id,
     )
     config.to_json(RunFiles(run_dir).config)
     context.log.info(
         f"to fine-tune: {run.model} on {len(run.labelled['train'])} labelled utterances ({run.minutes:g} min "
-        f"budget), seed {run.seed}"
+        f"budget), seed {run.seed}, peak lr {run.lr:g}"
     )
     return run_dir, False
 
@@ -322,6 +360,9 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             labelled = RunFiles(Path(result["checkpoint"]).parent).labelled
             texts = json.loads(labelled.read_text(encoding="utf-8"))
             spec["beam"] = decoding.write_lm_files(list(texts["train"].values()), trained["lm_order"], staging)
+            if "beam" in result:  # the weights the run chose on its dev set
+                spec["beam"]["lm_weight"] = result["beam"]["lm_weight"]
+                spec["beam"]["word_score"] = result["beam"]["word_score"]
         atomic_write_text(RecogniserFiles(staging).card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:

@@ -2,23 +2,30 @@
 
 :func:`plan_finetune` picks the encoders (:func:`choose_encoders`), splits the speakers as the probe
 does (:func:`~speech_assets.evaluation.protocol.probe_split`), gathers the utterances CTC can learn
-from (:func:`labelled_pool`), picks the decoders (:func:`choose_decoders`) and plans one run per
-(model, labelled budget, seed) (:func:`plan_runs`); :func:`collect_results` reads every planned
-run's result into the rows of ``results.parquet``. The asset resolves what only Dagster knows
-(checkpoints, data versions), names and writes each run's folder, and trains the runs
-(:mod:`speech_assets.evaluation.finetune` is the worker); a refusal here is a
-:class:`FinetuneRefused` with the message the asset fails with.
+from (:func:`labelled_pool`: the labelling candidates, a dev set of training-side speakers never
+labelled, the held-out set, no training-side sentence among the held-out ones) and picks the
+decoders (:func:`choose_decoders`). The runs train in two phases: each model (every encoder, and
+scratch) first tries every peak learning rate of ``lr_grid`` at the smallest budget and first seed
+(:attr:`FinetunePlan.tuning`), :func:`choose_lrs` keeps per model the one with the lowest dev CER,
+then :meth:`FinetunePlan.final_runs` plans one run per (model, labelled budget, seed) with it
+(:func:`plan_runs`; the tuning run of the chosen lr is one of them, the same run folder).
+:func:`collect_results` reads every final run's result into the rows of ``results.parquet``. The
+asset resolves what only Dagster knows (checkpoints, data versions), names and writes each run's
+folder, and trains the runs (:mod:`speech_assets.evaluation.finetune` is the worker); a refusal
+here is a :class:`FinetuneRefused` with the message the asset fails with.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import ClientsTable
@@ -34,6 +41,8 @@ from speech_assets.utils import sha256_strings
 PRETRAINED = "pretrained"  # the encoder always there, whose architecture `scratch` re-initialises
 Checkpoint = tuple[str, str]  # (``final.pt`` path, its asset's data version)
 RunKey = tuple[str, float, int]  # (model, labelled minutes, seed)
+LrKey = tuple[str, float]  # (model, peak lr) of a tuning run
+DEV_SEED = 0xDE5  # the fixed seed that orders the training speakers to pick the dev speakers
 
 
 class FinetuneRefused(ValueError):
@@ -49,13 +58,20 @@ class FinetuneOptions(Protocol):
     decoders: list[str]
     max_frames: int
     max_eval_utterances: int
+    lr: float
+    lr_grid: list[float]
+    dev_speakers: int
+    max_dev_utterances: int
 
 
 @dataclass(frozen=True)
 class LabelledPool:
     """The utterances of one speaker split: the training speakers' labelling ``candidates``, the
     scored held-out utterances (``heldout_texts``: ``{utt_id: text}``), every normalised
-    transcript of the manifest and how many transcribed utterances CTC cannot use (``skipped``)."""
+    transcript of the manifest and how many transcribed utterances CTC cannot use (``skipped``);
+    the ``dev_speakers`` (training-side speakers never labelled) and their scored utterances
+    (``dev_texts``); how many training-side utterances were dropped because their sentence is a
+    held-out one (``overlap_dropped``: neither a candidate nor in the dev set)."""
 
     train_speakers: list[str]
     test_speakers: list[str]
@@ -63,20 +79,30 @@ class LabelledPool:
     heldout_texts: dict[str, str]
     transcripts: dict[str, str]
     skipped: int
+    dev_speakers: list[str] = field(default_factory=list)
+    dev_texts: dict[str, str] = field(default_factory=dict)
+    overlap_dropped: int = 0
 
     @property
     def available_minutes(self) -> float:
         """Minutes of audio of every labelling candidate."""
         return sum(c.seconds for c in self.candidates) / 60
 
+    @property
+    def labelling_speakers(self) -> list[str]:
+        """The training speakers whose utterances may be labelled: all but the dev speakers."""
+        return [s for s in self.train_speakers if s not in self.dev_speakers]
+
 
 @dataclass(frozen=True)
 class PlannedRun:
     """One fine-tuning run: ``model`` (an encoder's name or ``scratch``) starting from ``encoder``
-    (a checkpoint path) on ``labelled`` (``{"train": {utt_id: text}, "heldout": {utt_id: text}}``,
-    written as ``labelled_text``), with the ``[finetune]`` settings of this run alone (``settings``:
-    the updates of the section that name it) and its inputs' ``versions`` (the encoder's asset,
-    the manifest, clients and shards, and ``labelled``: the hash of ``labelled_text``)."""
+    (a checkpoint path) with peak learning rate ``lr`` on ``labelled`` (``{"train": {utt_id:
+    text}, "dev": {...}, "heldout": {...}}``, written as ``labelled_text``), with the
+    ``[finetune]`` settings of this run alone (``settings``: the updates of the section that name
+    it, its ``lr`` among them, and for scratch no freezing) and its inputs' ``versions`` (the
+    encoder's asset, the manifest, clients and shards, and ``labelled``: the hash of
+    ``labelled_text``)."""
 
     model: str
     minutes: float
@@ -86,10 +112,15 @@ class PlannedRun:
     labelled_text: str
     settings: dict[str, Any]
     versions: dict[str, str]
+    lr: float
 
     @property
     def key(self) -> RunKey:
         return (self.model, self.minutes, self.seed)
+
+    @property
+    def lr_key(self) -> LrKey:
+        return (self.model, self.lr)
 
     @property
     def init(self) -> str:
@@ -107,7 +138,10 @@ class FinetunePlan:
     """Every run of one materialization and what its report says: the ``encoders`` fine-tuned
     (name -> checkpoint, in the settings' order), the labelled ``pool``, the ``decoders`` (and why
     the beam decoder is missing, when it was asked for and is), the sorted ``budgets``, the
-    ``seeds``, the data versions every run shares (``base_versions``) and the ``runs``."""
+    ``seeds``, the data versions every run shares (``base_versions``), each encoder's asset
+    (``encoder_assets``), the sorted learning rates each model tries (``lrs``: ``lr_grid``, or
+    ``[lr]`` without a grid or a dev set) and the ``tuning`` runs (every model x lr of ``lrs`` at the smallest
+    budget and the first seed; none when there is one lr to try)."""
 
     encoders: dict[str, Checkpoint]
     pool: LabelledPool
@@ -116,12 +150,37 @@ class FinetunePlan:
     budgets: list[float]
     seeds: list[int]
     base_versions: dict[str, str]
-    runs: list[PlannedRun]
+    encoder_assets: dict[str, str]
+    lrs: list[float]
+    tuning: list[PlannedRun]
+
+    @property
+    def models(self) -> list[str]:
+        """Every encoder, then scratch."""
+        return [*self.encoders, SCRATCH]
 
     @property
     def recogniser_key(self) -> RunKey:
         """The run exported as the recogniser: the first encoder, the largest budget, the first seed."""
         return (next(iter(self.encoders)), self.budgets[-1], self.seeds[0])
+
+    def final_runs(self, chosen: Mapping[str, float], warn: Callable[[str], None]) -> list[PlannedRun]:
+        """Every (budget, seed, model) run with the model's ``chosen`` lr (:func:`plan_runs`)."""
+        return plan_runs(
+            self.encoders,
+            self.pool,
+            self.budgets,
+            self.seeds,
+            self.decoders,
+            self.base_versions,
+            self.encoder_assets,
+            warn,
+            {model: [chosen[model]] for model in self.models},
+        )
+
+    def untuned(self) -> dict[str, float]:
+        """Each model's lr when nothing is tuned (one lr to try)."""
+        return {model: self.lrs[0] for model in self.models}
 
 
 def choose_encoders(
@@ -149,6 +208,18 @@ def checkpoint_speakers(checkpoint: str) -> dict | None:
     return torch.load(checkpoint, map_location="cpu", weights_only=True).get("speakers")
 
 
+def dev_speakers_of(speakers: Collection[str], wanted: int) -> list[str]:
+    """``wanted`` of ``speakers`` (at most all but one: one is left to label; none of fewer than
+    two), sorted: the first of a fixed-seed permutation of the sorted speakers, so the same
+    speakers whatever their order."""
+    ordered = sorted(set(speakers))
+    count = min(max(wanted, 0), len(ordered) - 1)
+    if count <= 0:
+        return []
+    order = np.random.default_rng(DEV_SEED).permutation(len(ordered))
+    return sorted(ordered[i] for i in order[:count].tolist())
+
+
 def labelled_pool(
     manifest_file: str | os.PathLike[str],
     shard_file: Callable[[str], Path],
@@ -156,17 +227,24 @@ def labelled_pool(
     test_speakers: list[str],
     max_frames: int,
     max_eval_utterances: int,
+    dev_speakers: int = 0,
+    max_dev_utterances: int = 0,
 ) -> LabelledPool:
     """The transcribed utterances of the speakers' shards (``shard_file(speaker)``) that CTC can
-    align and are at most ``max_frames`` long: the training speakers' as candidates, a seeded
-    subsample of at most ``max_eval_utterances`` (0: all) of the test speakers' as the held-out set."""
+    align and are at most ``max_frames`` long: a seeded subsample of at most
+    ``max_eval_utterances`` (0: all) of the test speakers' as the held-out set; of the training
+    speakers', those whose sentence is not a held-out one (the others are counted, and dropped):
+    ``dev_speakers`` of those speakers (:func:`dev_speakers_of`) give the dev set (a seeded
+    subsample of at most ``max_dev_utterances``; 0: all), the others the labelling candidates."""
     manifest = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
     texts = {
         u: normalise(t or "")
         for u, t in zip(manifest.column("utt_id").to_pylist(), manifest.column("transcript").to_pylist(), strict=True)
     }
-    candidates, heldout, skipped = [], [], 0
+    usable: dict[str, list[Candidate]] = {}  # speaker -> the transcribed utterances CTC can use
+    skipped = 0
     for speaker in sorted(set(train_speakers) | set(test_speakers)):
+        usable[speaker] = []
         shard = read_shard_table(shard_file(speaker), columns=["utt_id", "num_frames"]).to_pylist()
         for row in shard:
             text = texts.get(row["utt_id"], "")
@@ -175,13 +253,30 @@ def labelled_pool(
             if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= max_frames):
                 skipped += 1
                 continue
-            if speaker in test_speakers:
-                heldout.append(row["utt_id"])
-            else:
-                candidates.append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
-    heldout = sorted(heldout)
-    chosen = [heldout[i] for i in subsample(len(heldout), max_eval_utterances, seed=0)]
-    return LabelledPool(train_speakers, test_speakers, candidates, {u: texts[u] for u in chosen}, texts, skipped)
+            usable[speaker].append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
+    heldout = sorted(c.utt_id for s in test_speakers for c in usable[s])
+    heldout = [heldout[i] for i in subsample(len(heldout), max_eval_utterances, seed=0)]
+    heldout_sentences = {texts[u] for u in heldout}
+    training, dropped = {}, 0
+    for speaker in sorted(set(train_speakers) - set(test_speakers)):
+        kept = [c for c in usable[speaker] if texts[c.utt_id] not in heldout_sentences]
+        dropped += len(usable[speaker]) - len(kept)
+        training[speaker] = kept
+    dev_of = dev_speakers_of([s for s, kept in training.items() if kept], dev_speakers)
+    dev = sorted(c.utt_id for s in dev_of for c in training[s])
+    dev = [dev[i] for i in subsample(len(dev), max_dev_utterances, seed=0)]
+    candidates = [c for s, kept in training.items() if s not in dev_of for c in kept]
+    return LabelledPool(
+        train_speakers,
+        test_speakers,
+        candidates,
+        {u: texts[u] for u in heldout},
+        texts,
+        skipped,
+        dev_of,
+        {u: texts[u] for u in dev},
+        dropped,
+    )
 
 
 def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple[list[str], str | None]:
@@ -196,6 +291,23 @@ def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple
     return ["greedy", "beam"], None
 
 
+def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: list[str]) -> dict[str, Any]:
+    """The ``[finetune]`` updates that name one run (and its folder): its budget, seed, model,
+    decoders and peak ``lr`` (not the grid it was tried from); scratch trains every parameter from
+    step 0 (no freeze phase, no frozen front end: those are pretrained-model settings), which its
+    config says."""
+    return {
+        "labelled_minutes": [minutes],
+        "seeds": [seed],
+        "encoders": [model],
+        "decoders": decoders,
+        "parallel_runs": 0,  # how many runs train at once does not name a run
+        "lr": lr,
+        "lr_grid": [],  # nor does the grid its lr was tried from
+        **({"freeze_steps": 0, "freeze_frontend": False} if model == SCRATCH else {}),
+    }
+
+
 def plan_runs(
     encoders: Mapping[str, Checkpoint],
     pool: LabelledPool,
@@ -205,17 +317,24 @@ def plan_runs(
     base_versions: Mapping[str, str],
     encoder_assets: Mapping[str, str],
     warn: Callable[[str], None],
+    lrs: Mapping[str, Sequence[float]],
 ) -> list[PlannedRun]:
-    """One run per budget (minutes), seed and model (each of ``encoders``, then ``scratch`` on the
-    pretrained architecture), in that order; a budget and seed label the same subset of the
-    pool's candidates for every model (:func:`~speech_assets.evaluation.finetune.labelled_subset`),
-    all of them with a warning when there is less audio than asked. A run's versions name its
-    encoder's asset (``encoder_assets[model]``; ``pretrained_checkpoint`` for scratch)."""
+    """One run per budget (minutes), seed, model (each of ``encoders``, then ``scratch`` on the
+    pretrained architecture) and peak lr of the model's ``lrs``, in that order; a budget and seed
+    label the same subset of the pool's candidates for every model
+    (:func:`~speech_assets.evaluation.finetune.labelled_subset`), all of them with a warning when
+    there is less audio than asked; every run is scored on the pool's dev and held-out sets. A
+    run's versions name its encoder's asset (``encoder_assets[model]``; ``pretrained_checkpoint``
+    for scratch)."""
     runs = []
     for minutes in budgets:
         for seed in seeds:
             subset = labelled_subset(pool.candidates, pool.test_speakers, minutes, seed)
-            labelled = {"train": {u: pool.transcripts[u] for u in subset}, "heldout": pool.heldout_texts}
+            labelled = {
+                "train": {u: pool.transcripts[u] for u in subset},
+                "dev": pool.dev_texts,
+                "heldout": pool.heldout_texts,
+            }
             chosen = set(subset)
             seconds = sum(c.seconds for c in pool.candidates if c.utt_id in chosen)
             if seconds < minutes * 60:
@@ -227,25 +346,20 @@ def plan_runs(
             for model in [*encoders, SCRATCH]:
                 path, version = encoders[PRETRAINED] if model == SCRATCH else encoders[model]
                 asset = encoder_assets.get(model, encoder_assets[PRETRAINED])
-                runs.append(
-                    PlannedRun(
-                        model,
-                        minutes,
-                        seed,
-                        path,
-                        labelled,
-                        labelled_text,
-                        # how many runs train at once does not name a run: parallel_runs 0
-                        {
-                            "labelled_minutes": [minutes],
-                            "seeds": [seed],
-                            "encoders": [model],
-                            "decoders": decoders,
-                            "parallel_runs": 0,
-                        },
-                        {asset: version, **base_versions, "labelled": sha256_strings([labelled_text])},
+                for lr in lrs[model]:
+                    runs.append(
+                        PlannedRun(
+                            model,
+                            minutes,
+                            seed,
+                            path,
+                            labelled,
+                            labelled_text,
+                            run_settings(model, minutes, seed, lr, decoders),
+                            {asset: version, **base_versions, "labelled": sha256_strings([labelled_text])},
+                            lr,
+                        )
                     )
-                )
     return runs
 
 
@@ -273,7 +387,14 @@ def plan_finetune(
         clients(), {name: speakers_of(path) for name, (path, _) in encoders.items()}
     )
     pool = labelled_pool(
-        manifest_file, shard_file, train_speakers, test_speakers, options.max_frames, options.max_eval_utterances
+        manifest_file,
+        shard_file,
+        train_speakers,
+        test_speakers,
+        options.max_frames,
+        options.max_eval_utterances,
+        options.dev_speakers,
+        options.max_dev_utterances,
     )
     if not pool.candidates or not pool.heldout_texts:
         raise FinetuneRefused(
@@ -281,29 +402,116 @@ def plan_finetune(
             f"{len(pool.heldout_texts)} held-out"
         )
     log(
-        f"{len(pool.candidates)} transcribed utterances ({pool.available_minutes:.1f} min) of {len(train_speakers)} "
-        f"training speakers to label from"
-        f" ({pool.skipped} too long or too short for CTC), {len(pool.heldout_texts)} held-out utterances of "
-        f"{len(test_speakers)} speakers"
+        f"{len(pool.candidates)} transcribed utterances ({pool.available_minutes:.1f} min) of "
+        f"{len(pool.labelling_speakers)} training speakers to label from"
+        f" ({pool.skipped} too long or too short for CTC), {len(pool.dev_texts)} dev utterances of "
+        f"{len(pool.dev_speakers)} speakers, {len(pool.heldout_texts)} held-out utterances of "
+        f"{len(test_speakers)} speakers; {pool.overlap_dropped} training-side utterances dropped: their "
+        f"sentence is a held-out one"
     )
+    lrs = sorted(set(float(lr) for lr in options.lr_grid)) or [float(options.lr)]
+    if not pool.dev_texts:  # nothing to choose an lr on
+        lrs = [float(options.lr)]
+        if options.dev_speakers > 0:
+            warn(
+                f"no dev speaker: {len(pool.labelling_speakers)} training speaker(s) with usable utterances, one is "
+                f"kept to label; each run trains its max_steps and keeps its last step, at lr {options.lr:g}"
+            )
     decoders, missing_decoder = choose_decoders(options.decoders, warn)
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
     seeds = list(options.seeds)
-    runs = plan_runs(encoders, pool, budgets, seeds, decoders, base_versions, encoder_assets, warn)
-    return FinetunePlan(encoders, pool, decoders, missing_decoder, budgets, seeds, base_versions, runs)
+    models = [*encoders, SCRATCH]
+    tuning = (
+        plan_runs(
+            encoders,
+            pool,
+            budgets[:1],
+            seeds[:1],
+            decoders,
+            base_versions,
+            encoder_assets,
+            lambda _: None,  # the final runs plan this budget and seed again, and warn
+            {model: lrs for model in models},
+        )
+        if len(lrs) > 1
+        else []
+    )
+    return FinetunePlan(
+        encoders, pool, decoders, missing_decoder, budgets, seeds, base_versions, dict(encoder_assets), lrs, tuning
+    )
+
+
+def _sort_key(lr: float, cer: float | None) -> tuple[bool, float, float]:
+    """Lowest dev CER first, then the smaller lr; a run without a (finite) dev CER last."""
+    finite = cer is not None and math.isfinite(cer)
+    return (not finite, cer if finite else 0.0, lr)
+
+
+def choose_lrs(
+    tuned: Mapping[LrKey, Path],
+) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
+    """(per model the lr whose tuning run (``tuned``: (model, lr) -> its run folder) has the
+    lowest ``dev_cer``, ties to the smaller lr, a run without one counting as worst; per model
+    each lr's dev CER). Raises :class:`FinetuneRefused` naming a run that left no result."""
+    dev_cers: dict[str, dict[float, float | None]] = {}
+    for (model, lr), run_dir in tuned.items():
+        result = finished_result(run_dir)
+        if result is None:
+            raise FinetuneRefused(f"{model}, lr {lr:g} (choosing the lr): no result in {run_dir}")
+        dev_cers.setdefault(model, {})[lr] = result.get("dev_cer")
+    chosen = {model: min(cers, key=lambda lr: _sort_key(lr, cers[lr])) for model, cers in dev_cers.items()}
+    return chosen, dev_cers
+
+
+def lr_table(lrs: Sequence[float], chosen: Mapping[str, float], dev_cers: Mapping[str, Mapping[float, Any]]) -> str:
+    """Markdown: per model (row) the dev CER of each lr tried (column), the chosen one in bold;
+    without tuning runs, each model's one lr."""
+    if not dev_cers:
+        return "\n".join(
+            ["| model | lr (no grid: not tuned) |", "|---|---|", *(f"| {m} | {lr:g} |" for m, lr in chosen.items())]
+        )
+
+    def cell(model: str, lr: float) -> str:
+        cer = dev_cers[model].get(lr)
+        text = "n/a" if cer is None or not math.isfinite(cer) else f"{cer:.3f}"
+        return f"**{text}** (chosen)" if chosen.get(model) == lr else text
+
+    lines = [
+        "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+        "|---|" + "---|" * len(lrs),
+        *(f"| {model} | " + " | ".join(cell(model, lr) for lr in lrs) + " |" for model in dev_cers),
+    ]
+    return "\n".join(["dev CER (greedy) of each peak lr, smallest budget, first seed", "", *lines])
+
+
+def text_overlap(runs: Mapping[RunKey, Mapping[str, Any]]) -> int | None:
+    """The runs' labelled (train and dev) utterances whose sentence is a held-out one, summed
+    (must be 0); None when no run recorded it."""
+    counts = [r["text_overlap"] for r in runs.values() if r.get("text_overlap") is not None]
+    return sum(counts) if counts else None
+
+
+def oov_by_budget(runs: Mapping[RunKey, Mapping[str, Any]]) -> dict[str, float]:
+    """Per budget (``"1 min"``): the held-out OOV rate against the decoder's lexicon, mean over runs."""
+    rates: dict[float, list[float]] = {}
+    for (_, minutes, _), result in runs.items():
+        if result.get("oov_rate") is not None:
+            rates.setdefault(minutes, []).append(result["oov_rate"])
+    return {f"{m:g} min": round(sum(v) / len(v), 4) for m, v in sorted(rates.items())}
 
 
 def collect_results(planned: Mapping[RunKey, Path]) -> tuple[list[dict[str, Any]], dict[RunKey, dict[str, Any]]]:
-    """(the rows of ``results.parquet``: one per run, decoder and split; every run's ``result.json``
-    by key) of the ``planned`` run folders, in their order. Raises :class:`FinetuneRefused` naming
-    a run that left no result."""
+    """(the rows of ``results.parquet``: one per run, decoder and split (train, dev, heldout); every
+    run's ``result.json`` by key) of the ``planned`` run folders, in their order. Raises
+    :class:`FinetuneRefused` naming a run that left no result."""
     rows, runs = [], {}
     for (model, minutes, seed), run_dir in planned.items():
         result = finished_result(run_dir)
         if result is None:
             raise FinetuneRefused(f"{model}, {minutes:g} min, seed {seed}: no result in {run_dir}")
         runs[(model, minutes, seed)] = result
+        heldout = (result.get("speakers") or {}).get("heldout")
         rows += [
             {
                 "model": model,
@@ -313,6 +521,11 @@ def collect_results(planned: Mapping[RunKey, Path]) -> tuple[list[dict[str, Any]
                 "steps": result["step"],
                 "labelled_seconds": result["labelled_seconds"],
                 "checkpoint_sha256": result["checkpoint_sha256"],
+                "dev_cer": result.get("dev_cer"),
+                "lr": result.get("lr"),
+                "heldout_speakers": len(heldout) if heldout is not None else None,
+                "text_overlap": result.get("text_overlap"),
+                "oov_rate": result.get("oov_rate"),
             }
             for score in result["scores"]
         ]

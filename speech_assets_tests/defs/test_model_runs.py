@@ -339,10 +339,12 @@ def test_every_model_reaches_the_stats_database_the_report_and_lineage(evaluated
             assert shown in printed, (kind, shown)
 
 
-# fine-tuning at test budgets: one labelled budget, one seed, pretrained and scratch (two runs)
+# fine-tuning at test budgets: one labelled budget, one seed, pretrained and scratch (two runs), at
+# `lr` (no lr grid: the choice on the dev set is tested in speech_assets_tests/evaluation/test_finetune_plan.py)
 FINETUNE = {
     "labelled_minutes": [1.0],
     "seeds": [0],
+    "lr_grid": [],
     "max_steps": 300,
     "freeze_steps": 50,
     "checkpoint_every": 100,
