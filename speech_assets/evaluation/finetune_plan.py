@@ -233,7 +233,8 @@ def labelled_pool(
     """The transcribed utterances of the speakers' shards (``shard_file(speaker)``) that CTC can
     align and are at most ``max_frames`` long: a seeded subsample of at most
     ``max_eval_utterances`` (0: all) of the test speakers' as the held-out set; of the training
-    speakers', those whose sentence is not a held-out one (the others are counted, and dropped):
+    speakers', those whose sentence is no held-out speaker's (scored or not; the others are counted,
+    and dropped):
     ``dev_speakers`` of those speakers (:func:`dev_speakers_of`) give the dev set (a seeded
     subsample of at most ``max_dev_utterances``; 0: all), the others the labelling candidates."""
     manifest = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
@@ -243,6 +244,8 @@ def labelled_pool(
     }
     usable: dict[str, list[Candidate]] = {}  # speaker -> the transcribed utterances CTC can use
     skipped = 0
+    # every held-out speaker's sentence, scored or not: none of them may be labelled, dev or LM text
+    heldout_sentences: set[str] = set()
     for speaker in sorted(set(train_speakers) | set(test_speakers)):
         usable[speaker] = []
         shard = read_shard_table(shard_file(speaker), columns=["utt_id", "num_frames"]).to_pylist()
@@ -250,13 +253,14 @@ def labelled_pool(
             text = texts.get(row["utt_id"], "")
             if not text:
                 continue
+            if speaker in test_speakers:
+                heldout_sentences.add(text)
             if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= max_frames):
                 skipped += 1
                 continue
             usable[speaker].append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
     heldout = sorted(c.utt_id for s in test_speakers for c in usable[s])
     heldout = [heldout[i] for i in subsample(len(heldout), max_eval_utterances, seed=0)]
-    heldout_sentences = {texts[u] for u in heldout}
     training, dropped = {}, 0
     for speaker in sorted(set(train_speakers) - set(test_speakers)):
         kept = [c for c in usable[speaker] if texts[c.utt_id] not in heldout_sentences]
