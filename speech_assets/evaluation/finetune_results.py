@@ -105,6 +105,20 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [{name: None for name in OPTIONAL_COLUMNS} | row for row in table.to_pylist()]
 
 
+def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The frozen probe's held-out CER (mean ± std over its seeds) of pretrained and fbank from its
+    ``results.parquet``, for :func:`markdown_tables`; empty if the probe has not run (or its file is unreadable)."""
+    from speech_assets.evaluation.compare import read_results
+
+    if not os.path.isfile(path):
+        return {}
+    try:
+        held = summarise(read_results(path))
+    except ValueError:
+        return {}
+    return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
+
+
 def as_probe_results(rows: Sequence[Mapping[str, Any]], decoder: str, minutes: float) -> list[ProbeResult]:
     """The rows of one budget and decoder, as the probe's summaries read them."""
     return [

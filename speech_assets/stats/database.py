@@ -68,7 +68,8 @@ PROBE_COLUMNS = (
 
 FINETUNE_COLUMNS = (
     "model VARCHAR, labelled_minutes DOUBLE, seed BIGINT, decoder VARCHAR, split VARCHAR, cer DOUBLE, wer DOUBLE, "
-    "utterances BIGINT, steps BIGINT, labelled_seconds DOUBLE, checkpoint_sha256 VARCHAR"
+    "utterances BIGINT, steps BIGINT, labelled_seconds DOUBLE, checkpoint_sha256 VARCHAR, dev_cer DOUBLE, lr DOUBLE, "
+    "heldout_speakers BIGINT, text_overlap BIGINT, oov_rate DOUBLE"
 )
 
 
