@@ -102,7 +102,7 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     missing = [name for name in SCHEMA.names if name not in table.column_names and name not in OPTIONAL_COLUMNS]
     if missing:
         raise ValueError(f"fine-tuning results lack the columns {missing}: rematerialize finetuned_asr")
-    return [{name: None for name in OPTIONAL_COLUMNS} | row for row in table.to_pylist()]
+    return [{name: row.get(name) for name in SCHEMA.names} | row for row in table.to_pylist()]
 
 
 def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
