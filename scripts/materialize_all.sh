@@ -68,6 +68,8 @@ fi
 if [[ ",$model_assets," == *,finetuned_asr,* ]]; then
   echo
   echo "== CTC fine-tuning: held-out speakers, pretrained vs the same model from scratch, mean ± std over seeds =="
+  echo "(the verdict lines follow the tables: 'not measured' where a model did not train, 'indicative only' below"
+  echo " [probe] min_heldout_speakers held-out speakers; then the text overlap, which must be 0, and the OOV rate)"
   speech-assets finetune
   echo
   echo "== the fine-tuned recogniser on two sample files (demo budget: expect rough text) =="
@@ -79,6 +81,9 @@ echo "- beats_majority_class on pretrained_checkpoint / federated_checkpoint: a 
 echo "  audio do not yet predict masked frames better than the most frequent cluster."
 echo "- pretrained_beats_fbank on downstream_probe: the demo holds out one speaker, so every probe verdict is"
 echo "  'indicative only' (at least [probe] min_heldout_speakers = 3 are needed), and 300 steps rarely beat log-mel."
+echo "- the fine-tuning verdict above (finetuned_asr, and its finetuning_is_sound check): one held-out speaker"
+echo "  makes it 'indicative only' too, and a model still on CTC's all-blank plateau (CER on its own labelled"
+echo "  utterances >= 0.95) makes it 'did not train: not measured', never a win."
 echo "Whether an encoder is useful is the probe's verdict above; at full scale both checks should pass."
 echo "outputs: ${SPEECH_ASSETS_DATA_DIR:-$repo/data/out} (stats.duckdb, manifest/, features/, kmeans/, training/, federated/, distill/, export/, probe/, finetune/, report/)"
 echo "Dagster instance: $DAGSTER_HOME    UI: make ui    SQL: speech-assets sql \"SELECT * FROM clients\""

@@ -61,10 +61,21 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    """The fine-tuning results per labelled budget (markdown tables) and each encoder's verdict against scratch."""
-    from speech_assets.evaluation.finetune_results import markdown_tables, read_rows, verdicts
+    """The fine-tuning results per labelled budget (markdown tables, the frozen probe's CER beside them),
+    each encoder's verdict against scratch (judged with the settings' ``[probe] min_heldout_speakers``,
+    as the ``finetuning_is_sound`` check), and the text overlap and held-out OOV rate."""
+    from speech_assets.defs.resources import PipelineSettings
+    from speech_assets.evaluation.finetune_results import (
+        markdown_tables,
+        overlap_problems,
+        probe_reference,
+        read_rows,
+        text_notes,
+        verdicts,
+    )
 
-    path = Path(args.results) if args.results else DataLayout(locations.data_dir()).finetune.results
+    data = DataLayout(locations.data_dir())
+    path = Path(args.results) if args.results else data.finetune.results
     if not path.is_file():
         print(f"error: no fine-tuning results at {path}: materialize finetuned_asr", file=sys.stderr)
         return 1
@@ -73,8 +84,17 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {path}: {err}", file=sys.stderr)
         return 1
-    print(markdown_tables(rows))
-    print("\n".join(verdicts(rows)))
+    try:  # the settings finetuned_asr and its check judge with
+        min_speakers = PipelineSettings.load().probe.min_heldout_speakers
+    except (OSError, ValueError) as err:
+        print(f"error: settings: {err}", file=sys.stderr)
+        return 1
+    print(markdown_tables(rows, probe_reference(args.probe_results or data.probe.results)))
+    print("\n".join(verdicts(rows, min_heldout_speakers=min_speakers)))
+    notes = text_notes(rows) + overlap_problems(rows)
+    if notes:
+        print()
+        print("\n".join(notes))
     return 0
 
 
@@ -399,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_finetune,
     )
     _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FINETUNE_RESULTS)
+    _data_file_option(
+        finetune,
+        "--probe-results",
+        layout.PROBE_DIR,
+        layout.PROBE_RESULTS,
+        what="the frozen probe's results, shown beside the fine-tuned CERs",
+    )
 
     transcribe = _command(
         commands,

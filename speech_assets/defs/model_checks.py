@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from speech_assets.defs.lineage import latest_materialization, read_json
 from speech_assets.defs.readable import labels_match_shards_check
-from speech_assets.defs.resources import StoragePaths
+from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
@@ -202,16 +202,28 @@ CHECKS = [
 ]
 
 
-@dg.asset_check(
-    asset="finetuned_asr",
-    blocking=True,
-    description=(
-        "Every fine-tuning run of the latest materialization recorded finite CTC losses, and the exported "
-        "recogniser's ONNX output matched PyTorch within the export's tolerance on held-out utterances."
-    ),
+FINETUNING_IS_SOUND = (
+    "Every fine-tuning run of the latest materialization recorded finite CTC losses, no labelled or dev "
+    "utterance's transcript is a held-out one (text overlap 0), and the exported recogniser's ONNX output matched "
+    "PyTorch within the export's tolerance on held-out utterances. Its description and `verdict` metadata state "
+    "each encoder's verdict against scratch word for word as `speech-assets finetune` (the same function, the "
+    "same [probe] min_heldout_speakers): 'not measured' where a model did not train, 'indicative only' below "
+    "min_heldout_speakers held-out speakers; the verdict itself does not fail the check."
 )
-def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
+
+
+@dg.asset_check(asset="finetuned_asr", blocking=True, description=FINETUNING_IS_SOUND)
+def finetuning_is_sound(
+    context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings
+) -> dg.AssetCheckResult:
     from speech_assets.evaluation.finetune_results import RECOGNISER_PARITY_ATOL as ONNX_PARITY_ATOL
+    from speech_assets.evaluation.finetune_results import (
+        heldout_speakers,
+        overlap_problems,
+        read_rows,
+        verdict_markdown,
+        verdicts,
+    )
 
     materialization = latest_materialization(context.instance, "finetuned_asr")
     runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
@@ -222,8 +234,25 @@ def finetuning_is_sound(context: dg.AssetCheckExecutionContext, paths: StoragePa
     diff = (spec.get("parity") or {}).get("max_abs_diff")
     if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
         problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
+    try:
+        rows = read_rows(paths.finetune.results)
+    except (OSError, ValueError) as error:
+        rows = []
+        problems.append(f"fine-tuning results unreadable: {error}")
+    problems += overlap_problems(rows)
+    min_speakers = settings.probe.min_heldout_speakers
+    lines = verdicts(rows, min_heldout_speakers=min_speakers)
+    overlap = [r["text_overlap"] for r in rows if r.get("text_overlap") is not None]
+    speakers = heldout_speakers(rows)
     return dg.AssetCheckResult(
         passed=not problems,
-        description="; ".join(problems) or None,
-        metadata={"runs": len(runs.value), "max_abs_diff": float(diff) if diff is not None else float("nan")},
+        description="\n".join(["; ".join(problems)] * bool(problems) + lines) or None,
+        metadata={
+            "runs": len(runs.value),
+            "max_abs_diff": float(diff) if diff is not None else float("nan"),
+            "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
+            "text_overlap": int(max(overlap)) if overlap else "not recorded",
+            "heldout_speakers": speakers if speakers is not None else "not recorded",
+            "min_heldout_speakers": min_speakers,
+        },
     )

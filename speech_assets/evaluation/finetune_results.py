@@ -1,10 +1,13 @@
 """What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder,
 and one line per encoder on whether fine-tuning it beat the same architecture from scratch.
 
-Light (pyarrow, no torch): ``finetuned_asr``'s metadata and ``speech-assets finetune`` read it.
+Light (pyarrow, no torch): ``finetuned_asr``'s metadata, its ``finetuning_is_sound`` check and
+``speech-assets finetune`` read it, through the same functions, so they say the same.
 Rows are grouped into :class:`~speech_assets.evaluation.compare.ProbeResult` per budget and
 decoder so that the probe's summary over seeds and its "too small to tell" rule
-(:func:`too_small_to_tell`) judge fine-tuning.
+(:func:`too_small_to_tell`) judge fine-tuning. A model that did not train (its CER on its own
+labelled utterances at or above :data:`DID_NOT_TRAIN_CER`) makes the comparison "not measured",
+and fewer held-out speakers than the probe's ``min_heldout_speakers`` make it "indicative only".
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from speech_assets.evaluation.compare import MIN_HELDOUT_UTTERANCES, ModelSummary, ProbeResult, summarise
+from speech_assets.evaluation.compare import (
+    MIN_HELDOUT_SPEAKERS,
+    MIN_HELDOUT_UTTERANCES,
+    ModelSummary,
+    ProbeResult,
+    Spread,
+    summarise,
+)
 
 # what the exported recogniser may differ from the PyTorch model by (fp32), as the encoder export
 RECOGNISER_PARITY_ATOL = 1e-4
@@ -34,11 +44,26 @@ SCHEMA = pa.schema(
         ("cer", pa.float64()),
         ("wer", pa.float64()),
         ("utterances", pa.int64()),
-        ("steps", pa.int64()),
+        ("steps", pa.int64()),  # the step the dev set selected
+        ("dev_cer", pa.float64()),  # that step's greedy dev CER (the same on every row of one run)
         ("labelled_seconds", pa.float64()),
         ("checkpoint_sha256", pa.string()),
+        # per run (the same on every row of one run): the
+        # peak lr, the held-out speakers, the train + dev utterances whose normalised transcript is a
+        # held-out one (must be 0) and the share of held-out word tokens outside the labelled words
+        # (the beam decoder's lexicon)
+        ("lr", pa.float64()),
+        ("heldout_speakers", pa.int64()),
+        ("text_overlap", pa.int64()),
+        ("oov_rate", pa.float64()),
     ]
 )
+# later additions: a results file without them still reads (as None); without any other column it is refused
+OPTIONAL_COLUMNS = ("dev_cer", "lr", "heldout_speakers", "text_overlap", "oov_rate")
+
+# a model whose mean greedy CER on its own labelled utterances (split "train") stays at or above
+# this did not train (CTC's all-blank plateau scores about 1.0): a comparison with it is not measured
+DID_NOT_TRAIN_CER = 0.95
 
 
 # a fine-tuned model and its scratch baseline are told apart over seeds: at least this many each,
@@ -74,10 +99,24 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
-    missing = [name for name in SCHEMA.names if name not in table.column_names]
+    missing = [name for name in SCHEMA.names if name not in table.column_names and name not in OPTIONAL_COLUMNS]
     if missing:
         raise ValueError(f"fine-tuning results lack the columns {missing}: rematerialize finetuned_asr")
-    return table.to_pylist()
+    return [{name: row.get(name) for name in SCHEMA.names} | row for row in table.to_pylist()]
+
+
+def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The frozen probe's held-out CER (mean ± std over its seeds) of pretrained and fbank from its
+    ``results.parquet``, for :func:`markdown_tables`; empty if the probe has not run (or its file is unreadable)."""
+    from speech_assets.evaluation.compare import read_results
+
+    if not os.path.isfile(path):
+        return {}
+    try:
+        held = summarise(read_results(path))
+    except ValueError:
+        return {}
+    return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
 
 
 def as_probe_results(rows: Sequence[Mapping[str, Any]], decoder: str, minutes: float) -> list[ProbeResult]:
@@ -106,19 +145,73 @@ def budgets(rows: Sequence[Mapping[str, Any]]) -> list[float]:
     return sorted({float(r["labelled_minutes"]) for r in rows})
 
 
-def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def _of(rows: Sequence[Mapping[str, Any]], model: str, minutes: float, split: str = "heldout") -> list:
+    """One row per run (seed) of ``model`` at ``minutes``: its greedy row of ``split``."""
+    return [
+        r
+        for r in rows
+        if r["model"] == model and r["labelled_minutes"] == minutes and r["decoder"] == GREEDY and r["split"] == split
+    ]
+
+
+def _run_values(rows: Sequence[Mapping[str, Any]], column: str) -> list:
+    """The recorded (not None) values of a per-run column over ``rows``."""
+    return [r[column] for r in rows if r.get(column) is not None]
+
+
+def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
+    """The fewest held-out speakers any run recorded; None where none recorded it."""
+    found = _run_values(rows, "heldout_speakers")
+    return int(min(found)) if found else None
+
+
+def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
+    """Why a verdict on ``rows`` is only indicative, in the probe's words (fewer held-out speakers
+    than ``min_heldout_speakers``), or None: enough speakers, or the number is not recorded."""
+    speakers = heldout_speakers(rows)
+    if speakers is None or speakers >= min_heldout_speakers:
+        return None
+    return f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_heldout_speakers}"
+
+
+def did_not_train(trained: Mapping[str, ModelSummary], model: str) -> bool:
+    """Whether ``model``'s mean CER on its own labelled utterances is at or above :data:`DID_NOT_TRAIN_CER`
+    (False where its labelled set was not scored)."""
+    return model in trained and trained[model].cer.mean >= DID_NOT_TRAIN_CER
+
+
+def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
     """One line per fine-tuned encoder: at each budget, its held-out greedy CER against scratch's
     (mean ± std over seeds, and their ratio) and whether it beat scratch, lost, or the corpus is
-    too small to tell (too few held-out utterances or seeds, or a difference within the spread)."""
+    too small to tell (too few held-out utterances or seeds, or a difference within the spread).
+    Where either model's greedy CER on its own labelled utterances is at or above
+    :data:`DID_NOT_TRAIN_CER` it did not train: "model did not train" / "baseline did not train",
+    not measured, never a win. Fewer held-out speakers than ``min_heldout_speakers`` (the probe's
+    ``[probe] min_heldout_speakers``) end the line with "(indicative only: ...)", as the probe's."""
     encoders = [m for m in dict.fromkeys(r["model"] for r in rows) if m != SCRATCH]
     lines = []
     for encoder in encoders:
         parts = []
         for minutes in budgets(rows):
-            held = summarise(as_probe_results(rows, GREEDY, minutes))
+            results = as_probe_results(rows, GREEDY, minutes)
+            held, trained = summarise(results, "heldout"), summarise(results, "train")
             if encoder not in held or SCRATCH not in held:
                 continue
             a, b = held[encoder], held[SCRATCH]
+            stuck = [
+                (who, trained[name].cer)
+                for who, name in (("model", encoder), ("baseline", SCRATCH))
+                if did_not_train(trained, name)
+            ]
+            if stuck:
+                said = (
+                    " and ".join(who for who, _ in stuck)
+                    + " did not train (labelled CER "
+                    + " and ".join(f"{cer.mean:.3f}" for _, cer in stuck)
+                    + f" >= {DID_NOT_TRAIN_CER:g}): not measured"
+                )
+                parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer}, {said}")
+                continue
             reason = too_small_to_tell(a, b)
             said = (
                 f"too small to tell ({reason})"
@@ -126,29 +219,104 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
             )
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio(a.cer.mean, b.cer.mean)}), {said}")
-        lines.append(f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with"))
+        line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
+        why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
+        lines.append(line + (f" (indicative only: {why})" if why else ""))
     return lines
 
 
+def verdict_markdown(lines: Sequence[str]) -> str:
+    """The verdict lines as a markdown list (``finetuned_asr``'s and its check's ``verdict`` metadata)."""
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def overlap_problems(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per run whose labelled or dev text overlaps the held-out transcripts (must be 0)."""
+    seen: dict[tuple, int] = {}
+    for r in rows:
+        if r.get("text_overlap"):
+            seen[(r["model"], r["labelled_minutes"], r["seed"])] = int(r["text_overlap"])
+    return [
+        f"{model}/{minutes:g}min/seed{seed}: {n} labelled or dev utterance{'s' if n != 1 else ''} whose transcript "
+        "is a held-out one (text overlap must be 0)"
+        for (model, minutes, seed), n in sorted(seen.items())
+    ]
+
+
+def _spread(values: Sequence[float]) -> str:
+    return str(Spread.of([float(v) for v in values])) if values else "n/a"
+
+
+def text_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the held-out text shares with the training text: the text overlap (must be 0) and the
+    held-out OOV rate against the beam decoder's lexicon (the labelled words), per budget; none of
+    either where the results do not record it."""
+    notes = []
+    overlap = _run_values(rows, "text_overlap")
+    if overlap:
+        most = int(max(overlap))
+        notes.append(
+            f"text overlap: {most} labelled or dev utterance{'s' if most != 1 else ''} whose transcript is a held-out "
+            f"one (must be 0{'' if most == 0 else ': these held-out scores flatter every model'})"
+        )
+    oov = {
+        minutes: found
+        for minutes in budgets(rows)
+        if (found := _run_values([r for r in rows if r["labelled_minutes"] == minutes], "oov_rate"))
+    }
+    if oov:
+        notes.append(
+            "held-out OOV rate against the beam decoder's lexicon (the labelled words; mean over runs): "
+            + ", ".join(f"{minutes:g} min {sum(v) / len(v):.3f}" for minutes, v in oov.items())
+        )
+    return notes
+
+
 def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] | None = None) -> str:
-    """Per budget and decoder: each model's held-out CER and WER (mean ± std over seeds) and its CER
-    on its own labelled utterances, best first; ``probe``: the frozen probe's held-out CER by model."""
+    """Per budget and decoder: each model's held-out CER and WER (mean ± std over seeds), its CER
+    on its own labelled utterances and on the dev set at the selected step, its peak lr and the
+    selected step, best first; beam decoders' tables add the held-out OOV rate beside the WER
+    (the words they cannot output). ``probe``: the frozen probe's held-out CER by model (none:
+    the table says the probe has not run). Under each table, the text overlap and OOV rate where
+    recorded."""
     out: list[str] = []
     for minutes in budgets(rows):
-        seconds = max(r["labelled_seconds"] for r in rows if r["labelled_minutes"] == minutes)
+        here = [r for r in rows if r["labelled_minutes"] == minutes]
+        seconds = max(r["labelled_seconds"] for r in here)
         for decoder in sorted({r["decoder"] for r in rows}, key=lambda d: (d != GREEDY, d)):
             results = as_probe_results(rows, decoder, minutes)
             held, trained = summarise(results, "heldout"), summarise(results, "train")
+            beam = decoder != GREEDY
+            names = ["model", "seeds", "held-out CER", "held-out WER"]
+            names += ["held-out OOV rate"] if beam else []
+            names += ["labelled CER", "dev CER", "lr", "step", "held-out utterances"]
             out += [
                 f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**",
                 "",
-                "| model | seeds | held-out CER | held-out WER | labelled CER | held-out utterances |",
-                "|---|---|---|---|---|---|",
+                "| " + " | ".join(names) + " |",
+                "|" + "---|" * len(names),
             ]
             for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
+                runs = _of(rows, model, minutes)
                 own = str(trained[model].cer) if model in trained else "n/a"
-                out.append(f"| {model} | {len(s.seeds)} | {s.cer} | {s.wer} | {own} | {s.utterances} |")
-            out += [f"| frozen probe: {name} | | {cer} | | | |" for name, cer in (probe or {}).items()] + [""]
+                lrs = sorted(set(_run_values(runs, "lr")))
+                steps = sorted({int(r["steps"]) for r in runs if r.get("steps") is not None})
+                cells = [model, str(len(s.seeds)), str(s.cer), str(s.wer)]
+                cells += [_spread(_run_values(runs, "oov_rate"))] if beam else []
+                cells += [
+                    own,
+                    _spread(_run_values(runs, "dev_cer")),
+                    ", ".join(f"{lr:.2g}" for lr in lrs) or "n/a",
+                    "–".join(str(v) for v in dict.fromkeys([steps[0], steps[-1]])) if steps else "n/a",
+                    str(s.utterances),
+                ]
+                out.append("| " + " | ".join(cells) + " |")
+            blank = " |" * (len(names) - 3)
+            out += [f"| frozen probe: {name} | | {cer} |{blank}" for name, cer in (probe or {}).items()] or [
+                f"| frozen probe: not run yet | | |{blank}"
+            ]
+            notes = text_notes(here)
+            out += [""] + [f"{note}." for note in notes] + ([""] if notes else [])
     return "\n".join(out)
 
 

@@ -431,7 +431,10 @@ def test_finetune_results_table_verdict_and_labelled_split(finetuned) -> None:
     event = instance.fetch_materializations(dg.AssetKey("finetuned_asr"), limit=1).records[0].asset_materialization
     verdict = event.metadata["verdict"].value
     assert re.search(
-        r"^- pretrained: 1 min: CER .* vs scratch .*(beats scratch|loses to scratch|too small to tell)", verdict, re.M
+        r"^- pretrained: 1 min: CER .* vs scratch .*"
+        r"(beats scratch|loses to scratch|too small to tell|did not train \(labelled CER .*\): not measured)",
+        verdict,
+        re.M,
     ), verdict
     assert (
         "| scratch |" in event.metadata["results"].value
@@ -722,7 +725,8 @@ def test_a_batch_refuses_a_run_whose_config_names_another_folder(tmp_path) -> No
 
 def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_path) -> None:
     from speech_assets.defs.model_checks import finetuning_is_sound
-    from speech_assets.defs.resources import StoragePaths
+    from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.evaluation.finetune_results import read_rows, verdict_markdown, verdicts
 
     out, _, instance = finetuned
     key = dg.AssetCheckKey(dg.AssetKey("finetuned_asr"), "finetuning_is_sound")
@@ -740,5 +744,11 @@ def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_pa
                 "finetuned_asr", metadata={"run_dirs": dg.MetadataValue.json({"pretrained/1min/seed0": str(broken)})}
             )
         )
-        verdict = finetuning_is_sound(dg.build_asset_check_context(instance=fresh), paths=paths)
+        verdict = finetuning_is_sound(
+            dg.build_asset_check_context(instance=fresh), paths=paths, settings=PipelineSettings()
+        )
     assert not verdict.passed and "pretrained/1min/seed0: metrics.jsonl loss: 1 of" in verdict.description
+    # the check states the verdict the CLI prints, word for word
+    lines = verdicts(read_rows(out / "finetune" / "results.parquet"), min_heldout_speakers=3)
+    assert verdict.metadata["verdict"].value == verdict_markdown(lines)
+    assert all(line in verdict.description for line in lines)
