@@ -88,7 +88,14 @@ def finetuned_asr(
         plan_finetune,
         text_overlap,
     )
-    from speech_assets.evaluation.finetune_results import markdown_tables, results_table, verdicts
+    from speech_assets.evaluation.finetune_results import (
+        markdown_tables,
+        probe_reference,
+        results_table,
+        text_notes,
+        verdict_markdown,
+        verdicts,
+    )
 
     options = effective(settings.finetune, config)
     record_run_process(context)
@@ -123,7 +130,7 @@ def finetuned_asr(
     first, largest, seed = plan.recogniser_key
     chosen_run = runs[plan.recogniser_key]
     exported = _export(context, paths, chosen_run, plan.pool.heldout_texts, settings)
-    lines = verdicts(rows)
+    lines = verdicts(rows, min_heldout_speakers=settings.probe.min_heldout_speakers)
     for line in lines:
         context.log.info(line)
     overlap = text_overlap(runs)
@@ -136,8 +143,9 @@ def finetuned_asr(
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
-            "verdict": dg.MetadataValue.md("\n".join(f"- {line}" for line in lines)),
-            "results": dg.MetadataValue.md(markdown_tables(rows, _probe_reference(paths))),
+            "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
+            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.probe.results))),
+            "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in text_notes(rows))),
             "results_file": dg.MetadataValue.path(str(target)),
             **_wer_curve(rows),
             **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
@@ -374,20 +382,6 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     beam = [folder / spec["beam"][key] for key in ("lm", "lexicon")] if "beam" in spec else []
     files = {path.name: sha256_file(path) for path in (*RecogniserFiles(folder).published, *beam)}
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
-
-
-def _probe_reference(paths: StoragePaths) -> dict[str, str]:
-    """The frozen probe's held-out CER (mean ± std) of pretrained and fbank, if it has run."""
-    from speech_assets.evaluation.compare import read_results, summarise
-
-    path = paths.probe.results
-    if not path.is_file():
-        return {}
-    try:
-        held = summarise(read_results(path))
-    except ValueError:
-        return {}
-    return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
 
 
 def _wer_curve(rows: list[dict]) -> dict[str, object]:

@@ -149,6 +149,8 @@ class ReportInputs:
     header: Mapping[str, str | None] = field(default_factory=dict)
     corpus_root: Path | None = None
     vad: Any = None
+    # below this many held-out speakers the fine-tuning verdict is "indicative only" ([probe])
+    min_heldout_speakers: int = 3
 
 
 HEADER_LABELS = {
@@ -284,6 +286,20 @@ def _section(title: str, text: str, content: str, sql: str | None = None) -> str
     return f"<section><h2>{html.escape(title)}</h2><p>{html.escape(text)}</p>{content}{query}</section>"
 
 
+def _finetune_verdicts(con: duckdb.DuckDBPyConnection, min_heldout_speakers: int) -> str:
+    """The fine-tuning verdict lines (the CLI's and the asset's: ``verdicts``) as a list, when
+    there are results."""
+    from speech_assets.evaluation.finetune_results import text_notes, verdicts
+
+    relation = con.sql("SELECT * FROM finetune_results")
+    columns = [d[0] for d in relation.description]
+    rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
+    if not rows:
+        return ""
+    lines = [*verdicts(rows, min_heldout_speakers=min_heldout_speakers), *text_notes(rows)]
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+
+
 def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return bool(
         con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0]
@@ -382,7 +398,10 @@ def write_report(
             sections[1:1] = _plots(con, inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
             if _has_table(con, table):
-                sections.append(_section(name, text, _table(con, sql), sql))
+                content = _table(con, sql)
+                if table == "finetune_results":
+                    content = _finetune_verdicts(con, inputs.min_heldout_speakers) + content
+                sections.append(_section(name, text, content, sql))
         summary = _summary(con)
     finally:
         con.close()

@@ -6,6 +6,7 @@ and the bounds and path rules of the copied clips."""
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import re
@@ -419,3 +420,31 @@ def test_report_renders_in_headless_chromium(page: Path, tmp_path: Path) -> None
     assert plot_width > 1000  # full width of the 1200-pixel window, not a 500-pixel thumbnail
     pixels = np.asarray(Image.open(io.BytesIO(shot)).convert("L"), dtype=np.float32)
     assert pixels.shape[0] > 900 and pixels.std() > 10  # a blank page would be one flat colour
+
+
+def test_report_states_the_finetune_indicative_verdict_of_the_cli(tmp_path: Path) -> None:
+    """The report's fine-tuning section carries the CLI's verdict lines: a stuck baseline is not
+    measured, and one held-out speaker makes the verdict indicative only."""
+    import duckdb
+
+    from speech_assets.evaluation.finetune_results import verdicts
+    from speech_assets.stats.database import FINETUNE_COLUMNS
+
+    rows = [
+        {"model": m, "labelled_minutes": 5.0, "seed": seed, "decoder": "greedy", "split": split, "cer": cer,
+         "wer": 1.0, "utterances": 40, "steps": 300, "dev_cer": 0.5, "labelled_seconds": 300.0,
+         "checkpoint_sha256": "ab" * 32, "lr": 1e-3, "heldout_speakers": 1, "text_overlap": 0, "oov_rate": 0.2}
+        for m, cers in (("pretrained", {"train": 0.2, "heldout": 0.4}), ("scratch", {"train": 1.0, "heldout": 1.0}))
+        for split, cer in cers.items()
+        for seed in (0, 1)
+    ]  # fmt: skip
+    with duckdb.connect(str(tmp_path / "db.duckdb")) as con:
+        con.execute(f"CREATE TABLE finetune_results ({FINETUNE_COLUMNS})")
+        con.executemany(
+            f"INSERT INTO finetune_results BY NAME SELECT * FROM (SELECT {', '.join(f'? AS {k}' for k in rows[0])})",
+            [list(r.values()) for r in rows],
+        )
+        block = report._finetune_verdicts(con, 3)
+    lines = verdicts(rows, min_heldout_speakers=3)
+    assert "baseline did not train" in lines[0] and "indicative only" in lines[0] and "beats" not in lines[0]
+    assert html.escape(lines[0]) in block
