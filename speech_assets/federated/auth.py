@@ -11,6 +11,12 @@ launcher deletes them when the federation stops (the registrations die with the 
 ``python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...`` registers keys
 with the SuperLink of that ``flwr`` connection in one interpreter (each ``flwr`` CLI start costs
 seconds) and prints ``{public key file: node id}`` as JSON.
+
+The same key pairs sign each client's secure-aggregation advertisement
+(:mod:`speech_assets.federated.secure_rounds`): a node config's ``node-keys`` names a folder laid
+out as :class:`~speech_assets.layout.NodeKeys`, holding this node's ``<client>.key`` and the
+``<client>.pub`` of every node the federation authorises (:func:`identity_key`,
+:func:`authorised_keys`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from speech_assets.layout import FlowerTls, NodeKeys
+from speech_assets.layout import NODE_PUBLIC_KEY, FlowerTls, NodeKeys
 
 HOST = "127.0.0.1"
 VALID_FOR = datetime.timedelta(days=30)
@@ -109,6 +115,34 @@ def make_node_key(folder: Path, name: str) -> NodeKey:
         key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     )
     return NodeKey(private=private, public=public)
+
+
+def identity_key(folder: str | os.PathLike[str], client_id: str) -> ec.EllipticCurvePrivateKey:
+    """This node's identity key, ``<folder>/<client_id>.key`` (the SuperNode's authentication key,
+    OpenSSH format, an EC key as Flower's node authentication requires)."""
+    path = NodeKeys(Path(folder)).private(client_id)
+    try:
+        key = serialization.load_ssh_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{client_id}: cannot read its node identity key {path}: {error}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{client_id}: its node identity key {path} is not an EC key")
+    return key
+
+
+def authorised_keys(folder: str | os.PathLike[str]) -> dict[str, ec.EllipticCurvePublicKey]:
+    """``{client id: public key}`` of every node the federation authorises: each ``<client>.pub``
+    (OpenSSH format, EC) in ``folder``. An unreadable or non-EC key is an error, not a skip."""
+    keys = {}
+    for path in sorted(Path(folder).glob(NODE_PUBLIC_KEY.format("*"))):
+        try:
+            key = serialization.load_ssh_public_key(path.read_bytes())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the authorised node key {path}: {error}") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise ValueError(f"the authorised node key {path} is not an EC key")
+        keys[path.name.removesuffix(NODE_PUBLIC_KEY.format(""))] = key
+    return keys
 
 
 def register(connection: str, public_keys: list[Path]) -> dict[str, int]:

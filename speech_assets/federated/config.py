@@ -25,6 +25,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,6 +37,10 @@ from speech_assets.utils import Rule, at_least, broken_rules, from_fields, one_o
 STRATEGIES = ("fedadam", "fedavg", "fedprox")
 CLIENT_LR_SCHEDULES = ("linear", "constant")
 Scalar = int | float | str | bool
+# a client's own floors under secure aggregation (NodeConfig): the fewest clients it shares with
+# (k) and the fraction of k its threshold must exceed; docs/PRIVACY.md gives the collusion bound
+SECAGG_MIN_SHARES = 3
+SECAGG_THRESHOLD_FLOOR = "2/3"
 
 
 def derive_seed(seed: int, *parts: object) -> int:
@@ -407,6 +412,14 @@ class NodeConfig:
     between rounds and its CMVN (default: ``<data-dir>/federated_clients/<client-id>``; never
     inside a server's run folder). ``threads``: intra-op threads (0 = all cores); ``device``:
     auto, cpu or cuda.
+
+    Secure aggregation (never taken from the server): ``node-keys`` is the folder of the
+    federation's node keys (:class:`~speech_assets.layout.NodeKeys`: this node's
+    ``<client-id>.key``, which signs its advertisements, and the ``<client>.pub`` of every
+    authorised node, against which it checks its peers'); without it the node takes part in no
+    secure round. The node refuses a round of fewer than ``secagg-min-shares`` clients sharing
+    with it (k) and a threshold t of at most ``secagg-threshold-floor`` × k (a fraction, "2/3":
+    the server's default ⌊2k/3⌋ + 1 is the lowest t it accepts).
     """
 
     client_id: str
@@ -414,9 +427,29 @@ class NodeConfig:
     state_root: str = ""
     threads: int = 0
     device: str = "auto"
+    node_keys: str = ""
+    secagg_min_shares: int = SECAGG_MIN_SHARES
+    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
+        if isinstance(self.secagg_min_shares, bool) or not isinstance(self.secagg_min_shares, int):
+            raise ValueError(f"secagg-min-shares must be an int, got {self.secagg_min_shares!r}")
+        if self.secagg_min_shares < 2:
+            raise ValueError(f"secagg-min-shares must be at least 2, got {self.secagg_min_shares}")
+        try:
+            floor = Fraction(str(self.secagg_threshold_floor))
+        except (ValueError, ZeroDivisionError):
+            floor = Fraction(-1)
+        if not Fraction(1, 2) <= floor < 1:
+            raise ValueError(
+                f"secagg-threshold-floor must be a fraction in [1/2, 1), got {self.secagg_threshold_floor!r}"
+            )
+
+    def min_threshold(self, num_shares: int) -> int:
+        """The lowest threshold this node accepts for ``num_shares`` shares: the smallest t above
+        ``secagg-threshold-floor`` × k (exact arithmetic), at least 2."""
+        return max(2, math.floor(Fraction(str(self.secagg_threshold_floor)) * num_shares) + 1)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeConfig:
@@ -437,6 +470,9 @@ class NodeConfig:
             state_root=str(node_config.get("state-root", "")),
             threads=int(node_config.get("threads", 0)),
             device=device,
+            node_keys=str(node_config.get("node-keys", "")),
+            secagg_min_shares=int(node_config.get("secagg-min-shares", SECAGG_MIN_SHARES)),
+            secagg_threshold_floor=str(node_config.get("secagg-threshold-floor", SECAGG_THRESHOLD_FLOOR)),
         )
 
     def to_node_config(self) -> str:
@@ -448,6 +484,12 @@ class NodeConfig:
             parts.append(f"threads={self.threads}")
         if self.device != "auto":
             parts.append(f'device="{self.device}"')
+        if self.node_keys:
+            parts.append(f'node-keys="{self.node_keys}"')
+        if self.secagg_min_shares != SECAGG_MIN_SHARES:
+            parts.append(f"secagg-min-shares={self.secagg_min_shares}")
+        if self.secagg_threshold_floor != SECAGG_THRESHOLD_FLOOR:
+            parts.append(f'secagg-threshold-floor="{self.secagg_threshold_floor}"')
         return " ".join(parts)
 
     @property

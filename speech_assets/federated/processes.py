@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -310,7 +310,8 @@ class LocalFederation:
                     "--port",
                     str(node_port),
                     "--node-config",
-                    node.to_node_config(),
+                    # the same keys sign its secure-aggregation advertisements and check its peers'
+                    replace(node, node_keys=str(self.files.auth_dir)).to_node_config(),
                 ]
                 log_path = self.files.supernode_log(node.client_id)
                 home = self.files.supernode_home(node.client_id)
@@ -488,6 +489,11 @@ def follow(
                 return reason
 
 
+def _remove_private_keys(files: FlowerFiles) -> None:
+    for path in files.auth.all_private():
+        path.unlink(missing_ok=True)
+
+
 def simulation_run(
     run_config: Path,
     nodes: Sequence[NodeConfig],
@@ -506,8 +512,16 @@ def simulation_run(
     Ray's session folder (unix sockets, logs, runtime environments: Ray makes its folders
     world-writable) lies in a fresh 0700 folder, ``RAY_TMPDIR``, removed after the run.
     """
-    nodes_file = FlowerFiles(log_path.parent).simulation_nodes
+    from speech_assets.federated.auth import make_node_key
+
+    files = FlowerFiles(log_path.parent)
+    nodes_file = files.simulation_nodes
     nodes_file.parent.mkdir(parents=True, exist_ok=True)
+    # each client's identity key pair, as on the deployment engine: they sign its secure-aggregation
+    # advertisements, and the folder's public keys are the authorised nodes
+    for node in nodes:
+        make_node_key(files.auth_dir, node.client_id)
+    nodes = [replace(node, node_keys=str(files.auth_dir)) for node in nodes]
     atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
     command = [
         sys.executable,
@@ -522,6 +536,7 @@ def simulation_run(
     ]
     base = dict(env if env is not None else os.environ)
     with contextlib.ExitStack() as cleanup:
+        cleanup.callback(_remove_private_keys, files)
         network = start_private(PrivateNetwork())
         cleanup.callback(network.stop)
         # short: Ray's unix socket paths under it must stay within 107 bytes

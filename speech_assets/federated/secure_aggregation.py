@@ -33,6 +33,13 @@ server's nonce (:func:`round_context`), and a ChaCha20 keystream as the PRG (:fu
 256-bit seed, so the server cannot search the seed space (Flower's ``pseudo_rand_gen`` folds seeds
 to 32 bits). The self-mask is the ChaCha20 keystream of ``b``.
 
+Who advertised a key: each client signs its advertisement (:func:`advertisement`: round context,
+its client id, both public keys and its commitment) with its node identity key, the ECDSA P-384
+key its SuperNode authenticates with (:func:`sign_advertisement`); before sealing a share to
+anyone, every client checks each entry of the key table against the federation's authorised node
+keys it was given with its own settings (:func:`verify_advertisement`). A server can then neither
+invent a client nor advertise its own keys under a real client's id.
+
 What this cannot check: the values inside a masked vector. A client may send any ``uint32``
 vector; the only test is that the unmasked sum of n survivors lies in ``[0, n*T]`` per value, so
 garbage that does not cancel is caught (with probability 1 - (n*T/2^32)^values), but one client
@@ -53,6 +60,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
 from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -80,6 +88,7 @@ DEFAULT_TARGET_RANGE = 2**22  # up to 1023 clients per sum
 _SEED_SALT = b"speech_assets.secagg.pair-seed.v1"
 _CONTEXT_TAG = b"speech_assets.secagg.round.v1"
 _COMMIT_TAG = b"speech_assets.secagg.self-seed.v1"
+_ADVERTISE_TAG = b"speech_assets.secagg.advertisement.v1"
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,27 @@ def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:
     return hashlib.sha256(
         b"".join([_COMMIT_TAG, struct.pack(">I", len(context)), context, struct.pack(">I", len(who)), who, bytes(seed)])
     ).digest()
+
+
+def advertisement(context: bytes, client: str, mask_key: bytes, share_key: bytes, commitment: bytes) -> bytes:
+    """The bytes a client signs for its advertisement: the round context (run, round, nonce), its
+    client id, its two public keys and its seed commitment, each length-prefixed."""
+    fields = [bytes(context), client.encode("utf-8"), bytes(mask_key), bytes(share_key), bytes(commitment)]
+    return _ADVERTISE_TAG + b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def sign_advertisement(identity: ec.EllipticCurvePrivateKey, message: bytes) -> bytes:
+    """ECDSA (SHA-384) signature of an :func:`advertisement` under a node identity key."""
+    return identity.sign(message, ec.ECDSA(hashes.SHA384()))
+
+
+def verify_advertisement(public: ec.EllipticCurvePublicKey, signature: bytes, message: bytes) -> bool:
+    """Whether ``signature`` is ``public``'s signature of the :func:`advertisement` ``message``."""
+    try:
+        public.verify(bytes(signature), message, ec.ECDSA(hashes.SHA384()))
+    except InvalidSignature:
+        return False
+    return True
 
 
 def neighbours(client: str, clients: Collection[str], num_shares: int) -> list[str]:

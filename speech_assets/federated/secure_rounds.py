@@ -58,6 +58,7 @@ from typing import Any, NoReturn, Protocol
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
+from speech_assets.federated.auth import authorised_keys, identity_key
 from speech_assets.federated.config import FederatedConfig, NodeConfig
 from speech_assets.federated.messages import (
     ARRAYS,
@@ -72,6 +73,7 @@ from speech_assets.federated.secure_aggregation import (
     KEY_BYTES,
     RoundSecrets,
     SecAggParams,
+    advertisement,
     check_share_public,
     check_threshold,
     combine_secret,
@@ -84,8 +86,10 @@ from speech_assets.federated.secure_aggregation import (
     seal_shares,
     seed_commitment,
     share_index,
+    sign_advertisement,
     split_secret,
     unmask_sum,
+    verify_advertisement,
 )
 from speech_assets.layout import ClientRunFiles
 
@@ -95,7 +99,7 @@ SECAGG_THRESHOLD, SECAGG_SHARES_NUM, SECAGG_KEYS = "secagg-threshold", "secagg-n
 SECAGG_SURVIVORS, SECAGG_DROPPED, KIND = "secagg-survivors", "secagg-dropped", "kind"
 ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
 # records of the replies (and of the train message: SHARES, the ciphertexts routed to its client)
-KEY_RECORD, MASK_KEY, SHARE_KEY, COMMITMENT = "secagg", "mask-key", "share-key", "commitment"
+KEY_RECORD, MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE = "secagg", "mask-key", "share-key", "commitment", "signature"
 SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg-key-shares"
 ANSWERED, ABANDONED = "answered", "abandoned"
 
@@ -145,7 +149,8 @@ class SecureRounds:
         check_threshold(self.threshold, self.num_shares)
         self.round_number = 0
         self.nonce = b""
-        self.keys: dict[str, tuple[bytes, bytes, bytes]] = {}  # client -> (mask key, share key, commitment)
+        # client -> (mask key, share key, commitment, its signature of them)
+        self.keys: dict[str, tuple[bytes, bytes, bytes, bytes]] = {}
         self.sealed: dict[str, dict[str, bytes]] = {}  # src -> {dst: ciphertext}
         self.survivors: list[str] = []
         self.dropped: list[str] = []
@@ -201,14 +206,16 @@ class SecureRounds:
         common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
 
         def read_keys(client: str, record: Any) -> tuple[tuple[Any, ...], str | None]:
-            keys = tuple(record.get(k) for k in (MASK_KEY, SHARE_KEY, COMMITMENT)) if record is not None else ()
+            fields = (MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE)
+            keys = tuple(record.get(k) for k in fields) if record is not None else ()
             return keys, self._key_problem(keys)
 
         self._collect("secagg-advertise", {c: common for c in clients}, KEY_RECORD, read_keys, self.keys, failures)
         if len(self.keys) < self.threshold:
             self._fail_short("advertised keys", sorted(self.keys), clients, failures)
         table = json.dumps(
-            {c: [m.hex(), s.decode("ascii"), h.hex()] for c, (m, s, h) in self.keys.items()}, sort_keys=True
+            {c: [m.hex(), s.decode("ascii"), h.hex(), sig.hex()] for c, (m, s, h, sig) in self.keys.items()},
+            sort_keys=True,
         )
         asked = {
             c: {KIND: SHARE, SECAGG_KEYS: table, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
@@ -251,9 +258,9 @@ class SecureRounds:
                 kept[client] = value
 
     def _key_problem(self, keys: tuple[Any, ...]) -> str | None:
-        if len(keys) != 3 or not all(isinstance(k, bytes) for k in keys):
-            return f"no {MASK_KEY!r}, {SHARE_KEY!r} and {COMMITMENT!r} in the advertise reply"
-        mask, share, commitment = keys
+        if len(keys) != 4 or not all(isinstance(k, bytes) for k in keys):
+            return f"no {MASK_KEY!r}, {SHARE_KEY!r}, {COMMITMENT!r} and {SIGNATURE!r} in the advertise reply"
+        mask, share, commitment, _ = keys
         if len(mask) != KEY_BYTES or len(commitment) != 32:
             return f"a mask key of {len(mask)} bytes or a commitment of {len(commitment)} bytes (expected 32)"
         if any(mask == known[0] or share == known[1] for known in self.keys.values()):
@@ -507,6 +514,7 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
         old = files.secagg_round(number)
         if number < round_number and _load(old).get("stage") not in (ANSWERED, ABANDONED):
             _save(old, {"stage": ABANDONED})
+    identity = identity_key(_node_keys(node), node.client_id)
     secrets = RoundSecrets.new()
     _save(
         path,
@@ -518,30 +526,62 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
             "self_seed": secrets.self_seed.hex(),
         },
     )
+    mask, share = secrets.mask_public(), secrets.share_public()
+    commitment = seed_commitment(secrets.self_seed, node.client_id, context)
+    signed = advertisement(context, node.client_id, mask, share, commitment)
     content[KEY_RECORD] = ConfigRecord(
         {
-            MASK_KEY: secrets.mask_public(),
-            SHARE_KEY: secrets.share_public(),
-            COMMITMENT: seed_commitment(secrets.self_seed, node.client_id, context),
+            MASK_KEY: mask,
+            SHARE_KEY: share,
+            COMMITMENT: commitment,
+            SIGNATURE: sign_advertisement(identity, signed),
         }
     )
 
 
+def _node_keys(node: NodeConfig) -> str:
+    if not node.node_keys:
+        raise ValueError(
+            f"{node.client_id} has no node-keys in its node config: it cannot sign its advertisement "
+            "or check its peers', and takes part in no secure round"
+        )
+    return node.node_keys
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"the key map names a client twice: {sorted({n for n in names if names.count(n) > 1})[:10]}")
+    return dict(pairs)
+
+
+def _signed_table(config: ConfigRecord, node: NodeConfig, context: bytes) -> dict[str, tuple[bytes, bytes, bytes]]:
+    """The round's key table, ``{client: (mask key, share key, commitment)}``, once every entry
+    is signed by the identity key of the authorised node it names (keys from this node's own
+    settings, never from the server); ValueError on an unsigned, unknown, repeated or forged one."""
+    me, authorised = node.client_id, authorised_keys(_node_keys(node))
+    table = {}
+    for client, entry in json.loads(str(config[SECAGG_KEYS]), object_pairs_hook=_no_repeats).items():
+        if not isinstance(entry, list) or len(entry) != 4 or not all(isinstance(f, str) for f in entry) or not entry[3]:
+            raise ValueError(f"{me}: the key map's entry of {client} is not a signed advertisement")
+        mask, share, commitment = bytes.fromhex(entry[0]), entry[1].encode("ascii"), bytes.fromhex(entry[2])
+        if client not in authorised:
+            raise ValueError(f"{me}: the key map names {client}, not a node this federation authorises")
+        signed = advertisement(context, client, mask, share, commitment)
+        if not verify_advertisement(authorised[client], bytes.fromhex(entry[3]), signed):
+            raise ValueError(f"{me}: the key map's entry of {client} is not signed by {client}'s node key")
+        table[client] = (mask, share, commitment)
+    return table
+
+
 def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
     path, state, context = _round_state(config, node, ADVERTISE)
+    try:
+        table, threshold, group = _checked_round(config, node, state, context)
+    except ValueError:
+        _save(path, {"stage": ABANDONED})  # a round refused once answers nothing more; its secrets go
+        raise
     secrets, me = _secrets(state), node.client_id
-    table = {
-        c: (bytes.fromhex(m), s.encode("ascii"), bytes.fromhex(h))
-        for c, (m, s, h) in json.loads(str(config[SECAGG_KEYS])).items()
-    }
-    mine = table.get(me)
-    if mine is None or mine[0] != secrets.mask_public() or mine[1] != secrets.share_public():
-        raise ValueError(f"{me}: the key map does not hold this client's own keys")
-    if len({k[0] for k in table.values()}) != len(table) or len({k[1] for k in table.values()}) != len(table):
-        raise ValueError(f"{me}: the key map repeats a public key")
-    threshold, num_shares = int(config[SECAGG_THRESHOLD]), int(config[SECAGG_SHARES_NUM])  # type: ignore[arg-type]
-    group = neighbours(me, table, num_shares)
-    check_threshold(threshold, len(group))
     seed_shares = split_secret(secrets.self_seed, threshold, len(group))
     key_shares = split_secret(secrets.mask_key, threshold, len(group))
     sealed = {}
@@ -552,7 +592,7 @@ def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
     state |= {
         "stage": SHARE,
         "threshold": threshold,
-        "num_shares": num_shares,
+        "num_shares": int(config[SECAGG_SHARES_NUM]),  # type: ignore[arg-type]
         "keys": {c: k[0].hex() for c, k in table.items()},
         "share_keys": {c: k[1].decode("ascii") for c, k in table.items()},
         "neighbours": group,
@@ -560,6 +600,33 @@ def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
     }
     _save(path, state)
     content[SHARES] = ConfigRecord(sealed)  # type: ignore[arg-type]
+
+
+def _checked_round(
+    config: ConfigRecord, node: NodeConfig, state: dict[str, Any], context: bytes
+) -> tuple[dict[str, tuple[bytes, bytes, bytes]], int, list[str]]:
+    """``(key table, threshold, neighbours)`` of a share query this client agrees to: a signed
+    table holding its own keys, no repeated key, and k and t within this client's own floors."""
+    secrets, me = _secrets(state), node.client_id
+    table = _signed_table(config, node, context)
+    mine = table.get(me)
+    if mine is None or mine[0] != secrets.mask_public() or mine[1] != secrets.share_public():
+        raise ValueError(f"{me}: the key map does not hold this client's own keys")
+    if len({k[0] for k in table.values()}) != len(table) or len({k[1] for k in table.values()}) != len(table):
+        raise ValueError(f"{me}: the key map repeats a public key")
+    threshold, num_shares = int(config[SECAGG_THRESHOLD]), int(config[SECAGG_SHARES_NUM])  # type: ignore[arg-type]
+    group = neighbours(me, table, num_shares)
+    if len(group) < node.secagg_min_shares:
+        raise ValueError(
+            f"{me}: {len(group)} clients would share with it, fewer than its secagg-min-shares {node.secagg_min_shares}"
+        )
+    if threshold < node.min_threshold(len(group)):
+        raise ValueError(
+            f"{me}: threshold {threshold} of {len(group)} shares is below its floor {node.min_threshold(len(group))} "
+            f"(secagg-threshold-floor {node.secagg_threshold_floor})"
+        )
+    check_threshold(threshold, len(group))
+    return table, threshold, group
 
 
 def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:

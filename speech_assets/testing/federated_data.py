@@ -100,10 +100,17 @@ class InProcessGrid:
     """The Grid calls the ServerApp's :class:`~speech_assets.federated.server_app.Server` makes,
     each message answered at once by the ClientApp (train, evaluate or query) for the
     node it is addressed to (``nodes``: ``{node id: client id}``, every client's data under
-    ``data_dir``, its state under ``state_root/<client id>``)."""
+    ``data_dir``, its state under ``state_root/<client id>``, every node's identity key pair under
+    ``state_root/node-keys``)."""
 
     def __init__(self, nodes: Mapping[int, str], data_dir: Path, state_root: Path, threads: int = 1) -> None:
+        from speech_assets.federated.auth import make_node_key
+
         self.nodes = dict(nodes)
+        # every node's identity key pair, as the launcher makes them (NodeKeys: <client>.key/.pub)
+        self.node_keys = state_root / "node-keys"
+        for client in self.nodes.values():
+            make_node_key(self.node_keys, client)
         self.node_config = {
             node: {
                 "client-id": client,
@@ -111,6 +118,7 @@ class InProcessGrid:
                 "state-root": str(state_root / client),
                 "threads": threads,
                 "device": "cpu",
+                "node-keys": str(self.node_keys),
             }
             for node, client in self.nodes.items()
         }
