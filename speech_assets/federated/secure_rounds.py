@@ -25,8 +25,12 @@ partition, in the one process the simulation owns (no network; the binding guard
 client answering as another, not against the runtime).
 
 What a client refuses (an error reply, the server counts it as failed): a stage out of order or
-for another nonce; a key map without its own keys, with repeated keys or a threshold a server
-could split (t <= k/2); shares that do not decrypt or name another round, sender or receiver; an
+for another nonce; a key map with an entry that is unsigned, names a node the federation does not
+authorise or names one twice, or is not signed by the identity key of the node it names (the
+authorised keys come from the client's own ``node-keys``, never from the server), a key map
+without its own keys or with repeated keys, fewer than its ``secagg-min-shares`` neighbours, a
+threshold below its floor or one a server could split (t <= k/2) (any of these before a share is
+sealed, and the round is then over for it); shares that do not decrypt or name another round, sender or receiver; an
 unmask request whose survivors and dropped clients overlap, are not exactly the neighbours it
 masked with, count itself as dropped, or name fewer than t survivors; and any stage of a round
 whose unmask it already answered. That last fact is kept on disk (``<state root>/<run>/secagg/``,

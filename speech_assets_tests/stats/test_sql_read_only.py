@@ -43,6 +43,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     code itself (the client's answer to an advertise query)."""
     from flwr.app import ConfigRecord, RecordDict
 
+    from speech_assets.federated.auth import make_node_key
     from speech_assets.federated.config import NodeConfig
     from speech_assets.federated.secure_rounds import ADVERTISE, KIND, SECAGG_NONCE, answer_secure_query, state_path
 
@@ -90,7 +91,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             kmeans_quality=[],
         ),
     )
-    node = NodeConfig(client_id="client_00", data_dir=str(data))
+    keys = tmp_path_factory.mktemp("node-keys")  # outside the data dir: the node signs its advertisement
+    make_node_key(keys, "client_00")
+    node = NodeConfig(client_id="client_00", data_dir=str(data), node_keys=str(keys))
     query = ConfigRecord({KIND: ADVERTISE, "run-name": "run-1", "server-round": 1, SECAGG_NONCE: bytes(16)})
     answer_secure_query(query, node, RecordDict())
     assert "self_seed" in state_path(node, "run-1", 1).read_text()
