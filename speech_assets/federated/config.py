@@ -89,7 +89,8 @@ class FederatedConfig:
     # uniform mean (Flower's DifferentialPrivacyClientSideFixedClipping) before the strategy's
     # step; (epsilon, dp_delta) from Flower's RdpAccountant. Under DP a client's training metrics
     # (loss, accuracy, seconds, audio seconds, examples, steps) stay on the client unless
-    # dp_share_client_metrics: epsilon does not cover them
+    # dp_share_client_metrics, and the server records no client's update norm unless it is set:
+    # epsilon does not cover them (docs/PRIVACY.md)
     dp_noise_multiplier: float = 0.0
     dp_clipping_norm: float = 1.0
     dp_delta: float = 1e-5
@@ -397,6 +398,16 @@ class LocalConfig:
         return cls(**values)
 
 
+def _flag(node_config: Mapping[str, Any], key: str) -> bool:
+    """A boolean of a SuperNode's ``--node-config`` (``true``/``false``; absent = false)."""
+    value = node_config.get(key, False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"node config {key} must be true or false (got {value!r:.40})")
+    return value
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """A SuperNode's own settings (``--node-config``); they never leave the client.
@@ -407,6 +418,12 @@ class NodeConfig:
     between rounds and its CMVN (default: ``<data-dir>/federated_clients/<client-id>``; never
     inside a server's run folder). ``threads``: intra-op threads (0 = all cores); ``device``:
     auto, cpu or cuda.
+
+    What this client requires of every round, whatever the server asks (a server that leaves a
+    protection out is refused, never obeyed): ``require-secure-aggregation`` refuses a train
+    message without the secure-aggregation nonce (its update would leave in the clear);
+    ``require-dp`` refuses one without the DP clipping norm (its update would leave unclipped).
+    The launcher sets both from the run's settings for the SuperNodes it starts.
     """
 
     client_id: str
@@ -414,6 +431,8 @@ class NodeConfig:
     state_root: str = ""
     threads: int = 0
     device: str = "auto"
+    require_secure_aggregation: bool = False
+    require_dp: bool = False
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
@@ -437,6 +456,8 @@ class NodeConfig:
             state_root=str(node_config.get("state-root", "")),
             threads=int(node_config.get("threads", 0)),
             device=device,
+            require_secure_aggregation=_flag(node_config, "require-secure-aggregation"),
+            require_dp=_flag(node_config, "require-dp"),
         )
 
     def to_node_config(self) -> str:
@@ -448,6 +469,10 @@ class NodeConfig:
             parts.append(f"threads={self.threads}")
         if self.device != "auto":
             parts.append(f'device="{self.device}"')
+        if self.require_secure_aggregation:
+            parts.append("require-secure-aggregation=true")
+        if self.require_dp:
+            parts.append("require-dp=true")
         return " ".join(parts)
 
     @property
