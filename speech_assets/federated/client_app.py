@@ -135,6 +135,7 @@ def _answer(message: Message, node: NodeConfig, kind: str) -> Message:
     config = message.content["config"]
     client = local_client(node, LocalConfig.from_record(config))
     received = message.content["arrays"]
+    client.log_metrics = kind != "train" or bool(train_metrics(config))
     run = client.train_round if kind == "train" else client.evaluate
     result = run(int(config["server-round"]), received.to_torch_state_dict())
     return Message(reply(kind, received, result, node.client_id, config), reply_to=message)
@@ -144,16 +145,48 @@ def answer_train(message: Message, context: Context, node: NodeConfig) -> Messag
     """A local round; its update clipped (DP) and masked (secure aggregation) when the round's
     config asks for it."""
     config = message.content["config"]
+    check_required(config, node)
 
     def inner(msg: Message, _ctx: Context) -> Message:
         return _answer(msg, node, "train")
 
-    out = fixedclipping_mod(message, context, inner) if KEY_CLIPPING_NORM in config else inner(message, context)
+    if KEY_CLIPPING_NORM in config:
+        # Flower's mod wants the config as the message's only ConfigRecord: the shares routed to
+        # this client (secure aggregation) stand aside while it clips
+        aside = {k: message.content.pop(k) for k in list(message.content.config_records) if k != "config"}
+        try:
+            out = fixedclipping_mod(message, context, inner)
+        finally:
+            for key, record in aside.items():
+                message.content[key] = record
+    else:
+        out = inner(message, context)
     if not out.has_error() and secure_round(config):
         from speech_assets.federated.secure_rounds import mask_reply
 
         out = mask_reply(out, message, node)
     return out
+
+
+class DowngradeRefused(ValueError):
+    """A train message without a protection this client's own settings require."""
+
+
+def check_required(config: ConfigRecord, node: NodeConfig) -> None:
+    """Refuse, before training, a round without what this node's own settings require
+    (:class:`~speech_assets.federated.config.NodeConfig`; never what the server says): the
+    secure-aggregation nonce, the DP clipping norm. A server that leaves either out would get the
+    update in the clear or unclipped."""
+    if node.require_secure_aggregation and not secure_round(config):
+        raise DowngradeRefused(
+            f"client {node.client_id} requires secure aggregation (require-secure-aggregation) and refuses "
+            "a train message without it: its update would leave in the clear"
+        )
+    if node.require_dp and KEY_CLIPPING_NORM not in config:
+        raise DowngradeRefused(
+            f"client {node.client_id} requires differential privacy (require-dp) and refuses a train "
+            "message without its clipping norm: its update would leave unclipped"
+        )
 
 
 def secure_round(config: ConfigRecord) -> bool:

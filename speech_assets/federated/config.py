@@ -94,7 +94,8 @@ class FederatedConfig:
     # uniform mean (Flower's DifferentialPrivacyClientSideFixedClipping) before the strategy's
     # step; (epsilon, dp_delta) from Flower's RdpAccountant. Under DP a client's training metrics
     # (loss, accuracy, seconds, audio seconds, examples, steps) stay on the client unless
-    # dp_share_client_metrics: epsilon does not cover them
+    # dp_share_client_metrics, and the server records no client's update norm unless it is set:
+    # epsilon does not cover them (docs/PRIVACY.md)
     dp_noise_multiplier: float = 0.0
     dp_clipping_norm: float = 1.0
     dp_delta: float = 1e-5
@@ -402,6 +403,16 @@ class LocalConfig:
         return cls(**values)
 
 
+def _flag(node_config: Mapping[str, Any], key: str) -> bool:
+    """A boolean of a SuperNode's ``--node-config`` (``true``/``false``; absent = false)."""
+    value = node_config.get(key, False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"node config {key} must be true or false (got {value!r:.40})")
+    return value
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """A SuperNode's own settings (``--node-config``); they never leave the client.
@@ -420,6 +431,12 @@ class NodeConfig:
     secure round. The node refuses a round of fewer than ``secagg-min-shares`` clients sharing
     with it (k) and a threshold t of at most ``secagg-threshold-floor`` × k (a fraction, "2/3":
     the server's default ⌊2k/3⌋ + 1 is the lowest t it accepts).
+
+    What this client requires of every round, whatever the server asks (a server that leaves a
+    protection out is refused, never obeyed): ``require-secure-aggregation`` refuses a train
+    message without the secure-aggregation nonce (its update would leave in the clear);
+    ``require-dp`` refuses one without the DP clipping norm (its update would leave unclipped).
+    The launcher sets both from the run's settings for the SuperNodes it starts.
     """
 
     client_id: str
@@ -430,6 +447,8 @@ class NodeConfig:
     node_keys: str = ""
     secagg_min_shares: int = SECAGG_MIN_SHARES
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
+    require_secure_aggregation: bool = False
+    require_dp: bool = False
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
@@ -473,6 +492,8 @@ class NodeConfig:
             node_keys=str(node_config.get("node-keys", "")),
             secagg_min_shares=int(node_config.get("secagg-min-shares", SECAGG_MIN_SHARES)),
             secagg_threshold_floor=str(node_config.get("secagg-threshold-floor", SECAGG_THRESHOLD_FLOOR)),
+            require_secure_aggregation=_flag(node_config, "require-secure-aggregation"),
+            require_dp=_flag(node_config, "require-dp"),
         )
 
     def to_node_config(self) -> str:
@@ -490,6 +511,10 @@ class NodeConfig:
             parts.append(f"secagg-min-shares={self.secagg_min_shares}")
         if self.secagg_threshold_floor != SECAGG_THRESHOLD_FLOOR:
             parts.append(f'secagg-threshold-floor="{self.secagg_threshold_floor}"')
+        if self.require_secure_aggregation:
+            parts.append("require-secure-aggregation=true")
+        if self.require_dp:
+            parts.append("require-dp=true")
         return " ".join(parts)
 
     @property

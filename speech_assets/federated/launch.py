@@ -328,7 +328,14 @@ def _run_federation(
         threads = threads_per_client or 1
         nodes = [
             NodeConfig(
-                client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device
+                client_id=c,
+                data_dir=str(Path(data_dir)),
+                state_root=str(roots[c]),
+                threads=threads,
+                device=device,
+                # what each client requires of every round, fixed before the server says anything
+                require_secure_aggregation=config.secure_aggregation,
+                require_dp=config.differential_privacy,
             )
             for c in config.clients
         ]
@@ -341,7 +348,14 @@ def _run_federation(
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
         nodes = [
             NodeConfig(
-                client_id=c, data_dir=str(Path(data_dir)), state_root=str(roots[c]), threads=threads, device=device
+                client_id=c,
+                data_dir=str(Path(data_dir)),
+                state_root=str(roots[c]),
+                threads=threads,
+                device=device,
+                # what each client requires of every round, fixed before the server says anything
+                require_secure_aggregation=config.secure_aggregation,
+                require_dp=config.differential_privacy,
             )
             for c in config.clients
         ]

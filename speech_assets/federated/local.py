@@ -147,6 +147,9 @@ class LocalClient:
 
     def __init__(self, data: ClientData, local: LocalConfig, node: NodeConfig) -> None:
         self.data, self.local, self.node = data, local, node
+        # whether a local round's log line names its loss and accuracy (not in a DP round that
+        # withholds the training metrics: the log may end up beside the server's run folder)
+        self.log_metrics = True
         self.client_dir = node.client_dir(local.run_name)
         self.client_dir.mkdir(parents=True, exist_ok=True)
         self.heads = HeadStore(self.client_dir, data.client_id)
@@ -236,14 +239,18 @@ class LocalClient:
             totals, audio = totals + stats, audio + seconds
         metrics = objective.metrics(totals.cpu())
         self.heads.save(round_number, model.heads[0].state_dict(), self.data.k)
+        shown = (
+            f", loss {metrics['masked_loss']:.4f}, masked accuracy {metrics['masked_accuracy']:.3f}"
+            if self.log_metrics
+            else " (metrics withheld: DP)"
+        )
         log.info(
-            "%s round %d: %d steps from head of round %s, loss %.4f, masked accuracy %.3f",
+            "%s round %d: %d steps from head of round %s%s",
             self.data.client_id,
             round_number,
             local.local_steps,
             head_round,
-            metrics["masked_loss"],
-            metrics["masked_accuracy"],
+            shown,
         )
         return TrainResult(
             encoder=encoder_state(model),

@@ -175,10 +175,13 @@ def update_problem(
     current: Mapping[str, np.ndarray],
     bound: float,
     bound_name: str = "max_update_norm",
+    *,
+    withhold_norm: bool = False,
 ) -> tuple[float | None, str | None]:
     """``(norm, why refused)`` of a client's encoder against the global one it started from:
     refused if any value is not finite or ``||update - current||_2 > bound`` (the setting
-    ``bound_name`` sets it)."""
+    ``bound_name`` sets it). ``withhold_norm``: the reason does not name the norm (under DP a
+    client's exact norm goes nowhere: the reason ends up on disk)."""
     total = 0.0
     for name, base in current.items():
         value = np.asarray(update[name])
@@ -188,7 +191,8 @@ def update_problem(
         total += float(np.dot(diff.ravel(), diff.ravel()))
     norm = math.sqrt(total)
     if not math.isfinite(norm) or norm > bound:
-        return norm, f"update norm {norm:.4g} is beyond the bound {bound:.4g} ({bound_name})"
+        shown = "" if withhold_norm else f" {norm:.4g}"
+        return norm, f"update norm{shown} is beyond the bound {bound:.4g} ({bound_name})"
     return norm, None
 
 

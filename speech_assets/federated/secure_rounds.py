@@ -32,8 +32,10 @@ without its own keys or with repeated keys, fewer than its ``secagg-min-shares``
 threshold below its floor or one a server could split (t <= k/2) (any of these before a share is
 sealed, and the round is then over for it); shares that do not decrypt or name another round, sender or receiver; an
 unmask request whose survivors and dropped clients overlap, are not exactly the neighbours it
-masked with, count itself as dropped, or name fewer than t survivors; and any stage of a round
-whose unmask it already answered. That last fact is kept on disk (``<state root>/<run>/secagg/``,
+masked with, count itself as dropped, or name fewer than t survivors; a new advertise of a round
+past its advertise stage; and any stage of a round whose unmask it already answered. Every stage
+reads, checks and rewrites the round's state under a lock (:func:`state_lock`), so racing
+requests take turns. That last fact is kept on disk (``<state root>/<run>/secagg/``,
 owner-only) before the answer leaves, so neither a repeated query nor a restarted client answers
 twice; the round's secrets are erased then, and those of older unfinished rounds at the next round.
 
@@ -55,7 +57,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -96,6 +98,7 @@ from speech_assets.federated.secure_aggregation import (
     verify_advertisement,
 )
 from speech_assets.layout import ClientRunFiles
+from speech_assets.runtime.locks import exclusive_lock
 
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
@@ -106,6 +109,7 @@ ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
 KEY_RECORD, MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE = "secagg", "mask-key", "share-key", "commitment", "signature"
 SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg-key-shares"
 ANSWERED, ABANDONED = "answered", "abandoned"
+STATE_LOCK = ".lock"  # in a client's secagg/ folder: held while a stage reads and writes its state
 
 
 def masked_spec(spec: ArraySpec) -> ArraySpec:
@@ -454,6 +458,18 @@ def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
     return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 
 
+@contextlib.contextmanager
+def state_lock(node: NodeConfig, run: str) -> Iterator[None]:
+    """Hold this client's lock on its secure-aggregation state of run ``run`` (``secagg/.lock``,
+    ``flock``): every stage reads, checks and rewrites a round's state under it, so two requests
+    racing (threads, or the processes the deployment engine starts per message) take turns and
+    the second sees what the first recorded: one answer per round, even concurrently."""
+    folder = ClientRunFiles(node.client_dir(run)).secagg_dir
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with exclusive_lock(folder / STATE_LOCK):
+        yield
+
+
 def _load(path: Path) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text()))
@@ -510,8 +526,11 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
     nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
     context = round_context(run, round_number, nonce)
     path = state_path(node, run, round_number)
-    if _load(path).get("stage") in (ANSWERED, ABANDONED):
+    stage = _load(path).get("stage")
+    if stage in (ANSWERED, ABANDONED):
         raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number}")
+    if stage not in (None, ADVERTISE):  # fresh keys now would let shares of two key sets leave
+        raise ValueError(f"{node.client_id}: round {round_number} is past its advertise stage ({stage}): no new keys")
     files = ClientRunFiles(node.client_dir(run))
     for number in files.secagg_rounds.numbers(files.secagg_dir):
         # an older round that never reached its unmask: its secrets go, and it answers nothing more
@@ -637,6 +656,11 @@ def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
     """Replace the train reply's encoder by its masked update (encoder minus the one received),
     masked against the neighbours whose shares arrived with the train message."""
     config = message.content["config"]
+    with state_lock(node, str(config["run-name"])):
+        return _mask_reply(out, message, node, config)
+
+
+def _mask_reply(out: Message, message: Message, node: NodeConfig, config: ConfigRecord) -> Message:
     path, state, context = _round_state(config, node, SHARE)
     secrets, me = _secrets(state), node.client_id
     routed = dict(message.content.config_records.get(SHARES) or {})
@@ -695,4 +719,5 @@ def answer_secure_query(config: ConfigRecord, node: NodeConfig, content: RecordD
     stage = stages.get(str(config.get(KIND)))
     if stage is None:
         raise ValueError(f"unknown secure-aggregation query {config.get(KIND)!r:.40}")
-    stage(config, node, content)
+    with state_lock(node, str(config["run-name"])):
+        stage(config, node, content)

@@ -673,23 +673,33 @@ class Server:
         self, good: list[Message], encoder: records.NDArrays, failures: list[dict[str, Any]]
     ) -> tuple[list[Message], dict[str, float]]:
         """The train replies that pass :meth:`check_reply` and :func:`update_problem` against the
-        global ``encoder``; ``{client: update norm}`` of those accepted."""
+        global ``encoder``; ``{client: update norm}`` of those accepted (none under DP unless
+        :attr:`per_client_released`: a client's exact norm is outside epsilon, so under DP it is
+        written nowhere, a refusal's reason included)."""
         bound = update_norm_bound(self.config, self.encoder_values)
         bound_name = "dp_clipping_norm" if self.config.differential_privacy else "max_update_norm"
+        withhold = not self.per_client_released
         accepted, norms = [], {}
         for reply in good:
             problem = self.check_reply(reply, "train")
             norm = None
             if problem is None:
                 update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
-                norm, problem = update_problem(update, encoder, bound, bound_name)
+                norm, problem = update_problem(update, encoder, bound, bound_name, withhold_norm=withhold)
             if problem:
                 failures.append(self.failure(reply, "train", problem))
                 log.warning("refusing the train reply of %s: %s", self.client_of(reply), problem)
             else:
                 accepted.append(reply)
-                norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
+                if not withhold:
+                    norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
         return accepted, norms
+
+    @property
+    def per_client_released(self) -> bool:
+        """Whether per-client training values (metrics, update norms) may be recorded: always
+        without DP; under DP only when the run opts in (``dp_share_client_metrics``)."""
+        return not self.config.differential_privacy or self.config.dp_share_client_metrics
 
     def check_reply(self, reply: Message, phase: str) -> str | None:
         """Why a reply is refused (``None`` if it is acceptable): the privacy boundary, enforced."""

@@ -137,7 +137,9 @@ def test_differential_privacy_clips_adds_noise_and_accounts(four_clients, tmp_pa
         result = Server(grid, config).run()  # type: ignore[arg-type]
     records = _records(config)
     for record in records:
-        assert all(row["update_norm"] <= clip * (1 + 1e-4) for row in record["rows"])  # fixedclipping_mod
+        # fixedclipping_mod: the server accepted them within the clip; their norms are not recorded under DP
+        assert record["rows"] and all(row["update_norm"] is None for row in record["rows"])
+        assert record["update_norm_bound"] <= clip * (1 + 1e-3)
     reference = RdpAccountant(
         PrivacyConfig(
             target_delta=config.dp_delta,
