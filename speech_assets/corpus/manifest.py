@@ -12,15 +12,21 @@ Two input forms are accepted:
   columns) is a :class:`CorpusError`.
 
 A file whose header declares a duration outside the configured bounds is rejected without being
-read. Every other file is hashed in chunks and decoded once, fully, block by block from disk
+read. Every other file is decoded once, fully, block by block from disk
 (memory does not grow with its length), so that truncated or corrupt audio is caught here rather
 than in feature extraction (so are float samples that are NaN or infinite, and a WAV header that
-declares more data than the file holds); the decoded samples are hashed on the way, so that one
+declares more data than the file holds), then hashed in chunks (a file that does not decode is
+not hashed: a reject hashes at most what was read); the decoded samples are hashed on the way, so that one
 recording under two ids is kept once. Decode results are cached by ``(path, size, mtime)`` so an unchanged
 corpus is re-validated without decoding anything. No path that resolves outside the corpus root
-is ever opened, and no speaker, chapter or utterance id that is not a safe id
-(:mod:`speech_assets.corpus.ids`) goes further than a reject row. A bad file never raises: it
-becomes a :class:`RejectRow` with a reason from :class:`RejectReason` and a human-readable detail.
+is ever opened, and every corpus file (audio, ``*.trans.txt``, the manifest file) is opened without
+blocking and checked on the open handle (:func:`open_corpus_file`: a regular file, inside the
+root), so a FIFO, a device or a symlink out of the root is a reject row (``unreadable``,
+``outside_root``), never a hang or a read; a sample rate or channel count outside the
+``[manifest]`` bounds is rejected from the header (``unsupported_format``). No speaker, chapter or
+utterance id that is not a safe id (:mod:`speech_assets.corpus.ids`) goes further than a reject
+row. A bad file never raises: it becomes a :class:`RejectRow` with a reason from
+:class:`RejectReason` and a human-readable detail.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import contextlib
 import csv
 import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -37,8 +44,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from stat import S_ISREG
-from typing import ClassVar
+from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
+from typing import BinaryIO, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -81,6 +88,11 @@ class ValidationConfig:
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
     max_transcript_chars: int = 2000  # of the normalised transcript
+    # the header's sample rate (Hz) and channel count: outside these, reject unsupported_format
+    # (never decoded, never resampled)
+    min_sample_rate: int = 8_000
+    max_sample_rate: int = 192_000
+    max_channels: int = 8
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -88,8 +100,24 @@ class ValidationConfig:
             lambda low, high: 0 <= low < high,
             "need 0 <= min_duration_s < max_duration_s",
         ),
-        *at_least(1, "max_transcript_chars"),
+        Rule(
+            ("min_sample_rate", "max_sample_rate"),
+            lambda low, high: 1 <= low <= high <= 768_000,
+            "need 1 <= min_sample_rate <= max_sample_rate <= 768000",
+        ),
+        *at_least(1, "max_transcript_chars", "max_channels"),
     )
+
+    def format_problem(self, sample_rate: int, channels: int) -> str | None:
+        """Why a file of this rate and channel count is not accepted (None: it is)."""
+        if not self.min_sample_rate <= sample_rate <= self.max_sample_rate:
+            return (
+                f"sample rate {sample_rate} Hz is outside [min_sample_rate={self.min_sample_rate}, "
+                f"max_sample_rate={self.max_sample_rate}]"
+            )
+        if not 1 <= channels <= self.max_channels:
+            return f"{channels} channels, outside [1, max_channels={self.max_channels}]"
+        return None
 
     def __post_init__(self) -> None:
         if problems := broken_rules(self.RULES, vars(self)):
@@ -122,6 +150,7 @@ class AudioProbe:
     # such a probe is trusted only while the bounds still exclude it.
     decoded: bool = True
     audio_sha256: str = ""  # of the decoded samples (with rate and channels): finds one recording under two ids
+    reason: str = ""  # with ``error``: the reject reason when it is not ``unreadable`` (e.g. ``outside_root``)
 
 
 @dataclass
@@ -144,6 +173,88 @@ _SPACES = re.compile(r"\s+")
 def normalise_transcript(text: str) -> str:
     """Upper case, punctuation stripped (apostrophes kept), whitespace collapsed."""
     return _SPACES.sub(" ", _PUNCTUATION.sub(" ", text.upper())).strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening corpus files
+
+# A transcript file larger than this is not read (a LibriSpeech chapter's is a few kB)
+MAX_TRANSCRIPT_FILE_BYTES = 64 << 20
+
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)  # the real path is opened: a symlink put there since is refused
+    | getattr(os, "O_NONBLOCK", 0)  # a FIFO opens at once (and is then refused), it never blocks
+    | getattr(os, "O_NOCTTY", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+class RefusedFile(Exception):
+    """A corpus file that is not opened or read: its reject reason and a detail naming it."""
+
+    def __init__(self, reason: RejectReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (S_ISDIR, "a directory"),
+        (S_ISFIFO, "a FIFO"),
+        (S_ISCHR, "a character device"),
+        (S_ISBLK, "a block device"),
+        (S_ISSOCK, "a socket"),
+        (S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _fd_path(fd: int) -> str | None:
+    """The path the kernel holds for the open ``fd`` (Linux), or None where it cannot tell."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
+    """Open ``path`` for reading, binary, as a corpus file may be opened, with its ``fstat``.
+
+    Its real path must be inside ``root`` (the corpus root, resolved; None: anywhere), and what
+    is opened must be a regular file: both are checked on the open handle (``fstat``, and on
+    Linux the path the kernel holds for it), so a file swapped for a symlink, a FIFO or a device
+    between the check and the open is refused too. Never blocks (``O_NONBLOCK``: a FIFO opens at
+    once). Raises :class:`RefusedFile` (``outside_root`` or ``unreadable``) instead of opening."""
+    real = os.path.realpath(path)
+    if root is not None and not is_inside(real, root):
+        raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"resolves to {real}, outside the corpus root {root}")
+    try:
+        fd = os.open(real, _OPEN_FLAGS)
+    except OSError as err:
+        raise RefusedFile(RejectReason.UNREADABLE, f"cannot open {real}: {err.strerror or err}") from err
+    try:
+        stat = os.fstat(fd)
+        if not S_ISREG(stat.st_mode):
+            raise RefusedFile(RejectReason.UNREADABLE, f"{real} is {_kind(stat.st_mode)}, not a regular file")
+        held = _fd_path(fd) if root is not None else None
+        if held is not None and not is_inside(held, root):
+            raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"opened as {held}, outside the corpus root {root}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), stat
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(handle: BinaryIO, limit: int, what: str) -> bytes:
+    """At most ``limit`` bytes of ``handle``; :class:`RefusedFile` (``unreadable``) if it holds more."""
+    data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise RefusedFile(RejectReason.UNREADABLE, f"{what} holds more than {limit} bytes")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,10 +304,20 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
     # a folder's transcripts are read in name order, as a sorted walk of Paths would
     transcripts: dict[str, dict[str, str]] = {}
     audio: dict[str, dict[str, str]] = {}
+    real_root = os.path.realpath(root)
     for folder, _dirs, files in os.walk(root):
         for name in sorted(files):
             if name.endswith(".trans.txt"):
-                transcripts.setdefault(folder, {}).update(_read_trans_file(Path(folder, name)))
+                path = os.path.join(folder, name)
+                try:
+                    lines = _read_trans_file(path, real_root)
+                except RefusedFile as refused:
+                    # its utterances then have no transcript line: each becomes its own reject
+                    rejects.append(
+                        RejectRow(name[: -len(".trans.txt")], path, "manifest", refused.reason, refused.detail)
+                    )
+                    continue
+                transcripts.setdefault(folder, {}).update(lines)
             elif name.lower().endswith(AUDIO_SUFFIXES):
                 audio.setdefault(folder, {})[os.path.splitext(name)[0]] = os.path.join(folder, name)
     for folder in sorted(map(Path, set(transcripts) | set(audio))):
@@ -253,9 +374,16 @@ def _speaker_chapter(root: Path, folder: Path) -> tuple[str, str]:
     return speaker, chapter
 
 
-def _read_trans_file(path: Path) -> dict[str, str]:
+def _read_trans_file(path: str, root: str) -> dict[str, str]:
+    """``{utt_id: text}`` of a ``*.trans.txt`` inside ``root`` (:class:`RefusedFile` if it cannot be)."""
+    try:
+        handle, _stat = open_corpus_file(path, root)
+        with handle:
+            data = read_capped(handle, MAX_TRANSCRIPT_FILE_BYTES, f"transcript file {path}")
+    except OSError as err:  # a read error (EIO, EISDIR): the file is unreadable, the run goes on
+        raise RefusedFile(RejectReason.UNREADABLE, f"cannot read {path}: {err.strerror or err}") from err
     lines: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in data.decode("utf-8", errors="replace").splitlines():
         utt_id, _, text = line.strip().partition(" ")
         if utt_id:
             lines[utt_id] = text
@@ -307,14 +435,24 @@ def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str]
             yield from _read_csv_records(manifest)
         else:
             yield from _read_jsonl_records(manifest)
+    except RefusedFile as refused:
+        raise CorpusError(f"corpus manifest {manifest} cannot be read: {refused.detail}") from refused
     except OSError as err:
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {err.strerror or err}") from err
+
+
+def _open_manifest(manifest: Path) -> BinaryIO:
+    """The manifest file, opened only if it is a regular file (a FIFO or a device is refused, never waited on)."""
+    handle, _stat = open_corpus_file(str(manifest))
+    return handle
 
 
 def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     # undecodable bytes become lone surrogates, so that one bad line is found (by _record_problem)
     # without losing the parser's place in the file
-    with open(manifest, newline="", encoding="utf-8-sig", errors="surrogateescape") as handle:
+    with io.TextIOWrapper(
+        _open_manifest(manifest), newline="", encoding="utf-8-sig", errors="surrogateescape"
+    ) as handle:
         reader = csv.reader(handle)
         header = _csv_header(manifest, reader)
         width = len(header)
@@ -342,6 +480,12 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
         header = [name.strip() for name in next(reader, [])]
     except csv.Error as err:
         raise CorpusError(f"{manifest}: the header line cannot be parsed as CSV ({err})") from err
+    duplicated = sorted({name for name in header if header.count(name) > 1})
+    if duplicated:
+        raise CorpusError(
+            f"{manifest}: the header line names {', '.join(repr(name) for name in duplicated)} more than once "
+            "(which column to use would be a guess)"
+        )
     missing = [name for name in REQUIRED_COLUMNS if name not in header]
     if missing:
         raise CorpusError(
@@ -351,7 +495,7 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
 
 
 def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    with open(manifest, "rb") as handle:
+    with _open_manifest(manifest) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -412,14 +556,14 @@ _HASH_CHUNK = 1 << 20
 _SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PCM_32": "int32"}  # others: int16
 
 
-def _file_digest(path: str) -> tuple[str, bytes]:
-    """The file's sha256 and its first bytes (up to 1 MiB: where a WAV's chunk headers are)."""
+def _file_digest(handle: BinaryIO) -> tuple[str, bytes]:
+    """The open file's sha256 and its first bytes (up to 1 MiB: where a WAV's chunk headers are)."""
     digest = hashlib.sha256()
     head = b""
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
-            head = head or chunk
-            digest.update(chunk)
+    handle.seek(0)
+    for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+        head = head or chunk
+        digest.update(chunk)
     return digest.hexdigest(), head
 
 
@@ -448,28 +592,55 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
     return None
 
 
-def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe:
+def probe_audio(
+    path: str, config: ValidationConfig | None = None, root: str | os.PathLike[str] | None = None
+) -> AudioProbe:
     """Validate ``path``; never raises for bad audio (the error goes in ``error``).
 
-    The header is read first: a file whose declared duration is outside ``config``'s bounds is
-    judged from it and never read (``decoded=False``). Otherwise the file is hashed in chunks
-    and decoded block by block from disk, so memory does not grow with the file's length; the
-    decoded samples are hashed on the way (``audio_sha256``: the same audio in another file or
-    format hashes the same), and float samples must be finite.
+    The file is opened as :func:`open_corpus_file` opens it (inside ``root``, a regular file,
+    never blocking); one that cannot be is an error probe with its ``reason``. The header is
+    read next: a file whose sample rate or channel count is outside ``config``'s bounds, or
+    whose declared duration is, is judged from it and never read (``decoded=False``).
+    Otherwise the file is decoded block by block from the open handle and then hashed in
+    chunks, so memory does not grow with the file's length; the decoded samples are hashed on
+    the way (``audio_sha256``: the same audio in another file or format hashes the same), and
+    float samples must be finite. A file that cannot be decoded is not hashed: a reject hashes
+    at most what was read.
     """
-    stat = os.stat(path)
+    try:
+        handle, stat = open_corpus_file(path, None if root is None else os.path.realpath(root))
+    except RefusedFile as refused:
+        size, mtime_ns = _stat_or_zero(path)
+        return AudioProbe(size=size, mtime_ns=mtime_ns, error=refused.detail, reason=refused.reason)
+    with handle:
+        return _probe_open(handle, stat, config)
+
+
+def _stat_or_zero(path: str) -> tuple[int, int]:
+    try:
+        stat = os.lstat(path)
+    except OSError:
+        return 0, 0
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig | None) -> AudioProbe:
     base = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     if stat.st_size == 0:
         return AudioProbe(**base, error="file is empty (0 bytes)")
     try:
-        with sf.SoundFile(path) as audio:
+        with sf.SoundFile(handle.fileno(), closefd=False) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+            if config is not None and config.format_problem(sample_rate, channels) is not None:
+                # judged from the header: never decoded (a thousand channels) nor resampled (an odd rate)
+                return AudioProbe(
+                    **base, sample_rate=sample_rate, channels=channels, num_samples=max(declared, 0), decoded=False
+                )
             if declared >= _UNKNOWN_LENGTH:
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
                 return AudioProbe(
                     **base,
-                    file_sha256=_file_digest(path)[0],
                     error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
                 )
             if (
@@ -488,7 +659,6 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
                 if dtype.startswith("float") and not (finite := np.isfinite(block).all(axis=1)).all():
                     return AudioProbe(
                         **base,
-                        file_sha256=_file_digest(path)[0],
                         error=f"float samples include NaN or infinity (first at frame "
                         f"{decoded + int(np.argmin(finite))})",
                     )
@@ -500,10 +670,13 @@ def probe_audio(path: str, config: ValidationConfig | None = None) -> AudioProbe
                     )
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
-        return AudioProbe(**base, file_sha256=_file_digest(path)[0], error=f"cannot decode as audio: {reason}")
-    digest, head = _file_digest(path)
+        return AudioProbe(**base, error=f"cannot decode as audio: {reason}")
     if decoded == 0:
-        return AudioProbe(**base, file_sha256=digest, error="decodes to zero samples")
+        return AudioProbe(**base, error="decodes to zero samples")
+    try:
+        digest, head = _file_digest(handle)
+    except OSError as err:
+        return AudioProbe(**base, error=f"cannot read: {err.strerror or err}")
     if declared > 0 and declared != decoded:
         return AudioProbe(
             **base,
@@ -533,12 +706,14 @@ def probe_all(
     config: ValidationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     stats: Mapping[str, os.stat_result] | None = None,
+    root: str | os.PathLike[str] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
     """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns) (from ``stats``
     where the caller has just stat'ed the path).
 
     A cached probe that was judged from its header alone is reused only while ``config``'s
-    bounds still exclude it; otherwise the file is read and decoded now.
+    bounds still exclude it; otherwise the file is read and decoded now. Each file is opened
+    only inside ``root`` (see :func:`probe_audio`).
     """
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
@@ -549,7 +724,7 @@ def probe_all(
             results[path] = hit
         else:
             todo.append(path)
-    probe = functools.partial(probe_audio, config=config)
+    probe = functools.partial(probe_audio, config=config, root=None if root is None else os.path.realpath(root))
     with contextlib.ExitStack() as stack:
         if workers > 1 and len(todo) > 32:
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_init_probe_worker))
@@ -570,6 +745,8 @@ def _init_probe_worker() -> None:
 
 
 def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:
+    if config.format_problem(probe.sample_rate, probe.channels) is not None:
+        return True
     duration = probe.num_samples / probe.sample_rate if probe.sample_rate else 0.0
     return not config.min_duration_s <= duration <= config.max_duration_s
 
@@ -630,10 +807,20 @@ def scan_corpus(
             stat = os.stat(resolved)
         except OSError:
             stat = None
-        if stat is None or not S_ISREG(stat.st_mode):
+        if stat is None:
             rejects.append(
                 RejectRow(
                     candidate.utt_id, candidate.path, "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}"
+                )
+            )
+        elif not S_ISREG(stat.st_mode):
+            rejects.append(
+                RejectRow(
+                    candidate.utt_id,
+                    candidate.path,
+                    "manifest",
+                    RejectReason.UNREADABLE,
+                    f"{resolved} is {_kind(stat.st_mode)}, not a regular file",
                 )
             )
         else:
@@ -641,7 +828,7 @@ def scan_corpus(
             stats[resolved] = stat
 
     probes, decoded = probe_all(
-        sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats
+        sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats, root
     )
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
@@ -731,7 +918,9 @@ def _judge(
         return RejectRow(candidate.utt_id, path, "manifest", reason, detail)
 
     if probe.error:
-        return reject(RejectReason.UNREADABLE, probe.error)
+        return reject(RejectReason(probe.reason or RejectReason.UNREADABLE), probe.error)
+    if (problem := config.format_problem(probe.sample_rate, probe.channels)) is not None:
+        return reject(RejectReason.UNSUPPORTED_FORMAT, problem)
     if candidate.utt_id in kept_at:
         return reject(
             RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}"

@@ -28,6 +28,7 @@ class RejectReason(StrEnum):
     INVALID_ID = "invalid_id"
     TRANSCRIPT_TOO_LONG = "transcript_too_long"
     DUPLICATE_AUDIO = "duplicate_audio"
+    UNSUPPORTED_FORMAT = "unsupported_format"
     NO_SPEECH = "no_speech"
 
 

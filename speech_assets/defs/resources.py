@@ -223,6 +223,9 @@ class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifes
     max_duration_s: float
     max_reject_ratio: float = 0.2
     max_transcript_chars: int  # a longer (normalised) transcript: reject transcript_too_long
+    min_sample_rate: int  # Hz; a rate or channel count outside these bounds: reject unsupported_format
+    max_sample_rate: int
+    max_channels: int
     workers: int = 0  # 0: one decoder per core
 
 

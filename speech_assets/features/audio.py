@@ -5,9 +5,13 @@ Everything here is pure numpy/torch (no Dagster) and works on one utterance at a
 * ``decode`` reads any format libsndfile knows (FLAC, WAV, OGG, ...) as float32 in ``[-1, 1]``
   (integer PCM scaled by ``1 / 2**(bits-1)``), channels first ``(C, N)``.
 * ``to_mono`` averages channels.
-* ``resample_to_16k`` uses ``torchaudio.functional.resample`` semantics (windowed sinc, Hann window,
-  ``lowpass_filter_width=6``, ``rolloff=0.99``) with the kernel cached per input rate; 16 kHz input
-  is returned unchanged. The output has ``ceil(N * 16000 / sr)`` samples.
+* ``resample_to_16k`` computes what ``torchaudio.functional.resample`` does (windowed sinc, Hann
+  window, ``lowpass_filter_width=6``, ``rolloff=0.99``; equal to float rounding), polyphase: each
+  of the output rate's phases keeps only its non-zero taps, so memory is bounded for any rate
+  (torchaudio's dense kernel is ``new x orig`` after their gcd: 8,001 Hz -> 16 kHz costs it
+  gigabytes for a 1-second file). The kernel is cached per input rate and the taps are gathered a
+  bounded chunk at a time; 16 kHz input is returned unchanged. The output has
+  ``ceil(N * 16000 / sr)`` samples.
 * ``normalise_peak`` scales the waveform so that its absolute peak is ``PEAK_TARGET`` (0.95, about
   -0.45 dBFS). Peak (not RMS) normalisation is used because it can never clip when the waveform is
   later quantised to int16 for the WebRTC VAD. The gain is capped at ``MAX_GAIN_DB`` (20 dB):
@@ -22,11 +26,11 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import soundfile as sf
-import torch
 
 TARGET_SAMPLE_RATE = 16_000
 PEAK_TARGET = 0.95
@@ -65,12 +69,82 @@ def to_mono(audio: np.ndarray) -> np.ndarray:
     return audio.mean(axis=0, dtype=np.float32)
 
 
-@lru_cache(maxsize=16)
-def _resampler(orig_sr: int, new_sr: int) -> torch.nn.Module:
-    # Imported lazily: torchaudio import costs ~0.3 s and 16 kHz corpora never need it.
-    import torchaudio
+LOWPASS_FILTER_WIDTH = 6
+ROLLOFF = 0.99
+_CHUNK_TAPS = 1 << 22  # taps gathered at once (16 MiB of float32), whatever the rates
 
-    return torchaudio.transforms.Resample(orig_sr, new_sr, resampling_method="sinc_interp_hann")
+
+@dataclass(frozen=True)
+class _Polyphase:
+    """``torchaudio``'s sinc kernel for ``orig -> new`` (both divided by their gcd), one row per
+    output phase, holding only the taps that are not negligible: phase ``i`` of block ``b`` is
+    ``sum(kernel[i] * padded[b * orig + first[i] : ... + taps])``, ``padded`` being the input with
+    ``width`` zeros before it (torchaudio's own layout: its row ``i`` is this row placed at
+    ``first[i]`` among ``orig + 2 * width`` columns, the rest within 1e-30 of zero)."""
+
+    orig: int
+    new: int
+    width: int
+    first: np.ndarray  # (new,) int64
+    kernel: np.ndarray  # (new, taps) float32
+
+
+@lru_cache(maxsize=16)
+def _polyphase(orig_sr: int, new_sr: int) -> _Polyphase:
+    gcd = math.gcd(orig_sr, new_sr)
+    orig, new = orig_sr // gcd, new_sr // gcd
+    base = min(orig, new) * ROLLOFF
+    width = math.ceil(LOWPASS_FILTER_WIDTH * orig / base)
+    half = LOWPASS_FILTER_WIDTH * orig / base  # the window's half-length, in input samples (<= width)
+    phases = np.arange(new)
+    centre = width + phases * orig / new  # where phase i sits among torchaudio's columns
+    first = np.maximum(np.floor(centre - half), 0).astype(np.int64)
+    last = np.minimum(np.ceil(centre + half), orig + 2 * width - 1).astype(np.int64)
+    taps = int((last - first).max()) + 1
+    kernel = np.empty((new, taps), np.float32)
+    for start in range(0, new, max(1, _CHUNK_TAPS // taps)):  # float64 temporaries a chunk at a time
+        stop = min(new, start + max(1, _CHUNK_TAPS // taps))
+        column = first[start:stop, None] + np.arange(taps)
+        # as torchaudio computes it, down to its phase term in float32
+        phase = (-phases[start:stop]).astype(np.float32) / np.float32(new)
+        t = ((column - width) / orig + phase[:, None].astype(np.float64)) * base
+        t = np.clip(t, -LOWPASS_FILTER_WIDTH, LOWPASS_FILTER_WIDTH)
+        window = np.cos(t * math.pi / LOWPASS_FILTER_WIDTH / 2) ** 2
+        t *= math.pi
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values = np.where(t == 0, 1.0, np.sin(t) / t) * window * (base / orig)
+        values[column > orig + 2 * width - 1] = 0.0  # past the end of torchaudio's row
+        kernel[start:stop] = values
+    return _Polyphase(orig, new, width, first, kernel)
+
+
+def resample(wave: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
+    """``torchaudio.functional.resample(wave, orig_sr, new_sr)`` (Hann-windowed sinc, width 6,
+    rolloff 0.99) for mono float32 ``(N,)``, in memory bounded by the rates and the chunk size,
+    not by their gcd: ``ceil(N * new_sr / orig_sr)`` float32 samples."""
+    if orig_sr <= 0 or new_sr <= 0:
+        raise ValueError(f"invalid sample rates {orig_sr} -> {new_sr}")
+    wave = np.ascontiguousarray(wave, dtype=np.float32)
+    if orig_sr == new_sr:
+        return wave
+    poly = _polyphase(int(orig_sr), int(new_sr))
+    orig, new, taps = poly.orig, poly.new, poly.kernel.shape[1]
+    length = wave.shape[0]
+    target = -(-new * length // orig)
+    padded = np.zeros(length + 2 * poly.width + orig + taps, np.float32)
+    padded[poly.width : poly.width + length] = wave
+    windows = np.lib.stride_tricks.sliding_window_view(padded, taps)  # a view: (len - taps + 1, taps)
+    out = np.empty(target, np.float32)
+    blocks = -(-target // new)
+    per_chunk = max(1, _CHUNK_TAPS // (new * taps))
+    for block in range(0, blocks, per_chunk):
+        count = min(per_chunk, blocks - block)
+        starts = (np.arange(block, block + count)[:, None] * orig + poly.first).reshape(-1)
+        gathered = windows[starts].reshape(count, new, taps)
+        values = np.einsum("bpt,pt->bp", gathered, poly.kernel).reshape(-1)
+        done = block * new
+        out[done : done + count * new] = values[: target - done]
+    return out
 
 
 def resample_to_16k(wave: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -79,9 +153,7 @@ def resample_to_16k(wave: np.ndarray, sample_rate: int) -> np.ndarray:
         raise ValueError(f"invalid sample rate {sample_rate}")
     if sample_rate == TARGET_SAMPLE_RATE:
         return wave
-    with torch.inference_mode():
-        out = _resampler(int(sample_rate), TARGET_SAMPLE_RATE)(torch.from_numpy(np.ascontiguousarray(wave)))
-    return out.numpy()
+    return resample(wave, int(sample_rate), TARGET_SAMPLE_RATE)
 
 
 def normalise_peak(

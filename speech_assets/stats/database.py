@@ -342,6 +342,17 @@ def view_sources(con: duckdb.DuckDBPyConnection) -> list[str]:
     return sorted(sources)
 
 
+def sources_under(sources: Sequence[str], data_dir: Path) -> list[str]:
+    """The ``sources`` whose real path (a glob's as written: ``*`` is a name here) is ``data_dir`` or below it."""
+    real_dir = os.path.realpath(data_dir)
+    inside = []
+    for source in sources:
+        real = os.path.realpath(source)
+        if real == real_dir or real.startswith(real_dir.rstrip(os.sep) + os.sep):
+            inside.append(source)
+    return inside
+
+
 def _string_literal(sql: str, start: int) -> str:
     """The value of the quoted literal at ``sql[start]`` ('' stands for one quote)."""
     value, i = [], start + 1
@@ -359,7 +370,9 @@ def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duc
     """The database, read-only, with its configuration locked: no extension is installed, nothing
     spills to disk and a query cannot change a setting. Unless ``allow_external_access``, DuckDB's
     external access is off and the only files a query may open are those the views read (no
-    other file of the data dir, no URL, no extension)."""
+    other file of the data dir, no URL, no extension), and of those only the ones under the
+    database's own folder (its data dir): a database from elsewhere (``sql --db other.duckdb``)
+    whose views name other files lets a query read none of them."""
     if not db_path.exists():
         raise FileNotFoundError(f"{db_path} does not exist: materialize the dataset_stats asset first")
     config = {
@@ -370,7 +383,8 @@ def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duc
     con = duckdb.connect(str(db_path), read_only=True, config=config)
     try:
         if not allow_external_access:
-            con.execute(f"SET allowed_paths = [{', '.join(_sql_str(path) for path in view_sources(con))}]")
+            allowed = sources_under(view_sources(con), db_path.parent)
+            con.execute(f"SET allowed_paths = [{', '.join(_sql_str(path) for path in allowed)}]")
             con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:

@@ -147,3 +147,31 @@ def test_load_16k_mono_from_44k_stereo_24bit(tmp_path):
     assert abs(dominant_frequency(wave, 16000) - 500) < 5
     _, rate = audio.load_16k_mono_with_rate(path)
     assert rate == 44100
+
+
+@pytest.mark.parametrize(
+    ("orig", "new", "num_samples"),
+    [
+        (8000, 16000, 12345),
+        (11025, 16000, 44100),
+        (44100, 16000, 44101),
+        (48000, 16000, 4800),
+        (1001, 1600, 5000),
+        (1600, 1001, 5000),
+        (997, 16000, 3000),
+        (192000, 16000, 19200),
+        (24000, 16000, 7),
+    ],
+)
+def test_polyphase_resample_matches_torchaudio(orig, new, num_samples):
+    """Kills: a bounded-memory resampler that drifts from ``torchaudio.functional.resample`` (the
+    features of a corpus would change with the implementation): same length, same values to
+    float rounding (torchaudio's own phase term is float32)."""
+    import torch
+    import torchaudio.functional as AF
+
+    wave = (np.random.default_rng(orig).standard_normal(num_samples) * 0.3).astype(np.float32)
+    expected = AF.resample(torch.from_numpy(wave), orig, new).numpy()
+    out = audio.resample(wave, orig, new)
+    assert out.dtype == np.float32 and out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=0)

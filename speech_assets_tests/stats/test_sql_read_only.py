@@ -216,3 +216,29 @@ def test_sql_still_answers_read_only_queries(query: str, data_dir: Path, capsys:
     assert main(["sql", query, "--db", str(data_dir / "stats.duckdb")]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out
     assert _snapshot(data_dir) == before
+
+
+@pytest.mark.parametrize("reader", ["read_text", "read_parquet"])
+def test_sql_db_from_elsewhere_reads_nothing_outside_its_own_folder(
+    reader: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Kills: allowing every path that a database's views name as a string literal, so that
+    ``sql --db other.duckdb`` (a database made elsewhere) reads whatever file its views name."""
+    import duckdb
+
+    secret = tmp_path / "private" / "secret.parquet"
+    secret.parent.mkdir()
+    pq.write_table(pa.table({"word": ["SECRETWORD"]}), secret)
+    other = tmp_path / "other"
+    other.mkdir()
+    inside = other / "fine.parquet"
+    pq.write_table(pa.table({"word": ["FINE"]}), inside)
+    with duckdb.connect(str(other / "stats.duckdb")) as con:
+        con.execute(f"CREATE VIEW leak AS SELECT * FROM {reader}('{secret}')")
+        con.execute(f"CREATE VIEW fine AS SELECT * FROM read_parquet('{inside}')")
+    db = ["--db", str(other / "stats.duckdb")]
+    assert main(["sql", "SELECT * FROM leak", *db]) == 1
+    out, err = capsys.readouterr()
+    assert "SECRETWORD" not in out and "Permission Error" in err, err
+    assert main(["sql", "SELECT * FROM fine", *db]) == 0, capsys.readouterr().err
+    assert "FINE" in capsys.readouterr().out
