@@ -114,6 +114,7 @@ HEADS_DIR = "heads"
 HEAD_FILE = "round_{:05d}.pt"
 SECAGG_DIR = "secagg"
 SECAGG_ROUND_FILE = "round-{}.json"
+SECAGG_LOCK = ".lock"  # in a client's secagg/ folder: held while a stage reads and writes its round state
 
 # ``D/probe/``
 PROBE_DIR = "probe"
@@ -454,6 +455,7 @@ class ClientRunFiles(Folder):
     heads = Numbered(HEAD_FILE)
     secagg_dir = _Under(SECAGG_DIR)
     secagg_rounds = Numbered(SECAGG_ROUND_FILE)
+    secagg_lock = _Under(f"{SECAGG_DIR}/{SECAGG_LOCK}")
 
     def head(self, round_number: int) -> Path:
         return self.heads_dir / self.heads.name(round_number)

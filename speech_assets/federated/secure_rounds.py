@@ -109,7 +109,6 @@ ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
 KEY_RECORD, MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE = "secagg", "mask-key", "share-key", "commitment", "signature"
 SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg-key-shares"
 ANSWERED, ABANDONED = "answered", "abandoned"
-STATE_LOCK = ".lock"  # in a client's secagg/ folder: held while a stage reads and writes its state
 
 
 def masked_spec(spec: ArraySpec) -> ArraySpec:
@@ -464,9 +463,9 @@ def state_lock(node: NodeConfig, run: str) -> Iterator[None]:
     ``flock``): every stage reads, checks and rewrites a round's state under it, so two requests
     racing (threads, or the processes the deployment engine starts per message) take turns and
     the second sees what the first recorded: one answer per round, even concurrently."""
-    folder = ClientRunFiles(node.client_dir(run)).secagg_dir
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with exclusive_lock(folder / STATE_LOCK):
+    files = ClientRunFiles(node.client_dir(run))
+    files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with exclusive_lock(files.secagg_lock):
         yield
 
 
