@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -332,3 +333,50 @@ def test_a_dp_released_round_is_durable_first_and_never_drawn_again(corpus, tmp_
     assert {e["sha256"] for e in sent if e.get("evaluate") == 1} == {records[0]["weights_sha256"]}
     assert len(records[0]["evaluation"]) == 4 and not records[0]["evaluation_pending"]
     assert len(pq.read_table(FederatedPaths(config.run_dir).evaluation_table)) == 8
+
+
+NOISE_SCRIPT = """
+import pickle, sys
+import numpy as np
+from speech_assets.federated.privacy import Privacy
+config = pickle.loads(open(sys.argv[1], "rb").read())
+np.random.seed(config.seed)  # as a run seeds numpy's global generator from its logged seed
+np.save(sys.argv[2], Privacy(config).noisy_mean({"w": np.zeros(256)}, 4)["w"])
+"""
+
+
+def test_dp_runs_with_the_same_config_and_run_name_draw_different_noise(corpus, tmp_path: Path) -> None:
+    """Kills the mutation "DP noise from a generator keyed by the logged run name" (every privacy
+    test passed it: the runs they compare had different names) and "... seeded once per process":
+    two real DP runs with the same settings, seed and run name release different encoders, by
+    noise of the configured size; and two fresh processes drawing with the same config (and
+    numpy's global generator seeded from the run's seed, as a run does) draw different noise."""
+    dp = dict(dp_noise_multiplier=0.8, dp_clipping_norm=CLIP)
+    _, _, first = _run(corpus, tmp_path / "a", "dp-same", **dp)
+    _, _, second = _run(corpus, tmp_path / "b", "dp-same", **dp)
+    assert first.settings() == second.settings() and first.run_name == second.run_name
+    a, b = _flat(_final(first)), _flat(_final(second))
+    assert not np.array_equal(a, b), "two DP runs with one name and config released the same encoder"
+    sigma = 0.8 * CLIP / len(first.clients)
+    assert np.std(a - b) == pytest.approx(np.sqrt(2) * sigma, rel=0.02)
+
+    from speech_assets.federated.privacy import Privacy
+
+    zeros = {"w": np.zeros(256)}
+    in_process = [Privacy(config).noisy_mean(zeros, 4)["w"] for config in (first, second)]
+    assert not np.array_equal(*in_process)
+    config_file = tmp_path / "config.pickle"
+    config_file.write_bytes(pickle.dumps(first))
+    draws = []
+    for i in range(2):
+        out = tmp_path / f"noise-{i}.npy"
+        subprocess.run(
+            [sys.executable, "-c", NOISE_SCRIPT, str(config_file), str(out)],
+            env=os.environ | {"PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"},
+            cwd=REPO,
+            check=True,
+            timeout=120,
+        )
+        draws.append(np.load(out))
+    assert not np.array_equal(*draws), "two processes with one config drew the same DP noise"
+    assert not any(np.array_equal(draw, mine) for draw in draws for mine in in_process)

@@ -6,8 +6,11 @@ as docs/PRIVACY.md states it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from speech_assets.federated.secure_aggregation import (
 from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
 
 RUN = "run-signed"
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LyingServer:
@@ -256,3 +260,60 @@ def test_threshold_floor_collusion_bound_of_the_defaults() -> None:
     assert _colluders_needed(9, 5) == 1
     privacy = (Path(__file__).parents[2] / "docs" / "PRIVACY.md").read_text()
     assert "at least 2 colluding clients" in privacy and "⌊k/3⌋ + 1" in privacy
+
+
+def _round_secrets(root: Path, clients: list[str], rounds: int = 2) -> dict[tuple[str, int], dict[str, str]]:
+    """Run ``RUN`` (always the same name, threshold and neighbours) for ``rounds`` advertise stages
+    against the real ClientApp under ``root``; each client's secrets of each round as its state
+    file keeps them, checked against what it advertised (so they are the ones it uses)."""
+    server = LyingServer(root, clients)
+    found = {}
+    for _ in range(rounds):
+        entries = server.advertise(clients, threshold=len(clients))
+        for client in clients:
+            state = server.state(client)
+            secrets = RoundSecrets(
+                bytes.fromhex(state["mask_key"]), state["share_key"].encode("ascii"), bytes.fromhex(state["self_seed"])
+            )
+            mask, share, commitment, _ = entries[client]
+            assert mask == secrets.mask_public().hex() and share == secrets.share_public().decode("ascii")
+            assert commitment == seed_commitment(secrets.self_seed, client, server.context).hex()
+            found[(client, server.round)] = {k: state[k] for k in ("self_seed", "mask_key", "share_key")}
+    return found
+
+
+FRESH_SCRIPT = """
+import json, sys
+from pathlib import Path
+from speech_assets_tests.federated.test_secagg_advertisements import _round_secrets
+found = _round_secrets(Path(sys.argv[1]), ["c0", "c1", "c2"], rounds=1)
+print(json.dumps({f"{c}/{r}": v for (c, r), v in found.items()}))
+"""
+
+
+def test_fresh_self_mask_seeds_differ_between_rounds_and_runs(tmp_path: Path) -> None:
+    """Kills the mutations "a constant, public self-mask seed" (all 55 secure-aggregation tests
+    passed it), "secrets derived from the run's name or seed" and "secrets from a generator seeded
+    per process" (e.g. ``random.Random(seed)``): two rounds of one run, two runs with the same name
+    and settings in this process, and one more in a fresh process, drawn by the real client code
+    (advertise stage), never repeat a self-mask seed, a mask key or a share key."""
+    clients = ["c0", "c1", "c2"]
+    first, second = _round_secrets(tmp_path / "a", clients), _round_secrets(tmp_path / "b", clients)
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_SCRIPT, str(tmp_path / "c")],
+        env=os.environ | {"PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    other = json.loads(result.stdout.strip().splitlines()[-1])
+    draws = [*first.values(), *second.values(), *other.values()]
+    assert len(draws) == 2 * 2 * len(clients) + len(clients)
+    for secret in ("self_seed", "mask_key", "share_key"):
+        values = [draw[secret] for draw in draws]
+        assert len(set(values)) == len(values), f"a {secret} repeats across clients, rounds, runs or processes"
+    # nothing a reader of the run's params could compute: not the run's name, seed or a constant
+    public = {hashlib.sha256(text.encode()).hexdigest() for text in (RUN, "0", "42", "")} | {"00" * 32}
+    assert not public & {draw["self_seed"] for draw in draws}

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from speech_assets.model.encoders import load_encoder
@@ -25,6 +26,8 @@ def pair(preset=None, **kwargs) -> tuple[HubertPretrainModel, HubertPretrainMode
     reference = HubertPretrainModel(preset, KS, attention="reference", **kwargs)
     torch.manual_seed(0)
     new = HubertPretrainModel(preset, KS, **kwargs)
+    # every parity test compares against torch's own Transformer, never the SDPA encoder with itself
+    assert type(reference.encoder) is nn.TransformerEncoder and isinstance(new.encoder, SdpaEncoder)
     return reference, new
 
 
@@ -40,6 +43,30 @@ class SdpaCalls(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             self.calls.append((args[0].dtype, kwargs.get("attn_mask")))
         return func(*args, **kwargs)
+
+
+def test_attention_parity_reference_is_nn_transformer_encoder() -> None:
+    """Kills the mutation "``attention='reference'`` builds the SDPA encoder too" (then every
+    parity test compares the SDPA encoder with itself and passes): the reference is torch's own
+    ``nn.TransformerEncoder`` of ``nn.TransformerEncoderLayer``s, and its forward runs through them."""
+    reference, new = pair()
+    assert type(reference.encoder) is nn.TransformerEncoder
+    assert not isinstance(reference.encoder, SdpaEncoder) and not isinstance(new.encoder, nn.TransformerEncoder)
+    layers = list(reference.encoder.layers)
+    assert len(layers) == get_preset("tiny").layers
+    assert all(type(layer) is nn.TransformerEncoderLayer for layer in layers)
+    ran: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda module, args, out, i=i: ran.append(i)) for i, layer in enumerate(layers)
+    ]
+    try:
+        reference.eval()
+        with torch.no_grad():
+            reference.encode(torch.randn(2, 41, 80), torch.tensor([41, 30]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == list(range(len(layers))), "the reference forward did not run through nn.TransformerEncoderLayer"
 
 
 def test_attention_parity_same_parameters_and_initial_weights() -> None:

@@ -6,13 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.testing.training_data import SyntheticCorpus
+from speech_assets.train import checkpoint
 from speech_assets.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
 from speech_assets.train.engine import Distributed
 from speech_assets.train.trainer import Trainer, plan_for_job, train
@@ -143,3 +147,65 @@ def test_async_checkpoint_kill_during_the_background_write_leaves_no_trusted_fil
     assert resumed["checkpoint_sha256"] == straight["checkpoint_sha256"]
     # the killed write's temp file went with the next attempt's first prune
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
+# how long a blocked write waits for the training thread before giving up (a writer the caller
+# joins never sees it move: the test then fails after this long instead of hanging)
+BLOCK_SECONDS = 5.0
+
+
+def _blocking_write(monkeypatch: pytest.MonkeyPatch, released: Callable[[], bool]):  # type: ignore[no-untyped-def]
+    """Make the writer's ``finish_and_write`` hold until ``released()`` (polled) or BLOCK_SECONDS
+    pass; returns a list that gets ``(path name, whether released, seconds held)`` per write."""
+    writes: list[tuple[str, bool, float]] = []
+    real = checkpoint.finish_and_write
+
+    def blocked(path: Path, state: dict) -> Path:  # type: ignore[type-arg]
+        start = time.monotonic()
+        while not (freed := released()) and time.monotonic() - start < BLOCK_SECONDS:
+            time.sleep(0.01)
+        writes.append((path.name, freed, time.monotonic() - start))
+        return real(path, state)
+
+    monkeypatch.setattr(checkpoint, "finish_and_write", blocked)
+    return writes
+
+
+def test_async_checkpoint_submit_returns_while_the_write_is_blocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills the mutation "join the writer's thread right after starting it" (every other async
+    test passes with it): with the write held until the caller says so, ``submit`` returns while
+    the write is still in flight, and the write completes only once released."""
+    go = threading.Event()
+    writes = _blocking_write(monkeypatch, go.is_set)
+    writer = CheckpointWriter()
+    writer.submit(tmp_path / "a.pt", {"model": {"w": torch.ones(10)}, "weights_sha256": None})
+    in_flight = not (tmp_path / "a.pt").exists() and not writes
+    go.set()
+    writer.wait()
+    assert in_flight, "submit returned only after the write finished"
+    assert writes and writes[0][1], f"the write was never released while the caller went on: {writes}"
+    assert load_checkpoint(tmp_path / "a.pt")["weights_sha256"]
+
+
+def test_async_checkpoint_training_steps_go_on_while_a_write_is_blocked(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills the mutation "join the writer's thread right after starting it" in the real engine:
+    step 2's checkpoint write is held until the trainer has finished step 3, so the run only
+    completes promptly if steps go on while the write is in flight."""
+    config = small_corpus.config(
+        tmp_path / "run", max_steps=4, checkpoint_every=2, log_every=2, keep_checkpoints=5, max_frames=200
+    )
+    (tmp_path / "run").mkdir()
+    job = Distributed(0, 0, 1, 1, torch.device("cpu"))
+    trainer = Trainer(config, job, plan_for_job(config, job))
+    assert trainer.engine.checkpoints.background
+    writes = _blocking_write(monkeypatch, lambda: trainer.engine.step >= 3)
+    assert trainer.run() is not None
+    names = [name for name, _, _ in writes]
+    assert names[:1] == ["step_00000002.pt"], names
+    assert writes[0][1], f"step 3 never ran while step 2's checkpoint was being written ({writes[0][2]:.1f} s held)"
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2, 4]
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002.pt")["step"] == 2

@@ -1,5 +1,13 @@
 """Nothing in a training step waits for the device: a census of the host reads of real steps under
-torch.profiler, and batches that the loader really pins (the copy to a GPU can then overlap)."""
+torch.profiler, and batches that the loader really pins (the copy to a GPU can then overlap).
+
+The census counts two kinds of host read. The profiler's aten ops (``nonzero``, ``unique``,
+``item``, ``_local_scalar_dense``) show a read wherever it happens. Copies out of a tensor
+(``.tolist()``, ``.numpy()``, ``.cpu()``, ``np.asarray``) dispatch no aten op at all on a CPU
+tensor, so a census on CPU would miss them: :class:`HostReads` (a ``TorchFunctionMode``) wraps
+each such call in a profiler range ``host::<method>``, which the census counts like an aten op.
+``.to(...)`` counts as a host read when it takes a tensor off an accelerator to the CPU (on CPU,
+where every ``.to`` stays on the host, it cannot tell a copy to the device from one back)."""
 
 from __future__ import annotations
 
@@ -10,9 +18,11 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile, record_function
 
 # the function DataLoader(pin_memory=True)'s pinning thread applies to every batch
 from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
@@ -27,6 +37,9 @@ from speech_assets.train.trainer import Trainer
 CPU = Distributed(0, 0, 1, 1, torch.device("cpu"))
 # Reads of a tensor's value on the host: on a GPU each one waits for every kernel queued before it.
 HOST_SYNCS = {"aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::_local_scalar_dense", "aten::item"}
+# Tensor methods that copy a tensor's values to the host (see HostReads); ranges "host::<name>"
+HOST_COPIES = ("tolist", "numpy", "cpu", "item", "__array__", "to")
+HOST_RANGE = "host::"
 # Host reads allowed only where they are not on model tensors: the metrics window (one read per
 # log_every steps), the loader's own bookkeeping (batches are built in its worker processes) and
 # AdamW's step counters (host tensors unless the optimizer is fused or capturable).
@@ -41,7 +54,7 @@ def _tensor_fields(batch: Batch) -> dict[str, torch.Tensor]:
 def _host_syncs(events: Iterable) -> Counter[str]:
     found: Counter[str] = Counter()
     for event in events:
-        if event.name not in HOST_SYNCS:
+        if event.name not in HOST_SYNCS and not event.name.startswith(HOST_RANGE):
             continue
         parent, chain = event.cpu_parent, []
         while parent is not None:
@@ -52,28 +65,114 @@ def _host_syncs(events: Iterable) -> Counter[str]:
     return found
 
 
-def test_sync_census_of_training_steps_between_log_steps(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
-    """Real steps of the tiny preset with two clients (one loader worker, as on a GPU): apart from
-    the metrics window every ``log_every`` steps nothing reads a tensor's value on the host (no
-    ``nonzero``, ``unique``, ``item``), so on a GPU the step never waits for the device."""
+def _to_host(tensor: object, args: tuple, kwargs: dict) -> bool:
+    """Whether ``tensor.to(*args, **kwargs)`` copies an accelerator tensor to the CPU."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "cpu":
+        return False
+    targets = [kwargs.get("device"), *args]
+    for target in targets:
+        if isinstance(target, torch.Tensor):
+            target = target.device
+        if isinstance(target, (str, torch.device)):
+            return torch.device(target).type == "cpu"
+    return False
+
+
+class HostReads(TorchFunctionMode):
+    """Wraps every copy of a tensor's values to the host (:data:`HOST_COPIES`) in the profiler
+    range ``host::<method>``: they then sit in the profiler's event tree, under the range that
+    made them, whatever device the tensor is on."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in HOST_COPIES and (name != "to" or _to_host(args[0] if args else None, args[1:], kwargs)):
+            with record_function(HOST_RANGE + name):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _census(trainer: Trainer, config) -> tuple[list, Counter[str]]:  # type: ignore[no-untyped-def]
+    """The profiler events of ``trainer``'s steps up to ``config.max_steps`` and the host reads
+    outside the exempt ranges among them."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof, HostReads():
+        trainer.engine.run(trainer.objective, trainer.stream, config)
+    events = prof.events()
+    assert any(event.name in ("aten::linear", "aten::addmm") for event in events)  # the profiler saw the steps
+    return events, _host_syncs(events)
+
+
+def _census_trainer(small_corpus: SyntheticCorpus, tmp_path: Path, max_steps: int):  # type: ignore[no-untyped-def]
     config = small_corpus.config(
-        tmp_path / "run", max_steps=6, log_every=2, checkpoint_every=100, heldout_fraction=0.0, num_workers=1
+        tmp_path / "run", max_steps=max_steps, log_every=2, checkpoint_every=100, heldout_fraction=0.0, num_workers=1
     )
     (tmp_path / "run").mkdir()  # the worker context makes it in a real run
     trainer = Trainer(config, CPU, plan_for(config, nproc=1))
-    assert {u.client for u in trainer.train_set.utterances} == {0, 1}
     # steps 1-2 first: loader worker started, optimizer state allocated
     trainer.engine.run(trainer.objective, trainer.stream, replace(config, max_steps=2))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.engine.run(trainer.objective, trainer.stream, config)
+    return trainer, config
+
+
+def test_sync_census_of_training_steps_between_log_steps(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    """Real steps of the tiny preset with two clients (one loader worker, as on a GPU): apart from
+    the metrics window every ``log_every`` steps nothing reads a tensor's value on the host (no
+    ``nonzero``, ``unique``, ``item``, ``tolist``, ``numpy``, ``cpu``), so on a GPU the step never
+    waits for the device."""
+    trainer, config = _census_trainer(small_corpus, tmp_path, 6)
+    assert {u.client for u in trainer.train_set.utterances} == {0, 1}
+    events, syncs = _census(trainer, config)
     assert trainer.step == 6
-    events = prof.events()
-    assert any(event.name in ("aten::linear", "aten::addmm") for event in events)  # the profiler saw the steps
-    syncs = _host_syncs(events)
     assert not syncs, f"host syncs in training steps 3-6: {dict(syncs)}"
     assert sum(1 for event in events if event.name == REPORT_RANGE) == 2  # steps 4 and 6
+    # the census does see the window's one read (exempt): .tolist() of the totals
+    reported = [e for e in events if e.name == HOST_RANGE + "tolist"]
+    assert len(reported) >= 2 and all(e.cpu_parent is not None and e.cpu_parent.name == REPORT_RANGE for e in reported)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2, 4, 6]
+
+
+# one host read planted in each of steps 3-7 (the objective sees the step count before the step)
+PLANTED = {
+    2: ("tolist", lambda loss: loss.detach().tolist()),
+    3: ("cpu", lambda loss: loss.detach().cpu()),
+    4: ("numpy", lambda loss: loss.detach().numpy()),
+    5: ("__array__", lambda loss: np.asarray(loss.detach())),
+    6: ("item", lambda loss: loss.item()),
+}
+
+
+def test_sync_census_counts_a_host_copy_planted_in_a_step(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills the mutation "a ``.tolist()`` / ``.cpu()`` / ``.numpy()`` of the loss in a step" (the
+    profiler alone sees no aten op for them on CPU, so the census let it through): each read
+    planted in one of steps 3-7 is counted, once, under its own name."""
+    trainer, config = _census_trainer(small_corpus, tmp_path, 7)
+    objective = type(trainer.objective)
+    real = objective.__call__
+
+    def planted(self, model, batch, step, micro):  # type: ignore[no-untyped-def]
+        loss, stats = real(self, model, batch, step, micro)
+        if step in PLANTED:
+            PLANTED[step][1](loss)
+        return loss, stats
+
+    monkeypatch.setattr(objective, "__call__", planted)
+    _, syncs = _census(trainer, config)
+    assert trainer.step == 7
+    counted = Counter(key.split(" under ")[0] for key in syncs.elements())
+    expected = Counter(HOST_RANGE + name for name, _ in PLANTED.values())
+    assert counted - Counter({"aten::item": 1, "aten::_local_scalar_dense": 1}) == expected, dict(syncs)
+
+
+def test_sync_census_sees_a_copy_off_an_accelerator_with_to() -> None:
+    """``.to('cpu')`` (any spelling) of an accelerator tensor is a host copy; ``.to`` on the host,
+    or to an accelerator, is not."""
+    meta = torch.empty(3, device="meta")
+    assert _to_host(meta, ("cpu",), {}) and _to_host(meta, (), {"device": torch.device("cpu")})
+    assert _to_host(meta, (torch.zeros(1),), {}) and _to_host(meta, ("cpu", torch.float64), {})
+    assert not _to_host(meta, (torch.float64,), {}) and not _to_host(meta, ("meta",), {})
+    assert not _to_host(torch.zeros(3), ("cpu",), {})
 
 
 def test_pinned_batch_from_the_loaders_pin_path(small_corpus: SyntheticCorpus, monkeypatch: pytest.MonkeyPatch) -> None:
