@@ -11,6 +11,9 @@ client, `flwr run`), a real Dagster instance, a real MLflow store and the sample
 - slow: a SuperNode SIGKILLed mid-round does not sink the round; a round with too few clients
   stops the run with a clear message after saving the completed rounds.
 - slow: only SuperNodes whose key the launcher registered join the local SuperLink.
+- slow: a Dagster run with secure aggregation, on each engine: every round unmasks the sum of all
+  the clients' masked updates, the server receives only masked values, every advertisement is
+  signed and verified (no client refuses), every client's round state ends answered.
 - slow: another local user can neither reach the local federation's SuperLink (Control API: start
   a run, register a node) or SuperNodes, nor enter its network namespace; the same requests from
   inside it work.
@@ -703,3 +706,110 @@ def _wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout: fl
         return text in (path.read_text(errors="replace") if path.exists() else "")
 
     wait_until(written, timeout, f"{text!r} in {path}", interval=0.5)
+
+
+# what a client says when it refuses a secure round (secure_rounds, client_app): none may appear
+SECURE_REFUSALS = (
+    "not a signed advertisement",
+    "not signed by",
+    "not a node this federation authorises",
+    "has no node-keys",
+    "names a client twice",
+    "is below its floor",
+    "fewer than its secagg-min-shares",
+    "requires secure aggregation",
+    "refuses to send an unmasked update",
+    "already answered",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "seed"), [("simulation", 101), ("deployment", 102)])
+def test_secure_aggregation_end_to_end_on_both_engines(
+    sample_build: dict, sample_pipeline: SamplePipeline, engine: str, seed: int
+) -> None:
+    """A Dagster run of federated_checkpoint with secure_aggregation = true, 2 rounds of 1 local
+    step on the 4 sample clients, on each engine with the keys the launcher hands out (the local
+    SuperLink's flower/auth/ on the deployment engine, key pairs made there by the simulation
+    engine). Every round unmasks the sum of all 4 clients' masked updates (4 survivors, none
+    dropped, no failure); every train reply the server received is the encoder as uint32 masked
+    values, never a float update; every advertisement carries a signature, each peer's was
+    verified (no client refused a round) and every client's round state ends "answered"; the
+    private node keys are deleted and every process started is gone. (The engine is operational
+    and would resume one run folder: a seed per engine gives each its own.)"""
+    import dagster as dg
+
+    from speech_assets.federated import secure_rounds as sr
+    from speech_assets.layout import ClientRunFiles, FederatedPaths
+    from speech_assets.testing.local_runs import materialize_in_process
+
+    settings = FAST | {"rounds": 2, "local_steps": 1, "secure_aggregation": True, "engine": engine, "seed": seed}
+    with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
+        run_config = {"ops": {"federated_checkpoint": {"config": settings}}}
+        done = materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
+    (event,) = done.asset_materializations_for_node("federated_checkpoint")
+    assert event.metadata["secure_aggregation"].value is True
+    paths = FederatedPaths(Path(event.metadata["run_dir"].value))
+    run_name, clients = paths.root.name, sample_pipeline.clients
+    result = json.loads(paths.result.read_text())
+    assert result["secure_aggregation"] is True and result["rounds"] == 2
+    assert not paths.failure.exists()
+    encoder = torch.load(paths.root / "final.pt", map_location="cpu", weights_only=True)["encoder"]
+    encoder_shapes = {name: list(t.shape) for name, t in encoder.items()}
+    # every round: all 4 clients advertised, shared and masked; the server unmasked their sum
+    for round_number in (1, 2):
+        record = json.loads(paths.round_record(round_number).read_text())
+        assert (record["missing"], record["failures"]) == ([], []), record
+        assert sorted(record["sampled"]) == clients
+        secure = record["secure_aggregation"]
+        assert secure["peers"] == secure["shared"] == clients, secure
+        assert (secure["survivors"], secure["dropped"]) == (len(clients), []), secure
+        assert secure["num_shares"] == len(clients) and secure["threshold"] == 3  # floor(2k/3) + 1
+    # what reached the server: masked values only, and a signed advertisement from every client
+    received = [json.loads(line) for line in paths.received.read_text().splitlines()]
+    assert [e for e in received if "error" in e] == []
+    trains = [e for e in received if e["phase"] == "train"]
+    assert sorted((e["round"], e["client_id"]) for e in trains) == [(r, c) for r in (1, 2) for c in clients]
+    for entry in trains:
+        arrays = entry["records"]["arrays"]["keys"]
+        assert {k: shape for k, (_dtype, shape) in arrays.items()} == encoder_shapes
+        assert {dtype for dtype, _shape in arrays.values()} == {"uint32"}, entry  # never a float update
+    float_arrays = [
+        (e["phase"], name, key)
+        for e in received
+        for name, rec in e["records"].items()
+        if rec["type"] == "ArrayRecord"
+        for key, (dtype, _shape) in rec["keys"].items()
+        if dtype != "uint32"
+    ]
+    assert float_arrays == []  # no reply of any phase carried a float array
+    adverts = [e for e in received if e["phase"] == sr.ADVERTISE]
+    assert sorted((e["round"], e["client_id"]) for e in adverts) == [(r, c) for r in (1, 2) for c in clients]
+    assert all(sr.SIGNATURE in e["records"][sr.KEY_RECORD]["keys"] for e in adverts), adverts
+    for stage in (sr.SHARE, sr.UNMASK):  # each share and unmask answer: every peer's signature checked
+        answered = sorted((e["round"], e["client_id"]) for e in received if e["phase"] == stage)
+        assert answered == [(r, c) for r in (1, 2) for c in clients], stage
+    # each client's own record: every round answered once, its secrets erased
+    for client in clients:
+        files = ClientRunFiles(sample_pipeline.out / "federated_clients" / client / run_name)
+        for round_number in (1, 2):
+            state = json.loads(files.secagg_round(round_number).read_text())
+            assert state == {"stage": sr.ANSWERED}, (client, round_number, state)
+    # no client refused anything, in any log of the run
+    logs = [p for p in paths.flower_dir.rglob("*.log") if p.is_file()]
+    if paths.server_log.is_file():
+        logs.append(paths.server_log)
+    assert logs
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert not [r for r in SECURE_REFUSALS if r in text], (log, text[-3000:])
+    if engine == "simulation":
+        assert "server INFO done: 2 rounds" in paths.flower.simulation_log.read_text()
+    else:
+        superlink_log = paths.flower.superlink_log.read_text()
+        assert superlink_log.count("[Fleet.ActivateNode] Activated node_id=") == len(clients)
+        assert "SuperNode authentication is disabled" not in superlink_log
+    # the identity keys the clients signed with: made in flower/auth/, the private ones deleted
+    assert sorted(p.name for p in paths.flower.auth_dir.glob("*.pub")) == [f"{c}.pub" for c in clients]
+    assert paths.flower.auth.all_private() == []
+    assert wait_until_gone(sample_pipeline.out) == []
