@@ -318,6 +318,22 @@ def _run_federation(
             deadline.progressed()
         return deadline.check()
 
+    def node_configs(threads: int) -> list[NodeConfig]:
+        """One node config per client; what each client requires of every round is fixed here,
+        before the server says anything."""
+        return [
+            NodeConfig(
+                client_id=c,
+                data_dir=str(Path(data_dir)),
+                state_root=str(roots[c]),
+                threads=threads,
+                device=device,
+                require_secure_aggregation=config.secure_aggregation,
+                require_dp=config.differential_privacy,
+            )
+            for c in config.clients
+        ]
+
     if superlink:
         cli_home = paths.flower.cli
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
@@ -326,19 +342,7 @@ def _run_federation(
     elif engine == "simulation":
         # as many workers as cores / threads_per_client, whatever the number of clients
         threads = threads_per_client or 1
-        nodes = [
-            NodeConfig(
-                client_id=c,
-                data_dir=str(Path(data_dir)),
-                state_root=str(roots[c]),
-                threads=threads,
-                device=device,
-                # what each client requires of every round, fixed before the server says anything
-                require_secure_aggregation=config.secure_aggregation,
-                require_dp=config.differential_privacy,
-            )
-            for c in config.clients
-        ]
+        nodes = node_configs(threads)
         log(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
@@ -346,19 +350,7 @@ def _run_federation(
         outcome = simulation_run(paths.run_config, nodes, threads, paths.flower.simulation_log, forward, env, progress)
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
-        nodes = [
-            NodeConfig(
-                client_id=c,
-                data_dir=str(Path(data_dir)),
-                state_root=str(roots[c]),
-                threads=threads,
-                device=device,
-                # what each client requires of every round, fixed before the server says anything
-                require_secure_aggregation=config.secure_aggregation,
-                require_dp=config.differential_privacy,
-            )
-            for c in config.clients
-        ]
+        nodes = node_configs(threads)
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
 
             def should_stop() -> str | None:

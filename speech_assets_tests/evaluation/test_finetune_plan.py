@@ -130,6 +130,23 @@ def test_choose_encoders_refuses_an_unknown_name_and_keeps_the_settings_order() 
     }
 
 
+def random_record(utt_id: str, speaker: str, frames: int, rng: np.random.Generator) -> FeatureRecord:
+    """A shard row of ``frames`` random log-mel frames (chapter ``c``, nothing trimmed)."""
+    return FeatureRecord(
+        utt_id,
+        speaker,
+        "c",
+        frames,
+        frames / 100,
+        0.0,
+        frames / 100,
+        frames / 100,
+        1.0,
+        rng.normal(size=(frames, 80)).astype(np.float32),
+        np.zeros((frames, 39), np.float32),
+    )
+
+
 def write_corpus(root: Path, frames: int = 300) -> tuple[Path, dict[str, Path]]:
     """A manifest and one shard per speaker: a, b train, h held out; 3 utterances each of
     ``frames`` frames, one of them too long for ``max_frames`` 400 when ``frames`` is 300 x 2."""
@@ -140,21 +157,7 @@ def write_corpus(root: Path, frames: int = 300) -> tuple[Path, dict[str, Path]]:
         for i in range(3):
             utt_id, n = f"{speaker}-c-{i}", frames * (2 if i == 2 else 1)
             transcripts[utt_id] = f"say {speaker} {('one', 'two', 'three')[i]}"
-            records.append(
-                FeatureRecord(
-                    utt_id,
-                    speaker,
-                    "c",
-                    n,
-                    n / 100,
-                    0.0,
-                    n / 100,
-                    n / 100,
-                    1.0,
-                    rng.normal(size=(n, 80)).astype(np.float32),
-                    np.zeros((n, 39), np.float32),
-                )
-            )
+            records.append(random_record(utt_id, speaker, n, rng))
         shards[speaker] = write_shard(root / f"{speaker}.parquet", records)
     manifest = root / "manifest.parquet"
     pq.write_table(pa.table({"utt_id": list(transcripts), "transcript": list(transcripts.values())}), manifest)
@@ -419,21 +422,7 @@ def write_overlapping_corpus(root: Path, frames: int = 300) -> tuple[Path, dict[
         for i in range(4):
             utt_id = f"{speaker}-c-{i}"
             transcripts[utt_id] = sentences[(k + i) % len(sentences)].title() + "."  # normalised to the same text
-            records.append(
-                FeatureRecord(
-                    utt_id,
-                    speaker,
-                    "c",
-                    frames,
-                    frames / 100,
-                    0.0,
-                    frames / 100,
-                    frames / 100,
-                    1.0,
-                    rng.normal(size=(frames, 80)).astype(np.float32),
-                    np.zeros((frames, 39), np.float32),
-                )
-            )
+            records.append(random_record(utt_id, speaker, frames, rng))
         shards[speaker] = write_shard(root / f"{speaker}.parquet", records)
     manifest = root / "manifest.parquet"
     pq.write_table(pa.table({"utt_id": list(transcripts), "transcript": list(transcripts.values())}), manifest)
