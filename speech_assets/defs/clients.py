@@ -31,7 +31,7 @@ def client_partitions(
 ) -> dg.MaterializeResult:
     """Speakers assigned to N non-IID clients, never splitting a speaker, balancing trimmed hours;
     speakers already assigned keep their client. The held-out speakers are chosen here, once,
-    over the whole corpus (``heldout`` column): every encoder, CMVN and k-means codebook leaves
+    over the whole corpus (`heldout` column): every encoder, CMVN and k-means codebook leaves
     them out, and the probe tests on them."""
     from speech_assets.train.data import heldout_speakers  # torch: lazily, the code location stays light
 

@@ -38,7 +38,7 @@ def encoder_export(
     """The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript,
     dynamic batch and time, with encoder.json (featurisation, the CMVN the encoder was trained
     with, frame rates, layer, parity against PyTorch on real shard features through
-    onnxruntime): <data>/export/<checkpoint>/."""
+    onnxruntime): `<data>/export/<checkpoint>/`."""
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import from_record

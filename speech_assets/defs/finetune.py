@@ -73,12 +73,12 @@ def finetuned_asr(
     """CTC fine-tuning on characters (the probe's 29 tokens, a linear head on the last layer) of
     each encoder and of the same architecture from scratch, on the same seeded labelled subset of
     the training speakers per budget (`labelled_minutes`) and seed; greedy (and n-gram beam, when
-    installed) CER/WER on the held-out speakers: <data>/finetune/results.parquet. No labelled or dev
+    installed) CER/WER on the held-out speakers: `<data>/finetune/results.parquet`. No labelled or dev
     sentence is a held-out one; the dev set (`dev_speakers` training-side speakers never labelled)
     selects each run's step and, first, each model's peak lr of `lr_grid` (at the smallest budget and
     the first seed; every other run then uses it). The pretrained
     recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
-    parity: <data>/finetune/recogniser/ (what `speech-assets transcribe` uses)."""
+    parity: `<data>/finetune/recogniser/` (what `speech-assets transcribe` uses)."""
     from speech_assets.evaluation.finetune_plan import (
         FinetuneRefused,
         choose_lrs,

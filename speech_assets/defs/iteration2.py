@@ -53,9 +53,9 @@ ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.All
 def kmeans_targets_iter2(
     context: dg.AssetExecutionContext, config: Iteration2Overrides, paths: StoragePaths, settings: PipelineSettings
 ) -> Iterator[object]:
-    """HuBERT iteration 2, per client: k-means (``[iteration2] k`` clusters) on that client's own frames in the
+    """HuBERT iteration 2, per client: k-means (`[iteration2] k` clusters) on that client's own frames in the
     feature space of one layer of the iteration-1 encoder (pretrained, or federated when
-    [iteration2] encoder says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
+    `[iteration2] encoder` says so); int16 labels at 50 Hz. Records the checkpoint and layer."""
     from speech_assets.targets.iteration2 import EncoderRefused, iteration2_targets, load_iteration2_encoder
 
     options = effective(settings.iteration2, config)

@@ -41,7 +41,7 @@ def downstream_probe(
     trained on the training speakers and scored (greedy CER/WER, jiwer) on the held-out speakers
     that no encoder saw, over several probe seeds, for every checkpoint that exists and for the
     log-mel (fbank) and randomly initialised baselines; each model reads its input through the
-    normalisation it was trained with: <data>/probe/results.parquet."""
+    normalisation it was trained with: `<data>/probe/results.parquet`."""
     import torch
 
     from speech_assets.evaluation.compare import FBANK, markdown_table, reading_note, standing, summarise
