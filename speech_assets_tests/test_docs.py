@@ -181,7 +181,8 @@ def test_readme_graph_is_the_definitions_graph(name: str) -> None:
     """README.md and the user guide hold the graph rendered from the definitions, once each.
     Failed on the hand-drawn graphs (no marker; the README's lacked 6 of `finetuned_asr`'s
     upstream edges); kills any hand edit of a copy. `python -m speech_assets.docs` rewrites them."""
-    assert docs.graph_copies((REPO / name).read_text(encoding="utf-8")) == [docs.mermaid_graph(defs)]
+    copies = docs.graph_copies((REPO / name).read_text(encoding="utf-8"))
+    assert copies == [docs.mermaid_graph(defs)], "run `python -m speech_assets.docs` to redraw it"
 
 
 def test_readme_graph_rewrite_replaces_only_the_copy() -> None:
