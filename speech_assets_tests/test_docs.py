@@ -6,6 +6,7 @@ the Dagster UI as written; the asset graph the docs draw is the definitions' gra
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 from pathlib import Path
 
@@ -427,3 +428,40 @@ def test_asset_names_exist_every_asset_is_in_the_table(name: str) -> None:
     text = (REPO / name).read_text(encoding="utf-8")
     named = {key for row in table_rows(text) for key in re.findall(r"`([a-z0-9_]+)`", first_cell(row))}
     assert sorted(set(definitions_names()) - named) == []
+
+
+def near_misses(spans: list[str], known: set[str]) -> list[str]:
+    """Backticked names that are almost an asset key or check name but not one (`finetune_asr`,
+    `pretrained_checkpoints`); a name that is another one's `_`-joined part (`inputs_are_current`
+    of `cmvn_inputs_are_current`) is a different word, not a typo."""
+    found = []
+    for span in spans:
+        if not re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", span) or span in known:
+            continue
+        for name in difflib.get_close_matches(span, known, n=3, cutoff=0.85):
+            if not (name.endswith("_" + span) or name.startswith(span + "_") or span.endswith("_" + name)):
+                found.append(f"`{span}`: did you mean `{name}`?")
+                break
+    return found
+
+
+def test_asset_names_exist_the_near_miss_checker() -> None:
+    """Kills: a checker that passes typos, or flags a word that is part of a name."""
+    known = {"finetuned_asr", "pretrained_checkpoint", "cmvn_inputs_are_current", "speakers"}
+    spans = ["finetune_asr", "pretrained_checkpoints", "inputs_are_current", "dev_speakers", "finetuned_asr", "utt_id"]
+    assert near_misses(spans, known) == [
+        "`finetune_asr`: did you mean `finetuned_asr`?",
+        "`pretrained_checkpoints`: did you mean `pretrained_checkpoint`?",
+    ]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(REPO)))
+def test_asset_names_exist_in_prose(path: Path) -> None:
+    """No misspelt asset key or check name anywhere in the docs' inline code. Kills: a typo or a
+    renamed asset left in prose (`finetune_asr`)."""
+    names = definitions_names()
+    known = set(names).union(*names.values())
+    spans = [
+        span.strip("`") for line in prose_lines(path.read_text(encoding="utf-8")) for span in INLINE_CODE.findall(line)
+    ]
+    assert near_misses(spans, known) == []
