@@ -1,9 +1,10 @@
 """What the documentation takes from the code: descriptions as the Dagster UI renders them, and the
 asset graph drawn from the definitions.
 
-The UI renders an asset's or a check's description with react-markdown and remark-gfm, sanitised
-by rehype-sanitize and without rehype-raw (dagster-ui's `ui-components/src/components/Markdown.tsx`):
-raw HTML is dropped, so a docstring's `<data>/probe/results.parquet` shows as `/probe/results.parquet`.
+The UI renders an asset's or a check's description with react-markdown, remark-gfm and
+remark-breaks, sanitised by rehype-sanitize and without rehype-raw (`ui-core/src/ui/
+MarkdownWithPlugins.tsx`, in the source maps dagster-webserver 1.13.27 ships): raw HTML is dropped,
+so a docstring's `<data>/probe/results.parquet` shows as `/probe/results.parquet`.
 markdown-it-py parses CommonMark the same way, and its `html_inline`/`html_block` tokens are exactly
 what the UI drops.
 
