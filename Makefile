@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 
 # Materializes the whole asset graph with the documented `dagster asset materialize` commands.
 demo: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/materialize_all.sh
+	PATH="$(abspath $(BIN)):$$PATH" scripts/materialize_all.sh
 
 # What CI runs: every test not marked `slow` (real Dagster instances, torchrun, Flower, Postgres and
 # MLflow, on small data, with few interpreter start-ups), in two pytest-xdist workers: the suite is
@@ -55,19 +55,27 @@ test-all: install
 # The web UI, on loopback only unless you pass UI_HOST=0.0.0.0 deliberately, with the daemon (sensors,
 # automation, run queue: their pace is set in dagster.yaml and speech_assets/defs/automation.py,
 # docs/OPERATIONS.md, "Fresh data"); ensure_dagster_home.sh refreshes an unedited $DAGSTER_HOME/dagster.yaml.
+# `dg dev`, as Dagster 1.13 asks (`dagster dev` warns that it is superseded), run from $DAGSTER_HOME:
+# it warns about a dagster.yaml in its working folder that is not $DAGSTER_HOME's, and the repository's
+# dagster.yaml is only what ensure_dagster_home.sh copies there.
 UI_HOST ?= 127.0.0.1
 UI_PORT ?= 3000
 ui: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/ensure_dagster_home.sh
-	$(BIN)/dagster dev -w workspace.yaml -h $(UI_HOST) -p $(UI_PORT)
+	PATH="$(abspath $(BIN)):$$PATH" scripts/ensure_dagster_home.sh
+	cd "$$DAGSTER_HOME" && exec "$(abspath $(BIN))/dg" dev -w "$(CURDIR)/workspace.yaml" -h $(UI_HOST) -p $(UI_PORT)
 
-# The MLflow UI over the local store (runs, metrics, checkpoints), on loopback only.
+# The MLflow UI over the local store (runs, metrics, checkpoints), on loopback only. It first prints
+# the link to the speech_assets experiment's runs table (creating the experiment in a new store):
+# MLflow 3.17's UI opens an experiment on its GenAI traces unless the link asks for the runs. Without
+# the server's GenAI job runner (8 more processes, a slower start): this project submits no such jobs.
 MLFLOW_PORT ?= 5000
 mlflow: install
-	@MLFLOW_PORT=$(MLFLOW_PORT) $(BIN)/python -c "import sys; from speech_assets.train.tracking import runs_page; \
-		print('MLflow runs (every model, tagged by mode):', runs_page(sys.argv[1]))" sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db \
-		--default-artifact-root $(SPEECH_ASSETS_DATA_DIR)/mlartifacts --host 127.0.0.1 --workers 1 --port $(MLFLOW_PORT)
+	@mkdir -p "$(SPEECH_ASSETS_DATA_DIR)"
+	@MLFLOW_PORT=$(MLFLOW_PORT) $(BIN)/python -c "import sys; from speech_assets.train.tracking import experiment_runs_table; \
+		print('MLflow runs (every model, tagged by mode):', experiment_runs_table(sys.argv[1]), flush=True)" \
+		"sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db"
+	exec env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri "sqlite:///$(SPEECH_ASSETS_DATA_DIR)/mlflow.db" \
+		--default-artifact-root "$(SPEECH_ASSETS_DATA_DIR)/mlartifacts" --host 127.0.0.1 --workers 1 --port $(MLFLOW_PORT)
 
 bench: install
 	$(BIN)/python bench/manifest.py

@@ -502,17 +502,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        status = int(args.func(args) or 0)
-        sys.stdout.flush()  # here, where a closed pipe can be handled, not at interpreter exit
-        return status
+        try:
+            args = build_parser().parse_args(argv)  # its --help, too, may meet a closed pipe
+            return int(args.func(args) or 0)
+        finally:  # on return and on argparse's exit: here, where a closed pipe can be handled
+            sys.stdout.flush()
     except BrokenPipeError:
-        # The reader (`| head`, a pager) left: no traceback. As the Python docs advise, stdout
-        # goes to devnull so that the flush at exit cannot raise again.
+        # The reader (`| head`, a pager) left having read what it wanted: not a failure, and no
+        # traceback (a script under `set -o pipefail` would stop). As the Python docs advise,
+        # stdout goes to devnull so that the flush at exit cannot raise again.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 0
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

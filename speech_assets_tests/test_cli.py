@@ -142,7 +142,42 @@ def test_lineage_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> Non
     first, err, status = _piped_into_head(["lineage", str(checkpoint)], tmp_path)
     assert first.decode().startswith("checkpoint ")
     assert err == b"", err.decode()
-    assert status == 1  # as the Python docs do for a closed pipe; the pipeline's status is head's
+    assert status == 0  # head read what it wanted: no failure, also under `set -o pipefail`
+
+
+@pytest.mark.parametrize(
+    ("args", "unbuffered"),
+    [(["probe"], False), (["probe"], True), (["--help"], False)],
+    ids=["probe", "probe-unbuffered", "help"],
+)
+def test_stdout_closed_before_the_cli_writes_is_no_failure(args: list[str], unbuffered: bool, tmp_path: Path) -> None:
+    """`speech-assets probe | head` when the reader is gone before the first write: with stdout
+    buffered (a shell's default) the CLI's flush meets the closed pipe, unbuffered (PYTHONUNBUFFERED,
+    as on this machine) its first print does; argparse's --help only at the flush. Kills: `return 1`
+    in main's BrokenPipeError branch (probe: exit 1), and parsing the arguments outside the
+    flushing try (help: "Exception ignored ... BrokenPipeError" on stderr, exit 120)."""
+    from speech_assets_tests.test_cli_probe import rows, write
+
+    write(
+        rows("fbank", [0.7, 0.7], "global") + rows("random", [0.9, 0.9]) + rows("pretrained", [0.6, 0.6]),
+        tmp_path / "probe",
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "SPEECH_ASSETS_DATA_DIR": str(tmp_path)}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "speech_assets.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+    )
+    cli.stdout.close()  # nobody reads: the CLI's first write to the pipe fails with EPIPE
+    err = cli.stderr.read()
+    cli.stderr.close()
+    assert cli.wait(timeout=120) == 0, err.decode()
+    assert err == b"", err.decode()
 
 
 def test_sql_piped_into_head_ends_without_a_traceback(stats_db: Path, tmp_path: Path) -> None:

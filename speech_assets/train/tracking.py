@@ -82,6 +82,23 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
+def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
+    """The experiment's runs table in the MLflow UI. MLflow 3.17's UI opens an experiment in the
+    view its ``workflowType`` URL parameter names (else the browser's last choice, else the GenAI
+    traces view) and no longer reads the experiment's kind tag, which earlier 3.x UIs used."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
+
+
+def experiment_runs_table(tracking_uri: str, name: str = EXPERIMENT) -> str:
+    """:func:`runs_table_url` of experiment ``name``, created first (as training creates it) when
+    the store has none yet, so that the link opens on its (empty) runs table before any training."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri))
+    return runs_table_url(tracking_uri, ensure_experiment(client, name, tracking_uri, None))
+
+
 def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_location: str | None) -> str:
     """The id of experiment ``name``, created (artifacts at ``artifact_location``, else
     :func:`default_artifact_location`) when it does not exist yet."""
@@ -146,6 +163,7 @@ def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # the UI's model-training view, not its GenAI view
+WORKFLOW_TYPE_PARAM = "workflowType=machine_learning"  # the same, for MLflow 3.17's UI
 SHORT_INPUTS = ("manifest", "cmvn_stats", "client_partitions")
 
 
