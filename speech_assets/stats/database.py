@@ -115,6 +115,11 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _numeric(value: object) -> float | int | None:
+    """``value`` when it is a number (a run folder's JSON may hold anything), else None."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def run_record(kind: str, result_file: Path) -> dict:
     """One model run's ``result.json`` in the shape every kind shares: ``step`` (rounds for a
     federated run), ``checkpoint``, ``checkpoint_sha256``, ``mlflow_run_id``, ``manifest_hash``,
@@ -138,9 +143,9 @@ def run_record(kind: str, result_file: Path) -> dict:
         "checkpoint": r.get("checkpoint"),
         "checkpoint_sha256": r.get("checkpoint_sha256"),
         "init": r.get("init") if kind == "finetuned" else None,
-        "labelled_minutes": r.get("labelled_minutes", config.get("budget_minutes")),
-        "seed": r.get("seed", config.get("seed")),
-        "lr": r.get("lr", config.get("lr")),
+        "labelled_minutes": _numeric(r.get("labelled_minutes", config.get("budget_minutes"))),
+        "seed": _numeric(r.get("seed", config.get("seed"))),
+        "lr": _numeric(r.get("lr", config.get("lr"))),
         "preset": r.get("preset")
         or r.get("student")
         or config.get("preset")
