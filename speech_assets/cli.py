@@ -188,6 +188,13 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint        {report['checkpoint']}")
     print(f"kind              {report['kind']}")
+    if report.get("init"):  # a fine-tuning run: from which start, on which budget and seed
+        minutes = report.get("labelled_minutes")
+        budget = "(not recorded)" if minutes is None else f"{minutes:g} min"
+        print(f"init              {report['init']}")
+        print(f"labelled          {budget}, seed {report.get('seed')}")
+    if report.get("architecture_of"):
+        print(f"architecture of   {report['architecture_of']} (random weights: no encoder input)")
     print(f"weights sha256    {report['weights_sha256']}")
     print(f"{report['step_unit']:18s}{report['step'] if report['step'] is not None else '(none recorded)'}")
     print(f"git commit        {report.get('git_sha') or '(none recorded)'}")

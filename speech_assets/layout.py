@@ -499,6 +499,9 @@ class ExportFiles(ExportedModel):
 
     @staticmethod
     def folder_name(encoder_sha256: str, layer: int) -> str:
+        """Named after the layer's index (``-1`` for "the last" resolved first: ``layer4``)."""
+        if layer < 0:
+            raise ValueError(f"an export folder names a layer's index, not {layer}: resolve it first")
         return f"{encoder_sha256[:16]}-layer{layer}"
 
     onnx = _Under(ENCODER_ONNX)

@@ -17,7 +17,7 @@ from speech_assets.defs.resources import ExportSettings, PipelineSettings, Stora
 from speech_assets.layout import ExportFiles
 from speech_assets.utils import atomic_write_text, publish_folder, sha256_file, sha256_strings
 
-EXPORT_CODE_VERSION = "export-v2"  # v2: the CMVN the encoder was trained with, from its checkpoint
+EXPORT_CODE_VERSION = "export-v3"  # v3: the folder names the layer's index (layer4, not layer-1 for the last)
 # an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
 ONNX_PARITY_ATOL = 1e-4
 
@@ -43,7 +43,7 @@ def encoder_export(
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import from_record
     from speech_assets.model.encoders import load_encoder
-    from speech_assets.model.export import export_all, input_description
+    from speech_assets.model.export import export_all, input_description, resolve_layer
 
     options = effective(settings.export, config)
     checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
@@ -61,17 +61,21 @@ def encoder_export(
     ]
     if not sample:
         raise dg.Failure(description="no shard features to check the export's parity on")
-    exported = paths.export(encoder.sha256, options.layer)
+    try:
+        layer = resolve_layer(encoder.model, options.layer)  # the folder names the layer it holds, never -1
+    except ValueError as error:
+        raise dg.Failure(description=f"[export] {error}") from error
+    exported = paths.export(encoder.sha256, layer)
     folder = exported.root
     folder.parent.mkdir(parents=True, exist_ok=True)
     # written in a sibling temporary folder, then renamed into place: never half an export
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        context.log.info(f"exporting {checkpoint} (layer {options.layer}) to ONNX and TorchScript")
+        context.log.info(f"exporting {checkpoint} (layer {layer}) to ONNX and TorchScript")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
-            parity = export_all(encoder.model, staging, options.layer, sample, options.opset or None)
-        description = input_description(encoder, cmvn, options.layer, parity, checkpoint)
+            parity = export_all(encoder.model, staging, layer, sample, options.opset or None)
+        description = input_description(encoder, cmvn, layer, parity, checkpoint)
         atomic_write_text(ExportFiles(staging).card, json.dumps(description, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:

@@ -224,6 +224,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
         encoder=run.encoder,
         labelled=str(RunFiles(run_dir).labelled),
         init=run.init,
+        budget_minutes=run.minutes,
         seed=run.seed,
         data_versions=run.versions,
         git_sha=git_commit(),

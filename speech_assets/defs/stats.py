@@ -15,9 +15,7 @@ from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, 
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
-CODE_VERSION = (
-    "stats-v2"  # v2: every model in checkpoints/training_runs (kind), exports, distillation, per-speaker split
-)
+CODE_VERSION = "stats-v3"  # v3: fine-tuning runs in checkpoints/training_runs (kind finetuned, init, budget, seed)
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
@@ -54,6 +52,7 @@ def model_folders(paths: StoragePaths) -> dict[str, Path]:
         "federated": paths.layout.federated_dir,
         "distilled": paths.layout.distill_dir,
         "iteration2": paths.layout.training_iter2_dir,
+        "finetuned": paths.finetune.runs,
     }
 
 

@@ -565,6 +565,7 @@ def train_run(
             "beam": beam_choice,
             "final_loss": engine.metrics.get("loss"),
             "init": config.init,
+            "labelled_minutes": config.budget_minutes,
             "seed": config.seed,
             "checkpoint": str(final),
             "checkpoint_sha256": sha,

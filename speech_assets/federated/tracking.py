@@ -1,9 +1,10 @@
 """MLflow for a federated run, in the centralised trainer's ``MlflowTracker`` style and in its
 experiment (``mode`` tag ``federated``): one MLflow run per run folder (its id kept in
 ``<run>/mlflow_run_id``, so a resumed or re-materialized run continues the same MLflow run), the
-config as params, lineage and the Dagster run as tags, every round's metrics as it completes
-(step = round; aggregate and per client; the held-out ones under ``val/``) and, at the end, the
-final checkpoint, the round tables and the result as artifacts.
+config as params, the Dagster run and the inputs (summarised as ``input.*``, like every run's) as
+tags, every round's metrics as it completes (step = round; aggregate and per client; the held-out
+ones under ``val/``) and, at the end, the final checkpoint, the round tables and the result as
+artifacts.
 
 A round already logged (a resumed run replays the records of earlier attempts) is not logged
 twice: the rounds present in the ``round_seconds`` history are skipped (``train_loss`` is absent
@@ -26,6 +27,7 @@ from speech_assets.train.tracking import (
     EXPERIMENT,
     dagster_run_tags,
     ensure_experiment,
+    input_tags,
     installed_packages,
     is_server,
     run_url,
@@ -95,16 +97,16 @@ class FederatedTracker:
             tags |= dagster_run_tags(self.dagster_run_id)
         if self.git_sha:
             tags |= {"git_sha": self.git_sha, "mlflow.source.git.commit": self.git_sha}
-        tags |= {f"data_version.{name}": version for name, version in config.data_versions.items()}
+        tags |= input_tags(config.data_versions)  # summarised as every run's are; each version in inputs.json
         run = self.client.create_run(self.experiment_id, run_name=f"federated-{config.run_name}", tags=tags)
         self.run_id = run.info.run_id
         self.paths.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(id_file, self.run_id + "\n")
         params = {k: v for k, v in config.to_dict().items() if k not in ("clients", "data_versions", "run_dir")}
         params |= {"num_clients": len(config.clients), "clients": ",".join(config.clients)}
-        params |= {f"data_version.{name}": version for name, version in config.data_versions.items()}
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
         self._log_text("environment.txt", installed_packages())
+        self._log_text("inputs.json", json.dumps(config.data_versions, indent=1, sort_keys=True))
         return self.run_id
 
     def log_round(self, record: Mapping[str, Any]) -> None:

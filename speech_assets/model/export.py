@@ -36,6 +36,17 @@ OUTPUT_NAMES = ("hidden", "hidden_lengths")
 RECOGNISER_OUTPUT_NAMES = ("log_probs", "output_lengths")
 
 
+def resolve_layer(model: HubertPretrainModel, layer: int) -> int:
+    """The index of the layer ``layer`` names in ``model`` (``-1``: the last, its depth), what an
+    export's folder and ``encoder.json`` are named after; anything outside ``[0, depth]`` or -1 is refused."""
+    depth = len(model.encoder.layers)
+    if layer == -1:
+        return depth
+    if not 0 <= layer <= depth:
+        raise ValueError(f"layer must be in [0, {depth}] or -1, got {layer}")
+    return layer
+
+
 class ExportableEncoder(nn.Module):
     """``feats (B, T, 80)``, ``lengths (B,)`` -> ``hidden (B, L, D)`` of ``layer``, ``hidden_lengths (B,)``.
 
@@ -45,10 +56,7 @@ class ExportableEncoder(nn.Module):
 
     def __init__(self, model: HubertPretrainModel, layer: int = -1) -> None:
         super().__init__()
-        depth = len(model.encoder.layers)
-        self.layer = depth if layer < 0 else layer
-        if not 0 <= self.layer <= depth:
-            raise ValueError(f"layer must be in [0, {depth}] or -1, got {layer}")
+        self.layer = resolve_layer(model, layer)
         self.model = model
         self.eval()
 

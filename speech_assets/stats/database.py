@@ -41,8 +41,9 @@ class StatsInputs:
     exports: list[Path] = field(default_factory=list)  # encoder_export's encoder.json files
 
 
-# Every kind of checkpoint the graph trains; a federated checkpoint's ``step`` counts rounds.
-CHECKPOINT_KINDS = ("centralised", "federated", "distilled", "iteration2")
+# Every kind of checkpoint the graph trains; a federated checkpoint's ``step`` counts rounds;
+# ``finetuned``: each CTC fine-tuning run of finetuned_asr (pretrained and scratch, every budget and seed).
+CHECKPOINT_KINDS = ("centralised", "federated", "distilled", "iteration2", "finetuned")
 
 
 def _sql_str(value: str | os.PathLike[str]) -> str:
@@ -114,10 +115,17 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _numeric(value: object) -> float | int | None:
+    """``value`` when it is a number (a run folder's JSON may hold anything), else None."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def run_record(kind: str, result_file: Path) -> dict:
     """One model run's ``result.json`` in the shape every kind shares: ``step`` (rounds for a
     federated run), ``checkpoint``, ``checkpoint_sha256``, ``mlflow_run_id``, ``manifest_hash``,
-    ``git_commit``, ``dagster_run_id``, ``preset``, losses and held-out accuracies."""
+    ``git_commit``, ``dagster_run_id``, ``preset``, ``seed``, ``lr``, losses and held-out
+    accuracies; for a fine-tuning run also ``init`` and ``labelled_minutes`` (the budget; None
+    for a run recorded before it was)."""
     r = _read_json(result_file)
     folder = RunFiles(result_file.parent)
     config = _read_json(folder.config)
@@ -127,11 +135,17 @@ def run_record(kind: str, result_file: Path) -> dict:
     if kind == "federated":
         rounds = [line.get("round") for line in r.get("round_summaries") or [] if line.get("round") is not None]
         r = {**r, "step": max(rounds) if rounds else r.get("rounds"), "final_loss": r.get("final_train_loss")}
+    if kind == "finetuned":
+        r = {**r, "preset": f"ctc-{r.get('init') or config.get('init')}"}
     return {
         **r,
         "step": r.get("step"),
         "checkpoint": r.get("checkpoint"),
         "checkpoint_sha256": r.get("checkpoint_sha256"),
+        "init": r.get("init") if kind == "finetuned" else None,
+        "labelled_minutes": _numeric(r.get("labelled_minutes", config.get("budget_minutes"))),
+        "seed": _numeric(r.get("seed", config.get("seed"))),
+        "lr": _numeric(r.get("lr", config.get("lr"))),
         "preset": r.get("preset")
         or r.get("student")
         or config.get("preset")
@@ -141,6 +155,24 @@ def run_record(kind: str, result_file: Path) -> dict:
         "git_commit": config.get("git_sha") or provenance.get("git_sha"),
         "dagster_run_id": provenance.get("dagster_run_id"),
     }
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, **row: object) -> None:
+    """One row of ``table`` by column name (the columns not named are NULL)."""
+    names = ", ".join(f'"{name}"' for name in row)
+    con.execute(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in row)})", list(row.values()))
+
+
+def _finetune_budgets(con: duckdb.DuckDBPyConnection, results: Path | None) -> dict[str, float]:
+    """{checkpoint sha256: labelled budget in minutes} of the runs in finetune/results.parquet: the
+    budget of a run whose result.json predates recording it."""
+    if results is None or not results.is_file():
+        return {}
+    rows = con.execute(
+        f"SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM read_parquet({_sql_str(results)}) "
+        "WHERE checkpoint_sha256 IS NOT NULL"
+    ).fetchall()
+    return dict(rows)
 
 
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
@@ -166,7 +198,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
         "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, "
-        "run_dir VARCHAR)"
+        "run_dir VARCHAR, init VARCHAR)"
     )
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
@@ -174,51 +206,65 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
-        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR)"
+        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR, "
+        "init VARCHAR, labelled_minutes DOUBLE, seed BIGINT, lr DOUBLE, dev_cer DOUBLE, heldout_cer DOUBLE, "
+        "heldout_wer DOUBLE)"
     )
     con.execute(
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
         "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
     )
+    budgets = _finetune_budgets(con, inputs.finetune_results)
     runs = [("centralised", p) for p in inputs.training_results]
     runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
         r = run_record(kind, path)
-        con.execute(
-            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                r["checkpoint"],
-                r["step"],
-                r["checkpoint_sha256"],
-                r["mlflow_run_id"],
-                r["manifest_hash"],
-                kind,
-                "round" if kind == "federated" else "step",
-                r["git_commit"],
-                r["dagster_run_id"],
-                str(path.parent),
-            ],
+        if kind == "finetuned" and r["labelled_minutes"] is None:
+            r["labelled_minutes"] = budgets.get(r["checkpoint_sha256"])
+        _insert(
+            con,
+            "checkpoints",
+            path=r["checkpoint"],
+            step=r["step"],
+            sha256=r["checkpoint_sha256"],
+            mlflow_run_id=r["mlflow_run_id"],
+            manifest_hash=r["manifest_hash"],
+            kind=kind,
+            step_unit="round" if kind == "federated" else "step",
+            git_commit=r["git_commit"],
+            dagster_run_id=r["dagster_run_id"],
+            run_dir=str(path.parent),
+            init=r["init"],
         )
-        con.execute(
-            "INSERT INTO training_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                str(path.parent),
-                r.get("preset"),
-                r["step"],
-                r.get("final_loss"),
-                r.get("heldout_masked_accuracy"),
-                r.get("heldout_majority_accuracy"),
-                r.get("heldout_loss"),
-                r.get("chance_accuracy"),
-                r.get("audio_seconds_per_second"),
-                r["mlflow_run_id"],
-                r["checkpoint"],
-                r.get("heldout_interior_masked_accuracy"),
-                r.get("heldout_interior_majority_accuracy"),
-                r.get("heldout_leak_free_masked_accuracy"),
-                r.get("heldout_leak_free_majority_accuracy"),
-                kind,
-            ],
+        measures = (
+            "final_loss",
+            "heldout_masked_accuracy",
+            "heldout_majority_accuracy",
+            "heldout_loss",
+            "chance_accuracy",
+            "audio_seconds_per_second",
+            "heldout_interior_masked_accuracy",
+            "heldout_interior_majority_accuracy",
+            "heldout_leak_free_masked_accuracy",
+            "heldout_leak_free_majority_accuracy",
+            "dev_cer",
+            "heldout_cer",
+            "heldout_wer",
+        )
+        _insert(
+            con,
+            "training_runs",
+            run_dir=str(path.parent),
+            preset=r.get("preset"),
+            steps=r["step"],
+            mlflow_run_id=r["mlflow_run_id"],
+            checkpoint=r["checkpoint"],
+            kind=kind,
+            init=r["init"],
+            labelled_minutes=r["labelled_minutes"],
+            seed=r["seed"],
+            lr=r["lr"],
+            **{name: r.get(name) for name in measures},
         )
         speed = _read_json(RunFiles(path.parent).speed)
         if kind == "distilled" and speed:
@@ -557,9 +603,10 @@ def summary(db_path: Path) -> str:
                 f"  k-means {row[0]}: K={row[1]} frames={row[2]} inertia/frame={row[3]:.3f} "
                 f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
             )
-        for kind, steps, loss, accuracy, majority, chance, checkpoint, run_id in con.execute(
+        for kind, steps, loss, accuracy, majority, chance, checkpoint, run_id, *tuned in con.execute(
             "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy, chance_accuracy, "
-            f"checkpoint, mlflow_run_id FROM training_runs ORDER BY {_KIND_ORDER}, run_dir"
+            "checkpoint, mlflow_run_id, init, labelled_minutes, seed, lr, heldout_cer, heldout_wer FROM training_runs "
+            f"ORDER BY {_KIND_ORDER}, labelled_minutes, init, seed, lr, run_dir"
         ).fetchall():
             unit = "rounds" if kind == "federated" else "steps"
             held_out = (
@@ -568,8 +615,14 @@ def summary(db_path: Path) -> str:
                 if accuracy is not None or majority is not None
                 else ""
             )
+            name = f"{kind} model"
+            if kind == "finetuned":
+                init, minutes, seed, lr, cer, wer = tuned
+                budget = "? min" if minutes is None else f"{minutes:g} min"
+                name += f" ({init}, {budget} labelled, seed {seed}, lr {'n/a' if lr is None else f'{lr:g}'})"
+                held_out = f", held-out CER {_number(cer)} WER {_number(wer)}"
             lines.append(
-                f"{kind} model: {steps} {unit}, loss {_number(loss)}{held_out}, checkpoint {checkpoint}, "
+                f"{name}: {steps} {unit}, loss {_number(loss)}{held_out}, checkpoint {checkpoint}, "
                 f"MLflow run {run_id or 'none'}"
             )
         for speedup, student, teacher, student_speed, teacher_speed in con.execute(

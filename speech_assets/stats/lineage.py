@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from speech_assets.evaluation.finetune import CHECKPOINT_KIND as FINETUNED_KIND
 from speech_assets.layout import PROVENANCE_FILE, RESULT_FILE
 from speech_assets.locations import redact_uri
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.train.checkpoint import load_checkpoint
+from speech_assets.train.tracking import run_inputs
 
 
 def checkpoint_lineage(path: Path) -> dict[str, Any]:
@@ -32,6 +34,16 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
         config["mlflow_tracking_uri"] = redact_uri(config["mlflow_tracking_uri"])
     data_versions = dict(state.get("data_versions") or config.get("data_versions") or {})
     kind = checkpoint_kind(state, data_versions)
+    init = state.get("init") if kind == "finetuned" else None
+    extra: dict[str, Any] = {}
+    if kind == "finetuned":
+        extra = {
+            "init": init,
+            "labelled_minutes": result.get("labelled_minutes", config.get("budget_minutes")),
+            "seed": state.get("seed", config.get("seed")),
+        }
+        if init == "scratch":  # random weights: the encoder named only its architecture and normalisation
+            extra["architecture_of"] = state.get("encoder_checkpoint") or config.get("encoder")
     return {
         "checkpoint": str(path.resolve()),
         "kind": kind,
@@ -39,7 +51,8 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
         "step": state.get("round") if kind == "federated" else state.get("step"),
         "step_unit": "round" if kind == "federated" else "step",
         "weights_sha256": state.get("weights_sha256") or (weights_sha256(weights) if weights else None),
-        "data_versions": data_versions,
+        "data_versions": run_inputs(data_versions, init),
+        **extra,
         "git_sha": config.get("git_sha") or provenance.get("git_sha"),
         "mlflow_run_id": state.get("mlflow_run_id") or result.get("mlflow_run_id") or provenance.get("mlflow_run_id"),
         "mlflow_run_url": redact_uri(url) if url else url,
@@ -49,9 +62,12 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_kind(state: dict[str, Any], data_versions: dict[str, str]) -> str:
-    """``centralised``, ``federated``, ``distilled`` or ``iteration2``, from what the checkpoint holds."""
+    """``centralised``, ``federated``, ``distilled``, ``iteration2`` or ``finetuned`` (a CTC
+    recogniser), from what the checkpoint holds."""
     if state.get("kind") == "distilled":
         return "distilled"
+    if state.get("kind") == FINETUNED_KIND:
+        return "finetuned"
     if "round" in state and "encoder" in state:
         return "federated"
     if any(key.startswith("kmeans_targets_iter2/") for key in data_versions):

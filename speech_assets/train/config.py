@@ -288,6 +288,8 @@ class FinetuneConfig(RunConfig):
     encoder: str
     labelled: str
     init: str = "pretrained"
+    # the labelled budget the plan drew ``labelled`` for (a tag of the run; the subset is at least this long)
+    budget_minutes: float | None = None
     # a ceiling: the run stops early once dev CER has not improved for ``patience`` evaluations
     max_steps: int = 2000
     lr: float = 2e-3

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from speech_assets import locations
 from speech_assets.layout import RESULT_FILE, RUN_CONFIG_FILE, RunFiles
-from speech_assets.train.config import RunConfig
+from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +164,56 @@ def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # the UI's model-training view, not its GenAI view
 WORKFLOW_TYPE_PARAM = "workflowType=machine_learning"  # the same, for MLflow 3.17's UI
-SHORT_INPUTS = ("manifest", "cmvn_stats", "client_partitions")
+# the encoder checkpoints a run may start from (the assets of speech_assets.defs.partitions.CHECKPOINT_ASSETS)
+ENCODER_INPUTS = (
+    "pretrained_checkpoint",
+    "federated_checkpoint",
+    "distilled_checkpoint",
+    "pretrained_checkpoint_iter2",
+)
+
+
+def run_inputs(data_versions: Mapping[str, str], init: str | None = None) -> dict[str, str]:
+    """The inputs a run learnt from: ``data_versions``, except for a fine-tuning run from
+    ``scratch``, whose encoder checkpoint gave only its architecture and input normalisation (the
+    run folder is still named after it, so a new architecture trains a new baseline)."""
+    if init != "scratch":
+        return dict(data_versions)
+    return {key: value for key, value in data_versions.items() if key not in ENCODER_INPUTS}
 
 
 def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
-    """Short, readable tags of the inputs: unpartitioned ones by version, partitioned ones by count
-    (every version is in the ``inputs.json`` artifact and in the checkpoint)."""
-    tags = {f"input.{name}": data_versions[name][:16] for name in SHORT_INPUTS if data_versions.get(name)}
+    """Short, readable tags of the inputs, the same for every kind of run: unpartitioned ones by
+    version (16 characters), partitioned ones by count (every version is in the ``inputs.json``
+    artifact and in the checkpoint)."""
+    tags = {f"input.{name}": str(version)[:16] for name, version in sorted(data_versions.items()) if "/" not in name}
     for asset in sorted({key.split("/", 1)[0] for key in data_versions if "/" in key}):
         tags[f"input.{asset}"] = f"{sum(k.startswith(asset + '/') for k in data_versions)} partitions"
     return tags
+
+
+def mode_of(config: RunConfig) -> str:
+    """The run's ``mode`` tag: the config's, else ``finetuned`` for a CTC fine-tuning run,
+    ``distilled`` for a student, ``centralised`` otherwise."""
+    if config.mode:
+        return config.mode
+    if isinstance(config, FinetuneConfig):
+        return "finetuned"
+    return "distilled" if isinstance(config, DistillConfig) else "centralised"
+
+
+def run_tags(config: RunConfig) -> dict[str, str]:
+    """The tags a new MLflow run of ``config`` starts with: run folder, preset, ``mode``, the
+    summarised inputs (:func:`input_tags`), and for a fine-tuning run its initialisation
+    (``init``: ``pretrained`` or ``scratch``), labelled budget (``labelled_minutes``) and ``seed``."""
+    tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": mode_of(config)}
+    init = None
+    if isinstance(config, FinetuneConfig):
+        init = config.init
+        tags |= {"init": init, "seed": str(config.seed)}
+        if config.budget_minutes is not None:
+            tags["labelled_minutes"] = f"{config.budget_minutes:g}"
+    return tags | input_tags(run_inputs(config.data_versions, init))
 
 
 def installed_packages() -> str:
@@ -247,8 +287,8 @@ class MlflowTracker:
 
     @property
     def mode(self) -> str:
-        """The run's ``mode`` tag: the config's, else distilled for a student, centralised otherwise."""
-        return self.config.mode or ("distilled" if hasattr(self.config, "teacher") else "centralised")
+        """The run's ``mode`` tag (:func:`mode_of`)."""
+        return mode_of(self.config)
 
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
@@ -265,12 +305,11 @@ class MlflowTracker:
                     self.client.set_tag(resume_run_id, key, value)
             log.info("continuing MLflow run %s", resume_run_id)
         else:
-            tags = {"run_dir": cfg.run_dir, "preset": cfg.preset, "mode": self.mode}
+            tags = run_tags(cfg)
             if cfg.dagster_run_id:
                 tags |= dagster_run_tags(cfg.dagster_run_id)
             if cfg.git_sha:
                 tags |= {"git_sha": cfg.git_sha, "mlflow.source.git.commit": cfg.git_sha}
-            tags |= input_tags(cfg.data_versions)
             run = self.client.create_run(self.experiment_id, run_name=cfg.mlflow_run_name, tags=tags)
             self.run_id = run.info.run_id
             skipped = ("shards", "clients", "data_versions", "dagster_run_id", "mode")

@@ -251,6 +251,9 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
 
     out = evaluated[0]
     (exported,) = (out / "export").iterdir()
+    card = json.loads((exported / "encoder.json").read_text())["output"]
+    # [export] layer = -1 (the last) names the folder after its index (issue 46: it was "-layer-1")
+    assert exported.name.endswith(f"-layer{card['layers']}") and card["layer"] == card["layers"]
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri="sqlite://")
     shards = [paths.shard_file(s) for s in sorted(pq.read_table(paths.clients_file).column("speaker_id").to_pylist())]
     folder = tmp_path / "export"
@@ -593,6 +596,37 @@ def test_finetuned_asr_trains_its_runs_in_one_launch(finetuned) -> None:
     for folder in folders:
         assert json.loads((folder / "provenance.json").read_text())["checkpoint_sha256"]
         assert (folder / "train.log").read_text().count("fine-tuning (") == 1  # its own run's log only
+
+
+def test_every_model_in_every_view_after_finetuned_asr(finetuned, capsys) -> None:
+    """The asset's own fine-tuning runs (pretrained and scratch, 1 min, seed 0) in `checkpoints` and
+    `training_runs` (kind finetuned, init, budget, seed), `speech-assets stats` and `lineage`, and
+    their MLflow runs (mode finetuned, init, labelled_minutes, seed). Mutations killed (each seen
+    failing): the asset's run config without its budget (``budget_minutes``: no
+    ``labelled_minutes`` tag); `dataset_stats` reading no fine-tuning run folder."""
+    from mlflow.tracking import MlflowClient
+
+    from speech_assets import cli
+
+    out, defs, instance = finetuned
+    materialize_in_process(defs, instance, "dataset_stats")
+    with duckdb.connect(str(out / "stats.duckdb"), read_only=True) as con:
+        rows = con.execute(
+            "SELECT t.init, t.labelled_minutes, t.seed, c.sha256, c.mlflow_run_id, c.dagster_run_id, c.path "
+            "FROM training_runs t JOIN checkpoints c USING (run_dir) WHERE t.kind = 'finetuned' ORDER BY t.init"
+        ).fetchall()
+    assert [row[:3] for row in rows] == [("pretrained", 1.0, 0), ("scratch", 1.0, 0)]
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    for init, _, _, sha, run_id, dagster_run, path in rows:
+        assert sha == _finetune_run(out, init)[1]["checkpoint_sha256"] and dagster_run
+        tags = client.get_run(run_id).data.tags
+        assert (tags["mode"], tags["init"], tags["labelled_minutes"], tags["seed"]) == ("finetuned", init, "1", "0")
+        assert cli.main(["lineage", path]) == 0
+        inputs = capsys.readouterr().out.split("inputs (data versions):")[1].split("config:")[0]
+        assert ("pretrained_checkpoint" in inputs) == (init == "pretrained"), inputs
+    assert cli.main(["stats", "--db", str(out / "stats.duckdb")]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"finetuned model ({init}, 1 min labelled, seed 0" in printed for init in ("pretrained", "scratch"))
 
 
 SMALL_FINETUNE = {"max_steps": 10, "freeze_steps": 4, "checkpoint_every": 4, "decoders": ["greedy"], "threads": 1}

@@ -43,3 +43,23 @@ def test_output_layer_is_the_one_asked_for(model) -> None:
     assert (last[~valid] == 0).all()  # padded frames are zero, as encoder.json says
     with pytest.raises(ValueError, match="layer must be"):
         ExportableEncoder(model, 9)
+
+
+def test_export_folder_is_named_after_the_layer_it_holds(model, tmp_path) -> None:
+    """Issue 46: ``[export] layer = -1`` (the last) made ``<sha>-layer-1`` for layer 4. Mutations
+    killed: ``resolve_layer`` leaving -1 as it is; ``ExportFiles.folder_name`` accepting a
+    negative layer."""
+    from speech_assets.layout import DataLayout, ExportFiles
+    from speech_assets.model.export import resolve_layer
+
+    depth = len(model.encoder.layers)
+    assert [resolve_layer(model, layer) for layer in (-1, 0, 2, depth)] == [depth, 0, 2, depth]
+    for wrong in (-2, depth + 1):
+        with pytest.raises(ValueError, match="layer must be"):
+            resolve_layer(model, wrong)
+    assert ExportableEncoder(model, -1).layer == depth
+    sha = "ab" * 32
+    folder = DataLayout(tmp_path).export(sha, resolve_layer(model, -1)).root
+    assert folder.name == f"{sha[:16]}-layer{depth}" == f"{sha[:16]}-layer4"
+    with pytest.raises(ValueError, match="not -1"):
+        ExportFiles.folder_name(sha, -1)
