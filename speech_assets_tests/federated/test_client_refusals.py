@@ -300,15 +300,55 @@ def _disk_text(run_dir: Path) -> str:
     return "\n".join(parts)
 
 
+def _evaluations(grid: InProcessGrid) -> dict[str, dict[str, float]]:
+    """Each client's held-out evaluation, as its evaluate reply carried it to the server."""
+    return {
+        m.content["client"]["client-id"]: dict(m.content["metrics"])
+        for m in grid.received
+        if m.metadata.message_type == "evaluate" and not m.has_error()
+    }
+
+
+def _mlflow_metrics(config, records: list, result: dict, store: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """What a real MLflow run holds once the run's tracker logged ``records`` and ``result``."""
+    from mlflow.tracking import MlflowClient
+
+    from speech_assets.federated.tracking import FederatedTracker
+
+    tracker = FederatedTracker(config, store)
+    tracker.start()
+    for record in records:
+        tracker.log_round(record)
+    tracker.finish(result)
+    return dict(MlflowClient(store).get_run(tracker.run_id).data.metrics)
+
+
+EVALUATION_VALUES = (
+    "utterances",
+    "masked_frames",
+    "heldout_loss",
+    "heldout_masked_accuracy",
+    "majority_accuracy",
+    "leak_free_frames",
+    "heldout_leak_free_masked_accuracy",
+    "leak_free_majority_accuracy",
+)
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Path, caplog, share: bool) -> None:  # type: ignore[no-untyped-def]
     """test_norm_withheld: a DP run without secure aggregation, with a clipping norm the honest
     clients stay below (so each accepted norm is that client's raw value) and c1 sending three
     the clipping norm (refused). No client's exact update norm is in any file of the run
     folder (round records, tables, result, failures) or in the server's log, not even in c1's
-    refusal reason; no client's loss is in the logs either. With ``dp_share_client_metrics`` (the
-    opt-in) they are recorded. Kills the mutation "round records keep every client's
-    update_norm and a refusal names its norm under DP" (the code before issue 45)."""
+    refusal reason; no client's loss is in the logs either. The held-out evaluation (every
+    client scores the round's encoder) leaves no client's loss, accuracy or count in the round
+    record, ``evaluation.parquet`` (its columns stay, null), ``result.json`` or MLflow (no
+    ``val/<client>/...``), while the federation's aggregates are there. With
+    ``dp_share_client_metrics`` (the opt-in) all of it is recorded. Kills the mutations "round
+    records keep every client's update_norm and a refusal names its norm under DP" (the code
+    before issue 45) and "under DP the evaluation rows keep each client's values" (seen failing:
+    evaluation.parquet held every client's heldout_loss)."""
     clip = 100.0
     caplog.set_level(logging.INFO, logger="speech_assets.federated.server")
     client_log_stream = io.StringIO()
@@ -348,14 +388,28 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
         diff = [arrays[n].numpy().astype(np.float64) - start[n].astype(np.float64) for n in start]
         norms[reply.content["client"]["client-id"]] = float(np.sqrt(sum(float(np.sum(d * d)) for d in diff)))
     assert len(norms) == 4 and norms["c1"] > clip and all(norms[c] < clip for c in ("c0", "c2", "c3")), norms
-    record = json.loads(FederatedPaths(config.run_dir).round_record(1).read_text())
+    paths = FederatedPaths(config.run_dir)
+    record = json.loads(paths.round_record(1).read_text())
     assert record["missing"] == ["c1"]
+    evaluations = _evaluations(grid)
+    assert sorted(evaluations) == ["c0", "c1", "c2", "c3"]
+    losses = [e["heldout-loss"] for e in evaluations.values()]
+    assert all(loss > 0 for loss in losses)
+    metrics = _mlflow_metrics(config, [record], result, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # the federation's aggregates are released either way
+    assert result["heldout_masked_accuracy"] is not None and result["heldout_loss"] is not None
+    assert {"val/loss", "val/masked_accuracy", "val/majority_accuracy", "epsilon"} <= set(metrics)
     written = _disk_text(Path(config.run_dir)) + "\n" + caplog.text
     found = [x for x in _numbers(written) for n in norms.values() if abs(x - n) <= 1e-3 * n]
+    found_losses = [x for x in _numbers(written) for loss in losses if abs(x - loss) <= 1e-9 * loss]
     client_log = client_log_stream.getvalue()
+    table = pq.read_table(paths.evaluation_table).to_pylist()
+    assert sorted(row["client_id"] for row in table) == ["c0", "c1", "c2", "c3"]
     if share:  # opted in: recorded (PRIVACY.md lists what that releases)
         assert all(row["update_norm"] is not None for row in record["rows"])
         assert found and "loss " in client_log
+        assert found_losses and all(row["heldout_loss"] is not None for row in table)
+        assert "val/c0/masked_accuracy" in metrics
         return
     assert [row["update_norm"] for row in record["rows"]] == [None] * 3
     assert not found, f"a client's exact update norm is on disk or in the log: {found[:5]} (norms {norms})"
@@ -368,3 +422,10 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
         )
         assert row["weight"] == 1.0
     assert not re.search(r"loss \d", client_log), "a client logged its training loss in a DP round"
+    # the held-out evaluation: who was scored, never what each scored
+    assert not found_losses, f"a client's held-out loss is on disk or in the log: {found_losses[:5]}"
+    for row in [*table, *record["evaluation"]]:
+        assert all(row[k] is None for k in EVALUATION_VALUES), row
+    assert all(set(scores.values()) == {None} for scores in result["heldout_per_client"].values()), result
+    per_client = sorted(name for name in metrics if re.match(r"(val/)?c\d", name))
+    assert per_client == [], f"MLflow holds per-client values under DP: {per_client}"
