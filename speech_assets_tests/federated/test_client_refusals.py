@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated import secure_rounds as sr
 from speech_assets.federated.config import NodeConfig
@@ -122,6 +123,97 @@ def test_node_config_reads_its_requirements() -> None:
     assert not NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d"}).require_dp
     with pytest.raises(ValueError, match="true or false"):
         NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d", "require-dp": "yes"})
+
+
+def _launcher_limits(config, root: Path, **settings) -> dict:  # type: ignore[no-untyped-def]
+    """What the launcher puts in every local client's ``--node-config`` for ``config`` under the
+    ``[federated]`` settings ``settings`` (its protections and limits), as the SuperNode parses it."""
+    from flwr.common.config import parse_config_args
+
+    from speech_assets.defs.resources import FederatedSettings
+    from speech_assets.federated.launch import CLIENT_LIMITS, deployment_options, node_configs
+
+    options = deployment_options(FederatedSettings(**settings))
+    limits = {name: options[name] for name in CLIENT_LIMITS}
+    node = node_configs(config, root, {c: root / c for c in config.clients}, threads=1, **limits)[0]
+    parsed = parse_config_args([node.to_node_config()])
+    return {k: v for k, v in parsed.items() if k not in ("client-id", "data-dir", "state-root", "threads")}
+
+
+class HugeClippingNormGrid(InProcessGrid):
+    """A server that asks for DP but sends a clipping norm a million times the run's: in effect
+    no clipping."""
+
+    def push_messages(self, messages):  # type: ignore[no-untyped-def]
+        messages = list(messages)
+        for message in messages:
+            if message.metadata.message_type == "train" and KEY_CLIPPING_NORM in message.content["config"]:
+                message.content["config"][KEY_CLIPPING_NORM] = 1e6
+        return super().push_messages(messages)
+
+
+@pytest.mark.parametrize("kind", [InProcessGrid, HugeClippingNormGrid], ids=["honest", "huge-norm"])
+def test_downgrade_huge_clipping_norm_is_refused(corpus, tmp_path: Path, kind: type[InProcessGrid]) -> None:
+    """test_downgrade_huge_clipping_norm: the clients get what the launcher gives them under the
+    ``[federated]`` settings of a DP run (dp_max_clipping_norm unset: the run's dp_clipping_norm).
+    A server that sends a clipping norm of 1e6 is refused by every client before training, no
+    update leaves; the honest server's round (the run's norm) goes through. Kills the mutations
+    "a client that requires DP accepts any clipping norm" (the code before this change: 4 of 4
+    clients trained and sent their update clipped at 1e6) and "the launcher leaves the node's
+    maximum unset"."""
+    dp = {"dp_noise_multiplier": 0.5, "dp_clipping_norm": 1.0}
+    config = corpus.config(tmp_path, "probe-config", **dp)
+    node = _launcher_limits(config, tmp_path, **dp)
+    assert node["dp-max-clipping-norm"] == 1.0 and node["require-dp"] is True
+    result, grid, _ = _run(corpus, tmp_path, "clip", kind, node=node, **dp)
+    replies = _train_replies(grid)
+    assert len(replies) == 4
+    if kind is InProcessGrid:
+        assert isinstance(result, dict) and not any(r.has_error() for r in replies)
+        return
+    assert isinstance(result, FederatedRunError), "a round went on with every client refusing"
+    assert not any(not r.has_error() and "arrays" in r.content for r in replies), "an update left the client"
+    assert all("refuses a clipping norm of 1000000.0" in r.error.reason for r in replies), [
+        r.error.reason for r in replies if r.has_error()
+    ]
+
+
+@pytest.mark.parametrize("floor", ["2/3", "3/4"])
+def test_threshold_floor_from_settings_makes_a_real_client_refuse(corpus, tmp_path: Path, floor: str) -> None:
+    """test_threshold_floor_from_settings: four clients with secure aggregation at the server's
+    default threshold (t = 3 of k = 4). With the launcher's node configs under the default
+    ``[federated]`` settings they accept the round; with ``secagg_threshold_floor = "3/4"`` in
+    the settings (t must exceed 3) every real client refuses at its advertise stage, naming the
+    floor, and the run stops. Kills the mutation "the launcher passes the node defaults whatever
+    the settings say" (the code before this change: the round went on at t = 3)."""
+    config = corpus.config(tmp_path, "probe-config", secure_aggregation=True)
+    node = _launcher_limits(config, tmp_path, secure_aggregation=True, secagg_threshold_floor=floor)
+    result, grid, _ = _run(corpus, tmp_path, f"floor-{floor[0]}", node=node, secure_aggregation=True)
+    if floor == "2/3":
+        assert isinstance(result, dict) and result["rounds"] == 1, result
+        return
+    assert isinstance(result, FederatedRunError), "a round went on below the clients' floor"
+    refusals = [m.error.reason for m in grid.received if m.has_error()]
+    assert len(refusals) == 4 and all("is below its floor" in r for r in refusals), refusals
+    assert not _train_replies(grid)
+
+
+def test_client_limits_are_checked_in_the_settings_and_the_node_config() -> None:
+    """Out-of-bounds limits are refused where they are set: kills the mutation "the settings take
+    any floor" (a floor of 1/3 would let a server split the shares)."""
+    from speech_assets.defs.resources import FederatedSettings
+
+    for bad, why in [
+        ({"secagg_min_shares": 1}, "secagg_min_shares must be an int of at least 2"),
+        ({"secagg_threshold_floor": "1/3"}, "secagg_threshold_floor must be a fraction in"),
+        ({"secagg_threshold_floor": "1"}, "secagg_threshold_floor must be a fraction in"),
+        ({"dp_max_clipping_norm": -1.0}, "dp_max_clipping_norm must be a number >= 0"),
+        ({"dp_max_clipping_norm": 0.5, "dp_clipping_norm": 1.0}, "at least dp_clipping_norm"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            FederatedSettings(**bad)
+    with pytest.raises(ValueError, match="dp-max-clipping-norm must be a number >= 0"):
+        NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d", "dp-max-clipping-norm": float("nan")})
 
 
 # --------------------------------------------------------------------- one answer, concurrently
