@@ -38,6 +38,10 @@ OPERATIONAL = (
     "round_timeout_s",
     "connect_timeout_s",
     "device",
+    # the local clients' limits decide whether they take part, not what a round computes
+    "secagg_min_shares",
+    "secagg_threshold_floor",
+    "dp_max_clipping_norm",
 )
 
 
