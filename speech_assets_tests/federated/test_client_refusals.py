@@ -321,6 +321,61 @@ def test_concurrent_unmask_requests_get_one_answer(corpus, tmp_path: Path, monke
     assert json.loads(path.read_text()) == {"stage": "answered"}  # type: ignore[union-attr]
 
 
+HOLDER = """
+import fcntl, sys, time
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_concurrent_unmask_refused_while_another_process_holds_the_state_lock(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """test_concurrent_unmask, bounded: a second, real process holds c0's secure-aggregation
+    lock (``secagg/.lock``) and never lets go. An unmask request at c0 is refused after the
+    bounded wait, naming the stage and the lock, instead of waiting for ever; once the holder is
+    gone the same request gets past the lock (and is refused for what it asks: c0 has no state of
+    that round). Kills the mutation "state_lock waits on the lock without a limit" (the code
+    before: the request was still blocked when the test gave up on it, 20 s later)."""
+    import subprocess
+    import sys
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from speech_assets.layout import ClientRunFiles
+
+    monkeypatch.setattr(sr, "SECAGG_LOCK_TIMEOUT_S", 0.5)
+    node = NodeConfig(client_id="c0", data_dir=str(tmp_path / "data"), state_root=str(tmp_path / "state"))
+    lock = ClientRunFiles(node.client_dir("race")).secagg_lock
+    lock.parent.mkdir(parents=True)
+    request = ConfigRecord(
+        {sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": "race", "server-round": 1, sr.SECAGG_NONCE: "n"}
+    )
+    outcome: list[str] = []
+
+    def ask() -> None:
+        try:
+            sr.answer_secure_query(request, node, RecordDict())
+            outcome.append("answered")
+        except ValueError as error:
+            outcome.append(str(error))
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(20)
+        assert not asking.is_alive(), "the unmask request still waits on the lock"
+    finally:
+        holder.kill()
+        holder.wait(30)
+    (refusal,) = outcome
+    assert "c0 refuses the secagg-unmask stage of run race" in refusal and "stayed locked" in refusal, refusal
+    ask()
+    assert "stayed locked" not in outcome[-1] and outcome[-1] != "answered", outcome[-1]
+
+
 def test_concurrent_unmask_readvertise_of_a_round_past_advertise_is_refused(
     corpus, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
