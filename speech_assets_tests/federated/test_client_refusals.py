@@ -20,9 +20,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated import secure_rounds as sr
 from speech_assets.federated.config import NodeConfig
-from speech_assets.federated.server_app import FederatedRunError, Server
+from speech_assets.federated.server_app import FederatedRunError
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
+from speech_assets.testing.federated_data import InProcessGrid, run_in_process, write_federated_corpus
 
 FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 
@@ -30,21 +30,6 @@ FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     return write_federated_corpus(tmp_path_factory.mktemp("refusals") / "data", FOUR, speakers_per_client=2)
-
-
-def _run(corpus, root: Path, name: str, kind: type[InProcessGrid] = InProcessGrid, node=None, **settings):  # type: ignore[no-untyped-def]
-    """One round of a real run (FedAvg, 2 local steps); every client's node config updated with
-    ``node`` (its own settings); ``(result or the FederatedRunError, grid, config)``."""
-    config = corpus.config(root, name, **({"evaluate_every": 5} | settings))
-    grid = kind({n: c for n, c in enumerate(config.clients, start=1)}, corpus.data_dir, root / "state")
-    for entry in grid.node_config.values():
-        entry.update(node or {})
-    with serverapp_identity():
-        try:
-            result = Server(grid, config).run()  # type: ignore[arg-type]
-        except FederatedRunError as error:
-            result = error
-    return result, grid, config
 
 
 def _train_replies(grid: InProcessGrid) -> list:  # type: ignore[type-arg]
@@ -86,7 +71,7 @@ def test_downgrade_unmasked_train_request_is_refused(corpus, tmp_path: Path, ser
     Every client refuses before training; no update leaves, masked or not. Kills the mutation
     "the client masks (clips) only when the server's message says so" (the code before issue 45
     sent its encoder in the clear), and "the requirement is read from the server's message"."""
-    result, grid, _ = _run(corpus, tmp_path, "downgrade", kind, node=node, **server)
+    result, grid, _ = run_in_process(corpus, tmp_path, "downgrade", kind, node=node, **server)
     assert isinstance(result, FederatedRunError), "a round went on with every client refusing"
     replies = _train_replies(grid)
     assert len(replies) == 4
@@ -97,7 +82,7 @@ def test_downgrade_unmasked_train_request_is_refused(corpus, tmp_path: Path, ser
 def test_downgrade_guard_lets_a_round_with_what_the_client_requires_through(corpus, tmp_path: Path) -> None:
     """The same clients (requiring both) train, mask and clip when the server does both: kills the
     mutation "a client that requires a protection refuses every round"."""
-    result, grid, _ = _run(
+    result, grid, _ = run_in_process(
         corpus,
         tmp_path,
         "honest",
@@ -165,7 +150,7 @@ def test_downgrade_huge_clipping_norm_is_refused(corpus, tmp_path: Path, kind: t
     config = corpus.config(tmp_path, "probe-config", **dp)
     node = _launcher_limits(config, tmp_path, **dp)
     assert node["dp-max-clipping-norm"] == 1.0 and node["require-dp"] is True
-    result, grid, _ = _run(corpus, tmp_path, "clip", kind, node=node, **dp)
+    result, grid, _ = run_in_process(corpus, tmp_path, "clip", kind, node=node, **dp)
     replies = _train_replies(grid)
     assert len(replies) == 4
     if kind is InProcessGrid:
@@ -188,7 +173,7 @@ def test_threshold_floor_from_settings_makes_a_real_client_refuse(corpus, tmp_pa
     the settings say" (the code before this change: the round went on at t = 3)."""
     config = corpus.config(tmp_path, "probe-config", secure_aggregation=True)
     node = _launcher_limits(config, tmp_path, secure_aggregation=True, secagg_threshold_floor=floor)
-    result, grid, _ = _run(corpus, tmp_path, f"floor-{floor[0]}", node=node, secure_aggregation=True)
+    result, grid, _ = run_in_process(corpus, tmp_path, f"floor-{floor[0]}", node=node, secure_aggregation=True)
     if floor == "2/3":
         assert isinstance(result, dict) and result["rounds"] == 1, result
         return
@@ -295,7 +280,7 @@ def test_concurrent_unmask_requests_get_one_answer(corpus, tmp_path: Path, monke
             grid_of["grid"] = self
 
     monkeypatch.setattr(sr.SecureRounds, "reveal", capturing_reveal)
-    result, _, _ = _run(corpus, tmp_path, "race", Grid, secure_aggregation=True)
+    result, _, _ = run_in_process(corpus, tmp_path, "race", Grid, secure_aggregation=True)
     assert isinstance(result, dict), result
     from flwr.app import ConfigRecord, RecordDict
 
@@ -391,7 +376,7 @@ def test_concurrent_unmask_readvertise_of_a_round_past_advertise_is_refused(
         return mean_update(self, round_number, good, failures)
 
     monkeypatch.setattr(sr.SecureRounds, "mean_update", readvertising)
-    result, _, _ = _run(corpus, tmp_path, "readvertise", secure_aggregation=True)
+    result, _, _ = run_in_process(corpus, tmp_path, "readvertise", secure_aggregation=True)
     good, refused = seen["answer"]  # type: ignore[misc]
     assert not good and "past its advertise stage" in refused[0]["reason"], refused
     assert isinstance(result, dict)  # c0's masked update still unmasks with the round's own keys
@@ -510,7 +495,7 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
             super().__init__(*args, clip=clip, **kwargs)
 
     try:
-        result, grid, config = _run(
+        result, grid, config = run_in_process(
             corpus,
             tmp_path,
             f"dp-{share}",
