@@ -35,7 +35,6 @@ import contextlib
 import csv
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -180,6 +179,10 @@ def normalise_transcript(text: str) -> str:
 
 # A transcript file larger than this is not read (a LibriSpeech chapter's is a few kB)
 MAX_TRANSCRIPT_FILE_BYTES = 64 << 20
+# A manifest line longer than this is a reject row, read past in chunks, never held whole (a
+# sparse file without a newline would otherwise be one line of its whole size)
+MAX_MANIFEST_LINE_BYTES = 16 << 20
+_SKIP_CHUNK = 1 << 20
 
 _OPEN_FLAGS = (
     os.O_RDONLY
@@ -266,19 +269,33 @@ def corpus_root_of(location: Path) -> Path:
     return location.parent if location.suffix.lower() in MANIFEST_SUFFIXES else location
 
 
+def is_manifest_file(location: Path) -> bool:
+    """Whether the corpus at ``location`` is given as a manifest file (``.csv``/``.jsonl``, not a
+    folder): whatever it turns out to be (a FIFO, a device, a symlink to either) it is then only
+    opened as :func:`open_corpus_file` opens, and refused unless it is a regular file."""
+    return location.suffix.lower() in MANIFEST_SUFFIXES and not location.is_dir()
+
+
 def check_corpus_location(location: Path) -> None:
     """Raise :class:`CorpusError` naming ``location`` if it is missing or holds no corpus, or if
-    it is a manifest file that cannot be read at all (a bad line only becomes a reject row)."""
+    it is a manifest file that cannot be read at all (not a regular file, checked on the open
+    handle; empty; a CSV without its header; a bad line only becomes a reject row)."""
     if not location.exists():
         raise CorpusError(f"corpus not found: {location} does not exist")
-    if location.is_file():
-        if location.suffix.lower() not in MANIFEST_SUFFIXES:
-            raise CorpusError(f"corpus {location} is a file but not a .csv or .jsonl manifest")
-        if location.stat().st_size == 0:
+    if is_manifest_file(location):
+        try:
+            handle, stat = open_corpus_file(str(location))
+        except RefusedFile as refused:
+            raise CorpusError(f"corpus manifest {location} cannot be read: {refused.detail}") from refused
+        handle.close()
+        if stat.st_size == 0:
             raise CorpusError(f"corpus manifest {location} is empty")
         with contextlib.closing(_read_manifest_records(location)) as records:
-            next(records, None)  # opens the file and reads a CSV's header: CorpusError if either fails
+            next(records, None)  # reads a CSV's header: CorpusError if it is not one
         return
+    if not location.is_dir():
+        kind = "a file" if location.is_file() else _kind(location.stat().st_mode)
+        raise CorpusError(f"corpus {location} is {kind}, neither a folder nor a .csv or .jsonl manifest")
     if not any(_walk_corpus_files(location)):
         raise CorpusError(f"corpus {location} is empty: no audio files and no *.trans.txt transcripts")
 
@@ -292,7 +309,7 @@ def _walk_corpus_files(root: Path) -> Iterator[Path]:
 
 def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
     """Candidates declared by the corpus and rejects that need no audio (e.g. no transcript)."""
-    if location.is_file():
+    if is_manifest_file(location):
         return _discover_manifest_file(location)
     return _discover_librispeech(location)
 
@@ -447,23 +464,59 @@ def _open_manifest(manifest: Path) -> BinaryIO:
     return handle
 
 
+def _bounded_lines(handle: BinaryIO, limit: int = MAX_MANIFEST_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines of ``handle`` (newline kept), ``None`` for one longer than ``limit`` bytes: the
+    rest of that line is read in chunks and dropped, so no more than ``limit`` bytes are held."""
+    while True:
+        line = handle.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := handle.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def _too_long(limit: int = MAX_MANIFEST_LINE_BYTES) -> str:
+    return f"is longer than {limit} bytes (not read)"
+
+
 def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    # undecodable bytes become lone surrogates, so that one bad line is found (by _record_problem)
-    # without losing the parser's place in the file
-    with io.TextIOWrapper(
-        _open_manifest(manifest), newline="", encoding="utf-8-sig", errors="surrogateescape"
-    ) as handle:
-        reader = csv.reader(handle)
+    too_long: list[int] = []
+
+    def text_lines(handle: BinaryIO) -> Iterator[str]:
+        # undecodable bytes become lone surrogates, so that one bad line is found (by
+        # _record_problem) without losing the parser's place in the file; an over-long line
+        # reaches the parser as a blank one and is reported by its number
+        for number, line in enumerate(_bounded_lines(handle), start=1):
+            if line is None:
+                too_long.append(number)
+                yield "\n"
+            else:
+                yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
+
+    with _open_manifest(manifest) as handle:
+        reader = csv.reader(text_lines(handle))
         header = _csv_header(manifest, reader)
         width = len(header)
         while True:
             start = reader.line_num + 1
+            values: list[str] | str | None
             try:
                 values = next(reader)
             except StopIteration:
-                return
+                values = None
             except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
-                yield reader.line_num, f"cannot be parsed as CSV ({err})"
+                values = f"cannot be parsed as CSV ({err})"
+            skipped = [(number, _too_long()) for number in too_long]
+            too_long.clear()
+            yield from skipped
+            if values is None:
+                return
+            if isinstance(values, str):
+                yield reader.line_num, values
                 continue
             if not values:  # a blank line
                 continue
@@ -496,7 +549,10 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
 
 def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     with _open_manifest(manifest) as handle:
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in enumerate(_bounded_lines(handle), start=1):
+            if raw is None:
+                yield number, _too_long()
+                continue
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as err:
@@ -1035,7 +1091,7 @@ def corpus_fingerprint(location: Path) -> str:
     location = Path(location).absolute()
     if not location.exists():
         return ""
-    if location.is_file():
+    if is_manifest_file(location):
         paths = [location]
         try:
             paths += [Path(c.path) for c in discover(location)[0]]

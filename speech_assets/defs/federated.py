@@ -38,6 +38,10 @@ OPERATIONAL = (
     "round_timeout_s",
     "connect_timeout_s",
     "device",
+    # the local clients' limits decide whether they take part, not what a round computes
+    "secagg_min_shares",
+    "secagg_threshold_floor",
+    "dp_max_clipping_norm",
 )
 
 
@@ -151,7 +155,8 @@ def federated_checkpoint(
         preset=fed.preset,
     )
     lines = result["round_summaries"]
-    unscored = sorted(client for client, scores in result["heldout_per_client"].items() if not scores["masked_frames"])
+    # 0 frames, never null: under DP a client's values are null (withheld), not unscored
+    unscored = sorted(client for client, scores in result["heldout_per_client"].items() if scores["masked_frames"] == 0)
     if unscored:
         context.log.warning(
             f"{', '.join(unscored)} hold no held-out speaker: their held-out results are null (the other clients' "

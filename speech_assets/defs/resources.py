@@ -21,7 +21,14 @@ from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.evaluation.protocol import ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
-from speech_assets.federated.config import SETTINGS_FILE_ONLY, FederatedConfig
+from speech_assets.federated.config import (
+    DP_MAX_CLIPPING_NORM,
+    SECAGG_MIN_SHARES,
+    SECAGG_THRESHOLD_FLOOR,
+    SETTINGS_FILE_ONLY,
+    FederatedConfig,
+    client_limit_problems,
+)
 from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
@@ -388,6 +395,10 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     # local SuperNodes keep their heads and CMVN under <this>/<client>; "" = <data>/federated_clients
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
+    # the local clients' own limits (their node config, never from the server: docs/PRIVACY.md)
+    secagg_min_shares: int = SECAGG_MIN_SHARES  # refuse a secure round where fewer clients share with it
+    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
+    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM  # refuse a larger DP clipping norm; 0 = dp_clipping_norm
 
     # where the federation connects, what it trusts, where the SuperNodes write: set in the
     # settings file, never by run config
@@ -397,6 +408,17 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     @classmethod
     def _superlink(cls, superlink: str) -> str:
         return optional_endpoint(superlink, "[federated] superlink")
+
+    @model_validator(mode="after")
+    def _client_limits(self) -> FederatedSettings:
+        problems = client_limit_problems(
+            self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
+        )
+        if 0 < self.dp_max_clipping_norm < self.dp_clipping_norm:
+            problems.append("dp_max_clipping_norm must be 0 or at least dp_clipping_norm (else every client refuses)")
+        if problems:
+            raise ValueError("[federated] " + "; ".join(problems))
+        return self
 
 
 class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):

@@ -17,7 +17,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.federated.config import FederatedConfig
+from speech_assets.federated.config import (
+    DP_MAX_CLIPPING_NORM,
+    SECAGG_MIN_SHARES,
+    SECAGG_THRESHOLD_FLOOR,
+    FederatedConfig,
+)
 from speech_assets.federated.history import SettingsChanged
 from speech_assets.federated.launch import (
     ENGINES,
@@ -60,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         "and one SuperNode per client (--superlink always uses the deployment engine)",
     )
     parser.add_argument("--device", default="auto")
+    # the local clients' own limits (their node config; docs/PRIVACY.md)
+    parser.add_argument("--secagg-min-shares", type=int, default=SECAGG_MIN_SHARES)
+    parser.add_argument("--secagg-threshold-floor", default=SECAGG_THRESHOLD_FLOOR)
+    parser.add_argument("--dp-max-clipping-norm", type=float, default=DP_MAX_CLIPPING_NORM)
     for item in fields(FederatedConfig):
         if item.name in SKIPPED:
             continue

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -175,8 +176,9 @@ class DowngradeRefused(ValueError):
 def check_required(config: ConfigRecord, node: NodeConfig) -> None:
     """Refuse, before training, a round without what this node's own settings require
     (:class:`~speech_assets.federated.config.NodeConfig`; never what the server says): the
-    secure-aggregation nonce, the DP clipping norm. A server that leaves either out would get the
-    update in the clear or unclipped."""
+    secure-aggregation nonce, the DP clipping norm, and a clipping norm no larger than its
+    ``dp-max-clipping-norm``. A server that leaves either out, or sends a huge norm, would get
+    the update in the clear or (in effect) unclipped."""
     if node.require_secure_aggregation and not secure_round(config):
         raise DowngradeRefused(
             f"client {node.client_id} requires secure aggregation (require-secure-aggregation) and refuses "
@@ -187,6 +189,16 @@ def check_required(config: ConfigRecord, node: NodeConfig) -> None:
             f"client {node.client_id} requires differential privacy (require-dp) and refuses a train "
             "message without its clipping norm: its update would leave unclipped"
         )
+    if KEY_CLIPPING_NORM in config and (node.require_dp or node.dp_max_clipping_norm):
+        clip = config[KEY_CLIPPING_NORM]
+        bound = node.dp_max_clipping_norm or math.inf
+        # `not (0 < clip <= bound)` also refuses NaN, which compares false with everything
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 < clip <= bound:
+            raise DowngradeRefused(
+                f"client {node.client_id} refuses a clipping norm of {clip!r:.40}: it must be > 0 and at most its "
+                f"dp-max-clipping-norm ({node.dp_max_clipping_norm or 'none'}); a larger one would leave its "
+                "update barely clipped"
+            )
 
 
 def secure_round(config: ConfigRecord) -> bool:

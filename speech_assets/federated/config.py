@@ -41,6 +41,34 @@ Scalar = int | float | str | bool
 # (k) and the fraction of k its threshold must exceed; docs/PRIVACY.md gives the collusion bound
 SECAGG_MIN_SHARES = 3
 SECAGG_THRESHOLD_FLOOR = "2/3"
+# the largest DP clipping norm a client accepts (NodeConfig); 0 = no bound of its own (the
+# launcher gives its clients the run's dp_clipping_norm)
+DP_MAX_CLIPPING_NORM = 0.0
+
+
+def client_limit_problems(
+    min_shares: object, threshold_floor: object, max_clipping_norm: object, separator: str = "-"
+) -> list[str]:
+    """What is wrong with a client's own limits (NodeConfig's, or the ``[federated]`` settings the
+    launcher gives its clients; ``separator`` "_" names them as the settings do):
+    ``secagg-min-shares`` an int of at least 2, ``secagg-threshold-floor`` a fraction in
+    [1/2, 1), ``dp-max-clipping-norm`` finite and >= 0."""
+    problems = []
+    if isinstance(min_shares, bool) or not isinstance(min_shares, int) or min_shares < 2:
+        problems.append(f"secagg-min-shares must be an int of at least 2, got {min_shares!r:.40}")
+    try:
+        floor = Fraction(str(threshold_floor))
+    except (ValueError, ZeroDivisionError):
+        floor = Fraction(-1)
+    if not Fraction(1, 2) <= floor < 1:
+        problems.append(f"secagg-threshold-floor must be a fraction in [1/2, 1), got {threshold_floor!r:.40}")
+    if (
+        isinstance(max_clipping_norm, bool)
+        or not isinstance(max_clipping_norm, int | float)
+        or not (math.isfinite(max_clipping_norm) and max_clipping_norm >= 0)
+    ):
+        problems.append(f"dp-max-clipping-norm must be a number >= 0 (0 = no bound), got {max_clipping_norm!r:.40}")
+    return [name.replace("-", separator) + " " + rest for name, rest in (p.split(" ", 1) for p in problems)]
 
 
 def derive_seed(seed: int, *parts: object) -> int:
@@ -430,13 +458,16 @@ class NodeConfig:
     authorised node, against which it checks its peers'); without it the node takes part in no
     secure round. The node refuses a round of fewer than ``secagg-min-shares`` clients sharing
     with it (k) and a threshold t of at most ``secagg-threshold-floor`` × k (a fraction, "2/3":
-    the server's default ⌊2k/3⌋ + 1 is the lowest t it accepts).
+    the server's default ⌊2k/3⌋ + 1 is the lowest t it accepts). Under DP it refuses a round
+    whose clipping norm exceeds ``dp-max-clipping-norm`` (0 = no bound of its own), so a server
+    cannot switch clipping off with a huge norm.
 
     What this client requires of every round, whatever the server asks (a server that leaves a
     protection out is refused, never obeyed): ``require-secure-aggregation`` refuses a train
     message without the secure-aggregation nonce (its update would leave in the clear);
     ``require-dp`` refuses one without the DP clipping norm (its update would leave unclipped).
-    The launcher sets both from the run's settings for the SuperNodes it starts.
+    The launcher sets both from the run's settings for the SuperNodes it starts, and the limits
+    above from the ``[federated]`` settings of the same names.
     """
 
     client_id: str
@@ -447,23 +478,15 @@ class NodeConfig:
     node_keys: str = ""
     secagg_min_shares: int = SECAGG_MIN_SHARES
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
+    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM
     require_secure_aggregation: bool = False
     require_dp: bool = False
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
-        if isinstance(self.secagg_min_shares, bool) or not isinstance(self.secagg_min_shares, int):
-            raise ValueError(f"secagg-min-shares must be an int, got {self.secagg_min_shares!r}")
-        if self.secagg_min_shares < 2:
-            raise ValueError(f"secagg-min-shares must be at least 2, got {self.secagg_min_shares}")
-        try:
-            floor = Fraction(str(self.secagg_threshold_floor))
-        except (ValueError, ZeroDivisionError):
-            floor = Fraction(-1)
-        if not Fraction(1, 2) <= floor < 1:
-            raise ValueError(
-                f"secagg-threshold-floor must be a fraction in [1/2, 1), got {self.secagg_threshold_floor!r}"
-            )
+        problems = client_limit_problems(self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def min_threshold(self, num_shares: int) -> int:
         """The lowest threshold this node accepts for ``num_shares`` shares: the smallest t above
@@ -492,6 +515,7 @@ class NodeConfig:
             node_keys=str(node_config.get("node-keys", "")),
             secagg_min_shares=int(node_config.get("secagg-min-shares", SECAGG_MIN_SHARES)),
             secagg_threshold_floor=str(node_config.get("secagg-threshold-floor", SECAGG_THRESHOLD_FLOOR)),
+            dp_max_clipping_norm=float(node_config.get("dp-max-clipping-norm", DP_MAX_CLIPPING_NORM)),
             require_secure_aggregation=_flag(node_config, "require-secure-aggregation"),
             require_dp=_flag(node_config, "require-dp"),
         )
@@ -511,6 +535,8 @@ class NodeConfig:
             parts.append(f"secagg-min-shares={self.secagg_min_shares}")
         if self.secagg_threshold_floor != SECAGG_THRESHOLD_FLOOR:
             parts.append(f'secagg-threshold-floor="{self.secagg_threshold_floor}"')
+        if self.dp_max_clipping_norm != DP_MAX_CLIPPING_NORM:
+            parts.append(f"dp-max-clipping-norm={float(self.dp_max_clipping_norm)!r}")
         if self.require_secure_aggregation:
             parts.append("require-secure-aggregation=true")
         if self.require_dp:

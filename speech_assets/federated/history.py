@@ -123,20 +123,48 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
             pq.write_table(table, tmp)
 
 
+def evaluation_summary(evaluation: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The federation-level result of one round's held-out evaluation rows: the clients scored,
+    their masked frames, loss and accuracy weighted by masked frames beside the majority-class
+    rate, the same on leak-free frames (weighted by leak-free frames); None where no frame was
+    scored. A client without held-out frames (null or 0) counts for nothing."""
+    scored = [e for e in evaluation if e.get("masked_frames")]
+    frames = sum(e["masked_frames"] for e in scored)
+    free = [e for e in scored if e.get("leak_free_frames")]
+    free_frames = sum(e["leak_free_frames"] for e in free)
+
+    def mean(rows: Sequence[Mapping[str, Any]], column: str, weight: str, total: int) -> float | None:
+        values = [(e.get(column), e[weight]) for e in rows]
+        if not total or any(value is None for value, _ in values):
+            return None  # a record written before the column existed
+        return sum(value * w for value, w in values) / total
+
+    return {
+        "clients": len(scored),
+        "masked_frames": frames,
+        "heldout_loss": mean(scored, "heldout_loss", "masked_frames", frames),
+        "heldout_masked_accuracy": mean(scored, "heldout_masked_accuracy", "masked_frames", frames),
+        "majority_accuracy": mean(scored, "majority_accuracy", "masked_frames", frames),
+        "leak_free_frames": free_frames,
+        "heldout_leak_free_masked_accuracy": mean(
+            free, "heldout_leak_free_masked_accuracy", "leak_free_frames", free_frames
+        ),
+        "heldout_leak_free_majority_accuracy": mean(
+            free, "leak_free_majority_accuracy", "leak_free_frames", free_frames
+        ),
+    }
+
+
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
-    by the server's weight of each client; None when the clients withheld it), held-out accuracy
-    (weighted by masked frames) beside the majority-class rate, the same on leak-free frames
-    (weighted by leak-free frames; None when there are none, or in a record written before they
-    were measured), bytes, wall time."""
+    by the server's weight of each client; None when the clients withheld it), the held-out
+    evaluation's federation-level result (:func:`evaluation_summary`: the record's own, which
+    is all there is when its rows are withheld under DP, else computed from its rows), bytes,
+    wall time."""
     lines = []
     for record in records:
         rows = record["rows"]
-        # a client without held-out frames has null accuracies (0.0 in records written before)
-        evaluation = [e for e in record["evaluation"] if e["masked_frames"]]
-        frames = sum(e["masked_frames"] for e in evaluation)
-        free = [e for e in evaluation if e.get("leak_free_frames")]
-        free_frames = sum(e["leak_free_frames"] for e in free)
+        evaluated = record.get("evaluation_summary") or evaluation_summary(record["evaluation"])
         weights = [r.get("weight", r["num_examples"]) for r in rows]
         withheld = any(r["train_loss"] is None for r in rows)
         lines.append(
@@ -147,25 +175,12 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "train_loss": None
                 if withheld
                 else sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
-                "heldout_masked_accuracy": (
-                    sum(e["heldout_masked_accuracy"] * e["masked_frames"] for e in evaluation) / frames
-                    if frames
-                    else None
-                ),
-                "majority_accuracy": (
-                    sum(e["majority_accuracy"] * e["masked_frames"] for e in evaluation) / frames if frames else None
-                ),
-                "leak_free_frames": free_frames,
-                "heldout_leak_free_masked_accuracy": (
-                    sum(e["heldout_leak_free_masked_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
-                    if free_frames
-                    else None
-                ),
-                "heldout_leak_free_majority_accuracy": (
-                    sum(e["leak_free_majority_accuracy"] * e["leak_free_frames"] for e in free) / free_frames
-                    if free_frames
-                    else None
-                ),
+                "heldout_loss": evaluated["heldout_loss"],
+                "heldout_masked_accuracy": evaluated["heldout_masked_accuracy"],
+                "majority_accuracy": evaluated["majority_accuracy"],
+                "leak_free_frames": evaluated["leak_free_frames"],
+                "heldout_leak_free_masked_accuracy": evaluated["heldout_leak_free_masked_accuracy"],
+                "heldout_leak_free_majority_accuracy": evaluated["heldout_leak_free_majority_accuracy"],
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets import layout
-from speech_assets.federated.config import FederatedConfig, NodeConfig
+from speech_assets.federated.config import (
+    DP_MAX_CLIPPING_NORM,
+    SECAGG_MIN_SHARES,
+    SECAGG_THRESHOLD_FLOOR,
+    FederatedConfig,
+    NodeConfig,
+    client_limit_problems,
+)
 from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.hosts import check_endpoint
@@ -184,7 +191,14 @@ DEPLOYMENT_OPTIONS = {
     "threads_per_client": "threads_per_client",
     "device": "device",
     "engine": "engine",
+    "secagg_min_shares": "secagg_min_shares",
+    "secagg_threshold_floor": "secagg_threshold_floor",
+    "dp_max_clipping_norm": "dp_max_clipping_norm",
 }
+
+
+# the deployment options that are the local clients' own limits (node_configs' keywords)
+CLIENT_LIMITS = ("secagg_min_shares", "secagg_threshold_floor", "dp_max_clipping_norm")
 
 
 def deployment_options(source: Any) -> dict[str, Any]:
@@ -194,6 +208,55 @@ def deployment_options(source: Any) -> dict[str, Any]:
     options = {option: getattr(source, name) for option, name in DEPLOYMENT_OPTIONS.items()}
     options["client_state_root"] = options["client_state_root"] or None
     return options
+
+
+def check_client_limits(
+    config: FederatedConfig, min_shares: int, threshold_floor: str, max_clipping_norm: float
+) -> None:
+    """Refuse limits for the local clients that are out of bounds
+    (:func:`~speech_assets.federated.config.client_limit_problems`), or a ``dp_max_clipping_norm``
+    below the run's own ``dp_clipping_norm`` (every client would refuse every round)."""
+    problems = client_limit_problems(min_shares, threshold_floor, max_clipping_norm, "_")
+    if config.differential_privacy and 0 < max_clipping_norm < config.dp_clipping_norm:
+        problems.append(
+            f"dp_max_clipping_norm ({max_clipping_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
+            "every client would refuse every round"
+        )
+    if problems:
+        raise ValueError("[federated] limits of the local clients: " + "; ".join(problems))
+
+
+def node_configs(
+    config: FederatedConfig,
+    data_dir: str | os.PathLike[str],
+    roots: Mapping[str, Path],
+    *,
+    threads: int,
+    device: str = "auto",
+    secagg_min_shares: int = SECAGG_MIN_SHARES,
+    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR,
+    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM,
+) -> list[NodeConfig]:
+    """One node config per local client, for either engine; what each client requires of every
+    round (the protections the run uses, its floors, the largest clipping norm: by default the
+    run's own) is fixed here, before the server says anything."""
+    return [
+        NodeConfig(
+            client_id=c,
+            data_dir=str(Path(data_dir)),
+            state_root=str(roots[c]),
+            threads=threads,
+            device=device,
+            secagg_min_shares=secagg_min_shares,
+            secagg_threshold_floor=secagg_threshold_floor,
+            dp_max_clipping_norm=(dp_max_clipping_norm or config.dp_clipping_norm)
+            if config.differential_privacy
+            else dp_max_clipping_norm,
+            require_secure_aggregation=config.secure_aggregation,
+            require_dp=config.differential_privacy,
+        )
+        for c in config.clients
+    ]
 
 
 def run_federation(
@@ -207,6 +270,9 @@ def run_federation(
     threads_per_client: int = 0,
     device: str = "auto",
     engine: str = "simulation",
+    secagg_min_shares: int = SECAGG_MIN_SHARES,
+    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR,
+    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM,
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
     on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -216,7 +282,9 @@ def run_federation(
 
     ``on_round(record)`` is called once per completed round (its ``rounds/round_r.json``) while
     the run goes on; ``tracker`` (a :class:`~speech_assets.federated.tracking.FederatedTracker`)
-    gets every round's metrics, then the final checkpoint or the failure.
+    gets every round's metrics, then the final checkpoint or the failure. ``secagg_min_shares``,
+    ``secagg_threshold_floor`` and ``dp_max_clipping_norm`` are the local clients' own limits
+    (:func:`node_configs`; a remote SuperLink's SuperNodes set theirs).
 
     Raises :class:`FederatedRunFailed` when the server stopped the run for lack of clients
     (completed rounds stay saved; the next call resumes after them),
@@ -225,6 +293,8 @@ def run_federation(
     :class:`~speech_assets.federated.processes.NeedsLinux` for a local federation off Linux.
     """
     check_transport(superlink, root_certificates, insecure)
+    check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
+    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
@@ -243,6 +313,7 @@ def run_federation(
             threads_per_client=threads_per_client,
             device=device,
             engine=engine,
+            limits=limits,
             env=env,
             log=log,
             on_round=on_round,
@@ -289,6 +360,7 @@ def _run_federation(
     threads_per_client: int,
     device: str,
     engine: str,
+    limits: Mapping[str, Any],
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
     on_round: Callable[[dict[str, Any]], None],
@@ -318,22 +390,6 @@ def _run_federation(
             deadline.progressed()
         return deadline.check()
 
-    def node_configs(threads: int) -> list[NodeConfig]:
-        """One node config per client; what each client requires of every round is fixed here,
-        before the server says anything."""
-        return [
-            NodeConfig(
-                client_id=c,
-                data_dir=str(Path(data_dir)),
-                state_root=str(roots[c]),
-                threads=threads,
-                device=device,
-                require_secure_aggregation=config.secure_aggregation,
-                require_dp=config.differential_privacy,
-            )
-            for c in config.clients
-        ]
-
     if superlink:
         cli_home = paths.flower.cli
         write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
@@ -342,7 +398,7 @@ def _run_federation(
     elif engine == "simulation":
         # as many workers as cores / threads_per_client, whatever the number of clients
         threads = threads_per_client or 1
-        nodes = node_configs(threads)
+        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         log(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
@@ -350,7 +406,7 @@ def _run_federation(
         outcome = simulation_run(paths.run_config, nodes, threads, paths.flower.simulation_log, forward, env, progress)
     else:
         threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
-        nodes = node_configs(threads)
+        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
 
             def should_stop() -> str | None:

@@ -76,32 +76,43 @@ def train_metrics(config: Mapping[str, Any]) -> tuple[str, ...]:
     return () if withheld else TRAIN_METRICS
 
 
-def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> str | None:
+def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str], *, withhold: bool = False) -> str | None:
     """Why a metrics record is refused: other keys than ``names``, a value that is not a finite
     number, a negative value, a count that is not whole, a fraction outside [0, 1], more
-    leak-free frames than masked frames, or a leak-free accuracy other than 0 with none."""
+    leak-free frames than masked frames, or a leak-free accuracy other than 0 with none.
+    ``withhold``: the reason names no value (under DP a client's metrics are recorded nowhere)."""
+    problem = _metrics_problem(metrics, names)
+    if problem is None:
+        return None
+    template, values = problem
+    return template.format(*("withheld" if withhold else value for value in values))
+
+
+def _metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> tuple[str, tuple[Any, ...]] | None:
+    """:func:`metrics_problem`'s reason as a template and the client's values it names."""
     if set(metrics) != set(names):
-        return f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
+        names_only = f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
+        return names_only.replace("{", "{{").replace("}", "}}"), ()
     for name in names:
         value = metrics[name]
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            return f"metric {name} is not a finite number ({value!r:.40})"
+            return f"metric {name} is not a finite number ({{}})", (f"{value!r:.40}",)
         if value < 0:
-            return f"metric {name} is negative ({value})"
+            return f"metric {name} is negative ({{}})", (value,)
         if name in COUNTS and value != int(value):
-            return f"metric {name} is not a whole number ({value})"
+            return f"metric {name} is not a whole number ({{}})", (value,)
         if name in FRACTIONS and value > 1:
-            return f"metric {name} is above 1 ({value})"
+            return f"metric {name} is above 1 ({{}})", (value,)
     if LEAK_FREE_FRAMES in names:
         if metrics[LEAK_FREE_FRAMES] > metrics["num-examples"]:
             return (
-                f"metric {LEAK_FREE_FRAMES} ({metrics[LEAK_FREE_FRAMES]}) exceeds num-examples "
-                f"({metrics['num-examples']})"
+                f"metric {LEAK_FREE_FRAMES} ({{}}) exceeds num-examples ({{}})",
+                (metrics[LEAK_FREE_FRAMES], metrics["num-examples"]),
             )
         if metrics[LEAK_FREE_FRAMES] == 0 and any(metrics[n] != 0 for n in LEAK_FREE_FRACTIONS):
             return (
-                f"leak-free accuracies must be 0 with no leak-free frames (got "
-                f"{[metrics[n] for n in LEAK_FREE_FRACTIONS]})"
+                "leak-free accuracies must be 0 with no leak-free frames (got {})",
+                ([metrics[n] for n in LEAK_FREE_FRACTIONS],),
             )
     return None
 
@@ -112,11 +123,14 @@ def content_problem(
     encoder: ArraySpec,
     clients: Collection[str] | None = None,
     metrics: Sequence[str] | None = None,
+    *,
+    withhold: bool = False,
 ) -> str | None:
     """Why the content of a ``phase`` ("train" or "evaluate") reply may not cross to the server
     (``None`` if it may): the privacy boundary. ``encoder`` is the spec of the global encoder
     sent down; ``clients``, when given, the client ids taking part; ``metrics`` the metric names
-    the reply must carry (default: all of the phase's; :func:`train_metrics` for a train reply)."""
+    the reply must carry (default: all of the phase's; :func:`train_metrics` for a train reply);
+    ``withhold``: name no metric's value (:func:`metrics_problem`)."""
     allowed = {ARRAYS, METRICS, CLIENT_RECORD} if phase == "train" else {METRICS, CLIENT_RECORD}
     extra = sorted(set(content.keys()) - allowed)
     if extra:
@@ -129,7 +143,7 @@ def content_problem(
     record = content.metric_records.get(METRICS)
     if record is None:
         return f"no {METRICS!r} record"
-    if problem := metrics_problem(record, METRICS_OF[phase] if metrics is None else metrics):
+    if problem := metrics_problem(record, METRICS_OF[phase] if metrics is None else metrics, withhold=withhold):
         return problem
     if phase == "train":
         arrays = content.array_records.get(ARRAYS)

@@ -98,7 +98,7 @@ from speech_assets.federated.secure_aggregation import (
     verify_advertisement,
 )
 from speech_assets.layout import ClientRunFiles
-from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.runtime.locks import LockTimeout, exclusive_lock
 
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
@@ -457,15 +457,34 @@ def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
     return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 
 
+# how long a stage waits for this client's secure-aggregation lock: a stage holds it for
+# milliseconds, so a longer hold is a stuck or hostile process, and the stage is refused
+SECAGG_LOCK_TIMEOUT_S = 30.0
+
+
+class StateLocked(ValueError):
+    """Another process holds this client's secure-aggregation state longer than a stage waits."""
+
+
 @contextlib.contextmanager
-def state_lock(node: NodeConfig, run: str) -> Iterator[None]:
+def state_lock(node: NodeConfig, run: str, stage: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold this client's lock on its secure-aggregation state of run ``run`` (``secagg/.lock``,
     ``flock``): every stage reads, checks and rewrites a round's state under it, so two requests
     racing (threads, or the processes the deployment engine starts per message) take turns and
-    the second sees what the first recorded: one answer per round, even concurrently."""
+    the second sees what the first recorded: one answer per round, even concurrently. The wait
+    is bounded: after ``timeout_s`` (default :data:`SECAGG_LOCK_TIMEOUT_S`) the ``stage`` is
+    refused (:class:`StateLocked`) and nothing of it leaves."""
+    timeout_s = SECAGG_LOCK_TIMEOUT_S if timeout_s is None else timeout_s
     files = ClientRunFiles(node.client_dir(run))
     files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with exclusive_lock(files.secagg_lock):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(files.secagg_lock, timeout_s))
+        except LockTimeout:
+            raise StateLocked(
+                f"{node.client_id} refuses the {stage} stage of run {run}: its secure-aggregation state "
+                f"({files.secagg_lock}) stayed locked by another request for more than {timeout_s:g} s"
+            ) from None
         yield
 
 
@@ -655,7 +674,7 @@ def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
     """Replace the train reply's encoder by its masked update (encoder minus the one received),
     masked against the neighbours whose shares arrived with the train message."""
     config = message.content["config"]
-    with state_lock(node, str(config["run-name"])):
+    with state_lock(node, str(config["run-name"]), "train (mask)"):
         return _mask_reply(out, message, node, config)
 
 
@@ -718,5 +737,5 @@ def answer_secure_query(config: ConfigRecord, node: NodeConfig, content: RecordD
     stage = stages.get(str(config.get(KIND)))
     if stage is None:
         raise ValueError(f"unknown secure-aggregation query {config.get(KIND)!r:.40}")
-    with state_lock(node, str(config["run-name"])):
+    with state_lock(node, str(config["run-name"]), str(config[KIND])):
         stage(config, node, content)

@@ -58,7 +58,13 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key fix
 
 from speech_assets.federated import rounds as records
 from speech_assets.federated.config import FederatedConfig, derive_seed, update_norm_bound
-from speech_assets.federated.history import EVALUATION_METRICS, check_settings, complete_rounds, summarize_rounds
+from speech_assets.federated.history import (
+    EVALUATION_METRICS,
+    check_settings,
+    complete_rounds,
+    evaluation_summary,
+    summarize_rounds,
+)
 from speech_assets.federated.messages import (
     ARRAYS,
     METRICS,
@@ -506,9 +512,10 @@ class Server:
         finishes the evaluation of a round an earlier attempt saved). Returns every record."""
         failures: list[dict[str, Any]] = []
         trained = [row["client_id"] for row in record["rows"]]
-        evaluation, metrics = self.evaluate(strategy, round_number, encoder, trained, failures)
+        evaluation, metrics, summary = self.evaluate(strategy, round_number, encoder, trained, failures)
         record = record | {
             "evaluation": evaluation,
+            "evaluation_summary": summary,
             "evaluation_pending": False,
             "evaluation_missing": sorted(set(self.config.clients) - {e["client_id"] for e in evaluation}),
             "failures": record["failures"] + failures,
@@ -531,10 +538,13 @@ class Server:
         encoder: records.NDArrays,
         trained: Collection[str],
         failures: list[dict[str, Any]],
-    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, Any]]:
         """The new global encoder on every connected client's held-out utterances (with its own
         head); waits up to ``connect_timeout_s`` for the clients that trained to be connected,
-        then up to ``round_timeout_s`` for replies. Clients that miss either are not scored."""
+        then up to ``round_timeout_s`` for replies. Clients that miss either are not scored.
+        Returns the rows (one per client scored; under DP their values null unless
+        :attr:`per_client_released`), the strategy's aggregate and the federation-level summary
+        (:func:`~speech_assets.federated.history.evaluation_summary`)."""
         config = self.config
         nodes = self.connected(len(trained), config.connect_timeout_s)
         if not nodes:
@@ -549,7 +559,7 @@ class Server:
                     "reason": f"no client connected within {config.connect_timeout_s:.0f} s",
                 }
             )
-            return [], {}
+            return [], {}, evaluation_summary([])
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         with sampling_at_most(strategy, len(nodes)):
             messages = strategy.configure_evaluate(
@@ -561,7 +571,9 @@ class Server:
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
         accepted = []
         for reply in good:
-            problem = content_problem(reply.content, "evaluate", self.expected, config.clients)
+            problem = content_problem(
+                reply.content, "evaluate", self.expected, config.clients, withhold=not self.per_client_released
+            )
             if problem:
                 eval_failures.append(self.failure(reply, "evaluate", problem))
                 log.warning("refusing the evaluate reply of %s: %s", self.client_of(reply), problem)
@@ -574,16 +586,22 @@ class Server:
                 row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
             if not row["masked_frames"]:
                 row.update(dict.fromkeys(HELDOUT_COLUMNS))
-        if unscored := [row["client_id"] for row in rows if not row["masked_frames"]]:
+        unscored = [row["client_id"] for row in rows if not row["masked_frames"]]
+        if unscored:
             log.warning(
                 "round %d evaluate: %s hold no held-out frames: their held-out results are null",
                 round_number,
-                ", ".join(unscored),
+                ", ".join(unscored) if self.per_client_released else f"{len(unscored)} clients",
             )
         weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
         self.weigh(weighted)
         metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
-        return rows, dict(metrics or {})
+        summary = evaluation_summary(rows)
+        if not self.per_client_released:
+            # what each client scored stays out of every record: only the summary is kept
+            for row in rows:
+                row.update(dict.fromkeys(EVALUATE_COLUMNS))
+        return rows, dict(metrics or {}), summary
 
     # ------------------------------------------------------------------------ messaging
     def exchange(
@@ -697,14 +715,16 @@ class Server:
 
     @property
     def per_client_released(self) -> bool:
-        """Whether per-client training values (metrics, update norms) may be recorded: always
-        without DP; under DP only when the run opts in (``dp_share_client_metrics``)."""
+        """Whether per-client values (training metrics, update norms, held-out evaluation, the
+        values in a refusal's reason) may be recorded: always without DP; under DP only when the
+        run opts in (``dp_share_client_metrics``)."""
         return not self.config.differential_privacy or self.config.dp_share_client_metrics
 
     def check_reply(self, reply: Message, phase: str) -> str | None:
         """Why a reply is refused (``None`` if it is acceptable): the privacy boundary, enforced."""
         names = self.train_names if phase == "train" else None
-        return content_problem(reply.content, phase, self.expected, self.config.clients, names)
+        withhold = not self.per_client_released
+        return content_problem(reply.content, phase, self.expected, self.config.clients, names, withhold=withhold)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
         return {
@@ -745,6 +765,7 @@ class Server:
             "checkpoint_sha256": sha,
             "resumed_from_round": resumed_from,
             "final_train_loss": lines[-1]["train_loss"],
+            "heldout_loss": lines[-1]["heldout_loss"],
             "heldout_masked_accuracy": lines[-1]["heldout_masked_accuracy"],
             "heldout_majority_accuracy": lines[-1]["majority_accuracy"],
             "heldout_leak_free_masked_accuracy": lines[-1]["heldout_leak_free_masked_accuracy"],

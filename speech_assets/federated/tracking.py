@@ -113,7 +113,8 @@ class FederatedTracker:
         """Aggregate metrics (train loss, bytes, seconds, clients; in rounds with an evaluation the
         held-out accuracy beside the majority-class rate, both on all and on leak-free masked
         frames, as ``val/...``) and per-client ones, at step = round. A client without held-out
-        frames has no held-out point (never a 0.0)."""
+        frames has no held-out point (never a 0.0); under DP (unless the run shares per-client
+        values) the record holds no client's values, so only the aggregates are logged."""
         from mlflow.entities import Metric
 
         from speech_assets.federated.history import summarize_rounds
@@ -124,6 +125,7 @@ class FederatedTracker:
         line = summarize_rounds([record])[0]
         values = {
             "train_loss": line["train_loss"],
+            "val/loss": line["heldout_loss"],
             "val/masked_accuracy": line["heldout_masked_accuracy"],
             "val/majority_accuracy": line["majority_accuracy"],
             "val/leak_free_masked_accuracy": line["heldout_leak_free_masked_accuracy"],

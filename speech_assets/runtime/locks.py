@@ -52,11 +52,34 @@ def unlock(handle: IO[str]) -> None:
     handle.close()
 
 
+class LockTimeout(TimeoutError):
+    """A lock was not obtained within the time given."""
+
+
+# how often a bounded wait tries a taken lock again
+LOCK_POLL_S = 0.05
+
+
 @contextlib.contextmanager
-def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[IO[str]]:
+def exclusive_lock(lock_file: str | os.PathLike[str], timeout_s: float | None = None) -> Iterator[IO[str]]:
     """Hold an exclusive lock on ``lock_file`` for a ``with`` block, waiting for it if taken: writers
-    of one shard, one client folder or one database, in different runs or processes, take turns."""
-    handle = flock(lock_file)
+    of one shard, one client folder or one database, in different runs or processes, take turns.
+    With ``timeout_s`` the wait is bounded: :class:`LockTimeout` once that many seconds passed
+    (``flock`` itself has no timeout, so the lock is tried every :data:`LOCK_POLL_S`)."""
+    if timeout_s is None:
+        handle = flock(lock_file)
+    else:
+
+        def taken() -> IO[str] | None:
+            try:
+                return flock(lock_file, wait=False)
+            except BlockingIOError:
+                return None
+
+        try:
+            handle = wait_until(taken, timeout_s, f"the lock {lock_file}", interval=LOCK_POLL_S)
+        except WaitTimeout:
+            raise LockTimeout(f"{lock_file} is held by another process for more than {timeout_s:g} s") from None
     try:
         yield handle
     finally:

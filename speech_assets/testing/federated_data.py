@@ -163,3 +163,31 @@ class InProcessGrid:
         found = [m for m in self.outbox if m.metadata.reply_to_message_id in wanted]
         self.outbox = [m for m in self.outbox if m not in found]
         return found
+
+
+def run_in_process(
+    corpus: FederatedCorpus,
+    root: Path,
+    name: str,
+    grid: type[InProcessGrid] = InProcessGrid,
+    node: Mapping[str, object] | None = None,
+    **settings: object,
+) -> tuple[object, InProcessGrid, FederatedConfig]:
+    """A whole real run of ``corpus.config(root, name, **settings)`` (held-out evaluation after the
+    last round only, unless ``settings`` say otherwise) by the ServerApp's round loop on a
+    ``grid`` (an :class:`InProcessGrid` or a subclass playing a deviating server) whose nodes
+    1, 2, ... are the corpus's clients, their state under ``root / "state"``; every client's node
+    config updated with ``node`` (its own settings). Returns the result (or the
+    ``FederatedRunError`` that stopped the run), the grid and the config."""
+    from speech_assets.federated.server_app import FederatedRunError, Server
+
+    config = corpus.config(root, name, **({"evaluate_every": 5} | settings))
+    used = grid({n: c for n, c in enumerate(config.clients, start=1)}, corpus.data_dir, root / "state")
+    for entry in used.node_config.values():
+        entry.update(node or {})
+    with serverapp_identity():
+        try:
+            result: object = Server(used, config).run()  # type: ignore[arg-type]
+        except FederatedRunError as error:
+            result = error
+    return result, used, config

@@ -252,3 +252,77 @@ def test_a_csv_header_naming_a_column_twice_is_an_error_naming_it(tmp_path: Path
     manifest.write_text(f"{header}\n{rows}")
     with pytest.raises(m.CorpusError, match=f"'{twice}' more than once"):
         m.scan_corpus(manifest)
+
+
+MANIFEST_CHECK = """
+from speech_assets.corpus import manifest as m
+cap()
+location = m.Path(sys.argv[1])
+out = {}
+for name, call in (("check", m.check_corpus_location), ("scan", m.scan_corpus)):
+    try:
+        result = call(location)
+        out[name] = "ok" if result is None else sorted([r.utt_id, r.reason, r.detail] for r in result.rejects)
+    except m.CorpusError as error:
+        out[name] = f"CorpusError: {error}"
+out["fingerprint"] = bool(m.corpus_fingerprint(location))
+print(json.dumps(out))
+"""
+
+
+def _manifest_fifo(manifest: Path) -> str:
+    os.mkfifo(manifest)
+    return f"{manifest} is a FIFO, not a regular file"
+
+
+def _manifest_dev_zero(manifest: Path) -> str:
+    manifest.symlink_to("/dev/zero")
+    return "/dev/zero is a character device, not a regular file"
+
+
+def _manifest_symlink_to_fifo(manifest: Path) -> str:
+    fifo = manifest.parent / "pipe"
+    os.mkfifo(fifo)
+    manifest.symlink_to(fifo)
+    return f"{fifo} is a FIFO, not a regular file"
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+@pytest.mark.parametrize(
+    "make",
+    [_manifest_fifo, _manifest_dev_zero, _manifest_symlink_to_fifo],
+    ids=["fifo", "dev-zero", "symlink-to-fifo"],
+)
+def test_a_manifest_that_is_not_a_regular_file_is_a_clear_error_never_a_hang(tmp_path: Path, make, suffix: str) -> None:
+    """The corpus given as a manifest that is a FIFO, a symlink to ``/dev/zero`` or to a FIFO:
+    checked and scanned in a child with capped memory and a time limit, each is one CorpusError
+    naming what it is (checked on the open handle), and it still fingerprints. Kills: opening the
+    manifest by path without O_NONBLOCK (a FIFO hangs), reading it without a regular-file check
+    (``/dev/zero`` grows memory), and judging it by ``Path.is_file()`` (the code before: "corpus
+    ... is empty: no audio files", as if it were a folder)."""
+    manifest = tmp_path / f"corpus{suffix}"
+    what = make(manifest)
+    result = _child(MANIFEST_CHECK, str(manifest))
+    expected = f"CorpusError: corpus manifest {manifest} cannot be read: {what}"
+    assert result == {"check": expected, "scan": expected, "fingerprint": True}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_manifest_line_without_end_is_a_reject_read_in_bounded_memory(tmp_path: Path, suffix: str) -> None:
+    """A regular manifest whose last line is 1.5 GiB of NUL bytes without a newline (a sparse
+    file: no disk) is scanned in a child whose memory is capped 1 GiB above its start: that line
+    is an ``unreadable`` reject row naming it, the row before it is judged as usual. Kills:
+    iterating the manifest's lines unbounded (the code before: MemoryError in the child)."""
+    manifest = tmp_path / f"corpus{suffix}"
+    row = "a.flac,HELLO,s1\n" if suffix == ".csv" else '{"path": "a.flac", "transcript": "HELLO", "speaker_id": "s1"}\n'
+    header = "path,transcript,speaker_id\n" if suffix == ".csv" else ""
+    manifest.write_text(header + row)
+    with open(manifest, "r+b") as handle:
+        handle.truncate((3 << 29) + manifest.stat().st_size)
+    line = 3 if suffix == ".csv" else 2
+    result = _child(MANIFEST_CHECK, str(manifest), timeout=120)
+    assert result["check"] == "ok" and result["fingerprint"]
+    assert result["scan"] == [
+        ["a", "missing_file", result["scan"][0][2]],
+        [f"line-{line}", "unreadable", f"line {line}: is longer than {m.MAX_MANIFEST_LINE_BYTES} bytes (not read)"],
+    ], result["scan"]

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated import secure_rounds as sr
 from speech_assets.federated.config import NodeConfig
-from speech_assets.federated.server_app import FederatedRunError, Server
+from speech_assets.federated.server_app import FederatedRunError
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
+from speech_assets.testing.federated_data import InProcessGrid, run_in_process, write_federated_corpus
 
 FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 
@@ -29,21 +30,6 @@ FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     return write_federated_corpus(tmp_path_factory.mktemp("refusals") / "data", FOUR, speakers_per_client=2)
-
-
-def _run(corpus, root: Path, name: str, kind: type[InProcessGrid] = InProcessGrid, node=None, **settings):  # type: ignore[no-untyped-def]
-    """One round of a real run (FedAvg, 2 local steps); every client's node config updated with
-    ``node`` (its own settings); ``(result or the FederatedRunError, grid, config)``."""
-    config = corpus.config(root, name, **({"evaluate_every": 5} | settings))
-    grid = kind({n: c for n, c in enumerate(config.clients, start=1)}, corpus.data_dir, root / "state")
-    for entry in grid.node_config.values():
-        entry.update(node or {})
-    with serverapp_identity():
-        try:
-            result = Server(grid, config).run()  # type: ignore[arg-type]
-        except FederatedRunError as error:
-            result = error
-    return result, grid, config
 
 
 def _train_replies(grid: InProcessGrid) -> list:  # type: ignore[type-arg]
@@ -85,7 +71,7 @@ def test_downgrade_unmasked_train_request_is_refused(corpus, tmp_path: Path, ser
     Every client refuses before training; no update leaves, masked or not. Kills the mutation
     "the client masks (clips) only when the server's message says so" (the code before issue 45
     sent its encoder in the clear), and "the requirement is read from the server's message"."""
-    result, grid, _ = _run(corpus, tmp_path, "downgrade", kind, node=node, **server)
+    result, grid, _ = run_in_process(corpus, tmp_path, "downgrade", kind, node=node, **server)
     assert isinstance(result, FederatedRunError), "a round went on with every client refusing"
     replies = _train_replies(grid)
     assert len(replies) == 4
@@ -96,7 +82,7 @@ def test_downgrade_unmasked_train_request_is_refused(corpus, tmp_path: Path, ser
 def test_downgrade_guard_lets_a_round_with_what_the_client_requires_through(corpus, tmp_path: Path) -> None:
     """The same clients (requiring both) train, mask and clip when the server does both: kills the
     mutation "a client that requires a protection refuses every round"."""
-    result, grid, _ = _run(
+    result, grid, _ = run_in_process(
         corpus,
         tmp_path,
         "honest",
@@ -122,6 +108,97 @@ def test_node_config_reads_its_requirements() -> None:
     assert not NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d"}).require_dp
     with pytest.raises(ValueError, match="true or false"):
         NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d", "require-dp": "yes"})
+
+
+def _launcher_limits(config, root: Path, **settings) -> dict:  # type: ignore[no-untyped-def]
+    """What the launcher puts in every local client's ``--node-config`` for ``config`` under the
+    ``[federated]`` settings ``settings`` (its protections and limits), as the SuperNode parses it."""
+    from flwr.common.config import parse_config_args
+
+    from speech_assets.defs.resources import FederatedSettings
+    from speech_assets.federated.launch import CLIENT_LIMITS, deployment_options, node_configs
+
+    options = deployment_options(FederatedSettings(**settings))
+    limits = {name: options[name] for name in CLIENT_LIMITS}
+    node = node_configs(config, root, {c: root / c for c in config.clients}, threads=1, **limits)[0]
+    parsed = parse_config_args([node.to_node_config()])
+    return {k: v for k, v in parsed.items() if k not in ("client-id", "data-dir", "state-root", "threads")}
+
+
+class HugeClippingNormGrid(InProcessGrid):
+    """A server that asks for DP but sends a clipping norm a million times the run's: in effect
+    no clipping."""
+
+    def push_messages(self, messages):  # type: ignore[no-untyped-def]
+        messages = list(messages)
+        for message in messages:
+            if message.metadata.message_type == "train" and KEY_CLIPPING_NORM in message.content["config"]:
+                message.content["config"][KEY_CLIPPING_NORM] = 1e6
+        return super().push_messages(messages)
+
+
+@pytest.mark.parametrize("kind", [InProcessGrid, HugeClippingNormGrid], ids=["honest", "huge-norm"])
+def test_downgrade_huge_clipping_norm_is_refused(corpus, tmp_path: Path, kind: type[InProcessGrid]) -> None:
+    """test_downgrade_huge_clipping_norm: the clients get what the launcher gives them under the
+    ``[federated]`` settings of a DP run (dp_max_clipping_norm unset: the run's dp_clipping_norm).
+    A server that sends a clipping norm of 1e6 is refused by every client before training, no
+    update leaves; the honest server's round (the run's norm) goes through. Kills the mutations
+    "a client that requires DP accepts any clipping norm" (the code before this change: 4 of 4
+    clients trained and sent their update clipped at 1e6) and "the launcher leaves the node's
+    maximum unset"."""
+    dp = {"dp_noise_multiplier": 0.5, "dp_clipping_norm": 1.0}
+    config = corpus.config(tmp_path, "probe-config", **dp)
+    node = _launcher_limits(config, tmp_path, **dp)
+    assert node["dp-max-clipping-norm"] == 1.0 and node["require-dp"] is True
+    result, grid, _ = run_in_process(corpus, tmp_path, "clip", kind, node=node, **dp)
+    replies = _train_replies(grid)
+    assert len(replies) == 4
+    if kind is InProcessGrid:
+        assert isinstance(result, dict) and not any(r.has_error() for r in replies)
+        return
+    assert isinstance(result, FederatedRunError), "a round went on with every client refusing"
+    assert not any(not r.has_error() and "arrays" in r.content for r in replies), "an update left the client"
+    assert all("refuses a clipping norm of 1000000.0" in r.error.reason for r in replies), [
+        r.error.reason for r in replies if r.has_error()
+    ]
+
+
+@pytest.mark.parametrize("floor", ["2/3", "3/4"])
+def test_threshold_floor_from_settings_makes_a_real_client_refuse(corpus, tmp_path: Path, floor: str) -> None:
+    """test_threshold_floor_from_settings: four clients with secure aggregation at the server's
+    default threshold (t = 3 of k = 4). With the launcher's node configs under the default
+    ``[federated]`` settings they accept the round; with ``secagg_threshold_floor = "3/4"`` in
+    the settings (t must exceed 3) every real client refuses at its advertise stage, naming the
+    floor, and the run stops. Kills the mutation "the launcher passes the node defaults whatever
+    the settings say" (the code before this change: the round went on at t = 3)."""
+    config = corpus.config(tmp_path, "probe-config", secure_aggregation=True)
+    node = _launcher_limits(config, tmp_path, secure_aggregation=True, secagg_threshold_floor=floor)
+    result, grid, _ = run_in_process(corpus, tmp_path, f"floor-{floor[0]}", node=node, secure_aggregation=True)
+    if floor == "2/3":
+        assert isinstance(result, dict) and result["rounds"] == 1, result
+        return
+    assert isinstance(result, FederatedRunError), "a round went on below the clients' floor"
+    refusals = [m.error.reason for m in grid.received if m.has_error()]
+    assert len(refusals) == 4 and all("is below its floor" in r for r in refusals), refusals
+    assert not _train_replies(grid)
+
+
+def test_client_limits_are_checked_in_the_settings_and_the_node_config() -> None:
+    """Out-of-bounds limits are refused where they are set: kills the mutation "the settings take
+    any floor" (a floor of 1/3 would let a server split the shares)."""
+    from speech_assets.defs.resources import FederatedSettings
+
+    for bad, why in [
+        ({"secagg_min_shares": 1}, "secagg_min_shares must be an int of at least 2"),
+        ({"secagg_threshold_floor": "1/3"}, "secagg_threshold_floor must be a fraction in"),
+        ({"secagg_threshold_floor": "1"}, "secagg_threshold_floor must be a fraction in"),
+        ({"dp_max_clipping_norm": -1.0}, "dp_max_clipping_norm must be a number >= 0"),
+        ({"dp_max_clipping_norm": 0.5, "dp_clipping_norm": 1.0}, "at least dp_clipping_norm"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            FederatedSettings(**bad)
+    with pytest.raises(ValueError, match="dp-max-clipping-norm must be a number >= 0"):
+        NodeConfig.from_node_config({"client-id": "c", "data-dir": "/d", "dp-max-clipping-norm": float("nan")})
 
 
 # --------------------------------------------------------------------- one answer, concurrently
@@ -203,7 +280,7 @@ def test_concurrent_unmask_requests_get_one_answer(corpus, tmp_path: Path, monke
             grid_of["grid"] = self
 
     monkeypatch.setattr(sr.SecureRounds, "reveal", capturing_reveal)
-    result, _, _ = _run(corpus, tmp_path, "race", Grid, secure_aggregation=True)
+    result, _, _ = run_in_process(corpus, tmp_path, "race", Grid, secure_aggregation=True)
     assert isinstance(result, dict), result
     from flwr.app import ConfigRecord, RecordDict
 
@@ -229,6 +306,61 @@ def test_concurrent_unmask_requests_get_one_answer(corpus, tmp_path: Path, monke
     assert json.loads(path.read_text()) == {"stage": "answered"}  # type: ignore[union-attr]
 
 
+HOLDER = """
+import fcntl, sys, time
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_concurrent_unmask_refused_while_another_process_holds_the_state_lock(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """test_concurrent_unmask, bounded: a second, real process holds c0's secure-aggregation
+    lock (``secagg/.lock``) and never lets go. An unmask request at c0 is refused after the
+    bounded wait, naming the stage and the lock, instead of waiting for ever; once the holder is
+    gone the same request gets past the lock (and is refused for what it asks: c0 has no state of
+    that round). Kills the mutation "state_lock waits on the lock without a limit" (the code
+    before: the request was still blocked when the test gave up on it, 20 s later)."""
+    import subprocess
+    import sys
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from speech_assets.layout import ClientRunFiles
+
+    monkeypatch.setattr(sr, "SECAGG_LOCK_TIMEOUT_S", 0.5)
+    node = NodeConfig(client_id="c0", data_dir=str(tmp_path / "data"), state_root=str(tmp_path / "state"))
+    lock = ClientRunFiles(node.client_dir("race")).secagg_lock
+    lock.parent.mkdir(parents=True)
+    request = ConfigRecord(
+        {sr.KIND: sr.UNMASK, "secure-aggregation": True, "run-name": "race", "server-round": 1, sr.SECAGG_NONCE: "n"}
+    )
+    outcome: list[str] = []
+
+    def ask() -> None:
+        try:
+            sr.answer_secure_query(request, node, RecordDict())
+            outcome.append("answered")
+        except ValueError as error:
+            outcome.append(str(error))
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(20)
+        assert not asking.is_alive(), "the unmask request still waits on the lock"
+    finally:
+        holder.kill()
+        holder.wait(30)
+    (refusal,) = outcome
+    assert "c0 refuses the secagg-unmask stage of run race" in refusal and "stayed locked" in refusal, refusal
+    ask()
+    assert "stayed locked" not in outcome[-1] and outcome[-1] != "answered", outcome[-1]
+
+
 def test_concurrent_unmask_readvertise_of_a_round_past_advertise_is_refused(
     corpus, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -244,7 +376,7 @@ def test_concurrent_unmask_readvertise_of_a_round_past_advertise_is_refused(
         return mean_update(self, round_number, good, failures)
 
     monkeypatch.setattr(sr.SecureRounds, "mean_update", readvertising)
-    result, _, _ = _run(corpus, tmp_path, "readvertise", secure_aggregation=True)
+    result, _, _ = run_in_process(corpus, tmp_path, "readvertise", secure_aggregation=True)
     good, refused = seen["answer"]  # type: ignore[misc]
     assert not good and "past its advertise stage" in refused[0]["reason"], refused
     assert isinstance(result, dict)  # c0's masked update still unmasks with the round's own keys
@@ -300,15 +432,55 @@ def _disk_text(run_dir: Path) -> str:
     return "\n".join(parts)
 
 
+def _evaluations(grid: InProcessGrid) -> dict[str, dict[str, float]]:
+    """Each client's held-out evaluation, as its evaluate reply carried it to the server."""
+    return {
+        m.content["client"]["client-id"]: dict(m.content["metrics"])
+        for m in grid.received
+        if m.metadata.message_type == "evaluate" and not m.has_error()
+    }
+
+
+def _mlflow_metrics(config, records: list, result: dict, store: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """What a real MLflow run holds once the run's tracker logged ``records`` and ``result``."""
+    from mlflow.tracking import MlflowClient
+
+    from speech_assets.federated.tracking import FederatedTracker
+
+    tracker = FederatedTracker(config, store)
+    tracker.start()
+    for record in records:
+        tracker.log_round(record)
+    tracker.finish(result)
+    return dict(MlflowClient(store).get_run(tracker.run_id).data.metrics)
+
+
+EVALUATION_VALUES = (
+    "utterances",
+    "masked_frames",
+    "heldout_loss",
+    "heldout_masked_accuracy",
+    "majority_accuracy",
+    "leak_free_frames",
+    "heldout_leak_free_masked_accuracy",
+    "leak_free_majority_accuracy",
+)
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Path, caplog, share: bool) -> None:  # type: ignore[no-untyped-def]
     """test_norm_withheld: a DP run without secure aggregation, with a clipping norm the honest
     clients stay below (so each accepted norm is that client's raw value) and c1 sending three
     the clipping norm (refused). No client's exact update norm is in any file of the run
     folder (round records, tables, result, failures) or in the server's log, not even in c1's
-    refusal reason; no client's loss is in the logs either. With ``dp_share_client_metrics`` (the
-    opt-in) they are recorded. Kills the mutation "round records keep every client's
-    update_norm and a refusal names its norm under DP" (the code before issue 45)."""
+    refusal reason; no client's loss is in the logs either. The held-out evaluation (every
+    client scores the round's encoder) leaves no client's loss, accuracy or count in the round
+    record, ``evaluation.parquet`` (its columns stay, null), ``result.json`` or MLflow (no
+    ``val/<client>/...``), while the federation's aggregates are there. With
+    ``dp_share_client_metrics`` (the opt-in) all of it is recorded. Kills the mutations "round
+    records keep every client's update_norm and a refusal names its norm under DP" (the code
+    before issue 45) and "under DP the evaluation rows keep each client's values" (seen failing:
+    evaluation.parquet held every client's heldout_loss)."""
     clip = 100.0
     caplog.set_level(logging.INFO, logger="speech_assets.federated.server")
     client_log_stream = io.StringIO()
@@ -323,7 +495,7 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
             super().__init__(*args, clip=clip, **kwargs)
 
     try:
-        result, grid, config = _run(
+        result, grid, config = run_in_process(
             corpus,
             tmp_path,
             f"dp-{share}",
@@ -348,14 +520,28 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
         diff = [arrays[n].numpy().astype(np.float64) - start[n].astype(np.float64) for n in start]
         norms[reply.content["client"]["client-id"]] = float(np.sqrt(sum(float(np.sum(d * d)) for d in diff)))
     assert len(norms) == 4 and norms["c1"] > clip and all(norms[c] < clip for c in ("c0", "c2", "c3")), norms
-    record = json.loads(FederatedPaths(config.run_dir).round_record(1).read_text())
+    paths = FederatedPaths(config.run_dir)
+    record = json.loads(paths.round_record(1).read_text())
     assert record["missing"] == ["c1"]
+    evaluations = _evaluations(grid)
+    assert sorted(evaluations) == ["c0", "c1", "c2", "c3"]
+    losses = [e["heldout-loss"] for e in evaluations.values()]
+    assert all(loss > 0 for loss in losses)
+    metrics = _mlflow_metrics(config, [record], result, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # the federation's aggregates are released either way
+    assert result["heldout_masked_accuracy"] is not None and result["heldout_loss"] is not None
+    assert {"val/loss", "val/masked_accuracy", "val/majority_accuracy", "epsilon"} <= set(metrics)
     written = _disk_text(Path(config.run_dir)) + "\n" + caplog.text
     found = [x for x in _numbers(written) for n in norms.values() if abs(x - n) <= 1e-3 * n]
+    found_losses = [x for x in _numbers(written) for loss in losses if abs(x - loss) <= 1e-9 * loss]
     client_log = client_log_stream.getvalue()
+    table = pq.read_table(paths.evaluation_table).to_pylist()
+    assert sorted(row["client_id"] for row in table) == ["c0", "c1", "c2", "c3"]
     if share:  # opted in: recorded (PRIVACY.md lists what that releases)
         assert all(row["update_norm"] is not None for row in record["rows"])
         assert found and "loss " in client_log
+        assert found_losses and all(row["heldout_loss"] is not None for row in table)
+        assert "val/c0/masked_accuracy" in metrics
         return
     assert [row["update_norm"] for row in record["rows"]] == [None] * 3
     assert not found, f"a client's exact update norm is on disk or in the log: {found[:5]} (norms {norms})"
@@ -368,3 +554,10 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
         )
         assert row["weight"] == 1.0
     assert not re.search(r"loss \d", client_log), "a client logged its training loss in a DP round"
+    # the held-out evaluation: who was scored, never what each scored
+    assert not found_losses, f"a client's held-out loss is on disk or in the log: {found_losses[:5]}"
+    for row in [*table, *record["evaluation"]]:
+        assert all(row[k] is None for k in EVALUATION_VALUES), row
+    assert all(set(scores.values()) == {None} for scores in result["heldout_per_client"].values()), result
+    per_client = sorted(name for name in metrics if re.match(r"(val/)?c\d", name))
+    assert per_client == [], f"MLflow holds per-client values under DP: {per_client}"

@@ -61,17 +61,28 @@ ALLOWED_EVAL_METRICS = {
 
 @pytest.fixture(scope="module")
 def dagster_run(sample_build: dict, sample_pipeline: SamplePipeline) -> dict:
-    """One Dagster run of federated_checkpoint (2 rounds, 4 SuperNodes) on the sample build's instance."""
+    """One Dagster run of federated_checkpoint (2 rounds, 4 SuperNodes) on the sample build's
+    instance: its run folder (named by its materialization, whatever other run folders the shared
+    sample build holds), its result and its Dagster run id."""
     import dagster as dg
 
     from speech_assets.testing.local_runs import materialize_in_process
 
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
         run_config = {"ops": {"federated_checkpoint": {"config": FAST}}}
-        materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
-    results = list((sample_pipeline.out / "federated").glob("*/result.json"))
-    assert len(results) == 1
-    return {"run_dir": results[0].parent, "result": json.loads(results[0].read_text())}
+        done = materialize_in_process(sample_build["defs"], instance, "federated_checkpoint", run_config=run_config)
+    (event,) = done.asset_materializations_for_node("federated_checkpoint")
+    run_dir = Path(event.metadata["run_dir"].value)
+    return {"run_dir": run_dir, "result": json.loads((run_dir / "result.json").read_text()), "run_id": done.run_id}
+
+
+def _materialization(instance, run_id: str):  # type: ignore[no-untyped-def]
+    """federated_checkpoint's materialization record of the Dagster run ``run_id`` (other tests
+    of the shared sample build materialize it too, in any order)."""
+    import dagster as dg
+
+    records = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=100).records
+    return next(record for record in records if record.run_id == run_id)
 
 
 def _cli(
@@ -152,7 +163,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     assert state["round"] == ROUNDS and weights_sha256(state["encoder"]) == result["checkpoint_sha256"]
     monkeypatch.setenv("DAGSTER_HOME", str(sample_pipeline.home))
     with dg.DagsterInstance.get() as instance:
-        record = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records[0]
+        record = _materialization(instance, dagster_run["run_id"])
         event = record.asset_materialization
         assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
         assert event.tags["dagster/code_version"] == "federated-v4"
@@ -218,7 +229,7 @@ def test_lineage_of_the_federated_checkpoint_names_its_round_commit_and_runs(
     ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True)
     assert ancestor.returncode == 0, f"{commit} is not a commit of this checkout's history"
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
-        (record,) = instance.fetch_materializations(dg.AssetKey("federated_checkpoint"), limit=1).records
+        record = _materialization(instance, dagster_run["run_id"])
     report = checkpoint_lineage(final)
     assert (report["kind"], report["step"], report["step_unit"]) == ("federated", ROUNDS, "round")
     # the commit and the MLflow and Dagster runs, as MLflow and Dagster recorded them

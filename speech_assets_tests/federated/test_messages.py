@@ -432,7 +432,7 @@ def test_evaluation_waits_for_clients_with_a_deadline(tmp_path: Path) -> None:
     grid = ScriptedGrid([], lambda message: [])
     server = _server(tmp_path, grid, min_train_nodes=1)
     failures: list[dict] = []
-    rows, metrics = _finishes(
+    rows, metrics, _ = _finishes(
         lambda: server.evaluate(make_strategy(server.config), 1, encoder, ["client_00"], failures)
     )  # type: ignore[misc]
     assert rows == [] and metrics == {} and "no client connected within 1 s" in failures[0]["reason"]
@@ -440,7 +440,7 @@ def test_evaluation_waits_for_clients_with_a_deadline(tmp_path: Path) -> None:
     silent = ScriptedGrid([1, 2, 3], lambda message: [])
     server = _server(tmp_path, silent, {1: "client_00", 2: "client_01", 3: "client_02"}, min_train_nodes=1)
     failures = []
-    rows, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
+    rows, _, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
     assert rows == [] and sorted(f["client_id"] for f in failures) == CLIENTS
     assert all(f["reason"] == "no reply within 2 s" for f in failures)
 
@@ -460,6 +460,6 @@ def test_evaluation_scores_the_clients_connected_when_some_left(tmp_path: Path) 
     grid = ScriptedGrid([1, 2], _honest({1: "client_00", 2: "client_01"}, encoder))
     server = _server(tmp_path, grid, {1: "client_00", 2: "client_01", 3: "client_02"})
     failures: list[dict] = []
-    rows, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
+    rows, _, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
     assert [r["client_id"] for r in rows] == ["client_00", "client_01"] and failures == []
     assert array_spec(ArrayRecord({k: torch.from_numpy(v) for k, v in encoder.items()})) == server.expected

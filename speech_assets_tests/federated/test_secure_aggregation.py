@@ -31,6 +31,7 @@ from speech_assets.federated.secure_aggregation import (
     split_secret,
     unmask_sum,
 )
+from speech_assets.testing.federated_data import run_in_process
 
 RUN = "run-test"
 PARAMS = SecAggParams(clipping_range=1.0, target_range=2**22)
@@ -416,25 +417,6 @@ def four_clients(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     return write_federated_corpus(tmp_path_factory.mktemp("four") / "data", FOUR, speakers_per_client=2)
 
 
-def _run(corpus, root: Path, name: str, **settings):  # type: ignore[no-untyped-def]
-    """One round of a real run (FedAvg, 3 local steps) on an InProcessGrid; ``(result or the
-    FederatedRunError, grid, config)``."""
-    from speech_assets.federated.server_app import FederatedRunError, Server
-    from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
-
-    clients = sorted(corpus.k)
-    config = corpus.config(root, name, **({"rounds": 1, "local_steps": 3, "evaluate_every": 5} | settings))
-    grid = InProcessGrid(
-        {node: client for node, client in enumerate(clients, start=1)}, corpus.data_dir, root / "state"
-    )
-    with serverapp_identity():
-        try:
-            result = Server(grid, config).run()  # type: ignore[arg-type]
-        except FederatedRunError as error:
-            result = error
-    return result, grid, config
-
-
 def _replies(grid, kind: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """The last good reply of each client to messages of ``kind`` (a stage or "train")."""
     from speech_assets.federated import secure_rounds as sr
@@ -504,7 +486,9 @@ def test_a_client_counted_as_dropped_after_masking_stays_hidden(four_clients, tm
 
     monkeypatch.setattr(sr.SecureRounds, "accept", lying_accept)
     monkeypatch.setattr(sr.SecureRounds, "reveal", greedy_reveal)
-    result, grid, config = _run(four_clients, tmp_path, "liar", secure_aggregation=True, min_train_nodes=3)
+    result, grid, config = run_in_process(
+        four_clients, tmp_path, "liar", local_steps=3, secure_aggregation=True, min_train_nodes=3
+    )
     assert isinstance(result, dict) and result["rounds"] == 1  # the round goes on with the 3 others
 
     secure = seen["secure"]
@@ -578,7 +562,9 @@ def test_a_client_answers_one_unmask_request_per_round_repeated_unmask(
         return reveal(self, failures)
 
     monkeypatch.setattr(sr.SecureRounds, "reveal", probing_reveal)
-    result, grid, config = _run(four_clients, tmp_path, "probe", secure_aggregation=True, min_train_nodes=3)
+    result, grid, config = run_in_process(
+        four_clients, tmp_path, "probe", local_steps=3, secure_aggregation=True, min_train_nodes=3
+    )
     answers = seen["answers"]
     assert len(answers[0][0]) == 1 and not answers[0][1]  # the first is answered
     for good, refused in answers[1:]:
@@ -619,12 +605,14 @@ def test_up_to_n_minus_t_drop_outs_after_sharing_keys_unmask_the_exact_sum(
     from speech_assets.train.checkpoint import load_checkpoint
 
     monkeypatch.setenv(FAULTS_ENV, ";".join(f"federated.round client={c} round=1 raise" for c in dropped))
-    result, _, config = _run(four_clients, tmp_path, "drop", secure_aggregation=True, min_train_nodes=2)
+    result, _, config = run_in_process(
+        four_clients, tmp_path, "drop", local_steps=3, secure_aggregation=True, min_train_nodes=2
+    )
     paths = FederatedPaths(config.run_dir)
     if len(dropped) <= 4 - 3:
         record = json.loads(paths.round_record(1).read_text())
         assert record["secure_aggregation"]["dropped"] == dropped and record["secure_aggregation"]["threshold"] == 3
-        plain, _, plain_config = _run(four_clients, tmp_path, "plain", min_train_nodes=2)
+        plain, _, plain_config = run_in_process(four_clients, tmp_path, "plain", local_steps=3, min_train_nodes=2)
         a = load_checkpoint(paths.final)["encoder"]
         b = load_checkpoint(FederatedPaths(plain_config.run_dir).final)["encoder"]
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
@@ -675,7 +663,7 @@ def test_a_bad_clients_garbage_fails_the_round_cleanly(
     from speech_assets.layout import FederatedPaths
 
     monkeypatch.setattr(sr, target, spoil(getattr(sr, target)))
-    result, _, config = _run(four_clients, tmp_path, "bad", secure_aggregation=True)
+    result, _, config = run_in_process(four_clients, tmp_path, "bad", local_steps=3, secure_aggregation=True)
     assert isinstance(result, FederatedRunError)
     failure = json.loads(FederatedPaths(config.run_dir).failure.read_text())
     assert failure["round"] == 1 and failure["message"].startswith("round 1: ") and problem in failure["message"]
@@ -723,7 +711,7 @@ def test_an_inconsistent_unmask_request_is_refused_and_costs_nothing(four_client
         return reveal(self, failures)
 
     monkeypatch.setattr(sr.SecureRounds, "reveal", probing_reveal)
-    result, _, _ = _run(four_clients, tmp_path, "inconsistent", secure_aggregation=True)
+    result, _, _ = run_in_process(four_clients, tmp_path, "inconsistent", local_steps=3, secure_aggregation=True)
     assert all(len(reasons) == 1 and "ValueError" in reasons[0] for reasons in refusals.values()), refusals
     # a refused request is not an answer: c0 still answers the server's consistent one
     assert isinstance(result, dict) and result["rounds"] == 1
