@@ -16,6 +16,7 @@ from pathlib import Path
 
 import duckdb
 
+from speech_assets.evaluation.accuracy import ACCURACY, LABEL, MAJORITY
 from speech_assets.layout import RunFiles, lock_beside
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.utils import atomic_path
@@ -170,7 +171,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
-        "heldout_masked_accuracy DOUBLE, heldout_majority_accuracy DOUBLE, heldout_loss DOUBLE, "
+        "heldout_all_frames_masked_accuracy DOUBLE, heldout_all_frames_majority_accuracy DOUBLE, heldout_loss DOUBLE, "
         "chance_accuracy DOUBLE, "
         "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
@@ -558,12 +559,13 @@ def summary(db_path: Path) -> str:
                 f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
             )
         for kind, steps, loss, accuracy, majority, chance, checkpoint, run_id in con.execute(
-            "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy, chance_accuracy, "
+            # the held-out masked accuracy every view shows: leak-free frames (evaluation.accuracy)
+            f"SELECT kind, steps, final_loss, {ACCURACY}, {MAJORITY}, chance_accuracy, "
             f"checkpoint, mlflow_run_id FROM training_runs ORDER BY {_KIND_ORDER}, run_dir"
         ).fetchall():
             unit = "rounds" if kind == "federated" else "steps"
             held_out = (
-                f", held-out masked accuracy {_number(accuracy)} (majority class {_number(majority)}"
+                f", {LABEL} {_number(accuracy)} (majority class {_number(majority)}"
                 + (f", chance {_number(chance)})" if chance is not None else ")")
                 if accuracy is not None or majority is not None
                 else ""
