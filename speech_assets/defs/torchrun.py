@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +106,7 @@ def run_torchrun(
     return dg.MaterializeResult(
         data_version=result.data_version,
         metadata={
-            # Dagster lists metadata in insertion order: the curve and the held-out accuracy first
-            **training_curve_metadata(run_dir),
-            **heldout_metadata(finished),
-            **{k: v for k, v in (result.metadata or {}).items() if k not in RECORDED_HELDOUT},
-            **result_metadata(run_dir),
+            **run_metadata(run_dir, result.metadata or {}, finished),
             "run_dir": dg.MetadataValue.path(str(run_dir)),
             "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
             "oom_retries": retries,
@@ -122,9 +118,25 @@ def run_torchrun(
 RECORDED_HELDOUT = (accuracy.ACCURACY, accuracy.MAJORITY, *accuracy.ALL_FRAMES_RECORDED)
 
 
-def heldout_metadata(result: dict) -> dict[str, object]:
+def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, object]:
+    """A torchrun job's metadata: the training curve first (Dagster lists metadata in insertion
+    order, and a curve below twenty rows goes unseen), the held-out masked accuracy, then what
+    rank 0 ``reported`` (its own held-out keys left out: one name per number) and ``result.json``
+    adds (:func:`result_metadata`)."""
+    return {
+        **training_curve_metadata(run_dir),
+        **heldout_metadata(result),
+        **{k: v for k, v in reported.items() if k not in RECORDED_HELDOUT},
+        **result_metadata(run_dir),
+    }
+
+
+def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
     """The held-out masked accuracy (leak-free: :mod:`speech_assets.evaluation.accuracy`) and, named
-    apart, the all-frames figure that measures the leak."""
+    apart, the all-frames figure that measures the leak; nothing for a run that evaluates none
+    (a student, a recogniser)."""
+    if not any(key in result for key in RECORDED_HELDOUT):
+        return {}
     shown = accuracy.metadata(result)
     for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
         if result.get(recorded) is not None:
