@@ -192,7 +192,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
     client = mlflow.tracking.MlflowClient(sample_pipeline.mlflow_uri)
     assert client.get_experiment(run.info.experiment_id).name == "speech_assets"  # with every other model
     assert not any(name.startswith("final.") for name in run.data.metrics)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/masked_accuracy")] == [ROUNDS]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/all_frames_masked_accuracy")] == [ROUNDS]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/final.pt"]
     # the default engine is Flower's simulation runtime: one supervised process tree, Ray's workers in it
