@@ -767,10 +767,12 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
 
 
 def leaderboard_markdown(board: Sequence[Standing]) -> str:
-    """The leaderboard as a markdown table (what ``speech-assets probe`` prints)."""
+    """The leaderboard as a markdown table (what ``speech-assets probe`` prints), plain spaces for a terminal."""
     names = [c for c, _, _ in LEADERBOARD_COLUMNS]
     lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(str(row[c]) for c in names) + " |" for row in leaderboard_rows(board)]
+    lines += [
+        "| " + " | ".join(str(row[c]).replace(NBSP, " ") for c in names) + " |" for row in leaderboard_rows(board)
+    ]
     return "\n".join(lines)
 
 
@@ -817,7 +819,8 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
     shown = next((s for s in board if s.indicative), None)
     if shown is not None:
         note += (
-            f" Indicative only here: {shown.indicative}. A verdict about speakers in general needs at least "
+            f" Indicative only here (* beside a verdict): {shown.indicative}. A verdict about speakers in general "
+            "needs at least "
             f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
             f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
         )

@@ -300,12 +300,12 @@ def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 def _finetune_verdicts(con: duckdb.DuckDBPyConnection, min_heldout_speakers: int) -> str:
     """The fine-tuning verdict lines (the CLI's and the asset's: ``verdicts``) as a list, when
     there are results."""
-    from speech_assets.evaluation.finetune_results import text_notes, verdicts
+    from speech_assets.evaluation.finetune_results import verdicts
 
     rows = _finetune_rows(con)
     if not rows:
         return ""
-    lines = [*verdicts(rows, min_heldout_speakers=min_heldout_speakers), *text_notes(rows)]
+    lines = verdicts(rows, min_heldout_speakers=min_heldout_speakers)  # the text notes: under the table
     return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
 
 
