@@ -38,6 +38,7 @@ def main() -> int:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
+    from speech_assets.evaluation.accuracy import heldout_accuracy
     from speech_assets.testing.local_runs import materialize_data_stages, materialize_in_process
 
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; corpus {args.corpus}")
@@ -96,8 +97,7 @@ def main() -> int:
         for name, folder_name in (("iteration 1", "training"), ("iteration 2", "training_iter2")):
             (result,) = [json.loads(p.read_text()) for p in (out / folder_name).glob("*/result.json")]
             print(
-                f"{name}: held-out masked accuracy {result['heldout_masked_accuracy']:.3f} "
-                f"(majority {result['heldout_majority_accuracy']:.3f}), {result['step']} steps"
+                f"{name}: {heldout_accuracy(result) or 'held-out masked accuracy not measured'}, {result['step']} steps"
             )
     return 0
 

@@ -21,6 +21,7 @@ from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
+from speech_assets.evaluation import accuracy
 from speech_assets.locations import redact_uri
 from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
@@ -163,15 +164,14 @@ def federated_checkpoint(
             "frames make the run's held-out accuracy)"
         )
     metadata = {
+        # Dagster lists metadata in insertion order: the curve near the top
+        "curve": readable.inline_chart(f"{accuracy.LABEL} by round", round_series(lines)),
         "rounds": result["rounds"],
         "strategy": result["strategy"],
         "local_steps": result["local_steps"],
         "clients": len(result["clients"]),
-        "heldout_masked_accuracy": readable.rounded(result["heldout_masked_accuracy"]),
-        "heldout_majority_accuracy": readable.rounded(result["heldout_majority_accuracy"]),
-        # the measure to read: masked frames whose label no visible frame gives away
-        "heldout_leak_free_masked_accuracy": readable.rounded(result["heldout_leak_free_masked_accuracy"]),
-        "heldout_leak_free_majority_accuracy": readable.rounded(result["heldout_leak_free_majority_accuracy"]),
+        **accuracy.metadata(result),
+        "all_frames_masked_accuracy": readable.rounded(result["heldout_masked_accuracy"]),
         "final_train_loss": readable.rounded(result["final_train_loss"], 4),
         "mean_round_s": readable.rounded(result["mean_round_seconds"], 1),
         "mb_up_per_round": readable.megabytes(result["bytes_up_per_round"]),
@@ -182,11 +182,13 @@ def federated_checkpoint(
         "secure_aggregation": result["secure_aggregation"],
         "privacy": dg.MetadataValue.json(result["privacy"] or {"differential_privacy": False}),
         **({"epsilon": readable.rounded(result["privacy"]["epsilon"])} if result["privacy"] else {}),
-        "curve": readable.inline_chart("held-out accuracy by round", round_series(lines)),
         "per_round": readable.table(round_rows(lines, result["sampled_by_round"]), ROUND_COLUMNS),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
         "heldout_per_client": readable.table(
-            [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())],
+            [
+                accuracy.per_client_row(client, scores)
+                for client, scores in sorted(result["heldout_per_client"].items())
+            ],
             HELDOUT_CLIENT_COLUMNS,
         ),
         "resumed_from_round": result["resumed_from_round"] or 0,
@@ -210,10 +212,9 @@ ROUND_COLUMNS = {
     "sampled": "clients asked to train",
     "missing": "asked but did not reply",
     "train_loss": "local train loss, weighted as aggregated",
-    "heldout_masked_accuracy": "held-out masked accuracy (evaluated rounds)",
-    "majority_accuracy": "majority-class rate, same frames",
-    "heldout_leak_free_masked_accuracy": "on leak-free frames",
-    "heldout_leak_free_majority_accuracy": "majority-class rate on leak-free frames",
+    "heldout_masked_accuracy": f"{accuracy.LABEL} (leak-free frames; evaluated rounds)",
+    "heldout_majority_accuracy": "majority-class rate, same frames",
+    "all_frames_masked_accuracy": "on all masked frames, leak included: only to measure the leak",
     "mb_up": "MB clients sent",
     "mb_down": "MB clients received",
     "round_s": "wall time of the round (s)",
@@ -221,33 +222,40 @@ ROUND_COLUMNS = {
 
 
 def round_rows(lines: list[dict], sampled_by_round: dict[str, list[str]]) -> list[dict]:
-    """One table row per round (summarize_rounds' lines): sizes in MB, times in s."""
-    return [
-        {
-            **line,
-            "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])),
-            "mb_up": megabytes(line["bytes_up"]),
-            "mb_down": megabytes(line["bytes_down"]),
-            "round_s": round(line["round_seconds"], 1),
-        }
-        for line in lines
-    ]
+    """One table row per round (summarize_rounds' lines): sizes in MB, times in s; the held-out
+    masked accuracy on leak-free frames, the all-frames one named apart."""
+    rows = []
+    for line in lines:
+        found = accuracy.heldout_accuracy(line)
+        row = {k: v for k, v in line.items() if k not in ROUND_HELDOUT}
+        rows.append(
+            row
+            | {
+                "heldout_masked_accuracy": found.accuracy if found else None,
+                "heldout_majority_accuracy": found.majority if found else None,
+                "all_frames_masked_accuracy": line.get("heldout_masked_accuracy"),
+                "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])),
+                "mb_up": megabytes(line["bytes_up"]),
+                "mb_down": megabytes(line["bytes_down"]),
+                "round_s": round(line["round_seconds"], 1),
+            }
+        )
+    return rows
+
+
+# a round line's held-out keys, replaced in the table by round_rows' (one name per number)
+ROUND_HELDOUT = ("heldout_masked_accuracy", "majority_accuracy", accuracy.ACCURACY, accuracy.MAJORITY)
 
 
 def round_series(lines: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """Held-out accuracy and the majority-class rate by round (leak-free frames when measured)."""
-    leak_free = any(line["heldout_leak_free_masked_accuracy"] is not None for line in lines)
-    accuracy, majority = (
-        ("heldout_leak_free_masked_accuracy", "heldout_leak_free_majority_accuracy")
-        if leak_free
-        else ("heldout_masked_accuracy", "majority_accuracy")
-    )
-    scored = [line for line in lines if line[accuracy] is not None and line[majority] is not None]
+    """The held-out masked accuracy (leak-free frames) and the majority-class rate by round; the
+    train loss where no round was evaluated."""
+    scored = [(line["round"], found) for line in lines if (found := accuracy.heldout_accuracy(line)) is not None]
     if not scored:
         return {"train loss": [(line["round"], line["train_loss"]) for line in lines]}
     return {
-        "held-out": [(line["round"], line[accuracy]) for line in scored],
-        "majority class": [(line["round"], line[majority]) for line in scored],
+        accuracy.LABEL: [(r, found.accuracy) for r, found in scored],
+        "majority class": [(r, found.majority) for r, found in scored],
     }
 
 

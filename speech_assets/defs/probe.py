@@ -44,7 +44,7 @@ def downstream_probe(
     normalisation it was trained with: `<data>/probe/results.parquet`."""
     import torch
 
-    from speech_assets.evaluation.compare import FBANK, markdown_table, reading_note, standing, summarise
+    from speech_assets.evaluation.compare import markdown_table, reading_note, standing, summarise
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.protocol import ProbeLeak, ProbeOptions, publish_probe, run_probe
     from speech_assets.model.encoders import LoadedEncoder, load_encoder
@@ -89,7 +89,6 @@ def downstream_probe(
         summarise(results),
         context.log.warning,
     )
-    pretrained = next(s for s in board if s.model == "pretrained")
     input_versions = {
         asset: latest_data_version(context.instance, asset) or ""
         for asset in (*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions")
@@ -98,11 +97,11 @@ def downstream_probe(
         data_version=dg.DataVersion(sha256_file(target)),
         metadata={
             "leaderboard": leaderboard_metadata(board),
-            "standing": dg.MetadataValue.md(
-                "\n".join(f"- {line}" for line in lines) + "\n\n" + reading_note(board, options.min_heldout_speakers)
-            ),
-            "pretrained_beats_fbank": verdict_word(pretrained, FBANK),
+            # once, beside the table: how to read its verdicts and why they are only indicative (the "*")
+            "how_to_read": dg.MetadataValue.md(reading_note(board, options.min_heldout_speakers)),
+            **verdict_metadata(board, options.min_heldout_speakers),
             **{f"heldout_cer/{m}": round(v.cer.mean, 4) for m, v in summarise(results).items()},
+            "standing": dg.MetadataValue.md("\n".join(f"- {line}" for line in lines)),
             "results_file": dg.MetadataValue.path(str(target)),
             "min_heldout_speakers": options.min_heldout_speakers,
             "probe": options.probe,
@@ -139,56 +138,47 @@ def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
     return dg.MetadataValue.table([dg.TableRecord(row) for row in leaderboard_rows(board)], schema=schema)
 
 
-def verdict_word(standing: "Standing", baseline: str) -> str:
-    """``yes`` / ``no`` / ``no evidence`` for ``standing`` against ``baseline``; ``(indicative only)`` is added
-    below the minimum of held-out speakers."""
-    word = {"better": "yes", "worse": "no", "no evidence": "no evidence", None: "not compared"}[
-        standing.verdict_against(baseline)
-    ]
-    return word if standing.established else f"{word} (indicative only)"
+def verdict_metadata(board: Sequence["Standing"], min_speakers: int) -> dict[str, str]:
+    """``pretrained_beats_fbank`` for the asset's metadata: word for word the description of the
+    check of that name, from the same function on the same leaderboard row
+    (:func:`~speech_assets.evaluation.compare.beats_baseline`)."""
+    from speech_assets.evaluation.compare import FBANK, beats_baseline, leaderboard_table
+
+    rows = {row["model"]: row for row in leaderboard_table(board, min_speakers).to_pylist()}
+    return {"pretrained_beats_fbank": beats_baseline(rows.get("pretrained"), "pretrained", FBANK).text}
 
 
 PRETRAINED_BEATS_FBANK = (
     "Warns unless the pretrained encoder's probe errs less than the log-mel (fbank) probe on the same held-out "
     "utterances (a paired bootstrap over utterances of the CER difference, 95 % interval below 0) with at least "
-    "min_heldout_speakers held-out speakers. At demo scale it warns: the sample holds out one speaker, so any "
+    "min_heldout_speakers held-out speakers. Its description is the asset's pretrained_beats_fbank metadata word "
+    "for word ('pass: ...' or 'warn: ...'). At demo scale it warns: the sample holds out one speaker, so any "
     "verdict is indicative only (and 300 steps on minutes of audio rarely beat fbank)."
 )
 
 
 @dg.asset_check(asset=downstream_probe, description=PRETRAINED_BEATS_FBANK)
 def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
-    """The verdict the probe recorded (``probe/leaderboard.parquet``), word for word."""
-    from speech_assets.evaluation.compare import FBANK, read_leaderboard
+    """The verdict the probe recorded (``probe/leaderboard.parquet``), judged by
+    :func:`~speech_assets.evaluation.compare.beats_baseline`, the function that writes the
+    asset's ``pretrained_beats_fbank`` metadata: the same words, so they never disagree."""
+    from speech_assets.evaluation.compare import FBANK, beats_baseline, read_leaderboard
 
-    target = paths.probe.results
     try:
-        found = {row["model"]: row for row in read_leaderboard(target)}
+        found = {row["model"]: row for row in read_leaderboard(paths.probe.results)}
     except FileNotFoundError as error:
         return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, description=str(error))
     row = found.get("pretrained")
-    if row is None:
-        return dg.AssetCheckResult(
-            passed=False,
-            severity=dg.AssetCheckSeverity.WARN,
-            description="no pretrained row in the probe's leaderboard: rematerialize downstream_probe",
-        )
-    passed = row.get(f"verdict_{FBANK}") == "better" and not row["indicative"]
-    return dg.AssetCheckResult(
-        passed=passed,
-        severity=dg.AssetCheckSeverity.WARN,
-        metadata={
+    verdict = beats_baseline(row, "pretrained", FBANK)
+    metadata = {}
+    if row is not None:
+        metadata = {
             "verdict": row["verdict"],
             "heldout_cer/pretrained": round(row["cer"], 4),
             **({"heldout_cer/fbank": round(found[FBANK]["cer"], 4)} if FBANK in found else {}),
-            "cer_change_fbank": dg.MetadataValue.text(
-                "n/a"
-                if row.get(f"cer_change_{FBANK}") is None
-                else f"{row[f'cer_change_{FBANK}']:+.3f} [{row[f'cer_change_{FBANK}_low']:+.3f}, "
-                f"{row[f'cer_change_{FBANK}_high']:+.3f}]"
-            ),
             "heldout_speakers": row["speakers"],
             "min_heldout_speakers": row["min_heldout_speakers"],
-        },
-        description=f"pretrained: {row['verdict']}",
+        }
+    return dg.AssetCheckResult(
+        passed=verdict.passed, severity=dg.AssetCheckSeverity.WARN, description=verdict.text, metadata=metadata
     )

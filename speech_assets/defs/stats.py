@@ -215,6 +215,7 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         corpus_root=corpus_root_of(paths.corpus_path),
         vad=vad_config(settings.features),
         min_heldout_speakers=settings.probe.min_heldout_speakers,
+        probe_results=paths.probe.results,
     )
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from speech_assets.defs.lineage import bounded_versions, git_commit, input_versi
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
+from speech_assets.evaluation import accuracy
 from speech_assets.layout import RunFiles, TargetFiles
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import oom
@@ -105,9 +106,7 @@ def run_torchrun(
     return dg.MaterializeResult(
         data_version=result.data_version,
         metadata={
-            **(result.metadata or {}),
-            **result_metadata(run_dir),
-            **training_curve_metadata(run_dir),
+            **run_metadata(run_dir, result.metadata or {}, finished),
             "run_dir": dg.MetadataValue.path(str(run_dir)),
             "input_versions": dg.MetadataValue.json(bounded_versions(data_versions)),
             "oom_retries": retries,
@@ -115,15 +114,37 @@ def run_torchrun(
     )
 
 
-HELDOUT_CLIENT_COLUMNS = {
-    "client": "the client whose head predicted",
-    "masked_frames": "held-out masked frames (0: no held-out speaker)",
-    "masked_accuracy": "on all masked frames (null without frames)",
-    "majority_accuracy": "majority-class rate, same frames",
-    "leak_free_frames": "masked frames no visible frame gives away",
-    "leak_free_masked_accuracy": "on leak-free frames",
-    "leak_free_majority_accuracy": "majority-class rate on leak-free frames",
-}
+# the trainer's own held-out keys, replaced by heldout_metadata's (one name per number)
+RECORDED_HELDOUT = (accuracy.ACCURACY, accuracy.MAJORITY, *accuracy.ALL_FRAMES_RECORDED)
+
+
+def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, object]:
+    """A torchrun job's metadata: the training curve first (Dagster lists metadata in insertion
+    order, and a curve below twenty rows goes unseen), the held-out masked accuracy, then what
+    rank 0 ``reported`` (its own held-out keys left out: one name per number) and ``result.json``
+    adds (:func:`result_metadata`)."""
+    return {
+        **training_curve_metadata(run_dir),
+        **heldout_metadata(result),
+        **{k: v for k, v in reported.items() if k not in RECORDED_HELDOUT},
+        **result_metadata(run_dir),
+    }
+
+
+def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
+    """The held-out masked accuracy (leak-free: :mod:`speech_assets.evaluation.accuracy`) and, named
+    apart, the all-frames figure that measures the leak; nothing for a run that evaluates none
+    (a student, a recogniser)."""
+    if not any(key in result for key in RECORDED_HELDOUT):
+        return {}
+    shown = accuracy.metadata(result)
+    for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
+        if result.get(recorded) is not None:
+            shown[name] = round(float(result[recorded]), 4)
+    return shown
+
+
+HELDOUT_CLIENT_COLUMNS = accuracy.PER_CLIENT_COLUMNS
 
 
 def result_metadata(run_dir: Path) -> dict[str, object]:
@@ -142,7 +163,9 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
     if result.get("train_audio_seconds") is not None:
         metadata["train_audio_h"] = round(result["train_audio_seconds"] / 3600, 2)
     if result.get("heldout_per_client"):
-        rows = [{"client": client, **scores} for client, scores in sorted(result["heldout_per_client"].items())]
+        rows = [
+            accuracy.per_client_row(client, scores) for client, scores in sorted(result["heldout_per_client"].items())
+        ]
         metadata["heldout_per_client"] = readable.table(rows, HELDOUT_CLIENT_COLUMNS)
     metadata |= readable.mlflow_links(
         result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui")
@@ -163,15 +186,12 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if not rows:
         return {}
-    keys = plots.heldout_keys(rows)
-    if keys:
-        held = [r for r in rows if r.get(keys[0]) is not None and r.get(keys[1]) is not None]
+    if held := accuracy.curve_points(rows):
         series = {
-            "held-out": [(r["step"], r[keys[0]]) for r in held],
-            "majority class": [(r["step"], r[keys[1]]) for r in held],
+            accuracy.LABEL: [(step, value) for step, value, _ in held],
+            "majority class": [(step, majority) for step, _, majority in held],
         }
-        frames = "leak-free" if "leak_free" in keys[0] else "masked"
-        chart = readable.inline_chart(f"held-out accuracy ({frames} frames) by step", series)
+        chart = readable.inline_chart(f"{accuracy.LABEL} by step", series)
     else:
         chart = readable.inline_chart(
             "loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]}

@@ -31,10 +31,10 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -209,6 +209,52 @@ def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, obj
     if not path.is_file():
         raise FileNotFoundError(f"no probe leaderboard at {path}: rematerialize downstream_probe")
     return pq.read_table(path).to_pylist()
+
+
+def load_leaderboard(path: str | os.PathLike[str], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> tuple[list, int]:
+    """(the leaderboard of the probe's ``results.parquet`` at ``path``, the minimum of held-out
+    speakers it was judged with: the run's own, recorded in its ``leaderboard.parquet``, else
+    ``min_speakers``). Raises ValueError on unreadable results."""
+    try:
+        min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
+    except (FileNotFoundError, IndexError, KeyError):
+        pass
+    return leaderboard(read_results(path), min_speakers), min_speakers
+
+
+@dataclass(frozen=True)
+class BaselineVerdict:
+    """Whether a model beats a baseline, as the asset's metadata and its check both say it:
+    ``passed`` (better, on enough speakers and utterances) and ``text`` (``pass: ...`` or ``warn: ...``,
+    the check's description and the metadata value word for word)."""
+
+    passed: bool
+    text: str
+
+
+def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> BaselineVerdict:
+    """The verdict of ``model`` against ``baseline`` from its ``leaderboard.parquet`` row
+    (:func:`leaderboard_table`; None: no row): passes only when the paired interval says better
+    and the verdict is not indicative; "indicative only" and its reason are said in the warning."""
+    if row is None:
+        return BaselineVerdict(
+            False, f"warn: no {model} row in the probe's leaderboard: rematerialize downstream_probe"
+        )
+    said = {
+        "better": f"better than {baseline}",
+        "worse": f"worse than {baseline}",
+        "no evidence": f"no evidence against {baseline}",
+    }.get(row.get(f"verdict_{baseline}"), f"not compared with {baseline} (no per-utterance scores)")
+    if row.get(f"cer_change_{baseline}") is not None:
+        said += (
+            f", CER change {row[f'cer_change_{baseline}']:+.3f} "
+            f"[{row[f'cer_change_{baseline}_low']:+.3f}, {row[f'cer_change_{baseline}_high']:+.3f}]"
+        )
+    why = indicative_reasons(int(row["speakers"]), int(row["utterances"]), int(row["min_heldout_speakers"]))
+    if why:
+        return BaselineVerdict(False, f"warn: indicative only ({why}): {said}")
+    passed = row.get(f"verdict_{baseline}") == "better"
+    return BaselineVerdict(passed, f"{'pass' if passed else 'warn'}: {said}")
 
 
 def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
@@ -610,9 +656,38 @@ class Standing:
         return said + (f" (indicative only: {self.indicative})" if self.indicative else "")
 
     @property
+    def short_verdict(self) -> str:
+        """The verdict in a word or two, for a table cell: ``baseline``, ``better``, ``worse``, ``no evidence``
+        (the same against every baseline), ``better than <b>`` (better against some, no evidence against the
+        others), ``mixed``, or ``n/a``; a ``*`` where it is only indicative (the table says why once)."""
+        if self.baseline:
+            return "baseline"
+        found = {p.verdict for p in self.against.values() if p is not None}
+        if not self.against or any(p is None for p in self.against.values()):
+            word = "n/a"
+        elif len(found) == 1:
+            word = found.pop()
+        elif found == {"better", "no evidence"}:
+            word = "better than " + ", ".join(b for b, p in self.against.items() if p and p.verdict == "better")
+        else:
+            word = "mixed"
+        return word + ("*" if self.indicative and word != "n/a" else "")
+
+    @property
     def established(self) -> bool:
         """Whether the verdict says more than "indicative only"."""
         return self.indicative is None
+
+
+def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str | None:
+    """Why a verdict on ``speakers`` held-out speakers and ``utterances`` utterances is only
+    indicative, or None where it is not."""
+    reasons = []
+    if speakers < min_speakers:
+        reasons.append(f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_speakers}")
+    if utterances < MIN_HELDOUT_UTTERANCES:
+        reasons.append(f"{utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
+    return "; ".join(reasons) or None
 
 
 def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[Standing]:
@@ -622,11 +697,7 @@ def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_
     board = []
     for name, s in held.items():
         against = {b: paired(results, name, b) for b in BASELINES if b in held and b != name}
-        reasons = []
-        if s.speakers < min_speakers:
-            reasons.append(f"{s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}, fewer than {min_speakers}")
-        if s.utterances < MIN_HELDOUT_UTTERANCES:
-            reasons.append(f"{s.utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
+        reasons = indicative_reasons(s.speakers, s.utterances, min_speakers)
         board.append(
             Standing(
                 name,
@@ -637,7 +708,7 @@ def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_
                 s.utterances,
                 s.speakers,
                 against,
-                "; ".join(reasons) or None,
+                reasons,
             )
         )
     return sorted(board, key=lambda s: s.cer.mean)
@@ -650,24 +721,33 @@ LEADERBOARD_COLUMNS = (
     ("WER", "string", "held-out word error rate, mean ± sample std over probe seeds"),
     ("vs fbank", "string", "CER change against fbank on the same utterances [95 % bootstrap interval]"),
     ("vs random", "string", "CER change against random on the same utterances [95 % bootstrap interval]"),
-    ("verdict", "string", "better / worse where the interval excludes 0, else no evidence"),
+    (
+        "verdict",
+        "string",
+        "better / worse where the interval excludes 0 (against each baseline), else no evidence; * indicative only",
+    ),
     ("seeds", "int", "probe seeds"),
     ("utterances", "int", "held-out utterances"),
     ("speakers", "int", "held-out speakers"),
 )
 
 
+NBSP = "\u00a0"  # joins "0.679 ± 0.030" so that a narrow cell never wraps it
+
+
 def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
-    """:data:`LEADERBOARD_COLUMNS` per model, values rounded to 3 decimals, for people to read."""
+    """:data:`LEADERBOARD_COLUMNS` per model, values rounded to 3 decimals, for people to read: a
+    short verdict per row (:attr:`Standing.short_verdict`; why it is indicative only is said once,
+    beside the table, by :func:`reading_note`), numbers with their spread joined by no-break spaces."""
 
     def spread(s: Spread) -> str:
-        return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f} ± {s.std:.3f}"
+        return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f}{NBSP}±{NBSP}{s.std:.3f}"
 
     def change(s: Standing, baseline: str) -> str:
         if baseline == s.model or baseline not in s.against:
             return "—"
         found = s.against[baseline]
-        return "n/a" if found is None else str(found)
+        return "n/a" if found is None else str(found).replace(" ", NBSP)
 
     return [
         {
@@ -677,7 +757,7 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
             "WER": spread(s.wer),
             "vs fbank": change(s, FBANK),
             "vs random": change(s, RANDOM),
-            "verdict": s.verdict,
+            "verdict": s.short_verdict,
             "seeds": s.seeds,
             "utterances": s.utterances,
             "speakers": s.speakers,
@@ -687,10 +767,12 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
 
 
 def leaderboard_markdown(board: Sequence[Standing]) -> str:
-    """The leaderboard as a markdown table (what ``speech-assets probe`` prints)."""
+    """The leaderboard as a markdown table (what ``speech-assets probe`` prints), plain spaces for a terminal."""
     names = [c for c, _, _ in LEADERBOARD_COLUMNS]
     lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(str(row[c]) for c in names) + " |" for row in leaderboard_rows(board)]
+    lines += [
+        "| " + " | ".join(str(row[c]).replace(NBSP, " ") for c in names) + " |" for row in leaderboard_rows(board)
+    ]
     return "\n".join(lines)
 
 
@@ -737,7 +819,8 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
     shown = next((s for s in board if s.indicative), None)
     if shown is not None:
         note += (
-            f" Indicative only here: {shown.indicative}. A verdict about speakers in general needs at least "
+            f" Indicative only here (* beside a verdict): {shown.indicative}. A verdict about speakers in general "
+            "needs at least "
             f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
             f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
         )

@@ -181,8 +181,43 @@ def did_not_train(trained: Mapping[str, ModelSummary], model: str) -> bool:
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
-    """One line per fine-tuned encoder: at each budget, its held-out greedy CER against scratch's
-    (mean ± std over seeds, and their ratio) and whether it beat scratch, lost, or the corpus is
+    """One line per fine-tuned encoder (:func:`judged`)."""
+    return [line for line, _ in judged(rows, min_heldout_speakers)]
+
+
+def indicative_verdicts(
+    rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
+) -> list[str]:
+    """The verdict lines that are only indicative: what makes ``finetuning_is_sound`` warn, in its words."""
+    return [line for line, why in judged(rows, min_heldout_speakers) if why]
+
+
+def verdict_warnings(
+    leaderboard: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
+    min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS,
+) -> list[str]:
+    """Every verdict warning the checks will show, ``<asset> <check>: <description>``, from the probe's
+    ``leaderboard.parquet`` rows and the fine-tuning ``results.parquet`` rows (either may be empty):
+    the same functions judge, so the list says what the UI shows."""
+    from speech_assets.evaluation.compare import FBANK, beats_baseline
+
+    found = []
+    if leaderboard:
+        pretrained = next((r for r in leaderboard if r["model"] == "pretrained"), None)
+        verdict = beats_baseline(pretrained, "pretrained", FBANK)
+        if not verdict.passed:
+            found.append(f"downstream_probe pretrained_beats_fbank: {verdict.text}")
+    found += [f"finetuned_asr finetuning_is_sound: {line}" for line in indicative_verdicts(rows, min_heldout_speakers)]
+    return found
+
+
+def judged(
+    rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
+) -> list[tuple[str, str | None]]:
+    """(line, why it is only indicative or None) per fine-tuned encoder: at each budget, its
+    held-out greedy CER against scratch's (mean ± std over seeds, and their ratio) and whether it
+    beat scratch, lost, or the corpus is
     too small to tell (too few held-out utterances or seeds, or a difference within the spread).
     Where either model's greedy CER on its own labelled utterances is at or above
     :data:`DID_NOT_TRAIN_CER` it did not train: "model did not train" / "baseline did not train",
@@ -221,7 +256,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio(a.cer.mean, b.cer.mean)}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
         why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
-        lines.append(line + (f" (indicative only: {why})" if why else ""))
+        lines.append((line + (f" (indicative only: {why})" if why else ""), why))
     return lines
 
 

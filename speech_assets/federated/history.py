@@ -201,15 +201,16 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 def round_log_line(record: Mapping[str, Any], rounds: int) -> str:
     """The progress line of one completed round (its record) of a run of ``rounds`` rounds:
-    clients that trained and the missing ones, train loss, held-out masked accuracy beside the
-    majority-class rate (``n/a`` where not measured or withheld), wall time."""
+    clients that trained and the missing ones, train loss, held-out masked accuracy (leak-free
+    frames, as every view: speech_assets.evaluation.accuracy) beside the majority-class rate on the
+    same frames (``n/a`` where not measured or withheld), wall time."""
     line = summarize_rounds([record])[0]
     missing = f", missing {', '.join(line['missing'])}" if line["missing"] else ""
-    accuracy = line["heldout_masked_accuracy"]
+    accuracy, majority = line["heldout_leak_free_masked_accuracy"], line["heldout_leak_free_majority_accuracy"]
     return (
         f"round {line['round']}/{rounds}: {line['clients']} clients{missing}, train loss "
         f"{'n/a' if line['train_loss'] is None else format(line['train_loss'], '.4f')}, held-out masked accuracy "
         f"{'n/a' if accuracy is None else f'{accuracy:.3f}'} (majority class "
-        f"{'n/a' if line['majority_accuracy'] is None else format(line['majority_accuracy'], '.3f')}), "
+        f"{'n/a' if majority is None else format(majority, '.3f')}), "
         f"{line['round_seconds']:.0f} s"
     )

@@ -446,18 +446,18 @@ class Server:
         record = history[-1]
         line = summarize_rounds(history[-1:])[0]
         log.info(
-            "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s), "
-            "leak-free %s (majority class %s), %.1f s (slowest client trained %s s)%s",
+            "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s; "
+            "all masked frames, leak included, %s and %s), %.1f s (slowest client trained %s s)%s",
             round_number,
             config.rounds,
             len(rows),
             len(sampled),
             f" (missing {', '.join(missing)})" if missing else "",
             _fmt(line["train_loss"], 4),
-            _fmt(line["heldout_masked_accuracy"]),
-            _fmt(line["majority_accuracy"]),
             _fmt(line["heldout_leak_free_masked_accuracy"]),
             _fmt(line["heldout_leak_free_majority_accuracy"]),
+            _fmt(line["heldout_masked_accuracy"]),
+            _fmt(line["majority_accuracy"]),
             line["round_seconds"],
             _fmt(record["slowest_client_seconds"], 1),
             f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",

@@ -31,7 +31,7 @@ DPI = 100
 SIZE = (12.0, 4.5)
 TITLE, LABEL, TICK, SMALL = 15, 13, 11, 10  # font sizes in points
 MAX_BARS = 40
-RENDER_VERSION = "2"  # bump when a plot's drawing changes, so cached PNGs are not reused
+RENDER_VERSION = "3"  # bump when a plot's drawing changes, so cached PNGs are not reused
 MEMORY_ENTRIES = 32  # PNGs kept in this process (a few tens of KB each)
 CACHE_SUFFIX = ".png"
 
@@ -125,7 +125,17 @@ def _remember(key: str, png: bytes, persist: bool = True) -> None:
             Path(tmp).write_bytes(png)
 
 
-def _draw(draw, size: tuple[float, float]) -> bytes:
+def legend_below(axis) -> None:
+    """``axis``'s legend under it, outside the axes, so that it never covers a point."""
+    handles, _ = axis.get_legend_handles_labels()
+    axis.legend(
+        fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(handles), 3), frameon=False
+    )
+
+
+@contextlib.contextmanager
+def figure_of(draw, size: tuple[float, float] = SIZE) -> Iterator[Any]:
+    """The laid-out matplotlib figure of ``draw(figure)`` (what a plot renders), closed on leaving."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -135,31 +145,23 @@ def _draw(draw, size: tuple[float, float]) -> bytes:
     try:
         draw(figure)
         figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-        return buffer.getvalue()
+        yield figure
     finally:
         plt.close(figure)
 
 
-def heldout_keys(rows: Sequence[Mapping[str, float]]) -> tuple[str, str] | None:
-    """The held-out accuracy and majority-class keys of the trainer's metrics rows (``val/``):
-    on leak-free masked frames (what the ``beats_majority_class`` check compares) when measured,
-    else on all masked frames; None without any held-out evaluation."""
-    for accuracy, majority in (
-        ("val/leak_free_masked_accuracy", "val/leak_free_majority_accuracy"),
-        ("val/masked_accuracy", "val/majority_accuracy"),
-    ):
-        if any(r.get(accuracy) is not None and r.get(majority) is not None for r in rows):
-            return accuracy, majority
-    return None
+def _draw(draw, size: tuple[float, float]) -> bytes:
+    with figure_of(draw, size) as figure:
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+        return buffer.getvalue()
 
 
-def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
-    """Loss; training masked accuracy with the held-out accuracy and the held-out majority-class
-    rate at each evaluation (:func:`heldout_keys`); learning rate; all against step (rows of the
-    trainer's metrics.jsonl)."""
-    keys = heldout_keys(rows)
+def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
+    """What :func:`training_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
+    from speech_assets.evaluation import accuracy
+
+    held = accuracy.curve_points(list(rows))
 
     def draw(figure) -> None:
         for index, (key, label) in enumerate(
@@ -168,16 +170,8 @@ def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
             axis = figure.add_subplot(1, 3, index + 1)
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             axis.plot([x for x, _ in points], [y for _, y in points], marker=".", linewidth=1, label="training batches")
-            if key == "masked_accuracy" and keys:
-                held = [
-                    (r["step"], r[keys[0]], r[keys[1]])
-                    for r in rows
-                    if r.get(keys[0]) is not None and r.get(keys[1]) is not None
-                ]
-                frames = "leak-free frames" if "leak_free" in keys[0] else "masked frames"
-                axis.plot(
-                    [h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=f"held-out ({frames})"
-                )
+            if key == "masked_accuracy" and held:
+                axis.plot([h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=accuracy.LABEL)
                 axis.plot(
                     [h[0] for h in held],
                     [h[2] for h in held],
@@ -188,14 +182,26 @@ def training_curve(rows: Sequence[Mapping[str, float]]) -> bytes:
                     color="0.35",
                     label="held-out majority class",
                 )
-                axis.legend(fontsize=SMALL)
+                legend_below(axis)
             axis.set_title(label, fontsize=TITLE)
             axis.set_xlabel("step", fontsize=LABEL)
             axis.tick_params(labelsize=TICK)
             axis.grid(alpha=0.3)
 
-    columns = ("step", "loss", "masked_accuracy", "lr", *(keys or ()))
-    return _render(draw, key=_key("training_curve", [[r.get(k) for k in columns] for r in rows]))
+    return draw
+
+
+def training_curve(rows: Sequence[Mapping[str, Any]]) -> bytes:
+    """Loss; training masked accuracy with the held-out masked accuracy (leak-free frames:
+    :mod:`speech_assets.evaluation.accuracy`) and the held-out majority-class rate at each
+    evaluation; learning rate; all against step (rows of the trainer's metrics.jsonl). Legends
+    sit under their axes, never over a point."""
+    from speech_assets.evaluation import accuracy
+
+    columns = ("step", "loss", "masked_accuracy", "lr", accuracy.CURVE_ACCURACY, accuracy.CURVE_MAJORITY)
+    return _render(
+        training_curve_drawing(rows), key=_key("training_curve", [[r.get(k) for k in columns] for r in rows])
+    )
 
 
 def histogram(values: Sequence[float], title: str, xlabel: str, bins: int = 30) -> bytes:
@@ -243,7 +249,7 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
         axis.set_yscale("log")
         axis.tick_params(labelsize=TICK)
         if len(counts_by_client) <= 12:
-            axis.legend(fontsize=SMALL)
+            legend_below(axis)
 
     return _render(
         draw,
@@ -269,16 +275,15 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
         axis.set_xlabel(xlabel, fontsize=LABEL)
         axis.tick_params(labelsize=TICK)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=SMALL)
+        legend_below(axis)
 
     return _render(draw)
 
 
-def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
-    """A federated run's train loss, and held-out masked accuracy against the majority-class
-    rate (on all masked frames and on the leak-free ones), per round (lines of
-    :func:`speech_assets.federated.history.summarize_rounds`). Held-out series have points only
-    in the rounds that were evaluated; a series with no point is left out of the legend too."""
+def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
+    """What :func:`round_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
+    from speech_assets.evaluation import accuracy
+
     rounds = [line["round"] for line in lines]
 
     def series(key: str) -> tuple[list[int], list[float]]:
@@ -289,36 +294,38 @@ def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
         loss = figure.add_subplot(1, 2, 1)
         loss.plot(*series("train_loss"), marker="o", linewidth=1)  # none under DP: the clients withhold it
         loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
-        accuracy = figure.add_subplot(1, 2, 2)
+        axis = figure.add_subplot(1, 2, 2)
         drawn_any = False
         for key, label, style in (
-            ("heldout_masked_accuracy", "global encoder + own head", {"marker": "o", "color": "C0"}),
+            (accuracy.ACCURACY, "global encoder + own head", {"marker": "o", "color": "C0"}),
             (
-                "majority_accuracy",
+                accuracy.MAJORITY,
                 "majority class",
                 {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"},
-            ),
-            ("heldout_leak_free_masked_accuracy", "leak-free frames", {"marker": "s", "color": "C1"}),
-            (
-                "heldout_leak_free_majority_accuracy",
-                "leak-free majority class",
-                {"marker": "_", "markersize": 10, "linestyle": ":", "color": "C1"},
             ),
         ):
             x, y = series(key)
             if x:
-                accuracy.plot(x, y, linewidth=1, label=label, **style)
+                axis.plot(x, y, linewidth=1, label=label, **style)
                 drawn_any = True
-        accuracy.set_title("held-out masked accuracy" + ("" if drawn_any else " (no round evaluated)"), fontsize=TITLE)
+        axis.set_title(accuracy.LABEL + ("" if drawn_any else " (no round evaluated)"), fontsize=TITLE)
         if drawn_any:
-            accuracy.legend(fontsize=SMALL)
-        for axis in (loss, accuracy):
-            axis.set_xlabel("round", fontsize=LABEL)
-            axis.tick_params(labelsize=TICK)
-            axis.grid(alpha=0.3)
-            axis.set_xticks(rounds)
+            legend_below(axis)
+        for each in (loss, axis):
+            each.set_xlabel("round", fontsize=LABEL)
+            each.tick_params(labelsize=TICK)
+            each.grid(alpha=0.3)
+            each.set_xticks(rounds)
 
-    return _render(draw, size=(12.0, 4.5))
+    return draw
+
+
+def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
+    """A federated run's train loss, and the held-out masked accuracy (leak-free frames) against
+    the majority-class rate on the same frames, per round (lines of
+    :func:`speech_assets.federated.history.summarize_rounds`). Held-out series have points only
+    in the rounds that were evaluated; a series with no point is left out of the legend too."""
+    return _render(round_curve_drawing(lines), size=(12.0, 4.5))
 
 
 def vad_decision(wave: np.ndarray, voiced: Sequence[bool], frame_ms: int, span: tuple[float, float] | None) -> bytes:

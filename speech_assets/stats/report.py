@@ -1,11 +1,15 @@
-"""The offline data-quality report: one static HTML page (no CDN, no script) written beside the
-DuckDB database by ``dataset_stats``.
+"""The offline report: one static HTML page (no CDN, no script) written beside the DuckDB
+database by ``dataset_stats``.
 
-A header (when it was built, from which commit, Dagster run, corpus and settings) and a summary
-come first. Every table on the page shows the SQL that produced it, so a reader can re-run it
-with ``speech-assets sql``; plots are inlined PNGs (``stats.plots``); reject examples play short
-clips copied under ``audio/`` beside the page (``stats.examples``), so the folder can be moved or
-opened offline as a whole.
+It leads with the verdicts: the probe's leaderboard and the fine-tuning table, built by the same
+functions as the assets' metadata and ``speech-assets probe`` / ``finetune`` (their raw per-seed
+rows folded below them); then the models (each one's held-out masked accuracy, the leak-free
+figure of :mod:`speech_assets.evaluation.accuracy`, training curves, checkpoints, export,
+student); then data quality; the header (when it was built, from which commit, Dagster run,
+corpus and settings) last. Every table from the database shows the SQL that produced it, so a
+reader can re-run it with ``speech-assets sql``; plots are inlined PNGs (``stats.plots``); reject
+examples play short clips copied under ``audio/`` beside the page (``stats.examples``), so the
+folder can be moved or opened offline as a whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import duckdb
 import numpy as np
 
+from speech_assets.evaluation import accuracy as held
 from speech_assets.stats import plots
 from speech_assets.stats.examples import AUDIO_FOLDER
 from speech_assets.utils import atomic_write_text
@@ -73,10 +78,11 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Training runs",
         "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
-        "held-out masked accuracy against the majority-class rate.",
-        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_masked_accuracy, 3) "
-        "AS heldout_acc, "
-        "round(heldout_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
+        "held-out masked accuracy (on leak-free frames, as everywhere) against the majority-class rate on the same "
+        "frames.",
+        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, "
+        "round(heldout_leak_free_masked_accuracy, 3) AS heldout_masked_accuracy, "
+        "round(heldout_leak_free_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
         'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs '
         "ORDER BY kind, run_dir",
     ),
@@ -105,6 +111,18 @@ SECTIONS: list[tuple[str, str, str]] = [
         'round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
     ),
 ]
+PROBE_ROWS_SQL = "SELECT * FROM probe_results ORDER BY split, model, seed"
+PROBE_TEXT = (
+    "Character CTC probe on frozen features, per encoder: held-out CER and WER over probe seeds, the CER change "
+    "against fbank and random on the same utterances, and the verdict (as downstream_probe and speech-assets probe)."
+)
+FINETUNE_ROWS_SQL = "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, model, seed"
+FINETUNE_TEXT = (
+    "Each encoder fine-tuned with CTC against the same model from scratch, per labelled budget: the verdict, then "
+    "the table (as finetuned_asr and speech-assets finetune)."
+)
+# the sections about models; the rest of SECTIONS is about the data
+MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student")
 REJECT_EXAMPLES_SQL = (
     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, "
     "reason ORDER BY utt_id) AS n "
@@ -114,25 +132,13 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
     (
         "federated_rounds",
         "Federated rounds",
-        "Per round and client: examples, local loss and accuracy, MB exchanged, seconds.",
+        "Per round and client: examples, local training loss and masked accuracy (on its own training batches, "
+        "not held out), MB exchanged, seconds.",
         "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, "
-        "3) AS masked_accuracy, "
+        "3) AS train_masked_accuracy, "
         'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS '
         '"seconds (s)" '
         "FROM federated_rounds ORDER BY round, client_id",
-    ),
-    (
-        "probe_results",
-        "Downstream probe",
-        "Character CTC probe on frozen features: CER and WER per model and split.",
-        "SELECT * FROM probe_results ORDER BY split, cer",
-    ),
-    (
-        "finetune_results",
-        "CTC fine-tuning",
-        "Each encoder fine-tuned with CTC and the same model from scratch, per labelled budget, seed, "
-        "decoder and split.",
-        "SELECT * FROM finetune_results ORDER BY labelled_minutes, decoder, split, cer",
     ),
 ]
 
@@ -151,6 +157,8 @@ class ReportInputs:
     vad: Any = None
     # below this many held-out speakers the fine-tuning verdict is "indicative only" ([probe])
     min_heldout_speakers: int = 3
+    # downstream_probe's results.parquet (utterances.parquet and leaderboard.parquet beside it)
+    probe_results: Path | None = None
 
 
 HEADER_LABELS = {
@@ -231,15 +239,12 @@ def _summary(con: duckdb.DuckDBPyConnection) -> str:
         f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else "")
     )
     models = con.execute(
-        "SELECT kind, steps, final_loss, heldout_masked_accuracy, heldout_majority_accuracy FROM "
-        "training_runs ORDER BY kind, run_dir"
+        f"SELECT kind, steps, final_loss, {held.ACCURACY}, {held.MAJORITY} FROM training_runs ORDER BY kind, run_dir"
     ).fetchall()
     for kind, steps, loss, accuracy, majority in models:
         unit = "rounds" if kind == "federated" else "steps"
-        held_out = ""
-        if accuracy is not None:
-            against = f" (majority class {majority:.3f})" if majority is not None else ""
-            held_out = f", held-out masked accuracy {accuracy:.3f}{against}"
+        measured = held.heldout_accuracy({held.ACCURACY: accuracy, held.MAJORITY: majority})
+        held_out = f", {measured}" if measured else ""
         items.append(f"{kind} model: {steps} {unit}, final loss {format_value(loss)}{held_out}")
     for onnx, torchscript in con.execute(
         "SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"
@@ -286,17 +291,21 @@ def _section(title: str, text: str, content: str, sql: str | None = None) -> str
     return f"<section><h2>{html.escape(title)}</h2><p>{html.escape(text)}</p>{content}{query}</section>"
 
 
+def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    relation = con.execute("SELECT * FROM finetune_results")
+    columns = [d[0] for d in relation.description]
+    return [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
+
+
 def _finetune_verdicts(con: duckdb.DuckDBPyConnection, min_heldout_speakers: int) -> str:
     """The fine-tuning verdict lines (the CLI's and the asset's: ``verdicts``) as a list, when
     there are results."""
-    from speech_assets.evaluation.finetune_results import text_notes, verdicts
+    from speech_assets.evaluation.finetune_results import verdicts
 
-    relation = con.sql("SELECT * FROM finetune_results")
-    columns = [d[0] for d in relation.description]
-    rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
+    rows = _finetune_rows(con)
     if not rows:
         return ""
-    lines = [*verdicts(rows, min_heldout_speakers=min_heldout_speakers), *text_notes(rows)]
+    lines = verdicts(rows, min_heldout_speakers=min_heldout_speakers)  # the text notes: under the table
     return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
 
 
@@ -304,6 +313,97 @@ def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return bool(
         con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0]
     )
+
+
+def _markdown_html(text: str) -> str:
+    """The markdown that :func:`~speech_assets.evaluation.finetune_results.markdown_tables` writes
+    (bold lines, pipe tables, plain lines) as HTML, so the report shows the asset's table as is."""
+    out: list[str] = []
+    table: list[list[str]] = []
+
+    def flush() -> None:
+        if table:
+            head, *body = table
+            out.append(
+                "<table><thead><tr>"
+                + "".join(f"<th>{html.escape(c)}</th>" for c in head)
+                + "</tr></thead><tbody>"
+                + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+                + "</tbody></table>"
+            )
+            table.clear()
+
+    for line in text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(set(c) <= set("-: ") for c in cells):
+                table.append(cells)
+            continue
+        flush()
+        if line.startswith("**") and line.endswith("**"):
+            out.append(f"<h3>{html.escape(line.strip('*'))}</h3>")
+        elif line.strip():
+            out.append(f'<p class="note">{html.escape(line)}</p>')
+    flush()
+    return "".join(out)
+
+
+def _folded(summary: str, content: str) -> str:
+    return f'<details class="raw"><summary>{html.escape(summary)}</summary>{content}</details>'
+
+
+def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
+    """The probe's leaderboard as the asset's metadata and ``speech-assets probe`` show it
+    (:func:`~speech_assets.evaluation.compare.leaderboard_rows`), how to read it once beside it,
+    the raw per-seed rows folded below; None where the probe has not run."""
+    from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows, load_leaderboard, reading_note
+
+    raw = _has_table(con, "probe_results") and con.execute("SELECT count(*) FROM probe_results").fetchall()[0][0]
+    path = inputs.probe_results
+    if not raw and (path is None or not path.is_file()):
+        return None
+    content = ""
+    if path is not None and path.is_file():
+        try:
+            board, min_speakers = load_leaderboard(path, inputs.min_heldout_speakers)
+        except ValueError as error:
+            content = f'<p class="note">{html.escape(f"{path}: {error}")}</p>'
+        else:
+            names = [name for name, _, _ in LEADERBOARD_COLUMNS]
+            tips = {name: text for name, _, text in LEADERBOARD_COLUMNS}
+            head = "".join(f'<th title="{html.escape(tips[n])}">{html.escape(n)}</th>' for n in names)
+            body = "".join(
+                "<tr>" + "".join(f'<td class="nowrap">{format_value(row[n])}</td>' for n in names) + "</tr>"
+                for row in leaderboard_rows(board)
+            )
+            content = (
+                f'<table class="verdicts"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+                f'<p class="caveat">{html.escape(reading_note(board, min_speakers))}</p>'
+            )
+    else:
+        content = '<p class="note">no leaderboard beside the probe results: rematerialize downstream_probe</p>'
+    if raw:
+        content += _folded("per-seed rows (every model, seed and split)", _table(con, PROBE_ROWS_SQL))
+    return _section("Probe leaderboard", PROBE_TEXT, content, PROBE_ROWS_SQL if raw else None)
+
+
+def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
+    """Each encoder's fine-tuning verdict against scratch and the per-budget table, as the asset's
+    metadata and ``speech-assets finetune`` show them, the raw rows folded below; None without results."""
+    from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference
+
+    if not _has_table(con, "finetune_results"):
+        return None
+    rows = _finetune_rows(con)
+    if not rows:
+        return None
+    probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
+    content = (
+        _finetune_verdicts(con, inputs.min_heldout_speakers)
+        + _markdown_html(markdown_tables(rows, probe))
+        + _folded("per-seed rows (every model, budget, seed, decoder and split)", _table(con, FINETUNE_ROWS_SQL))
+    )
+    return _section("Fine-tuning against scratch", FINETUNE_TEXT, content, FINETUNE_ROWS_SQL)
 
 
 def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
@@ -347,12 +447,18 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
                 plots.html_image(plots.cluster_sizes(inputs.cluster_counts), "cluster sizes"),
             )
         )
+    return parts
+
+
+def _training_curves(inputs: ReportInputs) -> list[str]:
+    parts = []
     for run, rows in sorted(inputs.training_metrics.items()):
         if rows:
             parts.append(
                 _section(
                     f"Training curve: {run}",
-                    "Loss, masked accuracy and learning rate against step.",
+                    "Loss, masked accuracy (training batches; held-out on leak-free frames) and learning rate "
+                    "against step.",
                     plots.html_image(plots.training_curve(rows), f"training curve {run}"),
                 )
             )
@@ -368,23 +474,30 @@ th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space
 .note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
 img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break:
 break-all; }
-table.header th { width: 10em; } ul.summary { font-size: 1.05em; line-height: 1.5; } .hash { font-family: monospace; }
+table.header th { width: 10em; } td.nowrap { white-space: nowrap; } h1.part { margin-top: 1.6em; }
+.caveat { background: #fff8e0; padding: 4px 8px; font-size: 0.9em; } details.raw { margin: 0.5em 0; }
+ul.summary { font-size: 1.05em; line-height: 1.5; } .hash { font-family: monospace; }
 """
 
 
-def write_report(
-    db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = "speech_assets data-quality report"
-) -> Path:
+TITLE = "speech_assets report: probe and fine-tuning verdicts, models, data quality"
+
+
+def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = TITLE) -> Path:
     """Render the report from the database at ``db_path`` into ``out_path`` (atomically), with
-    reject examples' clips under ``audio/`` beside it (clips no longer shown are removed)."""
+    reject examples' clips under ``audio/`` beside it (clips no longer shown are removed). The
+    verdicts first, then the models, then data quality, then the header."""
     from speech_assets.stats.examples import remove_unused
 
     inputs = inputs or ReportInputs()
     con = duckdb.connect(str(db_path), read_only=True)
     try:
+        verdicts = [v for v in (_probe_verdicts(con, inputs), _finetune_section(con, inputs)) if v]
         examples, clips = _reject_examples(con, inputs, out_path.parent)
-        sections = [_section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS]
-        sections.insert(
+        tables = {name: _section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS}
+        models = [tables.pop(name) for name in MODEL_SECTIONS]
+        data = list(tables.values())
+        data.insert(
             2,
             _section(
                 "Reject examples",
@@ -395,22 +508,27 @@ def write_report(
             ),
         )
         with plots.cached_in(out_path.parent / PLOT_CACHE):
-            sections[1:1] = _plots(con, inputs)
+            data[1:1] = _plots(con, inputs)
+            models[1:1] = _training_curves(inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
             if _has_table(con, table):
-                content = _table(con, sql)
-                if table == "finetune_results":
-                    content = _finetune_verdicts(con, inputs.min_heldout_speakers) + content
-                sections.append(_section(name, text, content, sql))
+                models.append(_section(name, text, _table(con, sql), sql))
         summary = _summary(con)
     finally:
         con.close()
+    if not verdicts:
+        verdicts = ['<p class="note">no probe or fine-tuning results yet: materialize downstream_probe</p>']
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>{_header(inputs, db_path)}"
-        f'<section><h2>Summary</h2>{summary}<p class="note">Every table below shows its SQL.</p></section>'
-        + "".join(sections)
+        f"<h1>{html.escape(title)}</h1>"
+        + "".join(verdicts)
+        + '<h1 class="part">Models</h1>'
+        + f'<section><h2>Summary</h2>{summary}<p class="note">Every table below shows its SQL.</p></section>'
+        + "".join(models)
+        + '<h1 class="part">Data quality</h1>'
+        + "".join(data)
+        + f"<section><h2>About this report</h2>{_header(inputs, db_path)}</section>"
         + "</body></html>\n"
     )
     atomic_write_text(out_path, page)

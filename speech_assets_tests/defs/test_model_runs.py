@@ -121,7 +121,10 @@ def test_probe_compares_encoders_with_baselines(evaluated) -> None:
         assert re.search(
             r"(better than|worse than|no evidence against) .*\(indicative only: 1 held-out speaker", line
         ), line
-    assert "Indicative only here" in standing
+    # the caveat once, beside the table; the verdict metadata in the words of its check, a warning here
+    assert list(event.metadata)[:2] == ["leaderboard", "how_to_read"]
+    assert "Indicative only here" in event.metadata["how_to_read"].value
+    assert event.metadata["pretrained_beats_fbank"].value.startswith("warn: indicative only (1 held-out speaker")
     for name in ("utterances.parquet", "leaderboard.parquet"):
         assert (out / "probe" / name).is_file()
     table = pq.read_table(out / "probe" / "results.parquet")
@@ -211,6 +214,9 @@ def test_every_model_is_one_mlflow_experiment_linked_to_its_dagster_run(evaluate
     assert [m.step for m in client.get_metric_history(run_id, "val/leak_free_majority_accuracy")] == [20, 40]
     # readable metadata: the per-client table, sizes in MB, the curve drawn inline on the asset page
     assert isinstance(metadata["heldout_per_client"], dg.TableMetadataValue)
+    assert list(metadata)[0] == "curve"  # Dagster shows metadata in insertion order: the curve on top
+    result = json.loads((pathlib.Path(metadata["run_dir"].value) / "result.json").read_text())
+    assert metadata["heldout_masked_accuracy"].value == round(result["heldout_leak_free_masked_accuracy"], 4)
     assert metadata["checkpoint_mb"].value > 0 and metadata["train_audio_h"].value > 0
     assert len(metadata["curve"].value) < 1000 and "data:image/svg+xml" in metadata["curve"].value
 
@@ -765,7 +771,10 @@ def test_finetuning_check_passes_and_catches_a_non_finite_loss(finetuned, tmp_pa
     out, _, instance = finetuned
     key = dg.AssetCheckKey(dg.AssetKey("finetuned_asr"), "finetuning_is_sound")
     check = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
-    assert check.status.value == "SUCCEEDED" and check.event.dagster_event.event_specific_data.passed
+    # the sample holds out one speaker: the verdict is indicative only, and the check warns in its words
+    evaluation = check.event.dagster_event.event_specific_data
+    assert check.status.value == "FAILED" and not evaluation.passed  # Dagster's FAILED: a WARN, yellow
+    assert evaluation.severity == dg.AssetCheckSeverity.WARN and "indicative only" in evaluation.description
     _, result = _finetune_run(out, "pretrained")
     broken = tmp_path / "run"
     shutil.copytree(pathlib.Path(result["checkpoint"]).parent, broken)

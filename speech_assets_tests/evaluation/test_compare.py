@@ -335,24 +335,27 @@ def test_a_gain_of_one_character_per_utterance_is_better_and_the_same_rate_is_no
 
 
 @pytest.mark.parametrize(
-    ("pretrained", "speakers", "min_speakers", "verdict"),
+    ("pretrained", "speakers", "min_speakers", "verdict", "word"),
     [
-        pytest.param(0.30, 4, 3, "better than fbank and random", id="clear-win"),
-        pytest.param(0.90, 4, 3, "worse than fbank and random", id="clear-loss"),
-        pytest.param(0.70, 4, 3, "better than random; worse than fbank", id="mixed"),
-        pytest.param(0.60, 4, 3, "better than random; no evidence against fbank", id="same-as-fbank"),
+        pytest.param(0.30, 4, 3, "better than fbank and random", "better", id="clear-win"),
+        pytest.param(0.90, 4, 3, "worse than fbank and random", "worse", id="clear-loss"),
+        pytest.param(0.70, 4, 3, "better than random; worse than fbank", "mixed", id="mixed"),
+        pytest.param(
+            0.60, 4, 3, "better than random; no evidence against fbank", "better than random", id="same-as-fbank"
+        ),
         pytest.param(
             0.30,
             1,
             3,
             "better than fbank and random (indicative only: 1 held-out speaker, fewer than 3)",
+            "better*",
             id="one-speaker",
         ),
-        pytest.param(0.30, 2, 2, "better than fbank and random", id="two-speakers-enough-when-set"),
+        pytest.param(0.30, 2, 2, "better than fbank and random", "better", id="two-speakers-enough-when-set"),
     ],
 )
 def test_the_verdict_and_when_it_is_indicative_only(
-    pretrained: float, speakers: int, min_speakers: int, verdict: str
+    pretrained: float, speakers: int, min_speakers: int, verdict: str, word: str
 ) -> None:
     results = system("pretrained", pretrained, speakers=speakers) + system(FBANK, 0.6, speakers=speakers)
     results += system(RANDOM, 0.8, speakers=speakers)
@@ -364,9 +367,10 @@ def test_the_verdict_and_when_it_is_indicative_only(
     board = leaderboard(results, min_speakers)
     assert [s.model for s in board] == sorted((s.model for s in board), key=lambda m: summarise(results)[m].cer.mean)
     rows = {r["encoder"]: r for r in leaderboard_rows(board)}
-    assert rows["pretrained"]["verdict"] == verdict and rows[FBANK]["vs fbank"] == "—"
-    assert re.fullmatch(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]", rows["pretrained"]["vs fbank"])
-    assert re.fullmatch(r"\d\.\d{3} ± \d\.\d{3}", rows["pretrained"]["CER"])
+    # the table's cell is a short word (the caveat is said once beside it), the line the whole verdict
+    assert rows["pretrained"]["verdict"] == word and rows[FBANK]["vs fbank"] == "—"
+    assert re.fullmatch(r"[+-]\d\.\d{3}\xa0\[[+-]\d\.\d{3},\xa0[+-]\d\.\d{3}\]", rows["pretrained"]["vs fbank"])
+    assert re.fullmatch(r"\d\.\d{3}\xa0±\xa0\d\.\d{3}", rows["pretrained"]["CER"])
 
 
 def test_too_few_utterances_or_no_per_utterance_scores_say_so() -> None:

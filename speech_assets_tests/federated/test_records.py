@@ -185,16 +185,21 @@ def test_round_summaries_and_report() -> None:
 
 
 def test_the_round_log_line_says_n_a_where_nothing_was_measured() -> None:
+    """The held-out masked accuracy of the round's log line is the leak-free one (0.300 here, not
+    the all-frames 0.200). Kills: the log line reading the all-frames figure (one_accuracy)."""
     measured = {**_record(3, missing=["client_01"]), "round": 3}
     assert history.round_log_line(measured, 10) == (
-        "round 3/10: 1 clients, missing client_01, train loss 3.7000, held-out masked accuracy 0.200 "
-        "(majority class 0.050), 30 s"
+        "round 3/10: 1 clients, missing client_01, train loss 3.7000, held-out masked accuracy 0.300 "
+        "(majority class 0.100), 30 s"
     )
     # train losses withheld (DP) and no held-out frames anywhere: n/a, never a 0.0 or a crash
     blank = {
         **measured,
         "rows": [{**row, "train_loss": None} for row in measured["rows"]],
-        "evaluation": [{**e, "masked_frames": 0, "heldout_masked_accuracy": None} for e in measured["evaluation"]],
+        "evaluation": [
+            {**e, "masked_frames": 0, "heldout_masked_accuracy": None, "leak_free_frames": 0}
+            for e in measured["evaluation"]
+        ],
         "missing": ["client_01", "client_02"],
     }
     assert history.round_log_line(blank, 10) == (

@@ -147,7 +147,10 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
         )
     )
+    probe, finetune = verdict_results(root)
     inputs = stats_db.StatsInputs(
+        probe_results=probe,
+        finetune_results=finetune,
         manifest=root / "manifest.parquet",
         manifest_rejects=root / "rejects.parquet",
         shards=shards,
@@ -158,6 +161,63 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     stats_db.build_database(root / "stats.duckdb", inputs)
     return root / "stats.duckdb"
+
+
+def probe_rows(model: str, errors: int, speakers: int = 1) -> list:
+    """Two seeds of ``model`` on 30 held-out utterances of ``speakers`` speakers, ``errors``
+    characters wrong in each (of 20), and the probe's score on its own training utterances."""
+    from speech_assets.evaluation.compare import HeldoutErrors, ProbeResult
+
+    found = []
+    for seed in range(2):
+        wrong = np.full(30, errors, dtype=np.int64)
+        wrong[:seed] += 1
+        held = HeldoutErrors(
+            tuple(f"u{i}" for i in range(30)),
+            tuple(f"h{i % speakers}" for i in range(30)),
+            wrong,
+            np.full(30, 20),
+            wrong // 4,
+            np.full(30, 5),
+        )
+        cer = float(wrong.sum() / 600)
+        found.append(
+            ProbeResult(
+                model, "", "linear", [1.0], "heldout", cer, cer, 30, 60, seed, "utterance", speakers, errors=held
+            )
+        )
+        found.append(ProbeResult(model, "", "linear", [1.0], "train", 0.1, 0.3, 30, 60, seed, "utterance", 2))
+    return found
+
+
+def verdict_results(root: Path) -> tuple[Path, Path]:
+    """A probe's results.parquet (utterances.parquet and leaderboard.parquet beside it, as
+    downstream_probe writes them) and a fine-tuning results.parquet, both on one held-out speaker."""
+    import pyarrow.parquet as pq
+
+    from speech_assets.evaluation import compare
+    from speech_assets.evaluation import finetune_results as ft
+
+    results = probe_rows("fbank", 12) + probe_rows("random", 16) + probe_rows("pretrained", 8)
+    probe = root / "probe" / "results.parquet"
+    probe.parent.mkdir(parents=True)
+    pq.write_table(compare.results_table(results), probe)
+    pq.write_table(compare.utterances_table(results), compare.utterances_path(probe))
+    pq.write_table(compare.leaderboard_table(compare.leaderboard(results, 3), 3), compare.leaderboard_path(probe))
+    finetune = root / "finetune" / "results.parquet"
+    finetune.parent.mkdir(parents=True)
+    pq.write_table(ft.results_table(FINETUNE_ROWS), finetune)
+    return probe, finetune
+
+
+FINETUNE_ROWS = [
+    {"model": m, "labelled_minutes": 5.0, "seed": seed, "decoder": "greedy", "split": split, "cer": cer + seed / 100,
+     "wer": 1.0, "utterances": 40, "steps": 300, "dev_cer": 0.5, "labelled_seconds": 300.0,
+     "checkpoint_sha256": "ab" * 32, "lr": 1e-3, "heldout_speakers": 1, "text_overlap": 0, "oov_rate": 0.2}
+    for m, cers in (("pretrained", {"train": 0.2, "heldout": 0.4}), ("scratch", {"train": 0.5, "heldout": 0.8}))
+    for split, cer in cers.items()
+    for seed in (0, 1, 2)
+]  # fmt: skip
 
 
 HEADER = {
@@ -286,6 +346,7 @@ def page(database: Path) -> Path:
         header=HEADER,
         corpus_root=database.parent / "corpus",
         vad=VadConfig(),
+        probe_results=database.parent / "probe" / "results.parquet",
     )
     return report.write_report(database, database.parent / "report" / "index.html", extras)
 
@@ -298,15 +359,58 @@ def test_report_is_self_contained_and_shows_its_sql(page: Path) -> None:
     assert "FROM rejects_by_reason" in text and "unreadable" in text and "client_01" in text
 
 
-def test_report_has_a_header_and_a_summary_first(page: Path) -> None:
+def test_report_leads_with_the_verdicts_then_models_then_data_and_folds_raw_rows(page: Path) -> None:
+    """Title and first screen: the probe leaderboard and the fine-tuning table with their verdicts,
+    built by the functions of the asset metadata and the CLI; then models, data quality, header;
+    the per-seed rows folded in ``<details>``. Kills: today's order (a data-quality report with the
+    probe's 30 raw rows at the bottom and no leaderboard)."""
+    from speech_assets.evaluation.compare import leaderboard_rows, load_leaderboard, reading_note
+    from speech_assets.evaluation.finetune_results import verdicts
+
     text = page.read_text()
-    header, rest = text.split("<h2>Summary</h2>", 1)
+    title = re.search(r"<h1>(.*?)</h1>", text).group(1)
+    assert "verdicts" in title and "data-quality report" not in title
+    order = [
+        text.index(h)
+        for h in (
+            "<h2>Probe leaderboard</h2>",
+            "<h2>Fine-tuning against scratch</h2>",
+            "<h2>Summary</h2>",
+            "<h2>Training runs</h2>",
+            "<h2>Corpus</h2>",
+            "<h2>Rejects by reason</h2>",
+            "<h2>About this report</h2>",
+        )
+    ]
+    assert order == sorted(order)
+    probe = text.split("<h2>Probe leaderboard</h2>", 1)[1].split("</section>", 1)[0]
+    board, min_speakers = load_leaderboard(page.parent.parent / "probe" / "results.parquet")
+    table, raw = probe.split('<details class="raw">', 1)
+    for row in leaderboard_rows(board):  # the UI's and the CLI's rows, cell for cell
+        assert (
+            "".join(f'<td class="nowrap">{html.escape(str(row[c]))}</td>' for c in ("encoder", "normalisation"))
+            in table
+        )
+        assert f'<td class="nowrap">{html.escape(row["CER"])}</td>' in table
+        assert f'<td class="nowrap">{row["verdict"]}</td>' in table
+    # the caveat once, beside the table; the raw per-seed rows (both splits) folded below it
+    assert table.count("indicative only") == 1 and html.escape(reading_note(board, min_speakers)) in table
+    assert raw.count("<tr>") == 1 + 12 and "<td>train</td>" in raw and "<td>train</td>" not in table
+    finetune = text.split("<h2>Fine-tuning against scratch</h2>", 1)[1].split("</section>", 1)[0]
+    shown, folded = finetune.split('<details class="raw">', 1)
+    assert html.escape(verdicts(FINETUNE_ROWS, min_heldout_speakers=3)[0]) in shown
+    assert "<th>held-out CER</th>" in shown and folded.count("<tr>") == 1 + len(FINETUNE_ROWS)
+
+
+def test_report_has_a_header_and_a_summary(page: Path) -> None:
+    text = page.read_text()
+    header = text.split("<h2>About this report</h2>", 1)[1]
     for label, value in (("built at", HEADER["built_at"]), ("Dagster run", "run-1234"), ("corpus", "/corpora/tiny")):
         assert f"<th>{label}</th><td>{value}</td>" in header
     # long hashes shown by their first 12 characters, the full value in the title
     assert f'<th>git commit</th><td><span class="hash" title="{"a" * 40}">{"a" * 12}</span>' in header
     assert f'<th>settings hash</th><td><span class="hash" title="{"b" * 64}">{"b" * 12}</span>' in header
-    summary = rest.split("</section>", 1)[0]
+    summary = text.split("<h2>Summary</h2>", 1)[1].split("</section>", 1)[0]
     assert "3 speakers" in summary and "1 held-out speaker" in summary and "7 rejects" in summary
     for line in (
         "centralised model: 300 steps",

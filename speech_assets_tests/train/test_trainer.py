@@ -278,9 +278,14 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(
     # and back: the run's note (markdown on its MLflow page) links the Dagster run
     assert "](http://127.0.0.1:3000/runs/dagster-run-1)" in run.data.tags["mlflow.note.content"]
     # held-out results over steps: one point per checkpoint's evaluation, the last the result's
-    history = client.get_metric_history(run.info.run_id, "val/masked_accuracy")
+    # the held-out masked accuracy (leak-free) under one name; the leaky all-frames one named apart
+    history = client.get_metric_history(run.info.run_id, "val/leak_free_masked_accuracy")
+    assert [m.step for m in history] == [3, 6]
+    assert history[-1].value == pytest.approx(result["heldout_leak_free_masked_accuracy"])
+    history = client.get_metric_history(run.info.run_id, "val/all_frames_masked_accuracy")
     assert [m.step for m in history] == [3, 6] and history[-1].value == pytest.approx(result["heldout_masked_accuracy"])
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/majority_accuracy")] == [3, 6]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/all_frames_majority_accuracy")] == [3, 6]
+    assert not client.get_metric_history(run.info.run_id, "val/masked_accuracy")
     # configuration as params, never as metrics; no single-point final.* copies
     metrics = set(run.data.metrics)
     assert not any(name.startswith("final.") for name in metrics), sorted(metrics)
@@ -288,7 +293,7 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(
     assert float(run.data.params["chance_accuracy"]) == pytest.approx(result["chance_accuracy"], abs=1e-6)
     assert "dagster_run_id" not in run.data.params and "mode" not in run.data.params
     # the held-out points are in metrics.jsonl too (the training curve draws them)
-    assert [m["step"] for m in _metrics(tmp_path / "run") if "val/masked_accuracy" in m] == [3, 6]
+    assert [m["step"] for m in _metrics(tmp_path / "run") if "val/leak_free_masked_accuracy" in m] == [3, 6]
     # a local store: the run's page in the UI `make mlflow` serves, and the command that serves it
     assert (
         result["mlflow_run_url"]
@@ -341,7 +346,9 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(
     assert fed.info.experiment_id == run.info.experiment_id
     assert fed.data.tags["mode"] == "federated" and fed.data.tags["dagster_run_id"] == "dagster-run-2"
     assert "](http://127.0.0.1:3000/runs/dagster-run-2)" in fed.data.tags["mlflow.note.content"]
-    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/masked_accuracy")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/all_frames_masked_accuracy")] == [1, 2]
     # a client without held-out frames has no held-out series (never 0.0)
-    assert "val/a/masked_accuracy" in fed.data.metrics and not any(k.startswith("val/b/") for k in fed.data.metrics)
+    assert "val/a/all_frames_masked_accuracy" in fed.data.metrics and not any(
+        k.startswith("val/b/") for k in fed.data.metrics
+    )
     assert tracker.url.startswith("http://127.0.0.1:5000/#/experiments/")
