@@ -105,6 +105,7 @@ def build_inputs(root: Path) -> Path:
 
 def run_federated(data: Path, root: Path, engine: str, variant: str, args: argparse.Namespace) -> dict:
     from speech_assets.corpus.clients import read_clients
+    from speech_assets.evaluation.accuracy import ACCURACY, MAJORITY
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import summarize_rounds
     from speech_assets.federated.launch import run_federation
@@ -146,7 +147,9 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
     per_round = []
     for record, line in zip(records, summarize_rounds(records), strict=True):
         rows = record["rows"]
-        busy = sum(row["seconds"] for row in rows)
+        # under DP the round files keep no client's time or audio (docs/PRIVACY.md): then neither figure exists
+        withheld = any(row.get("seconds") is None or row.get("audio_seconds") is None for row in rows)
+        busy = None if withheld else sum(row["seconds"] for row in rows)
         per_round.append(
             {
                 "round": line["round"],
@@ -155,9 +158,11 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
                 "round_seconds": line["round_seconds"],
                 "slowest_client_seconds": record["slowest_client_seconds"],
                 "overhead": line["overhead"],
-                "idle_cores": 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
+                "idle_cores": None if withheld else 1 - busy / (min(cores, len(rows)) * record["round_seconds"]),
                 "evaluated": record["evaluated"],
-                "audio_seconds_per_second_per_client": sum(r["audio_seconds"] for r in rows) / max(busy, 1e-9),
+                "audio_seconds_per_second_per_client": None
+                if withheld
+                else sum(r["audio_seconds"] for r in rows) / max(busy, 1e-9),
                 "mb_up": line["bytes_up"] / 1e6,
                 "mb_down": line["bytes_down"] / 1e6,
                 "epsilon": line["epsilon"],
@@ -165,8 +170,9 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
         )
     steady = per_round[1:] or per_round
 
-    def mean(key: str, lines: list[dict]) -> float:
-        return sum(line[key] for line in lines) / len(lines)
+    def mean(key: str, lines: list[dict]) -> float | None:
+        values = [line[key] for line in lines]
+        return None if None in values else sum(values) / len(values)
 
     return {
         "mode": "federated",
@@ -178,8 +184,8 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
         "schedule": f"{args.rounds} rounds x {args.local_steps} local steps x {config.sample_size} of {len(clients)} "
         f"clients",
         "total_steps": args.rounds * args.local_steps * config.sample_size,
-        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
-        "heldout_majority_accuracy": result["heldout_majority_accuracy"],
+        "heldout_masked_accuracy": result.get(ACCURACY),  # leak-free, as every view shows it
+        "heldout_majority_accuracy": result.get(MAJORITY),
         "round_seconds": mean("round_seconds", steady),
         "first_round_seconds": per_round[0]["round_seconds"],
         "slowest_client_seconds": mean("slowest_client_seconds", steady),
@@ -203,6 +209,7 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
     import pyarrow.parquet as pq
 
     from speech_assets.corpus.clients import read_clients
+    from speech_assets.evaluation.accuracy import ACCURACY, MAJORITY
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     speakers = sorted(pq.read_table(data / "clients" / "clients.parquet").column("speaker_id").to_pylist())
@@ -252,8 +259,8 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
         "variant": "AdamW",
         "schedule": f"{steps} steps",
         "total_steps": steps,
-        "heldout_masked_accuracy": result["heldout_masked_accuracy"],
-        "heldout_majority_accuracy": result["heldout_majority_accuracy"],
+        "heldout_masked_accuracy": result.get(ACCURACY),  # leak-free, as every view shows it
+        "heldout_majority_accuracy": result.get(MAJORITY),
         "round_seconds": wall / args.rounds,
         "mb_up_per_round": None,
         "mb_down_per_round": None,
@@ -356,9 +363,9 @@ def main() -> None:
             print(
                 f"  {row['engine']} {row['variant']} round {line['round']}: "
                 f"{line['clients']}/{line['sampled']} clients, "
-                f"{line['round_seconds']:.1f} s, slowest client {line['slowest_client_seconds']:.1f} s, overhead "
-                f"{line['overhead']:.3f}, idle cores "
-                f"{line['idle_cores']:.3f}{' (evaluated)' if line['evaluated'] else ''}"
+                f"{line['round_seconds']:.1f} s, slowest client {_fmt(line['slowest_client_seconds'], 1)} s, overhead "
+                f"{_fmt(line['overhead'])}, idle cores "
+                f"{_fmt(line['idle_cores'])}{' (evaluated)' if line['evaluated'] else ''}"
             )
 
 

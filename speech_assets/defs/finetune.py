@@ -143,12 +143,13 @@ def finetuned_asr(
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
+            # the UI shows metadata in this order: the verdict and the curves first, then the tables
             "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
+            **_wer_curve(rows),
+            **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
             "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.probe.results))),
             "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in text_notes(rows))),
             "results_file": dg.MetadataValue.path(str(target)),
-            **_wer_curve(rows),
-            **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],

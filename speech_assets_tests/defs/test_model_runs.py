@@ -439,6 +439,11 @@ def test_finetune_results_table_verdict_and_labelled_split(finetuned) -> None:
     assert {r["decoder"] for r in rows} == {"greedy", "beam_3gram"}  # flashlight-text is a dependency
     event = instance.fetch_materializations(dg.AssetKey("finetuned_asr"), limit=1).records[0].asset_materialization
     verdict = event.metadata["verdict"].value
+    # Dagster shows metadata in insertion order: the verdict, then the curves, above the tables (kills
+    # the curves placed after the results, where they were the asset's 5th and 6th rows)
+    assert list(event.metadata)[0] == "verdict" and list(event.metadata).index("results") > list(event.metadata).index(
+        "wer_curve"
+    )
     assert re.search(
         r"^- pretrained: 1 min: CER .* vs scratch .*"
         r"(beats scratch|loses to scratch|too small to tell|did not train \(labelled CER .*\): not measured)",
