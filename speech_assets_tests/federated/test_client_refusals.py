@@ -530,7 +530,7 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
     metrics = _mlflow_metrics(config, [record], result, f"sqlite:///{tmp_path / 'mlflow.db'}")
     # the federation's aggregates are released either way
     assert result["heldout_masked_accuracy"] is not None and result["heldout_loss"] is not None
-    assert {"val/loss", "val/masked_accuracy", "val/majority_accuracy", "epsilon"} <= set(metrics)
+    assert {"val/loss", "val/all_frames_masked_accuracy", "val/all_frames_majority_accuracy", "epsilon"} <= set(metrics)
     written = _disk_text(Path(config.run_dir)) + "\n" + caplog.text
     found = [x for x in _numbers(written) for n in norms.values() if abs(x - n) <= 1e-3 * n]
     found_losses = [x for x in _numbers(written) for loss in losses if abs(x - loss) <= 1e-9 * loss]
@@ -541,7 +541,7 @@ def test_norm_withheld_under_dp_no_per_client_value_on_disk(corpus, tmp_path: Pa
         assert all(row["update_norm"] is not None for row in record["rows"])
         assert found and "loss " in client_log
         assert found_losses and all(row["heldout_loss"] is not None for row in table)
-        assert "val/c0/masked_accuracy" in metrics
+        assert "val/c0/all_frames_masked_accuracy" in metrics
         return
     assert [row["update_norm"] for row in record["rows"]] == [None] * 3
     assert not found, f"a client's exact update norm is on disk or in the log: {found[:5]} (norms {norms})"
