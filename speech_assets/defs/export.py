@@ -105,8 +105,7 @@ def encoder_export(
 def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: ExportFiles, warn) -> dict[str, str]:
     """The exported ONNX encoder (``encoder.json`` beside it) as an MLflow model in the run of the
     checkpoint it comes from; ``{}`` (and a warning) when it cannot be logged."""
-    from speech_assets.model.export import mlflow_signature
-    from speech_assets.train.tracking import ENCODER_MODEL, log_exported_model
+    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
 
     return log_exported_model(
         paths.mlflow_tracking_uri,
@@ -116,7 +115,7 @@ def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: E
         [exported.card],
         warn,
         name=ENCODER_MODEL,
-        signature=mlflow_signature(encoder.model.preset.dim),
+        signature=export_signature(encoder.model.preset.dim),
         tags={"checkpoint_sha256": encoder.sha256},
     )
 

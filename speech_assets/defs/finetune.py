@@ -396,8 +396,13 @@ def log_recogniser_model(
     beside it) as an MLflow model in its fine-tuning run, registered as a new version of
     ``speech_assets_recogniser``; ``{}`` (and a warning) when it cannot be logged."""
     from speech_assets.evaluation.recognise import vocabulary
-    from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES, mlflow_signature
-    from speech_assets.train.tracking import RECOGNISER_MODEL, RECOGNISER_REGISTERED_NAME, log_exported_model
+    from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES
+    from speech_assets.train.tracking import (
+        RECOGNISER_MODEL,
+        RECOGNISER_REGISTERED_NAME,
+        export_signature,
+        log_exported_model,
+    )
 
     files = RecogniserFiles(folder)
     return log_exported_model(
@@ -408,7 +413,7 @@ def log_recogniser_model(
         [files.card, *beam],
         warn,
         name=RECOGNISER_MODEL,
-        signature=mlflow_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
+        signature=export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
         tags={"checkpoint_sha256": loaded.sha256},
         registered_name=RECOGNISER_REGISTERED_NAME,
     )

@@ -36,18 +36,6 @@ OUTPUT_NAMES = ("hidden", "hidden_lengths")
 RECOGNISER_OUTPUT_NAMES = ("log_probs", "output_lengths")
 
 
-def mlflow_signature(width: int, output_names: Sequence[str] = OUTPUT_NAMES) -> Any:
-    """The MLflow signature of an export: ``feats (B, T, 80)`` float32 and ``lengths (B,)`` int64
-    in; ``(B, L, width)`` float32 (hidden states, or log-probabilities) and ``(B,)`` int64 out."""
-    from speech_assets.train.tracking import onnx_signature
-
-    values, lengths = output_names
-    return onnx_signature(
-        {INPUT_NAMES[0]: ("float32", (-1, -1, 80)), INPUT_NAMES[1]: ("int64", (-1,))},
-        {values: ("float32", (-1, -1, width)), lengths: ("int64", (-1,))},
-    )
-
-
 class ExportableEncoder(nn.Module):
     """``feats (B, T, 80)``, ``lengths (B,)`` -> ``hidden (B, L, D)`` of ``layer``, ``hidden_lengths (B,)``.
 

@@ -359,18 +359,26 @@ def is_model_uri(text: str) -> bool:
     return urlparse(str(text)).scheme in MODEL_URI_SCHEMES
 
 
-def onnx_signature(
-    inputs: Mapping[str, tuple[str, tuple[int, ...]]], outputs: Mapping[str, tuple[str, tuple[int, ...]]]
-):
-    """An MLflow tensor signature from ``{name: (dtype, shape)}`` (``-1``: a dynamic axis)."""
+def export_signature(width: int, output_names: tuple[str, str] | None = None) -> Any:
+    """The MLflow tensor signature of an exported encoder (or, with ``RECOGNISER_OUTPUT_NAMES``, a
+    recogniser): ``feats (B, T, 80)`` float32 and ``lengths (B,)`` int64 in; ``(B, L, width)``
+    float32 (hidden states, or CTC log-probabilities) and ``(B,)`` int64 out (``-1``: dynamic)."""
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    def schema(specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> Any:
-        return Schema([TensorSpec(np.dtype(dtype), shape, name) for name, (dtype, shape) in specs.items()])
+    from speech_assets.model.export import INPUT_NAMES, OUTPUT_NAMES
 
-    return ModelSignature(inputs=schema(inputs), outputs=schema(outputs))
+    values, lengths = output_names or OUTPUT_NAMES
+    feats, feat_lengths = INPUT_NAMES
+    return ModelSignature(
+        inputs=Schema(
+            [TensorSpec(np.dtype("float32"), (-1, -1, 80), feats), TensorSpec(np.dtype("int64"), (-1,), feat_lengths)]
+        ),
+        outputs=Schema(
+            [TensorSpec(np.dtype("float32"), (-1, -1, width), values), TensorSpec(np.dtype("int64"), (-1,), lengths)]
+        ),
+    )
 
 
 def log_onnx_model(

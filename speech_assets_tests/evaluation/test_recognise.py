@@ -12,13 +12,14 @@ import pytest
 from speech_assets.cli import main
 from speech_assets.evaluation.recognise import vocabulary
 from speech_assets.layout import RECOGNISER_JSON
-from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES, mlflow_signature
+from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES
 from speech_assets.train.tracking import (
     EXPERIMENT,
     RECOGNISER_MODEL,
     RECOGNISER_REGISTERED_NAME,
     download_onnx_model,
     ensure_experiment,
+    export_signature,
     log_onnx_model,
 )
 from speech_assets_tests.conftest import SAMPLE_CORPUS
@@ -40,7 +41,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for kind in ("good", "bare"):
         runs[kind] = client.create_run(experiment, run_name=kind).info.run_id
         client.set_terminated(runs[kind])
-    signature = mlflow_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES)
+    signature = export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES)
     logged = log_onnx_model(
         uri,
         runs["good"],
