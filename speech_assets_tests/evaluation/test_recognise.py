@@ -116,15 +116,20 @@ def test_transcribe_accepts_a_model_uri_and_reads_as_the_local_folder(
 
 
 @pytest.mark.parametrize("uri", [f"models:/{RECOGNISER_REGISTERED_NAME}/latest", "runs:/{good}/recogniser"])
-def test_the_default_store_is_the_data_directory_one(store: dict, capsys, monkeypatch, uri: str) -> None:
+def test_the_default_store_is_the_data_directory_one(
+    store: dict, capsys, monkeypatch, tmp_path: Path, uri: str
+) -> None:
     """Mutations killed: reading the URI from MLflow's own default store instead of
     `sqlite:///<data dir>/mlflow.db` when MLFLOW_TRACKING_URI is unset; leaving a `models:/` URI
-    to MLflow's download (it resolves the name through the global registry URI, not the store)."""
+    to MLflow's download (it resolves the name through its global registry URI, not the store:
+    the name is not found, and MLflow creates `./mlflow.db` in the working directory)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("SPEECH_ASSETS_DATA_DIR", str(store["root"]))
+    monkeypatch.chdir(tmp_path)
     audio = sorted(SAMPLE_CORPUS.rglob("*.flac"))[0]
     status, out, err = transcribe(capsys, str(audio), "--model", uri.format(good=store["runs"]["good"]))
     assert status == 0 and out.startswith(audio.stem + "\t"), err
+    assert not list(tmp_path.iterdir())  # nothing in the working directory: no store of MLflow's own
 
 
 @pytest.mark.parametrize(
