@@ -105,10 +105,10 @@ def build_inputs(root: Path) -> Path:
 
 def run_federated(data: Path, root: Path, engine: str, variant: str, args: argparse.Namespace) -> dict:
     from speech_assets.corpus.clients import read_clients
-    from speech_assets.evaluation.accuracy import ACCURACY, MAJORITY
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import summarize_rounds
     from speech_assets.federated.launch import run_federation
+    from speech_assets.train.accuracy import ACCURACY, MAJORITY
 
     name = f"{engine}-{variant}".replace("+", "-")
     run_dir = root / name
@@ -209,7 +209,7 @@ def run_centralised(data: Path, root: Path, args: argparse.Namespace, clients: l
     import pyarrow.parquet as pq
 
     from speech_assets.corpus.clients import read_clients
-    from speech_assets.evaluation.accuracy import ACCURACY, MAJORITY
+    from speech_assets.train.accuracy import ACCURACY, MAJORITY
     from speech_assets.train.config import ClientTargets, TrainConfig
 
     speakers = sorted(pq.read_table(data / "clients" / "clients.parquet").column("speaker_id").to_pylist())

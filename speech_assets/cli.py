@@ -100,11 +100,20 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
 def _cmd_transcribe(args: argparse.Namespace) -> int:
     """One line per audio file (id, text, seconds of audio), or an error line; exit 1 if any failed."""
-    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, audio_files
+    import tempfile
 
-    model = Path(args.model) if args.model else DataLayout(locations.data_dir()).finetune.recogniser
+    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, audio_files, fetch_recogniser
+    from speech_assets.train.tracking import is_model_uri
+
+    data = locations.data_dir()
+    model = args.model or DataLayout(data).finetune.recogniser
     try:
-        recogniser = Recogniser(model, args.decoder)
+        if is_model_uri(model):  # an MLflow model: downloaded, loaded, then the download is removed
+            with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
+                fetched = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
+                recogniser = Recogniser(fetched, args.decoder)
+        else:
+            recogniser = Recogniser(model, args.decoder)
     except RecogniserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -325,6 +334,7 @@ anything else is refused with exit 1 and nothing on disk changes.""",
   speech-assets transcribe data/sample/1001/100101/1001-100101-0000.flac
   speech-assets transcribe /tmp/recordings --json
   speech-assets transcribe call.wav --model data/out/finetune/recogniser
+  speech-assets transcribe call.wav --model models:/speech_assets_recogniser/latest
   speech-assets transcribe /tmp/recordings --decoder beam
 prints "id<TAB>text<TAB>seconds" per file, or "id<TAB>error: ..." for a file that cannot be
 transcribed (the others still are; the exit status is then 1).""",
@@ -448,7 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transcribe.add_argument(
         "--model",
-        help="a recogniser folder, or its .onnx or .json (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
+        help="a recogniser folder, or its .onnx or .json, or an MLflow model URI "
+        "(models:/speech_assets_recogniser/latest, models:/speech_assets_recogniser/<version>, "
+        "runs:/<run id>/recogniser) read from $MLFLOW_TRACKING_URI, else "
+        "sqlite:///$SPEECH_ASSETS_DATA_DIR/mlflow.db (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
     )
     transcribe.add_argument(
         "--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error"

@@ -28,11 +28,11 @@ FLOORS: list[set[str]] = [
     {"federated", "evaluation"},
     {"stats"},
     {"defs"},
-    {"definitions", "cli", "deploy", "docs"},
+    {"definitions", "cli", "deploy", "docs", "demo"},
 ]
 APART = [{"federated", "evaluation"}]  # parts of one floor that must not import each other
 TESTING = "testing"  # test scaffolding: it may import the product, the product never imports it
-DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", "docs", TESTING}  # the only parts importing dagster
+DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", "docs", "demo", TESTING}  # the only parts importing dagster
 LIGHT_DAGSTER = {"dagster_pipes"}  # the worker-side library, fine anywhere
 INTERNALS = "defs.dagster_internals"  # the one module that may use private names of Dagster and multiprocessing
 PRIVATE_OWNED = f"a private name of Dagster or multiprocessing: only {PACKAGE}.{INTERNALS} uses those, saying why"

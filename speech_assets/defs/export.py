@@ -81,6 +81,7 @@ def encoder_export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     files = {path.name: sha256_file(path) for path in exported.published}
+    model = log_encoder_model(paths, checkpoint, encoder, exported, context.log.warning)
     context.log.info(
         f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
         f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
@@ -100,7 +101,26 @@ def encoder_export(
             "checkpoint_sha256": encoder.sha256,
             "normalisation": description["cmvn"]["kind"],
             "input_versions": dg.MetadataValue.json({"pretrained_checkpoint": checkpoint_version}),
+            **({"mlflow_model": model["model_uri"]} if model else {}),
         },
+    )
+
+
+def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: ExportFiles, warn) -> dict[str, str]:
+    """The exported ONNX encoder (``encoder.json`` beside it) as an MLflow model in the run of the
+    checkpoint it comes from; ``{}`` (and a warning) when it cannot be logged."""
+    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
+
+    return log_exported_model(
+        paths.mlflow_tracking_uri,
+        checkpoint,
+        encoder.checkpoint,
+        exported.onnx,
+        [exported.card],
+        warn,
+        name=ENCODER_MODEL,
+        signature=export_signature(encoder.model.preset.dim),
+        tags={"checkpoint_sha256": encoder.sha256},
     )
 
 

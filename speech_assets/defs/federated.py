@@ -21,8 +21,8 @@ from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
-from speech_assets.evaluation import accuracy
 from speech_assets.locations import redact_uri
+from speech_assets.train import accuracy
 from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
 

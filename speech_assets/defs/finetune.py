@@ -153,6 +153,8 @@ def finetuned_asr(
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],
+            **({"mlflow_model": exported["mlflow"]["model_uri"]} if exported["mlflow"] else {}),
+            **({"registered_model": exported["mlflow"]["registered_uri"]} if exported["mlflow"] else {}),
             "decoders": dg.MetadataValue.json(plan.decoders),
             **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
             "labelled_minutes": dg.MetadataValue.json(plan.budgets),
@@ -383,7 +385,40 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     )
     beam = [folder / spec["beam"][key] for key in ("lm", "lexicon")] if "beam" in spec else []
     files = {path.name: sha256_file(path) for path in (*RecogniserFiles(folder).published, *beam)}
-    return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff}
+    model = log_recogniser_model(paths, result["checkpoint"], loaded, folder, beam, context.log.warning)
+    if model.get("registered_uri"):
+        context.log.info(f"recogniser registered in MLflow as {model['registered_uri']} (run {model['run_id']})")
+    return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff, "mlflow": model}
+
+
+def log_recogniser_model(
+    paths: StoragePaths, checkpoint: str, loaded, folder: Path, beam: list[Path], warn
+) -> dict[str, str]:
+    """The exported recogniser (its ONNX model; ``recogniser.json`` and the beam decoder's files
+    beside it) as an MLflow model in its fine-tuning run, registered as a new version of
+    ``speech_assets_recogniser``; ``{}`` (and a warning) when it cannot be logged."""
+    from speech_assets.evaluation.recognise import vocabulary
+    from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES
+    from speech_assets.train.tracking import (
+        RECOGNISER_MODEL,
+        RECOGNISER_REGISTERED_NAME,
+        export_signature,
+        log_exported_model,
+    )
+
+    files = RecogniserFiles(folder)
+    return log_exported_model(
+        paths.mlflow_tracking_uri,
+        checkpoint,
+        loaded.checkpoint,
+        files.onnx,
+        [files.card, *beam],
+        warn,
+        name=RECOGNISER_MODEL,
+        signature=export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
+        tags={"checkpoint_sha256": loaded.sha256},
+        registered_name=RECOGNISER_REGISTERED_NAME,
+    )
 
 
 def _wer_curve(rows: list[dict]) -> dict[str, object]:

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 from speech_assets.defs.lineage import latest_materialization, read_json
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.evaluation.accuracy import LABEL, HeldoutAccuracy, heldout_accuracy
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
+from speech_assets.train.accuracy import LABEL, HeldoutAccuracy, heldout_accuracy
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
 WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")
@@ -71,7 +71,7 @@ def loss_problems(run_dir: Path) -> list[str]:
 
 def accuracy_against_majority(run_dir: Path) -> HeldoutAccuracy | None:
     """The held-out masked accuracy and the majority-class rate on the same (leak-free) frames that
-    ``result.json`` records (:func:`~speech_assets.evaluation.accuracy.heldout_accuracy`, what every
+    ``result.json`` records (:func:`~speech_assets.train.accuracy.heldout_accuracy`, what every
     view shows), or None where the run did not measure them."""
     return heldout_accuracy(read_json(RunFiles(run_dir).result, strict=True))
 

@@ -29,10 +29,9 @@ from speech_assets.defs.lineage import bounded_versions, git_commit, input_versi
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.evaluation import accuracy
 from speech_assets.layout import RunFiles, TargetFiles
 from speech_assets.runtime.processes import command_lines
-from speech_assets.train import oom
+from speech_assets.train import accuracy, oom
 from speech_assets.utils import atomic_write_text, from_fields, sha256_strings
 
 
@@ -132,7 +131,7 @@ def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str
 
 
 def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
-    """The held-out masked accuracy (leak-free: :mod:`speech_assets.evaluation.accuracy`) and, named
+    """The held-out masked accuracy (leak-free: :mod:`speech_assets.train.accuracy`) and, named
     apart, the all-frames figure that measures the leak; nothing for a run that evaluates none
     (a student, a recogniser)."""
     if not any(key in result for key in RECORDED_HELDOUT):

@@ -24,7 +24,7 @@ import numpy as np
 
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
-from speech_assets.layout import RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
+from speech_assets.layout import FINETUNE_RECOGNISER_DIR, RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
 
 DECODERS = ("greedy", "beam")
 
@@ -48,6 +48,31 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
             f"no recogniser at {path}: expected {RECOGNISER_ONNX} and {RECOGNISER_JSON} (materialize finetuned_asr)"
         )
     return folder
+
+
+def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
+    """The recogniser MLflow model ``uri`` (``models:/speech_assets_recogniser/latest``, ``.../<version>``,
+    ``runs:/<run id>/recogniser``; what ``finetuned_asr`` logs and registers) downloaded from
+    ``tracking_uri`` into ``destination`` and laid out as a recogniser folder (its ONNX model,
+    ``recogniser.json`` and the files that JSON names). :class:`RecogniserError` when the model
+    cannot be found or is not a recogniser."""
+    from speech_assets.train.tracking import download_onnx_model
+
+    try:
+        onnx_file, extras = download_onnx_model(uri, tracking_uri, destination / "download")
+    except ValueError as error:
+        raise RecogniserError(str(error)) from error
+    if RECOGNISER_JSON not in extras:
+        raise RecogniserError(
+            f"{uri} is not a speech_assets recogniser: the model has no {RECOGNISER_JSON} beside its ONNX file "
+            "(finetuned_asr logs the recogniser with it)"
+        )
+    files = RecogniserFiles(destination / FINETUNE_RECOGNISER_DIR)
+    files.root.mkdir(parents=True)
+    onnx_file.replace(files.onnx)
+    for name, path in extras.items():
+        path.replace(files.root / name)
+    return files.root
 
 
 def audio_files(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:

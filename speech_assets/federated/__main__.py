@@ -17,7 +17,6 @@ from dataclasses import fields
 from pathlib import Path
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.evaluation.accuracy import heldout_accuracy
 from speech_assets.federated.config import (
     DP_MAX_CLIPPING_NORM,
     SECAGG_MIN_SHARES,
@@ -34,6 +33,7 @@ from speech_assets.federated.launch import (
 )
 from speech_assets.federated.processes import NeedsLinux
 from speech_assets.layout import DataLayout
+from speech_assets.train.accuracy import heldout_accuracy
 
 SKIPPED = {"run_dir", "run_name", "clients", "client_weights", "data_versions", "heldout_speakers", "train_speakers"}
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
         print(f"federated run refused: {error}", file=sys.stderr, flush=True)
         return 1
-    # the held-out masked accuracy every view shows (leak-free frames: speech_assets.evaluation.accuracy)
+    # the held-out masked accuracy every view shows (leak-free frames: speech_assets.train.accuracy)
     found = heldout_accuracy(result)
     summary = {k: result[k] for k in ("checkpoint", "checkpoint_sha256")}
     print(json.dumps(summary | {"heldout_masked_accuracy": found.accuracy if found else None}), flush=True)

@@ -202,7 +202,7 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 def round_log_line(record: Mapping[str, Any], rounds: int) -> str:
     """The progress line of one completed round (its record) of a run of ``rounds`` rounds:
     clients that trained and the missing ones, train loss, held-out masked accuracy (leak-free
-    frames, as every view: speech_assets.evaluation.accuracy) beside the majority-class rate on the
+    frames, as every view: speech_assets.train.accuracy) beside the majority-class rate on the
     same frames (``n/a`` where not measured or withheld), wall time."""
     line = summarize_rounds([record])[0]
     missing = f", missing {', '.join(line['missing'])}" if line["missing"] else ""

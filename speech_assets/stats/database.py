@@ -16,9 +16,9 @@ from pathlib import Path
 
 import duckdb
 
-from speech_assets.evaluation.accuracy import ACCURACY, LABEL, MAJORITY
 from speech_assets.layout import RunFiles, lock_beside
 from speech_assets.runtime.locks import exclusive_lock
+from speech_assets.train.accuracy import ACCURACY, LABEL, MAJORITY
 from speech_assets.utils import atomic_path
 
 
@@ -610,7 +610,7 @@ def summary(db_path: Path) -> str:
                 f"perplexity={row[4]:.1f} empty={row[5]} mean segment={row[6]:.2f} frames"
             )
         for kind, steps, loss, accuracy, majority, chance, checkpoint, run_id, *tuned in con.execute(
-            # the held-out masked accuracy every view shows: leak-free frames (evaluation.accuracy)
+            # the held-out masked accuracy every view shows: leak-free frames (train.accuracy)
             f"SELECT kind, steps, final_loss, {ACCURACY}, {MAJORITY}, chance_accuracy, "
             "checkpoint, mlflow_run_id, init, labelled_minutes, seed, lr, heldout_cer, heldout_wer FROM training_runs "
             f"ORDER BY {_KIND_ORDER}, labelled_minutes, init, seed, lr, run_dir"

@@ -159,7 +159,7 @@ def _draw(draw, size: tuple[float, float]) -> bytes:
 
 def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
     """What :func:`training_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
-    from speech_assets.evaluation import accuracy
+    from speech_assets.train import accuracy
 
     held = accuracy.curve_points(list(rows))
 
@@ -193,10 +193,10 @@ def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
 
 def training_curve(rows: Sequence[Mapping[str, Any]]) -> bytes:
     """Loss; training masked accuracy with the held-out masked accuracy (leak-free frames:
-    :mod:`speech_assets.evaluation.accuracy`) and the held-out majority-class rate at each
+    :mod:`speech_assets.train.accuracy`) and the held-out majority-class rate at each
     evaluation; learning rate; all against step (rows of the trainer's metrics.jsonl). Legends
     sit under their axes, never over a point."""
-    from speech_assets.evaluation import accuracy
+    from speech_assets.train import accuracy
 
     columns = ("step", "loss", "masked_accuracy", "lr", accuracy.CURVE_ACCURACY, accuracy.CURVE_MAJORITY)
     return _render(
@@ -282,7 +282,7 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
 
 def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
     """What :func:`round_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
-    from speech_assets.evaluation import accuracy
+    from speech_assets.train import accuracy
 
     rounds = [line["round"] for line in lines]
 

@@ -4,7 +4,7 @@ database by ``dataset_stats``.
 It leads with the verdicts: the probe's leaderboard and the fine-tuning table, built by the same
 functions as the assets' metadata and ``speech-assets probe`` / ``finetune`` (their raw per-seed
 rows folded below them); then the models (each one's held-out masked accuracy, the leak-free
-figure of :mod:`speech_assets.evaluation.accuracy`, training curves, checkpoints, export,
+figure of :mod:`speech_assets.train.accuracy`, training curves, checkpoints, export,
 student); then data quality; the header (when it was built, from which commit, Dagster run,
 corpus and settings) last. Every table from the database shows the SQL that produced it, so a
 reader can re-run it with ``speech-assets sql``; plots are inlined PNGs (``stats.plots``); reject
@@ -26,9 +26,9 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from speech_assets.evaluation import accuracy as held
 from speech_assets.stats import plots
 from speech_assets.stats.examples import AUDIO_FOLDER
+from speech_assets.train import accuracy as held
 from speech_assets.utils import atomic_write_text
 
 MAX_ROWS = 50

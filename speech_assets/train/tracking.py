@@ -121,7 +121,7 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_locati
     return experiment.experiment_id
 
 
-# the accuracy on all masked frames leaks (speech_assets.evaluation.accuracy): named apart from the
+# the accuracy on all masked frames leaks (speech_assets.train.accuracy): named apart from the
 # held-out masked accuracy every view shows, val/leak_free_masked_accuracy
 ALL_FRAMES_SERIES = {
     "masked_accuracy": "all_frames_masked_accuracy",
@@ -412,3 +412,200 @@ class PipesReporter:
         if self._handler is not None:
             self._logger.removeHandler(self._handler)
         self.context.close()
+
+
+# MLflow models: the exported ONNX files, logged into the run of the model they come from
+RECOGNISER_REGISTERED_NAME = "speech_assets_recogniser"  # `transcribe --model models:/speech_assets_recogniser/latest`
+ENCODER_MODEL, RECOGNISER_MODEL = "encoder", "recogniser"  # logged model names (`runs:/<run id>/recogniser`)
+MODEL_URI_SCHEMES = ("models", "runs")
+
+
+def is_model_uri(text: str) -> bool:
+    """Whether ``text`` names an MLflow model (``models:/...``, ``runs:/...``) rather than a path."""
+    return urlparse(str(text)).scheme in MODEL_URI_SCHEMES
+
+
+def export_signature(width: int, output_names: tuple[str, str] | None = None) -> Any:
+    """The MLflow tensor signature of an exported encoder (or, with ``RECOGNISER_OUTPUT_NAMES``, a
+    recogniser): ``feats (B, T, 80)`` float32 and ``lengths (B,)`` int64 in; ``(B, L, width)``
+    float32 (hidden states, or CTC log-probabilities) and ``(B,)`` int64 out (``-1``: dynamic)."""
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    from speech_assets.model.export import INPUT_NAMES, OUTPUT_NAMES
+
+    values, lengths = output_names or OUTPUT_NAMES
+    feats, feat_lengths = INPUT_NAMES
+    return ModelSignature(
+        inputs=Schema(
+            [TensorSpec(np.dtype("float32"), (-1, -1, 80), feats), TensorSpec(np.dtype("int64"), (-1,), feat_lengths)]
+        ),
+        outputs=Schema(
+            [TensorSpec(np.dtype("float32"), (-1, -1, width), values), TensorSpec(np.dtype("int64"), (-1,), lengths)]
+        ),
+    )
+
+
+def log_onnx_model(
+    tracking_uri: str,
+    run_id: str,
+    onnx_file: str | os.PathLike[str],
+    extra_files: list[Path],
+    *,
+    name: str,
+    signature: Any,
+    tags: Mapping[str, str] | None = None,
+    registered_name: str | None = None,
+) -> dict[str, str]:
+    """Log ``onnx_file`` (self-contained) as an MLflow model (ONNX flavour, with ``signature`` and
+    ``extra_files`` beside it) into the existing run ``run_id``, in that run's experiment; register
+    it as a new version of ``registered_name`` when given. Returns ``model_uri``
+    (``models:/<model id>``) and, when registered, ``registered_uri`` and ``version``.
+
+    Through the client only: MLflow's fluent ``log_model`` would put the model in the process's
+    active experiment (the default one, artifacts under ``./mlruns``), not the run's."""
+    import mlflow.onnx
+    import onnx
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    client = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri))
+    experiment_id = client.get_run(run_id).info.experiment_id
+    model = client.create_logged_model(
+        experiment_id, name=name, source_run_id=run_id, tags=dict(tags or {}), model_type="onnx"
+    )
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            local = Path(folder) / "model"
+            described = Model(
+                artifact_path=model.artifact_location, model_uuid=model.model_id, run_id=run_id, model_id=model.model_id
+            )
+            mlflow.onnx.save_model(
+                onnx.load(str(onnx_file)),
+                local,
+                mlflow_model=described,
+                signature=signature,
+                save_as_external_data=False,
+                extra_files=[str(p) for p in extra_files],
+                # the model's requirements named, not inferred (inference loads it in a subprocess)
+                pip_requirements=mlflow.onnx.get_default_pip_requirements(),
+                onnx_execution_providers=["CPUExecutionProvider"],
+            )
+            client.log_model_artifacts(model.model_id, str(local))
+        client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    except BaseException:
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+        raise
+    logged = {"model_uri": f"models:/{model.model_id}"}
+    if registered_name:
+        try:
+            client.create_registered_model(registered_name, description="speech_assets: the fine-tuned CTC recogniser")
+        except MlflowException as error:
+            if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+        # the source by its artifact location: a `models:/<id>` source is resolved through the
+        # process's global tracking URI (an MLflow TODO), not this client's store
+        version = client.create_model_version(
+            registered_name,
+            source=model.artifact_location,
+            run_id=run_id,
+            model_id=model.model_id,
+            tags=dict(tags or {}),
+        )
+        logged |= {"version": str(version.version), "registered_uri": f"models:/{registered_name}/{version.version}"}
+    return logged
+
+
+def logged_model_of_run(client: Any, uri: str) -> Any:
+    """The model ``runs:/<run id>/<name>`` names: the last one logged under that name in that run."""
+    from mlflow.exceptions import MlflowException
+
+    run_id, _, name = urlparse(uri).path.strip("/").partition("/")
+    if not run_id or not name or "/" in name:
+        raise MlflowException(f"{uri} is not of the form runs:/<run id>/<model name>")
+    experiment_id = client.get_run(run_id).info.experiment_id
+    found = [
+        model
+        for model in client.search_logged_models(experiment_ids=[experiment_id], filter_string=f"name = '{name}'")
+        if model.source_run_id == run_id
+    ]
+    if not found:
+        raise MlflowException(f"run {run_id} logged no model named {name!r}")
+    return max(found, key=lambda model: model.creation_timestamp)
+
+
+def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple[Path, dict[str, Path]]:
+    """Download the MLflow model ``uri`` (``models:/<name>/<version|latest>``, ``models:/<id>``,
+    ``runs:/<run id>/<name>``) from the store at ``tracking_uri`` into ``destination``: (its ONNX
+    file, ``{file name: path}`` of its extra files). ``ValueError`` when the URI names no model
+    or one without the ONNX flavour."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # stderr is for errors
+    named, store = uri, locations.with_credentials(tracking_uri)
+    try:
+        # resolved to the model's artifact location here: MLflow resolves `models:/` and a run's
+        # logged models through the process's global tracking and registry URIs, not this store
+        client = MlflowClient(tracking_uri=store, registry_uri=store)
+        if urlparse(uri).scheme == "models":
+            found = get_model_name_and_version(client, uri)
+            if len(found) == 1:
+                uri = client.get_logged_model(found[0]).artifact_location
+            else:
+                uri = client.get_model_version_download_uri(*found)
+        else:
+            uri = logged_model_of_run(client, uri).artifact_location
+        local = Path(
+            mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(destination), tracking_uri=store)
+        )
+        described = Model.load(str(local))
+    except (MlflowException, OSError) as error:
+        raise ValueError(f"no MLflow model at {named} in {locations.redact_uri(tracking_uri)}: {error}") from error
+    flavour = described.flavors.get("onnx")
+    if flavour is None:
+        raise ValueError(f"{named} is not an ONNX model (flavours: {', '.join(sorted(described.flavors))})")
+    extras = {Path(entry["path"]).name: local / entry["path"] for entry in flavour.get("extra_files") or []}
+    return local / flavour["data"], extras
+
+
+def source_run_id(checkpoint: str | os.PathLike[str], state: Mapping[str, Any]) -> str | None:
+    """The MLflow run of the model in ``checkpoint``: the id its contents record, else its run
+    folder's ``mlflow_run_id`` file; None when it was trained without MLflow."""
+    recorded = state.get("mlflow_run_id")
+    if recorded:
+        return str(recorded)
+    id_file = RunFiles(Path(checkpoint).parent).mlflow_run_id
+    return (id_file.read_text(encoding="utf-8").strip() or None) if id_file.is_file() else None
+
+
+def log_exported_model(
+    tracking_uri: str,
+    checkpoint: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    onnx_file: Path,
+    extra_files: list[Path],
+    warn: Any = log.warning,
+    **how: Any,
+) -> dict[str, str]:
+    """:func:`log_onnx_model` into the run of ``checkpoint`` (:func:`source_run_id`); ``{}`` with a
+    warning when there is no such run or the store refuses: the export stands without MLflow."""
+    run_id = source_run_id(checkpoint, state)
+    if not run_id:
+        warn(f"{onnx_file.name} not logged as an MLflow model: {checkpoint} records no MLflow run")
+        return {}
+    try:
+        return {"run_id": run_id} | log_onnx_model(tracking_uri, run_id, onnx_file, extra_files, **how)
+    except Exception as error:  # noqa: BLE001 - a tracking store that cannot be reached must not lose the export
+        warn(f"{onnx_file.name} not logged as an MLflow model: {type(error).__name__}: {error}")
+        return {}

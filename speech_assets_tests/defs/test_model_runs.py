@@ -230,6 +230,21 @@ def test_export_parity_and_readme_example(evaluated, tmp_path) -> None:
         [dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
     )[dg.AssetCheckKey(dg.AssetKey("encoder_export"), "onnx_matches_pytorch")]
     assert check.status.value == "SUCCEEDED" and check.event.dagster_event.event_specific_data.passed
+    # the export is an MLflow model (ONNX flavour, signature, encoder.json beside it) in the run of the checkpoint
+    from speech_assets.train.tracking import download_onnx_model
+
+    exported = instance.fetch_materializations(dg.AssetKey("encoder_export"), limit=1).records[0]
+    trained = instance.fetch_materializations(dg.AssetKey("pretrained_checkpoint"), limit=1).records[0]
+    model_uri = exported.asset_materialization.metadata["mlflow_model"].value
+    onnx_file, extras = download_onnx_model(model_uri, f"sqlite:///{out / 'mlflow.db'}", tmp_path / "model")
+    assert (
+        json.loads(extras["encoder.json"].read_text()) == spec
+        and onnx_file.read_bytes() == (folder / "encoder.onnx").read_bytes()
+    )
+    from mlflow.tracking import MlflowClient
+
+    logged = MlflowClient(f"sqlite:///{out / 'mlflow.db'}").get_logged_model(model_uri.removeprefix("models:/"))
+    assert logged.source_run_id == trained.asset_materialization.metadata["mlflow_run_id"].value
     # the user guide's example, as written, on a FLAC file of the corpus
     readme = (REPO / "docs" / "USER_GUIDE.md").read_text()
     example = re.search(r"<!-- onnx-example -->\n```python\n(.*?)```", readme, re.S).group(1)
@@ -474,7 +489,7 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
 
     from speech_assets.features.audio import decode
 
-    out = finetuned[0]
+    out, _, instance = finetuned
     folder = out / "finetune" / "recogniser"
     spec = json.loads((folder / "recogniser.json").read_text())
     assert spec["parity"]["max_abs_diff"] <= 1e-4 and spec["parity"]["utterances"] > 0
@@ -524,6 +539,15 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
         cwd=REPO,
     )
     assert missing.returncode == 1 and "no recogniser" in missing.stderr
+    # the same recogniser, registered in MLflow by finetuned_asr, read back by its model URI
+    event = instance.fetch_materializations(dg.AssetKey("finetuned_asr"), limit=1).records[0].asset_materialization
+    registered = event.metadata["registered_model"].value
+    assert re.fullmatch(r"models:/speech_assets_recogniser/\d+", registered), registered
+    for uri in (registered, "models:/speech_assets_recogniser/latest"):
+        by_uri = subprocess.run(
+            [*command[:4], str(good[0]), "--model", uri], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+        )
+        assert by_uri.returncode == 0 and by_uri.stdout == lines[0] + "\n", by_uri.stderr[-3000:]
     # the exported run's LM and lexicon travel with the model: beam decoding spells only labelled words
     assert spec["beam"]["lm"] == "3gram.arpa" and (folder / spec["beam"]["lexicon"]).is_file()
     lexicon = {line.split(" ", 1)[0] for line in (folder / spec["beam"]["lexicon"]).read_text().splitlines()}

@@ -185,7 +185,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
         assert event.metadata["privacy"].value == {"differential_privacy": False}
         assert 0 <= event.metadata["mean_round_overhead"].value < 1
         assert list(event.metadata)[0] == "curve"  # on top of the asset's page
-        # the held-out masked accuracy is the leak-free one (speech_assets.evaluation.accuracy)
+        # the held-out masked accuracy is the leak-free one (speech_assets.train.accuracy)
         assert event.metadata["heldout_masked_accuracy"].value == pytest.approx(
             result["heldout_leak_free_masked_accuracy"], abs=5e-4
         )

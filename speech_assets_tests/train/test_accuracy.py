@@ -8,7 +8,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from speech_assets.evaluation import accuracy
+from speech_assets.train import accuracy
 
 LEAK_FREE, LEAK_FREE_MAJORITY = 0.037, 0.021  # what every view must show
 ALL_FRAMES, ALL_FRAMES_MAJORITY = 0.051, 0.033  # the leaky figure: never shown as the model's score

@@ -1,0 +1,233 @@
+"""The end of ``make demo`` (``scripts/materialize_all.sh``): the fine-tuned recogniser on held-out
+utterances of the corpus the demo ran on, each with its reference text and CER; then one verdict
+line read from the Dagster instance (the steps of the demo's runs that succeeded, and every asset
+check that warned, with the reason its evaluation recorded) and what to open.
+
+``python -m speech_assets.demo --since <epoch seconds>``: the runs created since then are the
+demo's. Nothing here recomputes a check: the instance's evaluations are the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import dagster as dg
+
+from speech_assets import locations
+from speech_assets.layout import DataLayout, RecogniserFiles, RunFiles
+
+EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Example:
+    """A held-out utterance of the fine-tuning split: its audio and reference text."""
+
+    utt_id: str
+    speaker_id: str
+    path: str
+    reference: str
+
+
+def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
+    """``count`` utterances the exported recogniser never trained on: the held-out ones of its
+    fine-tuning run (``labelled.json``), kept only where the current manifest (the corpus the
+    demo ran on) lists them and their audio exists; one speaker after another, in id order."""
+    from speech_assets.corpus.manifest import read_manifest
+
+    card = RecogniserFiles(data.finetune.recogniser).card
+    if not card.is_file():
+        raise FileNotFoundError(f"no recogniser at {card.parent}: materialize finetuned_asr")
+    run_dir = Path(json.loads(card.read_text(encoding="utf-8"))["checkpoint"]).parent
+    heldout = json.loads(RunFiles(run_dir).labelled.read_text(encoding="utf-8"))["heldout"]
+    listed = {row.utt_id: row for row in read_manifest(data.manifest.manifest)}
+    by_speaker: dict[str, list[Example]] = {}
+    for utt_id in sorted(heldout):
+        row = listed.get(utt_id)
+        if row is not None and Path(row.path).is_file():
+            by_speaker.setdefault(row.speaker_id, []).append(Example(utt_id, row.speaker_id, row.path, heldout[utt_id]))
+    chosen: list[Example] = []
+    while len(chosen) < count and any(by_speaker.values()):
+        for speaker in sorted(by_speaker):
+            if by_speaker[speaker] and len(chosen) < count:
+                chosen.append(by_speaker[speaker].pop(0))
+    return chosen
+
+
+def registered_recogniser(instance: dg.DagsterInstance) -> str | None:
+    """The MLflow model version finetuned_asr's latest materialization registered, if any."""
+    from speech_assets.defs.lineage import latest_materialization
+
+    event = latest_materialization(instance, "finetuned_asr")
+    value = (event.metadata or {}).get("registered_model") if event else None
+    return str(value.value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class Scored:
+    example: Example
+    hypothesis: str | None
+    cer: float | None
+    error: str | None = None
+
+    def lines(self) -> list[str]:
+        head = f"{self.example.utt_id} (speaker {self.example.speaker_id})"
+        if self.error is not None:
+            return [f"{head}: error: {self.error}"]
+        return [
+            f"{head}: CER {self.cer:.2f}",
+            f"  reference:  {self.example.reference}",
+            f"  recognised: {self.hypothesis}",
+        ]
+
+
+def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]:
+    """Each example through ``recogniser`` (a :class:`~speech_assets.evaluation.recognise.Recogniser`),
+    scored by CER against its reference."""
+    import jiwer
+
+    scored = []
+    for example, transcript in zip(examples, recogniser.transcribe_all(e.path for e in examples), strict=True):
+        if transcript.error is not None:
+            scored.append(Scored(example, None, None, transcript.error))
+            continue
+        hypothesis = transcript.text or ""
+        cer = float(jiwer.cer(example.reference, hypothesis)) if hypothesis else 1.0
+        scored.append(Scored(example, hypothesis, cer))
+    return scored
+
+
+def demo_runs(instance: dg.DagsterInstance, since: float) -> list[dg.DagsterRun]:
+    """The runs created at or after ``since`` (epoch seconds), oldest first."""
+    created_after = datetime.fromtimestamp(since, UTC)
+    return list(reversed(instance.get_runs(filters=dg.RunsFilter(created_after=created_after))))
+
+
+def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
+    """(steps that succeeded, steps that failed) in ``run_ids``."""
+    succeeded = failed = 0
+    for run_id in run_ids:
+        for entry in instance.all_logs(
+            run_id, of_type={dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
+        ):
+            if entry.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS:
+                succeeded += 1
+            else:
+                failed += 1
+    return succeeded, failed
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    asset: str
+    check: str
+    passed: bool
+    severity: str
+    why: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.check} on {self.asset}"
+
+
+def check_outcomes(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> list[CheckOutcome]:
+    """The last evaluation of every asset check in ``run_ids`` as the instance recorded it; the
+    reason is the evaluation's description, else its recorded verdict."""
+    latest: dict[tuple[str, str], CheckOutcome] = {}
+    for run_id in run_ids:
+        for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
+            evaluation = entry.dagster_event.event_specific_data
+            verdict = evaluation.metadata.get("verdict")
+            why = evaluation.description or (str(verdict.value) if verdict is not None else "")
+            asset = evaluation.asset_key.to_user_string()
+            latest[(asset, evaluation.check_name)] = CheckOutcome(
+                asset, evaluation.check_name, evaluation.passed, evaluation.severity.value, why.strip()
+            )
+    return [latest[key] for key in sorted(latest)]
+
+
+def verdict(succeeded: int, failed: int, outcomes: Sequence[CheckOutcome]) -> list[str]:
+    """One line, ``N steps succeeded, K warnings (...)``, then one line per check that did not
+    pass, with its reason (the first line of it)."""
+    warned = [o for o in outcomes if not o.passed and o.severity == dg.AssetCheckSeverity.WARN.value]
+    errors = [o for o in outcomes if not o.passed and o.severity != dg.AssetCheckSeverity.WARN.value]
+    head = f"{succeeded} steps succeeded"
+    if failed:
+        head += f", {failed} failed"
+    head += f", {len(warned)} warning{'s' * (len(warned) != 1)}"
+    if errors:
+        head += f", {len(errors)} failed check{'s' * (len(errors) != 1)}"
+    named = [o.name for o in (*errors, *warned)]
+    lines = [head + (f": {', '.join(named)}" if named else "")]
+    for outcome in (*errors, *warned):
+        kind = "warned" if outcome in warned else "failed"
+        why = outcome.why.splitlines()[0] if outcome.why else "no reason recorded"
+        lines.append(f"- {outcome.name} {kind}: {why}")
+    return lines
+
+
+def what_to_open(data: DataLayout) -> list[str]:
+    return [
+        f"report: {data.report.index}",
+        "Dagster UI (runs, asset checks, lineage): make ui",
+        "MLflow (every model's run, the registered speech_assets_recogniser): make mlflow",
+    ]
+
+
+def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int) -> tuple[list[str], bool]:
+    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, fetch_recogniser
+
+    try:
+        examples = heldout_examples(data, count)
+    except (OSError, KeyError, ValueError) as error:
+        return [f"error: {error}"], False
+    if not examples:
+        return ["error: no held-out utterance of the fine-tuning split is in the corpus the demo ran on"], False
+    uri = registered_recogniser(instance)
+    try:
+        with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
+            if uri:
+                source = uri
+                recogniser = Recogniser(fetch_recogniser(uri, Path(folder), locations.mlflow_tracking_uri(data.root)))
+            else:
+                source = f"{data.finetune.recogniser} (not registered in MLflow)"
+                recogniser = Recogniser(data.finetune.recogniser)
+    except RecogniserError as error:
+        return [f"error: {error}"], False
+    scored = transcribe_examples(examples, recogniser)
+    lines = [f"recogniser: {source}"]
+    for item in scored:
+        lines += item.lines()
+    return lines, all(item.error is None for item in scored)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m speech_assets.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--since", type=float, required=True, help="epoch seconds: the demo's runs start here")
+    parser.add_argument("--examples", type=int, default=EXAMPLES, help="held-out utterances to transcribe (0: none)")
+    args = parser.parse_args(argv)
+    data = DataLayout(locations.data_dir())
+    ok = True
+    with dg.DagsterInstance.get() as instance:
+        if args.examples > 0:
+            print(f"== the fine-tuned recogniser on {args.examples} held-out utterances (speakers it never heard) ==")
+            lines, ok = _examples_section(data, instance, args.examples)
+            print("\n".join(lines))
+            print()
+        run_ids = [run.run_id for run in demo_runs(instance, args.since)]
+        succeeded, failed = step_counts(instance, run_ids)
+        print(f"== verdict ({len(run_ids)} runs) ==")
+        print("\n".join(verdict(succeeded, failed, check_outcomes(instance, run_ids))))
+    print("\n".join(what_to_open(data)))
+    return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
