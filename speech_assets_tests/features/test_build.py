@@ -23,7 +23,7 @@ from speech_assets.features.jobs import ShardJob, UtteranceInput
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.testing.corpora import with_silence
+from speech_assets_tests.support.corpora import with_silence
 
 SR = 16_000
 
