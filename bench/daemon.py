@@ -62,7 +62,7 @@ LOCATION_STATUS = (
 def build_corpus(root: Path, speakers: int, files_per_speaker: int) -> list[str]:
     """``speakers`` LibriSpeech-layout speakers made from the sample's: speaker i reads sample
     speaker i mod 8's utterances, copied into ``files_per_speaker / 8`` chapters. Returns the ids."""
-    from speech_assets.testing.corpora import copy_recording
+    from speech_assets_tests.support.corpora import copy_recording
 
     sources = sorted(p for p in SAMPLE.iterdir() if p.is_dir())
     copies = max(1, files_per_speaker // 8)

@@ -88,7 +88,7 @@ def build_inputs(root: Path) -> Path:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import StoragePaths
-    from speech_assets.testing.local_runs import materialize_data_stages
+    from speech_assets_tests.support.local_runs import materialize_data_stages
 
     home, out = root / "dagster_home", root / "out"
     home.mkdir(parents=True)

@@ -1,11 +1,12 @@
 """float16 (shard format 2) against float32 (format 1) shards, in one run: disk, read-back, k-means, training.
 
-    SPEECH_ASSETS_SHARD_FORMAT=1 ...build a data dir...        # float32 shards to start from
-    python bench/float16.py --data /big/disk/scale_run/data --speakers 40 --steps 150
+    python bench/float16.py --data /big/disk/scale_run32/data --speakers 40 --steps 150   # float32 shards
     python bench/float16.py --shards /some/float32/shards      # disk, read-back, k-means only
 
-The source shards must be float32 (format 1: shards built before issue 24, or with
-``SPEECH_ASSETS_SHARD_FORMAT=1``); each is rewritten twice with ``write_shard`` (same settings: zstd
+The source shards must be float32 (format 1: shards built before issue 24; the graph writes
+float16 straight from the extractor, so no build makes float32 values now: the former
+``$SPEECH_ASSETS_SHARD_FORMAT=1`` wrote float16 values into float32 blobs, byte for byte this
+script's own format-1 rewrite of a format-2 shard); each is rewritten twice with ``write_shard`` (same settings: zstd
 level 1, 32-row groups), as format 1 and as format 2, and every figure compares the two:
 
 * disk: shard bytes per hour of audio (original duration, before VAD);
@@ -130,8 +131,8 @@ def main() -> int:
     formats = {shard_format(s) for s in shards}
     if formats != {1}:
         raise SystemExit(
-            f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. built "
-            f"with SPEECH_ASSETS_SHARD_FORMAT=1"
+            f"source shards are format {sorted(formats)}: float32 (format 1) sources are needed, e.g. "
+            f"built before issue 24"
         )
     hours = sum(r.duration_s for s in shards for r in iter_shard(s, features=())) / 3600
     print(

@@ -47,7 +47,7 @@ import speech_assets.features.build as build_module  # noqa: E402
 from speech_assets.definitions import build_definitions  # noqa: E402
 from speech_assets.defs.automation import automation_sensor, corpus_sensor  # noqa: E402
 from speech_assets.defs.resources import StoragePaths  # noqa: E402
-from speech_assets.testing.local_runs import materialize_in_process, requested_partitions, run_requested  # noqa: E402
+from speech_assets_tests.support.local_runs import materialize_in_process, requested_partitions, run_requested  # noqa: E402
 
 DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
 FULL_BUILD = ("manifest", "vad_features", "cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")

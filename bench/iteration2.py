@@ -38,8 +38,8 @@ def main() -> int:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.testing.local_runs import materialize_data_stages, materialize_in_process
     from speech_assets.train.accuracy import heldout_accuracy
+    from speech_assets_tests.support.local_runs import materialize_data_stages, materialize_in_process
 
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; corpus {args.corpus}")
     with tempfile.TemporaryDirectory(prefix="bench_iter2_") as folder:

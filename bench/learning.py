@@ -57,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # speech_assets_tests.support (in-process runs) from `python bench/learning.py`
 BIN = Path(sys.executable).parent
 CODE_LOCATION = "speech_assets.definitions"
 MIN_FULL_HOURS = 2.0
@@ -474,7 +476,7 @@ class GraphRunner:
             raise SystemExit(f"`dagster asset materialize --select {select}` failed ({code}); {log}:\n{tail}")
 
     def _in_process(self, select: str, partitions: list[str] | None, config: dict | None, log: Path) -> None:
-        from speech_assets.testing.local_runs import materialize_in_process
+        from speech_assets_tests.support.local_runs import materialize_in_process
 
         with log.open("a") as out, redirected(out):
             for asset in select.split(","):

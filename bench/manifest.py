@@ -15,15 +15,20 @@ import argparse
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from speech_assets.corpus import manifest as m
-from speech_assets.corpus.rejects import write_rejects
-from speech_assets.testing.corpora import copy_recording
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's speech_assets and the tests' support/
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample"
+from speech_assets.corpus import manifest as m  # noqa: E402
+from speech_assets.corpus.rejects import write_rejects  # noqa: E402
+from speech_assets_tests.support.corpora import copy_recording  # noqa: E402
+
+SAMPLE = REPO / "data" / "sample"
 
 
 def build_corpus(root: Path, files: int) -> int:

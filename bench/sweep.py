@@ -77,7 +77,7 @@ def federated_run(data: Path, run_dir: Path, knobs: dict[str, Any]) -> Path:
     from speech_assets.corpus.clients import read_clients
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.server_app import Server
-    from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
+    from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity
 
     rows = read_clients(data / "clients" / "clients.parquet")
     clients = sorted({r.client_id for r in rows})

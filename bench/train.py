@@ -50,7 +50,7 @@ def peak_flops(gpu_name: str | None, override_tflops: float | None) -> float | N
 
 
 def synthetic_config(root: Path, utterances: int) -> TrainConfig:
-    from speech_assets.testing.training_data import write_corpus
+    from speech_assets_tests.support.training_data import write_corpus
 
     corpus = write_corpus(
         root / "corpus",

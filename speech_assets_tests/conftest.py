@@ -18,7 +18,7 @@ import pytest
 if TYPE_CHECKING:
     import dagster as dg
 
-from speech_assets.testing.corpora import LibriCorpus, tone, write_flac  # noqa: F401 (re-exported for tests)
+from speech_assets_tests.support.corpora import LibriCorpus, tone, write_flac  # noqa: F401 (re-exported for tests)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO / "data" / "sample"
@@ -73,7 +73,7 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     it); no CLI start-up."""
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.testing.local_runs import materialize_data_stages
+    from speech_assets_tests.support.local_runs import materialize_data_stages
 
     root = tmp_path_factory.mktemp("sample_build")
     paths = StoragePaths(
@@ -98,7 +98,7 @@ def demo_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """`scripts/materialize_all.sh` (exactly what `make demo` runs and the user guide documents) on the
     sample corpus with a fresh DAGSTER_HOME and data dir. The end-to-end and federated tests
     inspect what it left; building the graph once is most of the suite's time on a small machine."""
-    from speech_assets.testing.commands import run_group
+    from speech_assets_tests.support.commands import run_group
 
     root = tmp_path_factory.mktemp("e2e")
     bin_dir = Path(sys.executable).parent

@@ -31,8 +31,7 @@ FLOORS: list[set[str]] = [
     {"definitions", "cli", "deploy", "docs", "demo"},
 ]
 APART = [{"federated", "evaluation"}]  # parts of one floor that must not import each other
-TESTING = "testing"  # test scaffolding: it may import the product, the product never imports it
-DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", "docs", "demo", TESTING}  # the only parts importing dagster
+DAGSTER_PARTS = {"defs", "definitions", "deploy", "cli", "docs", "demo"}  # the only parts importing dagster
 LIGHT_DAGSTER = {"dagster_pipes"}  # the worker-side library, fine anywhere
 INTERNALS = "defs.dagster_internals"  # the one module that may use private names of Dagster and multiprocessing
 PRIVATE_OWNED = f"a private name of Dagster or multiprocessing: only {PACKAGE}.{INTERNALS} uses those, saying why"
@@ -155,15 +154,13 @@ def owner_aliases(tree: ast.Module) -> dict[str, str]:
 
 
 def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
-    """Every breach of the import rule in ``root/package`` (production modules: all but testing/)."""
+    """Every breach of the import rule in ``root/package`` (test scaffolding lives in the tests' support/)."""
     modules = modules_of(root, package)
     internals = f"{package}.{INTERNALS}"
     violations: list[Violation] = []
     edges: dict[tuple[str, str], tuple[str, int, str]] = {}  # (from part, to part) -> one example
     for module, path in modules.items():
         part = part_of(module)
-        if part == TESTING:
-            continue
         where = str(path.relative_to(root))
         floor = floor_of(part)
         if floor is None:
@@ -228,13 +225,6 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
             if top != package:
                 continue
             target_part = part_of(item.target)
-            if target_part == TESTING:
-                violations.append(
-                    Violation(
-                        where, item.line, module, item.target, "test scaffolding: the product never imports testing/"
-                    )
-                )
-                continue
             target_floor = floor_of(target_part)
             if target_part == part or target_floor is None:
                 continue
@@ -352,10 +342,6 @@ ALLOWED = {
     },
     "floor 0 parts": {"runtime/locks.py": "from speech_assets.utils import atomic_path\n", "utils.py": ""},
     "lazy and down": {"defs/stats.py": "def f():\n    from speech_assets.stats import plots\n", "stats/plots.py": ""},
-    "testing imports anything": {
-        "testing/runs.py": "import dagster\nfrom speech_assets.defs import x\nfrom speech_assets.defs.x import _y\n",
-        "defs/x.py": "",
-    },
     "dagster in defs": {"defs/x.py": "import dagster as dg\nfrom dagster import asset\n"},
     "dagster_pipes in a worker": {"train/tracking.py": "from dagster_pipes import open_dagster_pipes\n"},
     "a dunder name": {"cli.py": "from speech_assets import __version__\n"},
@@ -399,9 +385,12 @@ FORBIDDEN = {
         "federated and evaluation share a floor and must not import each other",
     ),
     "testing": (
-        {"defs/automation.py": "from speech_assets.testing.local_runs import START\n", "testing/local_runs.py": ""},
-        "defs/automation.py:1: speech_assets.defs.automation imports speech_assets.testing.local_runs: test "
-        "scaffolding",
+        {"defs/automation.py": "from speech_assets_tests.support.local_runs import START\n"},
+        "defs/automation.py:1: speech_assets.defs.automation imports speech_assets_tests.support.local_runs: the tests",
+    ),
+    "test scaffolding back in the package": (
+        {"testing/runs.py": "import dagster\nfrom speech_assets.defs import x\n", "defs/x.py": ""},
+        "speech_assets.testing is on no floor",
     ),
     "a private name": (
         {"targets/iteration2.py": "from speech_assets.targets.labels import _write_outputs\n", "targets/labels.py": ""},
@@ -477,5 +466,5 @@ def test_the_package_keeps_its_layers() -> None:
 
 
 def test_every_part_of_the_package_is_on_a_floor() -> None:
-    parts = {part_of(module) for module in modules_of(REPO)} - {TESTING}
+    parts = {part_of(module) for module in modules_of(REPO)}
     assert parts == set().union(*FLOORS)

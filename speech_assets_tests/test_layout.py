@@ -2,7 +2,7 @@
 spells the name of a file or folder the graph writes.
 
 The names are read from the layout module itself (its upper-case string constants), so a name
-added there is guarded at once. Pure AST over the package (tests, ``testing/`` and ``bench/``
+added there is guarded at once. Pure AST over the package (tests, their ``support/`` and ``bench/``
 are not the product): a file name is flagged wherever it appears as a string, also at the end of
 a glob (``"*/quality.json"``); a folder name where it is joined into a path (``root / "probe"``).
 A numbered name (a constant with a field, ``"round-{}.json"``) is flagged as an f-string of its
@@ -25,7 +25,6 @@ from speech_assets import layout
 from speech_assets_tests.conftest import REPO
 
 PACKAGE = REPO / "speech_assets"
-NOT_PRODUCT = {"testing"}  # test scaffolding: it writes fixtures in the layout's shape
 
 
 def layout_names() -> tuple[set[str], set[str]]:
@@ -219,7 +218,7 @@ def test_no_output_path_literal_outside_the_layout_module() -> None:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(REPO)
-        if path == Path(layout.__file__).resolve() or NOT_PRODUCT & set(relative.parts[1:-1]):
+        if path == Path(layout.__file__).resolve():
             continue
         found += [
             f"{relative}:{line}: {name!r}" for line, name in literals_in(path.read_text(), files, folders, templates)

@@ -244,8 +244,8 @@ class FeatureSettings(dg.Config):
     vad_padding_ms: int = VadConfig.padding_ms
     min_speech_s: float = VadConfig.min_speech_s
     min_speech_ratio: float = VadConfig.min_speech_ratio
-    # processes, this one included; 0: automatic (one more per ~4 h of audio, at most one per core; a smaller job here,
-    # a thread per core); 1: here, one thread
+    # processes, this one included; 0: automatic (one more per ~4 h of audio, at most one per core; a smaller job here
+    # alone); 1: here alone
     workers: int = 0
     # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]
     speed_perturb: list[float] = []

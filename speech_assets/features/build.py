@@ -15,7 +15,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -319,18 +319,14 @@ def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
 
 
 def iter_publish_shards(
-    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None, threads: int = 1
+    jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
 ) -> Iterator[ShardOutcome]:
     """Build and publish many speakers' shards, largest first, over ``workers`` processes (this
     one included), yielding each outcome as soon as its shard is published (or has failed).
 
-    With one worker the shards are built in this process, over ``threads`` threads (each with its
-    own extractor): a worker process costs seconds to start, a thread nothing, and most of a
-    shard's work (decoding, the extractor's torch ops, the Parquet write) runs without the GIL.
-    With more, this process builds shards on one thread from the start while ``workers - 1``
-    helper processes start and join in (see ``_publish_with_helpers``). Either way each shard is
-    built by one thread with one torch thread, so its bytes do not depend on ``workers`` or
-    ``threads``.
+    This process builds shards on one thread from the start while ``workers - 1`` helper
+    processes start and join in (see ``_publish_with_helpers``). Each shard is built by one
+    thread with one torch thread, so its bytes do not depend on ``workers``.
 
     Each shard is published (sidecars, then meta) as soon as it is built, so a failing shard
     keeps every other one; failures come back as outcomes with ``error`` set instead of raising.
@@ -341,14 +337,13 @@ def iter_publish_shards(
     waits for the shards in flight, cancels the rest and lets the pool (and, in this process, the
     frozen heap and torch's thread count) go at once rather than whenever it is collected.
     """
-    yield from publish_planned(plan_shards(jobs, default_workers() if workers is None else workers, threads), vad_cfg)
+    yield from publish_planned(plan_shards(jobs, default_workers() if workers is None else workers), vad_cfg)
 
 
 # The step's process always builds shards; each extra worker is a helper process, a fresh
 # interpreter importing torch (~2 s alone, more while the cores are busy) that joins in once it has
-# started. Below that, the step's process runs a thread per core. Measured on 2 cores
-# (docs/BENCHMARKS.md): 2.6 h of audio is built faster on two threads (3.7-3.9 s) than with a
-# helper (4.3-4.9 s), 5.4 h faster with a helper (7.0-7.9 s against 8.1-11.0 s).
+# started. Measured on 2 cores (docs/BENCHMARKS.md), a helper lost below ~3 h of audio to the
+# step's process alone (even on two threads) and won from ~5 h.
 AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
 
 
@@ -362,33 +357,23 @@ def worker_count(audio_seconds: float) -> int:
 @dataclass(frozen=True)
 class ShardPlan:
     """A shard job, planned once: its jobs largest first, how many need building (every meta read
-    once, here; ``build_and_publish`` checks again under the shard's lock), the helper processes
-    beside this one and, when this process builds alone, its threads."""
+    once, here; ``build_and_publish`` checks again under the shard's lock) and the helper
+    processes beside this one."""
 
     ordered: tuple[ShardJob, ...]
     to_build: int
     helpers: int
-    threads: int
 
     def describe(self) -> str:
-        where = (
-            f"this process and {self.helpers} helper process(es)"
-            if self.helpers
-            else f"this process, {self.threads} thread(s)"
-        )
+        where = f"this process and {self.helpers} helper process(es)" if self.helpers else "this process"
         return f"{self.to_build} shard(s) to build in {where}, {len(self.ordered) - self.to_build} unchanged"
 
 
-def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None, threads: int = 1) -> ShardPlan:
-    """Plan ``jobs`` over ``workers`` processes (this one included) and ``threads`` threads.
-
-    ``workers=None`` sizes the job by the audio to build (:func:`worker_count`); a job for one
-    process then runs a thread per core (``threads`` is ignored).
-    """
+def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None) -> ShardPlan:
+    """Plan ``jobs`` over ``workers`` processes (this one included); ``workers=None`` sizes the
+    job by the audio to build (:func:`worker_count`)."""
     if workers is not None and int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if int(threads) < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
     speakers = [job.speaker_id for job in jobs]
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
@@ -396,17 +381,11 @@ def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None, threads: i
     todo = [job for job in ordered if needs_building(job)]
     if workers is None:
         workers = worker_count(sum(job.audio_seconds for job in todo))
-        # a job too small for a helper process is built here, one thread per core
-        threads = default_workers() if workers == 1 else 1
-    helpers = helpers_for(len(todo), int(workers))
-    return ShardPlan(ordered, len(todo), helpers, 1 if helpers else min(int(threads), max(1, len(ordered))))
+    return ShardPlan(ordered, len(todo), helpers_for(len(todo), int(workers)))
 
 
 def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
     """:func:`iter_publish_shards` of a planned job."""
-    if plan.helpers == 0:
-        yield from _publish_in_process(plan.ordered, vad_cfg, plan.threads)
-        return
     yield from _publish_with_helpers(plan.ordered, vad_cfg, plan.helpers)
 
 
@@ -436,7 +415,8 @@ def _helper_outcome(future: Future, job: ShardJob) -> ShardOutcome:
 
 def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpers: int) -> Iterator[ShardOutcome]:
     """This process builds shards from the first second on, while ``helpers`` worker processes
-    start; each helper takes the next shard (largest first) whenever it is free.
+    (none: this process alone, no pool) start; each helper takes the next shard (largest first)
+    whenever it is free.
 
     A helper is a fresh interpreter that imports torch (~2 s, more while the cores are busy):
     with a pool alone this process waited for them, idle. A shard goes to the pool only when a
@@ -450,7 +430,7 @@ def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpe
     state = {"outstanding": 0, "stopping": False}  # helper shards handed out, not yet reported
     # A helper's finished shard, or None: a shard handed back to this process (the pool broke).
     finished: SimpleQueue[tuple[Future, ShardJob] | None] = SimpleQueue()
-    pool = make_pool(helpers)
+    pool = make_pool(helpers) if helpers else None
 
     def hand_out(_: Future | None = None) -> None:  # in the pool's thread, when a helper is free
         with lock:
@@ -496,35 +476,8 @@ def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpe
     finally:  # also when the caller stops early: the helpers' shards in flight end, no new one starts
         with lock:
             state["stopping"] = True
-        pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(previous)
-
-
-def _publish_in_process(ordered: Sequence[ShardJob], vad_cfg: VadConfig, threads: int) -> Iterator[ShardOutcome]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # per process: each thread's ops then run in that thread alone
-    try:
-        with frozen_heap():  # once for every thread (build_shard's own would be undone by another's)
-            if threads == 1:
-                extractor = FeatureExtractor()
-                for job in ordered:
-                    yield _publish_or_report(job, vad_cfg, extractor)
-                return
-            local = threading.local()
-
-            def publish(job: ShardJob) -> ShardOutcome:
-                extractor = getattr(local, "extractor", None)
-                if extractor is None:  # not thread-safe (scratch buffers): one per thread
-                    extractor = local.extractor = FeatureExtractor()
-                return _publish_or_report(job, vad_cfg, extractor)
-
-            pool = ThreadPoolExecutor(threads, thread_name_prefix="shards")
-            try:
-                for future in as_completed([pool.submit(publish, job) for job in ordered]):
-                    yield future.result()
-            finally:  # also when the caller stops early: shards not started are not built
-                pool.shutdown(wait=True, cancel_futures=True)
-    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(previous)
 
 

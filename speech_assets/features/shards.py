@@ -55,8 +55,6 @@ FEATURE_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
 """Feature blob dtype of each shard format version this code reads."""
 FORMAT_KEY = b"speech_assets.shard_format"
 DTYPE_KEY = b"speech_assets.feature_dtype"
-FORMAT_ENV = "SPEECH_ASSETS_SHARD_FORMAT"
-"""Benchmarks only: ``1`` makes :func:`write_shard` write the float32 format, for comparisons."""
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -266,15 +264,12 @@ def write_shard(
     path: str | os.PathLike[str],
     records: Sequence[FeatureRecord],
     row_group_rows: int = ROW_GROUP_ROWS,
-    version: int | None = None,
+    version: int = SHARD_FORMAT,
     *,
     finite_checked: bool = False,
 ) -> Path:
-    """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`,
-    or ``$SPEECH_ASSETS_SHARD_FORMAT`` for benchmarks) at ``path``. Byte-identical for identical
-    input. ``finite_checked``: see :func:`records_to_table`."""
-    if version is None:
-        version = int(os.environ.get(FORMAT_ENV, SHARD_FORMAT))
+    """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`)
+    at ``path``. Byte-identical for identical input. ``finite_checked``: see :func:`records_to_table`."""
     table = records_to_table(records, version, finite_checked=finite_checked)
     # float16 features are stored uncompressed: zstd saves ~10 % of their bytes (63.6 -> 57.3 MB per
     # hour of audio) for ~0.035 ms CPU per audio second, a sixth of the shard builder's cost beyond

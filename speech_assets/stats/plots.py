@@ -38,17 +38,6 @@ CACHE_SUFFIX = ".png"
 _memory: OrderedDict[str, bytes] = OrderedDict()
 _folders: list[Path] = []  # innermost cached_in() last
 _used: list[set[str]] = []  # the keys looked up inside each cached_in()
-_drawn = [0]
-
-
-def drawn() -> int:
-    """How many plots this process has drawn (not found by their inputs)."""
-    return _drawn[0]
-
-
-def forget() -> None:
-    """Drop the plots remembered in this process, as a new process starts."""
-    _memory.clear()
 
 
 def _key(kind: str, *parts: object) -> str:
@@ -95,7 +84,6 @@ def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> b
                 _remember(key, found)  # drawn in this process before the block: keep it for the next
             return found
     png = _draw(draw, size)
-    _drawn[0] += 1
     if key is not None:
         _remember(key, png)
     return png

@@ -13,7 +13,7 @@ import pytest
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as m
 from speech_assets.corpus.rejects import REJECTS_SCHEMA
-from speech_assets.testing.corpora import write_flac
+from speech_assets_tests.support.corpora import write_flac
 
 CONFIG = m.ValidationConfig(min_duration_s=0.5, max_duration_s=35.0)
 NULLABLE_REJECTS = pa.schema([pa.field(f.name, f.type) for f in REJECTS_SCHEMA])

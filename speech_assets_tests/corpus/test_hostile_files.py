@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from speech_assets.corpus import manifest as m
-from speech_assets.testing.corpora import LibriCorpus, write_flac
+from speech_assets_tests.support.corpora import LibriCorpus, write_flac
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="FIFOs, /dev/zero, /proc and RLIMIT_AS as on Linux")
 

@@ -9,7 +9,7 @@ import pytest
 
 from speech_assets.corpus import manifest as m
 from speech_assets.corpus.ids import why_unsafe
-from speech_assets.testing.corpora import LibriCorpus, write_flac
+from speech_assets_tests.support.corpora import LibriCorpus, write_flac
 
 
 @pytest.mark.parametrize(

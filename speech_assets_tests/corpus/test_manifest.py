@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from speech_assets.corpus import manifest as m
-from speech_assets.testing.corpora import LibriCorpus, write_flac
+from speech_assets_tests.support.corpora import LibriCorpus, write_flac
 
 
 def reasons(result: m.ScanResult) -> dict[str, str]:

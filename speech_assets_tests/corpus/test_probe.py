@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from speech_assets.corpus import manifest as m
-from speech_assets.testing.corpora import LibriCorpus
+from speech_assets_tests.support.corpora import LibriCorpus
 
 
 def _forget_length(path: Path) -> None:

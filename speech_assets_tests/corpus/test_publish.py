@@ -14,7 +14,7 @@ from speech_assets.corpus import manifest as m
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.publish import publish_manifest
 from speech_assets.runtime.locks import flock, unlock
-from speech_assets.testing.corpora import LibriCorpus
+from speech_assets_tests.support.corpora import LibriCorpus
 
 CONFIG = m.ValidationConfig(min_duration_s=0.5, max_duration_s=35.0)
 OUTPUTS = ("manifest", "rejects", "speakers")

@@ -20,8 +20,8 @@ from speech_assets.defs import clients, features, stats, targets
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.features.shards import feature_dtype
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from speech_assets.defs import manifest, model_checks, probe
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.federated.history import EVALUATION_SCHEMA, ROUNDS_SCHEMA
 from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
-from speech_assets.testing.training_data import write_corpus
+from speech_assets_tests.support.training_data import write_corpus
 
 CHECKS = {key: check for check in definitions.CHECKS for key in check.check_keys}
 

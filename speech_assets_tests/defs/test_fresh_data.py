@@ -20,14 +20,14 @@ from speech_assets.definitions import build_definitions
 from speech_assets.defs.automation import corpus_sensor
 from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
 from speech_assets.stats import database as stats_database
-from speech_assets.testing.local_runs import (
+from speech_assets_tests.conftest import SAMPLE_CORPUS
+from speech_assets_tests.support.local_runs import (
     PARTITION_RANGE_END,
     PARTITION_RANGE_START,
     follow_automation,
     materialize_in_process,
     run_requested,
 )
-from speech_assets_tests.conftest import SAMPLE_CORPUS
 
 NEW_SPEAKER = "1008"
 DOWNSTREAM = ("cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats")
@@ -235,7 +235,7 @@ def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(
     import logging
     import os
 
-    from speech_assets.testing.corpora import write_flac
+    from speech_assets_tests.support.corpora import write_flac
 
     root = tmp_path / "corpus"
     write_flac(root / "a.flac")
@@ -289,7 +289,7 @@ def test_a_corpus_file_that_cannot_be_read_is_reported_once_per_change(
 def test_a_bad_line_in_the_corpus_file_never_fails_a_sensor_tick(
     tmp_path: Path, instance: dg.DagsterInstance, bad: str
 ) -> None:
-    from speech_assets.testing.corpora import write_flac
+    from speech_assets_tests.support.corpora import write_flac
 
     root = tmp_path / "corpus"
     write_flac(root / "a.flac")

@@ -19,10 +19,10 @@ from dagster._core.loader import LoadingContextForTest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths
-from speech_assets.testing.corpora import write_flac
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets.utils import sha256_file
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
+from speech_assets_tests.support.corpora import write_flac
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 DOWNSTREAM_OF_SHARDS = ("cmvn_stats", "client_partitions", "dataset_stats")
 

@@ -11,8 +11,8 @@ import pytest
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.testing.corpora import LibriCorpus, write_flac
-from speech_assets.testing.local_runs import materialize_in_process
+from speech_assets_tests.support.corpora import LibriCorpus, write_flac
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 
 def defs_for(corpus: Path, out: Path) -> dg.Definitions:

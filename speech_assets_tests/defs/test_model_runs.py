@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from speech_assets.targets.labels import read_labels
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 SHORT = {"preset": "tiny", "max_steps": 40, "checkpoint_every": 20}
 

@@ -22,8 +22,8 @@ import dagster as dg
 import soundfile as sf
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
-from speech_assets.testing.corpora import LibriCorpus, with_silence
-from speech_assets.testing.local_runs import materialize_in_process
+from speech_assets_tests.support.corpora import LibriCorpus, with_silence
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 corpus, out = LibriCorpus(Path(sys.argv[1])), Path(sys.argv[2])
 for speaker in ("1", "2"):

@@ -17,9 +17,9 @@ from dagster._core.loader import LoadingContextForTest
 from speech_assets.definitions import build_definitions
 from speech_assets.defs import staleness
 from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
-from speech_assets.testing.corpora import LibriCorpus, with_silence
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.corpora import LibriCorpus, with_silence
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 SPEAKERS = 120
 

@@ -13,8 +13,8 @@ import pytest
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.features.cmvn import ShardStats
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import SAMPLE_CORPUS
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 ONE_CLIENT = {"ops": {"client_partitions": {"config": {"num_clients": 1}}}}
 

@@ -19,9 +19,9 @@ import torch
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.faults import FAULTS_ENV, fault
-from speech_assets.testing.local_runs import materialize_in_process
-from speech_assets.testing.mlflow_server import MlflowServer
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.support.local_runs import materialize_in_process
+from speech_assets_tests.support.mlflow_server import MlflowServer
 
 log = logging.getLogger(__name__)
 SECRET = "s3cr3t-pa55"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.testing.mlflow_server import MlflowServer
-from speech_assets.testing.postgres import PostgresServer
+from speech_assets_tests.support.mlflow_server import MlflowServer
+from speech_assets_tests.support.postgres import PostgresServer
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import yaml
 
 from speech_assets.defs.cluster import CELERY_QUEUE_TAG, GPU_RESOURCE, K8S_CONFIG_TAG, training_op_tags
 from speech_assets.defs.resources import TrainingSettings
-from speech_assets.testing.postgres import PostgresServer
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.postgres import PostgresServer
 
 DEPLOY = REPO / "deploy"
 INSTANCE_YAMLS = {

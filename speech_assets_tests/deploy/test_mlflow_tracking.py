@@ -12,10 +12,10 @@ import pytest
 
 from speech_assets import locations
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.testing.mlflow_server import MLFLOW, MlflowServer
-from speech_assets.testing.postgres import PostgresServer
-from speech_assets.testing.training_data import SyntheticCorpus, write_corpus
 from speech_assets.train.tracking import run_url, ui_command
+from speech_assets_tests.support.mlflow_server import MLFLOW, MlflowServer
+from speech_assets_tests.support.postgres import PostgresServer
+from speech_assets_tests.support.training_data import SyntheticCorpus, write_corpus
 
 
 def _sha256(path: Path) -> str:

@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 from speech_assets.runtime.waiting import wait_until
-from speech_assets.testing.commands import run_group
-from speech_assets.testing.mlflow_server import MlflowServer
-from speech_assets.testing.postgres import PostgresServer
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.support.commands import run_group
+from speech_assets_tests.support.mlflow_server import MlflowServer
+from speech_assets_tests.support.postgres import PostgresServer
 
 BIN = Path(sys.executable).parent
 ASSETS = [  # the materialized ones (the manifest run observes speaker_manifest)
@@ -91,7 +91,7 @@ def _materialize_in_process(env: dict[str, str]) -> None:
 
     from speech_assets.definitions import build_definitions
     from speech_assets.defs.resources import PipelineSettings, StoragePaths
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets_tests.support.local_runs import materialize_in_process
 
     saved = dict(os.environ)
     os.environ.update(env)  # the Postgres password and the instance's DAGSTER_HOME, as the CLI sees them

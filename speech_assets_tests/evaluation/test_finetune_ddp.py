@@ -15,10 +15,10 @@ import torch
 from speech_assets.features.shards import read_shard_table
 from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.runtime.faults import FAULTS_ENV, fault
-from speech_assets.testing.training_data import write_corpus
 from speech_assets.train.config import FinetuneConfig
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.training_data import write_corpus
 
 WORDS = ["AB", "CAT", "DOG", "SAT", "RAN", "THE"]
 

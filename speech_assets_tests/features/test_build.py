@@ -1,6 +1,6 @@
-"""Publishing many speakers' shards (``iter_publish_shards``), in this process over threads or
-with helper processes: the same bytes as one thread, a failing shard (or a killed helper) keeps
-the others, and a caller that stops early leaves no thread or process building behind."""
+"""Publishing many speakers' shards (``iter_publish_shards``), in this process alone or with
+helper processes: the same bytes as one process, a failing shard (or a killed helper) keeps the
+others, and a caller that stops early leaves no process building behind."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import pytest
 import soundfile as sf
 import torch
 
-from speech_assets.features.build import default_workers, iter_publish_shards, plan_shards, publish_planned
+from speech_assets.features.build import iter_publish_shards, plan_shards, publish_planned
 from speech_assets.features.jobs import ShardJob, UtteranceInput
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.runtime.locks import exclusive_lock
-from speech_assets.testing.corpora import with_silence
+from speech_assets_tests.support.corpora import with_silence
 
 SR = 16_000
 
@@ -43,10 +43,6 @@ def speaker_utterances(folder: Path, speaker: str, count: int, seed: int) -> tup
 def corpus(tmp_path_factory) -> dict[str, tuple[UtteranceInput, ...]]:
     audio = tmp_path_factory.mktemp("audio")
     return {f"s{n:02d}": speaker_utterances(audio / f"s{n}", f"s{n:02d}", 2 + n % 2, seed=10 * n) for n in range(12)}
-
-
-def shard_threads() -> list[str]:
-    return [thread.name for thread in threading.enumerate() if thread.name.startswith("shards")]
 
 
 def jobs(corpus, shards_dir: Path) -> list[ShardJob]:
@@ -78,54 +74,40 @@ def test_in_process_run_restores_torch_threads(tmp_path, corpus) -> None:
     assert torch.get_num_threads() == before
 
 
-def test_threads_publish_the_bytes_one_thread_publishes(tmp_path, corpus) -> None:
-    one = list(iter_publish_shards(jobs(corpus, tmp_path / "one"), VadConfig(), workers=1, threads=1))
-    two, seen = [], set()
-    for outcome in iter_publish_shards(jobs(corpus, tmp_path / "two"), VadConfig(), workers=1, threads=2):
-        two.append(outcome)
-        seen.update(shard_threads())
-    assert len(seen) == 2  # the jobs really ran on two threads
-    assert not shard_threads()  # and they are gone
-    assert all(outcome.error is None and outcome.rebuilt for outcome in one + two)
-    assert sorted(o.speaker_id for o in two) == sorted(corpus)
-    expected = published_bytes(tmp_path / "one")
-    assert len(expected) == 3 * len(corpus)  # shard, rejects, CMVN sums per speaker
-    assert published_bytes(tmp_path / "two") == expected
+def test_a_second_pass_builds_nothing(tmp_path, corpus) -> None:
+    one = list(iter_publish_shards(jobs(corpus, tmp_path), VadConfig(), workers=1))
+    assert all(outcome.error is None and outcome.rebuilt for outcome in one)
+    assert [o.speaker_id for o in one] == [j.speaker_id for j in plan_shards(jobs(corpus, tmp_path), 1).ordered]
+    assert len(published_bytes(tmp_path)) == 3 * len(corpus)  # shard, rejects, CMVN sums per speaker
     # published for the same inputs: a second pass builds nothing
-    again = list(iter_publish_shards(jobs(corpus, tmp_path / "two"), VadConfig(), workers=1, threads=2))
+    again = list(iter_publish_shards(jobs(corpus, tmp_path), VadConfig(), workers=1))
     assert not any(outcome.rebuilt for outcome in again)
 
 
-def test_a_failing_shard_in_a_thread_keeps_the_others(tmp_path, corpus) -> None:
+def test_a_failing_shard_keeps_the_others(tmp_path, corpus) -> None:
     broken = ShardJob("bad", corpus["s00"] * 2, ShardFiles.of(tmp_path, "bad"), inputs_key="key-bad")  # duplicate ids
-    outcomes = {
-        o.speaker_id: o for o in iter_publish_shards([broken, *jobs(corpus, tmp_path)], VadConfig(), 1, threads=2)
-    }
+    outcomes = {o.speaker_id: o for o in iter_publish_shards([broken, *jobs(corpus, tmp_path)], VadConfig(), 1)}
     assert "duplicate utt_id" in outcomes["bad"].error and outcomes["bad"].meta is None
     assert all(outcomes[speaker].meta is not None for speaker in corpus)
     assert ShardFiles.of(tmp_path, "bad").read_meta() is None
 
 
-def test_a_caller_that_stops_early_leaves_no_thread_building(tmp_path, corpus) -> None:
-    outcomes = iter_publish_shards(jobs(corpus, tmp_path), VadConfig(), workers=1, threads=2)
+def test_a_caller_that_stops_early_leaves_no_process_building(tmp_path, corpus) -> None:
+    outcomes = iter_publish_shards(jobs(corpus, tmp_path), VadConfig(), workers=2)
     first = next(outcomes)
-    outcomes.close()  # waits for the shards in flight, cancels the rest
-    assert not shard_threads()
+    outcomes.close()  # waits for the helper's shard in flight, cancels the rest
+    assert not helper_processes()
     built = [speaker for speaker in corpus if ShardFiles.of(tmp_path, speaker).read_meta() is not None]
-    # the first, the one beside it and at most a few the threads picked up meanwhile: not all 12
+    # the first and at most a few the helper picked up meanwhile: not all 12
     assert first.speaker_id in built and len(built) <= len(corpus) // 2
     assert not list(Path(tmp_path).glob("*.tmp*"))  # nothing half-written
 
 
-def test_thread_count_is_checked(tmp_path, corpus) -> None:
-    with pytest.raises(ValueError, match="threads"):
-        list(iter_publish_shards(jobs(corpus, tmp_path), VadConfig(), workers=1, threads=0))
-
-
-def test_one_thread_per_shard_at_most(tmp_path, corpus) -> None:
-    """More threads than shards is fine (and a single shard never starts a pool)."""
+def test_a_single_shard_starts_no_helper(tmp_path, corpus) -> None:
+    """Kills: helpers sized by ``workers`` alone, not by the shards to build (a helper for none)."""
     single = {"s00": corpus["s00"]}
-    (outcome,) = iter_publish_shards(jobs(single, tmp_path), VadConfig(), workers=1, threads=8)
+    assert plan_shards(jobs(single, tmp_path), 8).helpers == 0
+    (outcome,) = iter_publish_shards(jobs(single, tmp_path), VadConfig(), workers=8)
     assert outcome.error is None and outcome.rebuilt
     assert np.isfinite(outcome.meta["audio_seconds"])
 
@@ -239,7 +221,7 @@ def test_helpers_are_started_only_for_shards_to_build(tmp_path, corpus) -> None:
 
 
 def test_a_shard_job_is_planned_once_reading_each_meta_once(tmp_path, corpus) -> None:
-    """The plan decides what to build, helpers and threads from one read of each meta; building
+    """The plan decides what to build and the helpers from one read of each meta; building
     from it reads no meta again outside the shard's lock."""
     reads: Counter[str] = Counter()
 
@@ -262,18 +244,15 @@ def test_a_shard_job_is_planned_once_reading_each_meta_once(tmp_path, corpus) ->
 
     plan = plan_shards(counted(), workers=4)
     assert reads == {speaker: 1 for speaker in corpus}
-    assert (plan.to_build, plan.helpers, plan.threads) == (len(corpus), 3, 1)
+    assert (plan.to_build, plan.helpers) == (len(corpus), 3)
     assert [j.speaker_id for j in plan.ordered] == sorted(
         corpus, key=lambda s: (-sum(u.duration_s for u in corpus[s]), s)
     )
 
-    # automatic: a few seconds of audio is too small for a helper; this process uses its cores
+    # automatic: a few seconds of audio is too small for a helper
     automatic = plan_shards(counted())
-    assert automatic.helpers == 0 and automatic.threads == min(default_workers(), len(corpus))
-    assert (
-        automatic.describe()
-        == f"{len(corpus)} shard(s) to build in this process, {automatic.threads} thread(s), 0 unchanged"
-    )
+    assert automatic.helpers == 0
+    assert automatic.describe() == f"{len(corpus)} shard(s) to build in this process, 0 unchanged"
 
     list(publish_planned(plan_shards(jobs(corpus, tmp_path), workers=1), VadConfig()))
     reads.clear()
@@ -283,7 +262,7 @@ def test_a_shard_job_is_planned_once_reading_each_meta_once(tmp_path, corpus) ->
     assert rebuilt.describe().endswith(f", {len(corpus) - 2} unchanged")
 
 
-@pytest.mark.parametrize(("workers", "threads"), [(0, 1), (1, 0), (-1, 1)])
-def test_a_plan_refuses_no_process_or_no_thread(tmp_path, corpus, workers: int, threads: int) -> None:
+@pytest.mark.parametrize("workers", [0, -1])
+def test_a_plan_refuses_no_process(tmp_path, corpus, workers: int) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
-        plan_shards(jobs(corpus, tmp_path), workers=workers, threads=threads)
+        plan_shards(jobs(corpus, tmp_path), workers=workers)

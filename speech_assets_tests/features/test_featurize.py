@@ -26,7 +26,7 @@ from speech_assets.features.jobs import UtteranceInput
 from speech_assets.features.shards import FeatureRecord, num_frames_for
 from speech_assets.features.vad import VadConfig
 from speech_assets.layout import sidecar_paths
-from speech_assets.testing.corpora import vowel, with_silence
+from speech_assets_tests.support.corpora import vowel, with_silence
 
 SR = 16_000
 

@@ -14,7 +14,7 @@ from speech_assets.features.featurize import FeatureExtractor
 from speech_assets.features.jobs import UtteranceInput, check_speed_factors
 from speech_assets.features.shards import FeatureRecord, read_shard_table
 from speech_assets.features.vad import VadConfig
-from speech_assets.testing.corpora import with_silence
+from speech_assets_tests.support.corpora import with_silence
 
 SR = 16_000
 

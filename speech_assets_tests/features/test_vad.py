@@ -18,7 +18,7 @@ from speech_assets.features.vad import (
     detect_speech,
     to_pcm16,
 )
-from speech_assets.testing.corpora import vowel, with_silence
+from speech_assets_tests.support.corpora import vowel, with_silence
 
 SR = 16_000
 # WebRTC's VAD keeps saying "speech" for a few frames after speech stops: its own hangover

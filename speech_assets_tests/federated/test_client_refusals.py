@@ -22,7 +22,7 @@ from speech_assets.federated import secure_rounds as sr
 from speech_assets.federated.config import NodeConfig
 from speech_assets.federated.server_app import FederatedRunError
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, run_in_process, write_federated_corpus
+from speech_assets_tests.support.federated_data import InProcessGrid, run_in_process, write_federated_corpus
 
 FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 

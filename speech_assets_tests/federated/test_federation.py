@@ -66,7 +66,7 @@ def dagster_run(sample_build: dict, sample_pipeline: SamplePipeline) -> dict:
     sample build holds), its result and its Dagster run id."""
     import dagster as dg
 
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets_tests.support.local_runs import materialize_in_process
 
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:
         run_config = {"ops": {"federated_checkpoint": {"config": FAST}}}
@@ -325,7 +325,7 @@ def test_the_asset_refuses_to_resume_a_run_folder_with_other_settings(
     settings)."""
     import dagster as dg
 
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets_tests.support.local_runs import materialize_in_process
 
     settings_file = dagster_run["run_dir"] / "settings.json"
     original = settings_file.read_text()
@@ -511,7 +511,7 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
     from speech_assets.federated.auth import make_node_key
     from speech_assets.federated.config import NodeConfig
     from speech_assets.federated.processes import LocalFederation
-    from speech_assets.testing import other_user
+    from speech_assets_tests.support import other_user
 
     if why := other_user.why_not():
         pytest.skip(f"needs another local user: {why}")
@@ -636,7 +636,7 @@ def test_another_local_user_cannot_reach_a_simulations_ray_cluster(
     inside the run's network namespace each port answers. SIGTERM stops the run, Ray included, and
     removes Ray's folder."""
     from speech_assets.federated.processes import flower_processes, is_ray
-    from speech_assets.testing import other_user
+    from speech_assets_tests.support import other_user
 
     if why := other_user.why_not():
         pytest.skip(f"needs another local user: {why}")
@@ -754,7 +754,7 @@ def test_secure_aggregation_end_to_end_on_both_engines(
 
     from speech_assets.federated import secure_rounds as sr
     from speech_assets.layout import ClientRunFiles, FederatedPaths
-    from speech_assets.testing.local_runs import materialize_in_process
+    from speech_assets_tests.support.local_runs import materialize_in_process
 
     settings = FAST | {"rounds": 2, "local_steps": 1, "secure_aggregation": True, "engine": engine, "seed": seed}
     with dg.DagsterInstance.from_config(str(sample_pipeline.home)) as instance:

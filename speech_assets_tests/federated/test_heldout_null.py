@@ -15,7 +15,7 @@ from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import summarize_rounds
 from speech_assets.federated.server_app import Server
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
+from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 
 
 class _Warnings(logging.Handler):

@@ -21,9 +21,9 @@ import pytest
 from speech_assets.federated.config import DP_NORM_TOLERANCE, FederatedConfig
 from speech_assets.federated.server_app import Server
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 
 FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 CLIP = 0.05
@@ -263,7 +263,7 @@ from pathlib import Path
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.rounds import encoder_sha256
 from speech_assets.federated.server_app import Server
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
+from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity
 
 config = FederatedConfig(**json.loads(Path(sys.argv[1]).read_text()))
 data_dir, log, hold = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])

@@ -29,7 +29,7 @@ from speech_assets.federated.secure_aggregation import (
     seed_commitment,
     sign_advertisement,
 )
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity
+from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity
 
 RUN = "run-signed"
 REPO = Path(__file__).resolve().parents[2]

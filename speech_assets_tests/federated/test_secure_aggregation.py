@@ -31,7 +31,7 @@ from speech_assets.federated.secure_aggregation import (
     split_secret,
     unmask_sum,
 )
-from speech_assets.testing.federated_data import run_in_process
+from speech_assets_tests.support.federated_data import run_in_process
 
 RUN = "run-test"
 PARAMS = SecAggParams(clipping_range=1.0, target_range=2**22)
@@ -412,7 +412,7 @@ FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 
 @pytest.fixture(scope="module")
 def four_clients(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from speech_assets.testing.federated_data import write_federated_corpus
+    from speech_assets_tests.support.federated_data import write_federated_corpus
 
     return write_federated_corpus(tmp_path_factory.mktemp("four") / "data", FOUR, speakers_per_client=2)
 

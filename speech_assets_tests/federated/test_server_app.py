@@ -12,7 +12,7 @@ import pytest
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.server_app import Server
 from speech_assets.layout import FederatedPaths
-from speech_assets.testing.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
+from speech_assets_tests.support.federated_data import InProcessGrid, serverapp_identity, write_federated_corpus
 
 ROUNDS, LOCAL_STEPS, CLIENT_LR, ETA = 3, 10, 5e-3, 0.1
 # Measured after 3 rounds (corpus and run seed 0 / 1 / 2), held-out leak-free masked accuracy

@@ -18,8 +18,8 @@ from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.runtime.locks import RunFolderBusy, RunFolderLock
 from speech_assets.runtime.processes import ProcessIdentity, process_start_time
 from speech_assets.runtime.waiting import wait_until
-from speech_assets.testing.local_runs import materialize_in_process
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+from speech_assets_tests.support.local_runs import materialize_in_process
 
 BIN = Path(sys.executable).parent
 SETTINGS = """
@@ -134,7 +134,7 @@ def test_kill_9_of_a_training_run_leaves_no_process_and_no_stuck_pool(built) -> 
 
 
 def test_a_second_trainer_on_a_locked_run_folder_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
-    from speech_assets.testing.training_data import write_corpus
+    from speech_assets_tests.support.training_data import write_corpus
 
     corpus = write_corpus(tmp_path / "data", clients={"c": 8}, speakers_per_client=1, utterances_per_speaker=4)
     config = corpus.config(tmp_path / "run")
@@ -211,7 +211,7 @@ def test_a_killed_test_process_takes_its_documented_command_with_it(tmp_path: Pa
             sys.executable,
             "-c",
             (
-                "import sys; from speech_assets.testing.commands import run_group; "
+                "import sys; from speech_assets_tests.support.commands import run_group; "
                 f"run_group(['bash', '-c', {script!r}], dict(__import__('os').environ), '.', 600)"
             ),
         ],

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from speech_assets.testing import other_user
+from speech_assets_tests.support import other_user
 
 PORT = 8799
 # the owner: a private network with a server inside; prints where it is, then waits for stdin

@@ -14,7 +14,7 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
     import numpy as np
 
     from speech_assets.features.shards import write_shard
-    from speech_assets.testing.training_data import _record
+    from speech_assets_tests.support.training_data import _record
 
     speakers = {"1001": "client_00", "1002": "client_00", "1003": "client_01", "1004": "client_01"}
     shards = []

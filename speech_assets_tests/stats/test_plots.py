@@ -2,40 +2,56 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from speech_assets.stats import plots
 
 
-def test_a_plot_of_the_same_inputs_is_drawn_once() -> None:
-    plots.forget()
-    before = plots.drawn()
+def new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No plot remembered in this process, as a new process starts."""
+    monkeypatch.setattr(plots, "_memory", OrderedDict())
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[n]``: the plots drawn (not found by their inputs) in the test, by the real drawing, counted."""
+    count, draw = [0], plots._draw
+    monkeypatch.setattr(plots, "_draw", lambda *args: count.__setitem__(0, count[0] + 1) or draw(*args))
+    new_process(monkeypatch)
+    return count
+
+
+def test_a_plot_of_the_same_inputs_is_drawn_once(drawn: list[int]) -> None:
+    """Kills: the key without the inputs (a changed value reuses the old PNG), no memory lookup."""
     values = np.random.default_rng(0).gamma(4.0, 3.0, 500)
     first = plots.histogram(values, "durations", "seconds")
-    assert plots.histogram(list(values), "durations", "seconds") == first and plots.drawn() == before + 1
-    assert plots.histogram(values, "durations", "minutes") != first and plots.drawn() == before + 2  # any input counts
+    assert plots.histogram(list(values), "durations", "seconds") == first and drawn[0] == 1
+    assert plots.histogram(values, "durations", "minutes") != first and drawn[0] == 2  # any input counts
     changed = values.copy()
     changed[7] += 1e-9
     plots.histogram(changed, "durations", "seconds")
-    assert plots.drawn() == before + 3
+    assert drawn[0] == 3
 
 
-def test_a_cache_folder_keeps_the_last_blocks_plots(tmp_path: Path) -> None:
-    plots.forget()
-    before = plots.drawn()
+def test_a_cache_folder_keeps_the_last_blocks_plots(
+    tmp_path: Path, drawn: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills: no lookup in the folder (a new process redraws), stale PNGs kept."""
     folder = tmp_path / ".plots"
     with plots.cached_in(folder):
         bars = plots.bars(["a", "b"], [1.0, 2.0], "hours", "h")
         sizes = plots.cluster_sizes({"client_00": np.array([5, 3, 1])})
-    assert plots.drawn() == before + 2 and len(list(folder.glob("*.png"))) == 2
+    assert drawn[0] == 2 and len(list(folder.glob("*.png"))) == 2
 
-    plots.forget()  # as a new process would
+    new_process(monkeypatch)
     with plots.cached_in(folder):
         assert plots.bars(["a", "b"], [1.0, 2.0], "hours", "h") == bars
         assert plots.cluster_sizes({"client_00": np.array([5, 3, 2])}) != sizes
-    assert plots.drawn() == before + 3
+    assert drawn[0] == 3
     assert len(list(folder.glob("*.png"))) == 2  # the old cluster sizes are gone
 
 

@@ -19,7 +19,7 @@ import soundfile as sf
 
 from speech_assets.features.vad import VadConfig
 from speech_assets.stats import report
-from speech_assets.testing.corpora import write_flac
+from speech_assets_tests.support.corpora import write_flac
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [

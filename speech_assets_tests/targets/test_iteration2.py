@@ -22,8 +22,8 @@ from speech_assets.targets.iteration2 import (
 )
 from speech_assets.targets.labels import read_labels
 from speech_assets.targets.publish import ClientShards
-from speech_assets.testing.training_data import write_corpus
 from speech_assets.utils import sha256_file, sha256_strings
+from speech_assets_tests.support.training_data import write_corpus
 
 
 def _model() -> HubertPretrainModel:

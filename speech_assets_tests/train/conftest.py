@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from speech_assets.testing.training_data import SyntheticCorpus, write_corpus
+from speech_assets_tests.support.training_data import SyntheticCorpus, write_corpus
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from speech_assets.runtime.faults import FAULTS_ENV, fault
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train import checkpoint
 from speech_assets.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
 from speech_assets.train.engine import Distributed
 from speech_assets.train.trainer import Trainer, plan_for_job, train
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {"max_steps": 6, "checkpoint_every": 2, "log_every": 2, "keep_checkpoints": 5, "max_frames": 200}

@@ -7,9 +7,9 @@ import soundfile as sf
 import torch
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.augment import Augmentation, Augmenter, coloured_noise, mix_at_snr, utterance_rng
 from speech_assets.train.data import UtteranceDataset, build_index
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 
 def _logmel(frames: int = 300, seed: int = 0) -> np.ndarray:

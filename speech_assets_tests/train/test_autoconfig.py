@@ -1,6 +1,5 @@
 import pytest
 
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.autoconfig import (
     GIB,
     DatasetProfile,
@@ -10,6 +9,7 @@ from speech_assets.train.autoconfig import (
     profile_model,
 )
 from speech_assets.train.config import TrainConfig
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 LIBRISPEECH_LIKE = DatasetProfile(
     utterances=281_241,

@@ -4,7 +4,6 @@ import torch
 
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.model import IGNORE_INDEX
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import (
     DurationBucketSampler,
     UtteranceDataset,
@@ -17,6 +16,7 @@ from speech_assets.train.data import (
     heldout_speakers,
     heldout_split,
 )
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 
 def _index(corpus: SyntheticCorpus, max_frames: int = 1500):

@@ -16,7 +16,6 @@ from speech_assets.features.cmvn import Cmvn
 from speech_assets.model import IGNORE_INDEX, HubertPretrainModel, get_preset, output_lengths, span_mask
 from speech_assets.model.hubert import ClientLogits
 from speech_assets.model.loss import masked_prediction_loss
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import (
     Batch,
     BatchBuilder,
@@ -29,6 +28,7 @@ from speech_assets.train.data import (
 from speech_assets.train.engine import BackgroundWriter, BatchStream
 from speech_assets.train.objectives import MaskedPrediction
 from speech_assets.train.sampling import BlockShuffleSampler
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 
 def _dataset(corpus: SyntheticCorpus, max_frames: int = 1500) -> UtteranceDataset:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from speech_assets.evaluation.speed import forward_speed
 from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.hubert import padding_mask
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.distill import (
     DistillConfig,
@@ -24,6 +23,7 @@ from speech_assets.train.distill import (
     teacher_targets,
 )
 from speech_assets.train.trainer import train
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 
 def test_loss_is_l1_minus_log_sigmoid_cosine_over_valid_frames() -> None:

@@ -11,7 +11,6 @@ import pytest
 
 from speech_assets.layout import OOM_FILE
 from speech_assets.runtime.waiting import wait_until
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
@@ -24,6 +23,7 @@ from speech_assets.train.oom import (
     write_oom_marker,
 )
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 
 def test_single_node_command() -> None:

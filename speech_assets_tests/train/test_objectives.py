@@ -6,10 +6,10 @@ import torch
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.model import IGNORE_INDEX, HubertPretrainModel, get_preset
 from speech_assets.model.masking import leak_free, pipeline_label_radius
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import UtteranceDataset, build_index, collate, eval_batches
 from speech_assets.train.engine import Distributed
 from speech_assets.train.objectives import MaskedPrediction
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 BATCH_SECONDS = 8.0
 JOB = Distributed(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))

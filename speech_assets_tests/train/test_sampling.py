@@ -91,8 +91,8 @@ def test_workers_each_get_whole_windows() -> None:
 def test_read_amplification_on_real_shards(tmp_path: Path) -> None:
     """Bytes decompressed / bytes delivered by the dataset, reading in the sampler's order."""
     from speech_assets.features.cmvn import Cmvn
-    from speech_assets.testing.training_data import write_corpus
     from speech_assets.train.data import UtteranceDataset, build_index, heldout_split
+    from speech_assets_tests.support.training_data import write_corpus
 
     data = write_corpus(tmp_path, clients={"a": 8, "b": 8}, speakers_per_client=3, utterances_per_speaker=40)
     index = build_index(data.shards, {n: c.labels for n, c in data.clients.items()}, max_frames=1500)

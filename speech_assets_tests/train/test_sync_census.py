@@ -28,11 +28,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.data import Batch, UtteranceDataset, build_index, collate
 from speech_assets.train.engine import REPORT_RANGE, Distributed
 from speech_assets.train.launch import plan_for
 from speech_assets.train.trainer import Trainer
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 CPU = Distributed(0, 0, 1, 1, torch.device("cpu"))
 # Reads of a tensor's value on the host: on a GPU each one waits for every kernel queued before it.

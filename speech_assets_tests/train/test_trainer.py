@@ -11,10 +11,10 @@ import torch
 
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.runtime.faults import FAULTS_ENV, fault
-from speech_assets.testing.training_data import SyntheticCorpus
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command
 from speech_assets.train.trainer import train
+from speech_assets_tests.support.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,7 @@ from typing import Any
 from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent, pid_exists
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
-from speech_assets.testing.commands import LocalServer
+from speech_assets_tests.support.commands import LocalServer
 
 BIN_ENV = "SPEECH_ASSETS_PG_BIN"
 USER = "dagster"

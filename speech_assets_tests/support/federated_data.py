@@ -1,4 +1,4 @@
-"""The synthetic learnable corpus (:func:`~speech_assets.testing.training_data.write_corpus`) in the
+"""The synthetic learnable corpus (:func:`~speech_assets_tests.support.training_data.write_corpus`) in the
 pipeline's layout a federated client reads (:class:`~speech_assets.federated.client_data.ClientData`),
 and a Grid that answers the ServerApp's messages in process with the real ClientApp functions:
 a whole federated run (server loop, Flower strategy, clients) without a SuperLink or SuperNodes.
@@ -20,7 +20,7 @@ from speech_assets.features.cmvn import ShardStats
 from speech_assets.features.shards import ShardFiles, iter_shard
 from speech_assets.federated import client_app
 from speech_assets.federated.config import FederatedConfig
-from speech_assets.testing.training_data import write_corpus
+from speech_assets_tests.support.training_data import write_corpus
 
 
 @dataclass

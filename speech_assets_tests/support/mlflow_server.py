@@ -17,7 +17,7 @@ from pathlib import Path
 from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
-from speech_assets.testing.commands import LocalServer
+from speech_assets_tests.support.commands import LocalServer
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
