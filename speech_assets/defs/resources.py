@@ -432,7 +432,7 @@ class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
     lr: float
     # each model's lr (and stopping step) is the one with the lowest CER on a development split of
     # the training speakers; [] = lr for every model
-    lrs: list[float] = [0.002, 0.01]
+    lrs: list[float]
     hidden: int
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
     seeds: list[int]  # one probe per seed and model: the table shows mean and spread over seeds
@@ -513,9 +513,9 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     channel_mask_prob: float  # the same over the 80 log-mel bands
     channel_mask_length: int
     batch_seconds: float
-    max_frames: int = 3000  # longer utterances (100 Hz frames) are not labelled
+    max_frames: int  # longer utterances (100 Hz frames) are not labelled
     max_eval_utterances: int = 200  # held-out utterances scored (a seeded subsample); 0 = all
-    decoders: list[str] = ["greedy", "beam"]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
+    decoders: list[str]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
     lm_order: int
     checkpoint_every: int
     precision: str

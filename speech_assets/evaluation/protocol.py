@@ -41,7 +41,7 @@ class ProbeOptions:
     from, per model, on a development split of the training speakers, together with the stopping
     step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
     searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr``; ``steps`` is the most a probe trains. Torch-free, so the settings section
+    empty: ``lr`` for every model; ``steps`` is the most a probe trains. Torch-free, so the settings section
     (``[probe]``) takes its defaults and rules from here."""
 
     probe: str = "linear"
@@ -50,7 +50,7 @@ class ProbeOptions:
     lr: float = 2e-3
     hidden: int = 128
     seeds: tuple[int, ...] = (0, 1, 2)
-    lrs: tuple[float, ...] = ()
+    lrs: tuple[float, ...] = (0.002, 0.01)
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         one_of("probe", PROBES),
