@@ -13,12 +13,13 @@ from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
 from pydantic import create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.dagster_internals import NamedSectionTypes
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.protocol import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import (
@@ -150,7 +151,10 @@ class WorkerSettings(dg.Config):
     its own must differ from the worker's default (0 = automatic where the worker says ``None``),
     and a field without a value must be the worker's.
 
-    Its values are checked by the worker's own rules (``worker.RULES``,
+    A worker that is a pydantic dataclass (``ProbeOptions``) gives each such field its constraints
+    too (``Annotated[int, Field(ge=1)]``, a ``Literal`` the section names by the worker's alias):
+    pydantic refuses a bad value in the settings and in the worker with the same message.
+    Otherwise its values are checked by the worker's own rules (``worker.RULES``,
     :func:`speech_assets.utils.broken_rules`) on the fields taken from the worker, so a
     bad value is refused when the settings load, with the message the worker would give. A field
     with a value of its own means something else here (0 = automatic) and is the run's to check.
@@ -164,8 +168,15 @@ class WorkerSettings(dg.Config):
         super().__init_subclass__(**kwargs)
         if worker is not None:
             defaults = worker_defaults(cls, worker)
+            # a pydantic dataclass's fields carry their constraints: the section's field gets them too
+            constrained = getattr(worker if isinstance(worker, type) else type(worker), "__pydantic_fields__", {})
             for name, default in defaults.items():
-                setattr(cls, name, default)  # before pydantic collects the fields: a plain default
+                # before pydantic collects the fields: a plain default, or the worker's field with this default
+                setattr(
+                    cls,
+                    name,
+                    FieldInfo.merge_field_infos(constrained[name], default=default) if name in constrained else default,
+                )
             cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
 
     @model_validator(mode="after")
@@ -426,7 +437,7 @@ class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
     probe's options (ProbeOptions, filled from these by field name, holds their defaults), then
     which utterances it reads and how the verdict is drawn."""
 
-    probe: str  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
+    probe: Probe  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
     steps: int  # at most this many AdamW steps per probe (it stops once its development CER stalls)
     batch_size: int
     lr: float
@@ -582,11 +593,19 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     excluded = getattr(section, "settings_only", frozenset())
     fields = {
         # a type built at run time from an annotation object: Optional[] takes any of them
-        name: (Optional[field.annotation], None)  # noqa: UP045
+        name: (Optional[_overridable(field.annotation)], None)  # noqa: UP045
         for name, field in section.model_fields.items()
         if name not in excluded
     }
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
+
+
+def _overridable(annotation: Any) -> Any:
+    """``annotation``, but a ``Literal``'s value type: Dagster resolves a ``Literal`` field to an
+    enum but not an optional one; :func:`effective` checks the value against the section's."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(typing.get_args(annotation)[0])
+    return annotation
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:
