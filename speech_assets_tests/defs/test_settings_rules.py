@@ -96,11 +96,11 @@ BAD = [
     ("finetune", "mask_prob", 1.5, "mask_prob must be in [0, 1]"),
     ("finetune", "batch_seconds", 0.0, "batch_seconds must be > 0"),
     ("finetune", "freeze_steps", -1, "freeze_steps must be >= 0"),
-    ("kmeans", "k", 0, "k must be in [1, 32768]"),
-    ("kmeans", "k", 40_000, "k must be in [1, 32768]"),  # labels are int16
-    ("kmeans", "max_fit_frames", 0, "max_fit_frames must be >= 1"),
-    ("iteration2", "k", 0, "k must be in [1, 32768]"),
-    ("iteration2", "max_fit_frames", -5, "max_fit_frames must be >= 1"),
+    ("kmeans", "k", 0, "Input should be greater than or equal to 1"),
+    ("kmeans", "k", 40_000, "Input should be less than or equal to 32768"),  # labels are int16
+    ("kmeans", "max_fit_frames", 0, "Input should be greater than or equal to 1"),
+    ("iteration2", "k", 0, "Input should be greater than or equal to 1"),
+    ("iteration2", "max_fit_frames", -5, "Input should be greater than or equal to 1"),
     ("manifest", "min_duration_s", 40.0, "need 0 <= min_duration_s < max_duration_s"),
     ("manifest", "max_duration_s", 0.1, "need 0 <= min_duration_s < max_duration_s"),
     ("manifest", "max_transcript_chars", 0, "max_transcript_chars must be >= 1"),
@@ -263,5 +263,7 @@ def test_a_section_that_drifts_from_its_worker_is_named() -> None:
 def test_a_bad_k_means_value_in_the_settings_file_is_refused_when_it_loads(tmp_path: Path) -> None:
     file = tmp_path / "pipeline.toml"
     file.write_text("[kmeans]\nk = 0\n\n[finetune]\nstages = [0.5, 0.5]\n")
-    with pytest.raises(pydantic.ValidationError, match=r"\[kmeans\] k must be in \[1, 32768\]"):
+    with pytest.raises(
+        pydantic.ValidationError, match="for KMeansSettings\nk\n  Input should be greater than or equal to 1"
+    ):
         PipelineSettings.load(file)
