@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import os
 import shlex
 import tomllib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
+import pydantic
 from pydantic import create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
@@ -153,7 +156,9 @@ class WorkerSettings(dg.Config):
 
     A worker that is a pydantic dataclass (``ProbeOptions``) gives each such field its constraints
     too (``Annotated[int, Field(ge=1)]``, a ``Literal`` the section names by the worker's alias):
-    pydantic refuses a bad value in the settings and in the worker with the same message.
+    pydantic refuses a bad value in the settings and in the worker with the same message; and
+    its model validators (a rule across fields: ``min_duration_s < max_duration_s``) check the
+    section's values by building the worker from them, their messages prefixed ``[section]``.
     Otherwise its values are checked by the worker's own rules (``worker.RULES``,
     :func:`speech_assets.utils.broken_rules`) on the fields taken from the worker, so a
     bad value is refused when the settings load, with the message the worker would give. A field
@@ -163,13 +168,16 @@ class WorkerSettings(dg.Config):
     section: ClassVar[str] = ""  # its name in the settings file, for messages
     rules: ClassVar[tuple[Rule, ...]] = ()
     worker_fields: ClassVar[tuple[str, ...]] = ()
+    # builds the worker's config from the section's fields (a pydantic dataclass with every field defaulted)
+    build_worker: ClassVar[Callable[..., object] | None] = None
 
     def __init_subclass__(cls, worker: object = None, section: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if worker is not None:
             defaults = worker_defaults(cls, worker)
             # a pydantic dataclass's fields carry their constraints: the section's field gets them too
-            constrained = getattr(worker if isinstance(worker, type) else type(worker), "__pydantic_fields__", {})
+            worker_type = worker if isinstance(worker, type) else type(worker)
+            constrained = getattr(worker_type, "__pydantic_fields__", {})
             for name, default in defaults.items():
                 # before pydantic collects the fields: a plain default, or the worker's field with this default
                 setattr(
@@ -178,10 +186,20 @@ class WorkerSettings(dg.Config):
                     FieldInfo.merge_field_infos(constrained[name], default=default) if name in constrained else default,
                 )
             cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
+            if constrained and all(not info.is_required() for info in constrained.values()):
+                cls.build_worker = (
+                    functools.partial(dataclasses.replace, worker) if worker is not worker_type else worker
+                )
 
     @model_validator(mode="after")
     def _worker_rules(self) -> Self:
-        problems = broken_rules(self.rules, {name: getattr(self, name) for name in self.worker_fields})
+        values = {name: getattr(self, name) for name in self.worker_fields}
+        problems = broken_rules(self.rules, values)
+        if self.build_worker is not None:
+            try:
+                type(self).build_worker(**values)
+            except pydantic.ValidationError as error:
+                problems += [item["msg"].removeprefix("Value error, ") for item in error.errors()]
         if problems:
             raise ValueError(f"[{self.section}] " + "; ".join(problems))
         return self

@@ -103,7 +103,7 @@ BAD = [
     ("iteration2", "max_fit_frames", -5, "Input should be greater than or equal to 1"),
     ("manifest", "min_duration_s", 40.0, "need 0 <= min_duration_s < max_duration_s"),
     ("manifest", "max_duration_s", 0.1, "need 0 <= min_duration_s < max_duration_s"),
-    ("manifest", "max_transcript_chars", 0, "max_transcript_chars must be >= 1"),
+    ("manifest", "max_transcript_chars", 0, "Input should be greater than or equal to 1"),
     ("probe", "probe", "transformer", "Input should be 'linear' or 'bilstm'"),
     ("probe", "steps", 0, "Input should be greater than or equal to 1"),
     ("probe", "lr", 0.0, "Input should be greater than 0"),
