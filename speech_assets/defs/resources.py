@@ -600,7 +600,13 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
                 raise ValueError(
                     f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}"
                 )
-            parsed[name] = section_cls(**values)
+            try:
+                parsed[name] = section_cls(**values)
+            except pydantic.ValidationError as error:
+                # titled by the section and the file rather than the section's class
+                raise pydantic.ValidationError.from_exception_data(
+                    f"[{name}] of {file}", error.errors(include_url=False)
+                ) from None
         return cls(source=str(file), **parsed)
 
 
