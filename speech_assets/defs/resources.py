@@ -16,7 +16,6 @@ from typing import Any, ClassVar, Optional, Self
 import dagster as dg
 import pydantic
 from pydantic import create_model, field_validator, model_validator
-from pydantic.fields import FieldInfo
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
@@ -179,12 +178,11 @@ class WorkerSettings(dg.Config):
             worker_type = worker if isinstance(worker, type) else type(worker)
             constrained = getattr(worker_type, "__pydantic_fields__", {})
             for name, default in defaults.items():
-                # before pydantic collects the fields: a plain default, or the worker's field with this default
-                setattr(
-                    cls,
-                    name,
-                    FieldInfo.merge_field_infos(constrained[name], default=default) if name in constrained else default,
-                )
+                # before pydantic collects the fields: the default, with the worker's constraints if it has any
+                if name in constrained:
+                    default = pydantic.Field(default=default)
+                    default.metadata = list(constrained[name].metadata)
+                setattr(cls, name, default)
             cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
             if constrained and all(not info.is_required() for info in constrained.values()):
                 cls.build_worker = (
