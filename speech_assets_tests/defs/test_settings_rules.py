@@ -1,6 +1,7 @@
-"""One rule, one place: a worker config's rules (``RULES`` beside its fields) are what its
-settings section checks too, so a bad value in ``pipeline.toml`` is refused when the settings
-load, with the message the worker gives, instead of when a run reaches the worker."""
+"""One rule, one place: a worker config's checks (pydantic field constraints and model validators,
+or ``RULES`` beside its fields) are what its settings section checks too, so a bad value in
+``pipeline.toml`` is refused when the settings load, with the message the worker gives, instead
+of when a run reaches the worker; and each default a section shares with its worker is the worker's."""
 
 from __future__ import annotations
 
