@@ -44,16 +44,18 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
-from typing import BinaryIO, ClassVar
+from typing import Annotated, BinaryIO, Self
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.corpus.ids import why_unsafe
 from speech_assets.corpus.rejects import RejectReason, RejectRow
-from speech_assets.utils import Rule, at_least, atomic_path, broken_rules, sha256_strings
+from speech_assets.utils import atomic_path, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
 MANIFEST_SUFFIXES = (".csv", ".jsonl")
@@ -79,33 +81,30 @@ class ManifestRow:
     file_sha256: str
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True)
 class ValidationConfig:
     """What an utterance must be to be kept: its duration in seconds and its normalised
-    transcript's length (``[manifest]`` takes these defaults and applies :attr:`RULES`)."""
+    transcript's length (``[manifest]`` takes these defaults and their constraints)."""
 
     min_duration_s: float = 0.5
     max_duration_s: float = 35.0
-    max_transcript_chars: int = 2000  # of the normalised transcript
+    max_transcript_chars: Annotated[int, Field(ge=1)] = 2000  # of the normalised transcript
     # the header's sample rate (Hz) and channel count: outside these, reject unsupported_format
     # (never decoded, never resampled)
     min_sample_rate: int = 8_000
     max_sample_rate: int = 192_000
-    max_channels: int = 8
+    max_channels: Annotated[int, Field(ge=1)] = 8
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            ("min_duration_s", "max_duration_s"),
-            lambda low, high: 0 <= low < high,
-            "need 0 <= min_duration_s < max_duration_s",
-        ),
-        Rule(
-            ("min_sample_rate", "max_sample_rate"),
-            lambda low, high: 1 <= low <= high <= 768_000,
-            "need 1 <= min_sample_rate <= max_sample_rate <= 768000",
-        ),
-        *at_least(1, "max_transcript_chars", "max_channels"),
-    )
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        problems = []
+        if not 0 <= self.min_duration_s < self.max_duration_s:
+            problems.append("need 0 <= min_duration_s < max_duration_s")
+        if not 1 <= self.min_sample_rate <= self.max_sample_rate <= 768_000:
+            problems.append("need 1 <= min_sample_rate <= max_sample_rate <= 768000")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def format_problem(self, sample_rate: int, channels: int) -> str | None:
         """Why a file of this rate and channel count is not accepted (None: it is)."""
@@ -117,10 +116,6 @@ class ValidationConfig:
         if not 1 <= channels <= self.max_channels:
             return f"{channels} channels, outside [1, max_channels={self.max_channels}]"
         return None
-
-    def __post_init__(self) -> None:
-        if problems := broken_rules(self.RULES, vars(self)):
-            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import os
 import shlex
 import tomllib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
+import pydantic
 from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.dagster_internals import NamedSectionTypes
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.protocol import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import (
@@ -150,7 +153,12 @@ class WorkerSettings(dg.Config):
     its own must differ from the worker's default (0 = automatic where the worker says ``None``),
     and a field without a value must be the worker's.
 
-    Its values are checked by the worker's own rules (``worker.RULES``,
+    A worker that is a pydantic dataclass (``ProbeOptions``) gives each such field its constraints
+    too (``Annotated[int, Field(ge=1)]``, a ``Literal`` the section names by the worker's alias):
+    pydantic refuses a bad value in the settings and in the worker with the same message; and
+    its model validators (a rule across fields: ``min_duration_s < max_duration_s``) check the
+    section's values by building the worker from them, their messages prefixed ``[section]``.
+    Otherwise its values are checked by the worker's own rules (``worker.RULES``,
     :func:`speech_assets.utils.broken_rules`) on the fields taken from the worker, so a
     bad value is refused when the settings load, with the message the worker would give. A field
     with a value of its own means something else here (0 = automatic) and is the run's to check.
@@ -159,18 +167,37 @@ class WorkerSettings(dg.Config):
     section: ClassVar[str] = ""  # its name in the settings file, for messages
     rules: ClassVar[tuple[Rule, ...]] = ()
     worker_fields: ClassVar[tuple[str, ...]] = ()
+    # builds the worker's config from the section's fields (a pydantic dataclass with every field defaulted)
+    build_worker: ClassVar[Callable[..., object] | None] = None
 
     def __init_subclass__(cls, worker: object = None, section: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if worker is not None:
             defaults = worker_defaults(cls, worker)
+            # a pydantic dataclass's fields carry their constraints: the section's field gets them too
+            worker_type = worker if isinstance(worker, type) else type(worker)
+            constrained = getattr(worker_type, "__pydantic_fields__", {})
             for name, default in defaults.items():
-                setattr(cls, name, default)  # before pydantic collects the fields: a plain default
+                # before pydantic collects the fields: the default, with the worker's constraints if it has any
+                if name in constrained:
+                    default = pydantic.Field(default=default)
+                    default.metadata = list(constrained[name].metadata)
+                setattr(cls, name, default)
             cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
+            if constrained and all(not info.is_required() for info in constrained.values()):
+                cls.build_worker = (
+                    functools.partial(dataclasses.replace, worker) if worker is not worker_type else worker
+                )
 
     @model_validator(mode="after")
     def _worker_rules(self) -> Self:
-        problems = broken_rules(self.rules, {name: getattr(self, name) for name in self.worker_fields})
+        values = {name: getattr(self, name) for name in self.worker_fields}
+        problems = broken_rules(self.rules, values)
+        if self.build_worker is not None:
+            try:
+                type(self).build_worker(**values)
+            except pydantic.ValidationError as error:
+                problems += [item["msg"].removeprefix("Value error, ") for item in error.errors()]
         if problems:
             raise ValueError(f"[{self.section}] " + "; ".join(problems))
         return self
@@ -426,13 +453,13 @@ class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
     probe's options (ProbeOptions, filled from these by field name, holds their defaults), then
     which utterances it reads and how the verdict is drawn."""
 
-    probe: str  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
+    probe: Probe  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
     steps: int  # at most this many AdamW steps per probe (it stops once its development CER stalls)
     batch_size: int
     lr: float
     # each model's lr (and stopping step) is the one with the lowest CER on a development split of
     # the training speakers; [] = lr for every model
-    lrs: list[float] = [0.002, 0.01]
+    lrs: list[float]
     hidden: int
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
     seeds: list[int]  # one probe per seed and model: the table shows mean and spread over seeds
@@ -513,9 +540,9 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     channel_mask_prob: float  # the same over the 80 log-mel bands
     channel_mask_length: int
     batch_seconds: float
-    max_frames: int = 3000  # longer utterances (100 Hz frames) are not labelled
+    max_frames: int  # longer utterances (100 Hz frames) are not labelled
     max_eval_utterances: int = 200  # held-out utterances scored (a seeded subsample); 0 = all
-    decoders: list[str] = ["greedy", "beam"]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
+    decoders: list[str]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
     lm_order: int
     checkpoint_every: int
     precision: str
@@ -571,7 +598,13 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
                 raise ValueError(
                     f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}"
                 )
-            parsed[name] = section_cls(**values)
+            try:
+                parsed[name] = section_cls(**values)
+            except pydantic.ValidationError as error:
+                # titled by the section and the file rather than the section's class
+                raise pydantic.ValidationError.from_exception_data(
+                    f"[{name}] of {file}", error.errors(include_url=False)
+                ) from None
         return cls(source=str(file), **parsed)
 
 
@@ -582,11 +615,19 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     excluded = getattr(section, "settings_only", frozenset())
     fields = {
         # a type built at run time from an annotation object: Optional[] takes any of them
-        name: (Optional[field.annotation], None)  # noqa: UP045
+        name: (Optional[_overridable(field.annotation)], None)  # noqa: UP045
         for name, field in section.model_fields.items()
         if name not in excluded
     }
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
+
+
+def _overridable(annotation: Any) -> Any:
+    """``annotation``, but a ``Literal``'s value type: Dagster resolves a ``Literal`` field to an
+    enum but not an optional one; :func:`effective` checks the value against the section's."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(typing.get_args(annotation)[0])
+    return annotation
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:

@@ -13,15 +13,18 @@ its input, and the files it publishes.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import pyarrow.parquet as pq
+from pydantic import AfterValidator, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.corpus.clients import ClientsTable
 from speech_assets.layout import ProbeFiles
-from speech_assets.utils import Rule, at_least, atomic_path, atomic_write_text, broken_rules, one_of
+from speech_assets.utils import atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
     from speech_assets.evaluation.compare import ProbeModel, ProbeResult, Standing
@@ -29,10 +32,23 @@ if TYPE_CHECKING:
     from speech_assets.model.encoders import LoadedEncoder
 
 
-PROBES = ("linear", "bilstm")  # the probe heads: a linear layer, or one BiLSTM layer then linear
+Probe = Literal["linear", "bilstm"]  # the probe heads: a linear layer, or one BiLSTM layer then linear
+PROBES = typing.get_args(Probe)
 
 
-@dataclass(frozen=True)
+def _distinct_seeds(seeds: Sequence[int]) -> Sequence[int]:
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError("seeds must be distinct and at least one")
+    return seeds
+
+
+def _distinct_positive(lrs: Sequence[float]) -> Sequence[float]:
+    if len(set(lrs)) != len(lrs) or not all(lr > 0 for lr in lrs):
+        raise ValueError("lrs must be distinct and > 0")
+    return lrs
+
+
+@pydantic_dataclass(frozen=True)
 class ProbeOptions:
     """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
     10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
@@ -41,38 +57,16 @@ class ProbeOptions:
     from, per model, on a development split of the training speakers, together with the stopping
     step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
     searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr``; ``steps`` is the most a probe trains. Torch-free, so the settings section
-    (``[probe]``) takes its defaults and rules from here."""
+    empty: ``lr`` for every model; ``steps`` is the most a probe trains. Torch-free, so the settings section
+    (``[probe]``) takes its defaults and constraints from here; a list becomes a tuple."""
 
-    probe: str = "linear"
-    steps: int = 400
-    batch_size: int = 8
-    lr: float = 2e-3
-    hidden: int = 128
-    seeds: tuple[int, ...] = (0, 1, 2)
-    lrs: tuple[float, ...] = ()
-
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        one_of("probe", PROBES),
-        *at_least(1, "steps", "batch_size", "hidden"),
-        Rule(("lr",), lambda lr: lr > 0, "lr must be > 0"),
-        Rule(
-            ("seeds",),
-            lambda seeds: len(seeds) > 0 and len(set(seeds)) == len(seeds),
-            "seeds must be distinct and at least one",
-        ),
-        Rule(
-            ("lrs",),
-            lambda lrs: len(set(lrs)) == len(lrs) and all(lr > 0 for lr in lrs),
-            "lrs must be distinct and > 0",
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))  # settings give a list
-        object.__setattr__(self, "lrs", tuple(float(lr) for lr in self.lrs))
-        if problems := broken_rules(self.RULES, vars(self)):
-            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
+    probe: Probe = "linear"
+    steps: Annotated[int, Field(ge=1)] = 400
+    batch_size: Annotated[int, Field(ge=1)] = 8
+    lr: Annotated[float, Field(gt=0)] = 2e-3
+    hidden: Annotated[int, Field(ge=1)] = 128
+    seeds: Annotated[tuple[int, ...], AfterValidator(_distinct_seeds)] = (0, 1, 2)
+    lrs: Annotated[tuple[float, ...], AfterValidator(_distinct_positive)] = (0.002, 0.01)
 
 
 class ProbeLeak(ValueError):

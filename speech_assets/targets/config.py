@@ -3,15 +3,18 @@ them (``[kmeans]``, ``[iteration2]`` in ``speech_assets.defs.resources``) withou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+import typing
+from dataclasses import fields
+from typing import Annotated, Any, Literal, Self
 
-from speech_assets.utils import Rule, at_least, broken_rules, one_of
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass
 
 MAX_K = 1 << 15
 """Labels are stored as int16, so at most 32768 clusters."""
 
-KMEANS_INITS = ("k-means++", "random")
+KMeansInit = Literal["k-means++", "random"]
+KMEANS_INITS = typing.get_args(KMeansInit)
 NOT_FIT_KWARGS = frozenset({"k", "seed", "max_fit_frames", "min_frames_per_centroid"})
 """The fields ``fit_kmeans`` does not take as keywords: ``k`` and ``seed`` are its arguments, the
 fit sample's size and K's shrink are decided before it runs."""
@@ -49,30 +52,24 @@ class KMeansConfig:
         num_threads: faiss/OpenMP threads during fit and labelling; ``None`` keeps the default.
     """
 
-    k: int = 100
-    max_fit_frames: int = 2_000_000
+    k: Annotated[int, Field(ge=1, le=MAX_K)] = 100
+    max_fit_frames: Annotated[int, Field(ge=1)] = 2_000_000
     seed: int = 0
-    niter: int = 15
-    max_points_per_centroid: int = 256
-    min_train_frames: int = 65_536
-    nredo: int = 1
-    init: str = "k-means++"
-    init_sample_per_centroid: int = 16
-    inertia_sample_frames: int = 262_144
-    min_frames_per_centroid: int = 39
+    niter: Annotated[int, Field(ge=1)] = 15
+    max_points_per_centroid: Annotated[int, Field(ge=0)] = 256
+    min_train_frames: Annotated[int, Field(ge=0)] = 65_536
+    nredo: Annotated[int, Field(ge=1)] = 1
+    init: KMeansInit = "k-means++"
+    init_sample_per_centroid: Annotated[int, Field(ge=1)] = 16
+    inertia_sample_frames: Annotated[int, Field(ge=0)] = 262_144
+    min_frames_per_centroid: Annotated[int, Field(ge=1)] = 39
     num_threads: int | None = None
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(("k",), lambda k: 1 <= k <= MAX_K, f"k must be in [1, {MAX_K}]"),
-        *at_least(1, "max_fit_frames", "niter", "nredo", "min_frames_per_centroid", "init_sample_per_centroid"),
-        *at_least(0, "max_points_per_centroid", "min_train_frames", "inertia_sample_frames"),
-        one_of("init", KMEANS_INITS),
-        Rule(("init", "nredo"), lambda init, nredo: init == "random" or nredo == 1, "nredo > 1 needs init='random'"),
-    )
-
-    def __post_init__(self) -> None:
-        if problems := broken_rules(self.RULES, vars(self)):
-            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
+    @model_validator(mode="after")
+    def _redo_needs_random_init(self) -> Self:
+        if self.nredo > 1 and self.init != "random":
+            raise ValueError("nredo > 1 needs init='random'")
+        return self
 
     def fit_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`~speech_assets.targets.kmeans.fit_kmeans` taken from this

@@ -308,7 +308,10 @@ class FinetuneConfig(RunConfig):
     precision: str = "auto"
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
-    decoders: list[str] = field(default_factory=lambda: ["greedy"])
+    max_frames: int = 3000  # 100 Hz frames; the pipeline labels no longer utterance
+    # beam: flashlight-text's lexicon beam search with the n-gram LM; the pipeline keeps greedy
+    # only, with a warning, where flashlight-text is not installed
+    decoders: list[str] = field(default_factory=lambda: ["greedy", "beam"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
     eval_every: int = 50  # steps between dev CER evaluations (each also a checkpoint)
     patience: int = 4  # evaluations without a better dev CER before the run stops

@@ -92,7 +92,7 @@ def test_an_informative_model_beats_pure_noise_over_seeds() -> None:
         ProbeModel("pretrained", "abc", "utterance", counted),
         ProbeModel(RANDOM, "def", "noise", noise),
     ]
-    options = ProbeOptions(steps=60, batch_size=8, lr=2e-2, seeds=(0, 1))
+    options = ProbeOptions(steps=60, batch_size=8, lr=2e-2, lrs=(), seeds=(0, 1))
     seen = []
     results = compare_encoders(train, test, models, options, on_model=seen.append)
     # features once per model, whatever the number of seeds
@@ -123,7 +123,7 @@ def test_the_probe_verdict_on_one_heldout_speaker_is_indicative_only() -> None:
     train = utterances(36, seed=0, speakers=["s1", "s2", "s3"])
     test = utterances(24, seed=1, speakers=["h1"])
     models = [ProbeModel(FBANK, "", "noise", noise), ProbeModel("pretrained", "abc", "utterance", per_utterance)]
-    results = compare_encoders(train, test, models, ProbeOptions(steps=60, batch_size=8, lr=2e-2, seeds=(0, 1)))
+    results = compare_encoders(train, test, models, ProbeOptions(steps=60, batch_size=8, lr=2e-2, lrs=(), seeds=(0, 1)))
     (line,) = standing(results)
     assert line.endswith(
         "on 24 utterances of 1 held-out speaker: better than fbank (indicative only: 1 held-out speaker, fewer than 3)"

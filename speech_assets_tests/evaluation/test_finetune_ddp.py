@@ -54,7 +54,7 @@ def labelled_run(tmp_path: Path) -> FinetuneConfig:
         precision="fp32",
         device="cpu",
         threads=1,
-        max_frames=3000,
+        decoders=["greedy"],
     )
 
 

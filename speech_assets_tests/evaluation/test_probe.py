@@ -83,7 +83,7 @@ def test_bilstm_probe_shapes_and_padding() -> None:
         alone = probe(*collate_layers(items[1:]))
     assert batched.shape == (2, 11, VOCAB_SIZE)
     torch.testing.assert_close(batched[1, :5], alone[0], rtol=1e-5, atol=1e-6)  # padding does not leak
-    with pytest.raises(ValueError, match="probe must be"):
+    with pytest.raises(ValueError, match="probe\n  Input should be 'linear' or 'bilstm'"):
         ProbeOptions(probe="transformer")
 
 
