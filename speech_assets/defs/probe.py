@@ -46,7 +46,8 @@ def downstream_probe(
 
     from speech_assets.evaluation.compare import markdown_table, reading_note, standing, summarise
     from speech_assets.evaluation.encoders import manifest_utterances
-    from speech_assets.evaluation.protocol import ProbeLeak, ProbeOptions, publish_probe, run_probe
+    from speech_assets.evaluation.probe_options import ProbeOptions
+    from speech_assets.evaluation.protocol import ProbeLeak, publish_probe, run_probe
     from speech_assets.model.encoders import LoadedEncoder, load_encoder
 
     options = effective(settings.probe, config)

@@ -25,7 +25,7 @@ from speech_assets.defs.resources import (
     ProbeSettings,
     TrainingSettings,
 )
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.targets.kmeans import KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, TrainConfig
