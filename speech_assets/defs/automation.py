@@ -63,9 +63,9 @@ def _failed_manifest_checks(instance: dg.DagsterInstance) -> list[str]:
 
 def stale_speakers(paths: StoragePaths) -> dict[str, str]:
     """Speakers whose shard is missing or was built from other manifest rows -> current hash."""
-    if not paths.speakers_file.exists():
+    if not paths.layout.manifest.speakers.exists():
         return {}
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash"]).to_pylist()
+    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash"]).to_pylist()
     result = {}
     for row in speakers:
         meta = paths.shard_files(row["speaker_id"]).read_meta()

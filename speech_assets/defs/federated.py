@@ -103,7 +103,7 @@ def federated_checkpoint(
 
     record_run_process(context)
     fed = effective(settings.federated, config)
-    table = read_clients(paths.clients_file)
+    table = read_clients(paths.layout.clients_file)
     clients = table.clients
     data_versions = input_versions(context, paths, table.speakers)
     run_name = run_name_for(data_versions, fed)

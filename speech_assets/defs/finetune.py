@@ -105,8 +105,8 @@ def finetuned_asr(
             pretrained=required_checkpoint(context, "pretrained_checkpoint"),
             checkpoint_of=lambda name: checkpoint_of(context, ENCODER_ASSETS[name]),
             encoder_assets=ENCODER_ASSETS,
-            clients=lambda: read_clients(paths.clients_file),
-            manifest_file=paths.manifest_file,
+            clients=lambda: read_clients(paths.layout.clients_file),
+            manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
             data_versions=lambda speakers: _data_versions(context, paths, speakers),
             log=context.log.info,
@@ -124,7 +124,7 @@ def finetuned_asr(
         rows, runs = collect_results(planned)
     except (FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
-    target = paths.finetune.results
+    target = paths.layout.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
     first, largest, seed = plan.recogniser_key
@@ -144,7 +144,7 @@ def finetuned_asr(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
             "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
-            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.probe.results))),
+            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.layout.probe.results))),
             "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in text_notes(rows))),
             "results_file": dg.MetadataValue.path(str(target)),
             **_wer_curve(rows),
@@ -193,7 +193,7 @@ def _run_all(
     context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
 ) -> list[Path]:
     """The folder of each of ``runs`` (:func:`_plan`), those not finished before trained in one launch."""
-    root = paths.finetune.root
+    root = paths.layout.finetune.root
     folders = [_plan(context, paths, root, options, run) for run in runs]
     pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
     if pending:
@@ -219,7 +219,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
         job,
         run_dir=str(run_dir),
         shards=[str(paths.shard_file(s)) for s in run.shard_speakers],
-        cmvn=str(paths.cmvn.cmvn),
+        cmvn=str(paths.layout.cmvn.cmvn),
         clients={},
         encoder=run.encoder,
         labelled=str(RunFiles(run_dir).labelled),
@@ -331,7 +331,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
                 and len(feats) < settings.export.parity_utterances
             ):
                 feats.append(cmvn.apply(record.logmel, "logmel"))
-    folder = paths.finetune.recogniser
+    folder = paths.layout.finetune.recogniser
     staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
     try:
         with warnings.catch_warnings():

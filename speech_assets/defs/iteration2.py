@@ -69,7 +69,7 @@ def kmeans_targets_iter2(
         encoder = load_iteration2_encoder(checkpoint, options.layer, asset=asset, data_version=checkpoint_version)
     except EncoderRefused as error:
         raise dg.Failure(description=str(error)) from error
-    assignments = read_clients(paths.clients_file)
+    assignments = read_clients(paths.layout.clients_file)
     provenance = input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []

@@ -342,11 +342,11 @@ def speaker_observations(
 
 def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
     """speakers.parquet as published (empty before the first manifest)."""
-    if not paths.speakers_file.exists():
+    if not paths.layout.manifest.speakers.exists():
         return {}
     return {
         r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
         for r in pq.read_table(
-            paths.speakers_file, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
+            paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
         ).to_pylist()
     }

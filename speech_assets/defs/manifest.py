@@ -50,7 +50,7 @@ def manifest(
     try:
         validation = from_fields(corpus.ValidationConfig, options)
         fingerprint = corpus.corpus_fingerprint(location)
-        cache = corpus.load_cache(paths.decode_cache_file)
+        cache = corpus.load_cache(paths.layout.manifest.decode_cache)
         result = corpus.scan_corpus(
             location,
             validation,
@@ -61,7 +61,7 @@ def manifest(
     except (corpus.CorpusError, ValueError) as err:
         raise dg.Failure(description=str(err)) from err
     if result.cache != cache:
-        corpus.save_cache(paths.decode_cache_file, result.cache)  # a cache, not an output: safe either way
+        corpus.save_cache(paths.layout.manifest.decode_cache, result.cache)  # a cache, not an output: safe either way
 
     with publish_manifest(
         result.rows,
@@ -119,8 +119,8 @@ def manifest(
             "files_decoded": result.decoded_files,
             "corpus": str(location),
             "corpus_fingerprint": fingerprint,
-            "path": dg.MetadataValue.path(str(paths.manifest_file)),
-            "rejects_path": dg.MetadataValue.path(str(paths.rejects_file)),
+            "path": dg.MetadataValue.path(str(paths.layout.manifest.manifest)),
+            "rejects_path": dg.MetadataValue.path(str(paths.layout.manifest.rejects)),
         },
     )
 
@@ -147,7 +147,7 @@ speaker_manifest = dg.AssetSpec(
     ),
 )
 def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
-    problems = speaker_rows_problems(paths.manifest_file, paths.speakers_file)
+    problems = speaker_rows_problems(paths.layout.manifest.manifest, paths.layout.manifest.speakers)
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,

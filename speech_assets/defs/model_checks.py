@@ -227,12 +227,12 @@ def finetuning_is_sound(
     if runs is None:
         return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
     problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
-    spec = read_json(RecogniserFiles(paths.finetune.recogniser).card)
+    spec = read_json(RecogniserFiles(paths.layout.finetune.recogniser).card)
     diff = (spec.get("parity") or {}).get("max_abs_diff")
     if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
         problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
     try:
-        rows = read_rows(paths.finetune.results)
+        rows = read_rows(paths.layout.finetune.results)
     except (OSError, ValueError) as error:
         rows = []
         problems.append(f"fine-tuning results unreadable: {error}")

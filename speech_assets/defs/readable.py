@@ -143,7 +143,7 @@ def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
         def targets_dir(client_id: str) -> Path:
             return paths.targets(client_id, iteration).root
 
-        problems = label_problems(read_clients(paths.clients_file), paths.shard_file, targets_dir)
+        problems = label_problems(read_clients(paths.layout.clients_file), paths.shard_file, targets_dir)
         return problems_result(problems)
 
     return check

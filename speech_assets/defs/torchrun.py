@@ -381,7 +381,7 @@ def run_training(
     from speech_assets.train import launch  # torch: lazily, the code location stays light
     from speech_assets.train.config import TrainConfig
 
-    table = read_clients(paths.clients_file)
+    table = read_clients(paths.layout.clients_file)
     data_versions = {
         **(extra_versions or {}),
         **input_versions(context, paths, table.speakers, targets_dir, targets_asset),
@@ -447,7 +447,7 @@ def run_inputs(
     return {
         "run_dir": str(run_dir),
         "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
-        "cmvn": str(paths.cmvn.cmvn),
+        "cmvn": str(paths.layout.cmvn.cmvn),
         "data_versions": data_versions,
         "git_sha": git_commit(),
         "heldout_speakers": table.heldout,
