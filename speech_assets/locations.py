@@ -111,7 +111,7 @@ def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str
     if data is not None:
         return str(layout.DataLayout(data).mlflow_artifacts)
     if parsed.scheme == "sqlite":
-        return str(Path(tracking_uri[len("sqlite:///") :]).parent / layout.MLFLOW_ARTIFACTS_DIR)
+        return str(Path(tracking_uri[len("sqlite:///") :]).parent / layout.DataLayout.mlflow_artifacts.name)
     if parsed.scheme in ("", "file"):
-        return str(Path(parsed.path or tracking_uri) / layout.MLFLOW_ARTIFACTS_DIR)
+        return str(Path(parsed.path or tracking_uri) / layout.DataLayout.mlflow_artifacts.name)
     return None

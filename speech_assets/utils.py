@@ -17,15 +17,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from speech_assets.layout import TEMP_SUFFIX
+
 _CHUNK = 1 << 20
 Config = TypeVar("Config")
 
 
 # Files renamed into place inside `deferred_fsync()`, fsynced together when it ends (None: outside).
 _DEFERRED: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar("deferred_fsync", default=None)
-
-
-TEMP_SUFFIX = ".tmp"
 
 
 def temp_target(name: str) -> str | None:
@@ -168,7 +167,7 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
     """
     target = Path(target)
     removed = 0
-    for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+    for leftover in target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"):
         leftover.unlink(missing_ok=True)
         removed += 1
     return removed

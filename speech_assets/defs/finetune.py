@@ -42,7 +42,7 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
-from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "vocabulary": vocabulary(),
             "blank": 0,
             "decoding": "greedy: per-frame argmax, merge repeats, drop blanks; beam: lexicon beam search, n-gram LM",
-            "files": {"onnx": RECOGNISER_ONNX, "torchscript": RECOGNISER_PT},
+            "files": {"onnx": RecogniserFiles.onnx.name, "torchscript": RecogniserFiles.torch.name},
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
             "init": result["init"],

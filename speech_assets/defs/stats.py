@@ -11,7 +11,7 @@ from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
-from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
+from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
@@ -60,7 +60,8 @@ def _newest_federated_rounds(paths: StoragePaths):
     """rounds.parquet of the federated run that finished last (``None`` before any)."""
     runs = [FederatedPaths(p.parent) for p in paths.layout.results_of(paths.layout.federated_dir)]
     found = [r.rounds_table for r in runs if r.rounds_table.is_file()] or [
-        FederatedPaths(p.parent).rounds_table for p in sorted(paths.layout.federated_dir.glob(f"*/{ROUNDS_TABLE}"))
+        FederatedPaths(p.parent).rounds_table
+        for p in sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
     ]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -195,11 +196,11 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     from speech_assets.stats.report import ReportInputs
 
     counts = {}
-    for state in sorted(paths.layout.targets_root().glob(f"*/{KMEANS_STATE_FILE}")):
+    for state in sorted(paths.layout.targets_root().glob(f"*/{TargetFiles.state.name}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
     metrics = {}
-    for log in sorted(paths.layout.training_dir.glob(f"*/{METRICS_FILE}")):
+    for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}")):
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         metrics[log.parent.name] = rows
     header = {

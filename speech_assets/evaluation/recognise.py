@@ -24,7 +24,7 @@ import numpy as np
 
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
-from speech_assets.layout import RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
+from speech_assets.layout import RecogniserFiles
 
 DECODERS = ("greedy", "beam")
 
@@ -45,7 +45,8 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
     files = RecogniserFiles(folder)
     if not files.onnx.is_file() or not files.card.is_file():
         raise RecogniserError(
-            f"no recogniser at {path}: expected {RECOGNISER_ONNX} and {RECOGNISER_JSON} (materialize finetuned_asr)"
+            f"no recogniser at {path}: expected {RecogniserFiles.onnx.name} and {RecogniserFiles.card.name} "
+            "(materialize finetuned_asr)"
         )
     return folder
 
