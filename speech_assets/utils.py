@@ -7,6 +7,7 @@ import contextvars
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -226,3 +227,15 @@ def one_of(name: str, choices: tuple[str, ...]) -> Rule:
 
 def at_least(low: int, *names: str) -> tuple[Rule, ...]:
     return tuple(Rule((name,), lambda value: value >= low, f"{name} must be >= {low}") for name in names)
+
+
+def read_json(path: Path, *, strict: bool = False) -> dict:
+    """The JSON object a step recorded in ``path``; ``{}`` when there is none. An unreadable or
+    corrupt file reads as ``{}`` too (the step rebuilds it), unless ``strict``: a check, or a
+    reader that needs the file, fails on it instead."""
+    if strict:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

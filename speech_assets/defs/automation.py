@@ -28,8 +28,9 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import CorpusError, check_corpus_location, corpus_fingerprint
-from speech_assets.defs.lineage import latest_metadata, listed_speakers, speaker_observations
+from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
+from speech_assets.defs.per_partition import listed_speakers, speaker_observations
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings

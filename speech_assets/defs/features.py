@@ -9,19 +9,17 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import (
-    latest_data_version,
-    markdown_table,
+from speech_assets.defs.lineage import latest_data_version
+from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
+from speech_assets.defs.per_partition import (
     observed_input_provenance,
     observed_versions,
     partition_materialization,
     per_partition_asset,
-    read_json,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import problems_result
+from speech_assets.defs.readable import markdown_table, problems_result
 from speech_assets.defs.resources import (
     FeatureSettings,
     PipelineSettings,
@@ -33,7 +31,7 @@ from speech_assets.defs.resources import (
 from speech_assets.features import cmvn
 from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, check_speed_factors, shard_jobs
 from speech_assets.features.shards import shard_problems
-from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, read_json, sha256_file, sha256_strings
 
 CMVN_CODE_VERSION = "cmvn-v1"
 

@@ -24,9 +24,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import (
     bounded_versions,
     checkpoint_of,
-    git_commit,
     latest_data_version,
-    record_provenance,
     required_checkpoint,
     shard_hashes,
 )
@@ -43,6 +41,8 @@ from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
 from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.locations import git_commit
+from speech_assets.train.provenance import record_provenance
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 if TYPE_CHECKING:

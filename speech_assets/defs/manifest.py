@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.corpus.publish import publish_manifest
-from speech_assets.defs.lineage import markdown_table, speaker_observations
 from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
+from speech_assets.defs.per_partition import speaker_observations
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import from_fields
 

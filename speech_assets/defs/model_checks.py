@@ -15,11 +15,12 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import latest_materialization, read_json
+from speech_assets.defs.lineage import latest_materialization
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.evaluation.accuracy import LABEL, HeldoutAccuracy, heldout_accuracy
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
+from speech_assets.utils import read_json
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
 WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")

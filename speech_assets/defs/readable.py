@@ -4,7 +4,7 @@ charts the asset page draws inline."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +147,9 @@ def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
         return problems_result(problems)
 
     return check
+
+
+def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -8,10 +8,12 @@ import duckdb
 import pyarrow.parquet as pq
 
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
+from speech_assets.defs.lineage import latest_data_version, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
+from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
 from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
+from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 

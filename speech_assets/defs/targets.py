@@ -7,17 +7,16 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import (
-    client_shards,
+from speech_assets.defs.lineage import client_shards
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
+from speech_assets.defs.per_partition import (
     input_provenance,
-    markdown_table,
     partition_materialization,
     per_partition_asset,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import client_metadata, labels_match_shards_check
+from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
 from speech_assets.defs.resources import (
     KMeansSettings,
     PipelineSettings,

@@ -25,15 +25,17 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
-from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, read_json, record_provenance
+from speech_assets.defs.lineage import bounded_versions, input_versions
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.evaluation import accuracy
 from speech_assets.layout import RunFiles, TargetFiles
+from speech_assets.locations import git_commit
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import oom
-from speech_assets.utils import atomic_write_text, from_fields, sha256_strings
+from speech_assets.train.provenance import record_provenance
+from speech_assets.utils import atomic_write_text, from_fields, read_json, sha256_strings
 
 
 def run_torchrun(

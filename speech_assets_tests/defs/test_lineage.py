@@ -105,7 +105,7 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
     the page names the Dagster run that built it, and each reject it plays is a copied clip."""
     import re
 
-    from speech_assets.defs.lineage import git_commit
+    from speech_assets.locations import git_commit
 
     _, instance, paths, corpus, _ = built
     (record,) = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records

@@ -13,12 +13,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import record_provenance
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.stats import _inputs
 from speech_assets.evaluation.finetune import finetune
 from speech_assets.layout import RunFiles
 from speech_assets.stats.database import build_database
+from speech_assets.train.provenance import record_provenance
 from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
 
 GIT, DAGSTER_RUN = "a" * 40, "d0d0d0d0-0000-4000-8000-000000000046"
