@@ -328,8 +328,8 @@ def test_the_name_defined_once_checker_leaves_other_constants_alone(sources: dic
 
 
 def test_each_output_name_defined_once_in_the_layout() -> None:
-    """No product module but the layout defines a name constant of an output (test name says
-    ``name_defined_once`` through the checker's tests above). Mutations seen failing: the code
+    """No product module but the layout defines a name constant of an output: each name is
+    written once, where the layout names its family. Mutations seen failing: the code
     before the names moved (``AUDIO_FOLDER`` in stats/examples.py, ``PLOT_CACHE`` in stats/report.py,
     ``LM_FILE``/``LEXICON_FILE`` in evaluation/decoding.py, ``CACHE_SUFFIX`` in stats/plots.py,
     ``TEMP_SUFFIX`` in utils.py), and ``ARTIFACT = "inputs.json"`` added to train/tracking.py."""

@@ -66,7 +66,7 @@ def encoder_export(
         layer = resolve_layer(encoder.model, options.layer)  # the folder names the layer it holds, never -1
     except ValueError as error:
         raise dg.Failure(description=f"[export] {error}") from error
-    exported = paths.export(encoder.sha256, layer)
+    exported = paths.layout.export(encoder.sha256, layer)
     folder = exported.root
     folder.parent.mkdir(parents=True, exist_ok=True)
     # written in a sibling temporary folder, then renamed into place: never half an export

@@ -96,9 +96,6 @@ class StoragePaths(dg.ConfigurableResource):
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
 
-    def export(self, encoder_sha256: str, layer: int) -> layout.ExportFiles:
-        return self.layout.export(encoder_sha256, layer)
-
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline settings: one file (`pipeline.toml`, or $SPEECH_ASSETS_SETTINGS) sets every stage's
