@@ -47,7 +47,7 @@ def main() -> int:
         summarise,
     )
     from speech_assets.evaluation.encoders import load_utterances
-    from speech_assets.evaluation.protocol import ProbeOptions
+    from speech_assets.evaluation.probe_options import ProbeOptions
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
     from speech_assets.model.encoders import load_encoder, random_encoder
     from speech_assets.model.presets import ModelPreset

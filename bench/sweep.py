@@ -129,7 +129,7 @@ def probe(
 ) -> list[Any]:
     """Probe rows (held-out and train split) of fbank (``checkpoint`` None) or the encoder at ``checkpoint``."""
     from speech_assets.evaluation.compare import FBANK, ProbeModel, compare_encoders
-    from speech_assets.evaluation.protocol import ProbeOptions
+    from speech_assets.evaluation.probe_options import ProbeOptions
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
     from speech_assets.model.encoders import load_encoder
 

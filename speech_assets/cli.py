@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
 
     stats = _command(commands, "stats", "summary of the dataset from the DuckDB database", _cmd_stats)
-    _data_file_option(stats, "--db", layout.STATS_DB, what="DuckDB file")
+    _data_file_option(stats, "--db", layout.DataLayout.stats_db.name, what="DuckDB file")
 
     probe = _command(
         commands,
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
         _cmd_probe,
     )
-    _data_file_option(probe, "--results", layout.PROBE_DIR, layout.PROBE_RESULTS)
+    _data_file_option(probe, "--results", layout.PROBE_DIR, layout.ProbeFiles.results.name)
     probe.add_argument(
         "--details",
         action="store_true",
@@ -435,12 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
         "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline",
         _cmd_finetune,
     )
-    _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FINETUNE_RESULTS)
+    _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FinetuneFiles.results.name)
     _data_file_option(
         finetune,
         "--probe-results",
         layout.PROBE_DIR,
-        layout.PROBE_RESULTS,
+        layout.ProbeFiles.results.name,
         what="the frozen probe's results, shown beside the fine-tuned CERs",
     )
 
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_sql,
     )
     sql.add_argument("query", help='one SQL statement over the views and tables (list them with "SHOW TABLES")')
-    _data_file_option(sql, "--db", layout.STATS_DB, what="DuckDB file")
+    _data_file_option(sql, "--db", layout.DataLayout.stats_db.name, what="DuckDB file")
     sql.add_argument("--max-rows", type=int, default=200, help="rows to print at most (default 200)")
     sql.add_argument(
         "--raw",

@@ -19,12 +19,6 @@ from typing import Any, Self, overload
 
 # ``D/manifest/``
 MANIFEST_DIR = "manifest"
-MANIFEST_FILE = "manifest.parquet"
-REJECTS_FILE = "rejects.parquet"
-SPEAKERS_FILE = "speakers.parquet"  # D/manifest/: per-speaker manifest hashes; D/cmvn/: per-speaker table
-DECODE_CACHE_FILE = "decode_cache.parquet"
-PUBLISH_LOCK = ".publish.lock"
-STAGING_DIR = ".staging"  # one subfolder per manifest run, removed after it
 
 # ``D/features/shards/<speaker>.*``
 FEATURES_DIR = "features"
@@ -37,8 +31,6 @@ VERIFIED_FILE = ".verified.json"  # in the shards folder: what shards_are_consis
 
 # ``D/cmvn/``
 CMVN_DIR = "cmvn"
-CMVN_FILE = "cmvn.npz"
-SPEAKER_SUMS_FILE = "speaker_sums.npz"
 
 # ``D/clients/``
 CLIENTS_DIR = "clients"
@@ -46,110 +38,44 @@ CLIENTS_FILE = "clients.parquet"
 
 # ``D/kmeans/<client>/`` (iteration 1) and ``D/kmeans_iter2/<client>/`` (iteration 2)
 TARGETS_DIRS = {1: "kmeans", 2: "kmeans_iter2"}
-LABELS_FILE = "labels.parquet"
-QUALITY_FILE = "quality.json"
-CODEBOOK_FILE = "codebook.npy"
-KMEANS_STATE_FILE = "state.npz"
 
 # a training run's folder: ``D/training/<run>/``, ``D/training_iter2/<run>/``, ``D/distill/<run>/``
-TRAINING_DIR = "training"
-TRAINING_ITER2_DIR = "training_iter2"
-TRAINING_DIRS = {1: TRAINING_DIR, 2: TRAINING_ITER2_DIR}  # by HuBERT iteration
-DISTILL_DIR = "distill"
-RUN_CONFIG_FILE = "config.json"
-CHECKPOINTS_DIR = "checkpoints"  # a run's resumable checkpoints, one per step:
-CHECKPOINT_STEP = "step_{:08d}.pt"
-LAUNCH_CONFIG_FILE = "launch_config.json"
-METRICS_FILE = "metrics.jsonl"
-FINAL_CHECKPOINT = "final.pt"
-RESULT_FILE = "result.json"
-RANK_RESULT_FILE = "result.rank{}.json"  # a parallel fine-tuning batch: the result of rank N > 0
-TRAIN_LOG = "train.log"
 NODE_LOG = "node{rank}.log"  # the output of node ``rank`` (1..N-1) that the asset started
-OOM_FILE = "oom.json"
-PROVENANCE_FILE = "provenance.json"  # beside a run's result.json: its git commit, MLflow and Dagster runs
-SPEED_FILE = "speed.json"  # beside a distilled run's result.json: student and teacher forward speed
-MLFLOW_RUN_ID_FILE = "mlflow_run_id"
 RUN_LOCK = ".run.lock"
 WORKERS_LOCK = ".workers.lock"
 
 # ``D/federated/<run>/`` (:class:`FederatedPaths`) and ``D/federated_clients/<client>/`` (SuperNode state roots)
-FEDERATED_DIR = "federated"
 CLIENT_STATE_DIR = "federated_clients"
-ROUNDS_DIR = "rounds"
-ROUND_CHECKPOINT = "round_{:05d}.pt"
-ROUND_RECORD = "round_{:05d}.json"
-ROUNDS_TABLE = "rounds.parquet"
-EVALUATION_TABLE = "evaluation.parquet"
-RECEIVED_FILE = "received.jsonl"
-FAILURE_FILE = "failure.json"
-SERVER_LOG = "server.log"
-FLOWER_RUN_CONFIG = "run_config.toml"
-SETTINGS_SNAPSHOT = "settings.json"
-FLOWER_DIR = "flower"
-NODES_FILE = "nodes.json"
 
 # ``D/federated/<run>/flower/`` (:class:`FlowerFiles`): the local federation's processes and the ``flwr`` CLI
-FLOWER_CLI_DIR = "cli"
 FLOWER_HOME_DIR = "home"  # a Flower process's ``FLWR_HOME``, inside its folder
-FLOWER_CONFIG_FILE = "config.toml"  # Flower's own name for the connections file of a ``FLWR_HOME``
-SUPERLINK_DIR = "superlink"
 SUPERLINK_LOG = "superlink.log"
 SUPERNODE_DIR = "supernode-{}"  # by client id
 SUPERNODE_LOG = "supernode.log"
-PIDS_FILE = "pids.json"
-TLS_DIR = "tls"
-TLS_CA = "ca.crt"
-TLS_CERT = "superlink.crt"
-TLS_KEY = "superlink.key"
-AUTH_DIR = "auth"
 NODE_PRIVATE_KEY = "{}.key"  # by client id
 NODE_PUBLIC_KEY = "{}.pub"
-FLWR_RUN_LOG = "flwr-run.log"
-SIMULATION_LOG = "simulation.log"
-SIMULATION_NODES_FILE = "simulation_nodes.json"
 
 # ``<client state root>/<run>/`` (:class:`ClientRunFiles`): one client's state of one federated run
-HEADS_DIR = "heads"
-HEAD_FILE = "round_{:05d}.pt"
-SECAGG_DIR = "secagg"
-SECAGG_ROUND_FILE = "round-{}.json"
 SECAGG_LOCK = ".lock"  # in a client's secagg/ folder: held while a stage reads and writes its round state
 
 # ``D/probe/``
 PROBE_DIR = "probe"
-PROBE_RESULTS = "results.parquet"
-PROBE_UTTERANCES = "utterances.parquet"
-PROBE_LEADERBOARD = "leaderboard.parquet"
-PROBE_SPEAKERS = "speakers.json"
-
-# ``D/export/<sha16>-layer<N>/``
-EXPORT_DIR = "export"
-ENCODER_ONNX = "encoder.onnx"
-ENCODER_PT = "encoder.pt"
-ENCODER_JSON = "encoder.json"
 
 # ``D/finetune/``
 FINETUNE_DIR = "finetune"
-FINETUNE_RESULTS = "results.parquet"
-FINETUNE_RECOGNISER_DIR = "recogniser"
-FINETUNE_RUNS_DIR = "runs"  # one folder per fine-tuning run (:class:`RunFiles`)
-FINETUNE_BATCHES_DIR = "batches"  # one folder per launch of several runs: its result.json, result.rank<N>.json
-LABELLED_FILE = "labelled.json"  # in a fine-tuning run's folder: the labelled subset it trains on
-RECOGNISER_ONNX = "recogniser.onnx"
-RECOGNISER_PT = "recogniser.pt"
-RECOGNISER_JSON = "recogniser.json"
 
 # ``D/report/`` and ``D/stats.duckdb``
 REPORT_DIR = "report"
-REPORT_INDEX = "index.html"
-REPORT_AUDIO_DIR = "audio"
-INPUT_VERSIONS_FILE = "input_versions.json"
-STATS_DB = "stats.duckdb"
+PLOT_SUFFIX = ".png"  # a plot in the report's plot cache: ``<input hash>.png``
 
-# MLflow's local store (a tracking server keeps both itself)
-MLFLOW_DB = "mlflow.db"
-MLFLOW_ARTIFACTS_DIR = "mlartifacts"
+# an MLflow run's artifacts, beside its run folder's config.json and result.json
+MLFLOW_AUTOCONFIG = "autoconfig.json"
+MLFLOW_ENVIRONMENT = "environment.txt"
+MLFLOW_INPUTS = "inputs.json"
+MLFLOW_CHECKPOINT_DIR = "checkpoint"
+
+# the temp file of an atomic write, beside its target: ``.<target>.<random>.tmp``
+TEMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
@@ -194,25 +120,26 @@ def lock_beside(path: Path) -> Path:
     return path.with_name(path.name + SHARD_LOCK_SUFFIX)
 
 
-class _Under:
+class Under:
     """A class attribute that names the file or folder ``name`` under each instance's ``root``:
-    ``labels = _Under(LABELS_FILE)`` reads as ``self.root / LABELS_FILE``."""
+    ``labels = Under("labels.parquet")`` reads as ``self.root / "labels.parquet"``; the class
+    attribute itself (``TargetFiles.labels``) holds the name (``.name``), for a glob or a message."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _Under: ...
+    def __get__(self, obj: None, owner: type | None = None) -> Under: ...
     @overload
     def __get__(self, obj: Any, owner: type | None = None) -> Path: ...
-    def __get__(self, obj: Any, owner: type | None = None) -> Path | _Under:
+    def __get__(self, obj: Any, owner: type | None = None) -> Path | Under:
         return self if obj is None else obj.root / self.name
 
 
 @dataclass(frozen=True)
 class Folder:
     """A family of files and folders under ``root`` (given as any path-like), each named by a
-    :class:`_Under` class attribute or a method of the subclass."""
+    :class:`Under` class attribute or a method of the subclass."""
 
     root: Path
 
@@ -224,12 +151,12 @@ class ManifestFiles(Folder):
     """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
     publish lock and the staging folder."""
 
-    manifest = _Under(MANIFEST_FILE)
-    rejects = _Under(REJECTS_FILE)
-    speakers = _Under(SPEAKERS_FILE)
-    decode_cache = _Under(DECODE_CACHE_FILE)
-    publish_lock = _Under(PUBLISH_LOCK)
-    staging = _Under(STAGING_DIR)
+    manifest = Under("manifest.parquet")
+    rejects = Under("rejects.parquet")
+    speakers = Under("speakers.parquet")  # D/manifest/: per-speaker manifest hashes; D/cmvn/: per-speaker table
+    decode_cache = Under("decode_cache.parquet")
+    publish_lock = Under(".publish.lock")
+    staging = Under(".staging")  # one subfolder per manifest run, removed after it
 
 
 @dataclass(frozen=True)
@@ -266,9 +193,9 @@ def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
 class CmvnFiles(Folder):
     """``D/cmvn/`` (also the ``cmvn.npz`` copied into an export)."""
 
-    cmvn = _Under(CMVN_FILE)
-    speaker_sums = _Under(SPEAKER_SUMS_FILE)
-    speakers = _Under(SPEAKERS_FILE)
+    cmvn = Under("cmvn.npz")
+    speaker_sums = Under("speaker_sums.npz")
+    speakers = ManifestFiles.speakers
 
     @property
     def versioned(self) -> tuple[Path, Path, Path]:
@@ -282,10 +209,10 @@ class TargetFiles(Folder):
     (the publish record, written last), ``state.npz`` (the fit's resumable state) and the
     writers' lock beside the folder."""
 
-    labels = _Under(LABELS_FILE)
-    quality = _Under(QUALITY_FILE)
-    codebook = _Under(CODEBOOK_FILE)
-    state = _Under(KMEANS_STATE_FILE)
+    labels = Under("labels.parquet")
+    quality = Under("quality.json")
+    codebook = Under("codebook.npy")
+    state = Under("state.npz")
 
     @property
     def lock(self) -> Path:
@@ -297,26 +224,26 @@ class RunRecord(Folder):
     """What every run's folder holds, centralised or federated: the final checkpoint, the result,
     its provenance, the settings snapshot and the MLflow run id."""
 
-    final = _Under(FINAL_CHECKPOINT)
-    result = _Under(RESULT_FILE)
-    provenance = _Under(PROVENANCE_FILE)
-    settings = _Under(SETTINGS_SNAPSHOT)
-    mlflow_run_id = _Under(MLFLOW_RUN_ID_FILE)
+    final = Under("final.pt")
+    result = Under("result.json")
+    provenance = Under("provenance.json")  # beside a run's result.json: its git commit, MLflow and Dagster runs
+    settings = Under("settings.json")
+    mlflow_run_id = Under("mlflow_run_id")
 
 
 class RunFiles(RunRecord):
     """A training run's folder (centralised, iteration 2, distilled): besides the run record,
     config, metrics, log and checkpoints."""
 
-    config = _Under(RUN_CONFIG_FILE)
-    launch_config = _Under(LAUNCH_CONFIG_FILE)
-    metrics = _Under(METRICS_FILE)
-    log = _Under(TRAIN_LOG)
-    oom = _Under(OOM_FILE)
-    speed = _Under(SPEED_FILE)
-    labelled = _Under(LABELLED_FILE)
-    checkpoints = _Under(CHECKPOINTS_DIR)
-    checkpoint_steps = Numbered(CHECKPOINT_STEP)
+    config = Under("config.json")
+    launch_config = Under("launch_config.json")
+    metrics = Under("metrics.jsonl")
+    log = Under("train.log")
+    oom = Under("oom.json")
+    speed = Under("speed.json")  # beside a distilled run's result.json: student and teacher forward speed
+    labelled = Under("labelled.json")  # in a fine-tuning run's folder: the labelled subset it trains on
+    checkpoints = Under("checkpoints")  # a run's resumable checkpoints, one per step:
+    checkpoint_steps = Numbered("step_{:08d}.pt")
 
     def checkpoint(self, step: int) -> Path:
         """The resumable checkpoint of ``step``: ``checkpoints/step_NNNNNNNN.pt``."""
@@ -325,7 +252,7 @@ class RunFiles(RunRecord):
     def node_log(self, rank: int) -> Path:
         return self.root / NODE_LOG.format(rank=rank)
 
-    rank_results = Numbered(RANK_RESULT_FILE)
+    rank_results = Numbered("result.rank{}.json")  # a parallel fine-tuning batch: the result of rank N > 0
 
     def rank_result(self, rank: int) -> Path:
         """The result file of rank ``rank`` of a fine-tuning batch: ``result.json`` on rank 0,
@@ -346,9 +273,9 @@ class FederatedPaths(RunRecord):
     SuperNode's root (:class:`ClientRunFiles`).
     """
 
-    rounds_dir = _Under(ROUNDS_DIR)
-    round_checkpoints = Numbered(ROUND_CHECKPOINT)
-    round_records = Numbered(ROUND_RECORD)
+    rounds_dir = Under("rounds")
+    round_checkpoints = Numbered("round_{:05d}.pt")
+    round_records = Numbered("round_{:05d}.json")
 
     def round_checkpoint(self, round_number: int) -> Path:
         return self.rounds_dir / self.round_checkpoints.name(round_number)
@@ -356,13 +283,13 @@ class FederatedPaths(RunRecord):
     def round_record(self, round_number: int) -> Path:
         return self.rounds_dir / self.round_records.name(round_number)
 
-    rounds_table = _Under(ROUNDS_TABLE)
-    evaluation_table = _Under(EVALUATION_TABLE)
-    received = _Under(RECEIVED_FILE)
-    failure = _Under(FAILURE_FILE)
-    server_log = _Under(SERVER_LOG)
-    run_config = _Under(FLOWER_RUN_CONFIG)
-    flower_dir = _Under(FLOWER_DIR)
+    rounds_table = Under("rounds.parquet")
+    evaluation_table = Under("evaluation.parquet")
+    received = Under("received.jsonl")
+    failure = Under("failure.json")
+    server_log = Under("server.log")
+    run_config = Under("run_config.toml")
+    flower_dir = Under("flower")
 
     @property
     def flower(self) -> FlowerFiles:
@@ -378,15 +305,15 @@ class FederatedPaths(RunRecord):
 class FlowerHome(Folder):
     """A ``FLWR_HOME``: Flower's ``config.toml`` (its SuperLink connections)."""
 
-    config = _Under(FLOWER_CONFIG_FILE)
+    config = Under("config.toml")  # Flower's own name for the connections file of a ``FLWR_HOME``
 
 
 class FlowerTls(Folder):
     """``flower/tls/``: the local federation's throw-away CA and the SuperLink's certificate and key."""
 
-    ca = _Under(TLS_CA)
-    cert = _Under(TLS_CERT)
-    key = _Under(TLS_KEY)
+    ca = Under("ca.crt")
+    cert = Under("superlink.crt")
+    key = Under("superlink.key")
 
 
 class NodeKeys(Folder):
@@ -410,15 +337,15 @@ class FlowerFiles(Folder):
     (``flwr run``'s output), and on the simulation runtime ``simulation.log`` and
     ``simulation_nodes.json`` (the clients' node configs)."""
 
-    cli = _Under(FLOWER_CLI_DIR)
-    pids = _Under(PIDS_FILE)
-    nodes = _Under(NODES_FILE)
-    run_log = _Under(FLWR_RUN_LOG)
-    simulation_log = _Under(SIMULATION_LOG)
-    simulation_nodes = _Under(SIMULATION_NODES_FILE)
-    superlink_dir = _Under(SUPERLINK_DIR)
-    tls_dir = _Under(TLS_DIR)
-    auth_dir = _Under(AUTH_DIR)
+    cli = Under("cli")
+    pids = Under("pids.json")
+    nodes = Under("nodes.json")
+    run_log = Under("flwr-run.log")
+    simulation_log = Under("simulation.log")
+    simulation_nodes = Under("simulation_nodes.json")
+    superlink_dir = Under("superlink")
+    tls_dir = Under("tls")
+    auth_dir = Under("auth")
 
     @property
     def tls(self) -> FlowerTls:
@@ -451,11 +378,11 @@ class ClientRunFiles(Folder):
     each round (``heads/round_NNNNN.pt``) and its secure-aggregation secrets of each round
     (``secagg/round-<n>.json``, owner-only)."""
 
-    heads_dir = _Under(HEADS_DIR)
-    heads = Numbered(HEAD_FILE)
-    secagg_dir = _Under(SECAGG_DIR)
-    secagg_rounds = Numbered(SECAGG_ROUND_FILE)
-    secagg_lock = _Under(f"{SECAGG_DIR}/{SECAGG_LOCK}")
+    heads_dir = Under("heads")
+    heads = Numbered("round_{:05d}.pt")
+    secagg_dir = Under("secagg")
+    secagg_rounds = Numbered("round-{}.json")
+    secagg_lock = Under(f"{secagg_dir.name}/{SECAGG_LOCK}")
 
     def head(self, round_number: int) -> Path:
         return self.heads_dir / self.heads.name(round_number)
@@ -473,10 +400,10 @@ class ProbeFiles(Folder):
         """The family of a results file anywhere (``cli probe --results``)."""
         return cls(Path(results).parent)
 
-    results = _Under(PROBE_RESULTS)
-    utterances = _Under(PROBE_UTTERANCES)
-    leaderboard = _Under(PROBE_LEADERBOARD)
-    speakers = _Under(PROBE_SPEAKERS)
+    results = Under("results.parquet")
+    utterances = Under("utterances.parquet")
+    leaderboard = Under("leaderboard.parquet")
+    speakers = Under("speakers.json")
 
 
 class ExportedModel(Folder):
@@ -504,19 +431,19 @@ class ExportFiles(ExportedModel):
             raise ValueError(f"an export folder names a layer's index, not {layer}: resolve it first")
         return f"{encoder_sha256[:16]}-layer{layer}"
 
-    onnx = _Under(ENCODER_ONNX)
-    torch = _Under(ENCODER_PT)
-    card = _Under(ENCODER_JSON)
-    cmvn = _Under(CMVN_FILE)
+    onnx = Under("encoder.onnx")
+    torch = Under("encoder.pt")
+    card = Under("encoder.json")
+    cmvn = CmvnFiles.cmvn
 
 
 class RecogniserFiles(ExportedModel):
     """An exported recogniser (``D/finetune/recogniser/``): ``recogniser.onnx``,
     ``recogniser.pt`` (TorchScript) and ``recogniser.json``."""
 
-    onnx = _Under(RECOGNISER_ONNX)
-    torch = _Under(RECOGNISER_PT)
-    card = _Under(RECOGNISER_JSON)
+    onnx = Under("recogniser.onnx")
+    torch = Under("recogniser.pt")
+    card = Under("recogniser.json")
 
 
 class FinetuneFiles(Folder):
@@ -524,19 +451,31 @@ class FinetuneFiles(Folder):
     recogniser (``recogniser/``), one folder per fine-tuning run (``runs/``) and per launch of
     several runs (``batches/``)."""
 
-    results = _Under(FINETUNE_RESULTS)
-    recogniser = _Under(FINETUNE_RECOGNISER_DIR)
-    runs = _Under(FINETUNE_RUNS_DIR)
-    batches = _Under(FINETUNE_BATCHES_DIR)
+    results = Under("results.parquet")
+    recogniser = Under("recogniser")
+    runs = Under("runs")  # one folder per fine-tuning run (:class:`RunFiles`)
+    batches = Under("batches")  # one folder per launch of several runs: its result.json, result.rank<N>.json
 
 
 class ReportFiles(Folder):
     """``D/report/``: ``index.html``, its ``audio/`` clips and ``input_versions.json`` (the
     lineage the stats were built from)."""
 
-    index = _Under(REPORT_INDEX)
-    audio = _Under(REPORT_AUDIO_DIR)
-    input_versions = _Under(INPUT_VERSIONS_FILE)
+    index = Under("index.html")
+    audio = Under("audio")
+    input_versions = Under("input_versions.json")
+    plots = Under(".plots")  # the report's plots' PNGs by input hash (PLOT_SUFFIX), reused while unchanged
+
+
+class DecoderFiles(Folder):
+    """A beam decoder's files in a recogniser's folder: the lexicon and the ARPA n-gram LM of
+    each order (``3gram.arpa``)."""
+
+    lexicon = Under("lexicon.txt")
+    lms = Numbered("{}gram.arpa")
+
+    def lm(self, order: int) -> Path:
+        return self.root / self.lms.name(order)
 
 
 class DataLayout(Folder):
@@ -571,16 +510,18 @@ class DataLayout(Folder):
 
     def all_targets(self, iteration: int = 1) -> list[TargetFiles]:
         """Every client's targets of ``iteration`` that has published (a ``quality.json``), by client."""
-        return [TargetFiles(q.parent) for q in sorted(self.targets_root(iteration).glob(f"*/{QUALITY_FILE}"))]
+        return [
+            TargetFiles(q.parent) for q in sorted(self.targets_root(iteration).glob(f"*/{TargetFiles.quality.name}"))
+        ]
 
-    training_dir = _Under(TRAINING_DIR)
-    training_iter2_dir = _Under(TRAINING_ITER2_DIR)
-    distill_dir = _Under(DISTILL_DIR)
-    federated_dir = _Under(FEDERATED_DIR)
+    training_dir = Under("training")
+    training_iter2_dir = Under("training_iter2")
+    distill_dir = Under("distill")
+    federated_dir = Under("federated")
 
     def training_root(self, iteration: int = 1) -> Path:
         """The folder of every pretraining run of HuBERT ``iteration`` (1 or 2)."""
-        return self.root / TRAINING_DIRS[iteration]
+        return {1: self.training_dir, 2: self.training_iter2_dir}[iteration]
 
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)
@@ -592,19 +533,19 @@ class DataLayout(Folder):
 
     def results_of(self, runs_dir: Path) -> list[Path]:
         """The ``result.json`` of every finished run under ``runs_dir``, by path."""
-        return sorted(runs_dir.glob(f"*/{RESULT_FILE}"))
+        return sorted(runs_dir.glob(f"*/{RunRecord.result.name}"))
 
     @property
     def probe(self) -> ProbeFiles:
         return ProbeFiles(self.root / PROBE_DIR)
 
-    export_dir = _Under(EXPORT_DIR)
+    export_dir = Under("export")
 
     def export(self, encoder_sha256: str, layer: int) -> ExportFiles:
         return ExportFiles(self.export_dir / ExportFiles.folder_name(encoder_sha256, layer))
 
     def all_exports(self) -> list[ExportFiles]:
-        return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ENCODER_JSON}"))]
+        return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ExportFiles.card.name}"))]
 
     @property
     def finetune(self) -> FinetuneFiles:
@@ -614,6 +555,6 @@ class DataLayout(Folder):
     def report(self) -> ReportFiles:
         return ReportFiles(self.root / REPORT_DIR)
 
-    stats_db = _Under(STATS_DB)
-    mlflow_db = _Under(MLFLOW_DB)
-    mlflow_artifacts = _Under(MLFLOW_ARTIFACTS_DIR)
+    stats_db = Under("stats.duckdb")
+    mlflow_db = Under("mlflow.db")
+    mlflow_artifacts = Under("mlartifacts")

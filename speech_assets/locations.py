@@ -1,4 +1,5 @@
-"""Where things live: repository root, corpus, data dir, Dagster home and MLflow store.
+"""Where things live: repository root (and its git commit), corpus, data dir, Dagster home and
+MLflow store.
 
 Every location comes from an (optional) environment variable; relative values resolve against
 the repository root so that `make demo`, `dagster dev` and tests agree on one layout.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlparse
 
@@ -111,7 +113,16 @@ def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str
     if data is not None:
         return str(layout.DataLayout(data).mlflow_artifacts)
     if parsed.scheme == "sqlite":
-        return str(Path(tracking_uri[len("sqlite:///") :]).parent / layout.MLFLOW_ARTIFACTS_DIR)
+        return str(Path(tracking_uri[len("sqlite:///") :]).parent / layout.DataLayout.mlflow_artifacts.name)
     if parsed.scheme in ("", "file"):
-        return str(Path(parsed.path or tracking_uri) / layout.MLFLOW_ARTIFACTS_DIR)
+        return str(Path(parsed.path or tracking_uri) / layout.DataLayout.mlflow_artifacts.name)
     return None
+
+
+def git_commit() -> str | None:
+    """The repository's HEAD commit, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None

@@ -7,6 +7,7 @@ import contextvars
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -17,15 +18,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from speech_assets.layout import TEMP_SUFFIX
+
 _CHUNK = 1 << 20
 Config = TypeVar("Config")
 
 
 # Files renamed into place inside `deferred_fsync()`, fsynced together when it ends (None: outside).
 _DEFERRED: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar("deferred_fsync", default=None)
-
-
-TEMP_SUFFIX = ".tmp"
 
 
 def temp_target(name: str) -> str | None:
@@ -168,7 +168,7 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
     """
     target = Path(target)
     removed = 0
-    for leftover in target.parent.glob(f".{target.name}.*.tmp"):
+    for leftover in target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"):
         leftover.unlink(missing_ok=True)
         removed += 1
     return removed
@@ -227,3 +227,15 @@ def one_of(name: str, choices: tuple[str, ...]) -> Rule:
 
 def at_least(low: int, *names: str) -> tuple[Rule, ...]:
     return tuple(Rule((name,), lambda value: value >= low, f"{name} must be >= {low}") for name in names)
+
+
+def read_json(path: Path, *, strict: bool = False) -> dict:
+    """The JSON object a step recorded in ``path``; ``{}`` when there is none. An unreadable or
+    corrupt file reads as ``{}`` too (the step rebuilds it), unless ``strict``: a check, or a
+    reader that needs the file, fails on it instead."""
+    if strict:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

@@ -159,6 +159,7 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
     internals = f"{package}.{INTERNALS}"
     violations: list[Violation] = []
     edges: dict[tuple[str, str], tuple[str, int, str]] = {}  # (from part, to part) -> one example
+    module_edges: dict[tuple[str, str], tuple[str, int, str]] = {}  # (from module, to module) -> one example
     for module, path in modules.items():
         part = part_of(module)
         where = str(path.relative_to(root))
@@ -224,6 +225,8 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
                 )
             if top != package:
                 continue
+            if item.target in modules and item.target != module:
+                module_edges.setdefault((module, item.target), (where, item.line, item.target))
             target_part = part_of(item.target)
             target_floor = floor_of(target_part)
             if target_part == part or target_floor is None:
@@ -265,11 +268,20 @@ def check_tree(root: Path, package: str = PACKAGE) -> list[Violation]:
         for line, alias, attr in private_attributes(tree, set(owned)):
             violations.append(Violation(where, line, module, f"{owned[alias]}.{attr}", PRIVATE_OWNED))
     violations += cycle_violations(edges, package)
+    violations += cycle_violations(
+        {edge: example for edge, example in module_edges.items() if part_of(edge[0]) == part_of(edge[1])},
+        package,
+        between="modules",
+    )
     return violations
 
 
-def cycle_violations(edges: dict[tuple[str, str], tuple[str, int, str]], package: str) -> list[Violation]:
-    """One violation per import cycle between parts of the package (strongly connected parts)."""
+def cycle_violations(
+    edges: dict[tuple[str, str], tuple[str, int, str]], package: str, between: str = "parts"
+) -> list[Violation]:
+    """One violation per import cycle (strongly connected nodes of ``edges``): between parts of the
+    package, or (``between="modules"``) between modules of one part, which a lazy import hides
+    from Python but not from a reader."""
     graph: dict[str, set[str]] = {}
     for a, b in edges:
         graph.setdefault(a, set()).add(b)
@@ -306,13 +318,14 @@ def cycle_violations(edges: dict[tuple[str, str], tuple[str, int, str]], package
         inside = sorted((a, b) for a, b in edges if a in group and b in group)
         where, line, target = edges[inside[0]]
         examples = "; ".join(f"{a or package} -> {b or package} ({edges[a, b][0]}:{edges[a, b][1]})" for a, b in inside)
+        first = inside[0][0] if between == "modules" else f"{package}.{inside[0][0]}".rstrip(".")
         violations.append(
             Violation(
                 where,
                 line,
-                f"{package}.{inside[0][0]}".rstrip("."),
+                first,
                 target,
-                f"an import cycle between {sorted(g or package for g in group)}: {examples}",
+                f"an import cycle between {between} {sorted(g or package for g in group)}: {examples}",
             )
         )
     return violations
@@ -440,7 +453,16 @@ FORBIDDEN = {
             "runtime/locks.py": "from speech_assets import utils\n",
             "utils.py": "from speech_assets.runtime import locks\n",
         },
-        "an import cycle between ['runtime', 'utils']",
+        "an import cycle between parts ['runtime', 'utils']",
+    ),
+    "a circle of modules in one part, hidden in a function": (
+        {
+            "evaluation/protocol.py": "def f():\n    from speech_assets.evaluation.compare import FBANK\n",
+            "evaluation/compare.py": "def g():\n    from speech_assets.evaluation import probe\n",
+            "evaluation/probe.py": "from speech_assets.evaluation.protocol import ProbeOptions\n",
+        },
+        "an import cycle between modules ['speech_assets.evaluation.compare', 'speech_assets.evaluation.probe', "
+        "'speech_assets.evaluation.protocol']",
     ),
     "a part on no floor": ({"extras/x.py": ""}, "speech_assets.extras is on no floor"),
 }
@@ -463,6 +485,15 @@ def test_each_forbidden_import_is_caught_and_said(tmp_path: Path, files: dict[st
 def test_the_package_keeps_its_layers() -> None:
     violations = check_tree(REPO)
     assert not violations, "imports that break the layers (docs/ARCHITECTURE.md):\n" + "\n".join(map(str, violations))
+
+
+def test_no_circle_between_modules_even_through_lazy_imports() -> None:
+    """No module of the package reaches itself through imports, those inside functions and under
+    ``TYPE_CHECKING`` counted. Mutations seen failing: the code before ``ProbeOptions`` left
+    ``evaluation/protocol.py`` (protocol -> compare -> probe -> protocol, the backward arrows in
+    functions), and ``evaluation/probe.py`` importing ``ProbeLeak`` from the protocol in a function."""
+    circles = [str(v) for v in check_tree(REPO) if "import cycle between modules" in v.why]
+    assert not circles, "\n".join(circles)
 
 
 def test_every_part_of_the_package_is_on_a_floor() -> None:

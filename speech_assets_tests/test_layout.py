@@ -27,14 +27,27 @@ from speech_assets_tests.conftest import REPO
 PACKAGE = REPO / "speech_assets"
 
 
-def layout_names() -> tuple[set[str], set[str]]:
-    """(file names and suffixes, folder names) of every output the layout names."""
+def layout_values() -> list[str]:
+    """Every name the layout defines: its upper-case string constants (and those of its dicts),
+    the names its folder classes' attributes hold and the templates of its numbered families."""
     values: list[str] = []
     for name, value in vars(layout).items():
         if name.isupper() and isinstance(value, str):
             values.append(value)
         elif name.isupper() and isinstance(value, dict):
             values += [v for v in value.values() if isinstance(v, str)]
+        elif isinstance(value, type) and value.__module__ == layout.__name__:
+            for attribute in vars(value).values():
+                if isinstance(attribute, layout.Numbered):
+                    values.append(attribute.template)
+                elif isinstance(attribute, layout.Under):
+                    values.append(attribute.name.rpartition("/")[2])
+    return values
+
+
+def layout_names() -> tuple[set[str], set[str]]:
+    """(file names and suffixes, folder names) of every output the layout names."""
+    values = layout_values()
     files = {v for v in values if "." in v} | {glob(t) for t in templates_of(values)}
     return files, set(values) - files
 
@@ -44,8 +57,8 @@ def templates_of(values: list[str]) -> set[str]:
 
 
 def layout_templates() -> set[str]:
-    """The layout's numbered names (constants with a field: ``"round_{:05d}.pt"``)."""
-    return templates_of([v for name, v in vars(layout).items() if name.isupper() and isinstance(v, str)])
+    """The layout's numbered names (names with a field: ``"round_{:05d}.pt"``)."""
+    return templates_of(layout_values())
 
 
 def glob(template: str) -> str:
@@ -224,6 +237,108 @@ def test_no_output_path_literal_outside_the_layout_module() -> None:
             f"{relative}:{line}: {name!r}" for line, name in literals_in(path.read_text(), files, folders, templates)
         ]
     assert not found, "output names spelled outside speech_assets/layout.py (use its objects):\n" + "\n".join(found)
+
+
+# --- each name written once: a name constant of a file or folder is the layout's alone ------------
+
+OUTPUT_SUFFIXES = (
+    ".parquet", ".json", ".jsonl", ".onnx", ".pt", ".duckdb", ".db", ".html", ".tmp", ".npz", ".npy", ".png",
+    ".arpa", ".txt", ".log", ".lock",
+)  # fmt: skip
+
+
+def _path_operands(tree: ast.Module) -> set[str]:
+    """The names (``NAME``, ``module.NAME``, a field of an f-string) joined into a path anywhere
+    in ``tree``: an operand of ``/`` or an argument of ``Path``, ``with_name``, ``glob``, ..."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        operands: list[ast.expr] = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            operands = [node.left, node.right]
+        elif isinstance(node, ast.Call) and _joins_paths(node.func):
+            is_str_join = (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "join"
+                and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "path")
+            )
+            operands = [] if is_str_join else list(node.args)
+        for operand in operands:
+            parts = (
+                [v.value for v in operand.values if isinstance(v, ast.FormattedValue)]
+                if isinstance(operand, ast.JoinedStr)
+                else [operand]
+            )
+            found |= {
+                p.id if isinstance(p, ast.Name) else p.attr for p in parts if isinstance(p, ast.Name | ast.Attribute)
+            }
+    return found
+
+
+def name_constants(sources: dict[str, str]) -> list[str]:
+    """``module:line: NAME = 'value'`` for each module-level string constant of ``sources``
+    (module -> source) that names an output: its value ends in an output suffix, or some module
+    joins the constant into a path."""
+    trees = {module: ast.parse(source) for module, source in sources.items()}
+    joined = set().union(*map(_path_operands, trees.values())) if trees else set()
+    found = []
+    for module, tree in trees.items():
+        for node in tree.body:
+            if not (
+                isinstance(node, ast.Assign | ast.AnnAssign)
+                and isinstance(target := node.targets[0] if isinstance(node, ast.Assign) else node.target, ast.Name)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(value := node.value.value, str)
+            ):
+                continue
+            named = value.lower().endswith(OUTPUT_SUFFIXES) and not any(c.isspace() for c in value)
+            if named or target.id in joined:
+                found.append(f"{module}:{node.lineno}: {target.id} = {value!r}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        {"a.py": 'LM_FILE = "{order}gram.arpa"\n'},
+        {"a.py": 'CACHE_SUFFIX = ".png"\n'},
+        {"a.py": 'TEMP_SUFFIX = ".tmp"\n'},
+        {"a.py": 'PLOT_CACHE = ".plots"\ndef f(p):\n    return p / PLOT_CACHE\n'},
+        {"a.py": 'AUDIO = "audio"\n', "b.py": "from a import AUDIO\ndef f(p):\n    return p / AUDIO\n"},
+        {"a.py": 'AUDIO = "audio"\n', "b.py": 'import a\ndef f(p):\n    return p / f"{a.AUDIO}/x"\n'},
+        {"a.py": 'ARTIFACT: str = "inputs.json"\n'},
+    ],
+)
+def test_the_name_defined_once_checker_finds_each_name_constant(sources: dict[str, str]) -> None:
+    assert name_constants(sources), sources
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        {"a.py": 'SUBSET = "synth"\nrow = f"{SUBSET:<17}| {seconds / 60:5.2f}"\n'},
+        {"a.py": 'NBSP = "\\u00a0"\ntext = NBSP.join(parts)\nlines = "".join([NBSP, x])\n'},
+        {"a.py": 'SETTINGS_FILE = "pipeline.toml"\n'},  # the settings: read, not written
+        {"a.py": 'HELP = "writes results.json"\n'},  # a message
+        {"a.py": 'def f():\n    NAME = "x.json"\n'},  # not module level
+    ],
+)
+def test_the_name_defined_once_checker_leaves_other_constants_alone(sources: dict[str, str]) -> None:
+    assert not name_constants(sources), sources
+
+
+def test_each_output_name_defined_once_in_the_layout() -> None:
+    """No product module but the layout defines a name constant of an output: each name is
+    written once, where the layout names its family. Mutations seen failing: the code
+    before the names moved (``AUDIO_FOLDER`` in stats/examples.py, ``PLOT_CACHE`` in stats/report.py,
+    ``LM_FILE``/``LEXICON_FILE`` in evaluation/decoding.py, ``CACHE_SUFFIX`` in stats/plots.py,
+    ``TEMP_SUFFIX`` in utils.py), and ``ARTIFACT = "inputs.json"`` added to train/tracking.py."""
+    sources = {
+        str(path.relative_to(REPO)): path.read_text()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != Path(layout.__file__).resolve()
+    }
+    found = name_constants(sources)
+    assert not found, "output names defined outside speech_assets/layout.py (define them there):\n" + "\n".join(found)
 
 
 NUMBERED = sorted(

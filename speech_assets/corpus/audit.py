@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from speech_assets import layout
 from speech_assets.corpus.ids import is_safe_id
 from speech_assets.corpus.manifest import MANIFEST_SCHEMA, RealPaths, ValidationConfig, hash_triples, is_inside
 from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectReason
-from speech_assets.layout import MANIFEST_FILE, REJECTS_FILE, SPEAKERS_FILE
 
 MAX_LISTED = 10
 
@@ -66,7 +66,9 @@ def _listing(name: str, bad: list[str], description: str, count_key: str) -> Aud
     return Audit(name, not bad, description, {count_key: len(bad), "examples": _examples(bad)})
 
 
-def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = MANIFEST_FILE) -> Audit | None:
+def _missing(
+    name: str, table: pa.Table, columns: tuple[str, ...], file: str = layout.ManifestFiles.manifest.name
+) -> Audit | None:
     absent = [c for c in columns if c not in table.column_names]
     if absent:
         return Audit(name, False, f"cannot check: {file} lacks column(s) {', '.join(absent)}", {"missing": absent})
@@ -76,8 +78,8 @@ def _missing(name: str, table: pa.Table, columns: tuple[str, ...], file: str = M
 def schema(table: pa.Table, rejects: pa.Table) -> Audit:
     problems = []
     for file, expected, actual in (
-        (MANIFEST_FILE, MANIFEST_SCHEMA, table),
-        (REJECTS_FILE, REJECTS_SCHEMA, rejects),
+        (layout.ManifestFiles.manifest.name, MANIFEST_SCHEMA, table),
+        (layout.ManifestFiles.rejects.name, REJECTS_SCHEMA, rejects),
     ):
         problems += [f"{file}: no column {f.name}" for f in expected if f.name not in actual.column_names]
         problems += [
@@ -172,7 +174,9 @@ def speakers(table: pa.Table, listed: pa.Table) -> Audit:
     if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
         return missing
     if (
-        missing := _missing("speakers", listed, ("speaker_id", "utterances", "manifest_hash"), SPEAKERS_FILE)
+        missing := _missing(
+            "speakers", listed, ("speaker_id", "utterances", "manifest_hash"), layout.ManifestFiles.speakers.name
+        )
     ) is not None:
         return missing
     triples: dict[str, list[tuple[str, str, str]]] = {}

@@ -28,8 +28,9 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import CorpusError, check_corpus_location, corpus_fingerprint
-from speech_assets.defs.lineage import latest_metadata, listed_speakers, speaker_observations
+from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
+from speech_assets.defs.per_partition import listed_speakers, speaker_observations
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings
@@ -63,9 +64,9 @@ def _failed_manifest_checks(instance: dg.DagsterInstance) -> list[str]:
 
 def stale_speakers(paths: StoragePaths) -> dict[str, str]:
     """Speakers whose shard is missing or was built from other manifest rows -> current hash."""
-    if not paths.speakers_file.exists():
+    if not paths.layout.manifest.speakers.exists():
         return {}
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id", "manifest_hash"]).to_pylist()
+    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash"]).to_pylist()
     result = {}
     for row in speakers:
         meta = paths.shard_files(row["speaker_id"]).read_meta()

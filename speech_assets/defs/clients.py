@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus import clients as assignment
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import latest_data_version, markdown_table
+from speech_assets.defs.lineage import latest_data_version
 from speech_assets.defs.partitions import clients_partitions, register_new
+from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import ClientSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import sha256_file
 
@@ -36,16 +37,16 @@ def client_partitions(
     from speech_assets.train.data import heldout_speakers  # torch: lazily, the code location stays light
 
     config = effective(settings.clients, config)
-    speakers = pq.read_table(paths.cmvn.speakers).to_pylist()
+    speakers = pq.read_table(paths.layout.cmvn.speakers).to_pylist()
     loads = [assignment.SpeakerLoad(s["speaker_id"], s["trimmed_hours"], s["utterances"]) for s in speakers]
     previous = {}
-    if paths.clients_file.exists():  # (only these two columns: a table of an older version keeps its clients)
-        table = pq.read_table(paths.clients_file, columns=["speaker_id", "client_id"])
+    if paths.layout.clients_file.exists():  # (only these two columns: a table of an older version keeps its clients)
+        table = pq.read_table(paths.layout.clients_file, columns=["speaker_id", "client_id"])
         previous = dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
     assigned = assignment.assign_clients(loads, config.num_clients, previous)
     held = heldout_speakers({a.speaker_id: a.client_id for a in assigned}, config.heldout_fraction)
     result = [dataclasses.replace(a, heldout=a.speaker_id in held) for a in assigned]
-    assignment.write_clients(paths.clients_file, result)
+    assignment.write_clients(paths.layout.clients_file, result)
     ids = assignment.client_ids(config.num_clients)
     added = register_new(context, clients_partitions, ids)
     summary = {c: {"speakers": 0, "heldout": 0, "hours": 0.0, "utterances": 0} for c in ids}
@@ -57,7 +58,7 @@ def client_partitions(
     now = {a.speaker_id: a.client_id for a in result}
     moved = sorted(s for s, c in previous.items() if s in now and now[s] != c)
     return dg.MaterializeResult(
-        data_version=dg.DataVersion(sha256_file(paths.clients_file)),
+        data_version=dg.DataVersion(sha256_file(paths.layout.clients_file)),
         metadata={
             "clients": config.num_clients,
             "speakers": len(result),
@@ -78,7 +79,7 @@ def client_partitions(
             ),
             "registered_partitions": dg.MetadataValue.json(added),
             "cmvn_version": latest_data_version(context.instance, "cmvn_stats") or "",
-            "path": dg.MetadataValue.path(str(paths.clients_file)),
+            "path": dg.MetadataValue.path(str(paths.layout.clients_file)),
         },
     )
 
@@ -89,8 +90,8 @@ def client_partitions(
     description=("Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."),
 )
 def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
-    speakers = set(pq.read_table(paths.cmvn.speakers, columns=["speaker_id"]).column(0).to_pylist())
-    rows = assignment.read_clients(paths.clients_file)
+    speakers = set(pq.read_table(paths.layout.cmvn.speakers, columns=["speaker_id"]).column(0).to_pylist())
+    rows = assignment.read_clients(paths.layout.clients_file)
     assigned = [r.speaker_id for r in rows]
     clients = {r.client_id for r in rows}
     empty = sorted(set(context.instance.get_dynamic_partitions(clients_partitions.name)) - clients)

@@ -10,7 +10,8 @@ use a private Dagster name (the layer test).
   ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``DEFAULT_DATA_VERSION``, ``NULL_EVENT_POINTER``,
   ``get_input_data_version_tag``, ``get_input_event_pointer_tag``: per-partition
   materializations and observations tagged exactly as Dagster tags its own
-  (:mod:`speech_assets.defs.lineage`); a public ``DataVersion`` is one per run.
+  (:mod:`speech_assets.defs.per_partition`; read by :mod:`speech_assets.defs.lineage`); a public
+  ``DataVersion`` is one per run.
 - ``dagster._core.storage.event_log.sqlite.sqlite_event_log.SqliteEventLogStorage``
   (:func:`is_local_storage`): a run is judged dead by its events' pids only on local storage.
 - ``dagster._core.definitions.executor_definition``: ``_core_multiprocess_executor_creation``,
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dagster as dg
-from dagster._core.definitions.data_version import (  # noqa: F401 - for defs/lineage.py
+from dagster._core.definitions.data_version import (  # noqa: F401 - for defs/per_partition.py, defs/lineage.py
     CODE_VERSION_TAG,
     DATA_VERSION_IS_USER_PROVIDED_TAG,
     DATA_VERSION_TAG,

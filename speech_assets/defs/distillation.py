@@ -38,7 +38,7 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
     from speech_assets.model.encoders import load_encoder
 
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
-    table = read_clients(paths.clients_file)
+    table = read_clients(paths.layout.clients_file)
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, table.speakers)}
     run_dir = run_folder(paths.layout.distill_dir, data_versions, options, DISTILL_CODE_VERSION)
     teacher_model = load_encoder(teacher)
@@ -95,7 +95,9 @@ def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths, sp
     from speech_assets.train.distill import encoder_parameters
 
     teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
-    feats = [u.feats for u in manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers])][:16]
+    feats = [
+        u.feats for u in manifest_utterances(paths.layout.manifest.manifest, [paths.shard_file(s) for s in speakers])
+    ][:16]
     speed = forward_speed({"teacher": teacher, "student": student}, feats, repeats=2, threads=1)
     return {
         "student_parameters": encoder_parameters(student),

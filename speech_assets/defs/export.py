@@ -54,7 +54,8 @@ def encoder_export(
             description=f"{checkpoint} records no input normalisation: re-materialise pretrained_checkpoint"
         )
     utterances = manifest_utterances(
-        paths.manifest_file, [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of)[:4]]
+        paths.layout.manifest.manifest,
+        [paths.shard_file(s) for s in sorted(read_clients(paths.layout.clients_file).client_of)[:4]],
     )
     sample = [
         cmvn.apply(utterances[i].feats, "logmel") for i in subsample(len(utterances), options.parity_utterances, seed=0)
@@ -65,7 +66,7 @@ def encoder_export(
         layer = resolve_layer(encoder.model, options.layer)  # the folder names the layer it holds, never -1
     except ValueError as error:
         raise dg.Failure(description=f"[export] {error}") from error
-    exported = paths.export(encoder.sha256, layer)
+    exported = paths.layout.export(encoder.sha256, layer)
     folder = exported.root
     folder.parent.mkdir(parents=True, exist_ok=True)
     # written in a sibling temporary folder, then renamed into place: never half an export
@@ -141,7 +142,7 @@ def onnx_matches_pytorch(
     if description is None:
         return dg.AssetCheckResult(passed=False, description="no export recorded: materialize encoder_export first")
     # the last speakers first: other utterances than the exporter compared on (its first four speakers)
-    shards = [paths.shard_file(s) for s in sorted(read_clients(paths.clients_file).client_of, reverse=True)]
+    shards = [paths.shard_file(s) for s in sorted(read_clients(paths.layout.clients_file).client_of, reverse=True)]
     return export_parity(Path(str(description.value)).parent, shards, settings.export.parity_utterances)
 
 

@@ -9,19 +9,17 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import (
-    latest_data_version,
-    markdown_table,
+from speech_assets.defs.lineage import latest_data_version
+from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
+from speech_assets.defs.per_partition import (
     observed_input_provenance,
     observed_versions,
     partition_materialization,
     per_partition_asset,
-    read_json,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import problems_result
+from speech_assets.defs.readable import markdown_table, problems_result
 from speech_assets.defs.resources import (
     FeatureSettings,
     PipelineSettings,
@@ -33,7 +31,7 @@ from speech_assets.defs.resources import (
 from speech_assets.features import cmvn
 from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, check_speed_factors, shard_jobs
 from speech_assets.features.shards import shard_problems
-from speech_assets.utils import atomic_path, atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, read_json, sha256_file, sha256_strings
 
 CMVN_CODE_VERSION = "cmvn-v1"
 
@@ -65,9 +63,9 @@ def vad_features(
     manifest_version = latest_data_version(context.instance, "manifest")
     # each shard's input: its own speaker's rows, as last observed (their version and event)
     observed = observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
-    paths.shards_dir.mkdir(parents=True, exist_ok=True)
+    paths.layout.shards_dir.mkdir(parents=True, exist_ok=True)
     jobs = shard_jobs(
-        corpus.read_manifest(paths.manifest_file),
+        corpus.read_manifest(paths.layout.manifest.manifest),
         speakers,
         paths.shard_files,
         vad_cfg,
@@ -141,7 +139,7 @@ def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, 
 )
 def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
     """Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums."""
-    speakers = sorted(pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist())
+    speakers = sorted(pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist())
     metas, parts = {}, []
     missing = []
     for speaker in speakers:
@@ -159,12 +157,12 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
         )
     global_cmvn = cmvn.Cmvn.from_sums(cmvn.combine(parts))
     per_speaker = cmvn.merge(parts)
-    paths.cmvn_dir.mkdir(parents=True, exist_ok=True)
-    global_cmvn.save(paths.cmvn.cmvn)
-    per_speaker.save(paths.cmvn.speaker_sums)
-    with atomic_path(paths.cmvn.speakers) as tmp:
+    paths.layout.cmvn.root.mkdir(parents=True, exist_ok=True)
+    global_cmvn.save(paths.layout.cmvn.cmvn)
+    per_speaker.save(paths.layout.cmvn.speaker_sums)
+    with atomic_path(paths.layout.cmvn.speakers) as tmp:
         pq.write_table(cmvn.speakers_table(speakers, metas, per_speaker), tmp)
-    version = sha256_strings([sha256_file(path) for path in paths.cmvn.versioned])
+    version = sha256_strings([sha256_file(path) for path in paths.layout.cmvn.versioned])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={
@@ -180,8 +178,8 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
                 )
                 + (f"\n\n... and {len(speakers) - 50} more speakers: see speakers_path" if len(speakers) > 50 else "")
             ),
-            "speakers_path": dg.MetadataValue.path(str(paths.cmvn.speakers)),
-            "path": dg.MetadataValue.path(str(paths.cmvn.cmvn)),
+            "speakers_path": dg.MetadataValue.path(str(paths.layout.cmvn.speakers)),
+            "path": dg.MetadataValue.path(str(paths.layout.cmvn.cmvn)),
         },
     )
 
@@ -192,7 +190,7 @@ MAX_NO_SPEECH_SHARE = 0.2
 
 
 def _published_shards(paths: StoragePaths) -> dict[str, dict]:
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
     return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
 
 
@@ -263,7 +261,7 @@ def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
     ),
 )
 def cmvn_is_not_degenerate(paths: StoragePaths) -> dg.AssetCheckResult:
-    stats = cmvn.Cmvn.load(paths.cmvn.cmvn)
+    stats = cmvn.Cmvn.load(paths.layout.cmvn.cmvn)
     bad = cmvn.degenerate_dimensions(stats)
     return dg.AssetCheckResult(
         passed=not bad and stats.frames > 0,

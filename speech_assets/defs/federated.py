@@ -15,14 +15,15 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import retrain_on_cron
-from speech_assets.defs.lineage import git_commit, input_versions, record_provenance
+from speech_assets.defs.lineage import input_versions
 from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
-from speech_assets.locations import redact_uri
+from speech_assets.locations import git_commit, redact_uri
 from speech_assets.train import accuracy
+from speech_assets.train.provenance import record_provenance
 from speech_assets.train.tracking import ui_command
 from speech_assets.utils import from_fields, sha256_strings
 
@@ -103,7 +104,7 @@ def federated_checkpoint(
 
     record_run_process(context)
     fed = effective(settings.federated, config)
-    table = read_clients(paths.clients_file)
+    table = read_clients(paths.layout.clients_file)
     clients = table.clients
     data_versions = input_versions(context, paths, table.speakers)
     run_name = run_name_for(data_versions, fed)

@@ -24,9 +24,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import (
     bounded_versions,
     checkpoint_of,
-    git_commit,
     latest_data_version,
-    record_provenance,
     required_checkpoint,
     shard_hashes,
 )
@@ -42,7 +40,9 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
-from speech_assets.layout import RECOGNISER_ONNX, RECOGNISER_PT, FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.locations import git_commit
+from speech_assets.train.provenance import record_provenance
 from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
 
 if TYPE_CHECKING:
@@ -105,8 +105,8 @@ def finetuned_asr(
             pretrained=required_checkpoint(context, "pretrained_checkpoint"),
             checkpoint_of=lambda name: checkpoint_of(context, ENCODER_ASSETS[name]),
             encoder_assets=ENCODER_ASSETS,
-            clients=lambda: read_clients(paths.clients_file),
-            manifest_file=paths.manifest_file,
+            clients=lambda: read_clients(paths.layout.clients_file),
+            manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
             data_versions=lambda speakers: _data_versions(context, paths, speakers),
             log=context.log.info,
@@ -124,7 +124,7 @@ def finetuned_asr(
         rows, runs = collect_results(planned)
     except (FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
-    target = paths.finetune.results
+    target = paths.layout.finetune.results
     with atomic_path(target) as tmp:
         pq.write_table(results_table(rows), tmp)
     first, largest, seed = plan.recogniser_key
@@ -147,7 +147,7 @@ def finetuned_asr(
             "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
             **_wer_curve(rows),
             **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
-            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.probe.results))),
+            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.layout.probe.results))),
             "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in text_notes(rows))),
             "results_file": dg.MetadataValue.path(str(target)),
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
@@ -196,7 +196,7 @@ def _run_all(
     context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
 ) -> list[Path]:
     """The folder of each of ``runs`` (:func:`_plan`), those not finished before trained in one launch."""
-    root = paths.finetune.root
+    root = paths.layout.finetune.root
     folders = [_plan(context, paths, root, options, run) for run in runs]
     pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
     if pending:
@@ -222,7 +222,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
         job,
         run_dir=str(run_dir),
         shards=[str(paths.shard_file(s)) for s in run.shard_speakers],
-        cmvn=str(paths.cmvn.cmvn),
+        cmvn=str(paths.layout.cmvn.cmvn),
         clients={},
         encoder=run.encoder,
         labelled=str(RunFiles(run_dir).labelled),
@@ -334,7 +334,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
                 and len(feats) < settings.export.parity_utterances
             ):
                 feats.append(cmvn.apply(record.logmel, "logmel"))
-    folder = paths.finetune.recogniser
+    folder = paths.layout.finetune.recogniser
     staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
     try:
         with warnings.catch_warnings():
@@ -356,7 +356,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "vocabulary": vocabulary(),
             "blank": 0,
             "decoding": "greedy: per-frame argmax, merge repeats, drop blanks; beam: lexicon beam search, n-gram LM",
-            "files": {"onnx": RECOGNISER_ONNX, "torchscript": RECOGNISER_PT},
+            "files": {"onnx": RecogniserFiles.onnx.name, "torchscript": RecogniserFiles.torch.name},
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
             "init": result["init"],

@@ -7,15 +7,14 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import (
-    client_shards,
+from speech_assets.defs.lineage import client_shards, required_checkpoint
+from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
+from speech_assets.defs.per_partition import (
     input_provenance,
     partition_materialization,
     per_partition_asset,
-    required_checkpoint,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import (
@@ -69,7 +68,7 @@ def kmeans_targets_iter2(
         encoder = load_iteration2_encoder(checkpoint, options.layer, asset=asset, data_version=checkpoint_version)
     except EncoderRefused as error:
         raise dg.Failure(description=str(error)) from error
-    assignments = read_clients(paths.clients_file)
+    assignments = read_clients(paths.layout.clients_file)
     provenance = input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []

@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as corpus
 from speech_assets.corpus.publish import publish_manifest
-from speech_assets.defs.lineage import markdown_table, speaker_observations
 from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
+from speech_assets.defs.per_partition import speaker_observations
 from speech_assets.defs.progress import ProgressLog
+from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import from_fields
 
@@ -50,7 +51,7 @@ def manifest(
     try:
         validation = from_fields(corpus.ValidationConfig, options)
         fingerprint = corpus.corpus_fingerprint(location)
-        cache = corpus.load_cache(paths.decode_cache_file)
+        cache = corpus.load_cache(paths.layout.manifest.decode_cache)
         result = corpus.scan_corpus(
             location,
             validation,
@@ -61,7 +62,7 @@ def manifest(
     except (corpus.CorpusError, ValueError) as err:
         raise dg.Failure(description=str(err)) from err
     if result.cache != cache:
-        corpus.save_cache(paths.decode_cache_file, result.cache)  # a cache, not an output: safe either way
+        corpus.save_cache(paths.layout.manifest.decode_cache, result.cache)  # a cache, not an output: safe either way
 
     with publish_manifest(
         result.rows,
@@ -119,8 +120,8 @@ def manifest(
             "files_decoded": result.decoded_files,
             "corpus": str(location),
             "corpus_fingerprint": fingerprint,
-            "path": dg.MetadataValue.path(str(paths.manifest_file)),
-            "rejects_path": dg.MetadataValue.path(str(paths.rejects_file)),
+            "path": dg.MetadataValue.path(str(paths.layout.manifest.manifest)),
+            "rejects_path": dg.MetadataValue.path(str(paths.layout.manifest.rejects)),
         },
     )
 
@@ -147,7 +148,7 @@ speaker_manifest = dg.AssetSpec(
     ),
 )
 def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
-    problems = speaker_rows_problems(paths.manifest_file, paths.speakers_file)
+    problems = speaker_rows_problems(paths.layout.manifest.manifest, paths.layout.manifest.speakers)
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,

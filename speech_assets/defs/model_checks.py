@@ -15,11 +15,12 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import latest_materialization, read_json
+from speech_assets.defs.lineage import latest_materialization
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
 from speech_assets.train.accuracy import LABEL, HeldoutAccuracy, heldout_accuracy
+from speech_assets.utils import read_json
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
 WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")
@@ -227,12 +228,12 @@ def finetuning_is_sound(
     if runs is None:
         return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
     problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
-    spec = read_json(RecogniserFiles(paths.finetune.recogniser).card)
+    spec = read_json(RecogniserFiles(paths.layout.finetune.recogniser).card)
     diff = (spec.get("parity") or {}).get("max_abs_diff")
     if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
         problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
     try:
-        rows = read_rows(paths.finetune.results)
+        rows = read_rows(paths.layout.finetune.results)
     except (OSError, ValueError) as error:
         rows = []
         problems.append(f"fine-tuning results unreadable: {error}")

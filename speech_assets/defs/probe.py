@@ -46,7 +46,8 @@ def downstream_probe(
 
     from speech_assets.evaluation.compare import markdown_table, reading_note, standing, summarise
     from speech_assets.evaluation.encoders import manifest_utterances
-    from speech_assets.evaluation.protocol import ProbeLeak, ProbeOptions, publish_probe, run_probe
+    from speech_assets.evaluation.probe_options import ProbeOptions
+    from speech_assets.evaluation.protocol import ProbeLeak, publish_probe, run_probe
     from speech_assets.model.encoders import LoadedEncoder, load_encoder
 
     options = effective(settings.probe, config)
@@ -59,8 +60,10 @@ def downstream_probe(
     try:
         run = run_probe(
             loaded,
-            read_clients(paths.clients_file),
-            lambda speakers: manifest_utterances(paths.manifest_file, [paths.shard_file(s) for s in speakers]),
+            read_clients(paths.layout.clients_file),
+            lambda speakers: manifest_utterances(
+                paths.layout.manifest.manifest, [paths.shard_file(s) for s in speakers]
+            ),
             from_fields(ProbeOptions, options),
             seed=options.seed,
             max_train_utterances=options.max_train_utterances,
@@ -75,9 +78,12 @@ def downstream_probe(
         raise dg.Failure(description=str(error)) from error
     results, board, models, train, test = run.results, run.board, run.models, run.train, run.test
     train_speakers, test_speakers = run.train_speakers, run.test_speakers
-    target, split_file = paths.probe.results, paths.probe.speakers
+    target, split_file = paths.layout.probe.results, paths.layout.probe.speakers
     publish_probe(
-        run, paths.probe, options.min_heldout_speakers, {n: e.checkpoint.get("speakers") for n, e in loaded.items()}
+        run,
+        paths.layout.probe,
+        options.min_heldout_speakers,
+        {n: e.checkpoint.get("speakers") for n, e in loaded.items()},
     )
     lines = standing(results, options.min_heldout_speakers)
     for line in lines:
@@ -165,7 +171,7 @@ def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
     from speech_assets.evaluation.compare import FBANK, beats_baseline, read_leaderboard
 
     try:
-        found = {row["model"]: row for row in read_leaderboard(paths.probe.results)}
+        found = {row["model"]: row for row in read_leaderboard(paths.layout.probe.results)}
     except FileNotFoundError as error:
         return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, description=str(error))
     row = found.get("pretrained")

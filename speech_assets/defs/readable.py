@@ -4,7 +4,7 @@ charts the asset page draws inline."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,13 @@ def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
         def targets_dir(client_id: str) -> Path:
             return paths.targets(client_id, iteration).root
 
-        problems = label_problems(read_clients(paths.clients_file), paths.shard_file, targets_dir)
+        problems = label_problems(read_clients(paths.layout.clients_file), paths.shard_file, targets_dir)
         return problems_result(problems)
 
     return check
+
+
+def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

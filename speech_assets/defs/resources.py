@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import os
 import shlex
 import tomllib
@@ -21,7 +20,7 @@ from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.dagster_internals import NamedSectionTypes
-from speech_assets.evaluation.protocol import Probe, ProbeOptions
+from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import (
@@ -36,13 +35,6 @@ from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
 from speech_assets.utils import Rule, broken_rules, from_fields
-
-
-def _from_layout(name: str, doc: str | None = None) -> property:
-    """A read-only :class:`StoragePaths` attribute that is its layout's dotted ``name``
-    (``"manifest.rejects"``: ``paths.layout.manifest.rejects``)."""
-    get = operator.attrgetter(name)
-    return property(lambda paths: get(paths.layout), doc=doc or f"``layout.{name}``")
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -87,24 +79,11 @@ class StoragePaths(dg.ConfigurableResource):
         """Every output folder and file under the data dir (:mod:`speech_assets.layout`)."""
         return layout.DataLayout(self.root)
 
-    manifest_dir = _from_layout("manifest.root")
-    manifest_file = _from_layout("manifest.manifest")
-    rejects_file = _from_layout("manifest.rejects")
-    speakers_file = _from_layout(
-        "manifest.speakers", "Per-speaker manifest hashes: what each feature shard depends on."
-    )
-    decode_cache_file = _from_layout("manifest.decode_cache")
-    shards_dir = _from_layout("shards_dir")
-
     def shard_file(self, speaker_id: str) -> Path:
         return self.shard_files(speaker_id).shard
 
     def shard_files(self, speaker_id: str) -> ShardFiles:
-        return ShardFiles.of(self.shards_dir, check_safe_id(speaker_id, "speaker_id"))
-
-    cmvn = _from_layout("cmvn")
-    cmvn_dir = _from_layout("cmvn.root")
-    clients_file = _from_layout("clients_file")
+        return ShardFiles.of(self.layout.shards_dir, check_safe_id(speaker_id, "speaker_id"))
 
     def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
         """A client's k-means targets of HuBERT iteration 1 (MFCC clusters) or 2 (encoder-layer clusters)."""
@@ -117,20 +96,8 @@ class StoragePaths(dg.ConfigurableResource):
         """A client's HuBERT iteration-2 targets (labels from an encoder layer)."""
         return self.targets(client_id, 2).root
 
-    training_dir = _from_layout("training_dir")
-
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
-
-    probe = _from_layout("probe")
-
-    def export(self, encoder_sha256: str, layer: int) -> layout.ExportFiles:
-        return self.layout.export(encoder_sha256, layer)
-
-    finetune = _from_layout("finetune")
-    stats_db = _from_layout("stats_db")
-    report = _from_layout("report")
-    report_dir = _from_layout("report.root")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ MAX_SHOWN = 10
 
 def current_shards(paths: StoragePaths) -> dict[str, str]:
     """speaker -> sha256 of the published shard, for every speaker the manifest lists."""
-    if not paths.speakers_file.exists():
+    if not paths.layout.manifest.speakers.exists():
         return {}
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
     return {
         s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]
     }
@@ -53,7 +53,7 @@ def _client_versions(paths: StoragePaths) -> dict[str, str]:
 
 
 def cmvn_staleness(paths: StoragePaths) -> list[str]:
-    file = paths.cmvn.speakers
+    file = paths.layout.cmvn.speakers
     if not file.exists():
         return ["never built"]
     table = pq.read_table(file, columns=["speaker_id", "shard_sha256"]).to_pylist()
@@ -62,11 +62,11 @@ def cmvn_staleness(paths: StoragePaths) -> list[str]:
 
 def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
     """Per client: shards of its speakers that changed since its targets were built."""
-    if not paths.clients_file.exists():
+    if not paths.layout.clients_file.exists():
         return {}
     shards = current_shards(paths)
     members: dict[str, dict[str, str]] = {}
-    for row in read_clients(paths.clients_file):
+    for row in read_clients(paths.layout.clients_file):
         members.setdefault(row.client_id, {})[row.speaker_id] = shards.get(row.speaker_id, "missing")
     report = {}
     for client, current in sorted(members.items()):
@@ -85,7 +85,7 @@ def _recorded_partitions(versions: dict[str, str], asset: str) -> dict[str, str]
 
 
 def checkpoint_staleness(paths: StoragePaths) -> list[str]:
-    results = sorted(paths.layout.results_of(paths.training_dir), key=lambda p: p.stat().st_mtime)
+    results = sorted(paths.layout.results_of(paths.layout.training_dir), key=lambda p: p.stat().st_mtime)
     if not results:
         return ["never built"]
     recorded = json.loads(results[-1].read_text()).get("data_versions", {})
@@ -95,7 +95,7 @@ def checkpoint_staleness(paths: StoragePaths) -> list[str]:
 
 
 def stats_staleness(paths: StoragePaths) -> list[str]:
-    file = paths.report.input_versions
+    file = paths.layout.report.input_versions
     if not file.exists():
         return ["never built"]
     recorded = json.loads(file.read_text())

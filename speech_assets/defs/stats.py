@@ -8,10 +8,12 @@ import duckdb
 import pyarrow.parquet as pq
 
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.lineage import git_commit, latest_data_version, markdown_table, partition_versions
+from speech_assets.defs.lineage import latest_data_version, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
+from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
-from speech_assets.layout import KMEANS_STATE_FILE, METRICS_FILE, ROUNDS_TABLE, FederatedPaths
+from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
+from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
@@ -22,25 +24,25 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
     # the shards of the speakers the manifest lists whose meta vouches for them (never inferred
     # from file names: a speaker id could look like another file's suffix)
     speakers = (
-        pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
-        if paths.speakers_file.exists()
+        pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
+        if paths.layout.manifest.speakers.exists()
         else []
     )
     published = [paths.shard_files(s) for s in sorted(speakers)]
     published = [files for files in published if files.read_meta() is not None]
     shards = [files.shard for files in published]
-    results = paths.layout.results_of(paths.training_dir)
+    results = paths.layout.results_of(paths.layout.training_dir)
     return stats_db.StatsInputs(
-        manifest=paths.manifest_file,
-        manifest_rejects=paths.rejects_file,
+        manifest=paths.layout.manifest.manifest,
+        manifest_rejects=paths.layout.manifest.rejects,
         shards=shards,
         shard_rejects=[files.rejects for files in published],
-        clients=paths.clients_file,
+        clients=paths.layout.clients_file,
         kmeans_quality=[targets.quality for targets in paths.layout.all_targets()],
         training_results=results,
         federated_rounds=_newest_federated_rounds(paths),
-        probe_results=paths.probe.results,
-        finetune_results=paths.finetune.results,
+        probe_results=paths.layout.probe.results,
+        finetune_results=paths.layout.finetune.results,
         model_results={kind: paths.layout.results_of(folder) for kind, folder in model_folders(paths).items()},
         exports=[export.card for export in paths.layout.all_exports()],
     )
@@ -52,7 +54,7 @@ def model_folders(paths: StoragePaths) -> dict[str, Path]:
         "federated": paths.layout.federated_dir,
         "distilled": paths.layout.distill_dir,
         "iteration2": paths.layout.training_iter2_dir,
-        "finetuned": paths.finetune.runs,
+        "finetuned": paths.layout.finetune.runs,
     }
 
 
@@ -60,7 +62,8 @@ def _newest_federated_rounds(paths: StoragePaths):
     """rounds.parquet of the federated run that finished last (``None`` before any)."""
     runs = [FederatedPaths(p.parent) for p in paths.layout.results_of(paths.layout.federated_dir)]
     found = [r.rounds_table for r in runs if r.rounds_table.is_file()] or [
-        FederatedPaths(p.parent).rounds_table for p in sorted(paths.layout.federated_dir.glob(f"*/{ROUNDS_TABLE}"))
+        FederatedPaths(p.parent).rounds_table
+        for p in sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
     ]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -117,7 +120,7 @@ def dataset_stats(
     from speech_assets.stats import plots, report
 
     inputs = _inputs(paths)
-    counts = stats_db.build_database(paths.stats_db, inputs)
+    counts = stats_db.build_database(paths.layout.stats_db, inputs)
     instance = context.instance
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
@@ -139,15 +142,17 @@ def dataset_stats(
             instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)
         ),
     }
-    lineage_file = paths.report.input_versions
+    lineage_file = paths.layout.report.input_versions
     atomic_write_text(lineage_file, json.dumps({**input_versions, **partitioned}, indent=1, sort_keys=True))
     for key, versions in partitioned.items():  # bounded in the UI: a count and a hash; all of them in the file
         input_versions[key] = (
             f"{len(versions)} partitions, combined {sha256_strings(f'{k}:{v}' for k, v in versions.items())[:16]}"
         )
 
-    report_file = report.write_report(paths.stats_db, paths.report.index, _report_inputs(context, paths, settings))
-    con = stats_db.connect_read_only(paths.stats_db)
+    report_file = report.write_report(
+        paths.layout.stats_db, paths.layout.report.index, _report_inputs(context, paths, settings)
+    )
+    con = stats_db.connect_read_only(paths.layout.stats_db)
     try:
         durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
         per_client = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY 1").fetchall()
@@ -164,19 +169,19 @@ def dataset_stats(
             )
         )
     return dg.MaterializeResult(
-        data_version=dg.DataVersion(_content_hash(paths.stats_db, inputs, paths)),
+        data_version=dg.DataVersion(_content_hash(paths.layout.stats_db, inputs, paths)),
         metadata={
             "tables": dg.MetadataValue.md(markdown_table(("view / table", "rows"), sorted(counts.items()))),
             "input_versions": dg.MetadataValue.json(input_versions),
             "input_versions_path": dg.MetadataValue.path(str(lineage_file)),
-            "summary": dg.MetadataValue.md("```\n" + stats_db.summary(paths.stats_db) + "\n```"),
+            "summary": dg.MetadataValue.md("```\n" + stats_db.summary(paths.layout.stats_db) + "\n```"),
             "plots": dg.MetadataValue.md("\n\n".join(pictures) or "no data yet"),
             # a path, not a file:// link: a browser refuses file:// links from the UI's http page, and
             # the webserver serves no files of ours; the UI shows a path with a copy button
             "report": dg.MetadataValue.path(str(report_file.resolve())),
             "report_how_to_open": "copy the report path above into the browser's address bar; the page works offline "
             "(plots inline, audio clips in report/audio/ beside it)",
-            "path": dg.MetadataValue.path(str(paths.stats_db)),
+            "path": dg.MetadataValue.path(str(paths.layout.stats_db)),
             "example": 'speech-assets sql "SELECT reason, count(*) FROM rejects GROUP BY reason"',
         },
     )
@@ -193,11 +198,11 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     from speech_assets.stats.report import ReportInputs
 
     counts = {}
-    for state in sorted(paths.layout.targets_root().glob(f"*/{KMEANS_STATE_FILE}")):
+    for state in sorted(paths.layout.targets_root().glob(f"*/{TargetFiles.state.name}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
     metrics = {}
-    for log in sorted(paths.training_dir.glob(f"*/{METRICS_FILE}")):
+    for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}")):
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         metrics[log.parent.name] = rows
     header = {
@@ -215,7 +220,7 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         corpus_root=corpus_root_of(paths.corpus_path),
         vad=vad_config(settings.features),
         min_heldout_speakers=settings.probe.min_heldout_speakers,
-        probe_results=paths.probe.results,
+        probe_results=paths.layout.probe.results,
     )
 
 
@@ -242,7 +247,7 @@ def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
         "clients": rows([inputs.clients]),
     }
     # our own queries, over views that may name the files of a data dir that was copied here
-    con = stats_db.connect_read_only(paths.stats_db, allow_external_access=True)
+    con = stats_db.connect_read_only(paths.layout.stats_db, allow_external_access=True)
     try:
         found = {table: con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in expected}
     finally:

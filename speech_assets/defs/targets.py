@@ -7,17 +7,16 @@ import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.conditions import follow_upstream
-from speech_assets.defs.lineage import (
-    client_shards,
+from speech_assets.defs.lineage import client_shards
+from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
+from speech_assets.defs.per_partition import (
     input_provenance,
-    markdown_table,
     partition_materialization,
     per_partition_asset,
     step_events,
 )
-from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import client_metadata, labels_match_shards_check
+from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
 from speech_assets.defs.resources import (
     KMeansSettings,
     PipelineSettings,
@@ -60,8 +59,8 @@ def kmeans_targets(
     """Per client: k-means on that client's own CMVN-normalised MFCC frames (federated HuBERT),
     codebook and int16 labels per utterance at 50 Hz."""
     kmeans = effective(settings.kmeans, config)
-    assignments = read_clients(paths.clients_file)
-    speaker_sums = cmvn.ShardStats.load(paths.cmvn.speaker_sums)
+    assignments = read_clients(paths.layout.clients_file)
+    speaker_sums = cmvn.ShardStats.load(paths.layout.cmvn.speaker_sums)
     provenance = input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
@@ -114,7 +113,9 @@ labels_match_shards = labels_match_shards_check(1)
     ),
 )
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
-    rows = [(client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.clients_file).clients]
+    rows = [
+        (client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.layout.clients_file).clients
+    ]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),
         severity=dg.AssetCheckSeverity.WARN,

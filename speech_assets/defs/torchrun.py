@@ -25,14 +25,16 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
-from speech_assets.defs.lineage import bounded_versions, git_commit, input_versions, read_json, record_provenance
+from speech_assets.defs.lineage import bounded_versions, input_versions
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
 from speech_assets.layout import RunFiles, TargetFiles
+from speech_assets.locations import git_commit
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import accuracy, oom
-from speech_assets.utils import atomic_write_text, from_fields, sha256_strings
+from speech_assets.train.provenance import record_provenance
+from speech_assets.utils import atomic_write_text, from_fields, read_json, sha256_strings
 
 
 def run_torchrun(
@@ -380,7 +382,7 @@ def run_training(
     from speech_assets.train import launch  # torch: lazily, the code location stays light
     from speech_assets.train.config import TrainConfig
 
-    table = read_clients(paths.clients_file)
+    table = read_clients(paths.layout.clients_file)
     data_versions = {
         **(extra_versions or {}),
         **input_versions(context, paths, table.speakers, targets_dir, targets_asset),
@@ -446,7 +448,7 @@ def run_inputs(
     return {
         "run_dir": str(run_dir),
         "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
-        "cmvn": str(paths.cmvn.cmvn),
+        "cmvn": str(paths.layout.cmvn.cmvn),
         "data_versions": data_versions,
         "git_sha": git_commit(),
         "heldout_speakers": table.heldout,

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from speech_assets.evaluation.encoders import Utterance
-    from speech_assets.evaluation.protocol import ProbeOptions
+    from speech_assets.evaluation.probe_options import ProbeOptions
     from speech_assets.model.hubert import HubertPretrainModel
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from speech_assets.evaluation.text import ALPHABET
+from speech_assets.layout import DecoderFiles
 
 BEAM_DECODER = "beam_{order}gram"  # the decoder column's value, for an LM of this order
 BEAM_SIZE = 50
@@ -99,17 +100,13 @@ def _lower(prob: dict[tuple[str, ...], float], gram: tuple[str, ...]) -> float:
     return prob.get(gram, prob.get(("<unk>",), 0.0))
 
 
-LM_FILE = "{order}gram.arpa"
-LEXICON_FILE = "lexicon.txt"
-
-
 def write_lm_files(train_texts: Sequence[str], order: int, folder: str | os.PathLike[str]) -> dict[str, Any]:
     """The beam decoder's files in ``folder``: the ARPA n-gram LM of ``train_texts`` and the lexicon
     of their words (each spelled letter by letter, ending at the word boundary); returns what a
     recogniser records to rebuild the decoder (:func:`beam_decoder_from_files`)."""
-    folder = Path(folder)
     words = sorted({w for text in train_texts for w in text.split()})
-    arpa, lexicon = folder / LM_FILE.format(order=order), folder / LEXICON_FILE
+    files = DecoderFiles(folder)
+    arpa, lexicon = files.lm(order), files.lexicon
     write_arpa(train_texts, order, arpa)
     lexicon.write_text("".join(f"{w} {' '.join(w)} |\n" for w in words), encoding="utf-8")
     return {

@@ -50,7 +50,7 @@ from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
 from speech_assets.features.shards import read_shard_table
-from speech_assets.layout import TRAIN_LOG, RunFiles
+from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
@@ -379,7 +379,7 @@ def run_log(run_dir: Path, main: bool) -> Iterator[None]:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / TRAIN_LOG, encoding="utf-8")
+    handler = logging.FileHandler(run_dir / RunFiles.log.name, encoding="utf-8")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s"))
     level = log.level
     log.setLevel(logging.INFO)  # a parallel batch's other processes log only warnings elsewhere

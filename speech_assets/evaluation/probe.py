@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import BLANK, VOCAB_SIZE, decode_greedy, encode
 
 

@@ -13,60 +13,33 @@ its input, and the files it publishes.
 from __future__ import annotations
 
 import json
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
-from pydantic import AfterValidator, Field
-from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.corpus.clients import ClientsTable
+from speech_assets.evaluation.compare import (
+    FBANK,
+    RANDOM,
+    ProbeModel,
+    ProbeResult,
+    Standing,
+    compare_encoders,
+    leaderboard,
+    leaderboard_table,
+    results_table,
+    split_utterances,
+    utterances_table,
+)
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.layout import ProbeFiles
 from speech_assets.utils import atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
-    from speech_assets.evaluation.compare import ProbeModel, ProbeResult, Standing
     from speech_assets.evaluation.encoders import Utterance
     from speech_assets.model.encoders import LoadedEncoder
-
-
-Probe = Literal["linear", "bilstm"]  # the probe heads: a linear layer, or one BiLSTM layer then linear
-PROBES = typing.get_args(Probe)
-
-
-def _distinct_seeds(seeds: Sequence[int]) -> Sequence[int]:
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError("seeds must be distinct and at least one")
-    return seeds
-
-
-def _distinct_positive(lrs: Sequence[float]) -> Sequence[float]:
-    if len(set(lrs)) != len(lrs) or not all(lr > 0 for lr in lrs):
-        raise ValueError("lrs must be distinct and > 0")
-    return lrs
-
-
-@pydantic_dataclass(frozen=True)
-class ProbeOptions:
-    """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
-    10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
-    (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
-    initialisation and the order it reads the utterances in); ``lrs``: learning rates to choose
-    from, per model, on a development split of the training speakers, together with the stopping
-    step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
-    searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr`` for every model; ``steps`` is the most a probe trains. Torch-free, so the settings section
-    (``[probe]``) takes its defaults and constraints from here; a list becomes a tuple."""
-
-    probe: Probe = "linear"
-    steps: Annotated[int, Field(ge=1)] = 400
-    batch_size: Annotated[int, Field(ge=1)] = 8
-    lr: Annotated[float, Field(gt=0)] = 2e-3
-    hidden: Annotated[int, Field(ge=1)] = 128
-    seeds: Annotated[tuple[int, ...], AfterValidator(_distinct_seeds)] = (0, 1, 2)
-    lrs: Annotated[tuple[float, ...], AfterValidator(_distinct_positive)] = (0.002, 0.01)
 
 
 class ProbeLeak(ValueError):
@@ -102,7 +75,6 @@ def probe_split(
 def probe_models(loaded: Mapping[str, LoadedEncoder], seed: int) -> list[ProbeModel]:
     """The baselines, then every encoder of ``loaded`` (``pretrained`` first: the baselines'
     normalisation and the random encoder's preset are its), each with its input normalisation."""
-    from speech_assets.evaluation.compare import FBANK, RANDOM, ProbeModel
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
     from speech_assets.model.encoders import random_encoder
     from speech_assets.model.presets import ModelPreset
@@ -154,8 +126,6 @@ def run_probe(
 ) -> ProbeRun:
     """The protocol (module docstring) over ``loaded`` encoders; ``load_utterances(speakers)``:
     those speakers' utterances, raw log-mel with transcripts. Raises :class:`ProbeLeak`."""
-    from speech_assets.evaluation.compare import compare_encoders, leaderboard, split_utterances
-
     train_speakers, test_speakers = probe_split(
         table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()}
     )
@@ -178,8 +148,6 @@ def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, e
     """Write the run's tables (the results last: its hash is the data version) and, in full, who
     the probe trained and tested on beside what every encoder (``encoders``: name -> the
     ``speakers`` its checkpoint records) held out: the disjointness anyone can audit."""
-    from speech_assets.evaluation.compare import leaderboard_table, results_table, utterances_table
-
     files.root.mkdir(parents=True, exist_ok=True)
     for table, path in (
         (utterances_table(run.results), files.utterances),

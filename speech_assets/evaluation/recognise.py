@@ -24,7 +24,7 @@ import numpy as np
 
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
-from speech_assets.layout import FINETUNE_RECOGNISER_DIR, RECOGNISER_JSON, RECOGNISER_ONNX, RecogniserFiles
+from speech_assets.layout import FinetuneFiles, RecogniserFiles
 
 DECODERS = ("greedy", "beam")
 
@@ -45,7 +45,8 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
     files = RecogniserFiles(folder)
     if not files.onnx.is_file() or not files.card.is_file():
         raise RecogniserError(
-            f"no recogniser at {path}: expected {RECOGNISER_ONNX} and {RECOGNISER_JSON} (materialize finetuned_asr)"
+            f"no recogniser at {path}: expected {RecogniserFiles.onnx.name} and {RecogniserFiles.card.name} "
+            "(materialize finetuned_asr)"
         )
     return folder
 
@@ -62,12 +63,13 @@ def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
         onnx_file, extras = download_onnx_model(uri, tracking_uri, destination / "download")
     except ValueError as error:
         raise RecogniserError(str(error)) from error
-    if RECOGNISER_JSON not in extras:
+    card = RecogniserFiles.card.name
+    if card not in extras:
         raise RecogniserError(
-            f"{uri} is not a speech_assets recogniser: the model has no {RECOGNISER_JSON} beside its ONNX file "
+            f"{uri} is not a speech_assets recogniser: the model has no {card} beside its ONNX file "
             "(finetuned_asr logs the recogniser with it)"
         )
-    files = RecogniserFiles(destination / FINETUNE_RECOGNISER_DIR)
+    files = RecogniserFiles(destination / FinetuneFiles.recogniser.name)
     files.root.mkdir(parents=True)
     onnx_file.replace(files.onnx)
     for name, path in extras.items():

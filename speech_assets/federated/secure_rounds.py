@@ -97,7 +97,7 @@ from speech_assets.federated.secure_aggregation import (
     unmask_sum,
     verify_advertisement,
 )
-from speech_assets.layout import ClientRunFiles
+from speech_assets.layout import TEMP_SUFFIX, ClientRunFiles
 from speech_assets.runtime.locks import LockTimeout, exclusive_lock
 
 # keys of a secure round's ConfigRecords
@@ -498,7 +498,7 @@ def _load(path: Path) -> dict[str, Any]:
 def _save(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` owner-only (0600), atomically and durably, before any answer leaves."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(state, handle, sort_keys=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.federated.config import FederatedConfig
-from speech_assets.layout import FederatedPaths
+from speech_assets.layout import MLFLOW_CHECKPOINT_DIR, MLFLOW_ENVIRONMENT, MLFLOW_INPUTS, FederatedPaths
 from speech_assets.train.tracking import (
     EXPERIMENT,
     dagster_run_tags,
@@ -105,8 +105,8 @@ class FederatedTracker:
         params = {k: v for k, v in config.to_dict().items() if k not in ("clients", "data_versions", "run_dir")}
         params |= {"num_clients": len(config.clients), "clients": ",".join(config.clients)}
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
-        self._log_text("environment.txt", installed_packages())
-        self._log_text("inputs.json", json.dumps(config.data_versions, indent=1, sort_keys=True))
+        self._log_text(MLFLOW_ENVIRONMENT, installed_packages())
+        self._log_text(MLFLOW_INPUTS, json.dumps(config.data_versions, indent=1, sort_keys=True))
         return self.run_id
 
     def log_round(self, record: Mapping[str, Any]) -> None:
@@ -164,7 +164,7 @@ class FederatedTracker:
         if run.info.status == "FINISHED" and run.data.tags.get("checkpoint_sha256") == result["checkpoint_sha256"]:
             return
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(result["checkpoint_sha256"]))
-        self.client.log_artifact(self.run_id, str(self.paths.final), artifact_path="checkpoint")
+        self.client.log_artifact(self.run_id, str(self.paths.final), artifact_path=MLFLOW_CHECKPOINT_DIR)
         for path in (self.paths.rounds_table, self.paths.evaluation_table, self.paths.run_config):
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))

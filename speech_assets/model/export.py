@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from speech_assets.layout import ENCODER_ONNX, ENCODER_PT, ExportFiles, RecogniserFiles
+from speech_assets.layout import ExportFiles, RecogniserFiles
 from speech_assets.model.batches import pad
 from speech_assets.model.hubert import HubertPretrainModel
 
@@ -280,7 +280,7 @@ def input_description(
             "frame_rate_hz": 50,
             "input_frame_rate_hz": 100,
         },
-        "files": {"onnx": ENCODER_ONNX, "torchscript": ENCODER_PT},
+        "files": {"onnx": ExportFiles.onnx.name, "torchscript": ExportFiles.torch.name},
         "checkpoint": checkpoint,
         "checkpoint_sha256": encoder.sha256,
         "preset": encoder.model.preset.to_dict(),

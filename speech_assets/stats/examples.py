@@ -22,7 +22,6 @@ import numpy as np
 
 from speech_assets.utils import atomic_path
 
-AUDIO_FOLDER = "audio"
 MAX_CLIP_S = 6.0
 MAX_VAD_S = 60.0  # a no_speech decision is redrawn from at most this much of the file
 MAX_EXAMPLES = 24

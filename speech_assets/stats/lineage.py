@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from speech_assets.evaluation.finetune import CHECKPOINT_KIND as FINETUNED_KIND
-from speech_assets.layout import PROVENANCE_FILE, RESULT_FILE
+from speech_assets.layout import RunRecord
 from speech_assets.locations import redact_uri
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.train.checkpoint import load_checkpoint
@@ -28,7 +28,7 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
     config = dict(state.get("config") or {})
     weights = state.get("model") if state.get("model") is not None else state.get("encoder")
     result = _run_result(path)
-    provenance = _beside(path, PROVENANCE_FILE)
+    provenance = _beside(path, RunRecord.provenance.name)
     url = result.get("mlflow_run_url") or provenance.get("mlflow_run_url")
     if config.get("mlflow_tracking_uri"):  # checkpoints written before credentials were left out
         config["mlflow_tracking_uri"] = redact_uri(config["mlflow_tracking_uri"])
@@ -86,4 +86,4 @@ def _beside(checkpoint: Path, name: str) -> dict[str, Any]:
 
 def _run_result(checkpoint: Path) -> dict[str, Any]:
     """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
-    return _beside(checkpoint, RESULT_FILE)
+    return _beside(checkpoint, RunRecord.result.name)

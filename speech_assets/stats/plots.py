@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from speech_assets.layout import PLOT_SUFFIX
 from speech_assets.utils import atomic_path
 
 DPI = 100
@@ -33,7 +34,6 @@ TITLE, LABEL, TICK, SMALL = 15, 13, 11, 10  # font sizes in points
 MAX_BARS = 40
 RENDER_VERSION = "3"  # bump when a plot's drawing changes, so cached PNGs are not reused
 MEMORY_ENTRIES = 32  # PNGs kept in this process (a few tens of KB each)
-CACHE_SUFFIX = ".png"
 
 _memory: OrderedDict[str, bytes] = OrderedDict()
 _folders: list[Path] = []  # innermost cached_in() last
@@ -68,7 +68,7 @@ def cached_in(folder: Path) -> Iterator[None]:
     finally:
         _folders.pop()
         used = _used.pop()
-    for stale in folder.glob(f"*{CACHE_SUFFIX}"):
+    for stale in folder.glob(f"*{PLOT_SUFFIX}"):
         if stale.stem not in used:
             stale.unlink(missing_ok=True)
 
@@ -80,7 +80,7 @@ def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> b
             _used[-1].add(key)
         found = _lookup(key)
         if found is not None:
-            if _folders and not (_folders[-1] / f"{key}{CACHE_SUFFIX}").exists():
+            if _folders and not (_folders[-1] / f"{key}{PLOT_SUFFIX}").exists():
                 _remember(key, found)  # drawn in this process before the block: keep it for the next
             return found
     png = _draw(draw, size)
@@ -95,7 +95,7 @@ def _lookup(key: str) -> bytes | None:
         return _memory[key]
     if _folders:
         try:
-            png = (_folders[-1] / f"{key}{CACHE_SUFFIX}").read_bytes()
+            png = (_folders[-1] / f"{key}{PLOT_SUFFIX}").read_bytes()
         except OSError:
             return None
         _remember(key, png, persist=False)
@@ -109,7 +109,7 @@ def _remember(key: str, png: bytes, persist: bool = True) -> None:
     while len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
     if persist and _folders:
-        with atomic_path(_folders[-1] / f"{key}{CACHE_SUFFIX}", durable=False) as tmp:  # a lost one is redrawn
+        with atomic_path(_folders[-1] / f"{key}{PLOT_SUFFIX}", durable=False) as tmp:  # a lost one is redrawn
             Path(tmp).write_bytes(png)
 
 

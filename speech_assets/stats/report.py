@@ -26,13 +26,12 @@ from typing import Any
 import duckdb
 import numpy as np
 
+from speech_assets.layout import ReportFiles
 from speech_assets.stats import plots
-from speech_assets.stats.examples import AUDIO_FOLDER
 from speech_assets.train import accuracy as held
 from speech_assets.utils import atomic_write_text
 
 MAX_ROWS = 50
-PLOT_CACHE = ".plots"  # beside the report: its plots' PNGs by input hash, reused while unchanged
 
 SECTIONS: list[tuple[str, str, str]] = [
     (
@@ -265,10 +264,12 @@ def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_d
     from speech_assets.stats.examples import reject_examples
 
     rows = con.execute(REJECT_EXAMPLES_SQL).fetchall()
-    examples = reject_examples(rows, inputs.corpus_root, out_dir / AUDIO_FOLDER, inputs.vad)
+    examples = reject_examples(rows, inputs.corpus_root, ReportFiles(out_dir).audio, inputs.vad)
     cells = []
     for e in examples:
-        listen = f'<audio controls preload="metadata" src="{AUDIO_FOLDER}/{e.clip}"></audio>' if e.clip else ""
+        listen = (
+            f'<audio controls preload="metadata" src="{ReportFiles.audio.name}/{e.clip}"></audio>' if e.clip else ""
+        )
         picture = plots.html_image(e.vad_png, f"VAD decision for {html.escape(e.utt_id)}", "vad") if e.vad_png else ""
         cells.append(
             "<tr>"
@@ -507,7 +508,7 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
                 REJECT_EXAMPLES_SQL,
             ),
         )
-        with plots.cached_in(out_path.parent / PLOT_CACHE):
+        with plots.cached_in(ReportFiles(out_path.parent).plots):
             data[1:1] = _plots(con, inputs)
             models[1:1] = _training_curves(inputs)
         for table, name, text, sql in OPTIONAL_SECTIONS:
@@ -532,5 +533,5 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         + "</body></html>\n"
     )
     atomic_write_text(out_path, page)
-    remove_unused(out_path.parent / AUDIO_FOLDER, clips)
+    remove_unused(ReportFiles(out_path.parent).audio, clips)
     return out_path

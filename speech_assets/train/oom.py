@@ -64,7 +64,7 @@ def retrying_oom(
     warn: Callable[[str], None] = log.warning,
 ) -> tuple[Outcome, int]:
     """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
-    rank left :data:`~speech_assets.layout.OOM_FILE`) up to :data:`MAX_OOM_RETRIES` times, each with half the
+    rank left :attr:`~speech_assets.layout.RunFiles.oom`) up to :data:`MAX_OOM_RETRIES` times, each with half the
     per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
     that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
     Returns the outcome and the number of retries.

@@ -26,7 +26,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from speech_assets import locations
-from speech_assets.layout import RESULT_FILE, RUN_CONFIG_FILE, RunFiles
+from speech_assets.layout import (
+    MLFLOW_AUTOCONFIG,
+    MLFLOW_CHECKPOINT_DIR,
+    MLFLOW_ENVIRONMENT,
+    MLFLOW_INPUTS,
+    RunFiles,
+)
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -333,10 +339,10 @@ class MlflowTracker:
                 params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
                 tags=[RunTag("autoconfig", str(plan.get("reason", ""))[:5000])],
             )
-        self._log_text(RUN_CONFIG_FILE, cfg.to_json())
-        self._log_text("autoconfig.json", json.dumps(dict(plan), indent=2, sort_keys=True))
-        self._log_text("environment.txt", installed_packages())
-        self._log_text("inputs.json", json.dumps(cfg.data_versions, indent=1, sort_keys=True))
+        self._log_text(RunFiles.config.name, cfg.to_json())
+        self._log_text(MLFLOW_AUTOCONFIG, json.dumps(dict(plan), indent=2, sort_keys=True))
+        self._log_text(MLFLOW_ENVIRONMENT, installed_packages())
+        self._log_text(MLFLOW_INPUTS, json.dumps(cfg.data_versions, indent=1, sort_keys=True))
         return self.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -349,8 +355,8 @@ class MlflowTracker:
         """Tag the checkpoint's hash, log it (and ``result.json``) as artifacts, and close the run
         (the held-out results are the ``val/`` series' last points)."""
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(summary.get("checkpoint_sha256", "")))
-        self.client.log_artifact(self.run_id, str(checkpoint), artifact_path="checkpoint")
-        self._log_text(RESULT_FILE, json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
+        self.client.log_artifact(self.run_id, str(checkpoint), artifact_path=MLFLOW_CHECKPOINT_DIR)
+        self._log_text(RunFiles.result.name, json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def fail(self) -> None:

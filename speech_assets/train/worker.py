@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from speech_assets.layout import TRAIN_LOG
+from speech_assets.layout import RunFiles
 from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
 from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
 from speech_assets.train.engine import Distributed, init_distributed
@@ -67,7 +67,7 @@ def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
     handlers.append(stream)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(run_dir / TRAIN_LOG, encoding="utf-8"))
+        handlers.append(logging.FileHandler(run_dir / RunFiles.log.name, encoding="utf-8"))
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)

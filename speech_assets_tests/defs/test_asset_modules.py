@@ -15,6 +15,7 @@ DEFS = "speech_assets.defs"
 INFRASTRUCTURE = {
     "resources",
     "lineage",
+    "per_partition",
     "partitions",
     "runs",
     "readable",

@@ -48,7 +48,7 @@ def paths(build: Path, tmp_path: Path) -> StoragePaths:
 
 
 def first_speaker(paths: StoragePaths) -> str:
-    return pq.read_table(paths.speakers_file).column("speaker_id")[0].as_py()
+    return pq.read_table(paths.layout.manifest.speakers).column("speaker_id")[0].as_py()
 
 
 def rewrite_shard(paths: StoragePaths, change) -> None:
@@ -75,16 +75,16 @@ def nan_in_features(table: pa.Table) -> pa.Table:
 
 
 def constant_dimension(paths: StoragePaths) -> None:
-    stats_ = Cmvn.load(paths.cmvn_dir / "cmvn.npz")
+    stats_ = Cmvn.load(paths.layout.cmvn.root / "cmvn.npz")
     std = dict(stats_.std)
     std["mfcc"] = std["mfcc"].copy()
     std["mfcc"][5] = 1e-4
-    Cmvn(stats_.mean, std, stats_.frames).save(paths.cmvn_dir / "cmvn.npz")
+    Cmvn(stats_.mean, std, stats_.frames).save(paths.layout.cmvn.root / "cmvn.npz")
 
 
 def drop_a_speaker(paths: StoragePaths) -> None:
-    table = pq.read_table(paths.clients_file)
-    pq.write_table(table.slice(1), paths.clients_file)
+    table = pq.read_table(paths.layout.clients_file)
+    pq.write_table(table.slice(1), paths.layout.clients_file)
 
 
 def truncate_labels(paths: StoragePaths) -> None:
@@ -104,7 +104,7 @@ def add_a_reject_behind_the_database(paths: StoragePaths) -> None:
 
 def vad_rejects_most_utterances(paths: StoragePaths) -> None:
     """As a VAD threshold set far too high would: more rejected as no_speech than kept."""
-    speakers = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
     kept = sum(meta["utterances"] for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None)
     files = paths.shard_files(first_speaker(paths))
     meta = files.read_meta()

@@ -325,25 +325,27 @@ def write_speakers(path: Path, rows: list[ManifestRow]) -> None:
 
 def sound_manifest(paths: StoragePaths) -> list[ManifestRow]:
     rows = manifest_rows()
-    paths.manifest_dir.mkdir(parents=True)
-    write_manifest(paths.manifest_file, rows)
-    write_speakers(paths.speakers_file, rows)
+    paths.layout.manifest.root.mkdir(parents=True)
+    write_manifest(paths.layout.manifest.manifest, rows)
+    write_speakers(paths.layout.manifest.speakers, rows)
     return rows
 
 
 def interrupted_publish(paths: StoragePaths, rows: list[ManifestRow]) -> None:
     """The new manifest's rows beside the speakers file of the one before (one utterance fewer)."""
-    write_speakers(paths.speakers_file, rows[:-1])
+    write_speakers(paths.layout.manifest.speakers, rows[:-1])
 
 
 def hours_off(paths: StoragePaths, rows: list[ManifestRow]) -> None:
-    table = pq.read_table(paths.speakers_file)
+    table = pq.read_table(paths.layout.manifest.speakers)
     hours = [h * 2 if i == 0 else h for i, h in enumerate(table.column("hours").to_pylist())]
-    pq.write_table(table.set_column(table.column_names.index("hours"), "hours", pa.array(hours)), paths.speakers_file)
+    pq.write_table(
+        table.set_column(table.column_names.index("hours"), "hours", pa.array(hours)), paths.layout.manifest.speakers
+    )
 
 
 def speaker_dropped(paths: StoragePaths, rows: list[ManifestRow]) -> None:
-    write_speakers(paths.speakers_file, [r for r in rows if r.speaker_id != "spk-b"])
+    write_speakers(paths.layout.manifest.speakers, [r for r in rows if r.speaker_id != "spk-b"])
 
 
 @pytest.mark.parametrize("fault", [None, interrupted_publish, hours_off, speaker_dropped])
@@ -368,7 +370,7 @@ def iteration2_build(paths: StoragePaths) -> None:
         utterances_per_speaker=3,
         unlabelled_per_shard=0,
     )
-    write_clients(paths.clients_file, [ClientAssignment(f"{c}-spk0", c, 0.0, 3) for c in sorted(corpus.clients)])
+    write_clients(paths.layout.clients_file, [ClientAssignment(f"{c}-spk0", c, 0.0, 3) for c in sorted(corpus.clients)])
     for client, targets in corpus.clients.items():
         out = paths.root / "kmeans_iter2" / client
         out.mkdir(parents=True)

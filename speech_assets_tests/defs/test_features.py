@@ -57,7 +57,7 @@ def assert_every_shard_matches_its_meta(paths: StoragePaths, speakers: list[str]
         assert pq.read_table(files.shard).num_rows == meta["utterances"]
         assert pq.read_table(files.rejects).num_rows == meta["rejects"]
         assert speaker in ShardStats.load(files.stats).speakers
-    assert not list(paths.shards_dir.glob(".*.tmp")), "temp files left behind"
+    assert not list(paths.layout.shards_dir.glob(".*.tmp")), "temp files left behind"
 
 
 def test_a_failing_shard_keeps_the_others_and_the_rerun_rebuilds_only_it(world) -> None:

@@ -89,7 +89,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     run(defs, instance, "kmeans_targets", list(instance.get_dynamic_partitions("clients")))
     cursor, nothing = follow_automation(defs, instance, None, DOWNSTREAM)  # records the built state
     assert nothing == []
-    before_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
+    before_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.layout.clients_file).to_pylist()}
     assert stale_status(defs, instance, "cmvn_stats") == StaleStatus.FRESH
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         assert isinstance(corpus_sensor(context), dg.SkipReason) or not corpus_sensor(context).run_requests
@@ -140,7 +140,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     assert executed == ["cmvn_stats", "client_partitions", "kmeans_targets", "dataset_stats"]
     assert shard_partitions_materialized(instance, mark) == [NEW_SPEAKER]
 
-    after_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.clients_file).to_pylist()}
+    after_clients = {r["speaker_id"]: r["client_id"] for r in pq.read_table(paths.layout.clients_file).to_pylist()}
     assert {s: after_clients[s] for s in before_clients} == before_clients
     assert NEW_SPEAKER in after_clients
     for key in ("cmvn_stats", "client_partitions"):
@@ -166,7 +166,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     assert isinstance(quiet, dg.SkipReason) or not quiet.run_requests
     cursor, executed = follow_automation(defs, instance, cursor, DOWNSTREAM)
     assert executed == ["dataset_stats"]
-    con = stats_database.connect_read_only(paths.stats_db, allow_external_access=True)
+    con = stats_database.connect_read_only(paths.layout.stats_db, allow_external_access=True)
     try:
         assert con.execute("SELECT count(*) FROM rejects WHERE path LIKE '%broken.flac'").fetchone()[0] == 1
     finally:
@@ -205,7 +205,7 @@ def test_the_sensor_records_speaker_versions_the_manifest_run_could_not(
         for s in ("s1", "s2")
         for i in range(2)
     ]
-    listed = write_speakers(paths.speakers_file, rows)
+    listed = write_speakers(paths.layout.manifest.speakers, rows)
     instance.report_runless_asset_event(
         dg.AssetMaterialization("manifest", metadata={"corpus_fingerprint": corpus_fingerprint(corpus)})
     )

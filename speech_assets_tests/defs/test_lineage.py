@@ -105,7 +105,7 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
     the page names the Dagster run that built it, and each reject it plays is a copied clip."""
     import re
 
-    from speech_assets.defs.lineage import git_commit
+    from speech_assets.locations import git_commit
 
     _, instance, paths, corpus, _ = built
     (record,) = instance.fetch_materializations(dg.AssetKey("dataset_stats"), limit=1).records
@@ -116,7 +116,7 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
         for key, value in metadata.items()
         if isinstance(value, dg.UrlMetadataValue) and value.url.startswith("file:")
     ]
-    page = paths.report_dir / "index.html"
+    page = paths.layout.report.root / "index.html"
     assert metadata["report"].path == str(page.resolve())
     text = page.read_text()
     header = text.split("<h2>Summary</h2>", 1)[0]
@@ -125,13 +125,17 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
     sources = re.findall(r'<audio controls preload="metadata" src="(audio/reject-[0-9a-f]{24}\.flac)"></audio>', text)
     import duckdb
 
-    with duckdb.connect(str(paths.stats_db), read_only=True) as con:
+    with duckdb.connect(str(paths.layout.stats_db), read_only=True) as con:
         playable = con.execute(
             "SELECT count(*) FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY utt_id) "
             "AS n FROM rejects) "
             "WHERE n <= 3 AND reason NOT IN ('missing_file', 'unreadable', 'outside_root')"
         ).fetchone()[0]
-    assert playable == 2 and len(sources) == playable and all((paths.report_dir / src).is_file() for src in sources)
+    assert (
+        playable == 2
+        and len(sources) == playable
+        and all((paths.layout.report.root / src).is_file() for src in sources)
+    )
     examples = text.split("<h2>Reject examples</h2>", 1)[1].split("</section>", 1)[0]
     assert examples.count('<img class="vad"') == examples.count(
         "<td>no_speech</td>"

@@ -108,8 +108,12 @@ def test_bad_lines_and_bad_audio_of_a_csv_corpus_become_rejects_and_the_rest_is_
     paths = StoragePaths(corpus=str(root / "corpus.csv"), data_dir=str(out), mlflow_tracking_uri="sqlite://")
     materialize_in_process(build_definitions(paths, settings), instance, "manifest")
 
-    assert sorted(pq.read_table(paths.manifest_file).column("utt_id").to_pylist()) == [f"u{i}" for i in range(6)]
-    rejects = {r["utt_id"]: (r["reason"], r["detail"]) for r in pq.read_table(paths.rejects_file).to_pylist()}
+    assert sorted(pq.read_table(paths.layout.manifest.manifest).column("utt_id").to_pylist()) == [
+        f"u{i}" for i in range(6)
+    ]
+    rejects = {
+        r["utt_id"]: (r["reason"], r["detail"]) for r in pq.read_table(paths.layout.manifest.rejects).to_pylist()
+    }
     assert {k: reason for k, (reason, _) in rejects.items()} == {
         "v0": "duplicate_audio",
         "line-9": "unreadable",

@@ -96,8 +96,8 @@ def test_unsafe_ids_are_rejected_and_never_reach_a_path_or_partition(tmp_path: P
     materialize_in_process(build_definitions(paths, settings), instance, "manifest")
 
     assert list(instance.get_dynamic_partitions("speakers")) == GOOD_SPEAKERS
-    assert sorted(pq.read_table(paths.manifest_file).column("speaker_id").to_pylist()) == GOOD_SPEAKERS
-    rejects = pq.read_table(paths.rejects_file).to_pylist()
+    assert sorted(pq.read_table(paths.layout.manifest.manifest).column("speaker_id").to_pylist()) == GOOD_SPEAKERS
+    rejects = pq.read_table(paths.layout.manifest.rejects).to_pylist()
     assert len(rejects) == bad_rows
     assert {(r["stage"], r["reason"]) for r in rejects} == {("manifest", "invalid_id")}
     assert all(r["detail"].split(" ")[0] in ("speaker_id", "chapter_id", "utt_id") for r in rejects)

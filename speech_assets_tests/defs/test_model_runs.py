@@ -276,7 +276,9 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
     # [export] layer = -1 (the last) names the folder after its index (issue 46: it was "-layer-1")
     assert exported.name.endswith(f"-layer{card['layers']}") and card["layer"] == card["layers"]
     paths = StoragePaths(corpus=str(SAMPLE_CORPUS), data_dir=str(out), mlflow_tracking_uri="sqlite://")
-    shards = [paths.shard_file(s) for s in sorted(pq.read_table(paths.clients_file).column("speaker_id").to_pylist())]
+    shards = [
+        paths.shard_file(s) for s in sorted(pq.read_table(paths.layout.clients_file).column("speaker_id").to_pylist())
+    ]
     folder = tmp_path / "export"
     shutil.copytree(exported, folder)
     sound = export_parity(folder, shards, 4)

@@ -27,7 +27,7 @@ from speech_assets.defs.resources import (
     ProbeSettings,
     TrainingSettings,
 )
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated.config import FederatedConfig
 from speech_assets.targets.kmeans import KMeansConfig

@@ -25,11 +25,11 @@ def _publish_shard(paths: StoragePaths, speaker: str) -> None:
 
 def test_shards_are_listed_from_the_manifests_speakers(tmp_path: Path) -> None:
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
-    paths.manifest_dir.mkdir(parents=True)
-    pq.write_table(pa.table({"speaker_id": ["a", "b_2", "c-3"]}), paths.speakers_file)
+    paths.layout.manifest.root.mkdir(parents=True)
+    pq.write_table(pa.table({"speaker_id": ["a", "b_2", "c-3"]}), paths.layout.manifest.speakers)
     for speaker in ("a", "b_2", "gone"):  # "gone" left the corpus; "c-3" is listed but not built yet
         _publish_shard(paths, speaker)
-    (paths.shards_dir / "stray.parquet").write_bytes(b"not a shard")
+    (paths.layout.shards_dir / "stray.parquet").write_bytes(b"not a shard")
 
     inputs = _inputs(paths)
     assert [p.name for p in inputs.shards] == ["a.parquet", "b_2.parquet"]
@@ -47,18 +47,20 @@ def test_every_kind_of_model_reaches_checkpoints_training_runs_and_the_cli(tmp_p
     from speech_assets_tests.stats.test_report import model_runs
 
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
-    paths.manifest_dir.mkdir(parents=True)
-    pq.write_table(pa.table({"utt_id": ["a-1-0"], "speaker_id": ["a"], "duration_s": [1.0]}), paths.manifest_file)
+    paths.layout.manifest.root.mkdir(parents=True)
+    pq.write_table(
+        pa.table({"utt_id": ["a-1-0"], "speaker_id": ["a"], "duration_s": [1.0]}), paths.layout.manifest.manifest
+    )
     pq.write_table(
         pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
-        paths.rejects_file,
+        paths.layout.manifest.rejects,
     )
     model_runs(paths.root)
     (paths.root / "federated" / "failed-run").mkdir()  # a run that never finished: no result.json, not a checkpoint
-    build_database(paths.stats_db, _inputs(paths))
+    build_database(paths.layout.stats_db, _inputs(paths))
     import duckdb
 
-    with duckdb.connect(str(paths.stats_db), read_only=True) as con:
+    with duckdb.connect(str(paths.layout.stats_db), read_only=True) as con:
         rows = con.execute(
             "SELECT kind, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit FROM checkpoints "
             "ORDER BY kind"
@@ -78,7 +80,7 @@ def test_every_kind_of_model_reaches_checkpoints_training_runs_and_the_cli(tmp_p
     )  # the federated run's MLflow run and commit, from its provenance
     assert runs == [("centralised", 300), ("distilled", 40), ("federated", 3), ("iteration2", 20)]
 
-    assert cli.main(["stats", "--db", str(paths.stats_db)]) == 0
+    assert cli.main(["stats", "--db", str(paths.layout.stats_db)]) == 0
     out = capsys.readouterr().out
     for line in (
         "centralised model: 300 steps",

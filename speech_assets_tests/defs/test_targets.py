@@ -37,14 +37,14 @@ def world(tmp_path: Path, instance: dg.DagsterInstance):
 def build_features(defs: dg.Definitions, instance: dg.DagsterInstance, paths: StoragePaths) -> None:
     """manifest, the shards of the speakers it lists (existing ones are reused), CMVN."""
     materialize_in_process(defs, instance, "manifest")
-    current = pq.read_table(paths.speakers_file, columns=["speaker_id"]).column(0).to_pylist()
+    current = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
     registered = [s for s in instance.get_dynamic_partitions("speakers") if s in current]
     materialize_in_process(defs, instance, "vad_features", registered)
     materialize_in_process(defs, instance, "cmvn_stats")
 
 
 def speaker_frames(paths: StoragePaths) -> dict[str, int]:
-    sums = ShardStats.load(paths.cmvn_dir / "speaker_sums.npz")
+    sums = ShardStats.load(paths.layout.cmvn.root / "speaker_sums.npz")
     return {speaker: stats["mfcc"].count for speaker, stats in sums.speakers.items()}
 
 
@@ -95,7 +95,7 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
 
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path / "out"), mlflow_tracking_uri="sqlite://")
     frames = {"s1": {"s1-c-0": 9, "s1-c-1": 4}, "s2": {"s2-c-0": 0}}
-    paths.shards_dir.mkdir(parents=True)
+    paths.layout.shards_dir.mkdir(parents=True)
     for speaker, utterances in frames.items():
         pq.write_table(
             pa.table({"utt_id": list(utterances), "num_frames": list(utterances.values())}), paths.shard_file(speaker)
@@ -104,8 +104,8 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
         {"speaker_id": s, "client_id": "client_00", "hours": 0.0, "utterances": len(u), "heldout": False}
         for s, u in frames.items()
     ]
-    paths.clients_file.parent.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=CLIENTS_SCHEMA), paths.clients_file)
+    paths.layout.clients_file.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=CLIENTS_SCHEMA), paths.layout.clients_file)
     out = paths.kmeans_dir("client_00")
     out.mkdir(parents=True)
     np.save(out / "codebook.npy", np.zeros((8, 39), np.float32))
@@ -115,10 +115,10 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
         "s2-c-0": np.zeros(0, np.int16),
     }
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == [
+    assert label_problems(read_clients(paths.layout.clients_file), paths.shard_file, paths.kmeans_dir) == [
         "client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"
     ]
 
     labels["s1-c-1"] = np.array([1, 7], np.int16)
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(read_clients(paths.clients_file), paths.shard_file, paths.kmeans_dir) == []
+    assert label_problems(read_clients(paths.layout.clients_file), paths.shard_file, paths.kmeans_dir) == []

@@ -32,7 +32,7 @@ from speech_assets.evaluation.compare import (
     utterances_table,
 )
 from speech_assets.evaluation.encoders import Utterance
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
 from speech_assets.model.encoders import random_encoder
 from speech_assets.model.presets import get_preset

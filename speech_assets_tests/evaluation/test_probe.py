@@ -17,7 +17,7 @@ from speech_assets.evaluation.probe import (
     train_probes,
     utterance_errors,
 )
-from speech_assets.evaluation.protocol import ProbeOptions
+from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, decode_greedy, encode, normalise
 
 WORDS = ["CAT", "DOG", "BIRD", "FISH", "COW", "OWL"]

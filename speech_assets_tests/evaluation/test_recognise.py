@@ -11,7 +11,7 @@ import pytest
 
 from speech_assets.cli import main
 from speech_assets.evaluation.recognise import vocabulary
-from speech_assets.layout import RECOGNISER_JSON
+from speech_assets.layout import RecogniserFiles
 from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES
 from speech_assets.train.tracking import (
     EXPERIMENT,
@@ -46,7 +46,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
         uri,
         runs["good"],
         folder / "recogniser.onnx",
-        [folder / RECOGNISER_JSON],
+        [folder / RecogniserFiles.card.name],
         name=RECOGNISER_MODEL,
         signature=signature,
         registered_name=RECOGNISER_REGISTERED_NAME,
@@ -84,7 +84,7 @@ def test_the_signature_names_the_recogniser_tensors(store: dict, tmp_path: Path)
     from mlflow.models import Model
 
     onnx_file, extras = download_onnx_model(store["logged"]["registered_uri"], store["uri"], tmp_path)
-    assert list(extras) == [RECOGNISER_JSON]
+    assert list(extras) == [RecogniserFiles.card.name]
     signature = Model.load(str(onnx_file.parent)).signature
     inputs = {s.name: (str(s.type), s.shape) for s in signature.inputs.inputs}
     outputs = {s.name: (str(s.type), s.shape) for s in signature.outputs.inputs}

@@ -106,12 +106,12 @@ def test_kill_9_of_a_training_run_leaves_no_process_and_no_stuck_pool(built) -> 
     paths, env, started, instance = built
     first = materialize_training(env, started)
     wait_until(
-        lambda: list(paths.training_dir.glob("*/checkpoints/step_*.pt")) or first.poll() is not None,
+        lambda: list(paths.layout.training_dir.glob("*/checkpoints/step_*.pt")) or first.poll() is not None,
         300,
         "a checkpoint",
     )
     assert first.poll() is None, first.stdout.read()[-3000:]
-    (run_dir,) = paths.training_dir.iterdir()
+    (run_dir,) = paths.layout.training_dir.iterdir()
     assert len(processes_mentioning(str(run_dir))) >= 2  # torchrun and its workers train
 
     os.killpg(first.pid, signal.SIGKILL)  # the CLI, its step process and the torchrun agent

@@ -13,12 +13,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import record_provenance
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.stats import _inputs
 from speech_assets.evaluation.finetune import finetune
 from speech_assets.layout import RunFiles
 from speech_assets.stats.database import build_database
+from speech_assets.train.provenance import record_provenance
 from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
 
 GIT, DAGSTER_RUN = "a" * 40, "d0d0d0d0-0000-4000-8000-000000000046"
@@ -38,7 +38,7 @@ def _finetuned(tmp_path: Path, paths: StoragePaths) -> dict[str, dict]:
     }
     results = {}
     for init, seed in (("pretrained", 0), ("scratch", 1)):
-        run_dir = paths.finetune.runs / f"run-{init}"
+        run_dir = paths.layout.finetune.runs / f"run-{init}"
         run_dir.mkdir(parents=True)
         config = replace(
             base,
@@ -81,16 +81,18 @@ def test_every_model_in_every_view_finetuning_runs(tmp_path: Path, capsys) -> No
 
     out = tmp_path / "out"
     paths = StoragePaths(corpus=str(tmp_path), data_dir=str(out), mlflow_tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    paths.manifest_dir.mkdir(parents=True)
-    pq.write_table(pa.table({"utt_id": ["a-1-0"], "speaker_id": ["a"], "duration_s": [1.0]}), paths.manifest_file)
+    paths.layout.manifest.root.mkdir(parents=True)
+    pq.write_table(
+        pa.table({"utt_id": ["a-1-0"], "speaker_id": ["a"], "duration_s": [1.0]}), paths.layout.manifest.manifest
+    )
     pq.write_table(
         pa.table({n: pa.array([], pa.string()) for n in ("utt_id", "path", "stage", "reason", "detail")}),
-        paths.rejects_file,
+        paths.layout.manifest.rejects,
     )
     results = _finetuned(tmp_path, paths)
-    build_database(paths.stats_db, _inputs(paths))
+    build_database(paths.layout.stats_db, _inputs(paths))
 
-    with duckdb.connect(str(paths.stats_db), read_only=True) as con:
+    with duckdb.connect(str(paths.layout.stats_db), read_only=True) as con:
         checkpoints = con.execute(
             "SELECT init, step, step_unit, sha256, mlflow_run_id, manifest_hash, git_commit, dagster_run_id, path "
             "FROM checkpoints WHERE kind = 'finetuned' ORDER BY init"
@@ -116,7 +118,7 @@ def test_every_model_in_every_view_finetuning_runs(tmp_path: Path, capsys) -> No
     ]
     assert all(row[5] is not None and 0 <= row[6] and row[7] for row in runs)
 
-    assert cli.main(["stats", "--db", str(paths.stats_db)]) == 0
+    assert cli.main(["stats", "--db", str(paths.layout.stats_db)]) == 0
     printed = capsys.readouterr().out
     for init, seed in (("pretrained", 0), ("scratch", 1)):
         line = next(line for line in printed.splitlines() if line.startswith(f"finetuned model ({init},"))
@@ -137,7 +139,7 @@ def test_every_model_in_every_view_finetuning_runs(tmp_path: Path, capsys) -> No
         report = json.loads(capsys.readouterr().out)
         assert (report["kind"], report["init"], report["labelled_minutes"]) == ("finetuned", init, 1.0)
 
-    page = write_report(paths.stats_db, paths.report.index).read_text()
+    page = write_report(paths.layout.stats_db, paths.layout.report.index).read_text()
     assert "ctc-pretrained" in page and "ctc-scratch" in page and "<td>finetuned</td>" in page
 
     client = MlflowClient(paths.mlflow_tracking_uri)

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from speech_assets.layout import OOM_FILE
+from speech_assets.layout import RunFiles
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
@@ -83,7 +83,7 @@ def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module()
         name
         for name, tree in trees.items()
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and node.value == OOM_FILE
+        if isinstance(node, ast.Constant) and node.value == RunFiles.oom.name
     )
     assert spelled == ["layout.py"]
     engine = list(ast.walk(trees["train/engine.py"]))

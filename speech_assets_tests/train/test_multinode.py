@@ -77,7 +77,7 @@ def test_killing_a_node_ends_in_a_clean_failure(inputs) -> None:
     paths, instance = inputs
     endpoint = f"127.0.0.1:{free_port()}"
     killed: list[int] = []
-    earlier_runs = set(paths.training_dir.iterdir()) if paths.training_dir.is_dir() else set()
+    earlier_runs = set(paths.layout.training_dir.iterdir()) if paths.layout.training_dir.is_dir() else set()
 
     def kill_node_one() -> None:
         deadline = time.monotonic() + 240
@@ -86,7 +86,7 @@ def test_killing_a_node_ends_in_a_clean_failure(inputs) -> None:
                 if "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                     this_run = [
                         p
-                        for p in paths.training_dir.glob("*/checkpoints/step_*.pt")
+                        for p in paths.layout.training_dir.glob("*/checkpoints/step_*.pt")
                         if p.parents[1] not in earlier_runs
                     ]
                     if this_run:  # training is under way (checkpoints of the earlier tests' runs do not count)

@@ -1,0 +1,179 @@
+"""Per-partition materializations and observations, each with its own data version.
+
+Dagster stamps the one ``DataVersion`` of a MaterializeResult on every partition of a
+multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition would
+give it a "new" version and mark everything downstream unsynced. Partitioned assets here are
+declared with ``output_required=False`` and yield one AssetMaterialization per partition instead,
+tagged exactly as Dagster tags its own (code version, input data versions and event pointers),
+each with that partition's content hash. test_lineage.py checks Dagster's staleness API agrees.
+The speakers of the manifest are observed the same way, one observation per changed speaker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import dagster as dg
+import pyarrow.parquet as pq
+
+from speech_assets.corpus.publish import SpeakerRows
+from speech_assets.defs import dagster_internals as internals
+from speech_assets.defs.partitions import SPEAKER_MANIFEST
+from speech_assets.defs.resources import StoragePaths
+from speech_assets.utils import sha256_strings
+
+
+def per_partition_asset(partitions_def: dg.PartitionsDefinition, **asset_args: Any) -> Any:
+    """``dg.asset`` for a partitioned asset that yields one materialization per partition
+    (:func:`partition_materialization`, each with its own content hash) and runs a backfill as one
+    run; ``asset_args`` go to ``dg.asset``."""
+    return dg.asset(
+        partitions_def=partitions_def,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        output_required=False,
+        **asset_args,
+    )
+
+
+def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
+    """Provenance tags of this step's inputs: each dependency's latest data version and event."""
+    tags: dict[str, str] = {}
+    for dep in sorted(context.assets_def.asset_deps[context.asset_key]):
+        records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dep), limit=1).records
+        event = records[0].asset_materialization if records else None
+        version = (event.tags or {}).get(internals.DATA_VERSION_TAG) if event else None
+        tags[internals.get_input_data_version_tag(dep)] = version or internals.DEFAULT_DATA_VERSION.value
+        tags[internals.get_input_event_pointer_tag(dep)] = (
+            str(records[0].storage_id) if records else internals.NULL_EVENT_POINTER
+        )
+    return tags
+
+
+def observed_versions(
+    instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]
+) -> dict[str, tuple[str, int]]:
+    """``{partition: (data version, storage id)}`` of the latest observation of each of ``asset``'s
+    ``partitions`` that has one, in two queries whatever the number of partitions."""
+    key, wanted = dg.AssetKey(asset), sorted(set(partitions))
+    if not wanted:
+        return {}
+    storage = instance.event_log_storage
+    tags = storage.get_latest_tags_by_partition(
+        key, dg.DagsterEventType.ASSET_OBSERVATION, [internals.DATA_VERSION_TAG], asset_partitions=wanted
+    )
+    ids = storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_OBSERVATION, set(wanted))
+    return {
+        p: (tags[p][internals.DATA_VERSION_TAG], ids[p])
+        for p in wanted
+        if internals.DATA_VERSION_TAG in tags.get(p, {}) and p in ids
+    }
+
+
+def partition_observation(
+    asset: str, partition: str, data_version: str, metadata: dict[str, object]
+) -> dg.AssetObservation:
+    """An observation of one partition with ``data_version`` as its own (tagged as Dagster tags
+    the observations of observable source assets)."""
+    return dg.AssetObservation(
+        asset_key=asset,
+        partition=partition,
+        metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
+        tags={internals.DATA_VERSION_TAG: data_version, internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+    )
+
+
+def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
+    """Provenance tags for one input partition of an observed (external) asset: its observed data
+    version and the observation's storage id (what Dagster compares later observations with)."""
+    key = dg.AssetKey(asset)
+    version, storage_id = observed if observed else (internals.DEFAULT_DATA_VERSION.value, None)
+    return {
+        internals.get_input_data_version_tag(key): version,
+        internals.get_input_event_pointer_tag(key): str(storage_id)
+        if storage_id is not None
+        else internals.NULL_EVENT_POINTER,
+    }
+
+
+def partition_materialization(
+    context: dg.AssetExecutionContext,
+    partition: str,
+    data_version: str,
+    metadata: dict[str, object],
+    provenance: dict[str, str],
+) -> dg.AssetMaterialization:
+    """The materialization of one partition, with ``data_version`` (a content hash) as its own."""
+    code_version = context.assets_def.code_versions_by_key[context.asset_key] or context.run.run_id
+    return dg.AssetMaterialization(
+        asset_key=context.asset_key,
+        partition=partition,
+        metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
+        tags={
+            **provenance,
+            internals.CODE_VERSION_TAG: code_version,
+            internals.DATA_VERSION_TAG: data_version,
+            internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
+        },
+    )
+
+
+def step_events(context: dg.AssetExecutionContext, materializations: list[dg.AssetMaterialization]) -> Iterator[object]:
+    """What a per-partition asset's step yields once its work succeeded.
+
+    A step that yields no output makes Dagster skip every later step that waits on it (its asset
+    checks, child assets in the same run), so a bare ``MaterializeResult`` comes first. Dagster
+    turns it into one materialization per partition with one shared version; the per-partition
+    ones, yielded after it, are the latest and carry each partition's content hash. The first
+    says so in its metadata (:data:`FIRST_OF_TWO`), where the UI lists the two.
+    """
+    yield dg.MaterializeResult(metadata={"event": dg.MetadataValue.text(FIRST_OF_TWO)})
+    yield from materializations
+
+
+FIRST_OF_TWO = (
+    "1 of 2 for this partition: the step's completion, recorded by Dagster with a version shared by the run's "
+    "partitions. The next event (2 of 2) is the partition's own, with its content hash as data version and its "
+    "metadata; it is the latest."
+)
+
+
+SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
+
+
+def no_rows_version(speaker: str) -> str:
+    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
+    real state too, its shard must become empty."""
+    return sha256_strings(["no manifest rows", speaker])
+
+
+def speaker_observations(
+    instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
+) -> list[dg.AssetObservation]:
+    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
+    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
+    for all of them, nothing for the unchanged ones."""
+    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
+    observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
+    events = []
+    for speaker, version in sorted(versions.items()):
+        if observed.get(speaker, ("", 0))[0] == version:
+            continue
+        row = listed.get(speaker)
+        metadata: dict[str, object] = {"speaker_manifest_hash": version}
+        if row is not None:
+            metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
+        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
+    return events
+
+
+def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
+    """speakers.parquet as published (empty before the first manifest)."""
+    if not paths.layout.manifest.speakers.exists():
+        return {}
+    return {
+        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
+        for r in pq.read_table(
+            paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
+        ).to_pylist()
+    }
