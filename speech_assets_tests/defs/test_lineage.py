@@ -119,7 +119,7 @@ def test_dataset_stats_shows_its_report_as_a_path_with_a_header_and_playable_rej
     page = paths.layout.report.root / "index.html"
     assert metadata["report"].path == str(page.resolve())
     text = page.read_text()
-    header = text.split("<h2>Summary</h2>", 1)[0]
+    header = text.split("<h2>About this report</h2>", 1)[1]  # the report ends with its header
     assert f"<th>Dagster run</th><td>{record.run_id}</td>" in header and f"<th>corpus</th><td>{corpus}</td>" in header
     assert f'title="{git_commit()}"' in header and "<th>settings hash</th>" in header and "<th>built at</th>" in header
     sources = re.findall(r'<audio controls preload="metadata" src="(audio/reject-[0-9a-f]{24}\.flac)"></audio>', text)
