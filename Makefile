@@ -34,7 +34,8 @@ demo: install
 # What CI runs: every test not marked `slow` (real Dagster instances, torchrun, Flower, Postgres and
 # MLflow, on small data, with few interpreter start-ups), in two pytest-xdist workers: the suite is
 # one core busy and one waiting most of the time (daemons, servers, process start-ups), so two
-# workers take ~7 min where one takes ~11 on 2 cores. Each module stays on one worker (its
+# workers on 2 cores take about two thirds of one worker's time (figures: docs/BENCHMARKS.md,
+# current table). Each module stays on one worker (its
 # fixtures are built once); PYTEST_WORKERS=0 runs it in this process.
 # `ruff format --check` and `ruff check` first (settings in pyproject.toml, about a second), then `dg check defs`:
 # the code location loads and validates in seconds (on a throwaway instance: DAGSTER_HOME unset) before
