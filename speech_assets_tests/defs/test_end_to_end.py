@@ -178,7 +178,15 @@ def test_duckdb_views_and_tables(built) -> None:
         models = con.execute(
             "SELECT kind, step, sha256, mlflow_run_id, manifest_hash FROM checkpoints ORDER BY kind"
         ).fetchall()
-        assert [m[0] for m in models] == ["centralised", "distilled", "federated"]
+        kinds = [m[0] for m in models]
+        assert [k for k in kinds if k != "finetuned"] == ["centralised", "distilled", "federated"]
+        # fine-tuning too: pretrained and scratch, each budget, seed and lr tried (issue 46)
+        assert {
+            r[0] for r in con.execute("SELECT DISTINCT init FROM checkpoints WHERE kind = 'finetuned'").fetchall()
+        } == {
+            "pretrained",
+            "scratch",
+        }
         assert all(m[1] and len(m[2]) == 64 and m[3] and m[4] == manifest_hash for m in models)
         with pytest.raises(duckdb.Error):
             con.execute("CREATE TABLE nope (x INT)")
