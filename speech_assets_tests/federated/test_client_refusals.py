@@ -23,6 +23,7 @@ from speech_assets.federated.config import NodeConfig
 from speech_assets.federated.server_app import FederatedRunError
 from speech_assets.layout import FederatedPaths
 from speech_assets_tests.support.federated_data import InProcessGrid, run_in_process, write_federated_corpus
+from speech_assets_tests.support.locks import wait_while_held_elsewhere
 
 FOUR = {"c0": 6, "c1": 6, "c2": 6, "c3": 6}
 
@@ -306,15 +307,6 @@ def test_concurrent_unmask_requests_get_one_answer(corpus, tmp_path: Path, monke
     assert json.loads(path.read_text()) == {"stage": "answered"}  # type: ignore[union-attr]
 
 
-HOLDER = """
-import fcntl, sys, time
-handle = open(sys.argv[1], "a+")
-fcntl.flock(handle, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(600)
-"""
-
-
 def test_concurrent_unmask_refused_while_another_process_holds_the_state_lock(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """test_concurrent_unmask, bounded: a second, real process holds c0's secure-aggregation
     lock (``secagg/.lock``) and never lets go. An unmask request at c0 is refused after the
@@ -322,8 +314,6 @@ def test_concurrent_unmask_refused_while_another_process_holds_the_state_lock(tm
     gone the same request gets past the lock (and is refused for what it asks: c0 has no state of
     that round). Kills the mutation "state_lock waits on the lock without a limit" (the code
     before: the request was still blocked when the test gave up on it, 20 s later)."""
-    import subprocess
-    import sys
 
     from flwr.app import ConfigRecord, RecordDict
 
@@ -345,16 +335,7 @@ def test_concurrent_unmask_refused_while_another_process_holds_the_state_lock(tm
         except ValueError as error:
             outcome.append(str(error))
 
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        asking = threading.Thread(target=ask, daemon=True)
-        asking.start()
-        asking.join(20)
-        assert not asking.is_alive(), "the unmask request still waits on the lock"
-    finally:
-        holder.kill()
-        holder.wait(30)
+    wait_while_held_elsewhere(lock, ask)
     (refusal,) = outcome
     assert "c0 refuses the secagg-unmask stage of run race" in refusal and "stayed locked" in refusal, refusal
     ask()

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from speech_assets.runtime.locks import LockTimeout, exclusive_lock
-
-HOLDER = """
-import fcntl, sys, time
-handle = open(sys.argv[1], "a+")
-fcntl.flock(handle, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(600)
-"""
+from speech_assets_tests.support.locks import wait_while_held_elsewhere
 
 
 def test_a_bounded_exclusive_lock_gives_up_while_another_process_holds_it(tmp_path: Path) -> None:
@@ -35,16 +25,7 @@ def test_a_bounded_exclusive_lock_gives_up_while_another_process_holds_it(tmp_pa
             outcome.append(error)
 
     lock.parent.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        waiting = threading.Thread(target=take, daemon=True)
-        waiting.start()
-        waiting.join(20)
-        assert not waiting.is_alive(), "the bounded wait did not end"
-    finally:
-        holder.kill()
-        holder.wait(30)
+    wait_while_held_elsewhere(lock, take)
     (timed_out,) = outcome
     assert isinstance(timed_out, LockTimeout) and "more than 0.3 s" in str(timed_out)
     take()
