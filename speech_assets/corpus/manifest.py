@@ -1,32 +1,11 @@
-"""Scan a corpus and validate every audio file into manifest rows and reject rows.
+"""Scan a corpus (a LibriSpeech-layout folder, or a ``.csv``/``.jsonl`` manifest with columns
+``path, transcript, speaker_id`` and optional ``utt_id, chapter_id``) into manifest and reject rows.
 
-Two input forms are accepted:
-
-* a folder in LibriSpeech layout: ``<spk>/<chap>/<spk>-<chap>-<utt>.flac`` beside
-  ``<spk>-<chap>.trans.txt`` (``<utt_id> TEXT`` per line);
-* a ``.csv`` or ``.jsonl`` file with columns ``path, transcript, speaker_id`` and optional
-  ``utt_id, chapter_id``; relative paths resolve against the manifest file's folder, which is
-  then the corpus root. A line that cannot be read as a record (not UTF-8, not JSON, a NUL byte,
-  a field over csv's size limit, missing fields, values of the wrong type) is a reject row naming
-  the line; only a file that cannot be read at all (or a CSV header without the required
-  columns) is a :class:`CorpusError`.
-
-A file whose header declares a duration outside the configured bounds is rejected without being
-read. Every other file is decoded once, fully, block by block from disk
-(memory does not grow with its length), so that truncated or corrupt audio is caught here rather
-than in feature extraction (so are float samples that are NaN or infinite, and a WAV header that
-declares more data than the file holds), then hashed in chunks (a file that does not decode is
-not hashed: a reject hashes at most what was read); the decoded samples are hashed on the way, so that one
-recording under two ids is kept once. Decode results are cached by ``(path, size, mtime)`` so an unchanged
-corpus is re-validated without decoding anything. No path that resolves outside the corpus root
-is ever opened, and every corpus file (audio, ``*.trans.txt``, the manifest file) is opened without
-blocking and checked on the open handle (:func:`open_corpus_file`: a regular file, inside the
-root), so a FIFO, a device or a symlink out of the root is a reject row (``unreadable``,
-``outside_root``), never a hang or a read; a sample rate or channel count outside the
-``[manifest]`` bounds is rejected from the header (``unsupported_format``). No speaker, chapter or
-utterance id that is not a safe id (:mod:`speech_assets.corpus.ids`) goes further than a reject
-row. A bad file never raises: it becomes a :class:`RejectRow` with a reason from
-:class:`RejectReason` and a human-readable detail.
+Every file is decoded once, block by block, so corrupt audio is caught here rather than in
+feature extraction; results are cached by ``(path, size, mtime)``. No path outside the corpus
+root is opened, and every file is opened without blocking and checked on the open handle, so a
+FIFO, a device or a symlink out of the root is a reject row, never a hang. A bad file or line
+never raises: it becomes a :class:`RejectRow`; only an unreadable corpus is a :class:`CorpusError`.
 """
 
 from __future__ import annotations
@@ -39,6 +18,7 @@ import json
 import os
 import re
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
@@ -219,13 +199,11 @@ def _fd_path(fd: int) -> str | None:
 
 
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
-    """Open ``path`` for reading, binary, as a corpus file may be opened, with its ``fstat``.
+    """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`.
 
-    Its real path must be inside ``root`` (the corpus root, resolved; None: anywhere), and what
-    is opened must be a regular file: both are checked on the open handle (``fstat``, and on
-    Linux the path the kernel holds for it), so a file swapped for a symlink, a FIFO or a device
-    between the check and the open is refused too. Never blocks (``O_NONBLOCK``: a FIFO opens at
-    once). Raises :class:`RefusedFile` (``outside_root`` or ``unreadable``) instead of opening."""
+    Its real path must be inside ``root`` (resolved; None: anywhere) and it must be a regular file:
+    both are checked on the open handle, so a file swapped for a symlink, a FIFO or a device
+    between the check and the open is refused too. Never blocks (a FIFO opens at once)."""
     real = os.path.realpath(path)
     if root is not None and not is_inside(real, root):
         raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"resolves to {real}, outside the corpus root {root}")
@@ -265,16 +243,14 @@ def corpus_root_of(location: Path) -> Path:
 
 
 def is_manifest_file(location: Path) -> bool:
-    """Whether the corpus at ``location`` is given as a manifest file (``.csv``/``.jsonl``, not a
-    folder): whatever it turns out to be (a FIFO, a device, a symlink to either) it is then only
-    opened as :func:`open_corpus_file` opens, and refused unless it is a regular file."""
+    """Whether the corpus is given as a ``.csv``/``.jsonl`` manifest file (then opened only as
+    :func:`open_corpus_file` opens, so a FIFO or device there is refused)."""
     return location.suffix.lower() in MANIFEST_SUFFIXES and not location.is_dir()
 
 
 def check_corpus_location(location: Path) -> None:
-    """Raise :class:`CorpusError` naming ``location`` if it is missing or holds no corpus, or if
-    it is a manifest file that cannot be read at all (not a regular file, checked on the open
-    handle; empty; a CSV without its header; a bad line only becomes a reject row)."""
+    """Raise :class:`CorpusError` if ``location`` is missing, holds no corpus, or is a manifest file
+    that cannot be read at all (a bad line only becomes a reject row)."""
     if not location.exists():
         raise CorpusError(f"corpus not found: {location} does not exist")
     if is_manifest_file(location):
@@ -337,29 +313,15 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
         files = audio.get(str(folder), {})  # utt_id -> path: strings, as pathlib would write them
         speaker_id, chapter_id = _speaker_chapter(root, folder)
         for utt_id in sorted(set(texts) | set(files)):
+            text = normalise_transcript(texts.get(utt_id, ""))
             if utt_id not in files:
                 if (reason := why_unsafe(utt_id)) is not None:  # never joined to a folder, not even in a reject
-                    rejects.append(
-                        RejectRow(
-                            utt_id,
-                            str(folder),
-                            "manifest",
-                            RejectReason.INVALID_ID,
-                            _id_detail("utt_id", utt_id, reason),
-                        )
-                    )
-                    continue
-                rejects.append(
-                    RejectRow(
-                        utt_id,
-                        str(folder / f"{utt_id}.flac"),
-                        "manifest",
-                        RejectReason.MISSING_FILE,
-                        f"transcript line for {utt_id} in {folder} has no audio file",
-                    )
-                )
+                    where, why, detail = str(folder), RejectReason.INVALID_ID, _id_detail("utt_id", utt_id, reason)
+                else:
+                    where, why = str(folder / f"{utt_id}.flac"), RejectReason.MISSING_FILE
+                    detail = f"transcript line for {utt_id} in {folder} has no audio file"
+                rejects.append(RejectRow(utt_id, where, "manifest", why, detail))
                 continue
-            text = normalise_transcript(texts.get(utt_id, ""))
             if not text:
                 detail = (
                     "transcript is empty" if utt_id in texts else f"no line for {utt_id} in any *.trans.txt of {folder}"
@@ -436,11 +398,9 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
 
 
 def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    """``(line number, record)`` per record of a .csv/.jsonl manifest, its fields
-    (:data:`_FIELDS`) as text (``""`` when absent); ``(line number, problem)`` for a line that
-    cannot be one (not UTF-8, not JSON, a NUL byte, a field over csv's size limit, the wrong
-    number of fields or the wrong type of value). Only a file that cannot be read at all (no such
-    file, no permission, a CSV header without the required columns) raises :class:`CorpusError`.
+    """``(line number, record)`` per record of a .csv/.jsonl manifest, its :data:`_FIELDS` as text
+    (``""`` when absent), or ``(line number, problem)`` for a line that cannot be one. Only a file
+    that cannot be read at all (or a CSV header without the required columns) raises :class:`CorpusError`.
     """
     try:
         if manifest.suffix.lower() == ".csv":
@@ -451,12 +411,6 @@ def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str]
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {refused.detail}") from refused
     except OSError as err:
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {err.strerror or err}") from err
-
-
-def _open_manifest(manifest: Path) -> BinaryIO:
-    """The manifest file, opened only if it is a regular file (a FIFO or a device is refused, never waited on)."""
-    handle, _stat = open_corpus_file(str(manifest))
-    return handle
 
 
 def _bounded_lines(handle: BinaryIO, limit: int = MAX_MANIFEST_LINE_BYTES) -> Iterator[bytes | None]:
@@ -492,7 +446,7 @@ def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | st
             else:
                 yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
 
-    with _open_manifest(manifest) as handle:
+    with open_corpus_file(str(manifest))[0] as handle:
         reader = csv.reader(text_lines(handle))
         header = _csv_header(manifest, reader)
         width = len(header)
@@ -543,7 +497,7 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
 
 
 def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    with _open_manifest(manifest) as handle:
+    with open_corpus_file(str(manifest))[0] as handle:
         for number, raw in enumerate(_bounded_lines(handle), start=1):
             if raw is None:
                 yield number, _too_long()
@@ -619,10 +573,9 @@ def _file_digest(handle: BinaryIO) -> tuple[str, bytes]:
 
 
 def riff_data_problem(head: bytes, size: int) -> str | None:
-    """Whether a RIFF/WAVE file's ``data`` chunk declares more bytes than the file holds after it.
+    """Whether a RIFF/WAVE file's ``data`` chunk declares more bytes than the file (``size`` bytes) holds.
 
-    libsndfile clamps the frame count of such a file to what is there, so decoding cannot tell:
-    the header is read here. ``head`` is the start of the file, ``size`` its length in bytes;
+    libsndfile clamps the frame count of such a file to what is there, so decoding cannot tell.
     None for any other format, or when the data chunk does not start within ``head``.
     """
     if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
@@ -648,31 +601,30 @@ def probe_audio(
 ) -> AudioProbe:
     """Validate ``path``; never raises for bad audio (the error goes in ``error``).
 
-    The file is opened as :func:`open_corpus_file` opens it (inside ``root``, a regular file,
-    never blocking); one that cannot be is an error probe with its ``reason``. The header is
-    read next: a file whose sample rate or channel count is outside ``config``'s bounds, or
-    whose declared duration is, is judged from it and never read (``decoded=False``).
-    Otherwise the file is decoded block by block from the open handle and then hashed in
-    chunks, so memory does not grow with the file's length; the decoded samples are hashed on
-    the way (``audio_sha256``: the same audio in another file or format hashes the same), and
-    float samples must be finite. A file that cannot be decoded is not hashed: a reject hashes
-    at most what was read.
+    A file whose format or declared duration is outside ``config``'s bounds is judged from its
+    header and never read (``decoded=False``). Otherwise it is decoded block by block (memory does
+    not grow with its length), its samples hashed on the way (``audio_sha256``: the same audio in
+    another format hashes the same), then the file is hashed; an undecodable file is not hashed.
     """
     try:
         handle, stat = open_corpus_file(path, None if root is None else os.path.realpath(root))
     except RefusedFile as refused:
-        size, mtime_ns = _stat_or_zero(path)
-        return AudioProbe(size=size, mtime_ns=mtime_ns, error=refused.detail, reason=refused.reason)
+        stat = _stat_or_none(path, os.lstat)
+        return AudioProbe(
+            size=stat.st_size if stat else 0,
+            mtime_ns=stat.st_mtime_ns if stat else 0,
+            error=refused.detail,
+            reason=refused.reason,
+        )
     with handle:
         return _probe_open(handle, stat, config)
 
 
-def _stat_or_zero(path: str) -> tuple[int, int]:
+def _stat_or_none(path: str, stat: Callable[[str], os.stat_result] = os.stat) -> os.stat_result | None:
     try:
-        stat = os.lstat(path)
+        return stat(path)
     except OSError:
-        return 0, 0
-    return stat.st_size, stat.st_mtime_ns
+        return None
 
 
 def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig | None) -> AudioProbe:
@@ -759,12 +711,9 @@ def probe_all(
     stats: Mapping[str, os.stat_result] | None = None,
     root: str | os.PathLike[str] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
-    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns) (from ``stats``
-    where the caller has just stat'ed the path).
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
 
-    A cached probe that was judged from its header alone is reused only while ``config``'s
-    bounds still exclude it; otherwise the file is read and decoded now. Each file is opened
-    only inside ``root`` (see :func:`probe_audio`).
+    A cached probe judged from its header alone is reused only while ``config``'s bounds still exclude it.
     """
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
@@ -813,10 +762,7 @@ def scan_corpus(
     workers: int = 1,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> ScanResult:
-    """Validate every utterance of the corpus at ``location``.
-
-    Raises :class:`CorpusError` only when the corpus itself is missing, empty or malformed.
-    """
+    """Validate every utterance; :class:`CorpusError` only when the corpus itself is missing, empty or malformed."""
     location = Path(location).absolute()
     check_corpus_location(location)
     root = corpus_root_of(location).resolve()
@@ -826,54 +772,24 @@ def scan_corpus(
     stats: dict[str, os.stat_result] = {}  # each file stat'ed once, here
     real = RealPaths()
     for candidate in candidates:
-        bad_id = invalid_id_detail(candidate)
-        if bad_id is not None:
-            rejects.append(RejectRow(candidate.utt_id, candidate.path, "manifest", RejectReason.INVALID_ID, bad_id))
-            continue
-        if len(candidate.transcript) > config.max_transcript_chars:
-            rejects.append(
-                RejectRow(
-                    candidate.utt_id,
-                    candidate.path,
-                    "manifest",
-                    RejectReason.TRANSCRIPT_TOO_LONG,
-                    f"transcript of {len(candidate.transcript)} characters (normalised), "
-                    f"more than max_transcript_chars={config.max_transcript_chars}",
-                )
+
+        def reject(reason: RejectReason, detail: str) -> None:
+            rejects.append(RejectRow(candidate.utt_id, candidate.path, "manifest", reason, detail))
+
+        if (bad_id := invalid_id_detail(candidate)) is not None:
+            reject(RejectReason.INVALID_ID, bad_id)
+        elif len(candidate.transcript) > config.max_transcript_chars:
+            reject(
+                RejectReason.TRANSCRIPT_TOO_LONG,
+                f"transcript of {len(candidate.transcript)} characters (normalised), "
+                f"more than max_transcript_chars={config.max_transcript_chars}",
             )
-            continue
-        resolved = real(candidate.path)
-        if not is_inside(resolved, root):
-            rejects.append(
-                RejectRow(
-                    candidate.utt_id,
-                    candidate.path,
-                    "manifest",
-                    RejectReason.OUTSIDE_ROOT,
-                    f"resolves to {resolved}, outside the corpus root {root}",
-                )
-            )
-            continue
-        try:
-            stat = os.stat(resolved)
-        except OSError:
-            stat = None
-        if stat is None:
-            rejects.append(
-                RejectRow(
-                    candidate.utt_id, candidate.path, "manifest", RejectReason.MISSING_FILE, f"no file at {resolved}"
-                )
-            )
+        elif not is_inside(resolved := real(candidate.path), root):
+            reject(RejectReason.OUTSIDE_ROOT, f"resolves to {resolved}, outside the corpus root {root}")
+        elif (stat := _stat_or_none(resolved)) is None:
+            reject(RejectReason.MISSING_FILE, f"no file at {resolved}")
         elif not S_ISREG(stat.st_mode):
-            rejects.append(
-                RejectRow(
-                    candidate.utt_id,
-                    candidate.path,
-                    "manifest",
-                    RejectReason.UNREADABLE,
-                    f"{resolved} is {_kind(stat.st_mode)}, not a regular file",
-                )
-            )
+            reject(RejectReason.UNREADABLE, f"{resolved} is {_kind(stat.st_mode)}, not a regular file")
         else:
             inside.append((candidate, resolved))
             stats[resolved] = stat
@@ -921,10 +837,8 @@ def is_inside(path: str, root: Path | str) -> bool:
 
 
 class RealPaths:
-    """``os.path.realpath`` for many files, each folder resolved once: a file's real path is its
-    folder's real path joined with its name, unless the name is itself a symlink (or ``.``/``..``),
-    which is then resolved in full. Same answers, one ``lstat`` per file instead of one per
-    component of its path."""
+    """``os.path.realpath`` for many files with each folder resolved once (a name that is itself a
+    symlink is resolved in full): one ``lstat`` per file instead of one per path component."""
 
     def __init__(self) -> None:
         self._folders: dict[str, str] = {}
@@ -1071,18 +985,11 @@ def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
 
 
 def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for reject in rejects:
-        counts[reject.reason] = counts.get(reject.reason, 0) + 1
-    return dict(sorted(counts.items()))
+    return dict(sorted(Counter(reject.reason for reject in rejects).items()))
 
 
 def corpus_fingerprint(location: Path) -> str:
-    """A cheap change detector: sha256 over (relative path, size, mtime) of every corpus file.
-
-    Stats only, no reads, so a sensor can call it every tick; the manifest records it so the
-    sensor knows whether the last manifest saw the corpus as it is now.
-    """
+    """sha256 over (relative path, size, mtime) of every corpus file: stats only, so a sensor can call it every tick."""
     location = Path(location).absolute()
     if not location.exists():
         return ""
