@@ -1,10 +1,5 @@
-"""Audits of a written manifest: each reads the Parquet files back and tests what later stages
-rely on, independently of the code that produced them (write, audit, then publish).
-
-Every audit returns an :class:`Audit`; a manifest is published only if all of them pass. An
-audit that cannot evaluate (a column it needs is missing, a value has the wrong type, a file
-does not read) fails: it never passes by default.
-"""
+"""Audits of a written manifest, read back from its Parquet files independently of the code that
+wrote them; it is published only if all pass. An audit that cannot evaluate fails, never passes."""
 
 from __future__ import annotations
 
@@ -49,8 +44,6 @@ class Audit:
 
 @dataclass(frozen=True)
 class ManifestFiles:
-    """The files a manifest run publishes together."""
-
     manifest: Path
     rejects: Path
     speakers: Path
@@ -61,8 +54,6 @@ def _examples(values: list[str]) -> list[str]:
 
 
 def _listing(name: str, bad: list[str], description: str, count_key: str) -> Audit:
-    """An audit that passes when ``bad`` (what it found wrong) is empty, with their count under
-    ``count_key`` and the first of them as examples."""
     return Audit(name, not bad, description, {count_key: len(bad), "examples": _examples(bad)})
 
 

@@ -1,14 +1,8 @@
 """Speaker -> client assignment for federated (non-IID) HuBERT targets.
 
-Speakers are never split across clients. Assignment balances trimmed hours with a
-largest-first greedy rule and is stable under fresh data: a speaker that already has a client
-keeps it, and only new speakers are placed (largest first, each onto the currently lightest
-client). Ties break on ids, so the result is deterministic.
-
-The clients table (``clients/clients.parquet``, written by the ``client_partitions`` asset) has
-one row per speaker, ``CLIENTS_SCHEMA``; ``read_clients`` is its one reader, and a
-:class:`ClientsTable` answers every question asked of it (speakers per client, held-out split,
-aggregation weights), so a run reads the file once.
+Speakers are never split across clients. A largest-first greedy rule balances trimmed hours and
+is stable under fresh data: a speaker that has a client keeps it, only new speakers are placed.
+Ties break on ids. ``read_clients`` is the clients table's one reader.
 """
 
 from __future__ import annotations
@@ -98,7 +92,6 @@ def imbalance(assignments: list[ClientAssignment], num_clients: int) -> float:
 
 
 def write_clients(path: str | os.PathLike[str], assignments: list[ClientAssignment]) -> None:
-    """Publish the clients table atomically."""
     with atomic_path(path) as tmp:
         pq.write_table(pa.Table.from_pylist([asdict(a) for a in assignments], schema=CLIENTS_SCHEMA), tmp)
 
@@ -114,7 +107,6 @@ class ClientsTable:
 
     @property
     def clients(self) -> list[str]:
-        """The client ids, sorted."""
         return sorted({row.client_id for row in self.rows})
 
     @property

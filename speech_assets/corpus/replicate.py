@@ -1,16 +1,9 @@
 """A corpus with LibriSpeech train-clean-100's shape, made from a small real corpus (offline).
 
-``speech-assets corpus replicate --from data/sample --out /big/disk/ls100 --scale 0.25`` writes,
-in LibriSpeech layout, 251 speakers with 2 to 3 chapters each, about 113 x ``scale`` utterances
-per speaker, whose durations follow train-clean-100's distribution (mean 12.7 s, most 10-17 s,
-a tail down to ~1.3 s, at most 24.5 s; ~100.6 h at scale 1). Each utterance is a sequence of
-real source utterances, with natural pauses and a noise floor, spoken by a per-speaker "voice":
-a speed/pitch factor (torchaudio's resampling, as in speed perturbation) and a gain. Its
-transcript is the concatenation of the sources' transcripts.
-
-What it is for: measuring cost and behaviour at LibriSpeech size (per-stage time, memory, disk,
-partition counts, the training data path). What it is not: new linguistic content (phonetically
-it repeats the source corpus), so learning figures on it say little about real speech.
+251 speakers of 2-3 chapters, ~113 x ``scale`` utterances each, with train-clean-100's duration
+distribution; each utterance strings real source utterances with pauses and a noise floor, under a
+per-speaker speed/pitch factor and gain. For measuring cost at LibriSpeech size: phonetically it
+repeats the source corpus, so learning figures on it say little about real speech.
 """
 
 from __future__ import annotations

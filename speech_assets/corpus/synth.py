@@ -1,10 +1,8 @@
 """Offline synthesis of a small speech corpus in LibriSpeech layout.
 
-The corpus is built from procedurally generated English sentences read by offline text-to-speech
-engines; every speaker gets its own voice (engine, voice, speaking rate and a vocal-tract/pitch warp),
-so speakers are acoustically distinct. Each utterance gets 0.25-1.2 s of leading and trailing silence
-and low-level white or pink noise (-50..-40 dBFS) over the whole file, so voice activity detection has
-real work to do. The same arguments give byte-identical files on the same software stack.
+Generated English sentences read by offline TTS engines, one voice (engine, rate, pitch warp) per
+speaker, with 0.25-1.2 s of silence at each end and -50..-40 dBFS noise so that VAD has work to do.
+The same arguments give byte-identical files on the same software stack.
 
 Layout written under the output directory::
 
@@ -30,15 +28,8 @@ The committed sample corpus ``data/sample`` was made from the repository root wi
     python -m speech_assets.corpus.synth --out data/sample --speakers 8 --utterances 8 --seed 0 \\
         --sources hibari,piper,flite,espeak-ng,festival
 
-(``speech-assets corpus synth`` takes the same arguments; on this machine leaving out ``--sources`` gives
-the same corpus), on Debian 12 with espeak-ng 1.51, flite 2.2, festival 2.5, hibari-tts 0.2.1,
-piper-tts 1.8.0, torchaudio 2.11 and libsndfile 1.2.2. Other versions give other bytes; the sample is
-committed so that nothing needs a TTS engine to read it.
-
-``--distinct-sentences`` gives every utterance a sentence no other utterance reads (the built-in list
-grows to speakers x utterances), so the text of whichever speakers a split holds out is disjoint from
-the other speakers' (bench/learning.py's corpus: labelled, dev and LM text never contain a held-out
-sentence, and nothing needs to be dropped for it).
+on Debian 12 with espeak-ng 1.51, flite 2.2, festival 2.5, hibari-tts 0.2.1, piper-tts 1.8.0,
+torchaudio 2.11 and libsndfile 1.2.2 (other versions give other bytes).
 """
 
 from __future__ import annotations
@@ -82,16 +73,12 @@ class SourceUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class BaseVoice:
-    """One voice an engine offers, with the speaker sex written to SPEAKERS.TXT."""
-
     name: str
     sex: str
 
 
 @dataclass(frozen=True)
 class SpeakerVoice:
-    """A speaker's voice: an engine voice plus a speaking rate and a pitch/formant warp."""
-
     source: str
     voice: BaseVoice
     rate: float
@@ -99,31 +86,21 @@ class SpeakerVoice:
 
     @property
     def label(self) -> str:
-        """Human-readable description (SPEAKERS.TXT NAME column)."""
         return f"{self.source} {self.voice.name} rate={self.rate:.2f} warp={self.warp:.3f}"
 
 
 @dataclass(frozen=True)
 class SynthReport:
-    """What `synthesize_corpus` wrote."""
-
     out_dir: Path
     speakers: int
     chapters: int
     utterances: int
     audio_seconds: float
     sources: tuple[str, ...]
-    voices: dict[str, str]
-    """speaker id -> voice label."""
-
-
-# --------------------------------------------------------------------------------------------
-# Text
-# --------------------------------------------------------------------------------------------
+    voices: dict[str, str]  # speaker id -> voice label
 
 
 def _words(text: str) -> tuple[str, ...]:
-    """Comma-separated word list -> tuple of entries (entries may hold spaces)."""
     return tuple(word.strip() for word in text.split(","))
 
 
@@ -198,7 +175,6 @@ def _stable_index(key: str, size: int) -> int:
 
 
 def _make_sentence(index: int) -> str:
-    """The ``index``-th built-in sentence: a template filled from the word lists."""
     template = _TEMPLATES[index % len(_TEMPLATES)]
     fields = {slot: words[_stable_index(f"{index}:{slot}", len(words))] for slot, words in _SLOTS.items()}
     sentence = re.sub(r"\ba (?=[aeiou])", "an ", template.format(**fields))
@@ -206,8 +182,7 @@ def _make_sentence(index: int) -> str:
 
 
 def builtin_sentences(count: int = NUM_SENTENCES) -> tuple[str, ...]:
-    """The first ``count`` built-in sentences (distinct, fixed order), as spoken by the engines; a
-    longer list starts with every shorter one."""
+    """The first ``count`` distinct built-in sentences; a longer list starts with every shorter one."""
     sentences: dict[str, None] = {}
     index = 0
     while len(sentences) < count:
@@ -222,20 +197,12 @@ def transcript_of(sentence: str) -> str:
     return " ".join(words).upper()
 
 
-# --------------------------------------------------------------------------------------------
-# Engines
-# --------------------------------------------------------------------------------------------
-
-
 class Engine(ABC):
-    """An offline TTS source: checks its installation and turns text into a waveform."""
-
     name: ClassVar[str]
     install_hint: ClassVar[str]
     voices: ClassVar[tuple[BaseVoice, ...]]
 
     def unavailable(self, what: str) -> SourceUnavailableError:
-        """The error raised when ``what`` is missing, naming what to install."""
         return SourceUnavailableError(f"{self.name}: {what} not found: {self.install_hint}")
 
     @abstractmethod
@@ -248,8 +215,6 @@ class Engine(ABC):
 
 
 class CommandEngine(Engine):
-    """An engine run as a command-line program that writes a WAV file."""
-
     program: ClassVar[str]
 
     def check(self) -> None:
@@ -258,7 +223,7 @@ class CommandEngine(Engine):
 
     @abstractmethod
     def command(self, text: str, voice: str, tempo: float, wav: Path) -> list[str]:
-        """The argument vector that writes the speech for ``text`` to ``wav``."""
+        """The argv that writes the speech for ``text`` to ``wav``."""
 
     def synthesize(self, text: str, voice: str, tempo: float) -> tuple[np.ndarray, int]:
         with tempfile.TemporaryDirectory(prefix="synth-") as tmp:
@@ -269,8 +234,6 @@ class CommandEngine(Engine):
 
 
 class EspeakEngine(CommandEngine):
-    """``espeak-ng`` formant synthesis with voice variants."""
-
     name = "espeak-ng"
     program = "espeak-ng"
     install_hint = "apt-get install espeak-ng"
@@ -288,8 +251,6 @@ class EspeakEngine(CommandEngine):
 
 
 class FliteEngine(CommandEngine):
-    """CMU ``flite`` with its built-in clustergen/diphone voices."""
-
     name = "flite"
     program = "flite"
     install_hint = "apt-get install flite"
@@ -308,8 +269,6 @@ class FliteEngine(CommandEngine):
 
 
 class FestivalEngine(CommandEngine):
-    """Festival diphone voices through ``text2wave``."""
-
     name = "festival"
     program = "text2wave"
     install_hint = "apt-get install festival festvox-kallpc16k festvox-kdlpc16k"
@@ -334,7 +293,7 @@ class FestivalEngine(CommandEngine):
 
 
 class PythonEngine(Engine):
-    """An engine provided by Python packages, imported (and its model loaded) on first use."""
+    """An engine from Python packages, imported (and its model loaded) on first use."""
 
     modules: ClassVar[tuple[str, ...]]
 
@@ -353,7 +312,6 @@ class PythonEngine(Engine):
 
     @property
     def model(self) -> Any:
-        """The loaded model, created on first access."""
         if self._model is None:
             self._model = self.load()
         return self._model
@@ -397,14 +355,13 @@ class PiperEngine(PythonEngine):
         return np.concatenate(chunks).astype(np.float64), int(self.model.config.sample_rate)
 
 
+# in the order speakers are assigned to them
 ENGINES: dict[str, type[Engine]] = {
     engine.name: engine for engine in (HibariEngine, PiperEngine, FliteEngine, EspeakEngine, FestivalEngine)
 }
-"""Every known source, in the order speakers are assigned to them."""
 
 
 def available_sources() -> list[str]:
-    """Names of the sources that work on this machine, in `ENGINES` order."""
     found = []
     for name, engine_type in ENGINES.items():
         try:
@@ -416,7 +373,7 @@ def available_sources() -> list[str]:
 
 
 def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
-    """Checked engines for ``sources`` (``None``: every available one); clear errors otherwise."""
+    """Checked engines for ``sources`` (``None``: every available one)."""
     if sources is None:
         names = available_sources()
         if not names:
@@ -433,11 +390,6 @@ def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
     return engines
 
 
-# --------------------------------------------------------------------------------------------
-# Speakers and signal processing
-# --------------------------------------------------------------------------------------------
-
-
 def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
     """All (engine, voice) pairs, interleaved across engines so that a few speakers mix sources."""
     depth = max(len(e.voices) for e in engines)
@@ -445,22 +397,18 @@ def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
 
 
 def _speaker_voice(engine: Engine, voice: BaseVoice, rng: np.random.Generator) -> SpeakerVoice:
-    """A speaker's voice: the base voice with a seeded speaking rate and warp."""
     rate = round(float(rng.uniform(*RATE_RANGE)), 2)
     warp = float(rng.uniform(*WARP_RANGE))
     return SpeakerVoice(engine.name, voice, rate, warp)
 
 
 def _warped_rate(rate: int, warp: float) -> int:
-    """The sample rate to declare for audio recorded at ``rate`` so that it plays ``warp`` times higher.
-
-    Rounded to a multiple of 50 Hz so that the polyphase resampler to 16 kHz stays small.
-    """
+    """The rate to declare so that audio recorded at ``rate`` plays ``warp`` times higher; a multiple
+    of 50 Hz so that the polyphase resampler to 16 kHz stays small."""
     return max(50, round(rate * warp / 50) * 50)
 
 
 def _resample(audio: np.ndarray, orig_rate: int) -> np.ndarray:
-    """Resample to `SAMPLE_RATE` (torchaudio's windowed-sinc resampler)."""
     if orig_rate == SAMPLE_RATE:
         return audio
     import torch
@@ -512,11 +460,6 @@ def render_utterance(engine: Engine, voice: SpeakerVoice, text: str, rng: np.ran
     return _finish(speech, rng)
 
 
-# --------------------------------------------------------------------------------------------
-# Corpus layout
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class _Utterance:
     utt_id: str
@@ -526,7 +469,6 @@ class _Utterance:
 
 
 def _chapter_sizes(utterances: int, rng: np.random.Generator) -> list[int]:
-    """Split a speaker's utterances into one or two chapters."""
     if utterances < 2 or rng.random() < 0.5:
         return [utterances]
     first = math.ceil(utterances / 2)
@@ -553,14 +495,9 @@ def _write_speakers_txt(out_dir: Path, rows: Sequence[tuple[str, SpeakerVoice, f
 
 
 def speaker_sentences(speakers: int, utterances: int, seed: int, distinct: bool = False) -> list[list[str]]:
-    """The sentences each speaker reads, in order.
-
-    By default every speaker reads ``utterances`` consecutive sentences of a seeded shuffle of the
-    `NUM_SENTENCES` built-in ones, wrapping around, so that a corpus of more than `NUM_SENTENCES`
-    utterances has sentences read by several voices. With ``distinct`` the list grows to
-    ``speakers x utterances`` sentences and each is read once: every speaker has its own sentence
-    pool, so whichever speakers a split holds out, their text is disjoint from every other speaker's.
-    """
+    """The sentences each speaker reads: consecutive ones of a seeded shuffle of the built-in list,
+    wrapping around. With ``distinct`` each is read once, so held-out speakers' text is disjoint
+    from every other speaker's (bench/learning.py relies on it)."""
     total = speakers * utterances
     sentences = builtin_sentences(max(NUM_SENTENCES, total) if distinct else NUM_SENTENCES)
     order = np.random.default_rng([seed]).permutation(len(sentences))
@@ -578,7 +515,6 @@ def _synth_speaker(
     sentences: Sequence[str],
     seed: int,
 ) -> list[_Utterance]:
-    """Write one speaker's chapters (audio + transcripts); returns its utterances."""
     speaker_id = str(FIRST_SPEAKER_ID + speaker_index)
     sizes = _chapter_sizes(len(sentences), np.random.default_rng([seed, speaker_index, 0]))
     written: list[_Utterance] = []
@@ -598,7 +534,6 @@ def _synth_speaker(
 
 
 def _write_utterance(path: Path, sentence: str, pcm: np.ndarray) -> _Utterance:
-    """Write ``pcm`` as 16-bit FLAC at ``path``; the utterance id is the file stem."""
     sf.write(path, pcm, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
     return _Utterance(path.stem, path, transcript_of(sentence), pcm.size / SAMPLE_RATE)
 
@@ -611,13 +546,8 @@ def synthesize_corpus(
     sources: Sequence[str] | None = None,
     distinct_sentences: bool = False,
 ) -> SynthReport:
-    """Write a deterministic LibriSpeech-layout corpus of ``speakers`` x ``utterances`` to ``out_dir``.
-
-    ``sources`` names the TTS engines to use (see `ENGINES`); ``None`` uses every one installed.
-    ``distinct_sentences``: no two utterances read the same sentence (`speaker_sentences`).
-    Raises `SourceUnavailableError` (naming the package to install) when a source is missing,
-    `ValueError` for unknown sources, bad counts or a non-empty ``out_dir``.
-    """
+    """Write a deterministic LibriSpeech-layout corpus of ``speakers`` x ``utterances`` to ``out_dir``
+    with the TTS engines ``sources`` (``None``: every one installed)."""
     out_dir = Path(out_dir)
     if speakers < 1 or utterances < 1:
         raise ValueError("speakers and utterances must be at least 1")
@@ -649,13 +579,7 @@ def synthesize_corpus(
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``speech-assets corpus synth``."""
     parser.add_argument("--out", type=Path, required=True, help="output directory (must be empty or absent)")
     parser.add_argument("--speakers", type=int, default=8, help="number of speakers (default 8)")
     parser.add_argument("--utterances", type=int, default=8, help="utterances per speaker (default 8)")
@@ -675,7 +599,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the synthesis for parsed arguments; prints a summary, returns the exit status."""
     try:
         report = synthesize_corpus(
             args.out, args.speakers, args.utterances, args.seed, args.sources, args.distinct_sentences

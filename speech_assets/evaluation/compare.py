@@ -1,27 +1,11 @@
 """The same CTC probe on several encoders and on the log-mel input itself, over several seeds.
 
-:func:`compare_encoders` is what ``downstream_probe`` and ``bench/probe.py`` run: the utterances
-of the training speakers train the probes of each model (a development part of those speakers
-picks the learning rate and the stopping step), the held-out speakers' utterances score them
-(greedy CER and WER, jiwer, and the edit counts of every held-out utterance), and every model sees
-exactly the same utterances, probe options and seeds. Each model reads the raw log-mel through its
-own normalisation (:class:`ProbeModel`: the one it was trained with), and its features are
-extracted once and reused by every seed and learning rate.
-
-``fbank`` is the baseline every encoder has to beat: the probe on normalised log-mel at 100 Hz,
-one "layer" ``(1, T, 80)``. ``random`` is an untrained encoder of the pretrained one's shape:
-what the architecture gives without pretraining.
-
-The verdict (:func:`leaderboard`, :func:`standing`, :func:`beats`) is a paired test over the
-held-out utterances, not the spread over probe seeds: per utterance, each model's character
-errors (mean over its seeds) minus the baseline's, and a bootstrap over utterances of the
-difference of corpus CERs (:func:`paired_bootstrap`). "better" / "worse" when its 95 % interval
-excludes 0, else "no evidence". Below ``min_speakers`` held-out speakers (or
-:data:`MIN_HELDOUT_UTTERANCES` utterances) the verdict is "indicative only": utterances of one
-or two speakers say little about speakers in general.
-
-torch is imported only by :func:`compare_encoders` and :func:`probe_features`: reading and
-summarising ``results.parquet`` (``speech-assets probe``) needs neither torch nor a model.
+Every model sees the same utterances, options and seeds: the training speakers train the probes
+(a development part picks the learning rate and stopping step), the held-out speakers score them.
+``fbank`` (the probe on log-mel) and ``random`` (an untrained encoder) are the baselines. The
+verdict is a paired bootstrap over held-out utterances of the CER difference, "indicative only"
+below ``min_speakers`` held-out speakers or :data:`MIN_HELDOUT_UTTERANCES` utterances.
+Reading ``results.parquet`` needs neither torch nor a model.
 """
 
 from __future__ import annotations
@@ -84,10 +68,8 @@ PATIENCE = 2
 
 @dataclass(frozen=True)
 class ProbeModel:
-    """A model under probe. ``normalise``: raw log-mel ``(T, 80)`` -> normalised ``(T, 80)``, the
-    normalisation the model was trained with (``normalisation`` labels it: ``utterance``,
-    ``global``, ...). ``encoder`` ``None``: the probe reads the normalised log-mel itself, one layer
-    ``(1, T, 80)`` (``fbank``); else every layer of the frozen encoder, ``(layers + 1, L, D)``."""
+    """A model under probe. ``normalise``: raw log-mel ``(T, 80)`` -> normalised, as the model was
+    trained. ``encoder`` ``None``: the probe reads the normalised log-mel itself (``fbank``)."""
 
     name: str
     checkpoint_sha256: str
@@ -98,9 +80,7 @@ class ProbeModel:
 
 @dataclass(frozen=True)
 class HeldoutErrors:
-    """Per held-out utterance of one probe (``(U,)`` each, in the held-out order): its id, speaker,
-    the character and word edit counts of the probe's transcript and the reference's characters
-    and words."""
+    """Per held-out utterance of one probe (``(U,)`` each): edit counts and the reference's lengths."""
 
     utt_ids: tuple[str, ...]
     speaker_ids: tuple[str, ...]
@@ -112,8 +92,7 @@ class HeldoutErrors:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on
-    ``split`` (``utterances`` of ``speakers`` distinct speakers)."""
+    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on ``split``."""
 
     model: str
     checkpoint_sha256: str
@@ -127,9 +106,7 @@ class ProbeResult:
     seed: int
     normalisation: str
     speakers: int
-    lr: float = float(
-        "nan"
-    )  # the probe's learning rate (chosen on the development split when ProbeOptions.lrs has several)
+    lr: float = math.nan  # chosen on the development split when ProbeOptions.lrs has several
     seconds: float = 0.0  # feature extraction (shared by the seeds) + this seed's training + scoring; not stored
     errors: HeldoutErrors | None = None  # held-out rows: per utterance (probe/utterances.parquet)
 
@@ -138,7 +115,6 @@ class ProbeResult:
 
     @classmethod
     def from_row(cls, row: dict[str, object]) -> ProbeResult:
-        """A result from a ``results.parquet`` row (``seconds`` is not stored: 0)."""
         missing = [c for c in RESULT_COLUMNS if c not in row and c not in OPTIONAL_COLUMNS]
         if missing:
             raise ValueError(f"probe results lack the columns {missing}: rematerialize downstream_probe")
@@ -146,7 +122,6 @@ class ProbeResult:
 
 
 def results_table(results: Sequence[ProbeResult]) -> pa.Table:
-    """``results`` as a table of :data:`RESULT_COLUMNS`, in that order."""
     import pyarrow as pa
 
     schema = pa.schema(
@@ -170,7 +145,6 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
 
 
 def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
-    """The per-utterance edit counts of ``results``' held-out rows, :data:`UTTERANCE_COLUMNS`."""
     import pyarrow as pa
 
     columns: dict[str, list] = {c: [] for c in UTTERANCE_COLUMNS}
@@ -202,7 +176,6 @@ def leaderboard_path(results_path: str | os.PathLike[str]) -> Path:
 
 
 def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, object]]:
-    """The rows of the ``leaderboard.parquet`` beside ``results_path`` (:func:`leaderboard_table`)."""
     import pyarrow.parquet as pq
 
     path = leaderboard_path(results_path)
@@ -212,9 +185,8 @@ def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, obj
 
 
 def load_leaderboard(path: str | os.PathLike[str], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> tuple[list, int]:
-    """(the leaderboard of the probe's ``results.parquet`` at ``path``, the minimum of held-out
-    speakers it was judged with: the run's own, recorded in its ``leaderboard.parquet``, else
-    ``min_speakers``). Raises ValueError on unreadable results."""
+    """(the leaderboard of ``results.parquet`` at ``path``, the minimum of held-out speakers it was
+    judged with: the run's own from ``leaderboard.parquet``, else ``min_speakers``)."""
     try:
         min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
     except (FileNotFoundError, IndexError, KeyError):
@@ -224,18 +196,15 @@ def load_leaderboard(path: str | os.PathLike[str], min_speakers: int = MIN_HELDO
 
 @dataclass(frozen=True)
 class BaselineVerdict:
-    """Whether a model beats a baseline, as the asset's metadata and its check both say it:
-    ``passed`` (better, on enough speakers and utterances) and ``text`` (``pass: ...`` or ``warn: ...``,
-    the check's description and the metadata value word for word)."""
+    """Whether a model beats a baseline; ``text`` is both the check's description and the metadata value."""
 
     passed: bool
     text: str
 
 
 def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> BaselineVerdict:
-    """The verdict of ``model`` against ``baseline`` from its ``leaderboard.parquet`` row
-    (:func:`leaderboard_table`; None: no row): passes only when the paired interval says better
-    and the verdict is not indicative; "indicative only" and its reason are said in the warning."""
+    """``model`` against ``baseline`` from its ``leaderboard.parquet`` row (None: no row): passes only
+    when the paired interval says better and the verdict is not indicative."""
     if row is None:
         return BaselineVerdict(
             False, f"warn: no {model} row in the probe's leaderboard: rematerialize downstream_probe"
@@ -258,8 +227,7 @@ def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> 
 
 
 def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
-    """The rows of a ``results.parquet``, with the per-utterance errors of ``utterances.parquet``
-    beside it attached to the held-out rows where that file exists."""
+    """The rows of a ``results.parquet``, with the held-out rows' errors from ``utterances.parquet`` where it exists."""
     import pyarrow.parquet as pq
 
     results = [ProbeResult.from_row(row) for row in pq.read_table(path).to_pylist()]
@@ -289,8 +257,7 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
 def split_utterances(
     utterances: Sequence[Utterance], heldout: set[str], max_train: int, max_eval: int, seed: int = 0
 ) -> tuple[list[Utterance], list[Utterance]]:
-    """(training speakers' utterances, held-out speakers' utterances), each a seeded subsample of
-    at most ``max_train`` / ``max_eval`` (0: all)."""
+    """(training, held-out) speakers' utterances, seeded subsamples of ``max_train`` / ``max_eval`` (0: all)."""
     from speech_assets.evaluation.probe import subsample
 
     train = [u for u in utterances if u.speaker_id not in heldout]
@@ -302,7 +269,6 @@ def split_utterances(
 
 
 def normalised(model: ProbeModel, feats: np.ndarray) -> np.ndarray:
-    """``model.normalise`` of raw log-mel ``feats (T, 80)``: ``(T, 80)`` float32."""
     out = np.asarray(model.normalise(feats), dtype=np.float32)
     if out.shape != feats.shape:
         raise ValueError(f"{model.name}: normalise turned {feats.shape} into {out.shape}")
@@ -310,8 +276,7 @@ def normalised(model: ProbeModel, feats: np.ndarray) -> np.ndarray:
 
 
 def probe_features(model: ProbeModel, utterances: Sequence[Utterance]) -> list[torch.Tensor]:
-    """What ``model``'s probe reads per utterance: ``(1, T, 80)`` normalised log-mel for
-    ``encoder`` ``None``, else the encoder's ``(layers + 1, (T + 1) // 2, D)`` on it."""
+    """Per utterance, ``(1, T, 80)`` normalised log-mel, or the encoder's ``(layers + 1, (T + 1) // 2, D)``."""
     import torch
 
     from speech_assets.evaluation.encoders import layer_features
@@ -329,21 +294,13 @@ def compare_encoders(
     options: ProbeOptions,
     on_model: Callable[[ProbeResult], None] | None = None,
 ) -> list[ProbeResult]:
-    """Probe each of ``models`` (in order) once per seed of ``options.seeds``: two rows per model
-    and seed, ``split`` ``train`` (scored on the probe's own training utterances) and ``heldout``
-    (with each utterance's edit counts, ``errors``). ``on_model`` gets each held-out row as it is
-    scored.
+    """Probe each model once per seed: a ``train`` and a ``heldout`` row per model and seed
+    (``on_model`` gets each held-out row as it is scored).
 
-    The training speakers' utterances are split by speaker (:func:`~speech_assets.evaluation.probe.dev_split`)
-    into the utterances every probe trains on and development utterances that choose, per
-    model, the learning rate (of ``options.lrs``; the first seed's probes, one per lr, trained
-    together) and each probe's stopping step: its best development CER, evaluated every
-    ``steps // 8`` steps, training stopped after :data:`PATIENCE` evaluations without improvement.
-    The first seed's probe at the chosen lr and step is kept as it is; the other seeds train with
-    that lr up to that step (the same schedule over ``options.steps``). The held-out test
-    speakers take no part in any choice. With a single training utterance nothing is split: the
-    first lr, all steps. The seed sets the probe's initialisation and the order it reads the
-    utterances in; the utterances are the same for every seed."""
+    A development part of the training speakers chooses, per model, the learning rate (the first
+    seed's probes, one per lr) and the stopping step (best development CER every ``steps // 8``
+    steps, :data:`PATIENCE` evaluations without improvement); the other seeds train with that lr up
+    to that step. The held-out speakers take no part in any choice."""
     from speech_assets.evaluation.probe import dev_split, evaluate_probe, layer_norm, train_probes, utterance_errors
 
     if not train or not test:
@@ -413,14 +370,8 @@ def compare_encoders(
             for split in ("train", "heldout"):
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
             errors = utterance_errors(texts["heldout"], hypotheses)
-            heldout_errors = HeldoutErrors(
-                tuple(u.utt_id for u in test),
-                tuple(u.speaker_id for u in test),
-                errors.char_errors,
-                errors.chars,
-                errors.word_errors,
-                errors.words,
-            )
+            counts = (errors.char_errors, errors.chars, errors.word_errors, errors.words)
+            heldout_errors = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started
             for split, s in scores.items():
                 results.append(
@@ -480,8 +431,6 @@ class Spread:
 
 @dataclass(frozen=True)
 class ModelSummary:
-    """One model's rows of one split over its seeds."""
-
     model: str
     normalisation: str
     seeds: tuple[int, ...]
@@ -493,7 +442,7 @@ class ModelSummary:
 
 
 def summarise(results: Sequence[ProbeResult], split: str = "heldout") -> dict[str, ModelSummary]:
-    """Per model (in the order of ``results``): mean and spread of CER and WER over its seeds on ``split``."""
+    """Per model (in the order of ``results``): CER and WER over its seeds on ``split``."""
     rows: dict[str, list[ProbeResult]] = {}
     for r in results:
         if r.split == split:
@@ -518,8 +467,7 @@ def summarise(results: Sequence[ProbeResult], split: str = "heldout") -> dict[st
 
 
 def markdown_table(results: Sequence[ProbeResult]) -> str:
-    """Model against held-out CER/WER (mean ± sample std over seeds) and the probe's CER on its own
-    training data, best held-out CER first."""
+    """Held-out CER/WER (mean ± sample std over seeds) and train CER per model, best held-out CER first."""
     held, trained = summarise(results, "heldout"), summarise(results, "train")
     lines = [
         "| model | normalisation | probe lr | seeds | held-out CER | held-out WER | train CER | utterances "
@@ -546,11 +494,9 @@ def paired_bootstrap(
     confidence: float = CONFIDENCE,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """(difference, low, high): ``sum(a - b) / sum(lengths)`` over paired utterances (``(U,)`` each:
-    two systems' edit counts on the same utterances and the references' lengths; a difference of
-    corpus error rates, negative where ``a`` errs less) and its ``confidence`` percentile interval
-    over ``resamples`` bootstrap resamples of the utterances (with replacement, the pairs kept
-    together). Deterministic for a ``seed``."""
+    """(difference, low, high): ``sum(a - b) / sum(lengths)`` over paired utterances (a difference of
+    corpus error rates, negative where ``a`` errs less) and its percentile interval over bootstrap
+    resamples of the utterances, the pairs kept together."""
     a, b, n = (np.asarray(x, dtype=np.float64) for x in (errors_a, errors_b, lengths))
     if not (a.shape == b.shape == n.shape) or a.ndim != 1 or not len(a):
         raise ValueError(f"paired_bootstrap needs equal, non-empty (U,) arrays, got {a.shape}, {b.shape}, {n.shape}")
@@ -566,15 +512,12 @@ def paired_bootstrap(
 
 
 def paired_verdict(low: float, high: float) -> str:
-    """``better`` (the interval of ``a - b`` lies below 0), ``worse`` (above 0) or ``no evidence``."""
     return "better" if high < 0 else "worse" if low > 0 else "no evidence"
 
 
 @dataclass(frozen=True)
 class Paired:
-    """A model against a baseline on the same held-out utterances: the difference of their CERs
-    (mean character errors per utterance over each one's seeds; negative: the model errs less),
-    its bootstrap interval and what it says (:func:`paired_verdict`)."""
+    """A model's CER minus a baseline's on the same held-out utterances, with its bootstrap interval."""
 
     baseline: str
     difference: float
@@ -590,8 +533,7 @@ class Paired:
 
 
 def mean_errors(results: Sequence[ProbeResult], model: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray] | None:
-    """(utterance ids, character errors per utterance averaged over ``model``'s seeds, reference
-    characters), or None when its held-out rows carry no per-utterance errors."""
+    """(utterance ids, seed-averaged character errors, reference characters); None without per-utterance errors."""
     rows = [r for r in results if r.model == model and r.split == "heldout"]
     if not rows or any(r.errors is None for r in rows):
         return None
@@ -602,8 +544,7 @@ def mean_errors(results: Sequence[ProbeResult], model: str) -> tuple[tuple[str, 
 
 
 def paired(results: Sequence[ProbeResult], model: str, baseline: str) -> Paired | None:
-    """``model`` against ``baseline`` (:func:`paired_bootstrap` of their seed-averaged character
-    errors per held-out utterance); None where either lacks per-utterance errors."""
+    """``model`` against ``baseline``; None where either lacks per-utterance errors."""
     a, b = mean_errors(results, model), mean_errors(results, baseline)
     if a is None or b is None:
         return None
@@ -614,9 +555,7 @@ def paired(results: Sequence[ProbeResult], model: str, baseline: str) -> Paired 
 
 @dataclass(frozen=True)
 class Standing:
-    """One model's line of the leaderboard: held-out CER and WER over its seeds, each comparison
-    against a baseline (None: no per-utterance errors to pair), and why the verdict is only
-    indicative (None: it is not)."""
+    """One model's line of the leaderboard; ``indicative``: why its verdict is only indicative (None: it is not)."""
 
     model: str
     normalisation: str
@@ -638,8 +577,7 @@ class Standing:
 
     @property
     def verdict(self) -> str:
-        """``baseline``, or e.g. ``better than fbank and random``, ``better than random; no evidence
-        against fbank``, followed by `` (indicative only: ...)`` where it applies."""
+        """``baseline``, or e.g. ``better than random; no evidence against fbank (indicative only: ...)``."""
         if self.baseline:
             return "baseline"
         if not self.against:
@@ -657,9 +595,7 @@ class Standing:
 
     @property
     def short_verdict(self) -> str:
-        """The verdict in a word or two, for a table cell: ``baseline``, ``better``, ``worse``, ``no evidence``
-        (the same against every baseline), ``better than <b>`` (better against some, no evidence against the
-        others), ``mixed``, or ``n/a``; a ``*`` where it is only indicative (the table says why once)."""
+        """The verdict in a word or two for a table cell, ``*`` where it is only indicative."""
         if self.baseline:
             return "baseline"
         found = {p.verdict for p in self.against.values() if p is not None}
@@ -675,13 +611,10 @@ class Standing:
 
     @property
     def established(self) -> bool:
-        """Whether the verdict says more than "indicative only"."""
         return self.indicative is None
 
 
 def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str | None:
-    """Why a verdict on ``speakers`` held-out speakers and ``utterances`` utterances is only
-    indicative, or None where it is not."""
     reasons = []
     if speakers < min_speakers:
         reasons.append(f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_speakers}")
@@ -691,25 +624,14 @@ def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str
 
 
 def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[Standing]:
-    """Every model's held-out standing, best mean CER first; each is compared (:func:`paired`) with
-    each baseline present other than itself."""
+    """Every model's held-out standing, best mean CER first, compared with each baseline present."""
     held = summarise(results, "heldout")
     board = []
     for name, s in held.items():
         against = {b: paired(results, name, b) for b in BASELINES if b in held and b != name}
         reasons = indicative_reasons(s.speakers, s.utterances, min_speakers)
         board.append(
-            Standing(
-                name,
-                s.normalisation,
-                len(s.seeds),
-                s.cer,
-                s.wer,
-                s.utterances,
-                s.speakers,
-                against,
-                reasons,
-            )
+            Standing(name, s.normalisation, len(s.seeds), s.cer, s.wer, s.utterances, s.speakers, against, reasons)
         )
     return sorted(board, key=lambda s: s.cer.mean)
 
@@ -736,9 +658,8 @@ NBSP = "\u00a0"  # joins "0.679 ± 0.030" so that a narrow cell never wraps it
 
 
 def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
-    """:data:`LEADERBOARD_COLUMNS` per model, values rounded to 3 decimals, for people to read: a
-    short verdict per row (:attr:`Standing.short_verdict`; why it is indicative only is said once,
-    beside the table, by :func:`reading_note`), numbers with their spread joined by no-break spaces."""
+    """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative is said
+    once, by :func:`reading_note`)."""
 
     def spread(s: Spread) -> str:
         return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f}{NBSP}±{NBSP}{s.std:.3f}"
@@ -777,9 +698,7 @@ def leaderboard_markdown(board: Sequence[Standing]) -> str:
 
 
 def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
-    """The leaderboard in numbers (``probe/leaderboard.parquet``): per model its CER/WER mean and
-    std, each baseline's change, interval and verdict, the overall verdict and whether it is
-    only indicative."""
+    """The leaderboard in numbers (``probe/leaderboard.parquet``)."""
     import pyarrow as pa
 
     rows = []
@@ -810,7 +729,6 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
 
 
 def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
-    """How to read the leaderboard's verdicts, and why they are only indicative where they are."""
     note = (
         "Verdict: each encoder's character errors on every held-out utterance (mean over its probe seeds) are paired "
         "with fbank's and random's on the same utterance; a 95 % bootstrap interval over utterances of the CER "
@@ -828,9 +746,7 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
 
 
 def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
-    """One line per encoder (every model but the baselines): its held-out CER over seeds, the
-    change against each baseline with its interval, on how many utterances and speakers, and
-    the verdict (:attr:`Standing.verdict`)."""
+    """One line per encoder (not the baselines): held-out CER, change against each baseline, verdict."""
     lines = []
     for s in leaderboard(results, min_speakers):
         if s.baseline:

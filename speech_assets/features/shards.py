@@ -1,25 +1,12 @@
 """Feature shards: the on-disk format that k-means and training read.
 
-A shard is one Parquet file (zstd) with one row per kept utterance, sorted by ``utt_id``.
-Feature matrices are stored as binary blobs of C-contiguous arrays (``logmel``:
-``(num_frames, 80)``, ``mfcc``: ``(num_frames, 39)``), which read back with ``np.frombuffer``
-and no Python-level copying; nested list columns read several-fold slower (see
-docs/BENCHMARKS.md).
+One Parquet file per speaker, one row per kept utterance sorted by ``utt_id``, feature matrices
+(``logmel`` ``(T, 80)``, ``mfcc`` ``(T, 39)``) as binary blobs that read back with
+``np.frombuffer`` (nested list columns read several-fold slower, docs/BENCHMARKS.md).
 
-Format versions, recorded in the Parquet key-value metadata (``speech_assets.shard_format``, and
-the blobs' numpy dtype in ``speech_assets.feature_dtype``):
-
-* 1 (older shards, no key): little-endian float32 blobs (``<f4``);
-* 2 (written now, :data:`SHARD_FORMAT`): little-endian float16 blobs (``<f2``). Half the bytes;
-  k-means inertia and training loss are unchanged to 1e-4 (docs/BENCHMARKS.md).
-
-Readers find a shard's blob dtype with :func:`feature_dtype` (a shard of an unknown format is an
-error, never a guess) and view blobs in it (:func:`blob_to_matrix`); consumers that need float32
-convert once (``iter_shard(dtype=np.float32)``, the default, or CMVN's ``apply``, whose result is
-float32 whatever the input).
-
-Frame rate is 100 Hz: 25 ms windows (400 samples at 16 kHz), 10 ms hop (160 samples), no
-centring (Kaldi ``snip_edges``), so ``num_frames = 1 + (num_samples - 400) // 160``.
+The format version is in the Parquet key-value metadata: 1 (no key) float32 blobs, 2 (written
+now) float16 blobs, half the bytes at the same k-means inertia and loss. An unknown format is an
+error, never a guess. Frames: 25 ms windows, 10 ms hop, no centring (Kaldi ``snip_edges``).
 """
 
 from __future__ import annotations
@@ -49,10 +36,8 @@ N_MFCC = 13
 MFCC_DIM = 3 * N_MFCC
 FEATURE_DIMS = {"logmel": N_MELS, "mfcc": MFCC_DIM}
 
-SHARD_FORMAT = 2
-"""The format :func:`write_shard` writes (see the module docstring)."""
+SHARD_FORMAT = 2  # what write_shard writes
 FEATURE_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2")}
-"""Feature blob dtype of each shard format version this code reads."""
 FORMAT_KEY = b"speech_assets.shard_format"
 DTYPE_KEY = b"speech_assets.feature_dtype"
 
@@ -90,11 +75,8 @@ def shard_schema(version: int = SHARD_FORMAT) -> pa.Schema:
 
 
 def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
-    """The format version of a shard (a path, its open ``ParquetFile`` or its Arrow schema).
-
-    No key means version 1 (float32, before formats were recorded); a version this code does not
-    know, or a dtype key that contradicts the version, raises :class:`ShardFormatError`.
-    """
+    """The format version of a shard (no key: 1); :class:`ShardFormatError` for an unknown one or a
+    dtype key that contradicts it."""
     if isinstance(source, pa.Schema):
         schema, where = source, "shard"
     elif isinstance(source, pq.ParquetFile):
@@ -124,12 +106,11 @@ def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) ->
 
 
 def feature_dtype(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> np.dtype:
-    """The numpy dtype of a shard's feature blobs (``<f4`` for format 1, ``<f2`` for 2)."""
     return FEATURE_DTYPES[shard_format(source)]
 
 
 def num_frames_for(num_samples: int) -> int:
-    """Frames produced for a 16 kHz waveform of ``num_samples`` (0 when shorter than a window)."""
+    """Frames of a 16 kHz waveform of ``num_samples`` (0 when shorter than a window)."""
     if num_samples < WIN_LENGTH:
         return 0
     return 1 + (num_samples - WIN_LENGTH) // HOP_LENGTH
@@ -137,13 +118,7 @@ def num_frames_for(num_samples: int) -> int:
 
 @dataclass
 class FeatureRecord:
-    """One utterance's features: ``logmel`` ``(T, 80)``, ``mfcc`` ``(T, 39)``.
-
-    Float32 as computed, float16 once ``build_shard`` has stored them (what the shard holds), and
-    float32 as :func:`iter_shard` returns them by default; with
-    ``iter_shard(dtype=None)`` they are read-only views in the shard's stored dtype (float16 for
-    format 2). ``None`` when not read.
-    """
+    """One utterance's features: ``logmel`` ``(T, 80)``, ``mfcc`` ``(T, 39)`` (``None`` when not read)."""
 
     utt_id: str
     speaker_id: str
@@ -165,9 +140,8 @@ class FeatureRecord:
 
 
 def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``matrix`` in ``dtype``. float32 -> float16 goes through torch when the caller has imported
-    it (bit-identical round-to-nearest-even, ~10x numpy's cast on one core); the code location,
-    which must not import torch, gets numpy's."""
+    """``matrix`` in ``dtype``; float32 -> float16 through torch when already imported (bit-identical,
+    ~10x numpy's cast); the code location must not import torch."""
     torch = sys.modules.get("torch")
     if (
         torch is not None
@@ -182,8 +156,8 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def all_finite(values: np.ndarray) -> bool:
-    """Whether every value is finite (for float16: the exponent bits, integer work instead of
-    numpy's emulated float16 ``isfinite``: without the sign bit, inf is 0x7C00 and NaN above)."""
+    """Whether every value is finite; float16 by its bits (inf is 0x7C00 without the sign, NaN above),
+    faster than numpy's emulated float16 ``isfinite``."""
     if values.dtype == np.float16:
         return values.size == 0 or int(np.bitwise_and(values.view(np.uint16), 0x7FFF).max()) < 0x7C00
     return bool(np.isfinite(values).all())
@@ -195,8 +169,7 @@ _MAX_CHUNK_BYTES = 2**31 - 1  # a BinaryArray's int32 offsets
 def _feature_column(
     ordered: Sequence[FeatureRecord], name: str, dtype: np.dtype, checked: bool = False
 ) -> pa.ChunkedArray:
-    """One binary column from a single numpy buffer per chunk (no per-row ``bytes`` objects).
-    ``checked``: the caller vouches that every matrix is already finite in ``dtype`` (no scan)."""
+    """One binary column from one numpy buffer per chunk; ``checked``: matrices in ``dtype`` are known finite."""
     dim = FEATURE_DIMS[name]
     matrices = []
     for record in ordered:
@@ -240,11 +213,8 @@ def _feature_column(
 def records_to_table(
     records: Sequence[FeatureRecord], version: int = SHARD_FORMAT, *, finite_checked: bool = False
 ) -> pa.Table:
-    """Build a shard table of format ``version`` (rows sorted by ``utt_id``, the format in its
-    schema metadata) from records that carry both matrices. Every value is checked to be finite
-    in the stored dtype (``ValueError`` naming the utterance otherwise), unless
-    ``finite_checked``: the caller vouches for matrices already in that dtype (``build_shard``
-    reads it off their CMVN sums); matrices in another dtype are checked all the same."""
+    """A shard table of format ``version``, rows sorted by ``utt_id``. Every value must be finite in
+    the stored dtype, checked unless ``finite_checked`` vouches for matrices already in it."""
     schema = shard_schema(version)
     ordered = sorted(records, key=lambda r: r.utt_id)
     columns = [
@@ -254,10 +224,9 @@ def records_to_table(
     return pa.Table.from_arrays([*columns, *features], schema=schema)
 
 
+# Utterances per row group, the unit a reader decompresses: small enough for the training loader to
+# cache many (~6.5 MB each at LibriSpeech lengths), large enough to compress well
 ROW_GROUP_ROWS = 32
-"""Utterances per Parquet row group: the unit a reader decompresses. Small enough that the
-training loader caches a window of many blocks (~6.5 MB each in float16 at LibriSpeech lengths)
-and each block is used for whole batches (see train/sampling.py); large enough to compress well."""
 
 
 def write_shard(
@@ -268,8 +237,7 @@ def write_shard(
     *,
     finite_checked: bool = False,
 ) -> Path:
-    """Write ``records`` atomically as a shard of format ``version`` (default :data:`SHARD_FORMAT`)
-    at ``path``. Byte-identical for identical input. ``finite_checked``: see :func:`records_to_table`."""
+    """Write ``records`` atomically as a shard; byte-identical for identical input."""
     table = records_to_table(records, version, finite_checked=finite_checked)
     # float16 features are stored uncompressed: zstd saves ~10 % of their bytes (63.6 -> 57.3 MB per
     # hour of audio) for ~0.035 ms CPU per audio second, a sixth of the shard builder's cost beyond
@@ -293,24 +261,21 @@ def write_shard(
 
 
 def read_shard_table(path: str | os.PathLike[str], columns: Sequence[str] | None = None) -> pa.Table:
-    """Read a shard (or some of its columns) as a pyarrow Table; its blobs are of dtype
-    ``feature_dtype(table.schema)`` (the schema keeps the format metadata)."""
+    """A shard (or some of its columns) as a table whose schema keeps the format metadata."""
     table = pq.read_table(path, columns=list(columns) if columns is not None else None)
     shard_format(table.schema)  # an unknown format fails here, not as garbage later
     return table
 
 
 def blob_to_matrix(blob: bytes | memoryview | pa.Buffer | pa.Scalar, dim: int, dtype: np.dtype | str) -> np.ndarray:
-    """One feature blob of ``dtype`` (the shard's :func:`feature_dtype`) as a read-only ``(T, dim)``
-    array: a view of ``bytes``/buffers; a ``pa.Scalar``'s buffer is a copy (pyarrow copies binary
-    scalars), so read whole columns with :func:`blob_matrices`."""
+    """One feature blob as a read-only ``(T, dim)`` view (a ``pa.Scalar``'s buffer is a copy: read
+    whole columns with :func:`blob_matrices`)."""
     buffer = blob.as_buffer() if isinstance(blob, pa.Scalar) else blob
     return np.frombuffer(buffer, dtype=dtype).reshape(-1, dim)
 
 
 def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype | str) -> list[np.ndarray]:
-    """Every blob of a binary column as a read-only ``(T, dim)`` array of ``dtype``: views into the
-    column's value buffer, no copy (they keep the buffer alive)."""
+    """Every blob of a binary column as a read-only ``(T, dim)`` view into its value buffer."""
     if isinstance(blobs, pa.ChunkedArray):
         blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
     if len(blobs) == 0:
@@ -328,8 +293,8 @@ def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype |
 def check_blob_lengths(
     blobs: pa.Array | pa.ChunkedArray, num_frames: np.ndarray, dim: int, dtype: np.dtype, where: str = "shard"
 ) -> None:
-    """``ValueError`` unless every blob holds ``num_frames * dim`` values of ``dtype`` (a blob of
-    another dtype, e.g. float32 bytes read as float16, has the wrong length)."""
+    """``ValueError`` unless every blob holds ``num_frames * dim`` values of ``dtype`` (a blob of another
+    dtype has the wrong length)."""
     lengths = pc.binary_length(blobs).to_numpy(zero_copy_only=False)
     expected = np.asarray(num_frames, dtype=np.int64) * dim * np.dtype(dtype).itemsize
     if not np.array_equal(lengths, expected):
@@ -347,11 +312,8 @@ def iter_shard(
 ) -> Iterator[FeatureRecord]:
     """Stream a shard's utterances in ``utt_id`` order, row group by row group.
 
-    ``features`` selects which matrices to decode (``()`` reads only the scalar columns).
-    ``dtype``: the matrices' dtype, float32 by default (converted once from float16 shards, a
-    view of float32 ones); ``None`` gives read-only views of the stored blobs, no copy (float16
-    for format 2) for consumers that take float16 (anything that goes through CMVN's ``apply``).
-    Views are read-only; copy them before writing in place.
+    ``features``: the matrices to decode (``()``: scalars only). ``dtype``: theirs (``None``:
+    read-only views of the stored blobs, for consumers that go through CMVN's ``apply``).
     """
     unknown = set(features) - set(FEATURE_DIMS)
     if unknown:
@@ -374,16 +336,9 @@ def iter_shard(
 
 @dataclass(frozen=True)
 class ShardFiles(ShardPaths):
-    """The files one speaker's shard consists of (named by :class:`speech_assets.layout.ShardPaths`).
-
-    ``meta`` is written last and vouches for the other three: it records each one's size and
-    mtime (and the shard's sha256), so a stat tells whether the files on disk are the ones it
-    describes. ``lock`` serialises writers of this shard across runs and processes.
-
-    Durability (:meth:`publish`): the three files are written inside one ``deferred_fsync``
-    block (each fsynced once, their folder once), then the meta without an fsync of its own. A
-    crash before the meta exists leaves nothing vouched for; a meta lost or emptied by a crash
-    reads as None, so the worst a crash costs is rebuilding that one shard.
+    """The files of one speaker's shard. ``meta`` is written last and vouches for the other three by
+    their size and mtime, so a stat tells whether the files are the ones it describes; a crash
+    costs at most rebuilding that one shard. ``lock`` serialises writers of this shard.
     """
 
     @property
@@ -408,17 +363,13 @@ class ShardFiles(ShardPaths):
         return meta
 
     def publish(self) -> contextlib.AbstractContextManager[None]:
-        """A block to write the three vouched files in, then :meth:`write_meta` after it: the old
-        meta is removed now (a crash mid-way leaves no meta, so the shard is rebuilt) and the files
-        are made durable together when the block ends, before any meta can vouch for them."""
+        """A block to write the vouched files in (then :meth:`write_meta`): the old meta goes now and
+        the files are made durable together when the block ends, before any meta can vouch for them."""
         self.meta.unlink(missing_ok=True)
         return deferred_fsync()
 
     def write_meta(self, meta: dict) -> dict:
-        """Record ``meta`` plus the size, mtime (and the shard's sha256) of the vouched files.
-
-        Not fsynced: it is written after the files it vouches for are durable (:meth:`publish`),
-        and a meta lost to a crash only makes this shard rebuild."""
+        """Record ``meta`` plus the vouched files' sizes and mtimes; not fsynced (a lost meta only rebuilds)."""
         full = dict(meta)
         for name, path in self.vouched.items():
             stat = path.stat()
@@ -437,9 +388,8 @@ ROWS_SCANNED_PER_SHARD = 256  # the first row group: NaN/inf scan stays bounded 
 
 
 def shard_problems(files: ShardFiles, meta: dict) -> list[str]:
-    """What is wrong with one published shard (its files and meta); empty when sound. Rows and
-    rejects are counted against the meta, every row's frames against its trimmed duration, and
-    the first :data:`ROWS_SCANNED_PER_SHARD` rows' feature blobs are checked for size and NaN/inf."""
+    """What is wrong with one published shard: counts against the meta, frames against durations,
+    and the first :data:`ROWS_SCANNED_PER_SHARD` rows' blobs for size and NaN/inf."""
     problems = []
     parquet = pq.ParquetFile(files.shard)
     table = parquet.read(columns=["utt_id", "num_frames", "trimmed_duration_s"])

@@ -15,17 +15,10 @@ global CMVN. The flow an orchestrator follows per client is::
             store(to_model_rate(lab))                    # int16, 50 Hz, length (T + 1) // 2
     quality = acc.result(client_id, fit)
 
-Library choice (``bench/kmeans.py``, 1M x 39 MFCC-like frames, 2 shared cores, K=100 / K=500):
-faiss-cpu ``faiss.Kmeans`` (Lloyd's) seeded with scikit-learn's ``kmeans_plusplus`` on a small
-sample, trained on a seeded subsample of ``max(256 K, 65 536)`` frames for 15 iterations: 28-61x /
-14-21x faster than the fairseq recipe (``MiniBatchKMeans``, n_init 20) at 1.002x / 1.001x its
-inertia per frame. On the same subsample and init, scikit-learn's ``KMeans`` (lloyd) runs the same
-iterations about as fast (within +-30%, either way round; both are BLAS-bound) and a batched torch
-Lloyd's 3-18x slower; faiss wins on reproducibility: its codebooks are byte-identical for any
-thread count (scikit-learn's OpenMP reduction changes the last bits between 1 and 2 threads), so
-a re-materialisation on another machine gets the same content hash. Training on all 1M frames instead of the subsample
-buys <0.5% inertia for 7x the time. Labelling is a faiss ``IndexFlatL2`` 1-NN search: 3-5 M
-frames/s/core at K=100.
+Why faiss (``bench/kmeans.py``): Lloyd's on a seeded subsample, seeded with scikit-learn's
+k-means++, is 14-61x faster than the fairseq recipe (``MiniBatchKMeans``) at the same inertia, and
+its codebooks are byte-identical for any thread count (scikit-learn's are not), so a
+re-materialisation on another machine gets the same content hash.
 """
 
 from __future__ import annotations
@@ -40,38 +33,20 @@ import numpy as np
 
 from speech_assets.targets.config import MAX_K, KMeansConfig
 
-_ASSIGN_CHUNK = 1 << 18
-"""Frames per faiss search call in labelling (bounds the (chunk, 1) int64/float32 temporaries)."""
+_ASSIGN_CHUNK = 1 << 18  # frames per faiss search call: bounds its temporaries
 
+# faiss threads for labelling: a shard's search is a few ms of work, and faiss' OpenMP threads on a
+# busy 2-core machine made it 10-20x slower (docs/BENCHMARKS.md)
 LABEL_THREADS = 1
-"""faiss threads for labelling a client's shards (``CodebookIndex(codebook, LABEL_THREADS)``).
-One search of a shard's frames against a few hundred centroids is a few ms of work; with faiss'
-OpenMP threads on a busy 2-core machine it took 10-20x longer (8 ms vs 150 ms for 36k frames,
-K=100; docs/BENCHMARKS.md). Distances differ in the last float bits between thread
-counts, so a near-tie may flip a label (1 frame in 3.3 million, measured)."""
 
 
 @dataclass(frozen=True)
 class KMeansFit:
-    """Result of :func:`fit_kmeans`.
-
-    Attributes:
-        codebook: ``(k, 39)`` float32 centroids in the space of the fitted frames.
-        k: number of centroids.
-        frames_fit: frames passed to the fit (the sampled utterances).
-        frames_trained: frames Lloyd's iterations ran on (``<= frames_fit``).
-        inertia_per_frame: mean squared L2 distance of the fitted frames to their nearest
-            centroid, averaged over ``inertia_frames`` of them (all, or a uniform sample).
-        inertia_frames: frames the inertia was averaged over.
-        niter: Lloyd iterations per run.
-        seed: the seed used.
-    """
-
-    codebook: np.ndarray
+    codebook: np.ndarray  # (k, 39) float32
     k: int
     frames_fit: int
-    frames_trained: int
-    inertia_per_frame: float
+    frames_trained: int  # Lloyd's iterations ran on these (<= frames_fit)
+    inertia_per_frame: float  # mean squared L2 distance to the nearest centroid, over inertia_frames of them
     inertia_frames: int
     niter: int
     seed: int
@@ -79,51 +54,24 @@ class KMeansFit:
 
 @dataclass(frozen=True)
 class KMeansQuality:
-    """Quality of one client's targets (metadata and a ``kmeans_quality`` table row).
-
-    Attributes:
-        client_id: the client.
-        k: effective number of clusters.
-        frames_fit: frames the codebook was fitted on (see :class:`KMeansFit`).
-        inertia_per_frame: the fit's inertia per frame (:attr:`KMeansFit.inertia_per_frame`).
-        perplexity: ``exp(entropy)`` of cluster usage over all labelled 100 Hz frames (``k`` when
-            usage is uniform, 1 when one cluster takes everything).
-        empty_clusters: clusters no labelled frame was assigned to.
-        mean_segment_length: labelled 100 Hz frames per run of one label (runs never cross
-            utterances); MFCC K=100 HuBERT targets average about 2.
-        frames_labelled: 100 Hz frames labelled (every frame of every kept utterance).
-        labelled_inertia_per_frame: mean squared distance over the labelled frames, when the
-            distances were accumulated, else ``None``.
-    """
+    """Quality of one client's targets (metadata and a ``kmeans_quality`` table row)."""
 
     client_id: str
     k: int
     frames_fit: int
     inertia_per_frame: float
-    perplexity: float
+    perplexity: float  # exp(entropy) of cluster usage over the labelled 100 Hz frames: k when uniform
     empty_clusters: int
-    mean_segment_length: float
+    mean_segment_length: float  # 100 Hz frames per run of one label; MFCC K=100 targets average about 2
     frames_labelled: int
     labelled_inertia_per_frame: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain-Python dict (JSON- and Arrow-friendly) of every field."""
         return asdict(self)
 
 
-# --------------------------------------------------------------------------------------------
-# K and sampling
-
-
 def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> int:
-    """Number of clusters a client with ``num_frames`` frames can support.
-
-    ``min(k, num_frames // min_frames_per_centroid)``, at least 1. The caller logs a warning when
-    the result is below ``k`` (:func:`describe_k_shrink` builds the message).
-
-    Raises:
-        ValueError: ``num_frames < 1``, ``k < 1`` or ``min_frames_per_centroid < 1``.
-    """
+    """``min(k, num_frames // min_frames_per_centroid)``, at least 1."""
     if num_frames < 1:
         raise ValueError(f"cannot cluster {num_frames} frames")
     if k < 1 or min_frames_per_centroid < 1:
@@ -132,11 +80,6 @@ def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> i
 
 
 def describe_k_shrink(num_frames: int, k: int, k_effective: int, min_frames_per_centroid: int = 39) -> str | None:
-    """A warning message when ``k_effective < k``, else ``None``.
-
-    >>> describe_k_shrink(1000, 100, 25)
-    'K shrunk from 100 to 25: only 1000 frames (< 39 per centroid for K=100)'
-    """
     if k_effective >= k:
         return None
     return (
@@ -146,20 +89,10 @@ def describe_k_shrink(num_frames: int, k: int, k_effective: int, min_frames_per_
 
 
 def sample_utterances(frame_counts: Sequence[int], max_frames: int, seed: int) -> np.ndarray:
-    """Seeded sample of whole utterances holding at most ``max_frames`` frames in total.
+    """Sorted indices of a seeded sample of whole utterances holding at most ``max_frames`` frames.
 
-    Utterances are visited in a seeded random order and taken whenever they still fit in the
-    remaining budget, so the sample fills the budget closely. When everything fits, all indices
-    are returned. When no single utterance fits, the first one in the seeded order is returned
-    alone (the only case where the total exceeds ``max_frames``).
-
-    Args:
-        frame_counts: ``(U,)`` frames per utterance (non-negative).
-        max_frames: frame budget (>= 1).
-        seed: RNG seed; equal inputs give equal outputs.
-
-    Returns:
-        ``(S,)`` int64 utterance indices, sorted ascending (streaming-friendly).
+    Utterances are taken in a seeded order whenever they still fit. When none fits, the first
+    one alone is returned (the only case where the total exceeds ``max_frames``).
     """
     counts = np.asarray(frame_counts, dtype=np.int64).reshape(-1)
     if max_frames < 1:
@@ -191,13 +124,9 @@ def sample_utterances(frame_counts: Sequence[int], max_frames: int, seed: int) -
     return np.sort(np.concatenate(chosen)).astype(np.int64)
 
 
-# --------------------------------------------------------------------------------------------
-# fit
-
-
 @contextlib.contextmanager
 def faiss_threads(num_threads: int | None) -> Iterator[None]:
-    """Set faiss' OpenMP (and its BLAS') thread count inside the block and restore it after."""
+    """Set faiss' OpenMP thread count inside the block and restore it after."""
     if num_threads is None:
         yield
         return
@@ -233,10 +162,7 @@ def _kmeans_plusplus(x: np.ndarray, k: int, seed: int, sample_per_centroid: int)
 
 
 def train_frames(n: int, k: int, max_points_per_centroid: int, min_train_frames: int) -> int:
-    """Frames Lloyd's iterations run on: ``min(n, max(max_points_per_centroid * k, min_train_frames))``.
-
-    ``max_points_per_centroid == 0`` means all ``n`` frames.
-    """
+    """Frames Lloyd's iterations run on (``max_points_per_centroid == 0``: all ``n``)."""
     if max_points_per_centroid <= 0:
         return n
     return min(n, max(max_points_per_centroid * k, min_train_frames, k))
@@ -256,28 +182,10 @@ def fit_kmeans(
     inertia_sample_frames: int = KMeansConfig.inertia_sample_frames,
     num_threads: int | None = None,
 ) -> KMeansFit:
-    """Fit k-means (faiss Lloyd's) on ``frames``; deterministic for a seed and thread count.
+    """Fit k-means (faiss Lloyd's) on ``(N, D)`` float32 ``frames``; deterministic for a seed and thread count.
 
-    Args:
-        frames: ``(N, D)`` float32 (``D = 39`` CMVN-normalised MFCC), ``N >= k``.
-        k: clusters, ``1 <= k <= min(N, 32768)``.
-        seed: seeds the frame subsample, the init and faiss.
-        niter: Lloyd iterations.
-        max_points_per_centroid, min_train_frames: Lloyd's runs on a seeded random subsample of
-            ``max(max_points_per_centroid * k, min_train_frames)`` frames when ``N`` is larger
-            (``max_points_per_centroid=0``: all frames).
-        nredo: faiss restarts (best training objective kept).
-        init: ``"k-means++"`` (on ``init_sample_per_centroid * k`` training frames) or
-            ``"random"``.
-        inertia_sample_frames: the returned inertia per frame is exact over all ``N`` frames when
-            ``N`` is at most this (or it is ``0``), else an unbiased estimate from a seeded uniform
-            sample of this many of the ``N`` frames.
-        num_threads: faiss threads for the call (restored afterwards); ``None`` keeps the default.
-            The small k-means++ init runs in numpy/scipy BLAS, whose threads follow
-            ``threadpoolctl``/``OPENBLAS_NUM_THREADS``.
-
-    Returns:
-        :class:`KMeansFit` with a ``(k, D)`` float32 codebook and the inertia per frame.
+    Lloyd's runs on a seeded subsample (:func:`train_frames`); the inertia is exact over all frames
+    up to ``inertia_sample_frames`` (0: always), else estimated from a seeded sample of that many.
     """
     x = _as_frames(frames)
     n, d = x.shape
@@ -334,15 +242,8 @@ def fit_kmeans(
     )
 
 
-# --------------------------------------------------------------------------------------------
-# labelling
-
-
 class CodebookIndex:
-    """Nearest-centroid search over a fixed ``(K, D)`` codebook (faiss ``IndexFlatL2``).
-
-    Build once per client and call :meth:`assign` per shard/utterance batch.
-    """
+    """Nearest-centroid search over a fixed ``(K, D)`` codebook (faiss ``IndexFlatL2``), built once per client."""
 
     def __init__(self, codebook: np.ndarray, num_threads: int | None = None) -> None:
         cb = _as_frames(codebook)
@@ -355,15 +256,8 @@ class CodebookIndex:
         self._index.add(cb)
 
     def assign(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Nearest centroid of each frame.
-
-        Args:
-            frames: ``(T, D)`` float32.
-
-        Returns:
-            ``labels`` ``(T,)`` int16 and ``sqdist`` ``(T,)`` float32 squared L2 distances
-            (clipped at 0; float32 rounding in ``|x|^2 - 2xc + |c|^2`` can go slightly negative).
-        """
+        """``(T,)`` int16 labels and float32 squared distances of ``(T, D)`` frames (clipped at 0:
+        float32 rounding in ``|x|^2 - 2xc + |c|^2`` can go slightly negative)."""
         x = np.ascontiguousarray(frames, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.dim:
             raise ValueError(f"frames must be (T, {self.dim}), got shape {x.shape}")
@@ -389,7 +283,7 @@ def assign_labels(frames: np.ndarray, codebook: np.ndarray, *, num_threads: int 
 def assign_labels_with_sqdist(
     frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None
 ) -> tuple[np.ndarray, float]:
-    """Labels ``(T,)`` int16 and the float64 sum of squared distances (inertia) of ``frames``."""
+    """Labels and the float64 sum of squared distances (inertia) of ``frames``."""
     labels, sqdist = CodebookIndex(codebook, num_threads).assign(frames)
     return labels, float(sqdist.sum(dtype=np.float64))
 
@@ -397,15 +291,7 @@ def assign_labels_with_sqdist(
 def label_utterances_with_sqdist(
     utterances: Sequence[np.ndarray], codebook: np.ndarray | CodebookIndex
 ) -> tuple[list[np.ndarray], list[float]]:
-    """Label many utterances in one search (fast for a shard of short utterances).
-
-    Args:
-        utterances: ``U`` arrays ``(T_u, D)`` float32.
-        codebook: ``(K, D)`` codebook or a prebuilt :class:`CodebookIndex`.
-
-    Returns:
-        ``U`` int16 label arrays ``(T_u,)`` (100 Hz) and ``U`` float sums of squared distances.
-    """
+    """Label many ``(T_u, D)`` utterances in one search: their labels and sums of squared distances."""
     index = codebook if isinstance(codebook, CodebookIndex) else CodebookIndex(codebook)
     if len(utterances) == 0:
         return [], []
@@ -426,12 +312,7 @@ def to_model_rate(labels_100hz: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(labels[::2])
 
 
-# --------------------------------------------------------------------------------------------
-# quality
-
-
 def label_counts(labels: np.ndarray, k: int) -> np.ndarray:
-    """``(K,)`` int64 frames per cluster of ``(T,)`` labels in ``[0, k)``."""
     lab = np.asarray(labels).reshape(-1).astype(np.int64, copy=False)
     if lab.size and (lab.min() < 0 or lab.max() >= k):
         raise ValueError(f"labels outside [0, {k})")
@@ -439,10 +320,7 @@ def label_counts(labels: np.ndarray, k: int) -> np.ndarray:
 
 
 def cluster_perplexity(counts: np.ndarray) -> float:
-    """``exp(H)`` of the usage distribution ``counts / counts.sum()`` (natural log; 0 log 0 = 0).
-
-    ``K`` for uniform usage over ``K`` clusters, 1.0 for a single used cluster, 0.0 for no frames.
-    """
+    """``exp(entropy)`` of cluster usage: ``K`` when uniform, 1.0 for one used cluster, 0.0 for no frames."""
     c = np.asarray(counts, dtype=np.float64).reshape(-1)
     total = c.sum()
     if total <= 0:
@@ -452,48 +330,31 @@ def cluster_perplexity(counts: np.ndarray) -> float:
 
 
 def empty_clusters(counts: np.ndarray) -> int:
-    """Number of clusters with zero frames."""
     return int((np.asarray(counts).reshape(-1) == 0).sum())
 
 
-def count_runs(labels: np.ndarray) -> int:
-    """Runs of identical consecutive labels in one utterance's ``(T,)`` labels (0 when T = 0)."""
-    lab = np.asarray(labels).reshape(-1)
-    if lab.size == 0:
-        return 0
-    return 1 + int(np.count_nonzero(lab[1:] != lab[:-1]))
-
-
 def mean_segment_length(labels: np.ndarray | Sequence[np.ndarray]) -> float:
-    """Frames per run of one label: ``sum(T_u) / sum(runs_u)`` over one or several utterances.
-
-    Runs never cross utterances. ``[0, 0, 1, 1, 1, 2]`` -> 6 / 3 = 2.0. 0.0 when there are no frames.
-    """
-    if isinstance(labels, np.ndarray) and labels.ndim <= 1:
-        utts: Sequence[np.ndarray] = [labels]
-    else:
-        utts = labels
+    """Frames per run of one label over one or several utterances (runs never cross utterances)."""
     acc = SegmentStats()
-    for u in utts:
-        acc.add(u)
+    for utterance in [labels] if isinstance(labels, np.ndarray) and labels.ndim <= 1 else labels:
+        acc.add(utterance)
     return acc.mean
 
 
 @dataclass
 class SegmentStats:
-    """Accumulates frames and runs across utterances for :func:`mean_segment_length`."""
+    """Frames and runs of one label, accumulated across utterances."""
 
     frames: int = 0
     runs: int = 0
 
     def add(self, labels: np.ndarray) -> None:
-        """Add one utterance's ``(T,)`` labels."""
-        self.frames += int(np.asarray(labels).size)
-        self.runs += count_runs(labels)
+        lab = np.asarray(labels).reshape(-1)
+        self.frames += lab.size
+        self.runs += int(lab.size > 0) + int(np.count_nonzero(lab[1:] != lab[:-1]))
 
     @property
     def mean(self) -> float:
-        """Frames per run so far (0.0 before any frame)."""
         return self.frames / self.runs if self.runs else 0.0
 
 
@@ -511,7 +372,6 @@ class QualityAccumulator:
         self.counts = np.zeros(self.k, dtype=np.int64)
 
     def add(self, labels_100hz: np.ndarray, sqdist_sum: float | None = None) -> None:
-        """Add one utterance's ``(T,)`` 100 Hz labels and, optionally, its summed squared distance."""
         self.counts += label_counts(labels_100hz, self.k)
         self.segments.add(labels_100hz)
         if sqdist_sum is not None:
@@ -520,11 +380,9 @@ class QualityAccumulator:
 
     @property
     def frames_labelled(self) -> int:
-        """100 Hz frames added so far."""
         return self.segments.frames
 
     def result(self, client_id: str, fit: KMeansFit) -> KMeansQuality:
-        """The :class:`KMeansQuality` of ``client_id`` given its fit."""
         return KMeansQuality(
             client_id=str(client_id),
             k=int(fit.k),

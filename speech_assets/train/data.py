@@ -1,11 +1,9 @@
 """Training data: an index of (shard, row) per labelled utterance, lazy row-group reads, a
-deterministic speaker-level held-out split and a distributed sampler that buckets utterances by
-duration.
+speaker-level held-out split and a distributed sampler that buckets utterances by duration.
 
-Only scalar columns are read up front (``utt_id``, ``num_frames`` and the labels files), so the
-index of a large corpus stays small; feature matrices are read one Parquet row group at a time
-through a small per-process LRU cache, which holds them as stored (float16 in format-2 shards:
-half the memory); each utterance becomes float32 once, when CMVN is applied to it.
+Only scalar columns are read up front, so the index of a large corpus stays small; feature
+matrices are read one row group at a time through a per-process LRU cache that holds them as
+stored (float16: half the memory); each utterance becomes float32 once, at CMVN.
 """
 
 from __future__ import annotations
@@ -38,11 +36,7 @@ from speech_assets.train.augment import Augmenter
 
 @dataclass(frozen=True)
 class UtteranceRef:
-    """Where an utterance lives: ``shard`` index, Parquet ``row_group`` and ``row`` in it.
-
-    ``num_frames`` is the 100 Hz length the model sees (after cropping to ``max_frames``);
-    ``client`` indexes the sorted client names.
-    """
+    """Where an utterance lives; ``num_frames``: the 100 Hz length the model sees (after cropping)."""
 
     utt_id: str
     shard: int
@@ -69,11 +63,9 @@ class CorpusIndex:
 
 
 def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_frames: int) -> CorpusIndex:
-    """Index every utterance of ``shards`` that has labels in exactly one client's file.
+    """Index every utterance of ``shards`` labelled in exactly one client's labels file (client id -> path).
 
-    ``client_labels`` maps client id -> labels parquet. Utterances without labels are skipped
-    and counted (``unlabelled``); an utterance labelled by two clients, or present in two
-    shards, is an error.
+    Unlabelled utterances are counted; one labelled twice, or in two shards, is an error.
     """
     clients = sorted(client_labels)
     labels = [read_labels(client_labels[name]) for name in clients]
@@ -114,22 +106,14 @@ def _row_group_of_rows(path: str) -> list[tuple[int, int]]:
 
 
 def _unit_hash(text: str) -> float:
-    """Deterministic hash of ``text`` in ``[0, 1)`` (sha256, independent of PYTHONHASHSEED)."""
+    """sha256 of ``text`` in ``[0, 1)`` (independent of PYTHONHASHSEED)."""
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
 def heldout_speakers(speaker_clients: Mapping[str, Hashable], fraction: float) -> set[str]:
-    """Speakers held out of training, given each speaker's client.
-
-    A speaker is held out when its hash (:func:`_unit_hash` of ``speaker_id``) is below
-    ``fraction``: ``heldout_fraction`` is the expected share of *speakers* held out (not of
-    utterances or hours), and a speaker's membership depends only on its id, stable across runs,
-    machines and corpus growth, with two exceptions that keep the split usable:
-
-    * a client whose speakers would all be held out keeps the one with the largest hash in
-      training (every client's head trains on someone);
-    * with ``fraction > 0`` and no speaker held out, the speaker with the smallest hash among
-      clients of two or more speakers is held out (there is something to evaluate).
+    """Speakers held out of training: those whose id hashes below ``fraction`` (stable across runs,
+    machines and corpus growth), except that a client never loses all its speakers and, with
+    ``fraction > 0``, at least one speaker is held out where possible.
 
     ``speech_assets/stats/database.py`` computes the same split in SQL (``hours_per_split``).
     """
@@ -152,10 +136,8 @@ def heldout_speakers(speaker_clients: Mapping[str, Hashable], fraction: float) -
 def heldout_split(
     utterances: Sequence[UtteranceRef], fraction: float, heldout: Collection[str] | None = None
 ) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
-    """Split by speaker: every utterance of a held-out speaker is held out, so held-out figures
-    measure generalisation to unseen speakers. The held-out speakers are ``heldout`` when given
-    (the pipeline's one split, chosen over the whole corpus by ``client_partitions``), else
-    :func:`heldout_speakers` of these utterances' speakers at ``fraction``."""
+    """Split by speaker (held-out figures measure unseen speakers): ``heldout`` when given (the
+    pipeline's one split), else :func:`heldout_speakers` at ``fraction``."""
     held = (
         set(heldout)
         if heldout is not None
@@ -165,8 +147,7 @@ def heldout_split(
 
 
 def speaker_record(train: Sequence[UtteranceRef], heldout: Collection[str]) -> dict[str, list[str]]:
-    """What a checkpoint records of its split: the speakers it trained on and the held-out ones
-    (the probe tests on held-out speakers only and checks that no encoder trained on them)."""
+    """The speakers a checkpoint trained on and the held-out ones (the probe checks no encoder trained on them)."""
     return {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(heldout)}
 
 
@@ -182,10 +163,8 @@ class Example:
 
 @dataclass(frozen=True)
 class SpanMasking:
-    """The span masks of a training run: ``(B, L)`` bool for 100 Hz ``lengths (B,)`` (``L`` =
-    :func:`~speech_assets.model.hubert.output_lengths` of the longest), drawn from a CPU generator
-    seeded by ``(seed, *key, step, rank, micro)``: a pure function of where the batch trains, so the
-    loader's workers can draw it ahead and a resumed run draws the same ones."""
+    """``(B, L)`` bool span masks for 100 Hz ``lengths (B,)``, seeded by ``(seed, *key, step, rank, micro)``:
+    a pure function of where the batch trains, so workers can draw it ahead and a resumed run draws the same."""
 
     seed: int
     mask_prob: float
@@ -197,13 +176,11 @@ class SpanMasking:
         return self.draw(lengths, *self.key, step, self.rank, micro)
 
     def draw(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
-        """The mask for ``lengths (B,)`` drawn at ``(seed, *parts)``."""
         return span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, mask_generator(self.seed, *parts))
 
 
 def mask_generator(seed: int, *parts: int | str) -> torch.Generator:
-    """CPU generator seeded from ``seed`` and ``parts`` (step, rank, micro-batch): masks are a
-    pure function of where they are drawn, independent of the global RNG."""
+    """CPU generator seeded from ``seed`` and ``parts``, independent of the global RNG."""
     digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -211,14 +188,12 @@ def mask_generator(seed: int, *parts: int | str) -> torch.Generator:
 @dataclass
 class Batch:
     """Padded batch: ``feats (B, T, 80)``, ``lengths (B,)``, ``targets (B, L)`` (``IGNORE_INDEX``
-    on padding), ``clients (B,)``; ``seconds`` is the unpadded audio duration.
+    on padding), ``clients (B,)``; ``seconds``: the unpadded audio duration.
 
-    From :func:`collate` the rows are grouped by client: ``groups`` holds ``(client, start, stop)``
-    per client present, the rows ``start:stop`` (host integers, so selecting a client's rows needs
-    no device read). ``mask (B, L)`` bool is the span mask the loader drew for the optimizer step
-    and micro-batch of ``masked_for`` (``(masking, step, micro)``); ``None`` when none was drawn.
-    ``padded``: whether any row is padded at 50 Hz (a host bool from :func:`collate`, so the model
-    knows without reading ``lengths`` from the device that its attention needs no mask).
+    ``groups``: ``(client, start, stop)`` per client, host integers so that selecting a client's
+    rows needs no device read. ``mask``: the span mask drawn for ``masked_for`` = ``(masking,
+    step, micro)``. ``padded``: a host bool, so the model knows without a device read whether
+    its attention needs a mask.
     """
 
     feats: torch.Tensor
@@ -232,16 +207,14 @@ class Batch:
     padded: bool | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor field by name (``mask`` when there is one)."""
         fields = {"feats": self.feats, "lengths": self.lengths, "targets": self.targets, "clients": self.clients}
         return fields if self.mask is None else fields | {"mask": self.mask}
 
     def replace_tensors(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """A batch with ``apply`` of every tensor field and the same other fields."""
         return replace(self, **{name: apply(tensor) for name, tensor in self.tensors().items()})
 
     def pin_memory(self) -> Batch:
-        """Every tensor field in page-locked memory (what ``DataLoader(pin_memory=True)`` calls)."""
+        """What ``DataLoader(pin_memory=True)`` calls."""
         return self.replace_tensors(torch.Tensor.pin_memory)
 
     def to(self, device: torch.device) -> Batch:
@@ -252,9 +225,8 @@ class Batch:
 def collate(
     examples: Sequence[Example], masking: SpanMasking | None = None, slot: tuple[int, int] | None = None
 ) -> Batch:
-    """Pad ``examples`` into a :class:`Batch` with rows grouped by client (stable: rows of one
-    client keep their order) and, given ``masking`` and ``slot = (step, micro)``, its span mask:
-    ``masking(lengths, step, micro)`` of the grouped rows."""
+    """Pad ``examples`` into a :class:`Batch`, rows grouped by client (stable), with its span mask
+    when ``masking`` and ``slot = (step, micro)`` are given."""
     order = sorted(range(len(examples)), key=lambda row: examples[row].client)
     examples = [examples[row] for row in order]
     frames = [e.feats.shape[0] for e in examples]
@@ -286,9 +258,7 @@ def collate(
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """One batch for the loader to build: dataset ``indices`` at ``position`` of ``epoch`` and,
-    when the optimizer step and micro-batch it trains at are known (``slot``), the ``masking`` to
-    draw its mask with."""
+    """One batch for the loader to build; ``slot``: the (step, micro) it trains at, when known."""
 
     indices: tuple[int, ...]
     epoch: int
@@ -298,8 +268,7 @@ class BatchRequest:
 
 
 class BatchBuilder(Dataset[Batch]):
-    """Whole batches of ``dataset`` by :class:`BatchRequest`: what the loader's workers run
-    (reading, cropping at the request's epoch, padding, grouping by client, the span mask)."""
+    """Whole batches of ``dataset`` by :class:`BatchRequest`: what the loader's workers run."""
 
     def __init__(self, dataset: UtteranceDataset) -> None:
         self.dataset = dataset
@@ -322,24 +291,16 @@ def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray
 
 
 def crop_start(utt_id: str, num_frames: int, max_frames: int, seed: int = 0, epoch: int = 0) -> int:
-    """Even start frame of the ``max_frames`` window kept from a long utterance in ``epoch``.
-
-    A pure function of ``(seed, epoch, utt_id)``: each epoch sees another window of a long
-    utterance, and a resumed run sees the same ones. Even so that 50 Hz labels stay aligned
-    (label ``j`` belongs to frame ``2j``).
-    """
+    """Start frame of the ``max_frames`` window kept from a long utterance in ``epoch``: a pure
+    function of ``(seed, epoch, utt_id)``, even so that 50 Hz labels stay aligned."""
     if num_frames <= max_frames:
         return 0
     return 2 * int(_unit_hash(f"crop:{seed}:{epoch}:{utt_id}") * ((num_frames - max_frames) // 2 + 1))
 
 
 class UtteranceDataset(Dataset[Example]):
-    """Map-style dataset over ``utterances`` of ``index``; reads features lazily by row group.
-
-    Long utterances are cropped to ``max_frames`` at :func:`crop_start` of ``(seed, epoch)``:
-    call :meth:`set_epoch` before reading an epoch (the training loader's :class:`BatchRequest` carries it
-    to the worker, whose copy of the dataset it sets).
-    """
+    """Map-style dataset over ``utterances`` of ``index``, read lazily by row group; long utterances
+    are cropped at :func:`crop_start` of the epoch set by :meth:`set_epoch`."""
 
     def __init__(
         self,
@@ -373,7 +334,6 @@ class UtteranceDataset(Dataset[Example]):
 
     @property
     def seconds(self) -> list[float]:
-        """Duration the model sees of each utterance (after cropping), in dataset order."""
         return [u.seconds for u in self.utterances]
 
     def __getitem__(self, item: int) -> Example:
@@ -405,12 +365,10 @@ class UtteranceDataset(Dataset[Example]):
         return [self.logmel(self.utterances[others[int(i)]]) for i in chosen]
 
     def logmel(self, ref: UtteranceRef) -> np.ndarray:
-        """``ref``'s whole raw log-mel ``(T, 80)`` in the shard's stored dtype: a read-only view
-        into the cached row group (float16 for format-2 shards, float32 for format 1)."""
+        """``ref``'s raw log-mel ``(T, 80)`` as stored: a read-only view into the cached row group."""
         return self._row_group(ref.shard, ref.row_group)[ref.row]
 
     def _row_group(self, shard: int, group: int) -> list[np.ndarray]:
-        """A row group's log-mel matrices, views into its decompressed blobs (read once while cached)."""
         key = (shard, group)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -434,8 +392,7 @@ class UtteranceDataset(Dataset[Example]):
 
 
 class RankSampler:
-    """One rank's batches (dataset indices) of each epoch, a pure function of (seed, epoch, rank):
-    what :class:`~speech_assets.train.engine.BatchStream` reads, and where it stands in them."""
+    """One rank's batches (dataset indices) of each epoch, a pure function of (seed, epoch, rank)."""
 
     num_workers = 0  # DataLoader workers the batch order is laid out for
 
@@ -455,18 +412,10 @@ class RankSampler:
 
 
 class DurationBucketSampler(RankSampler):
-    """Deterministic distributed batching by duration.
-
-    Per epoch: shuffle (seeded by ``seed`` and epoch), sort each pool of about ``pool_batches``
-    batches by duration, cut into batches whose padded size (``len * longest``) stays within
-    ``batch_seconds`` (an utterance longer than that gets a batch of its own), shuffle the batch
-    order, and deal batches round-robin to ``num_replicas`` ranks. Every rank gets the same
-    number of batches (the remainder is dropped, or batches repeat when there are fewer than
-    ranks), so ranks stay in lock-step. The batch list is a pure function of (seed, epoch), so
-    a position in it (see the trainer's checkpoint) resumes exactly.
-
-    Batches are not laid out in per-worker lanes (``num_workers`` is 0): its users (a federated
-    client's few local steps, distillation) read small per-client data in the main process.
+    """Deterministic distributed batching by duration: per epoch, shuffle, sort pools of about
+    ``pool_batches`` batches by duration, cut them (:func:`cut_batches`), shuffle the batches and
+    deal them round-robin. Every rank gets the same number of batches, so ranks stay in lock-step.
+    Not laid out in per-worker lanes: its users read small per-client data in the main process.
     """
 
     def __init__(
@@ -484,7 +433,6 @@ class DurationBucketSampler(RankSampler):
         self.pool_size = pool_batches * per_batch
 
     def global_batches(self, epoch: int) -> list[list[int]]:
-        """All ranks' batches of ``epoch`` (dataset indices), before dealing."""
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(len(self.seconds))
         batches: list[list[int]] = []
@@ -502,8 +450,8 @@ class DurationBucketSampler(RankSampler):
 
 
 def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_seconds: float) -> list[list[int]]:
-    """Sort ``indices`` by duration and cut them greedily into batches whose padded size
-    ``len(batch) * longest`` stays within ``batch_seconds`` (a longer utterance is a batch alone)."""
+    """Sort ``indices`` by duration and cut them greedily into batches whose padded size stays
+    within ``batch_seconds`` (a longer utterance is a batch alone)."""
     ordered = np.asarray(indices, dtype=np.int64)
     ordered = ordered[np.argsort(seconds[ordered], kind="stable")]
     batches: list[list[int]] = []

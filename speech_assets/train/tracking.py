@@ -1,14 +1,8 @@
-"""Where rank 0 reports: MLflow (params, config, lineage, metrics, checkpoint, environment) and,
-when launched by Dagster Pipes, the orchestrating Dagster run (logs and the materialization).
+"""Where rank 0 reports: MLflow and, when launched by Dagster Pipes, the orchestrating Dagster run.
 
-Both are optional: without a tracking URI there is no MLflow run, and outside Pipes the Pipes
-reporter does nothing, so the trainer runs the same from a plain command line.
-
-Every model's run goes to one MLflow experiment (:data:`EXPERIMENT`), told apart by its ``mode``
-tag (centralised, federated, distilled, iteration2 or finetuned) and linked to its Dagster run by
-the ``dagster_run_id`` tag. Training series are logged by step under their own names (``loss``,
-``masked_accuracy``, ...), held-out ones under ``val/`` (one point per evaluation), downstream
-results under ``probe/``; configuration is logged as params only.
+Both are optional, so the trainer runs the same from a plain command line. Every model's run goes
+to one MLflow experiment (:data:`EXPERIMENT`), told apart by its ``mode`` tag and linked to its
+Dagster run by the ``dagster_run_id`` tag; held-out series are under ``val/``, probe results under ``probe/``.
 """
 
 from __future__ import annotations
@@ -38,13 +32,6 @@ from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig
 log = logging.getLogger(__name__)
 
 
-def default_artifact_location(tracking_uri: str) -> str | None:
-    """``<dir>/mlartifacts`` beside a local ``sqlite:///<dir>/mlflow.db`` (or file) store, so
-    artifacts never land in the working directory; ``None`` (the server's default, artifacts go
-    through the server) for an http(s) tracking server. See :func:`locations.mlflow_artifact_location`."""
-    return locations.mlflow_artifact_location(tracking_uri)
-
-
 def is_server(tracking_uri: str) -> bool:
     return urlparse(tracking_uri).scheme in locations.MLFLOW_SERVER_SCHEMES
 
@@ -56,8 +43,7 @@ DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT = "SPEECH_ASSETS_DAGSTER_URL", "http://127.0.
 
 
 def dagster_run_tags(dagster_run_id: str) -> dict[str, str]:
-    """The tags that link an MLflow run back to its Dagster run: the id, and the run's note (the
-    markdown MLflow shows on the run's page) with a link to the run in Dagster's UI."""
+    """The tags that link an MLflow run to its Dagster run: the id, and a note linking to it in Dagster's UI."""
     base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
     return {
         DAGSTER_RUN_TAG: dagster_run_id,
@@ -68,49 +54,36 @@ def dagster_run_tags(dagster_run_id: str) -> dict[str, str]:
 UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI on (default 5000)
 
 
-def local_ui_base() -> str:
-    """Where ``make mlflow`` serves a local store's UI: loopback, ``$MLFLOW_PORT`` or 5000."""
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI's address: the server itself (without its credentials), or for a local store
+    the UI ``make mlflow`` serves on loopback at ``$MLFLOW_PORT`` (default 5000)."""
+    if is_server(tracking_uri):
+        return urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl().rstrip("/")
     port = os.environ.get(UI_PORT_ENV, "5000")
     return f"http://127.0.0.1:{int(port) if port.isdigit() else 5000}"
 
 
-def ui_base(tracking_uri: str) -> str:
-    """The MLflow UI's address for ``tracking_uri``: the server itself (without its credentials),
-    or, for a local store, the UI ``make mlflow`` serves over it."""
-    if is_server(tracking_uri):
-        return urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl().rstrip("/")
-    return local_ui_base()
-
-
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """A clickable link to the run in the MLflow UI (for a local store, the one ``make mlflow``
-    serves: the link opens while it runs)."""
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's runs table in the MLflow UI. MLflow 3.17's UI opens an experiment in the
-    view its ``workflowType`` URL parameter names (else the browser's last choice, else the GenAI
-    traces view) and no longer reads the experiment's kind tag, which earlier 3.x UIs used."""
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
-
-
 def experiment_runs_table(tracking_uri: str, name: str = EXPERIMENT) -> str:
-    """:func:`runs_table_url` of experiment ``name``, created first (as training creates it) when
-    the store has none yet, so that the link opens on its (empty) runs table before any training."""
+    """The runs table of experiment ``name`` in the MLflow UI, the experiment created first if need be
+    (so that the link opens before any training)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri))
-    return runs_table_url(tracking_uri, ensure_experiment(client, name, tracking_uri, None))
+    experiment_id = ensure_experiment(client, name, tracking_uri, None)
+    # MLflow 3.17's UI opens the view the workflowType parameter names, no longer the experiment's kind tag
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
 
 
 def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_location: str | None) -> str:
-    """The id of experiment ``name``, created (artifacts at ``artifact_location``, else
-    :func:`default_artifact_location`) when it does not exist yet."""
+    """The id of experiment ``name``, created when it does not exist yet."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        location = artifact_location or default_artifact_location(tracking_uri)
+        location = artifact_location or locations.mlflow_artifact_location(tracking_uri)
         return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     if EXPERIMENT_KIND_TAG not in experiment.tags:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
@@ -136,8 +109,7 @@ ALL_FRAMES_SERIES = {
 
 
 def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
-    """``val/<name>`` for every numeric held-out measure (accuracies, loss; not frame counts); the
-    all-frames accuracy and its majority rate as ``val/all_frames_*``."""
+    """``val/<name>`` for every numeric held-out measure but frame counts."""
     return {
         f"val/{ALL_FRAMES_SERIES.get(key, key)}": float(value)
         for key, value in heldout.items()
@@ -148,9 +120,7 @@ def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
 def log_probe_results(
     tracking_uri: str, run_dir: str | Path, results: Mapping[str, float], step: int = 0
 ) -> str | None:
-    """Log ``results`` (``{"cer": .., "wer": ..}``) as ``probe/<name>`` on the MLflow run of the
-    model trained in ``run_dir`` (its ``mlflow_run_id`` file); the run id, or None when the
-    folder has no MLflow run."""
+    """Log ``results`` as ``probe/<name>`` on the MLflow run of ``run_dir``; its run id, or None when it has none."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
@@ -166,11 +136,9 @@ def log_probe_results(
 
 
 def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
-    """The exact command that serves a local store's UI on loopback, where the run can be opened
-    (a store's credentials are left out of it: it is recorded in run metadata). One worker: a
-    local store has one reader, and mlflow's default four workers each import the server (the UI
-    takes several times longer to come up on a small machine)."""
-    artifacts = artifact_location or default_artifact_location(tracking_uri)
+    """The command that serves a local store's UI on loopback, without the store's credentials (it
+    is recorded in run metadata). One worker: mlflow's default four each import the server."""
+    artifacts = artifact_location or locations.mlflow_artifact_location(tracking_uri)
     serve = f" --default-artifact-root {shlex.quote(artifacts)}" if artifacts else ""
     store = shlex.quote(locations.redact_uri(tracking_uri))
     return f"mlflow ui --backend-store-uri {store}{serve} --host 127.0.0.1 --workers 1 --port 5000"
@@ -189,18 +157,16 @@ ENCODER_INPUTS = (
 
 
 def run_inputs(data_versions: Mapping[str, str], init: str | None = None) -> dict[str, str]:
-    """The inputs a run learnt from: ``data_versions``, except for a fine-tuning run from
-    ``scratch``, whose encoder checkpoint gave only its architecture and input normalisation (the
-    run folder is still named after it, so a new architecture trains a new baseline)."""
+    """The inputs a run learnt from: not the encoder checkpoint of a fine-tuning run from ``scratch``
+    (it gave only the architecture and input normalisation)."""
     if init != "scratch":
         return dict(data_versions)
     return {key: value for key, value in data_versions.items() if key not in ENCODER_INPUTS}
 
 
 def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
-    """Short, readable tags of the inputs, the same for every kind of run: unpartitioned ones by
-    version (16 characters), partitioned ones by count (every version is in the ``inputs.json``
-    artifact and in the checkpoint)."""
+    """Short tags of the inputs: unpartitioned ones by version, partitioned ones by count (every
+    version is in the ``inputs.json`` artifact and in the checkpoint)."""
     tags = {f"input.{name}": str(version)[:16] for name, version in sorted(data_versions.items()) if "/" not in name}
     for asset in sorted({key.split("/", 1)[0] for key in data_versions if "/" in key}):
         tags[f"input.{asset}"] = f"{sum(k.startswith(asset + '/') for k in data_versions)} partitions"
@@ -208,8 +174,6 @@ def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
 
 
 def mode_of(config: RunConfig) -> str:
-    """The run's ``mode`` tag: the config's, else ``finetuned`` for a CTC fine-tuning run,
-    ``distilled`` for a student, ``centralised`` otherwise."""
     if config.mode:
         return config.mode
     if isinstance(config, FinetuneConfig):
@@ -218,9 +182,7 @@ def mode_of(config: RunConfig) -> str:
 
 
 def run_tags(config: RunConfig) -> dict[str, str]:
-    """The tags a new MLflow run of ``config`` starts with: run folder, preset, ``mode``, the
-    summarised inputs (:func:`input_tags`), and for a fine-tuning run its initialisation
-    (``init``: ``pretrained`` or ``scratch``), labelled budget (``labelled_minutes``) and ``seed``."""
+    """The tags a new MLflow run of ``config`` starts with."""
     tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": mode_of(config)}
     init = None
     if isinstance(config, FinetuneConfig):
@@ -232,7 +194,7 @@ def run_tags(config: RunConfig) -> dict[str, str]:
 
 
 def installed_packages() -> str:
-    """``name==version`` of every installed distribution, sorted (what ``pip freeze`` lists)."""
+    """``name==version`` of every installed distribution, sorted."""
     found = {(d.metadata["Name"] or "?").lower(): d.version for d in importlib_metadata.distributions()}
     return "".join(f"{name}=={version}\n" for name, version in sorted(found.items()))
 
@@ -244,12 +206,9 @@ def log_probe_on_encoder_runs(
     summaries: Mapping[str, Any],
     warn: Any = log.warning,
 ) -> dict[str, str]:
-    """The downstream probe's held-out CER and WER (``summaries``: model name -> an object with
-    ``cer`` and ``wer`` spreads over probe seeds: ``mean``, ``std``, ``n``) as ``probe/cer``,
-    ``probe/wer`` (and ``probe/cer_std``, ``probe/wer_std`` over several seeds) on the MLflow run
-    of each encoder in ``checkpoints`` (name -> its ``final.pt`` contents, whose config names its
-    run folder). Folders outside ``data_root`` are skipped; a store that cannot be reached only
-    warns. Returns {model: MLflow run id} of the runs logged to."""
+    """The probe's held-out CER and WER (and their std over seeds) as ``probe/*`` on the MLflow run of
+    each encoder in ``checkpoints`` (name -> ``final.pt`` contents); run folders outside
+    ``data_root`` are skipped and an unreachable store only warns. Returns {model: run id}."""
     root, logged = Path(data_root).resolve(), {}
     for name, state in checkpoints.items():
         run_dir, summary = (state.get("config") or {}).get("run_dir"), summaries.get(name)
@@ -300,11 +259,6 @@ class MlflowTracker:
         """Whether the store is a tracking server (else ``make mlflow`` serves its UI)."""
         return is_server(self.tracking_uri)
 
-    @property
-    def mode(self) -> str:
-        """The run's ``mode`` tag (:func:`mode_of`)."""
-        return mode_of(self.config)
-
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
         from mlflow.entities import Param, RunTag
@@ -352,8 +306,7 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def finish(self, summary: Mapping[str, Any], checkpoint: Path) -> None:
-        """Tag the checkpoint's hash, log it (and ``result.json``) as artifacts, and close the run
-        (the held-out results are the ``val/`` series' last points)."""
+        """Tag the checkpoint's hash, log it and ``result.json`` as artifacts, and close the run."""
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(summary.get("checkpoint_sha256", "")))
         self.client.log_artifact(self.run_id, str(checkpoint), artifact_path=MLFLOW_CHECKPOINT_DIR)
         self._log_text(RunFiles.result.name, json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
@@ -382,11 +335,10 @@ class _PipesLogHandler(logging.Handler):
 
 
 class PipesReporter:
-    """Rank 0's Dagster Pipes session, or a no-op when the process was not launched by Pipes.
+    """Rank 0's Dagster Pipes session (a no-op outside Pipes); ``logger``'s records stream to the run.
 
-    While active, records of ``logger`` (INFO and up) stream to the Dagster run. The session
-    is closed only by :meth:`report` (success); a failing attempt leaves it open so that a
-    torchrun restart of the worker group can keep reporting into the same Dagster step.
+    Closed only by :meth:`report`: a failing attempt leaves it open so that a torchrun restart
+    keeps reporting into the same Dagster step.
     """
 
     def __init__(self, logger: logging.Logger) -> None:
@@ -400,8 +352,7 @@ class PipesReporter:
             logger.addHandler(self._handler)
 
     def report(self, metadata: Mapping[str, Any], data_version: str, paths: tuple[str, ...] = ()) -> None:
-        """Report the materialization (mappings become JSON metadata, ``paths`` keys path
-        metadata, the rest is inferred) and close the session."""
+        """Report the materialization (``paths`` keys as path metadata) and close the session."""
         if self.context is None:
             return
 
@@ -427,14 +378,11 @@ MODEL_URI_SCHEMES = ("models", "runs")
 
 
 def is_model_uri(text: str) -> bool:
-    """Whether ``text`` names an MLflow model (``models:/...``, ``runs:/...``) rather than a path."""
     return urlparse(str(text)).scheme in MODEL_URI_SCHEMES
 
 
 def export_signature(width: int, output_names: tuple[str, str] | None = None) -> Any:
-    """The MLflow tensor signature of an exported encoder (or, with ``RECOGNISER_OUTPUT_NAMES``, a
-    recogniser): ``feats (B, T, 80)`` float32 and ``lengths (B,)`` int64 in; ``(B, L, width)``
-    float32 (hidden states, or CTC log-probabilities) and ``(B,)`` int64 out (``-1``: dynamic)."""
+    """The MLflow tensor signature of an exported encoder (or, with ``RECOGNISER_OUTPUT_NAMES``, a recogniser)."""
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
@@ -464,13 +412,10 @@ def log_onnx_model(
     tags: Mapping[str, str] | None = None,
     registered_name: str | None = None,
 ) -> dict[str, str]:
-    """Log ``onnx_file`` (self-contained) as an MLflow model (ONNX flavour, with ``signature`` and
-    ``extra_files`` beside it) into the existing run ``run_id``, in that run's experiment; register
-    it as a new version of ``registered_name`` when given. Returns ``model_uri``
-    (``models:/<model id>``) and, when registered, ``registered_uri`` and ``version``.
-
-    Through the client only: MLflow's fluent ``log_model`` would put the model in the process's
-    active experiment (the default one, artifacts under ``./mlruns``), not the run's."""
+    """Log ``onnx_file`` as an MLflow model into run ``run_id`` (registered as a new version of
+    ``registered_name`` when given); returns ``model_uri`` and, when registered, ``registered_uri``
+    and ``version``. Through the client only: the fluent ``log_model`` would put the model in the
+    process's active experiment, not the run's."""
     import mlflow.onnx
     import onnx
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -547,10 +492,8 @@ def logged_model_of_run(client: Any, uri: str) -> Any:
 
 
 def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple[Path, dict[str, Path]]:
-    """Download the MLflow model ``uri`` (``models:/<name>/<version|latest>``, ``models:/<id>``,
-    ``runs:/<run id>/<name>``) from the store at ``tracking_uri`` into ``destination``: (its ONNX
-    file, ``{file name: path}`` of its extra files). ``ValueError`` when the URI names no model
-    or one without the ONNX flavour."""
+    """Download the MLflow model ``uri`` into ``destination``: (its ONNX file, ``{name: path}`` of its
+    extra files); ``ValueError`` when the URI names no ONNX model."""
     import mlflow.artifacts
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
@@ -586,8 +529,7 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
 
 
 def source_run_id(checkpoint: str | os.PathLike[str], state: Mapping[str, Any]) -> str | None:
-    """The MLflow run of the model in ``checkpoint``: the id its contents record, else its run
-    folder's ``mlflow_run_id`` file; None when it was trained without MLflow."""
+    """The MLflow run of the model in ``checkpoint`` (recorded in it, else in its run folder); None without MLflow."""
     recorded = state.get("mlflow_run_id")
     if recorded:
         return str(recorded)
@@ -604,8 +546,8 @@ def log_exported_model(
     warn: Any = log.warning,
     **how: Any,
 ) -> dict[str, str]:
-    """:func:`log_onnx_model` into the run of ``checkpoint`` (:func:`source_run_id`); ``{}`` with a
-    warning when there is no such run or the store refuses: the export stands without MLflow."""
+    """:func:`log_onnx_model` into the run of ``checkpoint``; ``{}`` with a warning when there is none
+    or the store refuses: the export stands without MLflow."""
     run_id = source_run_id(checkpoint, state)
     if not run_id:
         warn(f"{onnx_file.name} not logged as an MLflow model: {checkpoint} records no MLflow run")
