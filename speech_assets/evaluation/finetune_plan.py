@@ -1,18 +1,11 @@
 """What `finetuned_asr` fine-tunes, on what, and what it reads back: the plan of its runs, without Dagster.
 
-:func:`plan_finetune` picks the encoders (:func:`choose_encoders`), splits the speakers as the probe
-does (:func:`~speech_assets.evaluation.protocol.probe_split`), gathers the utterances CTC can learn
-from (:func:`labelled_pool`: the labelling candidates, a dev set of training-side speakers never
-labelled, the held-out set, no training-side sentence among the held-out ones) and picks the
-decoders (:func:`choose_decoders`). The runs train in two phases: each model (every encoder, and
-scratch) first tries every peak learning rate of ``lr_grid`` at the smallest budget and first seed
-(:attr:`FinetunePlan.tuning`), :func:`choose_lrs` keeps per model the one with the lowest dev CER,
-then :meth:`FinetunePlan.final_runs` plans one run per (model, labelled budget, seed) with it
-(:func:`plan_runs`; the tuning run of the chosen lr is one of them, the same run folder).
-:func:`collect_results` reads every final run's result into the rows of ``results.parquet``. The
-asset resolves what only Dagster knows (checkpoints, data versions), names and writes each run's
-folder, and trains the runs (:mod:`speech_assets.evaluation.finetune` is the worker); a refusal
-here is a :class:`FinetuneRefused` with the message the asset fails with.
+:func:`plan_finetune` picks the encoders, splits the speakers as the probe does, gathers the
+utterances CTC can learn from (:func:`labelled_pool`) and picks the decoders. Runs train in two
+phases: each model tries every peak lr of ``lr_grid`` at the smallest budget and first seed
+(:attr:`FinetunePlan.tuning`), :func:`choose_lrs` keeps the one with the lowest dev CER, then
+:meth:`FinetunePlan.final_runs` plans one run per (model, budget, seed) with it. A refusal is a
+:class:`FinetuneRefused` with the message the asset fails with.
 """
 
 from __future__ import annotations
@@ -66,12 +59,10 @@ class FinetuneOptions(Protocol):
 
 @dataclass(frozen=True)
 class LabelledPool:
-    """The utterances of one speaker split: the training speakers' labelling ``candidates``, the
-    scored held-out utterances (``heldout_texts``: ``{utt_id: text}``), every normalised
-    transcript of the manifest and how many transcribed utterances CTC cannot use (``skipped``);
-    the ``dev_speakers`` (training-side speakers never labelled) and their scored utterances
-    (``dev_texts``); how many training-side utterances were dropped because their sentence is a
-    held-out one (``overlap_dropped``: neither a candidate nor in the dev set)."""
+    """The utterances of one speaker split: labelling ``candidates``, scored held-out and dev texts
+    (``{utt_id: text}``; dev speakers are training-side speakers never labelled), ``skipped``:
+    transcribed utterances CTC cannot use, ``overlap_dropped``: training-side utterances whose
+    sentence is a held-out one."""
 
     train_speakers: list[str]
     test_speakers: list[str]
@@ -85,24 +76,18 @@ class LabelledPool:
 
     @property
     def available_minutes(self) -> float:
-        """Minutes of audio of every labelling candidate."""
         return sum(c.seconds for c in self.candidates) / 60
 
     @property
     def labelling_speakers(self) -> list[str]:
-        """The training speakers whose utterances may be labelled: all but the dev speakers."""
         return [s for s in self.train_speakers if s not in self.dev_speakers]
 
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """One fine-tuning run: ``model`` (an encoder's name or ``scratch``) starting from ``encoder``
-    (a checkpoint path) with peak learning rate ``lr`` on ``labelled`` (``{"train": {utt_id:
-    text}, "dev": {...}, "heldout": {...}}``, written as ``labelled_text``), with the
-    ``[finetune]`` settings of this run alone (``settings``: the updates of the section that name
-    it, its ``lr`` among them, and for scratch no freezing) and its inputs' ``versions`` (the
-    encoder's asset, the manifest, clients and shards, and ``labelled``: the hash of
-    ``labelled_text``)."""
+    """One fine-tuning run of ``model`` (an encoder's name or ``scratch``) from checkpoint ``encoder`` on
+    ``labelled`` (``{"train"|"dev"|"heldout": {utt_id: text}}``); ``settings``: the ``[finetune]``
+    updates that name it; ``versions``: its inputs' data versions."""
 
     model: str
     minutes: float
@@ -124,24 +109,18 @@ class PlannedRun:
 
     @property
     def init(self) -> str:
-        """``scratch`` (a random encoder of the pretrained architecture) or ``pretrained``."""
         return "scratch" if self.model == SCRATCH else "pretrained"
 
     @property
     def shard_speakers(self) -> list[str]:
-        """The speakers whose shards the run reads (those its versions name), sorted."""
         return sorted({k.split("/", 1)[1] for k in self.versions if k.startswith("vad_features/")})
 
 
 @dataclass(frozen=True)
 class FinetunePlan:
-    """Every run of one materialization and what its report says: the ``encoders`` fine-tuned
-    (name -> checkpoint, in the settings' order), the labelled ``pool``, the ``decoders`` (and why
-    the beam decoder is missing, when it was asked for and is), the sorted ``budgets``, the
-    ``seeds``, the data versions every run shares (``base_versions``), each encoder's asset
-    (``encoder_assets``), the sorted learning rates each model tries (``lrs``: ``lr_grid``, or
-    ``[lr]`` without a grid or a dev set) and the ``tuning`` runs (every model x lr of ``lrs`` at the smallest
-    budget and the first seed; none when there is one lr to try)."""
+    """Every run of one materialization and what its report says. ``lrs``: the learning rates each
+    model tries (``[lr]`` without a grid or a dev set); ``tuning``: every model x lr at the smallest
+    budget and first seed (none when there is one lr to try)."""
 
     encoders: dict[str, Checkpoint]
     pool: LabelledPool
@@ -156,7 +135,6 @@ class FinetunePlan:
 
     @property
     def models(self) -> list[str]:
-        """Every encoder, then scratch."""
         return [*self.encoders, SCRATCH]
 
     @property
@@ -165,7 +143,6 @@ class FinetunePlan:
         return (next(iter(self.encoders)), self.budgets[-1], self.seeds[0])
 
     def final_runs(self, chosen: Mapping[str, float], warn: Callable[[str], None]) -> list[PlannedRun]:
-        """Every (budget, seed, model) run with the model's ``chosen`` lr (:func:`plan_runs`)."""
         return plan_runs(
             self.encoders,
             self.pool,
@@ -189,9 +166,7 @@ def choose_encoders(
     pretrained: Checkpoint,
     checkpoint_of: Callable[[str], Checkpoint | None],
 ) -> dict[str, Checkpoint]:
-    """The encoders of ``wanted`` that have a checkpoint (``checkpoint_of(name)``; ``pretrained``'s
-    is given), in ``wanted``'s order; only ``pretrained`` when none has. Raises
-    :class:`FinetuneRefused` for a name outside ``known``."""
+    """The encoders of ``wanted`` that have a checkpoint, in order; only ``pretrained`` when none has."""
     found = {PRETRAINED: pretrained}
     for name in wanted:
         if name not in known:
@@ -209,9 +184,8 @@ def checkpoint_speakers(checkpoint: str) -> dict | None:
 
 
 def dev_speakers_of(speakers: Collection[str], wanted: int) -> list[str]:
-    """``wanted`` of ``speakers`` (at most all but one: one is left to label; none of fewer than
-    two), sorted: the first of a fixed-seed permutation of the sorted speakers, so the same
-    speakers whatever their order."""
+    """``wanted`` of ``speakers`` (at most all but one, left to label) by a fixed-seed permutation of
+    the sorted speakers, so the same whatever their order."""
     ordered = sorted(set(speakers))
     count = min(max(wanted, 0), len(ordered) - 1)
     if count <= 0:
@@ -230,13 +204,9 @@ def labelled_pool(
     dev_speakers: int = 0,
     max_dev_utterances: int = 0,
 ) -> LabelledPool:
-    """The transcribed utterances of the speakers' shards (``shard_file(speaker)``) that CTC can
-    align and are at most ``max_frames`` long: a seeded subsample of at most
-    ``max_eval_utterances`` (0: all) of the test speakers' as the held-out set; of the training
-    speakers', those whose sentence is no held-out speaker's (scored or not; the others are counted,
-    and dropped):
-    ``dev_speakers`` of those speakers (:func:`dev_speakers_of`) give the dev set (a seeded
-    subsample of at most ``max_dev_utterances``; 0: all), the others the labelling candidates."""
+    """The transcribed utterances CTC can align, at most ``max_frames`` long: a seeded subsample of the
+    test speakers' as the held-out set; of the training speakers' (minus those whose sentence a
+    held-out speaker reads), ``dev_speakers`` speakers' as the dev set, the rest as candidates."""
     manifest = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
     texts = {
         u: normalise(t or "")
@@ -284,8 +254,7 @@ def labelled_pool(
 
 
 def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple[list[str], str | None]:
-    """(``greedy``, then ``beam`` when a decoder other than greedy is ``wanted`` and installed;
-    why the beam decoder is unavailable when it was wanted and is, else None)."""
+    """(``greedy``, then ``beam`` when wanted and installed; why beam is unavailable when wanted, else None)."""
     if not any(d != "greedy" for d in wanted):
         return ["greedy"], None
     missing = decoding.unavailable()
@@ -296,10 +265,7 @@ def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple
 
 
 def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: list[str]) -> dict[str, Any]:
-    """The ``[finetune]`` updates that name one run (and its folder): its budget, seed, model,
-    decoders and peak ``lr`` (not the grid it was tried from); scratch trains every parameter from
-    step 0 (no freeze phase, no frozen front end: those are pretrained-model settings), which its
-    config says."""
+    """The ``[finetune]`` updates that name one run (and its folder); scratch freezes nothing."""
     return {
         "labelled_minutes": [minutes],
         "seeds": [seed],
@@ -323,13 +289,9 @@ def plan_runs(
     warn: Callable[[str], None],
     lrs: Mapping[str, Sequence[float]],
 ) -> list[PlannedRun]:
-    """One run per budget (minutes), seed, model (each of ``encoders``, then ``scratch`` on the
-    pretrained architecture) and peak lr of the model's ``lrs``, in that order; a budget and seed
-    label the same subset of the pool's candidates for every model
-    (:func:`~speech_assets.evaluation.finetune.labelled_subset`), all of them with a warning when
-    there is less audio than asked; every run is scored on the pool's dev and held-out sets. A
-    run's versions name its encoder's asset (``encoder_assets[model]``; ``pretrained_checkpoint``
-    for scratch)."""
+    """One run per budget, seed, model (the encoders, then ``scratch``) and lr of ``lrs[model]``; a
+    budget and seed label the same subset for every model (all of it, with a warning, when there is
+    less audio than asked)."""
     runs = []
     for minutes in budgets:
         for seed in seeds:
@@ -381,11 +343,8 @@ def plan_finetune(
     warn: Callable[[str], None],
     speakers_of: Callable[[str], Mapping[str, list[str]] | None] = checkpoint_speakers,
 ) -> FinetunePlan:
-    """Every run of ``options`` (module docstring). ``encoder_assets``: each encoder's name -> its
-    asset; ``clients()``: the clients table; ``data_versions(speakers)``: the versions every run
-    shares (manifest, clients, those speakers' shards); ``speakers_of(path)``: the split a
-    checkpoint records. Raises :class:`FinetuneRefused` (an unknown encoder, nothing to label or
-    score) and :class:`~speech_assets.evaluation.protocol.ProbeLeak`."""
+    """Every run of ``options``; ``data_versions(speakers)``: the versions every run shares,
+    ``speakers_of(path)``: the split a checkpoint records."""
     encoders = choose_encoders(options.encoders, encoder_assets, pretrained, checkpoint_of)
     train_speakers, test_speakers = probe_split(
         clients(), {name: speakers_of(path) for name, (path, _) in encoders.items()}
@@ -447,7 +406,6 @@ def plan_finetune(
 
 
 def _sort_key(lr: float, cer: float | None) -> tuple[bool, float, float]:
-    """Lowest dev CER first, then the smaller lr; a run without a (finite) dev CER last."""
     finite = cer is not None and math.isfinite(cer)
     return (not finite, cer if finite else 0.0, lr)
 
@@ -455,9 +413,7 @@ def _sort_key(lr: float, cer: float | None) -> tuple[bool, float, float]:
 def choose_lrs(
     tuned: Mapping[LrKey, Path],
 ) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
-    """(per model the lr whose tuning run (``tuned``: (model, lr) -> its run folder) has the
-    lowest ``dev_cer``, ties to the smaller lr, a run without one counting as worst; per model
-    each lr's dev CER). Raises :class:`FinetuneRefused` naming a run that left no result."""
+    """(per model the lr of lowest dev CER, ties to the smaller lr; per model each lr's dev CER)."""
     dev_cers: dict[str, dict[float, float | None]] = {}
     for (model, lr), run_dir in tuned.items():
         result = finished_result(run_dir)
@@ -469,8 +425,7 @@ def choose_lrs(
 
 
 def lr_table(lrs: Sequence[float], chosen: Mapping[str, float], dev_cers: Mapping[str, Mapping[float, Any]]) -> str:
-    """Markdown: per model (row) the dev CER of each lr tried (column), the chosen one in bold;
-    without tuning runs, each model's one lr."""
+    """Markdown: per model the dev CER of each lr tried, the chosen one in bold."""
     if not dev_cers:
         return "\n".join(
             ["| model | lr (no grid: not tuned) |", "|---|---|", *(f"| {m} | {lr:g} |" for m, lr in chosen.items())]
@@ -490,14 +445,13 @@ def lr_table(lrs: Sequence[float], chosen: Mapping[str, float], dev_cers: Mappin
 
 
 def text_overlap(runs: Mapping[RunKey, Mapping[str, Any]]) -> int | None:
-    """The runs' labelled (train and dev) utterances whose sentence is a held-out one, summed
-    (must be 0); None when no run recorded it."""
+    """Labelled utterances whose sentence is a held-out one, over the runs (must be 0); None when unrecorded."""
     counts = [r["text_overlap"] for r in runs.values() if r.get("text_overlap") is not None]
     return sum(counts) if counts else None
 
 
 def oov_by_budget(runs: Mapping[RunKey, Mapping[str, Any]]) -> dict[str, float]:
-    """Per budget (``"1 min"``): the held-out OOV rate against the decoder's lexicon, mean over runs."""
+    """Per budget (``"1 min"``): the mean held-out OOV rate against the decoder's lexicon."""
     rates: dict[float, list[float]] = {}
     for (_, minutes, _), result in runs.items():
         if result.get("oov_rate") is not None:
@@ -506,9 +460,7 @@ def oov_by_budget(runs: Mapping[RunKey, Mapping[str, Any]]) -> dict[str, float]:
 
 
 def collect_results(planned: Mapping[RunKey, Path]) -> tuple[list[dict[str, Any]], dict[RunKey, dict[str, Any]]]:
-    """(the rows of ``results.parquet``: one per run, decoder and split (train, dev, heldout); every
-    run's ``result.json`` by key) of the ``planned`` run folders, in their order. Raises
-    :class:`FinetuneRefused` naming a run that left no result."""
+    """(the rows of ``results.parquet``, one per run, decoder and split; every run's ``result.json`` by key)."""
     rows, runs = [], {}
     for (model, minutes, seed), run_dir in planned.items():
         result = finished_result(run_dir)

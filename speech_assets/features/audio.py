@@ -1,25 +1,10 @@
 """Audio loading: decode (soundfile) -> mono float32 -> resample to 16 kHz -> peak normalisation.
 
-Everything here is pure numpy/torch (no Dagster) and works on one utterance at a time.
-
-* ``decode`` reads any format libsndfile knows (FLAC, WAV, OGG, ...) as float32 in ``[-1, 1]``
-  (integer PCM scaled by ``1 / 2**(bits-1)``), channels first ``(C, N)``.
-* ``to_mono`` averages channels.
-* ``resample_to_16k`` computes what ``torchaudio.functional.resample`` does (windowed sinc, Hann
-  window, ``lowpass_filter_width=6``, ``rolloff=0.99``; equal to float rounding), polyphase: each
-  of the output rate's phases keeps only its non-zero taps, so memory is bounded for any rate
-  (torchaudio's dense kernel is ``new x orig`` after their gcd: 8,001 Hz -> 16 kHz costs it
-  gigabytes for a 1-second file). The kernel is cached per input rate and the taps are gathered a
-  bounded chunk at a time; 16 kHz input is returned unchanged. The output has
-  ``ceil(N * 16000 / sr)`` samples.
-* ``normalise_peak`` scales the waveform so that its absolute peak is ``PEAK_TARGET`` (0.95, about
-  -0.45 dBFS). Peak (not RMS) normalisation is used because it can never clip when the waveform is
-  later quantised to int16 for the WebRTC VAD. The gain is capped at ``MAX_GAIN_DB`` (20 dB):
-  WebRTC VAD calls stationary noise louder than about -30 dBFS "speech", so boosting a
-  noise-only recording to full scale would turn its noise floor into speech; with the cap a
-  -60 dBFS (RMS) noise floor ends up at -40 dBFS, well below that. An all-zero (or sub-LSB,
-  peak < ``SILENCE_PEAK``) waveform is returned unchanged: no division by zero, and silence
-  stays silence (the VAD then rejects it as ``no_speech``).
+Pure numpy (no torch, no Dagster), one utterance at a time. ``resample`` computes what
+``torchaudio.functional.resample`` does, polyphase, so memory is bounded for any pair of rates
+(torchaudio's dense kernel for 8,001 Hz -> 16 kHz takes gigabytes). Peak (not RMS) normalisation
+never clips when the VAD quantises to int16; its gain is capped at 20 dB because WebRTC VAD calls
+stationary noise above about -30 dBFS speech, and a boosted noise-only recording would be "speech".
 """
 
 from __future__ import annotations
@@ -43,10 +28,7 @@ class DecodeError(RuntimeError):
 
 
 def decode(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
-    """Decode ``path`` to float32 ``(C, N)`` (channels first) in ``[-1, 1]`` and its sample rate.
-
-    Raises ``DecodeError`` for unreadable or zero-length files.
-    """
+    """Decode ``path`` to float32 ``(C, N)`` in ``[-1, 1]`` and its sample rate (``DecodeError`` if it cannot)."""
     try:
         with sf.SoundFile(os.fspath(path)) as handle:
             sample_rate = int(handle.samplerate)
@@ -76,11 +58,9 @@ _CHUNK_TAPS = 1 << 22  # taps gathered at once (16 MiB of float32), whatever the
 
 @dataclass(frozen=True)
 class _Polyphase:
-    """``torchaudio``'s sinc kernel for ``orig -> new`` (both divided by their gcd), one row per
-    output phase, holding only the taps that are not negligible: phase ``i`` of block ``b`` is
-    ``sum(kernel[i] * padded[b * orig + first[i] : ... + taps])``, ``padded`` being the input with
-    ``width`` zeros before it (torchaudio's own layout: its row ``i`` is this row placed at
-    ``first[i]`` among ``orig + 2 * width`` columns, the rest within 1e-30 of zero)."""
+    """``torchaudio``'s sinc kernel for ``orig -> new`` (divided by their gcd), one row per output phase
+    with only its non-negligible taps: phase ``i`` of block ``b`` is ``sum(kernel[i] * padded[b *
+    orig + first[i] : ... + taps])``, ``padded`` being the input after ``width`` zeros."""
 
     orig: int
     new: int
@@ -119,9 +99,8 @@ def _polyphase(orig_sr: int, new_sr: int) -> _Polyphase:
 
 
 def resample(wave: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
-    """``torchaudio.functional.resample(wave, orig_sr, new_sr)`` (Hann-windowed sinc, width 6,
-    rolloff 0.99) for mono float32 ``(N,)``, in memory bounded by the rates and the chunk size,
-    not by their gcd: ``ceil(N * new_sr / orig_sr)`` float32 samples."""
+    """``torchaudio.functional.resample(wave, orig_sr, new_sr)`` for mono float32 ``(N,)``, in memory
+    bounded by the chunk size, not by the rates' gcd."""
     if orig_sr <= 0 or new_sr <= 0:
         raise ValueError(f"invalid sample rates {orig_sr} -> {new_sr}")
     wave = np.ascontiguousarray(wave, dtype=np.float32)
@@ -159,15 +138,9 @@ def resample_to_16k(wave: np.ndarray, sample_rate: int) -> np.ndarray:
 def normalise_peak(
     wave: np.ndarray, target: float = PEAK_TARGET, max_gain_db: float = MAX_GAIN_DB, *, in_place: bool = False
 ) -> np.ndarray:
-    """Scale ``wave`` so its absolute peak is ``target`` (gain capped at ``max_gain_db``).
-
-    Returns a new float32 array (the input is never modified) unless ``in_place`` is set and
-    ``wave`` is a writable float32 array, which is then scaled in place and returned: the
-    feature pipeline owns its freshly decoded buffer, and a second multi-MB array per utterance
-    costs more in page faults than the multiply itself. Same values either way. Digital silence
-    (peak below ``SILENCE_PEAK``) is returned unscaled (a copy unless ``in_place``), so there is
-    never a division by zero.
-    """
+    """Scale ``wave`` so its absolute peak is ``target`` (gain capped at ``max_gain_db``); digital
+    silence is returned unscaled. ``in_place``: scale a writable float32 ``wave`` itself (a second
+    multi-MB array per utterance costs more in page faults than the multiply)."""
     reuse = in_place and wave.dtype == np.float32 and wave.flags.writeable
     if wave.size == 0:
         return wave if reuse else wave.astype(np.float32, copy=True)

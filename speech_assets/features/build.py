@@ -1,10 +1,7 @@
-"""The per-utterance feature pipeline and the shard builder (pure: no Dagster imports).
+"""The per-utterance feature pipeline and the shard builder (no Dagster imports).
 
-Per utterance: decode -> mono -> 16 kHz -> peak normalisation (``audio``) -> WebRTC VAD span
-(``vad``) -> trim -> features (``featurize.FeatureExtractor``) -> one ``FeatureRecord`` or a
-``VadReject``. A shard is the sorted records of a group of utterances (one speaker in the asset
-graph), written atomically by ``shards.write_shard``; its CMVN partial sums and rejects come
-back in a ``ShardResult``.
+Per utterance: decode -> mono -> 16 kHz -> peak normalisation -> VAD span -> trim -> features ->
+one ``FeatureRecord`` or a ``VadReject``. A shard holds one speaker's sorted records.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ class VadReject:
 
 @dataclass
 class ShardResult:
-    """What ``build_shard`` wrote and measured. ``rejects`` rows: utt_id, path, stage, reason, detail."""
+    """What ``build_shard`` wrote and measured."""
 
     path: Path
     records: int
@@ -87,12 +84,9 @@ def process_variants(
     *,
     dtype: np.dtype | type = np.float32,
 ) -> list[FeatureRecord | VadReject]:
-    """The utterance decoded once, then itself and one speed-perturbed copy per factor
-    (``torchaudio.functional.speed``: resampling, so pitch and tempo change together, as in
-    Kaldi's 3-way perturbation), each VAD-trimmed and featurised on its own audio so that its
-    frames (and the targets later computed from them) match it. An unreadable file yields only
-    the original's reject. ``dtype``: the records' matrices, float32 or float16 (as a format-2
-    shard stores them; see ``FeatureExtractor.__call__``)."""
+    """The utterance decoded once, then itself and one speed-perturbed copy per factor (pitch and
+    tempo together, as Kaldi's), each VAD-trimmed and featurised on its own audio so that its frames
+    match it. ``dtype``: the records' matrices (float16 as a format-2 shard stores them)."""
     try:
         decoded, sample_rate = audio.decode(path)
     except audio.DecodeError as exc:
@@ -105,7 +99,6 @@ def process_variants(
         return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
 
     def featurise(wave: np.ndarray, duration_s: float, variant_id: str) -> FeatureRecord | VadReject:
-        """One variant (``wave``: peak-normalised 16 kHz samples): VAD-trimmed, then featurised."""
         span = detect_speech(wave, vad_cfg, peak_normalised=True)
         if isinstance(span, NoSpeech):
             return VadReject(variant_id, os.fspath(path), span.detail)
@@ -153,14 +146,11 @@ def _sums_buffer(size: int) -> torch.Tensor:
 
 
 def stored_partial_sums(frames: np.ndarray) -> PartialSums:
-    """``PartialSums.of(frames)`` bit for bit for ``(T, D)`` frames, with less CPU (float16: ~15 %).
+    """``PartialSums.of(frames)`` bit for bit, with less CPU.
 
-    The float64 copy is made by torch into a reused per-thread buffer (exact; numpy's float16
-    conversion is emulated and took half the time of the whole call), and both reductions are
-    einsums, which add the frames in order, exactly as ``sum(axis=0)`` does (tested against
-    data where the order shows) but faster. A NaN or infinite value makes its column's ``sum``
-    non-finite, so a caller checks finiteness on the ``D`` sums instead of the ``T x D`` values
-    (a sum of finite float16 or float32 values cannot overflow float64).
+    torch makes the float64 copy into a reused buffer (numpy's float16 conversion is emulated and
+    slow); einsums add the frames in order, as ``sum(axis=0)`` does, but faster. A NaN or inf makes
+    its column's sum non-finite, so a caller checks the ``D`` sums instead of the ``T x D`` values.
     """
     frames = np.asarray(frames)
     if frames.ndim == 2 and frames.dtype in (np.float16, np.float32) and frames.flags.writeable:
@@ -178,12 +168,8 @@ def build_shard(
     extractor: FeatureExtractor | None = None,
     speed_factors: Sequence[float] = (),
 ) -> ShardResult:
-    """Featurise ``utterances`` (and their ``speed_factors`` copies) and write one shard
-    atomically at ``out_path``.
-
-    Always writes a shard, an empty one (schema only) when every utterance is rejected, so each
-    partition is materialised the same way. Output bytes depend only on inputs and config.
-    """
+    """Featurise ``utterances`` (and their ``speed_factors`` copies) into one shard at ``out_path``,
+    an empty one when every utterance is rejected; its bytes depend only on inputs and config."""
     started = time.perf_counter()
     ids = [u.utt_id for u in utterances]
     if len(set(ids)) != len(ids):
@@ -239,7 +225,7 @@ def build_shard(
 
 
 def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
-    """Write a shard's rejects and CMVN partial sums beside it (see ``sidecar_paths``)."""
+    """Write a shard's rejects and CMVN partial sums beside it."""
     rejects_path, stats_path = sidecar_paths(result.path)
     rows = sorted(result.rejects, key=lambda r: (r["utt_id"], r["reason"]))
     write_rejects(rejects_path, [RejectRow(*(str(r[name]) for name in REJECTS_SCHEMA.names)) for r in rows])
@@ -247,18 +233,9 @@ def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
     return rejects_path, stats_path
 
 
-# --- building and publishing one speaker's shard ----------------------------------------------
-
-
 def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:
-    """Build ``job``'s shard and publish it (sidecars, then meta), under the shard's lock.
-
-    Another run building the same shard holds the lock; once it is released the meta is read
-    again, so a shard that run just built for the same inputs is reused, not rebuilt. The meta is
-    removed before the files it vouches for are rewritten and written again last, once they are
-    durable (``ShardFiles.publish``: one fsync per file, one for the folder), so a crash at any
-    point leaves either a valid meta or none (and the next run rebuilds only this shard).
-    """
+    """Build ``job``'s shard and publish it (sidecars, then meta) under the shard's lock, so a shard
+    another run just built for the same inputs is reused; a crash leaves a valid meta or none."""
     with exclusive_lock(job.files.lock):
         meta = None if job.force else job.files.read_meta()
         if meta is not None and meta.get("inputs_key") == job.inputs_key:
@@ -291,13 +268,10 @@ def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtr
         return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
 
 
-# --- parallel shards -------------------------------------------------------------------------
-
 _WORKER_EXTRACTOR: FeatureExtractor | None = None
 
 
 def _init_worker() -> None:
-    """Process-pool initializer: one torch thread per worker, one extractor per worker."""
     global _WORKER_EXTRACTOR
     from speech_assets.runtime.processes import die_with_parent, exit_without_teardown
 
@@ -321,21 +295,11 @@ def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
 def iter_publish_shards(
     jobs: Sequence[ShardJob], vad_cfg: VadConfig = VadConfig(), workers: int | None = None
 ) -> Iterator[ShardOutcome]:
-    """Build and publish many speakers' shards, largest first, over ``workers`` processes (this
-    one included), yielding each outcome as soon as its shard is published (or has failed).
+    """Build and publish many speakers' shards, largest first, over ``workers`` processes (this one
+    included), yielding each outcome as it is published; a failed shard is an outcome with ``error``.
 
-    This process builds shards on one thread from the start while ``workers - 1`` helper
-    processes start and join in (see ``_publish_with_helpers``). Each shard is built by one
-    thread with one torch thread, so its bytes do not depend on ``workers``.
-
-    Each shard is published (sidecars, then meta) as soon as it is built, so a failing shard
-    keeps every other one; failures come back as outcomes with ``error`` set instead of raising.
-    A helper killed (for memory, by a signal) breaks the pool, which stops every helper: the
-    shards the helpers were building come back as errors, and this process builds the rest.
-
-    A caller that may stop before the end closes the generator (``contextlib.closing``): that
-    waits for the shards in flight, cancels the rest and lets the pool (and, in this process, the
-    frozen heap and torch's thread count) go at once rather than whenever it is collected.
+    Each shard is built on one torch thread, so its bytes do not depend on ``workers``. A caller
+    that may stop early closes the generator (``contextlib.closing``), so the pool goes at once.
     """
     yield from publish_planned(plan_shards(jobs, default_workers() if workers is None else workers), vad_cfg)
 
@@ -348,17 +312,13 @@ AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
 
 
 def worker_count(audio_seconds: float) -> int:
-    """Processes for a shard job, the step's own included: a helper process (a fresh interpreter
-    importing torch) costs seconds to start, worth it with about four hours of audio per extra
-    process; smaller jobs run in the step's process alone."""
+    """Processes for a shard job, the step's own included."""
     return max(1, min(os.cpu_count() or 1, int(audio_seconds // AUDIO_SECONDS_PER_EXTRA_WORKER) + 1))
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """A shard job, planned once: its jobs largest first, how many need building (every meta read
-    once, here; ``build_and_publish`` checks again under the shard's lock) and the helper
-    processes beside this one."""
+    """A shard job, planned once: jobs largest first, how many need building, helper processes."""
 
     ordered: tuple[ShardJob, ...]
     to_build: int
@@ -370,35 +330,19 @@ class ShardPlan:
 
 
 def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None) -> ShardPlan:
-    """Plan ``jobs`` over ``workers`` processes (this one included); ``workers=None`` sizes the
-    job by the audio to build (:func:`worker_count`)."""
+    """Plan ``jobs`` over ``workers`` processes (None: by the audio to build)."""
     if workers is not None and int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     speakers = [job.speaker_id for job in jobs]
     if len(set(speakers)) != len(speakers):
         raise ValueError("one job per speaker")
     ordered = tuple(sorted(jobs, key=lambda job: (-job.audio_seconds, job.speaker_id)))
-    todo = [job for job in ordered if needs_building(job)]
+    # build_and_publish checks again under the shard's lock
+    todo = [job for job in ordered if job.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key]
     if workers is None:
         workers = worker_count(sum(job.audio_seconds for job in todo))
-    return ShardPlan(ordered, len(todo), helpers_for(len(todo), int(workers)))
-
-
-def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
-    """:func:`iter_publish_shards` of a planned job."""
-    yield from _publish_with_helpers(plan.ordered, vad_cfg, plan.helpers)
-
-
-def needs_building(job: ShardJob) -> bool:
-    """Whether ``job``'s shard is missing, forced or built from other inputs (a stat and a small
-    read; ``build_and_publish`` checks again under the shard's lock)."""
-    return job.force or (job.files.read_meta() or {}).get("inputs_key") != job.inputs_key
-
-
-def helpers_for(to_build: int, workers: int) -> int:
-    """Helpers for ``to_build`` shards that need building: none for one or none (a helper would
-    start, import torch and find nothing)."""
-    return max(0, min(int(workers), to_build) - 1)
+    # no helper for one shard or none: it would start, import torch and find nothing
+    return ShardPlan(ordered, len(todo), max(0, min(int(workers), len(todo)) - 1))
 
 
 def _helper_ready() -> int:
@@ -413,24 +357,27 @@ def _helper_outcome(future: Future, job: ShardJob) -> ShardOutcome:
         return ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
 
 
-def _publish_with_helpers(ordered: Sequence[ShardJob], vad_cfg: VadConfig, helpers: int) -> Iterator[ShardOutcome]:
-    """This process builds shards from the first second on, while ``helpers`` worker processes
-    (none: this process alone, no pool) start; each helper takes the next shard (largest first)
-    whenever it is free.
+def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
+    """This process builds shards from the first second on while the helper processes start (a
+    fresh interpreter importing torch takes seconds); each helper takes the next shard whenever
+    it is free.
 
-    A helper is a fresh interpreter that imports torch (~2 s, more while the cores are busy):
-    with a pool alone this process waited for them, idle. A shard goes to the pool only when a
-    task there has just ended (a helper's start-up probe or its last shard), so at most one shard
-    per helper is out at a time and the helpers never sit on a backlog while this process runs
-    out of work. If the pool breaks (a helper killed), the helpers' shards in flight come back as
-    errors and this process builds the rest.
+    A shard goes to the pool only when a task there has just ended, so the helpers never sit on a
+    backlog while this process runs out of work. If the pool breaks (a helper killed), the
+    helpers' shards in flight come back as errors and this process builds the rest.
     """
-    pending = deque(ordered)
+    helpers = plan.helpers
+    pending = deque(plan.ordered)
     lock = threading.Lock()
     state = {"outstanding": 0, "stopping": False}  # helper shards handed out, not yet reported
     # A helper's finished shard, or None: a shard handed back to this process (the pool broke).
     finished: SimpleQueue[tuple[Future, ShardJob] | None] = SimpleQueue()
-    pool = make_pool(helpers) if helpers else None
+    # spawn: safe with torch's thread pools
+    pool = (
+        ProcessPoolExecutor(max_workers=helpers, mp_context=get_context("spawn"), initializer=_init_worker)
+        if helpers
+        else None
+    )
 
     def hand_out(_: Future | None = None) -> None:  # in the pool's thread, when a helper is free
         with lock:
@@ -486,12 +433,3 @@ def default_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux
         return max(1, os.cpu_count() or 1)
-
-
-def make_pool(workers: int | None = None) -> ProcessPoolExecutor:
-    """A process pool of shard helpers for ``iter_publish_shards``: ``spawn`` context (safe with
-    torch's thread pools), one torch thread and one ``FeatureExtractor`` per worker."""
-    workers = default_workers() if workers is None else int(workers)
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker)

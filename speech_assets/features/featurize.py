@@ -1,34 +1,13 @@
 """Log-mel 80 and MFCC 39 from 16 kHz mono audio: the :class:`FeatureExtractor` (pure torch).
 
-Feature recipe (Kaldi ``compute-fbank-feats`` / ``compute-mfcc-feats`` defaults, which is what
-HuBERT iteration 1 uses through ``torchaudio.compliance.kaldi.mfcc``), computed from ONE shared
-power spectrum:
+Kaldi's ``compute-fbank-feats`` / ``compute-mfcc-feats`` defaults (what HuBERT iteration 1 uses),
+both from one shared power spectrum: DC removal, pre-emphasis 0.97, Povey window, 512-point FFT,
+no dither; 80 HTK-mel filters for log-mel; 23 filters, DCT to 13 coefficients, lifter 22, Δ and ΔΔ
+for MFCC. Tests check both against ``torchaudio.compliance.kaldi``. Input is float in ``[-1, 1]``,
+not Kaldi's int16 scale, so log energies differ by a constant that CMVN removes.
 
-* framing: 25 ms window (400 samples), 10 ms hop (160), no centring (``snip_edges``):
-  ``T = 1 + (N - 400) // 160``, see ``shards.num_frames_for``;
-* per frame: DC offset removal, pre-emphasis 0.97 (``x[0] -= 0.97 * x[0]`` as in Kaldi), Povey
-  window (``hann(400, periodic=False) ** 0.85``), zero-padded to ``n_fft = 512`` (Kaldi's
-  ``round_to_power_of_two``) -> 257-bin power spectrum ``|X|^2``; no dither (deterministic);
-* log-mel: 80 triangular HTK-mel filters (``torchaudio.functional.melscale_fbanks``, 20 Hz -
-  8 kHz, no area normalisation), ``log(energy + 1e-6)``;
-* MFCC: 23 HTK-mel filters over the same spectrum and range, ``log(energy + 1e-6)``, orthonormal
-  DCT-II (``torchaudio.functional.create_dct``) to 13 coefficients (c0 kept, no energy
-  replacement), cepstral liftering 22; then Δ and ΔΔ exactly as
-  ``torchaudio.functional.compute_deltas`` (window 5, replicate padding; re-implemented as shifted
-  differences, tested equal) -> ``(T, 39)`` = ``[c, Δc, ΔΔc]``.
-
-The waveform fed to it is float in ``[-1, 1]`` (peak-normalised), not Kaldi's int16 scale, so
-absolute log energies differ from Kaldi's by a constant ``2 * log(32768)``; CMVN removes it.
-Tests check log-mel against ``torchaudio.compliance.kaldi.fbank`` and MFCC against
-``torchaudio.compliance.kaldi.mfcc``.
-
-Speed (see ``bench/features.py``): windowed frames are written straight into a zero-padded
-``(T, 512)`` scratch buffer (``rfft(n=512)`` on 400-wide rows pads internally and is ~7x
-slower), the power spectrum is written frequency-major straight from the FFT output, both
-filterbanks are applied in one sparse product, and every intermediate (pre-emphasised signal,
-frames, spectrum, power, filterbank energies) lives in a reused scratch buffer: fresh multi-MB
-tensors per utterance cost about a third of the extractor's time in page faults. Only the two
-returned matrices are new allocations.
+Speed (``bench/features.py``): every intermediate lives in a reused scratch buffer, since fresh
+multi-MB tensors per utterance cost a third of the time in page faults.
 """
 
 from __future__ import annotations
@@ -64,10 +43,9 @@ def povey_window(length: int = WIN_LENGTH) -> torch.Tensor:
 
 
 class FeatureExtractor:
-    """Log-mel 80 and MFCC 39 from 16 kHz mono float32 audio (torch CPU; build once per worker).
+    """Log-mel 80 and MFCC 39 from 16 kHz mono float32 audio; build one per worker (not thread-safe).
 
-    Thread count is the caller's business (``torch.set_num_threads``); the parallel shard builder
-    sets 1 per worker process. Output is deterministic for a given input and thread count.
+    Deterministic for a given input and torch thread count.
     """
 
     def __init__(
@@ -136,17 +114,12 @@ class FeatureExtractor:
 
     @torch.inference_mode()
     def power_spectrum(self, x: torch.Tensor) -> torch.Tensor:
-        """16 kHz mono ``(N,)`` (N >= 400) -> ``(T, n_fft // 2 + 1)`` power spectrum.
+        """16 kHz mono ``(N,)`` -> ``(T, n_fft // 2 + 1)`` power spectrum, a view the next call overwrites.
 
-        The result is a view of a scratch buffer that the next call overwrites (the extractor
-        is therefore not thread-safe; build one per worker).
-
-        Equivalent to Kaldi's per-frame DC removal -> pre-emphasis -> window -> zero-padded FFT,
-        but computed without per-frame copies: pre-emphasis runs once over the whole signal and
-        the frame-local corrections are folded in, using ``y[n] = z[n] - (1 - p) * mean`` for
-        ``n >= 1`` and ``y[0] = (1 - p) * (x[0] - mean)`` (``z``: signal-level pre-emphasis). The
-        windowed frames are written straight into a zero-padded ``(T, n_fft)`` buffer: asking
-        ``torch.fft.rfft`` to pad (``n=512`` on 400-wide rows) is ~7x slower than this.
+        Kaldi's per-frame DC removal and pre-emphasis without per-frame copies: pre-emphasis runs
+        once over the signal and the frame-local corrections are folded in (``y[n] = z[n] - (1 - p)
+        * mean`` for ``n >= 1``, ``y[0] = (1 - p) * (x[0] - mean)``). Frames go straight into a
+        zero-padded buffer: ``rfft(n=512)`` on 400-wide rows is ~7x slower.
         """
         num_frames = num_frames_for(int(x.shape[0]))
         frames = x.unfold(0, WIN_LENGTH, HOP_LENGTH)  # (T, 400) strided view, no copy
@@ -179,7 +152,7 @@ class FeatureExtractor:
         return power_t.T
 
     def _vector(self, name: str, length: int) -> torch.Tensor:
-        """A reusable contiguous float32 ``(length,)`` scratch vector (uninitialised; grows on demand)."""
+        """A reusable uninitialised float32 scratch vector."""
         flat = self._scratch.get(name)
         if flat is None or flat.shape[0] < length:
             flat = torch.empty(max(length, 1 << 18), dtype=torch.float32)
@@ -187,11 +160,7 @@ class FeatureExtractor:
         return flat[:length]
 
     def _workspace(self, name: str, rows: int, cols: int) -> torch.Tensor:
-        """A reusable zero-initialised ``(rows, cols)`` float32 scratch buffer (grows on demand).
-
-        Reusing buffers avoids page-faulting fresh multi-MB allocations for every utterance;
-        only ever-written columns change, so untouched columns (the FFT zero padding) stay zero.
-        """
+        """A reusable zero-initialised float32 scratch buffer: untouched columns (the FFT padding) stay zero."""
         flat = self._scratch.get(name)
         if flat is None or flat.shape[0] < rows or flat.shape[1] != cols:
             flat = torch.zeros(max(rows, 1024), cols, dtype=torch.float32)
@@ -201,12 +170,8 @@ class FeatureExtractor:
     def __call__(
         self, wave: np.ndarray | torch.Tensor, dtype: np.dtype | type = np.float32
     ) -> tuple[np.ndarray, np.ndarray]:
-        """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``), numpy of ``dtype``.
-
-        ``dtype``: float32 (computed in it) or float16, the float32 values rounded to nearest
-        even as they are written out (bit for bit ``.astype(np.float16)`` of the float32 result,
-        without a float32 copy): what a format-2 shard stores.
-        """
+        """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``) of ``dtype``; float16 is
+        bit for bit ``.astype(np.float16)`` of the float32 result, without a float32 copy."""
         out_dtype = _OUT_DTYPES.get(np.dtype(dtype))
         if out_dtype is None:
             raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
@@ -238,12 +203,8 @@ class FeatureExtractor:
 
 
 def compute_deltas(specgram: torch.Tensor, win_length: int = 5) -> torch.Tensor:
-    """``torchaudio.functional.compute_deltas(specgram, win_length, mode="replicate")`` for ``(D, T)``.
-
-    Same formula, ``d_t = sum_{n=1..N} n (c_{t+n} - c_{t-n}) / (2 sum n^2)`` with edge replication,
-    written as shifted differences instead of a grouped ``conv1d``: ~20x less overhead per call.
-    Matches torchaudio to float rounding (tested).
-    """
+    """``torchaudio.functional.compute_deltas(specgram, win_length, mode="replicate")`` for ``(D, T)``,
+    as shifted differences instead of a grouped ``conv1d``: ~20x less overhead per call."""
     if win_length < 3:
         raise ValueError(f"Window length should be greater than or equal to 3. Found win_length {win_length}")
     n = (win_length - 1) // 2

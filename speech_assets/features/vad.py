@@ -1,27 +1,12 @@
 """WebRTC VAD with the py-webrtcvad example's ring-buffer collector, reduced to one speech span.
 
-The waveform (16 kHz mono float32, peak-normalised) is quantised to int16 PCM once (into a
-reused per-thread buffer), cut into ``frame_ms`` frames (read-only rows of one view, no copies;
-a trailing partial frame is not classified) and each frame is classified by
-``webrtcvad.Vad(aggressiveness)``. The collector then walks the decisions exactly as in
-py-webrtcvad's ``example.py``:
-
-* not triggered: append the decision to a ring buffer of ``padding_ms // frame_ms`` frames; when
-  more than 90 % of the buffer's capacity is voiced, trigger. The segment starts at the oldest
-  frame in the buffer (so up to ``padding_ms`` of lead-in is kept);
-* triggered: append to the buffer; when more than 90 % of its capacity is unvoiced, un-trigger.
-  The segment ends after the current frame (so up to ``padding_ms`` of trailing audio is kept).
-
-The speech span runs from the start of the first segment to the end of the last one (to the end
-of the waveform if still triggered): leading and trailing non-speech are trimmed, interior pauses
-are kept. ``speech_frames`` counts voiced frames inside the span; ``speech_ratio`` is
-``speech_frames / total_frames`` over the whole utterance.
-
-The VAD adapts its noise model as it runs, so a fresh ``webrtcvad.Vad`` is made per utterance:
-the result depends only on the utterance itself and the config (determinism across shardings).
-
-An utterance is ``no_speech`` when the collector never triggers, when the voiced time in the span
-is below ``min_speech_s``, or when ``speech_ratio`` is below ``min_speech_ratio``.
+Each ``frame_ms`` frame of the int16-quantised waveform is classified by ``webrtcvad``; the
+collector then walks the decisions as py-webrtcvad's ``example.py`` does (trigger when more than
+90 % of a ``padding_ms`` ring buffer is voiced, un-trigger when more than 90 % is unvoiced). The
+span runs from the first segment's start to the last one's end: leading and trailing non-speech
+are trimmed, interior pauses kept. A fresh ``webrtcvad.Vad`` per utterance (it adapts its noise
+model) makes the result independent of sharding. ``no_speech``: the collector never triggers, or
+the voiced time is below ``min_speech_s``, or the voiced share below ``min_speech_ratio``.
 """
 
 from __future__ import annotations
@@ -48,13 +33,7 @@ _TRIGGER_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class VadConfig:
-    """WebRTC VAD settings (all exposed as Dagster config).
-
-    ``aggressiveness``: 0 (least aggressive about filtering out non-speech) to 3 (most).
-    ``frame_ms``: 10, 20 or 30. ``padding_ms``: ring-buffer length, at least one frame, at most 10 s.
-    ``min_speech_s``: minimum voiced time inside the span. ``min_speech_ratio``: minimum
-    fraction of the utterance's frames that are voiced (inside the span).
-    """
+    """WebRTC VAD settings (Dagster config); ``aggressiveness``: 0 (least aggressive) to 3."""
 
     aggressiveness: int = 2
     frame_ms: int = 30
@@ -85,7 +64,6 @@ class VadConfig:
 
     @property
     def padding_frames(self) -> int:
-        """Ring-buffer capacity in frames (``padding_ms // frame_ms``)."""
         return self.padding_ms // self.frame_ms
 
     def frame_samples(self, sample_rate: int = VAD_SAMPLE_RATE) -> int:
@@ -142,12 +120,10 @@ class NoSpeech:
 
 
 def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool = False) -> np.ndarray:
-    """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated).
+    """Quantise float ``[-1, 1]`` samples to int16 (scaled by 32767, clipped, truncated) into ``out``.
 
-    ``out``: an int16 array of the same shape to write into (else a new one is returned).
-    ``in_range``: the caller vouches that every ``|sample| <= 1`` (``audio.normalise_peak``'s
-    output), so nothing needs clipping: one pass that scales and truncates, same values. A sample
-    beyond that would wrap around instead of clipping, so only pass it for such waves.
+    ``in_range``: the caller vouches that every ``|sample| <= 1``, which skips the clipping (a
+    sample beyond would wrap around).
     """
     wave = np.asarray(wave)
     if in_range:
@@ -168,12 +144,8 @@ _SCRATCH = threading.local()
 
 
 def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
-    """A per-thread reusable 1-D buffer of at least ``length`` elements (a view of that length).
-
-    Quantising every utterance into fresh multi-MB arrays cost more in page faults than the
-    arithmetic; the VAD only reads the PCM while ``detect_speech`` runs, so one buffer per
-    thread is reused (grown on demand).
-    """
+    """A per-thread reusable 1-D buffer of ``length`` elements: fresh multi-MB arrays per utterance
+    cost more in page faults than the arithmetic."""
     buffer = getattr(_SCRATCH, name, None)
     if buffer is None or buffer.shape[0] < length:
         buffer = np.empty(max(length, 1 << 19), dtype)
@@ -188,9 +160,7 @@ def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SA
         raise ValueError(f"classify_frames expects mono (N,) PCM, got shape {pcm.shape}")
     frame_samples = cfg.frame_samples(sample_rate)
     count = pcm.shape[0] // frame_samples
-    # Frames are the read-only rows of a (count, frame_samples) view of the samples: no copy of the
-    # utterance, and ``map`` calls WebRTC's ``process`` (which takes any read-only buffer) on each
-    # row without a Python step per frame.
+    # read-only rows of one view: no copy, and ``map`` calls WebRTC's ``process`` without a Python step per frame
     frames = pcm[: count * frame_samples].reshape(count, frame_samples)
     frames.flags.writeable = False
     vad = webrtcvad.Vad(cfg.aggressiveness)
@@ -202,17 +172,13 @@ def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SA
 
 
 def collect_span(flags: Sequence[bool] | np.ndarray, padding_frames: int) -> tuple[int, int] | None:
-    """Ring-buffer collector over per-frame decisions -> ``(first_frame, end_frame)`` or None.
+    """py-webrtcvad's ``vad_collector`` over per-frame decisions -> ``(first_frame, end_frame)`` or None,
+    without a Python step per frame.
 
-    Exactly py-webrtcvad's ``vad_collector`` state machine (ring buffer of ``padding_frames``
-    decisions, cleared at every trigger / un-trigger), without a Python step per frame. Once
-    ``padding_frames`` frames have entered the ring since it was last cleared, it holds the last
-    ``padding_frames`` decisions whatever happened before, so both conditions ("more than 90 %
-    voiced", "more than 90 % unvoiced") are computed once for every full window and each state's
-    exit is a binary search in their hit lists; only the first, partial windows after a clear
-    depend on where it was cleared, and they are checked on their own (they cannot reach the
-    threshold unless ``padding_frames > 10``). ``end_frame`` is exclusive and equals
-    ``len(flags)`` when speech runs to the end.
+    Once the ring is full again after a clear it holds the last ``padding_frames`` decisions
+    whatever happened before, so both conditions are computed once for every full window and each
+    state's exit is a binary search; only the partial windows after a clear are checked on their
+    own (they cannot reach the threshold unless ``padding_frames > 10``).
     """
     voiced = np.asarray(flags, dtype=bool)
     total = int(voiced.shape[0])
@@ -269,11 +235,8 @@ def detect_speech(
     *,
     peak_normalised: bool = False,
 ) -> SpeechSpan | NoSpeech:
-    """Find the speech span of a mono float32 waveform (``NoSpeech`` when there is too little).
-
-    ``peak_normalised``: the caller vouches that the waveform came out of
-    ``audio.normalise_peak`` (no sample beyond ``[-1, 1]``), which saves the clipping pass.
-    """
+    """The speech span of a mono float32 waveform (``NoSpeech`` when there is too little);
+    ``peak_normalised``: no sample beyond ``[-1, 1]``, which saves the clipping pass."""
     if sample_rate not in (8000, 16000, 32000, 48000):
         raise ValueError(f"WebRTC VAD needs 8/16/32/48 kHz audio, got {sample_rate} Hz")
     wave = np.asarray(wave16k)
