@@ -33,18 +33,8 @@ class LossOutput:
 def masked_prediction_loss(
     logits: Sequence[ClientLogits], targets: torch.Tensor, mask: torch.Tensor, unmasked_weight: float = 0.0
 ) -> LossOutput:
-    """Cross-entropy of each client's head against its own targets.
-
-    Args:
-        logits: per-client ``logits (B_c, L, K_c)`` for batch ``rows (B_c,)`` (or the ``span`` of them).
-        targets: ``(B, L)`` long cluster ids, :data:`IGNORE_INDEX` on padding/unlabelled frames.
-        mask: ``(B, L)`` bool, ``True`` on masked frames.
-        unmasked_weight: weight of the unmasked-frame term (HuBERT default 0: masked only).
-
-    Returns:
-        ``loss = mean CE over masked frames + unmasked_weight * mean CE over unmasked frames``
-        (each mean over all clients' frames of the batch) and the summed statistics.
-    """
+    """Mean cross-entropy of each client's head against its own targets over masked frames, plus
+    ``unmasked_weight`` times that over unmasked ones (HuBERT: 0), and the summed statistics."""
     if targets.shape != mask.shape:
         raise ValueError(f"targets {tuple(targets.shape)} and mask {tuple(mask.shape)} differ in shape")
     sums = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=targets.device)

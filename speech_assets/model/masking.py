@@ -24,19 +24,10 @@ def span_mask(
     generator: torch.Generator,
     min_spans: int = 1,
 ) -> torch.Tensor:
-    """Sample a span mask for a padded batch.
+    """``(B, max(lengths))`` bool span mask for 50 Hz ``lengths (B,)``, never ``True`` on padding.
 
-    Args:
-        lengths: ``(B,)`` valid lengths (50 Hz frames) of each sequence.
-        mask_prob: probability that a frame starts a span (HuBERT: 0.08); each sequence gets
-            ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct starts (at least ``min_spans``).
-        mask_length: span length in frames (HuBERT: 10), shortened to ``L`` for shorter sequences.
-        generator: CPU generator, so that masks are reproducible independently of the global RNG.
-        min_spans: lower bound on the number of spans per non-empty sequence.
-
-    Returns:
-        ``(B, max(lengths))`` bool on CPU, ``True`` where the frame is masked; never ``True`` on
-        padding (positions ``>= lengths[b]``).
+    Each sequence gets ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct span starts (at least
+    ``min_spans``) of ``mask_length`` frames, drawn from ``generator`` (independent of the global RNG).
     """
     if not 0.0 <= mask_prob <= 1.0:
         raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
@@ -59,17 +50,8 @@ def span_mask(
 
 
 def leak_free(mask: torch.Tensor, radius: int) -> torch.Tensor:
-    """Masked frames whose whole window ``[j - radius, j + radius]`` is masked.
-
-    Args:
-        mask: ``(B, L)`` bool, ``True`` where the 50 Hz frame is masked (``False`` on padding).
-        radius: ``R >= 0`` in 50 Hz frames (:func:`label_radius`; ``R = 0`` returns ``mask``).
-
-    Returns:
-        ``(B, L)`` bool, ``True`` at ``j`` iff ``mask[b, j - R : j + R + 1]`` are all ``True``.
-        Positions outside ``[0, L)`` count as unmasked, so the first and last ``R`` frames are
-        never leak-free; padding is unmasked, so neither are the last ``R`` valid frames.
-    """
+    """``(B, L)`` bool: masked frames whose whole window ``[j - radius, j + radius]`` is masked
+    (positions outside ``[0, L)`` and padding count as unmasked)."""
     if mask.ndim != 2 or mask.dtype != torch.bool:
         raise ValueError(f"mask must be (B, L) bool, got {tuple(mask.shape)} {mask.dtype}")
     if radius < 0:
@@ -82,13 +64,8 @@ def leak_free(mask: torch.Tensor, radius: int) -> torch.Tensor:
 
 
 def conv_geometry(frontend: nn.Module) -> tuple[int, int, int]:
-    """``(kernel, stride, padding)`` in input frames of the ``Conv1d`` layers of ``frontend``
-    composed in registration order: output ``m`` sees input frames
-    ``[stride * m - padding, stride * m - padding + kernel - 1]``.
-
-    Assumes the layers run one after another in that order and nothing else mixes frames (true of
-    :class:`speech_assets.model.hubert.ConvSubsampler`: linear, norm and activations act per frame).
-    """
+    """``(kernel, stride, padding)`` in input frames of ``frontend``'s ``Conv1d`` layers composed in
+    registration order (assumes nothing else mixes frames, true of ``ConvSubsampler``)."""
     kernel, stride, padding = 1, 1, 0
     for layer in frontend.modules():
         if isinstance(layer, nn.Conv1d):
@@ -141,8 +118,7 @@ def label_radius(
 
 
 def pipeline_label_radius(frontend: nn.Module | None = None) -> int:
-    """:func:`label_radius` of this package's features and of ``frontend`` (default: a
-    :class:`~speech_assets.model.hubert.ConvSubsampler`, the model's frontend): 3."""
+    """:func:`label_radius` of this package's features and ``frontend`` (default ``ConvSubsampler``): 3."""
     from speech_assets.features.featurize import compute_deltas
     from speech_assets.features.shards import HOP_LENGTH, MFCC_DIM, N_MFCC, WIN_LENGTH
     from speech_assets.model.hubert import ConvSubsampler

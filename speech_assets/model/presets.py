@@ -9,12 +9,7 @@ from speech_assets.features.shards import N_MELS
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """Hyper-parameters of a :class:`~speech_assets.model.hubert.HubertPretrainModel`.
-
-    ``conv_channels`` is the width of the 2-layer convolutional subsampler (100 Hz -> 50 Hz),
-    ``dim`` the Transformer width, ``pos_kernel``/``pos_groups`` the convolutional relative
-    positional embedding (HuBERT/wav2vec 2.0 style).
-    """
+    """Hyper-parameters of a :class:`~speech_assets.model.hubert.HubertPretrainModel`."""
 
     name: str
     dim: int
@@ -31,16 +26,9 @@ class ModelPreset:
         return asdict(self)
 
     def train_flops_per_frame(self, mean_frames: float, ks: list[int]) -> float:
-        """Training FLOPs per 50 Hz output frame: forward + backward, the backward twice the
-        forward (input and weight gradients) except for the first convolution, whose input (the
-        features) needs no gradient.
-
-        ``mean_frames`` is the mean sequence length in 50 Hz frames (attention cost grows with it);
-        ``ks`` the codebook sizes of the heads (each frame goes through one head; their mean is used).
-        Counts multiply-adds as 2 FLOPs; ignores norms, activations, softmax and biases. Matches
-        ``torch.utils.flop_counter.FlopCounterMode`` within 1 % once that is corrected for grouped
-        convolutions (it counts their weight gradient as ungrouped; speech_assets_tests/model/test_flops.py).
-        """
+        """Training FLOPs per 50 Hz output frame (backward twice the forward, except the first
+        convolution's, whose input needs no gradient); ``mean_frames``: mean 50 Hz length, ``ks``:
+        the heads' codebook sizes. Within 1 % of ``FlopCounterMode`` corrected for grouped convolutions."""
         d, c = self.dim, self.conv_channels
         first = 2 * (self.input_dim * 2 * c)  # kernel 2, stride 2: one 50 Hz frame per output
         frontend = 2 * (c * c) + 2 * (c * d)  # kernel 1, then the projection
@@ -61,15 +49,7 @@ PRESETS: dict[str, ModelPreset] = {
     # ~1M parameters: CPU and CI. No dropout: a model this small underfits, and CPU dropout
     # costs about a quarter of the step time.
     "tiny": ModelPreset(
-        name="tiny",
-        dim=128,
-        layers=4,
-        heads=4,
-        ffn_dim=512,
-        conv_channels=128,
-        pos_kernel=31,
-        pos_groups=8,
-        dropout=0.0,
+        name="tiny", dim=128, layers=4, heads=4, ffn_dim=512, conv_channels=128, pos_kernel=31, pos_groups=8, dropout=0
     ),
     # HuBERT Base encoder width/depth (768 wide, 12 layers, 12 heads), ~95M parameters.
     "base": ModelPreset(

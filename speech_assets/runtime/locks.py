@@ -1,19 +1,11 @@
 """File locks (``flock``): :func:`flock` is the one place a lock is taken; :func:`exclusive_lock`
 holds one for a ``with`` block (writers of one shard, client folder or database take turns).
 
-A run folder's locks: one run per folder, and no new workers while old ones live.
-
-* ``.run.lock``: held exclusively by whoever runs in the folder: a training launcher (the Dagster
-  asset, ``python -m speech_assets.train --launch``) or, without one, rank 0 itself; a federated
-  run's launcher. A second one fails at once with the holder's record (pid, host, Dagster run,
-  start time).
-* ``.workers.lock``: every worker holds it shared for its whole life. A launcher that just took
-  the run lock waits (bounded) for an exclusive hold on it, i.e. until workers left behind by a
-  launcher that died are gone, before it starts new ones.
-
-``flock`` locks belong to open files, so the kernel drops them when their holder dies, also on
-``kill -9``: a dead trainer never leaves a stale lock. (On NFS see docs/OPERATIONS.md, "The shared
-data dir, and locks on NFS".)
+A run folder's locks: ``.run.lock``, held exclusively by whoever runs in the folder (a second
+run fails at once with the holder's record), and ``.workers.lock``, held shared by every worker,
+which a new launcher waits to hold exclusively so that workers of a dead launcher are gone first.
+The kernel drops an ``flock`` when its holder dies, also on ``kill -9``: no stale locks (NFS:
+docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
@@ -33,9 +25,8 @@ from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 
 def flock(path: str | os.PathLike[str], *, shared: bool = False, wait: bool = True) -> IO[str]:
-    """Open ``path`` (created, with its folder) and lock it, shared or exclusive, waiting for the
-    lock or not (``BlockingIOError`` at once when it is taken). The lock lasts until :func:`unlock`
-    or until this process ends: the kernel drops it then, also on ``kill -9``."""
+    """Open ``path`` (created, with its folder) and lock it until :func:`unlock` or this process ends;
+    ``wait=False``: ``BlockingIOError`` at once when it is taken."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until unlock()
@@ -62,10 +53,8 @@ LOCK_POLL_S = 0.05
 
 @contextlib.contextmanager
 def exclusive_lock(lock_file: str | os.PathLike[str], timeout_s: float | None = None) -> Iterator[IO[str]]:
-    """Hold an exclusive lock on ``lock_file`` for a ``with`` block, waiting for it if taken: writers
-    of one shard, one client folder or one database, in different runs or processes, take turns.
-    With ``timeout_s`` the wait is bounded: :class:`LockTimeout` once that many seconds passed
-    (``flock`` itself has no timeout, so the lock is tried every :data:`LOCK_POLL_S`)."""
+    """Hold an exclusive lock on ``lock_file`` for a ``with`` block; with ``timeout_s``,
+    :class:`LockTimeout` after that long (``flock`` has no timeout: the lock is polled)."""
     if timeout_s is None:
         handle = flock(lock_file)
     else:

@@ -1,16 +1,10 @@
 """A private network namespace: a loopback of its own for a group of processes, which no process
 outside it can reach (another user's of the same machine included).
 
-Linux only. :class:`PrivateNetwork` starts a small holder process in a new network namespace
-(util-linux ``unshare --net``; for a user other than root inside a new user namespace too, where
-that user is root of the namespace and of nothing else), brings its loopback up, and keeps the
-namespace alive until :meth:`PrivateNetwork.stop`. :meth:`PrivateNetwork.enter` prefixes a command
-with ``nsenter`` so that it runs inside: its servers bind the namespace's 127.0.0.1 and its clients
-reach only that. Entering needs ``CAP_SYS_ADMIN`` over the namespace, which only its owner (and
-the machine's root) holds; the files the processes write belong to the owner as usual.
-
-``python -m speech_assets.runtime.netns`` is the holder: it brings ``lo`` up, prints ``ready`` and
-waits for its standard input to close (its owner stopped it, or died).
+Linux only. :class:`PrivateNetwork` keeps a holder process (``python -m
+speech_assets.runtime.netns``, in ``unshare --net``, plus a user namespace for non-root) alive
+until :meth:`PrivateNetwork.stop`; :meth:`PrivateNetwork.enter` prefixes a command with
+``nsenter``. Entering needs ``CAP_SYS_ADMIN`` over the namespace, which only its owner holds.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ class NoPrivateNetwork(RuntimeError):
 
 
 def _variants() -> list[list[str]]:
-    """``unshare`` options to try, best first: root needs no user namespace (and keeps its access
-    to other users' files without one); anyone else needs one."""
+    """``unshare`` options to try: root needs no user namespace (and keeps its access to other users' files)."""
     user = ["--user", "--map-root-user", "--net"]
     return [["--net"], user] if os.geteuid() == 0 else [user]
 
@@ -91,8 +84,7 @@ class PrivateNetwork:
         return [shutil.which("nsenter") or "nsenter", f"--target={self.pid}", *user, "--net", "--", *command]
 
     def listening(self, port: int) -> bool:
-        """Whether a TCP socket listens on ``port`` inside the namespace (read from ``/proc``:
-        nothing outside can connect to see)."""
+        """Whether a TCP socket listens on ``port`` inside the namespace (read from ``/proc``)."""
         for table in ("tcp", "tcp6"):
             with contextlib.suppress(OSError), open(f"/proc/{self.pid}/net/{table}", encoding="ascii") as rows:
                 for row in list(rows)[1:]:

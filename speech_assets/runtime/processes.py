@@ -1,24 +1,12 @@
 """Who is alive: process identities that survive pid reuse, process trees, parent-death signals,
-a watchdog.
+a watchdog (Linux and macOS, through psutil).
 
-Where it runs: Linux and macOS. Identity, liveness and process listing go through psutil (Linux's
-``/proc``, macOS's ``sysctl``); the parent-death signal exists only on Linux.
-
-A process started for a run must not outlive the process that launched it. Two mechanisms, because
-neither covers every case alone:
-
-* ``die_with_parent``: ``prctl(PR_SET_PDEATHSIG)``, Linux only. The kernel signals the child when
-  the *thread* that forked it exits, which is the launcher dying in the common case; it survives
-  ``execve``, so a tiny wrapper can arm it before exec'ing ``torchrun``. Elsewhere it does nothing.
-* ``LauncherWatchdog``: a daemon thread that polls, every second, whether the launcher named in
-  ``$SPEECH_ASSETS_LAUNCHER`` (pid and start time, so a reused pid cannot fool it) still exists,
-  and ends this process if not: it covers launchers whose forking thread outlives them, launchers
-  that are not this process's parent at all (torchrun workers are grandchildren), and macOS.
-
-The watchdog ends a worker only when it can tell for sure that the launcher is gone: its pid is
-free (``kill(pid, 0)``, which needs no ``/proc``), it is a zombie, or the pid now belongs to a
-process that started at another time. Where the process table cannot be read (a container
-without ``/proc``) the launcher counts as alive while its pid is taken.
+A process started for a run must not outlive its launcher, by two mechanisms because neither
+covers every case: ``die_with_parent`` (``PR_SET_PDEATHSIG``, Linux only: fires when the *thread*
+that forked it exits, and survives ``execve``) and ``LauncherWatchdog``, which polls whether the
+launcher named in ``$SPEECH_ASSETS_LAUNCHER`` (pid and start time) still exists: it covers
+grandchildren such as torchrun workers, and macOS. It ends a worker only when the launcher is
+certainly gone; where the process table cannot be read the launcher counts as alive.
 """
 
 from __future__ import annotations
@@ -74,7 +62,7 @@ def _start_of(process: psutil.Process) -> int:
 
 def process_start_time(pid: int) -> int | None:
     """When ``pid`` started (Linux: clock ticks since boot; elsewhere: microseconds since the epoch),
-    or None if it does not run, has exited (a zombie), or its start cannot be read."""
+    or None if it does not run or its start cannot be read."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
@@ -106,9 +94,7 @@ class ProcessIdentity:
         return cls(int(pid), int(start), host)
 
     def gone(self) -> bool:
-        """Whether this process has certainly ended: its pid is free, it is a zombie, or its pid
-        belongs to a process that started at another time. False whenever that cannot be told:
-        on another host, or when the process table cannot be read."""
+        """Whether this process has certainly ended (False whenever that cannot be told)."""
         if self.host != socket.gethostname():
             return False
         if not pid_exists(self.pid):
@@ -129,13 +115,11 @@ class ProcessIdentity:
         return bool(self.start_time) and started != self.start_time
 
     def alive(self) -> bool:
-        """Whether this process may still run (True unless :meth:`gone` can tell it ended)."""
         return not self.gone()
 
 
 def command_lines() -> Iterator[tuple[int, list[str]]]:
-    """``(pid, argv)`` of every process whose command line this user may read; nothing when the
-    process table cannot be read."""
+    """``(pid, argv)`` of every process whose command line this user may read."""
     try:
         for process in psutil.process_iter(["cmdline"]):
             if process.info["cmdline"]:
@@ -145,8 +129,7 @@ def command_lines() -> Iterator[tuple[int, list[str]]]:
 
 
 def children_by_parent() -> dict[int, list[int]]:
-    """``{ppid: [live children]}`` of every process this user can see (zombies left out); empty
-    when the process table cannot be read."""
+    """``{ppid: [live children]}`` of every process this user can see (zombies left out)."""
     found: dict[int, list[int]] = {}
     with contextlib.suppress(psutil.Error, OSError, IndexError):  # no process table: nothing known
         for process in psutil.process_iter(["ppid", "status"]):
@@ -156,7 +139,7 @@ def children_by_parent() -> dict[int, list[int]]:
 
 
 def descendants(roots: Iterable[int]) -> set[int]:
-    """Live processes under ``roots`` (not the roots themselves), by their parent links."""
+    """Live processes under ``roots`` (not the roots themselves)."""
     children = children_by_parent()
     found: set[int] = set()
     stack = list(roots)
@@ -169,7 +152,6 @@ def descendants(roots: Iterable[int]) -> set[int]:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OSError):
@@ -177,15 +159,13 @@ def alive(pid: int) -> bool:
 
 
 def send(pids: Iterable[int], sig: int) -> None:
-    """``sig`` to each of ``pids`` that is still there."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
 
 def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
-    """Stop ``processes`` and everything they started: SIGTERM to the whole trees, up to
-    ``grace`` seconds for a clean exit, SIGKILL for the rest, then reap our own children."""
+    """Stop ``processes`` and everything they started: SIGTERM to the trees, ``grace`` seconds, SIGKILL, reap."""
     roots = [p.pid for p in processes if p.poll() is None]
     tree = descendants(roots) | set(roots)
     send(tree, signal.SIGTERM)
@@ -204,8 +184,7 @@ def terminate(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> Non
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits; whether it
-    is armed. Only Linux has such a signal: elsewhere this does nothing and returns False."""
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits; whether it is armed (Linux)."""
     if not on_linux():
         return False
     parent = os.getppid()
@@ -219,16 +198,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
 
 
 def exit_without_teardown() -> None:
-    """For a pool worker: when its interpreter exits (the pool has shut it down), flush the
-    standard streams and end the process at once instead of tearing the interpreter down.
-
-    A worker that imported torch spent 0.5-1 s (2 s on busy cores) freeing modules at exit, while
-    the pool's owner waited for it. By then the worker has written every result to the pool's
-    (synchronous) result queue and holds no open file of ours. The exit code becomes 0 whatever
-    it would have been: ``ProcessPoolExecutor`` never reads its workers' exit codes (a worker that
-    dies with work in hand breaks the pool through its sentinel). Exit handlers registered after
-    this one still run first; the interpreter's teardown and C-level stdio buffers are skipped.
-    """
+    """For a pool worker: at exit, flush the standard streams and end at once instead of tearing the
+    interpreter down (0.5-2 s with torch, while the pool's owner waits). Its results are already in
+    the pool's queue, and ``ProcessPoolExecutor`` never reads its workers' exit codes."""
 
     def end() -> None:
         for stream in (sys.stdout, sys.stderr):
@@ -240,7 +212,6 @@ def exit_without_teardown() -> None:
 
 
 def launcher_env() -> dict[str, str]:
-    """Environment that names this process as the launcher of the processes it starts."""
     return {LAUNCHER_ENV: ProcessIdentity.current().encode()}
 
 
@@ -265,7 +236,6 @@ class LauncherWatchdog(threading.Thread):
 
 
 def watch_launcher() -> LauncherWatchdog | None:
-    """Start a watchdog on ``$SPEECH_ASSETS_LAUNCHER`` if it is set (None otherwise)."""
     value = os.environ.get(LAUNCHER_ENV)
     if not value:
         return None

@@ -1,22 +1,11 @@
 """``python -m speech_assets.runtime.supervise -- COMMAND...``: run COMMAND and take every process
 it starts down with it.
 
-Flower's daemons start helpers of their own (the SuperLink's SuperExec in a session of its own,
-the ServerApp and ClientApp processes), and those only watch their parent's pid: when a daemon is
-SIGKILLed, a helper whose parent lingers as a zombie (or whose parent is re-parented to an init
-that does not reap) never notices. The tests' documented commands leave such trees too. This
-supervisor closes the gap:
-
-- it is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): whatever COMMAND starts stays
-  in its care when its parent dies, instead of going to init;
-- it dies with its own parent (its starter arms :func:`~speech_assets.runtime.processes.die_with_parent`
-  with SIGTERM) by catching that SIGTERM: it then SIGTERMs COMMAND and every descendant, waits up
-  to ``--grace`` seconds, SIGKILLs the rest and reaps them all; COMMAND itself gets SIGKILL should
-  this supervisor be SIGKILLed;
-- when COMMAND exits on its own, the same happens to whatever it left behind.
-
-Its exit code is COMMAND's (or 128 + the signal that stopped it). Both ``prctl`` calls are
-Linux's: on any other OS it refuses at once with one line (exit code 2).
+Flower's daemons start helpers that only watch their parent's pid, so a SIGKILLed daemon can leave
+them running. This supervisor is a child subreaper (whatever COMMAND starts stays in its care);
+on the SIGTERM of its parent's death, or when COMMAND exits, it SIGTERMs every descendant, waits
+``--grace`` seconds, SIGKILLs and reaps the rest. Its exit code is COMMAND's (or 128 + the signal).
+Linux only (exit code 2 elsewhere).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """HuBERT iteration 2: one client's k-means targets in the feature space of a trained encoder.
 
-Iteration 1 clusters MFCC frames; iteration 2 clusters the hidden states of one layer of the
-iteration-1 encoder (HuBERT: layer 6 of 12 for Base; here the middle layer by default). Each
-client clusters only its own utterances (the federated rule of iteration 1 still holds); the
-encoder is frozen, in eval mode, fp32 on CPU or bf16 autocast on CUDA.
-
-Features are never all in memory: the fit sample (whole utterances, at most ``config.max_fit_frames``
-50 Hz frames) is computed shard by shard, and the labelling pass computes, labels and drops one
-shard's features at a time. Labels come out at the model's 50 Hz rate directly (the encoder's
-output rate), ``len = (num_frames + 1) // 2``, the layout of iteration 1's ``labels.parquet``.
-
-The encoder is refused (:class:`EncoderRefused`) for a layer outside its Transformer or a
-checkpoint without the input normalisation it was trained with; a client's targets refit when its
-shards, held-out speakers, the encoder's weights, the layer, the settings or the code version change.
+Iteration 2 clusters the hidden states of one layer of the frozen iteration-1 encoder (the middle
+one by default, as HuBERT's layer 6 of 12), each client only its own utterances. Features are
+never all in memory: the fit sample and the labelling pass go one shard at a time. Labels come
+out at the encoder's 50 Hz rate, the layout of iteration 1's ``labels.parquet``.
 """
 
 from __future__ import annotations
@@ -43,15 +34,12 @@ def default_layer(model: HubertPretrainModel) -> int:
 
 
 class EncoderRefused(ValueError):
-    """A checkpoint iteration 2 cannot cluster in: a layer outside its Transformer, or no record
-    of the input normalisation it was trained with."""
+    """A checkpoint iteration 2 cannot cluster in (a layer outside it, or no recorded input normalisation)."""
 
 
 @dataclass(frozen=True)
 class Iteration2Encoder:
-    """The frozen encoder whose ``layer`` (1-based) iteration 2 clusters, with its own input
-    normalisation ``cmvn`` and the identity of its weights ``sha256``; ``checkpoint`` is its file,
-    ``asset`` and ``data_version`` the asset that made it and that materialization's version."""
+    """The frozen encoder whose ``layer`` (1-based) iteration 2 clusters, with its input normalisation."""
 
     model: HubertPretrainModel
     layer: int
@@ -62,12 +50,10 @@ class Iteration2Encoder:
     data_version: str
 
     def fit_inputs(self, settings: str, code_version: str) -> list[str]:
-        """What decides a client's fit beside its shards: the weights, the layer, ``settings``
-        (the JSON of every iteration-2 setting but the layer) and ``code_version``."""
+        """What decides a client's fit beside its shards."""
         return [self.sha256, str(self.layer), settings, code_version]
 
     def record(self) -> dict[str, Any]:
-        """The encoder's fields of each client's publish record (``quality.json``)."""
         return {
             "encoder_asset": self.asset,
             "checkpoint": self.checkpoint,
@@ -80,12 +66,7 @@ class Iteration2Encoder:
 def load_iteration2_encoder(
     checkpoint: str, layer: int, *, asset: str, data_version: str, device: torch.device | None = None
 ) -> Iteration2Encoder:
-    """The encoder of ``checkpoint`` (made by ``asset``) on ``device`` (CUDA when there is one),
-    at ``layer`` (``0``: :func:`default_layer`).
-
-    Raises :class:`EncoderRefused` for a layer outside ``1..N`` (N Transformer layers) or a
-    checkpoint that records no input normalisation (``asset`` must then be made again).
-    """
+    """The encoder of ``checkpoint`` on ``device`` (CUDA when there is one) at ``layer`` (0: :func:`default_layer`)."""
     encoder = load_encoder(checkpoint)
     model = encoder.model
     layer = layer or default_layer(model)
@@ -109,9 +90,7 @@ def iteration2_targets(
     log: Callable[[str], None] = print,
     warn: Callable[[str], None] = print,
 ) -> dict:
-    """Reuse or refit one client's targets in ``encoder``'s feature space; returns the published
-    record. The refit key: the client's shards and held-out speakers, then
-    :meth:`Iteration2Encoder.fit_inputs` of ``settings`` and ``code_version``."""
+    """Reuse or refit one client's targets in ``encoder``'s feature space; returns the published record."""
 
     def build() -> ClientTargetSet:
         return build_iter2_targets(
@@ -135,11 +114,7 @@ def iteration2_targets(
 def layer_frames(
     model: HubertPretrainModel, feats: Sequence[np.ndarray], layer: int, max_frames: int = 8000
 ) -> list[np.ndarray]:
-    """``layer``'s hidden states ``(L_i, D)`` float32 (``L_i = (T_i + 1) // 2``) of log-mel ``(T_i, 80)`` inputs.
-
-    Batches by length (padded size at most ``max_frames`` input frames); ``layer`` counts like
-    :meth:`HubertPretrainModel.hidden_states` (0 = the Transformer's input).
-    """
+    """``layer``'s hidden states ``(L_i, D)`` float32 of log-mel inputs (0: the Transformer's input)."""
     device = next(model.parameters()).device
     out: list[np.ndarray | None] = [None] * len(feats)
     for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
@@ -163,12 +138,8 @@ def build_iter2_targets(
     log: Callable[[str], None] = print,
     label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
-    """Fit one client's codebook on ``layer`` features of its own shards, then label all of them.
-
-    ``cmvn`` normalises the log-mel input exactly as the encoder was trained (its checkpoint's
-    record). ``label_only`` shards (the held-out speakers') are labelled but never fitted. Writes
-    ``codebook.npy`` ``(K, D)``, ``labels.parquet`` (50 Hz) and ``state.npz`` under ``out_dir``.
-    """
+    """Fit one client's codebook on ``layer`` features of its own shards, then label all of them;
+    ``label_only`` shards (the held-out speakers') are labelled but never fitted."""
     model.eval()
     fit_parts: list[np.ndarray] = []
     fit_paths = [path for path in shard_paths if path not in set(label_only)]

@@ -1,22 +1,15 @@
 """The publish policy of one client's k-means targets, both iterations.
 
-A client's folder is written under the client's lock (``TargetFiles.lock``): two runs
-never write it at once, and the second finds the first one's record and reuses it.
-``quality.json`` (:class:`~speech_assets.layout.TargetFiles`) is the record, written last and
-atomically; it decides what the next run does, and its ``data_version`` (the hash of the codebook
-and labels hashes) is the partition's data version.
+A client's folder is written under its lock; ``quality.json``, written last, is the record that
+decides what the next run does, and its ``data_version`` is the partition's.
 
-- Reuse: the record's ``inputs_key`` (shard versions, held-out speakers, settings, code version)
-  is this run's, its ``fit_key`` (settings that change a fit, code version) too, and the codebook
-  and labels on disk are the ones it recorded.
-- Iteration 1 (:func:`kmeans_client_targets`), otherwise: new speakers only (every old speaker
-  still there with the same shard) are labelled with the existing codebook while the client's
-  frames grew by at most ``refit_growth`` since the last refit, and while no speaker the codebook
-  was fitted on has since been held out; anything else refits.
-- Iteration 2 (:func:`publish_client_targets` with the encoder's builder): always a refit.
+- Reuse: the record's ``inputs_key`` and ``fit_key`` are this run's and the files are as recorded.
+- Iteration 1, otherwise: new speakers only are labelled with the existing codebook while the
+  client's frames grew by at most ``refit_growth`` since the last refit and no speaker the
+  codebook was fitted on has since been held out; anything else refits.
+- Iteration 2: always a refit.
 
-Held-out speakers are labelled, never fitted; client CMVN comes from the client's own training
-speakers only.
+Held-out speakers are labelled, never fitted; client CMVN comes from its training speakers only.
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 @dataclass(frozen=True)
 class ClientShards:
-    """One client's inputs: its speakers and held-out speakers (sorted), each speaker's shard
-    content hash (``shard_versions``) and shard file (``shard_file(speaker)``)."""
+    """One client's inputs: its (held-out) speakers, sorted, and each speaker's shard version and file."""
 
     client_id: str
     speakers: list[str]
@@ -51,8 +43,7 @@ class ClientShards:
 
 @dataclass(frozen=True)
 class KMeansPolicy:
-    """Iteration 1's settings: ``config`` the fit's, ``fit_settings`` the JSON of the settings
-    that change a fit (every one but ``refit_growth``); ``code_version`` the asset's."""
+    """Iteration 1's settings; ``fit_settings``: the JSON of those that change a fit (all but ``refit_growth``)."""
 
     config: KMeansConfig
     refit_growth: float
@@ -215,8 +206,7 @@ def iteration2_client_targets(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Iteration 2: reuse or refit one client's targets in an encoder's feature space; returns the
-    published record. ``fit_inputs``: what else decides the fit (encoder hash, layer, settings,
-    code version); ``record``: the encoder's fields of the record; ``build()`` fits and labels."""
+    published record. ``fit_inputs``: what else decides the fit; ``build()`` fits and labels."""
     inputs_key = sha256_strings(
         [json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs]
     )
@@ -243,9 +233,8 @@ def frames_at_last_refit(quality: dict) -> int | None:
 
 
 def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
-    """Whether a client that grew to ``frames_now`` since its codebook was fitted on
-    ``frames_at_refit`` frames may keep that codebook: growth is measured against the refit, not
-    the last extension, so repeated small extensions cannot compound past ``refit_growth``."""
+    """Whether a client that grew to ``frames_now`` may keep its codebook: growth is measured against
+    the refit, not the last extension, so small extensions cannot compound past ``refit_growth``."""
     return frames_now - frames_at_refit <= refit_growth * frames_at_refit
 
 
