@@ -1,13 +1,9 @@
 """What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder,
 and one line per encoder on whether fine-tuning it beat the same architecture from scratch.
 
-Light (pyarrow, no torch): ``finetuned_asr``'s metadata, its ``finetuning_is_sound`` check and
-``speech-assets finetune`` read it, through the same functions, so they say the same.
-Rows are grouped into :class:`~speech_assets.evaluation.compare.ProbeResult` per budget and
-decoder so that the probe's summary over seeds and its "too small to tell" rule
-(:func:`too_small_to_tell`) judge fine-tuning. A model that did not train (its CER on its own
-labelled utterances at or above :data:`DID_NOT_TRAIN_CER`) makes the comparison "not measured",
-and fewer held-out speakers than the probe's ``min_heldout_speakers`` make it "indicative only".
+Light (no torch): the asset's metadata, its check and ``speech-assets finetune`` read it through
+the same functions, so they say the same. Rows are grouped as the probe's results per budget and
+decoder so that the probe's summary over seeds judges fine-tuning too.
 """
 
 from __future__ import annotations
@@ -48,10 +44,8 @@ SCHEMA = pa.schema(
         ("dev_cer", pa.float64()),  # that step's greedy dev CER (the same on every row of one run)
         ("labelled_seconds", pa.float64()),
         ("checkpoint_sha256", pa.string()),
-        # per run (the same on every row of one run): the
-        # peak lr, the held-out speakers, the train + dev utterances whose normalised transcript is a
-        # held-out one (must be 0) and the share of held-out word tokens outside the labelled words
-        # (the beam decoder's lexicon)
+        # per run: the peak lr, the held-out speakers, the train + dev utterances whose transcript is a
+        # held-out one (must be 0), the share of held-out words outside the beam decoder's lexicon
         ("lr", pa.float64()),
         ("heldout_speakers", pa.int64()),
         ("text_overlap", pa.int64()),
@@ -73,7 +67,6 @@ SPREAD_FACTOR = 2.0
 
 
 def ratio(cer: float, baseline: float) -> str:
-    """``cer`` relative to ``baseline``'s, as ``0.85x``."""
     return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
 
 
@@ -106,8 +99,7 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The frozen probe's held-out CER (mean ± std over its seeds) of pretrained and fbank from its
-    ``results.parquet``, for :func:`markdown_tables`; empty if the probe has not run (or its file is unreadable)."""
+    """The frozen probe's held-out CER of pretrained and fbank; empty if the probe has not run."""
     from speech_assets.evaluation.compare import read_results
 
     if not os.path.isfile(path):
@@ -119,23 +111,13 @@ def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
     return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
 
 
+PROBE_COLUMNS = ("split", "cer", "wer", "utterances", "steps", "seed")  # in ProbeResult's field order
+
+
 def as_probe_results(rows: Sequence[Mapping[str, Any]], decoder: str, minutes: float) -> list[ProbeResult]:
     """The rows of one budget and decoder, as the probe's summaries read them."""
     return [
-        ProbeResult(
-            r["model"],
-            r["checkpoint_sha256"],
-            "ctc",
-            [],
-            r["split"],
-            r["cer"],
-            r["wer"],
-            r["utterances"],
-            r["steps"],
-            r["seed"],
-            "",
-            0,
-        )
+        ProbeResult(r["model"], r["checkpoint_sha256"], "ctc", [], *(r[c] for c in PROBE_COLUMNS), "", 0)
         for r in rows
         if r["decoder"] == decoder and r["labelled_minutes"] == minutes
     ]
@@ -146,7 +128,6 @@ def budgets(rows: Sequence[Mapping[str, Any]]) -> list[float]:
 
 
 def _of(rows: Sequence[Mapping[str, Any]], model: str, minutes: float, split: str = "heldout") -> list:
-    """One row per run (seed) of ``model`` at ``minutes``: its greedy row of ``split``."""
     return [
         r
         for r in rows
@@ -155,19 +136,16 @@ def _of(rows: Sequence[Mapping[str, Any]], model: str, minutes: float, split: st
 
 
 def _run_values(rows: Sequence[Mapping[str, Any]], column: str) -> list:
-    """The recorded (not None) values of a per-run column over ``rows``."""
     return [r[column] for r in rows if r.get(column) is not None]
 
 
 def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
-    """The fewest held-out speakers any run recorded; None where none recorded it."""
     found = _run_values(rows, "heldout_speakers")
     return int(min(found)) if found else None
 
 
 def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
-    """Why a verdict on ``rows`` is only indicative, in the probe's words (fewer held-out speakers
-    than ``min_heldout_speakers``), or None: enough speakers, or the number is not recorded."""
+    """Why a verdict on ``rows`` is only indicative, in the probe's words (None: enough speakers, or not recorded)."""
     speakers = heldout_speakers(rows)
     if speakers is None or speakers >= min_heldout_speakers:
         return None
@@ -175,20 +153,17 @@ def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MI
 
 
 def did_not_train(trained: Mapping[str, ModelSummary], model: str) -> bool:
-    """Whether ``model``'s mean CER on its own labelled utterances is at or above :data:`DID_NOT_TRAIN_CER`
-    (False where its labelled set was not scored)."""
     return model in trained and trained[model].cer.mean >= DID_NOT_TRAIN_CER
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
-    """One line per fine-tuned encoder (:func:`judged`)."""
     return [line for line, _ in judged(rows, min_heldout_speakers)]
 
 
 def indicative_verdicts(
     rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
 ) -> list[str]:
-    """The verdict lines that are only indicative: what makes ``finetuning_is_sound`` warn, in its words."""
+    """The verdict lines that are only indicative: what makes ``finetuning_is_sound`` warn."""
     return [line for line, why in judged(rows, min_heldout_speakers) if why]
 
 
@@ -197,9 +172,7 @@ def verdict_warnings(
     rows: Sequence[Mapping[str, Any]],
     min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS,
 ) -> list[str]:
-    """Every verdict warning the checks will show, ``<asset> <check>: <description>``, from the probe's
-    ``leaderboard.parquet`` rows and the fine-tuning ``results.parquet`` rows (either may be empty):
-    the same functions judge, so the list says what the UI shows."""
+    """Every verdict warning the checks will show, ``<asset> <check>: <description>``, judged by the same functions."""
     from speech_assets.evaluation.compare import FBANK, beats_baseline
 
     found = []
@@ -215,14 +188,10 @@ def verdict_warnings(
 def judged(
     rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
 ) -> list[tuple[str, str | None]]:
-    """(line, why it is only indicative or None) per fine-tuned encoder: at each budget, its
-    held-out greedy CER against scratch's (mean ± std over seeds, and their ratio) and whether it
-    beat scratch, lost, or the corpus is
-    too small to tell (too few held-out utterances or seeds, or a difference within the spread).
-    Where either model's greedy CER on its own labelled utterances is at or above
-    :data:`DID_NOT_TRAIN_CER` it did not train: "model did not train" / "baseline did not train",
-    not measured, never a win. Fewer held-out speakers than ``min_heldout_speakers`` (the probe's
-    ``[probe] min_heldout_speakers``) end the line with "(indicative only: ...)", as the probe's."""
+    """(line, why it is only indicative or None) per fine-tuned encoder: at each budget, its held-out
+    greedy CER against scratch's and whether it beat scratch, lost, or the corpus is too small to
+    tell. A model that did not train (labelled CER at or above :data:`DID_NOT_TRAIN_CER`) makes it
+    "not measured", never a win."""
     encoders = [m for m in dict.fromkeys(r["model"] for r in rows) if m != SCRATCH]
     lines = []
     for encoder in encoders:
@@ -261,7 +230,6 @@ def judged(
 
 
 def verdict_markdown(lines: Sequence[str]) -> str:
-    """The verdict lines as a markdown list (``finetuned_asr``'s and its check's ``verdict`` metadata)."""
     return "\n".join(f"- {line}" for line in lines)
 
 
@@ -283,9 +251,7 @@ def _spread(values: Sequence[float]) -> str:
 
 
 def text_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What the held-out text shares with the training text: the text overlap (must be 0) and the
-    held-out OOV rate against the beam decoder's lexicon (the labelled words), per budget; none of
-    either where the results do not record it."""
+    """The text overlap (must be 0) and the held-out OOV rate per budget, where recorded."""
     notes = []
     overlap = _run_values(rows, "text_overlap")
     if overlap:
@@ -308,12 +274,8 @@ def text_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] | None = None) -> str:
-    """Per budget and decoder: each model's held-out CER and WER (mean ± std over seeds), its CER
-    on its own labelled utterances and on the dev set at the selected step, its peak lr and the
-    selected step, best first; beam decoders' tables add the held-out OOV rate beside the WER
-    (the words they cannot output). ``probe``: the frozen probe's held-out CER by model (none:
-    the table says the probe has not run). Under each table, the text overlap and OOV rate where
-    recorded."""
+    """Per budget and decoder a table of each model's scores, best first; ``probe``: the frozen probe's
+    held-out CER by model (none: the table says the probe has not run)."""
     out: list[str] = []
     for minutes in budgets(rows):
         here = [r for r in rows if r["labelled_minutes"] == minutes]
@@ -362,14 +324,7 @@ def wer_by_budget(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[
     for model in dict.fromkeys(r["model"] for r in rows):
         means = []
         for minutes in x:
-            values = [
-                r["wer"]
-                for r in rows
-                if r["model"] == model
-                and r["labelled_minutes"] == minutes
-                and r["split"] == "heldout"
-                and r["decoder"] == GREEDY
-            ]
+            values = [r["wer"] for r in _of(rows, model, minutes)]
             means.append(sum(values) / len(values) if values else math.nan)
         series[model] = means
     return x, series

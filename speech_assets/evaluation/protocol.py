@@ -49,13 +49,9 @@ class ProbeLeak(ValueError):
 def probe_split(
     table: ClientsTable, recorded: Mapping[str, Mapping[str, list[str]] | None]
 ) -> tuple[list[str], list[str]]:
-    """(the probe's training speakers, its test speakers).
+    """(the probe's training speakers, its test speakers: the held-out speakers every encoder held out too).
 
-    Test speakers are the pipeline's held-out speakers (``table``'s ``heldout``) that every encoder
-    (``recorded``: name -> the ``speakers`` its checkpoint records) held out too; the probe trains
-    on every speaker that is not held out. Raises :class:`ProbeLeak` naming the encoder and the
-    speakers when a test speaker was in an encoder's training speakers, when an encoder records
-    no split, or when no test speaker is left.
+    ``recorded``: encoder name -> the ``speakers`` its checkpoint records.
     """
     heldout = {a.speaker_id for a in table if a.heldout}
     test = set(heldout)
@@ -73,8 +69,7 @@ def probe_split(
 
 
 def probe_models(loaded: Mapping[str, LoadedEncoder], seed: int) -> list[ProbeModel]:
-    """The baselines, then every encoder of ``loaded`` (``pretrained`` first: the baselines'
-    normalisation and the random encoder's preset are its), each with its input normalisation."""
+    """The baselines (with ``pretrained``'s normalisation and preset), then every encoder of ``loaded``."""
     from speech_assets.features.cmvn import UtteranceCmvn, from_record
     from speech_assets.model.encoders import random_encoder
     from speech_assets.model.presets import ModelPreset
@@ -82,13 +77,8 @@ def probe_models(loaded: Mapping[str, LoadedEncoder], seed: int) -> list[ProbeMo
     def model(name: str, encoder: LoadedEncoder | None, record: object) -> ProbeModel:
         normaliser = from_record(record) or UtteranceCmvn()
         label = "utterance" if isinstance(normaliser, UtteranceCmvn) else "global (training speakers)"
-        return ProbeModel(
-            name,
-            encoder.sha256 if encoder else "",
-            label,
-            lambda x: normaliser.apply(x, "logmel"),
-            encoder.model if encoder else None,
-        )
+        sha256, module = (encoder.sha256, encoder.model) if encoder else ("", None)
+        return ProbeModel(name, sha256, label, lambda x: normaliser.apply(x, "logmel"), module)
 
     pretrained = loaded["pretrained"].checkpoint
     baseline_norm = pretrained.get("normalisation")
@@ -99,9 +89,6 @@ def probe_models(loaded: Mapping[str, LoadedEncoder], seed: int) -> list[ProbeMo
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """One probe run: its split, models, the utterances it trained and tested on, every result
-    row and the leaderboard."""
-
     train_speakers: list[str]
     test_speakers: list[str]
     models: list[ProbeModel]
@@ -124,8 +111,7 @@ def run_probe(
     log: Callable[[str], None] = print,
     on_model: Callable[[ProbeResult], None] | None = None,
 ) -> ProbeRun:
-    """The protocol (module docstring) over ``loaded`` encoders; ``load_utterances(speakers)``:
-    those speakers' utterances, raw log-mel with transcripts. Raises :class:`ProbeLeak`."""
+    """The protocol over ``loaded`` encoders; ``load_utterances(speakers)``: their raw log-mel with transcripts."""
     train_speakers, test_speakers = probe_split(
         table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()}
     )
@@ -134,9 +120,8 @@ def run_probe(
     train, test = split_utterances(utterances, set(test_speakers), max_train_utterances, max_eval_utterances, seed)
     log(
         f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training "
-        f"utterances "
-        f"of {len(train_speakers)} speakers, {len(test)} held-out utterances of {len(test_speakers)} speakers "
-        f"({', '.join(test_speakers[:10])})"
+        f"utterances of {len(train_speakers)} speakers, {len(test)} held-out utterances of "
+        f"{len(test_speakers)} speakers ({', '.join(test_speakers[:10])})"
     )
     results = compare_encoders(train, test, models, options, on_model=on_model)
     return ProbeRun(
@@ -145,9 +130,8 @@ def run_probe(
 
 
 def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, encoders: Mapping[str, object]) -> None:
-    """Write the run's tables (the results last: its hash is the data version) and, in full, who
-    the probe trained and tested on beside what every encoder (``encoders``: name -> the
-    ``speakers`` its checkpoint records) held out: the disjointness anyone can audit."""
+    """Write the run's tables (the results last: their hash is the data version) and who the probe
+    trained and tested on beside what every encoder held out, for anyone to audit."""
     files.root.mkdir(parents=True, exist_ok=True)
     for table, path in (
         (utterances_table(run.results), files.utterances),
