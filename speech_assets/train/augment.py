@@ -1,24 +1,14 @@
 """Online augmentation of training features: additive noise at an SNR, and SpecAugment.
 
-Both act on what the training data path reads, the shards' 100 Hz log-mel ``(T, 80)``, so the
-frame count and therefore the 50 Hz targets never change. Every random choice comes from
-:func:`utterance_rng` of ``(seed, epoch, utt_id)``: an epoch replays exactly after a resume, on
-any number of processes or DataLoader workers. Off by default for pretraining (HuBERT uses
-neither); the settings name them, and MLflow records them with the run's other parameters.
+Both act on the shards' 100 Hz log-mel, so the frame count and the 50 Hz targets never change.
+Every random choice comes from :func:`utterance_rng` of ``(seed, epoch, utt_id)``, so an epoch
+replays exactly after a resume on any number of processes. Off by default (HuBERT uses neither).
 
-Noise is mixed in the mel power domain: the shards hold ``log(mel power + 1e-6)``, and the mel
-power of speech plus independent noise is, in expectation, the sum of their mel powers, so
-``log(exp(speech) + g * exp(noise))`` with ``g`` set for the drawn SNR is the log-mel of the
-mixture up to that expectation (no waveform is decoded again). Noise sources:
-
-* ``"coloured"``: white, pink or brown noise (power ~ f^0, f^-1, f^-2) generated from the seed and
-  featurised by the pipeline's own :class:`~speech_assets.features.featurize.FeatureExtractor`;
-* ``"babble"``: the sum of 3 other utterances of the *same client* (no audio crosses clients);
-* a folder: the ``.flac``/``.wav`` files under it (MUSAN's ``noise/`` for instance; symbolic
-  links are not followed), at most :data:`MAX_NOISE_FILES` files of :data:`MAX_NOISE_FILE_BYTES`
-  each and :data:`MAX_NOISE_BYTES` in all, listed when noise is first drawn; a file is decoded,
-  resampled to 16 kHz mono and featurised when it is first drawn, kept while the process's noise
-  cache (:data:`NOISE_CACHE_BYTES`) has room, then cropped at random.
+Noise is mixed in the mel power domain (in expectation the mel power of speech plus independent
+noise is the sum of theirs), so no waveform is decoded again. Sources: ``"coloured"`` (white,
+pink or brown, generated from the seed), ``"babble"`` (3 other utterances of the *same client*:
+no audio crosses clients) or a folder of ``.flac``/``.wav`` files (symbolic links not followed,
+bounded by :data:`MAX_NOISE_FILES` and the byte limits, featurised when first drawn).
 """
 
 from __future__ import annotations
@@ -121,7 +111,6 @@ class Augmentation:
         return bool(self.noise) or self.specaugment
 
     def describe(self) -> str:
-        """One line for logs: what is on."""
         parts = []
         if self.noise:
             parts.append(f"noise={self.noise} p={self.noise_prob} snr={self.snr_db[0]:g}..{self.snr_db[1]:g} dB")
@@ -184,11 +173,8 @@ def spec_augment(feats: torch.Tensor, rng: np.random.Generator, options: Augment
 
 
 class Augmenter:
-    """Applies an :class:`Augmentation` to one utterance's log-mel.
-
-    ``babble_source(utt_id, rng, count)`` returns up to ``count`` log-mel matrices of *other*
-    utterances of the same client (the dataset provides it); needed only for ``"babble"``.
-    """
+    """Applies an :class:`Augmentation` to one utterance's log-mel; ``babble_source(utt_id, rng, count)``
+    gives up to ``count`` log-mel matrices of other utterances of the same client."""
 
     def __init__(self, options: Augmentation, seed: int = 0) -> None:
         self.options = options

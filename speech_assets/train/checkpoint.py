@@ -1,10 +1,7 @@
-"""Checkpoint files: atomic writes, ``torch.load(weights_only=True)``-safe contents, retention,
-RNG state capture (the hash of model weights: model/encoders.weights_sha256), and the background
-writer (:class:`CheckpointWriter`) that keeps hashing and writing off the training loop.
+"""Checkpoint files: atomic writes, retention, RNG state capture, and a background writer.
 
-A training checkpoint is a dict of tensors and plain Python values only (no pickled classes):
-``format, step, model, optimizer, scheduler, scaler, sampler, rng (one entry per rank), config,
-data_versions, weights_sha256, progress, mlflow_run_id, plan``.
+A checkpoint holds tensors and plain Python values only (no pickled classes), so that it loads
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -31,18 +28,13 @@ log = logging.getLogger("speech_assets.train")
 CHECKPOINT_FORMAT = 1
 
 
-def checkpoint_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return RunFiles(Path(run_dir)).checkpoints
-
-
 def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
     return RunFiles(Path(run_dir)).checkpoint(step)
 
 
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write ``state`` with ``torch.save`` atomically (temp file, fsync, rename). The same state
-    gives the same bytes: saved through a file object, the archive's inner folder is ``archive``,
-    not the (random) temp file's name."""
+    """Write ``state`` atomically; through a file object, so that the archive's inner folder is not
+    the (random) temp file's name and the same state gives the same bytes."""
     path = Path(path)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as handle:
@@ -52,11 +44,9 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> P
 
 
 def host_copy(value: Any) -> Any:
-    """``value`` (nested dicts/lists/tuples of tensors and plain values) with every tensor copied to
-    host memory, pinned when it comes from a GPU (the copies are issued asynchronously on the
-    current stream, which is then synchronised once). It pickles to the same bytes as ``value``:
-    tensor layout (dtype, shape, strides), container classes and their attributes (a state dict's
-    ``_metadata``) and the sharing of objects (pickle's memo) are kept, as ``copy.deepcopy`` keeps them."""
+    """``value`` with every tensor copied to (pinned, for GPU tensors) host memory, asynchronously
+    then synchronised once. Through ``copy.deepcopy`` with the copies in its memo, so that it
+    pickles to the same bytes: layouts, container attributes and object sharing are kept."""
     memo: dict[int, Any] = {}
     pending = False
 
@@ -92,11 +82,9 @@ def finish_and_write(path: Path, state: dict[str, Any]) -> Path:
 
 
 class CheckpointWriter:
-    """Writes checkpoints off the training loop: :meth:`submit` copies the state to host memory
-    (the only part the caller waits for) and a background thread hashes the weights and writes
-    the file atomically, then runs ``after`` (pruning). One write at a time: a submit waits for the
-    previous write, so host memory holds at most one snapshot. A failed write is raised by the
-    next :meth:`submit` or :meth:`wait`. ``background=False`` does the same in the caller."""
+    """Writes checkpoints off the training loop: :meth:`submit` copies the state to host memory and a
+    thread hashes and writes it, then runs ``after``. One write at a time, so host memory holds at
+    most one snapshot; a failed write is raised by the next :meth:`submit` or :meth:`wait`."""
 
     def __init__(self, background: bool = True) -> None:
         self.background = background
@@ -125,7 +113,6 @@ class CheckpointWriter:
             self._error = error
 
     def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -135,12 +122,11 @@ class CheckpointWriter:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a checkpoint on CPU with ``weights_only=True`` (no arbitrary unpickling)."""
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the run's step checkpoints, oldest first (temp files are ignored)."""
+    """``(step, path)`` of the run's step checkpoints, oldest first."""
     files = RunFiles(Path(run_dir))
     return [(step, files.checkpoint(step)) for step in files.checkpoint_steps.numbers(files.checkpoints)]
 
@@ -151,13 +137,12 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int, keep_steps: Collection[int] = ()) -> list[Path]:
-    """Delete all but the ``keep`` newest step checkpoints and those of ``keep_steps`` (a model
-    selected on a dev set), and the temp files of writes that a killed attempt left (never
-    trusted, but each as large as a checkpoint); returns the deleted paths. Called by the one
-    writer of the run folder after a write, so no write of its own is in flight."""
+    """Delete all but the ``keep`` newest step checkpoints and those of ``keep_steps``, and the temp
+    files a killed write left (each as large as a checkpoint); returns the deleted paths. Only
+    the run folder's one writer calls it, after a write, so no write of its own is in flight."""
     found = list_checkpoints(run_dir)
     doomed = [path for step, path in found[: max(len(found) - keep, 0)] if step not in keep_steps]
-    folder = checkpoint_dir(run_dir)
+    folder = RunFiles(Path(run_dir)).checkpoints
     steps = RunFiles(Path(run_dir)).checkpoint_steps
     doomed += sorted(
         p
@@ -170,7 +155,7 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int, keep_steps: Co
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
-    """torch (CPU and ``device`` if CUDA), numpy and Python ``random`` states as tensors/plain values."""
+    """torch, CUDA, numpy and Python ``random`` states as tensors and plain values."""
     _, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     version, py_state, gauss = random.getstate()
     return {

@@ -1,12 +1,10 @@
 """``python -m speech_assets.train.local_torchrun [torchrun options] -m MODULE ...``: torchrun for
 one node whose rendezvous listens on 127.0.0.1 only.
 
-``torchrun --standalone`` hosts its rendezvous store (a TCPStore, whose agents unpickle state read
-from it) on every interface, whatever host it is given, and so does rank 0's store for the
-workers when ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is set. Here the ``loopback`` rendezvous
-backend hands the store a socket already bound to 127.0.0.1, the workers join that store as
-clients, and gloo and NCCL talk over the loopback interface. Each rendezvous round (a restart of
-the worker group) gets a fresh store, so a restarted group never reads the last one's keys.
+``torchrun --standalone`` hosts its rendezvous store (whose agents unpickle what they read from it)
+on every interface. Here the ``loopback`` backend hands the store a socket already bound to
+127.0.0.1 and gloo and NCCL talk over loopback; each rendezvous round gets a fresh store, so a
+restarted group never reads the last one's keys.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The CUDA out-of-memory protocol between a training worker and its launcher.
 
-A rank that hits ``torch.cuda.OutOfMemoryError`` with a known batch writes ``run_dir/oom.json``
-and exits with :data:`OOM_EXIT_CODE` (:func:`exit_after_oom`); the launcher
-(``python -m speech_assets.train --launch`` or the Dagster asset) sees the marker via
-:func:`detect_oom` and launches again with half the per-device batch and twice the
-accumulation, up to :data:`MAX_OOM_RETRIES` times (:func:`retrying_oom`). Each attempt resumes
-from the run's latest checkpoint; a worker refuses a batch that already ran out of memory in
-the run (:func:`refuse_known_oom`) and clears the marker once the run is done.
+A rank out of memory writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`; the launcher
+then launches again with half the per-device batch and twice the accumulation (the same effective
+batch), up to :data:`MAX_OOM_RETRIES` times, each attempt resuming from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -63,12 +59,8 @@ def retrying_oom(
     failed: Callable[[Outcome], bool] = lambda _: False,
     warn: Callable[[str], None] = log.warning,
 ) -> tuple[Outcome, int]:
-    """Run ``attempt(config, n)`` until it succeeds, retrying CUDA out-of-memory failures (a
-    rank left :attr:`~speech_assets.layout.RunFiles.oom`) up to :data:`MAX_OOM_RETRIES` times, each with half the
-    per-device batch and twice the accumulation. An attempt fails by raising or by an outcome
-    that ``failed`` says is one; any other failure, or the last, is returned or raised as it is.
-    Returns the outcome and the number of retries.
-    """
+    """Run ``attempt(config, n)``, retrying out-of-memory failures (raised, or an outcome ``failed``
+    says is one, with the marker left); returns the outcome and the number of retries."""
     for retry in range(MAX_OOM_RETRIES + 1):
         clear_oom(run_dir)
         try:
@@ -88,7 +80,6 @@ def retrying_oom(
 def exit_after_oom(
     run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: BaseException
 ) -> NoReturn:
-    """A worker out of CUDA memory with this batch: the marker, then :data:`OOM_EXIT_CODE`."""
     write_oom_marker(run_dir, rank, batch_seconds, grad_accum, str(error))
     log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", batch_seconds, grad_accum, error)
     raise SystemExit(OOM_EXIT_CODE) from error

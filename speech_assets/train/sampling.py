@@ -1,21 +1,12 @@
 """The training reading order: each decompressed block of a shard is used for whole batches.
 
-A shard is Parquet row groups ("blocks") of a few dozen utterances; reading one utterance means
-decompressing its whole block. Shuffling the whole corpus (``data.DurationBucketSampler``) then
-decompresses a block for nearly every utterance and uses a sliver of it. Here, per epoch:
-
-1. the blocks are shuffled (seeded by ``seed`` and the epoch) and dealt round-robin to ranks;
-2. each rank walks its blocks in windows of ``window_blocks``; within a window the utterances are
-   shuffled and cut into duration-bucketed batches (padded size ``len * longest`` within
-   ``batch_seconds``), whose order is shuffled;
-3. with ``num_workers`` DataLoader workers, whole windows go to one worker each and the batch list
-   is interleaved so that DataLoader's round-robin hands every batch to the worker holding its
-   window.
-
-A block is thus decompressed once per epoch per rank (the dataset caches a window's blocks), and
-mixing still spans ``window_blocks`` random blocks from many speakers. Every rank gets the same
-number of batches (the longest lists are cut), so ranks stay in lock-step, and the batch list
-is a pure function of (seed, epoch, rank, world size, workers): a position in it resumes exactly.
+Reading one utterance decompresses its whole row group ("block"), so shuffling the whole corpus
+would decompress a block for nearly every utterance. Per epoch, the blocks are shuffled and dealt
+to ranks; each rank walks them in windows of ``window_blocks`` whose utterances are shuffled and
+cut into duration-bucketed batches; with DataLoader workers, whole windows go to one worker and
+the batches are interleaved so that DataLoader's round-robin hands each to the worker holding its
+window. Every rank gets the same number of batches, a pure function of (seed, epoch, rank, world
+size, workers), so a position in it resumes exactly.
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ log = logging.getLogger("speech_assets.train")
 
 @contextlib.contextmanager
 def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
-    """This process as a training worker, alone or one rank of a torchrun job: logging, its hold on
-    the run folder (:func:`hold_run_folder`), the process group; a CUDA out-of-memory error with a
-    known batch (``job.batch``) writes ``run_dir/oom.json`` and exits (:func:`exit_after_oom`)."""
+    """This process as a training worker, alone or one rank of a torchrun job; a CUDA out-of-memory
+    error with a known batch exits as :mod:`speech_assets.train.oom` says."""
     handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
     job: Distributed | None = None
     folder = contextlib.ExitStack()
@@ -51,11 +50,8 @@ def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
 
 
 def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
-    """Rank 0 logs INFO to ``run_dir/train.log`` and to stderr, other ranks only warnings.
-
-    Under Dagster Pipes rank 0's records reach the run through the Pipes session already, so
-    stderr gets only warnings there: each line appears once in the run's log.
-    """
+    """Rank 0 logs INFO to ``run_dir/train.log`` and stderr, other ranks only warnings; under Pipes
+    stderr gets only warnings, since the Pipes session already carries the records."""
     from dagster_pipes import PipesEnvVarParamsLoader
 
     handlers: list[logging.Handler] = []
@@ -76,12 +72,8 @@ def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
 
 @contextlib.contextmanager
 def hold_run_folder(run_dir: str, command: str) -> Iterator[None]:
-    """This worker's claim on the run folder, and its tie to the launcher's life.
-
-    Launched (by the asset, ``--launch`` or torchrun): die with the parent, and with the launcher
-    named in the environment. Every worker holds the workers' lock shared; the run lock is the
-    launcher's, or, when nobody launched this process, rank 0's own.
-    """
+    """This worker's claim on the run folder (the run lock is the launcher's, else rank 0's), and
+    when launched its tie to the launcher's life."""
     if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
         watch_launcher()
