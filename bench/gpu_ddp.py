@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from speech_assets.model import HubertPretrainModel, get_preset  # noqa: E402
+from speech_assets.model.hubert import HubertPretrainModel  # noqa: E402
+from speech_assets.model.presets import get_preset  # noqa: E402
 
 
 def timed_steps(

@@ -16,7 +16,8 @@ from speech_assets.evaluation.decoding import beam_decoder, unavailable, write_a
 from speech_assets.evaluation.finetune import Candidate, ctc_feasible, labelled_subset, tri_stage
 from speech_assets.evaluation.recognise import RecogniserError, Transcript, audio_files, model_folder, vocabulary
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
-from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 from speech_assets.train.data import Batch
 from speech_assets.train.objectives import CtcForward, CtcTraining, ctc_loss
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from speech_assets.features.shards import read_shard_table
-from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.config import FinetuneConfig
 from speech_assets.train.launch import TORCHRUN_ENV, build_torchrun_command

@@ -2,8 +2,9 @@
 
 import torch
 
-from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 
 
 def _model(seed: int) -> HubertPretrainModel:

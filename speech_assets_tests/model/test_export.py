@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.export import ExportableEncoder, export_all
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 
 
 @pytest.fixture(scope="module")

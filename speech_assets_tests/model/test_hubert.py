@@ -1,15 +1,10 @@
 import pytest
 import torch
 
-from speech_assets.model import (
-    PRESETS,
-    HubertPretrainModel,
-    count_parameters,
-    get_preset,
-    masked_prediction_loss,
-    output_lengths,
-    span_mask,
-)
+from speech_assets.model.hubert import HubertPretrainModel, count_parameters, output_lengths
+from speech_assets.model.loss import masked_prediction_loss
+from speech_assets.model.masking import span_mask
+from speech_assets.model.presets import PRESETS, get_preset
 
 KS = {"a": 7, "b": 5}
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.model import IGNORE_INDEX, ClientLogits, masked_prediction_loss, summarize
+from speech_assets.model.hubert import ClientLogits
+from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
 
 
 def _case() -> tuple[list[ClientLogits], torch.Tensor, torch.Tensor]:

@@ -8,9 +8,8 @@ from torch import nn
 
 from speech_assets.features.featurize import FeatureExtractor
 from speech_assets.features.shards import HOP_LENGTH, WIN_LENGTH
-from speech_assets.model import output_lengths, span_mask
-from speech_assets.model.hubert import ConvSubsampler
-from speech_assets.model.masking import conv_geometry, label_radius, leak_free, pipeline_label_radius
+from speech_assets.model.hubert import ConvSubsampler, output_lengths
+from speech_assets.model.masking import conv_geometry, label_radius, leak_free, pipeline_label_radius, span_mask
 from speech_assets.targets.kmeans import to_model_rate
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from speech_assets.model import HubertPretrainModel, get_preset, output_lengths, padding_mask, span_mask
+from speech_assets.model.hubert import HubertPretrainModel, output_lengths, padding_mask
+from speech_assets.model.masking import span_mask
+from speech_assets.model.presets import get_preset
 
 FRAMES = 101  # odd: the last output pairs a real frame with the appended zero frame
 

@@ -10,7 +10,8 @@ import torch
 
 from speech_assets.features.cmvn import Cmvn, UtteranceCmvn
 from speech_assets.features.shards import read_shard_table
-from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.iteration2 import (
     EncoderRefused,

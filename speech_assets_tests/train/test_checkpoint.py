@@ -4,8 +4,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.encoders import weights_sha256
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 from speech_assets.train.checkpoint import (
     capture_rng_state,
     checkpoint_path,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.model import IGNORE_INDEX
+from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.train.data import (
     DurationBucketSampler,
     UtteranceDataset,

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.model import IGNORE_INDEX, HubertPretrainModel, get_preset, output_lengths, span_mask
-from speech_assets.model.hubert import ClientLogits
-from speech_assets.model.loss import masked_prediction_loss
+from speech_assets.model.hubert import ClientLogits, HubertPretrainModel, output_lengths
+from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss
+from speech_assets.model.masking import span_mask
+from speech_assets.model.presets import get_preset
 from speech_assets.train.data import (
     Batch,
     BatchBuilder,

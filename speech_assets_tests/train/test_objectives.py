@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.model import IGNORE_INDEX, HubertPretrainModel, get_preset
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.model.masking import leak_free, pipeline_label_radius
+from speech_assets.model.presets import get_preset
 from speech_assets.train.data import UtteranceDataset, build_index, collate, eval_batches
 from speech_assets.train.engine import Distributed
 from speech_assets.train.objectives import MaskedPrediction
