@@ -460,24 +460,11 @@ def render_utterance(engine: Engine, voice: SpeakerVoice, text: str, rng: np.ran
     return _finish(speech, rng)
 
 
-@dataclass(frozen=True)
-class _Utterance:
-    utt_id: str
-    path: Path
-    transcript: str
-    seconds: float
-
-
 def _chapter_sizes(utterances: int, rng: np.random.Generator) -> list[int]:
     if utterances < 2 or rng.random() < 0.5:
         return [utterances]
     first = math.ceil(utterances / 2)
     return [first, utterances - first]
-
-
-def _write_transcripts(chapter_dir: Path, stem: str, utterances: Sequence[_Utterance]) -> None:
-    lines = "".join(f"{u.utt_id} {u.transcript}\n" for u in utterances)
-    (chapter_dir / f"{stem}.trans.txt").write_text(lines, encoding="utf-8")
 
 
 def _write_speakers_txt(out_dir: Path, rows: Sequence[tuple[str, SpeakerVoice, float]], seed: int) -> None:
@@ -514,28 +501,26 @@ def _synth_speaker(
     voice: SpeakerVoice,
     sentences: Sequence[str],
     seed: int,
-) -> list[_Utterance]:
+) -> tuple[int, float]:
+    """Write one speaker's chapters (audio and transcripts); returns (chapters, seconds of audio)."""
     speaker_id = str(FIRST_SPEAKER_ID + speaker_index)
     sizes = _chapter_sizes(len(sentences), np.random.default_rng([seed, speaker_index, 0]))
-    written: list[_Utterance] = []
+    seconds, done = 0.0, 0
     for chapter_index, size in enumerate(sizes):
         chapter_id = f"{speaker_id}{chapter_index + 1:02d}"
         chapter_dir = out_dir / speaker_id / chapter_id
         chapter_dir.mkdir(parents=True)
-        chapter: list[_Utterance] = []
-        for number, index in enumerate(range(len(written), len(written) + size)):
+        lines = []
+        for number, index in enumerate(range(done, done + size)):
             rng = np.random.default_rng([seed, speaker_index, 1, index])
             pcm = render_utterance(engine, voice, sentences[index], rng)
-            path = chapter_dir / f"{speaker_id}-{chapter_id}-{number:04d}.flac"
-            chapter.append(_write_utterance(path, sentences[index], pcm))
-        _write_transcripts(chapter_dir, f"{speaker_id}-{chapter_id}", chapter)
-        written.extend(chapter)
-    return written
-
-
-def _write_utterance(path: Path, sentence: str, pcm: np.ndarray) -> _Utterance:
-    sf.write(path, pcm, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
-    return _Utterance(path.stem, path, transcript_of(sentence), pcm.size / SAMPLE_RATE)
+            utt_id = f"{speaker_id}-{chapter_id}-{number:04d}"
+            sf.write(chapter_dir / f"{utt_id}.flac", pcm, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+            lines.append(f"{utt_id} {transcript_of(sentences[index])}\n")
+            seconds += pcm.size / SAMPLE_RATE
+        (chapter_dir / f"{speaker_id}-{chapter_id}.trans.txt").write_text("".join(lines), encoding="utf-8")
+        done += size
+    return len(sizes), seconds
 
 
 def synthesize_corpus(
@@ -563,9 +548,9 @@ def synthesize_corpus(
     for index in range(speakers):
         engine, base = cycle[index % len(cycle)]
         voice = _speaker_voice(engine, base, np.random.default_rng([seed, index, 2]))
-        written = _synth_speaker(out_dir, index, engine, voice, pools[index], seed)
-        chapters += len({u.path.parent for u in written})
-        rows.append((str(FIRST_SPEAKER_ID + index), voice, sum(u.seconds for u in written)))
+        speaker_chapters, seconds = _synth_speaker(out_dir, index, engine, voice, pools[index], seed)
+        chapters += speaker_chapters
+        rows.append((str(FIRST_SPEAKER_ID + index), voice, seconds))
     _write_speakers_txt(out_dir, rows, seed)
 
     return SynthReport(

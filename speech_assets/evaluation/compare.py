@@ -124,23 +124,9 @@ class ProbeResult:
 def results_table(results: Sequence[ProbeResult]) -> pa.Table:
     import pyarrow as pa
 
-    schema = pa.schema(
-        [
-            ("model", pa.string()),
-            ("checkpoint_sha256", pa.string()),
-            ("probe", pa.string()),
-            ("layer_weights", pa.list_(pa.float64())),
-            ("split", pa.string()),
-            ("cer", pa.float64()),
-            ("wer", pa.float64()),
-            ("utterances", pa.int64()),
-            ("steps", pa.int64()),
-            ("seed", pa.int64()),
-            ("normalisation", pa.string()),
-            ("speakers", pa.int64()),
-            ("lr", pa.float64()),
-        ]
-    )
+    types = {"layer_weights": pa.list_(pa.float64()), "cer": pa.float64(), "wer": pa.float64(), "lr": pa.float64()}
+    types |= dict.fromkeys(("utterances", "steps", "seed", "speakers"), pa.int64())
+    schema = pa.schema([(column, types.get(column, pa.string())) for column in RESULT_COLUMNS])
     return pa.Table.from_pylist([r.row() for r in results], schema=schema)
 
 
