@@ -265,12 +265,12 @@ def probe_features(model: ProbeModel, utterances: Sequence[Utterance]) -> list[t
     """Per utterance, ``(1, T, 80)`` normalised log-mel, or the encoder's ``(layers + 1, (T + 1) // 2, D)``."""
     import torch
 
-    from speech_assets.evaluation.encoders import layer_features
+    from speech_assets.model.batches import frozen_hidden_states
 
     feats = [normalised(model, u.feats) for u in utterances]
     if model.encoder is None:
         return [torch.from_numpy(f)[None] for f in feats]
-    return layer_features(model.encoder, feats)
+    return frozen_hidden_states(model.encoder, feats)
 
 
 def compare_encoders(

@@ -1,8 +1,7 @@
 """What probes read from the encoders under evaluation (loading them: model/encoders.py).
 
-* :func:`load_utterances`: the raw log-mel ``(T, 80)`` and the transcript of every kept utterance
-  of some shards (each model under probe normalises it its own way: evaluation/compare.py);
-* :func:`layer_features`: every layer's frozen output per utterance.
+The raw log-mel ``(T, 80)`` and the transcript of every kept utterance of some shards (each model
+under probe normalises it its own way: evaluation/compare.py).
 """
 
 from __future__ import annotations
@@ -13,12 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from speech_assets.evaluation.text import normalise
 from speech_assets.features.shards import iter_shard
-from speech_assets.model.batches import batches_by_length, pad
-from speech_assets.model.hubert import HubertPretrainModel
 
 
 @dataclass
@@ -56,20 +52,3 @@ def manifest_utterances(
     return load_utterances(
         shards, dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
     )
-
-
-@torch.no_grad()
-def layer_features(
-    model: HubertPretrainModel, feats: Sequence[np.ndarray], max_frames: int = 8000
-) -> list[torch.Tensor]:
-    """Frozen hidden states of every utterance: ``(layers + 1, L_i, D)`` float32 each, ``L_i = (T_i + 1) // 2``
-    (see :meth:`HubertPretrainModel.hidden_states` for what each layer is)."""
-    model.eval()
-    out: list[torch.Tensor | None] = [None] * len(feats)
-    for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
-        padded, lengths = pad([feats[i] for i in batch])
-        states, encoded = model.hidden_states(padded, lengths)
-        stacked = torch.stack(states, dim=1)  # (B, layers + 1, L, D)
-        for row, index in enumerate(batch):
-            out[index] = stacked[row, :, : int(encoded.lengths[row])].clone()
-    return [t for t in out if t is not None]

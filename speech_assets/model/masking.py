@@ -90,26 +90,12 @@ def label_radius(
     """Radius ``R`` in 50 Hz frames such that label ``j``'s receptive field lies inside masked model
     frames iff ``mask[j - R .. j + R]`` are all masked (:func:`leak_free`).
 
-    The chain, at 100 Hz frame ``c = stride * j`` (labels are at the model rate, one per output
-    frame, taken from every ``stride``-th 100 Hz frame: ``targets.kmeans.to_model_rate``):
-
-    1. label ``j`` is the k-means cluster of MFCC frame ``c``, whose ``delta_orders`` chained
-       deltas (Δ, ΔΔ) each reach ``n = (delta_window - 1) // 2`` frames either side: it depends on
-       the cepstra of frames ``c - n * delta_orders .. c + n * delta_orders``;
-    2. frame ``t`` is computed from samples ``[hop * t, hop * t + win)`` (DC removal, pre-emphasis
-       and window all frame-local), so frames ``t`` and ``t'`` share samples iff
-       ``|t - t'| * hop < win``, i.e. ``|t - t'| <= (win - 1) // hop``: the log-mel frames that
-       carry any of the label's audio are ``|t - c| <= K`` with
-       ``K = n * delta_orders + (win - 1) // hop``;
-    3. model frame ``m`` sees log-mel frames ``[stride * m - padding, stride * m - padding + kernel - 1]``
-       (:func:`conv_geometry`), which meet ``[c - K, c + K]`` iff
-       ``j - (K + kernel - 1 - padding) // stride <= m <= j + (K + padding) // stride``.
-
-    ``R`` is the larger of the two reaches. The pipeline's numbers (:func:`pipeline_label_radius`):
-    window 400, hop 160, delta window 5 applied twice, frontend kernel 2 / stride 2 / padding 0:
-    ``K = 2 * 2 + 399 // 160 = 6`` log-mel frames, ``R = max(7 // 2, 6 // 2) = 3``. Not counted:
-    the CMVN statistics (corpus- or speaker-level sums, not local) and the deltas' edge
-    replication (which only shrinks the field at the ends; edges are never leak-free anyway).
+    Label ``j`` is MFCC frame ``c = stride * j``, whose chained deltas reach ``n * delta_orders``
+    frames either side (``n = (delta_window - 1) // 2``); frames ``|t - c| <= (win - 1) // hop``
+    share samples with it, so the label's audio spans log-mel frames ``|t - c| <= K``, ``K = n *
+    delta_orders + (win - 1) // hop``; model frame ``m`` sees log-mel frames ``[stride * m -
+    padding, stride * m - padding + kernel - 1]``. For this pipeline ``K = 6`` and ``R = 3``
+    (CMVN's corpus-level sums are not local, so not counted).
     """
     if min(win_length, hop_length, kernel, stride) < 1 or delta_window < 3 or delta_orders < 0 or padding < 0:
         raise ValueError("window, hop, kernel and stride must be >= 1, delta window >= 3, orders and padding >= 0")

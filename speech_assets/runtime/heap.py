@@ -15,17 +15,10 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Inside the block, the objects that exist when it starts are left out of garbage
-    collection: a full collection walks only what the block allocated. They are handed back to
-    the collector after (``gc.freeze``/``gc.unfreeze`` move whole generations: O(1)).
+    """Inside the block, the objects that exist when it starts are left out of garbage collection
+    (``gc.freeze``, O(1)): collections took 0.83 s of an 11 s absorb, 0.19 s frozen (docs/BENCHMARKS.md).
 
-    Measured (docs/BENCHMARKS.md): replaying fresh data's runs in one process that had
-    loaded the code location, collections took 0.83-0.88 s of an 11 s absorb, 0.19-0.24 s with
-    its heap frozen; in the shard builder, a full collection of a torch process's ~200k objects
-    took ~95 ms every few shards.
-
-    A heap someone else froze (a preloading server, an outer block) is left as it is: unfreezing
-    would hand back their objects too.
+    A heap someone else froze is left as it is: unfreezing would hand back their objects too.
     """
     if gc.get_freeze_count():
         yield

@@ -49,14 +49,10 @@ def build_client_targets(
     log: Callable[[str], None] = print,
     label_only: Collection[Path] = (),
 ) -> ClientTargetSet:
-    """Fit one client's k-means on its own shards only, then label every frame of them.
+    """Fit one client's k-means on its own shards only, then label every frame of them at 50 Hz.
 
-    ``label_only`` shards (the held-out speakers') are labelled but never part of the fit, so
-    no codebook a model trains on has seen them; ``client_cmvn`` must exclude them too.
-
-    Memory is bounded: the fit sees at most ``config.max_fit_frames`` frames, drawn as whole
-    utterances with ``config.seed``; labelling streams one shard at a time. Labels are stored at the
-    model's 50 Hz rate (every second 100 Hz frame), so ``len = (num_frames + 1) // 2``.
+    ``label_only`` shards (the held-out speakers') are labelled but never fitted; ``client_cmvn``
+    must exclude them too. The fit sees at most ``config.max_fit_frames`` frames of whole utterances.
     """
     fit_paths = [path for path in shard_paths if path not in set(label_only)]
     fit_frames = [
@@ -83,8 +79,7 @@ def build_client_targets(
 
 
 def fit_k(client_id: str, num_frames: int, config: kmeans.KMeansConfig, log: Callable[[str], None]) -> int:
-    """The K a client's fit of ``num_frames`` frames gets: ``config.k``, shrunk (and logged) when
-    the client is too small for it."""
+    """``config.k``, shrunk (and logged) when the client is too small for it."""
     k_used = kmeans.effective_k(num_frames, config.k, config.min_frames_per_centroid)
     if k_used < config.k:
         log(f"client {client_id}: only {num_frames} frames, K shrinks from {config.k} to {k_used}")
@@ -94,9 +89,8 @@ def fit_k(client_id: str, num_frames: int, config: kmeans.KMeansConfig, log: Cal
 def fit_sample(
     client_id: str, shard_paths: list[Path], max_fit_frames: int, seed: int, model_rate: bool = False
 ) -> dict[int, set[str]]:
-    """The utterances of a client's fit sample, per shard number: whole utterances drawn with
-    ``seed`` up to ``max_fit_frames`` frames, counted at 100 Hz (or at the model's 50 Hz rate,
-    ``(num_frames + 1) // 2``, with ``model_rate``)."""
+    """The utterances of a client's fit sample per shard number, up to ``max_fit_frames`` frames
+    (counted at 100 Hz, or at 50 Hz with ``model_rate``)."""
     frame_counts: list[int] = []
     index: list[tuple[int, str]] = []
     for shard_number, path in enumerate(shard_paths):
@@ -116,12 +110,8 @@ def fit_sample(
 
 
 def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: Path) -> ClientTargetSet:
-    """Label new speakers' shards with the client's existing codebook, keeping every old label.
-
-    For fresh data that grows a client a little: the codebook and the CMVN it was fitted in are
-    reused (read from ``state.npz``), so the cost is proportional to the new audio, and old
-    utterances keep byte-identical labels. Quality statistics accumulate over old and new frames.
-    """
+    """Label new speakers' shards with the client's codebook and CMVN from ``state.npz``: the cost is
+    the new audio's, and old utterances keep byte-identical labels."""
     state = ClientState.load(TargetFiles(out_dir).state)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
     new = _label_shards(

@@ -8,7 +8,7 @@ out at the encoder's 50 Hz rate, the layout of iteration 1's ``labels.parquet``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import torch
 
 from speech_assets.features.cmvn import Normaliser, from_record
 from speech_assets.features.shards import iter_shard
-from speech_assets.model.batches import batches_by_length, pad
+from speech_assets.model.batches import frozen_hidden_states
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
@@ -110,23 +110,6 @@ def iteration2_targets(
     )
 
 
-@torch.no_grad()
-def layer_frames(
-    model: HubertPretrainModel, feats: Sequence[np.ndarray], layer: int, max_frames: int = 8000
-) -> list[np.ndarray]:
-    """``layer``'s hidden states ``(L_i, D)`` float32 of log-mel inputs (0: the Transformer's input)."""
-    device = next(model.parameters()).device
-    out: list[np.ndarray | None] = [None] * len(feats)
-    for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
-        padded, lengths = pad([feats[i] for i in batch])
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            states, encoded = model.hidden_states(padded.to(device), lengths.to(device))
-        hidden = states[layer].float().cpu()
-        for row, index in enumerate(batch):
-            out[index] = hidden[row, : int(encoded.lengths[row])].numpy().copy()
-    return [x for x in out if x is not None]
-
-
 def build_iter2_targets(
     client_id: str,
     shard_paths: list[Path],
@@ -151,7 +134,7 @@ def build_iter2_targets(
             for r in iter_shard(fit_paths[shard_number], features=("logmel",), dtype=None)  # apply() gives float32
             if r.utt_id in utt_ids
         ]
-        fit_parts += layer_frames(model, feats, layer)
+        fit_parts += [hidden.numpy() for hidden in frozen_hidden_states(model, feats, layer=layer)]
     frames = np.concatenate(fit_parts, axis=0)
     del fit_parts
     k_used = fit_k(client_id, frames.shape[0], config, log)
@@ -163,7 +146,8 @@ def build_iter2_targets(
     items: list[UtteranceLabels] = []
     for path in shard_paths:
         records = list(iter_shard(path, features=("logmel",), dtype=None))
-        hidden = layer_frames(model, [cmvn.apply(r.logmel, "logmel") for r in records], layer)
+        feats = [cmvn.apply(r.logmel, "logmel") for r in records]
+        hidden = [states.numpy() for states in frozen_hidden_states(model, feats, layer=layer)]
         labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(hidden, codebook)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
             quality.add(labels, sqdist)

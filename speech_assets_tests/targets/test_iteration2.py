@@ -10,6 +10,7 @@ import torch
 
 from speech_assets.features.cmvn import Cmvn, UtteranceCmvn
 from speech_assets.features.shards import read_shard_table
+from speech_assets.model.batches import frozen_hidden_states
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.targets.config import KMeansConfig
@@ -18,7 +19,6 @@ from speech_assets.targets.iteration2 import (
     build_iter2_targets,
     default_layer,
     iteration2_targets,
-    layer_frames,
     load_iteration2_encoder,
 )
 from speech_assets.targets.labels import read_labels
@@ -32,13 +32,13 @@ def _model() -> HubertPretrainModel:
     return HubertPretrainModel(get_preset("tiny"), {"a": 8}).eval()
 
 
-def test_layer_frames_match_one_utterance_at_a_time() -> None:
+def test_frozen_hidden_states_match_one_utterance_at_a_time() -> None:
     model = _model()
     rng = np.random.default_rng(0)
     feats = [rng.normal(size=(t, 80)).astype(np.float32) for t in (37, 120, 64)]
-    batched = layer_frames(model, feats, layer=2, max_frames=400)
+    batched = frozen_hidden_states(model, feats, max_frames=400, layer=2)
     for f, b in zip(feats, batched, strict=True):
-        (alone,) = layer_frames(model, [f], layer=2)
+        (alone,) = frozen_hidden_states(model, [f], layer=2)
         assert b.shape == ((f.shape[0] + 1) // 2, 128)
         np.testing.assert_allclose(b, alone, atol=1e-4)  # padding and batching do not leak
     assert default_layer(model) == 2
