@@ -1,12 +1,9 @@
 """Write, audit, publish: the manifest's files change only when every audit of the new ones passes.
 
-:func:`publish_manifest` writes the manifest, its rejects and its per-speaker rows to a staging
-folder of the run, audits them by reading them back (:mod:`speech_assets.corpus.audit`) and, only
-if every audit passes, renames them into place: sidecars first, rows last, so a reader of the new
-rows finds the new sidecars. The publish lock is held from staging to the end of the ``with``
-block, so two overlapping runs never interleave their renames (rejects of one, rows of the other),
-and whatever the caller records about the published files (new partitions, data versions) is
-recorded before another run can publish.
+Files are staged, audited by reading them back, and renamed into place sidecars first, rows last,
+so a reader of the new rows finds the new sidecars. The publish lock is held to the end of the
+``with`` block, so overlapping runs never interleave their renames, and what the caller records
+about the published files is recorded before another run can publish.
 """
 
 from __future__ import annotations
@@ -40,9 +37,7 @@ class SpeakerRows:
 
 @dataclass(frozen=True)
 class Publication:
-    """What :func:`publish_manifest` did: every audit of the staged files, in
-    :data:`audit.AUDITS` order, and the per-speaker rows it wrote (published only when every audit
-    passed)."""
+    """Every audit of the staged files, in :data:`audit.AUDITS` order, and the per-speaker rows written."""
 
     audits: list[audit.Audit]
     per_speaker: dict[str, SpeakerRows]
@@ -66,11 +61,8 @@ def publish_manifest(
     max_reject_ratio: float,
     staging_name: str,
 ) -> Iterator[Publication]:
-    """Stage, audit and (only if every audit passes) publish ``rows`` and ``rejects`` into
-    ``files``, then yield the :class:`Publication` with the publish lock still held; the lock is
-    released when the ``with`` block ends. ``staging_name`` (a run id) names this run's staging
-    folder under ``files.staging``; the staging folder is gone before the block starts, published
-    or not."""
+    """Stage, audit and (only if every audit passes) publish ``rows`` and ``rejects`` into ``files``,
+    then yield the :class:`Publication` with the publish lock still held. ``staging_name``: a run id."""
     with exclusive_lock(files.publish_lock):
         # holding the lock, leftovers of runs killed mid-way can be removed safely
         shutil.rmtree(files.staging, ignore_errors=True)
@@ -99,8 +91,7 @@ def publish_manifest(
 
 
 def write_speakers(target: Path, rows: Sequence[ManifestRow]) -> dict[str, SpeakerRows]:
-    """Write speakers.parquet: per-speaker manifest hashes (what each shard depends on),
-    utterances and hours; return the same per speaker."""
+    """Write speakers.parquet (per speaker its manifest hash, utterances, hours) and return its rows."""
     hashes = speaker_hashes(rows)
     counts: dict[str, int] = {}
     seconds: dict[str, float] = {}

@@ -20,13 +20,8 @@ def forward_speed(
     threads: int = 1,
     max_frames: int = 4000,
 ) -> dict[str, float]:
-    """Seconds of audio encoded per second by each encoder (eval mode, no gradient, CPU).
-
-    ``feats``: ``(T_i, 80)`` log-mel at 100 Hz, batched by length (``max_frames`` padded frames
-    per batch). The encoders take turns on the same batches, ``repeats`` rounds, with
-    ``threads`` intra-op threads; each one's best round counts (the least disturbed by
-    other work on the machine), so ratios between encoders are what to read.
-    """
+    """Seconds of audio encoded per second by each encoder on the CPU. The encoders take turns on
+    the same batches and each one's best round counts, so ratios between encoders are what to read."""
     batches = [pad([feats[i] for i in batch]) for batch in batches_by_length([f.shape[0] for f in feats], max_frames)]
     audio = sum(f.shape[0] for f in feats) / 100.0
     best = {name: float("inf") for name in encoders}

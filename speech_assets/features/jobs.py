@@ -32,11 +32,7 @@ class UtteranceInput:
 
 @dataclass(frozen=True)
 class ShardJob:
-    """One speaker's shard to build unless its meta already vouches for the same inputs.
-
-    ``inputs_key`` is what the shard's content depends on (manifest rows, VAD config, code
-    version); ``meta_extra`` is recorded in the meta beside the measurements.
-    """
+    """One speaker's shard to build unless its meta already vouches for the same ``inputs_key``."""
 
     speaker_id: str
     utterances: tuple[UtteranceInput, ...]

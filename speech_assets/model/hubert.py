@@ -115,9 +115,7 @@ class SdpaEncoderLayer(nn.Module):
 
     def __init__(self, dim: int, heads: int, ffn_dim: int, dropout: float) -> None:
         super().__init__()
-        reference = nn.TransformerEncoderLayer(
-            dim, heads, ffn_dim, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
-        )
+        reference = reference_layer(dim, heads, ffn_dim, dropout)
         self.self_attn = reference.self_attn
         self.linear1, self.linear2 = reference.linear1, reference.linear2
         self.norm1, self.norm2 = reference.norm1, reference.norm2
@@ -139,6 +137,12 @@ class SdpaEncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, src_key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.block(x, key_mask(src_key_padding_mask))
+
+
+def reference_layer(dim: int, heads: int, ffn_dim: int, dropout: float) -> nn.TransformerEncoderLayer:
+    return nn.TransformerEncoderLayer(
+        dim, heads, ffn_dim, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
+    )
 
 
 def key_mask(padding: torch.Tensor | None) -> torch.Tensor | None:
@@ -195,15 +199,7 @@ class HubertPretrainModel(nn.Module):
             layer = SdpaEncoderLayer(preset.dim, preset.heads, preset.ffn_dim, preset.dropout)
             self.encoder = SdpaEncoder(layer, preset.layers, nn.LayerNorm(preset.dim))
         else:
-            reference = nn.TransformerEncoderLayer(
-                preset.dim,
-                preset.heads,
-                preset.ffn_dim,
-                dropout=preset.dropout,
-                activation="gelu",
-                batch_first=True,
-                norm_first=True,
-            )
+            reference = reference_layer(preset.dim, preset.heads, preset.ffn_dim, preset.dropout)
             self.encoder = nn.TransformerEncoder(
                 reference, preset.layers, norm=nn.LayerNorm(preset.dim), enable_nested_tensor=False
             )

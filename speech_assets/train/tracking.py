@@ -336,10 +336,7 @@ class _PipesLogHandler(logging.Handler):
 
 class PipesReporter:
     """Rank 0's Dagster Pipes session (a no-op outside Pipes); ``logger``'s records stream to the run.
-
-    Closed only by :meth:`report`: a failing attempt leaves it open so that a torchrun restart
-    keeps reporting into the same Dagster step.
-    """
+    Closed only by :meth:`report`, so that a torchrun restart keeps reporting into the same step."""
 
     def __init__(self, logger: logging.Logger) -> None:
         from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
