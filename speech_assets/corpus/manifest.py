@@ -149,9 +149,6 @@ def normalise_transcript(text: str) -> str:
     return _SPACES.sub(" ", _PUNCTUATION.sub(" ", text.upper())).strip()
 
 
-# ---------------------------------------------------------------------------------------------
-# Opening corpus files
-
 # A transcript file larger than this is not read (a LibriSpeech chapter's is a few kB)
 MAX_TRANSCRIPT_FILE_BYTES = 64 << 20
 # A manifest line longer than this is a reject row, read past in chunks, never held whole (a
@@ -231,10 +228,6 @@ def read_capped(handle: BinaryIO, limit: int, what: str) -> bytes:
     if len(data) > limit:
         raise RefusedFile(RejectReason.UNREADABLE, f"{what} holds more than {limit} bytes")
     return data
-
-
-# ---------------------------------------------------------------------------------------------
-# Discovering candidates
 
 
 def corpus_root_of(location: Path) -> Path:
@@ -549,10 +542,6 @@ def _record_problem(record: Mapping[str, str]) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoding
-
-
 _BLOCK_FRAMES = 1 << 16
 _UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC with no total in its header
 _HASH_CHUNK = 1 << 20
@@ -751,10 +740,6 @@ def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:
     return not config.min_duration_s <= duration <= config.max_duration_s
 
 
-# ---------------------------------------------------------------------------------------------
-# The whole scan
-
-
 def scan_corpus(
     location: Path,
     config: ValidationConfig = ValidationConfig(),
@@ -904,10 +889,6 @@ def _judge(
             f"the same decoded audio as {first} (kept from {kept_at[first]}): one recording under two ids",
         )
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Hashes and files
 
 
 def manifest_hash(rows: Iterable[ManifestRow]) -> str:

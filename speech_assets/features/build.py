@@ -304,10 +304,7 @@ def iter_publish_shards(
     yield from publish_planned(plan_shards(jobs, default_workers() if workers is None else workers), vad_cfg)
 
 
-# The step's process always builds shards; each extra worker is a helper process, a fresh
-# interpreter importing torch (~2 s alone, more while the cores are busy) that joins in once it has
-# started. Measured on 2 cores (docs/BENCHMARKS.md), a helper lost below ~3 h of audio to the
-# step's process alone (even on two threads) and won from ~5 h.
+# a helper process imports torch (~2 s): on 2 cores it lost below ~3 h of audio and won from ~5 h (docs/BENCHMARKS.md)
 AUDIO_SECONDS_PER_EXTRA_WORKER = 4 * 3600.0
 
 
