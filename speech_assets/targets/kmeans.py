@@ -5,7 +5,7 @@ global CMVN. The flow an orchestrator follows per client is::
 
     idx = sample_utterances(frame_counts, cfg.max_fit_frames, cfg.seed)  # whole utterances
     frames = np.concatenate([cmvn(mfcc[i]) for i in idx])                # (N, 39) float32
-    k = effective_k(len(frames), cfg.k, cfg.min_frames_per_centroid)     # log describe_k_shrink(...)
+    k = effective_k(len(frames), cfg.k, cfg.min_frames_per_centroid)     # fewer frames: smaller K
     fit = fit_kmeans(frames, k, cfg.seed, **cfg.fit_kwargs())
     acc = QualityAccumulator(fit.k)
     for shard in shards:                                 # labelling streams shard by shard
@@ -77,15 +77,6 @@ def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> i
     if k < 1 or min_frames_per_centroid < 1:
         raise ValueError("k and min_frames_per_centroid must be >= 1")
     return max(1, min(k, num_frames // min_frames_per_centroid))
-
-
-def describe_k_shrink(num_frames: int, k: int, k_effective: int, min_frames_per_centroid: int = 39) -> str | None:
-    if k_effective >= k:
-        return None
-    return (
-        f"K shrunk from {k} to {k_effective}: only {num_frames} frames "
-        f"(< {min_frames_per_centroid} per centroid for K={k})"
-    )
 
 
 def sample_utterances(frame_counts: Sequence[int], max_frames: int, seed: int) -> np.ndarray:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from speech_assets.targets import kmeans as km
+from speech_assets.targets.build import fit_k
+from speech_assets.targets.config import KMeansConfig
 
 
 def _blobs(
@@ -100,10 +102,9 @@ def test_fit_rejects_too_few_frames() -> None:
 def test_effective_k_shrinks(num_frames: int, k: int, mfpc: int, expected: int) -> None:
     got = km.effective_k(num_frames, k, mfpc)
     assert got == expected
-    msg = km.describe_k_shrink(num_frames, k, got, mfpc)
-    assert (msg is None) == (got == k)
-    if msg is not None:
-        assert str(k) in msg and str(got) in msg
+    logged: list[str] = []
+    assert fit_k("c", num_frames, KMeansConfig(k=k, min_frames_per_centroid=mfpc), logged.append) == got
+    assert bool(logged) == (got < k) and all(str(k) in msg and str(got) in msg for msg in logged)
 
 
 def test_effective_k_rejects_no_frames() -> None:
