@@ -557,10 +557,6 @@ class Standing:
     def baseline(self) -> bool:
         return self.model in BASELINES
 
-    def verdict_against(self, baseline: str) -> str | None:
-        found = self.against.get(baseline)
-        return None if found is None else found.verdict
-
     @property
     def verdict(self) -> str:
         """``baseline``, or e.g. ``better than random; no evidence against fbank (indicative only: ...)``."""
@@ -594,10 +590,6 @@ class Standing:
         else:
             word = "mixed"
         return word + ("*" if self.indicative and word != "n/a" else "")
-
-    @property
-    def established(self) -> bool:
-        return self.indicative is None
 
 
 def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str | None:
