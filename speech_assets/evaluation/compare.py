@@ -62,6 +62,7 @@ MIN_HELDOUT_SPEAKERS = 3
 MIN_HELDOUT_UTTERANCES = 20
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
+VERDICT_WORDS = {"better": "better than", "worse": "worse than", "no evidence": "no evidence against"}
 # a probe stops once this many development evaluations in a row bring no improvement
 PATIENCE = 2
 
@@ -195,11 +196,11 @@ def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> 
         return BaselineVerdict(
             False, f"warn: no {model} row in the probe's leaderboard: rematerialize downstream_probe"
         )
-    said = {
-        "better": f"better than {baseline}",
-        "worse": f"worse than {baseline}",
-        "no evidence": f"no evidence against {baseline}",
-    }.get(row.get(f"verdict_{baseline}"), f"not compared with {baseline} (no per-utterance scores)")
+    verdict = row.get(f"verdict_{baseline}")
+    if verdict in VERDICT_WORDS:
+        said = f"{VERDICT_WORDS[verdict]} {baseline}"
+    else:
+        said = f"not compared with {baseline} (no per-utterance scores)"
     if row.get(f"cer_change_{baseline}") is not None:
         said += (
             f", CER change {row[f'cer_change_{baseline}']:+.3f} "
@@ -569,10 +570,7 @@ class Standing:
         grouped: dict[str, list[str]] = {}
         for name, p in self.against.items():
             grouped.setdefault(p.verdict, []).append(name)  # type: ignore[union-attr]
-        words = {"better": "better than", "worse": "worse than", "no evidence": "no evidence against"}
-        said = "; ".join(
-            f"{words[v]} {' and '.join(grouped[v])}" for v in ("better", "worse", "no evidence") if v in grouped
-        )
+        said = "; ".join(f"{words} {' and '.join(grouped[v])}" for v, words in VERDICT_WORDS.items() if v in grouped)
         return said + (f" (indicative only: {self.indicative})" if self.indicative else "")
 
     @property
