@@ -1,19 +1,9 @@
 """k-means targets for HuBERT-style pretraining: fit, label, quality (pure numpy/faiss, no Dagster).
 
-Each federated client clusters only its own frames: 39-dim MFCC (13 + Δ + ΔΔ) at 100 Hz after
-global CMVN. The flow an orchestrator follows per client is::
-
-    idx = sample_utterances(frame_counts, cfg.max_fit_frames, cfg.seed)  # whole utterances
-    frames = np.concatenate([cmvn(mfcc[i]) for i in idx])                # (N, 39) float32
-    k = effective_k(len(frames), cfg.k, cfg.min_frames_per_centroid)     # fewer frames: smaller K
-    fit = fit_kmeans(frames, k, cfg.seed, **cfg.fit_kwargs())
-    acc = QualityAccumulator(fit.k)
-    for shard in shards:                                 # labelling streams shard by shard
-        labels_100hz, sqdist = label_utterances_with_sqdist(utterance_frames, fit.codebook)
-        for lab, d in zip(labels_100hz, sqdist):
-            acc.add(lab, d)
-            store(to_model_rate(lab))                    # int16, 50 Hz, length (T + 1) // 2
-    quality = acc.result(client_id, fit)
+Each federated client clusters only its own CMVN-normalised 39-dim MFCC frames: a sample of whole
+utterances (:func:`sample_utterances`) is fitted (:func:`fit_kmeans`, K shrunk by
+:func:`effective_k`), then every frame is labelled shard by shard and stored at 50 Hz
+(:func:`to_model_rate`); targets/build.py runs this flow.
 
 Why faiss (``bench/kmeans.py``): Lloyd's on a seeded subsample, seeded with scikit-learn's
 k-means++, is 14-61x faster than the fairseq recipe (``MiniBatchKMeans``) at the same inertia, and
