@@ -1,54 +1,30 @@
 """Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
-the server (:class:`SecureRounds`, which drives them through the narrow :class:`RoundHost`
-interface the server app offers) and on the client (:func:`answer_secure_query`,
-:func:`mask_reply`). Every stage is a Flower message and its reply:
+the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query`, :func:`mask_reply`).
 
-1. advertise (``query``, kind ``secagg-advertise``): each client sampled for the round draws fresh
-   :class:`~speech_assets.federated.secure_aggregation.RoundSecrets` and answers with its two
-   public keys and a commitment to its self-mask seed.
-2. share (``query``, kind ``secagg-share``): the server sends every client that advertised the
-   map of all advertised keys; each answers with its shares, one ciphertext per neighbour.
-3. masked input (the ``train`` message): the server routes to each client the ciphertexts its
-   neighbours sealed for it (record ``secagg-shares``); the client trains, clips (DP), masks its
-   update and answers with ``uint32`` masked values in place of the encoder.
-4. unmask (``query``, kind ``secagg-unmask``): the server fixes the survivors, the clients whose
-   masked reply it ACCEPTED, and asks each survivor, for its own neighbours, which survived and
-   which dropped; the survivor answers with self-mask shares of the former and key shares of the
-   latter. The server rebuilds the seeds and keys (checked against the commitments and public
-   keys), unmasks the sum and divides by the number of survivors: the mean update.
+1. advertise (``query``): each sampled client draws fresh :class:`RoundSecrets` and answers with its
+   two public keys and a commitment to its self-mask seed, signed by its node identity key.
+2. share (``query``): the server sends the map of all advertised keys; each client answers with one
+   ciphertext of shares per neighbour.
+3. masked input (``train``): each client gets the ciphertexts sealed for it, trains, clips (DP),
+   masks its update and answers with ``uint32`` masked values in place of the encoder.
+4. unmask (``query``): the server fixes the survivors (the clients whose masked reply it accepted)
+   and asks each survivor for self-mask shares of surviving neighbours and key shares of dropped
+   ones; it rebuilds seeds and keys (checked against the commitments and public keys) and unmasks
+   the sum.
 
-What binds a client's public keys to it: the advertise reply must come from the node the query
-went to and name the client that node is bound to (:class:`~speech_assets.federated.messages.NodeBinding`):
-on the deployment engine that node is the one the SuperLink authenticated (node authentication,
-``src_node_id``); in the simulation runtime it is the node id the runtime itself assigns to a
-partition, in the one process the simulation owns (no network; the binding guards against a
-client answering as another, not against the runtime).
+A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding`: the
+reply must come from the node the query went to (the SuperLink's authenticated node; in the
+simulation the runtime's own node id, which guards against a client answering as another, not
+against the runtime). A client trusts only the node keys of its own settings, never the server's, and refuses (an error
+reply) any stage out of order, a key map it cannot verify, a threshold a server could split, or an
+unmask request that would reveal both shares of one neighbour. Every stage runs under
+:func:`state_lock`, and that a round's unmask was answered is on disk (owner-only) before the
+answer leaves: neither a repeated query nor a restarted client answers twice.
 
-What a client refuses (an error reply, the server counts it as failed): a stage out of order or
-for another nonce; a key map with an entry that is unsigned, names a node the federation does not
-authorise or names one twice, or is not signed by the identity key of the node it names (the
-authorised keys come from the client's own ``node-keys``, never from the server), a key map
-without its own keys or with repeated keys, fewer than its ``secagg-min-shares`` neighbours, a
-threshold below its floor or one a server could split (t <= k/2) (any of these before a share is
-sealed, and the round is then over for it); shares that do not decrypt or name another round, sender or receiver; an
-unmask request whose survivors and dropped clients overlap, are not exactly the neighbours it
-masked with, count itself as dropped, or name fewer than t survivors; a new advertise of a round
-past its advertise stage; and any stage of a round whose unmask it already answered. Every stage
-reads, checks and rewrites the round's state under a lock (:func:`state_lock`), so racing
-requests take turns. That last fact is kept on disk (``<state root>/<run>/secagg/``,
-owner-only) before the answer leaves, so neither a repeated query nor a restarted client answers
-twice; the round's secrets are erased then, and those of older unfinished rounds at the next round.
-
-A round whose masked values do not unmask (too few survivors or shares, a share that does not
-rebuild what its owner committed to, a sum out of range) stops the run through
-:meth:`RoundHost.fail` (``failure.json`` names the round and what failed).
-
-Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it and ``secaggplus_mod`` exist only on the
-legacy path (a legacy ``Strategy`` with ``configure_fit``/``aggregate_fit``, ``FitIns``/``FitRes``
-records); it owns the whole fit stage, so the Message-API strategies, the server's reply checks,
-the seeded sampling and the resumable round records would all have to be rebuilt around it. The
-primitives are Flower's (Shamir shares, ECDH + Fernet, quantization) and ``cryptography``'s
-(X25519, HKDF, ChaCha20); this module is the message flow.
+Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
+path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
+seeded sampling and the resumable round records would all have to be rebuilt around it. The
+primitives are Flower's and ``cryptography``'s; this module is the message flow.
 """
 
 from __future__ import annotations
@@ -111,18 +87,12 @@ SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg
 ANSWERED, ABANDONED = "answered", "abandoned"
 
 
-def masked_spec(spec: ArraySpec) -> ArraySpec:
-    """The arrays of a masked train reply: the encoder's names and shapes, as ``uint32``."""
-    return {name: ("uint32", shape) for name, (_, shape) in spec.items()}
-
-
 class RoundHost(Protocol):
-    """What the secure rounds need from the server app."""
+    """What the secure rounds need from the server app (a Protocol: server_app imports this module)."""
 
     binding: NodeBinding
     expected: ArraySpec
-    # the training metrics a reply must carry this round (none when DP withholds them)
-    train_names: tuple[str, ...]
+    train_names: tuple[str, ...]  # the training metrics a reply must carry this round
 
     def exchange(
         self, messages: Iterable[Message], round_number: int, phase: str
@@ -197,17 +167,13 @@ class SecureRounds:
         failures.extend(refused)
         return {self.host.client_of(reply): reply for reply in good}
 
-    def _refuse(self, reply: Message, phase: str, reason: str, failures: list[dict[str, Any]]) -> None:
-        failures.append(self.host.failure(reply, phase, reason))
-
     def _records(self, reply: Message, names: set[str]) -> str | None:
         if set(reply.content.keys()) != names | {CLIENT_RECORD} or reply.content.array_records:
             return f"a reply holds records {sorted(reply.content.keys())}, expected {sorted(names | {CLIENT_RECORD})}"
         return None
 
     def setup(self, round_number: int, clients: Collection[str], failures: list[dict[str, Any]]) -> list[str]:
-        """Stages 1 and 2 for ``clients`` (the sampled, reachable ones): returns those that
-        advertised keys and sent their shares (the ones the train message may go to)."""
+        """Stages 1 and 2 for the sampled, reachable ``clients``: those that advertised and shared."""
         self.round_number, self.nonce = round_number, os.urandom(16)
         self.keys, self.sealed, self.survivors, self.dropped = {}, {}, [], []
         common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
@@ -253,14 +219,13 @@ class SecureRounds:
         kept: dict[str, Any],
         failures: list[dict[str, Any]],
     ) -> None:
-        """One setup stage: ask ``asked`` for their config record ``record``; keep in ``kept`` the
-        value ``read(client, record) -> (value, problem)`` finds no problem with, refuse the rest
-        (a reply with other records first). ``read`` sees what ``kept`` holds so far."""
+        """Ask ``asked`` for config record ``record``; keep in ``kept`` what ``read(client, record) ->
+        (value, problem)`` finds no problem with (it sees ``kept`` so far), refuse the rest."""
         for client, reply in self._ask(phase, asked, failures).items():
             problem = self._records(reply, {record})
             value, found = read(client, reply.content.config_records.get(record))
             if problem or found:
-                self._refuse(reply, phase, problem or found, failures)  # type: ignore[arg-type]
+                failures.append(self.host.failure(reply, phase, problem or found))  # type: ignore[arg-type]
             else:
                 kept[client] = value
 
@@ -291,7 +256,6 @@ class SecureRounds:
         )
 
     def configure(self, local: ConfigRecord) -> None:
-        """Put what masking needs into the round's train config."""
         local[SECAGG_NONCE] = self.nonce
         local[SECAGG_RANGE] = self.params.clipping_range
         local[SECAGG_TARGET] = self.params.target_range
@@ -316,10 +280,10 @@ class SecureRounds:
         return out
 
     def accept(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
-        """The masked train replies that carry exactly the masked encoder, the metrics and the
-        client id (their values cannot be checked: they are masked), from clients that shared."""
+        """The masked replies that hold exactly the encoder's arrays as uint32, the metrics and the
+        client id (masked values cannot be checked), from clients that shared."""
         accepted = []
-        spec = masked_spec(self.host.expected)
+        spec = {name: ("uint32", shape) for name, (_, shape) in self.host.expected.items()}
         for reply in good:
             problem = content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names)
             if problem is None and self.host.client_of(reply) not in self.sealed:
@@ -333,8 +297,7 @@ class SecureRounds:
     def mean_update(
         self, round_number: int, good: list[Message], failures: list[dict[str, Any]]
     ) -> dict[str, np.ndarray]:
-        """The mean of the survivors' updates. The survivors are fixed first (the clients whose
-        masked reply was accepted: ``good``), then asked for their shares."""
+        """The survivors' mean update; survivors (the accepted ``good``) are fixed before any share is asked."""
         masked = {self.host.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good}
         self.survivors = sorted(masked)
         self.dropped = sorted(set(self.sealed) - set(masked))
@@ -358,8 +321,7 @@ class SecureRounds:
         return {name: (value / len(masked)).astype(np.float32) for name, value in total.items()}
 
     def reveal(self, failures: list[dict[str, Any]]) -> tuple[dict[str, bytes], dict[str, bytes]]:
-        """Stage 4: the survivors' self-mask seeds and the dropped clients' mask keys, rebuilt from
-        the shares the survivors reveal and checked against what their owners advertised."""
+        """Stage 4: survivors' seeds and dropped clients' mask keys, rebuilt and checked against their adverts."""
         survivors = set(self.survivors)
         asked = {}
         for client in self.survivors:
@@ -378,7 +340,7 @@ class SecureRounds:
             if problem is None:
                 problem = self._reveal_problem(client, asked[client], seeds, keys)
             if problem:
-                self._refuse(reply, "secagg-unmask", problem, failures)
+                failures.append(self.host.failure(reply, "secagg-unmask", problem))
                 continue
             for owner, share in seeds.items():
                 seed_shares[owner].append(share)
@@ -453,7 +415,6 @@ class SecureRounds:
 
 # ----------------------------------------------------------------------------------- client
 def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
-    """Where a client keeps its secure-aggregation state of one round (owner-only)."""
     return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 
 
@@ -463,17 +424,13 @@ SECAGG_LOCK_TIMEOUT_S = 30.0
 
 
 class StateLocked(ValueError):
-    """Another process holds this client's secure-aggregation state longer than a stage waits."""
+    pass
 
 
 @contextlib.contextmanager
 def state_lock(node: NodeConfig, run: str, stage: str, timeout_s: float | None = None) -> Iterator[None]:
-    """Hold this client's lock on its secure-aggregation state of run ``run`` (``secagg/.lock``,
-    ``flock``): every stage reads, checks and rewrites a round's state under it, so two requests
-    racing (threads, or the processes the deployment engine starts per message) take turns and
-    the second sees what the first recorded: one answer per round, even concurrently. The wait
-    is bounded: after ``timeout_s`` (default :data:`SECAGG_LOCK_TIMEOUT_S`) the ``stage`` is
-    refused (:class:`StateLocked`) and nothing of it leaves."""
+    """Every stage reads, checks and rewrites a round's state under this lock, so racing requests
+    (threads, or the deployment engine's per-message processes) take turns: one answer per round."""
     timeout_s = SECAGG_LOCK_TIMEOUT_S if timeout_s is None else timeout_s
     files = ClientRunFiles(node.client_dir(run))
     files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -496,7 +453,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` owner-only (0600), atomically and durably, before any answer leaves."""
+    """Owner-only (0600), atomic and durable, before any answer leaves."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
@@ -523,7 +480,7 @@ def _secrets(state: dict[str, Any]) -> RoundSecrets:
 
 
 def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
-    """The state of the round ``config`` names, which must be at ``stage`` for the same nonce."""
+    """The round's state, which must be at ``stage`` for the same nonce."""
     run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
     path = state_path(node, run, round_number)
     state = _load(path)
@@ -597,9 +554,8 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _signed_table(config: ConfigRecord, node: NodeConfig, context: bytes) -> dict[str, tuple[bytes, bytes, bytes]]:
-    """The round's key table, ``{client: (mask key, share key, commitment)}``, once every entry
-    is signed by the identity key of the authorised node it names (keys from this node's own
-    settings, never from the server); ValueError on an unsigned, unknown, repeated or forged one."""
+    """``{client: (mask key, share key, commitment)}``, each entry signed by the node it names; the
+    authorised keys come from this node's own settings, never from the server."""
     me, authorised = node.client_id, authorised_keys(_node_keys(node))
     table = {}
     for client, entry in json.loads(str(config[SECAGG_KEYS]), object_pairs_hook=_no_repeats).items():
@@ -646,8 +602,7 @@ def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
 def _checked_round(
     config: ConfigRecord, node: NodeConfig, state: dict[str, Any], context: bytes
 ) -> tuple[dict[str, tuple[bytes, bytes, bytes]], int, list[str]]:
-    """``(key table, threshold, neighbours)`` of a share query this client agrees to: a signed
-    table holding its own keys, no repeated key, and k and t within this client's own floors."""
+    """``(key table, threshold, neighbours)`` of a share query this client agrees to."""
     secrets, me = _secrets(state), node.client_id
     table = _signed_table(config, node, context)
     mine = table.get(me)
@@ -671,8 +626,7 @@ def _checked_round(
 
 
 def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
-    """Replace the train reply's encoder by its masked update (encoder minus the one received),
-    masked against the neighbours whose shares arrived with the train message."""
+    """Replace the reply's encoder by its masked update, against the neighbours whose shares arrived."""
     config = message.content["config"]
     with state_lock(node, str(config["run-name"]), "train (mask)"):
         return _mask_reply(out, message, node, config)
@@ -732,7 +686,6 @@ def _unmask(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None
 
 
 def answer_secure_query(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
-    """Add this client's answer to a secure-aggregation query (advertise, share or unmask)."""
     stages = {ADVERTISE: _advertise, SHARE: _share, UNMASK: _unmask}
     stage = stages.get(str(config.get(KIND)))
     if stage is None:
