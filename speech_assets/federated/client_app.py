@@ -18,7 +18,7 @@ import logging
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -69,14 +69,6 @@ def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
     return client
 
 
-TRAIN_METRICS = {
-    "num-examples": "num_examples",
-    "train-loss": "train_loss",
-    "masked-accuracy": "masked_accuracy",
-    "seconds": "seconds",
-    "audio-seconds": "audio_seconds",
-    "steps": "steps",
-}
 EVALUATE_METRICS = {
     "num-examples": "masked_frames",
     "utterances": "utterances",
@@ -101,7 +93,7 @@ def reply(
     names = EVALUATE_METRICS
     if kind == "train":
         sent = train_metrics(config or {})
-        names = {name: field for name, field in TRAIN_METRICS.items() if name in sent}
+        names = {name: name.replace("-", "_") for name in sent}  # TrainResult's fields are the metrics' names
     # a metric must be a finite number: an accuracy over no (leak-free) frames travels as 0.0
     values = {name: 0.0 if (value := getattr(result, field)) is None else value for name, field in names.items()}
     content = {"metrics": MetricRecord(values), CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}
@@ -205,14 +197,9 @@ def build_client_app(nodes: Sequence[NodeConfig] | None = None) -> ClientApp:
             return nodes[int(context.node_config["partition-id"])]
         return NodeConfig.from_node_config(context.node_config)
 
-    handlers: dict[str, Callable[[Message, Context], Message]] = {
-        "train": lambda message, context: answer_train(message, context, node_of(context)),
-        "evaluate": lambda message, context: _answer(message, node_of(context), "evaluate"),
-        "query": lambda message, context: answer_query(message, node_of(context)),
-    }
-    client_app.train()(handlers["train"])
-    client_app.evaluate()(handlers["evaluate"])
-    client_app.query()(handlers["query"])
+    client_app.train()(lambda message, context: answer_train(message, context, node_of(context)))
+    client_app.evaluate()(lambda message, context: _answer(message, node_of(context), "evaluate"))
+    client_app.query()(lambda message, context: answer_query(message, node_of(context)))
     return client_app
 
 

@@ -250,13 +250,18 @@ def run_federation(
     """
     check_transport(superlink, root_certificates, insecure)
     check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
-    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
         require_linux()
     paths = FederatedPaths(config.run_dir)
     roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
+    # the simulation runs as many workers as cores / threads, whatever the number of clients
+    local_threads = 1 if engine == "simulation" else max(1, (os.cpu_count() or 1) // len(config.clients))
+    threads = threads_per_client or local_threads
+    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
+    # a remote SuperLink's SuperNodes have their own
+    nodes = [] if superlink else node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
     with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
         if tracker is not None:
@@ -271,15 +276,12 @@ def run_federation(
         try:
             result = _run_federation(
                 config,
-                data_dir,
+                nodes,
+                threads,
                 superlink=superlink,
                 insecure=insecure,
                 root_certificates=root_certificates,
-                roots=roots,
-                threads_per_client=threads_per_client,
-                device=device,
                 engine=engine,
-                limits=limits,
                 env=env,
                 log=log,
                 on_round=each_round,
@@ -295,16 +297,13 @@ def run_federation(
 
 def _run_federation(
     config: FederatedConfig,
-    data_dir: str | os.PathLike[str],
+    nodes: list[NodeConfig],
+    threads: int,
     *,
     superlink: str,
     insecure: bool,
     root_certificates: str,
-    roots: Mapping[str, Path],
-    threads_per_client: int,
-    device: str,
     engine: str,
-    limits: Mapping[str, Any],
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
     on_round: Callable[[dict[str, Any]], None],
@@ -340,17 +339,12 @@ def _run_federation(
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
         outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower.run_log, forward, env, progress)
     elif engine == "simulation":
-        # as many workers as cores / threads_per_client, whatever the number of clients
-        threads = threads_per_client or 1
-        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         log(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
         )
         outcome = simulation_run(paths.run_config, nodes, threads, paths.flower.simulation_log, forward, env, progress)
     else:
-        threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
-        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
 
             def should_stop() -> str | None:
@@ -358,16 +352,8 @@ def _run_federation(
                     return f"the SuperLink exited with code {federation.superlink.process.returncode}"
                 return progress()
 
-            outcome = flwr_run(
-                APP_DIR,
-                paths.run_config,
-                federation.cli_home,
-                paths.flower.run_log,
-                forward,
-                env,
-                should_stop,
-                federation.enter,
-            )
+            home, run_log = federation.cli_home, paths.flower.run_log
+            outcome = flwr_run(APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.enter)
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

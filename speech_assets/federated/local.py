@@ -59,28 +59,25 @@ class HeadStore:
 
     def __init__(self, client_dir: Path, client_id: str) -> None:
         self.files = ClientRunFiles(client_dir)
-        self.folder = self.files.heads_dir
         self.client_id = client_id
 
     def rounds(self) -> list[int]:
-        return self.files.heads.numbers(self.folder)
-
-    def path(self, round_number: int) -> Path:
-        return self.files.head(round_number)
+        return self.files.heads.numbers(self.files.heads_dir)
 
     def load_latest(self, up_to: int, k: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """``(round, {"weight": (K, D), "bias": (K,)})`` of the newest head saved at a round ``<= up_to``."""
         found = [r for r in self.rounds() if r <= up_to]
         if not found:
             return None
-        state = load_checkpoint(self.path(found[-1]))
+        path = self.files.head(found[-1])
+        state = load_checkpoint(path)
         if state["client_id"] != self.client_id or int(state["k"]) != k:
-            raise ValueError(f"{self.path(found[-1])} belongs to another client or codebook (K={state['k']}, now {k})")
+            raise ValueError(f"{path} belongs to another client or codebook (K={state['k']}, now {k})")
         return found[-1], dict(state["head"])
 
     def save(self, round_number: int, head: Mapping[str, torch.Tensor], k: int) -> Path:
         path = save_checkpoint(
-            self.path(round_number),
+            self.files.head(round_number),
             {
                 "format": HEAD_FORMAT,
                 "client_id": self.client_id,
@@ -90,7 +87,7 @@ class HeadStore:
             },
         )
         for old in self.rounds()[:-KEEP_HEADS]:
-            self.path(old).unlink(missing_ok=True)
+            self.files.head(old).unlink(missing_ok=True)
         return path
 
 

@@ -155,21 +155,14 @@ def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[i
             if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             argv = process.info["cmdline"] or []
-            names = {Path(part).name for part in argv[:6]}
-            if (
-                not names & set(FLOWER_NAMES)
-                and SUPERVISOR not in argv[:3]
-                and not is_ray(argv)
-                and SIMULATION not in argv[:4]
-            ):
+            flower = {Path(part).name for part in argv[:6]} & set(FLOWER_NAMES)
+            if not (flower or SUPERVISOR in argv[:3] or is_ray(argv) or SIMULATION in argv[:4]):
                 continue
             if root is not None:
-                try:
+                environ = {}
+                with contextlib.suppress(psutil.Error, OSError):
                     environ = process.environ()
-                except (psutil.Error, OSError):
-                    environ = {}
-                text = " ".join(argv) + " " + " ".join(f"{k}={v}" for k, v in environ.items())
-                if str(root) not in text:
+                if str(root) not in " ".join([*argv, *(f"{k}={v}" for k, v in environ.items())]):
                     continue
             found.append((process.pid, " ".join(argv)))
     return found
@@ -248,7 +241,8 @@ class LocalFederation:
                 log_path, home = files.supernode_log(client), files.supernode_home(client)
                 port = FIRST_SUPERNODE_PORT + index
                 self.supernodes[client] = self._spawn(f"supernode {client}", command, port, log_path, home)
-            self._write_pids()
+            pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
+            self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
             self.log(
                 f"Flower federation on {self.address}: SuperLink pid {self.superlink.process.pid}, "
                 + ", ".join(f"{c} pid {d.process.pid}" for c, d in self.supernodes.items())
@@ -284,11 +278,6 @@ class LocalFederation:
         node_ids = {client: int(by_key[str(path)]) for client, path in public_keys.items()}
         self.files.nodes.write_text(json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n")
         return node_ids
-
-    def _write_pids(self) -> None:
-        pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
 
     @staticmethod
     def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:

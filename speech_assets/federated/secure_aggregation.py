@@ -157,16 +157,8 @@ def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
     if len(nonce) < MIN_NONCE_BYTES:
         raise ValueError(f"the server nonce must be at least {MIN_NONCE_BYTES} bytes, got {len(nonce)}")
     run_bytes = run.encode("utf-8")
-    return b"".join(
-        [
-            _CONTEXT_TAG,
-            struct.pack(">I", len(run_bytes)),
-            run_bytes,
-            struct.pack(">Q", round_number),
-            struct.pack(">I", len(nonce)),
-            bytes(nonce),
-        ]
-    )
+    head = _CONTEXT_TAG + struct.pack(">I", len(run_bytes)) + run_bytes
+    return head + struct.pack(">QI", round_number, len(nonce)) + bytes(nonce)
 
 
 def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:

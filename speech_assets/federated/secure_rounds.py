@@ -75,6 +75,7 @@ from speech_assets.federated.secure_aggregation import (
 )
 from speech_assets.layout import TEMP_SUFFIX, ClientRunFiles
 from speech_assets.runtime.locks import LockTimeout, exclusive_lock
+from speech_assets.utils import fsync_dir
 
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
@@ -101,6 +102,14 @@ class RoundHost(Protocol):
     def client_of(self, reply: Message) -> str: ...
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]: ...
+
+    def screen(
+        self,
+        replies: list[Message],
+        phase: str,
+        failures: list[dict[str, Any]],
+        problem_of: Callable[[Message], str | None],
+    ) -> list[Message]: ...
 
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
 
@@ -143,26 +152,20 @@ class SecureRounds:
         """The clients ``client`` masked against (itself included): its neighbours that shared."""
         return [c for c in self.neighbours(client) if c in self.sealed]
 
-    def _query(self, client: str, fields: dict[str, Any]) -> Message | None:
-        node = self.host.binding.node_of(client)
-        if node is None:
-            return None
-        config = ConfigRecord(
-            {
-                KIND: fields.pop(KIND),
-                "secure-aggregation": True,
-                "run-name": self.config.run_name,
-                "server-round": self.round_number,
-                SECAGG_NONCE: self.nonce,
-            }
-            | fields
-        )
-        return Message(RecordDict({"config": config}), dst_node_id=int(node), message_type=MessageType.QUERY)
-
     def _ask(
         self, phase: str, per_client: dict[str, dict[str, Any]], failures: list[dict[str, Any]]
     ) -> dict[str, Message]:
-        messages = [m for client, fields in per_client.items() if (m := self._query(client, dict(fields)))]
+        """Send each client with a node its query; ``{client: reply}`` of the bound replies."""
+        common = {"secure-aggregation": True, "run-name": self.config.run_name, "server-round": self.round_number}
+        messages = [
+            Message(
+                RecordDict({"config": ConfigRecord(common | {SECAGG_NONCE: self.nonce} | fields)}),
+                dst_node_id=int(node),
+                message_type=MessageType.QUERY,
+            )
+            for client, fields in per_client.items()
+            if (node := self.host.binding.node_of(client)) is not None
+        ]
         good, refused = self.host.exchange(messages, self.round_number, phase)
         failures.extend(refused)
         return {self.host.client_of(reply): reply for reply in good}
@@ -198,12 +201,9 @@ class SecureRounds:
         def read_shares(client: str, record: Any) -> tuple[dict[str, Any], str | None]:
             sealed = dict(record or {})
             expected = set(self.neighbours(client)) - {client}
-            if set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values()):
-                return (
-                    sealed,
-                    f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}",
-                )
-            return sealed, None
+            if set(sealed) == expected and all(isinstance(v, bytes) for v in sealed.values()):
+                return sealed, None
+            return sealed, f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
 
         self._collect("secagg-share", asked, SHARES, read_shares, self.sealed, failures)
         if len(self.sealed) < self.threshold:
@@ -282,17 +282,14 @@ class SecureRounds:
     def accept(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
         """The masked replies that hold exactly the encoder's arrays as uint32, the metrics and the
         client id (masked values cannot be checked), from clients that shared."""
-        accepted = []
         spec = {name: ("uint32", shape) for name, (_, shape) in self.host.expected.items()}
-        for reply in good:
-            problem = content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names)
-            if problem is None and self.host.client_of(reply) not in self.sealed:
-                problem = "did not share its keys this round"
-            if problem:
-                failures.append(self.host.failure(reply, "train", problem))
-            else:
-                accepted.append(reply)
-        return accepted
+
+        def problem_of(reply: Message) -> str | None:
+            if problem := content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names):
+                return problem
+            return None if self.host.client_of(reply) in self.sealed else "did not share its keys this round"
+
+        return self.host.screen(good, "train", failures, problem_of)
 
     def mean_update(
         self, round_number: int, good: list[Message], failures: list[dict[str, Any]]
@@ -304,16 +301,10 @@ class SecureRounds:
         if len(self.survivors) < self.threshold:
             self._fail_short("sent an accepted masked update", self.survivors, self.sealed, failures)
         seeds, keys = self.reveal(failures)
+        public = {c: k[0] for c, k in self.keys.items()}
+        masked_with = {c: self.masked_with(c) for c in self.survivors}
         try:
-            total = unmask_sum(
-                masked,
-                seeds,
-                keys,
-                {c: k[0] for c, k in self.keys.items()},
-                {c: self.masked_with(c) for c in self.survivors},
-                self.params,
-                self.context,
-            )
+            total = unmask_sum(masked, seeds, keys, public, masked_with, self.params, self.context)
         except ValueError as error:
             self.host.fail(
                 round_number, f"round {round_number}: the masked updates did not unmask: {error}", [], failures
@@ -423,22 +414,18 @@ def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
 SECAGG_LOCK_TIMEOUT_S = 30.0
 
 
-class StateLocked(ValueError):
-    pass
-
-
 @contextlib.contextmanager
-def state_lock(node: NodeConfig, run: str, stage: str, timeout_s: float | None = None) -> Iterator[None]:
+def state_lock(node: NodeConfig, run: str, stage: str) -> Iterator[None]:
     """Every stage reads, checks and rewrites a round's state under this lock, so racing requests
     (threads, or the deployment engine's per-message processes) take turns: one answer per round."""
-    timeout_s = SECAGG_LOCK_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout_s = SECAGG_LOCK_TIMEOUT_S
     files = ClientRunFiles(node.client_dir(run))
     files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(exclusive_lock(files.secagg_lock, timeout_s))
         except LockTimeout:
-            raise StateLocked(
+            raise ValueError(
                 f"{node.client_id} refuses the {stage} stage of run {run}: its secure-aggregation state "
                 f"({files.secagg_lock}) stayed locked by another request for more than {timeout_s:g} s"
             ) from None
@@ -466,11 +453,7 @@ def _save(path: Path, state: dict[str, Any]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _secrets(state: dict[str, Any]) -> RoundSecrets:
@@ -526,15 +509,8 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
     )
     mask, share = secrets.mask_public(), secrets.share_public()
     commitment = seed_commitment(secrets.self_seed, node.client_id, context)
-    signed = advertisement(context, node.client_id, mask, share, commitment)
-    content[KEY_RECORD] = ConfigRecord(
-        {
-            MASK_KEY: mask,
-            SHARE_KEY: share,
-            COMMITMENT: commitment,
-            SIGNATURE: sign_advertisement(identity, signed),
-        }
-    )
+    signature = sign_advertisement(identity, advertisement(context, node.client_id, mask, share, commitment))
+    content[KEY_RECORD] = ConfigRecord({MASK_KEY: mask, SHARE_KEY: share, COMMITMENT: commitment, SIGNATURE: signature})
 
 
 def _node_keys(node: NodeConfig) -> str:
@@ -629,39 +605,29 @@ def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
     """Replace the reply's encoder by its masked update, against the neighbours whose shares arrived."""
     config = message.content["config"]
     with state_lock(node, str(config["run-name"]), "train (mask)"):
-        return _mask_reply(out, message, node, config)
-
-
-def _mask_reply(out: Message, message: Message, node: NodeConfig, config: ConfigRecord) -> Message:
-    path, state, context = _round_state(config, node, SHARE)
-    secrets, me = _secrets(state), node.client_id
-    routed = dict(message.content.config_records.get(SHARES) or {})
-    strangers = sorted(set(routed) - set(state["neighbours"]) | ({me} & set(routed)))
-    if strangers:
-        raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
-    for src, sealed in routed.items():
-        seed_share, key_share = open_shares(
-            secrets,
-            state["share_keys"][src].encode("ascii"),
-            bytes(sealed),  # type: ignore[arg-type]
-            context,
-            src,
-            me,
-        )
-        state["shares"][src] = [seed_share.hex(), key_share.hex()]
-    masked_with = sorted(state["shares"])
-    if len(masked_with) < int(state["threshold"]):
-        raise ValueError(f"{me}: shares from {len(masked_with) - 1} neighbours, fewer than the threshold needs")
-    state |= {"stage": "masked", "masked_with": masked_with}
-    _save(path, state)
-    received = message.content[ARRAYS]
-    trained = out.content[ARRAYS]
-    update = {name: trained[name].numpy().astype(np.float64) - received[name].numpy() for name in received}
-    params = SecAggParams(float(config[SECAGG_RANGE]), int(config[SECAGG_TARGET]))  # type: ignore[arg-type]
-    peers = {c: bytes.fromhex(state["keys"][c]) for c in masked_with}
-    masked = mask_update(update, me, secrets, peers, params, context)
-    out.content[ARRAYS] = ArrayRecord({name: Array(masked[name]) for name in received})
-    return check_masked(out, me)
+        path, state, context = _round_state(config, node, SHARE)
+        secrets, me = _secrets(state), node.client_id
+        routed = dict(message.content.config_records.get(SHARES) or {})
+        strangers = sorted(set(routed) - set(state["neighbours"]) | ({me} & set(routed)))
+        if strangers:
+            raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
+        for src, sealed in routed.items():
+            peer_key = state["share_keys"][src].encode("ascii")
+            seed_share, key_share = open_shares(secrets, peer_key, bytes(sealed), context, src, me)  # type: ignore[arg-type]
+            state["shares"][src] = [seed_share.hex(), key_share.hex()]
+        masked_with = sorted(state["shares"])
+        if len(masked_with) < int(state["threshold"]):
+            raise ValueError(f"{me}: shares from {len(masked_with) - 1} neighbours, fewer than the threshold needs")
+        state |= {"stage": "masked", "masked_with": masked_with}
+        _save(path, state)
+        received = message.content[ARRAYS]
+        trained = out.content[ARRAYS]
+        update = {name: trained[name].numpy().astype(np.float64) - received[name].numpy() for name in received}
+        params = SecAggParams(float(config[SECAGG_RANGE]), int(config[SECAGG_TARGET]))  # type: ignore[arg-type]
+        peers = {c: bytes.fromhex(state["keys"][c]) for c in masked_with}
+        masked = mask_update(update, me, secrets, peers, params, context)
+        out.content[ARRAYS] = ArrayRecord({name: Array(masked[name]) for name in received})
+        return check_masked(out, me)
 
 
 def _unmask(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -113,11 +113,6 @@ def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
     return {}
 
 
-def restore_strategy(strategy: FedAvg, state: dict[str, records.NDArrays]) -> None:
-    if isinstance(strategy, FedAdam) and state:
-        strategy.m_t, strategy.v_t = dict(state["m_t"]), dict(state["v_t"])
-
-
 def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
     """A train reply of weight 1: how an aggregate made outside the strategy (unmasked sum, noisy
     mean) reaches its ``aggregate_train`` for the server step."""
@@ -180,19 +175,13 @@ def sampling_at_most(strategy: FedAvg, available: int) -> Iterator[None]:
         strategy.min_available_nodes = saved
 
 
-def registered_nodes(paths: FederatedPaths) -> dict[int, str]:
-    """``{node id: client id}`` of the local federation's SuperNodes (none if remote)."""
-    try:
-        return {int(node): str(client) for node, client in json.loads(paths.nodes.read_text()).items()}
-    except FileNotFoundError:
-        return {}
-
-
 class Server:
     def __init__(self, grid: Grid, config: FederatedConfig) -> None:
         self.grid, self.config = grid, config
         self.paths = FederatedPaths(config.run_dir)
-        self.binding = NodeBinding(config.clients, registered_nodes(self.paths))
+        # the local federation's registered SuperNodes, {node id: client id}; none with a remote SuperLink
+        registered = json.loads(self.paths.nodes.read_text()) if self.paths.nodes.is_file() else {}
+        self.binding = NodeBinding(config.clients, {int(node): str(client) for node, client in registered.items()})
         self.expected: ArraySpec = {}  # what every train reply's arrays must match: the global encoder's
         self.encoder_values = 0
         self.rounds_run = 0
@@ -237,7 +226,8 @@ class Server:
                     [],
                     [],
                 )
-            restore_strategy(strategy, state.strategy)
+            if isinstance(strategy, FedAdam) and state.strategy:
+                strategy.m_t, strategy.v_t = dict(state.strategy["m_t"]), dict(state.strategy["v_t"])
             accountant = (history[-1].get("privacy") or {}).get("accountant")
             log.info(
                 "resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12]
@@ -508,16 +498,7 @@ class Server:
                 NodeSnapshot(nodes),  # type: ignore[arg-type]
             )
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
-        accepted = []
-        for reply in good:
-            problem = content_problem(
-                reply.content, "evaluate", self.expected, config.clients, withhold=not self.per_client_released
-            )
-            if problem:
-                eval_failures.append(self.failure(reply, "evaluate", problem))
-                log.warning("refusing the evaluate reply of %s: %s", self.client_of(reply), problem)
-            else:
-                accepted.append(reply)
+        accepted = self.screen(good, "evaluate", eval_failures, lambda reply: self.check_reply(reply, "evaluate"))
         failures.extend(eval_failures)
         rows = [self.row(round_number, reply, EVALUATION_METRICS) for reply in accepted]
         for row in rows:
@@ -610,6 +591,23 @@ class Server:
         with open(self.paths.received, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry, sort_keys=True) + "\n")
 
+    def screen(
+        self,
+        replies: list[Message],
+        phase: str,
+        failures: list[dict[str, Any]],
+        problem_of: Callable[[Message], str | None],
+    ) -> list[Message]:
+        """The replies ``problem_of`` finds nothing wrong with; the others are refused, logged and failed."""
+        accepted = []
+        for reply in replies:
+            if problem := problem_of(reply):
+                failures.append(self.failure(reply, phase, problem))
+                log.warning("refusing the %s reply of %s: %s", phase, self.client_of(reply), problem)
+            else:
+                accepted.append(reply)
+        return accepted
+
     def accept_train(
         self, good: list[Message], encoder: records.NDArrays, failures: list[dict[str, Any]]
     ) -> tuple[list[Message], dict[str, float]]:
@@ -619,21 +617,18 @@ class Server:
         bound = update_norm_bound(self.config, self.encoder_values)
         bound_name = "dp_clipping_norm" if self.config.differential_privacy else "max_update_norm"
         withhold = not self.per_client_released
-        accepted, norms = [], {}
-        for reply in good:
-            problem = self.check_reply(reply, "train")
-            norm = None
-            if problem is None:
-                update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
-                norm, problem = update_problem(update, encoder, bound, bound_name, withhold_norm=withhold)
-            if problem:
-                failures.append(self.failure(reply, "train", problem))
-                log.warning("refusing the train reply of %s: %s", self.client_of(reply), problem)
-            else:
-                accepted.append(reply)
-                if not withhold:
-                    norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
-        return accepted, norms
+        norms: dict[str, float] = {}
+
+        def problem_of(reply: Message) -> str | None:
+            if problem := self.check_reply(reply, "train"):
+                return problem
+            update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
+            norm, problem = update_problem(update, encoder, bound, bound_name, withhold_norm=withhold)
+            if problem is None and not withhold:
+                norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
+            return problem
+
+        return self.screen(good, "train", failures, problem_of), norms
 
     @property
     def per_client_released(self) -> bool:
