@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("speech_assets.federated")
 
-# clients whose index and datasets a long-lived worker keeps (each a few MB: the index and a
-# bounded cache of row groups; no model)
+# clients whose index and datasets a long-lived worker keeps (each a few MB; no model)
 CACHED_CLIENTS = 16
 # what changes from round to round and does not touch the data index
 ROUND_KEYS = ("lr", "lr-end", "proximal-mu", "local-steps")

@@ -30,9 +30,7 @@ ROUNDS_SCHEMA = _per_client(
     bytes_down=pa.int64(),
     seconds=pa.float64(),
 )
-# evaluation.parquet: the global encoder after the round, on each client's held-out utterances
-# with that client's own head (kept on the client), beside the client's majority-class rate; then
-# the same on the leak-free masked frames (accuracies null when a client has none)
+# evaluation.parquet: the new encoder with each client's own head on its held-out utterances
 EVALUATION_METRICS = {  # {column: (the evaluation reply's metric, its type)}
     "utterances": ("utterances", int),
     "masked_frames": ("num-examples", int),
@@ -173,8 +171,7 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
-                # the share of the round not spent in the slowest client's local training (None
-                # when the clients withheld their seconds)
+                # the share of the round not spent in the slowest client's training (None: withheld)
                 "overhead": None
                 if (slowest := record.get("slowest_client_seconds", 0.0)) is None
                 else 1.0 - slowest / record["round_seconds"]

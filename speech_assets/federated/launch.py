@@ -38,9 +38,7 @@ from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
-# "simulation": Flower's simulation runtime on this machine (long-lived ClientApp workers);
-# "deployment": a local SuperLink and one SuperNode per client (Flower's deployment engine).
-# A remote SuperLink (``superlink``) is always the deployment engine.
+# a remote SuperLink (``superlink``) is always the deployment engine
 ENGINES = ("simulation", "deployment")
 
 

@@ -109,8 +109,7 @@ class EvalResult:
     masked_accuracy: float
     majority_accuracy: float  # always predicting the client's most frequent training label
     loss: float
-    # the same on the leak-free masked frames (no visible frame shares audio with their label's
-    # MFCC frame: MaskedPrediction.evaluate); accuracies None when there are none
+    # the same on the leak-free masked frames (MaskedPrediction.evaluate); None when there are none
     leak_free_frames: int
     leak_free_masked_accuracy: float | None
     leak_free_majority_accuracy: float | None
@@ -119,8 +118,7 @@ class EvalResult:
 class LocalClient:
     def __init__(self, data: ClientData, local: LocalConfig, node: NodeConfig) -> None:
         self.data, self.local, self.node = data, local, node
-        # whether a local round's log line names its loss and accuracy (not in a DP round that
-        # withholds the training metrics: the log may end up beside the server's run folder)
+        # False in a DP round that withholds the metrics: the log may end up beside the server's run folder
         self.log_metrics = True
         self.client_dir = node.client_dir(local.run_name)
         self.client_dir.mkdir(parents=True, exist_ok=True)

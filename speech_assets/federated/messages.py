@@ -47,8 +47,7 @@ LEAK_FREE_FRAMES = "leak-free-frames"
 LEAK_FREE_FRACTIONS = ("heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
 # the weight the server adds to each accepted reply for Flower's aggregation (weighted_by_key)
 SERVER_WEIGHT = "server-weight"
-# in a DP round's config (one carrying Flower's clipping norm): whether the client sends its
-# training metrics; absent or false, it sends none
+# in a DP round's config: whether the client sends its training metrics (absent: it sends none)
 SHARE_CLIENT_METRICS = "share-client-metrics"
 
 ArraySpec = dict[str, tuple[str, tuple[int, ...]]]

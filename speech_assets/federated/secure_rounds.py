@@ -122,7 +122,6 @@ def _clients(value: Any) -> list[str]:
     return [c for c in str(value).split(",") if c]
 
 
-# ----------------------------------------------------------------------------------- server
 class SecureRounds:
     """The server's side of one run: each round's keys, routed shares, survivors and unmasking."""
 
@@ -404,7 +403,6 @@ class SecureRounds:
         }
 
 
-# ----------------------------------------------------------------------------------- client
 def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
     return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 

@@ -643,13 +643,7 @@ class Server:
         return content_problem(reply.content, phase, self.expected, self.config.clients, names, withhold=withhold)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
-        return {
-            "phase": phase,
-            "client_id": self.binding.client_of(reply.metadata.src_node_id),
-            "claimed_client_id": claimed_client(reply.content),
-            "node_id": reply.metadata.src_node_id,
-            "reason": reason,
-        }
+        return self.binding.failure(phase, reply.metadata.src_node_id, claimed_client(reply.content), reason)
 
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn:
         """Record why the run stops (completed rounds are already saved) and raise."""
