@@ -360,8 +360,15 @@ def flwr_run(
     try:
         reason = follow(process, log_path, each, should_stop)
         if reason is not None:
-            if run_id:
-                flwr_stop(run_id[0], home, env, enter)
+            if run_id:  # best effort
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run(  # noqa: S603
+                        enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
+                        env=process_env,
+                        capture_output=True,
+                        timeout=60,
+                        preexec_fn=die_with_parent,  # noqa: PLW1509
+                    )
             raise RuntimeError(f"federated run stopped: {reason}")
         return FlwrRun(process.wait(), run_id[0] if run_id else None)
     finally:
@@ -450,16 +457,3 @@ def simulation_run(
         finally:
             if process.poll() is None:
                 terminate([process], grace=10)
-
-
-def flwr_stop(
-    run_id: int, home: Path, env: Mapping[str, str] | None = None, enter: Callable[[Sequence[str]], list[str]] = list
-) -> None:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(  # noqa: S603
-            enter([flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME]),
-            env=flower_env(home, env),
-            capture_output=True,
-            timeout=60,
-            preexec_fn=die_with_parent,  # noqa: PLW1509
-        )

@@ -37,6 +37,7 @@ from speech_assets.federated.history import (
 )
 from speech_assets.federated.messages import (
     ARRAYS,
+    COUNTS,
     METRICS,
     SERVER_WEIGHT,
     SHARE_CLIENT_METRICS,
@@ -60,14 +61,7 @@ log = logging.getLogger("speech_assets.federated.server")
 
 POLL_SECONDS = 0.25
 # the columns of a round's table rows read from each reply's metrics: {column: (metric, type)}
-TRAIN_COLUMNS = {
-    "num_examples": ("num-examples", int),
-    "train_loss": ("train-loss", float),
-    "masked_accuracy": ("masked-accuracy", float),
-    "seconds": ("seconds", float),
-    "audio_seconds": ("audio-seconds", float),
-    "steps": ("steps", int),
-}
+TRAIN_COLUMNS = {name.replace("-", "_"): (name, int if name in COUNTS else float) for name in TRAIN_METRICS}
 # accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
 LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
 # the same for a client with no held-out frame at all (no held-out speaker): None, never 0.0
