@@ -12,14 +12,13 @@ the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query
    ones; it rebuilds seeds and keys (checked against the commitments and public keys) and unmasks
    the sum.
 
-A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding`: the
-reply must come from the node the query went to (the SuperLink's authenticated node; in the
-simulation the runtime's own node id, which guards against a client answering as another, not
-against the runtime). A client trusts only the node keys of its own settings, never the server's, and refuses (an error
-reply) any stage out of order, a key map it cannot verify, a threshold a server could split, or an
-unmask request that would reveal both shares of one neighbour. Every stage runs under
-:func:`state_lock`, and that a round's unmask was answered is on disk (owner-only) before the
-answer leaves: neither a repeated query nor a restarted client answers twice.
+A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding` (in the
+simulation that guards against a client answering as another, not against the runtime). A client
+trusts only the node keys of its own settings, never the server's, and refuses any stage out of
+order, a key map it cannot verify, a threshold a server could split, or an unmask request that
+would reveal both shares of one neighbour. Every stage runs under :func:`state_lock`, and that a
+round's unmask was answered is on disk (owner-only) before the answer leaves: neither a repeated
+query nor a restarted client answers twice.
 
 Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
 path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
