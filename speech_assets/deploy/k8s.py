@@ -1,14 +1,8 @@
-"""The code location on Kubernetes: every step runs in its own pod (``k8s_job_executor``).
-
-Load it in the user-code deployment with ``dagster api grpc -m speech_assets.deploy.k8s``
-(`deploy/helm/values.yaml`); the instance runs runs with ``K8sRunLauncher``
-(`deploy/k8s/dagster.yaml`). Step pods inherit the run launcher's image, environment
-(ConfigMap/Secret) and volumes, so every pod sees the same data dir (a ReadWriteMany volume),
-Postgres instance and MLflow server. The training step asks for ``[training] gpus_per_node`` GPUs
-through its ``dagster-k8s/config`` op tag (`speech_assets/defs/cluster.py`).
-
-The alternative for training, one pod for torchrun driven through Dagster Pipes, is
-:func:`training_pod_spec` with ``dagster_k8s.PipesK8sClient`` (see docs/OPERATIONS.md, "Kubernetes").
+"""The code location on Kubernetes: every step runs in its own pod (``k8s_job_executor``), loaded
+with ``dagster api grpc -m speech_assets.deploy.k8s`` (`deploy/helm/values.yaml`). Step pods
+inherit the run launcher's image, environment and volumes, so every pod sees the same data dir
+(a ReadWriteMany volume), Postgres and MLflow. The alternative for training, one torchrun pod
+through Dagster Pipes, is :func:`training_pod_spec` (docs/OPERATIONS.md, "Kubernetes").
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ defs = build_definitions(executor=k8s_executor)
 
 
 def training_pod_spec(training: TrainingSettings, image: str, data_claim: str = "speech-assets-data") -> dict[str, Any]:
-    """``base_pod_spec`` for running the torchrun job in a pod of its own with
-    ``PipesK8sClient().run(context=..., image=image, command=<torchrun command>, base_pod_spec=...)``:
+    """``base_pod_spec`` of ``PipesK8sClient().run(...)`` for the torchrun job in a pod of its own:
     ``gpus_per_node`` GPUs, the shared data volume at ``/data``, the team's environment."""
     resources: dict[str, Any] = {"requests": {"cpu": "4", "memory": "16Gi"}}
     if training.gpus_per_node > 0:

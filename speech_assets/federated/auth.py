@@ -1,22 +1,13 @@
-"""Credentials of the local federation: a throw-away CA and a TLS certificate for the SuperLink on
-127.0.0.1, one EC key pair per SuperNode (Flower's node authentication), and their registration.
+"""Credentials of the local federation: a throw-away CA and a TLS certificate for the SuperLink,
+one EC key pair per SuperNode (Flower's node authentication), and their registration.
 
-Flower 1.42 authenticates SuperNodes only over TLS: the SuperLink runs with
-``--enable-supernode-auth`` and TLS files, every SuperNode's public key is registered through the
-Control API (``flwr supernode register``) before it starts, and a SuperNode signs its requests
-with ``--auth-supernode-private-key``. A process that holds no registered key cannot join, not
-even as a client id that is not taking part. Private keys are written owner-only (0600) and the
-launcher deletes them when the federation stops (the registrations die with the SuperLink).
+Flower 1.42 authenticates SuperNodes only over TLS; every SuperNode's public key is registered
+before it starts, so a process without a registered key cannot join. Private keys are owner-only
+(0600) and deleted when the federation stops. The same key pairs sign each client's
+secure-aggregation advertisement (:func:`identity_key`, :func:`authorised_keys`).
 
-``python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...`` registers keys
-with the SuperLink of that ``flwr`` connection in one interpreter (each ``flwr`` CLI start costs
-seconds) and prints ``{public key file: node id}`` as JSON.
-
-The same key pairs sign each client's secure-aggregation advertisement
-(:mod:`speech_assets.federated.secure_rounds`): a node config's ``node-keys`` names a folder laid
-out as :class:`~speech_assets.layout.NodeKeys`, holding this node's ``<client>.key`` and the
-``<client>.pub`` of every node the federation authorises (:func:`identity_key`,
-:func:`authorised_keys`).
+``python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...`` registers keys in
+one interpreter (each ``flwr`` CLI start costs seconds) and prints ``{public key file: node id}``.
 """
 
 from __future__ import annotations
@@ -57,36 +48,26 @@ def _write_private(path: Path, data: bytes) -> Path:
     return path
 
 
-def make_tls(folder: Path) -> FlowerTls:
-    """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``:
-    ``ca`` (what clients verify against), ``cert`` and ``key``."""
+def _certificate(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
+    builder = x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+    builder = builder.serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+    return builder.not_valid_after(now + VALID_FOR)
+
+
+def make_tls(folder: Path) -> FlowerTls:
+    """A CA and a certificate for ``127.0.0.1``/``localhost`` signed by it, under ``folder``."""
+    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "speech_assets local federation CA")])
     ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALID_FOR)
+        _certificate(ca_name, ca_name, ca_key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
-    key = ec.generate_private_key(ec.SECP384R1())
+    names = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")])
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALID_FOR)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")]),
-            critical=False,
-        )
+        _certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)]), ca_name, key)
+        .add_extension(names, critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
@@ -118,8 +99,7 @@ def make_node_key(folder: Path, name: str) -> NodeKey:
 
 
 def identity_key(folder: str | os.PathLike[str], client_id: str) -> ec.EllipticCurvePrivateKey:
-    """This node's identity key, ``<folder>/<client_id>.key`` (the SuperNode's authentication key,
-    OpenSSH format, an EC key as Flower's node authentication requires)."""
+    """This node's identity key: its SuperNode's authentication key (OpenSSH, EC)."""
     path = NodeKeys(Path(folder)).private(client_id)
     try:
         key = serialization.load_ssh_private_key(path.read_bytes(), password=None)
@@ -131,8 +111,7 @@ def identity_key(folder: str | os.PathLike[str], client_id: str) -> ec.EllipticC
 
 
 def authorised_keys(folder: str | os.PathLike[str]) -> dict[str, ec.EllipticCurvePublicKey]:
-    """``{client id: public key}`` of every node the federation authorises: each ``<client>.pub``
-    (OpenSSH format, EC) in ``folder``. An unreadable or non-EC key is an error, not a skip."""
+    """``{client id: public key}`` of every ``<client>.pub`` in ``folder``; a bad key is an error, not a skip."""
     keys = {}
     for path in sorted(Path(folder).glob(NODE_PUBLIC_KEY.format("*"))):
         try:
@@ -146,8 +125,7 @@ def authorised_keys(folder: str | os.PathLike[str]) -> dict[str, ec.EllipticCurv
 
 
 def register(connection: str, public_keys: list[Path]) -> dict[str, int]:
-    """Register ``public_keys`` with the SuperLink of ``flwr`` connection ``connection`` (in
-    ``$FLWR_HOME/config.toml``), as ``flwr supernode register`` does; ``{key file: node id}``."""
+    """As ``flwr supernode register`` does, for the SuperLink of ``connection``: ``{key file: node id}``."""
     from flwr.cli.flower_config import read_superlink_connection
     from flwr.cli.supernode.register import try_load_public_key
     from flwr.cli.utils import init_http_client_from_connection

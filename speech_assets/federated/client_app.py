@@ -1,32 +1,14 @@
-"""The Flower ClientApp: one client's local round and held-out evaluation.
+"""The Flower ClientApp: one client's local round, held-out evaluation and ``query`` answers
+(which client this node is; the secure-aggregation stages).
 
-The SuperNode's ``--node-config`` says who this client is and where its data is
-(:class:`~speech_assets.federated.config.NodeConfig`); the message brings the global encoder
-(an ``ArrayRecord`` of the encoder's tensors) and the round's instructions (a ``ConfigRecord``,
-:class:`~speech_assets.federated.config.LocalConfig`). A train reply carries the locally trained
-encoder, a ``MetricRecord`` (``num-examples`` = training utterances, the FedAvg weight;
-``train-loss``, ``masked-accuracy``, ``seconds``, ``audio-seconds``, ``steps``) and the client id;
-an evaluate reply only the metrics (``num-examples`` = masked held-out frames; ``leak-free-frames``
-and the accuracies on them, 0.0 when there are none) and the client id.
-A ``query`` message asks which client this node is (the server needs it to sample clients by
-id where no node registrations tell it: the simulation runtime, a remote SuperLink); with secure
-aggregation, queries also carry the protocol's key, share and unmask stages.
+The SuperNode's ``--node-config`` says who this client is and what it requires of every round
+(:class:`NodeConfig`); the server cannot lower that. Under DP Flower's ``fixedclipping_mod`` clips
+the update, and the train reply carries no metrics unless the run shares them; with secure
+aggregation the update is then masked and only the masked values leave. The head, the codebook,
+the CMVN statistics and the data stay here: every reply is checked before it leaves.
 
-With differential privacy the round's config carries the clipping norm and Flower's
-``fixedclipping_mod`` clips the update of the train reply, which then carries no metrics unless
-the config says the run shares them (:func:`~speech_assets.federated.messages.train_metrics`);
-with secure aggregation the update is then masked (:mod:`speech_assets.federated.secure_rounds`)
-and only the masked values leave.
-
-The client's data index and datasets stay loaded between messages in a process that lives across
-rounds (the simulation runtime's workers; the deployment engine starts a process per message):
-:func:`local_client` keeps the last :data:`CACHED_CLIENTS` of them; a model exists only while a
-message is handled.
-
-The head, the codebook, the CMVN statistics and the data stay here: every reply is checked
-before it leaves (:func:`~speech_assets.federated.messages.check_outgoing`), and the run name the
-server sends must be a safe id before it names this client's state folder (under the state root
-its SuperNode owns).
+A long-lived worker (the simulation's) keeps the data index and datasets of the last
+:data:`CACHED_CLIENTS` clients between messages; a model exists only while a message is handled.
 """
 
 from __future__ import annotations
@@ -36,7 +18,7 @@ import logging
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -54,8 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("speech_assets.federated")
 
-# clients whose index and datasets a long-lived worker keeps (each a few MB: the index and a
-# bounded cache of row groups; no model)
+# clients whose index and datasets a long-lived worker keeps (each a few MB; no model)
 CACHED_CLIENTS = 16
 # what changes from round to round and does not touch the data index
 ROUND_KEYS = ("lr", "lr-end", "proximal-mu", "local-steps")
@@ -72,8 +53,7 @@ def _setup_logging() -> None:
 
 
 def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
-    """This node's :class:`~speech_assets.federated.local.LocalClient` for ``local``: the one
-    built for an earlier message of the same run and data settings, or a new one."""
+    """The LocalClient built for an earlier message of the same run and data settings, or a new one."""
     from speech_assets.federated.local import LocalClient
 
     record = {k: v for k, v in local.to_record().items() if k not in ROUND_KEYS}
@@ -88,14 +68,6 @@ def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
     return client
 
 
-TRAIN_METRICS = {
-    "num-examples": "num_examples",
-    "train-loss": "train_loss",
-    "masked-accuracy": "masked_accuracy",
-    "seconds": "seconds",
-    "audio-seconds": "audio_seconds",
-    "steps": "steps",
-}
 EVALUATE_METRICS = {
     "num-examples": "masked_frames",
     "utterances": "utterances",
@@ -115,14 +87,12 @@ def reply(
     client_id: str,
     config: ConfigRecord | None = None,
 ) -> RecordDict:
-    """A ``train`` or ``evaluate`` reply: the result's metrics (those of a train reply only if the
-    round's ``config`` lets them leave: :func:`~speech_assets.federated.messages.train_metrics`),
-    the client id and, after a local round, its encoder; checked against the encoder ``received``
-    from the server."""
+    """A checked ``train`` or ``evaluate`` reply: the metrics the round's ``config`` lets leave, the
+    client id and, after a local round, its encoder."""
     names = EVALUATE_METRICS
     if kind == "train":
         sent = train_metrics(config or {})
-        names = {name: field for name, field in TRAIN_METRICS.items() if name in sent}
+        names = {name: name.replace("-", "_") for name in sent}  # TrainResult's fields are the metrics' names
     # a metric must be a finite number: an accuracy over no (leak-free) frames travels as 0.0
     values = {name: 0.0 if (value := getattr(result, field)) is None else value for name, field in names.items()}
     content = {"metrics": MetricRecord(values), CLIENT_RECORD: ConfigRecord({CLIENT_ID: client_id})}
@@ -143,8 +113,7 @@ def _answer(message: Message, node: NodeConfig, kind: str) -> Message:
 
 
 def answer_train(message: Message, context: Context, node: NodeConfig) -> Message:
-    """A local round; its update clipped (DP) and masked (secure aggregation) when the round's
-    config asks for it."""
+    """A local round; its update clipped (DP) and masked (secure aggregation) as the round asks."""
     config = message.content["config"]
     check_required(config, node)
 
@@ -174,11 +143,9 @@ class DowngradeRefused(ValueError):
 
 
 def check_required(config: ConfigRecord, node: NodeConfig) -> None:
-    """Refuse, before training, a round without what this node's own settings require
-    (:class:`~speech_assets.federated.config.NodeConfig`; never what the server says): the
-    secure-aggregation nonce, the DP clipping norm, and a clipping norm no larger than its
-    ``dp-max-clipping-norm``. A server that leaves either out, or sends a huge norm, would get
-    the update in the clear or (in effect) unclipped."""
+    """Refuse, before training, a round without what this node's own settings require (never what
+    the server says): a server that leaves out secure aggregation or DP, or sends a huge clipping
+    norm, would get the update in the clear or (in effect) unclipped."""
     if node.require_secure_aggregation and not secure_round(config):
         raise DowngradeRefused(
             f"client {node.client_id} requires secure aggregation (require-secure-aggregation) and refuses "
@@ -208,7 +175,6 @@ def secure_round(config: ConfigRecord) -> bool:
 
 
 def answer_query(message: Message, node: NodeConfig) -> Message:
-    """Who this node is (and, with secure aggregation, its answer to a key, share or unmask stage)."""
     config = message.content["config"]
     # a long-lived worker imports torch now, before the first round is timed
     import speech_assets.federated.local  # noqa: F401
@@ -222,8 +188,7 @@ def answer_query(message: Message, node: NodeConfig) -> Message:
 
 
 def build_client_app(nodes: Sequence[NodeConfig] | None = None) -> ClientApp:
-    """The ClientApp. A SuperNode of the deployment engine says who it is in its
-    ``--node-config``; in the simulation runtime node ``partition-id`` is ``nodes[partition-id]``."""
+    """In the simulation runtime node ``partition-id`` is ``nodes[partition-id]``; else ``--node-config``."""
     client_app = ClientApp()
 
     def node_of(context: Context) -> NodeConfig:
@@ -231,14 +196,9 @@ def build_client_app(nodes: Sequence[NodeConfig] | None = None) -> ClientApp:
             return nodes[int(context.node_config["partition-id"])]
         return NodeConfig.from_node_config(context.node_config)
 
-    handlers: dict[str, Callable[[Message, Context], Message]] = {
-        "train": lambda message, context: answer_train(message, context, node_of(context)),
-        "evaluate": lambda message, context: _answer(message, node_of(context), "evaluate"),
-        "query": lambda message, context: answer_query(message, node_of(context)),
-    }
-    client_app.train()(handlers["train"])
-    client_app.evaluate()(handlers["evaluate"])
-    client_app.query()(handlers["query"])
+    client_app.train()(lambda message, context: answer_train(message, context, node_of(context)))
+    client_app.evaluate()(lambda message, context: _answer(message, node_of(context), "evaluate"))
+    client_app.query()(lambda message, context: answer_query(message, node_of(context)))
     return client_app
 
 

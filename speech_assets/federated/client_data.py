@@ -1,12 +1,6 @@
-"""Which files one client reads: its own k-means targets, its own speakers' shards, and its own
-speakers' CMVN partial sums. Nothing else: not ``clients/clients.parquet``, not the global
-``cmvn/``, not another client's folder (``test_client_data.py`` runs a client on a folder that
-holds only its own files).
-
-The client's speakers are those its own labels file names. Its training normalises each
-utterance on its own (per-utterance CMVN: a federation has no global statistics), so no statistic
-crosses speakers, let alone clients; the partial sums (``<speaker>.stats.npz`` beside each shard)
-belong to the shard's files and are checked to be there.
+"""Which files one client reads: its own k-means targets, its own speakers' shards and their CMVN
+partial sums. Nothing else: not ``clients/clients.parquet``, not the global ``cmvn/``, not another
+client's folder. Training normalises each utterance on its own, so no statistic crosses speakers.
 """
 
 from __future__ import annotations
@@ -24,15 +18,9 @@ from speech_assets.layout import DataLayout, TargetFiles
 
 @dataclass(frozen=True)
 class ClientData:
-    """One client's inputs under ``data_dir`` (the pipeline's layout).
-
-    ``k``: its codebook size (the width of its head); ``shards``: one per speaker, sorted;
-    ``stats``: each shard's partial sums; ``labels``: ``kmeans/<client>/labels.parquet``.
-    """
-
     client_id: str
     data_dir: Path
-    k: int
+    k: int  # its codebook size (the width of its head)
     speakers: list[str]
     shards: list[Path]
     stats: list[Path]
@@ -60,5 +48,4 @@ class ClientData:
 
     @property
     def files(self) -> list[Path]:
-        """Every file this client reads."""
         return [self.labels, TargetFiles(self.labels.parent).quality, *self.shards, *self.stats]

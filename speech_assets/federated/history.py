@@ -1,9 +1,6 @@
-"""The server's round records on disk, without torch: which rounds are complete, their records,
-the round tables (``rounds.parquet``, ``evaluation.parquet``) and one summary line per round.
-
-A round ``r`` is complete when ``rounds/round_r.pt`` and ``rounds/round_r.json`` both exist (see
-:mod:`speech_assets.federated.rounds`, which writes them); only the last ``keep_rounds`` keep
-their checkpoint, every round keeps its record.
+"""The server's round records read back without torch: which rounds are complete, the round
+tables (``rounds.parquet``, ``evaluation.parquet``) and one summary line per round. A round is
+complete when its checkpoint and its record both exist (:mod:`rounds` writes them).
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from speech_assets.utils import atomic_path, atomic_write_text
 
 
 def _per_client(**columns: pa.DataType) -> pa.Schema:
-    """A table with one row per (round, client): those two columns, then ``columns``."""
     return pa.schema([("round", pa.int64()), ("client_id", pa.string()), *columns.items()])
 
 
@@ -34,9 +30,7 @@ ROUNDS_SCHEMA = _per_client(
     bytes_down=pa.int64(),
     seconds=pa.float64(),
 )
-# evaluation.parquet: the global encoder after the round, on each client's held-out utterances
-# with that client's own head (kept on the client), beside the client's majority-class rate; then
-# the same on the leak-free masked frames (accuracies null when a client has none)
+# evaluation.parquet: the new encoder with each client's own head on its held-out utterances
 EVALUATION_METRICS = {  # {column: (the evaluation reply's metric, its type)}
     "utterances": ("utterances", int),
     "masked_frames": ("num-examples", int),
@@ -53,7 +47,7 @@ EVALUATION_SCHEMA = _per_client(
 
 
 def record_rounds(paths: FederatedPaths) -> list[int]:
-    """Rounds that have a record (``round_r.json``), whether or not their checkpoint is kept."""
+    """Rounds that have a record, whether or not their checkpoint is kept."""
     return paths.round_records.numbers(paths.rounds_dir)
 
 
@@ -68,10 +62,8 @@ class SettingsChanged(ValueError):
 
 
 def check_settings(paths: FederatedPaths, config: FederatedConfig) -> None:
-    """Refuse to resume ``paths`` with settings other than those in its ``settings.json``
-    (naming each change); record them in a fresh run folder (and the rounds asked for, which
-    may grow). A folder that holds rounds but no settings is refused too: nothing says what
-    they were trained with."""
+    """Refuse to resume ``paths`` with other settings than its ``settings.json`` (naming each change),
+    or a folder with rounds but no settings; record them (the rounds asked for may grow)."""
     now = config.settings()
     try:
         before = json.loads(paths.settings.read_text())
@@ -93,7 +85,7 @@ def check_settings(paths: FederatedPaths, config: FederatedConfig) -> None:
 
 
 def settings_match(paths: FederatedPaths, config: FederatedConfig) -> bool:
-    """Whether the run folder's ``settings.json`` equals ``config``'s settings, rounds included."""
+    """Whether the run folder's settings equal ``config``'s, rounds included."""
     try:
         before = json.loads(paths.settings.read_text())
     except (OSError, ValueError):
@@ -124,10 +116,8 @@ def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) ->
 
 
 def evaluation_summary(evaluation: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The federation-level result of one round's held-out evaluation rows: the clients scored,
-    their masked frames, loss and accuracy weighted by masked frames beside the majority-class
-    rate, the same on leak-free frames (weighted by leak-free frames); None where no frame was
-    scored. A client without held-out frames (null or 0) counts for nothing."""
+    """The federation's result of one round's held-out rows, weighted by (leak-free) masked frames;
+    None where no frame was scored. A client without held-out frames counts for nothing."""
     scored = [e for e in evaluation if e.get("masked_frames")]
     frames = sum(e["masked_frames"] for e in scored)
     free = [e for e in scored if e.get("leak_free_frames")]
@@ -156,11 +146,8 @@ def evaluation_summary(evaluation: Sequence[Mapping[str, Any]]) -> dict[str, Any
 
 
 def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One line per round: clients, missing, mean train loss (weighted as the aggregation was:
-    by the server's weight of each client; None when the clients withheld it), the held-out
-    evaluation's federation-level result (:func:`evaluation_summary`: the record's own, which
-    is all there is when its rows are withheld under DP, else computed from its rows), bytes,
-    wall time."""
+    """One line per round; train loss weighted as the aggregation was (None when withheld), the
+    held-out result from the record's summary (all there is under DP) or its rows."""
     lines = []
     for record in records:
         rows = record["rows"]
@@ -184,8 +171,7 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],
-                # the share of the round not spent in the slowest client's local training (None
-                # when the clients withheld their seconds)
+                # the share of the round not spent in the slowest client's training (None: withheld)
                 "overhead": None
                 if (slowest := record.get("slowest_client_seconds", 0.0)) is None
                 else 1.0 - slowest / record["round_seconds"]
@@ -200,10 +186,7 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 
 def round_log_line(record: Mapping[str, Any], rounds: int) -> str:
-    """The progress line of one completed round (its record) of a run of ``rounds`` rounds:
-    clients that trained and the missing ones, train loss, held-out masked accuracy (leak-free
-    frames, as every view: speech_assets.train.accuracy) beside the majority-class rate on the
-    same frames (``n/a`` where not measured or withheld), wall time."""
+    """The progress line of one completed round; accuracies on leak-free frames, as every view."""
     line = summarize_rounds([record])[0]
     missing = f", missing {', '.join(line['missing'])}" if line["missing"] else ""
     accuracy, majority = line["heldout_leak_free_masked_accuracy"], line["heldout_leak_free_majority_accuracy"]

@@ -1,26 +1,15 @@
 """One federated run end to end: start the local federation (or use an existing SuperLink), submit
-the Flower App with ``flwr run``, follow it, stop every process, and read what the server wrote.
+the Flower App, follow it, stop every process, and read what the server wrote.
 
-Local mode (the default): a SuperLink (TLS, SuperNode authentication) and one SuperNode per client
-on the 127.0.0.1 of a private network namespace, which no other local user can reach (see
-:mod:`speech_assets.federated.processes`); SuperNode ``c`` gets ``--node-config 'client-id="c"
-data-dir="<data>" state-root="<client state root>/c"'`` (default root
-``<data>/federated_clients``: never inside the server's run folder). The ``simulation`` engine
-runs Flower's simulation runtime, Ray included, in such a namespace too.
+Local mode: a SuperLink and one SuperNode per client in a private network namespace
+(:mod:`processes`), or Flower's simulation runtime; each client's state lies under its own root
+(default ``<data>/federated_clients``), never inside the server's run folder. Remote mode
+(``superlink="host:port"``): nothing starts here; ``run_dir`` must be a path the SuperLink's
+machine shares with this one, and without TLS the run is refused unless ``insecure`` says so.
 
-Remote mode (``superlink="host:port"``): nothing is started here; the run is submitted to that
-SuperLink, whose SuperNodes (started by the clients' operators with their own ``--node-config``)
-serve the clients. The ServerApp runs on the SuperLink's machine and writes ``run_dir`` there, so
-``run_dir`` must be a path that machine shares with this one. Without TLS
-(``root_certificates``) it refuses to start unless ``insecure`` says so.
-
-A run folder remembers the settings it was started with (``settings.json``): resuming it with
-other settings is refused, naming what changed, and a finished result is reused only when every
-setting matches. The launcher gives up on a run that completes no round within
-:func:`stall_limit` seconds (``flwr stop``), so no wait is unbounded.
-
-``python -m speech_assets.federated --help`` runs the same from the command line (the bench and
-the tests use it; SIGTERM and SIGINT stop the federation cleanly, SIGKILL through the kernel).
+A run folder remembers its settings (``settings.json``): resuming with others is refused, and a
+finished result is reused only when every setting matches. A run that completes no round within
+:func:`stall_limit` seconds is stopped, so no wait is unbounded.
 """
 
 from __future__ import annotations
@@ -49,14 +38,11 @@ from speech_assets.runtime.locks import RunFolderLock
 from speech_assets.utils import atomic_write_text
 
 APP_DIR = Path(__file__).resolve().parent / "app"
-# "simulation": Flower's simulation runtime on this machine (long-lived ClientApp workers);
-# "deployment": a local SuperLink and one SuperNode per client (Flower's deployment engine).
-# A remote SuperLink (``superlink``) is always the deployment engine.
+# a remote SuperLink (``superlink``) is always the deployment engine
 ENGINES = ("simulation", "deployment")
 
 
 def describe_engine(superlink: str, engine: str) -> str:
-    """Where a run's clients run, in words: a remote SuperLink (``superlink``), else ``engine``'s."""
     if superlink:
         return f"the SuperLink at {superlink}"
     return "Flower's simulation runtime" if engine == "simulation" else "a local SuperLink and one SuperNode per client"
@@ -71,7 +57,7 @@ class FederatedRunFailed(RuntimeError):
 
 
 def write_run_config(config: FederatedConfig, path: Path) -> Path:
-    """The TOML file passed to ``flwr run --run-config`` (every key of the app's config)."""
+    """The TOML file of ``flwr run --run-config``."""
     lines = []
     for key, value in config.to_run_config().items():
         if isinstance(value, bool):
@@ -86,8 +72,7 @@ def write_run_config(config: FederatedConfig, path: Path) -> Path:
 
 
 def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
-    """The run's ``result.json`` if this run already finished every round with exactly these
-    settings (else ``None``)."""
+    """The run's ``result.json`` if it finished every round with exactly these settings."""
     paths = FederatedPaths(config.run_dir)
     try:
         result = json.loads(paths.result.read_text())
@@ -103,8 +88,7 @@ class InsecureRefused(ValueError):
 
 
 def check_transport(superlink: str, root_certificates: str, insecure: bool) -> None:
-    """Remote mode talks TLS (verified against ``root_certificates``) unless ``insecure`` says
-    otherwise; local mode always does (its own CA). ``superlink`` must be ``host:port``."""
+    """Remote mode talks TLS unless ``insecure`` says otherwise; local mode always does (its own CA)."""
     if superlink:
         check_endpoint(superlink, "superlink")
     if superlink and root_certificates and not Path(root_certificates).is_file():
@@ -120,8 +104,7 @@ def check_transport(superlink: str, root_certificates: str, insecure: bool) -> N
 def client_state_roots(
     clients: list[str], data_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None, run_dir: Path
 ) -> dict[str, Path]:
-    """Each local SuperNode's state root: ``<root>/<client>`` (default root
-    ``<data>/federated_clients``); refused if it lies inside the server's run folder."""
+    """``<root>/<client>`` (default root ``<data>/federated_clients``), never inside the server's run folder."""
     base = Path(root) if root else layout.DataLayout(data_dir).client_state_dir
     roots = {c: (base / c).resolve() for c in clients}
     server = run_dir.resolve()
@@ -132,8 +115,7 @@ def client_state_roots(
 
 
 def stall_limit(config: FederatedConfig) -> float:
-    """Seconds a round may take at most: waits for connections before training and before
-    evaluation, for train and evaluate replies, and a margin for the rest."""
+    """Seconds a round may take: two waits for connections, two for replies, and a margin."""
     return 2 * config.connect_timeout_s + 2 * config.round_timeout_s + STALL_MARGIN_S
 
 
@@ -141,8 +123,7 @@ STALL_MARGIN_S = 600.0
 
 
 class ProgressDeadline:
-    """Why to give up (``check``) once ``limit`` seconds passed since the start or the last
-    round that completed."""
+    """Why to give up once ``limit`` seconds passed since the start or the last completed round."""
 
     def __init__(self, limit: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit, self.clock = limit, clock
@@ -159,15 +140,13 @@ class ProgressDeadline:
 
 
 class RoundFollower:
-    """Calls ``on_round(record)`` once for every round record that appears in the run folder
-    (those of earlier attempts first), as the ServerApp writes them; a round saved before its
-    evaluation is reported once that evaluation is in its record."""
+    """Calls ``on_round(record)`` once per round record the ServerApp writes (earlier attempts'
+    first); a round saved before its evaluation is reported once the evaluation is in."""
 
     def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None] | None) -> None:
         self.paths, self.on_round, self.seen = paths, on_round, 0
 
     def poll(self) -> bool:
-        """Report new round records; whether there were any."""
         new = [r for r in record_rounds(self.paths) if r > self.seen]
         if not new:
             return False
@@ -181,41 +160,24 @@ class RoundFollower:
         return True
 
 
-# run_federation's deployment options, by the names the [federated] settings and the module's
-# command line (``python -m speech_assets.federated``) both give them
-DEPLOYMENT_OPTIONS = {
-    "superlink": "superlink",
-    "insecure": "insecure",
-    "root_certificates": "superlink_root_certificates",
-    "client_state_root": "client_state_root",
-    "threads_per_client": "threads_per_client",
-    "device": "device",
-    "engine": "engine",
-    "secagg_min_shares": "secagg_min_shares",
-    "secagg_threshold_floor": "secagg_threshold_floor",
-    "dp_max_clipping_norm": "dp_max_clipping_norm",
-}
-
-
-# the deployment options that are the local clients' own limits (node_configs' keywords)
+# the local clients' own limits (node_configs' keywords)
 CLIENT_LIMITS = ("secagg_min_shares", "secagg_threshold_floor", "dp_max_clipping_norm")
+# run_federation's deployment keywords, as the [federated] settings and the CLI name them
+DEPLOYMENT_OPTIONS = ("superlink", "insecure", "client_state_root", "threads_per_client", "device", "engine")
 
 
 def deployment_options(source: Any) -> dict[str, Any]:
-    """:func:`run_federation`'s deployment keywords read from ``source`` (the ``[federated]``
-    settings or the module's parsed arguments) by :data:`DEPLOYMENT_OPTIONS`; an empty
-    ``client_state_root`` is the default one."""
-    options = {option: getattr(source, name) for option, name in DEPLOYMENT_OPTIONS.items()}
-    options["client_state_root"] = options["client_state_root"] or None
+    """:func:`run_federation`'s deployment keywords from the ``[federated]`` settings or the CLI's arguments."""
+    options = {name: getattr(source, name) for name in (*DEPLOYMENT_OPTIONS, *CLIENT_LIMITS)}
+    options["root_certificates"] = source.superlink_root_certificates
+    options["client_state_root"] = options["client_state_root"] or None  # empty: the default root
     return options
 
 
 def check_client_limits(
     config: FederatedConfig, min_shares: int, threshold_floor: str, max_clipping_norm: float
 ) -> None:
-    """Refuse limits for the local clients that are out of bounds
-    (:func:`~speech_assets.federated.config.client_limit_problems`), or a ``dp_max_clipping_norm``
-    below the run's own ``dp_clipping_norm`` (every client would refuse every round)."""
+    """Refuse out-of-bounds limits for the local clients, or a clipping norm every client would refuse."""
     problems = client_limit_problems(min_shares, threshold_floor, max_clipping_norm, "_")
     if config.differential_privacy and 0 < max_clipping_norm < config.dp_clipping_norm:
         problems.append(
@@ -237,9 +199,7 @@ def node_configs(
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR,
     dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM,
 ) -> list[NodeConfig]:
-    """One node config per local client, for either engine; what each client requires of every
-    round (the protections the run uses, its floors, the largest clipping norm: by default the
-    run's own) is fixed here, before the server says anything."""
+    """What each local client requires of every round is fixed here, before the server says anything."""
     return [
         NodeConfig(
             client_id=c,
@@ -280,87 +240,68 @@ def run_federation(
 ) -> dict[str, Any]:
     """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``.
 
-    ``on_round(record)`` is called once per completed round (its ``rounds/round_r.json``) while
-    the run goes on; ``tracker`` (a :class:`~speech_assets.federated.tracking.FederatedTracker`)
-    gets every round's metrics, then the final checkpoint or the failure. ``secagg_min_shares``,
-    ``secagg_threshold_floor`` and ``dp_max_clipping_norm`` are the local clients' own limits
-    (:func:`node_configs`; a remote SuperLink's SuperNodes set theirs).
-
-    Raises :class:`FederatedRunFailed` when the server stopped the run for lack of clients
-    (completed rounds stay saved; the next call resumes after them),
-    :class:`~speech_assets.federated.history.SettingsChanged` when the run folder was started
-    with other settings, :class:`InsecureRefused` for a remote SuperLink without TLS,
-    :class:`~speech_assets.federated.processes.NeedsLinux` for a local federation off Linux.
+    ``on_round(record)`` is called once per completed round; ``tracker`` (a ``FederatedTracker``)
+    gets every round, then the result or the failure. The ``secagg_*`` and ``dp_max_clipping_norm``
+    limits are the local clients' own (a remote SuperLink's SuperNodes set theirs). Raises
+    :class:`FederatedRunFailed` when the server stopped the run (the next call resumes),
+    ``SettingsChanged``, :class:`InsecureRefused` or ``NeedsLinux``.
     """
     check_transport(superlink, root_certificates, insecure)
     check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
-    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
         require_linux()
     paths = FederatedPaths(config.run_dir)
     roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
+    # the simulation runs as many workers as cores / threads, whatever the number of clients
+    local_threads = 1 if engine == "simulation" else max(1, (os.cpu_count() or 1) // len(config.clients))
+    threads = threads_per_client or local_threads
+    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
+    # a remote SuperLink's SuperNodes have their own
+    nodes = [] if superlink else node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
     with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
-        return _tracked_run(
-            config,
-            data_dir,
-            superlink=superlink,
-            insecure=insecure,
-            root_certificates=root_certificates,
-            roots=roots,
-            threads_per_client=threads_per_client,
-            device=device,
-            engine=engine,
-            limits=limits,
-            env=env,
-            log=log,
-            on_round=on_round,
-            tracker=tracker,
-        )
-
-
-def _tracked_run(
-    config: FederatedConfig,
-    data_dir: str | os.PathLike[str],
-    *,
-    on_round: Callable[[dict[str, Any]], None] | None,
-    tracker: Any,
-    **options: Any,
-) -> dict[str, Any]:
-    if tracker is not None:
-        tracker.start()
-
-    def each_round(record: dict[str, Any]) -> None:
         if tracker is not None:
-            tracker.log_round(record)
-        if on_round is not None:
-            on_round(record)
+            tracker.start()
 
-    try:
-        result = _run_federation(config, data_dir, on_round=each_round, **options)
-    except BaseException as error:
+        def each_round(record: dict[str, Any]) -> None:
+            if tracker is not None:
+                tracker.log_round(record)
+            if on_round is not None:
+                on_round(record)
+
+        try:
+            result = _run_federation(
+                config,
+                nodes,
+                threads,
+                superlink=superlink,
+                insecure=insecure,
+                root_certificates=root_certificates,
+                engine=engine,
+                env=env,
+                log=log,
+                on_round=each_round,
+            )
+        except BaseException as error:
+            if tracker is not None:
+                tracker.fail(str(error) or type(error).__name__)
+            raise
         if tracker is not None:
-            tracker.fail(str(error) or type(error).__name__)
-        raise
-    if tracker is not None:
-        tracker.finish(result)
-    return result
+            tracker.finish(result)
+        return result
 
 
 def _run_federation(
     config: FederatedConfig,
-    data_dir: str | os.PathLike[str],
+    nodes: list[NodeConfig],
+    threads: int,
     *,
     superlink: str,
     insecure: bool,
     root_certificates: str,
-    roots: Mapping[str, Path],
-    threads_per_client: int,
-    device: str,
     engine: str,
-    limits: Mapping[str, Any],
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
     on_round: Callable[[dict[str, Any]], None],
@@ -396,17 +337,12 @@ def _run_federation(
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
         outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower.run_log, forward, env, progress)
     elif engine == "simulation":
-        # as many workers as cores / threads_per_client, whatever the number of clients
-        threads = threads_per_client or 1
-        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         log(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
         )
         outcome = simulation_run(paths.run_config, nodes, threads, paths.flower.simulation_log, forward, env, progress)
     else:
-        threads = threads_per_client or max(1, (os.cpu_count() or 1) // len(config.clients))
-        nodes = node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
         with LocalFederation(paths.flower_dir, nodes, env=env, log=log) as federation:
 
             def should_stop() -> str | None:
@@ -414,16 +350,8 @@ def _run_federation(
                     return f"the SuperLink exited with code {federation.superlink.process.returncode}"
                 return progress()
 
-            outcome = flwr_run(
-                APP_DIR,
-                paths.run_config,
-                federation.cli_home,
-                paths.flower.run_log,
-                forward,
-                env,
-                should_stop,
-                federation.enter,
-            )
+            home, run_log = federation.cli_home, paths.flower.run_log
+            outcome = flwr_run(APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.enter)
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

@@ -1,26 +1,10 @@
-"""One client's local round and held-out evaluation, on the training engine.
+"""One client's local round and held-out evaluation, on the centralised trainer's engine,
+objective and batch stream, with a single head (this client's codebook).
 
-The model is :class:`~speech_assets.model.HubertPretrainModel` with a single head (this client's
-codebook of ``K`` clusters); the step (:class:`~speech_assets.train.engine.Engine`: autocast
-precision, clipping, AdamW), the objective and the held-out evaluation
-(:class:`~speech_assets.train.objectives.MaskedPrediction`) and the batch stream are the
-centralised trainer's. Inputs are log-mel ``(B, T, 80)`` at 100 Hz normalised with the client's
-own CMVN; the encoder gives ``(B, (T + 1) // 2, D)`` at 50 Hz and the head ``(B, L, K)`` logits
-against the client's 50 Hz labels.
-
-What travels: only :func:`encoder_state` (every parameter except ``heads.*``). The head stays here,
-saved after every local round as ``<client dir>/heads/round_NNNNN.pt`` (FedPer-style). A round
-``r`` starts from the newest head saved *before* ``r``, so a round that is re-run (after a crash
-or a kill) starts from exactly the same head and data position, whatever the first attempt left.
-
-Everything is a pure function of (seed, client id, round): batch order, masks, dropout and a new
-head's initialisation, so a resumed run repeats an uninterrupted one bit for bit on the same
-hardware and thread count.
-
-Several GPUs per client: a local round is a fixed number of steps from given weights, so it can
-run as a ``torchrun`` DDP job (write the global encoder and head, train, read back) exactly as
-``pretrained_checkpoint`` runs; not implemented here (the development machines have no GPU): one
-process per client trains on ``cuda`` or the CPU.
+Only :func:`encoder_state` travels; the head stays here (FedPer-style), saved after every round.
+A round ``r`` starts from the newest head saved *before* ``r``, and batch order, masks, dropout and
+a new head are pure functions of (seed, client id, round): a re-run round (after a crash or a
+kill) repeats the first attempt bit for bit on the same hardware and thread count.
 """
 
 from __future__ import annotations
@@ -54,52 +38,46 @@ KEEP_HEADS = 3
 
 
 def round_schedule(local: LocalConfig) -> Callable[[int], float]:
-    """The lr multiplier at local step ``s`` (0-based): linear from 1 (``local.lr``) towards
-    ``local.lr_end / local.lr`` after the last of ``local.local_steps`` steps."""
+    """The lr multiplier at local step ``s`` (0-based): linear from 1 towards ``lr_end / lr``."""
     end = local.lr_end / local.lr if local.lr > 0 else 1.0
     return lambda step: 1.0 + (end - 1.0) * step / local.local_steps
 
 
 def encoder_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The shared encoder's weights: every entry of ``model.state_dict()`` but ``heads.*``
-    (conv subsampler, mask embedding ``(D,)``, positional conv, Transformer layers, final norm)."""
+    """The shared encoder's weights: every entry of ``model.state_dict()`` but ``heads.*``."""
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if not k.startswith(HEAD_PREFIX)}
 
 
 def initial_encoder(preset: str, seed: int) -> dict[str, torch.Tensor]:
-    """The round-0 global encoder: a fresh model's encoder, seeded by ``seed`` alone."""
+    """The round-0 global encoder, seeded by ``seed`` alone."""
     seed_everything(seed)
     return encoder_state(HubertPretrainModel(get_preset(preset), {"init": 2}))
 
 
 class HeadStore:
-    """A client's prediction head between rounds: ``<dir>/heads/round_NNNNN.pt``, atomic writes,
-    ``torch.load(weights_only=True)``-safe (tensors and plain values only)."""
+    """A client's prediction head between rounds (tensors and plain values: ``weights_only``-safe)."""
 
     def __init__(self, client_dir: Path, client_id: str) -> None:
         self.files = ClientRunFiles(client_dir)
-        self.folder = self.files.heads_dir
         self.client_id = client_id
 
     def rounds(self) -> list[int]:
-        return self.files.heads.numbers(self.folder)
-
-    def path(self, round_number: int) -> Path:
-        return self.files.head(round_number)
+        return self.files.heads.numbers(self.files.heads_dir)
 
     def load_latest(self, up_to: int, k: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest head saved at a round ``<= up_to``: ``(round, {"weight": (K, D), "bias": (K,)})``."""
+        """``(round, {"weight": (K, D), "bias": (K,)})`` of the newest head saved at a round ``<= up_to``."""
         found = [r for r in self.rounds() if r <= up_to]
         if not found:
             return None
-        state = load_checkpoint(self.path(found[-1]))
+        path = self.files.head(found[-1])
+        state = load_checkpoint(path)
         if state["client_id"] != self.client_id or int(state["k"]) != k:
-            raise ValueError(f"{self.path(found[-1])} belongs to another client or codebook (K={state['k']}, now {k})")
+            raise ValueError(f"{path} belongs to another client or codebook (K={state['k']}, now {k})")
         return found[-1], dict(state["head"])
 
     def save(self, round_number: int, head: Mapping[str, torch.Tensor], k: int) -> Path:
         path = save_checkpoint(
-            self.path(round_number),
+            self.files.head(round_number),
             {
                 "format": HEAD_FORMAT,
                 "client_id": self.client_id,
@@ -109,14 +87,12 @@ class HeadStore:
             },
         )
         for old in self.rounds()[:-KEEP_HEADS]:
-            self.path(old).unlink(missing_ok=True)
+            self.files.head(old).unlink(missing_ok=True)
         return path
 
 
 @dataclass
 class TrainResult:
-    """A local round: the encoder to send back, and what the server may know about the round."""
-
     encoder: dict[str, torch.Tensor]
     num_examples: int  # training utterances of this client (the FedAvg weight)
     train_loss: float  # mean masked-prediction loss over the round's masked frames
@@ -128,27 +104,21 @@ class TrainResult:
 
 @dataclass
 class EvalResult:
-    """Held-out masked prediction with the global encoder and this client's own head."""
-
     utterances: int
     masked_frames: int
     masked_accuracy: float
     majority_accuracy: float  # always predicting the client's most frequent training label
     loss: float
-    # the same on the leak-free masked frames (no visible frame shares audio with their label's
-    # MFCC frame: MaskedPrediction.evaluate); accuracies None when there are none
+    # the same on the leak-free masked frames (MaskedPrediction.evaluate); None when there are none
     leak_free_frames: int
     leak_free_masked_accuracy: float | None
     leak_free_majority_accuracy: float | None
 
 
 class LocalClient:
-    """One client's data, model factory, local round and evaluation (see the module docstring)."""
-
     def __init__(self, data: ClientData, local: LocalConfig, node: NodeConfig) -> None:
         self.data, self.local, self.node = data, local, node
-        # whether a local round's log line names its loss and accuracy (not in a DP round that
-        # withholds the training metrics: the log may end up beside the server's run folder)
+        # False in a DP round that withholds the metrics: the log may end up beside the server's run folder
         self.log_metrics = True
         self.client_dir = node.client_dir(local.run_name)
         self.client_dir.mkdir(parents=True, exist_ok=True)
@@ -170,10 +140,8 @@ class LocalClient:
         self.train_set = UtteranceDataset(index, train_refs, UtteranceCmvn(), local.max_frames)
         self.heldout_set = UtteranceDataset(index, heldout_refs, UtteranceCmvn(), local.max_frames)
 
-    # ------------------------------------------------------------------------------ model
     def model(self, encoder: Mapping[str, torch.Tensor], head_up_to: int) -> tuple[HubertPretrainModel, int | None]:
-        """This client's model: the given encoder and its newest head saved at a round
-        ``<= head_up_to`` (or a new head seeded by the client id). Returns the head's round."""
+        """The encoder and the newest head saved at a round ``<= head_up_to`` (else a new one); the head's round."""
         seed_everything(derive_seed(self.local.seed, "head", self.data.client_id))
         model = HubertPretrainModel(get_preset(self.local.preset), {self.data.client_id: self.data.k})
         missing, unexpected = model.load_state_dict(dict(encoder), strict=False)
@@ -198,8 +166,7 @@ class LocalClient:
         )
 
     def _stream(self, round_number: int) -> BatchStream:
-        """The batches of round ``round_number``: the client's endless epoch stream from batch
-        ``(round - 1) * local_steps`` (a pure function of seed, client and round)."""
+        """The client's endless epoch stream from batch ``(round - 1) * local_steps``."""
         sampler = DurationBucketSampler(
             self.train_set.seconds,
             self.local.batch_seconds,
@@ -210,10 +177,8 @@ class LocalClient:
             skip, epoch = skip - count, epoch + 1
         return BatchStream(self.train_set, sampler, self.local.seed, epoch=epoch, position=skip)
 
-    # ------------------------------------------------------------------------ local round
     def train_round(self, round_number: int, encoder: Mapping[str, torch.Tensor]) -> TrainResult:
-        """``local_steps`` steps from the global ``encoder`` and the newest head saved before
-        ``round_number``; saves the new head and returns the new encoder."""
+        """``local_steps`` steps from the global ``encoder`` and the newest head saved before the round."""
         inject("federated.round", client=self.data.client_id, round=round_number)
         started = time.perf_counter()
         model, head_round = self.model(encoder, round_number - 1)
@@ -262,10 +227,8 @@ class LocalClient:
             steps=local.local_steps,
         )
 
-    # ------------------------------------------------------------------------- evaluation
     def evaluate(self, round_number: int, encoder: Mapping[str, torch.Tensor]) -> EvalResult:
-        """Masked prediction on this client's held-out utterances (fixed masks) with the global
-        ``encoder`` and this client's newest head saved at a round ``<= round_number``."""
+        """Masked prediction on the held-out utterances with the global ``encoder`` and this client's head."""
         model, _ = self.model(encoder, round_number)
         summary = self.objective(model, round_number).evaluate(
             self.heldout_set, self.majority_labels, self.local.batch_seconds, self.job, self.precision

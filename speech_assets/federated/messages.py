@@ -1,18 +1,12 @@
 """What may travel from a client to the server, checked on both sides, and which client a reply is.
 
-A train reply is exactly: ``ArrayRecord "arrays"`` with the shared encoder's tensors (the names,
-dtypes and shapes of the global encoder the server sent), ``MetricRecord "metrics"`` with exactly
-:data:`TRAIN_METRICS` (none at all in a DP round unless the round's config says
-:data:`SHARE_CLIENT_METRICS`: :func:`train_metrics`), and ``ConfigRecord "client"`` with only
-``client-id``; an evaluate reply the same without arrays and with :data:`EVAL_METRICS`. Every
-metric is a finite number in its range. The client checks its own reply before sending it
-(:func:`check_outgoing`: a bug that would attach a head, a codebook or statistics stops there,
-with a clear error); the server checks it again (:func:`content_problem`), then checks the
-update's values (:func:`update_problem`).
-
-:class:`NodeBinding` ties each reply to the SuperNode that sent it (Flower's
-``metadata.src_node_id``, which the SuperLink authenticates), so a node cannot answer as another
-client, and a client id claimed twice counts once at most (never towards ``min_train_nodes``).
+A train reply is exactly the encoder's tensors (``arrays``), :data:`TRAIN_METRICS` (none in a DP
+round unless it says :data:`SHARE_CLIENT_METRICS`) and the client's id; an evaluate reply the same
+without arrays and with :data:`EVAL_METRICS`; every metric a finite number in its range. The client
+checks its reply before sending it (:func:`check_outgoing`: a head, a codebook or statistics
+attached by a bug stops there), the server again (:func:`content_problem`, :func:`update_problem`).
+:class:`NodeBinding` ties each reply to the SuperNode that sent it, so a node cannot answer as
+another client.
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ LEAK_FREE_FRAMES = "leak-free-frames"
 LEAK_FREE_FRACTIONS = ("heldout-leak-free-masked-accuracy", "leak-free-majority-accuracy")
 # the weight the server adds to each accepted reply for Flower's aggregation (weighted_by_key)
 SERVER_WEIGHT = "server-weight"
-# in a DP round's config (one carrying Flower's clipping norm): whether the client sends its
-# training metrics; absent or false, it sends none
+# in a DP round's config: whether the client sends its training metrics (absent: it sends none)
 SHARE_CLIENT_METRICS = "share-client-metrics"
 
 ArraySpec = dict[str, tuple[str, tuple[int, ...]]]
@@ -65,55 +58,42 @@ class OutgoingRefused(ValueError):
 
 
 def array_spec(record: ArrayRecord) -> ArraySpec:
-    """``{name: (dtype, shape)}`` of an ArrayRecord's arrays."""
     return {name: (str(np.dtype(array.dtype)), tuple(int(d) for d in array.shape)) for name, array in record.items()}
 
 
 def train_metrics(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The metrics a train reply to a round of ``config`` (its ConfigRecord) carries: none in a DP
-    round unless it says :data:`SHARE_CLIENT_METRICS`, else :data:`TRAIN_METRICS`."""
+    """The metrics a train reply to a round of ``config`` carries: none under DP unless shared."""
     withheld = KEY_CLIPPING_NORM in config and not config.get(SHARE_CLIENT_METRICS, False)
     return () if withheld else TRAIN_METRICS
 
 
 def metrics_problem(metrics: Mapping[str, Any], names: Sequence[str], *, withhold: bool = False) -> str | None:
-    """Why a metrics record is refused: other keys than ``names``, a value that is not a finite
-    number, a negative value, a count that is not whole, a fraction outside [0, 1], more
-    leak-free frames than masked frames, or a leak-free accuracy other than 0 with none.
-    ``withhold``: the reason names no value (under DP a client's metrics are recorded nowhere)."""
-    problem = _metrics_problem(metrics, names)
-    if problem is None:
-        return None
-    template, values = problem
-    return template.format(*("withheld" if withhold else value for value in values))
+    """Why a metrics record is refused (other keys, a value not finite, negative, not whole for a
+    count, above 1 for a fraction, leak-free figures inconsistent). ``withhold``: the reason names
+    no value (under DP a client's metrics are recorded nowhere)."""
 
+    def show(value: Any) -> Any:
+        return "withheld" if withhold else value
 
-def _metrics_problem(metrics: Mapping[str, Any], names: Sequence[str]) -> tuple[str, tuple[Any, ...]] | None:
-    """:func:`metrics_problem`'s reason as a template and the client's values it names."""
     if set(metrics) != set(names):
-        names_only = f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
-        return names_only.replace("{", "{{").replace("}", "}}"), ()
+        return f"metrics must be exactly {sorted(names)} (got {sorted(metrics)[:10]})"
     for name in names:
         value = metrics[name]
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            return f"metric {name} is not a finite number ({{}})", (f"{value!r:.40}",)
+            return f"metric {name} is not a finite number ({show(f'{value!r:.40}')})"
         if value < 0:
-            return f"metric {name} is negative ({{}})", (value,)
+            return f"metric {name} is negative ({show(value)})"
         if name in COUNTS and value != int(value):
-            return f"metric {name} is not a whole number ({{}})", (value,)
+            return f"metric {name} is not a whole number ({show(value)})"
         if name in FRACTIONS and value > 1:
-            return f"metric {name} is above 1 ({{}})", (value,)
+            return f"metric {name} is above 1 ({show(value)})"
     if LEAK_FREE_FRAMES in names:
-        if metrics[LEAK_FREE_FRAMES] > metrics["num-examples"]:
-            return (
-                f"metric {LEAK_FREE_FRAMES} ({{}}) exceeds num-examples ({{}})",
-                (metrics[LEAK_FREE_FRAMES], metrics["num-examples"]),
-            )
-        if metrics[LEAK_FREE_FRAMES] == 0 and any(metrics[n] != 0 for n in LEAK_FREE_FRACTIONS):
-            return (
-                "leak-free accuracies must be 0 with no leak-free frames (got {})",
-                ([metrics[n] for n in LEAK_FREE_FRACTIONS],),
-            )
+        frames = metrics[LEAK_FREE_FRAMES]
+        if frames > metrics["num-examples"]:
+            return f"metric {LEAK_FREE_FRAMES} ({show(frames)}) exceeds num-examples ({show(metrics['num-examples'])})"
+        if frames == 0 and any(metrics[n] != 0 for n in LEAK_FREE_FRACTIONS):
+            got = [metrics[n] for n in LEAK_FREE_FRACTIONS]
+            return f"leak-free accuracies must be 0 with no leak-free frames (got {show(got)})"
     return None
 
 
@@ -126,11 +106,9 @@ def content_problem(
     *,
     withhold: bool = False,
 ) -> str | None:
-    """Why the content of a ``phase`` ("train" or "evaluate") reply may not cross to the server
-    (``None`` if it may): the privacy boundary. ``encoder`` is the spec of the global encoder
-    sent down; ``clients``, when given, the client ids taking part; ``metrics`` the metric names
-    the reply must carry (default: all of the phase's; :func:`train_metrics` for a train reply);
-    ``withhold``: name no metric's value (:func:`metrics_problem`)."""
+    """Why a ``phase`` ("train" or "evaluate") reply may not cross to the server: the privacy
+    boundary. ``encoder``: the spec of the global encoder sent down; ``metrics``: the names the
+    reply must carry (default: all of the phase's)."""
     allowed = {ARRAYS, METRICS, CLIENT_RECORD} if phase == "train" else {METRICS, CLIENT_RECORD}
     extra = sorted(set(content.keys()) - allowed)
     if extra:
@@ -174,8 +152,7 @@ def check_outgoing(
 
 
 def check_masked(out: Message, client_id: str) -> Message:
-    """The client's check of a securely aggregated train reply before it leaves: the encoder's
-    arrays only as ``uint32`` masked values, the metrics and the client id."""
+    """The client's check of a masked train reply before it leaves: only ``uint32`` arrays."""
     spec = array_spec(out.content[ARRAYS]) if ARRAYS in out.content.array_records else {}
     if any(dtype != "uint32" for dtype, _ in spec.values()):
         raise OutgoingRefused(f"client {client_id} refuses to send an unmasked update in a secure round")
@@ -192,10 +169,9 @@ def update_problem(
     *,
     withhold_norm: bool = False,
 ) -> tuple[float | None, str | None]:
-    """``(norm, why refused)`` of a client's encoder against the global one it started from:
-    refused if any value is not finite or ``||update - current||_2 > bound`` (the setting
-    ``bound_name`` sets it). ``withhold_norm``: the reason does not name the norm (under DP a
-    client's exact norm goes nowhere: the reason ends up on disk)."""
+    """``(norm, why refused)`` of a client's encoder against the global ``current``: refused when
+    not finite or ``||update - current||_2 > bound``. ``withhold_norm``: under DP a client's exact
+    norm goes nowhere, and the reason ends up on disk."""
     total = 0.0
     for name, base in current.items():
         value = np.asarray(update[name])
@@ -211,7 +187,6 @@ def update_problem(
 
 
 def claimed_client(content: RecordDict) -> str | None:
-    """The client id a reply claims, or ``None`` if it carries no well-formed claim."""
     record = content.config_records.get(CLIENT_RECORD)
     if record is None or not isinstance(record.get(CLIENT_ID), str):
         return None
@@ -219,15 +194,9 @@ def claimed_client(content: RecordDict) -> str | None:
 
 
 class NodeBinding:
-    """Which client each SuperNode is.
-
-    ``registered`` (``{node id: client id}``, from node authentication) fixes it in advance; else
-    a node is bound to the client its first accepted reply names (a remote SuperLink whose
-    registrations the server does not know). Either way a reply is refused when it comes from
-    another node than the one the message went to, names no client, a client not taking part,
-    another client than its node is bound to, a client bound to another node that is still
-    connected, or a client that another reply of the same batch names too.
-    """
+    """Which client each SuperNode is: ``registered`` (node authentication) fixes it in advance,
+    else a node is bound to the client its first accepted reply names (a remote SuperLink). A
+    client id claimed twice counts once at most (never towards ``min_train_nodes``)."""
 
     def __init__(self, clients: Collection[str], registered: Mapping[int, str] | None = None) -> None:
         self.clients = set(clients)
@@ -263,8 +232,7 @@ class NodeBinding:
     def bind(
         self, replies: Sequence[tuple[int, Message]], phase: str, connected: Collection[int]
     ) -> tuple[list[Message], list[dict[str, Any]]]:
-        """Accept the replies (``(node sent to, reply)``, none an error reply) that are bound to
-        their node; returns them and a failure entry for every other."""
+        """The ``(node sent to, reply)`` replies bound to their node, and a failure for every other."""
         failures: list[dict[str, Any]] = []
         claims: list[tuple[int, str, Message]] = []
         for sent_to, reply in replies:

@@ -1,31 +1,15 @@
-"""Flower's processes on loopback: a SuperLink, one SuperNode per client, ``flwr run``; and the
-guarantee that every process started here is stopped, on success, on failure and on kill.
+"""Flower's processes: a SuperLink, one SuperNode per client, ``flwr run``, the simulation; and
+the guarantee that every process started here is stopped, on success, on failure and on kill.
 
-- Every process started here is told by the kernel to die with the thread that started it
-  (``prctl(PR_SET_PDEATHSIG)``, Linux only: the local federation refuses to start elsewhere),
-  so a ``kill -9`` of the asset's (or the CLI's) process takes the federation with it. Start
-  them from the thread that lives as long as they should (the asset's main thread).
+- Each process dies with the thread that started it (``prctl(PR_SET_PDEATHSIG)``, Linux only);
+  start them from the thread that lives as long as they should.
 - Each Flower daemon runs under :mod:`speech_assets.runtime.supervise`, a child subreaper that
-  gets SIGTERM when we die and then stops the daemon and every helper it started (the SuperExec,
-  ``flwr-serverapp``, ``flwr-clientapp``), even those re-parented after their parent was killed.
-  Flower's helpers alone only watch their parent's pid, which a zombie parent still answers to.
-- :meth:`LocalFederation.stop` (called in a ``finally``) stops each daemon's process tree
-  (:func:`speech_assets.runtime.processes.terminate`: the SuperLink starts its SuperExec in a
-  session of its own, so a process group is not enough).
-
-The local federation lives in a private network namespace
-(:class:`speech_assets.runtime.netns.PrivateNetwork`): the SuperLink, the SuperNodes, the key
-registration and ``flwr run`` all run inside it and bind or reach its own 127.0.0.1, which no
-process outside reaches. Flower 1.42's Control API authenticates no one without Flower
-Enterprise's OIDC, and any local user could otherwise connect to loopback ports: start their own
-app (run as us), register a node, or talk to a SuperNode's ClientAppIo API. Only the namespace's
-owner (and root) can enter it. Each process gets its own ``FLWR_HOME`` under the run's ``flower/``
-folder (0700), where its log is written too. The SuperLink serves TLS with a certificate of a CA
-made for this federation, and authenticates SuperNodes (Flower's node authentication,
-:mod:`speech_assets.federated.auth`): each SuperNode's key is registered before it starts, and
-``nodes.json`` tells the ServerApp which node id is which client. The simulation engine's process
-tree (Ray's GCS, raylet and workers included) lives in a private network namespace the same way
-(:func:`simulation_run`).
+  stops the daemon and every helper it started when we die: Flower's helpers only watch their
+  parent's pid, which a zombie parent still answers to.
+- The local federation and the simulation live in a private network namespace: Flower 1.42's
+  Control API and Ray's servers authenticate no one, and any local user reaches the host's
+  loopback. The SuperLink serves TLS with a CA made for the federation and authenticates
+  SuperNodes (:mod:`speech_assets.federated.auth`).
 """
 
 from __future__ import annotations
@@ -68,8 +52,7 @@ FIRST_SUPERNODE_PORT = 9094
 
 
 class NeedsLinux(RuntimeError):
-    """The local federation's guarantees (parent-death signals, a child subreaper, a private
-    network namespace) are Linux's."""
+    """Parent-death signals, a child subreaper and private network namespaces are Linux's."""
 
 
 def require_linux() -> None:
@@ -81,8 +64,7 @@ def require_linux() -> None:
 
 
 def start_private(network: PrivateNetwork) -> PrivateNetwork:
-    """Start ``network``, or refuse (:class:`NeedsLinux`, one line) where this machine gives none:
-    never fall back to the host's loopback, which every local user reaches."""
+    """Never fall back to the host's loopback, which every local user reaches."""
     try:
         return network.start()
     except NoPrivateNetwork as error:
@@ -95,12 +77,8 @@ def start_private(network: PrivateNetwork) -> PrivateNetwork:
 def spawn(
     command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, **kwargs: object
 ) -> subprocess.Popen:
-    """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us.
-
-    ``supervised``: run it under :mod:`speech_assets.runtime.supervise`, which gets SIGTERM when
-    we die and then stops ``command`` and everything it started (for Flower's daemons, whose
-    helpers outlive a SIGKILLed parent otherwise); else ``command`` itself gets SIGKILL.
-    """
+    """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us
+    (``supervised``: under the supervisor, which gets SIGTERM and stops the whole tree)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if supervised:
         command = [sys.executable, "-m", SUPERVISOR, "--", *command]
@@ -118,15 +96,12 @@ def spawn(
 
 
 def flower_bin(name: str) -> str:
-    """A Flower console script of this interpreter's environment."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
 
 
 def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a Flower process: ``FLWR_HOME`` of its own, no telemetry or update
-    check, this interpreter's scripts first on ``PATH`` and this checkout first on
-    ``PYTHONPATH`` (the apps import ``speech_assets``)."""
+    """``FLWR_HOME`` of its own, no telemetry, this interpreter's scripts and checkout first."""
     env = dict(os.environ if base is None else base)
     home.mkdir(parents=True, exist_ok=True)
     paths = [str(locations.repo_root()), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
@@ -146,20 +121,18 @@ def flower_env(home: Path, base: Mapping[str, str] | None = None) -> dict[str, s
     return {k: v for k, v in env.items() if not k.startswith("DAGSTER_PIPES")}
 
 
-def wait_listening(
-    port: int, process: subprocess.Popen, timeout: float, name: str, log_path: Path, network: PrivateNetwork
-) -> None:
-    """Wait until ``process`` listens on ``port`` inside ``network``."""
-
+def wait_listening(daemon: Daemon, timeout: float, network: PrivateNetwork) -> None:
     def listening() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {process.returncode}:\n{_tail(log_path)}")
-        return network.listening(port)
+        if daemon.process.poll() is not None:
+            raise RuntimeError(
+                f"flower-{daemon.name} exited with code {daemon.process.returncode}:\n{_tail(daemon.log)}"
+            )
+        return network.listening(daemon.port)
 
     try:
-        wait_until(listening, timeout, f"{name} to listen on 127.0.0.1:{port}", interval=0.2)
+        wait_until(listening, timeout, f"flower-{daemon.name} to listen on 127.0.0.1:{daemon.port}", interval=0.2)
     except WaitTimeout as error:
-        raise WaitTimeout(f"{error}:\n{_tail(log_path)}") from None
+        raise WaitTimeout(f"{error}:\n{_tail(daemon.log)}") from None
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -170,41 +143,31 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def is_ray(argv: Sequence[str]) -> bool:
-    """A process of Ray's (GCS, raylet, workers, agents) by its command line."""
     return bool(argv) and (argv[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in part for part in argv[:3]))
 
 
 def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
-    """Running Flower processes and our supervisors (optionally only those whose command line or
-    environment mentions ``root``): ``(pid, command line)``. The tests use it to prove nothing was
-    left behind."""
+    """``(pid, command line)`` of running Flower, Ray and supervisor processes (those whose command
+    line or environment mentions ``root``): the tests prove nothing was left behind."""
     found = []
     with contextlib.suppress(psutil.Error, OSError, IndexError):
         for process in psutil.process_iter(["cmdline", "status"]):
             if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             argv = process.info["cmdline"] or []
-            names = {Path(part).name for part in argv[:6]}
-            if (
-                not names & set(FLOWER_NAMES)
-                and SUPERVISOR not in argv[:3]
-                and not is_ray(argv)
-                and SIMULATION not in argv[:4]
-            ):
+            flower = {Path(part).name for part in argv[:6]} & set(FLOWER_NAMES)
+            if not (flower or SUPERVISOR in argv[:3] or is_ray(argv) or SIMULATION in argv[:4]):
                 continue
             if root is not None:
-                try:
+                environ = {}
+                with contextlib.suppress(psutil.Error, OSError):
                     environ = process.environ()
-                except (psutil.Error, OSError):
-                    environ = {}
-                text = " ".join(argv) + " " + " ".join(f"{k}={v}" for k, v in environ.items())
-                if str(root) not in text:
+                if str(root) not in " ".join([*argv, *(f"{k}={v}" for k, v in environ.items())]):
                     continue
             found.append((process.pid, " ".join(argv)))
     return found
 
 
-# --------------------------------------------------------------------------- the federation
 @dataclass
 class Daemon:
     name: str
@@ -215,14 +178,7 @@ class Daemon:
 
 class LocalFederation:
     """A SuperLink and one SuperNode per client on the 127.0.0.1 of a private network namespace,
-    for the duration of a ``with``; run a command inside it with :meth:`enter`.
-
-    ``folder`` (made 0700) is laid out as :class:`~speech_assets.layout.FlowerFiles`: one
-    sub-folder per process (its ``FLWR_HOME`` and log), ``pids.json``, ``tls/`` (the CA and the
-    SuperLink's certificate), ``auth/`` (the SuperNodes' keys, deleted on stop), ``cli/`` (the
-    ``flwr`` connection, :attr:`cli_home`) and ``nodes.json`` (``{node id: client id}``, deleted
-    on stop). Each SuperNode gets ``--node-config`` from its :class:`NodeConfig`.
-    """
+    for the duration of a ``with``; ``folder`` (0700) is laid out as :class:`FlowerFiles`."""
 
     def __init__(
         self,
@@ -243,18 +199,14 @@ class LocalFederation:
 
     @property
     def cli_home(self) -> Path:
-        """The ``FLWR_HOME`` of ``flwr`` commands against this federation (its connection)."""
         return self.files.cli
 
     @property
     def address(self) -> str:
-        """The SuperLink's address inside the federation's network namespace."""
         assert self.superlink is not None, "the federation is not started"
         return f"127.0.0.1:{self.superlink.port}"
 
     def enter(self, command: Sequence[str]) -> list[str]:
-        """``command`` as it runs inside the federation's network namespace (the only place its
-        addresses mean anything)."""
         return self.network.enter(command)
 
     @property
@@ -268,56 +220,29 @@ class LocalFederation:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.folder.chmod(0o700)
             start_private(self.network)
-            port = SUPERLINK_PORT
             tls = make_tls(self.files.tls_dir)
-            log_path = self.files.superlink_log
-            command = [
-                flower_bin("flower-superlink"),
-                "--ssl-ca-certfile",
-                str(tls.ca),
-                "--ssl-certfile",
-                str(tls.cert),
-                "--ssl-keyfile",
-                str(tls.key),
-                "--enable-supernode-auth",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ]
-            env = flower_env(self.files.superlink_home, self.base_env)
-            process = spawn(self.enter(command), log_path, env, supervised=True)
-            self.superlink = Daemon("superlink", process, log_path, port)
-            wait_listening(
-                port, self.superlink.process, self.startup_timeout, "flower-superlink", log_path, self.network
+            command = [flower_bin("flower-superlink"), "--ssl-ca-certfile", str(tls.ca)]
+            command += ["--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key), "--enable-supernode-auth"]
+            command.append("--disable-runtime-dependency-installation")
+            files = self.files
+            self.superlink = self._spawn(
+                "superlink", command, SUPERLINK_PORT, files.superlink_log, files.superlink_home
             )
+            wait_listening(self.superlink, self.startup_timeout, self.network)
             write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
-            keys = {node.client_id: make_node_key(self.files.auth_dir, node.client_id) for node in self.nodes}
+            keys = {node.client_id: make_node_key(files.auth_dir, node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for index, node in enumerate(self.nodes):
-                node_port = FIRST_SUPERNODE_PORT + index
-                command = [
-                    flower_bin("flower-supernode"),
-                    "--root-certificates",
-                    str(tls.ca),
-                    "--superlink",
-                    self.address,
-                    "--auth-supernode-private-key",
-                    str(keys[node.client_id].private),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(node_port),
-                    "--node-config",
-                    # the same keys sign its secure-aggregation advertisements and check its peers'
-                    replace(node, node_keys=str(self.files.auth_dir)).to_node_config(),
-                ]
-                log_path = self.files.supernode_log(node.client_id)
-                home = self.files.supernode_home(node.client_id)
-                process = spawn(self.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
-                self.supernodes[node.client_id] = Daemon(f"supernode {node.client_id}", process, log_path, node_port)
-            self._write_pids()
+                client = node.client_id
+                command = [flower_bin("flower-supernode"), "--root-certificates", str(tls.ca)]
+                command += ["--superlink", self.address, "--auth-supernode-private-key", str(keys[client].private)]
+                # the same keys sign its secure-aggregation advertisements and check its peers'
+                command += ["--node-config", replace(node, node_keys=str(files.auth_dir)).to_node_config()]
+                log_path, home = files.supernode_log(client), files.supernode_home(client)
+                port = FIRST_SUPERNODE_PORT + index
+                self.supernodes[client] = self._spawn(f"supernode {client}", command, port, log_path, home)
+            pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
+            self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
             self.log(
                 f"Flower federation on {self.address}: SuperLink pid {self.superlink.process.pid}, "
                 + ", ".join(f"{c} pid {d.process.pid}" for c, d in self.supernodes.items())
@@ -327,18 +252,16 @@ class LocalFederation:
             raise
         return self
 
+    def _spawn(self, name: str, command: list[str], port: int, log_path: Path, home: Path) -> Daemon:
+        """A supervised Flower daemon listening on ``port`` inside the namespace."""
+        command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+        process = spawn(self.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
+        return Daemon(name, process, log_path, port)
+
     def register(self, public_keys: Mapping[str, Path]) -> dict[str, int]:
-        """Register each client's SuperNode key with the SuperLink (one interpreter for all);
-        write ``nodes.json``; ``{client id: node id}``."""
-        command = [
-            sys.executable,
-            "-m",
-            AUTH_MODULE,
-            "register",
-            str(self.cli_home),
-            CONNECTION_NAME,
-            *(str(p) for p in public_keys.values()),
-        ]
+        """Register the SuperNodes' keys (one interpreter for all), write ``nodes.json``: ``{client: node id}``."""
+        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME]
+        command += [str(p) for p in public_keys.values()]
         done = subprocess.run(  # noqa: S603
             self.enter(command),
             env=flower_env(self.cli_home, self.base_env),
@@ -356,15 +279,9 @@ class LocalFederation:
         self.files.nodes.write_text(json.dumps({str(n): c for c, n in node_ids.items()}, sort_keys=True) + "\n")
         return node_ids
 
-    def _write_pids(self) -> None:
-        """``pids.json``: each daemon's supervisor pid and the Flower process it runs."""
-        pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
-
     @staticmethod
     def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
-        """The pid of the Flower process itself (the supervisor's child)."""
+        """The Flower process itself: the supervisor's child."""
 
         def child() -> int:
             if daemon.process.poll() is not None:
@@ -384,8 +301,7 @@ class LocalFederation:
         self.network.stop()
         # the registrations died with the SuperLink; the keys and the node ids mean nothing now
         self.files.nodes.unlink(missing_ok=True)
-        for path in self.files.auth.all_private():
-            path.unlink(missing_ok=True)
+        _remove_private_keys(self.files)
 
     def __enter__(self) -> LocalFederation:
         return self.start()
@@ -394,10 +310,8 @@ class LocalFederation:
         self.stop()
 
 
-# ---------------------------------------------------------------------------------- flwr CLI
 def write_connection(home: Path, address: str, insecure: bool = False, root_certificates: str = "") -> None:
-    """``$FLWR_HOME/config.toml`` with one SuperLink connection named :data:`CONNECTION_NAME`
-    (TLS verified against ``root_certificates``, or the system's CAs; plain HTTP if ``insecure``)."""
+    """``$FLWR_HOME/config.toml`` with one connection, :data:`CONNECTION_NAME`."""
     home.mkdir(parents=True, exist_ok=True)
     lines = [
         "[superlink]",
@@ -415,8 +329,6 @@ def write_connection(home: Path, address: str, insecure: bool = False, root_cert
 
 @dataclass
 class FlwrRun:
-    """A finished ``flwr run --stream``: exit code and the run id the SuperLink gave it."""
-
     returncode: int
     run_id: int | None
 
@@ -431,14 +343,9 @@ def flwr_run(
     should_stop: Callable[[], str | None] = lambda: None,
     enter: Callable[[Sequence[str]], list[str]] = list,
 ) -> FlwrRun:
-    """``flwr run <app_dir> speech_assets --run-config <file> --stream``: submit the app to the
-    SuperLink of the connection in ``home`` and follow its logs until the run ends; ``enter``
-    wraps each ``flwr`` command (:meth:`LocalFederation.enter` for the local federation).
-
-    ``should_stop`` is polled while waiting; a non-empty answer (why) stops the run
-    (``flwr stop``) and raises. The run's own success is judged by the caller from what the
-    ServerApp wrote (``result.json`` / ``failure.json``).
-    """
+    """Submit the app to the SuperLink of ``home``'s connection and follow its logs until the run
+    ends; a reason from ``should_stop`` stops it (``flwr stop``) and raises. Success is judged by
+    the caller from what the ServerApp wrote."""
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -453,8 +360,15 @@ def flwr_run(
     try:
         reason = follow(process, log_path, each, should_stop)
         if reason is not None:
-            if run_id:
-                flwr_stop(run_id[0], home, env, enter)
+            if run_id:  # best effort
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run(  # noqa: S603
+                        enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
+                        env=process_env,
+                        capture_output=True,
+                        timeout=60,
+                        preexec_fn=die_with_parent,  # noqa: PLW1509
+                    )
             raise RuntimeError(f"federated run stopped: {reason}")
         return FlwrRun(process.wait(), run_id[0] if run_id else None)
     finally:
@@ -465,8 +379,7 @@ def flwr_run(
 def follow(
     process: subprocess.Popen, log_path: Path, on_line: Callable[[str], None], should_stop: Callable[[], str | None]
 ) -> str | None:
-    """Copy ``process``'s output (a pipe) line by line to ``log_path`` and ``on_line`` until it
-    ends, polling ``should_stop`` every half second; returns its reason if it gave one."""
+    """Copy ``process``'s piped output to ``log_path`` and ``on_line``; returns ``should_stop``'s reason."""
     assert process.stdout is not None
     fd = process.stdout.fileno()
     with open(log_path, "a", encoding="utf-8") as log_file:
@@ -503,15 +416,11 @@ def simulation_run(
     env: Mapping[str, str] | None = None,
     should_stop: Callable[[], str | None] = lambda: None,
 ) -> FlwrRun:
-    """The run on Flower's simulation runtime (:mod:`speech_assets.federated.simulation`) in a
-    supervised process tree (Ray's processes included), followed like :func:`flwr_run`.
+    """The run on Flower's simulation runtime in a supervised tree, followed like :func:`flwr_run`.
 
-    The tree runs in a private network namespace of its own: Ray's GCS, raylet, object manager
-    and workers listen without authentication (and some on every address of the host, whatever
-    ``_node_ip_address`` says), so on the host any local user could connect and run code as us.
-    Ray's session folder (unix sockets, logs, runtime environments: Ray makes its folders
-    world-writable) lies in a fresh 0700 folder, ``RAY_TMPDIR``, removed after the run.
-    """
+    Ray's servers listen without authentication (some on every address, whatever
+    ``_node_ip_address`` says): the tree gets a private network namespace. Ray makes its session
+    folders world-writable: they lie in a fresh 0700 ``RAY_TMPDIR``, removed after the run."""
     from speech_assets.federated.auth import make_node_key
 
     files = FlowerFiles(log_path.parent)
@@ -523,17 +432,8 @@ def simulation_run(
         make_node_key(files.auth_dir, node.client_id)
     nodes = [replace(node, node_keys=str(files.auth_dir)) for node in nodes]
     atomic_write_text(nodes_file, json.dumps([asdict(node) for node in nodes], indent=1) + "\n")
-    command = [
-        sys.executable,
-        "-m",
-        SIMULATION,
-        "--run-config",
-        str(run_config),
-        "--nodes",
-        str(nodes_file),
-        "--cpus-per-client",
-        str(cpus_per_client),
-    ]
+    command = [sys.executable, "-m", SIMULATION, "--run-config", str(run_config), "--nodes", str(nodes_file)]
+    command += ["--cpus-per-client", str(cpus_per_client)]
     base = dict(env if env is not None else os.environ)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(_remove_private_keys, files)
@@ -547,14 +447,8 @@ def simulation_run(
         )
         # every process of the tree (Ray's included) names the run in its environment, for flower_processes
         process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
-        process = spawn(
-            network.enter(command),
-            log_path,
-            process_env,
-            supervised=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        process = spawn(network.enter(command), log_path, process_env, supervised=True, **pipe)
         try:
             reason = follow(process, log_path, on_line, should_stop)
             if reason is not None:
@@ -563,17 +457,3 @@ def simulation_run(
         finally:
             if process.poll() is None:
                 terminate([process], grace=10)
-
-
-def flwr_stop(
-    run_id: int, home: Path, env: Mapping[str, str] | None = None, enter: Callable[[Sequence[str]], list[str]] = list
-) -> None:
-    """Ask the SuperLink to stop run ``run_id`` (best effort)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(  # noqa: S603
-            enter([flower_bin("flwr"), "stop", str(run_id), CONNECTION_NAME]),
-            env=flower_env(home, env),
-            capture_output=True,
-            timeout=60,
-            preexec_fn=die_with_parent,  # noqa: PLW1509
-        )

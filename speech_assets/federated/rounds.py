@@ -1,17 +1,10 @@
-"""The server's records: one checkpoint and one record per completed round, the round tables,
-and the final checkpoint. Everything is written atomically (``speech_assets.utils.atomic_path``)
-and every ``.pt`` loads with ``torch.load(weights_only=True)``.
+"""The server's records: one checkpoint and one record per completed round, the round tables and
+the final checkpoint, written atomically; every ``.pt`` loads with ``weights_only=True``.
 
-A round ``r`` is complete when ``rounds/round_r.pt`` (global encoder ``{name: tensor}`` after the
-round, the strategy's state: FedAdam's first and second moments ``m_t``/``v_t`` per encoder
-tensor, same shapes) *and* ``rounds/round_r.json`` (its rows, missing clients, hashes) exist; the
-``.pt`` is written first, so a kill between the two leaves round ``r`` incomplete and the run
-resumes from ``r - 1``. A round that is evaluated is saved before its evaluation (its encoder
-goes nowhere before it is durable) with ``evaluation_pending``, and its record is rewritten
-with the evaluation (:func:`rewrite_record`); a run killed in between finishes that evaluation
-when it resumes. ``rounds.parquet`` and ``evaluation.parquet`` are rebuilt from the
-records of complete rounds after each round (:mod:`speech_assets.federated.history`, which
-reads all of this back without torch).
+A round's ``.pt`` (encoder, FedAdam's moments) is written before its ``.json`` record, so a kill
+between the two leaves the round incomplete and the run resumes from the round before. An
+evaluated round is saved before its evaluation (its encoder goes nowhere before it is durable)
+with ``evaluation_pending``, and its record rewritten with the results (:func:`rewrite_record`).
 """
 
 from __future__ import annotations
@@ -46,15 +39,13 @@ def to_numpy(tensors: Mapping[str, torch.Tensor]) -> NDArrays:
 
 
 def encoder_sha256(encoder: Mapping[str, np.ndarray]) -> str:
-    """:func:`~speech_assets.train.checkpoint.weights_sha256` of the encoder (the data version)."""
+    """The encoder's data version."""
     return weights_sha256(to_tensors(encoder))
 
 
 @dataclass
 class RoundState:
-    """Where a (resumed) run stands after round ``round``: the global encoder and the strategy's
-    state (``{"m_t": {...}, "v_t": {...}}`` for FedAdam, empty for FedAvg), plus every complete
-    round's record (oldest first)."""
+    """Where a resumed run stands after round ``round``; ``records`` oldest first."""
 
     round: int
     encoder: NDArrays
@@ -63,8 +54,7 @@ class RoundState:
 
 
 def load_latest(paths: FederatedPaths, config: FederatedConfig) -> RoundState | None:
-    """The newest complete round, or ``None`` for a fresh run. Leftovers of a round that did not
-    complete (a checkpoint without its record, records after the newest checkpoint) are removed."""
+    """The newest complete round (``None``: a fresh run); leftovers of incomplete rounds are removed."""
     complete = complete_rounds(paths)
     if not complete:
         _remove_after(paths, 0)
@@ -102,8 +92,7 @@ def save_round(
     strategy_state: Mapping[str, NDArrays],
     record: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Write round ``round_number`` (checkpoint, then record), prune old checkpoints and rebuild
-    the tables; returns every complete round's record."""
+    """Write the round's checkpoint, then its record; prune old checkpoints; every round's record."""
     sha = encoder_sha256(encoder)
     save_checkpoint(
         paths.round_checkpoint(round_number),
@@ -117,19 +106,15 @@ def save_round(
             "weights_sha256": sha,
         },
     )
-    record = {**record, "round": round_number, "weights_sha256": sha}
-    atomic_write_text(paths.round_record(round_number), json.dumps(record, indent=1, sort_keys=True) + "\n")
+    records = rewrite_record(paths, round_number, {**record, "round": round_number, "weights_sha256": sha})
     kept = complete_rounds(paths)
     for old in kept[: max(len(kept) - config.keep_rounds, 0)]:
         paths.round_checkpoint(old).unlink(missing_ok=True)
-    records = read_records(paths, round_number)
-    write_tables(paths, records)
     return records
 
 
 def rewrite_record(paths: FederatedPaths, round_number: int, record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Replace the record of saved round ``round_number`` (its checkpoint stays) and rebuild the
-    tables; returns every complete round's record."""
+    """Write the round's record and rebuild the tables; every round's record."""
     atomic_write_text(paths.round_record(round_number), json.dumps(dict(record), indent=1, sort_keys=True) + "\n")
     records = read_records(paths, round_number)
     write_tables(paths, records)
@@ -137,7 +122,7 @@ def rewrite_record(paths: FederatedPaths, round_number: int, record: Mapping[str
 
 
 def save_final(paths: FederatedPaths, config: FederatedConfig, round_number: int, encoder: NDArrays) -> str:
-    """``final.pt``: the global encoder only (no head: those stay on the clients); returns its sha256."""
+    """``final.pt``: the global encoder only (the heads stay on the clients); returns its sha256."""
     sha = encoder_sha256(encoder)
     save_checkpoint(
         paths.final,

@@ -2,51 +2,25 @@
 2017; the sparse neighbour graph of SecAgg+, Bell et al. 2020): the primitives. The messages that
 carry them are :mod:`speech_assets.federated.secure_rounds`.
 
-Each round, every sampled client holds an update (its encoder minus the global one), a
-``dict[str, np.ndarray]`` of float arrays. The server must learn only the SUM of the updates of the
-clients it counts as survivors, never one of them, even when it lies about who dropped out:
+The server must learn only the SUM of the updates of the clients it counts as survivors, never one
+of them, even when it lies about who dropped out. Each client draws fresh :class:`RoundSecrets`,
+splits its self-mask seed ``b`` and its X25519 key into t-of-k Shamir shares for its neighbours
+(sealed with Fernet under an ECDH key), quantizes its update to ``[0, T]`` and adds its self-mask
+and one pair mask per neighbour mod 2^32. For each neighbour a survivor reveals the share of ``b``
+(it survived) or of the key (it dropped), never both, and answers one unmask request per round: with
+t > k/2 the server cannot get t shares of both for one client.
 
-1. Each client draws fresh secrets for the round (:class:`RoundSecrets`): an X25519 key pair for
-   pair masks, an ECDH key pair (Flower's, P-384) to encrypt shares, and a 32-byte self-mask seed
-   ``b``. It advertises the two public keys and a commitment to ``b`` (:func:`seed_commitment`).
-2. Each client splits ``b`` and its X25519 secret key into t-of-k Shamir shares (Flower's
-   ``create_shares``, over GF(2^128), any secret length) for its neighbours (:func:`neighbours`:
-   k clients, itself included, on a ring of the round's clients in id order; all of them by
-   default) and encrypts each neighbour's pair of shares with Flower's Fernet (authenticated)
-   under a key agreed with that neighbour's ECDH key (:func:`seal_shares`, :func:`open_shares`).
-3. Each client quantizes its update to integers in ``[0, T]`` (Flower's ``quantize``, values
-   clipped to ``±clipping_range``), adds its self-mask ``PRG(b)`` and one pair mask per neighbour
-   that sent it shares, with opposite signs on the two ends of a pair, mod 2^32 (:func:`mask_update`).
-4. The server fixes the survivors (the masked vectors it accepted). For each neighbour, a survivor
-   reveals either its share of ``b`` (neighbour survived) or its share of the X25519 secret key
-   (neighbour dropped), never both. With t shares the server rebuilds each survivor's ``b`` and
-   each dropped client's secret key, removes the self-masks and the dropped clients' pair masks,
-   and the other pair masks cancel (:func:`unmask_sum`).
+Pair masks: X25519, HKDF-SHA256 over the round context (run, round, server nonce) and a ChaCha20
+keystream as the PRG: a 256-bit seed the server cannot search (Flower's ``pseudo_rand_gen`` folds
+seeds to 32 bits). Each advertisement is signed with the node identity key its SuperNode
+authenticates with, and checked against the authorised keys of the client's own settings: a
+server can neither invent a client nor advertise its own keys under a real client's id.
 
-Why a client the server counts as dropped stays hidden even when its masked vector did arrive: its
-self-mask ``b`` is only rebuilt from the shares of clients that counted it as a survivor; an honest
-client reveals one kind of share per neighbour and answers one unmask request per round, so with
-t > k/2 the server cannot get t shares of both ``b`` and the key of one client.
+What this cannot check: the values inside a masked vector. Garbage that does not cancel is caught
+by the range test on the sum (``[0, n*T]``), but one client can still move the sum anywhere inside
+that range; per-client norm checks are lost under masking.
 
-Pair masks come from an X25519 exchange, HKDF-SHA256 over a context that binds run, round and the
-server's nonce (:func:`round_context`), and a ChaCha20 keystream as the PRG (:func:`prg`): a
-256-bit seed, so the server cannot search the seed space (Flower's ``pseudo_rand_gen`` folds seeds
-to 32 bits). The self-mask is the ChaCha20 keystream of ``b``.
-
-Who advertised a key: each client signs its advertisement (:func:`advertisement`: round context,
-its client id, both public keys and its commitment) with its node identity key, the ECDSA P-384
-key its SuperNode authenticates with (:func:`sign_advertisement`); before sealing a share to
-anyone, every client checks each entry of the key table against the federation's authorised node
-keys it was given with its own settings (:func:`verify_advertisement`). A server can then neither
-invent a client nor advertise its own keys under a real client's id.
-
-What this cannot check: the values inside a masked vector. A client may send any ``uint32``
-vector; the only test is that the unmasked sum of n survivors lies in ``[0, n*T]`` per value, so
-garbage that does not cancel is caught (with probability 1 - (n*T/2^32)^values), but one client
-can still move the sum anywhere inside that range. Per-client norm checks are lost under masking.
-
-Arrays are flattened into one vector in sorted-name order; ``layout`` below means that order plus
-each array's shape. Client ids are compared as Python strings on both sides of a pair.
+Arrays are flattened in sorted-name order; client ids are compared as Python strings.
 """
 
 from __future__ import annotations
@@ -93,8 +67,7 @@ _ADVERTISE_TAG = b"speech_assets.secagg.advertisement.v1"
 
 @dataclass(frozen=True)
 class SecAggParams:
-    """Quantization of updates: values are clipped to ``±clipping_range`` and mapped to integers in
-    ``[0, target_range]`` (a step of ``2 * clipping_range / target_range``)."""
+    """Values clipped to ``±clipping_range``, mapped to integers in ``[0, target_range]``."""
 
     clipping_range: float
     target_range: int = DEFAULT_TARGET_RANGE
@@ -109,8 +82,7 @@ class SecAggParams:
             raise ValueError(f"target_range must be an int in [2, 2**31), got {t!r}")
 
     def check_clients(self, n: int) -> None:
-        """Refuse ``n`` clients when a sum of ``n`` quantized values (each up to ``target_range``)
-        could reach 2^32, where it would wrap and could not be told apart from a small sum."""
+        """Refuse ``n`` clients whose sum could reach 2^32, where it would wrap unnoticed."""
         if n * self.target_range >= MODULUS:
             raise ValueError(
                 f"{n} clients x target_range {self.target_range} >= 2**32: the sum would wrap; "
@@ -128,16 +100,14 @@ def check_threshold(threshold: int, num_shares: int) -> None:
 
 
 def default_threshold(num_shares: int) -> int:
-    """The smallest threshold above two thirds of ``num_shares`` (floor(2k/3) + 1): tolerates
-    just under a third of drop-outs and refuses any split (see :func:`check_threshold`)."""
+    """floor(2k/3) + 1: tolerates just under a third of drop-outs, and no split."""
     return max(2, 2 * num_shares // 3 + 1)
 
 
 @dataclass(frozen=True)
 class RoundSecrets:
-    """One client's secrets for one round, fresh every round: ``mask_key`` (X25519 private key,
-    32 raw bytes, for pair masks), ``share_key`` (Flower's P-384 ECDH private key, PEM, to encrypt
-    shares) and ``self_seed`` (32 bytes, the self-mask). Never printed."""
+    """One client's secrets of one round: X25519 ``mask_key`` (raw), P-384 ``share_key`` (PEM,
+    encrypts shares) and the 32-byte ``self_seed``. Never printed."""
 
     mask_key: bytes = field(repr=False)
     share_key: bytes = field(repr=False)
@@ -152,16 +122,13 @@ class RoundSecrets:
         return cls(mask_key, private_key_to_bytes(share_key), os.urandom(SEED_BYTES))
 
     def mask_public(self) -> bytes:
-        """The X25519 public key of ``mask_key``, 32 raw bytes."""
         return mask_public(self.mask_key)
 
     def share_public(self) -> bytes:
-        """The ECDH public key of ``share_key`` (PEM bytes)."""
         return public_key_to_bytes(bytes_to_private_key(self.share_key).public_key())
 
 
 def mask_public(mask_key: bytes) -> bytes:
-    """The X25519 public key (32 raw bytes) of a 32-byte private key."""
     if len(mask_key) != KEY_BYTES:
         raise ValueError(f"an X25519 private key is {KEY_BYTES} raw bytes, got {len(mask_key)}")
     return (
@@ -172,7 +139,7 @@ def mask_public(mask_key: bytes) -> bytes:
 
 
 def check_share_public(key: bytes) -> None:
-    """Refuse an ECDH public key that is not a PEM P-384 key (what :class:`RoundSecrets` makes)."""
+    """Refuse what is not a PEM P-384 public key."""
     try:
         loaded = bytes_to_public_key(bytes(key))
     except (ValueError, TypeError) as error:
@@ -182,9 +149,7 @@ def check_share_public(key: bytes) -> None:
 
 
 def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
-    """The context bytes that bind masks and shares to one round: run name, round number and the
-    server's nonce (at least 16 bytes, fresh for every round). Fields are length-prefixed, so
-    distinct inputs never give the same bytes."""
+    """Binds masks and shares to one round; fields length-prefixed, so distinct inputs never collide."""
     if not run:
         raise ValueError("a run name is required")
     if isinstance(round_number, bool) or not isinstance(round_number, int) or round_number < 0:
@@ -192,21 +157,12 @@ def round_context(run: str, round_number: int, nonce: bytes) -> bytes:
     if len(nonce) < MIN_NONCE_BYTES:
         raise ValueError(f"the server nonce must be at least {MIN_NONCE_BYTES} bytes, got {len(nonce)}")
     run_bytes = run.encode("utf-8")
-    return b"".join(
-        [
-            _CONTEXT_TAG,
-            struct.pack(">I", len(run_bytes)),
-            run_bytes,
-            struct.pack(">Q", round_number),
-            struct.pack(">I", len(nonce)),
-            bytes(nonce),
-        ]
-    )
+    head = _CONTEXT_TAG + struct.pack(">I", len(run_bytes)) + run_bytes
+    return head + struct.pack(">QI", round_number, len(nonce)) + bytes(nonce)
 
 
 def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:
-    """SHA-256 commitment (32 bytes) to a self-mask seed: the server checks a rebuilt seed against
-    it, so bad shares are named instead of leaving masks in the sum."""
+    """The server checks a rebuilt seed against it, so bad shares are named instead of leaving masks."""
     who = client.encode("utf-8")
     return hashlib.sha256(
         b"".join([_COMMIT_TAG, struct.pack(">I", len(context)), context, struct.pack(">I", len(who)), who, bytes(seed)])
@@ -214,19 +170,16 @@ def seed_commitment(seed: bytes, client: str, context: bytes) -> bytes:
 
 
 def advertisement(context: bytes, client: str, mask_key: bytes, share_key: bytes, commitment: bytes) -> bytes:
-    """The bytes a client signs for its advertisement: the round context (run, round, nonce), its
-    client id, its two public keys and its seed commitment, each length-prefixed."""
+    """What a client signs: round context, its id, both public keys and its commitment, length-prefixed."""
     fields = [bytes(context), client.encode("utf-8"), bytes(mask_key), bytes(share_key), bytes(commitment)]
     return _ADVERTISE_TAG + b"".join(struct.pack(">I", len(f)) + f for f in fields)
 
 
 def sign_advertisement(identity: ec.EllipticCurvePrivateKey, message: bytes) -> bytes:
-    """ECDSA (SHA-384) signature of an :func:`advertisement` under a node identity key."""
     return identity.sign(message, ec.ECDSA(hashes.SHA384()))
 
 
 def verify_advertisement(public: ec.EllipticCurvePublicKey, signature: bytes, message: bytes) -> bool:
-    """Whether ``signature`` is ``public``'s signature of the :func:`advertisement` ``message``."""
     try:
         public.verify(bytes(signature), message, ec.ECDSA(hashes.SHA384()))
     except InvalidSignature:
@@ -235,10 +188,8 @@ def verify_advertisement(public: ec.EllipticCurvePublicKey, signature: bytes, me
 
 
 def neighbours(client: str, clients: Collection[str], num_shares: int) -> list[str]:
-    """The clients ``client`` shares with and masks against, itself included, sorted: all of
-    ``clients`` when ``num_shares`` (0 = all) is at least their number, else the ``num_shares``
-    (odd) clients around it on the ring of ``clients`` in id order. Symmetric: b is a neighbour of
-    a iff a is one of b."""
+    """The clients ``client`` masks against, itself included: all (``num_shares`` 0 or enough), else
+    the ``num_shares`` (odd) around it on the ring in id order. Symmetric."""
     order = sorted(set(clients))
     if client not in order:
         raise ValueError(f"{client} is not among the round's clients")
@@ -251,23 +202,19 @@ def neighbours(client: str, clients: Collection[str], num_shares: int) -> list[s
 
 
 def split_secret(secret: bytes, threshold: int, num_shares: int) -> list[bytes]:
-    """``num_shares`` Shamir shares of ``secret``, any ``threshold`` of which rebuild it (Flower's
-    ``create_shares``); share i (0-based) carries index i + 1 in its first 4 bytes."""
+    """Share i (0-based) carries index i + 1 in its first 4 bytes."""
     check_threshold(threshold, num_shares)
     return create_shares(bytes(secret), threshold, num_shares)
 
 
 def share_index(share: bytes) -> int:
-    """The 1-based index a share carries (little-endian, its first 4 bytes)."""
     if len(share) < 4 + 16 or (len(share) - 4) % 16:
         raise ValueError(f"a share is 4 + 16k bytes, got {len(share)}")
     return int.from_bytes(share[:4], "little")
 
 
 def combine_secret(shares: Sequence[bytes]) -> bytes:
-    """The secret of Shamir ``shares`` (at least the threshold, distinct indices); ValueError when
-    they do not combine (too few or corrupt shares rebuild garbage, which usually fails here and
-    otherwise fails the caller's check against a public key or commitment)."""
+    """Too few or corrupt shares rebuild garbage: the caller checks it against a key or commitment."""
     if not shares:
         raise ValueError("no shares")
     indices = [share_index(s) for s in shares]
@@ -290,10 +237,8 @@ def seal_shares(
     seed_share: bytes,
     key_share: bytes,
 ) -> bytes:
-    """``src``'s shares for ``dst`` (of its self-mask seed and its X25519 key), encrypted and
-    authenticated (Fernet) under the ECDH key of ``src``'s ``share_key`` and ``dst``'s public one;
-    the plaintext names the round context, sender and receiver, so a ciphertext replayed to
-    another client or round is refused."""
+    """``src``'s shares for ``dst``, Fernet under their ECDH key; the plaintext names round, sender
+    and receiver, so a ciphertext replayed to another client or round is refused."""
     plain = json.dumps(
         {"context": context.hex(), "src": src, "dst": dst, "seed": seed_share.hex(), "key": key_share.hex()},
         sort_keys=True,
@@ -304,9 +249,7 @@ def seal_shares(
 def open_shares(
     secrets: RoundSecrets, peer_share_public: bytes, ciphertext: bytes, context: bytes, src: str, dst: str
 ) -> tuple[bytes, bytes]:
-    """``(seed share, key share)`` that ``src`` sealed for ``dst`` (this client) with
-    :func:`seal_shares`; ValueError if the ciphertext is not authentic or names another round,
-    sender or receiver."""
+    """``(seed share, key share)`` that ``src`` sealed for ``dst``."""
     try:
         fields = json.loads(decrypt(_fernet_key(secrets, peer_share_public), bytes(ciphertext)))
     except (InvalidToken, ValueError, TypeError):
@@ -317,8 +260,7 @@ def open_shares(
 
 
 def mask_seed(mask_key: bytes, peer_public: bytes, context: bytes) -> bytes:
-    """The 32-byte seed of the pair (the owner of ``mask_key``, the peer with ``peer_public``)
-    under ``context``; both ends of the pair derive the same seed."""
+    """The pair's 32-byte seed; both ends derive the same."""
     if len(peer_public) != KEY_BYTES:
         raise ValueError(f"an X25519 public key is {KEY_BYTES} raw bytes, got {len(peer_public)}")
     private = X25519PrivateKey.from_private_bytes(bytes(mask_key))
@@ -328,9 +270,7 @@ def mask_seed(mask_key: bytes, peer_public: bytes, context: bytes) -> bytes:
 
 
 def prg(seed: bytes, count: int) -> np.ndarray:
-    """``count`` pseudo-random ``np.uint32`` values, shape ``(count,)``: the ChaCha20 keystream of
-    the 32-byte ``seed`` (zero nonce and counter, safe as every seed is used for one stream), read
-    as little-endian 32-bit words."""
+    """``count`` uint32 of the ChaCha20 keystream of ``seed`` (zero nonce: each seed makes one stream)."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
     if count < 0:
@@ -349,14 +289,9 @@ def _size(layout: Mapping[str, tuple[int, ...]]) -> int:
 
 
 def _split(flat: np.ndarray, layout: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    start = 0
-    for name in sorted(layout):
-        shape = tuple(layout[name])
-        stop = start + math.prod(shape)
-        out[name] = flat[start:stop].reshape(shape)
-        start = stop
-    return out
+    names = sorted(layout)
+    ends = np.cumsum([math.prod(layout[name]) for name in names], dtype=np.int64)[:-1]
+    return {name: part.reshape(layout[name]) for name, part in zip(names, np.split(flat, ends), strict=False)}
 
 
 def _flatten_uint32(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -382,15 +317,8 @@ def mask_update(
     params: SecAggParams,
     context: bytes,
 ) -> dict[str, np.ndarray]:
-    """This client's masked update: the same names and shapes as ``update`` (float arrays of any
-    shape, 0-d included), each an ``np.uint32`` array.
-
-    Each value is clipped to ``±params.clipping_range`` and stochastically rounded to an integer in
-    ``[0, params.target_range]``; then the self-mask ``prg(secrets.self_seed)`` and one pair mask
-    per peer in ``peers`` (``{client: X25519 public key}`` of the neighbours that sent this client
-    their shares; ``me`` skipped) are added or subtracted mod 2^32. Refuses non-finite values and a
-    round with no other client.
-    """
+    """``update`` quantized, plus its self-mask and one pair mask per peer of ``peers`` (``{client:
+    X25519 public key}`` of the neighbours that sent shares), as uint32 arrays of the same shapes."""
     if me in peers and bytes(peers[me]) != secrets.mask_public():
         raise ValueError(f"the peer map holds a public key for {me} that is not this client's")
     others = sorted(peer for peer in peers if peer != me)
@@ -434,17 +362,9 @@ def unmask_sum(
     params: SecAggParams,
     context: bytes,
 ) -> dict[str, np.ndarray]:
-    """The sum of the survivors' updates (each clipped to ``±params.clipping_range``), as float32
-    arrays with the masked arrays' names and shapes.
-
-    ``masked`` maps each survivor (at least 2) to its masked update (``np.uint32`` arrays, all with
-    the same names and shapes); ``self_seeds`` each survivor to its rebuilt self-mask seed;
-    ``dropped_keys`` each dropped client to its rebuilt X25519 private key; ``public_keys`` every
-    client to its X25519 public key; ``masked_with`` each survivor to the clients it masked
-    against. The error per value is below ``n * 2 * clipping_range / target_range`` for n
-    survivors (stochastic rounding). Raises ValueError on mismatched arrays or seeds and
-    :class:`MasksDidNotCancel` when the sum leaves ``[0, n * T]``.
-    """
+    """The float32 sum of the survivors' (clipped) updates, from their ``masked`` vectors, rebuilt
+    ``self_seeds`` and the rebuilt X25519 keys of the ``dropped``; error per value below
+    ``n * 2 * clipping_range / target_range`` for n survivors (stochastic rounding)."""
     survivors = sorted(masked)
     if len(survivors) < 2:
         raise ValueError(f"secure aggregation needs at least 2 survivors, got {len(survivors)}")

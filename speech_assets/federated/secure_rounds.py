@@ -1,54 +1,29 @@
 """Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
-the server (:class:`SecureRounds`, which drives them through the narrow :class:`RoundHost`
-interface the server app offers) and on the client (:func:`answer_secure_query`,
-:func:`mask_reply`). Every stage is a Flower message and its reply:
+the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query`, :func:`mask_reply`).
 
-1. advertise (``query``, kind ``secagg-advertise``): each client sampled for the round draws fresh
-   :class:`~speech_assets.federated.secure_aggregation.RoundSecrets` and answers with its two
-   public keys and a commitment to its self-mask seed.
-2. share (``query``, kind ``secagg-share``): the server sends every client that advertised the
-   map of all advertised keys; each answers with its shares, one ciphertext per neighbour.
-3. masked input (the ``train`` message): the server routes to each client the ciphertexts its
-   neighbours sealed for it (record ``secagg-shares``); the client trains, clips (DP), masks its
-   update and answers with ``uint32`` masked values in place of the encoder.
-4. unmask (``query``, kind ``secagg-unmask``): the server fixes the survivors, the clients whose
-   masked reply it ACCEPTED, and asks each survivor, for its own neighbours, which survived and
-   which dropped; the survivor answers with self-mask shares of the former and key shares of the
-   latter. The server rebuilds the seeds and keys (checked against the commitments and public
-   keys), unmasks the sum and divides by the number of survivors: the mean update.
+1. advertise (``query``): each sampled client draws fresh :class:`RoundSecrets` and answers with its
+   two public keys and a commitment to its self-mask seed, signed by its node identity key.
+2. share (``query``): the server sends the map of all advertised keys; each client answers with one
+   ciphertext of shares per neighbour.
+3. masked input (``train``): each client gets the ciphertexts sealed for it, trains, clips (DP),
+   masks its update and answers with ``uint32`` masked values in place of the encoder.
+4. unmask (``query``): the server fixes the survivors (the clients whose masked reply it accepted)
+   and asks each survivor for self-mask shares of surviving neighbours and key shares of dropped
+   ones; it rebuilds seeds and keys (checked against the commitments and public keys) and unmasks
+   the sum.
 
-What binds a client's public keys to it: the advertise reply must come from the node the query
-went to and name the client that node is bound to (:class:`~speech_assets.federated.messages.NodeBinding`):
-on the deployment engine that node is the one the SuperLink authenticated (node authentication,
-``src_node_id``); in the simulation runtime it is the node id the runtime itself assigns to a
-partition, in the one process the simulation owns (no network; the binding guards against a
-client answering as another, not against the runtime).
+A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding` (in the
+simulation that guards against a client answering as another, not against the runtime). A client
+trusts only the node keys of its own settings, never the server's, and refuses any stage out of
+order, a key map it cannot verify, a threshold a server could split, or an unmask request that
+would reveal both shares of one neighbour. Every stage runs under :func:`state_lock`, and that a
+round's unmask was answered is on disk (owner-only) before the answer leaves: neither a repeated
+query nor a restarted client answers twice.
 
-What a client refuses (an error reply, the server counts it as failed): a stage out of order or
-for another nonce; a key map with an entry that is unsigned, names a node the federation does not
-authorise or names one twice, or is not signed by the identity key of the node it names (the
-authorised keys come from the client's own ``node-keys``, never from the server), a key map
-without its own keys or with repeated keys, fewer than its ``secagg-min-shares`` neighbours, a
-threshold below its floor or one a server could split (t <= k/2) (any of these before a share is
-sealed, and the round is then over for it); shares that do not decrypt or name another round, sender or receiver; an
-unmask request whose survivors and dropped clients overlap, are not exactly the neighbours it
-masked with, count itself as dropped, or name fewer than t survivors; a new advertise of a round
-past its advertise stage; and any stage of a round whose unmask it already answered. Every stage
-reads, checks and rewrites the round's state under a lock (:func:`state_lock`), so racing
-requests take turns. That last fact is kept on disk (``<state root>/<run>/secagg/``,
-owner-only) before the answer leaves, so neither a repeated query nor a restarted client answers
-twice; the round's secrets are erased then, and those of older unfinished rounds at the next round.
-
-A round whose masked values do not unmask (too few survivors or shares, a share that does not
-rebuild what its owner committed to, a sum out of range) stops the run through
-:meth:`RoundHost.fail` (``failure.json`` names the round and what failed).
-
-Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it and ``secaggplus_mod`` exist only on the
-legacy path (a legacy ``Strategy`` with ``configure_fit``/``aggregate_fit``, ``FitIns``/``FitRes``
-records); it owns the whole fit stage, so the Message-API strategies, the server's reply checks,
-the seeded sampling and the resumable round records would all have to be rebuilt around it. The
-primitives are Flower's (Shamir shares, ECDH + Fernet, quantization) and ``cryptography``'s
-(X25519, HKDF, ChaCha20); this module is the message flow.
+Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
+path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
+seeded sampling and the resumable round records would all have to be rebuilt around it. The
+primitives are Flower's and ``cryptography``'s; this module is the message flow.
 """
 
 from __future__ import annotations
@@ -99,6 +74,7 @@ from speech_assets.federated.secure_aggregation import (
 )
 from speech_assets.layout import TEMP_SUFFIX, ClientRunFiles
 from speech_assets.runtime.locks import LockTimeout, exclusive_lock
+from speech_assets.utils import fsync_dir
 
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
@@ -111,18 +87,12 @@ SHARES, SEED_SHARES, KEY_SHARES = "secagg-shares", "secagg-seed-shares", "secagg
 ANSWERED, ABANDONED = "answered", "abandoned"
 
 
-def masked_spec(spec: ArraySpec) -> ArraySpec:
-    """The arrays of a masked train reply: the encoder's names and shapes, as ``uint32``."""
-    return {name: ("uint32", shape) for name, (_, shape) in spec.items()}
-
-
 class RoundHost(Protocol):
-    """What the secure rounds need from the server app."""
+    """What the secure rounds need from the server app (a Protocol: server_app imports this module)."""
 
     binding: NodeBinding
     expected: ArraySpec
-    # the training metrics a reply must carry this round (none when DP withholds them)
-    train_names: tuple[str, ...]
+    train_names: tuple[str, ...]  # the training metrics a reply must carry this round
 
     def exchange(
         self, messages: Iterable[Message], round_number: int, phase: str
@@ -131,6 +101,14 @@ class RoundHost(Protocol):
     def client_of(self, reply: Message) -> str: ...
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]: ...
+
+    def screen(
+        self,
+        replies: list[Message],
+        phase: str,
+        failures: list[dict[str, Any]],
+        problem_of: Callable[[Message], str | None],
+    ) -> list[Message]: ...
 
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
 
@@ -143,7 +121,6 @@ def _clients(value: Any) -> list[str]:
     return [c for c in str(value).split(",") if c]
 
 
-# ----------------------------------------------------------------------------------- server
 class SecureRounds:
     """The server's side of one run: each round's keys, routed shares, survivors and unmasking."""
 
@@ -173,32 +150,23 @@ class SecureRounds:
         """The clients ``client`` masked against (itself included): its neighbours that shared."""
         return [c for c in self.neighbours(client) if c in self.sealed]
 
-    def _query(self, client: str, fields: dict[str, Any]) -> Message | None:
-        node = self.host.binding.node_of(client)
-        if node is None:
-            return None
-        config = ConfigRecord(
-            {
-                KIND: fields.pop(KIND),
-                "secure-aggregation": True,
-                "run-name": self.config.run_name,
-                "server-round": self.round_number,
-                SECAGG_NONCE: self.nonce,
-            }
-            | fields
-        )
-        return Message(RecordDict({"config": config}), dst_node_id=int(node), message_type=MessageType.QUERY)
-
     def _ask(
         self, phase: str, per_client: dict[str, dict[str, Any]], failures: list[dict[str, Any]]
     ) -> dict[str, Message]:
-        messages = [m for client, fields in per_client.items() if (m := self._query(client, dict(fields)))]
+        """Send each client with a node its query; ``{client: reply}`` of the bound replies."""
+        common = {"secure-aggregation": True, "run-name": self.config.run_name, "server-round": self.round_number}
+        messages = [
+            Message(
+                RecordDict({"config": ConfigRecord(common | {SECAGG_NONCE: self.nonce} | fields)}),
+                dst_node_id=int(node),
+                message_type=MessageType.QUERY,
+            )
+            for client, fields in per_client.items()
+            if (node := self.host.binding.node_of(client)) is not None
+        ]
         good, refused = self.host.exchange(messages, self.round_number, phase)
         failures.extend(refused)
         return {self.host.client_of(reply): reply for reply in good}
-
-    def _refuse(self, reply: Message, phase: str, reason: str, failures: list[dict[str, Any]]) -> None:
-        failures.append(self.host.failure(reply, phase, reason))
 
     def _records(self, reply: Message, names: set[str]) -> str | None:
         if set(reply.content.keys()) != names | {CLIENT_RECORD} or reply.content.array_records:
@@ -206,8 +174,7 @@ class SecureRounds:
         return None
 
     def setup(self, round_number: int, clients: Collection[str], failures: list[dict[str, Any]]) -> list[str]:
-        """Stages 1 and 2 for ``clients`` (the sampled, reachable ones): returns those that
-        advertised keys and sent their shares (the ones the train message may go to)."""
+        """Stages 1 and 2 for the sampled, reachable ``clients``: those that advertised and shared."""
         self.round_number, self.nonce = round_number, os.urandom(16)
         self.keys, self.sealed, self.survivors, self.dropped = {}, {}, [], []
         common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
@@ -232,12 +199,9 @@ class SecureRounds:
         def read_shares(client: str, record: Any) -> tuple[dict[str, Any], str | None]:
             sealed = dict(record or {})
             expected = set(self.neighbours(client)) - {client}
-            if set(sealed) != expected or not all(isinstance(v, bytes) for v in sealed.values()):
-                return (
-                    sealed,
-                    f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}",
-                )
-            return sealed, None
+            if set(sealed) == expected and all(isinstance(v, bytes) for v in sealed.values()):
+                return sealed, None
+            return sealed, f"shares for {sorted(sealed)[:10]}, expected one ciphertext for each of {sorted(expected)}"
 
         self._collect("secagg-share", asked, SHARES, read_shares, self.sealed, failures)
         if len(self.sealed) < self.threshold:
@@ -253,14 +217,13 @@ class SecureRounds:
         kept: dict[str, Any],
         failures: list[dict[str, Any]],
     ) -> None:
-        """One setup stage: ask ``asked`` for their config record ``record``; keep in ``kept`` the
-        value ``read(client, record) -> (value, problem)`` finds no problem with, refuse the rest
-        (a reply with other records first). ``read`` sees what ``kept`` holds so far."""
+        """Ask ``asked`` for config record ``record``; keep in ``kept`` what ``read(client, record) ->
+        (value, problem)`` finds no problem with (it sees ``kept`` so far), refuse the rest."""
         for client, reply in self._ask(phase, asked, failures).items():
             problem = self._records(reply, {record})
             value, found = read(client, reply.content.config_records.get(record))
             if problem or found:
-                self._refuse(reply, phase, problem or found, failures)  # type: ignore[arg-type]
+                failures.append(self.host.failure(reply, phase, problem or found))  # type: ignore[arg-type]
             else:
                 kept[client] = value
 
@@ -291,7 +254,6 @@ class SecureRounds:
         )
 
     def configure(self, local: ConfigRecord) -> None:
-        """Put what masking needs into the round's train config."""
         local[SECAGG_NONCE] = self.nonce
         local[SECAGG_RANGE] = self.params.clipping_range
         local[SECAGG_TARGET] = self.params.target_range
@@ -316,41 +278,31 @@ class SecureRounds:
         return out
 
     def accept(self, good: list[Message], failures: list[dict[str, Any]]) -> list[Message]:
-        """The masked train replies that carry exactly the masked encoder, the metrics and the
-        client id (their values cannot be checked: they are masked), from clients that shared."""
-        accepted = []
-        spec = masked_spec(self.host.expected)
-        for reply in good:
-            problem = content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names)
-            if problem is None and self.host.client_of(reply) not in self.sealed:
-                problem = "did not share its keys this round"
-            if problem:
-                failures.append(self.host.failure(reply, "train", problem))
-            else:
-                accepted.append(reply)
-        return accepted
+        """The masked replies that hold exactly the encoder's arrays as uint32, the metrics and the
+        client id (masked values cannot be checked), from clients that shared."""
+        spec = {name: ("uint32", shape) for name, (_, shape) in self.host.expected.items()}
+
+        def problem_of(reply: Message) -> str | None:
+            if problem := content_problem(reply.content, "train", spec, self.config.clients, self.host.train_names):
+                return problem
+            return None if self.host.client_of(reply) in self.sealed else "did not share its keys this round"
+
+        return self.host.screen(good, "train", failures, problem_of)
 
     def mean_update(
         self, round_number: int, good: list[Message], failures: list[dict[str, Any]]
     ) -> dict[str, np.ndarray]:
-        """The mean of the survivors' updates. The survivors are fixed first (the clients whose
-        masked reply was accepted: ``good``), then asked for their shares."""
+        """The survivors' mean update; survivors (the accepted ``good``) are fixed before any share is asked."""
         masked = {self.host.client_of(r): {n: a.numpy() for n, a in r.content[ARRAYS].items()} for r in good}
         self.survivors = sorted(masked)
         self.dropped = sorted(set(self.sealed) - set(masked))
         if len(self.survivors) < self.threshold:
             self._fail_short("sent an accepted masked update", self.survivors, self.sealed, failures)
         seeds, keys = self.reveal(failures)
+        public = {c: k[0] for c, k in self.keys.items()}
+        masked_with = {c: self.masked_with(c) for c in self.survivors}
         try:
-            total = unmask_sum(
-                masked,
-                seeds,
-                keys,
-                {c: k[0] for c, k in self.keys.items()},
-                {c: self.masked_with(c) for c in self.survivors},
-                self.params,
-                self.context,
-            )
+            total = unmask_sum(masked, seeds, keys, public, masked_with, self.params, self.context)
         except ValueError as error:
             self.host.fail(
                 round_number, f"round {round_number}: the masked updates did not unmask: {error}", [], failures
@@ -358,8 +310,7 @@ class SecureRounds:
         return {name: (value / len(masked)).astype(np.float32) for name, value in total.items()}
 
     def reveal(self, failures: list[dict[str, Any]]) -> tuple[dict[str, bytes], dict[str, bytes]]:
-        """Stage 4: the survivors' self-mask seeds and the dropped clients' mask keys, rebuilt from
-        the shares the survivors reveal and checked against what their owners advertised."""
+        """Stage 4: survivors' seeds and dropped clients' mask keys, rebuilt and checked against their adverts."""
         survivors = set(self.survivors)
         asked = {}
         for client in self.survivors:
@@ -378,7 +329,7 @@ class SecureRounds:
             if problem is None:
                 problem = self._reveal_problem(client, asked[client], seeds, keys)
             if problem:
-                self._refuse(reply, "secagg-unmask", problem, failures)
+                failures.append(self.host.failure(reply, "secagg-unmask", problem))
                 continue
             for owner, share in seeds.items():
                 seed_shares[owner].append(share)
@@ -451,9 +402,7 @@ class SecureRounds:
         }
 
 
-# ----------------------------------------------------------------------------------- client
 def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
-    """Where a client keeps its secure-aggregation state of one round (owner-only)."""
     return ClientRunFiles(node.client_dir(run)).secagg_round(round_number)
 
 
@@ -462,26 +411,18 @@ def state_path(node: NodeConfig, run: str, round_number: int) -> Path:
 SECAGG_LOCK_TIMEOUT_S = 30.0
 
 
-class StateLocked(ValueError):
-    """Another process holds this client's secure-aggregation state longer than a stage waits."""
-
-
 @contextlib.contextmanager
-def state_lock(node: NodeConfig, run: str, stage: str, timeout_s: float | None = None) -> Iterator[None]:
-    """Hold this client's lock on its secure-aggregation state of run ``run`` (``secagg/.lock``,
-    ``flock``): every stage reads, checks and rewrites a round's state under it, so two requests
-    racing (threads, or the processes the deployment engine starts per message) take turns and
-    the second sees what the first recorded: one answer per round, even concurrently. The wait
-    is bounded: after ``timeout_s`` (default :data:`SECAGG_LOCK_TIMEOUT_S`) the ``stage`` is
-    refused (:class:`StateLocked`) and nothing of it leaves."""
-    timeout_s = SECAGG_LOCK_TIMEOUT_S if timeout_s is None else timeout_s
+def state_lock(node: NodeConfig, run: str, stage: str) -> Iterator[None]:
+    """Every stage reads, checks and rewrites a round's state under this lock, so racing requests
+    (threads, or the deployment engine's per-message processes) take turns: one answer per round."""
+    timeout_s = SECAGG_LOCK_TIMEOUT_S
     files = ClientRunFiles(node.client_dir(run))
     files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(exclusive_lock(files.secagg_lock, timeout_s))
         except LockTimeout:
-            raise StateLocked(
+            raise ValueError(
                 f"{node.client_id} refuses the {stage} stage of run {run}: its secure-aggregation state "
                 f"({files.secagg_lock}) stayed locked by another request for more than {timeout_s:g} s"
             ) from None
@@ -496,7 +437,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` owner-only (0600), atomically and durably, before any answer leaves."""
+    """Owner-only (0600), atomic and durable, before any answer leaves."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
@@ -509,11 +450,7 @@ def _save(path: Path, state: dict[str, Any]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _secrets(state: dict[str, Any]) -> RoundSecrets:
@@ -523,7 +460,7 @@ def _secrets(state: dict[str, Any]) -> RoundSecrets:
 
 
 def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
-    """The state of the round ``config`` names, which must be at ``stage`` for the same nonce."""
+    """The round's state, which must be at ``stage`` for the same nonce."""
     run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
     path = state_path(node, run, round_number)
     state = _load(path)
@@ -569,15 +506,8 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
     )
     mask, share = secrets.mask_public(), secrets.share_public()
     commitment = seed_commitment(secrets.self_seed, node.client_id, context)
-    signed = advertisement(context, node.client_id, mask, share, commitment)
-    content[KEY_RECORD] = ConfigRecord(
-        {
-            MASK_KEY: mask,
-            SHARE_KEY: share,
-            COMMITMENT: commitment,
-            SIGNATURE: sign_advertisement(identity, signed),
-        }
-    )
+    signature = sign_advertisement(identity, advertisement(context, node.client_id, mask, share, commitment))
+    content[KEY_RECORD] = ConfigRecord({MASK_KEY: mask, SHARE_KEY: share, COMMITMENT: commitment, SIGNATURE: signature})
 
 
 def _node_keys(node: NodeConfig) -> str:
@@ -597,9 +527,8 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _signed_table(config: ConfigRecord, node: NodeConfig, context: bytes) -> dict[str, tuple[bytes, bytes, bytes]]:
-    """The round's key table, ``{client: (mask key, share key, commitment)}``, once every entry
-    is signed by the identity key of the authorised node it names (keys from this node's own
-    settings, never from the server); ValueError on an unsigned, unknown, repeated or forged one."""
+    """``{client: (mask key, share key, commitment)}``, each entry signed by the node it names; the
+    authorised keys come from this node's own settings, never from the server."""
     me, authorised = node.client_id, authorised_keys(_node_keys(node))
     table = {}
     for client, entry in json.loads(str(config[SECAGG_KEYS]), object_pairs_hook=_no_repeats).items():
@@ -646,8 +575,7 @@ def _share(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
 def _checked_round(
     config: ConfigRecord, node: NodeConfig, state: dict[str, Any], context: bytes
 ) -> tuple[dict[str, tuple[bytes, bytes, bytes]], int, list[str]]:
-    """``(key table, threshold, neighbours)`` of a share query this client agrees to: a signed
-    table holding its own keys, no repeated key, and k and t within this client's own floors."""
+    """``(key table, threshold, neighbours)`` of a share query this client agrees to."""
     secrets, me = _secrets(state), node.client_id
     table = _signed_table(config, node, context)
     mine = table.get(me)
@@ -671,43 +599,32 @@ def _checked_round(
 
 
 def mask_reply(out: Message, message: Message, node: NodeConfig) -> Message:
-    """Replace the train reply's encoder by its masked update (encoder minus the one received),
-    masked against the neighbours whose shares arrived with the train message."""
+    """Replace the reply's encoder by its masked update, against the neighbours whose shares arrived."""
     config = message.content["config"]
     with state_lock(node, str(config["run-name"]), "train (mask)"):
-        return _mask_reply(out, message, node, config)
-
-
-def _mask_reply(out: Message, message: Message, node: NodeConfig, config: ConfigRecord) -> Message:
-    path, state, context = _round_state(config, node, SHARE)
-    secrets, me = _secrets(state), node.client_id
-    routed = dict(message.content.config_records.get(SHARES) or {})
-    strangers = sorted(set(routed) - set(state["neighbours"]) | ({me} & set(routed)))
-    if strangers:
-        raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
-    for src, sealed in routed.items():
-        seed_share, key_share = open_shares(
-            secrets,
-            state["share_keys"][src].encode("ascii"),
-            bytes(sealed),  # type: ignore[arg-type]
-            context,
-            src,
-            me,
-        )
-        state["shares"][src] = [seed_share.hex(), key_share.hex()]
-    masked_with = sorted(state["shares"])
-    if len(masked_with) < int(state["threshold"]):
-        raise ValueError(f"{me}: shares from {len(masked_with) - 1} neighbours, fewer than the threshold needs")
-    state |= {"stage": "masked", "masked_with": masked_with}
-    _save(path, state)
-    received = message.content[ARRAYS]
-    trained = out.content[ARRAYS]
-    update = {name: trained[name].numpy().astype(np.float64) - received[name].numpy() for name in received}
-    params = SecAggParams(float(config[SECAGG_RANGE]), int(config[SECAGG_TARGET]))  # type: ignore[arg-type]
-    peers = {c: bytes.fromhex(state["keys"][c]) for c in masked_with}
-    masked = mask_update(update, me, secrets, peers, params, context)
-    out.content[ARRAYS] = ArrayRecord({name: Array(masked[name]) for name in received})
-    return check_masked(out, me)
+        path, state, context = _round_state(config, node, SHARE)
+        secrets, me = _secrets(state), node.client_id
+        routed = dict(message.content.config_records.get(SHARES) or {})
+        strangers = sorted(set(routed) - set(state["neighbours"]) | ({me} & set(routed)))
+        if strangers:
+            raise ValueError(f"{me}: shares from clients that are not its neighbours: {strangers[:10]}")
+        for src, sealed in routed.items():
+            peer_key = state["share_keys"][src].encode("ascii")
+            seed_share, key_share = open_shares(secrets, peer_key, bytes(sealed), context, src, me)  # type: ignore[arg-type]
+            state["shares"][src] = [seed_share.hex(), key_share.hex()]
+        masked_with = sorted(state["shares"])
+        if len(masked_with) < int(state["threshold"]):
+            raise ValueError(f"{me}: shares from {len(masked_with) - 1} neighbours, fewer than the threshold needs")
+        state |= {"stage": "masked", "masked_with": masked_with}
+        _save(path, state)
+        received = message.content[ARRAYS]
+        trained = out.content[ARRAYS]
+        update = {name: trained[name].numpy().astype(np.float64) - received[name].numpy() for name in received}
+        params = SecAggParams(float(config[SECAGG_RANGE]), int(config[SECAGG_TARGET]))  # type: ignore[arg-type]
+        peers = {c: bytes.fromhex(state["keys"][c]) for c in masked_with}
+        masked = mask_update(update, me, secrets, peers, params, context)
+        out.content[ARRAYS] = ArrayRecord({name: Array(masked[name]) for name in received})
+        return check_masked(out, me)
 
 
 def _unmask(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
@@ -732,7 +649,6 @@ def _unmask(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None
 
 
 def answer_secure_query(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
-    """Add this client's answer to a secure-aggregation query (advertise, share or unmask)."""
     stages = {ADVERTISE: _advertise, SHARE: _share, UNMASK: _unmask}
     stage = stages.get(str(config.get(KIND)))
     if stage is None:

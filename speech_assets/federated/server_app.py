@@ -1,42 +1,12 @@
-"""The Flower ServerApp: rounds of local training on a seeded sample of the clients, aggregation of
-the encoder with Flower's strategy (``FedAdam``, ``FedAvg`` or ``FedProx`` from
-``flwr.serverapp.strategy``), held-out evaluation of the new global encoder on every client every
-``evaluate_every`` rounds and after the last, and a record of each completed round. The same
-ServerApp runs on Flower's simulation runtime and on its deployment engine.
+"""The Flower ServerApp, on the simulation runtime and the deployment engine alike: rounds of
+local training on a seeded sample of the clients, aggregation with Flower's strategy, held-out
+evaluation every ``evaluate_every`` rounds, and a record of each completed round.
 
-The round loop is written out (instead of ``Strategy.start``) so that a run can resume at round
-``r + 1`` with the strategy's state as it was after round ``r`` (FedAdam's bias correction
-depends on the round number; the DP accountant's state is in the round's record), write each
-round as it completes, and name the clients that did not reply. Which clients train is
-:func:`sample_clients` (seeded by (seed, round): Flower's own sampling is unseeded, which would
-break exact resume); the messages (``configure_train``/``configure_evaluate``) and the
-aggregation (``aggregate_train``/``aggregate_evaluate``) are the strategy's own; replies are
-aggregated in client-id order so that a run is reproducible.
-
-Nodes the server cannot name in advance (no node registrations: the simulation runtime, a remote
-SuperLink) are asked once with a ``query`` message which client they are. With differential
-privacy (:mod:`privacy`) the clients clip, the server adds noise to their mean over the clients
-sampled and the strategy steps from it (each round's record durable before its encoder is sent
-anywhere); with secure aggregation (:mod:`secure_rounds`) the server sees masked updates and
-unmasks only their sum.
-
-What the server accepts from a client is checked (:mod:`speech_assets.federated.messages`): a
-reply must come from the node the message went to and name the client that node is (registered
-through node authentication, or bound by its first reply); it must hold exactly the encoder's
-tensors (names, shapes, dtype float32; uint32 masked values with secure aggregation), the agreed
-metrics (finite, in range) and the client's id; the update must be finite and within
-``max_update_norm`` of the global encoder (under DP: the clipping norm; not checkable when it
-is masked). A reply that fails
-any of these is refused, logged and the client counted as failed; ``received.jsonl`` lists the
-names and shapes of every record the server received. Aggregation weighs each client by what the
-server knows (``client_weights``, from the clients table), never by its own count; uniformly
-with DP or secure aggregation.
-
-Every wait on clients has a deadline: for enough of them to be connected (``connect_timeout_s``,
-before training and before evaluation; Flower's own sampling would wait for ever, so the
-strategy samples from the nodes connected then) and for their replies (``round_timeout_s``).
-Clients that miss it count as missing for the round: a client that drops out or joins late costs
-the round only its own share.
+The round loop is written out (not ``Strategy.start``) so that a run resumes at round r + 1 with
+the strategy's state after round r, saves each round as it completes, and names the clients that
+did not reply. Every reply is checked (:mod:`messages`) before it counts; every wait has a deadline
+(``connect_timeout_s``, ``round_timeout_s``). Aggregation weighs each client by the server's own
+weight (the clients table), never by the count the client reports.
 """
 
 from __future__ import annotations
@@ -46,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -67,6 +37,7 @@ from speech_assets.federated.history import (
 )
 from speech_assets.federated.messages import (
     ARRAYS,
+    COUNTS,
     METRICS,
     SERVER_WEIGHT,
     SHARE_CLIENT_METRICS,
@@ -90,15 +61,7 @@ log = logging.getLogger("speech_assets.federated.server")
 
 POLL_SECONDS = 0.25
 # the columns of a round's table rows read from each reply's metrics: {column: (metric, type)}
-TRAIN_COLUMNS = {
-    "num_examples": ("num-examples", int),
-    "train_loss": ("train-loss", float),
-    "masked_accuracy": ("masked-accuracy", float),
-    "seconds": ("seconds", float),
-    "audio_seconds": ("audio-seconds", float),
-    "steps": ("steps", int),
-}
-EVALUATE_COLUMNS = EVALUATION_METRICS
+TRAIN_COLUMNS = {name.replace("-", "_"): (name, int if name in COUNTS else float) for name in TRAIN_METRICS}
 # accuracies over the leak-free frames: 0.0 on the wire when there are none, None in the records
 LEAK_FREE_COLUMNS = ("heldout_leak_free_masked_accuracy", "leak_free_majority_accuracy")
 # the same for a client with no held-out frame at all (no held-out speaker): None, never 0.0
@@ -129,9 +92,7 @@ def make_strategy(config: FederatedConfig) -> FedAvg:
 
 
 def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
-    """The clients round ``round_number`` trains: ``config.sample_size`` of them drawn without
-    replacement by a generator seeded with (seed, round), so a resumed run draws the same ones
-    (Flower's own sampling uses an unseeded ``random.sample``)."""
+    """Seeded by (seed, round) so a resumed run draws the same clients (Flower's sampling is unseeded)."""
     if config.sample_size >= len(config.clients):
         return list(config.clients)
     seed = derive_seed(config.seed, "sample", round_number)
@@ -140,29 +101,23 @@ def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
 
 
 def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
-    """The strategy's state worth saving: FedAdam's moments (``m_t``, ``v_t``), nothing for FedAvg."""
+    """FedAdam's moments; nothing for FedAvg."""
     if isinstance(strategy, FedAdam) and strategy.m_t is not None and strategy.v_t is not None:
         return {"m_t": dict(strategy.m_t), "v_t": dict(strategy.v_t)}
     return {}
 
 
-def restore_strategy(strategy: FedAvg, state: dict[str, records.NDArrays]) -> None:
-    if isinstance(strategy, FedAdam) and state:
-        strategy.m_t, strategy.v_t = dict(state["m_t"]), dict(state["v_t"])
-
-
 def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
-    """A train reply holding ``model`` with weight 1: how an aggregate computed outside the
-    strategy (an unmasked sum, a noisy mean) reaches its ``aggregate_train`` for the server step."""
+    """A train reply of weight 1: how an aggregate made outside the strategy (unmasked sum, noisy
+    mean) reaches its ``aggregate_train`` for the server step."""
     arrays = model if isinstance(model, ArrayRecord) else ArrayRecord({k: Array(v) for k, v in model.items()})
     content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord({SERVER_WEIGHT: 1.0})})
     return Message(content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
 def clipped_sum(replies: Iterable[Message], encoder: records.NDArrays, clipping_norm: float) -> records.NDArrays:
-    """The sum (float64, the encoder's shapes) of the replies' updates (their encoder minus the
-    global ``encoder``), each scaled to at most ``clipping_norm``: an update the server accepted
-    within the DP tolerance counts exactly at the clipping norm, as the accountant assumes."""
+    """The float64 sum of the replies' updates, each scaled to at most ``clipping_norm``: an update
+    accepted within the DP tolerance counts exactly at the clipping norm, as the accountant assumes."""
     total = {name: np.zeros(value.shape, dtype=np.float64) for name, value in encoder.items()}
     for reply in replies:
         arrays = reply.content[ARRAYS]
@@ -175,29 +130,26 @@ def clipped_sum(replies: Iterable[Message], encoder: records.NDArrays, clipping_
 
 
 def array_bytes(record: ArrayRecord) -> int:
-    """Serialized payload bytes of an ArrayRecord (what travels, before framing)."""
     return sum(len(array.data) for array in record.values())
 
 
 def describe(message: Message) -> dict[str, Any]:
-    """Names, kinds, keys and shapes of everything a reply carries (for ``received.jsonl``)."""
+    """What a reply carries, for ``received.jsonl``: record names, kinds, keys and shapes."""
     if message.has_error():
         return {"error": message.error.reason}
     content = message.content
-    described: dict[str, Any] = {}
-    for name, record in content.array_records.items():
-        described[name] = {"type": "ArrayRecord", "keys": {k: [a.dtype, list(a.shape)] for k, a in record.items()}}
-    for name, record in content.metric_records.items():
-        described[name] = {"type": "MetricRecord", "keys": sorted(record)}
-    for name, record in content.config_records.items():
-        described[name] = {"type": "ConfigRecord", "keys": sorted(record)}
+    described: dict[str, Any] = {
+        name: {"type": "ArrayRecord", "keys": {k: [a.dtype, list(a.shape)] for k, a in record.items()}}
+        for name, record in content.array_records.items()
+    }
+    for kind, group in (("MetricRecord", content.metric_records), ("ConfigRecord", content.config_records)):
+        described |= {name: {"type": kind, "keys": sorted(record)} for name, record in group.items()}
     return {"records": described}
 
 
 class NodeSnapshot:
-    """The nodes connected at one moment, as the strategy's sampling sees them: Flower's
-    ``sample_nodes`` polls ``get_node_ids()`` until enough are connected, for ever; handed this
-    (with no more required than it holds) it samples at once."""
+    """The nodes connected at one moment: Flower's ``sample_nodes`` polls ``get_node_ids()`` until
+    enough are connected, for ever; handed this (with no more required than it holds) it samples at once."""
 
     def __init__(self, node_ids: Iterable[int]) -> None:
         self.node_ids = sorted(node_ids)
@@ -217,22 +169,14 @@ def sampling_at_most(strategy: FedAvg, available: int) -> Iterator[None]:
         strategy.min_available_nodes = saved
 
 
-def registered_nodes(paths: FederatedPaths) -> dict[int, str]:
-    """``{node id: client id}`` of the local federation's registered SuperNodes (none if remote)."""
-    try:
-        return {int(node): str(client) for node, client in json.loads(paths.nodes.read_text()).items()}
-    except FileNotFoundError:
-        return {}
-
-
 class Server:
-    """One run of the loop described in the module docstring, on ``grid``."""
-
     def __init__(self, grid: Grid, config: FederatedConfig) -> None:
         self.grid, self.config = grid, config
         self.paths = FederatedPaths(config.run_dir)
-        self.binding = NodeBinding(config.clients, registered_nodes(self.paths))
-        self.expected: ArraySpec = {}
+        # the local federation's registered SuperNodes, {node id: client id}; none with a remote SuperLink
+        registered = json.loads(self.paths.nodes.read_text()) if self.paths.nodes.is_file() else {}
+        self.binding = NodeBinding(config.clients, {int(node): str(client) for node, client in registered.items()})
+        self.expected: ArraySpec = {}  # what every train reply's arrays must match: the global encoder's
         self.encoder_values = 0
         self.rounds_run = 0
         self.privacy: Privacy | None = None
@@ -241,11 +185,9 @@ class Server:
         self.train_names: tuple[str, ...] = TRAIN_METRICS
 
     def expect(self, encoder: records.NDArrays) -> None:
-        """The spec every train reply's arrays must match (the global encoder's)."""
         self.expected = {name: (str(np.dtype(a.dtype)), tuple(int(d) for d in a.shape)) for name, a in encoder.items()}
         self.encoder_values = sum(int(a.size) for a in encoder.values())
 
-    # ------------------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
         config, paths = self.config, self.paths
         paths.root.mkdir(parents=True, exist_ok=True)
@@ -278,7 +220,8 @@ class Server:
                     [],
                     [],
                 )
-            restore_strategy(strategy, state.strategy)
+            if isinstance(strategy, FedAdam) and state.strategy:
+                strategy.m_t, strategy.v_t = dict(state.strategy["m_t"]), dict(state.strategy["v_t"])
             accountant = (history[-1].get("privacy") or {}).get("accountant")
             log.info(
                 "resuming %s after round %d (encoder %s)", config.run_name, start, history[-1]["weights_sha256"][:12]
@@ -304,7 +247,7 @@ class Server:
         return result
 
     def connected(self, wanted: int, timeout: float) -> list[int]:
-        """The connected nodes once at least ``wanted`` are, or when ``timeout`` seconds passed."""
+        """The connected nodes once at least ``wanted`` are, or after ``timeout`` seconds."""
         nodes: list[int] = []
 
         def enough() -> bool:
@@ -316,9 +259,7 @@ class Server:
         return nodes
 
     def wait_for_clients(self, round_number: int) -> list[int]:
-        """Before the first round this server runs (a new or a resumed run) wait for every
-        expected client to connect (up to ``connect_timeout_s``), before a later one for
-        ``min_train_nodes``; fail if fewer are connected by then."""
+        """Before this server's first round wait for every client, later for ``required_clients``."""
         config = self.config
         wanted = len(config.clients) if not self.rounds_run else config.required_clients
         nodes = self.connected(wanted, config.connect_timeout_s)
@@ -334,9 +275,8 @@ class Server:
         return nodes
 
     def identify(self, nodes: list[int], round_number: int) -> list[dict[str, Any]]:
-        """Ask the connected nodes the server cannot name yet (no node registrations: the
-        simulation runtime or a remote SuperLink) which client they are, with a ``query``
-        message; binds them (:class:`NodeBinding`). Returns the failures."""
+        """Ask the nodes not yet bound (no registrations: simulation, remote SuperLink) which client
+        they are; :meth:`exchange` binds them. Returns the failures."""
         wanted = [n for n in nodes if self.binding.client_of(n) is None]
         if not wanted:
             return []
@@ -346,8 +286,7 @@ class Server:
         return failures
 
     def weight(self, client: str) -> float:
-        """A client's aggregation weight: the server's (clients table), or 1 when DP or secure
-        aggregation need a uniform mean."""
+        """The server's weight (clients table), or 1 where DP or secure aggregation need a uniform mean."""
         return 1.0 if self.config.uniform_weights else self.config.weight_of(client)
 
     def round(
@@ -436,7 +375,9 @@ class Server:
             "aggregated_train": dict(aggregated_train or {}),
             "aggregated_evaluation": {},
             "update_norm_bound": update_norm_bound(config, self.encoder_values),
-            "privacy": self.privacy_record(),
+            "privacy": None
+            if self.privacy is None
+            else self.privacy.spent() | {"delta_target": config.dp_delta, "accountant": self.privacy.state()},
             "secure_aggregation": self.secure.record(round_number) if self.secure is not None else None,
         }
         history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
@@ -464,11 +405,6 @@ class Server:
         )
         return new_encoder, history
 
-    def privacy_record(self) -> dict[str, Any] | None:
-        if self.privacy is None:
-            return None
-        return self.privacy.spent() | {"delta_target": self.config.dp_delta, "accountant": self.privacy.state()}
-
     def aggregate(
         self,
         strategy: FedAvg,
@@ -478,9 +414,8 @@ class Server:
         good: list[Message],
         failures: list[dict[str, Any]],
     ) -> records.NDArrays:
-        """The new global encoder: the strategy's step from the replies' (weighted) mean; with
-        secure aggregation from the unmasked sum, with DP from the noisy mean over the ``sampled``
-        clients (:meth:`Privacy.noisy_mean`; then the strategy's step is post-processing)."""
+        """The strategy's step from the replies' weighted mean, the unmasked mean (secure
+        aggregation) or the noisy mean over the ``sampled`` clients (DP: the step is post-processing)."""
         replies = good
         total: records.NDArrays = {}
         if self.secure is not None:
@@ -507,9 +442,8 @@ class Server:
         record: dict[str, Any],
         started: float | None = None,
     ) -> list[dict[str, Any]]:
-        """Evaluate round ``round_number``'s saved ``encoder`` and rewrite its ``record`` with the
-        results (``started``: when the round began, for its wall time; ``None`` when a resumed run
-        finishes the evaluation of a round an earlier attempt saved). Returns every record."""
+        """Evaluate the round's saved ``encoder`` and rewrite its ``record``; returns every record.
+        ``started`` (monotonic) times the round; ``None`` when a resumed run finishes an earlier attempt's."""
         failures: list[dict[str, Any]] = []
         trained = [row["client_id"] for row in record["rows"]]
         evaluation, metrics, summary = self.evaluate(strategy, round_number, encoder, trained, failures)
@@ -526,8 +460,7 @@ class Server:
         return records.rewrite_record(self.paths, round_number, record)
 
     def weigh(self, replies: Iterable[Message]) -> None:
-        """Give each accepted reply the weight the server knows for its client, for Flower's
-        aggregation (``weighted_by_key``); the client's own ``num-examples`` plays no part."""
+        """The server's weight for Flower's ``weighted_by_key``; the client's ``num-examples`` plays no part."""
         for reply in replies:
             reply.content[METRICS][SERVER_WEIGHT] = self.weight(self.client_of(reply))
 
@@ -539,26 +472,16 @@ class Server:
         trained: Collection[str],
         failures: list[dict[str, Any]],
     ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, Any]]:
-        """The new global encoder on every connected client's held-out utterances (with its own
-        head); waits up to ``connect_timeout_s`` for the clients that trained to be connected,
-        then up to ``round_timeout_s`` for replies. Clients that miss either are not scored.
-        Returns the rows (one per client scored; under DP their values null unless
-        :attr:`per_client_released`), the strategy's aggregate and the federation-level summary
-        (:func:`~speech_assets.federated.history.evaluation_summary`)."""
+        """The new encoder on every connected client's held-out utterances: rows (values null under
+        DP unless :attr:`per_client_released`), the strategy's aggregate and the federation's summary."""
         config = self.config
         nodes = self.connected(len(trained), config.connect_timeout_s)
         if not nodes:
             log.warning(
                 "round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s
             )
-            failures.append(
-                {
-                    "phase": "evaluate",
-                    "client_id": None,
-                    "node_id": None,
-                    "reason": f"no client connected within {config.connect_timeout_s:.0f} s",
-                }
-            )
+            reason = f"no client connected within {config.connect_timeout_s:.0f} s"
+            failures.append({"phase": "evaluate", "client_id": None, "node_id": None, "reason": reason})
             return [], {}, evaluation_summary([])
         arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
         with sampling_at_most(strategy, len(nodes)):
@@ -569,18 +492,9 @@ class Server:
                 NodeSnapshot(nodes),  # type: ignore[arg-type]
             )
         good, eval_failures = self.exchange(messages, round_number, "evaluate")
-        accepted = []
-        for reply in good:
-            problem = content_problem(
-                reply.content, "evaluate", self.expected, config.clients, withhold=not self.per_client_released
-            )
-            if problem:
-                eval_failures.append(self.failure(reply, "evaluate", problem))
-                log.warning("refusing the evaluate reply of %s: %s", self.client_of(reply), problem)
-            else:
-                accepted.append(reply)
+        accepted = self.screen(good, "evaluate", eval_failures, lambda reply: self.check_reply(reply, "evaluate"))
         failures.extend(eval_failures)
-        rows = [self.row(round_number, reply, EVALUATE_COLUMNS) for reply in accepted]
+        rows = [self.row(round_number, reply, EVALUATION_METRICS) for reply in accepted]
         for row in rows:
             if not row["leak_free_frames"]:
                 row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
@@ -600,30 +514,30 @@ class Server:
         if not self.per_client_released:
             # what each client scored stays out of every record: only the summary is kept
             for row in rows:
-                row.update(dict.fromkeys(EVALUATE_COLUMNS))
+                row.update(dict.fromkeys(EVALUATION_METRICS))
         return rows, dict(metrics or {}), summary
 
-    # ------------------------------------------------------------------------ messaging
     def exchange(
         self, messages: Iterable[Message], round_number: int, phase: str
     ) -> tuple[list[Message], list[dict[str, Any]]]:
-        """Push ``messages``, pull replies until all arrived or ``round_timeout_s`` passed.
-
-        Returns the replies bound to their node (:class:`NodeBinding`), sorted by client id, and
-        a failure entry for every error reply (a ClientApp that raised or exited, a node that went
-        offline), every reply refused by the binding and every node that did not reply in time.
-        Every reply is described in ``received.jsonl``.
-        """
+        """Push ``messages`` and pull replies until all arrived or ``round_timeout_s`` passed: the
+        replies bound to their node (:class:`NodeBinding`), by client id, and a failure for every
+        error reply, refused binding and missing reply. Every reply goes to ``received.jsonl``."""
         messages = list(messages)
         destinations = [m.metadata.dst_node_id for m in messages]
         ids = list(self.grid.push_messages(messages))
         pending = {mid: node for mid, node in zip(ids, destinations, strict=True) if mid}
-        failures = [
-            {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node, "reason": "could not be sent"}
-            for mid, node in zip(ids, destinations, strict=True)
-            if not mid
-        ]
+        failures: list[dict[str, Any]] = []
         replies: list[tuple[int, Message]] = []
+
+        def failed(node: int, reason: str) -> None:
+            failures.append(
+                {"phase": phase, "client_id": self.binding.client_of(node), "node_id": node, "reason": reason}
+            )
+
+        for mid, node in zip(ids, destinations, strict=True):
+            if not mid:
+                failed(node, "could not be sent")
 
         def all_replied() -> bool:
             for reply in self.grid.pull_messages(list(pending)) if pending else ():
@@ -632,14 +546,7 @@ class Server:
                     continue
                 self.audit(round_number, phase, node, reply)
                 if reply.has_error():
-                    failures.append(
-                        {
-                            "phase": phase,
-                            "client_id": self.binding.client_of(node),
-                            "node_id": node,
-                            "reason": f"error {reply.error.code}: {reply.error.reason}",
-                        }
-                    )
+                    failed(node, f"error {reply.error.code}: {reply.error.reason}")
                 else:
                     replies.append((node, reply))
             return not pending
@@ -647,14 +554,7 @@ class Server:
         with contextlib.suppress(WaitTimeout):
             wait_until(all_replied, self.config.round_timeout_s, f"{phase} replies", interval=POLL_SECONDS)
         for node in pending.values():
-            failures.append(
-                {
-                    "phase": phase,
-                    "client_id": self.binding.client_of(node),
-                    "node_id": node,
-                    "reason": f"no reply within {self.config.round_timeout_s:.0f} s",
-                }
-            )
+            failed(node, f"no reply within {self.config.round_timeout_s:.0f} s")
         good, refused = self.binding.bind(replies, phase, connected=set(self.grid.get_node_ids()))
         failures.extend(refused)
         for failure in failures:
@@ -669,15 +569,13 @@ class Server:
         return sorted(good, key=self.client_of), failures
 
     def row(self, round_number: int, reply: Message, columns: dict[str, tuple[str, type]]) -> dict[str, Any]:
-        """A table row of an accepted reply: its round, its client, and ``{column: (metric, type)}``
-        read from its metrics (``None`` for a metric the client withheld)."""
+        """Its round, client and ``{column: (metric, type)}`` read from its metrics (None if withheld)."""
         metrics = reply.content[METRICS]
         return {"round": round_number, "client_id": self.client_of(reply)} | {
             column: kind(metrics[metric]) if metric in metrics else None for column, (metric, kind) in columns.items()
         }
 
     def client_of(self, reply: Message) -> str:
-        """The client of an accepted reply (bound to its node)."""
         return str(self.binding.client_of(reply.metadata.src_node_id))
 
     def audit(self, round_number: int, phase: str, node: int, reply: Message) -> None:
@@ -687,37 +585,49 @@ class Server:
         with open(self.paths.received, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry, sort_keys=True) + "\n")
 
+    def screen(
+        self,
+        replies: list[Message],
+        phase: str,
+        failures: list[dict[str, Any]],
+        problem_of: Callable[[Message], str | None],
+    ) -> list[Message]:
+        """The replies ``problem_of`` finds nothing wrong with; the others are refused, logged and failed."""
+        accepted = []
+        for reply in replies:
+            if problem := problem_of(reply):
+                failures.append(self.failure(reply, phase, problem))
+                log.warning("refusing the %s reply of %s: %s", phase, self.client_of(reply), problem)
+            else:
+                accepted.append(reply)
+        return accepted
+
     def accept_train(
         self, good: list[Message], encoder: records.NDArrays, failures: list[dict[str, Any]]
     ) -> tuple[list[Message], dict[str, float]]:
-        """The train replies that pass :meth:`check_reply` and :func:`update_problem` against the
-        global ``encoder``; ``{client: update norm}`` of those accepted (none under DP unless
-        :attr:`per_client_released`: a client's exact norm is outside epsilon, so under DP it is
-        written nowhere, a refusal's reason included)."""
+        """The replies that pass :meth:`check_reply` and :func:`update_problem`, and their norms.
+        Under DP a client's exact norm is outside epsilon: written nowhere (refusal reasons included)
+        unless :attr:`per_client_released`."""
         bound = update_norm_bound(self.config, self.encoder_values)
         bound_name = "dp_clipping_norm" if self.config.differential_privacy else "max_update_norm"
         withhold = not self.per_client_released
-        accepted, norms = [], {}
-        for reply in good:
-            problem = self.check_reply(reply, "train")
-            norm = None
-            if problem is None:
-                update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
-                norm, problem = update_problem(update, encoder, bound, bound_name, withhold_norm=withhold)
-            if problem:
-                failures.append(self.failure(reply, "train", problem))
-                log.warning("refusing the train reply of %s: %s", self.client_of(reply), problem)
-            else:
-                accepted.append(reply)
-                if not withhold:
-                    norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
-        return accepted, norms
+        norms: dict[str, float] = {}
+
+        def problem_of(reply: Message) -> str | None:
+            if problem := self.check_reply(reply, "train"):
+                return problem
+            update = {name: array.numpy() for name, array in reply.content[ARRAYS].items()}
+            norm, problem = update_problem(update, encoder, bound, bound_name, withhold_norm=withhold)
+            if problem is None and not withhold:
+                norms[self.client_of(reply)] = float(norm)  # type: ignore[arg-type]
+            return problem
+
+        return self.screen(good, "train", failures, problem_of), norms
 
     @property
     def per_client_released(self) -> bool:
-        """Whether per-client values (training metrics, update norms, held-out evaluation, the
-        values in a refusal's reason) may be recorded: always without DP; under DP only when the
-        run opts in (``dp_share_client_metrics``)."""
+        """Whether per-client values (metrics, norms, held-out results, values in a refusal) may be
+        recorded: under DP only when the run opts in (``dp_share_client_metrics``)."""
         return not self.config.differential_privacy or self.config.dp_share_client_metrics
 
     def check_reply(self, reply: Message, phase: str) -> str | None:
@@ -727,15 +637,8 @@ class Server:
         return content_problem(reply.content, phase, self.expected, self.config.clients, names, withhold=withhold)
 
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]:
-        return {
-            "phase": phase,
-            "client_id": self.binding.client_of(reply.metadata.src_node_id),
-            "claimed_client_id": claimed_client(reply.content),
-            "node_id": reply.metadata.src_node_id,
-            "reason": reason,
-        }
+        return self.binding.failure(phase, reply.metadata.src_node_id, claimed_client(reply.content), reason)
 
-    # ---------------------------------------------------------------------- end of run
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn:
         """Record why the run stops (completed rounds are already saved) and raise."""
         completed = complete_rounds(self.paths)
@@ -812,8 +715,8 @@ def _setup_logging(paths: FederatedPaths) -> None:
 
 
 def build_server_app(config: FederatedConfig | None = None) -> ServerApp:
-    """The ServerApp: ``config`` given (the simulation runtime, in process), or read from the
-    run config Flower hands it (``flwr run --run-config`` on a SuperLink)."""
+    """``config`` given in process (simulation), else read from Flower's run config (``flwr run``)."""
+
     server_app = ServerApp()
 
     @server_app.main()

@@ -1,21 +1,11 @@
 """``python -m speech_assets.federated.simulation``: one federated run on Flower's simulation
 runtime, the engine for every client on this machine.
 
-The same ServerApp (:func:`~speech_assets.federated.server_app.build_server_app`) and ClientApp
-(:func:`~speech_assets.federated.client_app.build_client_app`) as on the deployment engine, in
-``flwr.simulation.run_simulation``: the ServerApp in a thread of this process, the ClientApps in
-Ray workers that live for the whole run, so the interpreter, torch and each client's data index
-are loaded once (the deployment engine starts a ``flwr-clientapp`` process per message). Node
-``partition-id`` *i* is client ``nodes[i]``; a worker holds at most ``cpus_per_client`` torch
-threads and one model at a time, and as many workers run as ``cpus / cpus_per_client``, whatever
-the number of clients: idle clients cost nothing but their entry in the node table.
-
-The launcher (:mod:`speech_assets.federated.launch`) starts this module under the project's
-supervisor, so Ray's processes (GCS, raylet, workers) stop with it, also on ``kill -9`` of the
-launcher, and inside a private network namespace
-(:func:`speech_assets.federated.processes.simulation_run`): Ray's servers, which authenticate no
-one and listen on every address they see whatever ``_node_ip_address`` says, see that namespace's
-loopback only. Its dashboard is off.
+The same ServerApp and ClientApp as on the deployment engine: the ServerApp in a thread of this
+process, the ClientApps in Ray workers that live for the whole run, so torch and each client's
+data index load once. Node ``partition-id`` *i* is client ``nodes[i]``; ``cpus / cpus_per_client``
+workers run whatever the number of clients. The launcher starts this under the supervisor in a
+private network namespace (:func:`~speech_assets.federated.processes.simulation_run`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""MLflow for a federated run, in the centralised trainer's ``MlflowTracker`` style and in its
-experiment (``mode`` tag ``federated``): one MLflow run per run folder (its id kept in
-``<run>/mlflow_run_id``, so a resumed or re-materialized run continues the same MLflow run), the
-config as params, the Dagster run and the inputs (summarised as ``input.*``, like every run's) as
-tags, every round's metrics as it completes (step = round; aggregate and per client; the held-out
-ones under ``val/``) and, at the end, the final checkpoint, the round tables and the result as
-artifacts.
-
-A round already logged (a resumed run replays the records of earlier attempts) is not logged
-twice: the rounds present in the ``round_seconds`` history are skipped (``train_loss`` is absent
-when the clients withhold it under DP).
+"""MLflow for a federated run, in the centralised trainer's experiment and style (``mode`` tag
+``federated``): one MLflow run per run folder (its id kept in ``mlflow_run_id``, so a resumed run
+continues it), every round's metrics as it completes (step = round), and the final checkpoint,
+round tables and result as artifacts. A round already logged (a resumed run replays earlier
+attempts' records) is skipped by the rounds in the ``round_seconds`` history.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from speech_assets.federated.config import FederatedConfig
@@ -63,7 +55,6 @@ class FederatedTracker:
 
     @property
     def url(self) -> str:
-        """The run in the MLflow UI (for a local store, the one ``make mlflow`` serves)."""
         return run_url(self.tracking_uri, self.experiment_id, self.run_id)
 
     @property
@@ -105,16 +96,13 @@ class FederatedTracker:
         params = {k: v for k, v in config.to_dict().items() if k not in ("clients", "data_versions", "run_dir")}
         params |= {"num_clients": len(config.clients), "clients": ",".join(config.clients)}
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
-        self._log_text(MLFLOW_ENVIRONMENT, installed_packages())
-        self._log_text(MLFLOW_INPUTS, json.dumps(config.data_versions, indent=1, sort_keys=True))
+        self.client.log_text(self.run_id, installed_packages(), MLFLOW_ENVIRONMENT)
+        self.client.log_text(self.run_id, json.dumps(config.data_versions, indent=1, sort_keys=True), MLFLOW_INPUTS)
         return self.run_id
 
     def log_round(self, record: Mapping[str, Any]) -> None:
-        """Aggregate metrics (train loss, bytes, seconds, clients; in rounds with an evaluation the
-        held-out accuracy beside the majority-class rate, both on all and on leak-free masked
-        frames, as ``val/...``) and per-client ones, at step = round. A client without held-out
-        frames has no held-out point (never a 0.0); under DP (unless the run shares per-client
-        values) the record holds no client's values, so only the aggregates are logged."""
+        """Aggregate and per-client metrics at step = round. A client without held-out frames has no
+        held-out point (never a 0.0); under DP the record holds no client's values unless shared."""
         from mlflow.entities import Metric
 
         from speech_assets.federated.history import summarize_rounds
@@ -168,7 +156,8 @@ class FederatedTracker:
         for path in (self.paths.rounds_table, self.paths.evaluation_table, self.paths.run_config):
             if path.is_file():
                 self.client.log_artifact(self.run_id, str(path))
-        self._log_text(self.paths.result.name, json.dumps(dict(result), indent=2, sort_keys=True, default=str))
+        result_text = json.dumps(dict(result), indent=2, sort_keys=True, default=str)
+        self.client.log_text(self.run_id, result_text, self.paths.result.name)
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def fail(self, reason: str) -> None:
@@ -176,15 +165,3 @@ class FederatedTracker:
             return
         self.client.set_tag(self.run_id, "failure", reason[:5000])
         self.client.set_terminated(self.run_id, status="FAILED")
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
-
-    def _log_text(self, name: str, text: str) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / name
-            path.write_text(text, encoding="utf-8")
-            self.client.log_artifact(self.run_id, str(path))

@@ -353,7 +353,8 @@ def test_concurrent_unmask_readvertise_of_a_round_past_advertise_is_refused(
 
     def readvertising(self, round_number, good, failures):  # type: ignore[no-untyped-def]
         fields = {sr.KIND: sr.ADVERTISE, sr.SECAGG_THRESHOLD: self.threshold, sr.SECAGG_SHARES_NUM: self.num_shares}
-        seen["answer"] = self.host.exchange([self._query("c0", fields)], round_number, "attack")
+        refused: list[dict[str, object]] = []
+        seen["answer"] = self._ask("attack", {"c0": fields}, refused), refused
         return mean_update(self, round_number, good, failures)
 
     monkeypatch.setattr(sr.SecureRounds, "mean_update", readvertising)
