@@ -355,47 +355,19 @@ def run_pretraining(
     iteration: int,
     code_version: str,
 ) -> dg.MaterializeResult:
-    """HuBERT pretraining (:func:`run_training`) on HuBERT iteration ``iteration``'s k-means
-    targets (1: MFCC clusters, 2: an encoder layer's), in that iteration's training folder."""
-    asset_name, run_label = PRETRAINING[iteration]
-    return run_training(
-        context,
-        options,
-        paths,
-        pipes_subprocess_client,
-        targets_dir=lambda client_id: paths.targets(client_id, iteration).root,
-        targets_asset=TARGETS_ASSETS[iteration],
-        run_root=paths.layout.training_root(iteration),
-        code_version=code_version,
-        asset_name=asset_name,
-        run_label=run_label,
-    )
-
-
-def run_training(
-    context: dg.AssetExecutionContext,
-    options: TrainingSettings,
-    paths: StoragePaths,
-    pipes_subprocess_client: dg.PipesSubprocessClient,
-    *,
-    targets_dir: Callable[[str], Path],
-    targets_asset: str,
-    run_root: Path,
-    code_version: str,
-    asset_name: str,
-    run_label: str,
-    extra_versions: dict[str, str] | None = None,
-) -> dg.MaterializeResult:
-    """Launch the torchrun trainer on the shards and one client's targets per client (read from
-    ``targets_dir(client)``), in a run folder under ``run_root`` named by inputs and settings."""
+    """HuBERT pretraining: the torchrun trainer on the shards and each client's targets of HuBERT
+    iteration ``iteration`` (1: MFCC clusters, 2: an encoder layer's), in a run folder of that
+    iteration's training folder named by inputs and settings."""
     from speech_assets.train.config import TrainConfig
 
+    asset_name, run_label = PRETRAINING[iteration]
     table = read_clients(paths.layout.clients_file)
-    data_versions = {
-        **(extra_versions or {}),
-        **input_versions(context, paths, table.speakers, targets_dir, targets_asset),
-    }
-    run_dir = run_folder(run_root, data_versions, options, code_version)
+
+    def targets_dir(client_id: str) -> Path:
+        return paths.targets(client_id, iteration).root
+
+    data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
+    run_dir = run_folder(paths.layout.training_root(iteration), data_versions, options, code_version)
     train_config = from_fields(
         TrainConfig,
         options,

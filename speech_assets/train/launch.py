@@ -13,7 +13,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import IO
 
@@ -82,9 +82,8 @@ def handed_plan(config: TrainConfig) -> LaunchPlan | None:
     """The plan the launcher wrote beside ``config`` (:func:`hand_plan`), or ``None`` when there is
     none or it was made for another config (a stale file, a worker started by hand)."""
     try:
-        stored = json.loads(RunFiles(Path(config.run_dir)).plan.read_text())
-        plan = LaunchPlan(**{f.name: stored[f.name] for f in fields(LaunchPlan)})
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = LaunchPlan(**json.loads(RunFiles(Path(config.run_dir)).plan.read_text()))
+    except (OSError, ValueError, TypeError):
         return None
     decided = (plan.batch_seconds, plan.grad_accum, plan.precision, plan.device)
     return plan if decided == (config.batch_seconds, config.grad_accum, config.precision, config.device) else None

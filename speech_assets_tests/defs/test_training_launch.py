@@ -50,6 +50,7 @@ def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
         {"node_hosts": ["x$(id)"]},
         {"noise_dir": "/"},
         {"rdzv_endpoint": "attacker.example:29400"},
+        {"gpus_per_node": 2},  # not a command, but fixed with the definition: a run could not change it
     ],
 )
 def test_run_config_cannot_set_commands_hosts_endpoints_or_noise_folders(override: dict, tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.evaluation.speed import forward_speed
 from speech_assets.model import HubertPretrainModel, get_preset
 from speech_assets.model.hubert import padding_mask
+from speech_assets.model.speed import forward_speed
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.distill import (
     DistillConfig,
