@@ -74,6 +74,9 @@ def planned(config: TrainConfig, nnodes: int = 1) -> tuple[TrainConfig, LaunchPl
 def hand_plan(config: TrainConfig, plan: LaunchPlan) -> None:
     """Write ``plan`` into ``config``'s run folder with the batch and accumulation of this attempt's
     ``config`` (an out-of-memory retry changes them): its workers take it (:func:`handed_plan`)."""
+    if (config.batch_seconds, config.grad_accum) != (plan.batch_seconds, plan.grad_accum):
+        note = f"after CUDA out of memory: batch {config.batch_seconds:g} s per device, grad_accum {config.grad_accum}"
+        plan = replace(plan, reason=f"{plan.reason}; {note}")
     plan = replace(plan, batch_seconds=config.batch_seconds, grad_accum=config.grad_accum)
     atomic_write_text(RunFiles(Path(config.run_dir)).plan, json.dumps(asdict(plan), indent=1, sort_keys=True) + "\n")
 
