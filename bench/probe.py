@@ -58,8 +58,8 @@ def main() -> int:
     from speech_assets.evaluation.encoders import load_utterances
     from speech_assets.evaluation.probe_options import ProbeOptions
     from speech_assets.evaluation.protocol import probe_models
-    from speech_assets.evaluation.speed import forward_speed
     from speech_assets.model.encoders import load_encoder
+    from speech_assets.model.speed import forward_speed
     from speech_assets.train.distill import encoder_parameters
 
     data = args.data_dir.resolve()

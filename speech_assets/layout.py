@@ -237,6 +237,7 @@ class RunFiles(RunRecord):
 
     config = Under("config.json")
     launch_config = Under("launch_config.json")
+    plan = Under("plan.json")  # beside config.json: the launcher's plan for that attempt, which its workers take
     metrics = Under("metrics.jsonl")
     log = Under("train.log")
     oom = Under("oom.json")

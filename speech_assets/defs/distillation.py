@@ -1,10 +1,12 @@
 """Stage 5: a small student distilled from the pretrained encoder: `distilled_checkpoint`,
 a training loop launched like pretraining (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`).
 
-The distillation worker lives in speech_assets/train/distill.py; torch is imported inside the asset.
+The distillation worker lives in speech_assets/train/distill.py; it times student and teacher
+too. The step builds no model: the teacher's shape is read from its run's config.
 """
 
 import json
+from pathlib import Path
 
 import dagster as dg
 
@@ -14,8 +16,9 @@ from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.resources import DistillSettings, StoragePaths, overrides_of
 from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun, torchrun_asset
 from speech_assets.layout import RunFiles
+from speech_assets.model.presets import get_preset
 from speech_assets.train.config import DistillConfig
-from speech_assets.utils import atomic_write_text, from_fields
+from speech_assets.utils import atomic_write_text, from_fields, read_json
 
 DISTILL_CODE_VERSION = "distill-v1"
 
@@ -35,19 +38,16 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
     """A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained
     encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like
     training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."""
-    from speech_assets.model.encoders import load_encoder
-
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
     table = read_clients(paths.layout.clients_file)
     data_versions = {"pretrained_checkpoint": teacher_version, **input_versions(context, paths, table.speakers)}
     run_dir = run_folder(paths.layout.distill_dir, data_versions, options, DISTILL_CODE_VERSION)
-    teacher_model = load_encoder(teacher)
     distill_config = from_fields(
         DistillConfig,
         options,
         **run_inputs(paths, table, paths.kmeans_dir, data_versions, run_dir, "distill"),
         teacher=teacher,
-        **student_shape(teacher_model.model.preset, options),
+        **student_shape(teacher, options),
         warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)),
         threads=options.threads or None,
     )
@@ -62,7 +62,8 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
         nproc=options.nproc or 1,
         module="speech_assets.train.distill",
     )
-    speed = _student_speed(teacher, str(RunFiles(run_dir).final), paths, sorted(table.client_of)[:2])
+    finished = read_json(RunFiles(run_dir).result)
+    speed = {key: finished[key] for key in SPEED_KEYS}  # timed by the worker, which holds both models
     atomic_write_text(RunFiles(run_dir).speed, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
@@ -72,37 +73,23 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
     return dg.MaterializeResult(data_version=result.data_version, metadata={**result.metadata, **speed})
 
 
-def student_shape(teacher, options: DistillSettings) -> dict[str, int]:
-    """The student's width, depth, heads and FFN: the settings', or half the teacher's where 0."""
-    dim = options.dim or max(8, teacher.dim // 2)
-    heads = options.heads or max(1, teacher.heads // 2)
+SPEED_KEYS = ("student_parameters", "teacher_parameters", "student_audio_s_per_s", "teacher_audio_s_per_s", "speedup")
+
+
+def student_shape(teacher: str, options: DistillSettings) -> dict[str, int]:
+    """The student's width, depth, heads and FFN: the settings', or half those of the ``teacher``
+    checkpoint's preset where 0 (read from the config its run recorded beside it, no model built)."""
+    preset = read_json(RunFiles(Path(teacher).parent).config, strict=True).get("preset")
+    if preset is None:
+        raise dg.Failure(description=f"no config beside {teacher} names its preset: materialize pretrained_checkpoint")
+    shape = get_preset(preset)
+    dim = options.dim or max(8, shape.dim // 2)
+    heads = options.heads or max(1, shape.heads // 2)
     while dim % heads:
         heads -= 1
     return {
         "dim": dim,
-        "layers": options.layers or max(1, teacher.layers // 2),
+        "layers": options.layers or max(1, shape.layers // 2),
         "heads": heads,
         "ffn_dim": options.ffn_dim or 4 * dim,
-    }
-
-
-def _student_speed(teacher_path: str, student_path: str, paths: StoragePaths, speakers: list[str]) -> dict[str, float]:
-    """Parameters and single-thread CPU forward speed of student and teacher, on the same utterances
-    (of ``speakers``' shards)."""
-    from speech_assets.evaluation.encoders import manifest_utterances
-    from speech_assets.evaluation.speed import forward_speed
-    from speech_assets.model.encoders import load_encoder
-    from speech_assets.train.distill import encoder_parameters
-
-    teacher, student = load_encoder(teacher_path).model, load_encoder(student_path).model
-    feats = [
-        u.feats for u in manifest_utterances(paths.layout.manifest.manifest, [paths.shard_file(s) for s in speakers])
-    ][:16]
-    speed = forward_speed({"teacher": teacher, "student": student}, feats, repeats=2, threads=1)
-    return {
-        "student_parameters": encoder_parameters(student),
-        "teacher_parameters": encoder_parameters(teacher),
-        "student_audio_s_per_s": round(speed["student"], 1),
-        "teacher_audio_s_per_s": round(speed["teacher"], 1),
-        "speedup": round(speed["student"] / speed["teacher"], 3),
     }

@@ -307,8 +307,11 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     # read when the code location loads (speech_assets/defs/cluster.py), not per run.
     gpus_per_node: int = 0
 
-    # what runs commands, reads files anywhere or names an endpoint: set in the settings file, never by run config
-    settings_only: ClassVar[frozenset[str]] = frozenset({"node_command", "node_hosts", "noise_dir", "rdzv_endpoint"})
+    # what runs commands, reads files anywhere or names an endpoint: set in the settings file, never by run
+    # config; nor gpus_per_node, which a run could not change
+    settings_only: ClassVar[frozenset[str]] = frozenset(
+        {"node_command", "node_hosts", "noise_dir", "rdzv_endpoint", "gpus_per_node"}
+    )
 
     @field_validator("node_hosts")
     @classmethod

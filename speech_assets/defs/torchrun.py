@@ -46,14 +46,16 @@ def run_torchrun(
     data_versions: dict[str, str],
     *,
     asset_name: str,
-    nproc: int,
+    nproc: int | None = None,
     module: str = "speech_assets.train",
     max_restarts: int = 0,
     nodes: TrainingSettings | None = None,
 ) -> dg.MaterializeResult:
     """Run ``module`` under torchrun with ``nproc`` processes per node on ``config`` (a dataclass
     with ``to_json``, ``batch_seconds`` and ``grad_accum``), written to ``run_dir/config.json``;
-    ``nodes`` (the `[training]` settings) says how many nodes and how the others start.
+    ``nodes`` (the `[training]` settings) says how many nodes and how the others start. Without
+    ``nproc``, ``config`` (a ``TrainConfig``) is auto-configured here, once for every node's
+    processes (:func:`speech_assets.train.launch.planned`), and the plan handed to the workers.
     Returns rank 0's reported result with the training curve, run folder, input versions (read
     from ``data_versions``) and out-of-memory retries; a failed job fails the step with
     torchrun's error and the end of rank 0's log."""
@@ -61,11 +63,18 @@ def run_torchrun(
 
     nnodes = fixed_node_count(nodes) if nodes else 1
     config = dataclasses.replace(config, dagster_run_id=context.run.run_id)  # the MLflow run's link back
+    plan = None
+    if nproc is None:
+        config, plan = launch.planned(config, nnodes)
+        context.log.info(f"auto-configuration: {plan.reason}")
+        nproc = int(config.nproc)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = RunFiles(run_dir).config
 
     def attempt(attempt_config: Any, retry: int) -> dg.PipesClientCompletedInvocation:
         atomic_write_text(config_path, attempt_config.to_json())
+        if plan:
+            launch.hand_plan(attempt_config, plan)
 
         def torchrun(node_rank: int | None) -> list[str]:
             return launch.build_torchrun_command(
@@ -346,48 +355,19 @@ def run_pretraining(
     iteration: int,
     code_version: str,
 ) -> dg.MaterializeResult:
-    """HuBERT pretraining (:func:`run_training`) on HuBERT iteration ``iteration``'s k-means
-    targets (1: MFCC clusters, 2: an encoder layer's), in that iteration's training folder."""
-    asset_name, run_label = PRETRAINING[iteration]
-    return run_training(
-        context,
-        options,
-        paths,
-        pipes_subprocess_client,
-        targets_dir=lambda client_id: paths.targets(client_id, iteration).root,
-        targets_asset=TARGETS_ASSETS[iteration],
-        run_root=paths.layout.training_root(iteration),
-        code_version=code_version,
-        asset_name=asset_name,
-        run_label=run_label,
-    )
-
-
-def run_training(
-    context: dg.AssetExecutionContext,
-    options: TrainingSettings,
-    paths: StoragePaths,
-    pipes_subprocess_client: dg.PipesSubprocessClient,
-    *,
-    targets_dir: Callable[[str], Path],
-    targets_asset: str,
-    run_root: Path,
-    code_version: str,
-    asset_name: str,
-    run_label: str,
-    extra_versions: dict[str, str] | None = None,
-) -> dg.MaterializeResult:
-    """Launch the torchrun trainer on the shards and one client's targets per client (read from
-    ``targets_dir(client)``), in a run folder under ``run_root`` named by inputs and settings."""
-    from speech_assets.train import launch  # torch: lazily, the code location stays light
+    """HuBERT pretraining: the torchrun trainer on the shards and each client's targets of HuBERT
+    iteration ``iteration`` (1: MFCC clusters, 2: an encoder layer's), in a run folder of that
+    iteration's training folder named by inputs and settings."""
     from speech_assets.train.config import TrainConfig
 
+    asset_name, run_label = PRETRAINING[iteration]
     table = read_clients(paths.layout.clients_file)
-    data_versions = {
-        **(extra_versions or {}),
-        **input_versions(context, paths, table.speakers, targets_dir, targets_asset),
-    }
-    run_dir = run_folder(run_root, data_versions, options, code_version)
+
+    def targets_dir(client_id: str) -> Path:
+        return paths.targets(client_id, iteration).root
+
+    data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
+    run_dir = run_folder(paths.layout.training_root(iteration), data_versions, options, code_version)
     train_config = from_fields(
         TrainConfig,
         options,
@@ -397,19 +377,10 @@ def run_training(
         threads=options.threads or None,
         noise=str(locations.resolve(options.noise_dir)) if options.noise == "folder" else options.noise,
     )
-    nnodes = fixed_node_count(options)
-    if nnodes > 1:
-        if not options.nproc or not options.rdzv_endpoint:
-            raise dg.Failure(
-                description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint"
-            )
-        # batch and accumulation are decided for every process of every node
-        plan = launch.plan_for(train_config, nproc=options.nproc * nnodes)
-        train_config = dataclasses.replace(launch.resolve(train_config, plan), nproc=options.nproc)
-    else:
-        plan = launch.plan_for(train_config)
-        train_config = launch.resolve(train_config, plan)
-    context.log.info(f"auto-configuration: {plan.reason}")
+    if fixed_node_count(options) > 1 and (not options.nproc or not options.rdzv_endpoint):
+        raise dg.Failure(
+            description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint"
+        )
     return run_torchrun(
         context,
         pipes_subprocess_client,
@@ -418,7 +389,6 @@ def run_training(
         train_config,
         data_versions,
         asset_name=asset_name,
-        nproc=int(train_config.nproc),
         max_restarts=options.max_restarts,
         nodes=options,
     )

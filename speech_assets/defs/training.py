@@ -17,7 +17,8 @@ CODE_VERSION = "train-v2"  # v2: the loss on unmasked frames too (unmasked_weigh
     group_name="training",
     deps=TRAINING_INPUTS,
     code_version=CODE_VERSION,
-    op_tags=training_op_tags(PipelineSettings.load().training),  # GPUs for a pod per step ([training] gpus_per_node)
+    # GPUs for a pod per step: fixed with the definition, as the code location loads (defs/cluster.py)
+    op_tags=training_op_tags(PipelineSettings.load().training),
     automation_condition=retrain_on_cron(),
 )
 def pretrained_checkpoint(context, options: TrainingSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +34,7 @@ from speech_assets.features.cmvn import Cmvn, describe, from_record
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
+from speech_assets.model.speed import forward_speed
 from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import DistillConfig
 from speech_assets.train.data import (
@@ -242,6 +244,9 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
                 normalisation=describe(cmvn),
             )
             metrics, progress = engine.metrics, engine.progress
+            # both models are at hand here: timed now, the step that launched this loads neither
+            feats = [dataset.logmel(ref).astype(np.float32) for ref in train_refs[:16]]
+            speed = forward_speed({"teacher": teacher.cpu(), "student": student.cpu()}, feats, repeats=2, threads=1)
             result = {
                 "step": engine.step,
                 "final_loss": metrics["loss"],
@@ -253,6 +258,9 @@ def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dic
                 "student": config.preset,
                 "student_parameters": encoder_parameters(student),
                 "teacher_parameters": encoder_parameters(teacher),
+                "student_audio_s_per_s": round(speed["student"], 1),
+                "teacher_audio_s_per_s": round(speed["teacher"], 1),
+                "speedup": round(speed["student"] / speed["teacher"], 3),
                 "train_utterances": len(train_refs),
                 "train_audio_seconds": progress["audio_seconds"],
                 "train_seconds": progress["train_seconds"],

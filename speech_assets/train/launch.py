@@ -5,6 +5,7 @@ CUDA out-of-memory retries of :mod:`speech_assets.train.oom`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -12,7 +13,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import IO
 
@@ -32,6 +33,7 @@ from speech_assets.train.autoconfig import (
 )
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.oom import retrying_oom
+from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +62,34 @@ def plan_for(config: TrainConfig, nproc: int | str | None = None) -> LaunchPlan:
     )
 
 
-def resolve(config: TrainConfig, plan: LaunchPlan) -> TrainConfig:
-    """``config`` with the plan's concrete nproc, batch, accumulation, precision and device."""
-    return replace(
-        config,
-        nproc=plan.nproc,
-        batch_seconds=plan.batch_seconds,
-        grad_accum=plan.grad_accum,
-        precision=plan.precision,
-        device=plan.device,
-    )
+def planned(config: TrainConfig, nnodes: int = 1) -> tuple[TrainConfig, LaunchPlan]:
+    """``config`` resolved by the plan of this machine (:func:`plan_for`, the one profiling of a
+    launch), and the plan; with ``nnodes`` nodes of ``config.nproc`` processes each, batch and
+    accumulation are decided for every process of every node, and the config keeps the per-node count."""
+    plan = plan_for(config, nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
+    decided = {"batch_seconds": plan.batch_seconds, "grad_accum": plan.grad_accum, "precision": plan.precision}
+    return replace(config, nproc=plan.nproc // nnodes, device=plan.device, **decided), plan
+
+
+def hand_plan(config: TrainConfig, plan: LaunchPlan) -> None:
+    """Write ``plan`` into ``config``'s run folder with the batch and accumulation of this attempt's
+    ``config`` (an out-of-memory retry changes them): its workers take it (:func:`handed_plan`)."""
+    if (config.batch_seconds, config.grad_accum) != (plan.batch_seconds, plan.grad_accum):
+        note = f"after CUDA out of memory: batch {config.batch_seconds:g} s per device, grad_accum {config.grad_accum}"
+        plan = replace(plan, reason=f"{plan.reason}; {note}")
+    plan = replace(plan, batch_seconds=config.batch_seconds, grad_accum=config.grad_accum)
+    atomic_write_text(RunFiles(Path(config.run_dir)).plan, json.dumps(asdict(plan), indent=1, sort_keys=True) + "\n")
+
+
+def handed_plan(config: TrainConfig) -> LaunchPlan | None:
+    """The plan the launcher wrote beside ``config`` (:func:`hand_plan`), or ``None`` when there is
+    none or it was made for another config (a stale file, a worker started by hand)."""
+    try:
+        plan = LaunchPlan(**json.loads(RunFiles(Path(config.run_dir)).plan.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    decided = (plan.batch_seconds, plan.grad_accum, plan.precision, plan.device)
+    return plan if decided == (config.batch_seconds, config.grad_accum, config.precision, config.device) else None
 
 
 def build_torchrun_command(
@@ -225,14 +245,16 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
     """Auto-configure, then train here (one process) or under torchrun, retrying CUDA OOM.
 
     Writes the resolved config of each attempt to ``<run_dir>/launch_config.json`` (or under
-    ``config_dir``) and returns the exit code of the last attempt.
+    ``config_dir``), hands its workers the plan (:func:`hand_plan`) and returns the exit code of
+    the last attempt.
     """
-    plan = plan_for(config)
+    config, plan = planned(config)
     log.info("autoconfig: %s", plan.reason)
     config_path = RunFiles(Path(config_dir or config.run_dir)).launch_config
 
     def attempt(attempt_config: TrainConfig, retry: int) -> int:
         attempt_config.to_json(config_path)
+        hand_plan(attempt_config, plan)
         if plan.nproc == 1:
             command = [sys.executable, "-m", "speech_assets.train", "--config", str(config_path)]
         else:
@@ -242,4 +264,4 @@ def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None
         return subprocess.call(guarded(command), env=env)
 
     with launching(config.run_dir, command="python -m speech_assets.train --launch"):
-        return retrying_oom(config.run_dir, resolve(config, plan), attempt, failed=lambda code: code != 0)[0]
+        return retrying_oom(config.run_dir, config, attempt, failed=lambda code: code != 0)[0]

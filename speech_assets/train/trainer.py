@@ -36,7 +36,7 @@ from speech_assets.train.engine import (
     tracking,
     warmup_linear_decay,
 )
-from speech_assets.train.launch import plan_for
+from speech_assets.train.launch import handed_plan, plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
 from speech_assets.train.oom import clear_oom, refuse_known_oom
 from speech_assets.train.sampling import BlockShuffleSampler
@@ -280,9 +280,10 @@ def _fmt(value: float | None) -> str:
 
 
 def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
-    """The launch plan for this job's world size (explicit config values win); refuses to
-    repeat a batch size that already ran out of CUDA memory in this run."""
-    plan = plan_for(config, nproc=job.world_size)
+    """The launcher's plan (:func:`~speech_assets.train.launch.handed_plan`), or, for a worker
+    started without one, a plan made here, for this job's world size (explicit config values win);
+    refuses to repeat a batch size that already ran out of CUDA memory in this run."""
+    plan = replace(handed_plan(config) or plan_for(config, nproc=job.world_size), nproc=job.world_size)
     if config.threads is not None:
         plan = replace(plan, threads_per_process=config.threads)
     elif job.device.type == "cpu":

@@ -43,14 +43,31 @@ def trained(sample_build: dict):
 
 
 @pytest.fixture(scope="module")
-def evaluated(trained):
+def distilled(trained) -> list[str]:
+    """distilled_checkpoint materialized; the torch modules its step built in this process (the
+    Dagster one: the workers are torchrun's)."""
     out, defs, instance = trained
-    materialize_in_process(
-        defs,
-        instance,
-        "distilled_checkpoint",
-        run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}},
-    )
+    built: list[str] = []
+    init = torch.nn.Module.__init__
+
+    def counted(module: torch.nn.Module, *args, **kwargs) -> None:
+        built.append(type(module).__name__)
+        init(module, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.Module, "__init__", counted)
+        materialize_in_process(
+            defs,
+            instance,
+            "distilled_checkpoint",
+            run_config={"ops": {"distilled_checkpoint": {"config": {"max_steps": 20}}}},
+        )
+    return built
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, distilled):
+    out, defs, instance = trained
     materialize_in_process(defs, instance, "encoder_export")
     # two probe seeds and one lr: a third of the default's probes, still a mean and a spread per model
     probe = {"steps": 40, "seeds": [0, 1], "lrs": [0.01]}
@@ -318,6 +335,11 @@ def test_export_parity_is_run_again_and_catches_a_drifted_export(evaluated, tmp_
             dg.build_asset_check_context(instance=instance), paths=paths, settings=PipelineSettings()
         )
     assert not result.passed and "TorchScript differs" in result.description
+
+
+def test_distillation_builds_no_model_in_the_dagster_process(distilled) -> None:
+    """The teacher's shape comes from its run's record and the speeds from the worker's result."""
+    assert distilled == []
 
 
 def test_distilled_student_is_smaller_and_faster(evaluated) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
+from speech_assets.layout import RunFiles
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 from speech_assets_tests.support.local_runs import materialize_in_process
@@ -50,6 +51,7 @@ def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
         {"node_hosts": ["x$(id)"]},
         {"noise_dir": "/"},
         {"rdzv_endpoint": "attacker.example:29400"},
+        {"gpus_per_node": 2},  # not a command, but fixed with the definition: a run could not change it
     ],
 )
 def test_run_config_cannot_set_commands_hosts_endpoints_or_noise_folders(override: dict, tmp_path: Path) -> None:
@@ -191,6 +193,11 @@ def test_out_of_memory_is_retried_with_half_the_batch(oom_run) -> None:
     assert any("CUDA out of memory: retrying with batch 8.0 s and grad_accum 2" in line for line in oom_run["logs"])
     config = json.loads((Path(meta["run_dir"]) / "config.json").read_text())
     assert (config["batch_seconds"], config["grad_accum"]) == (8.0, 2)
+    # the step's plan, handed to the workers of the retry with its batch: they made none of their own
+    plan = json.loads(RunFiles(Path(meta["run_dir"])).plan.read_text())
+    assert (plan["batch_seconds"], plan["grad_accum"]) == (8.0, 2)
+    assert "after CUDA out of memory: batch 8 s per device, grad_accum 2" in plan["reason"]
+    assert json.loads(RunFiles(Path(meta["run_dir"])).result.read_text())["autoconfig"]["reason"] == plan["reason"]
     assert torch.load(meta["checkpoint"], map_location="cpu", weights_only=True)["step"] == 4
 
 

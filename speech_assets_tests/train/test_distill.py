@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.evaluation.speed import forward_speed
 from speech_assets.model.hubert import HubertPretrainModel, padding_mask
 from speech_assets.model.presets import get_preset
+from speech_assets.model.speed import forward_speed
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.distill import (
     DistillConfig,

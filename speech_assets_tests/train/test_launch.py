@@ -8,11 +8,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from speech_assets.layout import RunFiles
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
+from speech_assets.train.autoconfig import LaunchPlan
+from speech_assets.train.engine import Distributed
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
 from speech_assets.train.oom import (
     OOM_EXIT_CODE,
@@ -22,6 +25,7 @@ from speech_assets.train.oom import (
     read_oom_marker,
     write_oom_marker,
 )
+from speech_assets.train.trainer import plan_for_job
 from speech_assets_tests.conftest import REPO
 from speech_assets_tests.support.training_data import SyntheticCorpus
 
@@ -121,6 +125,39 @@ def test_launch_retries_out_of_memory_with_half_the_batch(
         "speech_assets.train.local_torchrun" in command and "--nproc-per-node" in command for command, _ in attempts
     )
     assert not detect_oom(config.run_dir)
+
+
+def test_the_launcher_plans_once_and_its_workers_take_the_plan(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One profiling of the shards per launch: both ranks of every attempt (the retry after an
+    out-of-memory error too, with its halved batch) take the plan the launcher wrote."""
+    config = small_corpus.config(tmp_path / "run", batch_seconds=None, grad_accum="auto", nproc=2)
+    profiled: list[list[str]] = []
+    profile = launch_module.profile_dataset
+    monkeypatch.setattr(launch_module, "profile_dataset", lambda shards: profiled.append(shards) or profile(shards))
+    plans: list[LaunchPlan] = []
+
+    def ranks(command: list[str], env: dict[str, str]) -> int:
+        attempt = TrainConfig.from_json(command[-1])
+        for rank in range(2):
+            plans.append(plan_for_job(attempt, Distributed(rank, rank, 2, 2, torch.device("cpu"))))
+        if len(plans) == 2:
+            write_oom_marker(attempt.run_dir, 0, float(attempt.batch_seconds or 0), int(attempt.grad_accum), "OOM")
+            return OOM_EXIT_CODE
+        return 0
+
+    monkeypatch.setattr(launch_module.subprocess, "call", ranks)
+    threads = torch.get_num_threads()
+    try:
+        assert launch(config) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert len(profiled) == 1
+    first, retry = plans[0], plans[2]
+    assert plans[1] == first and plans[3] == retry and first.nproc == 2
+    assert (retry.batch_seconds, retry.grad_accum) == (first.batch_seconds / 2, first.grad_accum * 2)
+    assert retry.reason.startswith(first.reason + "; after CUDA out of memory: batch ")
 
 
 def test_launch_gives_up_after_three_retries_and_on_other_failures(
