@@ -37,9 +37,8 @@ class Example:
 
 
 def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
-    """``count`` utterances the exported recogniser never trained on: the held-out ones of its
-    fine-tuning run (``labelled.json``), kept only where the current manifest (the corpus the
-    demo ran on) lists them and their audio exists; one speaker after another, in id order."""
+    """``count`` held-out utterances of the exported recogniser's fine-tuning run that the current
+    manifest lists and whose audio exists; one speaker after another, in id order."""
     from speech_assets.corpus.manifest import read_manifest
 
     card = RecogniserFiles(data.finetune.recogniser).card
@@ -89,8 +88,7 @@ class Scored:
 
 
 def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]:
-    """Each example through ``recogniser`` (a :class:`~speech_assets.evaluation.recognise.Recogniser`),
-    scored by CER against its reference."""
+    """Each example through a :class:`~speech_assets.evaluation.recognise.Recogniser`, scored by CER."""
     import jiwer
 
     scored = []
@@ -112,16 +110,14 @@ def demo_runs(instance: dg.DagsterInstance, since: float) -> list[dg.DagsterRun]
 
 def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
     """(steps that succeeded, steps that failed) in ``run_ids``."""
-    succeeded = failed = 0
-    for run_id in run_ids:
+    kinds = [
+        entry.dagster_event.event_type
+        for run_id in run_ids
         for entry in instance.all_logs(
             run_id, of_type={dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
-        ):
-            if entry.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS:
-                succeeded += 1
-            else:
-                failed += 1
-    return succeeded, failed
+        )
+    ]
+    return kinds.count(dg.DagsterEventType.STEP_SUCCESS), kinds.count(dg.DagsterEventType.STEP_FAILURE)
 
 
 @dataclass(frozen=True)
@@ -138,8 +134,7 @@ class CheckOutcome:
 
 
 def check_outcomes(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> list[CheckOutcome]:
-    """The last evaluation of every asset check in ``run_ids`` as the instance recorded it; the
-    reason is the evaluation's description, else its recorded verdict."""
+    """The last evaluation of every asset check in ``run_ids``; the reason is its description, else its verdict."""
     latest: dict[tuple[str, str], CheckOutcome] = {}
     for run_id in run_ids:
         for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
@@ -154,8 +149,7 @@ def check_outcomes(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> list
 
 
 def verdict(succeeded: int, failed: int, outcomes: Sequence[CheckOutcome]) -> list[str]:
-    """One line, ``N steps succeeded, K warnings (...)``, then one line per check that did not
-    pass, with its reason (the first line of it)."""
+    """``N steps succeeded, K warnings: ...``, then one line per check that did not pass, with its reason."""
     warned = [o for o in outcomes if not o.passed and o.severity == dg.AssetCheckSeverity.WARN.value]
     errors = [o for o in outcomes if not o.passed and o.severity != dg.AssetCheckSeverity.WARN.value]
     head = f"{succeeded} steps succeeded"

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from speech_assets.evaluation.finetune_plan import PlannedRun
 
 FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
-ENCODER_ASSETS = CHECKPOINT_ASSETS  # every encoder it may fine-tune
 
 
 class FinetuneOverrides(overrides_of(FinetuneSettings)):
@@ -54,7 +53,7 @@ class FinetuneOverrides(overrides_of(FinetuneSettings)):
 
 @dg.asset(
     group_name="evaluation",
-    deps=[*ENCODER_ASSETS.values(), "manifest", "client_partitions", ALL_SHARDS],
+    deps=[*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions", ALL_SHARDS],
     code_version=FINETUNE_CODE_VERSION,
     pool="training",
     kinds={"pytorch", "onnx", "mlflow"},
@@ -97,8 +96,8 @@ def finetuned_asr(
         plan = plan_finetune(
             options,
             pretrained=required_checkpoint(context, "pretrained_checkpoint"),
-            checkpoint_of=lambda name: checkpoint_of(context, ENCODER_ASSETS[name]),
-            encoder_assets=ENCODER_ASSETS,
+            checkpoint_of=lambda name: checkpoint_of(context, CHECKPOINT_ASSETS[name]),
+            encoder_assets=CHECKPOINT_ASSETS,
             clients=lambda: read_clients(paths.layout.clients_file),
             manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
@@ -169,7 +168,7 @@ def finetuned_asr(
             ),
             "input_versions": dg.MetadataValue.json(
                 bounded_versions(
-                    {**{ENCODER_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
+                    {**{CHECKPOINT_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
                 )
             ),
         },

@@ -61,9 +61,8 @@ SPEAKER_SPLIT_SQL = (
 
 
 PROBE_COLUMNS = (
-    "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
-    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers "
-    "BIGINT, lr DOUBLE"
+    "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, cer DOUBLE, wer "
+    "DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT, lr DOUBLE"
 )
 
 
@@ -85,10 +84,9 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         # A table, read once: every summary below scans it, and opening every shard file for
         # each of them cost seconds on a thousand shards. Only scalar columns are copied.
         con.execute(
-            "CREATE TABLE utterances AS SELECT utt_id, speaker_id, "
-            "regexp_extract(filename, '([^/]+)\\.parquet$', 1) AS shard, num_frames, "
-            "CAST(duration_s AS DOUBLE) AS duration_s, CAST(trimmed_duration_s AS DOUBLE) AS trimmed_duration_s, "
-            "CAST(speech_ratio AS DOUBLE) AS speech_ratio "
+            "CREATE TABLE utterances AS SELECT utt_id, speaker_id, regexp_extract(filename, '([^/]+)\\.parquet$', 1) "
+            "AS shard, num_frames, CAST(duration_s AS DOUBLE) AS duration_s, CAST(trimmed_duration_s AS DOUBLE) AS "
+            "trimmed_duration_s, CAST(speech_ratio AS DOUBLE) AS speech_ratio "
             f"FROM read_parquet({_sql_list(inputs.shards)}, filename = true) ORDER BY utt_id"
         )
     else:
@@ -188,12 +186,11 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
         "heldout_all_frames_masked_accuracy DOUBLE, heldout_all_frames_majority_accuracy DOUBLE, heldout_loss DOUBLE, "
-        "chance_accuracy DOUBLE, "
-        "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
+        "chance_accuracy DOUBLE, audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
-        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR, "
-        "init VARCHAR, labelled_minutes DOUBLE, seed BIGINT, lr DOUBLE, dev_cer DOUBLE, heldout_cer DOUBLE, "
-        "heldout_wer DOUBLE)"
+        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR, init "
+        "VARCHAR, labelled_minutes DOUBLE, seed BIGINT, lr DOUBLE, dev_cer DOUBLE, heldout_cer DOUBLE, heldout_wer "
+        "DOUBLE)"
     )
     con.execute(
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
@@ -314,15 +311,13 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
     con.execute(
-        "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, "
-        "count(DISTINCT u.speaker_id) AS speakers, count(*) AS utterances, "
-        "sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
-        "FROM utterances u LEFT JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY split"
+        "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, count(DISTINCT u.speaker_id) "
+        "AS speakers, count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours FROM utterances u LEFT "
+        "JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY split"
     )
     con.execute(
-        "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, "
-        "floor(duration_s) + 1 AS bucket_end_s, count(*) AS utterances "
-        "FROM manifest GROUP BY ALL ORDER BY bucket_start_s"
+        "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, floor(duration_s) + 1 AS "
+        "bucket_end_s, count(*) AS utterances FROM manifest GROUP BY ALL ORDER BY bucket_start_s"
     )
     con.execute(
         "CREATE TABLE speech_ratio_distribution AS SELECT floor(speech_ratio * 10) / 10 AS bucket_start, "

@@ -67,42 +67,27 @@ def cached_in(folder: Path) -> Iterator[None]:
 
 
 def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> bytes:
-    if key is not None:
-        if _used:
-            _used[-1].add(key)
-        found = _lookup(key)
-        if found is not None:
-            if _folders and not (_folders[-1] / f"{key}{PLOT_SUFFIX}").exists():
-                _remember(key, found)  # drawn in this process before the block: keep it for the next
-            return found
-    png = _draw(draw, size)
-    if key is not None:
-        _remember(key, png)
-    return png
-
-
-def _lookup(key: str) -> bytes | None:
-    if key in _memory:
-        _memory.move_to_end(key)
-        return _memory[key]
-    if _folders:
-        try:
-            png = (_folders[-1] / f"{key}{PLOT_SUFFIX}").read_bytes()
-        except OSError:
-            return None
-        _remember(key, png, persist=False)
-        return png
-    return None
-
-
-def _remember(key: str, png: bytes, persist: bool = True) -> None:
+    if key is None:
+        return _draw(draw, size)
+    if _used:
+        _used[-1].add(key)
+    cached = _folders[-1] / f"{key}{PLOT_SUFFIX}" if _folders else None
+    png = _memory.get(key) or _read(cached) or _draw(draw, size)
     _memory[key] = png
     _memory.move_to_end(key)
     while len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
-    if persist and _folders:
-        with atomic_path(_folders[-1] / f"{key}{PLOT_SUFFIX}", durable=False) as tmp:  # a lost one is redrawn
+    if cached is not None and not cached.exists():
+        with atomic_path(cached, durable=False) as tmp:  # a lost one is redrawn
             Path(tmp).write_bytes(png)
+    return png
+
+
+def _read(path: Path | None) -> bytes | None:
+    try:
+        return path.read_bytes() if path is not None else None
+    except OSError:
+        return None
 
 
 def legend_below(axis) -> None:

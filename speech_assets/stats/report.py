@@ -30,11 +30,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Corpus",
         "What was kept, in hours, before and after VAD.",
-        "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), "
-        '0) FROM manifest) / 3600, 3) AS "hours (h)", '
-        "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) "
-        'FROM utterances) / 3600, 3) AS "speech (h)", '
-        "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
+        "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM "
+        'manifest) / 3600, 3) AS "hours (h)", (SELECT count(*) FROM utterances) AS after_vad, round((SELECT '
+        'coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS "speech (h)", (SELECT count(*) FROM '
+        "rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
     ),
     (
         "Rejects by reason",
@@ -44,9 +43,8 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Speakers",
         "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
-        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", '
-        'round(trimmed_hours, 3) AS "speech (h)" '
-        "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id",
+        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", round(trimmed_hours, 3) AS '
+        '"speech (h)" FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id',
     ),
     (
         "Clients",
@@ -62,21 +60,19 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "k-means quality",
         "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
-        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, "
-        "round(perplexity, 1) AS perplexity, "
-        'empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality ORDER '
-        "BY client_id",
+        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS "
+        'perplexity, empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality '
+        "ORDER BY client_id",
     ),
     (
         "Training runs",
         "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
         "held-out masked accuracy (on leak-free frames, as everywhere) against the majority-class rate on the same "
         "frames.",
-        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, "
-        "round(heldout_leak_free_masked_accuracy, 3) AS heldout_masked_accuracy, "
-        "round(heldout_leak_free_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
-        'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs '
-        "ORDER BY kind, run_dir",
+        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_leak_free_masked_accuracy, 3) "
+        "AS heldout_masked_accuracy, round(heldout_leak_free_majority_accuracy, 3) AS majority_rate, "
+        'round(chance_accuracy, 3) AS chance, round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, '
+        "checkpoint FROM training_runs ORDER BY kind, run_dir",
     ),
     (
         "Checkpoints",
@@ -89,18 +85,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Export parity",
         "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute "
         "difference (fp32).",
-        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS '
-        '"TorchScript max |diff|", '
-        "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder",
+        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS "TorchScript '
+        'max |diff|", parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder',
     ),
     (
         "Distilled student",
         "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same "
         "utterances.",
         'SELECT round(speedup, 2) AS "speed-up (x)", round(student_parameters / 1e6, 2) AS "student params (M)", '
-        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS '
-        '"student audio s/s", '
-        'round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
+        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS "student audio '
+        's/s", round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
     ),
 ]
 PROBE_ROWS_SQL = "SELECT * FROM probe_results ORDER BY split, model, seed"
@@ -116,9 +110,8 @@ FINETUNE_TEXT = (
 # the sections about models; the rest of SECTIONS is about the data
 MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student")
 REJECT_EXAMPLES_SQL = (
-    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, "
-    "reason ORDER BY utt_id) AS n "
-    "FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
+    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY "
+    "utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
 )
 OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
     (
@@ -126,11 +119,9 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
         "Federated rounds",
         "Per round and client: examples, local training loss and masked accuracy (on its own training batches, "
         "not held out), MB exchanged, seconds.",
-        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, "
-        "3) AS train_masked_accuracy, "
-        'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS '
-        '"seconds (s)" '
-        "FROM federated_rounds ORDER BY round, client_id",
+        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS "
+        'train_masked_accuracy, round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", '
+        'round(seconds, 1) AS "seconds (s)" FROM federated_rounds ORDER BY round, client_id',
     ),
 ]
 
@@ -491,8 +482,7 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         verdicts = ['<p class="note">no probe or fine-tuning results yet: materialize downstream_probe</p>']
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
         + "".join(verdicts)
         + '<h1 class="part">Models</h1>'
         + f'<section><h2>Summary</h2>{summary}<p class="note">Every table below shows its SQL.</p></section>'
