@@ -229,19 +229,14 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
-def progress_bar(total: int, unit: str):
-    """A tqdm bar when attached to a terminal, else None (logs and CI stay clean)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, dynamic_ncols=True)
-
-
 def _cmd_replicate(args: argparse.Namespace) -> int:
     from speech_assets.corpus.replicate import replicate_corpus
 
-    bar = progress_bar(args.speakers, "speaker")
+    bar = None
+    if sys.stderr.isatty():  # only on a terminal: logs and CI stay clean
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.speakers, unit="speaker", dynamic_ncols=True)
     try:
         report = replicate_corpus(
             args.source,

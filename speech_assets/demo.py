@@ -60,15 +60,6 @@ def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
     return chosen
 
 
-def registered_recogniser(instance: dg.DagsterInstance) -> str | None:
-    """The MLflow model version finetuned_asr's latest materialization registered, if any."""
-    from speech_assets.defs.lineage import latest_materialization
-
-    event = latest_materialization(instance, "finetuned_asr")
-    value = (event.metadata or {}).get("registered_model") if event else None
-    return str(value.value) if value is not None else None
-
-
 @dataclass(frozen=True)
 class Scored:
     example: Example
@@ -100,12 +91,6 @@ def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]
         cer = float(jiwer.cer(example.reference, hypothesis)) if hypothesis else 1.0
         scored.append(Scored(example, hypothesis, cer))
     return scored
-
-
-def demo_runs(instance: dg.DagsterInstance, since: float) -> list[dg.DagsterRun]:
-    """The runs created at or after ``since`` (epoch seconds), oldest first."""
-    created_after = datetime.fromtimestamp(since, UTC)
-    return list(reversed(instance.get_runs(filters=dg.RunsFilter(created_after=created_after))))
 
 
 def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
@@ -184,7 +169,9 @@ def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int
         return [f"error: {error}"], False
     if not examples:
         return ["error: no held-out utterance of the fine-tuning split is in the corpus the demo ran on"], False
-    uri = registered_recogniser(instance)
+    from speech_assets.defs.lineage import latest_metadata
+
+    uri = latest_metadata(instance, "finetuned_asr").get("registered_model")  # the MLflow model version, if any
     try:
         with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
             if uri:
@@ -215,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             lines, ok = _examples_section(data, instance, args.examples)
             print("\n".join(lines))
             print()
-        run_ids = [run.run_id for run in demo_runs(instance, args.since)]
+        runs = instance.get_runs(filters=dg.RunsFilter(created_after=datetime.fromtimestamp(args.since, UTC)))
+        run_ids = [run.run_id for run in reversed(runs)]  # oldest first
         succeeded, failed = step_counts(instance, run_ids)
         print(f"== verdict ({len(run_ids)} runs) ==")
         print("\n".join(verdict(succeeded, failed, check_outcomes(instance, run_ids))))

@@ -37,11 +37,6 @@ SHARD_REQUEST_TAG = "speech_assets/shard_request"
 MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
 
 
-def _failed_manifest_checks(instance: dg.DagsterInstance) -> list[str]:
-    records = instance.event_log_storage.get_latest_asset_check_execution_by_key(MANIFEST_CHECKS)
-    return [key.name for key, record in records.items() if record is not None and record.status.value == "FAILED"]
-
-
 def stale_speakers(paths: StoragePaths) -> dict[str, str]:
     """Speakers whose shard is missing or was built from other manifest rows -> current hash."""
     if not paths.layout.manifest.speakers.exists():
@@ -81,8 +76,10 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             ],
             cursor=cursor,
         )
-    failed = _failed_manifest_checks(context.instance)
-    if failed:
+    records = context.instance.event_log_storage.get_latest_asset_check_execution_by_key(MANIFEST_CHECKS)
+    if failed := [
+        key.name for key, record in records.items() if record is not None and record.status.value == "FAILED"
+    ]:
         return dg.SkipReason(
             f"the last manifest was not published: check(s) {', '.join(failed)} failed; fix the corpus "
             "(or the [manifest] settings) and the next corpus change re-validates it"

@@ -127,16 +127,13 @@ FIRST_OF_TWO = (
 SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
 
 
-def no_rows_version(speaker: str) -> str:
-    """A registered speaker with no rows left is a real state too: its shard must become empty."""
-    return sha256_strings(["no manifest rows", speaker])
-
-
 def speaker_observations(
     instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
 ) -> list[dg.AssetObservation]:
     """Observations of the ``speaker_manifest`` partitions whose rows' version changed (none for the others)."""
-    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
+    # a registered speaker with no rows left is a real state too: its shard must become empty
+    versions = {s: sha256_strings(["no manifest rows", s]) for s in registered}
+    versions |= {s: row.manifest_hash for s, row in listed.items()}
     observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
     events = []
     for speaker, version in sorted(versions.items()):
