@@ -22,8 +22,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    """The probe's leaderboard (mean ± std over seeds, the paired verdict against fbank and random),
-    each encoder's standing, how to read it; ``--details``: the probe lr, training CER and layer weights per model."""
+    """The probe's leaderboard, each encoder's standing and how to read it; ``--details``: per-model figures."""
     from speech_assets.evaluation.compare import (
         MIN_HELDOUT_SPEAKERS,
         leaderboard,
@@ -61,9 +60,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    """The fine-tuning results per labelled budget (markdown tables, the frozen probe's CER beside them),
-    each encoder's verdict against scratch (judged with the settings' ``[probe] min_heldout_speakers``,
-    as the ``finetuning_is_sound`` check), and the text overlap and held-out OOV rate."""
+    """The fine-tuning results per labelled budget and each encoder's verdict against scratch (judged
+    as the ``finetuning_is_sound`` check judges), then the text overlap and held-out OOV rate."""
     from speech_assets.defs.resources import PipelineSettings
     from speech_assets.evaluation.finetune_results import (
         markdown_tables,
@@ -159,19 +157,17 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
 
 def rounded(relation: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
-    """``relation`` with its FLOAT and DOUBLE columns rounded for reading: 2 decimals, more where
-    a value needs them for 3 significant digits (``0.0337``, ``25.12``, ``0.00340``, never a
-    misleading ``0.00``). Columns are taken by position, so duplicate names are fine."""
+    """FLOAT and DOUBLE columns rounded to 2 decimals, more where a value needs them for 3 significant
+    digits (never a misleading ``0.00``); columns by position, so duplicate names are fine."""
     if not any(str(kind) in ("FLOAT", "DOUBLE") for kind in relation.types):
         return relation
     columns = []
     for i, (name, kind) in enumerate(zip(relation.columns, relation.types), start=1):
         alias = '"' + name.replace('"', '""') + '"'
         if str(kind) in ("FLOAT", "DOUBLE"):
+            digits = f"greatest(2, 2 - floor(log10(abs(#{i})))::INTEGER)"
             columns.append(
-                f"CASE WHEN isfinite(#{i}) AND #{i} <> 0 THEN round(#{i}, greatest(2, 2 - "
-                f"floor(log10(abs(#{i})))::INTEGER)) "
-                f"ELSE #{i} END AS {alias}"
+                f"CASE WHEN isfinite(#{i}) AND #{i} <> 0 THEN round(#{i}, {digits}) ELSE #{i} END AS {alias}"
             )
         else:
             columns.append(f"#{i} AS {alias}")
@@ -233,19 +229,14 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
-def progress_bar(total: int, unit: str):
-    """A tqdm bar when attached to a terminal, else None (logs and CI stay clean)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, dynamic_ncols=True)
-
-
 def _cmd_replicate(args: argparse.Namespace) -> int:
     from speech_assets.corpus.replicate import replicate_corpus
 
-    bar = progress_bar(args.speakers, "speaker")
+    bar = None
+    if sys.stderr.isatty():  # only on a terminal: logs and CI stay clean
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.speakers, unit="speaker", dynamic_ncols=True)
     try:
         report = replicate_corpus(
             args.source,
@@ -348,8 +339,7 @@ def _epilog(name: str) -> str:
 def _command(
     commands, name: str, summary: str, func: Callable[[argparse.Namespace], int] | None = None
 ) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows ``summary``, its examples and the environment variables;
-    ``func`` runs it."""
+    """A subcommand whose --help shows ``summary``, its examples and the environment variables."""
     command = commands.add_parser(
         name,
         help=summary,
@@ -362,7 +352,6 @@ def _command(
 
 
 def _data_file_option(command: argparse.ArgumentParser, option: str, *where: str, what: str = "") -> None:
-    """``option``: a file to read (``what``, else its name), by default ``where`` under the data folder."""
     command.add_argument(option, help=f"{what or where[-1]} (default: $SPEECH_ASSETS_DATA_DIR/{'/'.join(where)})")
 
 

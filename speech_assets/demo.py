@@ -37,9 +37,8 @@ class Example:
 
 
 def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
-    """``count`` utterances the exported recogniser never trained on: the held-out ones of its
-    fine-tuning run (``labelled.json``), kept only where the current manifest (the corpus the
-    demo ran on) lists them and their audio exists; one speaker after another, in id order."""
+    """``count`` held-out utterances of the exported recogniser's fine-tuning run that the current
+    manifest lists and whose audio exists; one speaker after another, in id order."""
     from speech_assets.corpus.manifest import read_manifest
 
     card = RecogniserFiles(data.finetune.recogniser).card
@@ -61,15 +60,6 @@ def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
     return chosen
 
 
-def registered_recogniser(instance: dg.DagsterInstance) -> str | None:
-    """The MLflow model version finetuned_asr's latest materialization registered, if any."""
-    from speech_assets.defs.lineage import latest_materialization
-
-    event = latest_materialization(instance, "finetuned_asr")
-    value = (event.metadata or {}).get("registered_model") if event else None
-    return str(value.value) if value is not None else None
-
-
 @dataclass(frozen=True)
 class Scored:
     example: Example
@@ -89,8 +79,7 @@ class Scored:
 
 
 def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]:
-    """Each example through ``recogniser`` (a :class:`~speech_assets.evaluation.recognise.Recogniser`),
-    scored by CER against its reference."""
+    """Each example through a :class:`~speech_assets.evaluation.recognise.Recogniser`, scored by CER."""
     import jiwer
 
     scored = []
@@ -104,24 +93,16 @@ def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]
     return scored
 
 
-def demo_runs(instance: dg.DagsterInstance, since: float) -> list[dg.DagsterRun]:
-    """The runs created at or after ``since`` (epoch seconds), oldest first."""
-    created_after = datetime.fromtimestamp(since, UTC)
-    return list(reversed(instance.get_runs(filters=dg.RunsFilter(created_after=created_after))))
-
-
 def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
     """(steps that succeeded, steps that failed) in ``run_ids``."""
-    succeeded = failed = 0
-    for run_id in run_ids:
+    kinds = [
+        entry.dagster_event.event_type
+        for run_id in run_ids
         for entry in instance.all_logs(
             run_id, of_type={dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
-        ):
-            if entry.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS:
-                succeeded += 1
-            else:
-                failed += 1
-    return succeeded, failed
+        )
+    ]
+    return kinds.count(dg.DagsterEventType.STEP_SUCCESS), kinds.count(dg.DagsterEventType.STEP_FAILURE)
 
 
 @dataclass(frozen=True)
@@ -138,8 +119,7 @@ class CheckOutcome:
 
 
 def check_outcomes(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> list[CheckOutcome]:
-    """The last evaluation of every asset check in ``run_ids`` as the instance recorded it; the
-    reason is the evaluation's description, else its recorded verdict."""
+    """The last evaluation of every asset check in ``run_ids``; the reason is its description, else its verdict."""
     latest: dict[tuple[str, str], CheckOutcome] = {}
     for run_id in run_ids:
         for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
@@ -154,8 +134,7 @@ def check_outcomes(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> list
 
 
 def verdict(succeeded: int, failed: int, outcomes: Sequence[CheckOutcome]) -> list[str]:
-    """One line, ``N steps succeeded, K warnings (...)``, then one line per check that did not
-    pass, with its reason (the first line of it)."""
+    """``N steps succeeded, K warnings: ...``, then one line per check that did not pass, with its reason."""
     warned = [o for o in outcomes if not o.passed and o.severity == dg.AssetCheckSeverity.WARN.value]
     errors = [o for o in outcomes if not o.passed and o.severity != dg.AssetCheckSeverity.WARN.value]
     head = f"{succeeded} steps succeeded"
@@ -190,7 +169,9 @@ def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int
         return [f"error: {error}"], False
     if not examples:
         return ["error: no held-out utterance of the fine-tuning split is in the corpus the demo ran on"], False
-    uri = registered_recogniser(instance)
+    from speech_assets.defs.lineage import latest_metadata
+
+    uri = latest_metadata(instance, "finetuned_asr").get("registered_model")  # the MLflow model version, if any
     try:
         with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
             if uri:
@@ -221,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             lines, ok = _examples_section(data, instance, args.examples)
             print("\n".join(lines))
             print()
-        run_ids = [run.run_id for run in demo_runs(instance, args.since)]
+        runs = instance.get_runs(filters=dg.RunsFilter(created_after=datetime.fromtimestamp(args.since, UTC)))
+        run_ids = [run.run_id for run in reversed(runs)]  # oldest first
         succeeded, failed = step_counts(instance, run_ids)
         print(f"== verdict ({len(run_ids)} runs) ==")
         print("\n".join(verdict(succeeded, failed, check_outcomes(instance, run_ids))))

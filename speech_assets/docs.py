@@ -1,15 +1,10 @@
 """What the documentation takes from the code: descriptions as the Dagster UI renders them, and the
-asset graph drawn from the definitions.
+asset graph drawn from the definitions (`python -m speech_assets.docs` rewrites its copies).
 
-The UI renders an asset's or a check's description with react-markdown, remark-gfm and
-remark-breaks, sanitised by rehype-sanitize and without rehype-raw (`ui-core/src/ui/
-MarkdownWithPlugins.tsx`, in the source maps dagster-webserver 1.13.27 ships): raw HTML is dropped,
-so a docstring's `<data>/probe/results.parquet` shows as `/probe/results.parquet`.
-markdown-it-py parses CommonMark the same way, and its `html_inline`/`html_block` tokens are exactly
-what the UI drops.
-
-README.md and docs/USER_GUIDE.md each hold a copy of `mermaid_graph` after the line `GRAPH_MARKER`;
-`python -m speech_assets.docs` rewrites those copies from the definitions.
+The UI renders descriptions with react-markdown and remark-gfm without rehype-raw
+(`ui-core/src/ui/MarkdownWithPlugins.tsx`, dagster-webserver 1.13.27): raw HTML is dropped, so
+`<data>/probe/results.parquet` shows as `/probe/results.parquet`. markdown-it-py's
+`html_inline`/`html_block` tokens are exactly what the UI drops.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ from markdown_it.token import Token
 GRAPH_MARKER = "<!-- the asset graph, generated from the definitions by `python -m speech_assets.docs` -->"
 # RST's inline literal; a single backtick is markdown's, and a fence (```) is not inline
 RST_LITERAL = re.compile(r"(?<!`)``(?!`)")
+GRAPH_BLOCK = re.escape(GRAPH_MARKER) + r"\n```mermaid\n(.*?)```\n"
 
 
 def _ui_markdown() -> MarkdownIt:
@@ -107,19 +103,16 @@ def mermaid_graph(defs: dg.Definitions) -> str:
 
 def graph_copies(text: str) -> list[str]:
     """The mermaid blocks of a markdown file that follow `GRAPH_MARKER`."""
-    pattern = re.escape(GRAPH_MARKER) + r"\n```mermaid\n(.*?)```\n"
-    return re.findall(pattern, text, flags=re.S)
+    return re.findall(GRAPH_BLOCK, text, flags=re.S)
 
 
 def with_graph(text: str, graph: str) -> str:
     """The markdown `text` with every copy after `GRAPH_MARKER` replaced by `graph`."""
-    pattern = re.escape(GRAPH_MARKER) + r"\n```mermaid\n.*?```\n"
-    return re.sub(pattern, lambda _: f"{GRAPH_MARKER}\n```mermaid\n{graph}```\n", text, flags=re.S)
+    return re.sub(GRAPH_BLOCK, lambda _: f"{GRAPH_MARKER}\n```mermaid\n{graph}```\n", text, flags=re.S)
 
 
 def main(paths: list[str]) -> int:
-    """Rewrites the graph's copies in the given markdown files (default: README.md and
-    docs/USER_GUIDE.md under the working directory)."""
+    """Rewrites the graph's copies in the given markdown files (default: README.md and docs/USER_GUIDE.md)."""
     from speech_assets.definitions import defs
     from speech_assets.utils import atomic_write_text
 

@@ -1,13 +1,7 @@
-"""Where every output lives: the one module that names the folders and files the graph writes.
+"""Where every output lives: the one module that names the folders and files the graph writes
+(``test_layout.py`` fails on a literal copy of a name elsewhere), under the data dir ``D``.
 
-Everything sits under the data dir ``D`` (:func:`speech_assets.locations.data_dir`). Each
-artifact family has a small object naming its files (:class:`TargetFiles`, :class:`RunFiles`,
-:class:`FederatedPaths`, ...) and :class:`DataLayout` places them under ``D``. No other module
-of the package spells an output's file or folder name (``speech_assets_tests/test_layout.py``
-reads the names below and fails on a literal copy of one elsewhere).
-
-Ids that become path parts (speakers, clients, runs) are checked by the caller
-(``StoragePaths`` checks them with ``corpus.ids.check_safe_id``) before they reach here.
+Ids that become path parts are checked by the caller (``StoragePaths``) before they reach here.
 """
 
 from __future__ import annotations
@@ -80,8 +74,7 @@ TEMP_SUFFIX = ".tmp"
 
 @dataclass(frozen=True)
 class Numbered:
-    """The files of one folder named by a number: ``template`` has one field (``"round_{:05d}.pt"``).
-    The one spelling that names them, globs them and reads the number back."""
+    """Files named by a number: ``template`` has one field (``"round_{:05d}.pt"``)."""
 
     template: str
 
@@ -89,19 +82,16 @@ class Numbered:
         return self.template.format(int(number))
 
     def _around(self) -> tuple[str, str]:
-        """The template's text before and after its field (``"round_"``, ``".pt"``)."""
         head, _, tail = self.template.partition("{")
         return head, tail.partition("}")[2]
 
     @property
     def glob(self) -> str:
-        """The glob pattern of every file of the family (``"round_*.pt"``)."""
         head, suffix = self._around()
         return f"{head}*{suffix}"
 
     def number(self, name: str) -> int | None:
-        """The number ``name`` was written with, or ``None`` for any other name (also a
-        non-canonical one such as ``round_7.pt`` where ``round_00007.pt`` is written)."""
+        """``None`` for any other name, also a non-canonical one (``round_7.pt`` for ``round_00007.pt``)."""
         head, suffix = self._around()
         digits = name[len(head) : len(name) - len(suffix)]
         if not (name.startswith(head) and name.endswith(suffix) and digits.isascii() and digits.isdigit()):
@@ -109,21 +99,19 @@ class Numbered:
         return int(digits) if self.name(int(digits)) == name else None
 
     def numbers(self, folder: Path) -> list[int]:
-        """The numbers of the family's files in ``folder`` (none where it does not exist), ascending."""
         if not folder.is_dir():
             return []
         return sorted(n for path in folder.iterdir() if (n := self.number(path.name)) is not None)
 
 
 def lock_beside(path: Path) -> Path:
-    """The lock file whoever rewrites ``path`` holds: ``<path>.lock`` beside it."""
+    """Held by whoever rewrites ``path``."""
     return path.with_name(path.name + SHARD_LOCK_SUFFIX)
 
 
 class Under:
-    """A class attribute that names the file or folder ``name`` under each instance's ``root``:
-    ``labels = Under("labels.parquet")`` reads as ``self.root / "labels.parquet"``; the class
-    attribute itself (``TargetFiles.labels``) holds the name (``.name``), for a glob or a message."""
+    """``labels = Under("labels.parquet")`` reads as ``self.root / "labels.parquet"``; on the class
+    (``TargetFiles.labels``) it holds the ``.name``, for a glob or a message."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -138,8 +126,7 @@ class Under:
 
 @dataclass(frozen=True)
 class Folder:
-    """A family of files and folders under ``root`` (given as any path-like), each named by a
-    :class:`Under` class attribute or a method of the subclass."""
+    """A family of files and folders under ``root``."""
 
     root: Path
 
@@ -148,8 +135,7 @@ class Folder:
 
 
 class ManifestFiles(Folder):
-    """``D/manifest/``: the manifest, its rejects, per-speaker hashes, the decode cache, the
-    publish lock and the staging folder."""
+    """``D/manifest/``."""
 
     manifest = Under("manifest.parquet")
     rejects = Under("rejects.parquet")
@@ -161,8 +147,7 @@ class ManifestFiles(Folder):
 
 @dataclass(frozen=True)
 class ShardPaths:
-    """The files of one speaker's feature shard in ``shards_dir``: ``<speaker>.parquet`` and its
-    ``.rejects.parquet``, ``.stats.npz``, ``.meta.json`` and hidden ``.<speaker>.lock``."""
+    """One speaker's feature shard ``<speaker>.parquet`` and the files beside it."""
 
     shard: Path
     rejects: Path
@@ -199,30 +184,26 @@ class CmvnFiles(Folder):
 
     @property
     def versioned(self) -> tuple[Path, Path, Path]:
-        """The three files cmvn_stats's data version hashes, in order."""
+        """What cmvn_stats's data version hashes, in order."""
         return self.cmvn, self.speaker_sums, self.speakers
 
 
 class TargetFiles(Folder):
-    """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or
-    ``D/kmeans_iter2/<client>/``: ``codebook.npy`` (K, D), ``labels.parquet``, ``quality.json``
-    (the publish record, written last), ``state.npz`` (the fit's resumable state) and the
-    writers' lock beside the folder."""
+    """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or ``D/kmeans_iter2/<client>/``."""
 
     labels = Under("labels.parquet")
-    quality = Under("quality.json")
-    codebook = Under("codebook.npy")
-    state = Under("state.npz")
+    quality = Under("quality.json")  # the publish record, written last
+    codebook = Under("codebook.npy")  # (K, D)
+    state = Under("state.npz")  # the fit's resumable state
 
     @property
     def lock(self) -> Path:
-        """Held by whoever writes the folder: hidden ``.<client>.lock`` beside it."""
+        """Held by whoever writes the folder."""
         return self.root.parent / f".{self.root.name}{SHARD_LOCK_SUFFIX}"
 
 
 class RunRecord(Folder):
-    """What every run's folder holds, centralised or federated: the final checkpoint, the result,
-    its provenance, the settings snapshot and the MLflow run id."""
+    """What every run's folder holds, centralised or federated."""
 
     final = Under("final.pt")
     result = Under("result.json")
@@ -232,8 +213,7 @@ class RunRecord(Folder):
 
 
 class RunFiles(RunRecord):
-    """A training run's folder (centralised, iteration 2, distilled): besides the run record,
-    config, metrics, log and checkpoints."""
+    """A training run's folder (centralised, iteration 2, distilled, fine-tuning)."""
 
     config = Under("config.json")
     launch_config = Under("launch_config.json")
@@ -247,7 +227,6 @@ class RunFiles(RunRecord):
     checkpoint_steps = Numbered("step_{:08d}.pt")
 
     def checkpoint(self, step: int) -> Path:
-        """The resumable checkpoint of ``step``: ``checkpoints/step_NNNNNNNN.pt``."""
         return self.checkpoints / self.checkpoint_steps.name(step)
 
     def node_log(self, rank: int) -> Path:
@@ -256,27 +235,16 @@ class RunFiles(RunRecord):
     rank_results = Numbered("result.rank{}.json")  # a parallel fine-tuning batch: the result of rank N > 0
 
     def rank_result(self, rank: int) -> Path:
-        """The result file of rank ``rank`` of a fine-tuning batch: ``result.json`` on rank 0,
-        ``result.rank<N>.json`` on rank N (the runs that rank trained, with ``parallel``)."""
+        """The result of rank ``rank`` of a fine-tuning batch: ``result.json`` on rank 0."""
         return self.result if rank == 0 else self.root / self.rank_results.name(rank)
 
 
 class FederatedPaths(RunRecord):
-    """The layout of ``<data>/federated/<run>/``: the run record and
-
-    ``rounds/round_NNNNN.pt`` (global encoder + server optimiser state, the last ``keep_rounds``)
-    and ``rounds/round_NNNNN.json`` (that round's rows, missing clients, hashes; all kept),
-    ``rounds.parquet``, ``evaluation.parquet``, ``final.pt``, ``result.json``, ``received.jsonl``
-    (what the server received: record names, keys and shapes), ``failure.json``,
-    ``settings.json`` (the settings the run folder was started with; a resume must match them),
-    ``flower/`` (:class:`FlowerFiles`: Flower homes, logs, TLS files and the node registrations
-    of the local federation), ``run_config.toml``. No client state: that lives under each
-    SuperNode's root (:class:`ClientRunFiles`).
-    """
+    """``D/federated/<run>/``; no client state: that lives under each SuperNode's root (:class:`ClientRunFiles`)."""
 
     rounds_dir = Under("rounds")
-    round_checkpoints = Numbered("round_{:05d}.pt")
-    round_records = Numbered("round_{:05d}.json")
+    round_checkpoints = Numbered("round_{:05d}.pt")  # global encoder + server optimiser, the last keep_rounds
+    round_records = Numbered("round_{:05d}.json")  # that round's rows, missing clients, hashes; all kept
 
     def round_checkpoint(self, round_number: int) -> Path:
         return self.rounds_dir / self.round_checkpoints.name(round_number)
@@ -286,7 +254,7 @@ class FederatedPaths(RunRecord):
 
     rounds_table = Under("rounds.parquet")
     evaluation_table = Under("evaluation.parquet")
-    received = Under("received.jsonl")
+    received = Under("received.jsonl")  # what the server received: record names, keys and shapes
     failure = Under("failure.json")
     server_log = Under("server.log")
     run_config = Under("run_config.toml")
@@ -298,8 +266,7 @@ class FederatedPaths(RunRecord):
 
     @property
     def nodes(self) -> Path:
-        """``{node id: client id}`` of the SuperNodes registered with the local SuperLink (node
-        authentication); absent for a remote SuperLink, where the server binds on first reply."""
+        """``{node id: client id}`` registered with the local SuperLink; absent for a remote one."""
         return self.flower.nodes
 
 
@@ -331,16 +298,12 @@ class NodeKeys(Folder):
 
 
 class FlowerFiles(Folder):
-    """``D/federated/<run>/flower/``: one folder per process of the local federation
-    (``superlink/``, ``supernode-<client>/``: its log and its ``FLWR_HOME``), ``pids.json`` (each
-    daemon's supervisor pid and Flower pid), ``tls/``, ``auth/`` (deleted on stop), ``cli/`` (the
-    ``FLWR_HOME`` of ``flwr`` commands), ``nodes.json`` (deleted on stop), ``flwr-run.log``
-    (``flwr run``'s output), and on the simulation runtime ``simulation.log`` and
-    ``simulation_nodes.json`` (the clients' node configs)."""
+    """``D/federated/<run>/flower/``: one folder per process of the local federation (its log and
+    ``FLWR_HOME``), TLS and node keys."""
 
-    cli = Under("cli")
-    pids = Under("pids.json")
-    nodes = Under("nodes.json")
+    cli = Under("cli")  # the FLWR_HOME of flwr commands
+    pids = Under("pids.json")  # each daemon's supervisor pid and Flower pid
+    nodes = Under("nodes.json")  # deleted on stop, as auth/
     run_log = Under("flwr-run.log")
     simulation_log = Under("simulation.log")
     simulation_nodes = Under("simulation_nodes.json")
@@ -375,9 +338,8 @@ class FlowerFiles(Folder):
 
 
 class ClientRunFiles(Folder):
-    """One client's state of one federated run, ``<state root>/<run>/``: its prediction head after
-    each round (``heads/round_NNNNN.pt``) and its secure-aggregation secrets of each round
-    (``secagg/round-<n>.json``, owner-only)."""
+    """One client's state of one federated run, ``<state root>/<run>/``: its head after each round
+    and its secure-aggregation secrets of each round (owner-only)."""
 
     heads_dir = Under("heads")
     heads = Numbered("round_{:05d}.pt")
@@ -393,12 +355,10 @@ class ClientRunFiles(Folder):
 
 
 class ProbeFiles(Folder):
-    """``D/probe/``: per-(model, seed) results (written last: its hash is the data version),
-    per-utterance errors, the leaderboard and the speaker split (``speakers.json``)."""
+    """``D/probe/``; the results are written last: their hash is the data version."""
 
     @classmethod
     def beside(cls, results: str | os.PathLike[str]) -> ProbeFiles:
-        """The family of a results file anywhere (``cli probe --results``)."""
         return cls(Path(results).parent)
 
     results = Under("results.parquet")
@@ -408,8 +368,7 @@ class ProbeFiles(Folder):
 
 
 class ExportedModel(Folder):
-    """An exported model's folder: ``onnx``, ``torch`` (TorchScript) and ``card`` (the JSON that
-    says how to feed it and read its output), named by the subclass."""
+    """An exported model's folder; ``card`` is the JSON that says how to feed it and read its output."""
 
     onnx: Path
     torch: Path
@@ -417,13 +376,12 @@ class ExportedModel(Folder):
 
     @property
     def published(self) -> tuple[Path, Path, Path]:
-        """The files the export's data version hashes: ONNX, TorchScript and the card."""
+        """What the export's data version hashes."""
         return self.onnx, self.torch, self.card
 
 
 class ExportFiles(ExportedModel):
-    """One export: ``D/export/<sha16>-layer<N>/`` with ``encoder.onnx``, ``encoder.pt``,
-    ``encoder.json`` and ``cmvn.npz``."""
+    """One export: ``D/export/<sha16>-layer<N>/``."""
 
     @staticmethod
     def folder_name(encoder_sha256: str, layer: int) -> str:
@@ -439,8 +397,7 @@ class ExportFiles(ExportedModel):
 
 
 class RecogniserFiles(ExportedModel):
-    """An exported recogniser (``D/finetune/recogniser/``): ``recogniser.onnx``,
-    ``recogniser.pt`` (TorchScript) and ``recogniser.json``."""
+    """``D/finetune/recogniser/``."""
 
     onnx = Under("recogniser.onnx")
     torch = Under("recogniser.pt")
@@ -448,9 +405,7 @@ class RecogniserFiles(ExportedModel):
 
 
 class FinetuneFiles(Folder):
-    """``D/finetune/``: the fine-tuned ASR comparison (``results.parquet``), the exported
-    recogniser (``recogniser/``), one folder per fine-tuning run (``runs/``) and per launch of
-    several runs (``batches/``)."""
+    """``D/finetune/``."""
 
     results = Under("results.parquet")
     recogniser = Under("recogniser")
@@ -459,18 +414,16 @@ class FinetuneFiles(Folder):
 
 
 class ReportFiles(Folder):
-    """``D/report/``: ``index.html``, its ``audio/`` clips and ``input_versions.json`` (the
-    lineage the stats were built from)."""
+    """``D/report/``."""
 
     index = Under("index.html")
     audio = Under("audio")
-    input_versions = Under("input_versions.json")
+    input_versions = Under("input_versions.json")  # the lineage the stats were built from
     plots = Under(".plots")  # the report's plots' PNGs by input hash (PLOT_SUFFIX), reused while unchanged
 
 
 class DecoderFiles(Folder):
-    """A beam decoder's files in a recogniser's folder: the lexicon and the ARPA n-gram LM of
-    each order (``3gram.arpa``)."""
+    """A beam decoder's files in a recogniser's folder."""
 
     lexicon = Under("lexicon.txt")
     lms = Numbered("{}gram.arpa")
@@ -503,14 +456,13 @@ class DataLayout(Folder):
         return self.root / CLIENTS_DIR / CLIENTS_FILE
 
     def targets_root(self, iteration: int = 1) -> Path:
-        """The folder holding every client's targets of ``iteration`` (1 or 2)."""
         return self.root / TARGETS_DIRS[iteration]
 
     def targets(self, client_id: str, iteration: int = 1) -> TargetFiles:
         return TargetFiles(self.targets_root(iteration) / client_id)
 
     def all_targets(self, iteration: int = 1) -> list[TargetFiles]:
-        """Every client's targets of ``iteration`` that has published (a ``quality.json``), by client."""
+        """Every client's published targets of ``iteration``, by client."""
         return [
             TargetFiles(q.parent) for q in sorted(self.targets_root(iteration).glob(f"*/{TargetFiles.quality.name}"))
         ]
@@ -521,7 +473,6 @@ class DataLayout(Folder):
     federated_dir = Under("federated")
 
     def training_root(self, iteration: int = 1) -> Path:
-        """The folder of every pretraining run of HuBERT ``iteration`` (1 or 2)."""
         return {1: self.training_dir, 2: self.training_iter2_dir}[iteration]
 
     def federated_run(self, run_name: str) -> FederatedPaths:
@@ -529,11 +480,11 @@ class DataLayout(Folder):
 
     @property
     def client_state_dir(self) -> Path:
-        """``D/federated_clients/``: one state root per local SuperNode (beside ``D/federated/``)."""
+        """One state root per local SuperNode."""
         return self.root / CLIENT_STATE_DIR
 
     def results_of(self, runs_dir: Path) -> list[Path]:
-        """The ``result.json`` of every finished run under ``runs_dir``, by path."""
+        """The ``result.json`` of every finished run, by path."""
         return sorted(runs_dir.glob(f"*/{RunRecord.result.name}"))
 
     @property

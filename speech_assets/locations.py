@@ -1,8 +1,7 @@
-"""Where things live: repository root (and its git commit), corpus, data dir, Dagster home and
-MLflow store.
+"""Where things live: repository root, corpus, data dir, Dagster home and MLflow store.
 
-Every location comes from an (optional) environment variable; relative values resolve against
-the repository root so that `make demo`, `dagster dev` and tests agree on one layout.
+Relative values of the environment variables resolve against the repository root, so that
+`make demo`, `dagster dev` and tests agree on one layout.
 """
 
 from __future__ import annotations
@@ -97,16 +96,9 @@ def with_credentials(uri: str) -> str:
 
 
 def mlflow_artifact_location(tracking_uri: str, data: Path | None = None) -> str | None:
-    """Where a new MLflow experiment keeps its artifacts.
-
-    * a tracking *server* (``http``/``https``): ``None``, the server's default artifact location,
-      so artifacts go through the server (``mlflow server --serve-artifacts``) to its
-      ``--artifacts-destination`` and every client on the team sees the same files;
-    * any store the client writes itself (``sqlite:``, ``file:`` or a path, and database URIs such
-      as ``postgresql+psycopg2://`` used without a server): the local folder ``<data>/mlartifacts``
-      when ``data`` is given, else beside a SQLite/file store, never the working directory
-      (MLflow's own fallback, ``./mlruns``).
-    """
+    """Where a new MLflow experiment keeps its artifacts: for a tracking server, ``None`` (its own
+    store, which every client on the team sees); for a store the client writes itself,
+    ``<data>/mlartifacts`` or beside a SQLite/file store, never MLflow's fallback ``./mlruns``."""
     parsed = urlparse(tracking_uri)
     if parsed.scheme in MLFLOW_SERVER_SCHEMES:
         return None

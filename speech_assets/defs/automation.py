@@ -1,23 +1,9 @@
 """Fresh-data automation: a corpus sensor, a re-validation schedule, and declarative automation.
 
-Everything here starts STOPPED, as Dagster does by default; turn it on in the UI
-(Automation tab) or with `dagster sensor start` / `dagster schedule start` (see docs/OPERATIONS.md, "Fresh data").
-
-Flow on fresh audio:
-1. ``corpus_sensor`` sees the corpus fingerprint (paths, sizes, mtimes) differ from the one the
-   latest manifest recorded, and requests a ``manifest`` run. That run registers new speaker
-   partitions and records a ``speaker_manifest`` observation (data version: the hash of the
-   speaker's rows) for exactly the speakers whose rows are new or changed; unchanged speakers get
-   no event, so they and their shards stay in sync.
-2. Once the manifest is current, it compares every speaker's manifest hash with the hash its
-   shard was built from and requests ``vad_features`` runs for exactly the new or changed
-   speakers (one run per contiguous range of them) — unchanged shards are never re-executed.
-   Observations the manifest run could not record are reported by this tick (runless).
-3. (no third hop: the per-speaker versions need no run of their own)
-4. Downstream assets follow through ``AutomationCondition``s evaluated by the
-   ``speech_assets_automation`` sensor (conditions in ``conditions.py``), held back while a
-   blocking check fails; retraining happens at most once per ``$SPEECH_ASSETS_RETRAIN_CRON``
-   interval.
+Everything starts STOPPED (docs/OPERATIONS.md, "Fresh data"). ``corpus_sensor`` requests a
+``manifest`` run when the corpus fingerprint changes, then ``vad_features`` runs for exactly the
+speakers whose rows changed; downstream assets follow their ``AutomationCondition``s
+(``conditions.py``).
 """
 
 import json
@@ -36,16 +22,10 @@ from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings
 
 REVALIDATE_CRON = os.environ.get("SPEECH_ASSETS_REVALIDATE_CRON", "0 2 * * *")
-# How often the daemon evaluates the two sensors (docs/BENCHMARKS.md). Fresh audio takes
-# two corpus_sensor hops (manifest, vad_features) and three automation
-# hops (cmvn_stats + client_partitions, kmeans_targets, dataset_stats once after it); each waits for the next
-# evaluation, so at 60 s the waits, not the work, are most of the 281-321 s (measured) a new
-# speaker takes to reach dataset_stats. The daemon's sensor and automation loops come round every 5 s, and a
-# sensor is skipped while less than its minimum interval has passed since its last tick *ended*:
-# 5 would skip every other loop, so 2 means "every loop", one tick per ~5 s. What that costs
-# while nothing changes: corpus_sensor stats every corpus file (milliseconds for 200 files,
-# ~1-2 s for 10,000: raise it for large corpora); an automation tick evaluates every asset's
-# condition in the daemon (measured in docs/BENCHMARKS.md). Override without a code change:
+# Fresh audio takes five hops, each waiting for the next tick (docs/BENCHMARKS.md). The daemon's
+# loops come round every 5 s and skip a sensor until its interval has passed since its last tick
+# *ended*: 5 would skip every other loop, 2 means every loop. corpus_sensor stats every corpus
+# file each tick (~1-2 s for 10,000: raise it for large corpora).
 CORPUS_SENSOR_INTERVAL_S = int(os.environ.get("SPEECH_ASSETS_CORPUS_SENSOR_INTERVAL_S", "2"))
 AUTOMATION_INTERVAL_S = int(os.environ.get("SPEECH_ASSETS_AUTOMATION_INTERVAL_S", "2"))
 # The sensors' runs are small and many: their steps run in the run worker, not in forked step
@@ -55,11 +35,6 @@ SENSOR_RUN_TAGS = {IN_PROCESS_TAG: "true"}
 # canceled run is asked for again under a new key, a failed one is not (it would fail again).
 SHARD_REQUEST_TAG = "speech_assets/shard_request"
 MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
-
-
-def _failed_manifest_checks(instance: dg.DagsterInstance) -> list[str]:
-    records = instance.event_log_storage.get_latest_asset_check_execution_by_key(MANIFEST_CHECKS)
-    return [key.name for key, record in records.items() if record is not None and record.status.value == "FAILED"]
 
 
 def stale_speakers(paths: StoragePaths) -> dict[str, str]:
@@ -101,8 +76,10 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             ],
             cursor=cursor,
         )
-    failed = _failed_manifest_checks(context.instance)
-    if failed:
+    records = context.instance.event_log_storage.get_latest_asset_check_execution_by_key(MANIFEST_CHECKS)
+    if failed := [
+        key.name for key, record in records.items() if record is not None and record.status.value == "FAILED"
+    ]:
         return dg.SkipReason(
             f"the last manifest was not published: check(s) {', '.join(failed)} failed; fix the corpus "
             "(or the [manifest] settings) and the next corpus change re-validates it"
@@ -141,9 +118,8 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
 
 
 def unreadable_corpus(context: dg.SensorEvaluationContext, fingerprint: str, problem: str) -> dg.SensorResult:
-    """A corpus that cannot be read at all (a manifest file without its header's columns, a file
-    that cannot be opened): logged as an error once per version of the corpus (its fingerprint,
-    kept in the cursor), never a failed tick, and no manifest run that could only fail the same way."""
+    """A corpus that cannot be read at all: logged once per fingerprint (kept in the cursor), never a
+    failed tick, and no manifest run that could only fail the same way."""
     try:
         reported = json.loads(context.cursor or "{}").get("unreadable")
     except (ValueError, AttributeError):
@@ -163,33 +139,23 @@ def unreadable_corpus(context: dg.SensorEvaluationContext, fingerprint: str, pro
 
 
 def shard_run_key(instance: dg.DagsterInstance, request: str) -> str:
-    """The run key for a shard ``request``: the request itself until a run for it is canceled.
-
-    The sensor daemon launches a run key once: a run canceled (by a user, or its run worker lost)
-    would leave the speakers unbuilt until their rows change. Each canceled run of the request
-    gives the next attempt a key of its own.
-    """
+    """The request itself until a run for it is canceled: the daemon launches a run key once, so each
+    canceled run gives the next attempt a key of its own (else the speakers stay unbuilt)."""
     runs = instance.get_runs(filters=dg.RunsFilter(tags={SHARD_REQUEST_TAG: request}))
     canceled = sum(run.status == dg.DagsterRunStatus.CANCELED for run in runs)
     return f"{request}:retry{canceled}" if canceled else request
 
 
 def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:
-    """Group ``wanted`` keys into runs of neighbours in partition order: one run per range.
-
-    ``vad_features`` has a single-run backfill policy, so each range is one run that builds its
-    shards in parallel; unchanged shards never fall inside a range.
-    """
+    """Group ``wanted`` keys into neighbours in partition order: one run per range, so unchanged
+    shards never fall inside a range."""
     ranges: list[list[str]] = []
-    previous = None
     for index, key in enumerate(order):
-        if key not in wanted:
-            continue
-        if previous is not None and previous == index - 1:
-            ranges[-1].append(key)
-        else:
-            ranges.append([key])
-        previous = index
+        if key in wanted:
+            if index and order[index - 1] in wanted:
+                ranges[-1].append(key)
+            else:
+                ranges.append([key])
     return [(keys[0], keys[-1], keys) for keys in ranges]
 
 
@@ -207,10 +173,7 @@ automation_sensor = dg.AutomationConditionSensorDefinition(
     default_status=dg.DefaultSensorStatus.STOPPED,
     minimum_interval_seconds=AUTOMATION_INTERVAL_S,
     run_tags=SENSOR_RUN_TAGS,
-    # A tick that requests several clients' kmeans_targets hands them to a backfill (Dagster's
-    # default, kept on purpose: one run for every client, whose checks read every client's files;
-    # a run per client would have each check read the others' files mid-write). The backfill
-    # daemon advances a backfill once per 30 s loop (fixed), one dependency level per loop, so the
-    # conditions (conditions.py) keep kmeans_targets alone in its tick: its backfill is one level,
-    # one run, and costs one wait (15 s on average) instead of one per level.
+    # Several clients' kmeans_targets go to one backfill (Dagster's default, kept: one run whose
+    # checks read every client's files, never mid-write). A backfill advances one dependency level
+    # per 30 s loop, so conditions.py keeps kmeans_targets alone in its tick.
 )

@@ -87,7 +87,7 @@ def client_partitions(
 @dg.asset_check(
     asset="client_partitions",
     blocking=True,
-    description=("Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty."),
+    description="Every speaker with a shard is in exactly one client, no speaker is split, and no client is empty.",
 )
 def every_speaker_in_one_client(context: dg.AssetCheckExecutionContext, paths: StoragePaths) -> dg.AssetCheckResult:
     speakers = set(pq.read_table(paths.layout.cmvn.speakers, columns=["speaker_id"]).column(0).to_pylist())

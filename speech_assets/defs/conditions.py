@@ -11,16 +11,10 @@ RETRAIN_CRON = os.environ.get("SPEECH_ASSETS_RETRAIN_CRON", "0 3 * * *")
 def follow_upstream(ignore_updates_of: Sequence[str] = ()) -> dg.AutomationCondition:
     """Materialize after any dependency updates, once none is missing or running and blocking checks pass.
 
-    ``eager`` waits until no dependency (partition) is missing, e.g. a speaker registered by the
-    sensor whose shard is still being built.
-
-    ``ignore_updates_of`` names dependencies whose updates are no reason to run, because another
-    dependency follows them through automation and its update comes after (``kmeans_targets``
-    ignores the shards and ``cmvn_stats``: ``client_partitions`` is rebuilt after them). A
-    dependency of another partitioning is requested in a run of its own, so without this an
-    asset would be requested in the same tick as its inputs' inputs and, with several
-    partitions, the whole set would go to one backfill, which the daemon advances one dependency
-    level per 30 s loop. They still count as inputs: missing, in progress, checks.
+    ``ignore_updates_of``: dependencies whose updates another dependency follows (``kmeans_targets``
+    ignores the shards: ``client_partitions`` is rebuilt after them). Without it an asset is
+    requested in the same tick as its inputs' inputs (another partitioning is never "will be
+    requested" with it). They still count as inputs: missing, in progress, checks.
     """
     eager = dg.AutomationCondition.eager()
     if ignore_updates_of:
@@ -32,36 +26,15 @@ def follow_upstream(ignore_updates_of: Sequence[str] = ()) -> dg.AutomationCondi
 def after_upstream_settles(
     ignore_updates_of: Sequence[str], requested_in_backfills: Sequence[str], built_by_sensor: Sequence[str]
 ) -> dg.AutomationCondition:
-    """Materialize once after its dependencies update, when nothing upstream is still to come.
+    """Materialize once after its dependencies update, when nothing upstream is still to come
+    (``dataset_stats``: once per fresh data, not once per level; docs/ARCHITECTURE.md).
 
-    For ``dataset_stats``, which describes every stage: a manifest update with new speakers is
-    followed by their shards (``corpus_sensor``), then CMVN and clients, then ``kmeans_targets``
-    (automation), and it should run once, after the last of them, not once per level. The update
-    (``any_deps_updated`` ignoring ``ignore_updates_of``, whose updates another dependency follows)
-    is kept (``since_last_handled``) while anything upstream is pending:
-
-    * a dependency requested in this tick (``will_be_requested``) or in a run (``run_in_progress``:
-      a run counts from its creation, queued included);
-    * a dependency in ``requested_in_backfills`` whose own inputs updated in this tick: it may be
-      requested now, which ``will_be_requested`` does not show across partitionings (a tick
-      that requests several partitions hands them to a backfill);
-    * a partition of those requested by automation and not updated since
-      (``newly_requested().since(newly_updated() | execution_failed() | stopped)``): a backfill's
-      run exists only after the backfill daemon's next 30 s loop; ``in_progress`` alone would also
-      wait for that daemon to record the run's end (``backfill_in_progress`` until then), another
-      loop;
-    * a partition of ``built_by_sensor`` registered and never materialized, until its run fails
-      or stops: the sensor's work (``vad_features`` of a new speaker), which automation does not
-      request; once the sensor's run exists, ``run_in_progress``.
-
-    A failed execution ends the wait (the last published outputs are described, as before), and
-    so does a canceled run or backfill: Dagster counts only a failure as a failed execution, so
-    "stopped" is the partition seen in progress at one tick and not at the next. (A run created
-    and canceled between two ticks is never seen in progress; the wait then lasts until that
-    partition next materializes or fails.) A manifest change with nothing of the kind to wait for
-    (rejects only: a corrupt file added) runs it at the next tick. Blocking checks of the
-    dependencies that exist must pass; missing dependencies do not hold it back (the database is
-    useful before any model is trained).
+    The update is kept while a dependency is requested or running; one of
+    ``requested_in_backfills`` has inputs updated now (``will_be_requested`` does not show
+    across partitionings) or was requested and not updated since (a backfill's run exists only
+    after the backfill daemon's next 30 s loop); or a partition of ``built_by_sensor`` is
+    registered and never materialized. A failed or stopped run ends the wait. Missing
+    dependencies do not hold it back: the database is useful before any model is trained.
     """
     updated = dg.AutomationCondition.any_deps_updated().ignore(dg.AssetSelection.assets(*ignore_updates_of))
     trigger = (dg.AutomationCondition.newly_missing() | updated).since_last_handled()

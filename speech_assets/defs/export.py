@@ -35,10 +35,9 @@ class ExportOverrides(overrides_of(ExportSettings)):
 def encoder_export(
     context: dg.AssetExecutionContext, config: ExportOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
-    """The pretrained encoder without heads as ONNX (torch.onnx dynamo exporter) and TorchScript,
-    dynamic batch and time, with encoder.json (featurisation, the CMVN the encoder was trained
-    with, frame rates, layer, parity against PyTorch on real shard features through
-    onnxruntime): `<data>/export/<checkpoint>/`."""
+    """The pretrained encoder without heads as ONNX and TorchScript (dynamic batch and time), with
+    encoder.json (featurisation, CMVN, frame rates, layer, parity against PyTorch on real shard
+    features): `<data>/export/<checkpoint>/`."""
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.probe import subsample
     from speech_assets.features.cmvn import from_record
@@ -108,8 +107,7 @@ def encoder_export(
 
 
 def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: ExportFiles, warn) -> dict[str, str]:
-    """The exported ONNX encoder (``encoder.json`` beside it) as an MLflow model in the run of the
-    checkpoint it comes from; ``{}`` (and a warning) when it cannot be logged."""
+    """The ONNX encoder as an MLflow model in its checkpoint's run; ``{}`` (and a warning) when it cannot be logged."""
     from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
 
     return log_exported_model(
@@ -147,7 +145,6 @@ def onnx_matches_pytorch(
 
 
 def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.AssetCheckResult:
-    """The parity check of the export in ``folder`` on the first ``utterances`` of ``shards``."""
     from speech_assets.features.cmvn import from_record
     from speech_assets.model.export import parity_features, reverify_export
 

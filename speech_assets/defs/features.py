@@ -101,9 +101,8 @@ def vad_features(
     context.log.info(totals.summary())
     if not failed:
         yield from step_events(context, published)
-        return
-    yield from published  # the finished shards are recorded even though the run fails
-    if failed:
+    else:
+        yield from published  # the finished shards are recorded even though the run fails
         raise dg.Failure(
             description=(
                 f"{len(failed)} of {len(jobs)} shard(s) failed ({', '.join(sorted(failed)[:10])}); "
@@ -140,21 +139,13 @@ def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, 
 def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
     """Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums."""
     speakers = sorted(pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist())
-    metas, parts = {}, []
-    missing = []
-    for speaker in speakers:
-        files = paths.shard_files(speaker)
-        meta = files.read_meta()
-        if meta is None:
-            missing.append(speaker)
-            continue
-        metas[speaker] = meta
-        parts.append(cmvn.ShardStats.load(files.stats))
-    if missing:
+    metas = {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
+    if missing := [s for s in speakers if s not in metas]:
         raise dg.Failure(
             description=f"{len(missing)} speaker shard(s) missing or incomplete ({', '.join(missing[:10])}): "
             "materialize vad_features for them first"
         )
+    parts = [cmvn.ShardStats.load(paths.shard_files(s).stats) for s in speakers]
     global_cmvn = cmvn.Cmvn.from_sums(cmvn.combine(parts))
     per_speaker = cmvn.merge(parts)
     paths.layout.cmvn.root.mkdir(parents=True, exist_ok=True)
@@ -195,8 +186,7 @@ def _published_shards(paths: StoragePaths) -> dict[str, dict]:
 
 
 def _verified_key(meta: dict) -> str:
-    """What the check's verdict on a shard depends on: its content (the sha256 its meta records,
-    the meta vouching for the files by size and mtime), the rejects file and the counts."""
+    """What the check's verdict on a shard depends on (the meta vouches for the files by size and mtime)."""
     return sha256_strings(
         str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects")
     )

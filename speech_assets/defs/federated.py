@@ -1,11 +1,7 @@
 """Stage 4b: federated HuBERT-style pretraining with Flower (`federated_checkpoint`).
 
-Data and prediction heads never leave a client: each sampled client trains the shared encoder
-locally from the current global encoder, and a ServerApp aggregates only the encoder with FedAdam
-(or FedAvg, FedProx), round after round; optionally with differential privacy and secure
-aggregation. Clients run on Flower's simulation runtime here, or on its deployment engine (local
-SuperNodes, or a remote SuperLink's). The centralised `pretrained_checkpoint` is the baseline.
-torch, flwr and mlflow are imported inside the asset, never when the code location loads.
+Data and prediction heads never leave a client; the server aggregates only the encoder. torch,
+flwr and mlflow are imported inside the asset, never when the code location loads.
 """
 
 import json
@@ -48,9 +44,7 @@ OPERATIONAL = (
 
 
 def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagster_run_id: str | None):
-    """The MLflow tracker of a federated run: the experiment, when this run creates it, keeps its
-    artifacts where every tracked asset's do (``paths.mlflow_artifact_location``: a tracking
-    server's own store, else ``<data>/mlartifacts``)."""
+    """The MLflow tracker of a federated run; a new experiment keeps its artifacts where every tracked asset's do."""
     from speech_assets.federated.tracking import FederatedTracker
 
     return FederatedTracker(
@@ -68,10 +62,8 @@ class FederatedOverrides(overrides_of(FederatedSettings)):
 
 def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> str:
     """Same inputs and the same (non-operational) settings -> the same run folder, which resumes."""
-    knobs = settings.model_dump(exclude=set(OPERATIONAL))
-    return sha256_strings([json.dumps(data_versions, sort_keys=True), json.dumps(knobs, sort_keys=True), CODE_VERSION])[
-        :16
-    ]
+    knobs = json.dumps(settings.model_dump(exclude=set(OPERATIONAL)), sort_keys=True)
+    return sha256_strings([json.dumps(data_versions, sort_keys=True), knobs, CODE_VERSION])[:16]
 
 
 @dg.asset(
@@ -122,10 +114,6 @@ def federated_checkpoint(
     )
     commit = git_commit()
     tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)
-
-    def on_round(record: dict) -> None:
-        context.log.info(round_log_line(record, federated.rounds))
-
     context.log.info(
         f"federated run {run_name} in {run_dir}: {len(clients)} clients on {describe_engine(fed.superlink, fed.engine)}"
     )
@@ -135,7 +123,7 @@ def federated_checkpoint(
             paths.root,
             **deployment_options(fed),
             log=context.log.info,
-            on_round=on_round,
+            on_round=lambda record: context.log.info(round_log_line(record, federated.rounds)),
             tracker=tracker,
         )
     except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
@@ -223,14 +211,12 @@ ROUND_COLUMNS = {
 
 
 def round_rows(lines: list[dict], sampled_by_round: dict[str, list[str]]) -> list[dict]:
-    """One table row per round (summarize_rounds' lines): sizes in MB, times in s; the held-out
-    masked accuracy on leak-free frames, the all-frames one named apart."""
+    """One table row per round (summarize_rounds' lines); the all-frames accuracy named apart."""
     rows = []
     for line in lines:
         found = accuracy.heldout_accuracy(line)
-        row = {k: v for k, v in line.items() if k not in ROUND_HELDOUT}
         rows.append(
-            row
+            {k: v for k, v in line.items() if k not in ROUND_HELDOUT}
             | {
                 "heldout_masked_accuracy": found.accuracy if found else None,
                 "heldout_majority_accuracy": found.majority if found else None,
@@ -249,8 +235,7 @@ ROUND_HELDOUT = ("heldout_masked_accuracy", "majority_accuracy", accuracy.ACCURA
 
 
 def round_series(lines: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """The held-out masked accuracy (leak-free frames) and the majority-class rate by round; the
-    train loss where no round was evaluated."""
+    """Held-out masked accuracy and majority-class rate by round; the train loss where none was evaluated."""
     scored = [(line["round"], found) for line in lines if (found := accuracy.heldout_accuracy(line)) is not None]
     if not scored:
         return {"train loss": [(line["round"], line["train_loss"]) for line in lines]}

@@ -1,12 +1,8 @@
-"""Stage 5: from pretrained encoder to speech recogniser: `finetuned_asr`, CTC fine-tuning against a
-from-scratch baseline over labelled budgets, and the recogniser exported for `speech-assets transcribe`.
+"""Stage 5: `finetuned_asr`, CTC fine-tuning against a from-scratch baseline over labelled budgets,
+and the recogniser exported for `speech-assets transcribe`.
 
-Each model first tries each peak lr of ``lr_grid`` (smallest budget, first seed) and keeps the one with the
-lowest dev CER; then each (model, labelled budget, seed) is one run of the fine-tuning worker
-(speech_assets/evaluation/finetune.py), planned without Dagster (speech_assets/evaluation/finetune_plan.py),
-in its own run folder; each phase's runs not finished before train in a single launch (on a CPU several at once, a
-process each), like every training loop (torchrun through Pipes, :mod:`speech_assets.defs.torchrun`); torch
-is imported inside the asset.
+Runs are planned without Dagster (evaluation/finetune_plan.py); each phase's unfinished runs train in
+one torchrun launch (:mod:`speech_assets.defs.torchrun`).
 """
 
 import contextlib
@@ -49,7 +45,6 @@ if TYPE_CHECKING:
     from speech_assets.evaluation.finetune_plan import PlannedRun
 
 FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
-ENCODER_ASSETS = CHECKPOINT_ASSETS  # every encoder it may fine-tune
 
 
 class FinetuneOverrides(overrides_of(FinetuneSettings)):
@@ -58,7 +53,7 @@ class FinetuneOverrides(overrides_of(FinetuneSettings)):
 
 @dg.asset(
     group_name="evaluation",
-    deps=[*ENCODER_ASSETS.values(), "manifest", "client_partitions", ALL_SHARDS],
+    deps=[*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions", ALL_SHARDS],
     code_version=FINETUNE_CODE_VERSION,
     pool="training",
     kinds={"pytorch", "onnx", "mlflow"},
@@ -70,15 +65,13 @@ def finetuned_asr(
     settings: PipelineSettings,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
-    """CTC fine-tuning on characters (the probe's 29 tokens, a linear head on the last layer) of
-    each encoder and of the same architecture from scratch, on the same seeded labelled subset of
-    the training speakers per budget (`labelled_minutes`) and seed; greedy (and n-gram beam, when
-    installed) CER/WER on the held-out speakers: `<data>/finetune/results.parquet`. No labelled or dev
-    sentence is a held-out one; the dev set (`dev_speakers` training-side speakers never labelled)
-    selects each run's step and, first, each model's peak lr of `lr_grid` (at the smallest budget and
-    the first seed; every other run then uses it). The pretrained
-    recogniser at the largest budget exports to ONNX with its featurisation, CMVN, vocabulary and
-    parity: `<data>/finetune/recogniser/` (what `speech-assets transcribe` uses)."""
+    """CTC fine-tuning on characters of each encoder and of the same architecture from scratch, on
+    the same seeded labelled subset of training speakers per budget (`labelled_minutes`) and seed;
+    greedy (and n-gram beam, when installed) CER/WER on the held-out speakers:
+    `<data>/finetune/results.parquet`. No labelled or dev sentence is a held-out one; the dev set
+    (`dev_speakers`, never labelled) selects each run's step and each model's peak lr of `lr_grid`
+    (tried at the smallest budget and first seed). The pretrained recogniser at the largest budget
+    exports to ONNX: `<data>/finetune/recogniser/` (what `speech-assets transcribe` uses)."""
     from speech_assets.evaluation.finetune_plan import (
         FinetuneRefused,
         choose_lrs,
@@ -103,8 +96,8 @@ def finetuned_asr(
         plan = plan_finetune(
             options,
             pretrained=required_checkpoint(context, "pretrained_checkpoint"),
-            checkpoint_of=lambda name: checkpoint_of(context, ENCODER_ASSETS[name]),
-            encoder_assets=ENCODER_ASSETS,
+            checkpoint_of=lambda name: checkpoint_of(context, CHECKPOINT_ASSETS[name]),
+            encoder_assets=CHECKPOINT_ASSETS,
             clients=lambda: read_clients(paths.layout.clients_file),
             manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
@@ -175,7 +168,7 @@ def finetuned_asr(
             ),
             "input_versions": dg.MetadataValue.json(
                 bounded_versions(
-                    {**{ENCODER_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
+                    {**{CHECKPOINT_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
                 )
             ),
         },
@@ -183,8 +176,7 @@ def finetuned_asr(
 
 
 def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speakers: list[str]) -> dict[str, str]:
-    """The data versions every fine-tuning run shares: the manifest, the clients table and the
-    shards of ``speakers``."""
+    """The data versions every fine-tuning run shares."""
     return {
         "manifest": latest_data_version(context.instance, "manifest") or "",
         "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
@@ -195,7 +187,7 @@ def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speak
 def _run_all(
     context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
 ) -> list[Path]:
-    """The folder of each of ``runs`` (:func:`_plan`), those not finished before trained in one launch."""
+    """The folder of each of ``runs``, those not finished before trained in one launch."""
     root = paths.layout.finetune.root
     folders = [_plan(context, paths, root, options, run) for run in runs]
     pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
@@ -205,8 +197,7 @@ def _run_all(
 
 
 def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
-    """(the folder of ``run`` (named by its inputs' versions and its settings), whether it finished
-    before); its labelled utterances and config are written unless it did."""
+    """(the folder of ``run``, whether it finished before); writes its labelled utterances and config unless it did."""
     from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
@@ -256,9 +247,8 @@ def _train(
     run_dirs: list[Path],
     data_versions: dict[str, str],
 ) -> None:
-    """Train the runs of ``run_dirs`` (planned by :func:`_plan`) one after another in one torchrun
-    launch (:class:`~speech_assets.train.config.FinetuneBatch`): one start-up of the workers, the
-    imports and the data for all of them. Each run folder is held as a lone launch holds it."""
+    """Train ``run_dirs`` in one torchrun launch: one start-up of the workers, imports and data for all.
+    Each run folder is held as a lone launch holds it."""
     import torch
 
     from speech_assets.evaluation.finetune import finished_result
@@ -424,11 +414,11 @@ def log_recogniser_model(
 def _wer_curve(rows: list[dict]) -> dict[str, object]:
     """The papers' figure: mean held-out greedy WER against labelled minutes, one line per model."""
     from speech_assets.evaluation.finetune_results import wer_by_budget
+    from speech_assets.stats import plots
 
     budgets, series = wer_by_budget(rows)
     if len(budgets) < 2:
         return {}
-    from speech_assets.stats import plots
 
     png = plots.curves(budgets, series, "held-out WER (greedy) against labelled minutes", "labelled minutes")
     return {"wer_curve": dg.MetadataValue.md(plots.markdown_image(png, "WER against labelled minutes"))}

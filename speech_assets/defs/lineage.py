@@ -1,5 +1,4 @@
-"""Read the data versions that upstream assets recorded, to stamp them into our metadata: the
-latest materialization of an asset or partition, a checkpoint's, the inputs of a training run."""
+"""Read the data versions that upstream assets recorded, to stamp them into our metadata."""
 
 from __future__ import annotations
 
@@ -17,37 +16,26 @@ from speech_assets.targets.publish import ClientShards
 from speech_assets.utils import sha256_strings
 
 
-def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
-    """The latest materialization event of an unpartitioned ``asset`` (its metadata), if any."""
-    records = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records
+def latest_materialization(
+    instance: dg.DagsterInstance, asset: str, partition: str | None = None
+) -> dg.AssetMaterialization | None:
+    """The latest materialization event of ``asset`` (or one of its partitions), if any."""
+    partitions = [partition] if partition is not None else None
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=partitions), limit=1
+    ).records
     return records[0].asset_materialization if records else None
 
 
 def latest_data_version(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> str | None:
-    """Data version of the latest materialization of ``asset`` (or one of its partitions)."""
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition is not None else None
-        ),
-        limit=1,
-    ).records
-    if not records:
-        return None
-    materialization = records[0].asset_materialization
-    return materialization.tags.get(internals.DATA_VERSION_TAG) if materialization and materialization.tags else None
+    materialization = latest_materialization(instance, asset, partition)
+    return (materialization.tags or {}).get(internals.DATA_VERSION_TAG) if materialization else None
 
 
 def latest_metadata(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> dict[str, object]:
     """Raw metadata values of the latest materialization (empty when never materialized)."""
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition is not None else None
-        ),
-        limit=1,
-    ).records
-    if not records or records[0].asset_materialization is None:
-        return {}
-    return {key: value.value for key, value in records[0].asset_materialization.metadata.items()}
+    materialization = latest_materialization(instance, asset, partition)
+    return {key: value.value for key, value in materialization.metadata.items()} if materialization else {}
 
 
 def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]) -> dict[str, str]:
@@ -92,8 +80,7 @@ def input_versions(
     targets_dir: Callable[[str], Path] | None = None,
     targets_asset: str = "kmeans_targets",
 ) -> dict[str, str]:
-    """The data versions a training run reads: the manifest, CMVN and clients table, each
-    client's targets (from ``targets_dir(client)/quality.json``) and each speaker's shard."""
+    """The data versions a training run reads, each client's targets from ``targets_dir(client)/quality.json``."""
     targets_dir = targets_dir or paths.kmeans_dir
     versions = {
         "manifest": latest_data_version(context.instance, "manifest") or "",
@@ -120,8 +107,7 @@ def shard_hashes(paths: StoragePaths, speakers: Iterable[str], whose: str = "") 
 
 
 def client_shards(paths: StoragePaths, assignments: ClientsTable, client_id: str) -> ClientShards:
-    """One client's speakers, the held-out ones among them, and their published shards' hashes;
-    a client without speakers, or a shard missing, fails the step."""
+    """One client's speakers, its held-out ones and their shards' hashes; fails the step without them."""
     speakers = sorted(a.speaker_id for a in assignments if a.client_id == client_id)
     heldout = sorted(a.speaker_id for a in assignments if a.client_id == client_id and a.heldout)
     if not speakers:

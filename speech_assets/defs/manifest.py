@@ -1,10 +1,7 @@
 """Stage 1: the validated manifest of the corpus, and its rows per speaker.
 
-``speaker_manifest`` (one partition per speaker) is not materialized by a run of its own: it is a
-view of ``manifest/speakers.parquet`` whose per-speaker data versions (the hash of that speaker's
-rows) are recorded as observations by the manifest run that publishes them, only for the speakers
-whose rows changed (or are new). Unchanged speakers get no event at all, so they and their shards
-stay in sync whatever the number of speakers, and a changed speaker's shard turns stale.
+``speaker_manifest`` is observed, never run: the manifest run records a version only for speakers
+whose rows changed, so unchanged speakers' shards stay in sync whatever their number.
 """
 
 import os
@@ -101,9 +98,8 @@ def manifest(
     hours = sum(r.duration_s for r in result.rows) / 3600
     by_reason = corpus.count_by_reason(result.rejects)
     context.log.info(
-        f"manifest: {len(result.rows)} kept ({hours:.3f} h), {len(result.rejects)} rejected, "
-        f"{result.decoded_files} files decoded, {len(per_speaker)} speakers ({len(added)} new, "
-        f"{len(observations)} with new or changed rows)"
+        f"manifest: {len(result.rows)} kept ({hours:.3f} h), {len(result.rejects)} rejected, {result.decoded_files} "
+        f"files decoded, {len(per_speaker)} speakers ({len(added)} new, {len(observations)} with new or changed rows)"
     )
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(data_hash),
@@ -158,17 +154,14 @@ def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
 
 
 def speaker_rows_problems(manifest_file: Path, speakers_file: Path) -> list[str]:
-    """How ``speakers_file`` differs from the per-speaker summary of ``manifest_file`` (e.g. after a
-    publish interrupted between the two renames, or either file replaced by hand)."""
+    """How ``speakers_file`` differs from the per-speaker summary of ``manifest_file`` (a publish
+    interrupted between the two renames, or either file replaced by hand)."""
     table = pq.read_table(manifest_file, columns=["utt_id", "speaker_id", "file_sha256", "transcript", "duration_s"])
     listed = pq.read_table(speakers_file)
     outcome = audit.speakers(table, listed)  # the manifest's own audit of the same file, at publish time
     problems = [] if outcome.passed else [str(p) for p in outcome.metadata.get("problems", [])] or [outcome.description]
-    seconds: dict[str, float] = {}
-    for speaker, duration in zip(
-        table.column("speaker_id").to_pylist(), table.column("duration_s").to_pylist(), strict=True
-    ):
-        seconds[speaker] = seconds.get(speaker, 0.0) + duration
+    sums = table.group_by("speaker_id").aggregate([("duration_s", "sum")]).to_pylist()
+    seconds = {row["speaker_id"]: row["duration_s_sum"] for row in sums}
     if "hours" not in listed.column_names:
         return [*problems, "speakers.parquet has no hours column"]
     for row in listed.select(["speaker_id", "hours"]).to_pylist():

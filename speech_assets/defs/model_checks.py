@@ -1,10 +1,7 @@
 """Checks on the trained models and iteration 2's targets, read from the files they wrote.
 
-A checkpoint asset's latest materialization names its run folder (``run_dir``); what the run
-recorded there is checked: every loss finite (``metrics.jsonl``, ``result.json`` and, for a
-federation, its round tables), the held-out masked accuracy (leak-free frames) above the
-majority-class rate where the run measured both, and a distilled student's loss falling from its first logged window to
-its last. Each check is a pure function of the run folder and a thin Dagster wrapper.
+Each check is a pure function of the run folder (named by ``run_dir`` in the asset's latest
+materialization) in a thin Dagster wrapper.
 """
 
 import json
@@ -19,7 +16,7 @@ from speech_assets.defs.lineage import latest_materialization
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
-from speech_assets.train.accuracy import LABEL, HeldoutAccuracy, heldout_accuracy
+from speech_assets.train.accuracy import LABEL, heldout_accuracy
 from speech_assets.utils import read_json
 
 TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
@@ -70,17 +67,9 @@ def loss_problems(run_dir: Path) -> list[str]:
     ]
 
 
-def accuracy_against_majority(run_dir: Path) -> HeldoutAccuracy | None:
-    """The held-out masked accuracy and the majority-class rate on the same (leak-free) frames that
-    ``result.json`` records (:func:`~speech_assets.train.accuracy.heldout_accuracy`, what every
-    view shows), or None where the run did not measure them."""
-    return heldout_accuracy(read_json(RunFiles(run_dir).result, strict=True))
-
-
 def loss_trend(run_dir: Path) -> tuple[float, float, int] | None:
-    """(first logged loss, last logged loss, logged steps) of ``metrics.jsonl``; a step logged
-    twice (a run re-started in the same folder) counts once, with its last value. None with fewer
-    than two logged steps."""
+    """(first loss, last loss, logged steps) of ``metrics.jsonl``, None under two steps; a step logged
+    twice (a run re-started in the same folder) counts once, with its last value."""
     by_step = {int(row["step"]): float(row["loss"]) for row in _metrics_rows(run_dir) if row.get("loss") is not None}
     if len(by_step) < 2:
         return None
@@ -88,25 +77,18 @@ def loss_trend(run_dir: Path) -> tuple[float, float, int] | None:
     return by_step[steps[0]], by_step[steps[-1]], len(steps)
 
 
-def run_dir_of(instance: dg.DagsterInstance, asset: str) -> Path | None:
-    """The run folder ``asset``'s latest materialization names, if any."""
-    materialization = latest_materialization(instance, asset)
-    value = (materialization.metadata or {}).get("run_dir") if materialization else None
-    return Path(str(value.value)) if value is not None else None
-
-
 def run_folder_check(
     asset: str, name: str, description: str, judge: Callable[[Path], dg.AssetCheckResult], blocking: bool = False
 ) -> dg.AssetChecksDefinition:
-    """A check of what ``asset``'s latest run recorded: ``judge(run folder)``; it fails when no
-    run folder is recorded."""
+    """``judge(run folder)`` of ``asset``'s latest materialization; fails when none is recorded."""
 
     @dg.asset_check(asset=asset, name=name, blocking=blocking, description=description)
     def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        run_dir = run_dir_of(context.instance, asset)
+        materialization = latest_materialization(context.instance, asset)
+        run_dir = (materialization.metadata or {}).get("run_dir") if materialization else None
         if run_dir is None:
             return dg.AssetCheckResult(passed=False, description=f"no run folder recorded: materialize {asset} first")
-        return judge(run_dir)
+        return judge(Path(str(run_dir.value)))
 
     return check
 
@@ -122,12 +104,13 @@ def finite_losses(run_dir: Path) -> dg.AssetCheckResult:
 
 
 def above_majority_class(run_dir: Path) -> dg.AssetCheckResult:
-    measured = accuracy_against_majority(run_dir)
+    result = read_json(RunFiles(run_dir).result, strict=True)
+    measured = heldout_accuracy(result)
     if measured is None:
         return dg.AssetCheckResult(
             passed=True, description=f"no {LABEL} recorded (no held-out speaker or no leak-free frame)"
         )
-    steps = read_json(RunFiles(run_dir).result, strict=True).get("step")
+    steps = result.get("step")
     return dg.AssetCheckResult(
         passed=measured.beats_majority,
         severity=dg.AssetCheckSeverity.WARN,
@@ -173,17 +156,6 @@ BEATS_MAJORITY_CLASS = (
     "(always predicting each client's most frequent training label) on the same frames, where the run measured "
     "both. Warns at demo scale: " + MAJORITY_AT_DEMO_SCALE
 )
-student_loss_falls = run_folder_check(
-    "distilled_checkpoint",
-    "student_loss_falls",
-    ("The student's distillation loss fell: its last logged value is below its first (metrics.jsonl)."),
-    falling_loss,
-)
-
-
-iteration2_labels_match_shards = labels_match_shards_check(2)
-
-
 CHECKS = [
     *(
         run_folder_check(asset, "losses_are_finite", LOSSES_ARE_FINITE, finite_losses, blocking=True)
@@ -193,8 +165,13 @@ CHECKS = [
         run_folder_check(asset, "beats_majority_class", BEATS_MAJORITY_CLASS, above_majority_class)
         for asset in WITH_HELDOUT_ACCURACY
     ),
-    student_loss_falls,
-    iteration2_labels_match_shards,
+    run_folder_check(
+        "distilled_checkpoint",
+        "student_loss_falls",
+        "The student's distillation loss fell: its last logged value is below its first (metrics.jsonl).",
+        falling_loss,
+    ),
+    labels_match_shards_check(2),
 ]
 
 

@@ -1,12 +1,8 @@
 """Per-partition materializations and observations, each with its own data version.
 
-Dagster stamps the one ``DataVersion`` of a MaterializeResult on every partition of a
-multi-partition run (dagster-io/dagster#34013), so re-running one unchanged partition would
-give it a "new" version and mark everything downstream unsynced. Partitioned assets here are
-declared with ``output_required=False`` and yield one AssetMaterialization per partition instead,
-tagged exactly as Dagster tags its own (code version, input data versions and event pointers),
-each with that partition's content hash. test_lineage.py checks Dagster's staleness API agrees.
-The speakers of the manifest are observed the same way, one observation per changed speaker.
+Dagster stamps one ``DataVersion`` on every partition of a multi-partition run
+(dagster-io/dagster#34013), marking unchanged partitions' downstream unsynced. So partitioned
+assets yield one AssetMaterialization per partition, tagged exactly as Dagster tags its own.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ from speech_assets.utils import sha256_strings
 
 
 def per_partition_asset(partitions_def: dg.PartitionsDefinition, **asset_args: Any) -> Any:
-    """``dg.asset`` for a partitioned asset that yields one materialization per partition
-    (:func:`partition_materialization`, each with its own content hash) and runs a backfill as one
-    run; ``asset_args`` go to ``dg.asset``."""
+    """``dg.asset`` yielding one materialization per partition, a backfill run as one run."""
     return dg.asset(
         partitions_def=partitions_def,
         backfill_policy=dg.BackfillPolicy.single_run(),
@@ -53,8 +47,7 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
 def observed_versions(
     instance: dg.DagsterInstance, asset: str, partitions: Iterable[str]
 ) -> dict[str, tuple[str, int]]:
-    """``{partition: (data version, storage id)}`` of the latest observation of each of ``asset``'s
-    ``partitions`` that has one, in two queries whatever the number of partitions."""
+    """``{partition: (data version, storage id)}`` of each partition's latest observation, in two queries."""
     key, wanted = dg.AssetKey(asset), sorted(set(partitions))
     if not wanted:
         return {}
@@ -73,8 +66,7 @@ def observed_versions(
 def partition_observation(
     asset: str, partition: str, data_version: str, metadata: dict[str, object]
 ) -> dg.AssetObservation:
-    """An observation of one partition with ``data_version`` as its own (tagged as Dagster tags
-    the observations of observable source assets)."""
+    """Tagged as Dagster tags the observations of observable source assets."""
     return dg.AssetObservation(
         asset_key=asset,
         partition=partition,
@@ -84,8 +76,7 @@ def partition_observation(
 
 
 def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
-    """Provenance tags for one input partition of an observed (external) asset: its observed data
-    version and the observation's storage id (what Dagster compares later observations with)."""
+    """Provenance tags for one input partition of an observed asset: its version and storage id."""
     key = dg.AssetKey(asset)
     version, storage_id = observed if observed else (internals.DEFAULT_DATA_VERSION.value, None)
     return {
@@ -119,14 +110,9 @@ def partition_materialization(
 
 
 def step_events(context: dg.AssetExecutionContext, materializations: list[dg.AssetMaterialization]) -> Iterator[object]:
-    """What a per-partition asset's step yields once its work succeeded.
-
-    A step that yields no output makes Dagster skip every later step that waits on it (its asset
-    checks, child assets in the same run), so a bare ``MaterializeResult`` comes first. Dagster
-    turns it into one materialization per partition with one shared version; the per-partition
-    ones, yielded after it, are the latest and carry each partition's content hash. The first
-    says so in its metadata (:data:`FIRST_OF_TWO`), where the UI lists the two.
-    """
+    """What a per-partition asset's step yields once its work succeeded: a bare ``MaterializeResult``
+    first, since a step with no output makes Dagster skip every step waiting on it; the
+    per-partition ones after it are the latest."""
     yield dg.MaterializeResult(metadata={"event": dg.MetadataValue.text(FIRST_OF_TWO)})
     yield from materializations
 
@@ -141,19 +127,13 @@ FIRST_OF_TWO = (
 SECOND_OF_TWO = "2 of 2 for this partition: its own materialization, with its content hash as data version"
 
 
-def no_rows_version(speaker: str) -> str:
-    """The version of a registered speaker with no rows left (all its files deleted or rejected): a
-    real state too, its shard must become empty."""
-    return sha256_strings(["no manifest rows", speaker])
-
-
 def speaker_observations(
     instance: dg.DagsterInstance, listed: Mapping[str, SpeakerRows], registered: Iterable[str]
 ) -> list[dg.AssetObservation]:
-    """Observations of the ``speaker_manifest`` partitions whose rows' version differs from the
-    latest one recorded (new speakers, changed rows, speakers whose rows are all gone): one query
-    for all of them, nothing for the unchanged ones."""
-    versions = {s: no_rows_version(s) for s in registered} | {s: row.manifest_hash for s, row in listed.items()}
+    """Observations of the ``speaker_manifest`` partitions whose rows' version changed (none for the others)."""
+    # a registered speaker with no rows left is a real state too: its shard must become empty
+    versions = {s: sha256_strings(["no manifest rows", s]) for s in registered}
+    versions |= {s: row.manifest_hash for s, row in listed.items()}
     observed = observed_versions(instance, SPEAKER_MANIFEST, versions)
     events = []
     for speaker, version in sorted(versions.items()):

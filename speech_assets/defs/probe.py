@@ -38,10 +38,9 @@ def downstream_probe(
     context: dg.AssetExecutionContext, config: ProbeOverrides, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.MaterializeResult:
     """A character CTC probe (SUPERB-style weighted sum of frozen layers, then linear or BiLSTM)
-    trained on the training speakers and scored (greedy CER/WER, jiwer) on the held-out speakers
-    that no encoder saw, over several probe seeds, for every checkpoint that exists and for the
-    log-mel (fbank) and randomly initialised baselines; each model reads its input through the
-    normalisation it was trained with: `<data>/probe/results.parquet`."""
+    trained on the training speakers and scored (greedy CER/WER) on held-out speakers no encoder
+    saw, over several seeds, for every checkpoint and the fbank and random baselines:
+    `<data>/probe/results.parquet`."""
     import torch
 
     from speech_assets.evaluation.compare import markdown_table, reading_note, standing, summarise
@@ -76,9 +75,8 @@ def downstream_probe(
         )
     except ProbeLeak as error:
         raise dg.Failure(description=str(error)) from error
-    results, board, models, train, test = run.results, run.board, run.models, run.train, run.test
-    train_speakers, test_speakers = run.train_speakers, run.test_speakers
-    target, split_file = paths.layout.probe.results, paths.layout.probe.speakers
+    results, board = run.results, run.board
+    target = paths.layout.probe.results
     publish_probe(
         run,
         paths.layout.probe,
@@ -120,12 +118,12 @@ def downstream_probe(
                     for m in summarise(results)
                 }
             ),
-            "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in models}),
-            "train_utterances": len(train),
-            "heldout_utterances": len(test),
-            "heldout_speakers": dg.MetadataValue.json(test_speakers[:50]),
-            "probe_train_speakers": len(train_speakers),
-            "speakers_file": dg.MetadataValue.path(str(split_file)),
+            "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in run.models}),
+            "train_utterances": len(run.train),
+            "heldout_utterances": len(run.test),
+            "heldout_speakers": dg.MetadataValue.json(run.test_speakers[:50]),
+            "probe_train_speakers": len(run.train_speakers),
+            "speakers_file": dg.MetadataValue.path(str(paths.layout.probe.speakers)),
             "input_versions": dg.MetadataValue.json(input_versions),
             # below the leaderboard: each model's probe lr, CER on its own training utterances, top layer
             "details": dg.MetadataValue.md(markdown_table(results)),
@@ -134,8 +132,7 @@ def downstream_probe(
 
 
 def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
-    """The leaderboard (:func:`~speech_assets.evaluation.compare.leaderboard_rows`) as a Dagster
-    table with its column schema."""
+    """The leaderboard as a Dagster table with its column schema."""
     from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows
 
     schema = dg.TableSchema(
@@ -145,9 +142,7 @@ def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
 
 
 def verdict_metadata(board: Sequence["Standing"], min_speakers: int) -> dict[str, str]:
-    """``pretrained_beats_fbank`` for the asset's metadata: word for word the description of the
-    check of that name, from the same function on the same leaderboard row
-    (:func:`~speech_assets.evaluation.compare.beats_baseline`)."""
+    """``pretrained_beats_fbank``: word for word the description of the check of that name (same function, same row)."""
     from speech_assets.evaluation.compare import FBANK, beats_baseline, leaderboard_table
 
     rows = {row["model"]: row for row in leaderboard_table(board, min_speakers).to_pylist()}
@@ -165,9 +160,7 @@ PRETRAINED_BEATS_FBANK = (
 
 @dg.asset_check(asset=downstream_probe, description=PRETRAINED_BEATS_FBANK)
 def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
-    """The verdict the probe recorded (``probe/leaderboard.parquet``), judged by
-    :func:`~speech_assets.evaluation.compare.beats_baseline`, the function that writes the
-    asset's ``pretrained_beats_fbank`` metadata: the same words, so they never disagree."""
+    """Judged by the function that writes the asset's ``pretrained_beats_fbank`` metadata, so they never disagree."""
     from speech_assets.evaluation.compare import FBANK, beats_baseline, read_leaderboard
 
     try:

@@ -5,7 +5,6 @@ charts the asset page draws inline."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -30,9 +29,8 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
 
 
 def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.TableMetadataValue:
-    """``rows`` as a Dagster table of ``columns`` (``{name: description}``, in order): each
-    column's type from its first non-null value; floats rounded to 4 significant digits, lists
-    joined with commas, null kept null."""
+    """``rows`` as a Dagster table of ``columns`` (``{name: description}``, in order): floats to 4
+    significant digits, lists joined with commas."""
 
     def cell(value: Any) -> Any:
         if isinstance(value, float):
@@ -45,20 +43,14 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.T
     schema = []
     for name, description in columns.items():
         kinds = {type(record[name]) for record in records if record[name] is not None}
-        kind = (
-            "float"
-            if kinds == {int, float}
-            else COLUMN_TYPES.get(kinds.pop(), "string")
-            if len(kinds) == 1
-            else "string"
-        )
+        kinds = {float} if kinds == {int, float} else kinds
+        kind = COLUMN_TYPES.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
         schema.append(dg.TableColumn(name, kind, description=description))
     return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in records], schema=dg.TableSchema(columns=schema))
 
 
 def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = None) -> dict[str, Any]:
-    """The MLflow run as a link (``mlflow_run``) and its id; for a local store, the command that
-    serves the UI the link opens in (``make mlflow`` runs it)."""
+    """The MLflow run as a link and its id; for a local store, the command that serves the UI."""
     if not run_id:
         return {}
     links: dict[str, Any] = {"mlflow_run_id": dg.MetadataValue.text(run_id)}
@@ -70,12 +62,16 @@ def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = N
 
 
 def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> dg.MarkdownMetadataValue:
-    """:func:`speech_assets.stats.plots.inline_chart` as markdown metadata (drawn on the asset page)."""
     return dg.MetadataValue.md(plots.inline_chart(title, series))
 
 
 def client_metadata(quality: dict, out_dir) -> dict[str, object]:
     """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
+    import numpy as np
+
+    with np.load(TargetFiles(out_dir).state) as state:
+        counts = state["counts"]
+    client, alt = quality["client_id"], f"{quality['client_id']} cluster sizes"
     speakers = quality["speakers"]
     shown = speakers[:MAX_LISTED]
     listing = ", ".join(shown) + (f" ... and {len(speakers) - len(shown)} more" if len(speakers) > len(shown) else "")
@@ -93,25 +89,16 @@ def client_metadata(quality: dict, out_dir) -> dict[str, object]:
         "speaker_ids": dg.MetadataValue.md(listing),
         "codebook_speakers": len(quality.get("codebook_speakers", speakers)),
         "label_rate_hz": 50,
-        "cluster_sizes": dg.MetadataValue.md(_cluster_size_plot(out_dir, quality["client_id"])),
+        "cluster_sizes": dg.MetadataValue.md(plots.markdown_image(plots.cluster_sizes({client: counts}), alt)),
         "path": dg.MetadataValue.path(str(out_dir)),
     }
-
-
-def _cluster_size_plot(out_dir, client_id: str) -> str:
-    import numpy as np
-
-    with np.load(TargetFiles(out_dir).state) as state:
-        counts = state["counts"]
-    return plots.markdown_image(plots.cluster_sizes({client_id: counts}), f"{client_id} cluster sizes")
 
 
 MAX_LISTED = 50
 
 
 def problems_result(problems: list[str], description: str | None = None, **metadata: Any) -> dg.AssetCheckResult:
-    """A blocking check's result from the ``problems`` it found: failed (an error) with their
-    count and the first 20 listed, or passed; ``metadata`` before them."""
+    """A blocking check's result: failed (an error) with the first 20 ``problems`` listed, or passed."""
     return dg.AssetCheckResult(
         passed=not problems,
         severity=dg.AssetCheckSeverity.ERROR,
@@ -125,9 +112,7 @@ def problems_result(problems: list[str], description: str | None = None, **metad
 
 
 def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
-    """The blocking check ``labels_match_shards`` of HuBERT ``iteration``'s targets: every client's
-    labels cover exactly its speakers' utterances, one per 50 Hz frame, each a cluster id of its
-    codebook (:func:`speech_assets.targets.checks.label_problems`); failed with the first problems listed."""
+    """The blocking check ``labels_match_shards`` of HuBERT ``iteration``'s targets."""
     which = "" if iteration == 1 else f"iteration-{iteration} "
 
     @dg.asset_check(
@@ -140,11 +125,8 @@ def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
         ),
     )
     def check(paths: StoragePaths) -> dg.AssetCheckResult:
-        def targets_dir(client_id: str) -> Path:
-            return paths.targets(client_id, iteration).root
-
-        problems = label_problems(read_clients(paths.layout.clients_file), paths.shard_file, targets_dir)
-        return problems_result(problems)
+        clients = read_clients(paths.layout.clients_file)
+        return problems_result(label_problems(clients, paths.shard_file, lambda c: paths.targets(c, iteration).root))
 
     return check
 

@@ -1,22 +1,10 @@
 """Runs whose processes are gone give back their concurrency slots.
 
-A run killed with ``kill -9`` never reports its end, so Dagster keeps it STARTED and its pool slot
-(``training``: one at a time) claimed, and the next training run waits forever. Three ways out:
-
-* with a daemon: ``LocalProcessRunLauncher`` lets Dagster's run monitoring see that a run worker
-  process is gone (the stock ``DefaultRunLauncher`` cannot tell); monitoring fails the run and
-  ``free_slots_after_run_end_seconds`` frees its slots (see ``dagster.yaml``);
-* without one (``dagster asset materialize``): the Definitions' default executor reaps dead runs
-  before it claims any slot, so the next materialization frees what the dead one held;
-* by hand: ``speech-assets runs reap``.
-
-A run is alive while any process it is known to run in is alive. Those are recorded as run tags
-(pid, kernel start time, host): the run worker once per run (the ``dagster asset materialize``
-process, or the worker a launcher started: where the executor runs, before any step), plus each
-step process that takes a pool slot (``record_run_process``), which a ``kill -9`` of the worker
-alone may leave running. A run is dead only when every recorded process has exited on this host
-or, for runs that never got as far as the executor, when none of the pids its events carry runs
-and it has been silent for a minute on an instance whose storage is local (SQLite).
+A run killed with ``kill -9`` never reports its end, so Dagster keeps its pool slot claimed and the
+next training run waits forever. Dead runs are failed by the daemon's run monitoring
+(``LocalProcessRunLauncher``), by the default executor before it claims a slot, or by
+``speech-assets runs reap``. A run is alive while any process recorded in its tags (its worker and
+each slot-taking step) is alive on this host (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -34,10 +22,8 @@ from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
 from speech_assets.utils import sha256_strings
 
-# Bookkeeping tags sit under Dagster's hidden-tag prefix (dagster._core.storage.tags.HIDDEN_TAG_PREFIX),
-# which the UI leaves out of the Runs list and a run's tags; what people read is shown instead
-# (CORPUS_TAG, SETTINGS_TAG). A tag key has one namespace ("a/b"; Dagster deprecates more), so the
-# names below the hidden prefix are dotted.
+# Bookkeeping tags sit under Dagster's hidden-tag prefix, which the UI leaves out; a tag key has
+# one namespace ("a/b"; Dagster deprecates more), so the names below it are dotted.
 HIDDEN = ".dagster/"
 PROCESS_TAG = HIDDEN + "speech_assets.process"  # the run worker
 STEP_PROCESS_TAG_PREFIX = HIDDEN + "speech_assets.step_process."  # + step key: one tag per slot-taking step
@@ -54,14 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def record_run_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
-    """Tag ``run`` with this process as its worker, once per run (a re-executed or resumed run
-    gets its new worker): a run stays alive while its worker lives, whatever its steps do. Also
-    tag what it runs on, for people: the corpus and the settings' hash."""
+    """Tag ``run`` with this process as its worker, and with the corpus and settings hash for people."""
     instance.add_run_tags(run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode(), **readable_tags()})
 
 
 def readable_tags() -> dict[str, str]:
-    """The corpus (its folder's name) and the hash of the pipeline settings this process reads."""
+    """The corpus folder's name and the hash of the pipeline settings."""
     from speech_assets import locations
     from speech_assets.defs.resources import PipelineSettings
 
@@ -75,8 +59,7 @@ def readable_tags() -> dict[str, str]:
 
 
 def record_run_process(context: dg.AssetExecutionContext) -> None:
-    """Tag the run with this step process, beside its worker. In an in-process run the step
-    process *is* the run worker: then it is recorded as the worker too, if nothing was yet."""
+    """Tag the run with this step process; in an in-process run it is the worker too, if none is yet."""
     me = ProcessIdentity.current().encode()
     step = context.get_step_execution_context().step.key
     tags = {STEP_PROCESS_TAG_PREFIX + step: me}
@@ -138,17 +121,13 @@ def reap_dead_runs(instance: dg.DagsterInstance, say: Callable[[str], None] = lo
     return reaped
 
 
-# Runs tagged ``IN_PROCESS_TAG: "true"`` (the sensors' runs: speech_assets/defs/automation.py) run
-# their steps one after another in the run worker instead of in forked step processes: a
-# worker that has imported the code location then saves starting a forkserver that imports it
-# and torch again (seconds on 2 cores, more than the small runs fresh data needs take to do their
-# work; docs/BENCHMARKS.md). Runs with a step in a pool (training: `training`) still get
-# their own step processes, whoever launched them.
+# The sensors' small runs execute their steps in the run worker: starting a forkserver that imports
+# the code location and torch again costs more than their work (docs/BENCHMARKS.md). Runs with a
+# step in a pool still get their own step processes.
 IN_PROCESS_TAG = HIDDEN + "speech_assets.in_process"
 
 
 def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:
-    """Whether ``run`` executes its steps in its worker (see ``IN_PROCESS_TAG``)."""
     if run.tags.get(IN_PROCESS_TAG) != "true":
         return False
     return not any(step.pool for step in execution_plan.get_steps_to_execute_in_topo_order())
@@ -158,17 +137,14 @@ def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:
 
 
 def prepare_run(plan_context, execution_plan) -> AbstractContextManager[None] | None:
-    """Before any step, in the run worker: record it, free slots held by dead local runs, and
-    give the context to run every step in the worker in, if the run does (``IN_PROCESS_TAG``)."""
+    """Before any step: record the worker, reap dead local runs, and give the context for in-process steps."""
     record_run_worker(plan_context.instance, plan_context.dagster_run)
     reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
     return frozen_heap() if runs_in_process(plan_context.dagster_run, execution_plan) else None
 
 
-# Steps fork from a server that has already imported these, instead of each spawned step
-# importing dagster, the code location and torch again: on a 2-core machine that is most of a
-# short step's time (measured in docs/BENCHMARKS.md). Nothing here starts a thread on import, so
-# forking after it is safe; a run config `start_method` still wins.
+# Steps fork from a server that has already imported these (most of a short step's time on 2 cores);
+# nothing here starts a thread on import, so forking after it is safe.
 FORKSERVER_PRELOAD = ["speech_assets.definitions", "torch", "pyarrow.parquet", "numpy"]
 
 

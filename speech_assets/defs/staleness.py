@@ -1,14 +1,9 @@
 """The project's own staleness, from what each output recorded about its inputs.
 
-Dagster stops comparing per-partition data versions through an all-partitions dependency once the
-upstream has 100 or more partitions (``SKIP_PARTITION_DATA_VERSION_DEPENDENCY_THRESHOLD``): past a
-LibriSpeech-sized speaker count its UI no longer marks ``cmvn_stats``, ``kmeans_targets``, the
-checkpoint or ``dataset_stats`` stale when one speaker's shard changes. Every one of those outputs
-records the exact shard (and target) versions it was built from, so comparing them with what is
-published now answers the question at any size:
-
-* as warn-level asset checks (``inputs_are_current``) on those assets, in the UI;
-* as ``speech-assets lineage --stale`` on the command line.
+Dagster stops comparing per-partition data versions once the upstream has 100 or more partitions
+(``SKIP_PARTITION_DATA_VERSION_DEPENDENCY_THRESHOLD``); every output here records the exact shard
+and target versions it was built from, so comparing them with what is published works at any size:
+as warn-level checks (``inputs_are_current``) and as ``speech-assets lineage --stale``.
 """
 
 from __future__ import annotations
@@ -45,11 +40,10 @@ def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[
     return reasons
 
 
-def _client_versions(paths: StoragePaths) -> dict[str, str]:
-    versions = {}
-    for targets in paths.layout.all_targets():
-        versions[targets.root.name] = json.loads(targets.quality.read_text())["data_version"]
-    return versions
+def _shards_and_targets(paths: StoragePaths, shards: dict[str, str], targets: dict[str, str]) -> list[str]:
+    """How the recorded shard and client target versions differ from those published now."""
+    published = {t.root.name: json.loads(t.quality.read_text())["data_version"] for t in paths.layout.all_targets()}
+    return _diff("shard(s)", shards, current_shards(paths)) + _diff("client target set(s)", targets, published)
 
 
 def cmvn_staleness(paths: StoragePaths) -> list[str]:
@@ -80,18 +74,16 @@ def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
     return report
 
 
-def _recorded_partitions(versions: dict[str, str], asset: str) -> dict[str, str]:
-    return {k.split("/", 1)[1]: v for k, v in versions.items() if k.startswith(asset + "/")}
-
-
 def checkpoint_staleness(paths: StoragePaths) -> list[str]:
     results = sorted(paths.layout.results_of(paths.layout.training_dir), key=lambda p: p.stat().st_mtime)
     if not results:
         return ["never built"]
     recorded = json.loads(results[-1].read_text()).get("data_versions", {})
-    return _diff("shard(s)", _recorded_partitions(recorded, "vad_features"), current_shards(paths)) + _diff(
-        "client target set(s)", _recorded_partitions(recorded, "kmeans_targets"), _client_versions(paths)
-    )
+    partitions = {
+        asset: {k.split("/", 1)[1]: v for k, v in recorded.items() if k.startswith(asset + "/")}
+        for asset in ("vad_features", "kmeans_targets")
+    }
+    return _shards_and_targets(paths, partitions["vad_features"], partitions["kmeans_targets"])
 
 
 def stats_staleness(paths: StoragePaths) -> list[str]:
@@ -99,9 +91,7 @@ def stats_staleness(paths: StoragePaths) -> list[str]:
     if not file.exists():
         return ["never built"]
     recorded = json.loads(file.read_text())
-    return _diff("shard(s)", recorded.get("vad_features", {}), current_shards(paths)) + _diff(
-        "client target set(s)", recorded.get("kmeans_targets", {}), _client_versions(paths)
-    )
+    return _shards_and_targets(paths, recorded.get("vad_features", {}), recorded.get("kmeans_targets", {}))
 
 
 def stale_report(paths: StoragePaths) -> dict[str, list[str]]:

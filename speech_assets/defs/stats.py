@@ -1,7 +1,6 @@
 """Stage 5: the DuckDB database of dataset statistics that anyone can query in SQL."""
 
 import json
-from pathlib import Path
 
 import dagster as dg
 import duckdb
@@ -18,6 +17,8 @@ from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v3"  # v3: fine-tuning runs in checkpoints/training_runs (kind finetuned, init, budget, seed)
+# the unpartitioned models and results the database summarises, beside TRAINING_INPUTS
+MODEL_ASSETS = (*CHECKPOINT_ASSETS.values(), "encoder_export", "downstream_probe", "finetuned_asr")
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
@@ -43,19 +44,17 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.layout.probe.results,
         finetune_results=paths.layout.finetune.results,
-        model_results={kind: paths.layout.results_of(folder) for kind, folder in model_folders(paths).items()},
+        model_results={
+            kind: paths.layout.results_of(folder)
+            for kind, folder in {
+                "federated": paths.layout.federated_dir,
+                "distilled": paths.layout.distill_dir,
+                "iteration2": paths.layout.training_iter2_dir,
+                "finetuned": paths.layout.finetune.runs,
+            }.items()
+        },
         exports=[export.card for export in paths.layout.all_exports()],
     )
-
-
-def model_folders(paths: StoragePaths) -> dict[str, Path]:
-    """Where each kind of model run keeps its run folders (each with result.json beside final.pt)."""
-    return {
-        "federated": paths.layout.federated_dir,
-        "distilled": paths.layout.distill_dir,
-        "iteration2": paths.layout.training_iter2_dir,
-        "finetuned": paths.layout.finetune.runs,
-    }
 
 
 def _newest_federated_rounds(paths: StoragePaths):
@@ -95,13 +94,7 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
 
 @dg.asset(
     group_name="stats",
-    deps=[
-        *TRAINING_INPUTS,
-        *CHECKPOINT_ASSETS.values(),
-        "encoder_export",
-        "downstream_probe",
-        "finetuned_asr",
-    ],
+    deps=[*TRAINING_INPUTS, *MODEL_ASSETS],
     code_version=CODE_VERSION,
     kinds={"duckdb"},
     # once per fresh data, after kmeans_targets (which follows the shards, CMVN and clients), not
@@ -124,23 +117,11 @@ def dataset_stats(
     instance = context.instance
     input_versions: dict[str, object] = {
         key: latest_data_version(instance, key) or ""
-        for key in (
-            "manifest",
-            "cmvn_stats",
-            "client_partitions",
-            *CHECKPOINT_ASSETS.values(),
-            "encoder_export",
-            "downstream_probe",
-            "finetuned_asr",
-        )
+        for key in ("manifest", "cmvn_stats", "client_partitions", *MODEL_ASSETS)
     }
     partitioned = {
-        "vad_features": partition_versions(
-            instance, "vad_features", instance.get_dynamic_partitions(speakers_partitions.name)
-        ),
-        "kmeans_targets": partition_versions(
-            instance, "kmeans_targets", instance.get_dynamic_partitions(clients_partitions.name)
-        ),
+        key: partition_versions(instance, key, instance.get_dynamic_partitions(partitions.name))
+        for key, partitions in (("vad_features", speakers_partitions), ("kmeans_targets", clients_partitions))
     }
     lineage_file = paths.layout.report.input_versions
     atomic_write_text(lineage_file, json.dumps({**input_versions, **partitioned}, indent=1, sort_keys=True))
@@ -188,8 +169,7 @@ def dataset_stats(
 
 
 def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, settings: PipelineSettings):
-    """The report's header, cluster sizes per client, each training run's metrics, and where
-    the reject examples' audio may be read from."""
+    """The report's header, cluster sizes, training curves and where reject audio may be read."""
     import datetime
 
     import numpy as np
@@ -201,10 +181,10 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     for state in sorted(paths.layout.targets_root().glob(f"*/{TargetFiles.state.name}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
-    metrics = {}
-    for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}")):
-        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        metrics[log.parent.name] = rows
+    metrics = {
+        log.parent.name: [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}"))
+    }
     header = {
         "built_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "git_commit": git_commit(),

@@ -17,13 +17,7 @@ from speech_assets.defs.per_partition import (
 )
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
-from speech_assets.defs.resources import (
-    KMeansSettings,
-    PipelineSettings,
-    StoragePaths,
-    effective,
-    overrides_of,
-)
+from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.targets import labels
@@ -43,11 +37,7 @@ class KMeansOverrides(overrides_of(KMeansSettings)):
 @per_partition_asset(
     clients_partitions,
     group_name="clients",
-    deps=[
-        "client_partitions",
-        "cmvn_stats",
-        ALL_SHARDS,
-    ],
+    deps=["client_partitions", "cmvn_stats", ALL_SHARDS],
     code_version=KMEANS_CODE_VERSION,
     # client_partitions is rebuilt after every shard or CMVN update: react to it, not to them
     automation_condition=follow_upstream(ignore_updates_of=["vad_features", "cmvn_stats"]),
@@ -107,9 +97,8 @@ labels_match_shards = labels_match_shards_check(1)
 @dg.asset_check(
     asset="kmeans_targets",
     description=(
-        f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K "
-        f"and at most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives "
-        f"weak targets)."
+        f"Cluster use, counted in the published labels: perplexity at least {MIN_PERPLEXITY_SHARE:.0%} of K and at "
+        f"most {MAX_EMPTY_CLUSTER_SHARE:.0%} empty clusters per client (a collapsed codebook gives weak targets)."
     ),
 )
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
@@ -126,8 +115,7 @@ def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
 
 
 def cluster_use(out_dir: Path) -> tuple[int, float, int, bool]:
-    """K (codebook rows), perplexity / K and empty clusters of the labels in ``out_dir``, and
-    whether they are within the bounds."""
+    """K, perplexity / K and empty clusters of the labels in ``out_dir``, and whether they are within bounds."""
     import numpy as np
 
     from speech_assets.targets.kmeans import cluster_perplexity, empty_clusters

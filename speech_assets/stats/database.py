@@ -1,15 +1,14 @@
 """The DuckDB database of dataset statistics: views over the Parquet outputs plus summary tables.
 
-Views read the Parquet files in place; ``utterances`` copies the shards' scalar columns once
-(feature matrices are never copied). The database is
-built in a temp file and renamed into place under an exclusive lock, so there is one writer at a
-time and readers, who open it read-only, never see a half-built database.
+Built in a temp file and renamed into place under an exclusive lock: one writer at a time, and
+readers (read-only) never see a half-built database.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,9 +61,8 @@ SPEAKER_SPLIT_SQL = (
 
 
 PROBE_COLUMNS = (
-    "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, "
-    "cer DOUBLE, wer DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers "
-    "BIGINT, lr DOUBLE"
+    "model VARCHAR, checkpoint_sha256 VARCHAR, probe VARCHAR, layer_weights DOUBLE[], split VARCHAR, cer DOUBLE, wer "
+    "DOUBLE, utterances BIGINT, steps BIGINT, seed BIGINT, normalisation VARCHAR, speakers BIGINT, lr DOUBLE"
 )
 
 
@@ -86,10 +84,9 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         # A table, read once: every summary below scans it, and opening every shard file for
         # each of them cost seconds on a thousand shards. Only scalar columns are copied.
         con.execute(
-            "CREATE TABLE utterances AS SELECT utt_id, speaker_id, "
-            "regexp_extract(filename, '([^/]+)\\.parquet$', 1) AS shard, num_frames, "
-            "CAST(duration_s AS DOUBLE) AS duration_s, CAST(trimmed_duration_s AS DOUBLE) AS trimmed_duration_s, "
-            "CAST(speech_ratio AS DOUBLE) AS speech_ratio "
+            "CREATE TABLE utterances AS SELECT utt_id, speaker_id, regexp_extract(filename, '([^/]+)\\.parquet$', 1) "
+            "AS shard, num_frames, CAST(duration_s AS DOUBLE) AS duration_s, CAST(trimmed_duration_s AS DOUBLE) AS "
+            "trimmed_duration_s, CAST(speech_ratio AS DOUBLE) AS speech_ratio "
             f"FROM read_parquet({_sql_list(inputs.shards)}, filename = true) ORDER BY utt_id"
         )
     else:
@@ -108,7 +105,7 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; ``{}`` when it is missing or unreadable."""
+    """``{}`` when missing or unreadable."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -122,11 +119,8 @@ def _numeric(value: object) -> float | int | None:
 
 
 def run_record(kind: str, result_file: Path) -> dict:
-    """One model run's ``result.json`` in the shape every kind shares: ``step`` (rounds for a
-    federated run), ``checkpoint``, ``checkpoint_sha256``, ``mlflow_run_id``, ``manifest_hash``,
-    ``git_commit``, ``dagster_run_id``, ``preset``, ``seed``, ``lr``, losses and held-out
-    accuracies; for a fine-tuning run also ``init`` and ``labelled_minutes`` (the budget; None
-    for a run recorded before it was)."""
+    """One model run's ``result.json`` in the shape every kind shares (``step`` counts rounds for a
+    federated run; ``labelled_minutes`` is None for a fine-tuning run recorded before it was)."""
     r = _read_json(result_file)
     folder = RunFiles(result_file.parent)
     config = _read_json(folder.config)
@@ -159,14 +153,13 @@ def run_record(kind: str, result_file: Path) -> dict:
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, **row: object) -> None:
-    """One row of ``table`` by column name (the columns not named are NULL)."""
+    """Columns not named are NULL."""
     names = ", ".join(f'"{name}"' for name in row)
     con.execute(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in row)})", list(row.values()))
 
 
 def _finetune_budgets(con: duckdb.DuckDBPyConnection, results: Path | None) -> dict[str, float]:
-    """{checkpoint sha256: labelled budget in minutes} of the runs in finetune/results.parquet: the
-    budget of a run whose result.json predates recording it."""
+    """{checkpoint sha256: labelled minutes} from finetune/results.parquet, for runs whose result.json predates it."""
     if results is None or not results.is_file():
         return {}
     rows = con.execute(
@@ -181,21 +174,10 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
         "perplexity DOUBLE, empty_clusters INTEGER, mean_segment_length DOUBLE, frames_labelled BIGINT)"
     )
+    columns = [row[0] for row in con.execute("DESCRIBE kmeans_quality").fetchall()]
     for path in sorted(inputs.kmeans_quality):
         q = json.loads(path.read_text())
-        con.execute(
-            "INSERT INTO kmeans_quality VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                q["client_id"],
-                q["k"],
-                q["frames_fit"],
-                q["inertia_per_frame"],
-                q["perplexity"],
-                q["empty_clusters"],
-                q["mean_segment_length"],
-                q["frames_labelled"],
-            ],
-        )
+        _insert(con, "kmeans_quality", **{name: q[name] for name in columns})
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
         "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, "
@@ -204,12 +186,11 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE training_runs (run_dir VARCHAR, preset VARCHAR, steps BIGINT, final_loss DOUBLE, "
         "heldout_all_frames_masked_accuracy DOUBLE, heldout_all_frames_majority_accuracy DOUBLE, heldout_loss DOUBLE, "
-        "chance_accuracy DOUBLE, "
-        "audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
+        "chance_accuracy DOUBLE, audio_seconds_per_second DOUBLE, mlflow_run_id VARCHAR, checkpoint VARCHAR, "
         "heldout_interior_masked_accuracy DOUBLE, heldout_interior_majority_accuracy DOUBLE, "
-        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR, "
-        "init VARCHAR, labelled_minutes DOUBLE, seed BIGINT, lr DOUBLE, dev_cer DOUBLE, heldout_cer DOUBLE, "
-        "heldout_wer DOUBLE)"
+        "heldout_leak_free_masked_accuracy DOUBLE, heldout_leak_free_majority_accuracy DOUBLE, kind VARCHAR, init "
+        "VARCHAR, labelled_minutes DOUBLE, seed BIGINT, lr DOUBLE, dev_cer DOUBLE, heldout_cer DOUBLE, heldout_wer "
+        "DOUBLE)"
     )
     con.execute(
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
@@ -244,18 +225,10 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             "heldout_all_frames_majority_accuracy": r.get("heldout_majority_accuracy"),
         }
         measures = (
-            "final_loss",
-            "heldout_loss",
-            "chance_accuracy",
-            "audio_seconds_per_second",
-            "heldout_interior_masked_accuracy",
-            "heldout_interior_majority_accuracy",
-            "heldout_leak_free_masked_accuracy",
-            "heldout_leak_free_majority_accuracy",
-            "dev_cer",
-            "heldout_cer",
-            "heldout_wer",
-        )
+            "final_loss heldout_loss chance_accuracy audio_seconds_per_second heldout_interior_masked_accuracy "
+            "heldout_interior_majority_accuracy heldout_leak_free_masked_accuracy heldout_leak_free_majority_accuracy "
+            "dev_cer heldout_cer heldout_wer"
+        ).split()
         _insert(
             con,
             "training_runs",
@@ -274,16 +247,13 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         )
         speed = _read_json(RunFiles(path.parent).speed)
         if kind == "distilled" and speed:
-            con.execute(
-                "INSERT INTO distillation VALUES (?, ?, ?, ?, ?, ?)",
-                [
-                    str(path.parent),
-                    speed.get("student_parameters", r.get("student_parameters")),
-                    speed.get("teacher_parameters", r.get("teacher_parameters")),
-                    speed.get("student_audio_s_per_s"),
-                    speed.get("teacher_audio_s_per_s"),
-                    speed.get("speedup"),
-                ],
+            _insert(
+                con,
+                "distillation",
+                run_dir=str(path.parent),
+                student_parameters=speed.get("student_parameters", r.get("student_parameters")),
+                teacher_parameters=speed.get("teacher_parameters", r.get("teacher_parameters")),
+                **{name: speed.get(name) for name in ("student_audio_s_per_s", "teacher_audio_s_per_s", "speedup")},
             )
     con.execute(
         "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
@@ -292,17 +262,16 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     for path in sorted(inputs.exports):
         description = _read_json(path)
         parity = description.get("parity") or {}
-        con.execute(
-            "INSERT INTO exports VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [
-                str(path.parent),
-                description.get("checkpoint_sha256"),
-                (description.get("output") or {}).get("layer"),
-                parity.get("max_abs_diff"),
-                parity.get("torchscript_max_abs_diff"),
-                parity.get("utterances"),
-                parity.get("frames"),
-            ],
+        _insert(
+            con,
+            "exports",
+            folder=str(path.parent),
+            checkpoint_sha256=description.get("checkpoint_sha256"),
+            layer=(description.get("output") or {}).get("layer"),
+            max_abs_diff=parity.get("max_abs_diff"),
+            torchscript_max_abs_diff=parity.get("torchscript_max_abs_diff"),
+            parity_utterances=parity.get("utterances"),
+            parity_frames=parity.get("frames"),
         )
     con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
     if inputs.probe_results is not None and inputs.probe_results.exists():
@@ -324,9 +293,9 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     )
     if inputs.federated_rounds is not None and inputs.federated_rounds.is_file():
         con.execute(
-            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, "
-            "masked_accuracy, bytes_up, "
-            f"bytes_down, seconds FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
+            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, masked_accuracy, "
+            "bytes_up, bytes_down, seconds "
+            f"FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
         )
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
@@ -342,15 +311,13 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "FROM utterances u JOIN clients c USING (speaker_id) GROUP BY ALL ORDER BY c.client_id"
     )
     con.execute(
-        "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, "
-        "count(DISTINCT u.speaker_id) AS speakers, count(*) AS utterances, "
-        "sum(u.trimmed_duration_s) / 3600 AS trimmed_hours "
-        "FROM utterances u LEFT JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY split"
+        "CREATE TABLE hours_per_split AS SELECT coalesce(s.split, 'unassigned') AS split, count(DISTINCT u.speaker_id) "
+        "AS speakers, count(*) AS utterances, sum(u.trimmed_duration_s) / 3600 AS trimmed_hours FROM utterances u LEFT "
+        "JOIN speaker_split s USING (speaker_id) GROUP BY ALL ORDER BY split"
     )
     con.execute(
-        "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, "
-        "floor(duration_s) + 1 AS bucket_end_s, count(*) AS utterances "
-        "FROM manifest GROUP BY ALL ORDER BY bucket_start_s"
+        "CREATE TABLE duration_histogram AS SELECT floor(duration_s) AS bucket_start_s, floor(duration_s) + 1 AS "
+        "bucket_end_s, count(*) AS utterances FROM manifest GROUP BY ALL ORDER BY bucket_start_s"
     )
     con.execute(
         "CREATE TABLE speech_ratio_distribution AS SELECT floor(speech_ratio * 10) / 10 AS bucket_start, "
@@ -363,7 +330,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
 
 
 def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
-    """(Re)build the database at ``db_path``; returns row counts of every view and table."""
+    """Returns the row count of every view and table."""
     with exclusive_lock(lock_beside(db_path)), atomic_path(db_path) as tmp:
         tmp.unlink()  # DuckDB wants to create the file itself
         con = duckdb.connect(str(tmp))
@@ -385,37 +352,19 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
 
 def view_sources(con: duckdb.DuckDBPyConnection) -> list[str]:
     """The files the database's views read: every string literal of their definitions (the views
-    this module makes name nothing else), read with DuckDB's own tokenizer."""
+    this module makes name nothing else), found with DuckDB's own tokenizer."""
     sources = set()
     for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE NOT internal").fetchall():
         for position, kind in duckdb.tokenize(sql):
             if kind == duckdb.token_type.string_const and sql[position] == "'":
-                sources.add(_string_literal(sql, position))
+                sources.add(re.match(r"'((?:[^']|'')*)'", sql[position:]).group(1).replace("''", "'"))
     return sorted(sources)
 
 
 def sources_under(sources: Sequence[str], data_dir: Path) -> list[str]:
     """The ``sources`` whose real path (a glob's as written: ``*`` is a name here) is ``data_dir`` or below it."""
     real_dir = os.path.realpath(data_dir)
-    inside = []
-    for source in sources:
-        real = os.path.realpath(source)
-        if real == real_dir or real.startswith(real_dir.rstrip(os.sep) + os.sep):
-            inside.append(source)
-    return inside
-
-
-def _string_literal(sql: str, start: int) -> str:
-    """The value of the quoted literal at ``sql[start]`` ('' stands for one quote)."""
-    value, i = [], start + 1
-    while i < len(sql):
-        if sql[i] == "'":
-            if sql[i + 1 : i + 2] != "'":
-                break
-            i += 1
-        value.append(sql[i])
-        i += 1
-    return "".join(value)
+    return [source for source in sources if Path(os.path.realpath(source)).is_relative_to(real_dir)]
 
 
 def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duckdb.DuckDBPyConnection:
@@ -455,44 +404,13 @@ READ_ONLY_STATEMENTS = "SELECT, WITH ... SELECT, FROM, VALUES, DESCRIBE, SHOW, S
 _READING_NODES = frozenset({"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"})
 _SQL_RUNNING_FUNCTIONS = frozenset({"query", "json_execute_serialized_sql"})  # they run SQL given as a string
 _WRITING_OPERATORS = frozenset(
-    {
-        "COPY_TO_FILE",
-        "BATCH_COPY_TO_FILE",
-        "FIXED_BATCH_COPY_TO_FILE",
-        "COPY_DATABASE",
-        "INSERT",
-        "BATCH_INSERT",
-        "DELETE",
-        "DELETE_OPERATOR",
-        "UPDATE",
-        "MERGE_INTO",
-        "CREATE_TABLE",
-        "CREATE_TABLE_AS",
-        "BATCH_CREATE_TABLE_AS",
-        "CREATE_INDEX",
-        "CREATE_SEQUENCE",
-        "CREATE_VIEW",
-        "CREATE_SCHEMA",
-        "CREATE_MACRO",
-        "CREATE_TYPE",
-        "CREATE_SECRET",
-        "ALTER",
-        "DROP",
-        "PRAGMA",
-        "TRANSACTION",
-        "ATTACH",
-        "DETACH",
-        "EXECUTE",
-        "PREPARE",
-        "VACUUM",
-        "EXPORT",
-        "SET",
-        "SET_VARIABLE",
-        "RESET",
-        "LOAD",
-        "EXTENSION",
-        "UPDATE_EXTENSIONS",
-    }
+    (
+        "COPY_TO_FILE BATCH_COPY_TO_FILE FIXED_BATCH_COPY_TO_FILE COPY_DATABASE INSERT BATCH_INSERT DELETE "
+        "DELETE_OPERATOR UPDATE MERGE_INTO CREATE_TABLE CREATE_TABLE_AS BATCH_CREATE_TABLE_AS CREATE_INDEX "
+        "CREATE_SEQUENCE CREATE_VIEW CREATE_SCHEMA CREATE_MACRO CREATE_TYPE CREATE_SECRET ALTER DROP PRAGMA "
+        "TRANSACTION ATTACH DETACH EXECUTE PREPARE VACUUM EXPORT SET SET_VARIABLE RESET LOAD EXTENSION "
+        "UPDATE_EXTENSIONS"
+    ).split()
 )
 
 
@@ -502,7 +420,7 @@ def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
     Checked with DuckDB's own parser, three ways: the statement's type (a SELECT, or an EXPLAIN
     of one: ``EXPLAIN ANALYZE`` runs what it explains), every query node of its syntax tree (no
     INSERT/COPY/... in a WITH clause, no function that runs SQL from a string) and every
-    operator of its bound plan. Syntax errors propagate as DuckDB's own ``duckdb.Error``."""
+    operator of its bound plan. Syntax errors raise DuckDB's own ``duckdb.Error``."""
     select = _explained(query)
     tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [select]).fetchone()[0])
     if tree.get("error"):
@@ -559,7 +477,6 @@ def _explained(query: str, explain_allowed: bool = True) -> str:
 
 
 def _dicts(tree: object):
-    """Every dict nested in a JSON value."""
     stack = [tree]
     while stack:
         item = stack.pop()
@@ -573,12 +490,8 @@ def _dicts(tree: object):
 _KIND_ORDER = "list_position(" + "[" + ", ".join(f"'{kind}'" for kind in CHECKPOINT_KINDS) + "], kind)"
 
 
-def _number(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _scientific(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1e}"
+def _number(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None else f"{value:{spec}}"
 
 
 def _millions(value: int | None) -> str:
@@ -586,7 +499,7 @@ def _millions(value: int | None) -> str:
 
 
 def summary(db_path: Path) -> str:
-    """A short human-readable report of the dataset, for `speech-assets stats` and `make demo`."""
+    """A short human-readable report, for `speech-assets stats` and `make demo`."""
     con = connect_read_only(db_path)
     try:
         lines = []
@@ -637,16 +550,16 @@ def summary(db_path: Path) -> str:
             "teacher_audio_s_per_s FROM distillation"
         ).fetchall():
             lines.append(
-                f"distilled student: {_number(speedup, 2)}x the teacher's CPU forward speed "
-                f"({_number(student_speed, 0)} vs "
-                f"{_number(teacher_speed, 0)} audio s/s), {_millions(student)} vs {_millions(teacher)} parameters"
+                f"distilled student: {_number(speedup, '.2f')}x the teacher's CPU forward speed "
+                f"({_number(student_speed, '.0f')} vs "
+                f"{_number(teacher_speed, '.0f')} audio s/s), {_millions(student)} vs {_millions(teacher)} parameters"
             )
         for layer, onnx, torchscript, utterances in con.execute(
             "SELECT layer, max_abs_diff, torchscript_max_abs_diff, parity_utterances FROM exports ORDER BY folder"
         ).fetchall():
             lines.append(
-                f"export (layer {layer}): ONNX max |diff| {_scientific(onnx)}, TorchScript {_scientific(torchscript)} "
-                f"against PyTorch on {utterances} utterances"
+                f"export (layer {layer}): ONNX max |diff| {_number(onnx, '.1e')}, "
+                f"TorchScript {_number(torchscript, '.1e')} against PyTorch on {utterances} utterances"
             )
         return "\n".join(lines)
     finally:

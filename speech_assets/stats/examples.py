@@ -1,11 +1,8 @@
-"""Listenable reject examples for the offline report: a short clip of each one's audio, copied
-under ``<report>/audio/`` and, for a ``no_speech`` reject, the VAD's decision drawn over its
-waveform.
+"""Listenable reject examples for the offline report: the first ``MAX_CLIP_S`` seconds of each one's
+audio as 16 kHz FLAC under ``<report>/audio/`` and, for ``no_speech``, the VAD's decision drawn.
 
-A clip is the first ``MAX_CLIP_S`` seconds, at 16 kHz mono, peak-normalised, as 16-bit FLAC,
-named by a hash of the reject (never by anything from the manifest). Only files inside the
-corpus root are read, never those rejected as ``outside_root``, ``missing_file`` or
-``unreadable``; at most ``MAX_EXAMPLES`` clips and ``MAX_BYTES`` bytes in all.
+A clip is named by a hash of the reject (never by anything from the manifest), and only files
+inside the corpus root are read; at most ``MAX_EXAMPLES`` clips and ``MAX_BYTES`` bytes in all.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ SPEED_COPY = re.compile(r"-sp\d+_\d+$")  # <utt_id>-sp0_9: a speed-perturbed cop
 
 @dataclass(frozen=True)
 class RejectExample:
-    """One reject shown in the report: its row, the clip's file name under ``audio/`` (``None``
-    when there is none: ``note`` says why) and, for ``no_speech``, the VAD picture (PNG bytes)."""
+    """One reject shown in the report; without a clip, ``note`` says why."""
 
     stage: str
     reason: str
@@ -47,13 +43,13 @@ class RejectExample:
 
 
 def clip_name(stage: str, reason: str, utt_id: str, path: str, stat: os.stat_result) -> str:
-    """A safe file name for a reject's clip: a hash of the reject and of its file's size and time."""
+    """A hash of the reject and of its file's size and time."""
     key = "\x1f".join([stage, reason, utt_id, path, str(stat.st_size), str(stat.st_mtime_ns)])
     return "reject-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".flac"
 
 
 def _inside(path: Path, root: Path) -> Path | None:
-    """``path`` resolved (symlinks and ``..`` followed) if that lies inside ``root``, else ``None``."""
+    """``path`` resolved (symlinks and ``..`` followed) if inside ``root``, else ``None``."""
     try:
         resolved = path.resolve(strict=True)
         resolved.relative_to(root.resolve())
@@ -103,38 +99,31 @@ def reject_examples(
     max_examples: int = MAX_EXAMPLES,
     max_bytes: int = MAX_BYTES,
 ) -> list[RejectExample]:
-    """Clips (written to ``out_dir``) for ``rows`` (``stage, reason, utt_id, path, detail``),
-    in order, within the bounds; ``vad`` (a :class:`~speech_assets.features.vad.VadConfig`)
-    draws the ``no_speech`` decisions. Files in ``out_dir`` no example uses are left to
-    :func:`remove_unused`."""
+    """Clips (written to ``out_dir``) for ``rows`` (``stage, reason, utt_id, path, detail``), in
+    order, within the bounds; ``vad`` (a :class:`~speech_assets.features.vad.VadConfig`) draws the
+    ``no_speech`` decisions. Unused files in ``out_dir`` are left to :func:`remove_unused`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     examples, written, clips = [], 0, 0
     for stage, reason, utt_id, path, detail in rows:
         row = (stage, reason, utt_id, path or "", detail or "")
-        source = Path(path) if path else None
-        if reason in SILENT_REASONS or source is None:
-            examples.append(RejectExample(*row, clip=None, note="no audio to play for this reason"))
-            continue
-        resolved = _inside(source, corpus_root) if corpus_root is not None else None
-        if resolved is None:
-            examples.append(RejectExample(*row, clip=None, note="not played: the file is not inside the corpus"))
-            continue
-        if clips >= max_examples or written >= max_bytes:
-            examples.append(
-                RejectExample(*row, clip=None, note="not copied: the report's bound on audio examples is reached")
-            )
-            continue
-        try:
-            name = clip_name(stage, reason, utt_id, path, resolved.stat())
-            long = _read_16k(resolved, MAX_VAD_S if reason == "no_speech" and vad is not None else MAX_CLIP_S)
-        except Exception as error:  # noqa: BLE001 - any decoding failure is a note on the page, not a failed report
-            examples.append(RejectExample(*row, clip=None, note=f"not played: {type(error).__name__}"))
-            continue
-        payload = _flac(long[: int(MAX_CLIP_S * 16_000)])
-        if written + len(payload) > max_bytes:
-            examples.append(
-                RejectExample(*row, clip=None, note="not copied: the report's bound on audio bytes is reached")
-            )
+        if reason in SILENT_REASONS or not path:
+            skipped = "no audio to play for this reason"
+        elif (resolved := _inside(Path(path), corpus_root) if corpus_root is not None else None) is None:
+            skipped = "not played: the file is not inside the corpus"
+        elif clips >= max_examples or written >= max_bytes:
+            skipped = "not copied: the report's bound on audio examples is reached"
+        else:
+            try:
+                name = clip_name(stage, reason, utt_id, path, resolved.stat())
+                long = _read_16k(resolved, MAX_VAD_S if reason == "no_speech" and vad is not None else MAX_CLIP_S)
+            except Exception as error:  # noqa: BLE001 - a decoding failure is a note on the page, not a failed report
+                skipped = f"not played: {type(error).__name__}"
+            else:
+                payload = _flac(long[: int(MAX_CLIP_S * 16_000)])
+                too_many_bytes = written + len(payload) > max_bytes
+                skipped = "not copied: the report's bound on audio bytes is reached" if too_many_bytes else None
+        if skipped is not None:
+            examples.append(RejectExample(*row, clip=None, note=skipped))
             continue
         target = out_dir / name
         if not target.is_file() or target.stat().st_size != len(payload):

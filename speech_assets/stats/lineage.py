@@ -15,19 +15,14 @@ from speech_assets.train.tracking import run_inputs
 
 
 def checkpoint_lineage(path: Path) -> dict[str, Any]:
-    """Read a checkpoint (``weights_only=True``) and report the chain back to the manifest.
-
-    ``data_versions`` holds the manifest hash, the CMVN and client-assignment versions, every
-    feature shard (``vad_features/<speaker>``) and every client's targets
-    (``kmeans_targets/<client>``) the training run consumed, exactly as the Dagster asset passed
-    them in; the same values appear on the ``pretrained_checkpoint`` materialization in the UI.
-    """
+    """Read a checkpoint (``weights_only=True``) and report the chain back to the manifest:
+    ``data_versions`` are every input version the training run consumed, as the asset passed them in."""
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     state = load_checkpoint(path)
     config = dict(state.get("config") or {})
     weights = state.get("model") if state.get("model") is not None else state.get("encoder")
-    result = _run_result(path)
+    result = _beside(path, RunRecord.result.name)
     provenance = _beside(path, RunRecord.provenance.name)
     url = result.get("mlflow_run_url") or provenance.get("mlflow_run_url")
     if config.get("mlflow_tracking_uri"):  # checkpoints written before credentials were left out
@@ -62,8 +57,7 @@ def checkpoint_lineage(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_kind(state: dict[str, Any], data_versions: dict[str, str]) -> str:
-    """``centralised``, ``federated``, ``distilled``, ``iteration2`` or ``finetuned`` (a CTC
-    recogniser), from what the checkpoint holds."""
+    """``centralised``, ``federated``, ``distilled``, ``iteration2`` or ``finetuned``, from the checkpoint."""
     if state.get("kind") == "distilled":
         return "distilled"
     if state.get("kind") == FINETUNED_KIND:
@@ -76,14 +70,9 @@ def checkpoint_kind(state: dict[str, Any], data_versions: dict[str, str]) -> str
 
 
 def _beside(checkpoint: Path, name: str) -> dict[str, Any]:
-    """The JSON file ``name`` of the run folder the checkpoint belongs to, if any."""
+    """The JSON file ``name`` of the checkpoint's run folder (``final.pt`` or ``checkpoints/*.pt``), if any."""
     for folder in (checkpoint.parent, checkpoint.parent.parent):
         candidate = folder / name
         if candidate.is_file():
             return json.loads(candidate.read_text())
     return {}
-
-
-def _run_result(checkpoint: Path) -> dict[str, Any]:
-    """``result.json`` of the training run the checkpoint belongs to (``final.pt`` or ``checkpoints/*.pt``)."""
-    return _beside(checkpoint, RunRecord.result.name)

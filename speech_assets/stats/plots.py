@@ -1,14 +1,8 @@
-"""Small PNG plots rendered offline (matplotlib, Agg): for Dagster metadata and the HTML report.
+"""Small PNG plots rendered offline (matplotlib, Agg), well under 100 KB so they inline as ``data:`` URIs.
 
-Each function returns PNG bytes of a figure about 1200 pixels wide (shown full width, fonts of
-11-15 pt so labels stay readable), well under 100 KB, so it can be inlined as a ``data:`` URI
-(:func:`markdown_image`, :func:`html_image`).
-
-Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run on fresh data, and most plots show
-data that did not change: the same inputs give the same PNG bytes, so each plot the report draws
-from the data (all but :func:`curves` and :func:`round_curve`) is looked up
-by a hash of its inputs, first among the last ones rendered in this process, then in the folder
-of :func:`cached_in` (the report's), before it is drawn.
+Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run, and the same inputs give the same
+bytes: so plots drawn from data (all but :func:`curves` and :func:`round_curve`) are looked up by a
+hash of their inputs, in this process and then in the folder of :func:`cached_in`, before drawing.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ _used: list[set[str]] = []  # the keys looked up inside each cached_in()
 
 
 def _key(kind: str, *parts: object) -> str:
-    """sha256 of a plot's kind and inputs (arrays by dtype, shape and bytes), with the versions
-    of what draws it."""
+    """sha256 of a plot's kind, inputs and the versions of what draws it."""
     import matplotlib
 
     digest = hashlib.sha256(f"{kind}|{RENDER_VERSION}|{matplotlib.__version__}".encode())
@@ -74,47 +67,31 @@ def cached_in(folder: Path) -> Iterator[None]:
 
 
 def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> bytes:
-    """PNG bytes of ``draw(figure)``, or the same bytes found under ``key``."""
-    if key is not None:
-        if _used:
-            _used[-1].add(key)
-        found = _lookup(key)
-        if found is not None:
-            if _folders and not (_folders[-1] / f"{key}{PLOT_SUFFIX}").exists():
-                _remember(key, found)  # drawn in this process before the block: keep it for the next
-            return found
-    png = _draw(draw, size)
-    if key is not None:
-        _remember(key, png)
-    return png
-
-
-def _lookup(key: str) -> bytes | None:
-    if key in _memory:
-        _memory.move_to_end(key)
-        return _memory[key]
-    if _folders:
-        try:
-            png = (_folders[-1] / f"{key}{PLOT_SUFFIX}").read_bytes()
-        except OSError:
-            return None
-        _remember(key, png, persist=False)
-        return png
-    return None
-
-
-def _remember(key: str, png: bytes, persist: bool = True) -> None:
+    if key is None:
+        return _draw(draw, size)
+    if _used:
+        _used[-1].add(key)
+    cached = _folders[-1] / f"{key}{PLOT_SUFFIX}" if _folders else None
+    png = _memory.get(key) or _read(cached) or _draw(draw, size)
     _memory[key] = png
     _memory.move_to_end(key)
     while len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
-    if persist and _folders:
-        with atomic_path(_folders[-1] / f"{key}{PLOT_SUFFIX}", durable=False) as tmp:  # a lost one is redrawn
+    if cached is not None and not cached.exists():
+        with atomic_path(cached, durable=False) as tmp:  # a lost one is redrawn
             Path(tmp).write_bytes(png)
+    return png
+
+
+def _read(path: Path | None) -> bytes | None:
+    try:
+        return path.read_bytes() if path is not None else None
+    except OSError:
+        return None
 
 
 def legend_below(axis) -> None:
-    """``axis``'s legend under it, outside the axes, so that it never covers a point."""
+    """Under the axes, so that it never covers a point."""
     handles, _ = axis.get_legend_handles_labels()
     axis.legend(
         fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(handles), 3), frameon=False
@@ -123,7 +100,7 @@ def legend_below(axis) -> None:
 
 @contextlib.contextmanager
 def figure_of(draw, size: tuple[float, float] = SIZE) -> Iterator[Any]:
-    """The laid-out matplotlib figure of ``draw(figure)`` (what a plot renders), closed on leaving."""
+    """The laid-out figure of ``draw(figure)``, closed on leaving."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -146,7 +123,7 @@ def _draw(draw, size: tuple[float, float]) -> bytes:
 
 
 def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
-    """What :func:`training_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
+    """What :func:`training_curve` draws, for :func:`figure_of`."""
     from speech_assets.train import accuracy
 
     held = accuracy.curve_points(list(rows))
@@ -160,15 +137,9 @@ def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
             axis.plot([x for x, _ in points], [y for _, y in points], marker=".", linewidth=1, label="training batches")
             if key == "masked_accuracy" and held:
                 axis.plot([h[0] for h in held], [h[1] for h in held], marker="o", linewidth=1.5, label=accuracy.LABEL)
+                majority = {"marker": "_", "markersize": 10, "linestyle": "--", "color": "0.35"}
                 axis.plot(
-                    [h[0] for h in held],
-                    [h[2] for h in held],
-                    marker="_",
-                    markersize=10,
-                    linestyle="--",
-                    linewidth=1,
-                    color="0.35",
-                    label="held-out majority class",
+                    [h[0] for h in held], [h[2] for h in held], linewidth=1, label="held-out majority class", **majority
                 )
                 legend_below(axis)
             axis.set_title(label, fontsize=TITLE)
@@ -180,10 +151,8 @@ def training_curve_drawing(rows: Sequence[Mapping[str, Any]]):
 
 
 def training_curve(rows: Sequence[Mapping[str, Any]]) -> bytes:
-    """Loss; training masked accuracy with the held-out masked accuracy (leak-free frames:
-    :mod:`speech_assets.train.accuracy`) and the held-out majority-class rate at each
-    evaluation; learning rate; all against step (rows of the trainer's metrics.jsonl). Legends
-    sit under their axes, never over a point."""
+    """Loss, masked accuracy (training, and held-out on leak-free frames against the majority-class
+    rate) and learning rate against step, from rows of the trainer's metrics.jsonl."""
     from speech_assets.train import accuracy
 
     columns = ("step", "loss", "masked_accuracy", "lr", accuracy.CURVE_ACCURACY, accuracy.CURVE_MAJORITY)
@@ -239,17 +208,10 @@ def cluster_sizes(counts_by_client: Mapping[str, np.ndarray]) -> bytes:
         if len(counts_by_client) <= 12:
             legend_below(axis)
 
-    return _render(
-        draw,
-        key=_key(
-            "cluster_sizes",
-            *(
-                part
-                for client, counts in sorted(counts_by_client.items())
-                for part in (client, np.asarray(counts, dtype=float))
-            ),
-        ),
-    )
+    parts = [
+        part for client, counts in sorted(counts_by_client.items()) for part in (client, np.asarray(counts, float))
+    ]
+    return _render(draw, key=_key("cluster_sizes", *parts))
 
 
 def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str) -> bytes:
@@ -269,7 +231,7 @@ def curves(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str
 
 
 def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
-    """What :func:`round_curve` draws, as ``draw(figure)`` (for :func:`figure_of`)."""
+    """What :func:`round_curve` draws, for :func:`figure_of`."""
     from speech_assets.train import accuracy
 
     rounds = [line["round"] for line in lines]
@@ -284,13 +246,10 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
         loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
         axis = figure.add_subplot(1, 2, 2)
         drawn_any = False
+        majority = {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"}
         for key, label, style in (
             (accuracy.ACCURACY, "global encoder + own head", {"marker": "o", "color": "C0"}),
-            (
-                accuracy.MAJORITY,
-                "majority class",
-                {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"},
-            ),
+            (accuracy.MAJORITY, "majority class", majority),
         ):
             x, y = series(key)
             if x:
@@ -309,16 +268,14 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
 
 
 def round_curve(lines: Sequence[Mapping[str, Any]]) -> bytes:
-    """A federated run's train loss, and the held-out masked accuracy (leak-free frames) against
-    the majority-class rate on the same frames, per round (lines of
-    :func:`speech_assets.federated.history.summarize_rounds`). Held-out series have points only
-    in the rounds that were evaluated; a series with no point is left out of the legend too."""
-    return _render(round_curve_drawing(lines), size=(12.0, 4.5))
+    """A federated run's train loss, and the held-out masked accuracy (leak-free frames) against the
+    majority-class rate, per round (lines of :func:`speech_assets.federated.history.summarize_rounds`)."""
+    return _render(round_curve_drawing(lines))
 
 
 def vad_decision(wave: np.ndarray, voiced: Sequence[bool], frame_ms: int, span: tuple[float, float] | None) -> bytes:
-    """A waveform (16 kHz mono ``(N,)``) with the VAD's voiced frames shaded and the speech span
-    it kept (``(start_s, end_s)``, ``None`` when it never triggered) marked: a small picture."""
+    """A waveform (16 kHz mono) with the VAD's voiced frames shaded and the span it kept
+    (``(start_s, end_s)``, ``None`` when it never triggered) marked."""
     bins = 800  # min/max per bin: the envelope, whatever the length
     usable = len(wave) // bins * bins
     envelope = wave[:usable].reshape(bins, -1) if usable else wave.reshape(1, -1)
@@ -353,10 +310,9 @@ INLINE_COLOURS = ("#1f77b4", "#ff7f0e", "#555")
 def inline_chart(
     title: str, series: Mapping[str, Sequence[tuple[float, float]]], limit: int = INLINE_MARKDOWN_LIMIT
 ) -> str:
-    """A markdown image small enough for Dagster to draw inline on the asset page: an SVG line
-    chart (``data:`` URI) of up to three named ``[(x, y), ...]`` series (one named "majority..."
-    dashed grey: the baseline), a legend with each series' last value and the axis
-    ranges. Points are thinned until the markdown is shorter than ``limit`` characters."""
+    """A markdown SVG line chart small enough for Dagster to draw inline: up to three named
+    ``[(x, y), ...]`` series (one named "majority..." is the dashed grey baseline), each series'
+    last value in the legend. Points are thinned until the markdown is shorter than ``limit``."""
     shown = {name: [(float(x), float(y)) for x, y in points] for name, points in list(series.items())[:3] if points}
     if not shown:
         return f"*{title}: nothing measured yet*"

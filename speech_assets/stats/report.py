@@ -1,15 +1,8 @@
-"""The offline report: one static HTML page (no CDN, no script) written beside the DuckDB
-database by ``dataset_stats``.
+"""The offline report: one static HTML page (no CDN, no script) beside the DuckDB database.
 
-It leads with the verdicts: the probe's leaderboard and the fine-tuning table, built by the same
-functions as the assets' metadata and ``speech-assets probe`` / ``finetune`` (their raw per-seed
-rows folded below them); then the models (each one's held-out masked accuracy, the leak-free
-figure of :mod:`speech_assets.train.accuracy`, training curves, checkpoints, export,
-student); then data quality; the header (when it was built, from which commit, Dagster run,
-corpus and settings) last. Every table from the database shows the SQL that produced it, so a
-reader can re-run it with ``speech-assets sql``; plots are inlined PNGs (``stats.plots``); reject
-examples play short clips copied under ``audio/`` beside the page (``stats.examples``), so the
-folder can be moved or opened offline as a whole.
+Verdicts first (built by the same functions as the assets' metadata and the CLI), then models,
+data quality and the header. Every table shows its SQL for ``speech-assets sql``; plots are
+inlined PNGs and reject clips are copied under ``audio/``, so the folder works offline as a whole.
 """
 
 from __future__ import annotations
@@ -37,11 +30,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Corpus",
         "What was kept, in hours, before and after VAD.",
-        "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), "
-        '0) FROM manifest) / 3600, 3) AS "hours (h)", '
-        "(SELECT count(*) FROM utterances) AS after_vad, round((SELECT coalesce(sum(trimmed_duration_s), 0) "
-        'FROM utterances) / 3600, 3) AS "speech (h)", '
-        "(SELECT count(*) FROM rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
+        "SELECT (SELECT count(*) FROM manifest) AS utterances_kept, round((SELECT coalesce(sum(duration_s), 0) FROM "
+        'manifest) / 3600, 3) AS "hours (h)", (SELECT count(*) FROM utterances) AS after_vad, round((SELECT '
+        'coalesce(sum(trimmed_duration_s), 0) FROM utterances) / 3600, 3) AS "speech (h)", (SELECT count(*) FROM '
+        "rejects) AS rejects, (SELECT count(DISTINCT speaker_id) FROM manifest) AS speakers",
     ),
     (
         "Rejects by reason",
@@ -51,9 +43,8 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "Speakers",
         "Each speaker's client and split (held-out speakers are never trained on), hours before and after VAD.",
-        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", '
-        'round(trimmed_hours, 3) AS "speech (h)" '
-        "FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id",
+        'SELECT speaker_id, client_id, split, utterances, round(hours, 3) AS "hours (h)", round(trimmed_hours, 3) AS '
+        '"speech (h)" FROM hours_per_speaker ORDER BY split DESC, client_id, speaker_id',
     ),
     (
         "Clients",
@@ -69,21 +60,19 @@ SECTIONS: list[tuple[str, str, str]] = [
     (
         "k-means quality",
         "Per client: codebook size, frames fitted, inertia, perplexity (of K) and empty clusters.",
-        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, "
-        "round(perplexity, 1) AS perplexity, "
-        'empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality ORDER '
-        "BY client_id",
+        "SELECT client_id, k, frames_fit, round(inertia_per_frame, 3) AS inertia_per_frame, round(perplexity, 1) AS "
+        'perplexity, empty_clusters, round(mean_segment_length, 2) AS "mean segment (frames)" FROM kmeans_quality '
+        "ORDER BY client_id",
     ),
     (
         "Training runs",
         "Every model (centralised, federated, distilled, iteration 2): steps (rounds for federated), final loss, "
         "held-out masked accuracy (on leak-free frames, as everywhere) against the majority-class rate on the same "
         "frames.",
-        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, "
-        "round(heldout_leak_free_masked_accuracy, 3) AS heldout_masked_accuracy, "
-        "round(heldout_leak_free_majority_accuracy, 3) AS majority_rate, round(chance_accuracy, 3) AS chance, "
-        'round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, checkpoint FROM training_runs '
-        "ORDER BY kind, run_dir",
+        "SELECT kind, preset, steps, round(final_loss, 3) AS final_loss, round(heldout_leak_free_masked_accuracy, 3) "
+        "AS heldout_masked_accuracy, round(heldout_leak_free_majority_accuracy, 3) AS majority_rate, "
+        'round(chance_accuracy, 3) AS chance, round(audio_seconds_per_second, 1) AS "audio s/s", mlflow_run_id, '
+        "checkpoint FROM training_runs ORDER BY kind, run_dir",
     ),
     (
         "Checkpoints",
@@ -96,18 +85,16 @@ SECTIONS: list[tuple[str, str, str]] = [
         "Export parity",
         "The exported encoder (ONNX, TorchScript) against PyTorch on real shard utterances: largest absolute "
         "difference (fp32).",
-        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS '
-        '"TorchScript max |diff|", '
-        "parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder",
+        'SELECT checkpoint_sha256, layer, max_abs_diff AS "ONNX max |diff|", torchscript_max_abs_diff AS "TorchScript '
+        'max |diff|", parity_utterances AS utterances, parity_frames AS frames, folder FROM exports ORDER BY folder',
     ),
     (
         "Distilled student",
         "The student against its teacher: encoder parameters and single-thread CPU forward speed on the same "
         "utterances.",
         'SELECT round(speedup, 2) AS "speed-up (x)", round(student_parameters / 1e6, 2) AS "student params (M)", '
-        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS '
-        '"student audio s/s", '
-        'round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
+        'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS "student audio '
+        's/s", round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
     ),
 ]
 PROBE_ROWS_SQL = "SELECT * FROM probe_results ORDER BY split, model, seed"
@@ -123,9 +110,8 @@ FINETUNE_TEXT = (
 # the sections about models; the rest of SECTIONS is about the data
 MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student")
 REJECT_EXAMPLES_SQL = (
-    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, "
-    "reason ORDER BY utt_id) AS n "
-    "FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
+    "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY "
+    "utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
 )
 OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
     (
@@ -133,21 +119,17 @@ OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
         "Federated rounds",
         "Per round and client: examples, local training loss and masked accuracy (on its own training batches, "
         "not held out), MB exchanged, seconds.",
-        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, "
-        "3) AS train_masked_accuracy, "
-        'round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", round(seconds, 1) AS '
-        '"seconds (s)" '
-        "FROM federated_rounds ORDER BY round, client_id",
+        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS "
+        'train_masked_accuracy, round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", '
+        'round(seconds, 1) AS "seconds (s)" FROM federated_rounds ORDER BY round, client_id',
     ),
 ]
 
 
 @dataclass
 class ReportInputs:
-    """What the report shows beyond the database: the header's facts (``built_at``, ``git_commit``,
-    ``dagster_run_id``, ``corpus``, ``settings_hash``: name -> text), cluster sizes per client,
-    training curves, and where reject examples' audio may be read (``corpus_root``; ``vad``, a
-    :class:`~speech_assets.features.vad.VadConfig`, redraws the ``no_speech`` decisions)."""
+    """What the report shows beyond the database. ``vad`` (a
+    :class:`~speech_assets.features.vad.VadConfig`) redraws the ``no_speech`` decisions."""
 
     cluster_counts: Mapping[str, np.ndarray] = field(default_factory=dict)
     training_metrics: Mapping[str, Sequence[Mapping[str, float]]] = field(default_factory=dict)
@@ -172,9 +154,8 @@ SHA256 = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 def format_value(value: object) -> str:
-    """A cell as people read it: floats to 4 significant digits (scientific below 0.001),
-    integers with thousands separators, lists element by element. Escaped HTML; a sha256 or a
-    git commit is cut to 12 characters with the full value in its ``title``."""
+    """A cell as escaped HTML: floats to 4 significant digits (scientific below 0.001); a sha256 or a
+    git commit cut to 12 characters with the full value in its ``title``."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -195,16 +176,21 @@ def format_value(value: object) -> str:
     return html.escape(text)
 
 
+def _html_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A table of cells that are already HTML."""
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{''.join(f'<th>{c}</th>' for c in head)}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
     relation = con.execute(sql)
-    columns = [d[0] for d in relation.description]
     rows = relation.fetchmany(MAX_ROWS + 1)
-    more = len(rows) > MAX_ROWS
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{format_value(v)}</td>" for v in row) + "</tr>" for row in rows[:MAX_ROWS])
-    note = f'<p class="note">first {MAX_ROWS} rows shown; run the query for all of them</p>' if more else ""
-    empty = '<p class="note">no rows</p>' if not rows else ""
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}{empty}"
+    table = _html_table(
+        [html.escape(d[0]) for d in relation.description], [[format_value(v) for v in row] for row in rows[:MAX_ROWS]]
+    )
+    if len(rows) > MAX_ROWS:
+        table += f'<p class="note">first {MAX_ROWS} rows shown; run the query for all of them</p>'
+    return table + ('<p class="note">no rows</p>' if not rows else "")
 
 
 def _header(inputs: ReportInputs, db_path: Path) -> str:
@@ -299,8 +285,7 @@ def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 
 
 def _finetune_verdicts(con: duckdb.DuckDBPyConnection, min_heldout_speakers: int) -> str:
-    """The fine-tuning verdict lines (the CLI's and the asset's: ``verdicts``) as a list, when
-    there are results."""
+    """The CLI's and the asset's fine-tuning verdict lines, as a list."""
     from speech_assets.evaluation.finetune_results import verdicts
 
     rows = _finetune_rows(con)
@@ -317,35 +302,23 @@ def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
 
 
 def _markdown_html(text: str) -> str:
-    """The markdown that :func:`~speech_assets.evaluation.finetune_results.markdown_tables` writes
-    (bold lines, pipe tables, plain lines) as HTML, so the report shows the asset's table as is."""
+    """The markdown of :func:`~speech_assets.evaluation.finetune_results.markdown_tables` (bold
+    lines, pipe tables, plain lines) as HTML, so the report shows the asset's table as is."""
     out: list[str] = []
     table: list[list[str]] = []
-
-    def flush() -> None:
-        if table:
-            head, *body = table
-            out.append(
-                "<table><thead><tr>"
-                + "".join(f"<th>{html.escape(c)}</th>" for c in head)
-                + "</tr></thead><tbody>"
-                + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
-                + "</tbody></table>"
-            )
-            table.clear()
-
-    for line in text.splitlines():
+    for line in [*text.splitlines(), ""]:
         if line.startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            cells = [html.escape(c.strip()) for c in line.strip().strip("|").split("|")]
             if not all(set(c) <= set("-: ") for c in cells):
                 table.append(cells)
             continue
-        flush()
+        if table:
+            out.append(_html_table(table[0], table[1:]))
+            table = []
         if line.startswith("**") and line.endswith("**"):
             out.append(f"<h3>{html.escape(line.strip('*'))}</h3>")
         elif line.strip():
             out.append(f'<p class="note">{html.escape(line)}</p>')
-    flush()
     return "".join(out)
 
 
@@ -354,8 +327,7 @@ def _folded(summary: str, content: str) -> str:
 
 
 def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
-    """The probe's leaderboard as the asset's metadata and ``speech-assets probe`` show it
-    (:func:`~speech_assets.evaluation.compare.leaderboard_rows`), how to read it once beside it,
+    """The probe's leaderboard as the asset's metadata and ``speech-assets probe`` show it, with
     the raw per-seed rows folded below; None where the probe has not run."""
     from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows, load_leaderboard, reading_note
 
@@ -389,8 +361,8 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
 
 
 def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
-    """Each encoder's fine-tuning verdict against scratch and the per-budget table, as the asset's
-    metadata and ``speech-assets finetune`` show them, the raw rows folded below; None without results."""
+    """The fine-tuning verdicts and per-budget table as ``speech-assets finetune`` shows them, the raw
+    rows folded below; None without results."""
     from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference
 
     if not _has_table(con, "finetune_results"):
@@ -409,29 +381,25 @@ def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> s
 
 def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
     parts = []
-    durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
-    if durations:
-        sql = "SELECT duration_s FROM manifest"
-        parts.append(
-            _section(
-                "Utterance durations",
-                "Kept utterances by duration (manifest).",
-                plots.html_image(plots.histogram(durations, "utterance durations", "seconds"), "duration histogram"),
-                sql,
-            )
-        )
-    ratios = [r[0] for r in con.execute("SELECT speech_ratio FROM utterances").fetchall()]
-    if ratios:
-        parts.append(
-            _section(
-                "Speech ratio after VAD",
-                "Share of each utterance the VAD kept.",
-                plots.html_image(
-                    plots.histogram(ratios, "speech ratio", "kept / original", bins=20), "speech ratio histogram"
-                ),
-                "SELECT speech_ratio FROM utterances",
-            )
-        )
+    histograms = (
+        ("Utterance durations", "Kept utterances by duration (manifest).", "duration_s FROM manifest", "seconds", 30),
+        (
+            "Speech ratio after VAD",
+            "Share of each utterance the VAD kept.",
+            "speech_ratio FROM utterances",
+            "kept / original",
+            20,
+        ),
+    )
+    for (title, text, source, unit, bins), (label, alt) in zip(
+        histograms,
+        (("utterance durations", "duration histogram"), ("speech ratio", "speech ratio histogram")),
+        strict=True,
+    ):
+        sql = f"SELECT {source}"
+        if values := [r[0] for r in con.execute(sql).fetchall()]:
+            image = plots.html_image(plots.histogram(values, label, unit, bins=bins), alt)
+            parts.append(_section(title, text, image, sql))
     for unit in ("speaker", "client"):
         sql = f"SELECT {unit}_id, trimmed_hours FROM hours_per_{unit}"
         if rows := con.execute(f"{sql} ORDER BY {unit}_id").fetchall():
@@ -452,18 +420,12 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
 
 
 def _training_curves(inputs: ReportInputs) -> list[str]:
-    parts = []
-    for run, rows in sorted(inputs.training_metrics.items()):
-        if rows:
-            parts.append(
-                _section(
-                    f"Training curve: {run}",
-                    "Loss, masked accuracy (training batches; held-out on leak-free frames) and learning rate "
-                    "against step.",
-                    plots.html_image(plots.training_curve(rows), f"training curve {run}"),
-                )
-            )
-    return parts
+    text = "Loss, masked accuracy (training batches; held-out on leak-free frames) and learning rate against step."
+    return [
+        _section(f"Training curve: {run}", text, plots.html_image(plots.training_curve(rows), f"training curve {run}"))
+        for run, rows in sorted(inputs.training_metrics.items())
+        if rows
+    ]
 
 
 STYLE = """
@@ -485,9 +447,8 @@ TITLE = "speech_assets report: probe and fine-tuning verdicts, models, data qual
 
 
 def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = None, title: str = TITLE) -> Path:
-    """Render the report from the database at ``db_path`` into ``out_path`` (atomically), with
-    reject examples' clips under ``audio/`` beside it (clips no longer shown are removed). The
-    verdicts first, then the models, then data quality, then the header."""
+    """Render the report into ``out_path`` (atomically), with reject examples' clips under ``audio/``
+    beside it (clips no longer shown are removed)."""
     from speech_assets.stats.examples import remove_unused
 
     inputs = inputs or ReportInputs()
@@ -521,8 +482,7 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         verdicts = ['<p class="note">no probe or fine-tuning results yet: materialize downstream_probe</p>']
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
         + "".join(verdicts)
         + '<h1 class="part">Models</h1>'
         + f'<section><h2>Summary</h2>{summary}<p class="note">Every table below shows its SQL.</p></section>'

@@ -279,7 +279,8 @@ def test_run_checks_say_what_they_could_not_measure(tmp_path: Path) -> None:
     edit_json(
         tmp_path / "result.json", heldout_leak_free_masked_accuracy=None, heldout_leak_free_majority_accuracy=None
     )  # no leak-free frames: the all-frames figure is not used in its place
-    assert model_checks.accuracy_against_majority(tmp_path) is None
+    measured = model_checks.above_majority_class(tmp_path)
+    assert measured.passed and "no held-out masked accuracy" in measured.description
     write_jsonl(tmp_path / "metrics.jsonl", [{"step": 10, "loss": 2.0}])
     assert model_checks.loss_trend(tmp_path) is None
     assert model_checks.loss_problems(tmp_path) == []

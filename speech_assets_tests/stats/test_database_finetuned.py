@@ -70,7 +70,7 @@ def _finetuned(tmp_path: Path, paths: StoragePaths) -> dict[str, dict]:
 
 def test_every_model_in_every_view_finetuning_runs(tmp_path: Path, capsys) -> None:
     """Mutations killed (each seen failing): fine-tuning run folders left out of the stats inputs
-    (``model_folders`` without ``finetuned``) or of ``CHECKPOINT_KINDS``; ``checkpoint_kind``
+    (``model_results`` without ``finetuned``) or of ``CHECKPOINT_KINDS``; ``checkpoint_kind``
     calling a CTC checkpoint ``centralised``; a scratch run's lineage listing
     ``pretrained_checkpoint`` as an input (``run_inputs`` keeping the encoder); the stats line
     without init, budget and seed; MLflow ``mode`` ``centralised`` for fine-tuning."""
