@@ -175,3 +175,22 @@ def test_raw_audio_parity_with_the_pipeline(folder: Path) -> None:
     model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
     parity = audio_parity(folder, model, UtteranceCmvn(), SAMPLES[:4])
     assert parity["utterances"] == parity["same_text"] == 4 and parity["feature_max_abs_diff"] <= FEATURE_ATOL
+
+
+GOOD = {"utterances": 8, "same_text": 8, "feature_max_abs_diff": 1e-4, "feature_atol": FEATURE_ATOL}
+
+
+@pytest.mark.parametrize(
+    ("record", "passed"),
+    [(GOOD, True), ({**GOOD, "same_text": 7}, False), ({**GOOD, "feature_max_abs_diff": 0.01}, False), ({}, False)],
+)
+def test_raw_audio_parity_check_fails_on_other_text_or_features(tmp_path: Path, record: dict, passed: bool) -> None:
+    from speech_assets.defs.model_checks import recogniser_reads_raw_audio
+    from speech_assets.defs.resources import StoragePaths
+    from speech_assets.layout import DataLayout, RecogniserFiles
+
+    card = RecogniserFiles(DataLayout(tmp_path).finetune.recogniser).card
+    card.parent.mkdir(parents=True)
+    card.write_text(json.dumps({"audio_parity": record}))
+    paths = StoragePaths(corpus=str(tmp_path), data_dir=str(tmp_path), mlflow_tracking_uri="sqlite://")
+    assert recogniser_reads_raw_audio(paths=paths).passed is passed
