@@ -100,43 +100,36 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     """One line per audio file (id, text, seconds of audio), or an error line; exit 1 if any failed."""
     import tempfile
 
-    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, audio_files, fetch_recogniser
+    from speech_assets.evaluation.recognise import Recogniser, RecogniserError, fetch_recogniser, labelled_files
     from speech_assets.train.tracking import is_model_uri
 
     data = locations.data_dir()
     model = args.model or DataLayout(data).finetune.recogniser
+    options = {"threads": args.threads, "batch_size": args.batch_size, "max_segment_s": args.max_segment_s}
     try:
         if is_model_uri(model):  # an MLflow model: downloaded, loaded, then the download is removed
             with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
                 fetched = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
-                recogniser = Recogniser(fetched, args.decoder)
+                recogniser = Recogniser(fetched, args.decoder, **options)
         else:
-            recogniser = Recogniser(model, args.decoder)
+            recogniser = Recogniser(model, args.decoder, **options)
     except RecogniserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    files = audio_files(args.inputs)
+    files = labelled_files(args.inputs)
     if not files:
         print(f"error: no audio files in {' '.join(args.inputs)}", file=sys.stderr)
         return 1
     failed = 0
+    form = "json" if args.json else args.format
     for transcript in recogniser.transcribe_all(files):
         failed += transcript.error is not None
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "id": transcript.id,
-                        "path": transcript.path,
-                        "text": transcript.text,
-                        "seconds": transcript.seconds,
-                        "error": transcript.error,
-                    }
-                ),
-                flush=True,
-            )
+        if form == "json":
+            print(json.dumps(transcript.record()), flush=True)
+        elif form == "text" or transcript.error is not None:
+            print(transcript.line(), flush=True, file=sys.stdout if form == "text" else sys.stderr)
         else:
-            print(transcript.line(), flush=True)
+            print(transcript.subtitles(form), flush=True)
     return 1 if failed else 0
 
 
@@ -327,8 +320,12 @@ anything else is refused with exit 1 and nothing on disk changes.""",
   speech-assets transcribe call.wav --model data/out/finetune/recogniser
   speech-assets transcribe call.wav --model models:/speech_assets_recogniser/latest
   speech-assets transcribe /tmp/recordings --decoder beam
-prints "id<TAB>text<TAB>seconds" per file, or "id<TAB>error: ..." for a file that cannot be
-transcribed (the others still are; the exit status is then 1).""",
+  find /tmp/calls -name '*.mp3' | speech-assets transcribe - --format srt --threads 2
+prints "id<TAB>text<TAB>seconds" per file (id: the path relative to the folder given, or the
+file as given), or "id<TAB>error: ..." for a file that cannot be transcribed (the others still
+are; the exit status is then 1). Long recordings are cut at pauses into segments of at most
+--max-segment-s; --json gives each segment's start, end and text, and each word's start, end and
+confidence (greedy decoding).""",
 }
 
 
@@ -443,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs",
         nargs="+",
         metavar="FILES_OR_FOLDER",
-        help="audio files (any format libsndfile reads) or folders of .flac/.wav",
+        help="audio files, folders (every file libsndfile decodes, by suffix) or - (paths on stdin, one a line)",
     )
     transcribe.add_argument(
         "--model",
@@ -453,7 +450,20 @@ def build_parser() -> argparse.ArgumentParser:
         "sqlite:///$SPEECH_ASSETS_DATA_DIR/mlflow.db (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
     )
     transcribe.add_argument(
-        "--json", action="store_true", help="one JSON object per file: id, path, text, seconds, error"
+        "--json",
+        action="store_true",
+        help="one JSON object per file: id, path, text, seconds, error, segments (start, end, text, words)",
+    )
+    transcribe.add_argument(
+        "--format",
+        choices=["text", "json", "srt", "vtt"],
+        default="text",
+        help="text: a line per file; json: as --json; srt/vtt: a subtitle cue per segment (errors on stderr)",
+    )
+    transcribe.add_argument("--threads", type=int, default=0, help="onnxruntime CPU threads (0: its default)")
+    transcribe.add_argument("--batch-size", type=int, default=8, help="segments per onnxruntime run")
+    transcribe.add_argument(
+        "--max-segment-s", type=float, default=20.0, help="longest segment (seconds) a recording is cut into"
     )
     transcribe.add_argument(
         "--decoder",

@@ -402,6 +402,7 @@ class RecogniserFiles(ExportedModel):
     onnx = Under("recogniser.onnx")
     torch = Under("recogniser.pt")
     card = Under("recogniser.json")
+    frontend = Under("frontend.onnx")  # 16 kHz audio -> the recogniser's CMVN-normalised log-mel
 
 
 class FinetuneFiles(Folder):

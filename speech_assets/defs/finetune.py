@@ -303,8 +303,9 @@ def _train(
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:
     """The recogniser of ``result``'s checkpoint as ONNX and TorchScript with recogniser.json, in
     <data>/finetune/recogniser/ (replaced whole, never half written); parity on held-out utterances."""
+    from speech_assets.corpus.manifest import read_manifest
     from speech_assets.evaluation import decoding
-    from speech_assets.evaluation.recognise import vocabulary
+    from speech_assets.evaluation.recognise import audio_parity, vocabulary
     from speech_assets.features.cmvn import describe, from_record
     from speech_assets.features.featurize import FeatureExtractor
     from speech_assets.features.shards import iter_shard
@@ -314,7 +315,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     loaded = load_encoder(result["checkpoint"])
     cmvn = from_record(loaded.checkpoint.get("normalisation"))
     speakers = loaded.checkpoint["speakers"]["heldout"]
-    feats = []
+    feats, used = [], []
     for speaker in speakers:
         for record in iter_shard(paths.shard_file(speaker), features=("logmel",)):
             if (
@@ -324,12 +325,13 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
                 and len(feats) < settings.export.parity_utterances
             ):
                 feats.append(cmvn.apply(record.logmel, "logmel"))
+                used.append(record.utt_id)
     folder = paths.layout.finetune.recogniser
     staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            parity = export_recogniser(loaded.model, staging, feats, settings.export.opset or None)
+            parity = export_recogniser(loaded.model, staging, feats, settings.export.opset or None, cmvn)
         vad = vad_config(settings.features)
         spec = {
             "inputs": {
@@ -340,13 +342,22 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             "outputs": {
                 "log_probs": "float32 (batch, (time + 1) // 2, 29): CTC log-probabilities, padded frames 0",
                 "output_lengths": "int64 (batch,)",
+                "frame_rate_hz": 50,
+            },
+            "frontend": {
+                "inputs": {"audio": "float32 (batch, samples): 16 kHz mono, peak-normalised", "audio_lengths": "int64"},
+                "outputs": "feats, lengths: the recogniser's inputs",
             },
             "featurisation": {"feature": "logmel", **FeatureExtractor().describe(), "vad": vad.as_dict()},
             "cmvn": describe(cmvn),
             "vocabulary": vocabulary(),
             "blank": 0,
             "decoding": "greedy: per-frame argmax, merge repeats, drop blanks; beam: lexicon beam search, n-gram LM",
-            "files": {"onnx": RecogniserFiles.onnx.name, "torchscript": RecogniserFiles.torch.name},
+            "files": {
+                "onnx": RecogniserFiles.onnx.name,
+                "torchscript": RecogniserFiles.torch.name,
+                "frontend": RecogniserFiles.frontend.name,
+            },
             "checkpoint": result["checkpoint"],
             "checkpoint_sha256": loaded.sha256,
             "init": result["init"],
@@ -365,7 +376,12 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             if "beam" in result:  # the weights the run chose on its dev set
                 spec["beam"]["lm_weight"] = result["beam"]["lm_weight"]
                 spec["beam"]["word_score"] = result["beam"]["word_score"]
-        atomic_write_text(RecogniserFiles(staging).card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        card = RecogniserFiles(staging).card
+        atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        # the same held-out utterances from their audio files: frontend.onnx + recogniser.onnx against the pipeline
+        audio = {row.utt_id: row.path for row in read_manifest(paths.layout.manifest.manifest)}
+        spec["audio_parity"] = audio_parity(staging, loaded.model, cmvn, [audio[u] for u in used if u in audio])
+        atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         publish_folder(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -374,7 +390,8 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         f"{parity.utterances} held-out utterances"
     )
     beam = [folder / spec["beam"][key] for key in ("lm", "lexicon")] if "beam" in spec else []
-    files = {path.name: sha256_file(path) for path in (*RecogniserFiles(folder).published, *beam)}
+    published = (*RecogniserFiles(folder).published, RecogniserFiles(folder).frontend, *beam)
+    files = {path.name: sha256_file(path) for path in published}
     model = log_recogniser_model(paths, result["checkpoint"], loaded, folder, beam, context.log.warning)
     if model.get("registered_uri"):
         context.log.info(f"recogniser registered in MLflow as {model['registered_uri']} (run {model['run_id']})")
@@ -402,7 +419,7 @@ def log_recogniser_model(
         checkpoint,
         loaded.checkpoint,
         files.onnx,
-        [files.card, *beam],
+        [files.card, files.frontend, *beam],
         warn,
         name=RECOGNISER_MODEL,
         signature=export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),

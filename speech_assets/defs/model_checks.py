@@ -234,3 +234,28 @@ def finetuning_is_sound(
             "min_heldout_speakers": min_speakers,
         },
     )
+
+
+RECOGNISER_READS_RAW_AUDIO = (
+    "The exported recogniser fed the held-out utterances' audio files (frontend.onnx, then recogniser.onnx, as "
+    "`speech-assets transcribe` runs them without torch) gave the same greedy text as the pipeline's featurisation "
+    "and the PyTorch model on every one, and its features matched the pipeline's CMVN log-mel within the recorded "
+    "tolerance (recogniser.json's audio_parity)."
+)
+
+
+@dg.asset_check(asset="finetuned_asr", description=RECOGNISER_READS_RAW_AUDIO)
+def recogniser_reads_raw_audio(paths: StoragePaths) -> dg.AssetCheckResult:
+    record = read_json(RecogniserFiles(paths.layout.finetune.recogniser).card).get("audio_parity") or {}
+    count, diff = record.get("utterances") or 0, record.get("feature_max_abs_diff", math.nan)
+    passed = count > 0 and record.get("same_text") == count and diff <= record.get("feature_atol", 0.0)
+    return dg.AssetCheckResult(
+        passed=bool(passed),
+        description=None
+        if passed
+        else f"audio parity not met: {record or 'not recorded (rematerialize finetuned_asr)'}",
+        metadata={k: v for k, v in record.items() if isinstance(v, (int, float))},
+    )
+
+
+CHECKS.append(recogniser_reads_raw_audio)

@@ -1,32 +1,56 @@
 """The exported recogniser at work: audio files in, text out (``speech-assets transcribe``).
 
 A recogniser folder (what ``finetuned_asr`` writes under ``<data>/finetune/recogniser/``) holds
-``recogniser.onnx`` (log-mel ``(B, T, 80)`` with CMVN applied, ``lengths (B,)`` -> CTC
-``log_probs (B, L, 29)``, ``output_lengths (B,)``) and ``recogniser.json`` (featurisation, VAD,
-CMVN, vocabulary, parity). Each file is read as the pipeline reads the corpus
-(:func:`speech_assets.features.build.process_variants`: any format libsndfile decodes, mixed to
-mono, resampled to 16 kHz, peak-normalised, VAD-trimmed, 80 log-mel bands), normalised with the
-recorded CMVN, run through onnxruntime on the CPU and decoded greedily, or (``decoder="beam"``)
-by lexicon beam search with the word n-gram LM that the exported run built from its labelled
-transcripts: ``recogniser.json``'s ``beam`` names the ARPA file and the lexicon in the folder
-(:func:`speech_assets.evaluation.decoding.write_lm_files`).
+``frontend.onnx`` (16 kHz samples ``audio (B, N)``, ``audio_lengths (B,)`` -> the pipeline's
+80 log-mel at 100 Hz with the recorded CMVN applied, ``feats (B, T, 80)``, ``lengths (B,)``),
+``recogniser.onnx`` (``feats``, ``lengths`` -> CTC ``log_probs (B, L, 29)`` at 50 Hz,
+``output_lengths (B,)``) and ``recogniser.json`` (featurisation, VAD, CMVN, vocabulary, parity).
+Only onnxruntime, numpy, soundfile and webrtcvad run here (no torch, unless ``decoder="beam"``).
+
+Each file is read as the pipeline reads the corpus (:mod:`speech_assets.features.audio`: any
+format libsndfile decodes, mixed to mono, resampled to 16 kHz, peak-normalised) and its speech span
+found by the pipeline's WebRTC VAD with the recorded settings. A span longer than
+``max_segment_s`` is cut at its VAD pauses (at least ``MIN_PAUSE_S`` unvoiced; a long pause keeps
+``padding_ms`` of it on each side), a stretch with no pause is cut hard with ``OVERLAP_S`` of
+overlap (each word kept by the segment that holds its centre before the overlap's middle), so
+attention, and memory, stay bounded whatever the file's length. Segments of several files run in
+batches of similar length; greedy decoding gives each word its start and end (its CTC frames
+times the encoder's frame shift) and confidence (mean best-path posterior over its frames); beam
+decoding (lexicon beam search with the word n-gram LM the exported run built from its labelled
+transcripts: ``recogniser.json``'s ``beam`` names the ARPA file and lexicon in the folder,
+:func:`speech_assets.evaluation.decoding.write_lm_files`) gives each segment's text only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import soundfile as sf
 
 from speech_assets.corpus.manifest import AUDIO_SUFFIXES
-from speech_assets.evaluation.text import ALPHABET, BLANK, decode_greedy
+from speech_assets.evaluation.text import ALPHABET, BLANK
 from speech_assets.layout import FinetuneFiles, RecogniserFiles
 
 DECODERS = ("greedy", "beam")
+FORMATS = ("text", "json", "srt", "vtt")
+MAX_SEGMENT_S = 20.0
+MIN_PAUSE_S = 0.3
+OVERLAP_S = 1.0
+MIN_SEGMENT_SAMPLES = 560  # 2 feature frames: the exported graphs' shortest input
+FEATURE_ATOL = 1e-3  # |frontend.onnx - the pipeline's CMVN log-mel| on held-out audio (measured ~1e-4)
+# libsndfile's format names that are also file suffixes, with common aliases; headerless RAW is not audio
+DECODABLE = frozenset(
+    set(AUDIO_SUFFIXES)
+    | {f".{name.lower()}" for name in sf.available_formats() if name != "RAW"}
+    | {".aif", ".aifc", ".oga", ".opus", ".snd", ".sph"}
+)
 
 
 class RecogniserError(ValueError):
@@ -43,11 +67,9 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     folder = path.parent if path.suffix in (".onnx", ".json") else path
     files = RecogniserFiles(folder)
-    if not files.onnx.is_file() or not files.card.is_file():
-        raise RecogniserError(
-            f"no recogniser at {path}: expected {RecogniserFiles.onnx.name} and {RecogniserFiles.card.name} "
-            "(materialize finetuned_asr)"
-        )
+    if not all(f.is_file() for f in (files.onnx, files.frontend, files.card)):
+        names = ", ".join(f.name for f in (RecogniserFiles.onnx, RecogniserFiles.frontend, RecogniserFiles.card))
+        raise RecogniserError(f"no recogniser at {path}: expected {names} (materialize finetuned_asr)")
     return folder
 
 
@@ -77,16 +99,52 @@ def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
     return files.root
 
 
-def audio_files(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """``inputs`` in order, each folder replaced by the audio files under it (sorted; the suffixes
-    the manifest reads); a named file is kept whatever its suffix (decoding decides)."""
-    found: list[Path] = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            found += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
+def labelled_files(inputs: Iterable[str | os.PathLike[str]]) -> list[tuple[str, Path]]:
+    """``inputs`` in order as ``(id, path)``: a file is its own id (as given), a folder gives every
+    file under it that libsndfile decodes by suffix (sorted), its id its path relative to the
+    folder, ``-`` the paths read from stdin, one a line. An id met twice becomes the path as
+    joined, then gets ``#<n>``: ids are unique."""
+    found: list[tuple[str, Path]] = []
+    for item in inputs:
+        if str(item) == "-":
+            found += [(line, Path(line)) for line in sys.stdin.read().splitlines() if line.strip()]
+        elif Path(item).is_dir():
+            files = sorted(p for p in Path(item).rglob("*") if p.is_file() and p.suffix.lower() in DECODABLE)
+            found += [(p.relative_to(item).as_posix(), p) for p in files]
         else:
-            found.append(item)
-    return found
+            found.append((os.fspath(item), Path(item)))
+    seen: set[str] = set()
+    unique = []
+    for name, path in found:
+        name = name if name not in seen else path.as_posix()
+        if name in seen:
+            name = next(f"{name}#{n}" for n in range(2, len(found) + 2) if f"{name}#{n}" not in seen)
+        seen.add(name)
+        unique.append((name, path))
+    return unique
+
+
+def audio_files(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The paths of :func:`labelled_files`."""
+    return [path for _, path in labelled_files(inputs)]
+
+
+@dataclass(frozen=True)
+class Word:
+    word: str
+    start: float
+    end: float
+    confidence: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the file (seconds) and its text; ``words`` None under beam decoding."""
+
+    start: float
+    end: float
+    text: str
+    words: list[Word] | None
 
 
 @dataclass(frozen=True)
@@ -98,22 +156,73 @@ class Transcript:
     text: str | None
     seconds: float | None
     error: str | None = None
+    segments: list[Segment] = field(default_factory=list)
 
     def line(self) -> str:
         if self.error is not None:
             return f"{self.id}\terror: {self.error}"
         return f"{self.id}\t{self.text}\t{self.seconds:.2f}"
 
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def subtitles(self, kind: str) -> str:
+        """The segments as SRT or WebVTT cues (``kind``: ``srt``, ``vtt``), headed by the id for VTT."""
+
+        def stamp(t: float) -> str:
+            ms = round(t * 1000)
+            sep = "," if kind == "srt" else "."
+            return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
+        cues = [f"{stamp(s.start)} --> {stamp(s.end)}\n{s.text}\n" for s in self.segments if s.text]
+        if kind == "srt":
+            return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+        return "\n".join([f"WEBVTT\n\nNOTE {self.id}\n", *cues])
+
+
+def plan_segments(
+    flags: np.ndarray, start: int, end: int, max_len: int, min_pause: int, pad: int, overlap: int
+) -> list[tuple[int, int, int, int]]:
+    """Cut VAD frames ``[start, end)`` (``flags``: voiced per frame) into ``(start, end, lo, hi)``
+    of at most ``max_len`` frames: at the last pause of at least ``min_pause`` unvoiced frames
+    that starts inside the window (keeping ``pad`` of a longer pause on each side), else hard,
+    the next segment starting ``overlap`` earlier; a segment's words are those centred in ``[lo, hi)``."""
+    edges = np.diff(np.concatenate([[1], np.asarray(flags[start:end], np.int8), [1]]))
+    pause_start, pause_end = np.flatnonzero(edges == -1) + start, np.flatnonzero(edges == 1) + start
+    long = pause_end - pause_start >= min_pause
+    pause_start, pause_end = pause_start[long], pause_end[long]
+    out, a, lo = [], start, start
+    while end - a > max_len:
+        limit = a + max_len
+        inside = np.flatnonzero((pause_start > a) & (pause_start < limit))
+        if inside.size:
+            ps, pe = int(pause_start[inside[-1]]), int(pause_end[inside[-1]])
+            middle = (ps + pe) // 2
+            out.append((a, min(ps + pad, middle, limit), lo, middle))
+            a, lo = max(pe - pad, middle), middle
+        else:
+            out.append((a, limit, lo, limit - overlap // 2))
+            a, lo = limit - overlap, limit - overlap // 2
+    out.append((a, end, lo, end))
+    return out
+
 
 class Recogniser:
-    """A recogniser folder loaded for transcription (onnxruntime, CPU), decoding with ``decoder``
-    (one of :data:`DECODERS`)."""
+    """A recogniser folder loaded for transcription (onnxruntime: its CUDA provider when present,
+    else the CPU with ``threads`` threads, 0: onnxruntime's choice), decoding with ``decoder``
+    (one of :data:`DECODERS`), ``batch_size`` segments of at most ``max_segment_s`` per run."""
 
-    def __init__(self, path: str | os.PathLike[str], decoder: str = "greedy") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        decoder: str = "greedy",
+        *,
+        threads: int = 0,
+        batch_size: int = 8,
+        max_segment_s: float = MAX_SEGMENT_S,
+    ) -> None:
         import onnxruntime
 
-        from speech_assets.features.cmvn import from_record
-        from speech_assets.features.featurize import FeatureExtractor
         from speech_assets.features.vad import VadConfig
 
         self.folder = model_folder(path)
@@ -121,14 +230,23 @@ class Recogniser:
         self.spec = json.loads(self.files.card.read_text(encoding="utf-8"))
         if self.spec.get("vocabulary") != vocabulary():
             raise RecogniserError(f"{self.files.card}: its vocabulary is not this version's {len(vocabulary())} tokens")
-        self.cmvn = from_record(self.spec.get("cmvn"))
-        if self.cmvn is None:
+        if not self.spec.get("cmvn"):
             raise RecogniserError(f"{self.files.card} records no CMVN")
-        self.vad = VadConfig(**self.spec["featurisation"]["vad"])
-        self.extractor = FeatureExtractor()
-        self.session = onnxruntime.InferenceSession(str(self.files.onnx), providers=["CPUExecutionProvider"])
         if decoder not in DECODERS:
             raise RecogniserError(f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}")
+        if not MIN_PAUSE_S * 2 < max_segment_s or batch_size < 1:
+            raise RecogniserError(f"max_segment_s must exceed {2 * MIN_PAUSE_S:g} s and batch_size be >= 1")
+        self.vad = VadConfig(**self.spec["featurisation"]["vad"])
+        self.frame_s = 1.0 / float((self.spec.get("outputs") or {}).get("frame_rate_hz", 50))
+        self.batch_size, self.max_segment_s = batch_size, max_segment_s
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        self.providers = [p for p in ("CUDAExecutionProvider",) if p in onnxruntime.get_available_providers()]
+        self.providers.append("CPUExecutionProvider")
+        self.frontend, self.session = (
+            onnxruntime.InferenceSession(str(f), options, providers=self.providers)
+            for f in (self.files.frontend, self.files.onnx)
+        )
         self.beam = self._beam() if decoder == "beam" else None
 
     def _beam(self):
@@ -156,36 +274,152 @@ class Recogniser:
             word_score=float(beam["word_score"]),
         )
 
-    def log_probs(self, feats: np.ndarray) -> np.ndarray:
-        """``(L, 29)`` CTC log-probabilities of normalised log-mel ``feats (T, 80)``."""
-        log_probs, lengths = self.session.run(
-            ["log_probs", "output_lengths"],
-            {"feats": feats[None].astype(np.float32), "lengths": np.array([feats.shape[0]], dtype=np.int64)},
-        )
-        return log_probs[0, : int(lengths[0])]
+    def features(self, waves: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``feats (B, T, 80)``, ``lengths (B,)`` of peak-normalised 16 kHz ``waves`` (frontend.onnx)."""
+        batch = np.zeros((len(waves), max(len(w) for w in waves)), np.float32)
+        for row, wave in zip(batch, waves, strict=True):
+            row[: len(wave)] = wave
+        lengths = np.array([len(w) for w in waves], np.int64)
+        feats, frames = self.frontend.run(["feats", "lengths"], {"audio": batch, "audio_lengths": lengths})
+        return feats, frames
 
-    def transcribe(self, path: str | os.PathLike[str]) -> Transcript:
-        """``path``'s transcript, or its error (unreadable, no speech, too short)."""
-        from speech_assets.features.build import process_variants
-        from speech_assets.features.shards import FeatureRecord
+    def log_probs(self, waves: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``(L_i, 29)`` CTC log-probabilities of each of ``waves`` (one batch)."""
+        feats, frames = self.features(waves)
+        log_probs, lengths = self.session.run(["log_probs", "output_lengths"], {"feats": feats, "lengths": frames})
+        return [lp[: int(n)] for lp, n in zip(log_probs, lengths, strict=True)]
 
-        path = Path(path)
-        utt_id = path.stem
+    def _segments(self, path: Path) -> tuple[float, list[tuple[np.ndarray, int, int, int]]]:
+        """``path``'s seconds and its segments ``(samples, start, lo, hi)`` (sample offsets in
+        the 16 kHz file); :class:`RecogniserError` when it cannot be read or holds no speech."""
+        from speech_assets.features import audio
+        from speech_assets.features.vad import NoSpeech, classify_frames, detect_speech, to_pcm16
+
         if not path.is_file():
-            return Transcript(utt_id, str(path), None, None, f"no such file: {path}")
-        (record,) = process_variants(path, utt_id, "", "", self.vad, self.extractor)
-        if not isinstance(record, FeatureRecord):
-            return Transcript(utt_id, str(path), None, None, f"{record.reason}: {record.detail}")
-        if record.num_frames < 2:
-            return Transcript(utt_id, str(path), None, None, "too_short: less than 2 feature frames of speech")
-        feats = self.cmvn.apply(record.logmel, "logmel")
-        log_probs = self.log_probs(feats)
-        text = self.beam([log_probs])[0] if self.beam else decode_greedy(log_probs.argmax(axis=-1).tolist())
-        return Transcript(utt_id, str(path), text, round(float(record.duration_s), 3))
+            raise RecogniserError(f"no such file: {path}")
+        try:
+            decoded, rate = audio.decode(path)
+            wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), rate), in_place=True)
+        except (audio.DecodeError, ValueError) as error:
+            raise RecogniserError(f"unreadable: {error}") from error
+        seconds = decoded.shape[1] / rate
+        del decoded
+        span = detect_speech(wave, self.vad, peak_normalised=True)
+        if isinstance(span, NoSpeech):
+            raise RecogniserError(f"no_speech: {span.detail}")
+        step = self.vad.frame_samples()
+        flags = np.asarray(classify_frames(to_pcm16(wave, in_range=True), self.vad), bool)
+        frames = plan_segments(
+            flags,
+            span.start_sample // step,
+            -(-span.end_sample // step),
+            int(self.max_segment_s * 1000) // self.vad.frame_ms,
+            int(MIN_PAUSE_S * 1000) // self.vad.frame_ms,
+            self.vad.padding_frames,
+            int(OVERLAP_S * 1000) // self.vad.frame_ms,
+        )
+        segments = []
+        for a, b, lo, hi in frames:
+            a, b = max(a * step, span.start_sample), min(b * step, span.end_sample)
+            if b - a >= MIN_SEGMENT_SAMPLES:
+                segments.append((wave[a:b], a, lo * step, hi * step))
+        if not segments:
+            raise RecogniserError("too_short: less than 2 feature frames of speech")
+        return seconds, segments
 
-    def transcribe_all(self, paths: Iterable[str | os.PathLike[str]]) -> Iterator[Transcript]:
-        for path in paths:
+    def _segment(self, log_probs: np.ndarray, start: int, lo: int, hi: int, samples: int) -> Segment:
+        """One segment's text (and, greedy, its words centred in ``[lo, hi)``), times in seconds."""
+        rate = 16_000
+        end = (start + samples) / rate
+        if self.beam is not None:
+            return Segment(round(start / rate, 3), round(end, 3), self.beam([log_probs])[0], None)
+        ids, best = log_probs.argmax(axis=-1), np.exp(log_probs.max(axis=-1))
+        runs = np.flatnonzero(np.diff(ids, prepend=-1))
+        words: list[Word] = []
+        chars, first, last, conf = "", 0, 0, []
+        # a space token after the last run closes the last word
+        for tok, a, b in zip([*ids[runs], 1], [*runs, len(ids)], [*runs[1:], len(ids), len(ids)], strict=True):
+            if tok != BLANK and ALPHABET[tok - 1] != " ":
+                chars, first, last = chars + ALPHABET[tok - 1], (a if not chars else first), b
+                conf.extend(best[a:b])
+            elif tok != BLANK and chars:
+                t0, t1 = start / rate + first * self.frame_s, min(end, start / rate + last * self.frame_s)
+                if lo <= (t0 + t1) / 2 * rate < hi:
+                    words.append(Word(chars, round(float(t0), 3), round(float(t1), 3), round(float(np.mean(conf)), 4)))
+                chars, conf = "", []
+        return Segment(round(start / rate, 3), round(end, 3), " ".join(w.word for w in words), words)
+
+    def transcribe(self, path: str | os.PathLike[str], utt_id: str | None = None) -> Transcript:
+        """``path``'s transcript, or its error (unreadable, no speech, too short)."""
+        return next(self.transcribe_all([(utt_id or os.fspath(path), Path(path))]))
+
+    def transcribe_all(self, items: Iterable[str | os.PathLike[str] | tuple[str, Path]]) -> Iterator[Transcript]:
+        """Each of ``items`` (a path, its own id, or ``(id, path)``) transcribed, in order; the
+        segments of files read together run in batches of similar length."""
+        group: list[tuple[str, Path, Any]] = []
+        for item in items:
+            name, path = item if isinstance(item, tuple) else (os.fspath(item), Path(item))
             try:
-                yield self.transcribe(path)
+                group.append((name, path, self._segments(path)))
             except Exception as error:  # noqa: BLE001 - one bad file must not stop the others
-                yield Transcript(Path(path).stem, str(path), None, None, f"{type(error).__name__}: {error}")
+                message = str(error) if isinstance(error, RecogniserError) else f"{type(error).__name__}: {error}"
+                group.append((name, path, message))
+            if sum(len(g[2][1]) for g in group if isinstance(g[2], tuple)) >= 4 * self.batch_size:
+                yield from self._finish(group)
+                group = []
+        yield from self._finish(group)
+
+    def _finish(self, group: list[tuple[str, Path, Any]]) -> Iterator[Transcript]:
+        jobs = [seg for _, _, read in group if isinstance(read, tuple) for seg in read[1]]
+        order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][0]))
+        done: dict[int, np.ndarray] = {}
+        for at in range(0, len(order), self.batch_size):
+            batch = order[at : at + self.batch_size]
+            done.update(zip(batch, self.log_probs([jobs[i][0] for i in batch]), strict=True))
+        index = 0
+        for name, path, read in group:
+            if isinstance(read, str):
+                yield Transcript(name, str(path), None, None, read)
+                continue
+            segments = []
+            for samples, start, lo, hi in read[1]:
+                segments.append(self._segment(done[index], start, lo, hi, len(samples)))
+                index += 1
+            text = " ".join(s.text for s in segments if s.text)
+            yield Transcript(name, str(path), text, round(read[0], 3), None, segments)
+
+
+def audio_parity(folder: Path, model: Any, cmvn: Any, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
+    """The exported ``folder`` on the audio files ``paths`` against the pipeline (torch): its
+    featurisation (:func:`~speech_assets.features.build.process_variants` then ``cmvn``) against
+    ``frontend.onnx`` (largest absolute difference), and the greedy text of ``model``'s
+    :class:`~speech_assets.model.export.ExportableRecogniser` on those features against
+    ``transcribe``'s (files read whole, as the pipeline does). What ``recogniser.json`` records."""
+    import torch
+
+    from speech_assets.evaluation.text import decode_greedy
+    from speech_assets.features.build import process_variants
+    from speech_assets.features.featurize import FeatureExtractor
+    from speech_assets.features.shards import FeatureRecord
+    from speech_assets.model.export import ExportableRecogniser
+
+    recogniser, extractor, torch_model = (
+        Recogniser(folder, max_segment_s=3600.0),
+        FeatureExtractor(),
+        ExportableRecogniser(model),
+    )
+    same, diff, count = 0, 0.0, 0
+    for path in paths:
+        (record,) = process_variants(path, "parity", "", "", recogniser.vad, extractor)
+        if not isinstance(record, FeatureRecord) or record.num_frames < 2:
+            continue
+        expected = cmvn.apply(record.logmel, "logmel")
+        segments = recogniser._segments(Path(path))[1]
+        feats, _ = recogniser.features([segments[0][0]])
+        whole = len(segments) == 1 and feats.shape[1] == len(expected)
+        diff = max(diff, float(np.abs(feats[0] - expected).max()) if whole else np.inf)
+        with torch.no_grad():
+            log_probs, _ = torch_model(torch.from_numpy(expected)[None], torch.tensor([len(expected)]))
+        same += decode_greedy(log_probs[0].argmax(-1).tolist()) == recogniser.transcribe(path).text
+        count += 1
+    return {"utterances": count, "same_text": same, "feature_max_abs_diff": diff, "feature_atol": FEATURE_ATOL}

@@ -7,6 +7,9 @@ both exports. :class:`ExportableRecogniser` is the same with a CTC head on top: 
 and ``output_lengths (B,)`` (:func:`export_recogniser`). ONNX goes through ``torch.onnx.export(dynamo=True)``
 (``torch.export``; the
 TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace``.
+:class:`LogMelFrontend` is the featurisation in front of a recogniser as its own ONNX graph
+(``frontend.onnx``): 16 kHz samples in, the recogniser's ``feats`` out, so that transcription
+needs only onnxruntime and numpy.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from speech_assets.model.encoders import LoadedEncoder
 
 INPUT_NAMES = ("feats", "lengths")
+FRONTEND_INPUT_NAMES = ("audio", "audio_lengths")
 OUTPUT_NAMES = ("hidden", "hidden_lengths")
 RECOGNISER_OUTPUT_NAMES = ("log_probs", "output_lengths")
 
@@ -86,6 +90,55 @@ class ExportableRecogniser(nn.Module):
         return log_probs.masked_fill(padding[..., None], 0.0), out_lengths
 
 
+class LogMelFrontend(nn.Module):
+    """``audio (B, N)`` float32 (16 kHz mono, peak-normalised, zero-padded), ``audio_lengths (B,)``
+    -> ``feats (B, T, 80)`` with ``cmvn`` applied (padded frames zero), ``lengths (B,)``: the
+    pipeline's :class:`~speech_assets.features.featurize.FeatureExtractor` log-mel. A frame's DC
+    removal, pre-emphasis, Povey window and 512-point real DFT are all linear in its 400 samples, so
+    they are one constant ``(514, 400)`` kernel, a strided Conv (no FFT or STFT operator needed);
+    the mel filterbank is a constant matmul; CMVN is constants (global) or masked mean/variance over
+    each row's valid frames (per utterance)."""
+
+    def __init__(self, cmvn: Normaliser | None = None) -> None:
+        from speech_assets.features.cmvn import UtteranceCmvn
+        from speech_assets.features.featurize import FeatureExtractor
+        from speech_assets.features.shards import WIN_LENGTH
+
+        super().__init__()
+        fx, n = FeatureExtractor(), WIN_LENGTH
+        eye = torch.eye(n, dtype=torch.float64)
+        dc = eye - 1.0 / n if fx.remove_dc_offset else eye
+        pre = eye - fx.preemphasis * torch.diag(torch.ones(n - 1, dtype=torch.float64), -1)
+        pre[0, 0] = 1.0 - fx.preemphasis  # Kaldi: x[0] -= p * x[0]
+        frame = fx.window.double()[:, None] * (pre @ dc)  # (400, 400): a frame's samples as windowed
+        bins = torch.arange(fx.n_fft // 2 + 1, dtype=torch.float64)
+        angle = 2 * torch.pi * torch.arange(n, dtype=torch.float64)[:, None] * bins / fx.n_fft
+        dft = torch.cat([torch.cos(angle), -torch.sin(angle)], dim=1)  # (400, 2 F): re, im
+        self.register_buffer("kernel", (frame.T @ dft).T.float()[:, None, :].contiguous())
+        self.register_buffer("fbank", fx.fbanks[:, :80].T.contiguous())  # (80, F)
+        self.log_floor, self.bins, self.hop = fx.log_floor, fx.n_fft // 2 + 1, 160
+        self.utterance = cmvn is None or isinstance(cmvn, UtteranceCmvn)
+        mean, std = (0.0, 1.0) if self.utterance else (cmvn.mean["logmel"], cmvn.std["logmel"])
+        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32))
+        self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32))
+        self.eval()
+
+    def forward(self, audio: torch.Tensor, audio_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = torch.nn.functional.conv1d(audio[:, None, :], self.kernel, stride=self.hop)  # (B, 2 F, T)
+        power = spec[:, : self.bins].square() + spec[:, self.bins :].square()
+        feats = torch.log(torch.matmul(self.fbank, power) + self.log_floor).transpose(1, 2)  # (B, T, 80)
+        lengths = torch.clamp((audio_lengths - self.kernel.shape[-1]) // self.hop + 1, min=0)
+        valid = (torch.arange(feats.shape[1], device=feats.device)[None, :] < lengths[:, None])[..., None]
+        if self.utterance:
+            count = lengths.clamp(min=1)[:, None, None].to(feats.dtype)
+            mean = (feats * valid).sum(1, keepdim=True) / count
+            var = (((feats - mean) * valid) ** 2).sum(1, keepdim=True) / count
+            feats = (feats - mean) / torch.sqrt(torch.clamp(var, min=1e-8))
+        else:
+            feats = (feats - self.mean) / self.std
+        return feats.masked_fill(~valid, 0.0), lengths
+
+
 def example_inputs(batch: int = 2, frames: int = 157, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random inputs for tracing: batch and time above 1 (torch.export specialises sizes 0 and 1)."""
     generator = torch.Generator().manual_seed(seed)
@@ -99,18 +152,21 @@ def export_onnx(
     path: str | os.PathLike[str],
     opset: int | None = None,
     output_names: Sequence[str] = OUTPUT_NAMES,
+    input_names: Sequence[str] = INPUT_NAMES,
+    example: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Write ``encoder`` (an :class:`ExportableEncoder` or :class:`ExportableRecogniser`) as one
-    self-contained ONNX file (weights inside) with dynamic batch/time."""
-    batch, time = torch.export.Dim("batch"), torch.export.Dim("time", min=2)
+    """Write ``encoder`` (an :class:`ExportableEncoder`, :class:`ExportableRecogniser` or, with its
+    names and an ``example``, :class:`LogMelFrontend`) as one self-contained ONNX file (weights
+    inside) with dynamic batch/time."""
+    batch, time = torch.export.Dim("batch"), torch.export.Dim("time", min=2 if example is None else 560)
     # grad mode on: nn.TransformerEncoderLayer's inference fast path is a fused op the
     # exporter cannot translate; the regular path is the same computation.
     with torch.enable_grad():
         program = torch.onnx.export(
             encoder,
-            example_inputs(),
+            example_inputs() if example is None else example,
             dynamo=True,
-            input_names=list(INPUT_NAMES),
+            input_names=list(input_names),
             output_names=list(output_names),
             dynamic_shapes=({0: batch, 1: time}, {0: batch}),
             opset_version=opset,
@@ -199,11 +255,28 @@ def export_all(
 
 
 def export_recogniser(
-    model: HubertPretrainModel, folder: Path, feats: Sequence[np.ndarray], opset: int | None = None
+    model: HubertPretrainModel,
+    folder: Path,
+    feats: Sequence[np.ndarray],
+    opset: int | None = None,
+    cmvn: Normaliser | None = None,
 ) -> Parity:
     """``folder/recogniser.onnx`` and ``folder/recogniser.pt`` (TorchScript) of ``model`` with its
-    CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`)."""
+    CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`);
+    ``folder/frontend.onnx``, the :class:`LogMelFrontend` of ``cmvn`` (the normalisation the model
+    trained with; ``None``: per utterance) that turns audio into its ``feats``."""
     recogniser, files = ExportableRecogniser(model), RecogniserFiles(folder)
+    audio = torch.randn(2, 16_000, generator=torch.Generator().manual_seed(0)) * 0.1
+    # opset 18 at least: what the dynamo exporter writes for the frontend's ops
+    frontend_opset = max(opset or 18, 18)
+    export_onnx(
+        LogMelFrontend(cmvn),
+        files.frontend,
+        frontend_opset,
+        INPUT_NAMES,
+        FRONTEND_INPUT_NAMES,
+        (audio, torch.tensor([16_000, 12_345])),
+    )
     export_onnx(recogniser, files.onnx, opset, RECOGNISER_OUTPUT_NAMES)
     export_torchscript(recogniser, files.torch)
     return check_parity(recogniser, files.onnx, files.torch, feats, RECOGNISER_OUTPUT_NAMES)

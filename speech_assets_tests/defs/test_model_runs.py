@@ -519,6 +519,7 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
     assert spec["parity"]["max_abs_diff"] <= 1e-4 and spec["parity"]["utterances"] > 0
     assert spec["vocabulary"][0] == "" and len(spec["vocabulary"]) == 29 and spec["cmvn"]["kind"] == "utterance"
     assert spec["featurisation"]["vad"]["aggressiveness"] == 2
+    assert spec["audio_parity"]["same_text"] == spec["audio_parity"]["utterances"] > 0  # from the audio files
     good = sorted(SAMPLE_CORPUS.rglob("*.flac"))[:2]
     audio, rate = decode(good[0])
     wrong_rate = tmp_path / "slow-8k.wav"
@@ -541,8 +542,8 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert [line.split("\t")[0] for line in lines] == [good[0].stem, "corrupt", "slow-8k", good[1].stem]
-    assert lines[1].startswith("corrupt\terror: unreadable: ")
+    assert [line.split("\t")[0] for line in lines] == [str(good[0]), str(corrupt), str(wrong_rate), str(good[1])]
+    assert lines[1].startswith(f"{corrupt}\terror: unreadable: ")
     for line in (lines[0], lines[2], lines[3]):
         utt, text, seconds = line.split("\t")
         assert float(seconds) > 0.5 and set(text) <= set(" 'ABCDEFGHIJKLMNOPQRSTUVWXYZ"), line
@@ -553,7 +554,7 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
     )
     assert machine.returncode == 0, machine.stderr[-3000:]
     row = json.loads(machine.stdout)
-    assert row["id"] == good[0].stem and row["error"] is None and row["text"] == lines[0].split("\t")[1]
+    assert row["id"] == str(good[0]) and row["error"] is None and row["text"] == lines[0].split("\t")[1]
     missing = subprocess.run(
         [*command[:4], str(good[0]), "--model", str(tmp_path)],
         capture_output=True,
@@ -585,7 +586,7 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
     )
     assert beam.returncode == 0, beam.stderr[-3000:]
     utt, text, seconds = beam.stdout.strip().split("\t")
-    assert utt == good[0].stem and set(text.split()) <= lexicon and seconds == lines[0].split("\t")[2]
+    assert utt == str(good[0]) and set(text.split()) <= lexicon and seconds == lines[0].split("\t")[2]
 
 
 def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
