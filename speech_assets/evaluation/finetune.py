@@ -20,8 +20,7 @@ The labelled set is a seeded subset of the training speakers' transcribed uttera
 minutes (:func:`labelled_subset`: never a held-out speaker); after training, rank 0 decodes
 the labelled, dev and held-out utterances (greedy, and with the beam decoder of
 :mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
-Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
-``result.json``, logs to MLflow and reports through Dagster Pipes.
+``final.pt`` has the training checkpoint's layout, one head ``ctc`` of 29 outputs.
 
 A :class:`~speech_assets.train.config.FinetuneBatch` config (``--config`` naming one) trains several
 runs in one launch (:func:`finetune_batch`): one after another, or several at once, each rank

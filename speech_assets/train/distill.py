@@ -10,10 +10,9 @@ al., 2022). Data: the training speakers' utterances
 (:func:`speech_assets.train.data.heldout_split`), so held-out speakers stay unseen for the probe.
 
 The student is a :class:`HubertPretrainModel` whose "heads" are the layer predictors
-(``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` has the training
-checkpoint's layout, so the probe, the export and
-:func:`~speech_assets.model.encoders.load_encoder` read it unchanged. Rank 0 writes
-``final.pt`` and ``result.json``, logs to MLflow and reports through Dagster Pipes.
+(``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` (:class:`~speech_assets.train.engine.Fit`)
+has the training checkpoint's layout, so the probe, the export and
+:func:`~speech_assets.model.encoders.load_encoder` read it unchanged.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class Trainer(Fit):
         if len(self.heldout_set) == 0:
             return None
         plan = self.launch
-        return self.objective.evaluate(  # type: ignore[attr-defined]
+        return self.objective.evaluate(
             self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision
         )
 
