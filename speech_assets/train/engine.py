@@ -65,7 +65,6 @@ from speech_assets.train.checkpoint import (
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, BatchBuilder, BatchRequest, RankSampler, SpanMasking, UtteranceDataset
-from speech_assets.train.oom import clear_oom
 from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series
 from speech_assets.utils import atomic_write_text
 
@@ -834,7 +833,6 @@ class Fit:
                 "mlflow_run_url": tracker.url if tracker else None,
                 **self.result(),
             }
-            clear_oom(run_dir)
             self.done(result)
             if tracker is not None:
                 tracker.finish(result, final)

@@ -31,7 +31,7 @@ from speech_assets.train.data import UtteranceDataset, build_index, heldout_spli
 from speech_assets.train.engine import BatchStream, Distributed, Fit, seed_everything, warmup_linear_decay
 from speech_assets.train.launch import plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
-from speech_assets.train.oom import refuse_known_oom
+from speech_assets.train.oom import clear_oom, refuse_known_oom
 from speech_assets.train.sampling import BlockShuffleSampler
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
@@ -141,11 +141,11 @@ class Trainer(Fit):
             cmvn=cmvn,
             identity=model_identity,
             launch=plan.to_dict(),
-            evaluate=self.evaluate_heldout,
+            evaluate=self.evaluate,
             plan=plan.to_dict(),
         )
 
-    def evaluate_heldout(self) -> dict[str, Any] | None:
+    def evaluate(self) -> dict[str, Any] | None:
         """Held-out masked prediction (see :meth:`MaskedPrediction.evaluate`); ``None`` without held-out utterances."""
         if len(self.heldout_set) == 0:
             return None
@@ -156,7 +156,7 @@ class Trainer(Fit):
 
     def conclude(self) -> None:
         last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
-        self.heldout = dict((last[1] if last and last[0] == self.step else self.evaluate_heldout()) or {})
+        self.heldout = dict((last[1] if last and last[0] == self.step else self.evaluate()) or {})
 
     def final(self) -> dict[str, Any]:
         config = self.config
@@ -184,6 +184,7 @@ class Trainer(Fit):
         }
 
     def done(self, result: Mapping[str, Any]) -> None:
+        clear_oom(self.config.run_dir)
         log.info(
             "done: step %d, final loss %s, held-out masked accuracy on leak-free frames %s (majority class %s; "
             "all masked frames %s, majority %s; chance %.3f), %s s of audio per second",

@@ -20,7 +20,7 @@ from speech_assets_tests.support.training_data import SyntheticCorpus
 
 STAGES = {trainer: "Trainer", distill: "Distillation", finetune: "FineTuning"}
 # what only the fit loop does: track, resume, write final.pt and the result, step the engine
-FIT_ONLY = {"tracking", "publish", "resume", "save_final", "record", "clear_oom"}
+FIT_ONLY = {"tracking", "publish", "resume", "save_final", "record"}
 COMMON = (
     *MATERIALIZED,
     "train_audio_seconds",
