@@ -20,8 +20,7 @@ The labelled set is a seeded subset of the training speakers' transcribed uttera
 minutes (:func:`labelled_subset`: never a held-out speaker); after training, rank 0 decodes
 the labelled, dev and held-out utterances (greedy, and with the beam decoder of
 :mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
-Rank 0 writes ``final.pt`` (the training checkpoint's layout, one head ``ctc`` of 29 outputs),
-``result.json``, logs to MLflow and reports through Dagster Pipes.
+``final.pt`` has the training checkpoint's layout, one head ``ctc`` of 29 outputs.
 
 A :class:`~speech_assets.train.config.FinetuneBatch` config (``--config`` naming one) trains several
 runs in one launch (:func:`finetune_batch`): one after another, or several at once, each rank
@@ -48,13 +47,12 @@ import torch
 
 from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
-from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, describe, from_record
+from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, from_record
 from speech_assets.features.shards import read_shard_table
 from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import ModelPreset
-from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets.train.config import FinetuneBatch, FinetuneConfig
 from speech_assets.train.data import (
@@ -66,7 +64,7 @@ from speech_assets.train.data import (
     collate,
     eval_batches,
 )
-from speech_assets.train.engine import BatchStream, Distributed, Engine, publish, seed_everything, tracking
+from speech_assets.train.engine import BatchStream, Distributed, Fit, fixed_batch, seed_everything
 from speech_assets.train.objectives import CtcForward, CtcTraining
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
@@ -300,13 +298,12 @@ def score_rows(
     return rows
 
 
-def finetune(config: FinetuneConfig, *, stop_after_step: int | None = None) -> dict[str, Any] | None:
+def finetune(config: FinetuneConfig) -> dict[str, Any] | None:
     """Fine-tune in this process (alone or as one torchrun rank); ``result.json``'s content on
     rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from its latest
-    checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
+    checkpoint."""
     with worker(config.run_dir, config.device, command=COMMAND) as job:
-        reporter = PipesReporter(log) if job.is_main else None
-        return train_run(job, config, reporter, stop_after_step=stop_after_step)
+        return FineTuning(job, config).run(PipesReporter(log) if job.is_main else None)
 
 
 def finished_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -349,7 +346,7 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
             with run_log(Path(config.run_dir), runner.is_main):
                 if runner.is_main:
                     config.to_json(RunFiles(config.run_dir).config)  # what this attempt runs
-                results.append(train_run(runner, config, None))
+                results.append(FineTuning(runner, config).run(None))
         if not runner.is_main:
             return None
         keys = ("checkpoint", "checkpoint_sha256", "step", "init", "seed", "heldout_cer", "heldout_wer")
@@ -392,79 +389,99 @@ def run_log(run_dir: Path, main: bool) -> Iterator[None]:
         handler.close()
 
 
-def train_run(
-    job: Distributed, config: FinetuneConfig, reporter: PipesReporter | None, *, stop_after_step: int | None = None
-) -> dict[str, Any] | None:
-    """One fine-tuning run on this rank of ``job``: ``result.json``'s content on rank 0, ``None``
-    elsewhere or when ``stop_after_step`` stopped it; ``reporter`` (rank 0, a run launched alone)
-    reports its materialization."""
-    run_dir = Path(config.run_dir)
-    torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
-    cuda = job.device.type == "cuda"
-    precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
-    job.batch = (config.batch_seconds, config.grad_accum)
-    texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
-    texts.setdefault("dev", {})
-    index = transcribed_index(config.shards, set(texts["train"]) | set(texts["dev"]) | set(texts["heldout"]))
-    seed_everything(config.seed)
-    model, encoder, cmvn = build_model(config)
-    train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
-    dev_refs = [u for u in index.utterances if u.utt_id in texts["dev"]]
-    heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
-    held_speakers = {u.speaker_id for u in heldout_refs}
-    if leaked := sorted(({u.speaker_id for u in train_refs} | {u.speaker_id for u in dev_refs}) & held_speakers):
-        raise ValueError(f"labelled or dev utterances of held-out speakers {leaked[:10]}")
-    if dev_labelled := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in dev_refs}):
-        raise ValueError(f"dev utterances of labelled speakers {dev_labelled[:10]}")
-    if not train_refs:
-        raise ValueError("no labelled utterances")
-    overlap = text_overlap(texts["heldout"], texts["train"], texts["dev"])
-    if overlap:
-        log.warning("%d labelled or dev utterances read a held-out sentence", overlap)
-    dataset = TranscribedDataset(index, train_refs, cmvn, texts["train"])
-    dev_set = TranscribedDataset(index, dev_refs, cmvn, texts["dev"])
-    sampler = DurationBucketSampler(
-        dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
-    )
-    stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
-    model = model.to(job.device)
-    freeze_steps, freeze_frontend = frozen_parts(config)
-    if freeze_frontend:
-        model.frontend.requires_grad_(False)
-    if config.mask_prob <= 0:
-        model.mask_embedding.requires_grad_(False)
-    engine = Engine.for_run(
-        model,
-        job,
-        config,
-        precision,
-        forward=CtcForward(model),
-        schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
-    )
-    speakers = {
-        "train": sorted({u.speaker_id for u in train_refs}),
-        "dev": sorted({u.speaker_id for u in dev_refs}),
-        "heldout": sorted(held_speakers),
-    }
-    engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
-    resumed = engine.resume(
-        config.run_dir,
-        stream,
-        lambda stored: (stored["encoder"], stored["init"], stored["labelled"], stored["seed"], stored.get("lr")),
-    )
-    selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
-    engine.stopped = selection.stopped
-    engine.keep_steps = frozenset() if selection.best_step is None else frozenset({selection.best_step})
+class FineTuning(Fit):
+    """One fine-tuning run on this rank of ``job``: its labelled, dev and held-out utterances, the
+    model and the dev set's model selection."""
 
-    def evaluate_dev() -> dict[str, Any] | None:
+    materialized = ("steps_trained", "dev_cer", "lr", "heldout_cer", "heldout_wer")
+
+    def __init__(self, job: Distributed, config: FinetuneConfig) -> None:
+        precision = fixed_batch(job, config)
+        self.job = job
+        self.texts = texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
+        texts.setdefault("dev", {})
+        self.index = index = transcribed_index(
+            config.shards, set(texts["train"]) | set(texts["dev"]) | set(texts["heldout"])
+        )
+        seed_everything(config.seed)
+        model, self.encoder, self.cmvn = build_model(config)
+        train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
+        dev_refs = [u for u in index.utterances if u.utt_id in texts["dev"]]
+        self.heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
+        held_speakers = {u.speaker_id for u in self.heldout_refs}
+        if leaked := sorted(({u.speaker_id for u in train_refs} | {u.speaker_id for u in dev_refs}) & held_speakers):
+            raise ValueError(f"labelled or dev utterances of held-out speakers {leaked[:10]}")
+        if dev_labelled := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in dev_refs}):
+            raise ValueError(f"dev utterances of labelled speakers {dev_labelled[:10]}")
+        if not train_refs:
+            raise ValueError("no labelled utterances")
+        self.overlap = text_overlap(texts["heldout"], texts["train"], texts["dev"])
+        if self.overlap:
+            log.warning("%d labelled or dev utterances read a held-out sentence", self.overlap)
+        self.dataset = TranscribedDataset(index, train_refs, self.cmvn, texts["train"])
+        self.dev_set = TranscribedDataset(index, dev_refs, self.cmvn, texts["dev"])
+        sampler = DurationBucketSampler(
+            self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+        )
+        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda")
+        self.model = model = model.to(job.device)
+        self.freeze_steps, self.freeze_frontend = frozen_parts(config)
+        if self.freeze_frontend:
+            model.frontend.requires_grad_(False)
+        if config.mask_prob <= 0:
+            model.mask_embedding.requires_grad_(False)
+        self.speakers = {
+            "train": sorted({u.speaker_id for u in train_refs}),
+            "dev": sorted({u.speaker_id for u in dev_refs}),
+            "heldout": sorted(held_speakers),
+        }
+        objective = CtcTraining(
+            job.device,
+            seed=config.seed,
+            freeze_steps=self.freeze_steps,
+            mask_prob=config.mask_prob,
+            mask_length=config.mask_length,
+            channel_prob=config.channel_mask_prob,
+            channel_length=config.channel_mask_length,
+            rank=job.rank,
+        )
+        resumed = self.start(
+            model,
+            job,
+            config,
+            stream,
+            objective,
+            precision=precision,
+            schedule=tri_stage(config.max_steps, config.stages, config.init_lr_scale, config.final_lr_scale),
+            forward=CtcForward(model),
+            speakers=self.speakers,
+            cmvn=self.cmvn,
+            identity=lambda stored: (
+                stored["encoder"],
+                stored["init"],
+                stored["labelled"],
+                stored["seed"],
+                stored.get("lr"),
+            ),
+            evaluate=self.evaluate_dev,
+            kind=CHECKPOINT_KIND,
+        )
+        self.selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
+        self.engine.stopped = self.selection.stopped
+        self.engine.keep_steps = (
+            frozenset() if self.selection.best_step is None else frozenset({self.selection.best_step})
+        )
+
+    def evaluate_dev(self) -> dict[str, Any] | None:
         """Dev CER (greedy) of the current weights; keeps the best step's checkpoint, says when to stop."""
-        if len(dev_set) == 0:
+        if len(self.dev_set) == 0:
             return None
-        cer = score(dev_set.texts, greedy(log_probabilities(model, dev_set, job.device))).cer
+        engine, selection = self.engine, self.selection
+        cer = score(self.dev_set.texts, greedy(log_probabilities(self.model, self.dev_set, self.job.device))).cer
         stop = selection.update(engine.step, cer)
         engine.keep_steps = frozenset({selection.best_step})
         engine.extra["selection"] = selection.to_dict()
-        if job.is_main:
+        if self.job.is_main:
             log.info(
                 "step %d: dev CER %.4f (best %.4f at step %d)%s",
                 engine.step,
@@ -475,143 +492,98 @@ def train_run(
             )
         return {"dev_cer": cer, "stop": stop}
 
-    objective = CtcTraining(
-        job.device,
-        seed=config.seed,
-        freeze_steps=freeze_steps,
-        mask_prob=config.mask_prob,
-        mask_length=config.mask_length,
-        channel_prob=config.channel_mask_prob,
-        channel_length=config.channel_mask_length,
-        rank=job.rank,
-    )
-    with tracking(config, job, engine.plan(config.batch_seconds)) as tracker:
-        engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
-        labelled_seconds = sum(dataset.seconds)
+    def announce(self) -> None:
+        config, speakers = self.config, self.speakers
         log.info(
             "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
             "%d dev utterances of %d speakers select the step; %d held-out utterances of %d speakers to score; "
             "encoder frozen for %d steps%s, lr %g, %s",
             config.init,
-            len(dataset),
-            labelled_seconds / 60,
+            len(self.dataset),
+            sum(self.dataset.seconds) / 60,
             len(speakers["train"]),
-            len(dev_set),
+            len(self.dev_set),
             len(speakers["dev"]),
-            len(heldout_refs),
+            len(self.heldout_refs),
             len(speakers["heldout"]),
-            freeze_steps,
-            ", front end frozen" if freeze_frontend else "",
+            self.freeze_steps,
+            ", front end frozen" if self.freeze_frontend else "",
             config.lr,
-            precision,
+            self.engine.precision,
         )
-        finished = engine.run(
-            objective, stream, config, stop_after_step=stop_after_step, tracker=tracker, evaluate=evaluate_dev
-        )
-        if not finished or not job.is_main:
-            engine.barrier()
-            return None
-        steps_trained, selected = engine.step, engine.step
-        if selection.best_step is not None and selection.best_step != engine.step:
-            selected = selection.best_step  # the dev set's choice: its checkpoint was kept from pruning
-            model.load_state_dict(load_checkpoint(RunFiles(run_dir).checkpoint(selected))["model"])
+
+    def final(self) -> dict[str, Any]:
+        """The dev set's step (its checkpoint was kept from pruning) decoded and scored."""
+        config, texts, model, selection = self.config, self.texts, self.model, self.selection
+        selected = self.step
+        if selection.best_step is not None and selection.best_step != self.step:
+            selected = selection.best_step
+            model.load_state_dict(load_checkpoint(RunFiles(config.run_dir).checkpoint(selected))["model"])
         model.eval()
         sets = {
-            "train": dataset,
-            "dev": dev_set,
-            "heldout": TranscribedDataset(index, heldout_refs, cmvn, texts["heldout"]),
+            "train": self.dataset,
+            "dev": self.dev_set,
+            "heldout": TranscribedDataset(self.index, self.heldout_refs, self.cmvn, texts["heldout"]),
         }
-        log_probs = {split: log_probabilities(model, data, job.device) for split, data in sets.items() if len(data)}
-        beam, beam_name, beam_choice = None, "", None
+        log_probs = {
+            split: log_probabilities(model, data, self.job.device) for split, data in sets.items() if len(data)
+        }
+        beam, beam_name, self.beam_choice = None, "", None
         if any(d != "greedy" for d in config.decoders):
             from speech_assets.evaluation.decoding import tuned_beam_decoder
 
-            beam, beam_name, beam_choice = tuned_beam_decoder(
+            beam, beam_name, self.beam_choice = tuned_beam_decoder(
                 list(texts["train"].values()),
                 config.lm_order,
                 config.lm_weights,
                 config.word_scores,
                 log_probs.get("dev", []),
-                dev_set.texts,
+                self.dev_set.texts,
             )
-        scores = score_rows(sets, log_probs, beam, beam_name)
-        final, sha = engine.save_final(
-            run_dir,
-            step=selected,
-            kind=CHECKPOINT_KIND,
-            preset=model.preset.to_dict(),
-            clients={HEAD: VOCAB_SIZE},
-            init=config.init,
-            encoder_checkpoint=config.encoder,
-            encoder_sha256=encoder["sha256"],
-            config=config.to_dict(),
-            data_versions=dict(config.data_versions),
-            speakers=speakers,
-            normalisation=describe(cmvn),
-        )
+        self.scores = score_rows(sets, log_probs, beam, beam_name)
+        return {
+            "step": selected,
+            "preset": model.preset.to_dict(),
+            "clients": {HEAD: VOCAB_SIZE},
+            "init": config.init,
+            "encoder_checkpoint": config.encoder,
+            "encoder_sha256": self.encoder["sha256"],
+        }
+
+    def result(self) -> dict[str, Any]:
+        config, scores = self.config, self.scores
         held = {r["decoder"]: r for r in scores if r["split"] == "heldout"}
         dev = {r["decoder"]: r for r in scores if r["split"] == "dev"}
-        result = {
-            "step": selected,
-            "steps_trained": steps_trained,
-            "stopped_early": engine.stopped,
+        return {
+            "steps_trained": self.step,
+            "stopped_early": self.engine.stopped,
             "dev_cer": dev.get("greedy", {}).get("cer"),
-            "dev_history": selection.history,
-            "dev_utterances": len(dev_set),
+            "dev_history": self.selection.history,
+            "dev_utterances": len(self.dev_set),
             "lr": config.lr,
-            "frozen": {"freeze_steps": freeze_steps, "freeze_frontend": freeze_frontend},
-            "text_overlap": overlap,
-            "oov_rate": oov_rate(texts["heldout"], list(texts["train"].values())),
-            "beam": beam_choice,
-            "final_loss": engine.metrics.get("loss"),
+            "frozen": {"freeze_steps": self.freeze_steps, "freeze_frontend": self.freeze_frontend},
+            "text_overlap": self.overlap,
+            "oov_rate": oov_rate(self.texts["heldout"], list(self.texts["train"].values())),
+            "beam": self.beam_choice,
             "init": config.init,
             "labelled_minutes": config.budget_minutes,
             "seed": config.seed,
-            "checkpoint": str(final),
-            "checkpoint_sha256": sha,
             "encoder": config.encoder,
-            "encoder_sha256": encoder["sha256"],
+            "encoder_sha256": self.encoder["sha256"],
             "scores": scores,
-            "labelled_utterances": len(dataset),
-            "labelled_seconds": labelled_seconds,
-            "heldout_utterances": len(heldout_refs),
-            "speakers": speakers,
+            "labelled_utterances": len(self.dataset),
+            "labelled_seconds": sum(self.dataset.seconds),
+            "heldout_utterances": len(self.heldout_refs),
+            "speakers": self.speakers,
             "heldout_cer": held.get("greedy", {}).get("cer"),
             "heldout_wer": held.get("greedy", {}).get("wer"),
-            "train_audio_seconds": engine.progress["audio_seconds"],
-            "train_seconds": engine.progress["train_seconds"],
-            "resumed_from_step": engine.resumed_from,
-            "world_size": job.world_size,
-            "precision": precision,
-            "data_versions": dict(config.data_versions),
-            "mlflow_run_id": tracker.run_id if tracker else None,
-            "mlflow_run_url": tracker.url if tracker else None,
         }
+
+    def done(self, result: Mapping[str, Any]) -> None:
         log.info(
             "done: %d steps (step %d selected, dev CER %s), loss %s, held-out greedy CER %s WER %s",
-            steps_trained,
-            selected,
-            result["dev_cer"],
-            result["final_loss"],
-            result["heldout_cer"],
-            result["heldout_wer"],
+            *(result[k] for k in ("steps_trained", "step", "dev_cer", "final_loss", "heldout_cer", "heldout_wer")),
         )
-        keys = (
-            "step",
-            "steps_trained",
-            "dev_cer",
-            "lr",
-            "final_loss",
-            "heldout_cer",
-            "heldout_wer",
-            "checkpoint",
-            "checkpoint_sha256",
-            "mlflow_run_id",
-            "mlflow_run_url",
-        )
-        publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
-    engine.barrier()
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from speech_assets.evaluation.probe_options import ProbeOptions
-from speech_assets.evaluation.text import BLANK, VOCAB_SIZE, decode_greedy, encode
+from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode
+from speech_assets.model.loss import IGNORE_INDEX
+from speech_assets.train.objectives import ctc_loss
 
 
 class CtcProbe(nn.Module):
@@ -113,7 +115,7 @@ def train_probe(
             order += torch.randperm(len(features), generator=generator).tolist()
         batch, order = order[: options.batch_size], order[options.batch_size :]
         layers, lengths = collate_layers([features[i] for i in batch])
-        loss = ctc_loss(probe(layers, lengths), lengths, [targets[i] for i in batch])
+        loss = ctc_loss(probe(layers, lengths), lengths, padded([targets[i] for i in batch]))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(probe.parameters(), 5.0)
@@ -125,17 +127,9 @@ def train_probe(
     return probe.eval()
 
 
-def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Mean CTC loss of ``log_probs (B, L, 29)`` (``lengths (B,)`` valid frames) against ``targets``
-    (``B`` token tensors); an impossible alignment counts zero."""
-    return F.ctc_loss(
-        log_probs.transpose(0, 1),
-        torch.cat(list(targets)),
-        lengths,
-        torch.tensor([len(t) for t in targets]),
-        blank=BLANK,
-        zero_infinity=True,
-    )
+def padded(targets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Token tensors as ``(B, S)`` padded with ``IGNORE_INDEX``, what :func:`ctc_loss` reads."""
+    return nn.utils.rnn.pad_sequence(list(targets), batch_first=True, padding_value=IGNORE_INDEX)
 
 
 @dataclass
@@ -198,7 +192,7 @@ def train_probes(
         batch, order = order[: options.batch_size], order[options.batch_size :]
         layers, lengths = collate_layers([features[i] for i in batch])
         normed = layers if normalised else layer_norm(layers)
-        chosen = [targets[i] for i in batch]
+        chosen = padded([targets[i] for i in batch])
         running = sorted(active)
         loss = sum(ctc_loss(probes[p].head(normed, lengths), lengths, chosen) for p in running)
         for p in running:

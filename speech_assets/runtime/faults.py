@@ -9,7 +9,9 @@ do. Its value is a ``;``-separated list of faults, each written by :func:`fault`
   calls :func:`inject`;
 - ``key=value`` words select where it fires: each must equal the keyword the point passes;
 - one bare word is the action: ``exit`` (``os._exit(code)``, code 1 unless ``code=N``), ``raise``
-  (the point's own error type), ``hold`` (write ``marker`` with this pid, then sleep an hour);
+  (the point's own error type), ``hold`` (write ``marker`` with this pid, then sleep an hour),
+  ``preempt`` (:func:`inject` returns ``True``: at ``train.step`` the engine checkpoints that step
+  and the run returns ``None``, a preemption the next attempt resumes from; select no rank);
 - ``once=PATH`` fires only while PATH does not exist (it is written just before firing), so a
   restarted process does not fail again at the same point.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FAULTS_ENV = "SPEECH_ASSETS_FAULTS"
-ACTIONS = ("exit", "raise", "hold")
+ACTIONS = ("exit", "raise", "hold", "preempt")
 _OPTIONS = ("once", "code", "marker")
 
 log = logging.getLogger(__name__)
@@ -78,11 +80,12 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-def inject(point: str, *, error: type[BaseException] = RuntimeError, **where: object) -> None:
-    """Fail here if a test asked for it (see the module doc); a no-op otherwise."""
+def inject(point: str, *, error: type[BaseException] = RuntimeError, **where: object) -> bool:
+    """Fail here if a test asked for it (see the module doc); a no-op otherwise. True when a
+    ``preempt`` fault fires: the caller stops as if preempted."""
     spec = os.environ.get(FAULTS_ENV)
     if not spec:
-        return
+        return False
     for item in parse(spec):
         if not item.matches(point, where):
             continue
@@ -94,6 +97,8 @@ def inject(point: str, *, error: type[BaseException] = RuntimeError, **where: ob
             once.parent.mkdir(parents=True, exist_ok=True)
             once.write_text(described + "\n", encoding="utf-8")
         log.error(described)
+        if item.action == "preempt":
+            return True
         if item.action == "exit":
             os._exit(item.code)
         if item.action == "raise":
@@ -102,3 +107,4 @@ def inject(point: str, *, error: type[BaseException] = RuntimeError, **where: ob
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(os.getpid()), encoding="utf-8")
         time.sleep(3600)
+    return False

@@ -10,10 +10,9 @@ al., 2022). Data: the training speakers' utterances
 (:func:`speech_assets.train.data.heldout_split`), so held-out speakers stay unseen for the probe.
 
 The student is a :class:`HubertPretrainModel` whose "heads" are the layer predictors
-(``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` has the training
-checkpoint's layout, so the probe, the export and
-:func:`~speech_assets.model.encoders.load_encoder` read it unchanged. Rank 0 writes
-``final.pt`` and ``result.json``, logs to MLflow and reports through Dagster Pipes.
+(``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` (:class:`~speech_assets.train.engine.Fit`)
+has the training checkpoint's layout, so the probe, the export and
+:func:`~speech_assets.model.encoders.load_encoder` read it unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import argparse
 import logging
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,12 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speech_assets.features.cmvn import Cmvn, describe, from_record
+from speech_assets.features.cmvn import Cmvn, from_record
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.model.speed import forward_speed
-from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.config import DistillConfig
 from speech_assets.train.data import (
     Batch,
@@ -45,7 +42,14 @@ from speech_assets.train.data import (
     heldout_split,
     speaker_record,
 )
-from speech_assets.train.engine import BatchStream, Engine, publish, seed_everything, tracking, warmup_linear_decay
+from speech_assets.train.engine import (
+    BatchStream,
+    Distributed,
+    Fit,
+    fixed_batch,
+    seed_everything,
+    warmup_linear_decay,
+)
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
 
@@ -170,122 +174,105 @@ class LayerPrediction:
         return metrics
 
 
-def distill(config: DistillConfig, *, stop_after_step: int | None = None) -> dict[str, Any] | None:
-    """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
-    content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
-    its latest checkpoint; ``stop_after_step`` simulates a preemption (checkpoint, return ``None``)."""
-    run_dir = Path(config.run_dir)
-    with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
-        torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
-        cuda = job.device.type == "cuda"
-        precision = resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
-        job.batch = (config.batch_seconds, config.grad_accum)
-        reporter = PipesReporter(log) if job.is_main else None
-        teacher_loaded = load_encoder(config.teacher)
-        teacher = teacher_loaded.model.to(job.device).requires_grad_(False)
-        layers = config.teacher_layers or default_teacher_layers(teacher.preset.layers)
+class Distillation(Fit):
+    """A distillation run on this rank of ``job``: the teacher, the student and their data."""
+
+    materialized = ("student", "student_parameters", "teacher_parameters")
+
+    def __init__(self, config: DistillConfig, job: Distributed) -> None:
+        precision = fixed_batch(job, config)
+        self.teacher_loaded = load_encoder(config.teacher)
+        self.teacher = teacher = self.teacher_loaded.model.to(job.device).requires_grad_(False)
+        self.layers = layers = config.teacher_layers or default_teacher_layers(teacher.preset.layers)
         if not all(1 <= layer <= teacher.preset.layers for layer in layers):
             raise ValueError(f"teacher_layers {layers} outside 1..{teacher.preset.layers}")
         index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
         # the student learns on the teacher's training speakers, with the teacher's input normalisation
-        recorded = teacher_loaded.checkpoint.get("speakers") or {}
+        recorded = self.teacher_loaded.checkpoint.get("speakers") or {}
         heldout = config.heldout_speakers if config.heldout_speakers is not None else recorded.get("heldout")
-        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, heldout)
-        speakers = speaker_record(train_refs, heldout if heldout is not None else {u.speaker_id for u in heldout_refs})
-        cmvn = from_record(teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
-        dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
-        sampler = DurationBucketSampler(
-            dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+        train_refs, self.heldout_refs = heldout_split(index.utterances, config.heldout_fraction, heldout)
+        speakers = speaker_record(
+            train_refs, heldout if heldout is not None else {u.speaker_id for u in self.heldout_refs}
         )
-        stream = BatchStream(dataset, sampler, config.seed, pin_memory=cuda)
+        cmvn = from_record(self.teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
+        self.dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
+        self.train_refs = train_refs
+        sampler = DurationBucketSampler(
+            self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
+        )
+        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda")
         seed_everything(config.seed)
-        student = build_student(config, teacher, layers).to(job.device)
-        engine = Engine.for_run(
-            student,
+        self.student = build_student(config, teacher, layers).to(job.device)
+        self.start(
+            self.student,
             job,
             config,
-            precision,
+            stream,
+            LayerPrediction(teacher, layers, config.cosine_weight, job.device),
+            precision=precision,
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
-            forward=LayerPredictor(student),
+            forward=LayerPredictor(self.student),
+            speakers=speakers,
+            cmvn=cmvn,
+            identity=lambda stored: {name: stored[name] for name in STUDENT_FIELDS},
+            kind=CHECKPOINT_KIND,
         )
-        engine.record(config, speakers, cmvn, kind=CHECKPOINT_KIND)
-        engine.resume(config.run_dir, stream, lambda stored: {name: stored[name] for name in STUDENT_FIELDS})
-        with tracking(config, job, engine.plan(config.batch_seconds)) as tracker:
-            engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
-            log.info(
-                "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "
-                "speakers (%d held-out utterances left out), %s",
-                config.teacher,
-                encoder_parameters(teacher),
-                layers,
-                config.preset,
-                encoder_parameters(student),
-                len(train_refs),
-                len(heldout_refs),
-                precision,
-            )
-            objective = LayerPrediction(teacher, layers, config.cosine_weight, job.device)
-            if (
-                not engine.run(objective, stream, config, stop_after_step=stop_after_step, tracker=tracker)
-                or not job.is_main
-            ):
-                return None
-            final, sha = engine.save_final(
-                run_dir,
-                kind=CHECKPOINT_KIND,
-                preset=student.preset.to_dict(),
-                clients={name: teacher.preset.dim for name in student.clients},
-                teacher=config.teacher,
-                teacher_sha256=teacher_loaded.sha256,
-                teacher_layers=list(layers),
-                config=config.to_dict(),
-                data_versions=dict(config.data_versions),
-                speakers=speakers,
-                normalisation=describe(cmvn),
-            )
-            metrics, progress = engine.metrics, engine.progress
-            # both models are at hand here: timed now, the step that launched this loads neither
-            feats = [dataset.logmel(ref).astype(np.float32) for ref in train_refs[:16]]
-            speed = forward_speed({"teacher": teacher.cpu(), "student": student.cpu()}, feats, repeats=2, threads=1)
-            result = {
-                "step": engine.step,
-                "final_loss": metrics["loss"],
-                "checkpoint": str(final),
-                "checkpoint_sha256": sha,
-                "teacher": config.teacher,
-                "teacher_sha256": teacher_loaded.sha256,
-                "teacher_layers": list(layers),
-                "student": config.preset,
-                "student_parameters": encoder_parameters(student),
-                "teacher_parameters": encoder_parameters(teacher),
-                "student_audio_s_per_s": round(speed["student"], 1),
-                "teacher_audio_s_per_s": round(speed["teacher"], 1),
-                "speedup": round(speed["student"] / speed["teacher"], 3),
-                "train_utterances": len(train_refs),
-                "train_audio_seconds": progress["audio_seconds"],
-                "train_seconds": progress["train_seconds"],
-                "world_size": job.world_size,
-                "data_versions": dict(config.data_versions),
-                "precision": precision,
-                "resumed_from_step": engine.resumed_from,
-                "mlflow_run_id": tracker.run_id if tracker else None,
-                "mlflow_run_url": tracker.url if tracker else None,
-                **{k: v for k, v in metrics.items() if k.startswith(("l1_", "cosine_"))},
-            }
-            log.info("done: %d steps, loss %.4f, student %s", engine.step, metrics["loss"], final)
-            keys = (
-                "step",
-                "final_loss",
-                "checkpoint",
-                "checkpoint_sha256",
-                "student",
-                "student_parameters",
-                "teacher_parameters",
-                "mlflow_run_id",
-                "mlflow_run_url",
-            )
-            publish(run_dir, result, tracker, reporter, {k: result[k] for k in keys})
-            return result
+
+    def announce(self) -> None:
+        config = self.config
+        log.info(
+            "distilling %s (%d encoder parameters, layers %s) into %s (%d) on %d utterances of the training "
+            "speakers (%d held-out utterances left out), %s",
+            config.teacher,
+            encoder_parameters(self.teacher),
+            self.layers,
+            config.preset,
+            encoder_parameters(self.student),
+            len(self.dataset),
+            len(self.heldout_refs),
+            self.engine.precision,
+        )
+
+    def final(self) -> dict[str, Any]:
+        return {
+            "preset": self.student.preset.to_dict(),
+            "clients": {name: self.teacher.preset.dim for name in self.student.clients},
+            "teacher": self.config.teacher,
+            "teacher_sha256": self.teacher_loaded.sha256,
+            "teacher_layers": list(self.layers),
+        }
+
+    def speeds(self) -> dict[str, float]:
+        """Both models are at hand here: timed now, the step that launched this loads neither."""
+        feats = [self.dataset.logmel(ref).astype(np.float32) for ref in self.train_refs[:16]]
+        models = {"teacher": self.teacher.cpu(), "student": self.student.cpu()}
+        speed = forward_speed(models, feats, repeats=2, threads=1)
+        return {
+            "student_audio_s_per_s": round(speed["student"], 1),
+            "teacher_audio_s_per_s": round(speed["teacher"], 1),
+            "speedup": round(speed["student"] / speed["teacher"], 3),
+        }
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "teacher": self.config.teacher,
+            "teacher_sha256": self.teacher_loaded.sha256,
+            "teacher_layers": list(self.layers),
+            "student": self.config.preset,
+            "student_parameters": encoder_parameters(self.student),
+            "teacher_parameters": encoder_parameters(self.teacher),
+            "train_utterances": len(self.dataset),
+            **self.speeds(),
+            **{k: v for k, v in self.engine.metrics.items() if k.startswith(("l1_", "cosine_"))},
+        }
+
+
+def distill(config: DistillConfig) -> dict[str, Any] | None:
+    """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
+    content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
+    its latest checkpoint."""
+    with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
+        return Distillation(config, job).run(PipesReporter(log) if job.is_main else None)
 
 
 def main(argv: list[str] | None = None) -> int:

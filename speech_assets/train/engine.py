@@ -15,12 +15,12 @@ nothing. The :class:`Engine` owns the rest of a step and of a run:
 - the metrics window: statistics kept on the device and read once every ``log_every`` steps, then
   the log line, and ``metrics.jsonl`` and MLflow written by a background thread.
 
-Its users keep what differs: the centralised trainer (:mod:`speech_assets.train.trainer`, HuBERT
-masked prediction with one head per client), distillation (:mod:`speech_assets.train.distill`,
-teacher layers as targets) and a federated client's local round
-(:mod:`speech_assets.federated.local`: only the encoder travels, the head stays with the client).
-Rank 0 alone writes files, logs metrics to MLflow and reports to Dagster Pipes. A training process
-runs it inside :func:`speech_assets.train.worker.worker` (logging, run-folder hold, out-of-memory exit).
+:class:`Fit` is the one run around it (resume, MLflow, ``final.pt``, ``result.json``, the Dagster
+materialization) of pretraining (:mod:`speech_assets.train.trainer`), distillation
+(:mod:`speech_assets.train.distill`) and CTC fine-tuning (:mod:`speech_assets.evaluation.finetune`):
+each adds its objective, its batches and its result. A federated client's local round
+(:mod:`speech_assets.federated.local`) drives the engine itself. Rank 0 alone writes files, logs to
+MLflow and reports to Dagster Pipes, inside :func:`speech_assets.train.worker.worker`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader
 from speech_assets.features.cmvn import Normaliser, describe
 from speech_assets.layout import RunFiles
 from speech_assets.runtime.faults import inject
+from speech_assets.train.autoconfig import available_cores, resolve_precision
 from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
@@ -433,55 +434,6 @@ class Engine:
         self.keep_steps: frozenset[int] = frozenset()
         self.checkpoints = CheckpointWriter(background=background_checkpoints)
 
-    @classmethod
-    def for_run(
-        cls,
-        model: nn.Module,
-        job: Distributed,
-        config: Any,
-        precision: str,
-        *,
-        schedule: Callable[[int], float],
-        forward: nn.Module | None = None,
-        grad_accum: int | None = None,
-    ) -> Engine:
-        """The engine a worker config asks for: its ``lr``, ``weight_decay``, ``clip_norm`` and
-        ``grad_accum`` (unless the launch plan's ``grad_accum`` is given), and
-        ``background_checkpoints`` where the config has it."""
-        return cls(
-            model,
-            job,
-            precision=precision,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-            grad_accum=config.grad_accum if grad_accum is None else grad_accum,
-            schedule=schedule,
-            forward=forward,
-            background_checkpoints=getattr(config, "background_checkpoints", True),
-        )
-
-    def plan(self, batch_seconds: float) -> dict[str, Any]:
-        """The launch plan MLflow records for a run whose config fixes its batch (no autoconfig)."""
-        return {
-            "nproc": self.job.world_size,
-            "batch_seconds": batch_seconds,
-            "grad_accum": self.grad_accum,
-            "precision": self.precision,
-        }
-
-    def record(self, config: Any, speakers: Mapping[str, Any], cmvn: Normaliser, **more: Any) -> None:
-        """What every checkpoint of this run carries besides the engine's state (:attr:`extra`):
-        the config (which :meth:`resume` compares), its inputs' data versions, the speakers it saw
-        and the normalisation, plus ``more``."""
-        self.extra = {
-            **more,
-            "config": config.to_dict(),
-            "data_versions": dict(config.data_versions),
-            "speakers": speakers,
-            "normalisation": describe(cmvn),
-        }
-
     @property
     def forward(self) -> nn.Module:
         """What objectives call: ``forward``, in DDP (built on first use) when there are several ranks."""
@@ -529,13 +481,13 @@ class Engine:
         stream: BatchStream,
         config: RunConfig,
         *,
-        stop_after_step: int | None = None,
         tracker: MlflowTracker | None = None,
         evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> bool:
         """Steps up to ``config.max_steps`` with the metrics window every ``log_every`` steps and a
-        checkpoint every ``checkpoint_every`` (and ``eval_every``, where the config has it) steps,
-        at the last and at ``stop_after_step`` (then it returns ``False``: a simulated preemption).
+        checkpoint every ``checkpoint_every`` (and ``eval_every``, where the config has it) steps
+        and at the last; a ``preempt`` fault a test injects at ``train.step``
+        (:mod:`speech_assets.runtime.faults`) checkpoints that step and returns ``False``.
         ``evaluate`` (collective: every rank calls it; deterministic, it draws nothing from the
         training RNG) runs before each checkpoint: its numbers join the step's metrics as
         ``val/<name>`` and it is kept as :attr:`evaluation`; a true ``stop`` in it ends the run
@@ -543,7 +495,7 @@ class Engine:
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
         writer = BackgroundWriter() if self.job.is_main else None
         try:
-            finished = self._steps(objective, stream, config, stop_after_step, tracker, evaluate, writer)
+            finished = self._steps(objective, stream, config, tracker, evaluate, writer)
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 self.checkpoints.wait()
@@ -560,7 +512,6 @@ class Engine:
         objective: Objective,
         stream: BatchStream,
         config: RunConfig,
-        stop_after_step: int | None,
         tracker: MlflowTracker | None,
         evaluate: Callable[[], Mapping[str, Any] | None] | None,
         writer: BackgroundWriter | None,
@@ -580,9 +531,10 @@ class Engine:
             timed = self.step > first_step  # the first step of an attempt pays for warm-up
             audio += seconds
             timed_audio += seconds if timed else 0.0
-            inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
+            preempted = inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = (
-                self.step in (config.max_steps, stop_after_step)
+                preempted
+                or self.step == config.max_steps
                 or self.step % config.checkpoint_every == 0
                 or (eval_every > 0 and self.step % eval_every == 0)
             )
@@ -620,7 +572,7 @@ class Engine:
                         last_checkpoint = time.monotonic()
                     window, audio, timed_audio = None, 0.0, 0.0
                     window_start, timed_seconds = time.perf_counter(), 0.0
-            if self.step == stop_after_step:
+            if preempted:
                 return False
         return True
 
@@ -724,23 +676,6 @@ class Engine:
             dist.barrier()
 
 
-def publish(
-    run_dir: Path,
-    result: dict[str, Any],
-    tracker: MlflowTracker | None,
-    reporter: PipesReporter | None,
-    metadata: dict[str, Any],
-) -> None:
-    """Rank 0 at the end of a run: ``result`` to MLflow (with the checkpoint) and ``result.json``,
-    ``metadata`` (``None`` values left out) as the Dagster materialization."""
-    if tracker is not None:
-        tracker.finish(result, Path(result["checkpoint"]))
-    atomic_write_text(RunFiles(run_dir).result, json.dumps(result, indent=2, sort_keys=True) + "\n")
-    if reporter is not None:
-        present = {key: value for key, value in metadata.items() if value is not None}
-        reporter.report(present, data_version=result["checkpoint_sha256"], paths=("checkpoint",))
-
-
 @contextlib.contextmanager
 def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> Iterator[MlflowTracker | None]:
     """Rank 0's MLflow run when the config names a tracking URI (a resumed attempt continues the run
@@ -759,3 +694,151 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
         with contextlib.suppress(Exception):
             tracker.fail()
         raise
+
+
+def fixed_batch(job: Distributed, config: Any) -> str:
+    """Threads, and the batch for the out-of-memory marker, of a run whose config fixes its batch
+    (no launch plan); its precision."""
+    torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
+    job.batch = (config.batch_seconds, config.grad_accum)
+    cuda = job.device.type == "cuda"
+    return resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())
+
+
+# the result keys every run ends with, which its Dagster materialization reports too
+MATERIALIZED = ("step", "final_loss", "checkpoint", "checkpoint_sha256", "mlflow_run_id", "mlflow_run_url")
+
+
+class Fit:
+    """The one training run of every stage: engine, resume, tracking, steps, ``final.pt``, the
+    result and its publication. A stage (pretraining, distillation, fine-tuning) builds its data,
+    model, :class:`BatchStream` and :class:`Objective`, hands them to :meth:`start`, and adds only
+    what differs: :meth:`announce`, :meth:`conclude`, :meth:`final`, :meth:`result`, :meth:`done`
+    and :attr:`materialized`, its result keys the Dagster materialization reports."""
+
+    materialized: tuple[str, ...] = ()
+    tracker: MlflowTracker | None = None
+    engine: Engine
+    config: Any
+    stream: BatchStream
+    objective: Objective
+
+    def start(
+        self,
+        model: nn.Module,
+        job: Distributed,
+        config: Any,
+        stream: BatchStream,
+        objective: Objective,
+        *,
+        precision: str,
+        schedule: Callable[[int], float],
+        speakers: Mapping[str, Any],
+        cmvn: Normaliser,
+        identity: Callable[[Mapping[str, Any]], object],
+        forward: nn.Module | None = None,
+        launch: Mapping[str, Any] | None = None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
+        **record: Any,
+    ) -> dict[str, Any] | None:
+        """The :class:`Engine` of ``model`` as ``config`` asks (``grad_accum``: the ``launch`` plan's
+        when given); what every checkpoint carries besides its state (``record``, the config, which
+        :meth:`Engine.resume` compares by ``identity``, its data versions, ``speakers`` and the
+        normalisation); then the resume: the checkpoint continued, or ``None``. ``launch``: the plan
+        MLflow records (default: the config's fixed batch); ``evaluate``: see :meth:`Engine.run`."""
+        grad_accum = config.grad_accum if launch is None else launch["grad_accum"]
+        self.engine = engine = Engine(
+            model,
+            job,
+            precision=precision,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            grad_accum=grad_accum,
+            schedule=schedule,
+            forward=forward,
+            background_checkpoints=getattr(config, "background_checkpoints", True),
+        )
+        self.config, self.stream, self.objective, self.evaluate = config, stream, objective, evaluate
+        fixed = {"nproc": job.world_size, "batch_seconds": config.batch_seconds, "grad_accum": grad_accum}
+        self.launch_plan = dict(launch or {**fixed, "precision": precision})
+        engine.extra = {
+            **record,
+            "config": config.to_dict(),
+            "data_versions": dict(config.data_versions),
+            "speakers": speakers,
+            "normalisation": describe(cmvn),
+        }
+        return engine.resume(config.run_dir, stream, identity)
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    def announce(self) -> None:
+        """Every rank, before the first step: log what the run trains."""
+
+    def conclude(self) -> None:
+        """Collective, after the last step: what every rank computes for the result."""
+
+    def final(self) -> dict[str, Any]:
+        """Rank 0: the stage's contents of ``final.pt`` (``step``: the step of its weights)."""
+        return {}
+
+    def result(self) -> dict[str, Any]:
+        """Rank 0, after ``final.pt``: the stage's keys of the result."""
+        return {}
+
+    def done(self, result: Mapping[str, Any]) -> None:
+        log.info("done: step %d, final loss %s, %s", result["step"], result["final_loss"], result["checkpoint"])
+
+    def materialization(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        return {key: result[key] for key in (*MATERIALIZED, *self.materialized)}
+
+    def run(self, reporter: PipesReporter | None = None) -> dict[str, Any] | None:
+        """Train to ``max_steps`` (or an evaluation's stop); then rank 0 writes ``final.pt`` and
+        ``result.json``, finishes the MLflow run and reports to ``reporter``. The result on rank 0,
+        ``None`` elsewhere and after a preemption."""
+        engine, config, job = self.engine, self.config, self.engine.job
+        run_dir = Path(config.run_dir)
+        with tracking(config, job, self.launch_plan) as tracker:
+            self.tracker = tracker
+            engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
+            self.announce()
+            if not engine.run(self.objective, self.stream, config, tracker=tracker, evaluate=self.evaluate):
+                return None
+            self.conclude()
+            if not job.is_main:
+                engine.barrier()
+                return None
+            contents, extra = self.final(), engine.extra
+            final, sha = engine.save_final(
+                run_dir,
+                **{key: extra[key] for key in ("kind",) if key in extra},
+                **contents,
+                **{key: extra[key] for key in ("config", "data_versions", "speakers", "normalisation")},
+            )
+            result = {
+                "step": contents.get("step", engine.step),
+                "final_loss": engine.metrics.get("loss"),
+                "checkpoint": str(final),
+                "checkpoint_sha256": sha,
+                "train_audio_seconds": engine.progress["audio_seconds"],
+                "train_seconds": engine.progress["train_seconds"],
+                "resumed_from_step": engine.resumed_from,
+                "world_size": job.world_size,
+                "precision": engine.precision,
+                "data_versions": dict(config.data_versions),
+                "mlflow_run_id": tracker.run_id if tracker else None,
+                "mlflow_run_url": tracker.url if tracker else None,
+                **self.result(),
+            }
+            self.done(result)
+            if tracker is not None:
+                tracker.finish(result, final)
+            atomic_write_text(RunFiles(run_dir).result, json.dumps(result, indent=2, sort_keys=True) + "\n")
+            if reporter is not None:
+                present = {key: value for key, value in self.materialization(result).items() if value is not None}
+                reporter.report(present, data_version=sha, paths=("checkpoint",))
+        engine.barrier()
+        return result

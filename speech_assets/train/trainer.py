@@ -13,6 +13,7 @@ the held-out utterances are evaluated at each checkpoint (the
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,15 +28,7 @@ from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, build_index, heldout_split, speaker_record
-from speech_assets.train.engine import (
-    BatchStream,
-    Distributed,
-    Engine,
-    publish,
-    seed_everything,
-    tracking,
-    warmup_linear_decay,
-)
+from speech_assets.train.engine import BatchStream, Distributed, Fit, seed_everything, warmup_linear_decay
 from speech_assets.train.launch import handed_plan, plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
 from speech_assets.train.oom import clear_oom, refuse_known_oom
@@ -52,22 +45,35 @@ def model_identity(config: dict[str, Any]) -> tuple[str, dict[str, int]]:
     return config["preset"], {name: client["k"] for name, client in config["clients"].items()}
 
 
-class Trainer:
+class Trainer(Fit):
     """Builds data, model and engine for ``config`` on this rank (as ``plan`` says) and resumes
-    from the run's latest checkpoint if there is one."""
+    from the run's latest checkpoint if there is one; :meth:`run` trains (:class:`Fit`)."""
+
+    materialized = (
+        "heldout_leak_free_masked_accuracy",
+        "heldout_leak_free_majority_accuracy",
+        "heldout_masked_accuracy",
+        "heldout_majority_accuracy",
+        "heldout_loss",
+        "chance_accuracy",
+        "heldout_interior_masked_accuracy",
+        "heldout_interior_majority_accuracy",
+        "audio_seconds_per_second",
+        "mlflow_ui",
+        "autoconfig",
+    )
 
     def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
-        self.config, self.job, self.plan = config, job, plan
-        self.run_dir = Path(config.run_dir)
+        self.job, self.launch = job, plan
         index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
         train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
-        self.speakers = speaker_record(
+        speakers = speaker_record(
             train_refs,
             config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs},
         )
-        self.heldout_speakers = self.speakers["heldout"]
+        self.heldout_speakers = speakers["heldout"]
         log.info(
             "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
             "%d without labels skipped",
@@ -80,9 +86,7 @@ class Trainer:
         )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
-        cmvn = training_cmvn(
-            config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, self.speakers["train"]
-        )
+        cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
         augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
             index,
@@ -113,16 +117,7 @@ class Trainer:
         )
         if config.compile:
             self.model.compile_encoder()
-        self.engine = Engine.for_run(
-            self.model,
-            job,
-            config,
-            plan.precision,
-            grad_accum=plan.grad_accum,
-            schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
-        )
-        self.engine.record(config, self.speakers, cmvn, plan=plan.to_dict())
-        self.objective = MaskedPrediction(
+        objective = MaskedPrediction(
             self.model,
             job.device,
             seed=config.seed,
@@ -133,104 +128,76 @@ class Trainer:
         )
         seed_everything(config.seed + 1 + job.rank)  # distinct dropout streams per rank
         cuda = job.device.type == "cuda"
-        self.stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=cuda, device=job.device)
-        self.engine.resume(config.run_dir, self.stream, model_identity)
-
-    @property
-    def step(self) -> int:
-        return self.engine.step
+        stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=cuda, device=job.device)
+        self.start(
+            self.model,
+            job,
+            config,
+            stream,
+            objective,
+            precision=plan.precision,
+            schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
+            speakers=speakers,
+            cmvn=cmvn,
+            identity=model_identity,
+            launch=plan.to_dict(),
+            evaluate=self.evaluate,
+            plan=plan.to_dict(),
+        )
 
     def evaluate(self) -> dict[str, Any] | None:
         """Held-out masked prediction (see :meth:`MaskedPrediction.evaluate`); ``None`` without held-out utterances."""
         if len(self.heldout_set) == 0:
             return None
-        plan = self.plan
+        plan = self.launch
         return self.objective.evaluate(
             self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision
         )
 
-    def run(self, reporter: PipesReporter | None = None, stop_after_step: int | None = None) -> dict[str, Any] | None:
-        """Train to ``max_steps``, evaluate, write ``final.pt``/``result.json`` (rank 0) and return
-        the result on rank 0 (``None`` elsewhere, and when stopped early by ``stop_after_step``).
-        ``reporter`` (rank 0) receives the final materialization."""
-        with tracking(self.config, self.job, self.plan.to_dict()) as tracker:
-            self.engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
-            if not self.engine.run(
-                self.objective,
-                self.stream,
-                self.config,
-                stop_after_step=stop_after_step,
-                tracker=tracker,
-                evaluate=self.evaluate,
-            ):
-                return None
-            last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
-            heldout = dict((last[1] if last and last[0] == self.step else self.evaluate()) or {})
-            if not self.job.is_main:
-                self.engine.barrier()
-                return None
-            config, progress, metrics = self.config, self.engine.progress, self.engine.metrics
-            final_path, sha = self.engine.save_final(
-                self.run_dir,
-                preset=get_preset(config.preset).to_dict(),
-                clients={n: c.k for n, c in config.clients.items()},
-                config=config.to_dict(),
-                data_versions=dict(config.data_versions),
-                plan=self.plan.to_dict(),
-                speakers=self.engine.extra["speakers"],
-                normalisation=self.engine.extra["normalisation"],
-            )
-            result: dict[str, Any] = {
-                "step": self.step,
-                "final_loss": metrics.get("loss"),
-                "final_masked_accuracy": metrics.get("masked_accuracy"),
-                **{f"heldout_{key}": heldout.get(key) for key in HELDOUT_KEYS},
-                "heldout_per_client": heldout.get("per_client"),
-                "heldout_utterances": len(self.heldout_set),
-                "heldout_speakers": self.heldout_speakers,
-                "chance_accuracy": config.chance_accuracy,
-                "audio_seconds_per_second": progress["audio_seconds"] / progress["train_seconds"]
-                if progress["train_seconds"] > 0
-                else None,
-                "train_audio_seconds": progress["audio_seconds"],
-                "checkpoint": str(final_path),
-                "checkpoint_sha256": sha,
-                "resumed_from_step": self.engine.resumed_from,
-                "world_size": self.job.world_size,
-                "unlabelled_utterances": self.unlabelled,
-                "autoconfig": self.plan.to_dict(),
-                "data_versions": dict(config.data_versions),
-                "mlflow_run_id": tracker.run_id if tracker else None,
-                "mlflow_run_url": tracker.url if tracker else None,
-                "mlflow_ui": tracker.ui_command if tracker and not tracker.served else None,
-            }
-            clear_oom(self.run_dir)
-            log.info(
-                "done: step %d, final loss %s, held-out masked accuracy on leak-free frames %s (majority class %s; "
-                "all masked frames %s, majority %s; chance %.3f), %s s of audio per second",
-                self.step,
-                *(
-                    _fmt(result[k])
-                    for k in (
-                        "final_loss",
-                        "heldout_leak_free_masked_accuracy",
-                        "heldout_leak_free_majority_accuracy",
-                        "heldout_masked_accuracy",
-                        "heldout_majority_accuracy",
-                    )
-                ),
-                result["chance_accuracy"],
-                _fmt(result["audio_seconds_per_second"]),
-            )
-            publish(
-                self.run_dir,
-                result,
-                tracker,
-                reporter,
-                {("steps" if k == "step" else k): result[k] for k in METADATA_KEYS},
-            )
-        self.engine.barrier()
-        return result
+    def conclude(self) -> None:
+        last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
+        self.heldout = dict((last[1] if last and last[0] == self.step else self.evaluate()) or {})
+
+    def final(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "preset": get_preset(config.preset).to_dict(),
+            "clients": {n: c.k for n, c in config.clients.items()},
+            "plan": self.launch.to_dict(),
+        }
+
+    def result(self) -> dict[str, Any]:
+        heldout, progress = self.heldout, self.engine.progress
+        return {
+            "final_masked_accuracy": self.engine.metrics.get("masked_accuracy"),
+            **{f"heldout_{key}": heldout.get(key) for key in HELDOUT_KEYS},
+            "heldout_per_client": heldout.get("per_client"),
+            "heldout_utterances": len(self.heldout_set),
+            "heldout_speakers": self.heldout_speakers,
+            "chance_accuracy": self.config.chance_accuracy,
+            "audio_seconds_per_second": progress["audio_seconds"] / progress["train_seconds"]
+            if progress["train_seconds"] > 0
+            else None,
+            "unlabelled_utterances": self.unlabelled,
+            "autoconfig": self.launch.to_dict(),
+            "mlflow_ui": self.tracker.ui_command if self.tracker and not self.tracker.served else None,
+        }
+
+    def done(self, result: Mapping[str, Any]) -> None:
+        clear_oom(self.config.run_dir)
+        log.info(
+            "done: step %d, final loss %s, held-out masked accuracy on leak-free frames %s (majority class %s; "
+            "all masked frames %s, majority %s; chance %.3f), %s s of audio per second",
+            self.step,
+            _fmt(result["final_loss"]),
+            *(_fmt(result[k]) for k in self.materialized[:4]),
+            result["chance_accuracy"],
+            _fmt(result["audio_seconds_per_second"]),
+        )
+
+    def materialization(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        shown = super().materialization(result)
+        return {"steps": shown.pop("step"), **shown}
 
 
 HELDOUT_KEYS = (
@@ -242,25 +209,6 @@ HELDOUT_KEYS = (
     "leak_free_masked_accuracy",
     "leak_free_majority_accuracy",
     "leak_free_frames",
-)
-METADATA_KEYS = (
-    "step",
-    "final_loss",
-    "heldout_leak_free_masked_accuracy",
-    "heldout_leak_free_majority_accuracy",
-    "heldout_masked_accuracy",
-    "heldout_majority_accuracy",
-    "heldout_loss",
-    "chance_accuracy",
-    "heldout_interior_masked_accuracy",
-    "heldout_interior_majority_accuracy",
-    "audio_seconds_per_second",
-    "checkpoint",
-    "checkpoint_sha256",
-    "mlflow_run_id",
-    "mlflow_run_url",
-    "mlflow_ui",
-    "autoconfig",
 )
 
 
@@ -295,13 +243,12 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
     return plan
 
 
-def train(config: TrainConfig, *, stop_after_step: int | None = None) -> dict[str, Any] | None:
+def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train ``config`` in this process: alone, or as one rank of a torchrun job.
 
-    Returns ``result.json``'s content on rank 0 (``None`` on other ranks). ``stop_after_step``
-    simulates a preemption: checkpoint at that step and return ``None``. A CUDA out-of-memory
+    Returns ``result.json``'s content on rank 0 (``None`` on other ranks). A CUDA out-of-memory
     error writes ``run_dir/oom.json`` and exits (:mod:`speech_assets.train.oom`).
     """
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
         reporter = PipesReporter(log) if job.is_main else None
-        return Trainer(config, job, plan_for_job(config, job)).run(reporter, stop_after_step)
+        return Trainer(config, job, plan_for_job(config, job)).run(reporter)

@@ -20,6 +20,7 @@ from speech_assets.evaluation.finetune import (
     text_overlap,
 )
 from speech_assets.layout import RunFiles
+from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
 
@@ -37,13 +38,17 @@ def with_dev_speaker(config, tmp_path: Path):
     return replace(config, labelled=str(path))
 
 
-def test_baseline_trains_front_end_and_every_encoder_layer_from_step_0(tmp_path: Path) -> None:
+def test_baseline_trains_front_end_and_every_encoder_layer_from_step_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the pretrained-model settings (a freeze phase, a frozen front end) are asked for: scratch ignores them
     config = replace(
         labelled_run(tmp_path), init="scratch", freeze_steps=3, freeze_frontend=True, run_dir=str(tmp_path / "s")
     )
     start = {k: v.clone() for k, v in build_model(config)[0].state_dict().items()}
-    assert finetune(config, stop_after_step=1) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=1))  # preempted there
+    assert finetune(config) is None
+    monkeypatch.delenv(FAULTS_ENV)
     step1 = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
     names = [k for k in start if k.startswith(("frontend.", "encoder.layers."))]
     layers = {k.split(".")[2] for k in names if k.startswith("encoder.layers.")}
@@ -52,11 +57,13 @@ def test_baseline_trains_front_end_and_every_encoder_layer_from_step_0(tmp_path:
     assert not unchanged, f"from step 0 the baseline must train every parameter; unchanged after step 1: {unchanged}"
 
 
-def test_baseline_trains_pretrained_keeps_its_freeze(tmp_path: Path) -> None:
+def test_baseline_trains_pretrained_keeps_its_freeze(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the control: a pretrained run with the same settings leaves front end and encoder as they were
     config = replace(labelled_run(tmp_path), freeze_steps=3, freeze_frontend=True, run_dir=str(tmp_path / "p"))
     start = build_model(config)[0].state_dict()
-    finetune(config, stop_after_step=1)
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=1))  # preempted there
+    finetune(config)
+    monkeypatch.delenv(FAULTS_ENV)
     step1 = load_checkpoint(RunFiles(config.run_dir).checkpoint(1))["model"]
     assert torch.equal(start["frontend.conv1.weight"], step1["frontend.conv1.weight"])
     assert torch.equal(start["encoder.layers.0.linear1.weight"], step1["encoder.layers.0.linear1.weight"])

@@ -10,7 +10,15 @@ from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 def test_nothing_happens_unless_a_test_turns_it_on(monkeypatch):
     monkeypatch.delenv(FAULTS_ENV, raising=False)
-    inject("train.step", rank=0, step=1)
+    assert inject("train.step", rank=0, step=1) is False
+
+
+def test_preempt_is_said_only_where_it_was_aimed(monkeypatch):
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=3))
+    assert inject("train.step", rank=0, step=3) is True
+    assert inject("train.step", rank=1, step=3) is True  # no rank chosen: every rank stops
+    assert inject("train.step", rank=0, step=2) is False
+    assert inject("other.point", step=3) is False
 
 
 def test_a_fault_fires_only_where_it_was_aimed_and_once(monkeypatch, tmp_path):

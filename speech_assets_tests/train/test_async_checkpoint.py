@@ -48,12 +48,16 @@ def test_async_checkpoint_write_errors_reach_the_training_thread(tmp_path: Path)
         raise AssertionError("a failed background write went unnoticed")
 
 
-def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = small_corpus.config(tmp_path / "run", **SETTINGS)
     (tmp_path / "run").mkdir()
     job = Distributed(0, 0, 1, 1, torch.device("cpu"))
     trainer = Trainer(config, job, plan_for_job(config, job))
-    assert trainer.run(stop_after_step=3) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=3))  # preempted there
+    assert trainer.run() is None
+    monkeypatch.delenv(FAULTS_ENV)
     engine, name = trainer.engine, "checkpoints/step_00000003.pt"
     live = [p.detach().clone() for p in trainer.model.parameters()]
     engine.save_checkpoint(tmp_path / "background", trainer.stream, keep=5)
@@ -74,10 +78,14 @@ def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(small_corpus: S
     assert len(hashes) == 1 and hashes != {None}
 
 
-def test_async_checkpoint_resume_is_bit_exact(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_async_checkpoint_resume_is_bit_exact(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     synchronous = train(small_corpus.config(tmp_path / "sync", background_checkpoints=False, **SETTINGS))
     interrupted = small_corpus.config(tmp_path / "async", background_checkpoints=True, **SETTINGS)
-    assert train(interrupted, stop_after_step=4) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=4))  # preempted there
+    assert train(interrupted) is None
+    monkeypatch.delenv(FAULTS_ENV)
     for step in (2, 4):
         name = f"checkpoints/step_{step:08d}.pt"
         a, b = (load_checkpoint(tmp_path / run / name) for run in ("sync", "async"))

@@ -17,6 +17,7 @@ from speech_assets.model.hubert import ClientLogits, HubertPretrainModel, output
 from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss
 from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import get_preset
+from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.data import (
     Batch,
     BatchBuilder,
@@ -174,7 +175,9 @@ def test_background_writer_keeps_every_line_and_reports_a_failed_call(tmp_path: 
     assert json.loads(path.read_text().splitlines()[-1]) == {"step": 200}
 
 
-def test_resume_with_persistent_loader_workers_is_bit_exact(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_resume_with_persistent_loader_workers_is_bit_exact(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two loader workers that live across epochs, masks drawn in them, a preemption mid-epoch:
     the resumed run ends with the uninterrupted run's weights."""
     from speech_assets.train.checkpoint import load_checkpoint
@@ -191,7 +194,9 @@ def test_resume_with_persistent_loader_workers_is_bit_exact(small_corpus: Synthe
     }
     straight = train(small_corpus.config(tmp_path / "straight", **settings))
     interrupted = small_corpus.config(tmp_path / "resumed", **settings)
-    assert train(interrupted, stop_after_step=2) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=2))  # preempted there
+    assert train(interrupted) is None
+    monkeypatch.delenv(FAULTS_ENV)
     stopped = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000002.pt")["sampler"]
     assert 0 < stopped["position"] < stopped["batches_in_epoch"]  # mid-epoch
     resumed = train(interrupted)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from speech_assets.model.hubert import HubertPretrainModel, padding_mask
 from speech_assets.model.presets import get_preset
 from speech_assets.model.speed import forward_speed
+from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.distill import (
     DistillConfig,
@@ -124,11 +125,13 @@ def _config(corpus: SyntheticCorpus, teacher: str, run_dir: Path, **overrides: o
 
 
 def test_a_stopped_distillation_resumes_to_the_same_weights(
-    small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path
+    small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     straight = distill(_config(small_corpus, teacher, tmp_path / "straight"))
     interrupted = _config(small_corpus, teacher, tmp_path / "resumed")
-    assert distill(interrupted, stop_after_step=3) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=3))  # preempted there
+    assert distill(interrupted) is None
+    monkeypatch.delenv(FAULTS_ENV)
     assert not (tmp_path / "resumed" / "final.pt").exists()
     assert [step for step, _ in list_checkpoints(tmp_path / "resumed")] == [3]
     resumed = distill(interrupted)

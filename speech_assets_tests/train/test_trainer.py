@@ -133,7 +133,9 @@ def test_the_model_learns_what_no_visible_frame_gives_away(corpus: SyntheticCorp
     )
 
 
-def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+def test_resumed_run_ends_with_identical_weights(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # max_frames below the utterances' length: crops differ between the epochs the run crosses
     settings = {
         "max_steps": 6,
@@ -145,7 +147,9 @@ def test_resumed_run_ends_with_identical_weights(small_corpus: SyntheticCorpus, 
     }
     straight = train(small_corpus.config(tmp_path / "straight", **settings))
     interrupted = small_corpus.config(tmp_path / "resumed", **settings)
-    assert train(interrupted, stop_after_step=3) is None
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=3))  # preempted there
+    assert train(interrupted) is None
+    monkeypatch.delenv(FAULTS_ENV)
     assert not (tmp_path / "resumed" / "final.pt").exists()
     resumed = train(interrupted)
     assert straight is not None and resumed is not None
