@@ -50,8 +50,9 @@ def tiny_recogniser(folder: Path) -> Path:
     from speech_assets.evaluation.text import VOCAB_SIZE
     from speech_assets.features.cmvn import UtteranceCmvn, describe
     from speech_assets.features.vad import VadConfig
-    from speech_assets.model import HubertPretrainModel, get_preset
     from speech_assets.model.export import export_recogniser
+    from speech_assets.model.hubert import HubertPretrainModel
+    from speech_assets.model.presets import get_preset
 
     torch.manual_seed(0)
     model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()

@@ -27,7 +27,8 @@ from speech_assets.evaluation.text import VOCAB_SIZE
 from speech_assets.features import audio
 from speech_assets.features.cmvn import UtteranceCmvn
 from speech_assets.features.featurize import FeatureExtractor
-from speech_assets.model import HubertPretrainModel, get_preset
+from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.presets import get_preset
 from speech_assets_tests.conftest import SAMPLE_CORPUS
 from speech_assets_tests.evaluation.test_finetune import recogniser_folder
 
