@@ -565,7 +565,8 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
 def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     """A run-config class with every field of ``section`` optional (unset: use the settings),
     except the section's ``settings_only`` ones: run config naming them is rejected before the
-    run starts (Dagster: 'Received unexpected config entry')."""
+    run starts (Dagster: 'Received unexpected config entry'). Pydantic has no partial model and
+    Dagster's Launchpad needs a field per knob, so it is built here from the section's fields."""
     excluded = getattr(section, "settings_only", frozenset())
     fields = {
         # a type built at run time from an annotation object: Optional[] takes any of them

@@ -112,7 +112,7 @@ def _client_list(clients: object) -> object:
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-@train.dataclass
+@train.config_dataclass
 class FederatedConfig:
     """One federated run, as the server sees it.
 

@@ -6,8 +6,7 @@ import functools
 import json
 import os
 import typing
-from dataclasses import asdict, field, fields, replace
-from dataclasses import dataclass as std_dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
@@ -37,7 +36,7 @@ Probability = Annotated[float, Field(ge=0, le=1)]
 Text = Annotated[str, BeforeValidator(lambda value: os.fspath(value) if isinstance(value, os.PathLike) else value)]
 # every config of a run refuses bad values with their field's name, never echoing a value (a
 # tracking URI may hold credentials until to_dict() redacts it)
-dataclass = functools.partial(pydantic_dataclass, config=ConfigDict(hide_input_in_errors=True))
+config_dataclass = functools.partial(pydantic_dataclass, config=ConfigDict(hide_input_in_errors=True))
 
 
 def _preset(name: str) -> str:
@@ -49,7 +48,7 @@ def _preset(name: str) -> str:
 Preset = Annotated[str, AfterValidator(_preset)]
 
 
-@std_dataclass
+@dataclass
 class ClientTargets:
     """One client's k-means targets: ``labels`` parquet (``speech_assets.targets``) and codebook size ``k``."""
 
@@ -57,7 +56,7 @@ class ClientTargets:
     k: int
 
 
-@dataclass(kw_only=True)
+@config_dataclass(kw_only=True)
 class RunConfig:
     """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``; keyword-only
     fields): its inputs, what the engine and the tracker read besides each run's own fields
@@ -121,7 +120,7 @@ class RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-@dataclass
+@config_dataclass
 class TrainConfig(RunConfig):
     """Everything a training run needs. ``"auto"``/``None`` values are resolved by autoconfig.
 
@@ -196,7 +195,7 @@ class TrainConfig(RunConfig):
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
 
 
-@dataclass
+@config_dataclass
 class DistillConfig(RunConfig):
     """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
     :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
@@ -237,7 +236,7 @@ def _three_shares(stages: list[float]) -> list[float]:
     return stages
 
 
-@dataclass(kw_only=True)
+@config_dataclass(kw_only=True)
 class FinetuneConfig(RunConfig):
     """One CTC fine-tuning run (``python -m speech_assets.evaluation.finetune``).
 
@@ -299,7 +298,7 @@ class FinetuneConfig(RunConfig):
         return f"ctc-{self.init}"
 
 
-@std_dataclass
+@dataclass
 class FinetuneBatch:
     """Several fine-tuning runs trained one after another by the same worker processes (one
     torchrun launch): ``runs`` are their run folders, each holding its own ``config.json`` (a

@@ -1,5 +1,5 @@
-"""One rule, one place: a worker config's checks (pydantic field constraints and model validators,
-or ``RULES`` beside its fields) are what its settings section checks too, so a bad value in
+"""One rule, one place: a worker config's checks (pydantic field constraints and model
+validators) are what its settings section checks too, so a bad value in
 ``pipeline.toml`` is refused when the settings load, with the message the worker gives, instead
 of when a run reaches the worker; and each default a section shares with its worker is the worker's."""
 
@@ -268,16 +268,19 @@ def section_worker_drift(section: type[pydantic.BaseModel], worker: object, pref
 def test_each_section_matches_worker(
     section: type[pydantic.BaseModel], worker: Callable[[], object], prefix: str
 ) -> None:
-    """Every field a section shares with its worker's config has the worker's default (and, where
-    the worker is a pydantic dataclass, its constraints: bounds, validators): written once, so the
-    settings and a run built without them agree. The exceptions are the fields where 0 means
-    automatic (:data:`AUTOMATIC`); each one still differs, so the list holds no stale entry.
-    pipeline.toml states exactly the section defaults
+    """Every field a section shares with its worker's config has the worker's default, type and
+    constraints (bounds, choices, validators): written once, so the settings and a run built
+    without them agree; every worker is a pydantic dataclass (but VadConfig, :data:`PLAIN`). The
+    exceptions are the fields where 0 means automatic (:data:`AUTOMATIC`); each one still differs,
+    so the list holds no stale entry. pipeline.toml states exactly the section defaults
     (``test_resources.test_the_committed_file_states_every_default``). Mutation seen
     failing: the old ``[probe] lrs = [0.002, 0.01]`` beside ``ProbeOptions.lrs = ()``, and
     ``[finetune] max_frames = 3000`` / ``decoders = ["greedy", "beam"]`` beside FinetuneConfig's
     1500 / ``["greedy"]``; and a section taking ProbeOptions' defaults without its constraints
-    (``setattr(cls, name, default)`` in ``WorkerSettings``)."""
+    (``setattr(cls, name, default)`` in ``WorkerSettings``, again with every worker pydantic:
+    ``ManifestSettings.max_transcript_chars bounds []; the worker's [Ge(ge=1)]``); and the
+    run configs of before (stdlib dataclasses whose ``RULES`` the sections restated:
+    ``TrainConfig has no pydantic fields``)."""
     config = worker()
     assert section_worker_drift(section, config, prefix) == []
     for name in AUTOMATIC.get(section, ()):
@@ -285,8 +288,8 @@ def test_each_section_matches_worker(
 
 
 def test_a_section_that_drifts_from_its_worker_is_named() -> None:
-    """The comparison itself finds a default written twice with two values, and a field declared
-    again without the worker's constraints."""
+    """The comparison itself finds a default written twice with two values, a field declared
+    again without the worker's constraints, with other ones or with them twice, and another type."""
 
     class Drifted(ProbeSettings):
         steps: int = 401
