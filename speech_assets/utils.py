@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic writes, content hashes, configs filled from one another and their rules."""
+"""Small shared helpers: atomic writes, content hashes, configs filled from one another."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -196,37 +196,6 @@ def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
         f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if f.name in names and f.name not in given
     }
     return cls(**shared, **given)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One rule of a config's fields: ``holds(*values of names)``, else the problem ``message``.
-
-    A worker config's rules are its validation, and the settings section filled into it
-    (``speech_assets.defs.resources.WorkerSettings``) checks the same rules on the fields it
-    shares, so a bad value is refused with one message wherever it is written."""
-
-    names: tuple[str, ...]
-    holds: Callable[..., bool]
-    message: str
-
-
-def broken_rules(rules: tuple[Rule, ...], values: Mapping[str, Any]) -> list[str]:
-    """The messages of the ``rules`` that ``values`` break; a rule naming a field absent from
-    ``values`` is not applied."""
-    return [
-        rule.message
-        for rule in rules
-        if all(name in values for name in rule.names) and not rule.holds(*(values[name] for name in rule.names))
-    ]
-
-
-def one_of(name: str, choices: tuple[str, ...]) -> Rule:
-    return Rule((name,), lambda value: value in choices, f"{name} must be one of {choices}")
-
-
-def at_least(low: int, *names: str) -> tuple[Rule, ...]:
-    return tuple(Rule((name,), lambda value: value >= low, f"{name} must be >= {low}") for name in names)
 
 
 def read_json(path: Path, *, strict: bool = False) -> dict:

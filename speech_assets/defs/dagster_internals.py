@@ -30,7 +30,9 @@ use a private Dagster name (the layer test).
   ``DefinitionConfigSchema`` and a ``ConfigurableResource``'s ``_config_schema``
   (:class:`NamedSectionTypes`): a nested ``Config`` field's type is a ``Shape`` keyed
   ``Shape.<sha1 of its fields>``, which the UI's resource page shows as the field's type; Dagster
-  has no public way to name it.
+  has no public way to name it (measured on 1.13.27: without the mix-in ``PipelineSettings``'s
+  ``training`` field is typed ``Shape.37f3e2ac...`` with no ``given_name``; pydantic's class
+  name reaches no part of the schema).
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import shlex
 import tomllib
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -28,13 +27,15 @@ from speech_assets.federated.config import (
     SECAGG_MIN_SHARES,
     SECAGG_THRESHOLD_FLOOR,
     SETTINGS_FILE_ONLY,
+    ClientLrSchedule,
     FederatedConfig,
+    Strategy,
     client_limit_problems,
 )
 from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
-from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig, TrainConfig
-from speech_assets.utils import Rule, broken_rules, from_fields
+from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
+from speech_assets.utils import from_fields
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -110,102 +111,88 @@ SETTINGS_FILE = "pipeline.toml"
 
 
 class WorkerSettings(dg.Config):
-    """A settings section filled into a worker's config dataclass (``class S(WorkerSettings,
-    worker=TrainConfig)``; the run copies same-named fields with ``from_fields``).
+    """A settings section filled into a worker's config, a pydantic dataclass (``class
+    S(WorkerSettings, worker=TrainConfig)``; the run copies same-named fields with ``from_fields``).
 
-    A field named like one of the worker's is written ``name: type`` only: its default is the
-    worker's, stated once there. ``worker`` may also be an instance of the dataclass (a named
-    config such as ``ITERATION2_KMEANS``): its values are then the defaults. The section is
-    checked when it is defined: such a field must have the worker's type, a field with a value of
-    its own must differ from the worker's default (0 = automatic where the worker says ``None``),
-    and a field without a value must be the worker's.
-
-    A worker that is a pydantic dataclass (``ProbeOptions``) gives each such field its constraints
-    too (``Annotated[int, Field(ge=1)]``, a ``Literal`` the section names by the worker's alias):
-    pydantic refuses a bad value in the settings and in the worker with the same message; and
-    its model validators (a rule across fields: ``min_duration_s < max_duration_s``) check the
-    section's values by building the worker from them, their messages prefixed ``[section]``.
-    Otherwise its values are checked by the worker's own rules (``worker.RULES``,
-    :func:`speech_assets.utils.broken_rules`) on the fields taken from the worker, so a
-    bad value is refused when the settings load, with the message the worker would give. A field
-    with a value of its own means something else here (0 = automatic) and is the run's to check.
+    A field named like one of the worker's is written ``name: type`` only: it is the worker's
+    field, its default and its constraints (``Annotated[int, Field(ge=1)]``, a ``Literal``, an
+    ``AfterValidator``) stated once there, so pydantic refuses a bad value in the settings and in
+    the worker with the same message. ``worker`` may also be an instance (a named config such as
+    ``ITERATION2_KMEANS``): its values are then the defaults. The worker's model validators (a
+    rule across fields: ``min_duration_s < max_duration_s``) check the section's values too, their
+    messages prefixed ``[section]``; one reading a field the section lacks is not applied. The
+    section is checked when it is defined: such a field must have the worker's type, a field with
+    a value of its own must differ from the worker's default (0 = automatic where the worker says
+    ``None``); such a field means something else here and is the run's to check.
     """
 
     section: ClassVar[str] = ""  # its name in the settings file, for messages
-    rules: ClassVar[tuple[Rule, ...]] = ()
     worker_fields: ClassVar[tuple[str, ...]] = ()
-    # builds the worker's config from the section's fields (a pydantic dataclass with every field defaulted)
-    build_worker: ClassVar[Callable[..., object] | None] = None
+    worker_validators: ClassVar[tuple[Callable[[Any], Any], ...]] = ()
 
     def __init_subclass__(cls, worker: object = None, section: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if worker is not None:
-            defaults = worker_defaults(cls, worker)
-            # a pydantic dataclass's fields carry their constraints: the section's field gets them too
+            taken = worker_fields(cls, worker)
+            for name, field in taken.items():
+                setattr(cls, name, field)  # before pydantic collects the fields
             worker_type = worker if isinstance(worker, type) else type(worker)
-            constrained = getattr(worker_type, "__pydantic_fields__", {})
-            for name, default in defaults.items():
-                # before pydantic collects the fields: the default, with the worker's constraints if it has any
-                if name in constrained:
-                    default = pydantic.Field(default=default)
-                    default.metadata = list(constrained[name].metadata)
-                setattr(cls, name, default)
-            cls.section, cls.rules, cls.worker_fields = section, getattr(worker, "RULES", ()), tuple(defaults)
-            if constrained and all(not info.is_required() for info in constrained.values()):
-                cls.build_worker = (
-                    functools.partial(dataclasses.replace, worker) if worker is not worker_type else worker
-                )
+            after = worker_type.__pydantic_decorators__.model_validators.values()
+            cls.section, cls.worker_fields = section, tuple(taken)
+            cls.worker_validators = tuple(item.func for item in after if item.info.mode == "after")
 
     @model_validator(mode="after")
-    def _worker_rules(self) -> Self:
-        values = {name: getattr(self, name) for name in self.worker_fields}
-        problems = broken_rules(self.rules, values)
-        if self.build_worker is not None:
+    def _worker_validators(self) -> Self:
+        values = types.SimpleNamespace(**{name: getattr(self, name) for name in self.worker_fields})
+        problems = []
+        for check in self.worker_validators:
             try:
-                type(self).build_worker(**values)
-            except pydantic.ValidationError as error:
-                problems += [item["msg"].removeprefix("Value error, ") for item in error.errors()]
+                check(values)
+            except AttributeError:  # it reads a field the section does not take from the worker
+                continue
+            except ValueError as error:
+                problems.append(str(error))
         if problems:
             raise ValueError(f"[{self.section}] " + "; ".join(problems))
         return self
 
 
-def worker_defaults(section: type, worker: object) -> dict[str, Any]:
-    """``{field: default}`` of ``worker`` (a dataclass, or an instance of one whose values are the
-    defaults) for the fields ``section`` declares without a value; raises TypeError for a
-    declaration that restates or contradicts ``worker``."""
+def worker_fields(section: type, worker: object) -> dict[str, Any]:
+    """``{field: pydantic Field}`` of ``worker`` (a pydantic dataclass, or an instance of one whose
+    values are the defaults) for the fields ``section`` declares without a value: the worker's
+    default and constraints; raises TypeError for a declaration that restates or contradicts
+    ``worker``."""
     declared = section.__dict__.get("__annotations__", {})
     # this section's own annotations, resolved in its module (the class itself is not built yet)
     kinds = typing.get_type_hints(type("Declared", (), {"__annotations__": declared, "__module__": section.__module__}))
     worker_type = worker if isinstance(worker, type) else type(worker)
-    theirs = {item.name: item for item in dataclasses.fields(worker_type)}
-    types = typing.get_type_hints(worker_type)
+    theirs = worker_type.__pydantic_fields__
+    types_ = typing.get_type_hints(worker_type)
     where = f"{section.__name__} (from {worker_type.__name__})"
-    defaults = {}
+    taken = {}
     for name, annotation in declared.items():
         kind = kinds[name]
         if typing.get_origin(kind) is ClassVar:
             continue
         item = theirs.get(name)
-        default = dataclasses.MISSING if item is None else item.default
+        default = None if item is None else item.get_default(call_default_factory=True)
         if item is not None and not isinstance(worker, type):
             default = getattr(worker, name)
-        elif item is not None and item.default_factory is not dataclasses.MISSING:
-            default = item.default_factory()
-        if item is not None and kind != types[name] and kind == as_list(types[name]):
-            default, kind = list(default), types[name]  # a settings file gives a list for the worker's tuple
+        if item is not None and kind != types_[name] and kind == as_list(types_[name]):
+            default, kind = list(default), types_[name]  # a settings file gives a list for the worker's tuple
         if name in section.__dict__:
-            if item is not None and kind == types[name] and section.__dict__[name] == default:
+            if item is not None and kind == types_[name] and section.__dict__[name] == default:
                 raise TypeError(
                     f"{where}: {name} restates {worker_type.__name__}'s default; write `{name}: {annotation}`"
                 )
             continue
-        if default is dataclasses.MISSING:
+        if item is None or item.is_required():
             raise TypeError(f"{where}: {name} has no default here nor in {worker_type.__name__}")
-        if kind != types[name]:
-            raise TypeError(f"{where}: {name} is {types[name]} in {worker_type.__name__}, not {annotation}")
-        defaults[name] = default
-    return defaults
+        if kind != types_[name]:
+            raise TypeError(f"{where}: {name} is {types_[name]} in {worker_type.__name__}, not {annotation}")
+        taken[name] = pydantic.Field(default=default)
+        taken[name].metadata = list(item.metadata)
+    return taken
 
 
 def as_list(kind: Any) -> Any:
@@ -282,7 +269,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     seed: int
     checkpoint_every: int
     log_every: int
-    precision: str
+    precision: Precision
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
     rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
@@ -292,7 +279,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
     max_restarts: int
-    normalisation: str  # "utterance" or "global" (the training speakers' CMVN)
+    normalisation: Normalisation  # "utterance" or "global" (the training speakers' CMVN)
     max_frames: int
     mask_prob: float  # probability that a 50 Hz frame starts a masked span
     mask_length: int  # span length in 50 Hz frames
@@ -355,7 +342,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
     rounds: int
     local_steps: int  # optimizer steps per client per round
-    strategy: str  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
+    strategy: Strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
     fraction_train: float  # seeded sample of the clients each round
     evaluate_every: int  # held-out evaluation every k rounds and after the last
     proximal_mu: float  # fedprox's proximal term, on the clients
@@ -374,14 +361,14 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     min_train_nodes: int  # clients that must reply for a round to count; 0 = all
     preset: str
     client_lr: float  # sent to the clients with every round
-    client_lr_schedule: str  # linear (decays to 0 over all rounds) or constant
+    client_lr_schedule: ClientLrSchedule  # linear (decays to 0 over all rounds) or constant
     batch_seconds: float  # padded audio per local step
     seed: int
     max_frames: int
     mask_prob: float
     mask_length: int
     unmasked_weight: float
-    precision: str
+    precision: Precision
     superlink: str = ""  # host:port of an existing SuperLink (remote SuperNodes); empty = start one here
     superlink_root_certificates: str = ""  # CA file the remote SuperLink's TLS is verified against
     threads_per_client: int = 0  # torch threads per client; 0 = 1 (simulation) or cores / clients (deployment)
@@ -515,7 +502,7 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     decoders: list[str]  # beam: lexicon beam search with the n-gram LM (needs flashlight-text)
     lm_order: int
     checkpoint_every: int
-    precision: str
+    precision: Precision
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
     # with nproc = 1: runs trained at once, one process each, in the one launch; 0 = one per CPU
@@ -581,7 +568,8 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
 def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     """A run-config class with every field of ``section`` optional (unset: use the settings),
     except the section's ``settings_only`` ones: run config naming them is rejected before the
-    run starts (Dagster: 'Received unexpected config entry')."""
+    run starts (Dagster: 'Received unexpected config entry'). Pydantic has no partial model and
+    Dagster's Launchpad needs a field per knob, so it is built here from the section's fields."""
     excluded = getattr(section, "settings_only", frozenset())
     fields = {
         # a type built at run time from an annotation object: Optional[] takes any of them

@@ -23,19 +23,34 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
-from speech_assets.train.config import DEVICES, PRECISIONS, PRESET_RULE, TrainConfig, positive
-from speech_assets.utils import Rule, at_least, broken_rules, from_fields, one_of
+from speech_assets.train import config as train
+from speech_assets.train.config import (
+    DEVICES,
+    AtLeast0,
+    AtLeast1,
+    NonNegative,
+    Positive,
+    Precision,
+    Preset,
+    Probability,
+    Text,
+    TrainConfig,
+)
+from speech_assets.utils import from_fields
 
-STRATEGIES = ("fedadam", "fedavg", "fedprox")
-CLIENT_LR_SCHEDULES = ("linear", "constant")
+Strategy = Literal["fedadam", "fedavg", "fedprox"]
+ClientLrSchedule = Literal["linear", "constant"]
 Scalar = int | float | str | bool
 # a client's own floors under secure aggregation (NodeConfig): the fewest clients it shares with
 # (k) and the fraction of k its threshold must exceed; docs/PRIVACY.md gives the collusion bound
@@ -81,7 +96,23 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-@dataclass
+def _odd_shares(shares: int) -> int:
+    if shares != 0 and (shares < 3 or shares % 2 == 0):
+        raise ValueError("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
+    return shares
+
+
+def _client_list(clients: object) -> object:
+    """Clients as a list, sorted; a string is a comma-separated list."""
+    if isinstance(clients, str):
+        clients = [c for c in clients.split(",") if c]
+    return sorted(str(c) for c in clients) if isinstance(clients, list | tuple) else clients
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+@train.config_dataclass
 class FederatedConfig:
     """One federated run, as the server sees it.
 
@@ -98,25 +129,25 @@ class FederatedConfig:
     is refused.
     """
 
-    run_dir: str
+    run_dir: Text
     run_name: str
-    clients: list[str]
-    rounds: int = 3
-    local_steps: int = 50
-    strategy: str = "fedadam"
-    eta: float = 0.1  # Flower's default; 0.01 kept a fifth of the clients' round-1 progress (BENCHMARKS)
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    tau: float = 1e-3
-    min_train_nodes: int = 0
+    clients: Annotated[list[str], BeforeValidator(_client_list)]
+    rounds: AtLeast1 = 3
+    local_steps: AtLeast1 = 50
+    strategy: Strategy = "fedadam"
+    eta: Positive = 0.1  # Flower's default; 0.01 kept a fifth of the clients' round-1 progress (BENCHMARKS)
+    beta_1: Beta = 0.9
+    beta_2: Beta = 0.99
+    tau: Positive = 1e-3
+    min_train_nodes: AtLeast0 = 0
     # each round trains a seeded sample of max(1, int(fraction_train * clients), min_train_nodes)
     # clients (a pure function of seed and round: a resumed run samples the same clients)
-    fraction_train: float = 1.0
+    fraction_train: Annotated[float, Field(gt=0, le=1)] = 1.0
     # the global encoder is scored on every client's held-out utterances after every
     # evaluate_every-th round and after the last (an evaluation is a message of its own)
-    evaluate_every: int = 5
+    evaluate_every: AtLeast1 = 5
     # FedProx's proximal term on the client (strategy "fedprox"): mu / 2 * ||w - w_global||^2
-    proximal_mu: float = 0.01
+    proximal_mu: NonNegative = 0.01
     # differential privacy (off at 0): clients clip their update to dp_clipping_norm (Flower's
     # fixedclipping_mod), the server adds Gaussian noise of dp_noise_multiplier * clip / n to the
     # uniform mean (Flower's DifferentialPrivacyClientSideFixedClipping) before the strategy's
@@ -124,9 +155,9 @@ class FederatedConfig:
     # (loss, accuracy, seconds, audio seconds, examples, steps) stay on the client unless
     # dp_share_client_metrics, and the server records no client's update norm unless it is set:
     # epsilon does not cover them (docs/PRIVACY.md)
-    dp_noise_multiplier: float = 0.0
+    dp_noise_multiplier: NonNegative = 0.0
     dp_clipping_norm: float = 1.0
-    dp_delta: float = 1e-5
+    dp_delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
     dp_share_client_metrics: bool = False
     # secure aggregation (double masking, Bonawitz et al.): the server sees only the sum of the
     # survivors' updates; secagg_clipping_range bounds each value of an update (0 = 2 * client_lr
@@ -134,16 +165,16 @@ class FederatedConfig:
     # included (0 = every sampled client; else odd, on a ring: SecAgg+), any secagg_threshold of
     # which rebuild them (0 = floor(2k/3) + 1; more than half of k, so no split rebuilds both)
     secure_aggregation: bool = False
-    secagg_clipping_range: float = 0.0
-    secagg_threshold: int = 0
-    secagg_num_shares: int = 0
-    preset: str = TrainConfig.preset
-    client_lr: float = 2e-3
+    secagg_clipping_range: NonNegative = 0.0
+    secagg_threshold: AtLeast0 = 0
+    secagg_num_shares: Annotated[int, AfterValidator(_odd_shares)] = 0
+    preset: Preset = TrainConfig.preset
+    client_lr: Positive = 2e-3
     # "constant": client_lr in every round; "linear": the clients' lr decays linearly over all
     # rounds x local_steps, from client_lr to 0, as the centralised trainer's does over its steps
     # (measured on the learning benchmark: CER 0.570 +- 0.010 against constant's 0.561 +- 0.004)
-    client_lr_schedule: str = "constant"
-    batch_seconds: float = 16.0
+    client_lr_schedule: ClientLrSchedule = "constant"
+    batch_seconds: Positive = 16.0
     # a local round trains as the centralised trainer does: its defaults
     weight_decay: float = TrainConfig.weight_decay
     clip_norm: float = TrainConfig.clip_norm
@@ -152,59 +183,28 @@ class FederatedConfig:
     # its own among them out of training; train_speakers is what the run trains on, recorded
     heldout_speakers: list[str] = field(default_factory=list)
     train_speakers: list[str] = field(default_factory=list)
-    max_frames: int = TrainConfig.max_frames
-    mask_prob: float = TrainConfig.mask_prob
-    mask_length: int = TrainConfig.mask_length
+    max_frames: AtLeast1 = TrainConfig.max_frames
+    mask_prob: Probability = TrainConfig.mask_prob
+    mask_length: AtLeast1 = TrainConfig.mask_length
     unmasked_weight: float = TrainConfig.unmasked_weight
-    precision: str = TrainConfig.precision
-    round_timeout_s: float = 3600.0
-    connect_timeout_s: float = 300.0
-    keep_rounds: int = 2
-    max_update_norm: float = 0.0
+    precision: Precision = TrainConfig.precision
+    round_timeout_s: Positive = 3600.0
+    connect_timeout_s: Positive = 300.0
+    keep_rounds: AtLeast1 = 2
+    max_update_norm: NonNegative = 0.0  # 0 = automatic
     client_weights: dict[str, float] = field(default_factory=dict)
     data_versions: dict[str, str] = field(default_factory=dict)
 
-    # what each field must hold on its own (the settings section checks these too); what depends
-    # on the clients (their number, ids and weights) is checked in validate()
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        PRESET_RULE,
-        one_of("client_lr_schedule", CLIENT_LR_SCHEDULES),
-        one_of("strategy", STRATEGIES),
-        one_of("precision", PRECISIONS),
-        *at_least(0, "min_train_nodes", "secagg_threshold"),
-        Rule(("fraction_train",), lambda value: 0 < value <= 1, "fraction_train must be in (0, 1]"),
-        *(
-            Rule((name,), lambda value: value >= 0 and math.isfinite(value), f"{name} must be >= 0")
-            for name in ("proximal_mu", "dp_noise_multiplier", "secagg_clipping_range")
-        ),
-        Rule(
-            ("dp_noise_multiplier", "dp_clipping_norm"),
-            lambda noise, norm: noise <= 0 or (norm > 0 and math.isfinite(norm)),
-            "dp_clipping_norm must be > 0",
-        ),
-        Rule(("dp_delta",), lambda value: 0 < value < 1, "dp_delta must be in (0, 1)"),
-        Rule(
-            ("secagg_num_shares",),
-            lambda shares: shares == 0 or (shares >= 3 and shares % 2 == 1),
-            "secagg_num_shares must be 0 (every sampled client) or an odd number >= 3",
-        ),
-        *at_least(1, "rounds", "local_steps", "keep_rounds", "mask_length", "max_frames", "evaluate_every"),
-        *positive("eta", "client_lr", "batch_seconds", "tau", "round_timeout_s", "connect_timeout_s"),
-        *(
-            Rule((name,), lambda value: 0.0 <= value < 1.0, f"{name} must be in [0, 1)")
-            for name in ("beta_1", "beta_2")
-        ),
-        Rule(
-            ("max_update_norm",),
-            lambda value: value >= 0 and math.isfinite(value),
-            "max_update_norm must be >= 0 (0 = automatic)",
-        ),
-    )
+    # what each field must hold on its own is in its annotation (the settings section takes it
+    # too); what depends on the clients (their number, ids and weights) is checked in validate()
+
+    @model_validator(mode="after")
+    def _dp_clipping(self) -> Self:
+        if self.dp_noise_multiplier > 0 and not (self.dp_clipping_norm > 0 and math.isfinite(self.dp_clipping_norm)):
+            raise ValueError("dp_clipping_norm must be > 0")
+        return self
 
     def __post_init__(self) -> None:
-        if isinstance(self.clients, str):
-            self.clients = [c for c in self.clients.split(",") if c]
-        self.clients = sorted(str(c) for c in self.clients)
         self.validate()
 
     @property
@@ -243,7 +243,6 @@ class FederatedConfig:
         if len(set(self.clients)) != len(self.clients):
             problems.append("clients has duplicates")
         problems += [f"client id {c!r} {why}" for c in self.clients if (why := why_unsafe(c))]
-        problems += broken_rules(self.RULES, vars(self))
         if self.min_train_nodes > len(self.clients):
             problems.append(f"min_train_nodes must be in [0, {len(self.clients)}] (0 = all clients)")
         if self.secure_aggregation and (self.sample_size < 2 or self.min_train_nodes == 1):
@@ -299,10 +298,11 @@ class FederatedConfig:
         if named:
             raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
         known = {_key(item.name): item for item in fields(cls) if item.name not in JSON_FIELDS}
+        kinds = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         for key, item in known.items():
             if key in run_config:
-                values[item.name] = _coerce(run_config[key], item.type)
+                values[item.name] = _coerce(run_config[key], kinds[item.name])
         for name in JSON_FIELDS:
             values[name] = json.loads(str(run_config.get(_key(name)) or "{}"))
         return cls(**values)
@@ -376,15 +376,13 @@ def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
     return 2.0 * config.client_lr * config.local_steps * math.sqrt(max(encoder_values, 1))
 
 
-def _coerce(value: Any, annotation: Any) -> Any:
-    text = str(annotation)
-    if text.startswith("list"):
+def _coerce(value: Any, kind: Any) -> Any:
+    """A Flower scalar as a field of type ``kind`` (a resolved type hint)."""
+    if typing.get_origin(kind) is list:
         return [c for c in str(value).split(",") if c]
-    if text == "int":
-        return int(value)
-    if text == "float":
-        return float(value)
-    if text == "bool":
+    if kind in (int, float):
+        return kind(value)
+    if kind is bool:
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
     return str(value)
 
@@ -421,12 +419,13 @@ class LocalConfig:
         """Parse a round's instructions as a client receives them; the run name becomes a
         folder there, so it must be a safe id (``..`` or ``a/b`` are refused)."""
         values = {}
+        kinds = typing.get_type_hints(cls)
         for item in fields(cls):
             if _key(item.name) not in record and item.name == "proximal_mu":
                 continue
             if _key(item.name) not in record:
                 raise ValueError(f"the round's config lacks {_key(item.name)!r}")
-            values[item.name] = _coerce(record[_key(item.name)], item.type)
+            values[item.name] = _coerce(record[_key(item.name)], kinds[item.name])
         check_safe_id(values["run_name"], "the run name sent by the server")
         return cls(**values)
 

@@ -2,44 +2,50 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
+
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.layout import RunFiles
 from speech_assets.locations import redact_uri
 from speech_assets.model.presets import PRESETS
-from speech_assets.utils import Rule, at_least, atomic_write_text, broken_rules, one_of
+from speech_assets.utils import atomic_write_text
 
 if TYPE_CHECKING:  # torch: the code location reads these defaults (defs/resources.py) without it
     from speech_assets.train.augment import Augmentation
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Device = Literal["auto", "cpu", "cuda"]
+Normalisation = Literal["utterance", "global"]  # global: the CMVN of the training speakers only
+PRECISIONS, DEVICES = typing.get_args(Precision), typing.get_args(Device)
+# pydantic constraints: a settings section filled into one of these configs takes them with the
+# defaults (speech_assets.defs.resources.WorkerSettings), so each bound is written once, here
+AtLeast0 = Annotated[int, Field(ge=0)]
+AtLeast1 = Annotated[int, Field(ge=1)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+# a path given as a Path is stored as its string (configs are JSON)
+Text = Annotated[str, BeforeValidator(lambda value: os.fspath(value) if isinstance(value, os.PathLike) else value)]
+# every config of a run refuses bad values with their field's name, never echoing a value (a
+# tracking URI may hold credentials until to_dict() redacts it)
+config_dataclass = functools.partial(pydantic_dataclass, config=ConfigDict(hide_input_in_errors=True))
 
 
-def positive(*names: str) -> tuple[Rule, ...]:
-    return tuple(
-        Rule((name,), lambda value: value > 0 and math.isfinite(value), f"{name} must be > 0") for name in names
-    )
+def _preset(name: str) -> str:
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}")
+    return name
 
 
-def probabilities(*names: str) -> tuple[Rule, ...]:
-    return tuple(Rule((name,), lambda value: 0.0 <= value <= 1.0, f"{name} must be in [0, 1]") for name in names)
-
-
-def auto_or_at_least_1(name: str) -> Rule:
-    return Rule(
-        (name,),
-        lambda value: value == "auto" or (isinstance(value, int) and value >= 1),
-        f"{name} must be 'auto' or an int >= 1",
-    )
-
-
-PRESET_RULE = Rule(("preset",), lambda name: name in PRESETS, f"preset must be one of {sorted(PRESETS)}")
+Preset = Annotated[str, AfterValidator(_preset)]
 
 
 @dataclass
@@ -50,29 +56,29 @@ class ClientTargets:
     k: int
 
 
-@dataclass(kw_only=True)
+@config_dataclass(kw_only=True)
 class RunConfig:
     """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``; keyword-only
     fields): its inputs, what the engine and the tracker read besides each run's own fields
     (``preset``, ``max_steps``, ``checkpoint_every``, ``keep_checkpoints``), and the stored form:
     one JSON file fully describes a run."""
 
-    run_dir: str
-    shards: list[str]
-    cmvn: str
+    run_dir: Text
+    shards: list[Text]
+    cmvn: Text
     clients: dict[str, ClientTargets]
-    heldout_fraction: float = 0.1
+    heldout_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
     # the held-out speakers, when the caller chose them (the pipeline: over the whole corpus, in
     # client_partitions); None: heldout_speakers() of the indexed speakers at heldout_fraction
     heldout_speakers: list[str] | None = None
-    normalisation: str = "utterance"  # or "global": the CMVN of the training speakers only
+    normalisation: Normalisation = "utterance"
     weight_decay: float = 0.01
     clip_norm: float = 10.0
     seed: int = 0
-    max_frames: int = 1500
-    log_every: int = 10
-    device: str = "auto"
-    threads: int | None = None
+    max_frames: AtLeast1 = 1500
+    log_every: AtLeast1 = 10
+    device: Device = "auto"
+    threads: AtLeast1 | None = None
     data_versions: dict[str, str] = field(default_factory=dict)
     git_sha: str | None = None
     mlflow_tracking_uri: str | None = None
@@ -84,30 +90,8 @@ class RunConfig:
     mode: str = ""
     dagster_run_id: str | None = None
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(("heldout_fraction",), lambda value: 0.0 <= value < 1.0, "heldout_fraction must be in [0, 1)"),
-        Rule(
-            ("normalisation",),
-            lambda value: value in ("utterance", "global"),
-            "normalisation must be 'utterance' or 'global'",
-        ),
-        one_of("device", DEVICES),
-        Rule(("threads",), lambda value: value is None or value >= 1, "threads must be >= 1"),
-        *at_least(1, "log_every", "max_frames"),
-    )
-
     def __post_init__(self) -> None:
-        self.shards = [str(s) for s in self.shards]
-        self.clients = {
-            str(name): value if isinstance(value, ClientTargets) else ClientTargets(**value)
-            for name, value in sorted(self.clients.items())
-        }
-        if problems := self.problems():
-            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
-
-    def problems(self) -> list[str]:
-        """The messages of the :attr:`RULES` the config breaks; empty when it is valid."""
-        return broken_rules(self.RULES, vars(self))
+        self.clients = dict(sorted(self.clients.items()))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as stored (config files, checkpoints, MLflow): the tracking URI without
@@ -136,7 +120,7 @@ class RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-@dataclass
+@config_dataclass
 class TrainConfig(RunConfig):
     """Everything a training run needs. ``"auto"``/``None`` values are resolved by autoconfig.
 
@@ -147,64 +131,54 @@ class TrainConfig(RunConfig):
     `[training]` settings' too (speech_assets/defs/resources.py takes them from here).
     """
 
-    preset: str = "tiny"
-    max_steps: int = 300
-    batch_seconds: float | None = None
-    target_batch_seconds: float = 60.0
-    grad_accum: int | str = "auto"
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    checkpoint_every: int = 100
+    preset: Preset = "tiny"
+    max_steps: AtLeast1 = 300
+    batch_seconds: Positive | None = None
+    target_batch_seconds: Positive = 60.0
+    grad_accum: Literal["auto"] | AtLeast1 = "auto"
+    lr: Positive = 2e-3
+    warmup_steps: AtLeast0 = 30
+    checkpoint_every: AtLeast1 = 100
     # also a checkpoint at the first log step this many minutes after the last one (0: steps only)
-    checkpoint_minutes: float = 0.0
+    checkpoint_minutes: Annotated[float, Field(ge=0)] = 0.0
     # hash and write checkpoints in a background thread (the step waits for a copy to host memory)
     background_checkpoints: bool = True
-    keep_checkpoints: int = 3
-    precision: str = "auto"
+    keep_checkpoints: AtLeast1 = 3
+    precision: Precision = "auto"
     # the encoder through torch.compile (dynamic shapes); off: eager
     compile: bool = False
     # the loss on unmasked frames too (fairseq's pred_nomask_weight; HuBERT's is 0): at the learning
     # benchmark's budget 1.0 took leak-free held-out accuracy from 1.5x to 2.2x the majority rate and
     # the probe's CER from 0.83x to 0.70x fbank's (docs/BENCHMARKS.md)
     unmasked_weight: float = 1.0
-    mask_prob: float = 0.08
-    mask_length: int = 10
-    num_workers: int = -1  # DataLoader workers per process; -1: auto (see trainer.loader_workers)
-    max_restarts: int = 2
-    nproc: int | str = "auto"
+    mask_prob: Probability = 0.08
+    mask_length: AtLeast1 = 10
+    num_workers: Annotated[
+        int, Field(ge=-1)
+    ] = -1  # DataLoader workers per process; -1: auto (see trainer.loader_workers)
+    max_restarts: AtLeast0 = 2
+    nproc: Literal["auto"] | AtLeast1 = "auto"
     # online augmentation of the training utterances (speech_assets/train/augment.py); off by default
     noise: str = ""  # "", "coloured", "babble" or a folder of noise audio (MUSAN)
     noise_prob: float = 0.5
     noise_snr_db: list[float] = field(default_factory=lambda: [5.0, 20.0])
     specaugment: bool = False
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        *RunConfig.RULES,
-        PRESET_RULE,
-        one_of("precision", PRECISIONS),
-        auto_or_at_least_1("grad_accum"),
-        auto_or_at_least_1("nproc"),
-        Rule(("num_workers",), lambda value: value >= -1, "num_workers must be >= 0, or -1 for auto"),
-        Rule(("batch_seconds",), lambda value: value is None or value > 0, "batch_seconds must be > 0"),
-        *positive("target_batch_seconds", "lr"),
-        *at_least(0, "warmup_steps", "max_restarts", "checkpoint_minutes"),
-        *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "mask_length"),
-        *probabilities("mask_prob"),
-    )
-
-    def problems(self) -> list[str]:
+    @model_validator(mode="after")
+    def _inputs(self) -> Self:
         problems = []
         if not self.shards:
             problems.append("shards is empty")
         if not self.clients:
             problems.append("clients is empty")
         problems += [f"client {name}: k must be >= 2" for name, c in self.clients.items() if c.k < 2]
-        problems += super().problems()
         try:
             self.augmentation()
         except (TypeError, ValueError) as error:
             problems.append(f"augmentation: {error}")
-        return problems
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def augmentation(self) -> Augmentation:
         """What training adds to each training utterance (nothing by default)."""
@@ -221,38 +195,34 @@ class TrainConfig(RunConfig):
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
 
 
-@dataclass
+@config_dataclass
 class DistillConfig(RunConfig):
     """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
     :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
     ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
 
-    teacher: str
+    teacher: Text
     dim: int = 384
-    layers: int = 6
-    heads: int = 6
+    layers: AtLeast1 = 6
+    heads: AtLeast1 = 6
     ffn_dim: int = 1536
     teacher_layers: list[int] = field(default_factory=list)
-    cosine_weight: float = 1.0
-    max_steps: int = 200
-    batch_seconds: float = 16.0
-    grad_accum: int = 1
-    precision: str = "auto"
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    num_workers: int = 0
+    cosine_weight: Annotated[float, Field(ge=0)] = 1.0
+    max_steps: AtLeast1 = 200
+    batch_seconds: Positive = 16.0
+    grad_accum: AtLeast1 = 1
+    precision: Precision = "auto"
+    lr: Positive = 5e-4
+    warmup_steps: AtLeast0 = 20
+    checkpoint_every: AtLeast1 = 50
+    keep_checkpoints: AtLeast1 = 2
+    num_workers: AtLeast0 = 0
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        *RunConfig.RULES,
-        Rule(("dim", "heads"), lambda dim, heads: heads >= 1 and dim % heads == 0, "dim must be divisible by heads"),
-        *at_least(1, "layers", "max_steps", "checkpoint_every", "keep_checkpoints", "grad_accum"),
-        *at_least(0, "warmup_steps", "num_workers"),
-        *positive("batch_seconds", "lr"),
-        Rule(("cosine_weight",), lambda value: value >= 0, "cosine_weight must be >= 0"),
-        one_of("precision", PRECISIONS),
-    )
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> Self:
+        if self.dim % self.heads:
+            raise ValueError("dim must be divisible by heads")
+        return self
 
     @property
     def preset(self) -> str:
@@ -260,10 +230,13 @@ class DistillConfig(RunConfig):
         return f"student-{self.dim}x{self.layers}"
 
 
-FINETUNE_INITS = ("pretrained", "scratch")
+def _three_shares(stages: list[float]) -> list[float]:
+    if len(stages) != 3 or min(stages) < 0 or abs(sum(stages) - 1) > 1e-6:
+        raise ValueError("stages must be three shares >= 0 adding up to 1")
+    return stages
 
 
-@dataclass(kw_only=True)
+@config_dataclass(kw_only=True)
 class FinetuneConfig(RunConfig):
     """One CTC fine-tuning run (``python -m speech_assets.evaluation.finetune``).
 
@@ -285,57 +258,39 @@ class FinetuneConfig(RunConfig):
     have not improved on it; held-out scores come from the best step. The beam decoder's
     ``lm_weight`` and ``word_score`` are chosen on the dev set from ``lm_weights`` x ``word_scores``."""
 
-    encoder: str
-    labelled: str
-    init: str = "pretrained"
+    encoder: Text
+    labelled: Text
+    init: Literal["pretrained", "scratch"] = "pretrained"
     # the labelled budget the plan drew ``labelled`` for (a tag of the run; the subset is at least this long)
     budget_minutes: float | None = None
     # a ceiling: the run stops early once dev CER has not improved for ``patience`` evaluations
-    max_steps: int = 2000
-    lr: float = 2e-3
-    stages: list[float] = field(default_factory=lambda: [0.1, 0.4, 0.5])
+    max_steps: AtLeast1 = 2000
+    lr: Positive = 2e-3
+    stages: Annotated[list[float], AfterValidator(_three_shares)] = field(default_factory=lambda: [0.1, 0.4, 0.5])
     init_lr_scale: float = 0.01
     final_lr_scale: float = 0.05
-    freeze_steps: int = 100
+    freeze_steps: AtLeast0 = 100
     freeze_frontend: bool = True
-    mask_prob: float = 0.03
-    mask_length: int = 5
-    channel_mask_prob: float = 0.02
-    channel_mask_length: int = 8
+    mask_prob: Probability = 0.03
+    mask_length: AtLeast1 = 5
+    channel_mask_prob: Probability = 0.02
+    channel_mask_length: AtLeast1 = 8
     weight_decay: float = 0.0
-    batch_seconds: float = 16.0
-    grad_accum: int = 1
-    precision: str = "auto"
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
+    batch_seconds: Positive = 16.0
+    grad_accum: AtLeast1 = 1
+    precision: Precision = "auto"
+    checkpoint_every: AtLeast1 = 100
+    keep_checkpoints: AtLeast1 = 2
     max_frames: int = 3000  # 100 Hz frames; the pipeline labels no longer utterance
     # beam: flashlight-text's lexicon beam search with the n-gram LM; the pipeline keeps greedy
     # only, with a warning, where flashlight-text is not installed
     decoders: list[str] = field(default_factory=lambda: ["greedy", "beam"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
-    eval_every: int = 50  # steps between dev CER evaluations (each also a checkpoint)
-    patience: int = 4  # evaluations without a better dev CER before the run stops
+    eval_every: AtLeast1 = 50  # steps between dev CER evaluations (each also a checkpoint)
+    patience: AtLeast1 = 4  # evaluations without a better dev CER before the run stops
     # the beam decoder's weights are chosen on the dev set from these grids (best dev WER)
-    lm_weights: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
-    word_scores: list[float] = field(default_factory=lambda: [-1.0, 0.0, 1.0])
-
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        *RunConfig.RULES,
-        one_of("init", FINETUNE_INITS),
-        *at_least(1, "max_steps", "checkpoint_every", "keep_checkpoints", "grad_accum"),
-        *at_least(1, "mask_length", "channel_mask_length", "eval_every", "patience"),
-        *at_least(0, "freeze_steps"),
-        Rule(("lm_weights",), lambda v: len(v) >= 1, "lm_weights must name at least one weight"),
-        Rule(("word_scores",), lambda v: len(v) >= 1, "word_scores must name at least one score"),
-        *positive("lr", "batch_seconds"),
-        Rule(
-            ("stages",),
-            lambda stages: len(stages) == 3 and min(stages) >= 0 and abs(sum(stages) - 1) <= 1e-6,
-            "stages must be three shares >= 0 adding up to 1",
-        ),
-        *probabilities("mask_prob", "channel_mask_prob"),
-        one_of("precision", PRECISIONS),
-    )
+    lm_weights: Annotated[list[float], Field(min_length=1)] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    word_scores: Annotated[list[float], Field(min_length=1)] = field(default_factory=lambda: [-1.0, 0.0, 1.0])
 
     @property
     def preset(self) -> str:

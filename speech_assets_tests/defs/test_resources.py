@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 import pydantic
+import pydantic.dataclasses
 import pytest
 
 from speech_assets.defs.resources import (
@@ -85,9 +86,9 @@ def test_a_committed_default_that_drifts_is_found(default: str, written: str, dr
     assert default_drift(tmp_path / "pipeline.toml") == [drift]
 
 
-@dataclass
+@pydantic.dataclasses.dataclass
 class _Worker:
-    """A worker's config: the one place its defaults are written."""
+    """A worker's config (a pydantic dataclass): the one place its defaults are written."""
 
     inputs: str
     steps: int = 300

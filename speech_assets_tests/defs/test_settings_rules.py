@@ -1,17 +1,19 @@
-"""One rule, one place: a worker config's checks (pydantic field constraints and model validators,
-or ``RULES`` beside its fields) are what its settings section checks too, so a bad value in
+"""One rule, one place: a worker config's checks (pydantic field constraints and model
+validators) are what its settings section checks too, so a bad value in
 ``pipeline.toml`` is refused when the settings load, with the message the worker gives, instead
 of when a run reaches the worker; and each default a section shares with its worker is the worker's."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 import pytest
+from pydantic import Field
 
 from speech_assets.corpus.manifest import ValidationConfig
 from speech_assets.defs.resources import (
@@ -26,6 +28,7 @@ from speech_assets.defs.resources import (
     PipelineSettings,
     ProbeSettings,
     TrainingSettings,
+    WorkerSettings,
 )
 from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.features.vad import VadConfig
@@ -75,28 +78,30 @@ SECTIONS = {
     "probe": ProbeSettings,
 }
 
+GE0, GE1, GT0 = (f"Input should be greater {than}" for than in ("than or equal to 0", "than or equal to 1", "than 0"))
 BAD = [
-    ("training", "max_steps", 0, "max_steps must be >= 1"),
-    ("training", "precision", "fp8", "precision must be one of"),
+    ("training", "max_steps", 0, GE1),
+    ("training", "precision", "fp8", "Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
     ("training", "preset", "huge", "preset must be one of"),
-    ("training", "lr", 0.0, "lr must be > 0"),
-    ("training", "mask_prob", 1.5, "mask_prob must be in [0, 1]"),
-    ("training", "normalisation", "speaker", "normalisation must be 'utterance' or 'global'"),
-    ("clients", "heldout_fraction", 1.0, "heldout_fraction must be in [0, 1)"),
-    ("federated", "fraction_train", 1.5, "fraction_train must be in (0, 1]"),
-    ("federated", "client_lr_schedule", "cosine", "client_lr_schedule must be one of"),
-    ("federated", "beta_2", 1.0, "beta_2 must be in [0, 1)"),
+    ("training", "lr", 0.0, GT0),
+    ("training", "mask_prob", 1.5, "Input should be less than or equal to 1"),
+    ("training", "normalisation", "speaker", "Input should be 'utterance' or 'global'"),
+    ("clients", "heldout_fraction", 1.0, "Input should be less than 1"),
+    ("federated", "fraction_train", 1.5, "Input should be less than or equal to 1"),
+    ("federated", "client_lr_schedule", "cosine", "Input should be 'linear' or 'constant'"),
+    ("federated", "beta_2", 1.0, "Input should be less than 1"),
     ("federated", "secagg_num_shares", 4, "secagg_num_shares must be 0 (every sampled client) or an odd number >= 3"),
-    ("federated", "round_timeout_s", float("inf"), "round_timeout_s must be > 0"),
-    ("distill", "cosine_weight", -1.0, "cosine_weight must be >= 0"),
-    ("distill", "max_steps", 0, "max_steps must be >= 1"),
-    ("distill", "lr", -1e-3, "lr must be > 0"),
-    ("finetune", "max_steps", 0, "max_steps must be >= 1"),
+    ("federated", "round_timeout_s", float("inf"), "Input should be a finite number"),
+    ("distill", "cosine_weight", -1.0, GE0),
+    ("distill", "max_steps", 0, GE1),
+    ("distill", "lr", -1e-3, GT0),
+    ("finetune", "max_steps", 0, GE1),
     ("finetune", "stages", [0.5, 0.5], "stages must be three shares >= 0 adding up to 1"),
-    ("finetune", "precision", "fp8", "precision must be one of"),
-    ("finetune", "mask_prob", 1.5, "mask_prob must be in [0, 1]"),
-    ("finetune", "batch_seconds", 0.0, "batch_seconds must be > 0"),
-    ("finetune", "freeze_steps", -1, "freeze_steps must be >= 0"),
+    ("finetune", "precision", "fp8", "Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
+    ("finetune", "mask_prob", 1.5, "Input should be less than or equal to 1"),
+    ("finetune", "batch_seconds", 0.0, GT0),
+    ("finetune", "freeze_steps", -1, GE0),
+    ("finetune", "lm_weights", [], "List should have at least 1 item"),
     ("kmeans", "k", 0, "Input should be greater than or equal to 1"),
     ("kmeans", "k", 40_000, "Input should be less than or equal to 32768"),  # labels are int16
     ("kmeans", "max_fit_frames", 0, "Input should be greater than or equal to 1"),
@@ -157,15 +162,26 @@ def test_a_good_value_passes_both(section: str, name: str, value: object) -> Non
 def test_a_bad_value_in_the_settings_file_is_refused_when_it_loads(tmp_path: Path) -> None:
     file = tmp_path / "pipeline.toml"
     file.write_text("[training]\nmax_steps = 0\n\n[federated]\nfraction_train = 0.5\n")
-    with pytest.raises(pydantic.ValidationError, match=r"\[training\] max_steps must be >= 1"):
+    with pytest.raises(pydantic.ValidationError, match=rf"for \[training\] of {file}\nmax_steps\n  {GE1}"):
         PipelineSettings.load(file)
+
+
+def test_a_worker_rule_across_fields_checks_the_section() -> None:
+    """FederatedConfig's model validator (clipping needs a norm under DP) refuses the section's
+    values too, and one reading a field the section lacks (TrainConfig's inputs) is not applied."""
+    with pytest.raises(ValueError, match="dp_clipping_norm must be > 0"):
+        federated_config(dp_noise_multiplier=1.0, dp_clipping_norm=0.0)
+    with pytest.raises(pydantic.ValidationError, match=r"\[federated\] dp_clipping_norm must be > 0"):
+        FederatedSettings(dp_noise_multiplier=1.0, dp_clipping_norm=0.0)
+    assert FederatedSettings(dp_noise_multiplier=1.0).dp_clipping_norm == 1.0
+    assert TrainingSettings().max_steps == TrainConfig.max_steps
 
 
 def test_a_field_the_section_gives_its_own_meaning_is_left_to_the_run() -> None:
     """``batch_seconds = 0`` means automatic in `[training]` (the worker's ``None``), so the
     worker's ``> 0`` rule is not applied to it there."""
     assert TrainingSettings(batch_seconds=0.0).batch_seconds == 0.0
-    with pytest.raises(ValueError, match="batch_seconds must be > 0"):
+    with pytest.raises(ValueError, match="batch_seconds\n  Input should be greater than 0"):
         train_config(batch_seconds=0.0)
 
 
@@ -193,6 +209,9 @@ PAIRS: list[tuple[type[pydantic.BaseModel], Callable[[], object], str]] = [
 # The one list of fields whose section default deliberately differs from the worker's: in the
 # settings 0 means "automatic" (resolved by the run, from the hardware or the teacher), where the
 # worker holds the resolved value or None/"auto".
+# a section whose worker is no pydantic dataclass (VadConfig checks its values in __post_init__):
+# defaults compared only
+PLAIN = {FeatureSettings}
 AUTOMATIC = {
     TrainingSettings: {"batch_seconds", "nproc", "threads"},
     DistillSettings: {"dim", "layers", "heads", "ffn_dim", "threads"},
@@ -210,21 +229,38 @@ def bounds(field: object) -> list[object]:
     return list(getattr(field, "metadata", []))
 
 
+def kind(field: object) -> object:
+    """A pydantic field's type as a settings file gives it (a ``Literal`` stays one; a tuple is a list)."""
+    annotation = getattr(field, "annotation", None)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[args[0]]
+    return annotation
+
+
 def section_worker_drift(section: type[pydantic.BaseModel], worker: object, prefix: str) -> list[str]:
-    """Where ``section``'s fields differ from the same-named fields of ``worker`` (an instance), a line each."""
+    """Where ``section``'s fields differ from the same-named fields of ``worker`` (an instance), a
+    line each: a default, a type or a constraint (bounds, choices, validators) written twice."""
     theirs = {item.name: item for item in dataclasses.fields(worker)}
     their_fields = getattr(type(worker), "__pydantic_fields__", {})
-    drift = []
+    drift = [] if their_fields or section in PLAIN else [f"{type(worker).__name__} has no pydantic fields"]
+    automatic = set().union(*(names for cls, names in AUTOMATIC.items() if issubclass(section, cls)))
     for name, field in section.model_fields.items():
         worker_name = name.removeprefix(prefix) if prefix and name.startswith(prefix) else name
-        if worker_name not in theirs or name in AUTOMATIC.get(section, ()):
+        if worker_name not in theirs or name in automatic:
             continue
         default = as_settings(getattr(worker, worker_name))
         if field.get_default(call_default_factory=True) != default:
             drift.append(f"{section.__name__}.{name} = {field.default!r}; the worker's is {default!r}")
+        if not their_fields:
+            continue
         ours, others = bounds(field), bounds(their_fields.get(worker_name))
-        if their_fields and ours != others:
+        if ours != others:
             drift.append(f"{section.__name__}.{name} bounds {ours}; the worker's {others}")
+        if kind(field) != kind(their_fields.get(worker_name)):
+            drift.append(
+                f"{section.__name__}.{name} is {kind(field)}; the worker's {kind(their_fields.get(worker_name))}"
+            )
     return drift
 
 
@@ -232,16 +268,19 @@ def section_worker_drift(section: type[pydantic.BaseModel], worker: object, pref
 def test_each_section_matches_worker(
     section: type[pydantic.BaseModel], worker: Callable[[], object], prefix: str
 ) -> None:
-    """Every field a section shares with its worker's config has the worker's default (and, where
-    the worker is a pydantic dataclass, its constraints: bounds, validators): written once, so the
-    settings and a run built without them agree. The exceptions are the fields where 0 means
-    automatic (:data:`AUTOMATIC`); each one still differs, so the list holds no stale entry.
-    pipeline.toml states exactly the section defaults
+    """Every field a section shares with its worker's config has the worker's default, type and
+    constraints (bounds, choices, validators): written once, so the settings and a run built
+    without them agree; every worker is a pydantic dataclass (but VadConfig, :data:`PLAIN`). The
+    exceptions are the fields where 0 means automatic (:data:`AUTOMATIC`); each one still differs,
+    so the list holds no stale entry. pipeline.toml states exactly the section defaults
     (``test_resources.test_the_committed_file_states_every_default``). Mutation seen
     failing: the old ``[probe] lrs = [0.002, 0.01]`` beside ``ProbeOptions.lrs = ()``, and
     ``[finetune] max_frames = 3000`` / ``decoders = ["greedy", "beam"]`` beside FinetuneConfig's
     1500 / ``["greedy"]``; and a section taking ProbeOptions' defaults without its constraints
-    (``setattr(cls, name, default)`` in ``WorkerSettings``)."""
+    (``setattr(cls, name, default)`` in ``WorkerSettings``, again with every worker pydantic:
+    ``ManifestSettings.max_transcript_chars bounds []; the worker's [Ge(ge=1)]``); and the
+    run configs of before (stdlib dataclasses whose ``RULES`` the sections restated:
+    ``TrainConfig has no pydantic fields``)."""
     config = worker()
     assert section_worker_drift(section, config, prefix) == []
     for name in AUTOMATIC.get(section, ()):
@@ -249,8 +288,8 @@ def test_each_section_matches_worker(
 
 
 def test_a_section_that_drifts_from_its_worker_is_named() -> None:
-    """The comparison itself finds a default written twice with two values, and a field declared
-    again without the worker's constraints."""
+    """The comparison itself finds a default written twice with two values, a field declared
+    again without the worker's constraints, with other ones or with them twice, and another type."""
 
     class Drifted(ProbeSettings):
         steps: int = 401
@@ -258,6 +297,22 @@ def test_a_section_that_drifts_from_its_worker_is_named() -> None:
     assert section_worker_drift(Drifted, ProbeOptions(), "") == [
         "Drifted.steps = 401; the worker's is 400",
         "Drifted.steps bounds []; the worker's [Ge(ge=1)]",
+    ]
+
+    class Loosened(TrainingSettings):  # a bound written again, and differently
+        max_steps: Annotated[int, Field(ge=0)] = 300
+        precision: str = "auto"
+
+    assert section_worker_drift(Loosened, train_config(), "") == [
+        "Loosened.max_steps bounds [Ge(ge=0)]; the worker's [Ge(ge=1)]",
+        "Loosened.precision is <class 'str'>; the worker's typing.Literal['auto', 'fp32', 'bf16', 'fp16']",
+    ]
+
+    class Twice(WorkerSettings, worker=TrainConfig, section="training"):  # the worker's bound stated again
+        max_steps: Annotated[int, Field(ge=1)]
+
+    assert section_worker_drift(Twice, train_config(), "") == [
+        "Twice.max_steps bounds [Ge(ge=1), Ge(ge=1)]; the worker's [Ge(ge=1)]"
     ]
 
 

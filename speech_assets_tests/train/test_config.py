@@ -49,3 +49,15 @@ def test_unknown_fields_are_rejected(tmp_path: Path) -> None:
     data = _config(tmp_path).to_dict() | {"learning_rate": 1.0}
     with pytest.raises(ValueError, match="learning_rate"):
         TrainConfig.from_dict(data)
+
+
+def test_paths_are_stored_as_their_strings(tmp_path: Path) -> None:
+    """A caller may pass a ``Path`` for a file or folder; the config (stored as JSON) holds its string."""
+    config = _config(tmp_path, run_dir=tmp_path / "run", shards=[tmp_path / "a.parquet"], cmvn=tmp_path / "c.npz")
+    assert (config.run_dir, config.shards, config.cmvn) == (
+        str(tmp_path / "run"),
+        [str(tmp_path / "a.parquet")],
+        str(tmp_path / "c.npz"),
+    )
+    config.to_json(tmp_path / "config.json")
+    assert TrainConfig.from_json(tmp_path / "config.json") == config
