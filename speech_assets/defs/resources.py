@@ -159,8 +159,10 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
         default = None if item is None else item.get_default(call_default_factory=True)
         if item is not None and not isinstance(worker, type):
             default = getattr(worker, name)
-        if item is not None and kind != types_[name] and kind == as_list(types_[name]):
-            default, kind = list(default), types_[name]  # a settings file gives a list for the worker's tuple
+        args = typing.get_args(types_.get(name))
+        if item is not None and typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,):
+            if kind == list[args[0]]:  # a settings file gives a list for the worker's tuple
+                default, kind = list(default), types_[name]
         if name in section.__dict__:
             if item is not None and kind == types_[name] and section.__dict__[name] == default:
                 raise TypeError(
@@ -174,14 +176,6 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
         taken[name] = pydantic.Field(default=default)
         taken[name].metadata = list(item.metadata)
     return taken
-
-
-def as_list(kind: Any) -> Any:
-    """``list[X]`` for ``tuple[X, ...]`` (how a settings file spells it), else None."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return list[args[0]]
-    return None
 
 
 class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifest"):
@@ -522,20 +516,15 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
     """A run-config class with every field of ``section`` optional (unset: the settings') but its
     ``settings_only`` ones. Built here: pydantic has no partial model and the Launchpad needs a field per knob."""
     excluded = getattr(section, "settings_only", frozenset())
-    fields = {
-        # a type built at run time from an annotation object: Optional[] takes any of them
-        name: (Optional[_overridable(field.annotation)], None)  # noqa: UP045
-        for name, field in section.model_fields.items()
-        if name not in excluded
-    }
+    fields = {}
+    for name, field in section.model_fields.items():
+        kind = field.annotation
+        if typing.get_origin(kind) is typing.Literal:  # Dagster has no optional enum; effective() checks the value
+            kind = type(typing.get_args(kind)[0])
+        if name not in excluded:
+            # a type built at run time from an annotation object: Optional[] takes any of them
+            fields[name] = (Optional[kind], None)  # noqa: UP045
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
-
-
-def _overridable(annotation: Any) -> Any:
-    """A ``Literal``'s value type (Dagster cannot make an optional enum; :func:`effective` checks the value)."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return type(typing.get_args(annotation)[0])
-    return annotation
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:

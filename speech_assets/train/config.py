@@ -56,8 +56,32 @@ class ClientTargets:
     k: int
 
 
+class JsonFile:
+    """A dataclass stored as one JSON file, refusing unknown fields when read."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Self:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
 @config_dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(JsonFile):
     """What every training run's config has: its inputs, what the engine and tracker read, and the stored form."""
 
     run_dir: Text
@@ -94,23 +118,6 @@ class RunConfig:
         if data["mlflow_tracking_uri"]:
             data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
         return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Self:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**data)
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> Self:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 @config_dataclass
@@ -267,7 +274,7 @@ class FinetuneConfig(RunConfig):
 
 
 @dataclass
-class FinetuneBatch:
+class FinetuneBatch(JsonFile):
     """Several fine-tuning runs in one torchrun launch, each run folder with its own ``config.json``
     and outputs as if launched alone. ``batch_seconds`` and ``grad_accum`` replace every run's (the
     launcher halves the batch after a CUDA out-of-memory error). ``parallel``: each process trains
@@ -291,20 +298,6 @@ class FinetuneBatch:
             raise ValueError(
                 f"batch_seconds must be > 0 and grad_accum >= 1, got {self.batch_seconds}, {self.grad_accum}"
             )
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> Self:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**data)
 
     def run_config(self, folder: str) -> FinetuneConfig:
         """``folder``'s run config with the batch's batch size; refused unless it names ``folder``."""
