@@ -110,10 +110,6 @@ def labelled_files(inputs: Iterable[str | os.PathLike[str]]) -> list[tuple[str, 
     return unique
 
 
-def audio_files(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    return [path for _, path in labelled_files(inputs)]
-
-
 @dataclass(frozen=True)
 class Word:
     word: str

@@ -444,25 +444,19 @@ class NodeConfig:
         )
 
     def to_node_config(self) -> str:
-        parts = [f'client-id="{self.client_id}"', f'data-dir="{self.data_dir}"']
-        if self.state_root:
-            parts.append(f'state-root="{self.state_root}"')
-        if self.threads:
-            parts.append(f"threads={self.threads}")
-        if self.device != "auto":
-            parts.append(f'device="{self.device}"')
-        if self.node_keys:
-            parts.append(f'node-keys="{self.node_keys}"')
-        if self.secagg_min_shares != SECAGG_MIN_SHARES:
-            parts.append(f"secagg-min-shares={self.secagg_min_shares}")
-        if self.secagg_threshold_floor != SECAGG_THRESHOLD_FLOOR:
-            parts.append(f'secagg-threshold-floor="{self.secagg_threshold_floor}"')
-        if self.dp_max_clipping_norm != DP_MAX_CLIPPING_NORM:
-            parts.append(f"dp-max-clipping-norm={float(self.dp_max_clipping_norm)!r}")
-        if self.require_secure_aggregation:
-            parts.append("require-secure-aggregation=true")
-        if self.require_dp:
-            parts.append("require-dp=true")
+        """``flower-supernode``'s ``--node-config``: the values other than the defaults."""
+        parts = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value == item.default:
+                continue
+            if isinstance(value, str):
+                value = f'"{value}"'
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            elif item.type == "float":
+                value = repr(float(value))
+            parts.append(f"{_key(item.name)}={value}")
         return " ".join(parts)
 
     @property
