@@ -1,18 +1,27 @@
 """Every private name of Dagster (and of multiprocessing) that the package uses, and why: the
 public API has no way to do these. The package pins one Dagster release and
-``speech_assets_tests/defs/test_dagster_internals.py`` checks each name used here, so an upgrade
-that breaks one fails there, by name. No other module may use a private Dagster name.
+``speech_assets_tests/defs/test_dagster_internals.py`` checks each name and field used here, so an
+upgrade that breaks one fails there, by name. No other module may use a private Dagster name.
 
-- data-version tags (``DATA_VERSION_TAG`` ...): per-partition events tagged exactly as Dagster
-  tags its own; a public ``DataVersion`` is one per run.
-- ``SqliteEventLogStorage`` (:func:`is_local_storage`): a run is judged dead by its pids only there.
-- the multiprocess executor's internals (:func:`multiprocess_executor`): work in the run worker
-  before any step, where Dagster has no hook.
-- ``CheckRunHealthResult``, ``WorkerStatus``, a launcher's ``_instance`` (:func:`local_run_launcher`):
-  the run-worker health check that run monitoring calls.
-- ``multiprocessing.forkserver._forkserver`` (:func:`stop_forkserver`): it stops only at exit.
-- ``Shape``, ``DefinitionConfigSchema``, ``_config_schema`` (:class:`NamedSectionTypes`): the UI
-  shows a nested ``Config`` field's type as ``Shape.<sha1>``, which Dagster has no public way to name.
+- ``dagster._core.definitions.data_version``: ``DATA_VERSION_TAG``, ``CODE_VERSION_TAG``,
+  ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``DEFAULT_DATA_VERSION``, ``NULL_EVENT_POINTER``,
+  ``get_input_data_version_tag``, ``get_input_event_pointer_tag``: per-partition events tagged
+  exactly as Dagster tags its own (a public ``DataVersion`` is one per run).
+- ``dagster._core.storage.event_log.sqlite.sqlite_event_log.SqliteEventLogStorage``
+  (:func:`is_local_storage`): a run is judged dead by its events' pids only on local storage.
+- ``dagster._core.definitions.executor_definition``: ``_core_multiprocess_executor_creation``,
+  ``MULTI_PROC_CONFIG``, ``multiple_process_executor_requirements``;
+  ``dagster._core.executor.multiprocess.MultiprocessExecutor`` (``_start_method``);
+  ``dagster._core.executor.in_process.InProcessExecutor`` (:func:`multiprocess_executor`): work in
+  the run worker before any step (Dagster has no hook there), and steps run in that worker.
+- ``dagster._core.launcher.base``: ``CheckRunHealthResult``, ``WorkerStatus``, a launcher's
+  ``_instance`` (:func:`local_run_launcher`): the run-worker health check run monitoring calls.
+- ``multiprocessing.forkserver._forkserver`` (``_lock``, ``_forkserver_pid``, ``_stop_unlocked``;
+  :func:`stop_forkserver`): multiprocessing stops its forkserver only at exit.
+- ``dagster._config.field_utils.Shape`` (``_initialized``), ``ConfigType``'s ``key`` and
+  ``given_name``, ``dagster._core.definitions.definition_config_schema``'s ``DefinitionConfigSchema``,
+  ``_config_schema`` (:class:`NamedSectionTypes`): the UI shows a nested ``Config`` field's type as
+  ``Shape.<sha1 of its fields>``, and Dagster has no public way to name it (measured on 1.13.27).
 """
 
 from __future__ import annotations
@@ -149,20 +158,17 @@ def named_section_types(schema: Any, names: dict[str, str]) -> Any:
     from dagster._config.field_utils import Shape
     from dagster._core.definitions.definition_config_schema import DefinitionConfigSchema
 
+    def retyped(field: Any, kind: Any) -> dg.Field:
+        if field.default_provided:
+            return dg.Field(kind, default_value=field.default_value, description=field.description)
+        return dg.Field(kind, is_required=field.is_required, description=field.description)
+
     top = schema.as_field()
     fields = {}
     for key, field in top.config_type.fields.items():
         kind = field.config_type
-        if key in names and type(kind) is Shape:
-            kind = named_shape(kind, names[key])
-        if field.default_provided:
-            fields[key] = dg.Field(kind, default_value=field.default_value, description=field.description)
-        else:
-            fields[key] = dg.Field(kind, is_required=field.is_required, description=field.description)
-    shape = Shape(fields, description=top.config_type.description)
-    if top.default_provided:
-        return DefinitionConfigSchema(dg.Field(shape, default_value=top.default_value, description=top.description))
-    return DefinitionConfigSchema(dg.Field(shape, is_required=top.is_required, description=top.description))
+        fields[key] = retyped(field, named_shape(kind, names[key]) if key in names and type(kind) is Shape else kind)
+    return DefinitionConfigSchema(retyped(top, Shape(fields, description=top.config_type.description)))
 
 
 class NamedSectionTypes:

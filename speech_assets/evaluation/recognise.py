@@ -62,11 +62,7 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
-    """The recogniser MLflow model ``uri`` (``models:/speech_assets_recogniser/latest``, ``.../<version>``,
-    ``runs:/<run id>/recogniser``; what ``finetuned_asr`` logs and registers) downloaded from
-    ``tracking_uri`` into ``destination`` and laid out as a recogniser folder (its ONNX model,
-    ``recogniser.json`` and the files that JSON names). :class:`RecogniserError` when the model
-    cannot be found or is not a recogniser."""
+    """The recogniser MLflow model ``uri`` downloaded into ``destination`` as a recogniser folder."""
     from speech_assets.train.tracking import download_onnx_model
 
     try:

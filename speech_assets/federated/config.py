@@ -87,7 +87,6 @@ def _odd_shares(shares: int) -> int:
 
 
 def _client_list(clients: object) -> object:
-    """Clients as a list, sorted; a string is a comma-separated list."""
     if isinstance(clients, str):
         clients = [c for c in clients.split(",") if c]
     return sorted(str(c) for c in clients) if isinstance(clients, list | tuple) else clients
@@ -323,7 +322,6 @@ def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
 
 
 def _coerce(value: Any, kind: Any) -> Any:
-    """A Flower scalar as a field of type ``kind`` (a resolved type hint)."""
     if typing.get_origin(kind) is list:
         return [c for c in str(value).split(",") if c]
     if kind in (int, float):
@@ -374,7 +372,6 @@ class LocalConfig:
 
 
 def _flag(node_config: Mapping[str, Any], key: str) -> bool:
-    """A boolean of a SuperNode's ``--node-config`` (``true``/``false``; absent = false)."""
     value = node_config.get(key, False)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"

@@ -50,8 +50,6 @@ Preset = Annotated[str, AfterValidator(_preset)]
 
 @dataclass
 class ClientTargets:
-    """One client's k-means targets: ``labels`` parquet (``speech_assets.targets``) and codebook size ``k``."""
-
     labels: str
     k: int
 
@@ -183,7 +181,7 @@ class TrainConfig(RunConfig):
 
     @property
     def chance_accuracy(self) -> float:
-        """Mean over clients of ``1 / K``: accuracy of guessing uniformly."""
+        """The accuracy of guessing uniformly, averaged over clients."""
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
 
 
