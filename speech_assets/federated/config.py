@@ -423,22 +423,16 @@ class NodeConfig:
             )
         if "state-dir" in node_config:
             raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
-        device = str(node_config.get("device", "auto"))
-        if device not in DEVICES:
+        if str(node_config.get("device", "auto")) not in DEVICES:
             raise ValueError(f"node config device must be one of {DEVICES}")
-        return cls(
-            client_id=str(node_config["client-id"]),
-            data_dir=str(node_config["data-dir"]),
-            state_root=str(node_config.get("state-root", "")),
-            threads=int(node_config.get("threads", 0)),
-            device=device,
-            node_keys=str(node_config.get("node-keys", "")),
-            secagg_min_shares=int(node_config.get("secagg-min-shares", SECAGG_MIN_SHARES)),
-            secagg_threshold_floor=str(node_config.get("secagg-threshold-floor", SECAGG_THRESHOLD_FLOOR)),
-            dp_max_clipping_norm=float(node_config.get("dp-max-clipping-norm", DP_MAX_CLIPPING_NORM)),
-            require_secure_aggregation=_flag(node_config, "require-secure-aggregation"),
-            require_dp=_flag(node_config, "require-dp"),
-        )
+        values = {}
+        for item in fields(cls):
+            key = _key(item.name)
+            if item.type == "bool":
+                values[item.name] = _flag(node_config, key)
+            elif key in node_config:
+                values[item.name] = {"int": int, "float": float}.get(item.type, str)(node_config[key])
+        return cls(**values)
 
     def to_node_config(self) -> str:
         """``flower-supernode``'s ``--node-config``: the values other than the defaults."""
