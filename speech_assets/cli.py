@@ -107,11 +107,10 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     model = args.model or DataLayout(data).finetune.recogniser
     options = {"threads": args.threads, "batch_size": args.batch_size, "max_segment_s": args.max_segment_s}
     try:
-        if is_model_uri(model):  # an MLflow model: downloaded, loaded, then the download is removed
-            with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
-                fetched = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
-                recogniser = Recogniser(fetched, args.decoder, **options)
-        else:
+        # an MLflow model is downloaded, loaded, then the download is removed
+        with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
+            if is_model_uri(model):
+                model = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
             recogniser = Recogniser(model, args.decoder, **options)
     except RecogniserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -431,10 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     transcribe = _command(
-        commands,
-        "transcribe",
-        "turn audio files into text with the fine-tuned recogniser (finetuned_asr)",
-        _cmd_transcribe,
+        commands, "transcribe", "turn audio files into text with the fine-tuned recogniser", _cmd_transcribe
     )
     transcribe.add_argument(
         "inputs",
@@ -444,10 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transcribe.add_argument(
         "--model",
-        help="a recogniser folder, or its .onnx or .json, or an MLflow model URI "
-        "(models:/speech_assets_recogniser/latest, models:/speech_assets_recogniser/<version>, "
-        "runs:/<run id>/recogniser) read from $MLFLOW_TRACKING_URI, else "
-        "sqlite:///$SPEECH_ASSETS_DATA_DIR/mlflow.db (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
+        help="a recogniser folder, its .onnx or .json, or an MLflow model URI (models:/speech_assets_recogniser/latest,"
+        " runs:/<run id>/recogniser) from $MLFLOW_TRACKING_URI (default: $SPEECH_ASSETS_DATA_DIR/finetune/recogniser)",
     )
     transcribe.add_argument(
         "--json",
@@ -469,8 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decoder",
         choices=["greedy", "beam"],
         default="greedy",
-        help="greedy: best path; beam: lexicon beam search with the word n-gram LM the recogniser's "
-        "fine-tuning run built from its labelled transcripts (files beside the ONNX model)",
+        help="greedy: best path; beam: lexicon beam search with the n-gram LM beside the ONNX model",
     )
 
     sql = _command(

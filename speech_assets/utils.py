@@ -29,8 +29,7 @@ _DEFERRED: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar("d
 
 
 def temp_target(name: str) -> str | None:
-    """The name of the file whose :func:`atomic_path` temp file is ``name``
-    (``.<target>.<random>.tmp``), or ``None`` where ``name`` is no such temp file."""
+    """The file whose :func:`atomic_path` temp file is ``name`` (``.<target>.<random>.tmp``), else None."""
     if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
         return None
     target, dot, random = name[1 : -len(TEMP_SUFFIX)].rpartition(".")
@@ -39,16 +38,10 @@ def temp_target(name: str) -> str | None:
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike[str], durable: bool = True) -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; on success fsync it and rename it into place.
-
-    The temp file lives in the same folder (so the rename is atomic on POSIX) and carries a
-    ``.tmp`` suffix that no reader trusts. On any exception it is removed and ``target`` is
-    left untouched: a reader sees the old file or the new one, never half of one.
-
-    Inside :func:`deferred_fsync` the file is renamed at once and fsynced (with its folder) when
-    that block ends. ``durable=False`` never fsyncs: for a file whose loss after a crash only
-    costs a rebuild (a shard's meta, written after the files it vouches for are durable).
-    """
+    """Yield a temporary path beside ``target`` (so the rename is atomic); on success fsync it and
+    rename it into place, on any exception remove it: a reader never sees half a file. Inside
+    :func:`deferred_fsync` the fsync waits for the block's end; ``durable=False`` never fsyncs (for
+    a file whose loss after a crash only costs a rebuild)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent)
@@ -74,14 +67,9 @@ def atomic_path(target: str | os.PathLike[str], durable: bool = True) -> Iterato
 
 @contextlib.contextmanager
 def deferred_fsync() -> Iterator[None]:
-    """Files written with :func:`atomic_path` inside this block are renamed into place at once and
-    made durable together when it ends: each file fsynced once, each folder once.
-
-    For a group of files that something written *after* the block vouches for (a shard's meta
-    records its files' sizes and mtimes): a crash inside the block can leave a renamed file
-    whose data never reached the disk, but nothing vouches for it yet, so it is rebuilt. Saves
-    a folder fsync per file (a shard and its two sidecars: one instead of three).
-    """
+    """Files written with :func:`atomic_path` inside this block are fsynced together when it ends, each
+    folder once. Only for files that something written after the block vouches for: a crash inside
+    it leaves nothing vouched for, so it is rebuilt."""
     if _DEFERRED.get() is not None:  # nested: the outer block syncs
         yield
         return
@@ -99,8 +87,7 @@ def deferred_fsync() -> Iterator[None]:
 
 
 def current_umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` can only be read by setting it,
-    which races with other threads creating files)."""
+    """This process's umask, read without setting it (which races with threads creating files)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
@@ -123,8 +110,7 @@ def atomic_write_text(target: str | os.PathLike[str], text: str, durable: bool =
 
 
 def publish_folder(staging: Path, folder: Path) -> None:
-    """Put the finished ``staging`` folder (a sibling of ``folder``) in ``folder``'s place, its
-    files and itself with the modes the umask gives (mkdtemp made the folder 0700)."""
+    """Put the finished sibling ``staging`` in ``folder``'s place with the umask's modes (mkdtemp made it 0700)."""
     for file in staging.iterdir():
         file.chmod(0o666 & ~current_umask())
     staging.chmod(0o777 & ~current_umask())
@@ -161,11 +147,8 @@ def sha256_strings(parts: Iterable[str]) -> str:
 
 
 def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
-    """Delete leftovers of writers of ``target`` that died mid-write (``.<name>.*.tmp``).
-
-    Only temp files of this one target: call it while holding the target's lock
-    (:func:`speech_assets.runtime.locks.exclusive_lock`), so that no live writer's temp file can be among them.
-    """
+    """Delete temp files of writers of ``target`` that died mid-write; hold the target's lock, so no
+    live writer's temp file is among them."""
     target = Path(target)
     removed = 0
     for leftover in target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"):
@@ -175,11 +158,8 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
 
 
 def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` as an .npz atomically and byte-deterministically.
-
-    ``np.savez`` stamps the current time into each zip entry, so the same arrays would hash
-    differently on every run; here entries are sorted and dated 1980-01-01.
-    """
+    """Write ``arrays`` as an .npz atomically and byte-deterministically (``np.savez`` stamps the time
+    into each entry; here entries are sorted and dated 1980-01-01)."""
     with atomic_path(target) as tmp:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as archive:
             for name in sorted(arrays):
@@ -189,8 +169,7 @@ def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> N
 
 
 def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
-    """A ``cls`` dataclass filled from ``source`` (a dataclass or pydantic model): the ``given``
-    values, else ``source``'s same-named fields, else ``cls``'s defaults; never copied by hand."""
+    """A ``cls`` dataclass of the ``given`` values, else ``source``'s same-named fields, else its defaults."""
     names = getattr(type(source), "model_fields", None) or {f.name for f in dataclasses.fields(source)}
     shared = {
         f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if f.name in names and f.name not in given
@@ -199,9 +178,7 @@ def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
 
 
 def read_json(path: Path, *, strict: bool = False) -> dict:
-    """The JSON object a step recorded in ``path``; ``{}`` when there is none. An unreadable or
-    corrupt file reads as ``{}`` too (the step rebuilds it), unless ``strict``: a check, or a
-    reader that needs the file, fails on it instead."""
+    """The JSON object in ``path``; ``{}`` when there is none or, unless ``strict``, it is corrupt (rebuilt)."""
     if strict:
         return json.loads(path.read_text()) if path.is_file() else {}
     try:

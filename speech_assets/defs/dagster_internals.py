@@ -1,38 +1,27 @@
-"""Every private name of Dagster (and of multiprocessing) that the package uses, and why.
-
-Dagster's public API has no way to do these. A Dagster upgrade may move or change any of them
-without notice: the package pins one release (``pyproject.toml``), and
-``speech_assets_tests/defs/test_dagster_internals.py`` imports each one and checks the fields and
-parameters used here, so an upgrade that breaks one fails there, by name. No other module may
-use a private Dagster name (the layer test).
+"""Every private name of Dagster (and of multiprocessing) that the package uses, and why: the
+public API has no way to do these. The package pins one Dagster release and
+``speech_assets_tests/defs/test_dagster_internals.py`` checks each name and field used here, so an
+upgrade that breaks one fails there, by name. No other module may use a private Dagster name.
 
 - ``dagster._core.definitions.data_version``: ``DATA_VERSION_TAG``, ``CODE_VERSION_TAG``,
   ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``DEFAULT_DATA_VERSION``, ``NULL_EVENT_POINTER``,
-  ``get_input_data_version_tag``, ``get_input_event_pointer_tag``: per-partition
-  materializations and observations tagged exactly as Dagster tags its own
-  (:mod:`speech_assets.defs.per_partition`; read by :mod:`speech_assets.defs.lineage`); a public
-  ``DataVersion`` is one per run.
+  ``get_input_data_version_tag``, ``get_input_event_pointer_tag``: per-partition events tagged
+  exactly as Dagster tags its own (a public ``DataVersion`` is one per run).
 - ``dagster._core.storage.event_log.sqlite.sqlite_event_log.SqliteEventLogStorage``
   (:func:`is_local_storage`): a run is judged dead by its events' pids only on local storage.
 - ``dagster._core.definitions.executor_definition``: ``_core_multiprocess_executor_creation``,
   ``MULTI_PROC_CONFIG``, ``multiple_process_executor_requirements``;
-  ``dagster._core.executor.multiprocess.MultiprocessExecutor`` and its field ``_start_method``;
-  ``dagster._core.executor.in_process.InProcessExecutor`` (:func:`multiprocess_executor`): the
-  stock multiprocess executor, with its config and checks, plus work in the run worker before
-  any step (Dagster has no hook there), and the choice to run a run's steps in that worker.
-- ``dagster._core.launcher.base``: ``CheckRunHealthResult``, ``WorkerStatus``, and a launcher's
-  ``_instance`` (:func:`local_run_launcher`): the default run launcher with the run-worker
-  health check that run monitoring calls.
-- ``multiprocessing.forkserver._forkserver`` and its ``_lock``, ``_forkserver_pid``,
-  ``_stop_unlocked`` (:func:`stop_forkserver`): multiprocessing stops its forkserver only at exit.
-- ``dagster._config.field_utils.Shape`` (subclassed; its ``_initialized`` flag), ``ConfigType``'s
-  ``key`` and ``given_name``, ``dagster._core.definitions.definition_config_schema``'s
-  ``DefinitionConfigSchema`` and a ``ConfigurableResource``'s ``_config_schema``
-  (:class:`NamedSectionTypes`): a nested ``Config`` field's type is a ``Shape`` keyed
-  ``Shape.<sha1 of its fields>``, which the UI's resource page shows as the field's type; Dagster
-  has no public way to name it (measured on 1.13.27: without the mix-in ``PipelineSettings``'s
-  ``training`` field is typed ``Shape.37f3e2ac...`` with no ``given_name``; pydantic's class
-  name reaches no part of the schema).
+  ``dagster._core.executor.multiprocess.MultiprocessExecutor`` (``_start_method``);
+  ``dagster._core.executor.in_process.InProcessExecutor`` (:func:`multiprocess_executor`): work in
+  the run worker before any step (Dagster has no hook there), and steps run in that worker.
+- ``dagster._core.launcher.base``: ``CheckRunHealthResult``, ``WorkerStatus``, a launcher's
+  ``_instance`` (:func:`local_run_launcher`): the run-worker health check run monitoring calls.
+- ``multiprocessing.forkserver._forkserver`` (``_lock``, ``_forkserver_pid``, ``_stop_unlocked``;
+  :func:`stop_forkserver`): multiprocessing stops its forkserver only at exit.
+- ``dagster._config.field_utils.Shape`` (``_initialized``), ``ConfigType``'s ``key`` and
+  ``given_name``, ``dagster._core.definitions.definition_config_schema``'s ``DefinitionConfigSchema``,
+  ``_config_schema`` (:class:`NamedSectionTypes`): the UI shows a nested ``Config`` field's type as
+  ``Shape.<sha1 of its fields>``, and Dagster has no public way to name it (measured on 1.13.27).
 """
 
 from __future__ import annotations
@@ -88,10 +77,9 @@ def _prepared_executor_class(prepare: Prepare):
 
 
 def stop_forkserver() -> None:
-    """End this process's forkserver now that the run's steps are done. Closing its pipe (what
-    multiprocessing does at exit) makes it tear down torch and the code location, which on a
-    machine that evicts idle pages took minutes of CPU after the run had ended; it holds no
-    files and its steps have exited, so SIGKILL loses nothing."""
+    """End this process's forkserver now that the run's steps are done. At exit it would tear down
+    torch and the code location (minutes of CPU where idle pages are evicted); it holds no files
+    and its steps have exited, so SIGKILL loses nothing."""
     import signal
     from multiprocessing import forkserver
 
@@ -107,10 +95,9 @@ def stop_forkserver() -> None:
 
 
 def multiprocess_executor(description: str, preload_modules: list[str], prepare: Prepare) -> dg.ExecutorDefinition:
-    """Dagster's ``multiprocess`` executor (same config) whose steps fork from a forkserver that
-    preloads ``preload_modules`` unless the run config's ``start_method`` says otherwise, stopped
-    once the run's steps are done. Before any step ``prepare(plan_context, execution_plan)`` runs
-    in the run worker; when it returns a context, every step runs in the worker, inside it."""
+    """Dagster's ``multiprocess`` executor (same config) forking steps from a forkserver preloading
+    ``preload_modules``; ``prepare`` runs first in the run worker, and when it returns a context
+    every step runs in the worker, inside it."""
     from dagster._core.definitions.executor_definition import MULTI_PROC_CONFIG, multiple_process_executor_requirements
 
     def build(init_context: dg.InitExecutorContext):
@@ -133,13 +120,10 @@ def multiprocess_executor(description: str, preload_modules: list[str], prepare:
 
 
 def local_run_launcher(why_dead: Callable[[dg.DagsterInstance, dg.DagsterRun], str | None], remedy: str) -> type:
-    """Dagster's default (local) run launcher plus a run-worker health check for run monitoring:
-    a run's worker has failed when ``why_dead`` gives a reason (shown followed by ``remedy``)."""
+    """The default run launcher plus a run-worker health check: failed when ``why_dead`` gives a reason."""
     from dagster._core.launcher.base import CheckRunHealthResult, WorkerStatus
 
     class LocalProcessRunLauncher(dg.DefaultRunLauncher):
-        """The default (local) run launcher, plus a run-worker health check for run monitoring."""
-
         @property
         def supports_check_run_worker_health(self) -> bool:
             return True
@@ -154,10 +138,7 @@ def local_run_launcher(why_dead: Callable[[dg.DagsterInstance, dg.DagsterRun], s
 
 
 def named_shape(shape: Any, name: str) -> Any:
-    """The config type ``shape`` (a strict ``Shape``: same fields, same description, so it checks
-    config exactly as ``shape`` does) keyed and named ``name`` instead of ``Shape.<hash>``.
-
-    Dagster memoises shapes by their hashed key; this one is built fresh and never memoised, so a
+    """``shape`` (same fields, same checks) keyed and named ``name``. Built fresh, never memoised, so a
     name never hands back another schema's fields (two settings objects with other defaults)."""
     from dagster._config.field_utils import Shape
 
@@ -173,25 +154,21 @@ def named_shape(shape: Any, name: str) -> Any:
 
 
 def named_section_types(schema: Any, names: dict[str, str]) -> Any:
-    """A resource's config schema (``DefinitionConfigSchema``) with the type of each top-level
-    field of ``names`` renamed by :func:`named_shape`; defaults, descriptions and requiredness kept."""
+    """A resource's config schema with the type of each top-level field of ``names`` renamed."""
     from dagster._config.field_utils import Shape
     from dagster._core.definitions.definition_config_schema import DefinitionConfigSchema
+
+    def retyped(field: Any, kind: Any) -> dg.Field:
+        if field.default_provided:
+            return dg.Field(kind, default_value=field.default_value, description=field.description)
+        return dg.Field(kind, is_required=field.is_required, description=field.description)
 
     top = schema.as_field()
     fields = {}
     for key, field in top.config_type.fields.items():
         kind = field.config_type
-        if key in names and type(kind) is Shape:
-            kind = named_shape(kind, names[key])
-        if field.default_provided:
-            fields[key] = dg.Field(kind, default_value=field.default_value, description=field.description)
-        else:
-            fields[key] = dg.Field(kind, is_required=field.is_required, description=field.description)
-    shape = Shape(fields, description=top.config_type.description)
-    if top.default_provided:
-        return DefinitionConfigSchema(dg.Field(shape, default_value=top.default_value, description=top.description))
-    return DefinitionConfigSchema(dg.Field(shape, is_required=top.is_required, description=top.description))
+        fields[key] = retyped(field, named_shape(kind, names[key]) if key in names and type(kind) is Shape else kind)
+    return DefinitionConfigSchema(retyped(top, Shape(fields, description=top.config_type.description)))
 
 
 class NamedSectionTypes:

@@ -39,11 +39,8 @@ from speech_assets.utils import from_fields
 
 
 class StoragePaths(dg.ConfigurableResource):
-    """The corpus location and the data dir; every asset writes under ``data_dir`` only.
-
-    Defaults come from ``$SPEECH_ASSETS_CORPUS`` and ``$SPEECH_ASSETS_DATA_DIR`` (see
-    docs/REFERENCE.md); relative paths resolve against the repository root.
-    """
+    """The corpus location and the data dir (every asset writes under it); relative paths resolve
+    against the repository root."""
 
     corpus: str
     data_dir: str
@@ -62,9 +59,7 @@ class StoragePaths(dg.ConfigurableResource):
 
     @property
     def mlflow_artifact_location(self) -> str | None:
-        """A new MLflow experiment's artifact location: the tracking server's default when
-        ``mlflow_tracking_uri`` is an http(s) server, else ``<data dir>/mlartifacts``. Every tracked
-        asset (training, iteration 2, distillation, federated) creates its experiment with this."""
+        """A new experiment's artifact location: the server's default for an http(s) URI, else under the data dir."""
         return locations.mlflow_artifact_location(self.mlflow_tracking_uri, self.root)
 
     @property
@@ -77,7 +72,6 @@ class StoragePaths(dg.ConfigurableResource):
 
     @property
     def layout(self) -> layout.DataLayout:
-        """Every output folder and file under the data dir (:mod:`speech_assets.layout`)."""
         return layout.DataLayout(self.root)
 
     def shard_file(self, speaker_id: str) -> Path:
@@ -87,43 +81,32 @@ class StoragePaths(dg.ConfigurableResource):
         return ShardFiles.of(self.layout.shards_dir, check_safe_id(speaker_id, "speaker_id"))
 
     def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
-        """A client's k-means targets of HuBERT iteration 1 (MFCC clusters) or 2 (encoder-layer clusters)."""
         return self.layout.targets(check_safe_id(client_id, "client_id"), iteration)
 
     def kmeans_dir(self, client_id: str) -> Path:
         return self.targets(client_id).root
 
     def kmeans_iter2_dir(self, client_id: str) -> Path:
-        """A client's HuBERT iteration-2 targets (labels from an encoder layer)."""
         return self.targets(client_id, 2).root
 
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Pipeline settings: one file (`pipeline.toml`, or $SPEECH_ASSETS_SETTINGS) sets every stage's
-# knobs for every run: manual, scheduled, sensor-driven and automated alike. A manual run may
-# override any of them through run config (Launchpad / --config-json).
+# Pipeline settings: one file sets every stage's knobs for every run; a manual run may override them by run config.
 
 SETTINGS_ENV = "SPEECH_ASSETS_SETTINGS"
 SETTINGS_FILE = "pipeline.toml"
 
 
 class WorkerSettings(dg.Config):
-    """A settings section filled into a worker's config, a pydantic dataclass (``class
-    S(WorkerSettings, worker=TrainConfig)``; the run copies same-named fields with ``from_fields``).
+    """A settings section filled into a worker's config (``class S(WorkerSettings, worker=TrainConfig)``).
 
-    A field named like one of the worker's is written ``name: type`` only: it is the worker's
-    field, its default and its constraints (``Annotated[int, Field(ge=1)]``, a ``Literal``, an
-    ``AfterValidator``) stated once there, so pydantic refuses a bad value in the settings and in
-    the worker with the same message. ``worker`` may also be an instance (a named config such as
-    ``ITERATION2_KMEANS``): its values are then the defaults. The worker's model validators (a
-    rule across fields: ``min_duration_s < max_duration_s``) check the section's values too, their
-    messages prefixed ``[section]``; one reading a field the section lacks is not applied. The
-    section is checked when it is defined: such a field must have the worker's type, a field with
-    a value of its own must differ from the worker's default (0 = automatic where the worker says
-    ``None``); such a field means something else here and is the run's to check.
+    A field written ``name: type`` only is the worker's: its default and constraints are stated once
+    there, so a bad value gets the same message in both. ``worker`` may be an instance, whose values
+    are then the defaults. The worker's model validators check the section too (prefixed
+    ``[section]``), except those reading a field the section lacks. A field with a value of its own
+    must differ from the worker's default: it means something else here and is the run's to check.
     """
 
     section: ClassVar[str] = ""  # its name in the settings file, for messages
@@ -158,10 +141,8 @@ class WorkerSettings(dg.Config):
 
 
 def worker_fields(section: type, worker: object) -> dict[str, Any]:
-    """``{field: pydantic Field}`` of ``worker`` (a pydantic dataclass, or an instance of one whose
-    values are the defaults) for the fields ``section`` declares without a value: the worker's
-    default and constraints; raises TypeError for a declaration that restates or contradicts
-    ``worker``."""
+    """``{field: pydantic Field}`` with ``worker``'s default and constraints for each field ``section``
+    declares without a value; TypeError for a declaration that restates or contradicts ``worker``."""
     declared = section.__dict__.get("__annotations__", {})
     # this section's own annotations, resolved in its module (the class itself is not built yet)
     kinds = typing.get_type_hints(type("Declared", (), {"__annotations__": declared, "__module__": section.__module__}))
@@ -178,8 +159,10 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
         default = None if item is None else item.get_default(call_default_factory=True)
         if item is not None and not isinstance(worker, type):
             default = getattr(worker, name)
-        if item is not None and kind != types_[name] and kind == as_list(types_[name]):
-            default, kind = list(default), types_[name]  # a settings file gives a list for the worker's tuple
+        args = typing.get_args(types_.get(name))
+        if item is not None and typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,):
+            if kind == list[args[0]]:  # a settings file gives a list for the worker's tuple
+                default, kind = list(default), types_[name]
         if name in section.__dict__:
             if item is not None and kind == types_[name] and section.__dict__[name] == default:
                 raise TypeError(
@@ -195,17 +178,8 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
     return taken
 
 
-def as_list(kind: Any) -> Any:
-    """``list[X]`` for a worker's ``tuple[X, ...]`` (how a settings file spells it), else None."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return list[args[0]]
-    return None
-
-
 class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifest"):
-    """The manifest (`manifest`): which audio files are kept (the scan's ValidationConfig, filled
-    from these by field name, holds their defaults), and the reject ratio that blocks the build."""
+    """The manifest (`manifest`): which audio files are kept, and the reject ratio that blocks the build."""
 
     min_duration_s: float
     max_duration_s: float
@@ -225,8 +199,7 @@ class FeatureSettings(dg.Config):
     vad_padding_ms: int = VadConfig.padding_ms
     min_speech_s: float = VadConfig.min_speech_s
     min_speech_ratio: float = VadConfig.min_speech_ratio
-    # processes, this one included; 0: automatic (one more per ~4 h of audio, at most one per core; a smaller job here
-    # alone); 1: here alone
+    # processes, this one included; 0: one more per ~4 h of audio, at most one per core; 1: here alone
     workers: int = 0
     # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]
     speed_perturb: list[float] = []
@@ -236,20 +209,17 @@ class ClientSettings(WorkerSettings, worker=RunConfig, section="clients"):
     """Clients (`client_partitions`): how speakers split into non-IID clients and who is held out."""
 
     num_clients: int = 4
-    # the share of speakers held out of everything a model trains on (CMVN, k-means, every
-    # encoder), chosen once over the whole corpus by their id's hash: the probe's test speakers
+    # the share of speakers held out of everything a model trains on, chosen once by their id's hash
     heldout_fraction: float
 
 
 class KMeansSettings(WorkerSettings, worker=KMeansConfig, section="kmeans"):
-    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit; the
-    builder's config, KMeansConfig, is filled from these by field name and holds their defaults."""
+    """k-means targets (`kmeans_targets`): clusters per client, frames fitted, when to refit."""
 
     k: int  # clusters per client (shrinks for small clients)
     max_fit_frames: int  # frames sampled (as whole utterances) for the fit
     seed: int
-    # New speakers adding at most this share of a client's frames since its last refit are
-    # labelled with its existing codebook; more growth, or any change, refits.
+    # new speakers adding at most this share of a client's frames are labelled with its codebook; more refits
     refit_growth: float = 0.2
 
 
@@ -257,8 +227,7 @@ NOISE_SOURCES = ("", "coloured", "babble", "folder")
 
 
 class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
-    """The trainer's settings (its config, TrainConfig, is filled from them by field name and
-    holds the defaults they share) and how its torchrun job is launched."""
+    """The trainer's settings and how its torchrun job is launched."""
 
     preset: str
     max_steps: int
@@ -273,8 +242,8 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     nproc: int = 0  # 0 = auto
     nnodes: str = "1"
     rdzv_endpoint: str = ""  # host:port on the Dagster host (node 0) for multi-node runs
-    # how nodes 1..nnodes-1 start (settings file only): an argument list, no shell; {command} is
-    # their torchrun command, {host} node_hosts[rank-1] (host names or IP addresses)
+    # how nodes 1..nnodes-1 start (an argument list, no shell): {command} their torchrun command,
+    # {host} node_hosts[rank-1]
     node_command: str = "ssh {host} 'cd /srv/speech_assets && {command}'"
     node_hosts: list[str] = []
     threads: int = 0  # intra-op threads per process; 0: this node's cores shared among its processes
@@ -290,12 +259,10 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     noise_prob: float
     noise_snr_db: list[float]
     specaugment: bool
-    # GPUs the training step's pod asks for under a Kubernetes executor (0: no GPU request);
-    # read when the code location loads (speech_assets/defs/cluster.py), not per run.
+    # GPUs the training pod asks for under a Kubernetes executor (0: none); read when the code location loads
     gpus_per_node: int = 0
 
-    # what runs commands, reads files anywhere or names an endpoint: set in the settings file, never by run
-    # config; nor gpus_per_node, which a run could not change
+    # what runs commands, reads files anywhere or names an endpoint, and what a run could not change
     settings_only: ClassVar[frozenset[str]] = frozenset(
         {"node_command", "node_hosts", "noise_dir", "rdzv_endpoint", "gpus_per_node"}
     )
@@ -335,9 +302,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
 
 
 class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federated"):
-    """Federated pretraining (`federated_checkpoint`): Flower rounds of local training on each
-    client and server-side aggregation of the shared encoder (see speech_assets/federated/). The
-    server's config, FederatedConfig, is filled from these by field name and holds their defaults."""
+    """Federated pretraining (`federated_checkpoint`): Flower rounds of local training and server-side aggregation."""
 
     engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
     rounds: int
@@ -376,7 +341,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     round_timeout_s: float  # a client silent this long is counted missing for the round
     connect_timeout_s: float  # how long a round waits for its clients (training and evaluation)
     max_update_norm: float  # L2 bound on a client's update (its encoder minus the global); 0 = automatic
-    # local SuperNodes keep their heads and CMVN under <this>/<client>; "" = <data>/federated_clients
+    # local SuperNodes' state root (<this>/<client>); "" = <data>/federated_clients
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
     # the local clients' own limits (their node config, never from the server: docs/PRIVACY.md)
@@ -384,8 +349,6 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
     dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM  # refuse a larger DP clipping norm; 0 = dp_clipping_norm
 
-    # where the federation connects, what it trusts, where the SuperNodes write: set in the
-    # settings file, never by run config
     settings_only: ClassVar[frozenset[str]] = frozenset(SETTINGS_FILE_ONLY)
 
     @field_validator("superlink")
@@ -406,16 +369,13 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
 
 
 class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
-    """The downstream CTC probe (`downstream_probe`, speech_assets/evaluation/probe.py): the
-    probe's options (ProbeOptions, filled from these by field name, holds their defaults), then
-    which utterances it reads and how the verdict is drawn."""
+    """The downstream CTC probe (`downstream_probe`): its options, the utterances it reads, how the verdict is drawn."""
 
     probe: Probe  # linear, or bilstm (one BiLSTM layer of `hidden` per direction, then linear)
     steps: int  # at most this many AdamW steps per probe (it stops once its development CER stalls)
     batch_size: int
     lr: float
-    # each model's lr (and stopping step) is the one with the lowest CER on a development split of
-    # the training speakers; [] = lr for every model
+    # each model's lr is the one with the lowest CER on a dev split of the training speakers; [] = lr
     lrs: list[float]
     hidden: int
     seed: int = 0  # the random encoder's initialisation and the utterance subsample
@@ -423,8 +383,7 @@ class ProbeSettings(WorkerSettings, worker=ProbeOptions, section="probe"):
     max_train_utterances: int = 400  # a seeded subsample of the training speakers' utterances; 0 = all
     max_eval_utterances: int = 200  # of the held-out speakers' utterances; 0 = all
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    # below this many held-out speakers the verdict (a paired test over held-out utterances) is
-    # "indicative only": a few speakers' utterances say little about speakers in general
+    # below this many held-out speakers the verdict is "indicative only" (few speakers say little in general)
     min_heldout_speakers: int = 3
 
 
@@ -457,9 +416,7 @@ class DistillSettings(WorkerSettings, worker=DistillConfig, section="distill"):
 
 
 class Iteration2Settings(WorkerSettings, worker=ITERATION2_KMEANS, section="iteration2"):
-    """HuBERT iteration 2 (`kmeans_targets_iter2`, `pretrained_checkpoint_iter2`): targets are
-    k-means clusters of one layer of the iteration-1 encoder; training uses `[training]`. The
-    k-means fields' defaults are ITERATION2_KMEANS's (a KMeansConfig)."""
+    """HuBERT iteration 2: k-means targets of one layer of the iteration-1 encoder; training uses `[training]`."""
 
     encoder: str = "pretrained"  # pretrained (centralised) or federated
     layer: int = 0  # 1-based encoder layer; 0 = the middle one (6 of 12 for base)
@@ -469,17 +426,14 @@ class Iteration2Settings(WorkerSettings, worker=ITERATION2_KMEANS, section="iter
 
 
 class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"):
-    """CTC fine-tuning (`finetuned_asr`): each encoder, and the same architecture from scratch, on
-    a seeded labelled subset of the training speakers per budget and seed; the worker's config,
-    FinetuneConfig, is filled from these by field name and holds their defaults."""
+    """CTC fine-tuning (`finetuned_asr`): each encoder, and its architecture from scratch, per budget and seed."""
 
     labelled_minutes: list[float] = [10.0]  # labelled budgets (minutes of the training speakers' audio)
     seeds: list[int] = [0, 1]  # one subset and one run per model, budget and seed: mean and spread
     encoders: list[str] = ["pretrained"]  # of pretrained, federated, iteration2, distilled (those materialized)
     max_steps: int
     lr: float
-    # peak learning rates each model chooses from on the dev set (at the smallest budget, first seed);
-    # empty: every run uses `lr`
+    # peak lrs each model chooses from on the dev set (smallest budget, first seed); empty: `lr`
     lr_grid: list[float] = [5e-4, 1.5e-3, 4.5e-3]
     dev_speakers: int = 1  # training-side speakers never labelled: their utterances are the dev set
     max_dev_utterances: int = 100  # dev utterances scored at each evaluation (a seeded subsample); 0 = all
@@ -505,19 +459,13 @@ class FinetuneSettings(WorkerSettings, worker=FinetuneConfig, section="finetune"
     precision: Precision
     nproc: int = 1  # torchrun processes
     threads: int = 0  # intra-op threads per process; 0 = cores / processes
-    # with nproc = 1: runs trained at once, one process each, in the one launch; 0 = one per CPU
-    # core (at most the runs to train), 1 on a GPU
+    # with nproc = 1: runs trained at once, one process each; 0 = one per CPU core, 1 on a GPU
     parallel_runs: int = 0
 
 
 class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
-    """Every stage's settings, from `pipeline.toml` at the repository root (or the TOML file named
-    by ``$SPEECH_ASSETS_SETTINGS``); missing sections and keys keep their defaults.
-
-    Shown in the UI under Deployment -> Resources, one row per section, its type the section's
-    class (e.g. TrainingSettings) and its value the settings in effect; ``source`` says which
-    file was read.
-    """
+    """Every stage's settings, from `pipeline.toml` (or ``$SPEECH_ASSETS_SETTINGS``); missing keys keep
+    their defaults. ``source`` says which file was read."""
 
     source: str = ""
     manifest: ManifestSettings = ManifestSettings()
@@ -534,7 +482,6 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> PipelineSettings:
-        """Read ``path`` (default: ``$SPEECH_ASSETS_SETTINGS``, else ``pipeline.toml`` in the repo)."""
         explicit = path or os.environ.get(SETTINGS_ENV)
         file = locations.resolve(explicit or SETTINGS_FILE)
         if not file.is_file():
@@ -566,37 +513,27 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
 
 
 def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
-    """A run-config class with every field of ``section`` optional (unset: use the settings),
-    except the section's ``settings_only`` ones: run config naming them is rejected before the
-    run starts (Dagster: 'Received unexpected config entry'). Pydantic has no partial model and
-    Dagster's Launchpad needs a field per knob, so it is built here from the section's fields."""
+    """A run-config class with every field of ``section`` optional (unset: the settings') but its
+    ``settings_only`` ones. Built here: pydantic has no partial model and the Launchpad needs a field per knob."""
     excluded = getattr(section, "settings_only", frozenset())
-    fields = {
-        # a type built at run time from an annotation object: Optional[] takes any of them
-        name: (Optional[_overridable(field.annotation)], None)  # noqa: UP045
-        for name, field in section.model_fields.items()
-        if name not in excluded
-    }
+    fields = {}
+    for name, field in section.model_fields.items():
+        kind = field.annotation
+        if typing.get_origin(kind) is typing.Literal:  # Dagster has no optional enum; effective() checks the value
+            kind = type(typing.get_args(kind)[0])
+        if name not in excluded:
+            # a type built at run time from an annotation object: Optional[] takes any of them
+            fields[name] = (Optional[kind], None)  # noqa: UP045
     return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
 
 
-def _overridable(annotation: Any) -> Any:
-    """``annotation``, but a ``Literal``'s value type: Dagster resolves a ``Literal`` field to an
-    enum but not an optional one; :func:`effective` checks the value against the section's."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return type(typing.get_args(annotation)[0])
-    return annotation
-
-
 def effective(section: dg.Config, overrides: dg.Config) -> Any:
-    """``section`` with the fields a manual run set in ``overrides`` replaced (and checked as the
-    settings file's values are)."""
+    """``section`` with the fields a manual run set in ``overrides`` replaced, and checked."""
     changed = {k: v for k, v in overrides.model_dump().items() if v is not None and k in type(section).model_fields}
     changed = {k: v for k, v in changed.items() if k not in getattr(section, "settings_only", frozenset())}
     return type(section).model_validate({**section.model_dump(), **changed}) if changed else section
 
 
 def vad_config(features: FeatureSettings) -> VadConfig:
-    """The VAD's config: the settings' ``vad_*`` fields without their prefix, and the others by name."""
     renamed = {name: getattr(features, f"vad_{name}") for name in ("aggressiveness", "frame_ms", "padding_ms")}
     return from_fields(VadConfig, features, **renamed)

@@ -1,16 +1,13 @@
 """Beam search with a word n-gram language model, for CTC log-probabilities over the probe's tokens.
 
-The decoder is torchaudio's ``ctc_decoder`` (flashlight-text's lexicon beam search with KenLM
-shallow fusion); the language model is an ARPA file written here from the labelled training
-transcripts only (:func:`write_arpa`: absolute discounting with back-off, every history's
-distribution summing to one) and the lexicon is those transcripts' words, so the decoder spells
-only words it has seen labelled. flashlight-text installs from PyPI as a wheel (KenLM inside);
-pyctcdecode was not used: it pins numpy < 2 and its kenlm module builds from source.
-:func:`unavailable` says when the decoder cannot run, and the callers decode greedily alone then.
+torchaudio's ``ctc_decoder`` (flashlight-text, KenLM inside, a PyPI wheel; pyctcdecode pins
+numpy < 2 and builds kenlm from source), with an ARPA LM and a lexicon written here from the
+labelled training transcripts only, so the decoder spells only words it has seen labelled.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import tempfile
@@ -53,9 +50,8 @@ def ngram_counts(sentences: Sequence[str], order: int) -> list[Counter]:
 
 
 def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str]) -> None:
-    """An ARPA n-gram model of ``sentences``: unigrams add-one smoothed (``<unk>`` included),
-    higher orders absolutely discounted by :data:`DISCOUNT` with back-off weights that make
-    each history's distribution sum to one."""
+    """An ARPA n-gram model of ``sentences``: add-one unigrams, higher orders absolutely discounted
+    with back-off weights that make each history's distribution sum to one."""
     if order < 1:
         raise ValueError(f"order must be >= 1, got {order}")
     counts = ngram_counts(sentences, order)
@@ -93,17 +89,14 @@ def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str
 
 
 def _lower(prob: dict[tuple[str, ...], float], gram: tuple[str, ...]) -> float:
-    """P(gram[-1] | gram[:-1]) of the lower orders as the model stores them (no back-off weight
-    below: only the seen grams' mass is removed)."""
+    """P(gram[-1] | gram[:-1]) of the lower orders as stored (no back-off weight below)."""
     while gram not in prob and len(gram) > 1:
         gram = gram[1:]
     return prob.get(gram, prob.get(("<unk>",), 0.0))
 
 
 def write_lm_files(train_texts: Sequence[str], order: int, folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """The beam decoder's files in ``folder``: the ARPA n-gram LM of ``train_texts`` and the lexicon
-    of their words (each spelled letter by letter, ending at the word boundary); returns what a
-    recogniser records to rebuild the decoder (:func:`beam_decoder_from_files`)."""
+    """The ARPA LM and lexicon of ``train_texts`` in ``folder``; returns what rebuilds the decoder."""
     words = sorted({w for text in train_texts for w in text.split()})
     files = DecoderFiles(folder)
     arpa, lexicon = files.lm(order), files.lexicon
@@ -128,8 +121,7 @@ def beam_decoder_from_files(
     lm_weight: float = LM_WEIGHT,
     word_score: float = WORD_SCORE,
 ) -> Callable[[Sequence[np.ndarray]], list[str]]:
-    """``decode``: ``(L_i, 29)`` log-probabilities to transcripts by lexicon beam search with the
-    ARPA LM ``lm`` (both files are read here, not kept open)."""
+    """``decode``: ``(L_i, 29)`` log-probabilities to transcripts (both files are read here, not kept open)."""
     import torch
     from torchaudio.models.decoder import ctc_decoder
 
@@ -164,8 +156,7 @@ def beam_decoder(
     lm_weight: float = LM_WEIGHT,
     word_score: float = WORD_SCORE,
 ) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
-    """(decode, name): ``decode`` maps ``(L_i, 29)`` log-probabilities to transcripts by lexicon
-    beam search with the n-gram LM of ``train_texts``; ``name`` is the decoder column's value."""
+    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``."""
     with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
         files = write_lm_files(train_texts, order, folder)
         decode = beam_decoder_from_files(
@@ -186,26 +177,17 @@ def tuned_beam_decoder(
     dev_log_probs: Sequence[np.ndarray],
     dev_texts: Sequence[str],
 ) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str, dict[str, Any]]:
-    """(decode, name, choice): the beam decoder of :func:`beam_decoder` whose ``lm_weight`` and
-    ``word_score`` gave the lowest WER on the dev set among ``lm_weights`` x ``word_scores``
-    (ties: the first in that order); ``choice`` records the weights, the dev WER and every pair's.
-    Without dev utterances the defaults (``LM_WEIGHT``, ``WORD_SCORE``) are used, ``dev_wer`` None."""
+    """(decode, name, choice): the beam decoder with the ``lm_weights`` x ``word_scores`` pair of the
+    lowest dev WER (ties: the first); without dev utterances the defaults, ``dev_wer`` None."""
     import jiwer
 
     tried: list[list[float]] = []
-    best: tuple[float, float, float] | None = None
-    if dev_texts:
-        with tempfile.TemporaryDirectory(prefix="ngram-") as folder:
-            files = write_lm_files(train_texts, order, folder)
-            for weight in lm_weights:
-                for score in word_scores:
-                    decode = beam_decoder_from_files(
-                        Path(folder) / files["lm"], Path(folder) / files["lexicon"], lm_weight=weight, word_score=score
-                    )
-                    wer = float(jiwer.wer(list(dev_texts), decode(dev_log_probs)))
-                    tried.append([weight, score, wer])
-                    if best is None or wer < best[2]:
-                        best = (weight, score, wer)
-    weight, score, wer = best if best is not None else (LM_WEIGHT, WORD_SCORE, None)
-    decode, name = beam_decoder(train_texts, order, lm_weight=weight, word_score=score)
-    return decode, name, {"lm_weight": weight, "word_score": score, "dev_wer": wer, "tried": tried}
+    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:
+        files = write_lm_files(train_texts, order, folder)
+        lm, lexicon = Path(folder) / files["lm"], Path(folder) / files["lexicon"]
+        for weight, score in itertools.product(lm_weights, word_scores) if dev_texts else ():
+            decode = beam_decoder_from_files(lm, lexicon, lm_weight=weight, word_score=score)
+            tried.append([weight, score, float(jiwer.wer(list(dev_texts), decode(dev_log_probs)))])
+        weight, score, wer = min(tried, key=lambda row: row[2]) if tried else (LM_WEIGHT, WORD_SCORE, None)
+        decode = beam_decoder_from_files(lm, lexicon, lm_weight=weight, word_score=score)
+    return decode, files["name"], {"lm_weight": weight, "word_score": score, "dev_wer": wer, "tried": tried}

@@ -1,24 +1,12 @@
 """The exported recogniser at work: audio files in, text out (``speech-assets transcribe``).
 
-A recogniser folder (what ``finetuned_asr`` writes under ``<data>/finetune/recogniser/``) holds
-``frontend.onnx`` (16 kHz samples ``audio (B, N)``, ``audio_lengths (B,)`` -> the pipeline's
-80 log-mel at 100 Hz with the recorded CMVN applied, ``feats (B, T, 80)``, ``lengths (B,)``),
-``recogniser.onnx`` (``feats``, ``lengths`` -> CTC ``log_probs (B, L, 29)`` at 50 Hz,
-``output_lengths (B,)``) and ``recogniser.json`` (featurisation, VAD, CMVN, vocabulary, parity).
-Only onnxruntime, numpy, soundfile and webrtcvad run here (no torch, unless ``decoder="beam"``).
+A recogniser folder holds ``frontend.onnx`` (16 kHz audio -> the pipeline's CMVN log-mel),
+``recogniser.onnx`` (log-mel -> 50 Hz CTC log-probabilities) and ``recogniser.json``. Only
+onnxruntime, numpy, soundfile and webrtcvad run here (torch only for ``decoder="beam"``).
 
-Each file is read as the pipeline reads the corpus (:mod:`speech_assets.features.audio`: any
-format libsndfile decodes, mixed to mono, resampled to 16 kHz, peak-normalised) and its speech span
-found by the pipeline's WebRTC VAD with the recorded settings. A span longer than
-``max_segment_s`` is cut at its VAD pauses (at least ``MIN_PAUSE_S`` unvoiced; a long pause keeps
-``padding_ms`` of it on each side), a stretch with no pause is cut hard with ``OVERLAP_S`` of
-overlap (each word kept by the segment that holds its centre before the overlap's middle), so
-attention, and memory, stay bounded whatever the file's length. Segments of several files run in
-batches of similar length; greedy decoding gives each word its start and end (its CTC frames
-times the encoder's frame shift) and confidence (mean best-path posterior over its frames); beam
-decoding (lexicon beam search with the word n-gram LM the exported run built from its labelled
-transcripts: ``recogniser.json``'s ``beam`` names the ARPA file and lexicon in the folder,
-:func:`speech_assets.evaluation.decoding.write_lm_files`) gives each segment's text only.
+Files are read as the pipeline reads the corpus; a speech span longer than ``max_segment_s`` is cut
+at VAD pauses, else hard with ``OVERLAP_S`` of overlap, so memory stays bounded whatever the file's
+length. Greedy decoding gives each word its times and confidence; beam decoding segment text only.
 """
 
 from __future__ import annotations
@@ -74,11 +62,7 @@ def model_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
-    """The recogniser MLflow model ``uri`` (``models:/speech_assets_recogniser/latest``, ``.../<version>``,
-    ``runs:/<run id>/recogniser``; what ``finetuned_asr`` logs and registers) downloaded from
-    ``tracking_uri`` into ``destination`` and laid out as a recogniser folder (its ONNX model,
-    ``recogniser.json`` and the files that JSON names). :class:`RecogniserError` when the model
-    cannot be found or is not a recogniser."""
+    """The recogniser MLflow model ``uri`` downloaded into ``destination`` as a recogniser folder."""
     from speech_assets.train.tracking import download_onnx_model
 
     try:
@@ -100,10 +84,8 @@ def fetch_recogniser(uri: str, destination: Path, tracking_uri: str) -> Path:
 
 
 def labelled_files(inputs: Iterable[str | os.PathLike[str]]) -> list[tuple[str, Path]]:
-    """``inputs`` in order as ``(id, path)``: a file is its own id (as given), a folder gives every
-    file under it that libsndfile decodes by suffix (sorted), its id its path relative to the
-    folder, ``-`` the paths read from stdin, one a line. An id met twice becomes the path as
-    joined, then gets ``#<n>``: ids are unique."""
+    """``inputs`` as unique ``(id, path)``: a file as given, a folder's decodable files by relative path,
+    ``-`` the paths on stdin; a repeated id becomes the joined path, then gets ``#<n>``."""
     found: list[tuple[str, Path]] = []
     for item in inputs:
         if str(item) == "-":
@@ -122,11 +104,6 @@ def labelled_files(inputs: Iterable[str | os.PathLike[str]]) -> list[tuple[str, 
         seen.add(name)
         unique.append((name, path))
     return unique
-
-
-def audio_files(inputs: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The paths of :func:`labelled_files`."""
-    return [path for _, path in labelled_files(inputs)]
 
 
 @dataclass(frozen=True)
@@ -167,7 +144,7 @@ class Transcript:
         return asdict(self)
 
     def subtitles(self, kind: str) -> str:
-        """The segments as SRT or WebVTT cues (``kind``: ``srt``, ``vtt``), headed by the id for VTT."""
+        """The segments as SRT or WebVTT cues, headed by the id for VTT."""
 
         def stamp(t: float) -> str:
             ms = round(t * 1000)
@@ -183,10 +160,9 @@ class Transcript:
 def plan_segments(
     flags: np.ndarray, start: int, end: int, max_len: int, min_pause: int, pad: int, overlap: int
 ) -> list[tuple[int, int, int, int]]:
-    """Cut VAD frames ``[start, end)`` (``flags``: voiced per frame) into ``(start, end, lo, hi)``
-    of at most ``max_len`` frames: at the last pause of at least ``min_pause`` unvoiced frames
-    that starts inside the window (keeping ``pad`` of a longer pause on each side), else hard,
-    the next segment starting ``overlap`` earlier; a segment's words are those centred in ``[lo, hi)``."""
+    """Cut VAD frames ``[start, end)`` into ``(start, end, lo, hi)`` of at most ``max_len`` frames: at the
+    window's last pause of ``min_pause`` frames (keeping ``pad`` each side), else hard with ``overlap``;
+    a segment keeps the words centred in ``[lo, hi)``."""
     edges = np.diff(np.concatenate([[1], np.asarray(flags[start:end], np.int8), [1]]))
     pause_start, pause_end = np.flatnonzero(edges == -1) + start, np.flatnonzero(edges == 1) + start
     long = pause_end - pause_start >= min_pause
@@ -208,9 +184,8 @@ def plan_segments(
 
 
 class Recogniser:
-    """A recogniser folder loaded for transcription (onnxruntime: its CUDA provider when present,
-    else the CPU with ``threads`` threads, 0: onnxruntime's choice), decoding with ``decoder``
-    (one of :data:`DECODERS`), ``batch_size`` segments of at most ``max_segment_s`` per run."""
+    """A recogniser folder loaded for transcription (CUDA when present, else ``threads`` CPU threads,
+    0: onnxruntime's choice), ``batch_size`` segments of at most ``max_segment_s`` per run."""
 
     def __init__(
         self,
@@ -275,13 +250,12 @@ class Recogniser:
         )
 
     def features(self, waves: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """``feats (B, T, 80)``, ``lengths (B,)`` of peak-normalised 16 kHz ``waves`` (frontend.onnx)."""
+        """``feats (B, T, 80)``, ``lengths (B,)`` of peak-normalised 16 kHz ``waves``."""
         batch = np.zeros((len(waves), max(len(w) for w in waves)), np.float32)
         for row, wave in zip(batch, waves, strict=True):
             row[: len(wave)] = wave
         lengths = np.array([len(w) for w in waves], np.int64)
-        feats, frames = self.frontend.run(["feats", "lengths"], {"audio": batch, "audio_lengths": lengths})
-        return feats, frames
+        return tuple(self.frontend.run(["feats", "lengths"], {"audio": batch, "audio_lengths": lengths}))
 
     def log_probs(self, waves: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``(L_i, 29)`` CTC log-probabilities of each of ``waves`` (one batch)."""
@@ -290,8 +264,7 @@ class Recogniser:
         return [lp[: int(n)] for lp, n in zip(log_probs, lengths, strict=True)]
 
     def _segments(self, path: Path) -> tuple[float, list[tuple[np.ndarray, int, int, int]]]:
-        """``path``'s seconds and its segments ``(samples, start, lo, hi)`` (sample offsets in
-        the 16 kHz file); :class:`RecogniserError` when it cannot be read or holds no speech."""
+        """``path``'s seconds and segments ``(samples, start, lo, hi)`` (16 kHz sample offsets)."""
         from speech_assets.features import audio
         from speech_assets.features.vad import NoSpeech, classify_frames, detect_speech, to_pcm16
 
@@ -350,12 +323,10 @@ class Recogniser:
         return Segment(round(start / rate, 3), round(end, 3), " ".join(w.word for w in words), words)
 
     def transcribe(self, path: str | os.PathLike[str], utt_id: str | None = None) -> Transcript:
-        """``path``'s transcript, or its error (unreadable, no speech, too short)."""
         return next(self.transcribe_all([(utt_id or os.fspath(path), Path(path))]))
 
     def transcribe_all(self, items: Iterable[str | os.PathLike[str] | tuple[str, Path]]) -> Iterator[Transcript]:
-        """Each of ``items`` (a path, its own id, or ``(id, path)``) transcribed, in order; the
-        segments of files read together run in batches of similar length."""
+        """Each of ``items`` (a path or ``(id, path)``) transcribed, in order; segments batched by length."""
         group: list[tuple[str, Path, Any]] = []
         for item in items:
             name, path = item if isinstance(item, tuple) else (os.fspath(item), Path(item))
@@ -390,11 +361,8 @@ class Recogniser:
 
 
 def audio_parity(folder: Path, model: Any, cmvn: Any, paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
-    """The exported ``folder`` on the audio files ``paths`` against the pipeline (torch): its
-    featurisation (:func:`~speech_assets.features.build.process_variants` then ``cmvn``) against
-    ``frontend.onnx`` (largest absolute difference), and the greedy text of ``model``'s
-    :class:`~speech_assets.model.export.ExportableRecogniser` on those features against
-    ``transcribe``'s (files read whole, as the pipeline does). What ``recogniser.json`` records."""
+    """The exported ``folder`` against the pipeline (torch) on ``paths``: largest feature difference of
+    ``frontend.onnx``, and files whose greedy text matches ``model``'s. What ``recogniser.json`` records."""
     import torch
 
     from speech_assets.evaluation.text import decode_greedy
@@ -403,11 +371,9 @@ def audio_parity(folder: Path, model: Any, cmvn: Any, paths: Sequence[str | os.P
     from speech_assets.features.shards import FeatureRecord
     from speech_assets.model.export import ExportableRecogniser
 
-    recogniser, extractor, torch_model = (
-        Recogniser(folder, max_segment_s=3600.0),
-        FeatureExtractor(),
-        ExportableRecogniser(model),
-    )
+    recogniser = Recogniser(folder, max_segment_s=3600.0)
+    extractor = FeatureExtractor()
+    torch_model = ExportableRecogniser(model)
     same, diff, count = 0, 0.0, 0
     for path in paths:
         (record,) = process_variants(path, "parity", "", "", recogniser.vad, extractor)

@@ -13,6 +13,7 @@ import argparse
 import json
 import signal
 import sys
+import typing
 from dataclasses import fields
 from pathlib import Path
 
@@ -70,10 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--secagg-min-shares", type=int, default=SECAGG_MIN_SHARES)
     parser.add_argument("--secagg-threshold-floor", default=SECAGG_THRESHOLD_FLOOR)
     parser.add_argument("--dp-max-clipping-norm", type=float, default=DP_MAX_CLIPPING_NORM)
+    # resolved hints: an Annotated alias (AtLeast1 ...) is its base type
+    hints = typing.get_type_hints(FederatedConfig)
     for item in fields(FederatedConfig):
         if item.name in SKIPPED:
             continue
-        kind = {"int": int, "float": float, "bool": _bool}.get(str(item.type), str)
+        kind = {int: int, float: float, bool: _bool}.get(hints[item.name], str)
         parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
     return parser
 

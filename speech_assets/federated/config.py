@@ -1,21 +1,8 @@
-"""The knobs of a federated run, how they travel through Flower, and the layout of its folder.
-
-Pure Python (no torch, no flwr): the Dagster code location imports it for its config schema.
-
-Three kinds of settings, kept apart on purpose:
-
-- :class:`FederatedConfig` (the server's): strategy, rounds, who takes part, where the server
-  writes. It reaches the ServerApp as Flower *run config* (``[tool.flwr.app.config]`` of the app's
-  pyproject.toml, overridden by ``flwr run --run-config``): flat keys, hyphenated, scalar values.
-- :class:`LocalConfig` (a round's instructions to the clients): local steps, client learning rate,
-  model preset, masking, precision. The server sends it in every train/evaluate message's
-  ``ConfigRecord``; Flower's own ``eta_l`` is not used (Flower's strategies do not apply it either).
-- :class:`NodeConfig` (each SuperNode's own, never sent anywhere): its client id, where its data
-  lives, the state root it owns (its heads and CMVN between rounds), its threads and device. Set
-  with ``flower-supernode --node-config 'client-id="client_00" data-dir="/data/out"'``.
-
-Names that reach a client from the server (the run name) become paths there only after passing
-the project's safe-id rule (:mod:`speech_assets.corpus.ids`); so do client ids.
+"""The knobs of a federated run and how they travel through Flower (no torch, no flwr: the code
+location imports it). Kept apart on purpose: :class:`FederatedConfig` (the server's, as Flower run
+config), :class:`LocalConfig` (a round's instructions to the clients, in every message's
+``ConfigRecord``) and :class:`NodeConfig` (each SuperNode's own, never sent anywhere). A name from
+the server becomes a path on a client only after passing the safe-id rule.
 """
 
 from __future__ import annotations
@@ -64,10 +51,7 @@ DP_MAX_CLIPPING_NORM = 0.0
 def client_limit_problems(
     min_shares: object, threshold_floor: object, max_clipping_norm: object, separator: str = "-"
 ) -> list[str]:
-    """What is wrong with a client's own limits (NodeConfig's, or the ``[federated]`` settings the
-    launcher gives its clients; ``separator`` "_" names them as the settings do):
-    ``secagg-min-shares`` an int of at least 2, ``secagg-threshold-floor`` a fraction in
-    [1/2, 1), ``dp-max-clipping-norm`` finite and >= 0."""
+    """What is wrong with a client's own limits (``separator`` "_" names them as the settings do)."""
     problems = []
     if isinstance(min_shares, bool) or not isinstance(min_shares, int) or min_shares < 2:
         problems.append(f"secagg-min-shares must be an int of at least 2, got {min_shares!r:.40}")
@@ -103,7 +87,6 @@ def _odd_shares(shares: int) -> int:
 
 
 def _client_list(clients: object) -> object:
-    """Clients as a list, sorted; a string is a comma-separated list."""
     if isinstance(clients, str):
         clients = [c for c in clients.split(",") if c]
     return sorted(str(c) for c in clients) if isinstance(clients, list | tuple) else clients
@@ -114,20 +97,9 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 @train.config_dataclass
 class FederatedConfig:
-    """One federated run, as the server sees it.
-
-    ``clients`` are the client ids expected to take part (the SuperNodes' ``client-id``);
-    ``min_train_nodes`` = 0 means all of them. A round succeeds when at least
-    ``min_train_nodes`` clients reply within ``round_timeout_s``; the others are logged as missing.
-    ``keep_rounds`` bounds the round checkpoints kept (each holds the encoder and the server
-    optimiser's moments); every round's record (rows, missing clients, hashes) is always kept.
-
-    ``client_weights`` are the aggregation weights the server knows (the utterances of each
-    client's speakers in the clients table), never a client's self-reported count.
-    ``max_update_norm`` bounds the L2 norm of a client's update (its encoder minus the global
-    one); 0 = automatic, :func:`update_norm_bound`. A reply beyond it, or with a non-finite value,
-    is refused.
-    """
+    """One federated run, as the server sees it. A round succeeds when ``min_train_nodes`` (0: all)
+    clients reply within ``round_timeout_s``. ``client_weights`` are the weights the server knows
+    from the clients table, never a client's self-reported count."""
 
     run_dir: Text
     run_name: str
@@ -148,39 +120,30 @@ class FederatedConfig:
     evaluate_every: AtLeast1 = 5
     # FedProx's proximal term on the client (strategy "fedprox"): mu / 2 * ||w - w_global||^2
     proximal_mu: NonNegative = 0.01
-    # differential privacy (off at 0): clients clip their update to dp_clipping_norm (Flower's
-    # fixedclipping_mod), the server adds Gaussian noise of dp_noise_multiplier * clip / n to the
-    # uniform mean (Flower's DifferentialPrivacyClientSideFixedClipping) before the strategy's
-    # step; (epsilon, dp_delta) from Flower's RdpAccountant. Under DP a client's training metrics
-    # (loss, accuracy, seconds, audio seconds, examples, steps) stay on the client unless
-    # dp_share_client_metrics, and the server records no client's update norm unless it is set:
-    # epsilon does not cover them (docs/PRIVACY.md)
+    # differential privacy (off at 0): clients clip to dp_clipping_norm, the server adds Gaussian
+    # noise to the uniform mean. Client metrics and update norms stay private unless
+    # dp_share_client_metrics: epsilon does not cover them (docs/PRIVACY.md)
     dp_noise_multiplier: NonNegative = 0.0
     dp_clipping_norm: float = 1.0
     dp_delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
     dp_share_client_metrics: bool = False
-    # secure aggregation (double masking, Bonawitz et al.): the server sees only the sum of the
-    # survivors' updates; secagg_clipping_range bounds each value of an update (0 = 2 * client_lr
-    # * local_steps); each client shares its secrets with secagg_num_shares clients, itself
-    # included (0 = every sampled client; else odd, on a ring: SecAgg+), any secagg_threshold of
-    # which rebuild them (0 = floor(2k/3) + 1; more than half of k, so no split rebuilds both)
+    # secure aggregation (SecAgg+): the server sees only the sum of updates; each value is bounded by
+    # secagg_clipping_range (0 = 2 * client_lr * local_steps); secrets go to secagg_num_shares
+    # clients (0 = all sampled; else odd), any secagg_threshold of which rebuild them (0 = floor(2k/3) + 1)
     secure_aggregation: bool = False
     secagg_clipping_range: NonNegative = 0.0
     secagg_threshold: AtLeast0 = 0
     secagg_num_shares: Annotated[int, AfterValidator(_odd_shares)] = 0
     preset: Preset = TrainConfig.preset
     client_lr: Positive = 2e-3
-    # "constant": client_lr in every round; "linear": the clients' lr decays linearly over all
-    # rounds x local_steps, from client_lr to 0, as the centralised trainer's does over its steps
-    # (measured on the learning benchmark: CER 0.570 +- 0.010 against constant's 0.561 +- 0.004)
+    # "linear": decays to 0 over all rounds x local_steps (benchmark CER 0.570 +- 0.010, constant 0.561 +- 0.004)
     client_lr_schedule: ClientLrSchedule = "constant"
     batch_seconds: Positive = 16.0
     # a local round trains as the centralised trainer does: its defaults
     weight_decay: float = TrainConfig.weight_decay
     clip_norm: float = TrainConfig.clip_norm
     seed: int = TrainConfig.seed
-    # the pipeline's held-out speakers (chosen once over the whole corpus): every client leaves
-    # its own among them out of training; train_speakers is what the run trains on, recorded
+    # the pipeline's held-out speakers, left out of training by every client; train_speakers is recorded
     heldout_speakers: list[str] = field(default_factory=list)
     train_speakers: list[str] = field(default_factory=list)
     max_frames: AtLeast1 = TrainConfig.max_frames
@@ -195,9 +158,6 @@ class FederatedConfig:
     client_weights: dict[str, float] = field(default_factory=dict)
     data_versions: dict[str, str] = field(default_factory=dict)
 
-    # what each field must hold on its own is in its annotation (the settings section takes it
-    # too); what depends on the clients (their number, ids and weights) is checked in validate()
-
     @model_validator(mode="after")
     def _dp_clipping(self) -> Self:
         if self.dp_noise_multiplier > 0 and not (self.dp_clipping_norm > 0 and math.isfinite(self.dp_clipping_norm)):
@@ -209,12 +169,11 @@ class FederatedConfig:
 
     @property
     def required_clients(self) -> int:
-        """How many clients must reply for a round to count."""
         return self.min_train_nodes or self.sample_size
 
     @property
     def sample_size(self) -> int:
-        """How many clients a round samples (Flower's rule: a fraction, at least ``min_train_nodes``)."""
+        """How many clients a round samples (Flower's rule)."""
         return min(len(self.clients), max(1, int(self.fraction_train * len(self.clients)), self.min_train_nodes))
 
     @property
@@ -223,14 +182,13 @@ class FederatedConfig:
 
     @property
     def uniform_weights(self) -> bool:
-        """DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets."""
+        # DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets
         return self.differential_privacy or self.secure_aggregation
 
     def secagg_range(self) -> float:
         return self.secagg_clipping_range or 2.0 * self.client_lr * self.local_steps
 
     def secagg_shares(self) -> int:
-        """How many clients (itself included) each client shares its secrets with."""
         return min(self.secagg_num_shares or self.sample_size, self.sample_size)
 
     def evaluates(self, round_number: int) -> bool:
@@ -273,10 +231,8 @@ class FederatedConfig:
             raise ValueError("invalid FederatedConfig: " + "; ".join(problems))
 
     def weight_of(self, client_id: str) -> float:
-        """The aggregation weight of ``client_id`` (1.0 each when no clients table was given)."""
         return float(self.client_weights.get(client_id, 1.0))
 
-    # -- Flower run config: flat, hyphenated, scalar values --------------------------------
     def to_run_config(self) -> dict[str, Scalar]:
         """The run config for ``flwr run --run-config`` (mappings as JSON strings)."""
         values: dict[str, Scalar] = {}
@@ -292,8 +248,7 @@ class FederatedConfig:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
-        """Parse a Flower run config (unknown keys are ignored: the app's defaults may hold more),
-        refusing any of :data:`SETTINGS_FILE_ONLY`."""
+        """Parse a Flower run config (unknown keys ignored), refusing :data:`SETTINGS_FILE_ONLY`."""
         named = sorted(set(map(_key, SETTINGS_FILE_ONLY)) & set(run_config))
         if named:
             raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
@@ -308,14 +263,11 @@ class FederatedConfig:
         return cls(**values)
 
     def settings(self) -> dict[str, Any]:
-        """What a run computes depends on: every field but where it is written and how long the
-        server waits (a run folder may resume with other timeouts; see :func:`settings_changes`)."""
+        """What a run computes depends on (a run folder may resume with other timeouts)."""
         return {k: v for k, v in self.to_dict().items() if k not in NOT_SETTINGS}
 
     def local(self, round_number: int = 1) -> LocalConfig:
-        """What every client is told in round ``round_number``'s ConfigRecord: with the linear
-        schedule, the lr at the round's first and last local step (``client_lr * (1 - (r - 1) / R)``
-        and ``client_lr * (1 - r / R)`` for round r of R)."""
+        """What every client is told in round ``round_number`` (linear: lr at its first and last step)."""
         start, end = self.client_lr, self.client_lr
         if self.client_lr_schedule == "linear":
             start = self.client_lr * (1 - (round_number - 1) / self.rounds)
@@ -336,10 +288,7 @@ NOT_SETTINGS = ("run_dir", "run_name", "round_timeout_s", "connect_timeout_s")
 
 
 def settings_changes(before: Mapping[str, Any], now: Mapping[str, Any], *, resuming: bool) -> list[str]:
-    """What differs between the settings a run folder was started with and these, as
-    ``"name: old -> new"`` lines; empty when they match. When ``resuming``, the number of rounds
-    may differ (a run may be extended; the server refuses fewer rounds than it completed); a
-    finished result is reused only when nothing, rounds included, differs."""
+    """``"name: old -> new"`` for each difference; ``resuming`` allows other rounds (a run may be extended)."""
     changes = []
     for name in sorted(set(before) | set(now)):
         old, new = before.get(name, "<unset>"), now.get(name, "<unset>")
@@ -355,19 +304,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-# Under DP the server refuses an update whose norm exceeds dp_clipping_norm by more than this
-# share: a client's clipped update travels as its encoder (global + update, float32) and the
-# server subtracts the global one again, which rounds each value by up to half a float32 ulp of
-# the weight (measured: a few 1e-6 of the norm on the test presets). The server then scales what
-# it accepts to the clipping norm exactly, so the tolerance never enters the guarantee.
+# Under DP the server refuses an update norm above dp_clipping_norm by more than this share: the
+# update travels as global + update in float32 (measured rounding: a few 1e-6 of the norm). What is
+# accepted is scaled to the clipping norm exactly, so the tolerance never enters the guarantee.
 DP_NORM_TOLERANCE = 1e-3
 
 
 def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
-    """The largest update norm the server accepts: under DP the clipping norm (plus
-    :data:`DP_NORM_TOLERANCE`); else ``max_update_norm``, or when that is 0,
-    ``2 * client_lr * local_steps * sqrt(encoder_values)``: AdamW (betas 0.9/0.98) moves each
-    value by at most about ``client_lr`` per step, so an honest client stays within half of it."""
+    """The largest update norm the server accepts. Automatic: AdamW moves each value by about
+    ``client_lr`` per step at most, so an honest client stays within half of this bound."""
     if config.differential_privacy:
         clip = config.dp_clipping_norm * (1.0 + DP_NORM_TOLERANCE)
         return min(clip, config.max_update_norm) if config.max_update_norm > 0 else clip
@@ -377,7 +322,6 @@ def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
 
 
 def _coerce(value: Any, kind: Any) -> Any:
-    """A Flower scalar as a field of type ``kind`` (a resolved type hint)."""
     if typing.get_origin(kind) is list:
         return [c for c in str(value).split(",") if c]
     if kind in (int, float):
@@ -389,10 +333,8 @@ def _coerce(value: Any, kind: Any) -> Any:
 
 @dataclass(frozen=True)
 class LocalConfig:
-    """A round's instructions to a client: ``local_steps`` optimizer steps of at most
-    ``batch_seconds`` of padded audio each, AdamW (fresh optimizer state every round) whose lr goes
-    linearly from ``lr`` at the first step to ``lr_end`` after the last, the same masking, loss and
-    precision as the centralised trainer."""
+    """A round's instructions to a client: ``local_steps`` AdamW steps (fresh state each round), lr
+    going linearly from ``lr`` to ``lr_end``, masking and loss as the centralised trainer's."""
 
     run_name: str
     local_steps: int
@@ -416,8 +358,7 @@ class LocalConfig:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:
-        """Parse a round's instructions as a client receives them; the run name becomes a
-        folder there, so it must be a safe id (``..`` or ``a/b`` are refused)."""
+        """Parse a round's instructions; the run name becomes a folder there, so it must be a safe id."""
         values = {}
         kinds = typing.get_type_hints(cls)
         for item in fields(cls):
@@ -431,7 +372,6 @@ class LocalConfig:
 
 
 def _flag(node_config: Mapping[str, Any], key: str) -> bool:
-    """A boolean of a SuperNode's ``--node-config`` (``true``/``false``; absent = false)."""
     value = node_config.get(key, False)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
@@ -442,31 +382,13 @@ def _flag(node_config: Mapping[str, Any], key: str) -> bool:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """A SuperNode's own settings (``--node-config``); they never leave the client.
-
-    ``data-dir`` is the client's data folder in the pipeline's layout (``kmeans/<client-id>/``,
-    ``features/shards/``); only this client's own files in it are read. ``state-root`` is the
-    folder this SuperNode owns for its state: ``<state-root>/<run>/`` holds its prediction heads
-    between rounds and its CMVN (default: ``<data-dir>/federated_clients/<client-id>``; never
-    inside a server's run folder). ``threads``: intra-op threads (0 = all cores); ``device``:
-    auto, cpu or cuda.
-
-    Secure aggregation (never taken from the server): ``node-keys`` is the folder of the
-    federation's node keys (:class:`~speech_assets.layout.NodeKeys`: this node's
-    ``<client-id>.key``, which signs its advertisements, and the ``<client>.pub`` of every
-    authorised node, against which it checks its peers'); without it the node takes part in no
-    secure round. The node refuses a round of fewer than ``secagg-min-shares`` clients sharing
-    with it (k) and a threshold t of at most ``secagg-threshold-floor`` × k (a fraction, "2/3":
-    the server's default ⌊2k/3⌋ + 1 is the lowest t it accepts). Under DP it refuses a round
-    whose clipping norm exceeds ``dp-max-clipping-norm`` (0 = no bound of its own), so a server
-    cannot switch clipping off with a huge norm.
-
-    What this client requires of every round, whatever the server asks (a server that leaves a
-    protection out is refused, never obeyed): ``require-secure-aggregation`` refuses a train
-    message without the secure-aggregation nonce (its update would leave in the clear);
-    ``require-dp`` refuses one without the DP clipping norm (its update would leave unclipped).
-    The launcher sets both from the run's settings for the SuperNodes it starts, and the limits
-    above from the ``[federated]`` settings of the same names.
+    """A SuperNode's own settings (``--node-config``); they never leave the client and are never
+    taken from the server. ``state-root`` holds its heads and CMVN between rounds (never inside a
+    server's run folder); ``node-keys`` (:class:`~speech_assets.layout.NodeKeys`) is needed for any
+    secure round. It refuses a round of fewer than ``secagg-min-shares`` clients, a threshold of at
+    most ``secagg-threshold-floor`` x k, or under DP a clipping norm above ``dp-max-clipping-norm``
+    (so a server cannot switch clipping off with a huge norm). ``require-secure-aggregation`` and
+    ``require-dp`` refuse a round whose update would leave in the clear or unclipped.
     """
 
     client_id: str
@@ -488,8 +410,7 @@ class NodeConfig:
             raise ValueError("; ".join(problems))
 
     def min_threshold(self, num_shares: int) -> int:
-        """The lowest threshold this node accepts for ``num_shares`` shares: the smallest t above
-        ``secagg-threshold-floor`` × k (exact arithmetic), at least 2."""
+        """The lowest threshold this node accepts for ``num_shares`` shares (exact arithmetic), at least 2."""
         return max(2, math.floor(Fraction(str(self.secagg_threshold_floor)) * num_shares) + 1)
 
     @classmethod
@@ -502,54 +423,39 @@ class NodeConfig:
             )
         if "state-dir" in node_config:
             raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
-        device = str(node_config.get("device", "auto"))
-        if device not in DEVICES:
+        if str(node_config.get("device", "auto")) not in DEVICES:
             raise ValueError(f"node config device must be one of {DEVICES}")
-        return cls(
-            client_id=str(node_config["client-id"]),
-            data_dir=str(node_config["data-dir"]),
-            state_root=str(node_config.get("state-root", "")),
-            threads=int(node_config.get("threads", 0)),
-            device=device,
-            node_keys=str(node_config.get("node-keys", "")),
-            secagg_min_shares=int(node_config.get("secagg-min-shares", SECAGG_MIN_SHARES)),
-            secagg_threshold_floor=str(node_config.get("secagg-threshold-floor", SECAGG_THRESHOLD_FLOOR)),
-            dp_max_clipping_norm=float(node_config.get("dp-max-clipping-norm", DP_MAX_CLIPPING_NORM)),
-            require_secure_aggregation=_flag(node_config, "require-secure-aggregation"),
-            require_dp=_flag(node_config, "require-dp"),
-        )
+        values = {}
+        for item in fields(cls):
+            key = _key(item.name)
+            if item.type == "bool":
+                values[item.name] = _flag(node_config, key)
+            elif key in node_config:
+                values[item.name] = {"int": int, "float": float}.get(item.type, str)(node_config[key])
+        return cls(**values)
 
     def to_node_config(self) -> str:
-        """The ``--node-config`` argument of ``flower-supernode``."""
-        parts = [f'client-id="{self.client_id}"', f'data-dir="{self.data_dir}"']
-        if self.state_root:
-            parts.append(f'state-root="{self.state_root}"')
-        if self.threads:
-            parts.append(f"threads={self.threads}")
-        if self.device != "auto":
-            parts.append(f'device="{self.device}"')
-        if self.node_keys:
-            parts.append(f'node-keys="{self.node_keys}"')
-        if self.secagg_min_shares != SECAGG_MIN_SHARES:
-            parts.append(f"secagg-min-shares={self.secagg_min_shares}")
-        if self.secagg_threshold_floor != SECAGG_THRESHOLD_FLOOR:
-            parts.append(f'secagg-threshold-floor="{self.secagg_threshold_floor}"')
-        if self.dp_max_clipping_norm != DP_MAX_CLIPPING_NORM:
-            parts.append(f"dp-max-clipping-norm={float(self.dp_max_clipping_norm)!r}")
-        if self.require_secure_aggregation:
-            parts.append("require-secure-aggregation=true")
-        if self.require_dp:
-            parts.append("require-dp=true")
+        """``flower-supernode``'s ``--node-config``: the values other than the defaults."""
+        parts = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value == item.default:
+                continue
+            if isinstance(value, str):
+                value = f'"{value}"'
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            elif item.type == "float":
+                value = repr(float(value))
+            parts.append(f"{_key(item.name)}={value}")
         return " ".join(parts)
 
     @property
     def root(self) -> Path:
-        """The state root this SuperNode owns."""
         if self.state_root:
             return Path(self.state_root)
         return layout.DataLayout(self.data_dir).client_state_dir / self.client_id
 
     def client_dir(self, run_name: str) -> Path:
-        """Where this client keeps its state for run ``run_name`` (a name from the server: it
-        must be a safe id before it becomes a path)."""
+        """This client's state folder for ``run_name`` (a name from the server, so checked)."""
         return self.root / check_safe_id(run_name, "the run name sent by the server")

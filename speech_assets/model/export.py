@@ -1,15 +1,9 @@
 """The encoder without its heads, exported to TorchScript and ONNX, with a parity check.
 
-:class:`ExportableEncoder` maps ``feats (B, T, 80)`` float32 (log-mel at 100 Hz, CMVN applied)
-and ``lengths (B,)`` int64 to ``hidden (B, (T + 1) // 2, D)`` float32 of one layer at 50 Hz
-(padded frames are zero) and ``hidden_lengths (B,)`` int64; batch and time are dynamic axes in
-both exports. :class:`ExportableRecogniser` is the same with a CTC head on top: ``log_probs (B, L, V)``
-and ``output_lengths (B,)`` (:func:`export_recogniser`). ONNX goes through ``torch.onnx.export(dynamo=True)``
-(``torch.export``; the
-TorchScript-based exporter is deprecated), TorchScript through ``torch.jit.trace``.
-:class:`LogMelFrontend` is the featurisation in front of a recogniser as its own ONNX graph
-(``frontend.onnx``): 16 kHz samples in, the recogniser's ``feats`` out, so that transcription
-needs only onnxruntime and numpy.
+ONNX goes through ``torch.onnx.export(dynamo=True)`` (the TorchScript-based exporter is
+deprecated), TorchScript through ``torch.jit.trace``; batch and time are dynamic axes in both.
+:class:`LogMelFrontend` is the featurisation as its own ONNX graph, so that transcription needs
+only onnxruntime and numpy.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ RECOGNISER_OUTPUT_NAMES = ("log_probs", "output_lengths")
 
 
 def resolve_layer(model: HubertPretrainModel, layer: int) -> int:
-    """The index of the layer ``layer`` names in ``model`` (``-1``: the last, its depth), what an
-    export's folder and ``encoder.json`` are named after; anything outside ``[0, depth]`` or -1 is refused."""
+    """The index of the layer ``layer`` names in ``model`` (``-1``: the last), what an export is named after."""
     depth = len(model.encoder.layers)
     if layer == -1:
         return depth
@@ -52,11 +45,8 @@ def resolve_layer(model: HubertPretrainModel, layer: int) -> int:
 
 
 class ExportableEncoder(nn.Module):
-    """``feats (B, T, 80)``, ``lengths (B,)`` -> ``hidden (B, L, D)`` of ``layer``, ``hidden_lengths (B,)``.
-
-    ``layer`` counts like :meth:`HubertPretrainModel.hidden_states`: 0 is the Transformer's
-    input, ``i`` the output of layer ``i``; the last layer (``-1``) includes the final LayerNorm.
-    """
+    """``feats (B, T, 80)``, ``lengths (B,)`` -> ``hidden (B, L, D)`` of ``layer`` (padded frames zero),
+    ``hidden_lengths (B,)``; ``layer`` 0 is the Transformer's input, the last includes the final LayerNorm."""
 
     def __init__(self, model: HubertPretrainModel, layer: int = -1) -> None:
         super().__init__()
@@ -91,13 +81,9 @@ class ExportableRecogniser(nn.Module):
 
 
 class LogMelFrontend(nn.Module):
-    """``audio (B, N)`` float32 (16 kHz mono, peak-normalised, zero-padded), ``audio_lengths (B,)``
-    -> ``feats (B, T, 80)`` with ``cmvn`` applied (padded frames zero), ``lengths (B,)``: the
-    pipeline's :class:`~speech_assets.features.featurize.FeatureExtractor` log-mel. A frame's DC
-    removal, pre-emphasis, Povey window and 512-point real DFT are all linear in its 400 samples, so
-    they are one constant ``(514, 400)`` kernel, a strided Conv (no FFT or STFT operator needed);
-    the mel filterbank is a constant matmul; CMVN is constants (global) or masked mean/variance over
-    each row's valid frames (per utterance)."""
+    """``audio (B, N)`` 16 kHz, ``audio_lengths (B,)`` -> the pipeline's log-mel ``feats (B, T, 80)`` with
+    ``cmvn`` applied, ``lengths (B,)``. A frame's DC removal, pre-emphasis, window and DFT are linear
+    in its samples, so they are one constant kernel of a strided Conv (no FFT operator needed)."""
 
     def __init__(self, cmvn: Normaliser | None = None) -> None:
         from speech_assets.features.cmvn import UtteranceCmvn
@@ -155,9 +141,7 @@ def export_onnx(
     input_names: Sequence[str] = INPUT_NAMES,
     example: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Write ``encoder`` (an :class:`ExportableEncoder`, :class:`ExportableRecogniser` or, with its
-    names and an ``example``, :class:`LogMelFrontend`) as one self-contained ONNX file (weights
-    inside) with dynamic batch/time."""
+    """Write ``encoder`` as one self-contained ONNX file (weights inside) with dynamic batch and time."""
     batch, time = torch.export.Dim("batch"), torch.export.Dim("time", min=2 if example is None else 560)
     # grad mode on: nn.TransformerEncoderLayer's inference fast path is a fused op the
     # exporter cannot translate; the regular path is the same computation.
@@ -179,8 +163,7 @@ def export_onnx(
 
 def export_torchscript(encoder: nn.Module, path: str | os.PathLike[str]) -> None:
     """Write ``encoder`` traced to TorchScript (checked on a second batch and length)."""
-    # torch 2.14 marks torch.jit as deprecated (FutureWarning) but still supports it; the
-    # TorchScript file is for runtimes that load it (LibTorch, older deployments).
+    # torch.jit is deprecated (FutureWarning) but supported; the file is for LibTorch and older runtimes
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         traced = torch.jit.trace(encoder, example_inputs(), check_inputs=[example_inputs(3, 64, seed=1)])
@@ -203,7 +186,6 @@ class Parity:
     frames: int
 
     def record(self) -> dict[str, object]:
-        """What an export's JSON card says of its parity."""
         return {
             "max_abs_diff": self.onnx_max_abs_diff,
             "torchscript_max_abs_diff": self.torchscript_max_abs_diff,
@@ -220,8 +202,7 @@ def check_parity(
     feats: Sequence[np.ndarray],
     output_names: Sequence[str] = OUTPUT_NAMES,
 ) -> Parity:
-    """Run the ONNX file (onnxruntime, CPU) and the TorchScript file on ``feats`` (``(T_i, 80)``
-    each, one padded batch) and compare with eager PyTorch, valid frames only."""
+    """The ONNX (onnxruntime, CPU) and TorchScript files against eager PyTorch on ``feats``, valid frames only."""
     import onnxruntime
 
     batch, lengths = pad(feats)
@@ -245,9 +226,7 @@ def check_parity(
 def export_all(
     model: HubertPretrainModel, folder: Path, layer: int, feats: Sequence[np.ndarray], opset: int | None = None
 ) -> Parity:
-    """``folder/encoder.onnx`` and ``folder/encoder.pt`` (TorchScript) of ``model``'s ``layer``, and
-    their parity on ``feats``. Writes into ``folder`` directly: pass a temporary folder and
-    rename it into place (the asset does)."""
+    """The ONNX and TorchScript exports of ``model``'s ``layer`` in ``folder`` (a temporary one), and their parity."""
     encoder, files = ExportableEncoder(model, layer), ExportFiles(folder)
     export_onnx(encoder, files.onnx, opset)
     export_torchscript(encoder, files.torch)
@@ -261,10 +240,7 @@ def export_recogniser(
     opset: int | None = None,
     cmvn: Normaliser | None = None,
 ) -> Parity:
-    """``folder/recogniser.onnx`` and ``folder/recogniser.pt`` (TorchScript) of ``model`` with its
-    CTC head (:class:`ExportableRecogniser`), and their parity on ``feats`` (as :func:`export_all`);
-    ``folder/frontend.onnx``, the :class:`LogMelFrontend` of ``cmvn`` (the normalisation the model
-    trained with; ``None``: per utterance) that turns audio into its ``feats``."""
+    """The exports of ``model`` with its CTC head, their parity, and the frontend of ``cmvn`` (None: per utterance)."""
     recogniser, files = ExportableRecogniser(model), RecogniserFiles(folder)
     audio = torch.randn(2, 16_000, generator=torch.Generator().manual_seed(0)) * 0.1
     # opset 18 at least: what the dynamo exporter writes for the frontend's ops
@@ -283,8 +259,7 @@ def export_recogniser(
 
 
 def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, count: int) -> list[np.ndarray]:
-    """The first ``count`` utterances of ``shards`` (in order) as the exported encoder takes them:
-    log-mel ``(T, 80)`` with ``cmvn`` (the normalisation the encoder was trained with) applied."""
+    """The first ``count`` utterances of ``shards`` as the exported encoder takes them (``cmvn`` applied)."""
     from speech_assets.features.shards import iter_shard
 
     found = []
@@ -298,9 +273,7 @@ def parity_features(shards: Sequence[str | os.PathLike[str]], cmvn: Normaliser, 
 
 
 def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity | None, list[str]]:
-    """Run ``folder``'s exported files again (ONNX through onnxruntime, TorchScript) against eager
-    PyTorch on the checkpoint ``encoder.json`` names, on ``feats``; and what stands in the way of
-    a comparison (the checkpoint gone or changed since the export, outputs of other lengths)."""
+    """``folder``'s exports against eager PyTorch on the checkpoint they name again, or what prevents it."""
     from speech_assets.model.encoders import load_encoder
 
     files = ExportFiles(folder)
@@ -324,9 +297,7 @@ def reverify_export(folder: Path, feats: Sequence[np.ndarray]) -> tuple[Parity |
 def input_description(
     encoder: LoadedEncoder, cmvn: Normaliser, layer: int, parity: Parity, checkpoint: str
 ) -> dict[str, Any]:
-    """``encoder.json``: everything a user needs to feed the exported encoder and read its output.
-    ``cmvn`` is the normalisation the encoder was trained with (``cmvn.kind``: ``utterance``, each
-    utterance by its own mean and std over time, or ``global`` with the stored mean and std)."""
+    """``encoder.json``: everything a user needs to feed the exported encoder and read its output."""
     from speech_assets.features.cmvn import describe
     from speech_assets.features.featurize import FeatureExtractor
 

@@ -50,26 +50,44 @@ Preset = Annotated[str, AfterValidator(_preset)]
 
 @dataclass
 class ClientTargets:
-    """One client's k-means targets: ``labels`` parquet (``speech_assets.targets``) and codebook size ``k``."""
-
     labels: str
     k: int
 
 
+class JsonFile:
+    """A dataclass stored as one JSON file, refusing unknown fields when read."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            atomic_write_text(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Self:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
 @config_dataclass(kw_only=True)
-class RunConfig:
-    """What every training run's config has (:class:`TrainConfig`, ``DistillConfig``; keyword-only
-    fields): its inputs, what the engine and the tracker read besides each run's own fields
-    (``preset``, ``max_steps``, ``checkpoint_every``, ``keep_checkpoints``), and the stored form:
-    one JSON file fully describes a run."""
+class RunConfig(JsonFile):
+    """What every training run's config has: its inputs, what the engine and tracker read, and the stored form."""
 
     run_dir: Text
     shards: list[Text]
     cmvn: Text
     clients: dict[str, ClientTargets]
     heldout_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    # the held-out speakers, when the caller chose them (the pipeline: over the whole corpus, in
-    # client_partitions); None: heldout_speakers() of the indexed speakers at heldout_fraction
+    # the held-out speakers when the caller chose them; None: heldout_speakers() at heldout_fraction
     heldout_speakers: list[str] | None = None
     normalisation: Normalisation = "utterance"
     weight_decay: float = 0.01
@@ -85,8 +103,7 @@ class RunConfig:
     mlflow_experiment: str = "speech_assets"
     mlflow_artifact_location: str | None = None
     mlflow_run_name: str | None = None
-    # the MLflow run's ``mode`` tag ("" = centralised, or distilled for a DistillConfig) and the
-    # Dagster run that launched it (a tag too, never a param)
+    # the MLflow run's ``mode`` tag ("" = centralised) and the Dagster run that launched it (tags, never params)
     mode: str = ""
     dagster_run_id: str | None = None
 
@@ -94,42 +111,18 @@ class RunConfig:
         self.clients = dict(sorted(self.clients.items()))
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as stored (config files, checkpoints, MLflow): the tracking URI without
-        credentials, which reach the trainer through ``$MLFLOW_TRACKING_URI`` only."""
+        """The config as stored: the tracking URI without credentials (they travel in ``$MLFLOW_TRACKING_URI`` only)."""
         data = asdict(self)
         if data["mlflow_tracking_uri"]:
             data["mlflow_tracking_uri"] = redact_uri(data["mlflow_tracking_uri"])
         return data
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Self:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**data)
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The config as JSON text; also written atomically to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> Self:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
 
 @config_dataclass
 class TrainConfig(RunConfig):
-    """Everything a training run needs. ``"auto"``/``None`` values are resolved by autoconfig.
-
-    Batch sizes are in seconds of audio (sum of unpadded utterance durations): ``batch_seconds``
-    per device and micro-batch, ``target_batch_seconds`` per optimizer step over all devices
-    (``batch_seconds * nproc * grad_accum`` reaches it). ``threads``: intra-op threads per
-    process (default: the cores divided among this node's processes). These defaults are the
-    `[training]` settings' too (speech_assets/defs/resources.py takes them from here).
-    """
+    """Everything a training run needs; ``"auto"``/``None`` values are resolved by autoconfig. Batch
+    sizes are seconds of unpadded audio: ``batch_seconds`` per device and micro-batch,
+    ``target_batch_seconds`` per optimizer step over all devices."""
 
     preset: Preset = "tiny"
     max_steps: AtLeast1 = 300
@@ -147,15 +140,13 @@ class TrainConfig(RunConfig):
     precision: Precision = "auto"
     # the encoder through torch.compile (dynamic shapes); off: eager
     compile: bool = False
-    # the loss on unmasked frames too (fairseq's pred_nomask_weight; HuBERT's is 0): at the learning
-    # benchmark's budget 1.0 took leak-free held-out accuracy from 1.5x to 2.2x the majority rate and
-    # the probe's CER from 0.83x to 0.70x fbank's (docs/BENCHMARKS.md)
+    # the loss on unmasked frames too (HuBERT's is 0): 1.0 took the probe's CER from 0.83x to 0.70x
+    # fbank's at the learning benchmark's budget (docs/BENCHMARKS.md)
     unmasked_weight: float = 1.0
     mask_prob: Probability = 0.08
     mask_length: AtLeast1 = 10
-    num_workers: Annotated[
-        int, Field(ge=-1)
-    ] = -1  # DataLoader workers per process; -1: auto (see trainer.loader_workers)
+    # DataLoader workers per process; -1: auto (trainer.loader_workers)
+    num_workers: Annotated[int, Field(ge=-1)] = -1
     max_restarts: AtLeast0 = 2
     nproc: Literal["auto"] | AtLeast1 = "auto"
     # online augmentation of the training utterances (speech_assets/train/augment.py); off by default
@@ -181,7 +172,6 @@ class TrainConfig(RunConfig):
         return self
 
     def augmentation(self) -> Augmentation:
-        """What training adds to each training utterance (nothing by default)."""
         from speech_assets.train.augment import Augmentation
 
         low, high = self.noise_snr_db
@@ -191,15 +181,13 @@ class TrainConfig(RunConfig):
 
     @property
     def chance_accuracy(self) -> float:
-        """Mean over clients of ``1 / K``: accuracy of guessing uniformly."""
+        """The accuracy of guessing uniformly, averaged over clients."""
         return sum(1.0 / c.k for c in self.clients.values()) / len(self.clients)
 
 
 @config_dataclass
 class DistillConfig(RunConfig):
-    """One distillation run. ``teacher``: a training ``final.pt``; the inputs as in
-    :class:`~speech_assets.train.config.RunConfig` (clients' labels only index the utterances);
-    ``teacher_layers`` empty = three evenly spaced layers ending at the last."""
+    """One distillation run of a training ``final.pt``; ``teacher_layers`` empty = three spaced evenly to the last."""
 
     teacher: Text
     dim: int = 384
@@ -238,25 +226,12 @@ def _three_shares(stages: list[float]) -> list[float]:
 
 @config_dataclass(kw_only=True)
 class FinetuneConfig(RunConfig):
-    """One CTC fine-tuning run (``python -m speech_assets.evaluation.finetune``).
+    """One CTC fine-tuning run of a training ``final.pt`` (``init``: its weights or a random ``scratch``).
 
-    ``encoder``: a training ``final.pt``; ``init`` ``pretrained`` starts from its weights,
-    ``scratch`` from a random initialisation of its architecture (``seed``), both with the input
-    normalisation it records. ``labelled``: a JSON file ``{"train": {utt_id: transcript},
-    "heldout": {utt_id: transcript}}`` (the labelled subset and the utterances scored after
-    training). The optimiser follows fairseq's/torchaudio's fine-tuning recipe at this project's
-    scale: the encoder is frozen (only the CTC head trains) for ``freeze_steps``, the front end
-    also afterwards when ``freeze_frontend``; a tri-stage learning rate (``stages``: the shares
-    of ``max_steps`` spent warming up from ``init_lr_scale * lr``, holding ``lr`` and decaying
-    exponentially to ``final_lr_scale * lr``); span masking of 50 Hz frames (``mask_prob`` start
-    probability, ``mask_length``) and of input channels (``channel_mask_prob``,
-    ``channel_mask_length`` of the 80 log-mel bands) while training. ``scratch`` trains every
-    parameter from step 0: the freeze phase and the frozen front end are pretrained-model settings.
-
-    Model selection: ``labelled`` may hold a ``dev`` split; every ``eval_every`` steps the run scores
-    its greedy CER, keeps the best weights (``best.pt``) and stops once ``patience`` evaluations
-    have not improved on it; held-out scores come from the best step. The beam decoder's
-    ``lm_weight`` and ``word_score`` are chosen on the dev set from ``lm_weights`` x ``word_scores``."""
+    ``labelled``: JSON ``{"train": {utt_id: text}, "heldout": {...}}``, optionally ``dev``. The recipe
+    is fairseq's at this scale: only the CTC head trains for ``freeze_steps``; a tri-stage lr
+    (``stages``); span masking of frames and log-mel channels. ``scratch`` never freezes. Every
+    ``eval_every`` steps the dev CER picks the best weights; ``patience`` stalls stop the run."""
 
     encoder: Text
     labelled: Text
@@ -282,8 +257,7 @@ class FinetuneConfig(RunConfig):
     checkpoint_every: AtLeast1 = 100
     keep_checkpoints: AtLeast1 = 2
     max_frames: int = 3000  # 100 Hz frames; the pipeline labels no longer utterance
-    # beam: flashlight-text's lexicon beam search with the n-gram LM; the pipeline keeps greedy
-    # only, with a warning, where flashlight-text is not installed
+    # beam: flashlight-text's lexicon beam search with the n-gram LM (greedy only, with a warning, without it)
     decoders: list[str] = field(default_factory=lambda: ["greedy", "beam"])
     lm_order: int = 3  # the n-gram LM of the beam decoder, from the labelled transcripts only
     eval_every: AtLeast1 = 50  # steps between dev CER evaluations (each also a checkpoint)
@@ -294,22 +268,15 @@ class FinetuneConfig(RunConfig):
 
     @property
     def preset(self) -> str:
-        """What MLflow tags the run with."""
         return f"ctc-{self.init}"
 
 
 @dataclass
-class FinetuneBatch:
-    """Several fine-tuning runs trained one after another by the same worker processes (one
-    torchrun launch): ``runs`` are their run folders, each holding its own ``config.json`` (a
-    :class:`FinetuneConfig` whose ``run_dir`` is that folder) and getting its own checkpoints,
-    ``result.json`` and MLflow run, exactly as if launched alone. ``run_dir`` is the batch's own
-    folder (its log, lock, ``result.json`` and out-of-memory marker). ``batch_seconds`` and
-    ``grad_accum`` replace every run's (the launcher halves the batch after a CUDA out-of-memory
-    error); ``device`` (where the workers run) and ``dagster_run_id`` are the launch's. ``parallel``:
-    each of the launch's processes trains its own share of the runs as a job of one process, so
-    several runs train at once (on a CPU, a small model trains faster per core in one thread than
-    spread over several); otherwise every process takes part in every run (DDP)."""
+class FinetuneBatch(JsonFile):
+    """Several fine-tuning runs in one torchrun launch, each run folder with its own ``config.json``
+    and outputs as if launched alone. ``batch_seconds`` and ``grad_accum`` replace every run's (the
+    launcher halves the batch after a CUDA out-of-memory error). ``parallel``: each process trains
+    its share alone (on a CPU a small model trains faster per core in one thread), else DDP."""
 
     run_dir: str
     runs: list[str]
@@ -330,23 +297,8 @@ class FinetuneBatch:
                 f"batch_seconds must be > 0 and grad_accum >= 1, got {self.batch_seconds}, {self.grad_accum}"
             )
 
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-        if path is not None:
-            atomic_write_text(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> Self:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**data)
-
     def run_config(self, folder: str) -> FinetuneConfig:
-        """The run of ``folder`` (one of :attr:`runs`): its run config with the batch's
-        ``batch_seconds`` and ``grad_accum``; refused unless it names that folder."""
+        """``folder``'s run config with the batch's batch size; refused unless it names ``folder``."""
         config = FinetuneConfig.from_json(RunFiles(folder).config)
         if Path(config.run_dir).resolve() != Path(folder).resolve():
             raise ValueError(f"{folder}/config.json names another run folder: {config.run_dir}")

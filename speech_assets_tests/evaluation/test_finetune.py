@@ -14,7 +14,7 @@ import torch
 
 from speech_assets.evaluation.decoding import beam_decoder, unavailable, write_arpa
 from speech_assets.evaluation.finetune import Candidate, ctc_feasible, labelled_subset, tri_stage
-from speech_assets.evaluation.recognise import RecogniserError, Transcript, audio_files, model_folder, vocabulary
+from speech_assets.evaluation.recognise import RecogniserError, Transcript, labelled_files, model_folder, vocabulary
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
@@ -175,7 +175,7 @@ def test_vocabulary_folders_and_lines(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     for name in ("a/x.flac", "a/y.WAV", "a/notes.txt", "b.ogg"):
         (tmp_path / name).write_bytes(b"")
-    assert audio_files([tmp_path / "a", tmp_path / "b.ogg"]) == [
+    assert [path for _, path in labelled_files([tmp_path / "a", tmp_path / "b.ogg"])] == [
         tmp_path / "a/x.flac",
         tmp_path / "a/y.WAV",
         tmp_path / "b.ogg",

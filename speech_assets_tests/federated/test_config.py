@@ -502,3 +502,17 @@ def test_run_config_carries_the_privacy_and_sampling_settings() -> None:
     again = FederatedConfig.from_run_config(config.to_run_config())
     assert again == config
     assert config.local().proximal_mu == 0.1 and _config(proximal_mu=0.1).local().proximal_mu == 0.0  # fedprox only
+
+
+def test_the_cli_parses_each_option_as_its_field_type(capsys: pytest.CaptureFixture[str]) -> None:
+    """Options typed by an ``Annotated`` alias (``AtLeast1`` ...) arrive as their base type, and a
+    bad value is argparse's error naming the option."""
+    from speech_assets.federated.__main__ import _parser
+
+    args = _parser().parse_args(["--data-dir", "d", "--run-dir", "r", "--rounds", "4", "--client-lr", "0.01"])
+    assert args.rounds == 4 and isinstance(args.rounds, int)
+    assert isinstance(args.client_lr, float)
+    with pytest.raises(SystemExit) as stopped:
+        _parser().parse_args(["--data-dir", "d", "--run-dir", "r", "--rounds", "four"])
+    assert stopped.value.code == 2
+    assert "argument --rounds: invalid int value: 'four'" in capsys.readouterr().err
