@@ -1,10 +1,7 @@
-"""HuBERT's masked prediction as an engine objective, and its held-out evaluation; CTC
-fine-tuning (:class:`CtcTraining` on a :class:`CtcForward`) as another.
+"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and CTC fine-tuning.
 
-Shared by the centralised trainer (one head per client, every client in one model) and a
-federated client's local round (one model with its own head). Inputs: log-mel ``feats (B, T, 80)``
-at 100 Hz, ``lengths (B,)``, ``clients (B,)`` (each sample's head) and ``targets (B, L)`` at 50 Hz
-(``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
+Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)`` and ``targets
+(B, L)`` at 50 Hz (``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
 """
 
 from __future__ import annotations
@@ -36,14 +33,10 @@ from speech_assets.train.engine import Distributed, all_reduce, autocast
 
 
 class MaskedPrediction:
-    """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times
-    the unmasked ones). Masks are drawn from ``(seed, *key, step, rank, micro)`` (:attr:`masking`):
-    by the loader's workers when the batch stream knows the step (the batch carries the mask),
-    else here, on the host.
-
-    Call: ``model`` (a :class:`HubertPretrainModel`, or DDP of it), a ``batch`` -> the loss
-    ``()`` and statistics ``(6,)`` float64 (:data:`speech_assets.model.loss.STAT_FIELDS`).
-    """
+    """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times the
+    unmasked ones); statistics ``(6,)``: :data:`speech_assets.model.loss.STAT_FIELDS`. Masks come from
+    ``(seed, *key, step, rank, micro)``: drawn by the loader's workers when the batch carries one,
+    else here."""
 
     def __init__(
         self,
@@ -60,10 +53,6 @@ class MaskedPrediction:
         self.model, self.device, self.rank, self.key = model, device, rank, key
         self.unmasked_weight = unmasked_weight
         self.masking = SpanMasking(seed, mask_prob, mask_length, rank, key)
-
-    def mask(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
-        """``(B, L)`` bool span mask for feature ``lengths (B,)``, drawn at ``parts``."""
-        return self.masking.draw(lengths, *parts)
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         drawn_for = (self.masking, step, micro)
@@ -89,22 +78,13 @@ class MaskedPrediction:
     def evaluate(
         self, dataset: UtteranceDataset, majority: list[int], batch_seconds: float, job: Distributed, precision: str
     ) -> dict[str, Any]:
-        """Masked prediction on held-out ``dataset`` (fixed masks), summed over ranks.
+        """Masked prediction on held-out ``dataset`` (the training masks at fixed seeds), summed over ranks.
 
-        Besides loss and accuracy, reports what a predictor that knows only each client's label
-        frequencies would score on the same masked frames (``majority_accuracy``: always
-        predicting the client's most frequent training label ``majority[client]``), overall and
-        per client, and both again on two subsets of the masked frames:
-
-        * ``leak_free_*`` (the measure to read): frames ``j`` with ``mask[j - R .. j + R]`` all
-          masked, ``R`` = :func:`~speech_assets.model.masking.pipeline_label_radius` of the
-          model's frontend (3): no visible frame shares a single audio sample with the
-          MFCC frame (deltas included) that label ``j`` was clustered from;
-        * ``interior_*`` (kept for comparison): masked frames whose two neighbours are masked
-          too (``R = 1``), which visible frames 2-3 steps away can still partly give away.
-
-        The masks are the training ones (``mask_prob``, ``mask_length``) at fixed seeds: with
-        HuBERT's ``p = 0.08``, ``l = 10`` about 62 % of masked frames (35 % of all frames) are
+        Also ``majority_accuracy`` (always the client's most frequent training label), overall and per
+        client, and both on two subsets of masked frames: ``leak_free_*`` (the measure to read: no
+        visible frame within :func:`~speech_assets.model.masking.pipeline_label_radius` shares an
+        audio sample with the MFCC frame label ``j`` was clustered from) and ``interior_*`` (both
+        neighbours masked). With HuBERT's ``p = 0.08``, ``l = 10`` about 62 % of masked frames are
         leak-free, so no separate evaluation mask is needed.
         """
         self.model.eval()
@@ -118,7 +98,7 @@ class MaskedPrediction:
         per_client = torch.zeros(len(self.model.clients), 9, dtype=torch.float64, device=job.device)
         majority_labels = torch.tensor(majority, dtype=torch.long, device=job.device)
         for local_index, batch in enumerate(loader):
-            mask = self.mask(batch.lengths, "heldout", local_index * world + rank).to(job.device)
+            mask = self.masking.draw(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
                 output = self.model(
@@ -167,12 +147,8 @@ class MaskedPrediction:
 
 
 def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
-    """Zero, but connected to the heads of clients absent from this micro-batch.
-
-    A head whose client has no sample in a batch would get no gradient on that rank, and DDP would
-    then have to search the graph for unused parameters after every backward pass (and warn on
-    every rank when there are none). With this term every head gets a gradient, exactly zero.
-    """
+    """Zero, but connected to the heads of clients absent from this micro-batch: every head gets an
+    exact zero gradient, so DDP need not search the graph for unused parameters."""
     present = {group.client for group in logits}
     idle = [head for index, head in enumerate(model.heads) if index not in present]
     if not idle:
@@ -193,8 +169,7 @@ def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[
 
 
 def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
-    """FedProx's ``mu / 2 * sum ||w - w_ref||^2`` over the parameters of ``model`` named in
-    ``reference`` (the global encoder a local round started from; ``heads.*`` are not in it)."""
+    """FedProx's ``mu / 2 * sum ||w - w_ref||^2`` over the parameters named in ``reference``."""
     total = torch.zeros((), device=next(model.parameters()).device)
     for name, parameter in model.named_parameters():
         if name in reference:
@@ -203,8 +178,7 @@ def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: floa
 
 
 class Proximal:
-    """An objective plus FedProx's proximal term towards ``reference`` (Li et al., 2020): the
-    client's half of Flower's ``FedProx`` strategy, which only sends ``mu``."""
+    """An objective plus FedProx's proximal term (the client's half of Flower's ``FedProx``)."""
 
     def __init__(
         self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float
@@ -226,15 +200,10 @@ CTC_BLANK = 0  # the CTC blank is token 0 of every vocabulary fine-tuned here
 
 
 class CtcForward(nn.Module):
-    """An encoder with a CTC head: ``model.heads[0]`` (``Linear(D, V)``) on its last layer.
-
-    ``feats (B, T, 80)``, ``lengths (B,)``, optional ``mask (B, L)`` (50 Hz frames replaced by the
-    mask embedding) and ``channels (B, 80)`` (input bands set to 0, the normalised mean) ->
-    log-probabilities ``(B, L, V)`` float32 and 50 Hz ``lengths (B,)``. ``frozen``: ``""`` trains
-    everything; ``"no_grad"`` runs the encoder without autograd (only the head learns);
-    ``"zero"`` gives the encoder an exact zero gradient instead (what DDP needs: every
-    parameter it wraps gets a gradient on every rank).
-    """
+    """An encoder with a CTC head ``model.heads[0]``: ``feats (B, T, 80)``, ``lengths (B,)``, optional
+    ``mask (B, L)`` and ``channels (B, 80)`` -> log-probabilities ``(B, L, V)`` float32 and ``lengths``.
+    ``frozen="no_grad"`` trains only the head; ``"zero"`` gives the encoder an exact zero gradient
+    instead (DDP needs a gradient for every parameter it wraps)."""
 
     def __init__(self, model: HubertPretrainModel) -> None:
         super().__init__()
@@ -261,11 +230,7 @@ class CtcForward(nn.Module):
 
 
 def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over utterances of CTC per target token (``zero_infinity``, blank :data:`CTC_BLANK`).
-
-    ``log_probs (B, L, V)``, 50 Hz ``lengths (B,)``, ``targets (B, S)`` token ids padded with
-    :data:`~speech_assets.model.loss.IGNORE_INDEX`.
-    """
+    """Mean over utterances of CTC per target token; ``targets (B, S)`` padded with ``IGNORE_INDEX``."""
     valid = targets != IGNORE_INDEX
     return F.ctc_loss(
         log_probs.transpose(0, 1),
@@ -279,12 +244,9 @@ def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tens
 
 
 class CtcTraining:
-    """CTC fine-tuning as an engine objective: the encoder frozen for the first ``freeze_steps``
-    steps, span masks on the 50 Hz frames (``mask_prob``/``mask_length``, as pretraining draws
-    them) and on the input's 80 bands (``channel_prob``/``channel_length``), drawn from
-    ``(seed, step, rank, micro)``. Call: a :class:`CtcForward` (or DDP of it) and a CPU batch whose
-    ``targets`` are token ids -> the loss ``()`` and statistics ``(3,)`` float64: micro-batches,
-    summed loss, micro-batches with the encoder frozen."""
+    """CTC fine-tuning: the encoder frozen for ``freeze_steps`` steps, span masks on frames and on
+    the 80 input bands from ``(seed, step, rank, micro)``. Statistics ``(3,)``: micro-batches, summed
+    loss, frozen micro-batches."""
 
     def __init__(
         self,
@@ -303,7 +265,6 @@ class CtcTraining:
         self.channel_prob, self.channel_length = channel_prob, channel_length
 
     def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(B, L)`` frame mask and ``(B, 80)`` band mask for ``lengths (B,)`` (``None`` at probability 0)."""
         generator = mask_generator(self.seed, "ctc", *parts)
         mask = (
             span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
