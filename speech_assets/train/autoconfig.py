@@ -1,8 +1,6 @@
-"""Auto-configuration: profile hardware, dataset and model, then choose processes, per-device
-batch (seconds of audio), gradient accumulation and precision.
+"""Auto-configuration: processes, per-device batch (seconds of audio), accumulation and precision.
 
-``decide`` is a pure function of three small dataclasses, so its policy is unit-tested with fake
-profiles; ``profile_*`` gather the real ones.
+``decide`` is a pure function of the profiles, so its policy is tested with fake ones.
 """
 
 from __future__ import annotations
@@ -75,11 +73,8 @@ class DatasetProfile:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Parameter count and memory of one training replica.
-
-    ``weight_bytes``/``grad_bytes``/``adam_bytes`` are fp32 (AdamW keeps two moments);
-    ``activation_bytes_per_second_*``: activations kept for backward per second of audio.
-    """
+    """Memory of one training replica: fp32 weights, gradients and AdamW's two moments; activations
+    kept for backward per second of audio."""
 
     preset: str
     parameters: int
@@ -114,7 +109,6 @@ class LaunchPlan:
 
 
 def peak_bf16_flops(gpu_name: str | None) -> float | None:
-    """The device's peak dense bf16 FLOP/s read from its name (``None`` when unknown)."""
     return next((flops for key, flops in PEAK_BF16_FLOPS if gpu_name and key in gpu_name), None)
 
 
@@ -126,8 +120,8 @@ def available_cores() -> int:
 
 
 def resolve_precision(precision: str, device: str, bf16_supported: bool) -> str:
-    """``auto``: fp32 on CPU, bf16 on GPUs that support it, else fp16 (with a GradScaler); fp16
-    asked for on a CPU (a federation's setting reaching a client without GPU) falls back to fp32."""
+    """``auto``: fp32 on CPU, else bf16 where supported, else fp16; fp16 on a CPU (a federation's
+    setting reaching a client without GPU) falls back to fp32."""
     if precision == "auto":
         return "fp32" if device == "cpu" else "bf16" if bf16_supported else "fp16"
     return "fp32" if device == "cpu" and precision == "fp16" else precision
@@ -149,7 +143,6 @@ def profile_hardware() -> HardwareProfile:
 
 
 def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
-    """Duration statistics from the shards' ``num_frames`` column (no feature matrix is read)."""
     frames = [read_shard_table(path, columns=["num_frames"]).column("num_frames").to_numpy() for path in shards]
     seconds = np.concatenate(frames).astype(np.float64) / FRAME_RATE_HZ if frames else np.zeros(0)
     if seconds.size == 0:
@@ -165,11 +158,8 @@ def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
 
 
 def profile_model(preset: str, num_clients: int, ks: int | Sequence[int], mean_seconds: float = 10.0) -> ModelProfile:
-    """Exact parameter count (model built on the meta device) and analytic memory/FLOPs.
-
-    ``ks``: one codebook size for all clients, or one per client. ``mean_seconds`` sets the
-    sequence length used for the attention FLOPs.
-    """
+    """Exact parameter count (built on the meta device) and analytic memory/FLOPs; ``mean_seconds``
+    sets the sequence length of the attention FLOPs."""
     sizes = [int(ks)] * num_clients if isinstance(ks, int) else [int(k) for k in ks]
     if len(sizes) != num_clients:
         raise ValueError(f"{len(sizes)} codebook sizes for {num_clients} clients")
@@ -202,14 +192,9 @@ def decide(
     device: str = "auto",
     max_utterance_seconds: float = 15.0,
 ) -> LaunchPlan:
-    """Choose the launch: explicit arguments win, ``"auto"``/``None`` are decided here.
-
-    Policy: all GPUs of the node, one process each, bf16 where supported (fp16 otherwise);
-    on CPU fp32 and one process per core (at most :data:`CPU_MAX_PROCESSES`). The per-device
-    batch is the largest that fits the memory budget (and, on CPU, at most
-    :data:`CPU_MAX_BATCH_SECONDS`) without exceeding the target; accumulation makes up the rest
-    and the batch is then evened out so ``batch * nproc * accum`` is close to the target.
-    """
+    """Choose the launch: explicit arguments win, ``"auto"``/``None`` are decided here. The per-device
+    batch is the largest that fits memory without exceeding the target; accumulation makes up the
+    rest and the batch is evened out so ``batch * nproc * accum`` is close to the target."""
     notes: list[str] = []
     if device == "auto":
         device = "cuda" if hw.gpu_count > 0 else "cpu"
