@@ -209,14 +209,8 @@ def decide(
         raise ValueError("fp16 training needs CUDA (use fp32 or bf16 on CPU)")
     if precision == "auto":
         precision = resolve_precision(precision, device, hw.bf16_supported)
-        why = (
-            "CPU"
-            if device == "cpu"
-            else "GPU supports bf16"
-            if hw.bf16_supported
-            else "no bf16 on this GPU, fp16 + GradScaler"
-        )
-        notes.append(f"precision {precision}: {why}")
+        gpu = "GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler"
+        notes.append(f"precision {precision}: {'CPU' if device == 'cpu' else gpu}")
 
     if nproc == "auto":
         if device == "cuda":
@@ -288,12 +282,4 @@ def decide(
         )
     if data.total_seconds < effective:
         notes.append(f"note: one step covers more than the {data.total_seconds:.0f} s of training audio")
-    return LaunchPlan(
-        nproc=nproc,
-        batch_seconds=float(batch_seconds),
-        grad_accum=accum,
-        precision=precision,
-        device=device,
-        threads_per_process=threads,
-        reason="; ".join(notes),
-    )
+    return LaunchPlan(nproc, float(batch_seconds), accum, precision, device, threads, "; ".join(notes))

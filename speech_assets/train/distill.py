@@ -13,6 +13,7 @@ import argparse
 import logging
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -128,13 +129,14 @@ def encoder_parameters(model: HubertPretrainModel) -> int:
     return count_parameters(model) - count_parameters(model.heads)
 
 
+@dataclass
 class LayerPrediction:
     """The distillation objective; statistics ``(2 + 2H,)``: a count of 1, the loss, per-head L1 and cosine."""
 
-    def __init__(
-        self, teacher: HubertPretrainModel, layers: list[int], cosine_weight: float, device: torch.device
-    ) -> None:
-        self.teacher, self.layers, self.cosine_weight, self.device = teacher, layers, cosine_weight, device
+    teacher: HubertPretrainModel
+    layers: list[int]
+    cosine_weight: float
+    device: torch.device
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.device)

@@ -6,7 +6,7 @@ Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -121,29 +121,29 @@ class MaskedPrediction:
         summary: dict[str, Any] = summarize(all_reduce(totals, job).cpu())
         summary["loss"] = summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"]
         rows = all_reduce(per_client, job).cpu()
-        frames, inner, free = float(rows[:, 0].sum()), float(rows[:, 3].sum()), float(rows[:, 6].sum())
-        summary["majority_accuracy"] = float(rows[:, 2].sum()) / frames if frames else 0.0
-        summary["interior_frames"] = inner
-        summary["interior_masked_accuracy"] = float(rows[:, 4].sum()) / inner if inner else None
-        summary["interior_majority_accuracy"] = float(rows[:, 5].sum()) / inner if inner else None
-        summary["leak_free_frames"] = free
-        summary["leak_free_masked_accuracy"] = float(rows[:, 7].sum()) / free if free else None
-        summary["leak_free_majority_accuracy"] = float(rows[:, 8].sum()) / free if free else None
+        column = [float(rows[:, i].sum()) for i in range(9)]
+        summary["majority_accuracy"] = column[2] / column[0] if column[0] else 0.0
+        summary |= frame_rates(column, float, first=1)
         summary["per_client"] = {
-            name: {
-                "masked_frames": int(row[0]),
-                "masked_accuracy": float(row[1] / row[0]) if row[0] else None,
-                "majority_accuracy": float(row[2] / row[0]) if row[0] else None,
-                "interior_frames": int(row[3]),
-                "interior_masked_accuracy": float(row[4] / row[3]) if row[3] else None,
-                "interior_majority_accuracy": float(row[5] / row[3]) if row[3] else None,
-                "leak_free_frames": int(row[6]),
-                "leak_free_masked_accuracy": float(row[7] / row[6]) if row[6] else None,
-                "leak_free_majority_accuracy": float(row[8] / row[6]) if row[6] else None,
-            }
-            for name, row in zip(self.model.clients, rows.tolist(), strict=True)
+            name: frame_rates(row, int) for name, row in zip(self.model.clients, rows.tolist(), strict=True)
         }
         return summary
+
+
+SUBSETS = ("masked_", "interior_", "leak_free_")  # the column triples of the held-out counts
+
+
+def frame_rates(row: list[float], count: type, first: int = 0) -> dict[str, Any]:
+    """Frames, masked and majority accuracy of each subset's column triple (frames, correct, majority hits)."""
+    rates: dict[str, Any] = {}
+    for index in range(first, len(SUBSETS)):
+        subset = SUBSETS[index]
+        frames, correct, hits = row[3 * index : 3 * index + 3]
+        prefix = "" if index == 0 else subset
+        rates[f"{subset}frames"] = count(frames)
+        rates[f"{prefix}masked_accuracy"] = correct / frames if frames else None
+        rates[f"{prefix}majority_accuracy"] = hits / frames if frames else None
+    return rates
 
 
 def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
@@ -243,40 +243,31 @@ def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tens
     )
 
 
+@dataclass
 class CtcTraining:
     """CTC fine-tuning: the encoder frozen for ``freeze_steps`` steps, span masks on frames and on
     the 80 input bands from ``(seed, step, rank, micro)``. Statistics ``(3,)``: micro-batches, summed
     loss, frozen micro-batches."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        seed: int,
-        freeze_steps: int,
-        mask_prob: float,
-        mask_length: int,
-        channel_prob: float,
-        channel_length: int,
-        rank: int = 0,
-    ) -> None:
-        self.device, self.seed, self.rank, self.freeze_steps = device, seed, rank, freeze_steps
-        self.mask_prob, self.mask_length = mask_prob, mask_length
-        self.channel_prob, self.channel_length = channel_prob, channel_length
+    device: torch.device
+    _: KW_ONLY
+    seed: int
+    freeze_steps: int
+    mask_prob: float
+    mask_length: int
+    channel_prob: float
+    channel_length: int
+    rank: int = 0
 
     def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(B, L)`` frame and ``(B, 80)`` band masks (``None`` at probability 0), in this RNG order."""
         generator = mask_generator(self.seed, "ctc", *parts)
-        mask = (
-            span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
-            if self.mask_prob > 0
-            else None
-        )
-        bands = torch.full_like(lengths, 80)
-        channels = (
-            span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
-            if self.channel_prob > 0
-            else None
-        )
+        mask = channels = None
+        if self.mask_prob > 0:
+            mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
+        if self.channel_prob > 0:
+            bands = torch.full_like(lengths, 80)
+            channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
         return mask, channels
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
