@@ -25,16 +25,11 @@ GPU_RESERVED_BYTES = 2 * GIB
 ACTIVATION_SAFETY = 2.0
 # On CPU, larger micro-batches stop improving throughput and only make steps slower.
 CPU_MAX_BATCH_SECONDS = 32.0
-# CPU training runs one single-threaded process per core (up to CPU_MAX_PROCESSES, the rest of
-# the cores become intra-op threads): the small GEMMs of CPU-sized models scale better across
-# processes than across threads, and threads stall when cores are shared (bench/train.py, tiny,
-# 2 cores: 1 process x 1 thread ~85 s of audio/s, x 2 threads ~95 (5-37 on busy shared cores),
-# 2 processes x 1 thread ~135).
+# One single-threaded process per core on CPU: small GEMMs scale better across processes than
+# threads (bench/train.py, tiny, 2 cores: 1 process x 2 threads ~95 s of audio/s, 2 x 1 ~135).
 CPU_MAX_PROCESSES = 8
-# On a GPU the optimizer step covers at least HuBERT Base's (fairseq: 1.4M samples of 16 kHz audio
-# per GPU x 32 GPUs = 2,800 s): the CPU-sized default target (60 s) would leave an 80 GB device
-# mostly idle, its step time spent in kernel launches and the optimizer rather than in matmuls.
-# Small corpora are spared: a step never covers more than a tenth of the training audio this way.
+# A GPU step covers at least HuBERT Base's 2,800 s (the CPU-sized 60 s would leave the device idle
+# in kernel launches), but never more than a tenth of the training audio.
 GPU_MIN_STEP_SECONDS = 2800.0
 GPU_MIN_STEPS_PER_EPOCH = 10
 # Peak dense bf16 tensor-core FLOP/s by GPU name substring (first match wins): the MFU denominator.

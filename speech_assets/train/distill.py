@@ -56,26 +56,21 @@ def default_teacher_layers(depth: int, count: int = 3) -> list[int]:
     return sorted({max(1, round(depth * (i + 1) / count)) for i in range(count)})
 
 
-def student_preset(config: DistillConfig, teacher: ModelPreset) -> ModelPreset:
+def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: list[int]) -> HubertPretrainModel:
     """The config's shape with the teacher's input and positional convolution (groups dividing ``dim``)."""
-    return ModelPreset(
+    shape = ModelPreset(
         name=config.preset,
         dim=config.dim,
         layers=config.layers,
         heads=config.heads,
         ffn_dim=config.ffn_dim,
         conv_channels=config.dim,
-        pos_kernel=teacher.pos_kernel,
-        pos_groups=math.gcd(teacher.pos_groups, config.dim),
+        pos_kernel=teacher.preset.pos_kernel,
+        pos_groups=math.gcd(teacher.preset.pos_groups, config.dim),
         dropout=0.0,
-        input_dim=teacher.input_dim,
+        input_dim=teacher.preset.input_dim,
     )
-
-
-def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: list[int]) -> HubertPretrainModel:
-    student = HubertPretrainModel(
-        student_preset(config, teacher.preset), {f"layer_{layer:02d}": teacher.preset.dim for layer in layers}
-    )
+    student = HubertPretrainModel(shape, {f"layer_{layer:02d}": teacher.preset.dim for layer in layers})
     student.mask_embedding.requires_grad_(False)  # never masked: keeps DDP from waiting for its gradient
     return student
 

@@ -14,13 +14,13 @@ import json
 import logging
 import math
 import os
-import queue
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -308,49 +308,36 @@ class BackgroundWriter:
     a disk or a server. A call that raised is reported by the next call (the later ones still run)."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[Callable[..., object], tuple[Any, ...]] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        # started by the first submit: after the loader has forked its workers, which must not
-        # inherit a lock this thread might hold
-        self._thread = threading.Thread(target=self._work, name="metrics-writer", daemon=True)
+        # its thread starts at the first submit: after the loader has forked its workers, which must
+        # not inherit a lock this thread might hold
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-writer")
+        self._pending: list[Future[object]] = []
 
     def submit(self, call: Callable[..., object], *args: Any) -> None:
         self._raise()
-        if not self._thread.is_alive():
-            self._thread.start()
-        self._queue.put((call, args))
+        self._pending.append(self._executor.submit(call, *args))
 
     def flush(self) -> None:
-        self._queue.join()
+        for future in self._pending:
+            future.exception()  # waits
         self._raise()
 
     def close(self, quiet: bool = False) -> None:
         """``quiet``: log a failed write instead of raising."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        if quiet and self._error is not None:
-            log.error("writing metrics failed: %r", self._error)
-            return
-        self._raise()
+        self._executor.shutdown()
+        try:
+            self._raise()
+        except RuntimeError as error:
+            if not quiet:
+                raise
+            log.error("%s", error)
 
     def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        done = list(takewhile(Future.done, self._pending))  # one thread: they finish in order
+        del self._pending[: len(done)]
+        error = next((error for error in map(Future.exception, done) if error is not None), None)
+        if error is not None:
             raise RuntimeError(f"writing metrics failed: {error!r}") from error
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                call, args = item
-                call(*args)
-            except Exception as error:  # kept for the training thread to raise
-                self._error = self._error or error
-            finally:
-                self._queue.task_done()
 
 
 class Engine:
