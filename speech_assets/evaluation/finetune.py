@@ -116,9 +116,8 @@ def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
     return config.freeze_steps, config.freeze_frontend
 
 
-# a dev CER at or above this is CTC's all-blank plateau (or near it): the model has not started to
-# spell, and an evaluation there does not count towards patience (a from-scratch model sits there
-# for hundreds of steps before it learns)
+# CTC's all-blank plateau: evaluations there do not count towards patience (a from-scratch model
+# sits there for hundreds of steps before it learns to spell)
 PLATEAU_CER = 0.95
 
 

@@ -384,7 +384,6 @@ class Engine:
             self._wrapped = DistributedDataParallel(self._forward, device_ids=[self.job.local_rank] if cuda else None)
         return self._wrapped or self._forward
 
-    # ---------------------------------------------------------------------------- steps
     def train_step(self, objective: Objective, batches: Iterator[Batch]) -> tuple[torch.Tensor, float, torch.Tensor]:
         """Statistics ``(S,)`` summed over the micro-batches, seconds of audio, gradient norm before clipping."""
         forward, accum = self.forward, self.grad_accum

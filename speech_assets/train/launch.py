@@ -38,10 +38,8 @@ from speech_assets.utils import atomic_write_text
 log = logging.getLogger(__name__)
 
 RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
-# Environment for the torchrun process. By default torchrun's workers share the rendezvous
-# TCPStore across restarts, and a restarted worker group can read the previous attempt's
-# addresses and fail or hang in init_process_group (pytorch/pytorch#135712); a store per
-# attempt makes --max-restarts reliable.
+# A rendezvous store per attempt: a restarted worker group can read a shared store's stale addresses
+# and hang in init_process_group (pytorch/pytorch#135712).
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
