@@ -1,30 +1,13 @@
 """CTC fine-tuning of a pretrained encoder into a character recogniser, and its from-scratch baseline.
 
-``python -m speech_assets.evaluation.finetune --config CONFIG.json`` trains alone or as one rank
-under torchrun, on the training engine (:mod:`speech_assets.train.engine`: precision,
-accumulation, checkpoints every ``checkpoint_every`` steps and exact resume) with the
-:class:`~speech_assets.train.objectives.CtcTraining` objective: CTC over the probe's 29 tokens
-(:mod:`speech_assets.evaluation.text`), a linear head on the encoder's last layer. ``init``
-``pretrained`` starts from the checkpoint's encoder, ``scratch`` from a random one of the same
-architecture: the baseline, on the same labelled utterances, training every parameter from step 0
-(:func:`frozen_parts`: freezing is a pretrained-model setting).
+``python -m speech_assets.evaluation.finetune --config CONFIG.json``: CTC over the probe's 29 tokens
+with a linear head on the encoder's last layer; ``init`` ``scratch`` is the baseline, a random
+encoder of the same architecture training every parameter from step 0.
 
-Model selection: every ``eval_every`` steps the run scores its greedy CER on the dev utterances
-(training-side speakers never labelled), keeps that step's checkpoint while it is the best
-(:class:`Selection`) and stops once ``patience`` evaluations have not improved on it; the held-out
-scores and ``final.pt`` are the selected step's. The beam decoder's weights are chosen on the dev
-set too, and the result records how many labelled or dev sentences are held-out ones
-(:func:`text_overlap`, 0 when the plan is right) and the held-out OOV rate of the lexicon.
-
-The labelled set is a seeded subset of the training speakers' transcribed utterances sized in
-minutes (:func:`labelled_subset`: never a held-out speaker); after training, rank 0 decodes
-the labelled, dev and held-out utterances (greedy, and with the beam decoder of
-:mod:`speech_assets.evaluation.decoding` when it is installed) and scores CER/WER with jiwer.
-``final.pt`` has the training checkpoint's layout, one head ``ctc`` of 29 outputs.
-
-A :class:`~speech_assets.train.config.FinetuneBatch` config (``--config`` naming one) trains several
-runs in one launch (:func:`finetune_batch`): one after another, or several at once, each rank
-training its share alone.
+Model selection: every ``eval_every`` steps the greedy dev CER keeps the best step's checkpoint
+(:class:`Selection`) and stops after ``patience`` evaluations without improvement; the held-out
+scores and ``final.pt`` are the selected step's. A :class:`~speech_assets.train.config.FinetuneBatch`
+config trains several runs in one launch (:func:`finetune_batch`).
 """
 
 from __future__ import annotations
@@ -78,8 +61,6 @@ COMMAND = "python -m speech_assets.evaluation.finetune"
 
 @dataclass(frozen=True)
 class Candidate:
-    """A transcribed utterance that could be labelled: its id, speaker and seconds the model sees."""
-
     utt_id: str
     speaker_id: str
     seconds: float
@@ -94,13 +75,8 @@ def ctc_feasible(num_frames: int, text: str) -> bool:
 
 
 def labelled_subset(candidates: Sequence[Candidate], heldout: Collection[str], minutes: float, seed: int) -> list[str]:
-    """The utterance ids of a seeded subset of ``candidates`` by speakers outside ``heldout``,
-    at least ``minutes`` of audio (all of them when there is less), in sorted order.
-
-    Candidates are drawn in an order ``seed`` shuffles (from their sorted ids, so the input order
-    does not matter) until the budget is reached: one seed's subsets are nested, a larger budget
-    keeps the smaller one's utterances (as the Libri-light 10 min / 1 h / 10 h sets are).
-    """
+    """Sorted ids of a seeded subset of ``candidates`` outside ``heldout`` of at least ``minutes`` of
+    audio. One seed's subsets are nested (as Libri-light's 10 min / 1 h / 10 h sets are)."""
     if not minutes > 0:
         raise ValueError(f"labelled minutes must be > 0, got {minutes}")
     held = set(heldout)
@@ -134,24 +110,20 @@ def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_
 
 
 def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
-    """(steps with the encoder frozen, whether the front end stays frozen) that ``config``'s run
-    applies: a from-scratch model trains every parameter from step 0 (a random front end or
-    encoder frozen is no baseline; freezing is a pretrained-model setting)."""
+    """(steps with the encoder frozen, front end frozen); a random encoder frozen is no baseline."""
     if config.init == "scratch":
         return 0, False
     return config.freeze_steps, config.freeze_frontend
 
 
-# a dev CER at or above this is CTC's all-blank plateau (or near it): the model has not started to
-# spell, and an evaluation there does not count towards patience (a from-scratch model sits there
-# for hundreds of steps before it learns)
+# CTC's all-blank plateau: evaluations there do not count towards patience (a from-scratch model
+# sits there for hundreds of steps before it learns to spell)
 PLATEAU_CER = 0.95
 
 
 @dataclass
 class Selection:
-    """Model selection on the dev set: every evaluation's ``(step, dev CER)``, the best step and
-    how many evaluations since it did not improve on it; :meth:`update` says when to stop."""
+    """Model selection on the dev set: every ``(step, dev CER)``, the best step, evaluations since it."""
 
     patience: int
     history: list[list[float]] = field(default_factory=list)
@@ -160,10 +132,8 @@ class Selection:
     stale: int = 0
 
     def update(self, step: int, cer: float) -> bool:
-        """Record ``cer`` at ``step``; True once ``patience`` evaluations in a row did not improve
-        on the best (a tie is no improvement, so the earlier step is kept). While the best is
-        still on the blank plateau (``PLATEAU_CER``) nothing counts: the run goes on to
-        ``max_steps`` unless it starts to spell."""
+        """True once ``patience`` evaluations did not improve on the best (a tie keeps the earlier
+        step); nothing counts while the best is on the blank plateau."""
         self.history.append([step, cer])
         if cer < self.best_cer:  # NaN never improves
             self.best_step, self.best_cer, self.stale = step, cer, 0
@@ -196,16 +166,14 @@ def text_overlap(heldout: Mapping[str, str], *others: Mapping[str, str]) -> int:
 
 
 def oov_rate(heldout: Mapping[str, str], lexicon_texts: Sequence[str]) -> float | None:
-    """The share of held-out word tokens that are not words of ``lexicon_texts`` (the beam
-    decoder's lexicon: it can never output them); None without held-out words."""
+    """The share of held-out word tokens the beam decoder's lexicon cannot output."""
     words = {w for text in lexicon_texts for w in normalise(text).split()}
     tokens = [w for text in heldout.values() for w in normalise(text).split()]
     return sum(w not in words for w in tokens) / len(tokens) if tokens else None
 
 
 class TranscribedDataset(UtteranceDataset):
-    """Utterances with their transcripts as CTC targets: ``feats (T, 80)`` (whole, never cropped;
-    the normaliser applied) and ``labels (S,)`` token ids, ``S <= (T + 1) // 2``."""
+    """Whole utterances, normalised, with their transcripts' token ids as ``labels (S,)``."""
 
     def __init__(
         self, index: CorpusIndex, utterances: Sequence[UtteranceRef], cmvn: Normaliser, texts: Mapping[str, str]
@@ -242,9 +210,7 @@ def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusI
 
 
 def build_model(config: FinetuneConfig) -> tuple[HubertPretrainModel, dict[str, Any], Normaliser]:
-    """The recogniser before training: the encoder of ``config.encoder`` (or a random one of its
-    architecture, seeded by ``config.seed``, for ``scratch``) with a fresh ``Linear(D, 29)`` head,
-    the encoder's identity and the normalisation it was trained with."""
+    """The encoder (random for ``scratch``) with a fresh CTC head, its identity and its normalisation."""
     loaded = load_encoder(config.encoder)
     preset = ModelPreset(**loaded.checkpoint["preset"]) if "preset" in loaded.checkpoint else loaded.model.preset
     torch.manual_seed(config.seed)
@@ -275,7 +241,6 @@ def log_probabilities(
 
 
 def greedy(log_probs: Sequence[np.ndarray]) -> list[str]:
-    """Best-path transcripts of ``(L_i, V)`` log-probabilities."""
     return [decode_greedy(lp.argmax(axis=-1).tolist()) for lp in log_probs]
 
 
@@ -285,8 +250,7 @@ def score_rows(
     beam: Callable[[Sequence[np.ndarray]], list[str]] | None = None,
     beam_name: str = "",
 ) -> list[dict[str, Any]]:
-    """One row per split of ``sets`` (with its ``log_probs``) and decoder: ``decoder, split, cer,
-    wer, utterances``."""
+    """One row (``decoder, split, cer, wer, utterances``) per split and decoder."""
     rows = []
     decoders = {"greedy": greedy} | ({beam_name: beam} if beam is not None else {})
     for split, dataset in sets.items():
@@ -299,9 +263,7 @@ def score_rows(
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any] | None:
-    """Fine-tune in this process (alone or as one torchrun rank); ``result.json``'s content on
-    rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from its latest
-    checkpoint."""
+    """Fine-tune in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command=COMMAND) as job:
         return FineTuning(job, config).run(PipesReporter(log) if job.is_main else None)
 
@@ -317,15 +279,9 @@ def finished_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
-    """The runs of ``batch`` in this process, one after another (alone or as one torchrun rank):
-    every run with all ranks (DDP), or with ``batch.parallel`` this rank's share
-    (``runs[rank::world_size]``), each as a job of one process. Returns the ``result.json``
-    contents of the runs this process led (a run finished before is not trained again, a run
-    with checkpoints continues from its latest), ``None`` on a DDP batch's other ranks. Each run is what
-    :func:`finetune` makes of its config (same seeds, same steps, same files in its run folder);
-    the batch saves the processes, imports and data loading of a launch per run. The batch's
-    ``result.json`` (rank 0's runs: folder, step, checkpoint hash; ``result.rank<N>.json`` those
-    of rank N) and one Dagster materialization for the whole launch, reported by rank 0."""
+    """The runs of ``batch`` one after another, each as :func:`finetune` would train it: with all
+    ranks (DDP), or with ``batch.parallel`` this rank's share, each as a job of one process. The
+    results of the runs this process led; ``None`` on a DDP batch's other ranks."""
     from speech_assets.runtime.locks import hold_as_worker
 
     with worker(batch.run_dir, batch.device, command=COMMAND) as job, contextlib.ExitStack() as held:
@@ -370,8 +326,7 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
 
 @contextlib.contextmanager
 def run_log(run_dir: Path, main: bool) -> Iterator[None]:
-    """The run's main process's records (INFO and up) to ``run_dir/train.log`` too while one run of
-    a batch trains."""
+    """The main process's records (INFO and up) to the run's ``train.log`` too while it trains."""
     if not main:
         yield
         return
@@ -390,8 +345,7 @@ def run_log(run_dir: Path, main: bool) -> Iterator[None]:
 
 
 class FineTuning(Fit):
-    """One fine-tuning run on this rank of ``job``: its labelled, dev and held-out utterances, the
-    model and the dev set's model selection."""
+    """One fine-tuning run on this rank of ``job``."""
 
     materialized = ("steps_trained", "dev_cer", "lr", "heldout_cer", "heldout_wer")
 
@@ -473,7 +427,6 @@ class FineTuning(Fit):
         )
 
     def evaluate_dev(self) -> dict[str, Any] | None:
-        """Dev CER (greedy) of the current weights; keeps the best step's checkpoint, says when to stop."""
         if len(self.dev_set) == 0:
             return None
         engine, selection = self.engine, self.selection
@@ -513,7 +466,7 @@ class FineTuning(Fit):
         )
 
     def final(self) -> dict[str, Any]:
-        """The dev set's step (its checkpoint was kept from pruning) decoded and scored."""
+        """The dev set's step (kept from pruning) decoded and scored."""
         config, texts, model, selection = self.config, self.texts, self.model, self.selection
         selected = self.step
         if selection.best_step is not None and selection.best_step != self.step:

@@ -1,16 +1,8 @@
 """A character CTC probe on frozen features (the SUPERB convention).
 
-The encoder is frozen; the probe learns a softmax-weighted sum of its layers (each
-layer-normalised without affine parameters), then a linear layer (``linear``) or a one-layer
-BiLSTM and a linear layer (``bilstm``) to the 29 CTC tokens (:mod:`speech_assets.evaluation.text`),
-trained with CTC on the training speakers. Greedy (best-path) decoding; CER and WER from jiwer.
-
-Features are computed once per utterance and kept in memory (``(layers + 1, L, D)`` float32 per
-utterance; 100 Hz log-mel is a single "layer" ``(1, T, 80)``), so probe steps cost only the probe.
-:func:`train_probes` trains one probe per learning rate on the same batches (each batch is read
-and layer-normalised once for all of them) and keeps each one's best checkpoint on development
-utterances, stopping a probe once its development CER has not improved for ``patience``
-evaluations. The CTC loss is most of a step's cost on CPU, so the steps saved are the time saved.
+A softmax-weighted sum of the encoder's layer-normalised layers, then a linear layer (or a BiLSTM
+and one) to the 29 CTC tokens; greedy decoding, CER and WER from jiwer. Features ``(layers + 1, L,
+D)`` per utterance are computed once and kept in memory, so probe steps cost only the probe.
 """
 
 from __future__ import annotations
@@ -48,7 +40,6 @@ class CtcProbe(nn.Module):
         return self.head(layer_norm(layers), lengths)
 
     def head(self, normed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` on layers already normalised by :func:`layer_norm` ``(B, N, L, D)``."""
         x = torch.einsum("n,bnld->bld", torch.softmax(self.layer_logits, dim=0), normed)
         if self.lstm is not None:
             packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
@@ -57,9 +48,7 @@ class CtcProbe(nn.Module):
 
 
 def layer_norm(layers: torch.Tensor) -> torch.Tensor:
-    """Each frame of each layer normalised over its ``D`` features, no affine parameters (any
-    shape ``(..., D)``; zero padding stays zero). Per frame, so normalising each utterance once
-    gives what normalising every padded batch would."""
+    """Per frame, no affine parameters: normalising each utterance once equals normalising every padded batch."""
     return F.layer_norm(layers, layers.shape[-1:])
 
 
@@ -90,14 +79,9 @@ def train_probe(
     every: int = 0,
     on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
 ) -> CtcProbe:
-    """Train a probe on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``.
-
-    Deterministic for a given ``seed`` and thread count: ``seed`` initialises the probe, and
-    utterances are drawn epoch by epoch in an order ``seed`` shuffles. The schedule always spans
-    ``options.steps``; ``stop_at`` ends training earlier on that schedule (a stopping point chosen
-    on development data). ``on_checkpoint(step, probe)`` sees the probe (in eval mode) every
-    ``every`` steps and at the end.
-    """
+    """A probe trained on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``; deterministic
+    for a ``seed``. ``stop_at`` ends training early on the schedule over ``options.steps``;
+    ``on_checkpoint(step, probe)`` sees it (in eval mode) every ``every`` steps and at the end."""
     if not features:
         raise ValueError("no training utterances for the probe")
     targets = [torch.tensor(encode(text), dtype=torch.long) for text in texts]
@@ -128,14 +112,12 @@ def train_probe(
 
 
 def padded(targets: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Token tensors as ``(B, S)`` padded with ``IGNORE_INDEX``, what :func:`ctc_loss` reads."""
     return nn.utils.rnn.pad_sequence(list(targets), batch_first=True, padding_value=IGNORE_INDEX)
 
 
 @dataclass
 class Trained:
-    """One probe of :func:`train_probes`: its learning rate, the step it was kept at, its CER on
-    the development utterances there (NaN without them), and the probe at that step (eval mode)."""
+    """A probe of :func:`train_probes` at the step it was kept, with its dev CER there (NaN without dev)."""
 
     lr: float
     step: int
@@ -156,16 +138,11 @@ def train_probes(
     patience: int = 0,
     normalised: bool = False,
 ) -> list[Trained]:
-    """One probe per learning rate of ``lrs`` (empty: ``options.lr``), trained together on the same
-    batches; each is the probe :func:`train_probe` trains with that lr and ``seed`` (same
-    initialisation, same utterance order, same schedule over ``options.steps``).
-
-    ``dev`` (features, texts): every ``every`` steps (0: ``steps // 8``) and at the last step each
-    probe's development CER is measured and the probe kept at its best step (ties: the earlier);
-    a probe stops training once ``patience`` evaluations in a row (0: never) bring no improvement.
-    Without ``dev`` each probe is kept at its last step. ``stop_at`` ends training there on the
-    same schedule. ``normalised``: ``features`` are already :func:`layer_norm` ed (``(N, L_i, D)`` each).
-    """
+    """One probe per learning rate of ``lrs`` (empty: ``options.lr``) on the same batches, each the
+    probe :func:`train_probe` trains with that lr (the CTC loss dominates a CPU step: batches are read
+    and normalised once for all). With ``dev``, every ``every`` steps (0: ``steps // 8``) each probe
+    is kept at its best dev CER (ties: the earlier) and stops after ``patience`` evaluations (0:
+    never) without improvement. ``normalised``: ``features`` are already :func:`layer_norm` ed."""
     if not features:
         raise ValueError("no training utterances for the probe")
     lrs = tuple(lrs) or (options.lr,)
@@ -226,7 +203,6 @@ def train_probes(
 def transcribe(
     probe: CtcProbe, features: Sequence[torch.Tensor], batch_size: int = 16, normalised: bool = False
 ) -> list[str]:
-    """Greedy CTC transcripts of ``features`` (``normalised``: already :func:`layer_norm` ed)."""
     probe.eval()
     hypotheses: list[str] = []
     for start in range(0, len(features), batch_size):
@@ -263,9 +239,7 @@ def evaluate_probe(
 
 @dataclass(frozen=True)
 class UtteranceErrors:
-    """Per utterance of one scoring: character and word edit counts of the hypothesis against the
-    reference, and the reference's characters and words (``(U,)`` int64 arrays each). Their sums
-    give the corpus-level CER and WER of :func:`score`."""
+    """Per-utterance edit counts and reference lengths ``(U,)`` int64; their sums give :func:`score`'s rates."""
 
     char_errors: np.ndarray
     chars: np.ndarray
@@ -274,7 +248,6 @@ class UtteranceErrors:
 
 
 def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> UtteranceErrors:
-    """Levenshtein distances per utterance, over characters and over space-separated words."""
     from rapidfuzz.distance import Levenshtein
 
     pairs = list(zip(references, hypotheses, strict=True))
@@ -287,9 +260,8 @@ def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> Ut
 
 
 def dev_split(speakers: Sequence[str], fraction: float = 0.2) -> tuple[list[int], list[int]]:
-    """(fit, dev) indices of utterances by ``speakers``: every speaker whose rank in sorted order
-    falls on a ``fraction`` grid is a development speaker (at least one, and at least one left to
-    fit on); with a single speaker, every fifth utterance is development instead. Deterministic."""
+    """(fit, dev) indices: speakers on a ``fraction`` grid of the sorted names are dev (at least one,
+    one left to fit); with a single speaker, every fifth utterance."""
     names = sorted(set(speakers))
     if len(names) >= 2:
         count = min(len(names) - 1, max(1, round(len(names) * fraction)))

@@ -1,19 +1,11 @@
 """The one seam for fault injection: tests make a real process fail at a named point.
 
-Nothing happens unless the environment variable ``SPEECH_ASSETS_FAULTS`` is set, which only tests
-do. Its value is a ``;``-separated list of faults, each written by :func:`fault`::
-
-    train.step rank=1 step=3 exit once=/tmp/x/marker
-
-- the first word is the point (``train.step``, ``federated.round`` ...), named by the code that
-  calls :func:`inject`;
-- ``key=value`` words select where it fires: each must equal the keyword the point passes;
-- one bare word is the action: ``exit`` (``os._exit(code)``, code 1 unless ``code=N``), ``raise``
-  (the point's own error type), ``hold`` (write ``marker`` with this pid, then sleep an hour),
-  ``preempt`` (:func:`inject` returns ``True``: at ``train.step`` the engine checkpoints that step
-  and the run returns ``None``, a preemption the next attempt resumes from; select no rank);
-- ``once=PATH`` fires only while PATH does not exist (it is written just before firing), so a
-  restarted process does not fail again at the same point.
+``SPEECH_ASSETS_FAULTS`` (set only by tests) holds ``;``-separated faults written by :func:`fault`,
+e.g. ``train.step rank=1 step=3 exit once=/tmp/x/marker``: the point, ``key=value`` words that must
+equal what the point passes, and one action: ``exit`` (``code=N``, default 1), ``raise``, ``hold``
+(write ``marker`` with this pid, sleep an hour) or ``preempt`` (:func:`inject` returns ``True``: the
+engine checkpoints and the run ends; select no rank). ``once=PATH`` fires only while PATH does not
+exist, so a restarted process does not fail again.
 """
 
 from __future__ import annotations

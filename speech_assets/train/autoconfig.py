@@ -1,8 +1,6 @@
-"""Auto-configuration: profile hardware, dataset and model, then choose processes, per-device
-batch (seconds of audio), gradient accumulation and precision.
+"""Auto-configuration: processes, per-device batch (seconds of audio), accumulation and precision.
 
-``decide`` is a pure function of three small dataclasses, so its policy is unit-tested with fake
-profiles; ``profile_*`` gather the real ones.
+``decide`` is a pure function of the profiles, so its policy is tested with fake ones.
 """
 
 from __future__ import annotations
@@ -27,16 +25,11 @@ GPU_RESERVED_BYTES = 2 * GIB
 ACTIVATION_SAFETY = 2.0
 # On CPU, larger micro-batches stop improving throughput and only make steps slower.
 CPU_MAX_BATCH_SECONDS = 32.0
-# CPU training runs one single-threaded process per core (up to CPU_MAX_PROCESSES, the rest of
-# the cores become intra-op threads): the small GEMMs of CPU-sized models scale better across
-# processes than across threads, and threads stall when cores are shared (bench/train.py, tiny,
-# 2 cores: 1 process x 1 thread ~85 s of audio/s, x 2 threads ~95 (5-37 on busy shared cores),
-# 2 processes x 1 thread ~135).
+# One single-threaded process per core on CPU: small GEMMs scale better across processes than
+# threads (bench/train.py, tiny, 2 cores: 1 process x 2 threads ~95 s of audio/s, 2 x 1 ~135).
 CPU_MAX_PROCESSES = 8
-# On a GPU the optimizer step covers at least HuBERT Base's (fairseq: 1.4M samples of 16 kHz audio
-# per GPU x 32 GPUs = 2,800 s): the CPU-sized default target (60 s) would leave an 80 GB device
-# mostly idle, its step time spent in kernel launches and the optimizer rather than in matmuls.
-# Small corpora are spared: a step never covers more than a tenth of the training audio this way.
+# A GPU step covers at least HuBERT Base's 2,800 s (the CPU-sized 60 s would leave the device idle
+# in kernel launches), but never more than a tenth of the training audio.
 GPU_MIN_STEP_SECONDS = 2800.0
 GPU_MIN_STEPS_PER_EPOCH = 10
 # Peak dense bf16 tensor-core FLOP/s by GPU name substring (first match wins): the MFU denominator.
@@ -75,11 +68,8 @@ class DatasetProfile:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Parameter count and memory of one training replica.
-
-    ``weight_bytes``/``grad_bytes``/``adam_bytes`` are fp32 (AdamW keeps two moments);
-    ``activation_bytes_per_second_*``: activations kept for backward per second of audio.
-    """
+    """Memory of one training replica: fp32 weights, gradients and AdamW's two moments; activations
+    kept for backward per second of audio."""
 
     preset: str
     parameters: int
@@ -114,7 +104,6 @@ class LaunchPlan:
 
 
 def peak_bf16_flops(gpu_name: str | None) -> float | None:
-    """The device's peak dense bf16 FLOP/s read from its name (``None`` when unknown)."""
     return next((flops for key, flops in PEAK_BF16_FLOPS if gpu_name and key in gpu_name), None)
 
 
@@ -126,8 +115,8 @@ def available_cores() -> int:
 
 
 def resolve_precision(precision: str, device: str, bf16_supported: bool) -> str:
-    """``auto``: fp32 on CPU, bf16 on GPUs that support it, else fp16 (with a GradScaler); fp16
-    asked for on a CPU (a federation's setting reaching a client without GPU) falls back to fp32."""
+    """``auto``: fp32 on CPU, else bf16 where supported, else fp16; fp16 on a CPU (a federation's
+    setting reaching a client without GPU) falls back to fp32."""
     if precision == "auto":
         return "fp32" if device == "cpu" else "bf16" if bf16_supported else "fp16"
     return "fp32" if device == "cpu" and precision == "fp16" else precision
@@ -149,7 +138,6 @@ def profile_hardware() -> HardwareProfile:
 
 
 def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
-    """Duration statistics from the shards' ``num_frames`` column (no feature matrix is read)."""
     frames = [read_shard_table(path, columns=["num_frames"]).column("num_frames").to_numpy() for path in shards]
     seconds = np.concatenate(frames).astype(np.float64) / FRAME_RATE_HZ if frames else np.zeros(0)
     if seconds.size == 0:
@@ -165,11 +153,8 @@ def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
 
 
 def profile_model(preset: str, num_clients: int, ks: int | Sequence[int], mean_seconds: float = 10.0) -> ModelProfile:
-    """Exact parameter count (model built on the meta device) and analytic memory/FLOPs.
-
-    ``ks``: one codebook size for all clients, or one per client. ``mean_seconds`` sets the
-    sequence length used for the attention FLOPs.
-    """
+    """Exact parameter count (built on the meta device) and analytic memory/FLOPs; ``mean_seconds``
+    sets the sequence length of the attention FLOPs."""
     sizes = [int(ks)] * num_clients if isinstance(ks, int) else [int(k) for k in ks]
     if len(sizes) != num_clients:
         raise ValueError(f"{len(sizes)} codebook sizes for {num_clients} clients")
@@ -202,14 +187,9 @@ def decide(
     device: str = "auto",
     max_utterance_seconds: float = 15.0,
 ) -> LaunchPlan:
-    """Choose the launch: explicit arguments win, ``"auto"``/``None`` are decided here.
-
-    Policy: all GPUs of the node, one process each, bf16 where supported (fp16 otherwise);
-    on CPU fp32 and one process per core (at most :data:`CPU_MAX_PROCESSES`). The per-device
-    batch is the largest that fits the memory budget (and, on CPU, at most
-    :data:`CPU_MAX_BATCH_SECONDS`) without exceeding the target; accumulation makes up the rest
-    and the batch is then evened out so ``batch * nproc * accum`` is close to the target.
-    """
+    """Choose the launch: explicit arguments win, ``"auto"``/``None`` are decided here. The per-device
+    batch is the largest that fits memory without exceeding the target; accumulation makes up the
+    rest and the batch is evened out so ``batch * nproc * accum`` is close to the target."""
     notes: list[str] = []
     if device == "auto":
         device = "cuda" if hw.gpu_count > 0 else "cpu"
@@ -224,14 +204,8 @@ def decide(
         raise ValueError("fp16 training needs CUDA (use fp32 or bf16 on CPU)")
     if precision == "auto":
         precision = resolve_precision(precision, device, hw.bf16_supported)
-        why = (
-            "CPU"
-            if device == "cpu"
-            else "GPU supports bf16"
-            if hw.bf16_supported
-            else "no bf16 on this GPU, fp16 + GradScaler"
-        )
-        notes.append(f"precision {precision}: {why}")
+        gpu = "GPU supports bf16" if hw.bf16_supported else "no bf16 on this GPU, fp16 + GradScaler"
+        notes.append(f"precision {precision}: {'CPU' if device == 'cpu' else gpu}")
 
     if nproc == "auto":
         if device == "cuda":
@@ -303,12 +277,4 @@ def decide(
         )
     if data.total_seconds < effective:
         notes.append(f"note: one step covers more than the {data.total_seconds:.0f} s of training audio")
-    return LaunchPlan(
-        nproc=nproc,
-        batch_seconds=float(batch_seconds),
-        grad_accum=accum,
-        precision=precision,
-        device=device,
-        threads_per_process=threads,
-        reason="; ".join(notes),
-    )
+    return LaunchPlan(nproc, float(batch_seconds), accum, precision, device, threads, "; ".join(notes))

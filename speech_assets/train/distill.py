@@ -1,18 +1,10 @@
 """DistilHuBERT-style distillation: a small student encoder predicts chosen layers of a frozen teacher.
 
-``python -m speech_assets.train.distill --config CONFIG.json`` trains alone or as one rank under
-torchrun, on the training engine (:mod:`speech_assets.train.engine`: precision, accumulation,
-checkpoints every ``checkpoint_every`` steps and exact resume, like pretraining). Per step: the
-teacher encodes the batch (no masking, no gradient); its layers ``teacher_layers`` (1-based,
-layer-normalised) are the targets; the student's encoder plus one linear head per target layer
-predicts them; loss per head = L1 - ``cosine_weight`` * log sigmoid(cosine similarity) (Chang et
-al., 2022). Data: the training speakers' utterances
-(:func:`speech_assets.train.data.heldout_split`), so held-out speakers stay unseen for the probe.
-
-The student is a :class:`HubertPretrainModel` whose "heads" are the layer predictors
-(``clients`` = ``{"layer_04": teacher_dim, ...}``): its ``final.pt`` (:class:`~speech_assets.train.engine.Fit`)
-has the training checkpoint's layout, so the probe, the export and
-:func:`~speech_assets.model.encoders.load_encoder` read it unchanged.
+``python -m speech_assets.train.distill --config CONFIG.json``. The teacher's ``teacher_layers``
+(1-based, layer-normalised) are the targets of one linear student head each; loss per head = L1 -
+``cosine_weight`` * log sigmoid(cos) (Chang et al., 2022). Only training speakers' utterances are
+used, so held-out speakers stay unseen for the probe. The student is a :class:`HubertPretrainModel`
+whose "heads" are the layer predictors, so its ``final.pt`` loads like a pretrained checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ import argparse
 import logging
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,28 +56,21 @@ def default_teacher_layers(depth: int, count: int = 3) -> list[int]:
     return sorted({max(1, round(depth * (i + 1) / count)) for i in range(count)})
 
 
-def student_preset(config: DistillConfig, teacher: ModelPreset) -> ModelPreset:
-    """The student's shape: ``dim``/``layers``/``heads``/``ffn_dim`` from the config, the teacher's
-    input and positional convolution (groups reduced until they divide ``dim``)."""
-    return ModelPreset(
+def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: list[int]) -> HubertPretrainModel:
+    """The config's shape with the teacher's input and positional convolution (groups dividing ``dim``)."""
+    shape = ModelPreset(
         name=config.preset,
         dim=config.dim,
         layers=config.layers,
         heads=config.heads,
         ffn_dim=config.ffn_dim,
         conv_channels=config.dim,
-        pos_kernel=teacher.pos_kernel,
-        pos_groups=math.gcd(teacher.pos_groups, config.dim),
+        pos_kernel=teacher.preset.pos_kernel,
+        pos_groups=math.gcd(teacher.preset.pos_groups, config.dim),
         dropout=0.0,
-        input_dim=teacher.input_dim,
+        input_dim=teacher.preset.input_dim,
     )
-
-
-def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: list[int]) -> HubertPretrainModel:
-    """The student encoder with one ``Linear(dim, teacher_dim)`` head per teacher layer."""
-    student = HubertPretrainModel(
-        student_preset(config, teacher.preset), {f"layer_{layer:02d}": teacher.preset.dim for layer in layers}
-    )
+    student = HubertPretrainModel(shape, {f"layer_{layer:02d}": teacher.preset.dim for layer in layers})
     student.mask_embedding.requires_grad_(False)  # never masked: keeps DDP from waiting for its gradient
     return student
 
@@ -115,16 +101,8 @@ def teacher_targets(
 def layer_prediction_loss(
     predictions: torch.Tensor, targets: torch.Tensor, padding: torch.Tensor, cosine_weight: float = 1.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DistilHuBERT's loss: per head, mean L1 minus ``cosine_weight`` * mean log sigmoid(cos).
-
-    Args:
-        predictions: ``(B, H, L, D)`` the student's head outputs.
-        targets: ``(B, H, L, D)`` the teacher's (normalised) layers.
-        padding: ``(B, L)`` bool, ``True`` on padded frames (excluded from every mean).
-
-    Returns:
-        The scalar loss summed over heads, and ``l1``/``cosine`` ``(H,)`` per-head means (detached).
-    """
+    """DistilHuBERT's loss over ``(B, H, L, D)`` predictions and targets, ``padding (B, L)`` excluded:
+    summed over heads, and the detached per-head means ``l1``/``cosine`` ``(H,)``."""
     if (
         predictions.shape != targets.shape
         or predictions.dim() != 4
@@ -143,19 +121,17 @@ def layer_prediction_loss(
 
 
 def encoder_parameters(model: HubertPretrainModel) -> int:
-    """Parameters of the encoder alone (no prediction heads)."""
     return count_parameters(model) - count_parameters(model.heads)
 
 
+@dataclass
 class LayerPrediction:
-    """The distillation objective. Call: a :class:`LayerPredictor` (or DDP of it) and a CPU batch ->
-    the loss ``()`` and statistics ``(2 + 2H,)`` float64: a count of 1, the loss, then the per-head
-    L1 ``(H,)`` and cosine ``(H,)`` (summed over steps and ranks, :meth:`metrics` divides by the count)."""
+    """The distillation objective; statistics ``(2 + 2H,)``: a count of 1, the loss, per-head L1 and cosine."""
 
-    def __init__(
-        self, teacher: HubertPretrainModel, layers: list[int], cosine_weight: float, device: torch.device
-    ) -> None:
-        self.teacher, self.layers, self.cosine_weight, self.device = teacher, layers, cosine_weight, device
+    teacher: HubertPretrainModel
+    layers: list[int]
+    cosine_weight: float
+    device: torch.device
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.device)
@@ -268,9 +244,7 @@ class Distillation(Fit):
 
 
 def distill(config: DistillConfig) -> dict[str, Any] | None:
-    """Run the distillation in this process (alone or as one torchrun rank); ``result.json``'s
-    content on rank 0, ``None`` elsewhere. A new attempt on the same ``run_dir`` continues from
-    its latest checkpoint."""
+    """Distil in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train.distill") as job:
         return Distillation(config, job).run(PipesReporter(log) if job.is_main else None)
 

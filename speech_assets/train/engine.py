@@ -1,26 +1,10 @@
 """The training engine: every training loop of the package takes its steps here.
 
-An objective says what a kind of training minimises (:class:`Objective`: the loss and summable
-statistics of a batch, and the metrics of summed statistics); it holds no optimizer and writes
-nothing. The :class:`Engine` owns the rest of a step and of a run:
-
-- forward and backward under autocast (``bf16``; ``fp16`` with a GradScaler), accumulation of
-  ``grad_accum`` micro-batches (DDP all-reduces on the last only), clipping, AdamW and the LR
-  schedule;
-- checkpoints that continue bit-exactly (weights, optimizer, scheduler, scaler, step, the batch
-  stream's position and every rank's RNG states); a new attempt resumes from the latest. They are
-  taken every ``checkpoint_every`` steps and, with ``checkpoint_minutes``, after that many minutes;
-  the step waits only for a copy of the state to host memory, a background thread hashes and writes
-  it (:class:`~speech_assets.train.checkpoint.CheckpointWriter`);
-- the metrics window: statistics kept on the device and read once every ``log_every`` steps, then
-  the log line, and ``metrics.jsonl`` and MLflow written by a background thread.
-
-:class:`Fit` is the one run around it (resume, MLflow, ``final.pt``, ``result.json``, the Dagster
-materialization) of pretraining (:mod:`speech_assets.train.trainer`), distillation
-(:mod:`speech_assets.train.distill`) and CTC fine-tuning (:mod:`speech_assets.evaluation.finetune`):
-each adds its objective, its batches and its result. A federated client's local round
-(:mod:`speech_assets.federated.local`) drives the engine itself. Rank 0 alone writes files, logs to
-MLflow and reports to Dagster Pipes, inside :func:`speech_assets.train.worker.worker`.
+An :class:`Objective` is a pure loss; the :class:`Engine` owns autocast, accumulation, clipping,
+AdamW, the LR schedule, bit-exact checkpoints (written by a background thread) and the metrics
+window (statistics stay on the device, read once per ``log_every`` steps). :class:`Fit` is the one
+run around it (resume, MLflow, ``final.pt``, ``result.json``) of pretraining, distillation and CTC
+fine-tuning. Rank 0 alone writes files, logs to MLflow and reports to Dagster Pipes.
 """
 
 from __future__ import annotations
@@ -30,13 +14,13 @@ import json
 import logging
 import math
 import os
-import queue
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,9 +62,7 @@ class Objective(Protocol):
     """What one kind of training minimises. Pure: no optimizer, no I/O, no global RNG."""
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``model`` (DDP-wrapped under torchrun) on ``batch`` (on the CPU, as the loader gives it)
-        at optimizer step ``step`` (0-based) and micro-batch ``micro``: the scalar loss ``()`` to
-        minimise and detached statistics ``(S,)`` float64 that add up over micro-batches and ranks."""
+        """The loss ``()`` and detached statistics ``(S,)`` float64 that add up over micro-batches and ranks."""
         ...
 
     def metrics(self, totals: torch.Tensor) -> dict[str, float]:
@@ -90,8 +72,7 @@ class Objective(Protocol):
 
 @dataclass
 class Distributed:
-    """This process's place in the job (from torchrun's environment; defaults: one process), and
-    the batch it trains with (``(batch_seconds, grad_accum)``, for the out-of-memory marker)."""
+    """This process's place in the job; ``batch``: ``(batch_seconds, grad_accum)``, for the out-of-memory marker."""
 
     rank: int
     local_rank: int
@@ -115,7 +96,6 @@ def resolve_device(device: str) -> torch.device:
 
 
 def init_distributed(device: str) -> Distributed:
-    """Read ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and join the process group (NCCL on CUDA, gloo on CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -143,21 +123,18 @@ def init_distributed(device: str) -> Distributed:
 
 
 def all_reduce(values: torch.Tensor, job: Distributed) -> torch.Tensor:
-    """``values`` summed over the ranks (in place)."""
     if job.enabled:
         dist.all_reduce(values)
     return values
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python ``random``, numpy's global RNG and torch (CPU and CUDA) with one seed."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast to ``bf16``/``fp16`` on ``device``; nothing for ``fp32``."""
     dtype = AUTOCAST_DTYPES.get(precision)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
@@ -174,8 +151,7 @@ def warmup_linear_decay(warmup_steps: int, max_steps: int) -> Callable[[int], fl
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW (HuBERT betas/eps) over the trainable parameters; no weight decay on biases, norms and
-    the mask embedding. Fused (one kernel for all parameters) when they are all on CUDA."""
+    """AdamW (HuBERT betas/eps); no weight decay on biases, norms and the mask embedding."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
@@ -186,15 +162,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
 
 
 class BatchStream:
-    """Endless stream of this rank's batches from ``sampler`` starting at ``(epoch, position)``;
-    :meth:`state` is the position to resume from (batches already yielded).
+    """Endless stream of this rank's batches from ``(epoch, position)``; :meth:`state` is where to resume.
 
-    One DataLoader serves every epoch: its workers (``sampler.num_workers``) persist across epoch
-    boundaries, each batch request carrying its epoch (crops move with it). They build whole
-    batches (:class:`~speech_assets.train.data.BatchBuilder`): rows grouped by client and, once
-    :meth:`schedule` says at which optimizer step the next batch trains, the span mask. On a CUDA
-    ``device`` batches arrive pinned and the next one is copied on a side stream while the current
-    one trains; elsewhere they stay where the loader built them.
+    One DataLoader with persistent workers serves every epoch (each request carries its epoch); once
+    :meth:`schedule` is known the workers draw the span masks too. On CUDA the next batch is copied
+    on a side stream while the current one trains.
     """
 
     def __init__(
@@ -220,13 +192,11 @@ class BatchStream:
         return self
 
     def schedule(self, first_step: int, grad_accum: int, masking: SpanMasking | None) -> None:
-        """The next batch trains at optimizer step ``first_step``, micro-batch 0, and every step takes
-        ``grad_accum`` batches: the loader draws each batch's mask with ``masking`` (``None``: none)."""
+        """The next batch trains at ``first_step``, micro-batch 0; the loader draws masks with ``masking``."""
         self._slots = (first_step, grad_accum, masking)
         self._restart()
 
     def _restart(self) -> None:
-        """Drop what the loader prepared ahead; its next iteration starts at the handed-out position."""
         self._iterator: Iterator[Batch] | None = None
         self._ahead: tuple[Batch, int, int] | None = None  # copied to the device, not yet handed out
         self._issued = 0  # requests made since the last schedule or restart
@@ -248,7 +218,6 @@ class BatchStream:
             yield BatchRequest(tuple(batches[position]), epoch, position, slot, masking)
 
     def _from_loader(self) -> tuple[Batch, int, int]:
-        """The loader's next batch and the stream's (epoch, position) once it is handed out."""
         while True:
             if self._iterator is None:
                 if self._loader is None:
@@ -310,8 +279,7 @@ class BatchStream:
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Continue where ``state`` was taken; with other batching (batch size or world size), at
-        the same fraction of the epoch."""
+        """Continue where ``state`` was taken; with other batching, at the same fraction of the epoch."""
         epoch, position = int(state["epoch"]), int(state["position"])
         if (state["batch_seconds"], state["world_size"]) != (self.sampler.batch_seconds, self.sampler.num_replicas):
             position = round(position * self._size(epoch) / max(int(state["batches_in_epoch"]), 1))
@@ -321,8 +289,7 @@ class BatchStream:
 
 
 class _Requests:
-    """The loader's sampler: each iteration yields the batch requests of the stream's next epoch
-    (from its position), so a persistent loader walks epoch after epoch."""
+    """The loader's sampler: each iteration is the stream's next epoch, so a persistent loader walks them all."""
 
     def __init__(self, stream: BatchStream) -> None:
         self.stream = stream
@@ -332,74 +299,50 @@ class _Requests:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` and a newline to the text file ``path``."""
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line + "\n")
 
 
 class BackgroundWriter:
-    """Rank 0's metrics writes (``metrics.jsonl`` lines, MLflow calls), run in submission order by
-    one thread so that the training loop never waits on a disk or a server. :meth:`flush` waits for
-    everything submitted, :meth:`close` flushes and joins; a call that raised is reported by the
-    next :meth:`submit`, :meth:`flush` or :meth:`close` (the calls after it still run: no line is
-    dropped because MLflow failed)."""
+    """Rank 0's metrics writes, in submission order on one thread so that training never waits on
+    a disk or a server. A call that raised is reported by the next call (the later ones still run)."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[Callable[..., object], tuple[Any, ...]] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        # started by the first submit: after the loader has forked its workers, which must not
-        # inherit a lock this thread might hold
-        self._thread = threading.Thread(target=self._work, name="metrics-writer", daemon=True)
+        # its thread starts at the first submit: after the loader has forked its workers, which must
+        # not inherit a lock this thread might hold
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-writer")
+        self._pending: list[Future[object]] = []
 
     def submit(self, call: Callable[..., object], *args: Any) -> None:
         self._raise()
-        if not self._thread.is_alive():
-            self._thread.start()
-        self._queue.put((call, args))
+        self._pending.append(self._executor.submit(call, *args))
 
     def flush(self) -> None:
-        self._queue.join()
+        for future in self._pending:
+            future.exception()  # waits
         self._raise()
 
     def close(self, quiet: bool = False) -> None:
-        """Write what was submitted and stop the thread; ``quiet``: log a failed write instead of raising."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        if quiet and self._error is not None:
-            log.error("writing metrics failed: %r", self._error)
-            return
-        self._raise()
+        """``quiet``: log a failed write instead of raising."""
+        self._executor.shutdown()
+        try:
+            self._raise()
+        except RuntimeError as error:
+            if not quiet:
+                raise
+            log.error("%s", error)
 
     def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        done = list(takewhile(Future.done, self._pending))  # one thread: they finish in order
+        del self._pending[: len(done)]
+        error = next((error for error in map(Future.exception, done) if error is not None), None)
+        if error is not None:
             raise RuntimeError(f"writing metrics failed: {error!r}") from error
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                call, args = item
-                call(*args)
-            except Exception as error:  # kept for the training thread to raise
-                self._error = self._error or error
-            finally:
-                self._queue.task_done()
 
 
 class Engine:
-    """Optimizer steps of ``model`` on this rank; see the module docstring.
-
-    ``model`` is what is optimised, clipped and checkpointed; ``forward`` (default: ``model``) is the
-    module an objective calls, wrapped in DDP when the job has several ranks. ``schedule`` is the LR
-    multiplier by step (default: constant). ``background_checkpoints=False`` hashes and writes each
-    checkpoint before the next step (the same bytes, on the critical path). Its attribute ``extra``
-    goes into every checkpoint besides the engine's own state (the config: :meth:`resume` compares
-    it with the checkpoint's).
-    """
+    """Optimizer steps of ``model`` on this rank. ``forward`` (default: ``model``) is what an objective
+    calls, in DDP when there are several ranks; ``extra`` goes into every checkpoint."""
 
     def __init__(
         self,
@@ -436,19 +379,13 @@ class Engine:
 
     @property
     def forward(self) -> nn.Module:
-        """What objectives call: ``forward``, in DDP (built on first use) when there are several ranks."""
         if self._wrapped is None and self.job.enabled:
             cuda = self.job.device.type == "cuda"
             self._wrapped = DistributedDataParallel(self._forward, device_ids=[self.job.local_rank] if cuda else None)
         return self._wrapped or self._forward
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return autocast(self.precision, self.job.device)
-
-    # ---------------------------------------------------------------------------- steps
     def train_step(self, objective: Objective, batches: Iterator[Batch]) -> tuple[torch.Tensor, float, torch.Tensor]:
-        """One optimizer step over ``grad_accum`` micro-batches: the objective's statistics ``(S,)``
-        summed over them, this rank's seconds of audio, and the gradient norm before clipping."""
+        """Statistics ``(S,)`` summed over the micro-batches, seconds of audio, gradient norm before clipping."""
         forward, accum = self.forward, self.grad_accum
         stats: torch.Tensor | None = None
         seconds = 0.0
@@ -461,7 +398,7 @@ class Engine:
                 if isinstance(forward, DistributedDataParallel) and not last
                 else contextlib.nullcontext()
             )
-            with sync, self.autocast():
+            with sync, autocast(self.precision, self.job.device):
                 loss, micro_stats = objective(forward, batch, self.step, micro)
             self.scaler.scale(loss / accum).backward()
             stats = micro_stats if stats is None else stats + micro_stats
@@ -484,14 +421,9 @@ class Engine:
         tracker: MlflowTracker | None = None,
         evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> bool:
-        """Steps up to ``config.max_steps`` with the metrics window every ``log_every`` steps and a
-        checkpoint every ``checkpoint_every`` (and ``eval_every``, where the config has it) steps
-        and at the last; a ``preempt`` fault a test injects at ``train.step``
-        (:mod:`speech_assets.runtime.faults`) checkpoints that step and returns ``False``.
-        ``evaluate`` (collective: every rank calls it; deterministic, it draws nothing from the
-        training RNG) runs before each checkpoint: its numbers join the step's metrics as
-        ``val/<name>`` and it is kept as :attr:`evaluation`; a true ``stop`` in it ends the run
-        after that checkpoint (early stopping: :attr:`stopped`, and the run counts as finished)."""
+        """Steps up to ``config.max_steps``; ``False`` after a ``preempt`` fault (that step is checkpointed).
+        ``evaluate`` (collective; draws nothing from the training RNG) runs before each checkpoint, its
+        numbers logged as ``val/<name>``; a true ``stop`` in it ends the run after that checkpoint."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
         writer = BackgroundWriter() if self.job.is_main else None
         try:
@@ -539,7 +471,10 @@ class Engine:
                 or (eval_every > 0 and self.step % eval_every == 0)
             )
             if minutes and not checkpoint and self.step % config.log_every == 0:
-                checkpoint = self.time_for_checkpoint(time.monotonic() - last_checkpoint >= 60.0 * minutes)
+                # collective: any rank's clock makes every rank take it
+                due = time.monotonic() - last_checkpoint >= 60.0 * minutes
+                flag = torch.tensor([1.0 if due else 0.0], device=self.job.device)
+                checkpoint = bool(all_reduce(flag, self.job).item() > 0)
             if not (checkpoint or self.step % config.log_every == 0):
                 if timed:
                     timed_seconds += time.perf_counter() - started
@@ -594,16 +529,8 @@ class Engine:
         if tracker is not None:
             writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
 
-    # ---------------------------------------------------------------------- checkpoints
-    def time_for_checkpoint(self, due: bool) -> bool:
-        """Collective (at a log step): whether any rank's clock says a timed checkpoint is due, so
-        that every rank takes it."""
-        flag = torch.tensor([1.0 if due else 0.0], device=self.job.device)
-        return bool(all_reduce(flag, self.job).item() > 0)
-
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:
-        """Collective: gathers every rank's RNG state; rank 0 hands ``checkpoints/step_N.pt`` to the
-        background writer (which prunes after writing) once the state is copied to host memory."""
+        """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer."""
         rng = capture_rng_state(self.job.device)
         states: list[Any] = [None] * self.job.world_size
         if self.job.enabled:
@@ -635,9 +562,8 @@ class Engine:
     def resume(
         self, run_dir: str, stream: BatchStream, identity: Callable[[Mapping[str, Any]], object]
     ) -> dict[str, Any] | None:
-        """Continue from the run's latest checkpoint, if any, and return it (what the run recorded
-        in :attr:`extra` is there too). ``identity`` of a config dict says which model it trains: a
-        checkpoint of another model is refused."""
+        """Continue from the run's latest checkpoint, if any, and return it; ``identity`` of a config
+        says which model it trains: a checkpoint of another model is refused."""
         path = latest_checkpoint(run_dir)
         if path is None:
             return None
@@ -660,7 +586,6 @@ class Engine:
         return state
 
     def save_final(self, run_dir: Path, **contents: Any) -> tuple[Path, str]:
-        """Rank 0: ``final.pt`` (the weights, their hash, the step and ``contents``); its path and hash."""
         self.checkpoints.wait()
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -678,8 +603,7 @@ class Engine:
 
 @contextlib.contextmanager
 def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> Iterator[MlflowTracker | None]:
-    """Rank 0's MLflow run when the config names a tracking URI (a resumed attempt continues the run
-    named in ``run_dir/mlflow_run_id``); marked failed if the body raises."""
+    """Rank 0's MLflow run (a resumed attempt continues the one in ``mlflow_run_id``); failed if the body raises."""
     if not (job.is_main and config.mlflow_tracking_uri):
         yield None
         return
@@ -697,8 +621,7 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
 
 
 def fixed_batch(job: Distributed, config: Any) -> str:
-    """Threads, and the batch for the out-of-memory marker, of a run whose config fixes its batch
-    (no launch plan); its precision."""
+    """Threads and the out-of-memory marker's batch of a run without a launch plan; its precision."""
     torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
     job.batch = (config.batch_seconds, config.grad_accum)
     cuda = job.device.type == "cuda"
@@ -710,11 +633,9 @@ MATERIALIZED = ("step", "final_loss", "checkpoint", "checkpoint_sha256", "mlflow
 
 
 class Fit:
-    """The one training run of every stage: engine, resume, tracking, steps, ``final.pt``, the
-    result and its publication. A stage (pretraining, distillation, fine-tuning) builds its data,
-    model, :class:`BatchStream` and :class:`Objective`, hands them to :meth:`start`, and adds only
-    what differs: :meth:`announce`, :meth:`conclude`, :meth:`final`, :meth:`result`, :meth:`done`
-    and :attr:`materialized`, its result keys the Dagster materialization reports."""
+    """The one training run of every stage. A stage builds its data, model, stream and objective,
+    hands them to :meth:`start` and overrides the hooks below; :attr:`materialized`: its result keys
+    the Dagster materialization reports."""
 
     materialized: tuple[str, ...] = ()
     tracker: MlflowTracker | None = None
@@ -741,11 +662,8 @@ class Fit:
         evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
         **record: Any,
     ) -> dict[str, Any] | None:
-        """The :class:`Engine` of ``model`` as ``config`` asks (``grad_accum``: the ``launch`` plan's
-        when given); what every checkpoint carries besides its state (``record``, the config, which
-        :meth:`Engine.resume` compares by ``identity``, its data versions, ``speakers`` and the
-        normalisation); then the resume: the checkpoint continued, or ``None``. ``launch``: the plan
-        MLflow records (default: the config's fixed batch); ``evaluate``: see :meth:`Engine.run`."""
+        """Build the :class:`Engine` and resume; the checkpoint continued, or ``None``. ``record`` goes
+        into every checkpoint; ``launch``: the plan MLflow records (default: the config's fixed batch)."""
         grad_accum = config.grad_accum if launch is None else launch["grad_accum"]
         self.engine = engine = Engine(
             model,
@@ -796,9 +714,8 @@ class Fit:
         return {key: result[key] for key in (*MATERIALIZED, *self.materialized)}
 
     def run(self, reporter: PipesReporter | None = None) -> dict[str, Any] | None:
-        """Train to ``max_steps`` (or an evaluation's stop); then rank 0 writes ``final.pt`` and
-        ``result.json``, finishes the MLflow run and reports to ``reporter``. The result on rank 0,
-        ``None`` elsewhere and after a preemption."""
+        """Train, then rank 0 writes ``final.pt`` and ``result.json``; the result on rank 0, ``None``
+        elsewhere and after a preemption."""
         engine, config, job = self.engine, self.config, self.engine.job
         run_dir = Path(config.run_dir)
         with tracking(config, job, self.launch_plan) as tracker:

@@ -38,10 +38,8 @@ from speech_assets.utils import atomic_write_text
 log = logging.getLogger(__name__)
 
 RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
-# Environment for the torchrun process. By default torchrun's workers share the rendezvous
-# TCPStore across restarts, and a restarted worker group can read the previous attempt's
-# addresses and fail or hang in init_process_group (pytorch/pytorch#135712); a store per
-# attempt makes --max-restarts reliable.
+# A rendezvous store per attempt: a restarted worker group can read a shared store's stale addresses
+# and hang in init_process_group (pytorch/pytorch#135712).
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -63,17 +61,15 @@ def plan_for(config: TrainConfig, nproc: int | str | None = None) -> LaunchPlan:
 
 
 def planned(config: TrainConfig, nnodes: int = 1) -> tuple[TrainConfig, LaunchPlan]:
-    """``config`` resolved by the plan of this machine (:func:`plan_for`, the one profiling of a
-    launch), and the plan; with ``nnodes`` nodes of ``config.nproc`` processes each, batch and
-    accumulation are decided for every process of every node, and the config keeps the per-node count."""
+    """``config`` resolved by this machine's plan, and the plan; with ``nnodes`` nodes the batch is
+    decided for every process of every node, and the config keeps the per-node count."""
     plan = plan_for(config, nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
     decided = {"batch_seconds": plan.batch_seconds, "grad_accum": plan.grad_accum, "precision": plan.precision}
     return replace(config, nproc=plan.nproc // nnodes, device=plan.device, **decided), plan
 
 
 def hand_plan(config: TrainConfig, plan: LaunchPlan) -> None:
-    """Write ``plan`` into ``config``'s run folder with the batch and accumulation of this attempt's
-    ``config`` (an out-of-memory retry changes them): its workers take it (:func:`handed_plan`)."""
+    """Write ``plan`` for the workers with this attempt's batch and accumulation (an OOM retry changes them)."""
     if (config.batch_seconds, config.grad_accum) != (plan.batch_seconds, plan.grad_accum):
         note = f"after CUDA out of memory: batch {config.batch_seconds:g} s per device, grad_accum {config.grad_accum}"
         plan = replace(plan, reason=f"{plan.reason}; {note}")
@@ -82,8 +78,7 @@ def hand_plan(config: TrainConfig, plan: LaunchPlan) -> None:
 
 
 def handed_plan(config: TrainConfig) -> LaunchPlan | None:
-    """The plan the launcher wrote beside ``config`` (:func:`hand_plan`), or ``None`` when there is
-    none or it was made for another config (a stale file, a worker started by hand)."""
+    """The plan the launcher wrote, or ``None`` when there is none or it was made for another config."""
     try:
         plan = LaunchPlan(**json.loads(RunFiles(Path(config.run_dir)).plan.read_text()))
     except (OSError, ValueError, TypeError):
@@ -105,13 +100,10 @@ def build_torchrun_command(
 ) -> list[str]:
     """torchrun's command line: ``python -m ... -m speech_assets.train --config PATH``.
 
-    One node runs :mod:`speech_assets.train.local_torchrun`, torchrun with a rendezvous that
-    listens on 127.0.0.1 only. Several nodes with a ``node_rank`` use the static rendezvous at
-    ``rdzv_endpoint`` (``host:port`` of node 0), so global rank 0, the one that reports to
-    Dagster, is always on node 0: the Dagster host. Without a ``node_rank`` they rendezvous
-    elastically with c10d (``nnodes`` like ``"1:4"``), ranks in order of arrival. ``module`` is
-    the entry point each worker runs (the distillation job reuses this launcher). Run it with
-    :func:`torchrun_env` so that restarts work.
+    One node listens on 127.0.0.1 only (:mod:`speech_assets.train.local_torchrun`). Several nodes
+    with a ``node_rank`` use the static rendezvous at node 0's ``rdzv_endpoint``, so global rank 0,
+    which reports to Dagster, is on the Dagster host; without one they rendezvous elastically with
+    c10d. Run it with :func:`torchrun_env` so that restarts work.
     """
     options = ["--nproc-per-node", str(int(nproc)), "--max-restarts", str(int(max_restarts))]
     if nnodes == "1" and rdzv_endpoint is None:
@@ -124,16 +116,8 @@ def build_torchrun_command(
     host, port = check_endpoint(rdzv_endpoint, "rdzv_endpoint")
     command = [python, "-m", "torch.distributed.run", *options]
     if node_rank is not None:
-        command += [
-            "--nnodes",
-            str(int(nnodes)),
-            "--node-rank",
-            str(int(node_rank)),
-            "--master-addr",
-            host,
-            "--master-port",
-            str(port),
-        ]
+        command += ["--nnodes", str(int(nnodes)), "--node-rank", str(int(node_rank))]
+        command += ["--master-addr", host, "--master-port", str(port)]
     else:
         if not re.fullmatch(r"\d+(:\d+)?", nnodes) or not re.fullmatch(r"[A-Za-z0-9_-]+", rdzv_id):
             raise ValueError(f"nnodes {nnodes!r} must be N or MIN:MAX, and rdzv_id letters, digits, '_' or '-'")
@@ -162,13 +146,10 @@ def other_node_commands(
 ) -> list[list[str]]:
     """The argument lists that start nodes 1..nnodes-1 (node 0 is this host); no shell runs them.
 
-    ``node_command`` is split into words as a shell would (``shlex``), then ``{command}``,
-    ``{host}`` (``node_hosts[rank - 1]``) and ``{node_rank}`` are filled in word by word. A word
-    that is exactly ``{command}`` becomes that node's torchrun command, run through
-    :mod:`speech_assets.runtime.tether` (it stops when its input closes: when this launcher
-    ends); inside a longer word, the command line of a remote shell as in
-    ``ssh {host} 'cd /srv/speech_assets && {command}'``, every value is shell-quoted. Hosts must
-    be host names or IP addresses.
+    ``{command}``, ``{host}`` and ``{node_rank}`` are filled into the words of ``node_command``; a
+    whole-word ``{command}`` becomes the node's torchrun command, run through
+    :mod:`speech_assets.runtime.tether` (it stops when this launcher ends); inside a longer word (a
+    remote shell's command line, ``ssh {host} 'cd /srv && {command}'``) every value is shell-quoted.
     """
     words = shlex.split(node_command)
     if nnodes > 1 and not any("{command}" in word for word in words):
@@ -179,7 +160,7 @@ def other_node_commands(
     commands = []
     for rank in range(1, nnodes):
         values = {
-            "command": tethered(torchrun(rank), python),
+            "command": [python, "-m", "speech_assets.runtime.tether", "--", *torchrun(rank)],
             "host": [check_host(node_hosts[rank - 1], "node_hosts entry")] if uses_host else [""],
             "node_rank": [str(rank)],
         }
@@ -194,32 +175,20 @@ def other_node_commands(
     return commands
 
 
-def tethered(command: list[str], python: str = sys.executable) -> list[str]:
-    """``command`` started through :mod:`speech_assets.runtime.tether`: it stops when its
-    standard input closes (:func:`start_node` gives it a pipe that lives as long as this process)."""
-    return [python, "-m", "speech_assets.runtime.tether", "--", *command]
-
-
 def start_node(
     command: list[str], log: IO[bytes], env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
 ) -> subprocess.Popen:
-    """Start one of :func:`other_node_commands` (no shell), its output to ``log``, its standard
-    input a pipe that this process holds: it closes, and the node stops, when this process ends
-    or is killed, or when the caller closes ``process.stdin``."""
+    """Start a node command; its standard input is a pipe this process holds: the node stops when
+    this process ends or the caller closes ``process.stdin``."""
     return subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
 
 
 def torchrun_env(
     base: Mapping[str, str] | None = None, nproc: int = 1, tracking_uri: str | None = None
 ) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus :data:`TORCHRUN_ENV`, naming this
-    process as the launcher whose death ends the job, and saying it holds the run folder's lock.
-
-    ``OMP_NUM_THREADS`` is set (unless given) to this node's cores shared among ``nproc``
-    processes, which each worker also sets for torch: torchrun then has no default to announce.
-    A ``tracking_uri`` with credentials travels as ``$MLFLOW_TRACKING_URI``: config files hold it
-    without them (:func:`speech_assets.locations.with_credentials`).
-    """
+    """``base`` plus :data:`TORCHRUN_ENV`, naming this process as the launcher whose death ends the
+    job and as the run folder lock's holder. ``OMP_NUM_THREADS`` set so torchrun has no default to
+    announce; a ``tracking_uri`` with credentials travels in the environment, never in config files."""
     env = {**(os.environ if base is None else base), **TORCHRUN_ENV, **launcher_env(), RUN_LOCK_HELD_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
     if tracking_uri and redact_uri(tracking_uri) != tracking_uri:
@@ -234,20 +203,14 @@ def guarded(command: list[str], python: str = sys.executable) -> list[str]:
 
 @contextlib.contextmanager
 def launching(run_dir: str | os.PathLike[str], **holder: object) -> Iterator[RunFolderLock]:
-    """Hold the run folder for a launch: fail at once if another trainer has it, then wait
-    (bounded) until workers left by an earlier, killed launch are gone."""
+    """Hold the run folder: fail if another trainer has it, then wait for an earlier launch's workers to end."""
     with RunFolderLock(run_dir).acquire(**holder) as lock:
         wait_for_old_workers(run_dir)
         yield lock
 
 
 def launch(config: TrainConfig, config_dir: str | os.PathLike[str] | None = None) -> int:
-    """Auto-configure, then train here (one process) or under torchrun, retrying CUDA OOM.
-
-    Writes the resolved config of each attempt to ``<run_dir>/launch_config.json`` (or under
-    ``config_dir``), hands its workers the plan (:func:`hand_plan`) and returns the exit code of
-    the last attempt.
-    """
+    """Auto-configure, then train here or under torchrun, retrying CUDA OOM; the last attempt's exit code."""
     config, plan = planned(config)
     log.info("autoconfig: %s", plan.reason)
     config_path = RunFiles(Path(config_dir or config.run_dir)).launch_config

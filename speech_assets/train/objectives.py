@@ -1,15 +1,12 @@
-"""HuBERT's masked prediction as an engine objective, and its held-out evaluation; CTC
-fine-tuning (:class:`CtcTraining` on a :class:`CtcForward`) as another.
+"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and CTC fine-tuning.
 
-Shared by the centralised trainer (one head per client, every client in one model) and a
-federated client's local round (one model with its own head). Inputs: log-mel ``feats (B, T, 80)``
-at 100 Hz, ``lengths (B,)``, ``clients (B,)`` (each sample's head) and ``targets (B, L)`` at 50 Hz
-(``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
+Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)`` and ``targets
+(B, L)`` at 50 Hz (``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,14 +33,10 @@ from speech_assets.train.engine import Distributed, all_reduce, autocast
 
 
 class MaskedPrediction:
-    """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times
-    the unmasked ones). Masks are drawn from ``(seed, *key, step, rank, micro)`` (:attr:`masking`):
-    by the loader's workers when the batch stream knows the step (the batch carries the mask),
-    else here, on the host.
-
-    Call: ``model`` (a :class:`HubertPretrainModel`, or DDP of it), a ``batch`` -> the loss
-    ``()`` and statistics ``(6,)`` float64 (:data:`speech_assets.model.loss.STAT_FIELDS`).
-    """
+    """Cross-entropy of each sample's own head on masked frames (plus ``unmasked_weight`` times the
+    unmasked ones); statistics ``(6,)``: :data:`speech_assets.model.loss.STAT_FIELDS`. Masks come from
+    ``(seed, *key, step, rank, micro)``: drawn by the loader's workers when the batch carries one,
+    else here."""
 
     def __init__(
         self,
@@ -60,10 +53,6 @@ class MaskedPrediction:
         self.model, self.device, self.rank, self.key = model, device, rank, key
         self.unmasked_weight = unmasked_weight
         self.masking = SpanMasking(seed, mask_prob, mask_length, rank, key)
-
-    def mask(self, lengths: torch.Tensor, *parts: int | str) -> torch.Tensor:
-        """``(B, L)`` bool span mask for feature ``lengths (B,)``, drawn at ``parts``."""
-        return self.masking.draw(lengths, *parts)
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         drawn_for = (self.masking, step, micro)
@@ -89,22 +78,13 @@ class MaskedPrediction:
     def evaluate(
         self, dataset: UtteranceDataset, majority: list[int], batch_seconds: float, job: Distributed, precision: str
     ) -> dict[str, Any]:
-        """Masked prediction on held-out ``dataset`` (fixed masks), summed over ranks.
+        """Masked prediction on held-out ``dataset`` (the training masks at fixed seeds), summed over ranks.
 
-        Besides loss and accuracy, reports what a predictor that knows only each client's label
-        frequencies would score on the same masked frames (``majority_accuracy``: always
-        predicting the client's most frequent training label ``majority[client]``), overall and
-        per client, and both again on two subsets of the masked frames:
-
-        * ``leak_free_*`` (the measure to read): frames ``j`` with ``mask[j - R .. j + R]`` all
-          masked, ``R`` = :func:`~speech_assets.model.masking.pipeline_label_radius` of the
-          model's frontend (3): no visible frame shares a single audio sample with the
-          MFCC frame (deltas included) that label ``j`` was clustered from;
-        * ``interior_*`` (kept for comparison): masked frames whose two neighbours are masked
-          too (``R = 1``), which visible frames 2-3 steps away can still partly give away.
-
-        The masks are the training ones (``mask_prob``, ``mask_length``) at fixed seeds: with
-        HuBERT's ``p = 0.08``, ``l = 10`` about 62 % of masked frames (35 % of all frames) are
+        Also ``majority_accuracy`` (always the client's most frequent training label), overall and per
+        client, and both on two subsets of masked frames: ``leak_free_*`` (the measure to read: no
+        visible frame within :func:`~speech_assets.model.masking.pipeline_label_radius` shares an
+        audio sample with the MFCC frame label ``j`` was clustered from) and ``interior_*`` (both
+        neighbours masked). With HuBERT's ``p = 0.08``, ``l = 10`` about 62 % of masked frames are
         leak-free, so no separate evaluation mask is needed.
         """
         self.model.eval()
@@ -118,7 +98,7 @@ class MaskedPrediction:
         per_client = torch.zeros(len(self.model.clients), 9, dtype=torch.float64, device=job.device)
         majority_labels = torch.tensor(majority, dtype=torch.long, device=job.device)
         for local_index, batch in enumerate(loader):
-            mask = self.mask(batch.lengths, "heldout", local_index * world + rank).to(job.device)
+            mask = self.masking.draw(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
                 output = self.model(
@@ -141,38 +121,34 @@ class MaskedPrediction:
         summary: dict[str, Any] = summarize(all_reduce(totals, job).cpu())
         summary["loss"] = summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"]
         rows = all_reduce(per_client, job).cpu()
-        frames, inner, free = float(rows[:, 0].sum()), float(rows[:, 3].sum()), float(rows[:, 6].sum())
-        summary["majority_accuracy"] = float(rows[:, 2].sum()) / frames if frames else 0.0
-        summary["interior_frames"] = inner
-        summary["interior_masked_accuracy"] = float(rows[:, 4].sum()) / inner if inner else None
-        summary["interior_majority_accuracy"] = float(rows[:, 5].sum()) / inner if inner else None
-        summary["leak_free_frames"] = free
-        summary["leak_free_masked_accuracy"] = float(rows[:, 7].sum()) / free if free else None
-        summary["leak_free_majority_accuracy"] = float(rows[:, 8].sum()) / free if free else None
+        column = [float(rows[:, i].sum()) for i in range(9)]
+        summary["majority_accuracy"] = column[2] / column[0] if column[0] else 0.0
+        summary |= frame_rates(column, float, first=1)
         summary["per_client"] = {
-            name: {
-                "masked_frames": int(row[0]),
-                "masked_accuracy": float(row[1] / row[0]) if row[0] else None,
-                "majority_accuracy": float(row[2] / row[0]) if row[0] else None,
-                "interior_frames": int(row[3]),
-                "interior_masked_accuracy": float(row[4] / row[3]) if row[3] else None,
-                "interior_majority_accuracy": float(row[5] / row[3]) if row[3] else None,
-                "leak_free_frames": int(row[6]),
-                "leak_free_masked_accuracy": float(row[7] / row[6]) if row[6] else None,
-                "leak_free_majority_accuracy": float(row[8] / row[6]) if row[6] else None,
-            }
-            for name, row in zip(self.model.clients, rows.tolist(), strict=True)
+            name: frame_rates(row, int) for name, row in zip(self.model.clients, rows.tolist(), strict=True)
         }
         return summary
 
 
-def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
-    """Zero, but connected to the heads of clients absent from this micro-batch.
+SUBSETS = ("masked_", "interior_", "leak_free_")  # the column triples of the held-out counts
 
-    A head whose client has no sample in a batch would get no gradient on that rank, and DDP would
-    then have to search the graph for unused parameters after every backward pass (and warn on
-    every rank when there are none). With this term every head gets a gradient, exactly zero.
-    """
+
+def frame_rates(row: list[float], count: type, first: int = 0) -> dict[str, Any]:
+    """Frames, masked and majority accuracy of each subset's column triple (frames, correct, majority hits)."""
+    rates: dict[str, Any] = {}
+    for index in range(first, len(SUBSETS)):
+        subset = SUBSETS[index]
+        frames, correct, hits = row[3 * index : 3 * index + 3]
+        prefix = "" if index == 0 else subset
+        rates[f"{subset}frames"] = count(frames)
+        rates[f"{prefix}masked_accuracy"] = correct / frames if frames else None
+        rates[f"{prefix}majority_accuracy"] = hits / frames if frames else None
+    return rates
+
+
+def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
+    """Zero, but connected to the heads of clients absent from this micro-batch: every head gets an
+    exact zero gradient, so DDP need not search the graph for unused parameters."""
     present = {group.client for group in logits}
     idle = [head for index, head in enumerate(model.heads) if index not in present]
     if not idle:
@@ -193,8 +169,7 @@ def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[
 
 
 def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
-    """FedProx's ``mu / 2 * sum ||w - w_ref||^2`` over the parameters of ``model`` named in
-    ``reference`` (the global encoder a local round started from; ``heads.*`` are not in it)."""
+    """FedProx's ``mu / 2 * sum ||w - w_ref||^2`` over the parameters named in ``reference``."""
     total = torch.zeros((), device=next(model.parameters()).device)
     for name, parameter in model.named_parameters():
         if name in reference:
@@ -203,8 +178,7 @@ def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: floa
 
 
 class Proximal:
-    """An objective plus FedProx's proximal term towards ``reference`` (Li et al., 2020): the
-    client's half of Flower's ``FedProx`` strategy, which only sends ``mu``."""
+    """An objective plus FedProx's proximal term (the client's half of Flower's ``FedProx``)."""
 
     def __init__(
         self, inner: MaskedPrediction, model: nn.Module, reference: dict[str, torch.Tensor], mu: float
@@ -226,15 +200,10 @@ CTC_BLANK = 0  # the CTC blank is token 0 of every vocabulary fine-tuned here
 
 
 class CtcForward(nn.Module):
-    """An encoder with a CTC head: ``model.heads[0]`` (``Linear(D, V)``) on its last layer.
-
-    ``feats (B, T, 80)``, ``lengths (B,)``, optional ``mask (B, L)`` (50 Hz frames replaced by the
-    mask embedding) and ``channels (B, 80)`` (input bands set to 0, the normalised mean) ->
-    log-probabilities ``(B, L, V)`` float32 and 50 Hz ``lengths (B,)``. ``frozen``: ``""`` trains
-    everything; ``"no_grad"`` runs the encoder without autograd (only the head learns);
-    ``"zero"`` gives the encoder an exact zero gradient instead (what DDP needs: every
-    parameter it wraps gets a gradient on every rank).
-    """
+    """An encoder with a CTC head ``model.heads[0]``: ``feats (B, T, 80)``, ``lengths (B,)``, optional
+    ``mask (B, L)`` and ``channels (B, 80)`` -> log-probabilities ``(B, L, V)`` float32 and ``lengths``.
+    ``frozen="no_grad"`` trains only the head; ``"zero"`` gives the encoder an exact zero gradient
+    instead (DDP needs a gradient for every parameter it wraps)."""
 
     def __init__(self, model: HubertPretrainModel) -> None:
         super().__init__()
@@ -261,11 +230,7 @@ class CtcForward(nn.Module):
 
 
 def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over utterances of CTC per target token (``zero_infinity``, blank :data:`CTC_BLANK`).
-
-    ``log_probs (B, L, V)``, 50 Hz ``lengths (B,)``, ``targets (B, S)`` token ids padded with
-    :data:`~speech_assets.model.loss.IGNORE_INDEX`.
-    """
+    """Mean over utterances of CTC per target token; ``targets (B, S)`` padded with ``IGNORE_INDEX``."""
     valid = targets != IGNORE_INDEX
     return F.ctc_loss(
         log_probs.transpose(0, 1),
@@ -278,44 +243,31 @@ def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tens
     )
 
 
+@dataclass
 class CtcTraining:
-    """CTC fine-tuning as an engine objective: the encoder frozen for the first ``freeze_steps``
-    steps, span masks on the 50 Hz frames (``mask_prob``/``mask_length``, as pretraining draws
-    them) and on the input's 80 bands (``channel_prob``/``channel_length``), drawn from
-    ``(seed, step, rank, micro)``. Call: a :class:`CtcForward` (or DDP of it) and a CPU batch whose
-    ``targets`` are token ids -> the loss ``()`` and statistics ``(3,)`` float64: micro-batches,
-    summed loss, micro-batches with the encoder frozen."""
+    """CTC fine-tuning: the encoder frozen for ``freeze_steps`` steps, span masks on frames and on
+    the 80 input bands from ``(seed, step, rank, micro)``. Statistics ``(3,)``: micro-batches, summed
+    loss, frozen micro-batches."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        seed: int,
-        freeze_steps: int,
-        mask_prob: float,
-        mask_length: int,
-        channel_prob: float,
-        channel_length: int,
-        rank: int = 0,
-    ) -> None:
-        self.device, self.seed, self.rank, self.freeze_steps = device, seed, rank, freeze_steps
-        self.mask_prob, self.mask_length = mask_prob, mask_length
-        self.channel_prob, self.channel_length = channel_prob, channel_length
+    device: torch.device
+    _: KW_ONLY
+    seed: int
+    freeze_steps: int
+    mask_prob: float
+    mask_length: int
+    channel_prob: float
+    channel_length: int
+    rank: int = 0
 
     def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(B, L)`` frame mask and ``(B, 80)`` band mask for ``lengths (B,)`` (``None`` at probability 0)."""
+        """``(B, L)`` frame and ``(B, 80)`` band masks (``None`` at probability 0), in this RNG order."""
         generator = mask_generator(self.seed, "ctc", *parts)
-        mask = (
-            span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
-            if self.mask_prob > 0
-            else None
-        )
-        bands = torch.full_like(lengths, 80)
-        channels = (
-            span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
-            if self.channel_prob > 0
-            else None
-        )
+        mask = channels = None
+        if self.mask_prob > 0:
+            mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
+        if self.channel_prob > 0:
+            bands = torch.full_like(lengths, 80)
+            channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
         return mask, channels
 
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

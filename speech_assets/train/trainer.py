@@ -1,13 +1,7 @@
 """Centralised HuBERT pretraining: single process or one process per device under torchrun (DDP).
 
-One optimizer step consumes ``grad_accum`` micro-batches per rank (each at most ``batch_seconds``
-of padded audio), masks spans and predicts each sample's targets with its own client's head
-(:class:`~speech_assets.train.objectives.MaskedPrediction`); the engine
-(:mod:`speech_assets.train.engine`) clips, steps AdamW and the warmup/linear-decay schedule, and
-checkpoints every ``checkpoint_every`` steps and at the end so that a new attempt on the same
-``run_dir`` continues bit-exactly (and every ``checkpoint_minutes``, written in the background);
-the held-out utterances are evaluated at each checkpoint (the
-``val/`` series). At the end: ``final.pt`` and ``result.json``.
+Masked prediction with one head per client on the engine's :class:`Fit`; the held-out utterances
+are evaluated at each checkpoint (the ``val/`` series).
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ def model_identity(config: dict[str, Any]) -> tuple[str, dict[str, int]]:
 
 
 class Trainer(Fit):
-    """Builds data, model and engine for ``config`` on this rank (as ``plan`` says) and resumes
-    from the run's latest checkpoint if there is one; :meth:`run` trains (:class:`Fit`)."""
+    """Data, model and engine for ``config`` on this rank, resumed from the latest checkpoint if any."""
 
     materialized = (
         "heldout_leak_free_masked_accuracy",
@@ -146,7 +139,6 @@ class Trainer(Fit):
         )
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Held-out masked prediction (see :meth:`MaskedPrediction.evaluate`); ``None`` without held-out utterances."""
         if len(self.heldout_set) == 0:
             return None
         plan = self.launch
@@ -213,9 +205,8 @@ HELDOUT_KEYS = (
 
 
 def loader_workers(config: TrainConfig, job: Distributed) -> int:
-    """DataLoader worker processes: ``config.num_workers``, or, when it is negative (auto), none
-    on CPU (the cores train; one process reads well over 2,000 s of audio per second) and up to 4
-    per GPU process from the cores this node leaves it."""
+    """``config.num_workers``, or (negative: auto) none on CPU (the cores train; one process reads
+    over 2,000 s of audio per second) and up to 4 per GPU process from the cores left."""
     if config.num_workers >= 0:
         return config.num_workers
     if job.device.type != "cuda":
@@ -228,9 +219,8 @@ def _fmt(value: float | None) -> str:
 
 
 def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
-    """The launcher's plan (:func:`~speech_assets.train.launch.handed_plan`), or, for a worker
-    started without one, a plan made here, for this job's world size (explicit config values win);
-    refuses to repeat a batch size that already ran out of CUDA memory in this run."""
+    """The launcher's plan, or one made here for this job's world size; refuses a batch size that
+    already ran out of CUDA memory in this run."""
     plan = replace(handed_plan(config) or plan_for(config, nproc=job.world_size), nproc=job.world_size)
     if config.threads is not None:
         plan = replace(plan, threads_per_process=config.threads)
@@ -244,11 +234,7 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
 
 
 def train(config: TrainConfig) -> dict[str, Any] | None:
-    """Train ``config`` in this process: alone, or as one rank of a torchrun job.
-
-    Returns ``result.json``'s content on rank 0 (``None`` on other ranks). A CUDA out-of-memory
-    error writes ``run_dir/oom.json`` and exits (:mod:`speech_assets.train.oom`).
-    """
+    """Train ``config`` in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
         reporter = PipesReporter(log) if job.is_main else None
         return Trainer(config, job, plan_for_job(config, job)).run(reporter)

@@ -91,7 +91,7 @@ def test_collate_groups_rows_by_client_and_draws_the_objectives_mask(small_corpu
     # the mask is the one the objective drew on the host for this batch, step and micro-batch
     assert batch.mask is not None and batch.masked_for == (objective.masking, 7, 1)
     assert torch.equal(batch.mask, _reference_mask(batch.lengths, 5, "k", 2, 7, 1, 1))
-    assert torch.equal(batch.mask, objective.mask(batch.lengths, "k", 2, 7, 1, 1))
+    assert torch.equal(batch.mask, objective.masking.draw(batch.lengths, "k", 2, 7, 1, 1))
     # through the loader's batch builder (what a worker runs) the same
     built = BatchBuilder(dataset)[
         BatchRequest(tuple(_mixed_indices(dataset, 6)), epoch=0, position=0, slot=(7, 1), masking=objective.masking)

@@ -38,7 +38,7 @@ def _recount(objective: MaskedPrediction, dataset: UtteranceDataset, majority: l
     counts = {"frames": [0, 0], "hits": [0, 0]}
     for local_index, indices in enumerate(eval_batches(dataset.seconds, BATCH_SECONDS, 1, 0)):
         batch = collate([dataset[i] for i in indices])
-        mask = objective.mask(batch.lengths, "heldout", local_index)
+        mask = objective.masking.draw(batch.lengths, "heldout", local_index)
         scored = leak_free(mask, 3) & (batch.targets != IGNORE_INDEX)
         for client in (0, 1):
             rows = scored & (batch.clients == client)[:, None]
