@@ -76,6 +76,8 @@ from speech_assets.layout import TEMP_SUFFIX, ClientRunFiles
 from speech_assets.runtime.locks import LockTimeout, exclusive_lock
 from speech_assets.utils import fsync_dir
 
+ReplyProblem = Callable[[Message], str | None]  # what is wrong with a reply, or None
+
 # keys of a secure round's ConfigRecords
 SECAGG_NONCE, SECAGG_RANGE, SECAGG_TARGET = "secagg-nonce", "secagg-range", "secagg-target"
 SECAGG_THRESHOLD, SECAGG_SHARES_NUM, SECAGG_KEYS = "secagg-threshold", "secagg-num-shares", "secagg-keys"
@@ -103,11 +105,7 @@ class RoundHost(Protocol):
     def failure(self, reply: Message, phase: str, reason: str) -> dict[str, Any]: ...
 
     def screen(
-        self,
-        replies: list[Message],
-        phase: str,
-        failures: list[dict[str, Any]],
-        problem_of: Callable[[Message], str | None],
+        self, replies: list[Message], phase: str, failures: list[dict[str, Any]], problem_of: ReplyProblem
     ) -> list[Message]: ...
 
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
