@@ -8,15 +8,18 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-import duckdb
+from typing import TYPE_CHECKING
 
 from speech_assets import layout, locations
 from speech_assets.layout import DataLayout
-from speech_assets.stats import database as stats_db
+
+if TYPE_CHECKING:  # imported where used: `transcribe` loads neither DuckDB nor pyarrow
+    import duckdb
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from speech_assets.stats import database as stats_db
+
     print(stats_db.summary(_db(args)))
     return 0
 
@@ -101,7 +104,6 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     import tempfile
 
     from speech_assets.evaluation.recognise import Recogniser, RecogniserError, fetch_recogniser, labelled_files
-    from speech_assets.train.tracking import is_model_uri
 
     data = locations.data_dir()
     model = args.model or DataLayout(data).finetune.recogniser
@@ -109,7 +111,7 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     try:
         # an MLflow model is downloaded, loaded, then the download is removed
         with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
-            if is_model_uri(model):
+            if locations.is_model_uri(model):
                 model = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
             recogniser = Recogniser(model, args.decoder, **options)
     except RecogniserError as err:
@@ -133,6 +135,10 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from speech_assets.stats import database as stats_db
+
     con = stats_db.connect_read_only(_db(args), allow_external_access=args.allow_external_access)
     try:
         stats_db.check_read_only(con, args.query)

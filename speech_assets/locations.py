@@ -118,3 +118,10 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+MODEL_URI_SCHEMES = ("models", "runs")  # MLflow model URIs `transcribe --model` downloads
+
+
+def is_model_uri(text: str) -> bool:
+    return urlparse(str(text)).scheme in MODEL_URI_SCHEMES

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from speech_assets.corpus.manifest import AUDIO_SUFFIXES
 from speech_assets.evaluation.text import ALPHABET, BLANK
 from speech_assets.layout import FinetuneFiles, RecogniserFiles
 
@@ -35,8 +34,7 @@ MIN_SEGMENT_SAMPLES = 560  # 2 feature frames: the exported graphs' shortest inp
 FEATURE_ATOL = 1e-3  # |frontend.onnx - the pipeline's CMVN log-mel| on held-out audio (measured ~1e-4)
 # libsndfile's format names that are also file suffixes, with common aliases; headerless RAW is not audio
 DECODABLE = frozenset(
-    set(AUDIO_SUFFIXES)
-    | {f".{name.lower()}" for name in sf.available_formats() if name != "RAW"}
+    {f".{name.lower()}" for name in sf.available_formats() if name != "RAW"}
     | {".aif", ".aifc", ".oga", ".opus", ".snd", ".sph"}
 )
 

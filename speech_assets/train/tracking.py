@@ -371,11 +371,6 @@ class PipesReporter:
 # MLflow models: the exported ONNX files, logged into the run of the model they come from
 RECOGNISER_REGISTERED_NAME = "speech_assets_recogniser"  # `transcribe --model models:/speech_assets_recogniser/latest`
 ENCODER_MODEL, RECOGNISER_MODEL = "encoder", "recogniser"  # logged model names (`runs:/<run id>/recogniser`)
-MODEL_URI_SCHEMES = ("models", "runs")
-
-
-def is_model_uri(text: str) -> bool:
-    return urlparse(str(text)).scheme in MODEL_URI_SCHEMES
 
 
 def export_signature(width: int, output_names: tuple[str, str] | None = None) -> Any:

@@ -140,7 +140,8 @@ class Blocked:
 sys.meta_path.insert(0, Blocked())
 from speech_assets.cli import main
 status = main(sys.argv[1:])
-assert not any(m.split(".")[0] in ("torch", "torchaudio") for m in sys.modules), "torch was imported"
+heavy = {m.split(".")[0] for m in sys.modules} & {"torch", "torchaudio", "pyarrow", "dagster", "mlflow"}
+assert not heavy, f"{sorted(heavy)} imported: transcribe needs onnxruntime, numpy, soundfile (and webrtcvad)"
 sys.exit(status)
 """
 
