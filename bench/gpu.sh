@@ -29,6 +29,10 @@ OUT=${OUT:-/tmp/gpu_bench}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
+if [ "$SMOKE" = 0 ] && ! command -v nvidia-smi >/dev/null; then
+    echo "!! gpu.sh: missing dependency: nvidia-smi is not on PATH (no NVIDIA driver?); try --smoke" >&2
+    exit 2
+fi
 CHECK_LIMIT=20
 [ "$SMOKE" = 1 ] && CHECK_LIMIT=90  # a loaded CPU machine
 missing=$(timeout "$CHECK_LIMIT" "$PY" -c '
@@ -42,10 +46,6 @@ for name in ("torch", "numpy", "pyarrow", "psutil", "tqdm", "dagster_pipes"):
 print("; ".join(missing))
 ' 2>/dev/null) || { echo "!! gpu.sh: missing dependency: $PY cannot run, or took over $CHECK_LIMIT s to import" >&2; exit 2; }
 [ -n "$missing" ] && { echo "!! gpu.sh: missing dependency: python module $missing" >&2; exit 2; }
-if [ "$SMOKE" = 0 ] && ! command -v nvidia-smi >/dev/null; then
-    echo "!! gpu.sh: missing dependency: nvidia-smi is not on PATH (no NVIDIA driver?); try --smoke" >&2
-    exit 2
-fi
 
 mkdir -p "$OUT"
 rm -f "$OUT"/sections.jsonl "$OUT"/{machine,model,compile,trainer,fp16,ddp,oom,report}.json
