@@ -4,8 +4,8 @@
 
 Reads what each section left in the folder (``sections.jsonl``, ``machine.json``, ``model.json``,
 ``compile.json``, ``trainer.json``, ``fp16.json``, ``ddp.json``, ``oom.json``); a missing or
-broken file becomes an ``error`` entry, never a crash. Prints the trainer's old vs new rows, the
-model alone's, and issue 49's targets (GPU, ``base`` in bf16), each PASS, MISS or UNMEASURED
+broken file becomes an ``error`` entry, never a crash. Prints the trainer's old vs new rows and
+fine-tuning's, the model alone's, and issue 49's targets (GPU, ``base`` in bf16), each PASS, MISS or UNMEASURED
 (with why: a smoke run on the CPU, a section that failed, a figure no section measures).
 """
 
@@ -127,6 +127,14 @@ def build(out: Path) -> dict[str, Any]:
         "note": "the trainer's utterances are 2-16 s, batched by its sampler; the model alone's all 12 s",
     }
 
+    finetune = trainer_rows.get("finetune") or {}
+    finetune_ratio = ratio(finetune.get("audio_seconds_per_second"), (new or {}).get("audio_seconds_per_second"))
+    report["finetune_vs_pretraining"] = {
+        "finetune": {key: finetune.get(key) for key in TRAINER_FIELDS} | {"error": finetune.get("error")}
+        if finetune
+        else None,
+        "ratio": finetune_ratio,
+    }
     machine = report["machine"] if isinstance(report["machine"], dict) else {}
     gpu = None if machine.get("smoke") == 0 else "a smoke run on the CPU; the targets are for a GPU"
     if not machine:
@@ -137,7 +145,7 @@ def build(out: Path) -> dict[str, Any]:
         target(TARGETS[0][0], TARGETS[0][1], new.get("mfu"), gpu or base_bf16),
         target(TARGETS[1][0], TARGETS[1][1], new.get("kernel_busy_share"), gpu),
         target(TARGETS[2][0], TARGETS[2][1], trainer_vs_model, gpu),
-        target(TARGETS[3][0], TARGETS[3][1], None, "no fine-tuning section yet"),
+        target(TARGETS[3][0], TARGETS[3][1], finetune_ratio, gpu),
         target(TARGETS[4][0], TARGETS[4][1], new.get("host_syncs"), None),
     ]
     return report
@@ -174,8 +182,8 @@ def summary(report: dict[str, Any]) -> str:
         f"{'trainer':8s} {'s/s':>8s} {'step ms':>8s} {'MFU':>6s} {'busy':>5s} {'attention':>10s} "
         f"{'syncs':>5s} {'warns':>5s} {'padded':>6s}"
     )
-    for variant in ("old", "new"):
-        row = trainer[variant]
+    for variant in ("old", "new", "finetune"):
+        row = trainer[variant] if variant != "finetune" else report["finetune_vs_pretraining"]["finetune"]
         if row is None or row.get("error"):
             lines.append(f"{variant:8s} ERROR {(row or {}).get('error', 'no row')}")
             continue
@@ -184,7 +192,10 @@ def summary(report: dict[str, Any]) -> str:
             f"{fmt(row['mfu'], '6.1%')} {fmt(row['kernel_busy_share'], '5.0%')} {fmt(row['attention_kernel']):>10s} "
             f"{fmt(row['host_syncs']):>5s} {fmt(row['sync_warnings']):>5s} {fmt(row['padded_batch_share'], '6.0%')}"
         )
-    lines.append(f"trainer new/old: x{fmt(trainer['speedup'])}")
+    lines.append(
+        f"trainer new/old: x{fmt(trainer['speedup'])}; fine-tuning/pretraining (new): "
+        f"x{fmt(report['finetune_vs_pretraining']['ratio'])}"
+    )
     t = report["trainer_vs_model"]
     lines.append(
         f"trainer {fmt(t['trainer_audio_seconds_per_second'])} s/s vs the model alone "

@@ -67,7 +67,8 @@ class HostReads(TorchFunctionMode):
 
 
 def host_syncs(events: Iterable[Any]) -> Counter[str]:
-    """Host reads among profiler ``events`` outside :data:`EXEMPT_RANGES`, by op and its enclosing ranges."""
+    """Host reads among profiler ``events`` outside :data:`EXEMPT_RANGES`, by op and its enclosing
+    ranges; one read is counted once (``item`` calls ``_local_scalar_dense``: the outer op counts)."""
     found: Counter[str] = Counter()
     for event in events:
         if event.name not in HOST_SYNCS and not event.name.startswith(HOST_RANGE):
@@ -76,7 +77,8 @@ def host_syncs(events: Iterable[Any]) -> Counter[str]:
         while parent is not None:
             chain.append(parent.name)
             parent = parent.cpu_parent
-        if not any(name.startswith(EXEMPT_RANGES) for name in chain):
+        inner = any(name in HOST_SYNCS or name.startswith(HOST_RANGE) for name in chain)  # counted as its caller
+        if not inner and not any(name.startswith(EXEMPT_RANGES) for name in chain):
             found[f"{event.name} under {' < '.join(chain[:3]) or 'the step'}"] += 1
     return found
 

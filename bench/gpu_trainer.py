@@ -1,4 +1,4 @@
-"""The real trainer's steps on its own batches, old vs new in one process (issue 49).
+"""The real trainer's steps on its own batches, old vs new and fine-tuning, in one process (issue 49).
 
     python bench/gpu_trainer.py --device cuda --preset base --batch-seconds 400 --json-out trainer.json
     python bench/gpu_trainer.py --device cpu --preset tiny --batch-seconds 8 --steps 2   # smoke
@@ -14,6 +14,9 @@ the engine's own steps (``Engine.train_step``) on the stream's batches:
   the setting exists; before it, the trainer pads anyway) and the per-client head loop with fp32
   cross-entropy over all frames: :class:`LoopHeads`, a copy kept here as the reference.
 * ``new``: the trainer as configured by default (its objective, its heads, its batches).
+* ``finetune``: CTC fine-tuning (the real ``FineTuning`` run: its sampler, stream and objective)
+  of a fresh encoder of the preset on the same shards, with made-up transcripts, at the same
+  batch: issue 49's target is within 1.5x of pretraining's audio s/s per step.
 
 Per variant: ``--warmup`` untimed steps, ``--steps`` timed steps (device synchronised at both
 ends; on CUDA under ``torch.cuda.set_sync_debug_mode("warn")``, its warnings counted), then
@@ -67,7 +70,15 @@ from speech_assets.train.engine import Distributed  # noqa: E402
 from speech_assets.train.launch import plan_for  # noqa: E402
 from speech_assets.train.trainer import Trainer  # noqa: E402
 
-CROP_SETTING = "crop_batches"  # TrainConfig's switch between cropped (default) and padded batches
+CROP_SETTING = "crop_batches"
+WORDS = [
+    "AB",
+    "CAT",
+    "DOG",
+    "SAT",
+    "RAN",
+    "THE",
+]  # fine-tuning's made-up transcripts  # TrainConfig's switch between cropped (default) and padded batches
 
 
 def crop_setting_exists() -> bool:
@@ -160,13 +171,8 @@ def write_or_reuse_corpus(root: Path, args: argparse.Namespace) -> Any:
     )
 
 
-def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    total_steps = args.warmup + args.steps + args.profile_steps + 1
-    settings = variant_settings(variant)
+def pretraining(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace, job: Distributed) -> Any:
+    """The real trainer of ``corpus`` for ``variant`` (``old``: padded where settable; ``new``: its defaults)."""
     config = corpus.config(
         run_dir,
         preset=args.preset,
@@ -174,7 +180,7 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
         precision=args.precision,
         batch_seconds=args.batch_seconds,
         grad_accum=1,
-        max_steps=total_steps + 1,
+        max_steps=args.warmup + args.steps + args.profile_steps + 2,
         warmup_steps=1,
         lr=1e-4,
         heldout_fraction=0.0,
@@ -182,23 +188,75 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
         log_every=10**6,
         threads=args.threads,
         num_workers=args.workers,
-        **settings,
+        **variant_settings(variant),
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(config, job, plan_for(config, nproc=1))
+
+
+def finetuning(corpus: Any, run_dir: Path, args: argparse.Namespace, job: Distributed) -> Any:
+    """The real CTC fine-tuning (``FineTuning``) of a fresh encoder of the preset on ``corpus``, with
+    made-up transcripts (one speaker held out), every part but the frozen frontend training."""
+    from speech_assets.evaluation.finetune import FineTuning
+    from speech_assets.features.shards import read_shard_table
+    from speech_assets.model.hubert import HubertPretrainModel
+    from speech_assets.train.config import FinetuneConfig
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, dict[str, str]] = {"train": {}, "heldout": {}}
+    for shard in corpus.shards:
+        for i, row in enumerate(read_shard_table(shard, columns=["utt_id", "speaker_id"]).to_pylist()):
+            split = "heldout" if row["speaker_id"] == "client_0-spk0" else "train"
+            texts[split][row["utt_id"]] = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3))
+    (run_dir / "labelled.json").write_text(json.dumps(texts))
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset(args.preset), {"none": 2})
+    encoder = {k: v for k, v in model.state_dict().items() if not k.startswith("heads.")}
+    torch.save({"encoder": encoder, "preset": model.preset.to_dict()}, run_dir / "encoder.pt")
+    config = FinetuneConfig(
+        run_dir=str(run_dir / "run"),
+        shards=corpus.shards,
+        cmvn=corpus.cmvn,
+        clients={},
+        encoder=str(run_dir / "encoder.pt"),
+        labelled=str(run_dir / "labelled.json"),
+        max_steps=args.warmup + args.steps + args.profile_steps + 2,
+        freeze_steps=0,
+        checkpoint_every=10**6,
+        eval_every=10**6,
+        log_every=10**6,
+        batch_seconds=args.batch_seconds,
+        precision=args.precision,
+        device=args.device,
+        threads=args.threads,
+        decoders=["greedy"],
+    )
+    return FineTuning(job, config)
+
+
+def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
     job = Distributed(0, 0, 1, 1, device)
-    trainer = Trainer(config, job, plan_for(config, nproc=1))
-    engine, stream = trainer.engine, trainer.stream
-    objective: Any = LoopHeads(trainer.objective) if variant == "old" else trainer.objective
-    stream.schedule(engine.step, engine.grad_accum, objective.masking)
+    fit = (
+        finetuning(corpus, run_dir, args, job)
+        if variant == "finetune"
+        else pretraining(variant, corpus, run_dir, args, job)
+    )
+    config, engine, stream = fit.config, fit.engine, fit.stream
+    objective: Any = LoopHeads(fit.objective) if variant == "old" else fit.objective
+    stream.schedule(engine.step, engine.grad_accum, getattr(objective, "masking", None))
     batches = Recorded(stream)
-    preset = get_preset(config.preset)
-    ks = [client.k for client in config.clients.values()]
+    preset = fit.model.preset
+    ks = [head.out_features for head in fit.model.heads] if isinstance(fit.model.heads, nn.ModuleList) else []
     row: dict[str, Any] = {
         "variant": variant,
-        "settings": settings,
+        "settings": variant_settings(variant),
         CROP_SETTING: getattr(config, CROP_SETTING, "absent from TrainConfig"),
-        "heads": "reference loop (bench)" if variant == "old" else "the model's",
-        "preset": config.preset,
+        "heads": {"old": "reference loop (bench)", "new": "the model's", "finetune": "CTC"}[variant],
+        "preset": preset.name,
         "precision": engine.precision,
         "batch_seconds": args.batch_seconds,
         "clients": len(ks),
@@ -274,8 +332,8 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
     }
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del trainer, engine, stream, batches, objective
-    gc.collect()  # the persistent loader workers and the batch copied ahead go with the trainer
+    del fit, engine, stream, batches, objective
+    gc.collect()  # the persistent loader workers and the batch copied ahead go with the run
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -286,7 +344,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", default="base")
     parser.add_argument("--precision", default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--variants", nargs="+", default=["old", "new"], choices=("old", "new"))
+    parser.add_argument("--variants", nargs="+", default=["old", "new", "finetune"], choices=("old", "new", "finetune"))
     parser.add_argument("--batch-seconds", type=float, default=400.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)

@@ -77,16 +77,18 @@ def gpu_out(tmp_path: Path, mfu: float, busy: float, syncs: int) -> Path:
     (out / "model.json").write_text(json.dumps([alone | {"attention": "reference"}, alone]))
     new = {"variant": "new", "preset": "base", "precision": "bf16", "batch_seconds": 400.0}
     new |= {"audio_seconds_per_second": 900.0, "mfu": mfu, "kernel_busy_share": busy, "host_syncs": syncs}
-    (out / "trainer.json").write_text(json.dumps([new | {"variant": "old", "audio_seconds_per_second": 600.0}, new]))
+    old = new | {"variant": "old", "audio_seconds_per_second": 600.0}
+    finetune = new | {"variant": "finetune", "audio_seconds_per_second": 500.0}
+    (out / "trainer.json").write_text(json.dumps([old, new, finetune]))
     return out
 
 
 def test_gpu_report_judges_the_targets(tmp_path: Path) -> None:
-    """PASS and MISS on a GPU run's rows (MFU, kernel-busy, trainer / model alone, host syncs);
-    fine-tuning UNMEASURED; the old/new speed-up from the trainer's rows."""
+    """PASS and MISS on a GPU run's rows (MFU, kernel-busy, trainer / model alone, fine-tuning /
+    pretraining, host syncs); the old/new speed-up from the trainer's rows."""
     report = bench_module("gpu_report").build(gpu_out(tmp_path, mfu=0.31, busy=0.5, syncs=1))
     statuses = [(t["value"], t["status"]) for t in report["targets"]]
-    assert statuses == [(0.31, "PASS"), (0.5, "MISS"), (0.9, "PASS"), (None, "UNMEASURED"), (1, "MISS")]
+    assert statuses == [(0.31, "PASS"), (0.5, "MISS"), (0.9, "PASS"), (500 / 900, "MISS"), (1, "MISS")]
     assert report["trainer_old_vs_new"]["speedup"] == 1.5
 
 
@@ -133,6 +135,11 @@ def test_gpu_bench_smoke_runs_every_section_and_reports(tmp_path: Path) -> None:
     assert compiled and 1 <= compiled[0]["compiled_graphs"] <= 3
 
     trainer = {row["variant"]: row for row in report["trainer"]}
+    assert set(trainer) == {"old", "new", "finetune"}
+    finetune = trainer.pop("finetune")
+    assert "error" not in finetune and finetune["heads"] == "CTC" and finetune["audio_seconds_per_second"] > 0
+    assert finetune["census_ops"] > 0 and isinstance(finetune["host_syncs"], int)  # counted, whatever they are
+    assert report["finetune_vs_pretraining"]["ratio"] > 0
     crop = "crop_batches" in {field.name for field in dataclasses.fields(TrainConfig)}  # another branch adds it
     for variant, row in trainer.items():
         assert "error" not in row, row
