@@ -34,7 +34,7 @@ def bench_module(name: str) -> ModuleType:
 def run_script(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = os.environ | {"OUT": str(tmp_path / "out"), "PY": sys.executable, "PYTHONPATH": str(REPO)} | env
     return subprocess.run(
-        [BASH, "bench/gpu.sh", *args], cwd=REPO, env=environment, capture_output=True, text=True, timeout=600
+        [BASH, "bench/gpu.sh", *args], cwd=REPO, env=environment, capture_output=True, text=True, timeout=1800
     )
 
 
