@@ -112,8 +112,13 @@ def attention_kernels(events: Iterable[Any]) -> dict[str, list[str]]:
 
 
 def kernel_busy_us(events: Iterable[Any]) -> float:
-    """Microseconds of the union of the CUDA kernels' intervals (kernels on other streams overlap)."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in events if is_cuda_kernel(e))
+    """Microseconds of the union of the CUDA kernels' intervals (kernels on other streams overlap);
+    copies and memsets (the next batch's copy on the side stream) are not kernels."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if is_cuda_kernel(e) and not e.name.startswith(("Memcpy", "Memset"))
+    )
     busy, end = 0.0, float("-inf")
     for start, stop in intervals:
         if stop > end:

@@ -151,6 +151,12 @@ def useful_frames(noted: dict[str, Any]) -> float:
     return min(noted["seconds"] * 100.0, float(noted["rows"] * noted["frames"]))
 
 
+def ctc_vocabulary() -> int:
+    from speech_assets.evaluation.text import VOCAB_SIZE
+
+    return VOCAB_SIZE
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -250,7 +256,7 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
     stream.schedule(engine.step, engine.grad_accum, getattr(objective, "masking", None))
     batches = Recorded(stream)
     preset = fit.model.preset
-    ks = [head.out_features for head in fit.model.heads] if isinstance(fit.model.heads, nn.ModuleList) else []
+    ks = [client.k for client in config.clients.values()] or [ctc_vocabulary()]  # fine-tuning: one CTC head
     row: dict[str, Any] = {
         "variant": variant,
         "settings": variant_settings(variant),

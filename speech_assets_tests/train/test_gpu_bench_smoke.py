@@ -99,7 +99,8 @@ def event(name: str, start: float, end: float, cuda: bool = True) -> SimpleNames
 
 def test_trace_names_the_attention_kernel_not_a_convolution() -> None:
     """Kernel names by backend: cuDNN's SDPA kernel (which also says "flash") is cuDNN; a cuDNN
-    convolution is no attention kernel (issue 44's report named one); busy time is the union."""
+    convolution is no attention kernel (issue 44's report named one); busy time is the union of
+    the kernels' intervals, copies left out."""
     trace = bench_module("gpu_trace")
     events = [
         event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64", 0, 10),
@@ -107,6 +108,7 @@ def test_trace_names_the_attention_kernel_not_a_convolution() -> None:
         event("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", 30, 40),
         event("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", 35, 45),
         event("aten::_scaled_dot_product_flash_attention", 0, 1, cuda=False),
+        event("Memcpy HtoD (Pinned -> Device)", 50, 60),  # the next batch's copy: no kernel
     ]
     kernels = trace.attention_kernels(events)
     assert list(kernels) == ["cudnn", "flash", "efficient"]
