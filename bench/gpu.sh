@@ -56,7 +56,7 @@ section() {  # section NAME LIMIT_SECONDS COMMAND...
     shift 2
     echo "== $name (limit ${limit} s)"
     start=$(date +%s)
-    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 2 "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
     grep -v '^USDT' "$OUT/$name.log" | tail -n 12
     [ "$rc" -ne 0 ] && echo "!! $name failed (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out')): $OUT/$name.log"

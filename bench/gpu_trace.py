@@ -99,7 +99,8 @@ def is_cuda_kernel(event: Any) -> bool:
 
 
 def attention_kernels(events: Iterable[Any]) -> dict[str, list[str]]:
-    """CUDA kernels of attention by backend (:data:`ATTENTION_KERNELS`), up to 3 names each."""
+    """CUDA kernels of attention by backend (:data:`ATTENTION_KERNELS`), up to 3 names each, the
+    backend with the most launches first."""
     found: dict[str, Counter[str]] = {}
     for event in events:
         if not is_cuda_kernel(event):
@@ -108,7 +109,8 @@ def attention_kernels(events: Iterable[Any]) -> dict[str, list[str]]:
             if any(pattern in event.name for pattern in patterns):
                 found.setdefault(backend, Counter())[event.name[:120]] += 1
                 break
-    return {backend: [name for name, _ in names.most_common(3)] for backend, names in found.items()}
+    ranked = sorted(found.items(), key=lambda item: -item[1].total())  # the most launched backend first
+    return {backend: [name for name, _ in names.most_common(3)] for backend, names in ranked}
 
 
 def kernel_busy_us(events: Iterable[Any]) -> float:

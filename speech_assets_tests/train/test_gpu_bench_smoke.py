@@ -105,13 +105,14 @@ def test_trace_names_the_attention_kernel_not_a_convolution() -> None:
     events = [
         event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64", 0, 10),
         event("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>(Flash_fwd_params)", 5, 20),
+        event("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_params>", 12, 18),
         event("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", 30, 40),
         event("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", 35, 45),
         event("aten::_scaled_dot_product_flash_attention", 0, 1, cuda=False),
         event("Memcpy HtoD (Pinned -> Device)", 50, 60),  # the next batch's copy: no kernel
     ]
     kernels = trace.attention_kernels(events)
-    assert list(kernels) == ["cudnn", "flash", "efficient"]
+    assert list(kernels) == ["flash", "cudnn", "efficient"]  # the most launched first
     assert not any("implicit_gemm" in name for names in kernels.values() for name in names)
     assert trace.attention_backends(events) == ["flash"]
     assert trace.kernel_busy_us(events) == 20 + 15  # [0, 20] and [30, 45]
