@@ -140,7 +140,7 @@ def build(out: Path) -> dict[str, Any]:
     if not machine:
         gpu = "the machine section left no record"
     new = new or {}
-    base_bf16 = None if (new.get("preset"), new.get("precision")) == ("base", "bf16") else "not base in bf16"
+    base_bf16 = None if not new or (new.get("preset"), new.get("precision")) == ("base", "bf16") else "not base in bf16"
     report["targets"] = [
         target(TARGETS[0][0], TARGETS[0][1], new.get("mfu"), gpu or base_bf16),
         target(TARGETS[1][0], TARGETS[1][1], new.get("kernel_busy_share"), gpu),
