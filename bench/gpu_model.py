@@ -1,18 +1,23 @@
 """The model alone: training steps of the old (``nn.TransformerEncoder``) and new (SDPA) encoder.
 
-    python bench/gpu_model.py --device cuda --preset base --precision bf16 --batch-seconds 1400 120
+    python bench/gpu_model.py --device cuda --preset base --precision bf16 --batch-seconds 400
     python bench/gpu_model.py --device cpu --preset base --batch-seconds 24 --steps 2 --position-only
+    python bench/gpu_model.py --device cuda --attention --compile   # only the compiled SDPA encoder
 
 For each attention path and per-device batch: ``--steps`` timed optimizer steps (AdamW, fused on
 CUDA; masked-prediction loss of two 500-cluster heads; autocast to ``--precision``) on utterances
-of ``--seconds`` (one length per batch, as fairseq's crop to the shortest gives: no padding, so the
-SDPA path passes no mask), after warm-up steps. Reports seconds of audio per second, MFU (the
-preset's analytic FLOPs over the device's dense bf16 peak, read from its name), and from a
-torch.profiler trace of 5 steps: the share of the wall time the GPU spends in kernels, the
-attention kernel's name and the positional convolution's share of a step (its forward and
-backward ops, picked by their weight shape). On CUDA also: host-device synchronisations reported
-by ``torch.cuda.set_sync_debug_mode("warn")`` during the timed steps, allocator retries, peak
-memory; with ``--compile``, the number of graphs compiled.
+of ``--seconds`` (one length per batch, as a batch cropped to its shortest utterance: no padding,
+so the SDPA path passes no mask; the reference encoder always takes one). The model is called as
+the trainer calls it, with the rows' host ``groups`` and ``padded=False``, so the harness reads no
+device value. This is the model alone on a batch already on the device; bench/gpu_trainer.py
+measures the trainer on its own batches. Reports seconds of audio per second, MFU (the preset's
+analytic FLOPs over the device's dense bf16 peak, read from its name), and from a torch.profiler
+trace of ``--profile-steps`` steps: the share of the wall time the GPU spends in kernels, the SDPA
+backend (aten ops) and attention kernels by backend (bench/gpu_trace.py), the positional
+convolution's share of a step (its forward and backward ops, picked by their weight shape). On
+CUDA also: host-device synchronisations reported by ``torch.cuda.set_sync_debug_mode("warn")``
+during the timed steps, allocator retries, peak memory; with ``--compile``, the number of graphs
+compiled.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import sys
 import time
 import traceback
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_trace import attention_backends, attention_kernels, kernel_busy_us  # noqa: E402
+
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths  # noqa: E402
 from speech_assets.model.loss import masked_prediction_loss  # noqa: E402
 from speech_assets.model.masking import span_mask  # noqa: E402
@@ -39,29 +46,35 @@ from speech_assets.train.autoconfig import peak_bf16_flops  # noqa: E402
 from speech_assets.train.engine import AUTOCAST_DTYPES, build_optimizer  # noqa: E402
 
 KS = {"a": 500, "b": 500}
-ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention", "attn", "sdpa", "softmax")
 
 
-def make_batch(batch: int, frames: int, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random CMVN-like features ``(B, T, 80)``, host ``lengths (B,)``, clients, targets and mask ``(B, L)``."""
+def make_batch(batch: int, frames: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """Random CMVN-like features ``(B, T, 80)``, host ``lengths (B,)``, clients (rows grouped by
+    client, with their host ``groups`` as the trainer's batches have), targets and mask ``(B, L)``."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.full((batch,), frames)
     out = (frames + 1) // 2
     mask = span_mask(output_lengths(lengths), 0.08, 10, generator)
+    half = (batch + 1) // 2
+    groups = tuple((c, start, stop) for c, (start, stop) in enumerate(((0, half), (half, batch))) if stop > start)
     return {
         "feats": torch.randn(batch, frames, 80, generator=generator).to(device),
-        "lengths": lengths,  # on the host: the model can see there is no padding without a sync
-        "clients": (torch.arange(batch) % 2).to(device),
+        "lengths": lengths,  # on the host, as the trainer's
+        "clients": (torch.arange(batch) >= half).long().to(device),
         "targets": torch.randint(0, 500, (batch, out), generator=generator).to(device),
         "mask": mask.to(device),
+        "groups": groups,
     }
 
 
-def step(model: HubertPretrainModel, optimizer: torch.optim.Optimizer, data: dict[str, torch.Tensor], precision: str):
+def step(model: HubertPretrainModel, optimizer: torch.optim.Optimizer, data: dict[str, Any], precision: str) -> None:
     device = data["feats"].device
     dtype = AUTOCAST_DTYPES.get(precision)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        output = model(data["feats"], data["lengths"], data["clients"], data["mask"])
+        # as the trainer calls it: host groups and no padding, so the harness reads nothing from the device
+        output = model(
+            data["feats"], data["lengths"], data["clients"], data["mask"], groups=data["groups"], padded=False
+        )
         loss = masked_prediction_loss(output.logits, data["targets"], data["mask"], 1.0).loss
     loss.backward()
     optimizer.step()
@@ -100,22 +113,17 @@ def profiled(model, optimizer, data, precision: str, steps: int = 5) -> dict[str
     cpu_us, device_us = position_events(prof, weight)
     result: dict[str, Any] = {"profiled_steps": steps, "profiled_wall_ms": wall_us / 1e3}
     events = prof.events()
+    result["attention_backends"] = attention_backends(events)
     if device.type == "cuda":
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-        busy, end = 0.0, float("-inf")
-        for start, stop in intervals:  # union of kernel intervals (streams may overlap)
-            if stop > end:
-                busy += stop - max(start, end)
-                end = stop
+        busy = kernel_busy_us(events)
         result["kernel_busy_share"] = busy / wall_us
-        names = Counter(e.name for e in kernels if any(k in e.name.lower() for k in ATTENTION_KERNELS))
-        result["attention_kernels"] = [name[:120] for name, _ in names.most_common(4)]
+        kernels = attention_kernels(events)
+        result["attention_kernels"] = kernels
+        result["attention_kernel"] = next(iter(kernels), None)
         result["position_conv_share"] = device_us / max(busy, 1e-9)
         result["position_conv_share_of"] = "GPU kernel time"
     else:
-        names = Counter(e.name for e in events if "attention" in e.name.lower() or "sdpa" in e.name.lower())
-        result["attention_kernels"] = [name for name, _ in names.most_common(4)]
+        result["attention_kernel"] = (result["attention_backends"] or [None])[0]
         result["position_conv_share"] = cpu_us / wall_us
         result["position_conv_share_of"] = "CPU wall time"
     return result
@@ -192,8 +200,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", default="base")
     parser.add_argument("--precision", default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--attention", nargs="+", default=["reference", "sdpa"])
-    parser.add_argument("--batch-seconds", type=float, nargs="+", default=[1400.0, 120.0])
+    parser.add_argument("--attention", nargs="*", default=["reference", "sdpa"], help="none: only --compile's runs")
+    parser.add_argument("--batch-seconds", type=float, nargs="+", default=[400.0])
     parser.add_argument("--seconds", type=float, default=12.0, help="length of every utterance")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
