@@ -623,11 +623,15 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
     try:
         with sf.SoundFile(handle.fileno(), closefd=False) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+
+            def header_only(num_samples: int) -> AudioProbe:
+                return AudioProbe(
+                    **base, sample_rate=sample_rate, channels=channels, num_samples=num_samples, decoded=False
+                )
+
             if config is not None and config.format_problem(sample_rate, channels) is not None:
                 # judged from the header: never decoded (a thousand channels) nor resampled (an odd rate)
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=max(declared, 0), decoded=False
-                )
+                return header_only(max(declared, 0))
             if declared >= _UNKNOWN_LENGTH:
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
@@ -640,9 +644,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                 and declared > 0
                 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s
             ):
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False
-                )
+                return header_only(declared)
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
             samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
@@ -657,9 +659,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                 decoded += block.shape[0]
                 samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
-                    return AudioProbe(
-                        **base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False
-                    )
+                    return header_only(decoded)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
         return AudioProbe(**base, error=f"cannot decode as audio: {reason}")
@@ -929,15 +929,13 @@ _CACHE_SCHEMA = pa.schema(
 )
 
 
-def _write_table(path: Path, rows: Sequence[object], schema: pa.Schema) -> None:
-    columns = {name: [getattr(row, name) for row in rows] for name in schema.names}
-    table = pa.Table.from_pydict(columns, schema=schema)
+def _write_table(path: Path, columns: dict[str, list], schema: pa.Schema) -> None:
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(pa.Table.from_pydict(columns, schema=schema), tmp, compression="zstd")
 
 
 def write_manifest(path: Path, rows: Sequence[ManifestRow]) -> None:
-    _write_table(path, rows, MANIFEST_SCHEMA)
+    _write_table(path, {name: [getattr(row, name) for row in rows] for name in MANIFEST_SCHEMA.names}, MANIFEST_SCHEMA)
 
 
 def read_manifest(path: Path) -> list[ManifestRow]:
@@ -960,9 +958,7 @@ def load_cache(path: Path) -> dict[str, AudioProbe]:
 def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
     keys = sorted(cache)
     columns = {"key": keys, **{name: [getattr(cache[k], name) for k in keys] for name in _CACHE_SCHEMA.names[1:]}}
-    table = pa.Table.from_pydict(columns, schema=_CACHE_SCHEMA)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+    _write_table(path, columns, _CACHE_SCHEMA)
 
 
 def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
@@ -975,39 +971,27 @@ def corpus_fingerprint(location: Path) -> str:
     if not location.exists():
         return ""
     if is_manifest_file(location):
-        paths = [location]
-        try:
-            paths += [Path(c.path) for c in discover(location)[0]]
-        except CorpusError:
-            pass
-        root = location.parent
+        paths = [str(location)]
+        with contextlib.suppress(CorpusError):
+            paths += [c.path for c in discover(location)[0]]
+        found = [(path, os.path.relpath(path, location.parent)) for path in paths]
     else:
-        # the same strings, in the same order, as for the Paths of _walk_corpus_files sorted and
-        # made relative one by one, without building a Path or a relative path per file (a sensor
-        # tick and every manifest run fingerprint thousands of files)
-        found: list[tuple[list[str], str, str]] = []
+        # relative paths built as strings, in the order Paths sort (by parts), without a Path or a
+        # relpath per file: a sensor tick and every manifest run fingerprint thousands of files
+        found = []
         for folder, _dirs, files in os.walk(location):
             relative_folder = os.path.relpath(folder, location)
             for name in files:
                 if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
                     relative = name if relative_folder == os.curdir else os.path.join(relative_folder, name)
-                    found.append((relative.split(os.sep), os.path.join(folder, name), relative))
-        found.sort(key=lambda item: item[0])  # a Path sorts by its parts
-        parts = []
-        for _, full, relative in found:
-            try:
-                stat = os.stat(full)
-            except OSError:
-                parts.append(f"{full}|missing")
-                continue
-            parts.append(f"{relative}|{stat.st_size}|{stat.st_mtime_ns}")
-        return sha256_strings(parts)
-    parts: list[str] = []
-    for path in paths:
+                    found.append((os.path.join(folder, name), relative))
+        found.sort(key=lambda item: item[1].split(os.sep))
+    parts = []
+    for full, relative in found:
         try:
-            stat = path.stat()
+            stat = os.stat(full)
         except (OSError, ValueError):  # ValueError: a path no file can have
-            parts.append(f"{path}|missing")
-            continue
-        parts.append(f"{os.path.relpath(path, root)}|{stat.st_size}|{stat.st_mtime_ns}")
+            parts.append(f"{full}|missing")
+        else:
+            parts.append(f"{relative}|{stat.st_size}|{stat.st_mtime_ns}")
     return sha256_strings(parts)

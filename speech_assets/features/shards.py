@@ -267,23 +267,22 @@ def read_shard_table(path: str | os.PathLike[str], columns: Sequence[str] | None
     return table
 
 
-def blob_to_matrix(blob: bytes | memoryview | pa.Buffer | pa.Scalar, dim: int, dtype: np.dtype | str) -> np.ndarray:
-    """One feature blob as a read-only ``(T, dim)`` view (a ``pa.Scalar``'s buffer is a copy: read
-    whole columns with :func:`blob_matrices`)."""
-    buffer = blob.as_buffer() if isinstance(blob, pa.Scalar) else blob
-    return np.frombuffer(buffer, dtype=dtype).reshape(-1, dim)
+def blob_buffers(blobs: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A binary column's ``len + 1`` offsets and its value bytes (read-only ``uint8``), without a copy."""
+    if isinstance(blobs, pa.ChunkedArray):
+        blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
+    if len(blobs) == 0:
+        return np.zeros(1, np.int64), np.empty(0, np.uint8)
+    _, offsets, values = blobs.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
+    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
+    data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
+    return offsets, data
 
 
 def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype | str) -> list[np.ndarray]:
     """Every blob of a binary column as a read-only ``(T, dim)`` view into its value buffer."""
-    if isinstance(blobs, pa.ChunkedArray):
-        blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
-    if len(blobs) == 0:
-        return []
-    _, offsets, values = blobs.buffers()
-    offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
-    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
-    data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
+    offsets, data = blob_buffers(blobs)
     return [
         data[start:end].view(dtype).reshape(-1, dim)
         for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)

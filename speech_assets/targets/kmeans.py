@@ -210,7 +210,7 @@ def fit_kmeans(
         evaluate = x
         if inertia_sample_frames and n > inertia_sample_frames:
             evaluate = x[np.sort(rng.choice(n, size=inertia_sample_frames, replace=False))]
-        _, sqdist = assign_labels_with_sqdist(evaluate, codebook)
+        sqdist = float(CodebookIndex(codebook).assign(evaluate)[1].sum(dtype=np.float64))
     return KMeansFit(
         codebook=codebook,
         k=k,
@@ -256,19 +256,6 @@ class CodebookIndex:
         return labels, sqdist
 
 
-def assign_labels(frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None) -> np.ndarray:
-    """Nearest-centroid labels: ``(T, D)`` float32 frames, ``(K, D)`` codebook -> ``(T,)`` int16."""
-    return CodebookIndex(codebook, num_threads).assign(frames)[0]
-
-
-def assign_labels_with_sqdist(
-    frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None
-) -> tuple[np.ndarray, float]:
-    """Labels and the float64 sum of squared distances (inertia) of ``frames``."""
-    labels, sqdist = CodebookIndex(codebook, num_threads).assign(frames)
-    return labels, float(sqdist.sum(dtype=np.float64))
-
-
 def label_utterances_with_sqdist(
     utterances: Sequence[np.ndarray], codebook: np.ndarray | CodebookIndex
 ) -> tuple[list[np.ndarray], list[float]]:
@@ -293,13 +280,6 @@ def to_model_rate(labels_100hz: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(labels[::2])
 
 
-def label_counts(labels: np.ndarray, k: int) -> np.ndarray:
-    lab = np.asarray(labels).reshape(-1).astype(np.int64, copy=False)
-    if lab.size and (lab.min() < 0 or lab.max() >= k):
-        raise ValueError(f"labels outside [0, {k})")
-    return np.bincount(lab, minlength=k).astype(np.int64)
-
-
 def cluster_perplexity(counts: np.ndarray) -> float:
     """``exp(entropy)`` of cluster usage: ``K`` when uniform, 1.0 for one used cluster, 0.0 for no frames."""
     c = np.asarray(counts, dtype=np.float64).reshape(-1)
@@ -314,17 +294,9 @@ def empty_clusters(counts: np.ndarray) -> int:
     return int((np.asarray(counts).reshape(-1) == 0).sum())
 
 
-def mean_segment_length(labels: np.ndarray | Sequence[np.ndarray]) -> float:
-    """Frames per run of one label over one or several utterances (runs never cross utterances)."""
-    acc = SegmentStats()
-    for utterance in [labels] if isinstance(labels, np.ndarray) and labels.ndim <= 1 else labels:
-        acc.add(utterance)
-    return acc.mean
-
-
 @dataclass
 class SegmentStats:
-    """Frames and runs of one label, accumulated across utterances."""
+    """Frames and runs of one label, accumulated across utterances (runs never cross utterances)."""
 
     frames: int = 0
     runs: int = 0
@@ -353,7 +325,10 @@ class QualityAccumulator:
         self.counts = np.zeros(self.k, dtype=np.int64)
 
     def add(self, labels_100hz: np.ndarray, sqdist_sum: float | None = None) -> None:
-        self.counts += label_counts(labels_100hz, self.k)
+        lab = np.asarray(labels_100hz).reshape(-1).astype(np.int64, copy=False)
+        if lab.size and (lab.min() < 0 or lab.max() >= self.k):
+            raise ValueError(f"labels outside [0, {self.k})")
+        self.counts += np.bincount(lab, minlength=self.k)
         self.segments.add(labels_100hz)
         if sqdist_sum is not None:
             self.sqdist_sum += float(sqdist_sum)

@@ -548,7 +548,7 @@ def test_report_states_the_finetune_indicative_verdict_of_the_cli(tmp_path: Path
             f"INSERT INTO finetune_results BY NAME SELECT * FROM (SELECT {', '.join(f'? AS {k}' for k in rows[0])})",
             [list(r.values()) for r in rows],
         )
-        block = report._finetune_verdicts(con, 3)
+        block = report._finetune_verdicts(report._finetune_rows(con), 3)
     lines = verdicts(rows, min_heldout_speakers=3)
     assert "baseline did not train" in lines[0] and "indicative only" in lines[0] and "beats" not in lines[0]
     assert html.escape(lines[0]) in block
