@@ -187,14 +187,6 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _fd_path(fd: int) -> str | None:
-    """The path the kernel holds for the open ``fd`` (Linux), or None where it cannot tell."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-
-
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
     """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`.
 
@@ -212,7 +204,9 @@ def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> t
         stat = os.fstat(fd)
         if not S_ISREG(stat.st_mode):
             raise RefusedFile(RejectReason.UNREADABLE, f"{real} is {_kind(stat.st_mode)}, not a regular file")
-        held = _fd_path(fd) if root is not None else None
+        held = None
+        with contextlib.suppress(OSError):  # the path the kernel holds for fd (Linux only)
+            held = os.readlink(f"/proc/self/fd/{fd}") if root is not None else None
         if held is not None and not is_inside(held, root):
             raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"opened as {held}, outside the corpus root {root}")
         os.set_blocking(fd, True)
@@ -220,14 +214,6 @@ def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> t
     except BaseException:
         os.close(fd)
         raise
-
-
-def read_capped(handle: BinaryIO, limit: int, what: str) -> bytes:
-    """At most ``limit`` bytes of ``handle``; :class:`RefusedFile` (``unreadable``) if it holds more."""
-    data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise RefusedFile(RejectReason.UNREADABLE, f"{what} holds more than {limit} bytes")
-    return data
 
 
 def corpus_root_of(location: Path) -> Path:
@@ -346,15 +332,15 @@ def _read_trans_file(path: str, root: str) -> dict[str, str]:
     try:
         handle, _stat = open_corpus_file(path, root)
         with handle:
-            data = read_capped(handle, MAX_TRANSCRIPT_FILE_BYTES, f"transcript file {path}")
+            data = handle.read(MAX_TRANSCRIPT_FILE_BYTES + 1)
+        if len(data) > MAX_TRANSCRIPT_FILE_BYTES:
+            raise RefusedFile(
+                RejectReason.UNREADABLE, f"transcript file {path} holds more than {MAX_TRANSCRIPT_FILE_BYTES} bytes"
+            )
     except OSError as err:  # a read error (EIO, EISDIR): the file is unreadable, the run goes on
         raise RefusedFile(RejectReason.UNREADABLE, f"cannot read {path}: {err.strerror or err}") from err
-    lines: dict[str, str] = {}
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        utt_id, _, text = line.strip().partition(" ")
-        if utt_id:
-            lines[utt_id] = text
-    return lines
+    pairs = (line.strip().partition(" ") for line in data.decode("utf-8", errors="replace").splitlines())
+    return {utt_id: text for utt_id, _, text in pairs if utt_id}
 
 
 REQUIRED_COLUMNS = ("path", "transcript", "speaker_id")

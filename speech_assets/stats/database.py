@@ -72,6 +72,12 @@ FINETUNE_COLUMNS = (
     "heldout_speakers BIGINT, text_overlap BIGINT, oov_rate DOUBLE"
 )
 
+# one row per (round, client) of the federated run: exactly the columns of its rounds.parquet
+FEDERATED_COLUMNS = (
+    "round BIGINT, client_id VARCHAR, num_examples BIGINT, train_loss DOUBLE, masked_accuracy DOUBLE, bytes_up BIGINT, "
+    "bytes_down BIGINT, seconds DOUBLE"
+)
+
 
 def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(f"CREATE VIEW manifest AS SELECT * FROM read_parquet({_sql_str(inputs.manifest)})")
@@ -273,30 +279,20 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
             parity_utterances=parity.get("utterances"),
             parity_frames=parity.get("frames"),
         )
-    con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
-    if inputs.probe_results is not None and inputs.probe_results.exists():
-        con.execute(
-            # by name, older files (without seed, normalisation, speakers, lr) give NULLs there
-            f"INSERT INTO probe_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
-            "ORDER BY model, split"
-        )
-    con.execute(f"CREATE TABLE finetune_results ({FINETUNE_COLUMNS})")
-    if inputs.finetune_results is not None and inputs.finetune_results.exists():
-        con.execute(
-            f"INSERT INTO finetune_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.finetune_results)}) "
-            "ORDER BY labelled_minutes, decoder, split, model, seed"
-        )
-    # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
-    con.execute(
-        "CREATE TABLE federated_rounds (round BIGINT, client_id VARCHAR, num_examples BIGINT, train_loss DOUBLE, "
-        "masked_accuracy DOUBLE, bytes_up BIGINT, bytes_down BIGINT, seconds DOUBLE)"
-    )
-    if inputs.federated_rounds is not None and inputs.federated_rounds.is_file():
-        con.execute(
-            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, masked_accuracy, "
-            "bytes_up, bytes_down, seconds "
-            f"FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
-        )
+    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
+    for table, columns, path, order in (
+        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
+        (
+            "finetune_results",
+            FINETUNE_COLUMNS,
+            inputs.finetune_results,
+            "labelled_minutes, decoder, split, model, seed",
+        ),
+        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
+    ):
+        con.execute(f"CREATE TABLE {table} ({columns})")
+        if path is not None and path.is_file():
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
