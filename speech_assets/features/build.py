@@ -94,7 +94,7 @@ def process_variants(
     duration_s = decoded.shape[1] / sample_rate
     try:
         # In place: ``decoded`` (or its mono mix / resampled copy) is this call's own buffer.
-        wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate), in_place=True)
+        wave = audio.to_16k_mono(decoded, sample_rate, in_place=True)
     except ValueError as exc:  # NaN / inf samples
         return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
 

@@ -228,7 +228,7 @@ def write_client_targets(
         frames_labelled=quality.frames_labelled,
         utterances=utterances,
         inertia_per_frame=state.inertia_per_frame,
-        labelled_inertia_per_frame=quality.sqdist_sum / quality.sqdist_frames if quality.sqdist_frames else 0.0,
+        labelled_inertia_per_frame=quality.labelled_inertia_per_frame,
         perplexity=float(kmeans.cluster_perplexity(quality.counts)),
         empty_clusters=int(kmeans.empty_clusters(quality.counts)),
         mean_segment_length=float(quality.segments.mean),

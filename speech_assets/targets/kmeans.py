@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import faiss
 import numpy as np
@@ -40,24 +39,6 @@ class KMeansFit:
     inertia_frames: int
     niter: int
     seed: int
-
-
-@dataclass(frozen=True)
-class KMeansQuality:
-    """Quality of one client's targets (metadata and a ``kmeans_quality`` table row)."""
-
-    client_id: str
-    k: int
-    frames_fit: int
-    inertia_per_frame: float
-    perplexity: float  # exp(entropy) of cluster usage over the labelled 100 Hz frames: k when uniform
-    empty_clusters: int
-    mean_segment_length: float  # 100 Hz frames per run of one label; MFCC K=100 targets average about 2
-    frames_labelled: int
-    labelled_inertia_per_frame: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> int:
@@ -313,7 +294,7 @@ class SegmentStats:
 
 @dataclass
 class QualityAccumulator:
-    """Streams a client's 100 Hz labels (utterance by utterance) into a :class:`KMeansQuality`."""
+    """A client's labels streamed in (utterance by utterance): cluster counts, runs and squared distances."""
 
     k: int
     counts: np.ndarray = field(init=False)
@@ -338,15 +319,6 @@ class QualityAccumulator:
     def frames_labelled(self) -> int:
         return self.segments.frames
 
-    def result(self, client_id: str, fit: KMeansFit) -> KMeansQuality:
-        return KMeansQuality(
-            client_id=str(client_id),
-            k=int(fit.k),
-            frames_fit=int(fit.frames_fit),
-            inertia_per_frame=float(fit.inertia_per_frame),
-            perplexity=cluster_perplexity(self.counts),
-            empty_clusters=empty_clusters(self.counts),
-            mean_segment_length=float(self.segments.mean),
-            frames_labelled=int(self.frames_labelled),
-            labelled_inertia_per_frame=(self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else None),
-        )
+    @property
+    def labelled_inertia_per_frame(self) -> float:
+        return self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else 0.0

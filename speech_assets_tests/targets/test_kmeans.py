@@ -189,26 +189,14 @@ def test_segment_stats_mean(utterances: list[list[int]], expected: float) -> Non
 
 
 def test_quality_accumulator() -> None:
-    fit = km.KMeansFit(
-        codebook=np.zeros((4, 39), np.float32),
-        k=4,
-        frames_fit=100,
-        frames_trained=100,
-        inertia_per_frame=1.5,
-        inertia_frames=100,
-        niter=1,
-        seed=0,
-    )
     acc = km.QualityAccumulator(4)
     acc.add(np.array([0, 0, 1, 1], np.int16), 2.0)
     acc.add(np.array([1, 1], np.int16), 1.0)
-    q = acc.result("c0", fit)
-    assert q.client_id == "c0" and q.k == 4 and q.frames_fit == 100
-    assert q.frames_labelled == 6 and q.empty_clusters == 2
-    assert q.mean_segment_length == pytest.approx(2.0)
-    assert q.perplexity == pytest.approx(km.cluster_perplexity(np.array([2, 4, 0, 0])))
-    assert q.labelled_inertia_per_frame == pytest.approx(0.5)
-    assert q.as_dict()["inertia_per_frame"] == 1.5
+    assert acc.frames_labelled == 6 and km.empty_clusters(acc.counts) == 2
+    assert acc.counts.tolist() == [2, 4, 0, 0] and acc.segments.mean == pytest.approx(2.0)
+    assert acc.labelled_inertia_per_frame == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="outside"):
+        acc.add(np.array([4], np.int16))
 
 
 def test_sample_utterances_budget_and_determinism() -> None:
