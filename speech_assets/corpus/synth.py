@@ -385,12 +385,6 @@ def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
     return [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
 
 
-def _speaker_voice(engine: Engine, voice: BaseVoice, rng: np.random.Generator) -> SpeakerVoice:
-    rate = round(float(rng.uniform(*RATE_RANGE)), 2)
-    warp = float(rng.uniform(*WARP_RANGE))
-    return SpeakerVoice(engine.name, voice, rate, warp)
-
-
 def _warped_rate(rate: int, warp: float) -> int:
     """The rate to declare so that audio recorded at ``rate`` plays ``warp`` times higher; a multiple
     of 50 Hz so that the polyphase resampler to 16 kHz stays small."""
@@ -536,7 +530,9 @@ def synthesize_corpus(
     chapters = 0
     for index in range(speakers):
         engine, base = cycle[index % len(cycle)]
-        voice = _speaker_voice(engine, base, np.random.default_rng([seed, index, 2]))
+        rng = np.random.default_rng([seed, index, 2])
+        rate = round(float(rng.uniform(*RATE_RANGE)), 2)
+        voice = SpeakerVoice(engine.name, base, rate, float(rng.uniform(*WARP_RANGE)))
         speaker_chapters, seconds = _synth_speaker(out_dir, index, engine, voice, pools[index], seed)
         chapters += speaker_chapters
         rows.append((str(FIRST_SPEAKER_ID + index), voice, seconds))

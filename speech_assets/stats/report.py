@@ -139,14 +139,7 @@ class ReportInputs:
     probe_results: Path | None = None
 
 
-HEADER_LABELS = {
-    "built_at": "built at",
-    "git_commit": "git commit",
-    "dagster_run_id": "Dagster run",
-    "corpus": "corpus",
-    "settings_hash": "settings hash",
-    "settings_source": "settings file",
-}
+HEADER_LABELS = {"dagster_run_id": "Dagster run", "settings_source": "settings file"}  # others: spaced key
 SHA256 = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
@@ -191,7 +184,7 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
 
 
 def _header(inputs: ReportInputs, db_path: Path) -> str:
-    rows = [(HEADER_LABELS.get(key, key), value) for key, value in inputs.header.items()]
+    rows = [(HEADER_LABELS.get(key, key.replace("_", " ")), value) for key, value in inputs.header.items()]
     rows.append(("database", str(db_path)))
     body = "".join(
         f"<tr><th>{html.escape(label)}</th><td>{format_value(value) or 'unknown'}</td></tr>" for label, value in rows
