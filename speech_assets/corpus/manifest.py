@@ -250,11 +250,11 @@ def check_corpus_location(location: Path) -> None:
         raise CorpusError(f"corpus {location} is empty: no audio files and no *.trans.txt transcripts")
 
 
-def _walk_corpus_files(root: Path) -> Iterator[Path]:
+def _walk_corpus_files(root: Path) -> Iterator[str]:
     for folder, _dirs, files in os.walk(root):
         for name in files:
             if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
-                yield Path(folder) / name
+                yield os.path.join(folder, name)
 
 
 def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
@@ -962,16 +962,10 @@ def corpus_fingerprint(location: Path) -> str:
             paths += [c.path for c in discover(location)[0]]
         found = [(path, os.path.relpath(path, location.parent)) for path in paths]
     else:
-        # relative paths built as strings, in the order Paths sort (by parts), without a Path or a
-        # relpath per file: a sensor tick and every manifest run fingerprint thousands of files
-        found = []
-        for folder, _dirs, files in os.walk(location):
-            relative_folder = os.path.relpath(folder, location)
-            for name in files:
-                if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
-                    relative = name if relative_folder == os.curdir else os.path.join(relative_folder, name)
-                    found.append((os.path.join(folder, name), relative))
-        found.sort(key=lambda item: item[1].split(os.sep))
+        # relative paths cut from the strings, in the order Paths sort (by parts), without a Path or
+        # a relpath per file: a sensor tick and every manifest run fingerprint thousands of files
+        cut = len(os.path.join(location, ""))
+        found = sorted(((full, full[cut:]) for full in _walk_corpus_files(location)), key=lambda f: f[1].split(os.sep))
     parts = []
     for full, relative in found:
         try:
