@@ -7,6 +7,8 @@ shard holds one speaker's sorted records.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 import time
@@ -252,28 +254,24 @@ def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtr
         return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
 
 
-_WORKER_EXTRACTOR: FeatureExtractor | None = None
-
-
 def _init_worker() -> None:
-    global _WORKER_EXTRACTOR
     from speech_assets.runtime.processes import die_with_parent, exit_without_teardown
 
     die_with_parent()  # a killed run leaves no feature worker behind
     exit_without_teardown()  # the pool's owner waits for its workers to exit
     torch.set_num_threads(1)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set / parallel work already started
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set / parallel work already started
-        pass
-    _WORKER_EXTRACTOR = FeatureExtractor()
+    _worker_extractor()  # built before the first shard arrives
+
+
+@functools.cache
+def _worker_extractor() -> FeatureExtractor:
+    return FeatureExtractor()
 
 
 def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
-    global _WORKER_EXTRACTOR
-    if _WORKER_EXTRACTOR is None:
-        _WORKER_EXTRACTOR = FeatureExtractor()
-    return _publish_or_report(job, vad_cfg, _WORKER_EXTRACTOR)
+    return _publish_or_report(job, vad_cfg, _worker_extractor())
 
 
 def iter_publish_shards(
