@@ -27,11 +27,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     """The probe's leaderboard, each encoder's standing and how to read it; ``--details``: per-model figures."""
     from speech_assets.evaluation.compare import (
-        MIN_HELDOUT_SPEAKERS,
-        leaderboard,
         leaderboard_markdown,
+        load_leaderboard,
         markdown_table,
-        read_leaderboard,
         read_results,
         reading_note,
         standing,
@@ -40,13 +38,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     path = Path(args.results) if args.results else DataLayout(locations.data_dir()).probe.results
     if not path.is_file():
         return _fail(f"no probe results at {path}: materialize downstream_probe")
-    try:  # the minimum the run judged with (the [probe] setting then)
-        min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
-    except (FileNotFoundError, IndexError, KeyError):
-        min_speakers = MIN_HELDOUT_SPEAKERS
-    try:
+    try:  # judged with the run's own minimum of held-out speakers (the [probe] setting then)
+        board, min_speakers = load_leaderboard(path)
         results = read_results(path)
-        board = leaderboard(results, min_speakers)
     except ValueError as err:
         return _fail(f"{path}: {err}")
     print(leaderboard_markdown(board))

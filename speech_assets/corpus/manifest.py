@@ -233,15 +233,8 @@ def check_corpus_location(location: Path) -> None:
     if not location.exists():
         raise CorpusError(f"corpus not found: {location} does not exist")
     if is_manifest_file(location):
-        try:
-            handle, stat = open_corpus_file(str(location))
-        except RefusedFile as refused:
-            raise CorpusError(f"corpus manifest {location} cannot be read: {refused.detail}") from refused
-        handle.close()
-        if stat.st_size == 0:
-            raise CorpusError(f"corpus manifest {location} is empty")
         with contextlib.closing(_read_manifest_records(location)) as records:
-            next(records, None)  # reads a CSV's header: CorpusError if it is not one
+            next(records, None)  # opens it and reads a CSV's header: CorpusError if either fails
         return
     if not location.is_dir():
         kind = "a file" if location.is_file() else _kind(location.stat().st_mode)
@@ -379,13 +372,18 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
 def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     """``(line number, record)`` per record of a .csv/.jsonl manifest, its :data:`_FIELDS` as text
     (``""`` when absent), or ``(line number, problem)`` for a line that cannot be one. Only a file
-    that cannot be read at all (or a CSV header without the required columns) raises :class:`CorpusError`.
+    that cannot be read at all (refused, empty, or a CSV header without the required columns) raises
+    :class:`CorpusError`.
     """
     try:
-        if manifest.suffix.lower() == ".csv":
-            yield from _read_csv_records(manifest)
-        else:
-            yield from _read_jsonl_records(manifest)
+        handle, stat = open_corpus_file(str(manifest))
+        with handle:
+            if stat.st_size == 0:
+                raise CorpusError(f"corpus manifest {manifest} is empty")
+            if manifest.suffix.lower() == ".csv":
+                yield from _read_csv_records(handle, manifest)
+            else:
+                yield from _read_jsonl_records(handle)
     except RefusedFile as refused:
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {refused.detail}") from refused
     except OSError as err:
@@ -411,7 +409,7 @@ def _too_long(limit: int = MAX_MANIFEST_LINE_BYTES) -> str:
     return f"is longer than {limit} bytes (not read)"
 
 
-def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
+def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     too_long: list[int] = []
 
     def text_lines(handle: BinaryIO) -> Iterator[str]:
@@ -425,35 +423,34 @@ def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | st
             else:
                 yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
 
-    with open_corpus_file(str(manifest))[0] as handle:
-        reader = csv.reader(text_lines(handle))
-        header = _csv_header(manifest, reader)
-        width = len(header)
-        while True:
-            start = reader.line_num + 1
-            values: list[str] | str | None
-            try:
-                values = next(reader)
-            except StopIteration:
-                values = None
-            except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
-                values = f"cannot be parsed as CSV ({err})"
-            skipped = [(number, _too_long()) for number in too_long]
-            too_long.clear()
-            yield from skipped
-            if values is None:
-                return
-            if isinstance(values, str):
-                yield reader.line_num, values
-                continue
-            if not values:  # a blank line
-                continue
-            if len(values) != width:
-                yield start, f"has {len(values)} fields, the header names {width}"
-                continue
-            record = dict(zip(header, values, strict=True))
-            problem = _record_problem(record)
-            yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
+    reader = csv.reader(text_lines(handle))
+    header = _csv_header(manifest, reader)
+    width = len(header)
+    while True:
+        start = reader.line_num + 1
+        values: list[str] | str | None
+        try:
+            values = next(reader)
+        except StopIteration:
+            values = None
+        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
+            values = f"cannot be parsed as CSV ({err})"
+        skipped = [(number, _too_long()) for number in too_long]
+        too_long.clear()
+        yield from skipped
+        if values is None:
+            return
+        if isinstance(values, str):
+            yield reader.line_num, values
+            continue
+        if not values:  # a blank line
+            continue
+        if len(values) != width:
+            yield start, f"has {len(values)} fields, the header names {width}"
+            continue
+        record = dict(zip(header, values, strict=True))
+        problem = _record_problem(record)
+        yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
 
 
 def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
@@ -475,28 +472,27 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
     return header
 
 
-def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    with open_corpus_file(str(manifest))[0] as handle:
-        for number, raw in enumerate(_bounded_lines(handle), start=1):
-            if raw is None:
-                yield number, _too_long()
-                continue
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as err:
-                yield number, f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4,300 digits
-                yield number, f"is not JSON ({getattr(err, 'msg', None) or str(err) or 'nested too deeply'})"
-                continue
-            if not isinstance(record, dict):
-                yield number, f"is not a JSON object (a {type(record).__name__})"
-                continue
-            yield number, _json_fields(record)
+def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] | str]]:
+    for number, raw in enumerate(_bounded_lines(handle), start=1):
+        if raw is None:
+            yield number, _too_long()
+            continue
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            yield number, f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4,300 digits
+            yield number, f"is not JSON ({getattr(err, 'msg', None) or str(err) or 'nested too deeply'})"
+            continue
+        if not isinstance(record, dict):
+            yield number, f"is not a JSON object (a {type(record).__name__})"
+            continue
+        yield number, _json_fields(record)
 
 
 def _json_fields(record: Mapping[str, object]) -> dict[str, str] | str:

@@ -164,17 +164,6 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict) -> None:
     con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' for _ in columns)})", [row.get(c) for c in columns])
 
 
-def _finetune_budgets(con: duckdb.DuckDBPyConnection, results: Path | None) -> dict[str, float]:
-    """{checkpoint sha256: labelled minutes} from finetune/results.parquet, for runs whose result.json predates it."""
-    if results is None or not results.is_file():
-        return {}
-    rows = con.execute(
-        f"SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM read_parquet({_sql_str(results)}) "
-        "WHERE checkpoint_sha256 IS NOT NULL"
-    ).fetchall()
-    return dict(rows)
-
-
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
@@ -200,7 +189,14 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
         "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
     )
-    budgets = _finetune_budgets(con, inputs.finetune_results)
+    budgets = {}  # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
+    if inputs.finetune_results is not None and inputs.finetune_results.is_file():
+        budgets = dict(
+            con.execute(
+                "SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM "
+                f"read_parquet({_sql_str(inputs.finetune_results)}) WHERE checkpoint_sha256 IS NOT NULL"
+            ).fetchall()
+        )
     runs = [("centralised", p) for p in inputs.training_results]
     runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):

@@ -247,14 +247,10 @@ def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_d
             f'<audio controls preload="metadata" src="{ReportFiles.audio.name}/{e.clip}"></audio>' if e.clip else ""
         )
         picture = plots.html_image(e.vad_png, f"VAD decision for {html.escape(e.utt_id)}", "vad") if e.vad_png else ""
-        cells.append(
-            "<tr>"
-            + "".join(f"<td>{html.escape(v)}</td>" for v in (e.stage, e.reason, e.utt_id, e.detail))
-            + f'<td>{listen}{picture}<p class="note">{html.escape(e.note)}</p></td>'
-            + f'<td class="path">{html.escape(e.path)}</td></tr>'
-        )
-    head = "".join(f"<th>{c}</th>" for c in ("stage", "reason", "utt_id", "detail", "listen", "path"))
-    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(cells)}</tbody></table>"
+        texts = [html.escape(v) for v in (e.stage, e.reason, e.utt_id, e.detail)]
+        path = f'<span class="path">{html.escape(e.path)}</span>'
+        cells.append([*texts, f'{listen}{picture}<p class="note">{html.escape(e.note)}</p>', path])
+    table = _html_table(["stage", "reason", "utt_id", "detail", "listen", "path"], cells)
     return table if rows else '<p class="note">no rejects</p>', {e.clip for e in examples if e.clip}
 
 
@@ -404,7 +400,7 @@ table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 
 border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space: pre-wrap; }
 .note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
-img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break:
+img.vad { width: 480px; max-width: 100%; display: block; } span.path { font-size: 0.8em; color: #555; word-break:
 break-all; }
 table.header th { width: 10em; } td.nowrap { white-space: nowrap; } h1.part { margin-top: 1.6em; }
 .caveat { background: #fff8e0; padding: 4px 8px; font-size: 0.9em; } details.raw { margin: 0.5em 0; }
