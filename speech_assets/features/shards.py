@@ -63,17 +63,6 @@ class ShardFormatError(ValueError):
     """A shard whose format this code cannot read (newer or unknown): rebuild it or update the code."""
 
 
-def shard_schema(version: int = SHARD_FORMAT) -> pa.Schema:
-    """:data:`SHARD_SCHEMA` with the metadata of format ``version`` (none for version 1)."""
-    if version not in FEATURE_DTYPES:
-        raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
-    if version == 1:
-        return SHARD_SCHEMA
-    return SHARD_SCHEMA.with_metadata(
-        {FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()}
-    )
-
-
 def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
     """The format version of a shard (no key: 1); :class:`ShardFormatError` for an unknown one or a
     dtype key that contradicts it."""
@@ -215,7 +204,10 @@ def records_to_table(
 ) -> pa.Table:
     """A shard table of format ``version``, rows sorted by ``utt_id``. Every value must be finite in
     the stored dtype, checked unless ``finite_checked`` vouches for matrices already in it."""
-    schema = shard_schema(version)
+    if version not in FEATURE_DTYPES:
+        raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
+    metadata = {FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()}
+    schema = SHARD_SCHEMA if version == 1 else SHARD_SCHEMA.with_metadata(metadata)  # format 1: no key
     ordered = sorted(records, key=lambda r: r.utt_id)
     columns = [
         pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS
