@@ -213,7 +213,7 @@ def stage_breakdown(
             t0 = clock()
             decoded, rate = audio.decode(utt.path)
             t1 = clock()
-            wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), rate), in_place=True)
+            wave = audio.to_16k_mono(decoded, rate, in_place=True)
             t2 = clock()
             span = detect_speech(wave, cfg, peak_normalised=True)
             t3 = clock()

@@ -23,7 +23,7 @@ For every K, on the same frames:
 
 Inertia per frame is computed identically for every codebook: each frame is assigned to its
 nearest centroid (exact faiss search) and the squared distances are averaged. Fit times use all
-cores (library defaults); labelling speed is ``assign_labels`` on ``--label-frames`` frames with
+cores (library defaults); labelling speed is ``CodebookIndex.assign`` on ``--label-frames`` frames with
 one thread, best of three. The machine is shared in CI, so the load average is printed before
 and after; compare ratios from one run, not absolute times.
 """
@@ -119,7 +119,7 @@ def shard_mfcc(directory: Path, num_frames: int) -> np.ndarray:
     """First ``num_frames`` MFCC frames of ``directory/*.parquet`` (raw), CMVN-normalised."""
     import pyarrow.parquet as pq
 
-    from speech_assets.features.shards import MFCC_DIM, blob_to_matrix, feature_dtype
+    from speech_assets.features.shards import MFCC_DIM, blob_matrices, feature_dtype
 
     paths = sorted(p for p in directory.glob("*.parquet") if not p.name.endswith(".rejects.parquet"))
     if not paths:
@@ -128,8 +128,8 @@ def shard_mfcc(directory: Path, num_frames: int) -> np.ndarray:
     have = 0
     for path in paths:
         dtype = feature_dtype(path)  # float16 (format 2) or float32 (format 1) blobs
-        for blob in pq.read_table(path, columns=["mfcc"]).column("mfcc").combine_chunks():
-            mfcc = blob_to_matrix(blob, MFCC_DIM, dtype).astype(np.float32)
+        for matrix in blob_matrices(pq.read_table(path, columns=["mfcc"]).column("mfcc"), MFCC_DIM, dtype):
+            mfcc = matrix.astype(np.float32)
             parts.append(mfcc)
             have += len(mfcc)
             if have >= num_frames:
@@ -144,7 +144,7 @@ def shard_mfcc(directory: Path, num_frames: int) -> np.ndarray:
 
 def inertia_per_frame(x: np.ndarray, codebook: np.ndarray) -> float:
     """Mean squared distance of each frame to its nearest centroid (exact, all threads)."""
-    return kmeans.assign_labels_with_sqdist(x, codebook)[1] / len(x)
+    return float(kmeans.CodebookIndex(codebook).assign(x)[1].sum(dtype=np.float64)) / len(x)
 
 
 def fairseq_recipe(x: np.ndarray, k: int, n_init: int, seed: int) -> np.ndarray:
@@ -219,7 +219,7 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
 
 
 def label_rate(x: np.ndarray, codebook: np.ndarray, repeats: int = 3) -> float:
-    """Frames per second of ``assign_labels`` with one thread (best of ``repeats``)."""
+    """Frames per second of ``CodebookIndex.assign`` with one thread (best of ``repeats``)."""
     index = kmeans.CodebookIndex(codebook, num_threads=1)
     best = float("inf")
     for _ in range(repeats):

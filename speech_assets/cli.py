@@ -27,11 +27,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     """The probe's leaderboard, each encoder's standing and how to read it; ``--details``: per-model figures."""
     from speech_assets.evaluation.compare import (
-        MIN_HELDOUT_SPEAKERS,
-        leaderboard,
         leaderboard_markdown,
+        load_leaderboard,
         markdown_table,
-        read_leaderboard,
         read_results,
         reading_note,
         standing,
@@ -39,18 +37,12 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     path = Path(args.results) if args.results else DataLayout(locations.data_dir()).probe.results
     if not path.is_file():
-        print(f"error: no probe results at {path}: materialize downstream_probe", file=sys.stderr)
-        return 1
-    try:  # the minimum the run judged with (the [probe] setting then)
-        min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
-    except (FileNotFoundError, IndexError, KeyError):
-        min_speakers = MIN_HELDOUT_SPEAKERS
-    try:
+        return _fail(f"no probe results at {path}: materialize downstream_probe")
+    try:  # judged with the run's own minimum of held-out speakers (the [probe] setting then)
+        board, min_speakers = load_leaderboard(path)
         results = read_results(path)
-        board = leaderboard(results, min_speakers)
     except ValueError as err:
-        print(f"error: {path}: {err}", file=sys.stderr)
-        return 1
+        return _fail(f"{path}: {err}")
     print(leaderboard_markdown(board))
     print()
     print("\n".join(standing(results, min_speakers)))
@@ -78,18 +70,15 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     data = DataLayout(locations.data_dir())
     path = Path(args.results) if args.results else data.finetune.results
     if not path.is_file():
-        print(f"error: no fine-tuning results at {path}: materialize finetuned_asr", file=sys.stderr)
-        return 1
+        return _fail(f"no fine-tuning results at {path}: materialize finetuned_asr")
     try:
         rows = read_rows(path)
     except ValueError as err:
-        print(f"error: {path}: {err}", file=sys.stderr)
-        return 1
+        return _fail(f"{path}: {err}")
     try:  # the settings finetuned_asr and its check judge with
         min_speakers = PipelineSettings.load().probe.min_heldout_speakers
     except (OSError, ValueError) as err:
-        print(f"error: settings: {err}", file=sys.stderr)
-        return 1
+        return _fail(f"settings: {err}")
     print(markdown_tables(rows, probe_reference(args.probe_results or data.probe.results)))
     print("\n".join(verdicts(rows, min_heldout_speakers=min_speakers)))
     notes = text_notes(rows) + overlap_problems(rows)
@@ -115,12 +104,10 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
                 model = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
             recogniser = Recogniser(model, args.decoder, **options)
     except RecogniserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _fail(str(err))
     files = labelled_files(args.inputs)
     if not files:
-        print(f"error: no audio files in {' '.join(args.inputs)}", file=sys.stderr)
-        return 1
+        return _fail(f"no audio files in {' '.join(args.inputs)}")
     failed = 0
     form = "json" if args.json else args.format
     for transcript in recogniser.transcribe_all(files):
@@ -147,8 +134,7 @@ def _cmd_sql(args: argparse.Namespace) -> int:
             return 0
         (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
     except (duckdb.Error, stats_db.NotReadOnly) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _fail(str(err))
     finally:
         con.close()
     return 0
@@ -183,8 +169,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
         return 3 if report else 0
     if not args.checkpoint:
-        print("error: give a checkpoint, or --stale", file=sys.stderr)
-        return 2
+        return _fail("give a checkpoint, or --stale", 2)
     report = checkpoint_lineage(Path(args.checkpoint))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -246,8 +231,7 @@ def _cmd_replicate(args: argparse.Namespace) -> int:
             progress=(lambda done, total: bar.update(1)) if bar else None,
         )
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err), 2)
     finally:
         if bar is not None:
             bar.close()
@@ -269,6 +253,11 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
     if not reaped:
         print("no concurrency slot is held by a dead or finished run")
     return 0
+
+
+def _fail(message: str, status: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def _db(args: argparse.Namespace) -> Path:
@@ -534,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _fail(str(err))
 
 
 if __name__ == "__main__":

@@ -187,14 +187,6 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _fd_path(fd: int) -> str | None:
-    """The path the kernel holds for the open ``fd`` (Linux), or None where it cannot tell."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-
-
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
     """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`.
 
@@ -212,7 +204,9 @@ def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> t
         stat = os.fstat(fd)
         if not S_ISREG(stat.st_mode):
             raise RefusedFile(RejectReason.UNREADABLE, f"{real} is {_kind(stat.st_mode)}, not a regular file")
-        held = _fd_path(fd) if root is not None else None
+        held = None
+        with contextlib.suppress(OSError):  # the path the kernel holds for fd (Linux only)
+            held = os.readlink(f"/proc/self/fd/{fd}") if root is not None else None
         if held is not None and not is_inside(held, root):
             raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"opened as {held}, outside the corpus root {root}")
         os.set_blocking(fd, True)
@@ -220,14 +214,6 @@ def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> t
     except BaseException:
         os.close(fd)
         raise
-
-
-def read_capped(handle: BinaryIO, limit: int, what: str) -> bytes:
-    """At most ``limit`` bytes of ``handle``; :class:`RefusedFile` (``unreadable``) if it holds more."""
-    data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise RefusedFile(RejectReason.UNREADABLE, f"{what} holds more than {limit} bytes")
-    return data
 
 
 def corpus_root_of(location: Path) -> Path:
@@ -247,15 +233,8 @@ def check_corpus_location(location: Path) -> None:
     if not location.exists():
         raise CorpusError(f"corpus not found: {location} does not exist")
     if is_manifest_file(location):
-        try:
-            handle, stat = open_corpus_file(str(location))
-        except RefusedFile as refused:
-            raise CorpusError(f"corpus manifest {location} cannot be read: {refused.detail}") from refused
-        handle.close()
-        if stat.st_size == 0:
-            raise CorpusError(f"corpus manifest {location} is empty")
         with contextlib.closing(_read_manifest_records(location)) as records:
-            next(records, None)  # reads a CSV's header: CorpusError if it is not one
+            next(records, None)  # opens it and reads a CSV's header: CorpusError if either fails
         return
     if not location.is_dir():
         kind = "a file" if location.is_file() else _kind(location.stat().st_mode)
@@ -264,11 +243,11 @@ def check_corpus_location(location: Path) -> None:
         raise CorpusError(f"corpus {location} is empty: no audio files and no *.trans.txt transcripts")
 
 
-def _walk_corpus_files(root: Path) -> Iterator[Path]:
+def _walk_corpus_files(root: Path) -> Iterator[str]:
     for folder, _dirs, files in os.walk(root):
         for name in files:
             if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
-                yield Path(folder) / name
+                yield os.path.join(folder, name)
 
 
 def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
@@ -346,15 +325,15 @@ def _read_trans_file(path: str, root: str) -> dict[str, str]:
     try:
         handle, _stat = open_corpus_file(path, root)
         with handle:
-            data = read_capped(handle, MAX_TRANSCRIPT_FILE_BYTES, f"transcript file {path}")
+            data = handle.read(MAX_TRANSCRIPT_FILE_BYTES + 1)
+        if len(data) > MAX_TRANSCRIPT_FILE_BYTES:
+            raise RefusedFile(
+                RejectReason.UNREADABLE, f"transcript file {path} holds more than {MAX_TRANSCRIPT_FILE_BYTES} bytes"
+            )
     except OSError as err:  # a read error (EIO, EISDIR): the file is unreadable, the run goes on
         raise RefusedFile(RejectReason.UNREADABLE, f"cannot read {path}: {err.strerror or err}") from err
-    lines: dict[str, str] = {}
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        utt_id, _, text = line.strip().partition(" ")
-        if utt_id:
-            lines[utt_id] = text
-    return lines
+    pairs = (line.strip().partition(" ") for line in data.decode("utf-8", errors="replace").splitlines())
+    return {utt_id: text for utt_id, _, text in pairs if utt_id}
 
 
 REQUIRED_COLUMNS = ("path", "transcript", "speaker_id")
@@ -393,13 +372,18 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
 def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     """``(line number, record)`` per record of a .csv/.jsonl manifest, its :data:`_FIELDS` as text
     (``""`` when absent), or ``(line number, problem)`` for a line that cannot be one. Only a file
-    that cannot be read at all (or a CSV header without the required columns) raises :class:`CorpusError`.
+    that cannot be read at all (refused, empty, or a CSV header without the required columns) raises
+    :class:`CorpusError`.
     """
     try:
-        if manifest.suffix.lower() == ".csv":
-            yield from _read_csv_records(manifest)
-        else:
-            yield from _read_jsonl_records(manifest)
+        handle, stat = open_corpus_file(str(manifest))
+        with handle:
+            if stat.st_size == 0:
+                raise CorpusError(f"corpus manifest {manifest} is empty")
+            if manifest.suffix.lower() == ".csv":
+                yield from _read_csv_records(handle, manifest)
+            else:
+                yield from _read_jsonl_records(handle)
     except RefusedFile as refused:
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {refused.detail}") from refused
     except OSError as err:
@@ -425,7 +409,7 @@ def _too_long(limit: int = MAX_MANIFEST_LINE_BYTES) -> str:
     return f"is longer than {limit} bytes (not read)"
 
 
-def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
+def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
     too_long: list[int] = []
 
     def text_lines(handle: BinaryIO) -> Iterator[str]:
@@ -439,35 +423,34 @@ def _read_csv_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | st
             else:
                 yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
 
-    with open_corpus_file(str(manifest))[0] as handle:
-        reader = csv.reader(text_lines(handle))
-        header = _csv_header(manifest, reader)
-        width = len(header)
-        while True:
-            start = reader.line_num + 1
-            values: list[str] | str | None
-            try:
-                values = next(reader)
-            except StopIteration:
-                values = None
-            except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
-                values = f"cannot be parsed as CSV ({err})"
-            skipped = [(number, _too_long()) for number in too_long]
-            too_long.clear()
-            yield from skipped
-            if values is None:
-                return
-            if isinstance(values, str):
-                yield reader.line_num, values
-                continue
-            if not values:  # a blank line
-                continue
-            if len(values) != width:
-                yield start, f"has {len(values)} fields, the header names {width}"
-                continue
-            record = dict(zip(header, values, strict=True))
-            problem = _record_problem(record)
-            yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
+    reader = csv.reader(text_lines(handle))
+    header = _csv_header(manifest, reader)
+    width = len(header)
+    while True:
+        start = reader.line_num + 1
+        values: list[str] | str | None
+        try:
+            values = next(reader)
+        except StopIteration:
+            values = None
+        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
+            values = f"cannot be parsed as CSV ({err})"
+        skipped = [(number, _too_long()) for number in too_long]
+        too_long.clear()
+        yield from skipped
+        if values is None:
+            return
+        if isinstance(values, str):
+            yield reader.line_num, values
+            continue
+        if not values:  # a blank line
+            continue
+        if len(values) != width:
+            yield start, f"has {len(values)} fields, the header names {width}"
+            continue
+        record = dict(zip(header, values, strict=True))
+        problem = _record_problem(record)
+        yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
 
 
 def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
@@ -489,28 +472,27 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
     return header
 
 
-def _read_jsonl_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    with open_corpus_file(str(manifest))[0] as handle:
-        for number, raw in enumerate(_bounded_lines(handle), start=1):
-            if raw is None:
-                yield number, _too_long()
-                continue
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as err:
-                yield number, f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4,300 digits
-                yield number, f"is not JSON ({getattr(err, 'msg', None) or str(err) or 'nested too deeply'})"
-                continue
-            if not isinstance(record, dict):
-                yield number, f"is not a JSON object (a {type(record).__name__})"
-                continue
-            yield number, _json_fields(record)
+def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] | str]]:
+    for number, raw in enumerate(_bounded_lines(handle), start=1):
+        if raw is None:
+            yield number, _too_long()
+            continue
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            yield number, f"is not valid UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start})"
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as err:  # ValueError: also an integer of over 4,300 digits
+            yield number, f"is not JSON ({getattr(err, 'msg', None) or str(err) or 'nested too deeply'})"
+            continue
+        if not isinstance(record, dict):
+            yield number, f"is not a JSON object (a {type(record).__name__})"
+            continue
+        yield number, _json_fields(record)
 
 
 def _json_fields(record: Mapping[str, object]) -> dict[str, str] | str:
@@ -623,11 +605,15 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
     try:
         with sf.SoundFile(handle.fileno(), closefd=False) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
+
+            def header_only(num_samples: int) -> AudioProbe:
+                return AudioProbe(
+                    **base, sample_rate=sample_rate, channels=channels, num_samples=num_samples, decoded=False
+                )
+
             if config is not None and config.format_problem(sample_rate, channels) is not None:
                 # judged from the header: never decoded (a thousand channels) nor resampled (an odd rate)
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=max(declared, 0), decoded=False
-                )
+                return header_only(max(declared, 0))
             if declared >= _UNKNOWN_LENGTH:
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
@@ -640,9 +626,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                 and declared > 0
                 and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s
             ):
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=declared, decoded=False
-                )
+                return header_only(declared)
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
             samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
@@ -657,9 +641,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                 decoded += block.shape[0]
                 samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
-                    return AudioProbe(
-                        **base, sample_rate=sample_rate, channels=channels, num_samples=decoded, decoded=False
-                    )
+                    return header_only(decoded)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
         return AudioProbe(**base, error=f"cannot decode as audio: {reason}")
@@ -929,15 +911,13 @@ _CACHE_SCHEMA = pa.schema(
 )
 
 
-def _write_table(path: Path, rows: Sequence[object], schema: pa.Schema) -> None:
-    columns = {name: [getattr(row, name) for row in rows] for name in schema.names}
-    table = pa.Table.from_pydict(columns, schema=schema)
+def _write_table(path: Path, columns: dict[str, list], schema: pa.Schema) -> None:
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(pa.Table.from_pydict(columns, schema=schema), tmp, compression="zstd")
 
 
 def write_manifest(path: Path, rows: Sequence[ManifestRow]) -> None:
-    _write_table(path, rows, MANIFEST_SCHEMA)
+    _write_table(path, {name: [getattr(row, name) for row in rows] for name in MANIFEST_SCHEMA.names}, MANIFEST_SCHEMA)
 
 
 def read_manifest(path: Path) -> list[ManifestRow]:
@@ -960,9 +940,7 @@ def load_cache(path: Path) -> dict[str, AudioProbe]:
 def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
     keys = sorted(cache)
     columns = {"key": keys, **{name: [getattr(cache[k], name) for k in keys] for name in _CACHE_SCHEMA.names[1:]}}
-    table = pa.Table.from_pydict(columns, schema=_CACHE_SCHEMA)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+    _write_table(path, columns, _CACHE_SCHEMA)
 
 
 def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
@@ -975,39 +953,21 @@ def corpus_fingerprint(location: Path) -> str:
     if not location.exists():
         return ""
     if is_manifest_file(location):
-        paths = [location]
-        try:
-            paths += [Path(c.path) for c in discover(location)[0]]
-        except CorpusError:
-            pass
-        root = location.parent
+        paths = [str(location)]
+        with contextlib.suppress(CorpusError):
+            paths += [c.path for c in discover(location)[0]]
+        found = [(path, os.path.relpath(path, location.parent)) for path in paths]
     else:
-        # the same strings, in the same order, as for the Paths of _walk_corpus_files sorted and
-        # made relative one by one, without building a Path or a relative path per file (a sensor
-        # tick and every manifest run fingerprint thousands of files)
-        found: list[tuple[list[str], str, str]] = []
-        for folder, _dirs, files in os.walk(location):
-            relative_folder = os.path.relpath(folder, location)
-            for name in files:
-                if name.endswith(".trans.txt") or name.lower().endswith(AUDIO_SUFFIXES):
-                    relative = name if relative_folder == os.curdir else os.path.join(relative_folder, name)
-                    found.append((relative.split(os.sep), os.path.join(folder, name), relative))
-        found.sort(key=lambda item: item[0])  # a Path sorts by its parts
-        parts = []
-        for _, full, relative in found:
-            try:
-                stat = os.stat(full)
-            except OSError:
-                parts.append(f"{full}|missing")
-                continue
-            parts.append(f"{relative}|{stat.st_size}|{stat.st_mtime_ns}")
-        return sha256_strings(parts)
-    parts: list[str] = []
-    for path in paths:
+        # relative paths cut from the strings, in the order Paths sort (by parts), without a Path or
+        # a relpath per file: a sensor tick and every manifest run fingerprint thousands of files
+        cut = len(os.path.join(location, ""))
+        found = sorted(((full, full[cut:]) for full in _walk_corpus_files(location)), key=lambda f: f[1].split(os.sep))
+    parts = []
+    for full, relative in found:
         try:
-            stat = path.stat()
+            stat = os.stat(full)
         except (OSError, ValueError):  # ValueError: a path no file can have
-            parts.append(f"{path}|missing")
-            continue
-        parts.append(f"{os.path.relpath(path, root)}|{stat.st_size}|{stat.st_mtime_ns}")
+            parts.append(f"{full}|missing")
+        else:
+            parts.append(f"{relative}|{stat.st_size}|{stat.st_mtime_ns}")
     return sha256_strings(parts)

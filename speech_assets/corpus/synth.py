@@ -35,6 +35,7 @@ torchaudio 2.11 and libsndfile 1.2.2 (other versions give other bytes).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
 import math
@@ -216,10 +217,18 @@ class Engine(ABC):
 
 class CommandEngine(Engine):
     program: ClassVar[str]
+    needs: ClassVar[tuple[str, ...]] = ()  # other programs it runs
+    voice_list: ClassVar[tuple[str, ...]] = ()  # the argv that prints the installed voices, if they are checked
 
     def check(self) -> None:
-        if shutil.which(self.program) is None:
-            raise self.unavailable(self.program)
+        for program in (self.program, *self.needs):
+            if shutil.which(program) is None:
+                raise self.unavailable(program)
+        if self.voice_list:
+            listed = subprocess.run(self.voice_list, check=True, capture_output=True, text=True).stdout
+            missing = {v.name for v in self.voices} - set(listed.replace("(", " ").replace(")", " ").split())
+            if missing:
+                raise self.unavailable(f"voices {sorted(missing)}")
 
     @abstractmethod
     def command(self, text: str, voice: str, tempo: float, wav: Path) -> list[str]:
@@ -255,13 +264,7 @@ class FliteEngine(CommandEngine):
     program = "flite"
     install_hint = "apt-get install flite"
     voices = (BaseVoice("slt", "F"), BaseVoice("awb", "M"), BaseVoice("rms", "M"), BaseVoice("kal16", "M"))
-
-    def check(self) -> None:
-        super().check()
-        listed = subprocess.run([self.program, "-lv"], check=True, capture_output=True, text=True).stdout
-        missing = {v.name for v in self.voices} - set(listed.split())
-        if missing:
-            raise self.unavailable(f"voices {sorted(missing)}")
+    voice_list = ("flite", "-lv")
 
     def command(self, text: str, voice: str, tempo: float, wav: Path) -> list[str]:
         stretch = f"duration_stretch={1.0 / tempo:.4f}"
@@ -273,17 +276,8 @@ class FestivalEngine(CommandEngine):
     program = "text2wave"
     install_hint = "apt-get install festival festvox-kallpc16k festvox-kdlpc16k"
     voices = (BaseVoice("kal_diphone", "M"), BaseVoice("ked_diphone", "M"))
-
-    def check(self) -> None:
-        super().check()
-        if shutil.which("festival") is None:
-            raise self.unavailable("festival")
-        listed = subprocess.run(
-            ["festival", "--batch", "(print (voice.list))"], check=True, capture_output=True, text=True
-        ).stdout
-        missing = {v.name for v in self.voices} - set(listed.strip("()\n").split())
-        if missing:
-            raise self.unavailable(f"voices {sorted(missing)}")
+    needs = ("festival",)
+    voice_list = ("festival", "--batch", "(print (voice.list))")
 
     def command(self, text: str, voice: str, tempo: float, wav: Path) -> list[str]:
         text_file = wav.with_suffix(".txt")
@@ -297,9 +291,6 @@ class PythonEngine(Engine):
 
     modules: ClassVar[tuple[str, ...]]
 
-    def __init__(self) -> None:
-        self._model: Any = None
-
     def check(self) -> None:
         for module in self.modules:
             self._import(module)
@@ -310,11 +301,9 @@ class PythonEngine(Engine):
         except ImportError as exc:
             raise self.unavailable(f"Python module {module!r}") from exc
 
-    @property
+    @functools.cached_property
     def model(self) -> Any:
-        if self._model is None:
-            self._model = self.load()
-        return self._model
+        return self.load()
 
     @abstractmethod
     def load(self) -> Any:
@@ -394,12 +383,6 @@ def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
     """All (engine, voice) pairs, interleaved across engines so that a few speakers mix sources."""
     depth = max(len(e.voices) for e in engines)
     return [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
-
-
-def _speaker_voice(engine: Engine, voice: BaseVoice, rng: np.random.Generator) -> SpeakerVoice:
-    rate = round(float(rng.uniform(*RATE_RANGE)), 2)
-    warp = float(rng.uniform(*WARP_RANGE))
-    return SpeakerVoice(engine.name, voice, rate, warp)
 
 
 def _warped_rate(rate: int, warp: float) -> int:
@@ -547,7 +530,9 @@ def synthesize_corpus(
     chapters = 0
     for index in range(speakers):
         engine, base = cycle[index % len(cycle)]
-        voice = _speaker_voice(engine, base, np.random.default_rng([seed, index, 2]))
+        rng = np.random.default_rng([seed, index, 2])
+        rate = round(float(rng.uniform(*RATE_RANGE)), 2)
+        voice = SpeakerVoice(engine.name, base, rate, float(rng.uniform(*WARP_RANGE)))
         speaker_chapters, seconds = _synth_speaker(out_dir, index, engine, voice, pools[index], seed)
         chapters += speaker_chapters
         rows.append((str(FIRST_SPEAKER_ID + index), voice, seconds))

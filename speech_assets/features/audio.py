@@ -155,14 +155,12 @@ def normalise_peak(
     return np.multiply(wave, gain, dtype=np.float32)
 
 
+def to_16k_mono(audio: np.ndarray, sample_rate: int, *, in_place: bool = False) -> np.ndarray:
+    """``(C, N)`` audio at ``sample_rate`` as peak-normalised mono float32 ``(N,)`` at 16 kHz, as the
+    pipeline reads every utterance (``in_place``: as :func:`normalise_peak`)."""
+    return normalise_peak(resample_to_16k(to_mono(audio), sample_rate), in_place=in_place)
+
+
 def load_16k_mono(path: str | os.PathLike[str]) -> np.ndarray:
     """Decode ``path`` and return peak-normalised mono float32 ``(N,)`` at 16 kHz."""
-    wave, sample_rate = load_16k_mono_with_rate(path)
-    return wave
-
-
-def load_16k_mono_with_rate(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
-    """Like ``load_16k_mono`` but also returns the file's original sample rate."""
-    audio, sample_rate = decode(path)
-    wave = resample_to_16k(to_mono(audio), sample_rate)
-    return normalise_peak(wave), sample_rate
+    return to_16k_mono(*decode(path))

@@ -1,11 +1,14 @@
 """The per-utterance feature pipeline and the shard builder (no Dagster imports).
 
 Per utterance: decode -> mono -> 16 kHz -> peak normalisation -> VAD span -> trim -> features ->
-one ``FeatureRecord`` or a ``VadReject``. A shard holds one speaker's sorted records.
+one ``FeatureRecord`` or a ``RejectRow`` (stage ``vad``; ``features`` for non-finite features). A
+shard holds one speaker's sorted records.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 import time
@@ -21,7 +24,7 @@ from queue import SimpleQueue
 import numpy as np
 import torch
 
-from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow, write_rejects
+from speech_assets.corpus.rejects import RejectRow, write_rejects
 from speech_assets.features import audio
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor
@@ -40,27 +43,13 @@ from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.locks import exclusive_lock
 
 
-@dataclass(frozen=True)
-class VadReject:
-    """An utterance dropped at the feature stage (``no_speech``, or ``unreadable`` if decoding fails)."""
-
-    utt_id: str
-    path: str
-    detail: str
-    reason: str = "no_speech"
-    stage: str = "vad"
-
-    def as_row(self) -> dict[str, str]:
-        return {name: getattr(self, name) for name in REJECTS_SCHEMA.names}
-
-
 @dataclass
 class ShardResult:
     """What ``build_shard`` wrote and measured."""
 
     path: Path
     records: int
-    rejects: list[dict[str, str]]
+    rejects: list[RejectRow]
     stats: ShardStats
     audio_seconds: float
     trimmed_seconds: float
@@ -83,29 +72,29 @@ def process_variants(
     speed_factors: Sequence[float] = (),
     *,
     dtype: np.dtype | type = np.float32,
-) -> list[FeatureRecord | VadReject]:
+) -> list[FeatureRecord | RejectRow]:
     """The utterance decoded once, then itself and one speed-perturbed copy per factor (pitch and
     tempo together, as Kaldi's), each VAD-trimmed and featurised on its own audio so that its frames
     match it. ``dtype``: the records' matrices (float16 as a format-2 shard stores them)."""
     try:
         decoded, sample_rate = audio.decode(path)
     except audio.DecodeError as exc:
-        return [VadReject(utt_id, os.fspath(path), str(exc), reason="unreadable")]
+        return [RejectRow(utt_id, os.fspath(path), "vad", "unreadable", str(exc))]
     duration_s = decoded.shape[1] / sample_rate
     try:
         # In place: ``decoded`` (or its mono mix / resampled copy) is this call's own buffer.
-        wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), sample_rate), in_place=True)
+        wave = audio.to_16k_mono(decoded, sample_rate, in_place=True)
     except ValueError as exc:  # NaN / inf samples
-        return [VadReject(utt_id, os.fspath(path), f"{os.fspath(path)}: {exc}", reason="unreadable")]
+        return [RejectRow(utt_id, os.fspath(path), "vad", "unreadable", f"{os.fspath(path)}: {exc}")]
 
-    def featurise(wave: np.ndarray, duration_s: float, variant_id: str) -> FeatureRecord | VadReject:
+    def featurise(wave: np.ndarray, duration_s: float, variant_id: str) -> FeatureRecord | RejectRow:
         span = detect_speech(wave, vad_cfg, peak_normalised=True)
         if isinstance(span, NoSpeech):
-            return VadReject(variant_id, os.fspath(path), span.detail)
+            return RejectRow(variant_id, os.fspath(path), "vad", "no_speech", span.detail)
         num_frames = num_frames_for(span.num_samples)
         if num_frames == 0:
             detail = f"speech span {span.duration_s:.3f} s is shorter than one 25 ms feature frame"
-            return VadReject(variant_id, os.fspath(path), detail)
+            return RejectRow(variant_id, os.fspath(path), "vad", "no_speech", detail)
         logmel, mfcc = extractor(wave[span.start_sample : span.end_sample], dtype)
         return FeatureRecord(
             utt_id=variant_id,
@@ -178,7 +167,7 @@ def build_shard(
     extractor = extractor if extractor is not None else FeatureExtractor()
     stored = FEATURE_DTYPES[SHARD_FORMAT]  # features come out of the extractor as the shard stores them
     records: list[FeatureRecord] = []
-    rejects: list[dict[str, str]] = []
+    rejects: list[RejectRow] = []
     sums: dict[tuple[str, str], PartialSums] = {}
     audio_seconds = 0.0
     # The records' objects are no cyclic garbage; a full collection of a torch process's heap
@@ -189,8 +178,8 @@ def build_shard(
                 utt.path, utt.utt_id, utt.speaker_id, utt.chapter_id, vad_cfg, extractor, speed_factors, dtype=stored
             )
             for result in variants:
-                if isinstance(result, VadReject):
-                    rejects.append(result.as_row())
+                if isinstance(result, RejectRow):
+                    rejects.append(result)
                     audio_seconds += utt.duration_s if result.utt_id == utt.utt_id else 0.0
                     continue
                 # CMVN describes what readers see: the stored (float16) values. Their sums also tell
@@ -198,9 +187,7 @@ def build_shard(
                 parts = {name: stored_partial_sums(getattr(result, name)) for name in FEATURE_DIMS}
                 if not all(np.isfinite(part.sum).all() for part in parts.values()):
                     detail = f"{utt.path}: features not finite in {stored} (NaN, inf or beyond its range)"
-                    rejects.append(
-                        VadReject(result.utt_id, utt.path, detail, reason="unreadable", stage="features").as_row()
-                    )
+                    rejects.append(RejectRow(result.utt_id, utt.path, "features", "unreadable", detail))
                     continue
                 audio_seconds += result.duration_s
                 records.append(result)
@@ -227,8 +214,7 @@ def build_shard(
 def write_sidecars(result: ShardResult) -> tuple[Path, Path]:
     """Write a shard's rejects and CMVN partial sums beside it."""
     rejects_path, stats_path = sidecar_paths(result.path)
-    rows = sorted(result.rejects, key=lambda r: (r["utt_id"], r["reason"]))
-    write_rejects(rejects_path, [RejectRow(*(str(r[name]) for name in REJECTS_SCHEMA.names)) for r in rows])
+    write_rejects(rejects_path, sorted(result.rejects, key=lambda r: (r.utt_id, r.reason)))
     result.stats.save(stats_path)
     return rejects_path, stats_path
 
@@ -268,28 +254,24 @@ def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtr
         return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
 
 
-_WORKER_EXTRACTOR: FeatureExtractor | None = None
-
-
 def _init_worker() -> None:
-    global _WORKER_EXTRACTOR
     from speech_assets.runtime.processes import die_with_parent, exit_without_teardown
 
     die_with_parent()  # a killed run leaves no feature worker behind
     exit_without_teardown()  # the pool's owner waits for its workers to exit
     torch.set_num_threads(1)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set / parallel work already started
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set / parallel work already started
-        pass
-    _WORKER_EXTRACTOR = FeatureExtractor()
+    _worker_extractor()  # built before the first shard arrives
+
+
+@functools.cache
+def _worker_extractor() -> FeatureExtractor:
+    return FeatureExtractor()
 
 
 def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
-    global _WORKER_EXTRACTOR
-    if _WORKER_EXTRACTOR is None:
-        _WORKER_EXTRACTOR = FeatureExtractor()
-    return _publish_or_report(job, vad_cfg, _WORKER_EXTRACTOR)
+    return _publish_or_report(job, vad_cfg, _worker_extractor())
 
 
 def iter_publish_shards(

@@ -63,17 +63,6 @@ class ShardFormatError(ValueError):
     """A shard whose format this code cannot read (newer or unknown): rebuild it or update the code."""
 
 
-def shard_schema(version: int = SHARD_FORMAT) -> pa.Schema:
-    """:data:`SHARD_SCHEMA` with the metadata of format ``version`` (none for version 1)."""
-    if version not in FEATURE_DTYPES:
-        raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
-    if version == 1:
-        return SHARD_SCHEMA
-    return SHARD_SCHEMA.with_metadata(
-        {FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()}
-    )
-
-
 def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
     """The format version of a shard (no key: 1); :class:`ShardFormatError` for an unknown one or a
     dtype key that contradicts it."""
@@ -215,7 +204,10 @@ def records_to_table(
 ) -> pa.Table:
     """A shard table of format ``version``, rows sorted by ``utt_id``. Every value must be finite in
     the stored dtype, checked unless ``finite_checked`` vouches for matrices already in it."""
-    schema = shard_schema(version)
+    if version not in FEATURE_DTYPES:
+        raise ShardFormatError(f"cannot write shard format {version!r} (known: {sorted(FEATURE_DTYPES)})")
+    metadata = {FORMAT_KEY: str(version).encode(), DTYPE_KEY: FEATURE_DTYPES[version].str.encode()}
+    schema = SHARD_SCHEMA if version == 1 else SHARD_SCHEMA.with_metadata(metadata)  # format 1: no key
     ordered = sorted(records, key=lambda r: r.utt_id)
     columns = [
         pa.array([getattr(r, f.name) for r in ordered], type=f.type) for f in SHARD_SCHEMA if f.name in SCALAR_COLUMNS
@@ -267,23 +259,22 @@ def read_shard_table(path: str | os.PathLike[str], columns: Sequence[str] | None
     return table
 
 
-def blob_to_matrix(blob: bytes | memoryview | pa.Buffer | pa.Scalar, dim: int, dtype: np.dtype | str) -> np.ndarray:
-    """One feature blob as a read-only ``(T, dim)`` view (a ``pa.Scalar``'s buffer is a copy: read
-    whole columns with :func:`blob_matrices`)."""
-    buffer = blob.as_buffer() if isinstance(blob, pa.Scalar) else blob
-    return np.frombuffer(buffer, dtype=dtype).reshape(-1, dim)
+def blob_buffers(blobs: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A binary column's ``len + 1`` offsets and its value bytes (read-only ``uint8``), without a copy."""
+    if isinstance(blobs, pa.ChunkedArray):
+        blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
+    if len(blobs) == 0:
+        return np.zeros(1, np.int64), np.empty(0, np.uint8)
+    _, offsets, values = blobs.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(np.int64)
+    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
+    data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
+    return offsets, data
 
 
 def blob_matrices(blobs: pa.Array | pa.ChunkedArray, dim: int, dtype: np.dtype | str) -> list[np.ndarray]:
     """Every blob of a binary column as a read-only ``(T, dim)`` view into its value buffer."""
-    if isinstance(blobs, pa.ChunkedArray):
-        blobs = blobs.combine_chunks()  # one chunk per row group read: no copy then
-    if len(blobs) == 0:
-        return []
-    _, offsets, values = blobs.buffers()
-    offsets = np.frombuffer(offsets, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1]
-    data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8)
-    data.flags.writeable = False  # Arrow's buffers may be mutable; nobody else expects writes
+    offsets, data = blob_buffers(blobs)
     return [
         data[start:end].view(dtype).reshape(-1, dim)
         for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)

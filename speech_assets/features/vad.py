@@ -11,15 +11,16 @@ the voiced time is below ``min_speech_s``, or the voiced share below ``min_speec
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import repeat
-from typing import Any
+from typing import Annotated, Any, Self
 
 import numpy as np
 import webrtcvad
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 try:  # the C extension behind webrtcvad.Vad.is_speech; calling it directly skips a Python wrapper
     from _webrtcvad import process as _vad_process
@@ -31,36 +32,23 @@ FRAME_MS_CHOICES = (10, 20, 30)
 _TRIGGER_FRACTION = 0.9
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True))
 class VadConfig:
     """WebRTC VAD settings (Dagster config); ``aggressiveness``: 0 (least aggressive) to 3."""
 
-    aggressiveness: int = 2
-    frame_ms: int = 30
-    padding_ms: int = 300
-    min_speech_s: float = 0.5
-    min_speech_ratio: float = 0.1
+    aggressiveness: Annotated[int, Field(ge=0, le=3)] = 2
+    frame_ms: int = 30  # one of FRAME_MS_CHOICES
+    padding_ms: Annotated[int, Field(le=10_000)] = 300  # at least frame_ms
+    min_speech_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.5
+    min_speech_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
 
-    def __post_init__(self) -> None:
-        def is_int(value: Any) -> bool:
-            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-        def is_number(value: Any) -> bool:
-            return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-        if not is_int(self.aggressiveness) or not 0 <= self.aggressiveness <= 3:
-            raise ValueError(f"VadConfig.aggressiveness must be an integer 0..3, got {self.aggressiveness!r}")
-        if not is_int(self.frame_ms) or self.frame_ms not in FRAME_MS_CHOICES:
-            raise ValueError(f"VadConfig.frame_ms must be one of {FRAME_MS_CHOICES}, got {self.frame_ms!r}")
-        if not is_int(self.padding_ms) or not self.frame_ms <= self.padding_ms <= 10_000:
-            raise ValueError(
-                f"VadConfig.padding_ms must be an integer between frame_ms ({self.frame_ms}) and 10000, "
-                f"got {self.padding_ms!r}"
-            )
-        if not is_number(self.min_speech_s) or not math.isfinite(self.min_speech_s) or self.min_speech_s < 0:
-            raise ValueError(f"VadConfig.min_speech_s must be a finite number >= 0, got {self.min_speech_s!r}")
-        if not is_number(self.min_speech_ratio) or not 0.0 <= self.min_speech_ratio <= 1.0:
-            raise ValueError(f"VadConfig.min_speech_ratio must be between 0 and 1, got {self.min_speech_ratio!r}")
+    @model_validator(mode="after")
+    def _frames(self) -> Self:
+        if self.frame_ms not in FRAME_MS_CHOICES:
+            raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, got {self.frame_ms}")
+        if self.padding_ms < self.frame_ms:
+            raise ValueError(f"padding_ms must be at least frame_ms ({self.frame_ms}), got {self.padding_ms}")
+        return self
 
     @property
     def padding_frames(self) -> int:

@@ -72,6 +72,12 @@ FINETUNE_COLUMNS = (
     "heldout_speakers BIGINT, text_overlap BIGINT, oov_rate DOUBLE"
 )
 
+# one row per (round, client) of the federated run: exactly the columns of its rounds.parquet
+FEDERATED_COLUMNS = (
+    "round BIGINT, client_id VARCHAR, num_examples BIGINT, train_loss DOUBLE, masked_accuracy DOUBLE, bytes_up BIGINT, "
+    "bytes_down BIGINT, seconds DOUBLE"
+)
+
 
 def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     con.execute(f"CREATE VIEW manifest AS SELECT * FROM read_parquet({_sql_str(inputs.manifest)})")
@@ -152,21 +158,10 @@ def run_record(kind: str, result_file: Path) -> dict:
     }
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, **row: object) -> None:
-    """Columns not named are NULL."""
-    names = ", ".join(f'"{name}"' for name in row)
-    con.execute(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in row)})", list(row.values()))
-
-
-def _finetune_budgets(con: duckdb.DuckDBPyConnection, results: Path | None) -> dict[str, float]:
-    """{checkpoint sha256: labelled minutes} from finetune/results.parquet, for runs whose result.json predates it."""
-    if results is None or not results.is_file():
-        return {}
-    rows = con.execute(
-        f"SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM read_parquet({_sql_str(results)}) "
-        "WHERE checkpoint_sha256 IS NOT NULL"
-    ).fetchall()
-    return dict(rows)
+def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict) -> None:
+    """One row of ``table`` from ``row``'s values of its columns (NULL where ``row`` has none)."""
+    columns = [column for column, *_ in con.execute(f"DESCRIBE {table}").fetchall()]
+    con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' for _ in columns)})", [row.get(c) for c in columns])
 
 
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
@@ -174,10 +169,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
         "perplexity DOUBLE, empty_clusters INTEGER, mean_segment_length DOUBLE, frames_labelled BIGINT)"
     )
-    columns = [row[0] for row in con.execute("DESCRIBE kmeans_quality").fetchall()]
     for path in sorted(inputs.kmeans_quality):
-        q = json.loads(path.read_text())
-        _insert(con, "kmeans_quality", **{name: q[name] for name in columns})
+        _insert(con, "kmeans_quality", json.loads(path.read_text()))
     con.execute(
         "CREATE TABLE checkpoints (path VARCHAR, step BIGINT, sha256 VARCHAR, mlflow_run_id VARCHAR, "
         "manifest_hash VARCHAR, kind VARCHAR, step_unit VARCHAR, git_commit VARCHAR, dagster_run_id VARCHAR, "
@@ -196,64 +189,47 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
         "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
     )
-    budgets = _finetune_budgets(con, inputs.finetune_results)
+    budgets = {}  # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
+    if inputs.finetune_results is not None and inputs.finetune_results.is_file():
+        budgets = dict(
+            con.execute(
+                "SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM "
+                f"read_parquet({_sql_str(inputs.finetune_results)}) WHERE checkpoint_sha256 IS NOT NULL"
+            ).fetchall()
+        )
     runs = [("centralised", p) for p in inputs.training_results]
     runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
         r = run_record(kind, path)
         if kind == "finetuned" and r["labelled_minutes"] is None:
             r["labelled_minutes"] = budgets.get(r["checkpoint_sha256"])
-        _insert(
-            con,
-            "checkpoints",
-            path=r["checkpoint"],
-            step=r["step"],
-            sha256=r["checkpoint_sha256"],
-            mlflow_run_id=r["mlflow_run_id"],
-            manifest_hash=r["manifest_hash"],
-            kind=kind,
-            step_unit="round" if kind == "federated" else "step",
-            git_commit=r["git_commit"],
-            dagster_run_id=r["dagster_run_id"],
-            run_dir=str(path.parent),
-            init=r["init"],
-        )
-        # result.json keeps the all-frames figures under their old names; the table names them apart
-        # from the held-out masked accuracy (leak-free) every view shows
-        renamed = {
+        # the checkpoints and training_runs tables take the columns they have from one row; result.json
+        # keeps the all-frames figures under their old names, the tables name them apart from the
+        # held-out masked accuracy (leak-free) every view shows
+        row = {
+            **r,
+            "path": r["checkpoint"],
+            "steps": r["step"],
+            "sha256": r["checkpoint_sha256"],
+            "kind": kind,
+            "step_unit": "round" if kind == "federated" else "step",
+            "run_dir": str(path.parent),
             "heldout_all_frames_masked_accuracy": r.get("heldout_masked_accuracy"),
             "heldout_all_frames_majority_accuracy": r.get("heldout_majority_accuracy"),
         }
-        measures = (
-            "final_loss heldout_loss chance_accuracy audio_seconds_per_second heldout_interior_masked_accuracy "
-            "heldout_interior_majority_accuracy heldout_leak_free_masked_accuracy heldout_leak_free_majority_accuracy "
-            "dev_cer heldout_cer heldout_wer"
-        ).split()
-        _insert(
-            con,
-            "training_runs",
-            run_dir=str(path.parent),
-            preset=r.get("preset"),
-            steps=r["step"],
-            mlflow_run_id=r["mlflow_run_id"],
-            checkpoint=r["checkpoint"],
-            kind=kind,
-            init=r["init"],
-            labelled_minutes=r["labelled_minutes"],
-            seed=r["seed"],
-            lr=r["lr"],
-            **renamed,
-            **{name: r.get(name) for name in measures},
-        )
+        _insert(con, "checkpoints", row)
+        _insert(con, "training_runs", row)
         speed = _read_json(RunFiles(path.parent).speed)
         if kind == "distilled" and speed:
             _insert(
                 con,
                 "distillation",
-                run_dir=str(path.parent),
-                student_parameters=speed.get("student_parameters", r.get("student_parameters")),
-                teacher_parameters=speed.get("teacher_parameters", r.get("teacher_parameters")),
-                **{name: speed.get(name) for name in ("student_audio_s_per_s", "teacher_audio_s_per_s", "speedup")},
+                {
+                    **speed,
+                    "run_dir": str(path.parent),
+                    "student_parameters": speed.get("student_parameters", r.get("student_parameters")),
+                    "teacher_parameters": speed.get("teacher_parameters", r.get("teacher_parameters")),
+                },
             )
     con.execute(
         "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
@@ -262,41 +238,23 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     for path in sorted(inputs.exports):
         description = _read_json(path)
         parity = description.get("parity") or {}
-        _insert(
-            con,
-            "exports",
-            folder=str(path.parent),
-            checkpoint_sha256=description.get("checkpoint_sha256"),
-            layer=(description.get("output") or {}).get("layer"),
-            max_abs_diff=parity.get("max_abs_diff"),
-            torchscript_max_abs_diff=parity.get("torchscript_max_abs_diff"),
-            parity_utterances=parity.get("utterances"),
-            parity_frames=parity.get("frames"),
-        )
-    con.execute(f"CREATE TABLE probe_results ({PROBE_COLUMNS})")
-    if inputs.probe_results is not None and inputs.probe_results.exists():
-        con.execute(
-            # by name, older files (without seed, normalisation, speakers, lr) give NULLs there
-            f"INSERT INTO probe_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.probe_results)}) "
-            "ORDER BY model, split"
-        )
-    con.execute(f"CREATE TABLE finetune_results ({FINETUNE_COLUMNS})")
-    if inputs.finetune_results is not None and inputs.finetune_results.exists():
-        con.execute(
-            f"INSERT INTO finetune_results BY NAME SELECT * FROM read_parquet({_sql_str(inputs.finetune_results)}) "
-            "ORDER BY labelled_minutes, decoder, split, model, seed"
-        )
-    # One row per (round, client) of the federated run: exactly the columns of its rounds.parquet.
-    con.execute(
-        "CREATE TABLE federated_rounds (round BIGINT, client_id VARCHAR, num_examples BIGINT, train_loss DOUBLE, "
-        "masked_accuracy DOUBLE, bytes_up BIGINT, bytes_down BIGINT, seconds DOUBLE)"
-    )
-    if inputs.federated_rounds is not None and inputs.federated_rounds.is_file():
-        con.execute(
-            "INSERT INTO federated_rounds SELECT round, client_id, num_examples, train_loss, masked_accuracy, "
-            "bytes_up, bytes_down, seconds "
-            f"FROM read_parquet({_sql_str(inputs.federated_rounds)}) ORDER BY round, client_id"
-        )
+        row = {**parity, "parity_utterances": parity.get("utterances"), "parity_frames": parity.get("frames")}
+        row |= {"folder": str(path.parent), "checkpoint_sha256": description.get("checkpoint_sha256")}
+        _insert(con, "exports", {**row, "layer": (description.get("output") or {}).get("layer")})
+    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
+    for table, columns, path, order in (
+        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
+        (
+            "finetune_results",
+            FINETUNE_COLUMNS,
+            inputs.finetune_results,
+            "labelled_minutes, decoder, split, model, seed",
+        ),
+        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
+    ):
+        con.execute(f"CREATE TABLE {table} ({columns})")
+        if path is not None and path.is_file():
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(

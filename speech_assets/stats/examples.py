@@ -69,7 +69,7 @@ def _read_16k(path: Path, seconds: float) -> np.ndarray:
         data = handle.read(frames=int(seconds * rate), dtype="float32", always_2d=True)
     if data.shape[0] == 0:
         raise audio.DecodeError("zero-length audio")
-    return audio.normalise_peak(audio.resample_to_16k(audio.to_mono(data.T), rate))
+    return audio.to_16k_mono(data.T, rate)
 
 
 def _flac(wave: np.ndarray) -> bytes:

@@ -72,7 +72,11 @@ def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> b
     if _used:
         _used[-1].add(key)
     cached = _folders[-1] / f"{key}{PLOT_SUFFIX}" if _folders else None
-    png = _memory.get(key) or _read(cached) or _draw(draw, size)
+    png = _memory.get(key)
+    if png is None and cached is not None:
+        with contextlib.suppress(OSError):
+            png = cached.read_bytes()
+    png = png or _draw(draw, size)
     _memory[key] = png
     _memory.move_to_end(key)
     while len(_memory) > MEMORY_ENTRIES:
@@ -81,13 +85,6 @@ def _render(draw, size: tuple[float, float] = SIZE, key: str | None = None) -> b
         with atomic_path(cached, durable=False) as tmp:  # a lost one is redrawn
             Path(tmp).write_bytes(png)
     return png
-
-
-def _read(path: Path | None) -> bytes | None:
-    try:
-        return path.read_bytes() if path is not None else None
-    except OSError:
-        return None
 
 
 def legend_below(axis) -> None:

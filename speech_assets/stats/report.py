@@ -96,6 +96,14 @@ SECTIONS: list[tuple[str, str, str]] = [
         'round(teacher_parameters / 1e6, 2) AS "teacher params (M)", round(student_audio_s_per_s, 0) AS "student audio '
         's/s", round(teacher_audio_s_per_s, 0) AS "teacher audio s/s", run_dir FROM distillation ORDER BY run_dir',
     ),
+    (
+        "Federated rounds",
+        "Per round and client: examples, local training loss and masked accuracy (on its own training batches, "
+        "not held out), MB exchanged, seconds.",
+        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS "
+        'train_masked_accuracy, round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", '
+        'round(seconds, 1) AS "seconds (s)" FROM federated_rounds ORDER BY round, client_id',
+    ),
 ]
 PROBE_ROWS_SQL = "SELECT * FROM probe_results ORDER BY split, model, seed"
 PROBE_TEXT = (
@@ -108,22 +116,11 @@ FINETUNE_TEXT = (
     "the table (as finetuned_asr and speech-assets finetune)."
 )
 # the sections about models; the rest of SECTIONS is about the data
-MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student")
+MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student", "Federated rounds")
 REJECT_EXAMPLES_SQL = (
     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY "
     "utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
 )
-OPTIONAL_SECTIONS: list[tuple[str, str, str, str]] = [
-    (
-        "federated_rounds",
-        "Federated rounds",
-        "Per round and client: examples, local training loss and masked accuracy (on its own training batches, "
-        "not held out), MB exchanged, seconds.",
-        "SELECT round, client_id, num_examples, round(train_loss, 3) AS train_loss, round(masked_accuracy, 3) AS "
-        'train_masked_accuracy, round(bytes_up / 1e6, 2) AS "MB up", round(bytes_down / 1e6, 2) AS "MB down", '
-        'round(seconds, 1) AS "seconds (s)" FROM federated_rounds ORDER BY round, client_id',
-    ),
-]
 
 
 @dataclass
@@ -142,14 +139,7 @@ class ReportInputs:
     probe_results: Path | None = None
 
 
-HEADER_LABELS = {
-    "built_at": "built at",
-    "git_commit": "git commit",
-    "dagster_run_id": "Dagster run",
-    "corpus": "corpus",
-    "settings_hash": "settings hash",
-    "settings_source": "settings file",
-}
+HEADER_LABELS = {"dagster_run_id": "Dagster run", "settings_source": "settings file"}  # others: spaced key
 SHA256 = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
@@ -194,7 +184,7 @@ def _table(con: duckdb.DuckDBPyConnection, sql: str) -> str:
 
 
 def _header(inputs: ReportInputs, db_path: Path) -> str:
-    rows = [(HEADER_LABELS.get(key, key), value) for key, value in inputs.header.items()]
+    rows = [(HEADER_LABELS.get(key, key.replace("_", " ")), value) for key, value in inputs.header.items()]
     rows.append(("database", str(db_path)))
     body = "".join(
         f"<tr><th>{html.escape(label)}</th><td>{format_value(value) or 'unknown'}</td></tr>" for label, value in rows
@@ -257,14 +247,10 @@ def _reject_examples(con: duckdb.DuckDBPyConnection, inputs: ReportInputs, out_d
             f'<audio controls preload="metadata" src="{ReportFiles.audio.name}/{e.clip}"></audio>' if e.clip else ""
         )
         picture = plots.html_image(e.vad_png, f"VAD decision for {html.escape(e.utt_id)}", "vad") if e.vad_png else ""
-        cells.append(
-            "<tr>"
-            + "".join(f"<td>{html.escape(v)}</td>" for v in (e.stage, e.reason, e.utt_id, e.detail))
-            + f'<td>{listen}{picture}<p class="note">{html.escape(e.note)}</p></td>'
-            + f'<td class="path">{html.escape(e.path)}</td></tr>'
-        )
-    head = "".join(f"<th>{c}</th>" for c in ("stage", "reason", "utt_id", "detail", "listen", "path"))
-    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(cells)}</tbody></table>"
+        texts = [html.escape(v) for v in (e.stage, e.reason, e.utt_id, e.detail)]
+        path = f'<span class="path">{html.escape(e.path)}</span>'
+        cells.append([*texts, f'{listen}{picture}<p class="note">{html.escape(e.note)}</p>', path])
+    table = _html_table(["stage", "reason", "utt_id", "detail", "listen", "path"], cells)
     return table if rows else '<p class="note">no rejects</p>', {e.clip for e in examples if e.clip}
 
 
@@ -284,21 +270,12 @@ def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     return [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
 
 
-def _finetune_verdicts(con: duckdb.DuckDBPyConnection, min_heldout_speakers: int) -> str:
+def _finetune_verdicts(rows: list[dict[str, Any]], min_heldout_speakers: int) -> str:
     """The CLI's and the asset's fine-tuning verdict lines, as a list."""
     from speech_assets.evaluation.finetune_results import verdicts
 
-    rows = _finetune_rows(con)
-    if not rows:
-        return ""
     lines = verdicts(rows, min_heldout_speakers=min_heldout_speakers)  # the text notes: under the table
     return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
-
-
-def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(
-        con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0]
-    )
 
 
 def _markdown_html(text: str) -> str:
@@ -331,7 +308,7 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
     the raw per-seed rows folded below; None where the probe has not run."""
     from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows, load_leaderboard, reading_note
 
-    raw = _has_table(con, "probe_results") and con.execute("SELECT count(*) FROM probe_results").fetchall()[0][0]
+    raw = con.execute("SELECT count(*) FROM probe_results").fetchone()[0]
     path = inputs.probe_results
     if not raw and (path is None or not path.is_file()):
         return None
@@ -365,14 +342,12 @@ def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> s
     rows folded below; None without results."""
     from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference
 
-    if not _has_table(con, "finetune_results"):
-        return None
     rows = _finetune_rows(con)
     if not rows:
         return None
     probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
     content = (
-        _finetune_verdicts(con, inputs.min_heldout_speakers)
+        _finetune_verdicts(rows, inputs.min_heldout_speakers)
         + _markdown_html(markdown_tables(rows, probe))
         + _folded("per-seed rows (every model, budget, seed, decoder and split)", _table(con, FINETUNE_ROWS_SQL))
     )
@@ -383,23 +358,13 @@ def _plots(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> list[str]:
     parts = []
     histograms = (
         ("Utterance durations", "Kept utterances by duration (manifest).", "duration_s FROM manifest", "seconds", 30),
-        (
-            "Speech ratio after VAD",
-            "Share of each utterance the VAD kept.",
-            "speech_ratio FROM utterances",
-            "kept / original",
-            20,
-        ),
+        ("Speech ratio after VAD", "Share of each utterance the VAD kept.", "speech_ratio FROM utterances", "kept", 20),
     )
-    for (title, text, source, unit, bins), (label, alt) in zip(
-        histograms,
-        (("utterance durations", "duration histogram"), ("speech ratio", "speech ratio histogram")),
-        strict=True,
-    ):
+    for title, text, source, unit, bins in histograms:
         sql = f"SELECT {source}"
         if values := [r[0] for r in con.execute(sql).fetchall()]:
-            image = plots.html_image(plots.histogram(values, label, unit, bins=bins), alt)
-            parts.append(_section(title, text, image, sql))
+            image = plots.histogram(values, title.lower(), unit, bins=bins)
+            parts.append(_section(title, text, plots.html_image(image, f"{title.lower()} histogram"), sql))
     for unit in ("speaker", "client"):
         sql = f"SELECT {unit}_id, trimmed_hours FROM hours_per_{unit}"
         if rows := con.execute(f"{sql} ORDER BY {unit}_id").fetchall():
@@ -435,7 +400,7 @@ table { border-collapse: collapse; font-size: 0.9em; display: block; max-width: 
 border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; } pre { background: #f7f7f7; padding: 6px; white-space: pre-wrap; }
 .note { color: #666; font-size: 0.85em; margin: 2px 0; } img.plot { width: 100%; height: auto; }
-img.vad { width: 480px; max-width: 100%; display: block; } td.path { font-size: 0.8em; color: #555; word-break:
+img.vad { width: 480px; max-width: 100%; display: block; } span.path { font-size: 0.8em; color: #555; word-break:
 break-all; }
 table.header th { width: 10em; } td.nowrap { white-space: nowrap; } h1.part { margin-top: 1.6em; }
 .caveat { background: #fff8e0; padding: 4px 8px; font-size: 0.9em; } details.raw { margin: 0.5em 0; }
@@ -472,9 +437,6 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         with plots.cached_in(ReportFiles(out_path.parent).plots):
             data[1:1] = _plots(con, inputs)
             models[1:1] = _training_curves(inputs)
-        for table, name, text, sql in OPTIONAL_SECTIONS:
-            if _has_table(con, table):
-                models.append(_section(name, text, _table(con, sql), sql))
         summary = _summary(con)
     finally:
         con.close()

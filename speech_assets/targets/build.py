@@ -13,11 +13,14 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.features.shards import iter_shard, read_shard_table
+from speech_assets.features.shards import FeatureRecord, iter_shard, read_shard_table
 from speech_assets.layout import TargetFiles
 from speech_assets.targets import kmeans
 from speech_assets.targets.labels import UtteranceLabels, append_labels, write_labels
 from speech_assets.utils import atomic_path, save_npz
+
+# a shard's records -> their frames to cluster, one (T, D) float32 matrix each
+Featurise = Callable[[list[FeatureRecord]], list[np.ndarray]]
 
 
 @dataclass
@@ -43,38 +46,42 @@ class ClientTargetSet:
 def build_client_targets(
     client_id: str,
     shard_paths: list[Path],
-    client_cmvn: Cmvn,
+    client_cmvn: Cmvn | None,
     out_dir: Path,
     config: kmeans.KMeansConfig = kmeans.KMeansConfig(),
     log: Callable[[str], None] = print,
     label_only: Collection[Path] = (),
+    *,
+    feature: str = "mfcc",
+    featurise: Featurise | None = None,
+    model_rate: bool = False,
 ) -> ClientTargetSet:
     """Fit one client's k-means on its own shards only, then label every frame of them at 50 Hz.
 
     ``label_only`` shards (the held-out speakers') are labelled but never fitted; ``client_cmvn``
     must exclude them too. The fit sees at most ``config.max_fit_frames`` frames of whole utterances.
+    Clustered: the ``client_cmvn``-normalised MFCC, or the ``featurise``d ``feature`` (iteration 2,
+    whose ``model_rate`` frames are at 50 Hz already: not halved, and stored with no CMVN).
     """
+    featurise = featurise or _mfcc_in(client_cmvn)
     fit_paths = [path for path in shard_paths if path not in set(label_only)]
-    fit_frames = [
-        client_cmvn.apply(record.mfcc, "mfcc")
-        for shard_number, utt_ids in sorted(
-            fit_sample(client_id, fit_paths, config.max_fit_frames, config.seed).items()
-        )
-        for record in iter_shard(
-            fit_paths[shard_number], features=("mfcc",), dtype=None
-        )  # stored float16: apply() gives float32
-        if record.utt_id in utt_ids
-    ]
+    sample = fit_sample(client_id, fit_paths, config.max_fit_frames, config.seed, model_rate=model_rate)
+    fit_frames: list[np.ndarray] = []
+    for shard_number, utt_ids in sorted(sample.items()):
+        records = iter_shard(fit_paths[shard_number], features=(feature,), dtype=None)
+        fit_frames += featurise([record for record in records if record.utt_id in utt_ids])
     frames = np.concatenate(fit_frames, axis=0)
+    del fit_frames
     k_used = fit_k(client_id, frames.shape[0], config, log)
     fit = kmeans.fit_kmeans(frames, k_used, config.seed, **config.fit_kwargs())
-    del frames, fit_frames
+    del frames
 
     quality = kmeans.QualityAccumulator(k_used)
-    items = _label_shards(shard_paths, client_cmvn, kmeans.CodebookIndex(fit.codebook, kmeans.LABEL_THREADS), quality)
-    state = ClientState(
-        fit.codebook, client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"], fit.frames_fit, fit.inertia_per_frame, quality
-    )
+    index = kmeans.CodebookIndex(fit.codebook, kmeans.LABEL_THREADS)
+    items = _label_shards(shard_paths, feature, featurise, index, quality, halve=not model_rate)
+    identity = (np.zeros(fit.codebook.shape[1], np.float32), np.ones(fit.codebook.shape[1], np.float32))
+    mean, std = (client_cmvn.mean["mfcc"], client_cmvn.std["mfcc"]) if client_cmvn else identity
+    state = ClientState(fit.codebook, mean, std, fit.frames_fit, fit.inertia_per_frame, quality)
     return write_client_targets(client_id, config.k, out_dir, state, items, shard_paths)
 
 
@@ -114,12 +121,15 @@ def extend_client_targets(client_id: str, new_shard_paths: list[Path], out_dir: 
     the new audio's, and old utterances keep byte-identical labels."""
     state = ClientState.load(TargetFiles(out_dir).state)
     stored_cmvn = Cmvn(mean={"mfcc": state.cmvn_mean}, std={"mfcc": state.cmvn_std}, frames=0)
-    new = _label_shards(
-        new_shard_paths, stored_cmvn, kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS), state.quality
-    )
+    index = kmeans.CodebookIndex(state.codebook, kmeans.LABEL_THREADS)
+    new = _label_shards(new_shard_paths, "mfcc", _mfcc_in(stored_cmvn), index, state.quality)
     return write_client_targets(
         client_id, int(state.codebook.shape[0]), out_dir, state, new, new_shard_paths, append=True
     )
+
+
+def _mfcc_in(cmvn: Cmvn) -> Featurise:
+    return lambda records: [cmvn.apply(record.mfcc, "mfcc") for record in records]  # stored float16: float32 out
 
 
 @dataclass
@@ -169,17 +179,23 @@ class ClientState:
 
 
 def _label_shards(
-    shard_paths: list[Path], client_cmvn: Cmvn, index: kmeans.CodebookIndex, quality: kmeans.QualityAccumulator
+    shard_paths: list[Path],
+    feature: str,
+    featurise: Featurise,
+    index: kmeans.CodebookIndex,
+    quality: kmeans.QualityAccumulator,
+    halve: bool = True,
 ) -> list[UtteranceLabels]:
-    """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each)."""
+    """Label every utterance of ``shard_paths`` (one shard in memory at a time, one search each);
+    ``halve``: the labels are at 100 Hz, stored at the model's 50 Hz."""
     items: list[UtteranceLabels] = []
     for path in shard_paths:
-        records = list(iter_shard(path, features=("mfcc",), dtype=None))  # views as stored, float32 after CMVN
-        frames_per_utt = [client_cmvn.apply(record.mfcc, "mfcc") for record in records]
-        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(frames_per_utt, index)
+        records = list(iter_shard(path, features=(feature,), dtype=None))  # views as stored
+        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(featurise(records), index)
         for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
             quality.add(labels, sqdist)
-            items.append(UtteranceLabels(record.utt_id, record.speaker_id, kmeans.to_model_rate(labels)))
+            stored = kmeans.to_model_rate(labels) if halve else labels
+            items.append(UtteranceLabels(record.utt_id, record.speaker_id, stored))
     return items
 
 
@@ -212,7 +228,7 @@ def write_client_targets(
         frames_labelled=quality.frames_labelled,
         utterances=utterances,
         inertia_per_frame=state.inertia_per_frame,
-        labelled_inertia_per_frame=quality.sqdist_sum / quality.sqdist_frames if quality.sqdist_frames else 0.0,
+        labelled_inertia_per_frame=quality.labelled_inertia_per_frame,
         perplexity=float(kmeans.cluster_perplexity(quality.counts)),
         empty_clusters=int(kmeans.empty_clusters(quality.counts)),
         mean_segment_length=float(quality.segments.mean),

@@ -17,14 +17,13 @@ import numpy as np
 import torch
 
 from speech_assets.features.cmvn import Normaliser, from_record
-from speech_assets.features.shards import iter_shard
+from speech_assets.features.shards import FeatureRecord
 from speech_assets.model.batches import frozen_hidden_states
 from speech_assets.model.encoders import load_encoder
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
-from speech_assets.targets.build import ClientState, ClientTargetSet, fit_k, fit_sample, write_client_targets
+from speech_assets.targets.build import ClientTargetSet, build_client_targets
 from speech_assets.targets.config import ITERATION2_KMEANS
-from speech_assets.targets.labels import UtteranceLabels
 from speech_assets.targets.publish import ClientShards, iteration2_client_targets
 
 
@@ -124,42 +123,20 @@ def build_iter2_targets(
     """Fit one client's codebook on ``layer`` features of its own shards, then label all of them;
     ``label_only`` shards (the held-out speakers') are labelled but never fitted."""
     model.eval()
-    fit_parts: list[np.ndarray] = []
-    fit_paths = [path for path in shard_paths if path not in set(label_only)]
-    for shard_number, utt_ids in sorted(
-        fit_sample(client_id, fit_paths, config.max_fit_frames, config.seed, model_rate=True).items()
-    ):
-        feats = [
-            cmvn.apply(r.logmel, "logmel")
-            for r in iter_shard(fit_paths[shard_number], features=("logmel",), dtype=None)  # apply() gives float32
-            if r.utt_id in utt_ids
-        ]
-        fit_parts += [hidden.numpy() for hidden in frozen_hidden_states(model, feats, layer=layer)]
-    frames = np.concatenate(fit_parts, axis=0)
-    del fit_parts
-    k_used = fit_k(client_id, frames.shape[0], config, log)
-    fit = kmeans.fit_kmeans(frames, k_used, config.seed, **config.fit_kwargs())
-    del frames
 
-    codebook = kmeans.CodebookIndex(fit.codebook)
-    quality = kmeans.QualityAccumulator(k_used)
-    items: list[UtteranceLabels] = []
-    for path in shard_paths:
-        records = list(iter_shard(path, features=("logmel",), dtype=None))
-        feats = [cmvn.apply(r.logmel, "logmel") for r in records]
-        hidden = [states.numpy() for states in frozen_hidden_states(model, feats, layer=layer)]
-        labels_per_utt, sqdists = kmeans.label_utterances_with_sqdist(hidden, codebook)
-        for record, labels, sqdist in zip(records, labels_per_utt, sqdists, strict=True):
-            quality.add(labels, sqdist)
-            items.append(UtteranceLabels(record.utt_id, record.speaker_id, labels))
-    dim = fit.codebook.shape[1]
-    # the state keeps the same fields as iteration 1's; the "CMVN" of encoder features is the identity
-    state = ClientState(
-        fit.codebook,
-        np.zeros(dim, np.float32),
-        np.ones(dim, np.float32),
-        fit.frames_fit,
-        fit.inertia_per_frame,
-        quality,
+    def hidden_states(records: list[FeatureRecord]) -> list[np.ndarray]:
+        feats = [cmvn.apply(record.logmel, "logmel") for record in records]  # apply() gives float32
+        return [states.numpy() for states in frozen_hidden_states(model, feats, layer=layer)]
+
+    return build_client_targets(
+        client_id,
+        shard_paths,
+        None,
+        out_dir,
+        config,
+        log,
+        label_only,
+        feature="logmel",
+        featurise=hidden_states,
+        model_rate=True,
     )
-    return write_client_targets(client_id, config.k, out_dir, state, items, shard_paths)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import faiss
 import numpy as np
@@ -40,24 +39,6 @@ class KMeansFit:
     inertia_frames: int
     niter: int
     seed: int
-
-
-@dataclass(frozen=True)
-class KMeansQuality:
-    """Quality of one client's targets (metadata and a ``kmeans_quality`` table row)."""
-
-    client_id: str
-    k: int
-    frames_fit: int
-    inertia_per_frame: float
-    perplexity: float  # exp(entropy) of cluster usage over the labelled 100 Hz frames: k when uniform
-    empty_clusters: int
-    mean_segment_length: float  # 100 Hz frames per run of one label; MFCC K=100 targets average about 2
-    frames_labelled: int
-    labelled_inertia_per_frame: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def effective_k(num_frames: int, k: int, min_frames_per_centroid: int = 39) -> int:
@@ -210,7 +191,7 @@ def fit_kmeans(
         evaluate = x
         if inertia_sample_frames and n > inertia_sample_frames:
             evaluate = x[np.sort(rng.choice(n, size=inertia_sample_frames, replace=False))]
-        _, sqdist = assign_labels_with_sqdist(evaluate, codebook)
+        sqdist = float(CodebookIndex(codebook).assign(evaluate)[1].sum(dtype=np.float64))
     return KMeansFit(
         codebook=codebook,
         k=k,
@@ -256,19 +237,6 @@ class CodebookIndex:
         return labels, sqdist
 
 
-def assign_labels(frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None) -> np.ndarray:
-    """Nearest-centroid labels: ``(T, D)`` float32 frames, ``(K, D)`` codebook -> ``(T,)`` int16."""
-    return CodebookIndex(codebook, num_threads).assign(frames)[0]
-
-
-def assign_labels_with_sqdist(
-    frames: np.ndarray, codebook: np.ndarray, *, num_threads: int | None = None
-) -> tuple[np.ndarray, float]:
-    """Labels and the float64 sum of squared distances (inertia) of ``frames``."""
-    labels, sqdist = CodebookIndex(codebook, num_threads).assign(frames)
-    return labels, float(sqdist.sum(dtype=np.float64))
-
-
 def label_utterances_with_sqdist(
     utterances: Sequence[np.ndarray], codebook: np.ndarray | CodebookIndex
 ) -> tuple[list[np.ndarray], list[float]]:
@@ -293,13 +261,6 @@ def to_model_rate(labels_100hz: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(labels[::2])
 
 
-def label_counts(labels: np.ndarray, k: int) -> np.ndarray:
-    lab = np.asarray(labels).reshape(-1).astype(np.int64, copy=False)
-    if lab.size and (lab.min() < 0 or lab.max() >= k):
-        raise ValueError(f"labels outside [0, {k})")
-    return np.bincount(lab, minlength=k).astype(np.int64)
-
-
 def cluster_perplexity(counts: np.ndarray) -> float:
     """``exp(entropy)`` of cluster usage: ``K`` when uniform, 1.0 for one used cluster, 0.0 for no frames."""
     c = np.asarray(counts, dtype=np.float64).reshape(-1)
@@ -314,17 +275,9 @@ def empty_clusters(counts: np.ndarray) -> int:
     return int((np.asarray(counts).reshape(-1) == 0).sum())
 
 
-def mean_segment_length(labels: np.ndarray | Sequence[np.ndarray]) -> float:
-    """Frames per run of one label over one or several utterances (runs never cross utterances)."""
-    acc = SegmentStats()
-    for utterance in [labels] if isinstance(labels, np.ndarray) and labels.ndim <= 1 else labels:
-        acc.add(utterance)
-    return acc.mean
-
-
 @dataclass
 class SegmentStats:
-    """Frames and runs of one label, accumulated across utterances."""
+    """Frames and runs of one label, accumulated across utterances (runs never cross utterances)."""
 
     frames: int = 0
     runs: int = 0
@@ -341,7 +294,7 @@ class SegmentStats:
 
 @dataclass
 class QualityAccumulator:
-    """Streams a client's 100 Hz labels (utterance by utterance) into a :class:`KMeansQuality`."""
+    """A client's labels streamed in (utterance by utterance): cluster counts, runs and squared distances."""
 
     k: int
     counts: np.ndarray = field(init=False)
@@ -353,7 +306,10 @@ class QualityAccumulator:
         self.counts = np.zeros(self.k, dtype=np.int64)
 
     def add(self, labels_100hz: np.ndarray, sqdist_sum: float | None = None) -> None:
-        self.counts += label_counts(labels_100hz, self.k)
+        lab = np.asarray(labels_100hz).reshape(-1).astype(np.int64, copy=False)
+        if lab.size and (lab.min() < 0 or lab.max() >= self.k):
+            raise ValueError(f"labels outside [0, {self.k})")
+        self.counts += np.bincount(lab, minlength=self.k)
         self.segments.add(labels_100hz)
         if sqdist_sum is not None:
             self.sqdist_sum += float(sqdist_sum)
@@ -363,15 +319,6 @@ class QualityAccumulator:
     def frames_labelled(self) -> int:
         return self.segments.frames
 
-    def result(self, client_id: str, fit: KMeansFit) -> KMeansQuality:
-        return KMeansQuality(
-            client_id=str(client_id),
-            k=int(fit.k),
-            frames_fit=int(fit.frames_fit),
-            inertia_per_frame=float(fit.inertia_per_frame),
-            perplexity=cluster_perplexity(self.counts),
-            empty_clusters=empty_clusters(self.counts),
-            mean_segment_length=float(self.segments.mean),
-            frames_labelled=int(self.frames_labelled),
-            labelled_inertia_per_frame=(self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else None),
-        )
+    @property
+    def labelled_inertia_per_frame(self) -> float:
+        return self.sqdist_sum / self.sqdist_frames if self.sqdist_frames else 0.0

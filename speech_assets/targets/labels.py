@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from speech_assets.features.shards import blob_buffers
 from speech_assets.utils import atomic_path
 
 LABELS_SCHEMA = pa.schema(
@@ -85,22 +86,11 @@ class LabelColumns:
 
 def read_label_columns(path: str | os.PathLike[str]) -> LabelColumns:
     table = pq.read_table(path, columns=["utt_id", "labels"])
-    blobs = table.column("labels").combine_chunks()
-    if len(blobs) == 0:
-        return LabelColumns([], np.zeros(0, np.int64), np.zeros(0, np.int16))
-    _, offsets_buffer, data = blobs.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[blobs.offset : blobs.offset + len(blobs) + 1].astype(
-        np.int64
-    )
+    offsets, data = blob_buffers(table.column("labels"))
     nbytes = np.diff(offsets)
     if offsets[0] % 2 or (nbytes % 2).any():
         raise ValueError(f"{path}: a labels blob of an odd number of bytes is not int16")
-    values = (
-        np.frombuffer(data, dtype="<i2", count=int(offsets[-1] // 2))[int(offsets[0] // 2) :]
-        if data is not None
-        else np.zeros(0, np.int16)
-    )
-    return LabelColumns(table.column("utt_id").to_pylist(), nbytes // 2, values)
+    return LabelColumns(table.column("utt_id").to_pylist(), nbytes // 2, data[offsets[0] : offsets[-1]].view("<i2"))
 
 
 def iter_labels(path: str | os.PathLike[str]) -> Iterator[UtteranceLabels]:

@@ -78,7 +78,7 @@ Build = Callable[[dict, bool], tuple[Any, dict[str, Any]]]
 def publish_client_targets(
     client: ClientShards,
     out_dir: Path,
-    inputs_key: str,
+    fit_inputs: list[str],
     k_requested: int,
     build: Build,
     *,
@@ -89,9 +89,13 @@ def publish_client_targets(
 ) -> dict:
     """Reuse or build one client's targets under its lock; returns the published record.
 
-    ``build(previous, intact)`` is called only when the record cannot be reused; ``intact``: the
-    previous fit is this one's (same ``fit_key``, files as recorded, not ``force``).
+    The record is reused while its ``inputs_key`` (the client's shards, held-out speakers and
+    ``fit_inputs``) is this run's. ``build(previous, intact)`` is called only when it cannot be;
+    ``intact``: the previous fit is this one's (same ``fit_key``, files as recorded, not ``force``).
     """
+    inputs_key = sha256_strings(
+        [json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs]
+    )
     with exclusive_lock(TargetFiles(out_dir).lock):
         previous = read_quality(out_dir)
         intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
@@ -139,15 +143,8 @@ def kmeans_client_targets(
     from speech_assets.targets import build  # k-means and faiss: lazily, the code location stays light
 
     speakers, heldout = client.speakers, client.heldout
-    inputs_key = sha256_strings(
-        [
-            json.dumps(client.shard_versions, sort_keys=True),
-            json.dumps(heldout),
-            policy.fit_settings,
-            policy.code_version,
-        ]
-    )
-    fit_key = sha256_strings([policy.fit_settings, policy.code_version])
+    settings = [policy.fit_settings, policy.code_version]
+    fit_key = sha256_strings(settings)
 
     def fit(previous: dict, intact: bool) -> tuple[Any, dict[str, Any]]:
         # the codebook is kept only while no speaker it was fitted on has since been held out
@@ -191,7 +188,7 @@ def kmeans_client_targets(
         }
 
     return publish_client_targets(
-        client, out_dir, inputs_key, policy.config.k, fit, fit_key=fit_key, force=force, log=log
+        client, out_dir, settings, policy.config.k, fit, fit_key=fit_key, force=force, log=log
     )
 
 
@@ -207,13 +204,10 @@ def iteration2_client_targets(
 ) -> dict:
     """Iteration 2: reuse or refit one client's targets in an encoder's feature space; returns the
     published record. ``fit_inputs``: what else decides the fit; ``build()`` fits and labels."""
-    inputs_key = sha256_strings(
-        [json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs]
-    )
     return publish_client_targets(
         client,
         out_dir,
-        inputs_key,
+        fit_inputs,
         k,
         lambda previous, intact: (build(), {"label_rate_hz": 50, **record}),
         log=log,

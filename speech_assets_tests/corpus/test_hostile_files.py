@@ -209,7 +209,8 @@ def test_an_odd_accepted_rate_is_resampled_in_bounded_memory(tmp_path: Path) -> 
         from speech_assets.features import audio
         cap()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        wave, rate = audio.load_16k_mono_with_rate(sys.argv[1])
+        decoded, rate = audio.decode(sys.argv[1])
+        wave = audio.to_16k_mono(decoded, rate)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps({"samples": int(wave.shape[0]), "rate": rate, "grew_kib": after - before}))
         """,

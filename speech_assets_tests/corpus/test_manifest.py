@@ -162,6 +162,14 @@ def test_missing_or_empty_corpus_is_a_clear_error(tmp_path: Path, make: str) -> 
         m.scan_corpus(target)
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_an_empty_manifest_file_is_a_clear_error(tmp_path: Path, suffix: str) -> None:
+    target = tmp_path / f"corpus{suffix}"
+    target.write_bytes(b"")
+    with pytest.raises(m.CorpusError, match=f"{target} is empty"):
+        m.scan_corpus(target)
+
+
 def test_hash_is_deterministic_and_content_sensitive(libri: LibriCorpus) -> None:
     libri.add("9", "90", 0)
     libri.add("9", "90", 1)

@@ -16,10 +16,10 @@ import torch
 import torchaudio
 import torchaudio.functional as AF
 
-from speech_assets.corpus.rejects import REJECTS_SCHEMA
+from speech_assets.corpus.rejects import REJECTS_SCHEMA, RejectRow
 from speech_assets.features import audio
 from speech_assets.features import shards as features
-from speech_assets.features.build import ShardResult, VadReject, build_shard, process_variants, write_sidecars
+from speech_assets.features.build import ShardResult, build_shard, process_variants, write_sidecars
 from speech_assets.features.cmvn import PartialSums, ShardStats
 from speech_assets.features.featurize import FeatureExtractor, compute_deltas
 from speech_assets.features.jobs import UtteranceInput
@@ -291,17 +291,16 @@ def test_one_utterance_is_trimmed_and_reported(tmp_path, extractor):
 def test_silence_only_file_is_no_speech_reject(tmp_path, extractor, wave):
     path = write_flac(tmp_path / "silence.flac", wave)
     result = process_variants(path, "sil", "s", "c", VadConfig(), extractor)[0]
-    assert isinstance(result, VadReject)
-    row = result.as_row()
-    assert row["stage"] == "vad" and row["reason"] == "no_speech" and row["utt_id"] == "sil"
-    assert "never triggered" in row["detail"] and "frames voiced" in row["detail"]
+    assert isinstance(result, RejectRow)
+    assert result.stage == "vad" and result.reason == "no_speech" and result.utt_id == "sil"
+    assert "never triggered" in result.detail and "frames voiced" in result.detail
 
 
 def test_unreadable_file_is_a_reject_not_a_crash(tmp_path, extractor):
     path = tmp_path / "broken.flac"
     path.write_bytes(b"fLaC garbage")
     result = process_variants(path, "bad", "s", "c", VadConfig(), extractor)[0]
-    assert isinstance(result, VadReject) and result.reason == "unreadable" and result.stage == "vad"
+    assert isinstance(result, RejectRow) and result.reason == "unreadable" and result.stage == "vad"
 
 
 # --- shards --------------------------------------------------------------------------------------
@@ -329,8 +328,8 @@ def test_build_shard_writes_sorted_records_rejects_and_stats(tmp_path, corpus, e
     result = build_shard(corpus, out, VadConfig(), extractor)
     assert isinstance(result, ShardResult) and result.path == out and out.exists()
     assert result.records == 3
-    assert [r["utt_id"] for r in result.rejects] == ["s1-c-0001"]
-    assert result.rejects[0]["reason"] == "no_speech" and result.rejects[0]["stage"] == "vad"
+    assert [r.utt_id for r in result.rejects] == ["s1-c-0001"]
+    assert result.rejects[0].reason == "no_speech" and result.rejects[0].stage == "vad"
     assert result.audio_seconds == pytest.approx(sum(u.duration_s for u in corpus))
     records = list(features.iter_shard(out))
     assert [r.utt_id for r in records] == ["s1-c-0000", "s1-c-0002", "s1-c-0003"]
@@ -504,6 +503,6 @@ def test_features_not_finite_when_stored_are_a_reject(tmp_path):
     result = build_shard(utterances, tmp_path / "s1.parquet", VadConfig(), FeatureExtractor(log_floor=0.0))
     assert result.records == 1 and [r.utt_id for r in features.iter_shard(result.path)] == ["s1-c-0000"]
     (reject,) = result.rejects
-    assert (reject["utt_id"], reject["reason"], reject["stage"]) == ("s1-c-0001", "unreadable", "features")
-    assert "not finite in float16" in reject["detail"]
+    assert (reject.utt_id, reject.reason, reject.stage) == ("s1-c-0001", "unreadable", "features")
+    assert "not finite in float16" in reject.detail
     assert result.stats.speakers["s1"]["logmel"].count == result.frames

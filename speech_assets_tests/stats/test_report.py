@@ -377,6 +377,7 @@ def test_report_leads_with_the_verdicts_then_models_then_data_and_folds_raw_rows
             "<h2>Fine-tuning against scratch</h2>",
             "<h2>Summary</h2>",
             "<h2>Training runs</h2>",
+            "<h2>Federated rounds</h2>",
             "<h2>Corpus</h2>",
             "<h2>Rejects by reason</h2>",
             "<h2>About this report</h2>",
@@ -436,6 +437,11 @@ def test_report_tables_are_rounded_and_list_every_speaker_and_checkpoint(page: P
         assert f"<td>{kind}</td>" in checkpoints
     assert "<td>federated</td><td>3</td><td>round</td>" in checkpoints and "run-fed" in checkpoints
     assert "Export parity" in text and "Distilled student" in text and "<td>3.46</td>" in text
+    export = text.split("<h2>Export parity</h2>", 1)[1].split("</section>", 1)[0]
+    assert (
+        f'title="{"1" * 64}"' in export
+        and "<td>4</td><td>3.20e-06</td><td>1.10e-06</td><td>8</td><td>2,400</td>" in export
+    )
 
 
 def test_every_playable_reject_has_an_audio_player_on_a_copied_clip(page: Path) -> None:
@@ -548,7 +554,7 @@ def test_report_states_the_finetune_indicative_verdict_of_the_cli(tmp_path: Path
             f"INSERT INTO finetune_results BY NAME SELECT * FROM (SELECT {', '.join(f'? AS {k}' for k in rows[0])})",
             [list(r.values()) for r in rows],
         )
-        block = report._finetune_verdicts(con, 3)
+        block = report._finetune_verdicts(report._finetune_rows(con), 3)
     lines = verdicts(rows, min_heldout_speakers=3)
     assert "baseline did not train" in lines[0] and "indicative only" in lines[0] and "beats" not in lines[0]
     assert html.escape(lines[0]) in block

@@ -60,13 +60,21 @@ def test_fit_restores_faiss_threads() -> None:
     assert faiss.omp_get_max_threads() == before
 
 
+def _labels(x: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    return km.CodebookIndex(codebook).assign(x)[0]
+
+
+def _sqdist(x: np.ndarray, codebook: np.ndarray) -> float:
+    return float(km.CodebookIndex(codebook).assign(x)[1].sum(dtype=np.float64))
+
+
 def test_fit_recovers_separated_blobs() -> None:
     noise = 0.1
     x, truth, _ = _blobs(noise=noise)
     fit = km.fit_kmeans(x, 8, seed=0, niter=20)
     # inertia per frame ~ dim * noise^2 when every blob gets its own centroid
     assert fit.inertia_per_frame == pytest.approx(39 * noise**2, rel=0.1)
-    labels = km.assign_labels(x, fit.codebook)
+    labels = _labels(x, fit.codebook)
     # the partition equals the truth up to renaming
     pairs = set(zip(truth.tolist(), labels.tolist()))
     assert len(pairs) == 8 and len({p[0] for p in pairs}) == 8 and len({p[1] for p in pairs}) == 8
@@ -78,7 +86,7 @@ def test_fit_inertia_sample_estimates_full_inertia() -> None:
     sampled = km.fit_kmeans(x, 8, seed=0, niter=4, inertia_sample_frames=2000)
     assert exact.inertia_frames == 6000 and sampled.inertia_frames == 2000
     assert exact.codebook.tobytes() == sampled.codebook.tobytes()
-    full = km.assign_labels_with_sqdist(x, exact.codebook)[1] / len(x)
+    full = _sqdist(x, exact.codebook) / len(x)
     assert exact.inertia_per_frame == pytest.approx(full, rel=1e-6)
     assert sampled.inertia_per_frame == pytest.approx(full, rel=0.03)
 
@@ -114,18 +122,18 @@ def test_effective_k_rejects_no_frames() -> None:
 
 def test_assign_labels_dtype_length_and_sqdist() -> None:
     x, _, centers = _blobs(n_per=50, k=5)
-    labels = km.assign_labels(x, centers)
+    labels = _labels(x, centers)
     assert labels.dtype == np.int16 and labels.shape == (len(x),)
     brute = ((x[:, None, :] - centers[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(labels, brute.argmin(1))
-    labels2, sq = km.assign_labels_with_sqdist(x, centers)
+    labels2, sq = km.CodebookIndex(centers).assign(x)
     np.testing.assert_array_equal(labels, labels2)
-    assert sq == pytest.approx(float(brute.min(1).sum()), rel=1e-4)
-    assert km.assign_labels(np.zeros((0, 39), np.float32), centers).shape == (0,)
+    assert float(sq.sum(dtype=np.float64)) == pytest.approx(float(brute.min(1).sum()), rel=1e-4)
+    assert _labels(np.zeros((0, 39), np.float32), centers).shape == (0,)
     bad = x[:4].copy()
     bad[1, 3] = np.nan
     with pytest.raises(ValueError):
-        km.assign_labels(bad, centers)
+        _labels(bad, centers)
 
 
 def test_label_utterances_splits_per_utterance() -> None:
@@ -133,9 +141,9 @@ def test_label_utterances_splits_per_utterance() -> None:
     utts = [x[:7], x[7:7], x[7:50], x[50:]]
     labels, sums = km.label_utterances_with_sqdist(utts, centers)
     assert [len(lab) for lab in labels] == [7, 0, 43, len(x) - 50]
-    np.testing.assert_array_equal(np.concatenate(labels), km.assign_labels(x, centers))
+    np.testing.assert_array_equal(np.concatenate(labels), _labels(x, centers))
     assert sums[1] == 0.0
-    assert sum(sums) == pytest.approx(km.assign_labels_with_sqdist(x, centers)[1], rel=1e-5)
+    assert sum(sums) == pytest.approx(_sqdist(x, centers), rel=1e-5)
 
 
 @pytest.mark.parametrize("t", [0, 1, 2, 7, 8, 101])
@@ -172,9 +180,8 @@ def test_perplexity_and_empty_clusters(counts: list[int], perplexity: float, emp
         ([[]], 0.0),
     ],
 )
-def test_mean_segment_length(utterances: list[list[int]], expected: float) -> None:
+def test_segment_stats_mean(utterances: list[list[int]], expected: float) -> None:
     arrays = [np.array(u, dtype=np.int16) for u in utterances]
-    assert km.mean_segment_length(arrays) == pytest.approx(expected)
     acc = km.SegmentStats()
     for a in arrays:
         acc.add(a)
@@ -182,26 +189,14 @@ def test_mean_segment_length(utterances: list[list[int]], expected: float) -> No
 
 
 def test_quality_accumulator() -> None:
-    fit = km.KMeansFit(
-        codebook=np.zeros((4, 39), np.float32),
-        k=4,
-        frames_fit=100,
-        frames_trained=100,
-        inertia_per_frame=1.5,
-        inertia_frames=100,
-        niter=1,
-        seed=0,
-    )
     acc = km.QualityAccumulator(4)
     acc.add(np.array([0, 0, 1, 1], np.int16), 2.0)
     acc.add(np.array([1, 1], np.int16), 1.0)
-    q = acc.result("c0", fit)
-    assert q.client_id == "c0" and q.k == 4 and q.frames_fit == 100
-    assert q.frames_labelled == 6 and q.empty_clusters == 2
-    assert q.mean_segment_length == pytest.approx(2.0)
-    assert q.perplexity == pytest.approx(km.cluster_perplexity(np.array([2, 4, 0, 0])))
-    assert q.labelled_inertia_per_frame == pytest.approx(0.5)
-    assert q.as_dict()["inertia_per_frame"] == 1.5
+    assert acc.frames_labelled == 6 and km.empty_clusters(acc.counts) == 2
+    assert acc.counts.tolist() == [2, 4, 0, 0] and acc.segments.mean == pytest.approx(2.0)
+    assert acc.labelled_inertia_per_frame == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="outside"):
+        acc.add(np.array([4], np.int16))
 
 
 def test_sample_utterances_budget_and_determinism() -> None:

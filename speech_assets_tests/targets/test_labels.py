@@ -5,9 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from speech_assets.targets.labels import UtteranceLabels, append_labels, read_label_columns, read_labels, write_labels
+from speech_assets.targets.labels import (
+    LABELS_SCHEMA,
+    UtteranceLabels,
+    append_labels,
+    read_label_columns,
+    read_labels,
+    write_labels,
+)
 
 
 def items(speaker: str, count: int, seed: int) -> list[UtteranceLabels]:
@@ -40,6 +49,13 @@ def test_label_columns_are_the_labels_back_to_back(tmp_path: Path) -> None:
     write_labels(tmp_path / "empty.parquet", [])
     empty = read_label_columns(tmp_path / "empty.parquet")
     assert empty.utt_ids == [] and empty.lengths.size == 0 and empty.values.size == 0
+
+
+def test_a_labels_blob_of_an_odd_number_of_bytes_is_refused(tmp_path: Path) -> None:
+    rows = {"utt_id": ["a", "b"], "speaker_id": ["s", "s"], "num_labels": [1, 1], "labels": [b"\x01\x00", b"\x02"]}
+    pq.write_table(pa.Table.from_pydict(rows, schema=LABELS_SCHEMA), tmp_path / "odd.parquet")
+    with pytest.raises(ValueError, match="odd number of bytes"):
+        read_label_columns(tmp_path / "odd.parquet")
 
 
 def test_appending_an_utterance_the_file_holds_is_refused(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def publish(
         "client_00", ["a", "b"], ["b"], {"a": "sha-a", "b": "sha-b"}, lambda s: out_dir / f"{s}.parquet"
     )
     return publish_client_targets(
-        client, out_dir, inputs_key, 4, builder, fit_key=fit_key, force=force, log=lambda _: None
+        client, out_dir, [inputs_key], 4, builder, fit_key=fit_key, force=force, log=lambda _: None
     )
 
 
