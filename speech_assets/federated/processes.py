@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psutil
+import tomli_w
 
 from speech_assets import locations
 from speech_assets.federated.config import NodeConfig
@@ -43,7 +43,6 @@ SUPERVISOR = "speech_assets.runtime.supervise"
 SIMULATION = "speech_assets.federated.simulation"
 RUN_ENV = "SPEECH_ASSETS_FEDERATED_RUN"
 AUTH_MODULE = "speech_assets.federated.auth"
-FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 # the federation's network namespace is its own: every port in it is free
@@ -140,32 +139,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def is_ray(argv: Sequence[str]) -> bool:
-    return bool(argv) and (argv[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in part for part in argv[:3]))
-
-
-def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of running Flower, Ray and supervisor processes (those whose command
-    line or environment mentions ``root``): the tests prove nothing was left behind."""
-    found = []
-    with contextlib.suppress(psutil.Error, OSError, IndexError):
-        for process in psutil.process_iter(["cmdline", "status"]):
-            if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            argv = process.info["cmdline"] or []
-            flower = {Path(part).name for part in argv[:6]} & set(FLOWER_NAMES)
-            if not (flower or SUPERVISOR in argv[:3] or is_ray(argv) or SIMULATION in argv[:4]):
-                continue
-            if root is not None:
-                environ = {}
-                with contextlib.suppress(psutil.Error, OSError):
-                    environ = process.environ()
-                if str(root) not in " ".join([*argv, *(f"{k}={v}" for k, v in environ.items())]):
-                    continue
-            found.append((process.pid, " ".join(argv)))
-    return found
 
 
 @dataclass
@@ -312,19 +285,14 @@ class LocalFederation:
 
 def write_connection(home: Path, address: str, insecure: bool = False, root_certificates: str = "") -> None:
     """``$FLWR_HOME/config.toml`` with one connection, :data:`CONNECTION_NAME`."""
-    home.mkdir(parents=True, exist_ok=True)
-    lines = [
-        "[superlink]",
-        f'default = "{CONNECTION_NAME}"',
-        "",
-        f"[superlink.{CONNECTION_NAME}]",
-        f"address = {json.dumps(address)}",
-    ]
+    connection: dict[str, object] = {"address": address}
     if insecure:
-        lines.append("insecure = true")
+        connection["insecure"] = True
     elif root_certificates:
-        lines.append(f"root-certificates = {json.dumps(root_certificates)}")
-    FlowerHome(home).config.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        connection["root-certificates"] = root_certificates
+    home.mkdir(parents=True, exist_ok=True)
+    superlink = {"superlink": {"default": CONNECTION_NAME, CONNECTION_NAME: connection}}
+    FlowerHome(home).config.write_text(tomli_w.dumps(superlink), encoding="utf-8")
 
 
 @dataclass
@@ -343,12 +311,11 @@ def flwr_run(
     should_stop: Callable[[], str | None] = lambda: None,
     enter: Callable[[Sequence[str]], list[str]] = list,
 ) -> FlwrRun:
-    """Submit the app to the SuperLink of ``home``'s connection and follow its logs until the run
-    ends; a reason from ``should_stop`` stops it (``flwr stop``) and raises. Success is judged by
-    the caller from what the ServerApp wrote."""
+    """Submit the app to the SuperLink of ``home``'s connection and follow it like :func:`follow`; a
+    stopped run is stopped there too (``flwr stop``). Success is judged by the caller from what the
+    ServerApp wrote."""
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     process = spawn(enter(command), log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_id: list[int] = []
 
@@ -357,49 +324,55 @@ def flwr_run(
             run_id.append(int(match.group(1)))
         on_line(line)
 
-    try:
-        reason = follow(process, log_path, each, should_stop)
-        if reason is not None:
-            if run_id:  # best effort
-                with contextlib.suppress(OSError, subprocess.SubprocessError):
-                    subprocess.run(  # noqa: S603
-                        enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
-                        env=process_env,
-                        capture_output=True,
-                        timeout=60,
-                        preexec_fn=die_with_parent,  # noqa: PLW1509
-                    )
-            raise RuntimeError(f"federated run stopped: {reason}")
-        return FlwrRun(process.wait(), run_id[0] if run_id else None)
-    finally:
-        if process.poll() is None:
-            terminate([process], grace=5)
+    def stop() -> None:
+        if run_id:  # best effort
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(  # noqa: S603
+                    enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
+                    env=process_env,
+                    capture_output=True,
+                    timeout=60,
+                    preexec_fn=die_with_parent,  # noqa: PLW1509
+                )
+
+    returncode = follow(process, log_path, each, should_stop, grace=5, on_stop=stop)
+    return FlwrRun(returncode, run_id[0] if run_id else None)
 
 
 def follow(
-    process: subprocess.Popen, log_path: Path, on_line: Callable[[str], None], should_stop: Callable[[], str | None]
-) -> str | None:
-    """Copy ``process``'s piped output to ``log_path`` and ``on_line``; returns ``should_stop``'s reason."""
+    process: subprocess.Popen,
+    log_path: Path,
+    on_line: Callable[[str], None],
+    should_stop: Callable[[], str | None],
+    grace: float,
+    on_stop: Callable[[], None] = lambda: None,
+) -> int:
+    """Copy ``process``'s piped output to ``log_path`` and ``on_line`` until it ends (its exit code);
+    a reason from ``should_stop`` calls ``on_stop`` and raises. ``process`` never outlives this."""
     assert process.stdout is not None
     fd = process.stdout.fileno()
-    with open(log_path, "a", encoding="utf-8") as log_file:
-        buffer = b""
-        while True:
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            chunk = os.read(fd, 1 << 16) if ready else b""
-            if chunk:
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
-                    log_file.write(line + "\n")
-                    on_line(line)
-                log_file.flush()
-            elif ready or process.poll() is not None:  # end of output
-                process.wait()
-                return None
-            if (reason := should_stop()) is not None:
-                return reason
+    try:
+        with open(log_path, "a", encoding="utf-8") as log_file:
+            buffer = b""
+            while True:
+                ready, _, _ = select.select([fd], [], [], 0.5)
+                chunk = os.read(fd, 1 << 16) if ready else b""
+                if chunk:
+                    buffer += chunk
+                    *complete, buffer = buffer.split(b"\n")
+                    for raw in complete:
+                        line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+                        log_file.write(line + "\n")
+                        on_line(line)
+                    log_file.flush()
+                elif ready or process.poll() is not None:  # end of output
+                    return process.wait()
+                if (reason := should_stop()) is not None:
+                    on_stop()
+                    raise RuntimeError(f"federated run stopped: {reason}")
+    finally:
+        if process.poll() is None:
+            terminate([process], grace=grace)
 
 
 def _remove_private_keys(files: FlowerFiles) -> None:
@@ -449,11 +422,4 @@ def simulation_run(
         process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
         pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
         process = spawn(network.enter(command), log_path, process_env, supervised=True, **pipe)
-        try:
-            reason = follow(process, log_path, on_line, should_stop)
-            if reason is not None:
-                raise RuntimeError(f"federated run stopped: {reason}")
-            return FlwrRun(process.wait(), None)
-        finally:
-            if process.poll() is None:
-                terminate([process], grace=10)
+        return FlwrRun(follow(process, log_path, on_line, should_stop, grace=10), None)

@@ -1,29 +1,14 @@
 """Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
 the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query`, :func:`mask_reply`).
+The four stages (advertise, share, masked input, unmask) are described in docs/ARCHITECTURE.md.
 
-1. advertise (``query``): each sampled client draws fresh :class:`RoundSecrets` and answers with its
-   two public keys and a commitment to its self-mask seed, signed by its node identity key.
-2. share (``query``): the server sends the map of all advertised keys; each client answers with one
-   ciphertext of shares per neighbour.
-3. masked input (``train``): each client gets the ciphertexts sealed for it, trains, clips (DP),
-   masks its update and answers with ``uint32`` masked values in place of the encoder.
-4. unmask (``query``): the server fixes the survivors (the clients whose masked reply it accepted)
-   and asks each survivor for self-mask shares of surviving neighbours and key shares of dropped
-   ones; it rebuilds seeds and keys (checked against the commitments and public keys) and unmasks
-   the sum.
-
-A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding` (in the
-simulation that guards against a client answering as another, not against the runtime). A client
-trusts only the node keys of its own settings, never the server's, and refuses any stage out of
-order, a key map it cannot verify, a threshold a server could split, or an unmask request that
-would reveal both shares of one neighbour. Every stage runs under :func:`state_lock`, and that a
-round's unmask was answered is on disk (owner-only) before the answer leaves: neither a repeated
-query nor a restarted client answers twice.
+A client trusts only the node keys of its own settings, never the server's. Every stage runs under
+:func:`state_lock`, and that a round's unmask was answered is on disk (owner-only) before the
+answer leaves: neither a repeated query nor a restarted client answers twice.
 
 Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
 path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
-seeded sampling and the resumable round records would all have to be rebuilt around it. The
-primitives are Flower's and ``cryptography``'s; this module is the message flow.
+seeded sampling and the resumable round records would all have to be rebuilt around it.
 """
 
 from __future__ import annotations

@@ -635,7 +635,7 @@ def test_another_local_user_cannot_reach_a_simulations_ray_cluster(
     listens on the host; Ray's folder of unix sockets can be neither listed nor written; from
     inside the run's network namespace each port answers. SIGTERM stops the run, Ray included, and
     removes Ray's folder."""
-    from speech_assets.federated.processes import flower_processes, is_ray
+    from speech_assets_tests.federated.conftest import flower_processes, is_ray
     from speech_assets_tests.support import other_user
 
     if why := other_user.why_not():
