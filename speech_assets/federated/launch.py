@@ -230,14 +230,10 @@ def run_federation(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     tracker: Any = None,
 ) -> dict[str, Any]:
-    """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``.
-
-    ``on_round(record)`` is called once per completed round; ``tracker`` (a ``FederatedTracker``)
-    gets every round, then the result or the failure. The ``secagg_*`` and ``dp_max_clipping_norm``
-    limits are the local clients' own (a remote SuperLink's SuperNodes set theirs). Raises
-    :class:`FederatedRunFailed` when the server stopped the run (the next call resumes),
-    ``SettingsChanged``, :class:`InsecureRefused` or ``NeedsLinux``.
-    """
+    """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``;
+    ``tracker`` (a ``FederatedTracker``) gets every round, then the result or the failure. The
+    ``secagg_*`` and ``dp_max_clipping_norm`` limits are the local clients' own. Raises
+    :class:`FederatedRunFailed` when the server stopped the run (the next call resumes)."""
     check_transport(superlink, root_certificates, insecure)
     check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
     if engine not in ENGINES:
@@ -333,8 +329,10 @@ def _run(
                     return f"the SuperLink exited with code {federation.superlink.process.returncode}"
                 return progress()
 
-            home, run_log = federation.cli_home, paths.flower.run_log
-            outcome = flwr_run(APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.enter)
+            home, run_log = federation.files.cli, paths.flower.run_log
+            outcome = flwr_run(
+                APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.network.enter
+            )
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

@@ -48,6 +48,7 @@ _RUN_ID = re.compile(r"Successfully started run (\d+)")
 # the federation's network namespace is its own: every port in it is free
 SUPERLINK_PORT = 9093
 FIRST_SUPERNODE_PORT = 9094
+STARTUP_TIMEOUT_S = 120.0
 
 
 class NeedsLinux(RuntimeError):
@@ -74,10 +75,11 @@ def start_private(network: PrivateNetwork) -> PrivateNetwork:
 
 
 def spawn(
-    command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, **kwargs: object
+    command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, piped: bool = False
 ) -> subprocess.Popen:
-    """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us
-    (``supervised``: under the supervisor, which gets SIGTERM and stops the whole tree)."""
+    """Start ``command`` in a session of its own, output appended to ``log_path`` (``piped``: to a
+    pipe, for :func:`follow`), dying with us (``supervised``: under the supervisor, which gets
+    SIGTERM and stops the whole tree)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if supervised:
         command = [sys.executable, "-m", SUPERVISOR, "--", *command]
@@ -85,12 +87,11 @@ def spawn(
         return subprocess.Popen(  # noqa: S603
             list(command),
             stdin=subprocess.DEVNULL,
-            stdout=kwargs.pop("stdout", log_file),  # type: ignore[arg-type]
-            stderr=kwargs.pop("stderr", subprocess.STDOUT),  # type: ignore[arg-type]
+            stdout=subprocess.PIPE if piped else log_file,
+            stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
-            **kwargs,  # type: ignore[arg-type]
         )
 
 
@@ -159,28 +160,20 @@ class LocalFederation:
         nodes: Sequence[NodeConfig],
         *,
         env: Mapping[str, str] | None = None,
-        startup_timeout: float = 120.0,
         log: Callable[[str], None] = print,
     ) -> None:
         self.folder, self.nodes, self.base_env = folder, list(nodes), env
         self.files = FlowerFiles(folder)
-        self.startup_timeout, self.log = startup_timeout, log
+        self.log = log
         self.superlink: Daemon | None = None
         self.supernodes: dict[str, Daemon] = {}
         self.node_ids: dict[str, int] = {}
         self.network = PrivateNetwork()
 
     @property
-    def cli_home(self) -> Path:
-        return self.files.cli
-
-    @property
     def address(self) -> str:
         assert self.superlink is not None, "the federation is not started"
         return f"127.0.0.1:{self.superlink.port}"
-
-    def enter(self, command: Sequence[str]) -> list[str]:
-        return self.network.enter(command)
 
     @property
     def daemons(self) -> list[Daemon]:
@@ -201,8 +194,8 @@ class LocalFederation:
             self.superlink = self._spawn(
                 "superlink", command, SUPERLINK_PORT, files.superlink_log, files.superlink_home
             )
-            wait_listening(self.superlink, self.startup_timeout, self.network)
-            write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
+            wait_listening(self.superlink, STARTUP_TIMEOUT_S, self.network)
+            write_connection(self.files.cli, self.address, insecure=False, root_certificates=str(tls.ca))
             keys = {node.client_id: make_node_key(files.auth_dir, node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for index, node in enumerate(self.nodes):
@@ -228,19 +221,19 @@ class LocalFederation:
     def _spawn(self, name: str, command: list[str], port: int, log_path: Path, home: Path) -> Daemon:
         """A supervised Flower daemon listening on ``port`` inside the namespace."""
         command = [*command, "--host", "127.0.0.1", "--port", str(port)]
-        process = spawn(self.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
+        process = spawn(self.network.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
         return Daemon(name, process, log_path, port)
 
     def register(self, public_keys: Mapping[str, Path]) -> dict[str, int]:
         """Register the SuperNodes' keys (one interpreter for all), write ``nodes.json``: ``{client: node id}``."""
-        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME]
+        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.files.cli), CONNECTION_NAME]
         command += [str(p) for p in public_keys.values()]
         done = subprocess.run(  # noqa: S603
-            self.enter(command),
-            env=flower_env(self.cli_home, self.base_env),
+            self.network.enter(command),
+            env=flower_env(self.files.cli, self.base_env),
             capture_output=True,
             text=True,
-            timeout=self.startup_timeout,
+            timeout=STARTUP_TIMEOUT_S,
             preexec_fn=die_with_parent,  # noqa: PLW1509
         )
         if done.returncode != 0:
@@ -253,7 +246,7 @@ class LocalFederation:
         return node_ids
 
     @staticmethod
-    def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
+    def daemon_pid(daemon: Daemon) -> int | None:
         """The Flower process itself: the supervisor's child."""
 
         def child() -> int:
@@ -262,14 +255,14 @@ class LocalFederation:
             return min(children_by_parent().get(daemon.process.pid, [0]))
 
         try:
-            return wait_until(child, timeout, f"{daemon.name}'s process", interval=0.05)
+            return wait_until(child, 10.0, f"{daemon.name}'s process", interval=0.05)
         except (WaitTimeout, ChildProcessError):
             return None
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self) -> None:
         daemons = self.daemons
         if daemons:
-            terminate([d.process for d in daemons], grace)
+            terminate([d.process for d in daemons], grace=10.0)
         self.superlink, self.supernodes = None, {}
         self.network.stop()
         # the registrations died with the SuperLink; the keys and the node ids mean nothing now
@@ -316,7 +309,7 @@ def flwr_run(
     ServerApp wrote."""
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
-    process = spawn(enter(command), log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = spawn(enter(command), log_path, process_env, piped=True)
     run_id: list[int] = []
 
     def each(line: str) -> None:
@@ -420,6 +413,5 @@ def simulation_run(
         )
         # every process of the tree (Ray's included) names the run in its environment, for flower_processes
         process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
-        pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
-        process = spawn(network.enter(command), log_path, process_env, supervised=True, **pipe)
+        process = spawn(network.enter(command), log_path, process_env, supervised=True, piped=True)
         return FlwrRun(follow(process, log_path, on_line, should_stop, grace=10), None)
