@@ -445,7 +445,6 @@ def _secrets(state: dict[str, Any]) -> RoundSecrets:
 def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
     """The round's state, which must be at ``stage`` for the same nonce (to advertise: not past it)."""
     run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
-    nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
     path = state_path(node, run, round_number)
     state = _load(path)
     if state.get("stage") in (ANSWERED, ABANDONED):
@@ -460,6 +459,7 @@ def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Pa
         )
     if stage != ADVERTISE and state.get("stage") != stage:
         raise ValueError(f"{node.client_id}: round {round_number} is at stage {state.get('stage')!r}, not {stage!r}")
+    nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
     if stage != ADVERTISE and state.get("nonce") != nonce.hex():
         raise ValueError(f"{node.client_id}: the round's nonce changed")
     return path, state, round_context(run, round_number, nonce)
