@@ -29,6 +29,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from speech_assets.federated.client_data import ClientData
 from speech_assets.federated.config import LocalConfig, NodeConfig
+from speech_assets.federated.history import EVALUATION_METRICS
 from speech_assets.federated.messages import CLIENT_ID, CLIENT_RECORD, array_spec, check_outgoing, train_metrics
 
 if TYPE_CHECKING:
@@ -68,18 +69,6 @@ def local_client(node: NodeConfig, local: LocalConfig) -> LocalClient:
     return client
 
 
-EVALUATE_METRICS = {
-    "num-examples": "masked_frames",
-    "utterances": "utterances",
-    "heldout-loss": "loss",
-    "heldout-masked-accuracy": "masked_accuracy",
-    "majority-accuracy": "majority_accuracy",
-    "leak-free-frames": "leak_free_frames",
-    "heldout-leak-free-masked-accuracy": "leak_free_masked_accuracy",
-    "leak-free-majority-accuracy": "leak_free_majority_accuracy",
-}
-
-
 def reply(
     kind: str,
     received: ArrayRecord,
@@ -89,7 +78,7 @@ def reply(
 ) -> RecordDict:
     """A checked ``train`` or ``evaluate`` reply: the metrics the round's ``config`` lets leave, the
     client id and, after a local round, its encoder."""
-    names = EVALUATE_METRICS
+    names = {metric: column for column, (metric, _) in EVALUATION_METRICS.items()}  # EvalResult's fields
     if kind == "train":
         sent = train_metrics(config or {})
         names = {name: name.replace("-", "_") for name in sent}  # TrainResult's fields are the metrics' names

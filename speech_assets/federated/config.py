@@ -17,6 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
+import tomli_w
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from speech_assets import layout
@@ -435,20 +436,9 @@ class NodeConfig:
         return cls(**values)
 
     def to_node_config(self) -> str:
-        """``flower-supernode``'s ``--node-config``: the values other than the defaults."""
-        parts = []
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if value == item.default:
-                continue
-            if isinstance(value, str):
-                value = f'"{value}"'
-            elif isinstance(value, bool):
-                value = str(value).lower()
-            elif item.type == "float":
-                value = repr(float(value))
-            parts.append(f"{_key(item.name)}={value}")
-        return " ".join(parts)
+        """``flower-supernode``'s ``--node-config``: the values other than the defaults, as TOML pairs."""
+        changed = {_key(f.name): getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        return " ".join(line.replace(" = ", "=", 1) for line in tomli_w.dumps(changed).splitlines())
 
     @property
     def root(self) -> Path:

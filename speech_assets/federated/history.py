@@ -119,29 +119,23 @@ def evaluation_summary(evaluation: Sequence[Mapping[str, Any]]) -> dict[str, Any
     """The federation's result of one round's held-out rows, weighted by (leak-free) masked frames;
     None where no frame was scored. A client without held-out frames counts for nothing."""
     scored = [e for e in evaluation if e.get("masked_frames")]
-    frames = sum(e["masked_frames"] for e in scored)
-    free = [e for e in scored if e.get("leak_free_frames")]
-    free_frames = sum(e["leak_free_frames"] for e in free)
 
-    def mean(rows: Sequence[Mapping[str, Any]], column: str, weight: str, total: int) -> float | None:
-        values = [(e.get(column), e[weight]) for e in rows]
-        if not total or any(value is None for value, _ in values):
+    def mean(column: str, weight: str) -> float | None:
+        rows = [e for e in scored if e.get(weight)]
+        total = sum(e[weight] for e in rows)
+        if not total or any(e.get(column) is None for e in rows):
             return None  # a record written before the column existed
-        return sum(value * w for value, w in values) / total
+        return sum(e[column] * e[weight] for e in rows) / total
 
     return {
         "clients": len(scored),
-        "masked_frames": frames,
-        "heldout_loss": mean(scored, "heldout_loss", "masked_frames", frames),
-        "heldout_masked_accuracy": mean(scored, "heldout_masked_accuracy", "masked_frames", frames),
-        "majority_accuracy": mean(scored, "majority_accuracy", "masked_frames", frames),
-        "leak_free_frames": free_frames,
-        "heldout_leak_free_masked_accuracy": mean(
-            free, "heldout_leak_free_masked_accuracy", "leak_free_frames", free_frames
-        ),
-        "heldout_leak_free_majority_accuracy": mean(
-            free, "leak_free_majority_accuracy", "leak_free_frames", free_frames
-        ),
+        "masked_frames": sum(e["masked_frames"] for e in scored),
+        "heldout_loss": mean("heldout_loss", "masked_frames"),
+        "heldout_masked_accuracy": mean("heldout_masked_accuracy", "masked_frames"),
+        "majority_accuracy": mean("majority_accuracy", "masked_frames"),
+        "leak_free_frames": sum(e.get("leak_free_frames") or 0 for e in scored),
+        "heldout_leak_free_masked_accuracy": mean("heldout_leak_free_masked_accuracy", "leak_free_frames"),
+        "heldout_leak_free_majority_accuracy": mean("leak_free_majority_accuracy", "leak_free_frames"),
     }
 
 
@@ -162,12 +156,7 @@ def summarize_rounds(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
                 "train_loss": None
                 if withheld
                 else sum(r["train_loss"] * w for r, w in zip(rows, weights, strict=True)) / (sum(weights) or 1),
-                "heldout_loss": evaluated["heldout_loss"],
-                "heldout_masked_accuracy": evaluated["heldout_masked_accuracy"],
-                "majority_accuracy": evaluated["majority_accuracy"],
-                "leak_free_frames": evaluated["leak_free_frames"],
-                "heldout_leak_free_masked_accuracy": evaluated["heldout_leak_free_masked_accuracy"],
-                "heldout_leak_free_majority_accuracy": evaluated["heldout_leak_free_majority_accuracy"],
+                **{k: v for k, v in evaluated.items() if k not in ("clients", "masked_frames")},
                 "bytes_up": sum(r["bytes_up"] for r in rows),
                 "bytes_down": sum(r["bytes_down"] for r in rows),
                 "round_seconds": record["round_seconds"],

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from speech_assets import layout
 from speech_assets.federated.config import (
     DP_MAX_CLIPPING_NORM,
@@ -58,16 +60,7 @@ class FederatedRunFailed(RuntimeError):
 
 def write_run_config(config: FederatedConfig, path: Path) -> Path:
     """The TOML file of ``flwr run --run-config``."""
-    lines = []
-    for key, value in config.to_run_config().items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, int | float):
-            text = repr(value)
-        else:
-            text = json.dumps(value)
-        lines.append(f"{key} = {text}")
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(path, tomli_w.dumps(config.to_run_config()))
     return path
 
 
@@ -143,7 +136,7 @@ class RoundFollower:
     """Calls ``on_round(record)`` once per round record the ServerApp writes (earlier attempts'
     first); a round saved before its evaluation is reported once the evaluation is in."""
 
-    def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None] | None) -> None:
+    def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None]) -> None:
         self.paths, self.on_round, self.seen = paths, on_round, 0
 
     def poll(self) -> bool:
@@ -154,8 +147,7 @@ class RoundFollower:
             if int(record["round"]) > self.seen:
                 if record.get("evaluation_pending"):
                     break
-                if self.on_round is not None:
-                    self.on_round(record)
+                self.on_round(record)
                 self.seen = int(record["round"])
         return True
 
@@ -238,14 +230,10 @@ def run_federation(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     tracker: Any = None,
 ) -> dict[str, Any]:
-    """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``.
-
-    ``on_round(record)`` is called once per completed round; ``tracker`` (a ``FederatedTracker``)
-    gets every round, then the result or the failure. The ``secagg_*`` and ``dp_max_clipping_norm``
-    limits are the local clients' own (a remote SuperLink's SuperNodes set theirs). Raises
-    :class:`FederatedRunFailed` when the server stopped the run (the next call resumes),
-    ``SettingsChanged``, :class:`InsecureRefused` or ``NeedsLinux``.
-    """
+    """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``;
+    ``tracker`` (a ``FederatedTracker``) gets every round, then the result or the failure. The
+    ``secagg_*`` and ``dp_max_clipping_norm`` limits are the local clients' own. Raises
+    :class:`FederatedRunFailed` when the server stopped the run (the next call resumes)."""
     check_transport(superlink, root_certificates, insecure)
     check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
     if engine not in ENGINES:
@@ -264,25 +252,9 @@ def run_federation(
         check_settings(paths, config)
         if tracker is not None:
             tracker.start()
-
-        def each_round(record: dict[str, Any]) -> None:
-            if tracker is not None:
-                tracker.log_round(record)
-            if on_round is not None:
-                on_round(record)
-
         try:
-            result = _run_federation(
-                config,
-                nodes,
-                threads,
-                superlink=superlink,
-                insecure=insecure,
-                root_certificates=root_certificates,
-                engine=engine,
-                env=env,
-                log=log,
-                on_round=each_round,
+            result = _run(
+                config, nodes, threads, superlink, insecure, root_certificates, engine, env, log, on_round, tracker
             )
         except BaseException as error:
             if tracker is not None:
@@ -293,21 +265,28 @@ def run_federation(
         return result
 
 
-def _run_federation(
+def _run(
     config: FederatedConfig,
     nodes: list[NodeConfig],
     threads: int,
-    *,
     superlink: str,
     insecure: bool,
     root_certificates: str,
     engine: str,
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
-    on_round: Callable[[dict[str, Any]], None],
+    on_round: Callable[[dict[str, Any]], None] | None,
+    tracker: Any,
 ) -> dict[str, Any]:
     paths = FederatedPaths(config.run_dir)
-    follower = RoundFollower(paths, on_round)
+
+    def each_round(record: dict[str, Any]) -> None:
+        if tracker is not None:
+            tracker.log_round(record)
+        if on_round is not None:
+            on_round(record)
+
+    follower = RoundFollower(paths, each_round)
     done = completed_result(config)
     if done is not None:
         log(f"federated run {config.run_name} already finished all {config.rounds} rounds: reusing it")
@@ -321,8 +300,8 @@ def _run_federation(
     deadline = ProgressDeadline(stall_limit(config))
 
     def forward(line: str) -> None:
-        if " server INFO round " in line and on_round is not None:
-            return  # on_round reports it
+        if " server INFO round " in line:
+            return  # each_round reports it
         if " server " in line or "ERROR" in line or "Error" in line or "Traceback" in line:
             log(line)
 
@@ -350,8 +329,10 @@ def _run_federation(
                     return f"the SuperLink exited with code {federation.superlink.process.returncode}"
                 return progress()
 
-            home, run_log = federation.cli_home, paths.flower.run_log
-            outcome = flwr_run(APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.enter)
+            home, run_log = federation.files.cli, paths.flower.run_log
+            outcome = flwr_run(
+                APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.network.enter
+            )
     follower.poll()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))

@@ -104,14 +104,16 @@ class TrainResult:
 
 @dataclass
 class EvalResult:
+    """The columns of ``evaluation.parquet`` (:data:`~speech_assets.federated.history.EVALUATION_METRICS`)."""
+
     utterances: int
     masked_frames: int
-    masked_accuracy: float
+    heldout_loss: float
+    heldout_masked_accuracy: float
     majority_accuracy: float  # always predicting the client's most frequent training label
-    loss: float
     # the same on the leak-free masked frames (MaskedPrediction.evaluate); None when there are none
     leak_free_frames: int
-    leak_free_masked_accuracy: float | None
+    heldout_leak_free_masked_accuracy: float | None
     leak_free_majority_accuracy: float | None
 
 
@@ -236,10 +238,10 @@ class LocalClient:
         return EvalResult(
             utterances=len(self.heldout_set),
             masked_frames=int(summary["masked_frames"]),
-            masked_accuracy=summary["masked_accuracy"],
+            heldout_masked_accuracy=summary["masked_accuracy"],
             majority_accuracy=summary["majority_accuracy"],
-            loss=summary["loss"],
+            heldout_loss=summary["loss"],
             leak_free_frames=int(summary["leak_free_frames"]),
-            leak_free_masked_accuracy=summary["leak_free_masked_accuracy"],
+            heldout_leak_free_masked_accuracy=summary["leak_free_masked_accuracy"],
             leak_free_majority_accuracy=summary["leak_free_majority_accuracy"],
         )

@@ -20,27 +20,14 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # the key of the clipping norm in a DP round
 
+from speech_assets.federated.history import EVALUATION_METRICS
+
 ARRAYS, METRICS, CLIENT_RECORD, CLIENT_ID = "arrays", "metrics", "client", "client-id"
 TRAIN_METRICS = ("num-examples", "train-loss", "masked-accuracy", "seconds", "audio-seconds", "steps")
-EVAL_METRICS = (
-    "num-examples",
-    "utterances",
-    "heldout-loss",
-    "heldout-masked-accuracy",
-    "majority-accuracy",
-    "leak-free-frames",
-    "heldout-leak-free-masked-accuracy",
-    "leak-free-majority-accuracy",
-)
+EVAL_METRICS = tuple(metric for metric, _ in EVALUATION_METRICS.values())
 METRICS_OF = {"train": TRAIN_METRICS, "evaluate": EVAL_METRICS}
-COUNTS = ("num-examples", "utterances", "steps", "leak-free-frames")
-FRACTIONS = (
-    "masked-accuracy",
-    "heldout-masked-accuracy",
-    "majority-accuracy",
-    "heldout-leak-free-masked-accuracy",
-    "leak-free-majority-accuracy",
-)
+COUNTS = ("steps", *(metric for metric, kind in EVALUATION_METRICS.values() if kind is int))
+FRACTIONS = {name for name in (*TRAIN_METRICS, *EVAL_METRICS) if name.endswith("accuracy")}
 # the leak-free masked frames are a subset of the masked ones (``num-examples`` of an evaluate
 # reply); with none, their accuracies travel as 0.0 (a metric must be a number)
 LEAK_FREE_FRAMES = "leak-free-frames"

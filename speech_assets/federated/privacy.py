@@ -1,21 +1,10 @@
 """Client-level differential privacy of the shared encoder (off unless ``dp_noise_multiplier > 0``),
-on Flower's pieces:
-
-- each client clips its update to ``dp_clipping_norm`` (Flower's ``fixedclipping_mod``); the server
-  refuses an update beyond it (up to float rounding) and scales the ones it accepts to at most the
-  clipping norm exactly, so the sensitivity is what the accountant assumes;
-- the server releases :meth:`Privacy.noisy_mean`: the sum of the accepted updates divided by the
-  number of clients *sampled* (a client that did not reply or was refused counts as a zero update,
-  else the sensitivity would depend on who replied), plus Gaussian noise (Flower's ``compute_stdv``);
-- only then does the strategy take its step: post-processing, whatever the server optimiser does.
-
-Every release is composed in Flower's ``RdpAccountant`` without sampling amplification (not
-claimed). The accountant's state is in each round's record, durable before the noisy encoder is
-sent anywhere, so a resumed run never draws a released round again.
+on Flower's pieces (clipping, ``compute_stdv``, ``RdpAccountant``); the mechanism and what it does
+not cover are in docs/ARCHITECTURE.md and docs/PRIVACY.md.
 
 The noise comes from ``os.urandom``, never a seeded or global generator: the run's seed is a logged
 parameter and numpy's global generator is seeded from it, so their noise would be known to anyone
-who read the run's params. What the guarantee does not cover is in docs/PRIVACY.md.
+who read the run's params.
 """
 
 from __future__ import annotations

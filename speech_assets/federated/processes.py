@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psutil
+import tomli_w
 
 from speech_assets import locations
 from speech_assets.federated.config import NodeConfig
@@ -43,12 +43,12 @@ SUPERVISOR = "speech_assets.runtime.supervise"
 SIMULATION = "speech_assets.federated.simulation"
 RUN_ENV = "SPEECH_ASSETS_FEDERATED_RUN"
 AUTH_MODULE = "speech_assets.federated.auth"
-FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 # the federation's network namespace is its own: every port in it is free
 SUPERLINK_PORT = 9093
 FIRST_SUPERNODE_PORT = 9094
+STARTUP_TIMEOUT_S = 120.0
 
 
 class NeedsLinux(RuntimeError):
@@ -75,10 +75,11 @@ def start_private(network: PrivateNetwork) -> PrivateNetwork:
 
 
 def spawn(
-    command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, **kwargs: object
+    command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, piped: bool = False
 ) -> subprocess.Popen:
-    """Start ``command`` in a session of its own, output appended to ``log_path``, dying with us
-    (``supervised``: under the supervisor, which gets SIGTERM and stops the whole tree)."""
+    """Start ``command`` in a session of its own, output appended to ``log_path`` (``piped``: to a
+    pipe, for :func:`follow`), dying with us (``supervised``: under the supervisor, which gets
+    SIGTERM and stops the whole tree)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if supervised:
         command = [sys.executable, "-m", SUPERVISOR, "--", *command]
@@ -86,12 +87,11 @@ def spawn(
         return subprocess.Popen(  # noqa: S603
             list(command),
             stdin=subprocess.DEVNULL,
-            stdout=kwargs.pop("stdout", log_file),  # type: ignore[arg-type]
-            stderr=kwargs.pop("stderr", subprocess.STDOUT),  # type: ignore[arg-type]
+            stdout=subprocess.PIPE if piped else log_file,
+            stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM if supervised else signal.SIGKILL),  # noqa: PLW1509
-            **kwargs,  # type: ignore[arg-type]
         )
 
 
@@ -142,32 +142,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def is_ray(argv: Sequence[str]) -> bool:
-    return bool(argv) and (argv[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in part for part in argv[:3]))
-
-
-def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of running Flower, Ray and supervisor processes (those whose command
-    line or environment mentions ``root``): the tests prove nothing was left behind."""
-    found = []
-    with contextlib.suppress(psutil.Error, OSError, IndexError):
-        for process in psutil.process_iter(["cmdline", "status"]):
-            if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            argv = process.info["cmdline"] or []
-            flower = {Path(part).name for part in argv[:6]} & set(FLOWER_NAMES)
-            if not (flower or SUPERVISOR in argv[:3] or is_ray(argv) or SIMULATION in argv[:4]):
-                continue
-            if root is not None:
-                environ = {}
-                with contextlib.suppress(psutil.Error, OSError):
-                    environ = process.environ()
-                if str(root) not in " ".join([*argv, *(f"{k}={v}" for k, v in environ.items())]):
-                    continue
-            found.append((process.pid, " ".join(argv)))
-    return found
-
-
 @dataclass
 class Daemon:
     name: str
@@ -186,28 +160,20 @@ class LocalFederation:
         nodes: Sequence[NodeConfig],
         *,
         env: Mapping[str, str] | None = None,
-        startup_timeout: float = 120.0,
         log: Callable[[str], None] = print,
     ) -> None:
         self.folder, self.nodes, self.base_env = folder, list(nodes), env
         self.files = FlowerFiles(folder)
-        self.startup_timeout, self.log = startup_timeout, log
+        self.log = log
         self.superlink: Daemon | None = None
         self.supernodes: dict[str, Daemon] = {}
         self.node_ids: dict[str, int] = {}
         self.network = PrivateNetwork()
 
     @property
-    def cli_home(self) -> Path:
-        return self.files.cli
-
-    @property
     def address(self) -> str:
         assert self.superlink is not None, "the federation is not started"
         return f"127.0.0.1:{self.superlink.port}"
-
-    def enter(self, command: Sequence[str]) -> list[str]:
-        return self.network.enter(command)
 
     @property
     def daemons(self) -> list[Daemon]:
@@ -228,8 +194,8 @@ class LocalFederation:
             self.superlink = self._spawn(
                 "superlink", command, SUPERLINK_PORT, files.superlink_log, files.superlink_home
             )
-            wait_listening(self.superlink, self.startup_timeout, self.network)
-            write_connection(self.cli_home, self.address, insecure=False, root_certificates=str(tls.ca))
+            wait_listening(self.superlink, STARTUP_TIMEOUT_S, self.network)
+            write_connection(self.files.cli, self.address, insecure=False, root_certificates=str(tls.ca))
             keys = {node.client_id: make_node_key(files.auth_dir, node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for index, node in enumerate(self.nodes):
@@ -255,19 +221,19 @@ class LocalFederation:
     def _spawn(self, name: str, command: list[str], port: int, log_path: Path, home: Path) -> Daemon:
         """A supervised Flower daemon listening on ``port`` inside the namespace."""
         command = [*command, "--host", "127.0.0.1", "--port", str(port)]
-        process = spawn(self.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
+        process = spawn(self.network.enter(command), log_path, flower_env(home, self.base_env), supervised=True)
         return Daemon(name, process, log_path, port)
 
     def register(self, public_keys: Mapping[str, Path]) -> dict[str, int]:
         """Register the SuperNodes' keys (one interpreter for all), write ``nodes.json``: ``{client: node id}``."""
-        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.cli_home), CONNECTION_NAME]
+        command = [sys.executable, "-m", AUTH_MODULE, "register", str(self.files.cli), CONNECTION_NAME]
         command += [str(p) for p in public_keys.values()]
         done = subprocess.run(  # noqa: S603
-            self.enter(command),
-            env=flower_env(self.cli_home, self.base_env),
+            self.network.enter(command),
+            env=flower_env(self.files.cli, self.base_env),
             capture_output=True,
             text=True,
-            timeout=self.startup_timeout,
+            timeout=STARTUP_TIMEOUT_S,
             preexec_fn=die_with_parent,  # noqa: PLW1509
         )
         if done.returncode != 0:
@@ -280,7 +246,7 @@ class LocalFederation:
         return node_ids
 
     @staticmethod
-    def daemon_pid(daemon: Daemon, timeout: float = 10.0) -> int | None:
+    def daemon_pid(daemon: Daemon) -> int | None:
         """The Flower process itself: the supervisor's child."""
 
         def child() -> int:
@@ -289,14 +255,14 @@ class LocalFederation:
             return min(children_by_parent().get(daemon.process.pid, [0]))
 
         try:
-            return wait_until(child, timeout, f"{daemon.name}'s process", interval=0.05)
+            return wait_until(child, 10.0, f"{daemon.name}'s process", interval=0.05)
         except (WaitTimeout, ChildProcessError):
             return None
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self) -> None:
         daemons = self.daemons
         if daemons:
-            terminate([d.process for d in daemons], grace)
+            terminate([d.process for d in daemons], grace=10.0)
         self.superlink, self.supernodes = None, {}
         self.network.stop()
         # the registrations died with the SuperLink; the keys and the node ids mean nothing now
@@ -312,19 +278,14 @@ class LocalFederation:
 
 def write_connection(home: Path, address: str, insecure: bool = False, root_certificates: str = "") -> None:
     """``$FLWR_HOME/config.toml`` with one connection, :data:`CONNECTION_NAME`."""
-    home.mkdir(parents=True, exist_ok=True)
-    lines = [
-        "[superlink]",
-        f'default = "{CONNECTION_NAME}"',
-        "",
-        f"[superlink.{CONNECTION_NAME}]",
-        f"address = {json.dumps(address)}",
-    ]
+    connection: dict[str, object] = {"address": address}
     if insecure:
-        lines.append("insecure = true")
+        connection["insecure"] = True
     elif root_certificates:
-        lines.append(f"root-certificates = {json.dumps(root_certificates)}")
-    FlowerHome(home).config.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        connection["root-certificates"] = root_certificates
+    home.mkdir(parents=True, exist_ok=True)
+    superlink = {"superlink": {"default": CONNECTION_NAME, CONNECTION_NAME: connection}}
+    FlowerHome(home).config.write_text(tomli_w.dumps(superlink), encoding="utf-8")
 
 
 @dataclass
@@ -343,13 +304,12 @@ def flwr_run(
     should_stop: Callable[[], str | None] = lambda: None,
     enter: Callable[[Sequence[str]], list[str]] = list,
 ) -> FlwrRun:
-    """Submit the app to the SuperLink of ``home``'s connection and follow its logs until the run
-    ends; a reason from ``should_stop`` stops it (``flwr stop``) and raises. Success is judged by
-    the caller from what the ServerApp wrote."""
+    """Submit the app to the SuperLink of ``home``'s connection and follow it like :func:`follow`; a
+    stopped run is stopped there too (``flwr stop``). Success is judged by the caller from what the
+    ServerApp wrote."""
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    process = spawn(enter(command), log_path, process_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = spawn(enter(command), log_path, process_env, piped=True)
     run_id: list[int] = []
 
     def each(line: str) -> None:
@@ -357,49 +317,55 @@ def flwr_run(
             run_id.append(int(match.group(1)))
         on_line(line)
 
-    try:
-        reason = follow(process, log_path, each, should_stop)
-        if reason is not None:
-            if run_id:  # best effort
-                with contextlib.suppress(OSError, subprocess.SubprocessError):
-                    subprocess.run(  # noqa: S603
-                        enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
-                        env=process_env,
-                        capture_output=True,
-                        timeout=60,
-                        preexec_fn=die_with_parent,  # noqa: PLW1509
-                    )
-            raise RuntimeError(f"federated run stopped: {reason}")
-        return FlwrRun(process.wait(), run_id[0] if run_id else None)
-    finally:
-        if process.poll() is None:
-            terminate([process], grace=5)
+    def stop() -> None:
+        if run_id:  # best effort
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(  # noqa: S603
+                    enter([flower_bin("flwr"), "stop", str(run_id[0]), CONNECTION_NAME]),
+                    env=process_env,
+                    capture_output=True,
+                    timeout=60,
+                    preexec_fn=die_with_parent,  # noqa: PLW1509
+                )
+
+    returncode = follow(process, log_path, each, should_stop, grace=5, on_stop=stop)
+    return FlwrRun(returncode, run_id[0] if run_id else None)
 
 
 def follow(
-    process: subprocess.Popen, log_path: Path, on_line: Callable[[str], None], should_stop: Callable[[], str | None]
-) -> str | None:
-    """Copy ``process``'s piped output to ``log_path`` and ``on_line``; returns ``should_stop``'s reason."""
+    process: subprocess.Popen,
+    log_path: Path,
+    on_line: Callable[[str], None],
+    should_stop: Callable[[], str | None],
+    grace: float,
+    on_stop: Callable[[], None] = lambda: None,
+) -> int:
+    """Copy ``process``'s piped output to ``log_path`` and ``on_line`` until it ends (its exit code);
+    a reason from ``should_stop`` calls ``on_stop`` and raises. ``process`` never outlives this."""
     assert process.stdout is not None
     fd = process.stdout.fileno()
-    with open(log_path, "a", encoding="utf-8") as log_file:
-        buffer = b""
-        while True:
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            chunk = os.read(fd, 1 << 16) if ready else b""
-            if chunk:
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
-                    log_file.write(line + "\n")
-                    on_line(line)
-                log_file.flush()
-            elif ready or process.poll() is not None:  # end of output
-                process.wait()
-                return None
-            if (reason := should_stop()) is not None:
-                return reason
+    try:
+        with open(log_path, "a", encoding="utf-8") as log_file:
+            buffer = b""
+            while True:
+                ready, _, _ = select.select([fd], [], [], 0.5)
+                chunk = os.read(fd, 1 << 16) if ready else b""
+                if chunk:
+                    buffer += chunk
+                    *complete, buffer = buffer.split(b"\n")
+                    for raw in complete:
+                        line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+                        log_file.write(line + "\n")
+                        on_line(line)
+                    log_file.flush()
+                elif ready or process.poll() is not None:  # end of output
+                    return process.wait()
+                if (reason := should_stop()) is not None:
+                    on_stop()
+                    raise RuntimeError(f"federated run stopped: {reason}")
+    finally:
+        if process.poll() is None:
+            terminate([process], grace=grace)
 
 
 def _remove_private_keys(files: FlowerFiles) -> None:
@@ -447,13 +413,5 @@ def simulation_run(
         )
         # every process of the tree (Ray's included) names the run in its environment, for flower_processes
         process_env = base | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_dir, RUN_ENV: str(run_config.parent)}
-        pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
-        process = spawn(network.enter(command), log_path, process_env, supervised=True, **pipe)
-        try:
-            reason = follow(process, log_path, on_line, should_stop)
-            if reason is not None:
-                raise RuntimeError(f"federated run stopped: {reason}")
-            return FlwrRun(process.wait(), None)
-        finally:
-            if process.poll() is None:
-                terminate([process], grace=10)
+        process = spawn(network.enter(command), log_path, process_env, supervised=True, piped=True)
+        return FlwrRun(follow(process, log_path, on_line, should_stop, grace=10), None)

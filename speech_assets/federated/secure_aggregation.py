@@ -1,26 +1,10 @@
 """Secure aggregation of encoder updates with double masking and secret sharing (Bonawitz et al.
 2017; the sparse neighbour graph of SecAgg+, Bell et al. 2020): the primitives. The messages that
-carry them are :mod:`speech_assets.federated.secure_rounds`.
-
-The server must learn only the SUM of the updates of the clients it counts as survivors, never one
-of them, even when it lies about who dropped out. Each client draws fresh :class:`RoundSecrets`,
-splits its self-mask seed ``b`` and its X25519 key into t-of-k Shamir shares for its neighbours
-(sealed with Fernet under an ECDH key), quantizes its update to ``[0, T]`` and adds its self-mask
-and one pair mask per neighbour mod 2^32. For each neighbour a survivor reveals the share of ``b``
-(it survived) or of the key (it dropped), never both, and answers one unmask request per round: with
-t > k/2 the server cannot get t shares of both for one client.
+carry them are :mod:`speech_assets.federated.secure_rounds`; the threat model is in docs/PRIVACY.md.
 
 Pair masks: X25519, HKDF-SHA256 over the round context (run, round, server nonce) and a ChaCha20
 keystream as the PRG: a 256-bit seed the server cannot search (Flower's ``pseudo_rand_gen`` folds
-seeds to 32 bits). Each advertisement is signed with the node identity key its SuperNode
-authenticates with, and checked against the authorised keys of the client's own settings: a
-server can neither invent a client nor advertise its own keys under a real client's id.
-
-What this cannot check: the values inside a masked vector. Garbage that does not cancel is caught
-by the range test on the sum (``[0, n*T]``), but one client can still move the sum anywhere inside
-that range; per-client norm checks are lost under masking.
-
-Arrays are flattened in sorted-name order; client ids are compared as Python strings.
+seeds to 32 bits). Arrays are flattened in sorted-name order; client ids are compared as Python strings.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
 the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query`, :func:`mask_reply`).
+The four stages (advertise, share, masked input, unmask) are described in docs/ARCHITECTURE.md.
 
-1. advertise (``query``): each sampled client draws fresh :class:`RoundSecrets` and answers with its
-   two public keys and a commitment to its self-mask seed, signed by its node identity key.
-2. share (``query``): the server sends the map of all advertised keys; each client answers with one
-   ciphertext of shares per neighbour.
-3. masked input (``train``): each client gets the ciphertexts sealed for it, trains, clips (DP),
-   masks its update and answers with ``uint32`` masked values in place of the encoder.
-4. unmask (``query``): the server fixes the survivors (the clients whose masked reply it accepted)
-   and asks each survivor for self-mask shares of surviving neighbours and key shares of dropped
-   ones; it rebuilds seeds and keys (checked against the commitments and public keys) and unmasks
-   the sum.
-
-A client's keys are bound to it by :class:`~speech_assets.federated.messages.NodeBinding` (in the
-simulation that guards against a client answering as another, not against the runtime). A client
-trusts only the node keys of its own settings, never the server's, and refuses any stage out of
-order, a key map it cannot verify, a threshold a server could split, or an unmask request that
-would reveal both shares of one neighbour. Every stage runs under :func:`state_lock`, and that a
-round's unmask was answered is on disk (owner-only) before the answer leaves: neither a repeated
-query nor a restarted client answers twice.
+A client trusts only the node keys of its own settings, never the server's. Every stage runs under
+:func:`state_lock`, and that a round's unmask was answered is on disk (owner-only) before the
+answer leaves: neither a repeated query nor a restarted client answers twice.
 
 Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
 path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
-seeded sampling and the resumable round records would all have to be rebuilt around it. The
-primitives are Flower's and ``cryptography``'s; this module is the message flow.
+seeded sampling and the resumable round records would all have to be rebuilt around it.
 """
 
 from __future__ import annotations
@@ -342,17 +327,16 @@ class SecureRounds:
                 short,
                 failures,
             )
-        rebuilt_seeds, rebuilt_keys, bad = {}, {}, []
-        for owner, shares in seed_shares.items():
-            seed = self._combine(shares)
-            if seed is None or seed_commitment(seed, owner, self.context) != self.keys[owner][2]:
-                bad.append(f"{owner} (self-mask seed)")
-            rebuilt_seeds[owner] = seed or b""
-        for owner, shares in key_shares.items():
-            key = self._combine(shares)
-            if key is None or len(key) != KEY_BYTES or mask_public(key) != self.keys[owner][0]:
-                bad.append(f"{owner} (mask key)")
-            rebuilt_keys[owner] = key or b""
+        seeds = {owner: self._combine(shares) for owner, shares in seed_shares.items()}
+        keys = {owner: self._combine(shares) for owner, shares in key_shares.items()}
+        bad = [
+            f"{c} (self-mask seed)"
+            for c, seed in seeds.items()
+            if seed_commitment(seed, c, self.context) != self.keys[c][2]
+        ]
+        bad += [
+            f"{c} (mask key)" for c, key in keys.items() if len(key) != KEY_BYTES or mask_public(key) != self.keys[c][0]
+        ]
         if bad:
             self.host.fail(
                 self.round_number,
@@ -361,14 +345,15 @@ class SecureRounds:
                 [],
                 failures,
             )
-        return rebuilt_seeds, rebuilt_keys
+        return seeds, keys
 
     @staticmethod
-    def _combine(shares: list[bytes]) -> bytes | None:
+    def _combine(shares: list[bytes]) -> bytes:
+        """The rebuilt secret, or nothing (which matches no commitment or key)."""
         try:
             return combine_secret(shares)
         except ValueError:
-            return None
+            return b""
 
     def _reveal_problem(
         self, client: str, asked: dict[str, Any], seeds: dict[str, Any], keys: dict[str, Any]
@@ -458,7 +443,7 @@ def _secrets(state: dict[str, Any]) -> RoundSecrets:
 
 
 def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Path, dict[str, Any], bytes]:
-    """The round's state, which must be at ``stage`` for the same nonce."""
+    """The round's state, which must be at ``stage`` for the same nonce (to advertise: not past it)."""
     run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
     path = state_path(node, run, round_number)
     state = _load(path)
@@ -467,23 +452,22 @@ def _round_state(config: ConfigRecord, node: NodeConfig, stage: str) -> tuple[Pa
             f"{node.client_id} already answered (or gave up) the unmask request of round {round_number} "
             "and answers nothing more for it"
         )
-    if state.get("stage") != stage:
+    if stage == ADVERTISE and state.get("stage") not in (None, ADVERTISE):
+        # fresh keys now would let shares of two key sets leave
+        raise ValueError(
+            f"{node.client_id}: round {round_number} is past its advertise stage ({state['stage']}): no new keys"
+        )
+    if stage != ADVERTISE and state.get("stage") != stage:
         raise ValueError(f"{node.client_id}: round {round_number} is at stage {state.get('stage')!r}, not {stage!r}")
-    if state.get("nonce") != bytes(config[SECAGG_NONCE]).hex():  # type: ignore[arg-type]
+    nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
+    if stage != ADVERTISE and state.get("nonce") != nonce.hex():
         raise ValueError(f"{node.client_id}: the round's nonce changed")
-    return path, state, round_context(run, round_number, bytes(config[SECAGG_NONCE]))  # type: ignore[arg-type]
+    return path, state, round_context(run, round_number, nonce)
 
 
 def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> None:
+    path, _, context = _round_state(config, node, ADVERTISE)
     run, round_number = str(config["run-name"]), int(config["server-round"])  # type: ignore[arg-type]
-    nonce = bytes(config[SECAGG_NONCE])  # type: ignore[arg-type]
-    context = round_context(run, round_number, nonce)
-    path = state_path(node, run, round_number)
-    stage = _load(path).get("stage")
-    if stage in (ANSWERED, ABANDONED):
-        raise ValueError(f"{node.client_id} already answered (or gave up) the unmask request of round {round_number}")
-    if stage not in (None, ADVERTISE):  # fresh keys now would let shares of two key sets leave
-        raise ValueError(f"{node.client_id}: round {round_number} is past its advertise stage ({stage}): no new keys")
     files = ClientRunFiles(node.client_dir(run))
     for number in files.secagg_rounds.numbers(files.secagg_dir):
         # an older round that never reached its unmask: its secrets go, and it answers nothing more
@@ -496,7 +480,7 @@ def _advertise(config: ConfigRecord, node: NodeConfig, content: RecordDict) -> N
         path,
         {
             "stage": ADVERTISE,
-            "nonce": nonce.hex(),
+            "nonce": bytes(config[SECAGG_NONCE]).hex(),  # type: ignore[arg-type]
             "mask_key": secrets.mask_key.hex(),
             "share_key": secrets.share_key.decode("ascii"),
             "self_seed": secrets.self_seed.hex(),

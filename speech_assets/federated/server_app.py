@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -33,6 +33,7 @@ from speech_assets.federated.history import (
     check_settings,
     complete_rounds,
     evaluation_summary,
+    round_log_line,
     summarize_rounds,
 )
 from speech_assets.federated.messages import (
@@ -73,14 +74,8 @@ class FederatedRunError(RuntimeError):
 
 
 def make_strategy(config: FederatedConfig) -> FedAvg:
-    common = {
-        "fraction_train": 1.0,
-        "fraction_evaluate": 1.0,
-        "min_train_nodes": config.required_clients,
-        "min_evaluate_nodes": 1,
-        "min_available_nodes": config.required_clients,
-        "weighted_by_key": SERVER_WEIGHT,
-    }
+    """Flower's aggregation and server step; the clients are chosen by :func:`sample_clients`."""
+    common = {"min_train_nodes": 1, "min_evaluate_nodes": 1, "min_available_nodes": 1, "weighted_by_key": SERVER_WEIGHT}
     if config.strategy == "fedadam":
         # eta_l is Flower's bookkeeping only: clients get their learning rate in the ConfigRecord.
         return FedAdam(
@@ -129,6 +124,18 @@ def clipped_sum(replies: Iterable[Message], encoder: records.NDArrays, clipping_
     return total
 
 
+class NodeSnapshot:
+    """The nodes chosen here, as the ``Grid`` a strategy's ``configure_train``/``configure_evaluate``
+    samples from: with every minimum at 1 it takes them all at once (it would wait for ever for more,
+    and its own sampling is unseeded)."""
+
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        self.node_ids = sorted(node_ids)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+
 def array_bytes(record: ArrayRecord) -> int:
     return sum(len(array.data) for array in record.values())
 
@@ -145,28 +152,6 @@ def describe(message: Message) -> dict[str, Any]:
     for kind, group in (("MetricRecord", content.metric_records), ("ConfigRecord", content.config_records)):
         described |= {name: {"type": kind, "keys": sorted(record)} for name, record in group.items()}
     return {"records": described}
-
-
-class NodeSnapshot:
-    """The nodes connected at one moment: Flower's ``sample_nodes`` polls ``get_node_ids()`` until
-    enough are connected, for ever; handed this (with no more required than it holds) it samples at once."""
-
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self.node_ids = sorted(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.node_ids)
-
-
-@contextlib.contextmanager
-def sampling_at_most(strategy: FedAvg, available: int) -> Iterator[None]:
-    """Let the strategy sample from ``available`` nodes when fewer than it asks for are there."""
-    saved = strategy.min_available_nodes
-    strategy.min_available_nodes = min(saved, available)
-    try:
-        yield
-    finally:
-        strategy.min_available_nodes = saved
 
 
 class Server:
@@ -320,8 +305,7 @@ class Server:
         self.train_names = train_metrics(local)
         if self.secure is not None:
             self.secure.configure(local)
-        with sampling_at_most(strategy, len(chosen)):  # Flower's sampling would wait for more, for ever
-            messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
+        messages = strategy.configure_train(round_number, arrays, local, NodeSnapshot(chosen))  # type: ignore[arg-type]
         if self.secure is not None:
             messages = self.secure.address(messages)
         good, train_failures = self.exchange(messages, round_number, "train")
@@ -384,25 +368,8 @@ class Server:
         self.rounds_run += 1
         if evaluated:
             history = self.evaluate_round(strategy, round_number, new_encoder, history[-1], started)
-        record = history[-1]
-        line = summarize_rounds(history[-1:])[0]
-        log.info(
-            "round %d/%d: %d of %d sampled clients%s, train loss %s, held-out masked accuracy %s (majority class %s; "
-            "all masked frames, leak included, %s and %s), %.1f s (slowest client trained %s s)%s",
-            round_number,
-            config.rounds,
-            len(rows),
-            len(sampled),
-            f" (missing {', '.join(missing)})" if missing else "",
-            _fmt(line["train_loss"], 4),
-            _fmt(line["heldout_leak_free_masked_accuracy"]),
-            _fmt(line["heldout_leak_free_majority_accuracy"]),
-            _fmt(line["heldout_masked_accuracy"]),
-            _fmt(line["majority_accuracy"]),
-            line["round_seconds"],
-            _fmt(record["slowest_client_seconds"], 1),
-            f", epsilon {record['privacy']['epsilon']:.3g}" if record["privacy"] else "",
-        )
+        epsilon = f", epsilon {history[-1]['privacy']['epsilon']:.3g}" if history[-1]["privacy"] else ""
+        log.info("%s%s", round_log_line(history[-1], config.rounds), epsilon)
         return new_encoder, history
 
     def aggregate(
@@ -442,18 +409,55 @@ class Server:
         record: dict[str, Any],
         started: float | None = None,
     ) -> list[dict[str, Any]]:
-        """Evaluate the round's saved ``encoder`` and rewrite its ``record``; returns every record.
-        ``started`` (monotonic) times the round; ``None`` when a resumed run finishes an earlier attempt's."""
+        """The round's saved ``encoder`` on every connected client's held-out utterances (values null
+        under DP unless :attr:`per_client_released`), the strategy's aggregate and the federation's
+        summary, written into its ``record``; returns every record. ``started`` (monotonic) times the
+        round; ``None`` when a resumed run finishes an earlier attempt's."""
+        config = self.config
         failures: list[dict[str, Any]] = []
-        trained = [row["client_id"] for row in record["rows"]]
-        evaluation, metrics, summary = self.evaluate(strategy, round_number, encoder, trained, failures)
+        rows: list[dict[str, Any]] = []
+        metrics = None
+        nodes = self.connected(len(record["rows"]), config.connect_timeout_s)
+        if not nodes:
+            log.warning(
+                "round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s
+            )
+            reason = f"no client connected within {config.connect_timeout_s:.0f} s"
+            failures.append({"phase": "evaluate", "client_id": None, "node_id": None, "reason": reason})
+        else:
+            arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
+            local = ConfigRecord(config.local(round_number).to_record())
+            messages = strategy.configure_evaluate(round_number, arrays, local, NodeSnapshot(nodes))  # type: ignore[arg-type]
+            good, failures = self.exchange(messages, round_number, "evaluate")
+            accepted = self.screen(good, "evaluate", failures, lambda reply: self.check_reply(reply, "evaluate"))
+            rows = [self.row(round_number, reply, EVALUATION_METRICS) for reply in accepted]
+            for row in rows:
+                if not row["leak_free_frames"]:
+                    row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
+                if not row["masked_frames"]:
+                    row.update(dict.fromkeys(HELDOUT_COLUMNS))
+            unscored = [row["client_id"] for row in rows if not row["masked_frames"]]
+            if unscored:
+                log.warning(
+                    "round %d evaluate: %s hold no held-out frames: their held-out results are null",
+                    round_number,
+                    ", ".join(unscored) if self.per_client_released else f"{len(unscored)} clients",
+                )
+            weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
+            self.weigh(weighted)
+            metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
+        summary = evaluation_summary(rows)
+        if not self.per_client_released:
+            # what each client scored stays out of every record: only the summary is kept
+            for row in rows:
+                row.update(dict.fromkeys(EVALUATION_METRICS))
         record = record | {
-            "evaluation": evaluation,
+            "evaluation": rows,
             "evaluation_summary": summary,
             "evaluation_pending": False,
-            "evaluation_missing": sorted(set(self.config.clients) - {e["client_id"] for e in evaluation}),
+            "evaluation_missing": sorted(set(config.clients) - {e["client_id"] for e in rows}),
             "failures": record["failures"] + failures,
-            "aggregated_evaluation": metrics,
+            "aggregated_evaluation": dict(metrics or {}),
         }
         if started is not None:
             record["round_seconds"] = time.monotonic() - started
@@ -463,59 +467,6 @@ class Server:
         """The server's weight for Flower's ``weighted_by_key``; the client's ``num-examples`` plays no part."""
         for reply in replies:
             reply.content[METRICS][SERVER_WEIGHT] = self.weight(self.client_of(reply))
-
-    def evaluate(
-        self,
-        strategy: FedAvg,
-        round_number: int,
-        encoder: records.NDArrays,
-        trained: Collection[str],
-        failures: list[dict[str, Any]],
-    ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, Any]]:
-        """The new encoder on every connected client's held-out utterances: rows (values null under
-        DP unless :attr:`per_client_released`), the strategy's aggregate and the federation's summary."""
-        config = self.config
-        nodes = self.connected(len(trained), config.connect_timeout_s)
-        if not nodes:
-            log.warning(
-                "round %d evaluate: no client is connected after %.0f s", round_number, config.connect_timeout_s
-            )
-            reason = f"no client connected within {config.connect_timeout_s:.0f} s"
-            failures.append({"phase": "evaluate", "client_id": None, "node_id": None, "reason": reason})
-            return [], {}, evaluation_summary([])
-        arrays = ArrayRecord({name: Array(value) for name, value in encoder.items()})
-        with sampling_at_most(strategy, len(nodes)):
-            messages = strategy.configure_evaluate(
-                round_number,
-                arrays,
-                ConfigRecord(config.local(round_number).to_record()),
-                NodeSnapshot(nodes),  # type: ignore[arg-type]
-            )
-        good, eval_failures = self.exchange(messages, round_number, "evaluate")
-        accepted = self.screen(good, "evaluate", eval_failures, lambda reply: self.check_reply(reply, "evaluate"))
-        failures.extend(eval_failures)
-        rows = [self.row(round_number, reply, EVALUATION_METRICS) for reply in accepted]
-        for row in rows:
-            if not row["leak_free_frames"]:
-                row.update(dict.fromkeys(LEAK_FREE_COLUMNS))
-            if not row["masked_frames"]:
-                row.update(dict.fromkeys(HELDOUT_COLUMNS))
-        unscored = [row["client_id"] for row in rows if not row["masked_frames"]]
-        if unscored:
-            log.warning(
-                "round %d evaluate: %s hold no held-out frames: their held-out results are null",
-                round_number,
-                ", ".join(unscored) if self.per_client_released else f"{len(unscored)} clients",
-            )
-        weighted = [reply for reply in accepted if int(reply.content[METRICS]["num-examples"]) > 0]
-        self.weigh(weighted)
-        metrics = strategy.aggregate_evaluate(round_number, weighted) if weighted else None
-        summary = evaluation_summary(rows)
-        if not self.per_client_released:
-            # what each client scored stays out of every record: only the summary is kept
-            for row in rows:
-                row.update(dict.fromkeys(EVALUATION_METRICS))
-        return rows, dict(metrics or {}), summary
 
     def exchange(
         self, messages: Iterable[Message], round_number: int, phase: str
@@ -698,10 +649,6 @@ class Server:
             "round_summaries": lines,
             "data_versions": dict(config.data_versions),
         }
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _setup_logging(paths: FederatedPaths) -> None:

@@ -23,31 +23,26 @@ from speech_assets.federated.config import FederatedConfig, NodeConfig
 OBJECT_STORE_BYTES = 256 * 1024 * 1024
 
 
-def backend_config(cpus: int, cpus_per_client: int) -> dict:
-    return {
-        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-        "init_args": {
-            "num_cpus": cpus,
-            "num_gpus": 0,
-            "include_dashboard": False,
-            "object_store_memory": OBJECT_STORE_BYTES,
-            "_node_ip_address": "127.0.0.1",
-            "logging_level": "warning",
-        },
-    }
-
-
 def run(config: FederatedConfig, nodes: list[NodeConfig], cpus: int, cpus_per_client: int) -> None:
     from flwr.simulation import run_simulation
 
     from speech_assets.federated.client_app import build_client_app
     from speech_assets.federated.server_app import build_server_app
 
+    init_args = {
+        "num_cpus": cpus,
+        "num_gpus": 0,
+        "include_dashboard": False,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "_node_ip_address": "127.0.0.1",
+        "logging_level": "warning",
+    }
+    resources = {"num_cpus": cpus_per_client, "num_gpus": 0.0}
     run_simulation(
         server_app=build_server_app(config),
         client_app=build_client_app(nodes),
         num_supernodes=len(nodes),
-        backend_config=backend_config(cpus, cpus_per_client),  # type: ignore[arg-type]
+        backend_config={"client_resources": resources, "init_args": init_args},  # type: ignore[typeddict-item]
     )
 
 

@@ -38,7 +38,6 @@ class FederatedTracker:
         *,
         artifact_location: str | None = None,
         git_sha: str | None = None,
-        experiment: str = EXPERIMENT,
         dagster_run_id: str | None = None,
     ) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -47,7 +46,7 @@ class FederatedTracker:
         self.config, self.tracking_uri = config, tracking_uri
         self.paths = FederatedPaths(config.run_dir)
         self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.artifact_location, self.git_sha, self.experiment = artifact_location, git_sha, experiment
+        self.artifact_location, self.git_sha = artifact_location, git_sha
         self.dagster_run_id = dagster_run_id
         self.run_id = ""
         self.experiment_id = ""
@@ -66,7 +65,7 @@ class FederatedTracker:
         from mlflow.entities import Param
 
         config = self.config
-        self.experiment_id = ensure_experiment(self.client, self.experiment, self.tracking_uri, self.artifact_location)
+        self.experiment_id = ensure_experiment(self.client, EXPERIMENT, self.tracking_uri, self.artifact_location)
         id_file = self.paths.mlflow_run_id
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:

@@ -8,13 +8,18 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
+from speech_assets.federated.processes import SIMULATION, SUPERVISOR
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
+
+FLOWER_NAMES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp", "flwr")
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,33 @@ def sample_pipeline(sample_build: dict) -> SamplePipeline:
 def wait_until_gone(root: Path, timeout: float = 60.0) -> list[tuple[int, str]]:
     """Flower processes (and our supervisors) that mention ``root``, after waiting up to
     ``timeout`` s for them to exit: a test asserts the list is empty (a stop takes seconds)."""
-    from speech_assets.federated.processes import flower_processes
-
     with contextlib.suppress(WaitTimeout):
         wait_until(lambda: not flower_processes(root), timeout, "Flower's processes to exit", interval=0.5)
     return flower_processes(root)
+
+
+def is_ray(argv: Sequence[str]) -> bool:
+    return bool(argv) and (argv[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in part for part in argv[:3]))
+
+
+def flower_processes(root: str | os.PathLike[str] | None = None) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of running Flower, Ray and supervisor processes (those whose command
+    line or environment mentions ``root``): the tests prove nothing was left behind (the simulation's
+    tree names its run in ``SPEECH_ASSETS_FEDERATED_RUN``)."""
+    found = []
+    with contextlib.suppress(psutil.Error, OSError, IndexError):
+        for process in psutil.process_iter(["cmdline", "status"]):
+            if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            argv = process.info["cmdline"] or []
+            flower = {Path(part).name for part in argv[:6]} & set(FLOWER_NAMES)
+            if not (flower or SUPERVISOR in argv[:3] or is_ray(argv) or SIMULATION in argv[:4]):
+                continue
+            if root is not None:
+                environ = {}
+                with contextlib.suppress(psutil.Error, OSError):
+                    environ = process.environ()
+                if str(root) not in " ".join([*argv, *(f"{k}={v}" for k, v in environ.items())]):
+                    continue
+            found.append((process.pid, " ".join(argv)))
+    return found

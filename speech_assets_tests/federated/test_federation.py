@@ -452,7 +452,9 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
             for port, (name, extra) in enumerate(
                 (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])), 9200
             ):
-                argv = federation.enter([*command, "--port", str(port), *extra, "--node-config", node.to_node_config()])
+                argv = federation.network.enter(
+                    [*command, "--port", str(port), *extra, "--node-config", node.to_node_config()]
+                )
                 log = tmp_path / name / "supernode.log"
                 impostors.append((spawn(argv, log, flower_env(tmp_path / name / "home"), supervised=True), log))
             for process, log in impostors:
@@ -555,7 +557,7 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
         assert "Connection refused" in refused["register-node"], refused
         assert "Permission denied" in refused.get("nsenter", "Permission denied"), refused
         owner = subprocess.run(
-            federation.enter([sys.executable, str(shared / "intruder.py"), str(shared / "spec.json")]),
+            federation.network.enter([sys.executable, str(shared / "intruder.py"), str(shared / "spec.json")]),
             capture_output=True,
             text=True,
             timeout=120,
@@ -635,7 +637,7 @@ def test_another_local_user_cannot_reach_a_simulations_ray_cluster(
     listens on the host; Ray's folder of unix sockets can be neither listed nor written; from
     inside the run's network namespace each port answers. SIGTERM stops the run, Ray included, and
     removes Ray's folder."""
-    from speech_assets.federated.processes import flower_processes, is_ray
+    from speech_assets_tests.federated.conftest import flower_processes, is_ray
     from speech_assets_tests.support import other_user
 
     if why := other_user.why_not():

@@ -83,7 +83,7 @@ def test_a_client_trains_from_nothing_but_its_own_files(sample_pipeline, tmp_pat
     assert tuple(head["head"]["weight"].shape) == (data.k, get_preset("tiny").dim)
     evaluation = client.evaluate(1, result.encoder)
     assert evaluation.utterances >= 1 and evaluation.masked_frames > 0
-    assert 0.0 <= evaluation.masked_accuracy <= 1.0 and 0.0 <= evaluation.majority_accuracy <= 1.0
+    assert 0.0 <= evaluation.heldout_masked_accuracy <= 1.0 and 0.0 <= evaluation.majority_accuracy <= 1.0
 
 
 def test_a_local_round_repeats_exactly(sample_pipeline, tmp_path: Path) -> None:

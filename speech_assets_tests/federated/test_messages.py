@@ -220,18 +220,18 @@ def test_the_client_sends_only_the_encoder_and_the_agreed_metrics() -> None:
     evaluation = EvalResult(
         utterances=2,
         masked_frames=50,
-        masked_accuracy=0.2,
+        heldout_masked_accuracy=0.2,
         majority_accuracy=0.05,
-        loss=4.0,
+        heldout_loss=4.0,
         leak_free_frames=30,
-        leak_free_masked_accuracy=0.15,
+        heldout_leak_free_masked_accuracy=0.15,
         leak_free_majority_accuracy=0.04,
     )
     sent = reply("evaluate", received, evaluation, "client_00")["metrics"]
     assert set(sent) == set(EVAL_METRICS) and sent["heldout-leak-free-masked-accuracy"] == 0.15
     # no leak-free frames: their accuracies are None here, 0.0 on the wire (a metric is a number)
     none_free = dataclasses.replace(
-        evaluation, leak_free_frames=0, leak_free_masked_accuracy=None, leak_free_majority_accuracy=None
+        evaluation, leak_free_frames=0, heldout_leak_free_masked_accuracy=None, leak_free_majority_accuracy=None
     )
     sent = reply("evaluate", received, none_free, "client_00")["metrics"]
     assert (
@@ -242,7 +242,7 @@ def test_the_client_sends_only_the_encoder_and_the_agreed_metrics() -> None:
     with pytest.raises(OutgoingRefused, match="leak-free-frames .* exceeds num-examples"):
         reply("evaluate", received, dataclasses.replace(evaluation, leak_free_frames=51), "client_00")
     with pytest.raises(OutgoingRefused, match="heldout-leak-free-masked-accuracy is above 1"):
-        reply("evaluate", received, dataclasses.replace(evaluation, leak_free_masked_accuracy=1.5), "client_00")
+        reply("evaluate", received, dataclasses.replace(evaluation, heldout_leak_free_masked_accuracy=1.5), "client_00")
 
     head = {"heads.0.weight": torch.zeros(100, 3), "heads.0.bias": torch.zeros(100)}
     with pytest.raises(
@@ -424,6 +424,13 @@ def test_aggregation_weighs_clients_by_the_clients_table_not_by_their_own_count(
 
 
 # --------------------------------------------------------------------------------- deadlines
+def _evaluated(server: Server, encoder: dict[str, np.ndarray], trained: list[str]) -> dict:
+    """Round 1's record once ``encoder`` is evaluated after ``trained`` trained (within a deadline)."""
+    record = {"round": 1, "rows": [{"client_id": c} for c in trained], "failures": []}
+    history = _finishes(lambda: server.evaluate_round(make_strategy(server.config), 1, encoder, record))
+    return history[-1]  # type: ignore[index]
+
+
 def test_evaluation_waits_for_clients_with_a_deadline(tmp_path: Path) -> None:
     """After training, no node is connected (or none replies): evaluation gives up after its
     timeouts and the round counts those clients as missing from the evaluation. Flower's
@@ -431,18 +438,15 @@ def test_evaluation_waits_for_clients_with_a_deadline(tmp_path: Path) -> None:
     encoder = _encoder()
     grid = ScriptedGrid([], lambda message: [])
     server = _server(tmp_path, grid, min_train_nodes=1)
-    failures: list[dict] = []
-    rows, metrics, _ = _finishes(
-        lambda: server.evaluate(make_strategy(server.config), 1, encoder, ["client_00"], failures)
-    )  # type: ignore[misc]
-    assert rows == [] and metrics == {} and "no client connected within 1 s" in failures[0]["reason"]
+    record = _evaluated(server, encoder, ["client_00"])
+    assert record["evaluation"] == [] and record["aggregated_evaluation"] == {}
+    assert "no client connected within 1 s" in record["failures"][0]["reason"]
 
     silent = ScriptedGrid([1, 2, 3], lambda message: [])
     server = _server(tmp_path, silent, {1: "client_00", 2: "client_01", 3: "client_02"}, min_train_nodes=1)
-    failures = []
-    rows, _, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
-    assert rows == [] and sorted(f["client_id"] for f in failures) == CLIENTS
-    assert all(f["reason"] == "no reply within 2 s" for f in failures)
+    record = _evaluated(server, encoder, CLIENTS)
+    assert record["evaluation"] == [] and sorted(f["client_id"] for f in record["failures"]) == CLIENTS
+    assert all(f["reason"] == "no reply within 2 s" for f in record["failures"])
 
 
 def test_a_round_with_too_few_connected_clients_stops_instead_of_waiting(tmp_path: Path) -> None:
@@ -459,7 +463,6 @@ def test_evaluation_scores_the_clients_connected_when_some_left(tmp_path: Path) 
     encoder = _encoder()
     grid = ScriptedGrid([1, 2], _honest({1: "client_00", 2: "client_01"}, encoder))
     server = _server(tmp_path, grid, {1: "client_00", 2: "client_01", 3: "client_02"})
-    failures: list[dict] = []
-    rows, _, _ = _finishes(lambda: server.evaluate(make_strategy(server.config), 1, encoder, CLIENTS, failures))  # type: ignore[misc]
-    assert [r["client_id"] for r in rows] == ["client_00", "client_01"] and failures == []
+    record = _evaluated(server, encoder, CLIENTS)
+    assert [r["client_id"] for r in record["evaluation"]] == ["client_00", "client_01"] and record["failures"] == []
     assert array_spec(ArrayRecord({k: torch.from_numpy(v) for k, v in encoder.items()})) == server.expected
