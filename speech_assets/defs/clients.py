@@ -16,8 +16,7 @@ from speech_assets.utils import sha256_file
 CLIENTS_CODE_VERSION = "clients-v2"  # v2: the held-out speakers are chosen here, once
 
 
-class ClientOverrides(overrides_of(ClientSettings)):
-    """Run-config overrides of the `[clients]` settings for one manual run."""
+ClientOverrides = overrides_of(ClientSettings)
 
 
 @dg.asset(

@@ -23,8 +23,7 @@ from speech_assets.utils import atomic_write_text, from_fields, read_json
 DISTILL_CODE_VERSION = "distill-v1"
 
 
-class DistillOverrides(overrides_of(DistillSettings)):
-    """Run-config overrides of the `[distill]` settings for one manual run."""
+DistillOverrides = overrides_of(DistillSettings)
 
 
 @torchrun_asset(

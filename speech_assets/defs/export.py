@@ -22,8 +22,7 @@ EXPORT_CODE_VERSION = "export-v3"  # v3: the folder names the layer's index (lay
 ONNX_PARITY_ATOL = 1e-4
 
 
-class ExportOverrides(overrides_of(ExportSettings)):
-    """Run-config overrides of the `[export]` settings for one manual run."""
+ExportOverrides = overrides_of(ExportSettings)
 
 
 @dg.asset(

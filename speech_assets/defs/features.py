@@ -36,10 +36,8 @@ from speech_assets.utils import atomic_path, atomic_write_text, read_json, sha25
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
-class FeatureOverrides(overrides_of(FeatureSettings)):
-    """Run-config overrides of the `[features]` settings for one manual run."""
-
-    force: bool = False  # rebuild shards even when their inputs are unchanged
+# force: rebuild shards even when their inputs are unchanged
+FeatureOverrides = overrides_of(FeatureSettings, force=(bool, False))
 
 
 @per_partition_asset(

@@ -56,8 +56,7 @@ def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagst
     )
 
 
-class FederatedOverrides(overrides_of(FederatedSettings)):
-    """Run-config overrides of the `[federated]` settings for one manual run."""
+FederatedOverrides = overrides_of(FederatedSettings)
 
 
 def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> str:

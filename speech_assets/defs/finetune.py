@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
 
 
-class FinetuneOverrides(overrides_of(FinetuneSettings)):
-    """Run-config overrides of the `[finetune]` settings for one manual run."""
+FinetuneOverrides = overrides_of(FinetuneSettings)
 
 
 @dg.asset(

@@ -35,8 +35,7 @@ TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
 ENCODER_ASSETS = {kind: CHECKPOINT_ASSETS[kind] for kind in ("pretrained", "federated")}
 
 
-class Iteration2Overrides(overrides_of(Iteration2Settings)):
-    """Run-config overrides of the `[iteration2]` settings for one manual run."""
+Iteration2Overrides = overrides_of(Iteration2Settings)
 
 
 ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())

@@ -24,8 +24,7 @@ from speech_assets.utils import from_fields
 CODE_VERSION = "manifest-v3"
 
 
-class ManifestOverrides(overrides_of(ManifestSettings)):
-    """Run-config overrides of the `[manifest]` settings for one manual run."""
+ManifestOverrides = overrides_of(ManifestSettings)
 
 
 @dg.asset(

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 PROBE_CODE_VERSION = "probe-v4"
 
 
-class ProbeOverrides(overrides_of(ProbeSettings)):
-    """Run-config overrides of the `[probe]` settings for one manual run."""
+ProbeOverrides = overrides_of(ProbeSettings)
 
 
 @dg.asset(

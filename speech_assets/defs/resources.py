@@ -512,11 +512,12 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
         return cls(source=str(file), **parsed)
 
 
-def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
-    """A run-config class with every field of ``section`` optional (unset: the settings') but its
-    ``settings_only`` ones. Built here: pydantic has no partial model and the Launchpad needs a field per knob."""
+def overrides_of(section: type[dg.Config], **extra: Any) -> type[dg.Config]:
+    """A manual run's config: every field of ``section`` optional (unset: the settings') but its
+    ``settings_only`` ones, plus ``extra`` (pydantic's ``(type, default)``). Built here: pydantic
+    has no partial model and the Launchpad needs a field per knob."""
     excluded = getattr(section, "settings_only", frozenset())
-    fields = {}
+    fields = dict(extra)
     for name, field in section.model_fields.items():
         kind = field.annotation
         if typing.get_origin(kind) is typing.Literal:  # Dagster has no optional enum; effective() checks the value
@@ -524,7 +525,9 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
         if name not in excluded:
             # a type built at run time from an annotation object: Optional[] takes any of them
             fields[name] = (Optional[kind], None)  # noqa: UP045
-    return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
+    name = f"{section.__name__.removesuffix('Settings')}Overrides"
+    doc = f"Run-config overrides of the {section.__name__} for one manual run."
+    return create_model(name, __base__=dg.Config, __doc__=doc, **fields)
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:

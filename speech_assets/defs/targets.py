@@ -28,10 +28,8 @@ from speech_assets.utils import from_fields
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
 
-class KMeansOverrides(overrides_of(KMeansSettings)):
-    """Run-config overrides of the `[kmeans]` settings for one manual run."""
-
-    force: bool = False  # refit even when this client's inputs are unchanged
+# force: refit even when this client's inputs are unchanged
+KMeansOverrides = overrides_of(KMeansSettings, force=(bool, False))
 
 
 @per_partition_asset(

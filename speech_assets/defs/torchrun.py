@@ -305,8 +305,7 @@ def _node_0_agents(config_path: Path) -> list[int]:
     return agents
 
 
-class TrainingOverrides(overrides_of(TrainingSettings)):
-    """Run-config overrides of the `[training]` settings for one manual run."""
+TrainingOverrides = overrides_of(TrainingSettings)
 
 
 Launch = Callable[[dg.AssetExecutionContext, Any, StoragePaths, dg.PipesSubprocessClient], dg.MaterializeResult]
