@@ -109,14 +109,22 @@ def atomic_write_text(target: str | os.PathLike[str], text: str, durable: bool =
     atomic_write_bytes(target, text.encode("utf-8"), durable=durable)
 
 
-def publish_folder(staging: Path, folder: Path) -> None:
-    """Put the finished sibling ``staging`` in ``folder``'s place with the umask's modes (mkdtemp made it 0700)."""
-    for file in staging.iterdir():
-        file.chmod(0o666 & ~current_umask())
-    staging.chmod(0o777 & ~current_umask())
-    if folder.exists():
-        shutil.rmtree(folder)
-    staging.rename(folder)
+@contextlib.contextmanager
+def published_folder(folder: Path) -> Iterator[Path]:
+    """A sibling staging folder, put in ``folder``'s place with the umask's modes (mkdtemp makes
+    it 0700) when the block succeeds: never half a folder."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield staging
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~current_umask())
+        staging.chmod(0o777 & ~current_umask())
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -185,3 +193,8 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of ``path``, one a line (NaN and Infinity read as ``json.dumps`` writes them)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

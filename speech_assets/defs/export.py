@@ -4,8 +4,6 @@ The exporter lives in speech_assets/model/export.py; torch and onnx are imported
 """
 
 import json
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, required_checkpoint
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.layout import ExportFiles
-from speech_assets.utils import atomic_write_text, publish_folder, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, published_folder, sha256_file, sha256_strings
 
 EXPORT_CODE_VERSION = "export-v3"  # v3: the folder names the layer's index (layer4, not layer-1 for the last)
 # an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
@@ -65,20 +63,12 @@ def encoder_export(
     except ValueError as error:
         raise dg.Failure(description=f"[export] {error}") from error
     exported = paths.layout.export(encoder.sha256, layer)
-    folder = exported.root
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # written in a sibling temporary folder, then renamed into place: never half an export
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        context.log.info(f"exporting {checkpoint} (layer {layer}) to ONNX and TorchScript")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
-            parity = export_all(encoder.model, staging, layer, sample, options.opset or None)
+    context.log.info(f"exporting {checkpoint} (layer {layer}) to ONNX and TorchScript")
+    with published_folder(exported.root) as staging, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
+        parity = export_all(encoder.model, staging, layer, sample, options.opset or None)
         description = input_description(encoder, cmvn, layer, parity, checkpoint)
         atomic_write_text(ExportFiles(staging).card, json.dumps(description, indent=2, sort_keys=True) + "\n")
-        publish_folder(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     files = {path.name: sha256_file(path) for path in exported.published}
     model = log_encoder_model(paths, checkpoint, encoder, exported, context.log.warning)
     context.log.info(

@@ -16,7 +16,6 @@ from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
 from speech_assets.locations import git_commit, redact_uri
 from speech_assets.train import accuracy
 from speech_assets.train.provenance import record_provenance
@@ -172,13 +171,7 @@ def federated_checkpoint(
         **({"epsilon": readable.rounded(result["privacy"]["epsilon"])} if result["privacy"] else {}),
         "per_round": readable.table(round_rows(lines, result["sampled_by_round"]), ROUND_COLUMNS),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
-        "heldout_per_client": readable.table(
-            [
-                accuracy.per_client_row(client, scores)
-                for client, scores in sorted(result["heldout_per_client"].items())
-            ],
-            HELDOUT_CLIENT_COLUMNS,
-        ),
+        "heldout_per_client": readable.per_client_table(result["heldout_per_client"]),
         "resumed_from_round": result["resumed_from_round"] or 0,
         "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
         "checkpoint_sha256": sha,

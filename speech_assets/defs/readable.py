@@ -15,6 +15,7 @@ from speech_assets.defs.resources import StoragePaths
 from speech_assets.layout import TargetFiles
 from speech_assets.stats import plots
 from speech_assets.targets.checks import label_problems
+from speech_assets.train import accuracy
 
 COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
 
@@ -47,6 +48,12 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.T
         kind = COLUMN_TYPES.get(kinds.pop(), "string") if len(kinds) == 1 else "string"
         schema.append(dg.TableColumn(name, kind, description=description))
     return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in records], schema=dg.TableSchema(columns=schema))
+
+
+def per_client_table(heldout_per_client: Mapping[str, Mapping[str, Any]]) -> dg.TableMetadataValue:
+    """The held-out results of each client as a table."""
+    rows = [accuracy.per_client_row(client, scores) for client, scores in sorted(heldout_per_client.items())]
+    return table(rows, accuracy.PER_CLIENT_COLUMNS)
 
 
 def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = None) -> dict[str, Any]:
