@@ -136,8 +136,7 @@ def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, 
 )
 def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
     """Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums."""
-    speakers = sorted(pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist())
-    metas = {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
+    speakers, metas = sorted(paths.listed_speakers()), paths.published_shards()
     if missing := [s for s in speakers if s not in metas]:
         raise dg.Failure(
             description=f"{len(missing)} speaker shard(s) missing or incomplete ({', '.join(missing[:10])}): "
@@ -178,11 +177,6 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
 MAX_NO_SPEECH_SHARE = 0.2
 
 
-def _published_shards(paths: StoragePaths) -> dict[str, dict]:
-    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-    return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
-
-
 def _verified_key(meta: dict) -> str:
     """What the check's verdict on a shard depends on (the meta vouches for the files by size and mtime)."""
     return sha256_strings(
@@ -201,7 +195,7 @@ def _verified_key(meta: dict) -> str:
 )
 def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     problems: list[str] = []
-    shards = _published_shards(paths)
+    shards = paths.published_shards()
     verified_file = paths.layout.verified
     verified = set(read_json(verified_file).get("sound", []))
     sound, read = [], 0
@@ -227,7 +221,7 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     description=f"VAD found too little speech in at most {MAX_NO_SPEECH_SHARE:.0%} of the utterances.",
 )
 def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
-    shards = _published_shards(paths)
+    shards = paths.published_shards()
     kept = sum(m["utterances"] for m in shards.values())
     # the counts each meta vouches for (shards_are_consistent checks them against the files)
     rejected = sum(m["rejects"] for m in shards.values())

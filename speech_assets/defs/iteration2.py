@@ -72,7 +72,7 @@ def kmeans_targets_iter2(
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        out_dir = paths.kmeans_iter2_dir(client_id)
+        out_dir = paths.targets(client_id, 2).root
         quality = iteration2_targets(
             client_shards(paths, assignments, client_id),
             out_dir,

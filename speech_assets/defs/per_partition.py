@@ -11,12 +11,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
-from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_strings
 
 
@@ -145,15 +143,3 @@ def speaker_observations(
             metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
         events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
     return events
-
-
-def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
-    """speakers.parquet as published (empty before the first manifest)."""
-    if not paths.layout.manifest.speakers.exists():
-        return {}
-    return {
-        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
-        for r in pq.read_table(
-            paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
-        ).to_pylist()
-    }

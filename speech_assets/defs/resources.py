@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pydantic
 from pydantic import create_model, field_validator, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
+from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
@@ -86,11 +88,23 @@ class StoragePaths(dg.ConfigurableResource):
     def kmeans_dir(self, client_id: str) -> Path:
         return self.targets(client_id).root
 
-    def kmeans_iter2_dir(self, client_id: str) -> Path:
-        return self.targets(client_id, 2).root
-
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
+
+    def listed_speakers(self) -> dict[str, SpeakerRows]:
+        """speakers.parquet as published (empty before the first manifest)."""
+        if not self.layout.manifest.speakers.exists():
+            return {}
+        columns = ["speaker_id", "manifest_hash", "utterances", "hours"]
+        rows = pq.read_table(self.layout.manifest.speakers, columns=columns).to_pylist()
+        return {r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"]) for r in rows}
+
+    def published_shards(self) -> dict[str, dict]:
+        """``{speaker: shard meta}`` of the listed speakers whose meta vouches for their shard (never
+        inferred from file names: a speaker id could look like another file's suffix)."""
+        return {
+            s: meta for s in sorted(self.listed_speakers()) if (meta := self.shard_files(s).read_meta()) is not None
+        }
 
 
 # Pipeline settings: one file sets every stage's knobs for every run; a manual run may override them by run config.

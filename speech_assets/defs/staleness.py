@@ -21,12 +21,7 @@ MAX_SHOWN = 10
 
 def current_shards(paths: StoragePaths) -> dict[str, str]:
     """speaker -> sha256 of the published shard, for every speaker the manifest lists."""
-    if not paths.layout.manifest.speakers.exists():
-        return {}
-    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-    return {
-        s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]
-    }
+    return {s: (paths.shard_files(s).read_meta() or {}).get("shard_sha256", "missing") for s in paths.listed_speakers()}
 
 
 def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[str]:

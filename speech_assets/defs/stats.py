@@ -22,21 +22,12 @@ MODEL_ASSETS = (*CHECKPOINT_ASSETS.values(), "encoder_export", "downstream_probe
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
-    # the shards of the speakers the manifest lists whose meta vouches for them (never inferred
-    # from file names: a speaker id could look like another file's suffix)
-    speakers = (
-        pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-        if paths.layout.manifest.speakers.exists()
-        else []
-    )
-    published = [paths.shard_files(s) for s in sorted(speakers)]
-    published = [files for files in published if files.read_meta() is not None]
-    shards = [files.shard for files in published]
+    published = [paths.shard_files(s) for s in paths.published_shards()]
     results = paths.layout.results_of(paths.layout.training_dir)
     return stats_db.StatsInputs(
         manifest=paths.layout.manifest.manifest,
         manifest_rejects=paths.layout.manifest.rejects,
-        shards=shards,
+        shards=[files.shard for files in published],
         shard_rejects=[files.rejects for files in published],
         clients=paths.layout.clients_file,
         kmeans_quality=[targets.quality for targets in paths.layout.all_targets()],
