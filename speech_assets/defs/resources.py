@@ -37,7 +37,7 @@ from speech_assets.federated.config import (
 from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
-from speech_assets.utils import from_fields
+from speech_assets.utils import from_fields, sha256_strings
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -524,6 +524,10 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
                     f"[{name}] of {file}", error.errors(include_url=False)
                 ) from None
         return cls(source=str(file), **parsed)
+
+    def digest(self) -> str:
+        """sha256 of every stage's settings (not of the file they came from): equal settings, equal hash."""
+        return sha256_strings([self.model_dump_json(exclude={"source"})])
 
 
 def overrides_of(section: type[dg.Config], **extra: Any) -> type[dg.Config]:

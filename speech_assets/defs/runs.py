@@ -20,7 +20,6 @@ import dagster as dg
 from speech_assets.defs import dagster_internals
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
-from speech_assets.utils import sha256_strings
 
 # Bookkeeping tags sit under Dagster's hidden-tag prefix, which the UI leaves out; a tag key has
 # one namespace ("a/b"; Dagster deprecates more), so the names below it are dotted.
@@ -54,8 +53,7 @@ def readable_tags() -> dict[str, str]:
     except (OSError, ValueError) as error:  # the run fails on it later, with the reason
         log.warning("no settings tag: %s", error)
         return {CORPUS_TAG: locations.corpus_location().name}
-    digest = sha256_strings([settings.model_dump_json(exclude={"source"})])[:12]
-    return {CORPUS_TAG: locations.corpus_location().name, SETTINGS_TAG: digest}
+    return {CORPUS_TAG: locations.corpus_location().name, SETTINGS_TAG: settings.digest()[:12]}
 
 
 def record_run_process(context: dg.AssetExecutionContext) -> None:

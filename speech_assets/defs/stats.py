@@ -181,7 +181,7 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         "git_commit": git_commit(),
         "dagster_run_id": context.run.run_id,
         "corpus": str(paths.corpus_path),
-        "settings_hash": settings_hash(settings),
+        "settings_hash": settings.digest(),
         "settings_source": settings.source or "defaults (no pipeline.toml)",
     }
     return ReportInputs(
@@ -193,11 +193,6 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         min_heldout_speakers=settings.probe.min_heldout_speakers,
         probe_results=paths.layout.probe.results,
     )
-
-
-def settings_hash(settings: PipelineSettings) -> str:
-    """sha256 of every stage's settings (not of the file they came from): equal settings, equal hash."""
-    return sha256_strings([settings.model_dump_json(exclude={"source"})])
 
 
 @dg.asset_check(
