@@ -6,6 +6,7 @@ speakers whose rows changed; downstream assets follow their ``AutomationConditio
 (``conditions.py``).
 """
 
+import itertools
 import json
 import os
 
@@ -142,13 +143,7 @@ def shard_run_key(instance: dg.DagsterInstance, request: str) -> str:
 def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:
     """Group ``wanted`` keys into neighbours in partition order: one run per range, so unchanged
     shards never fall inside a range."""
-    ranges: list[list[str]] = []
-    for index, key in enumerate(order):
-        if key in wanted:
-            if index and order[index - 1] in wanted:
-                ranges[-1].append(key)
-            else:
-                ranges.append([key])
+    ranges = [list(keys) for is_wanted, keys in itertools.groupby(order, wanted.__contains__) if is_wanted]
     return [(keys[0], keys[-1], keys) for keys in ranges]
 
 
