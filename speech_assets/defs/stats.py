@@ -14,7 +14,7 @@ from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_con
 from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
 from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, read_jsonl, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v3"  # v3: fine-tuning runs in checkpoints/training_runs (kind finetuned, init, budget, seed)
 # the unpartitioned models and results the database summarises, beside TRAINING_INPUTS
@@ -23,7 +23,6 @@ MODEL_ASSETS = (*CHECKPOINT_ASSETS.values(), "encoder_export", "downstream_probe
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
     published = [paths.shard_files(s) for s in paths.published_shards()]
-    results = paths.layout.results_of(paths.layout.training_dir)
     return stats_db.StatsInputs(
         manifest=paths.layout.manifest.manifest,
         manifest_rejects=paths.layout.manifest.rejects,
@@ -31,7 +30,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         shard_rejects=[files.rejects for files in published],
         clients=paths.layout.clients_file,
         kmeans_quality=[targets.quality for targets in paths.layout.all_targets()],
-        training_results=results,
+        training_results=paths.layout.results_of(paths.layout.training_dir),
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.layout.probe.results,
         finetune_results=paths.layout.finetune.results,
@@ -50,18 +49,14 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
 
 def _newest_federated_rounds(paths: StoragePaths):
     """rounds.parquet of the federated run that finished last (``None`` before any)."""
-    runs = [FederatedPaths(p.parent) for p in paths.layout.results_of(paths.layout.federated_dir)]
-    found = [r.rounds_table for r in runs if r.rounds_table.is_file()] or [
-        FederatedPaths(p.parent).rounds_table
-        for p in sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
-    ]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    tables = sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
+    finished = [table for table in tables if FederatedPaths(table.parent).result.is_file()]
+    return max(finished or tables, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:
     """Hash of what the database holds: its tables' rows and the files its views read."""
-    con = duckdb.connect(str(db_path), read_only=True)
-    try:
+    with duckdb.connect(str(db_path), read_only=True) as con:
         tables = [
             r[0]
             for r in con.execute(
@@ -70,8 +65,6 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
             ).fetchall()
         ]
         parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
-    finally:
-        con.close()
     sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shard_rejects]
     if inputs.clients.exists():
         sources.append(inputs.clients)
@@ -124,12 +117,9 @@ def dataset_stats(
     report_file = report.write_report(
         paths.layout.stats_db, paths.layout.report.index, _report_inputs(context, paths, settings)
     )
-    con = stats_db.connect_read_only(paths.layout.stats_db)
-    try:
+    with stats_db.connect_read_only(paths.layout.stats_db) as con:
         durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
         per_client = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY 1").fetchall()
-    finally:
-        con.close()
     pictures = []
     if durations:
         pictures.append(plots.markdown_image(plots.histogram(durations, "utterance durations", "seconds"), "durations"))
@@ -172,10 +162,8 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     for state in sorted(paths.layout.targets_root().glob(f"*/{TargetFiles.state.name}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
-    metrics = {
-        log.parent.name: [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}"))
-    }
+    logs = sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}"))
+    metrics = {log.parent.name: read_jsonl(log) for log in logs}
     header = {
         "built_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "git_commit": git_commit(),
@@ -213,11 +201,8 @@ def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
         "clients": rows([inputs.clients]),
     }
     # our own queries, over views that may name the files of a data dir that was copied here
-    con = stats_db.connect_read_only(paths.layout.stats_db, allow_external_access=True)
-    try:
+    with stats_db.connect_read_only(paths.layout.stats_db, allow_external_access=True) as con:
         found = {table: con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in expected}
-    finally:
-        con.close()
     return dg.AssetCheckResult(
         passed=found == expected,
         severity=dg.AssetCheckSeverity.ERROR,
