@@ -40,6 +40,7 @@ def encoder_export(
     from speech_assets.features.cmvn import from_record
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_all, input_description, resolve_layer
+    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
 
     options = effective(settings.export, config)
     checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
@@ -70,7 +71,18 @@ def encoder_export(
         description = input_description(encoder, cmvn, layer, parity, checkpoint)
         atomic_write_text(ExportFiles(staging).card, json.dumps(description, indent=2, sort_keys=True) + "\n")
     files = {path.name: sha256_file(path) for path in exported.published}
-    model = log_encoder_model(paths, checkpoint, encoder, exported, context.log.warning)
+    # the ONNX encoder as an MLflow model in its checkpoint's run; {} (and a warning) when it cannot be logged
+    model = log_exported_model(
+        paths.mlflow_tracking_uri,
+        checkpoint,
+        encoder.checkpoint,
+        exported.onnx,
+        [exported.card],
+        context.log.warning,
+        name=ENCODER_MODEL,
+        signature=export_signature(encoder.model.preset.dim),
+        tags={"checkpoint_sha256": encoder.sha256},
+    )
     context.log.info(
         f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
         f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
@@ -92,23 +104,6 @@ def encoder_export(
             "input_versions": dg.MetadataValue.json({"pretrained_checkpoint": checkpoint_version}),
             **({"mlflow_model": model["model_uri"]} if model else {}),
         },
-    )
-
-
-def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: ExportFiles, warn) -> dict[str, str]:
-    """The ONNX encoder as an MLflow model in its checkpoint's run; ``{}`` (and a warning) when it cannot be logged."""
-    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
-
-    return log_exported_model(
-        paths.mlflow_tracking_uri,
-        checkpoint,
-        encoder.checkpoint,
-        exported.onnx,
-        [exported.card],
-        warn,
-        name=ENCODER_MODEL,
-        signature=export_signature(encoder.model.preset.dim),
-        tags={"checkpoint_sha256": encoder.sha256},
     )
 
 
