@@ -19,7 +19,7 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import (
     bounded_versions,
     checkpoint_of,
-    latest_data_version,
+    latest_versions,
     required_checkpoint,
     shard_hashes,
 )
@@ -90,7 +90,10 @@ def finetuned_asr(
             clients=lambda: read_clients(paths.layout.clients_file),
             manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
-            data_versions=lambda speakers: _data_versions(context, paths, speakers),
+            data_versions=lambda speakers: (
+                latest_versions(context.instance, ["manifest", "client_partitions"])
+                | {f"vad_features/{s}": v for s, v in shard_hashes(paths, speakers).items()}
+            ),
             log=context.log.info,
             warn=context.log.warning,
         )
@@ -164,15 +167,6 @@ def finetuned_asr(
             ),
         },
     )
-
-
-def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speakers: list[str]) -> dict[str, str]:
-    """The data versions every fine-tuning run shares."""
-    return {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-        **{f"vad_features/{s}": v for s, v in shard_hashes(paths, speakers).items()},
-    }
 
 
 def _run_all(

@@ -32,6 +32,11 @@ def latest_data_version(instance: dg.DagsterInstance, asset: str, partition: str
     return (materialization.tags or {}).get(internals.DATA_VERSION_TAG) if materialization else None
 
 
+def latest_versions(instance: dg.DagsterInstance, assets: Iterable[str]) -> dict[str, str]:
+    """Each asset's latest data version ("" before its first)."""
+    return {asset: latest_data_version(instance, asset) or "" for asset in assets}
+
+
 def latest_metadata(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> dict[str, object]:
     """Raw metadata values of the latest materialization (empty when never materialized)."""
     materialization = latest_materialization(instance, asset, partition)
@@ -82,11 +87,7 @@ def input_versions(
 ) -> dict[str, str]:
     """The data versions a training run reads, each client's targets from ``targets_dir(client)/quality.json``."""
     targets_dir = targets_dir or paths.kmeans_dir
-    versions = {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-    }
+    versions = latest_versions(context.instance, ["manifest", "cmvn_stats", "client_partitions"])
     for client, speakers in sorted(clients.items()):
         versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())[
             "data_version"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
+from speech_assets.defs.lineage import checkpoint_of, latest_versions, required_checkpoint
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
 from speech_assets.train.tracking import log_probe_on_encoder_runs
@@ -92,10 +92,7 @@ def downstream_probe(
         summarise(results),
         context.log.warning,
     )
-    input_versions = {
-        asset: latest_data_version(context.instance, asset) or ""
-        for asset in (*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions")
-    }
+    input_versions = latest_versions(context.instance, [*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions"])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(target)),
         metadata={

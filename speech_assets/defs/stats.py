@@ -7,7 +7,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.lineage import latest_data_version, partition_versions
+from speech_assets.defs.lineage import latest_versions, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
@@ -99,10 +99,9 @@ def dataset_stats(
     inputs = _inputs(paths)
     counts = stats_db.build_database(paths.layout.stats_db, inputs)
     instance = context.instance
-    input_versions: dict[str, object] = {
-        key: latest_data_version(instance, key) or ""
-        for key in ("manifest", "cmvn_stats", "client_partitions", *MODEL_ASSETS)
-    }
+    input_versions: dict[str, object] = latest_versions(
+        instance, ["manifest", "cmvn_stats", "client_partitions", *MODEL_ASSETS]
+    )
     partitioned = {
         key: partition_versions(instance, key, instance.get_dynamic_partitions(partitions.name))
         for key, partitions in (("vad_features", speakers_partitions), ("kmeans_targets", clients_partitions))
