@@ -100,13 +100,9 @@ def current_umask() -> int:
     return mask
 
 
-def atomic_write_bytes(target: str | os.PathLike[str], data: bytes, durable: bool = True) -> None:
-    with atomic_path(target, durable=durable) as tmp:
-        tmp.write_bytes(data)
-
-
 def atomic_write_text(target: str | os.PathLike[str], text: str, durable: bool = True) -> None:
-    atomic_write_bytes(target, text.encode("utf-8"), durable=durable)
+    with atomic_path(target, durable=durable) as tmp:
+        tmp.write_bytes(text.encode("utf-8"))
 
 
 @contextlib.contextmanager
