@@ -25,7 +25,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
+from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 from speech_assets.targets.config import KMeansConfig
 from speech_assets.utils import from_fields
 
@@ -96,7 +96,6 @@ def kmeans_targets_iter2(
 
 
 @torchrun_asset(
-    TrainingOverrides,
     "training",
     group_name="iteration2",
     deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],

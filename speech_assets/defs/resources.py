@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import tomllib
@@ -530,6 +531,7 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
         return sha256_strings([self.model_dump_json(exclude={"source"})])
 
 
+@functools.cache  # one class per section: assets launched alike share their run-config type
 def overrides_of(section: type[dg.Config], **extra: Any) -> type[dg.Config]:
     """A manual run's config: every field of ``section`` optional (unset: the settings') but its
     ``settings_only`` ones, plus ``extra`` (pydantic's ``(type, default)``). Built here: pydantic

@@ -290,17 +290,13 @@ def _node_0_agents(config_path: Path) -> list[int]:
     return agents
 
 
-TrainingOverrides = overrides_of(TrainingSettings)
-
-
 Launch = Callable[[dg.AssetExecutionContext, Any, StoragePaths, dg.PipesSubprocessClient], dg.MaterializeResult]
 
 
-def torchrun_asset(
-    overrides: type[dg.Config], section: str, **asset_args: Any
-) -> Callable[[Launch], dg.AssetsDefinition]:
+def torchrun_asset(section: str, **asset_args: Any) -> Callable[[Launch], dg.AssetsDefinition]:
     """``launch(context, options, paths, pipes_subprocess_client)`` as an asset of its name and docstring
-    in the ``training`` pool, its options the ``[section]`` settings as the run's ``overrides`` change them."""
+    in the ``training`` pool, its options the ``[section]`` settings as the run's config changes them."""
+    overrides = overrides_of(PipelineSettings.model_fields[section].annotation)
 
     def decorate(launch: Launch) -> dg.AssetsDefinition:
         @dg.asset(
