@@ -1,10 +1,11 @@
 """The one place the code location is assembled: `dagster ... -m speech_assets.definitions`."""
 
+import inspect
 import warnings
 
 import dagster as dg
 
-from speech_assets.defs import (
+from speech_assets.defs import (  # noqa: F401 - the stage modules, loaded below as MODULES
     automation,
     clients,
     distillation,
@@ -24,24 +25,8 @@ from speech_assets.defs import (
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.defs.runs import reaping_multiprocess_executor
 
-# every asset, check, sensor and schedule at module level of these is in the code location
-MODULES = [
-    automation,
-    clients,
-    distillation,
-    export,
-    features,
-    federated,
-    finetune,
-    iteration2,
-    manifest,
-    model_checks,
-    probe,
-    staleness,
-    stats,
-    targets,
-    training,
-]
+# the stage modules imported above: every asset, check, sensor and schedule at their top level is loaded
+MODULES = [m for m in dict(globals()).values() if inspect.ismodule(m) and m.__name__.startswith("speech_assets.defs.")]
 
 
 def build_definitions(
