@@ -8,16 +8,10 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
+from speech_assets.defs import per_partition
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
-from speech_assets.defs.per_partition import (
-    observed_input_provenance,
-    observed_versions,
-    partition_materialization,
-    per_partition_asset,
-    step_events,
-)
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import markdown_table, problems_result
 from speech_assets.defs.resources import (
@@ -40,7 +34,7 @@ CMVN_CODE_VERSION = "cmvn-v1"
 FeatureOverrides = overrides_of(FeatureSettings, force=(bool, False))
 
 
-@per_partition_asset(
+@per_partition.per_partition_asset(
     speakers_partitions,
     group_name="features",
     deps=[SPEAKER_MANIFEST],  # the same speaker's rows: other speakers' changes leave a shard in sync
@@ -60,7 +54,7 @@ def vad_features(
     speakers = list(context.partition_keys)
     manifest_version = latest_data_version(context.instance, "manifest")
     # each shard's input: its own speaker's rows, as last observed (their version and event)
-    observed = observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
+    observed = per_partition.observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
     paths.layout.shards_dir.mkdir(parents=True, exist_ok=True)
     jobs = shard_jobs(
         corpus.read_manifest(paths.layout.manifest.manifest),
@@ -88,17 +82,17 @@ def vad_features(
             meta = outcome.meta
             totals.add(outcome)
             published.append(
-                partition_materialization(
+                per_partition.partition_materialization(
                     context,
                     outcome.speaker_id,
                     meta["shard_sha256"],
                     shard_metadata(paths, meta, outcome.rebuilt),
-                    observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+                    per_partition.observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
                 )
             )
     context.log.info(totals.summary())
     if not failed:
-        yield from step_events(context, published)
+        yield from per_partition.step_events(context, published)
     else:
         yield from published  # the finished shards are recorded even though the run fails
         raise dg.Failure(

@@ -288,12 +288,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     from speech_assets.features.shards import iter_shard
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES, export_recogniser
-    from speech_assets.train.tracking import (
-        RECOGNISER_MODEL,
-        RECOGNISER_REGISTERED_NAME,
-        export_signature,
-        log_exported_model,
-    )
+    from speech_assets.train import tracking
 
     loaded = load_encoder(result["checkpoint"])
     cmvn = from_record(loaded.checkpoint.get("normalisation"))
@@ -369,17 +364,17 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     exported = RecogniserFiles(folder)
     files = {path.name: sha256_file(path) for path in (*exported.published, exported.frontend, *beam)}
     # in its fine-tuning run, registered as a new version of speech_assets_recogniser; {} when it cannot be logged
-    model = log_exported_model(
+    model = tracking.log_exported_model(
         paths.mlflow_tracking_uri,
         result["checkpoint"],
         loaded.checkpoint,
         exported.onnx,
         [exported.card, exported.frontend, *beam],
         context.log.warning,
-        name=RECOGNISER_MODEL,
-        signature=export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
+        name=tracking.RECOGNISER_MODEL,
+        signature=tracking.export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
         tags={"checkpoint_sha256": loaded.sha256},
-        registered_name=RECOGNISER_REGISTERED_NAME,
+        registered_name=tracking.RECOGNISER_REGISTERED_NAME,
     )
     if model.get("registered_uri"):
         context.log.info(f"recogniser registered in MLflow as {model['registered_uri']} (run {model['run_id']})")

@@ -7,14 +7,9 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
+from speech_assets.defs import per_partition
 from speech_assets.defs.lineage import client_shards, required_checkpoint
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
-from speech_assets.defs.per_partition import (
-    input_provenance,
-    partition_materialization,
-    per_partition_asset,
-    step_events,
-)
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import (
@@ -41,7 +36,7 @@ Iteration2Overrides = overrides_of(Iteration2Settings)
 ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())
 
 
-@per_partition_asset(
+@per_partition.per_partition_asset(
     clients_partitions,
     group_name="iteration2",
     deps=["pretrained_checkpoint", "federated_checkpoint", "client_partitions", "cmvn_stats", ALL_SHARDS],
@@ -68,7 +63,7 @@ def kmeans_targets_iter2(
     except EncoderRefused as error:
         raise dg.Failure(description=str(error)) from error
     assignments = read_clients(paths.layout.clients_file)
-    provenance = input_provenance(context)
+    provenance = per_partition.input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
@@ -90,9 +85,11 @@ def kmeans_targets_iter2(
             "checkpoint_sha256": encoder.sha256,
             "mean_segment_length_hz": 50,
         }
-        published.append(partition_materialization(context, client_id, quality["data_version"], metadata, provenance))
+        published.append(
+            per_partition.partition_materialization(context, client_id, quality["data_version"], metadata, provenance)
+        )
         progress(client_id, done, len(context.partition_keys))
-    yield from step_events(context, published)
+    yield from per_partition.step_events(context, published)
 
 
 @torchrun_asset(
