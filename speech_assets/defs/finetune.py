@@ -16,13 +16,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import (
-    bounded_versions,
-    checkpoint_of,
-    latest_versions,
-    required_checkpoint,
-    shard_hashes,
-)
+from speech_assets.defs import lineage
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS
 from speech_assets.defs.resources import (
     FinetuneSettings,
@@ -84,15 +78,15 @@ def finetuned_asr(
     try:
         plan = planning.plan_finetune(
             options,
-            pretrained=required_checkpoint(context, "pretrained_checkpoint"),
-            checkpoint_of=lambda name: checkpoint_of(context, CHECKPOINT_ASSETS[name]),
+            pretrained=lineage.required_checkpoint(context, "pretrained_checkpoint"),
+            checkpoint_of=lambda name: lineage.checkpoint_of(context, CHECKPOINT_ASSETS[name]),
             encoder_assets=CHECKPOINT_ASSETS,
             clients=lambda: read_clients(paths.layout.clients_file),
             manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
             data_versions=lambda speakers: (
-                latest_versions(context.instance, ["manifest", "client_partitions"])
-                | {f"vad_features/{s}": v for s, v in shard_hashes(paths, speakers).items()}
+                lineage.latest_versions(context.instance, ["manifest", "client_partitions"])
+                | {f"vad_features/{s}": v for s, v in lineage.shard_hashes(paths, speakers).items()}
             ),
             log=context.log.info,
             warn=context.log.warning,
@@ -161,7 +155,7 @@ def finetuned_asr(
                 | {f"{m}/lr{lr:g}": str(folder) for (m, lr), folder in unused.items()}
             ),
             "input_versions": dg.MetadataValue.json(
-                bounded_versions(
+                lineage.bounded_versions(
                     {**{CHECKPOINT_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
                 )
             ),
