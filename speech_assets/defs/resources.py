@@ -25,16 +25,7 @@ from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
-from speech_assets.federated.config import (
-    DP_MAX_CLIPPING_NORM,
-    SECAGG_MIN_SHARES,
-    SECAGG_THRESHOLD_FLOOR,
-    SETTINGS_FILE_ONLY,
-    ClientLrSchedule,
-    FederatedConfig,
-    Strategy,
-    client_limit_problems,
-)
+from speech_assets.federated import config as federation
 from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
@@ -316,13 +307,13 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
         return self
 
 
-class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federated"):
+class FederatedSettings(WorkerSettings, worker=federation.FederatedConfig, section="federated"):
     """Federated pretraining (`federated_checkpoint`): Flower rounds of local training and server-side aggregation."""
 
     engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
     rounds: int
     local_steps: int  # optimizer steps per client per round
-    strategy: Strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
+    strategy: federation.Strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
     fraction_train: float  # seeded sample of the clients each round
     evaluate_every: int  # held-out evaluation every k rounds and after the last
     proximal_mu: float  # fedprox's proximal term, on the clients
@@ -341,7 +332,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     min_train_nodes: int  # clients that must reply for a round to count; 0 = all
     preset: str
     client_lr: float  # sent to the clients with every round
-    client_lr_schedule: ClientLrSchedule  # linear (decays to 0 over all rounds) or constant
+    client_lr_schedule: federation.ClientLrSchedule  # linear (decays to 0 over all rounds) or constant
     batch_seconds: float  # padded audio per local step
     seed: int
     max_frames: int
@@ -360,11 +351,12 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
     # the local clients' own limits (their node config, never from the server: docs/PRIVACY.md)
-    secagg_min_shares: int = SECAGG_MIN_SHARES  # refuse a secure round where fewer clients share with it
-    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
-    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM  # refuse a larger DP clipping norm; 0 = dp_clipping_norm
+    secagg_min_shares: int = federation.SECAGG_MIN_SHARES  # refuse a secure round where fewer clients share with it
+    secagg_threshold_floor: str = federation.SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
+    # refuse a larger DP clipping norm; 0 = dp_clipping_norm
+    dp_max_clipping_norm: float = federation.DP_MAX_CLIPPING_NORM
 
-    settings_only: ClassVar[frozenset[str]] = frozenset(SETTINGS_FILE_ONLY)
+    settings_only: ClassVar[frozenset[str]] = frozenset(federation.SETTINGS_FILE_ONLY)
 
     @field_validator("superlink")
     @classmethod
@@ -373,7 +365,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
 
     @model_validator(mode="after")
     def _client_limits(self) -> FederatedSettings:
-        problems = client_limit_problems(
+        problems = federation.client_limit_problems(
             self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
         )
         if 0 < self.dp_max_clipping_norm < self.dp_clipping_norm:
