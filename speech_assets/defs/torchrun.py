@@ -36,6 +36,8 @@ from speech_assets.train import accuracy, oom
 from speech_assets.train.provenance import record_provenance
 from speech_assets.utils import atomic_write_text, from_fields, read_json, read_jsonl, sha256_strings
 
+ONE_NODE = TrainingSettings()  # how distillation and fine-tuning run: on this host alone
+
 
 def run_torchrun(
     context: dg.AssetExecutionContext,
@@ -49,14 +51,14 @@ def run_torchrun(
     nproc: int | None = None,
     module: str = "speech_assets.train",
     max_restarts: int = 0,
-    nodes: TrainingSettings | None = None,
+    nodes: TrainingSettings = ONE_NODE,
 ) -> dg.MaterializeResult:
     """Run ``module`` under torchrun on ``config`` (written to ``run_dir/config.json``) with ``nproc``
     processes per node, on the nodes ``nodes`` (the `[training]` settings) starts. Without
     ``nproc`` the ``TrainConfig`` is auto-configured here, once for every node's processes."""
     from speech_assets.train import launch  # torch: lazily, the code location stays light
 
-    nnodes = fixed_node_count(nodes) if nodes else 1
+    nnodes = fixed_node_count(nodes)
     config = dataclasses.replace(config, dagster_run_id=context.run.run_id)  # the MLflow run's link back
     plan = None
     if nproc is None:
@@ -76,8 +78,8 @@ def run_torchrun(
                 config_path,
                 nproc=nproc,
                 max_restarts=max_restarts,
-                nnodes=nodes.nnodes if nodes else "1",
-                rdzv_endpoint=(nodes.rdzv_endpoint or None) if nodes else None,
+                nnodes=nodes.nnodes,
+                rdzv_endpoint=nodes.rdzv_endpoint or None,
                 python=sys.executable,
                 node_rank=node_rank if nnodes > 1 else None,
                 module=module,
@@ -222,7 +224,7 @@ def fixed_node_count(options: TrainingSettings) -> int:
 
 
 @contextlib.contextmanager
-def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None, torchrun, env: dict) -> Iterator[None]:
+def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchrun, env: dict) -> Iterator[None]:
     """Nodes 1..nnodes-1, started with the configured command for the length of node 0's run.
 
     Each runs under :mod:`speech_assets.runtime.tether`, reading a pipe this process holds: when
@@ -233,9 +235,7 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None,
 
     processes, finished = [], threading.Event()
     try:
-        commands = (
-            launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
-        )
+        commands = launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts)
         for rank, command in enumerate(commands, start=1):
             log = open(RunFiles(run_dir).node_log(rank), "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {shlex.join(command)}")
