@@ -83,7 +83,7 @@ def federated_checkpoint(
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, round_log_line
     from speech_assets.federated.processes import NeedsLinux
-    from speech_assets.stats.plots import markdown_image, round_curve
+    from speech_assets.stats.plots import inline_chart, markdown_image, round_curve
 
     record_run_process(context)
     fed = effective(settings.federated, config)
@@ -144,7 +144,7 @@ def federated_checkpoint(
         )
     metadata = {
         # Dagster lists metadata in insertion order: the curve near the top
-        "curve": readable.inline_chart(f"{accuracy.LABEL} by round", round_series(lines)),
+        "curve": dg.MetadataValue.md(inline_chart(f"{accuracy.LABEL} by round", round_series(lines))),
         "rounds": result["rounds"],
         "strategy": result["strategy"],
         "local_steps": result["local_steps"],

@@ -68,10 +68,6 @@ def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = N
     return links
 
 
-def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> dg.MarkdownMetadataValue:
-    return dg.MetadataValue.md(plots.inline_chart(title, series))
-
-
 def client_metadata(quality: dict, out_dir) -> dict[str, object]:
     """One client's page: its own quality figures (plotted across partitions) and a bounded speaker list."""
     import numpy as np

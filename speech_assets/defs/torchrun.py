@@ -181,7 +181,6 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
     metrics = RunFiles(run_dir).metrics
     if not metrics.is_file():
         return {}
-    from speech_assets.defs import readable
     from speech_assets.stats import plots
 
     rows = read_jsonl(metrics)
@@ -192,13 +191,12 @@ def training_curve_metadata(run_dir) -> dict[str, object]:
             accuracy.LABEL: [(step, value) for step, value, _ in held],
             "majority class": [(step, majority) for step, _, majority in held],
         }
-        chart = readable.inline_chart(f"{accuracy.LABEL} by step", series)
+        chart = plots.inline_chart(f"{accuracy.LABEL} by step", series)
     else:
-        chart = readable.inline_chart(
-            "loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]}
-        )
+        loss = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+        chart = plots.inline_chart("loss by step", {"loss": loss})
     return {
-        "curve": chart,
+        "curve": dg.MetadataValue.md(chart),
         "training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve")),
     }
 
