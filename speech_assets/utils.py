@@ -192,5 +192,5 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of ``path``, one a line (NaN and Infinity read as ``json.dumps`` writes them)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The JSON objects of ``path``, one a line, none when it is missing (NaN and Infinity read as written)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

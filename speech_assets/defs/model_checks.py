@@ -25,15 +25,10 @@ def _is_loss(key: str) -> bool:
     return key == "loss" or key.endswith("_loss") or key.startswith(("l1_", "cosine_"))
 
 
-def _metrics_rows(run_dir: Path) -> list[dict]:
-    metrics = RunFiles(run_dir).metrics
-    return read_jsonl(metrics) if metrics.is_file() else []
-
-
 def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
     """Every loss ``run_dir`` records, by where it is recorded (None values: not measured)."""
     found: dict[str, list[float]] = {}
-    for row in _metrics_rows(run_dir):
+    for row in read_jsonl(RunFiles(run_dir).metrics):
         for key, value in row.items():
             if _is_loss(key) and value is not None:
                 found.setdefault(f"metrics.jsonl {key}", []).append(float(value))
@@ -63,7 +58,11 @@ def loss_problems(run_dir: Path) -> list[str]:
 def loss_trend(run_dir: Path) -> tuple[float, float, int] | None:
     """(first loss, last loss, logged steps) of ``metrics.jsonl``, None under two steps; a step logged
     twice (a run re-started in the same folder) counts once, with its last value."""
-    by_step = {int(row["step"]): float(row["loss"]) for row in _metrics_rows(run_dir) if row.get("loss") is not None}
+    by_step = {
+        int(row["step"]): float(row["loss"])
+        for row in read_jsonl(RunFiles(run_dir).metrics)
+        if row.get("loss") is not None
+    }
     if len(by_step) < 2:
         return None
     steps = sorted(by_step)

@@ -178,12 +178,9 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
 def training_curve_metadata(run_dir) -> dict[str, object]:
     """The training curve: held-out accuracy against the majority-class rate (else the loss) drawn
     inline, and the full PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
-    metrics = RunFiles(run_dir).metrics
-    if not metrics.is_file():
-        return {}
     from speech_assets.stats import plots
 
-    rows = read_jsonl(metrics)
+    rows = read_jsonl(RunFiles(run_dir).metrics)
     if not rows:
         return {}
     if held := accuracy.curve_points(rows):
