@@ -178,11 +178,11 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
 def training_curve_metadata(run_dir) -> dict[str, object]:
     """The training curve: held-out accuracy against the majority-class rate (else the loss) drawn
     inline, and the full PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
-    from speech_assets.stats import plots
-
     rows = read_jsonl(RunFiles(run_dir).metrics)
     if not rows:
         return {}
+    from speech_assets.stats import plots
+
     if held := accuracy.curve_points(rows):
         series = {
             accuracy.LABEL: [(step, value) for step, value, _ in held],
