@@ -57,18 +57,6 @@ def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
     return [example for _, _, example in ranked[:count]]
 
 
-def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
-    """(steps that succeeded, steps that failed) in ``run_ids``."""
-    kinds = [
-        entry.dagster_event.event_type
-        for run_id in run_ids
-        for entry in instance.all_logs(
-            run_id, of_type={dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
-        )
-    ]
-    return kinds.count(dg.DagsterEventType.STEP_SUCCESS), kinds.count(dg.DagsterEventType.STEP_FAILURE)
-
-
 @dataclass(frozen=True)
 class CheckOutcome:
     asset: str
@@ -176,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             print()
         runs = instance.get_runs(filters=dg.RunsFilter(created_after=datetime.fromtimestamp(args.since, UTC)))
         run_ids = [run.run_id for run in reversed(runs)]  # oldest first
-        succeeded, failed = step_counts(instance, run_ids)
+        ends = {dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
+        steps = [e.dagster_event.event_type for run_id in run_ids for e in instance.all_logs(run_id, of_type=ends)]
+        succeeded, failed = steps.count(dg.DagsterEventType.STEP_SUCCESS), steps.count(dg.DagsterEventType.STEP_FAILURE)
         print(f"== verdict ({len(run_ids)} runs) ==")
         print("\n".join(verdict(succeeded, failed, check_outcomes(instance, run_ids))))
     print("\n".join(what_to_open(data)))
