@@ -1,6 +1,5 @@
 """Metadata for people: numbers rounded with their unit in the key (``_mb``, ``_s``, ``_h``), lists
-of records as Dagster tables with a column schema, the MLflow run as a link, and curves as
-charts the asset page draws inline."""
+of records as Dagster tables with a column schema, the MLflow run as a link."""
 
 from __future__ import annotations
 
