@@ -273,35 +273,17 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
         {"node_command", "node_hosts", "noise_dir", "rdzv_endpoint", "gpus_per_node"}
     )
 
-    @field_validator("node_hosts")
-    @classmethod
-    def _hosts(cls, hosts: list[str]) -> list[str]:
-        return [check_host(host, "[training] node_hosts entry") for host in hosts]
-
-    @field_validator("rdzv_endpoint")
-    @classmethod
-    def _endpoint(cls, endpoint: str) -> str:
-        return optional_endpoint(endpoint, "[training] rdzv_endpoint")
-
-    @field_validator("node_command")
-    @classmethod
-    def _node_command(cls, command: str) -> str:
-        if "{command}" not in " ".join(shlex.split(command)):
-            raise ValueError(f"[training] node_command must contain {{command}}, got {command!r}")
-        return command
-
-    @field_validator("noise")
-    @classmethod
-    def _noise(cls, noise: str) -> str:
-        if noise not in NOISE_SOURCES:
-            hint = (
-                f' (a folder: noise_dir = "{noise}" and noise = "folder" in the settings file)' if "/" in noise else ""
-            )
-            raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {noise!r}{hint}")
-        return noise
-
     @model_validator(mode="after")
-    def _noise_dir(self) -> TrainingSettings:
+    def _launch_and_noise(self) -> TrainingSettings:
+        for host in self.node_hosts:
+            check_host(host, "[training] node_hosts entry")
+        optional_endpoint(self.rdzv_endpoint, "[training] rdzv_endpoint")
+        if "{command}" not in " ".join(shlex.split(self.node_command)):
+            raise ValueError(f"[training] node_command must contain {{command}}, got {self.node_command!r}")
+        if self.noise not in NOISE_SOURCES:
+            folder = f' (a folder: noise_dir = "{self.noise}" and noise = "folder" in the settings file)'
+            hint = folder if "/" in self.noise else ""
+            raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {self.noise!r}{hint}")
         if self.noise == "folder" and not self.noise_dir:
             raise ValueError('[training] noise = "folder" needs noise_dir, the folder of noise audio')
         return self
