@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional, Self
 import dagster as dg
 import pyarrow.parquet as pq
 import pydantic
-from pydantic import create_model, field_validator, model_validator
+from pydantic import create_model, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
@@ -340,13 +340,9 @@ class FederatedSettings(WorkerSettings, worker=federation.FederatedConfig, secti
 
     settings_only: ClassVar[frozenset[str]] = frozenset(federation.SETTINGS_FILE_ONLY)
 
-    @field_validator("superlink")
-    @classmethod
-    def _superlink(cls, superlink: str) -> str:
-        return optional_endpoint(superlink, "[federated] superlink")
-
     @model_validator(mode="after")
-    def _client_limits(self) -> FederatedSettings:
+    def _superlink_and_client_limits(self) -> FederatedSettings:
+        optional_endpoint(self.superlink, "[federated] superlink")
         problems = federation.client_limit_problems(
             self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
         )
