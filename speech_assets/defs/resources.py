@@ -87,9 +87,8 @@ class StoragePaths(dg.ConfigurableResource):
         """speakers.parquet as published (empty before the first manifest)."""
         if not self.layout.manifest.speakers.exists():
             return {}
-        columns = ["speaker_id", "manifest_hash", "utterances", "hours"]
-        rows = pq.read_table(self.layout.manifest.speakers, columns=columns).to_pylist()
-        return {r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"]) for r in rows}
+        rows = pq.read_table(self.layout.manifest.speakers).to_pylist()
+        return {r["speaker_id"]: SpeakerRows(r.get("manifest_hash"), r.get("utterances"), r.get("hours")) for r in rows}
 
     def published_shards(self) -> dict[str, dict]:
         """``{speaker: shard meta}`` of the listed speakers whose meta vouches for their shard (never
