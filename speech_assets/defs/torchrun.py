@@ -25,6 +25,7 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
+from speech_assets.defs import readable
 from speech_assets.defs.lineage import bounded_versions, input_versions
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
@@ -155,11 +156,8 @@ def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
 
 def result_metadata(run_dir: Path) -> dict[str, object]:
     """From rank 0's ``result.json``: checkpoint size, hours trained on, held-out results per client, MLflow run."""
-    from speech_assets.defs import readable
-
-    try:
-        result = json.loads(RunFiles(run_dir).result.read_text())
-    except (OSError, ValueError):
+    result = read_json(RunFiles(run_dir).result)
+    if not result:
         return {}
     metadata: dict[str, object] = {}
     checkpoint = Path(result.get("checkpoint") or RunFiles(run_dir).final)
