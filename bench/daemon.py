@@ -382,7 +382,7 @@ def main() -> None:
             name, value = item.split("=", 1)
             env[name] = value
         os.environ["DAGSTER_HOME"] = str(home)
-        from speech_assets.hosts import free_port
+        from speech_assets_tests.support.ports import free_port
 
         dev = DagsterDev(env, free_port(), root / "dagster-dev.log")
         instance = None

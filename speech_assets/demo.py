@@ -52,57 +52,9 @@ def heldout_examples(data: DataLayout, count: int = EXAMPLES) -> list[Example]:
         row = listed.get(utt_id)
         if row is not None and Path(row.path).is_file():
             by_speaker.setdefault(row.speaker_id, []).append(Example(utt_id, row.speaker_id, row.path, heldout[utt_id]))
-    chosen: list[Example] = []
-    while len(chosen) < count and any(by_speaker.values()):
-        for speaker in sorted(by_speaker):
-            if by_speaker[speaker] and len(chosen) < count:
-                chosen.append(by_speaker[speaker].pop(0))
-    return chosen
-
-
-@dataclass(frozen=True)
-class Scored:
-    example: Example
-    hypothesis: str | None
-    cer: float | None
-    error: str | None = None
-
-    def lines(self) -> list[str]:
-        head = f"{self.example.utt_id} (speaker {self.example.speaker_id})"
-        if self.error is not None:
-            return [f"{head}: error: {self.error}"]
-        return [
-            f"{head}: CER {self.cer:.2f}",
-            f"  reference:  {self.example.reference}",
-            f"  recognised: {self.hypothesis}",
-        ]
-
-
-def transcribe_examples(examples: Sequence[Example], recogniser) -> list[Scored]:
-    """Each example through a :class:`~speech_assets.evaluation.recognise.Recogniser`, scored by CER."""
-    import jiwer
-
-    scored = []
-    for example, transcript in zip(examples, recogniser.transcribe_all(e.path for e in examples), strict=True):
-        if transcript.error is not None:
-            scored.append(Scored(example, None, None, transcript.error))
-            continue
-        hypothesis = transcript.text or ""
-        cer = float(jiwer.cer(example.reference, hypothesis)) if hypothesis else 1.0
-        scored.append(Scored(example, hypothesis, cer))
-    return scored
-
-
-def step_counts(instance: dg.DagsterInstance, run_ids: Iterable[str]) -> tuple[int, int]:
-    """(steps that succeeded, steps that failed) in ``run_ids``."""
-    kinds = [
-        entry.dagster_event.event_type
-        for run_id in run_ids
-        for entry in instance.all_logs(
-            run_id, of_type={dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
-        )
-    ]
-    return kinds.count(dg.DagsterEventType.STEP_SUCCESS), kinds.count(dg.DagsterEventType.STEP_FAILURE)
+    # each speaker's first utterance, then each one's second, ...
+    ranked = sorted((i, speaker, example) for speaker, items in by_speaker.items() for i, example in enumerate(items))
+    return [example for _, _, example in ranked[:count]]
 
 
 @dataclass(frozen=True)
@@ -161,6 +113,8 @@ def what_to_open(data: DataLayout) -> list[str]:
 
 
 def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int) -> tuple[list[str], bool]:
+    import jiwer
+
     from speech_assets.evaluation.recognise import Recogniser, RecogniserError, fetch_recogniser
 
     try:
@@ -182,11 +136,17 @@ def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int
                 recogniser = Recogniser(data.finetune.recogniser)
     except RecogniserError as error:
         return [f"error: {error}"], False
-    scored = transcribe_examples(examples, recogniser)
-    lines = [f"recogniser: {source}"]
-    for item in scored:
-        lines += item.lines()
-    return lines, all(item.error is None for item in scored)
+    lines, ok = [f"recogniser: {source}"], True
+    for example, transcript in zip(examples, recogniser.transcribe_all(e.path for e in examples), strict=True):
+        head = f"{example.utt_id} (speaker {example.speaker_id})"
+        if transcript.error is not None:
+            lines.append(f"{head}: error: {transcript.error}")
+            ok = False
+            continue
+        hypothesis = transcript.text or ""
+        cer = float(jiwer.cer(example.reference, hypothesis)) if hypothesis else 1.0
+        lines += [f"{head}: CER {cer:.2f}", f"  reference:  {example.reference}", f"  recognised: {hypothesis}"]
+    return lines, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             print()
         runs = instance.get_runs(filters=dg.RunsFilter(created_after=datetime.fromtimestamp(args.since, UTC)))
         run_ids = [run.run_id for run in reversed(runs)]  # oldest first
-        succeeded, failed = step_counts(instance, run_ids)
+        ends = {dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
+        steps = [e.dagster_event.event_type for run_id in run_ids for e in instance.all_logs(run_id, of_type=ends)]
+        succeeded, failed = steps.count(dg.DagsterEventType.STEP_SUCCESS), steps.count(dg.DagsterEventType.STEP_FAILURE)
         print(f"== verdict ({len(run_ids)} runs) ==")
         print("\n".join(verdict(succeeded, failed, check_outcomes(instance, run_ids))))
     print("\n".join(what_to_open(data)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import socket
 
 # RFC 1123 labels: letters, digits and inner hyphens; a name never starts with "-" (an option to ssh)
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -63,10 +62,3 @@ def _address(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None
         return ipaddress.ip_address(value)
     except ValueError:
         return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at ``host`` right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

@@ -7,59 +7,33 @@ Ids that become path parts are checked by the caller (``StoragePaths``) before t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, overload
-
-# ``D/manifest/``
-MANIFEST_DIR = "manifest"
+from typing import Any, Self
 
 # ``D/features/shards/<speaker>.*``
-FEATURES_DIR = "features"
-SHARDS_DIR = "shards"
 SHARD_REJECTS_SUFFIX = ".rejects.parquet"
 SHARD_STATS_SUFFIX = ".stats.npz"
 SHARD_META_SUFFIX = ".meta.json"
 SHARD_LOCK_SUFFIX = ".lock"
-VERIFIED_FILE = ".verified.json"  # in the shards folder: what shards_are_consistent already read
-
-# ``D/cmvn/``
-CMVN_DIR = "cmvn"
-
-# ``D/clients/``
-CLIENTS_DIR = "clients"
-CLIENTS_FILE = "clients.parquet"
 
 # ``D/kmeans/<client>/`` (iteration 1) and ``D/kmeans_iter2/<client>/`` (iteration 2)
 TARGETS_DIRS = {1: "kmeans", 2: "kmeans_iter2"}
 
 # a training run's folder: ``D/training/<run>/``, ``D/training_iter2/<run>/``, ``D/distill/<run>/``
-NODE_LOG = "node{rank}.log"  # the output of node ``rank`` (1..N-1) that the asset started
 RUN_LOCK = ".run.lock"
 WORKERS_LOCK = ".workers.lock"
 
-# ``D/federated/<run>/`` (:class:`FederatedPaths`) and ``D/federated_clients/<client>/`` (SuperNode state roots)
-CLIENT_STATE_DIR = "federated_clients"
-
 # ``D/federated/<run>/flower/`` (:class:`FlowerFiles`): the local federation's processes and the ``flwr`` CLI
 FLOWER_HOME_DIR = "home"  # a Flower process's ``FLWR_HOME``, inside its folder
-SUPERLINK_LOG = "superlink.log"
 SUPERNODE_DIR = "supernode-{}"  # by client id
 SUPERNODE_LOG = "supernode.log"
 NODE_PRIVATE_KEY = "{}.key"  # by client id
 NODE_PUBLIC_KEY = "{}.pub"
 
-# ``<client state root>/<run>/`` (:class:`ClientRunFiles`): one client's state of one federated run
-SECAGG_LOCK = ".lock"  # in a client's secagg/ folder: held while a stage reads and writes its round state
-
-# ``D/probe/``
-PROBE_DIR = "probe"
-
-# ``D/finetune/``
-FINETUNE_DIR = "finetune"
-
-# ``D/report/`` and ``D/stats.duckdb``
-REPORT_DIR = "report"
+PROBE_DIR = "probe"  # ``D/probe/``
+FINETUNE_DIR = "finetune"  # ``D/finetune/``
 PLOT_SUFFIX = ".png"  # a plot in the report's plot cache: ``<input hash>.png``
 
 # an MLflow run's artifacts, beside its run folder's config.json and result.json
@@ -110,18 +84,15 @@ def lock_beside(path: Path) -> Path:
 
 
 class Under:
-    """``labels = Under("labels.parquet")`` reads as ``self.root / "labels.parquet"``; on the class
+    """``labels = Under("labels.parquet")`` reads as ``self.root / "labels.parquet"``, ``probe =
+    Under("probe", ProbeFiles)`` as ``ProbeFiles(self.root / "probe")``; on the class
     (``TargetFiles.labels``) it holds the ``.name``, for a glob or a message."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, kind: Callable[[Path], Any] = Path) -> None:
+        self.name, self.kind = name, kind
 
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Under: ...
-    @overload
-    def __get__(self, obj: Any, owner: type | None = None) -> Path: ...
-    def __get__(self, obj: Any, owner: type | None = None) -> Path | Under:
-        return self if obj is None else obj.root / self.name
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else self.kind(obj.root / self.name)
 
 
 @dataclass(frozen=True)
@@ -229,45 +200,16 @@ class RunFiles(RunRecord):
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / self.checkpoint_steps.name(step)
 
+    node_logs = Numbered("node{}.log")  # the output of node N (1..nnodes-1) that the asset started
+
     def node_log(self, rank: int) -> Path:
-        return self.root / NODE_LOG.format(rank=rank)
+        return self.root / self.node_logs.name(rank)
 
     rank_results = Numbered("result.rank{}.json")  # a parallel fine-tuning batch: the result of rank N > 0
 
     def rank_result(self, rank: int) -> Path:
         """The result of rank ``rank`` of a fine-tuning batch: ``result.json`` on rank 0."""
         return self.result if rank == 0 else self.root / self.rank_results.name(rank)
-
-
-class FederatedPaths(RunRecord):
-    """``D/federated/<run>/``; no client state: that lives under each SuperNode's root (:class:`ClientRunFiles`)."""
-
-    rounds_dir = Under("rounds")
-    round_checkpoints = Numbered("round_{:05d}.pt")  # global encoder + server optimiser, the last keep_rounds
-    round_records = Numbered("round_{:05d}.json")  # that round's rows, missing clients, hashes; all kept
-
-    def round_checkpoint(self, round_number: int) -> Path:
-        return self.rounds_dir / self.round_checkpoints.name(round_number)
-
-    def round_record(self, round_number: int) -> Path:
-        return self.rounds_dir / self.round_records.name(round_number)
-
-    rounds_table = Under("rounds.parquet")
-    evaluation_table = Under("evaluation.parquet")
-    received = Under("received.jsonl")  # what the server received: record names, keys and shapes
-    failure = Under("failure.json")
-    server_log = Under("server.log")
-    run_config = Under("run_config.toml")
-    flower_dir = Under("flower")
-
-    @property
-    def flower(self) -> FlowerFiles:
-        return FlowerFiles(self.flower_dir)
-
-    @property
-    def nodes(self) -> Path:
-        """``{node id: client id}`` registered with the local SuperLink; absent for a remote one."""
-        return self.flower.nodes
 
 
 class FlowerHome(Folder):
@@ -307,34 +249,43 @@ class FlowerFiles(Folder):
     run_log = Under("flwr-run.log")
     simulation_log = Under("simulation.log")
     simulation_nodes = Under("simulation_nodes.json")
-    superlink_dir = Under("superlink")
+    superlink_log = Under("superlink/superlink.log")
+    superlink_home = Under(f"superlink/{FLOWER_HOME_DIR}")
     tls_dir = Under("tls")
+    tls = Under(tls_dir.name, FlowerTls)
     auth_dir = Under("auth")
-
-    @property
-    def tls(self) -> FlowerTls:
-        return FlowerTls(self.tls_dir)
-
-    @property
-    def auth(self) -> NodeKeys:
-        return NodeKeys(self.auth_dir)
-
-    @property
-    def superlink_log(self) -> Path:
-        return self.superlink_dir / SUPERLINK_LOG
-
-    @property
-    def superlink_home(self) -> Path:
-        return self.superlink_dir / FLOWER_HOME_DIR
-
-    def supernode_dir(self, client_id: str) -> Path:
-        return self.root / SUPERNODE_DIR.format(client_id)
+    auth = Under(auth_dir.name, NodeKeys)
 
     def supernode_log(self, client_id: str) -> Path:
-        return self.supernode_dir(client_id) / SUPERNODE_LOG
+        return self.root / SUPERNODE_DIR.format(client_id) / SUPERNODE_LOG
 
     def supernode_home(self, client_id: str) -> Path:
-        return self.supernode_dir(client_id) / FLOWER_HOME_DIR
+        return self.root / SUPERNODE_DIR.format(client_id) / FLOWER_HOME_DIR
+
+
+class FederatedPaths(RunRecord):
+    """``D/federated/<run>/``; no client state: that lives under each SuperNode's root (:class:`ClientRunFiles`)."""
+
+    rounds_dir = Under("rounds")
+    round_checkpoints = Numbered("round_{:05d}.pt")  # global encoder + server optimiser, the last keep_rounds
+    round_records = Numbered("round_{:05d}.json")  # that round's rows, missing clients, hashes; all kept
+
+    def round_checkpoint(self, round_number: int) -> Path:
+        return self.rounds_dir / self.round_checkpoints.name(round_number)
+
+    def round_record(self, round_number: int) -> Path:
+        return self.rounds_dir / self.round_records.name(round_number)
+
+    rounds_table = Under("rounds.parquet")
+    evaluation_table = Under("evaluation.parquet")
+    received = Under("received.jsonl")  # what the server received: record names, keys and shapes
+    failure = Under("failure.json")
+    server_log = Under("server.log")
+    run_config = Under("run_config.toml")
+    flower_dir = Under("flower")
+    flower = Under(flower_dir.name, FlowerFiles)
+    # ``{node id: client id}`` registered with the local SuperLink; absent for a remote one
+    nodes = Under(f"{flower_dir.name}/nodes.json")
 
 
 class ClientRunFiles(Folder):
@@ -345,7 +296,8 @@ class ClientRunFiles(Folder):
     heads = Numbered("round_{:05d}.pt")
     secagg_dir = Under("secagg")
     secagg_rounds = Numbered("round-{}.json")
-    secagg_lock = Under(f"{secagg_dir.name}/{SECAGG_LOCK}")
+    # held while a stage reads and writes its round state
+    secagg_lock = Under(f"{secagg_dir.name}/.lock")
 
     def head(self, round_number: int) -> Path:
         return self.heads_dir / self.heads.name(round_number)
@@ -436,25 +388,11 @@ class DecoderFiles(Folder):
 class DataLayout(Folder):
     """Every output folder under the data dir ``root``."""
 
-    @property
-    def manifest(self) -> ManifestFiles:
-        return ManifestFiles(self.root / MANIFEST_DIR)
-
-    @property
-    def shards_dir(self) -> Path:
-        return self.root / FEATURES_DIR / SHARDS_DIR
-
-    @property
-    def verified(self) -> Path:
-        return self.shards_dir / VERIFIED_FILE
-
-    @property
-    def cmvn(self) -> CmvnFiles:
-        return CmvnFiles(self.root / CMVN_DIR)
-
-    @property
-    def clients_file(self) -> Path:
-        return self.root / CLIENTS_DIR / CLIENTS_FILE
+    manifest = Under("manifest", ManifestFiles)
+    shards_dir = Under("features/shards")
+    verified = Under(f"{shards_dir.name}/.verified.json")  # what shards_are_consistent already read
+    cmvn = Under("cmvn", CmvnFiles)
+    clients_file = Under("clients/clients.parquet")
 
     def targets_root(self, iteration: int = 1) -> Path:
         return self.root / TARGETS_DIRS[iteration]
@@ -479,18 +417,13 @@ class DataLayout(Folder):
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)
 
-    @property
-    def client_state_dir(self) -> Path:
-        """One state root per local SuperNode."""
-        return self.root / CLIENT_STATE_DIR
+    client_state_dir = Under("federated_clients")  # one state root per local SuperNode: ``<this>/<client>/``
 
     def results_of(self, runs_dir: Path) -> list[Path]:
         """The ``result.json`` of every finished run, by path."""
         return sorted(runs_dir.glob(f"*/{RunRecord.result.name}"))
 
-    @property
-    def probe(self) -> ProbeFiles:
-        return ProbeFiles(self.root / PROBE_DIR)
+    probe = Under(PROBE_DIR, ProbeFiles)
 
     export_dir = Under("export")
 
@@ -500,13 +433,8 @@ class DataLayout(Folder):
     def all_exports(self) -> list[ExportFiles]:
         return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ExportFiles.card.name}"))]
 
-    @property
-    def finetune(self) -> FinetuneFiles:
-        return FinetuneFiles(self.root / FINETUNE_DIR)
-
-    @property
-    def report(self) -> ReportFiles:
-        return ReportFiles(self.root / REPORT_DIR)
+    finetune = Under(FINETUNE_DIR, FinetuneFiles)
+    report = Under("report", ReportFiles)
 
     stats_db = Under("stats.duckdb")
     mlflow_db = Under("mlflow.db")

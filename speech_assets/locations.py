@@ -14,15 +14,13 @@ from urllib.parse import parse_qsl, urlencode, urlparse
 
 from speech_assets import layout
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-
 
 def repo_root() -> Path:
     """The checkout this package runs from (falls back to the working directory when installed)."""
     explicit = os.environ.get("SPEECH_ASSETS_REPO_ROOT")
     if explicit:
         return Path(explicit).resolve()
-    candidate = PACKAGE_DIR.parent
+    candidate = Path(__file__).resolve().parent.parent
     if (candidate / "pyproject.toml").is_file():
         return candidate
     return Path.cwd().resolve()

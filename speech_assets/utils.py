@@ -88,35 +88,36 @@ def deferred_fsync() -> Iterator[None]:
 
 def current_umask() -> int:
     """This process's umask, read without setting it (which races with threads creating files)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def atomic_write_bytes(target: str | os.PathLike[str], data: bytes, durable: bool = True) -> None:
-    with atomic_path(target, durable=durable) as tmp:
-        tmp.write_bytes(data)
-
-
 def atomic_write_text(target: str | os.PathLike[str], text: str, durable: bool = True) -> None:
-    atomic_write_bytes(target, text.encode("utf-8"), durable=durable)
+    with atomic_path(target, durable=durable) as tmp:
+        tmp.write_bytes(text.encode("utf-8"))
 
 
-def publish_folder(staging: Path, folder: Path) -> None:
-    """Put the finished sibling ``staging`` in ``folder``'s place with the umask's modes (mkdtemp made it 0700)."""
-    for file in staging.iterdir():
-        file.chmod(0o666 & ~current_umask())
-    staging.chmod(0o777 & ~current_umask())
-    if folder.exists():
-        shutil.rmtree(folder)
-    staging.rename(folder)
+@contextlib.contextmanager
+def published_folder(folder: Path) -> Iterator[Path]:
+    """A sibling staging folder, put in ``folder``'s place with the umask's modes (mkdtemp makes
+    it 0700) when the block succeeds: never half a folder."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield staging
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~current_umask())
+        staging.chmod(0o777 & ~current_umask())
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -185,3 +186,8 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of ``path``, one a line, none when it is missing (NaN and Infinity read as written)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

@@ -16,6 +16,7 @@ import pytest
 from speech_assets import docs
 from speech_assets.cli import build_parser
 from speech_assets.definitions import defs
+from speech_assets_tests.support import ui_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -131,21 +132,21 @@ def test_every_relative_link_resolves(path: Path) -> None:
 def test_descriptions_render_the_checker_sees_what_the_ui_drops(description: str, problems: list[str]) -> None:
     """Kills: parsing with raw HTML off (html=False: no html tokens, `<data>` passes), skipping
     `html_block` or the children of inline tokens, the RST check dropped or matching fences."""
-    found = docs.description_problems(description)
+    found = ui_markdown.description_problems(description)
     assert len(found) == len(problems) and all(f.startswith(p) for f, p in zip(found, problems)), found
 
 
 def test_descriptions_render_the_ui_drops_raw_html() -> None:
     """The renderer drops the tag as the UI does and keeps code spans. Kills: rendering raw HTML."""
-    assert docs.rendered("a <data>/x b") == "<p>a /x b</p>\n"
-    assert docs.rendered("a `<data>/x` b") == "<p>a <code>&lt;data&gt;/x</code> b</p>\n"
+    assert ui_markdown.rendered("a <data>/x b") == "<p>a /x b</p>\n"
+    assert ui_markdown.rendered("a `<data>/x` b") == "<p>a <code>&lt;data&gt;/x</code> b</p>\n"
 
 
 def test_descriptions_render_in_the_ui() -> None:
     """Every asset's and check's description loses nothing in the UI and uses markdown, not RST.
     Failed before the fix (`<data>/probe/results.parquet` in `downstream_probe`, ``heldout`` in
     `client_partitions`, ...); kills putting any of them back."""
-    assert docs.all_description_problems(defs) == {}
+    assert ui_markdown.all_description_problems(defs) == {}
 
 
 def _edges(mermaid: str) -> set[tuple[str, str]]:

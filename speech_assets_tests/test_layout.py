@@ -41,7 +41,7 @@ def layout_values() -> list[str]:
                 if isinstance(attribute, layout.Numbered):
                     values.append(attribute.template)
                 elif isinstance(attribute, layout.Under):
-                    values.append(attribute.name.rpartition("/")[2])
+                    values += attribute.name.split("/")
     return values
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent
 from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import REPO
+from speech_assets_tests.support.ports import free_port
 
 VENV = Path(sys.prefix)
 STAMP = VENV / ".installed"  # the Makefile's $(STAMP) for VENV=$(VENV)

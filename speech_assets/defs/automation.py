@@ -6,17 +6,18 @@ speakers whose rows changed; downstream assets follow their ``AutomationConditio
 (``conditions.py``).
 """
 
+import itertools
 import json
 import os
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.corpus.audit import AUDITS
 from speech_assets.corpus.manifest import CorpusError, check_corpus_location, corpus_fingerprint
+from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.partitions import PARTITION_RANGE_END, PARTITION_RANGE_START, speakers_partitions
-from speech_assets.defs.per_partition import listed_speakers, speaker_observations
+from speech_assets.defs.per_partition import speaker_observations
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.defs.runs import IN_PROCESS_TAG
 from speech_assets.utils import sha256_strings
@@ -37,17 +38,10 @@ SHARD_REQUEST_TAG = "speech_assets/shard_request"
 MANIFEST_CHECKS = [dg.AssetCheckKey(dg.AssetKey("manifest"), name) for name in AUDITS]
 
 
-def stale_speakers(paths: StoragePaths) -> dict[str, str]:
+def stale_speakers(paths: StoragePaths, listed: dict[str, SpeakerRows]) -> dict[str, str]:
     """Speakers whose shard is missing or was built from other manifest rows -> current hash."""
-    if not paths.layout.manifest.speakers.exists():
-        return {}
-    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash"]).to_pylist()
-    result = {}
-    for row in speakers:
-        meta = paths.shard_files(row["speaker_id"]).read_meta()
-        if meta is None or meta.get("speaker_manifest_hash") != row["manifest_hash"]:
-            result[row["speaker_id"]] = row["manifest_hash"]
-    return result
+    built = {s: (paths.shard_files(s).read_meta() or {}).get("speaker_manifest_hash") for s in listed}
+    return {s: row.manifest_hash for s, row in listed.items() if built[s] != row.manifest_hash}
 
 
 @dg.sensor(
@@ -85,7 +79,7 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
             "(or the [manifest] settings) and the next corpus change re-validates it"
         )
     registered = list(context.instance.get_dynamic_partitions(speakers_partitions.name))
-    listed = listed_speakers(paths)
+    listed = paths.listed_speakers()
     new = sorted(set(listed) - set(registered))
     order = registered + new  # new partitions are appended in this order
     add = [speakers_partitions.build_add_request(new)] if new else []
@@ -93,7 +87,7 @@ def corpus_sensor(context: dg.SensorEvaluationContext, paths: StoragePaths) -> d
     # speakers whose rows changed; any it could not record (a run killed after publishing, a
     # manifest from before observations) are recorded here, without a run. Normally none.
     observations = speaker_observations(context.instance, listed, order)
-    stale = stale_speakers(paths)
+    stale = stale_speakers(paths, listed)
     if not stale:
         return dg.SensorResult(skip_reason="every shard is up to date", cursor=cursor, asset_events=observations)
     return dg.SensorResult(
@@ -149,13 +143,7 @@ def shard_run_key(instance: dg.DagsterInstance, request: str) -> str:
 def contiguous_ranges(order: list[str], wanted: set[str]) -> list[tuple[str, str, list[str]]]:
     """Group ``wanted`` keys into neighbours in partition order: one run per range, so unchanged
     shards never fall inside a range."""
-    ranges: list[list[str]] = []
-    for index, key in enumerate(order):
-        if key in wanted:
-            if index and order[index - 1] in wanted:
-                ranges[-1].append(key)
-            else:
-                ranges.append([key])
+    ranges = [list(keys) for is_wanted, keys in itertools.groupby(order, wanted.__contains__) if is_wanted]
     return [(keys[0], keys[-1], keys) for keys in ranges]
 
 

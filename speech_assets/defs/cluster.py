@@ -21,7 +21,6 @@ from speech_assets.defs.resources import TrainingSettings
 K8S_CONFIG_TAG = "dagster-k8s/config"
 CELERY_QUEUE_TAG = "dagster-celery/queue"
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_QUEUE = "gpu"
 
 
 def training_op_tags(training: TrainingSettings) -> dict[str, Any]:
@@ -31,5 +30,5 @@ def training_op_tags(training: TrainingSettings) -> dict[str, Any]:
     limits = {GPU_RESOURCE: str(training.gpus_per_node)}
     return {
         K8S_CONFIG_TAG: {"container_config": {"resources": {"limits": limits}}},
-        CELERY_QUEUE_TAG: GPU_QUEUE,
+        CELERY_QUEUE_TAG: "gpu",
     }

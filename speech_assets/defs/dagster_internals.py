@@ -87,10 +87,8 @@ def stop_forkserver() -> None:
     with server._lock:
         if server._forkserver_pid is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(server._forkserver_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         server._stop_unlocked()  # reaps it and removes its socket
 
 

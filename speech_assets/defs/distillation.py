@@ -13,7 +13,7 @@ import dagster as dg
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import input_versions, required_checkpoint
 from speech_assets.defs.partitions import TRAINING_INPUTS
-from speech_assets.defs.resources import DistillSettings, StoragePaths, overrides_of
+from speech_assets.defs.resources import DistillSettings, StoragePaths
 from speech_assets.defs.torchrun import run_folder, run_inputs, run_torchrun, torchrun_asset
 from speech_assets.layout import RunFiles
 from speech_assets.model.presets import get_preset
@@ -23,12 +23,7 @@ from speech_assets.utils import atomic_write_text, from_fields, read_json
 DISTILL_CODE_VERSION = "distill-v1"
 
 
-class DistillOverrides(overrides_of(DistillSettings)):
-    """Run-config overrides of the `[distill]` settings for one manual run."""
-
-
 @torchrun_asset(
-    DistillOverrides,
     "distill",
     group_name="evaluation",
     deps=["pretrained_checkpoint", *TRAINING_INPUTS],

@@ -4,8 +4,6 @@ The exporter lives in speech_assets/model/export.py; torch and onnx are imported
 """
 
 import json
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -15,15 +13,14 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.lineage import latest_materialization, required_checkpoint
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.layout import ExportFiles
-from speech_assets.utils import atomic_write_text, publish_folder, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, published_folder, sha256_file, sha256_strings
 
 EXPORT_CODE_VERSION = "export-v3"  # v3: the folder names the layer's index (layer4, not layer-1 for the last)
 # an exported encoder whose ONNX output differs from PyTorch's by more than this (fp32) fails its check
 ONNX_PARITY_ATOL = 1e-4
 
 
-class ExportOverrides(overrides_of(ExportSettings)):
-    """Run-config overrides of the `[export]` settings for one manual run."""
+ExportOverrides = overrides_of(ExportSettings)
 
 
 @dg.asset(
@@ -43,6 +40,7 @@ def encoder_export(
     from speech_assets.features.cmvn import from_record
     from speech_assets.model.encoders import load_encoder
     from speech_assets.model.export import export_all, input_description, resolve_layer
+    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
 
     options = effective(settings.export, config)
     checkpoint, checkpoint_version = required_checkpoint(context, "pretrained_checkpoint")
@@ -66,22 +64,25 @@ def encoder_export(
     except ValueError as error:
         raise dg.Failure(description=f"[export] {error}") from error
     exported = paths.layout.export(encoder.sha256, layer)
-    folder = exported.root
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # written in a sibling temporary folder, then renamed into place: never half an export
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        context.log.info(f"exporting {checkpoint} (layer {layer}) to ONNX and TorchScript")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
-            parity = export_all(encoder.model, staging, layer, sample, options.opset or None)
+    context.log.info(f"exporting {checkpoint} (layer {layer}) to ONNX and TorchScript")
+    with published_folder(exported.root) as staging, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's progress chatter and torch.jit's deprecation notice
+        parity = export_all(encoder.model, staging, layer, sample, options.opset or None)
         description = input_description(encoder, cmvn, layer, parity, checkpoint)
         atomic_write_text(ExportFiles(staging).card, json.dumps(description, indent=2, sort_keys=True) + "\n")
-        publish_folder(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     files = {path.name: sha256_file(path) for path in exported.published}
-    model = log_encoder_model(paths, checkpoint, encoder, exported, context.log.warning)
+    # the ONNX encoder as an MLflow model in its checkpoint's run; {} (and a warning) when it cannot be logged
+    model = log_exported_model(
+        paths.mlflow_tracking_uri,
+        checkpoint,
+        encoder.checkpoint,
+        exported.onnx,
+        [exported.card],
+        context.log.warning,
+        name=ENCODER_MODEL,
+        signature=export_signature(encoder.model.preset.dim),
+        tags={"checkpoint_sha256": encoder.sha256},
+    )
     context.log.info(
         f"parity on {parity.utterances} utterances ({parity.frames} frames): ONNX max |diff| "
         f"{parity.onnx_max_abs_diff:.2e}, TorchScript {parity.torchscript_max_abs_diff:.2e}"
@@ -103,23 +104,6 @@ def encoder_export(
             "input_versions": dg.MetadataValue.json({"pretrained_checkpoint": checkpoint_version}),
             **({"mlflow_model": model["model_uri"]} if model else {}),
         },
-    )
-
-
-def log_encoder_model(paths: StoragePaths, checkpoint: str, encoder, exported: ExportFiles, warn) -> dict[str, str]:
-    """The ONNX encoder as an MLflow model in its checkpoint's run; ``{}`` (and a warning) when it cannot be logged."""
-    from speech_assets.train.tracking import ENCODER_MODEL, export_signature, log_exported_model
-
-    return log_exported_model(
-        paths.mlflow_tracking_uri,
-        checkpoint,
-        encoder.checkpoint,
-        exported.onnx,
-        [exported.card],
-        warn,
-        name=ENCODER_MODEL,
-        signature=export_signature(encoder.model.preset.dim),
-        tags={"checkpoint_sha256": encoder.sha256},
     )
 
 

@@ -8,16 +8,10 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus import manifest as corpus
+from speech_assets.defs import per_partition
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
-from speech_assets.defs.per_partition import (
-    observed_input_provenance,
-    observed_versions,
-    partition_materialization,
-    per_partition_asset,
-    step_events,
-)
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import markdown_table, problems_result
 from speech_assets.defs.resources import (
@@ -36,13 +30,11 @@ from speech_assets.utils import atomic_path, atomic_write_text, read_json, sha25
 CMVN_CODE_VERSION = "cmvn-v1"
 
 
-class FeatureOverrides(overrides_of(FeatureSettings)):
-    """Run-config overrides of the `[features]` settings for one manual run."""
-
-    force: bool = False  # rebuild shards even when their inputs are unchanged
+# force: rebuild shards even when their inputs are unchanged
+FeatureOverrides = overrides_of(FeatureSettings, force=(bool, False))
 
 
-@per_partition_asset(
+@per_partition.per_partition_asset(
     speakers_partitions,
     group_name="features",
     deps=[SPEAKER_MANIFEST],  # the same speaker's rows: other speakers' changes leave a shard in sync
@@ -62,7 +54,7 @@ def vad_features(
     speakers = list(context.partition_keys)
     manifest_version = latest_data_version(context.instance, "manifest")
     # each shard's input: its own speaker's rows, as last observed (their version and event)
-    observed = observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
+    observed = per_partition.observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
     paths.layout.shards_dir.mkdir(parents=True, exist_ok=True)
     jobs = shard_jobs(
         corpus.read_manifest(paths.layout.manifest.manifest),
@@ -90,17 +82,17 @@ def vad_features(
             meta = outcome.meta
             totals.add(outcome)
             published.append(
-                partition_materialization(
+                per_partition.partition_materialization(
                     context,
                     outcome.speaker_id,
                     meta["shard_sha256"],
                     shard_metadata(paths, meta, outcome.rebuilt),
-                    observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+                    per_partition.observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
                 )
             )
     context.log.info(totals.summary())
     if not failed:
-        yield from step_events(context, published)
+        yield from per_partition.step_events(context, published)
     else:
         yield from published  # the finished shards are recorded even though the run fails
         raise dg.Failure(
@@ -138,8 +130,7 @@ def shard_metadata(paths: StoragePaths, meta: dict, rebuilt: bool) -> dict[str, 
 )
 def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.MaterializeResult:
     """Global and per-speaker mean/std of log-mel and MFCC, combined from per-shard partial sums."""
-    speakers = sorted(pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist())
-    metas = {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
+    speakers, metas = sorted(paths.listed_speakers()), paths.published_shards()
     if missing := [s for s in speakers if s not in metas]:
         raise dg.Failure(
             description=f"{len(missing)} speaker shard(s) missing or incomplete ({', '.join(missing[:10])}): "
@@ -180,11 +171,6 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
 MAX_NO_SPEECH_SHARE = 0.2
 
 
-def _published_shards(paths: StoragePaths) -> dict[str, dict]:
-    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-    return {s: meta for s in speakers if (meta := paths.shard_files(s).read_meta()) is not None}
-
-
 def _verified_key(meta: dict) -> str:
     """What the check's verdict on a shard depends on (the meta vouches for the files by size and mtime)."""
     return sha256_strings(
@@ -203,7 +189,7 @@ def _verified_key(meta: dict) -> str:
 )
 def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     problems: list[str] = []
-    shards = _published_shards(paths)
+    shards = paths.published_shards()
     verified_file = paths.layout.verified
     verified = set(read_json(verified_file).get("sound", []))
     sound, read = [], 0
@@ -229,7 +215,7 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     description=f"VAD found too little speech in at most {MAX_NO_SPEECH_SHARE:.0%} of the utterances.",
 )
 def no_speech_share(paths: StoragePaths) -> dg.AssetCheckResult:
-    shards = _published_shards(paths)
+    shards = paths.published_shards()
     kept = sum(m["utterances"] for m in shards.values())
     # the counts each meta vouches for (shards_are_consistent checks them against the files)
     rejected = sum(m["rejects"] for m in shards.values())

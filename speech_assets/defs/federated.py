@@ -10,13 +10,12 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
+from speech_assets.defs import readable
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.lineage import input_versions
 from speech_assets.defs.partitions import TRAINING_INPUTS
-from speech_assets.defs.readable import megabytes
 from speech_assets.defs.resources import FederatedSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import HELDOUT_CLIENT_COLUMNS
 from speech_assets.locations import git_commit, redact_uri
 from speech_assets.train import accuracy
 from speech_assets.train.provenance import record_provenance
@@ -56,8 +55,7 @@ def federated_tracker(paths: StoragePaths, config, *, git_sha: str | None, dagst
     )
 
 
-class FederatedOverrides(overrides_of(FederatedSettings)):
-    """Run-config overrides of the `[federated]` settings for one manual run."""
+FederatedOverrides = overrides_of(FederatedSettings)
 
 
 def run_name_for(data_versions: dict[str, str], settings: FederatedSettings) -> str:
@@ -81,18 +79,11 @@ def federated_checkpoint(
     SuperNodes): local rounds on a seeded sample of the clients, each on its own data with its own
     head, FedAdam/FedAvg/FedProx on the shared encoder only, optional DP and secure aggregation;
     resumes from its last completed round; MLflow."""
-    from speech_assets.defs import readable
+    from speech_assets.federated import launch
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import SettingsChanged, round_log_line
-    from speech_assets.federated.launch import (
-        FederatedRunFailed,
-        InsecureRefused,
-        deployment_options,
-        describe_engine,
-        run_federation,
-    )
     from speech_assets.federated.processes import NeedsLinux
-    from speech_assets.stats.plots import markdown_image, round_curve
+    from speech_assets.stats.plots import inline_chart, markdown_image, round_curve
 
     record_run_process(context)
     fed = effective(settings.federated, config)
@@ -114,21 +105,20 @@ def federated_checkpoint(
     )
     commit = git_commit()
     tracker = federated_tracker(paths, federated, git_sha=commit, dagster_run_id=context.run.run_id)
-    context.log.info(
-        f"federated run {run_name} in {run_dir}: {len(clients)} clients on {describe_engine(fed.superlink, fed.engine)}"
-    )
+    engine = launch.describe_engine(fed.superlink, fed.engine)
+    context.log.info(f"federated run {run_name} in {run_dir}: {len(clients)} clients on {engine}")
     try:
-        result = run_federation(
+        result = launch.run_federation(
             federated,
             paths.root,
-            **deployment_options(fed),
+            **launch.deployment_options(fed),
             log=context.log.info,
             on_round=lambda record: context.log.info(round_log_line(record, federated.rounds)),
             tracker=tracker,
         )
-    except (SettingsChanged, InsecureRefused, NeedsLinux) as error:
+    except (SettingsChanged, launch.InsecureRefused, NeedsLinux) as error:
         raise dg.Failure(description=f"federated run {run_name} refused: {error}") from error
-    except FederatedRunFailed as error:
+    except launch.FederatedRunFailed as error:
         raise dg.Failure(
             description=f"federated run {run_name} stopped: {error}",
             metadata={"run_dir": dg.MetadataValue.path(str(run_dir)), "failure": dg.MetadataValue.json(error.failure)},
@@ -154,7 +144,7 @@ def federated_checkpoint(
         )
     metadata = {
         # Dagster lists metadata in insertion order: the curve near the top
-        "curve": readable.inline_chart(f"{accuracy.LABEL} by round", round_series(lines)),
+        "curve": dg.MetadataValue.md(inline_chart(f"{accuracy.LABEL} by round", round_series(lines))),
         "rounds": result["rounds"],
         "strategy": result["strategy"],
         "local_steps": result["local_steps"],
@@ -173,13 +163,7 @@ def federated_checkpoint(
         **({"epsilon": readable.rounded(result["privacy"]["epsilon"])} if result["privacy"] else {}),
         "per_round": readable.table(round_rows(lines, result["sampled_by_round"]), ROUND_COLUMNS),
         "round_plot": dg.MetadataValue.md(markdown_image(round_curve(lines), "round curve")),
-        "heldout_per_client": readable.table(
-            [
-                accuracy.per_client_row(client, scores)
-                for client, scores in sorted(result["heldout_per_client"].items())
-            ],
-            HELDOUT_CLIENT_COLUMNS,
-        ),
+        "heldout_per_client": readable.per_client_table(result["heldout_per_client"]),
         "resumed_from_round": result["resumed_from_round"] or 0,
         "checkpoint": dg.MetadataValue.path(result["checkpoint"]),
         "checkpoint_sha256": sha,
@@ -222,8 +206,8 @@ def round_rows(lines: list[dict], sampled_by_round: dict[str, list[str]]) -> lis
                 "heldout_majority_accuracy": found.majority if found else None,
                 "all_frames_masked_accuracy": line.get("heldout_masked_accuracy"),
                 "sampled": ", ".join(sampled_by_round.get(str(line["round"]), [])),
-                "mb_up": megabytes(line["bytes_up"]),
-                "mb_down": megabytes(line["bytes_down"]),
+                "mb_up": readable.megabytes(line["bytes_up"]),
+                "mb_down": readable.megabytes(line["bytes_down"]),
                 "round_s": round(line["round_seconds"], 1),
             }
         )

@@ -6,9 +6,8 @@ one torchrun launch (:mod:`speech_assets.defs.torchrun`).
 """
 
 import contextlib
+import itertools
 import json
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,13 +16,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import (
-    bounded_versions,
-    checkpoint_of,
-    latest_data_version,
-    required_checkpoint,
-    shard_hashes,
-)
+from speech_assets.defs import lineage
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS
 from speech_assets.defs.resources import (
     FinetuneSettings,
@@ -34,12 +27,18 @@ from speech_assets.defs.resources import (
     vad_config,
 )
 from speech_assets.defs.runs import record_run_process
-from speech_assets.defs.torchrun import run_folder, run_torchrun, training_curve_metadata
+from speech_assets.defs.torchrun import record_finished, run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
 from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
 from speech_assets.locations import git_commit
-from speech_assets.train.provenance import record_provenance
-from speech_assets.utils import atomic_path, atomic_write_text, from_fields, publish_folder, sha256_file, sha256_strings
+from speech_assets.utils import (
+    atomic_path,
+    atomic_write_text,
+    from_fields,
+    published_folder,
+    sha256_file,
+    sha256_strings,
+)
 
 if TYPE_CHECKING:
     from speech_assets.evaluation.finetune_plan import PlannedRun
@@ -47,8 +46,7 @@ if TYPE_CHECKING:
 FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
 
 
-class FinetuneOverrides(overrides_of(FinetuneSettings)):
-    """Run-config overrides of the `[finetune]` settings for one manual run."""
+FinetuneOverrides = overrides_of(FinetuneSettings)
 
 
 @dg.asset(
@@ -72,64 +70,52 @@ def finetuned_asr(
     (`dev_speakers`, never labelled) selects each run's step and each model's peak lr of `lr_grid`
     (tried at the smallest budget and first seed). The pretrained recogniser at the largest budget
     exports to ONNX: `<data>/finetune/recogniser/` (what `speech-assets transcribe` uses)."""
-    from speech_assets.evaluation.finetune_plan import (
-        FinetuneRefused,
-        choose_lrs,
-        collect_results,
-        lr_table,
-        oov_by_budget,
-        plan_finetune,
-        text_overlap,
-    )
-    from speech_assets.evaluation.finetune_results import (
-        markdown_tables,
-        probe_reference,
-        results_table,
-        text_notes,
-        verdict_markdown,
-        verdicts,
-    )
+    from speech_assets.evaluation import finetune_plan as planning
+    from speech_assets.evaluation import finetune_results as results
 
     options = effective(settings.finetune, config)
     record_run_process(context)
     try:
-        plan = plan_finetune(
+        plan = planning.plan_finetune(
             options,
-            pretrained=required_checkpoint(context, "pretrained_checkpoint"),
-            checkpoint_of=lambda name: checkpoint_of(context, CHECKPOINT_ASSETS[name]),
+            pretrained=lineage.required_checkpoint(context, "pretrained_checkpoint"),
+            checkpoint_of=lambda name: lineage.checkpoint_of(context, CHECKPOINT_ASSETS[name]),
             encoder_assets=CHECKPOINT_ASSETS,
             clients=lambda: read_clients(paths.layout.clients_file),
             manifest_file=paths.layout.manifest.manifest,
             shard_file=paths.shard_file,
-            data_versions=lambda speakers: _data_versions(context, paths, speakers),
+            data_versions=lambda speakers: (
+                lineage.latest_versions(context.instance, ["manifest", "client_partitions"])
+                | {f"vad_features/{s}": v for s, v in lineage.shard_hashes(paths, speakers).items()}
+            ),
             log=context.log.info,
             warn=context.log.warning,
         )
         # phase 1: every model tries each lr of the grid at the smallest budget, first seed; the lowest dev CER wins
         folders = _run_all(context, pipes_subprocess_client, paths, options, plan.tuning, plan.base_versions)
         tuned = dict(zip((run.lr_key for run in plan.tuning), folders, strict=True))
-        chosen, dev_cers = choose_lrs(tuned) if tuned else (plan.untuned(), {})
+        chosen, dev_cers = planning.choose_lrs(tuned) if tuned else (plan.untuned(), {})
         context.log.info(f"peak lr chosen on the dev set: {chosen}")
         # phase 2: every budget and seed with the chosen lr (the tuning run of that lr is one of them, reused)
         final = plan.final_runs(chosen, context.log.warning)
         folders = _run_all(context, pipes_subprocess_client, paths, options, final, plan.base_versions)
         planned = dict(zip((run.key for run in final), folders, strict=True))
-        rows, runs = collect_results(planned)
-    except (FinetuneRefused, ProbeLeak) as error:
+        rows, runs = planning.collect_results(planned)
+    except (planning.FinetuneRefused, ProbeLeak) as error:
         raise dg.Failure(description=str(error)) from error
     target = paths.layout.finetune.results
     with atomic_path(target) as tmp:
-        pq.write_table(results_table(rows), tmp)
+        pq.write_table(results.results_table(rows), tmp)
     first, largest, seed = plan.recogniser_key
     chosen_run = runs[plan.recogniser_key]
     exported = _export(context, paths, chosen_run, plan.pool.heldout_texts, settings)
-    lines = verdicts(rows, min_heldout_speakers=settings.probe.min_heldout_speakers)
+    lines = results.verdicts(rows, min_heldout_speakers=settings.probe.min_heldout_speakers)
     for line in lines:
         context.log.info(line)
-    overlap = text_overlap(runs)
+    overlap = planning.text_overlap(runs)
     context.log.info(
         f"text overlap with the held-out sentences: {overlap} labelled/dev utterances "
-        f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {oov_by_budget(runs)}"
+        f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {planning.oov_by_budget(runs)}"
     )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
     unused = {key: folder for key, folder in tuned.items() if folder not in planned.values()}  # lrs not chosen
@@ -137,11 +123,13 @@ def finetuned_asr(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
         metadata={
             # the UI shows metadata in this order: the verdict and the curves first, then the tables
-            "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
+            "verdict": dg.MetadataValue.md(results.verdict_markdown(lines)),
             **_wer_curve(rows),
             **training_curve_metadata(Path(chosen_run["checkpoint"]).parent),  # the exported recogniser's run
-            "results": dg.MetadataValue.md(markdown_tables(rows, probe_reference(paths.layout.probe.results))),
-            "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in text_notes(rows))),
+            "results": dg.MetadataValue.md(
+                results.markdown_tables(rows, results.probe_reference(paths.layout.probe.results))
+            ),
+            "text": dg.MetadataValue.md("\n".join(f"- {note}" for note in results.text_notes(rows))),
             "results_file": dg.MetadataValue.path(str(target)),
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
@@ -152,11 +140,11 @@ def finetuned_asr(
             **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
             "labelled_minutes": dg.MetadataValue.json(plan.budgets),
             "seeds": dg.MetadataValue.json(plan.seeds),
-            "lr_grid": dg.MetadataValue.md(lr_table(plan.lrs, chosen, dev_cers)),
+            "lr_grid": dg.MetadataValue.md(planning.lr_table(plan.lrs, chosen, dev_cers)),
             "lr_chosen": dg.MetadataValue.json(chosen),
             "text_overlap": overlap,  # labelled and dev utterances whose sentence is a held-out one: must be 0
             "overlap_dropped": plan.pool.overlap_dropped,
-            "heldout_oov_rate": dg.MetadataValue.json(oov_by_budget(runs)),
+            "heldout_oov_rate": dg.MetadataValue.json(planning.oov_by_budget(runs)),
             "dev_speakers": dg.MetadataValue.json(plan.pool.dev_speakers[:50]),
             "dev_utterances": len(plan.pool.dev_texts),
             "heldout_utterances": len(plan.pool.heldout_texts),
@@ -167,21 +155,12 @@ def finetuned_asr(
                 | {f"{m}/lr{lr:g}": str(folder) for (m, lr), folder in unused.items()}
             ),
             "input_versions": dg.MetadataValue.json(
-                bounded_versions(
+                lineage.bounded_versions(
                     {**{CHECKPOINT_ASSETS[n]: v for n, (_, v) in plan.encoders.items()}, **plan.base_versions}
                 )
             ),
         },
     )
-
-
-def _data_versions(context: dg.AssetExecutionContext, paths: StoragePaths, speakers: list[str]) -> dict[str, str]:
-    """The data versions every fine-tuning run shares."""
-    return {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-        **{f"vad_features/{s}": v for s, v in shard_hashes(paths, speakers).items()},
-    }
 
 
 def _run_all(
@@ -251,7 +230,6 @@ def _train(
     Each run folder is held as a lone launch holds it."""
     import torch
 
-    from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train import launch
     from speech_assets.train.autoconfig import available_cores
     from speech_assets.train.config import FinetuneBatch
@@ -290,14 +268,7 @@ def _train(
             module="speech_assets.evaluation.finetune",
         )
     for run_dir in run_dirs:
-        if (result := finished_result(run_dir)) is not None:
-            record_provenance(
-                run_dir,
-                result["checkpoint_sha256"],
-                git_sha=batch.git_sha,
-                mlflow_run_id=result.get("mlflow_run_id"),
-                dagster_run_id=context.run.run_id,
-            )
+        record_finished(run_dir, batch.git_sha, context.run.run_id)
 
 
 def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, settings: PipelineSettings) -> dict:
@@ -310,25 +281,21 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
     from speech_assets.features.featurize import FeatureExtractor
     from speech_assets.features.shards import iter_shard
     from speech_assets.model.encoders import load_encoder
-    from speech_assets.model.export import export_recogniser
+    from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES, export_recogniser
+    from speech_assets.train import tracking
 
     loaded = load_encoder(result["checkpoint"])
     cmvn = from_record(loaded.checkpoint.get("normalisation"))
-    speakers = loaded.checkpoint["speakers"]["heldout"]
-    feats, used = [], []
-    for speaker in speakers:
-        for record in iter_shard(paths.shard_file(speaker), features=("logmel",)):
-            if (
-                record.utt_id in heldout_texts
-                and record.logmel is not None
-                and record.num_frames >= 2
-                and len(feats) < settings.export.parity_utterances
-            ):
-                feats.append(cmvn.apply(record.logmel, "logmel"))
-                used.append(record.utt_id)
+    heldout = (
+        record
+        for speaker in loaded.checkpoint["speakers"]["heldout"]
+        for record in iter_shard(paths.shard_file(speaker), features=("logmel",))
+        if record.utt_id in heldout_texts and record.logmel is not None and record.num_frames >= 2
+    )
+    chosen = list(itertools.islice(heldout, settings.export.parity_utterances))
+    feats = [cmvn.apply(record.logmel, "logmel") for record in chosen]
     folder = paths.layout.finetune.recogniser
-    staging = Path(tempfile.mkdtemp(prefix=".recogniser.", dir=folder.parent))
-    try:
+    with published_folder(folder) as staging:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             parity = export_recogniser(loaded.model, staging, feats, settings.export.opset or None, cmvn)
@@ -380,52 +347,32 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
         atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         # the same held-out utterances from their audio files: frontend.onnx + recogniser.onnx against the pipeline
         audio = {row.utt_id: row.path for row in read_manifest(paths.layout.manifest.manifest)}
-        spec["audio_parity"] = audio_parity(staging, loaded.model, cmvn, [audio[u] for u in used if u in audio])
+        used = [audio[r.utt_id] for r in chosen if r.utt_id in audio]
+        spec["audio_parity"] = audio_parity(staging, loaded.model, cmvn, used)
         atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
-        publish_folder(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     context.log.info(
         f"recogniser exported to {folder}: ONNX max |diff| {parity.onnx_max_abs_diff:.2e} on "
         f"{parity.utterances} held-out utterances"
     )
     beam = [folder / spec["beam"][key] for key in ("lm", "lexicon")] if "beam" in spec else []
-    published = (*RecogniserFiles(folder).published, RecogniserFiles(folder).frontend, *beam)
-    files = {path.name: sha256_file(path) for path in published}
-    model = log_recogniser_model(paths, result["checkpoint"], loaded, folder, beam, context.log.warning)
+    exported = RecogniserFiles(folder)
+    files = {path.name: sha256_file(path) for path in (*exported.published, exported.frontend, *beam)}
+    # in its fine-tuning run, registered as a new version of speech_assets_recogniser; {} when it cannot be logged
+    model = tracking.log_exported_model(
+        paths.mlflow_tracking_uri,
+        result["checkpoint"],
+        loaded.checkpoint,
+        exported.onnx,
+        [exported.card, exported.frontend, *beam],
+        context.log.warning,
+        name=tracking.RECOGNISER_MODEL,
+        signature=tracking.export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
+        tags={"checkpoint_sha256": loaded.sha256},
+        registered_name=tracking.RECOGNISER_REGISTERED_NAME,
+    )
     if model.get("registered_uri"):
         context.log.info(f"recogniser registered in MLflow as {model['registered_uri']} (run {model['run_id']})")
     return {"folder": folder, "files": files, "max_abs_diff": parity.onnx_max_abs_diff, "mlflow": model}
-
-
-def log_recogniser_model(
-    paths: StoragePaths, checkpoint: str, loaded, folder: Path, beam: list[Path], warn
-) -> dict[str, str]:
-    """The exported recogniser (its ONNX model; ``recogniser.json`` and the beam decoder's files
-    beside it) as an MLflow model in its fine-tuning run, registered as a new version of
-    ``speech_assets_recogniser``; ``{}`` (and a warning) when it cannot be logged."""
-    from speech_assets.evaluation.recognise import vocabulary
-    from speech_assets.model.export import RECOGNISER_OUTPUT_NAMES
-    from speech_assets.train.tracking import (
-        RECOGNISER_MODEL,
-        RECOGNISER_REGISTERED_NAME,
-        export_signature,
-        log_exported_model,
-    )
-
-    files = RecogniserFiles(folder)
-    return log_exported_model(
-        paths.mlflow_tracking_uri,
-        checkpoint,
-        loaded.checkpoint,
-        files.onnx,
-        [files.card, files.frontend, *beam],
-        warn,
-        name=RECOGNISER_MODEL,
-        signature=export_signature(len(vocabulary()), RECOGNISER_OUTPUT_NAMES),
-        tags={"checkpoint_sha256": loaded.sha256},
-        registered_name=RECOGNISER_REGISTERED_NAME,
-    )
 
 
 def _wer_curve(rows: list[dict]) -> dict[str, object]:

@@ -7,14 +7,9 @@ from collections.abc import Iterator
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
+from speech_assets.defs import per_partition
 from speech_assets.defs.lineage import client_shards, required_checkpoint
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
-from speech_assets.defs.per_partition import (
-    input_provenance,
-    partition_materialization,
-    per_partition_asset,
-    step_events,
-)
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import (
@@ -25,7 +20,7 @@ from speech_assets.defs.resources import (
     effective,
     overrides_of,
 )
-from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
+from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 from speech_assets.targets.config import KMeansConfig
 from speech_assets.utils import from_fields
 
@@ -35,14 +30,13 @@ TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
 ENCODER_ASSETS = {kind: CHECKPOINT_ASSETS[kind] for kind in ("pretrained", "federated")}
 
 
-class Iteration2Overrides(overrides_of(Iteration2Settings)):
-    """Run-config overrides of the `[iteration2]` settings for one manual run."""
+Iteration2Overrides = overrides_of(Iteration2Settings)
 
 
 ALL_ITER2_TARGETS = dg.AssetDep("kmeans_targets_iter2", partition_mapping=dg.AllPartitionMapping())
 
 
-@per_partition_asset(
+@per_partition.per_partition_asset(
     clients_partitions,
     group_name="iteration2",
     deps=["pretrained_checkpoint", "federated_checkpoint", "client_partitions", "cmvn_stats", ALL_SHARDS],
@@ -69,11 +63,11 @@ def kmeans_targets_iter2(
     except EncoderRefused as error:
         raise dg.Failure(description=str(error)) from error
     assignments = read_clients(paths.layout.clients_file)
-    provenance = input_provenance(context)
+    provenance = per_partition.input_provenance(context)
     progress = ProgressLog(context.log, "clients")
     published = []
     for done, client_id in enumerate(context.partition_keys, start=1):
-        out_dir = paths.kmeans_iter2_dir(client_id)
+        out_dir = paths.targets(client_id, 2).root
         quality = iteration2_targets(
             client_shards(paths, assignments, client_id),
             out_dir,
@@ -91,13 +85,14 @@ def kmeans_targets_iter2(
             "checkpoint_sha256": encoder.sha256,
             "mean_segment_length_hz": 50,
         }
-        published.append(partition_materialization(context, client_id, quality["data_version"], metadata, provenance))
+        published.append(
+            per_partition.partition_materialization(context, client_id, quality["data_version"], metadata, provenance)
+        )
         progress(client_id, done, len(context.partition_keys))
-    yield from step_events(context, published)
+    yield from per_partition.step_events(context, published)
 
 
 @torchrun_asset(
-    TrainingOverrides,
     "training",
     group_name="iteration2",
     deps=["manifest", "cmvn_stats", "client_partitions", ALL_SHARDS, ALL_ITER2_TARGETS],

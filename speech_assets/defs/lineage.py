@@ -16,25 +16,24 @@ from speech_assets.targets.publish import ClientShards
 from speech_assets.utils import sha256_strings
 
 
-def latest_materialization(
-    instance: dg.DagsterInstance, asset: str, partition: str | None = None
-) -> dg.AssetMaterialization | None:
-    """The latest materialization event of ``asset`` (or one of its partitions), if any."""
-    partitions = [partition] if partition is not None else None
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=partitions), limit=1
-    ).records
+def latest_materialization(instance: dg.DagsterInstance, asset: str) -> dg.AssetMaterialization | None:
+    records = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records
     return records[0].asset_materialization if records else None
 
 
-def latest_data_version(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> str | None:
-    materialization = latest_materialization(instance, asset, partition)
+def latest_data_version(instance: dg.DagsterInstance, asset: str) -> str | None:
+    materialization = latest_materialization(instance, asset)
     return (materialization.tags or {}).get(internals.DATA_VERSION_TAG) if materialization else None
 
 
-def latest_metadata(instance: dg.DagsterInstance, asset: str, partition: str | None = None) -> dict[str, object]:
+def latest_versions(instance: dg.DagsterInstance, assets: Iterable[str]) -> dict[str, str]:
+    """Each asset's latest data version ("" before its first)."""
+    return {asset: latest_data_version(instance, asset) or "" for asset in assets}
+
+
+def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict[str, object]:
     """Raw metadata values of the latest materialization (empty when never materialized)."""
-    materialization = latest_materialization(instance, asset, partition)
+    materialization = latest_materialization(instance, asset)
     return {key: value.value for key, value in materialization.metadata.items()} if materialization else {}
 
 
@@ -82,11 +81,7 @@ def input_versions(
 ) -> dict[str, str]:
     """The data versions a training run reads, each client's targets from ``targets_dir(client)/quality.json``."""
     targets_dir = targets_dir or paths.kmeans_dir
-    versions = {
-        "manifest": latest_data_version(context.instance, "manifest") or "",
-        "cmvn_stats": latest_data_version(context.instance, "cmvn_stats") or "",
-        "client_partitions": latest_data_version(context.instance, "client_partitions") or "",
-    }
+    versions = latest_versions(context.instance, ["manifest", "cmvn_stats", "client_partitions"])
     for client, speakers in sorted(clients.items()):
         versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())[
             "data_version"

@@ -17,15 +17,14 @@ from speech_assets.corpus.publish import publish_manifest
 from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
 from speech_assets.defs.per_partition import speaker_observations
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import markdown_table
+from speech_assets.defs.readable import markdown_table, problems_result
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.utils import from_fields
 
 CODE_VERSION = "manifest-v3"
 
 
-class ManifestOverrides(overrides_of(ManifestSettings)):
-    """Run-config overrides of the `[manifest]` settings for one manual run."""
+ManifestOverrides = overrides_of(ManifestSettings)
 
 
 @dg.asset(
@@ -145,12 +144,8 @@ speaker_manifest = dg.AssetSpec(
 )
 def rows_match_manifest(paths: StoragePaths) -> dg.AssetCheckResult:
     problems = speaker_rows_problems(paths.layout.manifest.manifest, paths.layout.manifest.speakers)
-    return dg.AssetCheckResult(
-        passed=not problems,
-        severity=dg.AssetCheckSeverity.ERROR,
-        description=f"{len(problems)} mismatch(es) between speakers.parquet and manifest.parquet" if problems else None,
-        metadata={"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:20]) or "none")},
-    )
+    mismatches = f"{len(problems)} mismatch(es) between speakers.parquet and manifest.parquet"
+    return problems_result(problems, mismatches if problems else None)
 
 
 def speaker_rows_problems(manifest_file: Path, speakers_file: Path) -> list[str]:

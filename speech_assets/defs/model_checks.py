@@ -4,43 +4,31 @@ Each check is a pure function of the run folder (named by ``run_dir`` in the ass
 materialization) in a thin Dagster wrapper.
 """
 
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
 
 from speech_assets.defs.lineage import latest_materialization
+from speech_assets.defs.partitions import CHECKPOINT_ASSETS
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
 from speech_assets.layout import FederatedPaths, RecogniserFiles, RunFiles
 from speech_assets.train.accuracy import LABEL, heldout_accuracy
-from speech_assets.utils import read_json
-
-TRAINED = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint", "distilled_checkpoint")
-WITH_HELDOUT_ACCURACY = ("pretrained_checkpoint", "pretrained_checkpoint_iter2", "federated_checkpoint")
-# distillation losses: the total and its per-layer L1 and cosine parts
-LOSS_PREFIXES = ("l1_", "cosine_")
+from speech_assets.utils import read_json, read_jsonl
 
 
 def _is_loss(key: str) -> bool:
-    return key == "loss" or key.endswith("_loss") or key.startswith(LOSS_PREFIXES)
-
-
-def _metrics_rows(run_dir: Path) -> Iterator[dict]:
-    metrics = RunFiles(run_dir).metrics
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)  # json reads the NaN and Infinity that json.dumps writes
+    # a distillation's per-layer L1 and cosine parts too
+    return key == "loss" or key.endswith("_loss") or key.startswith(("l1_", "cosine_"))
 
 
 def recorded_losses(run_dir: Path) -> dict[str, list[float]]:
     """Every loss ``run_dir`` records, by where it is recorded (None values: not measured)."""
     found: dict[str, list[float]] = {}
-    for row in _metrics_rows(run_dir):
+    for row in read_jsonl(RunFiles(run_dir).metrics):
         for key, value in row.items():
             if _is_loss(key) and value is not None:
                 found.setdefault(f"metrics.jsonl {key}", []).append(float(value))
@@ -70,7 +58,11 @@ def loss_problems(run_dir: Path) -> list[str]:
 def loss_trend(run_dir: Path) -> tuple[float, float, int] | None:
     """(first loss, last loss, logged steps) of ``metrics.jsonl``, None under two steps; a step logged
     twice (a run re-started in the same folder) counts once, with its last value."""
-    by_step = {int(row["step"]): float(row["loss"]) for row in _metrics_rows(run_dir) if row.get("loss") is not None}
+    by_step = {
+        int(row["step"]): float(row["loss"])
+        for row in read_jsonl(RunFiles(run_dir).metrics)
+        if row.get("loss") is not None
+    }
     if len(by_step) < 2:
         return None
     steps = sorted(by_step)
@@ -159,11 +151,12 @@ BEATS_MAJORITY_CLASS = (
 CHECKS = [
     *(
         run_folder_check(asset, "losses_are_finite", LOSSES_ARE_FINITE, finite_losses, blocking=True)
-        for asset in TRAINED
+        for asset in CHECKPOINT_ASSETS.values()
     ),
     *(
         run_folder_check(asset, "beats_majority_class", BEATS_MAJORITY_CLASS, above_majority_class)
-        for asset in WITH_HELDOUT_ACCURACY
+        for kind, asset in CHECKPOINT_ASSETS.items()
+        if kind != "distilled"  # a student evaluates no masked prediction
     ),
     run_folder_check(
         "distilled_checkpoint",
@@ -190,15 +183,7 @@ FINETUNING_IS_SOUND = (
 def finetuning_is_sound(
     context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.AssetCheckResult:
-    from speech_assets.evaluation.finetune_results import RECOGNISER_PARITY_ATOL as ONNX_PARITY_ATOL
-    from speech_assets.evaluation.finetune_results import (
-        heldout_speakers,
-        indicative_verdicts,
-        overlap_problems,
-        read_rows,
-        verdict_markdown,
-        verdicts,
-    )
+    from speech_assets.evaluation import finetune_results as results
 
     materialization = latest_materialization(context.instance, "finetuned_asr")
     runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
@@ -207,20 +192,21 @@ def finetuning_is_sound(
     problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
     spec = read_json(RecogniserFiles(paths.layout.finetune.recogniser).card)
     diff = (spec.get("parity") or {}).get("max_abs_diff")
-    if not (diff is not None and diff <= ONNX_PARITY_ATOL):  # NaN and a missing record fail too
-        problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {ONNX_PARITY_ATOL:g})")
+    atol = results.RECOGNISER_PARITY_ATOL
+    if not (diff is not None and diff <= atol):  # NaN and a missing record fail too
+        problems.append(f"the recogniser's ONNX export differs from PyTorch by {diff} (tolerance {atol:g})")
     try:
-        rows = read_rows(paths.layout.finetune.results)
+        rows = results.read_rows(paths.layout.finetune.results)
     except (OSError, ValueError) as error:
         rows = []
         problems.append(f"fine-tuning results unreadable: {error}")
-    problems += overlap_problems(rows)
+    problems += results.overlap_problems(rows)
     min_speakers = settings.probe.min_heldout_speakers
-    lines = verdicts(rows, min_heldout_speakers=min_speakers)
+    lines = results.verdicts(rows, min_heldout_speakers=min_speakers)
     # an indicative verdict warns (yellow) in the words of the asset's `verdict` metadata; a problem fails
-    warnings = indicative_verdicts(rows, min_heldout_speakers=min_speakers)
+    warnings = results.indicative_verdicts(rows, min_heldout_speakers=min_speakers)
     overlap = [r["text_overlap"] for r in rows if r.get("text_overlap") is not None]
-    speakers = heldout_speakers(rows)
+    speakers = results.heldout_speakers(rows)
     return dg.AssetCheckResult(
         passed=not problems and not warnings,
         severity=dg.AssetCheckSeverity.ERROR if problems else dg.AssetCheckSeverity.WARN,
@@ -228,7 +214,7 @@ def finetuning_is_sound(
         metadata={
             "runs": len(runs.value),
             "max_abs_diff": float(diff) if diff is not None else float("nan"),
-            "verdict": dg.MetadataValue.md(verdict_markdown(lines)),
+            "verdict": dg.MetadataValue.md(results.verdict_markdown(lines)),
             "text_overlap": int(max(overlap)) if overlap else "not recorded",
             "heldout_speakers": speakers if speakers is not None else "not recorded",
             "min_heldout_speakers": min_speakers,

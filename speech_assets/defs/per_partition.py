@@ -11,12 +11,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
-from speech_assets.defs.resources import StoragePaths
 from speech_assets.utils import sha256_strings
 
 
@@ -37,11 +35,17 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
         records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dep), limit=1).records
         event = records[0].asset_materialization if records else None
         version = (event.tags or {}).get(internals.DATA_VERSION_TAG) if event else None
-        tags[internals.get_input_data_version_tag(dep)] = version or internals.DEFAULT_DATA_VERSION.value
-        tags[internals.get_input_event_pointer_tag(dep)] = (
-            str(records[0].storage_id) if records else internals.NULL_EVENT_POINTER
-        )
+        tags |= _input_tags(dep, version, records[0].storage_id if records else None)
     return tags
+
+
+def _input_tags(key: dg.AssetKey, version: str | None, storage_id: int | None) -> dict[str, str]:
+    return {
+        internals.get_input_data_version_tag(key): version or internals.DEFAULT_DATA_VERSION.value,
+        internals.get_input_event_pointer_tag(key): internals.NULL_EVENT_POINTER
+        if storage_id is None
+        else str(storage_id),
+    }
 
 
 def observed_versions(
@@ -63,28 +67,9 @@ def observed_versions(
     }
 
 
-def partition_observation(
-    asset: str, partition: str, data_version: str, metadata: dict[str, object]
-) -> dg.AssetObservation:
-    """Tagged as Dagster tags the observations of observable source assets."""
-    return dg.AssetObservation(
-        asset_key=asset,
-        partition=partition,
-        metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
-        tags={internals.DATA_VERSION_TAG: data_version, internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
-    )
-
-
 def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
     """Provenance tags for one input partition of an observed asset: its version and storage id."""
-    key = dg.AssetKey(asset)
-    version, storage_id = observed if observed else (internals.DEFAULT_DATA_VERSION.value, None)
-    return {
-        internals.get_input_data_version_tag(key): version,
-        internals.get_input_event_pointer_tag(key): str(storage_id)
-        if storage_id is not None
-        else internals.NULL_EVENT_POINTER,
-    }
+    return _input_tags(dg.AssetKey(asset), *(observed or (None, None)))
 
 
 def partition_materialization(
@@ -143,17 +128,13 @@ def speaker_observations(
         metadata: dict[str, object] = {"speaker_manifest_hash": version}
         if row is not None:
             metadata |= {"utterances": row.utterances, "hours": round(row.hours, 4)}
-        events.append(partition_observation(SPEAKER_MANIFEST, speaker, version, metadata))
+        # tagged as Dagster tags the observations of observable source assets
+        events.append(
+            dg.AssetObservation(
+                asset_key=SPEAKER_MANIFEST,
+                partition=speaker,
+                metadata={**metadata, "event": dg.MetadataValue.text(SECOND_OF_TWO)},
+                tags={internals.DATA_VERSION_TAG: version, internals.DATA_VERSION_IS_USER_PROVIDED_TAG: "true"},
+            )
+        )
     return events
-
-
-def listed_speakers(paths: StoragePaths) -> dict[str, SpeakerRows]:
-    """speakers.parquet as published (empty before the first manifest)."""
-    if not paths.layout.manifest.speakers.exists():
-        return {}
-    return {
-        r["speaker_id"]: SpeakerRows(r["manifest_hash"], r["utterances"], r["hours"])
-        for r in pq.read_table(
-            paths.layout.manifest.speakers, columns=["speaker_id", "manifest_hash", "utterances", "hours"]
-        ).to_pylist()
-    }

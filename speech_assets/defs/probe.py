@@ -4,19 +4,16 @@ The ML lives in speech_assets/evaluation/; torch and jiwer are imported inside t
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import checkpoint_of, latest_data_version, required_checkpoint
+from speech_assets.defs.lineage import checkpoint_of, latest_versions, required_checkpoint
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS
 from speech_assets.defs.resources import PipelineSettings, ProbeSettings, StoragePaths, effective, overrides_of
+from speech_assets.evaluation import compare
 from speech_assets.train.tracking import log_probe_on_encoder_runs
 from speech_assets.utils import from_fields, sha256_file
-
-if TYPE_CHECKING:
-    from speech_assets.evaluation.compare import Standing
 
 # v4: probes train on the non-development training speakers and stop early; a paired verdict over
 # held-out utterances (utterances.parquet, leaderboard.parquet); v3: lr and stopping step chosen per
@@ -24,8 +21,7 @@ if TYPE_CHECKING:
 PROBE_CODE_VERSION = "probe-v4"
 
 
-class ProbeOverrides(overrides_of(ProbeSettings)):
-    """Run-config overrides of the `[probe]` settings for one manual run."""
+ProbeOverrides = overrides_of(ProbeSettings)
 
 
 @dg.asset(
@@ -43,7 +39,6 @@ def downstream_probe(
     `<data>/probe/results.parquet`."""
     import torch
 
-    from speech_assets.evaluation.compare import markdown_table, reading_note, standing, summarise
     from speech_assets.evaluation.encoders import manifest_utterances
     from speech_assets.evaluation.probe_options import ProbeOptions
     from speech_assets.evaluation.protocol import ProbeLeak, publish_probe, run_probe
@@ -83,28 +78,25 @@ def downstream_probe(
         options.min_heldout_speakers,
         {n: e.checkpoint.get("speakers") for n, e in loaded.items()},
     )
-    lines = standing(results, options.min_heldout_speakers)
+    lines = compare.standing(results, options.min_heldout_speakers)
     for line in lines:
         context.log.info(line)
     log_probe_on_encoder_runs(
         paths.mlflow_tracking_uri,
         paths.root,
         {n: e.checkpoint for n, e in loaded.items()},
-        summarise(results),
+        compare.summarise(results),
         context.log.warning,
     )
-    input_versions = {
-        asset: latest_data_version(context.instance, asset) or ""
-        for asset in (*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions")
-    }
+    input_versions = latest_versions(context.instance, [*CHECKPOINT_ASSETS.values(), "manifest", "client_partitions"])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_file(target)),
         metadata={
             "leaderboard": leaderboard_metadata(board),
             # once, beside the table: how to read its verdicts and why they are only indicative (the "*")
-            "how_to_read": dg.MetadataValue.md(reading_note(board, options.min_heldout_speakers)),
+            "how_to_read": dg.MetadataValue.md(compare.reading_note(board, options.min_heldout_speakers)),
             **verdict_metadata(board, options.min_heldout_speakers),
-            **{f"heldout_cer/{m}": round(v.cer.mean, 4) for m, v in summarise(results).items()},
+            **{f"heldout_cer/{m}": round(v.cer.mean, 4) for m, v in compare.summarise(results).items()},
             "standing": dg.MetadataValue.md("\n".join(f"- {line}" for line in lines)),
             "results_file": dg.MetadataValue.path(str(target)),
             "min_heldout_speakers": options.min_heldout_speakers,
@@ -115,7 +107,7 @@ def downstream_probe(
             "probe_lr_steps": dg.MetadataValue.json(
                 {
                     m: [[r.lr, r.steps] for r in results if r.split == "heldout" and r.model == m]
-                    for m in summarise(results)
+                    for m in compare.summarise(results)
                 }
             ),
             "normalisation": dg.MetadataValue.json({m.name: m.normalisation for m in run.models}),
@@ -126,27 +118,23 @@ def downstream_probe(
             "speakers_file": dg.MetadataValue.path(str(paths.layout.probe.speakers)),
             "input_versions": dg.MetadataValue.json(input_versions),
             # below the leaderboard: each model's probe lr, CER on its own training utterances, top layer
-            "details": dg.MetadataValue.md(markdown_table(results)),
+            "details": dg.MetadataValue.md(compare.markdown_table(results)),
         },
     )
 
 
-def leaderboard_metadata(board: Sequence["Standing"]) -> dg.MetadataValue:
+def leaderboard_metadata(board: Sequence[compare.Standing]) -> dg.MetadataValue:
     """The leaderboard as a Dagster table with its column schema."""
-    from speech_assets.evaluation.compare import LEADERBOARD_COLUMNS, leaderboard_rows
-
     schema = dg.TableSchema(
-        columns=[dg.TableColumn(name, type, description) for name, type, description in LEADERBOARD_COLUMNS]
+        columns=[dg.TableColumn(name, type, description) for name, type, description in compare.LEADERBOARD_COLUMNS]
     )
-    return dg.MetadataValue.table([dg.TableRecord(row) for row in leaderboard_rows(board)], schema=schema)
+    return dg.MetadataValue.table([dg.TableRecord(row) for row in compare.leaderboard_rows(board)], schema=schema)
 
 
-def verdict_metadata(board: Sequence["Standing"], min_speakers: int) -> dict[str, str]:
+def verdict_metadata(board: Sequence[compare.Standing], min_speakers: int) -> dict[str, str]:
     """``pretrained_beats_fbank``: word for word the description of the check of that name (same function, same row)."""
-    from speech_assets.evaluation.compare import FBANK, beats_baseline, leaderboard_table
-
-    rows = {row["model"]: row for row in leaderboard_table(board, min_speakers).to_pylist()}
-    return {"pretrained_beats_fbank": beats_baseline(rows.get("pretrained"), "pretrained", FBANK).text}
+    rows = {row["model"]: row for row in compare.leaderboard_table(board, min_speakers).to_pylist()}
+    return {"pretrained_beats_fbank": compare.beats_baseline(rows.get("pretrained"), "pretrained", compare.FBANK).text}
 
 
 PRETRAINED_BEATS_FBANK = (
@@ -161,20 +149,18 @@ PRETRAINED_BEATS_FBANK = (
 @dg.asset_check(asset=downstream_probe, description=PRETRAINED_BEATS_FBANK)
 def pretrained_beats_fbank(paths: StoragePaths) -> dg.AssetCheckResult:
     """Judged by the function that writes the asset's ``pretrained_beats_fbank`` metadata, so they never disagree."""
-    from speech_assets.evaluation.compare import FBANK, beats_baseline, read_leaderboard
-
     try:
-        found = {row["model"]: row for row in read_leaderboard(paths.layout.probe.results)}
+        found = {row["model"]: row for row in compare.read_leaderboard(paths.layout.probe.results)}
     except FileNotFoundError as error:
         return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN, description=str(error))
     row = found.get("pretrained")
-    verdict = beats_baseline(row, "pretrained", FBANK)
+    verdict = compare.beats_baseline(row, "pretrained", compare.FBANK)
     metadata = {}
     if row is not None:
         metadata = {
             "verdict": row["verdict"],
             "heldout_cer/pretrained": round(row["cer"], 4),
-            **({"heldout_cer/fbank": round(found[FBANK]["cer"], 4)} if FBANK in found else {}),
+            **({"heldout_cer/fbank": round(found[compare.FBANK]["cer"], 4)} if compare.FBANK in found else {}),
             "heldout_speakers": row["speakers"],
             "min_heldout_speakers": row["min_heldout_speakers"],
         }

@@ -1,6 +1,5 @@
 """Metadata for people: numbers rounded with their unit in the key (``_mb``, ``_s``, ``_h``), lists
-of records as Dagster tables with a column schema, the MLflow run as a link, and curves as
-charts the asset page draws inline."""
+of records as Dagster tables with a column schema, the MLflow run as a link."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from speech_assets.defs.resources import StoragePaths
 from speech_assets.layout import TargetFiles
 from speech_assets.stats import plots
 from speech_assets.targets.checks import label_problems
+from speech_assets.train import accuracy
 
 COLUMN_TYPES = {bool: "bool", int: "int", float: "float", str: "string"}
 
@@ -49,6 +49,12 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> dg.T
     return dg.MetadataValue.table(records=[dg.TableRecord(r) for r in records], schema=dg.TableSchema(columns=schema))
 
 
+def per_client_table(heldout_per_client: Mapping[str, Mapping[str, Any]]) -> dg.TableMetadataValue:
+    """The held-out results of each client as a table."""
+    rows = [accuracy.per_client_row(client, scores) for client, scores in sorted(heldout_per_client.items())]
+    return table(rows, accuracy.PER_CLIENT_COLUMNS)
+
+
 def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = None) -> dict[str, Any]:
     """The MLflow run as a link and its id; for a local store, the command that serves the UI."""
     if not run_id:
@@ -59,10 +65,6 @@ def mlflow_links(run_id: str | None, url: str | None, ui_command: str | None = N
     if ui_command:
         links["mlflow_ui"] = dg.MetadataValue.text(f"make mlflow (or: {ui_command})")
     return links
-
-
-def inline_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> dg.MarkdownMetadataValue:
-    return dg.MetadataValue.md(plots.inline_chart(title, series))
 
 
 def client_metadata(quality: dict, out_dir) -> dict[str, object]:

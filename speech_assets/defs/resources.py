@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import tomllib
@@ -12,30 +13,23 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Self
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pydantic
-from pydantic import create_model, field_validator, model_validator
+from pydantic import create_model, model_validator
 
 from speech_assets import layout, locations
 from speech_assets.corpus.ids import check_safe_id
 from speech_assets.corpus.manifest import ValidationConfig
+from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs.dagster_internals import NamedSectionTypes
 from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
-from speech_assets.federated.config import (
-    DP_MAX_CLIPPING_NORM,
-    SECAGG_MIN_SHARES,
-    SECAGG_THRESHOLD_FLOOR,
-    SETTINGS_FILE_ONLY,
-    ClientLrSchedule,
-    FederatedConfig,
-    Strategy,
-    client_limit_problems,
-)
+from speech_assets.federated import config as federation
 from speech_assets.hosts import check_host, optional_endpoint
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
-from speech_assets.utils import from_fields
+from speech_assets.utils import from_fields, sha256_strings
 
 
 class StoragePaths(dg.ConfigurableResource):
@@ -86,11 +80,22 @@ class StoragePaths(dg.ConfigurableResource):
     def kmeans_dir(self, client_id: str) -> Path:
         return self.targets(client_id).root
 
-    def kmeans_iter2_dir(self, client_id: str) -> Path:
-        return self.targets(client_id, 2).root
-
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
+
+    def listed_speakers(self) -> dict[str, SpeakerRows]:
+        """speakers.parquet as published (empty before the first manifest)."""
+        if not self.layout.manifest.speakers.exists():
+            return {}
+        rows = pq.read_table(self.layout.manifest.speakers).to_pylist()
+        return {r["speaker_id"]: SpeakerRows(r.get("manifest_hash"), r.get("utterances"), r.get("hours")) for r in rows}
+
+    def published_shards(self) -> dict[str, dict]:
+        """``{speaker: shard meta}`` of the listed speakers whose meta vouches for their shard (never
+        inferred from file names: a speaker id could look like another file's suffix)."""
+        return {
+            s: meta for s in sorted(self.listed_speakers()) if (meta := self.shard_files(s).read_meta()) is not None
+        }
 
 
 # Pipeline settings: one file sets every stage's knobs for every run; a manual run may override them by run config.
@@ -267,47 +272,29 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
         {"node_command", "node_hosts", "noise_dir", "rdzv_endpoint", "gpus_per_node"}
     )
 
-    @field_validator("node_hosts")
-    @classmethod
-    def _hosts(cls, hosts: list[str]) -> list[str]:
-        return [check_host(host, "[training] node_hosts entry") for host in hosts]
-
-    @field_validator("rdzv_endpoint")
-    @classmethod
-    def _endpoint(cls, endpoint: str) -> str:
-        return optional_endpoint(endpoint, "[training] rdzv_endpoint")
-
-    @field_validator("node_command")
-    @classmethod
-    def _node_command(cls, command: str) -> str:
-        if "{command}" not in " ".join(shlex.split(command)):
-            raise ValueError(f"[training] node_command must contain {{command}}, got {command!r}")
-        return command
-
-    @field_validator("noise")
-    @classmethod
-    def _noise(cls, noise: str) -> str:
-        if noise not in NOISE_SOURCES:
-            hint = (
-                f' (a folder: noise_dir = "{noise}" and noise = "folder" in the settings file)' if "/" in noise else ""
-            )
-            raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {noise!r}{hint}")
-        return noise
-
     @model_validator(mode="after")
-    def _noise_dir(self) -> TrainingSettings:
+    def _launch_and_noise(self) -> TrainingSettings:
+        for host in self.node_hosts:
+            check_host(host, "[training] node_hosts entry")
+        optional_endpoint(self.rdzv_endpoint, "[training] rdzv_endpoint")
+        if "{command}" not in " ".join(shlex.split(self.node_command)):
+            raise ValueError(f"[training] node_command must contain {{command}}, got {self.node_command!r}")
+        if self.noise not in NOISE_SOURCES:
+            folder = f' (a folder: noise_dir = "{self.noise}" and noise = "folder" in the settings file)'
+            hint = folder if "/" in self.noise else ""
+            raise ValueError(f"[training] noise must be one of {NOISE_SOURCES}, got {self.noise!r}{hint}")
         if self.noise == "folder" and not self.noise_dir:
             raise ValueError('[training] noise = "folder" needs noise_dir, the folder of noise audio')
         return self
 
 
-class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federated"):
+class FederatedSettings(WorkerSettings, worker=federation.FederatedConfig, section="federated"):
     """Federated pretraining (`federated_checkpoint`): Flower rounds of local training and server-side aggregation."""
 
     engine: str = "simulation"  # Flower's simulation runtime here, or "deployment" (local SuperLink + SuperNodes)
     rounds: int
     local_steps: int  # optimizer steps per client per round
-    strategy: Strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
+    strategy: federation.Strategy  # fedadam, fedavg or fedprox (flwr.serverapp.strategy)
     fraction_train: float  # seeded sample of the clients each round
     evaluate_every: int  # held-out evaluation every k rounds and after the last
     proximal_mu: float  # fedprox's proximal term, on the clients
@@ -326,7 +313,7 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     min_train_nodes: int  # clients that must reply for a round to count; 0 = all
     preset: str
     client_lr: float  # sent to the clients with every round
-    client_lr_schedule: ClientLrSchedule  # linear (decays to 0 over all rounds) or constant
+    client_lr_schedule: federation.ClientLrSchedule  # linear (decays to 0 over all rounds) or constant
     batch_seconds: float  # padded audio per local step
     seed: int
     max_frames: int
@@ -345,20 +332,17 @@ class FederatedSettings(WorkerSettings, worker=FederatedConfig, section="federat
     client_state_root: str = ""
     insecure: bool = False  # a remote SuperLink without TLS is refused unless this is true (settings file only)
     # the local clients' own limits (their node config, never from the server: docs/PRIVACY.md)
-    secagg_min_shares: int = SECAGG_MIN_SHARES  # refuse a secure round where fewer clients share with it
-    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
-    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM  # refuse a larger DP clipping norm; 0 = dp_clipping_norm
+    secagg_min_shares: int = federation.SECAGG_MIN_SHARES  # refuse a secure round where fewer clients share with it
+    secagg_threshold_floor: str = federation.SECAGG_THRESHOLD_FLOOR  # refuse a threshold of at most this fraction of k
+    # refuse a larger DP clipping norm; 0 = dp_clipping_norm
+    dp_max_clipping_norm: float = federation.DP_MAX_CLIPPING_NORM
 
-    settings_only: ClassVar[frozenset[str]] = frozenset(SETTINGS_FILE_ONLY)
-
-    @field_validator("superlink")
-    @classmethod
-    def _superlink(cls, superlink: str) -> str:
-        return optional_endpoint(superlink, "[federated] superlink")
+    settings_only: ClassVar[frozenset[str]] = frozenset(federation.SETTINGS_FILE_ONLY)
 
     @model_validator(mode="after")
-    def _client_limits(self) -> FederatedSettings:
-        problems = client_limit_problems(
+    def _superlink_and_client_limits(self) -> FederatedSettings:
+        optional_endpoint(self.superlink, "[federated] superlink")
+        problems = federation.client_limit_problems(
             self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
         )
         if 0 < self.dp_max_clipping_norm < self.dp_clipping_norm:
@@ -511,12 +495,18 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
                 ) from None
         return cls(source=str(file), **parsed)
 
+    def digest(self) -> str:
+        """sha256 of every stage's settings (not of the file they came from): equal settings, equal hash."""
+        return sha256_strings([self.model_dump_json(exclude={"source"})])
 
-def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
-    """A run-config class with every field of ``section`` optional (unset: the settings') but its
-    ``settings_only`` ones. Built here: pydantic has no partial model and the Launchpad needs a field per knob."""
+
+@functools.cache  # one class per section: assets launched alike share their run-config type
+def overrides_of(section: type[dg.Config], **extra: Any) -> type[dg.Config]:
+    """A manual run's config: every field of ``section`` optional (unset: the settings') but its
+    ``settings_only`` ones, plus ``extra`` (pydantic's ``(type, default)``). Built here: pydantic
+    has no partial model and the Launchpad needs a field per knob."""
     excluded = getattr(section, "settings_only", frozenset())
-    fields = {}
+    fields = dict(extra)
     for name, field in section.model_fields.items():
         kind = field.annotation
         if typing.get_origin(kind) is typing.Literal:  # Dagster has no optional enum; effective() checks the value
@@ -524,7 +514,9 @@ def overrides_of(section: type[dg.Config]) -> type[dg.Config]:
         if name not in excluded:
             # a type built at run time from an annotation object: Optional[] takes any of them
             fields[name] = (Optional[kind], None)  # noqa: UP045
-    return create_model(f"{section.__name__.removesuffix('Settings')}Overrides", __base__=dg.Config, **fields)
+    name = f"{section.__name__.removesuffix('Settings')}Overrides"
+    doc = f"Run-config overrides of the {section.__name__} for one manual run."
+    return create_model(name, __base__=dg.Config, __doc__=doc, **fields)
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:

@@ -20,7 +20,6 @@ import dagster as dg
 from speech_assets.defs import dagster_internals
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.processes import ProcessIdentity, pid_exists
-from speech_assets.utils import sha256_strings
 
 # Bookkeeping tags sit under Dagster's hidden-tag prefix, which the UI leaves out; a tag key has
 # one namespace ("a/b"; Dagster deprecates more), so the names below it are dotted.
@@ -39,11 +38,6 @@ REAP_COMMAND = "speech-assets runs reap"
 log = logging.getLogger(__name__)
 
 
-def record_run_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
-    """Tag ``run`` with this process as its worker, and with the corpus and settings hash for people."""
-    instance.add_run_tags(run.run_id, {PROCESS_TAG: ProcessIdentity.current().encode(), **readable_tags()})
-
-
 def readable_tags() -> dict[str, str]:
     """The corpus folder's name and the hash of the pipeline settings."""
     from speech_assets import locations
@@ -54,8 +48,7 @@ def readable_tags() -> dict[str, str]:
     except (OSError, ValueError) as error:  # the run fails on it later, with the reason
         log.warning("no settings tag: %s", error)
         return {CORPUS_TAG: locations.corpus_location().name}
-    digest = sha256_strings([settings.model_dump_json(exclude={"source"})])[:12]
-    return {CORPUS_TAG: locations.corpus_location().name, SETTINGS_TAG: digest}
+    return {CORPUS_TAG: locations.corpus_location().name, SETTINGS_TAG: settings.digest()[:12]}
 
 
 def record_run_process(context: dg.AssetExecutionContext) -> None:
@@ -137,8 +130,10 @@ def runs_in_process(run: dg.DagsterRun, execution_plan) -> bool:
 
 
 def prepare_run(plan_context, execution_plan) -> AbstractContextManager[None] | None:
-    """Before any step: record the worker, reap dead local runs, and give the context for in-process steps."""
-    record_run_worker(plan_context.instance, plan_context.dagster_run)
+    """Before any step: tag the run with this process as its worker (and the corpus and settings hash
+    for people), reap dead local runs, and give the context for in-process steps."""
+    worker = {PROCESS_TAG: ProcessIdentity.current().encode(), **readable_tags()}
+    plan_context.instance.add_run_tags(plan_context.dagster_run.run_id, worker)
     reap_dead_runs(plan_context.instance, say=plan_context.log.warning)
     return frozen_heap() if runs_in_process(plan_context.dagster_run, execution_plan) else None
 

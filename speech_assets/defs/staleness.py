@@ -15,18 +15,14 @@ import pyarrow.parquet as pq
 
 from speech_assets.corpus.clients import read_clients
 from speech_assets.defs.resources import StoragePaths
+from speech_assets.utils import read_json
 
 MAX_SHOWN = 10
 
 
 def current_shards(paths: StoragePaths) -> dict[str, str]:
     """speaker -> sha256 of the published shard, for every speaker the manifest lists."""
-    if not paths.layout.manifest.speakers.exists():
-        return {}
-    speakers = pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-    return {
-        s: (meta or {}).get("shard_sha256", "missing") for s in speakers for meta in [paths.shard_files(s).read_meta()]
-    }
+    return {s: (paths.shard_files(s).read_meta() or {}).get("shard_sha256", "missing") for s in paths.listed_speakers()}
 
 
 def _diff(what: str, recorded: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -59,17 +55,12 @@ def kmeans_staleness(paths: StoragePaths) -> dict[str, list[str]]:
     if not paths.layout.clients_file.exists():
         return {}
     shards = current_shards(paths)
-    members: dict[str, dict[str, str]] = {}
-    for row in read_clients(paths.layout.clients_file):
-        members.setdefault(row.client_id, {})[row.speaker_id] = shards.get(row.speaker_id, "missing")
     report = {}
-    for client, current in sorted(members.items()):
-        quality_file = paths.targets(client).quality
-        if not quality_file.exists():
-            report[client] = ["never built"]
-            continue
-        reasons = _diff("shard(s)", json.loads(quality_file.read_text()).get("shard_versions", {}), current)
-        if reasons:
+    for client, speakers in sorted(read_clients(paths.layout.clients_file).speakers.items()):
+        quality = paths.targets(client).quality
+        current = {s: shards.get(s, "missing") for s in speakers}
+        recorded = read_json(quality, strict=True).get("shard_versions", {})
+        if reasons := _diff("shard(s)", recorded, current) if quality.exists() else ["never built"]:
             report[client] = reasons
     return report
 

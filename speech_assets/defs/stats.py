@@ -7,14 +7,14 @@ import duckdb
 import pyarrow.parquet as pq
 
 from speech_assets.defs.conditions import after_upstream_settles
-from speech_assets.defs.lineage import latest_data_version, partition_versions
+from speech_assets.defs.lineage import latest_versions, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
 from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
 from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, read_jsonl, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v3"  # v3: fine-tuning runs in checkpoints/training_runs (kind finetuned, init, budget, seed)
 # the unpartitioned models and results the database summarises, beside TRAINING_INPUTS
@@ -22,25 +22,15 @@ MODEL_ASSETS = (*CHECKPOINT_ASSETS.values(), "encoder_export", "downstream_probe
 
 
 def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
-    # the shards of the speakers the manifest lists whose meta vouches for them (never inferred
-    # from file names: a speaker id could look like another file's suffix)
-    speakers = (
-        pq.read_table(paths.layout.manifest.speakers, columns=["speaker_id"]).column(0).to_pylist()
-        if paths.layout.manifest.speakers.exists()
-        else []
-    )
-    published = [paths.shard_files(s) for s in sorted(speakers)]
-    published = [files for files in published if files.read_meta() is not None]
-    shards = [files.shard for files in published]
-    results = paths.layout.results_of(paths.layout.training_dir)
+    published = [paths.shard_files(s) for s in paths.published_shards()]
     return stats_db.StatsInputs(
         manifest=paths.layout.manifest.manifest,
         manifest_rejects=paths.layout.manifest.rejects,
-        shards=shards,
+        shards=[files.shard for files in published],
         shard_rejects=[files.rejects for files in published],
         clients=paths.layout.clients_file,
         kmeans_quality=[targets.quality for targets in paths.layout.all_targets()],
-        training_results=results,
+        training_results=paths.layout.results_of(paths.layout.training_dir),
         federated_rounds=_newest_federated_rounds(paths),
         probe_results=paths.layout.probe.results,
         finetune_results=paths.layout.finetune.results,
@@ -59,18 +49,14 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
 
 def _newest_federated_rounds(paths: StoragePaths):
     """rounds.parquet of the federated run that finished last (``None`` before any)."""
-    runs = [FederatedPaths(p.parent) for p in paths.layout.results_of(paths.layout.federated_dir)]
-    found = [r.rounds_table for r in runs if r.rounds_table.is_file()] or [
-        FederatedPaths(p.parent).rounds_table
-        for p in sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
-    ]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    tables = sorted(paths.layout.federated_dir.glob(f"*/{FederatedPaths.rounds_table.name}"))
+    finished = [table for table in tables if FederatedPaths(table.parent).result.is_file()]
+    return max(finished or tables, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:
     """Hash of what the database holds: its tables' rows and the files its views read."""
-    con = duckdb.connect(str(db_path), read_only=True)
-    try:
+    with duckdb.connect(str(db_path), read_only=True) as con:
         tables = [
             r[0]
             for r in con.execute(
@@ -79,8 +65,6 @@ def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) ->
             ).fetchall()
         ]
         parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
-    finally:
-        con.close()
     sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shard_rejects]
     if inputs.clients.exists():
         sources.append(inputs.clients)
@@ -115,10 +99,9 @@ def dataset_stats(
     inputs = _inputs(paths)
     counts = stats_db.build_database(paths.layout.stats_db, inputs)
     instance = context.instance
-    input_versions: dict[str, object] = {
-        key: latest_data_version(instance, key) or ""
-        for key in ("manifest", "cmvn_stats", "client_partitions", *MODEL_ASSETS)
-    }
+    input_versions: dict[str, object] = latest_versions(
+        instance, ["manifest", "cmvn_stats", "client_partitions", *MODEL_ASSETS]
+    )
     partitioned = {
         key: partition_versions(instance, key, instance.get_dynamic_partitions(partitions.name))
         for key, partitions in (("vad_features", speakers_partitions), ("kmeans_targets", clients_partitions))
@@ -133,12 +116,9 @@ def dataset_stats(
     report_file = report.write_report(
         paths.layout.stats_db, paths.layout.report.index, _report_inputs(context, paths, settings)
     )
-    con = stats_db.connect_read_only(paths.layout.stats_db)
-    try:
+    with stats_db.connect_read_only(paths.layout.stats_db) as con:
         durations = [r[0] for r in con.execute("SELECT duration_s FROM manifest").fetchall()]
         per_client = con.execute("SELECT client_id, trimmed_hours FROM hours_per_client ORDER BY 1").fetchall()
-    finally:
-        con.close()
     pictures = []
     if durations:
         pictures.append(plots.markdown_image(plots.histogram(durations, "utterance durations", "seconds"), "durations"))
@@ -181,16 +161,14 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
     for state in sorted(paths.layout.targets_root().glob(f"*/{TargetFiles.state.name}")):
         with np.load(state) as data:
             counts[state.parent.name] = data["counts"]
-    metrics = {
-        log.parent.name: [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        for log in sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}"))
-    }
+    logs = sorted(paths.layout.training_dir.glob(f"*/{RunFiles.metrics.name}"))
+    metrics = {log.parent.name: read_jsonl(log) for log in logs}
     header = {
         "built_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "git_commit": git_commit(),
         "dagster_run_id": context.run.run_id,
         "corpus": str(paths.corpus_path),
-        "settings_hash": settings_hash(settings),
+        "settings_hash": settings.digest(),
         "settings_source": settings.source or "defaults (no pipeline.toml)",
     }
     return ReportInputs(
@@ -202,11 +180,6 @@ def _report_inputs(context: dg.AssetExecutionContext, paths: StoragePaths, setti
         min_heldout_speakers=settings.probe.min_heldout_speakers,
         probe_results=paths.layout.probe.results,
     )
-
-
-def settings_hash(settings: PipelineSettings) -> str:
-    """sha256 of every stage's settings (not of the file they came from): equal settings, equal hash."""
-    return sha256_strings([settings.model_dump_json(exclude={"source"})])
 
 
 @dg.asset_check(
@@ -227,11 +200,8 @@ def row_counts_match_sources(paths: StoragePaths) -> dg.AssetCheckResult:
         "clients": rows([inputs.clients]),
     }
     # our own queries, over views that may name the files of a data dir that was copied here
-    con = stats_db.connect_read_only(paths.layout.stats_db, allow_external_access=True)
-    try:
+    with stats_db.connect_read_only(paths.layout.stats_db, allow_external_access=True) as con:
         found = {table: con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in expected}
-    finally:
-        con.close()
     return dg.AssetCheckResult(
         passed=found == expected,
         severity=dg.AssetCheckSeverity.ERROR,

@@ -6,15 +6,10 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
+from speech_assets.defs import per_partition
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import client_shards
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
-from speech_assets.defs.per_partition import (
-    input_provenance,
-    partition_materialization,
-    per_partition_asset,
-    step_events,
-)
 from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, effective, overrides_of
@@ -28,13 +23,11 @@ from speech_assets.utils import from_fields
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 
 
-class KMeansOverrides(overrides_of(KMeansSettings)):
-    """Run-config overrides of the `[kmeans]` settings for one manual run."""
-
-    force: bool = False  # refit even when this client's inputs are unchanged
+# force: refit even when this client's inputs are unchanged
+KMeansOverrides = overrides_of(KMeansSettings, force=(bool, False))
 
 
-@per_partition_asset(
+@per_partition.per_partition_asset(
     clients_partitions,
     group_name="clients",
     deps=["client_partitions", "cmvn_stats", ALL_SHARDS],
@@ -51,7 +44,7 @@ def kmeans_targets(
     kmeans = effective(settings.kmeans, config)
     assignments = read_clients(paths.layout.clients_file)
     speaker_sums = cmvn.ShardStats.load(paths.layout.cmvn.speaker_sums)
-    provenance = input_provenance(context)
+    provenance = per_partition.input_provenance(context)
     clients = list(context.partition_keys)
     progress = ProgressLog(context.log, "clients")
     published = []
@@ -73,7 +66,7 @@ def kmeans_targets(
             warn=context.log.warning,
         )
         published.append(
-            partition_materialization(
+            per_partition.partition_materialization(
                 context,
                 client_id,
                 quality["data_version"],
@@ -82,7 +75,7 @@ def kmeans_targets(
             )
         )
         progress(client_id, done, len(clients))
-    yield from step_events(context, published)
+    yield from per_partition.step_events(context, published)
 
 
 # --- checks: each reads the published files, independently of how they were written -------------

@@ -25,6 +25,7 @@ import dagster as dg
 
 from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
+from speech_assets.defs import readable
 from speech_assets.defs.lineage import bounded_versions, input_versions
 from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
@@ -34,7 +35,9 @@ from speech_assets.locations import git_commit
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import accuracy, oom
 from speech_assets.train.provenance import record_provenance
-from speech_assets.utils import atomic_write_text, from_fields, read_json, sha256_strings
+from speech_assets.utils import atomic_write_text, from_fields, read_json, read_jsonl, sha256_strings
+
+ONE_NODE = TrainingSettings()  # how distillation and fine-tuning run: on this host alone
 
 
 def run_torchrun(
@@ -49,19 +52,14 @@ def run_torchrun(
     nproc: int | None = None,
     module: str = "speech_assets.train",
     max_restarts: int = 0,
-    nodes: TrainingSettings | None = None,
+    nodes: TrainingSettings = ONE_NODE,
 ) -> dg.MaterializeResult:
-    """Run ``module`` under torchrun with ``nproc`` processes per node on ``config`` (a dataclass
-    with ``to_json``, ``batch_seconds`` and ``grad_accum``), written to ``run_dir/config.json``;
-    ``nodes`` (the `[training]` settings) says how many nodes and how the others start. Without
-    ``nproc``, ``config`` (a ``TrainConfig``) is auto-configured here, once for every node's
-    processes (:func:`speech_assets.train.launch.planned`), and the plan handed to the workers.
-    Returns rank 0's reported result with the training curve, run folder, input versions (read
-    from ``data_versions``) and out-of-memory retries; a failed job fails the step with
-    torchrun's error and the end of rank 0's log."""
+    """Run ``module`` under torchrun on ``config`` (written to ``run_dir/config.json``) with ``nproc``
+    processes per node, on the nodes ``nodes`` (the `[training]` settings) starts. Without
+    ``nproc`` the ``TrainConfig`` is auto-configured here, once for every node's processes."""
     from speech_assets.train import launch  # torch: lazily, the code location stays light
 
-    nnodes = fixed_node_count(nodes) if nodes else 1
+    nnodes = fixed_node_count(nodes)
     config = dataclasses.replace(config, dagster_run_id=context.run.run_id)  # the MLflow run's link back
     plan = None
     if nproc is None:
@@ -81,8 +79,8 @@ def run_torchrun(
                 config_path,
                 nproc=nproc,
                 max_restarts=max_restarts,
-                nnodes=nodes.nnodes if nodes else "1",
-                rdzv_endpoint=(nodes.rdzv_endpoint or None) if nodes else None,
+                nnodes=nodes.nnodes,
+                rdzv_endpoint=nodes.rdzv_endpoint or None,
                 python=sys.executable,
                 node_rank=node_rank if nnodes > 1 else None,
                 module=module,
@@ -104,15 +102,7 @@ def run_torchrun(
         except Exception as error:
             raise training_failure(error, run_dir) from error
         result = invocation.get_materialize_result()
-    finished = read_json(RunFiles(run_dir).result)
-    if finished.get("checkpoint_sha256"):
-        record_provenance(
-            run_dir,
-            finished["checkpoint_sha256"],
-            git_sha=getattr(config, "git_sha", None),
-            mlflow_run_id=finished.get("mlflow_run_id"),
-            dagster_run_id=context.run.run_id,
-        )
+    finished = record_finished(run_dir, getattr(config, "git_sha", None), context.run.run_id)
     return dg.MaterializeResult(
         data_version=result.data_version,
         metadata={
@@ -124,15 +114,27 @@ def run_torchrun(
     )
 
 
+def record_finished(run_dir: Path, git_sha: str | None, dagster_run_id: str) -> dict:
+    """``result.json`` of ``run_dir``; a run that finished its checkpoint gets its provenance recorded."""
+    finished = read_json(RunFiles(run_dir).result)
+    if finished.get("checkpoint_sha256"):
+        record_provenance(
+            run_dir,
+            finished["checkpoint_sha256"],
+            git_sha=git_sha,
+            mlflow_run_id=finished.get("mlflow_run_id"),
+            dagster_run_id=dagster_run_id,
+        )
+    return finished
+
+
 # the trainer's own held-out keys, replaced by heldout_metadata's (one name per number)
 RECORDED_HELDOUT = (accuracy.ACCURACY, accuracy.MAJORITY, *accuracy.ALL_FRAMES_RECORDED)
 
 
 def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, object]:
     """A torchrun job's metadata: the training curve first (Dagster lists metadata in insertion
-    order, and a curve below twenty rows goes unseen), the held-out masked accuracy, then what
-    rank 0 ``reported`` (its own held-out keys left out: one name per number) and ``result.json``
-    adds (:func:`result_metadata`)."""
+    order, and a curve below twenty rows goes unseen), the held-out accuracy, then the rest."""
     return {
         **training_curve_metadata(run_dir),
         **heldout_metadata(result),
@@ -142,9 +144,7 @@ def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str
 
 
 def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
-    """The held-out masked accuracy (leak-free: :mod:`speech_assets.train.accuracy`) and, named
-    apart, the all-frames figure that measures the leak; nothing for a run that evaluates none
-    (a student, a recogniser)."""
+    """The held-out masked accuracy (leak-free) and, named apart, the all-frames figure that measures the leak."""
     if not any(key in result for key in RECORDED_HELDOUT):
         return {}
     shown = accuracy.metadata(result)
@@ -154,17 +154,10 @@ def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
     return shown
 
 
-HELDOUT_CLIENT_COLUMNS = accuracy.PER_CLIENT_COLUMNS
-
-
 def result_metadata(run_dir: Path) -> dict[str, object]:
-    """From rank 0's ``result.json``: the checkpoint's size (MB), the hours of audio trained on,
-    the held-out results per client as a table and the MLflow run as a link."""
-    from speech_assets.defs import readable
-
-    try:
-        result = json.loads(RunFiles(run_dir).result.read_text())
-    except (OSError, ValueError):
+    """From rank 0's ``result.json``: checkpoint size, hours trained on, held-out results per client, MLflow run."""
+    result = read_json(RunFiles(run_dir).result)
+    if not result:
         return {}
     metadata: dict[str, object] = {}
     checkpoint = Path(result.get("checkpoint") or RunFiles(run_dir).final)
@@ -173,10 +166,7 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
     if result.get("train_audio_seconds") is not None:
         metadata["train_audio_h"] = round(result["train_audio_seconds"] / 3600, 2)
     if result.get("heldout_per_client"):
-        rows = [
-            accuracy.per_client_row(client, scores) for client, scores in sorted(result["heldout_per_client"].items())
-        ]
-        metadata["heldout_per_client"] = readable.table(rows, HELDOUT_CLIENT_COLUMNS)
+        metadata["heldout_per_client"] = readable.per_client_table(result["heldout_per_client"])
     metadata |= readable.mlflow_links(
         result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui")
     )
@@ -184,30 +174,24 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
 
 
 def training_curve_metadata(run_dir) -> dict[str, object]:
-    """The training curve: a chart drawn inline on the asset page (held-out accuracy at each
-    evaluation against the majority-class rate, or the loss before any evaluation) and the full
-    PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
-    metrics = RunFiles(run_dir).metrics
-    if not metrics.is_file():
-        return {}
-    from speech_assets.defs import readable
-    from speech_assets.stats import plots
-
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    """The training curve: held-out accuracy against the majority-class rate (else the loss) drawn
+    inline, and the full PNG (loss, accuracies, learning rate) behind "Show Markdown"."""
+    rows = read_jsonl(RunFiles(run_dir).metrics)
     if not rows:
         return {}
+    from speech_assets.stats import plots
+
     if held := accuracy.curve_points(rows):
         series = {
             accuracy.LABEL: [(step, value) for step, value, _ in held],
             "majority class": [(step, majority) for step, _, majority in held],
         }
-        chart = readable.inline_chart(f"{accuracy.LABEL} by step", series)
+        chart = plots.inline_chart(f"{accuracy.LABEL} by step", series)
     else:
-        chart = readable.inline_chart(
-            "loss by step", {"loss": [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]}
-        )
+        loss = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+        chart = plots.inline_chart("loss by step", {"loss": loss})
     return {
-        "curve": chart,
+        "curve": dg.MetadataValue.md(chart),
         "training_curve": dg.MetadataValue.md(plots.markdown_image(plots.training_curve(rows), "training curve")),
     }
 
@@ -233,24 +217,18 @@ def fixed_node_count(options: TrainingSettings) -> int:
 
 
 @contextlib.contextmanager
-def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings | None, torchrun, env: dict) -> Iterator[None]:
-    """Start nodes 1..nnodes-1 with the configured command (an argument list, no shell) for the
-    length of node 0's run; stop whatever is left of them afterwards.
+def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchrun, env: dict) -> Iterator[None]:
+    """Nodes 1..nnodes-1, started with the configured command for the length of node 0's run.
 
-    Each node's torchrun runs under :mod:`speech_assets.runtime.tether`, whose input is a pipe
-    this process holds open: when this process ends or is killed, the pipe closes (through ssh
-    too) and the node stops its torchrun, on whatever host it runs.
-
-    A node that fails while node 0 still runs (killed, failed to start, lost its host) would leave
-    node 0 waiting at the rendezvous or in a collective until a timeout: node 0 is stopped then,
-    so the run fails at once and says which node ended."""
+    Each runs under :mod:`speech_assets.runtime.tether`, reading a pipe this process holds: when
+    this process ends, the pipe closes (through ssh too) and the node stops its torchrun. A node
+    that fails while node 0 runs would leave it waiting in a collective until a timeout: node 0 is
+    stopped then, so the run fails at once and says which node ended."""
     from speech_assets.train import launch
 
     processes, finished = [], threading.Event()
     try:
-        commands = (
-            launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts) if options else []
-        )
+        commands = launch.other_node_commands(torchrun, nnodes, options.node_command, options.node_hosts)
         for rank, command in enumerate(commands, start=1):
             log = open(RunFiles(run_dir).node_log(rank), "ab")  # noqa: SIM115 - closed below
             context.log.info(f"starting node {rank}: {shlex.join(command)}")
@@ -305,20 +283,13 @@ def _node_0_agents(config_path: Path) -> list[int]:
     return agents
 
 
-class TrainingOverrides(overrides_of(TrainingSettings)):
-    """Run-config overrides of the `[training]` settings for one manual run."""
-
-
 Launch = Callable[[dg.AssetExecutionContext, Any, StoragePaths, dg.PipesSubprocessClient], dg.MaterializeResult]
 
 
-def torchrun_asset(
-    overrides: type[dg.Config], section: str, **asset_args: Any
-) -> Callable[[Launch], dg.AssetsDefinition]:
-    """Make ``launch(context, options, paths, pipes_subprocess_client)`` an asset of its name and
-    docstring that trains through torchrun in the ``training`` pool, tracked in MLflow: it records
-    its run process and launches with the ``[section]`` settings as ``overrides`` (its run
-    config) changes them. ``asset_args`` go to ``dg.asset`` (group, deps, code version, ...)."""
+def torchrun_asset(section: str, **asset_args: Any) -> Callable[[Launch], dg.AssetsDefinition]:
+    """``launch(context, options, paths, pipes_subprocess_client)`` as an asset of its name and docstring
+    in the ``training`` pool, its options the ``[section]`` settings as the run's config changes them."""
+    overrides = overrides_of(PipelineSettings.model_fields[section].annotation)
 
     def decorate(launch: Launch) -> dg.AssetsDefinition:
         @dg.asset(
@@ -355,17 +326,12 @@ def run_pretraining(
     iteration: int,
     code_version: str,
 ) -> dg.MaterializeResult:
-    """HuBERT pretraining: the torchrun trainer on the shards and each client's targets of HuBERT
-    iteration ``iteration`` (1: MFCC clusters, 2: an encoder layer's), in a run folder of that
-    iteration's training folder named by inputs and settings."""
+    """HuBERT pretraining on each client's targets of ``iteration`` (1: MFCC clusters, 2: an encoder layer's)."""
     from speech_assets.train.config import TrainConfig
 
     asset_name, run_label = PRETRAINING[iteration]
     table = read_clients(paths.layout.clients_file)
-
-    def targets_dir(client_id: str) -> Path:
-        return paths.targets(client_id, iteration).root
-
+    targets_dir = lambda client_id: paths.targets(client_id, iteration).root  # noqa: E731
     data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
     run_dir = run_folder(paths.layout.training_root(iteration), data_versions, options, code_version)
     train_config = from_fields(
@@ -409,9 +375,8 @@ def run_inputs(
     run_dir: Path,
     label: str,
 ) -> dict[str, object]:
-    """What a training run's config says of its inputs and tracking (RunConfig's fields): every
-    client's shards and targets (``targets_dir(client)``), CMVN, the pipeline's held-out speakers,
-    lineage and the MLflow run (its name and ``mode`` tag from ``label``: a key of :data:`RUN_MODES`)."""
+    """RunConfig's fields: every client's shards and targets (``targets_dir(client)``), CMVN, held-out
+    speakers, lineage and the MLflow run (named by ``label``, a key of :data:`RUN_MODES`)."""
     from speech_assets.train.config import ClientTargets
 
     clients = table.speakers

@@ -6,13 +6,12 @@ from speech_assets.defs.cluster import training_op_tags
 from speech_assets.defs.conditions import retrain_on_cron
 from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings
-from speech_assets.defs.torchrun import TrainingOverrides, run_pretraining, torchrun_asset
+from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 
 CODE_VERSION = "train-v2"  # v2: the loss on unmasked frames too (unmasked_weight 1.0)
 
 
 @torchrun_asset(
-    TrainingOverrides,
     "training",
     group_name="training",
     deps=TRAINING_INPUTS,

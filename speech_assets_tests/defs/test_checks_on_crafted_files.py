@@ -29,7 +29,7 @@ from speech_assets.federated.history import EVALUATION_SCHEMA, ROUNDS_SCHEMA
 from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
 from speech_assets_tests.support.training_data import write_corpus
 
-CHECKS = {key: check for check in definitions.CHECKS for key in check.check_keys}
+CHECKS = {key: check for check in definitions.defs.asset_checks for key in check.check_keys}
 
 # every asset: a test that shows one of its checks catching the fault it is there to catch
 FAULT_TESTS = {

@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speech_assets.hosts import free_port
 from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import DEMO_TRAIN_STEPS, REPO
+from speech_assets_tests.support.ports import free_port
 
 BIN = Path(sys.executable).parent
 # the first test also builds the whole graph (the fixture): a longer limit than the suite's

@@ -17,10 +17,10 @@ import pytest
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
-from speech_assets.hosts import free_port
 from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 from speech_assets_tests.support.local_runs import materialize_in_process
+from speech_assets_tests.support.ports import free_port
 
 BIN = Path(sys.executable).parent
 LAUNCH = """

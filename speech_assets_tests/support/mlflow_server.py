@@ -14,10 +14,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets_tests.support.commands import LocalServer
+from speech_assets_tests.support.ports import free_port
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 

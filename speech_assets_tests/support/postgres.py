@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speech_assets.hosts import free_port
 from speech_assets.runtime.processes import die_with_parent, pid_exists
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 from speech_assets_tests.support.commands import LocalServer
+from speech_assets_tests.support.ports import free_port
 
 BIN_ENV = "SPEECH_ASSETS_PG_BIN"
 USER = "dagster"

@@ -16,11 +16,11 @@ import torch
 
 from speech_assets.definitions import build_definitions
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, TrainingSettings
-from speech_assets.hosts import free_port
 from speech_assets.runtime.waiting import wait_until
 from speech_assets_tests.conftest import SAMPLE_CORPUS, fresh_instance
 from speech_assets_tests.runtime.test_lifetime import processes_mentioning
 from speech_assets_tests.support.local_runs import materialize_in_process
+from speech_assets_tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # four torchrun jobs, two of them with two agents
 
