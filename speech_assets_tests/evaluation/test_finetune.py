@@ -123,7 +123,9 @@ def test_ctc_loss_ignores_padding_and_prefers_the_transcript() -> None:
     # the padded targets give the concatenated ones' loss, and so do the lengths handed on the host
     valid = batch.targets >= 0
     for log_probs in (peaked.log_softmax(-1), uniform):
-        concatenated = F.ctc_loss(log_probs.transpose(0, 1), batch.targets[valid], lengths, valid.sum(1), zero_infinity=True)
+        concatenated = F.ctc_loss(
+            log_probs.transpose(0, 1), batch.targets[valid], lengths, valid.sum(1), zero_infinity=True
+        )
         assert torch.equal(ctc_loss(log_probs, lengths, batch.targets), concatenated)
         assert torch.equal(ctc_loss(log_probs, lengths * 0, batch.targets, (lengths, valid.sum(1))), concatenated)
 
