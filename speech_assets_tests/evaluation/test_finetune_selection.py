@@ -169,18 +169,19 @@ def test_text_overlap_and_oov_rate() -> None:
 
 
 class SlowDev(FineTuning):
-    """A dev evaluation that keeps every snapshot it scored and, but for the run's last, lasts until a
-    training step has started while it runs; ``events``: steps and evaluations in the order they began."""
+    """A dev evaluation that, but for the run's last, waits until a training step has finished and
+    the next started while it runs, then keeps the weights it scores; ``events``: steps and
+    evaluations in the order they began."""
 
     def score_dev(self, model):  # type: ignore[no-untyped-def]
         count = len(self.scored)
-        self.scored.append({name: tensor.clone() for name, tensor in model.state_dict().items()})
         self.events.append(("evaluation", count, "start"))
         steps = sum(event[0] == "step" for event in self.events)
         deadline = time.monotonic() + 60
-        while count < self.evaluations - 1 and sum(e[0] == "step" for e in self.events) == steps:
+        while count < self.evaluations - 1 and sum(e[0] == "step" for e in self.events) < steps + 2:
             assert time.monotonic() < deadline, f"no training step while evaluation {count} ran"
             time.sleep(0.01)
+        self.scored.append({name: tensor.clone() for name, tensor in model.state_dict().items()})
         scored = super().score_dev(model)
         self.events.append(("evaluation", count, "end"))
         return scored
