@@ -608,7 +608,7 @@ class Engine:
                     if checkpoint:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
-                        owed = isinstance(evaluate, Evaluation) and not self.stopped
+                        owed = isinstance(evaluate, Evaluation) and (preempted or evaluate.pending is not None)
                         self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints, owed)
                         last_checkpoint = time.monotonic()
                     window, audio, timed_audio = None, 0.0, 0.0

@@ -192,7 +192,8 @@ def test_eval_off_critical_path_trains_on_and_selects_as_a_synchronous_run(
 ) -> None:
     """The dev CER of each checkpoint is scored on a snapshot of its weights in the background: the
     next steps train meanwhile, the kept weights are the snapshot that scored best, and the result
-    is a synchronous evaluation's (same history, selected step, scores and final weights)."""
+    is a synchronous evaluation's (same history, selected step, scores and final weights), also
+    after a preemption that left an evaluation owed."""
     config = replace(
         with_dev_speaker(labelled_run(tmp_path), tmp_path),
         lr=5e-3,
@@ -237,3 +238,12 @@ def test_eval_off_critical_path_trains_on_and_selects_as_a_synchronous_run(
         assert all(torch.equal(weights[k], slow.scored[i][k]) for k in weights)
     same = ("dev_history", "step", "steps_trained", "dev_cer", "heldout_cer", "scores", "checkpoint_sha256")
     assert {k: background[k] for k in same} == {k: synchronous[k] for k in same}
+    # preempted at step 6, whose evaluation was then owed: the resumed run scores it first, and ends as the others
+    resumed = replace(config, run_dir=str(tmp_path / "resumed"))
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=6))
+    assert finetune(resumed) is None
+    monkeypatch.delenv(FAULTS_ENV)
+    assert load_checkpoint(RunFiles(resumed.run_dir).checkpoint(6))["selection"]["history"] == history[:1]
+    again = finetune(resumed)
+    assert again is not None and again["resumed_from_step"] == 6
+    assert {k: again[k] for k in same} == {k: background[k] for k in same}
