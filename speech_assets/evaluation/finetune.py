@@ -20,13 +20,15 @@ import math
 import os
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
@@ -34,11 +36,16 @@ from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, from_record
 from speech_assets.features.shards import read_shard_table
 from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import load_encoder
-from speech_assets.model.hubert import HubertPretrainModel
+from speech_assets.model.hubert import HubertPretrainModel, output_lengths
+from speech_assets.model.loss import IGNORE_INDEX
+from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import ModelPreset
 from speech_assets.train.checkpoint import load_checkpoint
 from speech_assets.train.config import FinetuneBatch, FinetuneConfig
 from speech_assets.train.data import (
+    Batch,
+    BatchBuilder,
+    BatchRequest,
     CorpusIndex,
     DurationBucketSampler,
     Example,
@@ -46,9 +53,18 @@ from speech_assets.train.data import (
     UtteranceRef,
     collate,
     eval_batches,
+    mask_generator,
 )
-from speech_assets.train.engine import BatchStream, Distributed, Fit, fixed_batch, seed_everything
-from speech_assets.train.objectives import CtcForward, CtcTraining
+from speech_assets.train.engine import (
+    BatchStream,
+    Distributed,
+    Evaluation,
+    Fit,
+    default_workers,
+    fixed_batch,
+    seed_everything,
+)
+from speech_assets.train.objectives import ctc_loss
 from speech_assets.train.tracking import PipesReporter
 from speech_assets.train.worker import worker
 from speech_assets.utils import atomic_write_text, sha256_strings
@@ -188,6 +204,109 @@ class TranscribedDataset(UtteranceDataset):
         return Example(ref.utt_id, 0, torch.from_numpy(feats), torch.tensor(self.tokens[ref.utt_id], dtype=torch.long))
 
 
+@dataclass
+class CtcBatch(Batch):
+    """A batch masked for its step: bands zeroed in ``feats``, frames in ``mask``; ``ctc_lengths``:
+    ``(input, target)`` lengths on the host, where the CTC kernel reads them (they stay there)."""
+
+    ctc_lengths: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class CtcMasking:
+    """Fine-tuning's masks, from ``(seed, step, rank, micro)``: drawn by the loader's workers."""
+
+    seed: int
+    mask_prob: float
+    mask_length: int
+    channel_prob: float
+    channel_length: int
+    rank: int = 0
+
+    def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(B, L)`` frame and ``(B, 80)`` band masks (``None`` at probability 0), in this RNG order."""
+        generator = mask_generator(self.seed, "ctc", *parts)
+        mask = channels = None
+        if self.mask_prob > 0:
+            mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
+        if self.channel_prob > 0:
+            bands = torch.full_like(lengths, 80)
+            channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
+        return mask, channels
+
+    def __call__(self, batch: Batch, step: int, micro: int) -> CtcBatch:
+        mask, channels = self.masks(batch.lengths, step, self.rank, micro)
+        feats = (
+            batch.feats if channels is None else batch.feats.masked_fill(channels.to(batch.feats.device)[:, None], 0)
+        )
+        counts = (batch.targets != IGNORE_INDEX).sum(dim=1)
+        return CtcBatch(
+            **{f.name: getattr(batch, f.name) for f in fields(Batch)}
+            | {"feats": feats, "mask": mask, "masked_for": (self, step, micro)},
+            ctc_lengths=(output_lengths(batch.lengths), counts),
+        )
+
+
+class CtcBatches(BatchBuilder):
+    """What the loader's workers run for fine-tuning: batches masked for the step they train at."""
+
+    def __getitem__(self, request: BatchRequest) -> Batch:  # type: ignore[override]
+        batch = super().__getitem__(replace(request, masking=None))
+        masking: Any = request.masking
+        return batch if masking is None or request.slot is None else masking(batch, *request.slot)
+
+
+class CtcForward(nn.Module):
+    """An encoder with a CTC head ``model.heads[0]``: ``feats (B, T, 80)``, ``lengths (B,)``, optional
+    ``mask (B, L)`` -> log-probabilities ``(B, L, V)`` float32. ``frozen="no_grad"`` trains only the
+    head; ``"zero"`` gives the encoder an exact zero gradient instead (DDP needs a gradient for every
+    parameter it wraps). ``padded``: as :meth:`HubertPretrainModel.encode`'s."""
+
+    def __init__(self, model: HubertPretrainModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        feats: torch.Tensor,
+        lengths: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        frozen: str = "",
+        padded: bool | None = None,
+    ) -> torch.Tensor:
+        with torch.no_grad() if frozen == "no_grad" else contextlib.nullcontext():
+            hidden = self.model.encode(feats, lengths, mask, padded).hidden
+        hidden = hidden.detach() + 0.0 * hidden if frozen == "zero" else hidden
+        return torch.log_softmax(self.model.heads[0](hidden).float(), dim=-1)
+
+
+@dataclass
+class CtcTraining:
+    """CTC fine-tuning: the encoder frozen for ``freeze_steps`` steps, :class:`CtcMasking`'s masks
+    (drawn here when the loader did not). Statistics ``(3,)``: micro-batches, summed loss, frozen
+    micro-batches. Nothing in a step reads the device."""
+
+    device: torch.device
+    _: KW_ONLY
+    freeze_steps: int
+    masking: CtcMasking
+
+    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(batch, CtcBatch) or batch.masked_for != (self.masking, step, micro):
+            batch = self.masking(batch, step, micro)
+        frozen = step < self.freeze_steps
+        batch = batch.to(self.device)
+        mode = ("zero" if isinstance(model, DistributedDataParallel) else "no_grad") if frozen else ""
+        log_probs = model(batch.feats, batch.lengths, batch.mask, mode, batch.padded)
+        loss = ctc_loss(log_probs, batch.lengths, batch.targets, batch.ctc_lengths)
+        value = loss.detach().double()
+        return loss, torch.stack([torch.ones_like(value), value, torch.full_like(value, float(frozen))])
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        count = float(totals[0].clamp(min=1))
+        return {"loss": float(totals[1]) / count, "frozen": float(totals[2]) / count}
+
+
 def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusIndex:
     """Where each of the ``wanted`` utterances lives in ``shards`` (whole length, one client)."""
     wanted, refs = set(wanted), []
@@ -232,10 +351,10 @@ def log_probabilities(
     forward = CtcForward(model).eval()
     out: list[np.ndarray | None] = [None] * len(dataset)
     for batch_indices in eval_batches(dataset.seconds, batch_seconds, 1, 0):
-        batch = collate([dataset[i] for i in batch_indices]).to(device)
-        log_probs, lengths = forward(batch.feats, batch.lengths)
-        for row, index in enumerate(batch_indices):
-            out[index] = log_probs[row, : int(lengths[row])].cpu().numpy()
+        batch = collate([dataset[i] for i in batch_indices])
+        log_probs = forward(batch.feats.to(device), batch.lengths.to(device), padded=batch.padded).cpu().numpy()
+        for row, (index, length) in enumerate(zip(batch_indices, output_lengths(batch.lengths).tolist(), strict=True)):
+            out[index] = log_probs[row, :length]
     forward.train()
     return [x for x in out if x is not None]
 
@@ -345,9 +464,13 @@ def run_log(run_dir: Path, main: bool) -> Iterator[None]:
 
 
 class FineTuning(Fit):
-    """One fine-tuning run on this rank of ``job``."""
+    """One fine-tuning run on this rank of ``job``. Its dev CER is scored on a snapshot of the weights
+    in the background (:class:`~speech_assets.train.engine.Evaluation`; ``background_evaluation``):
+    the steps go on meanwhile and patience stops the run one evaluation late, with the selection a
+    synchronous run makes (an evaluation is recorded before the next checkpoint prunes)."""
 
     materialized = ("steps_trained", "dev_cer", "lr", "heldout_cer", "heldout_wer")
+    background_evaluation = True
 
     def __init__(self, job: Distributed, config: FinetuneConfig) -> None:
         precision = fixed_batch(job, config)
@@ -377,7 +500,9 @@ class FineTuning(Fit):
         sampler = DurationBucketSampler(
             self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
-        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda")
+        sampler.num_workers = default_workers(job)
+        cuda = job.device.type == "cuda"
+        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=cuda, device=job.device, builder=CtcBatches)
         self.model = model = model.to(job.device)
         self.freeze_steps, self.freeze_frontend = frozen_parts(config)
         if self.freeze_frontend:
@@ -389,16 +514,15 @@ class FineTuning(Fit):
             "dev": sorted({u.speaker_id for u in dev_refs}),
             "heldout": sorted(held_speakers),
         }
-        objective = CtcTraining(
-            job.device,
-            seed=config.seed,
-            freeze_steps=self.freeze_steps,
-            mask_prob=config.mask_prob,
-            mask_length=config.mask_length,
-            channel_prob=config.channel_mask_prob,
-            channel_length=config.channel_mask_length,
-            rank=job.rank,
+        masking = CtcMasking(
+            config.seed,
+            config.mask_prob,
+            config.mask_length,
+            config.channel_mask_prob,
+            config.channel_mask_length,
+            job.rank,
         )
+        objective = CtcTraining(job.device, freeze_steps=self.freeze_steps, masking=masking)
         resumed = self.start(
             model,
             job,
@@ -417,7 +541,9 @@ class FineTuning(Fit):
                 stored["seed"],
                 stored.get("lr"),
             ),
-            evaluate=self.evaluate_dev,
+            evaluate=Evaluation(self.score_dev, self.record_dev, self.background_evaluation)
+            if len(self.dev_set)
+            else None,
             kind=CHECKPOINT_KIND,
         )
         self.selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
@@ -426,18 +552,22 @@ class FineTuning(Fit):
             frozenset() if self.selection.best_step is None else frozenset({self.selection.best_step})
         )
 
-    def evaluate_dev(self) -> dict[str, Any] | None:
-        if len(self.dev_set) == 0:
-            return None
-        engine, selection = self.engine, self.selection
-        cer = score(self.dev_set.texts, greedy(log_probabilities(self.model, self.dev_set, self.job.device))).cer
-        stop = selection.update(engine.step, cer)
+    def score_dev(self, model: HubertPretrainModel) -> dict[str, Any]:
+        """Greedy dev CER of ``model`` (a snapshot of the weights)."""
+        return {
+            "dev_cer": score(self.dev_set.texts, greedy(log_probabilities(model, self.dev_set, self.job.device))).cer
+        }
+
+    def record_dev(self, step: int, scored: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Step ``step``'s dev CER into the selection (the training thread's)."""
+        engine, selection, cer = self.engine, self.selection, (scored or {})["dev_cer"]
+        stop = selection.update(step, cer)
         engine.keep_steps = frozenset({selection.best_step})
         engine.extra["selection"] = selection.to_dict()
         if self.job.is_main:
             log.info(
                 "step %d: dev CER %.4f (best %.4f at step %d)%s",
-                engine.step,
+                step,
                 cer,
                 selection.best_cer,
                 selection.best_step,

@@ -39,6 +39,7 @@ from speech_assets.train.engine import (
     BatchStream,
     Distributed,
     Fit,
+    default_workers,
     fixed_batch,
     seed_everything,
     warmup_linear_decay,
@@ -77,14 +78,16 @@ def build_student(config: DistillConfig, teacher: HubertPretrainModel, layers: l
 
 class LayerPredictor(nn.Module):
     """``feats (B, T, 80)``, ``lengths (B,)`` -> ``predictions (B, H, L, D_teacher)``, ``padding (B, L)``:
-    every head on every frame (what DDP wraps)."""
+    every head on every frame (what DDP wraps). ``padded``: as :meth:`HubertPretrainModel.encode`'s."""
 
     def __init__(self, student: HubertPretrainModel) -> None:
         super().__init__()
         self.student = student
 
-    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        encoded = self.student.encode(feats, lengths)
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, padded: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.student.encode(feats, lengths, padded=padded)
         return torch.stack([head(encoded.hidden) for head in self.student.heads], dim=1), encoded.padding
 
 
@@ -136,10 +139,10 @@ class LayerPrediction:
     def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.device)
         targets = teacher_targets(self.teacher, batch.feats, batch.lengths, self.layers)
-        predictions, padding = model(batch.feats, batch.lengths)
+        predictions, padding = model(batch.feats, batch.lengths, batch.padded)
         loss, parts = layer_prediction_loss(predictions.float(), targets.float(), padding, self.cosine_weight)
-        one = torch.ones(1, dtype=torch.float64, device=self.device)
-        return loss, torch.cat([one, loss.detach().double()[None], parts["l1"].double(), parts["cosine"].double()])
+        value = loss.detach().double()[None]
+        return loss, torch.cat([torch.ones_like(value), value, parts["l1"].double(), parts["cosine"].double()])
 
     def metrics(self, totals: torch.Tensor) -> dict[str, float]:
         means = (totals[1:] / totals[0].clamp(min=1)).tolist()
@@ -176,7 +179,10 @@ class Distillation(Fit):
         sampler = DurationBucketSampler(
             self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
-        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda")
+        sampler.num_workers = config.num_workers or default_workers(job)  # 0: the device's default
+        stream = BatchStream(
+            self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda", device=job.device
+        )
         seed_everything(config.seed)
         self.student = build_student(config, teacher, layers).to(job.device)
         self.start(

@@ -5,11 +5,16 @@ AdamW, the LR schedule, bit-exact checkpoints (written by a background thread) a
 window (statistics stay on the device, read once per ``log_every`` steps). :class:`Fit` is the one
 run around it (resume, MLflow, ``final.pt``, ``result.json``) of pretraining, distillation and CTC
 fine-tuning. Rank 0 alone writes files, logs to MLflow and reports to Dagster Pipes.
+
+Precision: ``auto`` is bf16 wherever the device supports it (no loss scaling). fp16 (a GPU without
+bf16, or asked for) scales the loss; its GradScaler hands ``found_inf`` to the fused AdamW (every
+parameter on CUDA), which skips a step on the device: no per-step host read there either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -19,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import takewhile
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from speech_assets.features.cmvn import Normaliser, describe
 from speech_assets.layout import RunFiles
@@ -161,12 +166,20 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6, fused=fused or None)
 
 
+def default_workers(job: Distributed) -> int:
+    """Loader workers of a run that does not choose: none on a CPU (its cores train), else up to 4
+    per GPU process from the cores left."""
+    if job.device.type != "cuda":
+        return 0
+    return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
+
+
 class BatchStream:
     """Endless stream of this rank's batches from ``(epoch, position)``; :meth:`state` is where to resume.
 
     One DataLoader with persistent workers serves every epoch (each request carries its epoch); once
-    :meth:`schedule` is known the workers draw the span masks too. On CUDA the next batch is copied
-    on a side stream while the current one trains.
+    :meth:`schedule` is known the workers draw the span masks too (``builder``: what builds a batch
+    there). On CUDA the next batch is copied on a side stream while the current one trains.
     """
 
     def __init__(
@@ -178,8 +191,10 @@ class BatchStream:
         epoch: int = 0,
         position: int = 0,
         device: torch.device | None = None,
+        builder: Callable[[UtteranceDataset], Dataset[Batch]] = BatchBuilder,
     ) -> None:
         self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
+        self.builder = builder
         self.epoch, self.position = epoch, position
         self.device = device if device is not None and device.type == "cuda" else None
         self._sizes: dict[int, int] = {}
@@ -223,7 +238,7 @@ class BatchStream:
                 if self._loader is None:
                     workers = self.sampler.num_workers
                     self._loader = DataLoader(
-                        BatchBuilder(self.dataset),
+                        self.builder(self.dataset),
                         batch_size=None,
                         sampler=_Requests(self),
                         num_workers=workers,
@@ -340,6 +355,55 @@ class BackgroundWriter:
             raise RuntimeError(f"writing metrics failed: {error!r}") from error
 
 
+@dataclass
+class Evaluation:
+    """A stage's evaluation at each checkpoint, off the step's critical path: ``score(model)`` reads
+    nothing but ``model``, a snapshot of the weights at the checkpoint's step, on a side thread (and
+    a side CUDA stream) while the steps go on, at most one in flight; ``record(step, result)`` takes
+    its result on the training thread at the next checkpoint or the run's end, so that an early stop
+    acts one evaluation late. A checkpoint whose evaluation is still owed is evaluated on resume.
+    ``background=False``: scored on the live weights and recorded at once, as a plain callable is."""
+
+    score: Callable[[nn.Module], Mapping[str, Any] | None]
+    record: Callable[[int, Mapping[str, Any] | None], Mapping[str, Any] | None]
+    background: bool = True
+    pending: tuple[int, Future[Mapping[str, Any] | None]] | None = field(default=None, init=False)
+    _executor: ThreadPoolExecutor | None = field(default=None, init=False)
+
+    def submit(self, step: int, model: nn.Module) -> None:
+        if not self.background:
+            self.pending = (step, Future())
+            self.pending[1].set_result(self.score(model))
+            return
+        snapshot = copy.deepcopy(model)  # on a GPU, copies queued on the training stream
+        device = next(model.parameters()).device
+        ready = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        if self._executor is None:  # started after the loader forked its workers (see BackgroundWriter)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluation")
+        self.pending = (step, self._executor.submit(self._score, snapshot, ready))
+
+    def _score(self, snapshot: nn.Module, ready: torch.cuda.Event | None) -> Mapping[str, Any] | None:
+        if ready is None:
+            return self.score(snapshot)
+        side = torch.cuda.Stream(ready.device)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            return self.score(snapshot)
+
+    def collect(self) -> tuple[int, Mapping[str, Any] | None] | None:
+        """The evaluation in flight, waited for and recorded: ``(step, record's result)``."""
+        if self.pending is None:
+            return None
+        step, future = self.pending
+        self.pending = None
+        return step, self.record(step, future.result())
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(cancel_futures=True)
+            self._executor = None
+
+
 class Engine:
     """Optimizer steps of ``model`` on this rank. ``forward`` (default: ``model``) is what an objective
     calls, in DDP when there are several ranks; ``extra`` goes into every checkpoint."""
@@ -371,6 +435,7 @@ class Engine:
         self.extra: dict[str, Any] = {}
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
+        self.evaluation_owed = False  # the resumed checkpoint's Evaluation was not recorded
         # set when an evaluation says ``stop`` (early stopping): the run ends after that checkpoint
         self.stopped = False
         # step checkpoints pruning keeps besides the newest (the step a dev set selected)
@@ -419,25 +484,59 @@ class Engine:
         config: RunConfig,
         *,
         tracker: MlflowTracker | None = None,
-        evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None = None,
     ) -> bool:
         """Steps up to ``config.max_steps``; ``False`` after a ``preempt`` fault (that step is checkpointed).
-        ``evaluate`` (collective; draws nothing from the training RNG) runs before each checkpoint, its
-        numbers logged as ``val/<name>``; a true ``stop`` in it ends the run after that checkpoint."""
+        ``evaluate`` (a callable: collective, before each checkpoint; draws nothing from the training
+        RNG) has its numbers logged as ``val/<name>`` at the step it evaluated; a true ``stop`` in its
+        result ends the run after the checkpoint that records it."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
         writer = BackgroundWriter() if self.job.is_main else None
         try:
+            if isinstance(evaluate, Evaluation) and self.evaluation_owed:  # the live weights are its snapshot's
+                owed = (self.step, evaluate.record(self.step, evaluate.score(self.model)))
+                self._recorded(owed, tracker, config, writer, alone=True)
             finished = self._steps(objective, stream, config, tracker, evaluate, writer)
+            if finished and isinstance(evaluate, Evaluation):
+                started = time.perf_counter()  # the run's wall time includes its last evaluation
+                self._recorded(evaluate.collect(), tracker, config, writer, alone=True)
+                self.progress["train_seconds"] += time.perf_counter() - started
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 self.checkpoints.wait()
             if writer is not None:
                 writer.close(quiet=True)  # what was submitted is written; the training error wins
             raise
+        finally:
+            if isinstance(evaluate, Evaluation):
+                evaluate.close()
         self.checkpoints.wait()  # a checkpoint the run returns after is on disk
         if writer is not None:
             writer.close()
         return finished
+
+    def _recorded(
+        self,
+        evaluated: tuple[int, Mapping[str, Any] | None] | None,
+        tracker: MlflowTracker | None,
+        config: RunConfig,
+        writer: BackgroundWriter | None,
+        alone: bool = False,
+    ) -> dict[str, float]:
+        """An evaluation's ``val/`` series for the step's own line; of another step (or ``alone``),
+        logged on a line of its own."""
+        if evaluated is None:
+            return {}
+        self.evaluation = evaluated
+        self.stopped = self.stopped or bool((evaluated[1] or {}).get("stop"))
+        held_out = heldout_series(evaluated[1] or {})
+        if writer is not None and held_out and (alone or evaluated[0] != self.step):
+            line = json.dumps({"step": evaluated[0], **held_out})
+            writer.submit(append_line, RunFiles(Path(config.run_dir)).metrics, line)
+            if tracker is not None:
+                writer.submit(tracker.log_metrics, held_out, evaluated[0])
+            return {}
+        return held_out
 
     def _steps(
         self,
@@ -445,22 +544,24 @@ class Engine:
         stream: BatchStream,
         config: RunConfig,
         tracker: MlflowTracker | None,
-        evaluate: Callable[[], Mapping[str, Any] | None] | None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None,
         writer: BackgroundWriter | None,
     ) -> bool:
         # The window's statistics stay on the device; they, the gradient norm and the audio
-        # seconds are read once per log_every steps, in one transfer.
+        # seconds are read once per log_every steps, in one transfer. Throughput is wall time from
+        # the end of the attempt's first step (its warm-up): evaluations and checkpoints included.
         window: torch.Tensor | None = None
         audio, timed_audio = 0.0, 0.0  # seconds of audio in the window, and in its timed steps
-        window_start, timed_seconds, first_step = time.perf_counter(), 0.0, self.step + 1
+        window_start, timed_start, first_step = time.perf_counter(), None, self.step + 1
         minutes = float(getattr(config, "checkpoint_minutes", 0.0) or 0.0)
         eval_every = int(getattr(config, "eval_every", 0) or 0)
         last_checkpoint = time.monotonic()
         while self.step < config.max_steps and not self.stopped:
-            started = time.perf_counter()
             stats, seconds, grad_norm = self.train_step(objective, stream)
             window = stats.detach().clone() if window is None else window.add_(stats)
             timed = self.step > first_step  # the first step of an attempt pays for warm-up
+            if self.step == first_step:
+                timed_start = time.perf_counter()
             audio += seconds
             timed_audio += seconds if timed else 0.0
             preempted = inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
@@ -475,40 +576,46 @@ class Engine:
                 due = time.monotonic() - last_checkpoint >= 60.0 * minutes
                 flag = torch.tensor([1.0 if due else 0.0], device=self.job.device)
                 checkpoint = bool(all_reduce(flag, self.job).item() > 0)
-            if not (checkpoint or self.step % config.log_every == 0):
-                if timed:
-                    timed_seconds += time.perf_counter() - started
-            else:
+            if checkpoint or self.step % config.log_every == 0:
                 with record_function(REPORT_RANGE):  # the window's one device read, its writes, the checkpoint
                     host = torch.tensor([audio, timed_audio], dtype=torch.float64).to(window.device)
                     reduced = all_reduce(torch.cat([window, host]), self.job)
                     totals = torch.cat([reduced, grad_norm.detach().double().reshape(1).to(reduced.device)]).tolist()
-                    if timed:
-                        timed_seconds += time.perf_counter() - started
+                    now = time.perf_counter()
+                    if timed_start is not None:
+                        self.progress["train_seconds"] += now - timed_start
+                        timed_start = now
                     self.progress["audio_seconds"] += totals[-2]
-                    self.progress["train_seconds"] += timed_seconds
                     self.metrics = objective.metrics(torch.tensor(totals[:-3], dtype=torch.float64)) | {
                         "lr": float(self.scheduler.get_last_lr()[0]),
                         "grad_norm": totals[-1],
-                        "audio_seconds_per_second": totals[-3] / max(time.perf_counter() - window_start, 1e-9),
+                        "audio_seconds_per_second": totals[-3] / max(now - window_start, 1e-9),
                         "epoch": float(stream.epoch),
                     }
+                    window_start = now
                     held_out: dict[str, float] = {}
-                    if checkpoint and evaluate is not None:
-                        self.evaluation = (self.step, evaluate())
-                        held_out = heldout_series(self.evaluation[1] or {})
-                        self.stopped = bool((self.evaluation[1] or {}).get("stop"))
+                    if checkpoint and isinstance(evaluate, Evaluation):
+                        # the evaluation in flight first: its record decides what pruning keeps
+                        self._recorded(evaluate.collect(), tracker, config, writer)
+                        if not (self.stopped or preempted):  # a preempted step's is owed (resume)
+                            evaluate.submit(self.step, self.model)
+                            if not evaluate.background:
+                                held_out = self._recorded(evaluate.collect(), tracker, config, writer)
+                    elif checkpoint and evaluate is not None:
+                        held_out = self._recorded((self.step, evaluate()), tracker, config, writer)
                     if writer is not None:
                         self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
                     if checkpoint:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
-                        self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints)
+                        owed = isinstance(evaluate, Evaluation) and (preempted or evaluate.pending is not None)
+                        self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints, owed)
                         last_checkpoint = time.monotonic()
                     window, audio, timed_audio = None, 0.0, 0.0
-                    window_start, timed_seconds = time.perf_counter(), 0.0
             if preempted:
                 return False
+        if timed_start is not None:  # the last report's evaluation and checkpoint
+            self.progress["train_seconds"] += time.perf_counter() - timed_start
         return True
 
     def _report(
@@ -529,8 +636,9 @@ class Engine:
         if tracker is not None:
             writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
 
-    def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int) -> None:
-        """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer."""
+    def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int, owed: bool = False) -> None:
+        """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer.
+        ``owed``: this step's :class:`Evaluation` is not recorded in it."""
         rng = capture_rng_state(self.job.device)
         states: list[Any] = [None] * self.job.world_size
         if self.job.enabled:
@@ -551,6 +659,7 @@ class Engine:
                 "weights_sha256": None,  # filled by the writer, from the copy it writes
                 "progress": dict(self.progress),
                 "metrics": dict(self.metrics),
+                "evaluation_owed": owed,
                 **self.extra,
             }
             kept = self.keep_steps
@@ -576,6 +685,7 @@ class Engine:
         self.scaler.load_state_dict(state["scaler"])
         self.step = self.resumed_from = int(state["step"])
         self.progress, self.metrics = dict(state["progress"]), dict(state["metrics"])
+        self.evaluation_owed = bool(state.get("evaluation_owed"))
         stream.load_state(state["sampler"])
         rng = state["rng"]
         if len(rng) == self.job.world_size:
@@ -659,7 +769,7 @@ class Fit:
         identity: Callable[[Mapping[str, Any]], object],
         forward: nn.Module | None = None,
         launch: Mapping[str, Any] | None = None,
-        evaluate: Callable[[], Mapping[str, Any] | None] | None = None,
+        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None = None,
         **record: Any,
     ) -> dict[str, Any] | None:
         """Build the :class:`Engine` and resume; the checkpoint continued, or ``None``. ``record`` goes

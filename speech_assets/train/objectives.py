@@ -1,4 +1,4 @@
-"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and CTC fine-tuning.
+"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and the CTC loss.
 
 Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)`` and ``targets
 (B, L)`` at 50 Hz (``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
@@ -6,19 +6,18 @@ Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from speech_assets.model.hubert import HubertPretrainModel, output_lengths
+from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss, summarize
-from speech_assets.model.masking import leak_free, pipeline_label_radius, span_mask
+from speech_assets.model.masking import leak_free, pipeline_label_radius
 from speech_assets.train.data import (
     Batch,
     CorpusIndex,
@@ -27,7 +26,6 @@ from speech_assets.train.data import (
     UtteranceRef,
     collate,
     eval_batches,
-    mask_generator,
 )
 from speech_assets.train.engine import Distributed, all_reduce, autocast
 
@@ -199,93 +197,19 @@ class Proximal:
 CTC_BLANK = 0  # the CTC blank is token 0 of every vocabulary fine-tuned here
 
 
-class CtcForward(nn.Module):
-    """An encoder with a CTC head ``model.heads[0]``: ``feats (B, T, 80)``, ``lengths (B,)``, optional
-    ``mask (B, L)`` and ``channels (B, 80)`` -> log-probabilities ``(B, L, V)`` float32 and ``lengths``.
-    ``frozen="no_grad"`` trains only the head; ``"zero"`` gives the encoder an exact zero gradient
-    instead (DDP needs a gradient for every parameter it wraps)."""
-
-    def __init__(self, model: HubertPretrainModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        feats: torch.Tensor,
-        lengths: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        channels: torch.Tensor | None = None,
-        frozen: str = "",
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if channels is not None:
-            feats = feats.masked_fill(channels[:, None, :], 0.0)
-        if frozen == "no_grad":
-            with torch.no_grad():
-                encoded = self.model.encode(feats, lengths, mask)
-            hidden = encoded.hidden.detach()
-        else:
-            encoded = self.model.encode(feats, lengths, mask)
-            hidden = encoded.hidden.detach() + 0.0 * encoded.hidden if frozen == "zero" else encoded.hidden
-        return F.log_softmax(self.model.heads[0](hidden).float(), dim=-1), encoded.lengths
-
-
-def ctc_loss(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over utterances of CTC per target token; ``targets (B, S)`` padded with ``IGNORE_INDEX``."""
-    valid = targets != IGNORE_INDEX
-    return F.ctc_loss(
-        log_probs.transpose(0, 1),
-        targets[valid],
-        lengths,
-        valid.sum(dim=1),
-        blank=CTC_BLANK,
-        reduction="mean",
-        zero_infinity=True,
+def ctc_loss(
+    log_probs: torch.Tensor,
+    lengths: torch.Tensor,
+    targets: torch.Tensor,
+    host_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Mean over utterances of CTC per target token; ``targets (B, S)`` padded with ``IGNORE_INDEX``
+    (passed padded: the kernel reads each row up to its length). ``host_lengths``: ``(input,
+    target)`` lengths on the host, where the kernel reads them; without them it copies ``lengths``
+    and the target counts off the device."""
+    counts = (targets != IGNORE_INDEX).sum(dim=1)
+    inputs, tokens = host_lengths or (lengths, counts)
+    per_utterance = F.ctc_loss(
+        log_probs.transpose(0, 1), targets, inputs, tokens, blank=CTC_BLANK, reduction="none", zero_infinity=True
     )
-
-
-@dataclass
-class CtcTraining:
-    """CTC fine-tuning: the encoder frozen for ``freeze_steps`` steps, span masks on frames and on
-    the 80 input bands from ``(seed, step, rank, micro)``. Statistics ``(3,)``: micro-batches, summed
-    loss, frozen micro-batches."""
-
-    device: torch.device
-    _: KW_ONLY
-    seed: int
-    freeze_steps: int
-    mask_prob: float
-    mask_length: int
-    channel_prob: float
-    channel_length: int
-    rank: int = 0
-
-    def masks(self, lengths: torch.Tensor, *parts: int | str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(B, L)`` frame and ``(B, 80)`` band masks (``None`` at probability 0), in this RNG order."""
-        generator = mask_generator(self.seed, "ctc", *parts)
-        mask = channels = None
-        if self.mask_prob > 0:
-            mask = span_mask(output_lengths(lengths), self.mask_prob, self.mask_length, generator)
-        if self.channel_prob > 0:
-            bands = torch.full_like(lengths, 80)
-            channels = span_mask(bands, self.channel_prob, self.channel_length, generator, min_spans=0)
-        return mask, channels
-
-    def __call__(self, model: nn.Module, batch: Batch, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mask, channels = self.masks(batch.lengths, step, self.rank, micro)
-        frozen = step < self.freeze_steps
-        batch = batch.to(self.device)
-        log_probs, lengths = model(
-            batch.feats,
-            batch.lengths,
-            None if mask is None else mask.to(self.device),
-            None if channels is None else channels.to(self.device),
-            ("zero" if isinstance(model, DistributedDataParallel) else "no_grad") if frozen else "",
-        )
-        loss = ctc_loss(log_probs, lengths, batch.targets)
-        stats = torch.tensor([1.0, 0.0, float(frozen)], dtype=torch.float64, device=self.device)
-        stats[1] = loss.detach().double()
-        return loss, stats
-
-    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
-        count = float(totals[0].clamp(min=1))
-        return {"loss": float(totals[1]) / count, "frozen": float(totals[2]) / count}
+    return (per_utterance / counts.clamp(min=1)).mean()  # reduction="mean" without its host-built tensor

@@ -11,15 +11,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from speech_assets.evaluation.decoding import beam_decoder, unavailable, write_arpa
-from speech_assets.evaluation.finetune import Candidate, ctc_feasible, labelled_subset, tri_stage
+from speech_assets.evaluation.finetune import (
+    Candidate,
+    CtcForward,
+    CtcMasking,
+    CtcTraining,
+    ctc_feasible,
+    labelled_subset,
+    tri_stage,
+)
 from speech_assets.evaluation.recognise import RecogniserError, Transcript, labelled_files, model_folder, vocabulary
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.train.data import Batch
-from speech_assets.train.objectives import CtcForward, CtcTraining, ctc_loss
+from speech_assets.train.objectives import ctc_loss
 
 
 def corpus(seed: int = 0) -> list[Candidate]:
@@ -82,9 +91,8 @@ def tiny_batch(seed: int = 0) -> Batch:
 def test_ctc_objective_freezes_the_encoder_then_trains_it() -> None:
     torch.manual_seed(0)
     model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE})
-    objective = CtcTraining(
-        torch.device("cpu"), seed=0, freeze_steps=2, mask_prob=0.05, mask_length=3, channel_prob=0.05, channel_length=4
-    )
+    masking = CtcMasking(0, mask_prob=0.05, mask_length=3, channel_prob=0.05, channel_length=4)
+    objective = CtcTraining(torch.device("cpu"), freeze_steps=2, masking=masking)
     forward = CtcForward(model)
     for step, frozen in ((1, True), (2, False)):
         model.zero_grad(set_to_none=True)
@@ -94,9 +102,9 @@ def test_ctc_objective_freezes_the_encoder_then_trains_it() -> None:
         assert model.heads[0].weight.grad is not None
         assert (model.encoder.layers[0].linear1.weight.grad is None) == frozen
     # masks are a pure function of (seed, step, rank, micro-batch)
-    a, b = objective.masks(torch.tensor([60, 48]), 3, 0, 0), objective.masks(torch.tensor([60, 48]), 3, 0, 0)
+    a, b = masking.masks(torch.tensor([60, 48]), 3, 0, 0), masking.masks(torch.tensor([60, 48]), 3, 0, 0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[1].shape == (2, 80)
-    assert not torch.equal(a[0], objective.masks(torch.tensor([60, 48]), 4, 0, 0)[0])
+    assert not torch.equal(a[0], masking.masks(torch.tensor([60, 48]), 4, 0, 0)[0])
 
 
 def test_ctc_loss_ignores_padding_and_prefers_the_transcript() -> None:
@@ -112,6 +120,14 @@ def test_ctc_loss_ignores_padding_and_prefers_the_transcript() -> None:
     assert float(ctc_loss(peaked.log_softmax(-1), lengths, batch.targets)) < float(
         ctc_loss(uniform, lengths, batch.targets)
     )
+    # the padded targets give the concatenated ones' loss, and so do the lengths handed on the host
+    valid = batch.targets >= 0
+    for log_probs in (peaked.log_softmax(-1), uniform):
+        concatenated = F.ctc_loss(
+            log_probs.transpose(0, 1), batch.targets[valid], lengths, valid.sum(1), zero_infinity=True
+        )
+        assert torch.equal(ctc_loss(log_probs, lengths, batch.targets), concatenated)
+        assert torch.equal(ctc_loss(log_probs, lengths * 0, batch.targets, (lengths, valid.sum(1))), concatenated)
 
 
 def read_arpa(path: Path) -> tuple[dict[tuple[str, ...], float], dict[tuple[str, ...], float]]:

@@ -5,6 +5,7 @@ kept, early stopping after ``patience`` evaluations without improvement)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 
 from speech_assets.evaluation.finetune import (
     PLATEAU_CER,
+    CtcTraining,
+    FineTuning,
     Selection,
     build_model,
     finetune,
@@ -23,6 +26,7 @@ from speech_assets.layout import RunFiles
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets_tests.evaluation.test_finetune_ddp import labelled_run
+from speech_assets_tests.train.test_sync_census import CPU
 
 
 def with_dev_speaker(config, tmp_path: Path):
@@ -115,8 +119,10 @@ def test_dev_selected_run_keeps_the_best_checkpoint_and_stops_after_patience(tmp
     best_step, best_cer = min(history, key=lambda h: (h[1], h[0]))
     assert best_cer < PLATEAU_CER, history  # it learnt something: patience counts
     assert result["stopped_early"] is True and result["steps_trained"] < config.max_steps
-    assert result["step"] == best_step and result["steps_trained"] == best_step + config.patience * config.eval_every
-    assert [step for step, _ in history] == list(range(5, result["steps_trained"] + 1, 5))
+    # the evaluation that runs out of patience is recorded one evaluation later: the run stops there
+    assert result["step"] == best_step
+    assert result["steps_trained"] == best_step + (config.patience + 1) * config.eval_every
+    assert [step for step, _ in history] == list(range(5, result["steps_trained"] - 5 + 1, 5))
     assert result["dev_cer"] == pytest.approx(best_cer)
     assert {r["split"] for r in result["scores"]} == {"train", "dev", "heldout"}
     kept = [step for step, _ in list_checkpoints(config.run_dir)]
@@ -160,3 +166,84 @@ def test_text_overlap_and_oov_rate() -> None:
     assert text_overlap(heldout, {"t1": "the cat"}) == 0
     assert oov_rate(heldout, ["the cat", "a dog"]) == pytest.approx(2 / 6)
     assert oov_rate({}, ["x"]) is None
+
+
+class SlowDev(FineTuning):
+    """A dev evaluation that, but for the run's last, waits until a training step has finished and
+    the next started while it runs, then keeps the weights it scores; ``events``: steps and
+    evaluations in the order they began."""
+
+    def score_dev(self, model):  # type: ignore[no-untyped-def]
+        count = len(self.scored)
+        self.events.append(("evaluation", count, "start"))
+        steps = sum(event[0] == "step" for event in self.events)
+        deadline = time.monotonic() + 60
+        while count < self.evaluations - 1 and sum(e[0] == "step" for e in self.events) < steps + 2:
+            assert time.monotonic() < deadline, f"no training step while evaluation {count} ran"
+            time.sleep(0.01)
+        self.scored.append({name: tensor.clone() for name, tensor in model.state_dict().items()})
+        scored = super().score_dev(model)
+        self.events.append(("evaluation", count, "end"))
+        return scored
+
+
+def test_eval_off_critical_path_trains_on_and_selects_as_a_synchronous_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dev CER of each checkpoint is scored on a snapshot of its weights in the background: the
+    next steps train meanwhile, the kept weights are the snapshot that scored best, and the result
+    is a synchronous evaluation's (same history, selected step, scores and final weights), also
+    after a preemption that left an evaluation owed."""
+    config = replace(
+        with_dev_speaker(labelled_run(tmp_path), tmp_path),
+        lr=5e-3,
+        freeze_steps=0,
+        max_steps=9,
+        eval_every=3,
+        patience=100,
+        checkpoint_every=100,
+        keep_checkpoints=10,
+        log_every=3,
+    )
+    events: list[tuple] = []
+    real = CtcTraining.__call__
+
+    def step(self, model, batch, step, micro):  # type: ignore[no-untyped-def]
+        events.append(("step", step + 1))
+        return real(self, model, batch, step, micro)
+
+    monkeypatch.setattr(CtcTraining, "__call__", step)
+    results = {}
+    for name, background in (("background", True), ("synchronous", False)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        kind = type(name, (SlowDev,), {"background_evaluation": background, "evaluations": 3 if background else 0})
+        run = kind(CPU, replace(config, run_dir=str(run_dir)))
+        run.scored, run.events = [], events if background else []
+        results[name] = run.run()
+        if background:
+            slow = run
+    background, synchronous = results["background"], results["synchronous"]
+    for count in range(2):  # a step started while each evaluation but the last ran
+        start, end = events.index(("evaluation", count, "start")), events.index(("evaluation", count, "end"))
+        assert any(event[0] == "step" for event in events[start:end]), events
+    history = background["dev_history"]
+    assert [step for step, _ in history] == [3, 6, 9] and len(slow.scored) == 3
+    best = min(range(3), key=lambda i: (history[i][1], i))
+    final = load_checkpoint(RunFiles(tmp_path / "background").final)
+    assert final["step"] == history[best][0] == background["step"]
+    assert all(torch.equal(final["model"][k], slow.scored[best][k]) for k in final["model"])
+    for i, (step, _) in enumerate(history):  # each snapshot is its step's weights
+        weights = load_checkpoint(RunFiles(tmp_path / "background").checkpoint(step))["model"]
+        assert all(torch.equal(weights[k], slow.scored[i][k]) for k in weights)
+    same = ("dev_history", "step", "steps_trained", "dev_cer", "heldout_cer", "scores", "checkpoint_sha256")
+    assert {k: background[k] for k in same} == {k: synchronous[k] for k in same}
+    # preempted at step 6, whose evaluation was then owed: the resumed run scores it first, and ends as the others
+    resumed = replace(config, run_dir=str(tmp_path / "resumed"))
+    monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=6))
+    assert finetune(resumed) is None
+    monkeypatch.delenv(FAULTS_ENV)
+    assert load_checkpoint(RunFiles(resumed.run_dir).checkpoint(6))["selection"]["history"] == history[:1]
+    again = finetune(resumed)
+    assert again is not None and again["resumed_from_step"] == 6
+    assert {k: again[k] for k in same} == {k: background[k] for k in same}

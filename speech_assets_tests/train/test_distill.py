@@ -1,6 +1,7 @@
 """Distillation: the layer-prediction loss (a pure function), the student's shape, speed, and runs on
-the training engine (exact resume, bf16 autocast on the CPU)."""
+the training engine (exact resume, bf16 autocast on the CPU, no host read in a step)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from speech_assets.model.speed import forward_speed
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
 from speech_assets.train.distill import (
+    Distillation,
     DistillConfig,
     LayerPredictor,
     build_student,
@@ -25,6 +27,7 @@ from speech_assets.train.distill import (
 )
 from speech_assets.train.trainer import train
 from speech_assets_tests.support.training_data import SyntheticCorpus
+from speech_assets_tests.train.test_sync_census import CPU, _census
 
 
 def test_loss_is_l1_minus_log_sigmoid_cosine_over_valid_frames() -> None:
@@ -156,3 +159,16 @@ def test_distillation_trains_in_bf16_on_the_cpu(small_corpus: SyntheticCorpus, t
     assert result is not None and result["precision"] == "bf16" and np.isfinite(result["final_loss"])
     weights = load_checkpoint(result["checkpoint"])["model"]
     assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())  # fp32 master weights
+
+
+def test_distill_sync_census_of_steps(small_corpus: SyntheticCorpus, teacher: str, tmp_path: Path) -> None:
+    """Steps 3-4 (two micro-batches each, one loader worker, as on a GPU) after two of warm-up: neither
+    the teacher's targets, the student nor the loss read a tensor's value on the host (the student
+    is told from host data whether its batch is padded) outside the metrics window."""
+    config = _config(small_corpus, teacher, tmp_path / "census", max_steps=4, checkpoint_every=100, num_workers=1)
+    (tmp_path / "census").mkdir()  # the worker context makes it in a real run
+    run = Distillation(config, CPU)
+    run.engine.run(run.objective, run.stream, replace(config, max_steps=2))
+    _, syncs = _census(run, config)
+    assert run.step == 4
+    assert not syncs, f"host reads in distillation steps 3-4: {dict(syncs)}"
