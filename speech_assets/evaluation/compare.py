@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -229,8 +229,8 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
         rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
         if rows:
             pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
-            r = ProbeResult(
-                **{f.name: getattr(r, f.name) for f in fields(r) if f.name != "errors"},
+            r = replace(
+                r,
                 errors=HeldoutErrors(
                     tuple(pick["utt_id"]),
                     tuple(pick["speaker_id"]),
@@ -541,16 +541,9 @@ def paired(results: Sequence[ProbeResult], model: str, baseline: str) -> Paired 
 
 
 @dataclass(frozen=True)
-class Standing:
+class Standing(ModelSummary):
     """One model's line of the leaderboard; ``indicative``: why its verdict is only indicative (None: it is not)."""
 
-    model: str
-    normalisation: str
-    seeds: int
-    cer: Spread
-    wer: Spread
-    utterances: int
-    speakers: int
     against: dict[str, Paired | None]
     indicative: str | None
 
@@ -606,9 +599,7 @@ def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_
     for name, s in held.items():
         against = {b: paired(results, name, b) for b in BASELINES if b in held and b != name}
         reasons = indicative_reasons(s.speakers, s.utterances, min_speakers)
-        board.append(
-            Standing(name, s.normalisation, len(s.seeds), s.cer, s.wer, s.utterances, s.speakers, against, reasons)
-        )
+        board.append(Standing(**vars(s), against=against, indicative=reasons))
     return sorted(board, key=lambda s: s.cer.mean)
 
 
@@ -637,9 +628,6 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
     """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative is said
     once, by :func:`reading_note`)."""
 
-    def spread(s: Spread) -> str:
-        return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f}{NBSP}±{NBSP}{s.std:.3f}"
-
     def change(s: Standing, baseline: str) -> str:
         if baseline == s.model or baseline not in s.against:
             return "—"
@@ -650,12 +638,12 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
         {
             "encoder": s.model,
             "normalisation": s.normalisation,
-            "CER": spread(s.cer),
-            "WER": spread(s.wer),
+            "CER": str(s.cer).replace(" ", NBSP),
+            "WER": str(s.wer).replace(" ", NBSP),
             "vs fbank": change(s, FBANK),
             "vs random": change(s, RANDOM),
             "verdict": s.short_verdict,
-            "seeds": s.seeds,
+            "seeds": len(s.seeds),
             "utterances": s.utterances,
             "speakers": s.speakers,
         }
@@ -682,7 +670,7 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
         row: dict[str, object] = {
             "model": s.model,
             "normalisation": s.normalisation,
-            "seeds": s.seeds,
+            "seeds": len(s.seeds),
             "cer": s.cer.mean,
             "cer_std": s.cer.std,
             "wer": s.wer.mean,
@@ -728,7 +716,7 @@ def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPE
         if s.baseline:
             continue
         parts = "".join(f", {b} {p}" for b, p in s.against.items() if p is not None)
-        seeds = f"{s.seeds} seed{'s' if s.seeds != 1 else ''}"
+        seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
         lines.append(
             f"{s.model}: held-out CER {s.cer} over {seeds}{parts} (CER change [95 % interval], paired over utterances) "
             f"on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}: "

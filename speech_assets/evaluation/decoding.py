@@ -149,24 +149,10 @@ def beam_decoder_from_files(
     return decode
 
 
-def beam_decoder(
-    train_texts: Sequence[str],
-    order: int,
-    beam_size: int = BEAM_SIZE,
-    lm_weight: float = LM_WEIGHT,
-    word_score: float = WORD_SCORE,
-) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
-    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``."""
-    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
-        files = write_lm_files(train_texts, order, folder)
-        decode = beam_decoder_from_files(
-            Path(folder) / files["lm"],
-            Path(folder) / files["lexicon"],
-            beam_size=beam_size,
-            lm_weight=lm_weight,
-            word_score=word_score,
-        )
-    return decode, files["name"]
+def beam_decoder(train_texts: Sequence[str], order: int) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
+    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``, default weights."""
+    decode, name, _ = tuned_beam_decoder(train_texts, order, (), (), (), ())
+    return decode, name
 
 
 def tuned_beam_decoder(

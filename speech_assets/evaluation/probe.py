@@ -217,17 +217,17 @@ def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> Ut
     )
 
 
-def dev_split(speakers: Sequence[str], fraction: float = 0.2) -> tuple[list[int], list[int]]:
-    """(fit, dev) indices: speakers on a ``fraction`` grid of the sorted names are dev (at least one,
+def dev_split(speakers: Sequence[str]) -> tuple[list[int], list[int]]:
+    """(fit, dev) indices: speakers on a grid of a fifth of the sorted names are dev (at least one,
     one left to fit); with a single speaker, every fifth utterance."""
     names = sorted(set(speakers))
     if len(names) >= 2:
-        count = min(len(names) - 1, max(1, round(len(names) * fraction)))
+        count = min(len(names) - 1, max(1, round(len(names) / 5)))
         step = len(names) / count
         dev_names = {names[int(i * step)] for i in range(count)}
         dev = [i for i, s in enumerate(speakers) if s in dev_names]
     else:
-        dev = list(range(0, len(speakers), max(2, round(1 / fraction))))
+        dev = list(range(0, len(speakers), 5))
     chosen = set(dev)
     return [i for i in range(len(speakers)) if i not in chosen], dev
 

@@ -19,6 +19,7 @@ from speech_assets.defs.resources import FinetuneSettings
 from speech_assets.defs.torchrun import run_folder
 from speech_assets.evaluation.finetune import Candidate, labelled_subset
 from speech_assets.evaluation.finetune_plan import (
+    FinetunePlan,
     FinetuneRefused,
     LabelledPool,
     choose_encoders,
@@ -28,7 +29,6 @@ from speech_assets.evaluation.finetune_plan import (
     lr_table,
     oov_by_budget,
     plan_finetune,
-    plan_runs,
     text_overlap,
 )
 from speech_assets.evaluation.protocol import ProbeLeak
@@ -47,10 +47,14 @@ def pool(seconds: float = 4.0) -> LabelledPool:
     return LabelledPool([f"s{s}" for s in range(4)], ["h"], candidates, {"h-0": "held out"}, texts, 0)
 
 
+def plan_runs(pool: LabelledPool, budgets: list[float], seeds: list[int], base: dict, warn) -> list:
+    return FinetunePlan(CHECKPOINTS, pool, ["greedy"], None, budgets, seeds, base, ASSETS, [1e-3]).runs(ONE_LR, warn)
+
+
 def test_plan_runs_every_model_budget_and_seed_on_one_subset_per_budget_and_seed() -> None:
     warnings: list[str] = []
     base = {"manifest": "m", "client_partitions": "c", "vad_features/s0": "x", "vad_features/h": "y"}
-    runs = plan_runs(CHECKPOINTS, pool(), [0.25, 0.5], [7, 1], ["greedy"], base, ASSETS, warnings.append, ONE_LR)
+    runs = plan_runs(pool(), [0.25, 0.5], [7, 1], base, warnings.append)
 
     assert [r.key for r in runs] == [
         (model, minutes, seed)
@@ -97,9 +101,7 @@ def test_plan_runs_every_model_budget_and_seed_on_one_subset_per_budget_and_seed
 
 def test_plan_runs_warns_when_fewer_minutes_are_there_than_asked() -> None:
     warnings: list[str] = []
-    runs = plan_runs(
-        CHECKPOINTS, pool(seconds=3.0), [0.5, 2.0], [0, 1], ["greedy"], {}, ASSETS, warnings.append, ONE_LR
-    )
+    runs = plan_runs(pool(seconds=3.0), [0.5, 2.0], [0, 1], {}, warnings.append)
     # 20 utterances x 3 s = 1 min: the 2 min budget labels all of them, once per seed
     assert warnings == ["2 min asked, 1.0 min of training speakers' audio available: using all of it"] * 2
     assert all(len(r.labelled["train"]) == 20 for r in runs if r.minutes == 2.0)
