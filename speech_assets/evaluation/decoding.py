@@ -38,23 +38,17 @@ def unavailable() -> str | None:
     return None
 
 
-def ngram_counts(sentences: Sequence[str], order: int) -> list[Counter]:
-    """Counts of every n-gram (n = 1..order) of the sentences' words with ``<s>``/``</s>``."""
-    counts = [Counter() for _ in range(order)]
-    for sentence in sentences:
-        words = ["<s>", *sentence.split(), "</s>"]
-        for n in range(1, order + 1):
-            for start in range(len(words) - n + 1):
-                counts[n - 1][tuple(words[start : start + n])] += 1
-    return counts
-
-
 def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str]) -> None:
     """An ARPA n-gram model of ``sentences``: add-one unigrams, higher orders absolutely discounted
     with back-off weights that make each history's distribution sum to one."""
     if order < 1:
         raise ValueError(f"order must be >= 1, got {order}")
-    counts = ngram_counts(sentences, order)
+    counts = [Counter() for _ in range(order)]  # every n-gram (n = 1..order), with <s> and </s>
+    for sentence in sentences:
+        words = ["<s>", *sentence.split(), "</s>"]
+        for n in range(1, order + 1):
+            for start in range(len(words) - n + 1):
+                counts[n - 1][tuple(words[start : start + n])] += 1
     vocab = sorted({w for (w,) in counts[0]} | {"<unk>"})
     predicted = [w for w in vocab if w != "<s>"]
     total = sum(counts[0][(w,)] for w in predicted) + len(predicted)

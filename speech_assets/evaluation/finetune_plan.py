@@ -287,17 +287,6 @@ def labelled_pool(
     )
 
 
-def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple[list[str], str | None]:
-    """(``greedy``, then ``beam`` when wanted and installed; why beam is unavailable when wanted, else None)."""
-    if not any(d != "greedy" for d in wanted):
-        return ["greedy"], None
-    missing = decoding.unavailable()
-    if missing:
-        warn(f"beam decoding skipped: {missing}; greedy only")
-        return ["greedy"], missing
-    return ["greedy", "beam"], None
-
-
 def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: list[str]) -> dict[str, Any]:
     """The ``[finetune]`` updates that name one run (and its folder); scratch freezes nothing."""
     return {
@@ -366,7 +355,11 @@ def plan_finetune(
                 f"no dev speaker: {len(pool.labelling_speakers)} training speaker(s) with usable utterances, one is "
                 f"kept to label; each run trains its max_steps and keeps its last step, at lr {options.lr:g}"
             )
-    decoders, missing_decoder = choose_decoders(options.decoders, warn)
+    beam = any(d != "greedy" for d in options.decoders)  # greedy always, beam when wanted and installed
+    missing_decoder = decoding.unavailable() if beam else None
+    if missing_decoder:
+        warn(f"beam decoding skipped: {missing_decoder}; greedy only")
+    decoders = ["greedy", "beam"] if beam and not missing_decoder else ["greedy"]
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
     return FinetunePlan(

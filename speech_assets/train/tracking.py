@@ -27,6 +27,7 @@ from speech_assets.layout import (
     MLFLOW_INPUTS,
     RunFiles,
 )
+from speech_assets.train.accuracy import ALL_FRAMES_SHOWN
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,7 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_locati
 
 # the accuracy on all masked frames leaks (speech_assets.train.accuracy): named apart from the
 # held-out masked accuracy every view shows, val/leak_free_masked_accuracy
-ALL_FRAMES_SERIES = {
-    "masked_accuracy": "all_frames_masked_accuracy",
-    "majority_accuracy": "all_frames_majority_accuracy",
-}
+ALL_FRAMES_SERIES = dict(zip(("masked_accuracy", "majority_accuracy"), ALL_FRAMES_SHOWN, strict=True))
 
 
 def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from speech_assets.corpus.clients import ClientAssignment, ClientsTable
 from speech_assets.defs.resources import FinetuneSettings
@@ -194,11 +195,14 @@ SPLIT = {"train": ["a", "b"], "heldout": ["h"]}
 
 def plan(tmp_path: Path, options=Options, speakers=SPLIT, frames: int = 300, clients=table, corpus=write_corpus):
     manifest, shards = corpus(tmp_path, frames)
+    checkpoints = {name: (str(tmp_path / f"{name}.pt"), version) for name, (_, version) in CHECKPOINTS.items()}
+    for path, _ in checkpoints.values():  # each records the split ``speakers``
+        torch.save({"speakers": speakers}, path)
     said, warned, versions_of = [], [], []
     found = plan_finetune(
         options,
-        pretrained=CHECKPOINTS["pretrained"],
-        checkpoint_of=CHECKPOINTS.get,
+        pretrained=checkpoints["pretrained"],
+        checkpoint_of=checkpoints.get,
         encoder_assets=ASSETS,
         clients=clients,
         manifest_file=manifest,
@@ -206,7 +210,6 @@ def plan(tmp_path: Path, options=Options, speakers=SPLIT, frames: int = 300, cli
         data_versions=lambda s: versions_of.append(s) or {f"vad_features/{x}": x.upper() for x in s},
         log=said.append,
         warn=warned.append,
-        speakers_of=lambda path: speakers,
     )
     return found, said, warned, versions_of
 
