@@ -37,22 +37,6 @@ log = logging.getLogger(__name__)
 FBANK = "fbank"
 RANDOM = "random"
 BASELINES = (FBANK, RANDOM)
-# results.parquet columns, in order (the first nine are the original contract; later ones appended)
-RESULT_COLUMNS = (
-    "model",
-    "checkpoint_sha256",
-    "probe",
-    "layer_weights",
-    "split",
-    "cer",
-    "wer",
-    "utterances",
-    "steps",
-    "seed",
-    "normalisation",
-    "speakers",
-    "lr",
-)
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
 UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
@@ -93,7 +77,8 @@ class HeldoutErrors:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on ``split``."""
+    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on ``split``.
+    The fields up to ``lr`` are its columns, in order (the first nine the original contract)."""
 
     model: str
     checkpoint_sha256: str
@@ -120,6 +105,9 @@ class ProbeResult:
         if missing:
             raise ValueError(f"probe results lack the columns {missing}: rematerialize downstream_probe")
         return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})  # type: ignore[arg-type]
+
+
+RESULT_COLUMNS = tuple(f.name for f in fields(ProbeResult))[:-2]  # not seconds, errors
 
 
 def results_table(results: Sequence[ProbeResult]) -> pa.Table:
@@ -255,20 +243,17 @@ def split_utterances(
     )
 
 
-def normalised(model: ProbeModel, feats: np.ndarray) -> np.ndarray:
-    out = np.asarray(model.normalise(feats), dtype=np.float32)
-    if out.shape != feats.shape:
-        raise ValueError(f"{model.name}: normalise turned {feats.shape} into {out.shape}")
-    return out
-
-
 def probe_features(model: ProbeModel, utterances: Sequence[Utterance]) -> list[torch.Tensor]:
     """Per utterance, ``(1, T, 80)`` normalised log-mel, or the encoder's ``(layers + 1, (T + 1) // 2, D)``."""
     import torch
 
     from speech_assets.model.batches import frozen_hidden_states
 
-    feats = [normalised(model, u.feats) for u in utterances]
+    feats = []
+    for u in utterances:
+        feats.append(np.asarray(model.normalise(u.feats), dtype=np.float32))
+        if feats[-1].shape != u.feats.shape:
+            raise ValueError(f"{model.name}: normalise turned {u.feats.shape} into {feats[-1].shape}")
     if model.encoder is None:
         return [torch.from_numpy(f)[None] for f in feats]
     return frozen_hidden_states(model.encoder, feats)
