@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,24 +122,14 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
 def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
     import pyarrow as pa
 
-    columns: dict[str, list] = {c: [] for c in UTTERANCE_COLUMNS}
-    for r in results:
-        if r.errors is None:
-            continue
-        e, count = r.errors, len(r.errors.utt_ids)
-        for name, values in (
-            ("model", [r.model] * count),
-            ("seed", [r.seed] * count),
-            ("utt_id", e.utt_ids),
-            ("speaker_id", e.speaker_ids),
-            ("char_errors", e.char_errors),
-            ("chars", e.chars),
-            ("word_errors", e.word_errors),
-            ("words", e.words),
-        ):
-            columns[name] += [v.item() if isinstance(v, np.generic) else v for v in values]
+    rows = [
+        {"model": r.model, "seed": r.seed, **dict(zip(UTTERANCE_COLUMNS[2:], row, strict=True))}
+        for r in results
+        if r.errors is not None
+        for row in zip(*astuple(r.errors), strict=True)
+    ]
     types = {"model": pa.string(), "seed": pa.int64(), "utt_id": pa.string(), "speaker_id": pa.string()}
-    return pa.table({c: pa.array(v, type=types.get(c, pa.int64())) for c, v in columns.items()})
+    return pa.Table.from_pylist(rows, schema=pa.schema([(c, types.get(c, pa.int64())) for c in UTTERANCE_COLUMNS]))
 
 
 def utterances_path(results_path: str | os.PathLike[str]) -> Path:
