@@ -472,3 +472,18 @@ def test_text_disjoint_no_labelled_dev_or_lm_sentence_in_heldout(tmp_path: Path)
     # what is dropped is exactly the training-side utterances whose sentence is held out
     training_side = [u for u in pool.transcripts if u.split("-")[0] in "abcd"]
     assert pool.overlap_dropped == sum(pool.transcripts[u] in heldout for u in training_side)
+
+
+def test_plan_finetune_decodes_with_beam_only_when_wanted_and_installed(tmp_path: Path) -> None:
+    """Greedy always; beam when [finetune] decoders asks for it and it can run here, else a warning
+    that says why. Kills: beam dropped, or planned where it cannot run."""
+    from speech_assets.evaluation import decoding
+
+    wanted = type("Beam", (Options,), {"decoders": ["greedy", "beam"]})
+    found, _, warned, _ = plan(tmp_path, options=wanted)
+    missing = decoding.unavailable()
+    assert found.decoders == (["greedy"] if missing else ["greedy", "beam"]) and found.missing_decoder == missing
+    assert [w for w in warned if w.startswith("beam decoding skipped")] == (
+        [f"beam decoding skipped: {missing}; greedy only"] if missing else []
+    )
+    assert plan(tmp_path / "greedy")[0].decoders == ["greedy"]
