@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,22 +37,6 @@ log = logging.getLogger(__name__)
 FBANK = "fbank"
 RANDOM = "random"
 BASELINES = (FBANK, RANDOM)
-# results.parquet columns, in order (the first nine are the original contract; later ones appended)
-RESULT_COLUMNS = (
-    "model",
-    "checkpoint_sha256",
-    "probe",
-    "layer_weights",
-    "split",
-    "cer",
-    "wer",
-    "utterances",
-    "steps",
-    "seed",
-    "normalisation",
-    "speakers",
-    "lr",
-)
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
 UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
@@ -93,7 +77,8 @@ class HeldoutErrors:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on ``split``."""
+    """One row of ``probe/results.parquet``: ``model``'s probe trained with ``seed``, scored on ``split``.
+    The fields up to ``lr`` are its columns, in order (the first nine the original contract)."""
 
     model: str
     checkpoint_sha256: str
@@ -122,6 +107,9 @@ class ProbeResult:
         return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})  # type: ignore[arg-type]
 
 
+RESULT_COLUMNS = tuple(f.name for f in fields(ProbeResult))[:-2]  # not seconds, errors
+
+
 def results_table(results: Sequence[ProbeResult]) -> pa.Table:
     import pyarrow as pa
 
@@ -134,24 +122,14 @@ def results_table(results: Sequence[ProbeResult]) -> pa.Table:
 def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
     import pyarrow as pa
 
-    columns: dict[str, list] = {c: [] for c in UTTERANCE_COLUMNS}
-    for r in results:
-        if r.errors is None:
-            continue
-        e, count = r.errors, len(r.errors.utt_ids)
-        for name, values in (
-            ("model", [r.model] * count),
-            ("seed", [r.seed] * count),
-            ("utt_id", e.utt_ids),
-            ("speaker_id", e.speaker_ids),
-            ("char_errors", e.char_errors),
-            ("chars", e.chars),
-            ("word_errors", e.word_errors),
-            ("words", e.words),
-        ):
-            columns[name] += [v.item() if isinstance(v, np.generic) else v for v in values]
+    rows = [
+        {"model": r.model, "seed": r.seed, **dict(zip(UTTERANCE_COLUMNS[2:], row, strict=True))}
+        for r in results
+        if r.errors is not None
+        for row in zip(*astuple(r.errors), strict=True)
+    ]
     types = {"model": pa.string(), "seed": pa.int64(), "utt_id": pa.string(), "speaker_id": pa.string()}
-    return pa.table({c: pa.array(v, type=types.get(c, pa.int64())) for c, v in columns.items()})
+    return pa.Table.from_pylist(rows, schema=pa.schema([(c, types.get(c, pa.int64())) for c in UTTERANCE_COLUMNS]))
 
 
 def utterances_path(results_path: str | os.PathLike[str]) -> Path:
@@ -229,8 +207,8 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
         rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
         if rows:
             pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
-            r = ProbeResult(
-                **{f.name: getattr(r, f.name) for f in fields(r) if f.name != "errors"},
+            r = replace(
+                r,
                 errors=HeldoutErrors(
                     tuple(pick["utt_id"]),
                     tuple(pick["speaker_id"]),
@@ -255,20 +233,17 @@ def split_utterances(
     )
 
 
-def normalised(model: ProbeModel, feats: np.ndarray) -> np.ndarray:
-    out = np.asarray(model.normalise(feats), dtype=np.float32)
-    if out.shape != feats.shape:
-        raise ValueError(f"{model.name}: normalise turned {feats.shape} into {out.shape}")
-    return out
-
-
 def probe_features(model: ProbeModel, utterances: Sequence[Utterance]) -> list[torch.Tensor]:
     """Per utterance, ``(1, T, 80)`` normalised log-mel, or the encoder's ``(layers + 1, (T + 1) // 2, D)``."""
     import torch
 
     from speech_assets.model.batches import frozen_hidden_states
 
-    feats = [normalised(model, u.feats) for u in utterances]
+    feats = []
+    for u in utterances:
+        feats.append(np.asarray(model.normalise(u.feats), dtype=np.float32))
+        if feats[-1].shape != u.feats.shape:
+            raise ValueError(f"{model.name}: normalise turned {u.feats.shape} into {feats[-1].shape}")
     if model.encoder is None:
         return [torch.from_numpy(f)[None] for f in feats]
     return frozen_hidden_states(model.encoder, feats)
@@ -541,16 +516,9 @@ def paired(results: Sequence[ProbeResult], model: str, baseline: str) -> Paired 
 
 
 @dataclass(frozen=True)
-class Standing:
+class Standing(ModelSummary):
     """One model's line of the leaderboard; ``indicative``: why its verdict is only indicative (None: it is not)."""
 
-    model: str
-    normalisation: str
-    seeds: int
-    cer: Spread
-    wer: Spread
-    utterances: int
-    speakers: int
     against: dict[str, Paired | None]
     indicative: str | None
 
@@ -606,9 +574,7 @@ def leaderboard(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_
     for name, s in held.items():
         against = {b: paired(results, name, b) for b in BASELINES if b in held and b != name}
         reasons = indicative_reasons(s.speakers, s.utterances, min_speakers)
-        board.append(
-            Standing(name, s.normalisation, len(s.seeds), s.cer, s.wer, s.utterances, s.speakers, against, reasons)
-        )
+        board.append(Standing(**vars(s), against=against, indicative=reasons))
     return sorted(board, key=lambda s: s.cer.mean)
 
 
@@ -637,9 +603,6 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
     """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative is said
     once, by :func:`reading_note`)."""
 
-    def spread(s: Spread) -> str:
-        return f"{s.mean:.3f}" if s.n < 2 else f"{s.mean:.3f}{NBSP}±{NBSP}{s.std:.3f}"
-
     def change(s: Standing, baseline: str) -> str:
         if baseline == s.model or baseline not in s.against:
             return "—"
@@ -650,12 +613,12 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
         {
             "encoder": s.model,
             "normalisation": s.normalisation,
-            "CER": spread(s.cer),
-            "WER": spread(s.wer),
+            "CER": str(s.cer).replace(" ", NBSP),
+            "WER": str(s.wer).replace(" ", NBSP),
             "vs fbank": change(s, FBANK),
             "vs random": change(s, RANDOM),
             "verdict": s.short_verdict,
-            "seeds": s.seeds,
+            "seeds": len(s.seeds),
             "utterances": s.utterances,
             "speakers": s.speakers,
         }
@@ -682,7 +645,7 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
         row: dict[str, object] = {
             "model": s.model,
             "normalisation": s.normalisation,
-            "seeds": s.seeds,
+            "seeds": len(s.seeds),
             "cer": s.cer.mean,
             "cer_std": s.cer.std,
             "wer": s.wer.mean,
@@ -728,7 +691,7 @@ def standing(results: Sequence[ProbeResult], min_speakers: int = MIN_HELDOUT_SPE
         if s.baseline:
             continue
         parts = "".join(f", {b} {p}" for b, p in s.against.items() if p is not None)
-        seeds = f"{s.seeds} seed{'s' if s.seeds != 1 else ''}"
+        seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
         lines.append(
             f"{s.model}: held-out CER {s.cer} over {seeds}{parts} (CER change [95 % interval], paired over utterances) "
             f"on {s.utterances} utterances of {s.speakers} held-out speaker{'s' if s.speakers != 1 else ''}: "

@@ -38,23 +38,17 @@ def unavailable() -> str | None:
     return None
 
 
-def ngram_counts(sentences: Sequence[str], order: int) -> list[Counter]:
-    """Counts of every n-gram (n = 1..order) of the sentences' words with ``<s>``/``</s>``."""
-    counts = [Counter() for _ in range(order)]
-    for sentence in sentences:
-        words = ["<s>", *sentence.split(), "</s>"]
-        for n in range(1, order + 1):
-            for start in range(len(words) - n + 1):
-                counts[n - 1][tuple(words[start : start + n])] += 1
-    return counts
-
-
 def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str]) -> None:
     """An ARPA n-gram model of ``sentences``: add-one unigrams, higher orders absolutely discounted
     with back-off weights that make each history's distribution sum to one."""
     if order < 1:
         raise ValueError(f"order must be >= 1, got {order}")
-    counts = ngram_counts(sentences, order)
+    counts = [Counter() for _ in range(order)]  # every n-gram (n = 1..order), with <s> and </s>
+    for sentence in sentences:
+        words = ["<s>", *sentence.split(), "</s>"]
+        for n in range(1, order + 1):
+            for start in range(len(words) - n + 1):
+                counts[n - 1][tuple(words[start : start + n])] += 1
     vocab = sorted({w for (w,) in counts[0]} | {"<unk>"})
     predicted = [w for w in vocab if w != "<s>"]
     total = sum(counts[0][(w,)] for w in predicted) + len(predicted)
@@ -149,24 +143,10 @@ def beam_decoder_from_files(
     return decode
 
 
-def beam_decoder(
-    train_texts: Sequence[str],
-    order: int,
-    beam_size: int = BEAM_SIZE,
-    lm_weight: float = LM_WEIGHT,
-    word_score: float = WORD_SCORE,
-) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
-    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``."""
-    with tempfile.TemporaryDirectory(prefix="ngram-") as folder:  # both files are read in here
-        files = write_lm_files(train_texts, order, folder)
-        decode = beam_decoder_from_files(
-            Path(folder) / files["lm"],
-            Path(folder) / files["lexicon"],
-            beam_size=beam_size,
-            lm_weight=lm_weight,
-            word_score=word_score,
-        )
-    return decode, files["name"]
+def beam_decoder(train_texts: Sequence[str], order: int) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
+    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``, default weights."""
+    decode, name, _ = tuned_beam_decoder(train_texts, order, (), (), (), ())
+    return decode, name
 
 
 def tuned_beam_decoder(

@@ -26,10 +26,6 @@ class Utterance:
     feats: np.ndarray
     text: str
 
-    @property
-    def seconds(self) -> float:
-        return self.feats.shape[0] / 100.0
-
 
 def load_utterances(shards: Sequence[str | os.PathLike[str]], transcripts: Mapping[str, str]) -> list[Utterance]:
     """Every utterance of ``shards`` that has a non-empty transcript, in shard then ``utt_id`` order."""

@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,8 +120,7 @@ class PlannedRun:
 @dataclass(frozen=True)
 class FinetunePlan:
     """Every run of one materialization and what its report says. ``lrs``: the learning rates each
-    model tries (``[lr]`` without a grid or a dev set); ``tuning``: every model x lr at the smallest
-    budget and first seed (none when there is one lr to try)."""
+    model tries (``[lr]`` without a grid or a dev set)."""
 
     encoders: dict[str, Checkpoint]
     pool: LabelledPool
@@ -131,7 +131,6 @@ class FinetunePlan:
     base_versions: dict[str, str]
     encoder_assets: dict[str, str]
     lrs: list[float]
-    tuning: list[PlannedRun]
 
     @property
     def models(self) -> list[str]:
@@ -142,18 +141,60 @@ class FinetunePlan:
         """The run exported as the recogniser: the first encoder, the largest budget, the first seed."""
         return (next(iter(self.encoders)), self.budgets[-1], self.seeds[0])
 
+    @cached_property
+    def tuning(self) -> list[PlannedRun]:
+        """Every model x lr at the smallest budget and first seed (none when there is one lr to try)."""
+        if len(self.lrs) < 2:
+            return []
+        # the final runs plan this budget and seed again, and warn
+        return self.runs({model: self.lrs for model in self.models}, lambda _: None, first=True)
+
     def final_runs(self, chosen: Mapping[str, float], warn: Callable[[str], None]) -> list[PlannedRun]:
-        return plan_runs(
-            self.encoders,
-            self.pool,
-            self.budgets,
-            self.seeds,
-            self.decoders,
-            self.base_versions,
-            self.encoder_assets,
-            warn,
-            {model: [chosen[model]] for model in self.models},
-        )
+        return self.runs({model: [chosen[model]] for model in self.models}, warn)
+
+    def runs(
+        self, lrs: Mapping[str, Sequence[float]], warn: Callable[[str], None], first: bool = False
+    ) -> list[PlannedRun]:
+        """One run per budget, seed, model (the encoders, then ``scratch``) and lr of ``lrs[model]``
+        (``first``: the smallest budget and first seed only); a budget and seed label the same subset
+        for every model (all of it, with a warning, when there is less audio than asked)."""
+        pool, encoders, assets = self.pool, self.encoders, self.encoder_assets
+        runs = []
+        for minutes in self.budgets[:1] if first else self.budgets:
+            for seed in self.seeds[:1] if first else self.seeds:
+                subset = labelled_subset(pool.candidates, pool.test_speakers, minutes, seed)
+                labelled = {
+                    "train": {u: pool.transcripts[u] for u in subset},
+                    "dev": pool.dev_texts,
+                    "heldout": pool.heldout_texts,
+                }
+                chosen = set(subset)
+                seconds = sum(c.seconds for c in pool.candidates if c.utt_id in chosen)
+                if seconds < minutes * 60:
+                    warn(
+                        f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: "
+                        f"using all of it"
+                    )
+                labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
+                versions = {**self.base_versions, "labelled": sha256_strings([labelled_text])}
+                for model in self.models:
+                    path, version = encoders[PRETRAINED] if model == SCRATCH else encoders[model]
+                    asset = assets.get(model, assets[PRETRAINED])
+                    runs += [
+                        PlannedRun(
+                            model,
+                            minutes,
+                            seed,
+                            path,
+                            labelled,
+                            labelled_text,
+                            run_settings(model, minutes, seed, lr, self.decoders),
+                            {asset: version, **versions},
+                            lr,
+                        )
+                        for lr in lrs[model]
+                    ]
+        return runs
 
     def untuned(self) -> dict[str, float]:
         """Each model's lr when nothing is tuned (one lr to try)."""
@@ -174,13 +215,6 @@ def choose_encoders(
         if name not in found and (checkpoint := checkpoint_of(name)) is not None:
             found[name] = checkpoint
     return {name: found[name] for name in wanted if name in found} or {PRETRAINED: pretrained}
-
-
-def checkpoint_speakers(checkpoint: str) -> dict | None:
-    """The ``speakers`` (``{"train": [...], "heldout": [...]}``) a checkpoint records, if any."""
-    import torch
-
-    return torch.load(checkpoint, map_location="cpu", weights_only=True).get("speakers")
 
 
 def dev_speakers_of(speakers: Collection[str], wanted: int) -> list[str]:
@@ -253,17 +287,6 @@ def labelled_pool(
     )
 
 
-def choose_decoders(wanted: Sequence[str], warn: Callable[[str], None]) -> tuple[list[str], str | None]:
-    """(``greedy``, then ``beam`` when wanted and installed; why beam is unavailable when wanted, else None)."""
-    if not any(d != "greedy" for d in wanted):
-        return ["greedy"], None
-    missing = decoding.unavailable()
-    if missing:
-        warn(f"beam decoding skipped: {missing}; greedy only")
-        return ["greedy"], missing
-    return ["greedy", "beam"], None
-
-
 def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: list[str]) -> dict[str, Any]:
     """The ``[finetune]`` updates that name one run (and its folder); scratch freezes nothing."""
     return {
@@ -278,57 +301,6 @@ def run_settings(model: str, minutes: float, seed: int, lr: float, decoders: lis
     }
 
 
-def plan_runs(
-    encoders: Mapping[str, Checkpoint],
-    pool: LabelledPool,
-    budgets: Sequence[float],
-    seeds: Sequence[int],
-    decoders: list[str],
-    base_versions: Mapping[str, str],
-    encoder_assets: Mapping[str, str],
-    warn: Callable[[str], None],
-    lrs: Mapping[str, Sequence[float]],
-) -> list[PlannedRun]:
-    """One run per budget, seed, model (the encoders, then ``scratch``) and lr of ``lrs[model]``; a
-    budget and seed label the same subset for every model (all of it, with a warning, when there is
-    less audio than asked)."""
-    runs = []
-    for minutes in budgets:
-        for seed in seeds:
-            subset = labelled_subset(pool.candidates, pool.test_speakers, minutes, seed)
-            labelled = {
-                "train": {u: pool.transcripts[u] for u in subset},
-                "dev": pool.dev_texts,
-                "heldout": pool.heldout_texts,
-            }
-            chosen = set(subset)
-            seconds = sum(c.seconds for c in pool.candidates if c.utt_id in chosen)
-            if seconds < minutes * 60:
-                warn(
-                    f"{minutes:g} min asked, {seconds / 60:.1f} min of training speakers' audio available: "
-                    f"using all of it"
-                )
-            labelled_text = json.dumps(labelled, indent=1, sort_keys=True)
-            for model in [*encoders, SCRATCH]:
-                path, version = encoders[PRETRAINED] if model == SCRATCH else encoders[model]
-                asset = encoder_assets.get(model, encoder_assets[PRETRAINED])
-                for lr in lrs[model]:
-                    runs.append(
-                        PlannedRun(
-                            model,
-                            minutes,
-                            seed,
-                            path,
-                            labelled,
-                            labelled_text,
-                            run_settings(model, minutes, seed, lr, decoders),
-                            {asset: version, **base_versions, "labelled": sha256_strings([labelled_text])},
-                            lr,
-                        )
-                    )
-    return runs
-
-
 def plan_finetune(
     options: FinetuneOptions,
     *,
@@ -341,14 +313,17 @@ def plan_finetune(
     data_versions: Callable[[list[str]], dict[str, str]],
     log: Callable[[str], None],
     warn: Callable[[str], None],
-    speakers_of: Callable[[str], Mapping[str, list[str]] | None] = checkpoint_speakers,
 ) -> FinetunePlan:
-    """Every run of ``options``; ``data_versions(speakers)``: the versions every run shares,
-    ``speakers_of(path)``: the split a checkpoint records."""
+    """Every run of ``options``; ``data_versions(speakers)``: the versions every run shares."""
+    import torch
+
     encoders = choose_encoders(options.encoders, encoder_assets, pretrained, checkpoint_of)
-    train_speakers, test_speakers = probe_split(
-        clients(), {name: speakers_of(path) for name, (path, _) in encoders.items()}
-    )
+    # the speakers each checkpoint records ({"train": [...], "heldout": [...]})
+    recorded = {
+        name: torch.load(path, map_location="cpu", weights_only=True).get("speakers")
+        for name, (path, _) in encoders.items()
+    }
+    train_speakers, test_speakers = probe_split(clients(), recorded)
     pool = labelled_pool(
         manifest_file,
         shard_file,
@@ -380,28 +355,23 @@ def plan_finetune(
                 f"no dev speaker: {len(pool.labelling_speakers)} training speaker(s) with usable utterances, one is "
                 f"kept to label; each run trains its max_steps and keeps its last step, at lr {options.lr:g}"
             )
-    decoders, missing_decoder = choose_decoders(options.decoders, warn)
+    beam = any(d != "greedy" for d in options.decoders)  # greedy always, beam when wanted and installed
+    missing_decoder = decoding.unavailable() if beam else None
+    if missing_decoder:
+        warn(f"beam decoding skipped: {missing_decoder}; greedy only")
+    decoders = ["greedy", "beam"] if beam and not missing_decoder else ["greedy"]
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
     budgets = sorted(set(float(m) for m in options.labelled_minutes))
-    seeds = list(options.seeds)
-    models = [*encoders, SCRATCH]
-    tuning = (
-        plan_runs(
-            encoders,
-            pool,
-            budgets[:1],
-            seeds[:1],
-            decoders,
-            base_versions,
-            encoder_assets,
-            lambda _: None,  # the final runs plan this budget and seed again, and warn
-            {model: lrs for model in models},
-        )
-        if len(lrs) > 1
-        else []
-    )
     return FinetunePlan(
-        encoders, pool, decoders, missing_decoder, budgets, seeds, base_versions, dict(encoder_assets), lrs, tuning
+        encoders,
+        pool,
+        decoders,
+        missing_decoder,
+        budgets,
+        list(options.seeds),
+        base_versions,
+        dict(encoder_assets),
+        lrs,
     )
 
 

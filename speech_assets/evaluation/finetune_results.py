@@ -167,24 +167,6 @@ def indicative_verdicts(
     return [line for line, why in judged(rows, min_heldout_speakers) if why]
 
 
-def verdict_warnings(
-    leaderboard: Sequence[Mapping[str, Any]],
-    rows: Sequence[Mapping[str, Any]],
-    min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS,
-) -> list[str]:
-    """Every verdict warning the checks will show, ``<asset> <check>: <description>``, judged by the same functions."""
-    from speech_assets.evaluation.compare import FBANK, beats_baseline
-
-    found = []
-    if leaderboard:
-        pretrained = next((r for r in leaderboard if r["model"] == "pretrained"), None)
-        verdict = beats_baseline(pretrained, "pretrained", FBANK)
-        if not verdict.passed:
-            found.append(f"downstream_probe pretrained_beats_fbank: {verdict.text}")
-    found += [f"finetuned_asr finetuning_is_sound: {line}" for line in indicative_verdicts(rows, min_heldout_speakers)]
-    return found
-
-
 def judged(
     rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
 ) -> list[tuple[str, str | None]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,48 +69,6 @@ def _schedule(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_probe(
-    features: Sequence[torch.Tensor],
-    texts: Sequence[str],
-    options: ProbeOptions,
-    seed: int = 0,
-    *,
-    stop_at: int | None = None,
-    every: int = 0,
-    on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
-) -> CtcProbe:
-    """A probe trained on ``features`` (``(N, L_i, D)`` each) with CTC against ``texts``; deterministic
-    for a ``seed``. ``stop_at`` ends training early on the schedule over ``options.steps``;
-    ``on_checkpoint(step, probe)`` sees it (in eval mode) every ``every`` steps and at the end."""
-    if not features:
-        raise ValueError("no training utterances for the probe")
-    targets = [torch.tensor(encode(text), dtype=torch.long) for text in texts]
-    generator = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        probe = CtcProbe(features[0].shape[0], features[0].shape[2], options.probe, options.hidden)
-    optimizer = torch.optim.AdamW(probe.parameters(), lr=options.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, options.steps))
-    order: list[int] = []
-    total = options.steps if stop_at is None else max(1, min(stop_at, options.steps))
-    probe.train()
-    for step in range(1, total + 1):
-        if len(order) < options.batch_size:
-            order += torch.randperm(len(features), generator=generator).tolist()
-        batch, order = order[: options.batch_size], order[options.batch_size :]
-        layers, lengths = collate_layers([features[i] for i in batch])
-        loss = ctc_loss(probe(layers, lengths), lengths, padded([targets[i] for i in batch]))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(probe.parameters(), 5.0)
-        optimizer.step()
-        scheduler.step()
-        if on_checkpoint is not None and ((every and step % every == 0) or step == total):
-            on_checkpoint(step, probe.eval())
-            probe.train()
-    return probe.eval()
-
-
 def padded(targets: Sequence[torch.Tensor]) -> torch.Tensor:
     return nn.utils.rnn.pad_sequence(list(targets), batch_first=True, padding_value=IGNORE_INDEX)
 
@@ -138,9 +96,9 @@ def train_probes(
     patience: int = 0,
     normalised: bool = False,
 ) -> list[Trained]:
-    """One probe per learning rate of ``lrs`` (empty: ``options.lr``) on the same batches, each the
-    probe :func:`train_probe` trains with that lr (the CTC loss dominates a CPU step: batches are read
-    and normalised once for all). With ``dev``, every ``every`` steps (0: ``steps // 8``) each probe
+    """One probe per learning rate of ``lrs`` (empty: ``options.lr``) on the same batches, each as if
+    trained alone with that lr (the CTC loss dominates a CPU step: batches are read and normalised
+    once for all). With ``dev``, every ``every`` steps (0: ``steps // 8``) each probe
     is kept at its best dev CER (ties: the earlier) and stops after ``patience`` evaluations (0:
     never) without improvement. ``normalised``: ``features`` are already :func:`layer_norm` ed."""
     if not features:
@@ -259,17 +217,17 @@ def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> Ut
     )
 
 
-def dev_split(speakers: Sequence[str], fraction: float = 0.2) -> tuple[list[int], list[int]]:
-    """(fit, dev) indices: speakers on a ``fraction`` grid of the sorted names are dev (at least one,
+def dev_split(speakers: Sequence[str]) -> tuple[list[int], list[int]]:
+    """(fit, dev) indices: speakers on a grid of a fifth of the sorted names are dev (at least one,
     one left to fit); with a single speaker, every fifth utterance."""
     names = sorted(set(speakers))
     if len(names) >= 2:
-        count = min(len(names) - 1, max(1, round(len(names) * fraction)))
+        count = min(len(names) - 1, max(1, round(len(names) / 5)))
         step = len(names) / count
         dev_names = {names[int(i * step)] for i in range(count)}
         dev = [i for i, s in enumerate(speakers) if s in dev_names]
     else:
-        dev = list(range(0, len(speakers), max(2, round(1 / fraction))))
+        dev = list(range(0, len(speakers), 5))
     chosen = set(dev)
     return [i for i in range(len(speakers)) if i not in chosen], dev
 

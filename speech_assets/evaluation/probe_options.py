@@ -3,7 +3,6 @@ each of them imports this, and none imports another back."""
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
@@ -11,7 +10,6 @@ from pydantic import AfterValidator, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 Probe = Literal["linear", "bilstm"]  # the probe heads: a linear layer, or one BiLSTM layer then linear
-PROBES = typing.get_args(Probe)
 
 
 def _distinct_seeds(seeds: Sequence[int]) -> Sequence[int]:
@@ -28,15 +26,11 @@ def _distinct_positive(lrs: Sequence[float]) -> Sequence[float]:
 
 @pydantic_dataclass(frozen=True)
 class ProbeOptions:
-    """``steps`` AdamW steps of ``batch_size`` utterances at ``lr`` (linear warmup over the first
-    10 %, then cosine decay); ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed
-    (:func:`~speech_assets.evaluation.compare.compare_encoders`), each seed setting the probe's
-    initialisation and the order it reads the utterances in); ``lrs``: learning rates to choose
-    from, per model, on a development split of the training speakers, together with the stopping
-    step (every ``steps // 8``; :func:`~speech_assets.evaluation.compare.compare_encoders`: SUPERB
-    searches the learning rate per upstream model and tests its best development checkpoint);
-    empty: ``lr`` for every model; ``steps`` is the most a probe trains. Torch-free, so the settings section
-    (``[probe]``) takes its defaults and constraints from here; a list becomes a tuple."""
+    """At most ``steps`` AdamW steps (warmup over 10 %, then cosine) of ``batch_size`` utterances;
+    ``hidden``: BiLSTM width per direction; ``seeds``: one probe per seed (its initialisation and
+    batch order); ``lrs``: chosen from per model with the stopping step on a development split, as
+    SUPERB does per upstream model (empty: ``lr`` for every model). Torch-free, so the ``[probe]``
+    settings take their defaults and constraints from here."""
 
     probe: Probe = "linear"
     steps: Annotated[int, Field(ge=1)] = 400

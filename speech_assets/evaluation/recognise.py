@@ -26,7 +26,6 @@ from speech_assets.evaluation.text import ALPHABET, BLANK
 from speech_assets.layout import FinetuneFiles, RecogniserFiles
 
 DECODERS = ("greedy", "beam")
-FORMATS = ("text", "json", "srt", "vtt")
 MAX_SEGMENT_S = 20.0
 MIN_PAUSE_S = 0.3
 OVERLAP_S = 1.0

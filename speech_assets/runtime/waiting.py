@@ -19,18 +19,17 @@ def wait_until(
     what: str,
     *,
     interval: float = 0.1,
-    clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """Call ``check`` every ``interval`` seconds until it returns something truthy, and return that.
 
     ``WaitTimeout`` naming ``what`` after ``timeout`` seconds. ``check`` may raise to give up early
     (for example when the process it waits on has exited).
     """
-    deadline = clock() + timeout
+    deadline = time.monotonic() + timeout
     while True:
         result = check()
         if result:
             return result
-        if clock() >= deadline:
+        if time.monotonic() >= deadline:
             raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)

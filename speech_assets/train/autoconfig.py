@@ -61,8 +61,6 @@ class DatasetProfile:
     utterances: int
     total_seconds: float
     mean_seconds: float
-    p50_seconds: float
-    p95_seconds: float
     max_seconds: float
 
 
@@ -146,8 +144,6 @@ def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
         utterances=int(seconds.size),
         total_seconds=float(seconds.sum()),
         mean_seconds=float(seconds.mean()),
-        p50_seconds=float(np.percentile(seconds, 50)),
-        p95_seconds=float(np.percentile(seconds, 95)),
         max_seconds=float(seconds.max()),
     )
 

@@ -121,16 +121,8 @@ def build_torchrun_command(
     else:
         if not re.fullmatch(r"\d+(:\d+)?", nnodes) or not re.fullmatch(r"[A-Za-z0-9_-]+", rdzv_id):
             raise ValueError(f"nnodes {nnodes!r} must be N or MIN:MAX, and rdzv_id letters, digits, '_' or '-'")
-        command += [
-            "--nnodes",
-            nnodes,
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id,
-        ]
+        command += ["--nnodes", nnodes, "--rdzv-backend", "c10d"]
+        command += ["--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return [*command, "-m", module, "--config", str(config_path)]
 
 

@@ -27,6 +27,7 @@ from speech_assets.layout import (
     MLFLOW_INPUTS,
     RunFiles,
 )
+from speech_assets.train.accuracy import ALL_FRAMES_SHOWN
 from speech_assets.train.config import DistillConfig, FinetuneConfig, RunConfig
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 
 def is_server(tracking_uri: str) -> bool:
     return urlparse(tracking_uri).scheme in locations.MLFLOW_SERVER_SCHEMES
+
+
+def mlflow_client(tracking_uri: str, **registry: str) -> Any:
+    """An ``MlflowClient`` of ``tracking_uri`` with its credentials, telemetry off."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=locations.with_credentials(tracking_uri), **registry)
 
 
 EXPERIMENT = "speech_assets"
@@ -70,11 +79,7 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 def experiment_runs_table(tracking_uri: str, name: str = EXPERIMENT) -> str:
     """The runs table of experiment ``name`` in the MLflow UI, the experiment created first if need be
     (so that the link opens before any training)."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri))
-    experiment_id = ensure_experiment(client, name, tracking_uri, None)
+    experiment_id = ensure_experiment(mlflow_client(tracking_uri), name, tracking_uri, None)
     # MLflow 3.17's UI opens the view the workflowType parameter names, no longer the experiment's kind tag
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
 
@@ -102,10 +107,7 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str, artifact_locati
 
 # the accuracy on all masked frames leaks (speech_assets.train.accuracy): named apart from the
 # held-out masked accuracy every view shows, val/leak_free_masked_accuracy
-ALL_FRAMES_SERIES = {
-    "masked_accuracy": "all_frames_masked_accuracy",
-    "majority_accuracy": "all_frames_majority_accuracy",
-}
+ALL_FRAMES_SERIES = dict(zip(("masked_accuracy", "majority_accuracy"), ALL_FRAMES_SHOWN, strict=True))
 
 
 def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
@@ -115,24 +117,6 @@ def heldout_series(heldout: Mapping[str, Any]) -> dict[str, float]:
         for key, value in heldout.items()
         if isinstance(value, int | float) and not isinstance(value, bool) and not key.endswith("frames")
     }
-
-
-def log_probe_results(
-    tracking_uri: str, run_dir: str | Path, results: Mapping[str, float], step: int = 0
-) -> str | None:
-    """Log ``results`` as ``probe/<name>`` on the MLflow run of ``run_dir``; its run id, or None when it has none."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    id_file = RunFiles(Path(run_dir)).mlflow_run_id
-    run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
-    if not run_id:
-        return None
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"probe/{k}", float(v), now, step) for k, v in sorted(results.items()) if v is not None]
-    MlflowClient(tracking_uri=locations.with_credentials(tracking_uri)).log_batch(run_id, metrics=metrics)
-    return run_id
 
 
 def ui_command(tracking_uri: str, artifact_location: str | None = None) -> str:
@@ -209,7 +193,9 @@ def log_probe_on_encoder_runs(
     """The probe's held-out CER and WER (and their std over seeds) as ``probe/*`` on the MLflow run of
     each encoder in ``checkpoints`` (name -> ``final.pt`` contents); run folders outside
     ``data_root`` are skipped and an unreachable store only warns. Returns {model: run id}."""
-    root, logged = Path(data_root).resolve(), {}
+    from mlflow.entities import Metric
+
+    root, logged, now = Path(data_root).resolve(), {}, int(time.time() * 1000)
     for name, state in checkpoints.items():
         run_dir, summary = (state.get("config") or {}).get("run_dir"), summaries.get(name)
         if not run_dir or summary is None:
@@ -218,16 +204,19 @@ def log_probe_on_encoder_runs(
         if not folder.is_relative_to(root):
             warn(f"probe results of {name} not logged to MLflow: its run folder {folder} is outside {root}")
             continue
-        metrics = {"cer": summary.cer.mean, "wer": summary.wer.mean}
+        run_id = recorded_run_id(folder)
+        if not run_id:
+            continue
+        values = {"cer": summary.cer.mean, "wer": summary.wer.mean}
         if summary.cer.n > 1:
-            metrics |= {"cer_std": summary.cer.std, "wer_std": summary.wer.std}
+            values |= {"cer_std": summary.cer.std, "wer_std": summary.wer.std}
         try:
-            run_id = log_probe_results(tracking_uri, folder, metrics)
+            metrics = [Metric(f"probe/{k}", float(v), now, 0) for k, v in values.items()]
+            mlflow_client(tracking_uri).log_batch(run_id, metrics=metrics)
         except Exception as error:  # the probe's results stand without MLflow
             warn(f"probe results of {name} not logged to MLflow: {type(error).__name__}: {error}")
             continue
-        if run_id:
-            logged[name] = run_id
+        logged[name] = run_id
     return logged
 
 
@@ -237,12 +226,9 @@ class MlflowTracker:
     def __init__(self, config: RunConfig) -> None:
         if config.mlflow_tracking_uri is None:
             raise ValueError("MlflowTracker needs config.mlflow_tracking_uri")
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        from mlflow.tracking import MlflowClient
-
         self.config = config
         self.tracking_uri = locations.redact_uri(config.mlflow_tracking_uri)  # what is shown
-        self.client = MlflowClient(tracking_uri=locations.with_credentials(config.mlflow_tracking_uri))
+        self.client = mlflow_client(config.mlflow_tracking_uri)
         self.run_id = ""
         self.experiment_id = ""
 
@@ -293,10 +279,10 @@ class MlflowTracker:
                 params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
                 tags=[RunTag("autoconfig", str(plan.get("reason", ""))[:5000])],
             )
-        self._log_text(RunFiles.config.name, cfg.to_json())
-        self._log_text(MLFLOW_AUTOCONFIG, json.dumps(dict(plan), indent=2, sort_keys=True))
-        self._log_text(MLFLOW_ENVIRONMENT, installed_packages())
-        self._log_text(MLFLOW_INPUTS, json.dumps(cfg.data_versions, indent=1, sort_keys=True))
+        self.client.log_text(self.run_id, cfg.to_json(), RunFiles.config.name)
+        self.client.log_text(self.run_id, json.dumps(dict(plan), indent=2, sort_keys=True), MLFLOW_AUTOCONFIG)
+        self.client.log_text(self.run_id, installed_packages(), MLFLOW_ENVIRONMENT)
+        self.client.log_text(self.run_id, json.dumps(cfg.data_versions, indent=1, sort_keys=True), MLFLOW_INPUTS)
         return self.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -309,17 +295,12 @@ class MlflowTracker:
         """Tag the checkpoint's hash, log it and ``result.json`` as artifacts, and close the run."""
         self.client.set_tag(self.run_id, "checkpoint_sha256", str(summary.get("checkpoint_sha256", "")))
         self.client.log_artifact(self.run_id, str(checkpoint), artifact_path=MLFLOW_CHECKPOINT_DIR)
-        self._log_text(RunFiles.result.name, json.dumps(dict(summary), indent=2, sort_keys=True, default=str))
+        summary_text = json.dumps(dict(summary), indent=2, sort_keys=True, default=str)
+        self.client.log_text(self.run_id, summary_text, RunFiles.result.name)
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def fail(self) -> None:
         self.client.set_terminated(self.run_id, status="FAILED")
-
-    def _log_text(self, name: str, text: str) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / name
-            path.write_text(text, encoding="utf-8")
-            self.client.log_artifact(self.run_id, str(path))
 
 
 class _PipesLogHandler(logging.Handler):
@@ -414,10 +395,8 @@ def log_onnx_model(
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
-    from mlflow.tracking import MlflowClient
 
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    client = MlflowClient(tracking_uri=locations.with_credentials(tracking_uri))
+    client = mlflow_client(tracking_uri)
     experiment_id = client.get_run(run_id).info.experiment_id
     model = client.create_logged_model(
         experiment_id, name=name, source_run_id=run_id, tags=dict(tags or {}), model_type="onnx"
@@ -490,15 +469,13 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
     from mlflow.exceptions import MlflowException
     from mlflow.models import Model
     from mlflow.store.artifact.utils.models import get_model_name_and_version
-    from mlflow.tracking import MlflowClient
 
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # stderr is for errors
     named, store = uri, locations.with_credentials(tracking_uri)
     try:
         # resolved to the model's artifact location here: MLflow resolves `models:/` and a run's
         # logged models through the process's global tracking and registry URIs, not this store
-        client = MlflowClient(tracking_uri=store, registry_uri=store)
+        client = mlflow_client(tracking_uri, registry_uri=store)
         if urlparse(uri).scheme == "models":
             found = get_model_name_and_version(client, uri)
             if len(found) == 1:
@@ -523,9 +500,11 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
 def source_run_id(checkpoint: str | os.PathLike[str], state: Mapping[str, Any]) -> str | None:
     """The MLflow run of the model in ``checkpoint`` (recorded in it, else in its run folder); None without MLflow."""
     recorded = state.get("mlflow_run_id")
-    if recorded:
-        return str(recorded)
-    id_file = RunFiles(Path(checkpoint).parent).mlflow_run_id
+    return str(recorded) if recorded else recorded_run_id(Path(checkpoint).parent)
+
+
+def recorded_run_id(run_dir: Path) -> str | None:
+    id_file = RunFiles(run_dir).mlflow_run_id
     return (id_file.read_text(encoding="utf-8").strip() or None) if id_file.is_file() else None
 
 

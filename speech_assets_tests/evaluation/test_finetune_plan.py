@@ -13,12 +13,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from speech_assets.corpus.clients import ClientAssignment, ClientsTable
 from speech_assets.defs.resources import FinetuneSettings
 from speech_assets.defs.torchrun import run_folder
 from speech_assets.evaluation.finetune import Candidate, labelled_subset
 from speech_assets.evaluation.finetune_plan import (
+    FinetunePlan,
     FinetuneRefused,
     LabelledPool,
     choose_encoders,
@@ -28,7 +30,6 @@ from speech_assets.evaluation.finetune_plan import (
     lr_table,
     oov_by_budget,
     plan_finetune,
-    plan_runs,
     text_overlap,
 )
 from speech_assets.evaluation.protocol import ProbeLeak
@@ -47,10 +48,14 @@ def pool(seconds: float = 4.0) -> LabelledPool:
     return LabelledPool([f"s{s}" for s in range(4)], ["h"], candidates, {"h-0": "held out"}, texts, 0)
 
 
+def plan_runs(pool: LabelledPool, budgets: list[float], seeds: list[int], base: dict, warn) -> list:
+    return FinetunePlan(CHECKPOINTS, pool, ["greedy"], None, budgets, seeds, base, ASSETS, [1e-3]).runs(ONE_LR, warn)
+
+
 def test_plan_runs_every_model_budget_and_seed_on_one_subset_per_budget_and_seed() -> None:
     warnings: list[str] = []
     base = {"manifest": "m", "client_partitions": "c", "vad_features/s0": "x", "vad_features/h": "y"}
-    runs = plan_runs(CHECKPOINTS, pool(), [0.25, 0.5], [7, 1], ["greedy"], base, ASSETS, warnings.append, ONE_LR)
+    runs = plan_runs(pool(), [0.25, 0.5], [7, 1], base, warnings.append)
 
     assert [r.key for r in runs] == [
         (model, minutes, seed)
@@ -97,9 +102,7 @@ def test_plan_runs_every_model_budget_and_seed_on_one_subset_per_budget_and_seed
 
 def test_plan_runs_warns_when_fewer_minutes_are_there_than_asked() -> None:
     warnings: list[str] = []
-    runs = plan_runs(
-        CHECKPOINTS, pool(seconds=3.0), [0.5, 2.0], [0, 1], ["greedy"], {}, ASSETS, warnings.append, ONE_LR
-    )
+    runs = plan_runs(pool(seconds=3.0), [0.5, 2.0], [0, 1], {}, warnings.append)
     # 20 utterances x 3 s = 1 min: the 2 min budget labels all of them, once per seed
     assert warnings == ["2 min asked, 1.0 min of training speakers' audio available: using all of it"] * 2
     assert all(len(r.labelled["train"]) == 20 for r in runs if r.minutes == 2.0)
@@ -192,11 +195,14 @@ SPLIT = {"train": ["a", "b"], "heldout": ["h"]}
 
 def plan(tmp_path: Path, options=Options, speakers=SPLIT, frames: int = 300, clients=table, corpus=write_corpus):
     manifest, shards = corpus(tmp_path, frames)
+    checkpoints = {name: (str(tmp_path / f"{name}.pt"), version) for name, (_, version) in CHECKPOINTS.items()}
+    for path, _ in checkpoints.values():  # each records the split ``speakers``
+        torch.save({"speakers": speakers}, path)
     said, warned, versions_of = [], [], []
     found = plan_finetune(
         options,
-        pretrained=CHECKPOINTS["pretrained"],
-        checkpoint_of=CHECKPOINTS.get,
+        pretrained=checkpoints["pretrained"],
+        checkpoint_of=checkpoints.get,
         encoder_assets=ASSETS,
         clients=clients,
         manifest_file=manifest,
@@ -204,7 +210,6 @@ def plan(tmp_path: Path, options=Options, speakers=SPLIT, frames: int = 300, cli
         data_versions=lambda s: versions_of.append(s) or {f"vad_features/{x}": x.upper() for x in s},
         log=said.append,
         warn=warned.append,
-        speakers_of=lambda path: speakers,
     )
     return found, said, warned, versions_of
 
@@ -467,3 +472,18 @@ def test_text_disjoint_no_labelled_dev_or_lm_sentence_in_heldout(tmp_path: Path)
     # what is dropped is exactly the training-side utterances whose sentence is held out
     training_side = [u for u in pool.transcripts if u.split("-")[0] in "abcd"]
     assert pool.overlap_dropped == sum(pool.transcripts[u] in heldout for u in training_side)
+
+
+def test_plan_finetune_decodes_with_beam_only_when_wanted_and_installed(tmp_path: Path) -> None:
+    """Greedy always; beam when [finetune] decoders asks for it and it can run here, else a warning
+    that says why. Kills: beam dropped, or planned where it cannot run."""
+    from speech_assets.evaluation import decoding
+
+    wanted = type("Beam", (Options,), {"decoders": ["greedy", "beam"]})
+    found, _, warned, _ = plan(tmp_path, options=wanted)
+    missing = decoding.unavailable()
+    assert found.decoders == (["greedy"] if missing else ["greedy", "beam"]) and found.missing_decoder == missing
+    assert [w for w in warned if w.startswith("beam decoding skipped")] == (
+        [f"beam decoding skipped: {missing}; greedy only"] if missing else []
+    )
+    assert plan(tmp_path / "greedy")[0].decoders == ["greedy"]

@@ -246,33 +246,3 @@ def test_finetune_check_baseline_trains_states_the_verdict_and_fails_on_text_ove
         assert not result.passed and result.severity == dg.AssetCheckSeverity.ERROR
         assert "pretrained/5min/seed0: 3 labelled or dev utterances" in result.description
         assert result.metadata["text_overlap"].value == 3
-
-
-def test_verdict_warnings_list_what_the_checks_will_warn_in_their_words() -> None:
-    """``verdict_warnings`` (for the demo's expected warnings) lists each verdict that will warn,
-    in its check's words: the probe's ``pretrained_beats_fbank`` and the fine-tuning verdict that
-    is indicative only; nothing where both would pass. Kills: a probe verdict left out of the list
-    (or one listed that passes)."""
-    from speech_assets.evaluation.compare import beats_baseline
-    from speech_assets.evaluation.finetune_results import verdict_warnings
-
-    def board(speakers: int, verdict: str) -> list[dict]:
-        base = {"speakers": speakers, "utterances": 40, "min_heldout_speakers": 3}
-        change = {"cer_change_fbank": -0.2, "cer_change_fbank_low": -0.3, "cer_change_fbank_high": -0.1}
-        return [{"model": "fbank", **base}, {"model": "pretrained", "verdict_fbank": verdict, **base, **change}]
-
-    beating = rows(
-        {"pretrained": [0.4, 0.41, 0.42], "scratch": [0.8, 0.81, 0.82]}, {"pretrained": [0.2] * 3, "scratch": [0.5] * 3}
-    )
-    assert verdict_warnings(board(4, "better"), beating, 3) == []
-    one_speaker = [{**r, "heldout_speakers": 1} for r in beating]
-    found = verdict_warnings(board(1, "better"), one_speaker, 3)
-    probe_text = beats_baseline(board(1, "better")[1], "pretrained", "fbank").text
-    assert found == [
-        f"downstream_probe pretrained_beats_fbank: {probe_text}",
-        f"finetuned_asr finetuning_is_sound: {verdicts(one_speaker, min_heldout_speakers=3)[0]}",
-    ]
-    assert probe_text.startswith("warn: indicative only (1 held-out speaker, fewer than 3): better than fbank")
-    assert verdict_warnings(board(4, "no evidence"), [], 3) == [
-        "downstream_probe pretrained_beats_fbank: warn: no evidence against fbank, CER change -0.200 [-0.300, -0.100]"
-    ]

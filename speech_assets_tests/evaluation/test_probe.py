@@ -1,26 +1,70 @@
 """The CTC probe learns a tiny synthetic task, picks the informative layer, and scores with jiwer."""
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from speech_assets.evaluation.probe import (
     CtcProbe,
+    _schedule,
     collate_layers,
     dev_split,
     evaluate_probe,
     layer_norm,
+    padded,
     score,
-    train_probe,
     train_probes,
     utterance_errors,
 )
 from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, decode_greedy, encode, normalise
+from speech_assets.train.objectives import ctc_loss
 
 WORDS = ["CAT", "DOG", "BIRD", "FISH", "COW", "OWL"]
+
+
+def train_probe(
+    features: Sequence[torch.Tensor],
+    texts: Sequence[str],
+    options: ProbeOptions,
+    seed: int = 0,
+    *,
+    stop_at: int | None = None,
+    every: int = 0,
+    on_checkpoint: Callable[[int, CtcProbe], None] | None = None,
+) -> CtcProbe:
+    """The reference :func:`train_probes` must match: one probe trained alone on ``features`` with CTC
+    against ``texts``. ``stop_at`` ends training early on the schedule over ``options.steps``;
+    ``on_checkpoint(step, probe)`` sees it (in eval mode) every ``every`` steps and at the end."""
+    targets = [torch.tensor(encode(text), dtype=torch.long) for text in texts]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        probe = CtcProbe(features[0].shape[0], features[0].shape[2], options.probe, options.hidden)
+    optimizer = torch.optim.AdamW(probe.parameters(), lr=options.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, options.steps))
+    order: list[int] = []
+    total = options.steps if stop_at is None else max(1, min(stop_at, options.steps))
+    probe.train()
+    for step in range(1, total + 1):
+        if len(order) < options.batch_size:
+            order += torch.randperm(len(features), generator=generator).tolist()
+        batch, order = order[: options.batch_size], order[options.batch_size :]
+        layers, lengths = collate_layers([features[i] for i in batch])
+        loss = ctc_loss(probe(layers, lengths), lengths, padded([targets[i] for i in batch]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(probe.parameters(), 5.0)
+        optimizer.step()
+        scheduler.step()
+        if on_checkpoint is not None and ((every and step % every == 0) or step == total):
+            on_checkpoint(step, probe.eval())
+            probe.train()
+    return probe.eval()
 
 
 def synthetic(count: int, seed: int, layers: int = 3, dim: int = 16) -> tuple[list[torch.Tensor], list[str]]:
