@@ -30,7 +30,7 @@ DISTILL_CODE_VERSION = "distill-v1"
     code_version=DISTILL_CODE_VERSION,
 )
 def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:
-    """A small student (default 384 wide, 6 layers) distilled DistilHuBERT-style from the pretrained
+    """A small student (default 576 wide, 6 layers for `base`) distilled DistilHuBERT-style from the pretrained
     encoder (L1 + cosine on chosen teacher layers) on the training speakers, launched like
     training (torchrun, Pipes, MLflow); parameters and CPU forward speed against the teacher."""
     teacher, teacher_version = required_checkpoint(context, "pretrained_checkpoint")
@@ -72,14 +72,16 @@ SPEED_KEYS = ("student_parameters", "teacher_parameters", "student_audio_s_per_s
 
 
 def student_shape(teacher: str, options: DistillSettings) -> dict[str, int]:
-    """The student's width, depth, heads and FFN: the settings', or half those of the ``teacher``
-    checkpoint's preset where 0 (read from the config its run recorded beside it, no model built)."""
+    """The student's width, depth, heads and FFN: the settings', or where 0 three quarters of the
+    ``teacher`` checkpoint's width with its heads, half its depth and a 4x FFN (its preset read from the
+    config its run recorded beside it, no model built). A half-width student probed 1.22x its teacher's
+    CER on the learning benchmark, three quarters 1.04x (docs/BENCHMARKS.md)."""
     preset = read_json(RunFiles(Path(teacher).parent).config, strict=True).get("preset")
     if preset is None:
         raise dg.Failure(description=f"no config beside {teacher} names its preset: materialize pretrained_checkpoint")
     shape = get_preset(preset)
-    dim = options.dim or max(8, shape.dim // 2)
-    heads = options.heads or max(1, shape.heads // 2)
+    heads = options.heads or shape.heads
+    dim = options.dim or max(heads, shape.dim * 3 // 4 // heads * heads)
     while dim % heads:
         heads -= 1
     return {

@@ -380,8 +380,8 @@ class ExportSettings(dg.Config):
 
 
 class DistillSettings(WorkerSettings, worker=DistillConfig, section="distill"):
-    """The distilled student (`distilled_checkpoint`): 0 for dim/layers/heads/ffn_dim means half
-    the teacher's (384 wide, 6 layers, 6 heads, 1536 for a `base` teacher)."""
+    """The distilled student (`distilled_checkpoint`): 0 for dim/heads/layers/ffn_dim means three
+    quarters of the teacher's width, its heads, half its depth, 4 x dim (576, 12, 6, 2304 for `base`)."""
 
     dim: int = 0
     layers: int = 0
