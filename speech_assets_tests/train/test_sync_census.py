@@ -14,15 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 # the function DataLoader(pin_memory=True)'s pinning thread applies to every batch
 from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
@@ -32,64 +30,15 @@ from speech_assets.train.data import Batch, UtteranceDataset, build_index, colla
 from speech_assets.train.engine import REPORT_RANGE, Distributed
 from speech_assets.train.launch import plan_for
 from speech_assets.train.trainer import Trainer
+from speech_assets_tests.support.census import HOST_RANGE, HostReads, host_syncs, to_host
 from speech_assets_tests.support.training_data import SyntheticCorpus
 
 CPU = Distributed(0, 0, 1, 1, torch.device("cpu"))
-# Reads of a tensor's value on the host: on a GPU each one waits for every kernel queued before it.
-HOST_SYNCS = {"aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::_local_scalar_dense", "aten::item"}
-# Tensor methods that copy a tensor's values to the host (see HostReads); ranges "host::<name>"
-HOST_COPIES = ("tolist", "numpy", "cpu", "item", "__array__", "to")
-HOST_RANGE = "host::"
-# Host reads allowed only where they are not on model tensors: the metrics window (one read per
-# log_every steps), the loader's own bookkeeping (batches are built in its worker processes) and
-# AdamW's step counters (host tensors unless the optimizer is fused or capturable).
-EXEMPT_RANGES = (REPORT_RANGE, "enumerate(DataLoader)", "Optimizer.step#")
 
 
 def _tensor_fields(batch: Batch) -> dict[str, torch.Tensor]:
     values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     return {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
-
-
-def _host_syncs(events: Iterable) -> Counter[str]:
-    found: Counter[str] = Counter()
-    for event in events:
-        if event.name not in HOST_SYNCS and not event.name.startswith(HOST_RANGE):
-            continue
-        parent, chain = event.cpu_parent, []
-        while parent is not None:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        if not any(name.startswith(EXEMPT_RANGES) for name in chain):
-            found[f"{event.name} under {' < '.join(chain[:3]) or 'the loop'}"] += 1
-    return found
-
-
-def _to_host(tensor: object, args: tuple, kwargs: dict) -> bool:
-    """Whether ``tensor.to(*args, **kwargs)`` copies an accelerator tensor to the CPU."""
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "cpu":
-        return False
-    targets = [kwargs.get("device"), *args]
-    for target in targets:
-        if isinstance(target, torch.Tensor):
-            target = target.device
-        if isinstance(target, (str, torch.device)):
-            return torch.device(target).type == "cpu"
-    return False
-
-
-class HostReads(TorchFunctionMode):
-    """Wraps every copy of a tensor's values to the host (:data:`HOST_COPIES`) in the profiler
-    range ``host::<method>``: they then sit in the profiler's event tree, under the range that
-    made them, whatever device the tensor is on."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in HOST_COPIES and (name != "to" or _to_host(args[0] if args else None, args[1:], kwargs)):
-            with record_function(HOST_RANGE + name):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
 
 
 def _census(trainer: Trainer, config) -> tuple[list, Counter[str]]:  # type: ignore[no-untyped-def]
@@ -99,7 +48,7 @@ def _census(trainer: Trainer, config) -> tuple[list, Counter[str]]:  # type: ign
         trainer.engine.run(trainer.objective, trainer.stream, config)
     events = prof.events()
     assert any(event.name in ("aten::linear", "aten::addmm") for event in events)  # the profiler saw the steps
-    return events, _host_syncs(events)
+    return events, host_syncs(events)
 
 
 def _census_trainer(small_corpus: SyntheticCorpus, tmp_path: Path, max_steps: int):  # type: ignore[no-untyped-def]
@@ -169,10 +118,10 @@ def test_sync_census_sees_a_copy_off_an_accelerator_with_to() -> None:
     """``.to('cpu')`` (any spelling) of an accelerator tensor is a host copy; ``.to`` on the host,
     or to an accelerator, is not."""
     meta = torch.empty(3, device="meta")
-    assert _to_host(meta, ("cpu",), {}) and _to_host(meta, (), {"device": torch.device("cpu")})
-    assert _to_host(meta, (torch.zeros(1),), {}) and _to_host(meta, ("cpu", torch.float64), {})
-    assert not _to_host(meta, (torch.float64,), {}) and not _to_host(meta, ("meta",), {})
-    assert not _to_host(torch.zeros(3), ("cpu",), {})
+    assert to_host(meta, ("cpu",), {}) and to_host(meta, (), {"device": torch.device("cpu")})
+    assert to_host(meta, (torch.zeros(1),), {}) and to_host(meta, ("cpu", torch.float64), {})
+    assert not to_host(meta, (torch.float64,), {}) and not to_host(meta, ("meta",), {})
+    assert not to_host(torch.zeros(3), ("cpu",), {})
 
 
 def test_pinned_batch_from_the_loaders_pin_path(small_corpus: SyntheticCorpus, monkeypatch: pytest.MonkeyPatch) -> None:
