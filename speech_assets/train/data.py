@@ -275,7 +275,22 @@ class BatchBuilder(Dataset[Batch]):
 
     def __getitem__(self, request: BatchRequest) -> Batch:  # type: ignore[override]
         self.dataset.set_epoch(request.epoch)  # a worker's own copy: the epoch travels with the request
-        return collate([self.dataset[i] for i in request.indices], request.masking, request.slot)
+        examples = [self.dataset[i] for i in request.indices]
+        if self.dataset.crop_batches:
+            examples = crop_to_shortest(examples, self.dataset.seed, request.epoch)
+        return collate(examples, request.masking, request.slot)
+
+
+def crop_to_shortest(examples: Sequence[Example], seed: int, epoch: int) -> list[Example]:
+    """Every example cut to the shortest one's length at its own :func:`crop_start` (fairseq's
+    pretraining crop): the batch has no padding, so attention runs without a key mask."""
+    frames = min(e.feats.shape[0] for e in examples)
+    cropped = []
+    for e in examples:
+        start = crop_start(f"batch:{e.utt_id}", e.feats.shape[0], frames, seed, epoch)
+        labels = e.labels[start // 2 : start // 2 + (frames + 1) // 2]
+        cropped.append(replace(e, feats=e.feats[start : start + frames], labels=labels))
+    return cropped
 
 
 def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray:
@@ -300,7 +315,8 @@ def crop_start(utt_id: str, num_frames: int, max_frames: int, seed: int = 0, epo
 
 class UtteranceDataset(Dataset[Example]):
     """Map-style dataset over ``utterances`` of ``index``, read lazily by row group; long utterances
-    are cropped at :func:`crop_start` of the epoch set by :meth:`set_epoch`."""
+    are cropped at :func:`crop_start` of the epoch set by :meth:`set_epoch`. ``crop_batches``: the
+    loader's batches are cut to their shortest utterance (:func:`crop_to_shortest`)."""
 
     def __init__(
         self,
@@ -311,8 +327,10 @@ class UtteranceDataset(Dataset[Example]):
         cached_row_groups: int = 8,
         seed: int = 0,
         augment: Augmenter | None = None,
+        crop_batches: bool = False,
     ) -> None:
         self.index = index
+        self.crop_batches = crop_batches
         self.utterances = list(utterances)
         self.cmvn = cmvn
         self.max_frames = max_frames
