@@ -190,10 +190,8 @@ class Batch:
     """Padded batch: ``feats (B, T, 80)``, ``lengths (B,)``, ``targets (B, L)`` (``IGNORE_INDEX``
     on padding), ``clients (B,)``; ``seconds``: the unpadded audio duration.
 
-    ``groups``: ``(client, start, stop)`` per client, host integers so that selecting a client's
-    rows needs no device read. ``mask``: the span mask drawn for ``masked_for`` = ``(masking,
-    step, micro)``. ``padded``: a host bool, so the model knows without a device read whether
-    its attention needs a mask.
+    ``mask``: the span mask drawn for ``masked_for`` = ``(masking, step, micro)``. ``padded``: a
+    host bool, so the model knows without a device read whether its attention needs a mask.
     """
 
     feats: torch.Tensor
@@ -201,7 +199,6 @@ class Batch:
     targets: torch.Tensor
     clients: torch.Tensor
     seconds: float
-    groups: tuple[tuple[int, int, int], ...] | None = None
     mask: torch.Tensor | None = None
     masked_for: tuple[SpanMasking, int, int] | None = None
     padded: bool | None = None
@@ -237,17 +234,12 @@ def collate(
     for row, example in enumerate(examples):
         feats[row, : example.feats.shape[0]] = example.feats
         targets[row, : example.labels.shape[0]] = example.labels
-    clients = [e.client for e in examples]
-    groups = tuple(
-        (client, clients.index(client), len(clients) - clients[::-1].index(client)) for client in sorted(set(clients))
-    )
     batch = Batch(
         feats,
         lengths,
         targets,
-        torch.tensor(clients, dtype=torch.long),
+        torch.tensor([e.client for e in examples], dtype=torch.long),
         sum(frames) / FRAME_RATE_HZ,
-        groups,
         # padding at 50 Hz, known here on the host: without it the model's attention takes no mask
         padded=any((n + 1) // 2 < (max_frames + 1) // 2 for n in frames),
     )
