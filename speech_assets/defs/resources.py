@@ -258,6 +258,7 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     mask_prob: float  # probability that a 50 Hz frame starts a masked span
     mask_length: int  # span length in 50 Hz frames
     unmasked_weight: float  # weight of the loss on unmasked frames (masked: 1)
+    crop_batches: bool  # batches cut to their shortest utterance (no attention padding mask)
     # online augmentation (speech_assets/train/augment.py); HuBERT pretraining uses neither
     noise: str  # "", "coloured", "babble" (same client only) or "folder" (the audio in noise_dir)
     noise_dir: str = ""  # a folder of noise audio (MUSAN's noise/); settings file only

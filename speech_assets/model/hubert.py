@@ -2,7 +2,7 @@
 
 ``feats (B, T, 80)`` at 100 Hz -> :class:`ConvSubsampler` -> ``(B, L, D)`` at 50 Hz, ``L = (T + 1) // 2``
 -> masked frames replaced by a learned embedding -> + :class:`ConvPositionalEmbedding` -> pre-LN
-Transformer -> one linear head per client (its k-means codebook is its own) -> ``logits (B_c, L, K_c)``.
+Transformer -> one linear head per client (its k-means codebook is its own) -> ``logits (B, L, K_max)``.
 
 :class:`SdpaEncoder` has ``nn.TransformerEncoder``'s parameter names and initial weights, but
 attends through ``F.scaled_dot_product_attention`` with no mask when the batch has no padding
@@ -13,7 +13,7 @@ attention, so an utterance's outputs do not depend on what it is batched with.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -84,23 +84,11 @@ class EncoderOutput:
 
 
 @dataclass
-class ClientLogits:
-    """One client's head's ``logits (B_c, L, K_c)`` for its batch ``rows (B_c,)``; ``span``: ``(start,
-    stop)`` when the rows are contiguous (a slice then selects them with no device read)."""
-
-    client: int
-    rows: torch.Tensor
-    logits: torch.Tensor
-    span: tuple[int, int] | None = None
-
-    def select(self, values: torch.Tensor) -> torch.Tensor:
-        return values[self.span[0] : self.span[1]] if self.span is not None else values[self.rows]
-
-
-@dataclass
 class PretrainOutput:
+    """``logits (B, L, K_max)``: each row's own client's head, ``-inf`` beyond that client's ``k``."""
+
     encoder: EncoderOutput
-    logits: list[ClientLogits]
+    logits: torch.Tensor
 
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "reference")
@@ -258,26 +246,22 @@ class HubertPretrainModel(nn.Module):
         lengths: torch.Tensor,
         clients: torch.Tensor,
         mask: torch.Tensor | None = None,
-        groups: Sequence[tuple[int, int, int]] | None = None,
         padded: bool | None = None,
     ) -> PretrainOutput:
-        """Encode and predict with each present client's head on its rows only (the others get no gradient).
-
-        ``groups``: ``(client, start, stop)`` when rows are grouped by client: heads then take slices
-        and nothing waits for the device; else the clients are read from ``clients (B,)``.
-        """
+        """Encode and predict each row with its client's head (``clients (B,)``); a head absent from
+        the batch gets an exact zero gradient, so DDP sees every parameter used."""
         encoded = self.encode(feats, lengths, mask, padded)
-        outputs = []
-        if groups is not None:
-            for client, start, stop in groups:
-                rows = torch.arange(start, stop, device=clients.device)
-                logits = self.heads[client](encoded.hidden[start:stop])
-                outputs.append(ClientLogits(client, rows, logits, (start, stop)))
-            return PretrainOutput(encoder=encoded, logits=outputs)
-        for client in torch.unique(clients).tolist():
-            rows = torch.nonzero(clients == client).squeeze(1)
-            outputs.append(ClientLogits(client, rows, self.heads[client](encoded.hidden[rows])))
-        return PretrainOutput(encoder=encoded, logits=outputs)
+        return PretrainOutput(encoder=encoded, logits=self.head_logits(encoded.hidden, clients))
+
+    def head_logits(self, hidden: torch.Tensor, clients: torch.Tensor) -> torch.Tensor:
+        """All heads as one batched product, with no host read: the heads' weights stacked into
+        ``(C, K_max, D)`` (zero rows, biases ``-inf`` beyond a client's ``k``: softmax and argmax
+        never pick them, and they get no gradient) and gathered per row by ``clients``."""
+        k_max = max(head.out_features for head in self.heads)
+        weight = torch.stack([F.pad(h.weight, (0, 0, 0, k_max - h.out_features)) for h in self.heads])
+        bias = torch.stack([F.pad(h.bias, (0, k_max - h.out_features), value=-torch.inf) for h in self.heads])
+        clients = clients.to(hidden.device, non_blocking=True)
+        return torch.baddbmm(bias[clients][:, None, :], hidden, weight[clients].transpose(1, 2))
 
 
 def count_parameters(module: nn.Module) -> int:

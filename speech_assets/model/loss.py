@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from speech_assets.model.hubert import ClientLogits
 
 IGNORE_INDEX = -100
 STAT_FIELDS = (
@@ -31,34 +28,25 @@ class LossOutput:
 
 
 def masked_prediction_loss(
-    logits: Sequence[ClientLogits], targets: torch.Tensor, mask: torch.Tensor, unmasked_weight: float = 0.0
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, unmasked_weight: float = 0.0
 ) -> LossOutput:
-    """Mean cross-entropy of each client's head against its own targets over masked frames, plus
-    ``unmasked_weight`` times that over unmasked ones (HuBERT: 0), and the summed statistics."""
+    """Mean cross-entropy of each row's head (``logits (B, L, K_max)``, ``-inf`` past its ``k``) against
+    its targets over masked frames, plus ``unmasked_weight`` times that over unmasked ones (HuBERT: 0),
+    and the summed statistics (which report the unmasked frames' loss even at weight 0)."""
     if targets.shape != mask.shape:
         raise ValueError(f"targets {tuple(targets.shape)} and mask {tuple(mask.shape)} differ in shape")
-    sums = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=targets.device)
-    masked_total = targets.new_zeros((), dtype=torch.float32)
-    unmasked_total = targets.new_zeros((), dtype=torch.float32)
-    for group in logits:
-        # masked sums, not boolean indexing: the selected frames' count is never read on the host
-        client_targets = group.select(targets)
-        valid = client_targets != IGNORE_INDEX
-        client_mask = group.select(mask)
-        ce = F.cross_entropy(
-            group.logits.float().transpose(1, 2), client_targets, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        correct = group.logits.argmax(dim=-1) == client_targets
-        masked, unmasked = valid & client_mask, valid & ~client_mask
-        masked_sum = torch.where(masked, ce, 0.0).sum()
-        unmasked_sum = torch.where(unmasked, ce, 0.0).sum()
-        masked_total = masked_total + masked_sum
-        unmasked_total = unmasked_total + unmasked_sum
-        counts = [(correct & masked).sum(), masked.sum(), (correct & unmasked).sum(), unmasked.sum()]
-        sums += torch.stack([masked_sum.detach(), *counts[:2], unmasked_sum.detach(), *counts[2:]]).double()
-    loss = masked_total / sums[2].clamp(min=1).float()
+    # in the logits' dtype: under autocast cross_entropy runs in fp32 (an autocast fp32 op), sums in fp32
+    ce = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none").float()
+    valid = targets != IGNORE_INDEX
+    correct = logits.argmax(dim=-1) == targets
+    # masked sums, not boolean indexing: the selected frames' count is never read on the host
+    masked, unmasked = valid & mask, valid & ~mask
+    masked_sum, unmasked_sum = torch.where(masked, ce, 0.0).sum(), torch.where(unmasked, ce, 0.0).sum()
+    counts = [(correct & masked).sum(), masked.sum(), (correct & unmasked).sum(), unmasked.sum()]
+    sums = torch.stack([masked_sum.detach(), *counts[:2], unmasked_sum.detach(), *counts[2:]]).double()
+    loss = masked_sum / sums[2].clamp(min=1).float()
     if unmasked_weight:
-        loss = loss + unmasked_weight * unmasked_total / sums[5].clamp(min=1).float()
+        loss = loss + unmasked_weight * unmasked_sum / sums[5].clamp(min=1).float()
     return LossOutput(loss=loss, stats=sums)
 
 

@@ -145,6 +145,9 @@ class TrainConfig(RunConfig):
     unmasked_weight: float = 1.0
     mask_prob: Probability = 0.08
     mask_length: AtLeast1 = 10
+    # each batch cut to its shortest utterance at random per-utterance offsets (fairseq), so attention
+    # needs no padding mask; off: batches padded to their longest utterance
+    crop_batches: bool = True
     # DataLoader workers per process; -1: auto (trainer.loader_workers)
     num_workers: Annotated[int, Field(ge=-1)] = -1
     max_restarts: AtLeast0 = 2

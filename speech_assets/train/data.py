@@ -190,10 +190,8 @@ class Batch:
     """Padded batch: ``feats (B, T, 80)``, ``lengths (B,)``, ``targets (B, L)`` (``IGNORE_INDEX``
     on padding), ``clients (B,)``; ``seconds``: the unpadded audio duration.
 
-    ``groups``: ``(client, start, stop)`` per client, host integers so that selecting a client's
-    rows needs no device read. ``mask``: the span mask drawn for ``masked_for`` = ``(masking,
-    step, micro)``. ``padded``: a host bool, so the model knows without a device read whether
-    its attention needs a mask.
+    ``mask``: the span mask drawn for ``masked_for`` = ``(masking, step, micro)``. ``padded``: a
+    host bool, so the model knows without a device read whether its attention needs a mask.
     """
 
     feats: torch.Tensor
@@ -201,7 +199,6 @@ class Batch:
     targets: torch.Tensor
     clients: torch.Tensor
     seconds: float
-    groups: tuple[tuple[int, int, int], ...] | None = None
     mask: torch.Tensor | None = None
     masked_for: tuple[SpanMasking, int, int] | None = None
     padded: bool | None = None
@@ -237,17 +234,12 @@ def collate(
     for row, example in enumerate(examples):
         feats[row, : example.feats.shape[0]] = example.feats
         targets[row, : example.labels.shape[0]] = example.labels
-    clients = [e.client for e in examples]
-    groups = tuple(
-        (client, clients.index(client), len(clients) - clients[::-1].index(client)) for client in sorted(set(clients))
-    )
     batch = Batch(
         feats,
         lengths,
         targets,
-        torch.tensor(clients, dtype=torch.long),
+        torch.tensor([e.client for e in examples], dtype=torch.long),
         sum(frames) / FRAME_RATE_HZ,
-        groups,
         # padding at 50 Hz, known here on the host: without it the model's attention takes no mask
         padded=any((n + 1) // 2 < (max_frames + 1) // 2 for n in frames),
     )
@@ -275,7 +267,22 @@ class BatchBuilder(Dataset[Batch]):
 
     def __getitem__(self, request: BatchRequest) -> Batch:  # type: ignore[override]
         self.dataset.set_epoch(request.epoch)  # a worker's own copy: the epoch travels with the request
-        return collate([self.dataset[i] for i in request.indices], request.masking, request.slot)
+        examples = [self.dataset[i] for i in request.indices]
+        if self.dataset.crop_batches:
+            examples = crop_to_shortest(examples, self.dataset.seed, request.epoch)
+        return collate(examples, request.masking, request.slot)
+
+
+def crop_to_shortest(examples: Sequence[Example], seed: int, epoch: int) -> list[Example]:
+    """Every example cut to the shortest one's length at its own :func:`crop_start` (fairseq's
+    pretraining crop): the batch has no padding, so attention runs without a key mask."""
+    frames = min(e.feats.shape[0] for e in examples)
+    cropped = []
+    for e in examples:
+        start = crop_start(f"batch:{e.utt_id}", e.feats.shape[0], frames, seed, epoch)
+        labels = e.labels[start // 2 : start // 2 + (frames + 1) // 2]
+        cropped.append(replace(e, feats=e.feats[start : start + frames], labels=labels))
+    return cropped
 
 
 def align_labels(labels: np.ndarray, num_frames: int, utt_id: str) -> np.ndarray:
@@ -300,7 +307,8 @@ def crop_start(utt_id: str, num_frames: int, max_frames: int, seed: int = 0, epo
 
 class UtteranceDataset(Dataset[Example]):
     """Map-style dataset over ``utterances`` of ``index``, read lazily by row group; long utterances
-    are cropped at :func:`crop_start` of the epoch set by :meth:`set_epoch`."""
+    are cropped at :func:`crop_start` of the epoch set by :meth:`set_epoch`. ``crop_batches``: the
+    loader's batches are cut to their shortest utterance (:func:`crop_to_shortest`)."""
 
     def __init__(
         self,
@@ -311,8 +319,10 @@ class UtteranceDataset(Dataset[Example]):
         cached_row_groups: int = 8,
         seed: int = 0,
         augment: Augmenter | None = None,
+        crop_batches: bool = False,
     ) -> None:
         self.index = index
+        self.crop_batches = crop_batches
         self.utterances = list(utterances)
         self.cmvn = cmvn
         self.max_frames = max_frames

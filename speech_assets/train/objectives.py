@@ -59,9 +59,9 @@ class MaskedPrediction:
         batch = batch.to(self.device)
         mask = batch.mask
         assert mask is not None
-        output = model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups, padded=batch.padded)
+        output = model(batch.feats, batch.lengths, batch.clients, mask, padded=batch.padded)
         loss = masked_prediction_loss(output.logits, batch.targets, mask, self.unmasked_weight)
-        return loss.loss + idle_heads_term(self.model, output.logits), loss.stats
+        return loss.loss, loss.stats
 
     def metrics(self, totals: torch.Tensor) -> dict[str, float]:
         summary = summarize(totals)
@@ -99,22 +99,17 @@ class MaskedPrediction:
             mask = self.masking.draw(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
-                output = self.model(
-                    batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups, padded=batch.padded
-                )
+                output = self.model(batch.feats, batch.lengths, batch.clients, mask, padded=batch.padded)
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
-            interior = torch.zeros_like(mask)
-            interior[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
-            hidden = leak_free(mask, radius)
-            for group in output.logits:
-                targets = group.select(batch.targets)
-                scored = group.select(mask) & (targets != IGNORE_INDEX)
-                correct = (group.logits.argmax(dim=-1) == targets) & scored
-                hits = (targets == majority_labels[group.client]) & scored
-                inner, free = group.select(interior), group.select(hidden)
-                counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
-                counts += [scored & free, correct & free, hits & free]
-                per_client[group.client] += torch.stack([c.sum() for c in counts]).double()
+            inner = torch.zeros_like(mask)
+            inner[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
+            free, targets = leak_free(mask, radius), batch.targets
+            scored = mask & (targets != IGNORE_INDEX)
+            correct = (output.logits.argmax(dim=-1) == targets) & scored
+            hits = (targets == majority_labels[batch.clients][:, None]) & scored
+            counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
+            counts += [scored & free, correct & free, hits & free]
+            per_client.index_add_(0, batch.clients, torch.stack([c.sum(dim=1) for c in counts], dim=1).double())
         self.model.train()
         summary: dict[str, Any] = summarize(all_reduce(totals, job).cpu())
         summary["loss"] = summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"]
@@ -142,16 +137,6 @@ def frame_rates(row: list[float], count: type, first: int = 0) -> dict[str, Any]
         rates[f"{prefix}masked_accuracy"] = correct / frames if frames else None
         rates[f"{prefix}majority_accuracy"] = hits / frames if frames else None
     return rates
-
-
-def idle_heads_term(model: HubertPretrainModel, logits: list) -> torch.Tensor:
-    """Zero, but connected to the heads of clients absent from this micro-batch: every head gets an
-    exact zero gradient, so DDP need not search the graph for unused parameters."""
-    present = {group.client for group in logits}
-    idle = [head for index, head in enumerate(model.heads) if index not in present]
-    if not idle:
-        return torch.zeros((), device=next(model.parameters()).device)
-    return sum(param.sum() for head in idle for param in head.parameters()) * 0.0
 
 
 def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[int]:

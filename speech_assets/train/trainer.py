@@ -89,6 +89,7 @@ class Trainer(Fit):
             seed=config.seed,
             cached_row_groups=WINDOW_BLOCKS + 1,
             augment=augment,
+            crop_batches=config.crop_batches,
         )
         if augment.options.enabled:
             log.info("augmenting training utterances: %s", augment.options.describe())

@@ -1,8 +1,9 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from speech_assets.model.hubert import HubertPretrainModel, count_parameters, output_lengths
-from speech_assets.model.loss import masked_prediction_loss
+from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss
 from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import PRESETS, get_preset
 
@@ -24,8 +25,9 @@ def test_output_rate_is_half_the_input_rate(model: HubertPretrainModel, frames: 
     assert out.encoder.hidden.shape == (2, (frames + 1) // 2, get_preset("tiny").dim)
     assert torch.equal(out.encoder.lengths, expected)
     assert torch.equal(out.encoder.padding, torch.arange((frames + 1) // 2)[None] >= expected[:, None])
-    shapes = {o.client: (tuple(o.rows.tolist()), tuple(o.logits.shape)) for o in out.logits}
-    assert shapes == {0: ((0,), (1, (frames + 1) // 2, 7)), 1: ((1,), (1, (frames + 1) // 2, 5))}
+    assert out.logits.shape == (2, (frames + 1) // 2, 7)
+    assert torch.isfinite(out.logits[0]).all() and torch.isfinite(out.logits[1, :, :5]).all()
+    assert torch.all(out.logits[1, :, 5:] == -torch.inf)  # client b's head has k = 5
 
 
 def test_outputs_do_not_depend_on_batch_padding(model: HubertPretrainModel) -> None:
@@ -79,8 +81,9 @@ def test_each_head_gets_gradients_only_from_its_clients_samples() -> None:
     model.zero_grad(set_to_none=True)
     out = model(feats[[0, 2]], lengths[[0, 2]], clients[[0, 2]], mask[[0, 2]])
     masked_prediction_loss(out.logits, targets[[0, 2]], mask[[0, 2]]).loss.backward()
-    assert model.heads[0].weight.grad is not None
-    assert model.heads[1].weight.grad is None
+    assert model.heads[0].weight.grad.abs().sum() > 0
+    # an absent client's head gets an exact zero gradient (DDP sees every parameter used)
+    assert torch.all(model.heads[1].weight.grad == 0) and torch.all(model.heads[1].bias.grad == 0)
 
 
 def test_presets() -> None:
@@ -104,3 +107,73 @@ def test_hidden_states_end_with_the_encoder_output(model: HubertPretrainModel) -
     valid = ~reference.padding
     torch.testing.assert_close(states[-1][valid], reference.hidden[valid], rtol=1e-4, atol=1e-5)
     assert torch.equal(encoded.lengths, reference.lengths)
+
+
+KS3 = {"a": 7, "b": 5, "c": 11}  # three clients of different k: the batched heads pad to 11
+
+
+def _three_client_case() -> tuple[HubertPretrainModel, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset("tiny"), KS3)
+    lengths = torch.tensor([80, 80, 80, 80, 80, 80])
+    clients = torch.tensor([2, 0, 1, 0, 2, 1])  # not grouped: rows find their head by index
+    mask = span_mask(output_lengths(lengths), 0.08, 10, torch.Generator().manual_seed(3))
+    targets = torch.stack([torch.randint(0, list(KS3.values())[c], (40,)) for c in clients.tolist()])
+    targets[0, -3:] = IGNORE_INDEX
+    data = {"feats": torch.randn(6, 80, 80), "lengths": lengths, "clients": clients, "mask": mask}
+    return model, data | {"targets": targets}
+
+
+def _looped_heads_loss(model: HubertPretrainModel, data: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+    """The heads and loss before they were batched, kept as the reference: a Python loop over the
+    clients present (``unique().tolist()``, ``nonzero``), each head on its rows, fp32 cross-entropy."""
+    hidden = model.encode(data["feats"], data["lengths"], data["mask"], padded=False).hidden
+    clients, targets, mask = data["clients"], data["targets"], data["mask"]
+    sums = torch.zeros(4)
+    for client in torch.unique(clients).tolist():
+        rows = torch.nonzero(clients == client).squeeze(1)
+        logits = model.heads[client](hidden[rows])
+        t, m = targets[rows], mask[rows]
+        ce = F.cross_entropy(logits.float().transpose(1, 2), t, ignore_index=IGNORE_INDEX, reduction="none")
+        valid = t != IGNORE_INDEX
+        sums = sums + torch.stack([ce[valid & m].sum(), (valid & m).sum(), ce[valid & ~m].sum(), (valid & ~m).sum()])
+    return sums[0] / sums[1] + weight * sums[2] / sums[3]
+
+
+def _batched_heads_loss(model: HubertPretrainModel, data: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+    out = model(data["feats"], data["lengths"], data["clients"], data["mask"], padded=False)
+    return masked_prediction_loss(out.logits, data["targets"], data["mask"], weight).loss
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_heads_match_the_looped_heads_loss_and_gradients(weight: float, dtype: torch.dtype) -> None:
+    """Three clients of different k: the one batched product gives the per-client loop's loss and
+    gradients, exactly in fp32 and within bf16's precision under bf16 autocast."""
+    model, data = _three_client_case()
+    params = list(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        new, old = _batched_heads_loss(model, data, weight), _looped_heads_loss(model, data, weight)
+    assert new.dtype == torch.float32
+    new_grads, old_grads = torch.autograd.grad(new, params), torch.autograd.grad(old, params)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(new, old, rtol=tolerance, atol=tolerance)
+    for a, b in zip(new_grads, old_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * max(float(b.abs().max()), 1e-3))
+
+
+def test_batched_heads_step_reads_nothing_on_the_host() -> None:
+    """A census of one CPU training step (forward with only the ``clients`` tensor, loss, backward,
+    AdamW): no ``nonzero``, ``unique``, ``item``, ``tolist``, ``cpu`` or ``numpy`` finds the heads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from speech_assets_tests.train.test_sync_census import HostReads, _host_syncs
+
+    model, data = _three_client_case()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, HostReads():
+        _batched_heads_loss(model, data, 1.0).backward()
+        optimizer.step()
+    events = prof.events()
+    assert sum(event.name == "aten::baddbmm" for event in events) == 1  # every head in one product
+    assert not _host_syncs(events)

@@ -28,7 +28,7 @@ def test_checkpoint_round_trip_is_weights_only_safe(tmp_path: Path) -> None:
     model = _model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
-    model(torch.randn(2, 40, 80), torch.tensor([40, 30]), torch.tensor([0, 1])).logits[0].logits.sum().backward()
+    model(torch.randn(2, 40, 80), torch.tensor([40, 30]), torch.tensor([0, 1])).logits[0].sum().backward()
     optimizer.step()
     scheduler.step()
     state = {

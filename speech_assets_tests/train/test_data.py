@@ -1,6 +1,10 @@
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.model.loss import IGNORE_INDEX
@@ -16,7 +20,12 @@ from speech_assets.train.data import (
     heldout_speakers,
     heldout_split,
 )
-from speech_assets_tests.support.training_data import SyntheticCorpus
+from speech_assets.train.engine import Distributed
+from speech_assets.train.launch import plan_for
+from speech_assets.train.trainer import Trainer
+from speech_assets_tests.support.training_data import SyntheticCorpus, write_corpus
+
+CPU = Distributed(0, 0, 1, 1, torch.device("cpu"))
 
 
 def _index(corpus: SyntheticCorpus, max_frames: int = 1500):
@@ -162,3 +171,70 @@ def test_eval_batches_cover_everything_once() -> None:
     seconds = [3.0, 1.0, 2.0, 9.0, 4.0]
     batches = [eval_batches(seconds, 6.0, 2, rank) for rank in range(2)]
     assert sorted(i for rank in batches for batch in rank for i in batch) == [0, 1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def long_corpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
+    """2 clients x 2 speakers x 5 utterances of 2-16 s: the real spread of pretraining lengths."""
+    return write_corpus(tmp_path_factory.mktemp("long"), utterances_per_speaker=5, seconds=(2.0, 16.0), seed=3)
+
+
+def _trainer(corpus: SyntheticCorpus, run_dir: Path, **overrides: object) -> Trainer:
+    config = corpus.config(run_dir, batch_seconds=40.0, heldout_fraction=0.0, num_workers=0, **overrides)
+    run_dir.mkdir()
+    return Trainer(config, CPU, plan_for(config, nproc=1))
+
+
+def _attention_masks(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor | None]:
+    """The ``attn_mask`` of every SDPA call during one real training step."""
+    seen: list[torch.Tensor | None] = []
+    real = F.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(attn_mask)
+        return real(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    trainer.engine.run(trainer.objective, trainer.stream, replace(trainer.config, max_steps=1))
+    assert trainer.step == 1 and seen
+    return seen
+
+
+def test_unmasked_batch_crops_to_the_shortest_with_aligned_labels(
+    long_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's loader (BlockShuffleSampler) yields batches of equal lengths, not padded, each row
+    a window at an even offset of its utterance with its labels from the same offset, ``seconds`` the
+    cropped audio; a training step's attention then gets no mask."""
+    trainer = _trainer(long_corpus, tmp_path / "run")
+    dataset, requests = trainer.train_set, trainer.stream.sampler.batches(0)
+    assert len(requests) >= 3 and any(len(r) > 1 for r in requests)
+    for indices in requests:
+        batch = next(trainer.stream)
+        frames = min(dataset[i].feats.shape[0] for i in indices)
+        assert batch.lengths.tolist() == [frames] * len(indices) and batch.padded is False
+        assert batch.seconds == pytest.approx(len(indices) * frames / 100)
+        whole = {e.utt_id: e for e in (dataset[i] for i in indices)}
+        rows = sorted(whole.values(), key=lambda e: e.client)  # collate's order
+        for row, example in enumerate(rows):
+            starts = [s for s in range(0, example.feats.shape[0] - frames + 1, 2)]
+            start = next(s for s in starts if torch.equal(example.feats[s : s + frames], batch.feats[row]))
+            labels = example.labels[start // 2 : start // 2 + (frames + 1) // 2]
+            assert torch.equal(batch.targets[row], labels)
+    assert set(_attention_masks(trainer, monkeypatch)) == {None}
+
+
+def test_unmasked_batch_off_pads_as_before(
+    long_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``crop_batches=False``: the loader's batches are the whole utterances padded (collate of the
+    sampler's batches, as before cropping) and attention takes a key mask."""
+    trainer = _trainer(long_corpus, tmp_path / "run", crop_batches=False)
+    dataset, padded = trainer.train_set, []
+    for indices in trainer.stream.sampler.batches(0):
+        batch, expected = next(trainer.stream), collate([dataset[i] for i in indices])
+        assert all(torch.equal(a, b) for a, b in zip(batch.tensors().values(), expected.tensors().values()))
+        assert (batch.seconds, batch.padded) == (expected.seconds, expected.padded)
+        padded.append(batch.padded)
+    assert any(padded)
+    assert all(mask is not None for mask in _attention_masks(trainer, monkeypatch))

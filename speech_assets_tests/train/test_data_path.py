@@ -1,6 +1,6 @@
 """The training step's data path: batches built whole by persistent loader workers (rows grouped by
-client, span masks drawn there), heads and loss without host syncs, metrics written off the
-training thread. (The census of host syncs and pinned batches: test_sync_census.py.)"""
+client, span masks drawn there), metrics written off the training thread. (The census of host
+syncs and pinned batches: test_sync_census.py.)"""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.nn.functional as F
 
 from speech_assets.features.cmvn import Cmvn
-from speech_assets.model.hubert import ClientLogits, HubertPretrainModel, output_lengths
-from speech_assets.model.loss import IGNORE_INDEX, masked_prediction_loss
+from speech_assets.model.hubert import HubertPretrainModel, output_lengths
 from speech_assets.model.masking import span_mask
 from speech_assets.model.presets import get_preset
 from speech_assets.runtime.faults import FAULTS_ENV, fault
@@ -51,22 +49,6 @@ def _reference_mask(lengths: torch.Tensor, seed: int, *parts: int | str) -> torc
     return span_mask(output_lengths(lengths), 0.08, 10, mask_generator(seed, *parts))
 
 
-def _reference_loss(
-    logits: list[ClientLogits], targets: torch.Tensor, mask: torch.Tensor, weight: float
-) -> torch.Tensor:
-    """The loss with boolean indexing and ``torch.unique`` row sets, as it was computed before."""
-    masked_total, unmasked_total, masked_count, unmasked_count = 0.0, 0.0, 0, 0
-    for group in logits:
-        t, m = targets[group.rows], mask[group.rows]
-        ce = F.cross_entropy(group.logits.float().transpose(1, 2), t, ignore_index=IGNORE_INDEX, reduction="none")
-        valid = t != IGNORE_INDEX
-        masked_total = masked_total + ce[valid & m].sum()
-        unmasked_total = unmasked_total + ce[valid & ~m].sum()
-        masked_count += int((valid & m).sum())
-        unmasked_count += int((valid & ~m).sum())
-    return masked_total / max(masked_count, 1) + weight * unmasked_total / max(unmasked_count, 1)
-
-
 def test_collate_groups_rows_by_client_and_draws_the_objectives_mask(small_corpus: SyntheticCorpus) -> None:
     dataset = _dataset(small_corpus)
     examples = [dataset[i] for i in _mixed_indices(dataset, 6)]
@@ -81,7 +63,7 @@ def test_collate_groups_rows_by_client_and_draws_the_objectives_mask(small_corpu
         key=("k", 2),
     )
     batch = collate(examples, objective.masking, (7, 1))
-    assert batch.clients.tolist() == [0, 0, 0, 1, 1, 1] and batch.groups == ((0, 0, 3), (1, 3, 6))
+    assert batch.clients.tolist() == [0, 0, 0, 1, 1, 1]
     # rows of one client keep their order
     want = [e for e in examples if e.client == 0] + [e for e in examples if e.client == 1]
     for row, example in enumerate(want):
@@ -97,31 +79,6 @@ def test_collate_groups_rows_by_client_and_draws_the_objectives_mask(small_corpu
         BatchRequest(tuple(_mixed_indices(dataset, 6)), epoch=0, position=0, slot=(7, 1), masking=objective.masking)
     ]
     assert torch.equal(built.mask, batch.mask) and torch.equal(built.feats, batch.feats)
-
-
-@pytest.mark.parametrize("unmasked_weight", [0.0, 0.5])
-def test_grouped_heads_and_masked_sums_give_the_boolean_indexed_loss(
-    small_corpus: SyntheticCorpus, unmasked_weight: float
-) -> None:
-    dataset = _dataset(small_corpus)
-    batch = collate([dataset[i] for i in _mixed_indices(dataset, 6)])
-    mask = _reference_mask(batch.lengths, 0, 3, 0, 0)
-    torch.manual_seed(0)
-    model = HubertPretrainModel(get_preset("tiny"), {n: c.k for n, c in small_corpus.clients.items()}).eval()
-    grouped = model(batch.feats, batch.lengths, batch.clients, mask, groups=batch.groups)
-    looked_up = model(batch.feats, batch.lengths, batch.clients, mask)
-    assert [(g.client, g.span) for g in grouped.logits] == [(0, (0, 3)), (1, (3, 6))]
-    for a, b in zip(grouped.logits, looked_up.logits, strict=True):
-        assert a.client == b.client and torch.equal(a.rows, b.rows) and torch.allclose(a.logits, b.logits)
-    new = masked_prediction_loss(grouped.logits, batch.targets, mask, unmasked_weight)
-    old = _reference_loss(looked_up.logits, batch.targets, mask, unmasked_weight)
-    assert new.loss.item() == pytest.approx(old.item(), rel=1e-6)
-    # the gradients agree too
-    params = [p for p in model.parameters() if p.requires_grad]
-    new_grads = torch.autograd.grad(new.loss, params, allow_unused=True)
-    old_grads = torch.autograd.grad(old, params, allow_unused=True)
-    for a, b in zip(new_grads, old_grads, strict=True):
-        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-5, atol=1e-7))
 
 
 def _worker_pids() -> set[int]:
