@@ -8,7 +8,7 @@ For each attention path and per-device batch: ``--steps`` timed optimizer steps 
 CUDA; masked-prediction loss of two 500-cluster heads; autocast to ``--precision``) on utterances
 of ``--seconds`` (one length per batch, as a batch cropped to its shortest utterance: no padding,
 so the SDPA path passes no mask; the reference encoder always takes one). The model is called as
-the trainer calls it, with the rows' host ``groups`` and ``padded=False``, so the harness reads no
+the trainer calls it, with ``padded=False``, so the harness reads no
 device value. This is the model alone on a batch already on the device; bench/gpu_trainer.py
 measures the trainer on its own batches. Reports seconds of audio per second, MFU (the preset's
 analytic FLOPs over the device's dense bf16 peak, read from its name), and from a torch.profiler
@@ -49,21 +49,19 @@ KS = {"a": 500, "b": 500}
 
 
 def make_batch(batch: int, frames: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """Random CMVN-like features ``(B, T, 80)``, host ``lengths (B,)``, clients (rows grouped by
-    client, with their host ``groups`` as the trainer's batches have), targets and mask ``(B, L)``."""
+    """Random CMVN-like features ``(B, T, 80)``, host ``lengths (B,)``, two clients' rows, targets
+    and mask ``(B, L)``."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.full((batch,), frames)
     out = (frames + 1) // 2
     mask = span_mask(output_lengths(lengths), 0.08, 10, generator)
     half = (batch + 1) // 2
-    groups = tuple((c, start, stop) for c, (start, stop) in enumerate(((0, half), (half, batch))) if stop > start)
     return {
         "feats": torch.randn(batch, frames, 80, generator=generator).to(device),
         "lengths": lengths,  # on the host, as the trainer's
         "clients": (torch.arange(batch) >= half).long().to(device),
         "targets": torch.randint(0, 500, (batch, out), generator=generator).to(device),
         "mask": mask.to(device),
-        "groups": groups,
     }
 
 
@@ -71,10 +69,8 @@ def step(model: HubertPretrainModel, optimizer: torch.optim.Optimizer, data: dic
     device = data["feats"].device
     dtype = AUTOCAST_DTYPES.get(precision)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        # as the trainer calls it: host groups and no padding, so the harness reads nothing from the device
-        output = model(
-            data["feats"], data["lengths"], data["clients"], data["mask"], groups=data["groups"], padded=False
-        )
+        # as the trainer calls it: no padding, so the harness reads nothing from the device
+        output = model(data["feats"], data["lengths"], data["clients"], data["mask"], padded=False)
         loss = masked_prediction_loss(output.logits, data["targets"], data["mask"], 1.0).loss
     loss.backward()
     optimizer.step()

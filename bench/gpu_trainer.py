@@ -26,7 +26,7 @@ host-read census (bench/gpu_trace.py). MFU = the preset's analytic training FLOP
 (``ModelPreset.train_flops_per_frame``, the count autoconfig uses) of the useful frames of the
 timed batches over the timed wall time and the GPU's dense bf16 peak (autoconfig's table).
 Nothing here reads a device value inside a measured step: the batches' bookkeeping uses host
-fields only (``seconds``, ``padded``, ``groups``, shapes).
+fields only (``seconds``, ``padded``, shapes).
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def variant_settings(variant: str) -> dict[str, Any]:
 
 class LoopHeads:
     """Today's masked prediction (the ``old`` reference): the encoder, then each client's head in a
-    Python loop over the batch's host ``groups`` and fp32 cross-entropy over every frame, summed
-    where masked; statistics in :data:`STAT_FIELDS` order. Masks are the trainer objective's."""
+    Python loop over the batch's clients and fp32 cross-entropy over every frame, summed where
+    masked; statistics in :data:`STAT_FIELDS` order. Masks are the trainer objective's. The old
+    collate handed the clients' row ranges on the host; the batch no longer carries them, so the
+    loop reads ``clients`` once per micro-batch (one host read in this row the old trainer had not)."""
 
     def __init__(self, objective: Any) -> None:
         self.objective, self.masking, self.device = objective, objective.masking, objective.device
@@ -104,16 +106,20 @@ class LoopHeads:
             batch = dataclasses.replace(batch, mask=self.masking(batch.lengths, step, micro), masked_for=drawn_for)
         batch = batch.to(self.device)
         model = getattr(model, "module", model)
-        if not isinstance(model.heads, nn.ModuleList) or batch.groups is None:
-            raise TypeError("the reference loop needs per-client nn.Linear heads and the batch's host groups")
+        if not isinstance(model.heads, nn.ModuleList):
+            raise TypeError("the reference loop needs per-client nn.Linear heads")
         hidden = model.encode(batch.feats, batch.lengths, batch.mask, batch.padded).hidden
         sums = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=batch.targets.device)
         total = torch.zeros((), device=batch.targets.device)
         present = set()
-        for client, start, stop in batch.groups:
+        rows: dict[int, list[int]] = {}
+        for row, client in enumerate(batch.clients.tolist()):
+            rows.setdefault(client, []).append(row)
+        for client, indices in rows.items():
             present.add(client)
-            logits = model.heads[client](hidden[start:stop])
-            targets, mask = batch.targets[start:stop], batch.mask[start:stop]
+            index = torch.tensor(indices, device=hidden.device)
+            logits = model.heads[client](hidden.index_select(0, index))
+            targets, mask = batch.targets.index_select(0, index), batch.mask.index_select(0, index)
             ce = F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
             valid = targets != IGNORE_INDEX
             correct = logits.argmax(dim=-1) == targets
