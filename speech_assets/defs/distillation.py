@@ -20,7 +20,7 @@ from speech_assets.model.presets import get_preset
 from speech_assets.train.config import DistillConfig
 from speech_assets.utils import atomic_write_text, from_fields, read_json
 
-DISTILL_CODE_VERSION = "distill-v1"
+DISTILL_CODE_VERSION = "distill-v2"  # v2: the default student three quarters wide (was half)
 
 
 @torchrun_asset(

@@ -24,7 +24,7 @@ from speech_assets.utils import from_fields, sha256_strings
 
 # v4: seeded client sampling, evaluation every k rounds, FedProx, DP, secure aggregation; v3: client_lr_schedule
 # (constant by default); v2: the loss on unmasked frames too (unmasked_weight 1.0)
-CODE_VERSION = "federated-v4"
+CODE_VERSION = "federated-v5"  # v5: the clients' heads in one batched product
 # Settings that do not change what a run computes: a different value resumes the same run folder.
 OPERATIONAL = (
     "engine",

@@ -43,7 +43,7 @@ from speech_assets.utils import (
 if TYPE_CHECKING:
     from speech_assets.evaluation.finetune_plan import PlannedRun
 
-FINETUNE_CODE_VERSION = "finetune-v2"  # v2: dev selection, lr grid (issue 44)
+FINETUNE_CODE_VERSION = "finetune-v3"  # v2: dev selection, lr grid (issue 44); v3: dev evaluated in the background
 
 
 FinetuneOverrides = overrides_of(FinetuneSettings)

@@ -24,8 +24,9 @@ from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 from speech_assets.targets.config import KMeansConfig
 from speech_assets.utils import from_fields
 
-KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v2"  # v2: the encoder's own normalisation; held-out speakers never fitted
-TRAIN_ITER2_CODE_VERSION = "train-iter2-v2"  # v2: unmasked_weight 1.0
+# v2: the encoder's own normalisation, held-out speakers never fitted; v3: labelled on one faiss thread
+KMEANS_ITER2_CODE_VERSION = "kmeans-iter2-v3"
+TRAIN_ITER2_CODE_VERSION = "train-iter2-v3"  # v2: unmasked_weight 1.0; v3: as train-v3
 # the encoders iteration 2 may take its targets from: those trained on iteration-1 targets
 ENCODER_ASSETS = {kind: CHECKPOINT_ASSETS[kind] for kind in ("pretrained", "federated")}
 

@@ -8,7 +8,7 @@ from speech_assets.defs.partitions import TRAINING_INPUTS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings
 from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 
-CODE_VERSION = "train-v2"  # v2: the loss on unmasked frames too (unmasked_weight 1.0)
+CODE_VERSION = "train-v3"  # v2: the loss on unmasked frames too; v3: batches cropped to their shortest, heads batched
 
 
 @torchrun_asset(

@@ -166,7 +166,7 @@ def test_materialize_runs_two_rounds_on_four_supernodes(
         record = _materialization(instance, dagster_run["run_id"])
         event = record.asset_materialization
         assert event.tags["dagster/data_version"] == result["checkpoint_sha256"]
-        assert event.tags["dagster/code_version"] == "federated-v4"
+        assert event.tags["dagster/code_version"] == "federated-v5"
         inputs = event.metadata["input_versions"].value
         manifest = instance.fetch_materializations(dg.AssetKey("manifest"), limit=1).records[0].asset_materialization
         assert inputs["manifest"] == manifest.tags["dagster/data_version"]
