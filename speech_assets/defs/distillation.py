@@ -74,8 +74,8 @@ SPEED_KEYS = ("student_parameters", "teacher_parameters", "student_audio_s_per_s
 def student_shape(teacher: str, options: DistillSettings) -> dict[str, int]:
     """The student's width, depth, heads and FFN: the settings', or where 0 three quarters of the
     ``teacher`` checkpoint's width with its heads, half its depth and a 4x FFN (its preset read from the
-    config its run recorded beside it, no model built). A half-width student probed 1.22x its teacher's
-    CER on the learning benchmark, three quarters 1.04x (docs/BENCHMARKS.md)."""
+    config its run recorded beside it, no model built). On the learning benchmark a half-width student
+    probed 1.25x its teacher's CER, three quarters 1.10x (docs/BENCHMARKS.md)."""
     preset = read_json(RunFiles(Path(teacher).parent).config, strict=True).get("preset")
     if preset is None:
         raise dg.Failure(description=f"no config beside {teacher} names its preset: materialize pretrained_checkpoint")
