@@ -6,7 +6,7 @@ Trains the tiny model with the settings of the data dir's newest training run (i
 client targets, batch and held-out speakers) for ``--steps`` steps under ``torchrun`` with
 ``--nproc`` processes, keeping a checkpoint every ``--every`` steps, then evaluates each
 checkpoint on the held-out speakers exactly as the trainer does at the end of a run
-(``Trainer.evaluate``: fixed masks, masked accuracy, and what always predicting each client's most
+(``Trainer.score_heldout``: fixed masks, masked accuracy, and what always predicting each client's most
 frequent training label would score on the same frames). Prints one row per checkpoint and a
 markdown table for docs/BENCHMARKS.md.
 """
@@ -35,7 +35,7 @@ from speech_assets.train.launch import build_torchrun_command, torchrun_env  # n
 
 
 def evaluate(config: TrainConfig, checkpoint: Path, scratch: Path) -> dict:
-    """``Trainer.evaluate`` of ``checkpoint`` (a run folder holding only it, so the trainer resumes it)."""
+    """``Trainer.score_heldout`` of ``checkpoint`` (a run folder holding only it, so the trainer resumes it)."""
     from speech_assets.train.engine import init_distributed
     from speech_assets.train.trainer import Trainer, plan_for_job
 
@@ -45,7 +45,7 @@ def evaluate(config: TrainConfig, checkpoint: Path, scratch: Path) -> dict:
     single = replace(config, run_dir=str(run_dir), nproc=1, num_workers=0)
     job = init_distributed("cpu")
     trainer = Trainer(single, job, plan_for_job(single, job))
-    result = trainer.evaluate() or {}
+    result = trainer.score_heldout() or {}
     return {"step": trainer.step, **{k: v for k, v in result.items() if not isinstance(v, dict)}}
 
 

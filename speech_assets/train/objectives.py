@@ -74,7 +74,13 @@ class MaskedPrediction:
 
     @torch.no_grad()
     def evaluate(
-        self, dataset: UtteranceDataset, majority: list[int], batch_seconds: float, job: Distributed, precision: str
+        self,
+        dataset: UtteranceDataset,
+        majority: list[int],
+        batch_seconds: float,
+        job: Distributed,
+        precision: str,
+        model: HubertPretrainModel | None = None,
     ) -> dict[str, Any]:
         """Masked prediction on held-out ``dataset`` (the training masks at fixed seeds), summed over ranks.
 
@@ -83,23 +89,26 @@ class MaskedPrediction:
         visible frame within :func:`~speech_assets.model.masking.pipeline_label_radius` shares an
         audio sample with the MFCC frame label ``j`` was clustered from) and ``interior_*`` (both
         neighbours masked). With HuBERT's ``p = 0.08``, ``l = 10`` about 62 % of masked frames are
-        leak-free, so no separate evaluation mask is needed.
+        leak-free, so no separate evaluation mask is needed. ``model``: a snapshot of the weights to
+        score instead of the live model (which then stays in training mode).
         """
-        self.model.eval()
+        live = model is None
+        model = self.model if model is None else model
+        model.eval()
         world, rank = job.world_size, job.rank
         batches = eval_batches(dataset.seconds, batch_seconds, world, rank)
         loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=0)
         totals = torch.zeros(6, dtype=torch.float64, device=job.device)
-        radius = pipeline_label_radius(self.model.frontend)
+        radius = pipeline_label_radius(model.frontend)
         # per client: masked frames, correct predictions, majority-label hits; the same on interior
         # frames, then on leak-free frames
-        per_client = torch.zeros(len(self.model.clients), 9, dtype=torch.float64, device=job.device)
+        per_client = torch.zeros(len(model.clients), 9, dtype=torch.float64, device=job.device)
         majority_labels = torch.tensor(majority, dtype=torch.long, device=job.device)
         for local_index, batch in enumerate(loader):
             mask = self.masking.draw(batch.lengths, "heldout", local_index * world + rank).to(job.device)
             batch = batch.to(job.device)
             with autocast(precision, job.device):
-                output = self.model(batch.feats, batch.lengths, batch.clients, mask, padded=batch.padded)
+                output = model(batch.feats, batch.lengths, batch.clients, mask, padded=batch.padded)
                 totals += masked_prediction_loss(output.logits, batch.targets, mask).stats
             inner = torch.zeros_like(mask)
             inner[:, 1:-1] = mask[:, :-2] & mask[:, 1:-1] & mask[:, 2:]
@@ -110,7 +119,8 @@ class MaskedPrediction:
             counts = [scored, correct, hits, scored & inner, correct & inner, hits & inner]
             counts += [scored & free, correct & free, hits & free]
             per_client.index_add_(0, batch.clients, torch.stack([c.sum(dim=1) for c in counts], dim=1).double())
-        self.model.train()
+        if live:
+            model.train()
         summary: dict[str, Any] = summarize(all_reduce(totals, job).cpu())
         summary["loss"] = summary["masked_loss"] + self.unmasked_weight * summary["unmasked_loss"]
         rows = all_reduce(per_client, job).cpu()
@@ -118,7 +128,7 @@ class MaskedPrediction:
         summary["majority_accuracy"] = column[2] / column[0] if column[0] else 0.0
         summary |= frame_rates(column, float, first=1)
         summary["per_client"] = {
-            name: frame_rates(row, int) for name, row in zip(self.model.clients, rows.tolist(), strict=True)
+            name: frame_rates(row, int) for name, row in zip(model.clients, rows.tolist(), strict=True)
         }
         return summary
 

@@ -22,7 +22,14 @@ from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, build_index, heldout_split, speaker_record
-from speech_assets.train.engine import BatchStream, Distributed, Fit, seed_everything, warmup_linear_decay
+from speech_assets.train.engine import (
+    BatchStream,
+    Distributed,
+    Evaluation,
+    Fit,
+    seed_everything,
+    warmup_linear_decay,
+)
 from speech_assets.train.launch import handed_plan, plan_for
 from speech_assets.train.objectives import MaskedPrediction, majority_labels
 from speech_assets.train.oom import clear_oom, refuse_known_oom
@@ -135,21 +142,30 @@ class Trainer(Fit):
             cmvn=cmvn,
             identity=model_identity,
             launch=plan.to_dict(),
-            evaluate=self.evaluate,
+            # one rank: a snapshot scored beside the steps; several: the evaluation's all_reduce must
+            # keep its place among DDP's collectives, so it runs between the steps (a compiled
+            # encoder is not copied)
+            evaluate=Evaluation(
+                self.score_heldout,
+                lambda step, result: result,
+                background=job.world_size == 1 and not config.compile,
+            )
+            if len(self.heldout_set)
+            else None,
             plan=plan.to_dict(),
         )
 
-    def evaluate(self) -> dict[str, Any] | None:
+    def score_heldout(self, model: HubertPretrainModel | None = None) -> dict[str, Any] | None:
         if len(self.heldout_set) == 0:
             return None
         plan = self.launch
         return self.objective.evaluate(
-            self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision
+            self.heldout_set, self.majority_labels, plan.batch_seconds, self.job, plan.precision, model
         )
 
     def conclude(self) -> None:
         last = self.engine.evaluation  # the final step's checkpoint evaluated the final weights
-        self.heldout = dict((last[1] if last and last[0] == self.step else self.evaluate()) or {})
+        self.heldout = dict((last[1] if last and last[0] == self.step else self.score_heldout()) or {})
 
     def final(self) -> dict[str, Any]:
         config = self.config

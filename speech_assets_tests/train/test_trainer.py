@@ -356,3 +356,45 @@ def test_every_mode_lands_in_one_mlflow_experiment_with_heldout_series(
         k.startswith("val/b/") for k in fed.data.metrics
     )
     assert tracker.url.startswith("http://127.0.0.1:5000/#/experiments/")
+
+
+def test_pretraining_eval_off_critical_path_scores_a_snapshot_with_the_same_numbers(
+    small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank: each checkpoint's held-out evaluation scores a snapshot of the weights on the
+    evaluation thread while the steps go on, and gives the numbers, at the steps, that scoring the
+    live weights between the steps gives (several ranks keep that way: the evaluation's all_reduce
+    must keep its place among DDP's collectives). Kills: the trainer's evaluation left synchronous."""
+    import threading
+
+    from speech_assets.train import trainer as trainer_module
+    from speech_assets.train.engine import Evaluation
+
+    threads: list[str] = []
+    real = trainer_module.Trainer.score_heldout
+
+    def recording(self, model=None):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(self, model)
+
+    monkeypatch.setattr(trainer_module.Trainer, "score_heldout", recording)
+    background = train(small_corpus.config(tmp_path / "background", max_steps=10, checkpoint_every=5))
+    assert background is not None and len(threads) == 2, threads
+    assert all(name.startswith("evaluation") for name in threads), threads
+
+    threads.clear()
+    monkeypatch.setattr(
+        trainer_module, "Evaluation", lambda score, record, background: Evaluation(score, record, background=False)
+    )
+    synchronous = train(small_corpus.config(tmp_path / "synchronous", max_steps=10, checkpoint_every=5))
+    assert synchronous is not None and threads == [threading.main_thread().name] * 2, threads
+
+    def heldout(run: str) -> list[dict[str, float]]:  # on the step's own line, or a line of their own
+        lines = [{k: v for k, v in m.items() if k == "step" or k.startswith("val/")} for m in _metrics(tmp_path / run)]
+        return [line for line in lines if len(line) > 1]
+
+    assert [m["step"] for m in heldout("background")] == [5, 10]
+    assert heldout("background") == heldout("synchronous")
+    keys = [key for key in background if key.startswith("heldout_")]
+    assert keys and {k: background[k] for k in keys} == {k: synchronous[k] for k in keys}
+    assert background["checkpoint_sha256"] == synchronous["checkpoint_sha256"]
