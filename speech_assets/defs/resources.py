@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import shlex
@@ -196,14 +197,19 @@ class ManifestSettings(WorkerSettings, worker=ValidationConfig, section="manifes
     workers: int = 0  # 0: one decoder per core
 
 
+def _vad(name: str) -> Any:
+    """VadConfig's field ``name``, its default and constraints (the section prefixes its names)."""
+    return copy.copy(VadConfig.__pydantic_fields__[name])
+
+
 class FeatureSettings(dg.Config):
     """Features (`vad_features`): voice activity detection, speed perturbation and the shard builders."""
 
-    vad_aggressiveness: int = VadConfig.aggressiveness  # WebRTC VAD mode 0..3
-    vad_frame_ms: int = VadConfig.frame_ms  # 10, 20 or 30
-    vad_padding_ms: int = VadConfig.padding_ms
-    min_speech_s: float = VadConfig.min_speech_s
-    min_speech_ratio: float = VadConfig.min_speech_ratio
+    vad_aggressiveness: int = _vad("aggressiveness")  # WebRTC VAD mode 0..3
+    vad_frame_ms: int = _vad("frame_ms")  # 10, 20 or 30
+    vad_padding_ms: int = _vad("padding_ms")
+    min_speech_s: float = _vad("min_speech_s")
+    min_speech_ratio: float = _vad("min_speech_ratio")
     # processes, this one included; 0: one more per ~4 h of audio, at most one per core; 1: here alone
     workers: int = 0
     # speed perturbation as data: one extra utterance per factor (<utt_id>-sp0_9, -sp1_1), e.g. [0.9, 1.1]

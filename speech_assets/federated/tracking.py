@@ -49,7 +49,7 @@ class FederatedTracker:
         self.artifact_location, self.git_sha = artifact_location, git_sha
         self.dagster_run_id = dagster_run_id
         self.run_id = ""
-        self.experiment_id = ""
+        self.experiment, self.experiment_id = EXPERIMENT, ""
         self.logged: set[int] = set()
 
     @property
@@ -65,7 +65,7 @@ class FederatedTracker:
         from mlflow.entities import Param
 
         config = self.config
-        self.experiment_id = ensure_experiment(self.client, EXPERIMENT, self.tracking_uri, self.artifact_location)
+        self.experiment_id = ensure_experiment(self.client, self.experiment, self.tracking_uri, self.artifact_location)
         id_file = self.paths.mlflow_run_id
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:

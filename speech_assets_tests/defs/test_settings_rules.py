@@ -211,7 +211,7 @@ PAIRS: list[tuple[type[pydantic.BaseModel], Callable[[], object], str]] = [
 # worker holds the resolved value or None/"auto".
 # a section whose worker is no pydantic dataclass (VadConfig checks its values in __post_init__):
 # defaults compared only
-PLAIN = {FeatureSettings}
+PLAIN: set[type] = set()  # sections whose worker is a plain dataclass (none since VadConfig is pydantic)
 AUTOMATIC = {
     TrainingSettings: {"batch_seconds", "nproc", "threads"},
     DistillSettings: {"dim", "layers", "heads", "ffn_dim", "threads"},
@@ -270,7 +270,7 @@ def test_each_section_matches_worker(
 ) -> None:
     """Every field a section shares with its worker's config has the worker's default, type and
     constraints (bounds, choices, validators): written once, so the settings and a run built
-    without them agree; every worker is a pydantic dataclass (but VadConfig, :data:`PLAIN`). The
+    without them agree; every worker is a pydantic dataclass. The
     exceptions are the fields where 0 means automatic (:data:`AUTOMATIC`); each one still differs,
     so the list holds no stale entry. pipeline.toml states exactly the section defaults
     (``test_resources.test_the_committed_file_states_every_default``). Mutation seen

@@ -167,7 +167,7 @@ def test_batched_heads_step_reads_nothing_on_the_host() -> None:
     AdamW): no ``nonzero``, ``unique``, ``item``, ``tolist``, ``cpu`` or ``numpy`` finds the heads."""
     from torch.profiler import ProfilerActivity, profile
 
-    from speech_assets_tests.train.test_sync_census import HostReads, _host_syncs
+    from speech_assets_tests.support.census import HostReads, host_syncs
 
     model, data = _three_client_case()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -176,4 +176,4 @@ def test_batched_heads_step_reads_nothing_on_the_host() -> None:
         optimizer.step()
     events = prof.events()
     assert sum(event.name == "aten::baddbmm" for event in events) == 1  # every head in one product
-    assert not _host_syncs(events)
+    assert not host_syncs(events)

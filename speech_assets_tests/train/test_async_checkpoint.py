@@ -60,7 +60,8 @@ def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(
     monkeypatch.delenv(FAULTS_ENV)
     engine, name = trainer.engine, "checkpoints/step_00000003.pt"
     live = [p.detach().clone() for p in trainer.model.parameters()]
-    engine.save_checkpoint(tmp_path / "background", trainer.stream, keep=5)
+    # as the run's preempted step 3: its held-out evaluation is owed (scored on resume)
+    engine.save_checkpoint(tmp_path / "background", trainer.stream, keep=5, owed=True)
     with torch.no_grad():  # the next steps change the weights while the writer works
         for p in trainer.model.parameters():
             p.add_(1.0)
@@ -69,7 +70,7 @@ def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(
         for p, saved in zip(trainer.model.parameters(), live, strict=True):
             p.copy_(saved)
     engine.checkpoints = CheckpointWriter(background=False)
-    engine.save_checkpoint(tmp_path / "synchronous", trainer.stream, keep=5)
+    engine.save_checkpoint(tmp_path / "synchronous", trainer.stream, keep=5, owed=True)
     written, expected = (tmp_path / "background" / name).read_bytes(), (tmp_path / "synchronous" / name).read_bytes()
     assert written == expected
     # and the same as the run's own checkpoint of step 3, written in the background during the run

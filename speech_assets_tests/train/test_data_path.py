@@ -161,7 +161,10 @@ def test_resume_with_persistent_loader_workers_is_bit_exact(
     assert load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000006.pt")["sampler"]["epoch"] >= 1
     assert straight["checkpoint_sha256"] == resumed["checkpoint_sha256"]
     lines = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [2, 4, 6]  # each line once
+    # each step's line once, and each held-out evaluation's (on a line of its own, or the step's)
+    assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
+    evaluated = [line["step"] for line in lines if any(key.startswith("val/") for key in line)]
+    assert len(evaluated) == len(set(evaluated)) and {4, 6} <= set(evaluated), evaluated
 
 
 def test_a_batch_says_on_the_host_whether_it_is_padded_and_the_model_agrees(small_corpus: SyntheticCorpus) -> None:
