@@ -294,7 +294,8 @@ def test_make_targets_ui_serves_dagster_on_loopback_quietly_and_stops(tmp_path: 
         assert (Path(served.env["DAGSTER_HOME"]) / "dagster.yaml").is_file()
     finally:
         # `dagster dev` gives the webserver and then the daemon 60 s each to stop before it kills
-        # them: on a loaded machine the daemon's sensor threads used both (a 120 s grace failed)
+        # them. Known defect: under a load average above 10 the daemon and make were still there
+        # after 120 s (2026-11-29) and after this 180 s grace (second stop); alone the test passes
         left = served.stop(grace=DAGSTER_DEV_STOP_S)
     output = served.output()
     assert not left, left
