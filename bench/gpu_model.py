@@ -27,7 +27,6 @@ import json
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_trace import attention_backends, attention_kernels, kernel_busy_us  # noqa: E402
+from gpu_trace import attention_backends, attention_kernels, kernel_busy_us, synchronize, timed_steps  # noqa: E402
 
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths  # noqa: E402
 from speech_assets.model.loss import masked_prediction_loss  # noqa: E402
@@ -75,11 +74,6 @@ def step(model: HubertPretrainModel, optimizer: torch.optim.Optimizer, data: dic
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def position_events(prof: profile, weight_shape: list[int]) -> tuple[float, float]:
@@ -152,21 +146,7 @@ def bench_one(args: argparse.Namespace, attention: str, batch_seconds: float, co
     for _ in range(args.warmup):
         step(model, optimizer, data, args.precision)
     if not args.position_only:
-        synchronize(device)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    step(model, optimizer, data, args.precision)
-                synchronize(device)
-                elapsed = time.perf_counter() - started
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        elapsed, syncs = timed_steps(device, args.steps, lambda: step(model, optimizer, data, args.precision))
         speed = args.steps * batch * args.seconds / elapsed
         flops = preset.train_flops_per_frame(frames / 2, list(KS.values())) * 50  # per second of audio
         peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

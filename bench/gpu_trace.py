@@ -6,8 +6,10 @@ The host-read census is the tests' (``speech_assets_tests/support/census.py``), 
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -77,3 +79,28 @@ def kernel_busy_us(events: Iterable[Any]) -> float:
             busy += stop - max(start, end)
             end = stop
     return busy
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(device: torch.device, steps: int, step: Callable[[], object]) -> tuple[float, list[Any]]:
+    """Wall seconds of ``steps`` calls of ``step`` (the device synchronized before and after) and the
+    warnings CUDA's sync-debug mode raised in them, one per host synchronization."""
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize(device)
+            elapsed = time.perf_counter() - started
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    return elapsed, [w for w in caught if "synchroniz" in str(w.message).lower()]

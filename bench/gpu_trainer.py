@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,8 @@ from gpu_trace import (  # noqa: E402
     attention_kernels,
     host_syncs,
     kernel_busy_us,
+    synchronize,
+    timed_steps,
 )
 
 from speech_assets.model.loss import IGNORE_INDEX, STAT_FIELDS  # noqa: E402
@@ -161,11 +163,6 @@ def ctc_vocabulary() -> int:
     from speech_assets.evaluation.text import VOCAB_SIZE
 
     return VOCAB_SIZE
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def write_or_reuse_corpus(root: Path, args: argparse.Namespace) -> Any:
@@ -279,27 +276,13 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
         engine.train_step(objective, batches)
     batches.batches.clear()
 
-    synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            started = time.perf_counter()
-            for _ in range(args.steps):
-                engine.train_step(objective, batches)
-            synchronize(device)
-            elapsed = time.perf_counter() - started
-        finally:
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
+    elapsed, syncs = timed_steps(device, args.steps, functools.partial(engine.train_step, objective, batches))
     timed = list(batches.batches)
     frames = sum(useful_frames(b) for b in timed)
     flops = sum(
         preset.train_flops_per_frame(useful_frames(b) / b["rows"] / 2, ks) * useful_frames(b) / 2 for b in timed
     )
     peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     row |= {
         "steps": args.steps,
         "step_ms": 1e3 * elapsed / args.steps,
