@@ -23,19 +23,25 @@ compiled.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_trace import attention_backends, attention_kernels, kernel_busy_us, synchronize, timed_steps  # noqa: E402
+from gpu_trace import (  # noqa: E402
+    attention_backends,
+    attention_kernels,
+    kernel_busy_us,
+    profiled_steps,
+    timed_steps,
+)
 
 from speech_assets.model.hubert import HubertPretrainModel, output_lengths  # noqa: E402
 from speech_assets.model.loss import masked_prediction_loss  # noqa: E402
@@ -90,14 +96,9 @@ def position_events(prof: profile, weight_shape: list[int]) -> tuple[float, floa
 
 def profiled(model, optimizer, data, precision: str, steps: int = 5) -> dict[str, Any]:
     device = data["feats"].device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with profile(activities=activities, record_shapes=True) as prof:
-        started = time.perf_counter()
-        for _ in range(steps):
-            step(model, optimizer, data, precision)
-        synchronize(device)
-        wall_us = (time.perf_counter() - started) * 1e6
+    prof, wall_us = profiled_steps(
+        device, steps, functools.partial(step, model, optimizer, data, precision), record_shapes=True
+    )
     preset = model.preset
     weight = [preset.dim, preset.dim // preset.pos_groups, preset.pos_kernel]
     cpu_us, device_us = position_events(prof, weight)

@@ -104,3 +104,19 @@ def timed_steps(device: torch.device, steps: int, step: Callable[[], object]) ->
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
     return elapsed, [w for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def profiled_steps(device: torch.device, steps: int, step: Callable[[], object], **options: Any) -> tuple[Any, float]:
+    """A torch.profiler capture (CPU, and CUDA on a GPU; ``options`` to ``profile``) of ``steps``
+    calls of ``step`` and their wall microseconds, the device synchronized before and after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities, **options) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall_us = (time.perf_counter() - started) * 1e6
+    return prof, wall_us

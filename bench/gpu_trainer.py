@@ -59,7 +59,7 @@ from gpu_trace import (  # noqa: E402
     attention_kernels,
     host_syncs,
     kernel_busy_us,
-    synchronize,
+    profiled_steps,
     timed_steps,
 )
 
@@ -296,14 +296,7 @@ def measure(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespace) 
         "sync_warning_sites": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})[:8],
     }
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for _ in range(args.profile_steps):
-            engine.train_step(objective, batches)
-        synchronize(device)
-        wall_us = (time.perf_counter() - started) * 1e6
+    prof, wall_us = profiled_steps(device, args.profile_steps, functools.partial(engine.train_step, objective, batches))
     events = prof.events()
     backends = attention_backends(events)
     kernels = attention_kernels(events)
