@@ -155,6 +155,7 @@ MAX_TRANSCRIPT_FILE_BYTES = 64 << 20
 # sparse file without a newline would otherwise be one line of its whole size)
 MAX_MANIFEST_LINE_BYTES = 16 << 20
 _SKIP_CHUNK = 1 << 20
+_TOO_LONG = f"is longer than {MAX_MANIFEST_LINE_BYTES} bytes (not read)"
 
 _OPEN_FLAGS = (
     os.O_RDONLY
@@ -283,7 +284,9 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
     for folder in sorted(map(Path, set(transcripts) | set(audio))):
         texts = transcripts.get(str(folder), {})
         files = audio.get(str(folder), {})  # utt_id -> path: strings, as pathlib would write them
-        speaker_id, chapter_id = _speaker_chapter(root, folder)
+        parts = folder.relative_to(root).parts
+        speaker_id = parts[-2] if len(parts) >= 2 else (parts[-1] if parts else "unknown")
+        chapter_id = parts[-1] if len(parts) >= 2 else "0"
         for utt_id in sorted(set(texts) | set(files)):
             text = normalise_transcript(texts.get(utt_id, ""))
             if utt_id not in files:
@@ -300,24 +303,10 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
                 )
                 rejects.append(RejectRow(utt_id, files[utt_id], "manifest", RejectReason.NO_TRANSCRIPT, detail))
                 continue
-            parts = utt_id.split("-")
-            candidates.append(
-                Candidate(
-                    utt_id=utt_id,
-                    speaker_id=parts[0] if len(parts) == 3 else speaker_id,
-                    chapter_id=parts[1] if len(parts) == 3 else chapter_id,
-                    transcript=text,
-                    path=files[utt_id],
-                )
-            )
+            ids = utt_id.split("-")
+            speaker, chapter = (ids[0], ids[1]) if len(ids) == 3 else (speaker_id, chapter_id)
+            candidates.append(Candidate(utt_id, speaker, chapter, text, files[utt_id]))
     return candidates, rejects
-
-
-def _speaker_chapter(root: Path, folder: Path) -> tuple[str, str]:
-    parts = folder.relative_to(root).parts
-    speaker = parts[-2] if len(parts) >= 2 else (parts[-1] if parts else "unknown")
-    chapter = parts[-1] if len(parts) >= 2 else "0"
-    return speaker, chapter
 
 
 def _read_trans_file(path: str, root: str) -> dict[str, str]:
@@ -390,23 +379,19 @@ def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str]
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {err.strerror or err}") from err
 
 
-def _bounded_lines(handle: BinaryIO, limit: int = MAX_MANIFEST_LINE_BYTES) -> Iterator[bytes | None]:
-    """The lines of ``handle`` (newline kept), ``None`` for one longer than ``limit`` bytes: the
-    rest of that line is read in chunks and dropped, so no more than ``limit`` bytes are held."""
+def _bounded_lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``handle`` (newline kept), ``None`` for one longer than the limit: the rest of
+    that line is read in chunks and dropped, so no more than the limit is held."""
     while True:
-        line = handle.readline(limit + 1)
+        line = handle.readline(MAX_MANIFEST_LINE_BYTES + 1)
         if not line:
             return
-        if len(line) <= limit or line.endswith(b"\n"):
+        if len(line) <= MAX_MANIFEST_LINE_BYTES or line.endswith(b"\n"):
             yield line
             continue
         while (rest := handle.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
             pass
         yield None
-
-
-def _too_long(limit: int = MAX_MANIFEST_LINE_BYTES) -> str:
-    return f"is longer than {limit} bytes (not read)"
 
 
 def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
@@ -424,36 +409,6 @@ def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, d
                 yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
 
     reader = csv.reader(text_lines(handle))
-    header = _csv_header(manifest, reader)
-    width = len(header)
-    while True:
-        start = reader.line_num + 1
-        values: list[str] | str | None
-        try:
-            values = next(reader)
-        except StopIteration:
-            values = None
-        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
-            values = f"cannot be parsed as CSV ({err})"
-        skipped = [(number, _too_long()) for number in too_long]
-        too_long.clear()
-        yield from skipped
-        if values is None:
-            return
-        if isinstance(values, str):
-            yield reader.line_num, values
-            continue
-        if not values:  # a blank line
-            continue
-        if len(values) != width:
-            yield start, f"has {len(values)} fields, the header names {width}"
-            continue
-        record = dict(zip(header, values, strict=True))
-        problem = _record_problem(record)
-        yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
-
-
-def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
     try:
         header = [name.strip() for name in next(reader, [])]
     except csv.Error as err:
@@ -469,13 +424,35 @@ def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
         raise CorpusError(
             f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})"
         )
-    return header
+    while True:
+        start = reader.line_num + 1
+        values: list[str] | str | None
+        try:
+            values = next(reader)
+        except StopIteration:
+            values = None
+        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
+            values = f"cannot be parsed as CSV ({err})"
+        yield from [(number, _TOO_LONG) for number in too_long]
+        too_long.clear()
+        if values is None:
+            return
+        if isinstance(values, str):
+            yield reader.line_num, values
+            continue
+        if not values:  # a blank line
+            continue
+        if len(values) != len(header):
+            yield start, f"has {len(values)} fields, the header names {len(header)}"
+            continue
+        record = dict(zip(header, values, strict=True))
+        yield start, _record_problem(record) or {name: record.get(name, "") for name in _FIELDS}
 
 
 def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] | str]]:
     for number, raw in enumerate(_bounded_lines(handle), start=1):
         if raw is None:
-            yield number, _too_long()
+            yield number, _TOO_LONG
             continue
         try:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -492,23 +469,13 @@ def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] 
         if not isinstance(record, dict):
             yield number, f"is not a JSON object (a {type(record).__name__})"
             continue
-        yield number, _json_fields(record)
-
-
-def _json_fields(record: Mapping[str, object]) -> dict[str, str] | str:
-    """The record's :data:`_FIELDS` as text, or why they are not."""
-    fields_as_text: dict[str, str] = {}
-    for name in _FIELDS:
-        value = record.get(name)
-        if value is None:
-            value = ""
-        elif isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)  # numeric ids, as LibriSpeech's are
-        elif not isinstance(value, str):
-            return f"field {name!r} is a JSON {type(value).__name__}, not a string"
-        fields_as_text[name] = value
-    problem = _record_problem(fields_as_text)
-    return problem if problem is not None else fields_as_text
+        wrong = next((name for name in _FIELDS if type(record.get(name)) not in (str, int, type(None))), None)
+        if wrong is not None:
+            yield number, f"field {wrong!r} is a JSON {type(record[wrong]).__name__}, not a string"
+            continue
+        # an int is a numeric id, as LibriSpeech's are
+        texts = {name: "" if record.get(name) is None else str(record[name]) for name in _FIELDS}
+        yield number, _record_problem(texts) or texts
 
 
 def _record_problem(record: Mapping[str, str]) -> str | None:
@@ -769,9 +736,8 @@ def scan_corpus(
     kept_audio: dict[str, str] = {}  # audio_sha256 -> the utt_id kept with it
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
         probe = probes[path]
-        reject = _judge(candidate, path, probe, config, kept_at, kept_audio)
-        if reject is not None:
-            rejects.append(reject)
+        if (problem := _judge(candidate.utt_id, probe, config, kept_at, kept_audio)) is not None:
+            rejects.append(RejectRow(candidate.utt_id, path, "manifest", *problem))
             continue
         kept_at[candidate.utt_id] = path
         if probe.audio_sha256:
@@ -839,34 +805,21 @@ def _id_detail(what: str, value: str, reason: str) -> str:
 
 
 def _judge(
-    candidate: Candidate,
-    path: str,
-    probe: AudioProbe,
-    config: ValidationConfig,
-    kept_at: dict[str, str],
-    kept_audio: dict[str, str],
-) -> RejectRow | None:
-    def reject(reason: RejectReason, detail: str) -> RejectRow:
-        return RejectRow(candidate.utt_id, path, "manifest", reason, detail)
-
+    utt_id: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str], kept_audio: dict[str, str]
+) -> tuple[RejectReason, str] | None:
     if probe.error:
-        return reject(RejectReason(probe.reason or RejectReason.UNREADABLE), probe.error)
+        return RejectReason(probe.reason or RejectReason.UNREADABLE), probe.error
     if (problem := config.format_problem(probe.sample_rate, probe.channels)) is not None:
-        return reject(RejectReason.UNSUPPORTED_FORMAT, problem)
-    if candidate.utt_id in kept_at:
-        return reject(
-            RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}"
-        )
+        return RejectReason.UNSUPPORTED_FORMAT, problem
+    if utt_id in kept_at:
+        return RejectReason.DUPLICATE_ID, f"utt_id {utt_id} already kept from {kept_at[utt_id]}"
     duration = probe.num_samples / probe.sample_rate
     if duration < config.min_duration_s:
-        return reject(
-            RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}"
-        )
+        return RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}"
     if duration > config.max_duration_s:
-        return reject(RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}")
-    first = kept_audio.get(probe.audio_sha256) if probe.audio_sha256 else None
-    if first is not None:
-        return reject(
+        return RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}"
+    if probe.audio_sha256 and (first := kept_audio.get(probe.audio_sha256)) is not None:
+        return (
             RejectReason.DUPLICATE_AUDIO,
             f"the same decoded audio as {first} (kept from {kept_at[first]}): one recording under two ids",
         )
