@@ -85,9 +85,7 @@ def schema(table: pa.Table, rejects: pa.Table) -> Audit:
             for r in sorted(set(rejects.column("reason").to_pylist()) - known, key=str)
         ]
     description = (
-        "every documented column, with its type"
-        if not problems
-        else f"{len(problems)} schema problem(s): {problems[0]}"
+        f"{len(problems)} schema problem(s): {problems[0]}" if problems else "every documented column, with its type"
     )
     return Audit("schema", not problems, description, {"problems": _examples(problems)})
 
@@ -99,9 +97,7 @@ def no_nulls(table: pa.Table, rejects: pa.Table) -> Audit:
         for name in t.column_names
         if t.column(name).null_count
     }
-    description = (
-        "no null in any column" if not nulls else f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}"
-    )
+    description = f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}" if nulls else "no null in any column"
     return Audit("no_nulls", not nulls, description, {"nulls": nulls})
 
 
@@ -162,21 +158,17 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
 
 
 def speakers(table: pa.Table, listed: pa.Table) -> Audit:
-    if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
+    columns = ("utt_id", "speaker_id", "file_sha256", "transcript")
+    listed_columns = ("speaker_id", "utterances", "manifest_hash")
+    if (missing := _missing("speakers", table, columns)) is not None:
         return missing
-    if (
-        missing := _missing(
-            "speakers", listed, ("speaker_id", "utterances", "manifest_hash"), layout.ManifestFiles.speakers.name
-        )
-    ) is not None:
+    if (missing := _missing("speakers", listed, listed_columns, layout.ManifestFiles.speakers.name)) is not None:
         return missing
     triples: dict[str, list[tuple[str, str, str]]] = {}
-    for utt, speaker, sha, text in zip(
-        *(table.column(c).to_pylist() for c in ("utt_id", "speaker_id", "file_sha256", "transcript")), strict=True
-    ):
+    for utt, speaker, sha, text in zip(*(table.column(c).to_pylist() for c in columns), strict=True):
         triples.setdefault(speaker, []).append((utt, sha, text))
     expected = {s: (len(t), hash_triples(t)) for s, t in triples.items()}
-    rows = listed.select(["speaker_id", "utterances", "manifest_hash"]).to_pylist()
+    rows = listed.select(list(listed_columns)).to_pylist()
     actual = {r["speaker_id"]: (r["utterances"], r["manifest_hash"]) for r in rows}
     problems = [f"{s}: not listed" for s in sorted(set(expected) - set(actual), key=str)]
     problems += [f"{s}: listed but has no manifest rows" for s in sorted(set(actual) - set(expected), key=str)]

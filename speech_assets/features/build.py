@@ -37,7 +37,7 @@ from speech_assets.features.shards import (
     num_frames_for,
     write_shard,
 )
-from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
+from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech, scratch
 from speech_assets.layout import sidecar_paths
 from speech_assets.runtime.heap import frozen_heap
 from speech_assets.runtime.locks import exclusive_lock
@@ -121,19 +121,6 @@ def process_variants(
     return results
 
 
-_SUMS_SCRATCH = threading.local()
-
-
-def _sums_buffer(size: int) -> torch.Tensor:
-    """A per-thread reusable flat float64 buffer of at least ``size`` elements: a fresh multi-MB
-    array per utterance costs more in page faults than the conversion itself."""
-    buffer = getattr(_SUMS_SCRATCH, "buffer", None)
-    if buffer is None or buffer.shape[0] < size:
-        buffer = torch.empty(max(size, 1 << 18), dtype=torch.float64)
-        _SUMS_SCRATCH.buffer = buffer
-    return buffer
-
-
 def stored_partial_sums(frames: np.ndarray) -> PartialSums:
     """``PartialSums.of(frames)`` bit for bit, with less CPU.
 
@@ -143,7 +130,7 @@ def stored_partial_sums(frames: np.ndarray) -> PartialSums:
     """
     frames = np.asarray(frames)
     if frames.ndim == 2 and frames.dtype in (np.float16, np.float32) and frames.flags.writeable:
-        as64 = _sums_buffer(frames.size)[: frames.size].view(frames.shape)
+        as64 = torch.from_numpy(scratch("float64", np.float64, frames.size)).view(frames.shape)
         values = as64.copy_(torch.from_numpy(np.ascontiguousarray(frames))).numpy()
     else:  # read-only (torch.from_numpy would warn) or other dtypes: plain numpy
         values = np.asarray(frames, dtype=np.float64)
@@ -247,9 +234,10 @@ def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtra
         return ShardOutcome(job.speaker_id, meta, rebuilt=True)
 
 
-def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:
+def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor | None = None) -> ShardOutcome:
+    """``extractor`` None: a helper process's own."""
     try:
-        return build_and_publish(job, vad_cfg, extractor)
+        return build_and_publish(job, vad_cfg, extractor or _worker_extractor())
     except Exception:  # noqa: BLE001 - one bad shard must not lose the others; reported per shard
         return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
 
@@ -268,10 +256,6 @@ def _init_worker() -> None:
 @functools.cache
 def _worker_extractor() -> FeatureExtractor:
     return FeatureExtractor()
-
-
-def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
-    return _publish_or_report(job, vad_cfg, _worker_extractor())
 
 
 def iter_publish_shards(
@@ -329,13 +313,6 @@ def _helper_ready() -> int:
     return os.getpid()
 
 
-def _helper_outcome(future: Future, job: ShardJob) -> ShardOutcome:
-    try:
-        return future.result()
-    except Exception:  # noqa: BLE001 - the helper process itself died (e.g. OOM kill)
-        return ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
-
-
 def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
     """This process builds shards from the first second on while the helper processes start (a
     fresh interpreter importing torch takes seconds); each helper takes the next shard whenever
@@ -365,7 +342,7 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
             job = pending.popleft()
             state["outstanding"] += 1
         try:
-            future = pool.submit(_publish_job, job, vad_cfg)
+            future = pool.submit(_publish_or_report, job, vad_cfg)
         except Exception:  # noqa: BLE001 - the pool broke or is shutting down: this process builds it
             with lock:
                 pending.appendleft(job)
@@ -378,7 +355,11 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
         if item is not None:
             with lock:
                 state["outstanding"] -= 1
-            yield _helper_outcome(*item)
+            try:
+                outcome = item[0].result()
+            except Exception:  # noqa: BLE001 - the helper process itself died (e.g. OOM kill)
+                outcome = ShardOutcome(item[1].speaker_id, None, False, error=traceback.format_exc(limit=4))
+            yield outcome
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

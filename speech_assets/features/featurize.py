@@ -37,11 +37,6 @@ F_MIN = 20.0
 _OUT_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
-def povey_window(length: int = WIN_LENGTH) -> torch.Tensor:
-    """Kaldi's Povey window: a symmetric Hann window raised to 0.85."""
-    return torch.hann_window(length, periodic=False, dtype=torch.float64).pow(0.85).to(torch.float32)
-
-
 class FeatureExtractor:
     """Log-mel 80 and MFCC 39 from 16 kHz mono float32 audio; build one per worker (not thread-safe).
 
@@ -62,8 +57,8 @@ class FeatureExtractor:
     ) -> None:
         if n_fft < WIN_LENGTH:
             raise ValueError(f"n_fft must be >= the {WIN_LENGTH}-sample window, got {n_fft}")
-        if window == "povey":
-            win = povey_window()
+        if window == "povey":  # Kaldi's: a symmetric Hann window raised to 0.85
+            win = torch.hann_window(WIN_LENGTH, periodic=False, dtype=torch.float64).pow(0.85).to(torch.float32)
         elif window == "hann":
             win = torch.hann_window(WIN_LENGTH, periodic=False)
         elif window == "hamming":

@@ -74,18 +74,15 @@ def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) ->
         schema, where = pq.read_schema(source), str(source)
     metadata = schema.metadata or {}
     raw = metadata.get(FORMAT_KEY)
-    if raw is None:
-        version = 1
-    else:
-        try:
-            version = int(raw)
-        except ValueError:
-            version = -1
-        if version not in FEATURE_DTYPES:
-            raise ShardFormatError(
-                f"{where}: shard format {raw.decode(errors='replace')!r} is not one this code reads "
-                f"({', '.join(map(str, FEATURE_DTYPES))}); rebuild the shard or update speech_assets"
-            )
+    try:
+        version = 1 if raw is None else int(raw)
+    except ValueError:
+        version = -1
+    if version not in FEATURE_DTYPES:
+        raise ShardFormatError(
+            f"{where}: shard format {raw.decode(errors='replace')!r} is not one this code reads "
+            f"({', '.join(map(str, FEATURE_DTYPES))}); rebuild the shard or update speech_assets"
+        )
     dtype = metadata.get(DTYPE_KEY)
     if (dtype is not None or version > 1) and dtype != FEATURE_DTYPES[version].str.encode():
         raise ShardFormatError(
@@ -132,13 +129,8 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``matrix`` in ``dtype``; float32 -> float16 through torch when already imported (bit-identical,
     ~10x numpy's cast); the code location must not import torch."""
     torch = sys.modules.get("torch")
-    if (
-        torch is not None
-        and dtype == np.float16
-        and matrix.dtype == np.float32
-        and matrix.flags.c_contiguous
-        and matrix.flags.writeable
-    ):
+    halving = torch is not None and dtype == np.float16 and matrix.dtype == np.float32
+    if halving and matrix.flags.c_contiguous and matrix.flags.writeable:
         return torch.from_numpy(matrix).to(torch.float16).numpy()
     with np.errstate(over="ignore"):  # overflow to inf is reported by the caller
         return np.asarray(matrix, dtype=dtype)
@@ -242,9 +234,8 @@ def write_shard(
             table,
             tmp,
             compression=compression,
-            compression_level={
-                name: 1 for name, codec in compression.items() if codec == "zstd"
-            },  # level 1: as small as 3, less CPU
+            # level 1: as small as 3, less CPU
+            compression_level={name: 1 for name, codec in compression.items() if codec == "zstd"},
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
             row_group_size=row_group_rows,

@@ -119,7 +119,7 @@ def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool 
             out = np.empty(wave.shape, np.int16)
         # float32 products truncated toward zero as they are stored, exactly as below
         return np.multiply(wave, np.float32(32767.0), out=out, dtype=np.float32, casting="unsafe")
-    scaled = _scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
+    scaled = scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
     scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32, out=scaled)
     np.clip(scaled, -32768.0, 32767.0, out=scaled)
     if out is None:
@@ -131,7 +131,7 @@ def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool 
 _SCRATCH = threading.local()
 
 
-def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
+def scratch(name: str, dtype: type, length: int) -> np.ndarray:
     """A per-thread reusable 1-D buffer of ``length`` elements: fresh multi-MB arrays per utterance
     cost more in page faults than the arithmetic."""
     buffer = getattr(_SCRATCH, name, None)
@@ -230,7 +230,7 @@ def detect_speech(
     wave = np.asarray(wave16k)
     if wave.ndim != 1:
         raise ValueError(f"detect_speech expects mono (N,) audio, got shape {wave.shape}")
-    pcm16 = to_pcm16(wave, out=_scratch("int16", np.int16, wave.shape[0]), in_range=peak_normalised)
+    pcm16 = to_pcm16(wave, out=scratch("int16", np.int16, wave.shape[0]), in_range=peak_normalised)
     flags = classify_frames(pcm16, cfg, sample_rate)
     total = len(flags)
     seconds = wave.shape[0] / sample_rate

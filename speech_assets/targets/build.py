@@ -102,9 +102,7 @@ def fit_sample(
     index: list[tuple[int, str]] = []
     for shard_number, path in enumerate(shard_paths):
         table = read_shard_table(path, columns=["utt_id", "num_frames"])
-        for utt_id, frames in zip(
-            table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True
-        ):
+        for utt_id, frames in zip(*table.to_pydict().values(), strict=True):  # utt_id, num_frames
             index.append((shard_number, utt_id))
             frame_counts.append((int(frames) + 1) // 2 if model_rate else frames)
     if sum(frame_counts) == 0:

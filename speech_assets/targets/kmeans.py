@@ -181,11 +181,8 @@ def fit_kmeans(
             max_points_per_centroid=max(train.shape[0], 1),
             min_points_per_centroid=1,
         )
-        if init == "k-means++":
-            init_centroids = _kmeans_plusplus(train, k, faiss_seed, init_sample_per_centroid)
-            km.train(train, init_centroids=init_centroids)
-        else:
-            km.train(train)
+        plusplus = _kmeans_plusplus(train, k, faiss_seed, init_sample_per_centroid) if init == "k-means++" else None
+        km.train(train, init_centroids=plusplus)
         codebook = np.ascontiguousarray(km.centroids, dtype=np.float32).reshape(k, d)
         del train
         evaluate = x
