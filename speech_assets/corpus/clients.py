@@ -53,9 +53,7 @@ def client_ids(num_clients: int) -> list[str]:
 
 
 def assign_clients(
-    speakers: list[SpeakerLoad],
-    num_clients: int,
-    previous: Mapping[str, str] | None = None,
+    speakers: list[SpeakerLoad], num_clients: int, previous: Mapping[str, str] | None = None
 ) -> list[ClientAssignment]:
     """Assign every speaker in ``speakers`` to one of ``num_clients`` clients.
 

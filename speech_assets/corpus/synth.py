@@ -35,6 +35,7 @@ torchaudio 2.11 and libsndfile 1.2.2 (other versions give other bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -353,11 +354,9 @@ ENGINES: dict[str, type[Engine]] = {
 def available_sources() -> list[str]:
     found = []
     for name, engine_type in ENGINES.items():
-        try:
+        with contextlib.suppress(SourceUnavailableError):
             engine_type().check()
-        except SourceUnavailableError:
-            continue
-        found.append(name)
+            found.append(name)
     return found
 
 
@@ -431,8 +430,7 @@ def _finish(speech: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     lead, trail = (round(rng.uniform(*PAD_RANGE_S) * SAMPLE_RATE) for _ in range(2))
     padded = np.concatenate([np.zeros(lead), speech, np.zeros(trail)])
     noisy = padded + _noise(rng, padded.size, rng.uniform(*NOISE_DBFS_RANGE), pink=bool(rng.integers(2)))
-    pcm: np.ndarray = np.clip(np.round(noisy * 32767), -32768, 32767).astype(np.int16)
-    return pcm
+    return np.clip(np.round(noisy * 32767), -32768, 32767).astype(np.int16)
 
 
 def render_utterance(engine: Engine, voice: SpeakerVoice, text: str, rng: np.random.Generator) -> np.ndarray:
@@ -478,12 +476,7 @@ def speaker_sentences(speakers: int, utterances: int, seed: int, distinct: bool 
 
 
 def _synth_speaker(
-    out_dir: Path,
-    speaker_index: int,
-    engine: Engine,
-    voice: SpeakerVoice,
-    sentences: Sequence[str],
-    seed: int,
+    out_dir: Path, speaker_index: int, engine: Engine, voice: SpeakerVoice, sentences: Sequence[str], seed: int
 ) -> tuple[int, float]:
     """Write one speaker's chapters (audio and transcripts); returns (chapters, seconds of audio)."""
     speaker_id = str(FIRST_SPEAKER_ID + speaker_index)

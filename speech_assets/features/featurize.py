@@ -19,15 +19,7 @@ import numpy as np
 import torch
 import torchaudio.functional as AF
 
-from speech_assets.features.shards import (
-    HOP_LENGTH,
-    MFCC_DIM,
-    N_MELS,
-    N_MFCC,
-    SAMPLE_RATE,
-    WIN_LENGTH,
-    num_frames_for,
-)
+from speech_assets.features.shards import HOP_LENGTH, MFCC_DIM, N_MELS, N_MFCC, SAMPLE_RATE, WIN_LENGTH, num_frames_for
 
 LOG_FLOOR = 1e-6
 PREEMPHASIS = 0.97

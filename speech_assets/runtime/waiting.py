@@ -13,13 +13,7 @@ class WaitTimeout(TimeoutError):
     """What was awaited did not happen in time."""
 
 
-def wait_until(
-    check: Callable[[], T],
-    timeout: float,
-    what: str,
-    *,
-    interval: float = 0.1,
-) -> T:
+def wait_until(check: Callable[[], T], timeout: float, what: str, *, interval: float = 0.1) -> T:
     """Call ``check`` every ``interval`` seconds until it returns something truthy, and return that.
 
     ``WaitTimeout`` naming ``what`` after ``timeout`` seconds. ``check`` may raise to give up early
