@@ -35,6 +35,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.corpus.ids import why_unsafe
 from speech_assets.corpus.rejects import RejectReason, RejectRow
+from speech_assets.runtime.processes import die_with_parent
 from speech_assets.utils import atomic_path, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
@@ -253,9 +254,7 @@ def _walk_corpus_files(root: Path) -> Iterator[str]:
 
 def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
     """Candidates declared by the corpus and rejects that need no audio (e.g. no transcript)."""
-    if is_manifest_file(location):
-        return _discover_manifest_file(location)
-    return _discover_librispeech(location)
+    return _discover_manifest_file(location) if is_manifest_file(location) else _discover_librispeech(location)
 
 
 def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]:
@@ -332,25 +331,23 @@ _FIELDS = (*REQUIRED_COLUMNS, "utt_id", "chapter_id")
 def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[RejectRow]]:
     candidates: list[Candidate] = []
     rejects: list[RejectRow] = []
+
+    def reject(utt_id: str, where: object, reason: RejectReason, detail: str) -> None:  # of the current line
+        rejects.append(RejectRow(utt_id, str(where), "manifest", reason, f"line {line}: {detail}"))
+
     for line, record in _read_manifest_records(manifest):
         if isinstance(record, str):  # the line could not be read into a record
-            rejects.append(
-                RejectRow(f"line-{line}", str(manifest), "manifest", RejectReason.UNREADABLE, f"line {line}: {record}")
-            )
+            reject(f"line-{line}", manifest, RejectReason.UNREADABLE, record)
             continue
         raw_path = record["path"].strip()
         utt_id = record["utt_id"].strip() or (Path(raw_path).stem if raw_path else f"line-{line}")
         if not raw_path:
-            rejects.append(
-                RejectRow(utt_id, str(manifest), "manifest", RejectReason.MISSING_FILE, f"line {line}: no path")
-            )
+            reject(utt_id, manifest, RejectReason.MISSING_FILE, "no path")
             continue
         path = Path(raw_path) if os.path.isabs(raw_path) else manifest.parent / raw_path
         text = normalise_transcript(record["transcript"])
         if not text:
-            rejects.append(
-                RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"line {line}: empty transcript")
-            )
+            reject(utt_id, path, RejectReason.NO_TRANSCRIPT, "empty transcript")
             continue
         speaker = record["speaker_id"].strip()  # empty: an invalid_id reject, not a failed run
         chapter = record["chapter_id"].strip() or "0"
@@ -572,15 +569,10 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
     try:
         with sf.SoundFile(handle.fileno(), closefd=False) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
-
-            def header_only(num_samples: int) -> AudioProbe:
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=num_samples, decoded=False
-                )
-
+            facts = {**base, "sample_rate": sample_rate, "channels": channels}
+            header = AudioProbe(**facts, num_samples=max(declared, 0), decoded=False)  # judged from it alone
             if config is not None and config.format_problem(sample_rate, channels) is not None:
-                # judged from the header: never decoded (a thousand channels) nor resampled (an odd rate)
-                return header_only(max(declared, 0))
+                return header  # never decoded (a thousand channels) nor resampled (an odd rate)
             if declared >= _UNKNOWN_LENGTH:
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
@@ -588,27 +580,20 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                     **base,
                     error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
                 )
-            if (
-                config is not None
-                and declared > 0
-                and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s
-            ):
-                return header_only(declared)
+            if config is not None and declared > 0 and _out_of_bounds(header, config):
+                return header
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
             samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
             decoded = 0
             for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype=dtype, always_2d=True):  # (frames, channels)
                 if dtype.startswith("float") and not (finite := np.isfinite(block).all(axis=1)).all():
-                    return AudioProbe(
-                        **base,
-                        error=f"float samples include NaN or infinity (first at frame "
-                        f"{decoded + int(np.argmin(finite))})",
-                    )
+                    first = decoded + int(np.argmin(finite))
+                    return AudioProbe(**base, error=f"float samples include NaN or infinity (first at frame {first})")
                 decoded += block.shape[0]
                 samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
-                    return header_only(decoded)
+                    return AudioProbe(**facts, num_samples=decoded, decoded=False)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
         return AudioProbe(**base, error=f"cannot decode as audio: {reason}")
@@ -626,14 +611,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
         )
     if (problem := riff_data_problem(head, stat.st_size)) is not None:
         return AudioProbe(**base, file_sha256=digest, error=problem)
-    return AudioProbe(
-        **base,
-        sample_rate=sample_rate,
-        channels=channels,
-        num_samples=decoded,
-        file_sha256=digest,
-        audio_sha256=samples.hexdigest(),
-    )
+    return AudioProbe(**facts, num_samples=decoded, file_sha256=digest, audio_sha256=samples.hexdigest())
 
 
 def _cache_key(path: str, size: int, mtime_ns: int) -> str:
@@ -665,7 +643,8 @@ def probe_all(
     probe = functools.partial(probe_audio, config=config, root=None if root is None else os.path.realpath(root))
     with contextlib.ExitStack() as stack:
         if workers > 1 and len(todo) > 32:
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_init_probe_worker))
+            # a killed validation run leaves no decoder behind
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=die_with_parent))
             probes: Iterable[AudioProbe] = pool.map(probe, todo, chunksize=16)
         else:
             probes = map(probe, todo)
@@ -674,12 +653,6 @@ def probe_all(
             if progress is not None:
                 progress(path, done, len(todo))
     return results, len(todo)
-
-
-def _init_probe_worker() -> None:
-    from speech_assets.runtime.processes import die_with_parent
-
-    die_with_parent()  # a killed validation run leaves no decoder behind
 
 
 def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:

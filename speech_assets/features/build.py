@@ -11,7 +11,6 @@ import contextlib
 import functools
 import os
 import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -54,7 +53,6 @@ class ShardResult:
     audio_seconds: float
     trimmed_seconds: float
     frames: int = 0
-    wall_seconds: float = 0.0
 
 
 def speed_perturbed_id(utt_id: str, factor: float) -> str:
@@ -146,7 +144,6 @@ def build_shard(
 ) -> ShardResult:
     """Featurise ``utterances`` (and their ``speed_factors`` copies) into one shard at ``out_path``,
     an empty one when every utterance is rejected; its bytes depend only on inputs and config."""
-    started = time.perf_counter()
     ids = [u.utt_id for u in utterances]
     if len(set(ids)) != len(ids):
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
@@ -194,7 +191,6 @@ def build_shard(
         audio_seconds=audio_seconds,
         trimmed_seconds=float(sum(r.trimmed_duration_s for r in records)),
         frames=int(sum(r.num_frames for r in records)),
-        wall_seconds=time.perf_counter() - started,
     )
 
 

@@ -78,7 +78,6 @@ class FeatureExtractor:
             n = torch.arange(N_MFCC, dtype=torch.float64)
             lifter = 1.0 + 0.5 * cepstral_lifter * torch.sin(math.pi * n / cepstral_lifter)
             dct = (dct.double() * lifter).float()
-        self.dct = dct.contiguous()
         self._dct_t = dct.T.contiguous()
 
     def describe(self) -> dict[str, Any]:

@@ -208,9 +208,7 @@ class CodebookIndex:
         cb = _as_frames(codebook)
         if cb.shape[0] > MAX_K:
             raise ValueError(f"codebook has {cb.shape[0]} > {MAX_K} centroids (int16 labels)")
-        self.codebook = cb
-        self.k, self.dim = cb.shape
-        self.num_threads = num_threads
+        self.dim, self.num_threads = cb.shape[1], num_threads
         self._index = faiss.IndexFlatL2(self.dim)
         self._index.add(cb)
 
