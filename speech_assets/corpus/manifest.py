@@ -747,16 +747,13 @@ class RealPaths:
     symlink is resolved in full): one ``lstat`` per file instead of one per path component."""
 
     def __init__(self) -> None:
-        self._folders: dict[str, str] = {}
+        self._folder = functools.cache(lambda folder: os.path.realpath(folder or os.curdir))
 
     def __call__(self, path: str) -> str:
         folder, name = os.path.split(path)
         if name in ("", os.curdir, os.pardir) or os.path.islink(path):
             return os.path.realpath(path)
-        real = self._folders.get(folder)
-        if real is None:
-            real = self._folders[folder] = os.path.realpath(folder or os.curdir)
-        return os.path.join(real, name)
+        return os.path.join(self._folder(folder), name)
 
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
@@ -851,16 +848,13 @@ def read_manifest(path: Path) -> list[ManifestRow]:
 
 
 def load_cache(path: Path) -> dict[str, AudioProbe]:
-    if not path.exists():
-        return {}
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid):
-        return {}  # a damaged cache only costs a re-decode
+        return {}  # none yet, or a damaged one: it only costs a re-decode
     if table.column_names != _CACHE_SCHEMA.names:
         return {}  # written by a version that checked less (or other) than this one: decode again
-    records = table.to_pylist()
-    return {record.pop("key"): AudioProbe(**record) for record in records}
+    return {record.pop("key"): AudioProbe(**record) for record in table.to_pylist()}
 
 
 def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:

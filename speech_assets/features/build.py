@@ -152,7 +152,7 @@ def build_shard(
     stored = FEATURE_DTYPES[SHARD_FORMAT]  # features come out of the extractor as the shard stores them
     records: list[FeatureRecord] = []
     rejects: list[RejectRow] = []
-    sums: dict[tuple[str, str], PartialSums] = {}
+    stats = ShardStats()
     audio_seconds = 0.0
     # The records' objects are no cyclic garbage; a full collection of a torch process's heap
     # (~200k objects, ~95 ms) every few shards is not worth it (runtime.heap).
@@ -175,14 +175,12 @@ def build_shard(
                     continue
                 audio_seconds += result.duration_s
                 records.append(result)
+                sums = stats.speakers.setdefault(result.speaker_id, {})
                 for name, part in parts.items():
-                    key = (result.speaker_id, name)
-                    sums[key] = sums[key] + part if key in sums else part
+                    sums[name] = sums[name] + part if name in sums else part
         records.sort(key=lambda r: r.utt_id)
         path = write_shard(out_path, records, finite_checked=True)  # every record passed the check on its sums
-    stats = ShardStats()
-    for (speaker, name), part in sorted(sums.items()):
-        stats.speakers.setdefault(speaker, {})[name] = part
+    stats.speakers = dict(sorted(stats.speakers.items()))
     return ShardResult(
         path=Path(path),
         records=len(records),

@@ -152,12 +152,9 @@ def _feature_column(
 ) -> pa.ChunkedArray:
     """One binary column from one numpy buffer per chunk; ``checked``: matrices in ``dtype`` are known finite."""
     dim = FEATURE_DIMS[name]
-    matrices = []
-    for record in ordered:
-        matrix = getattr(record, name)
-        if matrix is None:
-            raise ValueError(f"{record.utt_id}: {name} missing, cannot write shard")
-        matrices.append(matrix)
+    matrices = [getattr(record, name) for record in ordered]
+    if (missing := next((r.utt_id for r, m in zip(ordered, matrices) if m is None), None)) is not None:
+        raise ValueError(f"{missing}: {name} missing, cannot write shard")
     row_bytes = np.array([m.shape[0] * dim * dtype.itemsize for m in matrices], dtype=np.int64)
     chunks, start = [], 0
     while start < len(matrices) or not chunks:
@@ -382,9 +379,8 @@ def shard_problems(files: ShardFiles, meta: dict) -> list[str]:
             problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
     if parquet.num_row_groups:
         dtype = feature_dtype(parquet)
-        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(
-            0, ROWS_SCANNED_PER_SHARD
-        )
+        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", *FEATURE_DIMS])
+        group = group.slice(0, ROWS_SCANNED_PER_SHARD)
         utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
         for name, dim in FEATURE_DIMS.items():
             try:  # the feature bytes match the frames (a blob of another dtype would not)
