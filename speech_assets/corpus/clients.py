@@ -61,12 +61,11 @@ def assign_clients(
     client when it still exists. Speakers absent from ``speakers`` are dropped.
     """
     clients = client_ids(num_clients)
-    valid = set(clients)
     load = {client: 0.0 for client in clients}
     chosen: dict[str, str] = {}
     for speaker in speakers:
         client = (previous or {}).get(speaker.speaker_id)
-        if client in valid:
+        if client in load:
             chosen[speaker.speaker_id] = client
             load[client] += speaker.hours
     newcomers = sorted((s for s in speakers if s.speaker_id not in chosen), key=lambda s: (-s.hours, s.speaker_id))
@@ -147,8 +146,7 @@ class ClientsTable:
 def read_clients(path: str | os.PathLike[str]) -> ClientsTable:
     """The clients table. A table written before the held-out split was recorded in it is
     refused: re-materialise ``client_partitions``."""
-    names = pq.read_schema(path).names
-    if "heldout" not in names:
+    if "heldout" not in pq.read_schema(path).names:
         raise ValueError(
             f"{path} has no heldout column (written by an older version): re-materialise client_partitions"
         )

@@ -425,9 +425,7 @@ def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, d
         start = reader.line_num + 1
         values: list[str] | str | None
         try:
-            values = next(reader)
-        except StopIteration:
-            values = None
+            values = next(reader, None)
         except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
             values = f"cannot be parsed as CSV ({err})"
         yield from [(number, _TOO_LONG) for number in too_long]
@@ -436,14 +434,11 @@ def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, d
             return
         if isinstance(values, str):
             yield reader.line_num, values
-            continue
-        if not values:  # a blank line
-            continue
-        if len(values) != len(header):
+        elif values and len(values) != len(header):
             yield start, f"has {len(values)} fields, the header names {len(header)}"
-            continue
-        record = dict(zip(header, values, strict=True))
-        yield start, _record_problem(record) or {name: record.get(name, "") for name in _FIELDS}
+        elif values:  # not a blank line
+            record = dict(zip(header, values, strict=True))
+            yield start, _record_problem(record) or {name: record.get(name, "") for name in _FIELDS}
 
 
 def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] | str]]:
@@ -490,21 +485,10 @@ def _record_problem(record: Mapping[str, str]) -> str | None:
 
 _BLOCK_FRAMES = 1 << 16
 _UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC with no total in its header
-_HASH_CHUNK = 1 << 20
+_HEAD_BYTES = 1 << 20
 
 
 _SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PCM_32": "int32"}  # others: int16
-
-
-def _file_digest(handle: BinaryIO) -> tuple[str, bytes]:
-    """The open file's sha256 and its first bytes (up to 1 MiB: where a WAV's chunk headers are)."""
-    digest = hashlib.sha256()
-    head = b""
-    handle.seek(0)
-    for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
-        head = head or chunk
-        digest.update(chunk)
-    return digest.hexdigest(), head
 
 
 def riff_data_problem(head: bytes, size: int) -> str | None:
@@ -600,7 +584,10 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
     if decoded == 0:
         return AudioProbe(**base, error="decodes to zero samples")
     try:
-        digest, head = _file_digest(handle)
+        handle.seek(0)
+        head = handle.read(_HEAD_BYTES)  # where a WAV's chunk headers are
+        handle.seek(0)
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
     except OSError as err:
         return AudioProbe(**base, error=f"cannot read: {err.strerror or err}")
     if declared > 0 and declared != decoded:

@@ -210,9 +210,8 @@ def write_client_targets(
     labels already in ``out_dir`` plus ``items``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = TargetFiles(out_dir).codebook
-    with atomic_path(codebook_path) as tmp:
-        with open(tmp, "wb") as handle:
-            np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
+    with atomic_path(codebook_path) as tmp, open(tmp, "wb") as handle:
+        np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
     labels_path = TargetFiles(out_dir).labels
     utterances = len(items) + (pq.read_metadata(labels_path).num_rows if append else 0)
     labels_path = (append_labels if append else write_labels)(labels_path, items)
