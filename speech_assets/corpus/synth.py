@@ -348,12 +348,6 @@ def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
     return engines
 
 
-def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
-    """All (engine, voice) pairs, interleaved across engines so that a few speakers mix sources."""
-    depth = max(len(e.voices) for e in engines)
-    return [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
-
-
 def _resample(audio: np.ndarray, orig_rate: int) -> np.ndarray:
     if orig_rate == SAMPLE_RATE:
         return audio
@@ -476,7 +470,9 @@ def synthesize_corpus(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty")
     engines = _load_engines(sources)
-    cycle = _voice_cycle(engines)
+    # every (engine, voice) pair, interleaved across engines so that a few speakers mix sources
+    depth = max(len(e.voices) for e in engines)
+    cycle = [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
     pools = speaker_sentences(speakers, utterances, seed, distinct_sentences)
     out_dir.mkdir(parents=True, exist_ok=True)
 

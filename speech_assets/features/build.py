@@ -36,9 +36,9 @@ from speech_assets.features.shards import (
     num_frames_for,
     write_shard,
 )
-from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech, scratch
+from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
 from speech_assets.layout import sidecar_paths
-from speech_assets.runtime.heap import frozen_heap
+from speech_assets.runtime.heap import frozen_heap, scratch
 from speech_assets.runtime.locks import exclusive_lock
 
 
@@ -302,11 +302,6 @@ def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None) -> ShardPl
     return ShardPlan(ordered, len(todo), max(0, min(int(workers), len(todo)) - 1))
 
 
-def _helper_ready() -> int:
-    """A helper's first task: it ends as soon as the helper has started and is free."""
-    return os.getpid()
-
-
 def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
     """This process builds shards from the first second on while the helper processes start (a
     fresh interpreter importing torch takes seconds); each helper takes the next shard whenever
@@ -358,8 +353,8 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(helpers):
-            pool.submit(_helper_ready).add_done_callback(hand_out)
+        for _ in range(helpers):  # a helper's first task ends as soon as it has started and is free
+            pool.submit(os.getpid).add_done_callback(hand_out)
         extractor = FeatureExtractor()
         with frozen_heap():
             while True:

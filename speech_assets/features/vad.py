@@ -11,7 +11,6 @@ the voiced time is below ``min_speech_s``, or the voiced share below ``min_speec
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import repeat
@@ -21,6 +20,8 @@ import numpy as np
 import webrtcvad
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from speech_assets.runtime.heap import scratch
 
 try:  # the C extension behind webrtcvad.Vad.is_speech; calling it directly skips a Python wrapper
     from _webrtcvad import process as _vad_process
@@ -126,19 +127,6 @@ def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool 
         return scaled.astype(np.int16)
     np.copyto(out, scaled, casting="unsafe")  # truncation toward zero, as astype
     return out
-
-
-_SCRATCH = threading.local()
-
-
-def scratch(name: str, dtype: type, length: int) -> np.ndarray:
-    """A per-thread reusable 1-D buffer of ``length`` elements: fresh multi-MB arrays per utterance
-    cost more in page faults than the arithmetic."""
-    buffer = getattr(_SCRATCH, name, None)
-    if buffer is None or buffer.shape[0] < length:
-        buffer = np.empty(max(length, 1 << 19), dtype)
-        setattr(_SCRATCH, name, buffer)
-    return buffer[:length]
 
 
 def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:

@@ -65,9 +65,8 @@ class PrivateNetwork:
                 self.holder, self.user_namespace = holder, "--user" in options
                 return self
             _end(holder)
-            errors.append(
-                f"unshare {' '.join(options)}: {' '.join(holder.stderr.read().decode(errors='replace').split())}"
-            )
+            stderr = " ".join(holder.stderr.read().decode(errors="replace").split())
+            errors.append(f"unshare {' '.join(options)}: {stderr}")
         raise NoPrivateNetwork(
             "could not make a private network namespace (" + "; ".join(errors) + "): unprivileged user namespaces "
             "may be disabled (sysctl kernel.unprivileged_userns_clone, or on Ubuntu "

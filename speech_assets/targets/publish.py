@@ -145,10 +145,8 @@ def kmeans_client_targets(
 
     def fit(previous: dict, intact: bool) -> tuple[Any, dict[str, Any]]:
         # the codebook is kept only while no speaker it was fitted on has since been held out
-        fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
-        newcomers = (
-            new_speakers(previous, speakers, client.shard_versions) if intact and not fitted_on_heldout else None
-        )
+        keep = intact and not set(previous.get("codebook_speakers", [])) & set(heldout)
+        newcomers = new_speakers(previous, speakers, client.shard_versions) if keep else None
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
         frames_now = previous.get("frames_labelled", 0) + new_frames
         at_refit = frames_at_last_refit(previous)
