@@ -139,6 +139,7 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
     if (missing := _missing("durations", table, needed)) is not None:
         return missing
     bad = []
+    bounds = f"[{config.min_duration_s}, {config.max_duration_s}]"
     for utt, duration, samples, rate, channels in zip(*(table.column(c).to_pylist() for c in needed), strict=True):
         if not all(isinstance(v, int | float) for v in (duration, samples, rate, channels)):
             bad.append(f"{utt}: missing audio facts")
@@ -147,14 +148,9 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
         elif not math.isclose(duration, samples / rate, rel_tol=1e-9, abs_tol=1e-9):
             bad.append(f"{utt}: duration_s {duration} but {samples} samples at {rate} Hz is {samples / rate}")
         elif not config.min_duration_s <= duration <= config.max_duration_s:
-            bad.append(f"{utt}: {duration} s outside [{config.min_duration_s}, {config.max_duration_s}]")
-    return _listing(
-        "durations",
-        bad,
-        f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, "
-        f"{config.max_duration_s}] s",
-        "bad_rows",
-    )
+            bad.append(f"{utt}: {duration} s outside {bounds}")
+    described = f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside {bounds} s"
+    return _listing("durations", bad, described, "bad_rows")
 
 
 def speakers(table: pa.Table, listed: pa.Table) -> Audit:
@@ -179,12 +175,8 @@ def speakers(table: pa.Table, listed: pa.Table) -> Audit:
     ]
     if len(rows) != len(actual):
         problems.append(f"{len(rows) - len(actual)} speaker(s) listed twice")
-    return Audit(
-        "speakers",
-        not problems,
-        f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers",
-        {"problems": _examples(problems)},
-    )
+    described = f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers"
+    return Audit("speakers", not problems, described, {"problems": _examples(problems)})
 
 
 def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:

@@ -158,11 +158,9 @@ def _feature_column(
     row_bytes = np.array([m.shape[0] * dim * dtype.itemsize for m in matrices], dtype=np.int64)
     chunks, start = [], 0
     while start < len(matrices) or not chunks:
-        end = start
-        total = 0
-        while end < len(matrices) and (end == start or total + row_bytes[end] <= _MAX_CHUNK_BYTES):
-            total += int(row_bytes[end])
-            end += 1
+        # as many rows as the chunk's offsets can address, at least one
+        fits = int(np.searchsorted(np.cumsum(row_bytes[start:]), _MAX_CHUNK_BYTES, side="right"))
+        end = min(len(matrices), start + max(fits, 1))
         values = np.empty((int(sum(m.shape[0] for m in matrices[start:end])), dim), dtype=dtype)
         row = 0
         for matrix in matrices[start:end]:

@@ -227,30 +227,25 @@ def detect_speech(
     frames = collect_span(flags, cfg.padding_frames)
     if frames is None:
         voiced = sum(flags)
-        return NoSpeech(
+        detail = (
             f"VAD (aggressiveness {cfg.aggressiveness}) never triggered: {voiced}/{total} frames voiced "
-            f"in {seconds:.2f} s, no {cfg.padding_ms} ms window more than 90% voiced",
-            voiced,
-            total,
+            f"in {seconds:.2f} s, no {cfg.padding_ms} ms window more than 90% voiced"
         )
+        return NoSpeech(detail, voiced, total)
     first, end = frames
     frame_samples = cfg.frame_samples(sample_rate)
     end_sample = wave.shape[0] if end == total else end * frame_samples
     span = SpeechSpan(first * frame_samples, end_sample, sum(flags[first:end]), total, cfg.frame_ms, sample_rate)
     if span.speech_s < cfg.min_speech_s:
-        return NoSpeech(
+        detail = (
             f"only {span.speech_s:.2f} s of voiced frames (< min_speech_s {cfg.min_speech_s:g} s) "
-            f"in {seconds:.2f} s of audio",
-            span.speech_frames,
-            total,
-            span,
+            f"in {seconds:.2f} s of audio"
         )
-    if span.speech_ratio < cfg.min_speech_ratio:
-        return NoSpeech(
+    elif span.speech_ratio < cfg.min_speech_ratio:
+        detail = (
             f"speech ratio {span.speech_ratio:.3f} (< min_speech_ratio {cfg.min_speech_ratio:g}): "
-            f"{span.speech_frames}/{total} frames voiced in {seconds:.2f} s of audio",
-            span.speech_frames,
-            total,
-            span,
+            f"{span.speech_frames}/{total} frames voiced in {seconds:.2f} s of audio"
         )
-    return span
+    else:
+        return span
+    return NoSpeech(detail, span.speech_frames, total, span)
