@@ -60,8 +60,7 @@ def _listing(name: str, bad: list[str], description: str, count_key: str) -> Aud
 def _missing(
     name: str, table: pa.Table, columns: tuple[str, ...], file: str = layout.ManifestFiles.manifest.name
 ) -> Audit | None:
-    absent = [c for c in columns if c not in table.column_names]
-    if absent:
+    if absent := [c for c in columns if c not in table.column_names]:
         return Audit(name, False, f"cannot check: {file} lacks column(s) {', '.join(absent)}", {"missing": absent})
     return None
 

@@ -137,8 +137,7 @@ class ClientsTable:
         totals: dict[str, float] = {}
         for row in self.rows:
             totals[row.client_id] = totals.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
-        missing = [c for c in clients if totals.get(c, 0) <= 0]
-        if missing:
+        if missing := [c for c in clients if totals.get(c, 0) <= 0]:
             raise ValueError(f"the clients table has no utterances for {missing}")
         return {c: totals[c] for c in clients}
 

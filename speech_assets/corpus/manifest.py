@@ -410,14 +410,12 @@ def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, d
         header = [name.strip() for name in next(reader, [])]
     except csv.Error as err:
         raise CorpusError(f"{manifest}: the header line cannot be parsed as CSV ({err})") from err
-    duplicated = sorted({name for name in header if header.count(name) > 1})
-    if duplicated:
+    if duplicated := sorted({name for name in header if header.count(name) > 1}):
         raise CorpusError(
             f"{manifest}: the header line names {', '.join(repr(name) for name in duplicated)} more than once "
             "(which column to use would be a guess)"
         )
-    missing = [name for name in REQUIRED_COLUMNS if name not in header]
-    if missing:
+    if missing := [name for name in REQUIRED_COLUMNS if name not in header]:
         raise CorpusError(
             f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})"
         )
@@ -688,9 +686,8 @@ def scan_corpus(
             inside.append((candidate, resolved))
             stats[resolved] = stat
 
-    probes, decoded = probe_all(
-        sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats, root
-    )
+    paths = sorted({path for _, path in inside})
+    probes, decoded = probe_all(paths, dict(cache or {}), workers, config, progress, stats, root)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     kept_audio: dict[str, str] = {}  # audio_sha256 -> the utt_id kept with it

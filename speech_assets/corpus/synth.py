@@ -203,8 +203,7 @@ class CommandEngine(Engine):
                 raise self.unavailable(program)
         if self.voice_list:
             listed = subprocess.run(self.voice_list, check=True, capture_output=True, text=True).stdout
-            missing = {v.name for v in self.voices} - set(listed.replace("(", " ").replace(")", " ").split())
-            if missing:
+            if missing := {v.name for v in self.voices} - set(listed.replace("(", " ").replace(")", " ").split()):
                 raise self.unavailable(f"voices {sorted(missing)}")
 
     @abstractmethod
@@ -333,8 +332,7 @@ def available_sources() -> list[str]:
 def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
     """Checked engines for ``sources`` (``None``: every available one)."""
     if sources is None:
-        names = available_sources()
-        if not names:
+        if not (names := available_sources()):
             hints = "; ".join(f"{n}: {e.install_hint}" for n, e in ENGINES.items())
             raise SourceUnavailableError(f"no speech synthesis source is installed ({hints})")
     else:

@@ -151,8 +151,7 @@ class FeatureExtractor:
     ) -> tuple[np.ndarray, np.ndarray]:
         """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``) of ``dtype``; float16 is
         bit for bit ``.astype(np.float16)`` of the float32 result, without a float32 copy."""
-        out_dtype = _OUT_DTYPES.get(np.dtype(dtype))
-        if out_dtype is None:
+        if (out_dtype := _OUT_DTYPES.get(np.dtype(dtype))) is None:
             raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
         if isinstance(wave, np.ndarray):
             x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))

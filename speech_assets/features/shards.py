@@ -292,8 +292,7 @@ def iter_shard(
     ``features``: the matrices to decode (``()``: scalars only). ``dtype``: theirs (``None``:
     read-only views of the stored blobs, for consumers that go through CMVN's ``apply``).
     """
-    unknown = set(features) - set(FEATURE_DIMS)
-    if unknown:
+    if unknown := set(features) - set(FEATURE_DIMS):
         raise ValueError(f"unknown feature columns: {sorted(unknown)}")
     parquet = pq.ParquetFile(path)
     stored = feature_dtype(parquet)  # also for scalars only: an unknown format is never read

@@ -224,8 +224,7 @@ def detect_speech(
     seconds = wave.shape[0] / sample_rate
     if total == 0:
         return NoSpeech(f"audio is {seconds:.3f} s, shorter than one {cfg.frame_ms} ms VAD frame", 0, 0)
-    frames = collect_span(flags, cfg.padding_frames)
-    if frames is None:
+    if (frames := collect_span(flags, cfg.padding_frames)) is None:
         voiced = sum(flags)
         detail = (
             f"VAD (aggressiveness {cfg.aggressiveness}) never triggered: {voiced}/{total} frames voiced "

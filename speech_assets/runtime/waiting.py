@@ -21,8 +21,7 @@ def wait_until(check: Callable[[], T], timeout: float, what: str, *, interval: f
     """
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if result:
+        if result := check():
             return result
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")

@@ -71,8 +71,7 @@ def load_iteration2_encoder(
     layer = layer or default_layer(model)
     if not 1 <= layer <= len(model.encoder.layers):
         raise EncoderRefused(f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
-    cmvn = from_record(encoder.checkpoint.get("normalisation"))
-    if cmvn is None:
+    if (cmvn := from_record(encoder.checkpoint.get("normalisation"))) is None:
         raise EncoderRefused(f"{checkpoint} records no input normalisation: re-materialise {asset}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return Iteration2Encoder(model.to(device), layer, cmvn, encoder.sha256, checkpoint, asset, data_version)
