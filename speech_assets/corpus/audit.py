@@ -60,8 +60,7 @@ def _listing(name: str, bad: list[str], description: str, count_key: str) -> Aud
 def _missing(
     name: str, table: pa.Table, columns: tuple[str, ...], file: str = layout.ManifestFiles.manifest.name
 ) -> Audit | None:
-    absent = [c for c in columns if c not in table.column_names]
-    if absent:
+    if absent := [c for c in columns if c not in table.column_names]:
         return Audit(name, False, f"cannot check: {file} lacks column(s) {', '.join(absent)}", {"missing": absent})
     return None
 
@@ -85,9 +84,7 @@ def schema(table: pa.Table, rejects: pa.Table) -> Audit:
             for r in sorted(set(rejects.column("reason").to_pylist()) - known, key=str)
         ]
     description = (
-        "every documented column, with its type"
-        if not problems
-        else f"{len(problems)} schema problem(s): {problems[0]}"
+        f"{len(problems)} schema problem(s): {problems[0]}" if problems else "every documented column, with its type"
     )
     return Audit("schema", not problems, description, {"problems": _examples(problems)})
 
@@ -99,9 +96,7 @@ def no_nulls(table: pa.Table, rejects: pa.Table) -> Audit:
         for name in t.column_names
         if t.column(name).null_count
     }
-    description = (
-        "no null in any column" if not nulls else f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}"
-    )
+    description = f"nulls in {', '.join(f'{k} ({v})' for k, v in nulls.items())}" if nulls else "no null in any column"
     return Audit("no_nulls", not nulls, description, {"nulls": nulls})
 
 
@@ -143,6 +138,7 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
     if (missing := _missing("durations", table, needed)) is not None:
         return missing
     bad = []
+    bounds = f"[{config.min_duration_s}, {config.max_duration_s}]"
     for utt, duration, samples, rate, channels in zip(*(table.column(c).to_pylist() for c in needed), strict=True):
         if not all(isinstance(v, int | float) for v in (duration, samples, rate, channels)):
             bad.append(f"{utt}: missing audio facts")
@@ -151,32 +147,23 @@ def durations(table: pa.Table, config: ValidationConfig) -> Audit:
         elif not math.isclose(duration, samples / rate, rel_tol=1e-9, abs_tol=1e-9):
             bad.append(f"{utt}: duration_s {duration} but {samples} samples at {rate} Hz is {samples / rate}")
         elif not config.min_duration_s <= duration <= config.max_duration_s:
-            bad.append(f"{utt}: {duration} s outside [{config.min_duration_s}, {config.max_duration_s}]")
-    return _listing(
-        "durations",
-        bad,
-        f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside [{config.min_duration_s}, "
-        f"{config.max_duration_s}] s",
-        "bad_rows",
-    )
+            bad.append(f"{utt}: {duration} s outside {bounds}")
+    described = f"{len(bad)} of {table.num_rows} row(s) inconsistent or outside {bounds} s"
+    return _listing("durations", bad, described, "bad_rows")
 
 
 def speakers(table: pa.Table, listed: pa.Table) -> Audit:
-    if (missing := _missing("speakers", table, ("utt_id", "speaker_id", "file_sha256", "transcript"))) is not None:
+    columns = ("utt_id", "speaker_id", "file_sha256", "transcript")
+    listed_columns = ("speaker_id", "utterances", "manifest_hash")
+    if (missing := _missing("speakers", table, columns)) is not None:
         return missing
-    if (
-        missing := _missing(
-            "speakers", listed, ("speaker_id", "utterances", "manifest_hash"), layout.ManifestFiles.speakers.name
-        )
-    ) is not None:
+    if (missing := _missing("speakers", listed, listed_columns, layout.ManifestFiles.speakers.name)) is not None:
         return missing
     triples: dict[str, list[tuple[str, str, str]]] = {}
-    for utt, speaker, sha, text in zip(
-        *(table.column(c).to_pylist() for c in ("utt_id", "speaker_id", "file_sha256", "transcript")), strict=True
-    ):
+    for utt, speaker, sha, text in zip(*(table.column(c).to_pylist() for c in columns), strict=True):
         triples.setdefault(speaker, []).append((utt, sha, text))
     expected = {s: (len(t), hash_triples(t)) for s, t in triples.items()}
-    rows = listed.select(["speaker_id", "utterances", "manifest_hash"]).to_pylist()
+    rows = listed.select(list(listed_columns)).to_pylist()
     actual = {r["speaker_id"]: (r["utterances"], r["manifest_hash"]) for r in rows}
     problems = [f"{s}: not listed" for s in sorted(set(expected) - set(actual), key=str)]
     problems += [f"{s}: listed but has no manifest rows" for s in sorted(set(actual) - set(expected), key=str)]
@@ -187,12 +174,8 @@ def speakers(table: pa.Table, listed: pa.Table) -> Audit:
     ]
     if len(rows) != len(actual):
         problems.append(f"{len(rows) - len(actual)} speaker(s) listed twice")
-    return Audit(
-        "speakers",
-        not problems,
-        f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers",
-        {"problems": _examples(problems)},
-    )
+    described = f"{len(problems)} mismatch(es) between speakers.parquet and the manifest's {len(expected)} speakers"
+    return Audit("speakers", not problems, described, {"problems": _examples(problems)})
 
 
 def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:

@@ -53,9 +53,7 @@ def client_ids(num_clients: int) -> list[str]:
 
 
 def assign_clients(
-    speakers: list[SpeakerLoad],
-    num_clients: int,
-    previous: Mapping[str, str] | None = None,
+    speakers: list[SpeakerLoad], num_clients: int, previous: Mapping[str, str] | None = None
 ) -> list[ClientAssignment]:
     """Assign every speaker in ``speakers`` to one of ``num_clients`` clients.
 
@@ -63,12 +61,11 @@ def assign_clients(
     client when it still exists. Speakers absent from ``speakers`` are dropped.
     """
     clients = client_ids(num_clients)
-    valid = set(clients)
     load = {client: 0.0 for client in clients}
     chosen: dict[str, str] = {}
     for speaker in speakers:
         client = (previous or {}).get(speaker.speaker_id)
-        if client in valid:
+        if client in load:
             chosen[speaker.speaker_id] = client
             load[client] += speaker.hours
     newcomers = sorted((s for s in speakers if s.speaker_id not in chosen), key=lambda s: (-s.hours, s.speaker_id))
@@ -140,8 +137,7 @@ class ClientsTable:
         totals: dict[str, float] = {}
         for row in self.rows:
             totals[row.client_id] = totals.get(row.client_id, 0.0) + (0.0 if row.heldout else float(row.utterances))
-        missing = [c for c in clients if totals.get(c, 0) <= 0]
-        if missing:
+        if missing := [c for c in clients if totals.get(c, 0) <= 0]:
             raise ValueError(f"the clients table has no utterances for {missing}")
         return {c: totals[c] for c in clients}
 
@@ -149,8 +145,7 @@ class ClientsTable:
 def read_clients(path: str | os.PathLike[str]) -> ClientsTable:
     """The clients table. A table written before the held-out split was recorded in it is
     refused: re-materialise ``client_partitions``."""
-    names = pq.read_schema(path).names
-    if "heldout" not in names:
+    if "heldout" not in pq.read_schema(path).names:
         raise ValueError(
             f"{path} has no heldout column (written by an older version): re-materialise client_partitions"
         )

@@ -26,16 +26,13 @@ def why_unsafe(value: str) -> str | None:
         return "is empty"
     if len(value) > MAX_LENGTH:
         return f"is {len(value)} characters long (at most {MAX_LENGTH})"
-    bad = sorted({c for c in value if not _SAFE.fullmatch(c)})
-    if bad:
-        shown = ", ".join(repr(c) for c in bad[:5])
-        return f"contains {shown} (only ASCII letters, digits, '_' and '-' are allowed)"
-    return None
+    # 1-64 characters that do not match: at least one of them is not allowed
+    shown = ", ".join(repr(c) for c in sorted({c for c in value if not _SAFE.fullmatch(c)})[:5])
+    return f"contains {shown} (only ASCII letters, digits, '_' and '-' are allowed)"
 
 
 def check_safe_id(value: str, what: str = "id") -> str:
     """Return ``value`` if it is safe; raise ``ValueError`` naming ``what`` otherwise."""
-    reason = why_unsafe(value)
-    if reason is not None:
+    if (reason := why_unsafe(value)) is not None:
         raise ValueError(f"{what} {value!r} {reason}")
     return value

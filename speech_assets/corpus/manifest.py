@@ -35,6 +35,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from speech_assets.corpus.ids import why_unsafe
 from speech_assets.corpus.rejects import RejectReason, RejectRow
+from speech_assets.runtime.processes import die_with_parent
 from speech_assets.utils import atomic_path, sha256_strings
 
 AUDIO_SUFFIXES = (".flac", ".wav")
@@ -155,6 +156,7 @@ MAX_TRANSCRIPT_FILE_BYTES = 64 << 20
 # sparse file without a newline would otherwise be one line of its whole size)
 MAX_MANIFEST_LINE_BYTES = 16 << 20
 _SKIP_CHUNK = 1 << 20
+_TOO_LONG = f"is longer than {MAX_MANIFEST_LINE_BYTES} bytes (not read)"
 
 _OPEN_FLAGS = (
     os.O_RDONLY
@@ -252,9 +254,7 @@ def _walk_corpus_files(root: Path) -> Iterator[str]:
 
 def discover(location: Path) -> tuple[list[Candidate], list[RejectRow]]:
     """Candidates declared by the corpus and rejects that need no audio (e.g. no transcript)."""
-    if is_manifest_file(location):
-        return _discover_manifest_file(location)
-    return _discover_librispeech(location)
+    return _discover_manifest_file(location) if is_manifest_file(location) else _discover_librispeech(location)
 
 
 def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]:
@@ -283,7 +283,9 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
     for folder in sorted(map(Path, set(transcripts) | set(audio))):
         texts = transcripts.get(str(folder), {})
         files = audio.get(str(folder), {})  # utt_id -> path: strings, as pathlib would write them
-        speaker_id, chapter_id = _speaker_chapter(root, folder)
+        parts = folder.relative_to(root).parts
+        speaker_id = parts[-2] if len(parts) >= 2 else (parts[-1] if parts else "unknown")
+        chapter_id = parts[-1] if len(parts) >= 2 else "0"
         for utt_id in sorted(set(texts) | set(files)):
             text = normalise_transcript(texts.get(utt_id, ""))
             if utt_id not in files:
@@ -300,24 +302,10 @@ def _discover_librispeech(root: Path) -> tuple[list[Candidate], list[RejectRow]]
                 )
                 rejects.append(RejectRow(utt_id, files[utt_id], "manifest", RejectReason.NO_TRANSCRIPT, detail))
                 continue
-            parts = utt_id.split("-")
-            candidates.append(
-                Candidate(
-                    utt_id=utt_id,
-                    speaker_id=parts[0] if len(parts) == 3 else speaker_id,
-                    chapter_id=parts[1] if len(parts) == 3 else chapter_id,
-                    transcript=text,
-                    path=files[utt_id],
-                )
-            )
+            ids = utt_id.split("-")
+            speaker, chapter = (ids[0], ids[1]) if len(ids) == 3 else (speaker_id, chapter_id)
+            candidates.append(Candidate(utt_id, speaker, chapter, text, files[utt_id]))
     return candidates, rejects
-
-
-def _speaker_chapter(root: Path, folder: Path) -> tuple[str, str]:
-    parts = folder.relative_to(root).parts
-    speaker = parts[-2] if len(parts) >= 2 else (parts[-1] if parts else "unknown")
-    chapter = parts[-1] if len(parts) >= 2 else "0"
-    return speaker, chapter
 
 
 def _read_trans_file(path: str, root: str) -> dict[str, str]:
@@ -343,25 +331,23 @@ _FIELDS = (*REQUIRED_COLUMNS, "utt_id", "chapter_id")
 def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[RejectRow]]:
     candidates: list[Candidate] = []
     rejects: list[RejectRow] = []
+
+    def reject(utt_id: str, where: object, reason: RejectReason, detail: str) -> None:  # of the current line
+        rejects.append(RejectRow(utt_id, str(where), "manifest", reason, f"line {line}: {detail}"))
+
     for line, record in _read_manifest_records(manifest):
         if isinstance(record, str):  # the line could not be read into a record
-            rejects.append(
-                RejectRow(f"line-{line}", str(manifest), "manifest", RejectReason.UNREADABLE, f"line {line}: {record}")
-            )
+            reject(f"line-{line}", manifest, RejectReason.UNREADABLE, record)
             continue
         raw_path = record["path"].strip()
         utt_id = record["utt_id"].strip() or (Path(raw_path).stem if raw_path else f"line-{line}")
         if not raw_path:
-            rejects.append(
-                RejectRow(utt_id, str(manifest), "manifest", RejectReason.MISSING_FILE, f"line {line}: no path")
-            )
+            reject(utt_id, manifest, RejectReason.MISSING_FILE, "no path")
             continue
         path = Path(raw_path) if os.path.isabs(raw_path) else manifest.parent / raw_path
         text = normalise_transcript(record["transcript"])
         if not text:
-            rejects.append(
-                RejectRow(utt_id, str(path), "manifest", RejectReason.NO_TRANSCRIPT, f"line {line}: empty transcript")
-            )
+            reject(utt_id, path, RejectReason.NO_TRANSCRIPT, "empty transcript")
             continue
         speaker = record["speaker_id"].strip()  # empty: an invalid_id reject, not a failed run
         chapter = record["chapter_id"].strip() or "0"
@@ -390,23 +376,19 @@ def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str]
         raise CorpusError(f"corpus manifest {manifest} cannot be read: {err.strerror or err}") from err
 
 
-def _bounded_lines(handle: BinaryIO, limit: int = MAX_MANIFEST_LINE_BYTES) -> Iterator[bytes | None]:
-    """The lines of ``handle`` (newline kept), ``None`` for one longer than ``limit`` bytes: the
-    rest of that line is read in chunks and dropped, so no more than ``limit`` bytes are held."""
+def _bounded_lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``handle`` (newline kept), ``None`` for one longer than the limit: the rest of
+    that line is read in chunks and dropped, so no more than the limit is held."""
     while True:
-        line = handle.readline(limit + 1)
+        line = handle.readline(MAX_MANIFEST_LINE_BYTES + 1)
         if not line:
             return
-        if len(line) <= limit or line.endswith(b"\n"):
+        if len(line) <= MAX_MANIFEST_LINE_BYTES or line.endswith(b"\n"):
             yield line
             continue
         while (rest := handle.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
             pass
         yield None
-
-
-def _too_long(limit: int = MAX_MANIFEST_LINE_BYTES) -> str:
-    return f"is longer than {limit} bytes (not read)"
 
 
 def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
@@ -424,58 +406,43 @@ def _read_csv_records(handle: BinaryIO, manifest: Path) -> Iterator[tuple[int, d
                 yield line.decode("utf-8-sig" if number == 1 else "utf-8", errors="surrogateescape")
 
     reader = csv.reader(text_lines(handle))
-    header = _csv_header(manifest, reader)
-    width = len(header)
-    while True:
-        start = reader.line_num + 1
-        values: list[str] | str | None
-        try:
-            values = next(reader)
-        except StopIteration:
-            values = None
-        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
-            values = f"cannot be parsed as CSV ({err})"
-        skipped = [(number, _too_long()) for number in too_long]
-        too_long.clear()
-        yield from skipped
-        if values is None:
-            return
-        if isinstance(values, str):
-            yield reader.line_num, values
-            continue
-        if not values:  # a blank line
-            continue
-        if len(values) != width:
-            yield start, f"has {len(values)} fields, the header names {width}"
-            continue
-        record = dict(zip(header, values, strict=True))
-        problem = _record_problem(record)
-        yield start, problem if problem is not None else {name: record.get(name, "") for name in _FIELDS}
-
-
-def _csv_header(manifest: Path, reader: Iterator[list[str]]) -> list[str]:
     try:
         header = [name.strip() for name in next(reader, [])]
     except csv.Error as err:
         raise CorpusError(f"{manifest}: the header line cannot be parsed as CSV ({err})") from err
-    duplicated = sorted({name for name in header if header.count(name) > 1})
-    if duplicated:
+    if duplicated := sorted({name for name in header if header.count(name) > 1}):
         raise CorpusError(
             f"{manifest}: the header line names {', '.join(repr(name) for name in duplicated)} more than once "
             "(which column to use would be a guess)"
         )
-    missing = [name for name in REQUIRED_COLUMNS if name not in header]
-    if missing:
+    if missing := [name for name in REQUIRED_COLUMNS if name not in header]:
         raise CorpusError(
             f"{manifest}: missing columns {missing} in the header line (a UTF-8 CSV with columns {', '.join(_FIELDS)})"
         )
-    return header
+    while True:
+        start = reader.line_num + 1
+        values: list[str] | str | None
+        try:
+            values = next(reader, None)
+        except csv.Error as err:  # e.g. a field over csv.field_size_limit(): the rest of its line is skipped
+            values = f"cannot be parsed as CSV ({err})"
+        yield from [(number, _TOO_LONG) for number in too_long]
+        too_long.clear()
+        if values is None:
+            return
+        if isinstance(values, str):
+            yield reader.line_num, values
+        elif values and len(values) != len(header):
+            yield start, f"has {len(values)} fields, the header names {len(header)}"
+        elif values:  # not a blank line
+            record = dict(zip(header, values, strict=True))
+            yield start, _record_problem(record) or {name: record.get(name, "") for name in _FIELDS}
 
 
 def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] | str]]:
     for number, raw in enumerate(_bounded_lines(handle), start=1):
         if raw is None:
-            yield number, _too_long()
+            yield number, _TOO_LONG
             continue
         try:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -492,23 +459,13 @@ def _read_jsonl_records(handle: BinaryIO) -> Iterator[tuple[int, dict[str, str] 
         if not isinstance(record, dict):
             yield number, f"is not a JSON object (a {type(record).__name__})"
             continue
-        yield number, _json_fields(record)
-
-
-def _json_fields(record: Mapping[str, object]) -> dict[str, str] | str:
-    """The record's :data:`_FIELDS` as text, or why they are not."""
-    fields_as_text: dict[str, str] = {}
-    for name in _FIELDS:
-        value = record.get(name)
-        if value is None:
-            value = ""
-        elif isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)  # numeric ids, as LibriSpeech's are
-        elif not isinstance(value, str):
-            return f"field {name!r} is a JSON {type(value).__name__}, not a string"
-        fields_as_text[name] = value
-    problem = _record_problem(fields_as_text)
-    return problem if problem is not None else fields_as_text
+        wrong = next((name for name in _FIELDS if type(record.get(name)) not in (str, int, type(None))), None)
+        if wrong is not None:
+            yield number, f"field {wrong!r} is a JSON {type(record[wrong]).__name__}, not a string"
+            continue
+        # an int is a numeric id, as LibriSpeech's are
+        texts = {name: "" if record.get(name) is None else str(record[name]) for name in _FIELDS}
+        yield number, _record_problem(texts) or texts
 
 
 def _record_problem(record: Mapping[str, str]) -> str | None:
@@ -526,21 +483,10 @@ def _record_problem(record: Mapping[str, str]) -> str | None:
 
 _BLOCK_FRAMES = 1 << 16
 _UNKNOWN_LENGTH = 2**63 - 1  # SF_COUNT_MAX: what libsndfile reports for a FLAC with no total in its header
-_HASH_CHUNK = 1 << 20
+_HEAD_BYTES = 1 << 20
 
 
 _SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PCM_32": "int32"}  # others: int16
-
-
-def _file_digest(handle: BinaryIO) -> tuple[str, bytes]:
-    """The open file's sha256 and its first bytes (up to 1 MiB: where a WAV's chunk headers are)."""
-    digest = hashlib.sha256()
-    head = b""
-    handle.seek(0)
-    for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
-        head = head or chunk
-        digest.update(chunk)
-    return digest.hexdigest(), head
 
 
 def riff_data_problem(head: bytes, size: int) -> str | None:
@@ -605,15 +551,10 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
     try:
         with sf.SoundFile(handle.fileno(), closefd=False) as audio:
             declared, sample_rate, channels = audio.frames, audio.samplerate, audio.channels
-
-            def header_only(num_samples: int) -> AudioProbe:
-                return AudioProbe(
-                    **base, sample_rate=sample_rate, channels=channels, num_samples=num_samples, decoded=False
-                )
-
+            facts = {**base, "sample_rate": sample_rate, "channels": channels}
+            header = AudioProbe(**facts, num_samples=max(declared, 0), decoded=False)  # judged from it alone
             if config is not None and config.format_problem(sample_rate, channels) is not None:
-                # judged from the header: never decoded (a thousand channels) nor resampled (an odd rate)
-                return header_only(max(declared, 0))
+                return header  # never decoded (a thousand channels) nor resampled (an odd rate)
             if declared >= _UNKNOWN_LENGTH:
                 # libsndfile can neither seek nor read such a file through soundfile; rejecting
                 # it as too long from a made-up duration would misreport it
@@ -621,34 +562,30 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
                     **base,
                     error="header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
                 )
-            if (
-                config is not None
-                and declared > 0
-                and not config.min_duration_s <= declared / sample_rate <= config.max_duration_s
-            ):
-                return header_only(declared)
+            if config is not None and declared > 0 and _out_of_bounds(header, config):
+                return header
             limit = None if config is None else int(config.max_duration_s * sample_rate) + 1
             dtype = _SAMPLE_TYPES.get(audio.subtype, "int16")
             samples = hashlib.sha256(f"{sample_rate}|{channels}|{dtype}|".encode())
             decoded = 0
             for block in audio.blocks(blocksize=_BLOCK_FRAMES, dtype=dtype, always_2d=True):  # (frames, channels)
                 if dtype.startswith("float") and not (finite := np.isfinite(block).all(axis=1)).all():
-                    return AudioProbe(
-                        **base,
-                        error=f"float samples include NaN or infinity (first at frame "
-                        f"{decoded + int(np.argmin(finite))})",
-                    )
+                    first = decoded + int(np.argmin(finite))
+                    return AudioProbe(**base, error=f"float samples include NaN or infinity (first at frame {first})")
                 decoded += block.shape[0]
                 samples.update(block)
                 if limit is not None and declared <= 0 and decoded > limit:  # no length in the header
-                    return header_only(decoded)
+                    return AudioProbe(**facts, num_samples=decoded, decoded=False)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as err:
         reason = getattr(err, "error_string", None) or str(err)
         return AudioProbe(**base, error=f"cannot decode as audio: {reason}")
     if decoded == 0:
         return AudioProbe(**base, error="decodes to zero samples")
     try:
-        digest, head = _file_digest(handle)
+        handle.seek(0)
+        head = handle.read(_HEAD_BYTES)  # where a WAV's chunk headers are
+        handle.seek(0)
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
     except OSError as err:
         return AudioProbe(**base, error=f"cannot read: {err.strerror or err}")
     if declared > 0 and declared != decoded:
@@ -659,14 +596,7 @@ def _probe_open(handle: BinaryIO, stat: os.stat_result, config: ValidationConfig
         )
     if (problem := riff_data_problem(head, stat.st_size)) is not None:
         return AudioProbe(**base, file_sha256=digest, error=problem)
-    return AudioProbe(
-        **base,
-        sample_rate=sample_rate,
-        channels=channels,
-        num_samples=decoded,
-        file_sha256=digest,
-        audio_sha256=samples.hexdigest(),
-    )
+    return AudioProbe(**facts, num_samples=decoded, file_sha256=digest, audio_sha256=samples.hexdigest())
 
 
 def _cache_key(path: str, size: int, mtime_ns: int) -> str:
@@ -698,7 +628,8 @@ def probe_all(
     probe = functools.partial(probe_audio, config=config, root=None if root is None else os.path.realpath(root))
     with contextlib.ExitStack() as stack:
         if workers > 1 and len(todo) > 32:
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_init_probe_worker))
+            # a killed validation run leaves no decoder behind
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=die_with_parent))
             probes: Iterable[AudioProbe] = pool.map(probe, todo, chunksize=16)
         else:
             probes = map(probe, todo)
@@ -707,12 +638,6 @@ def probe_all(
             if progress is not None:
                 progress(path, done, len(todo))
     return results, len(todo)
-
-
-def _init_probe_worker() -> None:
-    from speech_assets.runtime.processes import die_with_parent
-
-    die_with_parent()  # a killed validation run leaves no decoder behind
 
 
 def _out_of_bounds(probe: AudioProbe, config: ValidationConfig) -> bool:
@@ -761,17 +686,15 @@ def scan_corpus(
             inside.append((candidate, resolved))
             stats[resolved] = stat
 
-    probes, decoded = probe_all(
-        sorted({path for _, path in inside}), dict(cache or {}), workers, config, progress, stats, root
-    )
+    paths = sorted({path for _, path in inside})
+    probes, decoded = probe_all(paths, dict(cache or {}), workers, config, progress, stats, root)
     rows: list[ManifestRow] = []
     kept_at: dict[str, str] = {}
     kept_audio: dict[str, str] = {}  # audio_sha256 -> the utt_id kept with it
     for candidate, path in sorted(inside, key=lambda item: (item[0].utt_id, item[1])):
         probe = probes[path]
-        reject = _judge(candidate, path, probe, config, kept_at, kept_audio)
-        if reject is not None:
-            rejects.append(reject)
+        if (problem := _judge(candidate.utt_id, probe, config, kept_at, kept_audio)) is not None:
+            rejects.append(RejectRow(candidate.utt_id, path, "manifest", *problem))
             continue
         kept_at[candidate.utt_id] = path
         if probe.audio_sha256:
@@ -808,16 +731,13 @@ class RealPaths:
     symlink is resolved in full): one ``lstat`` per file instead of one per path component."""
 
     def __init__(self) -> None:
-        self._folders: dict[str, str] = {}
+        self._folder = functools.cache(lambda folder: os.path.realpath(folder or os.curdir))
 
     def __call__(self, path: str) -> str:
         folder, name = os.path.split(path)
         if name in ("", os.curdir, os.pardir) or os.path.islink(path):
             return os.path.realpath(path)
-        real = self._folders.get(folder)
-        if real is None:
-            real = self._folders[folder] = os.path.realpath(folder or os.curdir)
-        return os.path.join(real, name)
+        return os.path.join(self._folder(folder), name)
 
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
@@ -839,34 +759,21 @@ def _id_detail(what: str, value: str, reason: str) -> str:
 
 
 def _judge(
-    candidate: Candidate,
-    path: str,
-    probe: AudioProbe,
-    config: ValidationConfig,
-    kept_at: dict[str, str],
-    kept_audio: dict[str, str],
-) -> RejectRow | None:
-    def reject(reason: RejectReason, detail: str) -> RejectRow:
-        return RejectRow(candidate.utt_id, path, "manifest", reason, detail)
-
+    utt_id: str, probe: AudioProbe, config: ValidationConfig, kept_at: dict[str, str], kept_audio: dict[str, str]
+) -> tuple[RejectReason, str] | None:
     if probe.error:
-        return reject(RejectReason(probe.reason or RejectReason.UNREADABLE), probe.error)
+        return RejectReason(probe.reason or RejectReason.UNREADABLE), probe.error
     if (problem := config.format_problem(probe.sample_rate, probe.channels)) is not None:
-        return reject(RejectReason.UNSUPPORTED_FORMAT, problem)
-    if candidate.utt_id in kept_at:
-        return reject(
-            RejectReason.DUPLICATE_ID, f"utt_id {candidate.utt_id} already kept from {kept_at[candidate.utt_id]}"
-        )
+        return RejectReason.UNSUPPORTED_FORMAT, problem
+    if utt_id in kept_at:
+        return RejectReason.DUPLICATE_ID, f"utt_id {utt_id} already kept from {kept_at[utt_id]}"
     duration = probe.num_samples / probe.sample_rate
     if duration < config.min_duration_s:
-        return reject(
-            RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}"
-        )
+        return RejectReason.TOO_SHORT, f"{duration:.3f} s is shorter than min_duration_s={config.min_duration_s}"
     if duration > config.max_duration_s:
-        return reject(RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}")
-    first = kept_audio.get(probe.audio_sha256) if probe.audio_sha256 else None
-    if first is not None:
-        return reject(
+        return RejectReason.TOO_LONG, f"{duration:.3f} s is longer than max_duration_s={config.max_duration_s}"
+    if probe.audio_sha256 and (first := kept_audio.get(probe.audio_sha256)) is not None:
+        return (
             RejectReason.DUPLICATE_AUDIO,
             f"the same decoded audio as {first} (kept from {kept_at[first]}): one recording under two ids",
         )
@@ -925,16 +832,13 @@ def read_manifest(path: Path) -> list[ManifestRow]:
 
 
 def load_cache(path: Path) -> dict[str, AudioProbe]:
-    if not path.exists():
-        return {}
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid):
-        return {}  # a damaged cache only costs a re-decode
+        return {}  # none yet, or a damaged one: it only costs a re-decode
     if table.column_names != _CACHE_SCHEMA.names:
         return {}  # written by a version that checked less (or other) than this one: decode again
-    records = table.to_pylist()
-    return {record.pop("key"): AudioProbe(**record) for record in records}
+    return {record.pop("key"): AudioProbe(**record) for record in table.to_pylist()}
 
 
 def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:

@@ -51,6 +51,9 @@ class Publication:
         return not self.failed
 
 
+_STAGED = ("rejects", "speakers", "manifest")  # renamed into place in this order: sidecars first, rows last
+
+
 @contextlib.contextmanager
 def publish_manifest(
     rows: Sequence[ManifestRow],
@@ -68,9 +71,7 @@ def publish_manifest(
         shutil.rmtree(files.staging, ignore_errors=True)
         staging = files.staging / staging_name
         try:
-            staged = audit.ManifestFiles(
-                staging / files.manifest.name, staging / files.rejects.name, staging / files.speakers.name
-            )
+            staged = audit.ManifestFiles(**{name: staging / getattr(files, name).name for name in _STAGED})
             write_manifest(staged.manifest, rows)
             write_rejects(staged.rejects, rejects)
             per_speaker = write_speakers(staged.speakers, rows)
@@ -78,12 +79,8 @@ def publish_manifest(
                 audit.audit_manifest(staged, corpus_root, validation, max_reject_ratio), per_speaker
             )
             if publication.published:
-                for source, target in (
-                    (staged.rejects, files.rejects),
-                    (staged.speakers, files.speakers),
-                    (staged.manifest, files.manifest),
-                ):
-                    os.replace(source, target)
+                for name in _STAGED:
+                    os.replace(getattr(staged, name), getattr(files, name))
                 fsync_dir(files.root)
         finally:
             shutil.rmtree(files.staging, ignore_errors=True)

@@ -75,9 +75,7 @@ def _speak(sources: Sequence[SourceUtterance], target_s: float, rng: np.random.G
         if length >= target:
             break
     audio = np.concatenate(pieces)[:target]
-    if audio.shape[0] < target:
-        audio = np.concatenate([audio, np.zeros(target - audio.shape[0], np.float32)])
-    return audio, " ".join(words)
+    return np.pad(audio, (0, target - audio.shape[0])), " ".join(words)
 
 
 def _write_speaker(job: tuple[int, int, float, int, str, str]) -> tuple[str, float, int]:

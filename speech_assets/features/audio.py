@@ -142,17 +142,13 @@ def normalise_peak(
     silence is returned unscaled. ``in_place``: scale a writable float32 ``wave`` itself (a second
     multi-MB array per utterance costs more in page faults than the multiply)."""
     reuse = in_place and wave.dtype == np.float32 and wave.flags.writeable
-    if wave.size == 0:
-        return wave if reuse else wave.astype(np.float32, copy=True)
-    peak = float(max(wave.max(), -wave.min()))
+    peak = float(max(wave.max(), -wave.min())) if wave.size else 0.0
     if not math.isfinite(peak):
         raise ValueError("waveform contains NaN or infinite samples")
     if peak < SILENCE_PEAK:
         return wave if reuse else wave.astype(np.float32, copy=True)
     gain = np.float32(min(target / peak, 10.0 ** (max_gain_db / 20.0)))
-    if reuse:
-        return np.multiply(wave, gain, out=wave)
-    return np.multiply(wave, gain, dtype=np.float32)
+    return np.multiply(wave, gain, out=wave if reuse else None, dtype=np.float32)
 
 
 def to_16k_mono(audio: np.ndarray, sample_rate: int, *, in_place: bool = False) -> np.ndarray:

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import os
 import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ from speech_assets.features.shards import (
 )
 from speech_assets.features.vad import NoSpeech, VadConfig, detect_speech
 from speech_assets.layout import sidecar_paths
-from speech_assets.runtime.heap import frozen_heap
+from speech_assets.runtime.heap import frozen_heap, scratch
 from speech_assets.runtime.locks import exclusive_lock
 
 
@@ -54,7 +53,6 @@ class ShardResult:
     audio_seconds: float
     trimmed_seconds: float
     frames: int = 0
-    wall_seconds: float = 0.0
 
 
 def speed_perturbed_id(utt_id: str, factor: float) -> str:
@@ -121,19 +119,6 @@ def process_variants(
     return results
 
 
-_SUMS_SCRATCH = threading.local()
-
-
-def _sums_buffer(size: int) -> torch.Tensor:
-    """A per-thread reusable flat float64 buffer of at least ``size`` elements: a fresh multi-MB
-    array per utterance costs more in page faults than the conversion itself."""
-    buffer = getattr(_SUMS_SCRATCH, "buffer", None)
-    if buffer is None or buffer.shape[0] < size:
-        buffer = torch.empty(max(size, 1 << 18), dtype=torch.float64)
-        _SUMS_SCRATCH.buffer = buffer
-    return buffer
-
-
 def stored_partial_sums(frames: np.ndarray) -> PartialSums:
     """``PartialSums.of(frames)`` bit for bit, with less CPU.
 
@@ -143,7 +128,7 @@ def stored_partial_sums(frames: np.ndarray) -> PartialSums:
     """
     frames = np.asarray(frames)
     if frames.ndim == 2 and frames.dtype in (np.float16, np.float32) and frames.flags.writeable:
-        as64 = _sums_buffer(frames.size)[: frames.size].view(frames.shape)
+        as64 = torch.from_numpy(scratch("float64", np.float64, frames.size)).view(frames.shape)
         values = as64.copy_(torch.from_numpy(np.ascontiguousarray(frames))).numpy()
     else:  # read-only (torch.from_numpy would warn) or other dtypes: plain numpy
         values = np.asarray(frames, dtype=np.float64)
@@ -159,7 +144,6 @@ def build_shard(
 ) -> ShardResult:
     """Featurise ``utterances`` (and their ``speed_factors`` copies) into one shard at ``out_path``,
     an empty one when every utterance is rejected; its bytes depend only on inputs and config."""
-    started = time.perf_counter()
     ids = [u.utt_id for u in utterances]
     if len(set(ids)) != len(ids):
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
@@ -168,7 +152,7 @@ def build_shard(
     stored = FEATURE_DTYPES[SHARD_FORMAT]  # features come out of the extractor as the shard stores them
     records: list[FeatureRecord] = []
     rejects: list[RejectRow] = []
-    sums: dict[tuple[str, str], PartialSums] = {}
+    stats = ShardStats()
     audio_seconds = 0.0
     # The records' objects are no cyclic garbage; a full collection of a torch process's heap
     # (~200k objects, ~95 ms) every few shards is not worth it (runtime.heap).
@@ -191,14 +175,12 @@ def build_shard(
                     continue
                 audio_seconds += result.duration_s
                 records.append(result)
+                sums = stats.speakers.setdefault(result.speaker_id, {})
                 for name, part in parts.items():
-                    key = (result.speaker_id, name)
-                    sums[key] = sums[key] + part if key in sums else part
+                    sums[name] = sums[name] + part if name in sums else part
         records.sort(key=lambda r: r.utt_id)
         path = write_shard(out_path, records, finite_checked=True)  # every record passed the check on its sums
-    stats = ShardStats()
-    for (speaker, name), part in sorted(sums.items()):
-        stats.speakers.setdefault(speaker, {})[name] = part
+    stats.speakers = dict(sorted(stats.speakers.items()))
     return ShardResult(
         path=Path(path),
         records=len(records),
@@ -207,7 +189,6 @@ def build_shard(
         audio_seconds=audio_seconds,
         trimmed_seconds=float(sum(r.trimmed_duration_s for r in records)),
         frames=int(sum(r.num_frames for r in records)),
-        wall_seconds=time.perf_counter() - started,
     )
 
 
@@ -247,9 +228,10 @@ def build_and_publish(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtra
         return ShardOutcome(job.speaker_id, meta, rebuilt=True)
 
 
-def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor) -> ShardOutcome:
+def _publish_or_report(job: ShardJob, vad_cfg: VadConfig, extractor: FeatureExtractor | None = None) -> ShardOutcome:
+    """``extractor`` None: a helper process's own."""
     try:
-        return build_and_publish(job, vad_cfg, extractor)
+        return build_and_publish(job, vad_cfg, extractor or _worker_extractor())
     except Exception:  # noqa: BLE001 - one bad shard must not lose the others; reported per shard
         return ShardOutcome(job.speaker_id, None, rebuilt=False, error=traceback.format_exc(limit=8))
 
@@ -268,10 +250,6 @@ def _init_worker() -> None:
 @functools.cache
 def _worker_extractor() -> FeatureExtractor:
     return FeatureExtractor()
-
-
-def _publish_job(job: ShardJob, vad_cfg: VadConfig) -> ShardOutcome:
-    return _publish_or_report(job, vad_cfg, _worker_extractor())
 
 
 def iter_publish_shards(
@@ -324,18 +302,6 @@ def plan_shards(jobs: Sequence[ShardJob], workers: int | None = None) -> ShardPl
     return ShardPlan(ordered, len(todo), max(0, min(int(workers), len(todo)) - 1))
 
 
-def _helper_ready() -> int:
-    """A helper's first task: it ends as soon as the helper has started and is free."""
-    return os.getpid()
-
-
-def _helper_outcome(future: Future, job: ShardJob) -> ShardOutcome:
-    try:
-        return future.result()
-    except Exception:  # noqa: BLE001 - the helper process itself died (e.g. OOM kill)
-        return ShardOutcome(job.speaker_id, None, False, error=traceback.format_exc(limit=4))
-
-
 def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterator[ShardOutcome]:
     """This process builds shards from the first second on while the helper processes start (a
     fresh interpreter importing torch takes seconds); each helper takes the next shard whenever
@@ -365,7 +331,7 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
             job = pending.popleft()
             state["outstanding"] += 1
         try:
-            future = pool.submit(_publish_job, job, vad_cfg)
+            future = pool.submit(_publish_or_report, job, vad_cfg)
         except Exception:  # noqa: BLE001 - the pool broke or is shutting down: this process builds it
             with lock:
                 pending.appendleft(job)
@@ -378,13 +344,17 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
         if item is not None:
             with lock:
                 state["outstanding"] -= 1
-            yield _helper_outcome(*item)
+            try:
+                outcome = item[0].result()
+            except Exception:  # noqa: BLE001 - the helper process itself died (e.g. OOM kill)
+                outcome = ShardOutcome(item[1].speaker_id, None, False, error=traceback.format_exc(limit=4))
+            yield outcome
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(helpers):
-            pool.submit(_helper_ready).add_done_callback(hand_out)
+        for _ in range(helpers):  # a helper's first task ends as soon as it has started and is free
+            pool.submit(os.getpid).add_done_callback(hand_out)
         extractor = FeatureExtractor()
         with frozen_heap():
             while True:

@@ -100,10 +100,7 @@ def combine(parts: Iterable[ShardStats], speakers: Iterable[str] | None = None) 
 def merge(parts: Iterable[ShardStats]) -> ShardStats:
     """Every part's per-speaker sums in one ``ShardStats`` (a speaker found in several parts keeps
     the last part's sums: each speaker has one shard)."""
-    merged = ShardStats()
-    for part in parts:
-        merged.speakers.update(part.speakers)
-    return merged
+    return ShardStats({speaker: sums for part in parts for speaker, sums in part.speakers.items()})
 
 
 def speakers_table(speakers: Sequence[str], metas: Mapping[str, Mapping], per_speaker: ShardStats) -> pa.Table:

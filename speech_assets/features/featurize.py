@@ -19,15 +19,8 @@ import numpy as np
 import torch
 import torchaudio.functional as AF
 
-from speech_assets.features.shards import (
-    HOP_LENGTH,
-    MFCC_DIM,
-    N_MELS,
-    N_MFCC,
-    SAMPLE_RATE,
-    WIN_LENGTH,
-    num_frames_for,
-)
+from speech_assets.features.shards import HOP_LENGTH, MFCC_DIM, N_MELS, N_MFCC, SAMPLE_RATE, WIN_LENGTH, num_frames_for
+from speech_assets.runtime.heap import scratch
 
 LOG_FLOOR = 1e-6
 PREEMPHASIS = 0.97
@@ -35,11 +28,6 @@ MFCC_MELS = 23
 CEPSTRAL_LIFTER = 22.0
 F_MIN = 20.0
 _OUT_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
-
-
-def povey_window(length: int = WIN_LENGTH) -> torch.Tensor:
-    """Kaldi's Povey window: a symmetric Hann window raised to 0.85."""
-    return torch.hann_window(length, periodic=False, dtype=torch.float64).pow(0.85).to(torch.float32)
 
 
 class FeatureExtractor:
@@ -62,8 +50,8 @@ class FeatureExtractor:
     ) -> None:
         if n_fft < WIN_LENGTH:
             raise ValueError(f"n_fft must be >= the {WIN_LENGTH}-sample window, got {n_fft}")
-        if window == "povey":
-            win = povey_window()
+        if window == "povey":  # Kaldi's: a symmetric Hann window raised to 0.85
+            win = torch.hann_window(WIN_LENGTH, periodic=False, dtype=torch.float64).pow(0.85).to(torch.float32)
         elif window == "hann":
             win = torch.hann_window(WIN_LENGTH, periodic=False)
         elif window == "hamming":
@@ -91,7 +79,6 @@ class FeatureExtractor:
             n = torch.arange(N_MFCC, dtype=torch.float64)
             lifter = 1.0 + 0.5 * cepstral_lifter * torch.sin(math.pi * n / cepstral_lifter)
             dct = (dct.double() * lifter).float()
-        self.dct = dct.contiguous()
         self._dct_t = dct.T.contiguous()
 
     def describe(self) -> dict[str, Any]:
@@ -125,7 +112,7 @@ class FeatureExtractor:
         frames = x.unfold(0, WIN_LENGTH, HOP_LENGTH)  # (T, 400) strided view, no copy
         p = self.preemphasis
         if p:
-            z = self._vector("preemphasis", int(x.shape[0]))
+            z = torch.from_numpy(scratch("preemphasis", np.float32, int(x.shape[0])))
             torch.sub(x[1:], x[:-1], alpha=p, out=z[1:])
             z[:1] = x[:1]
         else:
@@ -147,17 +134,9 @@ class FeatureExtractor:
         spectrum.square_()
         # Written straight into a (F, T) buffer: the filterbank product wants frequency-major
         # input, and a strided write is cheaper than a separate transposing copy.
-        power_t = self._vector("power_t", n_freqs * num_frames).view(n_freqs, num_frames)
+        power_t = torch.from_numpy(scratch("power_t", np.float32, n_freqs * num_frames)).view(n_freqs, num_frames)
         torch.add(spectrum[:, 0::2], spectrum[:, 1::2], out=power_t.T)
         return power_t.T
-
-    def _vector(self, name: str, length: int) -> torch.Tensor:
-        """A reusable uninitialised float32 scratch vector."""
-        flat = self._scratch.get(name)
-        if flat is None or flat.shape[0] < length:
-            flat = torch.empty(max(length, 1 << 18), dtype=torch.float32)
-            self._scratch[name] = flat
-        return flat[:length]
 
     def _workspace(self, name: str, rows: int, cols: int) -> torch.Tensor:
         """A reusable zero-initialised float32 scratch buffer: untouched columns (the FFT padding) stay zero."""
@@ -172,8 +151,7 @@ class FeatureExtractor:
     ) -> tuple[np.ndarray, np.ndarray]:
         """16 kHz mono ``(N,)`` -> (log-mel ``(T, 80)``, MFCC+Δ+ΔΔ ``(T, 39)``) of ``dtype``; float16 is
         bit for bit ``.astype(np.float16)`` of the float32 result, without a float32 copy."""
-        out_dtype = _OUT_DTYPES.get(np.dtype(dtype))
-        if out_dtype is None:
+        if (out_dtype := _OUT_DTYPES.get(np.dtype(dtype))) is None:
             raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
         if isinstance(wave, np.ndarray):
             x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
@@ -188,7 +166,9 @@ class FeatureExtractor:
             power_t = self.power_spectrum(x).T  # (F, T), contiguous
             # Both filterbanks in one sparse product: each triangular filter touches a handful of
             # bins (~1k non-zeros of 26k), so COO sparse @ dense is ~5x faster than a dense matmul.
-            mel = self._vector("mel", self._fbanks_t.shape[0] * num_frames).view(-1, num_frames)
+            mel = torch.from_numpy(scratch("mel", np.float32, self._fbanks_t.shape[0] * num_frames)).view(
+                -1, num_frames
+            )
             torch.mm(self._fbanks_t, power_t, out=mel)  # (80 + mfcc_mels, T), COO sparse @ dense
             mel.add_(self.log_floor).log_()
             # The transposing copies write the outputs, cast on the way when dtype is float16.

@@ -74,18 +74,15 @@ def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) ->
         schema, where = pq.read_schema(source), str(source)
     metadata = schema.metadata or {}
     raw = metadata.get(FORMAT_KEY)
-    if raw is None:
-        version = 1
-    else:
-        try:
-            version = int(raw)
-        except ValueError:
-            version = -1
-        if version not in FEATURE_DTYPES:
-            raise ShardFormatError(
-                f"{where}: shard format {raw.decode(errors='replace')!r} is not one this code reads "
-                f"({', '.join(map(str, FEATURE_DTYPES))}); rebuild the shard or update speech_assets"
-            )
+    try:
+        version = 1 if raw is None else int(raw)
+    except ValueError:
+        version = -1
+    if version not in FEATURE_DTYPES:
+        raise ShardFormatError(
+            f"{where}: shard format {raw.decode(errors='replace')!r} is not one this code reads "
+            f"({', '.join(map(str, FEATURE_DTYPES))}); rebuild the shard or update speech_assets"
+        )
     dtype = metadata.get(DTYPE_KEY)
     if (dtype is not None or version > 1) and dtype != FEATURE_DTYPES[version].str.encode():
         raise ShardFormatError(
@@ -132,13 +129,8 @@ def _cast(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``matrix`` in ``dtype``; float32 -> float16 through torch when already imported (bit-identical,
     ~10x numpy's cast); the code location must not import torch."""
     torch = sys.modules.get("torch")
-    if (
-        torch is not None
-        and dtype == np.float16
-        and matrix.dtype == np.float32
-        and matrix.flags.c_contiguous
-        and matrix.flags.writeable
-    ):
+    halving = torch is not None and dtype == np.float16 and matrix.dtype == np.float32
+    if halving and matrix.flags.c_contiguous and matrix.flags.writeable:
         return torch.from_numpy(matrix).to(torch.float16).numpy()
     with np.errstate(over="ignore"):  # overflow to inf is reported by the caller
         return np.asarray(matrix, dtype=dtype)
@@ -160,20 +152,15 @@ def _feature_column(
 ) -> pa.ChunkedArray:
     """One binary column from one numpy buffer per chunk; ``checked``: matrices in ``dtype`` are known finite."""
     dim = FEATURE_DIMS[name]
-    matrices = []
-    for record in ordered:
-        matrix = getattr(record, name)
-        if matrix is None:
-            raise ValueError(f"{record.utt_id}: {name} missing, cannot write shard")
-        matrices.append(matrix)
+    matrices = [getattr(record, name) for record in ordered]
+    if (missing := next((r.utt_id for r, m in zip(ordered, matrices) if m is None), None)) is not None:
+        raise ValueError(f"{missing}: {name} missing, cannot write shard")
     row_bytes = np.array([m.shape[0] * dim * dtype.itemsize for m in matrices], dtype=np.int64)
     chunks, start = [], 0
     while start < len(matrices) or not chunks:
-        end = start
-        total = 0
-        while end < len(matrices) and (end == start or total + row_bytes[end] <= _MAX_CHUNK_BYTES):
-            total += int(row_bytes[end])
-            end += 1
+        # as many rows as the chunk's offsets can address, at least one
+        fits = int(np.searchsorted(np.cumsum(row_bytes[start:]), _MAX_CHUNK_BYTES, side="right"))
+        end = min(len(matrices), start + max(fits, 1))
         values = np.empty((int(sum(m.shape[0] for m in matrices[start:end])), dim), dtype=dtype)
         row = 0
         for matrix in matrices[start:end]:
@@ -242,9 +229,8 @@ def write_shard(
             table,
             tmp,
             compression=compression,
-            compression_level={
-                name: 1 for name, codec in compression.items() if codec == "zstd"
-            },  # level 1: as small as 3, less CPU
+            # level 1: as small as 3, less CPU
+            compression_level={name: 1 for name, codec in compression.items() if codec == "zstd"},
             use_dictionary=["speaker_id", "chapter_id"],
             write_statistics=["utt_id", "speaker_id", "num_frames"],
             row_group_size=row_group_rows,
@@ -306,8 +292,7 @@ def iter_shard(
     ``features``: the matrices to decode (``()``: scalars only). ``dtype``: theirs (``None``:
     read-only views of the stored blobs, for consumers that go through CMVN's ``apply``).
     """
-    unknown = set(features) - set(FEATURE_DIMS)
-    if unknown:
+    if unknown := set(features) - set(FEATURE_DIMS):
         raise ValueError(f"unknown feature columns: {sorted(unknown)}")
     parquet = pq.ParquetFile(path)
     stored = feature_dtype(parquet)  # also for scalars only: an unknown format is never read
@@ -391,9 +376,8 @@ def shard_problems(files: ShardFiles, meta: dict) -> list[str]:
             problems.append(f"{utt}: {frames} frames for {trimmed:.4f} s")
     if parquet.num_row_groups:
         dtype = feature_dtype(parquet)
-        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", "logmel", "mfcc"]).slice(
-            0, ROWS_SCANNED_PER_SHARD
-        )
+        group = parquet.read_row_group(0, columns=["utt_id", "num_frames", *FEATURE_DIMS])
+        group = group.slice(0, ROWS_SCANNED_PER_SHARD)
         utt_ids, frames = group.column("utt_id").to_pylist(), group.column("num_frames").to_numpy()
         for name, dim in FEATURE_DIMS.items():
             try:  # the feature bytes match the frames (a blob of another dtype would not)

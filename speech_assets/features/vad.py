@@ -11,7 +11,6 @@ the voiced time is below ``min_speech_s``, or the voiced share below ``min_speec
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import repeat
@@ -21,6 +20,8 @@ import numpy as np
 import webrtcvad
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from speech_assets.runtime.heap import scratch
 
 try:  # the C extension behind webrtcvad.Vad.is_speech; calling it directly skips a Python wrapper
     from _webrtcvad import process as _vad_process
@@ -119,26 +120,13 @@ def to_pcm16(wave: np.ndarray, out: np.ndarray | None = None, *, in_range: bool 
             out = np.empty(wave.shape, np.int16)
         # float32 products truncated toward zero as they are stored, exactly as below
         return np.multiply(wave, np.float32(32767.0), out=out, dtype=np.float32, casting="unsafe")
-    scaled = _scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
+    scaled = scratch("float32", np.float32, wave.shape[0]) if wave.ndim == 1 else None
     scaled = np.multiply(wave, np.float32(32767.0), dtype=np.float32, out=scaled)
     np.clip(scaled, -32768.0, 32767.0, out=scaled)
     if out is None:
         return scaled.astype(np.int16)
     np.copyto(out, scaled, casting="unsafe")  # truncation toward zero, as astype
     return out
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, dtype: type, length: int) -> np.ndarray:
-    """A per-thread reusable 1-D buffer of ``length`` elements: fresh multi-MB arrays per utterance
-    cost more in page faults than the arithmetic."""
-    buffer = getattr(_SCRATCH, name, None)
-    if buffer is None or buffer.shape[0] < length:
-        buffer = np.empty(max(length, 1 << 19), dtype)
-        setattr(_SCRATCH, name, buffer)
-    return buffer[:length]
 
 
 def classify_frames(pcm16: np.ndarray, cfg: VadConfig, sample_rate: int = VAD_SAMPLE_RATE) -> list[bool]:
@@ -230,39 +218,33 @@ def detect_speech(
     wave = np.asarray(wave16k)
     if wave.ndim != 1:
         raise ValueError(f"detect_speech expects mono (N,) audio, got shape {wave.shape}")
-    pcm16 = to_pcm16(wave, out=_scratch("int16", np.int16, wave.shape[0]), in_range=peak_normalised)
+    pcm16 = to_pcm16(wave, out=scratch("int16", np.int16, wave.shape[0]), in_range=peak_normalised)
     flags = classify_frames(pcm16, cfg, sample_rate)
     total = len(flags)
     seconds = wave.shape[0] / sample_rate
     if total == 0:
         return NoSpeech(f"audio is {seconds:.3f} s, shorter than one {cfg.frame_ms} ms VAD frame", 0, 0)
-    frames = collect_span(flags, cfg.padding_frames)
-    if frames is None:
+    if (frames := collect_span(flags, cfg.padding_frames)) is None:
         voiced = sum(flags)
-        return NoSpeech(
+        detail = (
             f"VAD (aggressiveness {cfg.aggressiveness}) never triggered: {voiced}/{total} frames voiced "
-            f"in {seconds:.2f} s, no {cfg.padding_ms} ms window more than 90% voiced",
-            voiced,
-            total,
+            f"in {seconds:.2f} s, no {cfg.padding_ms} ms window more than 90% voiced"
         )
+        return NoSpeech(detail, voiced, total)
     first, end = frames
     frame_samples = cfg.frame_samples(sample_rate)
     end_sample = wave.shape[0] if end == total else end * frame_samples
     span = SpeechSpan(first * frame_samples, end_sample, sum(flags[first:end]), total, cfg.frame_ms, sample_rate)
     if span.speech_s < cfg.min_speech_s:
-        return NoSpeech(
+        detail = (
             f"only {span.speech_s:.2f} s of voiced frames (< min_speech_s {cfg.min_speech_s:g} s) "
-            f"in {seconds:.2f} s of audio",
-            span.speech_frames,
-            total,
-            span,
+            f"in {seconds:.2f} s of audio"
         )
-    if span.speech_ratio < cfg.min_speech_ratio:
-        return NoSpeech(
+    elif span.speech_ratio < cfg.min_speech_ratio:
+        detail = (
             f"speech ratio {span.speech_ratio:.3f} (< min_speech_ratio {cfg.min_speech_ratio:g}): "
-            f"{span.speech_frames}/{total} frames voiced in {seconds:.2f} s of audio",
-            span.speech_frames,
-            total,
-            span,
+            f"{span.speech_frames}/{total} frames voiced in {seconds:.2f} s of audio"
         )
-    return span
+    else:
+        return span
+    return NoSpeech(detail, span.speech_frames, total, span)

@@ -33,9 +33,7 @@ class Fault:
     marker: str | None = None
 
     def matches(self, point: str, where: dict[str, object]) -> bool:
-        return self.point == point and all(
-            key in where and str(where[key]) == value for key, value in self.where.items()
-        )
+        return self.point == point and all(k in where and str(where[k]) == v for k, v in self.where.items())
 
 
 def fault(point: str, action: str, **fields: object) -> str:
@@ -75,8 +73,7 @@ def parse(spec: str) -> list[Fault]:
 def inject(point: str, *, error: type[BaseException] = RuntimeError, **where: object) -> bool:
     """Fail here if a test asked for it (see the module doc); a no-op otherwise. True when a
     ``preempt`` fault fires: the caller stops as if preempted."""
-    spec = os.environ.get(FAULTS_ENV)
-    if not spec:
+    if not (spec := os.environ.get(FAULTS_ENV)):
         return False
     for item in parse(spec):
         if not item.matches(point, where):

@@ -1,4 +1,4 @@
-"""The garbage collector's view of a long-lived heap: ``frozen_heap``.
+"""The garbage collector's view of a long-lived heap (``frozen_heap``), and reused buffers (``scratch``).
 
 A process that has imported torch, pyarrow or the code location holds hundreds of thousands of
 long-lived objects. CPython's full collections walk all of them whenever enough objects have
@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
+
+import numpy as np
+
+_SCRATCH = threading.local()
 
 
 @contextlib.contextmanager
@@ -28,3 +33,13 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def scratch(name: str, dtype: type, length: int) -> np.ndarray:
+    """A per-thread reusable 1-D buffer of ``length`` elements: fresh multi-MB arrays per utterance
+    cost more in page faults than the arithmetic."""
+    buffer = getattr(_SCRATCH, name, None)
+    if buffer is None or buffer.shape[0] < length:
+        buffer = np.empty(max(length, 1 << 19), dtype)
+        setattr(_SCRATCH, name, buffer)
+    return buffer[:length]

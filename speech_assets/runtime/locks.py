@@ -90,10 +90,8 @@ class RunFolderLock:
         try:
             handle = flock(self.path, wait=False)
         except BlockingIOError:
-            record = self.path.read_text(encoding="utf-8").strip()
-            raise RunFolderBusy(
-                f"run folder {self.path.parent} is in use by another run: {describe_holder(record)}"
-            ) from None
+            holder = describe_holder(self.path.read_text(encoding="utf-8").strip())
+            raise RunFolderBusy(f"run folder {self.path.parent} is in use by another run: {holder}") from None
         record = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -29,12 +29,6 @@ class NoPrivateNetwork(RuntimeError):
     """This machine would not give us a network namespace of our own."""
 
 
-def _variants() -> list[list[str]]:
-    """``unshare`` options to try: root needs no user namespace (and keeps its access to other users' files)."""
-    user = ["--user", "--map-root-user", "--net"]
-    return [["--net"], user] if os.geteuid() == 0 else [user]
-
-
 class PrivateNetwork:
     """A network namespace of this process's own, for ``with`` or :meth:`start`/:meth:`stop`."""
 
@@ -55,7 +49,9 @@ class PrivateNetwork:
         if not on_linux() or unshare is None or nsenter is None:
             raise NoPrivateNetwork("a private network namespace needs Linux and util-linux's unshare and nsenter")
         errors = []
-        for options in _variants():
+        # root needs no user namespace (and keeps its access to other users' files)
+        user = ["--user", "--map-root-user", "--net"]
+        for options in [["--net"], user] if os.geteuid() == 0 else [user]:
             holder = subprocess.Popen(  # noqa: S603
                 [unshare, *options, "--", sys.executable, "-m", __name__],
                 stdin=subprocess.PIPE,
@@ -69,9 +65,8 @@ class PrivateNetwork:
                 self.holder, self.user_namespace = holder, "--user" in options
                 return self
             _end(holder)
-            errors.append(
-                f"unshare {' '.join(options)}: {' '.join(holder.stderr.read().decode(errors='replace').split())}"
-            )
+            stderr = " ".join(holder.stderr.read().decode(errors="replace").split())
+            errors.append(f"unshare {' '.join(options)}: {stderr}")
         raise NoPrivateNetwork(
             "could not make a private network namespace (" + "; ".join(errors) + "): unprivileged user namespaces "
             "may be disabled (sysctl kernel.unprivileged_userns_clone, or on Ubuntu "

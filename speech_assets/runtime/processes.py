@@ -236,8 +236,7 @@ class LauncherWatchdog(threading.Thread):
 
 
 def watch_launcher() -> LauncherWatchdog | None:
-    value = os.environ.get(LAUNCHER_ENV)
-    if not value:
+    if not (value := os.environ.get(LAUNCHER_ENV)):
         return None
     launcher = ProcessIdentity.decode(value)
     if process_start_time(os.getpid()) is None:

@@ -33,12 +33,6 @@ def stop(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             os.killpg(child.pid, signal.SIGKILL)
 
 
-def _drain(stream: int) -> None:
-    with contextlib.suppress(OSError):
-        while os.read(stream, 65536):
-            pass
-
-
 def main(argv: list[str]) -> int:
     command = argv[1:] if argv and argv[0] == "--" else argv
     if not command:
@@ -52,7 +46,9 @@ def main(argv: list[str]) -> int:
             stop(child)
 
     def watch_input() -> None:
-        _drain(sys.stdin.fileno())
+        with contextlib.suppress(OSError):
+            while os.read(sys.stdin.fileno(), 65536):
+                pass
         stop_once("standard input closed (the launcher is gone)")
 
     threading.Thread(target=watch_input, name="tether-stdin", daemon=True).start()

@@ -13,13 +13,7 @@ class WaitTimeout(TimeoutError):
     """What was awaited did not happen in time."""
 
 
-def wait_until(
-    check: Callable[[], T],
-    timeout: float,
-    what: str,
-    *,
-    interval: float = 0.1,
-) -> T:
+def wait_until(check: Callable[[], T], timeout: float, what: str, *, interval: float = 0.1) -> T:
     """Call ``check`` every ``interval`` seconds until it returns something truthy, and return that.
 
     ``WaitTimeout`` naming ``what`` after ``timeout`` seconds. ``check`` may raise to give up early
@@ -27,8 +21,7 @@ def wait_until(
     """
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if result:
+        if result := check():
             return result
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")

@@ -102,9 +102,7 @@ def fit_sample(
     index: list[tuple[int, str]] = []
     for shard_number, path in enumerate(shard_paths):
         table = read_shard_table(path, columns=["utt_id", "num_frames"])
-        for utt_id, frames in zip(
-            table.column("utt_id").to_pylist(), table.column("num_frames").to_pylist(), strict=True
-        ):
+        for utt_id, frames in zip(*table.to_pydict().values(), strict=True):  # utt_id, num_frames
             index.append((shard_number, utt_id))
             frame_counts.append((int(frames) + 1) // 2 if model_rate else frames)
     if sum(frame_counts) == 0:
@@ -212,9 +210,8 @@ def write_client_targets(
     labels already in ``out_dir`` plus ``items``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     codebook_path = TargetFiles(out_dir).codebook
-    with atomic_path(codebook_path) as tmp:
-        with open(tmp, "wb") as handle:
-            np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
+    with atomic_path(codebook_path) as tmp, open(tmp, "wb") as handle:
+        np.save(handle, state.codebook.astype(np.float32), allow_pickle=False)
     labels_path = TargetFiles(out_dir).labels
     utterances = len(items) + (pq.read_metadata(labels_path).num_rows if append else 0)
     labels_path = (append_labels if append else write_labels)(labels_path, items)

@@ -47,8 +47,6 @@ def label_problems(
             bad_ids = {found.utt_ids[i] for i in np.unique(owner[outside]).tolist()}
         for utt, frames in expected.items():
             count = lengths.get(utt)
-            if count is None:
-                continue
-            if count != (frames + 1) // 2 or utt in bad_ids:
+            if count is not None and (count != (frames + 1) // 2 or utt in bad_ids):
                 problems.append(f"{client}/{utt}: {count} labels for {frames} frames or ids outside [0, {k})")
     return problems

@@ -24,7 +24,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.targets import kmeans
 from speech_assets.targets.build import ClientTargetSet, build_client_targets
 from speech_assets.targets.config import ITERATION2_KMEANS
-from speech_assets.targets.publish import ClientShards, iteration2_client_targets
+from speech_assets.targets.publish import ClientShards, publish_client_targets
 
 
 def default_layer(model: HubertPretrainModel) -> int:
@@ -71,8 +71,7 @@ def load_iteration2_encoder(
     layer = layer or default_layer(model)
     if not 1 <= layer <= len(model.encoder.layers):
         raise EncoderRefused(f"[iteration2] layer {layer} is outside 1..{len(model.encoder.layers)}")
-    cmvn = from_record(encoder.checkpoint.get("normalisation"))
-    if cmvn is None:
+    if (cmvn := from_record(encoder.checkpoint.get("normalisation"))) is None:
         raise EncoderRefused(f"{checkpoint} records no input normalisation: re-materialise {asset}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return Iteration2Encoder(model.to(device), layer, cmvn, encoder.sha256, checkpoint, asset, data_version)
@@ -91,8 +90,8 @@ def iteration2_targets(
 ) -> dict:
     """Reuse or refit one client's targets in ``encoder``'s feature space; returns the published record."""
 
-    def build() -> ClientTargetSet:
-        return build_iter2_targets(
+    def fit(previous: dict, intact: bool) -> tuple[ClientTargetSet, dict[str, Any]]:
+        result = build_iter2_targets(
             client.client_id,
             client.files(client.speakers),
             encoder.cmvn,
@@ -103,10 +102,10 @@ def iteration2_targets(
             log=warn,
             label_only=client.files(client.heldout),
         )
+        return result, {"label_rate_hz": 50, **encoder.record()}
 
-    return iteration2_client_targets(
-        client, out_dir, config.k, encoder.fit_inputs(settings, code_version), encoder.record(), build, log=log
-    )
+    fit_inputs = encoder.fit_inputs(settings, code_version)
+    return publish_client_targets(client, out_dir, fit_inputs, config.k, fit, log=log, what="iteration-2 targets")
 
 
 def build_iter2_targets(

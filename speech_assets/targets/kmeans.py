@@ -170,22 +170,11 @@ def fit_kmeans(
     faiss_seed = int(rng.integers(0, 2**31 - 1))
 
     with faiss_threads(num_threads):
-        km = faiss.Kmeans(
-            d,
-            k,
-            niter=niter,
-            nredo=nredo,
-            seed=faiss_seed,
-            verbose=False,
-            # we subsample ourselves (seeded, reported); silence faiss' own subsample/too-few warnings
-            max_points_per_centroid=max(train.shape[0], 1),
-            min_points_per_centroid=1,
-        )
-        if init == "k-means++":
-            init_centroids = _kmeans_plusplus(train, k, faiss_seed, init_sample_per_centroid)
-            km.train(train, init_centroids=init_centroids)
-        else:
-            km.train(train)
+        # we subsample ourselves (seeded, reported): these bounds silence faiss' own subsample/too-few warnings
+        bounds = {"max_points_per_centroid": max(train.shape[0], 1), "min_points_per_centroid": 1}
+        km = faiss.Kmeans(d, k, niter=niter, nredo=nredo, seed=faiss_seed, verbose=False, **bounds)
+        plusplus = _kmeans_plusplus(train, k, faiss_seed, init_sample_per_centroid) if init == "k-means++" else None
+        km.train(train, init_centroids=plusplus)
         codebook = np.ascontiguousarray(km.centroids, dtype=np.float32).reshape(k, d)
         del train
         evaluate = x
@@ -211,9 +200,7 @@ class CodebookIndex:
         cb = _as_frames(codebook)
         if cb.shape[0] > MAX_K:
             raise ValueError(f"codebook has {cb.shape[0]} > {MAX_K} centroids (int16 labels)")
-        self.codebook = cb
-        self.k, self.dim = cb.shape
-        self.num_threads = num_threads
+        self.dim, self.num_threads = cb.shape[1], num_threads
         self._index = faiss.IndexFlatL2(self.dim)
         self._index.add(cb)
 

@@ -94,12 +94,9 @@ def read_label_columns(path: str | os.PathLike[str]) -> LabelColumns:
 
 
 def iter_labels(path: str | os.PathLike[str]) -> Iterator[UtteranceLabels]:
-    table = pq.read_table(path)
-    utt_ids = table.column("utt_id").to_pylist()
-    speakers = table.column("speaker_id").to_pylist()
-    blobs = table.column("labels").combine_chunks()
-    for row, (utt_id, speaker) in enumerate(zip(utt_ids, speakers, strict=True)):
-        yield UtteranceLabels(utt_id, speaker, np.frombuffer(blobs[row].as_buffer(), dtype="<i2"))
+    columns = pq.read_table(path, columns=["utt_id", "speaker_id", "labels"]).to_pydict()
+    for utt_id, speaker, blob in zip(*columns.values(), strict=True):
+        yield UtteranceLabels(utt_id, speaker, np.frombuffer(blob, dtype="<i2"))
 
 
 def read_labels(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:

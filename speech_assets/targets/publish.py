@@ -61,14 +61,18 @@ def read_quality(out_dir: Path) -> dict:
 
 def outputs_intact(quality: dict, out_dir: Path) -> bool:
     """Whether a client's targets folder still holds the codebook and labels ``quality`` recorded."""
+    files = TargetFiles(out_dir)
     try:
-        files = TargetFiles(out_dir)
-        return sha256_file(files.codebook) == quality.get("codebook_sha256") and sha256_file(
-            files.labels
-        ) == quality.get("labels_sha256")
+        digests = sha256_file(files.codebook), sha256_file(files.labels)
     except OSError:
         return False
+    return digests == (quality.get("codebook_sha256"), quality.get("labels_sha256"))
 
+
+# what the record copies from the build's result
+_RESULT_FIELDS = (
+    "k frames_fit frames_labelled utterances inertia_per_frame perplexity empty_clusters mean_segment_length".split()
+)
 
 # what builds a client's targets: (the previous record, whether its fit may be kept) ->
 # (the build's ClientTargetSet, the record's fields of this iteration)
@@ -105,15 +109,8 @@ def publish_client_targets(
         result, fields = build(previous, intact)
         quality = {
             "client_id": client.client_id,
-            "k": result.k,
             "k_requested": k_requested,
-            "frames_fit": result.frames_fit,
-            "frames_labelled": result.frames_labelled,
-            "utterances": result.utterances,
-            "inertia_per_frame": result.inertia_per_frame,
-            "perplexity": result.perplexity,
-            "empty_clusters": result.empty_clusters,
-            "mean_segment_length": result.mean_segment_length,
+            **{name: getattr(result, name) for name in _RESULT_FIELDS},
             "speakers": client.speakers,
             "heldout_speakers": client.heldout,
             "shard_versions": client.shard_versions,
@@ -148,20 +145,15 @@ def kmeans_client_targets(
 
     def fit(previous: dict, intact: bool) -> tuple[Any, dict[str, Any]]:
         # the codebook is kept only while no speaker it was fitted on has since been held out
-        fitted_on_heldout = set(previous.get("codebook_speakers", [])) & set(heldout)
-        newcomers = (
-            new_speakers(previous, speakers, client.shard_versions) if intact and not fitted_on_heldout else None
-        )
+        keep = intact and not set(previous.get("codebook_speakers", [])) & set(heldout)
+        newcomers = new_speakers(previous, speakers, client.shard_versions) if keep else None
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
+        frames_now = previous.get("frames_labelled", 0) + new_frames
         at_refit = frames_at_last_refit(previous)
-        if (
-            newcomers
-            and at_refit
-            and within_refit_growth(previous["frames_labelled"] + new_frames, at_refit, policy.refit_growth)
-        ):
+        if newcomers and at_refit and within_refit_growth(frames_now, at_refit, policy.refit_growth):
             log(
                 f"{client.client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
-                f"{previous['frames_labelled'] + new_frames - at_refit} frames since the last refit of {at_refit} "
+                f"{frames_now - at_refit} frames since the last refit of {at_refit} "
                 f"(<= {policy.refit_growth:.0%}): labelling them with the existing codebook"
             )
             result = build.extend_client_targets(client.client_id, client.files(newcomers), out_dir)
@@ -192,38 +184,13 @@ def kmeans_client_targets(
     )
 
 
-def iteration2_client_targets(
-    client: ClientShards,
-    out_dir: Path,
-    k: int,
-    fit_inputs: list[str],
-    record: dict[str, Any],
-    build: Callable[[], Any],
-    *,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Iteration 2: reuse or refit one client's targets in an encoder's feature space; returns the
-    published record. ``fit_inputs``: what else decides the fit; ``build()`` fits and labels."""
-    return publish_client_targets(
-        client,
-        out_dir,
-        fit_inputs,
-        k,
-        lambda previous, intact: (build(), {"label_rate_hz": 50, **record}),
-        log=log,
-        what="iteration-2 targets",
-    )
-
-
 def frames_at_last_refit(quality: dict) -> int | None:
     """Frames the codebook's client had when it was last fitted (None if unknown: refit)."""
     if "frames_at_refit" in quality:
         return int(quality["frames_at_refit"])
-    return (
-        int(quality["frames_labelled"])
-        if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality
-        else None
-    )
+    if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality:
+        return int(quality["frames_labelled"])
+    return None
 
 
 def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
