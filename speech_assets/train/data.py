@@ -32,6 +32,7 @@ from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.model.masking import span_mask
 from speech_assets.targets.labels import read_labels
 from speech_assets.train.augment import Augmenter
+from speech_assets.train.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
         utt_ids = table.column("utt_id").to_pylist()
         speakers = table.column("speaker_id").to_pylist()
         frames = table.column("num_frames").to_pylist()
-        row_groups = _row_group_of_rows(path)
+        metadata = pq.ParquetFile(path).metadata
+        row_groups = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
         for row, (utt_id, speaker, num_frames) in enumerate(zip(utt_ids, speakers, frames, strict=True)):
             if utt_id in seen:
                 raise ValueError(f"{utt_id} appears in more than one shard (second: {path})")
@@ -98,11 +100,6 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
                 )
             )
     return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
-
-
-def _row_group_of_rows(path: str) -> list[tuple[int, int]]:
-    metadata = pq.ParquetFile(path).metadata
-    return [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
 
 
 def _unit_hash(text: str) -> float:
@@ -146,9 +143,15 @@ def heldout_split(
     return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
 
 
-def speaker_record(train: Sequence[UtteranceRef], heldout: Collection[str]) -> dict[str, list[str]]:
-    """The speakers a checkpoint trained on and the held-out ones (the probe checks no encoder trained on them)."""
-    return {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(heldout)}
+def split_corpus(
+    config: RunConfig, heldout: Collection[str] | None
+) -> tuple[CorpusIndex, list[UtteranceRef], list[UtteranceRef], dict[str, list[str]]]:
+    """The index of ``config``'s shards, its training and held-out utterances (:func:`heldout_split`),
+    and the speakers a checkpoint records: trained on and held out (the probe checks no encoder trained on them)."""
+    index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
+    train, held = heldout_split(index.utterances, config.heldout_fraction, heldout)
+    chosen = heldout if heldout is not None else {u.speaker_id for u in held}
+    return index, train, held, {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(chosen)}
 
 
 @dataclass

@@ -21,12 +21,13 @@ from speech_assets.model.presets import get_preset
 from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.config import TrainConfig
-from speech_assets.train.data import UtteranceDataset, build_index, heldout_split, speaker_record
+from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
     BatchStream,
     Distributed,
     Evaluation,
     Fit,
+    default_workers,
     seed_everything,
     warmup_linear_decay,
 )
@@ -39,11 +40,6 @@ from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 WINDOW_BLOCKS = 16  # blocks (shard row groups) mixed at a time; the dataset caches one window
-
-
-def model_identity(config: dict[str, Any]) -> tuple[str, dict[str, int]]:
-    """What a checkpoint must share with the run to continue it: the preset and the client codebooks."""
-    return config["preset"], {name: client["k"] for name, client in config["clients"].items()}
 
 
 class Trainer(Fit):
@@ -65,14 +61,9 @@ class Trainer(Fit):
 
     def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
         self.job, self.launch = job, plan
-        index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
-        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, config.heldout_speakers)
+        index, train_refs, heldout_refs, speakers = split_corpus(config, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
-        speakers = speaker_record(
-            train_refs,
-            config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs},
-        )
         self.heldout_speakers = speakers["heldout"]
         log.info(
             "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
@@ -140,7 +131,11 @@ class Trainer(Fit):
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
             speakers=speakers,
             cmvn=cmvn,
-            identity=model_identity,
+            # what a checkpoint must share with the run to continue it: the preset and the client codebooks
+            identity=lambda stored: (
+                stored["preset"],
+                {name: client["k"] for name, client in stored["clients"].items()},
+            ),
             launch=plan.to_dict(),
             # one rank: a snapshot scored beside the steps; several: the evaluation's all_reduce must
             # keep its place among DDP's collectives, so it runs between the steps (a compiled
@@ -222,13 +217,9 @@ HELDOUT_KEYS = (
 
 
 def loader_workers(config: TrainConfig, job: Distributed) -> int:
-    """``config.num_workers``, or (negative: auto) none on CPU (the cores train; one process reads
-    over 2,000 s of audio per second) and up to 4 per GPU process from the cores left."""
-    if config.num_workers >= 0:
-        return config.num_workers
-    if job.device.type != "cuda":
-        return 0
-    return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
+    """``config.num_workers``, or (negative: auto) the engine's default (on CPU none: one process
+    reads over 2,000 s of audio per second)."""
+    return config.num_workers if config.num_workers >= 0 else default_workers(job)
 
 
 def _fmt(value: float | None) -> str:
