@@ -61,6 +61,8 @@ class Trainer(Fit):
 
     def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
         self.job, self.launch = job, plan
+        augment = Augmenter(config.augmentation(), seed=config.seed)
+        workers = loader_workers(config, job)
         index, train_refs, heldout_refs, speakers = split_corpus(config, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
@@ -77,8 +79,13 @@ class Trainer(Fit):
         )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
+        seed_everything(config.seed)  # the model's initial weights: nothing else draws before them
+        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
+            job.device
+        )
+        if config.compile:
+            self.model.compile_encoder()
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
-        augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
             index,
             train_refs,
@@ -100,15 +107,8 @@ class Trainer(Fit):
             rank=job.rank,
             seed=config.seed,
             window_blocks=WINDOW_BLOCKS,
-            num_workers=loader_workers(config, job),
+            num_workers=workers,
         )
-
-        seed_everything(config.seed)
-        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
-            job.device
-        )
-        if config.compile:
-            self.model.compile_encoder()
         objective = MaskedPrediction(
             self.model,
             job.device,
@@ -244,5 +244,5 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train ``config`` in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
-        reporter = PipesReporter(log) if job.is_main else None
-        return Trainer(config, job, plan_for_job(config, job)).run(reporter)
+        plan = plan_for_job(config, job)
+        return Trainer(config, job, plan).run(PipesReporter(log) if job.is_main else None)
