@@ -1,12 +1,6 @@
-"""HuBERT span masking: random span starts, fixed-length spans, overlaps allowed.
-
-With start probability ``p`` and span length ``l`` each frame of a long sequence is masked with
-probability close to ``1 - (1 - p) ** l`` (about 0.57 for HuBERT's ``p = 0.08``, ``l = 10``).
-
-Also which masked frames are *leak-free* (:func:`leak_free`): frames whose label's whole
-receptive field in the audio is hidden from the model, at the radius :func:`label_radius`
-derives from the feature recipe and the model's frontend.
-"""
+"""HuBERT span masking (random starts, fixed-length spans, overlaps allowed: about 57 % of frames
+at ``p = 0.08``, ``l = 10``), and which masked frames are *leak-free* (:func:`leak_free`): their
+label's whole receptive field in the audio is hidden from the model."""
 
 from __future__ import annotations
 

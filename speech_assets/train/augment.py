@@ -1,14 +1,10 @@
-"""Online augmentation of training features: additive noise at an SNR, and SpecAugment.
-
-Both act on the shards' 100 Hz log-mel, so the frame count and the 50 Hz targets never change.
-Every random choice comes from :func:`utterance_rng` of ``(seed, epoch, utt_id)``, so an epoch
-replays exactly after a resume on any number of processes. Off by default (HuBERT uses neither).
+"""Online augmentation of the shards' 100 Hz log-mel (frames and targets unchanged): additive noise
+at an SNR, and SpecAugment. Off by default (HuBERT uses neither). Every draw comes from
+:func:`utterance_rng` of ``(seed, epoch, utt_id)``, so an epoch replays exactly after a resume.
 
 Noise is mixed in the mel power domain (in expectation the mel power of speech plus independent
-noise is the sum of theirs), so no waveform is decoded again. Sources: ``"coloured"`` (white,
-pink or brown, generated from the seed), ``"babble"`` (3 other utterances of the *same client*:
-no audio crosses clients) or a folder of ``.flac``/``.wav`` files (symbolic links not followed,
-bounded by :data:`MAX_NOISE_FILES` and the byte limits, featurised when first drawn).
+noise is the sum of theirs), so no waveform is decoded again. Babble takes other utterances of the
+*same client*: no audio crosses clients.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ NOISE_CACHE_BYTES = 256 * 2**20  # featurised noise kept per process (~2 h of lo
 
 
 def noise_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The ``.flac``/``.wav`` files under ``folder`` and its subfolders (symbolic links are not
-    followed), sorted; ``ValueError`` if there are none, or more files, bytes or entries than the
-    limits above allow."""
+    """The ``.flac``/``.wav`` files under ``folder``, sorted (symbolic links not followed); ``ValueError``
+    if there are none, or more files, bytes or entries than the limits above allow."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"noise folder {root} does not exist")

@@ -27,6 +27,7 @@ from speech_assets.features.shards import (
     feature_dtype,
     read_shard_table,
 )
+from speech_assets.model.batches import cut_batches
 from speech_assets.model.hubert import output_lengths
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.model.masking import span_mask
@@ -445,38 +446,18 @@ class DurationBucketSampler(RankSampler):
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.seconds))
-        batches: list[list[int]] = []
-        for start in range(0, len(order), self.pool_size):
-            batches += cut_batches(order[start : start + self.pool_size], self.seconds, self.batch_seconds)
-        return [batches[i] for i in rng.permutation(len(batches))]
-
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch``; the same count on every rank."""
-        batches = self.global_batches(epoch)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.seconds))
+        pooled: list[list[int]] = []
+        for start in range(0, len(order), self.pool_size):
+            pooled += cut_batches(order[start : start + self.pool_size], self.seconds, self.batch_seconds)
+        batches = [pooled[i] for i in rng.permutation(len(pooled))]
         if len(batches) < self.num_replicas:
             batches = [batches[i % len(batches)] for i in range(self.num_replicas)]
         usable = len(batches) - len(batches) % self.num_replicas
         return batches[self.rank : usable : self.num_replicas]
-
-
-def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_seconds: float) -> list[list[int]]:
-    """Sort ``indices`` by duration and cut them greedily into batches whose padded size stays
-    within ``batch_seconds`` (a longer utterance is a batch alone)."""
-    ordered = np.asarray(indices, dtype=np.int64)
-    ordered = ordered[np.argsort(seconds[ordered], kind="stable")]
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in ordered.tolist():
-        if current and (len(current) + 1) * seconds[index] > batch_seconds:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def eval_batches(seconds: Sequence[float], batch_seconds: float, num_replicas: int, rank: int) -> list[list[int]]:

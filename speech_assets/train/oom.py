@@ -1,9 +1,6 @@
-"""The CUDA out-of-memory protocol between a training worker and its launcher.
-
-A rank out of memory writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`; the launcher
-then launches again with half the per-device batch and twice the accumulation (the same effective
-batch), up to :data:`MAX_OOM_RETRIES` times, each attempt resuming from the latest checkpoint.
-"""
+"""The CUDA out-of-memory protocol: a rank out of memory writes ``run_dir/oom.json`` and exits with
+:data:`OOM_EXIT_CODE`; the launcher launches again with half the per-device batch and twice the
+accumulation, up to :data:`MAX_OOM_RETRIES` times, each attempt resuming from the latest checkpoint."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ class Trainer(Fit):
     def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
         self.job, self.launch = job, plan
         augment = Augmenter(config.augmentation(), seed=config.seed)
-        workers = loader_workers(config, job)
+        # negative: the engine's default (on CPU none: one process reads over 2,000 s of audio per second)
+        workers = config.num_workers if config.num_workers >= 0 else default_workers(job)
         index, train_refs, heldout_refs, speakers = split_corpus(config, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
@@ -214,12 +215,6 @@ HELDOUT_KEYS = (
     "leak_free_majority_accuracy",
     "leak_free_frames",
 )
-
-
-def loader_workers(config: TrainConfig, job: Distributed) -> int:
-    """``config.num_workers``, or (negative: auto) the engine's default (on CPU none: one process
-    reads over 2,000 s of audio per second)."""
-    return config.num_workers if config.num_workers >= 0 else default_workers(job)
 
 
 def _fmt(value: float | None) -> str:
