@@ -18,11 +18,8 @@ def span_mask(
     generator: torch.Generator,
     min_spans: int = 1,
 ) -> torch.Tensor:
-    """``(B, max(lengths))`` bool span mask for 50 Hz ``lengths (B,)``, never ``True`` on padding.
-
-    Each sequence gets ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct span starts (at least
-    ``min_spans``) of ``mask_length`` frames, drawn from ``generator`` (independent of the global RNG).
-    """
+    """``(B, max(lengths))`` bool span mask for 50 Hz ``lengths (B,)``, never ``True`` on padding: each
+    row gets ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct span starts (at least ``min_spans``)."""
     if not 0.0 <= mask_prob <= 1.0:
         raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
     if mask_length < 1:

@@ -65,10 +65,8 @@ class CorpusIndex:
 
 
 def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_frames: int) -> CorpusIndex:
-    """Index every utterance of ``shards`` labelled in exactly one client's labels file (client id -> path).
-
-    Unlabelled utterances are counted; one labelled twice, or in two shards, is an error.
-    """
+    """Index every utterance of ``shards`` labelled in exactly one client's labels file (client id ->
+    path); unlabelled ones are counted, one labelled twice or in two shards is an error."""
     clients = sorted(client_labels)
     labels = [read_labels(client_labels[name]) for name in clients]
     owner: dict[str, int] = {}
@@ -426,11 +424,9 @@ class RankSampler:
 
 
 class DurationBucketSampler(RankSampler):
-    """Deterministic distributed batching by duration: per epoch, shuffle, sort pools of about
-    ``pool_batches`` batches by duration, cut them (:func:`cut_batches`), shuffle the batches and
-    deal them round-robin. Every rank gets the same number of batches, so ranks stay in lock-step.
-    Not laid out in per-worker lanes: its users read small per-client data in the main process.
-    """
+    """Per epoch: shuffle, cut pools of about ``pool_batches`` batches by duration, shuffle the batches and
+    deal them round-robin, the same number to every rank (lock-step). No per-worker lanes: its users
+    read small per-client data in the main process."""
 
     def __init__(
         self,

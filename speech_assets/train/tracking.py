@@ -222,13 +222,9 @@ def start_run(
     Dagster run's and the commit's, and ``params``; its id. Both trackers start their runs here."""
     from mlflow.entities import Param, RunTag
 
-    linked: dict[str, str] = {}
-    if dagster_run_id:  # the id, and a note linking to the run in Dagster's UI
-        base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
-        linked = {
-            DAGSTER_RUN_TAG: dagster_run_id,
-            "mlflow.note.content": f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})",
-        }
+    base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
+    note = f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})"  # a link in the run's page
+    linked = {DAGSTER_RUN_TAG: dagster_run_id, "mlflow.note.content": note} if dagster_run_id else {}
     if previous:
         for key, value in linked.items():
             client.set_tag(previous, key, value)

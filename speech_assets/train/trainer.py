@@ -239,5 +239,6 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train ``config`` in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
+        reporter = PipesReporter(log) if job.is_main else None  # before the plan: its log line goes to Dagster too
         plan = plan_for_job(config, job)
-        return Trainer(config, job, plan).run(PipesReporter(log) if job.is_main else None)
+        return Trainer(config, job, plan).run(reporter)
