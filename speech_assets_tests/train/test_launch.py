@@ -24,6 +24,7 @@ from speech_assets.train.oom import (
     exit_on_oom,
     next_attempt_after_oom,
     read_oom_marker,
+    refuse_known_oom,
     write_oom_marker,
 )
 from speech_assets.train.trainer import plan_for_job
@@ -95,6 +96,10 @@ def test_a_worker_out_of_memory_with_a_known_batch_exits_for_a_retry(tmp_path: P
         "grad_accum": 3,
         "error": "CUDA out of memory",
     }
+    refuse_known_oom(tmp_path, 4.0)  # the retry's halved batch goes on; the same batch again is refused
+    with pytest.raises(SystemExit) as exited:
+        refuse_known_oom(tmp_path, 8.0)
+    assert exited.value.code == OOM_EXIT_CODE
 
 
 def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module() -> None:
