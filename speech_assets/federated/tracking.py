@@ -17,12 +17,12 @@ from speech_assets.federated.config import FederatedConfig
 from speech_assets.layout import MLFLOW_CHECKPOINT_DIR, MLFLOW_ENVIRONMENT, MLFLOW_INPUTS, FederatedPaths
 from speech_assets.train.tracking import (
     EXPERIMENT,
-    dagster_run_tags,
     ensure_experiment,
     input_tags,
     installed_packages,
     is_server,
     run_url,
+    start_run,
 )
 from speech_assets.utils import atomic_write_text
 
@@ -62,39 +62,37 @@ class FederatedTracker:
 
     def start(self) -> str:
         """Create the MLflow run (params, tags, environment) or continue the run folder's one."""
-        from mlflow.entities import Param
-
         config = self.config
         self.experiment_id = ensure_experiment(self.client, self.experiment, self.tracking_uri, self.artifact_location)
         id_file = self.paths.mlflow_run_id
         previous = id_file.read_text().strip() if id_file.is_file() else ""
         if previous:
-            self.run_id = previous
             self.logged = {int(m.step) for m in self.client.get_metric_history(previous, "round_seconds")}
             if self.client.get_run(previous).info.status != "FINISHED":
                 self.client.update_run(previous, status="RUNNING")
-            if self.dagster_run_id:  # the Dagster run that continues it
-                for key, value in dagster_run_tags(self.dagster_run_id).items():
-                    self.client.set_tag(previous, key, value)
-            return previous
         tags = {
             "run_dir": str(self.paths.root),
             "preset": config.preset,
             "strategy": config.strategy,
             "mode": "federated",
         }
-        if self.dagster_run_id:
-            tags |= dagster_run_tags(self.dagster_run_id)
-        if self.git_sha:
-            tags |= {"git_sha": self.git_sha, "mlflow.source.git.commit": self.git_sha}
-        tags |= input_tags(config.data_versions)  # summarised as every run's are; each version in inputs.json
-        run = self.client.create_run(self.experiment_id, run_name=f"federated-{config.run_name}", tags=tags)
-        self.run_id = run.info.run_id
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(id_file, self.run_id + "\n")
         params = {k: v for k, v in config.to_dict().items() if k not in ("clients", "data_versions", "run_dir")}
         params |= {"num_clients": len(config.clients), "clients": ",".join(config.clients)}
-        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
+        self.run_id = start_run(
+            self.client,
+            self.experiment_id,
+            previous,
+            run_name=f"federated-{config.run_name}",
+            # the inputs summarised as every run's are; each version in inputs.json
+            tags=tags | input_tags(config.data_versions),
+            params=params,
+            dagster_run_id=self.dagster_run_id,
+            git_sha=self.git_sha,
+        )
+        if previous:
+            return previous
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(id_file, self.run_id + "\n")
         self.client.log_text(self.run_id, installed_packages(), MLFLOW_ENVIRONMENT)
         self.client.log_text(self.run_id, json.dumps(config.data_versions, indent=1, sort_keys=True), MLFLOW_INPUTS)
         return self.run_id

@@ -13,15 +13,20 @@ if TYPE_CHECKING:
     from speech_assets.model.hubert import HubertPretrainModel
 
 
-def batches_by_length(lengths: Sequence[int], max_frames: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size stays within ``max_frames``."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_seconds: float) -> list[list[int]]:
+    """Sort ``indices`` by length (``seconds``, or frames with a frame limit) and cut them greedily into
+    batches whose padded size stays within ``batch_seconds`` (a longer one is a batch alone)."""
+    ordered = np.asarray(indices, dtype=np.int64)
+    ordered = ordered[np.argsort(seconds[ordered], kind="stable")]
     batches: list[list[int]] = []
-    for index in order:
-        if batches and (len(batches[-1]) + 1) * lengths[index] <= max_frames:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
+    current: list[int] = []
+    for index in ordered.tolist():
+        if current and (len(current) + 1) * seconds[index] > batch_seconds:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
     return batches
 
 
@@ -44,7 +49,7 @@ def frozen_hidden_states(
     model.eval()
     device = next(model.parameters()).device
     out: list[torch.Tensor | None] = [None] * len(feats)
-    for batch in batches_by_length([f.shape[0] for f in feats], max_frames):
+    for batch in cut_batches(np.arange(len(feats)), np.array([f.shape[0] for f in feats]), max_frames):
         padded, lengths = pad([feats[i] for i in batch])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             states, encoded = model.hidden_states(padded.to(device), lengths.to(device))

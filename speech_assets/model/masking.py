@@ -1,12 +1,6 @@
-"""HuBERT span masking: random span starts, fixed-length spans, overlaps allowed.
-
-With start probability ``p`` and span length ``l`` each frame of a long sequence is masked with
-probability close to ``1 - (1 - p) ** l`` (about 0.57 for HuBERT's ``p = 0.08``, ``l = 10``).
-
-Also which masked frames are *leak-free* (:func:`leak_free`): frames whose label's whole
-receptive field in the audio is hidden from the model, at the radius :func:`label_radius`
-derives from the feature recipe and the model's frontend.
-"""
+"""HuBERT span masking (random starts, fixed-length spans, overlaps allowed: about 57 % of frames
+at ``p = 0.08``, ``l = 10``), and which masked frames are *leak-free* (:func:`leak_free`): their
+label's whole receptive field in the audio is hidden from the model."""
 
 from __future__ import annotations
 
@@ -24,11 +18,8 @@ def span_mask(
     generator: torch.Generator,
     min_spans: int = 1,
 ) -> torch.Tensor:
-    """``(B, max(lengths))`` bool span mask for 50 Hz ``lengths (B,)``, never ``True`` on padding.
-
-    Each sequence gets ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct span starts (at least
-    ``min_spans``) of ``mask_length`` frames, drawn from ``generator`` (independent of the global RNG).
-    """
+    """``(B, max(lengths))`` bool span mask for 50 Hz ``lengths (B,)``, never ``True`` on padding: each
+    row gets ``floor(mask_prob * L + u)``, ``u ~ U[0, 1)``, distinct span starts (at least ``min_spans``)."""
     if not 0.0 <= mask_prob <= 1.0:
         raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
     if mask_length < 1:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from speech_assets.model.batches import batches_by_length, pad
+from speech_assets.model.batches import cut_batches, pad
 from speech_assets.model.hubert import HubertPretrainModel
 
 
@@ -22,7 +22,8 @@ def forward_speed(
 ) -> dict[str, float]:
     """Seconds of audio encoded per second by each encoder on the CPU. The encoders take turns on
     the same batches and each one's best round counts, so ratios between encoders are what to read."""
-    batches = [pad([feats[i] for i in batch]) for batch in batches_by_length([f.shape[0] for f in feats], max_frames)]
+    lengths = np.array([f.shape[0] for f in feats])
+    batches = [pad([feats[i] for i in batch]) for batch in cut_batches(np.arange(len(feats)), lengths, max_frames)]
     audio = sum(f.shape[0] for f in feats) / 100.0
     best = {name: float("inf") for name in encoders}
     previous = torch.get_num_threads()

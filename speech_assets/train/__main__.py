@@ -1,9 +1,7 @@
 """``python -m speech_assets.train --config CONFIG.json [--launch]``.
 
-Without ``--launch`` this process trains: alone, or as one rank when started by torchrun
-(``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in the environment). With ``--launch`` it
-auto-configures on this machine, starts torchrun (or one process) and retries CUDA
-out-of-memory failures with half the batch and twice the accumulation.
+Without ``--launch`` this process trains, alone or as one torchrun rank; with it, it auto-configures
+and starts torchrun (or one process), retrying CUDA out-of-memory failures.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The one held-out masked accuracy: the leak-free one, under one name in every view.
 
-A 50 Hz label is the k-means cluster of an MFCC frame whose window reaches the neighbouring model
-frames, so a masked frame next to a visible one can be scored right by copying its neighbour
-(docs/ARCHITECTURE.md, "Leak-free masked accuracy"). The held-out masked accuracy people read is
-therefore measured on *leak-free* frames only (whose label's whole window is masked), against the
-majority-class rate on the same frames. The run records it as ``heldout_leak_free_masked_accuracy``
-(``result.json``, the database's ``training_runs``) and ``val/leak_free_masked_accuracy`` (each
-evaluation in ``metrics.jsonl`` and MLflow); every view (the summary of ``speech-assets stats``,
-the report, the asset metadata, the ``beats_majority_class`` check, the curves) reads it through
-this module and shows it as "held-out masked accuracy".
-
-The trainer also records the accuracy on *all* masked frames (``heldout_masked_accuracy`` in
-``result.json``): kept only to measure the leak (the difference is what copying a neighbour buys),
-it is shown, where at all, as ``all_frames_masked_accuracy``, never as the model's score.
+A masked frame next to a visible one can be scored right by copying its neighbour (an MFCC label's
+window reaches it: docs/ARCHITECTURE.md, "Leak-free masked accuracy"), so every view reads the
+accuracy on *leak-free* frames through this module, against the majority-class rate on the same
+frames. The accuracy on all masked frames is kept only to measure the leak, shown as ``all_frames_*``.
 """
 
 from __future__ import annotations
@@ -47,9 +38,8 @@ class HeldoutAccuracy:
 
 
 def heldout_accuracy(record: Mapping[str, Any]) -> HeldoutAccuracy | None:
-    """The held-out masked accuracy a run's ``result.json`` (or a ``training_runs`` row, or a
-    federated round line) records, or None where it was not measured (no held-out speaker, or no
-    leak-free frame); never the all-frames figure in its place."""
+    """The held-out masked accuracy a ``result.json``, ``training_runs`` row or federated round line
+    records; None where not measured (never the all-frames figure in its place)."""
     accuracy, majority = record.get(ACCURACY), record.get(MAJORITY)
     if accuracy is None or majority is None:
         return None
@@ -66,8 +56,7 @@ def curve_points(rows: list[Mapping[str, Any]]) -> list[tuple[float, float, floa
 
 
 def metadata(record: Mapping[str, Any]) -> dict[str, float | str]:
-    """The held-out masked accuracy as asset metadata: ``heldout_masked_accuracy`` and
-    ``heldout_majority_accuracy`` (leak-free frames; "not measured" without them)."""
+    """The held-out masked accuracy (leak-free frames) as asset metadata."""
     found = heldout_accuracy(record)
     if found is None:
         return {"heldout_masked_accuracy": "not measured"}
@@ -75,9 +64,7 @@ def metadata(record: Mapping[str, Any]) -> dict[str, float | str]:
 
 
 def per_client_row(client: str, scores: Mapping[str, Any]) -> dict[str, Any]:
-    """One client's held-out scores (``result.json``'s ``heldout_per_client``) under the names
-    every view uses: ``masked_accuracy`` and ``majority_accuracy`` on leak-free frames, the
-    leaky all-frames figures as ``all_frames_*``."""
+    """One client's held-out scores (``result.json``'s ``heldout_per_client``) under the views' names."""
     return {
         "client": client,
         "masked_accuracy": scores.get("leak_free_masked_accuracy"),

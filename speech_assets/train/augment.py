@@ -1,18 +1,15 @@
-"""Online augmentation of training features: additive noise at an SNR, and SpecAugment.
-
-Both act on the shards' 100 Hz log-mel, so the frame count and the 50 Hz targets never change.
-Every random choice comes from :func:`utterance_rng` of ``(seed, epoch, utt_id)``, so an epoch
-replays exactly after a resume on any number of processes. Off by default (HuBERT uses neither).
+"""Online augmentation of the shards' 100 Hz log-mel (frames and targets unchanged): additive noise
+at an SNR, and SpecAugment. Off by default (HuBERT uses neither). Every draw comes from
+:func:`utterance_rng` of ``(seed, epoch, utt_id)``, so an epoch replays exactly after a resume.
 
 Noise is mixed in the mel power domain (in expectation the mel power of speech plus independent
-noise is the sum of theirs), so no waveform is decoded again. Sources: ``"coloured"`` (white,
-pink or brown, generated from the seed), ``"babble"`` (3 other utterances of the *same client*:
-no audio crosses clients) or a folder of ``.flac``/``.wav`` files (symbolic links not followed,
-bounded by :data:`MAX_NOISE_FILES` and the byte limits, featurised when first drawn).
+noise is the sum of theirs), so no waveform is decoded again. Babble takes other utterances of the
+*same client*: no audio crosses clients.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -20,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +36,8 @@ NOISE_CACHE_BYTES = 256 * 2**20  # featurised noise kept per process (~2 h of lo
 
 
 def noise_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The ``.flac``/``.wav`` files under ``folder`` and its subfolders (symbolic links are not
-    followed), sorted; ``ValueError`` if there are none, or more files, bytes or entries than the
-    limits above allow."""
+    """The ``.flac``/``.wav`` files under ``folder``, sorted (symbolic links not followed); ``ValueError``
+    if there are none, or more files, bytes or entries than the limits above allow."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"noise folder {root} does not exist")
@@ -179,9 +176,7 @@ class Augmenter:
     def __init__(self, options: Augmentation, seed: int = 0) -> None:
         self.options = options
         self.seed = seed
-        self._files: list[Path] | None = None
         self._cache: OrderedDict[Path, np.ndarray] = OrderedDict()
-        self._extractor = None
 
     def noise(
         self,
@@ -202,7 +197,7 @@ class Augmenter:
         frames = logmel.shape[0]
         if options.noise == "coloured":
             exponent = COLOUR_EXPONENTS[int(rng.integers(len(COLOUR_EXPONENTS)))]
-            noise = self._featurise(coloured_noise(frames * HOP + WINDOW, exponent, rng))[:frames]
+            noise = self.extractor(coloured_noise(frames * HOP + WINDOW, exponent, rng))[0][:frames]
         elif options.noise == "babble":
             talkers = list(babble_source(utt_id, rng, BABBLE_TALKERS)) if babble_source else []
             if not talkers:
@@ -210,8 +205,7 @@ class Augmenter:
             power = sum(np.exp(crop(t, frames, rng).astype(np.float64)) for t in talkers)
             noise = np.log(power).astype(np.float32)
         else:
-            files = self._noise_files()
-            noise = crop(self._noise_features(files[int(rng.integers(len(files)))]), frames, rng)
+            noise = crop(self._noise_features(self.files[int(rng.integers(len(self.files)))]), frames, rng)
         return mix_at_snr(logmel, noise, snr)
 
     def specaugment(self, feats: torch.Tensor, utt_id: str, epoch: int) -> torch.Tensor:
@@ -219,18 +213,15 @@ class Augmenter:
             return feats
         return spec_augment(feats, utterance_rng(self.seed, epoch, utt_id, "specaugment"), self.options)
 
-    def _featurise(self, wave: np.ndarray) -> np.ndarray:
-        if self._extractor is None:
-            from speech_assets.features.featurize import FeatureExtractor
+    @functools.cached_property
+    def extractor(self) -> Any:
+        from speech_assets.features.featurize import FeatureExtractor
 
-            self._extractor = FeatureExtractor()
-        logmel, _ = self._extractor(wave)
-        return logmel
+        return FeatureExtractor()
 
-    def _noise_files(self) -> list[Path]:
-        if self._files is None:
-            self._files = noise_files(self.options.noise)
-        return self._files
+    @functools.cached_property
+    def files(self) -> list[Path]:
+        return noise_files(self.options.noise)
 
     def _noise_features(self, path: Path) -> np.ndarray:
         """Log-mel of one noise file: featurised when first drawn, kept while the cache has room."""
@@ -248,7 +239,7 @@ class Augmenter:
             raise ValueError(f"noise file {path} holds no audio")
         if len(wave) < WINDOW:
             wave = np.resize(wave, WINDOW)  # tiled up to one analysis window
-        features = self._featurise(wave)
+        features = self.extractor(wave)[0]
         self._cache[path] = features
         while sum(f.nbytes for f in self._cache.values()) > NOISE_CACHE_BYTES and len(self._cache) > 1:
             self._cache.popitem(last=False)
@@ -256,4 +247,4 @@ class Augmenter:
 
     def __getstate__(self) -> dict[str, object]:
         # DataLoader workers featurise the noise they draw themselves instead of receiving it pickled
-        return {**self.__dict__, "_cache": OrderedDict(), "_extractor": None}
+        return {key: value for key, value in self.__dict__.items() if key != "extractor"} | {"_cache": OrderedDict()}

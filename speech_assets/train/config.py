@@ -148,7 +148,7 @@ class TrainConfig(RunConfig):
     # each batch cut to its shortest utterance at random per-utterance offsets (fairseq), so attention
     # needs no padding mask; off: batches padded to their longest utterance
     crop_batches: bool = True
-    # DataLoader workers per process; -1: auto (trainer.loader_workers)
+    # DataLoader workers per process; -1: auto (engine.default_workers)
     num_workers: Annotated[int, Field(ge=-1)] = -1
     max_restarts: AtLeast0 = 2
     nproc: Literal["auto"] | AtLeast1 = "auto"

@@ -27,11 +27,13 @@ from speech_assets.features.shards import (
     feature_dtype,
     read_shard_table,
 )
+from speech_assets.model.batches import cut_batches
 from speech_assets.model.hubert import output_lengths
 from speech_assets.model.loss import IGNORE_INDEX
 from speech_assets.model.masking import span_mask
 from speech_assets.targets.labels import read_labels
 from speech_assets.train.augment import Augmenter
+from speech_assets.train.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,8 @@ class CorpusIndex:
 
 
 def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_frames: int) -> CorpusIndex:
-    """Index every utterance of ``shards`` labelled in exactly one client's labels file (client id -> path).
-
-    Unlabelled utterances are counted; one labelled twice, or in two shards, is an error.
-    """
+    """Index every utterance of ``shards`` labelled in exactly one client's labels file (client id ->
+    path); unlabelled ones are counted, one labelled twice or in two shards is an error."""
     clients = sorted(client_labels)
     labels = [read_labels(client_labels[name]) for name in clients]
     owner: dict[str, int] = {}
@@ -83,7 +83,8 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
         utt_ids = table.column("utt_id").to_pylist()
         speakers = table.column("speaker_id").to_pylist()
         frames = table.column("num_frames").to_pylist()
-        row_groups = _row_group_of_rows(path)
+        metadata = pq.ParquetFile(path).metadata
+        row_groups = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
         for row, (utt_id, speaker, num_frames) in enumerate(zip(utt_ids, speakers, frames, strict=True)):
             if utt_id in seen:
                 raise ValueError(f"{utt_id} appears in more than one shard (second: {path})")
@@ -98,11 +99,6 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
                 )
             )
     return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
-
-
-def _row_group_of_rows(path: str) -> list[tuple[int, int]]:
-    metadata = pq.ParquetFile(path).metadata
-    return [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
 
 
 def _unit_hash(text: str) -> float:
@@ -146,9 +142,15 @@ def heldout_split(
     return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
 
 
-def speaker_record(train: Sequence[UtteranceRef], heldout: Collection[str]) -> dict[str, list[str]]:
-    """The speakers a checkpoint trained on and the held-out ones (the probe checks no encoder trained on them)."""
-    return {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(heldout)}
+def split_corpus(
+    config: RunConfig, heldout: Collection[str] | None
+) -> tuple[CorpusIndex, list[UtteranceRef], list[UtteranceRef], dict[str, list[str]]]:
+    """The index of ``config``'s shards, its training and held-out utterances (:func:`heldout_split`),
+    and the speakers a checkpoint records: trained on and held out (the probe checks no encoder trained on them)."""
+    index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
+    train, held = heldout_split(index.utterances, config.heldout_fraction, heldout)
+    chosen = heldout if heldout is not None else {u.speaker_id for u in held}
+    return index, train, held, {"train": sorted({u.speaker_id for u in train}), "heldout": sorted(chosen)}
 
 
 @dataclass
@@ -422,11 +424,9 @@ class RankSampler:
 
 
 class DurationBucketSampler(RankSampler):
-    """Deterministic distributed batching by duration: per epoch, shuffle, sort pools of about
-    ``pool_batches`` batches by duration, cut them (:func:`cut_batches`), shuffle the batches and
-    deal them round-robin. Every rank gets the same number of batches, so ranks stay in lock-step.
-    Not laid out in per-worker lanes: its users read small per-client data in the main process.
-    """
+    """Per epoch: shuffle, cut pools of about ``pool_batches`` batches by duration, shuffle the batches and
+    deal them round-robin, the same number to every rank (lock-step). No per-worker lanes: its users
+    read small per-client data in the main process."""
 
     def __init__(
         self,
@@ -442,38 +442,18 @@ class DurationBucketSampler(RankSampler):
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.seconds))
-        batches: list[list[int]] = []
-        for start in range(0, len(order), self.pool_size):
-            batches += cut_batches(order[start : start + self.pool_size], self.seconds, self.batch_seconds)
-        return [batches[i] for i in rng.permutation(len(batches))]
-
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch``; the same count on every rank."""
-        batches = self.global_batches(epoch)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.seconds))
+        pooled: list[list[int]] = []
+        for start in range(0, len(order), self.pool_size):
+            pooled += cut_batches(order[start : start + self.pool_size], self.seconds, self.batch_seconds)
+        batches = [pooled[i] for i in rng.permutation(len(pooled))]
         if len(batches) < self.num_replicas:
             batches = [batches[i % len(batches)] for i in range(self.num_replicas)]
         usable = len(batches) - len(batches) % self.num_replicas
         return batches[self.rank : usable : self.num_replicas]
-
-
-def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_seconds: float) -> list[list[int]]:
-    """Sort ``indices`` by duration and cut them greedily into batches whose padded size stays
-    within ``batch_seconds`` (a longer utterance is a batch alone)."""
-    ordered = np.asarray(indices, dtype=np.int64)
-    ordered = ordered[np.argsort(seconds[ordered], kind="stable")]
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in ordered.tolist():
-        if current and (len(current) + 1) * seconds[index] > batch_seconds:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def eval_batches(seconds: Sequence[float], batch_seconds: float, num_replicas: int, rank: int) -> list[list[int]]:

@@ -31,9 +31,7 @@ from speech_assets.train.data import (
     Batch,
     DurationBucketSampler,
     UtteranceDataset,
-    build_index,
-    heldout_split,
-    speaker_record,
+    split_corpus,
 )
 from speech_assets.train.engine import (
     BatchStream,
@@ -165,14 +163,10 @@ class Distillation(Fit):
         self.layers = layers = config.teacher_layers or default_teacher_layers(teacher.preset.layers)
         if not all(1 <= layer <= teacher.preset.layers for layer in layers):
             raise ValueError(f"teacher_layers {layers} outside 1..{teacher.preset.layers}")
-        index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
         # the student learns on the teacher's training speakers, with the teacher's input normalisation
         recorded = self.teacher_loaded.checkpoint.get("speakers") or {}
         heldout = config.heldout_speakers if config.heldout_speakers is not None else recorded.get("heldout")
-        train_refs, self.heldout_refs = heldout_split(index.utterances, config.heldout_fraction, heldout)
-        speakers = speaker_record(
-            train_refs, heldout if heldout is not None else {u.speaker_id for u in self.heldout_refs}
-        )
+        index, train_refs, self.heldout_refs, speakers = split_corpus(config, heldout)
         cmvn = from_record(self.teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
         self.dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
         self.train_refs = train_refs

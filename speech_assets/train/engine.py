@@ -54,7 +54,7 @@ from speech_assets.train.checkpoint import (
 )
 from speech_assets.train.config import RunConfig
 from speech_assets.train.data import Batch, BatchBuilder, BatchRequest, RankSampler, SpanMasking, UtteranceDataset
-from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series
+from speech_assets.train.tracking import MlflowTracker, PipesReporter, heldout_series, recorded_run_id
 from speech_assets.utils import atomic_write_text
 
 log = logging.getLogger("speech_assets.train")
@@ -646,11 +646,10 @@ class Engine:
         else:
             states = [rng]
         if self.job.is_main:
-            model_state = self.model.state_dict()
             state = {
                 "format": CHECKPOINT_FORMAT,
                 "step": self.step,
-                "model": model_state,
+                "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
@@ -718,10 +717,8 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
         yield None
         return
     tracker = MlflowTracker(config)
-    id_file = RunFiles(Path(config.run_dir)).mlflow_run_id
-    previous = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else None
-    tracker.start(previous or None, plan)
-    atomic_write_text(id_file, tracker.run_id + "\n")
+    tracker.start(recorded_run_id(Path(config.run_dir)), plan)
+    atomic_write_text(RunFiles(Path(config.run_dir)).mlflow_run_id, tracker.run_id + "\n")
     try:
         yield tracker
     except BaseException:

@@ -1,6 +1,4 @@
-"""Launching: auto-configure on this machine, build the torchrun command, and launch with the
-CUDA out-of-memory retries of :mod:`speech_assets.train.oom`.
-"""
+"""Launching: auto-configure, build the torchrun command, launch with the out-of-memory retries."""
 
 from __future__ import annotations
 

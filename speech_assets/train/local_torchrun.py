@@ -70,16 +70,15 @@ class LoopbackRendezvous(RendezvousHandler):
         return True
 
 
-def loopback_interface() -> str | None:
-    """The name of the interface that holds 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(address.family == socket.AF_INET and address.address == LOOPBACK for address in addresses):
-            return name
-    return None
-
-
 def main(argv: list[str]) -> None:
-    interface = loopback_interface()
+    interface = next(  # the one holding 127.0.0.1: lo on Linux, lo0 on macOS
+        (
+            name
+            for name, addresses in psutil.net_if_addrs().items()
+            if any(address.family == socket.AF_INET and address.address == LOOPBACK for address in addresses)
+        ),
+        None,
+    )
     if interface:  # unless the user chose otherwise: collectives between this node's processes stay on it
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)

@@ -1,8 +1,4 @@
-"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and the CTC loss.
-
-Inputs: log-mel ``feats (B, T, 80)`` at 100 Hz, ``lengths (B,)``, ``clients (B,)`` and ``targets
-(B, L)`` at 50 Hz (``L = (T + 1) // 2``); spans are masked on the 50 Hz frames.
-"""
+"""Engine objectives: HuBERT's masked prediction (and its held-out evaluation) and the CTC loss."""
 
 from __future__ import annotations
 
@@ -151,14 +147,11 @@ def frame_rates(row: list[float], count: type, first: int = 0) -> dict[str, Any]
 
 def majority_labels(index: CorpusIndex, train_refs: list[UtteranceRef]) -> list[int]:
     """Each client's most frequent label over its training utterances (index order of clients)."""
-    counts: list[np.ndarray] = [np.zeros(1, np.int64) for _ in index.clients]
+    labels: list[list[np.ndarray]] = [[np.zeros(0, np.int64)] for _ in index.clients]
     for ref in train_refs:
-        labels = index.labels[ref.client][ref.utt_id]
-        found = np.bincount(labels[labels >= 0].astype(np.int64))
-        if found.shape[0] > counts[ref.client].shape[0]:
-            found, counts[ref.client] = counts[ref.client], found
-        counts[ref.client][: found.shape[0]] += found
-    return [int(c.argmax()) for c in counts]
+        found = index.labels[ref.client][ref.utt_id]
+        labels[ref.client].append(found[found >= 0].astype(np.int64))
+    return [int(np.bincount(np.concatenate(parts), minlength=1).argmax()) for parts in labels]
 
 
 def proximal_term(model: nn.Module, reference: dict[str, torch.Tensor], mu: float) -> torch.Tensor:

@@ -1,22 +1,23 @@
-"""The CUDA out-of-memory protocol between a training worker and its launcher.
-
-A rank out of memory writes ``run_dir/oom.json`` and exits with :data:`OOM_EXIT_CODE`; the launcher
-then launches again with half the per-device batch and twice the accumulation (the same effective
-batch), up to :data:`MAX_OOM_RETRIES` times, each attempt resuming from the latest checkpoint.
-"""
+"""The CUDA out-of-memory protocol: a rank out of memory writes ``run_dir/oom.json`` and exits with
+:data:`OOM_EXIT_CODE`; the launcher launches again with half the per-device batch and twice the
+accumulation, up to :data:`MAX_OOM_RETRIES` times, each attempt resuming from the latest checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from speech_assets.layout import RunFiles
 from speech_assets.utils import atomic_write_text
+
+if TYPE_CHECKING:
+    from speech_assets.train.engine import Distributed
 
 log = logging.getLogger(__name__)
 Config = TypeVar("Config", bound=Any)  # a dataclass with batch_seconds and grad_accum
@@ -77,12 +78,20 @@ def retrying_oom(
     raise AssertionError("unreachable")
 
 
-def exit_after_oom(
-    run_dir: str | os.PathLike[str], rank: int, batch_seconds: float, grad_accum: int, error: BaseException
-) -> NoReturn:
-    write_oom_marker(run_dir, rank, batch_seconds, grad_accum, str(error))
-    log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", batch_seconds, grad_accum, error)
-    raise SystemExit(OOM_EXIT_CODE) from error
+@contextlib.contextmanager
+def exit_on_oom(run_dir: str | os.PathLike[str], job: Distributed) -> Iterator[None]:
+    """A CUDA out-of-memory error once ``job.batch`` is known writes the marker and exits with :data:`OOM_EXIT_CODE`."""
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        if job.batch is None:
+            raise
+        batch_seconds, grad_accum = job.batch
+        write_oom_marker(run_dir, job.rank, batch_seconds, grad_accum, str(error))
+        log.error("CUDA out of memory (batch %.1f s, grad_accum %d): %s", batch_seconds, grad_accum, error)
+        raise SystemExit(OOM_EXIT_CODE) from error
 
 
 def refuse_known_oom(run_dir: str | os.PathLike[str], batch_seconds: float) -> None:

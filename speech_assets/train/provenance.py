@@ -11,9 +11,8 @@ from speech_assets.utils import atomic_write_text, read_json
 
 
 def record_provenance(run_dir: Path, checkpoint_sha256: str, **fields: object) -> None:
-    """``<run_dir>/provenance.json``: what made the run's checkpoint (git commit, MLflow run,
-    Dagster run), for `speech-assets lineage` and the stats database. Kept while the checkpoint
-    is the same one (a later run that reuses a finished run did not make it)."""
+    """Write ``provenance.json``, kept while the checkpoint is the same one (a later run that reuses a
+    finished run did not make it)."""
     path = RunFiles(run_dir).provenance
     if read_json(path).get("checkpoint_sha256") == checkpoint_sha256:
         return

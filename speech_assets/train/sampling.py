@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from speech_assets.train.data import RankSampler, cut_batches
+from speech_assets.model.batches import cut_batches
+from speech_assets.train.data import RankSampler
 
 
 class BlockShuffleSampler(RankSampler):

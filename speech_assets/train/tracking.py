@@ -51,15 +51,6 @@ DAGSTER_RUN_TAG = "dagster_run_id"
 DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT = "SPEECH_ASSETS_DAGSTER_URL", "http://127.0.0.1:3000"
 
 
-def dagster_run_tags(dagster_run_id: str) -> dict[str, str]:
-    """The tags that link an MLflow run to its Dagster run: the id, and a note linking to it in Dagster's UI."""
-    base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
-    return {
-        DAGSTER_RUN_TAG: dagster_run_id,
-        "mlflow.note.content": f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})",
-    }
-
-
 UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI on (default 5000)
 
 
@@ -157,17 +148,12 @@ def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
     return tags
 
 
-def mode_of(config: RunConfig) -> str:
-    if config.mode:
-        return config.mode
-    if isinstance(config, FinetuneConfig):
-        return "finetuned"
-    return "distilled" if isinstance(config, DistillConfig) else "centralised"
-
-
 def run_tags(config: RunConfig) -> dict[str, str]:
     """The tags a new MLflow run of ``config`` starts with."""
-    tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": mode_of(config)}
+    kind = (
+        "finetuned" if isinstance(config, FinetuneConfig) else "distilled" if isinstance(config, DistillConfig) else ""
+    )
+    tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": config.mode or kind or "centralised"}
     init = None
     if isinstance(config, FinetuneConfig):
         init = config.init
@@ -220,6 +206,40 @@ def log_probe_on_encoder_runs(
     return logged
 
 
+def start_run(
+    client: Any,
+    experiment_id: str,
+    previous: str | None,
+    *,
+    run_name: str | None,
+    tags: Mapping[str, str],
+    params: Mapping[str, Any],
+    dagster_run_id: str | None,
+    git_sha: str | None,
+    autoconfig: str | None = None,
+) -> str:
+    """Run ``previous`` tagged with the Dagster run that continues it, or a new run with ``tags``, the
+    Dagster run's and the commit's, and ``params``; its id. Both trackers start their runs here."""
+    from mlflow.entities import Param, RunTag
+
+    base = os.environ.get(DAGSTER_UI_ENV, DAGSTER_UI_DEFAULT).rstrip("/")
+    note = f"Dagster run [{dagster_run_id}]({base}/runs/{dagster_run_id})"  # a link in the run's page
+    linked = {DAGSTER_RUN_TAG: dagster_run_id, "mlflow.note.content": note} if dagster_run_id else {}
+    if previous:
+        for key, value in linked.items():
+            client.set_tag(previous, key, value)
+        return previous
+    if git_sha:
+        linked |= {"git_sha": git_sha, "mlflow.source.git.commit": git_sha}
+    run_id = client.create_run(experiment_id, run_name=run_name, tags={**tags, **linked}).info.run_id
+    client.log_batch(
+        run_id,
+        params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
+        tags=[] if autoconfig is None else [RunTag("autoconfig", autoconfig[:5000])],
+    )
+    return run_id
+
+
 class MlflowTracker:
     """One MLflow run per training run directory; a resumed attempt continues the same run."""
 
@@ -247,38 +267,30 @@ class MlflowTracker:
 
     def start(self, resume_run_id: str | None, plan: Mapping[str, Any]) -> str:
         """Create the run (logging params, lineage, environment) or reopen ``resume_run_id``."""
-        from mlflow.entities import Param, RunTag
-
         cfg = self.config
         name = cfg.mlflow_experiment or EXPERIMENT
         self.experiment_id = ensure_experiment(self.client, name, self.tracking_uri, cfg.mlflow_artifact_location)
         if resume_run_id:
-            self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            if cfg.dagster_run_id:  # the Dagster run that continues it
-                for key, value in dagster_run_tags(cfg.dagster_run_id).items():
-                    self.client.set_tag(resume_run_id, key, value)
             log.info("continuing MLflow run %s", resume_run_id)
-        else:
-            tags = run_tags(cfg)
-            if cfg.dagster_run_id:
-                tags |= dagster_run_tags(cfg.dagster_run_id)
-            if cfg.git_sha:
-                tags |= {"git_sha": cfg.git_sha, "mlflow.source.git.commit": cfg.git_sha}
-            run = self.client.create_run(self.experiment_id, run_name=cfg.mlflow_run_name, tags=tags)
-            self.run_id = run.info.run_id
-            skipped = ("shards", "clients", "data_versions", "dagster_run_id", "mode")
-            params = {k: v for k, v in cfg.to_dict().items() if k not in skipped}
-            params |= {"num_shards": len(cfg.shards), "num_clients": len(cfg.clients)}
-            params |= {f"k.{name}": c.k for name, c in cfg.clients.items()}
-            params |= {f"plan.{k}": v for k, v in plan.items() if k != "reason"}
-            if hasattr(cfg, "chance_accuracy"):
-                params["chance_accuracy"] = round(cfg.chance_accuracy, 6)
-            self.client.log_batch(
-                self.run_id,
-                params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
-                tags=[RunTag("autoconfig", str(plan.get("reason", ""))[:5000])],
-            )
+        skipped = ("shards", "clients", "data_versions", "dagster_run_id", "mode")
+        params = {k: v for k, v in cfg.to_dict().items() if k not in skipped}
+        params |= {"num_shards": len(cfg.shards), "num_clients": len(cfg.clients)}
+        params |= {f"k.{name}": c.k for name, c in cfg.clients.items()}
+        params |= {f"plan.{k}": v for k, v in plan.items() if k != "reason"}
+        if hasattr(cfg, "chance_accuracy"):
+            params["chance_accuracy"] = round(cfg.chance_accuracy, 6)
+        self.run_id = start_run(
+            self.client,
+            self.experiment_id,
+            resume_run_id,
+            run_name=cfg.mlflow_run_name,
+            tags=run_tags(cfg),
+            params=params,
+            dagster_run_id=cfg.dagster_run_id,
+            git_sha=cfg.git_sha,
+            autoconfig=str(plan.get("reason", "")),
+        )
         self.client.log_text(self.run_id, cfg.to_json(), RunFiles.config.name)
         self.client.log_text(self.run_id, json.dumps(dict(plan), indent=2, sort_keys=True), MLFLOW_AUTOCONFIG)
         self.client.log_text(self.run_id, installed_packages(), MLFLOW_ENVIRONMENT)

@@ -21,12 +21,13 @@ from speech_assets.model.presets import get_preset
 from speech_assets.train.augment import Augmenter
 from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.config import TrainConfig
-from speech_assets.train.data import UtteranceDataset, build_index, heldout_split, speaker_record
+from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
     BatchStream,
     Distributed,
     Evaluation,
     Fit,
+    default_workers,
     seed_everything,
     warmup_linear_decay,
 )
@@ -39,11 +40,6 @@ from speech_assets.train.worker import worker
 
 log = logging.getLogger("speech_assets.train")
 WINDOW_BLOCKS = 16  # blocks (shard row groups) mixed at a time; the dataset caches one window
-
-
-def model_identity(config: dict[str, Any]) -> tuple[str, dict[str, int]]:
-    """What a checkpoint must share with the run to continue it: the preset and the client codebooks."""
-    return config["preset"], {name: client["k"] for name, client in config["clients"].items()}
 
 
 class Trainer(Fit):
@@ -65,14 +61,12 @@ class Trainer(Fit):
 
     def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
         self.job, self.launch = job, plan
-        index = build_index(config.shards, {n: c.labels for n, c in config.clients.items()}, config.max_frames)
-        train_refs, heldout_refs = heldout_split(index.utterances, config.heldout_fraction, config.heldout_speakers)
+        augment = Augmenter(config.augmentation(), seed=config.seed)
+        # negative: the engine's default (on CPU none: one process reads over 2,000 s of audio per second)
+        workers = config.num_workers if config.num_workers >= 0 else default_workers(job)
+        index, train_refs, heldout_refs, speakers = split_corpus(config, config.heldout_speakers)
         if not train_refs:
             raise ValueError("no labelled training utterances in the shards")
-        speakers = speaker_record(
-            train_refs,
-            config.heldout_speakers if config.heldout_speakers is not None else {u.speaker_id for u in heldout_refs},
-        )
         self.heldout_speakers = speakers["heldout"]
         log.info(
             "data: %d training and %d held-out utterances (held-out speakers: %s; %.0f s / %.0f s), "
@@ -86,8 +80,13 @@ class Trainer(Fit):
         )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
+        seed_everything(config.seed)  # the model's initial weights: nothing else draws before them
+        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
+            job.device
+        )
+        if config.compile:
+            self.model.compile_encoder()
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
-        augment = Augmenter(config.augmentation(), seed=config.seed)
         self.train_set = UtteranceDataset(
             index,
             train_refs,
@@ -109,15 +108,8 @@ class Trainer(Fit):
             rank=job.rank,
             seed=config.seed,
             window_blocks=WINDOW_BLOCKS,
-            num_workers=loader_workers(config, job),
+            num_workers=workers,
         )
-
-        seed_everything(config.seed)
-        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
-            job.device
-        )
-        if config.compile:
-            self.model.compile_encoder()
         objective = MaskedPrediction(
             self.model,
             job.device,
@@ -140,7 +132,11 @@ class Trainer(Fit):
             schedule=warmup_linear_decay(config.warmup_steps, config.max_steps),
             speakers=speakers,
             cmvn=cmvn,
-            identity=model_identity,
+            # what a checkpoint must share with the run to continue it: the preset and the client codebooks
+            identity=lambda stored: (
+                stored["preset"],
+                {name: client["k"] for name, client in stored["clients"].items()},
+            ),
             launch=plan.to_dict(),
             # one rank: a snapshot scored beside the steps; several: the evaluation's all_reduce must
             # keep its place among DDP's collectives, so it runs between the steps (a compiled
@@ -221,16 +217,6 @@ HELDOUT_KEYS = (
 )
 
 
-def loader_workers(config: TrainConfig, job: Distributed) -> int:
-    """``config.num_workers``, or (negative: auto) none on CPU (the cores train; one process reads
-    over 2,000 s of audio per second) and up to 4 per GPU process from the cores left."""
-    if config.num_workers >= 0:
-        return config.num_workers
-    if job.device.type != "cuda":
-        return 0
-    return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
-
-
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
@@ -253,5 +239,6 @@ def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train ``config`` in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
-        reporter = PipesReporter(log) if job.is_main else None
-        return Trainer(config, job, plan_for_job(config, job)).run(reporter)
+        reporter = PipesReporter(log) if job.is_main else None  # before the plan: its log line goes to Dagster too
+        plan = plan_for_job(config, job)
+        return Trainer(config, job, plan).run(reporter)

@@ -1,7 +1,5 @@
-"""A training worker's process life, around the engine's loop: logging (rank 0 to ``train.log``
-and, outside Dagster Pipes, to stderr), the hold on the run folder and the tie to the launcher's
-life, the process group, and the out-of-memory exit of :mod:`speech_assets.train.oom`.
-"""
+"""A training worker's process life around the engine's loop: logging, the process group, the
+run folder's locks, the tie to the launcher's life and the out-of-memory exit."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from speech_assets.layout import RunFiles
@@ -20,26 +17,29 @@ from speech_assets.runtime.locks import RunFolderLock, hold_as_worker
 from speech_assets.runtime.processes import LAUNCHER_ENV, die_with_parent, watch_launcher
 from speech_assets.train.engine import Distributed, init_distributed
 from speech_assets.train.launch import RUN_LOCK_HELD_ENV
-from speech_assets.train.oom import exit_after_oom
+from speech_assets.train.oom import exit_on_oom
 
 log = logging.getLogger("speech_assets.train")
 
 
 @contextlib.contextmanager
 def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
-    """This process as a training worker, alone or one rank of a torchrun job; a CUDA out-of-memory
-    error with a known batch exits as :mod:`speech_assets.train.oom` says."""
+    """This process as a training worker, alone or one rank of a torchrun job: its process group, its
+    claim on the run folder (the run lock is the launcher's, else rank 0's) and, when launched, its
+    tie to the launcher's life; a CUDA out-of-memory error exits as :mod:`speech_assets.train.oom` says."""
     handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
+    if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+        watch_launcher()
     job: Distributed | None = None
     folder = contextlib.ExitStack()
     try:
-        folder.enter_context(hold_run_folder(run_dir, command))
         job = init_distributed(device)
-        yield job
-    except torch.cuda.OutOfMemoryError as error:
-        if job is None or job.batch is None:
-            raise
-        exit_after_oom(run_dir, job.rank, *job.batch, error)
+        with exit_on_oom(run_dir, job):
+            folder.callback(hold_as_worker(run_dir).close)
+            if not os.environ.get(RUN_LOCK_HELD_ENV) and job.rank == 0:
+                folder.enter_context(RunFolderLock(run_dir).acquire(command=command))
+            yield job
     finally:
         for handler in handlers:
             log.removeHandler(handler)
@@ -68,17 +68,3 @@ def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
         handler.setFormatter(formatter)
         log.addHandler(handler)
     return handlers
-
-
-@contextlib.contextmanager
-def hold_run_folder(run_dir: str, command: str) -> Iterator[None]:
-    """This worker's claim on the run folder (the run lock is the launcher's, else rank 0's), and
-    when launched its tie to the launcher's life."""
-    if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()
-        watch_launcher()
-    with contextlib.ExitStack() as stack:
-        stack.callback(hold_as_worker(run_dir).close)
-        if not os.environ.get(RUN_LOCK_HELD_ENV) and int(os.environ.get("RANK", "0")) == 0:
-            stack.enter_context(RunFolderLock(run_dir).acquire(command=command))
-        yield

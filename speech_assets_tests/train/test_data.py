@@ -160,9 +160,8 @@ def test_sampler_buckets_by_duration_and_splits_evenly_across_ranks() -> None:
 
 def test_sampler_edge_cases() -> None:
     # An utterance longer than the cap gets a batch of its own; fewer batches than ranks repeat.
-    sampler = DurationBucketSampler([20.0, 1.0], 10.0, num_replicas=4, rank=3)
-    assert sorted(map(len, sampler.global_batches(0))) == [1, 1]
-    assert len(sampler.batches(0)) == 1
+    assert sorted(map(len, DurationBucketSampler([20.0, 1.0], 10.0).batches(0))) == [1, 1]
+    assert len(DurationBucketSampler([20.0, 1.0], 10.0, num_replicas=4, rank=3).batches(0)) == 1
     with pytest.raises(ValueError):
         DurationBucketSampler([], 10.0)
 

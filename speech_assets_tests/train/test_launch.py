@@ -21,8 +21,10 @@ from speech_assets.train.oom import (
     OOM_EXIT_CODE,
     clear_oom,
     detect_oom,
+    exit_on_oom,
     next_attempt_after_oom,
     read_oom_marker,
+    refuse_known_oom,
     write_oom_marker,
 )
 from speech_assets.train.trainer import plan_for_job
@@ -75,6 +77,29 @@ def test_oom_policy_and_marker(tmp_path: Path) -> None:
     }
     clear_oom(tmp_path)
     assert not detect_oom(tmp_path) and read_oom_marker(tmp_path) is None
+
+
+def test_a_worker_out_of_memory_with_a_known_batch_exits_for_a_retry(tmp_path: Path) -> None:
+    """Before the batch is known the error stands; after, the marker is written and the exit code
+    is the one the launcher retries on."""
+    job = Distributed(1, 1, 2, 2, torch.device("cpu"))
+    with pytest.raises(torch.cuda.OutOfMemoryError), exit_on_oom(tmp_path, job):
+        raise torch.cuda.OutOfMemoryError("early")
+    assert not detect_oom(tmp_path)
+    job.batch = (8.0, 3)
+    with pytest.raises(SystemExit) as exited, exit_on_oom(tmp_path, job):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert exited.value.code == OOM_EXIT_CODE
+    assert read_oom_marker(tmp_path) == {
+        "rank": 1,
+        "batch_seconds": 8.0,
+        "grad_accum": 3,
+        "error": "CUDA out of memory",
+    }
+    refuse_known_oom(tmp_path, 4.0)  # the retry's halved batch goes on; the same batch again is refused
+    with pytest.raises(SystemExit) as exited:
+        refuse_known_oom(tmp_path, 8.0)
+    assert exited.value.code == OOM_EXIT_CODE
 
 
 def test_the_out_of_memory_protocol_and_a_workers_life_each_live_in_one_module() -> None:

@@ -1,5 +1,7 @@
 """Held-out masked prediction: the leak-free accuracy next to the older masked and interior ones."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from speech_assets.model.masking import leak_free, pipeline_label_radius
 from speech_assets.model.presets import get_preset
 from speech_assets.train.data import UtteranceDataset, build_index, collate, eval_batches
 from speech_assets.train.engine import Distributed
-from speech_assets.train.objectives import MaskedPrediction
+from speech_assets.train.objectives import MaskedPrediction, majority_labels
 from speech_assets_tests.support.training_data import SyntheticCorpus
 
 BATCH_SECONDS = 8.0
@@ -103,3 +105,12 @@ def test_the_proximal_term_pulls_towards_the_reference_and_ignores_the_heads() -
     term.backward()
     assert torch.allclose(model["encoder"].weight.grad, torch.full((2, 3), 0.5))  # mu * (w - w_ref)
     assert model["heads"].weight.grad is None
+
+
+def test_majority_labels_are_each_clients_most_frequent_training_label(heldout: UtteranceDataset) -> None:
+    index, refs = heldout.index, heldout.utterances[1:]  # not every utterance: only the ones given count
+    counts: list[Counter[int]] = [Counter() for _ in index.clients]
+    for ref in refs:
+        counts[ref.client].update(int(label) for label in index.labels[ref.client][ref.utt_id] if label >= 0)
+    found = majority_labels(index, refs)
+    assert [count[label] for count, label in zip(counts, found, strict=True)] == [max(c.values()) for c in counts]
