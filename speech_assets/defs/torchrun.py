@@ -133,33 +133,18 @@ RECORDED_HELDOUT = (accuracy.ACCURACY, accuracy.MAJORITY, *accuracy.ALL_FRAMES_R
 
 
 def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, object]:
-    """A torchrun job's metadata: the training curve first (Dagster lists metadata in insertion
-    order, and a curve below twenty rows goes unseen), the held-out accuracy, then the rest."""
-    return {
-        **training_curve_metadata(run_dir),
-        **heldout_metadata(result),
-        **{k: v for k, v in reported.items() if k not in RECORDED_HELDOUT},
-        **result_metadata(run_dir),
-    }
-
-
-def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
-    """The held-out masked accuracy (leak-free) and, named apart, the all-frames figure that measures the leak."""
-    if not any(key in result for key in RECORDED_HELDOUT):
-        return {}
-    shown = accuracy.metadata(result)
-    for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
-        if result.get(recorded) is not None:
-            shown[name] = round(float(result[recorded]), 4)
-    return shown
-
-
-def result_metadata(run_dir: Path) -> dict[str, object]:
-    """From rank 0's ``result.json``: checkpoint size, hours trained on, held-out results per client, MLflow run."""
-    result = read_json(RunFiles(run_dir).result)
+    """A torchrun job's metadata from rank 0's ``result``: the training curve first (Dagster lists
+    metadata in insertion order, and a curve below twenty rows goes unseen), the held-out masked
+    accuracy (leak-free; the all-frames figure that measures the leak named apart), then the rest."""
+    metadata = training_curve_metadata(run_dir)
+    if any(key in result for key in RECORDED_HELDOUT):
+        metadata |= accuracy.metadata(result)
+        for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
+            if result.get(recorded) is not None:
+                metadata[name] = round(float(result[recorded]), 4)
+    metadata |= {k: v for k, v in reported.items() if k not in RECORDED_HELDOUT}
     if not result:
-        return {}
-    metadata: dict[str, object] = {}
+        return metadata
     checkpoint = Path(result.get("checkpoint") or RunFiles(run_dir).final)
     if checkpoint.is_file():
         metadata["checkpoint_mb"] = readable.megabytes(checkpoint.stat().st_size)
@@ -167,10 +152,9 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
         metadata["train_audio_h"] = round(result["train_audio_seconds"] / 3600, 2)
     if result.get("heldout_per_client"):
         metadata["heldout_per_client"] = readable.per_client_table(result["heldout_per_client"])
-    metadata |= readable.mlflow_links(
+    return metadata | readable.mlflow_links(
         result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui")
     )
-    return metadata
 
 
 def training_curve_metadata(run_dir) -> dict[str, object]:
