@@ -118,6 +118,7 @@ def finetuned_asr(
         f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {planning.oov_by_budget(runs)}"
     )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
+    mlflow = exported["mlflow"]
     unused = {key: folder for key, folder in tuned.items() if folder not in planned.values()}  # lrs not chosen
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
@@ -134,8 +135,7 @@ def finetuned_asr(
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],
-            **({"mlflow_model": exported["mlflow"]["model_uri"]} if exported["mlflow"] else {}),
-            **({"registered_model": exported["mlflow"]["registered_uri"]} if exported["mlflow"] else {}),
+            **({"mlflow_model": mlflow["model_uri"], "registered_model": mlflow["registered_uri"]} if mlflow else {}),
             "decoders": dg.MetadataValue.json(plan.decoders),
             **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
             "labelled_minutes": dg.MetadataValue.json(plan.budgets),
@@ -263,7 +263,6 @@ def _train(
             batch_dir,
             batch,
             data_versions,
-            asset_name="finetuned_asr",
             nproc=nproc,
             module="speech_assets.evaluation.finetune",
         )
