@@ -203,8 +203,7 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     """Print a partition set's keys, or the `first...last` range `dagster asset materialize` takes."""
     import dagster as dg
 
-    instance = dg.DagsterInstance.get()
-    keys = list(instance.get_dynamic_partitions(args.name))
+    keys = list(dg.DagsterInstance.get().get_dynamic_partitions(args.name))
     if not keys:
         print(f"no partitions registered for {args.name!r} in {locations.dagster_home()}", file=sys.stderr)
         return 1
@@ -248,9 +247,7 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
 
     from speech_assets.defs.runs import reap_dead_runs
 
-    instance = dg.DagsterInstance.get()
-    reaped = reap_dead_runs(instance, say=print)
-    if not reaped:
+    if not reap_dead_runs(dg.DagsterInstance.get(), say=print):
         print("no concurrency slot is held by a dead or finished run")
     return 0
 

@@ -169,8 +169,7 @@ def _run_all(
     """The folder of each of ``runs``, those not finished before trained in one launch."""
     root = paths.layout.finetune.root
     folders = [_plan(context, paths, root, options, run) for run in runs]
-    pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
-    if pending:
+    if pending := list(dict.fromkeys(run_dir for run_dir, done in folders if not done)):
         _train(context, client, paths, root, options, pending, versions)
     return [run_dir for run_dir, _ in folders]
 

@@ -482,14 +482,12 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
         with open(file, "rb") as handle:
             data = tomllib.load(handle)
         sections = {name for name, field in cls.model_fields.items() if name != "source"}
-        unknown = sorted(set(data) - sections)
-        if unknown:
+        if unknown := sorted(set(data) - sections):
             raise ValueError(f"{file}: unknown section(s) {unknown}; known: {sorted(sections)}")
         parsed: dict[str, Any] = {}
         for name, values in data.items():
             section_cls = cls.model_fields[name].annotation
-            extra = sorted(set(values) - set(section_cls.model_fields))
-            if extra:
+            if extra := sorted(set(values) - set(section_cls.model_fields)):
                 raise ValueError(
                     f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}"
                 )
