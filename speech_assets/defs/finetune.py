@@ -339,8 +339,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             texts = json.loads(labelled.read_text(encoding="utf-8"))
             spec["beam"] = decoding.write_lm_files(list(texts["train"].values()), trained["lm_order"], staging)
             if "beam" in result:  # the weights the run chose on its dev set
-                spec["beam"]["lm_weight"] = result["beam"]["lm_weight"]
-                spec["beam"]["word_score"] = result["beam"]["word_score"]
+                spec["beam"] |= {key: result["beam"][key] for key in ("lm_weight", "word_score")}
         card = RecogniserFiles(staging).card
         atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         # the same held-out utterances from their audio files: frontend.onnx + recogniser.onnx against the pipeline
