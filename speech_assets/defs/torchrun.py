@@ -224,17 +224,15 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
         clean = not sys.exc_info()[0]
         finished.set()
         for process, log in processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=120 if clean else 0.1)  # node 0 failed: no reason to wait
-            except subprocess.TimeoutExpired:
-                process.stdin.close()  # the node's tether stops its torchrun
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
             if process.stdin and not process.stdin.closed:
-                process.stdin.close()
+                process.stdin.close()  # the node's tether stops its torchrun
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             log.close()
 
 
