@@ -29,7 +29,7 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import record_finished, run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
-from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.layout import RecogniserFiles, RunFiles
 from speech_assets.locations import git_commit
 from speech_assets.utils import (
     atomic_path,
@@ -167,20 +167,19 @@ def _run_all(
     context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
 ) -> list[Path]:
     """The folder of each of ``runs``, those not finished before trained in one launch."""
-    root = paths.layout.finetune.root
-    folders = [_plan(context, paths, root, options, run) for run in runs]
+    folders = [_plan(context, paths, options, run) for run in runs]
     if pending := list(dict.fromkeys(run_dir for run_dir, done in folders if not done)):
-        _train(context, client, paths, root, options, pending, versions)
+        _train(context, client, paths, options, pending, versions)
     return [run_dir for run_dir, _ in folders]
 
 
-def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
+def _plan(context, paths: StoragePaths, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
     """(the folder of ``run``, whether it finished before); writes its labelled utterances and config unless it did."""
     from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
     job = options.model_copy(update=run.settings)
-    run_dir = run_folder(FinetuneFiles(root).runs, run.versions, job, FINETUNE_CODE_VERSION)
+    run_dir = run_folder(paths.layout.finetune.runs, run.versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
         context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}, lr {run.lr:g}: done before in {run_dir}")
         return run_dir, True
@@ -217,13 +216,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
 
 
 def _train(
-    context,
-    client,
-    paths: StoragePaths,
-    root: Path,
-    options: FinetuneSettings,
-    run_dirs: list[Path],
-    data_versions: dict[str, str],
+    context, client, paths: StoragePaths, options: FinetuneSettings, run_dirs: list[Path], data_versions: dict[str, str]
 ) -> None:
     """Train ``run_dirs`` in one torchrun launch: one start-up of the workers, imports and data for all.
     Each run folder is held as a lone launch holds it."""
@@ -238,7 +231,7 @@ def _train(
         at_once = options.parallel_runs or (1 if torch.cuda.is_available() else available_cores())
         nproc = max(1, min(at_once, len(run_dirs)))
         parallel = nproc > 1
-    batch_dir = FinetuneFiles(root).batches / sha256_strings([str(d) for d in run_dirs])[:16]
+    batch_dir = paths.layout.finetune.batches / sha256_strings([str(d) for d in run_dirs])[:16]
     batch = FinetuneBatch(
         run_dir=str(batch_dir),
         runs=[str(d) for d in run_dirs],
