@@ -81,10 +81,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         return _fail(f"settings: {err}")
     print(markdown_tables(rows, probe_reference(args.probe_results or data.probe.results)))
     print("\n".join(verdicts(rows, min_heldout_speakers=min_speakers)))
-    notes = text_notes(rows) + overlap_problems(rows)
-    if notes:
-        print()
-        print("\n".join(notes))
+    if notes := text_notes(rows) + overlap_problems(rows):
+        print("\n" + "\n".join(notes))
     return 0
 
 
@@ -130,9 +128,8 @@ def _cmd_sql(args: argparse.Namespace) -> int:
     try:
         stats_db.check_read_only(con, args.query)
         relation = con.sql(args.query)
-        if relation is None:
-            return 0
-        (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
+        if relation is not None:  # a statement with a result
+            (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
     except (duckdb.Error, stats_db.NotReadOnly) as err:
         return _fail(str(err))
     finally:
