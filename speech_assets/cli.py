@@ -81,10 +81,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         return _fail(f"settings: {err}")
     print(markdown_tables(rows, probe_reference(args.probe_results or data.probe.results)))
     print("\n".join(verdicts(rows, min_heldout_speakers=min_speakers)))
-    notes = text_notes(rows) + overlap_problems(rows)
-    if notes:
-        print()
-        print("\n".join(notes))
+    if notes := text_notes(rows) + overlap_problems(rows):
+        print("\n" + "\n".join(notes))
     return 0
 
 
@@ -130,9 +128,8 @@ def _cmd_sql(args: argparse.Namespace) -> int:
     try:
         stats_db.check_read_only(con, args.query)
         relation = con.sql(args.query)
-        if relation is None:
-            return 0
-        (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
+        if relation is not None:  # a statement with a result
+            (relation if args.raw else rounded(relation)).show(max_rows=args.max_rows, max_width=10_000)
     except (duckdb.Error, stats_db.NotReadOnly) as err:
         return _fail(str(err))
     finally:
@@ -203,8 +200,7 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
     """Print a partition set's keys, or the `first...last` range `dagster asset materialize` takes."""
     import dagster as dg
 
-    instance = dg.DagsterInstance.get()
-    keys = list(instance.get_dynamic_partitions(args.name))
+    keys = list(dg.DagsterInstance.get().get_dynamic_partitions(args.name))
     if not keys:
         print(f"no partitions registered for {args.name!r} in {locations.dagster_home()}", file=sys.stderr)
         return 1
@@ -248,9 +244,7 @@ def _cmd_runs_reap(args: argparse.Namespace) -> int:
 
     from speech_assets.defs.runs import reap_dead_runs
 
-    instance = dg.DagsterInstance.get()
-    reaped = reap_dead_runs(instance, say=print)
-    if not reaped:
+    if not reap_dead_runs(dg.DagsterInstance.get(), say=print):
         print("no concurrency slot is held by a dead or finished run")
     return 0
 
@@ -323,18 +317,34 @@ confidence (greedy decoding).""",
 }
 
 
+# each subcommand's --help summary
+SUMMARIES = {
+    "corpus": "corpus tools: synth, replicate",
+    "synth": "build a LibriSpeech-layout corpus offline from local TTS voices",
+    "replicate": "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one",
+    "stats": "summary of the dataset from the DuckDB database",
+    "probe": "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
+    "finetune": "CTC fine-tuning's results per labelled budget, and whether each encoder beat the "
+    "from-scratch baseline",
+    "transcribe": "turn audio files into text with the fine-tuned recogniser",
+    "sql": "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database",
+    "lineage": "what a checkpoint was trained from; --stale: what no longer matches its inputs",
+    "partitions": "registered dynamic partitions (speakers, clients)",
+    "runs": "Dagster runs",
+    "reap": "fail runs whose processes are gone and free their concurrency slots",
+}
+
+
 def _epilog(name: str) -> str:
     return f"examples:\n{EXAMPLES[name]}\n\n{ENVIRONMENT}" if name in EXAMPLES else ENVIRONMENT
 
 
-def _command(
-    commands, name: str, summary: str, func: Callable[[argparse.Namespace], int] | None = None
-) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows ``summary``, its examples and the environment variables."""
+def _command(commands, name: str, func: Callable[[argparse.Namespace], int] | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows its summary, its examples and the environment variables."""
     command = commands.add_parser(
         name,
-        help=summary,
-        description=summary,
+        help=SUMMARIES[name],
+        description=SUMMARIES[name],
         epilog=_epilog(name),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -355,22 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    corpus = _command(commands, "corpus", "corpus tools: synth, replicate").add_subparsers(
-        dest="corpus_command", required=True, metavar="TOOL"
-    )
+    corpus = _command(commands, "corpus").add_subparsers(dest="corpus_command", required=True, metavar="TOOL")
     from speech_assets.corpus import synth as synth_module
 
-    synth = _command(
-        corpus, "synth", "build a LibriSpeech-layout corpus offline from local TTS voices", synth_module.run_from_args
-    )
+    synth = _command(corpus, "synth", synth_module.run_from_args)
     synth_module.add_arguments(synth)
 
-    replicate = _command(
-        corpus,
-        "replicate",
-        "a corpus shaped like LibriSpeech train-clean-100 (251 speakers), made from a small real one",
-        _cmd_replicate,
-    )
+    replicate = _command(corpus, "replicate", _cmd_replicate)
     replicate.add_argument(
         "--from",
         dest="source",
@@ -393,15 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replicate.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
 
-    stats = _command(commands, "stats", "summary of the dataset from the DuckDB database", _cmd_stats)
+    stats = _command(commands, "stats", _cmd_stats)
     _data_file_option(stats, "--db", layout.DataLayout.stats_db.name, what="DuckDB file")
 
-    probe = _command(
-        commands,
-        "probe",
-        "the downstream probe's leaderboard: CER/WER over seeds and the verdict against fbank and random",
-        _cmd_probe,
-    )
+    probe = _command(commands, "probe", _cmd_probe)
     _data_file_option(probe, "--results", layout.PROBE_DIR, layout.ProbeFiles.results.name)
     probe.add_argument(
         "--details",
@@ -409,12 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print each model's probe lr, CER on its own training utterances and top layer weight",
     )
 
-    finetune = _command(
-        commands,
-        "finetune",
-        "CTC fine-tuning's results per labelled budget, and whether each encoder beat the from-scratch baseline",
-        _cmd_finetune,
-    )
+    finetune = _command(commands, "finetune", _cmd_finetune)
     _data_file_option(finetune, "--results", layout.FINETUNE_DIR, layout.FinetuneFiles.results.name)
     _data_file_option(
         finetune,
@@ -424,9 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         what="the frozen probe's results, shown beside the fine-tuned CERs",
     )
 
-    transcribe = _command(
-        commands, "transcribe", "turn audio files into text with the fine-tuned recogniser", _cmd_transcribe
-    )
+    transcribe = _command(commands, "transcribe", _cmd_transcribe)
     transcribe.add_argument(
         "inputs",
         nargs="+",
@@ -461,12 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy: best path; beam: lexicon beam search with the n-gram LM beside the ONNX model",
     )
 
-    sql = _command(
-        commands,
-        "sql",
-        "run one read-only SQL statement (SELECT, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) against the DuckDB database",
-        _cmd_sql,
-    )
+    sql = _command(commands, "sql", _cmd_sql)
     sql.add_argument("query", help='one SQL statement over the views and tables (list them with "SHOW TABLES")')
     _data_file_option(sql, "--db", layout.DataLayout.stats_db.name, what="DuckDB file")
     sql.add_argument("--max-rows", type=int, default=200, help="rows to print at most (default 200)")
@@ -483,12 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
         "enable_external_access); it still writes nothing",
     )
 
-    lineage = _command(
-        commands,
-        "lineage",
-        "what a checkpoint was trained from; --stale: what no longer matches its inputs",
-        _cmd_lineage,
-    )
+    lineage = _command(commands, "lineage", _cmd_lineage)
     lineage.add_argument("checkpoint", nargs="?", help="a checkpoint file (.pt) written by a training run")
     lineage.add_argument(
         "--stale",
@@ -497,14 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lineage.add_argument("--json", action="store_true", help="print the whole report as JSON (for scripts)")
 
-    partitions = _command(commands, "partitions", "registered dynamic partitions (speakers, clients)", _cmd_partitions)
+    partitions = _command(commands, "partitions", _cmd_partitions)
     partitions.add_argument("name", choices=["speakers", "clients"], help="which partition set: speakers or clients")
     partitions.add_argument("--range", action="store_true", help="print FIRST...LAST for --partition-range")
 
-    runs = _command(commands, "runs", "Dagster runs").add_subparsers(
-        dest="runs_command", required=True, metavar="ACTION"
-    )
-    _command(runs, "reap", "fail runs whose processes are gone and free their concurrency slots", _cmd_runs_reap)
+    runs = _command(commands, "runs").add_subparsers(dest="runs_command", required=True, metavar="ACTION")
+    _command(runs, "reap", _cmd_runs_reap)
     return parser
 
 

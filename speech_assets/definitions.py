@@ -50,4 +50,4 @@ def build_definitions(
         )
 
 
-defs = build_definitions()
+defs = build_definitions(settings=training.SETTINGS)

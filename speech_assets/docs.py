@@ -35,8 +35,7 @@ def mermaid_graph(defs: dg.Definitions) -> str:
         lines += [f"    {_label(graph.get(key), key.to_user_string())}" for key in keys]
         lines.append("  end")
     for key in order:
-        parents = sorted(graph.get(key).parent_keys, key=rank.__getitem__)
-        if parents:
+        if parents := sorted(graph.get(key).parent_keys, key=rank.__getitem__):
             lines.append(f"  {' & '.join(p.to_user_string() for p in parents)} --> {key.to_user_string()}")
     return "\n".join(lines) + "\n"
 

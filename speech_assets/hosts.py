@@ -35,13 +35,6 @@ def check_host(value: str, what: str = "host") -> str:
     return value
 
 
-def optional_endpoint(value: str, what: str = "endpoint") -> str:
-    """``value`` when it is empty (none set) or ``host:port`` (:func:`check_endpoint`); ``ValueError`` otherwise."""
-    if value:
-        check_endpoint(value, what)
-    return value
-
-
 def check_endpoint(value: str, what: str = "endpoint") -> tuple[str, int]:
     """``(host, port)`` of ``host:port`` (``[v6]:port`` for an IPv6 address, brackets required);
     ``ValueError`` otherwise."""

@@ -53,10 +53,7 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 
 
 def mlflow_tracking_uri(data: Path | None = None) -> str:
-    explicit = os.environ.get(TRACKING_URI_ENV)
-    if explicit:
-        return explicit
-    return f"sqlite:///{layout.DataLayout(data or data_dir()).mlflow_db}"
+    return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{layout.DataLayout(data or data_dir()).mlflow_db}"
 
 
 MLFLOW_SERVER_SCHEMES = ("http", "https")

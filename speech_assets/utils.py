@@ -151,11 +151,10 @@ def remove_stale_temp_files(target: str | os.PathLike[str]) -> int:
     """Delete temp files of writers of ``target`` that died mid-write; hold the target's lock, so no
     live writer's temp file is among them."""
     target = Path(target)
-    removed = 0
-    for leftover in target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"):
+    leftovers = list(target.parent.glob(f".{target.name}.*{TEMP_SUFFIX}"))
+    for leftover in leftovers:
         leftover.unlink(missing_ok=True)
-        removed += 1
-    return removed
+    return len(leftovers)
 
 
 def save_npz(target: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> None:

@@ -1,15 +1,8 @@
-"""Scheduling hints for cluster executors, built from the pipeline settings.
+"""Scheduling hints for cluster executors (Kubernetes pod executors read ``dagster-k8s/config``,
+Celery ones ``dagster-celery/queue``, local ones neither), from ``[training] gpus_per_node``.
 
-Executors that run each step in its own Kubernetes pod (``k8s_job_executor``,
-``celery_k8s_job_executor``) read the ``dagster-k8s/config`` op tag of a step; Celery executors
-read ``dagster-celery/queue``; local executors ignore both. With ``[training] gpus_per_node > 0``
-the training step asks for that many GPUs (its pod lands on a GPU node, and torchrun with
-``nproc = 0`` starts one process per visible GPU) and goes to the Celery ``gpu`` queue.
-
-Dagster fixes an asset's op tags when it is defined, so these come from the settings as the code
-location loads them, and run config cannot name ``gpus_per_node``. One run asks for other GPUs
-through the Kubernetes executor's own run config, which overrides the tag for that run:
-``execution: config: per_step_k8s_config: pretrained_checkpoint: container_config: resources: ...``.
+Dagster fixes op tags when an asset is defined, so they come from the settings as the code location
+loads; one run asks for other GPUs through the Kubernetes executor's ``per_step_k8s_config``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
         run_dir,
         distill_config,
         data_versions,
-        asset_name="distilled_checkpoint",
         nproc=options.nproc or 1,
         module="speech_assets.train.distill",
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.defs.lineage import latest_materialization, required_checkpoint
+from speech_assets.defs.lineage import latest_metadata, required_checkpoint
 from speech_assets.defs.resources import ExportSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.layout import ExportFiles
 from speech_assets.utils import atomic_write_text, published_folder, sha256_file, sha256_strings
@@ -119,13 +119,12 @@ def encoder_export(
 def onnx_matches_pytorch(
     context: dg.AssetCheckExecutionContext, paths: StoragePaths, settings: PipelineSettings
 ) -> dg.AssetCheckResult:
-    materialization = latest_materialization(context.instance, "encoder_export")
-    description = (materialization.metadata or {}).get("description") if materialization else None
+    description = latest_metadata(context.instance, "encoder_export").get("description")
     if description is None:
         return dg.AssetCheckResult(passed=False, description="no export recorded: materialize encoder_export first")
     # the last speakers first: other utterances than the exporter compared on (its first four speakers)
     shards = [paths.shard_file(s) for s in sorted(read_clients(paths.layout.clients_file).client_of, reverse=True)]
-    return export_parity(Path(str(description.value)).parent, shards, settings.export.parity_utterances)
+    return export_parity(Path(str(description)).parent, shards, settings.export.parity_utterances)
 
 
 def export_parity(folder: Path, shards: list[Path], utterances: int) -> dg.AssetCheckResult:

@@ -29,7 +29,7 @@ from speech_assets.defs.resources import (
 from speech_assets.defs.runs import record_run_process
 from speech_assets.defs.torchrun import record_finished, run_folder, run_torchrun, training_curve_metadata
 from speech_assets.evaluation.protocol import ProbeLeak
-from speech_assets.layout import FinetuneFiles, RecogniserFiles, RunFiles
+from speech_assets.layout import RecogniserFiles, RunFiles
 from speech_assets.locations import git_commit
 from speech_assets.utils import (
     atomic_path,
@@ -118,6 +118,7 @@ def finetuned_asr(
         f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {planning.oov_by_budget(runs)}"
     )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
+    mlflow = exported["mlflow"]
     unused = {key: folder for key, folder in tuned.items() if folder not in planned.values()}  # lrs not chosen
     return dg.MaterializeResult(
         data_version=dg.DataVersion(sha256_strings(f"{k}:{v}" for k, v in sorted(files.items()))),
@@ -134,8 +135,7 @@ def finetuned_asr(
             "recogniser": dg.MetadataValue.path(str(RecogniserFiles(exported["folder"]).onnx)),
             "recogniser_model": f"{first}, {largest:g} min, seed {seed}",
             "max_abs_diff": exported["max_abs_diff"],
-            **({"mlflow_model": exported["mlflow"]["model_uri"]} if exported["mlflow"] else {}),
-            **({"registered_model": exported["mlflow"]["registered_uri"]} if exported["mlflow"] else {}),
+            **({"mlflow_model": mlflow["model_uri"], "registered_model": mlflow["registered_uri"]} if mlflow else {}),
             "decoders": dg.MetadataValue.json(plan.decoders),
             **({"beam_decoder": f"unavailable: {plan.missing_decoder}"} if plan.missing_decoder else {}),
             "labelled_minutes": dg.MetadataValue.json(plan.budgets),
@@ -167,21 +167,19 @@ def _run_all(
     context, client, paths: StoragePaths, options: FinetuneSettings, runs: "list[PlannedRun]", versions: dict
 ) -> list[Path]:
     """The folder of each of ``runs``, those not finished before trained in one launch."""
-    root = paths.layout.finetune.root
-    folders = [_plan(context, paths, root, options, run) for run in runs]
-    pending = list(dict.fromkeys(run_dir for run_dir, done in folders if not done))
-    if pending:
-        _train(context, client, paths, root, options, pending, versions)
+    folders = [_plan(context, paths, options, run) for run in runs]
+    if pending := list(dict.fromkeys(run_dir for run_dir, done in folders if not done)):
+        _train(context, client, paths, options, pending, versions)
     return [run_dir for run_dir, _ in folders]
 
 
-def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
+def _plan(context, paths: StoragePaths, options: FinetuneSettings, run: "PlannedRun") -> tuple[Path, bool]:
     """(the folder of ``run``, whether it finished before); writes its labelled utterances and config unless it did."""
     from speech_assets.evaluation.finetune import finished_result
     from speech_assets.train.config import FinetuneConfig
 
     job = options.model_copy(update=run.settings)
-    run_dir = run_folder(FinetuneFiles(root).runs, run.versions, job, FINETUNE_CODE_VERSION)
+    run_dir = run_folder(paths.layout.finetune.runs, run.versions, job, FINETUNE_CODE_VERSION)
     if finished_result(run_dir) is not None:
         context.log.info(f"{run.model}, {run.minutes:g} min, seed {run.seed}, lr {run.lr:g}: done before in {run_dir}")
         return run_dir, True
@@ -218,13 +216,7 @@ def _plan(context, paths: StoragePaths, root: Path, options: FinetuneSettings, r
 
 
 def _train(
-    context,
-    client,
-    paths: StoragePaths,
-    root: Path,
-    options: FinetuneSettings,
-    run_dirs: list[Path],
-    data_versions: dict[str, str],
+    context, client, paths: StoragePaths, options: FinetuneSettings, run_dirs: list[Path], data_versions: dict[str, str]
 ) -> None:
     """Train ``run_dirs`` in one torchrun launch: one start-up of the workers, imports and data for all.
     Each run folder is held as a lone launch holds it."""
@@ -239,7 +231,7 @@ def _train(
         at_once = options.parallel_runs or (1 if torch.cuda.is_available() else available_cores())
         nproc = max(1, min(at_once, len(run_dirs)))
         parallel = nproc > 1
-    batch_dir = FinetuneFiles(root).batches / sha256_strings([str(d) for d in run_dirs])[:16]
+    batch_dir = paths.layout.finetune.batches / sha256_strings([str(d) for d in run_dirs])[:16]
     batch = FinetuneBatch(
         run_dir=str(batch_dir),
         runs=[str(d) for d in run_dirs],
@@ -263,7 +255,6 @@ def _train(
             batch_dir,
             batch,
             data_versions,
-            asset_name="finetuned_asr",
             nproc=nproc,
             module="speech_assets.evaluation.finetune",
         )
@@ -341,8 +332,7 @@ def _export(context, paths: StoragePaths, result: dict, heldout_texts: dict, set
             texts = json.loads(labelled.read_text(encoding="utf-8"))
             spec["beam"] = decoding.write_lm_files(list(texts["train"].values()), trained["lm_order"], staging)
             if "beam" in result:  # the weights the run chose on its dev set
-                spec["beam"]["lm_weight"] = result["beam"]["lm_weight"]
-                spec["beam"]["word_score"] = result["beam"]["word_score"]
+                spec["beam"] |= {key: result["beam"][key] for key in ("lm_weight", "word_score")}
         card = RecogniserFiles(staging).card
         atomic_write_text(card, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         # the same held-out utterances from their audio files: frontend.onnx + recogniser.onnx against the pipeline

@@ -10,7 +10,6 @@ from speech_assets.corpus.clients import read_clients
 from speech_assets.defs import per_partition
 from speech_assets.defs.lineage import client_shards, required_checkpoint
 from speech_assets.defs.partitions import ALL_SHARDS, CHECKPOINT_ASSETS, clients_partitions
-from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata
 from speech_assets.defs.resources import (
     Iteration2Settings,
@@ -64,10 +63,8 @@ def kmeans_targets_iter2(
     except EncoderRefused as error:
         raise dg.Failure(description=str(error)) from error
     assignments = read_clients(paths.layout.clients_file)
-    provenance = per_partition.input_provenance(context)
-    progress = ProgressLog(context.log, "clients")
-    published = []
-    for done, client_id in enumerate(context.partition_keys, start=1):
+
+    def publish(client_id: str) -> tuple[str, dict[str, object]]:
         out_dir = paths.targets(client_id, 2).root
         quality = iteration2_targets(
             client_shards(paths, assignments, client_id),
@@ -79,18 +76,15 @@ def kmeans_targets_iter2(
             log=context.log.info,
             warn=context.log.warning,
         )
-        metadata = {
+        return quality["data_version"], {
             **client_metadata(quality, out_dir),
             "encoder": asset,
             "layer": encoder.layer,
             "checkpoint_sha256": encoder.sha256,
             "mean_segment_length_hz": 50,
         }
-        published.append(
-            per_partition.partition_materialization(context, client_id, quality["data_version"], metadata, provenance)
-        )
-        progress(client_id, done, len(context.partition_keys))
-    yield from per_partition.step_events(context, published)
+
+    yield from per_partition.per_client_events(context, publish)
 
 
 @torchrun_asset(

@@ -54,14 +54,13 @@ def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Ite
 
 def checkpoint_of(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str] | None:
     """(``final.pt`` path, data version) of ``asset``'s latest materialization, if it exists on disk."""
-    materialization = latest_materialization(context.instance, asset)
-    if materialization is None or "checkpoint" not in (materialization.metadata or {}):
+    path = latest_metadata(context.instance, asset).get("checkpoint")
+    if path is None:
         return None
-    path = str(materialization.metadata["checkpoint"].value)
-    if not Path(path).is_file():
+    if not Path(str(path)).is_file():
         context.log.warning(f"{asset}'s checkpoint {path} is gone: materialize {asset} again")
         return None
-    return path, latest_data_version(context.instance, asset) or ""
+    return str(path), latest_data_version(context.instance, asset) or ""
 
 
 def required_checkpoint(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
-from speech_assets.defs.lineage import latest_materialization
+from speech_assets.defs.lineage import latest_metadata
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS
 from speech_assets.defs.readable import labels_match_shards_check
 from speech_assets.defs.resources import PipelineSettings, StoragePaths
@@ -76,11 +76,10 @@ def run_folder_check(
 
     @dg.asset_check(asset=asset, name=name, blocking=blocking, description=description)
     def check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        materialization = latest_materialization(context.instance, asset)
-        run_dir = (materialization.metadata or {}).get("run_dir") if materialization else None
+        run_dir = latest_metadata(context.instance, asset).get("run_dir")
         if run_dir is None:
             return dg.AssetCheckResult(passed=False, description=f"no run folder recorded: materialize {asset} first")
-        return judge(Path(str(run_dir.value)))
+        return judge(Path(str(run_dir)))
 
     return check
 
@@ -185,11 +184,10 @@ def finetuning_is_sound(
 ) -> dg.AssetCheckResult:
     from speech_assets.evaluation import finetune_results as results
 
-    materialization = latest_materialization(context.instance, "finetuned_asr")
-    runs = (materialization.metadata or {}).get("run_dirs") if materialization else None
+    runs = latest_metadata(context.instance, "finetuned_asr").get("run_dirs")
     if runs is None:
         return dg.AssetCheckResult(passed=False, description="no fine-tuning recorded: materialize finetuned_asr first")
-    problems = [f"{name}: {problem}" for name, folder in runs.value.items() for problem in loss_problems(Path(folder))]
+    problems = [f"{name}: {problem}" for name, folder in runs.items() for problem in loss_problems(Path(folder))]
     spec = read_json(RecogniserFiles(paths.layout.finetune.recogniser).card)
     diff = (spec.get("parity") or {}).get("max_abs_diff")
     atol = results.RECOGNISER_PARITY_ATOL
@@ -212,7 +210,7 @@ def finetuning_is_sound(
         severity=dg.AssetCheckSeverity.ERROR if problems else dg.AssetCheckSeverity.WARN,
         description="\n".join(["; ".join(problems)] * bool(problems) + lines) or None,
         metadata={
-            "runs": len(runs.value),
+            "runs": len(runs),
             "max_abs_diff": float(diff) if diff is not None else float("nan"),
             "verdict": dg.MetadataValue.md(results.verdict_markdown(lines)),
             "text_overlap": int(max(overlap)) if overlap else "not recorded",
@@ -242,6 +240,3 @@ def recogniser_reads_raw_audio(paths: StoragePaths) -> dg.AssetCheckResult:
         else f"audio parity not met: {record or 'not recorded (rematerialize finetuned_asr)'}",
         metadata={k: v for k, v in record.items() if isinstance(v, (int, float))},
     )
-
-
-CHECKS.append(recogniser_reads_raw_audio)

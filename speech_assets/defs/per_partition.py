@@ -7,7 +7,7 @@ assets yield one AssetMaterialization per partition, tagged exactly as Dagster t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -15,6 +15,7 @@ import dagster as dg
 from speech_assets.corpus.publish import SpeakerRows
 from speech_assets.defs import dagster_internals as internals
 from speech_assets.defs.partitions import SPEAKER_MANIFEST
+from speech_assets.defs.progress import ProgressLog
 from speech_assets.utils import sha256_strings
 
 
@@ -100,6 +101,20 @@ def step_events(context: dg.AssetExecutionContext, materializations: list[dg.Ass
     per-partition ones after it are the latest."""
     yield dg.MaterializeResult(metadata={"event": dg.MetadataValue.text(FIRST_OF_TWO)})
     yield from materializations
+
+
+def per_client_events(
+    context: dg.AssetExecutionContext, publish: Callable[[str], tuple[str, dict[str, object]]]
+) -> Iterator[object]:
+    """A per-client asset's step: ``publish(client)`` gives each client's (data version, metadata)."""
+    provenance = input_provenance(context)
+    progress = ProgressLog(context.log, "clients")
+    clients, published = list(context.partition_keys), []
+    for done, client_id in enumerate(clients, start=1):
+        version, metadata = publish(client_id)
+        published.append(partition_materialization(context, client_id, version, metadata, provenance))
+        progress(client_id, done, len(clients))
+    yield from step_events(context, published)
 
 
 FIRST_OF_TWO = (

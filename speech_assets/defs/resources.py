@@ -27,7 +27,7 @@ from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated import config as federation
-from speech_assets.hosts import check_host, optional_endpoint
+from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
 from speech_assets.utils import from_fields, sha256_strings
@@ -283,7 +283,8 @@ class TrainingSettings(WorkerSettings, worker=TrainConfig, section="training"):
     def _launch_and_noise(self) -> TrainingSettings:
         for host in self.node_hosts:
             check_host(host, "[training] node_hosts entry")
-        optional_endpoint(self.rdzv_endpoint, "[training] rdzv_endpoint")
+        if self.rdzv_endpoint:
+            check_endpoint(self.rdzv_endpoint, "[training] rdzv_endpoint")
         if "{command}" not in " ".join(shlex.split(self.node_command)):
             raise ValueError(f"[training] node_command must contain {{command}}, got {self.node_command!r}")
         if self.noise not in NOISE_SOURCES:
@@ -348,7 +349,8 @@ class FederatedSettings(WorkerSettings, worker=federation.FederatedConfig, secti
 
     @model_validator(mode="after")
     def _superlink_and_client_limits(self) -> FederatedSettings:
-        optional_endpoint(self.superlink, "[federated] superlink")
+        if self.superlink:
+            check_endpoint(self.superlink, "[federated] superlink")
         problems = federation.client_limit_problems(
             self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
         )
@@ -482,14 +484,12 @@ class PipelineSettings(NamedSectionTypes, dg.ConfigurableResource):
         with open(file, "rb") as handle:
             data = tomllib.load(handle)
         sections = {name for name, field in cls.model_fields.items() if name != "source"}
-        unknown = sorted(set(data) - sections)
-        if unknown:
+        if unknown := sorted(set(data) - sections):
             raise ValueError(f"{file}: unknown section(s) {unknown}; known: {sorted(sections)}")
         parsed: dict[str, Any] = {}
         for name, values in data.items():
             section_cls = cls.model_fields[name].annotation
-            extra = sorted(set(values) - set(section_cls.model_fields))
-            if extra:
+            if extra := sorted(set(values) - set(section_cls.model_fields)):
                 raise ValueError(
                     f"{file}: unknown key(s) {extra} in [{name}]; known: {sorted(section_cls.model_fields)}"
                 )

@@ -137,9 +137,6 @@ def stats_inputs_are_current(paths: StoragePaths) -> dg.AssetCheckResult:
     return _check(stats_staleness(paths), "dataset_stats")
 
 
-CHECKS = [cmvn_inputs_are_current, targets_inputs_are_current, checkpoint_inputs_are_current, stats_inputs_are_current]
-
-
 def format_report(report: dict[str, list[str]]) -> str:
     if not report:
         return "everything is in sync with the published shards and targets"

@@ -35,13 +35,10 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
         probe_results=paths.layout.probe.results,
         finetune_results=paths.layout.finetune.results,
         model_results={
-            kind: paths.layout.results_of(folder)
-            for kind, folder in {
-                "federated": paths.layout.federated_dir,
-                "distilled": paths.layout.distill_dir,
-                "iteration2": paths.layout.training_iter2_dir,
-                "finetuned": paths.layout.finetune.runs,
-            }.items()
+            "federated": paths.layout.results_of(paths.layout.federated_dir),
+            "distilled": paths.layout.results_of(paths.layout.distill_dir),
+            "iteration2": paths.layout.results_of(paths.layout.training_iter2_dir),
+            "finetuned": paths.layout.results_of(paths.layout.finetune.runs),
         },
         exports=[export.card for export in paths.layout.all_exports()],
     )

@@ -10,7 +10,6 @@ from speech_assets.defs import per_partition
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import client_shards
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
-from speech_assets.defs.progress import ProgressLog
 from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.features import cmvn
@@ -44,38 +43,27 @@ def kmeans_targets(
     kmeans = effective(settings.kmeans, config)
     assignments = read_clients(paths.layout.clients_file)
     speaker_sums = cmvn.ShardStats.load(paths.layout.cmvn.speaker_sums)
-    provenance = per_partition.input_provenance(context)
-    clients = list(context.partition_keys)
-    progress = ProgressLog(context.log, "clients")
-    published = []
     policy = KMeansPolicy(
         from_fields(KMeansConfig, kmeans),
         kmeans.refit_growth,
         kmeans.model_dump_json(exclude={"refit_growth"}),
         KMEANS_CODE_VERSION,
     )
-    for done, client_id in enumerate(clients, start=1):
-        client = client_shards(paths, assignments, client_id)
+
+    def publish(client_id: str) -> tuple[str, dict[str, object]]:
+        out_dir = paths.kmeans_dir(client_id)
         quality = kmeans_client_targets(
-            client,
-            paths.kmeans_dir(client_id),
+            client_shards(paths, assignments, client_id),
+            out_dir,
             policy,
             speaker_sums,
             force=config.force,
             log=context.log.info,
             warn=context.log.warning,
         )
-        published.append(
-            per_partition.partition_materialization(
-                context,
-                client_id,
-                quality["data_version"],
-                client_metadata(quality, paths.kmeans_dir(client_id)),
-                provenance,
-            )
-        )
-        progress(client_id, done, len(clients))
-    yield from per_partition.step_events(context, published)
+        return quality["data_version"], client_metadata(quality, out_dir)
+
+    yield from per_partition.per_client_events(context, publish)
 
 
 # --- checks: each reads the published files, independently of how they were written -------------

@@ -1,10 +1,7 @@
-"""Running a torchrun job through Dagster Pipes: the one launcher of every training loop
-(`pretrained_checkpoint`, `pretrained_checkpoint_iter2`, `distilled_checkpoint`), and what a
-training run reads (:func:`run_inputs`) and where it runs (:func:`run_folder`).
-
-It holds the run folder, writes each attempt's config, starts torchrun (and, for a fixed number
-of nodes, nodes 1..N-1), reports through Pipes, and retries a CUDA out-of-memory failure with half
-the batch (:func:`speech_assets.train.oom.retrying_oom`). torch is imported when a job starts.
+"""The one launcher of every training loop: a torchrun job (nodes 1..N-1 too, for a fixed number of
+nodes) reporting through Dagster Pipes, a CUDA out-of-memory failure retried with half the batch;
+and what a training run reads (:func:`run_inputs`) and where (:func:`run_folder`). torch is
+imported when a job starts.
 """
 
 import contextlib
@@ -37,7 +34,7 @@ from speech_assets.train import accuracy, oom
 from speech_assets.train.provenance import record_provenance
 from speech_assets.utils import atomic_write_text, from_fields, read_json, read_jsonl, sha256_strings
 
-ONE_NODE = TrainingSettings()  # how distillation and fine-tuning run: on this host alone
+ONE_NODE = TrainingSettings(max_restarts=0)  # how distillation and fine-tuning run: on this host alone
 
 
 def run_torchrun(
@@ -48,15 +45,14 @@ def run_torchrun(
     config: Any,
     data_versions: dict[str, str],
     *,
-    asset_name: str,
     nproc: int | None = None,
     module: str = "speech_assets.train",
-    max_restarts: int = 0,
     nodes: TrainingSettings = ONE_NODE,
 ) -> dg.MaterializeResult:
     """Run ``module`` under torchrun on ``config`` (written to ``run_dir/config.json``) with ``nproc``
-    processes per node, on the nodes ``nodes`` (the `[training]` settings) starts. Without
-    ``nproc`` the ``TrainConfig`` is auto-configured here, once for every node's processes."""
+    processes per node, on the nodes ``nodes`` (the `[training]` settings) starts, restarted at most
+    its ``max_restarts`` times. Without ``nproc`` the ``TrainConfig`` is auto-configured here, once
+    for every node's processes."""
     from speech_assets.train import launch  # torch: lazily, the code location stays light
 
     nnodes = fixed_node_count(nodes)
@@ -78,7 +74,7 @@ def run_torchrun(
             return launch.build_torchrun_command(
                 config_path,
                 nproc=nproc,
-                max_restarts=max_restarts,
+                max_restarts=nodes.max_restarts,
                 nnodes=nodes.nnodes,
                 rdzv_endpoint=nodes.rdzv_endpoint or None,
                 python=sys.executable,
@@ -96,7 +92,9 @@ def run_torchrun(
                     context=context, command=launch.guarded(command), cwd=str(locations.repo_root()), env=env
                 )
 
-    with launch.launching(run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {asset_name}"):
+    with launch.launching(
+        run_dir, dagster_run_id=context.run.run_id, command=f"dagster asset {context.asset_key.to_user_string()}"
+    ):
         try:
             invocation, retries = oom.retrying_oom(run_dir, config, attempt, warn=context.log.warning)
         except Exception as error:
@@ -133,33 +131,18 @@ RECORDED_HELDOUT = (accuracy.ACCURACY, accuracy.MAJORITY, *accuracy.ALL_FRAMES_R
 
 
 def run_metadata(run_dir: Path, reported: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, object]:
-    """A torchrun job's metadata: the training curve first (Dagster lists metadata in insertion
-    order, and a curve below twenty rows goes unseen), the held-out accuracy, then the rest."""
-    return {
-        **training_curve_metadata(run_dir),
-        **heldout_metadata(result),
-        **{k: v for k, v in reported.items() if k not in RECORDED_HELDOUT},
-        **result_metadata(run_dir),
-    }
-
-
-def heldout_metadata(result: Mapping[str, Any]) -> dict[str, object]:
-    """The held-out masked accuracy (leak-free) and, named apart, the all-frames figure that measures the leak."""
-    if not any(key in result for key in RECORDED_HELDOUT):
-        return {}
-    shown = accuracy.metadata(result)
-    for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
-        if result.get(recorded) is not None:
-            shown[name] = round(float(result[recorded]), 4)
-    return shown
-
-
-def result_metadata(run_dir: Path) -> dict[str, object]:
-    """From rank 0's ``result.json``: checkpoint size, hours trained on, held-out results per client, MLflow run."""
-    result = read_json(RunFiles(run_dir).result)
+    """A torchrun job's metadata from rank 0's ``result``: the training curve first (Dagster lists
+    metadata in insertion order, and a curve below twenty rows goes unseen), the held-out masked
+    accuracy (leak-free; the all-frames figure that measures the leak named apart), then the rest."""
+    metadata = training_curve_metadata(run_dir)
+    if any(key in result for key in RECORDED_HELDOUT):
+        metadata |= accuracy.metadata(result)
+        for recorded, name in zip(accuracy.ALL_FRAMES_RECORDED, accuracy.ALL_FRAMES_SHOWN, strict=True):
+            if result.get(recorded) is not None:
+                metadata[name] = round(float(result[recorded]), 4)
+    metadata |= {k: v for k, v in reported.items() if k not in RECORDED_HELDOUT}
     if not result:
-        return {}
-    metadata: dict[str, object] = {}
+        return metadata
     checkpoint = Path(result.get("checkpoint") or RunFiles(run_dir).final)
     if checkpoint.is_file():
         metadata["checkpoint_mb"] = readable.megabytes(checkpoint.stat().st_size)
@@ -167,10 +150,9 @@ def result_metadata(run_dir: Path) -> dict[str, object]:
         metadata["train_audio_h"] = round(result["train_audio_seconds"] / 3600, 2)
     if result.get("heldout_per_client"):
         metadata["heldout_per_client"] = readable.per_client_table(result["heldout_per_client"])
-    metadata |= readable.mlflow_links(
+    return metadata | readable.mlflow_links(
         result.get("mlflow_run_id"), result.get("mlflow_run_url"), result.get("mlflow_ui")
     )
-    return metadata
 
 
 def training_curve_metadata(run_dir) -> dict[str, object]:
@@ -242,17 +224,15 @@ def other_nodes(context, run_dir, nnodes: int, options: TrainingSettings, torchr
         clean = not sys.exc_info()[0]
         finished.set()
         for process, log in processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=120 if clean else 0.1)  # node 0 failed: no reason to wait
-            except subprocess.TimeoutExpired:
-                process.stdin.close()  # the node's tether stops its torchrun
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
             if process.stdin and not process.stdin.closed:
-                process.stdin.close()
+                process.stdin.close()  # the node's tether stops its torchrun
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             log.close()
 
 
@@ -314,8 +294,8 @@ def torchrun_asset(section: str, **asset_args: Any) -> Callable[[Launch], dg.Ass
     return decorate
 
 
-# a HuBERT iteration's pretraining: (the asset, its run folders' label)
-PRETRAINING = {1: ("pretrained_checkpoint", "pretrain"), 2: ("pretrained_checkpoint_iter2", "pretrain-iter2")}
+# a HuBERT iteration's pretraining: its run folders' label
+PRETRAINING = {1: "pretrain", 2: "pretrain-iter2"}
 
 
 def run_pretraining(
@@ -329,7 +309,7 @@ def run_pretraining(
     """HuBERT pretraining on each client's targets of ``iteration`` (1: MFCC clusters, 2: an encoder layer's)."""
     from speech_assets.train.config import TrainConfig
 
-    asset_name, run_label = PRETRAINING[iteration]
+    run_label = PRETRAINING[iteration]
     table = read_clients(paths.layout.clients_file)
     targets_dir = lambda client_id: paths.targets(client_id, iteration).root  # noqa: E731
     data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
@@ -347,17 +327,7 @@ def run_pretraining(
         raise dg.Failure(
             description="multi-node training needs [training] nproc (processes per node) and rdzv_endpoint"
         )
-    return run_torchrun(
-        context,
-        pipes_subprocess_client,
-        paths,
-        run_dir,
-        train_config,
-        data_versions,
-        asset_name=asset_name,
-        max_restarts=options.max_restarts,
-        nodes=options,
-    )
+    return run_torchrun(context, pipes_subprocess_client, paths, run_dir, train_config, data_versions, nodes=options)
 
 
 def run_folder(root: Path, data_versions: dict[str, str], options: dg.Config, code_version: str) -> Path:

@@ -9,6 +9,8 @@ from speech_assets.defs.resources import PipelineSettings, StoragePaths, Trainin
 from speech_assets.defs.torchrun import run_pretraining, torchrun_asset
 
 CODE_VERSION = "train-v3"  # v2: the loss on unmasked frames too; v3: batches cropped to their shortest, heads batched
+# read once as the code location loads: these op tags and the `settings` resource (definitions.py)
+SETTINGS = PipelineSettings.load()
 
 
 @torchrun_asset(
@@ -17,7 +19,7 @@ CODE_VERSION = "train-v3"  # v2: the loss on unmasked frames too; v3: batches cr
     deps=TRAINING_INPUTS,
     code_version=CODE_VERSION,
     # GPUs for a pod per step: fixed with the definition, as the code location loads (defs/cluster.py)
-    op_tags=training_op_tags(PipelineSettings.load().training),
+    op_tags=training_op_tags(SETTINGS.training),
     automation_condition=retrain_on_cron(),
 )
 def pretrained_checkpoint(context, options: TrainingSettings, paths: StoragePaths, pipes) -> dg.MaterializeResult:
