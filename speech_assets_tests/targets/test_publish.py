@@ -9,8 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
-from speech_assets.targets.publish import ClientShards, publish_client_targets
+from speech_assets.targets.config import KMeansConfig
+from speech_assets.targets.labels import read_labels
+from speech_assets.targets.publish import ClientShards, KMeansPolicy, kmeans_client_targets, publish_client_targets
+from speech_assets.utils import sha256_file
+from speech_assets_tests.targets.test_build import make_shard
 
 
 @dataclass
@@ -92,3 +97,46 @@ def test_iteration_2_records_carry_no_fit_key(tmp_path: Path) -> None:
     builder = Builder(out_dir)
     record = publish(out_dir, builder, fit_key=None)
     assert "fit_key" not in record and publish(out_dir, builder, fit_key=None) == record and len(builder.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("speakers", "heldout", "mode", "codebook_speakers"),
+    [
+        (["a1", "a2", "a3"], [], "extended", ["a1", "a2"]),
+        (["a1", "a2", "a3"], ["a2"], "refit", ["a1", "a3"]),  # a speaker of the codebook is now held out
+        (["a1", "a3"], [], "refit", ["a1", "a3"]),  # a speaker of the codebook left the client
+    ],
+    ids=["grown", "grown-and-fitted-speaker-held-out", "fitted-speaker-left"],
+)
+def test_a_codebook_is_kept_only_while_its_speakers_still_train(
+    tmp_path: Path, speakers: list[str], heldout: list[str], mode: str, codebook_speakers: list[str]
+) -> None:
+    """A client that only grew (a small newcomer) labels it with the codebook it has; one whose
+    codebook was fitted on a speaker that is now held out or gone refits, newcomer or not."""
+    shards = {s: tmp_path / f"{s}.parquet" for s in ["a1", "a2", "a3"]}
+    sums = cmvn.ShardStats()
+    for seed, (speaker, path) in enumerate(shards.items()):
+        for record in make_shard(path, speaker, 12 if speaker != "a3" else 2, seed):
+            sums.add(speaker, "mfcc", record.mfcc)
+    policy = KMeansPolicy(KMeansConfig(k=8), refit_growth=0.5, fit_settings="{}", code_version="v1")
+    out_dir = tmp_path / "kmeans" / "client_a"
+
+    logged: list[str] = []
+
+    def targets(speakers: list[str], heldout: list[str]) -> dict:
+        client = ClientShards(
+            "client_a", speakers, heldout, {s: sha256_file(shards[s]) for s in speakers}, shards.__getitem__
+        )
+        return kmeans_client_targets(client, out_dir, policy, sums, log=logged.append, warn=logged.append)
+
+    first = targets(["a1", "a2"], [])
+    assert first["mode"] == "refit" and first["codebook_speakers"] == ["a1", "a2"]
+    logged.clear()
+    assert targets(["a1", "a2"], []) == first
+    assert logged == [f"client_a: inputs unchanged, keeping targets {first['data_version'][:12]}"]
+
+    record = targets(speakers, heldout)
+    assert (record["mode"], record["codebook_speakers"]) == (mode, codebook_speakers)
+    assert (record["codebook_sha256"] == first["codebook_sha256"]) == (mode == "extended")
+    assert record["codebook_sha256"] == sha256_file(TargetFiles(out_dir).codebook)
+    assert {utt.split("-")[0] for utt in read_labels(TargetFiles(out_dir).labels)} == set(speakers)
