@@ -87,6 +87,26 @@ def sample_build(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "home": root / "dagster_home", "out": root / "out", "clients": sorted(clients), "defs": defs}
 
 
+@pytest.fixture(scope="session")
+def tiny_recogniser(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A random `tiny` recogniser (torch seed 0) exported once per session (the export is most of the
+    recogniser tests' time): (model, folder, parity on two random utterances of 120 and 77 frames).
+    Tests copy the folder (``test_finetune.recogniser_folder``), never change it."""
+    import numpy as np
+    import torch
+
+    from speech_assets.evaluation.text import VOCAB_SIZE
+    from speech_assets.model.export import export_recogniser
+    from speech_assets.model.hubert import HubertPretrainModel
+    from speech_assets.model.presets import get_preset
+
+    torch.manual_seed(0)
+    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
+    feats = [np.random.default_rng(i).standard_normal((n, 80)).astype(np.float32) for i, n in enumerate((120, 77))]
+    folder = tmp_path_factory.mktemp("tiny_recogniser")
+    return model, folder, export_recogniser(model, folder, feats)
+
+
 # The demo's trainers at test budgets: 300 tiny centralised steps; 2 federated rounds of 2 local
 # steps (the federated tests resume and fault-inject runs with exactly this run config).
 DEMO_TRAIN_STEPS = 300

@@ -6,6 +6,9 @@ pool. Times are measured by bench/daemon.py, never asserted here."""
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -19,6 +22,7 @@ from speech_assets.defs.automation import (
     corpus_sensor,
 )
 from speech_assets.defs.runs import IN_PROCESS_TAG, reaping_multiprocess_executor, runs_in_process
+from speech_assets_tests.conftest import fresh_instance
 
 DAEMON_LOOP_S = 5  # dagster's sensor and asset daemons come round every 5 s at most
 
@@ -147,9 +151,13 @@ def toy_graph() -> list[dg.AssetsDefinition]:
 class Toy:
     """The toy graph built on a real instance (s1, s2 and every client), then ticked as the daemon does."""
 
-    def __init__(self, instance: dg.DagsterInstance) -> None:
+    def __init__(self, instance: dg.DagsterInstance, cursor: object | None = None) -> None:
+        """``cursor``: the instance is a copy of one built here, and this its cursor after the build."""
         self.instance, self.assets = instance, {a.key.to_user_string(): a for a in toy_graph()}
         self.defs = dg.Definitions(assets=list(self.assets.values()))
+        if cursor is not None:
+            self.cursor = cursor
+            return
         instance.add_dynamic_partitions("speakers", ["s1", "s2"])
         self.run("manifest")
         for speaker in ("s1", "s2"):
@@ -201,6 +209,27 @@ class Toy:
         return seen
 
 
+@pytest.fixture(scope="module")
+def built_toy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """The toy graph built once on a real instance: (its DAGSTER_HOME, the cursor after the build)."""
+    root = tmp_path_factory.mktemp("toy")
+    with fresh_instance(root) as instance:
+        cursor = Toy(instance).cursor
+    return root / "dagster_home", cursor
+
+
+@pytest.fixture
+def toy(built_toy: tuple[Path, object], tmp_path: Path) -> Iterator[Toy]:
+    """A copy of the built toy's instance (its SQLite storage copied, the build is most of a test's
+    time), for one test to change."""
+    home, cursor = built_toy
+    shutil.copytree(home, tmp_path / "dagster_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+        with dg.DagsterInstance.get() as instance:
+            yield Toy(instance, cursor)
+
+
 def new_speaker(toy: Toy, built: bool = True) -> None:
     """What corpus_sensor's two runs do: a manifest that registers s3, then (``built``) its shard."""
     toy.run("manifest")
@@ -209,8 +238,7 @@ def new_speaker(toy: Toy, built: bool = True) -> None:
         toy.run("vad_features", "s3")
 
 
-def test_a_new_speaker_reaches_dataset_stats_once_one_level_per_tick(instance: dg.DagsterInstance) -> None:
-    toy = Toy(instance)
+def test_a_new_speaker_reaches_dataset_stats_once_one_level_per_tick(toy: Toy) -> None:
     new_speaker(toy)
     assert toy.follow() == [
         {"cmvn_stats": [], "client_partitions": []},  # one run; dataset_stats waits for what follows
@@ -221,8 +249,7 @@ def test_a_new_speaker_reaches_dataset_stats_once_one_level_per_tick(instance: d
     assert automation_sensor.emit_backfills
 
 
-def test_dataset_stats_waits_for_the_shard_the_sensor_has_yet_to_build(instance: dg.DagsterInstance) -> None:
-    toy = Toy(instance)
+def test_dataset_stats_waits_for_the_shard_the_sensor_has_yet_to_build(toy: Toy) -> None:
     new_speaker(toy, built=False)  # the manifest run is done, the shard's run not yet started
     assert toy.tick() == {}
     toy.run("vad_features", "s3")
@@ -233,17 +260,13 @@ def test_dataset_stats_waits_for_the_shard_the_sensor_has_yet_to_build(instance:
     ]
 
 
-def test_a_manifest_change_with_no_shard_to_wait_for_refreshes_dataset_stats(instance: dg.DagsterInstance) -> None:
-    toy = Toy(instance)
+def test_a_manifest_change_with_no_shard_to_wait_for_refreshes_dataset_stats(toy: Toy) -> None:
     toy.run("manifest")  # e.g. a corrupt file added: a new reject, no speaker's rows changed
     assert toy.follow() == [{"dataset_stats": []}]
 
 
 @pytest.mark.parametrize("kmeans_fails", [False, True])
-def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(
-    instance: dg.DagsterInstance, kmeans_fails: bool
-) -> None:
-    toy = Toy(instance)
+def test_dataset_stats_waits_for_the_kmeans_backfill_until_its_run_ends(toy: Toy, kmeans_fails: bool) -> None:
     new_speaker(toy)
     toy.run_requested(toy.tick())  # cmvn_stats, client_partitions
     assert toy.tick() == {"kmeans_targets": ["c1", "c2"]}
@@ -270,8 +293,7 @@ def cancel(toy: Toy, run: dg.DagsterRun) -> None:
     toy.instance.report_run_canceled(run)
 
 
-def test_a_canceled_shard_run_does_not_hold_dataset_stats_back(instance: dg.DagsterInstance) -> None:
-    toy = Toy(instance)
+def test_a_canceled_shard_run_does_not_hold_dataset_stats_back(toy: Toy) -> None:
     new_speaker(toy, built=False)
     assert toy.tick() == {}  # the shard is still to be built
     run = created_run(toy, "vad_features", "s3")
@@ -282,8 +304,7 @@ def test_a_canceled_shard_run_does_not_hold_dataset_stats_back(instance: dg.Dags
     assert toy.tick() == {"dataset_stats": []}
 
 
-def test_a_canceled_kmeans_run_does_not_hold_dataset_stats_back(instance: dg.DagsterInstance) -> None:
-    toy = Toy(instance)
+def test_a_canceled_kmeans_run_does_not_hold_dataset_stats_back(toy: Toy) -> None:
     new_speaker(toy)
     toy.run_requested(toy.tick())  # cmvn_stats, client_partitions
     assert toy.tick() == {"kmeans_targets": ["c1", "c2"]}

@@ -509,7 +509,20 @@ def test_finetune_results_table_verdict_and_labelled_split(finetuned) -> None:
     )
 
 
-def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
+def _transcribe_in_process(args: list[str], data_dir: pathlib.Path, capsys) -> subprocess.CompletedProcess:
+    """`speech-assets transcribe ARGS` through the CLI's main in this process: an interpreter start-up
+    (torch, onnxruntime) less per call once a real command has run."""
+    from speech_assets import cli
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPEECH_ASSETS_DATA_DIR", str(data_dir))
+        code = cli.main(["transcribe", *args])
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+
+def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path, capsys) -> None:
     import soundfile as sf
 
     from speech_assets.features.audio import decode
@@ -550,94 +563,57 @@ def test_recogniser_export_parity_and_transcribe(finetuned, tmp_path) -> None:
         assert float(seconds) > 0.5 and set(text) <= set(" 'ABCDEFGHIJKLMNOPQRSTUVWXYZ"), line
     # the resampled copy reads like the original (the pipeline resamples the same way)
     assert lines[2].split("\t")[2] == lines[0].split("\t")[2]
-    machine = subprocess.run(
-        [*command[:4], str(good[0]), "--json"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
-    )
+    machine = _transcribe_in_process([str(good[0]), "--json"], out, capsys)
     assert machine.returncode == 0, machine.stderr[-3000:]
     row = json.loads(machine.stdout)
     assert row["id"] == str(good[0]) and row["error"] is None and row["text"] == lines[0].split("\t")[1]
-    missing = subprocess.run(
-        [*command[:4], str(good[0]), "--model", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+    missing = _transcribe_in_process([str(good[0]), "--model", str(tmp_path)], out, capsys)
     assert missing.returncode == 1 and "no recogniser" in missing.stderr
     # the same recogniser, registered in MLflow by finetuned_asr, read back by its model URI
     event = instance.fetch_materializations(dg.AssetKey("finetuned_asr"), limit=1).records[0].asset_materialization
     registered = event.metadata["registered_model"].value
     assert re.fullmatch(r"models:/speech_assets_recogniser/\d+", registered), registered
     for uri in (registered, "models:/speech_assets_recogniser/latest"):
-        by_uri = subprocess.run(
-            [*command[:4], str(good[0]), "--model", uri], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
-        )
+        by_uri = _transcribe_in_process([str(good[0]), "--model", uri], out, capsys)
         assert by_uri.returncode == 0 and by_uri.stdout == lines[0] + "\n", by_uri.stderr[-3000:]
     # the exported run's LM and lexicon travel with the model: beam decoding spells only labelled words
     assert spec["beam"]["lm"] == "3gram.arpa" and (folder / spec["beam"]["lexicon"]).is_file()
     lexicon = {line.split(" ", 1)[0] for line in (folder / spec["beam"]["lexicon"]).read_text().splitlines()}
-    beam = subprocess.run(
-        [*command[:4], str(good[0]), "--decoder", "beam"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+    beam = _transcribe_in_process([str(good[0]), "--decoder", "beam"], out, capsys)
     assert beam.returncode == 0, beam.stderr[-3000:]
     utt, text, seconds = beam.stdout.strip().split("\t")
     assert utt == str(good[0]) and set(text.split()) <= lexicon and seconds == lines[0].split("\t")[2]
 
 
-def test_killed_finetuning_resumes_bit_exactly(finetuned, tmp_path) -> None:
+def test_killed_finetuning_resumes_bit_exactly(finetuned, alone, tmp_path) -> None:
     """A fine-tuning worker killed with SIGKILL mid-run continues from its last checkpoint to the
-    same weights as a run that was never interrupted."""
+    same weights as a run that was never interrupted (the `alone` fixture's, the same config)."""
     import os
     import signal
     import time
 
     from speech_assets.runtime.faults import FAULTS_ENV, fault
-    from speech_assets.train.config import FinetuneConfig
 
-    config, _ = _finetune_run(finetuned[0], "pretrained")
-    shas = {}
-    for name in ("straight", "killed"):
-        run = FinetuneConfig.from_dict(
-            {
-                **config,
-                "run_dir": str(tmp_path / name),
-                "max_steps": 12,
-                "freeze_steps": 4,
-                "checkpoint_every": 4,
-                "decoders": ["greedy"],
-                "mlflow_tracking_uri": None,
-                "threads": 1,
-            }
-        )
-        (tmp_path / name).mkdir()
-        path = tmp_path / name / "config.json"
-        run.to_json(path)
-        command = [sys.executable, "-m", "speech_assets.evaluation.finetune", "--config", str(path)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
-        if name == "killed":
-            marker = tmp_path / "held"
-            worker = subprocess.Popen(
-                command, env={**env, FAULTS_ENV: fault("train.step", "hold", step=6, marker=marker)}, cwd=REPO
-            )
-            deadline = time.monotonic() + 300
-            while not marker.is_file() and worker.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert marker.is_file(), "the worker never reached step 6"
-            os.kill(worker.pid, signal.SIGKILL)
-            worker.wait()
-            assert not (tmp_path / name / "final.pt").exists()
-        proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads((tmp_path / name / "result.json").read_text())
-        assert result["resumed_from_step"] == (4 if name == "killed" else None)
-        shas[name] = result["checkpoint_sha256"]
-    assert shas["killed"] == shas["straight"]
+    (folder, _) = _small_runs(finetuned[0], lambda init: tmp_path / init)
+    path = folder / "config.json"
+    command = [sys.executable, "-m", "speech_assets.evaluation.finetune", "--config", str(path)]
+    env = _without_pipes()
+    marker = tmp_path / "held"
+    worker = subprocess.Popen(
+        command, env={**env, FAULTS_ENV: fault("train.step", "hold", step=6, marker=marker)}, cwd=REPO
+    )
+    deadline = time.monotonic() + 300
+    while not marker.is_file() and worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.is_file(), "the worker never reached step 6"
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    assert not (folder / "final.pt").exists()
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((folder / "result.json").read_text())
+    assert result["init"] == "pretrained" and result["resumed_from_step"] == 4
+    assert result["checkpoint_sha256"] == alone["pretrained"]
 
 
 def test_finetuned_asr_trains_its_runs_in_one_launch(finetuned) -> None:

@@ -172,15 +172,13 @@ def test_beam_decoder_with_the_training_lm_repairs_a_near_miss() -> None:
     assert decode([emissions("THE CAT RAN"), emissions("THE CAP SAT")]) == ["THE CAT RAN", "THE CAT SAT"]
 
 
-def test_recogniser_export_matches_pytorch(tmp_path: Path) -> None:
-    from speech_assets.model.export import ExportableRecogniser, export_recogniser
+def test_recogniser_export_matches_pytorch(tiny_recogniser) -> None:
+    from speech_assets.model.export import ExportableRecogniser
 
-    torch.manual_seed(0)
-    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
-    feats = [np.random.default_rng(i).standard_normal((n, 80)).astype(np.float32) for i, n in enumerate((120, 77))]
-    parity = export_recogniser(model, tmp_path, feats)
+    model, _, parity = tiny_recogniser
     assert parity.onnx_max_abs_diff <= 1e-4 and parity.torchscript_max_abs_diff <= 1e-4 and parity.frames == 60 + 39
-    log_probs, lengths = ExportableRecogniser(model)(torch.from_numpy(feats[1])[None], torch.tensor([77]))
+    feats = np.random.default_rng(1).standard_normal((77, 80)).astype(np.float32)
+    log_probs, lengths = ExportableRecogniser(model)(torch.from_numpy(feats)[None], torch.tensor([77]))
     assert log_probs.shape == (1, 39, VOCAB_SIZE) and torch.allclose(
         log_probs.exp().sum(-1), torch.ones(1, 39), atol=1e-5
     )
@@ -247,20 +245,17 @@ def test_verdict_says_beats_loses_or_too_small_to_tell(cers: dict, utterances: i
     assert "greedy decoding" in tables and "beam_3gram decoding" in tables and "| frozen probe: pretrained |" in tables
 
 
-def recogniser_folder(folder: Path, lm_texts: list[str] | None) -> Path:
-    """A recogniser folder as finetuned_asr exports one (a random `tiny` recogniser), with the beam
-    decoder's LM and lexicon of ``lm_texts`` beside it when given."""
+def recogniser_folder(tiny_recogniser, folder: Path, lm_texts: list[str] | None) -> Path:
+    """A recogniser folder as finetuned_asr exports one (a copy of the session's `tiny_recogniser`),
+    with the beam decoder's LM and lexicon of ``lm_texts`` beside it when given."""
     import json
+    import shutil
 
     from speech_assets.evaluation.decoding import write_lm_files
     from speech_assets.features.cmvn import UtteranceCmvn, describe
     from speech_assets.features.vad import VadConfig
-    from speech_assets.model.export import export_recogniser
 
-    torch.manual_seed(0)
-    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
-    folder.mkdir()
-    export_recogniser(model, folder, [np.zeros((40, 80), np.float32)])
+    shutil.copytree(tiny_recogniser[1], folder)
     spec = {
         "vocabulary": vocabulary(),
         "cmvn": describe(UtteranceCmvn()),
@@ -283,7 +278,7 @@ def emissions(text: str) -> np.ndarray:
 
 
 @pytest.mark.skipif(unavailable() is not None, reason="flashlight-text not installed")
-def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tmp_path: Path) -> None:
+def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tiny_recogniser, tmp_path: Path, capsys) -> None:
     import subprocess
     import sys
 
@@ -291,7 +286,7 @@ def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tmp_path: Path) -> 
     from speech_assets_tests.conftest import REPO, SAMPLE_CORPUS
 
     texts = ["THE CAT SAT", "THE DOG RAN", "A CAT RAN"]
-    folder = recogniser_folder(tmp_path / "rec", texts)
+    folder = recogniser_folder(tiny_recogniser, tmp_path / "rec", texts)
     # the LM and lexicon beside the model repair what greedy spells wrong
     assert Recogniser(folder, "beam").beam([emissions("THE CAP SAT")]) == ["THE CAT SAT"]
     assert Recogniser(folder).beam is None
@@ -306,10 +301,14 @@ def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tmp_path: Path) -> 
     assert utt == str(good) and float(seconds) > 0.5 and set(text.split()) <= words, first
     assert second == f"{missing}\terror: no such file: {missing}"
     # a recogniser exported without its LM: refused as a whole, before any file
-    bare = recogniser_folder(tmp_path / "bare", None)
-    refused = subprocess.run([*command, "--model", str(bare)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert refused.returncode == 1 and not refused.stdout, refused.stderr[-2000:]
-    assert "records no n-gram LM" in refused.stderr
+    bare = recogniser_folder(tiny_recogniser, tmp_path / "bare", None)
+    from speech_assets import cli
+
+    capsys.readouterr()
+    code = cli.main([*command[3:], "--model", str(bare)])  # in this process: the command above was real
+    refused = capsys.readouterr()
+    assert code == 1 and not refused.out, refused.err[-2000:]
+    assert "records no n-gram LM" in refused.err
 
 
 @pytest.mark.parametrize(
@@ -322,12 +321,14 @@ def test_transcribe_decodes_with_the_recogniser_lm_beside_it(tmp_path: Path) -> 
         ({}, None),
     ],
 )
-def test_beam_recogniser_reads_only_its_own_lm_files(tmp_path: Path, beam: dict | None, said: str | None) -> None:
+def test_beam_recogniser_reads_only_its_own_lm_files(
+    tiny_recogniser, tmp_path: Path, beam: dict | None, said: str | None
+) -> None:
     import json
 
     from speech_assets.evaluation.recognise import Recogniser
 
-    folder = recogniser_folder(tmp_path / "rec", ["THE CAT SAT"] if beam is not None else None)
+    folder = recogniser_folder(tiny_recogniser, tmp_path / "rec", ["THE CAT SAT"] if beam is not None else None)
     (tmp_path / "3gram.arpa").write_text("outside the folder")
     if beam:
         spec = json.loads((folder / "recogniser.json").read_text())

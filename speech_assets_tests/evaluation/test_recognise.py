@@ -27,13 +27,13 @@ from speech_assets_tests.evaluation.test_finetune import recogniser_folder
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def store(tmp_path_factory: pytest.TempPathFactory, tiny_recogniser) -> dict:
     """A SQLite store with one finished run that holds the logged, registered recogniser, and a
     second run whose `recogniser` model has no recogniser.json (an encoder-like ONNX model)."""
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("mlflow")
-    folder = recogniser_folder(root / "recogniser", None)
+    folder = recogniser_folder(tiny_recogniser, root / "recogniser", None)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = ensure_experiment(client, EXPERIMENT, uri, str(root / "mlartifacts"))

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 
 from speech_assets.cli import main
 from speech_assets.evaluation.recognise import (
@@ -23,12 +22,9 @@ from speech_assets.evaluation.recognise import (
     labelled_files,
     plan_segments,
 )
-from speech_assets.evaluation.text import VOCAB_SIZE
 from speech_assets.features import audio
 from speech_assets.features.cmvn import UtteranceCmvn
 from speech_assets.features.featurize import FeatureExtractor
-from speech_assets.model.hubert import HubertPretrainModel
-from speech_assets.model.presets import get_preset
 from speech_assets_tests.conftest import SAMPLE_CORPUS
 from speech_assets_tests.evaluation.test_finetune import recogniser_folder
 
@@ -37,8 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return recogniser_folder(tmp_path_factory.mktemp("recogniser") / "r", None)
+def folder(tmp_path_factory: pytest.TempPathFactory, tiny_recogniser) -> Path:
+    return recogniser_folder(tiny_recogniser, tmp_path_factory.mktemp("recogniser") / "r", None)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +159,7 @@ def test_transcribe_is_torch_free(folder: Path) -> None:
     assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == [str(SAMPLES[0]), str(SAMPLES[1])]
 
 
-def test_raw_audio_parity_with_the_pipeline(folder: Path) -> None:
+def test_raw_audio_parity_with_the_pipeline(folder: Path, tiny_recogniser) -> None:
     """frontend.onnx gives the pipeline's CMVN log-mel within FEATURE_ATOL (a padded batch row as
     its own), and transcribing the audio gives the pipeline's greedy text."""
     recogniser = Recogniser(folder)
@@ -173,8 +169,7 @@ def test_raw_audio_parity_with_the_pipeline(folder: Path) -> None:
         expected = UtteranceCmvn().apply(FeatureExtractor()(wave)[0], "logmel")
         assert length == len(expected) and np.abs(row[:length] - expected).max() <= FEATURE_ATOL
         assert not row[length:].any()
-    torch.manual_seed(0)  # the model recogniser_folder exported
-    model = HubertPretrainModel(get_preset("tiny"), {"ctc": VOCAB_SIZE}).eval()
+    model = tiny_recogniser[0]  # the model recogniser_folder exported
     parity = audio_parity(folder, model, UtteranceCmvn(), SAMPLES[:4])
     assert parity["utterances"] == parity["same_text"] == 4 and parity["feature_max_abs_diff"] <= FEATURE_ATOL
 
