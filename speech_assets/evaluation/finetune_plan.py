@@ -420,15 +420,6 @@ def text_overlap(runs: Mapping[RunKey, Mapping[str, Any]]) -> int | None:
     return sum(counts) if counts else None
 
 
-def oov_by_budget(runs: Mapping[RunKey, Mapping[str, Any]]) -> dict[str, float]:
-    """Per budget (``"1 min"``): the mean held-out OOV rate against the decoder's lexicon."""
-    rates: dict[float, list[float]] = {}
-    for (_, minutes, _), result in runs.items():
-        if result.get("oov_rate") is not None:
-            rates.setdefault(minutes, []).append(result["oov_rate"])
-    return {f"{m:g} min": round(sum(v) / len(v), 4) for m, v in sorted(rates.items())}
-
-
 def collect_results(planned: Mapping[RunKey, Path]) -> tuple[list[dict[str, Any]], dict[RunKey, dict[str, Any]]]:
     """(the rows of ``results.parquet``, one per run, decoder and split; every run's ``result.json`` by key)."""
     rows, runs = [], {}

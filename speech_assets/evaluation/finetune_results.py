@@ -242,17 +242,20 @@ def text_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"text overlap: {most} labelled or dev utterance{'s' if most != 1 else ''} whose transcript is a held-out "
             f"one (must be 0{'' if most == 0 else ': these held-out scores flatter every model'})"
         )
-    oov = {
-        minutes: found
-        for minutes in budgets(rows)
-        if (found := _run_values([r for r in rows if r["labelled_minutes"] == minutes], "oov_rate"))
-    }
-    if oov:
+    if oov := oov_by_budget(rows):
         notes.append(
             "held-out OOV rate against the beam decoder's lexicon (the labelled words; mean over runs): "
-            + ", ".join(f"{minutes:g} min {sum(v) / len(v):.3f}" for minutes, v in oov.items())
+            + ", ".join(f"{budget} {rate:.3f}" for budget, rate in oov.items())
         )
     return notes
+
+
+def oov_by_budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per budget (``"1 min"``): the mean held-out OOV rate (every run has as many rows)."""
+    rates = {
+        f"{m:g} min": _run_values([r for r in rows if r["labelled_minutes"] == m], "oov_rate") for m in budgets(rows)
+    }
+    return {budget: round(sum(v) / len(v), 4) for budget, v in rates.items() if v}
 
 
 def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] | None = None) -> str:

@@ -219,18 +219,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         }
         _insert(con, "checkpoints", row)
         _insert(con, "training_runs", row)
-        speed = _read_json(RunFiles(path.parent).speed)
-        if kind == "distilled" and speed:
-            _insert(
-                con,
-                "distillation",
-                {
-                    **speed,
-                    "run_dir": str(path.parent),
-                    "student_parameters": speed.get("student_parameters", r.get("student_parameters")),
-                    "teacher_parameters": speed.get("teacher_parameters", r.get("teacher_parameters")),
-                },
-            )
+        if kind == "distilled" and r.get("speedup") is not None:  # the worker timed both models into result.json
+            _insert(con, "distillation", row)
     con.execute(
         "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
         "torchscript_max_abs_diff DOUBLE, parity_utterances BIGINT, parity_frames BIGINT)"
