@@ -1,11 +1,8 @@
 """The same CTC probe on several encoders and on the log-mel input itself, over several seeds.
 
-Every model sees the same utterances, options and seeds: the training speakers train the probes
-(a development part picks the learning rate and stopping step), the held-out speakers score them.
-``fbank`` (the probe on log-mel) and ``random`` (an untrained encoder) are the baselines. The
-verdict is a paired bootstrap over held-out utterances of the CER difference, "indicative only"
-below ``min_speakers`` held-out speakers or :data:`MIN_HELDOUT_UTTERANCES` utterances.
-Reading ``results.parquet`` needs neither torch nor a model.
+``fbank`` (the probe on log-mel) and ``random`` (an untrained encoder) are the baselines; the verdict
+is a paired bootstrap over held-out utterances of the CER difference. Reading ``results.parquet``
+needs neither torch nor a model.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,8 +36,7 @@ BASELINES = (FBANK, RANDOM)
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
 UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
-# the verdict is "indicative only" below this many held-out speakers (the [probe] setting
-# min_heldout_speakers; this is its default) or below MIN_HELDOUT_UTTERANCES utterances
+# the verdict is "indicative only" below this many held-out speakers ([probe] min_heldout_speakers's default)
 MIN_HELDOUT_SPEAKERS = 3
 MIN_HELDOUT_UTTERANCES = 20
 BOOTSTRAP_RESAMPLES = 2000
@@ -132,18 +127,10 @@ def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=pa.schema([(c, types.get(c, pa.int64())) for c in UTTERANCE_COLUMNS]))
 
 
-def utterances_path(results_path: str | os.PathLike[str]) -> Path:
-    return ProbeFiles.beside(results_path).utterances
-
-
-def leaderboard_path(results_path: str | os.PathLike[str]) -> Path:
-    return ProbeFiles.beside(results_path).leaderboard
-
-
 def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, object]]:
     import pyarrow.parquet as pq
 
-    path = leaderboard_path(results_path)
+    path = ProbeFiles.beside(results_path).leaderboard
     if not path.is_file():
         raise FileNotFoundError(f"no probe leaderboard at {path}: rematerialize downstream_probe")
     return pq.read_table(path).to_pylist()
@@ -196,27 +183,22 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
     import pyarrow.parquet as pq
 
     results = [ProbeResult.from_row(row) for row in pq.read_table(path).to_pylist()]
-    if not utterances_path(path).is_file():
+    if not ProbeFiles.beside(path).utterances.is_file():
         return results
-    table = pq.read_table(utterances_path(path)).to_pydict()
-    found: dict[tuple[str, int], list[int]] = {}
-    for i, key in enumerate(zip(table["model"], table["seed"], strict=True)):
-        found.setdefault(key, []).append(i)
-    attached = []
-    for r in results:
-        rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
-        if rows:
-            pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
-            r = replace(
-                r,
-                errors=HeldoutErrors(
-                    tuple(pick["utt_id"]),
-                    tuple(pick["speaker_id"]),
-                    *(np.array(pick[c], dtype=np.int64) for c in ("char_errors", "chars", "word_errors", "words")),
-                ),
-            )
-        attached.append(r)
-    return attached
+    found: dict[tuple[str, int], list[dict]] = {}
+    for row in pq.read_table(ProbeFiles.beside(path).utterances).to_pylist():
+        found.setdefault((row["model"], row["seed"]), []).append(row)
+
+    def errors(rows: list[dict]) -> HeldoutErrors:
+        counts = (np.array([r[c] for r in rows], dtype=np.int64) for c in UTTERANCE_COLUMNS[4:])
+        return HeldoutErrors(tuple(r["utt_id"] for r in rows), tuple(r["speaker_id"] for r in rows), *counts)
+
+    return [
+        replace(r, errors=errors(found[(r.model, r.seed)]))
+        if r.split == "heldout" and (r.model, r.seed) in found
+        else r
+        for r in results
+    ]
 
 
 def split_utterances(

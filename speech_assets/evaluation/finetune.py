@@ -1,13 +1,8 @@
 """CTC fine-tuning of a pretrained encoder into a character recogniser, and its from-scratch baseline.
 
-``python -m speech_assets.evaluation.finetune --config CONFIG.json``: CTC over the probe's 29 tokens
-with a linear head on the encoder's last layer; ``init`` ``scratch`` is the baseline, a random
-encoder of the same architecture training every parameter from step 0.
-
-Model selection: every ``eval_every`` steps the greedy dev CER keeps the best step's checkpoint
-(:class:`Selection`) and stops after ``patience`` evaluations without improvement; the held-out
-scores and ``final.pt`` are the selected step's. A :class:`~speech_assets.train.config.FinetuneBatch`
-config trains several runs in one launch (:func:`finetune_batch`).
+``python -m speech_assets.evaluation.finetune --config CONFIG.json`` (a FinetuneConfig, or a
+FinetuneBatch of several runs): ``init`` ``scratch`` is the baseline, a random encoder of the same
+architecture. The greedy dev CER selects the step (:class:`Selection`) that is scored and kept.
 """
 
 from __future__ import annotations
@@ -123,13 +118,6 @@ def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_
         return math.exp(-rate * min(step - warmup - hold, decay))
 
     return factor
-
-
-def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
-    """(steps with the encoder frozen, front end frozen); a random encoder frozen is no baseline."""
-    if config.init == "scratch":
-        return 0, False
-    return config.freeze_steps, config.freeze_frontend
 
 
 # CTC's all-blank plateau: evaluations there do not count towards patience (a from-scratch model
@@ -504,7 +492,8 @@ class FineTuning(Fit):
         cuda = job.device.type == "cuda"
         stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=cuda, device=job.device, builder=CtcBatches)
         self.model = model = model.to(job.device)
-        self.freeze_steps, self.freeze_frontend = frozen_parts(config)
+        frozen = (0, False) if config.init == "scratch" else (config.freeze_steps, config.freeze_frontend)
+        self.freeze_steps, self.freeze_frontend = frozen  # a random encoder frozen is no baseline
         if self.freeze_frontend:
             model.frontend.requires_grad_(False)
         if config.mask_prob <= 0:

@@ -1,11 +1,7 @@
 """What `finetuned_asr` fine-tunes, on what, and what it reads back: the plan of its runs, without Dagster.
 
-:func:`plan_finetune` picks the encoders, splits the speakers as the probe does, gathers the
-utterances CTC can learn from (:func:`labelled_pool`) and picks the decoders. Runs train in two
-phases: each model tries every peak lr of ``lr_grid`` at the smallest budget and first seed
-(:attr:`FinetunePlan.tuning`), :func:`choose_lrs` keeps the one with the lowest dev CER, then
-:meth:`FinetunePlan.final_runs` plans one run per (model, budget, seed) with it. A refusal is a
-:class:`FinetuneRefused` with the message the asset fails with.
+Each model first tries every peak lr of ``lr_grid`` at the smallest budget and first seed
+(:attr:`FinetunePlan.tuning`); :func:`choose_lrs` keeps the lowest dev CER's for its final runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder,
-and one line per encoder on whether fine-tuning it beat the same architecture from scratch.
-
-Light (no torch): the asset's metadata, its check and ``speech-assets finetune`` read it through
-the same functions, so they say the same. Rows are grouped as the probe's results per budget and
-decoder so that the probe's summary over seeds judges fine-tuning too.
+"""What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder, and
+one line per encoder on whether fine-tuning it beat the same architecture from scratch (no torch).
+Rows are grouped as the probe's results so that the probe's summary over seeds judges fine-tuning too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A character CTC probe on frozen features (the SUPERB convention).
-
-A softmax-weighted sum of the encoder's layer-normalised layers, then a linear layer (or a BiLSTM
-and one) to the 29 CTC tokens; greedy decoding, CER and WER from jiwer. Features ``(layers + 1, L,
-D)`` per utterance are computed once and kept in memory, so probe steps cost only the probe.
+"""A character CTC probe on frozen features (the SUPERB convention): a softmax-weighted sum of the
+encoder's layer-normalised layers, then a linear layer (or a BiLSTM and one) to the 29 CTC tokens.
+Features are computed once and kept in memory, so probe steps cost only the probe.
 """
 
 from __future__ import annotations

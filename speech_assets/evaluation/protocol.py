@@ -1,13 +1,6 @@
-"""The probe's protocol: who it trains and tests on, which models it compares and how each reads
-its input, and the files it publishes.
-
-- Split (:func:`probe_split`): the test speakers are the clients table's held-out speakers that
-  every encoder held out too; a test speaker in any encoder's training data refuses the run.
-- Models (:func:`probe_models`): the log-mel (``fbank``) and randomly initialised (``random``,
-  the pretrained encoder's preset) baselines, read through the pretrained encoder's input
-  normalisation, then every encoder through its own (per utterance when it records none).
-- Files (:func:`publish_probe`): per-utterance errors and the leaderboard, then the results
-  table last (its hash is the data version), then the split in full (``speakers.json``).
+"""The probe's protocol: its speaker split (a test speaker in any encoder's training data refuses
+the run), the models it compares (the ``fbank`` and ``random`` baselines read through the pretrained
+encoder's normalisation, every encoder through its own) and the files it publishes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The exported recogniser at work: audio files in, text out (``speech-assets transcribe``).
-
-A recogniser folder holds ``frontend.onnx`` (16 kHz audio -> the pipeline's CMVN log-mel),
-``recogniser.onnx`` (log-mel -> 50 Hz CTC log-probabilities) and ``recogniser.json``. Only
-onnxruntime, numpy, soundfile and webrtcvad run here (torch only for ``decoder="beam"``).
-
-Files are read as the pipeline reads the corpus; a speech span longer than ``max_segment_s`` is cut
-at VAD pauses, else hard with ``OVERLAP_S`` of overlap, so memory stays bounded whatever the file's
-length. Greedy decoding gives each word its times and confidence; beam decoding segment text only.
+"""The exported recogniser at work: audio files in, text out (``speech-assets transcribe``), with only
+onnxruntime, numpy, soundfile and webrtcvad (torch only for ``decoder="beam"``). A speech span longer
+than ``max_segment_s`` is cut at VAD pauses, else hard with ``OVERLAP_S`` of overlap, so memory stays
+bounded whatever the file's length.
 """
 
 from __future__ import annotations

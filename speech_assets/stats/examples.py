@@ -1,8 +1,7 @@
 """Listenable reject examples for the offline report: the first ``MAX_CLIP_S`` seconds of each one's
-audio as 16 kHz FLAC under ``<report>/audio/`` and, for ``no_speech``, the VAD's decision drawn.
-
-A clip is named by a hash of the reject (never by anything from the manifest), and only files
-inside the corpus root are read; at most ``MAX_EXAMPLES`` clips and ``MAX_BYTES`` bytes in all.
+audio as 16 kHz FLAC under ``<report>/audio/`` and, for ``no_speech``, the VAD's decision drawn. A clip
+is named by a hash of the reject (never by anything from the manifest); only files inside the corpus root
+are read.
 """
 
 from __future__ import annotations

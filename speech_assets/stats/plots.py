@@ -1,8 +1,6 @@
 """Small PNG plots rendered offline (matplotlib, Agg), well under 100 KB so they inline as ``data:`` URIs.
-
-Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run, and the same inputs give the same
-bytes: so plots drawn from data (all but :func:`curves` and :func:`round_curve`) are looked up by a
-hash of their inputs, in this process and then in the folder of :func:`cached_in`, before drawing.
+Drawing costs ~0.1 s a plot, most of a ``dataset_stats`` run: plots drawn from data are looked up by a
+hash of their inputs (in this process, then in the folder of :func:`cached_in`) before drawing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The offline report: one static HTML page (no CDN, no script) beside the DuckDB database.
-
-Verdicts first (built by the same functions as the assets' metadata and the CLI), then models,
-data quality and the header. Every table shows its SQL for ``speech-assets sql``; plots are
-inlined PNGs and reject clips are copied under ``audio/``, so the folder works offline as a whole.
+"""The offline report: one static HTML page (no CDN, no script) beside the DuckDB database, its plots
+inlined and its reject clips under ``audio/``. Verdicts come from the same functions as the assets'
+metadata and the CLI; every table shows its SQL for ``speech-assets sql``.
 """
 
 from __future__ import annotations
@@ -264,20 +262,6 @@ def _section(title: str, text: str, content: str, sql: str | None = None) -> str
     return f"<section><h2>{html.escape(title)}</h2><p>{html.escape(text)}</p>{content}{query}</section>"
 
 
-def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
-    relation = con.execute("SELECT * FROM finetune_results")
-    columns = [d[0] for d in relation.description]
-    return [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
-
-
-def _finetune_verdicts(rows: list[dict[str, Any]], min_heldout_speakers: int) -> str:
-    """The CLI's and the asset's fine-tuning verdict lines, as a list."""
-    from speech_assets.evaluation.finetune_results import verdicts
-
-    lines = verdicts(rows, min_heldout_speakers=min_heldout_speakers)  # the text notes: under the table
-    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
-
-
 def _markdown_html(text: str) -> str:
     """The markdown of :func:`~speech_assets.evaluation.finetune_results.markdown_tables` (bold
     lines, pipe tables, plain lines) as HTML, so the report shows the asset's table as is."""
@@ -340,14 +324,17 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
 def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
     """The fine-tuning verdicts and per-budget table as ``speech-assets finetune`` shows them, the raw
     rows folded below; None without results."""
-    from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference
+    from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference, verdicts
 
-    rows = _finetune_rows(con)
+    rows = con.execute("SELECT * FROM finetune_results").fetch_arrow_table().to_pylist()
     if not rows:
         return None
     probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
+    lines = verdicts(rows, min_heldout_speakers=inputs.min_heldout_speakers)  # the text notes: under the table
     content = (
-        _finetune_verdicts(rows, inputs.min_heldout_speakers)
+        "<ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+        + "</ul>"
         + _markdown_html(markdown_tables(rows, probe))
         + _folded("per-seed rows (every model, budget, seed, decoder and split)", _table(con, FINETUNE_ROWS_SQL))
     )

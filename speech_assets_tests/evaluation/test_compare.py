@@ -28,12 +28,12 @@ from speech_assets.evaluation.compare import (
     results_table,
     standing,
     summarise,
-    utterances_path,
     utterances_table,
 )
 from speech_assets.evaluation.encoders import Utterance
 from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
+from speech_assets.layout import ProbeFiles
 from speech_assets.model.encoders import random_encoder
 from speech_assets.model.presets import get_preset
 
@@ -218,7 +218,7 @@ def test_rows_of_a_real_encoder_round_trip_through_parquet(tmp_path) -> None:
     back = read_results(tmp_path / "results.parquet")
     assert [r.row() for r in back] == [r.row() for r in results]
     assert all(r.errors is None for r in back)  # no utterances.parquet beside it: no per-utterance errors
-    pq.write_table(utterances_table(results), utterances_path(tmp_path / "results.parquet"))
+    pq.write_table(utterances_table(results), ProbeFiles.beside(tmp_path / "results.parquet").utterances)
     back = read_results(tmp_path / "results.parquet")
     assert [r.row() for r in back] == [r.row() for r in results]
     for a, b in zip(back, results, strict=True):
