@@ -174,7 +174,7 @@ def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> 
     why = indicative_reasons(int(row["speakers"]), int(row["utterances"]), int(row["min_heldout_speakers"]))
     if why:
         return BaselineVerdict(False, f"warn: indicative only ({why}): {said}")
-    passed = row.get(f"verdict_{baseline}") == "better"
+    passed = verdict == "better"
     return BaselineVerdict(passed, f"{'pass' if passed else 'warn'}: {said}")
 
 
@@ -238,13 +238,10 @@ def compare_encoders(
     options: ProbeOptions,
     on_model: Callable[[ProbeResult], None] | None = None,
 ) -> list[ProbeResult]:
-    """Probe each model once per seed: a ``train`` and a ``heldout`` row per model and seed
-    (``on_model`` gets each held-out row as it is scored).
-
-    A development part of the training speakers chooses, per model, the learning rate (the first
-    seed's probes, one per lr) and the stopping step (best development CER every ``steps // 8``
-    steps, :data:`PATIENCE` evaluations without improvement); the other seeds train with that lr up
-    to that step. The held-out speakers take no part in any choice."""
+    """Probe each model once per seed: a ``train`` and a ``heldout`` row per model and seed (``on_model``
+    gets each held-out row as it is scored). A development part of the training speakers chooses, per
+    model, the lr (the first seed's probes) and the stopping step (:data:`PATIENCE` evaluations without
+    improvement), which the other seeds reuse; the held-out speakers take no part in any choice."""
     from speech_assets.evaluation.probe import dev_split, evaluate_probe, layer_norm, train_probes, utterance_errors
 
     if not train or not test:
@@ -291,10 +288,9 @@ def compare_encoders(
                 patience=PATIENCE,
             )
 
-        probes = {}
         for seed in options.seeds:
             started = time.perf_counter()
-            if not probes:
+            if seed == options.seeds[0]:
                 first = trained(seed, lrs, search=True)
                 chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
                 if dev:
@@ -308,35 +304,18 @@ def compare_encoders(
                 probe = chosen
             else:
                 (probe,) = trained(seed, (chosen.lr,), stop_at=chosen.step)
-            probes[seed] = probe
             weights = [round(w, 4) for w in probe.probe.layer_weights]
             scores = {}
             for split in ("train", "heldout"):
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
             errors = utterance_errors(texts["heldout"], hypotheses)
             counts = (errors.char_errors, errors.chars, errors.word_errors, errors.words)
-            heldout_errors = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
+            held = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started
+            head = (model.name, model.checkpoint_sha256, options.probe, weights)
             for split, s in scores.items():
-                results.append(
-                    ProbeResult(
-                        model.name,
-                        model.checkpoint_sha256,
-                        options.probe,
-                        weights,
-                        split,
-                        s.cer,
-                        s.wer,
-                        s.utterances,
-                        probe.step,
-                        seed,
-                        model.normalisation,
-                        speakers[split],
-                        probe.lr,
-                        seconds,
-                        heldout_errors if split == "heldout" else None,
-                    )
-                )
+                found = (s.cer, s.wer, s.utterances, probe.step, seed, model.normalisation, speakers[split], probe.lr)
+                results.append(ProbeResult(*head, split, *found, seconds, held if split == "heldout" else None))
             log.info(
                 "probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)",
                 model.name,
@@ -455,10 +434,6 @@ def paired_bootstrap(
     return float(diff.sum() / n.sum()), float(low), float(high)
 
 
-def paired_verdict(low: float, high: float) -> str:
-    return "better" if high < 0 else "worse" if low > 0 else "no evidence"
-
-
 @dataclass(frozen=True)
 class Paired:
     """A model's CER minus a baseline's on the same held-out utterances, with its bootstrap interval."""
@@ -470,7 +445,7 @@ class Paired:
 
     @property
     def verdict(self) -> str:
-        return paired_verdict(self.low, self.high)
+        return "better" if self.high < 0 else "worse" if self.low > 0 else "no evidence"
 
     def __str__(self) -> str:
         return f"{self.difference:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
@@ -582,8 +557,7 @@ NBSP = "\u00a0"  # joins "0.679 ± 0.030" so that a narrow cell never wraps it
 
 
 def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
-    """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative is said
-    once, by :func:`reading_note`)."""
+    """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative: :func:`reading_note`)."""
 
     def change(s: Standing, baseline: str) -> str:
         if baseline == s.model or baseline not in s.against:

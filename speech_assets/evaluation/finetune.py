@@ -299,17 +299,14 @@ def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusI
     """Where each of the ``wanted`` utterances lives in ``shards`` (whole length, one client)."""
     wanted, refs = set(wanted), []
     for shard, path in enumerate(shards):
-        table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
+        rows = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"]).to_pylist()
         metadata = pq.ParquetFile(path).metadata
         places = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
-        rows = zip(
-            table.column("utt_id").to_pylist(),
-            table.column("speaker_id").to_pylist(),
-            table.column("num_frames").to_pylist(),
-            places,
-            strict=True,
-        )
-        refs += [UtteranceRef(u, shard, g, r, int(n), 0, s) for u, s, n, (g, r) in rows if u in wanted]
+        refs += [
+            UtteranceRef(row["utt_id"], shard, g, r, int(row["num_frames"]), 0, row["speaker_id"])
+            for row, (g, r) in zip(rows, places, strict=True)
+            if row["utt_id"] in wanted
+        ]
     missing = sorted(wanted - {r.utt_id for r in refs})
     if missing:
         raise ValueError(f"{len(missing)} labelled or held-out utterances are in no shard: {missing[:5]}")
@@ -470,13 +467,13 @@ class FineTuning(Fit):
         )
         seed_everything(config.seed)
         model, self.encoder, self.cmvn = build_model(config)
-        train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
-        dev_refs = [u for u in index.utterances if u.utt_id in texts["dev"]]
-        self.heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
-        held_speakers = {u.speaker_id for u in self.heldout_refs}
-        if leaked := sorted(({u.speaker_id for u in train_refs} | {u.speaker_id for u in dev_refs}) & held_speakers):
+        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in ("train", "dev", "heldout")}
+        train_refs, dev_refs, self.heldout_refs = refs["train"], refs["dev"], refs["heldout"]
+        self.speakers = {split: sorted({u.speaker_id for u in found}) for split, found in refs.items()}
+        train_speakers, dev_speakers = set(self.speakers["train"]), set(self.speakers["dev"])
+        if leaked := sorted((train_speakers | dev_speakers) & set(self.speakers["heldout"])):
             raise ValueError(f"labelled or dev utterances of held-out speakers {leaked[:10]}")
-        if dev_labelled := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in dev_refs}):
+        if dev_labelled := sorted(train_speakers & dev_speakers):
             raise ValueError(f"dev utterances of labelled speakers {dev_labelled[:10]}")
         if not train_refs:
             raise ValueError("no labelled utterances")
@@ -498,11 +495,6 @@ class FineTuning(Fit):
             model.frontend.requires_grad_(False)
         if config.mask_prob <= 0:
             model.mask_embedding.requires_grad_(False)
-        self.speakers = {
-            "train": sorted({u.speaker_id for u in train_refs}),
-            "dev": sorted({u.speaker_id for u in dev_refs}),
-            "heldout": sorted(held_speakers),
-        }
         masking = CtcMasking(
             config.seed,
             config.mask_prob,

@@ -225,14 +225,11 @@ def dev_speakers_of(speakers: Collection[str], wanted: int) -> list[str]:
 
 
 def labelled_pool(
+    options: FinetuneOptions,
     manifest_file: str | os.PathLike[str],
     shard_file: Callable[[str], Path],
     train_speakers: list[str],
     test_speakers: list[str],
-    max_frames: int,
-    max_eval_utterances: int,
-    dev_speakers: int = 0,
-    max_dev_utterances: int = 0,
 ) -> LabelledPool:
     """The transcribed utterances CTC can align, at most ``max_frames`` long: a seeded subsample of the
     test speakers' as the held-out set; of the training speakers' (minus those whose sentence a
@@ -255,20 +252,20 @@ def labelled_pool(
                 continue
             if speaker in test_speakers:
                 heldout_sentences.add(text)
-            if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= max_frames):
+            if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= options.max_frames):
                 skipped += 1
                 continue
             usable[speaker].append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
     heldout = sorted(c.utt_id for s in test_speakers for c in usable[s])
-    heldout = [heldout[i] for i in subsample(len(heldout), max_eval_utterances, seed=0)]
+    heldout = [heldout[i] for i in subsample(len(heldout), options.max_eval_utterances, seed=0)]
     training, dropped = {}, 0
     for speaker in sorted(set(train_speakers) - set(test_speakers)):
         kept = [c for c in usable[speaker] if texts[c.utt_id] not in heldout_sentences]
         dropped += len(usable[speaker]) - len(kept)
         training[speaker] = kept
-    dev_of = dev_speakers_of([s for s, kept in training.items() if kept], dev_speakers)
+    dev_of = dev_speakers_of([s for s, kept in training.items() if kept], options.dev_speakers)
     dev = sorted(c.utt_id for s in dev_of for c in training[s])
-    dev = [dev[i] for i in subsample(len(dev), max_dev_utterances, seed=0)]
+    dev = [dev[i] for i in subsample(len(dev), options.max_dev_utterances, seed=0)]
     candidates = [c for s, kept in training.items() if s not in dev_of for c in kept]
     return LabelledPool(
         train_speakers,
@@ -320,16 +317,7 @@ def plan_finetune(
         for name, (path, _) in encoders.items()
     }
     train_speakers, test_speakers = probe_split(clients(), recorded)
-    pool = labelled_pool(
-        manifest_file,
-        shard_file,
-        train_speakers,
-        test_speakers,
-        options.max_frames,
-        options.max_eval_utterances,
-        options.dev_speakers,
-        options.max_dev_utterances,
-    )
+    pool = labelled_pool(options, manifest_file, shard_file, train_speakers, test_speakers)
     if not pool.candidates or not pool.heldout_texts:
         raise FinetuneRefused(
             f"nothing to fine-tune on: {len(pool.candidates)} labellable training utterances, "

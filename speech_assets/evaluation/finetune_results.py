@@ -63,10 +63,6 @@ MIN_SEEDS = 2
 SPREAD_FACTOR = 2.0
 
 
-def ratio(cer: float, baseline: float) -> str:
-    return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
-
-
 def too_small_to_tell(a: ModelSummary, b: ModelSummary) -> str | None:
     """Why the held-out CERs of ``a`` and ``b`` cannot be told apart, or ``None`` when they can."""
     utterances = min(a.utterances, b.utterances)
@@ -149,10 +145,6 @@ def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MI
     return f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_heldout_speakers}"
 
 
-def did_not_train(trained: Mapping[str, ModelSummary], model: str) -> bool:
-    return model in trained and trained[model].cer.mean >= DID_NOT_TRAIN_CER
-
-
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
     return [line for line, _ in judged(rows, min_heldout_speakers)]
 
@@ -184,7 +176,7 @@ def judged(
             stuck = [
                 (who, trained[name].cer)
                 for who, name in (("model", encoder), ("baseline", SCRATCH))
-                if did_not_train(trained, name)
+                if name in trained and trained[name].cer.mean >= DID_NOT_TRAIN_CER
             ]
             if stuck:
                 said = (
@@ -201,7 +193,8 @@ def judged(
                 if reason
                 else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
             )
-            parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio(a.cer.mean, b.cer.mean)}), {said}")
+            ratio = f"{a.cer.mean / b.cer.mean:.2f}x" if b.cer.mean > 0 else "n/a x"
+            parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
         why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
         lines.append((line + (f" (indicative only: {why})" if why else ""), why))
@@ -302,11 +295,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
 def wer_by_budget(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
     """(budgets, mean held-out greedy WER per model at each budget): the papers' figure."""
     x = budgets(rows)
-    series: dict[str, list[float]] = {}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        means = []
-        for minutes in x:
-            values = [r["wer"] for r in _of(rows, model, minutes)]
-            means.append(sum(values) / len(values) if values else math.nan)
-        series[model] = means
-    return x, series
+    wers = {
+        model: [[r["wer"] for r in _of(rows, model, m)] for m in x] for model in dict.fromkeys(r["model"] for r in rows)
+    }
+    return x, {model: [sum(v) / len(v) if v else math.nan for v in found] for model, found in wers.items()}

@@ -42,10 +42,8 @@ class ProbeLeak(ValueError):
 def probe_split(
     table: ClientsTable, recorded: Mapping[str, Mapping[str, list[str]] | None]
 ) -> tuple[list[str], list[str]]:
-    """(the probe's training speakers, its test speakers: the held-out speakers every encoder held out too).
-
-    ``recorded``: encoder name -> the ``speakers`` its checkpoint records.
-    """
+    """(the probe's training speakers, its test speakers: the held-out speakers every encoder held out too);
+    ``recorded``: encoder name -> the ``speakers`` its checkpoint records."""
     heldout = {a.speaker_id for a in table if a.heldout}
     test = set(heldout)
     for name, speakers in recorded.items():

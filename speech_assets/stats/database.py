@@ -309,12 +309,6 @@ def view_sources(con: duckdb.DuckDBPyConnection) -> list[str]:
     return sorted(sources)
 
 
-def sources_under(sources: Sequence[str], data_dir: Path) -> list[str]:
-    """The ``sources`` whose real path (a glob's as written: ``*`` is a name here) is ``data_dir`` or below it."""
-    real_dir = os.path.realpath(data_dir)
-    return [source for source in sources if Path(os.path.realpath(source)).is_relative_to(real_dir)]
-
-
 def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duckdb.DuckDBPyConnection:
     """The database, read-only, with its configuration locked: no extension is installed, nothing
     spills to disk and a query cannot change a setting. Unless ``allow_external_access``, DuckDB's
@@ -332,7 +326,9 @@ def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duc
     con = duckdb.connect(str(db_path), read_only=True, config=config)
     try:
         if not allow_external_access:
-            allowed = sources_under(view_sources(con), db_path.parent)
+            # a glob's real path is taken as written: ``*`` is a name here
+            real_dir = os.path.realpath(db_path.parent)
+            allowed = [path for path in view_sources(con) if Path(os.path.realpath(path)).is_relative_to(real_dir)]
             con.execute(f"SET allowed_paths = [{', '.join(_sql_str(path) for path in allowed)}]")
             con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")

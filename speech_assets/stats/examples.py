@@ -71,14 +71,6 @@ def _read_16k(path: Path, seconds: float) -> np.ndarray:
     return audio.to_16k_mono(data.T, rate)
 
 
-def _flac(wave: np.ndarray) -> bytes:
-    import soundfile as sf
-
-    buffer = io.BytesIO()
-    sf.write(buffer, np.clip(wave, -1.0, 1.0), 16_000, format="FLAC", subtype="PCM_16")
-    return buffer.getvalue()
-
-
 def _vad_picture(wave: np.ndarray, vad) -> bytes:
     from speech_assets.features.vad import SpeechSpan, classify_frames, detect_speech, to_pcm16
     from speech_assets.stats import plots
@@ -101,6 +93,8 @@ def reject_examples(
     """Clips (written to ``out_dir``) for ``rows`` (``stage, reason, utt_id, path, detail``), in
     order, within the bounds; ``vad`` (a :class:`~speech_assets.features.vad.VadConfig`) draws the
     ``no_speech`` decisions. Unused files in ``out_dir`` are left to :func:`remove_unused`."""
+    import soundfile as sf
+
     out_dir.mkdir(parents=True, exist_ok=True)
     examples, written, clips = [], 0, 0
     for stage, reason, utt_id, path, detail in rows:
@@ -118,7 +112,9 @@ def reject_examples(
             except Exception as error:  # noqa: BLE001 - a decoding failure is a note on the page, not a failed report
                 skipped = f"not played: {type(error).__name__}"
             else:
-                payload = _flac(long[: int(MAX_CLIP_S * 16_000)])
+                flac = io.BytesIO()
+                sf.write(flac, np.clip(long[: int(MAX_CLIP_S * 16_000)], -1.0, 1.0), 16_000, "PCM_16", format="FLAC")
+                payload = flac.getvalue()
                 too_many_bytes = written + len(payload) > max_bytes
                 skipped = "not copied: the report's bound on audio bytes is reached" if too_many_bytes else None
         if skipped is not None:
@@ -143,8 +139,6 @@ def reject_examples(
 
 def remove_unused(out_dir: Path, used: set[str]) -> None:
     """Delete the clips in ``out_dir`` that the current report does not play."""
-    if not out_dir.is_dir():
-        return
     for stale in out_dir.glob("reject-*.flac"):
         if stale.name not in used:
             stale.unlink(missing_ok=True)
