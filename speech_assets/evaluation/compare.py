@@ -294,12 +294,9 @@ def compare_encoders(
                 first = trained(seed, lrs, search=True)
                 chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
                 if dev:
+                    tried = {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first}
                     log.info(
-                        "probe %s: development CER by lr %s -> lr %g, %d steps",
-                        model.name,
-                        {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first},
-                        chosen.lr,
-                        chosen.step,
+                        f"probe {model.name}: development CER by lr {tried} -> lr {chosen.lr:g}, {chosen.step} steps"
                     )
                 probe = chosen
             else:
@@ -317,14 +314,8 @@ def compare_encoders(
                 found = (s.cer, s.wer, s.utterances, probe.step, seed, model.normalisation, speakers[split], probe.lr)
                 results.append(ProbeResult(*head, split, *found, seconds, held if split == "heldout" else None))
             log.info(
-                "probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)",
-                model.name,
-                seed,
-                probe.lr,
-                probe.step,
-                scores["heldout"].cer,
-                scores["heldout"].wer,
-                seconds,
+                f"probe {model.name} seed {seed} lr {probe.lr:g}, {probe.step} steps: held-out CER "
+                f"{scores['heldout'].cer:.3f} WER {scores['heldout'].wer:.3f} ({seconds:.0f} s)"
             )
             if on_model is not None:
                 on_model(results[-1])
@@ -515,11 +506,12 @@ class Standing(ModelSummary):
         return word + ("*" if self.indicative and word != "n/a" else "")
 
 
-def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str | None:
+def indicative_reasons(speakers: int, utterances: int | None, min_speakers: int) -> str | None:
+    """Why a verdict is only indicative (None: it is not); ``utterances`` None: not counted."""
     reasons = []
     if speakers < min_speakers:
         reasons.append(f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_speakers}")
-    if utterances < MIN_HELDOUT_UTTERANCES:
+    if utterances is not None and utterances < MIN_HELDOUT_UTTERANCES:
         reasons.append(f"{utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
     return "; ".join(reasons) or None
 

@@ -133,11 +133,8 @@ def beam_decoder_from_files(
     )
 
     def decode(log_probs: Sequence[np.ndarray]) -> list[str]:
-        out = []
-        for lp in log_probs:
-            hypotheses = decoder(torch.from_numpy(np.ascontiguousarray(lp, dtype=np.float32))[None])[0]
-            out.append(" ".join(hypotheses[0].words) if hypotheses else "")
-        return out
+        found = [decoder(torch.from_numpy(np.ascontiguousarray(lp, dtype=np.float32))[None])[0] for lp in log_probs]
+        return [" ".join(hypotheses[0].words) if hypotheses else "" for hypotheses in found]
 
     return decode
 

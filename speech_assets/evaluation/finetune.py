@@ -546,34 +546,22 @@ class FineTuning(Fit):
         engine.keep_steps = frozenset({selection.best_step})
         engine.extra["selection"] = selection.to_dict()
         if self.job.is_main:
+            stopping = f"; no better for {selection.stale} evaluations: stopping" if stop else ""
             log.info(
-                "step %d: dev CER %.4f (best %.4f at step %d)%s",
-                step,
-                cer,
-                selection.best_cer,
-                selection.best_step,
-                f"; no better for {selection.stale} evaluations: stopping" if stop else "",
+                f"step {step}: dev CER {cer:.4f} (best {selection.best_cer:.4f} at step {selection.best_step})"
+                f"{stopping}"
             )
         return {"dev_cer": cer, "stop": stop}
 
     def announce(self) -> None:
         config, speakers = self.config, self.speakers
+        frontend = ", front end frozen" if self.freeze_frontend else ""
         log.info(
-            "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
-            "%d dev utterances of %d speakers select the step; %d held-out utterances of %d speakers to score; "
-            "encoder frozen for %d steps%s, lr %g, %s",
-            config.init,
-            len(self.dataset),
-            sum(self.dataset.seconds) / 60,
-            len(speakers["train"]),
-            len(self.dev_set),
-            len(speakers["dev"]),
-            len(self.heldout_refs),
-            len(speakers["heldout"]),
-            self.freeze_steps,
-            ", front end frozen" if self.freeze_frontend else "",
-            config.lr,
-            self.engine.precision,
+            f"fine-tuning ({config.init}) with CTC on {len(self.dataset)} labelled utterances "
+            f"({sum(self.dataset.seconds) / 60:.1f} min) of {len(speakers['train'])} training speakers; "
+            f"{len(self.dev_set)} dev utterances of {len(speakers['dev'])} speakers select the step; "
+            f"{len(self.heldout_refs)} held-out utterances of {len(speakers['heldout'])} speakers to score; "
+            f"encoder frozen for {self.freeze_steps} steps{frontend}, lr {config.lr:g}, {self.engine.precision}"
         )
 
     def final(self) -> dict[str, Any]:

@@ -175,19 +175,10 @@ class FinetunePlan:
                 versions = {**self.base_versions, "labelled": sha256_strings([labelled_text])}
                 for model in self.models:
                     path, version = encoders[PRETRAINED] if model == SCRATCH else encoders[model]
-                    asset = assets.get(model, assets[PRETRAINED])
+                    inputs = {assets.get(model, assets[PRETRAINED]): version, **versions}
+                    named = (model, minutes, seed, path, labelled, labelled_text)
                     runs += [
-                        PlannedRun(
-                            model,
-                            minutes,
-                            seed,
-                            path,
-                            labelled,
-                            labelled_text,
-                            run_settings(model, minutes, seed, lr, self.decoders),
-                            {asset: version, **versions},
-                            lr,
-                        )
+                        PlannedRun(*named, run_settings(model, minutes, seed, lr, self.decoders), inputs, lr)
                         for lr in lrs[model]
                     ]
         return runs
@@ -265,18 +256,11 @@ def labelled_pool(
         training[speaker] = kept
     dev_of = dev_speakers_of([s for s, kept in training.items() if kept], options.dev_speakers)
     dev = sorted(c.utt_id for s in dev_of for c in training[s])
-    dev = [dev[i] for i in subsample(len(dev), options.max_dev_utterances, seed=0)]
+    dev_texts = {dev[i]: texts[dev[i]] for i in subsample(len(dev), options.max_dev_utterances, seed=0)}
     candidates = [c for s, kept in training.items() if s not in dev_of for c in kept]
+    heldout_texts = {u: texts[u] for u in heldout}
     return LabelledPool(
-        train_speakers,
-        test_speakers,
-        candidates,
-        {u: texts[u] for u in heldout},
-        texts,
-        skipped,
-        dev_of,
-        {u: texts[u] for u in dev},
-        dropped,
+        train_speakers, test_speakers, candidates, heldout_texts, texts, skipped, dev_of, dev_texts, dropped
     )
 
 
@@ -345,17 +329,9 @@ def plan_finetune(
         warn(f"beam decoding skipped: {missing_decoder}; greedy only")
     decoders = ["greedy", "beam"] if beam and not missing_decoder else ["greedy"]
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
-    budgets = sorted(set(float(m) for m in options.labelled_minutes))
+    budgets, seeds = sorted(set(float(m) for m in options.labelled_minutes)), list(options.seeds)
     return FinetunePlan(
-        encoders,
-        pool,
-        decoders,
-        missing_decoder,
-        budgets,
-        list(options.seeds),
-        base_versions,
-        dict(encoder_assets),
-        lrs,
+        encoders, pool, decoders, missing_decoder, budgets, seeds, base_versions, dict(encoder_assets), lrs
     )
 
 

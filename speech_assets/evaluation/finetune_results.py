@@ -18,6 +18,7 @@ from speech_assets.evaluation.compare import (
     ModelSummary,
     ProbeResult,
     Spread,
+    indicative_reasons,
     summarise,
 )
 
@@ -140,9 +141,7 @@ def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
 def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
     """Why a verdict on ``rows`` is only indicative, in the probe's words (None: enough speakers, or not recorded)."""
     speakers = heldout_speakers(rows)
-    if speakers is None or speakers >= min_heldout_speakers:
-        return None
-    return f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_heldout_speakers}"
+    return None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
@@ -207,10 +206,9 @@ def verdict_markdown(lines: Sequence[str]) -> str:
 
 def overlap_problems(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per run whose labelled or dev text overlaps the held-out transcripts (must be 0)."""
-    seen: dict[tuple, int] = {}
-    for r in rows:
-        if r.get("text_overlap"):
-            seen[(r["model"], r["labelled_minutes"], r["seed"])] = int(r["text_overlap"])
+    seen = {
+        (r["model"], r["labelled_minutes"], r["seed"]): int(r["text_overlap"]) for r in rows if r.get("text_overlap")
+    }
     return [
         f"{model}/{minutes:g}min/seed{seed}: {n} labelled or dev utterance{'s' if n != 1 else ''} whose transcript "
         "is a held-out one (text overlap must be 0)"

@@ -131,11 +131,5 @@ def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, e
     ):
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
-    atomic_write_text(
-        files.speakers,
-        json.dumps(
-            {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)},
-            indent=1,
-            sort_keys=True,
-        ),
-    )
+    split = {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)}
+    atomic_write_text(files.speakers, json.dumps(split, indent=1, sort_keys=True))

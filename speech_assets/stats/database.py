@@ -165,6 +165,20 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict) -> None:
 
 
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
+    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
+    for table, columns, path, order in (
+        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
+        (
+            "finetune_results",
+            FINETUNE_COLUMNS,
+            inputs.finetune_results,
+            "labelled_minutes, decoder, split, model, seed",
+        ),
+        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
+    ):
+        con.execute(f"CREATE TABLE {table} ({columns})")
+        if path is not None and path.is_file():
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     con.execute(
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
         "perplexity DOUBLE, empty_clusters INTEGER, mean_segment_length DOUBLE, frames_labelled BIGINT)"
@@ -189,14 +203,9 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
         "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
     )
-    budgets = {}  # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
-    if inputs.finetune_results is not None and inputs.finetune_results.is_file():
-        budgets = dict(
-            con.execute(
-                "SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM "
-                f"read_parquet({_sql_str(inputs.finetune_results)}) WHERE checkpoint_sha256 IS NOT NULL"
-            ).fetchall()
-        )
+    # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
+    known = "SELECT checkpoint_sha256, labelled_minutes FROM finetune_results WHERE checkpoint_sha256 IS NOT NULL"
+    budgets = dict(con.execute(known).fetchall())
     runs = [("centralised", p) for p in inputs.training_results]
     runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
@@ -231,20 +240,6 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         row = {**parity, "parity_utterances": parity.get("utterances"), "parity_frames": parity.get("frames")}
         row |= {"folder": str(path.parent), "checkpoint_sha256": description.get("checkpoint_sha256")}
         _insert(con, "exports", {**row, "layer": (description.get("output") or {}).get("layer")})
-    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
-    for table, columns, path, order in (
-        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
-        (
-            "finetune_results",
-            FINETUNE_COLUMNS,
-            inputs.finetune_results,
-            "labelled_minutes, decoder, split, model, seed",
-        ),
-        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
-    ):
-        con.execute(f"CREATE TABLE {table} ({columns})")
-        if path is not None and path.is_file():
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
@@ -285,12 +280,8 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
         try:
             _create_views(con, inputs)
             _create_tables(con, inputs)
-            names = [
-                row[0]
-                for row in con.execute(
-                    "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
-                ).fetchall()
-            ]
+            listed = "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
+            names = [name for (name,) in con.execute(listed).fetchall()]
             counts = {name: con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0] for name in names}
             con.execute("CHECKPOINT")
         finally:

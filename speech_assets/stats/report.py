@@ -115,6 +115,10 @@ FINETUNE_TEXT = (
 )
 # the sections about models; the rest of SECTIONS is about the data
 MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student", "Federated rounds")
+REJECT_EXAMPLES_TEXT = (
+    "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
+    "(for no_speech, the VAD's decision over the waveform)."
+)
 REJECT_EXAMPLES_SQL = (
     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY "
     "utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
@@ -294,18 +298,17 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
 
     raw = con.execute("SELECT count(*) FROM probe_results").fetchone()[0]
     path = inputs.probe_results
-    if not raw and (path is None or not path.is_file()):
+    found = path is not None and path.is_file()
+    if not raw and not found:
         return None
-    content = ""
-    if path is not None and path.is_file():
+    if found:
         try:
             board, min_speakers = load_leaderboard(path, inputs.min_heldout_speakers)
         except ValueError as error:
             content = f'<p class="note">{html.escape(f"{path}: {error}")}</p>'
         else:
             names = [name for name, _, _ in LEADERBOARD_COLUMNS]
-            tips = {name: text for name, _, text in LEADERBOARD_COLUMNS}
-            head = "".join(f'<th title="{html.escape(tips[n])}">{html.escape(n)}</th>' for n in names)
+            head = "".join(f'<th title="{html.escape(tip)}">{html.escape(n)}</th>' for n, _, tip in LEADERBOARD_COLUMNS)
             body = "".join(
                 "<tr>" + "".join(f'<td class="nowrap">{format_value(row[n])}</td>' for n in names) + "</tr>"
                 for row in leaderboard_rows(board)
@@ -412,16 +415,7 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         tables = {name: _section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS}
         models = [tables.pop(name) for name in MODEL_SECTIONS]
         data = list(tables.values())
-        data.insert(
-            2,
-            _section(
-                "Reject examples",
-                "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
-                "(for no_speech, the VAD's decision over the waveform).",
-                examples,
-                REJECT_EXAMPLES_SQL,
-            ),
-        )
+        data.insert(2, _section("Reject examples", REJECT_EXAMPLES_TEXT, examples, REJECT_EXAMPLES_SQL))
         with plots.cached_in(ReportFiles(out_path.parent).plots):
             data[1:1] = _plots(con, inputs)
             models[1:1] = _training_curves(inputs)
