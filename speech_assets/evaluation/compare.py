@@ -7,6 +7,7 @@ needs neither torch nor a model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -139,10 +140,8 @@ def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, obj
 def load_leaderboard(path: str | os.PathLike[str], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> tuple[list, int]:
     """(the leaderboard of ``results.parquet`` at ``path``, the minimum of held-out speakers it was
     judged with: the run's own from ``leaderboard.parquet``, else ``min_speakers``)."""
-    try:
+    with contextlib.suppress(FileNotFoundError, IndexError, KeyError):
         min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
-    except (FileNotFoundError, IndexError, KeyError):
-        pass
     return leaderboard(read_results(path), min_speakers), min_speakers
 
 

@@ -403,22 +403,16 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
                 log.info("%s: finished before", config.run_dir)
                 results.append(finished)
                 continue
-            with run_log(Path(config.run_dir), runner.is_main):
+            with run_log(Path(config.run_dir)) if runner.is_main else contextlib.nullcontext():
                 if runner.is_main:
                     config.to_json(RunFiles(config.run_dir).config)  # what this attempt runs
                 results.append(FineTuning(runner, config).run(None))
         if not runner.is_main:
             return None
         keys = ("checkpoint", "checkpoint_sha256", "step", "init", "seed", "heldout_cer", "heldout_wer")
-        summary = {
-            "runs": [
-                {"run_dir": str(c.run_dir), **{k: r.get(k) for k in keys}} for c, r in zip(mine, results, strict=True)
-            ],
-            "checkpoint_sha256": None,
-        }
-        atomic_write_text(
-            RunFiles(batch.run_dir).rank_result(job.rank), json.dumps(summary, indent=2, sort_keys=True) + "\n"
-        )
+        done = [{"run_dir": str(c.run_dir), **{k: r.get(k) for k in keys}} for c, r in zip(mine, results, strict=True)]
+        summary = json.dumps({"runs": done, "checkpoint_sha256": None}, indent=2, sort_keys=True)
+        atomic_write_text(RunFiles(batch.run_dir).rank_result(job.rank), summary + "\n")
         if reporter is not None:
             # the other processes' runs may still train: the asset reads every run's result.json after the launch
             reporter.report(
@@ -429,11 +423,8 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
 
 
 @contextlib.contextmanager
-def run_log(run_dir: Path, main: bool) -> Iterator[None]:
+def run_log(run_dir: Path) -> Iterator[None]:
     """The main process's records (INFO and up) to the run's ``train.log`` too while it trains."""
-    if not main:
-        yield
-        return
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(run_dir / RunFiles.log.name, encoding="utf-8")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s"))
@@ -639,9 +630,7 @@ class FineTuning(Fit):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="FinetuneConfig JSON file, or a FinetuneBatch (its runs)")
     path = Path(parser.parse_args(argv).config)
     if "runs" in json.loads(path.read_text(encoding="utf-8")):

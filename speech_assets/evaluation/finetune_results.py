@@ -96,11 +96,9 @@ def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
     """The frozen probe's held-out CER of pretrained and fbank; empty if the probe has not run."""
     from speech_assets.evaluation.compare import read_results
 
-    if not os.path.isfile(path):
-        return {}
     try:
         held = summarise(read_results(path))
-    except ValueError:
+    except (OSError, ValueError):  # not run yet, or unreadable
         return {}
     return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
 
@@ -178,20 +176,13 @@ def judged(
                 if name in trained and trained[name].cer.mean >= DID_NOT_TRAIN_CER
             ]
             if stuck:
-                said = (
-                    " and ".join(who for who, _ in stuck)
-                    + " did not train (labelled CER "
-                    + " and ".join(f"{cer.mean:.3f}" for _, cer in stuck)
-                    + f" >= {DID_NOT_TRAIN_CER:g}): not measured"
-                )
+                who, cers = " and ".join(who for who, _ in stuck), " and ".join(f"{c.mean:.3f}" for _, c in stuck)
+                said = f"{who} did not train (labelled CER {cers} >= {DID_NOT_TRAIN_CER:g}): not measured"
                 parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer}, {said}")
                 continue
             reason = too_small_to_tell(a, b)
-            said = (
-                f"too small to tell ({reason})"
-                if reason
-                else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
-            )
+            said = "beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch"
+            said = f"too small to tell ({reason})" if reason else said
             ratio = f"{a.cer.mean / b.cer.mean:.2f}x" if b.cer.mean > 0 else "n/a x"
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")

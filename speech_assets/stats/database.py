@@ -32,8 +32,7 @@ class StatsInputs:
     clients: Path
     kmeans_quality: list[Path]
     training_results: list[Path] = field(default_factory=list)
-    # the rounds.parquet of the federated run to show (speech_assets.federated), if any
-    federated_rounds: Path | None = None
+    federated_rounds: Path | None = None  # the rounds.parquet of the federated run to show, if any
     probe_results: Path | None = None  # downstream_probe's results.parquet
     finetune_results: Path | None = None  # finetuned_asr's results.parquet
     # result.json of each model's runs by kind (``CHECKPOINT_KINDS``); ``training_results`` are centralised

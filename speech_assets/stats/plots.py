@@ -240,7 +240,6 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
         loss.plot(*series("train_loss"), marker="o", linewidth=1)  # none under DP: the clients withhold it
         loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
         axis = figure.add_subplot(1, 2, 2)
-        drawn_any = False
         majority = {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"}
         for key, label, style in (
             (accuracy.ACCURACY, "global encoder + own head", {"marker": "o", "color": "C0"}),
@@ -249,7 +248,7 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
             x, y = series(key)
             if x:
                 axis.plot(x, y, linewidth=1, label=label, **style)
-                drawn_any = True
+        drawn_any = bool(axis.lines)
         axis.set_title(accuracy.LABEL + ("" if drawn_any else " (no round evaluated)"), fontsize=TITLE)
         if drawn_any:
             legend_below(axis)
