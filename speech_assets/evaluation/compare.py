@@ -624,8 +624,7 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
     if shown is not None:
         note += (
             f" Indicative only here (* beside a verdict): {shown.indicative}. A verdict about speakers in general "
-            "needs at least "
-            f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
+            f"needs at least {min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
             f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
         )
     return note

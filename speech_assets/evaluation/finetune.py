@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from speech_assets.evaluation.finetune_results import DID_NOT_TRAIN_CER
 from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, from_record
@@ -120,11 +121,6 @@ def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_
     return factor
 
 
-# CTC's all-blank plateau: evaluations there do not count towards patience (a from-scratch model
-# sits there for hundreds of steps before it learns to spell)
-PLATEAU_CER = 0.95
-
-
 @dataclass
 class Selection:
     """Model selection on the dev set: every ``(step, dev CER)``, the best step, evaluations since it."""
@@ -136,12 +132,12 @@ class Selection:
     stale: int = 0
 
     def update(self, step: int, cer: float) -> bool:
-        """True once ``patience`` evaluations did not improve on the best (a tie keeps the earlier
-        step); nothing counts while the best is on the blank plateau."""
+        """True once ``patience`` evaluations did not improve on the best (a tie keeps the earlier step); nothing
+        counts while the best is on CTC's blank plateau, where a from-scratch model sits for hundreds of steps."""
         self.history.append([step, cer])
         if cer < self.best_cer:  # NaN never improves
             self.best_step, self.best_cer, self.stale = step, cer, 0
-        elif self.best_cer < PLATEAU_CER:
+        elif self.best_cer < DID_NOT_TRAIN_CER:
             self.stale += 1
         return self.stale >= self.patience
 

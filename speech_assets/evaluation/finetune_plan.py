@@ -340,9 +340,7 @@ def _sort_key(lr: float, cer: float | None) -> tuple[bool, float, float]:
     return (not finite, cer if finite else 0.0, lr)
 
 
-def choose_lrs(
-    tuned: Mapping[LrKey, Path],
-) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
+def choose_lrs(tuned: Mapping[LrKey, Path]) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
     """(per model the lr of lowest dev CER, ties to the smaller lr; per model each lr's dev CER)."""
     dev_cers: dict[str, dict[float, float | None]] = {}
     for (model, lr), run_dir in tuned.items():

@@ -53,11 +53,8 @@ def layer_norm(layers: torch.Tensor) -> torch.Tensor:
 def collate_layers(items: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, L_i, D)`` tensors -> zero-padded ``(B, N, L_max, D)`` and ``lengths (B,)``."""
     lengths = torch.tensor([t.shape[1] for t in items], dtype=torch.long)
-    n, _, d = items[0].shape
-    batch = torch.zeros(len(items), n, int(lengths.max()), d)
-    for row, t in enumerate(items):
-        batch[row, :, : t.shape[1]] = t
-    return batch, lengths
+    batch = nn.utils.rnn.pad_sequence([t.transpose(0, 1) for t in items], batch_first=True)  # (B, L_max, N, D)
+    return batch.transpose(1, 2).float().contiguous(), lengths
 
 
 def _schedule(step: int, steps: int) -> float:

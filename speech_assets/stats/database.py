@@ -436,16 +436,15 @@ def summary(db_path: Path) -> str:
     """A short human-readable report, for `speech-assets stats` and `make demo`."""
     con = connect_read_only(db_path)
     try:
-        lines = []
         kept, hours = con.execute("SELECT count(*), coalesce(sum(duration_s), 0) / 3600 FROM manifest").fetchone()
         utts, trimmed = con.execute(
             "SELECT count(*), coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances"
         ).fetchone()
-        lines.append(
-            f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech"
-        )
         rejects = con.execute("SELECT stage, reason, rejects FROM rejects_by_reason").fetchall()
-        lines.append("rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"))
+        lines = [
+            f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech",
+            "rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"),
+        ]
         for client, speakers, n, h in con.execute("SELECT * FROM hours_per_client").fetchall():
             lines.append(f"  {client}: {speakers} speakers, {n} utterances, {h:.3f} h")
         for row in con.execute(

@@ -129,10 +129,8 @@ def reject_examples(
         # a speed-perturbed copy's decision was made on other audio than the file's: not redrawn
         perturbed = SPEED_COPY.search(utt_id) is not None
         picture = _vad_picture(long, vad) if reason == "no_speech" and vad is not None and not perturbed else None
-        shown = min(len(long) / 16_000, MAX_CLIP_S)
-        note = f"first {shown:.1f} s, 16 kHz mono" + (
-            " (the original of this speed-perturbed copy)" if perturbed else ""
-        )
+        original = " (the original of this speed-perturbed copy)" if perturbed else ""
+        note = f"first {min(len(long) / 16_000, MAX_CLIP_S):.1f} s, 16 kHz mono{original}"
         examples.append(RejectExample(*row, clip=name, note=note, vad_png=picture))
     return examples
 

@@ -197,6 +197,7 @@ def _header(inputs: ReportInputs, db_path: Path) -> str:
 def _summary(con: duckdb.DuckDBPyConnection) -> str:
     """The report in a few lines: data kept, split, rejects, each model, export and student."""
     one = lambda sql: con.execute(sql).fetchone()  # noqa: E731
+    every = lambda sql: con.execute(sql).fetchall()  # noqa: E731
     kept, hours, speakers = one(
         "SELECT count(*), coalesce(sum(duration_s), 0) / 3600, count(DISTINCT speaker_id) FROM manifest"
     )
@@ -208,28 +209,22 @@ def _summary(con: duckdb.DuckDBPyConnection) -> str:
         f"{kept:,} utterances kept ({hours:.2f} h) from {speakers} speakers; {speech:.2f} h of speech after VAD",
         f"{clients} clients; {heldout} held-out speaker(s), never trained on",
     ]
-    rejects = con.execute(
-        "SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1"
-    ).fetchall()
+    rejects = every("SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1")
     total = sum(n for _, n in rejects)
     items.append(
         f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else "")
     )
-    models = con.execute(
+    models = every(
         f"SELECT kind, steps, final_loss, {held.ACCURACY}, {held.MAJORITY} FROM training_runs ORDER BY kind, run_dir"
-    ).fetchall()
+    )
     for kind, steps, loss, accuracy, majority in models:
         unit = "rounds" if kind == "federated" else "steps"
         measured = held.heldout_accuracy({held.ACCURACY: accuracy, held.MAJORITY: majority})
         held_out = f", {measured}" if measured else ""
         items.append(f"{kind} model: {steps} {unit}, final loss {format_value(loss)}{held_out}")
-    for onnx, torchscript in con.execute(
-        "SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"
-    ).fetchall():
+    for onnx, torchscript in every("SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"):
         items.append(f"export parity: ONNX max |diff| {format_value(onnx)}, TorchScript {format_value(torchscript)}")
-    for speedup, student, teacher in con.execute(
-        "SELECT speedup, student_parameters, teacher_parameters FROM distillation"
-    ).fetchall():
+    for speedup, student, teacher in every("SELECT speedup, student_parameters, teacher_parameters FROM distillation"):
         size = f" with {student / 1e6:.2f} M vs {teacher / 1e6:.2f} M parameters" if student and teacher else ""
         items.append(f"distilled student: {format_value(speedup)}x the teacher's CPU forward speed{size}")
     if not models:
