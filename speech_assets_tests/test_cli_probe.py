@@ -12,12 +12,11 @@ from speech_assets.evaluation.compare import (
     HeldoutErrors,
     ProbeResult,
     leaderboard,
-    leaderboard_path,
     leaderboard_table,
     results_table,
-    utterances_path,
     utterances_table,
 )
+from speech_assets.layout import ProbeFiles
 
 
 def rows(model: str, cers: list[float], normalisation: str = "utterance", speakers: int = 4) -> list[ProbeResult]:
@@ -74,11 +73,11 @@ def write(results: list[ProbeResult], folder: Path, min_speakers: int | None = N
     """results.parquet and utterances.parquet (and the leaderboard, judged with ``min_speakers``) in ``folder``."""
     folder.mkdir(exist_ok=True)
     pq.write_table(results_table(results), folder / "results.parquet")
-    pq.write_table(utterances_table(results), utterances_path(folder / "results.parquet"))
+    pq.write_table(utterances_table(results), ProbeFiles.beside(folder / "results.parquet").utterances)
     if min_speakers is not None:
         pq.write_table(
             leaderboard_table(leaderboard(results, min_speakers), min_speakers),
-            leaderboard_path(folder / "results.parquet"),
+            ProbeFiles.beside(folder / "results.parquet").leaderboard,
         )
     return folder / "results.parquet"
 

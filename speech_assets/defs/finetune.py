@@ -115,7 +115,7 @@ def finetuned_asr(
     overlap = planning.text_overlap(runs)
     context.log.info(
         f"text overlap with the held-out sentences: {overlap} labelled/dev utterances "
-        f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {planning.oov_by_budget(runs)}"
+        f"({plan.pool.overlap_dropped} dropped when planning); held-out OOV rate: {results.oov_by_budget(rows)}"
     )
     files = {target.name: sha256_file(target), **{f"recogniser/{k}": v for k, v in exported["files"].items()}}
     mlflow = exported["mlflow"]
@@ -144,7 +144,7 @@ def finetuned_asr(
             "lr_chosen": dg.MetadataValue.json(chosen),
             "text_overlap": overlap,  # labelled and dev utterances whose sentence is a held-out one: must be 0
             "overlap_dropped": plan.pool.overlap_dropped,
-            "heldout_oov_rate": dg.MetadataValue.json(planning.oov_by_budget(runs)),
+            "heldout_oov_rate": dg.MetadataValue.json(results.oov_by_budget(rows)),
             "dev_speakers": dg.MetadataValue.json(plan.pool.dev_speakers[:50]),
             "dev_utterances": len(plan.pool.dev_texts),
             "heldout_utterances": len(plan.pool.heldout_texts),

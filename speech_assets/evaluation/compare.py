@@ -1,15 +1,13 @@
 """The same CTC probe on several encoders and on the log-mel input itself, over several seeds.
 
-Every model sees the same utterances, options and seeds: the training speakers train the probes
-(a development part picks the learning rate and stopping step), the held-out speakers score them.
-``fbank`` (the probe on log-mel) and ``random`` (an untrained encoder) are the baselines. The
-verdict is a paired bootstrap over held-out utterances of the CER difference, "indicative only"
-below ``min_speakers`` held-out speakers or :data:`MIN_HELDOUT_UTTERANCES` utterances.
-Reading ``results.parquet`` needs neither torch nor a model.
+``fbank`` (the probe on log-mel) and ``random`` (an untrained encoder) are the baselines; the verdict
+is a paired bootstrap over held-out utterances of the CER difference. Reading ``results.parquet``
+needs neither torch nor a model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,7 +15,6 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,8 +37,7 @@ BASELINES = (FBANK, RANDOM)
 OPTIONAL_COLUMNS = ("lr",)  # later additions: a results file without them still reads (as NaN)
 # probe/utterances.parquet beside results.parquet: each held-out utterance's edit counts per model and seed
 UTTERANCE_COLUMNS = ("model", "seed", "utt_id", "speaker_id", "char_errors", "chars", "word_errors", "words")
-# the verdict is "indicative only" below this many held-out speakers (the [probe] setting
-# min_heldout_speakers; this is its default) or below MIN_HELDOUT_UTTERANCES utterances
+# the verdict is "indicative only" below this many held-out speakers ([probe] min_heldout_speakers's default)
 MIN_HELDOUT_SPEAKERS = 3
 MIN_HELDOUT_UTTERANCES = 20
 BOOTSTRAP_RESAMPLES = 2000
@@ -132,18 +128,10 @@ def utterances_table(results: Sequence[ProbeResult]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=pa.schema([(c, types.get(c, pa.int64())) for c in UTTERANCE_COLUMNS]))
 
 
-def utterances_path(results_path: str | os.PathLike[str]) -> Path:
-    return ProbeFiles.beside(results_path).utterances
-
-
-def leaderboard_path(results_path: str | os.PathLike[str]) -> Path:
-    return ProbeFiles.beside(results_path).leaderboard
-
-
 def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, object]]:
     import pyarrow.parquet as pq
 
-    path = leaderboard_path(results_path)
+    path = ProbeFiles.beside(results_path).leaderboard
     if not path.is_file():
         raise FileNotFoundError(f"no probe leaderboard at {path}: rematerialize downstream_probe")
     return pq.read_table(path).to_pylist()
@@ -152,10 +140,8 @@ def read_leaderboard(results_path: str | os.PathLike[str]) -> list[dict[str, obj
 def load_leaderboard(path: str | os.PathLike[str], min_speakers: int = MIN_HELDOUT_SPEAKERS) -> tuple[list, int]:
     """(the leaderboard of ``results.parquet`` at ``path``, the minimum of held-out speakers it was
     judged with: the run's own from ``leaderboard.parquet``, else ``min_speakers``)."""
-    try:
+    with contextlib.suppress(FileNotFoundError, IndexError, KeyError):
         min_speakers = int(read_leaderboard(path)[0]["min_heldout_speakers"])
-    except (FileNotFoundError, IndexError, KeyError):
-        pass
     return leaderboard(read_results(path), min_speakers), min_speakers
 
 
@@ -187,7 +173,7 @@ def beats_baseline(row: Mapping[str, Any] | None, model: str, baseline: str) -> 
     why = indicative_reasons(int(row["speakers"]), int(row["utterances"]), int(row["min_heldout_speakers"]))
     if why:
         return BaselineVerdict(False, f"warn: indicative only ({why}): {said}")
-    passed = row.get(f"verdict_{baseline}") == "better"
+    passed = verdict == "better"
     return BaselineVerdict(passed, f"{'pass' if passed else 'warn'}: {said}")
 
 
@@ -196,27 +182,22 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
     import pyarrow.parquet as pq
 
     results = [ProbeResult.from_row(row) for row in pq.read_table(path).to_pylist()]
-    if not utterances_path(path).is_file():
+    if not ProbeFiles.beside(path).utterances.is_file():
         return results
-    table = pq.read_table(utterances_path(path)).to_pydict()
-    found: dict[tuple[str, int], list[int]] = {}
-    for i, key in enumerate(zip(table["model"], table["seed"], strict=True)):
-        found.setdefault(key, []).append(i)
-    attached = []
-    for r in results:
-        rows = found.get((r.model, r.seed)) if r.split == "heldout" else None
-        if rows:
-            pick = {c: [table[c][i] for i in rows] for c in UTTERANCE_COLUMNS[2:]}
-            r = replace(
-                r,
-                errors=HeldoutErrors(
-                    tuple(pick["utt_id"]),
-                    tuple(pick["speaker_id"]),
-                    *(np.array(pick[c], dtype=np.int64) for c in ("char_errors", "chars", "word_errors", "words")),
-                ),
-            )
-        attached.append(r)
-    return attached
+    found: dict[tuple[str, int], list[dict]] = {}
+    for row in pq.read_table(ProbeFiles.beside(path).utterances).to_pylist():
+        found.setdefault((row["model"], row["seed"]), []).append(row)
+
+    def errors(rows: list[dict]) -> HeldoutErrors:
+        counts = (np.array([r[c] for r in rows], dtype=np.int64) for c in UTTERANCE_COLUMNS[4:])
+        return HeldoutErrors(tuple(r["utt_id"] for r in rows), tuple(r["speaker_id"] for r in rows), *counts)
+
+    return [
+        replace(r, errors=errors(found[(r.model, r.seed)]))
+        if r.split == "heldout" and (r.model, r.seed) in found
+        else r
+        for r in results
+    ]
 
 
 def split_utterances(
@@ -256,13 +237,10 @@ def compare_encoders(
     options: ProbeOptions,
     on_model: Callable[[ProbeResult], None] | None = None,
 ) -> list[ProbeResult]:
-    """Probe each model once per seed: a ``train`` and a ``heldout`` row per model and seed
-    (``on_model`` gets each held-out row as it is scored).
-
-    A development part of the training speakers chooses, per model, the learning rate (the first
-    seed's probes, one per lr) and the stopping step (best development CER every ``steps // 8``
-    steps, :data:`PATIENCE` evaluations without improvement); the other seeds train with that lr up
-    to that step. The held-out speakers take no part in any choice."""
+    """Probe each model once per seed: a ``train`` and a ``heldout`` row per model and seed (``on_model``
+    gets each held-out row as it is scored). A development part of the training speakers chooses, per
+    model, the lr (the first seed's probes) and the stopping step (:data:`PATIENCE` evaluations without
+    improvement), which the other seeds reuse; the held-out speakers take no part in any choice."""
     from speech_assets.evaluation.probe import dev_split, evaluate_probe, layer_norm, train_probes, utterance_errors
 
     if not train or not test:
@@ -309,61 +287,34 @@ def compare_encoders(
                 patience=PATIENCE,
             )
 
-        probes = {}
         for seed in options.seeds:
             started = time.perf_counter()
-            if not probes:
+            if seed == options.seeds[0]:
                 first = trained(seed, lrs, search=True)
                 chosen = min(first, key=lambda t: (round(t.dev_cer, 6) if dev else 0.0, t.lr, t.step))
                 if dev:
+                    tried = {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first}
                     log.info(
-                        "probe %s: development CER by lr %s -> lr %g, %d steps",
-                        model.name,
-                        {f"{t.lr:g}@{t.step}": round(t.dev_cer, 4) for t in first},
-                        chosen.lr,
-                        chosen.step,
+                        f"probe {model.name}: development CER by lr {tried} -> lr {chosen.lr:g}, {chosen.step} steps"
                     )
                 probe = chosen
             else:
                 (probe,) = trained(seed, (chosen.lr,), stop_at=chosen.step)
-            probes[seed] = probe
             weights = [round(w, 4) for w in probe.probe.layer_weights]
             scores = {}
             for split in ("train", "heldout"):
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
             errors = utterance_errors(texts["heldout"], hypotheses)
             counts = (errors.char_errors, errors.chars, errors.word_errors, errors.words)
-            heldout_errors = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
+            held = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started
+            head = (model.name, model.checkpoint_sha256, options.probe, weights)
             for split, s in scores.items():
-                results.append(
-                    ProbeResult(
-                        model.name,
-                        model.checkpoint_sha256,
-                        options.probe,
-                        weights,
-                        split,
-                        s.cer,
-                        s.wer,
-                        s.utterances,
-                        probe.step,
-                        seed,
-                        model.normalisation,
-                        speakers[split],
-                        probe.lr,
-                        seconds,
-                        heldout_errors if split == "heldout" else None,
-                    )
-                )
+                found = (s.cer, s.wer, s.utterances, probe.step, seed, model.normalisation, speakers[split], probe.lr)
+                results.append(ProbeResult(*head, split, *found, seconds, held if split == "heldout" else None))
             log.info(
-                "probe %s seed %d lr %g, %d steps: held-out CER %.3f WER %.3f (%.0f s)",
-                model.name,
-                seed,
-                probe.lr,
-                probe.step,
-                scores["heldout"].cer,
-                scores["heldout"].wer,
-                seconds,
+                f"probe {model.name} seed {seed} lr {probe.lr:g}, {probe.step} steps: held-out CER "
+                f"{scores['heldout'].cer:.3f} WER {scores['heldout'].wer:.3f} ({seconds:.0f} s)"
             )
             if on_model is not None:
                 on_model(results[-1])
@@ -473,10 +424,6 @@ def paired_bootstrap(
     return float(diff.sum() / n.sum()), float(low), float(high)
 
 
-def paired_verdict(low: float, high: float) -> str:
-    return "better" if high < 0 else "worse" if low > 0 else "no evidence"
-
-
 @dataclass(frozen=True)
 class Paired:
     """A model's CER minus a baseline's on the same held-out utterances, with its bootstrap interval."""
@@ -488,7 +435,7 @@ class Paired:
 
     @property
     def verdict(self) -> str:
-        return paired_verdict(self.low, self.high)
+        return "better" if self.high < 0 else "worse" if self.low > 0 else "no evidence"
 
     def __str__(self) -> str:
         return f"{self.difference:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
@@ -558,11 +505,12 @@ class Standing(ModelSummary):
         return word + ("*" if self.indicative and word != "n/a" else "")
 
 
-def indicative_reasons(speakers: int, utterances: int, min_speakers: int) -> str | None:
+def indicative_reasons(speakers: int, utterances: int | None, min_speakers: int) -> str | None:
+    """Why a verdict is only indicative (None: it is not); ``utterances`` None: not counted."""
     reasons = []
     if speakers < min_speakers:
         reasons.append(f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_speakers}")
-    if utterances < MIN_HELDOUT_UTTERANCES:
+    if utterances is not None and utterances < MIN_HELDOUT_UTTERANCES:
         reasons.append(f"{utterances} held-out utterances, fewer than {MIN_HELDOUT_UTTERANCES}")
     return "; ".join(reasons) or None
 
@@ -600,8 +548,7 @@ NBSP = "\u00a0"  # joins "0.679 ± 0.030" so that a narrow cell never wraps it
 
 
 def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
-    """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative is said
-    once, by :func:`reading_note`)."""
+    """:data:`LEADERBOARD_COLUMNS` per model for people to read (why a verdict is indicative: :func:`reading_note`)."""
 
     def change(s: Standing, baseline: str) -> str:
         if baseline == s.model or baseline not in s.against:
@@ -677,8 +624,7 @@ def reading_note(board: Sequence[Standing], min_speakers: int) -> str:
     if shown is not None:
         note += (
             f" Indicative only here (* beside a verdict): {shown.indicative}. A verdict about speakers in general "
-            "needs at least "
-            f"{min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
+            f"needs at least {min_speakers} held-out speakers (min_heldout_speakers, [probe] in pipeline.toml) and "
             f"{MIN_HELDOUT_UTTERANCES} utterances; `make demo` holds out one speaker, so there this is expected."
         )
     return note

@@ -1,8 +1,7 @@
 """Beam search with a word n-gram language model, for CTC log-probabilities over the probe's tokens.
 
-torchaudio's ``ctc_decoder`` (flashlight-text, KenLM inside, a PyPI wheel; pyctcdecode pins
-numpy < 2 and builds kenlm from source), with an ARPA LM and a lexicon written here from the
-labelled training transcripts only, so the decoder spells only words it has seen labelled.
+torchaudio's ``ctc_decoder`` (flashlight-text, KenLM inside; pyctcdecode pins numpy < 2), with an ARPA
+LM and a lexicon of the labelled training transcripts only: the decoder spells only words seen labelled.
 """
 
 from __future__ import annotations
@@ -134,19 +133,10 @@ def beam_decoder_from_files(
     )
 
     def decode(log_probs: Sequence[np.ndarray]) -> list[str]:
-        out = []
-        for lp in log_probs:
-            hypotheses = decoder(torch.from_numpy(np.ascontiguousarray(lp, dtype=np.float32))[None])[0]
-            out.append(" ".join(hypotheses[0].words) if hypotheses else "")
-        return out
+        found = [decoder(torch.from_numpy(np.ascontiguousarray(lp, dtype=np.float32))[None])[0] for lp in log_probs]
+        return [" ".join(hypotheses[0].words) if hypotheses else "" for hypotheses in found]
 
     return decode
-
-
-def beam_decoder(train_texts: Sequence[str], order: int) -> tuple[Callable[[Sequence[np.ndarray]], list[str]], str]:
-    """(decode, name) of the beam decoder with the n-gram LM of ``train_texts``, default weights."""
-    decode, name, _ = tuned_beam_decoder(train_texts, order, (), (), (), ())
-    return decode, name
 
 
 def tuned_beam_decoder(

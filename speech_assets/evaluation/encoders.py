@@ -1,8 +1,5 @@
-"""What probes read from the encoders under evaluation (loading them: model/encoders.py).
-
-The raw log-mel ``(T, 80)`` and the transcript of every kept utterance of some shards (each model
-under probe normalises it its own way: evaluation/compare.py).
-"""
+"""What probes read: the raw log-mel ``(T, 80)`` and transcript of every kept utterance of some shards
+(each model under probe normalises it its own way: evaluation/compare.py)."""
 
 from __future__ import annotations
 

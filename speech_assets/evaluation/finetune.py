@@ -1,13 +1,8 @@
 """CTC fine-tuning of a pretrained encoder into a character recogniser, and its from-scratch baseline.
 
-``python -m speech_assets.evaluation.finetune --config CONFIG.json``: CTC over the probe's 29 tokens
-with a linear head on the encoder's last layer; ``init`` ``scratch`` is the baseline, a random
-encoder of the same architecture training every parameter from step 0.
-
-Model selection: every ``eval_every`` steps the greedy dev CER keeps the best step's checkpoint
-(:class:`Selection`) and stops after ``patience`` evaluations without improvement; the held-out
-scores and ``final.pt`` are the selected step's. A :class:`~speech_assets.train.config.FinetuneBatch`
-config trains several runs in one launch (:func:`finetune_batch`).
+``python -m speech_assets.evaluation.finetune --config CONFIG.json`` (a FinetuneConfig, or a
+FinetuneBatch of several runs): ``init`` ``scratch`` is the baseline, a random encoder of the same
+architecture. The greedy dev CER selects the step (:class:`Selection`) that is scored and kept.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from speech_assets.evaluation.finetune_results import DID_NOT_TRAIN_CER
 from speech_assets.evaluation.probe import score
 from speech_assets.evaluation.text import VOCAB_SIZE, decode_greedy, encode, normalise
 from speech_assets.features.cmvn import Normaliser, UtteranceCmvn, from_record
@@ -125,18 +121,6 @@ def tri_stage(max_steps: int, stages: Sequence[float], init_scale: float, final_
     return factor
 
 
-def frozen_parts(config: FinetuneConfig) -> tuple[int, bool]:
-    """(steps with the encoder frozen, front end frozen); a random encoder frozen is no baseline."""
-    if config.init == "scratch":
-        return 0, False
-    return config.freeze_steps, config.freeze_frontend
-
-
-# CTC's all-blank plateau: evaluations there do not count towards patience (a from-scratch model
-# sits there for hundreds of steps before it learns to spell)
-PLATEAU_CER = 0.95
-
-
 @dataclass
 class Selection:
     """Model selection on the dev set: every ``(step, dev CER)``, the best step, evaluations since it."""
@@ -148,12 +132,12 @@ class Selection:
     stale: int = 0
 
     def update(self, step: int, cer: float) -> bool:
-        """True once ``patience`` evaluations did not improve on the best (a tie keeps the earlier
-        step); nothing counts while the best is on the blank plateau."""
+        """True once ``patience`` evaluations did not improve on the best (a tie keeps the earlier step); nothing
+        counts while the best is on CTC's blank plateau, where a from-scratch model sits for hundreds of steps."""
         self.history.append([step, cer])
         if cer < self.best_cer:  # NaN never improves
             self.best_step, self.best_cer, self.stale = step, cer, 0
-        elif self.best_cer < PLATEAU_CER:
+        elif self.best_cer < DID_NOT_TRAIN_CER:
             self.stale += 1
         return self.stale >= self.patience
 
@@ -311,17 +295,14 @@ def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusI
     """Where each of the ``wanted`` utterances lives in ``shards`` (whole length, one client)."""
     wanted, refs = set(wanted), []
     for shard, path in enumerate(shards):
-        table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
+        rows = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"]).to_pylist()
         metadata = pq.ParquetFile(path).metadata
         places = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
-        rows = zip(
-            table.column("utt_id").to_pylist(),
-            table.column("speaker_id").to_pylist(),
-            table.column("num_frames").to_pylist(),
-            places,
-            strict=True,
-        )
-        refs += [UtteranceRef(u, shard, g, r, int(n), 0, s) for u, s, n, (g, r) in rows if u in wanted]
+        refs += [
+            UtteranceRef(row["utt_id"], shard, g, r, int(row["num_frames"]), 0, row["speaker_id"])
+            for row, (g, r) in zip(rows, places, strict=True)
+            if row["utt_id"] in wanted
+        ]
     missing = sorted(wanted - {r.utt_id for r in refs})
     if missing:
         raise ValueError(f"{len(missing)} labelled or held-out utterances are in no shard: {missing[:5]}")
@@ -418,22 +399,16 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
                 log.info("%s: finished before", config.run_dir)
                 results.append(finished)
                 continue
-            with run_log(Path(config.run_dir), runner.is_main):
+            with run_log(Path(config.run_dir)) if runner.is_main else contextlib.nullcontext():
                 if runner.is_main:
                     config.to_json(RunFiles(config.run_dir).config)  # what this attempt runs
                 results.append(FineTuning(runner, config).run(None))
         if not runner.is_main:
             return None
         keys = ("checkpoint", "checkpoint_sha256", "step", "init", "seed", "heldout_cer", "heldout_wer")
-        summary = {
-            "runs": [
-                {"run_dir": str(c.run_dir), **{k: r.get(k) for k in keys}} for c, r in zip(mine, results, strict=True)
-            ],
-            "checkpoint_sha256": None,
-        }
-        atomic_write_text(
-            RunFiles(batch.run_dir).rank_result(job.rank), json.dumps(summary, indent=2, sort_keys=True) + "\n"
-        )
+        done = [{"run_dir": str(c.run_dir), **{k: r.get(k) for k in keys}} for c, r in zip(mine, results, strict=True)]
+        summary = json.dumps({"runs": done, "checkpoint_sha256": None}, indent=2, sort_keys=True)
+        atomic_write_text(RunFiles(batch.run_dir).rank_result(job.rank), summary + "\n")
         if reporter is not None:
             # the other processes' runs may still train: the asset reads every run's result.json after the launch
             reporter.report(
@@ -444,11 +419,8 @@ def finetune_batch(batch: FinetuneBatch) -> list[dict[str, Any]] | None:
 
 
 @contextlib.contextmanager
-def run_log(run_dir: Path, main: bool) -> Iterator[None]:
+def run_log(run_dir: Path) -> Iterator[None]:
     """The main process's records (INFO and up) to the run's ``train.log`` too while it trains."""
-    if not main:
-        yield
-        return
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(run_dir / RunFiles.log.name, encoding="utf-8")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s"))
@@ -482,13 +454,13 @@ class FineTuning(Fit):
         )
         seed_everything(config.seed)
         model, self.encoder, self.cmvn = build_model(config)
-        train_refs = [u for u in index.utterances if u.utt_id in texts["train"]]
-        dev_refs = [u for u in index.utterances if u.utt_id in texts["dev"]]
-        self.heldout_refs = [u for u in index.utterances if u.utt_id in texts["heldout"]]
-        held_speakers = {u.speaker_id for u in self.heldout_refs}
-        if leaked := sorted(({u.speaker_id for u in train_refs} | {u.speaker_id for u in dev_refs}) & held_speakers):
+        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in ("train", "dev", "heldout")}
+        train_refs, dev_refs, self.heldout_refs = refs["train"], refs["dev"], refs["heldout"]
+        self.speakers = {split: sorted({u.speaker_id for u in found}) for split, found in refs.items()}
+        train_speakers, dev_speakers = set(self.speakers["train"]), set(self.speakers["dev"])
+        if leaked := sorted((train_speakers | dev_speakers) & set(self.speakers["heldout"])):
             raise ValueError(f"labelled or dev utterances of held-out speakers {leaked[:10]}")
-        if dev_labelled := sorted({u.speaker_id for u in train_refs} & {u.speaker_id for u in dev_refs}):
+        if dev_labelled := sorted(train_speakers & dev_speakers):
             raise ValueError(f"dev utterances of labelled speakers {dev_labelled[:10]}")
         if not train_refs:
             raise ValueError("no labelled utterances")
@@ -504,16 +476,12 @@ class FineTuning(Fit):
         cuda = job.device.type == "cuda"
         stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=cuda, device=job.device, builder=CtcBatches)
         self.model = model = model.to(job.device)
-        self.freeze_steps, self.freeze_frontend = frozen_parts(config)
+        frozen = (0, False) if config.init == "scratch" else (config.freeze_steps, config.freeze_frontend)
+        self.freeze_steps, self.freeze_frontend = frozen  # a random encoder frozen is no baseline
         if self.freeze_frontend:
             model.frontend.requires_grad_(False)
         if config.mask_prob <= 0:
             model.mask_embedding.requires_grad_(False)
-        self.speakers = {
-            "train": sorted({u.speaker_id for u in train_refs}),
-            "dev": sorted({u.speaker_id for u in dev_refs}),
-            "heldout": sorted(held_speakers),
-        }
         masking = CtcMasking(
             config.seed,
             config.mask_prob,
@@ -565,34 +533,22 @@ class FineTuning(Fit):
         engine.keep_steps = frozenset({selection.best_step})
         engine.extra["selection"] = selection.to_dict()
         if self.job.is_main:
+            stopping = f"; no better for {selection.stale} evaluations: stopping" if stop else ""
             log.info(
-                "step %d: dev CER %.4f (best %.4f at step %d)%s",
-                step,
-                cer,
-                selection.best_cer,
-                selection.best_step,
-                f"; no better for {selection.stale} evaluations: stopping" if stop else "",
+                f"step {step}: dev CER {cer:.4f} (best {selection.best_cer:.4f} at step {selection.best_step})"
+                f"{stopping}"
             )
         return {"dev_cer": cer, "stop": stop}
 
     def announce(self) -> None:
         config, speakers = self.config, self.speakers
+        frontend = ", front end frozen" if self.freeze_frontend else ""
         log.info(
-            "fine-tuning (%s) with CTC on %d labelled utterances (%.1f min) of %d training speakers; "
-            "%d dev utterances of %d speakers select the step; %d held-out utterances of %d speakers to score; "
-            "encoder frozen for %d steps%s, lr %g, %s",
-            config.init,
-            len(self.dataset),
-            sum(self.dataset.seconds) / 60,
-            len(speakers["train"]),
-            len(self.dev_set),
-            len(speakers["dev"]),
-            len(self.heldout_refs),
-            len(speakers["heldout"]),
-            self.freeze_steps,
-            ", front end frozen" if self.freeze_frontend else "",
-            config.lr,
-            self.engine.precision,
+            f"fine-tuning ({config.init}) with CTC on {len(self.dataset)} labelled utterances "
+            f"({sum(self.dataset.seconds) / 60:.1f} min) of {len(speakers['train'])} training speakers; "
+            f"{len(self.dev_set)} dev utterances of {len(speakers['dev'])} speakers select the step; "
+            f"{len(self.heldout_refs)} held-out utterances of {len(speakers['heldout'])} speakers to score; "
+            f"encoder frozen for {self.freeze_steps} steps{frontend}, lr {config.lr:g}, {self.engine.precision}"
         )
 
     def final(self) -> dict[str, Any]:
@@ -670,9 +626,7 @@ class FineTuning(Fit):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m speech_assets.evaluation.finetune", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="FinetuneConfig JSON file, or a FinetuneBatch (its runs)")
     path = Path(parser.parse_args(argv).config)
     if "runs" in json.loads(path.read_text(encoding="utf-8")):

@@ -1,11 +1,7 @@
 """What `finetuned_asr` fine-tunes, on what, and what it reads back: the plan of its runs, without Dagster.
 
-:func:`plan_finetune` picks the encoders, splits the speakers as the probe does, gathers the
-utterances CTC can learn from (:func:`labelled_pool`) and picks the decoders. Runs train in two
-phases: each model tries every peak lr of ``lr_grid`` at the smallest budget and first seed
-(:attr:`FinetunePlan.tuning`), :func:`choose_lrs` keeps the one with the lowest dev CER, then
-:meth:`FinetunePlan.final_runs` plans one run per (model, budget, seed) with it. A refusal is a
-:class:`FinetuneRefused` with the message the asset fails with.
+Each model first tries every peak lr of ``lr_grid`` at the smallest budget and first seed
+(:attr:`FinetunePlan.tuning`); :func:`choose_lrs` keeps the lowest dev CER's for its final runs.
 """
 
 from __future__ import annotations
@@ -179,19 +175,10 @@ class FinetunePlan:
                 versions = {**self.base_versions, "labelled": sha256_strings([labelled_text])}
                 for model in self.models:
                     path, version = encoders[PRETRAINED] if model == SCRATCH else encoders[model]
-                    asset = assets.get(model, assets[PRETRAINED])
+                    inputs = {assets.get(model, assets[PRETRAINED]): version, **versions}
+                    named = (model, minutes, seed, path, labelled, labelled_text)
                     runs += [
-                        PlannedRun(
-                            model,
-                            minutes,
-                            seed,
-                            path,
-                            labelled,
-                            labelled_text,
-                            run_settings(model, minutes, seed, lr, self.decoders),
-                            {asset: version, **versions},
-                            lr,
-                        )
+                        PlannedRun(*named, run_settings(model, minutes, seed, lr, self.decoders), inputs, lr)
                         for lr in lrs[model]
                     ]
         return runs
@@ -229,14 +216,11 @@ def dev_speakers_of(speakers: Collection[str], wanted: int) -> list[str]:
 
 
 def labelled_pool(
+    options: FinetuneOptions,
     manifest_file: str | os.PathLike[str],
     shard_file: Callable[[str], Path],
     train_speakers: list[str],
     test_speakers: list[str],
-    max_frames: int,
-    max_eval_utterances: int,
-    dev_speakers: int = 0,
-    max_dev_utterances: int = 0,
 ) -> LabelledPool:
     """The transcribed utterances CTC can align, at most ``max_frames`` long: a seeded subsample of the
     test speakers' as the held-out set; of the training speakers' (minus those whose sentence a
@@ -259,31 +243,24 @@ def labelled_pool(
                 continue
             if speaker in test_speakers:
                 heldout_sentences.add(text)
-            if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= max_frames):
+            if not (ctc_feasible(row["num_frames"], text) and row["num_frames"] <= options.max_frames):
                 skipped += 1
                 continue
             usable[speaker].append(Candidate(row["utt_id"], speaker, row["num_frames"] / 100.0))
     heldout = sorted(c.utt_id for s in test_speakers for c in usable[s])
-    heldout = [heldout[i] for i in subsample(len(heldout), max_eval_utterances, seed=0)]
+    heldout = [heldout[i] for i in subsample(len(heldout), options.max_eval_utterances, seed=0)]
     training, dropped = {}, 0
     for speaker in sorted(set(train_speakers) - set(test_speakers)):
         kept = [c for c in usable[speaker] if texts[c.utt_id] not in heldout_sentences]
         dropped += len(usable[speaker]) - len(kept)
         training[speaker] = kept
-    dev_of = dev_speakers_of([s for s, kept in training.items() if kept], dev_speakers)
+    dev_of = dev_speakers_of([s for s, kept in training.items() if kept], options.dev_speakers)
     dev = sorted(c.utt_id for s in dev_of for c in training[s])
-    dev = [dev[i] for i in subsample(len(dev), max_dev_utterances, seed=0)]
+    dev_texts = {dev[i]: texts[dev[i]] for i in subsample(len(dev), options.max_dev_utterances, seed=0)}
     candidates = [c for s, kept in training.items() if s not in dev_of for c in kept]
+    heldout_texts = {u: texts[u] for u in heldout}
     return LabelledPool(
-        train_speakers,
-        test_speakers,
-        candidates,
-        {u: texts[u] for u in heldout},
-        texts,
-        skipped,
-        dev_of,
-        {u: texts[u] for u in dev},
-        dropped,
+        train_speakers, test_speakers, candidates, heldout_texts, texts, skipped, dev_of, dev_texts, dropped
     )
 
 
@@ -324,16 +301,7 @@ def plan_finetune(
         for name, (path, _) in encoders.items()
     }
     train_speakers, test_speakers = probe_split(clients(), recorded)
-    pool = labelled_pool(
-        manifest_file,
-        shard_file,
-        train_speakers,
-        test_speakers,
-        options.max_frames,
-        options.max_eval_utterances,
-        options.dev_speakers,
-        options.max_dev_utterances,
-    )
+    pool = labelled_pool(options, manifest_file, shard_file, train_speakers, test_speakers)
     if not pool.candidates or not pool.heldout_texts:
         raise FinetuneRefused(
             f"nothing to fine-tune on: {len(pool.candidates)} labellable training utterances, "
@@ -361,17 +329,9 @@ def plan_finetune(
         warn(f"beam decoding skipped: {missing_decoder}; greedy only")
     decoders = ["greedy", "beam"] if beam and not missing_decoder else ["greedy"]
     base_versions = data_versions(sorted(set(train_speakers) | set(test_speakers)))
-    budgets = sorted(set(float(m) for m in options.labelled_minutes))
+    budgets, seeds = sorted(set(float(m) for m in options.labelled_minutes)), list(options.seeds)
     return FinetunePlan(
-        encoders,
-        pool,
-        decoders,
-        missing_decoder,
-        budgets,
-        list(options.seeds),
-        base_versions,
-        dict(encoder_assets),
-        lrs,
+        encoders, pool, decoders, missing_decoder, budgets, seeds, base_versions, dict(encoder_assets), lrs
     )
 
 
@@ -380,9 +340,7 @@ def _sort_key(lr: float, cer: float | None) -> tuple[bool, float, float]:
     return (not finite, cer if finite else 0.0, lr)
 
 
-def choose_lrs(
-    tuned: Mapping[LrKey, Path],
-) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
+def choose_lrs(tuned: Mapping[LrKey, Path]) -> tuple[dict[str, float], dict[str, dict[float, float | None]]]:
     """(per model the lr of lowest dev CER, ties to the smaller lr; per model each lr's dev CER)."""
     dev_cers: dict[str, dict[float, float | None]] = {}
     for (model, lr), run_dir in tuned.items():
@@ -418,15 +376,6 @@ def text_overlap(runs: Mapping[RunKey, Mapping[str, Any]]) -> int | None:
     """Labelled utterances whose sentence is a held-out one, over the runs (must be 0); None when unrecorded."""
     counts = [r["text_overlap"] for r in runs.values() if r.get("text_overlap") is not None]
     return sum(counts) if counts else None
-
-
-def oov_by_budget(runs: Mapping[RunKey, Mapping[str, Any]]) -> dict[str, float]:
-    """Per budget (``"1 min"``): the mean held-out OOV rate against the decoder's lexicon."""
-    rates: dict[float, list[float]] = {}
-    for (_, minutes, _), result in runs.items():
-        if result.get("oov_rate") is not None:
-            rates.setdefault(minutes, []).append(result["oov_rate"])
-    return {f"{m:g} min": round(sum(v) / len(v), 4) for m, v in sorted(rates.items())}
 
 
 def collect_results(planned: Mapping[RunKey, Path]) -> tuple[list[dict[str, Any]], dict[RunKey, dict[str, Any]]]:

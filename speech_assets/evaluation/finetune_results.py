@@ -1,9 +1,6 @@
-"""What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder,
-and one line per encoder on whether fine-tuning it beat the same architecture from scratch.
-
-Light (no torch): the asset's metadata, its check and ``speech-assets finetune`` read it through
-the same functions, so they say the same. Rows are grouped as the probe's results per budget and
-decoder so that the probe's summary over seeds judges fine-tuning too.
+"""What ``finetune/results.parquet`` says: its schema, a table per labelled budget and decoder, and
+one line per encoder on whether fine-tuning it beat the same architecture from scratch (no torch).
+Rows are grouped as the probe's results so that the probe's summary over seeds judges fine-tuning too.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from speech_assets.evaluation.compare import (
     ModelSummary,
     ProbeResult,
     Spread,
+    indicative_reasons,
     summarise,
 )
 
@@ -66,10 +64,6 @@ MIN_SEEDS = 2
 SPREAD_FACTOR = 2.0
 
 
-def ratio(cer: float, baseline: float) -> str:
-    return f"{cer / baseline:.2f}x" if baseline > 0 else "n/a x"
-
-
 def too_small_to_tell(a: ModelSummary, b: ModelSummary) -> str | None:
     """Why the held-out CERs of ``a`` and ``b`` cannot be told apart, or ``None`` when they can."""
     utterances = min(a.utterances, b.utterances)
@@ -102,11 +96,9 @@ def probe_reference(path: str | os.PathLike[str]) -> dict[str, str]:
     """The frozen probe's held-out CER of pretrained and fbank; empty if the probe has not run."""
     from speech_assets.evaluation.compare import read_results
 
-    if not os.path.isfile(path):
-        return {}
     try:
         held = summarise(read_results(path))
-    except ValueError:
+    except (OSError, ValueError):  # not run yet, or unreadable
         return {}
     return {name: str(held[name].cer) for name in ("pretrained", "fbank") if name in held}
 
@@ -147,13 +139,7 @@ def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
 def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
     """Why a verdict on ``rows`` is only indicative, in the probe's words (None: enough speakers, or not recorded)."""
     speakers = heldout_speakers(rows)
-    if speakers is None or speakers >= min_heldout_speakers:
-        return None
-    return f"{speakers} held-out speaker{'s' if speakers != 1 else ''}, fewer than {min_heldout_speakers}"
-
-
-def did_not_train(trained: Mapping[str, ModelSummary], model: str) -> bool:
-    return model in trained and trained[model].cer.mean >= DID_NOT_TRAIN_CER
+    return None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
@@ -187,24 +173,18 @@ def judged(
             stuck = [
                 (who, trained[name].cer)
                 for who, name in (("model", encoder), ("baseline", SCRATCH))
-                if did_not_train(trained, name)
+                if name in trained and trained[name].cer.mean >= DID_NOT_TRAIN_CER
             ]
             if stuck:
-                said = (
-                    " and ".join(who for who, _ in stuck)
-                    + " did not train (labelled CER "
-                    + " and ".join(f"{cer.mean:.3f}" for _, cer in stuck)
-                    + f" >= {DID_NOT_TRAIN_CER:g}): not measured"
-                )
+                who, cers = " and ".join(who for who, _ in stuck), " and ".join(f"{c.mean:.3f}" for _, c in stuck)
+                said = f"{who} did not train (labelled CER {cers} >= {DID_NOT_TRAIN_CER:g}): not measured"
                 parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer}, {said}")
                 continue
             reason = too_small_to_tell(a, b)
-            said = (
-                f"too small to tell ({reason})"
-                if reason
-                else ("beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch")
-            )
-            parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio(a.cer.mean, b.cer.mean)}), {said}")
+            said = "beats scratch" if a.cer.mean < b.cer.mean else "loses to scratch"
+            said = f"too small to tell ({reason})" if reason else said
+            ratio = f"{a.cer.mean / b.cer.mean:.2f}x" if b.cer.mean > 0 else "n/a x"
+            parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
         why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
         lines.append((line + (f" (indicative only: {why})" if why else ""), why))
@@ -217,10 +197,9 @@ def verdict_markdown(lines: Sequence[str]) -> str:
 
 def overlap_problems(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per run whose labelled or dev text overlaps the held-out transcripts (must be 0)."""
-    seen: dict[tuple, int] = {}
-    for r in rows:
-        if r.get("text_overlap"):
-            seen[(r["model"], r["labelled_minutes"], r["seed"])] = int(r["text_overlap"])
+    seen = {
+        (r["model"], r["labelled_minutes"], r["seed"]): int(r["text_overlap"]) for r in rows if r.get("text_overlap")
+    }
     return [
         f"{model}/{minutes:g}min/seed{seed}: {n} labelled or dev utterance{'s' if n != 1 else ''} whose transcript "
         "is a held-out one (text overlap must be 0)"
@@ -242,17 +221,20 @@ def text_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"text overlap: {most} labelled or dev utterance{'s' if most != 1 else ''} whose transcript is a held-out "
             f"one (must be 0{'' if most == 0 else ': these held-out scores flatter every model'})"
         )
-    oov = {
-        minutes: found
-        for minutes in budgets(rows)
-        if (found := _run_values([r for r in rows if r["labelled_minutes"] == minutes], "oov_rate"))
-    }
-    if oov:
+    if oov := oov_by_budget(rows):
         notes.append(
             "held-out OOV rate against the beam decoder's lexicon (the labelled words; mean over runs): "
-            + ", ".join(f"{minutes:g} min {sum(v) / len(v):.3f}" for minutes, v in oov.items())
+            + ", ".join(f"{budget} {rate:.3f}" for budget, rate in oov.items())
         )
     return notes
+
+
+def oov_by_budget(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per budget (``"1 min"``): the mean held-out OOV rate (every run has as many rows)."""
+    rates = {
+        f"{m:g} min": _run_values([r for r in rows if r["labelled_minutes"] == m], "oov_rate") for m in budgets(rows)
+    }
+    return {budget: round(sum(v) / len(v), 4) for budget, v in rates.items() if v}
 
 
 def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] | None = None) -> str:
@@ -302,11 +284,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
 def wer_by_budget(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
     """(budgets, mean held-out greedy WER per model at each budget): the papers' figure."""
     x = budgets(rows)
-    series: dict[str, list[float]] = {}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        means = []
-        for minutes in x:
-            values = [r["wer"] for r in _of(rows, model, minutes)]
-            means.append(sum(values) / len(values) if values else math.nan)
-        series[model] = means
-    return x, series
+    wers = {
+        model: [[r["wer"] for r in _of(rows, model, m)] for m in x] for model in dict.fromkeys(r["model"] for r in rows)
+    }
+    return x, {model: [sum(v) / len(v) if v else math.nan for v in found] for model, found in wers.items()}

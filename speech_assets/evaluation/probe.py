@@ -1,8 +1,6 @@
-"""A character CTC probe on frozen features (the SUPERB convention).
-
-A softmax-weighted sum of the encoder's layer-normalised layers, then a linear layer (or a BiLSTM
-and one) to the 29 CTC tokens; greedy decoding, CER and WER from jiwer. Features ``(layers + 1, L,
-D)`` per utterance are computed once and kept in memory, so probe steps cost only the probe.
+"""A character CTC probe on frozen features (the SUPERB convention): a softmax-weighted sum of the
+encoder's layer-normalised layers, then a linear layer (or a BiLSTM and one) to the 29 CTC tokens.
+Features are computed once and kept in memory, so probe steps cost only the probe.
 """
 
 from __future__ import annotations
@@ -55,11 +53,8 @@ def layer_norm(layers: torch.Tensor) -> torch.Tensor:
 def collate_layers(items: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, L_i, D)`` tensors -> zero-padded ``(B, N, L_max, D)`` and ``lengths (B,)``."""
     lengths = torch.tensor([t.shape[1] for t in items], dtype=torch.long)
-    n, _, d = items[0].shape
-    batch = torch.zeros(len(items), n, int(lengths.max()), d)
-    for row, t in enumerate(items):
-        batch[row, :, : t.shape[1]] = t
-    return batch, lengths
+    batch = nn.utils.rnn.pad_sequence([t.transpose(0, 1) for t in items], batch_first=True)  # (B, L_max, N, D)
+    return batch.transpose(1, 2).float().contiguous(), lengths
 
 
 def _schedule(step: int, steps: int) -> float:

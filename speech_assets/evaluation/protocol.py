@@ -1,13 +1,6 @@
-"""The probe's protocol: who it trains and tests on, which models it compares and how each reads
-its input, and the files it publishes.
-
-- Split (:func:`probe_split`): the test speakers are the clients table's held-out speakers that
-  every encoder held out too; a test speaker in any encoder's training data refuses the run.
-- Models (:func:`probe_models`): the log-mel (``fbank``) and randomly initialised (``random``,
-  the pretrained encoder's preset) baselines, read through the pretrained encoder's input
-  normalisation, then every encoder through its own (per utterance when it records none).
-- Files (:func:`publish_probe`): per-utterance errors and the leaderboard, then the results
-  table last (its hash is the data version), then the split in full (``speakers.json``).
+"""The probe's protocol: its speaker split (a test speaker in any encoder's training data refuses
+the run), the models it compares (the ``fbank`` and ``random`` baselines read through the pretrained
+encoder's normalisation, every encoder through its own) and the files it publishes.
 """
 
 from __future__ import annotations
@@ -49,10 +42,8 @@ class ProbeLeak(ValueError):
 def probe_split(
     table: ClientsTable, recorded: Mapping[str, Mapping[str, list[str]] | None]
 ) -> tuple[list[str], list[str]]:
-    """(the probe's training speakers, its test speakers: the held-out speakers every encoder held out too).
-
-    ``recorded``: encoder name -> the ``speakers`` its checkpoint records.
-    """
+    """(the probe's training speakers, its test speakers: the held-out speakers every encoder held out too);
+    ``recorded``: encoder name -> the ``speakers`` its checkpoint records."""
     heldout = {a.speaker_id for a in table if a.heldout}
     test = set(heldout)
     for name, speakers in recorded.items():
@@ -140,11 +131,5 @@ def publish_probe(run: ProbeRun, files: ProbeFiles, min_heldout_speakers: int, e
     ):
         with atomic_path(path) as tmp:
             pq.write_table(table, tmp)
-    atomic_write_text(
-        files.speakers,
-        json.dumps(
-            {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)},
-            indent=1,
-            sort_keys=True,
-        ),
-    )
+    split = {"train": run.train_speakers, "test": run.test_speakers, "encoders": dict(encoders)}
+    atomic_write_text(files.speakers, json.dumps(split, indent=1, sort_keys=True))

@@ -1,12 +1,7 @@
-"""The exported recogniser at work: audio files in, text out (``speech-assets transcribe``).
-
-A recogniser folder holds ``frontend.onnx`` (16 kHz audio -> the pipeline's CMVN log-mel),
-``recogniser.onnx`` (log-mel -> 50 Hz CTC log-probabilities) and ``recogniser.json``. Only
-onnxruntime, numpy, soundfile and webrtcvad run here (torch only for ``decoder="beam"``).
-
-Files are read as the pipeline reads the corpus; a speech span longer than ``max_segment_s`` is cut
-at VAD pauses, else hard with ``OVERLAP_S`` of overlap, so memory stays bounded whatever the file's
-length. Greedy decoding gives each word its times and confidence; beam decoding segment text only.
+"""The exported recogniser at work: audio files in, text out (``speech-assets transcribe``), with only
+onnxruntime, numpy, soundfile and webrtcvad (torch only for ``decoder="beam"``). A speech span longer
+than ``max_segment_s`` is cut at VAD pauses, else hard with ``OVERLAP_S`` of overlap, so memory stays
+bounded whatever the file's length.
 """
 
 from __future__ import annotations
@@ -92,15 +87,13 @@ def labelled_files(inputs: Iterable[str | os.PathLike[str]]) -> list[tuple[str, 
             found += [(p.relative_to(item).as_posix(), p) for p in files]
         else:
             found.append((os.fspath(item), Path(item)))
-    seen: set[str] = set()
-    unique = []
+    unique: dict[str, Path] = {}
     for name, path in found:
-        name = name if name not in seen else path.as_posix()
-        if name in seen:
-            name = next(f"{name}#{n}" for n in range(2, len(found) + 2) if f"{name}#{n}" not in seen)
-        seen.add(name)
-        unique.append((name, path))
-    return unique
+        name = name if name not in unique else path.as_posix()
+        if name in unique:
+            name = next(f"{name}#{n}" for n in range(2, len(found) + 2) if f"{name}#{n}" not in unique)
+        unique[name] = path
+    return list(unique.items())
 
 
 @dataclass(frozen=True)
@@ -288,11 +281,8 @@ class Recogniser:
             self.vad.padding_frames,
             int(OVERLAP_S * 1000) // self.vad.frame_ms,
         )
-        segments = []
-        for a, b, lo, hi in frames:
-            a, b = max(a * step, span.start_sample), min(b * step, span.end_sample)
-            if b - a >= MIN_SEGMENT_SAMPLES:
-                segments.append((wave[a:b], a, lo * step, hi * step))
+        cuts = [(max(a * step, span.start_sample), min(b * step, span.end_sample), lo, hi) for a, b, lo, hi in frames]
+        segments = [(wave[a:b], a, lo * step, hi * step) for a, b, lo, hi in cuts if b - a >= MIN_SEGMENT_SAMPLES]
         if not segments:
             raise RecogniserError("too_short: less than 2 feature frames of speech")
         return seconds, segments

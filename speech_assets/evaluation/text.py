@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
 from collections.abc import Iterable
@@ -27,9 +28,5 @@ def encode(text: str) -> list[int]:
 
 def decode_greedy(ids: Iterable[int]) -> str:
     """Best-path CTC decoding of per-frame argmax ``ids``: merge repeats, then drop blanks."""
-    chars, previous = [], BLANK
-    for token in ids:
-        if token != previous and token != BLANK:
-            chars.append(ALPHABET[token - 1])
-        previous = token
-    return _SPACES.sub(" ", "".join(chars)).strip()
+    chars = "".join(ALPHABET[token - 1] for token, _ in itertools.groupby(ids) if token != BLANK)
+    return _SPACES.sub(" ", chars).strip()

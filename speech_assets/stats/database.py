@@ -32,8 +32,7 @@ class StatsInputs:
     clients: Path
     kmeans_quality: list[Path]
     training_results: list[Path] = field(default_factory=list)
-    # the rounds.parquet of the federated run to show (speech_assets.federated), if any
-    federated_rounds: Path | None = None
+    federated_rounds: Path | None = None  # the rounds.parquet of the federated run to show, if any
     probe_results: Path | None = None  # downstream_probe's results.parquet
     finetune_results: Path | None = None  # finetuned_asr's results.parquet
     # result.json of each model's runs by kind (``CHECKPOINT_KINDS``); ``training_results`` are centralised
@@ -165,6 +164,20 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict) -> None:
 
 
 def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
+    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
+    for table, columns, path, order in (
+        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
+        (
+            "finetune_results",
+            FINETUNE_COLUMNS,
+            inputs.finetune_results,
+            "labelled_minutes, decoder, split, model, seed",
+        ),
+        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
+    ):
+        con.execute(f"CREATE TABLE {table} ({columns})")
+        if path is not None and path.is_file():
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     con.execute(
         "CREATE TABLE kmeans_quality (client_id VARCHAR, k INTEGER, frames_fit BIGINT, inertia_per_frame DOUBLE, "
         "perplexity DOUBLE, empty_clusters INTEGER, mean_segment_length DOUBLE, frames_labelled BIGINT)"
@@ -189,14 +202,9 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "CREATE TABLE distillation (run_dir VARCHAR, student_parameters BIGINT, teacher_parameters BIGINT, "
         "student_audio_s_per_s DOUBLE, teacher_audio_s_per_s DOUBLE, speedup DOUBLE)"
     )
-    budgets = {}  # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
-    if inputs.finetune_results is not None and inputs.finetune_results.is_file():
-        budgets = dict(
-            con.execute(
-                "SELECT DISTINCT checkpoint_sha256, labelled_minutes FROM "
-                f"read_parquet({_sql_str(inputs.finetune_results)}) WHERE checkpoint_sha256 IS NOT NULL"
-            ).fetchall()
-        )
+    # {checkpoint sha256: labelled minutes}, for fine-tuning runs whose result.json predates them
+    known = "SELECT checkpoint_sha256, labelled_minutes FROM finetune_results WHERE checkpoint_sha256 IS NOT NULL"
+    budgets = dict(con.execute(known).fetchall())
     runs = [("centralised", p) for p in inputs.training_results]
     runs += [(kind, p) for kind in CHECKPOINT_KINDS for p in inputs.model_results.get(kind, [])]
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
@@ -219,18 +227,8 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         }
         _insert(con, "checkpoints", row)
         _insert(con, "training_runs", row)
-        speed = _read_json(RunFiles(path.parent).speed)
-        if kind == "distilled" and speed:
-            _insert(
-                con,
-                "distillation",
-                {
-                    **speed,
-                    "run_dir": str(path.parent),
-                    "student_parameters": speed.get("student_parameters", r.get("student_parameters")),
-                    "teacher_parameters": speed.get("teacher_parameters", r.get("teacher_parameters")),
-                },
-            )
+        if kind == "distilled" and r.get("speedup") is not None:  # the worker timed both models into result.json
+            _insert(con, "distillation", row)
     con.execute(
         "CREATE TABLE exports (folder VARCHAR, checkpoint_sha256 VARCHAR, layer BIGINT, max_abs_diff DOUBLE, "
         "torchscript_max_abs_diff DOUBLE, parity_utterances BIGINT, parity_frames BIGINT)"
@@ -241,20 +239,6 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         row = {**parity, "parity_utterances": parity.get("utterances"), "parity_frames": parity.get("frames")}
         row |= {"folder": str(path.parent), "checkpoint_sha256": description.get("checkpoint_sha256")}
         _insert(con, "exports", {**row, "layer": (description.get("output") or {}).get("layer")})
-    # by name: older probe results (without seed, normalisation, speakers, lr) give NULLs there
-    for table, columns, path, order in (
-        ("probe_results", PROBE_COLUMNS, inputs.probe_results, "model, split"),
-        (
-            "finetune_results",
-            FINETUNE_COLUMNS,
-            inputs.finetune_results,
-            "labelled_minutes, decoder, split, model, seed",
-        ),
-        ("federated_rounds", FEDERATED_COLUMNS, inputs.federated_rounds, "round, client_id"),
-    ):
-        con.execute(f"CREATE TABLE {table} ({columns})")
-        if path is not None and path.is_file():
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet({_sql_str(path)}) ORDER BY {order}")
     # Summaries are materialised: they are small and the CLI should answer instantly.
     con.execute(f"CREATE TABLE speaker_split AS {SPEAKER_SPLIT_SQL}")
     con.execute(
@@ -295,12 +279,8 @@ def build_database(db_path: Path, inputs: StatsInputs) -> dict[str, int]:
         try:
             _create_views(con, inputs)
             _create_tables(con, inputs)
-            names = [
-                row[0]
-                for row in con.execute(
-                    "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
-                ).fetchall()
-            ]
+            listed = "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY 1"
+            names = [name for (name,) in con.execute(listed).fetchall()]
             counts = {name: con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0] for name in names}
             con.execute("CHECKPOINT")
         finally:
@@ -317,12 +297,6 @@ def view_sources(con: duckdb.DuckDBPyConnection) -> list[str]:
             if kind == duckdb.token_type.string_const and sql[position] == "'":
                 sources.add(re.match(r"'((?:[^']|'')*)'", sql[position:]).group(1).replace("''", "'"))
     return sorted(sources)
-
-
-def sources_under(sources: Sequence[str], data_dir: Path) -> list[str]:
-    """The ``sources`` whose real path (a glob's as written: ``*`` is a name here) is ``data_dir`` or below it."""
-    real_dir = os.path.realpath(data_dir)
-    return [source for source in sources if Path(os.path.realpath(source)).is_relative_to(real_dir)]
 
 
 def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duckdb.DuckDBPyConnection:
@@ -342,7 +316,9 @@ def connect_read_only(db_path: Path, allow_external_access: bool = False) -> duc
     con = duckdb.connect(str(db_path), read_only=True, config=config)
     try:
         if not allow_external_access:
-            allowed = sources_under(view_sources(con), db_path.parent)
+            # a glob's real path is taken as written: ``*`` is a name here
+            real_dir = os.path.realpath(db_path.parent)
+            allowed = [path for path in view_sources(con) if Path(os.path.realpath(path)).is_relative_to(real_dir)]
             con.execute(f"SET allowed_paths = [{', '.join(_sql_str(path) for path in allowed)}]")
             con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -460,16 +436,15 @@ def summary(db_path: Path) -> str:
     """A short human-readable report, for `speech-assets stats` and `make demo`."""
     con = connect_read_only(db_path)
     try:
-        lines = []
         kept, hours = con.execute("SELECT count(*), coalesce(sum(duration_s), 0) / 3600 FROM manifest").fetchone()
         utts, trimmed = con.execute(
             "SELECT count(*), coalesce(sum(trimmed_duration_s), 0) / 3600 FROM utterances"
         ).fetchone()
-        lines.append(
-            f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech"
-        )
         rejects = con.execute("SELECT stage, reason, rejects FROM rejects_by_reason").fetchall()
-        lines.append("rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"))
+        lines = [
+            f"manifest: {kept} utterances kept, {hours:.3f} h; after VAD: {utts} utterances, {trimmed:.3f} h of speech",
+            "rejects: " + (", ".join(f"{r} ({s}) {n}" for s, r, n in rejects) if rejects else "none"),
+        ]
         for client, speakers, n, h in con.execute("SELECT * FROM hours_per_client").fetchall():
             lines.append(f"  {client}: {speakers} speakers, {n} utterances, {h:.3f} h")
         for row in con.execute(

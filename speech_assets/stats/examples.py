@@ -1,8 +1,7 @@
 """Listenable reject examples for the offline report: the first ``MAX_CLIP_S`` seconds of each one's
-audio as 16 kHz FLAC under ``<report>/audio/`` and, for ``no_speech``, the VAD's decision drawn.
-
-A clip is named by a hash of the reject (never by anything from the manifest), and only files
-inside the corpus root are read; at most ``MAX_EXAMPLES`` clips and ``MAX_BYTES`` bytes in all.
+audio as 16 kHz FLAC under ``<report>/audio/`` and, for ``no_speech``, the VAD's decision drawn. A clip
+is named by a hash of the reject (never by anything from the manifest); only files inside the corpus root
+are read.
 """
 
 from __future__ import annotations
@@ -72,14 +71,6 @@ def _read_16k(path: Path, seconds: float) -> np.ndarray:
     return audio.to_16k_mono(data.T, rate)
 
 
-def _flac(wave: np.ndarray) -> bytes:
-    import soundfile as sf
-
-    buffer = io.BytesIO()
-    sf.write(buffer, np.clip(wave, -1.0, 1.0), 16_000, format="FLAC", subtype="PCM_16")
-    return buffer.getvalue()
-
-
 def _vad_picture(wave: np.ndarray, vad) -> bytes:
     from speech_assets.features.vad import SpeechSpan, classify_frames, detect_speech, to_pcm16
     from speech_assets.stats import plots
@@ -102,6 +93,8 @@ def reject_examples(
     """Clips (written to ``out_dir``) for ``rows`` (``stage, reason, utt_id, path, detail``), in
     order, within the bounds; ``vad`` (a :class:`~speech_assets.features.vad.VadConfig`) draws the
     ``no_speech`` decisions. Unused files in ``out_dir`` are left to :func:`remove_unused`."""
+    import soundfile as sf
+
     out_dir.mkdir(parents=True, exist_ok=True)
     examples, written, clips = [], 0, 0
     for stage, reason, utt_id, path, detail in rows:
@@ -119,7 +112,9 @@ def reject_examples(
             except Exception as error:  # noqa: BLE001 - a decoding failure is a note on the page, not a failed report
                 skipped = f"not played: {type(error).__name__}"
             else:
-                payload = _flac(long[: int(MAX_CLIP_S * 16_000)])
+                flac = io.BytesIO()
+                sf.write(flac, np.clip(long[: int(MAX_CLIP_S * 16_000)], -1.0, 1.0), 16_000, "PCM_16", format="FLAC")
+                payload = flac.getvalue()
                 too_many_bytes = written + len(payload) > max_bytes
                 skipped = "not copied: the report's bound on audio bytes is reached" if too_many_bytes else None
         if skipped is not None:
@@ -134,18 +129,14 @@ def reject_examples(
         # a speed-perturbed copy's decision was made on other audio than the file's: not redrawn
         perturbed = SPEED_COPY.search(utt_id) is not None
         picture = _vad_picture(long, vad) if reason == "no_speech" and vad is not None and not perturbed else None
-        shown = min(len(long) / 16_000, MAX_CLIP_S)
-        note = f"first {shown:.1f} s, 16 kHz mono" + (
-            " (the original of this speed-perturbed copy)" if perturbed else ""
-        )
+        original = " (the original of this speed-perturbed copy)" if perturbed else ""
+        note = f"first {min(len(long) / 16_000, MAX_CLIP_S):.1f} s, 16 kHz mono{original}"
         examples.append(RejectExample(*row, clip=name, note=note, vad_png=picture))
     return examples
 
 
 def remove_unused(out_dir: Path, used: set[str]) -> None:
     """Delete the clips in ``out_dir`` that the current report does not play."""
-    if not out_dir.is_dir():
-        return
     for stale in out_dir.glob("reject-*.flac"):
         if stale.name not in used:
             stale.unlink(missing_ok=True)

@@ -1,8 +1,6 @@
 """Small PNG plots rendered offline (matplotlib, Agg), well under 100 KB so they inline as ``data:`` URIs.
-
-Rendering costs ~0.1 s a plot, most of a ``dataset_stats`` run, and the same inputs give the same
-bytes: so plots drawn from data (all but :func:`curves` and :func:`round_curve`) are looked up by a
-hash of their inputs, in this process and then in the folder of :func:`cached_in`, before drawing.
+Drawing costs ~0.1 s a plot, most of a ``dataset_stats`` run: plots drawn from data are looked up by a
+hash of their inputs (in this process, then in the folder of :func:`cached_in`) before drawing.
 """
 
 from __future__ import annotations
@@ -242,7 +240,6 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
         loss.plot(*series("train_loss"), marker="o", linewidth=1)  # none under DP: the clients withhold it
         loss.set_title("local train loss (mean over clients)", fontsize=TITLE)
         axis = figure.add_subplot(1, 2, 2)
-        drawn_any = False
         majority = {"marker": "_", "markersize": 10, "linestyle": "--", "color": "C0"}
         for key, label, style in (
             (accuracy.ACCURACY, "global encoder + own head", {"marker": "o", "color": "C0"}),
@@ -251,7 +248,7 @@ def round_curve_drawing(lines: Sequence[Mapping[str, Any]]):
             x, y = series(key)
             if x:
                 axis.plot(x, y, linewidth=1, label=label, **style)
-                drawn_any = True
+        drawn_any = bool(axis.lines)
         axis.set_title(accuracy.LABEL + ("" if drawn_any else " (no round evaluated)"), fontsize=TITLE)
         if drawn_any:
             legend_below(axis)

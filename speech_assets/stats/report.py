@@ -1,8 +1,6 @@
-"""The offline report: one static HTML page (no CDN, no script) beside the DuckDB database.
-
-Verdicts first (built by the same functions as the assets' metadata and the CLI), then models,
-data quality and the header. Every table shows its SQL for ``speech-assets sql``; plots are
-inlined PNGs and reject clips are copied under ``audio/``, so the folder works offline as a whole.
+"""The offline report: one static HTML page (no CDN, no script) beside the DuckDB database, its plots
+inlined and its reject clips under ``audio/``. Verdicts come from the same functions as the assets'
+metadata and the CLI; every table shows its SQL for ``speech-assets sql``.
 """
 
 from __future__ import annotations
@@ -117,6 +115,10 @@ FINETUNE_TEXT = (
 )
 # the sections about models; the rest of SECTIONS is about the data
 MODEL_SECTIONS = ("Training runs", "Checkpoints", "Export parity", "Distilled student", "Federated rounds")
+REJECT_EXAMPLES_TEXT = (
+    "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
+    "(for no_speech, the VAD's decision over the waveform)."
+)
 REJECT_EXAMPLES_SQL = (
     "SELECT stage, reason, utt_id, path, detail FROM (SELECT *, row_number() OVER (PARTITION BY stage, reason ORDER BY "
     "utt_id) AS n FROM rejects) WHERE n <= 3 ORDER BY stage, reason, utt_id"
@@ -195,6 +197,7 @@ def _header(inputs: ReportInputs, db_path: Path) -> str:
 def _summary(con: duckdb.DuckDBPyConnection) -> str:
     """The report in a few lines: data kept, split, rejects, each model, export and student."""
     one = lambda sql: con.execute(sql).fetchone()  # noqa: E731
+    every = lambda sql: con.execute(sql).fetchall()  # noqa: E731
     kept, hours, speakers = one(
         "SELECT count(*), coalesce(sum(duration_s), 0) / 3600, count(DISTINCT speaker_id) FROM manifest"
     )
@@ -206,28 +209,22 @@ def _summary(con: duckdb.DuckDBPyConnection) -> str:
         f"{kept:,} utterances kept ({hours:.2f} h) from {speakers} speakers; {speech:.2f} h of speech after VAD",
         f"{clients} clients; {heldout} held-out speaker(s), never trained on",
     ]
-    rejects = con.execute(
-        "SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1"
-    ).fetchall()
+    rejects = every("SELECT reason, sum(rejects) FROM rejects_by_reason GROUP BY ALL ORDER BY 2 DESC, 1")
     total = sum(n for _, n in rejects)
     items.append(
         f"{total:,} rejects" + (": " + ", ".join(f"{reason} {n:,}" for reason, n in rejects) if rejects else "")
     )
-    models = con.execute(
+    models = every(
         f"SELECT kind, steps, final_loss, {held.ACCURACY}, {held.MAJORITY} FROM training_runs ORDER BY kind, run_dir"
-    ).fetchall()
+    )
     for kind, steps, loss, accuracy, majority in models:
         unit = "rounds" if kind == "federated" else "steps"
         measured = held.heldout_accuracy({held.ACCURACY: accuracy, held.MAJORITY: majority})
         held_out = f", {measured}" if measured else ""
         items.append(f"{kind} model: {steps} {unit}, final loss {format_value(loss)}{held_out}")
-    for onnx, torchscript in con.execute(
-        "SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"
-    ).fetchall():
+    for onnx, torchscript in every("SELECT max_abs_diff, torchscript_max_abs_diff FROM exports ORDER BY folder"):
         items.append(f"export parity: ONNX max |diff| {format_value(onnx)}, TorchScript {format_value(torchscript)}")
-    for speedup, student, teacher in con.execute(
-        "SELECT speedup, student_parameters, teacher_parameters FROM distillation"
-    ).fetchall():
+    for speedup, student, teacher in every("SELECT speedup, student_parameters, teacher_parameters FROM distillation"):
         size = f" with {student / 1e6:.2f} M vs {teacher / 1e6:.2f} M parameters" if student and teacher else ""
         items.append(f"distilled student: {format_value(speedup)}x the teacher's CPU forward speed{size}")
     if not models:
@@ -264,20 +261,6 @@ def _section(title: str, text: str, content: str, sql: str | None = None) -> str
     return f"<section><h2>{html.escape(title)}</h2><p>{html.escape(text)}</p>{content}{query}</section>"
 
 
-def _finetune_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
-    relation = con.execute("SELECT * FROM finetune_results")
-    columns = [d[0] for d in relation.description]
-    return [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
-
-
-def _finetune_verdicts(rows: list[dict[str, Any]], min_heldout_speakers: int) -> str:
-    """The CLI's and the asset's fine-tuning verdict lines, as a list."""
-    from speech_assets.evaluation.finetune_results import verdicts
-
-    lines = verdicts(rows, min_heldout_speakers=min_heldout_speakers)  # the text notes: under the table
-    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
-
-
 def _markdown_html(text: str) -> str:
     """The markdown of :func:`~speech_assets.evaluation.finetune_results.markdown_tables` (bold
     lines, pipe tables, plain lines) as HTML, so the report shows the asset's table as is."""
@@ -310,18 +293,17 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
 
     raw = con.execute("SELECT count(*) FROM probe_results").fetchone()[0]
     path = inputs.probe_results
-    if not raw and (path is None or not path.is_file()):
+    found = path is not None and path.is_file()
+    if not raw and not found:
         return None
-    content = ""
-    if path is not None and path.is_file():
+    if found:
         try:
             board, min_speakers = load_leaderboard(path, inputs.min_heldout_speakers)
         except ValueError as error:
             content = f'<p class="note">{html.escape(f"{path}: {error}")}</p>'
         else:
             names = [name for name, _, _ in LEADERBOARD_COLUMNS]
-            tips = {name: text for name, _, text in LEADERBOARD_COLUMNS}
-            head = "".join(f'<th title="{html.escape(tips[n])}">{html.escape(n)}</th>' for n in names)
+            head = "".join(f'<th title="{html.escape(tip)}">{html.escape(n)}</th>' for n, _, tip in LEADERBOARD_COLUMNS)
             body = "".join(
                 "<tr>" + "".join(f'<td class="nowrap">{format_value(row[n])}</td>' for n in names) + "</tr>"
                 for row in leaderboard_rows(board)
@@ -340,14 +322,18 @@ def _probe_verdicts(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str
 def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> str | None:
     """The fine-tuning verdicts and per-budget table as ``speech-assets finetune`` shows them, the raw
     rows folded below; None without results."""
-    from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference
+    from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference, verdicts
 
-    rows = _finetune_rows(con)
+    relation = con.execute("SELECT * FROM finetune_results")
+    rows = [dict(zip([d[0] for d in relation.description], values, strict=True)) for values in relation.fetchall()]
     if not rows:
         return None
     probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
+    lines = verdicts(rows, min_heldout_speakers=inputs.min_heldout_speakers)  # the text notes: under the table
     content = (
-        _finetune_verdicts(rows, inputs.min_heldout_speakers)
+        "<ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+        + "</ul>"
         + _markdown_html(markdown_tables(rows, probe))
         + _folded("per-seed rows (every model, budget, seed, decoder and split)", _table(con, FINETUNE_ROWS_SQL))
     )
@@ -424,16 +410,7 @@ def write_report(db_path: Path, out_path: Path, inputs: ReportInputs | None = No
         tables = {name: _section(name, text, _table(con, sql), sql) for name, text, sql in SECTIONS}
         models = [tables.pop(name) for name in MODEL_SECTIONS]
         data = list(tables.values())
-        data.insert(
-            2,
-            _section(
-                "Reject examples",
-                "Up to three examples of each reason, with the human-readable detail and a clip to listen to "
-                "(for no_speech, the VAD's decision over the waveform).",
-                examples,
-                REJECT_EXAMPLES_SQL,
-            ),
-        )
+        data.insert(2, _section("Reject examples", REJECT_EXAMPLES_TEXT, examples, REJECT_EXAMPLES_SQL))
         with plots.cached_in(ReportFiles(out_path.parent).plots):
             data[1:1] = _plots(con, inputs)
             models[1:1] = _training_curves(inputs)

@@ -26,6 +26,7 @@ from speech_assets.corpus.manifest import ManifestRow, speaker_hashes, write_man
 from speech_assets.defs import manifest, model_checks, probe
 from speech_assets.defs.resources import StoragePaths
 from speech_assets.federated.history import EVALUATION_SCHEMA, ROUNDS_SCHEMA
+from speech_assets.layout import ProbeFiles
 from speech_assets.targets.labels import UtteranceLabels, iter_labels, write_labels
 from speech_assets_tests.support.training_data import write_corpus
 
@@ -479,7 +480,6 @@ def test_a_probe_that_does_not_beat_log_mel_is_flagged(
     ``yes (indicative only)`` beside a warning check)."""
     from speech_assets.evaluation.compare import (
         leaderboard,
-        leaderboard_path,
         leaderboard_table,
         results_table,
         standing,
@@ -497,7 +497,7 @@ def test_a_probe_that_does_not_beat_log_mel_is_flagged(
     target = paths.root / "probe" / "results.parquet"
     board = leaderboard(rows, 3)
     pq.write_table(results_table(rows), target)
-    pq.write_table(leaderboard_table(board, 3), leaderboard_path(target))
+    pq.write_table(leaderboard_table(board, 3), ProbeFiles.beside(target).leaderboard)
     result = probe.pretrained_beats_fbank(paths=paths)
     assert result.passed is passed and result.severity == dg.AssetCheckSeverity.WARN
     assert result.description.startswith(said)

@@ -14,6 +14,7 @@ from speech_assets.evaluation.compare import (
     RANDOM,
     RESULT_COLUMNS,
     HeldoutErrors,
+    Paired,
     ProbeModel,
     ProbeResult,
     compare_encoders,
@@ -22,18 +23,17 @@ from speech_assets.evaluation.compare import (
     markdown_table,
     paired,
     paired_bootstrap,
-    paired_verdict,
     probe_features,
     read_results,
     results_table,
     standing,
     summarise,
-    utterances_path,
     utterances_table,
 )
 from speech_assets.evaluation.encoders import Utterance
 from speech_assets.evaluation.probe_options import ProbeOptions
 from speech_assets.evaluation.text import ALPHABET, VOCAB_SIZE, encode
+from speech_assets.layout import ProbeFiles
 from speech_assets.model.encoders import random_encoder
 from speech_assets.model.presets import get_preset
 
@@ -218,7 +218,7 @@ def test_rows_of_a_real_encoder_round_trip_through_parquet(tmp_path) -> None:
     back = read_results(tmp_path / "results.parquet")
     assert [r.row() for r in back] == [r.row() for r in results]
     assert all(r.errors is None for r in back)  # no utterances.parquet beside it: no per-utterance errors
-    pq.write_table(utterances_table(results), utterances_path(tmp_path / "results.parquet"))
+    pq.write_table(utterances_table(results), ProbeFiles.beside(tmp_path / "results.parquet").utterances)
     back = read_results(tmp_path / "results.parquet")
     assert [r.row() for r in back] == [r.row() for r in results]
     for a, b in zip(back, results, strict=True):
@@ -309,12 +309,12 @@ def test_paired_bootstrap_says_better_on_a_clearly_better_system_and_no_evidence
     better = np.maximum(baseline - rng.integers(2, 6, 200), 0)  # a few characters fewer on every utterance
     difference, low, high = paired_bootstrap(better, baseline, lengths)
     assert difference == pytest.approx((better - baseline).sum() / lengths.sum())
-    assert low <= difference <= high < 0 and paired_verdict(low, high) == "better"
-    assert paired_verdict(*paired_bootstrap(baseline, better, lengths)[1:]) == "worse"
+    assert low <= difference <= high < 0 and Paired("x", difference, low, high).verdict == "better"
+    assert Paired("x", *paired_bootstrap(baseline, better, lengths)).verdict == "worse"
     # two draws of the same system: the interval straddles 0
     same_a, same_b = rng.binomial(lengths, 0.5), rng.binomial(lengths, 0.5)
     difference, low, high = paired_bootstrap(same_a, same_b, lengths)
-    assert low < 0 < high and paired_verdict(low, high) == "no evidence"
+    assert low < 0 < high and Paired("x", difference, low, high).verdict == "no evidence"
     assert paired_bootstrap(same_a, same_b, lengths) == (difference, low, high)  # deterministic
     with pytest.raises(ValueError, match="equal, non-empty"):
         paired_bootstrap(same_a, same_b[:-1], lengths)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speech_assets.evaluation.decoding import beam_decoder, unavailable, write_arpa
+from speech_assets.evaluation.decoding import tuned_beam_decoder, unavailable, write_arpa
 from speech_assets.evaluation.finetune import (
     Candidate,
     CtcForward,
@@ -167,7 +167,7 @@ def test_arpa_model_is_a_distribution_for_every_history(tmp_path: Path, order: i
 
 @pytest.mark.skipif(unavailable() is not None, reason="flashlight-text not installed")
 def test_beam_decoder_with_the_training_lm_repairs_a_near_miss() -> None:
-    decode, name = beam_decoder(["THE CAT SAT", "THE DOG RAN", "A CAT RAN"], 3)
+    decode, name, _ = tuned_beam_decoder(["THE CAT SAT", "THE DOG RAN", "A CAT RAN"], 3, (), (), (), ())
     assert name == "beam_3gram"
     assert decode([emissions("THE CAT RAN"), emissions("THE CAP SAT")]) == ["THE CAT RAN", "THE CAT SAT"]
 

@@ -28,10 +28,10 @@ from speech_assets.evaluation.finetune_plan import (
     collect_results,
     dev_speakers_of,
     lr_table,
-    oov_by_budget,
     plan_finetune,
     text_overlap,
 )
+from speech_assets.evaluation.finetune_results import oov_by_budget
 from speech_assets.evaluation.protocol import ProbeLeak
 from speech_assets.features.shards import FeatureRecord, write_shard
 from speech_assets.layout import RunFiles
@@ -320,7 +320,7 @@ def test_collect_results_reads_every_run_and_names_one_without_a_result(tmp_path
         "checkpoint_sha256": "scratchscratch",
         **dict.fromkeys(("dev_cer", "lr", "heldout_speakers", "text_overlap", "oov_rate")),
     }
-    assert text_overlap(runs) == 0 and oov_by_budget(runs) == {"1 min": 0.25}
+    assert text_overlap(runs) == 0 and oov_by_budget(rows) == {"1 min": 0.25}
     (tmp_path / "scratch" / "final.pt").unlink()  # a result without its checkpoint is no result
     with pytest.raises(FinetuneRefused, match=r"^scratch, 1 min, seed 0: no result in "):
         collect_results(planned)
@@ -334,7 +334,8 @@ def test_text_overlap_and_oov_rate_over_runs() -> None:
         ("scratch", 5.0, 0): {},
     }
     assert text_overlap(runs) == 3
-    assert oov_by_budget(runs) == {"1 min": 0.3, "5 min": 0.1}
+    rows = [{"labelled_minutes": m, "oov_rate": r.get("oov_rate")} for (_, m, _), r in reversed(runs.items())]
+    assert oov_by_budget(rows) == {"1 min": 0.3, "5 min": 0.1}  # budgets in order, means rounded
     assert text_overlap({("scratch", 1.0, 0): {}}) is None
 
 

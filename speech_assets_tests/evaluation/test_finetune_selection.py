@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from speech_assets.evaluation.finetune import (
-    PLATEAU_CER,
     CtcTraining,
     FineTuning,
     Selection,
@@ -22,6 +21,7 @@ from speech_assets.evaluation.finetune import (
     oov_rate,
     text_overlap,
 )
+from speech_assets.evaluation.finetune_results import DID_NOT_TRAIN_CER
 from speech_assets.layout import RunFiles
 from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train.checkpoint import list_checkpoints, load_checkpoint
@@ -117,7 +117,7 @@ def test_dev_selected_run_keeps_the_best_checkpoint_and_stops_after_patience(tmp
     assert result is not None
     history = result["dev_history"]
     best_step, best_cer = min(history, key=lambda h: (h[1], h[0]))
-    assert best_cer < PLATEAU_CER, history  # it learnt something: patience counts
+    assert best_cer < DID_NOT_TRAIN_CER, history  # it learnt something: patience counts
     assert result["stopped_early"] is True and result["steps_trained"] < config.max_steps
     # the evaluation that runs out of patience is recorded one evaluation later: the run stops there
     assert result["step"] == best_step

@@ -1,5 +1,6 @@
 """The stats database shows the split client_partitions recorded, and holds the probe results."""
 
+import json
 from pathlib import Path
 
 import duckdb
@@ -120,6 +121,13 @@ def test_probe_results_and_hours_per_split(tmp_path: Path) -> None:
             ("pretrained", 0.7),
             ("scratch", 0.9),
         ]
+    # a fine-tuning run whose result.json predates labelled_minutes: its budget from results.parquet
+    (tmp_path / "ft-run").mkdir()
+    (tmp_path / "ft-run" / "result.json").write_text(json.dumps({"checkpoint_sha256": "cd" * 32, "step": 300}))
+    inputs.model_results = {"finetuned": [tmp_path / "ft-run" / "result.json"]}
+    build_database(db, inputs)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT labelled_minutes FROM training_runs WHERE kind = 'finetuned'").fetchall() == [(1.0,)]
 
 
 def test_sql_cli_has_no_external_access_unless_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ import pytest
 import soundfile as sf
 
 from speech_assets.features.vad import VadConfig
+from speech_assets.layout import ProbeFiles
 from speech_assets.stats import report
 from speech_assets_tests.support.corpora import write_flac
 
@@ -202,8 +203,8 @@ def verdict_results(root: Path) -> tuple[Path, Path]:
     probe = root / "probe" / "results.parquet"
     probe.parent.mkdir(parents=True)
     pq.write_table(compare.results_table(results), probe)
-    pq.write_table(compare.utterances_table(results), compare.utterances_path(probe))
-    pq.write_table(compare.leaderboard_table(compare.leaderboard(results, 3), 3), compare.leaderboard_path(probe))
+    pq.write_table(compare.utterances_table(results), ProbeFiles.beside(probe).utterances)
+    pq.write_table(compare.leaderboard_table(compare.leaderboard(results, 3), 3), ProbeFiles.beside(probe).leaderboard)
     finetune = root / "finetune" / "results.parquet"
     finetune.parent.mkdir(parents=True)
     pq.write_table(ft.results_table(FINETUNE_ROWS), finetune)
@@ -231,7 +232,7 @@ HEADER = {
 
 def model_runs(out: Path) -> dict:
     """Every kind of model run's folder as its asset leaves it (result.json, and beside it what the
-    asset adds: config.json, provenance.json, speed.json, mlflow_run_id), and an export's JSON."""
+    asset adds: config.json, provenance.json, mlflow_run_id), and an export's JSON."""
 
     def run(folder: str, result: dict, **files: dict | str) -> Path:
         run_dir = out / folder / f"{folder}-run"
@@ -283,15 +284,11 @@ def model_runs(out: Path) -> dict:
             "student": "tiny-student",
             "student_parameters": 100_000,
             "teacher_parameters": 400_000,
-            "mlflow_run_id": "e" * 32,
-            "data_versions": versions,
-        },
-        speed_json={
             "speedup": 3.456,
             "student_audio_s_per_s": 900.0,
             "teacher_audio_s_per_s": 260.1,
-            "student_parameters": 100_000,
-            "teacher_parameters": 400_000,
+            "mlflow_run_id": "e" * 32,
+            "data_versions": versions,
         },
     )
     federated = run(
@@ -554,7 +551,7 @@ def test_report_states_the_finetune_indicative_verdict_of_the_cli(tmp_path: Path
             f"INSERT INTO finetune_results BY NAME SELECT * FROM (SELECT {', '.join(f'? AS {k}' for k in rows[0])})",
             [list(r.values()) for r in rows],
         )
-        block = report._finetune_verdicts(report._finetune_rows(con), 3)
+        block = report._finetune_section(con, report.ReportInputs(min_heldout_speakers=3))
     lines = verdicts(rows, min_heldout_speakers=3)
     assert "baseline did not train" in lines[0] and "indicative only" in lines[0] and "beats" not in lines[0]
     assert html.escape(lines[0]) in block
