@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
@@ -87,13 +86,9 @@ def _odd_shares(shares: int) -> int:
     return shares
 
 
-def _client_list(clients: object) -> object:
-    if isinstance(clients, str):
-        clients = [c for c in clients.split(",") if c]
-    return sorted(str(c) for c in clients) if isinstance(clients, list | tuple) else clients
-
-
 Beta = Annotated[float, Field(ge=0, lt=1)]
+# a list travels through Flower's run config and ConfigRecords as one comma-separated string
+Csv = Annotated[list[str], BeforeValidator(lambda v: [c for c in v.split(",") if c] if isinstance(v, str) else v)]
 
 
 @train.config_dataclass
@@ -104,7 +99,7 @@ class FederatedConfig:
 
     run_dir: Text
     run_name: str
-    clients: Annotated[list[str], BeforeValidator(_client_list)]
+    clients: Annotated[Csv, AfterValidator(sorted)]
     rounds: AtLeast1 = 3
     local_steps: AtLeast1 = 50
     strategy: Strategy = "fedadam"
@@ -145,8 +140,8 @@ class FederatedConfig:
     clip_norm: float = TrainConfig.clip_norm
     seed: int = TrainConfig.seed
     # the pipeline's held-out speakers, left out of training by every client; train_speakers is recorded
-    heldout_speakers: list[str] = field(default_factory=list)
-    train_speakers: list[str] = field(default_factory=list)
+    heldout_speakers: Csv = field(default_factory=list)
+    train_speakers: Csv = field(default_factory=list)
     max_frames: AtLeast1 = TrainConfig.max_frames
     mask_prob: Probability = TrainConfig.mask_prob
     mask_length: AtLeast1 = TrainConfig.mask_length
@@ -253,12 +248,7 @@ class FederatedConfig:
         named = sorted(set(map(_key, SETTINGS_FILE_ONLY)) & set(run_config))
         if named:
             raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
-        known = {_key(item.name): item for item in fields(cls) if item.name not in JSON_FIELDS}
-        kinds = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for key, item in known.items():
-            if key in run_config:
-                values[item.name] = _coerce(run_config[key], kinds[item.name])
+        values = {item.name: run_config[_key(item.name)] for item in fields(cls) if _key(item.name) in run_config}
         for name in JSON_FIELDS:
             values[name] = json.loads(str(run_config.get(_key(name)) or "{}"))
         return cls(**values)
@@ -322,17 +312,7 @@ def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
     return 2.0 * config.client_lr * config.local_steps * math.sqrt(max(encoder_values, 1))
 
 
-def _coerce(value: Any, kind: Any) -> Any:
-    if typing.get_origin(kind) is list:
-        return [c for c in str(value).split(",") if c]
-    if kind in (int, float):
-        return kind(value)
-    if kind is bool:
-        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-    return str(value)
-
-
-@dataclass(frozen=True)
+@train.config_dataclass(frozen=True)
 class LocalConfig:
     """A round's instructions to a client: ``local_steps`` AdamW steps (fresh state each round), lr
     going linearly from ``lr`` to ``lr_end``, masking and loss as the centralised trainer's."""
@@ -346,7 +326,7 @@ class LocalConfig:
     weight_decay: float
     clip_norm: float
     seed: int
-    heldout_speakers: list[str]
+    heldout_speakers: Csv
     max_frames: int
     mask_prob: float
     mask_length: int
@@ -360,14 +340,10 @@ class LocalConfig:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:
         """Parse a round's instructions; the run name becomes a folder there, so it must be a safe id."""
-        values = {}
-        kinds = typing.get_type_hints(cls)
-        for item in fields(cls):
-            if _key(item.name) not in record and item.name == "proximal_mu":
-                continue
-            if _key(item.name) not in record:
-                raise ValueError(f"the round's config lacks {_key(item.name)!r}")
-            values[item.name] = _coerce(record[_key(item.name)], kinds[item.name])
+        values = {item.name: record[_key(item.name)] for item in fields(cls) if _key(item.name) in record}
+        missing = [_key(item.name) for item in fields(cls) if item.name not in values and item.name != "proximal_mu"]
+        if missing:
+            raise ValueError(f"the round's config lacks {missing[0]!r}")
         check_safe_id(values["run_name"], "the run name sent by the server")
         return cls(**values)
 

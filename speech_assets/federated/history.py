@@ -84,15 +84,6 @@ def check_settings(paths: FederatedPaths, config: FederatedConfig) -> None:
         atomic_write_text(paths.settings, json.dumps(now, indent=1, sort_keys=True) + "\n")
 
 
-def settings_match(paths: FederatedPaths, config: FederatedConfig) -> bool:
-    """Whether the run folder's settings equal ``config``'s, rounds included."""
-    try:
-        before = json.loads(paths.settings.read_text())
-    except (OSError, ValueError):
-        return False
-    return not settings_changes(before, config.settings(), resuming=False)
-
-
 def read_records(paths: FederatedPaths, up_to: int) -> list[dict[str, Any]]:
     records = []
     for round_number in range(1, up_to + 1):
