@@ -80,6 +80,13 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
+def _scalar(value: Any) -> Scalar:
+    """What a Flower record holds: a list as one comma-separated string, a mapping as JSON."""
+    if isinstance(value, list):
+        return ",".join(value)
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+
 def _odd_shares(shares: int) -> int:
     if shares != 0 and (shares < 3 or shares % 2 == 0):
         raise ValueError("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
@@ -89,6 +96,7 @@ def _odd_shares(shares: int) -> int:
 Beta = Annotated[float, Field(ge=0, lt=1)]
 # a list travels through Flower's run config and ConfigRecords as one comma-separated string
 Csv = Annotated[list[str], BeforeValidator(lambda v: [c for c in v.split(",") if c] if isinstance(v, str) else v)]
+FromJson = BeforeValidator(lambda v: json.loads(v or "{}") if isinstance(v, str) else v)
 
 
 @train.config_dataclass
@@ -151,8 +159,8 @@ class FederatedConfig:
     connect_timeout_s: Positive = 300.0
     keep_rounds: AtLeast1 = 2
     max_update_norm: NonNegative = 0.0  # 0 = automatic
-    client_weights: dict[str, float] = field(default_factory=dict)
-    data_versions: dict[str, str] = field(default_factory=dict)
+    client_weights: Annotated[dict[str, float], FromJson] = field(default_factory=dict)
+    data_versions: Annotated[dict[str, str], FromJson] = field(default_factory=dict)
 
     @model_validator(mode="after")
     def _dp_clipping(self) -> Self:
@@ -180,9 +188,6 @@ class FederatedConfig:
     def uniform_weights(self) -> bool:
         # DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets
         return self.differential_privacy or self.secure_aggregation
-
-    def secagg_range(self) -> float:
-        return self.secagg_clipping_range or 2.0 * self.client_lr * self.local_steps
 
     def secagg_shares(self) -> int:
         return min(self.secagg_num_shares or self.sample_size, self.sample_size)
@@ -226,21 +231,9 @@ class FederatedConfig:
         if problems:
             raise ValueError("invalid FederatedConfig: " + "; ".join(problems))
 
-    def weight_of(self, client_id: str) -> float:
-        return float(self.client_weights.get(client_id, 1.0))
-
     def to_run_config(self) -> dict[str, Scalar]:
-        """The run config for ``flwr run --run-config`` (mappings as JSON strings)."""
-        values: dict[str, Scalar] = {}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, list):
-                values[_key(item.name)] = ",".join(value)
-            elif item.name in JSON_FIELDS:
-                values[_key(item.name)] = json.dumps(value, sort_keys=True)
-            else:
-                values[_key(item.name)] = value
-        return values
+        """The run config for ``flwr run --run-config``."""
+        return {_key(name): _scalar(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -248,10 +241,7 @@ class FederatedConfig:
         named = sorted(set(map(_key, SETTINGS_FILE_ONLY)) & set(run_config))
         if named:
             raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
-        values = {item.name: run_config[_key(item.name)] for item in fields(cls) if _key(item.name) in run_config}
-        for name in JSON_FIELDS:
-            values[name] = json.loads(str(run_config.get(_key(name)) or "{}"))
-        return cls(**values)
+        return cls(**{f.name: run_config[_key(f.name)] for f in fields(cls) if _key(f.name) in run_config})
 
     def settings(self) -> dict[str, Any]:
         """What a run computes depends on (a run folder may resume with other timeouts)."""
@@ -270,7 +260,6 @@ class FederatedConfig:
         return asdict(self)
 
 
-JSON_FIELDS = ("client_weights", "data_versions")
 # Where a federation connects, what it trusts and where its SuperNodes write: the launcher's
 # settings (the settings file, or the command line of whoever starts it), never a run config's.
 SETTINGS_FILE_ONLY = ("superlink", "superlink_root_certificates", "insecure", "client_state_root")
@@ -335,7 +324,7 @@ class LocalConfig:
     proximal_mu: float = 0.0  # FedProx's mu ("proximal-mu", the key Flower's FedProx sends too)
 
     def to_record(self) -> dict[str, Scalar]:
-        return {_key(k): ",".join(v) if isinstance(v, list) else v for k, v in asdict(self).items()}
+        return {_key(name): _scalar(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:

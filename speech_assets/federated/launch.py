@@ -1,15 +1,7 @@
-"""One federated run end to end: start the local federation (or use an existing SuperLink), submit
-the Flower App, follow it, stop every process, and read what the server wrote.
-
-Local mode: a SuperLink and one SuperNode per client in a private network namespace
-(:mod:`processes`), or Flower's simulation runtime; each client's state lies under its own root
-(default ``<data>/federated_clients``), never inside the server's run folder. Remote mode
-(``superlink="host:port"``): nothing starts here; ``run_dir`` must be a path the SuperLink's
-machine shares with this one, and without TLS the run is refused unless ``insecure`` says so.
-
-A run folder remembers its settings (``settings.json``): resuming with others is refused, and a
-finished result is reused only when every setting matches. A run that completes no round within
-:func:`stall_limit` seconds is stopped, so no wait is unbounded.
+"""One federated run end to end: start the local federation (a private network namespace,
+:mod:`processes`) or use a remote SuperLink, submit the Flower App, follow it, stop every process,
+and read what the server wrote. With a remote SuperLink nothing starts here and ``run_dir`` must
+be a path the SuperLink's machine shares with this one.
 """
 
 from __future__ import annotations

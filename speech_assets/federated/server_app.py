@@ -251,7 +251,7 @@ class Server:
 
     def weight(self, client: str) -> float:
         """The server's weight (clients table), or 1 where DP or secure aggregation need a uniform mean."""
-        return 1.0 if self.config.uniform_weights else self.config.weight_of(client)
+        return 1.0 if self.config.uniform_weights else float(self.config.client_weights.get(client, 1.0))
 
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
