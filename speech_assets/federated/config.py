@@ -11,13 +11,13 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, field, fields
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import tomli_w
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
@@ -269,14 +269,9 @@ NOT_SETTINGS = ("run_dir", "run_name", "round_timeout_s", "connect_timeout_s")
 
 def settings_changes(before: Mapping[str, Any], now: Mapping[str, Any], *, resuming: bool) -> list[str]:
     """``"name: old -> new"`` for each difference; ``resuming`` allows other rounds (a run may be extended)."""
-    changes = []
-    for name in sorted(set(before) | set(now)):
-        old, new = before.get(name, "<unset>"), now.get(name, "<unset>")
-        if name == "rounds" and resuming:
-            continue
-        if old != new:
-            changes.append(f"{name}: {_short(old)} -> {_short(new)}")
-    return changes
+    names = sorted((set(before) | set(now)) - ({"rounds"} if resuming else set()))
+    pairs = ((name, before.get(name, "<unset>"), now.get(name, "<unset>")) for name in names)
+    return [f"{name}: {_short(old)} -> {_short(new)}" for name, old, new in pairs if old != new]
 
 
 def _short(value: Any) -> str:
@@ -337,16 +332,16 @@ class LocalConfig:
         return cls(**values)
 
 
-def _flag(node_config: Mapping[str, Any], key: str) -> bool:
-    value = node_config.get(key, False)
+def _flag(value: object) -> object:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, bool):
-        raise ValueError(f"node config {key} must be true or false (got {value!r:.40})")
+        raise ValueError(f"must be true or false (got {value!r:.40})")
     return value
 
 
-@dataclass(frozen=True)
+# a number where a text is due (client-id=3, secagg-threshold-floor=0.75) is taken as its text
+@train.config_dataclass(frozen=True, config=ConfigDict(hide_input_in_errors=True, coerce_numbers_to_str=True))
 class NodeConfig:
     """A SuperNode's own settings (``--node-config``); they never leave the client and are never
     taken from the server. ``state-root`` holds its heads and CMVN between rounds (never inside a
@@ -366,8 +361,8 @@ class NodeConfig:
     secagg_min_shares: int = SECAGG_MIN_SHARES
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
     dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM
-    require_secure_aggregation: bool = False
-    require_dp: bool = False
+    require_secure_aggregation: Annotated[bool, BeforeValidator(_flag)] = False
+    require_dp: Annotated[bool, BeforeValidator(_flag)] = False
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
@@ -391,14 +386,7 @@ class NodeConfig:
             raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
         if str(node_config.get("device", "auto")) not in DEVICES:
             raise ValueError(f"node config device must be one of {DEVICES}")
-        values = {}
-        for item in fields(cls):
-            key = _key(item.name)
-            if item.type == "bool":
-                values[item.name] = _flag(node_config, key)
-            elif key in node_config:
-                values[item.name] = {"int": int, "float": float}.get(item.type, str)(node_config[key])
-        return cls(**values)
+        return cls(**{f.name: node_config[_key(f.name)] for f in fields(cls) if _key(f.name) in node_config})
 
     def to_node_config(self) -> str:
         """``flower-supernode``'s ``--node-config``: the values other than the defaults, as TOML pairs."""

@@ -169,10 +169,8 @@ def update_problem(
 
 
 def claimed_client(content: RecordDict) -> str | None:
-    record = content.config_records.get(CLIENT_RECORD)
-    if record is None or not isinstance(record.get(CLIENT_ID), str):
-        return None
-    return str(record[CLIENT_ID])
+    claimed = (content.config_records.get(CLIENT_RECORD) or {}).get(CLIENT_ID)
+    return claimed if isinstance(claimed, str) else None
 
 
 class NodeBinding:

@@ -242,18 +242,14 @@ class SecureRounds:
         """The train messages, each with the ciphertexts sealed for its own client."""
         out = []
         for message in messages:
-            client = self.host.binding.client_of(message.metadata.dst_node_id)
+            meta = message.metadata
+            client = str(self.host.binding.client_of(meta.dst_node_id))
             routed = ConfigRecord(
-                {src: sealed[str(client)] for src, sealed in sorted(self.sealed.items()) if str(client) in sealed}
+                {src: sealed[client] for src, sealed in sorted(self.sealed.items()) if client in sealed}
             )
             content = RecordDict(dict(message.content.items()) | {SHARES: routed})
             out.append(
-                Message(
-                    content,
-                    dst_node_id=message.metadata.dst_node_id,
-                    message_type=message.metadata.message_type,
-                    group_id=message.metadata.group_id,
-                )
+                Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type, group_id=meta.group_id)
             )
         return out
 
