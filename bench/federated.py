@@ -107,7 +107,7 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
     from speech_assets.corpus.clients import read_clients
     from speech_assets.federated.config import FederatedConfig
     from speech_assets.federated.history import summarize_rounds
-    from speech_assets.federated.launch import run_federation
+    from speech_assets.federated.launch import Deployment, run_federation
     from speech_assets.train.accuracy import ACCURACY, MAJORITY
 
     name = f"{engine}-{variant}".replace("+", "-")
@@ -136,9 +136,9 @@ def run_federated(data: Path, root: Path, engine: str, variant: str, args: argpa
         result = run_federation(
             config,
             data,
-            engine=engine,
-            threads_per_client=args.threads_per_client,
-            client_state_root=root / f"{name}-clients",
+            Deployment(
+                engine=engine, threads_per_client=args.threads_per_client, client_state_root=root / f"{name}-clients"
+            ),
             log=lambda line: print(f"  [{name}] {line}", flush=True),
         )
     wall = time.monotonic() - started

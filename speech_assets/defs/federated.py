@@ -111,7 +111,7 @@ def federated_checkpoint(
         result = launch.run_federation(
             federated,
             paths.root,
-            **launch.deployment_options(fed),
+            launch.Deployment.of(fed),
             log=context.log.info,
             on_round=lambda record: context.log.info(round_log_line(record, federated.rounds)),
             tracker=tracker,

@@ -18,18 +18,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from speech_assets.corpus.clients import read_clients
-from speech_assets.federated.config import (
-    DP_MAX_CLIPPING_NORM,
-    SECAGG_MIN_SHARES,
-    SECAGG_THRESHOLD_FLOOR,
-    FederatedConfig,
-)
+from speech_assets.federated.config import FederatedConfig
 from speech_assets.federated.history import SettingsChanged
 from speech_assets.federated.launch import (
     ENGINES,
+    Deployment,
     FederatedRunFailed,
     InsecureRefused,
-    deployment_options,
     run_federation,
 )
 from speech_assets.federated.processes import NeedsLinux
@@ -68,9 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="auto")
     # the local clients' own limits (their node config; docs/PRIVACY.md)
-    parser.add_argument("--secagg-min-shares", type=int, default=SECAGG_MIN_SHARES)
-    parser.add_argument("--secagg-threshold-floor", default=SECAGG_THRESHOLD_FLOOR)
-    parser.add_argument("--dp-max-clipping-norm", type=float, default=DP_MAX_CLIPPING_NORM)
+    parser.add_argument("--secagg-min-shares", type=int, default=Deployment.secagg_min_shares)
+    parser.add_argument("--secagg-threshold-floor", default=Deployment.secagg_threshold_floor)
+    parser.add_argument("--dp-max-clipping-norm", type=float, default=Deployment.dp_max_clipping_norm)
     # resolved hints: an Annotated alias (AtLeast1 ...) is its base type
     hints = typing.get_type_hints(FederatedConfig)
     for item in fields(FederatedConfig):
@@ -104,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_federation(
             config,
             Path(args.data_dir).resolve(),
-            **deployment_options(args),
+            Deployment.of(args),
             log=lambda line: print(line, flush=True),
         )
     except FederatedRunFailed as error:

@@ -10,15 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, field, fields
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import tomli_w
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, model_validator
 
 from speech_assets import layout
 from speech_assets.corpus.ids import check_safe_id, why_unsafe
@@ -81,19 +80,23 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
+def _scalar(value: Any) -> Scalar:
+    """What a Flower record holds: a list as one comma-separated string, a mapping as JSON."""
+    if isinstance(value, list):
+        return ",".join(value)
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+
 def _odd_shares(shares: int) -> int:
     if shares != 0 and (shares < 3 or shares % 2 == 0):
         raise ValueError("secagg_num_shares must be 0 (every sampled client) or an odd number >= 3")
     return shares
 
 
-def _client_list(clients: object) -> object:
-    if isinstance(clients, str):
-        clients = [c for c in clients.split(",") if c]
-    return sorted(str(c) for c in clients) if isinstance(clients, list | tuple) else clients
-
-
 Beta = Annotated[float, Field(ge=0, lt=1)]
+# a list travels through Flower's run config and ConfigRecords as one comma-separated string
+Csv = Annotated[list[str], BeforeValidator(lambda v: [c for c in v.split(",") if c] if isinstance(v, str) else v)]
+FromJson = BeforeValidator(lambda v: json.loads(v or "{}") if isinstance(v, str) else v)
 
 
 @train.config_dataclass
@@ -104,7 +107,7 @@ class FederatedConfig:
 
     run_dir: Text
     run_name: str
-    clients: Annotated[list[str], BeforeValidator(_client_list)]
+    clients: Annotated[Csv, AfterValidator(sorted)]
     rounds: AtLeast1 = 3
     local_steps: AtLeast1 = 50
     strategy: Strategy = "fedadam"
@@ -145,8 +148,8 @@ class FederatedConfig:
     clip_norm: float = TrainConfig.clip_norm
     seed: int = TrainConfig.seed
     # the pipeline's held-out speakers, left out of training by every client; train_speakers is recorded
-    heldout_speakers: list[str] = field(default_factory=list)
-    train_speakers: list[str] = field(default_factory=list)
+    heldout_speakers: Csv = field(default_factory=list)
+    train_speakers: Csv = field(default_factory=list)
     max_frames: AtLeast1 = TrainConfig.max_frames
     mask_prob: Probability = TrainConfig.mask_prob
     mask_length: AtLeast1 = TrainConfig.mask_length
@@ -156,8 +159,8 @@ class FederatedConfig:
     connect_timeout_s: Positive = 300.0
     keep_rounds: AtLeast1 = 2
     max_update_norm: NonNegative = 0.0  # 0 = automatic
-    client_weights: dict[str, float] = field(default_factory=dict)
-    data_versions: dict[str, str] = field(default_factory=dict)
+    client_weights: Annotated[dict[str, float], FromJson] = field(default_factory=dict)
+    data_versions: Annotated[dict[str, str], FromJson] = field(default_factory=dict)
 
     @model_validator(mode="after")
     def _dp_clipping(self) -> Self:
@@ -185,9 +188,6 @@ class FederatedConfig:
     def uniform_weights(self) -> bool:
         # DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets
         return self.differential_privacy or self.secure_aggregation
-
-    def secagg_range(self) -> float:
-        return self.secagg_clipping_range or 2.0 * self.client_lr * self.local_steps
 
     def secagg_shares(self) -> int:
         return min(self.secagg_num_shares or self.sample_size, self.sample_size)
@@ -231,21 +231,9 @@ class FederatedConfig:
         if problems:
             raise ValueError("invalid FederatedConfig: " + "; ".join(problems))
 
-    def weight_of(self, client_id: str) -> float:
-        return float(self.client_weights.get(client_id, 1.0))
-
     def to_run_config(self) -> dict[str, Scalar]:
-        """The run config for ``flwr run --run-config`` (mappings as JSON strings)."""
-        values: dict[str, Scalar] = {}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, list):
-                values[_key(item.name)] = ",".join(value)
-            elif item.name in JSON_FIELDS:
-                values[_key(item.name)] = json.dumps(value, sort_keys=True)
-            else:
-                values[_key(item.name)] = value
-        return values
+        """The run config for ``flwr run --run-config``."""
+        return {_key(name): _scalar(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -253,15 +241,7 @@ class FederatedConfig:
         named = sorted(set(map(_key, SETTINGS_FILE_ONLY)) & set(run_config))
         if named:
             raise ValueError(f"run config may not set {named}: they are set in the settings file only ([federated])")
-        known = {_key(item.name): item for item in fields(cls) if item.name not in JSON_FIELDS}
-        kinds = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for key, item in known.items():
-            if key in run_config:
-                values[item.name] = _coerce(run_config[key], kinds[item.name])
-        for name in JSON_FIELDS:
-            values[name] = json.loads(str(run_config.get(_key(name)) or "{}"))
-        return cls(**values)
+        return cls(**{f.name: run_config[_key(f.name)] for f in fields(cls) if _key(f.name) in run_config})
 
     def settings(self) -> dict[str, Any]:
         """What a run computes depends on (a run folder may resume with other timeouts)."""
@@ -280,7 +260,6 @@ class FederatedConfig:
         return asdict(self)
 
 
-JSON_FIELDS = ("client_weights", "data_versions")
 # Where a federation connects, what it trusts and where its SuperNodes write: the launcher's
 # settings (the settings file, or the command line of whoever starts it), never a run config's.
 SETTINGS_FILE_ONLY = ("superlink", "superlink_root_certificates", "insecure", "client_state_root")
@@ -290,14 +269,9 @@ NOT_SETTINGS = ("run_dir", "run_name", "round_timeout_s", "connect_timeout_s")
 
 def settings_changes(before: Mapping[str, Any], now: Mapping[str, Any], *, resuming: bool) -> list[str]:
     """``"name: old -> new"`` for each difference; ``resuming`` allows other rounds (a run may be extended)."""
-    changes = []
-    for name in sorted(set(before) | set(now)):
-        old, new = before.get(name, "<unset>"), now.get(name, "<unset>")
-        if name == "rounds" and resuming:
-            continue
-        if old != new:
-            changes.append(f"{name}: {_short(old)} -> {_short(new)}")
-    return changes
+    names = sorted((set(before) | set(now)) - ({"rounds"} if resuming else set()))
+    pairs = ((name, before.get(name, "<unset>"), now.get(name, "<unset>")) for name in names)
+    return [f"{name}: {_short(old)} -> {_short(new)}" for name, old, new in pairs if old != new]
 
 
 def _short(value: Any) -> str:
@@ -322,17 +296,7 @@ def update_norm_bound(config: FederatedConfig, encoder_values: int) -> float:
     return 2.0 * config.client_lr * config.local_steps * math.sqrt(max(encoder_values, 1))
 
 
-def _coerce(value: Any, kind: Any) -> Any:
-    if typing.get_origin(kind) is list:
-        return [c for c in str(value).split(",") if c]
-    if kind in (int, float):
-        return kind(value)
-    if kind is bool:
-        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-    return str(value)
-
-
-@dataclass(frozen=True)
+@train.config_dataclass(frozen=True)
 class LocalConfig:
     """A round's instructions to a client: ``local_steps`` AdamW steps (fresh state each round), lr
     going linearly from ``lr`` to ``lr_end``, masking and loss as the centralised trainer's."""
@@ -346,7 +310,7 @@ class LocalConfig:
     weight_decay: float
     clip_norm: float
     seed: int
-    heldout_speakers: list[str]
+    heldout_speakers: Csv
     max_frames: int
     mask_prob: float
     mask_length: int
@@ -355,33 +319,29 @@ class LocalConfig:
     proximal_mu: float = 0.0  # FedProx's mu ("proximal-mu", the key Flower's FedProx sends too)
 
     def to_record(self) -> dict[str, Scalar]:
-        return {_key(k): ",".join(v) if isinstance(v, list) else v for k, v in asdict(self).items()}
+        return {_key(name): _scalar(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> LocalConfig:
         """Parse a round's instructions; the run name becomes a folder there, so it must be a safe id."""
-        values = {}
-        kinds = typing.get_type_hints(cls)
-        for item in fields(cls):
-            if _key(item.name) not in record and item.name == "proximal_mu":
-                continue
-            if _key(item.name) not in record:
-                raise ValueError(f"the round's config lacks {_key(item.name)!r}")
-            values[item.name] = _coerce(record[_key(item.name)], kinds[item.name])
+        values = {item.name: record[_key(item.name)] for item in fields(cls) if _key(item.name) in record}
+        missing = [_key(item.name) for item in fields(cls) if item.name not in values and item.name != "proximal_mu"]
+        if missing:
+            raise ValueError(f"the round's config lacks {missing[0]!r}")
         check_safe_id(values["run_name"], "the run name sent by the server")
         return cls(**values)
 
 
-def _flag(node_config: Mapping[str, Any], key: str) -> bool:
-    value = node_config.get(key, False)
+def _flag(value: object) -> object:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, bool):
-        raise ValueError(f"node config {key} must be true or false (got {value!r:.40})")
+        raise ValueError(f"must be true or false (got {value!r:.40})")
     return value
 
 
-@dataclass(frozen=True)
+# a number where a text is due (client-id=3, secagg-threshold-floor=0.75) is taken as its text
+@train.config_dataclass(frozen=True, config=ConfigDict(hide_input_in_errors=True, coerce_numbers_to_str=True))
 class NodeConfig:
     """A SuperNode's own settings (``--node-config``); they never leave the client and are never
     taken from the server. ``state-root`` holds its heads and CMVN between rounds (never inside a
@@ -401,8 +361,8 @@ class NodeConfig:
     secagg_min_shares: int = SECAGG_MIN_SHARES
     secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
     dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM
-    require_secure_aggregation: bool = False
-    require_dp: bool = False
+    require_secure_aggregation: Annotated[bool, BeforeValidator(_flag)] = False
+    require_dp: Annotated[bool, BeforeValidator(_flag)] = False
 
     def __post_init__(self) -> None:
         check_safe_id(self.client_id, "this SuperNode's client-id")
@@ -426,14 +386,7 @@ class NodeConfig:
             raise ValueError("node config state-dir is gone: name the folder this SuperNode owns with state-root")
         if str(node_config.get("device", "auto")) not in DEVICES:
             raise ValueError(f"node config device must be one of {DEVICES}")
-        values = {}
-        for item in fields(cls):
-            key = _key(item.name)
-            if item.type == "bool":
-                values[item.name] = _flag(node_config, key)
-            elif key in node_config:
-                values[item.name] = {"int": int, "float": float}.get(item.type, str)(node_config[key])
-        return cls(**values)
+        return cls(**{f.name: node_config[_key(f.name)] for f in fields(cls) if _key(f.name) in node_config})
 
     def to_node_config(self) -> str:
         """``flower-supernode``'s ``--node-config``: the values other than the defaults, as TOML pairs."""

@@ -73,33 +73,17 @@ def check_settings(paths: FederatedPaths, config: FederatedConfig) -> None:
                 f"{paths.root} holds rounds but no settings.json: its settings are unknown, use another run folder"
             ) from None
         before = None
-    if before is not None:
-        changes = settings_changes(before, now, resuming=True)
-        if changes:
-            raise SettingsChanged(
-                f"{paths.root} was started with other settings ({'; '.join(changes)}): resume it with the same "
-                "settings, or use another run folder"
-            )
+    if before is not None and (changes := settings_changes(before, now, resuming=True)):
+        raise SettingsChanged(
+            f"{paths.root} was started with other settings ({'; '.join(changes)}): resume it with the same "
+            "settings, or use another run folder"
+        )
     if before != now:
         atomic_write_text(paths.settings, json.dumps(now, indent=1, sort_keys=True) + "\n")
 
 
-def settings_match(paths: FederatedPaths, config: FederatedConfig) -> bool:
-    """Whether the run folder's settings equal ``config``'s, rounds included."""
-    try:
-        before = json.loads(paths.settings.read_text())
-    except (OSError, ValueError):
-        return False
-    return not settings_changes(before, config.settings(), resuming=False)
-
-
 def read_records(paths: FederatedPaths, up_to: int) -> list[dict[str, Any]]:
-    records = []
-    for round_number in range(1, up_to + 1):
-        path = paths.round_record(round_number)
-        if path.is_file():
-            records.append(json.loads(path.read_text()))
-    return records
+    return [json.loads(path.read_text()) for r in range(1, up_to + 1) if (path := paths.round_record(r)).is_file()]
 
 
 def write_tables(paths: FederatedPaths, records: Sequence[Mapping[str, Any]]) -> None:

@@ -1,15 +1,7 @@
-"""One federated run end to end: start the local federation (or use an existing SuperLink), submit
-the Flower App, follow it, stop every process, and read what the server wrote.
-
-Local mode: a SuperLink and one SuperNode per client in a private network namespace
-(:mod:`processes`), or Flower's simulation runtime; each client's state lies under its own root
-(default ``<data>/federated_clients``), never inside the server's run folder. Remote mode
-(``superlink="host:port"``): nothing starts here; ``run_dir`` must be a path the SuperLink's
-machine shares with this one, and without TLS the run is refused unless ``insecure`` says so.
-
-A run folder remembers its settings (``settings.json``): resuming with others is refused, and a
-finished result is reused only when every setting matches. A run that completes no round within
-:func:`stall_limit` seconds is stopped, so no wait is unbounded.
+"""One federated run end to end: start the local federation (a private network namespace,
+:mod:`processes`) or use a remote SuperLink, submit the Flower App, follow it, stop every process,
+and read what the server wrote. With a remote SuperLink nothing starts here and ``run_dir`` must
+be a path the SuperLink's machine shares with this one.
 """
 
 from __future__ import annotations
@@ -18,6 +10,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +24,9 @@ from speech_assets.federated.config import (
     FederatedConfig,
     NodeConfig,
     client_limit_problems,
+    settings_changes,
 )
-from speech_assets.federated.history import check_settings, read_records, record_rounds, settings_match
+from speech_assets.federated.history import check_settings, read_records, record_rounds
 from speech_assets.federated.processes import LocalFederation, flwr_run, require_linux, simulation_run, write_connection
 from speech_assets.hosts import check_endpoint
 from speech_assets.layout import FederatedPaths
@@ -69,11 +63,12 @@ def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
     paths = FederatedPaths(config.run_dir)
     try:
         result = json.loads(paths.result.read_text())
+        before = json.loads(paths.settings.read_text())
     except (OSError, ValueError):
         return None
-    if result.get("rounds") != config.rounds or not paths.final.is_file() or not settings_match(paths, config):
+    if result.get("rounds") != config.rounds or not paths.final.is_file():
         return None
-    return result
+    return None if settings_changes(before, config.settings(), resuming=False) else result
 
 
 class InsecureRefused(ValueError):
@@ -132,48 +127,36 @@ class ProgressDeadline:
         return None
 
 
-class RoundFollower:
-    """Calls ``on_round(record)`` once per round record the ServerApp writes (earlier attempts'
-    first); a round saved before its evaluation is reported once the evaluation is in."""
+@dataclass(frozen=True)
+class Deployment:
+    """Where and how a federation runs; the ``secagg_*`` and ``dp_max_clipping_norm`` limits are the
+    local clients' own."""
 
-    def __init__(self, paths: FederatedPaths, on_round: Callable[[dict[str, Any]], None]) -> None:
-        self.paths, self.on_round, self.seen = paths, on_round, 0
+    superlink: str = ""
+    insecure: bool = False
+    root_certificates: str = ""
+    client_state_root: str | os.PathLike[str] = ""  # empty: <data>/federated_clients
+    threads_per_client: int = 0
+    device: str = "auto"
+    engine: str = "simulation"
+    secagg_min_shares: int = SECAGG_MIN_SHARES
+    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR
+    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM
 
-    def poll(self) -> bool:
-        new = [r for r in record_rounds(self.paths) if r > self.seen]
-        if not new:
-            return False
-        for record in read_records(self.paths, new[-1]):
-            if int(record["round"]) > self.seen:
-                if record.get("evaluation_pending"):
-                    break
-                self.on_round(record)
-                self.seen = int(record["round"])
-        return True
-
-
-# the local clients' own limits (node_configs' keywords)
-CLIENT_LIMITS = ("secagg_min_shares", "secagg_threshold_floor", "dp_max_clipping_norm")
-# run_federation's deployment keywords, as the [federated] settings and the CLI name them
-DEPLOYMENT_OPTIONS = ("superlink", "insecure", "client_state_root", "threads_per_client", "device", "engine")
+    @classmethod
+    def of(cls, source: Any) -> Deployment:
+        """From the ``[federated]`` settings or the CLI's arguments, which name them alike."""
+        names = [f.name for f in fields(cls) if f.name != "root_certificates"]
+        return cls(root_certificates=source.superlink_root_certificates, **{n: getattr(source, n) for n in names})
 
 
-def deployment_options(source: Any) -> dict[str, Any]:
-    """:func:`run_federation`'s deployment keywords from the ``[federated]`` settings or the CLI's arguments."""
-    options = {name: getattr(source, name) for name in (*DEPLOYMENT_OPTIONS, *CLIENT_LIMITS)}
-    options["root_certificates"] = source.superlink_root_certificates
-    options["client_state_root"] = options["client_state_root"] or None  # empty: the default root
-    return options
-
-
-def check_client_limits(
-    config: FederatedConfig, min_shares: int, threshold_floor: str, max_clipping_norm: float
-) -> None:
+def check_client_limits(config: FederatedConfig, deployment: Deployment) -> None:
     """Refuse out-of-bounds limits for the local clients, or a clipping norm every client would refuse."""
-    problems = client_limit_problems(min_shares, threshold_floor, max_clipping_norm, "_")
-    if config.differential_privacy and 0 < max_clipping_norm < config.dp_clipping_norm:
+    max_norm = deployment.dp_max_clipping_norm
+    problems = client_limit_problems(deployment.secagg_min_shares, deployment.secagg_threshold_floor, max_norm, "_")
+    if config.differential_privacy and 0 < max_norm < config.dp_clipping_norm:
         problems.append(
-            f"dp_max_clipping_norm ({max_clipping_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
+            f"dp_max_clipping_norm ({max_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
             "every client would refuse every round"
         )
     if problems:
@@ -184,26 +167,21 @@ def node_configs(
     config: FederatedConfig,
     data_dir: str | os.PathLike[str],
     roots: Mapping[str, Path],
-    *,
     threads: int,
-    device: str = "auto",
-    secagg_min_shares: int = SECAGG_MIN_SHARES,
-    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR,
-    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM,
+    deployment: Deployment,
 ) -> list[NodeConfig]:
     """What each local client requires of every round is fixed here, before the server says anything."""
+    max_norm = deployment.dp_max_clipping_norm
     return [
         NodeConfig(
             client_id=c,
             data_dir=str(Path(data_dir)),
             state_root=str(roots[c]),
             threads=threads,
-            device=device,
-            secagg_min_shares=secagg_min_shares,
-            secagg_threshold_floor=secagg_threshold_floor,
-            dp_max_clipping_norm=(dp_max_clipping_norm or config.dp_clipping_norm)
-            if config.differential_privacy
-            else dp_max_clipping_norm,
+            device=deployment.device,
+            secagg_min_shares=deployment.secagg_min_shares,
+            secagg_threshold_floor=deployment.secagg_threshold_floor,
+            dp_max_clipping_norm=(max_norm or config.dp_clipping_norm) if config.differential_privacy else max_norm,
             require_secure_aggregation=config.secure_aggregation,
             require_dp=config.differential_privacy,
         )
@@ -214,48 +192,43 @@ def node_configs(
 def run_federation(
     config: FederatedConfig,
     data_dir: str | os.PathLike[str],
+    deployment: Deployment = Deployment(),
     *,
-    superlink: str = "",
-    insecure: bool = False,
-    root_certificates: str = "",
-    client_state_root: str | os.PathLike[str] | None = None,
-    threads_per_client: int = 0,
-    device: str = "auto",
-    engine: str = "simulation",
-    secagg_min_shares: int = SECAGG_MIN_SHARES,
-    secagg_threshold_floor: str = SECAGG_THRESHOLD_FLOOR,
-    dp_max_clipping_norm: float = DP_MAX_CLIPPING_NORM,
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     tracker: Any = None,
 ) -> dict[str, Any]:
     """Run (or resume, or reuse) the federated run ``config`` and return its ``result.json``;
-    ``tracker`` (a ``FederatedTracker``) gets every round, then the result or the failure. The
-    ``secagg_*`` and ``dp_max_clipping_norm`` limits are the local clients' own. Raises
+    ``tracker`` (a ``FederatedTracker``) gets every round, then the result or the failure. Raises
     :class:`FederatedRunFailed` when the server stopped the run (the next call resumes)."""
-    check_transport(superlink, root_certificates, insecure)
-    check_client_limits(config, secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm)
+    superlink, engine = deployment.superlink, deployment.engine
+    check_transport(superlink, deployment.root_certificates, deployment.insecure)
+    check_client_limits(config, deployment)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
         require_linux()
     paths = FederatedPaths(config.run_dir)
-    roots = client_state_roots(config.clients, data_dir, client_state_root, paths.root)
+    roots = client_state_roots(config.clients, data_dir, deployment.client_state_root, paths.root)
     # the simulation runs as many workers as cores / threads, whatever the number of clients
     local_threads = 1 if engine == "simulation" else max(1, (os.cpu_count() or 1) // len(config.clients))
-    threads = threads_per_client or local_threads
-    limits = dict(zip(CLIENT_LIMITS, (secagg_min_shares, secagg_threshold_floor, dp_max_clipping_norm), strict=True))
+    threads = deployment.threads_per_client or local_threads
     # a remote SuperLink's SuperNodes have their own
-    nodes = [] if superlink else node_configs(config, data_dir, roots, threads=threads, device=device, **limits)
+    nodes = [] if superlink else node_configs(config, data_dir, roots, threads, deployment)
+
+    def each_round(record: dict[str, Any]) -> None:
+        if tracker is not None:
+            tracker.log_round(record)
+        if on_round is not None:
+            on_round(record)
+
     with RunFolderLock(paths.root).acquire(command=f"federated run {config.run_name}"):
         check_settings(paths, config)
         if tracker is not None:
             tracker.start()
         try:
-            result = _run(
-                config, nodes, threads, superlink, insecure, root_certificates, engine, env, log, on_round, tracker
-            )
+            result = _run(config, nodes, threads, deployment, env, log, each_round)
         except BaseException as error:
             if tracker is not None:
                 tracker.fail(str(error) or type(error).__name__)
@@ -269,28 +242,31 @@ def _run(
     config: FederatedConfig,
     nodes: list[NodeConfig],
     threads: int,
-    superlink: str,
-    insecure: bool,
-    root_certificates: str,
-    engine: str,
+    deployment: Deployment,
     env: Mapping[str, str] | None,
     log: Callable[[str], None],
-    on_round: Callable[[dict[str, Any]], None] | None,
-    tracker: Any,
+    each_round: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     paths = FederatedPaths(config.run_dir)
+    seen = 0
 
-    def each_round(record: dict[str, Any]) -> None:
-        if tracker is not None:
-            tracker.log_round(record)
-        if on_round is not None:
-            on_round(record)
+    def follow_rounds() -> bool:
+        """Report each new round record (earlier attempts' first); a round saved before its evaluation
+        once the evaluation is in."""
+        nonlocal seen
+        new = [r for r in record_rounds(paths) if r > seen]
+        for record in read_records(paths, new[-1]) if new else ():
+            if int(record["round"]) > seen:
+                if record.get("evaluation_pending"):
+                    break
+                each_round(record)
+                seen = int(record["round"])
+        return bool(new)
 
-    follower = RoundFollower(paths, each_round)
     done = completed_result(config)
     if done is not None:
         log(f"federated run {config.run_name} already finished all {config.rounds} rounds: reusing it")
-        follower.poll()
+        follow_rounds()
         return done
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.result.unlink(missing_ok=True)
@@ -306,16 +282,17 @@ def _run(
             log(line)
 
     def progress() -> str | None:
-        if follower.poll():
+        if follow_rounds():
             deadline.progressed()
         return deadline.check()
 
+    superlink, insecure = deployment.superlink, deployment.insecure
     if superlink:
         cli_home = paths.flower.cli
-        write_connection(cli_home, superlink, insecure=insecure, root_certificates=root_certificates)
+        write_connection(cli_home, superlink, insecure=insecure, root_certificates=deployment.root_certificates)
         log(f"submitting {config.run_name} to the SuperLink at {superlink}{' without TLS' if insecure else ''}")
         outcome = flwr_run(APP_DIR, paths.run_config, cli_home, paths.flower.run_log, forward, env, progress)
-    elif engine == "simulation":
+    elif deployment.engine == "simulation":
         log(
             f"federated run {config.run_name} on Flower's simulation runtime: {len(nodes)} clients, "
             f"{max(1, (os.cpu_count() or 1) // threads)} workers of {threads} thread(s)"
@@ -333,7 +310,7 @@ def _run(
             outcome = flwr_run(
                 APP_DIR, paths.run_config, home, run_log, forward, env, should_stop, federation.network.enter
             )
-    follower.poll()
+    follow_rounds()
     if paths.failure.is_file():
         raise FederatedRunFailed(json.loads(paths.failure.read_text()))
     if not paths.result.is_file():

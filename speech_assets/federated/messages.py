@@ -1,12 +1,7 @@
-"""What may travel from a client to the server, checked on both sides, and which client a reply is.
-
-A train reply is exactly the encoder's tensors (``arrays``), :data:`TRAIN_METRICS` (none in a DP
-round unless it says :data:`SHARE_CLIENT_METRICS`) and the client's id; an evaluate reply the same
-without arrays and with :data:`EVAL_METRICS`; every metric a finite number in its range. The client
-checks its reply before sending it (:func:`check_outgoing`: a head, a codebook or statistics
-attached by a bug stops there), the server again (:func:`content_problem`, :func:`update_problem`).
-:class:`NodeBinding` ties each reply to the SuperNode that sent it, so a node cannot answer as
-another client.
+"""What may travel from a client to the server, checked on both sides: by the client before it
+sends (:func:`check_outgoing`: a head, a codebook or statistics attached by a bug stops there), by
+the server again (:func:`content_problem`, :func:`update_problem`). :class:`NodeBinding` ties each
+reply to the SuperNode that sent it, so a node cannot answer as another client.
 """
 
 from __future__ import annotations
@@ -174,10 +169,8 @@ def update_problem(
 
 
 def claimed_client(content: RecordDict) -> str | None:
-    record = content.config_records.get(CLIENT_RECORD)
-    if record is None or not isinstance(record.get(CLIENT_ID), str):
-        return None
-    return str(record[CLIENT_ID])
+    claimed = (content.config_records.get(CLIENT_RECORD) or {}).get(CLIENT_ID)
+    return claimed if isinstance(claimed, str) else None
 
 
 class NodeBinding:

@@ -47,6 +47,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 # the federation's network namespace is its own: every port in it is free
 SUPERLINK_PORT = 9093
+SUPERLINK_ADDRESS = f"127.0.0.1:{SUPERLINK_PORT}"
 FIRST_SUPERNODE_PORT = 9094
 STARTUP_TIMEOUT_S = 120.0
 
@@ -171,11 +172,6 @@ class LocalFederation:
         self.network = PrivateNetwork()
 
     @property
-    def address(self) -> str:
-        assert self.superlink is not None, "the federation is not started"
-        return f"127.0.0.1:{self.superlink.port}"
-
-    @property
     def daemons(self) -> list[Daemon]:
         return ([self.superlink] if self.superlink else []) + list(self.supernodes.values())
 
@@ -195,13 +191,13 @@ class LocalFederation:
                 "superlink", command, SUPERLINK_PORT, files.superlink_log, files.superlink_home
             )
             wait_listening(self.superlink, STARTUP_TIMEOUT_S, self.network)
-            write_connection(self.files.cli, self.address, insecure=False, root_certificates=str(tls.ca))
+            write_connection(self.files.cli, SUPERLINK_ADDRESS, insecure=False, root_certificates=str(tls.ca))
             keys = {node.client_id: make_node_key(files.auth_dir, node.client_id) for node in self.nodes}
             self.node_ids = self.register({client: key.public for client, key in keys.items()})
             for index, node in enumerate(self.nodes):
                 client = node.client_id
                 command = [flower_bin("flower-supernode"), "--root-certificates", str(tls.ca)]
-                command += ["--superlink", self.address, "--auth-supernode-private-key", str(keys[client].private)]
+                command += ["--superlink", SUPERLINK_ADDRESS, "--auth-supernode-private-key", str(keys[client].private)]
                 # the same keys sign its secure-aggregation advertisements and check its peers'
                 command += ["--node-config", replace(node, node_keys=str(files.auth_dir)).to_node_config()]
                 log_path, home = files.supernode_log(client), files.supernode_home(client)
@@ -210,7 +206,7 @@ class LocalFederation:
             pids = {d.name: {"supervisor": d.process.pid, "pid": self.daemon_pid(d)} for d in self.daemons}
             self.files.pids.write_text(json.dumps(pids, indent=1, sort_keys=True) + "\n")
             self.log(
-                f"Flower federation on {self.address}: SuperLink pid {self.superlink.process.pid}, "
+                f"Flower federation on {SUPERLINK_ADDRESS}: SuperLink pid {self.superlink.process.pid}, "
                 + ", ".join(f"{c} pid {d.process.pid}" for c, d in self.supernodes.items())
             )
         except BaseException:

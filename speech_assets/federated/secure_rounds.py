@@ -109,7 +109,8 @@ class SecureRounds:
 
     def __init__(self, config: FederatedConfig, host: RoundHost) -> None:
         self.config, self.host = config, host
-        self.params = SecAggParams(config.secagg_range(), DEFAULT_TARGET_RANGE)
+        clipping_range = config.secagg_clipping_range or 2.0 * config.client_lr * config.local_steps
+        self.params = SecAggParams(clipping_range, DEFAULT_TARGET_RANGE)
         self.params.check_clients(config.sample_size)
         self.num_shares = config.secagg_shares()
         self.threshold = config.secagg_threshold or default_threshold(self.num_shares)
@@ -161,13 +162,8 @@ class SecureRounds:
         self.round_number, self.nonce = round_number, os.urandom(16)
         self.keys, self.sealed, self.survivors, self.dropped = {}, {}, [], []
         common = {KIND: ADVERTISE, SECAGG_THRESHOLD: self.threshold, SECAGG_SHARES_NUM: self.num_shares}
-
-        def read_keys(client: str, record: Any) -> tuple[tuple[Any, ...], str | None]:
-            fields = (MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE)
-            keys = tuple(record.get(k) for k in fields) if record is not None else ()
-            return keys, self._key_problem(keys)
-
-        self._collect("secagg-advertise", {c: common for c in clients}, KEY_RECORD, read_keys, self.keys, failures)
+        asked = {c: common for c in clients}
+        self._collect("secagg-advertise", asked, KEY_RECORD, self._read_keys, self.keys, failures)
         if len(self.keys) < self.threshold:
             self._fail_short("advertised keys", sorted(self.keys), clients, failures)
         table = json.dumps(
@@ -210,19 +206,20 @@ class SecureRounds:
             else:
                 kept[client] = value
 
-    def _key_problem(self, keys: tuple[Any, ...]) -> str | None:
+    def _read_keys(self, client: str, record: Any) -> tuple[tuple[Any, ...], str | None]:
+        keys = tuple(record.get(k) for k in (MASK_KEY, SHARE_KEY, COMMITMENT, SIGNATURE)) if record is not None else ()
         if len(keys) != 4 or not all(isinstance(k, bytes) for k in keys):
-            return f"no {MASK_KEY!r}, {SHARE_KEY!r}, {COMMITMENT!r} and {SIGNATURE!r} in the advertise reply"
+            return keys, f"no {MASK_KEY!r}, {SHARE_KEY!r}, {COMMITMENT!r} and {SIGNATURE!r} in the advertise reply"
         mask, share, commitment, _ = keys
         if len(mask) != KEY_BYTES or len(commitment) != 32:
-            return f"a mask key of {len(mask)} bytes or a commitment of {len(commitment)} bytes (expected 32)"
+            return keys, f"a mask key of {len(mask)} bytes or a commitment of {len(commitment)} bytes (expected 32)"
         if any(mask == known[0] or share == known[1] for known in self.keys.values()):
-            return "a public key another client advertised too"
+            return keys, "a public key another client advertised too"
         try:
             check_share_public(share)
         except ValueError as error:
-            return f"share key refused: {error}"
-        return None
+            return keys, f"share key refused: {error}"
+        return keys, None
 
     def _fail_short(
         self, what: str, got: list[str], clients: Collection[str], failures: list[dict[str, Any]]
@@ -245,18 +242,14 @@ class SecureRounds:
         """The train messages, each with the ciphertexts sealed for its own client."""
         out = []
         for message in messages:
-            client = self.host.binding.client_of(message.metadata.dst_node_id)
+            meta = message.metadata
+            client = str(self.host.binding.client_of(meta.dst_node_id))
             routed = ConfigRecord(
-                {src: sealed[str(client)] for src, sealed in sorted(self.sealed.items()) if str(client) in sealed}
+                {src: sealed[client] for src, sealed in sorted(self.sealed.items()) if client in sealed}
             )
             content = RecordDict(dict(message.content.items()) | {SHARES: routed})
             out.append(
-                Message(
-                    content,
-                    dst_node_id=message.metadata.dst_node_id,
-                    message_type=message.metadata.message_type,
-                    group_id=message.metadata.group_id,
-                )
+                Message(content, dst_node_id=meta.dst_node_id, message_type=meta.message_type, group_id=meta.group_id)
             )
         return out
 

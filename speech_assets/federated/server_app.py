@@ -95,13 +95,6 @@ def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
     return sorted(config.clients[int(i)] for i in chosen)
 
 
-def strategy_state(strategy: FedAvg) -> dict[str, records.NDArrays]:
-    """FedAdam's moments; nothing for FedAvg."""
-    if isinstance(strategy, FedAdam) and strategy.m_t is not None and strategy.v_t is not None:
-        return {"m_t": dict(strategy.m_t), "v_t": dict(strategy.v_t)}
-    return {}
-
-
 def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
     """A train reply of weight 1: how an aggregate made outside the strategy (unmasked sum, noisy
     mean) reaches its ``aggregate_train`` for the server step."""
@@ -138,20 +131,6 @@ class NodeSnapshot:
 
 def array_bytes(record: ArrayRecord) -> int:
     return sum(len(array.data) for array in record.values())
-
-
-def describe(message: Message) -> dict[str, Any]:
-    """What a reply carries, for ``received.jsonl``: record names, kinds, keys and shapes."""
-    if message.has_error():
-        return {"error": message.error.reason}
-    content = message.content
-    described: dict[str, Any] = {
-        name: {"type": "ArrayRecord", "keys": {k: [a.dtype, list(a.shape)] for k, a in record.items()}}
-        for name, record in content.array_records.items()
-    }
-    for kind, group in (("MetricRecord", content.metric_records), ("ConfigRecord", content.config_records)):
-        described |= {name: {"type": kind, "keys": sorted(record)} for name, record in group.items()}
-    return {"records": described}
 
 
 class Server:
@@ -272,7 +251,7 @@ class Server:
 
     def weight(self, client: str) -> float:
         """The server's weight (clients table), or 1 where DP or secure aggregation need a uniform mean."""
-        return 1.0 if self.config.uniform_weights else self.config.weight_of(client)
+        return 1.0 if self.config.uniform_weights else float(self.config.client_weights.get(client, 1.0))
 
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
@@ -364,7 +343,9 @@ class Server:
             else self.privacy.spent() | {"delta_target": config.dp_delta, "accountant": self.privacy.state()},
             "secure_aggregation": self.secure.record(round_number) if self.secure is not None else None,
         }
-        history = records.save_round(self.paths, config, round_number, new_encoder, strategy_state(strategy), record)
+        moments = isinstance(strategy, FedAdam) and strategy.m_t is not None and strategy.v_t is not None
+        state = {"m_t": dict(strategy.m_t), "v_t": dict(strategy.v_t)} if moments else {}  # type: ignore[attr-defined]
+        history = records.save_round(self.paths, config, round_number, new_encoder, state, record)
         self.rounds_run += 1
         if evaluated:
             history = self.evaluate_round(strategy, round_number, new_encoder, history[-1], started)
@@ -530,8 +511,20 @@ class Server:
         return str(self.binding.client_of(reply.metadata.src_node_id))
 
     def audit(self, round_number: int, phase: str, node: int, reply: Message) -> None:
-        entry = {"round": round_number, "phase": phase, "node_id": node, "client_id": self.binding.client_of(node)}
-        entry.update(describe(reply))
+        """What a reply carries, to ``received.jsonl``: record names, kinds, keys and shapes."""
+        entry: dict[str, Any] = {"round": round_number, "phase": phase, "node_id": node}
+        entry["client_id"] = self.binding.client_of(node)
+        if reply.has_error():
+            entry["error"] = reply.error.reason
+        else:
+            content = reply.content
+            described: dict[str, Any] = {
+                name: {"type": "ArrayRecord", "keys": {k: [a.dtype, list(a.shape)] for k, a in record.items()}}
+                for name, record in content.array_records.items()
+            }
+            for kind, group in (("MetricRecord", content.metric_records), ("ConfigRecord", content.config_records)):
+                described |= {name: {"type": kind, "keys": sorted(record)} for name, record in group.items()}
+            entry["records"] = described
         self.paths.received.parent.mkdir(parents=True, exist_ok=True)
         with open(self.paths.received, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry, sort_keys=True) + "\n")

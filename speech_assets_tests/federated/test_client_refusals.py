@@ -117,11 +117,10 @@ def _launcher_limits(config, root: Path, **settings) -> dict:  # type: ignore[no
     from flwr.common.config import parse_config_args
 
     from speech_assets.defs.resources import FederatedSettings
-    from speech_assets.federated.launch import CLIENT_LIMITS, deployment_options, node_configs
+    from speech_assets.federated.launch import Deployment, node_configs
 
-    options = deployment_options(FederatedSettings(**settings))
-    limits = {name: options[name] for name in CLIENT_LIMITS}
-    node = node_configs(config, root, {c: root / c for c in config.clients}, threads=1, **limits)[0]
+    deployment = Deployment.of(FederatedSettings(**settings))
+    node = node_configs(config, root, {c: root / c for c in config.clients}, 1, deployment)[0]
     parsed = parse_config_args([node.to_node_config()])
     return {k: v for k, v in parsed.items() if k not in ("client-id", "data-dir", "state-root", "threads")}
 

@@ -323,10 +323,10 @@ def test_the_engine_is_described_in_words(superlink: str, engine: str, where: st
 )
 def test_the_launcher_refuses_a_superlink_that_is_not_host_and_port(superlink: str, tmp_path: Path) -> None:
     """The command line's `--superlink` is checked as the settings file's is, before anything is written."""
-    from speech_assets.federated.launch import run_federation
+    from speech_assets.federated.launch import Deployment, run_federation
 
     with pytest.raises(ValueError, match="is not host:port"):
-        run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path, superlink=superlink, insecure=True)
+        run_federation(_config(run_dir=str(tmp_path / "run")), tmp_path, Deployment(superlink=superlink, insecure=True))
     assert not (tmp_path / "run").exists()
 
 

@@ -428,7 +428,7 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
     are deleted when the federation stops."""
     from speech_assets.federated.auth import make_node_key
     from speech_assets.federated.config import NodeConfig
-    from speech_assets.federated.processes import LocalFederation, flower_bin, flower_env, spawn
+    from speech_assets.federated.processes import SUPERLINK_ADDRESS, LocalFederation, flower_bin, flower_env, spawn
     from speech_assets.runtime.processes import terminate
 
     folder = tmp_path / "flower"
@@ -443,7 +443,7 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
                 "--root-certificates",
                 str(folder / "tls" / "ca.crt"),
                 "--superlink",
-                federation.address,
+                SUPERLINK_ADDRESS,
                 "--host",
                 "127.0.0.1",
             ]
@@ -512,7 +512,7 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
 
     from speech_assets.federated.auth import make_node_key
     from speech_assets.federated.config import NodeConfig
-    from speech_assets.federated.processes import LocalFederation
+    from speech_assets.federated.processes import SUPERLINK_ADDRESS, LocalFederation
     from speech_assets_tests.support import other_user
 
     if why := other_user.why_not():
@@ -531,7 +531,7 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
         headers = dict(RuntimeVersionMetadata.from_local_component("flwr-cli").as_metadata())
         spec = {
             "ports": [daemon.port for daemon in federation.daemons],
-            "url": f"https://{federation.address}/v1/control/register-node",
+            "url": f"https://{SUPERLINK_ADDRESS}/v1/control/register-node",
             "ca": str(shared / "ca.crt"),  # a CA certificate is no secret
             "body": RegisterNodeRequest(public_key=try_load_public_key(key.public)).SerializeToString().hex(),
             "headers": headers | {"Content-Type": "application/protobuf"},
