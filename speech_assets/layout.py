@@ -153,11 +153,6 @@ class CmvnFiles(Folder):
     speaker_sums = Under("speaker_sums.npz")
     speakers = ManifestFiles.speakers
 
-    @property
-    def versioned(self) -> tuple[Path, Path, Path]:
-        """What cmvn_stats's data version hashes, in order."""
-        return self.cmvn, self.speaker_sums, self.speakers
-
 
 class TargetFiles(Folder):
     """One client's k-means targets of one iteration: ``D/kmeans/<client>/`` or ``D/kmeans_iter2/<client>/``."""
