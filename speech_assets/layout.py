@@ -425,9 +425,6 @@ class DataLayout(Folder):
     def export(self, encoder_sha256: str, layer: int) -> ExportFiles:
         return ExportFiles(self.export_dir / ExportFiles.folder_name(encoder_sha256, layer))
 
-    def all_exports(self) -> list[ExportFiles]:
-        return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ExportFiles.card.name}"))]
-
     finetune = Under(FINETUNE_DIR, FinetuneFiles)
     report = Under("report", ReportFiles)
 

@@ -11,7 +11,7 @@ from speech_assets.defs.lineage import latest_versions, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
-from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
+from speech_assets.layout import ExportFiles, FederatedPaths, RunFiles, TargetFiles
 from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, read_jsonl, sha256_file, sha256_strings
@@ -40,7 +40,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
             "iteration2": paths.layout.results_of(paths.layout.training_iter2_dir),
             "finetuned": paths.layout.results_of(paths.layout.finetune.runs),
         },
-        exports=[export.card for export in paths.layout.all_exports()],
+        exports=sorted(paths.layout.export_dir.glob(f"*/{ExportFiles.card.name}")),
     )
 
 
