@@ -54,14 +54,11 @@ def _newest_federated_rounds(paths: StoragePaths):
 def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:
     """Hash of what the database holds: its tables' rows and the files its views read."""
     with duckdb.connect(str(db_path), read_only=True) as con:
-        tables = [
-            r[0]
-            for r in con.execute(
-                "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
-                "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
-            ).fetchall()
-        ]
-        parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
+        tables = con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
+            "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
+        ).fetchall()
+        parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for (table,) in tables]
     sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shard_rejects]
     if inputs.clients.exists():
         sources.append(inputs.clients)
