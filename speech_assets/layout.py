@@ -129,14 +129,8 @@ class ShardPaths:
     @classmethod
     def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> Self:
         shard = Path(shards_dir) / f"{speaker_id}.parquet"
-        rejects, stats = sidecar_paths(shard)
-        return cls(
-            shard,
-            rejects,
-            stats,
-            shard.with_name(speaker_id + SHARD_META_SUFFIX),
-            shard.with_name(f".{speaker_id}{SHARD_LOCK_SUFFIX}"),
-        )
+        meta = shard.with_name(speaker_id + SHARD_META_SUFFIX)
+        return cls(shard, *sidecar_paths(shard), meta, shard.with_name(f".{speaker_id}{SHARD_LOCK_SUFFIX}"))
 
 
 def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
