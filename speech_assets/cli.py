@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 from speech_assets import layout, locations
 from speech_assets.layout import DataLayout
@@ -26,31 +27,24 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _cmd_probe(args: argparse.Namespace) -> int:
     """The probe's leaderboard, each encoder's standing and how to read it; ``--details``: per-model figures."""
-    from speech_assets.evaluation.compare import (
-        leaderboard_markdown,
-        load_leaderboard,
-        markdown_table,
-        read_results,
-        reading_note,
-        standing,
-    )
+    from speech_assets.evaluation import compare
 
     path = Path(args.results) if args.results else DataLayout(locations.data_dir()).probe.results
     if not path.is_file():
         return _fail(f"no probe results at {path}: materialize downstream_probe")
     try:  # judged with the run's own minimum of held-out speakers (the [probe] setting then)
-        board, min_speakers = load_leaderboard(path)
-        results = read_results(path)
+        board, min_speakers = compare.load_leaderboard(path)
+        results = compare.read_results(path)
     except ValueError as err:
         return _fail(f"{path}: {err}")
-    print(leaderboard_markdown(board))
+    print(compare.leaderboard_markdown(board))
     print()
-    print("\n".join(standing(results, min_speakers)))
+    print("\n".join(compare.standing(results, min_speakers)))
     print()
-    print(reading_note(board, min_speakers))
+    print(compare.reading_note(board, min_speakers))
     if args.details:
         print()
-        print(markdown_table(results))
+        print(compare.markdown_table(results))
     return 0
 
 
@@ -58,30 +52,23 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     """The fine-tuning results per labelled budget and each encoder's verdict against scratch (judged
     as the ``finetuning_is_sound`` check judges), then the text overlap and held-out OOV rate."""
     from speech_assets.defs.resources import PipelineSettings
-    from speech_assets.evaluation.finetune_results import (
-        markdown_tables,
-        overlap_problems,
-        probe_reference,
-        read_rows,
-        text_notes,
-        verdicts,
-    )
+    from speech_assets.evaluation import finetune_results as results
 
     data = DataLayout(locations.data_dir())
     path = Path(args.results) if args.results else data.finetune.results
     if not path.is_file():
         return _fail(f"no fine-tuning results at {path}: materialize finetuned_asr")
     try:
-        rows = read_rows(path)
+        rows = results.read_rows(path)
     except ValueError as err:
         return _fail(f"{path}: {err}")
     try:  # the settings finetuned_asr and its check judge with
         min_speakers = PipelineSettings.load().probe.min_heldout_speakers
     except (OSError, ValueError) as err:
         return _fail(f"settings: {err}")
-    print(markdown_tables(rows, probe_reference(args.probe_results or data.probe.results)))
-    print("\n".join(verdicts(rows, min_heldout_speakers=min_speakers)))
-    if notes := text_notes(rows) + overlap_problems(rows):
+    print(results.markdown_tables(rows, results.probe_reference(args.probe_results or data.probe.results)))
+    print("\n".join(results.verdicts(rows, min_heldout_speakers=min_speakers)))
+    if notes := results.text_notes(rows) + results.overlap_problems(rows):
         print("\n" + "\n".join(notes))
     return 0
 
@@ -98,7 +85,7 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     try:
         # an MLflow model is downloaded, loaded, then the download is removed
         with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
-            if locations.is_model_uri(model):
+            if urlparse(str(model)).scheme in locations.MODEL_URI_SCHEMES:
                 model = fetch_recogniser(model, Path(folder), locations.mlflow_tracking_uri(data))
             recogniser = Recogniser(model, args.decoder, **options)
     except RecogniserError as err:

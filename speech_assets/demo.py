@@ -89,9 +89,7 @@ def verdict(succeeded: int, failed: int, outcomes: Sequence[CheckOutcome]) -> li
     """``N steps succeeded, K warnings: ...``, then one line per check that did not pass, with its reason."""
     warned = [o for o in outcomes if not o.passed and o.severity == dg.AssetCheckSeverity.WARN.value]
     errors = [o for o in outcomes if not o.passed and o.severity != dg.AssetCheckSeverity.WARN.value]
-    head = f"{succeeded} steps succeeded"
-    if failed:
-        head += f", {failed} failed"
+    head = f"{succeeded} steps succeeded" + (f", {failed} failed" if failed else "")
     head += f", {len(warned)} warning{'s' * (len(warned) != 1)}"
     if errors:
         head += f", {len(errors)} failed check{'s' * (len(errors) != 1)}"
@@ -128,15 +126,13 @@ def _examples_section(data: DataLayout, instance: dg.DagsterInstance, count: int
     uri = latest_metadata(instance, "finetuned_asr").get("registered_model")  # the MLflow model version, if any
     try:
         with tempfile.TemporaryDirectory(prefix="speech-assets-model.") as folder:
+            model = data.finetune.recogniser
             if uri:
-                source = uri
-                recogniser = Recogniser(fetch_recogniser(uri, Path(folder), locations.mlflow_tracking_uri(data.root)))
-            else:
-                source = f"{data.finetune.recogniser} (not registered in MLflow)"
-                recogniser = Recogniser(data.finetune.recogniser)
+                model = fetch_recogniser(uri, Path(folder), locations.mlflow_tracking_uri(data.root))
+            recogniser = Recogniser(model)
     except RecogniserError as error:
         return [f"error: {error}"], False
-    lines, ok = [f"recogniser: {source}"], True
+    lines, ok = [f"recogniser: {uri or f'{data.finetune.recogniser} (not registered in MLflow)'}"], True
     for example, transcript in zip(examples, recogniser.transcribe_all(e.path for e in examples), strict=True):
         head = f"{example.utt_id} (speaker {example.speaker_id})"
         if transcript.error is not None:

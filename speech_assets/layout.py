@@ -129,14 +129,8 @@ class ShardPaths:
     @classmethod
     def of(cls, shards_dir: str | os.PathLike[str], speaker_id: str) -> Self:
         shard = Path(shards_dir) / f"{speaker_id}.parquet"
-        rejects, stats = sidecar_paths(shard)
-        return cls(
-            shard,
-            rejects,
-            stats,
-            shard.with_name(speaker_id + SHARD_META_SUFFIX),
-            shard.with_name(f".{speaker_id}{SHARD_LOCK_SUFFIX}"),
-        )
+        meta = shard.with_name(speaker_id + SHARD_META_SUFFIX)
+        return cls(shard, *sidecar_paths(shard), meta, shard.with_name(f".{speaker_id}{SHARD_LOCK_SUFFIX}"))
 
 
 def sidecar_paths(shard_path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -152,11 +146,6 @@ class CmvnFiles(Folder):
     cmvn = Under("cmvn.npz")
     speaker_sums = Under("speaker_sums.npz")
     speakers = ManifestFiles.speakers
-
-    @property
-    def versioned(self) -> tuple[Path, Path, Path]:
-        """What cmvn_stats's data version hashes, in order."""
-        return self.cmvn, self.speaker_sums, self.speakers
 
 
 class TargetFiles(Folder):
@@ -429,9 +418,6 @@ class DataLayout(Folder):
 
     def export(self, encoder_sha256: str, layer: int) -> ExportFiles:
         return ExportFiles(self.export_dir / ExportFiles.folder_name(encoder_sha256, layer))
-
-    def all_exports(self) -> list[ExportFiles]:
-        return [ExportFiles(card.parent) for card in sorted(self.export_dir.glob(f"*/{ExportFiles.card.name}"))]
 
     finetune = Under(FINETUNE_DIR, FinetuneFiles)
     report = Under("report", ReportFiles)

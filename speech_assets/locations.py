@@ -116,7 +116,3 @@ def git_commit() -> str | None:
 
 
 MODEL_URI_SCHEMES = ("models", "runs")  # MLflow model URIs `transcribe --model` downloads
-
-
-def is_model_uri(text: str) -> bool:
-    return urlparse(str(text)).scheme in MODEL_URI_SCHEMES

@@ -79,14 +79,13 @@ def vad_features(
                 failed[outcome.speaker_id] = outcome.error or "no meta"
                 context.log.error(f"shard {outcome.speaker_id} failed:\n{outcome.error}")
                 continue
-            meta = outcome.meta
             totals.add(outcome)
             published.append(
                 per_partition.partition_materialization(
                     context,
                     outcome.speaker_id,
-                    meta["shard_sha256"],
-                    shard_metadata(paths, meta, outcome.rebuilt),
+                    outcome.meta["shard_sha256"],
+                    shard_metadata(paths, outcome.meta, outcome.rebuilt),
                     per_partition.observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
                 )
             )
@@ -144,7 +143,8 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
     per_speaker.save(paths.layout.cmvn.speaker_sums)
     with atomic_path(paths.layout.cmvn.speakers) as tmp:
         pq.write_table(cmvn.speakers_table(speakers, metas, per_speaker), tmp)
-    version = sha256_strings([sha256_file(path) for path in paths.layout.cmvn.versioned])
+    files = paths.layout.cmvn
+    version = sha256_strings([sha256_file(path) for path in (files.cmvn, files.speaker_sums, files.speakers)])
     return dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={

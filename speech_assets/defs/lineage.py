@@ -45,11 +45,7 @@ def partition_versions(instance: dg.DagsterInstance, asset: str, partitions: Ite
         [internals.DATA_VERSION_TAG],
         asset_partitions=list(partitions),
     )
-    return {
-        key: value[internals.DATA_VERSION_TAG]
-        for key, value in sorted(tags.items())
-        if internals.DATA_VERSION_TAG in value
-    }
+    return {k: v[internals.DATA_VERSION_TAG] for k, v in sorted(tags.items()) if internals.DATA_VERSION_TAG in v}
 
 
 def checkpoint_of(context: dg.AssetExecutionContext, asset: str) -> tuple[str, str] | None:
@@ -82,9 +78,8 @@ def input_versions(
     targets_dir = targets_dir or paths.kmeans_dir
     versions = latest_versions(context.instance, ["manifest", "cmvn_stats", "client_partitions"])
     for client, speakers in sorted(clients.items()):
-        versions[f"{targets_asset}/{client}"] = json.loads(TargetFiles(targets_dir(client)).quality.read_text())[
-            "data_version"
-        ]
+        quality = json.loads(TargetFiles(targets_dir(client)).quality.read_text())
+        versions[f"{targets_asset}/{client}"] = quality["data_version"]
         versions |= {f"vad_features/{speaker}": sha for speaker, sha in shard_hashes(paths, speakers).items()}
     return versions
 

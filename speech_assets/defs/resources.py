@@ -527,9 +527,9 @@ def overrides_of(section: type[dg.Config], **extra: Any) -> type[dg.Config]:
 
 
 def effective(section: dg.Config, overrides: dg.Config) -> Any:
-    """``section`` with the fields a manual run set in ``overrides`` replaced, and checked."""
+    """``section`` with the fields a manual run set in ``overrides`` replaced, and checked (its
+    ``settings_only`` fields are not in ``overrides_of``'s type: no run config reaches them)."""
     changed = {k: v for k, v in overrides.model_dump().items() if v is not None and k in type(section).model_fields}
-    changed = {k: v for k, v in changed.items() if k not in getattr(section, "settings_only", frozenset())}
     return type(section).model_validate({**section.model_dump(), **changed}) if changed else section
 
 

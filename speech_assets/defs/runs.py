@@ -83,9 +83,7 @@ def why_dead(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float | None
     if not dagster_internals.is_local_storage(instance):
         return None
     records = instance.get_records_for_run(run.run_id, ascending=False, limit=1).records
-    if not records:
-        return None
-    if (now or time.time()) - records[0].event_log_entry.timestamp < SILENT_FOR_S:
+    if not records or (now or time.time()) - records[0].event_log_entry.timestamp < SILENT_FOR_S:
         return None
     pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.pid}
     if not pids or any(pid_exists(pid) for pid in pids):

@@ -87,16 +87,13 @@ def stats_staleness(paths: StoragePaths) -> list[str]:
 
 def stale_report(paths: StoragePaths) -> dict[str, list[str]]:
     """Asset (or asset[partition]) -> why it no longer matches its inputs on disk; in sync: absent."""
-    report: dict[str, list[str]] = {}
-    for name, reasons in (
-        ("cmvn_stats", cmvn_staleness(paths)),
-        ("pretrained_checkpoint", checkpoint_staleness(paths)),
-        ("dataset_stats", stats_staleness(paths)),
-    ):
-        if reasons:
-            report[name] = reasons
+    report = {
+        "cmvn_stats": cmvn_staleness(paths),
+        "pretrained_checkpoint": checkpoint_staleness(paths),
+        "dataset_stats": stats_staleness(paths),
+    }
     report |= {f"kmeans_targets[{client}]": reasons for client, reasons in kmeans_staleness(paths).items()}
-    return dict(sorted(report.items()))
+    return {name: reasons for name, reasons in sorted(report.items()) if reasons}
 
 
 def _check(reasons: list[str], what: str) -> dg.AssetCheckResult:

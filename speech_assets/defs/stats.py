@@ -11,7 +11,7 @@ from speech_assets.defs.lineage import latest_versions, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
 from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
-from speech_assets.layout import FederatedPaths, RunFiles, TargetFiles
+from speech_assets.layout import ExportFiles, FederatedPaths, RunFiles, TargetFiles
 from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
 from speech_assets.utils import atomic_write_text, read_jsonl, sha256_file, sha256_strings
@@ -40,7 +40,7 @@ def _inputs(paths: StoragePaths) -> stats_db.StatsInputs:
             "iteration2": paths.layout.results_of(paths.layout.training_iter2_dir),
             "finetuned": paths.layout.results_of(paths.layout.finetune.runs),
         },
-        exports=[export.card for export in paths.layout.all_exports()],
+        exports=sorted(paths.layout.export_dir.glob(f"*/{ExportFiles.card.name}")),
     )
 
 
@@ -54,14 +54,11 @@ def _newest_federated_rounds(paths: StoragePaths):
 def _content_hash(db_path, inputs: stats_db.StatsInputs, paths: StoragePaths) -> str:
     """Hash of what the database holds: its tables' rows and the files its views read."""
     with duckdb.connect(str(db_path), read_only=True) as con:
-        tables = [
-            r[0]
-            for r in con.execute(
-                "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
-                "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
-            ).fetchall()
-        ]
-        parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for table in tables]
+        tables = con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
+            "AND table_name <> 'utterances' ORDER BY 1"  # utterances is a copy of the shards, hashed below
+        ).fetchall()
+        parts = [f"{table}:{con.execute(f'SELECT * FROM {table} ORDER BY ALL').fetchall()!r}" for (table,) in tables]
     sources = [inputs.manifest, inputs.manifest_rejects, *inputs.shard_rejects]
     if inputs.clients.exists():
         sources.append(inputs.clients)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dagster_celery import celery_executor
 
 from speech_assets.definitions import build_definitions
+from speech_assets.defs import training
 
 # Same keys as deploy/celery/celery.yaml (the workers' side); values from the environment.
 CELERY_EXECUTOR_CONFIG = {
@@ -24,4 +25,4 @@ CELERY_EXECUTOR_CONFIG = {
 
 celery = celery_executor.configured(CELERY_EXECUTOR_CONFIG, name="speech_assets_celery_executor")
 
-defs = build_definitions(executor=celery)
+defs = build_definitions(settings=training.SETTINGS, executor=celery)

@@ -12,6 +12,7 @@ from typing import Any
 from dagster_k8s import k8s_job_executor
 
 from speech_assets.definitions import build_definitions
+from speech_assets.defs import training
 from speech_assets.defs.cluster import GPU_RESOURCE
 from speech_assets.defs.resources import TrainingSettings
 
@@ -26,7 +27,7 @@ STEP_EXECUTOR_CONFIG: dict[str, Any] = {
 
 k8s_executor = k8s_job_executor.configured(STEP_EXECUTOR_CONFIG, name="speech_assets_k8s_job_executor")
 
-defs = build_definitions(executor=k8s_executor)
+defs = build_definitions(settings=training.SETTINGS, executor=k8s_executor)
 
 
 def training_pod_spec(training: TrainingSettings, image: str, data_claim: str = "speech-assets-data") -> dict[str, Any]:

@@ -44,6 +44,12 @@ def _job(defs: dg.Definitions, asset: str = "pretrained_checkpoint"):
     return defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection={dg.AssetKey(asset)})
 
 
+def test_distillation_and_finetuning_launch_on_this_host_never_restarted() -> None:
+    from speech_assets.defs.torchrun import ONE_NODE, fixed_node_count
+
+    assert (fixed_node_count(ONE_NODE), ONE_NODE.max_restarts) == (1, 0)
+
+
 @pytest.mark.parametrize(
     "override",
     [
