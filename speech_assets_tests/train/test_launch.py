@@ -16,7 +16,7 @@ from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train.autoconfig import LaunchPlan
 from speech_assets.train.engine import Distributed
-from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
+from speech_assets.train.launch import build_torchrun_command, handed_plan, launch, other_node_commands, start_node
 from speech_assets.train.oom import (
     OOM_EXIT_CODE,
     clear_oom,
@@ -166,7 +166,9 @@ def test_the_launcher_plans_once_and_its_workers_take_the_plan(
     def ranks(command: list[str], env: dict[str, str]) -> int:
         attempt = TrainConfig.from_json(command[-1])
         for rank in range(2):
-            plans.append(plan_for_job(attempt, Distributed(rank, rank, 2, 2, torch.device("cpu"))))
+            plans.append(
+                plan_for_job(attempt, Distributed(rank, rank, 2, 2, torch.device("cpu")), handed_plan(attempt))
+            )
         if len(plans) == 2:
             write_oom_marker(attempt.run_dir, 0, float(attempt.batch_seconds or 0), int(attempt.grad_accum), "OOM")
             return OOM_EXIT_CODE
