@@ -54,16 +54,13 @@ def plan_for(
     )
 
 
-def profiles(config: TrainConfig) -> tuple[DatasetProfile, ModelProfile]:
-    dataset = profile_dataset(config.shards)
-    clients = [c.k for c in config.clients.values()]
-    return dataset, profile_model(config.preset, len(clients), clients, dataset.mean_seconds)
-
-
 def planned(config: TrainConfig, nnodes: int = 1) -> tuple[TrainConfig, LaunchPlan]:
     """``config`` resolved by this machine's plan, and the plan; with ``nnodes`` nodes the batch is
     decided for every process of every node, and the config keeps the per-node count."""
-    plan = plan_for(config, *profiles(config), nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
+    dataset = profile_dataset(config.shards)
+    clients = [c.k for c in config.clients.values()]
+    model = profile_model(config.preset, len(clients), clients, dataset.mean_seconds)
+    plan = plan_for(config, dataset, model, nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
     decided = {"batch_seconds": plan.batch_seconds, "grad_accum": plan.grad_accum, "precision": plan.precision}
     return replace(config, nproc=plan.nproc // nnodes, device=plan.device, **decided), plan
 
