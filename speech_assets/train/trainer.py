@@ -20,7 +20,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.model.speed import profile_model
 from speech_assets.train.augment import Augmenter
-from speech_assets.train.autoconfig import LaunchPlan, available_cores, profile_dataset
+from speech_assets.train.autoconfig import available_cores, profile_dataset
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
@@ -93,7 +93,16 @@ class Trainer(Fit):
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
         if dataset is not None:
             plan = plan_for(config, dataset, model, nproc=job.world_size)
-        self.launch = plan = plan_for_job(config, job, plan)
+        # this job's world size and threads; a batch that already ran out of CUDA memory in this run is refused
+        if config.threads is None and job.device.type == "cpu":
+            threads = max(1, available_cores() // job.local_world_size)
+        else:
+            threads = config.threads or plan.threads_per_process
+        self.launch = plan = replace(plan, nproc=job.world_size, threads_per_process=threads)
+        refuse_known_oom(config.run_dir, plan.batch_seconds)
+        torch.set_num_threads(plan.threads_per_process)
+        log.info("autoconfig: %s", plan.reason)
+        job.batch = (plan.batch_seconds, plan.grad_accum)
         self.train_set = UtteranceDataset(
             index,
             train_refs,
@@ -226,21 +235,6 @@ HELDOUT_KEYS = (
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
-
-
-def plan_for_job(config: TrainConfig, job: Distributed, plan: LaunchPlan) -> LaunchPlan:
-    """``plan`` for this job's world size and threads; refuses a batch size that already ran out of
-    CUDA memory in this run."""
-    plan = replace(plan, nproc=job.world_size)
-    if config.threads is not None:
-        plan = replace(plan, threads_per_process=config.threads)
-    elif job.device.type == "cpu":
-        plan = replace(plan, threads_per_process=max(1, available_cores() // job.local_world_size))
-    refuse_known_oom(config.run_dir, plan.batch_seconds)
-    torch.set_num_threads(plan.threads_per_process)
-    log.info("autoconfig: %s", plan.reason)
-    job.batch = (plan.batch_seconds, plan.grad_accum)
-    return plan
 
 
 def train(config: TrainConfig) -> dict[str, Any] | None:
