@@ -88,10 +88,9 @@ class Trainer(Fit):
         self.model = HubertPretrainModel(get_preset(config.preset), clients).to(job.device)
         if config.compile:
             self.model.compile_encoder()
-        if dataset is not None:
-            model = profile_model(config.preset, len(clients), list(clients.values()), dataset.mean_seconds)
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
         if dataset is not None:
+            model = profile_model(config.preset, len(clients), list(clients.values()), dataset.mean_seconds)
             plan = plan_for(config, dataset, model, nproc=job.world_size)
         # this job's world size and threads; a batch that already ran out of CUDA memory in this run is refused
         if config.threads is None and job.device.type == "cpu":
