@@ -69,7 +69,6 @@ from speech_assets.train.autoconfig import peak_bf16_flops  # noqa: E402
 from speech_assets.train.config import TrainConfig  # noqa: E402
 from speech_assets.train.data import Batch  # noqa: E402
 from speech_assets.train.engine import Distributed  # noqa: E402
-from speech_assets.train.launch import plan_for  # noqa: E402
 from speech_assets.train.trainer import Trainer  # noqa: E402
 
 CROP_SETTING = "crop_batches"
@@ -200,7 +199,7 @@ def pretraining(variant: str, corpus: Any, run_dir: Path, args: argparse.Namespa
         **variant_settings(variant),
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(config, job, plan_for(config, nproc=1))
+    return Trainer(config, job)
 
 
 def finetuning(corpus: Any, run_dir: Path, args: argparse.Namespace, job: Distributed) -> Any:

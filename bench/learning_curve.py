@@ -37,14 +37,14 @@ from speech_assets.train.launch import build_torchrun_command, torchrun_env  # n
 def evaluate(config: TrainConfig, checkpoint: Path, scratch: Path) -> dict:
     """``Trainer.score_heldout`` of ``checkpoint`` (a run folder holding only it, so the trainer resumes it)."""
     from speech_assets.train.engine import init_distributed
-    from speech_assets.train.trainer import Trainer, plan_for_job
+    from speech_assets.train.trainer import Trainer
 
     run_dir = scratch / checkpoint.stem
     (run_dir / "checkpoints").mkdir(parents=True)
     os.link(checkpoint, run_dir / "checkpoints" / checkpoint.name)
     single = replace(config, run_dir=str(run_dir), nproc=1, num_workers=0)
     job = init_distributed("cpu")
-    trainer = Trainer(single, job, plan_for_job(single, job))
+    trainer = Trainer(single, job)
     result = trainer.score_heldout() or {}
     return {"step": trainer.step, **{k: v for k, v in result.items() if not isinstance(v, dict)}}
 

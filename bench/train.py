@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from speech_assets.layout import RunFiles  # noqa: E402
+from speech_assets.model.speed import profile_model  # noqa: E402
 from speech_assets.train.autoconfig import (  # noqa: E402
     peak_bf16_flops,
     profile_dataset,
     profile_hardware,
-    profile_model,
 )
 from speech_assets.train.config import TrainConfig  # noqa: E402
 from speech_assets.train.launch import build_torchrun_command, torchrun_env  # noqa: E402

@@ -153,22 +153,6 @@ def crop(features: np.ndarray, frames: int, rng: np.random.Generator) -> np.ndar
     return features[start : start + frames]
 
 
-def spec_augment(feats: torch.Tensor, rng: np.random.Generator, options: Augmentation) -> torch.Tensor:
-    """Frequency and time masks on CMVN-normalised ``feats (T, 80)`` (a new tensor), with
-    torchaudio's ``mask_along_axis`` under a torch RNG seeded from ``rng``."""
-    import torchaudio.functional as AF
-
-    spectrogram = feats.T.unsqueeze(0).clone()  # (1, 80, T): torchaudio's (channel, freq, time)
-    time_width = min(options.time_mask_width, int(options.time_mask_ratio * feats.shape[0]))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(rng.integers(0, 2**63 - 1)))
-        for _ in range(options.freq_masks if options.freq_mask_width else 0):
-            spectrogram = AF.mask_along_axis(spectrogram, options.freq_mask_width, 0.0, axis=1)
-        for _ in range(options.time_masks if time_width else 0):
-            spectrogram = AF.mask_along_axis(spectrogram, time_width, 0.0, axis=2)
-    return spectrogram.squeeze(0).T.contiguous()
-
-
 class Augmenter:
     """Applies an :class:`Augmentation` to one utterance's log-mel; ``babble_source(utt_id, rng, count)``
     gives up to ``count`` log-mel matrices of other utterances of the same client."""
@@ -209,9 +193,23 @@ class Augmenter:
         return mix_at_snr(logmel, noise, snr)
 
     def specaugment(self, feats: torch.Tensor, utt_id: str, epoch: int) -> torch.Tensor:
-        if not self.options.specaugment or feats.shape[0] == 0:
+        """Frequency and time masks on CMVN-normalised ``feats (T, 80)`` (a new tensor), with
+        torchaudio's ``mask_along_axis`` under a torch RNG seeded from the utterance's generator."""
+        import torchaudio.functional as AF
+
+        options = self.options
+        if not options.specaugment or feats.shape[0] == 0:
             return feats
-        return spec_augment(feats, utterance_rng(self.seed, epoch, utt_id, "specaugment"), self.options)
+        rng = utterance_rng(self.seed, epoch, utt_id, "specaugment")
+        spectrogram = feats.T.unsqueeze(0).clone()  # (1, 80, T): torchaudio's (channel, freq, time)
+        time_width = min(options.time_mask_width, int(options.time_mask_ratio * feats.shape[0]))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(rng.integers(0, 2**63 - 1)))
+            for _ in range(options.freq_masks if options.freq_mask_width else 0):
+                spectrogram = AF.mask_along_axis(spectrogram, options.freq_mask_width, 0.0, axis=1)
+            for _ in range(options.time_masks if time_width else 0):
+                spectrogram = AF.mask_along_axis(spectrogram, time_width, 0.0, axis=2)
+        return spectrogram.squeeze(0).T.contiguous()
 
     @functools.cached_property
     def extractor(self) -> Any:

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from speech_assets.features.shards import FRAME_RATE_HZ, read_shard_table
-from speech_assets.model.hubert import HubertPretrainModel, count_parameters
-from speech_assets.model.presets import get_preset
+from speech_assets.model.speed import ModelProfile
 
 GIB = 1 << 30
 # Fraction of GPU memory the plan may use, and what CUDA context/allocator/workspaces take besides.
@@ -62,25 +61,6 @@ class DatasetProfile:
     total_seconds: float
     mean_seconds: float
     max_seconds: float
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """Memory of one training replica: fp32 weights, gradients and AdamW's two moments; activations
-    kept for backward per second of audio."""
-
-    preset: str
-    parameters: int
-    weight_bytes: int
-    grad_bytes: int
-    adam_bytes: int
-    activation_bytes_per_second_fp32: float
-    activation_bytes_per_second_16bit: float
-    train_flops_per_second: float
-
-    @property
-    def state_bytes(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.adam_bytes
 
 
 @dataclass(frozen=True)
@@ -145,28 +125,6 @@ def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
         total_seconds=float(seconds.sum()),
         mean_seconds=float(seconds.mean()),
         max_seconds=float(seconds.max()),
-    )
-
-
-def profile_model(preset: str, num_clients: int, ks: int | Sequence[int], mean_seconds: float = 10.0) -> ModelProfile:
-    """Exact parameter count (built on the meta device) and analytic memory/FLOPs; ``mean_seconds``
-    sets the sequence length of the attention FLOPs."""
-    sizes = [int(ks)] * num_clients if isinstance(ks, int) else [int(k) for k in ks]
-    if len(sizes) != num_clients:
-        raise ValueError(f"{len(sizes)} codebook sizes for {num_clients} clients")
-    spec = get_preset(preset)
-    with torch.device("meta"):
-        parameters = count_parameters(HubertPretrainModel(spec, {f"c{i}": k for i, k in enumerate(sizes)}))
-    frames_per_second = FRAME_RATE_HZ / 2
-    return ModelProfile(
-        preset=preset,
-        parameters=parameters,
-        weight_bytes=4 * parameters,
-        grad_bytes=4 * parameters,
-        adam_bytes=8 * parameters,
-        activation_bytes_per_second_fp32=spec.activation_bytes_per_frame(4) * frames_per_second,
-        activation_bytes_per_second_16bit=spec.activation_bytes_per_frame(2) * frames_per_second,
-        train_flops_per_second=spec.train_flops_per_frame(mean_seconds * frames_per_second, sizes) * frames_per_second,
     )
 
 

@@ -28,10 +28,6 @@ log = logging.getLogger("speech_assets.train")
 CHECKPOINT_FORMAT = 1
 
 
-def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
-    return RunFiles(Path(run_dir)).checkpoint(step)
-
-
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
     """Write ``state`` atomically; through a file object, so that the archive's inner folder is not
     the (random) temp file's name and the same state gives the same bytes."""

@@ -45,7 +45,6 @@ from speech_assets.train.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointWriter,
     capture_rng_state,
-    checkpoint_path,
     finish_and_write,
     latest_checkpoint,
     load_checkpoint,
@@ -663,7 +662,7 @@ class Engine:
             }
             kept = self.keep_steps
             self.checkpoints.submit(
-                checkpoint_path(run_dir, self.step), state, after=lambda: prune_checkpoints(run_dir, keep, kept)
+                RunFiles(run_dir).checkpoint(self.step), state, after=lambda: prune_checkpoints(run_dir, keep, kept)
             )
         self.barrier()
 

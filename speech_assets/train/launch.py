@@ -19,16 +19,11 @@ from speech_assets.features.shards import FRAME_RATE_HZ
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.layout import RunFiles
 from speech_assets.locations import TRACKING_URI_ENV, redact_uri
+from speech_assets.model.speed import ModelProfile, profile_model
 from speech_assets.runtime.locks import RunFolderLock, wait_for_old_workers
 from speech_assets.runtime.processes import launcher_env
 from speech_assets.train import local_torchrun
-from speech_assets.train.autoconfig import (
-    LaunchPlan,
-    decide,
-    profile_dataset,
-    profile_hardware,
-    profile_model,
-)
+from speech_assets.train.autoconfig import DatasetProfile, LaunchPlan, decide, profile_dataset, profile_hardware
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.oom import retrying_oom
 from speech_assets.utils import atomic_write_text
@@ -41,13 +36,14 @@ RUN_LOCK_HELD_ENV = "SPEECH_ASSETS_RUN_LOCK_HELD"
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def plan_for(config: TrainConfig, nproc: int | str | None = None) -> LaunchPlan:
-    """Profile this machine, the shards and the model, and decide (``nproc`` overrides the config's)."""
-    dataset = profile_dataset(config.shards)
+def plan_for(
+    config: TrainConfig, dataset: DatasetProfile, model: ModelProfile, nproc: int | str | None = None
+) -> LaunchPlan:
+    """Decide for this machine, the shards and the model (``nproc`` overrides the config's)."""
     return decide(
         profile_hardware(),
         dataset,
-        profile_model(config.preset, len(config.clients), [c.k for c in config.clients.values()], dataset.mean_seconds),
+        model,
         config.target_batch_seconds,
         nproc=config.nproc if nproc is None else nproc,
         batch_seconds=config.batch_seconds,
@@ -61,7 +57,10 @@ def plan_for(config: TrainConfig, nproc: int | str | None = None) -> LaunchPlan:
 def planned(config: TrainConfig, nnodes: int = 1) -> tuple[TrainConfig, LaunchPlan]:
     """``config`` resolved by this machine's plan, and the plan; with ``nnodes`` nodes the batch is
     decided for every process of every node, and the config keeps the per-node count."""
-    plan = plan_for(config, nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
+    dataset = profile_dataset(config.shards)
+    clients = [c.k for c in config.clients.values()]
+    model = profile_model(config.preset, len(clients), clients, dataset.mean_seconds)
+    plan = plan_for(config, dataset, model, nproc=config.nproc if nnodes == 1 else int(config.nproc) * nnodes)
     decided = {"batch_seconds": plan.batch_seconds, "grad_accum": plan.grad_accum, "precision": plan.precision}
     return replace(config, nproc=plan.nproc // nnodes, device=plan.device, **decided), plan
 

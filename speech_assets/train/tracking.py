@@ -456,24 +456,6 @@ def log_onnx_model(
     return logged
 
 
-def logged_model_of_run(client: Any, uri: str) -> Any:
-    """The model ``runs:/<run id>/<name>`` names: the last one logged under that name in that run."""
-    from mlflow.exceptions import MlflowException
-
-    run_id, _, name = urlparse(uri).path.strip("/").partition("/")
-    if not run_id or not name or "/" in name:
-        raise MlflowException(f"{uri} is not of the form runs:/<run id>/<model name>")
-    experiment_id = client.get_run(run_id).info.experiment_id
-    found = [
-        model
-        for model in client.search_logged_models(experiment_ids=[experiment_id], filter_string=f"name = '{name}'")
-        if model.source_run_id == run_id
-    ]
-    if not found:
-        raise MlflowException(f"run {run_id} logged no model named {name!r}")
-    return max(found, key=lambda model: model.creation_timestamp)
-
-
 def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple[Path, dict[str, Path]]:
     """Download the MLflow model ``uri`` into ``destination``: (its ONNX file, ``{name: path}`` of its
     extra files); ``ValueError`` when the URI names no ONNX model."""
@@ -494,8 +476,21 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
                 uri = client.get_logged_model(found[0]).artifact_location
             else:
                 uri = client.get_model_version_download_uri(*found)
-        else:
-            uri = logged_model_of_run(client, uri).artifact_location
+        else:  # the model ``runs:/<run id>/<name>`` names: the last one logged under that name in that run
+            run_id, _, name = urlparse(uri).path.strip("/").partition("/")
+            if not run_id or not name or "/" in name:
+                raise MlflowException(f"{uri} is not of the form runs:/<run id>/<model name>")
+            experiment_id = client.get_run(run_id).info.experiment_id
+            found = [
+                model
+                for model in client.search_logged_models(
+                    experiment_ids=[experiment_id], filter_string=f"name = '{name}'"
+                )
+                if model.source_run_id == run_id
+            ]
+            if not found:
+                raise MlflowException(f"run {run_id} logged no model named {name!r}")
+            uri = max(found, key=lambda model: model.creation_timestamp).artifact_location
         local = Path(
             mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(destination), tracking_uri=store)
         )

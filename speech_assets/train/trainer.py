@@ -18,8 +18,9 @@ from speech_assets.features.cmvn import training_cmvn
 from speech_assets.layout import CmvnFiles
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
+from speech_assets.model.speed import profile_model
 from speech_assets.train.augment import Augmenter
-from speech_assets.train.autoconfig import LaunchPlan, available_cores
+from speech_assets.train.autoconfig import available_cores, profile_dataset
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
@@ -59,8 +60,9 @@ class Trainer(Fit):
         "autoconfig",
     )
 
-    def __init__(self, config: TrainConfig, job: Distributed, plan: LaunchPlan) -> None:
-        self.job, self.launch = job, plan
+    def __init__(self, config: TrainConfig, job: Distributed) -> None:
+        self.job = job
+        plan = handed_plan(config)  # the launcher's; without one this rank profiles the data and the model
         augment = Augmenter(config.augmentation(), seed=config.seed)
         # negative: the engine's default (on CPU none: one process reads over 2,000 s of audio per second)
         workers = config.num_workers if config.num_workers >= 0 else default_workers(job)
@@ -80,13 +82,26 @@ class Trainer(Fit):
         )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
+        dataset = profile_dataset(config.shards) if plan is None else None
         seed_everything(config.seed)  # the model's initial weights: nothing else draws before them
-        self.model = HubertPretrainModel(get_preset(config.preset), {n: c.k for n, c in config.clients.items()}).to(
-            job.device
-        )
+        clients = {n: c.k for n, c in config.clients.items()}
+        self.model = HubertPretrainModel(get_preset(config.preset), clients).to(job.device)
         if config.compile:
             self.model.compile_encoder()
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
+        if dataset is not None:
+            model = profile_model(config.preset, len(clients), list(clients.values()), dataset.mean_seconds)
+            plan = plan_for(config, dataset, model, nproc=job.world_size)
+        # this job's world size and threads; a batch that already ran out of CUDA memory in this run is refused
+        if config.threads is None and job.device.type == "cpu":
+            threads = max(1, available_cores() // job.local_world_size)
+        else:
+            threads = config.threads or plan.threads_per_process
+        self.launch = plan = replace(plan, nproc=job.world_size, threads_per_process=threads)
+        refuse_known_oom(config.run_dir, plan.batch_seconds)
+        torch.set_num_threads(plan.threads_per_process)
+        log.info("autoconfig: %s", plan.reason)
+        job.batch = (plan.batch_seconds, plan.grad_accum)
         self.train_set = UtteranceDataset(
             index,
             train_refs,
@@ -221,24 +236,8 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
-def plan_for_job(config: TrainConfig, job: Distributed) -> LaunchPlan:
-    """The launcher's plan, or one made here for this job's world size; refuses a batch size that
-    already ran out of CUDA memory in this run."""
-    plan = replace(handed_plan(config) or plan_for(config, nproc=job.world_size), nproc=job.world_size)
-    if config.threads is not None:
-        plan = replace(plan, threads_per_process=config.threads)
-    elif job.device.type == "cpu":
-        plan = replace(plan, threads_per_process=max(1, available_cores() // job.local_world_size))
-    refuse_known_oom(config.run_dir, plan.batch_seconds)
-    torch.set_num_threads(plan.threads_per_process)
-    log.info("autoconfig: %s", plan.reason)
-    job.batch = (plan.batch_seconds, plan.grad_accum)
-    return plan
-
-
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Train ``config`` in this process (alone or as one torchrun rank); ``result.json``'s content on rank 0."""
     with worker(config.run_dir, config.device, command="python -m speech_assets.train") as job:
         reporter = PipesReporter(log) if job.is_main else None  # before the plan: its log line goes to Dagster too
-        plan = plan_for_job(config, job)
-        return Trainer(config, job, plan).run(reporter)
+        return Trainer(config, job).run(reporter)

@@ -27,7 +27,22 @@ def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
     """This process as a training worker, alone or one rank of a torchrun job: its process group, its
     claim on the run folder (the run lock is the launcher's, else rank 0's) and, when launched, its
     tie to the launcher's life; a CUDA out-of-memory error exits as :mod:`speech_assets.train.oom` says."""
-    handlers = setup_logging(Path(run_dir), int(os.environ.get("RANK", "0")))
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    # rank 0 logs INFO to train.log and stderr, other ranks only warnings; under Pipes stderr gets
+    # only warnings, since the Pipes session already carries the records
+    rank = int(os.environ.get("RANK", "0"))
+    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        handlers[0].setLevel(logging.WARNING)
+    if rank == 0:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(Path(run_dir) / RunFiles.log.name, encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
     if LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
         watch_launcher()
@@ -47,24 +62,3 @@ def worker(run_dir: str, device: str, command: str) -> Iterator[Distributed]:
         if job is not None and job.enabled and dist.is_initialized():
             dist.destroy_process_group()
         folder.close()
-
-
-def setup_logging(run_dir: Path, rank: int) -> list[logging.Handler]:
-    """Rank 0 logs INFO to ``run_dir/train.log`` and stderr, other ranks only warnings; under Pipes
-    stderr gets only warnings, since the Pipes session already carries the records."""
-    from dagster_pipes import PipesEnvVarParamsLoader
-
-    handlers: list[logging.Handler] = []
-    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    stream = logging.StreamHandler(sys.stderr)
-    if PipesEnvVarParamsLoader().is_dagster_pipes_process():
-        stream.setLevel(logging.WARNING)
-    handlers.append(stream)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(run_dir / RunFiles.log.name, encoding="utf-8"))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        log.addHandler(handler)
-    return handlers

@@ -717,9 +717,9 @@ def test_a_batch_trains_each_run_as_alone_and_resumes_after_a_kill(finetuned, al
     import signal
     import time
 
+    from speech_assets.layout import RunFiles
     from speech_assets.runtime.faults import FAULTS_ENV, fault
     from speech_assets.train import launch
-    from speech_assets.train.checkpoint import checkpoint_path
     from speech_assets.train.config import FinetuneBatch
 
     folders = _small_runs(finetuned[0], lambda init: tmp_path / init)
@@ -741,7 +741,7 @@ def test_a_batch_trains_each_run_as_alone_and_resumes_after_a_kill(finetuned, al
     interrupted = folders if parallel else folders[:1]
     deadline = time.monotonic() + 600
     while worker.poll() is None and time.monotonic() < deadline:
-        if marker.is_file() and all(checkpoint_path(f, 4).is_file() for f in interrupted):
+        if marker.is_file() and all(RunFiles(f).checkpoint(4).is_file() for f in interrupted):
             break
         time.sleep(0.2)
     assert marker.is_file(), "the launch never reached step 6"

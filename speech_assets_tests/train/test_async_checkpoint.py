@@ -18,7 +18,7 @@ from speech_assets.runtime.faults import FAULTS_ENV, fault
 from speech_assets.train import checkpoint
 from speech_assets.train.checkpoint import CheckpointWriter, latest_checkpoint, list_checkpoints, load_checkpoint
 from speech_assets.train.engine import Distributed
-from speech_assets.train.trainer import Trainer, plan_for_job, train
+from speech_assets.train.trainer import Trainer, train
 from speech_assets_tests.support.training_data import SyntheticCorpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_async_checkpoint_bytes_and_hash_equal_a_synchronous_one(
     config = small_corpus.config(tmp_path / "run", **SETTINGS)
     (tmp_path / "run").mkdir()
     job = Distributed(0, 0, 1, 1, torch.device("cpu"))
-    trainer = Trainer(config, job, plan_for_job(config, job))
+    trainer = Trainer(config, job)
     monkeypatch.setenv(FAULTS_ENV, fault("train.step", "preempt", step=3))  # preempted there
     assert trainer.run() is None
     monkeypatch.delenv(FAULTS_ENV)
@@ -209,7 +209,7 @@ def test_async_checkpoint_training_steps_go_on_while_a_write_is_blocked(
     )
     (tmp_path / "run").mkdir()
     job = Distributed(0, 0, 1, 1, torch.device("cpu"))
-    trainer = Trainer(config, job, plan_for_job(config, job))
+    trainer = Trainer(config, job)
     assert trainer.engine.checkpoints.background
     writes = _blocking_write(monkeypatch, lambda: trainer.engine.step >= 3)
     assert trainer.run() is not None

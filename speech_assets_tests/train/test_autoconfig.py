@@ -1,12 +1,12 @@
 import pytest
 
+from speech_assets.model.speed import profile_model
 from speech_assets.train.autoconfig import (
     GIB,
     DatasetProfile,
     HardwareProfile,
     decide,
     profile_dataset,
-    profile_model,
 )
 from speech_assets.train.config import TrainConfig
 from speech_assets_tests.support.training_data import SyntheticCorpus

@@ -4,12 +4,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speech_assets.layout import RunFiles
 from speech_assets.model.encoders import weights_sha256
 from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.train.checkpoint import (
     capture_rng_state,
-    checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -42,7 +42,7 @@ def test_checkpoint_round_trip_is_weights_only_safe(tmp_path: Path) -> None:
         "config": {"preset": "tiny", "clients": {"a": {"labels": "x", "k": 8}}},
         "data_versions": {"manifest": "abc"},
     }
-    path = save_checkpoint(checkpoint_path(tmp_path, 7), state)
+    path = save_checkpoint(RunFiles(tmp_path).checkpoint(7), state)
     assert path.name == "step_00000007.pt"
     assert not list(path.parent.glob("*.tmp"))
     loaded = torch.load(path, weights_only=True)
@@ -66,9 +66,9 @@ def test_rng_state_restores_all_generators() -> None:
 def test_latest_and_prune(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
     for step in (5, 10, 15, 20):
-        save_checkpoint(checkpoint_path(tmp_path, step), {"step": step})
+        save_checkpoint(RunFiles(tmp_path).checkpoint(step), {"step": step})
     (tmp_path / "checkpoints" / ".step_00000025.pt.abc.tmp").write_bytes(b"partial")
-    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 20)
+    assert latest_checkpoint(tmp_path) == RunFiles(tmp_path).checkpoint(20)
     removed = prune_checkpoints(tmp_path, keep=2)
     # the old checkpoints, and a killed write's temp file (never read as a checkpoint)
     assert [p.name for p in removed] == ["step_00000005.pt", "step_00000010.pt", ".step_00000025.pt.abc.tmp"]

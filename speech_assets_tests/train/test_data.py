@@ -21,7 +21,6 @@ from speech_assets.train.data import (
     heldout_split,
 )
 from speech_assets.train.engine import Distributed
-from speech_assets.train.launch import plan_for
 from speech_assets.train.trainer import Trainer
 from speech_assets_tests.support.training_data import SyntheticCorpus, write_corpus
 
@@ -181,7 +180,7 @@ def long_corpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCorpus:
 def _trainer(corpus: SyntheticCorpus, run_dir: Path, **overrides: object) -> Trainer:
     config = corpus.config(run_dir, batch_seconds=40.0, heldout_fraction=0.0, num_workers=0, **overrides)
     run_dir.mkdir()
-    return Trainer(config, CPU, plan_for(config, nproc=1))
+    return Trainer(config, CPU)
 
 
 def _attention_masks(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor | None]:

@@ -14,6 +14,7 @@ from speech_assets.layout import RunFiles
 from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
+from speech_assets.train import trainer as trainer_module
 from speech_assets.train.autoconfig import LaunchPlan
 from speech_assets.train.engine import Distributed
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
@@ -27,7 +28,7 @@ from speech_assets.train.oom import (
     refuse_known_oom,
     write_oom_marker,
 )
-from speech_assets.train.trainer import plan_for_job
+from speech_assets.train.trainer import Trainer
 from speech_assets_tests.conftest import REPO
 from speech_assets_tests.support.training_data import SyntheticCorpus
 
@@ -160,13 +161,14 @@ def test_the_launcher_plans_once_and_its_workers_take_the_plan(
     config = small_corpus.config(tmp_path / "run", batch_seconds=None, grad_accum="auto", nproc=2)
     profiled: list[list[str]] = []
     profile = launch_module.profile_dataset
-    monkeypatch.setattr(launch_module, "profile_dataset", lambda shards: profiled.append(shards) or profile(shards))
+    for module in (launch_module, trainer_module):
+        monkeypatch.setattr(module, "profile_dataset", lambda shards: profiled.append(shards) or profile(shards))
     plans: list[LaunchPlan] = []
 
     def ranks(command: list[str], env: dict[str, str]) -> int:
         attempt = TrainConfig.from_json(command[-1])
         for rank in range(2):
-            plans.append(plan_for_job(attempt, Distributed(rank, rank, 2, 2, torch.device("cpu"))))
+            plans.append(Trainer(attempt, Distributed(rank, rank, 2, 2, torch.device("cpu"))).launch)
         if len(plans) == 2:
             write_oom_marker(attempt.run_dir, 0, float(attempt.batch_seconds or 0), int(attempt.grad_accum), "OOM")
             return OOM_EXIT_CODE

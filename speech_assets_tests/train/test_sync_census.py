@@ -28,7 +28,6 @@ from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
 from speech_assets.features.cmvn import Cmvn
 from speech_assets.train.data import Batch, UtteranceDataset, build_index, collate
 from speech_assets.train.engine import REPORT_RANGE, Distributed
-from speech_assets.train.launch import plan_for
 from speech_assets.train.trainer import Trainer
 from speech_assets_tests.support.census import HOST_RANGE, HostReads, host_syncs, to_host
 from speech_assets_tests.support.training_data import SyntheticCorpus
@@ -56,7 +55,7 @@ def _census_trainer(small_corpus: SyntheticCorpus, tmp_path: Path, max_steps: in
         tmp_path / "run", max_steps=max_steps, log_every=2, checkpoint_every=100, heldout_fraction=0.0, num_workers=1
     )
     (tmp_path / "run").mkdir()  # the worker context makes it in a real run
-    trainer = Trainer(config, CPU, plan_for(config, nproc=1))
+    trainer = Trainer(config, CPU)
     # steps 1-2 first: loader worker started, optimizer state allocated
     trainer.engine.run(trainer.objective, trainer.stream, replace(config, max_steps=2))
     return trainer, config
