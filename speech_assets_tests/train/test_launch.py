@@ -15,7 +15,7 @@ from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train import trainer as trainer_module
-from speech_assets.train.autoconfig import LaunchPlan
+from speech_assets.train.autoconfig import LaunchPlan, available_cores
 from speech_assets.train.engine import Distributed
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
 from speech_assets.train.oom import (
@@ -286,3 +286,20 @@ def test_a_killed_launcher_stops_its_other_nodes_wherever_they_run(tmp_path: Pat
         launcher.wait()
     node.wait(timeout=60)  # psutil.TimeoutExpired if the node outlived its launcher
     assert "standard input closed" in Path(str(pid_file) + ".log").read_text()
+
+
+@pytest.mark.parametrize(("threads", "local_ranks"), [(None, 1), (None, 2), (1, 1)])
+def test_a_cpu_rank_takes_its_share_of_the_cores_unless_the_config_sets_threads(
+    small_corpus: SyntheticCorpus, tmp_path: Path, threads: int | None, local_ranks: int
+) -> None:
+    """On CPU with no `threads`, each of a node's ranks gets its share of the cores (the plan's
+    count is for a GPU host); a configured count wins."""
+    config = small_corpus.config(tmp_path / "run", threads=threads)
+    expected = threads or max(1, available_cores() // local_ranks)
+    before = torch.get_num_threads()
+    try:
+        trainer = Trainer(config, Distributed(0, 0, local_ranks, local_ranks, torch.device("cpu")))
+        assert trainer.launch.threads_per_process == expected == torch.get_num_threads()
+        assert trainer.launch.nproc == local_ranks
+    finally:
+        torch.set_num_threads(before)
