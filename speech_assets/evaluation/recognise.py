@@ -262,7 +262,7 @@ class Recogniser:
             raise RecogniserError(f"no such file: {path}")
         try:
             decoded, rate = audio.decode(path)
-            wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), rate), in_place=True)
+            wave = audio.to_16k_mono(decoded, rate, in_place=True)
         except (audio.DecodeError, ValueError) as error:
             raise RecogniserError(f"unreadable: {error}") from error
         seconds = decoded.shape[1] / rate
