@@ -228,3 +228,14 @@ def test_config_defaults_and_kwargs() -> None:
     assert fit.k == 5 and fit.codebook.shape == (5, 39)
     with pytest.raises(ValueError):
         km.KMeansConfig(k=0)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"nredo": 2}, {"niter": 0}, {"nredo": 0}, {"init": "kmeans"}],
+    ids=["redo-plusplus", "niter", "nredo", "init"],
+)
+def test_the_config_refuses_what_fit_kmeans_cannot_run(knobs: dict) -> None:
+    """fit_kmeans trusts its config for these: one k-means++ init would seed every redo."""
+    with pytest.raises(ValueError):
+        KMeansConfig(**knobs)
