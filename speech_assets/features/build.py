@@ -312,12 +312,9 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
     state = {"outstanding": 0, "stopping": False}  # helper shards handed out, not yet reported
     # A helper's finished shard, or None: a shard handed back to this process (the pool broke).
     finished: SimpleQueue[tuple[Future, ShardJob] | None] = SimpleQueue()
-    # spawn: safe with torch's thread pools
-    pool = (
-        ProcessPoolExecutor(max_workers=helpers, mp_context=get_context("spawn"), initializer=_init_worker)
-        if helpers
-        else None
-    )
+    pool = None
+    if helpers:  # spawn: safe with torch's thread pools
+        pool = ProcessPoolExecutor(max_workers=helpers, mp_context=get_context("spawn"), initializer=_init_worker)
 
     def hand_out(_: Future | None = None) -> None:  # in the pool's thread, when a helper is free
         with lock:
