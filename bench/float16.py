@@ -173,7 +173,7 @@ def main() -> int:
         error = np.abs(frames16 - frames)
         print(f"float16 rounding on CMVN-normalised MFCC: mean |error| {error.mean():.2e}, max {error.max():.2e}")
         started = time.perf_counter()
-        fit32, fit16 = fit_kmeans(frames, args.k, seed=0), fit_kmeans(frames16, args.k, seed=0)
+        fit32, fit16 = fit_kmeans(frames, args.k), fit_kmeans(frames16, args.k)
         i32, i16 = inertia(frames, fit32.codebook), inertia(frames, fit16.codebook)
         results.update(
             kmeans_frames=len(frames),

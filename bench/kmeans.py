@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         cpus: list[float] = []
         fit: kmeans.KMeansFit | None = None
         for _ in range(args.repeats):
-            secs, cpu, fit = timed(lambda: kmeans.fit_kmeans(x, k, cfg.seed, **cfg.fit_kwargs()))  # type: ignore[assignment]
+            secs, cpu, fit = timed(lambda: kmeans.fit_kmeans(x, k, cfg))  # type: ignore[assignment]
             times.append(secs)
             cpus.append(cpu)
         assert fit is not None

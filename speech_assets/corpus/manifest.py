@@ -527,12 +527,8 @@ def probe_audio(
         handle, stat = open_corpus_file(path, None if root is None else os.path.realpath(root))
     except RefusedFile as refused:
         stat = _stat_or_none(path, os.lstat)
-        return AudioProbe(
-            size=stat.st_size if stat else 0,
-            mtime_ns=stat.st_mtime_ns if stat else 0,
-            error=refused.detail,
-            reason=refused.reason,
-        )
+        size, mtime_ns = (stat.st_size, stat.st_mtime_ns) if stat else (0, 0)
+        return AudioProbe(size, mtime_ns, error=refused.detail, reason=refused.reason)
     with handle:
         return _probe_open(handle, stat, config)
 

@@ -262,7 +262,7 @@ class Recogniser:
             raise RecogniserError(f"no such file: {path}")
         try:
             decoded, rate = audio.decode(path)
-            wave = audio.normalise_peak(audio.resample_to_16k(audio.to_mono(decoded), rate), in_place=True)
+            wave = audio.to_16k_mono(decoded, rate, in_place=True)
         except (audio.DecodeError, ValueError) as error:
             raise RecogniserError(f"unreadable: {error}") from error
         seconds = decoded.shape[1] / rate
@@ -355,6 +355,7 @@ def audio_parity(folder: Path, model: Any, cmvn: Any, paths: Sequence[str | os.P
     from speech_assets.evaluation.text import decode_greedy
     from speech_assets.features.build import process_variants
     from speech_assets.features.featurize import FeatureExtractor
+    from speech_assets.features.jobs import UtteranceInput
     from speech_assets.features.shards import FeatureRecord
     from speech_assets.model.export import ExportableRecogniser
 
@@ -363,7 +364,7 @@ def audio_parity(folder: Path, model: Any, cmvn: Any, paths: Sequence[str | os.P
     torch_model = ExportableRecogniser(model)
     same, diff, count = 0, 0.0, 0
     for path in paths:
-        (record,) = process_variants(path, "parity", "", "", recogniser.vad, extractor)
+        (record,) = process_variants(UtteranceInput("parity", "", "", str(path)), recogniser.vad, extractor)
         if not isinstance(record, FeatureRecord) or record.num_frames < 2:
             continue
         expected = cmvn.apply(record.logmel, "logmel")

@@ -126,15 +126,6 @@ def resample(wave: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
     return out
 
 
-def resample_to_16k(wave: np.ndarray, sample_rate: int) -> np.ndarray:
-    """Resample mono float32 ``(N,)`` from ``sample_rate`` to 16 kHz (no-op at 16 kHz)."""
-    if sample_rate <= 0:
-        raise ValueError(f"invalid sample rate {sample_rate}")
-    if sample_rate == TARGET_SAMPLE_RATE:
-        return wave
-    return resample(wave, int(sample_rate), TARGET_SAMPLE_RATE)
-
-
 def normalise_peak(
     wave: np.ndarray, target: float = PEAK_TARGET, max_gain_db: float = MAX_GAIN_DB, *, in_place: bool = False
 ) -> np.ndarray:
@@ -154,7 +145,7 @@ def normalise_peak(
 def to_16k_mono(audio: np.ndarray, sample_rate: int, *, in_place: bool = False) -> np.ndarray:
     """``(C, N)`` audio at ``sample_rate`` as peak-normalised mono float32 ``(N,)`` at 16 kHz, as the
     pipeline reads every utterance (``in_place``: as :func:`normalise_peak`)."""
-    return normalise_peak(resample_to_16k(to_mono(audio), sample_rate), in_place=in_place)
+    return normalise_peak(resample(to_mono(audio), sample_rate, TARGET_SAMPLE_RATE), in_place=in_place)
 
 
 def load_16k_mono(path: str | os.PathLike[str]) -> np.ndarray:

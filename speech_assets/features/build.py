@@ -61,10 +61,7 @@ def speed_perturbed_id(utt_id: str, factor: float) -> str:
 
 
 def process_variants(
-    path: str | os.PathLike[str],
-    utt_id: str,
-    speaker_id: str,
-    chapter_id: str,
+    utt: UtteranceInput,
     vad_cfg: VadConfig,
     extractor: FeatureExtractor,
     speed_factors: Sequence[float] = (),
@@ -74,6 +71,7 @@ def process_variants(
     """The utterance decoded once, then itself and one speed-perturbed copy per factor (pitch and
     tempo together, as Kaldi's), each VAD-trimmed and featurised on its own audio so that its frames
     match it. ``dtype``: the records' matrices (float16 as a format-2 shard stores them)."""
+    path, utt_id = utt.path, utt.utt_id
     try:
         decoded, sample_rate = audio.decode(path)
     except audio.DecodeError as exc:
@@ -96,8 +94,8 @@ def process_variants(
         logmel, mfcc = extractor(wave[span.start_sample : span.end_sample], dtype)
         return FeatureRecord(
             utt_id=variant_id,
-            speaker_id=speaker_id,
-            chapter_id=chapter_id,
+            speaker_id=utt.speaker_id,
+            chapter_id=utt.chapter_id,
             num_frames=num_frames,
             duration_s=duration_s,
             speech_start_s=span.start_s,
@@ -158,10 +156,7 @@ def build_shard(
     # (~200k objects, ~95 ms) every few shards is not worth it (runtime.heap).
     with frozen_heap():
         for utt in sorted(utterances, key=lambda u: u.utt_id):
-            variants = process_variants(
-                utt.path, utt.utt_id, utt.speaker_id, utt.chapter_id, vad_cfg, extractor, speed_factors, dtype=stored
-            )
-            for result in variants:
+            for result in process_variants(utt, vad_cfg, extractor, speed_factors, dtype=stored):
                 if isinstance(result, RejectRow):
                     rejects.append(result)
                     audio_seconds += utt.duration_s if result.utt_id == utt.utt_id else 0.0
@@ -317,12 +312,9 @@ def publish_planned(plan: ShardPlan, vad_cfg: VadConfig = VadConfig()) -> Iterat
     state = {"outstanding": 0, "stopping": False}  # helper shards handed out, not yet reported
     # A helper's finished shard, or None: a shard handed back to this process (the pool broke).
     finished: SimpleQueue[tuple[Future, ShardJob] | None] = SimpleQueue()
-    # spawn: safe with torch's thread pools
-    pool = (
-        ProcessPoolExecutor(max_workers=helpers, mp_context=get_context("spawn"), initializer=_init_worker)
-        if helpers
-        else None
-    )
+    pool = None
+    if helpers:  # spawn: safe with torch's thread pools
+        pool = ProcessPoolExecutor(max_workers=helpers, mp_context=get_context("spawn"), initializer=_init_worker)
 
     def hand_out(_: Future | None = None) -> None:  # in the pool's thread, when a helper is free
         with lock:

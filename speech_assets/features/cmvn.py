@@ -29,10 +29,6 @@ class PartialSums:
     sumsq: np.ndarray
 
     @classmethod
-    def zeros(cls, dim: int) -> PartialSums:
-        return cls(0, np.zeros(dim, np.float64), np.zeros(dim, np.float64))
-
-    @classmethod
     def of(cls, frames: np.ndarray) -> PartialSums:
         """Statistics of ``frames`` ``(T, D)``."""
         as64 = np.asarray(frames, dtype=np.float64)

@@ -66,12 +66,9 @@ class ShardFormatError(ValueError):
 def shard_format(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -> int:
     """The format version of a shard (no key: 1); :class:`ShardFormatError` for an unknown one or a
     dtype key that contradicts it."""
-    if isinstance(source, pa.Schema):
-        schema, where = source, "shard"
-    elif isinstance(source, pq.ParquetFile):
-        schema, where = source.schema_arrow, "shard"
-    else:
-        schema, where = pq.read_schema(source), str(source)
+    if isinstance(source, pq.ParquetFile):
+        source = source.schema_arrow
+    schema, where = (source, "shard") if isinstance(source, pa.Schema) else (pq.read_schema(source), str(source))
     metadata = schema.metadata or {}
     raw = metadata.get(FORMAT_KEY)
     try:
@@ -97,9 +94,7 @@ def feature_dtype(source: str | os.PathLike[str] | pa.Schema | pq.ParquetFile) -
 
 def num_frames_for(num_samples: int) -> int:
     """Frames of a 16 kHz waveform of ``num_samples`` (0 when shorter than a window)."""
-    if num_samples < WIN_LENGTH:
-        return 0
-    return 1 + (num_samples - WIN_LENGTH) // HOP_LENGTH
+    return 0 if num_samples < WIN_LENGTH else 1 + (num_samples - WIN_LENGTH) // HOP_LENGTH
 
 
 @dataclass
@@ -302,10 +297,10 @@ def iter_shard(
         scalars = {name: table.column(name).to_pylist() for name in SCALAR_COLUMNS}
         views = {name: blob_matrices(table.column(name), FEATURE_DIMS[name], stored) for name in features}
         for row in range(table.num_rows):
-            matrices = {}
-            for name in features:
-                matrix = views[name][row]
-                matrices[name] = matrix if dtype is None else matrix.astype(dtype, copy=False)
+            matrices = {
+                name: views[name][row] if dtype is None else views[name][row].astype(dtype, copy=False)
+                for name in features
+            }
             # FeatureRecord checks each shape against num_frames: a blob misread in the wrong dtype fails here
             yield FeatureRecord(**{name: scalars[name][row] for name in SCALAR_COLUMNS}, **matrices)
 

@@ -242,17 +242,9 @@ def export_recogniser(
 ) -> Parity:
     """The exports of ``model`` with its CTC head, their parity, and the frontend of ``cmvn`` (None: per utterance)."""
     recogniser, files = ExportableRecogniser(model), RecogniserFiles(folder)
-    audio = torch.randn(2, 16_000, generator=torch.Generator().manual_seed(0)) * 0.1
+    audio = torch.randn(2, 16_000, generator=torch.Generator().manual_seed(0)) * 0.1, torch.tensor([16_000, 12_345])
     # opset 18 at least: what the dynamo exporter writes for the frontend's ops
-    frontend_opset = max(opset or 18, 18)
-    export_onnx(
-        LogMelFrontend(cmvn),
-        files.frontend,
-        frontend_opset,
-        INPUT_NAMES,
-        FRONTEND_INPUT_NAMES,
-        (audio, torch.tensor([16_000, 12_345])),
-    )
+    export_onnx(LogMelFrontend(cmvn), files.frontend, max(opset or 18, 18), INPUT_NAMES, FRONTEND_INPUT_NAMES, audio)
     export_onnx(recogniser, files.onnx, opset, RECOGNISER_OUTPUT_NAMES)
     export_torchscript(recogniser, files.torch)
     return check_parity(recogniser, files.onnx, files.torch, feats, RECOGNISER_OUTPUT_NAMES)

@@ -140,14 +140,10 @@ def children_by_parent() -> dict[int, list[int]]:
 
 def descendants(roots: Iterable[int]) -> set[int]:
     """Live processes under ``roots`` (not the roots themselves)."""
-    children = children_by_parent()
     found: set[int] = set()
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
+    for root in roots:
+        with contextlib.suppress(psutil.Error, OSError, IndexError):  # no process table: nothing known
+            found.update(child.pid for child in psutil.Process(root).children(recursive=True) if alive(child.pid))
     return found
 
 

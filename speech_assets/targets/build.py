@@ -73,7 +73,7 @@ def build_client_targets(
     frames = np.concatenate(fit_frames, axis=0)
     del fit_frames
     k_used = fit_k(client_id, frames.shape[0], config, log)
-    fit = kmeans.fit_kmeans(frames, k_used, config.seed, **config.fit_kwargs())
+    fit = kmeans.fit_kmeans(frames, k_used, config)
     del frames
 
     quality = kmeans.QualityAccumulator(k_used)

@@ -4,8 +4,7 @@ them (``[kmeans]``, ``[iteration2]`` in ``speech_assets.defs.resources``) withou
 from __future__ import annotations
 
 import typing
-from dataclasses import fields
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass
@@ -14,8 +13,6 @@ MAX_K = 1 << 15  # labels are stored as int16
 
 KMeansInit = Literal["k-means++", "random"]
 KMEANS_INITS = typing.get_args(KMeansInit)
-# k and seed are fit_kmeans' arguments; the fit sample's size and K's shrink are decided before it runs
-NOT_FIT_KWARGS = frozenset({"k", "seed", "max_fit_frames", "min_frames_per_centroid"})
 
 
 @dataclass(frozen=True)
@@ -43,12 +40,8 @@ class KMeansConfig:
     @model_validator(mode="after")
     def _redo_needs_random_init(self) -> Self:
         if self.nredo > 1 and self.init != "random":
-            raise ValueError("nredo > 1 needs init='random'")
+            raise ValueError("nredo > 1 needs init='random' (one k-means++ init would seed every run)")
         return self
-
-    def fit_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~speech_assets.targets.kmeans.fit_kmeans` from this config."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in NOT_FIT_KWARGS}
 
 
 # HuBERT iteration 2's k-means defaults (``[iteration2]``): K=500 as in HuBERT's second iteration

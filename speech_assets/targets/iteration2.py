@@ -48,10 +48,6 @@ class Iteration2Encoder:
     asset: str
     data_version: str
 
-    def fit_inputs(self, settings: str, code_version: str) -> list[str]:
-        """What decides a client's fit beside its shards."""
-        return [self.sha256, str(self.layer), settings, code_version]
-
     def record(self) -> dict[str, Any]:
         return {
             "encoder_asset": self.asset,
@@ -104,7 +100,7 @@ def iteration2_targets(
         )
         return result, {"label_rate_hz": 50, **encoder.record()}
 
-    fit_inputs = encoder.fit_inputs(settings, code_version)
+    fit_inputs = [encoder.sha256, str(encoder.layer), settings, code_version]  # what decides a fit beside the shards
     return publish_client_targets(client, out_dir, fit_inputs, config.k, fit, log=log, what="iteration-2 targets")
 
 

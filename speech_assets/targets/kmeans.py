@@ -130,24 +130,13 @@ def train_frames(n: int, k: int, max_points_per_centroid: int, min_train_frames:
     return min(n, max(max_points_per_centroid * k, min_train_frames, k))
 
 
-def fit_kmeans(
-    frames: np.ndarray,
-    k: int,
-    seed: int = 0,
-    *,
-    niter: int = KMeansConfig.niter,
-    max_points_per_centroid: int = KMeansConfig.max_points_per_centroid,
-    min_train_frames: int = KMeansConfig.min_train_frames,
-    nredo: int = KMeansConfig.nredo,
-    init: str = KMeansConfig.init,
-    init_sample_per_centroid: int = KMeansConfig.init_sample_per_centroid,
-    inertia_sample_frames: int = KMeansConfig.inertia_sample_frames,
-    num_threads: int | None = None,
-) -> KMeansFit:
-    """Fit k-means (faiss Lloyd's) on ``(N, D)`` float32 ``frames``; deterministic for a seed and thread count.
+def fit_kmeans(frames: np.ndarray, k: int, config: KMeansConfig = KMeansConfig()) -> KMeansFit:
+    """Fit k-means (faiss Lloyd's) on ``(N, D)`` float32 ``frames`` with ``config``'s knobs (its ``k`` and
+    fit sample are the caller's, already applied); deterministic for a seed and thread count.
 
     Lloyd's runs on a seeded subsample (:func:`train_frames`); the inertia is exact over all frames
     up to ``inertia_sample_frames`` (0: always), else estimated from a seeded sample of that many.
+    ``niter``, ``nredo`` and ``init`` were validated when the config was made.
     """
     x = _as_frames(frames)
     n, d = x.shape
@@ -155,31 +144,27 @@ def fit_kmeans(
         raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
     if n < k:
         raise ValueError(f"{n} frames cannot make {k} clusters; use effective_k()")
-    if niter < 1 or nredo < 1:
-        raise ValueError("niter and nredo must be >= 1")
-    if init not in ("k-means++", "random"):
-        raise ValueError(f"init must be 'k-means++' or 'random', got {init!r}")
-    if init == "k-means++" and nredo > 1:
-        raise ValueError("nredo > 1 needs init='random' (one k-means++ init would seed every run)")
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(config.seed)
     train = x
-    n_train = train_frames(n, k, max_points_per_centroid, min_train_frames)
+    n_train = train_frames(n, k, config.max_points_per_centroid, config.min_train_frames)
     if n_train < n:
         train = x[np.sort(rng.choice(n, size=n_train, replace=False))]
     faiss_seed = int(rng.integers(0, 2**31 - 1))
 
-    with faiss_threads(num_threads):
+    with faiss_threads(config.num_threads):
         # we subsample ourselves (seeded, reported): these bounds silence faiss' own subsample/too-few warnings
         bounds = {"max_points_per_centroid": max(train.shape[0], 1), "min_points_per_centroid": 1}
-        km = faiss.Kmeans(d, k, niter=niter, nredo=nredo, seed=faiss_seed, verbose=False, **bounds)
-        plusplus = _kmeans_plusplus(train, k, faiss_seed, init_sample_per_centroid) if init == "k-means++" else None
+        km = faiss.Kmeans(d, k, niter=config.niter, nredo=config.nredo, seed=faiss_seed, verbose=False, **bounds)
+        plusplus = None
+        if config.init == "k-means++":
+            plusplus = _kmeans_plusplus(train, k, faiss_seed, config.init_sample_per_centroid)
         km.train(train, init_centroids=plusplus)
         codebook = np.ascontiguousarray(km.centroids, dtype=np.float32).reshape(k, d)
         del train
         evaluate = x
-        if inertia_sample_frames and n > inertia_sample_frames:
-            evaluate = x[np.sort(rng.choice(n, size=inertia_sample_frames, replace=False))]
+        if config.inertia_sample_frames and n > config.inertia_sample_frames:
+            evaluate = x[np.sort(rng.choice(n, size=config.inertia_sample_frames, replace=False))]
         sqdist = float(CodebookIndex(codebook).assign(evaluate)[1].sum(dtype=np.float64))
     return KMeansFit(
         codebook=codebook,
@@ -188,8 +173,8 @@ def fit_kmeans(
         frames_trained=n_train,
         inertia_per_frame=sqdist / evaluate.shape[0],
         inertia_frames=int(evaluate.shape[0]),
-        niter=niter,
-        seed=seed,
+        niter=config.niter,
+        seed=config.seed,
     )
 
 

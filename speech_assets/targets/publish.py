@@ -150,7 +150,8 @@ def kmeans_client_targets(
         new_frames = sum(speaker_sums.speakers[s]["mfcc"].count for s in newcomers or [])
         frames_now = previous.get("frames_labelled", 0) + new_frames
         at_refit = frames_at_last_refit(previous)
-        if newcomers and at_refit and within_refit_growth(frames_now, at_refit, policy.refit_growth):
+        # growth since the refit, not the last extension: small extensions cannot compound past refit_growth
+        if newcomers and at_refit and frames_now - at_refit <= policy.refit_growth * at_refit:
             log(
                 f"{client.client_id}: {len(newcomers)} new speaker(s), {new_frames} frames; "
                 f"{frames_now - at_refit} frames since the last refit of {at_refit} "
@@ -191,12 +192,6 @@ def frames_at_last_refit(quality: dict) -> int | None:
     if quality.get("mode", "refit") == "refit" and "frames_labelled" in quality:
         return int(quality["frames_labelled"])
     return None
-
-
-def within_refit_growth(frames_now: int, frames_at_refit: int, refit_growth: float) -> bool:
-    """Whether a client that grew to ``frames_now`` may keep its codebook: growth is measured against
-    the refit, not the last extension, so small extensions cannot compound past ``refit_growth``."""
-    return frames_now - frames_at_refit <= refit_growth * frames_at_refit
 
 
 def new_speakers(previous: dict, speakers: list[str], shard_versions: dict[str, str]) -> list[str] | None:

@@ -30,3 +30,18 @@ def test_a_flac_without_a_declared_length_is_unreadable_not_too_long(libri: Libr
         "header does not declare the number of samples (a streamed FLAC?), so it cannot be validated",
     )
     assert ("14-140-0000" in {r.utt_id for r in result.rows}) == (max_duration_s > 2.0)
+
+
+def test_a_refused_file_is_probed_by_its_own_stat(libri: LibriCorpus, tmp_path: Path) -> None:
+    """A file refused before it is opened (a symlink out of the root) keeps its own size and mtime (the
+    cache key), and a path with nothing there gets zeros."""
+    outside = libri.add("15", "150", 0).rename(tmp_path / "outside.flac")
+    link = libri.root / "link.flac"
+    link.symlink_to(outside)
+    probe = m.probe_audio(str(link), root=libri.root)
+    assert probe.reason == "outside_root" and (probe.size, probe.mtime_ns) == (
+        link.lstat().st_size,
+        link.lstat().st_mtime_ns,
+    )
+    gone = m.probe_audio(str(libri.root / "gone.flac"), root=libri.root)
+    assert gone.reason == "unreadable" and (gone.size, gone.mtime_ns) == (0, 0)

@@ -240,11 +240,11 @@ def test_resampled_inputs_give_16k_features(tmp_path, extractor, sample_rate, ch
     cfg = VadConfig()
     fmax = 3600 if sample_rate < SR else 7600  # what the input rate can carry
     reference = write_flac(tmp_path / "ref.flac", vowel(2.0, SR, fmax=fmax), SR, "PCM_24")
-    ref = process_variants(reference, "ref", "s", "c", cfg, extractor)[0]
+    ref = process_variants(UtteranceInput("ref", "s", "c", str(reference)), cfg, extractor)[0]
     mono = vowel(2.0, sample_rate, fmax=fmax)
     data = np.stack([mono, 0.8 * mono], axis=1) if channels == 2 else mono
     other = write_flac(tmp_path / f"other{suffix}", data, sample_rate, subtype)
-    rec = process_variants(other, "other", "s", "c", cfg, extractor)[0]
+    rec = process_variants(UtteranceInput("other", "s", "c", str(other)), cfg, extractor)[0]
     assert isinstance(ref, FeatureRecord) and isinstance(rec, FeatureRecord)
     assert rec.duration_s == pytest.approx(2.0)
     assert rec.num_frames == ref.num_frames == num_frames_for(32000)
@@ -264,7 +264,7 @@ def test_resampled_frame_count_for_odd_lengths(tmp_path, extractor):
     num_samples = 44100 * 2 + 37
     wave = vowel(num_samples / 44100, 44100)[:num_samples]
     path = write_flac(tmp_path / "odd.flac", np.stack([wave, wave], axis=1), 44100, "PCM_24")
-    rec = process_variants(path, "odd", "s", "c", VadConfig(), extractor)[0]
+    rec = process_variants(UtteranceInput("odd", "s", "c", str(path)), VadConfig(), extractor)[0]
     assert isinstance(rec, FeatureRecord)
     resampled = -(-16000 * num_samples // 44100)  # ceil: what the resampler returns
     assert rec.speech_end_s == pytest.approx(resampled / SR)
@@ -273,7 +273,7 @@ def test_resampled_frame_count_for_odd_lengths(tmp_path, extractor):
 
 def test_one_utterance_is_trimmed_and_reported(tmp_path, extractor):
     path = write_flac(tmp_path / "u.flac", with_silence(1.0, 2.0, 1.0))
-    rec = process_variants(path, "u1", "spk", "ch", VadConfig(), extractor)[0]
+    rec = process_variants(UtteranceInput("u1", "spk", "ch", str(path)), VadConfig(), extractor)[0]
     assert isinstance(rec, FeatureRecord)
     assert rec.duration_s == pytest.approx(4.0)
     assert 0.6 <= rec.speech_start_s <= 1.03 and 3.0 <= rec.speech_end_s <= 3.5
@@ -290,7 +290,7 @@ def test_one_utterance_is_trimmed_and_reported(tmp_path, extractor):
 )
 def test_silence_only_file_is_no_speech_reject(tmp_path, extractor, wave):
     path = write_flac(tmp_path / "silence.flac", wave)
-    result = process_variants(path, "sil", "s", "c", VadConfig(), extractor)[0]
+    result = process_variants(UtteranceInput("sil", "s", "c", str(path)), VadConfig(), extractor)[0]
     assert isinstance(result, RejectRow)
     assert result.stage == "vad" and result.reason == "no_speech" and result.utt_id == "sil"
     assert "never triggered" in result.detail and "frames voiced" in result.detail
@@ -299,7 +299,7 @@ def test_silence_only_file_is_no_speech_reject(tmp_path, extractor, wave):
 def test_unreadable_file_is_a_reject_not_a_crash(tmp_path, extractor):
     path = tmp_path / "broken.flac"
     path.write_bytes(b"fLaC garbage")
-    result = process_variants(path, "bad", "s", "c", VadConfig(), extractor)[0]
+    result = process_variants(UtteranceInput("bad", "s", "c", str(path)), VadConfig(), extractor)[0]
     assert isinstance(result, RejectRow) and result.reason == "unreadable" and result.stage == "vad"
 
 
@@ -339,9 +339,7 @@ def test_build_shard_writes_sorted_records_rejects_and_stats(tmp_path, corpus, e
     assert table.schema.equals(features.SHARD_SCHEMA)
     assert pq.ParquetFile(out).metadata.row_group(0).column(0).compression == "ZSTD"
     for record in records:  # stored features equal a fresh computation
-        again = process_variants(
-            next(u.path for u in corpus if u.utt_id == record.utt_id), record.utt_id, "s1", "c", VadConfig(), extractor
-        )[0]
+        again = process_variants(next(u for u in corpus if u.utt_id == record.utt_id), VadConfig(), extractor)[0]
         np.testing.assert_array_equal(record.logmel, again.logmel.astype(np.float16))  # as stored: float16
         np.testing.assert_array_equal(record.mfcc, again.mfcc.astype(np.float16))
     stats = result.stats.speakers["s1"]

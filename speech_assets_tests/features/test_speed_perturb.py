@@ -41,7 +41,7 @@ def test_bad_factors_are_refused(factors) -> None:
 def test_frame_counts_scale_with_the_factor(tmp_path) -> None:
     extractor = FeatureExtractor()
     original, slow, fast = process_variants(
-        _flac(tmp_path / "u.flac", 3.0), "u1", "s", "c", VadConfig(), extractor, [1.1, 0.9]
+        UtteranceInput("u1", "s", "c", str(_flac(tmp_path / "u.flac", 3.0))), VadConfig(), extractor, [1.1, 0.9]
     )
     assert all(isinstance(r, FeatureRecord) for r in (original, slow, fast))
     assert [r.utt_id for r in (original, slow, fast)] == ["u1", "u1-sp0_9", "u1-sp1_1"]
@@ -58,7 +58,9 @@ def test_frame_counts_scale_with_the_factor(tmp_path) -> None:
 def test_an_unreadable_file_has_one_reject_not_three(tmp_path) -> None:
     path = tmp_path / "broken.flac"
     path.write_bytes(b"fLaC garbage")
-    (reject,) = process_variants(path, "bad", "s", "c", VadConfig(), FeatureExtractor(), [0.9, 1.1])
+    (reject,) = process_variants(
+        UtteranceInput("bad", "s", "c", str(path)), VadConfig(), FeatureExtractor(), [0.9, 1.1]
+    )
     assert reject.reason == "unreadable" and reject.utt_id == "bad"
 
 

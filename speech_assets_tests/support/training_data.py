@@ -66,7 +66,7 @@ def write_corpus(
     root.mkdir(parents=True, exist_ok=True)
     shards: list[str] = []
     targets: dict[str, ClientTargets] = {}
-    stats = PartialSums.zeros(N_MELS)
+    stats = PartialSums(0, np.zeros(N_MELS), np.zeros(N_MELS))
     unlabelled = 0
     for client, k in sorted(clients.items()):
         prototypes = rng.normal(0.0, 3.0, size=(k, N_MELS)).astype(np.float32) - 5.0

@@ -129,7 +129,7 @@ def test_extending_a_client_keeps_codebook_and_old_labels(shards: dict[str, Path
     ids=lambda knobs: ",".join(knobs),
 )
 def test_every_k_means_knob_reaches_the_fit(shards: dict[str, Path], tmp_path: Path, knobs: dict) -> None:
-    """The builder fits with its whole KMeansConfig (``fit_kwargs``), not only k and seed: a
+    """The builder fits with its whole KMeansConfig, not only k and seed: a
     changed knob gives another fit; the same config, the same one."""
     mine = [shards["a1"], shards["a2"]]
     stats = client_cmvn(mine)
