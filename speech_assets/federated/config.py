@@ -168,9 +168,6 @@ class FederatedConfig:
             raise ValueError("dp_clipping_norm must be > 0")
         return self
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     @property
     def required_clients(self) -> int:
         return self.min_train_nodes or self.sample_size
@@ -195,7 +192,7 @@ class FederatedConfig:
     def evaluates(self, round_number: int) -> bool:
         return round_number % self.evaluate_every == 0 or round_number == self.rounds
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         problems = []
         if not self.clients:
             problems.append("clients is empty")

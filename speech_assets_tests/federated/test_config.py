@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from speech_assets.federated.config import FederatedConfig, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
@@ -26,7 +27,6 @@ from speech_assets.federated.launch import (
     completed_result,
     describe_engine,
     stall_limit,
-    write_run_config,
 )
 from speech_assets.layout import FederatedPaths
 from speech_assets_tests.conftest import REPO
@@ -42,14 +42,14 @@ def _config(**overrides: object) -> FederatedConfig:
     return FederatedConfig(**values)  # type: ignore[arg-type]
 
 
-def test_run_config_round_trips_through_flower_scalars(tmp_path: Path) -> None:
+def test_run_config_round_trips_through_flower_scalars() -> None:
     config = _config(rounds=5, strategy="fedavg", eta=0.05, min_train_nodes=1, data_versions={"manifest": "m" * 64})
     values = config.to_run_config()
     assert all(isinstance(v, int | float | str | bool) for v in values.values())  # what a Flower run config holds
     assert values["clients"] == "client_00,client_01" and values["local-steps"] == 50
     assert FederatedConfig.from_run_config(values) == config
     # ... and through the TOML file that `flwr run --run-config` reads
-    parsed = tomllib.loads(write_run_config(config, tmp_path / "run.toml").read_text())
+    parsed = tomllib.loads(tomli_w.dumps(config.to_run_config()))
     assert FederatedConfig.from_run_config(parsed) == config
 
 
