@@ -1,7 +1,6 @@
-"""One federated run end to end: start the local federation (a private network namespace,
-:mod:`processes`) or use a remote SuperLink, submit the Flower App, follow it, stop every process,
-and read what the server wrote. With a remote SuperLink nothing starts here and ``run_dir`` must
-be a path the SuperLink's machine shares with this one.
+"""One federated run end to end: start the local federation (:mod:`processes`) or use a remote
+SuperLink (then ``run_dir`` must be shared with its machine), submit the Flower App, follow it,
+stop every process and read what the server wrote.
 """
 
 from __future__ import annotations

@@ -245,8 +245,10 @@ class Server:
         return failures
 
     def weight(self, client: str) -> float:
-        """The server's weight (clients table), or 1 where DP or secure aggregation need a uniform mean."""
-        return 1.0 if self.config.uniform_weights else float(self.config.client_weights.get(client, 1.0))
+        """The server's weight (clients table), or 1: DP's guarantee needs a uniformly weighted mean, and
+        secure aggregation sums what it gets."""
+        uniform = self.config.differential_privacy or self.config.secure_aggregation
+        return 1.0 if uniform else float(self.config.client_weights.get(client, 1.0))
 
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
