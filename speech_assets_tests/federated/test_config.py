@@ -20,12 +20,14 @@ from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
     APP_DIR,
     STALL_MARGIN_S,
+    Deployment,
     InsecureRefused,
     ProgressDeadline,
     check_transport,
     client_state_roots,
     completed_result,
     describe_engine,
+    run_federation,
     stall_limit,
 )
 from speech_assets.layout import FederatedPaths
@@ -202,6 +204,16 @@ def test_a_run_name_from_the_server_becomes_a_path_only_when_it_is_a_safe_id(nam
         _config(run_name=name)
     with pytest.raises(ValueError, match="client-id"):
         NodeConfig(name or "..", "/data")
+
+
+def test_the_launcher_refuses_local_client_limits_before_anything_starts(tmp_path: Path) -> None:
+    for deployment, why in [
+        (Deployment(secagg_min_shares=1), "secagg_min_shares must be an int of at least 2"),
+        (Deployment(dp_max_clipping_norm=0.5), "every client would refuse every round"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            run_federation(_config(dp_noise_multiplier=1.0, run_dir=str(tmp_path / "abc")), tmp_path, deployment)
+    assert not (tmp_path / "abc").exists()
 
 
 def test_client_state_lives_under_roots_the_supernodes_own(tmp_path: Path) -> None:
