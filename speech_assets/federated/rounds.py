@@ -76,13 +76,12 @@ def load_latest(paths: FederatedPaths, config: FederatedConfig) -> RoundState | 
 
 
 def _remove_after(paths: FederatedPaths, round_number: int) -> None:
-    for files, path_of in (
-        (paths.round_checkpoints, paths.round_checkpoint),
-        (paths.round_records, paths.round_record),
-    ):
-        for later in files.numbers(paths.rounds_dir):
-            if later > round_number:
-                path_of(later).unlink(missing_ok=True)
+    for later in paths.round_checkpoints.numbers(paths.rounds_dir):
+        if later > round_number:
+            paths.round_checkpoint(later).unlink(missing_ok=True)
+    for later in paths.round_records.numbers(paths.rounds_dir):
+        if later > round_number:
+            paths.round_record(later).unlink(missing_ok=True)
 
 
 def save_round(

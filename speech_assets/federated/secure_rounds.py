@@ -92,10 +92,6 @@ class RoundHost(Protocol):
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
 
 
-def _csv(clients: Iterable[str]) -> str:
-    return ",".join(sorted(clients))
-
-
 def _clients(value: Any) -> list[str]:
     return [c for c in str(value).split(",") if c]
 
@@ -288,8 +284,8 @@ class SecureRounds:
             mine = self.masked_with(client)
             asked[client] = {
                 KIND: UNMASK,
-                SECAGG_SURVIVORS: _csv(c for c in mine if c in survivors),
-                SECAGG_DROPPED: _csv(c for c in mine if c not in survivors),
+                SECAGG_SURVIVORS: ",".join(sorted(c for c in mine if c in survivors)),
+                SECAGG_DROPPED: ",".join(sorted(c for c in mine if c not in survivors)),
             }
         seed_shares: dict[str, list[bytes]] = {c: [] for c in self.survivors}
         key_shares: dict[str, list[bytes]] = {c: [] for c in self.dropped}
