@@ -1,10 +1,7 @@
-"""Credentials of the local federation: a throw-away CA and a TLS certificate for the SuperLink,
-one EC key pair per SuperNode (Flower's node authentication), and their registration.
-
-Flower 1.42 authenticates SuperNodes only over TLS; every SuperNode's public key is registered
-before it starts, so a process without a registered key cannot join. Private keys are owner-only
-(0600) and deleted when the federation stops. The same key pairs sign each client's
-secure-aggregation advertisement (:func:`identity_key`, :func:`authorised_keys`).
+"""The local federation's credentials: a throw-away CA and TLS certificate for the SuperLink, one EC
+key pair per SuperNode, registered before it starts (Flower 1.42 authenticates SuperNodes only over
+TLS), so a process without a registered key cannot join. Private keys are 0600 and deleted when the
+federation stops. The same keys sign secure-aggregation advertisements (:func:`identity_key`).
 
 ``python -m speech_assets.federated.auth register HOME CONNECTION PUBLIC_KEY...`` registers keys in
 one interpreter (each ``flwr`` CLI start costs seconds) and prints ``{public key file: node id}``.

@@ -1,14 +1,10 @@
-"""The Flower ClientApp: one client's local round, held-out evaluation and ``query`` answers
-(which client this node is; the secure-aggregation stages).
+"""The Flower ClientApp: a client's local round, held-out evaluation and ``query`` answers.
 
-The SuperNode's ``--node-config`` says who this client is and what it requires of every round
-(:class:`NodeConfig`); the server cannot lower that. Under DP Flower's ``fixedclipping_mod`` clips
-the update, and the train reply carries no metrics unless the run shares them; with secure
-aggregation the update is then masked and only the masked values leave. The head, the codebook,
-the CMVN statistics and the data stay here: every reply is checked before it leaves.
-
-A long-lived worker (the simulation's) keeps the data index and datasets of the last
-:data:`CACHED_CLIENTS` clients between messages; a model exists only while a message is handled.
+The SuperNode's ``--node-config`` (:class:`NodeConfig`) says who this client is and what it requires
+of every round; the server cannot lower that. Under DP ``fixedclipping_mod`` clips the update and
+the reply carries no metrics unless shared; secure aggregation then masks it. The head, codebook,
+CMVN statistics and data stay here: every reply is checked before it leaves. A long-lived worker
+keeps the datasets of :data:`CACHED_CLIENTS` clients; a model lives only while a message is handled.
 """
 
 from __future__ import annotations
@@ -76,8 +72,7 @@ def reply(
     client_id: str,
     config: ConfigRecord | None = None,
 ) -> RecordDict:
-    """A checked ``train`` or ``evaluate`` reply: the metrics the round's ``config`` lets leave, the
-    client id and, after a local round, its encoder."""
+    """A checked reply: the metrics the round's ``config`` lets leave, the client id, after training the encoder."""
     names = {metric: column for column, (metric, _) in EVALUATION_METRICS.items()}  # EvalResult's fields
     if kind == "train":
         sent = train_metrics(config or {})

@@ -168,9 +168,6 @@ class FederatedConfig:
             raise ValueError("dp_clipping_norm must be > 0")
         return self
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     @property
     def required_clients(self) -> int:
         return self.min_train_nodes or self.sample_size
@@ -184,18 +181,13 @@ class FederatedConfig:
     def differential_privacy(self) -> bool:
         return self.dp_noise_multiplier > 0
 
-    @property
-    def uniform_weights(self) -> bool:
-        # DP's guarantee needs a uniformly weighted mean; secure aggregation sums what it gets
-        return self.differential_privacy or self.secure_aggregation
-
     def secagg_shares(self) -> int:
         return min(self.secagg_num_shares or self.sample_size, self.sample_size)
 
     def evaluates(self, round_number: int) -> bool:
         return round_number % self.evaluate_every == 0 or round_number == self.rounds
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         problems = []
         if not self.clients:
             problems.append("clients is empty")
@@ -343,14 +335,12 @@ def _flag(value: object) -> object:
 # a number where a text is due (client-id=3, secagg-threshold-floor=0.75) is taken as its text
 @train.config_dataclass(frozen=True, config=ConfigDict(hide_input_in_errors=True, coerce_numbers_to_str=True))
 class NodeConfig:
-    """A SuperNode's own settings (``--node-config``); they never leave the client and are never
-    taken from the server. ``state-root`` holds its heads and CMVN between rounds (never inside a
-    server's run folder); ``node-keys`` (:class:`~speech_assets.layout.NodeKeys`) is needed for any
-    secure round. It refuses a round of fewer than ``secagg-min-shares`` clients, a threshold of at
-    most ``secagg-threshold-floor`` x k, or under DP a clipping norm above ``dp-max-clipping-norm``
-    (so a server cannot switch clipping off with a huge norm). ``require-secure-aggregation`` and
-    ``require-dp`` refuse a round whose update would leave in the clear or unclipped.
-    """
+    """A SuperNode's own settings (``--node-config``), never sent nor taken from the server.
+    ``state-root`` holds its heads between rounds (never inside a server's run folder); ``node-keys``
+    (:class:`~speech_assets.layout.NodeKeys`) is needed for any secure round. It refuses a round of
+    fewer than ``secagg-min-shares`` clients, a threshold of at most ``secagg-threshold-floor`` x k,
+    a DP clipping norm above ``dp-max-clipping-norm`` (a huge norm switches clipping off), and with
+    ``require-*`` a round whose update would leave in the clear or unclipped."""
 
     client_id: str
     data_dir: str

@@ -54,7 +54,7 @@ def record_rounds(paths: FederatedPaths) -> list[int]:
 def complete_rounds(paths: FederatedPaths) -> list[int]:
     """Rounds whose checkpoint and record both exist (only the last ``keep_rounds`` keep a checkpoint)."""
     checkpoints = set(paths.round_checkpoints.numbers(paths.rounds_dir))
-    return [r for r in paths.round_records.numbers(paths.rounds_dir) if r in checkpoints]
+    return [r for r in record_rounds(paths) if r in checkpoints]
 
 
 class SettingsChanged(ValueError):

@@ -1,7 +1,6 @@
-"""One federated run end to end: start the local federation (a private network namespace,
-:mod:`processes`) or use a remote SuperLink, submit the Flower App, follow it, stop every process,
-and read what the server wrote. With a remote SuperLink nothing starts here and ``run_dir`` must
-be a path the SuperLink's machine shares with this one.
+"""One federated run end to end: start the local federation (:mod:`processes`) or use a remote
+SuperLink (then ``run_dir`` must be shared with its machine), submit the Flower App, follow it,
+stop every process and read what the server wrote.
 """
 
 from __future__ import annotations
@@ -50,12 +49,6 @@ class FederatedRunFailed(RuntimeError):
     def __init__(self, failure: dict[str, Any]) -> None:
         super().__init__(failure["message"] + f" (rounds completed and saved: {failure['completed_rounds']})")
         self.failure = failure
-
-
-def write_run_config(config: FederatedConfig, path: Path) -> Path:
-    """The TOML file of ``flwr run --run-config``."""
-    atomic_write_text(path, tomli_w.dumps(config.to_run_config()))
-    return path
 
 
 def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
@@ -150,19 +143,6 @@ class Deployment:
         return cls(root_certificates=source.superlink_root_certificates, **{n: getattr(source, n) for n in names})
 
 
-def check_client_limits(config: FederatedConfig, deployment: Deployment) -> None:
-    """Refuse out-of-bounds limits for the local clients, or a clipping norm every client would refuse."""
-    max_norm = deployment.dp_max_clipping_norm
-    problems = client_limit_problems(deployment.secagg_min_shares, deployment.secagg_threshold_floor, max_norm, "_")
-    if config.differential_privacy and 0 < max_norm < config.dp_clipping_norm:
-        problems.append(
-            f"dp_max_clipping_norm ({max_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
-            "every client would refuse every round"
-        )
-    if problems:
-        raise ValueError("[federated] limits of the local clients: " + "; ".join(problems))
-
-
 def node_configs(
     config: FederatedConfig,
     data_dir: str | os.PathLike[str],
@@ -204,7 +184,16 @@ def run_federation(
     :class:`FederatedRunFailed` when the server stopped the run (the next call resumes)."""
     superlink, engine = deployment.superlink, deployment.engine
     check_transport(superlink, deployment.root_certificates, deployment.insecure)
-    check_client_limits(config, deployment)
+    max_norm = deployment.dp_max_clipping_norm
+    # the local clients' own limits, and a clipping norm every one of them would refuse
+    problems = client_limit_problems(deployment.secagg_min_shares, deployment.secagg_threshold_floor, max_norm, "_")
+    if config.differential_privacy and 0 < max_norm < config.dp_clipping_norm:
+        problems.append(
+            f"dp_max_clipping_norm ({max_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
+            "every client would refuse every round"
+        )
+    if problems:
+        raise ValueError("[federated] limits of the local clients: " + "; ".join(problems))
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if not superlink:
@@ -271,7 +260,7 @@ def _run(
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.result.unlink(missing_ok=True)
     paths.failure.unlink(missing_ok=True)
-    write_run_config(config, paths.run_config)
+    atomic_write_text(paths.run_config, tomli_w.dumps(config.to_run_config()))  # for `flwr run --run-config`
     started = time.monotonic()
     deadline = ProgressDeadline(stall_limit(config))
 

@@ -1,10 +1,7 @@
-"""One client's local round and held-out evaluation, on the centralised trainer's engine,
-objective and batch stream, with a single head (this client's codebook).
-
-Only :func:`encoder_state` travels; the head stays here (FedPer-style), saved after every round.
-A round ``r`` starts from the newest head saved *before* ``r``, and batch order, masks, dropout and
-a new head are pure functions of (seed, client id, round): a re-run round (after a crash or a
-kill) repeats the first attempt bit for bit on the same hardware and thread count.
+"""One client's local round and held-out evaluation on the centralised trainer's engine, with one
+head (its codebook) that stays here (FedPer-style); only :func:`encoder_state` travels. Round ``r``
+starts from the newest head saved before ``r``; batches, masks, dropout and a new head are pure
+functions of (seed, client, round), so a re-run round repeats the first bit for bit.
 """
 
 from __future__ import annotations

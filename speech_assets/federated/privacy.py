@@ -35,14 +35,6 @@ def secure_gaussian(count: int, std: float) -> np.ndarray:
     return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count] * std
 
 
-def mean_over_sampled(update_sum: Mapping[str, np.ndarray], sampled: int) -> NDArrays:
-    """``update_sum`` over the clients *sampled*: a missing one is a zero update, so the sensitivity
-    is ``clipping_norm / sampled`` whoever replied."""
-    if sampled < 1:
-        raise ValueError(f"a DP mean needs at least one sampled client (got {sampled})")
-    return {name: np.asarray(value, dtype=np.float64) / sampled for name, value in update_sum.items()}
-
-
 class Privacy:
     def __init__(self, config: FederatedConfig, state: dict[str, Any] | None = None) -> None:
         self.config = config
@@ -59,11 +51,16 @@ class Privacy:
 
     def noisy_mean(self, update_sum: Mapping[str, np.ndarray], sampled: int) -> NDArrays:
         """``update_sum`` (of clipped updates) over the ``sampled`` clients plus Gaussian noise, float32;
-        composes one release in the accountant."""
+        composes one release in the accountant. A sampled client that did not reply is a zero update,
+        so the sensitivity is ``clipping_norm / sampled`` whoever replied."""
+        if sampled < 1:
+            raise ValueError(f"a DP mean needs at least one sampled client (got {sampled})")
         std = compute_stdv(self.config.dp_noise_multiplier, self.config.dp_clipping_norm, sampled)
         noisy = {
-            name: (mean + secure_gaussian(mean.size, std).reshape(mean.shape)).astype(np.float32)
-            for name, mean in mean_over_sampled(update_sum, sampled).items()
+            name: (
+                np.asarray(total, dtype=np.float64) / sampled + secure_gaussian(total.size, std).reshape(total.shape)
+            ).astype(np.float32)
+            for name, total in update_sum.items()
         }
         self.accountant.compose(
             GaussianPrivacyEvent(

@@ -1,15 +1,12 @@
-"""Flower's processes: a SuperLink, one SuperNode per client, ``flwr run``, the simulation; and
-the guarantee that every process started here is stopped, on success, on failure and on kill.
+"""Flower's processes (a SuperLink, a SuperNode per client, ``flwr run``, the simulation), each
+stopped on success, failure and kill.
 
-- Each process dies with the thread that started it (``prctl(PR_SET_PDEATHSIG)``, Linux only);
-  start them from the thread that lives as long as they should.
-- Each Flower daemon runs under :mod:`speech_assets.runtime.supervise`, a child subreaper that
-  stops the daemon and every helper it started when we die: Flower's helpers only watch their
-  parent's pid, which a zombie parent still answers to.
-- The local federation and the simulation live in a private network namespace: Flower 1.42's
-  Control API and Ray's servers authenticate no one, and any local user reaches the host's
-  loopback. The SuperLink serves TLS with a CA made for the federation and authenticates
-  SuperNodes (:mod:`speech_assets.federated.auth`).
+- Each dies with the thread that started it (``PR_SET_PDEATHSIG``, Linux only).
+- Each Flower daemon runs under :mod:`speech_assets.runtime.supervise`, a child subreaper that stops
+  it and its helpers when we die: they only watch their parent's pid, which a zombie still answers to.
+- The federation lives in a private network namespace: Flower 1.42's Control API and Ray's servers
+  authenticate no one, and any local user reaches the host's loopback. The SuperLink serves TLS with
+  the federation's own CA and authenticates SuperNodes (:mod:`speech_assets.federated.auth`).
 """
 
 from __future__ import annotations
@@ -78,9 +75,8 @@ def start_private(network: PrivateNetwork) -> PrivateNetwork:
 def spawn(
     command: Sequence[str], log_path: Path, env: Mapping[str, str], *, supervised: bool = False, piped: bool = False
 ) -> subprocess.Popen:
-    """Start ``command`` in a session of its own, output appended to ``log_path`` (``piped``: to a
-    pipe, for :func:`follow`), dying with us (``supervised``: under the supervisor, which gets
-    SIGTERM and stops the whole tree)."""
+    """Start ``command`` in its own session, output to ``log_path`` (``piped``: to :func:`follow`),
+    dying with us (``supervised``: under the supervisor, which gets SIGTERM and stops the tree)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if supervised:
         command = [sys.executable, "-m", SUPERVISOR, "--", *command]
@@ -300,9 +296,8 @@ def flwr_run(
     should_stop: Callable[[], str | None] = lambda: None,
     enter: Callable[[Sequence[str]], list[str]] = list,
 ) -> FlwrRun:
-    """Submit the app to the SuperLink of ``home``'s connection and follow it like :func:`follow`; a
-    stopped run is stopped there too (``flwr stop``). Success is judged by the caller from what the
-    ServerApp wrote."""
+    """Submit the app to ``home``'s SuperLink and :func:`follow` it; a stopped run is ``flwr stop``-ped
+    there too. The caller judges success from what the ServerApp wrote."""
     command = [flower_bin("flwr"), "run", str(app_dir), CONNECTION_NAME, "--run-config", str(run_config), "--stream"]
     process_env = flower_env(home, env)
     process = spawn(enter(command), log_path, process_env, piped=True)
@@ -379,10 +374,8 @@ def simulation_run(
     should_stop: Callable[[], str | None] = lambda: None,
 ) -> FlwrRun:
     """The run on Flower's simulation runtime in a supervised tree, followed like :func:`flwr_run`.
-
-    Ray's servers listen without authentication (some on every address, whatever
-    ``_node_ip_address`` says): the tree gets a private network namespace. Ray makes its session
-    folders world-writable: they lie in a fresh 0700 ``RAY_TMPDIR``, removed after the run."""
+    Ray's servers listen without authentication (some on every address): the tree gets a private
+    network namespace. Ray's world-writable session folders lie in a fresh 0700 ``RAY_TMPDIR``."""
     from speech_assets.federated.auth import make_node_key
 
     files = FlowerFiles(log_path.parent)

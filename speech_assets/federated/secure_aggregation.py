@@ -268,10 +268,6 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(np.shape(arrays[name])) for name in sorted(arrays)}
 
 
-def _size(layout: Mapping[str, tuple[int, ...]]) -> int:
-    return sum(math.prod(shape) for shape in layout.values())
-
-
 def _split(flat: np.ndarray, layout: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     names = sorted(layout)
     ends = np.cumsum([math.prod(layout[name]) for name in names], dtype=np.int64)[:-1]
@@ -322,17 +318,6 @@ def mask_update(
     return _split(flat, _layout(update))
 
 
-def _check_layout(who: str, arrays: Mapping[str, np.ndarray], layout: Mapping[str, tuple[int, ...]]) -> None:
-    if sorted(arrays) != sorted(layout):
-        raise ValueError(f"{who}: array names {sorted(arrays)} differ from {sorted(layout)}")
-    for name, shape in layout.items():
-        array = arrays[name]
-        if not isinstance(array, np.ndarray) or array.dtype != np.uint32:
-            raise ValueError(f"{who}: array {name!r} must be np.uint32, got {getattr(array, 'dtype', type(array))}")
-        if array.shape != shape:
-            raise ValueError(f"{who}: array {name!r} has shape {array.shape}, expected {shape}")
-
-
 class MasksDidNotCancel(ValueError):
     """The unmasked sum is out of range: a client's vector or shares were wrong."""
 
@@ -357,9 +342,17 @@ def unmask_sum(
     params.check_clients(len(survivors))
     layout = _layout(masked[survivors[0]])
     for client in survivors:
-        _check_layout(f"masked update of {client}", masked[client], layout)
+        who, arrays = f"masked update of {client}", masked[client]
+        if sorted(arrays) != sorted(layout):
+            raise ValueError(f"{who}: array names {sorted(arrays)} differ from {sorted(layout)}")
+        for name, shape in layout.items():
+            array = arrays[name]
+            if not isinstance(array, np.ndarray) or array.dtype != np.uint32:
+                raise ValueError(f"{who}: array {name!r} must be np.uint32, got {getattr(array, 'dtype', type(array))}")
+            if array.shape != shape:
+                raise ValueError(f"{who}: array {name!r} has shape {array.shape}, expected {shape}")
 
-    total = np.zeros(_size(layout), dtype=np.uint32)
+    total = np.zeros(sum(math.prod(shape) for shape in layout.values()), dtype=np.uint32)
     for client in survivors:
         total += _flatten_uint32(masked[client])
         total -= prg(self_seeds[client], total.size)

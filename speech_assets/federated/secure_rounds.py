@@ -1,14 +1,10 @@
-"""Secure aggregation in the round loop: the messages of :mod:`secure_aggregation`'s protocol, on
-the server (:class:`SecureRounds`) and on the client (:func:`answer_secure_query`, :func:`mask_reply`).
-The four stages (advertise, share, masked input, unmask) are described in docs/ARCHITECTURE.md.
+"""Secure aggregation's messages (stages in docs/ARCHITECTURE.md) on the server (:class:`SecureRounds`)
+and the client (:func:`answer_secure_query`, :func:`mask_reply`).
 
-A client trusts only the node keys of its own settings, never the server's. Every stage runs under
-:func:`state_lock`, and that a round's unmask was answered is on disk (owner-only) before the
-answer leaves: neither a repeated query nor a restarted client answers twice.
-
-Why not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy``
-path and owns the whole fit stage, so the Message-API strategies, the server's reply checks, the
-seeded sampling and the resumable round records would all have to be rebuilt around it.
+A client trusts only the node keys of its own settings. Every stage runs under :func:`state_lock`,
+and an answered unmask is on disk (owner-only) before the answer leaves: none is answered twice.
+Not Flower's ``SecAggPlusWorkflow``: in Flower 1.42 it exists only on the legacy ``Strategy`` path
+and owns the fit stage, around which the reply checks, seeded sampling and records would be rebuilt.
 """
 
 from __future__ import annotations
@@ -94,10 +90,6 @@ class RoundHost(Protocol):
     ) -> list[Message]: ...
 
     def fail(self, round_number: int, message: str, missing: list[str], failures: list[dict[str, Any]]) -> NoReturn: ...
-
-
-def _csv(clients: Iterable[str]) -> str:
-    return ",".join(sorted(clients))
 
 
 def _clients(value: Any) -> list[str]:
@@ -196,8 +188,7 @@ class SecureRounds:
         kept: dict[str, Any],
         failures: list[dict[str, Any]],
     ) -> None:
-        """Ask ``asked`` for config record ``record``; keep in ``kept`` what ``read(client, record) ->
-        (value, problem)`` finds no problem with (it sees ``kept`` so far), refuse the rest."""
+        """Keep in ``kept`` the ``record`` of each reply ``read(client, record) -> (value, problem)`` passes."""
         for client, reply in self._ask(phase, asked, failures).items():
             problem = self._records(reply, {record})
             value, found = read(client, reply.content.config_records.get(record))
@@ -293,8 +284,8 @@ class SecureRounds:
             mine = self.masked_with(client)
             asked[client] = {
                 KIND: UNMASK,
-                SECAGG_SURVIVORS: _csv(c for c in mine if c in survivors),
-                SECAGG_DROPPED: _csv(c for c in mine if c not in survivors),
+                SECAGG_SURVIVORS: ",".join(sorted(c for c in mine if c in survivors)),
+                SECAGG_DROPPED: ",".join(sorted(c for c in mine if c not in survivors)),
             }
         seed_shares: dict[str, list[bytes]] = {c: [] for c in self.survivors}
         key_shares: dict[str, list[bytes]] = {c: [] for c in self.dropped}
@@ -391,16 +382,15 @@ SECAGG_LOCK_TIMEOUT_S = 30.0
 def state_lock(node: NodeConfig, run: str, stage: str) -> Iterator[None]:
     """Every stage reads, checks and rewrites a round's state under this lock, so racing requests
     (threads, or the deployment engine's per-message processes) take turns: one answer per round."""
-    timeout_s = SECAGG_LOCK_TIMEOUT_S
     files = ClientRunFiles(node.client_dir(run))
     files.secagg_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(exclusive_lock(files.secagg_lock, timeout_s))
+            held.enter_context(exclusive_lock(files.secagg_lock, SECAGG_LOCK_TIMEOUT_S))
         except LockTimeout:
             raise ValueError(
                 f"{node.client_id} refuses the {stage} stage of run {run}: its secure-aggregation state "
-                f"({files.secagg_lock}) stayed locked by another request for more than {timeout_s:g} s"
+                f"({files.secagg_lock}) stayed locked by another request for more than {SECAGG_LOCK_TIMEOUT_S:g} s"
             ) from None
         yield
 

@@ -1,12 +1,10 @@
-"""The Flower ServerApp, on the simulation runtime and the deployment engine alike: rounds of
-local training on a seeded sample of the clients, aggregation with Flower's strategy, held-out
-evaluation every ``evaluate_every`` rounds, and a record of each completed round.
+"""The Flower ServerApp (simulation and deployment engine alike): seeded client sampling, Flower's
+strategy, held-out evaluation every ``evaluate_every`` rounds and a record per completed round.
 
 The round loop is written out (not ``Strategy.start``) so that a run resumes at round r + 1 with
-the strategy's state after round r, saves each round as it completes, and names the clients that
-did not reply. Every reply is checked (:mod:`messages`) before it counts; every wait has a deadline
-(``connect_timeout_s``, ``round_timeout_s``). Aggregation weighs each client by the server's own
-weight (the clients table), never by the count the client reports.
+the strategy's state, saves each round as it completes, and names the clients that did not reply.
+Every reply is checked (:mod:`messages`); every wait has a deadline. Aggregation weighs each client
+by the server's own weight (the clients table), never by the count the client reports.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ def sample_clients(config: FederatedConfig, round_number: int) -> list[str]:
 
 
 def synthetic_reply(model: ArrayRecord | records.NDArrays) -> Message:
-    """A train reply of weight 1: how an aggregate made outside the strategy (unmasked sum, noisy
-    mean) reaches its ``aggregate_train`` for the server step."""
+    """A train reply of weight 1: an aggregate made outside the strategy, for its server step."""
     arrays = model if isinstance(model, ArrayRecord) else ArrayRecord({k: Array(v) for k, v in model.items()})
     content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord({SERVER_WEIGHT: 1.0})})
     return Message(content, dst_node_id=0, message_type=MessageType.TRAIN)
@@ -118,9 +115,8 @@ def clipped_sum(replies: Iterable[Message], encoder: records.NDArrays, clipping_
 
 
 class NodeSnapshot:
-    """The nodes chosen here, as the ``Grid`` a strategy's ``configure_train``/``configure_evaluate``
-    samples from: with every minimum at 1 it takes them all at once (it would wait for ever for more,
-    and its own sampling is unseeded)."""
+    """The nodes chosen here, as the ``Grid`` a strategy samples from: with every minimum at 1 it
+    takes them all at once (it would wait for ever for more, and its own sampling is unseeded)."""
 
     def __init__(self, node_ids: Iterable[int]) -> None:
         self.node_ids = sorted(node_ids)
@@ -239,8 +235,7 @@ class Server:
         return nodes
 
     def identify(self, nodes: list[int], round_number: int) -> list[dict[str, Any]]:
-        """Ask the nodes not yet bound (no registrations: simulation, remote SuperLink) which client
-        they are; :meth:`exchange` binds them. Returns the failures."""
+        """Ask the nodes not yet bound (simulation, remote SuperLink) which client they are; the failures."""
         wanted = [n for n in nodes if self.binding.client_of(n) is None]
         if not wanted:
             return []
@@ -250,8 +245,10 @@ class Server:
         return failures
 
     def weight(self, client: str) -> float:
-        """The server's weight (clients table), or 1 where DP or secure aggregation need a uniform mean."""
-        return 1.0 if self.config.uniform_weights else float(self.config.client_weights.get(client, 1.0))
+        """The server's weight (clients table), or 1: DP's guarantee needs a uniformly weighted mean, and
+        secure aggregation sums what it gets."""
+        uniform = self.config.differential_privacy or self.config.secure_aggregation
+        return 1.0 if uniform else float(self.config.client_weights.get(client, 1.0))
 
     def round(
         self, strategy: FedAvg, round_number: int, encoder: records.NDArrays
@@ -362,8 +359,8 @@ class Server:
         good: list[Message],
         failures: list[dict[str, Any]],
     ) -> records.NDArrays:
-        """The strategy's step from the replies' weighted mean, the unmasked mean (secure
-        aggregation) or the noisy mean over the ``sampled`` clients (DP: the step is post-processing)."""
+        """The strategy's step from the weighted, unmasked (secure aggregation) or noisy (DP: the step
+        is post-processing) mean over the ``sampled`` clients."""
         replies = good
         total: records.NDArrays = {}
         if self.secure is not None:
@@ -390,10 +387,9 @@ class Server:
         record: dict[str, Any],
         started: float | None = None,
     ) -> list[dict[str, Any]]:
-        """The round's saved ``encoder`` on every connected client's held-out utterances (values null
-        under DP unless :attr:`per_client_released`), the strategy's aggregate and the federation's
-        summary, written into its ``record``; returns every record. ``started`` (monotonic) times the
-        round; ``None`` when a resumed run finishes an earlier attempt's."""
+        """The saved ``encoder`` on every connected client's held-out utterances, written into its
+        ``record``; returns every record. ``started`` (monotonic) times the round; ``None`` when a
+        resumed run finishes an earlier attempt's."""
         config = self.config
         failures: list[dict[str, Any]] = []
         rows: list[dict[str, Any]] = []
@@ -452,9 +448,8 @@ class Server:
     def exchange(
         self, messages: Iterable[Message], round_number: int, phase: str
     ) -> tuple[list[Message], list[dict[str, Any]]]:
-        """Push ``messages`` and pull replies until all arrived or ``round_timeout_s`` passed: the
-        replies bound to their node (:class:`NodeBinding`), by client id, and a failure for every
-        error reply, refused binding and missing reply. Every reply goes to ``received.jsonl``."""
+        """Push ``messages``, pull replies (each to ``received.jsonl``) until all arrived or ``round_timeout_s``
+        passed: the replies bound to their node, and a failure for every error, refused binding and missing reply."""
         messages = list(messages)
         destinations = [m.metadata.dst_node_id for m in messages]
         ids = list(self.grid.push_messages(messages))
@@ -549,9 +544,8 @@ class Server:
     def accept_train(
         self, good: list[Message], encoder: records.NDArrays, failures: list[dict[str, Any]]
     ) -> tuple[list[Message], dict[str, float]]:
-        """The replies that pass :meth:`check_reply` and :func:`update_problem`, and their norms.
-        Under DP a client's exact norm is outside epsilon: written nowhere (refusal reasons included)
-        unless :attr:`per_client_released`."""
+        """The replies that pass :meth:`check_reply` and :func:`update_problem`, and their norms. Under
+        DP an exact norm is outside epsilon: written nowhere (refusals included) unless released."""
         bound = update_norm_bound(self.config, self.encoder_values)
         bound_name = "dp_clipping_norm" if self.config.differential_privacy else "max_update_norm"
         withhold = not self.per_client_released
@@ -570,8 +564,8 @@ class Server:
 
     @property
     def per_client_released(self) -> bool:
-        """Whether per-client values (metrics, norms, held-out results, values in a refusal) may be
-        recorded: under DP only when the run opts in (``dp_share_client_metrics``)."""
+        """Whether per-client values (metrics, norms, held-out results, refusal values) may be recorded:
+        under DP only when the run opts in (``dp_share_client_metrics``)."""
         return not self.config.differential_privacy or self.config.dp_share_client_metrics
 
     def check_reply(self, reply: Message, phase: str) -> str | None:

@@ -1,11 +1,8 @@
-"""``python -m speech_assets.federated.simulation``: one federated run on Flower's simulation
-runtime, the engine for every client on this machine.
+"""``python -m speech_assets.federated.simulation``: one federated run on Flower's simulation runtime.
 
-The same ServerApp and ClientApp as on the deployment engine: the ServerApp in a thread of this
-process, the ClientApps in Ray workers that live for the whole run, so torch and each client's
-data index load once. Node ``partition-id`` *i* is client ``nodes[i]``; ``cpus / cpus_per_client``
-workers run whatever the number of clients. The launcher starts this under the supervisor in a
-private network namespace (:func:`~speech_assets.federated.processes.simulation_run`).
+The deployment engine's ServerApp (in a thread) and ClientApp (in Ray workers that live for the
+run, so torch and data indices load once). Node ``partition-id`` *i* is client ``nodes[i]``;
+``cpus / cpus_per_client`` workers. Started by :func:`~speech_assets.federated.processes.simulation_run`.
 """
 
 from __future__ import annotations

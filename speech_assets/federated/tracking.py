@@ -1,8 +1,7 @@
-"""MLflow for a federated run, in the centralised trainer's experiment and style (``mode`` tag
-``federated``): one MLflow run per run folder (its id kept in ``mlflow_run_id``, so a resumed run
-continues it), every round's metrics as it completes (step = round), and the final checkpoint,
-round tables and result as artifacts. A round already logged (a resumed run replays earlier
-attempts' records) is skipped by the rounds in the ``round_seconds`` history.
+"""MLflow for a federated run in the centralised trainer's experiment (``mode`` tag ``federated``):
+one MLflow run per run folder (id in ``mlflow_run_id``: a resumed run continues it), each round's
+metrics at step = round (a round in the ``round_seconds`` history is not logged twice), and the
+final checkpoint, round tables and result as artifacts.
 """
 
 from __future__ import annotations

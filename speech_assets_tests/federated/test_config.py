@@ -13,20 +13,22 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from speech_assets.federated.config import FederatedConfig, LocalConfig, NodeConfig, settings_changes
 from speech_assets.federated.history import SettingsChanged, check_settings
 from speech_assets.federated.launch import (
     APP_DIR,
     STALL_MARGIN_S,
+    Deployment,
     InsecureRefused,
     ProgressDeadline,
     check_transport,
     client_state_roots,
     completed_result,
     describe_engine,
+    run_federation,
     stall_limit,
-    write_run_config,
 )
 from speech_assets.layout import FederatedPaths
 from speech_assets_tests.conftest import REPO
@@ -42,14 +44,14 @@ def _config(**overrides: object) -> FederatedConfig:
     return FederatedConfig(**values)  # type: ignore[arg-type]
 
 
-def test_run_config_round_trips_through_flower_scalars(tmp_path: Path) -> None:
+def test_run_config_round_trips_through_flower_scalars() -> None:
     config = _config(rounds=5, strategy="fedavg", eta=0.05, min_train_nodes=1, data_versions={"manifest": "m" * 64})
     values = config.to_run_config()
     assert all(isinstance(v, int | float | str | bool) for v in values.values())  # what a Flower run config holds
     assert values["clients"] == "client_00,client_01" and values["local-steps"] == 50
     assert FederatedConfig.from_run_config(values) == config
     # ... and through the TOML file that `flwr run --run-config` reads
-    parsed = tomllib.loads(write_run_config(config, tmp_path / "run.toml").read_text())
+    parsed = tomllib.loads(tomli_w.dumps(config.to_run_config()))
     assert FederatedConfig.from_run_config(parsed) == config
 
 
@@ -202,6 +204,16 @@ def test_a_run_name_from_the_server_becomes_a_path_only_when_it_is_a_safe_id(nam
         _config(run_name=name)
     with pytest.raises(ValueError, match="client-id"):
         NodeConfig(name or "..", "/data")
+
+
+def test_the_launcher_refuses_local_client_limits_before_anything_starts(tmp_path: Path) -> None:
+    for deployment, why in [
+        (Deployment(secagg_min_shares=1), "secagg_min_shares must be an int of at least 2"),
+        (Deployment(dp_max_clipping_norm=0.5), "every client would refuse every round"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            run_federation(_config(dp_noise_multiplier=1.0, run_dir=str(tmp_path / "abc")), tmp_path, deployment)
+    assert not (tmp_path / "abc").exists()
 
 
 def test_client_state_lives_under_roots_the_supernodes_own(tmp_path: Path) -> None:
