@@ -291,3 +291,17 @@ def test_stats_database_has_the_rounds_table(tmp_path: Path, sample_pipeline) ->
     inputs.federated_rounds = None
     assert stats_db.build_database(tmp_path / "empty.duckdb", inputs)["federated_rounds"] == 0
     assert json.loads(paths.round_record(2).read_text())["missing"] == ["client_01"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "uniform"),
+    [({}, False), ({"secure_aggregation": True, "fraction_train": 1.0}, True), ({"dp_noise_multiplier": 1.0}, True)],
+)
+def test_the_server_weights_by_its_table_only_without_secure_aggregation_or_dp(
+    tmp_path: Path, overrides: dict, uniform: bool
+) -> None:
+    """Secure aggregation hands the server a sum it cannot reweight, and DP's guarantee is for a
+    uniformly weighted mean: both weigh every client 1, whatever the clients table says."""
+    weights = {"client_00": 3.0, "client_01": 0.5}
+    server = Server(grid=None, config=_config(tmp_path / "run", client_weights=weights, **overrides))  # type: ignore[arg-type]
+    assert [server.weight(c) for c in CLIENTS] == ([1.0, 1.0] if uniform else [3.0, 0.5])
