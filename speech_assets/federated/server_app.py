@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -638,14 +638,25 @@ class Server:
         }
 
 
-def _setup_logging(paths: FederatedPaths) -> None:
+@contextlib.contextmanager
+def run_logging(paths: FederatedPaths) -> Iterator[None]:
+    """The server's lines to stdout and the run's server.log for this run only: a process that serves
+    several runs (the simulation in process, a long-lived ServerApp) must not write a run's lines
+    into an earlier run's log."""
     paths.root.mkdir(parents=True, exist_ok=True)
     formatter = logging.Formatter("%(asctime)s server %(levelname)s %(message)s")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(paths.server_log, encoding="utf-8")):
+    handlers = (logging.StreamHandler(sys.stdout), logging.FileHandler(paths.server_log, encoding="utf-8"))
+    for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            log.removeHandler(handler)
+            handler.close()
 
 
 def build_server_app(config: FederatedConfig | None = None) -> ServerApp:
@@ -656,8 +667,8 @@ def build_server_app(config: FederatedConfig | None = None) -> ServerApp:
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         run = config or FederatedConfig.from_run_config(context.run_config)
-        _setup_logging(FederatedPaths(run.run_dir))
-        Server(grid, run).run()
+        with run_logging(FederatedPaths(run.run_dir)):
+            Server(grid, run).run()
 
     return server_app
 

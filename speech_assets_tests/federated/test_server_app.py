@@ -203,3 +203,22 @@ def test_secure_aggregation_survives_a_client_that_drops_out(four_clients, tmp_p
     assert record["missing"] == ["c2"] and record["secure_aggregation"]["dropped"] == ["c2"]
     assert record["secure_aggregation"]["survivors"] == 3
     assert result["rounds"] == 1
+
+
+def test_a_runs_server_lines_go_to_its_own_log_only(tmp_path: Path) -> None:
+    """Two runs served one after the other in one process: each run's server.log holds its own
+    lines, and nothing stays attached to the logger afterwards."""
+    import logging
+
+    from speech_assets.federated.server_app import run_logging
+
+    logger = logging.getLogger("speech_assets.federated.server")
+    before = list(logger.handlers)
+    first, second = FederatedPaths(tmp_path / "first"), FederatedPaths(tmp_path / "second")
+    with run_logging(first):
+        logger.info("line of the first run")
+    with run_logging(second):
+        logger.info("line of the second run")
+    assert logger.handlers == before
+    assert "second run" not in first.server_log.read_text()
+    assert "line of the second run" in second.server_log.read_text()
