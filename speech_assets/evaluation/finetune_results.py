@@ -21,6 +21,7 @@ from speech_assets.evaluation.compare import (
     indicative_reasons,
     summarise,
 )
+from speech_assets.utils import markdown_table
 
 # what the exported recogniser may differ from the PyTorch model by (fp32), as the encoder export
 RECOGNISER_PARITY_ATOL = 1e-4
@@ -251,12 +252,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
             names = ["model", "seeds", "held-out CER", "held-out WER"]
             names += ["held-out OOV rate"] if beam else []
             names += ["labelled CER", "dev CER", "lr", "step", "held-out utterances"]
-            out += [
-                f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**",
-                "",
-                "| " + " | ".join(names) + " |",
-                "|" + "---|" * len(names),
-            ]
+            table = []
             for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
                 runs = _of(rows, model, minutes)
                 own = str(trained[model].cer) if model in trained else "n/a"
@@ -271,7 +267,9 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
                     "–".join(str(v) for v in dict.fromkeys([steps[0], steps[-1]])) if steps else "n/a",
                     str(s.utterances),
                 ]
-                out.append("| " + " | ".join(cells) + " |")
+                table.append(cells)
+            out += [f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**", ""]
+            out.append(markdown_table(names, table))
             blank = " |" * (len(names) - 3)
             out += [f"| frozen probe: {name} | | {cer} |{blank}" for name, cer in (probe or {}).items()] or [
                 f"| frozen probe: not run yet | | |{blank}"
