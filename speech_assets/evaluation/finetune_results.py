@@ -147,13 +147,6 @@ def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_
     return [line for line, _ in judged(rows, min_heldout_speakers)]
 
 
-def indicative_verdicts(
-    rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
-) -> list[str]:
-    """The verdict lines that are only indicative: what makes ``finetuning_is_sound`` warn."""
-    return [line for line, why in judged(rows, min_heldout_speakers) if why]
-
-
 def judged(
     rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
 ) -> list[tuple[str, str | None]]:
