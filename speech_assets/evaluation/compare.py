@@ -305,8 +305,7 @@ def compare_encoders(
             scores = {}
             for split in ("train", "heldout"):
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
-            errors = utterance_errors(texts["heldout"], hypotheses)
-            counts = (errors.char_errors, errors.chars, errors.word_errors, errors.words)
+            counts = utterance_errors(texts["heldout"], hypotheses)
             held = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started
             head = (model.name, model.checkpoint_sha256, options.probe, weights)

@@ -137,12 +137,6 @@ def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
     return int(min(found)) if found else None
 
 
-def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
-    """Why a verdict on ``rows`` is only indicative, in the probe's words (None: enough speakers, or not recorded)."""
-    speakers = heldout_speakers(rows)
-    return None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
-
-
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
     return [line for line, _ in judged(rows, min_heldout_speakers)]
 
@@ -180,7 +174,9 @@ def judged(
             ratio = f"{a.cer.mean / b.cer.mean:.2f}x" if b.cer.mean > 0 else "n/a x"
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
-        why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
+        # in the probe's words; None: enough held-out speakers, or their count not recorded
+        speakers = heldout_speakers([r for r in rows if r["model"] in (encoder, SCRATCH)])
+        why = None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
         lines.append((line + (f" (indicative only: {why})" if why else ""), why))
     return lines
 
