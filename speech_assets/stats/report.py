@@ -324,8 +324,7 @@ def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> s
     rows folded below; None without results."""
     from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference, verdicts
 
-    relation = con.execute("SELECT * FROM finetune_results")
-    rows = [dict(zip([d[0] for d in relation.description], values, strict=True)) for values in relation.fetchall()]
+    rows = con.sql("SELECT * FROM finetune_results").to_arrow_table().to_pylist()
     if not rows:
         return None
     probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
