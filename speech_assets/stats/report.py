@@ -324,7 +324,8 @@ def _finetune_section(con: duckdb.DuckDBPyConnection, inputs: ReportInputs) -> s
     rows folded below; None without results."""
     from speech_assets.evaluation.finetune_results import markdown_tables, probe_reference, verdicts
 
-    rows = con.sql("SELECT * FROM finetune_results").to_arrow_table().to_pylist()
+    relation = con.execute("SELECT * FROM finetune_results")
+    rows = [dict(zip([d[0] for d in relation.description], values, strict=True)) for values in relation.fetchall()]
     if not rows:
         return None
     probe = probe_reference(inputs.probe_results) if inputs.probe_results else {}
