@@ -582,12 +582,8 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
         }
         for b in BASELINES:
             p = s.against.get(b)
-            row |= {
-                f"cer_change_{b}": p.difference if p else None,
-                f"cer_change_{b}_low": p.low if p else None,
-                f"cer_change_{b}_high": p.high if p else None,
-                f"verdict_{b}": p.verdict if p else None,
-            }
+            values = (p.difference, p.low, p.high, p.verdict) if p else (None,) * 4
+            row |= dict(zip((f"cer_change_{b}", f"cer_change_{b}_low", f"cer_change_{b}_high", f"verdict_{b}"), values))
         rows.append(
             row | {"verdict": s.verdict, "indicative": s.indicative is not None, "min_heldout_speakers": min_speakers}
         )
