@@ -201,6 +201,20 @@ def read_results(path: str | os.PathLike[str]) -> list[ProbeResult]:
     ]
 
 
+def split_utterances(
+    utterances: Sequence[Utterance], heldout: set[str], max_train: int, max_eval: int, seed: int = 0
+) -> tuple[list[Utterance], list[Utterance]]:
+    """(training, held-out) speakers' utterances, seeded subsamples of ``max_train`` / ``max_eval`` (0: all)."""
+    from speech_assets.evaluation.probe import subsample
+
+    train = [u for u in utterances if u.speaker_id not in heldout]
+    test = [u for u in utterances if u.speaker_id in heldout]
+    return (
+        [train[i] for i in subsample(len(train), max_train, seed)],
+        [test[i] for i in subsample(len(test), max_eval, seed)],
+    )
+
+
 def probe_features(model: ProbeModel, utterances: Sequence[Utterance]) -> list[torch.Tensor]:
     """Per utterance, ``(1, T, 80)`` normalised log-mel, or the encoder's ``(layers + 1, (T + 1) // 2, D)``."""
     import torch

@@ -23,6 +23,7 @@ from speech_assets.evaluation.compare import (
     leaderboard,
     leaderboard_table,
     results_table,
+    split_utterances,
     utterances_table,
 )
 from speech_assets.evaluation.probe_options import ProbeOptions
@@ -105,15 +106,9 @@ def run_probe(
     train_speakers, test_speakers = probe_split(
         table, {name: e.checkpoint.get("speakers") for name, e in loaded.items()}
     )
-    from speech_assets.evaluation.probe import subsample
-
     models = probe_models(loaded, seed)
     utterances = load_utterances(sorted(set(train_speakers) | set(test_speakers)))
-    heldout = set(test_speakers)
-    train = [u for u in utterances if u.speaker_id not in heldout]
-    test = [u for u in utterances if u.speaker_id in heldout]
-    train = [train[i] for i in subsample(len(train), max_train_utterances, seed)]  # seeded subsamples; 0: all
-    test = [test[i] for i in subsample(len(test), max_eval_utterances, seed)]
+    train, test = split_utterances(utterances, set(test_speakers), max_train_utterances, max_eval_utterances, seed)
     log(
         f"probing {', '.join(m.name for m in models)} over seeds {list(options.seeds)}: {len(train)} training "
         f"utterances of {len(train_speakers)} speakers, {len(test)} held-out utterances of "
