@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -190,3 +190,9 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON objects of ``path``, one a line, none when it is missing (NaN and Infinity read as written)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Iterable[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

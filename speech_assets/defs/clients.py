@@ -9,9 +9,8 @@ from speech_assets.corpus import clients as assignment
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version
 from speech_assets.defs.partitions import clients_partitions, register_new
-from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import ClientSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import sha256_file
+from speech_assets.utils import markdown_table, sha256_file
 
 CLIENTS_CODE_VERSION = "clients-v2"  # v2: the held-out speakers are chosen here, once
 

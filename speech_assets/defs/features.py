@@ -13,7 +13,7 @@ from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import latest_data_version
 from speech_assets.defs.partitions import ALL_SHARDS, SPEAKER_MANIFEST, speakers_partitions
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import markdown_table, problems_result
+from speech_assets.defs.readable import problems_result
 from speech_assets.defs.resources import (
     FeatureSettings,
     PipelineSettings,
@@ -25,7 +25,7 @@ from speech_assets.defs.resources import (
 from speech_assets.features import cmvn
 from speech_assets.features.jobs import FEATURES_CODE_VERSION, ShardTotals, check_speed_factors, shard_jobs
 from speech_assets.features.shards import shard_problems
-from speech_assets.utils import atomic_path, atomic_write_text, read_json, sha256_file, sha256_strings
+from speech_assets.utils import atomic_path, atomic_write_text, markdown_table, read_json, sha256_file, sha256_strings
 
 CMVN_CODE_VERSION = "cmvn-v1"
 

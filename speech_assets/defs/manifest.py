@@ -17,9 +17,9 @@ from speech_assets.corpus.publish import publish_manifest
 from speech_assets.defs.partitions import SPEAKER_MANIFEST, register_new, speakers_partitions
 from speech_assets.defs.per_partition import speaker_observations
 from speech_assets.defs.progress import ProgressLog
-from speech_assets.defs.readable import markdown_table, problems_result
+from speech_assets.defs.readable import problems_result
 from speech_assets.defs.resources import ManifestSettings, PipelineSettings, StoragePaths, effective, overrides_of
-from speech_assets.utils import from_fields
+from speech_assets.utils import from_fields, markdown_table
 
 CODE_VERSION = "manifest-v3"
 

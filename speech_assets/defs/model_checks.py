@@ -200,9 +200,10 @@ def finetuning_is_sound(
         problems.append(f"fine-tuning results unreadable: {error}")
     problems += results.overlap_problems(rows)
     min_speakers = settings.probe.min_heldout_speakers
-    lines = results.verdicts(rows, min_heldout_speakers=min_speakers)
+    judged = results.judged(rows, min_heldout_speakers=min_speakers)
+    lines = [line for line, _ in judged]
     # an indicative verdict warns (yellow) in the words of the asset's `verdict` metadata; a problem fails
-    warnings = results.indicative_verdicts(rows, min_heldout_speakers=min_speakers)
+    warnings = [line for line, why in judged if why]
     overlap = [r["text_overlap"] for r in rows if r.get("text_overlap") is not None]
     speakers = results.heldout_speakers(rows)
     return dg.AssetCheckResult(

@@ -3,7 +3,7 @@ of records as Dagster tables with a column schema, the MLflow run as a link."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -131,9 +131,3 @@ def labels_match_shards_check(iteration: int) -> dg.AssetChecksDefinition:
         return problems_result(label_problems(clients, paths.shard_file, lambda c: paths.targets(c, iteration).root))
 
     return check
-
-
-def markdown_table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)

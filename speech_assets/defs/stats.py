@@ -9,12 +9,11 @@ import pyarrow.parquet as pq
 from speech_assets.defs.conditions import after_upstream_settles
 from speech_assets.defs.lineage import latest_versions, partition_versions
 from speech_assets.defs.partitions import CHECKPOINT_ASSETS, TRAINING_INPUTS, clients_partitions, speakers_partitions
-from speech_assets.defs.readable import markdown_table
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, vad_config
 from speech_assets.layout import ExportFiles, FederatedPaths, RunFiles, TargetFiles
 from speech_assets.locations import git_commit
 from speech_assets.stats import database as stats_db
-from speech_assets.utils import atomic_write_text, read_jsonl, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, markdown_table, read_jsonl, sha256_file, sha256_strings
 
 CODE_VERSION = "stats-v3"  # v3: fine-tuning runs in checkpoints/training_runs (kind finetuned, init, budget, seed)
 # the unpartitioned models and results the database summarises, beside TRAINING_INPUTS

@@ -10,14 +10,14 @@ from speech_assets.defs import per_partition
 from speech_assets.defs.conditions import follow_upstream
 from speech_assets.defs.lineage import client_shards
 from speech_assets.defs.partitions import ALL_SHARDS, clients_partitions
-from speech_assets.defs.readable import client_metadata, labels_match_shards_check, markdown_table
+from speech_assets.defs.readable import client_metadata, labels_match_shards_check
 from speech_assets.defs.resources import KMeansSettings, PipelineSettings, StoragePaths, effective, overrides_of
 from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.targets import labels
 from speech_assets.targets.config import KMeansConfig
 from speech_assets.targets.publish import KMeansPolicy, kmeans_client_targets
-from speech_assets.utils import from_fields
+from speech_assets.utils import from_fields, markdown_table
 
 KMEANS_CODE_VERSION = "kmeans-v3"  # v2: held-out speakers are labelled, never fitted; v3: labelled on one faiss thread
 

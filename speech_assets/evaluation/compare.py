@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from speech_assets import utils
 from speech_assets.layout import ProbeFiles
 
 if TYPE_CHECKING:
@@ -304,8 +305,7 @@ def compare_encoders(
             scores = {}
             for split in ("train", "heldout"):
                 scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
-            errors = utterance_errors(texts["heldout"], hypotheses)
-            counts = (errors.char_errors, errors.chars, errors.word_errors, errors.words)
+            counts = utterance_errors(texts["heldout"], hypotheses)
             held = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started
             head = (model.name, model.checkpoint_sha256, options.probe, weights)
@@ -382,21 +382,17 @@ def summarise(results: Sequence[ProbeResult], split: str = "heldout") -> dict[st
 def markdown_table(results: Sequence[ProbeResult]) -> str:
     """Held-out CER/WER (mean ± sample std over seeds) and train CER per model, best held-out CER first."""
     held, trained = summarise(results, "heldout"), summarise(results, "train")
-    lines = [
-        "| model | normalisation | probe lr | seeds | held-out CER | held-out WER | train CER | utterances "
-        "(held-out) | speakers (held-out) | top layer weight |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
         top = max(range(len(s.layer_weights)), key=s.layer_weights.__getitem__) if s.layer_weights else None
-        train_cer = str(trained[model].cer) if model in trained else "n/a"
         lrs = sorted({r.lr for r in results if r.model == model and r.split == "heldout" and not math.isnan(r.lr)})
-        lines.append(
-            f"| {model} | {s.normalisation} | {', '.join(f'{lr:g}' for lr in lrs) or 'n/a'} | {len(s.seeds)} "
-            f"| {s.cer} | {s.wer} | {train_cer} | {s.utterances} | {s.speakers} | "
-            + (f"layer {top}: {s.layer_weights[top]:.2f} |" if top is not None else "n/a |")
+        rows.append(
+            (model, s.normalisation, ", ".join(f"{lr:g}" for lr in lrs) or "n/a", len(s.seeds), s.cer, s.wer)
+            + (trained[model].cer if model in trained else "n/a", s.utterances, s.speakers)
+            + (f"layer {top}: {s.layer_weights[top]:.2f}" if top is not None else "n/a",)
         )
-    return "\n".join(lines)
+    header = ("model", "normalisation", "probe lr", "seeds", "held-out CER", "held-out WER", "train CER")
+    return utils.markdown_table((*header, "utterances (held-out)", "speakers (held-out)", "top layer weight"), rows)
 
 
 def paired_bootstrap(
@@ -576,11 +572,9 @@ def leaderboard_rows(board: Sequence[Standing]) -> list[dict[str, str | int]]:
 def leaderboard_markdown(board: Sequence[Standing]) -> str:
     """The leaderboard as a markdown table (what ``speech-assets probe`` prints), plain spaces for a terminal."""
     names = [c for c, _, _ in LEADERBOARD_COLUMNS]
-    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += [
-        "| " + " | ".join(str(row[c]).replace(NBSP, " ") for c in names) + " |" for row in leaderboard_rows(board)
-    ]
-    return "\n".join(lines)
+    return utils.markdown_table(
+        names, ([str(row[c]).replace(NBSP, " ") for c in names] for row in leaderboard_rows(board))
+    )
 
 
 def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
@@ -602,12 +596,8 @@ def leaderboard_table(board: Sequence[Standing], min_speakers: int) -> pa.Table:
         }
         for b in BASELINES:
             p = s.against.get(b)
-            row |= {
-                f"cer_change_{b}": p.difference if p else None,
-                f"cer_change_{b}_low": p.low if p else None,
-                f"cer_change_{b}_high": p.high if p else None,
-                f"verdict_{b}": p.verdict if p else None,
-            }
+            values = (p.difference, p.low, p.high, p.verdict) if p else (None,) * 4
+            row |= dict(zip((f"cer_change_{b}", f"cer_change_{b}_low", f"cer_change_{b}_high", f"verdict_{b}"), values))
         rows.append(
             row | {"verdict": s.verdict, "indicative": s.indicative is not None, "min_heldout_speakers": min_speakers}
         )

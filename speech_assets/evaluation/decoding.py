@@ -55,15 +55,14 @@ def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str
     prob[("<s>",)] = 0.0  # never predicted
     backoff: dict[tuple[str, ...], float] = {}
     for n in range(2, order + 1):
-        history_total: dict[tuple[str, ...], int] = defaultdict(int)
         followers: dict[tuple[str, ...], list[tuple[str, ...]]] = defaultdict(list)
-        for gram, c in counts[n - 1].items():
-            history_total[gram[:-1]] += c
+        for gram in counts[n - 1]:
             followers[gram[:-1]].append(gram)
         for history, grams in followers.items():
+            seen = sum(counts[n - 1][gram] for gram in grams)
             for gram in grams:
-                prob[gram] = (counts[n - 1][gram] - DISCOUNT) / history_total[history]
-            left = DISCOUNT * len(grams) / history_total[history]
+                prob[gram] = (counts[n - 1][gram] - DISCOUNT) / seen
+            left = DISCOUNT * len(grams) / seen
             lower = sum(_lower(prob, gram[1:]) for gram in grams)
             backoff[history] = left / max(1e-12, 1.0 - lower)
     lines = ["\\data\\"]

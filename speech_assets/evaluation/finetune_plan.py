@@ -26,7 +26,7 @@ from speech_assets.evaluation.probe import subsample
 from speech_assets.evaluation.protocol import probe_split
 from speech_assets.evaluation.text import normalise
 from speech_assets.features.shards import read_shard_table
-from speech_assets.utils import sha256_strings
+from speech_assets.utils import markdown_table, sha256_strings
 
 PRETRAINED = "pretrained"  # the encoder always there, whose architecture `scratch` re-initialises
 Checkpoint = tuple[str, str]  # (``final.pt`` path, its asset's data version)
@@ -355,21 +355,17 @@ def choose_lrs(tuned: Mapping[LrKey, Path]) -> tuple[dict[str, float], dict[str,
 def lr_table(lrs: Sequence[float], chosen: Mapping[str, float], dev_cers: Mapping[str, Mapping[float, Any]]) -> str:
     """Markdown: per model the dev CER of each lr tried, the chosen one in bold."""
     if not dev_cers:
-        return "\n".join(
-            ["| model | lr (no grid: not tuned) |", "|---|---|", *(f"| {m} | {lr:g} |" for m, lr in chosen.items())]
-        )
+        return markdown_table(("model", "lr (no grid: not tuned)"), ((m, f"{lr:g}") for m, lr in chosen.items()))
 
     def cell(model: str, lr: float) -> str:
         cer = dev_cers[model].get(lr)
         text = "n/a" if cer is None or not math.isfinite(cer) else f"{cer:.3f}"
         return f"**{text}** (chosen)" if chosen.get(model) == lr else text
 
-    lines = [
-        "| model | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
-        "|---|" + "---|" * len(lrs),
-        *(f"| {model} | " + " | ".join(cell(model, lr) for lr in lrs) + " |" for model in dev_cers),
-    ]
-    return "\n".join(["dev CER (greedy) of each peak lr, smallest budget, first seed", "", *lines])
+    table = markdown_table(
+        ["model", *(f"lr {lr:g}" for lr in lrs)], ([model, *(cell(model, lr) for lr in lrs)] for model in dev_cers)
+    )
+    return f"dev CER (greedy) of each peak lr, smallest budget, first seed\n\n{table}"
 
 
 def text_overlap(runs: Mapping[RunKey, Mapping[str, Any]]) -> int | None:

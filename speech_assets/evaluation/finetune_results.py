@@ -21,6 +21,7 @@ from speech_assets.evaluation.compare import (
     indicative_reasons,
     summarise,
 )
+from speech_assets.utils import markdown_table
 
 # what the exported recogniser may differ from the PyTorch model by (fp32), as the encoder export
 RECOGNISER_PARITY_ATOL = 1e-4
@@ -136,21 +137,8 @@ def heldout_speakers(rows: Sequence[Mapping[str, Any]]) -> int | None:
     return int(min(found)) if found else None
 
 
-def indicative(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> str | None:
-    """Why a verdict on ``rows`` is only indicative, in the probe's words (None: enough speakers, or not recorded)."""
-    speakers = heldout_speakers(rows)
-    return None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
-
-
 def verdicts(rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS) -> list[str]:
     return [line for line, _ in judged(rows, min_heldout_speakers)]
-
-
-def indicative_verdicts(
-    rows: Sequence[Mapping[str, Any]], min_heldout_speakers: int = MIN_HELDOUT_SPEAKERS
-) -> list[str]:
-    """The verdict lines that are only indicative: what makes ``finetuning_is_sound`` warn."""
-    return [line for line, why in judged(rows, min_heldout_speakers) if why]
 
 
 def judged(
@@ -186,7 +174,9 @@ def judged(
             ratio = f"{a.cer.mean / b.cer.mean:.2f}x" if b.cer.mean > 0 else "n/a x"
             parts.append(f"{minutes:g} min: CER {a.cer} vs scratch {b.cer} ({ratio}), {said}")
         line = f"{encoder}: " + ("; ".join(parts) or "no scratch baseline to compare with")
-        why = indicative([r for r in rows if r["model"] in (encoder, SCRATCH)], min_heldout_speakers)
+        # in the probe's words; None: enough held-out speakers, or their count not recorded
+        speakers = heldout_speakers([r for r in rows if r["model"] in (encoder, SCRATCH)])
+        why = None if speakers is None else indicative_reasons(speakers, None, min_heldout_speakers)
         lines.append((line + (f" (indicative only: {why})" if why else ""), why))
     return lines
 
@@ -251,12 +241,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
             names = ["model", "seeds", "held-out CER", "held-out WER"]
             names += ["held-out OOV rate"] if beam else []
             names += ["labelled CER", "dev CER", "lr", "step", "held-out utterances"]
-            out += [
-                f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**",
-                "",
-                "| " + " | ".join(names) + " |",
-                "|" + "---|" * len(names),
-            ]
+            table = []
             for model, s in sorted(held.items(), key=lambda item: item[1].cer.mean):
                 runs = _of(rows, model, minutes)
                 own = str(trained[model].cer) if model in trained else "n/a"
@@ -271,7 +256,9 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], probe: Mapping[str, str] 
                     "–".join(str(v) for v in dict.fromkeys([steps[0], steps[-1]])) if steps else "n/a",
                     str(s.utterances),
                 ]
-                out.append("| " + " | ".join(cells) + " |")
+                table.append(cells)
+            out += [f"**{minutes:g} min budget ({seconds / 60:.1f} min labelled), {decoder} decoding**", ""]
+            out.append(markdown_table(names, table))
             blank = " |" * (len(names) - 3)
             out += [f"| frozen probe: {name} | | {cer} |{blank}" for name, cer in (probe or {}).items()] or [
                 f"| frozen probe: not run yet | | |{blank}"

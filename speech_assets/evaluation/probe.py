@@ -190,21 +190,12 @@ def evaluate_probe(
     return score(texts, hypotheses), hypotheses
 
 
-@dataclass(frozen=True)
-class UtteranceErrors:
-    """Per-utterance edit counts and reference lengths ``(U,)`` int64; their sums give :func:`score`'s rates."""
-
-    char_errors: np.ndarray
-    chars: np.ndarray
-    word_errors: np.ndarray
-    words: np.ndarray
-
-
-def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> UtteranceErrors:
+def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> tuple[np.ndarray, ...]:
+    """Per utterance ``(U,)`` int64: (char errors, chars, word errors, words), summing to :func:`score`'s rates."""
     from rapidfuzz.distance import Levenshtein
 
     pairs = list(zip(references, hypotheses, strict=True))
-    return UtteranceErrors(
+    return (
         np.array([Levenshtein.distance(r, h) for r, h in pairs], dtype=np.int64),
         np.array([len(r) for r, _ in pairs], dtype=np.int64),
         np.array([Levenshtein.distance(r.split(), h.split()) for r, h in pairs], dtype=np.int64),

@@ -233,10 +233,7 @@ class Recogniser:
         if reason := unavailable():
             raise RecogniserError(f"beam decoding cannot run here: {reason}")
         return beam_decoder_from_files(
-            *files,
-            beam_size=int(beam["beam_size"]),
-            lm_weight=float(beam["lm_weight"]),
-            word_score=float(beam["word_score"]),
+            *files, int(beam["beam_size"]), float(beam["lm_weight"]), float(beam["word_score"])
         )
 
     def features(self, waves: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -139,9 +139,6 @@ def run_record(kind: str, result_file: Path) -> dict:
         r = {**r, "preset": f"ctc-{r.get('init') or config.get('init')}"}
     return {
         **r,
-        "step": r.get("step"),
-        "checkpoint": r.get("checkpoint"),
-        "checkpoint_sha256": r.get("checkpoint_sha256"),
         "init": r.get("init") if kind == "finetuned" else None,
         "labelled_minutes": _numeric(r.get("labelled_minutes", config.get("budget_minutes"))),
         "seed": _numeric(r.get("seed", config.get("seed"))),
@@ -210,15 +207,15 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
     for kind, path in sorted(set(runs), key=lambda run: (CHECKPOINT_KINDS.index(run[0]), str(run[1]))):
         r = run_record(kind, path)
         if kind == "finetuned" and r["labelled_minutes"] is None:
-            r["labelled_minutes"] = budgets.get(r["checkpoint_sha256"])
+            r["labelled_minutes"] = budgets.get(r.get("checkpoint_sha256"))
         # the checkpoints and training_runs tables take the columns they have from one row; result.json
         # keeps the all-frames figures under their old names, the tables name them apart from the
         # held-out masked accuracy (leak-free) every view shows
         row = {
             **r,
-            "path": r["checkpoint"],
-            "steps": r["step"],
-            "sha256": r["checkpoint_sha256"],
+            "path": r.get("checkpoint"),
+            "steps": r.get("step"),
+            "sha256": r.get("checkpoint_sha256"),
             "kind": kind,
             "step_unit": "round" if kind == "federated" else "step",
             "run_dir": str(path.parent),

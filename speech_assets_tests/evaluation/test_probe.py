@@ -203,11 +203,11 @@ def test_scores_are_corpus_level_edit_rates() -> None:
     ],
 )
 def test_per_utterance_errors_sum_to_the_corpus_scores(references, hypotheses) -> None:
-    errors = utterance_errors(references, hypotheses)
+    char_errors, chars, word_errors, words = utterance_errors(references, hypotheses)
     corpus = score(references, hypotheses)
-    assert errors.char_errors.shape == errors.chars.shape == errors.words.shape == (len(references),)
-    assert errors.char_errors.sum() / errors.chars.sum() == pytest.approx(corpus.cer)
-    assert errors.word_errors.sum() / errors.words.sum() == pytest.approx(corpus.wer)
+    assert char_errors.shape == chars.shape == words.shape == (len(references),)
+    assert char_errors.sum() / chars.sum() == pytest.approx(corpus.cer)
+    assert word_errors.sum() / words.sum() == pytest.approx(corpus.wer)
 
 
 def test_probes_trained_together_are_the_probes_trained_alone() -> None:
