@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
+from stat import S_ISREG, filemode
 from typing import Annotated, BinaryIO, Self
 
 import numpy as np
@@ -175,18 +175,11 @@ class RefusedFile(Exception):
         self.reason, self.detail = reason, detail
 
 
+_KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket", l="a symlink")
+
+
 def _kind(mode: int) -> str:
-    for test, name in (
-        (S_ISDIR, "a directory"),
-        (S_ISFIFO, "a FIFO"),
-        (S_ISCHR, "a character device"),
-        (S_ISBLK, "a block device"),
-        (S_ISSOCK, "a socket"),
-        (S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return _KINDS.get(filemode(mode)[0], "not a regular file")
 
 
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
@@ -490,11 +483,8 @@ _SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PC
 
 
 def riff_data_problem(head: bytes, size: int) -> str | None:
-    """Whether a RIFF/WAVE file's ``data`` chunk declares more bytes than the file (``size`` bytes) holds.
-
-    libsndfile clamps the frame count of such a file to what is there, so decoding cannot tell.
-    None for any other format, or when the data chunk does not start within ``head``.
-    """
+    """Why a RIFF/WAVE file's ``data`` chunk declares more than its ``size`` bytes hold (libsndfile
+    clamps the frame count to what is there, so decoding cannot tell); None if it does not or cannot tell."""
     if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
         return None
     order = "<" if head[:4] == b"RIFF" else ">"
@@ -503,12 +493,9 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
         name, (length,) = head[offset : offset + 4], struct.unpack(order + "I", head[offset + 4 : offset + 8])
         if name == b"data":
             held = size - offset - 8
-            if length > held:
-                return (
-                    f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong "
-                    f"header)"
-                )
-            return None
+            if length <= held:
+                return None
+            return f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong header)"
         offset += 8 + length + (length & 1)  # chunks are padded to an even length
     return None
 
@@ -516,13 +503,10 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
 def probe_audio(
     path: str, config: ValidationConfig | None = None, root: str | os.PathLike[str] | None = None
 ) -> AudioProbe:
-    """Validate ``path``; never raises for bad audio (the error goes in ``error``).
-
-    A file whose format or declared duration is outside ``config``'s bounds is judged from its
-    header and never read (``decoded=False``). Otherwise it is decoded block by block (memory does
-    not grow with its length), its samples hashed on the way (``audio_sha256``: the same audio in
-    another format hashes the same), then the file is hashed; an undecodable file is not hashed.
-    """
+    """Validate ``path``; never raises for bad audio (the error goes in ``error``). A file outside
+    ``config``'s format or duration bounds is judged from its header and never read (``decoded=False``);
+    else it is decoded block by block (memory does not grow with its length), its samples hashed on
+    the way (the same audio in another format hashes the same), then the file is hashed."""
     try:
         handle, stat = open_corpus_file(path, None if root is None else os.path.realpath(root))
     except RefusedFile as refused:
