@@ -349,11 +349,9 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
 
 
 def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    """``(line number, record)`` per record of a .csv/.jsonl manifest, its :data:`_FIELDS` as text
-    (``""`` when absent), or ``(line number, problem)`` for a line that cannot be one. Only a file
-    that cannot be read at all (refused, empty, or a CSV header without the required columns) raises
-    :class:`CorpusError`.
-    """
+    """``(line number, record)`` of a .csv/.jsonl manifest: its :data:`_FIELDS` as text (``""`` when
+    absent), or a problem for a line that cannot be one. :class:`CorpusError` only when the file cannot be
+    read at all (refused, empty, or a CSV header without the required columns)."""
     try:
         handle, stat = open_corpus_file(str(manifest))
         with handle:
@@ -592,10 +590,8 @@ def probe_all(
     stats: Mapping[str, os.stat_result] | None = None,
     root: str | os.PathLike[str] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
-    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
-
-    A cached probe judged from its header alone is reused only while ``config``'s bounds still exclude it.
-    """
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns); a cached probe judged
+    from its header alone is reused only while ``config``'s bounds still exclude it."""
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
     for path in paths:
@@ -681,11 +677,7 @@ def scan_corpus(
             kept_audio[probe.audio_sha256] = candidate.utt_id
         rows.append(
             ManifestRow(
-                utt_id=candidate.utt_id,
-                speaker_id=candidate.speaker_id,
-                chapter_id=candidate.chapter_id,
-                path=path,
-                transcript=candidate.transcript,
+                **{**vars(candidate), "path": path},
                 sample_rate=probe.sample_rate,
                 channels=probe.channels,
                 num_samples=probe.num_samples,

@@ -108,12 +108,9 @@ SETTINGS_FILE = "pipeline.toml"
 class WorkerSettings(dg.Config):
     """A settings section filled into a worker's config (``class S(WorkerSettings, worker=TrainConfig)``).
 
-    A field written ``name: type`` only is the worker's: its default and constraints are stated once
-    there, so a bad value gets the same message in both. ``worker`` may be an instance, whose values
-    are then the defaults. The worker's model validators check the section too (prefixed
-    ``[section]``), except those reading a field the section lacks. A field with a value of its own
-    must differ from the worker's default: it means something else here and is the run's to check.
-    """
+    A field written ``name: type`` takes the worker's default (an instance's value) and constraints, so a
+    bad value gets the same message in both; the worker's "after" validators check the section too. A field
+    with a value of its own must differ from the worker's: it means something else here."""
 
     section: ClassVar[str] = ""  # its name in the settings file, for messages
     worker_fields: ClassVar[tuple[str, ...]] = ()
