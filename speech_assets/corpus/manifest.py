@@ -18,7 +18,6 @@ import json
 import os
 import re
 import struct
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
@@ -817,10 +816,6 @@ def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
     keys = sorted(cache)
     columns = {"key": keys, **{name: [getattr(cache[k], name) for k in keys] for name in _CACHE_SCHEMA.names[1:]}}
     _write_table(path, columns, _CACHE_SCHEMA)
-
-
-def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
-    return dict(sorted(Counter(reject.reason for reject in rejects).items()))
 
 
 def corpus_fingerprint(location: Path) -> str:
