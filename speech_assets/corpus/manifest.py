@@ -1,11 +1,10 @@
 """Scan a corpus (a LibriSpeech-layout folder, or a ``.csv``/``.jsonl`` manifest with columns
 ``path, transcript, speaker_id`` and optional ``utt_id, chapter_id``) into manifest and reject rows.
 
-Every file is decoded once, block by block, so corrupt audio is caught here rather than in
-feature extraction; results are cached by ``(path, size, mtime)``. No path outside the corpus
-root is opened, and every file is opened without blocking and checked on the open handle, so a
-FIFO, a device or a symlink out of the root is a reject row, never a hang. A bad file or line
-never raises: it becomes a :class:`RejectRow`; only an unreadable corpus is a :class:`CorpusError`.
+Every file is decoded once, block by block, so corrupt audio is caught here, not in feature extraction;
+results are cached by ``(path, size, mtime)``. A bad file or line (also a FIFO, a device or a symlink out
+of the root: :func:`open_corpus_file`) is a :class:`RejectRow`, never a hang nor an exception; only an
+unreadable corpus is a :class:`CorpusError`.
 """
 
 from __future__ import annotations
@@ -182,11 +181,9 @@ def _kind(mode: int) -> str:
 
 
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
-    """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`.
-
-    Its real path must be inside ``root`` (resolved; None: anywhere) and it must be a regular file:
-    both are checked on the open handle, so a file swapped for a symlink, a FIFO or a device
-    between the check and the open is refused too. Never blocks (a FIFO opens at once)."""
+    """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`. Its real path must be
+    inside ``root`` (resolved; None: anywhere) and a regular file, both checked on the open handle, so a
+    file swapped for a symlink, a FIFO or a device since is refused too. Never blocks (a FIFO opens at once)."""
     real = os.path.realpath(path)
     if root is not None and not is_inside(real, root):
         raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"resolves to {real}, outside the corpus root {root}")

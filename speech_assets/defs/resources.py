@@ -159,13 +159,11 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
         if typing.get_origin(kind) is ClassVar:
             continue
         item = theirs.get(name)
-        default = None if item is None else item.get_default(call_default_factory=True)
-        if item is not None and not isinstance(worker, type):
-            default = getattr(worker, name)
-        args = typing.get_args(types_.get(name))
-        if item is not None and typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,):
-            if kind == list[args[0]]:  # a settings file gives a list for the worker's tuple
-                default, kind = list(default), types_[name]
+        if item is not None:
+            default = item.get_default(call_default_factory=True) if isinstance(worker, type) else getattr(worker, name)
+            args = typing.get_args(types_[name])
+            if typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,) and kind == list[args[0]]:
+                default, kind = list(default), types_[name]  # a settings file gives a list for the worker's tuple
         if name in section.__dict__:
             if item is not None and kind == types_[name] and section.__dict__[name] == default:
                 raise TypeError(
