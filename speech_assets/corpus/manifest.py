@@ -710,15 +710,8 @@ class RealPaths:
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
     """Which of the candidate's ids cannot become a file name or partition key, and why (None: all safe)."""
-    problems = [
-        _id_detail(what, value, reason)
-        for what, value in (
-            ("speaker_id", candidate.speaker_id),
-            ("chapter_id", candidate.chapter_id),
-            ("utt_id", candidate.utt_id),
-        )
-        if (reason := why_unsafe(value)) is not None
-    ]
+    ids = {"speaker_id": candidate.speaker_id, "chapter_id": candidate.chapter_id, "utt_id": candidate.utt_id}
+    problems = [_id_detail(what, value, reason) for what, value in ids.items() if (reason := why_unsafe(value))]
     return "; ".join(problems) or None
 
 
