@@ -37,11 +37,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         results = compare.read_results(path)
     except ValueError as err:
         return _fail(f"{path}: {err}")
-    print(compare.leaderboard_markdown(board))
-    print()
-    print("\n".join(compare.standing(results, min_speakers)))
-    print()
-    print(compare.reading_note(board, min_speakers))
+    standing = "\n".join(compare.standing(results, min_speakers))
+    print(f"{compare.leaderboard_markdown(board)}\n\n{standing}\n\n{compare.reading_note(board, min_speakers)}")
     if args.details:
         print()
         print(compare.markdown_table(results))
@@ -196,28 +193,24 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
 
 
 def _cmd_replicate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from speech_assets.corpus.replicate import replicate_corpus
 
-    bar = None
-    if sys.stderr.isatty():  # only on a terminal: logs and CI stay clean
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.speakers, unit="speaker", dynamic_ncols=True)
-    try:
-        report = replicate_corpus(
-            args.source,
-            args.out,
-            scale=args.scale,
-            speakers=args.speakers,
-            seed=args.seed,
-            workers=args.workers or None,
-            progress=(lambda done, total: bar.update(1)) if bar else None,
-        )
-    except ValueError as err:
-        return _fail(str(err), 2)
-    finally:
-        if bar is not None:
-            bar.close()
+    # shown only on a terminal: logs and CI stay clean
+    with tqdm(total=args.speakers, unit="speaker", dynamic_ncols=True, disable=not sys.stderr.isatty()) as bar:
+        try:
+            report = replicate_corpus(
+                args.source,
+                args.out,
+                scale=args.scale,
+                speakers=args.speakers,
+                seed=args.seed,
+                workers=args.workers or None,
+                progress=lambda done, total: bar.update(1),
+            )
+        except ValueError as err:
+            return _fail(str(err), 2)
     print(
         f"wrote {report.utterances} utterances ({report.hours:.2f} h) from {report.speakers} speakers to "
         f"{report.out_dir}"

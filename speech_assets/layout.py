@@ -55,18 +55,10 @@ class Numbered:
     def name(self, number: int) -> str:
         return self.template.format(int(number))
 
-    def _around(self) -> tuple[str, str]:
-        head, _, tail = self.template.partition("{")
-        return head, tail.partition("}")[2]
-
-    @property
-    def glob(self) -> str:
-        head, suffix = self._around()
-        return f"{head}*{suffix}"
-
     def number(self, name: str) -> int | None:
         """``None`` for any other name, also a non-canonical one (``round_7.pt`` for ``round_00007.pt``)."""
-        head, suffix = self._around()
+        head, _, tail = self.template.partition("{")
+        suffix = tail.partition("}")[2]
         digits = name[len(head) : len(name) - len(suffix)]
         if not (name.startswith(head) and name.endswith(suffix) and digits.isascii() and digits.isdigit()):
             return None

@@ -1,11 +1,10 @@
 """Scan a corpus (a LibriSpeech-layout folder, or a ``.csv``/``.jsonl`` manifest with columns
 ``path, transcript, speaker_id`` and optional ``utt_id, chapter_id``) into manifest and reject rows.
 
-Every file is decoded once, block by block, so corrupt audio is caught here rather than in
-feature extraction; results are cached by ``(path, size, mtime)``. No path outside the corpus
-root is opened, and every file is opened without blocking and checked on the open handle, so a
-FIFO, a device or a symlink out of the root is a reject row, never a hang. A bad file or line
-never raises: it becomes a :class:`RejectRow`; only an unreadable corpus is a :class:`CorpusError`.
+Every file is decoded once, block by block, so corrupt audio is caught here, not in feature extraction;
+results are cached by ``(path, size, mtime)``. A bad file or line (also a FIFO, a device or a symlink out
+of the root: :func:`open_corpus_file`) is a :class:`RejectRow`, never a hang nor an exception; only an
+unreadable corpus is a :class:`CorpusError`.
 """
 
 from __future__ import annotations
@@ -18,12 +17,11 @@ import json
 import os
 import re
 import struct
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
+from stat import S_ISREG, filemode
 from typing import Annotated, BinaryIO, Self
 
 import numpy as np
@@ -175,26 +173,17 @@ class RefusedFile(Exception):
         self.reason, self.detail = reason, detail
 
 
+_KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket", l="a symlink")
+
+
 def _kind(mode: int) -> str:
-    for test, name in (
-        (S_ISDIR, "a directory"),
-        (S_ISFIFO, "a FIFO"),
-        (S_ISCHR, "a character device"),
-        (S_ISBLK, "a block device"),
-        (S_ISSOCK, "a socket"),
-        (S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return _KINDS.get(filemode(mode)[0], "not a regular file")
 
 
 def open_corpus_file(path: str, root: str | os.PathLike[str] | None = None) -> tuple[BinaryIO, os.stat_result]:
-    """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`.
-
-    Its real path must be inside ``root`` (resolved; None: anywhere) and it must be a regular file:
-    both are checked on the open handle, so a file swapped for a symlink, a FIFO or a device
-    between the check and the open is refused too. Never blocks (a FIFO opens at once)."""
+    """Open ``path`` (binary) with its ``fstat``, or raise :class:`RefusedFile`. Its real path must be
+    inside ``root`` (resolved; None: anywhere) and a regular file, both checked on the open handle, so a
+    file swapped for a symlink, a FIFO or a device since is refused too. Never blocks (a FIFO opens at once)."""
     real = os.path.realpath(path)
     if root is not None and not is_inside(real, root):
         raise RefusedFile(RejectReason.OUTSIDE_ROOT, f"resolves to {real}, outside the corpus root {root}")
@@ -356,11 +345,9 @@ def _discover_manifest_file(manifest: Path) -> tuple[list[Candidate], list[Rejec
 
 
 def _read_manifest_records(manifest: Path) -> Iterator[tuple[int, dict[str, str] | str]]:
-    """``(line number, record)`` per record of a .csv/.jsonl manifest, its :data:`_FIELDS` as text
-    (``""`` when absent), or ``(line number, problem)`` for a line that cannot be one. Only a file
-    that cannot be read at all (refused, empty, or a CSV header without the required columns) raises
-    :class:`CorpusError`.
-    """
+    """``(line number, record)`` of a .csv/.jsonl manifest: its :data:`_FIELDS` as text (``""`` when
+    absent), or a problem for a line that cannot be one. :class:`CorpusError` only when the file cannot be
+    read at all (refused, empty, or a CSV header without the required columns)."""
     try:
         handle, stat = open_corpus_file(str(manifest))
         with handle:
@@ -490,11 +477,8 @@ _SAMPLE_TYPES = {"FLOAT": "float32", "DOUBLE": "float64", "PCM_24": "int32", "PC
 
 
 def riff_data_problem(head: bytes, size: int) -> str | None:
-    """Whether a RIFF/WAVE file's ``data`` chunk declares more bytes than the file (``size`` bytes) holds.
-
-    libsndfile clamps the frame count of such a file to what is there, so decoding cannot tell.
-    None for any other format, or when the data chunk does not start within ``head``.
-    """
+    """Why a RIFF/WAVE file's ``data`` chunk declares more than its ``size`` bytes hold (libsndfile
+    clamps the frame count to what is there, so decoding cannot tell); None if it does not or cannot tell."""
     if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
         return None
     order = "<" if head[:4] == b"RIFF" else ">"
@@ -503,12 +487,9 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
         name, (length,) = head[offset : offset + 4], struct.unpack(order + "I", head[offset + 4 : offset + 8])
         if name == b"data":
             held = size - offset - 8
-            if length > held:
-                return (
-                    f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong "
-                    f"header)"
-                )
-            return None
+            if length <= held:
+                return None
+            return f"header declares {length} bytes of audio data, the file holds {held} (truncated, or a wrong header)"
         offset += 8 + length + (length & 1)  # chunks are padded to an even length
     return None
 
@@ -516,13 +497,10 @@ def riff_data_problem(head: bytes, size: int) -> str | None:
 def probe_audio(
     path: str, config: ValidationConfig | None = None, root: str | os.PathLike[str] | None = None
 ) -> AudioProbe:
-    """Validate ``path``; never raises for bad audio (the error goes in ``error``).
-
-    A file whose format or declared duration is outside ``config``'s bounds is judged from its
-    header and never read (``decoded=False``). Otherwise it is decoded block by block (memory does
-    not grow with its length), its samples hashed on the way (``audio_sha256``: the same audio in
-    another format hashes the same), then the file is hashed; an undecodable file is not hashed.
-    """
+    """Validate ``path``; never raises for bad audio (the error goes in ``error``). A file outside
+    ``config``'s format or duration bounds is judged from its header and never read (``decoded=False``);
+    else it is decoded block by block (memory does not grow with its length), its samples hashed on
+    the way (the same audio in another format hashes the same), then the file is hashed."""
     try:
         handle, stat = open_corpus_file(path, None if root is None else os.path.realpath(root))
     except RefusedFile as refused:
@@ -608,10 +586,8 @@ def probe_all(
     stats: Mapping[str, os.stat_result] | None = None,
     root: str | os.PathLike[str] | None = None,
 ) -> tuple[dict[str, AudioProbe], int]:
-    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns).
-
-    A cached probe judged from its header alone is reused only while ``config``'s bounds still exclude it.
-    """
+    """Probe each path once, reusing cache hits keyed by (path, size, mtime_ns); a cached probe judged
+    from its header alone is reused only while ``config``'s bounds still exclude it."""
     results: dict[str, AudioProbe] = {}
     todo: list[str] = []
     for path in paths:
@@ -697,11 +673,7 @@ def scan_corpus(
             kept_audio[probe.audio_sha256] = candidate.utt_id
         rows.append(
             ManifestRow(
-                utt_id=candidate.utt_id,
-                speaker_id=candidate.speaker_id,
-                chapter_id=candidate.chapter_id,
-                path=path,
-                transcript=candidate.transcript,
+                **{**vars(candidate), "path": path},
                 sample_rate=probe.sample_rate,
                 channels=probe.channels,
                 num_samples=probe.num_samples,
@@ -738,15 +710,8 @@ class RealPaths:
 
 def invalid_id_detail(candidate: Candidate) -> str | None:
     """Which of the candidate's ids cannot become a file name or partition key, and why (None: all safe)."""
-    problems = [
-        _id_detail(what, value, reason)
-        for what, value in (
-            ("speaker_id", candidate.speaker_id),
-            ("chapter_id", candidate.chapter_id),
-            ("utt_id", candidate.utt_id),
-        )
-        if (reason := why_unsafe(value)) is not None
-    ]
+    ids = {"speaker_id": candidate.speaker_id, "chapter_id": candidate.chapter_id, "utt_id": candidate.utt_id}
+    problems = [_id_detail(what, value, reason) for what, value in ids.items() if (reason := why_unsafe(value))]
     return "; ".join(problems) or None
 
 
@@ -841,10 +806,6 @@ def save_cache(path: Path, cache: dict[str, AudioProbe]) -> None:
     keys = sorted(cache)
     columns = {"key": keys, **{name: [getattr(cache[k], name) for k in keys] for name in _CACHE_SCHEMA.names[1:]}}
     _write_table(path, columns, _CACHE_SCHEMA)
-
-
-def count_by_reason(rejects: Iterable[RejectRow]) -> dict[str, int]:
-    return dict(sorted(Counter(reject.reason for reject in rejects).items()))
 
 
 def corpus_fingerprint(location: Path) -> str:

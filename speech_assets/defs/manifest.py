@@ -5,6 +5,7 @@ whose rows changed, so unchanged speakers' shards stay in sync whatever their nu
 """
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def manifest(
 
     data_hash = corpus.manifest_hash(result.rows)
     hours = sum(r.duration_s for r in result.rows) / 3600
-    by_reason = corpus.count_by_reason(result.rejects)
+    by_reason = dict(sorted(Counter(reject.reason for reject in result.rejects).items()))
     context.log.info(
         f"manifest: {len(result.rows)} kept ({hours:.3f} h), {len(result.rejects)} rejected, {result.decoded_files} "
         f"files decoded, {len(per_speaker)} speakers ({len(added)} new, {len(observations)} with new or changed rows)"

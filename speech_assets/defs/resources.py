@@ -108,12 +108,9 @@ SETTINGS_FILE = "pipeline.toml"
 class WorkerSettings(dg.Config):
     """A settings section filled into a worker's config (``class S(WorkerSettings, worker=TrainConfig)``).
 
-    A field written ``name: type`` only is the worker's: its default and constraints are stated once
-    there, so a bad value gets the same message in both. ``worker`` may be an instance, whose values
-    are then the defaults. The worker's model validators check the section too (prefixed
-    ``[section]``), except those reading a field the section lacks. A field with a value of its own
-    must differ from the worker's default: it means something else here and is the run's to check.
-    """
+    A field written ``name: type`` takes the worker's default (an instance's value) and constraints, so a
+    bad value gets the same message in both; the worker's "after" validators check the section too. A field
+    with a value of its own must differ from the worker's: it means something else here."""
 
     section: ClassVar[str] = ""  # its name in the settings file, for messages
     worker_fields: ClassVar[tuple[str, ...]] = ()
@@ -162,13 +159,11 @@ def worker_fields(section: type, worker: object) -> dict[str, Any]:
         if typing.get_origin(kind) is ClassVar:
             continue
         item = theirs.get(name)
-        default = None if item is None else item.get_default(call_default_factory=True)
-        if item is not None and not isinstance(worker, type):
-            default = getattr(worker, name)
-        args = typing.get_args(types_.get(name))
-        if item is not None and typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,):
-            if kind == list[args[0]]:  # a settings file gives a list for the worker's tuple
-                default, kind = list(default), types_[name]
+        if item is not None:
+            default = item.get_default(call_default_factory=True) if isinstance(worker, type) else getattr(worker, name)
+            args = typing.get_args(types_[name])
+            if typing.get_origin(types_[name]) is tuple and args[1:] == (Ellipsis,) and kind == list[args[0]]:
+                default, kind = list(default), types_[name]  # a settings file gives a list for the worker's tuple
         if name in section.__dict__:
             if item is not None and kind == types_[name] and section.__dict__[name] == default:
                 raise TypeError(

@@ -150,6 +150,16 @@ def test_manifest_file_input(tmp_path: Path, writer, suffix: str) -> None:
     }
 
 
+def test_a_kept_row_names_its_file_resolved(tmp_path: Path) -> None:
+    """Kills: a row keeping its path as the manifest wrote it (through a symlinked folder) rather than resolved."""
+    root = tmp_path / "audio"
+    write_flac(root / "real" / "a.flac")
+    (root / "link").symlink_to(root / "real")
+    record = {"path": "link/a.flac", "transcript": "one", "speaker_id": "s1", "utt_id": "", "chapter_id": ""}
+    _write_csv(root / "corpus.csv", [record])
+    assert [r.path for r in m.scan_corpus(root / "corpus.csv").rows] == [str((root / "real" / "a.flac").resolve())]
+
+
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "wrong_suffix"])
 def test_missing_or_empty_corpus_is_a_clear_error(tmp_path: Path, make: str) -> None:
     target = tmp_path / "corpus"
