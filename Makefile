@@ -36,7 +36,8 @@ demo: install
 # one core busy and one waiting most of the time (daemons, servers, process start-ups), so two
 # workers on 2 cores take about two thirds of one worker's time (figures: docs/BENCHMARKS.md,
 # current table). Each module stays on one worker (its
-# fixtures are built once); PYTEST_WORKERS=0 runs it in this process.
+# fixtures are built once), the heaviest first (MODULE_SECONDS in speech_assets_tests/conftest.py)
+# so that the two workers end together; PYTEST_WORKERS=0 runs it in this process.
 # `ruff format --check` and `ruff check` first (settings in pyproject.toml, about a second), then `dg check defs`:
 # the code location loads and validates in seconds (on a throwaway instance: DAGSTER_HOME unset) before
 # minutes of tests.

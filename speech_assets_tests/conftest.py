@@ -24,6 +24,63 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO / "data" / "sample"
 
 
+# Seconds each module took (whole-suite profile, 2 workers on 2 idle cores, less the session fixtures
+# it built): pytest-xdist's loadscope hands modules out in the order the workers collected them, so
+# the heaviest go first (longest processing time first) and the two workers end together instead of
+# one idling while the other finishes a heavy module handed out last. Modules not listed (each under
+# 10 s) follow in their usual order; a stale figure only costs balance, never a test.
+MODULE_SECONDS = {
+    "defs/test_model_runs.py": 216,
+    "defs/test_runs.py": 60,
+    "defs/test_staleness.py": 47,
+    "train/test_data_path.py": 44,
+    "federated/test_privacy.py": 41,
+    "deploy/test_postgres_instance.py": 39,
+    "defs/test_training_launch.py": 38,
+    "defs/test_fresh_data.py": 36,
+    "defs/test_daemon_settings.py": 33,
+    "test_demo.py": 30,
+    "features/test_build.py": 28,
+    "defs/test_features.py": 23,
+    "federated/test_client_refusals.py": 22,
+    "federated/test_federation.py": 21,
+    "deploy/test_mlflow_tracking.py": 21,
+    "evaluation/test_finetune.py": 20,
+    "federated/test_server_app.py": 20,
+    "model/test_export.py": 19,
+    "defs/test_targets.py": 16,
+    "defs/test_output_modes.py": 16,
+    "defs/test_checks.py": 15,
+    "defs/test_lineage.py": 15,
+    "train/test_trainer.py": 15,
+    "corpus/test_hostile_files.py": 13,
+    "test_makefile.py": 12,
+    "corpus/test_synth.py": 12,
+    "federated/test_secure_aggregation.py": 11,
+    "runtime/test_where_it_runs.py": 11,
+    "features/test_featurize.py": 10,
+    "train/test_async_checkpoint.py": 10,
+    "deploy/test_cluster_configs.py": 10,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.x) reorders loadscope's modules by number of tests unless told not to, which
+    # would undo the order below (a one-test module of 47 s went last)
+    if getattr(config.option, "dist", "no") == "loadscope":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # in every run, not only under loadscope: xdist's workers see `--dist no`, and the controller
+    # hands out modules in the order its workers collected them
+    def seconds(item: pytest.Item) -> int:
+        return MODULE_SECONDS.get(item.nodeid.split("::")[0].removeprefix("speech_assets_tests/"), 0)
+
+    # a stable sort: each module keeps its own order (its fixtures rely on it)
+    items.sort(key=lambda item: -seconds(item))
+
+
 @contextlib.contextmanager
 def fresh_dagster_home(root: Path) -> Iterator[Path]:
     """A new DAGSTER_HOME under ``root`` with the repository's dagster.yaml, set in this process's

@@ -394,3 +394,22 @@ def test_make_targets_mlflow_link_opens_the_runs_table_in_a_browser(tmp_path: Pa
     finally:
         left = served.stop()
     assert not left, left
+
+
+def test_make_test_hands_out_the_heaviest_modules_first() -> None:
+    """Kills: loadscope's modules handed out by test count (xdist's default) or a table that names a
+    module no longer there; each module keeps its own order (its fixtures rely on it)."""
+    from types import SimpleNamespace
+
+    from speech_assets_tests import conftest
+
+    tests = REPO / "speech_assets_tests"
+    assert all((tests / module).is_file() for module in conftest.MODULE_SECONDS), "a stale MODULE_SECONDS entry"
+    config = SimpleNamespace(option=SimpleNamespace(dist="loadscope", loadscopereorder=True))
+    conftest.pytest_configure(config)
+    assert config.option.loadscopereorder is False
+    heavy, light = sorted(conftest.MODULE_SECONDS, key=conftest.MODULE_SECONDS.get)[-2:], "test_cli.py"
+    nodeids = [f"speech_assets_tests/{module}::test_{i}" for module in (light, *heavy) for i in range(3)]
+    items = [SimpleNamespace(nodeid=nodeid) for nodeid in nodeids]
+    conftest.pytest_collection_modifyitems(items)
+    assert [item.nodeid for item in items] == nodeids[6:] + nodeids[3:6] + nodeids[:3]

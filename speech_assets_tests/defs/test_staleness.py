@@ -4,20 +4,18 @@ check (asset checks and `speech-assets lineage --stale`) names exactly what must
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import soundfile as sf
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.loader import LoadingContextForTest
 
+from speech_assets import cli
 from speech_assets.definitions import build_definitions
 from speech_assets.defs import staleness
 from speech_assets.defs.resources import ClientSettings, KMeansSettings, PipelineSettings, StoragePaths
-from speech_assets_tests.conftest import REPO
 from speech_assets_tests.support.corpora import LibriCorpus, with_silence
 from speech_assets_tests.support.local_runs import materialize_in_process
 
@@ -37,7 +35,7 @@ def speak(corpus: LibriCorpus, speaker: str, seed: int, line: bool = True) -> No
 
 
 def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(
-    tmp_path: Path, instance: dg.DagsterInstance
+    tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = LibriCorpus(tmp_path / "corpus")
     for index in range(SPEAKERS):
@@ -75,15 +73,12 @@ def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(
     assert report["cmvn_stats"] == [f"1 changed shard(s): {changed}"]
     assert not staleness.cmvn_inputs_are_current(paths=paths).passed
     assert not staleness.targets_inputs_are_current(paths=paths).passed
-    env = {**os.environ, "SPEECH_ASSETS_DATA_DIR": paths.data_dir, "SPEECH_ASSETS_CORPUS": paths.corpus}
-    cli = subprocess.run(
-        [str(Path(sys.executable).parent / "speech-assets"), "lineage", "--stale", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert cli.returncode == 3 and json.loads(cli.stdout) == report
+    # the CLI's main in this process (test_cli runs it in processes of its own): an interpreter costs seconds
+    monkeypatch.setenv("SPEECH_ASSETS_DATA_DIR", paths.data_dir)
+    monkeypatch.setenv("SPEECH_ASSETS_CORPUS", paths.corpus)
+    capsys.readouterr()
+    assert cli.main(["lineage", "--stale", "--json"]) == 3
+    assert json.loads(capsys.readouterr().out) == report
 
     build("cmvn_stats")
     build("client_partitions")
