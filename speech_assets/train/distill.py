@@ -27,12 +27,7 @@ from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.model.speed import forward_speed
 from speech_assets.train.config import DistillConfig
-from speech_assets.train.data import (
-    Batch,
-    DurationBucketSampler,
-    UtteranceDataset,
-    split_corpus,
-)
+from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
     BatchStream,
     Distributed,
@@ -166,17 +161,14 @@ class Distillation(Fit):
         # the student learns on the teacher's training speakers, with the teacher's input normalisation
         recorded = self.teacher_loaded.checkpoint.get("speakers") or {}
         heldout = config.heldout_speakers if config.heldout_speakers is not None else recorded.get("heldout")
-        index, train_refs, self.heldout_refs, speakers = split_corpus(config, heldout)
+        index, self.train_refs, self.heldout_refs, speakers = split_corpus(config, heldout)
         cmvn = from_record(self.teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
-        self.dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
-        self.train_refs = train_refs
+        self.dataset = UtteranceDataset(index, self.train_refs, cmvn, config.max_frames, seed=config.seed)
         sampler = DurationBucketSampler(
             self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
         sampler.num_workers = config.num_workers or default_workers(job)  # 0: the device's default
-        stream = BatchStream(
-            self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda", device=job.device
-        )
+        stream = BatchStream(self.dataset, sampler, config.seed, device=job.device)
         seed_everything(config.seed)
         self.student = build_student(config, teacher, layers).to(job.device)
         self.start(

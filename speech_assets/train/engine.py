@@ -178,7 +178,7 @@ class BatchStream:
 
     One DataLoader with persistent workers serves every epoch (each request carries its epoch); once
     :meth:`schedule` is known the workers draw the span masks too (``builder``: what builds a batch
-    there). On CUDA the next batch is copied on a side stream while the current one trains.
+    there). On CUDA batches are pinned and the next one is copied on a side stream while the current one trains.
     """
 
     def __init__(
@@ -186,14 +186,12 @@ class BatchStream:
         dataset: UtteranceDataset,
         sampler: RankSampler,
         seed: int,
-        pin_memory: bool = False,
         epoch: int = 0,
         position: int = 0,
         device: torch.device | None = None,
         builder: Callable[[UtteranceDataset], Dataset[Batch]] = BatchBuilder,
     ) -> None:
-        self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
-        self.builder = builder
+        self.dataset, self.sampler, self.seed, self.builder = dataset, sampler, seed, builder
         self.epoch, self.position = epoch, position
         self.device = device if device is not None and device.type == "cuda" else None
         self._sizes: dict[int, int] = {}
@@ -241,7 +239,7 @@ class BatchStream:
                         batch_size=None,
                         sampler=_Requests(self),
                         num_workers=workers,
-                        pin_memory=self.pin_memory,
+                        pin_memory=self.device is not None,
                         persistent_workers=workers > 0,
                         # Own generator: creating a loader must not consume the global RNG.
                         generator=torch.Generator().manual_seed(self.seed),
@@ -435,10 +433,8 @@ class Engine:
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
         self.evaluation_owed = False  # the resumed checkpoint's Evaluation was not recorded
-        # set when an evaluation says ``stop`` (early stopping): the run ends after that checkpoint
-        self.stopped = False
-        # step checkpoints pruning keeps besides the newest (the step a dev set selected)
-        self.keep_steps: frozenset[int] = frozenset()
+        self.stopped = False  # an evaluation said ``stop`` (early stopping): the run ends after that checkpoint
+        self.keep_steps: frozenset[int] = frozenset()  # kept by pruning besides the newest (a dev-selected step)
         self.checkpoints = CheckpointWriter(background=background_checkpoints)
 
     @property
@@ -456,13 +452,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             batch = next(batches)
-            last = micro == accum - 1
-            sync = (
-                forward.no_sync()
-                if isinstance(forward, DistributedDataParallel) and not last
-                else contextlib.nullcontext()
-            )
-            with sync, autocast(self.precision, self.job.device):
+            no_sync = isinstance(forward, DistributedDataParallel) and micro < accum - 1  # reduce at the last only
+            with forward.no_sync() if no_sync else contextlib.nullcontext(), autocast(self.precision, self.job.device):
                 loss, micro_stats = objective(forward, batch, self.step, micro)
             self.scaler.scale(loss / accum).backward()
             stats = micro_stats if stats is None else stats + micro_stats
@@ -558,11 +549,10 @@ class Engine:
         while self.step < config.max_steps and not self.stopped:
             stats, seconds, grad_norm = self.train_step(objective, stream)
             window = stats.detach().clone() if window is None else window.add_(stats)
-            timed = self.step > first_step  # the first step of an attempt pays for warm-up
-            if self.step == first_step:
+            if self.step == first_step:  # the first step of an attempt pays for warm-up: untimed
                 timed_start = time.perf_counter()
             audio += seconds
-            timed_audio += seconds if timed else 0.0
+            timed_audio += seconds if self.step > first_step else 0.0
             preempted = inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = (
                 preempted
@@ -639,11 +629,9 @@ class Engine:
         """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer.
         ``owed``: this step's :class:`Evaluation` is not recorded in it."""
         rng = capture_rng_state(self.job.device)
-        states: list[Any] = [None] * self.job.world_size
+        states: list[Any] = [rng] * self.job.world_size
         if self.job.enabled:
             dist.all_gather_object(states, rng)
-        else:
-            states = [rng]
         if self.job.is_main:
             state = {
                 "format": CHECKPOINT_FORMAT,
