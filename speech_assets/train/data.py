@@ -217,8 +217,7 @@ def collate(
 ) -> Batch:
     """Pad ``examples`` into a :class:`Batch`, rows grouped by client (stable), with its span mask
     when ``masking`` and ``slot = (step, micro)`` are given."""
-    order = sorted(range(len(examples)), key=lambda row: examples[row].client)
-    examples = [examples[row] for row in order]
+    examples = sorted(examples, key=lambda example: example.client)  # stable
     frames = [e.feats.shape[0] for e in examples]
     lengths = torch.tensor(frames, dtype=torch.long)
     max_frames = max(frames)
@@ -417,13 +416,11 @@ class DurationBucketSampler(RankSampler):
     def __init__(
         self, seconds: Sequence[float], batch_seconds: float, *, pool_batches: int = 100, **ranks: int
     ) -> None:
-        """``ranks``: :class:`RankSampler`'s ``num_replicas``, ``rank`` and ``seed``."""
         super().__init__(seconds, batch_seconds, **ranks)
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``; the same count on every rank."""
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(len(self.seconds))
         pooled: list[list[int]] = []

@@ -166,8 +166,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
 
 
 def default_workers(job: Distributed) -> int:
-    """Loader workers of a run that does not choose: none on a CPU (its cores train), else up to 4
-    per GPU process from the cores left."""
+    """Loader workers when a run sets none: 0 on a CPU (its cores train), else up to 4 per GPU process of the rest."""
     if job.device.type != "cuda":
         return 0
     return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
@@ -317,13 +316,20 @@ def append_line(path: Path, line: str) -> None:
 
 class BackgroundWriter:
     """Rank 0's metrics writes, in submission order on one thread so that training never waits on
-    a disk or a server. A call that raised is reported by the next call (the later ones still run)."""
+    a disk or a server. A call that raised is reported by the next call (the later ones still run).
+    :meth:`log` appends to ``metrics`` (the run's metrics.jsonl) and logs to ``tracker``."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Path | None = None, tracker: MlflowTracker | None = None) -> None:
         # its thread starts at the first submit: after the loader has forked its workers, which must
         # not inherit a lock this thread might hold
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-writer")
         self._pending: list[Future[object]] = []
+        self.metrics, self.tracker = metrics, tracker
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self.submit(append_line, self.metrics, json.dumps({"step": step, **values}))
+        if self.tracker is not None:
+            self.submit(self.tracker.log_metrics, dict(values), step)
 
     def submit(self, call: Callable[..., object], *args: Any) -> None:
         self._raise()
@@ -481,15 +487,15 @@ class Engine:
         RNG) has its numbers logged as ``val/<name>`` at the step it evaluated; a true ``stop`` in its
         result ends the run after the checkpoint that records it."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
-        writer = BackgroundWriter() if self.job.is_main else None
+        writer = BackgroundWriter(RunFiles(Path(config.run_dir)).metrics, tracker) if self.job.is_main else None
         try:
             if isinstance(evaluate, Evaluation) and self.evaluation_owed:  # the live weights are its snapshot's
                 owed = (self.step, evaluate.record(self.step, evaluate.score(self.model)))
-                self._recorded(owed, tracker, config, writer, alone=True)
-            finished = self._steps(objective, stream, config, tracker, evaluate, writer)
+                self._recorded(owed, writer, alone=True)
+            finished = self._steps(objective, stream, config, evaluate, writer)
             if finished and isinstance(evaluate, Evaluation):
                 started = time.perf_counter()  # the run's wall time includes its last evaluation
-                self._recorded(evaluate.collect(), tracker, config, writer, alone=True)
+                self._recorded(evaluate.collect(), writer, alone=True)
                 self.progress["train_seconds"] += time.perf_counter() - started
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
@@ -508,8 +514,6 @@ class Engine:
     def _recorded(
         self,
         evaluated: tuple[int, Mapping[str, Any] | None] | None,
-        tracker: MlflowTracker | None,
-        config: RunConfig,
         writer: BackgroundWriter | None,
         alone: bool = False,
     ) -> dict[str, float]:
@@ -521,10 +525,7 @@ class Engine:
         self.stopped = self.stopped or bool((evaluated[1] or {}).get("stop"))
         held_out = heldout_series(evaluated[1] or {})
         if writer is not None and held_out and (alone or evaluated[0] != self.step):
-            line = json.dumps({"step": evaluated[0], **held_out})
-            writer.submit(append_line, RunFiles(Path(config.run_dir)).metrics, line)
-            if tracker is not None:
-                writer.submit(tracker.log_metrics, held_out, evaluated[0])
+            writer.log(evaluated[0], held_out)
             return {}
         return held_out
 
@@ -533,7 +534,6 @@ class Engine:
         objective: Objective,
         stream: BatchStream,
         config: RunConfig,
-        tracker: MlflowTracker | None,
         evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None,
         writer: BackgroundWriter | None,
     ) -> bool:
@@ -585,15 +585,15 @@ class Engine:
                     held_out: dict[str, float] = {}
                     if checkpoint and isinstance(evaluate, Evaluation):
                         # the evaluation in flight first: its record decides what pruning keeps
-                        self._recorded(evaluate.collect(), tracker, config, writer)
+                        self._recorded(evaluate.collect(), writer)
                         if not (self.stopped or preempted):  # a preempted step's is owed (resume)
                             evaluate.submit(self.step, self.model)
                             if not evaluate.background:
-                                held_out = self._recorded(evaluate.collect(), tracker, config, writer)
+                                held_out = self._recorded(evaluate.collect(), writer)
                     elif checkpoint and evaluate is not None:
-                        held_out = self._recorded((self.step, evaluate()), tracker, config, writer)
+                        held_out = self._recorded((self.step, evaluate()), writer)
                     if writer is not None:
-                        self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
+                        self._report(config.max_steps, held_out, writer)
                     if checkpoint:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
@@ -607,23 +607,12 @@ class Engine:
             self.progress["train_seconds"] += time.perf_counter() - timed_start
         return True
 
-    def _report(
-        self,
-        run_dir: Path,
-        max_steps: int,
-        tracker: MlflowTracker | None,
-        held_out: Mapping[str, float],
-        writer: BackgroundWriter,
-    ) -> None:
+    def _report(self, max_steps: int, held_out: Mapping[str, float], writer: BackgroundWriter) -> None:
         shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
         if "val/leak_free_masked_accuracy" in held_out:
             shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
         log.info("step %d/%d %s", self.step, max_steps, shown)
-        writer.submit(
-            append_line, RunFiles(run_dir).metrics, json.dumps({"step": self.step, **self.metrics, **held_out})
-        )
-        if tracker is not None:
-            writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
+        writer.log(self.step, {**self.metrics, **held_out})
 
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int, owed: bool = False) -> None:
         """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer.

@@ -55,8 +55,7 @@ UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI 
 
 
 def ui_base(tracking_uri: str) -> str:
-    """The MLflow UI's address: the server itself (without its credentials), or for a local store
-    the UI ``make mlflow`` serves on loopback at ``$MLFLOW_PORT`` (default 5000)."""
+    """The MLflow UI's address: the server (without credentials), else where ``make mlflow`` serves a local store."""
     if is_server(tracking_uri):
         return urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl().rstrip("/")
     port = os.environ.get(UI_PORT_ENV, "5000")
@@ -68,8 +67,7 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def experiment_runs_table(tracking_uri: str, name: str = EXPERIMENT) -> str:
-    """The runs table of experiment ``name`` in the MLflow UI, the experiment created first if need be
-    (so that the link opens before any training)."""
+    """The MLflow UI's runs table of experiment ``name``, created first if need be (the link opens before training)."""
     experiment_id = ensure_experiment(mlflow_client(tracking_uri), name, tracking_uri, None)
     # MLflow 3.17's UI opens the view the workflowType parameter names, no longer the experiment's kind tag
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
