@@ -473,8 +473,7 @@ class FineTuning(Fit):
             self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
         sampler.num_workers = default_workers(job)
-        cuda = job.device.type == "cuda"
-        stream = BatchStream(self.dataset, sampler, config.seed, pin_memory=cuda, device=job.device, builder=CtcBatches)
+        stream = BatchStream(self.dataset, sampler, config.seed, device=job.device, builder=CtcBatches)
         self.model = model = model.to(job.device)
         frozen = (0, False) if config.init == "scratch" else (config.freeze_steps, config.freeze_frontend)
         self.freeze_steps, self.freeze_frontend = frozen  # a random encoder frozen is no baseline

@@ -79,25 +79,19 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
     seen: set[str] = set()
     unlabelled = 0
     for shard, path in enumerate(shards):
-        table = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"])
-        utt_ids = table.column("utt_id").to_pylist()
-        speakers = table.column("speaker_id").to_pylist()
-        frames = table.column("num_frames").to_pylist()
+        columns = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"]).to_pydict()
         metadata = pq.ParquetFile(path).metadata
         row_groups = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
-        for row, (utt_id, speaker, num_frames) in enumerate(zip(utt_ids, speakers, frames, strict=True)):
+        rows = zip(columns["utt_id"], columns["speaker_id"], columns["num_frames"], strict=True)
+        for row, (utt_id, speaker, num_frames) in enumerate(rows):
             if utt_id in seen:
                 raise ValueError(f"{utt_id} appears in more than one shard (second: {path})")
             seen.add(utt_id)
             if utt_id not in owner:
                 unlabelled += 1
                 continue
-            group, row_in_group = row_groups[row]
-            utterances.append(
-                UtteranceRef(
-                    utt_id, shard, group, row_in_group, min(int(num_frames), max_frames), owner[utt_id], speaker
-                )
-            )
+            cropped_frames = min(int(num_frames), max_frames)
+            utterances.append(UtteranceRef(utt_id, shard, *row_groups[row], cropped_frames, owner[utt_id], speaker))
     return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
 
 
@@ -134,11 +128,9 @@ def heldout_split(
 ) -> tuple[list[UtteranceRef], list[UtteranceRef]]:
     """Split by speaker (held-out figures measure unseen speakers): ``heldout`` when given (the
     pipeline's one split), else :func:`heldout_speakers` at ``fraction``."""
-    held = (
-        set(heldout)
-        if heldout is not None
-        else heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
-    )
+    if heldout is None:
+        heldout = heldout_speakers({u.speaker_id: u.client for u in utterances}, fraction)
+    held = set(heldout)
     return [u for u in utterances if u.speaker_id not in held], [u for u in utterances if u.speaker_id in held]
 
 
@@ -217,8 +209,7 @@ class Batch:
         return self.replace_tensors(torch.Tensor.pin_memory)
 
     def to(self, device: torch.device) -> Batch:
-        non_blocking = device.type == "cuda"
-        return self.replace_tensors(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+        return self.replace_tensors(lambda tensor: tensor.to(device, non_blocking=device.type == "cuda"))
 
 
 def collate(
@@ -226,8 +217,7 @@ def collate(
 ) -> Batch:
     """Pad ``examples`` into a :class:`Batch`, rows grouped by client (stable), with its span mask
     when ``masking`` and ``slot = (step, micro)`` are given."""
-    order = sorted(range(len(examples)), key=lambda row: examples[row].client)
-    examples = [examples[row] for row in order]
+    examples = sorted(examples, key=lambda example: example.client)  # stable
     frames = [e.feats.shape[0] for e in examples]
     lengths = torch.tensor(frames, dtype=torch.long)
     max_frames = max(frames)
@@ -323,13 +313,8 @@ class UtteranceDataset(Dataset[Example]):
         augment: Augmenter | None = None,
         crop_batches: bool = False,
     ) -> None:
-        self.index = index
-        self.crop_batches = crop_batches
-        self.utterances = list(utterances)
-        self.cmvn = cmvn
-        self.max_frames = max_frames
-        self.cached_row_groups = cached_row_groups
-        self.seed = seed
+        self.index, self.utterances, self.cmvn, self.max_frames = index, list(utterances), cmvn, max_frames
+        self.cached_row_groups, self.seed, self.crop_batches = cached_row_groups, seed, crop_batches
         self.epoch = 0
         self.augment = augment if augment is not None and augment.options.enabled else None
         self._by_client: dict[int, list[int]] | None = None
@@ -429,21 +414,13 @@ class DurationBucketSampler(RankSampler):
     read small per-client data in the main process."""
 
     def __init__(
-        self,
-        seconds: Sequence[float],
-        batch_seconds: float,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-        seed: int = 0,
-        pool_batches: int = 100,
+        self, seconds: Sequence[float], batch_seconds: float, *, pool_batches: int = 100, **ranks: int
     ) -> None:
-        super().__init__(seconds, batch_seconds, num_replicas=num_replicas, rank=rank, seed=seed)
+        super().__init__(seconds, batch_seconds, **ranks)
         per_batch = max(1, int(self.batch_seconds / max(float(self.seconds.mean()), 1e-6)))
         self.pool_size = pool_batches * per_batch
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``; the same count on every rank."""
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(len(self.seconds))
         pooled: list[list[int]] = []

@@ -27,12 +27,7 @@ from speech_assets.model.hubert import HubertPretrainModel, count_parameters
 from speech_assets.model.presets import ModelPreset
 from speech_assets.model.speed import forward_speed
 from speech_assets.train.config import DistillConfig
-from speech_assets.train.data import (
-    Batch,
-    DurationBucketSampler,
-    UtteranceDataset,
-    split_corpus,
-)
+from speech_assets.train.data import Batch, DurationBucketSampler, UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
     BatchStream,
     Distributed,
@@ -104,11 +99,7 @@ def layer_prediction_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DistilHuBERT's loss over ``(B, H, L, D)`` predictions and targets, ``padding (B, L)`` excluded:
     summed over heads, and the detached per-head means ``l1``/``cosine`` ``(H,)``."""
-    if (
-        predictions.shape != targets.shape
-        or predictions.dim() != 4
-        or padding.shape != (predictions.shape[0], predictions.shape[2])
-    ):
+    if predictions.dim() != 4 or targets.shape != predictions.shape or padding.shape != predictions.shape[:3:2]:
         raise ValueError(
             f"shapes {tuple(predictions.shape)}, {tuple(targets.shape)}, {tuple(padding.shape)} do not match"
         )
@@ -166,17 +157,14 @@ class Distillation(Fit):
         # the student learns on the teacher's training speakers, with the teacher's input normalisation
         recorded = self.teacher_loaded.checkpoint.get("speakers") or {}
         heldout = config.heldout_speakers if config.heldout_speakers is not None else recorded.get("heldout")
-        index, train_refs, self.heldout_refs, speakers = split_corpus(config, heldout)
+        index, self.train_refs, self.heldout_refs, speakers = split_corpus(config, heldout)
         cmvn = from_record(self.teacher_loaded.checkpoint.get("normalisation")) or Cmvn.load(config.cmvn)
-        self.dataset = UtteranceDataset(index, train_refs, cmvn, config.max_frames, seed=config.seed)
-        self.train_refs = train_refs
+        self.dataset = UtteranceDataset(index, self.train_refs, cmvn, config.max_frames, seed=config.seed)
         sampler = DurationBucketSampler(
             self.dataset.seconds, config.batch_seconds, num_replicas=job.world_size, rank=job.rank, seed=config.seed
         )
         sampler.num_workers = config.num_workers or default_workers(job)  # 0: the device's default
-        stream = BatchStream(
-            self.dataset, sampler, config.seed, pin_memory=job.device.type == "cuda", device=job.device
-        )
+        stream = BatchStream(self.dataset, sampler, config.seed, device=job.device)
         seed_everything(config.seed)
         self.student = build_student(config, teacher, layers).to(job.device)
         self.start(

@@ -166,8 +166,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
 
 
 def default_workers(job: Distributed) -> int:
-    """Loader workers of a run that does not choose: none on a CPU (its cores train), else up to 4
-    per GPU process from the cores left."""
+    """Loader workers when a run sets none: 0 on a CPU (its cores train), else up to 4 per GPU process of the rest."""
     if job.device.type != "cuda":
         return 0
     return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
@@ -178,7 +177,7 @@ class BatchStream:
 
     One DataLoader with persistent workers serves every epoch (each request carries its epoch); once
     :meth:`schedule` is known the workers draw the span masks too (``builder``: what builds a batch
-    there). On CUDA the next batch is copied on a side stream while the current one trains.
+    there). On CUDA batches are pinned and the next one is copied on a side stream while the current one trains.
     """
 
     def __init__(
@@ -186,14 +185,12 @@ class BatchStream:
         dataset: UtteranceDataset,
         sampler: RankSampler,
         seed: int,
-        pin_memory: bool = False,
         epoch: int = 0,
         position: int = 0,
         device: torch.device | None = None,
         builder: Callable[[UtteranceDataset], Dataset[Batch]] = BatchBuilder,
     ) -> None:
-        self.dataset, self.sampler, self.seed, self.pin_memory = dataset, sampler, seed, pin_memory
-        self.builder = builder
+        self.dataset, self.sampler, self.seed, self.builder = dataset, sampler, seed, builder
         self.epoch, self.position = epoch, position
         self.device = device if device is not None and device.type == "cuda" else None
         self._sizes: dict[int, int] = {}
@@ -241,7 +238,7 @@ class BatchStream:
                         batch_size=None,
                         sampler=_Requests(self),
                         num_workers=workers,
-                        pin_memory=self.pin_memory,
+                        pin_memory=self.device is not None,
                         persistent_workers=workers > 0,
                         # Own generator: creating a loader must not consume the global RNG.
                         generator=torch.Generator().manual_seed(self.seed),
@@ -319,13 +316,20 @@ def append_line(path: Path, line: str) -> None:
 
 class BackgroundWriter:
     """Rank 0's metrics writes, in submission order on one thread so that training never waits on
-    a disk or a server. A call that raised is reported by the next call (the later ones still run)."""
+    a disk or a server. A call that raised is reported by the next call (the later ones still run).
+    :meth:`log` appends to ``metrics`` (the run's metrics.jsonl) and logs to ``tracker``."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Path | None = None, tracker: MlflowTracker | None = None) -> None:
         # its thread starts at the first submit: after the loader has forked its workers, which must
         # not inherit a lock this thread might hold
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics-writer")
         self._pending: list[Future[object]] = []
+        self.metrics, self.tracker = metrics, tracker
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self.submit(append_line, self.metrics, json.dumps({"step": step, **values}))
+        if self.tracker is not None:
+            self.submit(self.tracker.log_metrics, dict(values), step)
 
     def submit(self, call: Callable[..., object], *args: Any) -> None:
         self._raise()
@@ -435,10 +439,8 @@ class Engine:
         # (step, result) of the latest held-out evaluation in this attempt
         self.evaluation: tuple[int, Mapping[str, Any] | None] | None = None
         self.evaluation_owed = False  # the resumed checkpoint's Evaluation was not recorded
-        # set when an evaluation says ``stop`` (early stopping): the run ends after that checkpoint
-        self.stopped = False
-        # step checkpoints pruning keeps besides the newest (the step a dev set selected)
-        self.keep_steps: frozenset[int] = frozenset()
+        self.stopped = False  # an evaluation said ``stop`` (early stopping): the run ends after that checkpoint
+        self.keep_steps: frozenset[int] = frozenset()  # kept by pruning besides the newest (a dev-selected step)
         self.checkpoints = CheckpointWriter(background=background_checkpoints)
 
     @property
@@ -456,13 +458,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             batch = next(batches)
-            last = micro == accum - 1
-            sync = (
-                forward.no_sync()
-                if isinstance(forward, DistributedDataParallel) and not last
-                else contextlib.nullcontext()
-            )
-            with sync, autocast(self.precision, self.job.device):
+            no_sync = isinstance(forward, DistributedDataParallel) and micro < accum - 1  # reduce at the last only
+            with forward.no_sync() if no_sync else contextlib.nullcontext(), autocast(self.precision, self.job.device):
                 loss, micro_stats = objective(forward, batch, self.step, micro)
             self.scaler.scale(loss / accum).backward()
             stats = micro_stats if stats is None else stats + micro_stats
@@ -490,15 +487,15 @@ class Engine:
         RNG) has its numbers logged as ``val/<name>`` at the step it evaluated; a true ``stop`` in its
         result ends the run after the checkpoint that records it."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
-        writer = BackgroundWriter() if self.job.is_main else None
+        writer = BackgroundWriter(RunFiles(Path(config.run_dir)).metrics, tracker) if self.job.is_main else None
         try:
             if isinstance(evaluate, Evaluation) and self.evaluation_owed:  # the live weights are its snapshot's
                 owed = (self.step, evaluate.record(self.step, evaluate.score(self.model)))
-                self._recorded(owed, tracker, config, writer, alone=True)
-            finished = self._steps(objective, stream, config, tracker, evaluate, writer)
+                self._recorded(owed, writer, alone=True)
+            finished = self._steps(objective, stream, config, evaluate, writer)
             if finished and isinstance(evaluate, Evaluation):
                 started = time.perf_counter()  # the run's wall time includes its last evaluation
-                self._recorded(evaluate.collect(), tracker, config, writer, alone=True)
+                self._recorded(evaluate.collect(), writer, alone=True)
                 self.progress["train_seconds"] += time.perf_counter() - started
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
@@ -517,8 +514,6 @@ class Engine:
     def _recorded(
         self,
         evaluated: tuple[int, Mapping[str, Any] | None] | None,
-        tracker: MlflowTracker | None,
-        config: RunConfig,
         writer: BackgroundWriter | None,
         alone: bool = False,
     ) -> dict[str, float]:
@@ -530,10 +525,7 @@ class Engine:
         self.stopped = self.stopped or bool((evaluated[1] or {}).get("stop"))
         held_out = heldout_series(evaluated[1] or {})
         if writer is not None and held_out and (alone or evaluated[0] != self.step):
-            line = json.dumps({"step": evaluated[0], **held_out})
-            writer.submit(append_line, RunFiles(Path(config.run_dir)).metrics, line)
-            if tracker is not None:
-                writer.submit(tracker.log_metrics, held_out, evaluated[0])
+            writer.log(evaluated[0], held_out)
             return {}
         return held_out
 
@@ -542,7 +534,6 @@ class Engine:
         objective: Objective,
         stream: BatchStream,
         config: RunConfig,
-        tracker: MlflowTracker | None,
         evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None,
         writer: BackgroundWriter | None,
     ) -> bool:
@@ -558,11 +549,10 @@ class Engine:
         while self.step < config.max_steps and not self.stopped:
             stats, seconds, grad_norm = self.train_step(objective, stream)
             window = stats.detach().clone() if window is None else window.add_(stats)
-            timed = self.step > first_step  # the first step of an attempt pays for warm-up
-            if self.step == first_step:
+            if self.step == first_step:  # the first step of an attempt pays for warm-up: untimed
                 timed_start = time.perf_counter()
             audio += seconds
-            timed_audio += seconds if timed else 0.0
+            timed_audio += seconds if self.step > first_step else 0.0
             preempted = inject("train.step", error=torch.OutOfMemoryError, rank=self.job.rank, step=self.step)
             checkpoint = (
                 preempted
@@ -595,15 +585,15 @@ class Engine:
                     held_out: dict[str, float] = {}
                     if checkpoint and isinstance(evaluate, Evaluation):
                         # the evaluation in flight first: its record decides what pruning keeps
-                        self._recorded(evaluate.collect(), tracker, config, writer)
+                        self._recorded(evaluate.collect(), writer)
                         if not (self.stopped or preempted):  # a preempted step's is owed (resume)
                             evaluate.submit(self.step, self.model)
                             if not evaluate.background:
-                                held_out = self._recorded(evaluate.collect(), tracker, config, writer)
+                                held_out = self._recorded(evaluate.collect(), writer)
                     elif checkpoint and evaluate is not None:
-                        held_out = self._recorded((self.step, evaluate()), tracker, config, writer)
+                        held_out = self._recorded((self.step, evaluate()), writer)
                     if writer is not None:
-                        self._report(Path(config.run_dir), config.max_steps, tracker, held_out, writer)
+                        self._report(config.max_steps, held_out, writer)
                     if checkpoint:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
@@ -617,33 +607,20 @@ class Engine:
             self.progress["train_seconds"] += time.perf_counter() - timed_start
         return True
 
-    def _report(
-        self,
-        run_dir: Path,
-        max_steps: int,
-        tracker: MlflowTracker | None,
-        held_out: Mapping[str, float],
-        writer: BackgroundWriter,
-    ) -> None:
+    def _report(self, max_steps: int, held_out: Mapping[str, float], writer: BackgroundWriter) -> None:
         shown = " ".join(f"{key} {self.metrics[key]:.4g}" for key in LOGGED if key in self.metrics)
         if "val/leak_free_masked_accuracy" in held_out:
             shown += f" held-out leak-free masked accuracy {held_out['val/leak_free_masked_accuracy']:.4g}"
         log.info("step %d/%d %s", self.step, max_steps, shown)
-        writer.submit(
-            append_line, RunFiles(run_dir).metrics, json.dumps({"step": self.step, **self.metrics, **held_out})
-        )
-        if tracker is not None:
-            writer.submit(tracker.log_metrics, {**self.metrics, **held_out}, self.step)
+        writer.log(self.step, {**self.metrics, **held_out})
 
     def save_checkpoint(self, run_dir: Path, stream: BatchStream, keep: int, owed: bool = False) -> None:
         """Collective: every rank's RNG state is gathered; rank 0 hands the state to the background writer.
         ``owed``: this step's :class:`Evaluation` is not recorded in it."""
         rng = capture_rng_state(self.job.device)
-        states: list[Any] = [None] * self.job.world_size
+        states: list[Any] = [rng] * self.job.world_size
         if self.job.enabled:
             dist.all_gather_object(states, rng)
-        else:
-            states = [rng]
         if self.job.is_main:
             state = {
                 "format": CHECKPOINT_FORMAT,

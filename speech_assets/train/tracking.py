@@ -55,8 +55,7 @@ UI_PORT_ENV = "MLFLOW_PORT"  # the port `make mlflow` serves a local store's UI 
 
 
 def ui_base(tracking_uri: str) -> str:
-    """The MLflow UI's address: the server itself (without its credentials), or for a local store
-    the UI ``make mlflow`` serves on loopback at ``$MLFLOW_PORT`` (default 5000)."""
+    """The MLflow UI's address: the server (without credentials), else where ``make mlflow`` serves a local store."""
     if is_server(tracking_uri):
         return urlparse(locations.redact_uri(tracking_uri))._replace(query="", fragment="").geturl().rstrip("/")
     port = os.environ.get(UI_PORT_ENV, "5000")
@@ -68,8 +67,7 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def experiment_runs_table(tracking_uri: str, name: str = EXPERIMENT) -> str:
-    """The runs table of experiment ``name`` in the MLflow UI, the experiment created first if need be
-    (so that the link opens before any training)."""
+    """The MLflow UI's runs table of experiment ``name``, created first if need be (the link opens before training)."""
     experiment_id = ensure_experiment(mlflow_client(tracking_uri), name, tracking_uri, None)
     # MLflow 3.17's UI opens the view the workflowType parameter names, no longer the experiment's kind tag
     return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{WORKFLOW_TYPE_PARAM}"
@@ -134,9 +132,8 @@ ENCODER_INPUTS = (
 def run_inputs(data_versions: Mapping[str, str], init: str | None = None) -> dict[str, str]:
     """The inputs a run learnt from: not the encoder checkpoint of a fine-tuning run from ``scratch``
     (it gave only the architecture and input normalisation)."""
-    if init != "scratch":
-        return dict(data_versions)
-    return {key: value for key, value in data_versions.items() if key not in ENCODER_INPUTS}
+    skipped = ENCODER_INPUTS if init == "scratch" else ()
+    return {key: value for key, value in data_versions.items() if key not in skipped}
 
 
 def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
@@ -150,10 +147,8 @@ def input_tags(data_versions: Mapping[str, str]) -> dict[str, str]:
 
 def run_tags(config: RunConfig) -> dict[str, str]:
     """The tags a new MLflow run of ``config`` starts with."""
-    kind = (
-        "finetuned" if isinstance(config, FinetuneConfig) else "distilled" if isinstance(config, DistillConfig) else ""
-    )
-    tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": config.mode or kind or "centralised"}
+    kind = {FinetuneConfig: "finetuned", DistillConfig: "distilled"}.get(type(config), "centralised")
+    tags = {"run_dir": config.run_dir, "preset": config.preset, "mode": config.mode or kind}
     init = None
     if isinstance(config, FinetuneConfig):
         init = config.init
@@ -335,10 +330,8 @@ class PipesReporter:
         from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
         self.context = open_dagster_pipes() if PipesEnvVarParamsLoader().is_dagster_pipes_process() else None
-        self._logger = logger
-        self._handler: logging.Handler | None = None
+        self._logger, self._handler = logger, _PipesLogHandler(self.context)
         if self.context is not None:
-            self._handler = _PipesLogHandler(self.context)
             logger.addHandler(self._handler)
 
     def report(self, metadata: Mapping[str, Any], data_version: str, paths: tuple[str, ...] = ()) -> None:
@@ -356,8 +349,7 @@ class PipesReporter:
             for key, value in metadata.items()
         }
         self.context.report_asset_materialization(metadata=typed, data_version=data_version)
-        if self._handler is not None:
-            self._logger.removeHandler(self._handler)
+        self._logger.removeHandler(self._handler)
         self.context.close()
 
 
@@ -374,16 +366,12 @@ def export_signature(width: int, output_names: tuple[str, str] | None = None) ->
 
     from speech_assets.model.export import INPUT_NAMES, OUTPUT_NAMES
 
-    values, lengths = output_names or OUTPUT_NAMES
-    feats, feat_lengths = INPUT_NAMES
-    return ModelSignature(
-        inputs=Schema(
-            [TensorSpec(np.dtype("float32"), (-1, -1, 80), feats), TensorSpec(np.dtype("int64"), (-1,), feat_lengths)]
-        ),
-        outputs=Schema(
-            [TensorSpec(np.dtype("float32"), (-1, -1, width), values), TensorSpec(np.dtype("int64"), (-1,), lengths)]
-        ),
-    )
+    def padded(size: int, values: str, lengths: str) -> Schema:  # (B, T, size) float32 and (B,) int64 lengths
+        return Schema(
+            [TensorSpec(np.dtype("float32"), (-1, -1, size), values), TensorSpec(np.dtype("int64"), (-1,), lengths)]
+        )
+
+    return ModelSignature(inputs=padded(80, *INPUT_NAMES), outputs=padded(width, *(output_names or OUTPUT_NAMES)))
 
 
 def log_onnx_model(
@@ -481,13 +469,8 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
             if not run_id or not name or "/" in name:
                 raise MlflowException(f"{uri} is not of the form runs:/<run id>/<model name>")
             experiment_id = client.get_run(run_id).info.experiment_id
-            found = [
-                model
-                for model in client.search_logged_models(
-                    experiment_ids=[experiment_id], filter_string=f"name = '{name}'"
-                )
-                if model.source_run_id == run_id
-            ]
+            named_models = client.search_logged_models(experiment_ids=[experiment_id], filter_string=f"name = '{name}'")
+            found = [model for model in named_models if model.source_run_id == run_id]
             if not found:
                 raise MlflowException(f"run {run_id} logged no model named {name!r}")
             uri = max(found, key=lambda model: model.creation_timestamp).artifact_location
@@ -502,12 +485,6 @@ def download_onnx_model(uri: str, tracking_uri: str, destination: Path) -> tuple
         raise ValueError(f"{named} is not an ONNX model (flavours: {', '.join(sorted(described.flavors))})")
     extras = {Path(entry["path"]).name: local / entry["path"] for entry in flavour.get("extra_files") or []}
     return local / flavour["data"], extras
-
-
-def source_run_id(checkpoint: str | os.PathLike[str], state: Mapping[str, Any]) -> str | None:
-    """The MLflow run of the model in ``checkpoint`` (recorded in it, else in its run folder); None without MLflow."""
-    recorded = state.get("mlflow_run_id")
-    return str(recorded) if recorded else recorded_run_id(Path(checkpoint).parent)
 
 
 def recorded_run_id(run_dir: Path) -> str | None:
@@ -526,7 +503,8 @@ def log_exported_model(
 ) -> dict[str, str]:
     """:func:`log_onnx_model` into the run of ``checkpoint``; ``{}`` with a warning when there is none
     or the store refuses: the export stands without MLflow."""
-    run_id = source_run_id(checkpoint, state)
+    # the run recorded in the checkpoint, else in its run folder
+    run_id = str(state["mlflow_run_id"]) if state.get("mlflow_run_id") else recorded_run_id(Path(checkpoint).parent)
     if not run_id:
         warn(f"{onnx_file.name} not logged as an MLflow model: {checkpoint} records no MLflow run")
         return {}

@@ -135,8 +135,7 @@ class Trainer(Fit):
             rank=job.rank,
         )
         seed_everything(config.seed + 1 + job.rank)  # distinct dropout streams per rank
-        cuda = job.device.type == "cuda"
-        stream = BatchStream(self.train_set, sampler, config.seed, pin_memory=cuda, device=job.device)
+        stream = BatchStream(self.train_set, sampler, config.seed, device=job.device)
         self.start(
             self.model,
             job,

@@ -39,6 +39,7 @@ def test_index_keeps_labelled_utterances_of_their_client(corpus: SyntheticCorpus
     for ref in index.utterances:
         assert ref.utt_id.startswith(index.clients[ref.client])
         assert ref.utt_id in index.labels[ref.client]
+        assert ref.utt_id.startswith(ref.speaker_id + "-") and ref.speaker_id != ref.utt_id
 
 
 def test_heldout_split_holds_out_whole_speakers(corpus: SyntheticCorpus) -> None:

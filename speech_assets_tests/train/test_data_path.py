@@ -99,6 +99,7 @@ def test_loader_workers_survive_epoch_boundaries(small_corpus: SyntheticCorpus) 
         seen.append((stream.epoch, next(stream)))
         pids.append(_worker_pids() - before)
     assert stream.epoch == 2 and stream.position == 1
+    assert stream._loader is not None and not stream._loader.pin_memory  # pinned for a CUDA device only
     assert len(pids[0]) == 2 and all(p == pids[0] for p in pids)  # the same two workers all along
     # every epoch read in order, crops moved with the epoch (utterances are longer than 200 frames)
     again = BatchStream(dataset, sampler, seed=0)
