@@ -269,6 +269,13 @@ class BatchStream:
         self.epoch, self.position = epoch, position
         return batch
 
+    def close(self) -> None:
+        """Stop the loader's workers now. The loader and this stream hold each other, so only the
+        garbage collector would free them, and a collection waits out torch's 5 s join per worker."""
+        iterator, self._iterator, self._loader, self._ahead = self._iterator, None, None, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()  # what the iterator's __del__ calls; torch has no public name for it
+
     def _copy_ahead(self) -> tuple[Batch, int, int]:
         batch, epoch, position = self._from_loader()
         assert self._copies is not None and self.device is not None
@@ -805,7 +812,11 @@ class Fit:
             self.tracker = tracker
             engine.extra["mlflow_run_id"] = tracker.run_id if tracker else None
             self.announce()
-            if not engine.run(self.objective, self.stream, config, tracker=tracker, evaluate=self.evaluate):
+            try:
+                trained = engine.run(self.objective, self.stream, config, tracker=tracker, evaluate=self.evaluate)
+            finally:
+                self.stream.close()
+            if not trained:
                 return None
             self.conclude()
             if not job.is_main:

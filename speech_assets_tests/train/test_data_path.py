@@ -133,6 +133,19 @@ def test_background_writer_keeps_every_line_and_reports_a_failed_call(tmp_path: 
     assert json.loads(path.read_text().splitlines()[-1]) == {"step": 200}
 
 
+def test_a_run_stops_its_loader_workers_when_it_ends(small_corpus: SyntheticCorpus, tmp_path: Path) -> None:
+    """The persistent loader workers end with the run, not at a later garbage collection (which
+    waits out torch's 5 s join for each of them)."""
+    from speech_assets.train.trainer import train
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    config = small_corpus.config(tmp_path / "run", max_steps=2, batch_seconds=8.0, max_frames=200, num_workers=2)
+    assert train(config) is not None
+    left = [p for p in me.children(recursive=True) if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
+
+
 def test_resume_with_persistent_loader_workers_is_bit_exact(
     small_corpus: SyntheticCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
