@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -95,7 +96,7 @@ def _cmd_transcribe(args: argparse.Namespace) -> int:
     for transcript in recogniser.transcribe_all(files):
         failed += transcript.error is not None
         if form == "json":
-            print(json.dumps(transcript.record()), flush=True)
+            print(json.dumps(asdict(transcript)), flush=True)
         elif form == "text" or transcript.error is not None:
             print(transcript.line(), flush=True, file=sys.stdout if form == "text" else sys.stderr)
         else:

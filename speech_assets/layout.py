@@ -392,9 +392,6 @@ class DataLayout(Folder):
     distill_dir = Under("distill")
     federated_dir = Under("federated")
 
-    def training_root(self, iteration: int = 1) -> Path:
-        return {1: self.training_dir, 2: self.training_iter2_dir}[iteration]
-
     def federated_run(self, run_name: str) -> FederatedPaths:
         return FederatedPaths(self.federated_dir / run_name)
 

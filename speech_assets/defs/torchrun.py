@@ -313,7 +313,8 @@ def run_pretraining(
     table = read_clients(paths.layout.clients_file)
     targets_dir = lambda client_id: paths.targets(client_id, iteration).root  # noqa: E731
     data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
-    run_dir = run_folder(paths.layout.training_root(iteration), data_versions, options, code_version)
+    root = paths.layout.training_dir if iteration == 1 else paths.layout.training_iter2_dir
+    run_dir = run_folder(root, data_versions, options, code_version)
     train_config = from_fields(
         TrainConfig,
         options,

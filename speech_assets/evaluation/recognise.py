@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +129,6 @@ class Transcript:
         if self.error is not None:
             return f"{self.id}\terror: {self.error}"
         return f"{self.id}\t{self.text}\t{self.seconds:.2f}"
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
 
     def subtitles(self, kind: str) -> str:
         """The segments as SRT or WebVTT cues, headed by the id for VTT."""
