@@ -58,7 +58,7 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
     )
     finished = read_json(RunFiles(run_dir).result)
     speed = {key: finished[key] for key in SPEED_KEYS}  # timed by the worker, which holds both models
-    atomic_write_text(RunFiles(run_dir).speed, json.dumps(speed, indent=1, sort_keys=True) + "\n")  # for the report
+    atomic_write_text(RunFiles(run_dir).speed, json.dumps(speed, indent=1, sort_keys=True) + "\n")
     context.log.info(
         f"student {speed['student_parameters']:,} encoder parameters vs teacher {speed['teacher_parameters']:,}; "
         f"CPU forward {speed['student_audio_s_per_s']:.0f} vs {speed['teacher_audio_s_per_s']:.0f} audio s/s "
