@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +49,7 @@ from speech_assets.train.data import (
     collate,
     eval_batches,
     mask_generator,
+    row_places,
 )
 from speech_assets.train.engine import (
     BatchStream,
@@ -296,11 +296,9 @@ def transcribed_index(shards: Sequence[str], wanted: Collection[str]) -> CorpusI
     wanted, refs = set(wanted), []
     for shard, path in enumerate(shards):
         rows = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"]).to_pylist()
-        metadata = pq.ParquetFile(path).metadata
-        places = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
         refs += [
             UtteranceRef(row["utt_id"], shard, g, r, int(row["num_frames"]), 0, row["speaker_id"])
-            for row, (g, r) in zip(rows, places, strict=True)
+            for row, (g, r) in zip(rows, row_places(path), strict=True)
             if row["utt_id"] in wanted
         ]
     missing = sorted(wanted - {r.utt_id for r in refs})

@@ -80,8 +80,7 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
     unlabelled = 0
     for shard, path in enumerate(shards):
         columns = read_shard_table(path, columns=["utt_id", "speaker_id", "num_frames"]).to_pydict()
-        metadata = pq.ParquetFile(path).metadata
-        row_groups = [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
+        row_groups = row_places(path)
         rows = zip(columns["utt_id"], columns["speaker_id"], columns["num_frames"], strict=True)
         for row, (utt_id, speaker, num_frames) in enumerate(rows):
             if utt_id in seen:
@@ -93,6 +92,12 @@ def build_index(shards: Sequence[str], client_labels: Mapping[str, str], max_fra
             cropped_frames = min(int(num_frames), max_frames)
             utterances.append(UtteranceRef(utt_id, shard, *row_groups[row], cropped_frames, owner[utt_id], speaker))
     return CorpusIndex(list(shards), clients, utterances, labels, unlabelled)
+
+
+def row_places(path: str) -> list[tuple[int, int]]:
+    """(row group, row within it) of every row of the Parquet file ``path``, in row order."""
+    metadata = pq.ParquetFile(path).metadata
+    return [(g, r) for g in range(metadata.num_row_groups) for r in range(metadata.row_group(g).num_rows)]
 
 
 def _unit_hash(text: str) -> float:

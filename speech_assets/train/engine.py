@@ -93,6 +93,11 @@ class Distributed:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def cores(self) -> int:
+        """This process's share of the host's cores (at least one)."""
+        return max(1, available_cores() // max(1, self.local_world_size))
+
 
 def resolve_device(device: str) -> torch.device:
     """``auto``: CUDA when there is a GPU, else the CPU."""
@@ -169,7 +174,7 @@ def default_workers(job: Distributed) -> int:
     """Loader workers when a run sets none: 0 on a CPU (its cores train), else up to 4 per GPU process of the rest."""
     if job.device.type != "cuda":
         return 0
-    return max(0, min(4, available_cores() // max(1, job.local_world_size) - 1))
+    return min(4, job.cores - 1)
 
 
 class BatchStream:
@@ -712,7 +717,7 @@ def tracking(config: RunConfig, job: Distributed, plan: Mapping[str, Any]) -> It
 
 def fixed_batch(job: Distributed, config: Any) -> str:
     """Threads and the out-of-memory marker's batch of a run without a launch plan; its precision."""
-    torch.set_num_threads(config.threads or max(1, available_cores() // job.local_world_size))
+    torch.set_num_threads(config.threads or job.cores)
     job.batch = (config.batch_seconds, config.grad_accum)
     cuda = job.device.type == "cuda"
     return resolve_precision(config.precision, job.device.type, cuda and torch.cuda.is_bf16_supported())

@@ -20,7 +20,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.model.speed import profile_model
 from speech_assets.train.augment import Augmenter
-from speech_assets.train.autoconfig import available_cores, profile_dataset
+from speech_assets.train.autoconfig import profile_dataset
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
@@ -94,7 +94,7 @@ class Trainer(Fit):
             plan = plan_for(config, dataset, model, nproc=job.world_size)
         # this job's world size and threads; a batch that already ran out of CUDA memory in this run is refused
         if config.threads is None and job.device.type == "cpu":
-            threads = max(1, available_cores() // job.local_world_size)
+            threads = job.cores
         else:
             threads = config.threads or plan.threads_per_process
         self.launch = plan = replace(plan, nproc=job.world_size, threads_per_process=threads)
