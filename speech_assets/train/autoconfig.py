@@ -117,7 +117,10 @@ def profile_hardware() -> HardwareProfile:
 
 def profile_dataset(shards: Sequence[str]) -> DatasetProfile:
     frames = [read_shard_table(path, columns=["num_frames"]).column("num_frames").to_numpy() for path in shards]
-    seconds = np.concatenate(frames).astype(np.float64) / FRAME_RATE_HZ if frames else np.zeros(0)
+    return profile_durations(np.concatenate(frames).astype(np.float64) / FRAME_RATE_HZ if frames else np.zeros(0))
+
+
+def profile_durations(seconds: np.ndarray) -> DatasetProfile:
     if seconds.size == 0:
         raise ValueError("the shards hold no utterances")
     return DatasetProfile(

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from speech_assets.features.cmvn import training_cmvn
@@ -20,7 +21,7 @@ from speech_assets.model.hubert import HubertPretrainModel
 from speech_assets.model.presets import get_preset
 from speech_assets.model.speed import profile_model
 from speech_assets.train.augment import Augmenter
-from speech_assets.train.autoconfig import profile_dataset
+from speech_assets.train.autoconfig import profile_durations
 from speech_assets.train.config import TrainConfig
 from speech_assets.train.data import UtteranceDataset, split_corpus
 from speech_assets.train.engine import (
@@ -62,7 +63,6 @@ class Trainer(Fit):
 
     def __init__(self, config: TrainConfig, job: Distributed) -> None:
         self.job = job
-        plan = handed_plan(config)  # the launcher's; without one this rank profiles the data and the model
         augment = Augmenter(config.augmentation(), seed=config.seed)
         # negative: the engine's default (on CPU none: one process reads over 2,000 s of audio per second)
         workers = config.num_workers if config.num_workers >= 0 else default_workers(job)
@@ -82,16 +82,16 @@ class Trainer(Fit):
         )
         self.unlabelled = index.unlabelled
         self.majority_labels = majority_labels(index, train_refs)
-        dataset = profile_dataset(config.shards) if plan is None else None
         seed_everything(config.seed)  # the model's initial weights: nothing else draws before them
         clients = {n: c.k for n, c in config.clients.items()}
         self.model = HubertPretrainModel(get_preset(config.preset), clients).to(job.device)
         if config.compile:
             self.model.compile_encoder()
+        # analytic and cheap: what this rank would plan by when the launcher handed no plan
+        data = profile_durations(np.array([u.seconds for u in train_refs]))
+        profile = profile_model(config.preset, len(clients), list(clients.values()), data.mean_seconds)
         cmvn = training_cmvn(config.normalisation, CmvnFiles(Path(config.cmvn).parent).speaker_sums, speakers["train"])
-        if dataset is not None:
-            model = profile_model(config.preset, len(clients), list(clients.values()), dataset.mean_seconds)
-            plan = plan_for(config, dataset, model, nproc=job.world_size)
+        plan = handed_plan(config) or plan_for(config, data, profile, nproc=job.world_size)
         # this job's world size and threads; a batch that already ran out of CUDA memory in this run is refused
         if config.threads is None and job.device.type == "cpu":
             threads = job.cores

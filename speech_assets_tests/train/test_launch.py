@@ -15,7 +15,7 @@ from speech_assets.runtime.waiting import wait_until
 from speech_assets.train import TrainConfig
 from speech_assets.train import launch as launch_module
 from speech_assets.train import trainer as trainer_module
-from speech_assets.train.autoconfig import LaunchPlan, available_cores
+from speech_assets.train.autoconfig import DatasetProfile, LaunchPlan, available_cores
 from speech_assets.train.engine import Distributed
 from speech_assets.train.launch import build_torchrun_command, launch, other_node_commands, start_node
 from speech_assets.train.oom import (
@@ -161,8 +161,13 @@ def test_the_launcher_plans_once_and_its_workers_take_the_plan(
     config = small_corpus.config(tmp_path / "run", batch_seconds=None, grad_accum="auto", nproc=2)
     profiled: list[list[str]] = []
     profile = launch_module.profile_dataset
-    for module in (launch_module, trainer_module):
-        monkeypatch.setattr(module, "profile_dataset", lambda shards: profiled.append(shards) or profile(shards))
+
+    def counted(shards: list[str]) -> DatasetProfile:
+        profiled.append(shards)
+        return profile(shards)
+
+    for module in (launch_module, trainer_module):  # raising=False: a worker that profiled the shards is counted too
+        monkeypatch.setattr(module, "profile_dataset", counted, raising=False)
     plans: list[LaunchPlan] = []
 
     def ranks(command: list[str], env: dict[str, str]) -> int:
