@@ -2,7 +2,8 @@
 step in the ``training`` pool, then other steps that take time, then another training step), run
 by the project's reaping executor and launcher against a real instance and daemon. Each step
 appends ``{"step", "event", "t"}`` lines to ``$LIVENESS_EVENTS``; ``$LIVENESS_SLOW_S`` sets how
-long the middle step works."""
+long the middle step works. :class:`RecordingLauncher` is the project's launcher, writing down each
+health check the daemon's run monitoring makes and its verdict (step ``health``)."""
 
 import contextlib
 import json
@@ -11,13 +12,20 @@ import time
 
 import dagster as dg
 
-from speech_assets.defs.runs import reaping_multiprocess_executor, record_run_process
+from speech_assets.defs.runs import LocalProcessRunLauncher, reaping_multiprocess_executor, record_run_process
 from speech_assets.runtime.waiting import WaitTimeout, wait_until
 
 
-def _event(step: str, event: str) -> None:
+def _event(step: str, event: str, **more: str) -> None:
     with open(os.environ["LIVENESS_EVENTS"], "a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"step": step, "event": event, "t": time.time(), "pid": os.getpid()}) + "\n")
+        handle.write(json.dumps({"step": step, "event": event, "t": time.time(), "pid": os.getpid(), **more}) + "\n")
+
+
+class RecordingLauncher(LocalProcessRunLauncher):
+    def check_run_worker_health(self, run: dg.DagsterRun):
+        result = super().check_run_worker_health(run)
+        _event("health", result.status.value, run_id=run.run_id)
+        return result
 
 
 def _work(step: str, seconds: float) -> None:
@@ -39,7 +47,7 @@ def slow_evaluation(context: dg.AssetExecutionContext) -> None:
         wait_until(
             lambda: "MONITORING" in context.instance.get_daemon_heartbeats(), 180, "run monitoring", interval=0.5
         )
-    _work("slow_evaluation", float(os.environ.get("LIVENESS_SLOW_S", "35")))
+    _work("slow_evaluation", float(os.environ.get("LIVENESS_SLOW_S", "8")))
 
 
 @dg.asset(deps=[slow_evaluation], pool="training")
