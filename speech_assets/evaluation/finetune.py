@@ -499,13 +499,7 @@ class FineTuning(Fit):
             forward=CtcForward(model),
             speakers=self.speakers,
             cmvn=self.cmvn,
-            identity=lambda stored: (
-                stored["encoder"],
-                stored["init"],
-                stored["labelled"],
-                stored["seed"],
-                stored.get("lr"),
-            ),
+            identity=lambda stored: [stored.get(name) for name in ("encoder", "init", "labelled", "seed", "lr")],
             evaluate=Evaluation(self.score_dev, self.record_dev, self.background_evaluation)
             if len(self.dev_set)
             else None,
@@ -513,9 +507,7 @@ class FineTuning(Fit):
         )
         self.selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
         self.engine.stopped = self.selection.stopped
-        self.engine.keep_steps = (
-            frozenset() if self.selection.best_step is None else frozenset({self.selection.best_step})
-        )
+        self.engine.keep_steps = frozenset({self.selection.best_step}) - {None}
 
     def score_dev(self, model: HubertPretrainModel) -> dict[str, Any]:
         """Greedy dev CER of ``model`` (a snapshot of the weights)."""
