@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -150,13 +151,7 @@ class Selection:
 
     @classmethod
     def from_dict(cls, patience: int, stored: Mapping[str, Any] | None) -> Selection:
-        if not stored:
-            return cls(patience)
-        history = [[int(step), float(cer)] for step, cer in stored["history"]]
-        best = stored["best_step"]
-        return cls(
-            patience, history, None if best is None else int(best), float(stored["best_cer"]), int(stored["stale"])
-        )
+        return cls(patience, **copy.deepcopy(dict(stored or {})))
 
 
 def text_overlap(heldout: Mapping[str, str], *others: Mapping[str, str]) -> int:
