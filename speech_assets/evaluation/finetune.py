@@ -70,6 +70,7 @@ log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "ctc"
 HEAD = "ctc"
 COMMAND = "python -m speech_assets.evaluation.finetune"
+PARTS = ("train", "dev", "heldout")  # of the labelled file
 
 
 @dataclass(frozen=True)
@@ -442,12 +443,10 @@ class FineTuning(Fit):
         self.job = job
         self.texts = texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
         texts.setdefault("dev", {})
-        self.index = index = transcribed_index(
-            config.shards, set(texts["train"]) | set(texts["dev"]) | set(texts["heldout"])
-        )
+        self.index = index = transcribed_index(config.shards, {u for part in PARTS for u in texts[part]})
         seed_everything(config.seed)
         model, self.encoder, self.cmvn = build_model(config)
-        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in ("train", "dev", "heldout")}
+        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in PARTS}
         train_refs, dev_refs, self.heldout_refs = refs["train"], refs["dev"], refs["heldout"]
         self.speakers = {split: sorted({u.speaker_id for u in found}) for split, found in refs.items()}
         train_speakers, dev_speakers = set(self.speakers["train"]), set(self.speakers["dev"])
@@ -470,10 +469,8 @@ class FineTuning(Fit):
         self.model = model = model.to(job.device)
         frozen = (0, False) if config.init == "scratch" else (config.freeze_steps, config.freeze_frontend)
         self.freeze_steps, self.freeze_frontend = frozen  # a random encoder frozen is no baseline
-        if self.freeze_frontend:
-            model.frontend.requires_grad_(False)
-        if config.mask_prob <= 0:
-            model.mask_embedding.requires_grad_(False)
+        model.frontend.requires_grad_(not self.freeze_frontend)
+        model.mask_embedding.requires_grad_(config.mask_prob > 0)
         masking = CtcMasking(
             config.seed,
             config.mask_prob,
