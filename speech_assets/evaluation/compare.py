@@ -242,7 +242,7 @@ def compare_encoders(
     gets each held-out row as it is scored). A development part of the training speakers chooses, per
     model, the lr (the first seed's probes) and the stopping step (:data:`PATIENCE` evaluations without
     improvement), which the other seeds reuse; the held-out speakers take no part in any choice."""
-    from speech_assets.evaluation.probe import dev_split, evaluate_probe, layer_norm, train_probes, utterance_errors
+    from speech_assets.evaluation.probe import dev_split, layer_norm, score, train_probes, transcribe, utterance_errors
 
     if not train or not test:
         raise ValueError(f"the probe needs utterances on both sides: {len(train)} training, {len(test)} held-out")
@@ -304,7 +304,8 @@ def compare_encoders(
             weights = [round(w, 4) for w in probe.probe.layer_weights]
             scores = {}
             for split in ("train", "heldout"):
-                scores[split], hypotheses = evaluate_probe(probe.probe, features[split], texts[split], normalised=True)
+                hypotheses = transcribe(probe.probe, features[split], normalised=True)
+                scores[split] = score(texts[split], hypotheses)
             counts = utterance_errors(texts["heldout"], hypotheses)
             held = HeldoutErrors(tuple(u.utt_id for u in test), tuple(u.speaker_id for u in test), *counts)
             seconds = extraction + time.perf_counter() - started

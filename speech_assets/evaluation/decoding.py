@@ -46,8 +46,7 @@ def write_arpa(sentences: Sequence[str], order: int, path: str | os.PathLike[str
     for sentence in sentences:
         words = ["<s>", *sentence.split(), "</s>"]
         for n in range(1, order + 1):
-            for start in range(len(words) - n + 1):
-                counts[n - 1][tuple(words[start : start + n])] += 1
+            counts[n - 1].update(zip(*(words[i:] for i in range(n))))
     vocab = sorted({w for (w,) in counts[0]} | {"<unk>"})
     predicted = [w for w in vocab if w != "<s>"]
     total = sum(counts[0][(w,)] for w in predicted) + len(predicted)

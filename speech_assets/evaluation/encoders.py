@@ -41,7 +41,5 @@ def manifest_utterances(
 ) -> list[Utterance]:
     """:func:`load_utterances` of ``shards`` with the transcripts of the manifest (raw log-mel:
     each model normalises its own way)."""
-    table = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
-    return load_utterances(
-        shards, dict(zip(table.column("utt_id").to_pylist(), table.column("transcript").to_pylist(), strict=True))
-    )
+    table = pq.read_table(manifest_file, columns=["utt_id", "transcript"]).to_pydict()
+    return load_utterances(shards, dict(zip(table["utt_id"], table["transcript"], strict=True)))

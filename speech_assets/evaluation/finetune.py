@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -69,6 +70,7 @@ log = logging.getLogger("speech_assets.train")
 CHECKPOINT_KIND = "ctc"
 HEAD = "ctc"
 COMMAND = "python -m speech_assets.evaluation.finetune"
+PARTS = ("train", "dev", "heldout")  # of the labelled file
 
 
 @dataclass(frozen=True)
@@ -150,13 +152,7 @@ class Selection:
 
     @classmethod
     def from_dict(cls, patience: int, stored: Mapping[str, Any] | None) -> Selection:
-        if not stored:
-            return cls(patience)
-        history = [[int(step), float(cer)] for step, cer in stored["history"]]
-        best = stored["best_step"]
-        return cls(
-            patience, history, None if best is None else int(best), float(stored["best_cer"]), int(stored["stale"])
-        )
+        return cls(patience, **copy.deepcopy(dict(stored or {})))
 
 
 def text_overlap(heldout: Mapping[str, str], *others: Mapping[str, str]) -> int:
@@ -447,12 +443,10 @@ class FineTuning(Fit):
         self.job = job
         self.texts = texts = json.loads(Path(config.labelled).read_text(encoding="utf-8"))
         texts.setdefault("dev", {})
-        self.index = index = transcribed_index(
-            config.shards, set(texts["train"]) | set(texts["dev"]) | set(texts["heldout"])
-        )
+        self.index = index = transcribed_index(config.shards, {u for part in PARTS for u in texts[part]})
         seed_everything(config.seed)
         model, self.encoder, self.cmvn = build_model(config)
-        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in ("train", "dev", "heldout")}
+        refs = {part: [u for u in index.utterances if u.utt_id in texts[part]] for part in PARTS}
         train_refs, dev_refs, self.heldout_refs = refs["train"], refs["dev"], refs["heldout"]
         self.speakers = {split: sorted({u.speaker_id for u in found}) for split, found in refs.items()}
         train_speakers, dev_speakers = set(self.speakers["train"]), set(self.speakers["dev"])
@@ -475,10 +469,8 @@ class FineTuning(Fit):
         self.model = model = model.to(job.device)
         frozen = (0, False) if config.init == "scratch" else (config.freeze_steps, config.freeze_frontend)
         self.freeze_steps, self.freeze_frontend = frozen  # a random encoder frozen is no baseline
-        if self.freeze_frontend:
-            model.frontend.requires_grad_(False)
-        if config.mask_prob <= 0:
-            model.mask_embedding.requires_grad_(False)
+        model.frontend.requires_grad_(not self.freeze_frontend)
+        model.mask_embedding.requires_grad_(config.mask_prob > 0)
         masking = CtcMasking(
             config.seed,
             config.mask_prob,
@@ -499,13 +491,7 @@ class FineTuning(Fit):
             forward=CtcForward(model),
             speakers=self.speakers,
             cmvn=self.cmvn,
-            identity=lambda stored: (
-                stored["encoder"],
-                stored["init"],
-                stored["labelled"],
-                stored["seed"],
-                stored.get("lr"),
-            ),
+            identity=lambda stored: [stored.get(name) for name in ("encoder", "init", "labelled", "seed", "lr")],
             evaluate=Evaluation(self.score_dev, self.record_dev, self.background_evaluation)
             if len(self.dev_set)
             else None,
@@ -513,9 +499,7 @@ class FineTuning(Fit):
         )
         self.selection = Selection.from_dict(config.patience, (resumed or {}).get("selection"))
         self.engine.stopped = self.selection.stopped
-        self.engine.keep_steps = (
-            frozenset() if self.selection.best_step is None else frozenset({self.selection.best_step})
-        )
+        self.engine.keep_steps = frozenset({self.selection.best_step}) - {None}
 
     def score_dev(self, model: HubertPretrainModel) -> dict[str, Any]:
         """Greedy dev CER of ``model`` (a snapshot of the weights)."""

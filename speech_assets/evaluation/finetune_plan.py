@@ -225,11 +225,8 @@ def labelled_pool(
     """The transcribed utterances CTC can align, at most ``max_frames`` long: a seeded subsample of the
     test speakers' as the held-out set; of the training speakers' (minus those whose sentence a
     held-out speaker reads), ``dev_speakers`` speakers' as the dev set, the rest as candidates."""
-    manifest = pq.read_table(manifest_file, columns=["utt_id", "transcript"])
-    texts = {
-        u: normalise(t or "")
-        for u, t in zip(manifest.column("utt_id").to_pylist(), manifest.column("transcript").to_pylist(), strict=True)
-    }
+    manifest = pq.read_table(manifest_file, columns=["utt_id", "transcript"]).to_pydict()
+    texts = {u: normalise(t or "") for u, t in zip(manifest["utt_id"], manifest["transcript"], strict=True)}
     usable: dict[str, list[Candidate]] = {}  # speaker -> the transcribed utterances CTC can use
     skipped = 0
     # every held-out speaker's sentence, scored or not: none of them may be labelled, dev or LM text

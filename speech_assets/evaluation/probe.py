@@ -183,13 +183,6 @@ def score(references: Sequence[str], hypotheses: Sequence[str]) -> Scores:
     return Scores(float(jiwer.cer(refs, hyps)), float(jiwer.wer(refs, hyps)), len(refs))
 
 
-def evaluate_probe(
-    probe: CtcProbe, features: Sequence[torch.Tensor], texts: Sequence[str], normalised: bool = False
-) -> tuple[Scores, list[str]]:
-    hypotheses = transcribe(probe, features, normalised=normalised)
-    return score(texts, hypotheses), hypotheses
-
-
 def utterance_errors(references: Sequence[str], hypotheses: Sequence[str]) -> tuple[np.ndarray, ...]:
     """Per utterance ``(U,)`` int64: (char errors, chars, word errors, words), summing to :func:`score`'s rates."""
     from rapidfuzz.distance import Levenshtein

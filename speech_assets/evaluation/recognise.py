@@ -328,15 +328,12 @@ class Recogniser:
         for at in range(0, len(order), self.batch_size):
             batch = order[at : at + self.batch_size]
             done.update(zip(batch, self.log_probs([jobs[i][0] for i in batch]), strict=True))
-        index = 0
+        scored = (done[i] for i in range(len(jobs)))  # in job order
         for name, path, read in group:
             if isinstance(read, str):
                 yield Transcript(name, str(path), None, None, read)
                 continue
-            segments = []
-            for samples, start, lo, hi in read[1]:
-                segments.append(self._segment(done[index], start, lo, hi, len(samples)))
-                index += 1
+            segments = [self._segment(next(scored), start, lo, hi, len(samples)) for samples, start, lo, hi in read[1]]
             text = " ".join(s.text for s in segments if s.text)
             yield Transcript(name, str(path), text, round(read[0], 3), None, segments)
 

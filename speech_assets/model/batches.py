@@ -32,11 +32,8 @@ def cut_batches(indices: Sequence[int] | np.ndarray, seconds: np.ndarray, batch_
 
 def pad(feats: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, T_max, F)`` zero-padded float32 batch and ``lengths (B,)`` of ``(T_i, F)`` arrays."""
-    lengths = torch.tensor([f.shape[0] for f in feats], dtype=torch.long)
-    batch = torch.zeros(len(feats), int(lengths.max()), feats[0].shape[1])
-    for row, f in enumerate(feats):
-        batch[row, : f.shape[0]] = torch.from_numpy(np.ascontiguousarray(f))
-    return batch, lengths
+    rows = [torch.from_numpy(np.ascontiguousarray(f, dtype=np.float32)) for f in feats]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), torch.tensor([len(f) for f in feats])
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import duckdb
 from speech_assets.layout import RunFiles, lock_beside
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.train.accuracy import ACCURACY, LABEL, MAJORITY
+from speech_assets.train.tracking import recorded_run_id
 from speech_assets.utils import atomic_path
 
 
@@ -130,8 +131,6 @@ def run_record(kind: str, result_file: Path) -> dict:
     folder = RunFiles(result_file.parent)
     config = _read_json(folder.config)
     provenance = _read_json(folder.provenance)
-    id_file = folder.mlflow_run_id
-    recorded_id = id_file.read_text().strip() if id_file.is_file() else None
     if kind == "federated":
         rounds = [line.get("round") for line in r.get("round_summaries") or [] if line.get("round") is not None]
         r = {**r, "step": max(rounds) if rounds else r.get("rounds"), "final_loss": r.get("final_train_loss")}
@@ -147,7 +146,7 @@ def run_record(kind: str, result_file: Path) -> dict:
         or r.get("student")
         or config.get("preset")
         or _read_json(folder.settings).get("preset"),
-        "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_id,
+        "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_run_id(folder.root),
         "manifest_hash": (r.get("data_versions") or {}).get("manifest"),
         "git_commit": config.get("git_sha") or provenance.get("git_sha"),
         "dagster_run_id": provenance.get("dagster_run_id"),

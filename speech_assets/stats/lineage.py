@@ -71,8 +71,5 @@ def checkpoint_kind(state: dict[str, Any], data_versions: dict[str, str]) -> str
 
 def _beside(checkpoint: Path, name: str) -> dict[str, Any]:
     """The JSON file ``name`` of the checkpoint's run folder (``final.pt`` or ``checkpoints/*.pt``), if any."""
-    for folder in (checkpoint.parent, checkpoint.parent.parent):
-        candidate = folder / name
-        if candidate.is_file():
-            return json.loads(candidate.read_text())
-    return {}
+    candidates = (checkpoint.parent / name, checkpoint.parent.parent / name)
+    return next((json.loads(path.read_text()) for path in candidates if path.is_file()), {})

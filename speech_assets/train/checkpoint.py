@@ -57,11 +57,8 @@ def host_copy(value: Any) -> Any:
                     memo[id(item)] = target.copy_(source, non_blocking=True)
                 else:
                     memo[id(item)] = source.clone(memory_format=torch.preserve_format)
-        elif isinstance(item, dict):
-            for entry in item.values():
-                collect(entry)
-        elif isinstance(item, list | tuple):
-            for entry in item:
+        elif isinstance(item, dict | list | tuple):
+            for entry in item.values() if isinstance(item, dict) else item:
                 collect(entry)
 
     collect(value)

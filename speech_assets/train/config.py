@@ -285,7 +285,6 @@ class FinetuneBatch(JsonFile):
     runs: list[str]
     batch_seconds: float
     grad_accum: int = 1
-    # each process trains its share of the runs alone (runs[rank::processes]), not every run together (DDP)
     parallel: bool = False
     device: str = "auto"
     dagster_run_id: str | None = None

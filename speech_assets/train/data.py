@@ -226,10 +226,9 @@ def collate(
     frames = [e.feats.shape[0] for e in examples]
     lengths = torch.tensor(frames, dtype=torch.long)
     max_frames = max(frames)
-    feats = torch.zeros(len(examples), max_frames, N_MELS, dtype=torch.float32)
+    feats = torch.nn.utils.rnn.pad_sequence([e.feats for e in examples], batch_first=True)
     targets = torch.full((len(examples), (max_frames + 1) // 2), IGNORE_INDEX, dtype=torch.long)
     for row, example in enumerate(examples):
-        feats[row, : example.feats.shape[0]] = example.feats
         targets[row, : example.labels.shape[0]] = example.labels
     batch = Batch(
         feats,

@@ -206,18 +206,11 @@ class Distillation(Fit):
             "teacher_layers": list(self.layers),
         }
 
-    def speeds(self) -> dict[str, float]:
-        """Both models are at hand here: timed now, the step that launched this loads neither."""
+    def result(self) -> dict[str, Any]:
+        # both models are at hand here: timed now, the step that launched this loads neither
         feats = [self.dataset.logmel(ref).astype(np.float32) for ref in self.train_refs[:16]]
         models = {"teacher": self.teacher.cpu(), "student": self.student.cpu()}
         speed = forward_speed(models, feats, repeats=2, threads=1)
-        return {
-            "student_audio_s_per_s": round(speed["student"], 1),
-            "teacher_audio_s_per_s": round(speed["teacher"], 1),
-            "speedup": round(speed["student"] / speed["teacher"], 3),
-        }
-
-    def result(self) -> dict[str, Any]:
         return {
             "teacher": self.config.teacher,
             "teacher_sha256": self.teacher_loaded.sha256,
@@ -226,7 +219,9 @@ class Distillation(Fit):
             "student_parameters": encoder_parameters(self.student),
             "teacher_parameters": encoder_parameters(self.teacher),
             "train_utterances": len(self.dataset),
-            **self.speeds(),
+            "student_audio_s_per_s": round(speed["student"], 1),
+            "teacher_audio_s_per_s": round(speed["teacher"], 1),
+            "speedup": round(speed["student"] / speed["teacher"], 3),
             **{k: v for k, v in self.engine.metrics.items() if k.startswith(("l1_", "cosine_"))},
         }
 

@@ -377,7 +377,7 @@ class Evaluation:
     a side CUDA stream) while the steps go on, at most one in flight; ``record(step, result)`` takes
     its result on the training thread at the next checkpoint or the run's end, so that an early stop
     acts one evaluation late. A checkpoint whose evaluation is still owed is evaluated on resume.
-    ``background=False``: scored on the live weights and recorded at once, as a plain callable is."""
+    ``background=False``: scored on the live weights between the steps and recorded at once."""
 
     score: Callable[[nn.Module], Mapping[str, Any] | None]
     record: Callable[[int, Mapping[str, Any] | None], Mapping[str, Any] | None]
@@ -492,20 +492,19 @@ class Engine:
         config: RunConfig,
         *,
         tracker: MlflowTracker | None = None,
-        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None = None,
+        evaluate: Evaluation | None = None,
     ) -> bool:
         """Steps up to ``config.max_steps``; ``False`` after a ``preempt`` fault (that step is checkpointed).
-        ``evaluate`` (a callable: collective, before each checkpoint; draws nothing from the training
-        RNG) has its numbers logged as ``val/<name>`` at the step it evaluated; a true ``stop`` in its
+        ``evaluate``'s numbers are logged as ``val/<name>`` at the step it evaluated; a true ``stop`` in its
         result ends the run after the checkpoint that records it."""
         stream.schedule(self.step, self.grad_accum, getattr(objective, "masking", None))
         writer = BackgroundWriter(RunFiles(Path(config.run_dir)).metrics, tracker) if self.job.is_main else None
         try:
-            if isinstance(evaluate, Evaluation) and self.evaluation_owed:  # the live weights are its snapshot's
+            if evaluate is not None and self.evaluation_owed:  # the live weights are its snapshot's
                 owed = (self.step, evaluate.record(self.step, evaluate.score(self.model)))
                 self._recorded(owed, writer, alone=True)
             finished = self._steps(objective, stream, config, evaluate, writer)
-            if finished and isinstance(evaluate, Evaluation):
+            if finished and evaluate is not None:
                 started = time.perf_counter()  # the run's wall time includes its last evaluation
                 self._recorded(evaluate.collect(), writer, alone=True)
                 self.progress["train_seconds"] += time.perf_counter() - started
@@ -516,7 +515,7 @@ class Engine:
                 writer.close(quiet=True)  # what was submitted is written; the training error wins
             raise
         finally:
-            if isinstance(evaluate, Evaluation):
+            if evaluate is not None:
                 evaluate.close()
         self.checkpoints.wait()  # a checkpoint the run returns after is on disk
         if writer is not None:
@@ -546,7 +545,7 @@ class Engine:
         objective: Objective,
         stream: BatchStream,
         config: RunConfig,
-        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None,
+        evaluate: Evaluation | None,
         writer: BackgroundWriter | None,
     ) -> bool:
         # The window's statistics stay on the device; they, the gradient norm and the audio
@@ -595,21 +594,19 @@ class Engine:
                     }
                     window_start = now
                     held_out: dict[str, float] = {}
-                    if checkpoint and isinstance(evaluate, Evaluation):
+                    if checkpoint and evaluate is not None:
                         # the evaluation in flight first: its record decides what pruning keeps
                         self._recorded(evaluate.collect(), writer)
                         if not (self.stopped or preempted):  # a preempted step's is owed (resume)
                             evaluate.submit(self.step, self.model)
                             if not evaluate.background:
                                 held_out = self._recorded(evaluate.collect(), writer)
-                    elif checkpoint and evaluate is not None:
-                        held_out = self._recorded((self.step, evaluate()), writer)
                     if writer is not None:
                         self._report(config.max_steps, held_out, writer)
                     if checkpoint:
                         if writer is not None:
                             writer.flush()  # metrics lines up to a checkpoint are on disk before it is
-                        owed = isinstance(evaluate, Evaluation) and (preempted or evaluate.pending is not None)
+                        owed = evaluate is not None and (preempted or evaluate.pending is not None)
                         self.save_checkpoint(Path(config.run_dir), stream, config.keep_checkpoints, owed)
                         last_checkpoint = time.monotonic()
                     window, audio, timed_audio = None, 0.0, 0.0
@@ -754,7 +751,7 @@ class Fit:
         identity: Callable[[Mapping[str, Any]], object],
         forward: nn.Module | None = None,
         launch: Mapping[str, Any] | None = None,
-        evaluate: Callable[[], Mapping[str, Any] | None] | Evaluation | None = None,
+        evaluate: Evaluation | None = None,
         **record: Any,
     ) -> dict[str, Any] | None:
         """Build the :class:`Engine` and resume; the checkpoint continued, or ``None``. ``record`` goes

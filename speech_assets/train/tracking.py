@@ -503,7 +503,6 @@ def log_exported_model(
 ) -> dict[str, str]:
     """:func:`log_onnx_model` into the run of ``checkpoint``; ``{}`` with a warning when there is none
     or the store refuses: the export stands without MLflow."""
-    # the run recorded in the checkpoint, else in its run folder
     run_id = str(state["mlflow_run_id"]) if state.get("mlflow_run_id") else recorded_run_id(Path(checkpoint).parent)
     if not run_id:
         warn(f"{onnx_file.name} not logged as an MLflow model: {checkpoint} records no MLflow run")

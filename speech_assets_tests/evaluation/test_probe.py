@@ -13,11 +13,11 @@ from speech_assets.evaluation.probe import (
     _schedule,
     collate_layers,
     dev_split,
-    evaluate_probe,
     layer_norm,
     padded,
     score,
     train_probes,
+    transcribe,
     utterance_errors,
 )
 from speech_assets.evaluation.probe_options import ProbeOptions
@@ -102,10 +102,11 @@ def test_probe_learns_a_synthetic_task_and_weights_the_informative_layer() -> No
     train_feats, train_texts = synthetic(48, seed=0)
     test_feats, test_texts = synthetic(16, seed=1)
     untrained = CtcProbe(3, 16)
-    before, _ = evaluate_probe(untrained, test_feats, test_texts)
+    before = score(test_texts, transcribe(untrained, test_feats))
     options = ProbeOptions(probe="linear", steps=300, batch_size=8, lr=1e-2)
     probe = train_probe(train_feats, train_texts, options)
-    after, hypotheses = evaluate_probe(probe, test_feats, test_texts)
+    hypotheses = transcribe(probe, test_feats)
+    after = score(test_texts, hypotheses)
     assert before.cer > 0.8
     assert after.cer < 0.15 and after.wer < 0.5, hypotheses[:3]
     weights = probe.layer_weights
@@ -234,7 +235,7 @@ def test_a_probe_stops_once_its_development_cer_stalls_and_keeps_its_best_step()
         texts,
         options,
         every=5,
-        on_checkpoint=lambda step, p: curve.__setitem__(step, evaluate_probe(p, *dev)[0].cer),
+        on_checkpoint=lambda step, p: curve.__setitem__(step, score(dev[1], transcribe(p, dev[0])).cer),
     )
     best, stale = (
         None,

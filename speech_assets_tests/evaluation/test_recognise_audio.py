@@ -83,6 +83,7 @@ def test_long_audio_goes_through_bounded_segments_in_batches(folder: Path, long_
     assert len(segments) >= 140 / 8 and all(s.end - s.start <= 8.0 for s in segments)
     assert all(a.start < b.start and a.end <= b.end for a, b in zip(segments, segments[1:]))
     assert transcript.text == " ".join(s.text for s in segments if s.text)
+    assert len({s.text for s in segments}) > len(segments) / 2  # each segment decoded from its own log-probs
 
 
 def test_word_times_are_monotonic_inside_the_file_with_confidences(folder: Path, long_file: Path, capsys) -> None:
