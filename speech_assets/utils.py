@@ -179,7 +179,7 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return json.loads(path.read_text()) if path.is_file() else {}
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return {}
 
 

@@ -30,7 +30,7 @@ from speech_assets.federated.processes import LocalFederation, flwr_run, require
 from speech_assets.hosts import check_endpoint
 from speech_assets.layout import FederatedPaths
 from speech_assets.runtime.locks import RunFolderLock
-from speech_assets.utils import atomic_write_text
+from speech_assets.utils import atomic_write_text, read_json
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 # a remote SuperLink (``superlink``) is always the deployment engine
@@ -54,11 +54,7 @@ class FederatedRunFailed(RuntimeError):
 def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
     """The run's ``result.json`` if it finished every round with exactly these settings."""
     paths = FederatedPaths(config.run_dir)
-    try:
-        result = json.loads(paths.result.read_text())
-        before = json.loads(paths.settings.read_text())
-    except (OSError, ValueError):
-        return None
+    result, before = read_json(paths.result), read_json(paths.settings)
     if result.get("rounds") != config.rounds or not paths.final.is_file():
         return None
     return None if settings_changes(before, config.settings(), resuming=False) else result
