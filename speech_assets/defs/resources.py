@@ -79,9 +79,6 @@ class StoragePaths(dg.ConfigurableResource):
     def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
         return self.layout.targets(check_safe_id(client_id, "client_id"), iteration)
 
-    def kmeans_dir(self, client_id: str) -> Path:
-        return self.targets(client_id).root
-
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
 
