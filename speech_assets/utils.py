@@ -20,7 +20,6 @@ import numpy as np
 
 from speech_assets.layout import TEMP_SUFFIX
 
-_CHUNK = 1 << 20
 Config = TypeVar("Config")
 
 
@@ -130,11 +129,8 @@ def fsync_dir(folder: Path) -> None:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def sha256_strings(parts: Iterable[str]) -> str:
@@ -183,7 +179,7 @@ def read_json(path: Path, *, strict: bool = False) -> dict:
         return json.loads(path.read_text()) if path.is_file() else {}
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return {}
 
 

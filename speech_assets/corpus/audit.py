@@ -42,13 +42,6 @@ class Audit:
     metadata: dict[str, object] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ManifestFiles:
-    manifest: Path
-    rejects: Path
-    speakers: Path
-
-
 def _examples(values: list[str]) -> list[str]:
     return [str(v)[:120] for v in values[:MAX_LISTED]]
 
@@ -191,7 +184,9 @@ def reject_ratio(kept: int, rejects: pa.Table, max_ratio: float) -> Audit:
     )
 
 
-def audit_manifest(files: ManifestFiles, corpus_root: Path, config: ValidationConfig, max_ratio: float) -> list[Audit]:
+def audit_manifest(
+    files: layout.ManifestFiles, corpus_root: Path, config: ValidationConfig, max_ratio: float
+) -> list[Audit]:
     """Every audit of a manifest, its rejects and its speaker list, read back from the files."""
     try:
         table, rejects, listed = (pq.read_table(path) for path in (files.manifest, files.rejects, files.speakers))

@@ -71,7 +71,7 @@ def publish_manifest(
         shutil.rmtree(files.staging, ignore_errors=True)
         staging = files.staging / staging_name
         try:
-            staged = audit.ManifestFiles(**{name: staging / getattr(files, name).name for name in _STAGED})
+            staged = layout.ManifestFiles(staging)
             write_manifest(staged.manifest, rows)
             write_rejects(staged.rejects, rejects)
             per_speaker = write_speakers(staged.speakers, rows)

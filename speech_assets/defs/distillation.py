@@ -40,7 +40,7 @@ def distilled_checkpoint(context, options: DistillSettings, paths: StoragePaths,
     distill_config = from_fields(
         DistillConfig,
         options,
-        **run_inputs(paths, table, paths.kmeans_dir, data_versions, run_dir, "distill"),
+        **run_inputs(paths, table, data_versions, run_dir, "distill"),
         teacher=teacher,
         **student_shape(teacher, options),
         warmup_steps=min(options.warmup_steps, max(1, options.max_steps // 10)),

@@ -55,6 +55,7 @@ def vad_features(
     manifest_version = latest_data_version(context.instance, "manifest")
     # each shard's input: its own speaker's rows, as last observed (their version and event)
     observed = per_partition.observed_versions(context.instance, SPEAKER_MANIFEST, speakers)
+    speaker_manifest = dg.AssetKey(SPEAKER_MANIFEST)
     paths.layout.shards_dir.mkdir(parents=True, exist_ok=True)
     jobs = shard_jobs(
         corpus.read_manifest(paths.layout.manifest.manifest),
@@ -86,7 +87,7 @@ def vad_features(
                     outcome.speaker_id,
                     outcome.meta["shard_sha256"],
                     shard_metadata(paths, outcome.meta, outcome.rebuilt),
-                    per_partition.observed_input_provenance(observed.get(outcome.speaker_id), SPEAKER_MANIFEST),
+                    per_partition.input_tags(speaker_manifest, *observed.get(outcome.speaker_id, (None, None))),
                 )
             )
     context.log.info(totals.summary())
@@ -169,13 +170,7 @@ def cmvn_stats(context: dg.AssetExecutionContext, paths: StoragePaths) -> dg.Mat
 # --- checks: each reads the published files, independently of how they were written -------------
 
 MAX_NO_SPEECH_SHARE = 0.2
-
-
-def _verified_key(meta: dict) -> str:
-    """What the check's verdict on a shard depends on (the meta vouches for the files by size and mtime)."""
-    return sha256_strings(
-        str(meta.get(k)) for k in ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects")
-    )
+VERIFIED_BY = ("shard_sha256", "rejects_size", "rejects_mtime_ns", "utterances", "rejects")
 
 
 @dg.asset_check(
@@ -194,7 +189,8 @@ def shards_are_consistent(paths: StoragePaths) -> dg.AssetCheckResult:
     verified = set(read_json(verified_file).get("sound", []))
     sound, read = [], 0
     for speaker, meta in sorted(shards.items()):
-        key = _verified_key(meta)
+        # what the verdict depends on (the meta vouches for the files by size and mtime)
+        key = sha256_strings(str(meta.get(k)) for k in VERIFIED_BY)
         if key not in verified:
             read += 1
             found = shard_problems(paths.shard_files(speaker), meta)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import dagster as dg
 
 from speech_assets.corpus.clients import ClientsTable
 from speech_assets.defs import dagster_internals as internals
+from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import StoragePaths
-from speech_assets.layout import TargetFiles
 from speech_assets.targets.publish import ClientShards
 from speech_assets.utils import sha256_strings
 
@@ -71,15 +71,13 @@ def input_versions(
     context: dg.AssetExecutionContext,
     paths: StoragePaths,
     clients: dict[str, list[str]],
-    targets_dir: Callable[[str], Path] | None = None,
-    targets_asset: str = "kmeans_targets",
+    iteration: int = 1,
 ) -> dict[str, str]:
-    """The data versions a training run reads, each client's targets from ``targets_dir(client)/quality.json``."""
-    targets_dir = targets_dir or paths.kmeans_dir
+    """The data versions a training run reads, each client's targets of ``iteration`` from their quality.json."""
     versions = latest_versions(context.instance, ["manifest", "cmvn_stats", "client_partitions"])
     for client, speakers in sorted(clients.items()):
-        quality = json.loads(TargetFiles(targets_dir(client)).quality.read_text())
-        versions[f"{targets_asset}/{client}"] = quality["data_version"]
+        quality = json.loads(paths.targets(client, iteration).quality.read_text())
+        versions[f"{TARGETS_ASSETS[iteration]}/{client}"] = quality["data_version"]
         versions |= {f"vad_features/{speaker}": sha for speaker, sha in shard_hashes(paths, speakers).items()}
     return versions
 

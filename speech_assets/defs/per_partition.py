@@ -36,11 +36,12 @@ def input_provenance(context: dg.AssetExecutionContext) -> dict[str, str]:
         records = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dep), limit=1).records
         event = records[0].asset_materialization if records else None
         version = (event.tags or {}).get(internals.DATA_VERSION_TAG) if event else None
-        tags |= _input_tags(dep, version, records[0].storage_id if records else None)
+        tags |= input_tags(dep, version, records[0].storage_id if records else None)
     return tags
 
 
-def _input_tags(key: dg.AssetKey, version: str | None, storage_id: int | None) -> dict[str, str]:
+def input_tags(key: dg.AssetKey, version: str | None, storage_id: int | None) -> dict[str, str]:
+    """Provenance tags of one input (an observed partition too): its data version and event's storage id."""
     return {
         internals.get_input_data_version_tag(key): version or internals.DEFAULT_DATA_VERSION.value,
         internals.get_input_event_pointer_tag(key): internals.NULL_EVENT_POINTER
@@ -66,11 +67,6 @@ def observed_versions(
         for p in wanted
         if internals.DATA_VERSION_TAG in tags.get(p, {}) and p in ids
     }
-
-
-def observed_input_provenance(observed: tuple[str, int] | None, asset: str) -> dict[str, str]:
-    """Provenance tags for one input partition of an observed asset: its version and storage id."""
-    return _input_tags(dg.AssetKey(asset), *(observed or (None, None)))
 
 
 def partition_materialization(

@@ -27,6 +27,7 @@ from speech_assets.evaluation.probe_options import Probe, ProbeOptions
 from speech_assets.features.shards import ShardFiles
 from speech_assets.features.vad import VadConfig
 from speech_assets.federated import config as federation
+from speech_assets.federated.launch import Deployment
 from speech_assets.hosts import check_endpoint, check_host
 from speech_assets.targets.config import ITERATION2_KMEANS, KMeansConfig
 from speech_assets.train.config import DistillConfig, FinetuneConfig, Normalisation, Precision, RunConfig, TrainConfig
@@ -77,9 +78,6 @@ class StoragePaths(dg.ConfigurableResource):
 
     def targets(self, client_id: str, iteration: int = 1) -> layout.TargetFiles:
         return self.layout.targets(check_safe_id(client_id, "client_id"), iteration)
-
-    def kmeans_dir(self, client_id: str) -> Path:
-        return self.targets(client_id).root
 
     def federated_run(self, run_name: str) -> layout.FederatedPaths:
         return self.layout.federated_run(check_safe_id(run_name, "run_name"))
@@ -346,11 +344,7 @@ class FederatedSettings(WorkerSettings, worker=federation.FederatedConfig, secti
     def _superlink_and_client_limits(self) -> FederatedSettings:
         if self.superlink:
             check_endpoint(self.superlink, "[federated] superlink")
-        problems = federation.client_limit_problems(
-            self.secagg_min_shares, self.secagg_threshold_floor, self.dp_max_clipping_norm, "_"
-        )
-        if 0 < self.dp_max_clipping_norm < self.dp_clipping_norm:
-            problems.append("dp_max_clipping_norm must be 0 or at least dp_clipping_norm (else every client refuses)")
+        problems = Deployment.of(self).limit_problems(self.dp_clipping_norm)
         if problems:
             raise ValueError("[federated] " + "; ".join(problems))
         return self

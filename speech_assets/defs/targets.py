@@ -51,7 +51,7 @@ def kmeans_targets(
     )
 
     def publish(client_id: str) -> tuple[str, dict[str, object]]:
-        out_dir = paths.kmeans_dir(client_id)
+        out_dir = paths.targets(client_id).root
         quality = kmeans_client_targets(
             client_shards(paths, assignments, client_id),
             out_dir,
@@ -84,7 +84,7 @@ labels_match_shards = labels_match_shards_check(1)
 )
 def clusters_are_used(paths: StoragePaths) -> dg.AssetCheckResult:
     rows = [
-        (client, *cluster_use(paths.kmeans_dir(client))) for client in read_clients(paths.layout.clients_file).clients
+        (client, *cluster_use(paths.targets(client).root)) for client in read_clients(paths.layout.clients_file).clients
     ]
     return dg.AssetCheckResult(
         passed=all(row[-1] for row in rows),

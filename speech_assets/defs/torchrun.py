@@ -24,10 +24,9 @@ from speech_assets import locations
 from speech_assets.corpus.clients import ClientsTable, read_clients
 from speech_assets.defs import readable
 from speech_assets.defs.lineage import bounded_versions, input_versions
-from speech_assets.defs.partitions import TARGETS_ASSETS
 from speech_assets.defs.resources import PipelineSettings, StoragePaths, TrainingSettings, effective, overrides_of
 from speech_assets.defs.runs import record_run_process
-from speech_assets.layout import RunFiles, TargetFiles
+from speech_assets.layout import RunFiles
 from speech_assets.locations import git_commit
 from speech_assets.runtime.processes import command_lines
 from speech_assets.train import accuracy, oom
@@ -311,14 +310,13 @@ def run_pretraining(
 
     run_label = PRETRAINING[iteration]
     table = read_clients(paths.layout.clients_file)
-    targets_dir = lambda client_id: paths.targets(client_id, iteration).root  # noqa: E731
-    data_versions = input_versions(context, paths, table.speakers, targets_dir, TARGETS_ASSETS[iteration])
+    data_versions = input_versions(context, paths, table.speakers, iteration)
     root = paths.layout.training_dir if iteration == 1 else paths.layout.training_iter2_dir
     run_dir = run_folder(root, data_versions, options, code_version)
     train_config = from_fields(
         TrainConfig,
         options,
-        **run_inputs(paths, table, targets_dir, data_versions, run_dir, run_label),
+        **run_inputs(paths, table, data_versions, run_dir, run_label, iteration),
         batch_seconds=options.batch_seconds or None,
         nproc=options.nproc or "auto",
         threads=options.threads or None,
@@ -341,12 +339,12 @@ def run_folder(root: Path, data_versions: dict[str, str], options: dg.Config, co
 def run_inputs(
     paths: StoragePaths,
     table: ClientsTable,
-    targets_dir: Callable[[str], Path],
     data_versions: dict[str, str],
     run_dir: Path,
     label: str,
+    iteration: int = 1,
 ) -> dict[str, object]:
-    """RunConfig's fields: every client's shards and targets (``targets_dir(client)``), CMVN, held-out
+    """RunConfig's fields: every client's shards and targets of ``iteration``, CMVN, held-out
     speakers, lineage and the MLflow run (named by ``label``, a key of :data:`RUN_MODES`)."""
     from speech_assets.train.config import ClientTargets
 
@@ -359,11 +357,8 @@ def run_inputs(
         "git_sha": git_commit(),
         "heldout_speakers": table.heldout,
         "clients": {
-            c: ClientTargets(
-                str(TargetFiles(targets_dir(c)).labels),
-                json.loads(TargetFiles(targets_dir(c)).quality.read_text())["k"],
-            )
-            for c in sorted(clients)
+            c: ClientTargets(str(files.labels), json.loads(files.quality.read_text())["k"])
+            for c, files in ((c, paths.targets(c, iteration)) for c in sorted(clients))
         },
         "mlflow_tracking_uri": paths.mlflow_tracking_uri,
         "mlflow_artifact_location": paths.mlflow_artifact_location,

@@ -14,7 +14,6 @@ import ipaddress
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
@@ -26,14 +25,6 @@ from speech_assets.layout import NODE_PUBLIC_KEY, FlowerTls, NodeKeys
 
 HOST = "127.0.0.1"
 VALID_FOR = datetime.timedelta(days=30)
-
-
-@dataclass(frozen=True)
-class NodeKey:
-    """A SuperNode's key pair (OpenSSH format, NIST P-384), as Flower reads them."""
-
-    private: Path
-    public: Path
 
 
 def _write_private(path: Path, data: bytes) -> Path:
@@ -79,20 +70,21 @@ def make_tls(folder: Path) -> FlowerTls:
     return files
 
 
-def make_node_key(folder: Path, name: str) -> NodeKey:
-    """A SuperNode's key pair ``<folder>/<name>.key`` (0600) and ``<name>.pub``."""
+def make_node_key(folder: Path, name: str) -> NodeKeys:
+    """A SuperNode's key pair as Flower reads them (OpenSSH, NIST P-384): ``<folder>/<name>.key`` (0600)
+    and ``<name>.pub``."""
     key = ec.generate_private_key(ec.SECP384R1())
-    private = _write_private(
-        NodeKeys(folder).private(name),
+    keys = NodeKeys(folder)
+    _write_private(
+        keys.private(name),
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
         ),
     )
-    public = NodeKeys(folder).public(name)
-    public.write_bytes(
+    keys.public(name).write_bytes(
         key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     )
-    return NodeKey(private=private, public=public)
+    return keys
 
 
 def identity_key(folder: str | os.PathLike[str], client_id: str) -> ec.EllipticCurvePrivateKey:

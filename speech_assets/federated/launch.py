@@ -30,7 +30,7 @@ from speech_assets.federated.processes import LocalFederation, flwr_run, require
 from speech_assets.hosts import check_endpoint
 from speech_assets.layout import FederatedPaths
 from speech_assets.runtime.locks import RunFolderLock
-from speech_assets.utils import atomic_write_text
+from speech_assets.utils import atomic_write_text, read_json
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 # a remote SuperLink (``superlink``) is always the deployment engine
@@ -54,11 +54,7 @@ class FederatedRunFailed(RuntimeError):
 def completed_result(config: FederatedConfig) -> dict[str, Any] | None:
     """The run's ``result.json`` if it finished every round with exactly these settings."""
     paths = FederatedPaths(config.run_dir)
-    try:
-        result = json.loads(paths.result.read_text())
-        before = json.loads(paths.settings.read_text())
-    except (OSError, ValueError):
-        return None
+    result, before = read_json(paths.result), read_json(paths.settings)
     if result.get("rounds") != config.rounds or not paths.final.is_file():
         return None
     return None if settings_changes(before, config.settings(), resuming=False) else result
@@ -142,6 +138,17 @@ class Deployment:
         names = [f.name for f in fields(cls) if f.name != "root_certificates"]
         return cls(root_certificates=source.superlink_root_certificates, **{n: getattr(source, n) for n in names})
 
+    def limit_problems(self, dp_clipping_norm: float) -> list[str]:
+        """What is wrong with the local clients' limits for a run clipping at ``dp_clipping_norm`` (0: no DP)."""
+        max_norm = self.dp_max_clipping_norm
+        problems = client_limit_problems(self.secagg_min_shares, self.secagg_threshold_floor, max_norm, "_")
+        if 0 < max_norm < dp_clipping_norm:
+            problems.append(
+                f"dp_max_clipping_norm ({max_norm}) must be 0 or at least dp_clipping_norm ({dp_clipping_norm}): "
+                "every client would refuse every round"
+            )
+        return problems
+
 
 def node_configs(
     config: FederatedConfig,
@@ -184,14 +191,7 @@ def run_federation(
     :class:`FederatedRunFailed` when the server stopped the run (the next call resumes)."""
     superlink, engine = deployment.superlink, deployment.engine
     check_transport(superlink, deployment.root_certificates, deployment.insecure)
-    max_norm = deployment.dp_max_clipping_norm
-    # the local clients' own limits, and a clipping norm every one of them would refuse
-    problems = client_limit_problems(deployment.secagg_min_shares, deployment.secagg_threshold_floor, max_norm, "_")
-    if config.differential_privacy and 0 < max_norm < config.dp_clipping_norm:
-        problems.append(
-            f"dp_max_clipping_norm ({max_norm}) is below dp_clipping_norm ({config.dp_clipping_norm}): "
-            "every client would refuse every round"
-        )
+    problems = deployment.limit_problems(config.dp_clipping_norm if config.differential_privacy else 0.0)
     if problems:
         raise ValueError("[federated] limits of the local clients: " + "; ".join(problems))
     if engine not in ENGINES:

@@ -188,12 +188,13 @@ class LocalFederation:
             )
             wait_listening(self.superlink, STARTUP_TIMEOUT_S, self.network)
             write_connection(self.files.cli, SUPERLINK_ADDRESS, insecure=False, root_certificates=str(tls.ca))
-            keys = {node.client_id: make_node_key(files.auth_dir, node.client_id) for node in self.nodes}
-            self.node_ids = self.register({client: key.public for client, key in keys.items()})
+            for node in self.nodes:
+                make_node_key(files.auth_dir, node.client_id)
+            self.node_ids = self.register({node.client_id: files.auth.public(node.client_id) for node in self.nodes})
             for index, node in enumerate(self.nodes):
-                client = node.client_id
+                client, private = node.client_id, files.auth.private(node.client_id)
                 command = [flower_bin("flower-supernode"), "--root-certificates", str(tls.ca)]
-                command += ["--superlink", SUPERLINK_ADDRESS, "--auth-supernode-private-key", str(keys[client].private)]
+                command += ["--superlink", SUPERLINK_ADDRESS, "--auth-supernode-private-key", str(private)]
                 # the same keys sign its secure-aggregation advertisements and check its peers'
                 command += ["--node-config", replace(node, node_keys=str(files.auth_dir)).to_node_config()]
                 log_path, home = files.supernode_log(client), files.supernode_home(client)

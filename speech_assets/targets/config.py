@@ -3,7 +3,6 @@ them (``[kmeans]``, ``[iteration2]`` in ``speech_assets.defs.resources``) withou
 
 from __future__ import annotations
 
-import typing
 from typing import Annotated, Literal, Self
 
 from pydantic import Field, model_validator
@@ -12,7 +11,6 @@ from pydantic.dataclasses import dataclass
 MAX_K = 1 << 15  # labels are stored as int16
 
 KMeansInit = Literal["k-means++", "random"]
-KMEANS_INITS = typing.get_args(KMeansInit)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from speech_assets.features import cmvn
 from speech_assets.layout import TargetFiles
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.targets.config import KMeansConfig
-from speech_assets.utils import atomic_write_text, sha256_file, sha256_strings
+from speech_assets.utils import atomic_write_text, read_json, sha256_file, sha256_strings
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,6 @@ class KMeansPolicy:
     refit_growth: float
     fit_settings: str
     code_version: str
-
-
-def read_quality(out_dir: Path) -> dict:
-    """The client's publish record; ``{}`` when there is none or it is unreadable (then rebuilt)."""
-    try:
-        return json.loads(TargetFiles(out_dir).quality.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def outputs_intact(quality: dict, out_dir: Path) -> bool:
@@ -101,7 +93,7 @@ def publish_client_targets(
         [json.dumps(client.shard_versions, sort_keys=True), json.dumps(client.heldout), *fit_inputs]
     )
     with exclusive_lock(TargetFiles(out_dir).lock):
-        previous = read_quality(out_dir)
+        previous = read_json(TargetFiles(out_dir).quality)  # {}: none, or unreadable (then rebuilt)
         intact = not force and previous.get("fit_key") == fit_key and outputs_intact(previous, out_dir)
         if intact and previous.get("inputs_key") == inputs_key:
             log(f"{client.client_id}: inputs unchanged, keeping {what} {previous['data_version'][:12]}")

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from speech_assets import layout
 from speech_assets.corpus import audit
 from speech_assets.corpus import manifest as m
 from speech_assets.corpus.rejects import REJECTS_SCHEMA
@@ -70,9 +71,7 @@ def run(
     rejects_schema: pa.Schema = REJECTS_SCHEMA,
     max_ratio: float = 0.5,
 ) -> dict[str, audit.Audit]:
-    files = audit.ManifestFiles(
-        tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet"
-    )
+    files = layout.ManifestFiles(tmp_path)
     pq.write_table(table if table is not None else pa.Table.from_pylist(rows, schema=m.MANIFEST_SCHEMA), files.manifest)
     pq.write_table(pa.Table.from_pylist(rejects or [], schema=rejects_schema), files.rejects)
     pq.write_table(pa.Table.from_pylist(speakers if speakers is not None else speakers_of(rows)), files.speakers)
@@ -207,9 +206,7 @@ def test_unreadable_files_fail_every_audit(tmp_path: Path, sound) -> None:
     root, rows = sound
     run(tmp_path, root, rows)
     (tmp_path / "manifest.parquet").write_bytes(b"PAR1 this is not parquet")
-    files = audit.ManifestFiles(
-        tmp_path / "manifest.parquet", tmp_path / "rejects.parquet", tmp_path / "speakers.parquet"
-    )
+    files = layout.ManifestFiles(tmp_path)
     assert {a.name: a.passed for a in audit.audit_manifest(files, root, CONFIG, 0.5)} == dict.fromkeys(
         audit.AUDITS, False
     )

@@ -287,7 +287,7 @@ def test_storage_paths_refuse_unsafe_ids(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="speaker_id"):
             paths.shard_files(bad)
         with pytest.raises(ValueError, match="client_id"):
-            paths.kmeans_dir(bad)
+            paths.targets(bad).root
 
 
 RSS_PROBE = """

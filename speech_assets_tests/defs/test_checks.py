@@ -88,7 +88,7 @@ def drop_a_speaker(paths: StoragePaths) -> None:
 
 
 def truncate_labels(paths: StoragePaths) -> None:
-    file = paths.kmeans_dir("client_00") / "labels.parquet"
+    file = paths.targets("client_00").root / "labels.parquet"
     table = pq.read_table(file)
     blobs = table.column("labels").to_pylist()
     blobs[0] = blobs[0][:-4]
@@ -117,7 +117,7 @@ def vad_rejects_most_utterances(paths: StoragePaths) -> None:
 
 def collapse_a_codebook(paths: StoragePaths) -> None:
     """Every frame of a client labelled with one cluster (its quality.json still says otherwise)."""
-    file = paths.kmeans_dir("client_00") / "labels.parquet"
+    file = paths.targets("client_00").root / "labels.parquet"
     table = pq.read_table(file)
     blobs = [np.zeros(len(b) // 2, "<i2").tobytes() for b in table.column("labels").to_pylist()]
     pq.write_table(table.set_column(table.column_names.index("labels"), "labels", pa.array(blobs, pa.binary())), file)

@@ -149,7 +149,7 @@ def test_new_speaker_flows_through_only_what_changed(world) -> None:
     # the automated runs used the user's settings, not the code defaults (4 clients, K=100)
     assert set(after_clients.values()) == {"client_00", "client_01", "client_02"}
     for client in set(after_clients.values()):
-        quality = json.loads((paths.kmeans_dir(client) / "quality.json").read_text())
+        quality = json.loads((paths.targets(client).root / "quality.json").read_text())
         assert quality["k_requested"] == 20 and quality["k"] <= 20
     with dg.build_sensor_context(instance=instance, resources={"paths": paths}) as context:
         done = corpus_sensor(context)

@@ -96,7 +96,7 @@ def test_partitions_built_together_carry_their_own_content_hash(built) -> None:
     assert versions == {s: sha256_file(paths.shard_file(s)) for s in speakers}
     assert len(set(versions.values())) == len(speakers)
     for client in instance.get_dynamic_partitions("clients"):
-        quality = (paths.kmeans_dir(client) / "quality.json").read_text()
+        quality = (paths.targets(client).root / "quality.json").read_text()
         assert data_version(instance, "kmeans_targets", client) in quality
 
 

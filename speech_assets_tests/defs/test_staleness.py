@@ -67,7 +67,7 @@ def test_one_changed_speaker_among_120_is_traced_to_what_it_makes_stale(
     resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph(), LoadingContextForTest(instance))
     assert resolver.get_status(dg.AssetKey("cmvn_stats")) == StaleStatus.FRESH
     # The recorded inputs say otherwise, exactly for what read the changed shard.
-    owner = next(c for c in clients if changed in (paths.kmeans_dir(c) / "quality.json").read_text())
+    owner = next(c for c in clients if changed in (paths.targets(c).root / "quality.json").read_text())
     report = staleness.stale_report(paths)
     assert set(report) == {"cmvn_stats", f"kmeans_targets[{owner}]", "dataset_stats", "pretrained_checkpoint"}
     assert report["cmvn_stats"] == [f"1 changed shard(s): {changed}"]

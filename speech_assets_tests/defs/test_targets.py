@@ -63,7 +63,7 @@ def test_small_extensions_do_not_compound_past_refit_growth(world) -> None:
         build_features(defs, instance, paths)
         materialize_in_process(defs, instance, "client_partitions", run_config=ONE_CLIENT)
         materialize_in_process(defs, instance, "kmeans_targets", ["client_00"], kmeans_config(refit_growth))
-        return json.loads((paths.kmeans_dir("client_00") / "quality.json").read_text())
+        return json.loads((paths.targets("client_00").root / "quality.json").read_text())
 
     quality = targets_after(refit_growth=0.2)
     at_refit = quality["frames_labelled"]
@@ -106,7 +106,7 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
     ]
     paths.layout.clients_file.parent.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=CLIENTS_SCHEMA), paths.layout.clients_file)
-    out = paths.kmeans_dir("client_00")
+    out = paths.targets("client_00").root
     out.mkdir(parents=True)
     np.save(out / "codebook.npy", np.zeros((8, 39), np.float32))
     labels = {
@@ -115,10 +115,12 @@ def test_label_problems_name_the_utterance_with_an_id_outside_the_codebook(tmp_p
         "s2-c-0": np.zeros(0, np.int16),
     }
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(read_clients(paths.layout.clients_file), paths.shard_file, paths.kmeans_dir) == [
-        "client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"
-    ]
+    assert label_problems(
+        read_clients(paths.layout.clients_file), paths.shard_file, lambda c: paths.targets(c).root
+    ) == ["client_00/s1-c-1: 2 labels for 4 frames or ids outside [0, 8)"]
 
     labels["s1-c-1"] = np.array([1, 7], np.int16)
     write_labels(out / "labels.parquet", [UtteranceLabels(u, u[:2], v) for u, v in labels.items()])
-    assert label_problems(read_clients(paths.layout.clients_file), paths.shard_file, paths.kmeans_dir) == []
+    assert (
+        label_problems(read_clients(paths.layout.clients_file), paths.shard_file, lambda c: paths.targets(c).root) == []
+    )

@@ -447,10 +447,10 @@ def test_only_registered_supernodes_join_the_local_federation(tmp_path: Path) ->
                 "--host",
                 "127.0.0.1",
             ]
-            stranger = make_node_key(tmp_path / "stranger", "client_01")
+            stranger = make_node_key(tmp_path / "stranger", "client_01").private("client_01")
             # inside the federation's network namespace: what only node authentication stops
             for port, (name, extra) in enumerate(
-                (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger.private)])), 9200
+                (("nokey", []), ("stranger", ["--auth-supernode-private-key", str(stranger)])), 9200
             ):
                 argv = federation.network.enter(
                     [*command, "--port", str(port), *extra, "--node-config", node.to_node_config()]
