@@ -396,7 +396,7 @@ FINETUNE = {
     "labelled_minutes": [1.0],
     "seeds": [0],
     "lr_grid": [],
-    "max_steps": 300,
+    "max_steps": 200,
     "freeze_steps": 50,
     "checkpoint_every": 100,
     "batch_seconds": 8.0,
