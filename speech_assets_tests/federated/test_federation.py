@@ -527,13 +527,13 @@ def test_another_local_user_cannot_drive_the_local_federation(tmp_path: Path) ->
     ):
         own = federation.supernodes["client_00"]
         _wait_for_text(own.log, f"SuperNode ID: {federation.node_ids['client_00']}", own.process)
-        key = make_node_key(shared, "intruder")
+        key = make_node_key(shared, "intruder").public("intruder")
         headers = dict(RuntimeVersionMetadata.from_local_component("flwr-cli").as_metadata())
         spec = {
             "ports": [daemon.port for daemon in federation.daemons],
             "url": f"https://{SUPERLINK_ADDRESS}/v1/control/register-node",
             "ca": str(shared / "ca.crt"),  # a CA certificate is no secret
-            "body": RegisterNodeRequest(public_key=try_load_public_key(key.public)).SerializeToString().hex(),
+            "body": RegisterNodeRequest(public_key=try_load_public_key(key)).SerializeToString().hex(),
             "headers": headers | {"Content-Type": "application/protobuf"},
             "pid": federation.network.pid,
         }
