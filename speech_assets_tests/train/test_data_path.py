@@ -111,6 +111,9 @@ def test_loader_workers_survive_epoch_boundaries(small_corpus: SyntheticCorpus) 
     # a stream resumed mid-epoch gives what the first one gave from there
     again.load_state({**stream.state(), "epoch": 1, "position": 2})
     assert torch.equal(next(again).feats, seen[per_epoch + 2][1].feats)
+    for used in (stream, again):  # left to the garbage collector, each worker waits out a 5 s join
+        used.close()
+    assert not _worker_pids() - before
 
 
 def test_background_writer_keeps_every_line_and_reports_a_failed_call(tmp_path: Path) -> None:
