@@ -349,6 +349,7 @@ def run_inputs(
     from speech_assets.train.config import ClientTargets
 
     clients = table.speakers
+    targets = {c: paths.targets(c, iteration) for c in sorted(clients)}
     return {
         "run_dir": str(run_dir),
         "shards": [str(paths.shard_file(s)) for s in sorted(s for group in clients.values() for s in group)],
@@ -358,7 +359,7 @@ def run_inputs(
         "heldout_speakers": table.heldout,
         "clients": {
             c: ClientTargets(str(files.labels), json.loads(files.quality.read_text())["k"])
-            for c, files in ((c, paths.targets(c, iteration)) for c in sorted(clients))
+            for c, files in targets.items()
         },
         "mlflow_tracking_uri": paths.mlflow_tracking_uri,
         "mlflow_artifact_location": paths.mlflow_artifact_location,

@@ -99,7 +99,11 @@ def layer_prediction_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DistilHuBERT's loss over ``(B, H, L, D)`` predictions and targets, ``padding (B, L)`` excluded:
     summed over heads, and the detached per-head means ``l1``/``cosine`` ``(H,)``."""
-    if predictions.dim() != 4 or targets.shape != predictions.shape or padding.shape != predictions.shape[:3:2]:
+    if (
+        predictions.dim() != 4
+        or targets.shape != predictions.shape
+        or padding.shape != (predictions.shape[0], predictions.shape[2])
+    ):
         raise ValueError(
             f"shapes {tuple(predictions.shape)}, {tuple(targets.shape)}, {tuple(padding.shape)} do not match"
         )
