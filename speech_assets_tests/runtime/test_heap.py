@@ -68,3 +68,19 @@ def test_cyclic_garbage_made_inside_is_still_collected() -> None:
         node.self = node
         del node
         assert gc.collect() >= 1
+
+
+def test_a_nested_block_keeps_the_heap_frozen_and_asks_the_collector_nothing(monkeypatch) -> None:
+    """``gc.get_freeze_count`` walks the frozen objects: a block per shard inside a run's block would
+    pay ~50 ms each in a loaded worker; only the outermost block asks, and only it thaws."""
+    before = []
+    with frozen_heap():
+        asked = []
+        monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or 1)
+        with frozen_heap():
+            assert not collected(before)
+        monkeypatch.undo()
+        assert not asked
+        assert not collected(before)  # the inner block's end thaws nothing
+    assert collected(before)
+    assert gc.get_freeze_count() == 0
