@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# Two xdist workers share two cores with the processes they start (torchrun ranks, run workers), so
+# every core is nearly always taken. OpenMP's default wait policy spins a torch thread for a while
+# before sleeping: on a taken core that spin is time the other worker's processes lose. Passive
+# waiting took 6 % off the suite's CPU time (1,116 s -> 1,045 s, docs/BENCHMARKS.md). Set before
+# anything loads OpenMP; the started processes inherit it. Training itself leaves it as it is.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 if TYPE_CHECKING:
     import dagster as dg
 
