@@ -32,12 +32,11 @@ demo: install
 	PATH="$(abspath $(BIN)):$$PATH" scripts/materialize_all.sh
 
 # What CI runs: every test not marked `slow` (real Dagster instances, torchrun, Flower, Postgres and
-# MLflow, on small data, with few interpreter start-ups), in two pytest-xdist workers: the suite is
-# one core busy and one waiting most of the time (daemons, servers, process start-ups), so two
-# workers on 2 cores take about two thirds of one worker's time (figures: docs/BENCHMARKS.md,
-# current table). Each module stays on one worker (its
-# fixtures are built once), the heaviest first (MODULE_SECONDS in speech_assets_tests/conftest.py)
-# so that the two workers end together; PYTEST_WORKERS=0 runs it in this process.
+# MLflow, on small data, with few interpreter start-ups), in two pytest-xdist workers (figures:
+# docs/BENCHMARKS.md, current table). Each module stays on one worker (its fixtures are built once),
+# the modules that start from the sample build share one, the heaviest go first (MODULE_SECONDS in
+# speech_assets_tests/conftest.py) so that the two workers end together, and OpenMP threads wait
+# passively (two workers keep both cores busy); PYTEST_WORKERS=0 runs it in this process.
 # `ruff format --check` and `ruff check` first (settings in pyproject.toml, about a second), then `dg check defs`:
 # the code location loads and validates in seconds (on a throwaway instance: DAGSTER_HOME unset) before
 # minutes of tests.
