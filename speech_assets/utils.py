@@ -174,13 +174,15 @@ def from_fields(cls: type[Config], source: object, **given: Any) -> Config:
 
 
 def read_json(path: Path, *, strict: bool = False) -> dict:
-    """The JSON object in ``path``; ``{}`` when there is none or, unless ``strict``, it is corrupt (rebuilt)."""
+    """The JSON object in ``path``; ``{}`` when there is none or, unless ``strict``, it is corrupt or not
+    an object (rebuilt)."""
     if strict:
         return json.loads(path.read_text()) if path.is_file() else {}
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -53,3 +53,18 @@ def test_umask_is_read_without_changing_it() -> None:
         assert current_umask() == 0o027  # unchanged by reading
     finally:
         os.umask(before)
+
+
+@pytest.mark.parametrize("text", [b"[1, 2]", b"3", b'"result"', b"null", b"{not json", b"\xff\xfe"])
+def test_a_json_file_that_holds_no_object_reads_as_none_unless_strict(tmp_path: Path, text: bytes) -> None:
+    """Run folders are read back by the stats database, checks and resumes: whatever a file holds, a
+    reader that asks for an object gets one (``{}``: rebuilt), and ``strict`` readers see the error."""
+    from speech_assets.utils import read_json
+
+    path = tmp_path / "result.json"
+    path.write_bytes(text)
+    assert read_json(path) == {}
+    assert read_json(tmp_path / "missing.json") == {} == read_json(tmp_path / "missing.json", strict=True)
+    if text.startswith((b"{", b"\xff")):  # not JSON, not UTF-8
+        with pytest.raises(ValueError):
+            read_json(path, strict=True)

@@ -19,7 +19,7 @@ from speech_assets.layout import RunFiles, lock_beside
 from speech_assets.runtime.locks import exclusive_lock
 from speech_assets.train.accuracy import ACCURACY, LABEL, MAJORITY
 from speech_assets.train.tracking import recorded_run_id
-from speech_assets.utils import atomic_path
+from speech_assets.utils import atomic_path, read_json
 
 
 @dataclass
@@ -110,15 +110,6 @@ def _create_views(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         )
 
 
-def _read_json(path: Path) -> dict:
-    """``{}`` when missing or unreadable."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _numeric(value: object) -> float | int | None:
     """``value`` when it is a number (a run folder's JSON may hold anything), else None."""
     return value if isinstance(value, int | float) and not isinstance(value, bool) else None
@@ -127,10 +118,10 @@ def _numeric(value: object) -> float | int | None:
 def run_record(kind: str, result_file: Path) -> dict:
     """One model run's ``result.json`` in the shape every kind shares (``step`` counts rounds for a
     federated run; ``labelled_minutes`` is None for a fine-tuning run recorded before it was)."""
-    r = _read_json(result_file)
+    r = read_json(result_file)
     folder = RunFiles(result_file.parent)
-    config = _read_json(folder.config)
-    provenance = _read_json(folder.provenance)
+    config = read_json(folder.config)
+    provenance = read_json(folder.provenance)
     if kind == "federated":
         rounds = [line.get("round") for line in r.get("round_summaries") or [] if line.get("round") is not None]
         r = {**r, "step": max(rounds) if rounds else r.get("rounds"), "final_loss": r.get("final_train_loss")}
@@ -145,7 +136,7 @@ def run_record(kind: str, result_file: Path) -> dict:
         "preset": r.get("preset")
         or r.get("student")
         or config.get("preset")
-        or _read_json(folder.settings).get("preset"),
+        or read_json(folder.settings).get("preset"),
         "mlflow_run_id": r.get("mlflow_run_id") or provenance.get("mlflow_run_id") or recorded_run_id(folder.root),
         "manifest_hash": (r.get("data_versions") or {}).get("manifest"),
         "git_commit": config.get("git_sha") or provenance.get("git_sha"),
@@ -230,7 +221,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection, inputs: StatsInputs) -> None:
         "torchscript_max_abs_diff DOUBLE, parity_utterances BIGINT, parity_frames BIGINT)"
     )
     for path in sorted(inputs.exports):
-        description = _read_json(path)
+        description = read_json(path)
         parity = description.get("parity") or {}
         row = {**parity, "parity_utterances": parity.get("utterances"), "parity_frames": parity.get("frames")}
         row |= {"folder": str(path.parent), "checkpoint_sha256": description.get("checkpoint_sha256")}
