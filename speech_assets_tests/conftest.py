@@ -115,11 +115,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # hands out modules in the order its workers collected them
     # a stable sort: each module keeps its own order (its fixtures rely on it)
     items.sort(key=lambda item: -MODULE_SECONDS.get(_module(item.nodeid), 0))
-    unlisted = {_module(i.nodeid) for i in items if "sample_build" in getattr(i, "fixturenames", ())}
-    if unlisted - SAMPLE_BUILD_MODULES:
-        raise pytest.UsageError(
-            f"add to SAMPLE_BUILD_MODULES in conftest.py: {sorted(unlisted - SAMPLE_BUILD_MODULES)}"
-        )
+    users = {_module(item.nodeid) for item in items if "sample_build" in getattr(item, "fixturenames", ())}
+    if unlisted := users - SAMPLE_BUILD_MODULES:
+        raise pytest.UsageError(f"add to SAMPLE_BUILD_MODULES in conftest.py: {sorted(unlisted)}")
 
 
 @contextlib.contextmanager
